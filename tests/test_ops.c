@@ -1,0 +1,345 @@
+// test_ops.c - every op's backward against central finite differences, plus autograd mechanics
+// (hooks, no_grad, accumulation, saved tensors released) and dtype conversions.
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#include "harness.h"
+#include "test_util.h"
+
+// ---- finite differences ----------------------------------------------------------------------
+// The loss is sum(out * R) for a fixed random R, computed in double on the host; its gradient
+// through backward (grad_out = R) must match central differences of that loss.
+
+typedef tsys_tensor *(*fd_fn)(tsys_ctx *ctx, tsys_tensor **in, void *user);
+
+static double fd_loss(tsys_ctx *ctx, fd_fn fn, tsys_tensor **in, void *user, const float *r, int64_t n_out) {
+    tsys_no_grad_begin(ctx);
+    tsys_tensor *out = fn(ctx, in, user);
+    tsys_no_grad_end(ctx);
+    if (!out) return NAN;
+    float *o = test_read(ctx, out);
+    double s = 0;
+    for (int64_t i = 0; i < n_out; i++) s += (double)o[i] * r[i];
+    free(o);
+    tsys_tensor_release(out);
+    return s;
+}
+
+// Checks d loss / d in[j] for every input that requires grad, on up to `probe` elements each.
+static void fd_check(const char *what, fd_fn fn, tsys_tensor **in, int n_in, void *user, double eps, double tol) {
+    tsys_ctx *ctx = in[0]->storage->ctx;
+    tsys_tensor *out = fn(ctx, in, user);
+    TEST_CHECK(out != NULL, "%s: forward failed: %s", what, tsys_ctx_last_error(ctx));
+    if (!out) return;
+    int64_t n_out = tsys_tensor_numel(out);
+    tsys_tensor *r = tsys_tensor_new(ctx, out->dtype, TSYS_CPU, out->ndim, out->shape);
+    tsys_tensor_randn(ctx, r, 1.0f);
+    float *rv = test_read(ctx, r);
+    for (int j = 0; j < n_in; j++) if (in[j] && in[j]->grad) tsys_tensor_fill(ctx, in[j]->grad, 0.0f);
+    tsys_status st = tsys_backward_with(ctx, out, r);
+    TEST_CHECK(st == TSYS_OK, "%s: backward failed: %s", what, tsys_ctx_last_error(ctx));
+    tsys_tensor_release(out);
+    for (int j = 0; j < n_in && st == TSYS_OK; j++) {
+        if (!in[j] || !in[j]->requires_grad) continue;
+        TEST_CHECK(in[j]->grad != NULL, "%s: input %d got no gradient", what, j);
+        if (!in[j]->grad) continue;
+        float *ga = test_read(ctx, in[j]->grad);
+        float *x = (float *)tsys_tensor_data(in[j]);
+        int64_t n = tsys_tensor_numel(in[j]), step = n > 300 ? n / 300 : 1;
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < n; i += step) {
+            float keep = x[i];
+            x[i] = keep + (float)eps; double lp = fd_loss(ctx, fn, in, user, rv, n_out);
+            x[i] = keep - (float)eps; double lm = fd_loss(ctx, fn, in, user, rv, n_out);
+            x[i] = keep;
+            double gn = (lp - lm) / (2 * eps);
+            num += (ga[i] - gn) * (ga[i] - gn); den += gn * gn;
+        }
+        double rel = sqrt(num) / (sqrt(den) + 1e-12);
+        TEST_CHECK(rel < tol, "%s: input %d gradient relative error %.3g (tolerance %.1g)", what, j, rel, tol);
+        free(ga);
+    }
+    free(rv);
+    tsys_tensor_release(r);
+}
+
+static tsys_tensor *leaf(tsys_ctx *ctx, int ndim, const int64_t *shape, float std) {
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, ndim, shape);
+    tsys_tensor_randn(ctx, t, std);
+    tsys_tensor_set_requires_grad(t, true);
+    return t;
+}
+
+static tsys_tensor *f_linear(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_linear(c, in[0], in[1], in[2]); }
+static tsys_tensor *f_matmul(tsys_ctx *c, tsys_tensor **in, void *u) { return tsys_matmul(c, in[0], in[1], u != NULL); }
+static tsys_tensor *f_add(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_add(c, in[0], in[1]); }
+static tsys_tensor *f_mul(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_mul(c, in[0], in[1]); }
+static tsys_tensor *f_scale(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_scale(c, in[0], -1.7f); }
+static tsys_tensor *f_relu(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_relu(c, in[0]); }
+static tsys_tensor *f_silu(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_silu(c, in[0]); }
+static tsys_tensor *f_swiglu(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_swiglu(c, in[0], in[1]); }
+static tsys_tensor *f_rmsnorm(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_rmsnorm(c, in[0], in[1], 1e-5f); }
+static tsys_tensor *f_layernorm(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_layernorm(c, in[0], in[1], in[2], 1e-5f); }
+static tsys_tensor *f_rope(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_rope(c, in[0], 10000.0f); }
+static tsys_tensor *f_softmax(tsys_ctx *c, tsys_tensor **in, void *u) { return tsys_softmax(c, in[0], 0.7f, u != NULL); }
+static tsys_tensor *f_transpose(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_transpose12(c, in[0]); }
+static tsys_tensor *f_attn(tsys_ctx *c, tsys_tensor **in, void *u) { return tsys_attention_naive(c, in[0], in[1], in[2], u != NULL); }
+static tsys_tensor *f_mse(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_mse(c, in[0], in[1]); }
+static tsys_tensor *f_sum(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_sum(c, in[0]); }
+static tsys_tensor *f_mean(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_mean(c, in[0]); }
+static tsys_tensor *f_ce(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_cross_entropy(c, in[0], in[1]); }
+static tsys_tensor *f_embed(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_embedding(c, in[0], in[1]); }
+static tsys_tensor *f_view(tsys_ctx *c, tsys_tensor **in, void *u) {
+    (void)u;
+    int64_t s[2] = {6, 4};
+    tsys_tensor *v = tsys_view(c, in[0], 2, s);
+    tsys_tensor *y = tsys_mul(c, v, v);   // a view feeding an op: its gradient must route back
+    tsys_tensor_release(v);
+    return y;
+}
+static tsys_tensor *f_flash(tsys_ctx *c, tsys_tensor **in, void *u) { return tsys_flash_attention(c, in[0], in[1], in[2], u != NULL, NULL); }
+
+TSYS_TEST(grad_linear) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[3] = {2, 3, 5}, sw[2] = {4, 5}, sb[1] = {4};
+    tsys_tensor *in[3] = {leaf(ctx, 3, sx, 1), leaf(ctx, 2, sw, 1), leaf(ctx, 1, sb, 1)};
+    fd_check("linear+bias", f_linear, in, 3, NULL, 1e-2, 2e-3);
+    tsys_tensor *nob[3] = {in[0], in[1], NULL};
+    fd_check("linear", f_linear, nob, 3, NULL, 1e-2, 2e-3);
+    for (int i = 0; i < 3; i++) tsys_tensor_release(in[i]);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_matmul) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sa[3] = {3, 4, 5}, sb[3] = {3, 5, 6}, sbt[3] = {3, 6, 5}, s2[2] = {5, 6};
+    tsys_tensor *a = leaf(ctx, 3, sa, 1), *b = leaf(ctx, 3, sb, 1), *bt = leaf(ctx, 3, sbt, 1), *b2 = leaf(ctx, 2, s2, 1);
+    tsys_tensor *in1[2] = {a, b}, *in2[2] = {a, bt}, *in3[2] = {a, b2};
+    fd_check("bmm", f_matmul, in1, 2, NULL, 1e-2, 2e-3);
+    fd_check("bmm trans_b", f_matmul, in2, 2, (void *)1, 1e-2, 2e-3);
+    fd_check("matmul broadcast b", f_matmul, in3, 2, NULL, 1e-2, 2e-3);
+    tsys_tensor_release(a); tsys_tensor_release(b); tsys_tensor_release(bt); tsys_tensor_release(b2);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_elementwise) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[3] = {2, 3, 7};
+    tsys_tensor *a = leaf(ctx, 3, s, 1), *b = leaf(ctx, 3, s, 1);
+    tsys_tensor *in[2] = {a, b};
+    fd_check("add", f_add, in, 2, NULL, 1e-2, 2e-3);
+    fd_check("mul", f_mul, in, 2, NULL, 1e-2, 2e-3);
+    fd_check("scale", f_scale, in, 1, NULL, 1e-2, 2e-3);
+    fd_check("silu", f_silu, in, 1, NULL, 1e-2, 2e-3);
+    fd_check("swiglu", f_swiglu, in, 2, NULL, 1e-2, 2e-3);
+    fd_check("mse", f_mse, in, 2, NULL, 1e-2, 2e-3);
+    fd_check("sum", f_sum, in, 1, NULL, 1e-2, 2e-3);
+    fd_check("mean", f_mean, in, 1, NULL, 1e-2, 2e-3);
+    // relu: keep inputs away from the kink so that differences are well defined
+    float *x = (float *)tsys_tensor_data(a);
+    for (int64_t i = 0; i < tsys_tensor_numel(a); i++) if (fabsf(x[i]) < 0.05f) x[i] = 0.3f;
+    fd_check("relu", f_relu, in, 1, NULL, 1e-2, 2e-3);
+    tsys_tensor_release(a); tsys_tensor_release(b);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_norms) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[3] = {2, 3, 16}, sw[1] = {16};
+    tsys_tensor *x = leaf(ctx, 3, s, 1), *w = leaf(ctx, 1, sw, 1), *b = leaf(ctx, 1, sw, 1);
+    tsys_tensor *in[3] = {x, w, b};
+    fd_check("rmsnorm", f_rmsnorm, in, 2, NULL, 1e-2, 3e-3);
+    fd_check("layernorm", f_layernorm, in, 3, NULL, 1e-2, 3e-3);
+    tsys_tensor *nowb[3] = {x, NULL, NULL};
+    fd_check("layernorm no affine", f_layernorm, nowb, 3, NULL, 1e-2, 3e-3);
+    tsys_tensor_release(x); tsys_tensor_release(w); tsys_tensor_release(b);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_rope_softmax_transpose) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[4] = {2, 3, 5, 8}, ss[3] = {2, 6, 6};
+    tsys_tensor *x = leaf(ctx, 4, s, 1), *sc = leaf(ctx, 3, ss, 1);
+    fd_check("rope", f_rope, &x, 1, NULL, 1e-2, 2e-3);
+    fd_check("transpose12", f_transpose, &x, 1, NULL, 1e-2, 2e-3);
+    fd_check("softmax", f_softmax, &sc, 1, NULL, 1e-2, 3e-3);
+    fd_check("softmax causal", f_softmax, &sc, 1, (void *)1, 1e-2, 3e-3);
+    int64_t sv[3] = {2, 3, 4};
+    tsys_tensor *v = leaf(ctx, 3, sv, 1);
+    fd_check("view", f_view, &v, 1, NULL, 1e-2, 2e-3);
+    tsys_tensor_release(x); tsys_tensor_release(sc); tsys_tensor_release(v);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_attention) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[4] = {2, 2, 7, 8};
+    tsys_tensor *in[3] = {leaf(ctx, 4, s, 1), leaf(ctx, 4, s, 1), leaf(ctx, 4, s, 1)};
+    fd_check("attention", f_attn, in, 3, NULL, 1e-2, 3e-3);
+    fd_check("attention causal", f_attn, in, 3, (void *)1, 1e-2, 3e-3);
+    for (int i = 0; i < 3; i++) tsys_tensor_release(in[i]);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_flash_attention) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[3] = {2, 19, 16};
+    tsys_tensor *in[3] = {leaf(ctx, 3, s, 1), leaf(ctx, 3, s, 1), leaf(ctx, 3, s, 1)};
+    fd_check("flash attention", f_flash, in, 3, NULL, 1e-2, 3e-3);
+    fd_check("flash attention causal", f_flash, in, 3, (void *)1, 1e-2, 3e-3);
+    for (int i = 0; i < 3; i++) tsys_tensor_release(in[i]);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_losses_embedding) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sl[2] = {6, 11}, st[1] = {6}, sw[2] = {11, 5}, si[2] = {2, 4};
+    tsys_tensor *logits = leaf(ctx, 2, sl, 2), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 1, st);
+    tsys_tensor_randint(ctx, tgt, 11);
+    tsys_tensor *in[2] = {logits, tgt};
+    fd_check("cross_entropy", f_ce, in, 2, NULL, 1e-2, 2e-3);
+    tsys_tensor *w = leaf(ctx, 2, sw, 1), *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, si);
+    tsys_tensor_randint(ctx, ids, 11);
+    ((int32_t *)tsys_tensor_data(ids))[1] = ((int32_t *)tsys_tensor_data(ids))[0];   // a repeated id accumulates
+    tsys_tensor *ein[2] = {w, ids};
+    fd_check("embedding", f_embed, ein, 2, NULL, 1e-2, 2e-3);
+    tsys_tensor_release(logits); tsys_tensor_release(tgt); tsys_tensor_release(w); tsys_tensor_release(ids);
+    tsys_ctx_free(ctx);
+}
+
+// ---- autograd mechanics ----------------------------------------------------------------------
+
+typedef struct { int order[16]; int n; int calls[16]; } hook_log;
+static void log_hook(tsys_ctx *ctx, tsys_tensor *p, void *user) {
+    (void)ctx;
+    hook_log *log = (hook_log *)user;
+    int id = p->name[1] - '0';
+    log->calls[id]++;
+    if (log->n < 16) log->order[log->n++] = id;
+}
+
+TSYS_TEST(hooks_fire_once_in_reverse_order_with_tied_weights) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[2] = {4, 6}, sw[2] = {6, 6};
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sx);
+    tsys_tensor_randn(ctx, x, 1);
+    tsys_tensor *w[3];
+    hook_log log;
+    memset(&log, 0, sizeof(log));
+    for (int i = 0; i < 3; i++) {
+        w[i] = leaf(ctx, 2, sw, 0.3f);
+        tsys_tensor_set_name(w[i], "w%d", i);
+        tsys_tensor_set_grad_hook(w[i], log_hook, &log);
+    }
+    // w1 is tied: used by the second and the fourth layer; its hook must wait for the earlier use
+    tsys_tensor *h1 = tsys_linear(ctx, x, w[0], NULL), *h2 = tsys_linear(ctx, h1, w[1], NULL);
+    tsys_tensor *h3 = tsys_linear(ctx, h2, w[2], NULL), *h4 = tsys_linear(ctx, h3, w[1], NULL);
+    tsys_tensor *loss = tsys_sum(ctx, h4);
+    TEST_CHECK(tsys_backward(ctx, loss) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(log.calls[0] == 1 && log.calls[1] == 1 && log.calls[2] == 1, "hook calls %d %d %d, expected 1 each", log.calls[0], log.calls[1], log.calls[2]);
+    TEST_CHECK(log.n == 3 && log.order[0] == 2 && log.order[1] == 1 && log.order[2] == 0, "order %d %d %d, expected 2 1 0", log.order[0], log.order[1], log.order[2]);
+    TEST_CHECK(tsys_tape_size(ctx) == 0, "tape not empty after backward");
+    tsys_tensor *ts[6] = {h1, h2, h3, h4, loss, x};
+    for (int i = 0; i < 6; i++) tsys_tensor_release(ts[i]);
+    for (int i = 0; i < 3; i++) tsys_tensor_release(w[i]);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(no_grad_and_accumulation) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[1] = {5};
+    tsys_tensor *a = leaf(ctx, 1, s, 1);
+    tsys_no_grad_begin(ctx);
+    tsys_tensor *y = tsys_mul(ctx, a, a);
+    tsys_no_grad_end(ctx);
+    TEST_CHECK(tsys_tape_size(ctx) == 0 && !y->requires_grad, "no_grad recorded %zu nodes", tsys_tape_size(ctx));
+    tsys_tensor_release(y);
+    for (int rep = 0; rep < 2; rep++) {   // two backward passes accumulate: grad = 2 * (2a)
+        tsys_tensor *q = tsys_mul(ctx, a, a), *l = tsys_sum(ctx, q);
+        tsys_backward(ctx, l);
+        tsys_tensor_release(q); tsys_tensor_release(l);
+    }
+    float *g = test_read(ctx, a->grad), *av = (float *)tsys_tensor_data(a);
+    double worst = 0;
+    for (int i = 0; i < 5; i++) worst = fmax(worst, fabs(g[i] - 4 * av[i]));
+    TEST_CHECK(worst < 1e-5, "accumulated gradient off by %g", worst);
+    free(g);
+    tsys_tensor_release(a);
+    tsys_ctx_free(ctx);
+}
+
+static int64_t g_live_in_hook;
+static void live_hook(tsys_ctx *ctx, tsys_tensor *p, void *u) { (void)p; (void)u; g_live_in_hook = tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes; }
+
+TSYS_TEST(saved_tensors_released_during_backward) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[2] = {64, 64}, sw[2] = {64, 64};
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sx);
+    tsys_tensor_randn(ctx, x, 1);
+    tsys_tensor *w0 = leaf(ctx, 2, sw, 0.1f), *w = leaf(ctx, 2, sw, 0.1f);
+    tsys_tensor_set_grad_hook(w0, live_hook, NULL);
+    tsys_tensor *h = tsys_linear(ctx, x, w0, NULL);
+    for (int i = 0; i < 20; i++) {   // 20 saved activations of 16 KiB each
+        tsys_tensor *n = tsys_silu(ctx, h);
+        tsys_tensor_release(h);
+        h = tsys_linear(ctx, n, w, NULL);
+        tsys_tensor_release(n);
+    }
+    tsys_tensor *loss = tsys_sum(ctx, h);
+    tsys_tensor_release(h);
+    int64_t before = tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes;
+    tsys_backward(ctx, loss);
+    // when w0's hook fires (the last node) nearly all 40 saved activations must be gone
+    TEST_CHECK(g_live_in_hook < before - 30 * 64 * 64 * 4, "live bytes at the end of backward %lld, before %lld", (long long)g_live_in_hook, (long long)before);
+    tsys_tensor_release(loss); tsys_tensor_release(x); tsys_tensor_release(w0); tsys_tensor_release(w);
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "leak: %lld bytes live after releasing everything", (long long)tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(memory_tracker_and_oom) {
+    tsys_ctx_desc d;
+    memset(&d, 0, sizeof(d));
+    d.cpu_memory_limit = 1 << 20; d.record_events = true;
+    tsys_ctx *ctx = tsys_ctx_new(&d);
+    int tag = tsys_mem_tag(ctx, "mine");
+    tsys_mem_set_tag(ctx, tag);
+    int64_t s[1] = {1000};
+    tsys_tensor *a = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, s);
+    TEST_CHECK(tsys_mem_tag_bytes(ctx, tag, TSYS_CPU) == 4000, "tag bytes %lld", (long long)tsys_mem_tag_bytes(ctx, tag, TSYS_CPU));
+    tsys_tensor_release(a);
+    int64_t big[1] = {1 << 20};
+    tsys_tensor *b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, big);
+    TEST_CHECK(b == NULL && tsys_ctx_status(ctx) == TSYS_ERR_OOM, "4 MiB past a 1 MiB limit gave status %d", tsys_ctx_status(ctx));
+    TEST_CHECK(strstr(tsys_ctx_last_error(ctx), "out of memory") != NULL, "message: %s", tsys_ctx_last_error(ctx));
+    // a failed op returns NULL and later ops pass NULL along without crashing
+    tsys_tensor *c = tsys_relu(ctx, b);
+    TEST_CHECK(c == NULL, "op on NULL input returned a tensor");
+    tsys_mem_stats st = tsys_mem_stats_get(ctx, TSYS_CPU);
+    TEST_CHECK(st.peak_bytes == 4000 && st.live_bytes == 0, "peak %lld live %lld", (long long)st.peak_bytes, (long long)st.live_bytes);
+    size_t ne;
+    const tsys_mem_event *ev = tsys_mem_events(ctx, &ne);
+    TEST_CHECK(ne == 2 && ev[0].delta == 4000 && ev[1].delta == -4000 && ev[0].tag == tag, "%zu events", ne);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(dtype_round_to_nearest_even) {
+    // bf16 keeps 8 mantissa bits: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 and goes to even (1)
+    TEST_CHECK(tsys_bf16_to_f32(tsys_f32_to_bf16(1.0f + 1.0f / 256)) == 1.0f, "bf16 tie");
+    TEST_CHECK(tsys_bf16_to_f32(tsys_f32_to_bf16(1.0f + 3.0f / 256)) == 1.0f + 4.0f / 256, "bf16 tie to even upward");
+    TEST_CHECK(tsys_bf16_to_f32(tsys_f32_to_bf16(1.0f + 1.5f / 256)) == 1.0f + 2.0f / 256, "bf16 above tie");
+    TEST_CHECK(tsys_f16_to_f32(tsys_f32_to_f16(1.0f + 1.0f / 2048)) == 1.0f, "f16 tie");
+    TEST_CHECK(tsys_f16_to_f32(tsys_f32_to_f16(1.0f + 3.0f / 2048)) == 1.0f + 4.0f / 2048, "f16 tie to even");
+    TEST_CHECK(tsys_f16_to_f32(tsys_f32_to_f16(65504.0f)) == 65504.0f, "f16 max");
+    TEST_CHECK(isinf(tsys_f16_to_f32(tsys_f32_to_f16(65520.0f))), "f16 overflow to inf");
+    TEST_CHECK(tsys_f16_to_f32(tsys_f32_to_f16(5.9604645e-8f)) == 5.9604645e-8f, "f16 smallest subnormal");
+    TEST_CHECK(tsys_f16_to_f32(tsys_f32_to_f16(1e-9f)) == 0.0f, "f16 underflow");
+    TEST_CHECK(isnan(tsys_bf16_to_f32(tsys_f32_to_bf16(NAN))) && isnan(tsys_f16_to_f32(tsys_f32_to_f16(NAN))), "NaN survives");
+    // exhaustive: every f16 value converts to f32 and back unchanged
+    int bad = 0;
+    for (uint32_t h = 0; h < 65536; h++) {
+        if ((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu)) continue;   // NaN payloads
+        if (tsys_f32_to_f16(tsys_f16_to_f32((uint16_t)h)) != h) bad++;
+    }
+    TEST_CHECK(bad == 0, "%d f16 values do not round-trip", bad);
+}
+
+int main(int argc, char **argv) { return tsys_test_main(argc, argv); }

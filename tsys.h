@@ -1,0 +1,2877 @@
+/* tsys.h - v0.1 - training and measuring Transformer language models in C (CPU reference backend)
+
+   Do this:
+      #define TSYS_IMPLEMENTATION
+   before you include this file in *one* C or C++ file to create the implementation.
+
+      #include ...
+      #define TSYS_IMPLEMENTATION
+      #include "tsys.h"
+
+   Optional defines (before the include, in the implementation file):
+      TSYS_STATIC          make every function static (private to one translation unit)
+      TSYS_MALLOC/TSYS_FREE/TSYS_REALLOC   host allocator (all three or none)
+      TSYS_ASSERT(c)       assertion for programmer errors (default: assert)
+      TSYS_NO_CBLAS        plain C loops instead of CBLAS for matmuls (slow; for odd machines)
+      TSYS_NO_OPENMP       no OpenMP pragmas
+
+   tsys DOES NOT:
+      - call exit() or abort() on bad input or out-of-memory: functions return a tsys_status
+        (or NULL) and leave a message in the context (tsys_ctx_last_error)
+      - keep hidden global state: everything lives in a tsys_ctx; two contexts coexist
+      - support non-contiguous tensors: every tensor is row-major contiguous; views are reshapes
+        and leading-dimension slices that share storage
+
+   Quick start (CPU):
+
+      tsys_ctx *ctx = tsys_ctx_new(NULL);
+      tsys_model_desc d = tsys_model_desc_defaults(NULL);         // or tsys_model_desc_preset
+      d.d_model = 64; d.num_layers = 2; d.num_heads = 4; d.d_ff = 128; d.context_length = 32;
+      tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 1234);
+      tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+      tsys_tensor *ids = ..., *targets = ...;                    // (B, T) I32/I64 tensors
+      tsys_tensor *logits = tsys_model_forward(m, ids);
+      tsys_tensor *loss = tsys_cross_entropy(ctx, logits, targets);
+      tsys_backward(ctx, loss);
+      tsys_optim_step(opt);  tsys_optim_zero_grad(opt);
+      tsys_tensor_release(logits); tsys_tensor_release(loss);
+      if (tsys_ctx_status(ctx) != TSYS_OK) puts(tsys_ctx_last_error(ctx));
+
+   ON ERRORS
+      Ops return a new tensor or NULL. A NULL input makes an op return NULL without touching the
+      error already recorded, so a whole forward pass can be written without checks and tested once
+      at the end with tsys_ctx_status(). tsys_ctx_clear_error() resets the sticky error.
+
+   ON MEMORY
+      Every byte of tensor storage, on every device, goes through one allocator that reports to the
+      context's memory tracker: live bytes, peak bytes, bytes per tag (the op or phase that asked) and,
+      when enabled, a timeline of events. Tensors are refcounted; an op's result is owned by the caller
+      (release it); the autograd tape holds what backward needs and lets go of it node by node.
+
+   ON AUTOGRAD
+      Every op with an input that requires grad appends a node to the context's tape. tsys_backward()
+      walks the tape in reverse, accumulates gradients (parameters: into .grad, fp32), releases each
+      node's saved tensors as soon as the node is done, and fires a parameter's gradient-ready hook the
+      moment its last use on the tape has been processed. tsys_no_grad_begin/end brackets regions that
+      record nothing.
+
+   ON PRECISION
+      tsys_autocast_begin(ctx, TSYS_BF16 or TSYS_F16) makes matmul-class ops (linear, matmul/bmm,
+      attention matmuls) round their inputs to the low precision, accumulate in fp32 and round the
+      output; norms, softmax, losses and reductions compute in fp32. Parameters and gradients stay
+      fp32. tsys_grad_scaler gives fp16 dynamic loss scaling with torch GradScaler semantics.
+
+   Revision history:
+      0.1  first release: CPU backend, autograd, cs336 Transformer LM, AdamW/SGD, autocast,
+           safetensors I/O
+
+   License: MIT, see the end of the file.
+*/
+#ifndef TSYS_H_INCLUDED
+#define TSYS_H_INCLUDED
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+#ifdef TSYS_STATIC
+#define TSYSDEF static
+#else
+#define TSYSDEF extern
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// >>structs ---------------------------------------------------------------------------------------
+
+#define TSYS_RESULTS(X) \
+    X(TSYS_OK, 0, "ok") \
+    X(TSYS_ERR_INVALID_ARGS, -1, "invalid argument") \
+    X(TSYS_ERR_OOM, -2, "out of memory") \
+    X(TSYS_ERR_CUDA, -3, "CUDA error") \
+    X(TSYS_ERR_NCCL, -4, "NCCL error") \
+    X(TSYS_ERR_IO, -5, "I/O error") \
+    X(TSYS_ERR_UNSUPPORTED, -6, "unsupported")
+
+typedef enum tsys_status {
+#define TSYS__X(name, value, text) name = value,
+    TSYS_RESULTS(TSYS__X)
+#undef TSYS__X
+} tsys_status;
+
+typedef enum tsys_dtype { TSYS_F32, TSYS_BF16, TSYS_F16, TSYS_I32, TSYS_I64, TSYS_DTYPE_COUNT } tsys_dtype;
+typedef enum tsys_device { TSYS_CPU, TSYS_CUDA, TSYS_DEVICE_COUNT } tsys_device;
+
+#define TSYS_MAX_DIMS 4
+#define TSYS_NAME_LEN 64
+
+typedef struct tsys_ctx tsys_ctx;
+typedef struct tsys_tensor tsys_tensor;
+typedef struct tsys__node tsys__node;
+
+// Refcounted block of bytes on one device. Tensors are windows into a storage.
+typedef struct tsys_storage {
+    tsys_ctx *ctx;
+    tsys_device device;
+    void *data;
+    size_t bytes;
+    int refcount;
+    int tag;             // index into the tracker's tag table at allocation time
+} tsys_storage;
+
+typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
+
+struct tsys_tensor {
+    tsys_dtype dtype;
+    tsys_device device;
+    int ndim;
+    int64_t shape[TSYS_MAX_DIMS];
+    tsys_storage *storage;
+    size_t offset;               // bytes from storage->data to element 0
+    int refcount;
+    bool requires_grad;          // leaf that wants .grad, or result of a recorded op
+    tsys_tensor *grad;           // leaves only (parameters); same shape, fp32 for fp32 params
+    tsys__node *grad_fn;         // the tape node that produced this tensor (weak)
+    int tape_uses;               // leaves: uses on the tape not yet processed by backward
+    bool grad_touched;           // leaves: received a gradient in the backward now running
+    tsys_grad_hook_fn hook;      // leaves: fired once .grad is final for this backward
+    void *hook_user;
+    char name[TSYS_NAME_LEN];
+};
+
+// Context creation. All fields 0 = default.
+//   cpu_memory_limit   0 = unlimited; bytes of live CPU tensor storage past which allocation fails
+//   record_events      keep the allocation timeline (tsys_mem_events)
+//   seed               0 = 0x5eed
+typedef struct tsys_ctx_desc {
+    size_t cpu_memory_limit;
+    bool record_events;
+    uint64_t seed;
+} tsys_ctx_desc;
+
+// One entry of the memory timeline.
+typedef struct tsys_mem_event {
+    double t_us;          // microseconds since the context was created
+    int64_t delta;        // +bytes on allocation, -bytes on free
+    int64_t live;         // live bytes on that device after the event
+    int tag;
+    tsys_device device;
+} tsys_mem_event;
+
+// Memory tracker totals for one device.
+typedef struct tsys_mem_stats {
+    int64_t live_bytes;
+    int64_t peak_bytes;
+    int64_t num_allocs;
+    int64_t num_frees;
+} tsys_mem_stats;
+
+// ---- backend interface: every device supplies these. The CPU backend is built in; the CUDA
+// backend (tsys_cuda.cuh) fills one in tsys_cuda_init(). Kernels receive contiguous, already
+// allocated tensors; the op layer above them does validation, dtype promotion and autograd.
+typedef enum tsys_kernel {
+    TSYS_K_FILL,          // t[0] = f[0]
+    TSYS_K_CAST,          // t[0] = (dtype of t[0]) t[1]           (round to nearest even)
+    TSYS_K_ACCUM,         // t[0] += t[1] * f[0]                    (dtypes may differ; same numel)
+    TSYS_K_ADD,           // t[0] = t[1] + t[2]                     (dtypes may differ; same numel)
+    TSYS_K_MUL,           // t[0] = t[1] * t[2]
+    TSYS_K_SCALE,         // t[0] = t[1] * f[0]
+    TSYS_K_ADD_BIAS,      // t[0] (rows, n) += t[1] (n)
+    TSYS_K_BIAS_GRAD,     // t[0] (n, fp32) += column sums of t[1] (rows, n)
+    TSYS_K_RELU_FWD,      // t[0] = relu(t[1])
+    TSYS_K_RELU_BWD,      // t[0] = t[1] * (t[2] > 0)               (dx, dy, x)
+    TSYS_K_SILU_FWD,      // t[0] = silu(t[1])
+    TSYS_K_SILU_BWD,      // t[0] = t[1] * silu'(t[2])              (dx, dy, x)
+    TSYS_K_SWIGLU_FWD,    // t[0] = silu(t[1]) * t[2]
+    TSYS_K_SWIGLU_BWD,    // t[0] = da, t[1] = db, from t[2] = dy, t[3] = a, t[4] = b
+    TSYS_K_RMSNORM_FWD,   // t[0] = y, t[1] = rstd (rows, fp32), t[2] = x, t[3] = w; f[0] = eps
+    TSYS_K_RMSNORM_BWD,   // t[0] = dx, t[1] = dw (fp32, accumulated), t[2] = dy, t[3] = x, t[4] = w, t[5] = rstd
+    TSYS_K_LAYERNORM_FWD, // t[0] = y, t[1] = mean, t[2] = rstd, t[3] = x, t[4] = w, t[5] = b; f[0] = eps
+    TSYS_K_LAYERNORM_BWD, // t[0] = dx, t[1] = dw, t[2] = db (fp32, accumulated), t[3] = dy, t[4] = x, t[5] = w, t[6] = mean, t[7] = rstd
+    TSYS_K_ROPE,          // t[0] = rope(t[1]) over (..., T, D), positions 0..T-1; f[0] = theta, f[1] = +1 (forward) or -1 (inverse)
+    TSYS_K_SOFTMAX_FWD,   // t[0] = softmax(f[0] * t[1]) over the last dim; i[0] = causal (row r of a (.., T, T) block keeps cols <= r % T)
+    TSYS_K_SOFTMAX_BWD,   // t[0] = dx from t[1] = dy, t[2] = y; f[0] = scale
+    TSYS_K_CE_FWD,        // t[0] = loss (scalar, fp32), t[1] = lse (rows, fp32), t[2] = logits (rows, V), t[3] = targets (rows)
+    TSYS_K_CE_BWD,        // t[0] = dlogits from t[1] = logits, t[2] = lse, t[3] = targets, t[4] = dloss (scalar); f[0] = 1/rows
+    TSYS_K_MSE_FWD,       // t[0] = mean((t[1] - t[2])^2) (scalar, fp32)
+    TSYS_K_MSE_BWD,       // t[0] = da, t[1] = db (either may be NULL) from t[2] = a, t[3] = b, t[4] = dloss (scalar)
+    TSYS_K_SUM,           // t[0] (scalar, fp32) = f[0] * sum(t[1])
+    TSYS_K_BROADCAST,     // t[0] = f[0] * t[1][0]                 (t[1] a one-element tensor)
+    TSYS_K_EMBED_FWD,     // t[0] (N, D) = t[1] (V, D) rows t[2] (N ids)
+    TSYS_K_EMBED_BWD,     // t[0] (V, D, fp32) += scatter of t[1] (N, D) to rows t[2]
+    TSYS_K_TRANSPOSE12,   // t[0] (A, C, B, D) = t[1] (A, B, C, D) with dims 1 and 2 swapped
+    TSYS_K_ADAMW,         // t[0] = p, t[1] = g, t[2] = m, t[3] = v; f = lr, beta1, beta2, eps, wd, 1-beta1^t, 1-beta2^t
+    TSYS_K_SGD,           // t[0] = p, t[1] = g; f[0] = lr
+    TSYS_K_SUMSQ,         // t[0] (scalar, fp32) += sum(t[1]^2)
+    TSYS_K_NONFINITE,     // t[0] (scalar, fp32) = 1 if any element of t[1] is inf or nan (else unchanged)
+    TSYS_K_FLASH_FWD,     // t[0] = O, t[1] = L (BH, N, fp32), t[2] = Q, t[3] = K, t[4] = V; i[0] = causal; f[0] = scale
+    TSYS_K_FLASH_BWD,     // t[0] = dQ, t[1] = dK, t[2] = dV, t[3] = dO, t[4] = Q, t[5] = K, t[6] = V, t[7] = O, t[8] = L; i[0] = causal; f[0] = scale
+    TSYS_K_COUNT
+} tsys_kernel;
+
+#define TSYS_KARGS_MAX 10
+typedef struct tsys_kargs {
+    tsys_tensor *t[TSYS_KARGS_MAX];
+    float f[8];
+    int64_t i[4];
+} tsys_kargs;
+
+// Batched row-major GEMM: for each b < batch, C_b = alpha * op(A_b) op(B_b) + beta * C_b,
+// op(A_b) is m x k, op(B_b) is k x n, C_b is m x n. Elements of batch b start at
+// offset_x + b * stride_x; stride 0 broadcasts. A and B share one dtype; C is F32 or that dtype.
+// Accumulation is always fp32.
+typedef struct tsys_gemm_args {
+    const tsys_tensor *a, *b;
+    tsys_tensor *c;
+    bool trans_a, trans_b;
+    int64_t m, n, k, batch;
+    int64_t stride_a, stride_b, stride_c;
+    float alpha, beta;
+} tsys_gemm_args;
+
+typedef struct tsys_backend {
+    const char *name;
+    void *(*alloc)(tsys_ctx *ctx, size_t bytes);                 // NULL when out of memory
+    void (*free)(tsys_ctx *ctx, void *ptr, size_t bytes);
+    // copy bytes between any two devices (one of them is this backend's device)
+    tsys_status (*copy)(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes);
+    tsys_status (*gemm)(tsys_ctx *ctx, const tsys_gemm_args *g);
+    tsys_status (*kernel)(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
+    tsys_status (*sync)(tsys_ctx *ctx);
+    void *state;                                                // backend's own data (streams, handles, pools)
+} tsys_backend;
+
+// >>public ----------------------------------------------------------------------------------------
+
+// context and errors
+TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc);
+TSYSDEF void tsys_ctx_free(tsys_ctx *ctx);
+TSYSDEF tsys_status tsys_ctx_status(const tsys_ctx *ctx);
+TSYSDEF const char *tsys_ctx_last_error(const tsys_ctx *ctx);
+TSYSDEF void tsys_ctx_clear_error(tsys_ctx *ctx);
+TSYSDEF tsys_status tsys_ctx_set_error(tsys_ctx *ctx, tsys_status s, const char *fmt, ...);
+TSYSDEF const char *tsys_status_str(tsys_status s);
+TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_backend *backend);
+TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev);
+TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev);
+TSYSDEF double tsys_time_us(void);   // monotonic wall clock
+
+// dtypes
+TSYSDEF size_t tsys_dtype_size(tsys_dtype dt);
+TSYSDEF const char *tsys_dtype_name(tsys_dtype dt);
+TSYSDEF bool tsys_dtype_is_float(tsys_dtype dt);
+TSYSDEF uint16_t tsys_f32_to_bf16(float f);
+TSYSDEF float tsys_bf16_to_f32(uint16_t h);
+TSYSDEF uint16_t tsys_f32_to_f16(float f);
+TSYSDEF float tsys_f16_to_f32(uint16_t h);
+
+// memory tracker
+TSYSDEF tsys_mem_stats tsys_mem_stats_get(const tsys_ctx *ctx, tsys_device dev);
+TSYSDEF void tsys_mem_reset_peak(tsys_ctx *ctx, tsys_device dev);
+TSYSDEF int tsys_mem_tag(tsys_ctx *ctx, const char *tag);          // interns a tag, returns its id
+TSYSDEF const char *tsys_mem_tag_name(const tsys_ctx *ctx, int tag);
+TSYSDEF int tsys_mem_num_tags(const tsys_ctx *ctx);
+TSYSDEF int tsys_mem_set_tag(tsys_ctx *ctx, int tag);               // sets the current tag, returns the previous
+TSYSDEF int64_t tsys_mem_tag_bytes(const tsys_ctx *ctx, int tag, tsys_device dev);   // live bytes under a tag
+TSYSDEF const tsys_mem_event *tsys_mem_events(const tsys_ctx *ctx, size_t *count);
+TSYSDEF void tsys_mem_record_events(tsys_ctx *ctx, bool on);
+TSYSDEF void tsys_mem_clear_events(tsys_ctx *ctx);
+
+// tensors
+TSYSDEF tsys_tensor *tsys_tensor_new(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape);
+TSYSDEF tsys_tensor *tsys_tensor_new_2d(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int64_t d0, int64_t d1);
+TSYSDEF tsys_tensor *tsys_tensor_from_data(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, const void *host_data);
+TSYSDEF tsys_tensor *tsys_tensor_retain(tsys_tensor *t);
+TSYSDEF void tsys_tensor_release(tsys_tensor *t);
+TSYSDEF int64_t tsys_tensor_numel(const tsys_tensor *t);
+TSYSDEF size_t tsys_tensor_bytes(const tsys_tensor *t);
+TSYSDEF void *tsys_tensor_data(const tsys_tensor *t);
+TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...);
+TSYSDEF bool tsys_tensor_same_shape(const tsys_tensor *a, const tsys_tensor *b);
+TSYSDEF tsys_tensor *tsys_tensor_to(tsys_ctx *ctx, const tsys_tensor *t, tsys_device dev);        // copy, no autograd
+TSYSDEF tsys_tensor *tsys_tensor_clone(tsys_ctx *ctx, const tsys_tensor *t);                      // copy, no autograd
+TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src); // same numel and dtype
+TSYSDEF tsys_status tsys_tensor_to_host(tsys_ctx *ctx, const tsys_tensor *t, void *host);          // raw bytes
+TSYSDEF tsys_status tsys_tensor_to_f32(tsys_ctx *ctx, const tsys_tensor *t, float *host);          // converted to fp32
+TSYSDEF tsys_status tsys_tensor_fill(tsys_ctx *ctx, tsys_tensor *t, float value);
+TSYSDEF tsys_status tsys_tensor_randn(tsys_ctx *ctx, tsys_tensor *t, float std);                  // from the ctx RNG
+TSYSDEF tsys_status tsys_tensor_trunc_normal(tsys_ctx *ctx, tsys_tensor *t, float std, float lo, float hi);
+TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t hi);               // ints in [0, hi)
+TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape);   // reshape, shares storage, recorded
+TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape);  // no autograd
+TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on);
+TSYSDEF void tsys_tensor_set_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);
+TSYSDEF uint64_t tsys_rng_next(tsys_ctx *ctx);
+TSYSDEF void tsys_rng_seed(tsys_ctx *ctx, uint64_t seed);
+TSYSDEF float tsys_rng_normal(tsys_ctx *ctx);
+TSYSDEF float tsys_rng_uniform(tsys_ctx *ctx);
+
+// autograd
+TSYSDEF tsys_status tsys_backward(tsys_ctx *ctx, tsys_tensor *loss);              // d loss = 1
+TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_tensor *grad_out);
+TSYSDEF void tsys_tape_clear(tsys_ctx *ctx);   // drop everything recorded (no backward)
+TSYSDEF size_t tsys_tape_size(const tsys_ctx *ctx);
+TSYSDEF void tsys_no_grad_begin(tsys_ctx *ctx);
+TSYSDEF void tsys_no_grad_end(tsys_ctx *ctx);
+TSYSDEF bool tsys_grad_enabled(const tsys_ctx *ctx);
+
+// autocast (mixed precision)
+TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low);     // TSYS_BF16 or TSYS_F16
+TSYSDEF void tsys_autocast_end(tsys_ctx *ctx);                       // also drops the cached low-precision weights
+TSYSDEF tsys_dtype tsys_autocast_dtype(const tsys_ctx *ctx);         // TSYS_F32 when off
+
+// ops (forward + backward). Inputs are borrowed; the result is a new reference.
+TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt);
+TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_tensor *ids);
+TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias);  // x W^T (+ b)
+TSYSDEF tsys_tensor *tsys_matmul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b, bool trans_b);           // (.., m, k) x (.., k, n) (or (.., n, k)^T)
+TSYSDEF tsys_tensor *tsys_add(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);
+TSYSDEF tsys_tensor *tsys_mul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);
+TSYSDEF tsys_tensor *tsys_scale(tsys_ctx *ctx, tsys_tensor *a, float s);
+TSYSDEF tsys_tensor *tsys_relu(tsys_ctx *ctx, tsys_tensor *x);
+TSYSDEF tsys_tensor *tsys_silu(tsys_ctx *ctx, tsys_tensor *x);
+TSYSDEF tsys_tensor *tsys_swiglu(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);     // silu(a) * b, fused
+TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps);
+TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias, float eps);
+TSYSDEF tsys_tensor *tsys_rope(tsys_ctx *ctx, tsys_tensor *x, float theta);           // (.., T, D), interleaved pairs
+TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bool causal);
+TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x);                  // (A, B, C, D) -> (A, C, B, D)
+TSYSDEF tsys_tensor *tsys_attention_naive(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal);  // (.., T, D)
+TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal, tsys_tensor **lse_out);
+TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys_tensor *targets);   // mean over rows
+TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);
+TSYSDEF tsys_tensor *tsys_sum(tsys_ctx *ctx, tsys_tensor *x);
+TSYSDEF tsys_tensor *tsys_mean(tsys_ctx *ctx, tsys_tensor *x);
+TSYSDEF float tsys_item(tsys_ctx *ctx, const tsys_tensor *scalar);                     // NAN on error
+
+// the cs336 Transformer LM
+// Model shape. All fields 0 = default (tsys_model_desc_defaults fills them):
+//   vocab_size 10000 | context_length 256 | d_model 768 | num_layers 12 | num_heads 12 | d_ff 4*d_model
+//   rope_theta 10000 | eps 1e-5 | attn "naive" (CPU) ("flash" once the backend has it)
+typedef struct tsys_model_desc {
+    int vocab_size, context_length, d_model, num_layers, num_heads, d_ff;
+    float rope_theta, eps;
+    const char *attn;
+} tsys_model_desc;
+
+typedef struct tsys_model tsys_model;
+
+TSYSDEF tsys_model_desc tsys_model_desc_defaults(const tsys_model_desc *desc);
+TSYSDEF tsys_status tsys_model_desc_preset(const char *name, tsys_model_desc *out, char *err, size_t err_len);
+TSYSDEF const char *tsys_model_preset_names(void);
+TSYSDEF tsys_status tsys_model_desc_validate(const tsys_model_desc *desc, char *err, size_t err_len);
+TSYSDEF int64_t tsys_model_desc_num_params(const tsys_model_desc *desc);
+TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, tsys_device dev, uint64_t seed);
+TSYSDEF void tsys_model_free(tsys_model *m);
+TSYSDEF const tsys_model_desc *tsys_model_get_desc(const tsys_model *m);
+TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m);     // PyTorch parameters() order, named as in its state_dict
+TSYSDEF int tsys_model_num_tensors(const tsys_model *m);
+TSYSDEF int64_t tsys_model_num_params(const tsys_model *m);
+TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name);
+TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids);   // (B, T) ids -> (B, T, V) logits
+TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, int vocab_size, int context_length);
+TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int64_t T, bool backward);  // matmul FLOPs
+
+// optimizers and training utilities
+// AdamW desc, 0 = default: lr 1e-3 | beta1 0.9 | beta2 0.999 | eps 1e-8 | weight_decay 0.01.
+// weight_decay 0 cannot be asked for with 0; set no_weight_decay instead.
+typedef struct tsys_optim_desc {
+    float lr, beta1, beta2, eps, weight_decay;
+    bool no_weight_decay;
+} tsys_optim_desc;
+
+typedef struct tsys_optim tsys_optim;
+TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, const tsys_optim_desc *desc);
+TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, float lr);
+TSYSDEF tsys_status tsys_optim_step(tsys_optim *opt);
+TSYSDEF void tsys_optim_zero_grad(tsys_optim *opt);
+TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
+TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
+TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
+TSYSDEF void tsys_optim_free(tsys_optim *opt);
+TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm);   // returns the norm before clipping
+TSYSDEF double tsys_cosine_lr(int64_t it, double max_lr, double min_lr, int64_t warmup_iters, int64_t cosine_cycle_iters);
+TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n);
+
+// fp16 dynamic loss scaling, torch.cuda.amp.GradScaler semantics
+typedef struct tsys_grad_scaler {
+    float scale;             // 65536 initially
+    float growth_factor;     // 2
+    float backoff_factor;    // 0.5
+    int growth_interval;     // 2000
+    int growth_tracker;      // clean steps since the last change
+    bool found_inf;          // set by tsys_grad_scaler_unscale
+} tsys_grad_scaler;
+TSYSDEF tsys_grad_scaler tsys_grad_scaler_init(void);
+TSYSDEF tsys_tensor *tsys_grad_scaler_scale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor *loss);   // loss * scale (recorded)
+TSYSDEF tsys_status tsys_grad_scaler_unscale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor **params, int n);
+TSYSDEF tsys_status tsys_grad_scaler_step(tsys_grad_scaler *s, tsys_optim *opt);   // unscales (once) and steps unless inf/nan
+TSYSDEF void tsys_grad_scaler_update(tsys_grad_scaler *s);
+
+// safetensors
+TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n);
+// Loads every tensor of the file onto dev; *out is an array of *n new tensors (named), free with tsys_tensor_list_free.
+TSYSDEF tsys_status tsys_safetensors_load(tsys_ctx *ctx, const char *path, tsys_device dev, tsys_tensor ***out, int *n);
+TSYSDEF void tsys_tensor_list_free(tsys_tensor **list, int n);
+// Copies the named tensors of the file into the given tensors (names, shapes and dtypes must match;
+// F32 file data may fill BF16/F16 tensors and the other way round).
+TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n);
+TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path);
+TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path);
+
+// bench helpers
+typedef struct tsys_stats { double mean, std, median, min, max; int n; } tsys_stats;
+TSYSDEF tsys_stats tsys_stats_of(const double *x, int n);
+TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps);   // measured CBLAS sgemm rate on an n x n x n product
+
+#ifdef __cplusplus
+}
+#endif
+#endif // TSYS_H_INCLUDED
+
+// =================================================================================================
+//                                        IMPLEMENTATION
+// =================================================================================================
+#if (defined(TSYS_IMPLEMENTATION) || defined(TSYS_IMPL)) && !defined(TSYS_IMPLEMENTATION_INCLUDED)
+#define TSYS_IMPLEMENTATION_INCLUDED
+
+// >>config ----------------------------------------------------------------------------------------
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L
+#endif
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdarg.h>
+#include <math.h>
+#include <time.h>
+#include <errno.h>
+#include <assert.h>
+
+#if defined(TSYS_MALLOC) && defined(TSYS_FREE) && defined(TSYS_REALLOC)
+#elif !defined(TSYS_MALLOC) && !defined(TSYS_FREE) && !defined(TSYS_REALLOC)
+#define TSYS_MALLOC(sz) malloc(sz)
+#define TSYS_REALLOC(p, sz) realloc(p, sz)
+#define TSYS_FREE(p) free(p)
+#else
+#error "Must define all or none of TSYS_MALLOC, TSYS_FREE, and TSYS_REALLOC."
+#endif
+#ifndef TSYS_ASSERT
+#define TSYS_ASSERT(c) assert(c)
+#endif
+#ifndef TSYS_NO_CBLAS
+#include <cblas.h>
+#endif
+#if defined(_OPENMP) && !defined(TSYS_NO_OPENMP)
+#include <omp.h>
+#define TSYS__OMP(x) _Pragma(#x)
+#else
+#define TSYS__OMP(x)
+#endif
+
+#define TSYS__MAX_TAGS 256
+#define TSYS__MIN(a, b) ((a) < (b) ? (a) : (b))
+#define TSYS__MAX(a, b) ((a) > (b) ? (a) : (b))
+
+// Records an error (file:line and what failed) in the context and returns the status.
+#define TSYS__FAIL(ctx, status, ...) tsys__fail((ctx), (status), __FILE__, __LINE__, __VA_ARGS__)
+// Checks a caller-supplied condition; on failure records "func: message" and returns NULL.
+#define TSYS__REQUIRE(ctx, cond, ...) do { if (!(cond)) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, __VA_ARGS__); return NULL; } } while (0)
+
+// >>structs (private) -----------------------------------------------------------------------------
+
+typedef enum tsys__op {
+    TSYS__OP_CAST, TSYS__OP_EMBEDDING, TSYS__OP_LINEAR, TSYS__OP_MATMUL, TSYS__OP_ADD, TSYS__OP_MUL,
+    TSYS__OP_SCALE, TSYS__OP_RELU, TSYS__OP_SILU, TSYS__OP_SWIGLU, TSYS__OP_RMSNORM, TSYS__OP_LAYERNORM,
+    TSYS__OP_ROPE, TSYS__OP_SOFTMAX, TSYS__OP_TRANSPOSE12, TSYS__OP_VIEW, TSYS__OP_CROSS_ENTROPY,
+    TSYS__OP_MSE, TSYS__OP_SUM, TSYS__OP_FLASH_ATTN, TSYS__OP_COUNT
+} tsys__op;
+
+static const char *tsys__op_names[] = {
+    "cast", "embedding", "linear", "matmul", "add", "mul", "scale", "relu", "silu", "swiglu", "rmsnorm",
+    "layernorm", "rope", "softmax", "transpose12", "view", "cross_entropy", "mse", "sum", "flash_attention",
+};
+typedef char tsys__op_names_match[(sizeof(tsys__op_names) / sizeof(tsys__op_names[0]) == TSYS__OP_COUNT) ? 1 : -1];
+
+#define TSYS__NODE_IN 4
+#define TSYS__NODE_SAVED 6
+// Where an input's gradient goes: the node that produced it, or the leaf itself.
+typedef struct tsys__slot {
+    tsys__node *node;                      // producer (earlier on the tape, alive until processed)
+    tsys_tensor *leaf;                     // leaf that requires grad (retained)
+    bool needs;                            // the input wants a gradient
+    tsys_dtype dtype;
+    int ndim;
+    int64_t shape[TSYS_MAX_DIMS];
+} tsys__slot;
+
+struct tsys__node {
+    tsys__op op;
+    tsys__slot in[TSYS__NODE_IN];
+    int n_in;
+    tsys_tensor *saved[TSYS__NODE_SAVED];  // values backward needs, retained until the node is done
+    int n_saved;
+    tsys_tensor *out;                      // weak: cleared when the output is released
+    tsys_dtype out_dtype;
+    int out_ndim;
+    int64_t out_shape[TSYS_MAX_DIMS];
+    tsys_tensor *gout;                     // gradient of the output, accumulated during backward
+    float f[4];
+    int64_t i[4];
+};
+
+typedef struct tsys__mem_tracker {
+    tsys_mem_stats dev[TSYS_DEVICE_COUNT];
+    char *tag_names[TSYS__MAX_TAGS];
+    int64_t tag_bytes[TSYS__MAX_TAGS][TSYS_DEVICE_COUNT];
+    int num_tags;
+    int cur_tag;
+    bool record;
+    tsys_mem_event *events;
+    size_t num_events, cap_events;
+} tsys__mem_tracker;
+
+struct tsys_ctx {
+    tsys_status status;
+    char error[512];
+    const tsys_backend *backends[TSYS_DEVICE_COUNT];
+    tsys__mem_tracker mem;
+    size_t cpu_memory_limit;
+    double t0_us;
+    uint64_t rng[4];
+    // autograd
+    tsys__node **tape;
+    size_t tape_len, tape_cap;
+    int no_grad_depth;
+    bool in_backward;
+    // autocast: low dtype (F32 = off) and the step's cache of low-precision weight copies
+    tsys_dtype autocast;
+    tsys_tensor **ac_src, **ac_low;
+    int ac_len, ac_cap;
+    int op_tags[TSYS__OP_COUNT];
+};
+
+// >>logging / errors ------------------------------------------------------------------------------
+
+static tsys_status tsys__fail(tsys_ctx *ctx, tsys_status s, const char *file, int line, const char *fmt, ...) {
+    if (!ctx) return s;
+    if (ctx->status != TSYS_OK) return s;   // keep the first error: it is the cause
+    ctx->status = s;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(ctx->error, sizeof(ctx->error), fmt, ap);
+    va_end(ap);
+    if (n >= 0 && (size_t)n < sizeof(ctx->error) - 1 && file)
+        snprintf(ctx->error + n, sizeof(ctx->error) - (size_t)n, " [%s:%d]", file, line);
+    return s;
+}
+
+TSYSDEF tsys_status tsys_ctx_set_error(tsys_ctx *ctx, tsys_status s, const char *fmt, ...) {
+    if (!ctx || ctx->status != TSYS_OK) return s;
+    ctx->status = s;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->error, sizeof(ctx->error), fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+TSYSDEF const char *tsys_status_str(tsys_status s) {
+    switch (s) {
+#define TSYS__X(name, value, text) case name: return text;
+        TSYS_RESULTS(TSYS__X)
+#undef TSYS__X
+    }
+    return "unknown status";
+}
+
+TSYSDEF tsys_status tsys_ctx_status(const tsys_ctx *ctx) { return ctx ? ctx->status : TSYS_ERR_INVALID_ARGS; }
+TSYSDEF const char *tsys_ctx_last_error(const tsys_ctx *ctx) { return ctx ? (ctx->status ? ctx->error : "") : "no context"; }
+TSYSDEF void tsys_ctx_clear_error(tsys_ctx *ctx) { ctx->status = TSYS_OK; ctx->error[0] = 0; }
+
+TSYSDEF double tsys_time_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+// >>dtypes ----------------------------------------------------------------------------------------
+
+TSYSDEF size_t tsys_dtype_size(tsys_dtype dt) {
+    static const size_t sizes[TSYS_DTYPE_COUNT] = {4, 2, 2, 4, 8};
+    return (unsigned)dt < TSYS_DTYPE_COUNT ? sizes[dt] : 0;
+}
+TSYSDEF const char *tsys_dtype_name(tsys_dtype dt) {
+    static const char *names[TSYS_DTYPE_COUNT] = {"f32", "bf16", "f16", "i32", "i64"};
+    return (unsigned)dt < TSYS_DTYPE_COUNT ? names[dt] : "?";
+}
+TSYSDEF bool tsys_dtype_is_float(tsys_dtype dt) { return dt == TSYS_F32 || dt == TSYS_BF16 || dt == TSYS_F16; }
+
+static uint32_t tsys__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float tsys__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+TSYSDEF uint16_t tsys_f32_to_bf16(float f) {
+    uint32_t u = tsys__f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   // NaN stays a quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                            // round to nearest even
+    return (uint16_t)(u >> 16);
+}
+TSYSDEF float tsys_bf16_to_f32(uint16_t h) { return tsys__bits_f32((uint32_t)h << 16); }
+
+TSYSDEF uint16_t tsys_f32_to_f16(float f) {
+    uint32_t u = tsys__f32_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);            // NaN
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);           // rounds past 65504: inf
+    if (a < 0x38800000u) {                                               // subnormal or zero in f16
+        // Scale so that the f16 subnormal unit (2^-24) becomes 1, let the FPU round to nearest even.
+        float v = tsys__bits_f32(a) * 16777216.0f;                      // 2^24
+        uint32_t m = (uint32_t)lrintf(v);
+        return (uint16_t)(sign | m);
+    }
+    uint32_t e = ((a >> 23) - 112u) << 10;                              // rebias 127 -> 15
+    uint32_t mant = a & 0x7fffffu;
+    uint32_t h = e | (mant >> 13);
+    uint32_t rest = mant & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;           // round to nearest even (carry ok)
+    return (uint16_t)(sign | h);
+}
+TSYSDEF float tsys_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {
+        float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    if (e == 31) return tsys__bits_f32(sign | 0x7f800000u | (m << 13));
+    return tsys__bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// Read element i of a float tensor's raw data as fp32; write with rounding.
+static inline float tsys__load(const void *p, tsys_dtype dt, int64_t i) {
+    switch (dt) {
+    case TSYS_F32: return ((const float *)p)[i];
+    case TSYS_BF16: return tsys_bf16_to_f32(((const uint16_t *)p)[i]);
+    case TSYS_F16: return tsys_f16_to_f32(((const uint16_t *)p)[i]);
+    case TSYS_I32: return (float)((const int32_t *)p)[i];
+    case TSYS_I64: return (float)((const int64_t *)p)[i];
+    default: return NAN;
+    }
+}
+static inline void tsys__store(void *p, tsys_dtype dt, int64_t i, float v) {
+    switch (dt) {
+    case TSYS_F32: ((float *)p)[i] = v; break;
+    case TSYS_BF16: ((uint16_t *)p)[i] = tsys_f32_to_bf16(v); break;
+    case TSYS_F16: ((uint16_t *)p)[i] = tsys_f32_to_f16(v); break;
+    case TSYS_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case TSYS_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    default: break;
+    }
+}
+static inline int64_t tsys__load_id(const void *p, tsys_dtype dt, int64_t i) {
+    return dt == TSYS_I64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
+}
+
+// >>memory ----------------------------------------------------------------------------------------
+
+TSYSDEF int tsys_mem_tag(tsys_ctx *ctx, const char *tag) {
+    tsys__mem_tracker *m = &ctx->mem;
+    for (int i = 0; i < m->num_tags; i++)
+        if (strcmp(m->tag_names[i], tag) == 0) return i;
+    if (m->num_tags == TSYS__MAX_TAGS) return 0;   // table full: fold into the first tag
+    size_t n = strlen(tag) + 1;
+    m->tag_names[m->num_tags] = (char *)TSYS_MALLOC(n);
+    if (!m->tag_names[m->num_tags]) return 0;
+    memcpy(m->tag_names[m->num_tags], tag, n);
+    return m->num_tags++;
+}
+TSYSDEF const char *tsys_mem_tag_name(const tsys_ctx *ctx, int tag) {
+    return (tag >= 0 && tag < ctx->mem.num_tags) ? ctx->mem.tag_names[tag] : "?";
+}
+TSYSDEF int tsys_mem_num_tags(const tsys_ctx *ctx) { return ctx->mem.num_tags; }
+TSYSDEF int tsys_mem_set_tag(tsys_ctx *ctx, int tag) { int old = ctx->mem.cur_tag; ctx->mem.cur_tag = tag; return old; }
+TSYSDEF int64_t tsys_mem_tag_bytes(const tsys_ctx *ctx, int tag, tsys_device dev) {
+    return (tag >= 0 && tag < ctx->mem.num_tags) ? ctx->mem.tag_bytes[tag][dev] : 0;
+}
+TSYSDEF tsys_mem_stats tsys_mem_stats_get(const tsys_ctx *ctx, tsys_device dev) { return ctx->mem.dev[dev]; }
+TSYSDEF void tsys_mem_reset_peak(tsys_ctx *ctx, tsys_device dev) { ctx->mem.dev[dev].peak_bytes = ctx->mem.dev[dev].live_bytes; }
+TSYSDEF const tsys_mem_event *tsys_mem_events(const tsys_ctx *ctx, size_t *count) { *count = ctx->mem.num_events; return ctx->mem.events; }
+TSYSDEF void tsys_mem_record_events(tsys_ctx *ctx, bool on) { ctx->mem.record = on; }
+TSYSDEF void tsys_mem_clear_events(tsys_ctx *ctx) { ctx->mem.num_events = 0; }
+
+static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, int64_t delta) {
+    tsys__mem_tracker *m = &ctx->mem;
+    tsys_mem_stats *s = &m->dev[dev];
+    s->live_bytes += delta;
+    if (delta > 0) s->num_allocs++; else s->num_frees++;
+    if (s->live_bytes > s->peak_bytes) s->peak_bytes = s->live_bytes;
+    m->tag_bytes[tag][dev] += delta;
+    if (!m->record) return;
+    if (m->num_events == m->cap_events) {
+        size_t cap = m->cap_events ? m->cap_events * 2 : 4096;
+        tsys_mem_event *e = (tsys_mem_event *)TSYS_REALLOC(m->events, cap * sizeof(*e));
+        if (!e) { m->record = false; return; }   // timeline stops; totals stay exact
+        m->events = e; m->cap_events = cap;
+    }
+    tsys_mem_event *e = &m->events[m->num_events++];
+    e->t_us = tsys_time_us() - ctx->t0_us;
+    e->delta = delta; e->live = s->live_bytes; e->tag = tag; e->device = dev;
+}
+
+static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t bytes) {
+    const tsys_backend *be = ctx->backends[dev];
+    if (!be) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu"); return NULL; }
+    size_t asked = bytes ? bytes : 1;
+    if (dev == TSYS_CPU && ctx->cpu_memory_limit && (size_t)ctx->mem.dev[dev].live_bytes + asked > ctx->cpu_memory_limit) {
+        TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on cpu with %lld live (limit %zu)", asked,
+                   (long long)ctx->mem.dev[dev].live_bytes, ctx->cpu_memory_limit);
+        return NULL;
+    }
+    tsys_storage *s = (tsys_storage *)TSYS_MALLOC(sizeof(tsys_storage));
+    void *data = s ? be->alloc(ctx, asked) : NULL;
+    if (!data) {
+        TSYS_FREE(s);
+        TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on %s with %lld live", asked, be->name,
+                   (long long)ctx->mem.dev[dev].live_bytes);
+        return NULL;
+    }
+    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag;
+    tsys__mem_note(ctx, dev, s->tag, (int64_t)asked);
+    return s;
+}
+
+static void tsys__storage_release(tsys_storage *s) {
+    if (!s || --s->refcount > 0) return;
+    tsys_ctx *ctx = s->ctx;
+    ctx->backends[s->device]->free(ctx, s->data, s->bytes);
+    tsys__mem_note(ctx, s->device, s->tag, -(int64_t)s->bytes);
+    TSYS_FREE(s);
+}
+
+// >>tensors ---------------------------------------------------------------------------------------
+
+TSYSDEF int64_t tsys_tensor_numel(const tsys_tensor *t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+TSYSDEF size_t tsys_tensor_bytes(const tsys_tensor *t) { return (size_t)tsys_tensor_numel(t) * tsys_dtype_size(t->dtype); }
+TSYSDEF void *tsys_tensor_data(const tsys_tensor *t) { return (char *)t->storage->data + t->offset; }
+
+TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...) {
+    if (!t) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->name, sizeof(t->name), fmt, ap);
+    va_end(ap);
+}
+
+TSYSDEF bool tsys_tensor_same_shape(const tsys_tensor *a, const tsys_tensor *b) {
+    if (a->ndim != b->ndim) return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i]) return false;
+    return true;
+}
+
+static void tsys__shape_str(const tsys_tensor *t, char *buf, size_t len) {
+    size_t o = (size_t)snprintf(buf, len, "(");
+    for (int i = 0; i < t->ndim && o < len; i++) o += (size_t)snprintf(buf + o, len - o, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+    if (o < len) snprintf(buf + o, len - o, ")");
+}
+
+static tsys_tensor *tsys__tensor_header(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
+    if (ndim < 0 || ndim > TSYS_MAX_DIMS) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: %d dims (at most %d)", ndim, TSYS_MAX_DIMS); return NULL; }
+    if ((unsigned)dt >= TSYS_DTYPE_COUNT) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: unknown dtype %d", (int)dt); return NULL; }
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: negative size %lld in dim %d", (long long)shape[i], i); return NULL; }
+    tsys_tensor *t = (tsys_tensor *)TSYS_MALLOC(sizeof(tsys_tensor));
+    if (!t) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a tensor header"); return NULL; }
+    memset(t, 0, sizeof(*t));
+    t->dtype = dt; t->device = dev; t->ndim = ndim; t->refcount = 1;
+    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+    return t;
+}
+
+TSYSDEF tsys_tensor *tsys_tensor_new(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
+    tsys_tensor *t = tsys__tensor_header(ctx, dt, dev, ndim, shape);
+    if (!t) return NULL;
+    t->storage = tsys__storage_new(ctx, dev, tsys_tensor_bytes(t));
+    if (!t->storage) { TSYS_FREE(t); return NULL; }
+    return t;
+}
+
+TSYSDEF tsys_tensor *tsys_tensor_new_2d(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int64_t d0, int64_t d1) {
+    int64_t shape[2] = {d0, d1};
+    return tsys_tensor_new(ctx, dt, dev, 2, shape);
+}
+
+static tsys_status tsys__copy_bytes(tsys_ctx *ctx, void *dst, tsys_device dd, const void *src, tsys_device sd, size_t bytes) {
+    if (bytes == 0) return TSYS_OK;
+    const tsys_backend *be = ctx->backends[dd != TSYS_CPU ? dd : sd];
+    if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "copy: device has no backend");
+    return be->copy(ctx, dst, dd, src, sd, bytes);
+}
+
+TSYSDEF tsys_tensor *tsys_tensor_from_data(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, const void *host_data) {
+    tsys_tensor *t = tsys_tensor_new(ctx, dt, dev, ndim, shape);
+    if (t && tsys__copy_bytes(ctx, tsys_tensor_data(t), dev, host_data, TSYS_CPU, tsys_tensor_bytes(t)) != TSYS_OK) {
+        tsys_tensor_release(t);
+        return NULL;
+    }
+    return t;
+}
+
+TSYSDEF tsys_tensor *tsys_tensor_retain(tsys_tensor *t) { if (t) t->refcount++; return t; }
+
+TSYSDEF void tsys_tensor_release(tsys_tensor *t) {
+    if (!t || --t->refcount > 0) return;
+    if (t->grad_fn) t->grad_fn->out = NULL;   // the tape node outlives its output
+    tsys_tensor_release(t->grad);
+    tsys__storage_release(t->storage);
+    TSYS_FREE(t);
+}
+
+TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape) {
+    if (!t) return NULL;
+    tsys_tensor *v = tsys__tensor_header(ctx, dt, t->device, ndim, shape);
+    if (!v) return NULL;
+    size_t need = tsys_tensor_bytes(v);
+    if (t->offset + byte_offset + need > t->storage->bytes) {
+        TSYS_FREE(v);
+        TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "view of '%s': %zu bytes at offset %zu pass the end of its storage (%zu bytes)",
+                   t->name, need, t->offset + byte_offset, t->storage->bytes);
+        return NULL;
+    }
+    v->storage = t->storage; v->storage->refcount++;
+    v->offset = t->offset + byte_offset;
+    return v;
+}
+
+TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src) {
+    if (!dst || !src) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "copy: NULL tensor");
+    if (dst->dtype != src->dtype || tsys_tensor_numel(dst) != tsys_tensor_numel(src))
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "copy into '%s': dtype/size differ (%s x %lld vs %s x %lld)", dst->name,
+                          tsys_dtype_name(dst->dtype), (long long)tsys_tensor_numel(dst), tsys_dtype_name(src->dtype), (long long)tsys_tensor_numel(src));
+    return tsys__copy_bytes(ctx, tsys_tensor_data(dst), dst->device, tsys_tensor_data(src), src->device, tsys_tensor_bytes(src));
+}
+
+TSYSDEF tsys_tensor *tsys_tensor_to(tsys_ctx *ctx, const tsys_tensor *t, tsys_device dev) {
+    if (!t) return NULL;
+    tsys_tensor *r = tsys_tensor_new(ctx, t->dtype, dev, t->ndim, t->shape);
+    if (r && tsys_tensor_copy_from(ctx, r, t) != TSYS_OK) { tsys_tensor_release(r); return NULL; }
+    if (r) memcpy(r->name, t->name, sizeof(r->name));
+    return r;
+}
+TSYSDEF tsys_tensor *tsys_tensor_clone(tsys_ctx *ctx, const tsys_tensor *t) { return t ? tsys_tensor_to(ctx, t, t->device) : NULL; }
+
+TSYSDEF tsys_status tsys_tensor_to_host(tsys_ctx *ctx, const tsys_tensor *t, void *host) {
+    return tsys__copy_bytes(ctx, host, TSYS_CPU, tsys_tensor_data(t), t->device, tsys_tensor_bytes(t));
+}
+
+TSYSDEF tsys_status tsys_tensor_to_f32(tsys_ctx *ctx, const tsys_tensor *t, float *host) {
+    if (t->dtype == TSYS_F32) return tsys_tensor_to_host(ctx, t, host);
+    int64_t n = tsys_tensor_numel(t);
+    void *raw = TSYS_MALLOC(tsys_tensor_bytes(t) + 1);
+    if (!raw) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory reading '%s'", t->name);
+    tsys_status s = tsys_tensor_to_host(ctx, t, raw);
+    for (int64_t i = 0; s == TSYS_OK && i < n; i++) host[i] = tsys__load(raw, t->dtype, i);
+    TSYS_FREE(raw);
+    return s;
+}
+
+static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a);
+
+TSYSDEF tsys_status tsys_tensor_fill(tsys_ctx *ctx, tsys_tensor *t, float value) {
+    tsys_kargs a;
+    memset(&a, 0, sizeof(a));
+    a.t[0] = t; a.f[0] = value;
+    return tsys__kernel(ctx, t->device, TSYS_K_FILL, &a);
+}
+
+// Fills t on the host with gen(ctx) values, then copies to t's device.
+static tsys_status tsys__fill_host(tsys_ctx *ctx, tsys_tensor *t, float (*gen)(tsys_ctx *, const float *), const float *p) {
+    int64_t n = tsys_tensor_numel(t);
+    void *raw = TSYS_MALLOC(tsys_tensor_bytes(t) + 1);
+    if (!raw) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory filling '%s'", t->name);
+    for (int64_t i = 0; i < n; i++) tsys__store(raw, t->dtype, i, gen(ctx, p));
+    tsys_status s = tsys__copy_bytes(ctx, tsys_tensor_data(t), t->device, raw, TSYS_CPU, tsys_tensor_bytes(t));
+    TSYS_FREE(raw);
+    return s;
+}
+
+// >>rng: xoshiro256** seeded by splitmix64 ---------------------------------------------------------
+
+static uint64_t tsys__splitmix(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+TSYSDEF void tsys_rng_seed(tsys_ctx *ctx, uint64_t seed) { for (int i = 0; i < 4; i++) ctx->rng[i] = tsys__splitmix(&seed); }
+static uint64_t tsys__rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+TSYSDEF uint64_t tsys_rng_next(tsys_ctx *ctx) {
+    uint64_t *s = ctx->rng;
+    uint64_t r = tsys__rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t; s[3] = tsys__rotl(s[3], 45);
+    return r;
+}
+TSYSDEF float tsys_rng_uniform(tsys_ctx *ctx) { return (float)((tsys_rng_next(ctx) >> 40) * (1.0 / 16777216.0)); }
+TSYSDEF float tsys_rng_normal(tsys_ctx *ctx) {
+    double u1 = ((tsys_rng_next(ctx) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+    double u2 = (tsys_rng_next(ctx) >> 11) * (1.0 / 9007199254740992.0);
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+static float tsys__gen_normal(tsys_ctx *ctx, const float *p) { return p[0] * tsys_rng_normal(ctx); }
+static float tsys__gen_trunc(tsys_ctx *ctx, const float *p) {
+    for (;;) {   // rejection keeps the exact truncated-normal shape (PyTorch samples it differently, same law)
+        float v = p[0] * tsys_rng_normal(ctx);
+        if (v >= p[1] && v <= p[2]) return v;
+    }
+}
+static float tsys__gen_int(tsys_ctx *ctx, const float *p) { return (float)(tsys_rng_next(ctx) % (uint64_t)p[0]); }
+
+TSYSDEF tsys_status tsys_tensor_randn(tsys_ctx *ctx, tsys_tensor *t, float std) { float p[1] = {std}; return tsys__fill_host(ctx, t, tsys__gen_normal, p); }
+TSYSDEF tsys_status tsys_tensor_trunc_normal(tsys_ctx *ctx, tsys_tensor *t, float std, float lo, float hi) {
+    float p[3] = {std, lo, hi};
+    if (!(lo < hi)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "trunc_normal: lo %g must be below hi %g", lo, hi);
+    return tsys__fill_host(ctx, t, tsys__gen_trunc, p);
+}
+TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t hi) {
+    float p[1] = {(float)hi};
+    if (hi <= 0 || hi > (1 << 24)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "randint: bound %lld out of (0, 2^24]", (long long)hi);
+    return tsys__fill_host(ctx, t, tsys__gen_int, p);
+}
+
+// >>cpu kernels -----------------------------------------------------------------------------------
+// The reference implementation every other backend is tested against. Kernels compute in fp32: a
+// BF16/F16 tensor is widened into a scratch buffer, and results are rounded on the way back.
+
+typedef struct tsys__fbuf { float *p; bool owned; } tsys__fbuf;
+
+// fp32 view of a tensor's elements: the data itself when F32, else a widened copy.
+static tsys__fbuf tsys__fin(const tsys_tensor *t) {
+    tsys__fbuf b = {NULL, false};
+    if (!t) return b;
+    if (t->dtype == TSYS_F32) { b.p = (float *)tsys_tensor_data(t); return b; }
+    int64_t n = tsys_tensor_numel(t);
+    b.p = (float *)TSYS_MALLOC((size_t)(n ? n : 1) * sizeof(float));
+    b.owned = true;
+    if (!b.p) return b;
+    const void *raw = tsys_tensor_data(t);
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) b.p[i] = tsys__load(raw, t->dtype, i);
+    return b;
+}
+// fp32 buffer to write a tensor's elements into; `keep` loads the current contents (accumulation).
+static tsys__fbuf tsys__fout(const tsys_tensor *t, bool keep) {
+    if (keep || !t || t->dtype == TSYS_F32) return tsys__fin(t);
+    tsys__fbuf b = {NULL, true};
+    int64_t n = tsys_tensor_numel(t);
+    b.p = (float *)TSYS_MALLOC((size_t)(n ? n : 1) * sizeof(float));
+    return b;
+}
+// Ends the use of a buffer: rounds it back into t (when t is an output) and frees the scratch.
+static void tsys__fdone(tsys__fbuf *b, tsys_tensor *t) {
+    if (!b->owned) return;
+    if (t && b->p) {
+        int64_t n = tsys_tensor_numel(t);
+        void *raw = tsys_tensor_data(t);
+        TSYS__OMP(omp parallel for if (n > 65536))
+        for (int64_t i = 0; i < n; i++) tsys__store(raw, t->dtype, i, b->p[i]);
+    }
+    TSYS_FREE(b->p);
+    b->p = NULL;
+}
+
+static int64_t tsys__last_dim(const tsys_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+static int64_t tsys__rows(const tsys_tensor *t) { int64_t d = tsys__last_dim(t); return d ? tsys_tensor_numel(t) / d : 0; }
+static float tsys__sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static void tsys__cpu_rmsnorm_fwd(float *y, float *rstd, const float *x, const float *w, int64_t rows, int64_t d, float eps) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        double ss = 0;
+        for (int64_t j = 0; j < d; j++) ss += (double)xr[j] * xr[j];
+        float s = (float)(1.0 / sqrt(ss / (double)d + eps));
+        rstd[r] = s;
+        for (int64_t j = 0; j < d; j++) y[r * d + j] = w[j] * (xr[j] * s);
+    }
+}
+
+// dx_j = s w_j dy_j - x_j s^3 / d * sum_k(dy_k w_k x_k);  dw_j += sum_rows dy_j x_j s
+static void tsys__cpu_rmsnorm_bwd(float *dx, float *dw, const float *dy, const float *x, const float *w, const float *rstd, int64_t rows, int64_t d) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d, *gr = dy + r * d;
+        float s = rstd[r];
+        double dot = 0;
+        for (int64_t j = 0; j < d; j++) dot += (double)gr[j] * w[j] * xr[j];
+        float c = (float)(dot * s * s * s / (double)d);
+        for (int64_t j = 0; j < d; j++) dx[r * d + j] = s * w[j] * gr[j] - xr[j] * c;
+    }
+    for (int64_t r = 0; r < rows; r++)   // rows in order: the sum is deterministic
+        for (int64_t j = 0; j < d; j++) dw[j] += dy[r * d + j] * x[r * d + j] * rstd[r];
+}
+
+static void tsys__cpu_layernorm_fwd(float *y, float *mean, float *rstd, const float *x, const float *w, const float *b, int64_t rows, int64_t d, float eps) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        double mu = 0, var = 0;
+        for (int64_t j = 0; j < d; j++) mu += xr[j];
+        mu /= (double)d;
+        for (int64_t j = 0; j < d; j++) var += (xr[j] - mu) * (xr[j] - mu);
+        float s = (float)(1.0 / sqrt(var / (double)d + eps));
+        mean[r] = (float)mu; rstd[r] = s;
+        for (int64_t j = 0; j < d; j++) y[r * d + j] = ((xr[j] - (float)mu) * s) * (w ? w[j] : 1.0f) + (b ? b[j] : 0.0f);
+    }
+}
+
+static void tsys__cpu_layernorm_bwd(float *dx, float *dw, float *db, const float *dy, const float *x, const float *w, const float *mean, const float *rstd, int64_t rows, int64_t d) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d, *gr = dy + r * d;
+        float s = rstd[r], mu = mean[r];
+        double sg = 0, sgx = 0;
+        for (int64_t j = 0; j < d; j++) {
+            double g = (double)gr[j] * (w ? w[j] : 1.0f), xh = (xr[j] - mu) * s;
+            sg += g; sgx += g * xh;
+        }
+        for (int64_t j = 0; j < d; j++) {
+            double g = (double)gr[j] * (w ? w[j] : 1.0f), xh = (xr[j] - mu) * s;
+            dx[r * d + j] = (float)(s * (g - sg / (double)d - xh * sgx / (double)d));
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < d; j++) {
+            if (dw) dw[j] += dy[r * d + j] * (x[r * d + j] - mean[r]) * rstd[r];
+            if (db) db[j] += dy[r * d + j];
+        }
+}
+
+// Interleaved pairs (2j, 2j+1) rotated by angle t * theta^(-2j/D); sign -1 rotates back (the backward).
+static void tsys__cpu_rope(float *y, const float *x, int64_t outer, int64_t T, int64_t D, float theta, float sign) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t o = 0; o < outer * T; o++) {
+        int64_t t = o % T;
+        for (int64_t j = 0; j < D / 2; j++) {
+            float freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
+            float ang = (float)t * freq, c = cosf(ang), s = sign * sinf(ang);
+            float x1 = x[o * D + 2 * j], x2 = x[o * D + 2 * j + 1];
+            y[o * D + 2 * j] = c * x1 - s * x2;
+            y[o * D + 2 * j + 1] = s * x1 + c * x2;
+        }
+    }
+}
+
+// Row r of a (.., T, n) block: causal rows keep columns c <= r % T (query index >= key index).
+static void tsys__cpu_softmax_fwd(float *y, const float *x, int64_t rows, int64_t n, float scale, bool causal) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        int64_t keep = causal ? (r % n) + 1 : n;
+        if (causal && n && rows % n) keep = n;   // not square blocks: the op layer rejects this
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < keep; c++) mx = TSYS__MAX(mx, scale * xr[c]);
+        double sum = 0;
+        for (int64_t c = 0; c < keep; c++) { yr[c] = expf(scale * xr[c] - mx); sum += yr[c]; }
+        float inv = (float)(1.0 / sum);
+        for (int64_t c = 0; c < keep; c++) yr[c] *= inv;
+        for (int64_t c = keep; c < n; c++) yr[c] = 0.0f;
+    }
+}
+
+static void tsys__cpu_softmax_bwd(float *dx, const float *dy, const float *y, int64_t rows, int64_t n, float scale) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *yr = y + r * n, *gr = dy + r * n;
+        double dot = 0;
+        for (int64_t c = 0; c < n; c++) dot += (double)gr[c] * yr[c];
+        for (int64_t c = 0; c < n; c++) dx[r * n + c] = scale * yr[c] * (gr[c] - (float)dot);
+    }
+}
+
+static void tsys__cpu_ce_fwd(float *loss, float *lse, const float *logits, const void *tgt, tsys_dtype tdt, int64_t rows, int64_t V) {
+    double total = 0;
+    TSYS__OMP(omp parallel for reduction(+ : total))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *lr = logits + r * V;
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < V; c++) mx = TSYS__MAX(mx, lr[c]);
+        double s = 0;
+        for (int64_t c = 0; c < V; c++) s += exp((double)(lr[c] - mx));
+        lse[r] = mx + (float)log(s);
+        total += (double)lse[r] - lr[tsys__load_id(tgt, tdt, r)];
+    }
+    *loss = (float)(total / (double)rows);
+}
+
+static void tsys__cpu_ce_bwd(float *dl, const float *logits, const float *lse, const void *tgt, tsys_dtype tdt, int64_t rows, int64_t V, float g) {
+    TSYS__OMP(omp parallel for)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t y = tsys__load_id(tgt, tdt, r);
+        for (int64_t c = 0; c < V; c++) dl[r * V + c] = g * (expf(logits[r * V + c] - lse[r]) - (c == y ? 1.0f : 0.0f));
+    }
+}
+
+static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, int64_t n, const float *f) {
+    float lr = f[0], b1 = f[1], b2 = f[2], eps = f[3], wd = f[4], bc1 = f[5], bc2 = f[6];
+    float step = lr / bc1, bc2_sqrt = sqrtf(bc2);
+    TSYS__OMP(omp parallel for if (n > 16384))
+    for (int64_t i = 0; i < n; i++) {
+        // torch.optim.AdamW: decoupled decay first, then the bias-corrected Adam step
+        float pi = p[i] * (1.0f - lr * wd);
+        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+        float denom = sqrtf(v[i]) / bc2_sqrt + eps;
+        p[i] = pi - step * (m[i] / denom);
+    }
+}
+
+static void tsys__cpu_transpose12(void *dst, const void *src, const int64_t *s, size_t es) {
+    int64_t A = s[0], B = s[1], C = s[2], D = s[3];
+    TSYS__OMP(omp parallel for collapse(2))
+    for (int64_t a = 0; a < A; a++)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c = 0; c < C; c++)
+                memcpy((char *)dst + (size_t)(((a * C + c) * B + b) * D) * es, (const char *)src + (size_t)(((a * B + b) * C + c) * D) * es, (size_t)D * es);
+}
+
+#ifdef TSYS__HAVE_FLASH_CPU
+#define TSYS__FLASH_CPU_AVAILABLE 1
+#else
+#define TSYS__FLASH_CPU_AVAILABLE 0
+#endif
+
+static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
+
+// Which argument slots a kernel writes (bit j = t[j]); the rest are inputs.
+static bool tsys__kernel_writes(tsys_kernel k, int j) {
+    unsigned mask;
+    switch (k) {
+    case TSYS_K_SWIGLU_BWD: case TSYS_K_RMSNORM_FWD: case TSYS_K_RMSNORM_BWD: case TSYS_K_CE_FWD: case TSYS_K_MSE_BWD: mask = 3u; break;
+    case TSYS_K_LAYERNORM_FWD: case TSYS_K_LAYERNORM_BWD: mask = 7u; break;
+    case TSYS_K_ADAMW: mask = 13u; break;
+    case TSYS_K_FLASH_FWD: mask = 3u; break;
+    case TSYS_K_FLASH_BWD: mask = 7u; break;
+    default: mask = 1u;
+    }
+    return (mask >> j) & 1u;
+}
+
+// The elementwise kernels share one shape: fp32 views of the inputs, one loop, round into the outputs.
+static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
+    tsys_tensor *const *t = a->t;
+    const float *f = a->f;
+    int64_t n = t[0] ? tsys_tensor_numel(t[0]) : 0;
+    tsys__fbuf b[TSYS_KARGS_MAX];
+    memset(b, 0, sizeof(b));
+    tsys_status st = TSYS_OK;
+#define IN(j) (b[j] = tsys__fin(t[j]), b[j].p)
+#define OUT(j, keep) (b[j] = tsys__fout(t[j], keep), b[j].p)
+    switch (k) {
+    case TSYS_K_FILL: {
+        if (t[0]->dtype == TSYS_F32) { float *p = (float *)tsys_tensor_data(t[0]); for (int64_t i = 0; i < n; i++) p[i] = f[0]; break; }
+        void *raw = tsys_tensor_data(t[0]);
+        for (int64_t i = 0; i < n; i++) tsys__store(raw, t[0]->dtype, i, f[0]);
+        break;
+    }
+    case TSYS_K_CAST: {
+        void *dst = tsys_tensor_data(t[0]);
+        const void *src = tsys_tensor_data(t[1]);
+        TSYS__OMP(omp parallel for if (n > 65536))
+        for (int64_t i = 0; i < n; i++) tsys__store(dst, t[0]->dtype, i, tsys__load(src, t[1]->dtype, i));
+        break;
+    }
+    case TSYS_K_ACCUM: { float *y = OUT(0, true); const float *x = IN(1); for (int64_t i = 0; i < n; i++) y[i] += x[i] * f[0]; break; }
+    case TSYS_K_ADD: { float *y = OUT(0, false); const float *p = IN(1), *q = IN(2); TSYS__OMP(omp parallel for if (n > 65536)) for (int64_t i = 0; i < n; i++) y[i] = p[i] + q[i]; break; }
+    case TSYS_K_MUL: { float *y = OUT(0, false); const float *p = IN(1), *q = IN(2); for (int64_t i = 0; i < n; i++) y[i] = p[i] * q[i]; break; }
+    case TSYS_K_SCALE: { float *y = OUT(0, false); const float *x = IN(1); for (int64_t i = 0; i < n; i++) y[i] = x[i] * f[0]; break; }
+    case TSYS_K_ADD_BIAS: {
+        float *y = OUT(0, true); const float *bias = IN(1);
+        int64_t d = tsys_tensor_numel(t[1]);
+        for (int64_t i = 0; i < n; i++) y[i] += bias[i % d];
+        break;
+    }
+    case TSYS_K_BIAS_GRAD: {
+        float *db = OUT(0, true); const float *g = IN(1);
+        int64_t d = tsys_tensor_numel(t[0]), rows = tsys_tensor_numel(t[1]) / d;
+        for (int64_t r = 0; r < rows; r++) for (int64_t j = 0; j < d; j++) db[j] += g[r * d + j];
+        break;
+    }
+    case TSYS_K_RELU_FWD: { float *y = OUT(0, false); const float *x = IN(1); for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0 ? x[i] : 0.0f; break; }
+    case TSYS_K_RELU_BWD: { float *dx = OUT(0, false); const float *g = IN(1), *x = IN(2); for (int64_t i = 0; i < n; i++) dx[i] = x[i] > 0 ? g[i] : 0.0f; break; }
+    case TSYS_K_SILU_FWD: { float *y = OUT(0, false); const float *x = IN(1); TSYS__OMP(omp parallel for if (n > 65536)) for (int64_t i = 0; i < n; i++) y[i] = x[i] * tsys__sigmoid(x[i]); break; }
+    case TSYS_K_SILU_BWD: {
+        float *dx = OUT(0, false); const float *g = IN(1), *x = IN(2);
+        TSYS__OMP(omp parallel for if (n > 65536))
+        for (int64_t i = 0; i < n; i++) { float s = tsys__sigmoid(x[i]); dx[i] = g[i] * s * (1.0f + x[i] * (1.0f - s)); }
+        break;
+    }
+    case TSYS_K_SWIGLU_FWD: {
+        float *y = OUT(0, false); const float *p = IN(1), *q = IN(2);
+        TSYS__OMP(omp parallel for if (n > 65536))
+        for (int64_t i = 0; i < n; i++) y[i] = p[i] * tsys__sigmoid(p[i]) * q[i];
+        break;
+    }
+    case TSYS_K_SWIGLU_BWD: {
+        float *da = OUT(0, false), *db = OUT(1, false); const float *g = IN(2), *p = IN(3), *q = IN(4);
+        TSYS__OMP(omp parallel for if (n > 65536))
+        for (int64_t i = 0; i < n; i++) {
+            float s = tsys__sigmoid(p[i]);
+            db[i] = g[i] * p[i] * s;
+            da[i] = g[i] * q[i] * s * (1.0f + p[i] * (1.0f - s));
+        }
+        break;
+    }
+    case TSYS_K_RMSNORM_FWD: {
+        int64_t d = tsys__last_dim(t[2]);
+        tsys__cpu_rmsnorm_fwd(OUT(0, false), OUT(1, false), IN(2), IN(3), tsys__rows(t[2]), d, f[0]);
+        break;
+    }
+    case TSYS_K_RMSNORM_BWD: {
+        int64_t d = tsys__last_dim(t[3]);
+        tsys__cpu_rmsnorm_bwd(OUT(0, false), OUT(1, true), IN(2), IN(3), IN(4), IN(5), tsys__rows(t[3]), d);
+        break;
+    }
+    case TSYS_K_LAYERNORM_FWD: {
+        int64_t d = tsys__last_dim(t[3]);
+        tsys__cpu_layernorm_fwd(OUT(0, false), OUT(1, false), OUT(2, false), IN(3), IN(4), IN(5), tsys__rows(t[3]), d, f[0]);
+        break;
+    }
+    case TSYS_K_LAYERNORM_BWD: {
+        int64_t d = tsys__last_dim(t[4]);
+        tsys__cpu_layernorm_bwd(OUT(0, false), OUT(1, true), OUT(2, true), IN(3), IN(4), IN(5), IN(6), IN(7), tsys__rows(t[4]), d);
+        break;
+    }
+    case TSYS_K_ROPE: {
+        int64_t D = tsys__last_dim(t[1]), T = t[1]->shape[t[1]->ndim - 2];
+        tsys__cpu_rope(OUT(0, false), IN(1), tsys_tensor_numel(t[1]) / (T * D), T, D, f[0], f[1]);
+        break;
+    }
+    case TSYS_K_SOFTMAX_FWD: tsys__cpu_softmax_fwd(OUT(0, false), IN(1), tsys__rows(t[1]), tsys__last_dim(t[1]), f[0], a->i[0] != 0); break;
+    case TSYS_K_SOFTMAX_BWD: tsys__cpu_softmax_bwd(OUT(0, false), IN(1), IN(2), tsys__rows(t[1]), tsys__last_dim(t[1]), f[0]); break;
+    case TSYS_K_CE_FWD:
+        tsys__cpu_ce_fwd(OUT(0, false), OUT(1, false), IN(2), tsys_tensor_data(t[3]), t[3]->dtype, tsys__rows(t[2]), tsys__last_dim(t[2]));
+        break;
+    case TSYS_K_CE_BWD: {
+        const float *gl = IN(4);
+        tsys__cpu_ce_bwd(OUT(0, false), IN(1), IN(2), tsys_tensor_data(t[3]), t[3]->dtype, tsys__rows(t[1]), tsys__last_dim(t[1]), gl[0] * f[0]);
+        break;
+    }
+    case TSYS_K_MSE_FWD: {
+        const float *p = IN(1), *q = IN(2);
+        int64_t m = tsys_tensor_numel(t[1]);
+        double s = 0;
+        for (int64_t i = 0; i < m; i++) s += (double)(p[i] - q[i]) * (p[i] - q[i]);
+        OUT(0, false)[0] = (float)(s / (double)m);
+        break;
+    }
+    case TSYS_K_MSE_BWD: {
+        const float *p = IN(2), *q = IN(3), *gl = IN(4);
+        int64_t m = tsys_tensor_numel(t[2]);
+        float c = 2.0f * gl[0] / (float)m;
+        float *da = t[0] ? OUT(0, false) : NULL, *db = t[1] ? OUT(1, false) : NULL;
+        for (int64_t i = 0; i < m; i++) {
+            float d = c * (p[i] - q[i]);
+            if (da) da[i] = d;
+            if (db) db[i] = -d;
+        }
+        break;
+    }
+    case TSYS_K_SUM: {
+        const float *x = IN(1);
+        int64_t m = tsys_tensor_numel(t[1]);
+        double s = 0;
+        for (int64_t i = 0; i < m; i++) s += x[i];
+        OUT(0, false)[0] = (float)(s * f[0]);
+        break;
+    }
+    case TSYS_K_BROADCAST: { float *y = OUT(0, false); float v = IN(1)[0] * f[0]; for (int64_t i = 0; i < n; i++) y[i] = v; break; }
+    case TSYS_K_EMBED_FWD: {
+        int64_t D = tsys__last_dim(t[1]), N = tsys_tensor_numel(t[2]);
+        size_t row = (size_t)D * tsys_dtype_size(t[1]->dtype);
+        const void *ids = tsys_tensor_data(t[2]);
+        TSYS__OMP(omp parallel for if (N > 256))
+        for (int64_t r = 0; r < N; r++)
+            memcpy((char *)tsys_tensor_data(t[0]) + (size_t)r * row, (const char *)tsys_tensor_data(t[1]) + (size_t)tsys__load_id(ids, t[2]->dtype, r) * row, row);
+        break;
+    }
+    case TSYS_K_EMBED_BWD: {
+        float *dw = OUT(0, true); const float *g = IN(1);
+        int64_t D = tsys__last_dim(t[0]), N = tsys_tensor_numel(t[2]);
+        const void *ids = tsys_tensor_data(t[2]);
+        for (int64_t r = 0; r < N; r++) {
+            float *dst = dw + tsys__load_id(ids, t[2]->dtype, r) * D;
+            for (int64_t j = 0; j < D; j++) dst[j] += g[r * D + j];
+        }
+        break;
+    }
+    case TSYS_K_TRANSPOSE12: tsys__cpu_transpose12(tsys_tensor_data(t[0]), tsys_tensor_data(t[1]), t[1]->shape, tsys_dtype_size(t[1]->dtype)); break;
+    case TSYS_K_ADAMW: tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), n, f); break;
+    case TSYS_K_SGD: { float *p = OUT(0, true); const float *g = IN(1); for (int64_t i = 0; i < n; i++) p[i] -= f[0] * g[i]; break; }
+    case TSYS_K_SUMSQ: {
+        const float *x = IN(1);
+        int64_t m = tsys_tensor_numel(t[1]);
+        double s = 0;
+        for (int64_t i = 0; i < m; i++) s += (double)x[i] * x[i];
+        OUT(0, true)[0] += (float)s;
+        break;
+    }
+    case TSYS_K_NONFINITE: {
+        const float *x = IN(1);
+        int64_t m = tsys_tensor_numel(t[1]);
+        bool bad = false;
+        for (int64_t i = 0; i < m; i++) bad |= !isfinite(x[i]);
+        if (bad) OUT(0, true)[0] = 1.0f;
+        break;
+    }
+    case TSYS_K_FLASH_FWD:
+    case TSYS_K_FLASH_BWD: st = tsys__cpu_flash(ctx, k, a); break;
+    default: st = TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "cpu: kernel %d not implemented", (int)k);
+    }
+#undef IN
+#undef OUT
+    for (int j = 0; j < TSYS_KARGS_MAX; j++) {
+        if (b[j].owned && !b[j].p) st = TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu kernel %d: out of host memory for fp32 scratch", (int)k);
+        // outputs are the leading slots of each kernel; inputs are never written back
+        bool is_out = b[j].owned && t[j] && j < 4 && tsys__kernel_writes(k, j);
+        tsys__fdone(&b[j], is_out ? t[j] : NULL);
+    }
+    return st;
+}
+
+// C = alpha op(A) op(B) + beta C per batch item through cblas_sgemm on fp32 views.
+static tsys_status tsys__cpu_gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
+    tsys__fbuf a = tsys__fin(g->a), b = tsys__fin(g->b), c = tsys__fout(g->c, g->beta != 0.0f);
+    tsys_status st = TSYS_OK;
+    if (!a.p || !b.p || !c.p) st = TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu gemm: out of host memory for fp32 scratch");
+    int64_t lda = g->trans_a ? g->m : g->k, ldb = g->trans_b ? g->k : g->n;
+    for (int64_t i = 0; st == TSYS_OK && i < g->batch; i++) {
+        const float *A = a.p + i * g->stride_a, *B = b.p + i * g->stride_b;
+        float *C = c.p + i * g->stride_c;
+#ifndef TSYS_NO_CBLAS
+        cblas_sgemm(CblasRowMajor, g->trans_a ? CblasTrans : CblasNoTrans, g->trans_b ? CblasTrans : CblasNoTrans, (int)g->m, (int)g->n,
+                    (int)g->k, g->alpha, A, (int)lda, B, (int)ldb, g->beta, C, (int)g->n);
+#else
+        TSYS__OMP(omp parallel for)
+        for (int64_t r = 0; r < g->m; r++)
+            for (int64_t col = 0; col < g->n; col++) {
+                double s = 0;
+                for (int64_t q = 0; q < g->k; q++)
+                    s += (double)(g->trans_a ? A[q * lda + r] : A[r * lda + q]) * (g->trans_b ? B[col * ldb + q] : B[q * ldb + col]);
+                C[r * g->n + col] = (float)(g->alpha * s + (g->beta != 0.0f ? g->beta * C[r * g->n + col] : 0.0));
+            }
+#endif
+    }
+    tsys__fdone(&a, NULL); tsys__fdone(&b, NULL); tsys__fdone(&c, g->c);
+    return st;
+}
+
+static void *tsys__cpu_alloc(tsys_ctx *ctx, size_t bytes) {
+    (void)ctx;
+    // 64-byte aligned so that SIMD loads and BLAS see aligned rows
+    void *raw = TSYS_MALLOC(bytes + 64 + sizeof(void *));
+    if (!raw) return NULL;
+    uintptr_t p = ((uintptr_t)raw + sizeof(void *) + 63) & ~(uintptr_t)63;
+    ((void **)p)[-1] = raw;
+    return (void *)p;
+}
+static void tsys__cpu_free(tsys_ctx *ctx, void *ptr, size_t bytes) { (void)ctx; (void)bytes; if (ptr) TSYS_FREE(((void **)ptr)[-1]); }
+static tsys_status tsys__cpu_copy(tsys_ctx *ctx, void *dst, tsys_device dd, const void *src, tsys_device sd, size_t bytes) {
+    if (dd != TSYS_CPU || sd != TSYS_CPU) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "cpu backend cannot copy to or from another device");
+    memmove(dst, src, bytes);
+    return TSYS_OK;
+}
+static tsys_status tsys__cpu_sync(tsys_ctx *ctx) { (void)ctx; return TSYS_OK; }
+
+static const tsys_backend tsys__cpu_backend = {
+    "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL,
+};
+
+static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
+#if TSYS__FLASH_CPU_AVAILABLE
+    tsys_tensor *const *t = a->t;
+    for (int j = 0; j < (k == TSYS_K_FLASH_FWD ? 5 : 9); j++)
+        if (t[j]->dtype != TSYS_F32) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "cpu flash attention takes fp32 tensors ('%s' is %s)", t[j]->name, tsys_dtype_name(t[j]->dtype));
+    if (k == TSYS_K_FLASH_FWD) {
+        const tsys_tensor *q = t[2], *kk = t[3];
+        int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
+        tsys__cpu_flash_fwd((const float *)tsys_tensor_data(q), (const float *)tsys_tensor_data(kk), (const float *)tsys_tensor_data(t[4]),
+                            (float *)tsys_tensor_data(t[0]), (float *)tsys_tensor_data(t[1]), bh, nq, nk, d, a->f[0], a->i[0] != 0);
+    } else {
+        const tsys_tensor *q = t[4], *kk = t[5];
+        int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
+        tsys__cpu_flash_bwd((const float *)tsys_tensor_data(t[3]), (const float *)tsys_tensor_data(q), (const float *)tsys_tensor_data(kk),
+                            (const float *)tsys_tensor_data(t[6]), (const float *)tsys_tensor_data(t[7]), (const float *)tsys_tensor_data(t[8]),
+                            (float *)tsys_tensor_data(t[0]), (float *)tsys_tensor_data(t[1]), (float *)tsys_tensor_data(t[2]), bh, nq, nk, d, a->f[0], a->i[0] != 0);
+    }
+    return TSYS_OK;
+#else
+    (void)a; (void)k;
+    return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "cpu flash attention is not built in");
+#endif
+}
+
+static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a) {
+    const tsys_backend *be = ctx->backends[dev];
+    if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %d has no backend", (int)dev);
+    return be->kernel(ctx, k, a);
+}
+
+static tsys_status tsys__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
+    return ctx->backends[g->c->device]->gemm(ctx, g);
+}
+
+// >>context ---------------------------------------------------------------------------------------
+
+TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc) {
+    tsys_ctx *ctx = (tsys_ctx *)TSYS_MALLOC(sizeof(tsys_ctx));
+    if (!ctx) return NULL;
+    memset(ctx, 0, sizeof(*ctx));
+    ctx->backends[TSYS_CPU] = &tsys__cpu_backend;
+    ctx->t0_us = tsys_time_us();
+    ctx->autocast = TSYS_F32;
+    tsys_ctx_desc d;
+    memset(&d, 0, sizeof(d));
+    if (desc) d = *desc;
+    ctx->cpu_memory_limit = d.cpu_memory_limit;
+    ctx->mem.record = d.record_events;
+    tsys_rng_seed(ctx, d.seed ? d.seed : 0x5eed);
+    ctx->mem.cur_tag = tsys_mem_tag(ctx, "other");
+    for (int i = 0; i < TSYS__OP_COUNT; i++) ctx->op_tags[i] = tsys_mem_tag(ctx, tsys__op_names[i]);
+    return ctx;
+}
+
+static void tsys__autocast_cache_clear(tsys_ctx *ctx);
+
+TSYSDEF void tsys_ctx_free(tsys_ctx *ctx) {
+    if (!ctx) return;
+    tsys_tape_clear(ctx);
+    tsys__autocast_cache_clear(ctx);
+    TSYS_FREE(ctx->ac_src); TSYS_FREE(ctx->ac_low);
+    TSYS_FREE(ctx->tape);
+    for (int i = 0; i < ctx->mem.num_tags; i++) TSYS_FREE(ctx->mem.tag_names[i]);
+    TSYS_FREE(ctx->mem.events);
+    TSYS_FREE(ctx);
+}
+
+TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_backend *backend) { ctx->backends[dev] = backend; }
+TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev) { return ctx->backends[dev]; }
+TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev) { return ctx->backends[dev] ? ctx->backends[dev]->sync(ctx) : TSYS_OK; }
+
+// >>autograd --------------------------------------------------------------------------------------
+
+TSYSDEF void tsys_no_grad_begin(tsys_ctx *ctx) { ctx->no_grad_depth++; }
+TSYSDEF void tsys_no_grad_end(tsys_ctx *ctx) { if (ctx->no_grad_depth > 0) ctx->no_grad_depth--; }
+TSYSDEF bool tsys_grad_enabled(const tsys_ctx *ctx) { return ctx->no_grad_depth == 0; }
+TSYSDEF size_t tsys_tape_size(const tsys_ctx *ctx) { return ctx->tape_len; }
+TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on) { if (t && !t->grad_fn) t->requires_grad = on; }
+TSYSDEF void tsys_tensor_set_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user) { if (t) { t->hook = fn; t->hook_user = user; } }
+
+static tsys_kargs tsys__kargs0(void) { tsys_kargs a; memset(&a, 0, sizeof(a)); return a; }
+
+static tsys_tensor *tsys__new_like(tsys_ctx *ctx, const tsys_tensor *t, tsys_dtype dt) {
+    return tsys_tensor_new(ctx, dt, t->device, t->ndim, t->shape);
+}
+
+// Should an op with these inputs be recorded?
+static bool tsys__recording(const tsys_ctx *ctx, tsys_tensor *const *ins, int n) {
+    if (ctx->no_grad_depth > 0) return false;
+    for (int i = 0; i < n; i++)
+        if (ins[i] && ins[i]->requires_grad) return true;
+    return false;
+}
+
+// Appends a node for `out` = op(ins) that keeps `saved` alive until backward passes it.
+static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, tsys_tensor *const *ins, int n_in, tsys_tensor *const *saved, int n_saved) {
+    if (!out || !tsys__recording(ctx, ins, n_in)) return NULL;
+    tsys__node *node = (tsys__node *)TSYS_MALLOC(sizeof(tsys__node));
+    if (ctx->tape_len == ctx->tape_cap) {
+        size_t cap = ctx->tape_cap ? ctx->tape_cap * 2 : 256;
+        tsys__node **tape = (tsys__node **)TSYS_REALLOC(ctx->tape, cap * sizeof(*tape));
+        if (tape) { ctx->tape = tape; ctx->tape_cap = cap; }
+    }
+    if (!node || ctx->tape_len == ctx->tape_cap) {
+        TSYS_FREE(node);
+        TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the autograd tape");
+        return NULL;
+    }
+    memset(node, 0, sizeof(*node));
+    node->op = op;
+    node->n_in = n_in;
+    for (int i = 0; i < n_in; i++) {
+        tsys_tensor *x = ins[i];
+        tsys__slot *s = &node->in[i];
+        if (!x) continue;
+        s->dtype = x->dtype; s->ndim = x->ndim;
+        memcpy(s->shape, x->shape, sizeof(s->shape));
+        s->needs = x->requires_grad;
+        if (!x->requires_grad) continue;
+        if (x->grad_fn) s->node = x->grad_fn;
+        else { s->leaf = tsys_tensor_retain(x); x->tape_uses++; }
+    }
+    for (int i = 0; i < n_saved; i++) node->saved[i] = tsys_tensor_retain(saved[i]);
+    node->n_saved = n_saved;
+    node->out = out;
+    node->out_dtype = out->dtype; node->out_ndim = out->ndim;
+    memcpy(node->out_shape, out->shape, sizeof(node->out_shape));
+    out->grad_fn = node;
+    out->requires_grad = true;
+    ctx->tape[ctx->tape_len++] = node;
+    return node;
+}
+
+// Lets go of a node: saved values, its output gradient, and the leaves' pending uses (firing the
+// gradient-ready hook of a leaf whose last use this was).
+static void tsys__node_free(tsys_ctx *ctx, tsys__node *node) {
+    for (int i = 0; i < node->n_saved; i++) tsys_tensor_release(node->saved[i]);
+    tsys_tensor_release(node->gout);
+    if (node->out) { node->out->grad_fn = NULL; node->out->requires_grad = false; }
+    for (int i = 0; i < node->n_in; i++) {
+        tsys_tensor *leaf = node->in[i].leaf;
+        if (!leaf) continue;
+        if (--leaf->tape_uses == 0 && leaf->grad_touched) {
+            leaf->grad_touched = false;
+            if (leaf->hook) leaf->hook(ctx, leaf, leaf->hook_user);
+        }
+        tsys_tensor_release(leaf);
+    }
+    TSYS_FREE(node);
+}
+
+TSYSDEF void tsys_tape_clear(tsys_ctx *ctx) {
+    for (size_t i = ctx->tape_len; i-- > 0;) tsys__node_free(ctx, ctx->tape[i]);
+    ctx->tape_len = 0;
+}
+
+// A leaf's gradient buffer, created zero-filled on first use; kernels may accumulate into it.
+static tsys_tensor *tsys__leaf_grad(tsys_ctx *ctx, tsys_tensor *leaf) {
+    if (!leaf->grad) {
+        int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
+        leaf->grad = tsys__new_like(ctx, leaf, leaf->dtype);
+        tsys_mem_set_tag(ctx, tag);
+        if (!leaf->grad) return NULL;
+        tsys_tensor_set_name(leaf->grad, "%s.grad", leaf->name);
+        if (tsys_tensor_fill(ctx, leaf->grad, 0.0f) != TSYS_OK) return NULL;
+    }
+    leaf->grad_touched = true;
+    return leaf->grad;
+}
+
+static tsys_tensor *tsys__cast_raw(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt) {
+    tsys_tensor *y = tsys__new_like(ctx, x, dt);
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = y; a.t[1] = x;
+    if (y && tsys__kernel(ctx, x->device, TSYS_K_CAST, &a) != TSYS_OK) { tsys_tensor_release(y); return NULL; }
+    return y;
+}
+
+// dst += src (dtypes may differ); dst must not be shared.
+static tsys_status tsys__accum(tsys_ctx *ctx, tsys_tensor *dst, tsys_tensor *src) {
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = dst; a.t[1] = src; a.f[0] = 1.0f;
+    return tsys__kernel(ctx, dst->device, TSYS_K_ACCUM, &a);
+}
+
+// Adds gradient g (consumed: the caller's reference passes here) to the input behind slot s.
+static tsys_status tsys__grad_add(tsys_ctx *ctx, tsys__slot *s, tsys_tensor *g) {
+    tsys_status st = TSYS_OK;
+    if (!g) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "backward: gradient missing");
+    if (s->leaf) {
+        tsys_tensor *dst = tsys__leaf_grad(ctx, s->leaf);
+        st = dst ? tsys__accum(ctx, dst, g) : ctx->status;
+    } else if (s->node) {
+        tsys__node *n = s->node;
+        if (!n->gout) {
+            // Take g as the gradient when it has the output's dtype; copy it on a later accumulation if shared.
+            n->gout = g->dtype == n->out_dtype ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, n->out_dtype);
+            if (!n->gout) st = ctx->status ? ctx->status : TSYS_ERR_OOM;
+        } else {
+            if (n->gout->refcount > 1 || n->gout->storage->refcount > 1) {   // copy on write
+                tsys_tensor *own = tsys_tensor_clone(ctx, n->gout);
+                tsys_tensor_release(n->gout);
+                n->gout = own;
+            }
+            st = n->gout ? tsys__accum(ctx, n->gout, g) : ctx->status;
+        }
+    }
+    tsys_tensor_release(g);
+    return st;
+}
+
+static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *node);
+
+TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_tensor *grad_out) {
+    if (!out || !grad_out) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: NULL tensor (did the forward pass fail? %s)", ctx->error);
+    if (ctx->status != TSYS_OK) return ctx->status;
+    if (!out->grad_fn) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: '%s' was not produced by a recorded op (no_grad, or nothing requires grad)", out->name);
+    if (tsys_tensor_numel(out) != tsys_tensor_numel(grad_out))
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: gradient has %lld elements, output '%s' has %lld", (long long)tsys_tensor_numel(grad_out), out->name, (long long)tsys_tensor_numel(out));
+    tsys__slot root;
+    memset(&root, 0, sizeof(root));
+    root.node = out->grad_fn;
+    tsys_status st = tsys__grad_add(ctx, &root, tsys_tensor_retain(grad_out));
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "backward"));
+    ctx->in_backward = true;
+    for (size_t i = ctx->tape_len; i-- > 0;) {
+        tsys__node *node = ctx->tape[i];
+        if (st == TSYS_OK && node->gout) st = tsys__node_backward(ctx, node);
+        tsys__node_free(ctx, node);
+        ctx->tape_len = i;
+    }
+    ctx->in_backward = false;
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+TSYSDEF tsys_status tsys_backward(tsys_ctx *ctx, tsys_tensor *loss) {
+    if (!loss) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: loss is NULL (did the forward pass fail? %s)", ctx->error);
+    if (tsys_tensor_numel(loss) != 1) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: loss '%s' has %lld elements, expected a scalar", loss->name, (long long)tsys_tensor_numel(loss));
+    tsys_tensor *one = tsys__new_like(ctx, loss, loss->dtype);
+    if (!one || tsys_tensor_fill(ctx, one, 1.0f) != TSYS_OK) { tsys_tensor_release(one); return ctx->status; }
+    tsys_status st = tsys_backward_with(ctx, loss, one);
+    tsys_tensor_release(one);
+    return st;
+}
+
+// >>autocast --------------------------------------------------------------------------------------
+
+TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low) { ctx->autocast = (low == TSYS_BF16 || low == TSYS_F16) ? low : TSYS_F32; }
+TSYSDEF tsys_dtype tsys_autocast_dtype(const tsys_ctx *ctx) { return ctx->autocast; }
+
+static void tsys__autocast_cache_clear(tsys_ctx *ctx) {
+    for (int i = 0; i < ctx->ac_len; i++) { tsys_tensor_release(ctx->ac_src[i]); tsys_tensor_release(ctx->ac_low[i]); }
+    ctx->ac_len = 0;
+}
+TSYSDEF void tsys_autocast_end(tsys_ctx *ctx) { ctx->autocast = TSYS_F32; tsys__autocast_cache_clear(ctx); }
+
+// Low-precision copy of a parameter, made once per autocast region (weights do not change inside it).
+static tsys_tensor *tsys__autocast_weight(tsys_ctx *ctx, tsys_tensor *w, tsys_dtype dt) {
+    for (int i = 0; i < ctx->ac_len; i++)
+        if (ctx->ac_src[i] == w && ctx->ac_low[i]->dtype == dt) return tsys_tensor_retain(ctx->ac_low[i]);
+    if (ctx->ac_len == ctx->ac_cap) {
+        int cap = ctx->ac_cap ? ctx->ac_cap * 2 : 64;
+        tsys_tensor **s = (tsys_tensor **)TSYS_REALLOC(ctx->ac_src, (size_t)cap * sizeof(*s));
+        if (s) ctx->ac_src = s;
+        tsys_tensor **l = (tsys_tensor **)TSYS_REALLOC(ctx->ac_low, (size_t)cap * sizeof(*l));
+        if (l) ctx->ac_low = l;
+        if (!s || !l) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the autocast cache"); return NULL; }
+        ctx->ac_cap = cap;
+    }
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "autocast weights"));
+    tsys_tensor *low = tsys__cast_raw(ctx, w, dt);
+    tsys_mem_set_tag(ctx, tag);
+    if (!low) return NULL;
+    tsys_tensor_set_name(low, "%s.%s", w->name, tsys_dtype_name(dt));
+    ctx->ac_src[ctx->ac_len] = tsys_tensor_retain(w);
+    ctx->ac_low[ctx->ac_len] = low;
+    ctx->ac_len++;
+    return tsys_tensor_retain(low);
+}
+
+// The dtype a matmul-class op computes in: the autocast dtype when on, else the inputs' own.
+static tsys_dtype tsys__matmul_dtype(tsys_ctx *ctx, const tsys_tensor *a, const tsys_tensor *b) {
+    if (ctx->autocast != TSYS_F32) return ctx->autocast;
+    return a->dtype == b->dtype ? a->dtype : TSYS_F32;
+}
+
+static tsys_dtype tsys__promote(tsys_dtype a, tsys_dtype b) { return a == b ? a : TSYS_F32; }
+
+// >>ops -------------------------------------------------------------------------------------------
+
+// Common entry checks: inputs present, on one device, float where a float is needed.
+static bool tsys__check_inputs(tsys_ctx *ctx, const char *op, tsys_tensor *const *ins, int n) {
+    for (int i = 0; i < n; i++)
+        if (!ins[i]) return false;   // an earlier op failed; its error is already recorded
+    for (int i = 1; i < n; i++)
+        if (ins[i]->device != ins[0]->device) {
+            TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: inputs '%s' and '%s' are on different devices", op, ins[0]->name, ins[i]->name);
+            return false;
+        }
+    return true;
+}
+
+static bool tsys__check_float(tsys_ctx *ctx, const char *op, const tsys_tensor *t) {
+    if (tsys_dtype_is_float(t->dtype)) return true;
+    TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' has dtype %s, expected a float tensor", op, t->name, tsys_dtype_name(t->dtype));
+    return false;
+}
+
+static bool tsys__check_same_shape(tsys_ctx *ctx, const char *op, const tsys_tensor *a, const tsys_tensor *b) {
+    if (tsys_tensor_same_shape(a, b)) return true;
+    char sa[96], sb[96];
+    tsys__shape_str(a, sa, sizeof(sa)); tsys__shape_str(b, sb, sizeof(sb));
+    TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: shapes differ: '%s' %s vs '%s' %s", op, a->name, sa, b->name, sb);
+    return false;
+}
+
+// Runs kernel k on args whose t[0] is a fresh output; releases the output on failure.
+static tsys_tensor *tsys__run(tsys_ctx *ctx, tsys_kernel k, tsys_kargs *a) {
+    if (tsys__kernel(ctx, a->t[0]->device, k, a) != TSYS_OK) { tsys_tensor_release(a->t[0]); return NULL; }
+    return a->t[0];
+}
+
+static int tsys__op_tag(tsys_ctx *ctx, tsys__op op) { return tsys_mem_set_tag(ctx, ctx->op_tags[op]); }
+
+TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt) {
+    if (!x) return NULL;
+    if (x->dtype == dt) return tsys_tensor_retain(x);
+    TSYS__REQUIRE(ctx, tsys_dtype_is_float(dt) && tsys_dtype_is_float(x->dtype), "cast: '%s' %s -> %s is not a float conversion", x->name, tsys_dtype_name(x->dtype), tsys_dtype_name(dt));
+    int tag = tsys__op_tag(ctx, TSYS__OP_CAST);
+    tsys_tensor *y = tsys__cast_raw(ctx, x, dt);
+    tsys__record(ctx, TSYS__OP_CAST, y, &x, 1, NULL, 0);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape) {
+    if (!t) return NULL;
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    TSYS__REQUIRE(ctx, n == tsys_tensor_numel(t), "view: '%s' has %lld elements, the new shape %lld", t->name, (long long)tsys_tensor_numel(t), (long long)n);
+    tsys_tensor *v = tsys_tensor_view_raw(ctx, t, 0, t->dtype, ndim, shape);
+    if (v) memcpy(v->name, t->name, sizeof(v->name));
+    tsys__record(ctx, TSYS__OP_VIEW, v, &t, 1, NULL, 0);
+    return v;
+}
+
+TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_tensor *ids) {
+    tsys_tensor *ins[2] = {weight, ids};
+    if (!tsys__check_inputs(ctx, "embedding", ins, 2)) return NULL;
+    TSYS__REQUIRE(ctx, weight->ndim == 2, "embedding: weight '%s' must be 2-D (vocab, dim)", weight->name);
+    TSYS__REQUIRE(ctx, ids->dtype == TSYS_I32 || ids->dtype == TSYS_I64, "embedding: ids '%s' must be i32 or i64, got %s", ids->name, tsys_dtype_name(ids->dtype));
+    TSYS__REQUIRE(ctx, ids->ndim < TSYS_MAX_DIMS, "embedding: ids '%s' has too many dims", ids->name);
+    int64_t shape[TSYS_MAX_DIMS];
+    memcpy(shape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
+    shape[ids->ndim] = weight->shape[1];
+    int tag = tsys__op_tag(ctx, TSYS__OP_EMBEDDING);
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys_tensor_new(ctx, weight->dtype, weight->device, ids->ndim + 1, shape);
+    a.t[1] = weight; a.t[2] = ids;
+    tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_EMBED_FWD, &a) : NULL;
+    tsys__record(ctx, TSYS__OP_EMBEDDING, y, ins, 2, &ids, 1);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+static tsys_gemm_args tsys__gemm_args(const tsys_tensor *a, const tsys_tensor *b, tsys_tensor *c, bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
+    tsys_gemm_args g;
+    memset(&g, 0, sizeof(g));
+    g.a = a; g.b = b; g.c = c; g.trans_a = ta; g.trans_b = tb;
+    g.m = m; g.n = n; g.k = k; g.batch = 1; g.alpha = 1.0f; g.beta = 0.0f;
+    return g;
+}
+
+// Input of a matmul-class op in the compute dtype: recorded cast, or the cached weight copy.
+static tsys_tensor *tsys__matmul_input(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt, bool is_weight) {
+    if (x->dtype == dt) return tsys_tensor_retain(x);
+    if (is_weight && !x->grad_fn) {
+        tsys_no_grad_begin(ctx);
+        tsys_tensor *w = tsys__autocast_weight(ctx, x, dt);
+        tsys_no_grad_end(ctx);
+        return w;
+    }
+    return tsys_cast(ctx, x, dt);
+}
+
+TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias) {
+    tsys_tensor *ins[3] = {x, weight, bias};
+    if (!tsys__check_inputs(ctx, "linear", ins, bias ? 3 : 2)) return NULL;
+    if (!tsys__check_float(ctx, "linear", x) || !tsys__check_float(ctx, "linear", weight)) return NULL;
+    TSYS__REQUIRE(ctx, weight->ndim == 2 && x->ndim >= 1 && tsys__last_dim(x) == weight->shape[1],
+                  "linear: input '%s' last dim %lld does not match weight '%s' (%lld, %lld) [d_out, d_in]", x->name, (long long)tsys__last_dim(x),
+                  weight->name, (long long)weight->shape[0], (long long)(weight->ndim > 1 ? weight->shape[1] : -1));
+    TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == weight->shape[0]), "linear: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)weight->shape[0]);
+    int tag = tsys__op_tag(ctx, TSYS__OP_LINEAR);
+    tsys_dtype dt = tsys__matmul_dtype(ctx, x, weight);
+    tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false);
+    tsys_tensor *wl = xl ? tsys__matmul_input(ctx, weight, dt, true) : NULL;
+    tsys_tensor *y = NULL;
+    if (wl) {
+        int64_t shape[TSYS_MAX_DIMS];
+        memcpy(shape, x->shape, sizeof(shape));
+        shape[x->ndim - 1] = weight->shape[0];
+        y = tsys_tensor_new(ctx, dt, x->device, x->ndim, shape);
+    }
+    if (y) {
+        tsys_gemm_args g = tsys__gemm_args(xl, wl, y, false, true, tsys__rows(x), weight->shape[0], weight->shape[1]);
+        if (tsys__gemm(ctx, &g) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
+    }
+    if (y && bias) {
+        tsys_kargs a = tsys__kargs0();
+        a.t[0] = y; a.t[1] = bias;
+        if (tsys__kernel(ctx, y->device, TSYS_K_ADD_BIAS, &a) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
+    }
+    // Slots: the low-precision x (its cast node routes to x), the fp32 weight itself (dW lands in fp32).
+    tsys_tensor *slots[3] = {xl, weight->grad_fn ? wl : weight, bias};
+    tsys_tensor *saved[2] = {xl, wl};
+    tsys__record(ctx, TSYS__OP_LINEAR, y, slots, 3, saved, 2);
+    tsys_tensor_release(xl); tsys_tensor_release(wl);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+// Batch count of a (.., r, c) tensor: product of the leading dims.
+static int64_t tsys__batch(const tsys_tensor *t) { return t->ndim > 2 ? tsys_tensor_numel(t) / (t->shape[t->ndim - 1] * t->shape[t->ndim - 2]) : 1; }
+
+TSYSDEF tsys_tensor *tsys_matmul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b, bool trans_b) {
+    tsys_tensor *ins[2] = {a, b};
+    if (!tsys__check_inputs(ctx, "matmul", ins, 2)) return NULL;
+    if (!tsys__check_float(ctx, "matmul", a) || !tsys__check_float(ctx, "matmul", b)) return NULL;
+    TSYS__REQUIRE(ctx, a->ndim >= 2 && b->ndim >= 2, "matmul: '%s' and '%s' must have at least 2 dims", a->name, b->name);
+    int64_t m = a->shape[a->ndim - 2], k = a->shape[a->ndim - 1];
+    int64_t kb = b->shape[b->ndim - (trans_b ? 1 : 2)], n = b->shape[b->ndim - (trans_b ? 2 : 1)];
+    int64_t batch = tsys__batch(a), bb = tsys__batch(b);
+    TSYS__REQUIRE(ctx, k == kb, "matmul: inner dims differ: '%s' has %lld, '%s' has %lld", a->name, (long long)k, b->name, (long long)kb);
+    TSYS__REQUIRE(ctx, bb == batch || b->ndim == 2, "matmul: batch sizes differ: '%s' %lld vs '%s' %lld", a->name, (long long)batch, b->name, (long long)bb);
+    int tag = tsys__op_tag(ctx, TSYS__OP_MATMUL);
+    tsys_dtype dt = tsys__matmul_dtype(ctx, a, b);
+    tsys_tensor *al = tsys__matmul_input(ctx, a, dt, false);
+    tsys_tensor *bl = al ? tsys__matmul_input(ctx, b, dt, false) : NULL;
+    tsys_tensor *y = NULL;
+    if (bl) {
+        int64_t shape[TSYS_MAX_DIMS];
+        memcpy(shape, a->shape, sizeof(shape));
+        shape[a->ndim - 1] = n;
+        y = tsys_tensor_new(ctx, dt, a->device, a->ndim, shape);
+    }
+    if (y) {
+        tsys_gemm_args g = tsys__gemm_args(al, bl, y, false, trans_b, m, n, k);
+        g.batch = batch; g.stride_a = m * k; g.stride_b = b->ndim == 2 ? 0 : k * n; g.stride_c = m * n;
+        if (tsys__gemm(ctx, &g) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
+    }
+    tsys_tensor *saved[2] = {al, bl};
+    tsys_tensor *slots[2] = {al, bl};
+    tsys__node *node = tsys__record(ctx, TSYS__OP_MATMUL, y, slots, 2, saved, 2);
+    if (node) node->i[0] = trans_b;
+    tsys_tensor_release(al); tsys_tensor_release(bl);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+// Elementwise op of two same-shape inputs with dtype promotion.
+static tsys_tensor *tsys__binary(tsys_ctx *ctx, tsys__op op, tsys_kernel k, tsys_tensor *a, tsys_tensor *b, bool save) {
+    tsys_tensor *ins[2] = {a, b};
+    const char *name = tsys__op_names[op];
+    if (!tsys__check_inputs(ctx, name, ins, 2)) return NULL;
+    if (!tsys__check_float(ctx, name, a) || !tsys__check_float(ctx, name, b) || !tsys__check_same_shape(ctx, name, a, b)) return NULL;
+    int tag = tsys__op_tag(ctx, op);
+    tsys_kargs args = tsys__kargs0();
+    args.t[0] = tsys__new_like(ctx, a, tsys__promote(a->dtype, b->dtype));
+    args.t[1] = a; args.t[2] = b;
+    tsys_tensor *y = args.t[0] ? tsys__run(ctx, k, &args) : NULL;
+    tsys__record(ctx, op, y, ins, 2, ins, save ? 2 : 0);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+TSYSDEF tsys_tensor *tsys_add(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) { return tsys__binary(ctx, TSYS__OP_ADD, TSYS_K_ADD, a, b, false); }
+TSYSDEF tsys_tensor *tsys_mul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) { return tsys__binary(ctx, TSYS__OP_MUL, TSYS_K_MUL, a, b, true); }
+TSYSDEF tsys_tensor *tsys_swiglu(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) { return tsys__binary(ctx, TSYS__OP_SWIGLU, TSYS_K_SWIGLU_FWD, a, b, true); }
+
+// Elementwise op of one input; the output keeps the input's dtype.
+static tsys_tensor *tsys__unary(tsys_ctx *ctx, tsys__op op, tsys_kernel k, tsys_tensor *x, float f0, bool save) {
+    if (!x) return NULL;
+    if (!tsys__check_float(ctx, tsys__op_names[op], x)) return NULL;
+    int tag = tsys__op_tag(ctx, op);
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys__new_like(ctx, x, x->dtype);
+    a.t[1] = x; a.f[0] = f0;
+    tsys_tensor *y = a.t[0] ? tsys__run(ctx, k, &a) : NULL;
+    tsys__node *node = tsys__record(ctx, op, y, &x, 1, &x, save ? 1 : 0);
+    if (node) node->f[0] = f0;
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+TSYSDEF tsys_tensor *tsys_scale(tsys_ctx *ctx, tsys_tensor *a, float s) { return tsys__unary(ctx, TSYS__OP_SCALE, TSYS_K_SCALE, a, s, false); }
+TSYSDEF tsys_tensor *tsys_relu(tsys_ctx *ctx, tsys_tensor *x) { return tsys__unary(ctx, TSYS__OP_RELU, TSYS_K_RELU_FWD, x, 0, true); }
+TSYSDEF tsys_tensor *tsys_silu(tsys_ctx *ctx, tsys_tensor *x) { return tsys__unary(ctx, TSYS__OP_SILU, TSYS_K_SILU_FWD, x, 0, true); }
+
+static tsys_tensor *tsys__row_stats(tsys_ctx *ctx, const tsys_tensor *x) {
+    int64_t rows = tsys__rows(x);
+    return tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &rows);
+}
+
+TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps) {
+    tsys_tensor *ins[2] = {x, weight};
+    if (!tsys__check_inputs(ctx, "rmsnorm", ins, 2) || !tsys__check_float(ctx, "rmsnorm", x)) return NULL;
+    TSYS__REQUIRE(ctx, weight->ndim == 1 && weight->shape[0] == tsys__last_dim(x), "rmsnorm: weight '%s' must be (%lld) to match '%s'", weight->name, (long long)tsys__last_dim(x), x->name);
+    int tag = tsys__op_tag(ctx, TSYS__OP_RMSNORM);
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys__new_like(ctx, x, x->dtype);   // cs336: computed in fp32, cast back to the input dtype
+    a.t[1] = a.t[0] ? tsys__row_stats(ctx, x) : NULL;
+    a.t[2] = x; a.t[3] = weight; a.f[0] = eps;
+    tsys_tensor *y = NULL;
+    if (a.t[1] && tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_FWD, &a) == TSYS_OK) y = a.t[0];
+    else tsys_tensor_release(a.t[0]);
+    tsys_tensor *saved[3] = {x, weight, a.t[1]};
+    tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, 3);
+    tsys_tensor_release(a.t[1]);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias, float eps) {
+    tsys_tensor *ins[3] = {x, weight, bias};
+    if (!x || !tsys__check_float(ctx, "layernorm", x)) return NULL;
+    int64_t d = tsys__last_dim(x);
+    TSYS__REQUIRE(ctx, !weight || (weight->ndim == 1 && weight->shape[0] == d), "layernorm: weight '%s' must be (%lld)", weight ? weight->name : "", (long long)d);
+    TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == d), "layernorm: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)d);
+    int tag = tsys__op_tag(ctx, TSYS__OP_LAYERNORM);
+    // autocast runs layer norm in fp32 and returns fp32 (torch's rule); outside it the input dtype
+    tsys_dtype out_dt = ctx->autocast != TSYS_F32 ? TSYS_F32 : x->dtype;
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys__new_like(ctx, x, out_dt);
+    a.t[1] = tsys__row_stats(ctx, x);
+    a.t[2] = tsys__row_stats(ctx, x);
+    a.t[3] = x; a.t[4] = weight; a.t[5] = bias; a.f[0] = eps;
+    tsys_tensor *y = NULL;
+    if (a.t[0] && a.t[1] && a.t[2] && tsys__kernel(ctx, x->device, TSYS_K_LAYERNORM_FWD, &a) == TSYS_OK) y = a.t[0];
+    else tsys_tensor_release(a.t[0]);
+    tsys_tensor *saved[5] = {x, weight, bias, a.t[1], a.t[2]};
+    tsys__record(ctx, TSYS__OP_LAYERNORM, y, ins, 3, saved, 5);
+    tsys_tensor_release(a.t[1]); tsys_tensor_release(a.t[2]);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_rope(tsys_ctx *ctx, tsys_tensor *x, float theta) {
+    if (!x) return NULL;
+    TSYS__REQUIRE(ctx, x->ndim >= 2 && tsys__last_dim(x) % 2 == 0, "rope: '%s' needs (.., T, D) with D even (RoPE rotates pairs), got D = %lld", x->name, (long long)tsys__last_dim(x));
+    if (!tsys__check_float(ctx, "rope", x)) return NULL;
+    int tag = tsys__op_tag(ctx, TSYS__OP_ROPE);
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys__new_like(ctx, x, x->dtype);
+    a.t[1] = x; a.f[0] = theta; a.f[1] = 1.0f;
+    tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_ROPE, &a) : NULL;
+    tsys__node *node = tsys__record(ctx, TSYS__OP_ROPE, y, &x, 1, NULL, 0);
+    if (node) node->f[0] = theta;
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bool causal) {
+    if (!x || !tsys__check_float(ctx, "softmax", x)) return NULL;
+    TSYS__REQUIRE(ctx, !causal || (x->ndim >= 2 && x->shape[x->ndim - 1] == x->shape[x->ndim - 2]), "softmax: causal needs square (.., T, T) scores, '%s' is not", x->name);
+    int tag = tsys__op_tag(ctx, TSYS__OP_SOFTMAX);
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys__new_like(ctx, x, x->dtype);
+    a.t[1] = x; a.f[0] = scale; a.i[0] = causal;
+    tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_SOFTMAX_FWD, &a) : NULL;
+    tsys__node *node = tsys__record(ctx, TSYS__OP_SOFTMAX, y, &x, 1, &y, 1);
+    if (node) node->f[0] = scale;
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x) {
+    if (!x) return NULL;
+    TSYS__REQUIRE(ctx, x->ndim == 4, "transpose12: '%s' must be 4-D, has %d dims", x->name, x->ndim);
+    int tag = tsys__op_tag(ctx, TSYS__OP_TRANSPOSE12);
+    int64_t shape[4] = {x->shape[0], x->shape[2], x->shape[1], x->shape[3]};
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys_tensor_new(ctx, x->dtype, x->device, 4, shape);
+    a.t[1] = x;
+    tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_TRANSPOSE12, &a) : NULL;
+    tsys__record(ctx, TSYS__OP_TRANSPOSE12, y, &x, 1, NULL, 0);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_attention_naive(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal) {
+    if (!q || !k || !v) return NULL;
+    float scale = 1.0f / sqrtf((float)tsys__last_dim(q));
+    tsys_tensor *s = tsys_matmul(ctx, q, k, true);          // "computing attention scores"
+    tsys_tensor *p = tsys_softmax(ctx, s, scale, causal);    // "computing softmax"
+    tsys_tensor_release(s);
+    tsys_tensor *o = tsys_matmul(ctx, p, v, false);          // "final matmul"
+    tsys_tensor_release(p);
+    return o;
+}
+
+TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal, tsys_tensor **lse_out) {
+    tsys_tensor *ins[3] = {q, k, v};
+    if (lse_out) *lse_out = NULL;
+    if (!tsys__check_inputs(ctx, "flash_attention", ins, 3)) return NULL;
+    int64_t d = tsys__last_dim(q);
+    TSYS__REQUIRE(ctx, q->ndim >= 2 && k->ndim == q->ndim && v->ndim == q->ndim, "flash_attention: q, k, v must be (.., N, d) with the same number of dims");
+    TSYS__REQUIRE(ctx, tsys__last_dim(k) == d && tsys__last_dim(v) == d && tsys_tensor_same_shape(k, v), "flash_attention: k '%s' and v '%s' must match q's head dim %lld", k->name, v->name, (long long)d);
+    TSYS__REQUIRE(ctx, tsys_tensor_numel(q) / (q->shape[q->ndim - 2] * d) == tsys_tensor_numel(k) / (k->shape[k->ndim - 2] * d), "flash_attention: q and k have different batch*heads");
+    int tag = tsys__op_tag(ctx, TSYS__OP_FLASH_ATTN);
+    tsys_dtype dt = ctx->autocast != TSYS_F32 ? ctx->autocast : q->dtype;
+    tsys_tensor *ql = tsys__matmul_input(ctx, q, dt, false), *kl = tsys__matmul_input(ctx, k, dt, false), *vl = tsys__matmul_input(ctx, v, dt, false);
+    tsys_kargs a = tsys__kargs0();
+    tsys_tensor *o = NULL, *lse = NULL;
+    if (ql && kl && vl) {
+        o = tsys__new_like(ctx, ql, dt);
+        int64_t bh = tsys_tensor_numel(q) / (q->shape[q->ndim - 2] * d), lshape[2] = {bh, q->shape[q->ndim - 2]};
+        lse = o ? tsys_tensor_new(ctx, TSYS_F32, q->device, 2, lshape) : NULL;
+    }
+    if (lse) {
+        a.t[0] = o; a.t[1] = lse; a.t[2] = ql; a.t[3] = kl; a.t[4] = vl; a.i[0] = causal; a.f[0] = 1.0f / sqrtf((float)d);
+        if (tsys__kernel(ctx, q->device, TSYS_K_FLASH_FWD, &a) != TSYS_OK) { tsys_tensor_release(o); tsys_tensor_release(lse); o = lse = NULL; }
+    } else {
+        tsys_tensor_release(o);
+        o = NULL;
+    }
+    tsys_tensor *slots[3] = {ql, kl, vl};
+    tsys_tensor *saved[5] = {ql, kl, vl, o, lse};
+    tsys__node *node = o ? tsys__record(ctx, TSYS__OP_FLASH_ATTN, o, slots, 3, saved, 5) : NULL;
+    if (node) { node->i[0] = causal; node->f[0] = a.f[0]; }
+    tsys_tensor_release(ql); tsys_tensor_release(kl); tsys_tensor_release(vl);
+    if (lse_out) *lse_out = lse; else tsys_tensor_release(lse);
+    tsys_mem_set_tag(ctx, tag);
+    return o;
+}
+
+static tsys_tensor *tsys__scalar(tsys_ctx *ctx, tsys_device dev) {
+    int64_t one = 1;
+    return tsys_tensor_new(ctx, TSYS_F32, dev, 1, &one);
+}
+
+TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys_tensor *targets) {
+    tsys_tensor *ins[2] = {logits, targets};
+    if (!tsys__check_inputs(ctx, "cross_entropy", ins, 2) || !tsys__check_float(ctx, "cross_entropy", logits)) return NULL;
+    TSYS__REQUIRE(ctx, targets->dtype == TSYS_I32 || targets->dtype == TSYS_I64, "cross_entropy: targets '%s' must be i32 or i64", targets->name);
+    TSYS__REQUIRE(ctx, tsys_tensor_numel(targets) == tsys__rows(logits), "cross_entropy: %lld targets for %lld rows of logits", (long long)tsys_tensor_numel(targets), (long long)tsys__rows(logits));
+    int tag = tsys__op_tag(ctx, TSYS__OP_CROSS_ENTROPY);
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys__scalar(ctx, logits->device);
+    a.t[1] = tsys__row_stats(ctx, logits);
+    a.t[2] = logits; a.t[3] = targets;
+    tsys_tensor *loss = NULL;
+    if (a.t[0] && a.t[1] && tsys__kernel(ctx, logits->device, TSYS_K_CE_FWD, &a) == TSYS_OK) loss = a.t[0];
+    else tsys_tensor_release(a.t[0]);
+    tsys_tensor *saved[3] = {logits, targets, a.t[1]};
+    tsys__record(ctx, TSYS__OP_CROSS_ENTROPY, loss, ins, 2, saved, 3);
+    tsys_tensor_release(a.t[1]);
+    if (loss) tsys_tensor_set_name(loss, "loss");
+    tsys_mem_set_tag(ctx, tag);
+    return loss;
+}
+
+TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) {
+    tsys_tensor *ins[2] = {a, b};
+    if (!tsys__check_inputs(ctx, "mse", ins, 2) || !tsys__check_same_shape(ctx, "mse", a, b)) return NULL;
+    int tag = tsys__op_tag(ctx, TSYS__OP_MSE);
+    tsys_kargs k = tsys__kargs0();
+    k.t[0] = tsys__scalar(ctx, a->device);
+    k.t[1] = a; k.t[2] = b;
+    tsys_tensor *y = k.t[0] ? tsys__run(ctx, TSYS_K_MSE_FWD, &k) : NULL;
+    tsys__record(ctx, TSYS__OP_MSE, y, ins, 2, ins, 2);
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+
+static tsys_tensor *tsys__sum_scaled(tsys_ctx *ctx, tsys_tensor *x, bool mean) {
+    if (!x || !tsys__check_float(ctx, mean ? "mean" : "sum", x)) return NULL;
+    int tag = tsys__op_tag(ctx, TSYS__OP_SUM);
+    float s = mean ? 1.0f / (float)tsys_tensor_numel(x) : 1.0f;
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = tsys__scalar(ctx, x->device);
+    a.t[1] = x; a.f[0] = s;
+    tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_SUM, &a) : NULL;
+    tsys__node *node = tsys__record(ctx, TSYS__OP_SUM, y, &x, 1, NULL, 0);
+    if (node) node->f[0] = s;
+    tsys_mem_set_tag(ctx, tag);
+    return y;
+}
+TSYSDEF tsys_tensor *tsys_sum(tsys_ctx *ctx, tsys_tensor *x) { return tsys__sum_scaled(ctx, x, false); }
+TSYSDEF tsys_tensor *tsys_mean(tsys_ctx *ctx, tsys_tensor *x) { return tsys__sum_scaled(ctx, x, true); }
+
+TSYSDEF float tsys_item(tsys_ctx *ctx, const tsys_tensor *scalar) {
+    float v = NAN;
+    if (!scalar) return v;
+    if (tsys_tensor_numel(scalar) != 1) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "item: '%s' is not a one-element tensor", scalar->name); return v; }
+    if (tsys_tensor_to_f32(ctx, scalar, &v) != TSYS_OK) return NAN;
+    return v;
+}
+
+// >>backward --------------------------------------------------------------------------------------
+// One case per op: read node->gout (the output's gradient) and the saved values, hand each input
+// that wants one its gradient through tsys__grad_add.
+
+static tsys_tensor *tsys__slot_tensor(tsys_ctx *ctx, const tsys__slot *s, tsys_device dev) {
+    return tsys_tensor_new(ctx, s->dtype, dev, s->ndim, s->shape);
+}
+
+// Gradient for slot j from kernel k run with g as t[1] and extra inputs in t[2..].
+static tsys_status tsys__bwd_unary(tsys_ctx *ctx, tsys__node *n, int j, tsys_kernel k, tsys_kargs *a) {
+    if (!n->in[j].needs) return TSYS_OK;
+    a->t[0] = tsys__slot_tensor(ctx, &n->in[j], n->gout->device);
+    if (!a->t[0]) return ctx->status;
+    if (tsys__kernel(ctx, n->gout->device, k, a) != TSYS_OK) { tsys_tensor_release(a->t[0]); return ctx->status; }
+    return tsys__grad_add(ctx, &n->in[j], a->t[0]);
+}
+
+// Gradient for slot j as g itself (retyped to the input's dtype when they differ).
+static tsys_status tsys__bwd_pass(tsys_ctx *ctx, tsys__node *n, int j, tsys_tensor *g) {
+    if (!n->in[j].needs) return TSYS_OK;
+    tsys_tensor *gi = g->dtype == n->in[j].dtype ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, n->in[j].dtype);
+    return tsys__grad_add(ctx, &n->in[j], gi);
+}
+
+// Gradient destination for a weight-like slot: the leaf's own fp32 grad (accumulate in place), or
+// a fresh zeroed tensor handed over afterwards. *fresh tells which.
+static tsys_tensor *tsys__grad_dest(tsys_ctx *ctx, tsys__node *n, int j, tsys_dtype want, bool *fresh) {
+    tsys__slot *s = &n->in[j];
+    if (s->leaf && s->leaf->dtype == want) { *fresh = false; return tsys__leaf_grad(ctx, s->leaf); }
+    *fresh = true;
+    tsys_tensor *t = tsys_tensor_new(ctx, want, n->gout->device, s->ndim, s->shape);
+    if (t && tsys_tensor_fill(ctx, t, 0.0f) != TSYS_OK) { tsys_tensor_release(t); return NULL; }
+    return t;
+}
+static tsys_status tsys__grad_dest_done(tsys_ctx *ctx, tsys__node *n, int j, tsys_tensor *t, bool fresh, tsys_status st) {
+    if (!fresh) return st;
+    if (st != TSYS_OK) { tsys_tensor_release(t); return st; }
+    return tsys__grad_add(ctx, &n->in[j], t);
+}
+
+static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
+    tsys_tensor *g = n->gout, *x = n->saved[0], *w = n->saved[1];
+    int64_t rows = tsys__rows(x), d_out = w->shape[0], d_in = w->shape[1];
+    tsys_status st = TSYS_OK;
+    tsys_tensor *gl = g->dtype == x->dtype ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, x->dtype);
+    if (!gl) return ctx->status;
+    if (n->in[0].needs) {   // dx = g W
+        tsys_tensor *dx = tsys__new_like(ctx, x, x->dtype);
+        tsys_gemm_args ga = tsys__gemm_args(gl, w, dx, false, false, rows, d_in, d_out);
+        st = dx ? tsys__gemm(ctx, &ga) : ctx->status;
+        if (st == TSYS_OK) st = tsys__grad_add(ctx, &n->in[0], dx);
+        else tsys_tensor_release(dx);
+    }
+    if (st == TSYS_OK && n->in[1].needs) {   // dW += g^T x, accumulated in fp32 when W is the fp32 leaf
+        bool fresh;
+        tsys_tensor *dw = tsys__grad_dest(ctx, n, 1, n->in[1].dtype, &fresh);
+        tsys_gemm_args ga = tsys__gemm_args(gl, x, dw, true, false, d_out, d_in, rows);
+        ga.beta = 1.0f;
+        st = dw ? tsys__gemm(ctx, &ga) : ctx->status;
+        st = tsys__grad_dest_done(ctx, n, 1, dw, fresh, st);
+    }
+    if (st == TSYS_OK && n->in[2].needs) {
+        bool fresh;
+        tsys_tensor *db = tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh);
+        tsys_kargs a = tsys__kargs0();
+        a.t[0] = db; a.t[1] = gl;
+        st = db ? tsys__kernel(ctx, g->device, TSYS_K_BIAS_GRAD, &a) : ctx->status;
+        st = tsys__grad_dest_done(ctx, n, 2, db, fresh, st);
+    }
+    tsys_tensor_release(gl);
+    return st;
+}
+
+static tsys_status tsys__bwd_matmul(tsys_ctx *ctx, tsys__node *n) {
+    tsys_tensor *a = n->saved[0], *b = n->saved[1];
+    bool tb = n->i[0] != 0, b_bcast = b->ndim == 2 && a->ndim > 2;
+    int64_t m = a->shape[a->ndim - 2], k = a->shape[a->ndim - 1], nn = n->out_shape[n->out_ndim - 1], batch = tsys__batch(a);
+    tsys_status st = TSYS_OK;
+    tsys_tensor *g = n->gout->dtype == a->dtype ? tsys_tensor_retain(n->gout) : tsys__cast_raw(ctx, n->gout, a->dtype);
+    if (!g) return ctx->status;
+    if (n->in[0].needs) {   // da = g b^T (or g b when b was given transposed)
+        tsys_tensor *da = tsys__new_like(ctx, a, a->dtype);
+        tsys_gemm_args ga = tsys__gemm_args(g, b, da, false, !tb, m, k, nn);
+        ga.batch = batch; ga.stride_a = m * nn; ga.stride_b = b_bcast ? 0 : k * nn; ga.stride_c = m * k;
+        st = da ? tsys__gemm(ctx, &ga) : ctx->status;
+        if (st == TSYS_OK) st = tsys__grad_add(ctx, &n->in[0], da);
+        else tsys_tensor_release(da);
+    }
+    if (st == TSYS_OK && n->in[1].needs) {
+        tsys_tensor *db = tsys__new_like(ctx, b, b->dtype);
+        // a broadcast b sums over the batch: treat the batch as extra rows of one product
+        int64_t rows = b_bcast ? m * batch : m, nb = b_bcast ? 1 : batch;
+        tsys_gemm_args ga = tb ? tsys__gemm_args(g, a, db, true, false, nn, k, rows)     // db (n, k) = g^T a
+                               : tsys__gemm_args(a, g, db, true, false, k, nn, rows);    // db (k, n) = a^T g
+        ga.batch = nb;
+        ga.stride_a = tb ? m * nn : m * k; ga.stride_b = tb ? m * k : m * nn; ga.stride_c = k * nn;
+        st = db ? tsys__gemm(ctx, &ga) : ctx->status;
+        if (st == TSYS_OK) st = tsys__grad_add(ctx, &n->in[1], db);
+        else tsys_tensor_release(db);
+    }
+    tsys_tensor_release(g);
+    return st;
+}
+
+static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
+    tsys_tensor *g = n->gout, *x = n->saved[0], *w = n->saved[1];
+    tsys_kargs a = tsys__kargs0();
+    bool fresh_w = false, fresh_b = false;
+    tsys_tensor *dx = tsys__new_like(ctx, x, x->dtype);
+    tsys_tensor *dw = (w && n->in[1].needs) ? tsys__grad_dest(ctx, n, 1, TSYS_F32, &fresh_w) : NULL;
+    tsys_tensor *db = (layer && n->in[2].needs) ? tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh_b) : NULL;
+    // kernels always write dw/db: give them scratch when the input wants no gradient
+    tsys_tensor *scratch_w = (w && !dw) ? tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &w->shape[0]) : NULL;
+    tsys_status st = dx ? TSYS_OK : ctx->status;
+    if (scratch_w) tsys_tensor_fill(ctx, scratch_w, 0.0f);
+    if (layer) {
+        tsys_tensor *bias = n->saved[2];
+        tsys_tensor *scratch_b = (bias && !db) ? tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &bias->shape[0]) : NULL;
+        a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = db ? db : scratch_b; a.t[3] = g; a.t[4] = x; a.t[5] = w; a.t[6] = n->saved[3]; a.t[7] = n->saved[4];
+        if (scratch_b) tsys_tensor_fill(ctx, scratch_b, 0.0f);
+        if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_LAYERNORM_BWD, &a);
+        tsys_tensor_release(scratch_b);
+    } else {
+        a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = g; a.t[3] = x; a.t[4] = w; a.t[5] = n->saved[2];
+        if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_BWD, &a);
+    }
+    tsys_tensor_release(scratch_w);
+    if (st == TSYS_OK && n->in[0].needs) st = tsys__grad_add(ctx, &n->in[0], dx);
+    else tsys_tensor_release(dx);
+    if (dw) st = tsys__grad_dest_done(ctx, n, 1, dw, fresh_w, st);
+    if (db) st = tsys__grad_dest_done(ctx, n, 2, db, fresh_b, st);
+    return st;
+}
+
+static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
+    tsys_tensor *g = n->gout;
+    tsys_kargs a = tsys__kargs0();
+    int tag = tsys_mem_set_tag(ctx, ctx->op_tags[n->op]);
+    tsys_status st = TSYS_OK;
+    switch (n->op) {
+    case TSYS__OP_CAST: case TSYS__OP_ADD: st = tsys__bwd_pass(ctx, n, 0, g); if (st == TSYS_OK && n->op == TSYS__OP_ADD) st = tsys__bwd_pass(ctx, n, 1, g); break;
+    case TSYS__OP_VIEW: {
+        if (!n->in[0].needs) break;
+        tsys_tensor *v = tsys_tensor_view_raw(ctx, g, 0, g->dtype, n->in[0].ndim, n->in[0].shape);
+        st = v ? tsys__grad_add(ctx, &n->in[0], v) : ctx->status;
+        break;
+    }
+    case TSYS__OP_EMBEDDING: {
+        if (!n->in[0].needs) break;
+        bool fresh;
+        tsys_tensor *dw = tsys__grad_dest(ctx, n, 0, TSYS_F32, &fresh);
+        a.t[0] = dw; a.t[1] = g; a.t[2] = n->saved[0];
+        st = dw ? tsys__kernel(ctx, g->device, TSYS_K_EMBED_BWD, &a) : ctx->status;
+        st = tsys__grad_dest_done(ctx, n, 0, dw, fresh, st);
+        break;
+    }
+    case TSYS__OP_LINEAR: st = tsys__bwd_linear(ctx, n); break;
+    case TSYS__OP_MATMUL: st = tsys__bwd_matmul(ctx, n); break;
+    case TSYS__OP_MUL:
+        a.t[1] = g; a.t[2] = n->saved[1];
+        st = tsys__bwd_unary(ctx, n, 0, TSYS_K_MUL, &a);
+        a.t[2] = n->saved[0];
+        if (st == TSYS_OK) st = tsys__bwd_unary(ctx, n, 1, TSYS_K_MUL, &a);
+        break;
+    case TSYS__OP_SCALE: a.t[1] = g; a.f[0] = n->f[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SCALE, &a); break;
+    case TSYS__OP_RELU: a.t[1] = g; a.t[2] = n->saved[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_RELU_BWD, &a); break;
+    case TSYS__OP_SILU: a.t[1] = g; a.t[2] = n->saved[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SILU_BWD, &a); break;
+    case TSYS__OP_SWIGLU: {
+        tsys_tensor *da = tsys__slot_tensor(ctx, &n->in[0], g->device), *db = tsys__slot_tensor(ctx, &n->in[1], g->device);
+        a.t[0] = da; a.t[1] = db; a.t[2] = g; a.t[3] = n->saved[0]; a.t[4] = n->saved[1];
+        st = (da && db) ? tsys__kernel(ctx, g->device, TSYS_K_SWIGLU_BWD, &a) : ctx->status;
+        if (st == TSYS_OK && n->in[0].needs) { st = tsys__grad_add(ctx, &n->in[0], da); da = NULL; }
+        if (st == TSYS_OK && n->in[1].needs) { st = tsys__grad_add(ctx, &n->in[1], db); db = NULL; }
+        tsys_tensor_release(da); tsys_tensor_release(db);
+        break;
+    }
+    case TSYS__OP_RMSNORM: st = tsys__bwd_norm(ctx, n, false); break;
+    case TSYS__OP_LAYERNORM: st = tsys__bwd_norm(ctx, n, true); break;
+    case TSYS__OP_ROPE: a.t[1] = g; a.f[0] = n->f[0]; a.f[1] = -1.0f; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_ROPE, &a); break;
+    case TSYS__OP_SOFTMAX: a.t[1] = g; a.t[2] = n->saved[0]; a.f[0] = n->f[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SOFTMAX_BWD, &a); break;
+    case TSYS__OP_TRANSPOSE12: a.t[1] = g; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_TRANSPOSE12, &a); break;
+    case TSYS__OP_CROSS_ENTROPY:
+        a.t[1] = n->saved[0]; a.t[2] = n->saved[2]; a.t[3] = n->saved[1]; a.t[4] = g; a.f[0] = 1.0f / (float)tsys__rows(n->saved[0]);
+        st = tsys__bwd_unary(ctx, n, 0, TSYS_K_CE_BWD, &a);
+        break;
+    case TSYS__OP_MSE: {
+        tsys_tensor *da = n->in[0].needs ? tsys__slot_tensor(ctx, &n->in[0], g->device) : NULL;
+        tsys_tensor *db = n->in[1].needs ? tsys__slot_tensor(ctx, &n->in[1], g->device) : NULL;
+        a.t[0] = da; a.t[1] = db; a.t[2] = n->saved[0]; a.t[3] = n->saved[1]; a.t[4] = g;
+        st = tsys__kernel(ctx, g->device, TSYS_K_MSE_BWD, &a);
+        if (st == TSYS_OK && da) { st = tsys__grad_add(ctx, &n->in[0], da); da = NULL; }
+        if (st == TSYS_OK && db) { st = tsys__grad_add(ctx, &n->in[1], db); db = NULL; }
+        tsys_tensor_release(da); tsys_tensor_release(db);
+        break;
+    }
+    case TSYS__OP_SUM: a.t[1] = g; a.f[0] = n->f[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_BROADCAST, &a); break;
+    case TSYS__OP_FLASH_ATTN: {
+        tsys_tensor *dq = tsys__slot_tensor(ctx, &n->in[0], g->device), *dk = tsys__slot_tensor(ctx, &n->in[1], g->device), *dv = tsys__slot_tensor(ctx, &n->in[2], g->device);
+        a.t[0] = dq; a.t[1] = dk; a.t[2] = dv; a.t[3] = g;
+        for (int j = 0; j < 5; j++) a.t[4 + j] = n->saved[j];
+        a.i[0] = n->i[0]; a.f[0] = n->f[0];
+        st = (dq && dk && dv) ? tsys__kernel(ctx, g->device, TSYS_K_FLASH_BWD, &a) : ctx->status;
+        tsys_tensor *d[3] = {dq, dk, dv};
+        for (int j = 0; j < 3; j++) {
+            if (st == TSYS_OK && n->in[j].needs) { st = tsys__grad_add(ctx, &n->in[j], d[j]); d[j] = NULL; }
+            tsys_tensor_release(d[j]);
+        }
+        break;
+    }
+    case TSYS__OP_COUNT: st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: bad op");
+    }
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+// >>model -----------------------------------------------------------------------------------------
+
+typedef struct tsys__layer {
+    tsys_tensor *q, *k, *v, *o, *w1, *w2, *w3, *ln1, *ln2;
+} tsys__layer;
+
+struct tsys_model {
+    tsys_ctx *ctx;
+    tsys_model_desc desc;
+    tsys_device device;
+    tsys_tensor *flat_params, *flat_grads;   // one block each; every parameter and its grad is a view
+    tsys_tensor **params;                    // parameters() order
+    int num_tensors;
+    tsys__layer *layers;
+    tsys_tensor *emb, *ln_final, *lm_head;
+};
+
+static const struct { const char *name; int d_model, d_ff, num_layers, num_heads; } tsys__presets[] = {
+    {"small", 768, 3072, 12, 12}, {"medium", 1024, 4096, 24, 16}, {"large", 1280, 5120, 36, 20},
+    {"xl", 1600, 6400, 48, 25}, {"2.7B", 2560, 10240, 32, 32},
+};
+#define TSYS__NUM_PRESETS ((int)(sizeof(tsys__presets) / sizeof(tsys__presets[0])))
+
+TSYSDEF const char *tsys_model_preset_names(void) { return "small, medium, large, xl, 2.7B"; }
+
+TSYSDEF tsys_model_desc tsys_model_desc_defaults(const tsys_model_desc *desc) {
+    tsys_model_desc d;
+    memset(&d, 0, sizeof(d));
+    if (desc) d = *desc;
+#define TSYS__DEF(f, v) if (!d.f) d.f = (v)
+    TSYS__DEF(vocab_size, 10000); TSYS__DEF(context_length, 256); TSYS__DEF(d_model, 768);
+    TSYS__DEF(num_layers, 12); TSYS__DEF(num_heads, 12); TSYS__DEF(d_ff, 4 * d.d_model);
+    TSYS__DEF(rope_theta, 10000.0f); TSYS__DEF(eps, 1e-5f); TSYS__DEF(attn, "naive");
+#undef TSYS__DEF
+    return d;
+}
+
+TSYSDEF tsys_status tsys_model_desc_preset(const char *name, tsys_model_desc *out, char *err, size_t err_len) {
+    for (int i = 0; name && i < TSYS__NUM_PRESETS; i++) {
+        if (strcmp(name, tsys__presets[i].name) != 0) continue;
+        tsys_model_desc d;
+        memset(&d, 0, sizeof(d));
+        d.d_model = tsys__presets[i].d_model; d.d_ff = tsys__presets[i].d_ff;
+        d.num_layers = tsys__presets[i].num_layers; d.num_heads = tsys__presets[i].num_heads;
+        *out = tsys_model_desc_defaults(&d);
+        return TSYS_OK;
+    }
+    if (err) snprintf(err, err_len, "unknown model preset '%s' (known: %s)", name ? name : "(null)", tsys_model_preset_names());
+    return TSYS_ERR_INVALID_ARGS;
+}
+
+TSYSDEF tsys_status tsys_model_desc_validate(const tsys_model_desc *desc, char *err, size_t err_len) {
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    const char *why = NULL;
+    char buf[256];
+    if (d.vocab_size < 1 || d.context_length < 1 || d.d_model < 1 || d.num_layers < 1 || d.num_heads < 1 || d.d_ff < 1)
+        why = "vocab_size, context_length, d_model, num_layers, num_heads and d_ff must all be positive";
+    else if (d.d_model % d.num_heads != 0) {
+        snprintf(buf, sizeof(buf), "d_model %d is not divisible by num_heads %d", d.d_model, d.num_heads);
+        why = buf;
+    } else if ((d.d_model / d.num_heads) % 2 != 0) {
+        snprintf(buf, sizeof(buf), "head dim d_model/num_heads = %d is odd; RoPE rotates pairs and needs it even", d.d_model / d.num_heads);
+        why = buf;
+    } else if (!(d.rope_theta > 0) || !(d.eps > 0)) why = "rope_theta and eps must be positive";
+    else if (strcmp(d.attn, "naive") != 0 && strcmp(d.attn, "flash") != 0) {
+        snprintf(buf, sizeof(buf), "attention '%s' is neither 'naive' nor 'flash'", d.attn);
+        why = buf;
+    }
+    if (!why) return TSYS_OK;
+    if (err) snprintf(err, err_len, "invalid model: %s", why);
+    return TSYS_ERR_INVALID_ARGS;
+}
+
+TSYSDEF int64_t tsys_model_desc_num_params(const tsys_model_desc *desc) {
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    int64_t dm = d.d_model, per_layer = 4 * dm * dm + 3 * dm * d.d_ff + 2 * dm;
+    return 2 * (int64_t)d.vocab_size * dm + d.num_layers * per_layer + dm;
+}
+
+// Matmul FLOPs of one forward (2 per multiply-add): projections, FFN, lm_head and the attention
+// products (QK^T and PV over the full T x T, as the naive kernel computes them). Backward is 2x.
+TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int64_t T, bool backward) {
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    double tokens = (double)batch * (double)T, dm = d.d_model;
+    double per_layer = 2.0 * tokens * (4 * dm * dm + 3 * dm * d.d_ff) + 2.0 * 2.0 * (double)batch * (double)T * (double)T * dm;
+    double fwd = d.num_layers * per_layer + 2.0 * tokens * dm * d.vocab_size;
+    return backward ? 3.0 * fwd : fwd;
+}
+
+TSYSDEF const tsys_model_desc *tsys_model_get_desc(const tsys_model *m) { return &m->desc; }
+TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m) { return m->params; }
+TSYSDEF int tsys_model_num_tensors(const tsys_model *m) { return m->num_tensors; }
+TSYSDEF int64_t tsys_model_num_params(const tsys_model *m) { return tsys_model_desc_num_params(&m->desc); }
+TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name) {
+    for (int i = 0; i < m->num_tensors; i++)
+        if (strcmp(m->params[i]->name, name) == 0) return m->params[i];
+    return NULL;
+}
+
+// Carves the next parameter (and its grad) out of the flat blocks, in parameters() order.
+static tsys_tensor *tsys__model_param(tsys_model *m, size_t *offset, int ndim, int64_t d0, int64_t d1, const char *fmt, int layer) {
+    int64_t shape[2] = {d0, d1};
+    tsys_ctx *ctx = m->ctx;
+    tsys_tensor *p = tsys_tensor_view_raw(ctx, m->flat_params, *offset, TSYS_F32, ndim, shape);
+    tsys_tensor *g = p ? tsys_tensor_view_raw(ctx, m->flat_grads, *offset, TSYS_F32, ndim, shape) : NULL;
+    if (!g) { tsys_tensor_release(p); return NULL; }
+    tsys_tensor_set_name(p, fmt, layer);
+    tsys_tensor_set_name(g, "%s.grad", p->name);
+    p->requires_grad = true;
+    p->grad = g;
+    *offset += tsys_tensor_bytes(p);
+    m->params[m->num_tensors++] = p;
+    return p;
+}
+
+static tsys_status tsys__model_init_params(tsys_model *m) {
+    tsys_ctx *ctx = m->ctx;
+    for (int i = 0; i < m->num_tensors; i++) {
+        tsys_tensor *p = m->params[i];
+        tsys_status st;
+        if (p->ndim == 1) st = tsys_tensor_fill(ctx, p, 1.0f);                   // norm gains start at 1
+        else if (p == m->emb) st = tsys_tensor_trunc_normal(ctx, p, 1.0f, -3.0f, 3.0f);
+        else {
+            float std = sqrtf(2.0f / (float)(p->shape[0] + p->shape[1]));
+            st = tsys_tensor_trunc_normal(ctx, p, std, -3.0f * std, 3.0f * std);
+        }
+        if (st != TSYS_OK) return st;
+    }
+    return tsys_tensor_fill(ctx, m->flat_grads, 0.0f);
+}
+
+TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, tsys_device dev, uint64_t seed) {
+    char err[256];
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    if (tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s", err); return NULL; }
+    tsys_model *m = (tsys_model *)TSYS_MALLOC(sizeof(tsys_model));
+    if (!m) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model"); return NULL; }
+    memset(m, 0, sizeof(*m));
+    m->ctx = ctx; m->desc = d; m->device = dev;
+    int64_t n = tsys_model_desc_num_params(&d);
+    int ntensors = 3 + 9 * d.num_layers;
+    m->params = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)ntensors);
+    m->layers = (tsys__layer *)TSYS_MALLOC(sizeof(tsys__layer) * (size_t)d.num_layers);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
+    m->flat_params = (m->params && m->layers) ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
+    tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
+    m->flat_grads = m->flat_params ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
+    tsys_mem_set_tag(ctx, tag);
+    if (!m->flat_grads) {
+        if (!m->params || !m->layers) TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model");
+        tsys_model_free(m);
+        return NULL;
+    }
+    tsys_tensor_set_name(m->flat_params, "parameters");
+    tsys_tensor_set_name(m->flat_grads, "gradients");
+    size_t off = 0;
+    int64_t dm = d.d_model, dff = d.d_ff;
+    bool ok = (m->emb = tsys__model_param(m, &off, 2, d.vocab_size, dm, "token_embeddings.weight", 0)) != NULL;
+    for (int l = 0; ok && l < d.num_layers; l++) {
+        tsys__layer *L = &m->layers[l];
+        ok = (L->q = tsys__model_param(m, &off, 2, dm, dm, "layers.%d.attn.q_proj.weight", l)) &&
+             (L->k = tsys__model_param(m, &off, 2, dm, dm, "layers.%d.attn.k_proj.weight", l)) &&
+             (L->v = tsys__model_param(m, &off, 2, dm, dm, "layers.%d.attn.v_proj.weight", l)) &&
+             (L->o = tsys__model_param(m, &off, 2, dm, dm, "layers.%d.attn.output_proj.weight", l)) &&
+             (L->w1 = tsys__model_param(m, &off, 2, dff, dm, "layers.%d.ffn.w1.weight", l)) &&
+             (L->w2 = tsys__model_param(m, &off, 2, dm, dff, "layers.%d.ffn.w2.weight", l)) &&
+             (L->w3 = tsys__model_param(m, &off, 2, dff, dm, "layers.%d.ffn.w3.weight", l)) &&
+             (L->ln1 = tsys__model_param(m, &off, 1, dm, 0, "layers.%d.ln1.weight", l)) &&
+             (L->ln2 = tsys__model_param(m, &off, 1, dm, 0, "layers.%d.ln2.weight", l));
+    }
+    ok = ok && (m->ln_final = tsys__model_param(m, &off, 1, dm, 0, "ln_final.weight", 0)) &&
+         (m->lm_head = tsys__model_param(m, &off, 2, d.vocab_size, dm, "lm_head.weight", 0));
+    TSYS_ASSERT(!ok || off == (size_t)n * sizeof(float));
+    uint64_t saved_rng[4];
+    memcpy(saved_rng, ctx->rng, sizeof(saved_rng));
+    tsys_rng_seed(ctx, seed);
+    if (ok) ok = tsys__model_init_params(m) == TSYS_OK;
+    memcpy(ctx->rng, saved_rng, sizeof(saved_rng));
+    if (!ok) { tsys_model_free(m); return NULL; }
+    return m;
+}
+
+TSYSDEF void tsys_model_free(tsys_model *m) {
+    if (!m) return;
+    for (int i = 0; i < m->num_tensors; i++) tsys_tensor_release(m->params[i]);
+    tsys_tensor_release(m->flat_params);
+    tsys_tensor_release(m->flat_grads);
+    TSYS_FREE(m->params);
+    TSYS_FREE(m->layers);
+    TSYS_FREE(m);
+}
+
+TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, int vocab_size, int context_length) {
+    if (!ids) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "token ids: NULL tensor");
+    if (ids->dtype != TSYS_I32 && ids->dtype != TSYS_I64) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "token ids '%s': dtype %s, expected i32 or i64", ids->name, tsys_dtype_name(ids->dtype));
+    if (ids->ndim != 2) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "token ids '%s': expected (batch, seq), got %d dims", ids->name, ids->ndim);
+    if (context_length > 0 && ids->shape[1] > context_length)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "token ids '%s': sequence length %lld is longer than the model's context_length %d", ids->name, (long long)ids->shape[1], context_length);
+    int64_t n = tsys_tensor_numel(ids);
+    void *host = TSYS_MALLOC(tsys_tensor_bytes(ids) + 1);
+    if (!host) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory checking token ids");
+    tsys_status st = tsys_tensor_to_host(ctx, ids, host);
+    for (int64_t i = 0; st == TSYS_OK && i < n; i++) {
+        int64_t id = tsys__load_id(host, ids->dtype, i);
+        if (id < 0 || id >= vocab_size)
+            st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "token ids '%s': id %lld at position %lld is outside the vocabulary [0, %d)", ids->name, (long long)id, (long long)i, vocab_size);
+    }
+    TSYS_FREE(host);
+    return st;
+}
+
+// Causal self-attention of one block: project, split heads, RoPE on q and k, attend, merge, project.
+static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, tsys_tensor *h, int64_t B, int64_t T) {
+    tsys_ctx *ctx = m->ctx;
+    int64_t H = m->desc.num_heads, dh = m->desc.d_model / H;
+    int64_t split[4] = {B, T, H, dh}, merged[3] = {B, T, m->desc.d_model};
+    tsys_tensor *proj[3] = {L->q, L->k, L->v}, *heads[3] = {NULL, NULL, NULL};
+    for (int j = 0; j < 3; j++) {
+        tsys_tensor *p = tsys_linear(ctx, h, proj[j], NULL);
+        tsys_tensor *pv = tsys_view(ctx, p, 4, split);
+        tsys_tensor_release(p);
+        heads[j] = tsys_transpose12(ctx, pv);   // (B, H, T, dh)
+        tsys_tensor_release(pv);
+        if (j < 2) {
+            tsys_tensor *r = tsys_rope(ctx, heads[j], m->desc.rope_theta);
+            tsys_tensor_release(heads[j]);
+            heads[j] = r;
+        }
+    }
+    bool flash = strcmp(m->desc.attn, "flash") == 0;
+    tsys_tensor *a = flash ? tsys_flash_attention(ctx, heads[0], heads[1], heads[2], true, NULL)
+                           : tsys_attention_naive(ctx, heads[0], heads[1], heads[2], true);
+    for (int j = 0; j < 3; j++) tsys_tensor_release(heads[j]);
+    tsys_tensor *at = tsys_transpose12(ctx, a);   // (B, T, H, dh)
+    tsys_tensor_release(a);
+    tsys_tensor *av = tsys_view(ctx, at, 3, merged);
+    tsys_tensor_release(at);
+    tsys_tensor *o = tsys_linear(ctx, av, L->o, NULL);
+    tsys_tensor_release(av);
+    return o;
+}
+
+static tsys_tensor *tsys__model_ffn(tsys_model *m, const tsys__layer *L, tsys_tensor *h) {
+    tsys_ctx *ctx = m->ctx;
+    tsys_tensor *a = tsys_linear(ctx, h, L->w1, NULL), *b = tsys_linear(ctx, h, L->w3, NULL);
+    tsys_tensor *s = tsys_swiglu(ctx, a, b);
+    tsys_tensor_release(a); tsys_tensor_release(b);
+    tsys_tensor *y = tsys_linear(ctx, s, L->w2, NULL);
+    tsys_tensor_release(s);
+    return y;
+}
+
+// x + f(norm(x)), the pre-norm residual step; consumes x.
+static tsys_tensor *tsys__residual(tsys_model *m, const tsys__layer *L, tsys_tensor *x, bool attn, int64_t B, int64_t T) {
+    tsys_ctx *ctx = m->ctx;
+    tsys_tensor *h = tsys_rmsnorm(ctx, x, attn ? L->ln1 : L->ln2, m->desc.eps);
+    tsys_tensor *f = attn ? tsys__model_attention(m, L, h, B, T) : tsys__model_ffn(m, L, h);
+    tsys_tensor_release(h);
+    tsys_tensor *y = tsys_add(ctx, x, f);
+    tsys_tensor_release(x); tsys_tensor_release(f);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
+    tsys_ctx *ctx = m->ctx;
+    if (!ids) return NULL;
+    TSYS__REQUIRE(ctx, ids->ndim == 2 && (ids->dtype == TSYS_I32 || ids->dtype == TSYS_I64), "model: ids '%s' must be (batch, seq) i32/i64", ids->name);
+    TSYS__REQUIRE(ctx, ids->shape[1] <= m->desc.context_length, "model: sequence length %lld is longer than context_length %d", (long long)ids->shape[1], m->desc.context_length);
+    TSYS__REQUIRE(ctx, ids->device == m->device, "model: ids '%s' are on another device than the model", ids->name);
+    int64_t B = ids->shape[0], T = ids->shape[1];
+    tsys_tensor *x = tsys_embedding(ctx, m->emb, ids);
+    for (int l = 0; l < m->desc.num_layers; l++) {
+        x = tsys__residual(m, &m->layers[l], x, true, B, T);
+        x = tsys__residual(m, &m->layers[l], x, false, B, T);
+    }
+    tsys_tensor *h = tsys_rmsnorm(ctx, x, m->ln_final, m->desc.eps);
+    tsys_tensor_release(x);
+    tsys_tensor *logits = tsys_linear(ctx, h, m->lm_head, NULL);
+    tsys_tensor_release(h);
+    if (logits) tsys_tensor_set_name(logits, "logits");
+    return logits;
+}
+
+// >>optimizer -------------------------------------------------------------------------------------
+
+struct tsys_optim {
+    tsys_ctx *ctx;
+    bool adamw;
+    tsys_optim_desc desc;
+    tsys_tensor **params;
+    int n;
+    tsys_tensor *flat_p, *flat_g;   // views over all parameters/grads when they are one contiguous block
+    tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
+    int64_t step;
+};
+
+// If the parameters (and their grads) lie back to back in one storage, views over the whole run:
+// then an update is one kernel launch instead of one per tensor.
+static void tsys__optim_find_flat(tsys_optim *o) {
+    tsys_tensor **p = o->params;
+    if (o->n == 0 || !p[0]->grad) return;
+    int64_t total = 0;
+    for (int i = 0; i < o->n; i++) {
+        if (p[i]->dtype != TSYS_F32 || !p[i]->grad || p[i]->storage != p[0]->storage || p[i]->grad->storage != p[0]->grad->storage) return;
+        if (p[i]->offset != p[0]->offset + (size_t)total * 4 || p[i]->grad->offset != p[0]->grad->offset + (size_t)total * 4) return;
+        total += tsys_tensor_numel(p[i]);
+    }
+    o->flat_p = tsys_tensor_view_raw(o->ctx, p[0], 0, TSYS_F32, 1, &total);
+    o->flat_g = tsys_tensor_view_raw(o->ctx, p[0]->grad, 0, TSYS_F32, 1, &total);
+}
+
+static tsys_optim *tsys__optim_new(tsys_ctx *ctx, tsys_tensor **params, int n, bool adamw) {
+    for (int i = 0; i < n; i++)
+        TSYS__REQUIRE(ctx, params[i] && params[i]->dtype == TSYS_F32, "optimizer: parameter %d ('%s') must be an fp32 tensor", i, params[i] ? params[i]->name : "NULL");
+    tsys_optim *o = (tsys_optim *)TSYS_MALLOC(sizeof(tsys_optim));
+    tsys_tensor **list = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(n ? n : 1));
+    if (!o || !list) { TSYS_FREE(o); TSYS_FREE(list); TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer"); return NULL; }
+    memset(o, 0, sizeof(*o));
+    list[0] = NULL;
+    o->ctx = ctx; o->adamw = adamw; o->params = list; o->n = n;
+    for (int i = 0; i < n; i++) list[i] = tsys_tensor_retain(params[i]);
+    tsys__optim_find_flat(o);
+    return o;
+}
+
+TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, const tsys_optim_desc *desc) {
+    tsys_optim *o = tsys__optim_new(ctx, params, n, true);
+    if (!o) return NULL;
+    tsys_optim_desc d;
+    memset(&d, 0, sizeof(d));
+    if (desc) d = *desc;
+    if (!d.lr) d.lr = 1e-3f;
+    if (!d.beta1) d.beta1 = 0.9f;
+    if (!d.beta2) d.beta2 = 0.999f;
+    if (!d.eps) d.eps = 1e-8f;
+    if (!d.weight_decay && !d.no_weight_decay) d.weight_decay = 0.01f;
+    if (d.no_weight_decay) d.weight_decay = 0.0f;
+    o->desc = d;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += tsys_tensor_numel(params[i]);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer state"));
+    tsys_device dev = n ? params[0]->device : TSYS_CPU;
+    o->m = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
+    o->v = o->m ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total) : NULL;
+    tsys_mem_set_tag(ctx, tag);
+    if (!o->v || tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK) { tsys_optim_free(o); return NULL; }
+    return o;
+}
+
+TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, float lr) {
+    tsys_optim *o = tsys__optim_new(ctx, params, n, false);
+    if (o) o->desc.lr = lr;
+    return o;
+}
+
+TSYSDEF void tsys_optim_free(tsys_optim *o) {
+    if (!o) return;
+    for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
+    tsys_tensor_release(o->flat_p); tsys_tensor_release(o->flat_g);
+    tsys_tensor_release(o->m); tsys_tensor_release(o->v);
+    TSYS_FREE(o->params);
+    TSYS_FREE(o);
+}
+
+TSYSDEF void tsys_optim_set_lr(tsys_optim *o, float lr) { o->desc.lr = lr; }
+TSYSDEF int64_t tsys_optim_steps(const tsys_optim *o) { return o->step; }
+
+TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which) {
+    if (!o->adamw || param_index < 0 || param_index >= o->n) return NULL;
+    size_t off = 0;
+    for (int i = 0; i < param_index; i++) off += tsys_tensor_bytes(o->params[i]);
+    tsys_tensor *p = o->params[param_index];
+    return tsys_tensor_view_raw(o->ctx, which ? o->v : o->m, off, TSYS_F32, p->ndim, p->shape);
+}
+
+// One update of parameters [p, g, m, v] (m, v NULL for SGD).
+static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor *g, tsys_tensor *m, tsys_tensor *v) {
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = p; a.t[1] = g;
+    if (!o->adamw) { a.f[0] = o->desc.lr; return tsys__kernel(o->ctx, p->device, TSYS_K_SGD, &a); }
+    a.t[2] = m; a.t[3] = v;
+    a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
+    a.f[5] = (float)(1.0 - pow(o->desc.beta1, (double)o->step));
+    a.f[6] = (float)(1.0 - pow(o->desc.beta2, (double)o->step));
+    return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
+}
+
+TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    o->step++;
+    tsys_status st = TSYS_OK;
+    if (o->flat_p) st = tsys__optim_update(o, o->flat_p, o->flat_g, o->m, o->v);
+    size_t off = 0;
+    for (int i = 0; !o->flat_p && st == TSYS_OK && i < o->n; i++) {
+        tsys_tensor *p = o->params[i];
+        int64_t n = tsys_tensor_numel(p);
+        if (p->grad) {   // parameters without a gradient are skipped, as in torch
+            tsys_tensor *m = NULL, *v = NULL;
+            if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
+            st = (!o->adamw || (m && v)) ? tsys__optim_update(o, p, p->grad, m, v) : ctx->status;
+            tsys_tensor_release(m); tsys_tensor_release(v);
+        }
+        off += (size_t)n * 4;
+    }
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
+    for (int i = 0; i < n; i++)
+        if (params[i]->grad) tsys_tensor_fill(ctx, params[i]->grad, 0.0f);
+}
+TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) {
+    if (o->flat_g) tsys_tensor_fill(o->ctx, o->flat_g, 0.0f);
+    else tsys_zero_grads(o->ctx, o->params, o->n);
+}
+
+// Sum over gradients of kernel k's scalar (SUMSQ or NONFINITE), read back once.
+static double tsys__grads_reduce(tsys_ctx *ctx, tsys_tensor **params, int n, tsys_kernel k) {
+    if (n == 0) return 0.0;
+    tsys_tensor *acc = tsys__scalar(ctx, params[0]->device);
+    if (!acc || tsys_tensor_fill(ctx, acc, 0.0f) != TSYS_OK) { tsys_tensor_release(acc); return NAN; }
+    for (int i = 0; i < n; i++) {
+        if (!params[i]->grad) continue;
+        tsys_kargs a = tsys__kargs0();
+        a.t[0] = acc; a.t[1] = params[i]->grad;
+        tsys__kernel(ctx, acc->device, k, &a);
+    }
+    double v = tsys_item(ctx, acc);
+    tsys_tensor_release(acc);
+    return v;
+}
+
+static void tsys__grads_scale(tsys_ctx *ctx, tsys_tensor **params, int n, float s) {
+    for (int i = 0; i < n; i++) {
+        if (!params[i]->grad) continue;
+        tsys_kargs a = tsys__kargs0();
+        a.t[0] = params[i]->grad; a.t[1] = params[i]->grad; a.f[0] = s;
+        tsys__kernel(ctx, params[i]->device, TSYS_K_SCALE, &a);
+    }
+}
+
+TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm) {
+    double norm = sqrt(tsys__grads_reduce(ctx, params, n, TSYS_K_SUMSQ));
+    double coef = max_norm / (norm + 1e-6);
+    tsys__grads_scale(ctx, params, n, (float)(coef < 1.0 ? coef : 1.0));   // cs336: applied even when 1
+    return norm;
+}
+
+TSYSDEF double tsys_cosine_lr(int64_t it, double max_lr, double min_lr, int64_t warmup_iters, int64_t cosine_cycle_iters) {
+    if (it < warmup_iters) return max_lr * (double)it / (double)warmup_iters;
+    if (it > cosine_cycle_iters) return min_lr;
+    double progress = (double)(it - warmup_iters) / (double)(cosine_cycle_iters - warmup_iters);
+    return min_lr + 0.5 * (1.0 + cos(3.141592653589793 * progress)) * (max_lr - min_lr);
+}
+
+// >>loss scaling ----------------------------------------------------------------------------------
+
+TSYSDEF tsys_grad_scaler tsys_grad_scaler_init(void) {
+    tsys_grad_scaler s;
+    memset(&s, 0, sizeof(s));
+    s.scale = 65536.0f; s.growth_factor = 2.0f; s.backoff_factor = 0.5f; s.growth_interval = 2000;
+    return s;
+}
+
+TSYSDEF tsys_tensor *tsys_grad_scaler_scale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor *loss) { return tsys_scale(ctx, loss, s->scale); }
+
+TSYSDEF tsys_status tsys_grad_scaler_unscale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor **params, int n) {
+    double bad = tsys__grads_reduce(ctx, params, n, TSYS_K_NONFINITE);
+    s->found_inf = bad != 0.0;
+    if (!s->found_inf) tsys__grads_scale(ctx, params, n, 1.0f / s->scale);
+    return ctx->status;
+}
+
+TSYSDEF tsys_status tsys_grad_scaler_step(tsys_grad_scaler *s, tsys_optim *opt) {
+    tsys_status st = tsys_grad_scaler_unscale(opt->ctx, s, opt->params, opt->n);
+    if (st != TSYS_OK || s->found_inf) return st;   // inf/nan: skip the step, the scale backs off in update
+    return tsys_optim_step(opt);
+}
+
+TSYSDEF void tsys_grad_scaler_update(tsys_grad_scaler *s) {
+    if (s->found_inf) { s->scale *= s->backoff_factor; s->growth_tracker = 0; return; }
+    if (++s->growth_tracker == s->growth_interval) { s->scale *= s->growth_factor; s->growth_tracker = 0; }
+}
+
+// >>bench -----------------------------------------------------------------------------------------
+
+static int tsys__cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+TSYSDEF tsys_stats tsys_stats_of(const double *x, int n) {
+    tsys_stats s;
+    memset(&s, 0, sizeof(s));
+    s.n = n;
+    if (n <= 0) { s.mean = s.std = s.median = s.min = s.max = NAN; return s; }
+    double *sorted = (double *)TSYS_MALLOC(sizeof(double) * (size_t)n), sum = 0, ss = 0;
+    for (int i = 0; i < n; i++) sum += x[i];
+    s.mean = sum / n;
+    for (int i = 0; i < n; i++) ss += (x[i] - s.mean) * (x[i] - s.mean);
+    s.std = n > 1 ? sqrt(ss / (n - 1)) : 0.0;   // sample std, as numpy/torch .std()
+    if (sorted) {
+        memcpy(sorted, x, sizeof(double) * (size_t)n);
+        qsort(sorted, (size_t)n, sizeof(double), tsys__cmp_double);
+        s.min = sorted[0]; s.max = sorted[n - 1];
+        s.median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+        TSYS_FREE(sorted);
+    }
+    return s;
+}
+
+TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
+    size_t sz = (size_t)n * (size_t)n;
+    float *a = (float *)TSYS_MALLOC(sz * 4), *b = (float *)TSYS_MALLOC(sz * 4), *c = (float *)TSYS_MALLOC(sz * 4);
+    double best = 0;
+    if (a && b && c) {
+        for (size_t i = 0; i < sz; i++) { a[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f; b[i] = (float)((i * 104729) % 1000) * 1e-3f - 0.5f; }
+        for (int r = 0; r <= reps; r++) {   // the first product warms caches and threads, and is not timed
+            double t0 = tsys_time_us();
+#ifndef TSYS_NO_CBLAS
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+#else
+            for (int i = 0; i < n; i++) for (int j = 0; j < n; j++) { float s = 0; for (int k = 0; k < n; k++) s += a[i * n + k] * b[j * n + k]; c[i * n + j] = s; }
+#endif
+            double dt = (tsys_time_us() - t0) * 1e-6;
+            if (r > 0 && 2.0 * n * (double)n * n / dt / 1e9 > best) best = 2.0 * n * (double)n * n / dt / 1e9;
+        }
+    }
+    TSYS_FREE(a); TSYS_FREE(b); TSYS_FREE(c);
+    return best;
+}
+
+#ifndef TSYS__HAVE_SAFETENSORS
+TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) { (void)tensors; (void)n; return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "safetensors: %s: not built", path); }
+TSYSDEF tsys_status tsys_safetensors_load(tsys_ctx *ctx, const char *path, tsys_device dev, tsys_tensor ***out, int *n) { (void)dev; *out = NULL; *n = 0; return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "safetensors: %s: not built", path); }
+TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) { (void)tensors; (void)n; return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "safetensors: %s: not built", path); }
+TSYSDEF void tsys_tensor_list_free(tsys_tensor **list, int n) { for (int i = 0; i < n; i++) tsys_tensor_release(list[i]); TSYS_FREE(list); }
+#endif
+
+TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path) { return tsys_safetensors_save(m->ctx, path, m->params, m->num_tensors); }
+TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path) { return tsys_safetensors_load_into(m->ctx, path, m->params, m->num_tensors); }
+
+#endif // TSYS_IMPLEMENTATION
+
+/*
+------------------------------------------------------------------------------
+MIT License
+Copyright (c) 2026 the tsys authors
+Permission is hereby granted, free of charge, to any person obtaining a copy of
+this software and associated documentation files (the "Software"), to deal in
+the Software without restriction, including without limitation the rights to
+use, copy, modify, merge, publish, distribute, sublicense, and/or sell copies
+of the Software, and to permit persons to whom the Software is furnished to do
+so, subject to the following conditions:
+The above copyright notice and this permission notice shall be included in all
+copies or substantial portions of the Software.
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR
+IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY,
+FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER
+LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
+OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
+SOFTWARE.
+------------------------------------------------------------------------------
+*/
