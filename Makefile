@@ -1,0 +1,70 @@
+# tsys - build, test and benchmark.
+#   make            CPU drivers (build/e2e, build/precision)
+#   make test       CPU tests (what CI runs); also compiles the CUDA code when nvcc is present
+#   make cuda       CUDA drivers (build/e2e_cuda ...), on a machine with nvcc
+#   make test-cuda  CUDA tests (needs a GPU)
+#   make bench      ./bench.sh
+
+CC      ?= cc
+NVCC    ?= nvcc
+BUILD   ?= build
+# OpenBLAS: Debian keeps cblas.h under the multiarch include dir, Ubuntu too
+BLAS_INC ?= $(firstword $(wildcard /usr/include/x86_64-linux-gnu/cblas.h /usr/include/openblas/cblas.h /usr/include/cblas.h))
+CPPFLAGS += $(if $(BLAS_INC),-I$(dir $(BLAS_INC)))
+CFLAGS  ?= -O2 -march=native
+CFLAGS  += -std=c11 -fopenmp -Wall -Wextra
+LDLIBS  += -lopenblas -lm
+CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_CUDA
+NVLIBS  = -lcublasLt -lcublas -lopenblas -lgomp
+
+HEADERS = tsys.h $(wildcard drivers/*.h)
+CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision
+CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors
+HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
+
+.PHONY: all test test-cuda cuda cuda-compile bench clean
+
+all: $(CPU_DRIVERS)
+
+$(BUILD)/%: drivers/%.c $(HEADERS) | $(BUILD)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $< -o $@ $(LDLIBS)
+
+$(BUILD)/test_%: tests/test_%.c tests/harness.h tests/test_util.h $(HEADERS) | $(BUILD)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $< -o $@ $(LDLIBS)
+
+$(BUILD):
+	mkdir -p $(BUILD)
+
+# Runs every CPU test binary; the last line is the sum over all of them.
+test: $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
+	@pass=0; fail=0; for t in $(CPU_TESTS); do \
+	  echo "== $$t"; $$t > $(BUILD)/$$(basename $$t).log 2>&1; rc=$$?; cat $(BUILD)/$$(basename $$t).log; \
+	  line=$$(tail -n 1 $(BUILD)/$$(basename $$t).log); \
+	  p=$$(echo "$$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$$/\1/p'); \
+	  f=$$(echo "$$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$$/\2/p'); \
+	  if [ -z "$$p" ]; then p=0; f=$$((f+1)); echo "$$t did not finish (exit $$rc)"; fi; \
+	  pass=$$((pass+p)); fail=$$((fail+f)); done; \
+	echo "$$pass passed, $$fail failed"; [ $$fail -eq 0 ]
+
+# CUDA builds (nvcc compiles the same driver sources as CUDA C++).
+CUDA_DRIVERS = $(BUILD)/e2e_cuda
+CUDA_TESTS = $(BUILD)/test_cuda
+$(BUILD)/%_cuda: drivers/%.c $(HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -x cu $< -o $@ $(NVLIBS)
+$(BUILD)/test_cuda: tests/test_cuda.cu tests/harness.h tests/test_util.h $(HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $< -o $@ $(NVLIBS)
+
+cuda: $(CUDA_DRIVERS) $(CUDA_TESTS)
+
+# CI has nvcc but no GPU: compile (and link) everything CUDA so broken kernels cannot land.
+cuda-compile: cuda
+
+test-cuda: $(CUDA_TESTS)
+	$(BUILD)/test_cuda
+
+bench: all
+	./bench.sh
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,269 @@
+// e2e - the end-to-end benchmark of the cs336 Transformer LM: forward, forward+backward or a full
+// training step, timed after warmup, one row per configuration.
+//
+//   e2e --model small --context-length 256 --mode forward-backward
+//   e2e --model small,medium --dtype fp32,bf16 --mode train --format csv
+//
+// Comma-separated lists in --model, --context-length, --mode and --dtype sweep every combination.
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#ifdef TSYS_CUDA
+#define TSYS_CUDA_IMPLEMENTATION
+#include "../tsys_cuda.cuh"
+#endif
+#include "driver_util.h"
+
+typedef struct e2e_opts {
+    const char *device, *models, *contexts, *modes, *dtypes, *format, *load, *attn;
+    int batch, warmup, steps;
+    uint64_t seed;
+    tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
+    bool sgemm;
+} e2e_opts;
+
+static void usage(FILE *f) {
+    fprintf(f,
+        "usage: e2e [flags]\n"
+        "  --device cpu|cuda          where to run (default: cuda when a GPU is present, else cpu)\n"
+        "  --model LIST               presets (%s) or 'custom' with the dims below (default small)\n"
+        "  --d-model N --d-ff N --num-layers N --num-heads N --vocab-size N   explicit dims\n"
+        "  --context-length LIST      sequence lengths (default 256)\n"
+        "  --batch-size N             (default 4)\n"
+        "  --warmup N                 untimed steps first (default 5)\n"
+        "  --steps N                  timed steps (default 10)\n"
+        "  --mode LIST                forward | forward-backward | train (default forward-backward)\n"
+        "  --dtype LIST               fp32 | bf16 | fp16 autocast (default fp32)\n"
+        "  --attn naive|flash         attention kernel (default naive)\n"
+        "  --format md|csv|jsonl      output rows (default md)\n"
+        "  --load FILE.safetensors    weights to start from (PyTorch state names)\n"
+        "  --seed N                   weights and batch seed (default 0)\n"
+        "  --no-sgemm                 skip the CBLAS sgemm reference measurement (cpu)\n"
+        "  --help\n", tsys_model_preset_names());
+}
+
+static int parse_args(int argc, char **argv, e2e_opts *o) {
+    memset(o, 0, sizeof(*o));
+    o->device = du_has_cuda() ? "cuda" : "cpu";
+    o->models = "small"; o->contexts = "256"; o->modes = "forward-backward"; o->dtypes = "fp32"; o->format = "md"; o->attn = "naive";
+    o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--no-sgemm")) { o->sgemm = false; continue; }
+        if (i + 1 >= argc) { fprintf(stderr, "e2e: flag %s needs a value\n", a); return 2; }
+        const char *v = argv[++i];
+        bool ok = true;
+        if (!strcmp(a, "--device")) o->device = v;
+        else if (!strcmp(a, "--model")) o->models = v;
+        else if (!strcmp(a, "--context-length")) o->contexts = v;
+        else if (!strcmp(a, "--mode")) o->modes = v;
+        else if (!strcmp(a, "--dtype")) o->dtypes = v;
+        else if (!strcmp(a, "--attn")) o->attn = v;
+        else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--load")) o->load = v;
+        else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
+        else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
+        else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
+        else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
+        else if (!strcmp(a, "--d-model")) ok = du_parse_int(v, 1, 1 << 20, &o->dims.d_model);
+        else if (!strcmp(a, "--d-ff")) ok = du_parse_int(v, 1, 1 << 22, &o->dims.d_ff);
+        else if (!strcmp(a, "--num-layers")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_layers);
+        else if (!strcmp(a, "--num-heads")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_heads);
+        else if (!strcmp(a, "--vocab-size")) ok = du_parse_int(v, 1, 1 << 24, &o->dims.vocab_size);
+        else { fprintf(stderr, "e2e: unknown flag '%s'\n", a); usage(stderr); return 2; }
+        if (!ok) { fprintf(stderr, "e2e: bad value '%s' for %s\n", v, a); return 2; }
+    }
+    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }
+    if (!du_format_ok(o->format)) { fprintf(stderr, "e2e: --format must be md, csv or jsonl, not '%s'\n", o->format); return 2; }
+    if (strcmp(o->attn, "naive") && strcmp(o->attn, "flash")) { fprintf(stderr, "e2e: --attn must be naive or flash, not '%s'\n", o->attn); return 2; }
+#ifndef TSYS_CUDA
+    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: this binary was built without CUDA; build it with 'make cuda'\n"); return 2; }
+#endif
+    return 0;
+}
+
+typedef enum { MODE_FWD, MODE_FWDBWD, MODE_TRAIN } run_mode;
+
+static bool parse_mode(const char *s, run_mode *m) {
+    if (!strcmp(s, "forward")) *m = MODE_FWD;
+    else if (!strcmp(s, "forward-backward")) *m = MODE_FWDBWD;
+    else if (!strcmp(s, "train")) *m = MODE_TRAIN;
+    else return false;
+    return true;
+}
+
+static bool parse_dtype(const char *s, tsys_dtype *d) {
+    if (!strcmp(s, "fp32")) *d = TSYS_F32;
+    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
+    else if (!strcmp(s, "fp16")) *d = TSYS_F16;
+    else return false;
+    return true;
+}
+
+// Everything one configuration needs, built once, released by bench_free.
+typedef struct bench {
+    tsys_ctx *ctx;
+    tsys_device dev;
+    tsys_model *model;
+    tsys_optim *opt;
+    tsys_tensor *ids, *targets;
+    tsys_dtype dtype;
+    run_mode mode;
+    tsys_grad_scaler scaler;
+} bench;
+
+static void bench_free(bench *b) {
+    tsys_tensor_release(b->ids); tsys_tensor_release(b->targets);
+    tsys_optim_free(b->opt);
+    tsys_model_free(b->model);
+    b->ids = b->targets = NULL; b->opt = NULL; b->model = NULL;
+}
+
+// One step; adds its phase times (ms) to t[0..2] = forward, backward, optimizer.
+static tsys_status bench_step(bench *b, double *t) {
+    tsys_ctx *ctx = b->ctx;
+    double t0 = tsys_time_us();
+    if (b->mode == MODE_FWD) tsys_no_grad_begin(ctx);
+    if (b->dtype != TSYS_F32) tsys_autocast_begin(ctx, b->dtype);
+    tsys_tensor *logits = tsys_model_forward(b->model, b->ids);
+    tsys_tensor *loss = b->mode == MODE_FWD ? NULL : tsys_cross_entropy(ctx, logits, b->targets);
+    if (b->dtype != TSYS_F32) tsys_autocast_end(ctx);
+    if (b->mode == MODE_FWD) tsys_no_grad_end(ctx);
+    tsys_tensor_release(logits);
+    tsys_sync(ctx, b->dev);
+    double t1 = tsys_time_us();
+    t[0] += (t1 - t0) * 1e-3;
+    if (b->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
+        tsys_tensor *scaled = b->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &b->scaler, loss) : tsys_tensor_retain(loss);
+        tsys_backward(ctx, scaled);
+        tsys_tensor_release(scaled);
+        tsys_sync(ctx, b->dev);
+        double t2 = tsys_time_us();
+        t[1] += (t2 - t1) * 1e-3;
+        if (b->mode == MODE_TRAIN) {
+            if (b->dtype == TSYS_F16) { tsys_grad_scaler_step(&b->scaler, b->opt); tsys_grad_scaler_update(&b->scaler); }
+            else tsys_optim_step(b->opt);
+        }
+        tsys_optim_zero_grad(b->opt);
+        tsys_sync(ctx, b->dev);
+        t[2] += (tsys_time_us() - t2) * 1e-3;
+    }
+    tsys_tensor_release(loss);
+    tsys_tape_clear(ctx);
+    return tsys_ctx_status(ctx);
+}
+
+static tsys_status bench_setup(bench *b, const tsys_model_desc *d, const e2e_opts *o, int T) {
+    tsys_ctx *ctx = b->ctx;
+    b->model = tsys_model_new(ctx, d, b->dev, o->seed + 1);
+    if (b->model && o->load) tsys_model_load(b->model, o->load);
+    if (b->model) b->opt = tsys_adamw_new(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model), NULL);
+    int64_t shape[2] = {o->batch, T};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
+    tsys_rng_seed(ctx, o->seed + 7);
+    if (ids && tgt) { tsys_tensor_randint(ctx, ids, d->vocab_size); tsys_tensor_randint(ctx, tgt, d->vocab_size); }
+    b->ids = tsys_tensor_to(ctx, ids, b->dev);
+    b->targets = tsys_tensor_to(ctx, tgt, b->dev);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    b->scaler = tsys_grad_scaler_init();
+    return tsys_ctx_status(ctx);
+}
+
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, du_table *tab) {
+    char err[256] = "";
+    tsys_model_desc d;
+    du_row *row = du_table_row(tab);
+    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
+    du_row_set(row, "model", "%s", model_name);
+    du_row_set(row, "context", "%d", T);
+    du_row_set(row, "batch", "%d", o->batch);
+    du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
+    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
+    du_row_set(row, "attn", "%s", o->attn);
+    if (!strcmp(model_name, "custom")) d = tsys_model_desc_defaults(&o->dims);
+    else if (tsys_model_desc_preset(model_name, &d, err, sizeof(err)) != TSYS_OK) { du_row_set(row, "status", "error: %s", err); return; }
+    else {
+        if (o->dims.d_model) d.d_model = o->dims.d_model;
+        if (o->dims.d_ff) d.d_ff = o->dims.d_ff;
+        if (o->dims.num_layers) d.num_layers = o->dims.num_layers;
+        if (o->dims.num_heads) d.num_heads = o->dims.num_heads;
+        if (o->dims.vocab_size) d.vocab_size = o->dims.vocab_size;
+    }
+    d.context_length = T;
+    d.attn = o->attn;
+    if (tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK) { du_row_set(row, "status", "error: %s", err); return; }
+    bench b;
+    memset(&b, 0, sizeof(b));
+    b.ctx = ctx; b.dev = dev; b.mode = mode; b.dtype = dt;
+    tsys_mem_reset_peak(ctx, dev);
+    double *fwd = (double *)calloc((size_t)o->steps, sizeof(double)), *bwd = (double *)calloc((size_t)o->steps, sizeof(double));
+    double *opt = (double *)calloc((size_t)o->steps, sizeof(double)), *tot = (double *)calloc((size_t)o->steps, sizeof(double));
+    tsys_status st = bench_setup(&b, &d, o, T);
+    for (int i = 0; st == TSYS_OK && i < o->warmup + o->steps; i++) {
+        double t[3] = {0, 0, 0};
+        st = bench_step(&b, t);
+        du_progress("%s T=%d %s: step %d/%d (%.1f ms)", model_name, T, du_row_get(row, "mode"), i + 1, o->warmup + o->steps, t[0] + t[1] + t[2]);
+        if (i >= o->warmup) { int j = i - o->warmup; fwd[j] = t[0]; bwd[j] = t[1]; opt[j] = t[2]; tot[j] = t[0] + t[1] + t[2]; }
+    }
+    du_progress_done();
+    if (st == TSYS_OK) {
+        tsys_stats sf = tsys_stats_of(fwd, o->steps), sb = tsys_stats_of(bwd, o->steps), so = tsys_stats_of(opt, o->steps), s = tsys_stats_of(tot, o->steps);
+        double flops = tsys_model_flops(&d, o->batch, T, mode != MODE_FWD);
+        du_row_set(row, "fwd_ms", "%.2f", sf.mean); du_row_set(row, "fwd_std", "%.2f", sf.std);
+        du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std);
+        du_row_set(row, "opt_ms", "%.2f", so.mean);
+        du_row_set(row, "total_ms", "%.2f", s.mean); du_row_set(row, "total_std", "%.2f", s.std);
+        du_row_set(row, "GFLOP/s", "%.1f", flops / (sf.mean + sb.mean) / 1e6);
+        du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
+        du_row_set(row, "status", "ok");
+    } else {
+        du_row_set(row, "status", "%s: %s", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
+    }
+    tsys_tape_clear(ctx);
+    bench_free(&b);
+    tsys_ctx_clear_error(ctx);
+    free(fwd); free(bwd); free(opt); free(tot);
+}
+
+int main(int argc, char **argv) {
+    e2e_opts o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc) return rc;
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_device dev = strcmp(o.device, "cuda") ? TSYS_CPU : TSYS_CUDA;
+#ifdef TSYS_CUDA
+    if (dev == TSYS_CUDA && tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); return 1; }
+#endif
+    du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes);
+    for (int i = 0; i < modes.n; i++) { run_mode m; if (!parse_mode(modes.item[i], &m)) { fprintf(stderr, "e2e: unknown mode '%s' (forward, forward-backward, train)\n", modes.item[i]); return 2; } }
+    for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "e2e: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); return 2; } }
+    for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "e2e: bad context length '%s'\n", ctxs.item[i]); return 2; } }
+    for (int i = 0; i < models.n; i++) {
+        tsys_model_desc d;
+        char err[256];
+        if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", err); return 2; }
+    }
+    if (dev == TSYS_CPU && o.sgemm) {
+        double gf = tsys_cpu_sgemm_gflops(1024, 3);
+        printf("cpu: CBLAS sgemm %.1f GFLOP/s (1024^3, best of 3), %d threads\n\n", gf, du_num_threads());
+    }
+    du_table tab;
+    du_table_init(&tab, "device,model,context,batch,mode,dtype,attn,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,peak_MiB,status");
+    for (int a = 0; a < models.n; a++)
+        for (int c = 0; c < ctxs.n; c++)
+            for (int m = 0; m < modes.n; m++)
+                for (int t = 0; t < dtypes.n; t++) {
+                    run_mode mode; tsys_dtype dt; int T;
+                    parse_mode(modes.item[m], &mode); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
+                    run_config(ctx, dev, &o, models.item[a], T, mode, dt, &tab);
+                    du_table_print_last(&tab, o.format);
+                }
+    if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
+    du_table_free(&tab);
+    du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes);
+#ifdef TSYS_CUDA
+    if (dev == TSYS_CUDA) tsys_cuda_shutdown(ctx);
+#endif
+    tsys_ctx_free(ctx);
+    return 0;
+}

@@ -1,0 +1,300 @@
+// test_model.c - the cs336 model against PyTorch fixtures (logits, loss, every gradient, AdamW),
+// model configuration checks, autocast rules, loss scaling, optimizers and schedules.
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#include "harness.h"
+#include "test_util.h"
+
+#ifndef TSYS_FIXTURES
+#define TSYS_FIXTURES "tests/fixtures"
+#endif
+
+static tsys_model_desc fixture_desc(void) {
+    tsys_model_desc d;
+    memset(&d, 0, sizeof(d));
+    d.vocab_size = 256; d.context_length = 16; d.d_model = 32; d.num_layers = 2; d.num_heads = 4; d.d_ff = 64;
+    return tsys_model_desc_defaults(&d);
+}
+
+// The named tensor of a loaded list, or NULL.
+static tsys_tensor *find(tsys_tensor **list, int n, const char *name) {
+    for (int i = 0; i < n; i++) if (!strcmp(list[i]->name, name)) return list[i];
+    return NULL;
+}
+
+// ||a - b|| / ||b|| over two tensors of equal size (any dtype/device).
+static double rel_err(tsys_ctx *ctx, const tsys_tensor *a, const tsys_tensor *b) {
+    if (!a || !b || tsys_tensor_numel(a) != tsys_tensor_numel(b)) return INFINITY;
+    float *x = test_read(ctx, a), *y = test_read(ctx, b);
+    double e = tsys_test_rel_err(x, y, (long)tsys_tensor_numel(a));
+    free(x); free(y);
+    return e;
+}
+
+typedef struct fixture {
+    tsys_ctx *ctx;
+    tsys_model *model;
+    tsys_tensor **batch;
+    int nbatch;
+    tsys_tensor *ids, *targets;
+} fixture;
+
+static bool fixture_open(fixture *f) {
+    memset(f, 0, sizeof(*f));
+    f->ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = fixture_desc();
+    f->model = tsys_model_new(f->ctx, &d, TSYS_CPU, 1);
+    tsys_status s1 = tsys_model_load(f->model, TSYS_FIXTURES "/model.safetensors");
+    tsys_status s2 = tsys_safetensors_load(f->ctx, TSYS_FIXTURES "/batch.safetensors", TSYS_CPU, &f->batch, &f->nbatch);
+    TEST_CHECK(s1 == TSYS_OK && s2 == TSYS_OK, "loading fixtures: %s", tsys_ctx_last_error(f->ctx));
+    f->ids = find(f->batch, f->nbatch, "input_ids");
+    f->targets = find(f->batch, f->nbatch, "targets");
+    return s1 == TSYS_OK && s2 == TSYS_OK && f->ids && f->targets;
+}
+
+static void fixture_close(fixture *f) {
+    tsys_tensor_list_free(f->batch, f->nbatch);
+    tsys_model_free(f->model);
+    tsys_ctx_free(f->ctx);
+}
+
+TSYS_TEST(model_matches_pytorch_logits_loss_grads) {
+    fixture f;
+    if (!fixture_open(&f)) { fixture_close(&f); return; }
+    tsys_ctx *ctx = f.ctx;
+    tsys_tensor *logits = tsys_model_forward(f.model, f.ids);
+    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, f.targets);
+    double el = rel_err(ctx, logits, find(f.batch, f.nbatch, "logits"));
+    double eloss = rel_err(ctx, loss, find(f.batch, f.nbatch, "loss"));
+    TEST_CHECK(el < 1e-5, "logits relative error %.3g", el);
+    TEST_CHECK(eloss < 1e-5, "loss relative error %.3g (ours %.7f)", eloss, tsys_item(ctx, loss));
+    TEST_CHECK(tsys_backward(ctx, loss) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor **p = tsys_model_params(f.model);
+    int checked = 0;
+    for (int i = 0; i < tsys_model_num_tensors(f.model); i++) {
+        char name[160];
+        snprintf(name, sizeof(name), "grad.%s", p[i]->name);
+        double e = rel_err(ctx, p[i]->grad, find(f.batch, f.nbatch, name));
+        TEST_CHECK(e < 1e-4, "%s relative error %.3g", name, e);
+        checked++;
+    }
+    TEST_CHECK(checked == 21, "checked %d gradients, the model has 21 tensors", checked);
+    tsys_tensor_release(logits); tsys_tensor_release(loss);
+    fixture_close(&f);
+}
+
+TSYS_TEST(model_matches_pytorch_after_3_adamw_steps) {
+    fixture f;
+    if (!fixture_open(&f)) { fixture_close(&f); return; }
+    tsys_ctx *ctx = f.ctx;
+    tsys_optim_desc od;
+    memset(&od, 0, sizeof(od));
+    od.lr = 1e-2f;
+    tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(f.model), tsys_model_num_tensors(f.model), &od);
+    for (int step = 1; step <= 3; step++) {
+        tsys_optim_zero_grad(opt);
+        tsys_tensor *logits = tsys_model_forward(f.model, f.ids);
+        tsys_tensor *loss = tsys_cross_entropy(ctx, logits, f.targets);
+        char name[32];
+        snprintf(name, sizeof(name), "loss_step%d", step);
+        double e = rel_err(ctx, loss, find(f.batch, f.nbatch, name));
+        TEST_CHECK(e < 1e-5, "%s relative error %.3g", name, e);
+        tsys_backward(ctx, loss);
+        tsys_optim_step(opt);
+        tsys_tensor_release(logits); tsys_tensor_release(loss);
+    }
+    tsys_tensor **p = tsys_model_params(f.model);
+    for (int i = 0; i < tsys_model_num_tensors(f.model); i++) {
+        char name[160];
+        snprintf(name, sizeof(name), "adamw3.%s", p[i]->name);
+        double e = rel_err(ctx, p[i], find(f.batch, f.nbatch, name));
+        TEST_CHECK(e < 1e-5, "%s relative error %.3g", name, e);
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_optim_free(opt);
+    fixture_close(&f);
+}
+
+TSYS_TEST(model_low_precision_loss_close_to_fp32) {
+    fixture f;
+    if (!fixture_open(&f)) { fixture_close(&f); return; }
+    tsys_ctx *ctx = f.ctx;
+    float ref = tsys_item(ctx, find(f.batch, f.nbatch, "loss"));
+    tsys_dtype low[2] = {TSYS_BF16, TSYS_F16};
+    for (int k = 0; k < 2; k++) {
+        tsys_autocast_begin(ctx, low[k]);
+        tsys_tensor *logits = tsys_model_forward(f.model, f.ids);
+        tsys_tensor *loss = tsys_cross_entropy(ctx, logits, f.targets);
+        tsys_autocast_end(ctx);
+        TEST_CHECK(logits && logits->dtype == low[k], "logits dtype %s under %s autocast", logits ? tsys_dtype_name(logits->dtype) : "-", tsys_dtype_name(low[k]));
+        TEST_CHECK(loss && loss->dtype == TSYS_F32, "loss must be fp32");
+        float v = tsys_item(ctx, loss);
+        TEST_CHECK(fabsf(v - ref) < 1e-2f, "%s loss %.5f vs fp32 %.5f", tsys_dtype_name(low[k]), v, ref);
+        TEST_CHECK(tsys_backward(ctx, loss) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+        tsys_tensor **p = tsys_model_params(f.model);
+        for (int i = 0; i < tsys_model_num_tensors(f.model); i++)
+            TEST_CHECK(p[i]->dtype == TSYS_F32 && p[i]->grad->dtype == TSYS_F32, "%s: params and grads stay fp32", p[i]->name);
+        tsys_zero_grads(ctx, p, tsys_model_num_tensors(f.model));
+        tsys_tensor_release(logits); tsys_tensor_release(loss);
+    }
+    fixture_close(&f);
+}
+
+// The CS336 ToyModel: fc1 (no bias) -> relu -> LayerNorm -> fc2 (no bias), under autocast.
+TSYS_TEST(autocast_toy_model_dtypes) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[2] = {4, 6}, s1[2] = {10, 6}, s2[2] = {3, 10}, sln[1] = {10}, st[1] = {4};
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sx), *tgt = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st);
+    tsys_tensor *w1 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, s1), *w2 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, s2);
+    tsys_tensor *g = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, sln), *b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, sln);
+    tsys_tensor_randn(ctx, x, 1); tsys_tensor_randn(ctx, w1, 0.3f); tsys_tensor_randn(ctx, w2, 0.3f);
+    tsys_tensor_fill(ctx, g, 1); tsys_tensor_fill(ctx, b, 0); tsys_tensor_randint(ctx, tgt, 3);
+    tsys_tensor *params[4] = {w1, w2, g, b};
+    for (int i = 0; i < 4; i++) tsys_tensor_set_requires_grad(params[i], true);
+    tsys_dtype low[2] = {TSYS_F16, TSYS_BF16};
+    for (int k = 0; k < 2; k++) {
+        tsys_autocast_begin(ctx, low[k]);
+        tsys_tensor *h = tsys_linear(ctx, x, w1, NULL), *r = tsys_relu(ctx, h), *n = tsys_layernorm(ctx, r, g, b, 1e-5f);
+        tsys_tensor *logits = tsys_linear(ctx, n, w2, NULL), *loss = tsys_cross_entropy(ctx, logits, tgt);
+        tsys_autocast_end(ctx);
+        TEST_CHECK(h->dtype == low[k], "fc1 output is %s", tsys_dtype_name(h->dtype));
+        TEST_CHECK(n->dtype == TSYS_F32, "layernorm output is %s, expected f32", tsys_dtype_name(n->dtype));
+        TEST_CHECK(logits->dtype == low[k], "logits are %s", tsys_dtype_name(logits->dtype));
+        TEST_CHECK(loss->dtype == TSYS_F32, "loss is %s", tsys_dtype_name(loss->dtype));
+        tsys_backward(ctx, loss);
+        for (int i = 0; i < 4; i++)
+            TEST_CHECK(params[i]->dtype == TSYS_F32 && params[i]->grad && params[i]->grad->dtype == TSYS_F32, "parameter %d or its grad not fp32", i);
+        tsys_tensor *ts[5] = {h, r, n, logits, loss};
+        for (int i = 0; i < 5; i++) tsys_tensor_release(ts[i]);
+    }
+    for (int i = 0; i < 4; i++) tsys_tensor_release(params[i]);
+    tsys_tensor_release(x); tsys_tensor_release(tgt);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(grad_scaler_skips_inf_and_grows) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[1] = {4};
+    tsys_tensor *p = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, s);
+    tsys_tensor_fill(ctx, p, 1.0f);
+    tsys_tensor_set_requires_grad(p, true);
+    tsys_optim *opt = tsys_sgd_new(ctx, &p, 1, 0.1f);
+    tsys_grad_scaler sc = tsys_grad_scaler_init();
+    TEST_CHECK(sc.scale == 65536.0f && sc.growth_interval == 2000, "GradScaler defaults");
+    sc.growth_interval = 3;
+    // a step whose gradient overflowed: skipped, scale halves
+    tsys_tensor *q = tsys_mul(ctx, p, p), *l = tsys_sum(ctx, q), *ls = tsys_grad_scaler_scale(ctx, &sc, l);
+    tsys_backward(ctx, ls);
+    ((float *)tsys_tensor_data(p->grad))[2] = INFINITY;
+    tsys_grad_scaler_step(&sc, opt);
+    tsys_grad_scaler_update(&sc);
+    TEST_CHECK(sc.found_inf && ((float *)tsys_tensor_data(p))[0] == 1.0f, "step with inf was not skipped");
+    TEST_CHECK(sc.scale == 32768.0f, "scale after inf %g, expected 32768", sc.scale);
+    tsys_tensor_release(q); tsys_tensor_release(l); tsys_tensor_release(ls);
+    // three clean steps: unscaled gradients (2p) are applied, then the scale doubles
+    for (int i = 0; i < 3; i++) {
+        tsys_optim_zero_grad(opt);
+        float before = ((float *)tsys_tensor_data(p))[0];
+        q = tsys_mul(ctx, p, p); l = tsys_sum(ctx, q); ls = tsys_grad_scaler_scale(ctx, &sc, l);
+        tsys_backward(ctx, ls);
+        tsys_grad_scaler_step(&sc, opt);
+        tsys_grad_scaler_update(&sc);
+        float after = ((float *)tsys_tensor_data(p))[0];
+        TEST_CHECK(fabsf(after - (before - 0.1f * 2 * before)) < 1e-6f, "clean step %d: %g -> %g", i, before, after);
+        tsys_tensor_release(q); tsys_tensor_release(l); tsys_tensor_release(ls);
+    }
+    TEST_CHECK(sc.scale == 65536.0f && sc.growth_tracker == 0, "scale after 3 clean steps %g", sc.scale);
+    tsys_optim_free(opt);
+    tsys_tensor_release(p);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(adamw_matches_reference_math) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[1] = {7};
+    tsys_tensor *p = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, s);
+    tsys_tensor_randn(ctx, p, 1);
+    tsys_tensor_set_requires_grad(p, true);
+    double ref[7], m[7] = {0}, v[7] = {0};
+    for (int i = 0; i < 7; i++) ref[i] = ((float *)tsys_tensor_data(p))[i];
+    tsys_optim_desc d;
+    memset(&d, 0, sizeof(d));
+    d.lr = 0.1f; d.weight_decay = 0.1f;
+    tsys_optim *opt = tsys_adamw_new(ctx, &p, 1, &d);
+    for (int t = 1; t <= 5; t++) {
+        tsys_optim_zero_grad(opt);
+        tsys_tensor *q = tsys_mul(ctx, p, p), *l = tsys_sum(ctx, q);   // grad 2p
+        tsys_backward(ctx, l);
+        tsys_optim_step(opt);
+        for (int i = 0; i < 7; i++) {   // torch.optim.AdamW, in double
+            double g = 2 * ref[i];
+            ref[i] *= 1 - 0.1 * 0.1;
+            m[i] = 0.9 * m[i] + 0.1 * g; v[i] = 0.999 * v[i] + 0.001 * g * g;
+            double mh = m[i] / (1 - pow(0.9, t)), vh = v[i] / (1 - pow(0.999, t));
+            ref[i] -= 0.1 * mh / (sqrt(vh) + 1e-8);
+        }
+        tsys_tensor_release(q); tsys_tensor_release(l);
+    }
+    double worst = 0;
+    for (int i = 0; i < 7; i++) worst = fmax(worst, fabs(((float *)tsys_tensor_data(p))[i] - ref[i]));
+    TEST_CHECK(worst < 1e-5, "AdamW differs from the reference by %g", worst);
+    tsys_optim_free(opt);
+    tsys_tensor_release(p);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(clip_and_cosine_schedule) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[1] = {2};
+    tsys_tensor *p = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, s);
+    tsys_tensor_set_requires_grad(p, true);
+    tsys_tensor_fill(ctx, p, 0);
+    p->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, s);
+    ((float *)tsys_tensor_data(p->grad))[0] = 3; ((float *)tsys_tensor_data(p->grad))[1] = 4;
+    double n = tsys_clip_grad_norm(ctx, &p, 1, 1.0);
+    float *g = (float *)tsys_tensor_data(p->grad);
+    TEST_CHECK(fabs(n - 5.0) < 1e-6 && fabsf(g[0] - 0.6f) < 1e-5f && fabsf(g[1] - 0.8f) < 1e-5f, "clip: norm %g grads %g %g", n, g[0], g[1]);
+    TEST_CHECK(tsys_cosine_lr(0, 1, 0.1, 10, 100) == 0.0 && fabs(tsys_cosine_lr(5, 1, 0.1, 10, 100) - 0.5) < 1e-12, "warmup");
+    TEST_CHECK(fabs(tsys_cosine_lr(55, 1, 0.1, 10, 100) - 0.55) < 1e-12, "cosine midpoint %g", tsys_cosine_lr(55, 1, 0.1, 10, 100));
+    TEST_CHECK(tsys_cosine_lr(101, 1, 0.1, 10, 100) == 0.1, "after the cycle");
+    tsys_tensor_release(p);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(model_config_validation_and_sizes) {
+    char err[256];
+    tsys_model_desc d;
+    static const struct { const char *name; int64_t params; } sizes[] = {
+        {"small", 128625408}, {"medium", 423183360}, {"large", 969411840}, {"xl", 1998235200}, {"2.7B", 3406809600LL}};
+    for (int i = 0; i < 5; i++) {
+        TEST_CHECK(tsys_model_desc_preset(sizes[i].name, &d, err, sizeof(err)) == TSYS_OK, "%s", err);
+        TEST_CHECK(tsys_model_desc_num_params(&d) == sizes[i].params, "%s: %lld params", sizes[i].name, (long long)tsys_model_desc_num_params(&d));
+    }
+    TEST_CHECK(tsys_model_desc_preset("huge", &d, err, sizeof(err)) == TSYS_ERR_INVALID_ARGS && strstr(err, "unknown model preset 'huge'"), "%s", err);
+    d = fixture_desc(); d.num_heads = 5;
+    TEST_CHECK(tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK && strstr(err, "d_model 32 is not divisible by num_heads 5"), "%s", err);
+    d = fixture_desc(); d.d_model = 36; d.num_heads = 4;
+    TEST_CHECK(tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK && strstr(err, "head dim") && strstr(err, "odd"), "%s", err);
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    d = fixture_desc();
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 3);
+    TEST_CHECK(m && tsys_model_num_tensors(m) == 21 && !strcmp(tsys_model_params(m)[1]->name, "layers.0.attn.q_proj.weight"), "state names in parameters() order");
+    int64_t s[2] = {1, 17};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, s);
+    tsys_tensor_fill(ctx, ids, 3);
+    TEST_CHECK(tsys_check_token_ids(ctx, ids, 256, 16) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "longer than the model's context_length 16"), "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_model_forward(m, ids) == NULL, "forward past the context length");
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor_release(ids);
+    s[1] = 8;
+    ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, s);
+    tsys_tensor_fill(ctx, ids, 3);
+    ((int64_t *)tsys_tensor_data(ids))[5] = 256;
+    TEST_CHECK(tsys_check_token_ids(ctx, ids, 256, 16) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "id 256 at position 5 is outside the vocabulary"), "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(ids);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
