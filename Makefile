@@ -10,22 +10,37 @@ NVCC    ?= nvcc
 BUILD   ?= build
 # OpenBLAS: Debian keeps cblas.h under the multiarch include dir, Ubuntu too
 BLAS_INC ?= $(firstword $(wildcard /usr/include/x86_64-linux-gnu/cblas.h /usr/include/openblas/cblas.h /usr/include/cblas.h))
-CPPFLAGS += $(if $(BLAS_INC),-I$(dir $(BLAS_INC)))
+CPPFLAGS += -I. $(if $(BLAS_INC),-I$(dir $(BLAS_INC)),-DTSYS_NO_CBLAS)
+BLAS_LIB = $(if $(BLAS_INC),-lopenblas)
 CFLAGS  ?= -O2 -march=native
 CFLAGS  += -std=c11 -fopenmp -Wall -Wextra
-LDLIBS  += -lopenblas -lm
+LDLIBS  += $(BLAS_LIB) -lm
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_CUDA
-NVLIBS  = -lcublasLt -lcublas -lopenblas -lgomp
+NVLIBS  = -lcublasLt -lcublas $(BLAS_LIB) -lgomp
 
 HEADERS = tsys.h $(wildcard drivers/*.h)
 CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision
 CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-.PHONY: all test test-cuda cuda cuda-compile bench clean
+.PHONY: all test run-tests test-cuda cuda cuda-compile bench e2e deps clean
+HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 
 all: $(CPU_DRIVERS)
+
+# Fresh machine: install what is missing, then build and test / benchmark (make re-reads this
+# file after deps, so the BLAS detection above sees what deps installed).
+deps:
+	@tools/deps.sh
+
+# The main job: the end-to-end benchmark on the GPU when there is one, else on the CPU.
+e2e: deps
+ifeq ($(HAVE_GPU)$(if $(HAVE_NVCC),yes),yesyes)
+	@$(MAKE) --no-print-directory $(BUILD)/e2e_cuda && $(BUILD)/e2e_cuda --device cuda $(E2E_FLAGS)
+else
+	@$(MAKE) --no-print-directory $(BUILD)/e2e && $(BUILD)/e2e --device cpu $(E2E_FLAGS)
+endif
 
 $(BUILD)/%: drivers/%.c $(HEADERS) | $(BUILD)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $< -o $@ $(LDLIBS)
@@ -36,8 +51,11 @@ $(BUILD)/test_%: tests/test_%.c tests/harness.h tests/test_util.h $(HEADERS) | $
 $(BUILD):
 	mkdir -p $(BUILD)
 
+test: deps
+	@$(MAKE) --no-print-directory run-tests
+
 # Runs every CPU test binary; the last line is the sum over all of them.
-test: $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
+run-tests: $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
 	@pass=0; fail=0; for t in $(CPU_TESTS); do \
 	  echo "== $$t"; $$t > $(BUILD)/$$(basename $$t).log 2>&1; rc=$$?; cat $(BUILD)/$$(basename $$t).log; \
 	  line=$$(tail -n 1 $(BUILD)/$$(basename $$t).log); \

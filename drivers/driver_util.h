@@ -17,7 +17,7 @@ static char *du_strdup(const char *s) {
 
 // ---- flags -----------------------------------------------------------------------------------
 
-static bool du_parse_int(const char *s, long lo, long hi, int *out) {
+static inline bool du_parse_int(const char *s, long lo, long hi, int *out) {
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
@@ -34,21 +34,21 @@ static inline bool du_parse_double(const char *s, double *out) {
     return true;
 }
 
-static bool du_format_ok(const char *f) { return !strcmp(f, "md") || !strcmp(f, "csv") || !strcmp(f, "jsonl"); }
+static inline bool du_format_ok(const char *f) { return !strcmp(f, "md") || !strcmp(f, "csv") || !strcmp(f, "jsonl"); }
 
 typedef struct du_list { char *buf; char *item[64]; int n; } du_list;
 
 // Splits "a,b,c" into items (at most 64); the list owns a copy of the string.
-static du_list du_split(const char *s) {
+static inline du_list du_split(const char *s) {
     du_list l;
     memset(&l, 0, sizeof(l));
     l.buf = du_strdup(s);
     for (char *tok = strtok(l.buf, ","); tok && l.n < 64; tok = strtok(NULL, ",")) l.item[l.n++] = tok;
     return l;
 }
-static void du_list_free(du_list *l) { free(l->buf); l->buf = NULL; l->n = 0; }
+static inline void du_list_free(du_list *l) { free(l->buf); l->buf = NULL; l->n = 0; }
 
-static int du_num_threads(void) {
+static inline int du_num_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
 #else
@@ -56,7 +56,7 @@ static int du_num_threads(void) {
 #endif
 }
 
-static bool du_has_cuda(void) {
+static inline bool du_has_cuda(void) {
 #ifdef TSYS_CUDA
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
@@ -67,13 +67,13 @@ static bool du_has_cuda(void) {
 
 // ---- progress on stderr (only when it is a terminal or TSYS_PROGRESS=1) -------------------------
 
-static bool du_progress_on(void) {
+static inline bool du_progress_on(void) {
     const char *e = getenv("TSYS_PROGRESS");
     if (e) return strcmp(e, "0") != 0;
     return isatty(2);
 }
 
-static void du_progress(const char *fmt, ...) {
+static inline void du_progress(const char *fmt, ...) {
     if (!du_progress_on()) return;
     va_list ap;
     va_start(ap, fmt);
@@ -82,7 +82,7 @@ static void du_progress(const char *fmt, ...) {
     va_end(ap);
     fflush(stderr);
 }
-static void du_progress_done(void) { if (du_progress_on()) fprintf(stderr, "\r\033[K"); }
+static inline void du_progress_done(void) { if (du_progress_on()) fprintf(stderr, "\r\033[K"); }
 
 // ---- result tables ---------------------------------------------------------------------------
 
@@ -99,13 +99,13 @@ typedef struct du_table {
     bool header_done;
 } du_table;
 
-static void du_table_init(du_table *t, const char *columns) {
+static inline void du_table_init(du_table *t, const char *columns) {
     memset(t, 0, sizeof(*t));
     t->colbuf = du_strdup(columns);
     for (char *tok = strtok(t->colbuf, ","); tok && t->ncols < DU_MAX_COLS; tok = strtok(NULL, ",")) t->cols[t->ncols++] = tok;
 }
 
-static du_row *du_table_row(du_table *t) {
+static inline du_row *du_table_row(du_table *t) {
     if (t->nrows == t->cap) {
         t->cap = t->cap ? t->cap * 2 : 16;
         t->rows = (du_row *)realloc(t->rows, sizeof(du_row) * (size_t)t->cap);
@@ -116,7 +116,7 @@ static du_row *du_table_row(du_table *t) {
     return r;
 }
 
-static void du_row_set(du_row *r, const char *col, const char *fmt, ...) {
+static inline void du_row_set(du_row *r, const char *col, const char *fmt, ...) {
     for (int i = 0; i < r->ncols; i++) {
         if (strcmp(r->cols[i], col)) continue;
         va_list ap;
@@ -127,19 +127,19 @@ static void du_row_set(du_row *r, const char *col, const char *fmt, ...) {
         return;
     }
 }
-static const char *du_row_get(const du_row *r, const char *col) {
+static inline const char *du_row_get(const du_row *r, const char *col) {
     for (int i = 0; i < r->ncols; i++) if (!strcmp(r->cols[i], col)) return r->cell[i];
     return "";
 }
 
-static bool du_is_number(const char *s) {
+static inline bool du_is_number(const char *s) {
     if (!*s) return false;
     char *end;
     strtod(s, &end);
     return *end == 0;
 }
 
-static void du_print_row(const du_table *t, const du_row *r, const char *fmt) {
+static inline void du_print_row(const du_table *t, const du_row *r, const char *fmt) {
     if (!strcmp(fmt, "csv")) {
         for (int i = 0; i < t->ncols; i++) {
             bool quote = strchr(r->cell[i], ',') || strchr(r->cell[i], '"');
@@ -166,7 +166,7 @@ static void du_print_row(const du_table *t, const du_row *r, const char *fmt) {
 }
 
 // Prints the row just added (csv and jsonl stream row by row; md waits for the whole table).
-static void du_table_print_last(du_table *t, const char *fmt) {
+static inline void du_table_print_last(du_table *t, const char *fmt) {
     if (!strcmp(fmt, "md") || t->nrows == 0) return;
     if (!strcmp(fmt, "csv") && !t->header_done) {
         for (int i = 0; i < t->ncols; i++) printf("%s%s", i ? "," : "", t->cols[i]);
@@ -177,7 +177,7 @@ static void du_table_print_last(du_table *t, const char *fmt) {
     fflush(stdout);
 }
 
-static void du_table_print(const du_table *t, const char *fmt) {
+static inline void du_table_print(const du_table *t, const char *fmt) {
     if (strcmp(fmt, "md")) { for (int r = 0; r < t->nrows; r++) du_print_row(t, &t->rows[r], fmt); return; }
     printf("|");
     for (int i = 0; i < t->ncols; i++) printf(" %s |", t->cols[i]);
@@ -188,6 +188,6 @@ static void du_table_print(const du_table *t, const char *fmt) {
     fflush(stdout);
 }
 
-static void du_table_free(du_table *t) { free(t->colbuf); free(t->rows); memset(t, 0, sizeof(*t)); }
+static inline void du_table_free(du_table *t) { free(t->colbuf); free(t->rows); memset(t, 0, sizeof(*t)); }
 
 #endif

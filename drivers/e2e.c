@@ -180,6 +180,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
     du_row_set(row, "attn", "%s", o->attn);
+    du_row_set(row, "warmup", "%d", o->warmup);
     if (!strcmp(model_name, "custom")) d = tsys_model_desc_defaults(&o->dims);
     else if (tsys_model_desc_preset(model_name, &d, err, sizeof(err)) != TSYS_OK) { du_row_set(row, "status", "error: %s", err); return; }
     else {
@@ -248,12 +249,12 @@ int main(int argc, char **argv) {
         printf("cpu: CBLAS sgemm %.1f GFLOP/s (1024^3, best of 3), %d threads\n\n", gf, du_num_threads());
     }
     du_table tab;
-    du_table_init(&tab, "device,model,context,batch,mode,dtype,attn,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,peak_MiB,status");
+    du_table_init(&tab, "device,model,context,batch,mode,dtype,attn,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,peak_MiB,status");
     for (int a = 0; a < models.n; a++)
         for (int c = 0; c < ctxs.n; c++)
             for (int m = 0; m < modes.n; m++)
                 for (int t = 0; t < dtypes.n; t++) {
-                    run_mode mode; tsys_dtype dt; int T;
+                    run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
                     parse_mode(modes.item[m], &mode); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
                     run_config(ctx, dev, &o, models.item[a], T, mode, dt, &tab);
                     du_table_print_last(&tab, o.format);
