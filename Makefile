@@ -24,7 +24,7 @@ CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision
 CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-.PHONY: all test run-tests test-cuda cuda cuda-compile bench e2e deps clean
+.PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 
 all: $(CPU_DRIVERS)
@@ -54,8 +54,16 @@ $(BUILD):
 test: deps
 	@$(MAKE) --no-print-directory run-tests
 
+NVCC_HEADER_CHECK = $(NVCC) $(CPPFLAGS) -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -x cu -c $(BUILD)/header_check.c -o $(BUILD)/header_check_cu.o
+# The header alone, warning-free as C11 and as C++ (nvcc -x cu includes it in the CUDA build).
+header-check: | $(BUILD)
+	@printf '#define TSYS_IMPLEMENTATION\n#include "tsys.h"\nint main(void) { return 0; }\n' > $(BUILD)/header_check.c
+	$(CC) $(CPPFLAGS) -std=c11 -fopenmp -Wall -Wextra -Wpedantic -Werror -c $(BUILD)/header_check.c -o $(BUILD)/header_check.o
+	$(CC) $(CPPFLAGS) -std=c11 -fopenmp -Wall -Wextra -Werror -DTSYS_STATIC -c $(BUILD)/header_check.c -o $(BUILD)/header_check_static.o
+	$(if $(HAVE_NVCC),$(NVCC_HEADER_CHECK))
+
 # Runs every CPU test binary; the last line is the sum over all of them.
-run-tests: $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
+run-tests: header-check $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
 	@pass=0; fail=0; for t in $(CPU_TESTS); do \
 	  echo "== $$t"; $$t > $(BUILD)/$$(basename $$t).log 2>&1; rc=$$?; cat $(BUILD)/$$(basename $$t).log; \
 	  line=$$(tail -n 1 $(BUILD)/$$(basename $$t).log); \

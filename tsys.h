@@ -75,7 +75,11 @@
 #include <stdbool.h>
 
 #ifdef TSYS_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define TSYSDEF static __attribute__((unused))   // a program uses a few functions of the library
+#else
 #define TSYSDEF static
+#endif
 #else
 #define TSYSDEF extern
 #endif
@@ -202,7 +206,9 @@ typedef enum tsys_kernel {
     TSYS_K_EMBED_FWD,     // t[0] (N, D) = t[1] (V, D) rows t[2] (N ids)
     TSYS_K_EMBED_BWD,     // t[0] (V, D, fp32) += scatter of t[1] (N, D) to rows t[2]
     TSYS_K_TRANSPOSE12,   // t[0] (A, C, B, D) = t[1] (A, B, C, D) with dims 1 and 2 swapped
-    TSYS_K_ADAMW,         // t[0] = p, t[1] = g, t[2] = m, t[3] = v; f = lr, beta1, beta2, eps, wd, 1-beta1^t, 1-beta2^t
+    TSYS_K_ADAMW,         // t[0] = p, t[1] = g, t[2] = m, t[3] = v, t[4] = step (I64 scalar, already counted); f = lr, beta1, beta2, eps, wd
+                          // (the step lives on the device so that a captured CUDA graph replays correct bias corrections)
+    TSYS_K_STEP_INC,      // t[0] (I64 scalar) += 1
     TSYS_K_SGD,           // t[0] = p, t[1] = g; f[0] = lr
     TSYS_K_SUMSQ,         // t[0] (scalar, fp32) += sum(t[1]^2)
     TSYS_K_NONFINITE,     // t[0] (scalar, fp32) = 1 if any element of t[1] is inf or nan (else unchanged)
@@ -1119,8 +1125,9 @@ static void tsys__cpu_ce_bwd(float *dl, const float *logits, const float *lse, c
     }
 }
 
-static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, int64_t n, const float *f) {
-    float lr = f[0], b1 = f[1], b2 = f[2], eps = f[3], wd = f[4], bc1 = f[5], bc2 = f[6];
+static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, int64_t n, const float *f, int64_t t) {
+    float lr = f[0], b1 = f[1], b2 = f[2], eps = f[3], wd = f[4];
+    float bc1 = (float)(1.0 - pow(b1, (double)t)), bc2 = (float)(1.0 - pow(b2, (double)t));
     float step = lr / bc1, bc2_sqrt = sqrtf(bc2);
     TSYS__OMP(omp parallel for if (n > 16384))
     for (int64_t i = 0; i < n; i++) {
@@ -1515,7 +1522,8 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
         break;
     }
     case TSYS_K_TRANSPOSE12: tsys__cpu_transpose12(tsys_tensor_data(t[0]), tsys_tensor_data(t[1]), t[1]->shape, tsys_dtype_size(t[1]->dtype)); break;
-    case TSYS_K_ADAMW: tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), n, f); break;
+    case TSYS_K_ADAMW: tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), n, f, tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0)); break;
+    case TSYS_K_STEP_INC: ((int64_t *)tsys_tensor_data(t[0]))[0] += 1; break;
     case TSYS_K_SGD: { float *p = OUT(0, true); const float *g = IN(1); for (int64_t i = 0; i < n; i++) p[i] -= f[0] * g[i]; break; }
     case TSYS_K_SUMSQ: {
         const float *x = IN(1);
@@ -2797,6 +2805,7 @@ struct tsys_optim {
     int n;
     tsys_tensor *flat_p, *flat_g;   // views over all parameters/grads when they are one contiguous block
     tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
+    tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
     int64_t step;
 };
 
@@ -2849,7 +2858,9 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
     o->m = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
     o->v = o->m ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total) : NULL;
     tsys_mem_set_tag(ctx, tag);
-    if (!o->v || tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK) { tsys_optim_free(o); return NULL; }
+    int64_t one = 1, zero = 0;
+    o->step_t = o->v ? tsys_tensor_from_data(ctx, TSYS_I64, dev, 1, &one, &zero) : NULL;
+    if (!o->step_t || tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK) { tsys_optim_free(o); return NULL; }
     return o;
 }
 
@@ -2863,13 +2874,13 @@ TSYSDEF void tsys_optim_free(tsys_optim *o) {
     if (!o) return;
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
     tsys_tensor_release(o->flat_p); tsys_tensor_release(o->flat_g);
-    tsys_tensor_release(o->m); tsys_tensor_release(o->v);
+    tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t);
     TSYS_FREE(o->params);
     TSYS_FREE(o);
 }
 
 TSYSDEF void tsys_optim_set_lr(tsys_optim *o, float lr) { o->desc.lr = lr; }
-TSYSDEF int64_t tsys_optim_steps(const tsys_optim *o) { return o->step; }
+TSYSDEF int64_t tsys_optim_steps(const tsys_optim *o) { return o->step; }   // host count: replayed graphs do not add to it
 
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which) {
     if (!o->adamw || param_index < 0 || param_index >= o->n) return NULL;
@@ -2884,10 +2895,8 @@ static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor
     tsys_kargs a = tsys__kargs0();
     a.t[0] = p; a.t[1] = g;
     if (!o->adamw) { a.f[0] = o->desc.lr; return tsys__kernel(o->ctx, p->device, TSYS_K_SGD, &a); }
-    a.t[2] = m; a.t[3] = v;
+    a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t;
     a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
-    a.f[5] = (float)(1.0 - pow(o->desc.beta1, (double)o->step));
-    a.f[6] = (float)(1.0 - pow(o->desc.beta2, (double)o->step));
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
 }
 
@@ -2897,6 +2906,11 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     o->step++;
     tsys_status st = TSYS_OK;
+    if (o->adamw) {
+        tsys_kargs inc = tsys__kargs0();
+        inc.t[0] = o->step_t;
+        st = tsys__kernel(ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
+    }
     if (o->flat_p) st = tsys__optim_update(o, o->flat_p, o->flat_g, o->m, o->v);
     size_t off = 0;
     for (int i = 0; !o->flat_p && st == TSYS_OK && i < o->n; i++) {

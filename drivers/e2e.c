@@ -14,7 +14,7 @@
 #include "driver_util.h"
 
 typedef struct e2e_opts {
-    const char *device, *models, *contexts, *modes, *dtypes, *format, *load, *attn;
+    const char *device, *models, *contexts, *modes, *dtypes, *format, *load, *attn, *compile;
     int batch, warmup, steps;
     uint64_t seed;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
@@ -34,6 +34,8 @@ static void usage(FILE *f) {
         "  --mode LIST                forward | forward-backward | train (default forward-backward)\n"
         "  --dtype LIST               fp32 | bf16 | fp16 autocast (default fp32)\n"
         "  --attn naive|flash         attention kernel (default naive)\n"
+        "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
+        "                             and replays it (cuda only; default no)\n"
         "  --format md|csv|jsonl      output rows (default md)\n"
         "  --load FILE.safetensors    weights to start from (PyTorch state names)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
@@ -44,7 +46,7 @@ static void usage(FILE *f) {
 static int parse_args(int argc, char **argv, e2e_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    o->models = "small"; o->contexts = "256"; o->modes = "forward-backward"; o->dtypes = "fp32"; o->format = "md"; o->attn = "naive";
+    o->models = "small"; o->contexts = "256"; o->modes = "forward-backward"; o->dtypes = "fp32"; o->format = "md"; o->attn = "naive"; o->compile = "no";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -59,6 +61,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--mode")) o->modes = v;
         else if (!strcmp(a, "--dtype")) o->dtypes = v;
         else if (!strcmp(a, "--attn")) o->attn = v;
+        else if (!strcmp(a, "--compile")) o->compile = v;
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--load")) o->load = v;
         else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
@@ -110,7 +113,10 @@ typedef struct bench {
     tsys_dtype dtype;
     run_mode mode;
     tsys_grad_scaler scaler;
+    bool capturing;   // inside CUDA graph capture: no host synchronization allowed
 } bench;
+
+static void bench_sync(bench *b) { if (!b->capturing) tsys_sync(b->ctx, b->dev); }
 
 static void bench_free(bench *b) {
     tsys_tensor_release(b->ids); tsys_tensor_release(b->targets);
@@ -130,14 +136,14 @@ static tsys_status bench_step(bench *b, double *t) {
     if (b->dtype != TSYS_F32) tsys_autocast_end(ctx);
     if (b->mode == MODE_FWD) tsys_no_grad_end(ctx);
     tsys_tensor_release(logits);
-    tsys_sync(ctx, b->dev);
+    bench_sync(b);
     double t1 = tsys_time_us();
     t[0] += (t1 - t0) * 1e-3;
     if (b->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
         tsys_tensor *scaled = b->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &b->scaler, loss) : tsys_tensor_retain(loss);
         tsys_backward(ctx, scaled);
         tsys_tensor_release(scaled);
-        tsys_sync(ctx, b->dev);
+        bench_sync(b);
         double t2 = tsys_time_us();
         t[1] += (t2 - t1) * 1e-3;
         if (b->mode == MODE_TRAIN) {
@@ -145,7 +151,7 @@ static tsys_status bench_step(bench *b, double *t) {
             else tsys_optim_step(b->opt);
         }
         tsys_optim_zero_grad(b->opt);
-        tsys_sync(ctx, b->dev);
+        bench_sync(b);
         t[2] += (tsys_time_us() - t2) * 1e-3;
     }
     tsys_tensor_release(loss);
@@ -169,10 +175,34 @@ static tsys_status bench_setup(bench *b, const tsys_model_desc *d, const e2e_opt
     return tsys_ctx_status(ctx);
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, du_table *tab) {
-    char err[256] = "";
-    tsys_model_desc d;
-    du_row *row = du_table_row(tab);
+// Times `steps` replays of the step captured as a CUDA graph; per-step totals go to tot[].
+static tsys_status bench_compiled(bench *b, int steps, double *tot) {
+#ifdef TSYS_CUDA
+    double t[3] = {0, 0, 0};
+    tsys_cuda_graph *g = NULL;
+    tsys_status st = tsys_cuda_graph_begin(b->ctx);
+    if (st == TSYS_OK) {
+        b->capturing = true;
+        tsys_status step_st = bench_step(b, t);
+        b->capturing = false;
+        st = tsys_cuda_graph_end(b->ctx, &g);
+        if (step_st != TSYS_OK) st = step_st;
+    }
+    for (int i = 0; st == TSYS_OK && i < steps; i++) {
+        double t0 = tsys_time_us();
+        st = tsys_cuda_graph_replay(b->ctx, g);
+        if (st == TSYS_OK) st = tsys_sync(b->ctx, b->dev);
+        tot[i] = (tsys_time_us() - t0) * 1e-3;
+    }
+    tsys_cuda_graph_free(g);
+    return st;
+#else
+    (void)b; (void)steps; (void)tot;
+    return tsys_ctx_set_error(b->ctx, TSYS_ERR_UNSUPPORTED, "--compile needs the CUDA build");
+#endif
+}
+
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
@@ -180,41 +210,63 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
     du_row_set(row, "attn", "%s", o->attn);
+    du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
     du_row_set(row, "warmup", "%d", o->warmup);
-    if (!strcmp(model_name, "custom")) d = tsys_model_desc_defaults(&o->dims);
-    else if (tsys_model_desc_preset(model_name, &d, err, sizeof(err)) != TSYS_OK) { du_row_set(row, "status", "error: %s", err); return; }
+}
+
+// The model shape of a configuration: a preset (explicit dims override it) or 'custom'.
+static bool config_desc(const e2e_opts *o, const char *model_name, int T, tsys_model_desc *d, char *err, size_t len) {
+    if (!strcmp(model_name, "custom")) *d = tsys_model_desc_defaults(&o->dims);
+    else if (tsys_model_desc_preset(model_name, d, err, len) != TSYS_OK) return false;
     else {
-        if (o->dims.d_model) d.d_model = o->dims.d_model;
-        if (o->dims.d_ff) d.d_ff = o->dims.d_ff;
-        if (o->dims.num_layers) d.num_layers = o->dims.num_layers;
-        if (o->dims.num_heads) d.num_heads = o->dims.num_heads;
-        if (o->dims.vocab_size) d.vocab_size = o->dims.vocab_size;
+        if (o->dims.d_model) d->d_model = o->dims.d_model;
+        if (o->dims.d_ff) d->d_ff = o->dims.d_ff;
+        if (o->dims.num_layers) d->num_layers = o->dims.num_layers;
+        if (o->dims.num_heads) d->num_heads = o->dims.num_heads;
+        if (o->dims.vocab_size) d->vocab_size = o->dims.vocab_size;
     }
-    d.context_length = T;
-    d.attn = o->attn;
-    if (tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK) { du_row_set(row, "status", "error: %s", err); return; }
+    d->context_length = T;
+    d->attn = o->attn;
+    return tsys_model_desc_validate(d, err, len) == TSYS_OK;
+}
+
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, du_table *tab) {
+    char err[256] = "";
+    tsys_model_desc d;
+    du_row *row = du_table_row(tab);
+    row_header(row, dev, o, model_name, T, mode, dt, compiled);
+    if (!config_desc(o, model_name, T, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
+    if (compiled && dt == TSYS_F16 && mode == MODE_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
     bench b;
     memset(&b, 0, sizeof(b));
     b.ctx = ctx; b.dev = dev; b.mode = mode; b.dtype = dt;
     tsys_mem_reset_peak(ctx, dev);
-    double *fwd = (double *)calloc((size_t)o->steps, sizeof(double)), *bwd = (double *)calloc((size_t)o->steps, sizeof(double));
-    double *opt = (double *)calloc((size_t)o->steps, sizeof(double)), *tot = (double *)calloc((size_t)o->steps, sizeof(double));
+    int n = o->steps, total = (compiled ? TSYS__MAX(o->warmup, 1) : o->warmup) + (compiled ? 0 : n);
+    double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
+    double *opt = (double *)calloc((size_t)n, sizeof(double)), *tot = (double *)calloc((size_t)n, sizeof(double));
     tsys_status st = bench_setup(&b, &d, o, T);
-    for (int i = 0; st == TSYS_OK && i < o->warmup + o->steps; i++) {
+    for (int i = 0; st == TSYS_OK && i < total; i++) {   // eager steps: warmup, then (eager) timed
         double t[3] = {0, 0, 0};
         st = bench_step(&b, t);
-        du_progress("%s T=%d %s: step %d/%d (%.1f ms)", model_name, T, du_row_get(row, "mode"), i + 1, o->warmup + o->steps, t[0] + t[1] + t[2]);
-        if (i >= o->warmup) { int j = i - o->warmup; fwd[j] = t[0]; bwd[j] = t[1]; opt[j] = t[2]; tot[j] = t[0] + t[1] + t[2]; }
+        du_progress("%s T=%d %s: step %d/%d (%.1f ms)", model_name, T, du_row_get(row, "mode"), i + 1, total, t[0] + t[1] + t[2]);
+        int j = i - (total - (compiled ? 0 : n));
+        if (j >= 0) { fwd[j] = t[0]; bwd[j] = t[1]; opt[j] = t[2]; tot[j] = t[0] + t[1] + t[2]; }
     }
+    if (st == TSYS_OK && compiled) st = bench_compiled(&b, n, tot);
     du_progress_done();
     if (st == TSYS_OK) {
-        tsys_stats sf = tsys_stats_of(fwd, o->steps), sb = tsys_stats_of(bwd, o->steps), so = tsys_stats_of(opt, o->steps), s = tsys_stats_of(tot, o->steps);
-        double flops = tsys_model_flops(&d, o->batch, T, mode != MODE_FWD);
-        du_row_set(row, "fwd_ms", "%.2f", sf.mean); du_row_set(row, "fwd_std", "%.2f", sf.std);
-        du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std);
-        du_row_set(row, "opt_ms", "%.2f", so.mean);
+        tsys_stats s = tsys_stats_of(tot, n);
+        if (!compiled) {
+            tsys_stats sf = tsys_stats_of(fwd, n), sb = tsys_stats_of(bwd, n), so = tsys_stats_of(opt, n);
+            du_row_set(row, "fwd_ms", "%.2f", sf.mean); du_row_set(row, "fwd_std", "%.2f", sf.std);
+            du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std);
+            du_row_set(row, "opt_ms", "%.2f", so.mean);
+        }
         du_row_set(row, "total_ms", "%.2f", s.mean); du_row_set(row, "total_std", "%.2f", s.std);
-        du_row_set(row, "GFLOP/s", "%.1f", flops / (sf.mean + sb.mean) / 1e6);
+        double flops = tsys_model_flops(&d, o->batch, T, mode != MODE_FWD);
+        double ms = compiled || mode == MODE_FWD ? s.mean : s.mean - tsys_stats_of(opt, n).mean;   // optimizer adds no matmul FLOPs
+        du_row_set(row, dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s", dev == TSYS_CPU ? "%.1f" : "%.1f", flops / ms / (dev == TSYS_CPU ? 1e6 : 1e9));
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
         du_row_set(row, "status", "ok");
     } else {
@@ -235,7 +287,8 @@ int main(int argc, char **argv) {
 #ifdef TSYS_CUDA
     if (dev == TSYS_CUDA && tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); return 1; }
 #endif
-    du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes);
+    du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes), comps = du_split(o.compile);
+    for (int i = 0; i < comps.n; i++) if (strcmp(comps.item[i], "no") && strcmp(comps.item[i], "yes")) { fprintf(stderr, "e2e: --compile takes no, yes or no,yes, not '%s'\n", comps.item[i]); return 2; }
     for (int i = 0; i < modes.n; i++) { run_mode m; if (!parse_mode(modes.item[i], &m)) { fprintf(stderr, "e2e: unknown mode '%s' (forward, forward-backward, train)\n", modes.item[i]); return 2; } }
     for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "e2e: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); return 2; } }
     for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "e2e: bad context length '%s'\n", ctxs.item[i]); return 2; } }
@@ -249,19 +302,21 @@ int main(int argc, char **argv) {
         printf("cpu: CBLAS sgemm %.1f GFLOP/s (1024^3, best of 3), %d threads\n\n", gf, du_num_threads());
     }
     du_table tab;
-    du_table_init(&tab, "device,model,context,batch,mode,dtype,attn,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,peak_MiB,status");
+    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,peak_MiB,status"
+                                        : "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,peak_MiB,status");
     for (int a = 0; a < models.n; a++)
         for (int c = 0; c < ctxs.n; c++)
             for (int m = 0; m < modes.n; m++)
-                for (int t = 0; t < dtypes.n; t++) {
-                    run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                    parse_mode(modes.item[m], &mode); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
-                    run_config(ctx, dev, &o, models.item[a], T, mode, dt, &tab);
-                    du_table_print_last(&tab, o.format);
-                }
+                for (int t = 0; t < dtypes.n; t++)
+                    for (int k = 0; k < comps.n; k++) {
+                        run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
+                        parse_mode(modes.item[m], &mode); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
+                        run_config(ctx, dev, &o, models.item[a], T, mode, dt, !strcmp(comps.item[k], "yes"), &tab);
+                        du_table_print_last(&tab, o.format);
+                    }
     if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
     du_table_free(&tab);
-    du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes);
+    du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes); du_list_free(&comps);
 #ifdef TSYS_CUDA
     if (dev == TSYS_CUDA) tsys_cuda_shutdown(ctx);
 #endif
