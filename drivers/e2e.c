@@ -18,7 +18,8 @@ typedef struct e2e_opts {
     int batch, warmup, steps;
     uint64_t seed;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
-    bool sgemm;
+    bool sgemm, tf32;
+    double peak[3];         // measured GEMM TFLOP/s on the GPU, by autocast dtype (fp32, bf16, fp16)
 } e2e_opts;
 
 static void usage(FILE *f) {
@@ -39,7 +40,8 @@ static void usage(FILE *f) {
         "  --format md|csv|jsonl      output rows (default md)\n"
         "  --load FILE.safetensors    weights to start from (PyTorch state names)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
-        "  --no-sgemm                 skip the CBLAS sgemm reference measurement (cpu)\n"
+        "  --no-sgemm                 skip the reference GEMM measurement (CBLAS sgemm on cpu, GEMM peaks on cuda)\n"
+        "  --tf32                     fp32 GEMMs on TF32 tensor cores (cuda; default off)\n"
         "  --help\n", tsys_model_preset_names());
 }
 
@@ -52,6 +54,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         if (!strcmp(a, "--no-sgemm")) { o->sgemm = false; continue; }
+        if (!strcmp(a, "--tf32")) { o->tf32 = true; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "e2e: flag %s needs a value\n", a); return 2; }
         const char *v = argv[++i];
         bool ok = true;
@@ -267,6 +270,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         double flops = tsys_model_flops(&d, o->batch, T, mode != MODE_FWD);
         double ms = compiled || mode == MODE_FWD ? s.mean : s.mean - tsys_stats_of(opt, n).mean;   // optimizer adds no matmul FLOPs
         du_row_set(row, dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s", dev == TSYS_CPU ? "%.1f" : "%.1f", flops / ms / (dev == TSYS_CPU ? 1e6 : 1e9));
+        double peak = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2];
+        if (dev == TSYS_CUDA && peak > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e9 / peak);
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
         du_row_set(row, "status", "ok");
     } else {
@@ -276,6 +281,30 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     bench_free(&b);
     tsys_ctx_clear_error(ctx);
     free(fwd); free(bwd); free(opt); free(tot);
+}
+
+// Rate of an n x n x n product of random dt matrices through the backend's GEMM (the path the
+// model's matmuls take): the ceiling that MFU is measured against.
+static inline double gemm_peak_tflops(tsys_ctx *ctx, tsys_device dev, tsys_dtype dt, int n) {
+    int64_t shape[2] = {n, n};
+    tsys_tensor *a = tsys_tensor_new(ctx, dt, dev, 2, shape), *b = tsys_tensor_new(ctx, dt, dev, 2, shape);
+    double best = 0;
+    if (a && b && tsys_tensor_randn(ctx, a, 1) == TSYS_OK && tsys_tensor_randn(ctx, b, 1) == TSYS_OK) {
+        tsys_no_grad_begin(ctx);
+        for (int r = 0; r < 8; r++) {
+            tsys_sync(ctx, dev);
+            double t0 = tsys_time_us();
+            tsys_tensor *c = tsys_matmul(ctx, a, b, false);
+            tsys_sync(ctx, dev);
+            double s = (tsys_time_us() - t0) * 1e-6;
+            tsys_tensor_release(c);
+            if (r >= 2 && 2.0 * n * (double)n * n / s / 1e12 > best) best = 2.0 * n * (double)n * n / s / 1e12;
+        }
+        tsys_no_grad_end(ctx);
+    }
+    tsys_tensor_release(a); tsys_tensor_release(b);
+    tsys_ctx_clear_error(ctx);
+    return best;
 }
 
 int main(int argc, char **argv) {
@@ -297,6 +326,18 @@ int main(int argc, char **argv) {
         char err[256];
         if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", err); return 2; }
     }
+#ifdef TSYS_CUDA
+    if (dev == TSYS_CUDA) {
+        tsys_cuda_set_tf32(ctx, o.tf32);
+        if (o.sgemm) {
+            o.peak[0] = gemm_peak_tflops(ctx, dev, TSYS_F32, 8192);
+            o.peak[1] = gemm_peak_tflops(ctx, dev, TSYS_BF16, 8192);
+            o.peak[2] = gemm_peak_tflops(ctx, dev, TSYS_F16, 8192);
+            printf("cuda: %s; measured GEMM peaks (8192^3, random data): %s %.1f, bf16 %.1f, fp16 %.1f TFLOP/s\n\n", tsys_cuda_device_name(ctx),
+                   o.tf32 ? "tf32" : "fp32", o.peak[0], o.peak[1], o.peak[2]);
+        }
+    }
+#endif
     if (dev == TSYS_CPU && o.sgemm) {
         double gf = tsys_cpu_sgemm_gflops(1024, 3);
         printf("cpu: CBLAS sgemm %.1f GFLOP/s (1024^3, best of 3), %d threads\n\n", gf, du_num_threads());
