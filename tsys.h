@@ -209,6 +209,8 @@ typedef enum tsys_kernel {
     TSYS_K_ADAMW,         // t[0] = p, t[1] = g, t[2] = m, t[3] = v, t[4] = step (I64 scalar, already counted); f = lr, beta1, beta2, eps, wd
                           // (the step lives on the device so that a captured CUDA graph replays correct bias corrections)
     TSYS_K_STEP_INC,      // t[0] (I64 scalar) += 1
+    TSYS_K_RANDN,         // t[0] = f[0] * N(0, 1) from a counter-based hash of (i[0] = seed, element index); truncated to
+                          // [f[1], f[2]] by redrawing when f[1] < f[2]. Same law on every device, no state, no host copy.
     TSYS_K_SGD,           // t[0] = p, t[1] = g; f[0] = lr
     TSYS_K_SUMSQ,         // t[0] (scalar, fp32) += sum(t[1]^2)
     TSYS_K_NONFINITE,     // t[0] (scalar, fp32) = 1 if any element of t[1] is inf or nan (else unchanged)
@@ -681,6 +683,27 @@ static inline int64_t tsys__load_id(const void *p, tsys_dtype dt, int64_t i) {
     return dt == TSYS_I64 ? ((const int64_t *)p)[i] : (int64_t)((const int32_t *)p)[i];
 }
 
+// Counter-based normal sample: element i of stream `seed`, redraw `attempt`. Written so that the
+// CUDA backend can compile the same function for the device (TSYS_HOSTDEV).
+#ifndef TSYS_HOSTDEV
+#if defined(__CUDACC__)
+#define TSYS_HOSTDEV __host__ __device__
+#else
+#define TSYS_HOSTDEV
+#endif
+#endif
+static inline TSYS_HOSTDEV uint64_t tsys__mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static inline TSYS_HOSTDEV float tsys__hash_normal(uint64_t seed, uint64_t i, uint32_t attempt) {
+    uint64_t r1 = tsys__mix64(seed * 0x9e3779b97f4a7c15ull + i * 2 + ((uint64_t)attempt << 56) + 1);
+    uint64_t r2 = tsys__mix64(r1 ^ 0x632be59bd9b4e019ull);
+    float u1 = ((float)(r1 >> 40) + 0.5f) * (1.0f / 16777216.0f), u2 = (float)(r2 >> 40) * (1.0f / 16777216.0f);
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
 // >>memory ----------------------------------------------------------------------------------------
 
 TSYSDEF int tsys_mem_tag(tsys_ctx *ctx, const char *tag) {
@@ -930,20 +953,20 @@ TSYSDEF float tsys_rng_normal(tsys_ctx *ctx) {
     double u2 = (tsys_rng_next(ctx) >> 11) * (1.0 / 9007199254740992.0);
     return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
 }
-static float tsys__gen_normal(tsys_ctx *ctx, const float *p) { return p[0] * tsys_rng_normal(ctx); }
-static float tsys__gen_trunc(tsys_ctx *ctx, const float *p) {
-    for (;;) {   // rejection keeps the exact truncated-normal shape (PyTorch samples it differently, same law)
-        float v = p[0] * tsys_rng_normal(ctx);
-        if (v >= p[1] && v <= p[2]) return v;
-    }
-}
 static float tsys__gen_int(tsys_ctx *ctx, const float *p) { return (float)(tsys_rng_next(ctx) % (uint64_t)p[0]); }
 
-TSYSDEF tsys_status tsys_tensor_randn(tsys_ctx *ctx, tsys_tensor *t, float std) { float p[1] = {std}; return tsys__fill_host(ctx, t, tsys__gen_normal, p); }
+// Normal samples drawn on the tensor's own device from a seed taken off the context's RNG.
+static tsys_status tsys__randn_kernel(tsys_ctx *ctx, tsys_tensor *t, float std, float lo, float hi) {
+    tsys_kargs a;
+    memset(&a, 0, sizeof(a));
+    if (!tsys_dtype_is_float(t->dtype)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "randn: '%s' is not a float tensor", t->name);
+    a.t[0] = t; a.f[0] = std; a.f[1] = lo; a.f[2] = hi; a.i[0] = (int64_t)(tsys_rng_next(ctx) >> 1);
+    return tsys__kernel(ctx, t->device, TSYS_K_RANDN, &a);
+}
+TSYSDEF tsys_status tsys_tensor_randn(tsys_ctx *ctx, tsys_tensor *t, float std) { return tsys__randn_kernel(ctx, t, std, 0.0f, 0.0f); }
 TSYSDEF tsys_status tsys_tensor_trunc_normal(tsys_ctx *ctx, tsys_tensor *t, float std, float lo, float hi) {
-    float p[3] = {std, lo, hi};
     if (!(lo < hi)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "trunc_normal: lo %g must be below hi %g", lo, hi);
-    return tsys__fill_host(ctx, t, tsys__gen_trunc, p);
+    return tsys__randn_kernel(ctx, t, std, lo, hi);
 }
 TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t hi) {
     float p[1] = {(float)hi};
@@ -1524,6 +1547,18 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
     case TSYS_K_TRANSPOSE12: tsys__cpu_transpose12(tsys_tensor_data(t[0]), tsys_tensor_data(t[1]), t[1]->shape, tsys_dtype_size(t[1]->dtype)); break;
     case TSYS_K_ADAMW: tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), n, f, tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0)); break;
     case TSYS_K_STEP_INC: ((int64_t *)tsys_tensor_data(t[0]))[0] += 1; break;
+    case TSYS_K_RANDN: {
+        float *y = OUT(0, false);
+        uint64_t seed = (uint64_t)a->i[0];
+        bool trunc = f[1] < f[2];
+        TSYS__OMP(omp parallel for if (n > 65536))
+        for (int64_t i = 0; i < n; i++) {
+            float v = f[0] * tsys__hash_normal(seed, (uint64_t)i, 0);
+            for (uint32_t r = 1; trunc && (v < f[1] || v > f[2]); r++) v = f[0] * tsys__hash_normal(seed, (uint64_t)i, r);
+            y[i] = v;
+        }
+        break;
+    }
     case TSYS_K_SGD: { float *p = OUT(0, true); const float *g = IN(1); for (int64_t i = 0; i < n; i++) p[i] -= f[0] * g[i]; break; }
     case TSYS_K_SUMSQ: {
         const float *x = IN(1);

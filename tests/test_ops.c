@@ -342,4 +342,25 @@ TSYS_TEST(dtype_round_to_nearest_even) {
     TEST_CHECK(bad == 0, "%d f16 values do not round-trip", bad);
 }
 
+TSYS_TEST(random_normal_statistics) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[1] = {200000};
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, s);
+    tsys_tensor_randn(ctx, t, 2.0f);
+    float *x = (float *)tsys_tensor_data(t);
+    double m = 0, v = 0;
+    for (int i = 0; i < s[0]; i++) m += x[i];
+    m /= s[0];
+    for (int i = 0; i < s[0]; i++) v += (x[i] - m) * (x[i] - m);
+    v /= s[0];
+    TEST_CHECK(fabs(m) < 0.02 && fabs(sqrt(v) - 2.0) < 0.02, "normal(0, 2): mean %g std %g", m, sqrt(v));
+    tsys_tensor_trunc_normal(ctx, t, 1.0f, -1.0f, 1.0f);
+    double lo = 1, hi = -1, var = 0;
+    for (int i = 0; i < s[0]; i++) { lo = fmin(lo, x[i]); hi = fmax(hi, x[i]); var += (double)x[i] * x[i]; }
+    // a standard normal cut at +-1 has variance 1 - 2 phi(1) / (2 Phi(1) - 1) = 0.2911
+    TEST_CHECK(lo >= -1 && hi <= 1 && fabs(var / s[0] - 0.2911) < 0.005, "truncated: range [%g, %g] variance %g", lo, hi, var / s[0]);
+    tsys_tensor_release(t);
+    tsys_ctx_free(ctx);
+}
+
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
