@@ -16,7 +16,7 @@ CFLAGS  ?= -O2 -march=native
 CFLAGS  += -std=c11 -fopenmp -Wall -Wextra
 LDLIBS  += $(BLAS_LIB) -lm
 CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
-NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_CUDA
+NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_WITH_CUDA
 NVLIBS  = -lcublasLt -lcublas $(BLAS_LIB) -lgomp
 
 HEADERS = tsys.h $(wildcard drivers/*.h)

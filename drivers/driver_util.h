@@ -57,7 +57,7 @@ static inline int du_num_threads(void) {
 }
 
 static inline bool du_has_cuda(void) {
-#ifdef TSYS_CUDA
+#ifdef TSYS_WITH_CUDA
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 #else

@@ -7,7 +7,7 @@
 // Comma-separated lists in --model, --context-length, --mode and --dtype sweep every combination.
 #define TSYS_IMPLEMENTATION
 #include "../tsys.h"
-#ifdef TSYS_CUDA
+#ifdef TSYS_WITH_CUDA
 #define TSYS_CUDA_IMPLEMENTATION
 #include "../tsys_cuda.cuh"
 #endif
@@ -82,7 +82,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
     if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }
     if (!du_format_ok(o->format)) { fprintf(stderr, "e2e: --format must be md, csv or jsonl, not '%s'\n", o->format); return 2; }
     if (strcmp(o->attn, "naive") && strcmp(o->attn, "flash")) { fprintf(stderr, "e2e: --attn must be naive or flash, not '%s'\n", o->attn); return 2; }
-#ifndef TSYS_CUDA
+#ifndef TSYS_WITH_CUDA
     if (!strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: this binary was built without CUDA; build it with 'make cuda'\n"); return 2; }
 #endif
     return 0;
@@ -180,7 +180,7 @@ static tsys_status bench_setup(bench *b, const tsys_model_desc *d, const e2e_opt
 
 // Times `steps` replays of the step captured as a CUDA graph; per-step totals go to tot[].
 static tsys_status bench_compiled(bench *b, int steps, double *tot) {
-#ifdef TSYS_CUDA
+#ifdef TSYS_WITH_CUDA
     double t[3] = {0, 0, 0};
     tsys_cuda_graph *g = NULL;
     tsys_status st = tsys_cuda_graph_begin(b->ctx);
@@ -313,7 +313,7 @@ int main(int argc, char **argv) {
     if (rc) return rc;
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     tsys_device dev = strcmp(o.device, "cuda") ? TSYS_CPU : TSYS_CUDA;
-#ifdef TSYS_CUDA
+#ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA && tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); return 1; }
 #endif
     du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes), comps = du_split(o.compile);
@@ -326,7 +326,7 @@ int main(int argc, char **argv) {
         char err[256];
         if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", err); return 2; }
     }
-#ifdef TSYS_CUDA
+#ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA) {
         tsys_cuda_set_tf32(ctx, o.tf32);
         if (o.sgemm) {
@@ -358,7 +358,7 @@ int main(int argc, char **argv) {
     if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
     du_table_free(&tab);
     du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes); du_list_free(&comps);
-#ifdef TSYS_CUDA
+#ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA) tsys_cuda_shutdown(ctx);
 #endif
     tsys_ctx_free(ctx);

@@ -1,0 +1,730 @@
+// test_cuda.cu - the CUDA backend against the CPU reference: every kernel (fresh random inputs, CUDA
+// outputs poisoned with NaN first, tolerances by dtype), GEMMs, whole-model forward/backward/AdamW,
+// the caching allocator (reuse, no growth, OOM as an error), and CUDA graph capture/replay.
+//
+//   make test-cuda                # build/test_cuda [name-filter]
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#define TSYS_CUDA_IMPLEMENTATION
+#include "../tsys_cuda.cuh"
+#include "harness.h"
+#include "test_util.h"
+#include <stdlib.h>
+
+// One context with both backends, made on first use (a test binary without a GPU fails each test).
+static tsys_ctx *tc_ctx(void) {
+    static tsys_ctx *ctx;
+    static bool tried;
+    if (!tried) {
+        tried = true;
+        ctx = tsys_ctx_new(NULL);
+        if (tsys_cuda_init(ctx, 0) != TSYS_OK) {
+            printf("\n    no CUDA backend: %s\n", tsys_ctx_last_error(ctx));
+            tsys_ctx_free(ctx);
+            ctx = NULL;
+        } else {
+            printf("\n    device: %s\n", tsys_cuda_device_name(ctx));
+        }
+    }
+    return ctx;
+}
+#define TC_CTX(ctx) tsys_ctx *ctx = tc_ctx(); TEST_CHECK(ctx != NULL, "no GPU"); if (!ctx) return
+
+static uint64_t tc_rng = 0x1234abcdull;
+static float tc_uniform(void) { tc_rng = tc_rng * 6364136223846793005ull + 1442695040888963407ull; return (float)((tc_rng >> 40) * (1.0 / 16777216.0)); }
+static float tc_normal(void) { float u1 = tc_uniform() + 1e-7f, u2 = tc_uniform(); return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2); }
+
+static double tc_tol(tsys_dtype dt) { return dt == TSYS_F32 ? 1e-5 : 1e-2; }
+
+// ---- kernel cases ------------------------------------------------------------------------------
+// A case lists the kernel's argument slots: role (input, output, or both), dtype, shape and how to
+// fill it. Inputs get the same random values on both devices; outputs start as NaN on CUDA (every
+// element must be written); in-out slots start equal on both.
+
+enum { R_NONE, R_IN, R_OUT, R_INOUT };
+enum { I_RANDN, I_POS, I_IDS, I_ONE };
+typedef struct { int role; tsys_dtype dt; int ndim; int64_t shape[4]; int init; float scale; } tc_arg;
+typedef struct { const char *name; tsys_kernel k; tc_arg t[TSYS_KARGS_MAX]; float f[8]; int64_t i[4]; double tol; } tc_case;
+
+static tsys_tensor *tc_make(tsys_ctx *ctx, const tc_arg *a, tsys_device dev, const float *vals) {
+    int64_t n = 1;
+    for (int d = 0; d < a->ndim; d++) n *= a->shape[d];
+    size_t es = tsys_dtype_size(a->dt);
+    char *raw = (char *)malloc(es * (size_t)n + 1);
+    for (int64_t i = 0; i < n; i++) {
+        float v = vals[i];
+        switch (a->dt) {
+        case TSYS_F32: ((float *)raw)[i] = v; break;
+        case TSYS_BF16: ((uint16_t *)raw)[i] = tsys_f32_to_bf16(v); break;
+        case TSYS_F16: ((uint16_t *)raw)[i] = tsys_f32_to_f16(v); break;
+        case TSYS_I32: ((int32_t *)raw)[i] = (int32_t)v; break;
+        default: ((int64_t *)raw)[i] = (int64_t)v; break;
+        }
+    }
+    tsys_tensor *t = tsys_tensor_from_data(ctx, a->dt, dev, a->ndim, a->shape, raw);
+    free(raw);
+    return t;
+}
+
+static void tc_run_case(const tc_case *c) {
+    TC_CTX(ctx);
+    tsys_kargs kc, kg;
+    memset(&kc, 0, sizeof kc); memset(&kg, 0, sizeof kg);
+    memcpy(kc.f, c->f, sizeof kc.f); memcpy(kg.f, c->f, sizeof kg.f);
+    memcpy(kc.i, c->i, sizeof kc.i); memcpy(kg.i, c->i, sizeof kg.i);
+    for (int j = 0; j < TSYS_KARGS_MAX; j++) {
+        const tc_arg *a = &c->t[j];
+        if (a->role == R_NONE) continue;
+        int64_t n = 1;
+        for (int d = 0; d < a->ndim; d++) n *= a->shape[d];
+        float *v = (float *)malloc(sizeof(float) * (size_t)n);
+        float s = a->scale ? a->scale : 1.0f;
+        for (int64_t i = 0; i < n; i++)
+            v[i] = a->init == I_RANDN ? s * tc_normal() : a->init == I_POS ? 0.5f + s * fabsf(tc_normal())
+                 : a->init == I_IDS ? (float)(int64_t)(tc_uniform() * s) : s;   // I_ONE: the constant `scale`
+        kc.t[j] = tc_make(ctx, a, TSYS_CPU, v);
+        kg.t[j] = tc_make(ctx, a, TSYS_CUDA, v);
+        if (a->role == R_OUT) tsys_tensor_fill(ctx, kg.t[j], NAN);
+        free(v);
+    }
+    const tsys_backend *cpu = tsys_ctx_backend(ctx, TSYS_CPU), *gpu = tsys_ctx_backend(ctx, TSYS_CUDA);
+    tsys_status sc = cpu->kernel(ctx, c->k, &kc);
+    tsys_status sg = gpu->kernel(ctx, c->k, &kg);
+    if (sg == TSYS_OK) sg = gpu->sync(ctx);
+    TEST_CHECK(sc == TSYS_OK && sg == TSYS_OK, "%s: cpu %d cuda %d: %s", c->name, (int)sc, (int)sg, tsys_ctx_last_error(ctx));
+    for (int j = 0; j < TSYS_KARGS_MAX && sc == TSYS_OK && sg == TSYS_OK; j++) {
+        const tc_arg *a = &c->t[j];
+        if (a->role != R_OUT && a->role != R_INOUT) continue;
+        int64_t n = tsys_tensor_numel(kc.t[j]);
+        float *ref = test_read(ctx, kc.t[j]), *got = test_read(ctx, kg.t[j]);
+        double tol = c->tol ? c->tol : tc_tol(a->dt);
+        double err = tsys_test_rel_err(got, ref, n);
+        int64_t bad = -1;
+        for (int64_t i = 0; i < n && bad < 0; i++) if (isnan(got[i]) != isnan(ref[i])) bad = i;
+        TEST_CHECK(err <= tol && bad < 0, "%s: t[%d] (%s, %lld elements): rel err %.3g (tol %.1g)%s", c->name, j, tsys_dtype_name(a->dt),
+                   (long long)n, err, tol, bad >= 0 ? ", NaN mismatch (unwritten element?)" : "");
+        free(ref); free(got);
+    }
+    for (int j = 0; j < TSYS_KARGS_MAX; j++) { tsys_tensor_release(kc.t[j]); tsys_tensor_release(kg.t[j]); }
+    tsys_ctx_clear_error(ctx);
+}
+
+#define A1(role, dt, d0, init, sc) {role, dt, 1, {d0}, init, sc}
+#define A2(role, dt, d0, d1, init, sc) {role, dt, 2, {d0, d1}, init, sc}
+#define A4(role, dt, d0, d1, d2, d3, init, sc) {role, dt, 4, {d0, d1, d2, d3}, init, sc}
+
+static const tsys_dtype tc_floats[3] = { TSYS_F32, TSYS_BF16, TSYS_F16 };
+
+TSYS_TEST(cuda_elementwise) {
+    for (int di = 0; di < 3; di++) {
+        tsys_dtype T = tc_floats[di];
+        const int64_t n = 4096 + 8, m = 1001;   // m: odd size, not a multiple of the vector width
+        tc_case cs[] = {
+            { "fill", TSYS_K_FILL, { A1(R_OUT, T, n, I_RANDN, 1) }, { 3.25f } },
+            { "cast->f32", TSYS_K_CAST, { A1(R_OUT, TSYS_F32, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 3) } },
+            { "cast<-f32", TSYS_K_CAST, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, TSYS_F32, n, I_RANDN, 3) } },
+            { "accum f32+=T", TSYS_K_ACCUM, { A1(R_INOUT, TSYS_F32, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1) }, { 0.5f } },
+            { "accum T+=T", TSYS_K_ACCUM, { A1(R_INOUT, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1) }, { -2.0f } },
+            { "add", TSYS_K_ADD, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1) } },
+            { "add mixed", TSYS_K_ADD, { A1(R_OUT, TSYS_F32, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1), A1(R_IN, TSYS_F32, m, I_RANDN, 1) } },
+            { "mul", TSYS_K_MUL, { A1(R_OUT, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1) } },
+            { "scale", TSYS_K_SCALE, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1) }, { 0.37f } },
+            { "add_bias", TSYS_K_ADD_BIAS, { A2(R_INOUT, T, 33, 96, I_RANDN, 1), A1(R_IN, T, 96, I_RANDN, 1) } },
+            { "bias_grad", TSYS_K_BIAS_GRAD, { A1(R_INOUT, TSYS_F32, 96, I_RANDN, 1), A2(R_IN, T, 333, 96, I_RANDN, 1) } },
+            { "relu_fwd", TSYS_K_RELU_FWD, { A1(R_OUT, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1) } },
+            { "relu_bwd", TSYS_K_RELU_BWD, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1) } },
+            { "silu_fwd", TSYS_K_SILU_FWD, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 3) } },
+            { "silu_bwd", TSYS_K_SILU_BWD, { A1(R_OUT, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 3) } },
+            { "swiglu_fwd", TSYS_K_SWIGLU_FWD, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 3), A1(R_IN, T, n, I_RANDN, 1) } },
+            { "swiglu_bwd", TSYS_K_SWIGLU_BWD, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1),
+                                                 A1(R_IN, T, n, I_RANDN, 3), A1(R_IN, T, n, I_RANDN, 1) } },
+            { "broadcast", TSYS_K_BROADCAST, { A1(R_OUT, T, m, I_RANDN, 1), A1(R_IN, TSYS_F32, 1, I_RANDN, 1) }, { 0.25f } },
+            { "sgd", TSYS_K_SGD, { A1(R_INOUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1) }, { 0.01f } },
+        };
+        for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
+    }
+    tc_case ids = { "cast i64->i32", TSYS_K_CAST, { A1(R_OUT, TSYS_I32, 777, I_IDS, 1), A1(R_IN, TSYS_I64, 777, I_IDS, 100000) } };
+    tc_run_case(&ids);
+}
+
+TSYS_TEST(cuda_norms) {
+    const int64_t dims[3] = { 768, 100, 2560 };
+    for (int di = 0; di < 3; di++)
+        for (int k = 0; k < 3; k++) {
+            tsys_dtype T = tc_floats[di];
+            int64_t R = 70, D = dims[k];
+            tc_case cs[] = {
+                { "rmsnorm_fwd", TSYS_K_RMSNORM_FWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
+                                                       A2(R_IN, T, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1) }, { 1e-5f } },
+                { "rmsnorm_bwd", TSYS_K_RMSNORM_BWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1),
+                                                       A2(R_IN, T, R, D, I_RANDN, 1), A2(R_IN, T, R, D, I_RANDN, 1),
+                                                       A1(R_IN, TSYS_F32, D, I_RANDN, 1), A1(R_IN, TSYS_F32, R, I_POS, 1) } },
+                { "layernorm_fwd", TSYS_K_LAYERNORM_FWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
+                                                           A2(R_IN, T, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1), A1(R_IN, TSYS_F32, D, I_RANDN, 1) }, { 1e-5f } },
+                { "layernorm_bwd", TSYS_K_LAYERNORM_BWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1),
+                                                           A2(R_IN, T, R, D, I_RANDN, 1), A2(R_IN, T, R, D, I_RANDN, 1), A1(R_IN, TSYS_F32, D, I_RANDN, 1),
+                                                           A1(R_IN, TSYS_F32, R, I_RANDN, 0.1f), A1(R_IN, TSYS_F32, R, I_POS, 1) } },
+            };
+            for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
+        }
+}
+
+TSYS_TEST(cuda_rope_softmax) {
+    for (int di = 0; di < 3; di++) {
+        tsys_dtype T = tc_floats[di];
+        tc_case cs[] = {
+            { "rope fwd", TSYS_K_ROPE, { A4(R_OUT, T, 2, 3, 256, 64, I_RANDN, 1), A4(R_IN, T, 2, 3, 256, 64, I_RANDN, 1) }, { 10000.0f, 1.0f } },
+            { "rope inv", TSYS_K_ROPE, { A4(R_OUT, T, 2, 3, 40, 16, I_RANDN, 1), A4(R_IN, T, 2, 3, 40, 16, I_RANDN, 1) }, { 10000.0f, -1.0f } },
+            { "softmax", TSYS_K_SOFTMAX_FWD, { A2(R_OUT, T, 37, 300, I_RANDN, 1), A2(R_IN, T, 37, 300, I_RANDN, 3) }, { 0.7f } },
+            { "softmax causal", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 2, 3, 64, 64, I_RANDN, 1), A4(R_IN, T, 2, 3, 64, 64, I_RANDN, 3) }, { 0.125f }, { 1 } },
+            { "softmax causal 1024", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 1, 1, 1024, 1024, I_RANDN, 1), A4(R_IN, T, 1, 1, 1024, 1024, I_RANDN, 3) }, { 0.125f }, { 1 } },
+            { "softmax_bwd", TSYS_K_SOFTMAX_BWD, { A2(R_OUT, T, 64, 200, I_RANDN, 1), A2(R_IN, T, 64, 200, I_RANDN, 1), A2(R_IN, T, 64, 200, I_POS, 0.01f) }, { 0.5f } },
+        };
+        for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
+    }
+}
+
+TSYS_TEST(cuda_losses) {
+    for (int di = 0; di < 3; di++)
+        for (int idt = 0; idt < 2; idt++) {
+            tsys_dtype T = tc_floats[di], I = idt ? TSYS_I64 : TSYS_I32;
+            int64_t R = 300, V = 10000;
+            tc_case cs[] = {
+                { "ce_fwd", TSYS_K_CE_FWD, { A1(R_OUT, TSYS_F32, 1, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1), A2(R_IN, T, R, V, I_RANDN, 3), A1(R_IN, I, R, I_IDS, (float)V) } },
+                { "ce_bwd", TSYS_K_CE_BWD, { A2(R_OUT, T, R, V, I_RANDN, 1), A2(R_IN, T, R, V, I_RANDN, 3), A1(R_IN, TSYS_F32, R, I_POS, 10),
+                                             A1(R_IN, I, R, I_IDS, (float)V), A1(R_IN, TSYS_F32, 1, I_POS, 1) }, { 1.0f / 300 } },
+                { "ce_bwd f32 grad", TSYS_K_CE_BWD, { A2(R_OUT, TSYS_F32, R, 77, I_RANDN, 1), A2(R_IN, T, R, 77, I_RANDN, 3), A1(R_IN, TSYS_F32, R, I_POS, 3),
+                                                      A1(R_IN, I, R, I_IDS, 77.0f), A1(R_IN, TSYS_F32, 1, I_POS, 1) }, { 1.0f / 300 } },
+                { "mse_fwd", TSYS_K_MSE_FWD, { A1(R_OUT, TSYS_F32, 1, I_RANDN, 1), A2(R_IN, T, 30, 101, I_RANDN, 1), A2(R_IN, T, 30, 101, I_RANDN, 1) } },
+                { "mse_bwd", TSYS_K_MSE_BWD, { A2(R_OUT, T, 30, 101, I_RANDN, 1), A2(R_OUT, T, 30, 101, I_RANDN, 1), A2(R_IN, T, 30, 101, I_RANDN, 1),
+                                               A2(R_IN, T, 30, 101, I_RANDN, 1), A1(R_IN, TSYS_F32, 1, I_POS, 1) } },
+                { "mse_bwd da only", TSYS_K_MSE_BWD, { A2(R_OUT, T, 30, 101, I_RANDN, 1), {R_NONE}, A2(R_IN, T, 30, 101, I_RANDN, 1),
+                                                       A2(R_IN, T, 30, 101, I_RANDN, 1), A1(R_IN, TSYS_F32, 1, I_POS, 1) } },
+                { "sum", TSYS_K_SUM, { A1(R_OUT, TSYS_F32, 1, I_RANDN, 1), A2(R_IN, T, 1000, 333, I_RANDN, 1) }, { 0.5f }, {0}, 1e-4 },
+                { "sumsq", TSYS_K_SUMSQ, { A1(R_INOUT, TSYS_F32, 1, I_POS, 1), A2(R_IN, T, 1000, 333, I_RANDN, 1) } },
+                { "nonfinite (clean)", TSYS_K_NONFINITE, { A1(R_INOUT, TSYS_F32, 1, I_RANDN, 1), A2(R_IN, T, 100, 333, I_RANDN, 1) } },
+            };
+            for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
+        }
+}
+
+TSYS_TEST(cuda_embedding_transpose_adamw) {
+    for (int di = 0; di < 3; di++)
+        for (int idt = 0; idt < 2; idt++) {
+            tsys_dtype T = tc_floats[di], I = idt ? TSYS_I64 : TSYS_I32;
+            tc_case cs[] = {
+                { "embed_fwd", TSYS_K_EMBED_FWD, { A2(R_OUT, T, 500, 96, I_RANDN, 1), A2(R_IN, T, 1000, 96, I_RANDN, 1), A1(R_IN, I, 500, I_IDS, 1000) } },
+                // few distinct ids: many repeats per row, the case atomics would make nondeterministic
+                { "embed_bwd", TSYS_K_EMBED_BWD, { A2(R_INOUT, TSYS_F32, 50, 96, I_RANDN, 1), A2(R_IN, T, 2048, 96, I_RANDN, 1), A1(R_IN, I, 2048, I_IDS, 50) } },
+                { "embed_bwd wide", TSYS_K_EMBED_BWD, { A2(R_INOUT, TSYS_F32, 10000, 72, I_RANDN, 1), A2(R_IN, T, 1024, 72, I_RANDN, 1), A1(R_IN, I, 1024, I_IDS, 10000) } },
+                { "transpose12", TSYS_K_TRANSPOSE12, { A4(R_OUT, T, 2, 7, 5, 64, I_RANDN, 1), A4(R_IN, T, 2, 5, 7, 64, I_RANDN, 1) } },
+                { "transpose12 odd", TSYS_K_TRANSPOSE12, { A4(R_OUT, T, 3, 4, 2, 5, I_RANDN, 1), A4(R_IN, T, 3, 2, 4, 5, I_RANDN, 1) } },
+            };
+            for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
+        }
+    // the step count lives on the device (I64 scalar), here step 3
+    tc_case adam = { "adamw", TSYS_K_ADAMW, { A1(R_INOUT, TSYS_F32, 10007, I_RANDN, 1), A1(R_IN, TSYS_F32, 10007, I_RANDN, 1),
+                                              A1(R_INOUT, TSYS_F32, 10007, I_RANDN, 0.1f), A1(R_INOUT, TSYS_F32, 10007, I_POS, 0.01f),
+                                              A1(R_IN, TSYS_I64, 1, I_IDS, 0) },
+                     { 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f } };
+    for (int step = 1; step <= 1000; step *= 10) {
+        adam.t[4].init = I_ONE; adam.t[4].scale = (float)step;
+        tc_run_case(&adam);
+    }
+    tc_case adam4 = adam;
+    adam4.name = "adamw (multiple of 4)";
+    adam4.t[0].shape[0] = adam4.t[1].shape[0] = adam4.t[2].shape[0] = adam4.t[3].shape[0] = 4096;
+    tc_run_case(&adam4);
+    for (int di = 0; di < 3; di++) {
+        tc_case rn = { "randn", TSYS_K_RANDN, { A1(R_OUT, tc_floats[di], 10001, I_RANDN, 1) }, { 0.02f, 0.0f, 0.0f }, { 12345 } };
+        tc_run_case(&rn);
+        tc_case tn = { "trunc normal", TSYS_K_RANDN, { A1(R_OUT, tc_floats[di], 10001, I_RANDN, 1) }, { 1.0f, -1.0f, 1.5f }, { 777 } };
+        tc_run_case(&tn);
+    }
+    tc_case inc = { "step_inc", TSYS_K_STEP_INC, { A1(R_INOUT, TSYS_I64, 1, I_ONE, 41) } };
+    tc_run_case(&inc);
+}
+
+// NONFINITE must notice one inf or nan anywhere; a clean tensor leaves the flag alone.
+TSYS_TEST(cuda_nonfinite) {
+    TC_CTX(ctx);
+    const float specials[2] = { INFINITY, NAN };
+    for (int s = 0; s < 2; s++) {
+        int64_t n = 100003;
+        float *v = (float *)malloc(sizeof(float) * n);
+        for (int64_t i = 0; i < n; i++) v[i] = tc_normal();
+        v[n - 17] = specials[s];
+        tsys_tensor *x = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CUDA, 1, &n, v);
+        int64_t one = 1;
+        tsys_tensor *flag = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &one);
+        tsys_tensor_fill(ctx, flag, 0.0f);
+        tsys_kargs a;
+        memset(&a, 0, sizeof a);
+        a.t[0] = flag; a.t[1] = x;
+        tsys_ctx_backend(ctx, TSYS_CUDA)->kernel(ctx, TSYS_K_NONFINITE, &a);
+        TEST_CHECK(tsys_item(ctx, flag) == 1.0f, "nonfinite missed a %s", s ? "nan" : "inf");
+        tsys_tensor_release(x); tsys_tensor_release(flag); free(v);
+    }
+}
+
+// ---- GEMM --------------------------------------------------------------------------------------
+
+static void tc_gemm_case(tsys_ctx *ctx, tsys_dtype ab, tsys_dtype cdt, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t batch,
+                         bool bcast_b, float alpha, float beta, double tol) {
+    int64_t sa = m * k, sb = bcast_b ? 0 : k * n, sc = m * n;
+    int64_t na = sa * batch, nb = bcast_b ? k * n : sb * batch, nc = sc * batch;
+    tc_arg aa = A1(R_IN, ab, na, I_RANDN, 1), ba = A1(R_IN, ab, nb, I_RANDN, 1), ca = A1(R_INOUT, cdt, nc, I_RANDN, 1);
+    float *va = (float *)malloc(sizeof(float) * na), *vb = (float *)malloc(sizeof(float) * nb), *vc = (float *)malloc(sizeof(float) * nc);
+    for (int64_t i = 0; i < na; i++) va[i] = tc_normal();
+    for (int64_t i = 0; i < nb; i++) vb[i] = tc_normal();
+    for (int64_t i = 0; i < nc; i++) vc[i] = tc_normal();
+    tsys_tensor *A[2], *B[2], *C[2];
+    for (int d = 0; d < 2; d++) {
+        A[d] = tc_make(ctx, &aa, (tsys_device)d, va); B[d] = tc_make(ctx, &ba, (tsys_device)d, vb); C[d] = tc_make(ctx, &ca, (tsys_device)d, vc);
+    }
+    if (beta == 0.0f) tsys_tensor_fill(ctx, C[1], NAN);   // beta 0 must not read C
+    tsys_status s[2];
+    for (int d = 0; d < 2; d++) {
+        tsys_gemm_args g;
+        memset(&g, 0, sizeof g);
+        g.a = A[d]; g.b = B[d]; g.c = C[d]; g.trans_a = ta; g.trans_b = tb;
+        g.m = m; g.n = n; g.k = k; g.batch = batch; g.stride_a = sa; g.stride_b = sb; g.stride_c = sc;
+        g.alpha = alpha; g.beta = beta;
+        s[d] = tsys_ctx_backend(ctx, (tsys_device)d)->gemm(ctx, &g);
+    }
+    TEST_CHECK(s[0] == TSYS_OK && s[1] == TSYS_OK, "gemm %s->%s: %s", tsys_dtype_name(ab), tsys_dtype_name(cdt), tsys_ctx_last_error(ctx));
+    if (s[0] == TSYS_OK && s[1] == TSYS_OK) {
+        float *ref = test_read(ctx, C[0]), *got = test_read(ctx, C[1]);
+        double err = tsys_test_rel_err(got, ref, nc);
+        TEST_CHECK(err <= tol, "gemm %s x %s -> %s ta=%d tb=%d m=%lld n=%lld k=%lld batch=%lld bcast=%d beta=%g: rel err %.3g (tol %.1g)",
+                   tsys_dtype_name(ab), tsys_dtype_name(ab), tsys_dtype_name(cdt), ta, tb, (long long)m, (long long)n, (long long)k,
+                   (long long)batch, bcast_b, beta, err, tol);
+        free(ref); free(got);
+    }
+    for (int d = 0; d < 2; d++) { tsys_tensor_release(A[d]); tsys_tensor_release(B[d]); tsys_tensor_release(C[d]); }
+    free(va); free(vb); free(vc);
+    tsys_ctx_clear_error(ctx);
+}
+
+TSYS_TEST(cuda_gemm) {
+    TC_CTX(ctx);
+    for (int di = 0; di < 3; di++)
+        for (int t = 0; t < 4; t++) {
+            tsys_dtype ab = tc_floats[di];
+            bool ta = t & 1, tb = t & 2;
+            tc_gemm_case(ctx, ab, TSYS_F32, ta, tb, 67, 45, 129, 1, false, 1.0f, 0.0f, 1e-5);
+            tc_gemm_case(ctx, ab, ab, ta, tb, 64, 96, 128, 3, false, 0.5f, 0.0f, tc_tol(ab));
+            tc_gemm_case(ctx, ab, TSYS_F32, ta, tb, 33, 17, 65, 4, true, 1.0f, 1.0f, 1e-5);   // B broadcast, accumulate
+            tc_gemm_case(ctx, ab, ab, ta, tb, 8, 8, 8, 2, false, 1.0f, 1.0f, tc_tol(ab));
+        }
+    tc_gemm_case(ctx, TSYS_F32, TSYS_F32, false, true, 512, 768, 768, 1, false, 1.0f, 0.0f, 1e-5);
+    tsys_cuda_set_tf32(ctx, true);
+    tc_gemm_case(ctx, TSYS_F32, TSYS_F32, false, true, 512, 768, 768, 1, false, 1.0f, 0.0f, 1e-3);
+    tsys_cuda_set_tf32(ctx, false);
+}
+
+// ---- the whole model ----------------------------------------------------------------------------
+
+static tsys_model_desc tc_model_desc(void) {
+    tsys_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.vocab_size = 211; d.context_length = 32; d.d_model = 64; d.num_layers = 2; d.num_heads = 4; d.d_ff = 160;
+    return tsys_model_desc_defaults(&d);
+}
+
+static tsys_model *tc_model_copy(tsys_ctx *ctx, tsys_model *src, tsys_device dev) {
+    tsys_model_desc d = *tsys_model_get_desc(src);
+    tsys_model *m = tsys_model_new(ctx, &d, dev, 99);
+    if (!m) return NULL;
+    tsys_tensor **ps = tsys_model_params(src), **pd = tsys_model_params(m);
+    for (int i = 0; i < tsys_model_num_tensors(m); i++) tsys_tensor_copy_from(ctx, pd[i], ps[i]);
+    return m;
+}
+
+static tsys_tensor *tc_ids(tsys_ctx *ctx, tsys_device dev, int64_t B, int64_t T, int64_t V, uint64_t seed) {
+    int64_t shape[2] = { B, T };
+    int32_t *v = (int32_t *)malloc(sizeof(int32_t) * B * T);
+    uint64_t r = seed;
+    for (int64_t i = 0; i < B * T; i++) { r = r * 6364136223846793005ull + 1442695040888963407ull; v[i] = (int32_t)((r >> 33) % (uint64_t)V); }
+    tsys_tensor *t = tsys_tensor_from_data(ctx, TSYS_I32, dev, 2, shape, v);
+    free(v);
+    return t;
+}
+
+static double tc_compare(tsys_ctx *ctx, const tsys_tensor *got, const tsys_tensor *ref) {
+    int64_t n = tsys_tensor_numel(ref);
+    float *g = test_read(ctx, got), *r = test_read(ctx, ref);
+    double e = (g && r) ? tsys_test_rel_err(g, r, n) : INFINITY;
+    free(g); free(r);
+    return e;
+}
+
+// Forward, loss, every gradient, and the parameters after two AdamW steps: CUDA against CPU.
+static void tc_model_check(tsys_dtype autocast, double tol_logits, double tol_grad, double tol_param) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *mc = tsys_model_new(ctx, &d, TSYS_CPU, 7);
+    tsys_model *mg = mc ? tc_model_copy(ctx, mc, TSYS_CUDA) : NULL;
+    TEST_CHECK(mc && mg, "model creation: %s", tsys_ctx_last_error(ctx));
+    if (!mc || !mg) return;
+    int n = tsys_model_num_tensors(mc);
+    tsys_optim *oc = tsys_adamw_new(ctx, tsys_model_params(mc), n, NULL), *og = tsys_adamw_new(ctx, tsys_model_params(mg), n, NULL);
+    for (int step = 0; step < 2; step++) {
+        tsys_tensor *ids[2], *tg[2], *logits[2], *loss[2];
+        for (int dv = 0; dv < 2; dv++) {
+            tsys_model *m = dv ? mg : mc;
+            ids[dv] = tc_ids(ctx, (tsys_device)dv, 2, 32, d.vocab_size, 11 + step);
+            tg[dv] = tc_ids(ctx, (tsys_device)dv, 2, 32, d.vocab_size, 23 + step);
+            if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
+            logits[dv] = tsys_model_forward(m, ids[dv]);
+            loss[dv] = tsys_cross_entropy(ctx, logits[dv], tg[dv]);
+            if (autocast != TSYS_F32) tsys_autocast_end(ctx);
+            tsys_backward(ctx, loss[dv]);
+        }
+        TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "step %d: %s", step, tsys_ctx_last_error(ctx));
+        if (tsys_ctx_status(ctx) != TSYS_OK) break;
+        double el = tc_compare(ctx, logits[1], logits[0]);
+        float lc = tsys_item(ctx, loss[0]), lg = tsys_item(ctx, loss[1]);
+        TEST_CHECK(el <= tol_logits, "step %d: logits rel err %.3g (tol %.1g)", step, el, tol_logits);
+        TEST_CHECK(fabsf(lc - lg) <= tol_logits * fabsf(lc) + 1e-6f, "step %d: loss cpu %.7f cuda %.7f", step, lc, lg);
+        tsys_tensor **pc = tsys_model_params(mc), **pg = tsys_model_params(mg);
+        for (int i = 0; i < n; i++) {
+            double e = tc_compare(ctx, pg[i]->grad, pc[i]->grad);
+            TEST_CHECK(e <= tol_grad, "step %d: grad of %s rel err %.3g (tol %.1g)", step, pc[i]->name, e, tol_grad);
+        }
+        tsys_optim_step(oc); tsys_optim_step(og);
+        tsys_optim_zero_grad(oc); tsys_optim_zero_grad(og);
+        for (int i = 0; i < n; i++) {
+            double e = tc_compare(ctx, pg[i], pc[i]);
+            TEST_CHECK(e <= tol_param, "step %d: %s after AdamW rel err %.3g (tol %.1g)", step, pc[i]->name, e, tol_param);
+        }
+        for (int dv = 0; dv < 2; dv++) { tsys_tensor_release(ids[dv]); tsys_tensor_release(tg[dv]); tsys_tensor_release(logits[dv]); tsys_tensor_release(loss[dv]); }
+    }
+    tsys_optim_free(oc); tsys_optim_free(og);
+    tsys_model_free(mc); tsys_model_free(mg);
+    tsys_ctx_clear_error(ctx);
+}
+
+// Parameters after AdamW get 1e-4: Adam's first steps move every element by ~lr * sign(g), so an
+// element whose gradient is ~0 can flip on rounding noise (the AdamW kernel alone matches to 1e-5).
+TSYS_TEST(cuda_model_fp32) { tc_model_check(TSYS_F32, 1e-5, 1e-4, 1e-4); }
+TSYS_TEST(cuda_model_bf16_autocast) { tc_model_check(TSYS_BF16, 2e-2, 5e-2, 1e-3); }
+TSYS_TEST(cuda_model_fp16_autocast) { tc_model_check(TSYS_F16, 1e-2, 3e-2, 1e-3); }
+
+// ---- allocator ---------------------------------------------------------------------------------
+
+TSYS_TEST(cuda_alloc_reuse) {
+    TC_CTX(ctx);
+    const tsys_backend *b = tsys_ctx_backend(ctx, TSYS_CUDA);
+    const size_t sizes[5] = { 4, 1000, 513, (size_t)3 << 20, (size_t)64 << 20 };
+    void *p[5], *q[5];
+    for (int i = 0; i < 5; i++) p[i] = b->alloc(ctx, sizes[i]);
+    for (int i = 4; i >= 0; i--) b->free(ctx, p[i], sizes[i]);
+    tsys_cuda_mem_info before = tsys_cuda_mem_info_get(ctx);
+    for (int i = 0; i < 5; i++) q[i] = b->alloc(ctx, sizes[i]);
+    tsys_cuda_mem_info after = tsys_cuda_mem_info_get(ctx);
+    for (int i = 0; i < 5; i++) TEST_CHECK(p[i] && p[i] == q[i], "size %zu: block not reused (%p then %p)", sizes[i], p[i], q[i]);
+    TEST_CHECK(after.num_device_mallocs == before.num_device_mallocs, "cudaMalloc called %lld times on reuse",
+               (long long)(after.num_device_mallocs - before.num_device_mallocs));
+    TEST_CHECK(after.allocated_bytes >= before.allocated_bytes + ((size_t)67 << 20), "allocated bytes not counted");
+    for (int i = 0; i < 5; i++) b->free(ctx, q[i], sizes[i]);
+    TEST_CHECK(tsys_cuda_empty_cache(ctx) == TSYS_OK, "empty_cache: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_cuda_mem_reserved(ctx) <= before.reserved_bytes - ((size_t)67 << 20), "empty_cache kept the free blocks");
+}
+
+TSYS_TEST(cuda_alloc_oom) {
+    TC_CTX(ctx);
+    int64_t huge[2] = { (int64_t)1 << 24, (int64_t)1 << 22 };   // 256 TiB of fp32
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 2, huge);
+    TEST_CHECK(t == NULL && tsys_ctx_status(ctx) == TSYS_ERR_OOM, "absurd request: tensor %p, status %d", (void *)t, (int)tsys_ctx_status(ctx));
+    tsys_ctx_clear_error(ctx);
+    // a memory cap makes an ordinary request fail too, and lifting it makes it work again
+    tsys_cuda_set_memory_limit(ctx, tsys_cuda_mem_reserved(ctx) + ((size_t)8 << 20));
+    int64_t big = (int64_t)64 << 20;
+    t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &big);
+    TEST_CHECK(t == NULL && tsys_ctx_status(ctx) == TSYS_ERR_OOM, "capped request: tensor %p, status %d", (void *)t, (int)tsys_ctx_status(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_cuda_set_memory_limit(ctx, 0);
+    t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &big);
+    TEST_CHECK(t != NULL, "after lifting the cap: %s", tsys_ctx_last_error(ctx));
+    // the failed cudaMalloc must not poison later launches
+    if (t) TEST_CHECK(tsys_tensor_fill(ctx, t, 1.0f) == TSYS_OK && tsys_sync(ctx, TSYS_CUDA) == TSYS_OK, "launch after OOM: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(t);
+    tsys_ctx_clear_error(ctx);
+}
+
+// One training step of the small model; returns the loss (host copy).
+static float tc_train_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, tsys_tensor **loss_out) {
+    tsys_tensor *logits = tsys_model_forward(m, ids);
+    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, tg);
+    tsys_backward(ctx, loss);
+    tsys_optim_step(o);
+    tsys_optim_zero_grad(o);
+    tsys_tensor_release(logits);
+    if (loss_out) { *loss_out = loss; return 0.0f; }
+    float l = tsys_item(ctx, loss);
+    tsys_tensor_release(loss);
+    return l;
+}
+
+TSYS_TEST(cuda_alloc_steady_state) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+    tsys_optim *o = m ? tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL) : NULL;
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    TEST_CHECK(m && o && ids && tg, "setup: %s", tsys_ctx_last_error(ctx));
+    if (!m || !o) return;
+    for (int i = 0; i < 2; i++) tc_train_step(ctx, m, o, ids, tg, NULL);   // warmup: optimizer state, plans, cache
+    tsys_cuda_mem_info a = tsys_cuda_mem_info_get(ctx);
+    for (int i = 0; i < 5; i++) tc_train_step(ctx, m, o, ids, tg, NULL);
+    tsys_cuda_mem_info b = tsys_cuda_mem_info_get(ctx);
+    TEST_CHECK(b.num_device_mallocs == a.num_device_mallocs, "steady state called cudaMalloc %lld times", (long long)(b.num_device_mallocs - a.num_device_mallocs));
+    TEST_CHECK(b.reserved_bytes == a.reserved_bytes, "reserved grew from %zu to %zu", a.reserved_bytes, b.reserved_bytes);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    printf("(%lld allocs/step, %.1f MiB reserved) ", (long long)((b.num_allocs - a.num_allocs) / 5), b.reserved_bytes / 1048576.0);
+    tsys_tensor_release(ids); tsys_tensor_release(tg);
+    tsys_optim_free(o); tsys_model_free(m);
+    tsys_ctx_clear_error(ctx);
+}
+
+// ---- CUDA graphs -------------------------------------------------------------------------------
+
+// A kernel-level chain (rmsnorm -> gemm -> cross-entropy fwd+bwd) captured once and replayed twice
+// must give exactly the eager results, including the loss read back from its device scalar.
+TSYS_TEST(cuda_graph_kernels) {
+    TC_CTX(ctx);
+    const tsys_backend *b = tsys_ctx_backend(ctx, TSYS_CUDA);
+    int64_t R = 128, D = 256, V = 1000;
+    tc_arg ax = A2(R_IN, TSYS_F32, R, D, I_RANDN, 1), aw = A2(R_IN, TSYS_F32, V, D, I_RANDN, 0.05f), ag = A1(R_IN, TSYS_F32, D, I_POS, 1);
+    float *vx = (float *)malloc(sizeof(float) * R * D), *vw = (float *)malloc(sizeof(float) * V * D), *vg = (float *)malloc(sizeof(float) * D);
+    for (int64_t i = 0; i < R * D; i++) vx[i] = tc_normal();
+    for (int64_t i = 0; i < V * D; i++) vw[i] = 0.05f * tc_normal();
+    for (int64_t i = 0; i < D; i++) vg[i] = 1.0f + 0.1f * tc_normal();
+    tsys_tensor *x = tc_make(ctx, &ax, TSYS_CUDA, vx), *w = tc_make(ctx, &aw, TSYS_CUDA, vw), *g = tc_make(ctx, &ag, TSYS_CUDA, vg);
+    tsys_tensor *tg = tc_ids(ctx, TSYS_CUDA, 1, R, V, 3);
+    int64_t one = 1, rv[2] = { R, V }, rd[2] = { R, D };
+    tsys_tensor *dloss = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &one);
+    tsys_tensor_fill(ctx, dloss, 1.0f);
+    float loss_eager = 0, loss_graph[2] = { 0, 0 };
+    float *dl_eager = (float *)malloc(sizeof(float) * R * V), *dl_graph = (float *)malloc(sizeof(float) * R * V);
+    tsys_tensor *keep_loss = NULL, *keep_dl = NULL;
+    for (int mode = 0; mode < 2; mode++) {
+        tsys_cuda_graph *graph = NULL;
+        if (mode == 1) TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+        // everything below allocates inside the capture: the graph's private pool
+        tsys_tensor *y = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 2, rd), *rstd = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &R);
+        tsys_tensor *logits = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 2, rv), *lse = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &R);
+        tsys_tensor *loss = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &one), *dl = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 2, rv);
+        tsys_kargs a;
+        memset(&a, 0, sizeof a); a.t[0] = y; a.t[1] = rstd; a.t[2] = x; a.t[3] = g; a.f[0] = 1e-5f;
+        b->kernel(ctx, TSYS_K_RMSNORM_FWD, &a);
+        tsys_gemm_args ga;
+        memset(&ga, 0, sizeof ga);
+        ga.a = y; ga.b = w; ga.c = logits; ga.trans_b = true; ga.m = R; ga.n = V; ga.k = D; ga.batch = 1; ga.alpha = 1; ga.beta = 0;
+        b->gemm(ctx, &ga);
+        memset(&a, 0, sizeof a); a.t[0] = loss; a.t[1] = lse; a.t[2] = logits; a.t[3] = tg;
+        b->kernel(ctx, TSYS_K_CE_FWD, &a);
+        memset(&a, 0, sizeof a); a.t[0] = dl; a.t[1] = logits; a.t[2] = lse; a.t[3] = tg; a.t[4] = dloss; a.f[0] = 1.0f / R;
+        b->kernel(ctx, TSYS_K_CE_BWD, &a);
+        tsys_tensor_release(y); tsys_tensor_release(rstd); tsys_tensor_release(logits); tsys_tensor_release(lse);
+        if (mode == 0) {
+            loss_eager = tsys_item(ctx, loss);
+            tsys_tensor_to_f32(ctx, dl, dl_eager);
+            tsys_tensor_release(loss); tsys_tensor_release(dl);
+        } else {
+            TEST_CHECK(tsys_cuda_graph_end(ctx, &graph) == TSYS_OK && graph, "end: %s", tsys_ctx_last_error(ctx));
+            keep_loss = loss; keep_dl = dl;
+            for (int r = 0; r < 2 && graph; r++) {
+                tsys_tensor_fill(ctx, keep_loss, NAN);   // replay must rewrite it
+                TEST_CHECK(tsys_cuda_graph_replay(ctx, graph) == TSYS_OK, "replay: %s", tsys_ctx_last_error(ctx));
+                // an eager allocation between replays must not alias the graph's temporaries
+                tsys_tensor *other = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 2, rv);
+                tsys_tensor_fill(ctx, other, 123.0f);
+                tsys_tensor_release(other);
+                loss_graph[r] = tsys_item(ctx, keep_loss);
+            }
+            tsys_tensor_to_f32(ctx, keep_dl, dl_graph);
+            tsys_tensor_release(keep_loss); tsys_tensor_release(keep_dl);
+            tsys_cuda_graph_free(graph);
+        }
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(loss_graph[0] == loss_eager && loss_graph[1] == loss_eager, "loss eager %.8f, replays %.8f %.8f", loss_eager, loss_graph[0], loss_graph[1]);
+    TEST_CHECK(memcmp(dl_eager, dl_graph, sizeof(float) * R * V) == 0, "dlogits of the replay differ from eager");
+    tsys_tensor_release(x); tsys_tensor_release(w); tsys_tensor_release(g); tsys_tensor_release(tg); tsys_tensor_release(dloss);
+    free(vx); free(vw); free(vg); free(dl_eager); free(dl_graph);
+    tsys_ctx_clear_error(ctx);
+}
+
+// A whole training step (forward, loss, backward, SGD, zero_grad) captured after one eager warmup
+// step and replayed: the losses must equal those of eager steps on a copy of the model.
+TSYS_TEST(cuda_graph_train_step) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *me = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+    tsys_model *mg = me ? tc_model_copy(ctx, me, TSYS_CUDA) : NULL;
+    TEST_CHECK(me && mg, "setup: %s", tsys_ctx_last_error(ctx));
+    if (!me || !mg) return;
+    int n = tsys_model_num_tensors(me);
+    tsys_optim *oe = tsys_sgd_new(ctx, tsys_model_params(me), n, 0.05f), *og = tsys_sgd_new(ctx, tsys_model_params(mg), n, 0.05f);
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    float eager[4], graph[4];
+    for (int i = 0; i < 4; i++) eager[i] = tc_train_step(ctx, me, oe, ids, tg, NULL);
+    graph[0] = tc_train_step(ctx, mg, og, ids, tg, NULL);
+    tsys_tensor *loss = NULL;
+    tsys_cuda_graph *gr = NULL;
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tc_train_step(ctx, mg, og, ids, tg, &loss);
+    tsys_status s = tsys_cuda_graph_end(ctx, &gr);
+    TEST_CHECK(s == TSYS_OK && gr && loss, "capture of a training step: %s", tsys_ctx_last_error(ctx));
+    for (int i = 1; i < 4 && gr && loss; i++) {
+        tsys_cuda_graph_replay(ctx, gr);
+        graph[i] = tsys_item(ctx, loss);
+    }
+    if (gr && loss)
+        for (int i = 0; i < 4; i++) TEST_CHECK(graph[i] == eager[i], "step %d: eager loss %.8f, graph %.8f", i, eager[i], graph[i]);
+    tsys_cuda_graph_free(gr);
+    tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(tg);
+    tsys_optim_free(oe); tsys_optim_free(og);
+    tsys_model_free(me); tsys_model_free(mg);
+    tsys_ctx_clear_error(ctx);
+}
+
+// Two contexts, each with its own backend state, used side by side.
+TSYS_TEST(cuda_two_contexts) {
+    TC_CTX(ctx);
+    tsys_ctx *c2 = tsys_ctx_new(NULL);
+    TEST_CHECK(tsys_cuda_init(c2, 0) == TSYS_OK, "second context: %s", tsys_ctx_last_error(c2));
+    TEST_CHECK(tsys_cuda_stream(c2) != tsys_cuda_stream(ctx), "contexts share a stream");
+    int64_t n = 1000;
+    tsys_tensor *a = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n), *b = tsys_tensor_new(c2, TSYS_F32, TSYS_CUDA, 1, &n);
+    tsys_tensor_fill(ctx, a, 2.0f); tsys_tensor_fill(c2, b, 3.0f);
+    tsys_tensor *sa = tsys_sum(ctx, a), *sb = tsys_sum(c2, b);
+    TEST_CHECK(sa && sb && tsys_item(ctx, sa) == 2000.0f && tsys_item(c2, sb) == 3000.0f, "sums: %s / %s", tsys_ctx_last_error(ctx), tsys_ctx_last_error(c2));
+    tsys_tensor_release(sa); tsys_tensor_release(sb); tsys_tensor_release(a); tsys_tensor_release(b);
+    tsys_cuda_shutdown(c2);
+    tsys_ctx_free(c2);
+}
+
+// ---- speed (not a correctness check: prints what the memory-bound kernels reach) ---------------
+// GB/s = the fewest bytes each kernel must move / median time; compare with the D2D copy line.
+
+static tsys_tensor *tc_rand(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_t *shape, float scale) {
+    tsys_tensor *t = tsys_tensor_new(ctx, dt, TSYS_CUDA, ndim, shape);
+    if (t) tsys_tensor_randn(ctx, t, scale);
+    return t;
+}
+
+// Median of 5 timings of `iters` launches of one kernel (or GEMM when g != NULL), in microseconds.
+static double tc_time(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g, int iters) {
+    const tsys_backend *b = tsys_ctx_backend(ctx, TSYS_CUDA);
+    cudaStream_t s = (cudaStream_t)tsys_cuda_stream(ctx);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0); cudaEventCreate(&e1);
+    double t[5];
+    for (int i = 0; i < 2; i++) { if (g) b->gemm(ctx, g); else b->kernel(ctx, k, a); }
+    for (int r = 0; r < 5; r++) {
+        cudaEventRecord(e0, s);
+        for (int i = 0; i < iters; i++) { if (g) b->gemm(ctx, g); else b->kernel(ctx, k, a); }
+        cudaEventRecord(e1, s);
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        t[r] = 1000.0 * ms / iters;
+    }
+    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    for (int i = 0; i < 5; i++) for (int j = i + 1; j < 5; j++) if (t[j] < t[i]) { double x = t[i]; t[i] = t[j]; t[j] = x; }
+    return t[2];
+}
+
+TSYS_TEST(perf_kernels) {
+    TC_CTX(ctx);
+    printf("\n");
+    {   // device-to-device copy: the bandwidth ceiling
+        int64_t n = (int64_t)256 << 20;
+        tsys_tensor *x = tc_rand(ctx, TSYS_F32, 1, &n, 1), *y = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n);
+        tsys_kargs a; memset(&a, 0, sizeof a); a.t[0] = y; a.t[1] = x;
+        double us = tc_time(ctx, TSYS_K_CAST, &a, NULL, 10);
+        printf("    %-34s %9.1f us %8.0f GB/s\n", "copy f32 (cast kernel) 1 GiB", us, 2.0 * 4 * n / us / 1e3);
+        tsys_tensor_release(x); tsys_tensor_release(y);
+    }
+    {   // AdamW over 100M fp32 parameters: reads p g m v, writes p m v
+        int64_t n = 100 << 20, one = 1;
+        tsys_tensor *p = tc_rand(ctx, TSYS_F32, 1, &n, 1), *g = tc_rand(ctx, TSYS_F32, 1, &n, 1), *m = tc_rand(ctx, TSYS_F32, 1, &n, 0.1f), *v = tc_rand(ctx, TSYS_F32, 1, &n, 0.1f);
+        int64_t st = 5;
+        tsys_tensor *step = tsys_tensor_from_data(ctx, TSYS_I64, TSYS_CUDA, 1, &one, &st);
+        tsys_kargs a; memset(&a, 0, sizeof a); a.t[0] = v; a.t[1] = v; a.t[2] = v;   // v must be >= 0: square it
+        tsys_ctx_backend(ctx, TSYS_CUDA)->kernel(ctx, TSYS_K_MUL, &a);
+        memset(&a, 0, sizeof a); a.t[0] = p; a.t[1] = g; a.t[2] = m; a.t[3] = v; a.t[4] = step;
+        a.f[0] = 1e-3f; a.f[1] = 0.9f; a.f[2] = 0.999f; a.f[3] = 1e-8f; a.f[4] = 0.01f;
+        double us = tc_time(ctx, TSYS_K_ADAMW, &a, NULL, 5);
+        printf("    %-34s %9.1f us %8.0f GB/s\n", "adamw 100M fp32", us, 28.0 * n / us / 1e3);
+        tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v); tsys_tensor_release(step);
+    }
+    const tsys_dtype dts[2] = { TSYS_F32, TSYS_BF16 };
+    for (int di = 0; di < 2; di++) {
+        tsys_dtype T = dts[di];
+        double es = (double)tsys_dtype_size(T);
+        int64_t R = 4096, D = 2560, rd[2] = { R, D }, dd = D;
+        tsys_tensor *x = tc_rand(ctx, T, 2, rd, 1), *y = tsys_tensor_new(ctx, T, TSYS_CUDA, 2, rd), *dy = tc_rand(ctx, T, 2, rd, 1);
+        tsys_tensor *w = tc_rand(ctx, TSYS_F32, 1, &dd, 1), *dw = tc_rand(ctx, TSYS_F32, 1, &dd, 1), *rstd = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &R);
+        tsys_kargs a; memset(&a, 0, sizeof a); a.t[0] = y; a.t[1] = rstd; a.t[2] = x; a.t[3] = w; a.f[0] = 1e-5f;
+        char name[64];
+        double us = tc_time(ctx, TSYS_K_RMSNORM_FWD, &a, NULL, 20);
+        snprintf(name, sizeof name, "rmsnorm_fwd %s 4096x2560", tsys_dtype_name(T));
+        printf("    %-34s %9.1f us %8.0f GB/s\n", name, us, 2.0 * es * R * D / us / 1e3);
+        memset(&a, 0, sizeof a); a.t[0] = y; a.t[1] = dw; a.t[2] = dy; a.t[3] = x; a.t[4] = w; a.t[5] = rstd;
+        us = tc_time(ctx, TSYS_K_RMSNORM_BWD, &a, NULL, 20);
+        snprintf(name, sizeof name, "rmsnorm_bwd %s 4096x2560", tsys_dtype_name(T));
+        printf("    %-34s %9.1f us %8.0f GB/s\n", name, us, 3.0 * es * R * D / us / 1e3);
+        memset(&a, 0, sizeof a); a.t[0] = y; a.t[1] = x; a.t[2] = dy;
+        us = tc_time(ctx, TSYS_K_SWIGLU_FWD, &a, NULL, 20);
+        snprintf(name, sizeof name, "swiglu_fwd %s 4096x2560", tsys_dtype_name(T));
+        printf("    %-34s %9.1f us %8.0f GB/s\n", name, us, 3.0 * es * R * D / us / 1e3);
+        tsys_tensor_release(x); tsys_tensor_release(y); tsys_tensor_release(dy); tsys_tensor_release(w); tsys_tensor_release(dw); tsys_tensor_release(rstd);
+        // cross-entropy over 1024 rows of 10000 logits
+        int64_t rv[2] = { 1024, 10000 }, nr = 1024, one = 1;
+        tsys_tensor *lg = tc_rand(ctx, T, 2, rv, 3), *dl = tsys_tensor_new(ctx, T, TSYS_CUDA, 2, rv), *lse = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &nr);
+        tsys_tensor *loss = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &one), *tg = tsys_tensor_new(ctx, TSYS_I64, TSYS_CUDA, 1, &nr), *dloss = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &one);
+        tsys_tensor_randint(ctx, tg, 10000); tsys_tensor_fill(ctx, dloss, 1.0f);
+        memset(&a, 0, sizeof a); a.t[0] = loss; a.t[1] = lse; a.t[2] = lg; a.t[3] = tg;
+        us = tc_time(ctx, TSYS_K_CE_FWD, &a, NULL, 20);
+        snprintf(name, sizeof name, "ce_fwd %s 1024x10000", tsys_dtype_name(T));
+        printf("    %-34s %9.1f us %8.0f GB/s\n", name, us, es * 1024 * 10000 / us / 1e3);
+        memset(&a, 0, sizeof a); a.t[0] = dl; a.t[1] = lg; a.t[2] = lse; a.t[3] = tg; a.t[4] = dloss; a.f[0] = 1.0f / 1024;
+        us = tc_time(ctx, TSYS_K_CE_BWD, &a, NULL, 20);
+        snprintf(name, sizeof name, "ce_bwd %s 1024x10000", tsys_dtype_name(T));
+        printf("    %-34s %9.1f us %8.0f GB/s\n", name, us, 2.0 * es * 1024 * 10000 / us / 1e3);
+        tsys_tensor_release(lg); tsys_tensor_release(dl); tsys_tensor_release(lse); tsys_tensor_release(loss); tsys_tensor_release(tg); tsys_tensor_release(dloss);
+        // causal softmax over (4 x 16 heads, 256, 256)
+        int64_t ss[4] = { 4, 16, 256, 256 };
+        tsys_tensor *sx = tc_rand(ctx, T, 4, ss, 1), *sy = tsys_tensor_new(ctx, T, TSYS_CUDA, 4, ss);
+        memset(&a, 0, sizeof a); a.t[0] = sy; a.t[1] = sx; a.f[0] = 0.125f; a.i[0] = 1;
+        us = tc_time(ctx, TSYS_K_SOFTMAX_FWD, &a, NULL, 20);
+        snprintf(name, sizeof name, "softmax causal %s 64x256x256", tsys_dtype_name(T));
+        printf("    %-34s %9.1f us %8.0f GB/s\n", name, us, 2.0 * es * 64 * 256 * 256 / us / 1e3);
+        tsys_tensor_release(sx); tsys_tensor_release(sy);
+    }
+    const tsys_dtype gd[3] = { TSYS_F32, TSYS_F32, TSYS_BF16 };
+    for (int i = 0; i < 3; i++) {
+        int64_t n = 4096, sh[2] = { n, n };
+        tsys_tensor *A = tc_rand(ctx, gd[i], 2, sh, 1), *B = tc_rand(ctx, gd[i], 2, sh, 1), *C = tsys_tensor_new(ctx, gd[i], TSYS_CUDA, 2, sh);
+        tsys_gemm_args g; memset(&g, 0, sizeof g);
+        g.a = A; g.b = B; g.c = C; g.trans_b = true; g.m = g.n = g.k = n; g.batch = 1; g.alpha = 1;
+        tsys_cuda_set_tf32(ctx, i == 1);
+        double us = tc_time(ctx, TSYS_K_COUNT, NULL, &g, 10);
+        printf("    %-34s %9.1f us %8.1f TFLOP/s\n", i == 0 ? "gemm f32 4096^3 (x W^T)" : i == 1 ? "gemm tf32 4096^3" : "gemm bf16 4096^3", us, 2.0 * n * n * n / us / 1e6);
+        tsys_tensor_release(A); tsys_tensor_release(B); tsys_tensor_release(C);
+    }
+    tsys_cuda_set_tf32(ctx, false);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+}
+
+int main(int argc, char **argv) {
+    int rc = tsys_test_main(argc, argv);
+    tsys_ctx *ctx = tc_ctx();
+    if (ctx) { tsys_cuda_shutdown(ctx); tsys_ctx_free(ctx); }
+    return rc;
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# gpu_session.sh - one call on the GPU machine: build the CUDA binaries, then run the named parts.
+#   tools/gpu_session.sh build test e2e torch ...
+# Parts: test (CUDA tests), e2e (our end-to-end sweep), torch (PyTorch eager baseline, same run),
+# compile (torch.compile baseline), flash (FlashAttention lab + PyTorch SDPA).
+# Logs and JSON lines go to $OUT (the device tool brings them back); a short summary prints last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
+export TSYS_PROGRESS=0 RESULTS_DIR="$OUT" PYTHONUNBUFFERED=1
+MODELS=${MODELS:-small,medium,large,xl,2.7B}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+for part in "$@"; do
+  echo "=== $part ($(date +%T))"
+  case "$part" in
+  build) make -j16 cuda > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; } ;;
+  test) timeout 300 ./build/test_cuda > "$OUT/test_cuda.log" 2>&1; grep -v " ok$" "$OUT/test_cuda.log" | tail -40 ;;
+  e2e) timeout 500 ./build/e2e_cuda --model "$MODELS" --context-length 256 --mode forward,forward-backward,train \
+         --dtype fp32,bf16 --compile ${COMPILE:-no,yes} --attn ${ATTN:-naive} --warmup 3 --steps 10 --format jsonl | tee "$OUT/e2e.jsonl" ;;
+  torch) timeout 500 python3 tests/ref/torch_baseline.py e2e 2>&1 | tail -40 ;;
+  compile) timeout 500 python3 tests/ref/torch_baseline.py compile 2>&1 | tail -10 ;;
+  *) echo "unknown part $part" ;;
+  esac
+done

@@ -1,0 +1,1953 @@
+/* tsys_cuda.cuh - v0.1 - the CUDA backend of tsys: kernels, cuBLASLt GEMMs, caching allocator, CUDA graphs
+
+   Do this:
+      #define TSYS_CUDA_IMPLEMENTATION      (or TSYS_IMPL, which turns on every tsys implementation)
+   before you include this file in *one* file compiled by nvcc (-x cu) to create the implementation.
+
+      #define TSYS_IMPLEMENTATION
+      #define TSYS_CUDA_IMPLEMENTATION
+      #include "tsys_cuda.cuh"               // includes tsys.h itself
+
+      nvcc -x cu -std=c++17 -O2 -gencode arch=compute_90,code=sm_90 main.c -lcublasLt -lcublas
+
+   The declarations are plain C (no CUDA types), so C files may include this header and call
+   tsys_cuda_init() while one nvcc-compiled file holds the implementation.
+
+   Optional defines (before the include, in the implementation file):
+      TSYS_CUDA_WORKSPACE_BYTES   cuBLASLt workspace (default 32 MiB, what cuBLAS asks for on Hopper)
+      TSYS_CUDA_GEMM_CACHE        slots of the per-shape GEMM plan cache (default 512, a power of two)
+      TSYS_CUDA_NO_NVTX           make tsys_cuda_range_push/pop do nothing
+      TSYS_CUDA_FLASH             dispatch TSYS_K_FLASH_FWD/BWD to src/flash_cuda.cuh (FlashAttention-2)
+
+   tsys_cuda DOES NOT:
+      - call cudaMalloc or cudaFree in the steady state: freed blocks go to size-class free lists of
+        a caching allocator and come back for the next request of that class
+      - copy device scalars to the host inside kernels (the loss, dloss, norms stay on the device), so
+        a whole training step can be captured as one CUDA graph
+      - keep global state: stream, cuBLASLt handle, workspace, allocator and plan cache live in the
+        backend state of one tsys_ctx; two contexts (even on two devices) coexist
+      - do FlashAttention unless TSYS_CUDA_FLASH is defined: TSYS_K_FLASH_FWD/BWD return
+        TSYS_ERR_UNSUPPORTED otherwise (see >>flash)
+
+   Quick start:
+
+      tsys_ctx *ctx = tsys_ctx_new(NULL);
+      if (tsys_cuda_init(ctx, 0) != TSYS_OK) { puts(tsys_ctx_last_error(ctx)); return 1; }
+      tsys_model *m = tsys_model_new(ctx, &desc, TSYS_CUDA, 1234);
+      ... same code as on the CPU ...
+      tsys_model_free(m);            // release every CUDA tensor first,
+      tsys_cuda_shutdown(ctx);       // then the backend,
+      tsys_ctx_free(ctx);            // then the context
+
+   ON MEMORY
+      Requests are rounded up to 512 B (up to 1 MiB) or to 2 MiB (larger) and served from a free list
+      of exactly that size class; a miss calls cudaMalloc. When cudaMalloc fails, every cached block
+      is released (cudaFree) and the request is tried once more; if that fails too, alloc returns NULL
+      (the tsys layer turns it into TSYS_ERR_OOM). tsys_cuda_set_memory_limit caps the reserved bytes,
+      so out-of-memory paths can be tested and sweeps can mimic a smaller card.
+
+   ON CUDA GRAPHS
+      tsys_cuda_graph_begin() starts capturing the backend stream; every kernel, GEMM and device-to-
+      device copy issued until tsys_cuda_graph_end() is recorded, not run. Blocks allocated or freed
+      while capturing belong to the graph's private pool until tsys_cuda_graph_free(), so tensors
+      made between replays never alias memory the graph writes. Host<->device copies and syncs are
+      errors while capturing. Replays bake in every host scalar of the captured calls (the learning
+      rate unless it is given as a device tensor: see TSYS_K_ADAMW below).
+
+   ON PRECISION
+      Kernels load F32/BF16/F16, compute in fp32 and round to nearest even on store. GEMMs accumulate
+      in fp32 (CUBLAS_COMPUTE_32F); tsys_cuda_set_tf32(ctx, true) lets fp32 GEMMs use TF32 tensor cores.
+      Reductions (SUM, SUMSQ, MSE, CE loss, RMSNorm/LayerNorm weight grads, bias grads, embedding
+      grads) are deterministic: fixed block counts and fixed summation orders, no float atomics.
+
+   ON ADAMW AND GRAPHS
+      TSYS_K_ADAMW reads the step count from its device tensor t[4], so a captured optimizer step
+      replays the right bias corrections. Extension of the tsys.h contract: t[5], when given, is a
+      one-element fp32 device tensor holding lr and overriding f[0] (a learning-rate schedule that
+      also survives graph replay).
+
+   Revision history:
+      0.1  first release: every tsys kernel but flash attention, cuBLASLt GEMM with a plan cache,
+           caching allocator with graph pools, CUDA graphs, NVTX ranges
+
+   License: MIT, see the end of tsys.h.
+*/
+#ifndef TSYS_CUDA_H_INCLUDED
+#define TSYS_CUDA_H_INCLUDED
+
+#include "tsys.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// >>public ----------------------------------------------------------------------------------------
+
+typedef struct tsys_cuda_graph tsys_cuda_graph;
+
+// What the caching allocator holds. reserved = bytes obtained from cudaMalloc (in use + cached);
+// allocated = bytes handed out and not yet freed (rounded sizes).
+typedef struct tsys_cuda_mem_info {
+    size_t reserved_bytes;
+    size_t allocated_bytes;
+    size_t cached_bytes;           // reserved - allocated
+    size_t peak_reserved_bytes;
+    int64_t num_device_mallocs;    // cudaMalloc calls so far (a steady state adds none)
+    int64_t num_device_frees;      // cudaFree calls so far
+    int64_t num_allocs;            // requests served
+    int64_t num_cache_hits;        // requests served from a free list
+    int64_t num_ooms;              // requests that returned NULL
+} tsys_cuda_mem_info;
+
+// Creates the backend state (stream, cuBLASLt handle, workspace, caching allocator) on device_id
+// and registers it as the context's TSYS_CUDA backend.
+TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id);
+// Frees everything the backend holds. Release every CUDA tensor of the context first.
+TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx);
+TSYSDEF int tsys_cuda_device_count(void);                 // 0 when there is no GPU or no driver
+TSYSDEF const char *tsys_cuda_device_name(tsys_ctx *ctx); // "NVIDIA H100 80GB HBM3", ...
+TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx);            // the backend's cudaStream_t
+TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on);  // fp32 GEMMs on TF32 tensor cores (default off)
+TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx);
+
+// caching allocator
+TSYSDEF size_t tsys_cuda_mem_reserved(tsys_ctx *ctx);
+TSYSDEF size_t tsys_cuda_mem_allocated(tsys_ctx *ctx);
+TSYSDEF tsys_cuda_mem_info tsys_cuda_mem_info_get(tsys_ctx *ctx);
+TSYSDEF tsys_status tsys_cuda_empty_cache(tsys_ctx *ctx);               // cudaFree every cached block
+TSYSDEF void tsys_cuda_set_memory_limit(tsys_ctx *ctx, size_t bytes);   // cap on reserved bytes; 0 = none
+
+// CUDA graphs: capture everything issued on the backend stream between begin and end.
+TSYSDEF tsys_status tsys_cuda_graph_begin(tsys_ctx *ctx);
+TSYSDEF tsys_status tsys_cuda_graph_end(tsys_ctx *ctx, tsys_cuda_graph **out);
+TSYSDEF tsys_status tsys_cuda_graph_replay(tsys_ctx *ctx, tsys_cuda_graph *g);   // asynchronous
+TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g);
+TSYSDEF bool tsys_cuda_capturing(tsys_ctx *ctx);
+
+// NVTX ranges (nsys shows them on the CPU and CUDA timelines)
+TSYSDEF void tsys_cuda_range_push(const char *name);
+TSYSDEF void tsys_cuda_range_pop(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif // TSYS_CUDA_H_INCLUDED
+
+// =================================================================================================
+// implementation
+// =================================================================================================
+#if defined(TSYS_IMPL) && !defined(TSYS_CUDA_IMPLEMENTATION)
+#define TSYS_CUDA_IMPLEMENTATION
+#endif
+
+#ifdef TSYS_CUDA_IMPLEMENTATION
+#ifndef TSYS_CUDA_IMPLEMENTATION_INCLUDED
+#define TSYS_CUDA_IMPLEMENTATION_INCLUDED
+
+#ifndef __CUDACC__
+#error "tsys_cuda.cuh: the implementation must be compiled by nvcc (-x cu)"
+#endif
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cublasLt.h>
+#include <cub/device/device_radix_sort.cuh>
+#ifndef TSYS_CUDA_NO_NVTX
+#include <nvtx3/nvToolsExt.h>
+#endif
+#ifdef TSYS_CUDA_FLASH
+#include "src/flash_cuda.cuh"
+#endif
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#ifndef TSYS_CUDA_WORKSPACE_BYTES
+#define TSYS_CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
+#endif
+#ifndef TSYS_CUDA_GEMM_CACHE
+#define TSYS_CUDA_GEMM_CACHE 512
+#endif
+
+// >>checks ----------------------------------------------------------------------------------------
+// Every CUDA / cuBLASLt call goes through one of these: on failure the context gets
+// "file:line: statement: reason" and the function returns the status.
+
+#define TSYS_CUDA__CHECK(ctx, call) do { \
+    cudaError_t tsys_e_ = (call); \
+    if (tsys_e_ != cudaSuccess) { \
+        (void)cudaGetLastError(); /* clear non-sticky errors so later launches are not blamed */ \
+        return tsys_ctx_set_error((ctx), TSYS_ERR_CUDA, "%s:%d: %s: %s", __FILE__, __LINE__, #call, cudaGetErrorString(tsys_e_)); \
+    } } while (0)
+
+#define TSYS_CUDA__CHECK_BLAS(ctx, call) do { \
+    cublasStatus_t tsys_s_ = (call); \
+    if (tsys_s_ != CUBLAS_STATUS_SUCCESS) \
+        return tsys_ctx_set_error((ctx), TSYS_ERR_CUDA, "%s:%d: %s: cublas status %d", __FILE__, __LINE__, #call, (int)tsys_s_); \
+    } while (0)
+
+#define TSYS_CUDA__TRY(expr) do { tsys_status tsys_st_ = (expr); if (tsys_st_ != TSYS_OK) return tsys_st_; } while (0)
+
+#define TSYS_CUDA__REQUIRE(ctx, cond, ...) do { if (!(cond)) { \
+    char tsys_m_[200]; snprintf(tsys_m_, sizeof tsys_m_, __VA_ARGS__); \
+    return tsys_ctx_set_error((ctx), TSYS_ERR_INVALID_ARGS, "cuda: %s (%s)", tsys_m_, #cond); } } while (0)
+
+// >>state -----------------------------------------------------------------------------------------
+
+// One device block of the caching allocator. Blocks are never split: a block serves requests of
+// exactly its size class, which keeps reuse O(1) and the addresses of a step reproducible.
+typedef struct tsys_cuda__block {
+    void *ptr;
+    size_t size;         // rounded size (the size class)
+    int pool;            // 0 = general; >0 = private pool of one CUDA graph
+    int next_free;       // next block in its free list, -1 = end
+    bool in_use;
+    bool alive;          // false once cudaFree'd (the slot is recycled)
+} tsys_cuda__block;
+
+// Open-addressing hash map from a non-zero 64-bit key to a 64-bit value, linear probing,
+// backward-shift deletion (no tombstones). Used for ptr -> block and size class -> free list head.
+typedef struct tsys_cuda__map {
+    uint64_t *keys, *vals;
+    size_t cap, count;
+} tsys_cuda__map;
+
+typedef struct tsys_cuda__gemm_key {
+    int32_t ab_dt, c_dt, trans_a, trans_b, tf32, align_a, align_b, align_c;
+    int64_t m, n, k, batch, stride_a, stride_b, stride_c;
+} tsys_cuda__gemm_key;
+
+// A cuBLASLt plan for one GEMM shape: descriptors plus the algorithm the heuristic picked.
+typedef struct tsys_cuda__gemm_plan {
+    tsys_cuda__gemm_key key;
+    bool used;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+} tsys_cuda__gemm_plan;
+
+typedef struct tsys_cuda__state {
+    tsys_ctx *ctx;
+    int device;
+    int num_sms;
+    char device_name[256];
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *workspace;
+    size_t workspace_bytes;
+    bool tf32;
+    float *partials;                 // TSYS_CUDA__MAX_PARTIALS floats for two-stage reductions
+    // caching allocator
+    tsys_cuda__block *blocks;
+    int num_blocks, cap_blocks;
+    int free_slots;                  // head of recycled block slots (linked through next_free)
+    tsys_cuda__map by_ptr;           // ptr -> block index
+    tsys_cuda__map free_lists;       // (pool, size class) -> head block index + 1
+    size_t memory_limit;
+    tsys_cuda_mem_info mem;
+    // graphs
+    bool capturing;
+    int capture_pool;
+    int next_pool;
+    // GEMM plans
+    tsys_cuda__gemm_plan plans[TSYS_CUDA_GEMM_CACHE];
+    tsys_backend backend;
+} tsys_cuda__state;
+
+struct tsys_cuda_graph {
+    tsys_cuda__state *st;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    int pool;
+};
+
+#define TSYS_CUDA__MAX_PARTIALS 1024
+
+static tsys_cuda__state *tsys_cuda__get(tsys_ctx *ctx) {
+    const tsys_backend *b = ctx ? tsys_ctx_backend(ctx, TSYS_CUDA) : NULL;
+    return b ? (tsys_cuda__state *)b->state : NULL;
+}
+
+// Makes the context's device current: two contexts on two devices may be used from one thread.
+static tsys_status tsys_cuda__enter(tsys_cuda__state *st) {
+    int cur = -1;
+    TSYS_CUDA__CHECK(st->ctx, cudaGetDevice(&cur));
+    if (cur != st->device) TSYS_CUDA__CHECK(st->ctx, cudaSetDevice(st->device));
+    return TSYS_OK;
+}
+
+// >>hash map --------------------------------------------------------------------------------------
+
+static uint64_t tsys_cuda__mix(uint64_t x) {   // splitmix64 finalizer
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull; x ^= x >> 27; x *= 0x94d049bb133111ebull; x ^= x >> 31;
+    return x;
+}
+
+static bool tsys_cuda__map_grow(tsys_cuda__map *m) {
+    size_t ncap = m->cap ? m->cap * 2 : 256;
+    uint64_t *nk = (uint64_t *)calloc(ncap, sizeof(uint64_t)), *nv = (uint64_t *)calloc(ncap, sizeof(uint64_t));
+    if (!nk || !nv) { free(nk); free(nv); return false; }
+    for (size_t i = 0; i < m->cap; i++) {
+        if (!m->keys[i]) continue;
+        size_t j = tsys_cuda__mix(m->keys[i]) & (ncap - 1);
+        while (nk[j]) j = (j + 1) & (ncap - 1);
+        nk[j] = m->keys[i]; nv[j] = m->vals[i];
+    }
+    free(m->keys); free(m->vals);
+    m->keys = nk; m->vals = nv; m->cap = ncap;
+    return true;
+}
+
+static bool tsys_cuda__map_get(const tsys_cuda__map *m, uint64_t key, uint64_t *val) {
+    if (!m->cap) return false;
+    for (size_t j = tsys_cuda__mix(key) & (m->cap - 1); m->keys[j]; j = (j + 1) & (m->cap - 1))
+        if (m->keys[j] == key) { *val = m->vals[j]; return true; }
+    return false;
+}
+
+static bool tsys_cuda__map_put(tsys_cuda__map *m, uint64_t key, uint64_t val) {
+    if ((m->count + 1) * 2 > m->cap && !tsys_cuda__map_grow(m)) return false;
+    size_t j = tsys_cuda__mix(key) & (m->cap - 1);
+    while (m->keys[j] && m->keys[j] != key) j = (j + 1) & (m->cap - 1);
+    if (!m->keys[j]) m->count++;
+    m->keys[j] = key; m->vals[j] = val;
+    return true;
+}
+
+static void tsys_cuda__map_del(tsys_cuda__map *m, uint64_t key) {
+    if (!m->cap) return;
+    size_t mask = m->cap - 1, j = tsys_cuda__mix(key) & mask;
+    while (m->keys[j] && m->keys[j] != key) j = (j + 1) & mask;
+    if (!m->keys[j]) return;
+    // backward-shift: move later members of the probe chain into the hole
+    size_t hole = j;
+    for (size_t i = (j + 1) & mask; m->keys[i]; i = (i + 1) & mask) {
+        size_t home = tsys_cuda__mix(m->keys[i]) & mask;
+        bool movable = (hole <= i) ? (home <= hole || home > i) : (home <= hole && home > i);
+        if (movable) { m->keys[hole] = m->keys[i]; m->vals[hole] = m->vals[i]; hole = i; }
+    }
+    m->keys[hole] = 0; m->vals[hole] = 0;
+    m->count--;
+}
+
+static void tsys_cuda__map_free(tsys_cuda__map *m) {
+    free(m->keys); free(m->vals);
+    memset(m, 0, sizeof *m);
+}
+
+// >>memory ----------------------------------------------------------------------------------------
+// Caching allocator. Size classes: 512 B steps up to 1 MiB, 2 MiB steps above. Each (pool, class)
+// has a LIFO free list threaded through the blocks, so the block freed last is reused first (warm in
+// L2, and the same addresses step after step).
+
+#define TSYS_CUDA__SMALL_LIMIT ((size_t)1 << 20)
+#define TSYS_CUDA__SMALL_ROUND ((size_t)512)
+#define TSYS_CUDA__LARGE_ROUND ((size_t)2 << 20)
+
+static size_t tsys_cuda__round_size(size_t bytes) {
+    if (bytes == 0) bytes = 1;
+    size_t r = bytes <= TSYS_CUDA__SMALL_LIMIT ? TSYS_CUDA__SMALL_ROUND : TSYS_CUDA__LARGE_ROUND;
+    return (bytes + r - 1) / r * r;
+}
+
+static uint64_t tsys_cuda__class_key(int pool, size_t size) {
+    return ((uint64_t)(pool + 1) << 44) | (uint64_t)(size / TSYS_CUDA__SMALL_ROUND);
+}
+
+static int tsys_cuda__free_list_pop(tsys_cuda__state *st, int pool, size_t size) {
+    uint64_t key = tsys_cuda__class_key(pool, size), head;
+    if (!tsys_cuda__map_get(&st->free_lists, key, &head) || head == 0) return -1;
+    int bi = (int)head - 1;
+    int next = st->blocks[bi].next_free;
+    if (next >= 0) tsys_cuda__map_put(&st->free_lists, key, (uint64_t)next + 1);
+    else tsys_cuda__map_del(&st->free_lists, key);
+    st->blocks[bi].next_free = -1;
+    return bi;
+}
+
+static void tsys_cuda__free_list_push(tsys_cuda__state *st, int bi) {
+    tsys_cuda__block *b = &st->blocks[bi];
+    uint64_t key = tsys_cuda__class_key(b->pool, b->size), head = 0;
+    tsys_cuda__map_get(&st->free_lists, key, &head);
+    b->next_free = head ? (int)head - 1 : -1;
+    tsys_cuda__map_put(&st->free_lists, key, (uint64_t)bi + 1);
+}
+
+static int tsys_cuda__block_slot(tsys_cuda__state *st) {
+    if (st->free_slots >= 0) { int i = st->free_slots; st->free_slots = st->blocks[i].next_free; return i; }
+    if (st->num_blocks == st->cap_blocks) {
+        int ncap = st->cap_blocks ? st->cap_blocks * 2 : 1024;
+        tsys_cuda__block *nb = (tsys_cuda__block *)realloc(st->blocks, (size_t)ncap * sizeof *nb);
+        if (!nb) return -1;
+        st->blocks = nb; st->cap_blocks = ncap;
+    }
+    return st->num_blocks++;
+}
+
+// cudaMalloc is not stream-ordered, but CUDA counts it as "unsafe" during a global-mode capture;
+// like PyTorch's allocator, switch this thread to relaxed mode around it.
+static cudaError_t tsys_cuda__device_malloc(tsys_cuda__state *st, void **ptr, size_t size) {
+    if (st->memory_limit && st->mem.reserved_bytes + size > st->memory_limit) return cudaErrorMemoryAllocation;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (st->capturing) cudaThreadExchangeStreamCaptureMode(&mode);
+    cudaError_t e = cudaMalloc(ptr, size);
+    if (st->capturing) cudaThreadExchangeStreamCaptureMode(&mode);
+    if (e != cudaSuccess) (void)cudaGetLastError();   // an OOM must not poison the next launch check
+    return e;
+}
+
+// cudaFree every cached (free) block of the given pool; pool < 0 = every pool.
+static void tsys_cuda__release_cached(tsys_cuda__state *st, int pool) {
+    for (int i = 0; i < st->num_blocks; i++) {
+        tsys_cuda__block *b = &st->blocks[i];
+        if (!b->alive || b->in_use || (pool >= 0 && b->pool != pool)) continue;
+        tsys_cuda__map_del(&st->free_lists, tsys_cuda__class_key(b->pool, b->size));
+        tsys_cuda__map_del(&st->by_ptr, (uint64_t)(uintptr_t)b->ptr);
+        cudaFree(b->ptr);
+        st->mem.num_device_frees++;
+        st->mem.reserved_bytes -= b->size;
+        b->alive = false; b->ptr = NULL;
+        b->next_free = st->free_slots; st->free_slots = i;
+    }
+    // every list of the released pools is now empty; drop stale heads
+    if (pool < 0) { tsys_cuda__map_free(&st->free_lists); }
+}
+
+static void *tsys_cuda__alloc(tsys_ctx *ctx, size_t bytes) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st || tsys_cuda__enter(st) != TSYS_OK) return NULL;
+    size_t size = tsys_cuda__round_size(bytes);
+    st->mem.num_allocs++;
+    // while capturing: the graph's own pool first, then any general block (it joins the graph)
+    int bi = -1;
+    if (st->capturing) bi = tsys_cuda__free_list_pop(st, st->capture_pool, size);
+    if (bi < 0) bi = tsys_cuda__free_list_pop(st, 0, size);
+    if (bi >= 0) {
+        st->mem.num_cache_hits++;
+    } else {
+        void *ptr = NULL;
+        cudaError_t e = tsys_cuda__device_malloc(st, &ptr, size);
+        if (e == cudaErrorMemoryAllocation && !st->capturing) {
+            // free what the cache holds (cudaFree synchronizes, so never while capturing) and retry once
+            cudaStreamSynchronize(st->stream);
+            tsys_cuda__release_cached(st, 0);
+            e = tsys_cuda__device_malloc(st, &ptr, size);
+        }
+        if (e != cudaSuccess) { st->mem.num_ooms++; return NULL; }
+        bi = tsys_cuda__block_slot(st);
+        if (bi < 0) { cudaFree(ptr); st->mem.num_ooms++; return NULL; }
+        st->mem.num_device_mallocs++;
+        st->mem.reserved_bytes += size;
+        if (st->mem.reserved_bytes > st->mem.peak_reserved_bytes) st->mem.peak_reserved_bytes = st->mem.reserved_bytes;
+        tsys_cuda__block *b = &st->blocks[bi];
+        b->ptr = ptr; b->size = size; b->pool = 0; b->next_free = -1; b->alive = true; b->in_use = false;
+        if (!tsys_cuda__map_put(&st->by_ptr, (uint64_t)(uintptr_t)ptr, (uint64_t)bi)) {
+            cudaFree(ptr); b->alive = false; st->mem.reserved_bytes -= size; st->mem.num_ooms++; return NULL;
+        }
+    }
+    tsys_cuda__block *b = &st->blocks[bi];
+    if (st->capturing) b->pool = st->capture_pool;
+    b->in_use = true;
+    st->mem.allocated_bytes += b->size;
+    return b->ptr;
+}
+
+// Returning a block is host-side bookkeeping only: the stream is in order, so a kernel that later
+// reuses the block runs after every kernel that used it before.
+static void tsys_cuda__free(tsys_ctx *ctx, void *ptr, size_t bytes) {
+    (void)bytes;
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    uint64_t bi;
+    if (!st || !ptr || !tsys_cuda__map_get(&st->by_ptr, (uint64_t)(uintptr_t)ptr, &bi)) return;
+    tsys_cuda__block *b = &st->blocks[bi];
+    if (!b->in_use) return;   // double free: ignore rather than corrupt the lists
+    b->in_use = false;
+    st->mem.allocated_bytes -= b->size;
+    if (st->capturing) b->pool = st->capture_pool;   // the graph may still read it: keep it out of general reuse
+    tsys_cuda__free_list_push(st, (int)bi);
+}
+
+// Scratch memory for kernels (reduction partials, sort buffers): same allocator, never tracked by
+// tsys's memory tracker (like cuBLAS workspace).
+static void *tsys_cuda__scratch(tsys_cuda__state *st, size_t bytes) { return tsys_cuda__alloc(st->ctx, bytes); }
+static void tsys_cuda__scratch_free(tsys_cuda__state *st, void *p) { tsys_cuda__free(st->ctx, p, 0); }
+
+// >>device helpers --------------------------------------------------------------------------------
+
+typedef __nv_bfloat16 tsys_cuda__bf16;
+typedef __half tsys_cuda__f16;
+
+__device__ __forceinline__ float tsys_cuda__tof(float x) { return x; }
+__device__ __forceinline__ float tsys_cuda__tof(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float tsys_cuda__tof(__half x) { return __half2float(x); }
+
+template <class T> __device__ __forceinline__ T tsys_cuda__fromf(float x);
+template <> __device__ __forceinline__ float tsys_cuda__fromf<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 tsys_cuda__fromf<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half tsys_cuda__fromf<__half>(float x) { return __float2half_rn(x); }
+
+// Loads/stores through a run-time dtype: the switch is uniform across the warp, so it costs a few
+// instructions per element; used where operands may mix dtypes and speed does not matter.
+__device__ __forceinline__ float tsys_cuda__ld(const void *p, int dt, int64_t i) {
+    switch (dt) {
+    case TSYS_F32: return ((const float *)p)[i];
+    case TSYS_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    case TSYS_F16: return __half2float(((const __half *)p)[i]);
+    case TSYS_I32: return (float)((const int32_t *)p)[i];
+    default: return (float)((const int64_t *)p)[i];
+    }
+}
+
+__device__ __forceinline__ void tsys_cuda__st(void *p, int dt, int64_t i, float v) {
+    switch (dt) {
+    case TSYS_F32: ((float *)p)[i] = v; break;
+    case TSYS_BF16: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
+    case TSYS_F16: ((__half *)p)[i] = __float2half_rn(v); break;
+    case TSYS_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    default: ((int64_t *)p)[i] = (int64_t)v; break;
+    }
+}
+
+__device__ __forceinline__ int64_t tsys_cuda__ld_id(const void *p, int dt, int64_t i) {
+    return dt == TSYS_I32 ? (int64_t)((const int32_t *)p)[i] : ((const int64_t *)p)[i];
+}
+
+// 16 bytes of T: the unit of vectorized loads and stores (LDG.128 / STG.128).
+template <class T> struct alignas(16) tsys_cuda__pack { T v[16 / sizeof(T)]; };
+
+__device__ __forceinline__ float tsys_cuda__warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float tsys_cuda__warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// The order is fixed by the block shape, so results are reproducible run to run.
+__device__ float tsys_cuda__block_sum(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = tsys_cuda__warp_sum(v);
+    __syncthreads();                 // sh may still be read by a previous call
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? sh[lane] : 0.0f;
+    return tsys_cuda__warp_sum(v);
+}
+
+__device__ float tsys_cuda__block_max(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = tsys_cuda__warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? sh[lane] : -INFINITY;
+    return tsys_cuda__warp_max(v);
+}
+
+// >>launch helpers --------------------------------------------------------------------------------
+
+// Launches a kernel on the backend stream and checks the launch (bad configuration, missing
+// kernel image); file:line point at the caller.
+template <class... KArgs, class... Args>
+static tsys_status tsys_cuda__launch(tsys_cuda__state *st, const char *file, int line, const char *what,
+                                     void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) return TSYS_OK;
+    kernel<<<grid, block, smem, st->stream>>>(args...);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return tsys_ctx_set_error(st->ctx, TSYS_ERR_CUDA, "%s:%d: launch of %s <<<%u, %u, %zu>>>: %s",
+                                  file, line, what, grid.x, block.x, smem, cudaGetErrorString(e));
+    return TSYS_OK;
+}
+#define TSYS_CUDA__LAUNCH(st, kernel, grid, block, smem, ...) \
+    TSYS_CUDA__TRY(tsys_cuda__launch((st), __FILE__, __LINE__, #kernel, kernel, (grid), (block), (smem), __VA_ARGS__))
+
+// Blocks for a grid-stride loop over n items: enough to fill the GPU a few times over, no more.
+static unsigned tsys_cuda__grid(const tsys_cuda__state *st, int64_t n, int threads) {
+    int64_t b = (n + threads - 1) / threads, cap = (int64_t)st->num_sms * 32;
+    return (unsigned)(b < cap ? b : cap);
+}
+
+// Threads per block for a kernel that gives one block to a row of n elements.
+static int tsys_cuda__row_threads(int64_t n) {
+    return n <= 64 ? 32 : n <= 256 ? 64 : n <= 1024 ? 128 : n <= 4096 ? 256 : 512;
+}
+
+// Runs `body` with T bound to the C++ type of float dtype dt.
+#define TSYS_CUDA__FLOAT_SWITCH(ctx, dt, T, ...) do { switch (dt) { \
+    case TSYS_F32: { typedef float T; __VA_ARGS__; } break; \
+    case TSYS_BF16: { typedef __nv_bfloat16 T; __VA_ARGS__; } break; \
+    case TSYS_F16: { typedef __half T; __VA_ARGS__; } break; \
+    default: return tsys_ctx_set_error((ctx), TSYS_ERR_UNSUPPORTED, "cuda: dtype %s where a float dtype is needed", tsys_dtype_name((tsys_dtype)(dt))); \
+    } } while (0)
+
+static bool tsys_cuda__aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+static void *tsys_cuda__data(const tsys_tensor *t) { return t ? tsys_tensor_data(t) : NULL; }
+static int64_t tsys_cuda__last_dim(const tsys_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+static int64_t tsys_cuda__rows(const tsys_tensor *t) {
+    int64_t d = tsys_cuda__last_dim(t);
+    return d ? tsys_tensor_numel(t) / d : 0;
+}
+
+// >>elementwise -----------------------------------------------------------------------------------
+// One kernel template serves every elementwise tsys kernel: an Op maps up to 4 fp32 inputs to up
+// to 3 fp32 outputs. Inputs may broadcast (in_mod: index i reads element i % mod; 1 = element 0).
+// Two variants:
+//   ew_any: any mix of dtypes and broadcasts, one element per thread-iteration, grid-stride.
+//   ew_vec: every operand the same float dtype T, no broadcast, 16-byte aligned, n a multiple of
+//           16/sizeof(T): 16-byte loads and stores (8 bf16 or 4 fp32 per thread-iteration).
+
+#define TSYS_CUDA__EW_IN 4
+#define TSYS_CUDA__EW_OUT 3
+
+typedef struct tsys_cuda__ew_args {
+    const void *in[TSYS_CUDA__EW_IN];
+    int in_dt[TSYS_CUDA__EW_IN];
+    int64_t in_mod[TSYS_CUDA__EW_IN];
+    void *out[TSYS_CUDA__EW_OUT];
+    int out_dt[TSYS_CUDA__EW_OUT];
+    int64_t n;
+} tsys_cuda__ew_args;
+
+template <int NIN, int NOUT, class Op>
+__global__ void tsys_cuda__ew_any(Op op, tsys_cuda__ew_args a) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < a.n; i += (int64_t)gridDim.x * blockDim.x) {
+        float x[NIN > 0 ? NIN : 1], y[NOUT];
+#pragma unroll
+        for (int k = 0; k < NIN; k++) {
+            int64_t j = a.in_mod[k] == 0 ? i : a.in_mod[k] == 1 ? 0 : i % a.in_mod[k];
+            x[k] = tsys_cuda__ld(a.in[k], a.in_dt[k], j);
+        }
+        op(x, y);
+#pragma unroll
+        for (int k = 0; k < NOUT; k++)
+            if (a.out[k]) tsys_cuda__st(a.out[k], a.out_dt[k], i, y[k]);
+    }
+}
+
+template <class T, int NIN, int NOUT, class Op>
+__global__ void tsys_cuda__ew_vec(Op op, tsys_cuda__ew_args a) {
+    constexpr int V = 16 / sizeof(T);
+    int64_t nv = a.n / V;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nv; i += (int64_t)gridDim.x * blockDim.x) {
+        tsys_cuda__pack<T> pin[NIN > 0 ? NIN : 1], pout[NOUT];
+#pragma unroll
+        for (int k = 0; k < NIN; k++) pin[k] = ((const tsys_cuda__pack<T> *)a.in[k])[i];
+#pragma unroll
+        for (int e = 0; e < V; e++) {
+            float x[NIN > 0 ? NIN : 1], y[NOUT];
+#pragma unroll
+            for (int k = 0; k < NIN; k++) x[k] = tsys_cuda__tof(pin[k].v[e]);
+            op(x, y);
+#pragma unroll
+            for (int k = 0; k < NOUT; k++) pout[k].v[e] = tsys_cuda__fromf<T>(y[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < NOUT; k++) ((tsys_cuda__pack<T> *)a.out[k])[i] = pout[k];
+    }
+}
+
+// Picks the vectorized variant when it applies, else the general one.
+template <int NIN, int NOUT, class Op>
+static tsys_status tsys_cuda__ew(tsys_cuda__state *st, Op op, tsys_cuda__ew_args a) {
+    if (a.n <= 0) return TSYS_OK;
+    int dt = NOUT > 0 ? a.out_dt[0] : a.in_dt[0];
+    bool vec = dt == TSYS_F32 || dt == TSYS_BF16 || dt == TSYS_F16;
+    int V = vec ? 16 / (int)tsys_dtype_size((tsys_dtype)dt) : 1;
+    vec = vec && a.n % V == 0;
+    for (int k = 0; k < NIN && vec; k++) vec = a.in_dt[k] == dt && a.in_mod[k] == 0 && tsys_cuda__aligned16(a.in[k]);
+    for (int k = 0; k < NOUT && vec; k++) vec = a.out[k] && a.out_dt[k] == dt && tsys_cuda__aligned16(a.out[k]);
+    const int threads = 256;
+    if (vec) {
+        unsigned grid = tsys_cuda__grid(st, a.n / V, threads);
+        if (dt == TSYS_F32) TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_vec<float, NIN, NOUT, Op>), grid, threads, 0, op, a);
+        else if (dt == TSYS_BF16) TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_vec<__nv_bfloat16, NIN, NOUT, Op>), grid, threads, 0, op, a);
+        else TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_vec<__half, NIN, NOUT, Op>), grid, threads, 0, op, a);
+        return TSYS_OK;
+    }
+    TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_any<NIN, NOUT, Op>), tsys_cuda__grid(st, a.n, threads), threads, 0, op, a);
+    return TSYS_OK;
+}
+
+// Fills an ew_args from tensors: ins[k] (NULL allowed only where the op ignores it), outs[k] (NULL = skip).
+static tsys_cuda__ew_args tsys_cuda__ew_make(int64_t n, int nin, tsys_tensor *const *ins, int nout, tsys_tensor *const *outs) {
+    tsys_cuda__ew_args a;
+    memset(&a, 0, sizeof a);
+    a.n = n;
+    for (int k = 0; k < nin; k++) {
+        a.in[k] = tsys_cuda__data(ins[k]);
+        a.in_dt[k] = ins[k] ? ins[k]->dtype : TSYS_F32;
+    }
+    for (int k = 0; k < nout; k++) {
+        a.out[k] = tsys_cuda__data(outs[k]);
+        a.out_dt[k] = outs[k] ? outs[k]->dtype : TSYS_F32;
+    }
+    return a;
+}
+
+__device__ __forceinline__ float tsys_cuda__sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+struct tsys_cuda__op_fill { float v; __device__ void operator()(const float *, float *y) const { y[0] = v; } };
+struct tsys_cuda__op_copy { __device__ void operator()(const float *x, float *y) const { y[0] = x[0]; } };
+struct tsys_cuda__op_scale { float s; __device__ void operator()(const float *x, float *y) const { y[0] = x[0] * s; } };
+struct tsys_cuda__op_axpy { float s; __device__ void operator()(const float *x, float *y) const { y[0] = x[0] + x[1] * s; } };
+struct tsys_cuda__op_add { __device__ void operator()(const float *x, float *y) const { y[0] = x[0] + x[1]; } };
+struct tsys_cuda__op_mul { __device__ void operator()(const float *x, float *y) const { y[0] = x[0] * x[1]; } };
+struct tsys_cuda__op_relu { __device__ void operator()(const float *x, float *y) const { y[0] = x[0] > 0.0f ? x[0] : 0.0f; } };
+struct tsys_cuda__op_relu_bwd { __device__ void operator()(const float *x, float *y) const { y[0] = x[1] > 0.0f ? x[0] : 0.0f; } };
+struct tsys_cuda__op_silu { __device__ void operator()(const float *x, float *y) const { y[0] = x[0] * tsys_cuda__sigmoid(x[0]); } };
+// silu'(x) = s (1 + x (1 - s)), s = sigmoid(x); inputs (dy, x)
+struct tsys_cuda__op_silu_bwd {
+    __device__ void operator()(const float *x, float *y) const {
+        float s = tsys_cuda__sigmoid(x[1]);
+        y[0] = x[0] * s * (1.0f + x[1] * (1.0f - s));
+    }
+};
+struct tsys_cuda__op_swiglu { __device__ void operator()(const float *x, float *y) const { y[0] = x[0] * tsys_cuda__sigmoid(x[0]) * x[1]; } };
+// inputs (dy, a, b) -> (da, db)
+struct tsys_cuda__op_swiglu_bwd {
+    __device__ void operator()(const float *x, float *y) const {
+        float s = tsys_cuda__sigmoid(x[1]), silu = x[1] * s;
+        y[0] = x[0] * x[2] * s * (1.0f + x[1] * (1.0f - s));
+        y[1] = x[0] * silu;
+    }
+};
+// inputs (a, b, dloss) -> (da, db); s = 2 / n
+struct tsys_cuda__op_mse_bwd {
+    float s;
+    __device__ void operator()(const float *x, float *y) const { float d = x[2] * s * (x[0] - x[1]); y[0] = d; y[1] = -d; }
+};
+struct tsys_cuda__op_sgd { float lr; __device__ void operator()(const float *x, float *y) const { y[0] = x[0] - lr * x[1]; } };
+
+// AdamW, torch.optim.AdamW order of operations (decoupled decay first, bias-corrected step);
+// inputs (p, g, m, v) -> (p, m, v). The step count is read on the device (so a captured graph replays
+// the right bias corrections); each thread recomputes 1 - beta^t, cheap next to the 28 bytes it moves.
+struct tsys_cuda__op_adamw {
+    float lr, beta1, beta2, eps, wd;
+    const void *step; int step_dt;     // one-element I32/I64 device tensor, already incremented
+    const float *lr_dev;               // optional one-element fp32 device lr (extension: t[5]), overrides lr
+    __device__ void operator()(const float *x, float *y) const {
+        float t = (float)tsys_cuda__ld_id(step, step_dt, 0);
+        float lr_ = lr_dev ? *lr_dev : lr;
+        float bc1 = 1.0f - powf(beta1, t), bc2 = 1.0f - powf(beta2, t);
+        float p = x[0] * (1.0f - lr_ * wd), g = x[1];
+        float m = beta1 * x[2] + (1.0f - beta1) * g;
+        float v = beta2 * x[3] + (1.0f - beta2) * g * g;
+        float denom = sqrtf(v) / sqrtf(bc2) + eps;
+        y[0] = p - (lr_ / bc1) * (m / denom);
+        y[1] = m; y[2] = v;
+    }
+};
+
+// t[0] (one I32/I64 element) += 1, on the device: the optimizer's step count inside a graph.
+__global__ void tsys_cuda__step_inc(void *t, int dt) {
+    if (dt == TSYS_I32) ((int32_t *)t)[0] += 1; else ((int64_t *)t)[0] += 1;
+}
+
+// int <-> int casts keep all 64 bits (the float path would round ids above 2^24)
+__global__ void tsys_cuda__cast_ids(void *dst, int ddt, const void *src, int sdt, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t v = tsys_cuda__ld_id(src, sdt, i);
+        if (ddt == TSYS_I32) ((int32_t *)dst)[i] = (int32_t)v; else ((int64_t *)dst)[i] = v;
+    }
+}
+
+// Counter-based normal sample, the same function as tsys__hash_normal in tsys.h (kept here so this
+// header does not depend on tsys.h's implementation being in the same translation unit). The device
+// logf/cosf differ from glibc's by an ulp or two, so values match the CPU to ~1e-7, not bit for bit.
+__device__ __forceinline__ uint64_t tsys_cuda__mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ float tsys_cuda__hash_normal(uint64_t seed, uint64_t i, uint32_t attempt) {
+    uint64_t r1 = tsys_cuda__mix64(seed * 0x9e3779b97f4a7c15ull + i * 2 + ((uint64_t)attempt << 56) + 1);
+    uint64_t r2 = tsys_cuda__mix64(r1 ^ 0x632be59bd9b4e019ull);
+    float u1 = ((float)(r1 >> 40) + 0.5f) * (1.0f / 16777216.0f), u2 = (float)(r2 >> 40) * (1.0f / 16777216.0f);
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+}
+
+// t = std * N(0, 1), element i from stream `seed`; redrawn while outside [lo, hi] when lo < hi.
+// Grid-stride, one element per thread-iteration; no state, so it can be captured in a graph.
+__global__ void tsys_cuda__randn(void *t, int dt, int64_t n, uint64_t seed, float std, float lo, float hi) {
+    bool trunc = lo < hi;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = std * tsys_cuda__hash_normal(seed, (uint64_t)i, 0);
+        for (uint32_t r = 1; trunc && (v < lo || v > hi); r++) v = std * tsys_cuda__hash_normal(seed, (uint64_t)i, r);
+        tsys_cuda__st(t, dt, i, v);
+    }
+}
+
+// >>reductions ------------------------------------------------------------------------------------
+// Two-stage, deterministic: stage 1 runs a fixed number of blocks (a function of n and the GPU),
+// each writing one partial sum; stage 2, one block, adds the partials in a fixed order and writes
+// (or accumulates into) a one-element device tensor. No host sync anywhere.
+
+struct tsys_cuda__red_sum { __device__ float operator()(const float *x) const { return x[0]; } };
+struct tsys_cuda__red_sumsq { __device__ float operator()(const float *x) const { return x[0] * x[0]; } };
+struct tsys_cuda__red_sqdiff { __device__ float operator()(const float *x) const { float d = x[0] - x[1]; return d * d; } };
+
+template <int NIN, class Op>
+__global__ void tsys_cuda__reduce_partials(Op op, tsys_cuda__ew_args a, float *partials) {
+    float acc = 0.0f;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < a.n; i += (int64_t)gridDim.x * blockDim.x) {
+        float x[NIN];
+#pragma unroll
+        for (int k = 0; k < NIN; k++) x[k] = tsys_cuda__ld(a.in[k], a.in_dt[k], i);
+        acc += op(x);
+    }
+    acc = tsys_cuda__block_sum(acc);
+    if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// out[0] = scale * sum(partials) (+ out[0] when accumulate)
+__global__ void tsys_cuda__reduce_final(const float *partials, int count, void *out, int out_dt, float scale, int accumulate) {
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+    acc = tsys_cuda__block_sum(acc);
+    if (threadIdx.x == 0) {
+        float v = scale * acc;
+        if (accumulate) v += tsys_cuda__ld(out, out_dt, 0);
+        tsys_cuda__st(out, out_dt, 0, v);
+    }
+}
+
+template <int NIN, class Op>
+static tsys_status tsys_cuda__reduce(tsys_cuda__state *st, Op op, tsys_cuda__ew_args a, tsys_tensor *out, float scale, bool accumulate) {
+    const int threads = 256;
+    int64_t blocks = (a.n + threads * 4 - 1) / (threads * 4);   // >= 4 elements per thread
+    int64_t cap = st->num_sms * 4 < TSYS_CUDA__MAX_PARTIALS ? st->num_sms * 4 : TSYS_CUDA__MAX_PARTIALS;
+    unsigned grid = (unsigned)(blocks < 1 ? 1 : blocks > cap ? cap : blocks);
+    if (a.n > 0) TSYS_CUDA__LAUNCH(st, (tsys_cuda__reduce_partials<NIN, Op>), grid, threads, 0, op, a, st->partials);
+    else grid = 0;
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__reduce_final, 1, 256, 0, (const float *)st->partials, (int)grid,
+                      tsys_cuda__data(out), (int)out->dtype, scale, accumulate ? 1 : 0);
+    return TSYS_OK;
+}
+
+// t[0] = 1 if any element of x is inf or nan; one write per block that saw one (same value: no race).
+__global__ void tsys_cuda__nonfinite(const void *x, int dt, int64_t n, float *flag) {
+    int bad = 0;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        bad |= !isfinite(tsys_cuda__ld(x, dt, i));
+    if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1.0f;
+}
+
+// Column sums: out[c] += sum over rows of in[r, c]. Block (32, 8): threadIdx.x picks the column (so a
+// warp reads 32 consecutive elements of a row), threadIdx.y strides over rows; the 8 partials of a
+// column are added in a fixed order. Used for bias grads and to fold per-block weight-grad partials.
+__global__ void tsys_cuda__colsum(void *out, int out_dt, const void *in, int in_dt, int64_t rows, int64_t cols, int64_t ld) {
+    __shared__ float sh[8][33];
+    int64_t c = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.0f;
+    if (c < cols)
+        for (int64_t r = threadIdx.y; r < rows; r += 8) acc += tsys_cuda__ld(in, in_dt, r * ld + c);
+    sh[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        float s = 0.0f;
+        for (int k = 0; k < 8; k++) s += sh[k][threadIdx.x];
+        tsys_cuda__st(out, out_dt, c, tsys_cuda__ld(out, out_dt, c) + s);
+    }
+}
+
+// ld: elements between consecutive rows of `in` (>= cols)
+static tsys_status tsys_cuda__colsum_launch(tsys_cuda__state *st, void *out, int out_dt, const void *in, int in_dt, int64_t rows, int64_t cols, int64_t ld) {
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__colsum, (unsigned)((cols + 31) / 32), dim3(32, 8), 0, out, out_dt, in, in_dt, rows, cols, ld);
+    return TSYS_OK;
+}
+
+// >>norms -----------------------------------------------------------------------------------------
+
+// RMSNorm forward. One block per row of D elements; each thread takes columns tid, tid+blockDim, ...
+// (coalesced). Sum of squares in fp32 -> rstd = 1/sqrt(mean + eps), y = x * rstd * w, rounded to T.
+// Assumes y has x's dtype; w (D) any float dtype W; rstd (rows) fp32.
+template <class T, class W>
+__global__ void tsys_cuda__rmsnorm_fwd(T *y, float *rstd, const T *x, const W *w, int64_t D, float eps) {
+    int64_t r = blockIdx.x;
+    const T *xr = x + r * D;
+    T *yr = y + r * D;
+    float ss = 0.0f;
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) { float v = tsys_cuda__tof(xr[j]); ss += v * v; }
+    ss = tsys_cuda__block_sum(ss);
+    float rs = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+        float wj = w ? tsys_cuda__tof(w[j]) : 1.0f;
+        yr[j] = tsys_cuda__fromf<T>(tsys_cuda__tof(xr[j]) * rs * wj);
+    }
+    if (threadIdx.x == 0 && rstd) rstd[r] = rs;
+}
+
+// RMSNorm backward. G blocks (fixed per shape), block b takes rows b, b+G, ...; a thread owns the same
+// columns in every row, so it accumulates dw for them in shared memory without atomics; at the end
+// each block writes its D partial sums to dw_part[b] and colsum folds the G rows into dw in order.
+//   dx_j = rstd (dy_j w_j - x_j rstd^2 mean_k(dy_k w_k x_k)),  dw_j += dy_j x_j rstd
+// Shared memory: D floats (D <= 12288 with the default 48 KB).
+template <class T, class W>
+__global__ void tsys_cuda__rmsnorm_bwd(T *dx, float *dw_part, const T *dy, const T *x, const W *w, const float *rstd, int64_t rows, int64_t D) {
+    extern __shared__ float dw_acc[];
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dw_acc[j] = 0.0f;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T *dyr = dy + r * D, *xr = x + r * D;
+        float rs = rstd[r], dot = 0.0f;
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+            float wj = w ? tsys_cuda__tof(w[j]) : 1.0f;
+            dot += tsys_cuda__tof(dyr[j]) * wj * tsys_cuda__tof(xr[j]);
+        }
+        dot = tsys_cuda__block_sum(dot);
+        float c = dot * rs * rs / (float)D;
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+            float wj = w ? tsys_cuda__tof(w[j]) : 1.0f, dyj = tsys_cuda__tof(dyr[j]), xj = tsys_cuda__tof(xr[j]);
+            if (dx) dx[r * D + j] = tsys_cuda__fromf<T>(rs * (dyj * wj - xj * c));
+            dw_acc[j] += dyj * xj * rs;
+        }
+    }
+    if (dw_part)
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dw_part[blockIdx.x * D + j] = dw_acc[j];
+}
+
+// LayerNorm forward: one block per row; mean, then variance around the mean (two passes, no
+// cancellation), y = (x - mean) rstd w + b. mean, rstd (rows) fp32; w, b optional.
+template <class T, class W>
+__global__ void tsys_cuda__layernorm_fwd(T *y, float *mean, float *rstd, const T *x, const W *w, const W *b, int64_t D, float eps) {
+    int64_t r = blockIdx.x;
+    const T *xr = x + r * D;
+    float s = 0.0f;
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) s += tsys_cuda__tof(xr[j]);
+    float mu = tsys_cuda__block_sum(s) / (float)D;
+    float ss = 0.0f;
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) { float d = tsys_cuda__tof(xr[j]) - mu; ss += d * d; }
+    float rs = 1.0f / sqrtf(tsys_cuda__block_sum(ss) / (float)D + eps);
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+        float v = (tsys_cuda__tof(xr[j]) - mu) * rs;
+        if (w) v *= tsys_cuda__tof(w[j]);
+        if (b) v += tsys_cuda__tof(b[j]);
+        y[r * D + j] = tsys_cuda__fromf<T>(v);
+    }
+    if (threadIdx.x == 0) { if (mean) mean[r] = mu; if (rstd) rstd[r] = rs; }
+}
+
+// LayerNorm backward, same tiling as rmsnorm_bwd; shared memory 2 D floats (dw and db partials).
+//   xhat = (x - mean) rstd, g = dy w,  dx = rstd (g - mean(g) - xhat mean(g xhat)),  dw += dy xhat, db += dy
+template <class T, class W>
+__global__ void tsys_cuda__layernorm_bwd(T *dx, float *part, const T *dy, const T *x, const W *w,
+                                         const float *mean, const float *rstd, int64_t rows, int64_t D) {
+    extern __shared__ float acc[];   // [0, D): dw, [D, 2D): db
+    for (int64_t j = threadIdx.x; j < 2 * D; j += blockDim.x) acc[j] = 0.0f;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T *dyr = dy + r * D, *xr = x + r * D;
+        float mu = mean[r], rs = rstd[r], sg = 0.0f, sgx = 0.0f;
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+            float g = tsys_cuda__tof(dyr[j]) * (w ? tsys_cuda__tof(w[j]) : 1.0f);
+            float xh = (tsys_cuda__tof(xr[j]) - mu) * rs;
+            sg += g; sgx += g * xh;
+        }
+        sg = tsys_cuda__block_sum(sg) / (float)D;
+        sgx = tsys_cuda__block_sum(sgx) / (float)D;
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+            float dyj = tsys_cuda__tof(dyr[j]);
+            float g = dyj * (w ? tsys_cuda__tof(w[j]) : 1.0f);
+            float xh = (tsys_cuda__tof(xr[j]) - mu) * rs;
+            if (dx) dx[r * D + j] = tsys_cuda__fromf<T>(rs * (g - sg - xh * sgx));
+            acc[j] += dyj * xh;
+            acc[D + j] += dyj;
+        }
+    }
+    if (part)
+        for (int64_t j = threadIdx.x; j < 2 * D; j += blockDim.x) part[blockIdx.x * 2 * D + j] = acc[j];
+}
+
+// Blocks for the norm backward kernels: enough to fill the GPU twice, never more than rows.
+static int tsys_cuda__norm_bwd_blocks(const tsys_cuda__state *st, int64_t rows) {
+    int64_t g = (int64_t)st->num_sms * 2;
+    return (int)(rows < g ? (rows > 0 ? rows : 1) : g);
+}
+
+// >>rope ------------------------------------------------------------------------------------------
+// RoPE with interleaved pairs (2j, 2j+1) over x (..., T, D); row r has position r % T. One thread per
+// pair; angle = pos * theta^(-2j/D) in fp32 as torch does; dir = -1 rotates backwards (the gradient).
+template <class T>
+__global__ void tsys_cuda__rope(T *y, const T *x, int64_t npairs, int64_t T_len, int64_t D, float theta, float dir) {
+    int64_t half = D / 2;
+    for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < npairs; p += (int64_t)gridDim.x * blockDim.x) {
+        int64_t row = p / half, j = p % half;
+        float pos = (float)(row % T_len);
+        float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
+        float s, c;
+        sincosf(pos * inv_freq, &s, &c);
+        s *= dir;
+        float x0 = tsys_cuda__tof(x[2 * p]), x1 = tsys_cuda__tof(x[2 * p + 1]);
+        y[2 * p] = tsys_cuda__fromf<T>(x0 * c - x1 * s);
+        y[2 * p + 1] = tsys_cuda__fromf<T>(x0 * s + x1 * c);
+    }
+}
+
+// >>softmax ---------------------------------------------------------------------------------------
+// Softmax over rows of N with a scale and an optional causal mask: row r of each square (N, N) block
+// keeps columns <= r % N, the rest become exactly 0 (the op layer rejects non-square causal input). One block per row, three passes over the row (max,
+// sum of exp, write); the row stays in L1/L2 between passes. Input and output dtype T.
+template <class T>
+__global__ void tsys_cuda__softmax_fwd(T *y, const T *x, int64_t N, float scale, int causal) {
+    int64_t r = blockIdx.x;
+    const T *xr = x + r * N;
+    T *yr = y + r * N;
+    int64_t valid = causal ? (r % N) + 1 : N;
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, scale * tsys_cuda__tof(xr[j]));
+    mx = tsys_cuda__block_max(mx);
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(scale * tsys_cuda__tof(xr[j]) - mx);
+    float inv = 1.0f / tsys_cuda__block_sum(sum);
+    for (int64_t j = threadIdx.x; j < N; j += blockDim.x)
+        yr[j] = tsys_cuda__fromf<T>(j < valid ? expf(scale * tsys_cuda__tof(xr[j]) - mx) * inv : 0.0f);
+}
+
+// dx = scale * y * (dy - sum(dy * y)); masked entries have y = 0 and get dx = 0.
+template <class T>
+__global__ void tsys_cuda__softmax_bwd(T *dx, const T *dy, const T *y, int64_t N, float scale) {
+    int64_t r = blockIdx.x;
+    const T *dyr = dy + r * N, *yr = y + r * N;
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < N; j += blockDim.x) dot += tsys_cuda__tof(dyr[j]) * tsys_cuda__tof(yr[j]);
+    dot = tsys_cuda__block_sum(dot);
+    for (int64_t j = threadIdx.x; j < N; j += blockDim.x)
+        dx[r * N + j] = tsys_cuda__fromf<T>(scale * tsys_cuda__tof(yr[j]) * (tsys_cuda__tof(dyr[j]) - dot));
+}
+
+// >>cross entropy ---------------------------------------------------------------------------------
+// CE forward, stage 1: one block per row of V logits; each thread keeps an online (max, sum) over its
+// columns, the block merges them: lse[r] = max + log(sum exp(x - max)). Stage 2 (ce_loss, one block)
+// adds lse[r] - x[r, target[r]] over rows in a fixed order: loss = that sum / rows. Targets outside
+// [0, V) count as 0 loss (the op layer validates ids).
+template <class T>
+__global__ void tsys_cuda__ce_lse(float *lse, const T *logits, int64_t V) {
+    int64_t r = blockIdx.x;
+    const T *xr = logits + r * V;
+    float m = -INFINITY, s = 0.0f;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        float v = tsys_cuda__tof(xr[j]);
+        if (v > m) { s = s * expf(m - v) + 1.0f; m = v; }
+        else s += expf(v - m);
+    }
+    float M = tsys_cuda__block_max(m);
+    s = (m == -INFINITY) ? 0.0f : s * expf(m - M);
+    s = tsys_cuda__block_sum(s);
+    if (threadIdx.x == 0) lse[r] = M + logf(s);
+}
+
+template <class T>
+__global__ void tsys_cuda__ce_loss(float *loss, const float *lse, const T *logits, const void *targets, int tdt, int64_t rows, int64_t V) {
+    float acc = 0.0f;
+    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+        int64_t t = tsys_cuda__ld_id(targets, tdt, r);
+        if (t >= 0 && t < V) acc += lse[r] - tsys_cuda__tof(logits[r * V + t]);
+    }
+    acc = tsys_cuda__block_sum(acc);
+    if (threadIdx.x == 0) *loss = acc / (float)rows;
+}
+
+// CE backward straight from logits and lse (no probabilities tensor): one block per row,
+// dlogits = dloss * inv_rows * (exp(x - lse) - [j == target]). dloss is read on the device.
+template <class T, class D>
+__global__ void tsys_cuda__ce_bwd(D *dlogits, const T *logits, const float *lse, const void *targets, int tdt,
+                                  const void *dloss, int ddt, float inv_rows, int64_t V) {
+    int64_t r = blockIdx.x;
+    float g = tsys_cuda__ld(dloss, ddt, 0) * inv_rows, l = lse[r];
+    int64_t t = tsys_cuda__ld_id(targets, tdt, r);
+    const T *xr = logits + r * V;
+    D *dr = dlogits + r * V;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
+        dr[j] = tsys_cuda__fromf<D>(g * (expf(tsys_cuda__tof(xr[j]) - l) - (j == t ? 1.0f : 0.0f)));
+}
+
+// >>embedding -------------------------------------------------------------------------------------
+// Forward gather: one block per token, threads over D. Ids outside [0, V) give zeros.
+__global__ void tsys_cuda__embed_fwd(void *out, int odt, const void *w, int wdt, const void *ids, int idt, int64_t V, int64_t D) {
+    int64_t i = blockIdx.x, id = tsys_cuda__ld_id(ids, idt, i);
+    bool ok = id >= 0 && id < V;
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
+        tsys_cuda__st(out, odt, i * D + j, ok ? tsys_cuda__ld(w, wdt, id * D + j) : 0.0f);
+}
+
+// Backward, deterministic without float atomics: (id, position) pairs are radix-sorted (stable, so
+// positions stay ascending within an id), then one block per run of equal ids adds the rows of dy
+// in position order and adds the total to dW[id]. Blocks that do not start a run exit at once.
+__global__ void tsys_cuda__embed_keys(int32_t *keys, int32_t *pos, const void *ids, int idt, int64_t N, int64_t V) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t id = tsys_cuda__ld_id(ids, idt, i);
+        keys[i] = (id >= 0 && id < V) ? (int32_t)id : (int32_t)V;   // out-of-range ids sort last and are skipped
+        pos[i] = (int32_t)i;
+    }
+}
+
+__global__ void tsys_cuda__embed_bwd_runs(float *dw, const void *dy, int dydt, const int32_t *keys, const int32_t *pos, int64_t N, int64_t V, int64_t D) {
+    int64_t s = blockIdx.x;
+    int32_t id = keys[s];
+    if (id >= V || (s > 0 && keys[s - 1] == id)) return;
+    int64_t e = s;
+    while (e < N && keys[e] == id) e++;
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+        float acc = 0.0f;
+        for (int64_t k = s; k < e; k++) acc += tsys_cuda__ld(dy, dydt, (int64_t)pos[k] * D + j);
+        dw[(int64_t)id * D + j] += acc;
+    }
+}
+
+// >>transpose -------------------------------------------------------------------------------------
+// (A, B, C, D) -> (A, C, B, D): each output row of D elements is one contiguous input row, so the
+// copy moves whole rows in units U (16 bytes when the row allows it, else the element size).
+template <class U>
+__global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B, int64_t C, int64_t Du) {
+    int64_t n = A * B * C * Du;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t e = i % Du, o = i / Du;        // o = (a, c, b) output row
+        int64_t b = o % B, t = o / B, c = t % C, a = t / C;
+        out[i] = in[((a * B + b) * C + c) * Du + e];
+    }
+}
+
+// >>kernel entry points ---------------------------------------------------------------------------
+// Each takes the context, the state and the kernel args; checks what the kernel assumes
+// (dtypes, shapes); launches. Semantics: the comments of tsys_kernel in tsys.h.
+
+static const char *tsys_cuda__kernel_names[] = {
+    "fill", "cast", "accum", "add", "mul", "scale", "add_bias", "bias_grad", "relu_fwd", "relu_bwd",
+    "silu_fwd", "silu_bwd", "swiglu_fwd", "swiglu_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd",
+    "layernorm_bwd", "rope", "softmax_fwd", "softmax_bwd", "ce_fwd", "ce_bwd", "mse_fwd", "mse_bwd",
+    "sum", "broadcast", "embed_fwd", "embed_bwd", "transpose12", "adamw", "step_inc", "randn", "sgd", "sumsq", "nonfinite",
+    "flash_fwd", "flash_bwd",
+};
+typedef char tsys_cuda__names_match_kernels[(sizeof tsys_cuda__kernel_names / sizeof *tsys_cuda__kernel_names == TSYS_K_COUNT) ? 1 : -1];
+
+static bool tsys_cuda__is_float(tsys_dtype dt) { return dt == TSYS_F32 || dt == TSYS_BF16 || dt == TSYS_F16; }
+static bool tsys_cuda__is_id(tsys_dtype dt) { return dt == TSYS_I32 || dt == TSYS_I64; }
+
+static tsys_status tsys_cuda__k_elementwise(tsys_cuda__state *st, tsys_kernel k, const tsys_kargs *a) {
+    tsys_ctx *ctx = st->ctx;
+    tsys_tensor *const *t = a->t;
+    TSYS_CUDA__REQUIRE(ctx, t[0] != NULL, "%s: t[0] (output) is NULL", tsys_cuda__kernel_names[k]);
+    int64_t n = tsys_tensor_numel(t[0]);
+    int nin = 0;
+    switch (k) {
+    case TSYS_K_FILL: nin = 0; break;
+    case TSYS_K_CAST: case TSYS_K_SCALE: case TSYS_K_RELU_FWD: case TSYS_K_SILU_FWD: case TSYS_K_BROADCAST: nin = 1; break;
+    default: nin = 2; break;
+    }
+    int last_in = (k == TSYS_K_ACCUM || k == TSYS_K_ADD_BIAS) ? 1 : nin;   // these read t[0] and t[1]
+    for (int i = 1; i <= last_in; i++) {
+        TSYS_CUDA__REQUIRE(ctx, t[i] != NULL, "%s: input t[%d] is NULL", tsys_cuda__kernel_names[k], i);
+        if (k == TSYS_K_BROADCAST || k == TSYS_K_ADD_BIAS) continue;
+        TSYS_CUDA__REQUIRE(ctx, tsys_tensor_numel(t[i]) == n, "%s: t[%d] has %lld elements, t[0] has %lld",
+                           tsys_cuda__kernel_names[k], i, (long long)tsys_tensor_numel(t[i]), (long long)n);
+    }
+    tsys_tensor *ins[3] = { t[1], t[2], NULL }, *outs[1] = { t[0] };
+    tsys_cuda__ew_args e = tsys_cuda__ew_make(n, nin, ins, 1, outs);
+    switch (k) {
+    case TSYS_K_FILL: return tsys_cuda__ew<0, 1>(st, tsys_cuda__op_fill{ a->f[0] }, e);
+    case TSYS_K_CAST:
+        if (tsys_cuda__is_id(t[0]->dtype) && tsys_cuda__is_id(t[1]->dtype)) {
+            TSYS_CUDA__LAUNCH(st, tsys_cuda__cast_ids, tsys_cuda__grid(st, n, 256), 256, 0,
+                              tsys_cuda__data(t[0]), (int)t[0]->dtype, (const void *)tsys_cuda__data(t[1]), (int)t[1]->dtype, n);
+            return TSYS_OK;
+        }
+        return tsys_cuda__ew<1, 1>(st, tsys_cuda__op_copy{}, e);
+    case TSYS_K_SCALE: return tsys_cuda__ew<1, 1>(st, tsys_cuda__op_scale{ a->f[0] }, e);
+    case TSYS_K_BROADCAST: e.in_mod[0] = 1; return tsys_cuda__ew<1, 1>(st, tsys_cuda__op_scale{ a->f[0] }, e);
+    case TSYS_K_RELU_FWD: return tsys_cuda__ew<1, 1>(st, tsys_cuda__op_relu{}, e);
+    case TSYS_K_SILU_FWD: return tsys_cuda__ew<1, 1>(st, tsys_cuda__op_silu{}, e);
+    case TSYS_K_ADD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_add{}, e);
+    case TSYS_K_MUL: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_mul{}, e);
+    case TSYS_K_RELU_BWD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_relu_bwd{}, e);
+    case TSYS_K_SILU_BWD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_silu_bwd{}, e);
+    case TSYS_K_SWIGLU_FWD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_swiglu{}, e);
+    case TSYS_K_ACCUM: {
+        // t0 += t1 * f0: t0 is both input 0 and the output
+        tsys_tensor *in2[2] = { t[0], t[1] };
+        e = tsys_cuda__ew_make(n, 2, in2, 1, outs);
+        return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_axpy{ a->f[0] }, e);
+    }
+    case TSYS_K_ADD_BIAS: {
+        int64_t cols = tsys_tensor_numel(t[1]);
+        TSYS_CUDA__REQUIRE(ctx, cols > 0 && n % cols == 0, "add_bias: bias of %lld elements does not divide t[0] of %lld", (long long)cols, (long long)n);
+        tsys_tensor *in2[2] = { t[0], t[1] };
+        e = tsys_cuda__ew_make(n, 2, in2, 1, outs);
+        e.in_mod[1] = cols;
+        return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_add{}, e);
+    }
+    default: break;
+    }
+    return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda: %s is not elementwise", tsys_cuda__kernel_names[k]);
+}
+
+static tsys_status tsys_cuda__k_swiglu_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *const *t = a->t;
+    TSYS_CUDA__REQUIRE(st->ctx, t[2] && t[3] && t[4], "swiglu_bwd: dy, a, b must be given");
+    int64_t n = tsys_tensor_numel(t[2]);
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(t[3]) == n && tsys_tensor_numel(t[4]) == n, "swiglu_bwd: dy, a, b differ in size");
+    tsys_tensor *ins[3] = { t[2], t[3], t[4] }, *outs[2] = { t[0], t[1] };
+    return tsys_cuda__ew<3, 2>(st, tsys_cuda__op_swiglu_bwd{}, tsys_cuda__ew_make(n, 3, ins, 2, outs));
+}
+
+static tsys_status tsys_cuda__k_bias_grad(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *db = a->t[0], *dy = a->t[1];
+    TSYS_CUDA__REQUIRE(st->ctx, db && dy, "bias_grad: t[0] and t[1] must be given");
+    int64_t cols = tsys_tensor_numel(db), n = tsys_tensor_numel(dy);
+    TSYS_CUDA__REQUIRE(st->ctx, cols > 0 && n % cols == 0, "bias_grad: %lld columns do not divide %lld elements", (long long)cols, (long long)n);
+    return tsys_cuda__colsum_launch(st, tsys_cuda__data(db), db->dtype, tsys_cuda__data(dy), dy->dtype, n / cols, cols, cols);
+}
+
+static tsys_status tsys_cuda__k_rmsnorm_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *y = a->t[0], *rstd = a->t[1], *x = a->t[2], *w = a->t[3];
+    TSYS_CUDA__REQUIRE(st->ctx, y && x && y->dtype == x->dtype, "rmsnorm_fwd: y and x must be given, same dtype");
+    TSYS_CUDA__REQUIRE(st->ctx, !rstd || rstd->dtype == TSYS_F32, "rmsnorm_fwd: rstd must be fp32");
+    int64_t D = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
+    TSYS_CUDA__REQUIRE(st->ctx, !w || tsys_tensor_numel(w) == D, "rmsnorm_fwd: weight has %lld elements, rows have %lld", w ? (long long)tsys_tensor_numel(w) : 0LL, (long long)D);
+    int wdt = w ? w->dtype : x->dtype, threads = tsys_cuda__row_threads(D);
+    TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
+        TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_fwd<T, W>), (unsigned)rows, threads, 0,
+                          (T *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const T *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0])));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_rmsnorm_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *dx = a->t[0], *dw = a->t[1], *dy = a->t[2], *x = a->t[3], *w = a->t[4], *rstd = a->t[5];
+    TSYS_CUDA__REQUIRE(st->ctx, dy && x && rstd && dy->dtype == x->dtype && rstd->dtype == TSYS_F32, "rmsnorm_bwd: dy, x (same dtype) and fp32 rstd must be given");
+    TSYS_CUDA__REQUIRE(st->ctx, !dx || dx->dtype == x->dtype, "rmsnorm_bwd: dx must have x's dtype");
+    int64_t D = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
+    TSYS_CUDA__REQUIRE(st->ctx, D * 4 <= 48 * 1024, "rmsnorm_bwd: rows of %lld elements exceed the shared-memory tile (12288)", (long long)D);
+    int G = tsys_cuda__norm_bwd_blocks(st, rows), threads = tsys_cuda__row_threads(D);
+    float *part = NULL;
+    if (dw) {
+        part = (float *)tsys_cuda__scratch(st, (size_t)G * D * sizeof(float));
+        if (!part) return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "rmsnorm_bwd: no memory for %d x %lld weight-grad partials", G, (long long)D);
+    }
+    tsys_status s = TSYS_OK;
+    int wdt = w ? w->dtype : x->dtype;
+    s = [&]() -> tsys_status {
+        TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
+            TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_bwd<T, W>), (unsigned)G, threads, (size_t)D * sizeof(float),
+                              (T *)tsys_cuda__data(dx), part, (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(x),
+                              (const W *)tsys_cuda__data(w), (const float *)tsys_cuda__data(rstd), rows, D)));
+        if (dw) return tsys_cuda__colsum_launch(st, tsys_cuda__data(dw), dw->dtype, part, TSYS_F32, G, D, D);
+        return TSYS_OK;
+    }();
+    if (part) tsys_cuda__scratch_free(st, part);
+    return s;
+}
+
+static tsys_status tsys_cuda__k_layernorm_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *y = a->t[0], *mean = a->t[1], *rstd = a->t[2], *x = a->t[3], *w = a->t[4], *b = a->t[5];
+    TSYS_CUDA__REQUIRE(st->ctx, y && x && y->dtype == x->dtype, "layernorm_fwd: y and x must be given, same dtype");
+    TSYS_CUDA__REQUIRE(st->ctx, (!mean || mean->dtype == TSYS_F32) && (!rstd || rstd->dtype == TSYS_F32), "layernorm_fwd: mean and rstd must be fp32");
+    TSYS_CUDA__REQUIRE(st->ctx, !w || !b || w->dtype == b->dtype, "layernorm_fwd: weight and bias must share a dtype");
+    int64_t D = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
+    int wdt = w ? w->dtype : b ? b->dtype : x->dtype, threads = tsys_cuda__row_threads(D);
+    TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
+        TSYS_CUDA__LAUNCH(st, (tsys_cuda__layernorm_fwd<T, W>), (unsigned)rows, threads, 0,
+                          (T *)tsys_cuda__data(y), (float *)tsys_cuda__data(mean), (float *)tsys_cuda__data(rstd),
+                          (const T *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), (const W *)tsys_cuda__data(b), D, a->f[0])));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_layernorm_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *dx = a->t[0], *dw = a->t[1], *db = a->t[2], *dy = a->t[3], *x = a->t[4], *w = a->t[5], *mean = a->t[6], *rstd = a->t[7];
+    TSYS_CUDA__REQUIRE(st->ctx, dy && x && mean && rstd && dy->dtype == x->dtype, "layernorm_bwd: dy, x (same dtype), mean, rstd must be given");
+    TSYS_CUDA__REQUIRE(st->ctx, !dx || dx->dtype == x->dtype, "layernorm_bwd: dx must have x's dtype");
+    int64_t D = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
+    TSYS_CUDA__REQUIRE(st->ctx, D * 8 <= 48 * 1024, "layernorm_bwd: rows of %lld elements exceed the shared-memory tile (6144)", (long long)D);
+    int G = tsys_cuda__norm_bwd_blocks(st, rows), threads = tsys_cuda__row_threads(D);
+    float *part = NULL;
+    if (dw || db) {
+        part = (float *)tsys_cuda__scratch(st, (size_t)G * 2 * D * sizeof(float));
+        if (!part) return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "layernorm_bwd: no memory for weight-grad partials");
+    }
+    int wdt = w ? w->dtype : x->dtype;
+    tsys_status s = [&]() -> tsys_status {
+        TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
+            TSYS_CUDA__LAUNCH(st, (tsys_cuda__layernorm_bwd<T, W>), (unsigned)G, threads, (size_t)2 * D * sizeof(float),
+                              (T *)tsys_cuda__data(dx), part, (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(x),
+                              (const W *)tsys_cuda__data(w), (const float *)tsys_cuda__data(mean), (const float *)tsys_cuda__data(rstd), rows, D)));
+        // partials are (G, 2D) rows: columns [0, D) fold into dw, [D, 2D) into db
+        if (dw) TSYS_CUDA__TRY(tsys_cuda__colsum_launch(st, tsys_cuda__data(dw), dw->dtype, part, TSYS_F32, G, D, 2 * D));
+        if (db) TSYS_CUDA__TRY(tsys_cuda__colsum_launch(st, tsys_cuda__data(db), db->dtype, part + D, TSYS_F32, G, D, 2 * D));
+        return TSYS_OK;
+    }();
+    if (part) tsys_cuda__scratch_free(st, part);
+    return s;
+}
+
+static tsys_status tsys_cuda__k_rope(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *y = a->t[0], *x = a->t[1];
+    TSYS_CUDA__REQUIRE(st->ctx, y && x && y->dtype == x->dtype && tsys_tensor_numel(y) == tsys_tensor_numel(x), "rope: y and x must be given, same dtype and size");
+    TSYS_CUDA__REQUIRE(st->ctx, x->ndim >= 2, "rope: x must be (..., T, D), has %d dims", x->ndim);
+    int64_t D = x->shape[x->ndim - 1], T_len = x->shape[x->ndim - 2];
+    TSYS_CUDA__REQUIRE(st->ctx, D % 2 == 0, "rope: head dim %lld is odd", (long long)D);
+    int64_t npairs = tsys_tensor_numel(x) / 2;
+    float dir = a->f[1] < 0 ? -1.0f : 1.0f;
+    TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T,
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__rope<T>, tsys_cuda__grid(st, npairs, 256), 256, 0,
+                          (T *)tsys_cuda__data(y), (const T *)tsys_cuda__data(x), npairs, T_len, D, a->f[0], dir));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_softmax_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *y = a->t[0], *x = a->t[1];
+    TSYS_CUDA__REQUIRE(st->ctx, y && x && y->dtype == x->dtype && tsys_tensor_numel(y) == tsys_tensor_numel(x), "softmax_fwd: y and x must be given, same dtype and size");
+    int64_t N = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
+    bool causal = a->i[0] != 0;
+    TSYS_CUDA__REQUIRE(st->ctx, !causal || (N > 0 && rows % N == 0), "softmax_fwd: causal needs square (.., T, T) blocks, rows %lld, cols %lld", (long long)rows, (long long)N);
+    int threads = tsys_cuda__row_threads(N);
+    TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T,
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_fwd<T>, (unsigned)rows, threads, 0,
+                          (T *)tsys_cuda__data(y), (const T *)tsys_cuda__data(x), N, a->f[0], (int)causal));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_softmax_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *dx = a->t[0], *dy = a->t[1], *y = a->t[2];
+    TSYS_CUDA__REQUIRE(st->ctx, dx && dy && y && dx->dtype == y->dtype && dy->dtype == y->dtype, "softmax_bwd: dx, dy, y must be given, same dtype");
+    int64_t N = tsys_cuda__last_dim(y), rows = tsys_cuda__rows(y);
+    TSYS_CUDA__FLOAT_SWITCH(st->ctx, y->dtype, T,
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_bwd<T>, (unsigned)rows, tsys_cuda__row_threads(N), 0,
+                          (T *)tsys_cuda__data(dx), (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(y), N, a->f[0]));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_ce_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *loss = a->t[0], *lse = a->t[1], *logits = a->t[2], *tg = a->t[3];
+    TSYS_CUDA__REQUIRE(st->ctx, loss && lse && logits && tg, "ce_fwd: loss, lse, logits, targets must be given");
+    TSYS_CUDA__REQUIRE(st->ctx, loss->dtype == TSYS_F32 && lse->dtype == TSYS_F32 && tsys_cuda__is_id(tg->dtype), "ce_fwd: loss and lse must be fp32, targets I32/I64");
+    int64_t V = tsys_cuda__last_dim(logits), rows = tsys_cuda__rows(logits);
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(tg) == rows && tsys_tensor_numel(lse) == rows, "ce_fwd: %lld rows of logits but %lld targets / %lld lse",
+                       (long long)rows, (long long)tsys_tensor_numel(tg), (long long)tsys_tensor_numel(lse));
+    TSYS_CUDA__FLOAT_SWITCH(st->ctx, logits->dtype, T,
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__ce_lse<T>, (unsigned)rows, tsys_cuda__row_threads(V), 0,
+                          (float *)tsys_cuda__data(lse), (const T *)tsys_cuda__data(logits), V);
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__ce_loss<T>, 1, 1024, 0, (float *)tsys_cuda__data(loss), (const float *)tsys_cuda__data(lse),
+                          (const T *)tsys_cuda__data(logits), (const void *)tsys_cuda__data(tg), (int)tg->dtype, rows, V));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_ce_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *dl = a->t[0], *logits = a->t[1], *lse = a->t[2], *tg = a->t[3], *dloss = a->t[4];
+    TSYS_CUDA__REQUIRE(st->ctx, dl && logits && lse && tg && dloss, "ce_bwd: dlogits, logits, lse, targets, dloss must be given");
+    TSYS_CUDA__REQUIRE(st->ctx, lse->dtype == TSYS_F32 && tsys_cuda__is_id(tg->dtype) && tsys_tensor_numel(dl) == tsys_tensor_numel(logits), "ce_bwd: fp32 lse, I32/I64 targets, dlogits of logits' size");
+    int64_t V = tsys_cuda__last_dim(logits), rows = tsys_cuda__rows(logits);
+    int threads = tsys_cuda__row_threads(V);
+    TSYS_CUDA__FLOAT_SWITCH(st->ctx, logits->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, dl->dtype, D,
+        TSYS_CUDA__LAUNCH(st, (tsys_cuda__ce_bwd<T, D>), (unsigned)rows, threads, 0,
+                          (D *)tsys_cuda__data(dl), (const T *)tsys_cuda__data(logits), (const float *)tsys_cuda__data(lse),
+                          (const void *)tsys_cuda__data(tg), (int)tg->dtype, (const void *)tsys_cuda__data(dloss), (int)dloss->dtype, a->f[0], V)));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_mse_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *out = a->t[0], *x = a->t[1], *y = a->t[2];
+    TSYS_CUDA__REQUIRE(st->ctx, out && x && y && tsys_tensor_numel(x) == tsys_tensor_numel(y), "mse_fwd: out, a, b must be given, a and b the same size");
+    int64_t n = tsys_tensor_numel(x);
+    tsys_tensor *ins[2] = { x, y };
+    return tsys_cuda__reduce<2>(st, tsys_cuda__red_sqdiff{}, tsys_cuda__ew_make(n, 2, ins, 0, NULL), out, n ? 1.0f / (float)n : 0.0f, false);
+}
+
+static tsys_status tsys_cuda__k_mse_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *da = a->t[0], *db = a->t[1], *x = a->t[2], *y = a->t[3], *dloss = a->t[4];
+    TSYS_CUDA__REQUIRE(st->ctx, x && y && dloss && tsys_tensor_numel(x) == tsys_tensor_numel(y), "mse_bwd: a, b, dloss must be given, a and b the same size");
+    int64_t n = tsys_tensor_numel(x);
+    tsys_tensor *ins[3] = { x, y, dloss }, *outs[2] = { da, db };
+    tsys_cuda__ew_args e = tsys_cuda__ew_make(n, 3, ins, 2, outs);
+    e.in_mod[2] = 1;   // dloss: one element, read on the device
+    return tsys_cuda__ew<3, 2>(st, tsys_cuda__op_mse_bwd{ n ? 2.0f / (float)n : 0.0f }, e);
+}
+
+static tsys_status tsys_cuda__k_sum(tsys_cuda__state *st, const tsys_kargs *a, bool squares, bool accumulate) {
+    tsys_tensor *out = a->t[0], *x = a->t[1];
+    TSYS_CUDA__REQUIRE(st->ctx, out && x, "sum/sumsq: out and x must be given");
+    tsys_tensor *ins[1] = { x };
+    tsys_cuda__ew_args e = tsys_cuda__ew_make(tsys_tensor_numel(x), 1, ins, 0, NULL);
+    if (squares) return tsys_cuda__reduce<1>(st, tsys_cuda__red_sumsq{}, e, out, 1.0f, accumulate);
+    return tsys_cuda__reduce<1>(st, tsys_cuda__red_sum{}, e, out, a->f[0], accumulate);
+}
+
+static tsys_status tsys_cuda__k_nonfinite(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *flag = a->t[0], *x = a->t[1];
+    TSYS_CUDA__REQUIRE(st->ctx, flag && x && flag->dtype == TSYS_F32, "nonfinite: fp32 flag and x must be given");
+    int64_t n = tsys_tensor_numel(x);
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__nonfinite, tsys_cuda__grid(st, n, 256), 256, 0,
+                      (const void *)tsys_cuda__data(x), (int)x->dtype, n, (float *)tsys_cuda__data(flag));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_embed_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *out = a->t[0], *w = a->t[1], *ids = a->t[2];
+    TSYS_CUDA__REQUIRE(st->ctx, out && w && ids && tsys_cuda__is_id(ids->dtype), "embed_fwd: out, weight, I32/I64 ids must be given");
+    int64_t V = w->ndim ? w->shape[0] : 0, D = tsys_cuda__last_dim(w), N = tsys_tensor_numel(ids);
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(out) == N * D, "embed_fwd: out has %lld elements, expected %lld x %lld", (long long)tsys_tensor_numel(out), (long long)N, (long long)D);
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__embed_fwd, (unsigned)N, tsys_cuda__row_threads(D), 0,
+                      tsys_cuda__data(out), (int)out->dtype, (const void *)tsys_cuda__data(w), (int)w->dtype,
+                      (const void *)tsys_cuda__data(ids), (int)ids->dtype, V, D);
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_embed_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *dw = a->t[0], *dy = a->t[1], *ids = a->t[2];
+    TSYS_CUDA__REQUIRE(st->ctx, dw && dy && ids && dw->dtype == TSYS_F32 && tsys_cuda__is_id(ids->dtype), "embed_bwd: fp32 dW, dy, I32/I64 ids must be given");
+    int64_t V = dw->ndim ? dw->shape[0] : 0, D = tsys_cuda__last_dim(dw), N = tsys_tensor_numel(ids);
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(dy) == N * D && N < INT32_MAX && V < INT32_MAX, "embed_bwd: dy has %lld elements, expected %lld x %lld", (long long)tsys_tensor_numel(dy), (long long)N, (long long)D);
+    if (N == 0) return TSYS_OK;
+    int end_bit = 1;
+    while (end_bit < 31 && ((int64_t)1 << end_bit) <= V) end_bit++;   // keys are in [0, V]
+    size_t sort_bytes = 0;
+    TSYS_CUDA__CHECK(st->ctx, cub::DeviceRadixSort::SortPairs(NULL, sort_bytes, (const int32_t *)NULL, (int32_t *)NULL,
+                                                            (const int32_t *)NULL, (int32_t *)NULL, (int)N, 0, end_bit, st->stream));
+    size_t arr = ((size_t)N * sizeof(int32_t) + 255) / 256 * 256;
+    char *scratch = (char *)tsys_cuda__scratch(st, 4 * arr + sort_bytes);
+    if (!scratch) return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "embed_bwd: no memory for sorting %lld ids", (long long)N);
+    int32_t *keys_in = (int32_t *)scratch, *pos_in = (int32_t *)(scratch + arr), *keys = (int32_t *)(scratch + 2 * arr), *pos = (int32_t *)(scratch + 3 * arr);
+    tsys_status s = [&]() -> tsys_status {
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__embed_keys, tsys_cuda__grid(st, N, 256), 256, 0, keys_in, pos_in,
+                          (const void *)tsys_cuda__data(ids), (int)ids->dtype, N, V);
+        TSYS_CUDA__CHECK(st->ctx, cub::DeviceRadixSort::SortPairs((void *)(scratch + 4 * arr), sort_bytes, (const int32_t *)keys_in, keys,
+                                                                (const int32_t *)pos_in, pos, (int)N, 0, end_bit, st->stream));
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__embed_bwd_runs, (unsigned)N, tsys_cuda__row_threads(D), 0, (float *)tsys_cuda__data(dw),
+                          (const void *)tsys_cuda__data(dy), (int)dy->dtype, (const int32_t *)keys, (const int32_t *)pos, N, V, D);
+        return TSYS_OK;
+    }();
+    tsys_cuda__scratch_free(st, scratch);
+    return s;
+}
+
+static tsys_status tsys_cuda__k_transpose12(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *out = a->t[0], *in = a->t[1];
+    TSYS_CUDA__REQUIRE(st->ctx, out && in && out->dtype == in->dtype && in->ndim == 4 && tsys_tensor_numel(out) == tsys_tensor_numel(in),
+                       "transpose12: out and a 4-d input of the same dtype and size must be given");
+    int64_t A = in->shape[0], B = in->shape[1], C = in->shape[2], D = in->shape[3];
+    size_t es = tsys_dtype_size(in->dtype), row = (size_t)D * es;
+    void *o = tsys_cuda__data(out);
+    const void *i = tsys_cuda__data(in);
+    int64_t n;
+    if (row % 16 == 0 && tsys_cuda__aligned16(o) && tsys_cuda__aligned16(i)) {
+        n = A * B * C * (int64_t)(row / 16);
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint4>, tsys_cuda__grid(st, n, 256), 256, 0, (uint4 *)o, (const uint4 *)i, A, B, C, (int64_t)(row / 16));
+    } else if (es == 2) {
+        n = A * B * C * D;
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint16_t>, tsys_cuda__grid(st, n, 256), 256, 0, (uint16_t *)o, (const uint16_t *)i, A, B, C, D);
+    } else if (es == 4) {
+        n = A * B * C * D;
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint32_t>, tsys_cuda__grid(st, n, 256), 256, 0, (uint32_t *)o, (const uint32_t *)i, A, B, C, D);
+    } else {
+        n = A * B * C * D;
+        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint64_t>, tsys_cuda__grid(st, n, 256), 256, 0, (uint64_t *)o, (const uint64_t *)i, A, B, C, D);
+    }
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5];
+    TSYS_CUDA__REQUIRE(st->ctx, p && g && m && v && step, "adamw: p, g, m, v and the device step must be given");
+    int64_t n = tsys_tensor_numel(p);
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(g) == n && tsys_tensor_numel(m) == n && tsys_tensor_numel(v) == n, "adamw: p, g, m, v differ in size");
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_cuda__is_id(step->dtype) && (!lr || lr->dtype == TSYS_F32), "adamw: step must be I32/I64, lr (t[5]) fp32");
+    tsys_cuda__op_adamw op = { a->f[0], a->f[1], a->f[2], a->f[3], a->f[4], tsys_cuda__data(step), (int)step->dtype,
+                               (const float *)tsys_cuda__data(lr) };
+    tsys_tensor *ins[4] = { p, g, m, v }, *outs[3] = { p, m, v };
+    return tsys_cuda__ew<4, 3>(st, op, tsys_cuda__ew_make(n, 4, ins, 3, outs));
+}
+
+static tsys_status tsys_cuda__k_step_inc(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *t = a->t[0];
+    TSYS_CUDA__REQUIRE(st->ctx, t && tsys_cuda__is_id(t->dtype), "step_inc: an I32/I64 scalar must be given");
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__step_inc, 1, 1, 0, tsys_cuda__data(t), (int)t->dtype);
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_randn(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *t = a->t[0];
+    TSYS_CUDA__REQUIRE(st->ctx, t && tsys_cuda__is_float(t->dtype), "randn: a float tensor must be given");
+    int64_t n = tsys_tensor_numel(t);
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__randn, tsys_cuda__grid(st, n, 256), 256, 0, tsys_cuda__data(t), (int)t->dtype, n,
+                      (uint64_t)a->i[0], a->f[0], a->f[1], a->f[2]);
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_sgd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *p = a->t[0], *g = a->t[1];
+    TSYS_CUDA__REQUIRE(st->ctx, p && g && tsys_tensor_numel(p) == tsys_tensor_numel(g), "sgd: p and g of one size must be given");
+    tsys_tensor *ins[2] = { p, g }, *outs[1] = { p };
+    return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_sgd{ a->f[0] }, tsys_cuda__ew_make(tsys_tensor_numel(p), 2, ins, 1, outs));
+}
+
+#ifdef TSYS_CUDA_FLASH
+// Flash attention over (..., N, d) tensors of one dtype, seen as (bh, N, d); L is fp32 (bh, N).
+static tsys_status tsys_cuda__flash_shape(tsys_cuda__state *st, const tsys_tensor *q, int64_t *bh, int64_t *n, int64_t *d) {
+    TSYS_CUDA__REQUIRE(st->ctx, q && q->ndim >= 2, "flash: q must be (..., N, d)");
+    *d = q->shape[q->ndim - 1]; *n = q->shape[q->ndim - 2];
+    *bh = tsys_tensor_numel(q) / (*n * *d);
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_cuda__flash_supported(q->dtype, *d), "flash: %s with head dim %lld is not supported (16, 32, 64, 80, 128)",
+                       tsys_dtype_name(q->dtype), (long long)*d);
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_flash_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *const *t = a->t;
+    int64_t bh, n, d;
+    TSYS_CUDA__REQUIRE(st->ctx, t[0] && t[1] && t[2] && t[3] && t[4] && t[1]->dtype == TSYS_F32, "flash_fwd: O, fp32 L, Q, K, V must be given");
+    TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[2], &bh, &n, &d));
+    TSYS_CUDA__CHECK(st->ctx, tsys_cuda__flash_fwd(tsys_cuda__data(t[2]), tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[0]),
+                                                   (float *)tsys_cuda__data(t[1]), t[2]->dtype, bh, n, d, a->f[0], a->i[0] != 0, st->stream));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *const *t = a->t;
+    int64_t bh, n, d;
+    for (int j = 0; j < 9; j++) TSYS_CUDA__REQUIRE(st->ctx, t[j] != NULL, "flash_bwd: t[%d] is NULL", j);
+    TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[4], &bh, &n, &d));
+    float *scratch = (float *)tsys_cuda__scratch(st, tsys_cuda__flash_bwd_scratch_bytes(bh, n));
+    if (!scratch) return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_bwd: no memory for %lld x %lld row sums", (long long)bh, (long long)n);
+    cudaError_t e = tsys_cuda__flash_bwd(tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[5]), tsys_cuda__data(t[6]),
+                                         tsys_cuda__data(t[7]), (const float *)tsys_cuda__data(t[8]), tsys_cuda__data(t[0]),
+                                         tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, t[4]->dtype, bh, n, d, a->f[0],
+                                         a->i[0] != 0, st->stream);
+    tsys_cuda__scratch_free(st, scratch);
+    TSYS_CUDA__CHECK(st->ctx, e);
+    return TSYS_OK;
+}
+#endif
+
+static tsys_status tsys_cuda__kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda: backend not initialized (tsys_cuda_init)");
+    if ((int)k < 0 || k >= TSYS_K_COUNT || !a) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda: bad kernel id %d", (int)k);
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    switch (k) {
+    case TSYS_K_FILL: case TSYS_K_CAST: case TSYS_K_ACCUM: case TSYS_K_ADD: case TSYS_K_MUL: case TSYS_K_SCALE:
+    case TSYS_K_ADD_BIAS: case TSYS_K_RELU_FWD: case TSYS_K_RELU_BWD: case TSYS_K_SILU_FWD: case TSYS_K_SILU_BWD:
+    case TSYS_K_SWIGLU_FWD: case TSYS_K_BROADCAST:
+        return tsys_cuda__k_elementwise(st, k, a);
+    case TSYS_K_SWIGLU_BWD: return tsys_cuda__k_swiglu_bwd(st, a);
+    case TSYS_K_BIAS_GRAD: return tsys_cuda__k_bias_grad(st, a);
+    case TSYS_K_RMSNORM_FWD: return tsys_cuda__k_rmsnorm_fwd(st, a);
+    case TSYS_K_RMSNORM_BWD: return tsys_cuda__k_rmsnorm_bwd(st, a);
+    case TSYS_K_LAYERNORM_FWD: return tsys_cuda__k_layernorm_fwd(st, a);
+    case TSYS_K_LAYERNORM_BWD: return tsys_cuda__k_layernorm_bwd(st, a);
+    case TSYS_K_ROPE: return tsys_cuda__k_rope(st, a);
+    case TSYS_K_SOFTMAX_FWD: return tsys_cuda__k_softmax_fwd(st, a);
+    case TSYS_K_SOFTMAX_BWD: return tsys_cuda__k_softmax_bwd(st, a);
+    case TSYS_K_CE_FWD: return tsys_cuda__k_ce_fwd(st, a);
+    case TSYS_K_CE_BWD: return tsys_cuda__k_ce_bwd(st, a);
+    case TSYS_K_MSE_FWD: return tsys_cuda__k_mse_fwd(st, a);
+    case TSYS_K_MSE_BWD: return tsys_cuda__k_mse_bwd(st, a);
+    case TSYS_K_SUM: return tsys_cuda__k_sum(st, a, false, false);
+    case TSYS_K_SUMSQ: return tsys_cuda__k_sum(st, a, true, true);
+    case TSYS_K_NONFINITE: return tsys_cuda__k_nonfinite(st, a);
+    case TSYS_K_EMBED_FWD: return tsys_cuda__k_embed_fwd(st, a);
+    case TSYS_K_EMBED_BWD: return tsys_cuda__k_embed_bwd(st, a);
+    case TSYS_K_TRANSPOSE12: return tsys_cuda__k_transpose12(st, a);
+    case TSYS_K_ADAMW: return tsys_cuda__k_adamw(st, a);
+    case TSYS_K_STEP_INC: return tsys_cuda__k_step_inc(st, a);
+    case TSYS_K_RANDN: return tsys_cuda__k_randn(st, a);
+    case TSYS_K_SGD: return tsys_cuda__k_sgd(st, a);
+    // >>flash: FlashAttention-2 (src/flash_cuda.cuh, another helper's) plugs in here; opt in with
+    // TSYS_CUDA_FLASH until it is the default.
+#ifdef TSYS_CUDA_FLASH
+    case TSYS_K_FLASH_FWD: return tsys_cuda__k_flash_fwd(st, a);
+    case TSYS_K_FLASH_BWD: return tsys_cuda__k_flash_bwd(st, a);
+#else
+    case TSYS_K_FLASH_FWD:
+    case TSYS_K_FLASH_BWD:
+#endif
+    default:
+        return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda: kernel %s is not implemented on CUDA yet", tsys_cuda__kernel_names[k]);
+    }
+}
+
+// >>gemm ------------------------------------------------------------------------------------------
+// Row-major C (m x n) = op(A) (m x k) op(B) (k x n) is, read column-major, C^T = op(B)^T op(A)^T: so
+// cuBLASLt gets user B as its A and user A as its B, with M = n, N = m, and every row-major matrix
+// is its own transpose in column-major with the same leading dimension. Plans (descriptors and the
+// heuristic's algorithm) are cached per shape, dtypes, strides and pointer alignment.
+
+static cudaDataType_t tsys_cuda__blas_type(tsys_dtype dt) {
+    return dt == TSYS_BF16 ? CUDA_R_16BF : dt == TSYS_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+// Largest power of two (<= 256) dividing every batch's start address.
+static int tsys_cuda__gemm_align(const void *p, int64_t stride, int64_t batch, size_t es) {
+    uint64_t x = (uint64_t)(uintptr_t)p | 256;
+    if (batch > 1 && stride) x |= (uint64_t)stride * es;
+    return (int)(x & (~x + 1));
+}
+
+static void tsys_cuda__plan_destroy(tsys_cuda__gemm_plan *p) {
+    if (!p->used) return;
+    cublasLtMatrixLayoutDestroy(p->la); cublasLtMatrixLayoutDestroy(p->lb); cublasLtMatrixLayoutDestroy(p->lc);
+    cublasLtMatmulDescDestroy(p->op);
+    p->used = false;
+}
+
+static tsys_status tsys_cuda__layout(tsys_ctx *ctx, cublasLtMatrixLayout_t *l, cudaDataType_t t, uint64_t rows, uint64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatrixLayoutCreate(l, t, rows, cols, ld));
+    if (batch > 1) {
+        int32_t b = (int32_t)batch;
+        TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b, sizeof b));
+        TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
+    }
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__plan_build(tsys_cuda__state *st, tsys_cuda__gemm_plan *p, const tsys_cuda__gemm_key *key) {
+    tsys_ctx *ctx = st->ctx;
+    memset(p, 0, sizeof *p);
+    p->key = *key;
+    cudaDataType_t ab = tsys_cuda__blas_type((tsys_dtype)key->ab_dt), c = tsys_cuda__blas_type((tsys_dtype)key->c_dt);
+    cublasComputeType_t ct = (key->ab_dt == TSYS_F32 && key->tf32) ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatmulDescCreate(&p->op, ct, CUDA_R_32F));
+    p->used = true;   // from here on plan_destroy cleans up whatever exists
+    cublasOperation_t opa = key->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;   // Lt's A is the user's B
+    cublasOperation_t opb = key->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
+    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
+    int64_t m = key->m, n = key->n, k = key->k;
+    // user B: stored k x n (ld n), or n x k (ld k) when transposed; column-major view swaps the two
+    tsys_status s = tsys_cuda__layout(ctx, &p->la, ab, key->trans_b ? k : n, key->trans_b ? n : k, key->trans_b ? k : n, key->batch, key->stride_b);
+    if (s == TSYS_OK) s = tsys_cuda__layout(ctx, &p->lb, ab, key->trans_a ? m : k, key->trans_a ? k : m, key->trans_a ? m : k, key->batch, key->stride_a);
+    if (s == TSYS_OK) s = tsys_cuda__layout(ctx, &p->lc, c, n, m, n, key->batch, key->stride_c);
+    if (s != TSYS_OK) return s;
+    cublasLtMatmulPreference_t pref;
+    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatmulPreferenceCreate(&pref));
+    uint64_t ws = st->workspace_bytes;
+    uint32_t al_a = (uint32_t)key->align_b, al_b = (uint32_t)key->align_a, al_c = (uint32_t)key->align_c;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(st->lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
+        return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda gemm: cuBLASLt has no algorithm for %s x %s -> %s, m=%lld n=%lld k=%lld batch=%lld (status %d)",
+                                  tsys_dtype_name((tsys_dtype)key->ab_dt), tsys_dtype_name((tsys_dtype)key->ab_dt), tsys_dtype_name((tsys_dtype)key->c_dt),
+                                  (long long)m, (long long)n, (long long)k, (long long)key->batch, (int)hs);
+    p->algo = res.algo;
+    return TSYS_OK;
+}
+
+// Looks the plan up in a small open-addressed table (8 probes); on a miss builds it into a free
+// probe slot, or evicts the first slot of the window.
+static tsys_status tsys_cuda__plan_get(tsys_cuda__state *st, const tsys_cuda__gemm_key *key, tsys_cuda__gemm_plan **out) {
+    uint64_t h = 1469598103934665603ull;
+    const unsigned char *b = (const unsigned char *)key;
+    for (size_t i = 0; i < sizeof *key; i++) { h ^= b[i]; h *= 1099511628211ull; }
+    size_t home = (size_t)(h & (TSYS_CUDA_GEMM_CACHE - 1)), slot = home;
+    bool have_empty = false;
+    for (int probe = 0; probe < 8; probe++) {
+        tsys_cuda__gemm_plan *p = &st->plans[(home + probe) & (TSYS_CUDA_GEMM_CACHE - 1)];
+        if (p->used && memcmp(&p->key, key, sizeof *key) == 0) { *out = p; return TSYS_OK; }
+        if (!p->used && !have_empty) { slot = (home + probe) & (TSYS_CUDA_GEMM_CACHE - 1); have_empty = true; }
+    }
+    tsys_cuda__gemm_plan *p = &st->plans[slot];
+    tsys_cuda__plan_destroy(p);
+    tsys_status s = tsys_cuda__plan_build(st, p, key);
+    if (s != TSYS_OK) { tsys_cuda__plan_destroy(p); return s; }
+    *out = p;
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda gemm: backend not initialized");
+    TSYS_CUDA__REQUIRE(ctx, g && g->a && g->b && g->c, "gemm: a, b, c must be given");
+    TSYS_CUDA__REQUIRE(ctx, g->a->dtype == g->b->dtype && tsys_cuda__is_float(g->a->dtype), "gemm: a (%s) and b (%s) must share a float dtype",
+                       tsys_dtype_name(g->a->dtype), tsys_dtype_name(g->b->dtype));
+    TSYS_CUDA__REQUIRE(ctx, g->c->dtype == TSYS_F32 || g->c->dtype == g->a->dtype, "gemm: c must be F32 or a's dtype, is %s", tsys_dtype_name(g->c->dtype));
+    TSYS_CUDA__REQUIRE(ctx, g->m >= 0 && g->n >= 0 && g->k >= 0 && g->batch >= 1, "gemm: bad sizes m=%lld n=%lld k=%lld batch=%lld",
+                       (long long)g->m, (long long)g->n, (long long)g->k, (long long)g->batch);
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    if (g->m == 0 || g->n == 0) return TSYS_OK;
+    if (g->k == 0) {   // C = beta C: cuBLASLt wants k >= 1
+        tsys_kargs a;
+        memset(&a, 0, sizeof a);
+        a.t[0] = g->c; a.t[1] = g->c; a.f[0] = g->beta;
+        return tsys_cuda__k_elementwise(st, g->beta == 0.0f ? TSYS_K_FILL : TSYS_K_SCALE, &a);
+    }
+    const void *A = tsys_tensor_data(g->a), *B = tsys_tensor_data(g->b);
+    void *C = tsys_tensor_data(g->c);
+    size_t es = tsys_dtype_size(g->a->dtype), esc = tsys_dtype_size(g->c->dtype);
+    tsys_cuda__gemm_key key;
+    memset(&key, 0, sizeof key);   // padding takes part in the hash
+    key.ab_dt = g->a->dtype; key.c_dt = g->c->dtype;
+    key.trans_a = g->trans_a; key.trans_b = g->trans_b;
+    key.tf32 = st->tf32 && g->a->dtype == TSYS_F32;
+    key.m = g->m; key.n = g->n; key.k = g->k; key.batch = g->batch;
+    if (g->batch > 1) { key.stride_a = g->stride_a; key.stride_b = g->stride_b; key.stride_c = g->stride_c; }
+    key.align_a = tsys_cuda__gemm_align(A, g->stride_a, g->batch, es);
+    key.align_b = tsys_cuda__gemm_align(B, g->stride_b, g->batch, es);
+    key.align_c = tsys_cuda__gemm_align(C, g->stride_c, g->batch, esc);
+    tsys_cuda__gemm_plan *p;
+    TSYS_CUDA__TRY(tsys_cuda__plan_get(st, &key, &p));
+    float alpha = g->alpha, beta = g->beta;
+    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatmul(st->lt, p->op, &alpha, B, p->la, A, p->lb, &beta, C, p->lc, C, p->lc,
+                                              &p->algo, st->workspace, st->workspace_bytes, st->stream));
+    return TSYS_OK;
+}
+
+// >>copy and sync ---------------------------------------------------------------------------------
+
+static tsys_status tsys_cuda__copy(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda copy: backend not initialized");
+    if (bytes == 0) return TSYS_OK;
+    if (dst_dev == TSYS_CPU && src_dev == TSYS_CPU) { memmove(dst, src, bytes); return TSYS_OK; }
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    if (st->capturing && (dst_dev == TSYS_CPU || src_dev == TSYS_CPU))
+        return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda copy: host<->device copies cannot be captured in a CUDA graph; copy inputs before tsys_cuda_graph_replay");
+    // Pageable host memory: the async H2D returns once the source is staged, so the caller may reuse
+    // it at once; D2H must finish before the host reads, hence the sync.
+    TSYS_CUDA__CHECK(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st->stream));
+    if (dst_dev == TSYS_CPU) TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->stream));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__sync(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda sync: backend not initialized");
+    if (st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda sync: not allowed while capturing a CUDA graph");
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->stream));
+    return TSYS_OK;
+}
+
+// >>init ------------------------------------------------------------------------------------------
+
+static void tsys_cuda__state_free(tsys_cuda__state *st) {
+    if (!st) return;
+    cudaSetDevice(st->device);
+    if (st->stream) cudaStreamSynchronize(st->stream);
+    for (int i = 0; i < TSYS_CUDA_GEMM_CACHE; i++) tsys_cuda__plan_destroy(&st->plans[i]);
+    for (int i = 0; i < st->num_blocks; i++)
+        if (st->blocks[i].alive) cudaFree(st->blocks[i].ptr);
+    free(st->blocks);
+    tsys_cuda__map_free(&st->by_ptr);
+    tsys_cuda__map_free(&st->free_lists);
+    if (st->partials) cudaFree(st->partials);
+    if (st->workspace) cudaFree(st->workspace);
+    if (st->lt) cublasLtDestroy(st->lt);
+    if (st->stream) cudaStreamDestroy(st->stream);
+    free(st);
+}
+
+TSYSDEF int tsys_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) { (void)cudaGetLastError(); return 0; }
+    return n;
+}
+
+TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
+    if (!ctx) return TSYS_ERR_INVALID_ARGS;
+    if (tsys_cuda__get(ctx)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_init: the context already has a CUDA backend");
+    int count = tsys_cuda_device_count();
+    if (device_id < 0 || device_id >= count)
+        return tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tsys_cuda_init: device %d asked for, %d CUDA device(s) present", device_id, count);
+    tsys_cuda__state *st = (tsys_cuda__state *)calloc(1, sizeof *st);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_cuda_init: no host memory for the backend state");
+    st->ctx = ctx; st->device = device_id; st->free_slots = -1; st->next_pool = 1;
+    tsys_status s = [&]() -> tsys_status {
+        TSYS_CUDA__CHECK(ctx, cudaSetDevice(device_id));
+        cudaDeviceProp prop;
+        TSYS_CUDA__CHECK(ctx, cudaGetDeviceProperties(&prop, device_id));
+        st->num_sms = prop.multiProcessorCount;
+        snprintf(st->device_name, sizeof st->device_name, "%s", prop.name);
+        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
+        TSYS_CUDA__CHECK_BLAS(ctx, cublasLtCreate(&st->lt));
+        st->workspace_bytes = TSYS_CUDA_WORKSPACE_BYTES;
+        TSYS_CUDA__CHECK(ctx, cudaMalloc(&st->workspace, st->workspace_bytes));
+        TSYS_CUDA__CHECK(ctx, cudaMalloc((void **)&st->partials, TSYS_CUDA__MAX_PARTIALS * sizeof(float)));
+        return TSYS_OK;
+    }();
+    if (s != TSYS_OK) { tsys_cuda__state_free(st); return s; }
+    tsys_backend *b = &st->backend;
+    b->name = "cuda";
+    b->alloc = tsys_cuda__alloc;
+    b->free = tsys_cuda__free;
+    b->copy = tsys_cuda__copy;
+    b->gemm = tsys_cuda__gemm;
+    b->kernel = tsys_cuda__kernel;
+    b->sync = tsys_cuda__sync;
+    b->state = st;
+    tsys_ctx_set_backend(ctx, TSYS_CUDA, b);
+    return TSYS_OK;
+}
+
+// What a context keeps after tsys_cuda_shutdown: the same entry points with no state, so a CUDA
+// tensor released later (by tsys_ctx_free's tape cleanup, say) is a no-op instead of a crash, and
+// every other call reports "backend not initialized". Immutable, so no hidden global state.
+static const tsys_backend tsys_cuda__closed_backend = {
+    "cuda (shut down)", tsys_cuda__alloc, tsys_cuda__free, tsys_cuda__copy, tsys_cuda__gemm, tsys_cuda__kernel, tsys_cuda__sync, NULL,
+};
+
+TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return;
+    tsys_ctx_set_backend(ctx, TSYS_CUDA, &tsys_cuda__closed_backend);
+    tsys_cuda__state_free(st);   // cudaFree's every block, live ones too
+}
+
+TSYSDEF const char *tsys_cuda_device_name(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st ? st->device_name : "";
+}
+
+TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st ? (void *)st->stream : NULL;
+}
+
+TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (st) st->tf32 = on;   // part of the plan key: no need to flush the plan cache
+}
+
+TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st && st->tf32;
+}
+
+// >>memory (public) -------------------------------------------------------------------------------
+
+TSYSDEF size_t tsys_cuda_mem_reserved(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st ? st->mem.reserved_bytes : 0;
+}
+
+TSYSDEF size_t tsys_cuda_mem_allocated(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st ? st->mem.allocated_bytes : 0;
+}
+
+TSYSDEF tsys_cuda_mem_info tsys_cuda_mem_info_get(tsys_ctx *ctx) {
+    tsys_cuda_mem_info m;
+    memset(&m, 0, sizeof m);
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return m;
+    m = st->mem;
+    m.cached_bytes = m.reserved_bytes - m.allocated_bytes;
+    return m;
+}
+
+TSYSDEF tsys_status tsys_cuda_empty_cache(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return TSYS_OK;
+    if (st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_empty_cache: not allowed while capturing a CUDA graph");
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->stream));
+    tsys_cuda__release_cached(st, 0);
+    return TSYS_OK;
+}
+
+TSYSDEF void tsys_cuda_set_memory_limit(tsys_ctx *ctx, size_t bytes) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (st) st->memory_limit = bytes;
+}
+
+// >>graphs ----------------------------------------------------------------------------------------
+
+TSYSDEF bool tsys_cuda_capturing(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st && st->capturing;
+}
+
+TSYSDEF tsys_status tsys_cuda_graph_begin(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_begin: backend not initialized");
+    if (st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_begin: already capturing");
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    // thread-local mode: this thread's unsafe calls (a sync, a pageable copy) fail loudly instead of
+    // silently breaking the capture; other threads are unaffected
+    TSYS_CUDA__CHECK(ctx, cudaStreamBeginCapture(st->stream, cudaStreamCaptureModeThreadLocal));
+    st->capturing = true;
+    st->capture_pool = st->next_pool++;
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_cuda_graph_end(tsys_ctx *ctx, tsys_cuda_graph **out) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (out) *out = NULL;
+    if (!st || !st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_end: not capturing");
+    st->capturing = false;
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(st->stream, &graph);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (graph) cudaGraphDestroy(graph);
+        return tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tsys_cuda_graph_end: cudaStreamEndCapture: %s (was something captured that cannot be, e.g. a sync?)", cudaGetErrorString(e));
+    }
+    tsys_cuda_graph *g = (tsys_cuda_graph *)calloc(1, sizeof *g);
+    if (!g) { cudaGraphDestroy(graph); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_cuda_graph_end: no host memory"); }
+    g->st = st; g->graph = graph; g->pool = st->capture_pool;
+    e = cudaGraphInstantiate(&g->exec, graph, 0);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        cudaGraphDestroy(graph); free(g);
+        return tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tsys_cuda_graph_end: cudaGraphInstantiate: %s", cudaGetErrorString(e));
+    }
+    if (out) *out = g; else tsys_cuda_graph_free(g);
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_cuda_graph_replay(tsys_ctx *ctx, tsys_cuda_graph *g) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st || !g || g->st != st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_replay: no graph, or a graph of another context");
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    TSYS_CUDA__CHECK(ctx, cudaGraphLaunch(g->exec, st->stream));
+    return TSYS_OK;
+}
+
+// Destroys the graph and gives its private pool back to general use: blocks still in use become
+// ordinary blocks, cached ones join the general free lists.
+TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g) {
+    if (!g) return;
+    tsys_cuda__state *st = g->st;
+    cudaSetDevice(st->device);
+    cudaStreamSynchronize(st->stream);   // a replay may still be running
+    cudaGraphExecDestroy(g->exec);
+    cudaGraphDestroy(g->graph);
+    for (int i = 0; i < st->num_blocks; i++) {
+        tsys_cuda__block *b = &st->blocks[i];
+        if (!b->alive || b->pool != g->pool) continue;
+        if (b->in_use) { b->pool = 0; continue; }
+        // unlink from the pool's list by rebuilding: pop everything of this class and pool
+        int bi;
+        while ((bi = tsys_cuda__free_list_pop(st, g->pool, b->size)) >= 0) {
+            st->blocks[bi].pool = 0;
+            tsys_cuda__free_list_push(st, bi);
+        }
+    }
+    free(g);
+}
+
+// >>nvtx ------------------------------------------------------------------------------------------
+
+TSYSDEF void tsys_cuda_range_push(const char *name) {
+#ifndef TSYS_CUDA_NO_NVTX
+    nvtxRangePushA(name);
+#else
+    (void)name;
+#endif
+}
+
+TSYSDEF void tsys_cuda_range_pop(void) {
+#ifndef TSYS_CUDA_NO_NVTX
+    nvtxRangePop();
+#endif
+}
+
+#endif // TSYS_CUDA_IMPLEMENTATION_INCLUDED
+#endif // TSYS_CUDA_IMPLEMENTATION
