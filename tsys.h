@@ -249,6 +249,7 @@ typedef struct tsys_backend {
     tsys_status (*kernel)(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
     tsys_status (*sync)(tsys_ctx *ctx);
     void *state;                                                // backend's own data (streams, handles, pools)
+    void (*destroy)(tsys_ctx *ctx);   // frees the state; tsys_ctx_free calls it once the tape and caches are gone
 } tsys_backend;
 
 // >>public ----------------------------------------------------------------------------------------
@@ -1636,7 +1637,7 @@ static tsys_status tsys__cpu_copy(tsys_ctx *ctx, void *dst, tsys_device dd, cons
 static tsys_status tsys__cpu_sync(tsys_ctx *ctx) { (void)ctx; return TSYS_OK; }
 
 static const tsys_backend tsys__cpu_backend = {
-    "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL,
+    "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL, NULL,
 };
 
 static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
@@ -1694,6 +1695,8 @@ TSYSDEF void tsys_ctx_free(tsys_ctx *ctx) {
     if (!ctx) return;
     tsys_tape_clear(ctx);
     tsys__autocast_cache_clear(ctx);
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++)
+        if (ctx->backends[d] && ctx->backends[d]->destroy) ctx->backends[d]->destroy(ctx);
     TSYS_FREE(ctx->ac_src); TSYS_FREE(ctx->ac_low);
     TSYS_FREE(ctx->tape);
     for (int i = 0; i < ctx->mem.num_tags; i++) TSYS_FREE(ctx->mem.tag_names[i]);

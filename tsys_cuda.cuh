@@ -1782,6 +1782,7 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
     b->kernel = tsys_cuda__kernel;
     b->sync = tsys_cuda__sync;
     b->state = st;
+    b->destroy = tsys_cuda_shutdown;
     tsys_ctx_set_backend(ctx, TSYS_CUDA, b);
     return TSYS_OK;
 }
@@ -1790,7 +1791,7 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
 // tensor released later (by tsys_ctx_free's tape cleanup, say) is a no-op instead of a crash, and
 // every other call reports "backend not initialized". Immutable, so no hidden global state.
 static const tsys_backend tsys_cuda__closed_backend = {
-    "cuda (shut down)", tsys_cuda__alloc, tsys_cuda__free, tsys_cuda__copy, tsys_cuda__gemm, tsys_cuda__kernel, tsys_cuda__sync, NULL,
+    "cuda (shut down)", tsys_cuda__alloc, tsys_cuda__free, tsys_cuda__copy, tsys_cuda__gemm, tsys_cuda__kernel, tsys_cuda__sync, NULL, NULL,
 };
 
 TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx) {

@@ -358,9 +358,6 @@ int main(int argc, char **argv) {
     if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
     du_table_free(&tab);
     du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes); du_list_free(&comps);
-#ifdef TSYS_WITH_CUDA
-    if (dev == TSYS_CUDA) tsys_cuda_shutdown(ctx);
-#endif
-    tsys_ctx_free(ctx);
+    tsys_ctx_free(ctx);   // also shuts the CUDA backend down
     return 0;
 }
