@@ -1,0 +1,290 @@
+// flash_lab.cu - kernel lab for FlashAttention-2: CUDA kernels (src/flash_cuda.cuh) against the tiled CPU
+// reference (src/flash_cpu.h), the CPU reference against naive attention in double, determinism of the
+// backward, then timings of the CS336 leaderboard shape.
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -lineinfo -Xcompiler -fopenmp \
+//        tests/flash_lab.cu -o /tmp/fl && /tmp/fl [test|perf|all]
+//
+// Every check draws fresh random inputs (never zeros) and poisons the outputs with NaN bytes first, so an
+// unwritten element fails. Timings: CUDA events, median of many repetitions after warm-up; TFLOP/s in the
+// FlashAttention convention (fwd 4*bh*n^2*d, halved when causal; bwd 2.5x fwd; fwd+bwd 3.5x fwd).
+#include "../src/flash_cpu.h"
+#include "../src/flash_cuda.cuh"
+
+#include <algorithm>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+    fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #x); exit(1); } } while (0)
+
+static const char *dtype_name[3] = { "f32", "bf16", "f16" };
+static const size_t dtype_size[3] = { 4, 2, 2 };
+
+// ---- host data ------------------------------------------------------------------------------------
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static float randn() {
+    double u[2];
+    for (int i = 0; i < 2; i++) {
+        rng ^= rng >> 12; rng ^= rng << 25; rng ^= rng >> 27;
+        u[i] = ((rng * 2685821657736338717ull) >> 11) * (1.0 / 9007199254740992.0);
+    }
+    return (float)(sqrt(-2.0 * log(u[0] + 1e-300)) * cos(6.283185307179586 * u[1]));
+}
+
+// Round a float to the dtype and back, and store it in the dtype's bytes.
+static float round_to(int dt, float x, void *dst, size_t i) {
+    if (dt == 0) { ((float *)dst)[i] = x; return x; }
+    if (dt == 1) { __nv_bfloat16 h = __float2bfloat16(x); ((__nv_bfloat16 *)dst)[i] = h; return __bfloat162float(h); }
+    __half h = __float2half(x); ((__half *)dst)[i] = h; return __half2float(h);
+}
+static float load_from(int dt, const void *src, size_t i) {
+    if (dt == 0) return ((const float *)src)[i];
+    if (dt == 1) return __bfloat162float(((const __nv_bfloat16 *)src)[i]);
+    return __half2float(((const __half *)src)[i]);
+}
+
+// A tensor on both sides: fp32 host values (rounded to the dtype), raw host bytes, device bytes.
+struct Buf {
+    int dt; size_t n;
+    std::vector<float> h;
+    std::vector<unsigned char> raw;
+    void *d;
+    Buf(int dt_, size_t n_) : dt(dt_), n(n_), h(n_), raw(n_ * dtype_size[dt_]) { CHECK(cudaMalloc(&d, raw.size())); }
+    ~Buf() { cudaFree(d); }
+    void randomize() { for (size_t i = 0; i < n; i++) h[i] = round_to(dt, randn(), raw.data(), i); upload(); }
+    void upload() { CHECK(cudaMemcpy(d, raw.data(), raw.size(), cudaMemcpyHostToDevice)); }
+    void poison() { CHECK(cudaMemset(d, 0xff, raw.size())); }   // all-ones bytes: NaN in every dtype
+    void download() {
+        CHECK(cudaMemcpy(raw.data(), d, raw.size(), cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++) h[i] = load_from(dt, raw.data(), i);
+    }
+};
+
+// ||a - b|| / ||b||; NaN anywhere -> inf.
+static double rel_err(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (a[i] != a[i] || b[i] != b[i]) return INFINITY;
+        double d = (double)a[i] - b[i]; num += d * d; den += (double)b[i] * b[i];
+    }
+    // floor: a reference that is (nearly) all zeros, e.g. dQ and dK at n = 1, is judged in absolute terms
+    return sqrt(num) / std::max(sqrt(den), 1e-2 * sqrt((double)n));
+}
+
+static int n_pass = 0, n_fail = 0;
+static void report(bool ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#include <stdarg.h>
+static void report(bool ok, const char *fmt, ...) {
+    va_list ap; va_start(ap, fmt);
+    printf("%s ", ok ? "  ok  " : "  FAIL");
+    vprintf(fmt, ap); printf("\n"); va_end(ap);
+    (ok ? n_pass : n_fail)++;
+}
+
+// ---- naive attention in double (to check the CPU reference) -----------------------------------------
+static void naive_attention(const float *q, const float *k, const float *v, const float *g, float *o, float *lse,
+                            float *dq, float *dk, float *dv, long bh, long n, long d, double scale, bool causal) {
+    std::vector<double> p(n), dp(n);
+    std::fill(dq, dq + bh * n * d, 0.0f); std::fill(dk, dk + bh * n * d, 0.0f); std::fill(dv, dv + bh * n * d, 0.0f);
+    for (long b = 0; b < bh; b++) {
+        const float *qb = q + b * n * d, *kb = k + b * n * d, *vb = v + b * n * d, *gb = g + b * n * d;
+        for (long i = 0; i < n; i++) {
+            double mx = -INFINITY;
+            for (long j = 0; j < n; j++) {
+                double s = 0; for (long c = 0; c < d; c++) s += (double)qb[i * d + c] * kb[j * d + c];
+                s *= scale; if (causal && i < j) s += -1e6;
+                p[j] = s; mx = std::max(mx, s);
+            }
+            double sum = 0; for (long j = 0; j < n; j++) { p[j] = exp(p[j] - mx); sum += p[j]; }
+            for (long j = 0; j < n; j++) p[j] /= sum;
+            lse[b * n + i] = (float)(mx + log(sum));
+            for (long c = 0; c < d; c++) { double a = 0; for (long j = 0; j < n; j++) a += p[j] * vb[j * d + c]; o[(b * n + i) * d + c] = (float)a; }
+            double dsum = 0;
+            for (long j = 0; j < n; j++) { double a = 0; for (long c = 0; c < d; c++) a += (double)gb[i * d + c] * vb[j * d + c]; dp[j] = a; dsum += p[j] * a; }
+            for (long j = 0; j < n; j++) {
+                double ds = p[j] * (dp[j] - dsum) * scale;
+                for (long c = 0; c < d; c++) {
+                    dq[(b * n + i) * d + c] += (float)(ds * kb[j * d + c]);
+                    dk[(b * n + j) * d + c] += (float)(ds * qb[i * d + c]);
+                    dv[(b * n + j) * d + c] += (float)(p[j] * gb[i * d + c]);
+                }
+            }
+        }
+    }
+}
+
+static void check_cpu_vs_naive(long bh, long n, long d, bool causal) {
+    const size_t N = bh * n * d;
+    std::vector<float> q(N), k(N), v(N), g(N), o(N, NAN), l(bh * n, NAN), dq(N, NAN), dk(N, NAN), dv(N, NAN);
+    std::vector<float> ro(N), rl(bh * n), rdq(N), rdk(N), rdv(N);
+    for (size_t i = 0; i < N; i++) { q[i] = randn(); k[i] = randn(); v[i] = randn(); g[i] = randn(); }
+    const float scale = 1.0f / sqrtf((float)d);
+    naive_attention(q.data(), k.data(), v.data(), g.data(), ro.data(), rl.data(), rdq.data(), rdk.data(), rdv.data(), bh, n, d, scale, causal);
+    tsys__cpu_flash_fwd(q.data(), k.data(), v.data(), o.data(), l.data(), bh, n, n, d, scale, causal);
+    tsys__cpu_flash_bwd(g.data(), q.data(), k.data(), v.data(), o.data(), l.data(), dq.data(), dk.data(), dv.data(), bh, n, n, d, scale, causal);
+    double e[5] = { rel_err(o.data(), ro.data(), N), rel_err(l.data(), rl.data(), bh * n), rel_err(dq.data(), rdq.data(), N),
+                    rel_err(dk.data(), rdk.data(), N), rel_err(dv.data(), rdv.data(), N) };
+    double worst = *std::max_element(e, e + 5);
+    report(worst < 1e-5, "cpu tiled vs naive(double) bh=%ld n=%ld d=%ld causal=%d: O %.1e L %.1e dQ %.1e dK %.1e dV %.1e",
+           bh, n, d, causal, e[0], e[1], e[2], e[3], e[4]);
+}
+
+// ---- CUDA vs CPU ------------------------------------------------------------------------------------
+static void check_cuda(int dt, long bh, long n, long d, bool causal) {
+    const size_t N = bh * n * d, R = bh * n;
+    Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, R);
+    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    o.poison(); lse.poison(); dq.poison(); dk.poison(); dv.poison(); scratch.poison();
+    const float scale = 1.0f / sqrtf((float)d);
+    CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, 0));
+    CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, 0));
+    CHECK(cudaDeviceSynchronize());
+    o.download(); lse.download(); dq.download(); dk.download(); dv.download();
+    // determinism: the backward again, into poisoned buffers, must give the same bytes
+    std::vector<unsigned char> dq1 = dq.raw, dk1 = dk.raw, dv1 = dv.raw;
+    dq.poison(); dk.poison(); dv.poison();
+    CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, 0));
+    CHECK(cudaDeviceSynchronize());
+    dq.download(); dk.download(); dv.download();
+    const bool same = dq1 == dq.raw && dk1 == dk.raw && dv1 == dv.raw;
+    // the CPU reference on the same (rounded) inputs
+    std::vector<float> ro(N), rl(R), rdq(N), rdk(N), rdv(N);
+    tsys__cpu_flash_fwd(q.h.data(), k.h.data(), v.h.data(), ro.data(), rl.data(), bh, n, n, d, scale, causal);
+    tsys__cpu_flash_bwd(g.h.data(), q.h.data(), k.h.data(), v.h.data(), ro.data(), rl.data(), rdq.data(), rdk.data(), rdv.data(), bh, n, n, d, scale, causal);
+    double e[5] = { rel_err(o.h.data(), ro.data(), N), rel_err(lse.h.data(), rl.data(), R), rel_err(dq.h.data(), rdq.data(), N),
+                    rel_err(dk.h.data(), rdk.data(), N), rel_err(dv.h.data(), rdv.data(), N) };
+    const double tol = dt == 0 ? 1e-4 : 1e-2;
+    double worst = *std::max_element(e, e + 5);
+    report(worst < tol && same, "cuda %-4s bh=%ld n=%-5ld d=%-3ld causal=%d: O %.1e L %.1e dQ %.1e dK %.1e dV %.1e  deterministic=%s",
+           dtype_name[dt], bh, n, d, causal, e[0], e[1], e[2], e[3], e[4], same ? "yes" : "NO");
+}
+
+static void run_tests() {
+    printf("== CPU tiled reference vs naive attention (double)\n");
+    check_cpu_vs_naive(4, 128, 64, false);
+    check_cpu_vs_naive(4, 128, 64, true);
+    check_cpu_vs_naive(2, 257, 80, true);
+    check_cpu_vs_naive(2, 17, 16, false);
+    printf("== CUDA vs CPU tiled reference\n");
+    for (int dt = 0; dt < 3; dt++)
+        for (int c = 0; c < 2; c++) check_cuda(dt, 4, 128, 64, c);   // the CS336 contract shape
+    static const long ns[] = { 1, 17, 100, 257 };
+    static const long ds[] = { 16, 32, 64, 80, 128 };
+    for (int dt = 0; dt < 3; dt++)
+        for (long n : ns)
+            for (int c = 0; c < 2; c++) check_cuda(dt, 3, n, 64, c);
+    for (int dt = 0; dt < 3; dt++)
+        for (long d : ds)
+            for (int c = 0; c < 2; c++) check_cuda(dt, 2, d == 80 ? 257 : 100, d, c);
+    for (int dt = 1; dt < 3; dt++) check_cuda(dt, 2, 1000, 64, true), check_cuda(dt, 2, 1000, 128, false);
+    check_cuda(0, 1, 700, 80, true);
+}
+
+// ---- timing --------------------------------------------------------------------------------------------
+template <typename F> static float time_ms(F f, int warm, int reps) {
+    cudaEvent_t a, b; CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
+    std::vector<float> t;
+    for (int i = 0; i < warm; i++) f();
+    for (int i = 0; i < reps; i++) {
+        CHECK(cudaEventRecord(a)); f(); CHECK(cudaEventRecord(b)); CHECK(cudaEventSynchronize(b));
+        float ms; CHECK(cudaEventElapsedTime(&ms, a, b)); t.push_back(ms);
+    }
+    CHECK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    cudaEventDestroy(a); cudaEventDestroy(b);
+    return t[t.size() / 2];
+}
+
+// Tile-shape variants of the bf16 causal kernels: each is checked against the default configuration's
+// outputs on a 300-row problem, then timed part by part on the benchmark shape.
+#define CFG(NAME, A, B, C_, E, F, G, H, I, J) struct NAME { \
+    static constexpr int FWD_MT = A, FWD_BK = B, FWD_NW = C_, DKDV_MK = E, DKDV_BQ = F, DKDV_NW = G, DQ_MQ = H, DQ_BK = I, DQ_NW = J; };
+CFG(v64a, 2, 64, 4, 1, 64, 8, 1, 64, 8)
+CFG(v64b, 1, 64, 8, 2, 32, 4, 2, 32, 4)
+CFG(v64c, 2, 32, 4, 2, 64, 4, 2, 64, 4)
+CFG(v64d, 1, 128, 4, 2, 32, 8, 1, 128, 8)
+CFG(v128a, 1, 64, 4, 1, 32, 8, 1, 32, 8)
+CFG(v128b, 2, 32, 4, 1, 64, 8, 1, 64, 8)
+CFG(v128c, 1, 64, 8, 1, 32, 4, 1, 32, 4)
+CFG(v128d, 1, 32, 4, 1, 32, 4, 1, 64, 4)
+
+template <int D, typename C> static void variant(const char *name, long bh, long n) {
+    typedef __nv_bfloat16 T;
+    const float scale = 1.0f / sqrtf((float)D);
+    // correctness against the default configuration
+    {
+        const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
+        Buf o2(1, N), dq2(1, N), dk2(1, N), dv2(1, N), lse2(0, R);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize();
+        o2.poison(); dq2.poison(); dk2.poison(); dv2.poison(); lse2.poison();
+        CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, 1, sb, sn, D, scale, true, 0));
+        CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)sc.d, 1, sb, sn, D, scale, true, 0));
+        CHECK((tsys__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
+        CHECK((tsys__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
+        CHECK(cudaDeviceSynchronize());
+        o.download(); lse.download(); dq.download(); dk.download(); dv.download();
+        o2.download(); lse2.download(); dq2.download(); dk2.download(); dv2.download();
+        double e = std::max({ rel_err(o2.h.data(), o.h.data(), N), rel_err(lse2.h.data(), lse.h.data(), R), rel_err(dq2.h.data(), dq.h.data(), N),
+                              rel_err(dk2.h.data(), dk.h.data(), N), rel_err(dv2.h.data(), dv.h.data(), N) });
+        report(e < 1e-2, "variant %s d=%d matches the default (worst rel err %.1e)", name, D, e);
+    }
+    const size_t N = bh * n * D, R = bh * n;
+    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
+    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    auto fwd = [&] { CHECK((tsys__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
+    auto part = [&](int p) { CHECK((tsys__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p))); };
+    fwd(); part(1);
+    float tf = time_ms(fwd, 3, 20), tdot = time_ms([&] { part(1); }, 3, 20), tkv = time_ms([&] { part(2); }, 3, 20), tq = time_ms([&] { part(4); }, 3, 20);
+    const double f = 4.0 * bh * n * n * D / 2;
+    printf("  variant %-6s bf16 bh=%ld n=%ld d=%d causal: fwd %.3f ms (%.0f TFLOP/s)  D %.3f  dkdv %.3f (%.0f of 4 mm)  dq %.3f (%.0f of 3 mm)  total %.3f ms\n",
+           name, bh, n, D, tf, f / tf / 1e9, tdot, tkv, 2 * f / tkv / 1e9, tq, 1.5 * f / tq / 1e9, tf + tdot + tkv + tq);
+    fflush(stdout);
+}
+
+static void run_variants() {
+    printf("== tile variants (bf16, causal, 16 x 16384)\n");
+    variant<64, v64a>("64a", 16, 16384); variant<64, v64b>("64b", 16, 16384);
+    variant<64, v64c>("64c", 16, 16384); variant<64, v64d>("64d", 16, 16384);
+    variant<128, v128a>("128a", 16, 16384); variant<128, v128b>("128b", 16, 16384);
+    variant<128, v128c>("128c", 16, 16384); variant<128, v128d>("128d", 16, 16384);
+}
+
+static void bench(int dt, long bh, long n, long d, bool causal) {
+    const size_t N = bh * n * d, R = bh * n;
+    Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, R);
+    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    const float scale = 1.0f / sqrtf((float)d);
+    auto fwd = [&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, 0)); };
+    auto bwd = [&] { CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, 0)); };
+    const int reps = n >= 8192 || dt == 0 ? 30 : 100;
+    float tf = time_ms(fwd, 5, reps), tb = time_ms(bwd, 5, reps), tfb = time_ms([&] { fwd(); bwd(); }, 5, reps);
+    const double f = 4.0 * bh * n * n * d / (causal ? 2 : 1);
+    printf("  %-4s bh=%ld n=%ld d=%ld causal=%d: fwd %.3f ms (%.1f TFLOP/s)  bwd %.3f ms (%.1f)  fwd+bwd %.3f ms (%.1f)\n",
+           dtype_name[dt], bh, n, d, causal, tf, f / tf / 1e9, tb, 2.5 * f / tb / 1e9, tfb, 3.5 * f / tfb / 1e9);
+    fflush(stdout);
+}
+
+static void run_perf() {
+    cudaDeviceProp p; CHECK(cudaGetDeviceProperties(&p, 0));
+    printf("== timings on %s (%d SMs)\n", p.name, p.multiProcessorCount);
+    bench(1, 16, 16384, 64, true);    // the CS336 leaderboard shape
+    bench(1, 16, 16384, 128, true);
+    bench(2, 16, 16384, 64, true);
+    bench(1, 16, 16384, 64, false);
+    bench(1, 16, 4096, 64, true);
+    bench(1, 32, 2048, 80, true);
+    bench(0, 16, 2048, 64, true);     // fp32 SIMT path, for the record
+}
+
+int main(int argc, char **argv) {
+    const char *mode = argc > 1 ? argv[1] : "all";
+    if (!strcmp(mode, "test") || !strcmp(mode, "all") || !strcmp(mode, "tv")) run_tests();
+    if (!strcmp(mode, "variants") || !strcmp(mode, "tv")) run_variants();
+    if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
+    printf("%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail ? 1 : 0;
+}
