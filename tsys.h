@@ -140,6 +140,8 @@ struct tsys_tensor {
     tsys__node *grad_fn;         // the tape node that produced this tensor (weak)
     int tape_uses;               // leaves: uses on the tape not yet processed by backward
     bool grad_touched;           // leaves: received a gradient in the backward now running
+    bool grad_zero;              // leaves: .grad holds stale bytes that count as zero (tsys_optim_zero_grad);
+                                 // the next gradient overwrites instead of adding, saving a fill and a read
     tsys_grad_hook_fn hook;      // leaves: fired once .grad is final for this backward
     void *hook_user;
     char name[TSYS_NAME_LEN];
@@ -1793,18 +1795,40 @@ TSYSDEF void tsys_tape_clear(tsys_ctx *ctx) {
     ctx->tape_len = 0;
 }
 
-// A leaf's gradient buffer, created zero-filled on first use; kernels may accumulate into it.
-static tsys_tensor *tsys__leaf_grad(tsys_ctx *ctx, tsys_tensor *leaf) {
+// A leaf's gradient buffer for a kernel to write: *overwrite says the kernel must store (the buffer
+// counts as zero) rather than add. Created on first use.
+static tsys_tensor *tsys__leaf_grad_for_write(tsys_ctx *ctx, tsys_tensor *leaf, bool *overwrite) {
+    *overwrite = false;
     if (!leaf->grad) {
         int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
         leaf->grad = tsys__new_like(ctx, leaf, leaf->dtype);
         tsys_mem_set_tag(ctx, tag);
         if (!leaf->grad) return NULL;
         tsys_tensor_set_name(leaf->grad, "%s.grad", leaf->name);
-        if (tsys_tensor_fill(ctx, leaf->grad, 0.0f) != TSYS_OK) return NULL;
+        leaf->grad_zero = true;
     }
+    *overwrite = leaf->grad_zero;
+    leaf->grad_zero = false;
     leaf->grad_touched = true;
     return leaf->grad;
+}
+
+// A leaf's gradient buffer holding real values (zero-filled when it counted as zero): kernels add into it.
+static tsys_tensor *tsys__leaf_grad(tsys_ctx *ctx, tsys_tensor *leaf) {
+    bool overwrite;
+    tsys_tensor *g = tsys__leaf_grad_for_write(ctx, leaf, &overwrite);
+    if (g && overwrite && tsys_tensor_fill(ctx, g, 0.0f) != TSYS_OK) return NULL;
+    return g;
+}
+
+// Gives every gradient that still counts as zero its zeros, before something reads the values.
+static tsys_status tsys__grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n) {
+    for (int i = 0; i < n; i++) {
+        if (!params[i]->grad || !params[i]->grad_zero) continue;
+        params[i]->grad_zero = false;
+        if (tsys_tensor_fill(ctx, params[i]->grad, 0.0f) != TSYS_OK) return ctx->status;
+    }
+    return TSYS_OK;
 }
 
 static tsys_tensor *tsys__cast_raw(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt) {
@@ -1827,8 +1851,11 @@ static tsys_status tsys__grad_add(tsys_ctx *ctx, tsys__slot *s, tsys_tensor *g) 
     tsys_status st = TSYS_OK;
     if (!g) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "backward: gradient missing");
     if (s->leaf) {
-        tsys_tensor *dst = tsys__leaf_grad(ctx, s->leaf);
-        st = dst ? tsys__accum(ctx, dst, g) : ctx->status;
+        bool overwrite;
+        tsys_tensor *dst = tsys__leaf_grad_for_write(ctx, s->leaf, &overwrite);
+        tsys_kargs a = tsys__kargs0();
+        a.t[0] = dst; a.t[1] = g;
+        st = !dst ? ctx->status : overwrite ? tsys__kernel(ctx, dst->device, TSYS_K_CAST, &a) : tsys__accum(ctx, dst, g);
     } else if (s->node) {
         tsys__node *n = s->node;
         if (!n->gout) {
@@ -2361,9 +2388,14 @@ static tsys_status tsys__bwd_pass(tsys_ctx *ctx, tsys__node *n, int j, tsys_tens
 
 // Gradient destination for a weight-like slot: the leaf's own fp32 grad (accumulate in place), or
 // a fresh zeroed tensor handed over afterwards. *fresh tells which.
-static tsys_tensor *tsys__grad_dest(tsys_ctx *ctx, tsys__node *n, int j, tsys_dtype want, bool *fresh) {
+// With `overwrite` non-NULL the caller can store instead of add: *overwrite tells it to.
+static tsys_tensor *tsys__grad_dest(tsys_ctx *ctx, tsys__node *n, int j, tsys_dtype want, bool *fresh, bool *overwrite) {
     tsys__slot *s = &n->in[j];
-    if (s->leaf && s->leaf->dtype == want) { *fresh = false; return tsys__leaf_grad(ctx, s->leaf); }
+    if (overwrite) *overwrite = false;
+    if (s->leaf && s->leaf->dtype == want) {
+        *fresh = false;
+        return overwrite ? tsys__leaf_grad_for_write(ctx, s->leaf, overwrite) : tsys__leaf_grad(ctx, s->leaf);
+    }
     *fresh = true;
     tsys_tensor *t = tsys_tensor_new(ctx, want, n->gout->device, s->ndim, s->shape);
     if (t && tsys_tensor_fill(ctx, t, 0.0f) != TSYS_OK) { tsys_tensor_release(t); return NULL; }
@@ -2389,16 +2421,16 @@ static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
         else tsys_tensor_release(dx);
     }
     if (st == TSYS_OK && n->in[1].needs) {   // dW += g^T x, accumulated in fp32 when W is the fp32 leaf
-        bool fresh;
-        tsys_tensor *dw = tsys__grad_dest(ctx, n, 1, n->in[1].dtype, &fresh);
+        bool fresh, overwrite;
+        tsys_tensor *dw = tsys__grad_dest(ctx, n, 1, n->in[1].dtype, &fresh, &overwrite);
         tsys_gemm_args ga = tsys__gemm_args(gl, x, dw, true, false, d_out, d_in, rows);
-        ga.beta = 1.0f;
+        ga.beta = overwrite ? 0.0f : 1.0f;
         st = dw ? tsys__gemm(ctx, &ga) : ctx->status;
         st = tsys__grad_dest_done(ctx, n, 1, dw, fresh, st);
     }
     if (st == TSYS_OK && n->in[2].needs) {
         bool fresh;
-        tsys_tensor *db = tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh);
+        tsys_tensor *db = tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh, NULL);
         tsys_kargs a = tsys__kargs0();
         a.t[0] = db; a.t[1] = gl;
         st = db ? tsys__kernel(ctx, g->device, TSYS_K_BIAS_GRAD, &a) : ctx->status;
@@ -2444,8 +2476,8 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
     tsys_kargs a = tsys__kargs0();
     bool fresh_w = false, fresh_b = false;
     tsys_tensor *dx = tsys__new_like(ctx, x, x->dtype);
-    tsys_tensor *dw = (w && n->in[1].needs) ? tsys__grad_dest(ctx, n, 1, TSYS_F32, &fresh_w) : NULL;
-    tsys_tensor *db = (layer && n->in[2].needs) ? tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh_b) : NULL;
+    tsys_tensor *dw = (w && n->in[1].needs) ? tsys__grad_dest(ctx, n, 1, TSYS_F32, &fresh_w, NULL) : NULL;
+    tsys_tensor *db = (layer && n->in[2].needs) ? tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh_b, NULL) : NULL;
     // kernels always write dw/db: give them scratch when the input wants no gradient
     tsys_tensor *scratch_w = (w && !dw) ? tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &w->shape[0]) : NULL;
     tsys_status st = dx ? TSYS_OK : ctx->status;
@@ -2485,7 +2517,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     case TSYS__OP_EMBEDDING: {
         if (!n->in[0].needs) break;
         bool fresh;
-        tsys_tensor *dw = tsys__grad_dest(ctx, n, 0, TSYS_F32, &fresh);
+        tsys_tensor *dw = tsys__grad_dest(ctx, n, 0, TSYS_F32, &fresh, NULL);
         a.t[0] = dw; a.t[1] = g; a.t[2] = n->saved[0];
         st = dw ? tsys__kernel(ctx, g->device, TSYS_K_EMBED_BWD, &a) : ctx->status;
         st = tsys__grad_dest_done(ctx, n, 0, dw, fresh, st);
@@ -2943,8 +2975,8 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
     if (ctx->status != TSYS_OK) return ctx->status;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     o->step++;
-    tsys_status st = TSYS_OK;
-    if (o->adamw) {
+    tsys_status st = tsys__grads_settle(ctx, o->params, o->n);
+    if (st == TSYS_OK && o->adamw) {
         tsys_kargs inc = tsys__kargs0();
         inc.t[0] = o->step_t;
         st = tsys__kernel(ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
@@ -2968,16 +3000,20 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
 
 TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
     for (int i = 0; i < n; i++)
-        if (params[i]->grad) tsys_tensor_fill(ctx, params[i]->grad, 0.0f);
+        if (params[i]->grad) { tsys_tensor_fill(ctx, params[i]->grad, 0.0f); params[i]->grad_zero = false; }
 }
+// Marks the gradients as zero without touching memory: the next backward stores its first
+// contribution instead of adding it (a gradient-sized fill and read fewer per step). Anything
+// in tsys that reads gradients (optimizer, clipping, loss scaling) fills the untouched ones first.
 TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) {
-    if (o->flat_g) tsys_tensor_fill(o->ctx, o->flat_g, 0.0f);
-    else tsys_zero_grads(o->ctx, o->params, o->n);
+    for (int i = 0; i < o->n; i++)
+        if (o->params[i]->grad) o->params[i]->grad_zero = true;
 }
 
 // Sum over gradients of kernel k's scalar (SUMSQ or NONFINITE), read back once.
 static double tsys__grads_reduce(tsys_ctx *ctx, tsys_tensor **params, int n, tsys_kernel k) {
     if (n == 0) return 0.0;
+    if (tsys__grads_settle(ctx, params, n) != TSYS_OK) return NAN;
     tsys_tensor *acc = tsys__scalar(ctx, params[0]->device);
     if (!acc || tsys_tensor_fill(ctx, acc, 0.0f) != TSYS_OK) { tsys_tensor_release(acc); return NAN; }
     for (int i = 0; i < n; i++) {

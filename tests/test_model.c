@@ -243,6 +243,43 @@ TSYS_TEST(adamw_matches_reference_math) {
     tsys_ctx_free(ctx);
 }
 
+// zero_grad only marks gradients as zero: the next backward must overwrite them, and a parameter
+// the backward never reaches must still see zeros in the optimizer, not last step's values.
+TSYS_TEST(lazy_zero_grad_overwrites_and_settles) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[2] = {3, 3};
+    tsys_tensor *used = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, s), *unused = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, s);
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, s);
+    tsys_tensor_randn(ctx, used, 1); tsys_tensor_randn(ctx, unused, 1); tsys_tensor_randn(ctx, x, 1);
+    tsys_tensor *ps[2] = {used, unused};
+    for (int i = 0; i < 2; i++) tsys_tensor_set_requires_grad(ps[i], true);
+    tsys_optim *opt = tsys_sgd_new(ctx, ps, 2, 0.5f);
+    // step 1 uses both parameters, so both hold non-zero gradients afterwards
+    tsys_tensor *h = tsys_linear(ctx, x, used, NULL), *h2 = tsys_linear(ctx, h, unused, NULL), *l = tsys_sum(ctx, h2);
+    tsys_backward(ctx, l);
+    tsys_optim_step(opt);
+    tsys_tensor_release(h); tsys_tensor_release(h2); tsys_tensor_release(l);
+    tsys_optim_zero_grad(opt);
+    float before_unused[9], before_used[9], g_expect[9];
+    memcpy(before_unused, tsys_tensor_data(unused), sizeof(before_unused));
+    memcpy(before_used, tsys_tensor_data(used), sizeof(before_used));
+    // step 2 reaches only `used`: d sum(x W^T) / dW = column sums of x, for every row of W
+    h = tsys_linear(ctx, x, used, NULL); l = tsys_sum(ctx, h);
+    tsys_backward(ctx, l);
+    const float *xv = (const float *)tsys_tensor_data(x);
+    for (int r = 0; r < 3; r++) for (int c = 0; c < 3; c++) g_expect[r * 3 + c] = xv[c] + xv[3 + c] + xv[6 + c];
+    tsys_optim_step(opt);
+    double worst_used = 0;
+    for (int i = 0; i < 9; i++) worst_used = fmax(worst_used, fabs(((float *)tsys_tensor_data(used))[i] - (before_used[i] - 0.5f * g_expect[i])));
+    TEST_CHECK(worst_used < 1e-5, "the new gradient was added to the old one: error %g", worst_used);
+    TEST_CHECK(memcmp(before_unused, tsys_tensor_data(unused), sizeof(before_unused)) == 0, "an unreached parameter moved with a stale gradient");
+    tsys_tensor_release(h); tsys_tensor_release(l);
+    tsys_optim_free(opt);
+    for (int i = 0; i < 2; i++) tsys_tensor_release(ps[i]);
+    tsys_tensor_release(x);
+    tsys_ctx_free(ctx);
+}
+
 TSYS_TEST(clip_and_cosine_schedule) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     int64_t s[1] = {2};
