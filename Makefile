@@ -1,5 +1,5 @@
 # tsys - build, test and benchmark.
-#   make            CPU drivers (build/e2e, build/precision)
+#   make            CPU drivers (build/e2e, build/precision, build/attn)
 #   make test       CPU tests (what CI runs); also compiles the CUDA code when nvcc is present
 #   make cuda       CUDA drivers (build/e2e_cuda ...), on a machine with nvcc
 #   make test-cuda  CUDA tests (needs a GPU)
@@ -20,8 +20,8 @@ NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_WITH_CUD
 NVLIBS  = -lcublasLt -lcublas $(BLAS_LIB) -lgomp
 
 HEADERS = tsys.h $(wildcard drivers/*.h)
-CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision
-CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu
+CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn
+CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
 .PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean
@@ -74,7 +74,7 @@ run-tests: header-check $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
 	echo "$$pass passed, $$fail failed"; [ $$fail -eq 0 ]
 
 # CUDA builds (nvcc compiles the same driver sources as CUDA C++).
-CUDA_DRIVERS = $(BUILD)/e2e_cuda
+CUDA_DRIVERS = $(BUILD)/e2e_cuda $(BUILD)/attn_cuda
 CUDA_TESTS = $(BUILD)/test_cuda
 $(BUILD)/%_cuda: drivers/%.c $(HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -x cu $< -o $@ $(NVLIBS)

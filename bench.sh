@@ -1,24 +1,40 @@
 #!/usr/bin/env bash
 # bench.sh - sweeps that print the tables of the CS336 report.
-#   ./bench.sh [section ...]      sections: e2e warmup precision (default: all three)
+#   ./bench.sh [section ...]      sections: e2e warmup precision attn flash leaderboard (default: all)
+#     attn         CS336 pytorch_attention: naive vs flash, batch 8, d x seq, fp32, memory before backward
+#     flash        CS336 flash_benchmarking: batch 1, causal, seq 128..65536, d 16..128, bf16 + fp32
+#     leaderboard  the CS336 FlashAttention-2 leaderboard shape (16 heads x 16384 x 64, bf16, causal)
 # Environment: DEVICE=cpu|cuda (default: cuda when a GPU and nvcc are present), MODELS, CONTEXT,
-# STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there).
+# STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there);
+# attention sections: ATTN_SEQ, ATTN_D, ATTN_BATCH, ATTN_REPS override the sizes (on the CPU they
+# default to small ones so that the sweeps finish in minutes).
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ -z "${DEVICE:-}" ]; then
   if command -v nvcc >/dev/null && nvidia-smi -L 2>/dev/null | grep -q GPU; then DEVICE=cuda; else DEVICE=cpu; fi
 fi
 if [ "$DEVICE" = cuda ]; then
-  make -s build/e2e_cuda build/precision; E2E=build/e2e_cuda
+  make -s build/e2e_cuda build/precision build/attn_cuda; E2E=build/e2e_cuda; ATTN=build/attn_cuda
   MODELS=${MODELS:-small,medium,large,xl,2.7B}; DTYPES=${DTYPES:-fp32,bf16}
+  attn_args=(); flash_args=(); lb_args=()   # the presets' own sizes
 else
-  make -s all; E2E=build/e2e
+  make -s all; E2E=build/e2e; ATTN=build/attn
   MODELS=${MODELS:-small}; DTYPES=${DTYPES:-fp32,bf16}   # larger presets take minutes per step on a CPU
+  # the CPU flash attention is the fp32 reference (no bf16) and slow: small sizes, few repeats
+  attn_args=(--batch 2 --seq 256,1024 --d 16,64 --warmup 1 --reps 3)
+  flash_args=(--seq 128,256,512,1024 --d 16,64 --dtype fp32 --warmup 1 --reps 3)
+  lb_args=(--seq 512 --dtype fp32 --warmup 1 --reps 3)
 fi
 CONTEXT=${CONTEXT:-256}; STEPS=${STEPS:-10}; WARMUP=${WARMUP:-5}; FORMAT=${FORMAT:-md}
 OUT=${OUT:-}
 [ -n "$OUT" ] && mkdir -p "$OUT"
-sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(e2e warmup precision)
+sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(e2e warmup precision attn flash leaderboard)
+# explicit sizes for the attention sections (the same for all three)
+attn_env=()
+[ -n "${ATTN_SEQ:-}" ] && attn_env+=(--seq "$ATTN_SEQ")
+[ -n "${ATTN_D:-}" ] && attn_env+=(--d "$ATTN_D")
+[ -n "${ATTN_BATCH:-}" ] && attn_env+=(--batch "$ATTN_BATCH")
+[ -n "${ATTN_REPS:-}" ] && attn_env+=(--reps "$ATTN_REPS")
 
 save() { if [ -n "$OUT" ]; then tee "$OUT/$1"; else cat; fi; }
 
@@ -35,7 +51,16 @@ for s in "${sections[@]}"; do
     done | awk 'NR == 1 || !/^device,/' | save warmup.csv ;;
   precision)
     build/precision | save precision.md ;;
-  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision)" >&2; exit 2 ;;
+  attn)
+    echo "## pytorch_attention: naive vs flash attention, fp32, no head dim ($DEVICE)"
+    $ATTN --device "$DEVICE" --sweep pytorch_attention ${attn_args[@]+"${attn_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" | save attn.$FORMAT ;;
+  flash)
+    echo "## flash_benchmarking: batch 1, causal, naive vs flash ($DEVICE)"
+    $ATTN --device "$DEVICE" --sweep flash_benchmarking ${flash_args[@]+"${flash_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" | save flash.$FORMAT ;;
+  leaderboard)
+    echo "## FlashAttention-2 leaderboard shape: o = attention(q, k, v, causal); o.sum().backward() ($DEVICE)"
+    $ATTN --device "$DEVICE" --sweep leaderboard ${lb_args[@]+"${lb_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" | save leaderboard.$FORMAT ;;
+  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard)" >&2; exit 2 ;;
   esac
   echo
 done

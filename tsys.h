@@ -404,7 +404,8 @@ TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int whic
 TSYSDEF void tsys_optim_free(tsys_optim *opt);
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm);   // returns the norm before clipping
 TSYSDEF double tsys_cosine_lr(int64_t it, double max_lr, double min_lr, int64_t warmup_iters, int64_t cosine_cycle_iters);
-TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n);
+TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n);          // lazy: marks them zero (see the implementation)
+TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n); // writes the zeros of gradients marked zero
 
 // fp16 dynamic loss scaling, torch.cuda.amp.GradScaler semantics
 typedef struct tsys_grad_scaler {
@@ -1642,23 +1643,21 @@ static const tsys_backend tsys__cpu_backend = {
     "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL, NULL,
 };
 
+// Flash attention on fp32 views of the tensors (bf16/fp16 inputs are widened, outputs rounded back).
 static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
     tsys_tensor *const *t = a->t;
-    for (int j = 0; j < (k == TSYS_K_FLASH_FWD ? 5 : 9); j++)
-        if (t[j]->dtype != TSYS_F32) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "cpu flash attention takes fp32 tensors ('%s' is %s)", t[j]->name, tsys_dtype_name(t[j]->dtype));
-    if (k == TSYS_K_FLASH_FWD) {
-        const tsys_tensor *q = t[2], *kk = t[3];
-        int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
-        tsys__cpu_flash_fwd((const float *)tsys_tensor_data(q), (const float *)tsys_tensor_data(kk), (const float *)tsys_tensor_data(t[4]),
-                            (float *)tsys_tensor_data(t[0]), (float *)tsys_tensor_data(t[1]), bh, nq, nk, d, a->f[0], a->i[0] != 0);
-    } else {
-        const tsys_tensor *q = t[4], *kk = t[5];
-        int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
-        tsys__cpu_flash_bwd((const float *)tsys_tensor_data(t[3]), (const float *)tsys_tensor_data(q), (const float *)tsys_tensor_data(kk),
-                            (const float *)tsys_tensor_data(t[6]), (const float *)tsys_tensor_data(t[7]), (const float *)tsys_tensor_data(t[8]),
-                            (float *)tsys_tensor_data(t[0]), (float *)tsys_tensor_data(t[1]), (float *)tsys_tensor_data(t[2]), bh, nq, nk, d, a->f[0], a->i[0] != 0);
-    }
-    return TSYS_OK;
+    int nt = k == TSYS_K_FLASH_FWD ? 5 : 9, nout = k == TSYS_K_FLASH_FWD ? 2 : 3;
+    tsys__fbuf b[9];
+    bool ok = true;
+    for (int j = 0; j < nt; j++) { b[j] = j < nout ? tsys__fout(t[j], false) : tsys__fin(t[j]); ok = ok && b[j].p; }
+    const tsys_tensor *q = t[k == TSYS_K_FLASH_FWD ? 2 : 4], *kk = t[k == TSYS_K_FLASH_FWD ? 3 : 5];
+    int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
+    if (ok && k == TSYS_K_FLASH_FWD)
+        tsys__cpu_flash_fwd(b[2].p, b[3].p, b[4].p, b[0].p, b[1].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
+    else if (ok)
+        tsys__cpu_flash_bwd(b[3].p, b[4].p, b[5].p, b[6].p, b[7].p, b[8].p, b[0].p, b[1].p, b[2].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
+    for (int j = 0; j < nt; j++) tsys__fdone(&b[j], j < nout ? t[j] : NULL);
+    return ok ? TSYS_OK : TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu flash attention: out of host memory for fp32 scratch");
 }
 
 static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a) {
@@ -2998,17 +2997,17 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
     return st;
 }
 
+// Marks the gradients as zero without touching memory (like torch's zero_grad(set_to_none=True)):
+// the next backward stores its first contribution instead of adding it, a gradient-sized fill and
+// read fewer per step. Whatever in tsys reads gradients (optimizers, clipping, loss scaling) fills
+// the ones no backward has written since; read .grad yourself only after tsys_grads_settle.
 TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
+    (void)ctx;
     for (int i = 0; i < n; i++)
-        if (params[i]->grad) { tsys_tensor_fill(ctx, params[i]->grad, 0.0f); params[i]->grad_zero = false; }
+        if (params[i]->grad) params[i]->grad_zero = true;
 }
-// Marks the gradients as zero without touching memory: the next backward stores its first
-// contribution instead of adding it (a gradient-sized fill and read fewer per step). Anything
-// in tsys that reads gradients (optimizer, clipping, loss scaling) fills the untouched ones first.
-TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) {
-    for (int i = 0; i < o->n; i++)
-        if (o->params[i]->grad) o->params[i]->grad_zero = true;
-}
+TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n) { return tsys__grads_settle(ctx, params, n); }
+TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) { tsys_zero_grads(o->ctx, o->params, o->n); }
 
 // Sum over gradients of kernel k's scalar (SUMSQ or NONFINITE), read back once.
 static double tsys__grads_reduce(tsys_ctx *ctx, tsys_tensor **params, int n, tsys_kernel k) {

@@ -722,6 +722,251 @@ TSYS_TEST(perf_kernels) {
     tsys_ctx_clear_error(ctx);
 }
 
+// ---- FlashAttention-2 ---------------------------------------------------------------------------
+// The CS336 attention contract on CUDA through the public ops: tsys_flash_attention on the GPU (fp32,
+// bf16, fp16 tensors) against the CPU reference op (fp32 tiled flash, itself checked against naive
+// attention by tests/test_attention.c) on the same values: the low-precision inputs are rounded first,
+// so only the kernels' own rounding counts. O, L and dQ/dK/dV (tsys_backward_with a random dO).
+// Outputs come from a poisoned cache: just before the CUDA op runs, blocks of every output's size
+// class are filled with NaN and freed, so the op's outputs land in NaN memory and an element a kernel
+// forgets to write fails the check.
+
+// Relative error with the denominator floored at 1e-2 * sqrt(n): at seq 1, dQ = dK = 0 exactly and a
+// relative error against zero means nothing (the flash lab uses the same floor).
+static double tc_fa_err(const float *got, const float *ref, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (got[i] != got[i] || ref[i] != ref[i]) return INFINITY;
+        double d = (double)got[i] - ref[i];
+        num += d * d; den += (double)ref[i] * ref[i];
+    }
+    return sqrt(num) / fmax(sqrt(den), 1e-2 * sqrt((double)n));
+}
+
+static double tc_fa_tol(tsys_dtype dt) { return dt == TSYS_F32 ? 1e-4 : 1e-2; }
+
+typedef struct tc_fa_out { float *o, *l, *dq, *dk, *dv; int64_t n, nl; } tc_fa_out;
+static void tc_fa_out_free(tc_fa_out *r) { free(r->o); free(r->l); free(r->dq); free(r->dk); free(r->dv); memset(r, 0, sizeof *r); }
+
+// NaN-filled blocks of the output sizes go back to the cache; the next allocations of those sizes get them.
+static void tc_fa_poison(tsys_ctx *ctx, tsys_dtype dt, int64_t n, int64_t nl) {
+    tsys_tensor *t[10];
+    for (int i = 0; i < 10; i++) {
+        t[i] = i < 8 ? tsys_tensor_new(ctx, dt, TSYS_CUDA, 1, &n) : tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &nl);
+        if (t[i]) tsys_tensor_fill(ctx, t[i], NAN);
+    }
+    for (int i = 10; i-- > 0;) tsys_tensor_release(t[i]);
+}
+
+// One forward + backward of flash attention on dev with dtype dt from the host values vals[0..3]
+// (q, k, v, dO); the results come back as fp32 host arrays.
+static bool tc_fa_run(tsys_ctx *ctx, tsys_device dev, tsys_dtype dt, int nd, const int64_t *shape, float *const vals[4], bool causal, tc_fa_out *r) {
+    memset(r, 0, sizeof *r);
+    tc_arg a;
+    memset(&a, 0, sizeof a);
+    a.role = R_IN; a.dt = dt; a.ndim = nd;
+    for (int i = 0; i < nd; i++) a.shape[i] = shape[i];
+    tsys_tensor *t[4];
+    for (int i = 0; i < 4; i++) t[i] = tc_make(ctx, &a, dev, vals[i]);
+    for (int i = 0; i < 3; i++) tsys_tensor_set_requires_grad(t[i], true);
+    int64_t n = tsys_tensor_numel(t[0]), nl = n / shape[nd - 1];
+    if (dev == TSYS_CUDA) tc_fa_poison(ctx, dt, n, nl);
+    tsys_tensor *lse = NULL, *o = tsys_flash_attention(ctx, t[0], t[1], t[2], causal, &lse);
+    if (o && lse) {
+        r->o = test_read(ctx, o); r->l = test_read(ctx, lse); r->n = n; r->nl = tsys_tensor_numel(lse);
+        if (tsys_backward_with(ctx, o, t[3]) == TSYS_OK && t[0]->grad && t[1]->grad && t[2]->grad) {
+            r->dq = test_read(ctx, t[0]->grad); r->dk = test_read(ctx, t[1]->grad); r->dv = test_read(ctx, t[2]->grad);
+        }
+    }
+    tsys_tensor_release(o); tsys_tensor_release(lse);
+    for (int i = 0; i < 4; i++) { if (i < 3) { tsys_tensor_release(t[i]->grad); t[i]->grad = NULL; } tsys_tensor_release(t[i]); }
+    bool ok = tsys_ctx_status(ctx) == TSYS_OK && r->o && r->l && r->dq && r->dk && r->dv;
+    TEST_CHECK(ok, "flash %s %s: %s", dev == TSYS_CUDA ? "cuda" : "cpu", tsys_dtype_name(dt), tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_tape_size(ctx) == 0, "tape not empty after backward");
+    tsys_tape_clear(ctx);
+    tsys_ctx_clear_error(ctx);
+    if (!ok) tc_fa_out_free(r);
+    return ok;
+}
+
+static float tc_round(tsys_dtype dt, float v) {
+    return dt == TSYS_BF16 ? tsys_bf16_to_f32(tsys_f32_to_bf16(v)) : dt == TSYS_F16 ? tsys_f16_to_f32(tsys_f32_to_f16(v)) : v;
+}
+
+// The contract for one shape and dtype: CUDA flash against the CPU reference; with `twice`, a second
+// CUDA pass must give the same bits. Returns the worst relative error (for the printed summary).
+static double tc_fa_case(tsys_dtype dt, int nd, const int64_t *shape, bool causal, bool twice) {
+    tsys_ctx *ctx = tc_ctx();
+    TEST_CHECK(ctx != NULL, "no GPU");
+    if (!ctx) return INFINITY;
+    int64_t n = 1;
+    for (int i = 0; i < nd; i++) n *= shape[i];
+    float *vals[4];
+    for (int i = 0; i < 4; i++) {
+        vals[i] = (float *)malloc(sizeof(float) * (size_t)n);
+        for (int64_t j = 0; j < n; j++) vals[i][j] = tc_round(dt, tc_normal());
+    }
+    char cfg[96];
+    int len = snprintf(cfg, sizeof cfg, "%s (", tsys_dtype_name(dt));
+    for (int i = 0; i < nd; i++) len += snprintf(cfg + len, sizeof cfg - (size_t)len, "%s%lld", i ? "," : "", (long long)shape[i]);
+    snprintf(cfg + len, sizeof cfg - (size_t)len, ")%s", causal ? " causal" : "");
+    double worst = INFINITY;
+    tc_fa_out ref, got, again;
+    if (tc_fa_run(ctx, TSYS_CPU, TSYS_F32, nd, shape, vals, causal, &ref)) {
+        if (tc_fa_run(ctx, TSYS_CUDA, dt, nd, shape, vals, causal, &got)) {
+            double tol = tc_fa_tol(dt);
+            double e[5] = { tc_fa_err(got.o, ref.o, n), tc_fa_err(got.l, ref.l, ref.nl), tc_fa_err(got.dq, ref.dq, n),
+                            tc_fa_err(got.dk, ref.dk, n), tc_fa_err(got.dv, ref.dv, n) };
+            const char *names[5] = { "O", "L", "dQ", "dK", "dV" };
+            worst = 0;
+            for (int i = 0; i < 5; i++) {
+                TEST_CHECK(e[i] <= tol, "%s: %s rel err %.3g (tol %.0e)%s", cfg, names[i], e[i], tol, isinf(e[i]) ? " (NaN: unwritten element?)" : "");
+                if (e[i] > worst) worst = e[i];
+            }
+            TEST_CHECK(got.nl == ref.nl, "%s: L has %lld elements, cpu %lld", cfg, (long long)got.nl, (long long)ref.nl);
+            if (dt == TSYS_F32) {   // the handout's own criterion
+                const float *g5[5] = { got.o, got.l, got.dq, got.dk, got.dv }, *r5[5] = { ref.o, ref.l, ref.dq, ref.dk, ref.dv };
+                for (int i = 0; i < 5; i++)
+                    TEST_CHECK(tsys_test_close_ratio(g5[i], r5[i], i == 1 ? ref.nl : n, 1e-2, 1e-2) <= 1.0, "%s: %s fails assert_close(1e-2, 1e-2)", cfg, names[i]);
+            }
+            if (twice && tc_fa_run(ctx, TSYS_CUDA, dt, nd, shape, vals, causal, &again)) {
+                TEST_CHECK(!memcmp(got.o, again.o, sizeof(float) * (size_t)n) && !memcmp(got.l, again.l, sizeof(float) * (size_t)got.nl), "%s: forward not bit-identical", cfg);
+                TEST_CHECK(!memcmp(got.dq, again.dq, sizeof(float) * (size_t)n) && !memcmp(got.dk, again.dk, sizeof(float) * (size_t)n)
+                           && !memcmp(got.dv, again.dv, sizeof(float) * (size_t)n), "%s: backward not bit-identical", cfg);
+                tc_fa_out_free(&again);
+            }
+            tc_fa_out_free(&got);
+        }
+        tc_fa_out_free(&ref);
+    }
+    for (int i = 0; i < 4; i++) free(vals[i]);
+    return worst;
+}
+
+// The handout's shape, (4, 128, 64), in every dtype, causal and not; fp32 also against the handout's tolerance.
+TSYS_TEST(cuda_flash_cs336_contract) {
+    double w[3] = { 0, 0, 0 };
+    for (int di = 0; di < 3; di++)
+        for (int c = 0; c < 2; c++) { int64_t s[3] = { 4, 128, 64 }; w[di] = fmax(w[di], tc_fa_case(tc_floats[di], 3, s, c == 1, true)); }
+    printf("(worst rel err fp32 %.1e, bf16 %.1e, fp16 %.1e) ", w[0], w[1], w[2]);
+}
+
+TSYS_TEST(cuda_flash_odd_lengths) {
+    static const int64_t ns[] = { 1, 17, 100, 257, 1000 };
+    for (int di = 0; di < 3; di++)
+        for (int i = 0; i < 5; i++)
+            for (int c = 0; c < 2; c++) { int64_t s[3] = { 2, ns[i], 64 }; tc_fa_case(tc_floats[di], 3, s, c == 1, false); }
+}
+
+TSYS_TEST(cuda_flash_head_dims) {   // 80: the 2.7B model's head dim, 5 tensor-core k-steps
+    static const int64_t ds[] = { 16, 32, 80, 128 };
+    for (int di = 0; di < 3; di++)
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < 2; c++) { int64_t s[3] = { 3, 257, ds[i] }; tc_fa_case(tc_floats[di], 3, s, c == 1, false); }
+}
+
+// (batch, heads, seq, d) inputs, and the backward bit-identical from run to run at a size with many tiles.
+TSYS_TEST(cuda_flash_4d_deterministic) {
+    for (int di = 0; di < 3; di++)
+        for (int c = 0; c < 2; c++) {
+            int64_t s4[4] = { 2, 3, 100, 64 }; tc_fa_case(tc_floats[di], 4, s4, c == 1, true);
+            int64_t s3[3] = { 4, 1027, 80 }; tc_fa_case(tc_floats[di], 3, s3, c == 1, true);
+        }
+}
+
+// A head dim without a kernel is an error with a message, and the context works afterwards.
+TSYS_TEST(cuda_flash_unsupported_head_dim) {
+    TC_CTX(ctx);
+    int64_t s[3] = { 2, 64, 40 };
+    tsys_tensor *q = tc_rand(ctx, TSYS_BF16, 3, s, 1);
+    tsys_tensor *o = tsys_flash_attention(ctx, q, q, q, true, NULL);
+    TEST_CHECK(o == NULL && tsys_ctx_status(ctx) != TSYS_OK, "head dim 40 must fail, status %d", (int)tsys_ctx_status(ctx));
+    TEST_CHECK(strstr(tsys_ctx_last_error(ctx), "head dim") != NULL, "message '%s' should name the head dim", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(o);
+    tsys_tape_clear(ctx);
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_tensor_fill(ctx, q, 1.0f) == TSYS_OK && tsys_sync(ctx, TSYS_CUDA) == TSYS_OK, "context broken after the error: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(q);
+    tsys_ctx_clear_error(ctx);
+}
+
+// Memory past the inputs during forward+backward, from the tracker: linear in seq for flash.
+static int64_t tc_fa_extra_bytes(tsys_ctx *ctx, bool flash, int64_t n) {
+    int64_t s[4] = { 1, 16, n, 64 };
+    tsys_tensor *q = tc_rand(ctx, TSYS_BF16, 4, s, 1), *k = tc_rand(ctx, TSYS_BF16, 4, s, 1), *v = tc_rand(ctx, TSYS_BF16, 4, s, 1), *g = tc_rand(ctx, TSYS_BF16, 4, s, 1);
+    tsys_tensor_set_requires_grad(q, true); tsys_tensor_set_requires_grad(k, true); tsys_tensor_set_requires_grad(v, true);
+    int64_t base = tsys_mem_stats_get(ctx, TSYS_CUDA).live_bytes;
+    tsys_mem_reset_peak(ctx, TSYS_CUDA);
+    tsys_tensor *o = flash ? tsys_flash_attention(ctx, q, k, v, true, NULL) : tsys_attention_naive(ctx, q, k, v, true);
+    tsys_backward_with(ctx, o, g);
+    tsys_tensor_release(o);
+    int64_t extra = tsys_mem_stats_get(ctx, TSYS_CUDA).peak_bytes - base;
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s n=%lld: %s", flash ? "flash" : "naive", (long long)n, tsys_ctx_last_error(ctx));
+    tsys_tensor *t[3] = { q, k, v };
+    for (int i = 0; i < 3; i++) { tsys_tensor_release(t[i]->grad); t[i]->grad = NULL; tsys_tensor_release(t[i]); }
+    tsys_tensor_release(g);
+    tsys_tape_clear(ctx);
+    tsys_ctx_clear_error(ctx);
+    return extra;
+}
+
+TSYS_TEST(cuda_flash_memory_linear) {
+    TC_CTX(ctx);
+    int64_t f1 = tc_fa_extra_bytes(ctx, true, 4096), f2 = tc_fa_extra_bytes(ctx, true, 8192);
+    int64_t n1 = tc_fa_extra_bytes(ctx, false, 2048), n2 = tc_fa_extra_bytes(ctx, false, 4096);
+    TEST_CHECK(f1 > 0 && (double)f2 / (double)f1 <= 2.1, "flash extra memory %lld -> %lld bytes when seq doubles (want <= 2.1x)", (long long)f1, (long long)f2);
+    TEST_CHECK(n1 > 0 && (double)n2 / (double)n1 >= 3.5, "naive extra memory %lld -> %lld bytes when seq doubles (want ~4x)", (long long)n1, (long long)n2);
+    printf("(flash %.1f -> %.1f MiB at seq 4096 -> 8192; naive %.1f -> %.1f MiB at 2048 -> 4096) ", f1 / 1048576.0, f2 / 1048576.0, n1 / 1048576.0, n2 / 1048576.0);
+    tsys_cuda_empty_cache(ctx);
+}
+
+// The model with attn "flash" against the same weights with attn "naive", both on CUDA: logits, loss
+// and every gradient. T = 100 is not a multiple of any tile.
+static void tc_fa_model_check(tsys_dtype autocast, double tol_logits, double tol_grad) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    d.context_length = 128;
+    d.attn = "naive";
+    tsys_model *mn = tsys_model_new(ctx, &d, TSYS_CUDA, 7);
+    d.attn = "flash";
+    tsys_model *mf = mn ? tsys_model_new(ctx, &d, TSYS_CUDA, 8) : NULL;
+    TEST_CHECK(mn && mf, "model creation: %s", tsys_ctx_last_error(ctx));
+    if (!mn || !mf) { tsys_model_free(mn); tsys_ctx_clear_error(ctx); return; }
+    int n = tsys_model_num_tensors(mn);
+    tsys_tensor **pn = tsys_model_params(mn), **pf = tsys_model_params(mf);
+    for (int i = 0; i < n; i++) tsys_tensor_copy_from(ctx, pf[i], pn[i]);
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 100, d.vocab_size, 31), *tg = tc_ids(ctx, TSYS_CUDA, 2, 100, d.vocab_size, 37);
+    tsys_tensor *logits[2], *loss[2];
+    for (int m = 0; m < 2; m++) {
+        if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
+        logits[m] = tsys_model_forward(m ? mf : mn, ids);
+        loss[m] = tsys_cross_entropy(ctx, logits[m], tg);
+        if (autocast != TSYS_F32) tsys_autocast_end(ctx);
+        tsys_backward(ctx, loss[m]);
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    if (tsys_ctx_status(ctx) == TSYS_OK) {
+        float ln = tsys_item(ctx, loss[0]), lf = tsys_item(ctx, loss[1]);
+        double el = tc_compare(ctx, logits[1], logits[0]);
+        TEST_CHECK(el <= tol_logits, "logits flash vs naive rel err %.3g (tol %.0e)", el, tol_logits);
+        TEST_CHECK(fabsf(ln - lf) <= tol_logits * fabsf(ln), "loss naive %.7f flash %.7f", ln, lf);
+        double worst = 0;
+        for (int i = 0; i < n; i++) {
+            double e = tc_compare(ctx, pf[i]->grad, pn[i]->grad);
+            TEST_CHECK(e <= tol_grad, "grad of %s flash vs naive rel err %.3g (tol %.0e)", pn[i]->name, e, tol_grad);
+            if (e > worst) worst = e;
+        }
+        printf("(loss naive %.6f flash %.6f, worst grad rel err %.1e) ", ln, lf, worst);
+    }
+    for (int m = 0; m < 2; m++) { tsys_tensor_release(logits[m]); tsys_tensor_release(loss[m]); }
+    tsys_tensor_release(ids); tsys_tensor_release(tg);
+    tsys_model_free(mn); tsys_model_free(mf);
+    tsys_ctx_clear_error(ctx);
+}
+
+TSYS_TEST(cuda_flash_model_fp32) { tc_fa_model_check(TSYS_F32, 1e-5, 1e-4); }
+TSYS_TEST(cuda_flash_model_bf16_autocast) { tc_fa_model_check(TSYS_BF16, 2e-2, 5e-2); }
+
 int main(int argc, char **argv) {
     int rc = tsys_test_main(argc, argv);
     tsys_ctx *ctx = tc_ctx();

@@ -1,0 +1,390 @@
+// attn - the attention benchmark: naive attention (scores, softmax, final matmul, every intermediate
+// kept for backward) against FlashAttention-2, forward, backward and forward+backward latency,
+// TFLOP/s, memory in use before backward and peak memory, one row per configuration.
+//
+//   attn --sweep pytorch_attention               # CS336 problem 6: batch 8, d x seq, fp32, naive vs flash
+//   attn --sweep flash_benchmarking              # CS336 problem 10: batch 1, causal, seq 128..65536, bf16 + fp32
+//   attn --sweep leaderboard                     # the CS336 leaderboard shape: 16 heads x 16384 x 64, bf16, causal
+//   attn --impl flash --heads 16 --seq 4096 --d 64,128 --dtype bf16 --causal 1 --format csv
+//
+// Comma-separated lists in --d, --seq, --dtype and --causal sweep every combination; a sweep preset
+// sets everything else, and flags given explicitly (before or after --sweep) override it.
+//
+// Timing: host clock around each pass with tsys_sync before and after (median of --reps). One loop
+// times forward and backward separately (the memory column is read between them); a second loop
+// times forward+backward back to back with one sync at the end. Inputs are fresh N(0, 1) values for
+// every configuration (the same for naive and flash), the output gradient too.
+// FLOPs (FlashAttention convention): forward 4 * batch * heads * seq^2 * d, halved when causal;
+// backward 2.5x the forward; forward+backward 3.5x.
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#ifdef TSYS_WITH_CUDA
+#define TSYS_CUDA_IMPLEMENTATION
+#include "../tsys_cuda.cuh"
+#endif
+#include "driver_util.h"
+
+// Flags that a sweep preset may set; explicit flags are remembered so that the preset leaves them alone.
+enum { F_IMPL = 1, F_BATCH = 2, F_HEADS = 4, F_D = 8, F_SEQ = 16, F_DTYPE = 32, F_CAUSAL = 64, F_WARMUP = 128, F_REPS = 256, F_GRAD = 512 };
+
+typedef struct attn_opts {
+    const char *device, *impl, *ds, *seqs, *dtypes, *causals, *format, *sweep, *grad;
+    int batch, heads, warmup, reps;
+    double mem_limit_gib;
+    uint64_t seed;
+    bool tf32;
+    unsigned given;   // F_* flags set on the command line
+} attn_opts;
+
+static void usage(FILE *f) {
+    fprintf(f,
+        "usage: attn [flags]\n"
+        "  --device cpu|cuda          where to run (default: cuda when a GPU is present, else cpu)\n"
+        "  --impl naive|flash|both    attention implementation(s) (default both: naive row, then flash row with speedup)\n"
+        "  --batch N                  (default 8)\n"
+        "  --heads N                  0 = no head dim: tensors (batch, seq, d); else (batch, heads, seq, d) (default 0)\n"
+        "  --d LIST                   head dims (default 64)\n"
+        "  --seq LIST                 sequence lengths (default 1024)\n"
+        "  --dtype LIST               fp32 | bf16 | fp16 tensors (default fp32)\n"
+        "  --causal LIST              0 | 1 (default 0)\n"
+        "  --grad random|sum          backward of a random dO (backward_with), or of o.sum() (default random)\n"
+        "  --warmup N                 untimed forward+backward passes first (default 5)\n"
+        "  --reps N                   timed passes per loop; the median is reported (default 20)\n"
+        "  --format md|csv|jsonl      output rows (default md)\n"
+        "  --sweep NAME               a preset; explicit flags override it:\n"
+        "                               pytorch_attention   batch 8, no heads, d 16,32,64,128 x seq 256,1024,4096,8192,16384,\n"
+        "                                                   fp32, non-causal, both, warmup 5, 100 reps\n"
+        "                               flash_benchmarking  batch 1, no heads, causal, seq 128..65536 (powers of 2),\n"
+        "                                                   d 16..128 (powers of 2), bf16 and fp32, both, warmup 3, 20 reps\n"
+        "                               leaderboard         batch 1, 16 heads x 16384 x 64, bf16, causal, backward of o.sum(),\n"
+        "                                                   both, warmup 10, 100 reps\n"
+        "  --mem-limit GIB            cap on device memory (cuda: reserved bytes; cpu: live tensor bytes) to mimic a\n"
+        "                             smaller machine; 0 = none (default 0)\n"
+        "  --seed N                   input seed (default 0)\n"
+        "  --tf32                     fp32 GEMMs of naive attention on TF32 tensor cores (cuda; default off)\n"
+        "  --help\n");
+}
+
+static bool apply_sweep(attn_opts *o) {
+    unsigned g = o->given;
+    if (!o->sweep) return true;
+    if (!strcmp(o->sweep, "pytorch_attention")) {
+        if (!(g & F_IMPL)) o->impl = "both";
+        if (!(g & F_BATCH)) o->batch = 8;
+        if (!(g & F_HEADS)) o->heads = 0;
+        if (!(g & F_D)) o->ds = "16,32,64,128";
+        if (!(g & F_SEQ)) o->seqs = "256,1024,4096,8192,16384";
+        if (!(g & F_DTYPE)) o->dtypes = "fp32";
+        if (!(g & F_CAUSAL)) o->causals = "0";
+        if (!(g & F_WARMUP)) o->warmup = 5;
+        if (!(g & F_REPS)) o->reps = 100;
+    } else if (!strcmp(o->sweep, "flash_benchmarking")) {
+        if (!(g & F_IMPL)) o->impl = "both";
+        if (!(g & F_BATCH)) o->batch = 1;
+        if (!(g & F_HEADS)) o->heads = 0;
+        if (!(g & F_D)) o->ds = "16,32,64,128";
+        if (!(g & F_SEQ)) o->seqs = "128,256,512,1024,2048,4096,8192,16384,32768,65536";
+        if (!(g & F_DTYPE)) o->dtypes = "bf16,fp32";
+        if (!(g & F_CAUSAL)) o->causals = "1";
+        if (!(g & F_WARMUP)) o->warmup = 3;
+        if (!(g & F_REPS)) o->reps = 20;
+    } else if (!strcmp(o->sweep, "leaderboard")) {
+        if (!(g & F_IMPL)) o->impl = "both";
+        if (!(g & F_BATCH)) o->batch = 1;
+        if (!(g & F_HEADS)) o->heads = 16;
+        if (!(g & F_D)) o->ds = "64";
+        if (!(g & F_SEQ)) o->seqs = "16384";
+        if (!(g & F_DTYPE)) o->dtypes = "bf16";
+        if (!(g & F_CAUSAL)) o->causals = "1";
+        if (!(g & F_GRAD)) o->grad = "sum";
+        if (!(g & F_WARMUP)) o->warmup = 10;
+        if (!(g & F_REPS)) o->reps = 100;
+    } else {
+        return false;
+    }
+    return true;
+}
+
+static bool parse_dtype(const char *s, tsys_dtype *d) {
+    if (!strcmp(s, "fp32")) *d = TSYS_F32;
+    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
+    else if (!strcmp(s, "fp16")) *d = TSYS_F16;
+    else return false;
+    return true;
+}
+
+// Checks every item of a comma list with `ok`; names the first bad one.
+static bool check_list(const char *flag, const char *s, bool (*ok)(const char *)) {
+    du_list l = du_split(s);
+    bool good = l.n > 0;
+    for (int i = 0; i < l.n && good; i++)
+        if (!ok(l.item[i])) { fprintf(stderr, "attn: bad value '%s' in %s\n", l.item[i], flag); good = false; }
+    if (l.n == 0) fprintf(stderr, "attn: %s needs at least one value\n", flag);
+    du_list_free(&l);
+    return good;
+}
+static bool ok_dim(const char *s) { int v; return du_parse_int(s, 1, 1 << 16, &v); }
+static bool ok_seq(const char *s) { int v; return du_parse_int(s, 1, 1 << 24, &v); }
+static bool ok_dtype(const char *s) { tsys_dtype d; return parse_dtype(s, &d); }
+static bool ok_causal(const char *s) { return !strcmp(s, "0") || !strcmp(s, "1"); }
+
+static int parse_args(int argc, char **argv, attn_opts *o) {
+    memset(o, 0, sizeof(*o));
+    o->device = du_has_cuda() ? "cuda" : "cpu";
+    o->impl = "both"; o->ds = "64"; o->seqs = "1024"; o->dtypes = "fp32"; o->causals = "0"; o->format = "md"; o->grad = "random";
+    o->batch = 8; o->heads = 0; o->warmup = 5; o->reps = 20;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--tf32")) { o->tf32 = true; continue; }
+        static const char *const valued[] = {"--device", "--impl", "--batch", "--heads", "--d", "--seq", "--dtype", "--causal", "--grad",
+                                             "--warmup", "--reps", "--format", "--sweep", "--mem-limit", "--seed"};
+        bool known = false;
+        for (size_t j = 0; j < sizeof(valued) / sizeof(valued[0]); j++) known = known || !strcmp(a, valued[j]);
+        if (!known) { fprintf(stderr, "attn: unknown flag '%s'\n", a); usage(stderr); return 2; }
+        if (i + 1 >= argc) { fprintf(stderr, "attn: flag %s needs a value\n", a); usage(stderr); return 2; }
+        const char *v = argv[++i];
+        bool ok = true;
+        if (!strcmp(a, "--device")) o->device = v;
+        else if (!strcmp(a, "--impl")) { o->impl = v; o->given |= F_IMPL; }
+        else if (!strcmp(a, "--batch")) { ok = du_parse_int(v, 1, 1 << 20, &o->batch); o->given |= F_BATCH; }
+        else if (!strcmp(a, "--heads")) { ok = du_parse_int(v, 0, 1 << 16, &o->heads); o->given |= F_HEADS; }
+        else if (!strcmp(a, "--d")) { o->ds = v; o->given |= F_D; }
+        else if (!strcmp(a, "--seq")) { o->seqs = v; o->given |= F_SEQ; }
+        else if (!strcmp(a, "--dtype")) { o->dtypes = v; o->given |= F_DTYPE; }
+        else if (!strcmp(a, "--causal")) { o->causals = v; o->given |= F_CAUSAL; }
+        else if (!strcmp(a, "--grad")) { o->grad = v; o->given |= F_GRAD; }
+        else if (!strcmp(a, "--warmup")) { ok = du_parse_int(v, 0, 1 << 20, &o->warmup); o->given |= F_WARMUP; }
+        else if (!strcmp(a, "--reps")) { ok = du_parse_int(v, 1, 1 << 20, &o->reps); o->given |= F_REPS; }
+        else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--sweep")) o->sweep = v;
+        else if (!strcmp(a, "--mem-limit")) ok = du_parse_double(v, &o->mem_limit_gib) && o->mem_limit_gib >= 0;
+        else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
+        if (!ok) { fprintf(stderr, "attn: bad value '%s' for %s\n", v, a); return 2; }
+    }
+    if (!apply_sweep(o)) { fprintf(stderr, "attn: unknown sweep '%s' (pytorch_attention, flash_benchmarking, leaderboard)\n", o->sweep); return 2; }
+    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "attn: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }
+    if (strcmp(o->impl, "naive") && strcmp(o->impl, "flash") && strcmp(o->impl, "both")) { fprintf(stderr, "attn: --impl must be naive, flash or both, not '%s'\n", o->impl); return 2; }
+    if (strcmp(o->grad, "random") && strcmp(o->grad, "sum")) { fprintf(stderr, "attn: --grad must be random or sum, not '%s'\n", o->grad); return 2; }
+    if (!du_format_ok(o->format)) { fprintf(stderr, "attn: --format must be md, csv or jsonl, not '%s'\n", o->format); return 2; }
+    if (!check_list("--d", o->ds, ok_dim) || !check_list("--seq", o->seqs, ok_seq) || !check_list("--dtype", o->dtypes, ok_dtype)
+        || !check_list("--causal", o->causals, ok_causal)) return 2;
+#ifndef TSYS_WITH_CUDA
+    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "attn: this binary was built without CUDA; build build/attn_cuda with 'make cuda'\n"); return 2; }
+#endif
+    return 0;
+}
+
+// One configuration: its inputs and what one pass needs.
+typedef struct attn_case {
+    tsys_ctx *ctx;
+    tsys_device dev;
+    bool flash, causal, sum_loss;
+    tsys_tensor *q, *k, *v, *dout;
+} attn_case;
+
+static tsys_tensor *case_forward(attn_case *c) {
+    return c->flash ? tsys_flash_attention(c->ctx, c->q, c->k, c->v, c->causal, NULL)
+                    : tsys_attention_naive(c->ctx, c->q, c->k, c->v, c->causal);
+}
+
+// Drops the gradients that backward left in q, k, v: every pass starts from none (no accumulation,
+// and the memory column does not carry the last pass's gradients).
+static void case_drop_grads(attn_case *c) {
+    tsys_tensor *in[3] = {c->q, c->k, c->v};
+    for (int i = 0; i < 3; i++) { tsys_tensor_release(in[i]->grad); in[i]->grad = NULL; }
+}
+
+// Backward from o (consumes it): o.sum().backward() or o.backward(dO).
+static tsys_status case_backward(attn_case *c, tsys_tensor *o) {
+    tsys_status st;
+    if (c->sum_loss) {
+        tsys_tensor *loss = tsys_sum(c->ctx, o);
+        st = tsys_backward(c->ctx, loss);
+        tsys_tensor_release(loss);
+    } else {
+        st = tsys_backward_with(c->ctx, o, c->dout);
+    }
+    tsys_tensor_release(o);
+    return st;
+}
+
+// After a pass: free the gradients; on failure, also drop whatever the tape still holds.
+static tsys_status case_pass_end(attn_case *c, tsys_status st) {
+    case_drop_grads(c);
+    if (st != TSYS_OK || tsys_ctx_status(c->ctx) != TSYS_OK) tsys_tape_clear(c->ctx);
+    return st != TSYS_OK ? st : tsys_ctx_status(c->ctx);
+}
+
+static void case_free(attn_case *c) {
+    if (c->q) case_drop_grads(c);
+    tsys_tensor_release(c->q); tsys_tensor_release(c->k); tsys_tensor_release(c->v); tsys_tensor_release(c->dout);
+    c->q = c->k = c->v = c->dout = NULL;
+}
+
+static double median_of(double *x, int n) { return n > 0 ? tsys_stats_of(x, n).median : 0.0; }
+
+// Results of one configuration (what a flash row needs from the naive row before it).
+typedef struct attn_result { bool ok; double fwd, bwd, total; } attn_result;
+
+static const char *dtype_str(tsys_dtype dt) { return dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16"; }
+
+static attn_result run_config(tsys_ctx *ctx, tsys_device dev, const attn_opts *o, bool flash, tsys_dtype dt, int d, int seq, bool causal,
+                              const attn_result *naive, du_table *tab) {
+    attn_result res = {false, 0, 0, 0};
+    du_row *row = du_table_row(tab);
+    const char *flops_col[3] = { dev == TSYS_CPU ? "fwd_GFLOP/s" : "fwd_TFLOP/s", dev == TSYS_CPU ? "bwd_GFLOP/s" : "bwd_TFLOP/s",
+                                 dev == TSYS_CPU ? "fwd+bwd_GFLOP/s" : "fwd+bwd_TFLOP/s" };
+    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
+    du_row_set(row, "impl", "%s", flash ? "flash" : "naive");
+    du_row_set(row, "batch", "%d", o->batch);
+    du_row_set(row, "heads", "%d", o->heads);
+    du_row_set(row, "seq", "%d", seq);
+    du_row_set(row, "d", "%d", d);
+    du_row_set(row, "dtype", "%s", dtype_str(dt));
+    du_row_set(row, "causal", "%d", causal ? 1 : 0);
+
+    attn_case c;
+    memset(&c, 0, sizeof(c));
+    c.ctx = ctx; c.dev = dev; c.flash = flash; c.causal = causal; c.sum_loss = !strcmp(o->grad, "sum");
+    int64_t shape[4];
+    int nd = 0;
+    shape[nd++] = o->batch;
+    if (o->heads > 0) shape[nd++] = o->heads;
+    shape[nd++] = seq; shape[nd++] = d;
+    // the same inputs for naive and flash: the seed depends on the configuration only
+    tsys_rng_seed(ctx, o->seed * 1000003u + (uint64_t)seq * 131u + (uint64_t)d * 7u + (uint64_t)dt * 3u + (causal ? 1u : 0u));
+    tsys_tensor **in[4] = {&c.q, &c.k, &c.v, &c.dout};
+    const char *names[4] = {"q", "k", "v", "dO"};
+    for (int i = 0; i < 4; i++) {
+        *in[i] = tsys_tensor_new(ctx, dt, dev, nd, shape);
+        if (*in[i]) { tsys_tensor_set_name(*in[i], "%s", names[i]); tsys_tensor_randn(ctx, *in[i], 1.0f); }
+    }
+    tsys_status st = tsys_ctx_status(ctx);
+    if (st == TSYS_OK) for (int i = 0; i < 3; i++) tsys_tensor_set_requires_grad(*in[i], true);
+    tsys_sync(ctx, dev);
+    tsys_mem_reset_peak(ctx, dev);
+
+    int n = o->reps;
+    double *tf = (double *)calloc((size_t)n, sizeof(double)), *tb = (double *)calloc((size_t)n, sizeof(double)), *tt = (double *)calloc((size_t)n, sizeof(double));
+    int64_t live_before_bwd = 0;
+    const char *label = flash ? "flash" : "naive";
+    // warmup: whole passes, untimed
+    for (int i = 0; st == TSYS_OK && i < o->warmup; i++) {
+        du_progress("%s %s seq %d d %d: warmup %d/%d", label, dtype_str(dt), seq, d, i + 1, o->warmup);
+        tsys_tensor *out = case_forward(&c);
+        st = case_pass_end(&c, out ? case_backward(&c, out) : tsys_ctx_status(ctx));
+        if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+    }
+    // loop 1: forward and backward timed separately; the memory in use is read between them
+    for (int i = 0; st == TSYS_OK && i < n; i++) {
+        du_progress("%s %s seq %d d %d: fwd/bwd %d/%d", label, dtype_str(dt), seq, d, i + 1, n);
+        tsys_sync(ctx, dev);
+        double t0 = tsys_time_us();
+        tsys_tensor *out = case_forward(&c);
+        st = tsys_sync(ctx, dev);
+        double t1 = tsys_time_us();
+        if (!out) st = tsys_ctx_status(ctx);
+        live_before_bwd = tsys_mem_stats_get(ctx, dev).live_bytes;
+        if (st == TSYS_OK) st = case_backward(&c, out);
+        else tsys_tensor_release(out);
+        if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+        double t2 = tsys_time_us();
+        st = case_pass_end(&c, st);
+        tf[i] = (t1 - t0) * 1e-3; tb[i] = (t2 - t1) * 1e-3;
+    }
+    // loop 2: forward+backward back to back, one sync at the end
+    for (int i = 0; st == TSYS_OK && i < n; i++) {
+        du_progress("%s %s seq %d d %d: fwd+bwd %d/%d", label, dtype_str(dt), seq, d, i + 1, n);
+        tsys_sync(ctx, dev);
+        double t0 = tsys_time_us();
+        tsys_tensor *out = case_forward(&c);
+        st = out ? case_backward(&c, out) : tsys_ctx_status(ctx);
+        if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+        tt[i] = (tsys_time_us() - t0) * 1e-3;
+        st = case_pass_end(&c, st);
+    }
+    du_progress_done();
+    if (st == TSYS_OK) {
+        res.ok = true;
+        res.fwd = median_of(tf, n); res.bwd = median_of(tb, n); res.total = median_of(tt, n);
+        double heads = o->heads > 0 ? o->heads : 1;
+        double fwd_flops = 4.0 * o->batch * heads * (double)seq * seq * d * (causal ? 0.5 : 1.0);
+        double unit = dev == TSYS_CPU ? 1e6 : 1e9;   // FLOP per ms -> GFLOP/s or TFLOP/s
+        du_row_set(row, "fwd_ms", "%.3f", res.fwd);
+        du_row_set(row, "bwd_ms", "%.3f", res.bwd);
+        du_row_set(row, "fwd+bwd_ms", "%.3f", res.total);
+        du_row_set(row, flops_col[0], "%.1f", fwd_flops / res.fwd / unit);
+        du_row_set(row, flops_col[1], "%.1f", 2.5 * fwd_flops / res.bwd / unit);
+        du_row_set(row, flops_col[2], "%.1f", 3.5 * fwd_flops / res.total / unit);
+        du_row_set(row, "mem_before_bwd_MiB", "%.1f", (double)live_before_bwd / 1048576.0);
+        du_row_set(row, "peak_MiB", "%.1f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
+        if (flash && naive && naive->ok) du_row_set(row, "speedup", "%.2f", naive->total / res.total);
+        du_row_set(row, "status", "ok");
+    } else {
+        du_row_set(row, "status", "%s: %s", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
+    }
+    free(tf); free(tb); free(tt);
+    tsys_tape_clear(ctx);
+    case_free(&c);
+    tsys_ctx_clear_error(ctx);
+#ifdef TSYS_WITH_CUDA
+    if (dev == TSYS_CUDA) tsys_cuda_empty_cache(ctx);   // the next configuration starts from an empty cache
+#endif
+    tsys_ctx_clear_error(ctx);
+    return res;
+}
+
+int main(int argc, char **argv) {
+    attn_opts o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc) return rc;
+    tsys_device dev = strcmp(o.device, "cuda") ? TSYS_CPU : TSYS_CUDA;
+    tsys_ctx_desc cd;
+    memset(&cd, 0, sizeof(cd));
+    if (dev == TSYS_CPU && o.mem_limit_gib > 0) cd.cpu_memory_limit = (size_t)(o.mem_limit_gib * 1073741824.0);
+    tsys_ctx *ctx = tsys_ctx_new(&cd);
+    char where[160];
+    snprintf(where, sizeof(where), "cpu, %d threads", du_num_threads());
+#ifdef TSYS_WITH_CUDA
+    if (dev == TSYS_CUDA) {
+        if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "attn: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); return 1; }
+        tsys_cuda_set_tf32(ctx, o.tf32);
+        if (o.mem_limit_gib > 0) tsys_cuda_set_memory_limit(ctx, (size_t)(o.mem_limit_gib * 1073741824.0));
+        snprintf(where, sizeof(where), "cuda, %.120s", tsys_cuda_device_name(ctx));
+    }
+#endif
+    // the effective configuration on one line (stdout for md, stderr for the machine formats)
+    FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
+    fprintf(cfg, "attn: %s; sweep %s; impl %s; batch %d; heads %d; d %s; seq %s; dtype %s; causal %s; grad %s; warmup %d; reps %d%s\n",
+            where, o.sweep ? o.sweep : "-", o.impl, o.batch, o.heads, o.ds, o.seqs, o.dtypes, o.causals, o.grad, o.warmup, o.reps,
+            o.mem_limit_gib > 0 ? "; memory capped" : "");
+    du_table tab;
+    du_table_init(&tab, dev == TSYS_CPU
+        ? "device,impl,batch,heads,seq,d,dtype,causal,fwd_ms,bwd_ms,fwd+bwd_ms,fwd_GFLOP/s,bwd_GFLOP/s,fwd+bwd_GFLOP/s,mem_before_bwd_MiB,peak_MiB,speedup,status"
+        : "device,impl,batch,heads,seq,d,dtype,causal,fwd_ms,bwd_ms,fwd+bwd_ms,fwd_TFLOP/s,bwd_TFLOP/s,fwd+bwd_TFLOP/s,mem_before_bwd_MiB,peak_MiB,speedup,status");
+    du_list dts = du_split(o.dtypes), cs = du_split(o.causals), ds = du_split(o.ds), seqs = du_split(o.seqs);
+    bool both = !strcmp(o.impl, "both");
+    for (int t = 0; t < dts.n; t++)
+        for (int c = 0; c < cs.n; c++)
+            for (int di = 0; di < ds.n; di++)
+                for (int si = 0; si < seqs.n; si++) {
+                    tsys_dtype dt = TSYS_F32; int d = 0, seq = 0;
+                    parse_dtype(dts.item[t], &dt); du_parse_int(ds.item[di], 1, 1 << 16, &d); du_parse_int(seqs.item[si], 1, 1 << 24, &seq);
+                    bool causal = !strcmp(cs.item[c], "1");
+                    attn_result naive = {false, 0, 0, 0};
+                    if (both || !strcmp(o.impl, "naive")) {
+                        naive = run_config(ctx, dev, &o, false, dt, d, seq, causal, NULL, &tab);
+                        du_table_print_last(&tab, o.format);
+                    }
+                    if (both || !strcmp(o.impl, "flash")) {
+                        run_config(ctx, dev, &o, true, dt, d, seq, causal, both ? &naive : NULL, &tab);
+                        du_table_print_last(&tab, o.format);
+                    }
+                }
+    if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
+    du_table_free(&tab);
+    du_list_free(&dts); du_list_free(&cs); du_list_free(&ds); du_list_free(&seqs);
+    tsys_ctx_free(ctx);   // also shuts the CUDA backend down
+    return 0;
+}
