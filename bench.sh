@@ -4,7 +4,7 @@
 #     attn         CS336 pytorch_attention: naive vs flash, batch 8, d x seq, fp32, memory before backward
 #     flash        CS336 flash_benchmarking: batch 1, causal, seq 128..65536, d 16..128, bf16 + fp32
 #     leaderboard  the CS336 FlashAttention-2 leaderboard shape (16 heads x 16384 x 64, bf16, causal)
-# Environment: DEVICE=cpu|cuda (default: cuda when a GPU and nvcc are present), MODELS, CONTEXT,
+# Environment: DEVICE=cpu|cuda (default: cuda when a GPU and nvcc are present), MODELS, CONTEXT, COMPILE (no,yes),
 # STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there);
 # attention sections: ATTN_SEQ, ATTN_D, ATTN_BATCH, ATTN_REPS override the sizes (on the CPU they
 # default to small ones so that the sweeps finish in minutes).
@@ -15,6 +15,7 @@ if [ -z "${DEVICE:-}" ]; then
 fi
 if [ "$DEVICE" = cuda ]; then
   make -s build/e2e_cuda build/precision build/attn_cuda; E2E=build/e2e_cuda; ATTN=build/attn_cuda
+  CONTEXT=${CONTEXT:-128,256,512,1024}; COMPILE=${COMPILE:-no,yes}
   MODELS=${MODELS:-small,medium,large,xl,2.7B}; DTYPES=${DTYPES:-fp32,bf16}
   attn_args=(); flash_args=(); lb_args=()   # the presets' own sizes
 else
@@ -25,7 +26,7 @@ else
   flash_args=(--seq 128,256,512,1024 --d 16,64 --dtype fp32 --warmup 1 --reps 3)
   lb_args=(--seq 512 --dtype fp32 --warmup 1 --reps 3)
 fi
-CONTEXT=${CONTEXT:-256}; STEPS=${STEPS:-10}; WARMUP=${WARMUP:-5}; FORMAT=${FORMAT:-md}
+CONTEXT=${CONTEXT:-256}; COMPILE=${COMPILE:-no}; STEPS=${STEPS:-10}; WARMUP=${WARMUP:-5}; FORMAT=${FORMAT:-md}
 OUT=${OUT:-}
 [ -n "$OUT" ] && mkdir -p "$OUT"
 sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(e2e warmup precision attn flash leaderboard)
@@ -41,8 +42,8 @@ save() { if [ -n "$OUT" ]; then tee "$OUT/$1"; else cat; fi; }
 for s in "${sections[@]}"; do
   case "$s" in
   e2e)
-    echo "## End-to-end: models x modes x dtypes ($DEVICE, context $CONTEXT, batch 4, warmup $WARMUP, $STEPS steps)"
-    $E2E --device "$DEVICE" --model "$MODELS" --context-length "$CONTEXT" --mode forward,forward-backward,train \
+    echo "## End-to-end: models x contexts x modes x dtypes x compiled ($DEVICE, batch 4, warmup $WARMUP, $STEPS steps)"
+    $E2E --device "$DEVICE" --model "$MODELS" --context-length "$CONTEXT" --mode forward,forward-backward,train --compile "$COMPILE" \
          --dtype "$DTYPES" --warmup "$WARMUP" --steps "$STEPS" --format "$FORMAT" | save e2e.$FORMAT ;;
   warmup)
     echo "## Warmup steps 0, 1, 2, 5 (forward-backward, fp32, first model of MODELS)"

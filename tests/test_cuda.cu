@@ -557,8 +557,9 @@ TSYS_TEST(cuda_graph_kernels) {
     tsys_ctx_clear_error(ctx);
 }
 
-// A whole training step (forward, loss, backward, SGD, zero_grad) captured after one eager warmup
-// step and replayed: the losses must equal those of eager steps on a copy of the model.
+// A whole training step (forward, loss, backward, AdamW, zero_grad) captured after one eager warmup
+// step and replayed 5 times: the losses must equal those of eager steps on a copy of the model
+// (AdamW reads its step count on the device, so replays apply the right bias corrections).
 TSYS_TEST(cuda_graph_train_step) {
     TC_CTX(ctx);
     tsys_model_desc d = tc_model_desc();
@@ -567,10 +568,13 @@ TSYS_TEST(cuda_graph_train_step) {
     TEST_CHECK(me && mg, "setup: %s", tsys_ctx_last_error(ctx));
     if (!me || !mg) return;
     int n = tsys_model_num_tensors(me);
-    tsys_optim *oe = tsys_sgd_new(ctx, tsys_model_params(me), n, 0.05f), *og = tsys_sgd_new(ctx, tsys_model_params(mg), n, 0.05f);
+    tsys_optim_desc od;
+    memset(&od, 0, sizeof(od));
+    od.lr = 1e-3f;
+    tsys_optim *oe = tsys_adamw_new(ctx, tsys_model_params(me), n, &od), *og = tsys_adamw_new(ctx, tsys_model_params(mg), n, &od);
     tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
-    float eager[4], graph[4];
-    for (int i = 0; i < 4; i++) eager[i] = tc_train_step(ctx, me, oe, ids, tg, NULL);
+    float eager[6], graph[6];
+    for (int i = 0; i < 6; i++) eager[i] = tc_train_step(ctx, me, oe, ids, tg, NULL);
     graph[0] = tc_train_step(ctx, mg, og, ids, tg, NULL);
     tsys_tensor *loss = NULL;
     tsys_cuda_graph *gr = NULL;
@@ -578,12 +582,12 @@ TSYS_TEST(cuda_graph_train_step) {
     tc_train_step(ctx, mg, og, ids, tg, &loss);
     tsys_status s = tsys_cuda_graph_end(ctx, &gr);
     TEST_CHECK(s == TSYS_OK && gr && loss, "capture of a training step: %s", tsys_ctx_last_error(ctx));
-    for (int i = 1; i < 4 && gr && loss; i++) {
+    for (int i = 1; i < 6 && gr && loss; i++) {
         tsys_cuda_graph_replay(ctx, gr);
         graph[i] = tsys_item(ctx, loss);
     }
     if (gr && loss)
-        for (int i = 0; i < 4; i++) TEST_CHECK(graph[i] == eager[i], "step %d: eager loss %.8f, graph %.8f", i, eager[i], graph[i]);
+        for (int i = 0; i < 6; i++) TEST_CHECK(graph[i] == eager[i], "step %d: eager loss %.8f, graph %.8f", i, eager[i], graph[i]);
     tsys_cuda_graph_free(gr);
     tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(tg);
     tsys_optim_free(oe); tsys_optim_free(og);
