@@ -15,7 +15,8 @@ BLAS_LIB = $(if $(BLAS_INC),-lopenblas)
 CFLAGS  ?= -O2 -march=native
 CFLAGS  += -std=c11 -fopenmp -Wall -Wextra
 LDLIBS  += $(BLAS_LIB) -lm
-CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+# sm_90a: the FlashAttention kernels use Hopper wgmma (they fall back to mma.sync elsewhere)
+CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
 NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_WITH_CUDA
 NVLIBS  = -lcublasLt -lcublas $(BLAS_LIB) -lgomp
 

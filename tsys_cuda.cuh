@@ -180,6 +180,10 @@ TSYSDEF void tsys_cuda_range_pop(void);
 // >= n. Causal launches skip key tiles that every query of a tile masks, and the heaviest tiles start
 // first. Head dims: 16, 32, 64, 80, 128 (the tensor-core kernels need d % 16 == 0; d = 80 is 5 k-steps).
 //
+// Hopper: built for sm_90a (-gencode arch=compute_90a,code=sm_90a), bf16/fp16 at d = 64 and 128 run wgmma
+// versions of the three tensor-core kernels (tsys__flash_*_wg_kernel, below the fp32 kernels); in any other
+// build, or with TSYS_FLASH_NO_WGMMA=1 in the environment, the mma.sync kernels run.
+//
 // Self-contained: CUDA runtime only. The launchers return cudaError_t (cudaErrorInvalidValue for a
 // shape they don't support) and never synchronise.
 #pragma once
@@ -187,6 +191,8 @@ TSYSDEF void tsys_cuda_range_pop(void);
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <type_traits>
 
 #define TSYS__FLASH_LOG2E 1.4426950408889634f
 #define TSYS__FLASH_LN2 0.6931471805599453f
@@ -898,6 +904,514 @@ tsys__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__restri
 }
 
 // ------------------------------------------------------------------------------------------------
+// Hopper path (sm_90a only): the same three kernels with wgmma (warpgroup MMA, 4 warps x 16 rows = one
+// m64 block per warpgroup). Compiled only when the translation unit is built for sm_90a
+// (-gencode arch=compute_90a,code=sm_90a); otherwise the bodies are empty, the probe below reports
+// "not available" and the launchers keep the mma.sync kernels above. Head dims 64 and 128 only.
+//
+// Shared tiles (R rows x D cols, D % 64 == 0): D/64 column blocks of R x 128 bytes, each 128B-swizzled
+// (16-byte chunk c of row r stored at chunk c ^ (r % 8)); every tile starts 1024-byte aligned. One tile
+// serves both ways: as a K-major operand (rows = M or N, cols = K: Q, K, V, dO in S = Q K^T etc.) and as
+// an MN-major operand (rows = K, cols = N: V in P V, dO in P^T dO, Q in dS^T Q, K in dS K).
+// A wgmma accumulator m64nN holds, in warp w of the warpgroup, rows 16w..16w+15 in exactly the mma.sync
+// C layout (acc[nb][e] = C[16w + g + 8(e/2)][8nb + 2c + e%2]); rounded and paired it is the register A
+// operand of the next wgmma, as in the mma.sync kernels.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void tsys__wgmma_ss64_bf16(float *d, uint64_t da, uint64_t db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void tsys__wgmma_rs64_bf16(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void tsys__wgmma_ss128_bf16(float *d, uint64_t da, uint64_t db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void tsys__wgmma_rs128_bf16(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void tsys__wgmma_ss64_f16(float *d, uint64_t da, uint64_t db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void tsys__wgmma_rs64_f16(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void tsys__wgmma_ss128_f16(float *d, uint64_t da, uint64_t db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void tsys__wgmma_rs128_f16(float *d, const uint32_t *a, uint64_t db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#endif
+
+
+template <int R, int D, int NT, typename T>
+__device__ __forceinline__ void tsys__wg_load_tile(T *s, const T *g, int r0, int n) {
+    constexpr int CPR = D / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < R * CPR; c += NT) {
+        const int r = c / CPR, cc = c % CPR;
+        const bool ok = r0 + r < n;
+        unsigned char *dst = (unsigned char *)s + (cc >> 3) * R * 128 + r * 128 + (((cc & 7) ^ (r & 7)) << 4);
+        tsys__cp_async16(dst, g + (size_t)(ok ? r0 + r : 0) * D + cc * 8, ok);
+    }
+}
+__device__ __forceinline__ uint64_t tsys__wg_desc(const void *p, uint32_t lbo, uint32_t sbo) {
+    const uint64_t a = tsys__smem_addr(p);
+    return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) |
+           (1ull << 62);
+}
+// K-major operand: rows [r0, r0 + 64) (A) or all N rows (B) of an R-row tile, k-step kk (16 columns).
+template <int R> __device__ __forceinline__ uint64_t tsys__wg_desc_k(const void *tile, int r0, int kk) {
+    return tsys__wg_desc((const unsigned char *)tile + (kk >> 2) * R * 128 + r0 * 128 + (kk & 3) * 32, 16, 1024);
+}
+// MN-major operand (B = tile rows 16kk..16kk+15 as K, all D columns as N).
+template <int R> __device__ __forceinline__ uint64_t tsys__wg_desc_mn(const void *tile, int kk) {
+    return tsys__wg_desc((const unsigned char *)tile + kk * 16 * 128, R * 128, 1024);
+}
+
+__device__ __forceinline__ void tsys__wg_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tsys__wg_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void tsys__wg_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// cp.async writes (generic proxy) must be visible to wgmma reads (async proxy): each thread, after its
+// cp.async.wait and before the barrier.
+__device__ __forceinline__ void tsys__fence_proxy_async() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving reads of accumulators above the wgmma wait.
+template <int N> __device__ __forceinline__ void tsys__wg_fence_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < N / 8; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[i][e])::"memory");
+}
+
+// acc (m64 x N) (+)= A (smem, K-major, rows r0..r0+63 of an RA-row tile) * B^T (smem, K-major, N rows), K = KD.
+template <typename T, int N, int RA, int KD>
+__device__ __forceinline__ void tsys__wg_ss(float (*acc)[4], const T *a, int r0, const T *b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        const uint64_t da = tsys__wg_desc_k<RA>(a, r0, kk), db = tsys__wg_desc_k<N>(b, 0, kk);
+        if constexpr (N == 64) {
+            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_ss64_bf16(&acc[0][0], da, db, kk > 0);
+            else tsys__wgmma_ss64_f16(&acc[0][0], da, db, kk > 0);
+        } else {
+            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_ss128_bf16(&acc[0][0], da, db, kk > 0);
+            else tsys__wgmma_ss128_f16(&acc[0][0], da, db, kk > 0);
+        }
+    }
+#endif
+}
+// acc (m64 x N) += P (registers: fp32 accumulators of a previous wgmma, m64 x KD, rounded here) * B
+// (smem tile of RB = KD rows, MN-major, N = D columns).
+template <typename T, int N, int KD>
+__device__ __forceinline__ void tsys__wg_rs(float (*acc)[4], float (*p)[4], const T *b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        uint32_t a[4];
+        a[0] = tsys__flash_t<T>::pack(p[2 * kk][0], p[2 * kk][1]);
+        a[1] = tsys__flash_t<T>::pack(p[2 * kk][2], p[2 * kk][3]);
+        a[2] = tsys__flash_t<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[3] = tsys__flash_t<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        const uint64_t db = tsys__wg_desc_mn<KD>(b, kk);
+        if constexpr (N == 64) {
+            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs64_bf16(&acc[0][0], a, db);
+            else tsys__wgmma_rs64_f16(&acc[0][0], a, db);
+        } else {
+            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs128_bf16(&acc[0][0], a, db);
+            else tsys__wgmma_rs128_f16(&acc[0][0], a, db);
+        }
+    }
+#endif
+}
+
+// Dynamic shared memory rounded up to 1024 bytes (the 128B swizzle repeats every 1024 bytes of address).
+__device__ __forceinline__ unsigned char *tsys__wg_smem_base(unsigned char *raw) {
+    const uint32_t a = tsys__smem_addr(raw);
+    return raw + ((1024 - (a & 1023)) & 1023);
+}
+
+// Forward: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows, double-buffered.
+template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(WG * 128, MINB)
+tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
+                          float *__restrict__ lse, int n, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BQ = WG * 64, NT = WG * 128;
+    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
+    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
+    T *ks = qs + BQ * D;        // [2][BK * D]
+    T *vs = ks + 2 * BK * D;    // [2][BK * D]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, wr0 = warp * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
+
+    int nkt = (n + BK - 1) / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+
+    tsys__wg_load_tile<BQ, D, NT>(qs, q, q0, n);
+    tsys__wg_load_tile<BK, D, NT>(ks, k, 0, n);
+    tsys__wg_load_tile<BK, D, NT>(vs, v, 0, n);
+    tsys__cp_async_commit();
+
+    float oacc[1][D / 8][4];
+    tsys__flash_zero<1, D>(oacc);
+    float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+
+    for (int j = 0; j < nkt; j++) {
+        if (j + 1 < nkt) {
+            tsys__wg_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * D, k, (j + 1) * BK, n);
+            tsys__wg_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * D, v, (j + 1) * BK, n);
+            tsys__cp_async_commit();
+            tsys__cp_async_wait<1>();
+        } else {
+            tsys__cp_async_wait<0>();
+        }
+        tsys__fence_proxy_async();
+        __syncthreads();
+        const int k0 = j * BK;
+        {   // no per-warpgroup causal skip: a data-dependent branch around wgmma makes ptxas serialize them
+            const T *kt = ks + (j & 1) * BK * D, *vt = vs + (j & 1) * BK * D;
+            float s[1][BK / 8][4];
+            tsys__wg_fence();
+            tsys__wg_ss<T, BK, BQ, D>(s[0], qs, wg * 64, kt);
+            tsys__wg_commit();
+            tsys__wg_wait<0>();
+            tsys__wg_fence_acc<BK>(s[0]);
+            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int row = q0 + wr0 + (lane >> 2) + h * 8;
+                float mx = m[h];
+#pragma unroll
+                for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float x = s[0][nb][2 * h + e] * scale_log2;
+                        if (need_mask) {
+                            const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
+                            if (col >= n || (CAUSAL && col > row)) x = -INFINITY;
+                        }
+                        s[0][nb][2 * h + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mref = mx == -INFINITY ? 0.0f : mx;
+                const float alpha = tsys__ex2(m[h] - mref);
+                float sum = 0.0f;
+#pragma unroll
+                for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float p = tsys__ex2(s[0][nb][2 * h + e] - mref);
+                        s[0][nb][2 * h + e] = p;
+                        sum += p;
+                    }
+                l[h] = l[h] * alpha + sum;
+                m[h] = mx;
+#pragma unroll
+                for (int nb = 0; nb < D / 8; nb++) oacc[0][nb][2 * h] *= alpha, oacc[0][nb][2 * h + 1] *= alpha;
+            }
+            tsys__wg_fence();
+            tsys__wg_rs<T, D, BK>(oacc[0], s[0], vt);
+            tsys__wg_commit();
+            tsys__wg_wait<0>();
+            tsys__wg_fence_acc<D>(oacc[0]);
+        }
+        __syncthreads();
+    }
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[h] = 1.0f / sum;
+        const int row = q0 + wr0 + (lane >> 2) + h * 8;
+        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS__FLASH_LN2;
+    }
+#pragma unroll
+    for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) oacc[0][nb][e] *= inv[e >> 1];
+    tsys__flash_store<T, 1, D>(o, oacc, q0 + wr0, n, 1.0f, lane);
+#endif
+}
+
+// dK, dV: WG warpgroups x 64 keys = BKV; query tiles of BQ rows (Q, dO, lse, D) double-buffered.
+template <typename T, int D, int BQ, int WG, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(WG * 128, MINB)
+tsys__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                               const T *__restrict__ dout, const float *__restrict__ lse,
+                               const float *__restrict__ dvec, T *__restrict__ dk, T *__restrict__ dv, int n,
+                               float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BKV = WG * 64, NT = WG * 128;
+    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
+    T *ks = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
+    T *vs = ks + BKV * D;
+    T *qs = vs + BKV * D;       // [2][BQ * D]
+    T *gs = qs + 2 * BQ * D;    // [2][BQ * D]
+    float *ls = (float *)(gs + 2 * BQ * D);   // [2][BQ]
+    float *ds = ls + 2 * BQ;                  // [2][BQ]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int k0 = blockIdx.x * BKV, wk0 = warp * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dk += base; dv += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
+
+    tsys__wg_load_tile<BKV, D, NT>(ks, k, k0, n);
+    tsys__wg_load_tile<BKV, D, NT>(vs, v, k0, n);
+    auto load_q = [&](int it, int buf) {
+        const int q0 = it * BQ;
+        tsys__wg_load_tile<BQ, D, NT>(qs + buf * BQ * D, q, q0, n);
+        tsys__wg_load_tile<BQ, D, NT>(gs + buf * BQ * D, dout, q0, n);
+        for (int i = threadIdx.x; i < BQ; i += NT) {
+            const bool ok = q0 + i < n;
+            ls[buf * BQ + i] = ok ? lse[q0 + i] * TSYS__FLASH_LOG2E : 0.0f;
+            ds[buf * BQ + i] = ok ? dvec[q0 + i] : 0.0f;
+        }
+    };
+    load_q(it0, 0);
+    tsys__cp_async_commit();
+
+    float dka[1][D / 8][4], dva[1][D / 8][4];
+    tsys__flash_zero<1, D>(dka);
+    tsys__flash_zero<1, D>(dva);
+
+    for (int it = it0; it < nqt; it++) {
+        const int buf = (it - it0) & 1;
+        if (it + 1 < nqt) {
+            load_q(it + 1, buf ^ 1);
+            tsys__cp_async_commit();
+            tsys__cp_async_wait<1>();
+        } else {
+            tsys__cp_async_wait<0>();
+        }
+        tsys__fence_proxy_async();
+        __syncthreads();
+        const int q0 = it * BQ;
+        {   // no per-warpgroup causal skip: a data-dependent branch around wgmma makes ptxas serialize them
+            const T *qt = qs + buf * BQ * D, *gt = gs + buf * BQ * D;
+            const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
+            float st[1][BQ / 8][4], dpt[1][BQ / 8][4];
+            tsys__wg_fence();
+            tsys__wg_ss<T, BQ, BKV, D>(st[0], ks, wg * 64, qt);    // S^T = K Q^T
+            tsys__wg_commit();
+            tsys__wg_ss<T, BQ, BKV, D>(dpt[0], vs, wg * 64, gt);   // dP^T = V dO^T
+            tsys__wg_commit();
+            tsys__wg_wait<1>();
+            tsys__wg_fence_acc<BQ>(st[0]);
+            const bool need_mask = q0 + BQ > n || (CAUSAL && k0 + wk0 + 15 > q0);
+#pragma unroll
+            for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                    float p = tsys__ex2(st[0][nb][e] * scale_log2 - lt[qi]);
+                    if (need_mask) {
+                        const int key = k0 + wk0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
+                        if (query >= n || (CAUSAL && key > query)) p = 0.0f;
+                    }
+                    st[0][nb][e] = p;
+                }
+            tsys__wg_fence();
+            tsys__wg_rs<T, D, BQ>(dva[0], st[0], gt);              // dV += P^T dO
+            tsys__wg_commit();
+            tsys__wg_wait<1>();
+            tsys__wg_fence_acc<BQ>(dpt[0]);
+#pragma unroll
+            for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                    dpt[0][nb][e] = st[0][nb][e] * (dpt[0][nb][e] - dt[qi]);   // dS^T
+                }
+            tsys__wg_fence();
+            tsys__wg_rs<T, D, BQ>(dka[0], dpt[0], qt);             // dK += dS^T Q
+            tsys__wg_commit();
+            tsys__wg_wait<0>();
+            tsys__wg_fence_acc<D>(dka[0]);
+            tsys__wg_fence_acc<D>(dva[0]);
+        }
+        __syncthreads();
+    }
+    tsys__flash_store<T, 1, D>(dk, dka, k0 + wk0, n, scale, lane);
+    tsys__flash_store<T, 1, D>(dv, dva, k0 + wk0, n, 1.0f, lane);
+#endif
+}
+
+// dQ: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows, double-buffered.
+template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(WG * 128, MINB)
+tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                             const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
+                             T *__restrict__ dq, int n, float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BQ = WG * 64, NT = WG * 128;
+    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
+    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
+    T *gs = qs + BQ * D;
+    T *ks = gs + BQ * D;        // [2][BK * D]
+    T *vs = ks + 2 * BK * D;    // [2][BK * D]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, wr0 = warp * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dq += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+
+    int nkt = (n + BK - 1) / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+
+    tsys__wg_load_tile<BQ, D, NT>(qs, q, q0, n);
+    tsys__wg_load_tile<BQ, D, NT>(gs, dout, q0, n);
+    tsys__wg_load_tile<BK, D, NT>(ks, k, 0, n);
+    tsys__wg_load_tile<BK, D, NT>(vs, v, 0, n);
+    tsys__cp_async_commit();
+
+    float lrow[2], drow[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = q0 + wr0 + (lane >> 2) + h * 8;
+        lrow[h] = row < n ? lse[row] * TSYS__FLASH_LOG2E : 0.0f;
+        drow[h] = row < n ? dvec[row] : 0.0f;
+    }
+    float dqa[1][D / 8][4];
+    tsys__flash_zero<1, D>(dqa);
+
+    for (int j = 0; j < nkt; j++) {
+        if (j + 1 < nkt) {
+            tsys__wg_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * D, k, (j + 1) * BK, n);
+            tsys__wg_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * D, v, (j + 1) * BK, n);
+            tsys__cp_async_commit();
+            tsys__cp_async_wait<1>();
+        } else {
+            tsys__cp_async_wait<0>();
+        }
+        tsys__fence_proxy_async();
+        __syncthreads();
+        const int k0 = j * BK;
+        {   // no per-warpgroup causal skip: a data-dependent branch around wgmma makes ptxas serialize them
+            const T *kt = ks + (j & 1) * BK * D, *vt = vs + (j & 1) * BK * D;
+            float s[1][BK / 8][4], dp[1][BK / 8][4];
+            tsys__wg_fence();
+            tsys__wg_ss<T, BK, BQ, D>(s[0], qs, wg * 64, kt);    // S = Q K^T
+            tsys__wg_commit();
+            tsys__wg_ss<T, BK, BQ, D>(dp[0], gs, wg * 64, vt);   // dP = dO V^T
+            tsys__wg_commit();
+            tsys__wg_wait<1>();
+            tsys__wg_fence_acc<BK>(s[0]);
+            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
+#pragma unroll
+            for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1;
+                    float p = tsys__ex2(s[0][nb][e] * scale_log2 - lrow[h]);
+                    if (need_mask) {
+                        const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
+                        const int row = q0 + wr0 + (lane >> 2) + h * 8;
+                        if (key >= n || (CAUSAL && key > row)) p = 0.0f;
+                    }
+                    s[0][nb][e] = p;
+                }
+            tsys__wg_wait<0>();
+            tsys__wg_fence_acc<BK>(dp[0]);
+#pragma unroll
+            for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[0][nb][e] *= dp[0][nb][e] - drow[e >> 1];   // dS
+            tsys__wg_fence();
+            tsys__wg_rs<T, D, BK>(dqa[0], s[0], kt);             // dQ += dS K
+            tsys__wg_commit();
+            tsys__wg_wait<0>();
+            tsys__wg_fence_acc<D>(dqa[0]);
+        }
+        __syncthreads();
+    }
+    tsys__flash_store<T, 1, D>(dq, dqa, q0 + wr0, n, scale, lane);
+#endif
+}
+
+// Whether the wgmma kernels were compiled into the binary the device runs: the probe has static shared
+// memory only in its sm_90a body. TSYS_FLASH_NO_WGMMA=1 in the environment forces the mma.sync kernels.
+__global__ void tsys__flash_wg_probe_kernel(int *p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __shared__ volatile int marker[64];
+    marker[threadIdx.x & 63] = (int)threadIdx.x;
+    if (p) *p = marker[0];
+#endif
+}
+static bool tsys__flash_wg_available() {
+    static int avail = -1;
+    if (avail < 0) {
+        cudaFuncAttributes a;
+        const char *env = getenv("TSYS_FLASH_NO_WGMMA");
+        avail = (!env || !*env || *env == '0') && cudaFuncGetAttributes(&a, tsys__flash_wg_probe_kernel) == cudaSuccess &&
+                a.sharedSizeBytes >= 256;
+        cudaGetLastError();
+    }
+    return avail == 1;
+}
+
+// Hopper tile configurations (template parameters of the wg kernels): warpgroups per block, the streamed
+// tile, and the min-blocks-per-SM launch bound (which caps registers).
+// Picked per part from the variants timed on an H100 (docs/perf-notes-flash.md, v4).
+template <int D, bool CAUSAL> struct tsys__flash_wg_cfg {
+    static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_WG = 2, FWD_MINB = 2;
+    static constexpr int DKDV_BQ = D <= 64 ? 128 : 64, DKDV_WG = D <= 64 ? 2 : 1, DKDV_MINB = D <= 64 ? 1 : 2;
+    static constexpr int DQ_BK = 128, DQ_WG = 2, DQ_MINB = 1;
+};
+
+// ------------------------------------------------------------------------------------------------
 // Launchers. Grids put the tile index in x and bh in y; bh above 65535 is launched in slices.
 
 // Tile configurations, picked from the variants timed on an H100 (docs/perf-notes-flash.md, run 2).
@@ -1005,6 +1519,69 @@ static cudaError_t tsys__flash_bwd_f32(const float *dout, const float *q, const 
     return cudaGetLastError();
 }
 
+// ---- Hopper (wgmma) launchers; used by the entry points when tsys__flash_wg_available() and d is 64 or 128.
+template <typename T, int D, bool CAUSAL, typename W = tsys__flash_wg_cfg<D, CAUSAL>>
+static cudaError_t tsys__flash_fwd_wg(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                      float scale, cudaStream_t s) {
+    constexpr int BQ = W::FWD_WG * 64;
+    const size_t smem = (size_t)(BQ + 4 * W::FWD_BK) * D * sizeof(T) + 1024;
+    auto kern = tsys__flash_fwd_wg_kernel<T, D, W::FWD_BK, W::FWD_WG, W::FWD_MINB, CAUSAL>;
+    cudaError_t err = tsys__flash_smem_attr(kern, smem);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D;
+        dim3 grid((n + BQ - 1) / BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, W::FWD_WG * 128, smem, s>>>(q + off, k + off, v + off, o + off, lse + (size_t)b0 * n, n,
+                                                 scale * TSYS__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+template <typename T, int D, bool CAUSAL, typename W = tsys__flash_wg_cfg<D, CAUSAL>>
+static cudaError_t tsys__flash_bwd_wg(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
+                                      T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
+                                      int parts = 7) {
+    const int64_t rows = bh * n;
+    if (parts & 1) tsys__flash_bwd_dot_kernel<T><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    constexpr int BKV = W::DKDV_WG * 64, BQ = W::DQ_WG * 64;
+    const size_t smem_kv = (size_t)(2 * BKV + 4 * W::DKDV_BQ) * D * sizeof(T) + 4 * W::DKDV_BQ * sizeof(float) + 1024;
+    const size_t smem_q = (size_t)(2 * BQ + 4 * W::DQ_BK) * D * sizeof(T) + 1024;
+    auto kkv = tsys__flash_bwd_dkdv_wg_kernel<T, D, W::DKDV_BQ, W::DKDV_WG, W::DKDV_MINB, CAUSAL>;
+    auto kq = tsys__flash_bwd_dq_wg_kernel<T, D, W::DQ_BK, W::DQ_WG, W::DQ_MINB, CAUSAL>;
+    if ((err = tsys__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
+    if ((err = tsys__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
+        const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
+        if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
+            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
+            scale * TSYS__FLASH_LOG2E);
+        if (parts & 4) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
+            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
+            scale * TSYS__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+// The tensor-core entry points: wgmma where it was compiled in and d allows, mma.sync otherwise.
+template <typename T, int D, bool CAUSAL>
+static cudaError_t tsys__flash_fwd_pick(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                        float scale, cudaStream_t s) {
+    if constexpr (D == 64 || D == 128)
+        if (tsys__flash_wg_available()) return tsys__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+    return tsys__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+}
+template <typename T, int D, bool CAUSAL>
+static cudaError_t tsys__flash_bwd_pick(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
+                                        T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s) {
+    if constexpr (D == 64 || D == 128)
+        if (tsys__flash_wg_available())
+            return tsys__flash_bwd_wg<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
+    return tsys__flash_bwd_tc<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
+}
+
 // dtype: 0 fp32, 1 bf16, 2 fp16 (tsys's TSYS_F32 / TSYS_BF16 / TSYS_F16 order).
 static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
     return dtype >= 0 && dtype <= 2 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
@@ -1029,7 +1606,7 @@ static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
     const int ni = (int)n;
 #define TSYS__FLASH_FWD_CALL(T, D_, C_) \
-    return tsys__flash_fwd_tc<T, D_, C_>((const T *)q, (const T *)k, (const T *)v, (T *)o, lse, bh, ni, scale, s)
+    return tsys__flash_fwd_pick<T, D_, C_>((const T *)q, (const T *)k, (const T *)v, (T *)o, lse, bh, ni, scale, s)
 #define TSYS__FLASH_FWD_ONE \
     if (dtype == 0) { if (causal) return tsys__flash_fwd_f32<D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
                       else return tsys__flash_fwd_f32<D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
@@ -1054,8 +1631,8 @@ static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const v
 #define TSYS__FLASH_BWD_ONE \
     if (dtype == 0) { if (causal) return tsys__flash_bwd_f32<D_, true>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); \
                       else return tsys__flash_bwd_f32<D_, false>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); } \
-    if (dtype == 1) { if (causal) TSYS__FLASH_BWD_CALL(tsys__flash_bwd_tc, __nv_bfloat16, D_, true); else TSYS__FLASH_BWD_CALL(tsys__flash_bwd_tc, __nv_bfloat16, D_, false); } \
-    if (causal) TSYS__FLASH_BWD_CALL(tsys__flash_bwd_tc, __half, D_, true); else TSYS__FLASH_BWD_CALL(tsys__flash_bwd_tc, __half, D_, false)
+    if (dtype == 1) { if (causal) TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __nv_bfloat16, D_, true); else TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __nv_bfloat16, D_, false); } \
+    if (causal) TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __half, D_, true); else TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __half, D_, false)
     TSYS__FLASH_DISPATCH_D(d, TSYS__FLASH_BWD_ONE)
 #undef TSYS__FLASH_BWD_ONE
 #undef TSYS__FLASH_BWD_CALL

@@ -34,7 +34,8 @@ static void usage(FILE *f) {
         "  --steps N                  timed steps (default 10)\n"
         "  --mode LIST                forward | forward-backward | train (default forward-backward)\n"
         "  --dtype LIST               fp32 | bf16 | fp16 autocast (default fp32)\n"
-        "  --attn naive|flash         attention kernel (default naive)\n"
+        "  --attn LIST                naive | flash | auto (default auto: flash on cuda under bf16/fp16 autocast,\n"
+        "                             naive otherwise: the fp32 flash kernel has no tensor cores and loses to naive)\n"
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
         "  --format md|csv|jsonl      output rows (default md)\n"
@@ -48,7 +49,7 @@ static void usage(FILE *f) {
 static int parse_args(int argc, char **argv, e2e_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    o->models = "small"; o->contexts = "256"; o->modes = "forward-backward"; o->dtypes = "fp32"; o->format = "md"; o->attn = "naive"; o->compile = "no";
+    o->models = "small"; o->contexts = "256"; o->modes = "forward-backward"; o->dtypes = "fp32"; o->format = "md"; o->attn = "auto"; o->compile = "no";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -81,7 +82,6 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
     }
     if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }
     if (!du_format_ok(o->format)) { fprintf(stderr, "e2e: --format must be md, csv or jsonl, not '%s'\n", o->format); return 2; }
-    if (strcmp(o->attn, "naive") && strcmp(o->attn, "flash")) { fprintf(stderr, "e2e: --attn must be naive or flash, not '%s'\n", o->attn); return 2; }
 #ifndef TSYS_WITH_CUDA
     if (!strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: this binary was built without CUDA; build it with 'make cuda'\n"); return 2; }
 #endif
@@ -207,20 +207,20 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
 #endif
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled) {
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
     du_row_set(row, "batch", "%d", o->batch);
     du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
-    du_row_set(row, "attn", "%s", o->attn);
+    du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
     du_row_set(row, "warmup", "%d", o->warmup);
 }
 
 // The model shape of a configuration: a preset (explicit dims override it) or 'custom'.
-static bool config_desc(const e2e_opts *o, const char *model_name, int T, tsys_model_desc *d, char *err, size_t len) {
+static bool config_desc(const e2e_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
     if (!strcmp(model_name, "custom")) *d = tsys_model_desc_defaults(&o->dims);
     else if (tsys_model_desc_preset(model_name, d, err, len) != TSYS_OK) return false;
     else {
@@ -231,16 +231,17 @@ static bool config_desc(const e2e_opts *o, const char *model_name, int T, tsys_m
         if (o->dims.vocab_size) d->vocab_size = o->dims.vocab_size;
     }
     d->context_length = T;
-    d->attn = o->attn;
+    d->attn = attn;
     return tsys_model_desc_validate(d, err, len) == TSYS_OK;
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, du_table *tab) {
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn_flag, du_table *tab) {
     char err[256] = "";
     tsys_model_desc d;
     du_row *row = du_table_row(tab);
-    row_header(row, dev, o, model_name, T, mode, dt, compiled);
-    if (!config_desc(o, model_name, T, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    const char *attn = strcmp(attn_flag, "auto") ? attn_flag : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
+    row_header(row, dev, o, model_name, T, mode, dt, compiled, attn);
+    if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
     if (compiled && dt == TSYS_F16 && mode == MODE_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
     bench b;
@@ -318,7 +319,8 @@ int main(int argc, char **argv) {
 #ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA && tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); return 1; }
 #endif
-    du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes), comps = du_split(o.compile);
+    du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes), comps = du_split(o.compile), attns = du_split(o.attn);
+    for (int i = 0; i < attns.n; i++) if (strcmp(attns.item[i], "naive") && strcmp(attns.item[i], "flash") && strcmp(attns.item[i], "auto")) { fprintf(stderr, "e2e: --attn takes naive, flash or auto, not '%s'\n", attns.item[i]); return 2; }
     for (int i = 0; i < comps.n; i++) if (strcmp(comps.item[i], "no") && strcmp(comps.item[i], "yes")) { fprintf(stderr, "e2e: --compile takes no, yes or no,yes, not '%s'\n", comps.item[i]); return 2; }
     for (int i = 0; i < modes.n; i++) { run_mode m; if (!parse_mode(modes.item[i], &m)) { fprintf(stderr, "e2e: unknown mode '%s' (forward, forward-backward, train)\n", modes.item[i]); return 2; } }
     for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "e2e: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); return 2; } }
@@ -351,15 +353,16 @@ int main(int argc, char **argv) {
         for (int c = 0; c < ctxs.n; c++)
             for (int m = 0; m < modes.n; m++)
                 for (int t = 0; t < dtypes.n; t++)
-                    for (int k = 0; k < comps.n; k++) {
-                        run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                        parse_mode(modes.item[m], &mode); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
-                        run_config(ctx, dev, &o, models.item[a], T, mode, dt, !strcmp(comps.item[k], "yes"), &tab);
-                        du_table_print_last(&tab, o.format);
-                    }
+                    for (int k = 0; k < comps.n; k++)
+                        for (int at = 0; at < attns.n; at++) {
+                            run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
+                            parse_mode(modes.item[m], &mode); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
+                            run_config(ctx, dev, &o, models.item[a], T, mode, dt, !strcmp(comps.item[k], "yes"), attns.item[at], &tab);
+                            du_table_print_last(&tab, o.format);
+                        }
     if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
     du_table_free(&tab);
-    du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes); du_list_free(&comps);
+    du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes); du_list_free(&comps); du_list_free(&attns);
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
     return 0;
 }

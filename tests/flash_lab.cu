@@ -2,8 +2,10 @@
 // reference (src/flash_cpu.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -lineinfo -Xcompiler -fopenmp \
-//        tests/flash_lab.cu -o /tmp/fl && /tmp/fl [test|perf|all]
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -lineinfo -Xcompiler -fopenmp \
+//        tests/flash_lab.cu -o /tmp/fl && /tmp/fl [test|perf|all|variants|wgvariants]
+//   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.
+//   TSYS_FLASH_NO_WGMMA=1 forces the mma.sync kernels in an sm_90a build.)
 //
 // Every check draws fresh random inputs (never zeros) and poisons the outputs with NaN bytes first, so an
 // unwritten element fails. Timings: CUDA events, median of many repetitions after warm-up; TFLOP/s in the
@@ -253,6 +255,65 @@ static void run_variants() {
     variant<128, v128c>("128c", 16, 16384); variant<128, v128d>("128d", 16, 16384);
 }
 
+// Hopper (wgmma) tile variants: checked against the mma.sync kernels (the default tile configuration, called
+// directly) on a 300-row problem, then timed part by part. Only when the binary was built for sm_90a.
+#define WCFG(NAME, A, B, C_, E, F, G, H, I, J) struct NAME { \
+    static constexpr int FWD_BK = A, FWD_WG = B, FWD_MINB = C_, DKDV_BQ = E, DKDV_WG = F, DKDV_MINB = G, DQ_BK = H, DQ_WG = I, DQ_MINB = J; };
+WCFG(w64a, 128, 2, 2, 128, 2, 1, 128, 2, 1)   // the default (tsys__flash_wg_cfg), run 5
+WCFG(w64b, 128, 2, 2, 64, 2, 1, 64, 2, 2)     // the first wgmma default, run 4
+WCFG(w64e, 64, 3, 1, 128, 2, 1, 64, 3, 1)
+WCFG(w128a, 64, 2, 2, 64, 1, 2, 128, 2, 1)    // the default, run 5
+WCFG(w128d, 128, 2, 1, 64, 2, 1, 64, 2, 1)
+
+template <int D, typename W, bool CAUSAL = true> static void wgvariant(const char *name, long bh, long n) {
+    typedef __nv_bfloat16 T;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int c = 0; c < 2; c++) {
+        const bool causal = c == 0;
+        const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
+        Buf o2(1, N), dq2(1, N), dk2(1, N), dv2(1, N), lse2(0, R);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize();
+        o2.poison(); dq2.poison(); dk2.poison(); dv2.poison(); lse2.poison();
+        if (causal) {
+            CHECK((tsys__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_fwd_wg<T, D, true, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_bwd_wg<T, D, true, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
+        } else {
+            CHECK((tsys__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_fwd_wg<T, D, false, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_bwd_wg<T, D, false, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
+        }
+        CHECK(cudaDeviceSynchronize());
+        o.download(); lse.download(); dq.download(); dk.download(); dv.download();
+        o2.download(); lse2.download(); dq2.download(); dk2.download(); dv2.download();
+        double e[5] = { rel_err(o2.h.data(), o.h.data(), N), rel_err(lse2.h.data(), lse.h.data(), R), rel_err(dq2.h.data(), dq.h.data(), N),
+                        rel_err(dk2.h.data(), dk.h.data(), N), rel_err(dv2.h.data(), dv.h.data(), N) };
+        report(*std::max_element(e, e + 5) < 1e-2, "wg variant %s d=%d causal=%d vs mma.sync: O %.1e L %.1e dQ %.1e dK %.1e dV %.1e",
+               name, D, causal, e[0], e[1], e[2], e[3], e[4]);
+    }
+    const size_t N = bh * n * D, R = bh * n;
+    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
+    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    auto fwd = [&] { CHECK((tsys__flash_fwd_wg<T, D, CAUSAL, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
+    auto part = [&](int p) { CHECK((tsys__flash_bwd_wg<T, D, CAUSAL, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p))); };
+    fwd(); part(1);
+    float tf = time_ms(fwd, 3, 20), tdot = time_ms([&] { part(1); }, 3, 20), tkv = time_ms([&] { part(2); }, 3, 20), tq = time_ms([&] { part(4); }, 3, 20);
+    const double f = 4.0 * bh * n * n * D / 2;
+    printf("  wg %-6s bf16 bh=%ld n=%ld d=%d causal: fwd %.3f ms (%.0f TFLOP/s)  D %.3f  dkdv %.3f (%.0f of 4 mm)  dq %.3f (%.0f of 3 mm)  total %.3f ms\n",
+           name, bh, n, D, tf, f / tf / 1e9, tdot, tkv, 2 * f / tkv / 1e9, tq, 1.5 * f / tq / 1e9, tf + tdot + tkv + tq);
+    fflush(stdout);
+}
+
+static void run_wgvariants() {
+    printf("== wgmma tile variants (bf16, causal, 16 x 16384); wgmma compiled in: %s\n", tsys__flash_wg_available() ? "yes" : "NO");
+    if (!tsys__flash_wg_available()) return;
+    wgvariant<64, w64a>("64a", 16, 16384); wgvariant<64, w64b>("64b", 16, 16384); wgvariant<64, w64e>("64e", 16, 16384);
+    wgvariant<128, w128a>("128a", 16, 16384); wgvariant<128, w128d>("128d", 16, 16384);
+}
+
 static void bench(int dt, long bh, long n, long d, bool causal) {
     const size_t N = bh * n * d, R = bh * n;
     Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, R);
@@ -270,7 +331,8 @@ static void bench(int dt, long bh, long n, long d, bool causal) {
 
 static void run_perf() {
     cudaDeviceProp p; CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("== timings on %s (%d SMs)\n", p.name, p.multiProcessorCount);
+    printf("== timings on %s (%d SMs), bf16/fp16 d=64/128 path: %s\n", p.name, p.multiProcessorCount,
+           tsys__flash_wg_available() ? "wgmma (sm_90a)" : "mma.sync");
     bench(1, 16, 16384, 64, true);    // the CS336 leaderboard shape
     bench(1, 16, 16384, 128, true);
     bench(2, 16, 16384, 64, true);
@@ -284,6 +346,7 @@ int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "all";
     if (!strcmp(mode, "test") || !strcmp(mode, "all") || !strcmp(mode, "tv")) run_tests();
     if (!strcmp(mode, "variants") || !strcmp(mode, "tv")) run_variants();
+    if (!strcmp(mode, "wgvariants")) run_wgvariants();
     if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
