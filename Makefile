@@ -76,19 +76,28 @@ run-tests: header-check $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
 
 # CUDA builds (nvcc compiles the same driver sources as CUDA C++).
 CUDA_DRIVERS = $(BUILD)/e2e_cuda $(BUILD)/attn_cuda
-CUDA_TESTS = $(BUILD)/test_cuda
-$(BUILD)/%_cuda: drivers/%.c $(HEADERS) tsys_cuda.cuh | $(BUILD)
-	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -x cu $< -o $@ $(NVLIBS)
+CUDA_TESTS = $(BUILD)/test_cuda $(BUILD)/flash_lab
+# The drivers link one compiled copy of both implementations (the kernels take minutes to compile);
+# the test programs, which reach into the implementations, compile their own.
+$(BUILD)/tsys_impl_cuda.o: tsys.h tsys_cuda.cuh | $(BUILD)
+	@printf '#define TSYS_IMPLEMENTATION\n#include "tsys.h"\n#define TSYS_CUDA_IMPLEMENTATION\n#include "tsys_cuda.cuh"\n' > $(BUILD)/tsys_impl_cuda.cu
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -c $(BUILD)/tsys_impl_cuda.cu -o $@
+$(BUILD)/%_cuda: drivers/%.c $(HEADERS) tsys_cuda.cuh $(BUILD)/tsys_impl_cuda.o | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -DTSYS_LINKED_IMPL -x cu $< -x none $(BUILD)/tsys_impl_cuda.o -o $@ $(NVLIBS)
+$(BUILD)/flash_lab: tests/flash_lab.cu $(HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $< -o $@ $(NVLIBS)
 $(BUILD)/test_cuda: tests/test_cuda.cu tests/harness.h tests/test_util.h $(HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $< -o $@ $(NVLIBS)
 
 cuda: $(CUDA_DRIVERS) $(CUDA_TESTS)
 
-# CI has nvcc but no GPU: compile (and link) everything CUDA so broken kernels cannot land.
-cuda-compile: cuda
+# CI has nvcc but no GPU: compile and link the drivers and the CUDA tests (which instantiate every
+# kernel) so broken kernels cannot land; the kernel lab is left to the GPU machine's `make cuda`.
+cuda-compile: $(CUDA_DRIVERS) $(BUILD)/test_cuda
 
 test-cuda: $(CUDA_TESTS)
 	$(BUILD)/test_cuda
+	$(BUILD)/flash_lab test
 
 bench: all
 	./bench.sh

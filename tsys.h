@@ -1176,7 +1176,6 @@ static void tsys__cpu_transpose12(void *dst, const void *src, const int64_t *s, 
                 memcpy((char *)dst + (size_t)(((a * C + c) * B + b) * D) * es, (const char *)src + (size_t)(((a * B + b) * C + c) * D) * es, (size_t)D * es);
 }
 
-// @section src/flash_cpu.h begin
 // flash_cpu.h - FlashAttention-2 on the CPU: the tiled reference (fp32) for tsys.
 //
 // defines: tsys__cpu_flash_fwd, tsys__cpu_flash_bwd
@@ -1382,7 +1381,6 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
 }
 
 #endif // TSYS_FLASH_CPU_H
-// @section src/flash_cpu.h end
 
 static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
 
@@ -3126,7 +3124,6 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
     return best;
 }
 
-// @section src/safetensors.h begin
 // >>safetensors -----------------------------------------------------------------------------------
 //
 // safetensors I/O (https://github.com/huggingface/safetensors): an 8-byte little-endian header
@@ -3147,10 +3144,7 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
 // a 13 GB checkpoint needs one tensor of staging memory at most. Host byte order must be little
 // endian, like the format (checked at run time).
 //
-// Fragment of tsys.h's implementation: it uses only the public API above, libc, and the
-// TSYS_MALLOC/TSYS_REALLOC/TSYS_FREE macros of >>config. It defines TSYS__HAVE_SAFETENSORS, which
-// switches off the "not built" placeholders, so it must come before them.
-#define TSYS__HAVE_SAFETENSORS 1
+// It uses only the public API above, libc, and the TSYS_MALLOC/TSYS_REALLOC/TSYS_FREE macros of >>config.
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -3902,13 +3896,6 @@ TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_
     tsys__st_free(hdr.p);
     return s;
 }
-// @section src/safetensors.h end
-#ifndef TSYS__HAVE_SAFETENSORS
-TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) { (void)tensors; (void)n; return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "safetensors: %s: not built", path); }
-TSYSDEF tsys_status tsys_safetensors_load(tsys_ctx *ctx, const char *path, tsys_device dev, tsys_tensor ***out, int *n) { (void)dev; *out = NULL; *n = 0; return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "safetensors: %s: not built", path); }
-TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) { (void)tensors; (void)n; return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "safetensors: %s: not built", path); }
-TSYSDEF void tsys_tensor_list_free(tsys_tensor **list, int n) { for (int i = 0; i < n; i++) tsys_tensor_release(list[i]); TSYS_FREE(list); }
-#endif
 
 TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path) { return tsys_safetensors_save(m->ctx, path, m->params, m->num_tensors); }
 TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path) { return tsys_safetensors_load_into(m->ctx, path, m->params, m->num_tensors); }

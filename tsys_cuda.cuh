@@ -153,7 +153,6 @@ TSYSDEF void tsys_cuda_range_pop(void);
 #ifndef TSYS_CUDA_NO_NVTX
 #include <nvtx3/nvToolsExt.h>
 #endif
-// @section src/flash_cuda.cuh begin
 // flash_cuda.cuh - FlashAttention-2 forward and backward CUDA kernels for tsys (sm_80+, tuned on sm_90).
 //
 // defines: tsys_cuda__flash_fwd, tsys_cuda__flash_bwd, tsys_cuda__flash_bwd_scratch_bytes,
@@ -1638,7 +1637,6 @@ static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const v
 #undef TSYS__FLASH_BWD_CALL
     return cudaErrorInvalidValue;
 }
-// @section src/flash_cuda.cuh end
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -16,10 +16,14 @@
 // every configuration (the same for naive and flash), the output gradient too.
 // FLOPs (FlashAttention convention): forward 4 * batch * heads * seq^2 * d, halved when causal;
 // backward 2.5x the forward; forward+backward 3.5x.
+#ifndef TSYS_LINKED_IMPL   // the Makefile's CUDA build compiles the implementations once and links them
 #define TSYS_IMPLEMENTATION
+#endif
 #include "../tsys.h"
 #ifdef TSYS_WITH_CUDA
+#ifndef TSYS_LINKED_IMPL
 #define TSYS_CUDA_IMPLEMENTATION
+#endif
 #include "../tsys_cuda.cuh"
 #endif
 #include "driver_util.h"

@@ -5,10 +5,14 @@
 //   e2e --model small,medium --dtype fp32,bf16 --mode train --format csv
 //
 // Comma-separated lists in --model, --context-length, --mode and --dtype sweep every combination.
+#ifndef TSYS_LINKED_IMPL   // the Makefile's CUDA build compiles the implementations once and links them
 #define TSYS_IMPLEMENTATION
+#endif
 #include "../tsys.h"
 #ifdef TSYS_WITH_CUDA
+#ifndef TSYS_LINKED_IMPL
 #define TSYS_CUDA_IMPLEMENTATION
+#endif
 #include "../tsys_cuda.cuh"
 #endif
 #include "driver_util.h"

@@ -1,17 +1,20 @@
-// flash_lab.cu - kernel lab for FlashAttention-2: CUDA kernels (src/flash_cuda.cuh) against the tiled CPU
-// reference (src/flash_cpu.h), the CPU reference against naive attention in double, determinism of the
+// flash_lab.cu - kernel lab for FlashAttention-2: the CUDA kernels (tsys_cuda.cuh, >>flash) against the
+// tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -lineinfo -Xcompiler -fopenmp \
-//        tests/flash_lab.cu -o /tmp/fl && /tmp/fl [test|perf|all|variants|wgvariants]
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -lineinfo -Xcompiler -fopenmp -I. \
+//        tests/flash_lab.cu -o /tmp/fl -lcublasLt -lcublas -lopenblas && /tmp/fl [test|perf|all|variants|wgvariants]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.
 //   TSYS_FLASH_NO_WGMMA=1 forces the mma.sync kernels in an sm_90a build.)
 //
 // Every check draws fresh random inputs (never zeros) and poisons the outputs with NaN bytes first, so an
 // unwritten element fails. Timings: CUDA events, median of many repetitions after warm-up; TFLOP/s in the
 // FlashAttention convention (fwd 4*bh*n^2*d, halved when causal; bwd 2.5x fwd; fwd+bwd 3.5x fwd).
-#include "../src/flash_cpu.h"
-#include "../src/flash_cuda.cuh"
+// The kernels live in the implementations of tsys.h (tiled CPU reference) and tsys_cuda.cuh (CUDA).
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#define TSYS_CUDA_IMPLEMENTATION
+#include "../tsys_cuda.cuh"
 
 #include <algorithm>
 #include <stdio.h>
