@@ -82,8 +82,10 @@ CUDA_TESTS = $(BUILD)/test_cuda $(BUILD)/flash_lab
 $(BUILD)/tsys_impl_cuda.o: tsys.h tsys_cuda.cuh | $(BUILD)
 	@printf '#define TSYS_IMPLEMENTATION\n#include "tsys.h"\n#define TSYS_CUDA_IMPLEMENTATION\n#include "tsys_cuda.cuh"\n' > $(BUILD)/tsys_impl_cuda.cu
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -c $(BUILD)/tsys_impl_cuda.cu -o $@
-$(BUILD)/%_cuda: drivers/%.c $(HEADERS) tsys_cuda.cuh $(BUILD)/tsys_impl_cuda.o | $(BUILD)
-	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -DTSYS_LINKED_IMPL -x cu $< -x none $(BUILD)/tsys_impl_cuda.o -o $@ $(NVLIBS)
+$(BUILD)/%_cuda.o: drivers/%.c $(HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
+$(BUILD)/%_cuda: $(BUILD)/%_cuda.o $(BUILD)/tsys_impl_cuda.o
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS)
 $(BUILD)/flash_lab: tests/flash_lab.cu $(HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $< -o $@ $(NVLIBS)
 $(BUILD)/test_cuda: tests/test_cuda.cu tests/harness.h tests/test_util.h $(HEADERS) tsys_cuda.cuh | $(BUILD)

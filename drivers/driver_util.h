@@ -7,6 +7,10 @@
 #include <string.h>
 #include <stdarg.h>
 #include <unistd.h>
+#include <errno.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static char *du_strdup(const char *s) {
     size_t n = strlen(s) + 1;

@@ -252,7 +252,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     memset(&b, 0, sizeof(b));
     b.ctx = ctx; b.dev = dev; b.mode = mode; b.dtype = dt;
     tsys_mem_reset_peak(ctx, dev);
-    int n = o->steps, total = (compiled ? TSYS__MAX(o->warmup, 1) : o->warmup) + (compiled ? 0 : n);
+    int n = o->steps, total = (compiled && o->warmup < 1 ? 1 : o->warmup) + (compiled ? 0 : n);   // a graph is captured after at least one eager step
     double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
     double *opt = (double *)calloc((size_t)n, sizeof(double)), *tot = (double *)calloc((size_t)n, sizeof(double));
     tsys_status st = bench_setup(&b, &d, o, T);

@@ -2,8 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -lineinfo -Xcompiler -fopenmp -I. \
-//        tests/flash_lab.cu -o /tmp/fl -lcublasLt -lcublas -lopenblas && /tmp/fl [test|perf|all|variants|wgvariants]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|wgvariants]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.
 //   TSYS_FLASH_NO_WGMMA=1 forces the mma.sync kernels in an sm_90a build.)
 //
