@@ -164,7 +164,7 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
         else if (!strcmp(a, "--sweep")) o->sweep = v;
         else if (!strcmp(a, "--mem-limit")) ok = du_parse_double(v, &o->mem_limit_gib) && o->mem_limit_gib >= 0;
         else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
-        if (!ok) { fprintf(stderr, "attn: bad value '%s' for %s\n", v, a); return 2; }
+        if (!ok) { fprintf(stderr, "attn: bad value '%s' for %s\n", v, a); usage(stderr); return 2; }
     }
     if (!apply_sweep(o)) { fprintf(stderr, "attn: unknown sweep '%s' (pytorch_attention, flash_benchmarking, leaderboard)\n", o->sweep); return 2; }
     if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "attn: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }

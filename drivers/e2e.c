@@ -82,7 +82,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--num-heads")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_heads);
         else if (!strcmp(a, "--vocab-size")) ok = du_parse_int(v, 1, 1 << 24, &o->dims.vocab_size);
         else { fprintf(stderr, "e2e: unknown flag '%s'\n", a); usage(stderr); return 2; }
-        if (!ok) { fprintf(stderr, "e2e: bad value '%s' for %s\n", v, a); return 2; }
+        if (!ok) { fprintf(stderr, "e2e: bad value '%s' for %s\n", v, a); usage(stderr); return 2; }
     }
     if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }
     if (!du_format_ok(o->format)) { fprintf(stderr, "e2e: --format must be md, csv or jsonl, not '%s'\n", o->format); return 2; }
@@ -324,15 +324,15 @@ int main(int argc, char **argv) {
     if (dev == TSYS_CUDA && tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); return 1; }
 #endif
     du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes), comps = du_split(o.compile), attns = du_split(o.attn);
-    for (int i = 0; i < attns.n; i++) if (strcmp(attns.item[i], "naive") && strcmp(attns.item[i], "flash") && strcmp(attns.item[i], "auto")) { fprintf(stderr, "e2e: --attn takes naive, flash or auto, not '%s'\n", attns.item[i]); return 2; }
-    for (int i = 0; i < comps.n; i++) if (strcmp(comps.item[i], "no") && strcmp(comps.item[i], "yes")) { fprintf(stderr, "e2e: --compile takes no, yes or no,yes, not '%s'\n", comps.item[i]); return 2; }
-    for (int i = 0; i < modes.n; i++) { run_mode m; if (!parse_mode(modes.item[i], &m)) { fprintf(stderr, "e2e: unknown mode '%s' (forward, forward-backward, train)\n", modes.item[i]); return 2; } }
-    for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "e2e: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); return 2; } }
-    for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "e2e: bad context length '%s'\n", ctxs.item[i]); return 2; } }
+    for (int i = 0; i < attns.n; i++) if (strcmp(attns.item[i], "naive") && strcmp(attns.item[i], "flash") && strcmp(attns.item[i], "auto")) { fprintf(stderr, "e2e: --attn takes naive, flash or auto, not '%s'\n", attns.item[i]); usage(stderr); return 2; }
+    for (int i = 0; i < comps.n; i++) if (strcmp(comps.item[i], "no") && strcmp(comps.item[i], "yes")) { fprintf(stderr, "e2e: --compile takes no, yes or no,yes, not '%s'\n", comps.item[i]); usage(stderr); return 2; }
+    for (int i = 0; i < modes.n; i++) { run_mode m; if (!parse_mode(modes.item[i], &m)) { fprintf(stderr, "e2e: unknown mode '%s' (forward, forward-backward, train)\n", modes.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "e2e: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "e2e: bad context length '%s'\n", ctxs.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < models.n; i++) {
         tsys_model_desc d;
         char err[256];
-        if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", err); return 2; }
+        if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", err); usage(stderr); return 2; }
     }
 #ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA) {
