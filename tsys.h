@@ -1241,17 +1241,21 @@ static int64_t tsys__cpu_flash_key_tiles(int64_t q0, int64_t nq_t, int64_t n_k, 
 
 // Forward, Algorithm 1: for each query tile keep O (unnormalised), the running max m and the running sum l;
 // each key tile rescales them by exp(m_old - m_new) and adds its own terms.
-static void tsys__cpu_flash_fwd(const float *q, const float *k, const float *v, float *o, float *lse,
+// Returns false when a thread's output accumulator could not be allocated.
+static bool tsys__cpu_flash_fwd(const float *q, const float *k, const float *v, float *o, float *lse,
                                 int64_t bh, int64_t n_q, int64_t n_k, int64_t d, float scale, bool causal) {
     const int64_t BQ = TSYS__FLASH_CPU_BQ, BK = TSYS__FLASH_CPU_BK;
     const int64_t tq = (n_q + BQ - 1) / BQ;
-    TSYS__OMP(omp parallel)
+    int failed = 0;
+    TSYS__OMP(omp parallel reduction(| : failed))
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(BQ * BK));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(BQ * d));
+        float s[TSYS__FLASH_CPU_BQ * TSYS__FLASH_CPU_BK];   // one score tile, on the thread's stack
+        float *acc = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(BQ * d));
         float m[TSYS__FLASH_CPU_BQ], l[TSYS__FLASH_CPU_BQ];
+        failed |= acc == NULL;
         TSYS__OMP(omp for schedule(dynamic))
         for (int64_t t = 0; t < bh * tq; t++) {
+            if (!acc) continue;
             const int64_t b = t / tq, q0 = (t % tq) * BQ;
             const int64_t nq_t = n_q - q0 < BQ ? n_q - q0 : BQ;
             const float *qb = q + b * n_q * d, *kb = k + b * n_k * d, *vb = v + b * n_k * d;
@@ -1284,9 +1288,9 @@ static void tsys__cpu_flash_fwd(const float *q, const float *k, const float *v, 
                 lse[b * n_q + q0 + i] = m[i] + logf(l[i]);
             }
         }
-        free(s);
-        free(acc);
+        TSYS_FREE(acc);
     }
+    return !failed;
 }
 
 // D_i = rowsum(dO_i * O_i) for rows [q0, q0 + nq_t) of one batch*head.
@@ -1311,7 +1315,7 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
     // pass 1: dK, dV
     TSYS__OMP(omp parallel)
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(BQ * BK));
+        float s[TSYS__FLASH_CPU_BQ * TSYS__FLASH_CPU_BK];   // one score tile, on the thread's stack
         float dvec[TSYS__FLASH_CPU_BQ];
         TSYS__OMP(omp for schedule(dynamic))
         for (int64_t t = 0; t < bh * tk; t++) {
@@ -1342,12 +1346,11 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
                 }
             }
         }
-        free(s);
     }
     // pass 2: dQ
     TSYS__OMP(omp parallel)
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(BQ * BK));
+        float s[TSYS__FLASH_CPU_BQ * TSYS__FLASH_CPU_BK];   // one score tile, on the thread's stack
         float dvec[TSYS__FLASH_CPU_BQ];
         TSYS__OMP(omp for schedule(dynamic))
         for (int64_t t = 0; t < bh * tq; t++) {
@@ -1376,7 +1379,6 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
                 }
             }
         }
-        free(s);
     }
 }
 
@@ -1651,7 +1653,7 @@ static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_karg
     const tsys_tensor *q = t[k == TSYS_K_FLASH_FWD ? 2 : 4], *kk = t[k == TSYS_K_FLASH_FWD ? 3 : 5];
     int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
     if (ok && k == TSYS_K_FLASH_FWD)
-        tsys__cpu_flash_fwd(b[2].p, b[3].p, b[4].p, b[0].p, b[1].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
+        ok = tsys__cpu_flash_fwd(b[2].p, b[3].p, b[4].p, b[0].p, b[1].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
     else if (ok)
         tsys__cpu_flash_bwd(b[3].p, b[4].p, b[5].p, b[6].p, b[7].p, b[8].p, b[0].p, b[1].p, b[2].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
     for (int j = 0; j < nt; j++) tsys__fdone(&b[j], j < nout ? t[j] : NULL);
