@@ -214,6 +214,11 @@ __device__ __forceinline__ void tsys__cp_async16(void *smem, const void *gmem, b
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tsys__smem_addr(smem)), "l"(gmem),
                  "r"(pred ? 16 : 0));
 }
+// 4-byte version (through L1); size 0 zero-fills the destination without reading.
+__device__ __forceinline__ void tsys__cp_async4(void *smem, const void *gmem, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(tsys__smem_addr(smem)), "l"(gmem),
+                 "r"(pred ? 4 : 0));
+}
 __device__ __forceinline__ void tsys__cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void tsys__cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -1040,25 +1045,33 @@ __device__ __forceinline__ void tsys__wg_ss(float (*acc)[4], const T *a, int r0,
     }
 #endif
 }
-// acc (m64 x N) += P (registers: fp32 accumulators of a previous wgmma, m64 x KD, rounded here) * B
-// (smem tile of RB = KD rows, MN-major, N = D columns).
+// Round a wgmma accumulator (m64 x KD fp32, this thread's part) to 16 bits and pair it into the register A
+// operand of the next wgmma: KD/16 k-steps of 4 registers. All of it is packed before the wgmmas that read
+// it are issued: writing A registers between wgmmas would make ptxas insert a warpgroup.arrive each time.
+template <typename T, int KD>
+__device__ __forceinline__ void tsys__wg_pack(uint32_t (*a)[4], const float (*p)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        a[kk][0] = tsys__flash_t<T>::pack(p[2 * kk][0], p[2 * kk][1]);
+        a[kk][1] = tsys__flash_t<T>::pack(p[2 * kk][2], p[2 * kk][3]);
+        a[kk][2] = tsys__flash_t<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[kk][3] = tsys__flash_t<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+}
+// acc (m64 x N) += A (registers, packed by tsys__wg_pack, m64 x KD) * B (smem tile of KD rows, MN-major,
+// N = D columns).
 template <typename T, int N, int KD>
-__device__ __forceinline__ void tsys__wg_rs(float (*acc)[4], float (*p)[4], const T *b) {
+__device__ __forceinline__ void tsys__wg_rs(float (*acc)[4], const uint32_t (*a)[4], const T *b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #pragma unroll
     for (int kk = 0; kk < KD / 16; kk++) {
-        uint32_t a[4];
-        a[0] = tsys__flash_t<T>::pack(p[2 * kk][0], p[2 * kk][1]);
-        a[1] = tsys__flash_t<T>::pack(p[2 * kk][2], p[2 * kk][3]);
-        a[2] = tsys__flash_t<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        a[3] = tsys__flash_t<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
         const uint64_t db = tsys__wg_desc_mn<KD>(b, kk);
         if constexpr (N == 64) {
-            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs64_bf16(&acc[0][0], a, db);
-            else tsys__wgmma_rs64_f16(&acc[0][0], a, db);
+            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs64_bf16(&acc[0][0], a[kk], db);
+            else tsys__wgmma_rs64_f16(&acc[0][0], a[kk], db);
         } else {
-            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs128_bf16(&acc[0][0], a, db);
-            else tsys__wgmma_rs128_f16(&acc[0][0], a, db);
+            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs128_bf16(&acc[0][0], a[kk], db);
+            else tsys__wgmma_rs128_f16(&acc[0][0], a[kk], db);
         }
     }
 #endif
@@ -1070,7 +1083,14 @@ __device__ __forceinline__ unsigned char *tsys__wg_smem_base(unsigned char *raw)
     return raw + ((1024 - (a & 1023)) & 1023);
 }
 
-// Forward: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows, double-buffered.
+// The streamed tiles of the wgmma kernels sit in a ring of three buffers: tile j + 1 is requested (cp.async)
+// right after the barrier that opens tile j, into the buffer of tile j - 2, so one barrier per tile suffices,
+// the copy overlaps all of tile j's work, and the last matmul of tile j (P V, dS K) may still be reading its
+// buffer while tile j + 1 starts: it is waited for only after the next tile's first wgmma is issued.
+#define TSYS__WG_STAGES 3
+
+// Forward: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows. Tiles that need no mask (inside n
+// and, when causal, at or below the block's first query row) run a body without index math.
 template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
 __global__ void __launch_bounds__(WG * 128, MINB)
 tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
@@ -1079,8 +1099,8 @@ tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, cons
     constexpr int BQ = WG * 64, NT = WG * 128;
     extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
     T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
-    T *ks = qs + BQ * D;        // [2][BK * D]
-    T *vs = ks + 2 * BK * D;    // [2][BK * D]
+    T *ks = qs + BQ * D;                          // [STAGES][BK * D]
+    T *vs = ks + TSYS__WG_STAGES * BK * D;        // [STAGES][BK * D]
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -1088,81 +1108,86 @@ tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, cons
     const size_t base = (size_t)blockIdx.y * n * D;
     q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
 
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
 
     tsys__wg_load_tile<BQ, D, NT>(qs, q, q0, n);
     tsys__wg_load_tile<BK, D, NT>(ks, k, 0, n);
     tsys__wg_load_tile<BK, D, NT>(vs, v, 0, n);
     tsys__cp_async_commit();
 
-    float oacc[1][D / 8][4];
-    tsys__flash_zero<1, D>(oacc);
+    float oacc[D / 8][4];
+    tsys__flash_zero<1, D>(&oacc);
     float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
 
-    for (int j = 0; j < nkt; j++) {
-        if (j + 1 < nkt) {
-            tsys__wg_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * D, k, (j + 1) * BK, n);
-            tsys__wg_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * D, v, (j + 1) * BK, n);
-            tsys__cp_async_commit();
-            tsys__cp_async_wait<1>();
-        } else {
-            tsys__cp_async_wait<0>();
-        }
+    uint32_t pa[BK / 16][4];   // P of the previous tile: its P V wgmma may still be reading these registers
+    // no per-warpgroup causal skip anywhere: a data-dependent branch around wgmma makes ptxas serialize them
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        tsys__cp_async_wait<0>();
         tsys__fence_proxy_async();
         __syncthreads();
-        const int k0 = j * BK;
-        {   // no per-warpgroup causal skip: a data-dependent branch around wgmma makes ptxas serialize them
-            const T *kt = ks + (j & 1) * BK * D, *vt = vs + (j & 1) * BK * D;
-            float s[1][BK / 8][4];
-            tsys__wg_fence();
-            tsys__wg_ss<T, BK, BQ, D>(s[0], qs, wg * 64, kt);
-            tsys__wg_commit();
-            tsys__wg_wait<0>();
-            tsys__wg_fence_acc<BK>(s[0]);
-            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int row = q0 + wr0 + (lane >> 2) + h * 8;
-                float mx = m[h];
-#pragma unroll
-                for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        float x = s[0][nb][2 * h + e] * scale_log2;
-                        if (need_mask) {
-                            const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
-                            if (col >= n || (CAUSAL && col > row)) x = -INFINITY;
-                        }
-                        s[0][nb][2 * h + e] = x;
-                        mx = fmaxf(mx, x);
-                    }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mref = mx == -INFINITY ? 0.0f : mx;
-                const float alpha = tsys__ex2(m[h] - mref);
-                float sum = 0.0f;
-#pragma unroll
-                for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const float p = tsys__ex2(s[0][nb][2 * h + e] - mref);
-                        s[0][nb][2 * h + e] = p;
-                        sum += p;
-                    }
-                l[h] = l[h] * alpha + sum;
-                m[h] = mx;
-#pragma unroll
-                for (int nb = 0; nb < D / 8; nb++) oacc[0][nb][2 * h] *= alpha, oacc[0][nb][2 * h + 1] *= alpha;
-            }
-            tsys__wg_fence();
-            tsys__wg_rs<T, D, BK>(oacc[0], s[0], vt);
-            tsys__wg_commit();
-            tsys__wg_wait<0>();
-            tsys__wg_fence_acc<D>(oacc[0]);
+        if (j + 1 < nkt) {
+            const int nb = (j + 1) % TSYS__WG_STAGES;
+            tsys__wg_load_tile<BK, D, NT>(ks + nb * BK * D, k, (j + 1) * BK, n);
+            tsys__wg_load_tile<BK, D, NT>(vs + nb * BK * D, v, (j + 1) * BK, n);
+            tsys__cp_async_commit();
         }
-        __syncthreads();
-    }
+        const int k0 = j * BK, buf = j % TSYS__WG_STAGES;
+        const T *kt = ks + buf * BK * D, *vt = vs + buf * BK * D;
+        float s[BK / 8][4];
+        tsys__wg_fence();
+        tsys__wg_ss<T, BK, BQ, D>(s, qs, wg * 64, kt);
+        tsys__wg_commit();
+        tsys__wg_wait<0>();   // S of this tile and P V of the previous one
+        tsys__wg_fence_acc<BK>(s);
+        tsys__wg_fence_acc<D>(oacc);
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = q0 + wr0 + (lane >> 2) + h * 8;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    if (MASK) {
+                        const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
+                        if (col >= n || (CAUSAL && col > row)) s[nb][2 * h + e] = -INFINITY;
+                    }
+                    mx = fmaxf(mx, s[nb][2 * h + e]);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(m[h], mx * scale_log2);   // scores in log2 units (scale > 0)
+            const float mref = mnew == -INFINITY ? 0.0f : mnew;
+            alpha[h] = tsys__ex2(m[h] - mref);
+            float sum = 0.0f;
+#pragma unroll
+            for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float p = tsys__ex2(fmaf(s[nb][2 * h + e], scale_log2, -mref));
+                    s[nb][2 * h + e] = p;
+                    sum += p;
+                }
+            l[h] = l[h] * alpha[h] + sum;
+            m[h] = mnew;
+        }
+        tsys__wg_pack<T, BK>(pa, s);
+#pragma unroll
+        for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
+        tsys__wg_fence();
+        tsys__wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
+        tsys__wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys__wg_wait<0>();
+    tsys__wg_fence_acc<D>(oacc);
+
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -1176,12 +1201,22 @@ tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, cons
 #pragma unroll
     for (int nb = 0; nb < D / 8; nb++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) oacc[0][nb][e] *= inv[e >> 1];
-    tsys__flash_store<T, 1, D>(o, oacc, q0 + wr0, n, 1.0f, lane);
+        for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
+    tsys__flash_store<T, 1, D>(o, &oacc, q0 + wr0, n, 1.0f, lane);
 #endif
 }
 
-// dK, dV: WG warpgroups x 64 keys = BKV; query tiles of BQ rows (Q, dO, lse, D) double-buffered.
+// Visits tiles [lo, hi) with the masked body at the two ends and the mask-free body in [free_lo, free_hi).
+template <typename F>
+__device__ __forceinline__ void tsys__wg_tiles(int lo, int hi, int free_lo, int free_hi, F &&tile) {
+    const int a = min(max(free_lo, lo), hi), b = max(a, min(free_hi, hi));
+    for (int i = lo; i < a; i++) tile(i, std::true_type());
+    for (int i = a; i < b; i++) tile(i, std::false_type());
+    for (int i = b; i < hi; i++) tile(i, std::true_type());
+}
+
+// dK, dV: WG warpgroups x 64 keys = BKV; query tiles of BQ rows (Q, dO, lse, D) double-buffered: tile it + 1
+// is requested right after the barrier that opens tile it, when every wgmma of tile it - 1 has completed.
 template <typename T, int D, int BQ, int WG, int MINB, bool CAUSAL>
 __global__ void __launch_bounds__(WG * 128, MINB)
 tsys__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
@@ -1204,6 +1239,8 @@ tsys__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict__ k,
     q += base; k += base; v += base; dout += base; dk += base; dv += base;
     lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
     const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
+    // query tiles in [free_lo, free_hi) need no mask: all rows < n and, when causal, >= the block's last key
+    const int free_lo = CAUSAL ? (k0 + BKV - 1 + BQ - 1) / BQ : 0, free_hi = n / BQ;
 
     tsys__wg_load_tile<BKV, D, NT>(ks, k, k0, n);
     tsys__wg_load_tile<BKV, D, NT>(vs, v, k0, n);
@@ -1211,82 +1248,81 @@ tsys__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict__ k,
         const int q0 = it * BQ;
         tsys__wg_load_tile<BQ, D, NT>(qs + buf * BQ * D, q, q0, n);
         tsys__wg_load_tile<BQ, D, NT>(gs + buf * BQ * D, dout, q0, n);
-        for (int i = threadIdx.x; i < BQ; i += NT) {
+        for (int i = threadIdx.x; i < BQ; i += NT) {   // zero past n: those rows are masked
             const bool ok = q0 + i < n;
-            ls[buf * BQ + i] = ok ? lse[q0 + i] * TSYS__FLASH_LOG2E : 0.0f;
-            ds[buf * BQ + i] = ok ? dvec[q0 + i] : 0.0f;
+            tsys__cp_async4(ls + buf * BQ + i, lse + (ok ? q0 + i : 0), ok);
+            tsys__cp_async4(ds + buf * BQ + i, dvec + (ok ? q0 + i : 0), ok);
         }
     };
     load_q(it0, 0);
     tsys__cp_async_commit();
 
-    float dka[1][D / 8][4], dva[1][D / 8][4];
-    tsys__flash_zero<1, D>(dka);
-    tsys__flash_zero<1, D>(dva);
+    float dka[D / 8][4], dva[D / 8][4];
+    tsys__flash_zero<1, D>(&dka);
+    tsys__flash_zero<1, D>(&dva);
 
-    for (int it = it0; it < nqt; it++) {
+    tsys__wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
         const int buf = (it - it0) & 1;
+        tsys__cp_async_wait<0>();
+        tsys__fence_proxy_async();
+        __syncthreads();
         if (it + 1 < nqt) {
             load_q(it + 1, buf ^ 1);
             tsys__cp_async_commit();
-            tsys__cp_async_wait<1>();
-        } else {
-            tsys__cp_async_wait<0>();
         }
-        tsys__fence_proxy_async();
-        __syncthreads();
         const int q0 = it * BQ;
-        {   // no per-warpgroup causal skip: a data-dependent branch around wgmma makes ptxas serialize them
-            const T *qt = qs + buf * BQ * D, *gt = gs + buf * BQ * D;
-            const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
-            float st[1][BQ / 8][4], dpt[1][BQ / 8][4];
-            tsys__wg_fence();
-            tsys__wg_ss<T, BQ, BKV, D>(st[0], ks, wg * 64, qt);    // S^T = K Q^T
-            tsys__wg_commit();
-            tsys__wg_ss<T, BQ, BKV, D>(dpt[0], vs, wg * 64, gt);   // dP^T = V dO^T
-            tsys__wg_commit();
-            tsys__wg_wait<1>();
-            tsys__wg_fence_acc<BQ>(st[0]);
-            const bool need_mask = q0 + BQ > n || (CAUSAL && k0 + wk0 + 15 > q0);
+        const T *qt = qs + buf * BQ * D, *gt = gs + buf * BQ * D;
+        const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
+        float st[BQ / 8][4], dpt[BQ / 8][4];
+        tsys__wg_fence();
+        tsys__wg_ss<T, BQ, BKV, D>(st, ks, wg * 64, qt);    // S^T = K Q^T
+        tsys__wg_commit();
+        tsys__wg_ss<T, BQ, BKV, D>(dpt, vs, wg * 64, gt);   // dP^T = V dO^T
+        tsys__wg_commit();
+        tsys__wg_wait<1>();
+        tsys__wg_fence_acc<BQ>(st);
 #pragma unroll
-            for (int nb = 0; nb < BQ / 8; nb++)
+        for (int nb = 0; nb < BQ / 8; nb++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                    float p = tsys__ex2(st[0][nb][e] * scale_log2 - lt[qi]);
-                    if (need_mask) {
-                        const int key = k0 + wk0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
-                        if (query >= n || (CAUSAL && key > query)) p = 0.0f;
-                    }
-                    st[0][nb][e] = p;
+            for (int e = 0; e < 4; e++) {
+                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                float p = tsys__ex2(fmaf(st[nb][e], scale_log2, -lt[qi] * TSYS__FLASH_LOG2E));
+                if (MASK) {
+                    const int key = k0 + wk0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
+                    if (query >= n || (CAUSAL && key > query)) p = 0.0f;
                 }
-            tsys__wg_fence();
-            tsys__wg_rs<T, D, BQ>(dva[0], st[0], gt);              // dV += P^T dO
-            tsys__wg_commit();
-            tsys__wg_wait<1>();
-            tsys__wg_fence_acc<BQ>(dpt[0]);
+                st[nb][e] = p;
+            }
+        uint32_t pa[BQ / 16][4];
+        tsys__wg_pack<T, BQ>(pa, st);
+        tsys__wg_fence();
+        tsys__wg_rs<T, D, BQ>(dva, pa, gt);                  // dV += P^T dO
+        tsys__wg_commit();
+        tsys__wg_wait<1>();
+        tsys__wg_fence_acc<BQ>(dpt);
 #pragma unroll
-            for (int nb = 0; nb < BQ / 8; nb++)
+        for (int nb = 0; nb < BQ / 8; nb++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                    dpt[0][nb][e] = st[0][nb][e] * (dpt[0][nb][e] - dt[qi]);   // dS^T
-                }
-            tsys__wg_fence();
-            tsys__wg_rs<T, D, BQ>(dka[0], dpt[0], qt);             // dK += dS^T Q
-            tsys__wg_commit();
-            tsys__wg_wait<0>();
-            tsys__wg_fence_acc<D>(dka[0]);
-            tsys__wg_fence_acc<D>(dva[0]);
-        }
-        __syncthreads();
-    }
-    tsys__flash_store<T, 1, D>(dk, dka, k0 + wk0, n, scale, lane);
-    tsys__flash_store<T, 1, D>(dv, dva, k0 + wk0, n, 1.0f, lane);
+            for (int e = 0; e < 4; e++) {
+                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                dpt[nb][e] = st[nb][e] * (dpt[nb][e] - dt[qi]);   // dS^T
+            }
+        uint32_t dsa[BQ / 16][4];
+        tsys__wg_pack<T, BQ>(dsa, dpt);
+        tsys__wg_fence();
+        tsys__wg_rs<T, D, BQ>(dka, dsa, qt);                 // dK += dS^T Q
+        tsys__wg_commit();
+        tsys__wg_wait<0>();
+        tsys__wg_fence_acc<D>(dka);
+        tsys__wg_fence_acc<D>(dva);
+    });
+    tsys__flash_store<T, 1, D>(dk, &dka, k0 + wk0, n, scale, lane);
+    tsys__flash_store<T, 1, D>(dv, &dva, k0 + wk0, n, 1.0f, lane);
 #endif
 }
 
-// dQ: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows, double-buffered.
+// dQ: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows in the ring, as in the forward.
 template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
 __global__ void __launch_bounds__(WG * 128, MINB)
 tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
@@ -1297,8 +1333,8 @@ tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, c
     extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
     T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
     T *gs = qs + BQ * D;
-    T *ks = gs + BQ * D;        // [2][BK * D]
-    T *vs = ks + 2 * BK * D;    // [2][BK * D]
+    T *ks = gs + BQ * D;                          // [STAGES][BK * D]
+    T *vs = ks + TSYS__WG_STAGES * BK * D;        // [STAGES][BK * D]
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -1307,8 +1343,8 @@ tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, c
     q += base; k += base; v += base; dout += base; dq += base;
     lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
 
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
 
     tsys__wg_load_tile<BQ, D, NT>(qs, q, q0, n);
     tsys__wg_load_tile<BQ, D, NT>(gs, dout, q0, n);
@@ -1323,60 +1359,60 @@ tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, c
         lrow[h] = row < n ? lse[row] * TSYS__FLASH_LOG2E : 0.0f;
         drow[h] = row < n ? dvec[row] : 0.0f;
     }
-    float dqa[1][D / 8][4];
-    tsys__flash_zero<1, D>(dqa);
+    float dqa[D / 8][4];
+    tsys__flash_zero<1, D>(&dqa);
 
-    for (int j = 0; j < nkt; j++) {
-        if (j + 1 < nkt) {
-            tsys__wg_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * D, k, (j + 1) * BK, n);
-            tsys__wg_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * D, v, (j + 1) * BK, n);
-            tsys__cp_async_commit();
-            tsys__cp_async_wait<1>();
-        } else {
-            tsys__cp_async_wait<0>();
-        }
+    uint32_t dsa[BK / 16][4];   // dS of the previous tile: its dS K wgmma may still be reading these registers
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        tsys__cp_async_wait<0>();
         tsys__fence_proxy_async();
         __syncthreads();
-        const int k0 = j * BK;
-        {   // no per-warpgroup causal skip: a data-dependent branch around wgmma makes ptxas serialize them
-            const T *kt = ks + (j & 1) * BK * D, *vt = vs + (j & 1) * BK * D;
-            float s[1][BK / 8][4], dp[1][BK / 8][4];
-            tsys__wg_fence();
-            tsys__wg_ss<T, BK, BQ, D>(s[0], qs, wg * 64, kt);    // S = Q K^T
-            tsys__wg_commit();
-            tsys__wg_ss<T, BK, BQ, D>(dp[0], gs, wg * 64, vt);   // dP = dO V^T
-            tsys__wg_commit();
-            tsys__wg_wait<1>();
-            tsys__wg_fence_acc<BK>(s[0]);
-            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
-#pragma unroll
-            for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int h = e >> 1;
-                    float p = tsys__ex2(s[0][nb][e] * scale_log2 - lrow[h]);
-                    if (need_mask) {
-                        const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
-                        const int row = q0 + wr0 + (lane >> 2) + h * 8;
-                        if (key >= n || (CAUSAL && key > row)) p = 0.0f;
-                    }
-                    s[0][nb][e] = p;
-                }
-            tsys__wg_wait<0>();
-            tsys__wg_fence_acc<BK>(dp[0]);
-#pragma unroll
-            for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[0][nb][e] *= dp[0][nb][e] - drow[e >> 1];   // dS
-            tsys__wg_fence();
-            tsys__wg_rs<T, D, BK>(dqa[0], s[0], kt);             // dQ += dS K
-            tsys__wg_commit();
-            tsys__wg_wait<0>();
-            tsys__wg_fence_acc<D>(dqa[0]);
+        if (j + 1 < nkt) {
+            const int nb = (j + 1) % TSYS__WG_STAGES;
+            tsys__wg_load_tile<BK, D, NT>(ks + nb * BK * D, k, (j + 1) * BK, n);
+            tsys__wg_load_tile<BK, D, NT>(vs + nb * BK * D, v, (j + 1) * BK, n);
+            tsys__cp_async_commit();
         }
-        __syncthreads();
-    }
-    tsys__flash_store<T, 1, D>(dq, dqa, q0 + wr0, n, scale, lane);
+        const int k0 = j * BK, buf = j % TSYS__WG_STAGES;
+        const T *kt = ks + buf * BK * D, *vt = vs + buf * BK * D;
+        float s[BK / 8][4], dp[BK / 8][4];
+        tsys__wg_fence();
+        tsys__wg_ss<T, BK, BQ, D>(s, qs, wg * 64, kt);    // S = Q K^T
+        tsys__wg_commit();
+        tsys__wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);   // dP = dO V^T
+        tsys__wg_commit();
+        tsys__wg_wait<1>();   // the previous dS K, and S
+        tsys__wg_fence_acc<BK>(s);
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1;
+                float p = tsys__ex2(fmaf(s[nb][e], scale_log2, -lrow[h]));
+                if (MASK) {
+                    const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
+                    const int row = q0 + wr0 + (lane >> 2) + h * 8;
+                    if (key >= n || (CAUSAL && key > row)) p = 0.0f;
+                }
+                s[nb][e] = p;
+            }
+        tsys__wg_wait<0>();
+        tsys__wg_fence_acc<BK>(dp);
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[nb][e] *= dp[nb][e] - drow[e >> 1];   // dS
+        tsys__wg_pack<T, BK>(dsa, s);
+        tsys__wg_fence();
+        tsys__wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
+        tsys__wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys__wg_wait<0>();
+    tsys__wg_fence_acc<D>(dqa);
+    tsys__flash_store<T, 1, D>(dq, &dqa, q0 + wr0, n, scale, lane);
 #endif
 }
 
@@ -1405,9 +1441,9 @@ static bool tsys__flash_wg_available() {
 // tile, and the min-blocks-per-SM launch bound (which caps registers).
 // Picked per part from the variants timed on an H100 (docs/perf-notes-flash.md, v4).
 template <int D, bool CAUSAL> struct tsys__flash_wg_cfg {
-    static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_WG = 2, FWD_MINB = 2;
-    static constexpr int DKDV_BQ = D <= 64 ? 128 : 64, DKDV_WG = D <= 64 ? 2 : 1, DKDV_MINB = D <= 64 ? 1 : 2;
-    static constexpr int DQ_BK = 128, DQ_WG = 2, DQ_MINB = 1;
+    static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_WG = 3, FWD_MINB = 1;
+    static constexpr int DKDV_BQ = D <= 64 ? 128 : 64, DKDV_WG = 2, DKDV_MINB = 1;
+    static constexpr int DQ_BK = 64, DQ_WG = 2, DQ_MINB = D <= 64 ? 2 : 1;
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -1523,7 +1559,7 @@ template <typename T, int D, bool CAUSAL, typename W = tsys__flash_wg_cfg<D, CAU
 static cudaError_t tsys__flash_fwd_wg(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s) {
     constexpr int BQ = W::FWD_WG * 64;
-    const size_t smem = (size_t)(BQ + 4 * W::FWD_BK) * D * sizeof(T) + 1024;
+    const size_t smem = (size_t)(BQ + 2 * TSYS__WG_STAGES * W::FWD_BK) * D * sizeof(T) + 1024;
     auto kern = tsys__flash_fwd_wg_kernel<T, D, W::FWD_BK, W::FWD_WG, W::FWD_MINB, CAUSAL>;
     cudaError_t err = tsys__flash_smem_attr(kern, smem);
     if (err != cudaSuccess) return err;
@@ -1546,7 +1582,7 @@ static cudaError_t tsys__flash_bwd_wg(const T *dout, const T *q, const T *k, con
     if (err != cudaSuccess) return err;
     constexpr int BKV = W::DKDV_WG * 64, BQ = W::DQ_WG * 64;
     const size_t smem_kv = (size_t)(2 * BKV + 4 * W::DKDV_BQ) * D * sizeof(T) + 4 * W::DKDV_BQ * sizeof(float) + 1024;
-    const size_t smem_q = (size_t)(2 * BQ + 4 * W::DQ_BK) * D * sizeof(T) + 1024;
+    const size_t smem_q = (size_t)(2 * BQ + 2 * TSYS__WG_STAGES * W::DQ_BK) * D * sizeof(T) + 1024;
     auto kkv = tsys__flash_bwd_dkdv_wg_kernel<T, D, W::DKDV_BQ, W::DKDV_WG, W::DKDV_MINB, CAUSAL>;
     auto kq = tsys__flash_bwd_dq_wg_kernel<T, D, W::DQ_BK, W::DQ_WG, W::DQ_MINB, CAUSAL>;
     if ((err = tsys__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# flash_session.sh - one call on the GPU machine for the FlashAttention kernels: the lab's checks, tile
+# variants, the leaderboard rows, PyTorch SDPA at the same shapes (same call), and an ncu look at a kernel.
+#   tools/flash_session.sh build test wg lb torch ncu
+# build/flash_lab may be built beforehand (nvcc ... -gencode arch=compute_90a,code=sm_90a) and carried;
+# `build` (re)builds it here. Logs go to $OUT; the lines that matter print as each part ends.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+for part in "$@"; do
+  echo "=== $part ($(date +%T))"
+  case "$part" in
+  build) nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DTSYS_WITH_CUDA -DTSYS_NO_CBLAS -I. \
+           tests/flash_lab.cu -o build/flash_lab -lcublasLt -lcublas -lgomp -Xcompiler -fopenmp > "$OUT/build.log" 2>&1 \
+           || { tail -30 "$OUT/build.log"; exit 1; } ;;
+  test) timeout 300 build/flash_lab test > "$OUT/flash_test.log" 2>&1; grep -v "^  ok" "$OUT/flash_test.log" | tail -25 ;;
+  wg) timeout 400 build/flash_lab wgvariants > "$OUT/flash_wg.log" 2>&1; grep -E "^  wg |FAIL|passed" "$OUT/flash_wg.log" ;;
+  lb) timeout 120 build/flash_lab lb > "$OUT/flash_lb.log" 2>&1; cat "$OUT/flash_lb.log" ;;
+  perf) timeout 300 build/flash_lab perf > "$OUT/flash_perf.log" 2>&1; cat "$OUT/flash_perf.log" ;;
+  torch) timeout 300 python3 tests/ref/torch_fa_lb.py > "$OUT/torch_fa_lb.log" 2>&1; cat "$OUT/torch_fa_lb.log" ;;
+  ncu) for k in ${NCU_KERNELS:-fwd_wg dkdv_wg dq_wg}; do
+         timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k regex:$k --launch-skip 3 --launch-count 1 build/flash_lab lb > "$OUT/ncu_$k.log" 2>&1
+         grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Warp Cycles Per Issued|Block Limit|stalled" "$OUT/ncu_$k.log" \
+           | awk '$NF+0 > 0.05 || !/stalled/' | head -40
+       done ;;
+  *) echo "unknown part $part" ;;
+  esac
+done
