@@ -192,6 +192,7 @@ TSYSDEF void tsys_cuda_range_pop(void);
 #include <stdint.h>
 #include <stdlib.h>
 #include <type_traits>
+#include <cuda.h>   // CUtensorMap and its enums (the encoder itself is fetched at run time)
 
 #define TSYS__FLASH_LOG2E 1.4426950408889634f
 #define TSYS__FLASH_LN2 0.6931471805599453f
@@ -1416,6 +1417,204 @@ tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, c
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------
+// Warp-specialized forward (sm_90a): one producer warpgroup streams K/V tiles with the tensor-memory
+// accelerator (TMA) into the ring, three consumer warpgroups (64 query rows each) compute. Stages are handed
+// over with mbarriers instead of block-wide barriers, so the consumers drift out of step and one warpgroup's
+// softmax (special-function unit) runs while another's matmuls use the tensor cores; `setmaxnreg` moves the
+// producer's registers to the consumers (24 / 160 per thread). TMA writes the same 128B-swizzled layout the
+// cp.async loads do, and fills rows past n with zeros.
+template <typename T, int D, int BK> struct tsys__flash_ws_layout {
+    static constexpr int CW = 3, BQ = CW * 64, NT = (CW + 1) * 128;
+    static constexpr size_t Q_BYTES = (size_t)BQ * D * sizeof(T), KV_BYTES = (size_t)BK * D * sizeof(T);
+    static constexpr size_t SMEM = Q_BYTES + 2 * TSYS__WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS__WG_STAGES) + 1024;
+};
+
+__device__ __forceinline__ void tsys__mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tsys__smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void tsys__mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tsys__smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void tsys__mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(tsys__smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void tsys__mbar_wait(uint64_t *bar, int parity) {
+    asm volatile("{\n.reg .pred p;\nTSYS_MBAR_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra TSYS_MBAR_WAIT_%=;\n}\n" ::"r"(tsys__smem_addr(bar)), "r"(parity) : "memory");
+}
+// One box (64 columns x the map's rows) of a (bh, n, D) tensor at column c0, row r0 of slice b.
+__device__ __forceinline__ void tsys__tma_load(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int r0, int b) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(tsys__smem_addr(dst)), "l"((uint64_t)map), "r"(c0), "r"(r0), "r"(b), "r"(tsys__smem_addr(bar))
+                 : "memory");
+}
+
+template <typename T, int D, int BK, bool CAUSAL>
+__global__ void __launch_bounds__(tsys__flash_ws_layout<T, D, BK>::NT, 1)
+tsys__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                          const __grid_constant__ CUtensorMap tv, T *__restrict__ o, float *__restrict__ lse, int n,
+                          int b0, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef tsys__flash_ws_layout<T, D, BK> L;
+    constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS__WG_STAGES;
+    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
+    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
+    T *ks = qs + BQ * D;        // [ST][BK * D]
+    T *vs = ks + ST * BK * D;   // [ST][BK * D]
+    uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, b = b0 + blockIdx.y;
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+
+    if (threadIdx.x == 0) {
+        tsys__mbar_init(qfull, 1);
+        for (int s = 0; s < ST; s++) tsys__mbar_init(full + s, 1), tsys__mbar_init(empty + s, CW * 4);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == CW) {   // producer warpgroup: one thread issues every copy
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == CW * 128) {
+            tsys__mbar_expect_tx(qfull, (uint32_t)L::Q_BYTES);
+            for (int cb = 0; cb < D / 64; cb++) tsys__tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
+            for (int j = 0; j < nkt; j++) {
+                const int s = j % ST;
+                if (j >= ST) tsys__mbar_wait(empty + s, (j / ST - 1) & 1);   // tile j - ST has been used
+                tsys__mbar_expect_tx(full + s, (uint32_t)(2 * L::KV_BYTES));
+                for (int cb = 0; cb < D / 64; cb++) {
+                    tsys__tma_load(ks + s * BK * D + cb * BK * 64, &tk, full + s, cb * 64, j * BK, b);
+                    tsys__tma_load(vs + s * BK * D + cb * BK * 64, &tv, full + s, cb * 64, j * BK, b);
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    const int wr0 = warp * 16;
+    o += ((size_t)b * n) * D; lse += (size_t)b * n;
+    float oacc[D / 8][4];
+    tsys__flash_zero<1, D>(&oacc);
+    float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+    uint32_t pa[BK / 16][4];   // P of the previous tile: its P V wgmma may still be reading these registers
+    tsys__mbar_wait(qfull, 0);
+
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int s = j % ST, k0 = j * BK;
+        tsys__mbar_wait(full + s, (j / ST) & 1);
+        const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
+        float sc[BK / 8][4];
+        tsys__wg_fence();
+        tsys__wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);
+        tsys__wg_commit();
+        tsys__wg_wait<0>();   // S of this tile and P V of the previous one
+        tsys__wg_fence_acc<BK>(sc);
+        tsys__wg_fence_acc<D>(oacc);
+        if (j > 0 && lane == 0) tsys__mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = q0 + wr0 + (lane >> 2) + h * 8;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    if (MASK) {
+                        const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
+                        if (col >= n || (CAUSAL && col > row)) sc[nb][2 * h + e] = -INFINITY;
+                    }
+                    mx = fmaxf(mx, sc[nb][2 * h + e]);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(m[h], mx * scale_log2);
+            const float mref = mnew == -INFINITY ? 0.0f : mnew;
+            alpha[h] = tsys__ex2(m[h] - mref);
+            float sum = 0.0f;
+#pragma unroll
+            for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float p = tsys__ex2(fmaf(sc[nb][2 * h + e], scale_log2, -mref));
+                    sc[nb][2 * h + e] = p;
+                    sum += p;
+                }
+            l[h] = l[h] * alpha[h] + sum;
+            m[h] = mnew;
+        }
+        tsys__wg_pack<T, BK>(pa, sc);
+#pragma unroll
+        for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
+        tsys__wg_fence();
+        tsys__wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
+        tsys__wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys__wg_wait<0>();
+    tsys__wg_fence_acc<D>(oacc);
+
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[h] = 1.0f / sum;
+        const int row = q0 + wr0 + (lane >> 2) + h * 8;
+        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS__FLASH_LN2;
+    }
+#pragma unroll
+    for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
+    tsys__flash_store<T, 1, D>(o, &oacc, q0 + wr0, n, 1.0f, lane);
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, fetched once through the runtime (no link against libcuda).
+typedef CUresult (*tsys__tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                         const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                         CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static tsys__tmap_encode_fn tsys__tmap_encoder() {
+    static tsys__tmap_encode_fn fn = NULL;
+    static bool tried = false;
+    if (!tried) {
+        tried = true;
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (tsys__tmap_encode_fn)p;
+        cudaGetLastError();
+    }
+    return fn;
+}
+// A (bh, n, D) tensor of 16-bit elements as a 3-D tensor map read in boxes of 64 columns x `rows` rows,
+// 128B-swizzled; rows past n read as zeros. False when the driver offers no encoder or refuses the tensor.
+template <typename T>
+static bool tsys__tmap_rows(CUtensorMap *m, const T *g, int64_t bh, int n, int D, int rows) {
+    tsys__tmap_encode_fn enc = tsys__tmap_encoder();
+    if (!enc || ((uintptr_t)g & 15)) return false;
+    const cuuint64_t dims[3] = { (cuuint64_t)D, (cuuint64_t)n, (cuuint64_t)bh };
+    const cuuint64_t strides[2] = { (cuuint64_t)D * sizeof(T), (cuuint64_t)n * D * sizeof(T) };
+    const cuuint32_t box[3] = { 64, (cuuint32_t)rows, 1 }, unit[3] = { 1, 1, 1 };
+    const CUtensorMapDataType dt = std::is_same<T, __nv_bfloat16>::value ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return enc(m, dt, 3, (void *)g, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // Whether the wgmma kernels were compiled into the binary the device runs: the probe has static shared
 // memory only in its sm_90a body. TSYS_FLASH_NO_WGMMA=1 in the environment forces the mma.sync kernels.
 __global__ void tsys__flash_wg_probe_kernel(int *p) {
@@ -1435,6 +1634,16 @@ static bool tsys__flash_wg_available() {
         cudaGetLastError();
     }
     return avail == 1;
+}
+
+// TSYS_FLASH_NO_WS=1 in the environment keeps the forward on the cp.async wgmma kernel (no TMA).
+static bool tsys__flash_no_ws() {
+    static int no = -1;
+    if (no < 0) {
+        const char *env = getenv("TSYS_FLASH_NO_WS");
+        no = env && *env && *env != '0';
+    }
+    return no == 1;
 }
 
 // Hopper tile configurations (template parameters of the wg kernels): warpgroups per block, the streamed
@@ -1555,6 +1764,26 @@ static cudaError_t tsys__flash_bwd_f32(const float *dout, const float *q, const 
 }
 
 // ---- Hopper (wgmma) launchers; used by the entry points when tsys__flash_wg_available() and d is 64 or 128.
+// The warp-specialized forward; cudaErrorNotSupported when no tensor map can be made (the caller falls back).
+template <typename T, int D, bool CAUSAL>
+static cudaError_t tsys__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                      float scale, cudaStream_t s) {
+    constexpr int BK = D <= 64 ? 128 : 64;
+    typedef tsys__flash_ws_layout<T, D, BK> L;
+    CUtensorMap tq, tk, tv;
+    if (!tsys__tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys__tmap_rows(&tk, k, bh, n, D, BK) ||
+        !tsys__tmap_rows(&tv, v, bh, n, D, BK))
+        return cudaErrorNotSupported;
+    auto kern = tsys__flash_fwd_ws_kernel<T, D, BK, CAUSAL>;
+    cudaError_t err = tsys__flash_smem_attr(kern, L::SMEM);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, o, lse, n, (int)b0, scale * TSYS__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
 template <typename T, int D, bool CAUSAL, typename W = tsys__flash_wg_cfg<D, CAUSAL>>
 static cudaError_t tsys__flash_fwd_wg(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s) {
@@ -1605,7 +1834,13 @@ template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys__flash_fwd_pick(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                         float scale, cudaStream_t s) {
     if constexpr (D == 64 || D == 128)
-        if (tsys__flash_wg_available()) return tsys__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+        if (tsys__flash_wg_available()) {
+            if (!tsys__flash_no_ws()) {
+                const cudaError_t err = tsys__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+                if (err != cudaErrorNotSupported) return err;
+            }
+            return tsys__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+        }
     return tsys__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
 }
 template <typename T, int D, bool CAUSAL>

@@ -18,6 +18,7 @@ for part in "$@"; do
   test) timeout 300 build/flash_lab test > "$OUT/flash_test.log" 2>&1; grep -v "^  ok" "$OUT/flash_test.log" | tail -25 ;;
   wg) timeout 400 build/flash_lab wgvariants > "$OUT/flash_wg.log" 2>&1; grep -E "^  wg |FAIL|passed" "$OUT/flash_wg.log" ;;
   lb) timeout 120 build/flash_lab lb > "$OUT/flash_lb.log" 2>&1; cat "$OUT/flash_lb.log" ;;
+  lbnows) TSYS_FLASH_NO_WS=1 timeout 120 build/flash_lab lb > "$OUT/flash_lb_nows.log" 2>&1; cat "$OUT/flash_lb_nows.log" ;;
   perf) timeout 300 build/flash_lab perf > "$OUT/flash_perf.log" 2>&1; cat "$OUT/flash_perf.log" ;;
   torch) timeout 300 python3 tests/ref/torch_fa_lb.py > "$OUT/torch_fa_lb.log" 2>&1; cat "$OUT/torch_fa_lb.log" ;;
   ncu) for k in ${NCU_KERNELS:-fwd_wg dkdv_wg dq_wg}; do
