@@ -1424,10 +1424,11 @@ tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, c
 // softmax (special-function unit) runs while another's matmuls use the tensor cores; `setmaxnreg` moves the
 // producer's registers to the consumers (24 / 160 per thread). TMA writes the same 128B-swizzled layout the
 // cp.async loads do, and fills rows past n with zeros.
-template <typename T, int D, int BK> struct tsys__flash_ws_layout {
-    static constexpr int CW = 3, BQ = CW * 64, NT = (CW + 1) * 128;
+template <typename T, int D, int BK, int CW_ = 3> struct tsys__flash_ws_layout {
+    static constexpr int CW = CW_, BQ = CW * 64, NT = (CW + 1) * 128;
     static constexpr size_t Q_BYTES = (size_t)BQ * D * sizeof(T), KV_BYTES = (size_t)BK * D * sizeof(T);
-    static constexpr size_t SMEM = Q_BYTES + 2 * TSYS__WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS__WG_STAGES) + 1024;
+    // Q (and dO in the dQ kernel), the K/V ring, the mbarriers, alignment slack
+    static constexpr size_t SMEM = 2 * Q_BYTES + 2 * TSYS__WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS__WG_STAGES) + 1024;
 };
 
 __device__ __forceinline__ void tsys__mbar_init(uint64_t *bar, int count) {
@@ -1582,6 +1583,120 @@ tsys__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_c
 #endif
 }
 
+// Warp-specialized dQ (sm_90a), built like the warp-specialized forward: the producer warpgroup loads the
+// block's Q and dO once and streams K/V tiles through the ring; CW consumer warpgroups of 64 query rows each
+// accumulate dQ = scale * dS K, keeping each tile's dS K wgmma in flight until the next tile's S is done.
+template <typename T, int D, int BK, int CW, bool CAUSAL>
+__global__ void __launch_bounds__((CW + 1) * 128, 1)
+tsys__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                             const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
+                             const float *__restrict__ lse, const float *__restrict__ dvec, T *__restrict__ dq, int n,
+                             int b0, float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef tsys__flash_ws_layout<T, D, BK, CW> L;
+    constexpr int BQ = L::BQ, ST = TSYS__WG_STAGES;
+    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
+    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
+    T *gs = qs + BQ * D;
+    T *ks = gs + BQ * D;        // [ST][BK * D]
+    T *vs = ks + ST * BK * D;   // [ST][BK * D]
+    uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, b = b0 + blockIdx.y;
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+
+    if (threadIdx.x == 0) {
+        tsys__mbar_init(qfull, 1);
+        for (int s = 0; s < ST; s++) tsys__mbar_init(full + s, 1), tsys__mbar_init(empty + s, CW * 4);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == CW) {   // producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == CW * 128) {
+            tsys__mbar_expect_tx(qfull, (uint32_t)(2 * L::Q_BYTES));
+            for (int cb = 0; cb < D / 64; cb++) {
+                tsys__tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
+                tsys__tma_load(gs + cb * BQ * 64, &tg, qfull, cb * 64, q0, b);
+            }
+            for (int j = 0; j < nkt; j++) {
+                const int s = j % ST;
+                if (j >= ST) tsys__mbar_wait(empty + s, (j / ST - 1) & 1);
+                tsys__mbar_expect_tx(full + s, (uint32_t)(2 * L::KV_BYTES));
+                for (int cb = 0; cb < D / 64; cb++) {
+                    tsys__tma_load(ks + s * BK * D + cb * BK * 64, &tk, full + s, cb * 64, j * BK, b);
+                    tsys__tma_load(vs + s * BK * D + cb * BK * 64, &tv, full + s, cb * 64, j * BK, b);
+                }
+            }
+        }
+        return;
+    }
+    if constexpr (CW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    const int wr0 = warp * 16;
+    lse += (size_t)b * n; dvec += (size_t)b * n; dq += (size_t)b * n * D;
+    float lrow[2], drow[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = q0 + wr0 + (lane >> 2) + h * 8;
+        lrow[h] = row < n ? lse[row] * TSYS__FLASH_LOG2E : 0.0f;
+        drow[h] = row < n ? dvec[row] : 0.0f;
+    }
+    float dqa[D / 8][4];
+    tsys__flash_zero<1, D>(&dqa);
+    uint32_t dsa[BK / 16][4];   // dS of the previous tile: its dS K wgmma may still be reading these registers
+    tsys__mbar_wait(qfull, 0);
+
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int s = j % ST, k0 = j * BK;
+        tsys__mbar_wait(full + s, (j / ST) & 1);
+        const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
+        float sc[BK / 8][4], dp[BK / 8][4];
+        tsys__wg_fence();
+        tsys__wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);    // S = Q K^T
+        tsys__wg_commit();
+        tsys__wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);    // dP = dO V^T
+        tsys__wg_commit();
+        tsys__wg_wait<1>();   // the previous dS K, and S
+        tsys__wg_fence_acc<BK>(sc);
+        if (j > 0 && lane == 0) tsys__mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1;
+                float p = tsys__ex2(fmaf(sc[nb][e], scale_log2, -lrow[h]));
+                if (MASK) {
+                    const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
+                    const int row = q0 + wr0 + (lane >> 2) + h * 8;
+                    if (key >= n || (CAUSAL && key > row)) p = 0.0f;
+                }
+                sc[nb][e] = p;
+            }
+        tsys__wg_wait<0>();
+        tsys__wg_fence_acc<BK>(dp);
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[nb][e] *= dp[nb][e] - drow[e >> 1];   // dS
+        tsys__wg_pack<T, BK>(dsa, sc);
+        tsys__wg_fence();
+        tsys__wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
+        tsys__wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys__wg_wait<0>();
+    tsys__wg_fence_acc<D>(dqa);
+    tsys__flash_store<T, 1, D>(dq, &dqa, q0 + wr0, n, scale, lane);
+#endif
+}
+
 // cuTensorMapEncodeTiled from the driver, fetched once through the runtime (no link against libcuda).
 typedef CUresult (*tsys__tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
                                          const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
@@ -1636,7 +1751,7 @@ static bool tsys__flash_wg_available() {
     return avail == 1;
 }
 
-// TSYS_FLASH_NO_WS=1 in the environment keeps the forward on the cp.async wgmma kernel (no TMA).
+// TSYS_FLASH_NO_WS=1 in the environment keeps the forward and dQ on the cp.async wgmma kernels (no TMA).
 static bool tsys__flash_no_ws() {
     static int no = -1;
     if (no < 0) {
@@ -1784,6 +1899,26 @@ static cudaError_t tsys__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, 
     return cudaGetLastError();
 }
 
+// The warp-specialized dQ kernel (BK keys per tile, CW consumer warpgroups); cudaErrorNotSupported when no
+// tensor map can be made.
+template <typename T, int D, bool CAUSAL, int BK = D <= 64 ? 128 : 64, int CW = 2>
+static cudaError_t tsys__flash_bwd_dq_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
+                                         const float *dvec, T *dq, int64_t bh, int n, float scale, cudaStream_t s) {
+    typedef tsys__flash_ws_layout<T, D, BK, CW> L;
+    CUtensorMap tq, tk, tv, tg;
+    if (!tsys__tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys__tmap_rows(&tg, dout, bh, n, D, L::BQ) ||
+        !tsys__tmap_rows(&tk, k, bh, n, D, BK) || !tsys__tmap_rows(&tv, v, bh, n, D, BK))
+        return cudaErrorNotSupported;
+    auto kern = tsys__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL>;
+    cudaError_t err = tsys__flash_smem_attr(kern, L::SMEM);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dq, n, (int)b0, scale, scale * TSYS__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
 template <typename T, int D, bool CAUSAL, typename W = tsys__flash_wg_cfg<D, CAUSAL>>
 static cudaError_t tsys__flash_fwd_wg(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s) {
@@ -1814,6 +1949,12 @@ static cudaError_t tsys__flash_bwd_wg(const T *dout, const T *q, const T *k, con
     const size_t smem_q = (size_t)(2 * BQ + 2 * TSYS__WG_STAGES * W::DQ_BK) * D * sizeof(T) + 1024;
     auto kkv = tsys__flash_bwd_dkdv_wg_kernel<T, D, W::DKDV_BQ, W::DKDV_WG, W::DKDV_MINB, CAUSAL>;
     auto kq = tsys__flash_bwd_dq_wg_kernel<T, D, W::DQ_BK, W::DQ_WG, W::DQ_MINB, CAUSAL>;
+    bool ws_dq = false;   // dQ on the warp-specialized kernel (it runs first: it does not depend on dK/dV)
+    if ((parts & 4) && !tsys__flash_no_ws()) {
+        err = tsys__flash_bwd_dq_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, bh, n, scale, s);
+        if (err != cudaErrorNotSupported && err != cudaSuccess) return err;
+        ws_dq = err == cudaSuccess;
+    }
     if ((err = tsys__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
     if ((err = tsys__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -1822,7 +1963,7 @@ static cudaError_t tsys__flash_bwd_wg(const T *dout, const T *q, const T *k, con
         if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
             scale * TSYS__FLASH_LOG2E);
-        if (parts & 4) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
+        if ((parts & 4) && !ws_dq) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
             scale * TSYS__FLASH_LOG2E);
     }

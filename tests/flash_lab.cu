@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|wgvariants|lb]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|wgvariants|wsdq|lb]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.
 //   TSYS_FLASH_NO_WGMMA=1 forces the mma.sync kernels in an sm_90a build.)
 //
@@ -318,6 +318,43 @@ static void run_wgvariants() {
     wgvariant<128, w128b>("128b", 16, 16384); wgvariant<128, w128c>("128c", 16, 16384);
 }
 
+// Warp-specialized dQ variants (BK keys per tile, CW consumer warpgroups): checked against the mma.sync dQ on a
+// 300-row problem, causal and not, then timed on the benchmark shape.
+template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
+    typedef __nv_bfloat16 T;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int c = 0; c < 2; c++) {
+        const bool causal = c == 0;
+        const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R), dq2(1, N);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison();
+        cudaError_t e1, e2;
+        if (causal) {
+            CHECK((tsys__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            e1 = tsys__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
+        } else {
+            CHECK((tsys__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            e1 = tsys__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
+        }
+        e2 = cudaDeviceSynchronize();
+        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws dq BK=%d CW=%d d=%d: %s / %s", BK, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
+        dq.download(); dq2.download();
+        const double e = rel_err(dq2.h.data(), dq.h.data(), N);
+        report(e < 1e-2, "ws dq BK=%d CW=%d d=%d causal=%d vs mma.sync: dQ %.1e", BK, CW, D, causal, e);
+    }
+    const size_t N = bh * n * D, R = bh * n;
+    Buf q(1, N), k(1, N), v(1, N), g(1, N), dq(1, N), lse(0, R), sc(0, R);
+    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    CHECK(cudaMemset(lse.d, 0, R * 4)); CHECK(cudaMemset(sc.d, 0, R * 4));
+    auto run = [&] { CHECK((tsys__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0))); };
+    const float t = time_ms(run, 3, 20);
+    const double f = 4.0 * bh * n * n * D / 2;
+    printf("  ws dq BK=%d CW=%d bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s of 3 mm)\n", BK, CW, bh, n, D, t, 1.5 * f / t / 1e9);
+    fflush(stdout);
+}
+
 static void bench(int dt, long bh, long n, long d, bool causal) {
     const size_t N = bh * n * d, R = bh * n;
     Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, R);
@@ -352,6 +389,8 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "variants") || !strcmp(mode, "tv")) run_variants();
     if (!strcmp(mode, "wgvariants")) run_wgvariants();
     if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
+    if (!strcmp(mode, "wsdq"))
+        wsdq_variant<64, 128, 2>(16, 16384), wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384);
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;

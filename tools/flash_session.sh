@@ -17,6 +17,7 @@ for part in "$@"; do
            || { tail -30 "$OUT/build.log"; exit 1; } ;;
   test) timeout 300 build/flash_lab test > "$OUT/flash_test.log" 2>&1; grep -v "^  ok" "$OUT/flash_test.log" | tail -25 ;;
   wg) timeout 400 build/flash_lab wgvariants > "$OUT/flash_wg.log" 2>&1; grep -E "^  wg |FAIL|passed" "$OUT/flash_wg.log" ;;
+  wsdq) timeout 200 build/flash_lab wsdq > "$OUT/flash_wsdq.log" 2>&1; cat "$OUT/flash_wsdq.log" ;;
   lb) timeout 120 build/flash_lab lb > "$OUT/flash_lb.log" 2>&1; cat "$OUT/flash_lb.log" ;;
   lbnows) TSYS_FLASH_NO_WS=1 timeout 120 build/flash_lab lb > "$OUT/flash_lb_nows.log" 2>&1; cat "$OUT/flash_lb_nows.log" ;;
   perf) timeout 300 build/flash_lab perf > "$OUT/flash_perf.log" 2>&1; cat "$OUT/flash_perf.log" ;;
