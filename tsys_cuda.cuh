@@ -180,11 +180,15 @@ TSYSDEF void tsys_cuda_range_pop(void);
 // first. Head dims: 16, 32, 64, 80, 128 (the tensor-core kernels need d % 16 == 0; d = 80 is 5 k-steps).
 //
 // Hopper: built for sm_90a (-gencode arch=compute_90a,code=sm_90a), bf16/fp16 at d = 64 and 128 run wgmma
-// versions of the three tensor-core kernels (tsys__flash_*_wg_kernel, below the fp32 kernels); in any other
-// build, or with TSYS_FLASH_NO_WGMMA=1 in the environment, the mma.sync kernels run.
+// versions of the three tensor-core kernels (tsys__flash_*_wg_kernel, below the fp32 kernels); the forward
+// and dQ run warp-specialized versions of those (tsys__flash_*_ws_kernel: a TMA producer warpgroup and
+// consumer warpgroups handing tiles over through mbarriers) unless TSYS_FLASH_NO_WS=1 is set or no tensor
+// map can be made. In any other build, or with TSYS_FLASH_NO_WGMMA=1 in the environment, the mma.sync
+// kernels run.
 //
-// Self-contained: CUDA runtime only. The launchers return cudaError_t (cudaErrorInvalidValue for a
-// shape they don't support) and never synchronise.
+// Self-contained: CUDA runtime only (the TMA tensor-map encoder is fetched from the driver at run time).
+// The launchers return cudaError_t (cudaErrorInvalidValue for a shape they don't support) and never
+// synchronise.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -1763,11 +1767,11 @@ static bool tsys__flash_no_ws() {
 
 // Hopper tile configurations (template parameters of the wg kernels): warpgroups per block, the streamed
 // tile, and the min-blocks-per-SM launch bound (which caps registers).
-// Picked per part from the variants timed on an H100 (docs/perf-notes-flash.md, v4).
+// Picked per part from the variants timed on an H100 (docs/perf-notes-flash.md, v6 and v7).
 template <int D, bool CAUSAL> struct tsys__flash_wg_cfg {
     static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_WG = 3, FWD_MINB = 1;
     static constexpr int DKDV_BQ = D <= 64 ? 128 : 64, DKDV_WG = 2, DKDV_MINB = 1;
-    static constexpr int DQ_BK = 64, DQ_WG = 2, DQ_MINB = D <= 64 ? 2 : 1;
+    static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_WG = 2, DQ_MINB = 1;   // when the ws dQ cannot run
 };
 
 // ------------------------------------------------------------------------------------------------
