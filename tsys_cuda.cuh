@@ -1088,6 +1088,93 @@ __device__ __forceinline__ unsigned char *tsys__wg_smem_base(unsigned char *raw)
     return raw + ((1024 - (a & 1023)) & 1023);
 }
 
+// Online softmax of one key tile for a warp's 16 rows of a wgmma accumulator (this thread: rows row0 +
+// lane / 4 and + 8): raw scores s become P = 2^(s * scale_log2 - m) in place, the running max m and sum l
+// are updated, and alpha is what the O accumulator must be multiplied by. MASK drops keys >= n and, when
+// causal, keys past the row (interior tiles skip that arithmetic).
+template <int BK, bool MASK, bool CAUSAL>
+__device__ __forceinline__ void tsys__wg_softmax(float (*s)[4], float *m, float *l, float *alpha, int row0, int k0, int n,
+                                                 int lane, float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = row0 + (lane >> 2) + h * 8;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (MASK) {
+                    const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
+                    if (col >= n || (CAUSAL && col > row)) s[nb][2 * h + e] = -INFINITY;
+                }
+                mx = fmaxf(mx, s[nb][2 * h + e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m[h], mx * scale_log2);   // scores in log2 units (scale > 0)
+        const float mref = mnew == -INFINITY ? 0.0f : mnew;
+        alpha[h] = tsys__ex2(m[h] - mref);
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float p = tsys__ex2(fmaf(s[nb][2 * h + e], scale_log2, -mref));
+                s[nb][2 * h + e] = p;
+                sum += p;
+            }
+        l[h] = l[h] * alpha[h] + sum;
+        m[h] = mnew;
+    }
+}
+
+// Forward epilogue for a warp's 16 rows: O = acc / l (rows < n) and lse = m + log2(l) in natural log.
+template <typename T, int D>
+__device__ __forceinline__ void tsys__wg_fwd_finish(T *o, float *lse, float (&oacc)[D / 8][4], const float *m,
+                                                    const float *l, int row0, int n, int lane) {
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[h] = 1.0f / sum;
+        const int row = row0 + (lane >> 2) + h * 8;
+        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS__FLASH_LN2;
+    }
+#pragma unroll
+    for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
+    tsys__flash_store<T, 1, D>(o, &oacc, row0, n, 1.0f, lane);
+}
+
+// dQ kernels, one key tile of a warp's 16 rows: S (done) becomes P = 2^(s * scale_log2 - lse) (masked when
+// MASK), then, once the dP wgmma (the newest group) is done, dS = P o (dP - D), in place of S.
+template <int BK, bool MASK, bool CAUSAL>
+__device__ __forceinline__ void tsys__wg_dq_ds(float (*s)[4], float (*dp)[4], const float *lrow, const float *drow,
+                                               int row0, int k0, int n, int lane, float scale_log2) {
+#pragma unroll
+    for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1;
+            float p = tsys__ex2(fmaf(s[nb][e], scale_log2, -lrow[h]));
+            if (MASK) {
+                const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
+                const int row = row0 + (lane >> 2) + h * 8;
+                if (key >= n || (CAUSAL && key > row)) p = 0.0f;
+            }
+            s[nb][e] = p;
+        }
+    tsys__wg_wait<0>();
+    tsys__wg_fence_acc<BK>(dp);
+#pragma unroll
+    for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[nb][e] *= dp[nb][e] - drow[e >> 1];
+}
+
 // The streamed tiles of the wgmma kernels sit in a ring of three buffers: tile j + 1 is requested (cp.async)
 // right after the barrier that opens tile j, into the buffer of tile j - 2, so one barrier per tile suffices,
 // the copy overlaps all of tile j's work, and the last matmul of tile j (P V, dS K) may still be reading its
@@ -1148,37 +1235,7 @@ tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, cons
         tsys__wg_fence_acc<BK>(s);
         tsys__wg_fence_acc<D>(oacc);
         float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = q0 + wr0 + (lane >> 2) + h * 8;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    if (MASK) {
-                        const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
-                        if (col >= n || (CAUSAL && col > row)) s[nb][2 * h + e] = -INFINITY;
-                    }
-                    mx = fmaxf(mx, s[nb][2 * h + e]);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(m[h], mx * scale_log2);   // scores in log2 units (scale > 0)
-            const float mref = mnew == -INFINITY ? 0.0f : mnew;
-            alpha[h] = tsys__ex2(m[h] - mref);
-            float sum = 0.0f;
-#pragma unroll
-            for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float p = tsys__ex2(fmaf(s[nb][2 * h + e], scale_log2, -mref));
-                    s[nb][2 * h + e] = p;
-                    sum += p;
-                }
-            l[h] = l[h] * alpha[h] + sum;
-            m[h] = mnew;
-        }
+        tsys__wg_softmax<BK, MASK, CAUSAL>(s, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
         tsys__wg_pack<T, BK>(pa, s);
 #pragma unroll
         for (int nb = 0; nb < D / 8; nb++)
@@ -1193,21 +1250,7 @@ tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, cons
     tsys__wg_wait<0>();
     tsys__wg_fence_acc<D>(oacc);
 
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float sum = l[h];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inv[h] = 1.0f / sum;
-        const int row = q0 + wr0 + (lane >> 2) + h * 8;
-        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS__FLASH_LN2;
-    }
-#pragma unroll
-    for (int nb = 0; nb < D / 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
-    tsys__flash_store<T, 1, D>(o, &oacc, q0 + wr0, n, 1.0f, lane);
+    tsys__wg_fwd_finish<T, D>(o, lse, oacc, m, l, q0 + wr0, n, lane);
 #endif
 }
 
@@ -1389,25 +1432,7 @@ tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, c
         tsys__wg_commit();
         tsys__wg_wait<1>();   // the previous dS K, and S
         tsys__wg_fence_acc<BK>(s);
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1;
-                float p = tsys__ex2(fmaf(s[nb][e], scale_log2, -lrow[h]));
-                if (MASK) {
-                    const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
-                    const int row = q0 + wr0 + (lane >> 2) + h * 8;
-                    if (key >= n || (CAUSAL && key > row)) p = 0.0f;
-                }
-                s[nb][e] = p;
-            }
-        tsys__wg_wait<0>();
-        tsys__wg_fence_acc<BK>(dp);
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[nb][e] *= dp[nb][e] - drow[e >> 1];   // dS
+        tsys__wg_dq_ds<BK, MASK, CAUSAL>(s, dp, lrow, drow, q0 + wr0, k0, n, lane, scale_log2);
         tsys__wg_pack<T, BK>(dsa, s);
         tsys__wg_fence();
         tsys__wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
@@ -1457,6 +1482,34 @@ __device__ __forceinline__ void tsys__tma_load(void *dst, const CUtensorMap *map
                  : "memory");
 }
 
+// Ring bookkeeping of the warp-specialized kernels: qfull (the block's Q / dO arrived), full[s] (stage s
+// holds its tile: one arrival with the byte count, then the copy engine's bytes), empty[s] (every consumer
+// warp is done with stage s: `consumers` arrivals).
+__device__ __forceinline__ void tsys__ws_init(uint64_t *qfull, uint64_t *full, uint64_t *empty, int consumers) {
+    if (threadIdx.x == 0) {
+        tsys__mbar_init(qfull, 1);
+        for (int s = 0; s < TSYS__WG_STAGES; s++) tsys__mbar_init(full + s, 1), tsys__mbar_init(empty + s, consumers);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+// The producer thread's loop: K and V tiles 0..nkt-1 of slice b into the ring, each stage reused once the
+// consumers have released the tile STAGES before.
+template <int D, int BK, typename T>
+__device__ __forceinline__ void tsys__ws_stream_kv(T *ks, T *vs, uint64_t *full, uint64_t *empty, const CUtensorMap *tk,
+                                                   const CUtensorMap *tv, int nkt, int b) {
+    constexpr int ST = TSYS__WG_STAGES;
+    for (int j = 0; j < nkt; j++) {
+        const int s = j % ST;
+        if (j >= ST) tsys__mbar_wait(empty + s, (j / ST - 1) & 1);
+        tsys__mbar_expect_tx(full + s, (uint32_t)(2 * BK * D * sizeof(T)));
+        for (int cb = 0; cb < D / 64; cb++) {
+            tsys__tma_load(ks + s * BK * D + cb * BK * 64, tk, full + s, cb * 64, j * BK, b);
+            tsys__tma_load(vs + s * BK * D + cb * BK * 64, tv, full + s, cb * 64, j * BK, b);
+        }
+    }
+}
+
 template <typename T, int D, int BK, bool CAUSAL>
 __global__ void __launch_bounds__(tsys__flash_ws_layout<T, D, BK>::NT, 1)
 tsys__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
@@ -1477,27 +1530,14 @@ tsys__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_c
     int nkt = (n + BK - 1) / BK, nfull = n / BK;
     if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
 
-    if (threadIdx.x == 0) {
-        tsys__mbar_init(qfull, 1);
-        for (int s = 0; s < ST; s++) tsys__mbar_init(full + s, 1), tsys__mbar_init(empty + s, CW * 4);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    tsys__ws_init(qfull, full, empty, CW * 4);
 
     if (wg == CW) {   // producer warpgroup: one thread issues every copy
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == CW * 128) {
             tsys__mbar_expect_tx(qfull, (uint32_t)L::Q_BYTES);
             for (int cb = 0; cb < D / 64; cb++) tsys__tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
-            for (int j = 0; j < nkt; j++) {
-                const int s = j % ST;
-                if (j >= ST) tsys__mbar_wait(empty + s, (j / ST - 1) & 1);   // tile j - ST has been used
-                tsys__mbar_expect_tx(full + s, (uint32_t)(2 * L::KV_BYTES));
-                for (int cb = 0; cb < D / 64; cb++) {
-                    tsys__tma_load(ks + s * BK * D + cb * BK * 64, &tk, full + s, cb * 64, j * BK, b);
-                    tsys__tma_load(vs + s * BK * D + cb * BK * 64, &tv, full + s, cb * 64, j * BK, b);
-                }
-            }
+            tsys__ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
         }
         return;
     }
@@ -1524,37 +1564,7 @@ tsys__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_c
         tsys__wg_fence_acc<D>(oacc);
         if (j > 0 && lane == 0) tsys__mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
         float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = q0 + wr0 + (lane >> 2) + h * 8;
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    if (MASK) {
-                        const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
-                        if (col >= n || (CAUSAL && col > row)) sc[nb][2 * h + e] = -INFINITY;
-                    }
-                    mx = fmaxf(mx, sc[nb][2 * h + e]);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(m[h], mx * scale_log2);
-            const float mref = mnew == -INFINITY ? 0.0f : mnew;
-            alpha[h] = tsys__ex2(m[h] - mref);
-            float sum = 0.0f;
-#pragma unroll
-            for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float p = tsys__ex2(fmaf(sc[nb][2 * h + e], scale_log2, -mref));
-                    sc[nb][2 * h + e] = p;
-                    sum += p;
-                }
-            l[h] = l[h] * alpha[h] + sum;
-            m[h] = mnew;
-        }
+        tsys__wg_softmax<BK, MASK, CAUSAL>(sc, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
         tsys__wg_pack<T, BK>(pa, sc);
 #pragma unroll
         for (int nb = 0; nb < D / 8; nb++)
@@ -1569,21 +1579,7 @@ tsys__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_c
     tsys__wg_wait<0>();
     tsys__wg_fence_acc<D>(oacc);
 
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float sum = l[h];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inv[h] = 1.0f / sum;
-        const int row = q0 + wr0 + (lane >> 2) + h * 8;
-        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS__FLASH_LN2;
-    }
-#pragma unroll
-    for (int nb = 0; nb < D / 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
-    tsys__flash_store<T, 1, D>(o, &oacc, q0 + wr0, n, 1.0f, lane);
+    tsys__wg_fwd_finish<T, D>(o, lse, oacc, m, l, q0 + wr0, n, lane);
 #endif
 }
 
@@ -1612,12 +1608,7 @@ tsys__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __gri
     int nkt = (n + BK - 1) / BK, nfull = n / BK;
     if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
 
-    if (threadIdx.x == 0) {
-        tsys__mbar_init(qfull, 1);
-        for (int s = 0; s < ST; s++) tsys__mbar_init(full + s, 1), tsys__mbar_init(empty + s, CW * 4);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    tsys__ws_init(qfull, full, empty, CW * 4);
 
     if (wg == CW) {   // producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
@@ -1627,15 +1618,7 @@ tsys__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __gri
                 tsys__tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
                 tsys__tma_load(gs + cb * BQ * 64, &tg, qfull, cb * 64, q0, b);
             }
-            for (int j = 0; j < nkt; j++) {
-                const int s = j % ST;
-                if (j >= ST) tsys__mbar_wait(empty + s, (j / ST - 1) & 1);
-                tsys__mbar_expect_tx(full + s, (uint32_t)(2 * L::KV_BYTES));
-                for (int cb = 0; cb < D / 64; cb++) {
-                    tsys__tma_load(ks + s * BK * D + cb * BK * 64, &tk, full + s, cb * 64, j * BK, b);
-                    tsys__tma_load(vs + s * BK * D + cb * BK * 64, &tv, full + s, cb * 64, j * BK, b);
-                }
-            }
+            tsys__ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
         }
         return;
     }
@@ -1669,25 +1652,7 @@ tsys__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __gri
         tsys__wg_wait<1>();   // the previous dS K, and S
         tsys__wg_fence_acc<BK>(sc);
         if (j > 0 && lane == 0) tsys__mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1;
-                float p = tsys__ex2(fmaf(sc[nb][e], scale_log2, -lrow[h]));
-                if (MASK) {
-                    const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
-                    const int row = q0 + wr0 + (lane >> 2) + h * 8;
-                    if (key >= n || (CAUSAL && key > row)) p = 0.0f;
-                }
-                sc[nb][e] = p;
-            }
-        tsys__wg_wait<0>();
-        tsys__wg_fence_acc<BK>(dp);
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) sc[nb][e] *= dp[nb][e] - drow[e >> 1];   // dS
+        tsys__wg_dq_ds<BK, MASK, CAUSAL>(sc, dp, lrow, drow, q0 + wr0, k0, n, lane, scale_log2);
         tsys__wg_pack<T, BK>(dsa, sc);
         tsys__wg_fence();
         tsys__wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
