@@ -9,7 +9,9 @@ CC      ?= cc
 NVCC    ?= nvcc
 BUILD   ?= build
 # OpenBLAS: Debian keeps cblas.h under the multiarch include dir, Ubuntu too
-BLAS_INC ?= $(firstword $(wildcard /usr/include/x86_64-linux-gnu/cblas.h /usr/include/openblas/cblas.h /usr/include/cblas.h))
+# (the header alone is not enough: some machines carry cblas.h from another BLAS without libopenblas)
+BLAS_LIBFILE := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libopenblas.so /usr/lib/aarch64-linux-gnu/libopenblas.so /usr/lib/libopenblas.so /usr/lib64/libopenblas.so))
+BLAS_INC ?= $(if $(BLAS_LIBFILE),$(firstword $(wildcard /usr/include/x86_64-linux-gnu/cblas.h /usr/include/openblas/cblas.h /usr/include/cblas.h)))
 CPPFLAGS += -I. $(if $(BLAS_INC),-I$(dir $(BLAS_INC)),-DTSYS_NO_CBLAS)
 BLAS_LIB = $(if $(BLAS_INC),-lopenblas)
 CFLAGS  ?= -O2 -march=native
