@@ -142,13 +142,15 @@ struct tsys_tensor {
     bool grad_touched;           // leaves: received a gradient in the backward now running
     bool grad_zero;              // leaves: .grad holds stale bytes that count as zero (tsys_optim_zero_grad);
                                  // the next gradient overwrites instead of adding, saving a fill and a read
-    tsys_grad_hook_fn hook;      // leaves: fired once .grad is final for this backward
-    void *hook_user;
+    struct tsys__grad_hook *hooks;   // leaves: fired in order once .grad is final for this backward
     char name[TSYS_NAME_LEN];
 };
 
 // Context creation. All fields 0 = default.
-//   cpu_memory_limit   0 = unlimited; bytes of live CPU tensor storage past which allocation fails
+//   cpu_memory_limit   bytes of live CPU tensor storage past which allocation fails (TSYS_ERR_OOM);
+//                      0 = the memory the machine has available when the context is made (Linux:
+//                      MemAvailable of /proc/meminfo; unlimited where that cannot be read); SIZE_MAX = unlimited.
+//                      Without a budget Linux overcommits and its OOM killer ends the process instead.
 //   record_events      keep the allocation timeline (tsys_mem_events)
 //   seed               0 = 0x5eed
 typedef struct tsys_ctx_desc {
@@ -177,47 +179,58 @@ typedef struct tsys_mem_stats {
 // ---- backend interface: every device supplies these. The CPU backend is built in; the CUDA
 // backend (tsys_cuda.cuh) fills one in tsys_cuda_init(). Kernels receive contiguous, already
 // allocated tensors; the op layer above them does validation, dtype promotion and autograd.
+//
+// The kernel contract: one row per kernel, X(ENUM, name, slots, written, what it computes).
+//   slots    one letter per argument slot t[0], t[1], ...: F float (f32/bf16/f16), S f32, I ids
+//            (i32/i64), L an i64 scalar, A any dtype; lower case = may be NULL. Slots past the
+//            string must be NULL. Under TSYS_DEBUG every launch is checked against this.
+//   written  bit j set = the kernel writes t[j]; the other slots are read only.
+// Scalars f[] and i[] are named in the last column. Every backend handles every row (a test runs
+// each kernel on each backend); adding a row means adding its CPU and CUDA cases and tests.
+#define TSYS_KERNELS(X) \
+    X(FILL,          "fill",          "A",         0x001, "t0 = f0") \
+    X(CAST,          "cast",          "AA",        0x001, "t0 = (dtype of t0) t1, rounded to nearest even") \
+    X(ACCUM,         "accum",         "FF",        0x001, "t0 += t1 * f0 (dtypes may differ; same numel)") \
+    X(ADD,           "add",           "FFF",       0x001, "t0 = t1 + t2 (dtypes may differ; same numel)") \
+    X(MUL,           "mul",           "FFF",       0x001, "t0 = t1 * t2") \
+    X(SCALE,         "scale",         "FF",        0x001, "t0 = t1 * f0") \
+    X(ADD_BIAS,      "add_bias",      "FF",        0x001, "t0 (rows, n) += t1 (n)") \
+    X(BIAS_GRAD,     "bias_grad",     "SF",        0x001, "t0 (n, f32) += column sums of t1 (rows, n)") \
+    X(RELU_FWD,      "relu_fwd",      "FF",        0x001, "t0 = relu(t1)") \
+    X(RELU_BWD,      "relu_bwd",      "FFF",       0x001, "dx t0 = dy t1 * (x t2 > 0)") \
+    X(SILU_FWD,      "silu_fwd",      "FF",        0x001, "t0 = silu(t1)") \
+    X(SILU_BWD,      "silu_bwd",      "FFF",       0x001, "dx t0 = dy t1 * silu'(x t2)") \
+    X(SWIGLU_FWD,    "swiglu_fwd",    "FFF",       0x001, "t0 = silu(t1) * t2") \
+    X(SWIGLU_BWD,    "swiglu_bwd",    "FFFFF",     0x003, "da t0, db t1 from dy t2, a t3, b t4") \
+    X(RMSNORM_FWD,   "rmsnorm_fwd",   "FSFF",      0x003, "y t0, rstd t1 (rows, f32) from x t2, w t3; f0 = eps") \
+    X(RMSNORM_BWD,   "rmsnorm_bwd",   "FSFFFS",    0x003, "dx t0, dw t1 (f32, accumulated) from dy t2, x t3, w t4, rstd t5") \
+    X(LAYERNORM_FWD, "layernorm_fwd", "FSSFff",    0x007, "y t0, mean t1, rstd t2 from x t3, w t4, b t5; f0 = eps") \
+    X(LAYERNORM_BWD, "layernorm_bwd", "FssFFfSS",  0x007, "dx t0, dw t1, db t2 (f32, accumulated) from dy t3, x t4, w t5, mean t6, rstd t7") \
+    X(ROPE,          "rope",          "FF",        0x001, "t0 = rope(t1) over (.., T, D), positions 0..T-1; f0 = theta, f1 = +1 forward or -1 inverse") \
+    X(SOFTMAX_FWD,   "softmax_fwd",   "FF",        0x001, "t0 = softmax(f0 * t1) over the last dim; i0 = causal (row r of a (.., T, T) block keeps cols <= r % T)") \
+    X(SOFTMAX_BWD,   "softmax_bwd",   "FFF",       0x001, "dx t0 from dy t1, y t2; f0 = scale") \
+    X(CE_FWD,        "ce_fwd",        "SSFI",      0x003, "loss t0 (scalar), lse t1 (rows) from logits t2 (rows, V), targets t3 (rows, each in [0, V))") \
+    X(CE_BWD,        "ce_bwd",        "FFSIS",     0x001, "dlogits t0 from logits t1, lse t2, targets t3, dloss t4 (scalar); f0 = 1/rows") \
+    X(MSE_FWD,       "mse_fwd",       "SFF",       0x001, "t0 = mean((t1 - t2)^2) (scalar)") \
+    X(MSE_BWD,       "mse_bwd",       "ffFFS",     0x003, "da t0, db t1 (either may be NULL) from a t2, b t3, dloss t4 (scalar)") \
+    X(SUM,           "sum",           "SF",        0x001, "t0 (scalar) = f0 * sum(t1)") \
+    X(BROADCAST,     "broadcast",     "FF",        0x001, "t0 = f0 * t1[0] (t1 a one-element tensor)") \
+    X(EMBED_FWD,     "embed_fwd",     "AAI",       0x001, "t0 (N, D) = rows t2 (N ids, each in [0, V)) of t1 (V, D)") \
+    X(EMBED_BWD,     "embed_bwd",     "SFI",       0x001, "t0 (V, D, f32) += scatter of t1 (N, D) to rows t2 (N ids, each in [0, V))") \
+    X(TRANSPOSE12,   "transpose12",   "AA",        0x001, "t0 (A, C, B, D) = t1 (A, B, C, D) with dims 1 and 2 swapped") \
+    X(ADAMW,         "adamw",         "SSSSLs",    0x00d, "p t0, g t1, m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given); f = lr, beta1, beta2, eps, wd") \
+    X(STEP_INC,      "step_inc",      "L",         0x001, "t0 += 1") \
+    X(RANDN,         "randn",         "F",         0x001, "t0 = f0 N(0, 1) from a counter-based hash of (seed i0, element index), redrawn into [f1, f2] when f1 < f2") \
+    X(SGD,           "sgd",           "FF",        0x001, "p t0 -= f0 * g t1") \
+    X(SUMSQ,         "sumsq",         "SF",        0x001, "t0 (scalar) += sum(t1^2)") \
+    X(NONFINITE,     "nonfinite",     "SF",        0x001, "t0 (scalar) = 1 if any element of t1 is inf or nan (else unchanged)") \
+    X(FLASH_FWD,     "flash_fwd",     "FSFFF",     0x003, "O t0, L t1 (BH, N, f32) from Q t2, K t3, V t4; i0 = causal, f0 = scale") \
+    X(FLASH_BWD,     "flash_bwd",     "FFFFFFFFS", 0x007, "dQ t0, dK t1, dV t2 from dO t3, Q t4, K t5, V t6, O t7, L t8; i0 = causal, f0 = scale")
+
 typedef enum tsys_kernel {
-    TSYS_K_FILL,          // t[0] = f[0]
-    TSYS_K_CAST,          // t[0] = (dtype of t[0]) t[1]           (round to nearest even)
-    TSYS_K_ACCUM,         // t[0] += t[1] * f[0]                    (dtypes may differ; same numel)
-    TSYS_K_ADD,           // t[0] = t[1] + t[2]                     (dtypes may differ; same numel)
-    TSYS_K_MUL,           // t[0] = t[1] * t[2]
-    TSYS_K_SCALE,         // t[0] = t[1] * f[0]
-    TSYS_K_ADD_BIAS,      // t[0] (rows, n) += t[1] (n)
-    TSYS_K_BIAS_GRAD,     // t[0] (n, fp32) += column sums of t[1] (rows, n)
-    TSYS_K_RELU_FWD,      // t[0] = relu(t[1])
-    TSYS_K_RELU_BWD,      // t[0] = t[1] * (t[2] > 0)               (dx, dy, x)
-    TSYS_K_SILU_FWD,      // t[0] = silu(t[1])
-    TSYS_K_SILU_BWD,      // t[0] = t[1] * silu'(t[2])              (dx, dy, x)
-    TSYS_K_SWIGLU_FWD,    // t[0] = silu(t[1]) * t[2]
-    TSYS_K_SWIGLU_BWD,    // t[0] = da, t[1] = db, from t[2] = dy, t[3] = a, t[4] = b
-    TSYS_K_RMSNORM_FWD,   // t[0] = y, t[1] = rstd (rows, fp32), t[2] = x, t[3] = w; f[0] = eps
-    TSYS_K_RMSNORM_BWD,   // t[0] = dx, t[1] = dw (fp32, accumulated), t[2] = dy, t[3] = x, t[4] = w, t[5] = rstd
-    TSYS_K_LAYERNORM_FWD, // t[0] = y, t[1] = mean, t[2] = rstd, t[3] = x, t[4] = w, t[5] = b; f[0] = eps
-    TSYS_K_LAYERNORM_BWD, // t[0] = dx, t[1] = dw, t[2] = db (fp32, accumulated), t[3] = dy, t[4] = x, t[5] = w, t[6] = mean, t[7] = rstd
-    TSYS_K_ROPE,          // t[0] = rope(t[1]) over (..., T, D), positions 0..T-1; f[0] = theta, f[1] = +1 (forward) or -1 (inverse)
-    TSYS_K_SOFTMAX_FWD,   // t[0] = softmax(f[0] * t[1]) over the last dim; i[0] = causal (row r of a (.., T, T) block keeps cols <= r % T)
-    TSYS_K_SOFTMAX_BWD,   // t[0] = dx from t[1] = dy, t[2] = y; f[0] = scale
-    TSYS_K_CE_FWD,        // t[0] = loss (scalar, fp32), t[1] = lse (rows, fp32), t[2] = logits (rows, V), t[3] = targets (rows)
-    TSYS_K_CE_BWD,        // t[0] = dlogits from t[1] = logits, t[2] = lse, t[3] = targets, t[4] = dloss (scalar); f[0] = 1/rows
-    TSYS_K_MSE_FWD,       // t[0] = mean((t[1] - t[2])^2) (scalar, fp32)
-    TSYS_K_MSE_BWD,       // t[0] = da, t[1] = db (either may be NULL) from t[2] = a, t[3] = b, t[4] = dloss (scalar)
-    TSYS_K_SUM,           // t[0] (scalar, fp32) = f[0] * sum(t[1])
-    TSYS_K_BROADCAST,     // t[0] = f[0] * t[1][0]                 (t[1] a one-element tensor)
-    TSYS_K_EMBED_FWD,     // t[0] (N, D) = t[1] (V, D) rows t[2] (N ids)
-    TSYS_K_EMBED_BWD,     // t[0] (V, D, fp32) += scatter of t[1] (N, D) to rows t[2]
-    TSYS_K_TRANSPOSE12,   // t[0] (A, C, B, D) = t[1] (A, B, C, D) with dims 1 and 2 swapped
-    TSYS_K_ADAMW,         // t[0] = p, t[1] = g, t[2] = m, t[3] = v, t[4] = step (I64 scalar, already counted); f = lr, beta1, beta2, eps, wd
-                          // (the step lives on the device so that a captured CUDA graph replays correct bias corrections)
-    TSYS_K_STEP_INC,      // t[0] (I64 scalar) += 1
-    TSYS_K_RANDN,         // t[0] = f[0] * N(0, 1) from a counter-based hash of (i[0] = seed, element index); truncated to
-                          // [f[1], f[2]] by redrawing when f[1] < f[2]. Same law on every device, no state, no host copy.
-    TSYS_K_SGD,           // t[0] = p, t[1] = g; f[0] = lr
-    TSYS_K_SUMSQ,         // t[0] (scalar, fp32) += sum(t[1]^2)
-    TSYS_K_NONFINITE,     // t[0] (scalar, fp32) = 1 if any element of t[1] is inf or nan (else unchanged)
-    TSYS_K_FLASH_FWD,     // t[0] = O, t[1] = L (BH, N, fp32), t[2] = Q, t[3] = K, t[4] = V; i[0] = causal; f[0] = scale
-    TSYS_K_FLASH_BWD,     // t[0] = dQ, t[1] = dK, t[2] = dV, t[3] = dO, t[4] = Q, t[5] = K, t[6] = V, t[7] = O, t[8] = L; i[0] = causal; f[0] = scale
+#define TSYS__X(e, name, slots, written, doc) TSYS_K_##e,
+    TSYS_KERNELS(TSYS__X)
+#undef TSYS__X
     TSYS_K_COUNT
 } tsys_kernel;
 
@@ -241,6 +254,25 @@ typedef struct tsys_gemm_args {
     float alpha, beta;
 } tsys_gemm_args;
 
+// A point on one of a device's streams. Zero-initialize, record, read, release:
+//   tsys_event a = {0}, b = {0};
+//   tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &a); ...work...; tsys_event_record(..., &b);
+//   double ms = tsys_event_elapsed_ms(ctx, &a, &b); tsys_event_release(ctx, &a); tsys_event_release(ctx, &b);
+// CPU: the host clock at the record (its one stream runs work as it is issued). CUDA: a cudaEvent
+// from the backend's pool, recorded on the stream; elapsed waits for the later event.
+typedef enum tsys_stream {
+    TSYS_STREAM_COMPUTE = 0,   // where ops run by default
+    TSYS_STREAM_SIDE = 1,      // a second stream: communication, work overlapped with the compute stream
+    TSYS_STREAM_COUNT
+} tsys_stream;
+
+typedef struct tsys_event {
+    tsys_device device;
+    tsys_stream stream;
+    double host_us;      // host clock at the record
+    void *handle;        // backend's event (NULL until first recorded; kept across re-records)
+} tsys_event;
+
 typedef struct tsys_backend {
     const char *name;
     void *(*alloc)(tsys_ctx *ctx, size_t bytes);                 // NULL when out of memory
@@ -249,10 +281,44 @@ typedef struct tsys_backend {
     tsys_status (*copy)(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes);
     tsys_status (*gemm)(tsys_ctx *ctx, const tsys_gemm_args *g);
     tsys_status (*kernel)(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
-    tsys_status (*sync)(tsys_ctx *ctx);
+    tsys_status (*sync)(tsys_ctx *ctx);                          // waits for every stream
     void *state;                                                // backend's own data (streams, handles, pools)
     void (*destroy)(tsys_ctx *ctx);   // frees the state; tsys_ctx_free calls it once the tape and caches are gone
+    // events and streams (see tsys_event)
+    tsys_status (*event_record)(tsys_ctx *ctx, tsys_event *e, tsys_stream s);
+    tsys_status (*event_wait)(tsys_ctx *ctx, const tsys_event *e, tsys_stream s);   // stream s waits for e
+    tsys_status (*event_elapsed)(tsys_ctx *ctx, const tsys_event *start, const tsys_event *end, double *ms);
+    void (*event_release)(tsys_ctx *ctx, tsys_event *e);
+    tsys_stream (*set_stream)(tsys_ctx *ctx, tsys_stream s);    // where later kernels and GEMMs go; returns the previous
 } tsys_backend;
+
+// ---- trace hooks: every forward op, every backward node, named ranges, kernel and GEMM launches,
+// and memory events pass through them (profilers, NVTX, memory timelines are clients). Install with
+// tsys_ctx_set_trace_hooks; NULL members are skipped. Hooks also run while a CUDA graph is being
+// captured (the kernel hook then sees launches that are recorded, not run).
+typedef enum tsys_trace_kind {
+    TSYS_TRACE_FORWARD,    // an op (name: "linear", "rmsnorm", ...)
+    TSYS_TRACE_BACKWARD,   // the backward of one tape node (name: the op's)
+    TSYS_TRACE_RANGE       // a named range: tsys_trace_begin/end ("forward", "backward", "optimizer", ...)
+} tsys_trace_kind;
+
+typedef struct tsys_trace_kernel {
+    tsys_device device;
+    tsys_kernel kernel;            // TSYS_K_COUNT for a GEMM
+    const char *name;              // tsys_kernel_name(kernel), or "gemm"
+    const tsys_kargs *args;        // the launch's arguments (NULL for a GEMM)
+    const tsys_gemm_args *gemm;    // the GEMM's arguments (NULL for a kernel)
+    tsys_status status;            // what the backend returned
+    double t_begin_us, t_end_us;   // host clock around the launch (CPU: the kernel's time; CUDA: the launch's)
+} tsys_trace_kernel;
+
+typedef struct tsys_trace_hooks {
+    void (*op_begin)(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user);
+    void (*op_end)(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user);
+    void (*kernel)(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user);
+    void (*mem)(tsys_ctx *ctx, const tsys_mem_event *e, void *user);
+    void *user;
+} tsys_trace_hooks;
 
 // >>public ----------------------------------------------------------------------------------------
 
@@ -268,6 +334,19 @@ TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_bac
 TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev);
 TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev);
 TSYSDEF double tsys_time_us(void);   // monotonic wall clock
+TSYSDEF const char *tsys_kernel_name(tsys_kernel k);
+
+// events and streams (see tsys_event); the CPU backend has them too, so timing code is one code
+TSYSDEF tsys_status tsys_event_record(tsys_ctx *ctx, tsys_device dev, tsys_stream s, tsys_event *e);
+TSYSDEF tsys_status tsys_event_wait(tsys_ctx *ctx, const tsys_event *e, tsys_stream s);          // stream s (of e's device) waits for e
+TSYSDEF double tsys_event_elapsed_ms(tsys_ctx *ctx, const tsys_event *start, const tsys_event *end);   // waits for end; NAN on error
+TSYSDEF void tsys_event_release(tsys_ctx *ctx, tsys_event *e);
+TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream s);              // returns the previous
+
+// trace hooks and named ranges
+TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks); // NULL removes; returns the previous
+TSYSDEF void tsys_trace_begin(tsys_ctx *ctx, const char *name);   // a range for the hooks; also the memory tag of what it allocates
+TSYSDEF void tsys_trace_end(tsys_ctx *ctx);                       // closes the innermost range
 
 // dtypes
 TSYSDEF size_t tsys_dtype_size(tsys_dtype dt);
@@ -313,7 +392,11 @@ TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t h
 TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape);   // reshape, shares storage, recorded
 TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape);  // no autograd
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on);
-TSYSDEF void tsys_tensor_set_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);
+// Gradient-ready hooks: fn runs once per backward, the moment t's gradient is final (after its last
+// use on the tape, tied weights included); several hooks on one tensor run in registration order.
+TSYSDEF tsys_status tsys_tensor_add_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);
+TSYSDEF bool tsys_tensor_remove_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);  // false when not registered
+TSYSDEF void tsys_tensor_set_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);     // removes all, then adds fn (NULL: none)
 TSYSDEF uint64_t tsys_rng_next(tsys_ctx *ctx);
 TSYSDEF void tsys_rng_seed(tsys_ctx *ctx, uint64_t seed);
 TSYSDEF float tsys_rng_normal(tsys_ctx *ctx);
@@ -327,6 +410,10 @@ TSYSDEF size_t tsys_tape_size(const tsys_ctx *ctx);
 TSYSDEF void tsys_no_grad_begin(tsys_ctx *ctx);
 TSYSDEF void tsys_no_grad_end(tsys_ctx *ctx);
 TSYSDEF bool tsys_grad_enabled(const tsys_ctx *ctx);
+// Callbacks at the end of every successful backward, after every gradient-ready hook, in registration order.
+typedef void (*tsys_backward_hook_fn)(tsys_ctx *ctx, void *user_data);
+TSYSDEF tsys_status tsys_ctx_add_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user);
+TSYSDEF bool tsys_ctx_remove_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user);
 
 // autocast (mixed precision)
 TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low);     // TSYS_BF16 or TSYS_F16
@@ -484,6 +571,16 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps);   // measured CBLAS sgemm
 #endif
 
 #define TSYS__MAX_TAGS 256
+#define TSYS__MAX_RANGES 64
+
+// TSYS_DEBUG (on unless NDEBUG): every kernel launch is checked against the TSYS_KERNELS contract.
+#ifndef TSYS_DEBUG
+#ifdef NDEBUG
+#define TSYS_DEBUG 0
+#else
+#define TSYS_DEBUG 1
+#endif
+#endif
 #define TSYS__MIN(a, b) ((a) < (b) ? (a) : (b))
 #define TSYS__MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -518,6 +615,13 @@ typedef struct tsys__slot {
     int ndim;
     int64_t shape[TSYS_MAX_DIMS];
 } tsys__slot;
+
+// One gradient-ready hook of a tensor; a tensor's hooks form a list in registration order.
+struct tsys__grad_hook {
+    tsys_grad_hook_fn fn;
+    void *user;
+    struct tsys__grad_hook *next;
+};
 
 struct tsys__node {
     tsys__op op;
@@ -563,6 +667,12 @@ struct tsys_ctx {
     tsys_tensor **ac_src, **ac_low;
     int ac_len, ac_cap;
     int op_tags[TSYS__OP_COUNT];
+    // instrumentation
+    tsys_trace_hooks trace;
+    struct { const char *name; int tag; } ranges[TSYS__MAX_RANGES];
+    int num_ranges;
+    struct tsys__backward_hook { tsys_backward_hook_fn fn; void *user; } *bwd_hooks;
+    int num_bwd_hooks;
 };
 
 // >>logging / errors ------------------------------------------------------------------------------
@@ -742,6 +852,11 @@ static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, int64_t delt
     if (delta > 0) s->num_allocs++; else s->num_frees++;
     if (s->live_bytes > s->peak_bytes) s->peak_bytes = s->live_bytes;
     m->tag_bytes[tag][dev] += delta;
+    if (!m->record && !ctx->trace.mem) return;
+    tsys_mem_event ev;
+    ev.t_us = tsys_time_us() - ctx->t0_us;
+    ev.delta = delta; ev.live = s->live_bytes; ev.tag = tag; ev.device = dev;
+    if (ctx->trace.mem) ctx->trace.mem(ctx, &ev, ctx->trace.user);
     if (!m->record) return;
     if (m->num_events == m->cap_events) {
         size_t cap = m->cap_events ? m->cap_events * 2 : 4096;
@@ -749,17 +864,15 @@ static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, int64_t delt
         if (!e) { m->record = false; return; }   // timeline stops; totals stay exact
         m->events = e; m->cap_events = cap;
     }
-    tsys_mem_event *e = &m->events[m->num_events++];
-    e->t_us = tsys_time_us() - ctx->t0_us;
-    e->delta = delta; e->live = s->live_bytes; e->tag = tag; e->device = dev;
+    m->events[m->num_events++] = ev;
 }
 
 static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t bytes) {
     const tsys_backend *be = ctx->backends[dev];
     if (!be) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu"); return NULL; }
     size_t asked = bytes ? bytes : 1;
-    if (dev == TSYS_CPU && ctx->cpu_memory_limit && (size_t)ctx->mem.dev[dev].live_bytes + asked > ctx->cpu_memory_limit) {
-        TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on cpu with %lld live (limit %zu)", asked,
+    if (dev == TSYS_CPU && asked > ctx->cpu_memory_limit - TSYS__MIN((size_t)ctx->mem.dev[dev].live_bytes, ctx->cpu_memory_limit)) {
+        TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on cpu with %lld live (budget %zu: see tsys_ctx_desc.cpu_memory_limit)", asked,
                    (long long)ctx->mem.dev[dev].live_bytes, ctx->cpu_memory_limit);
         return NULL;
     }
@@ -862,6 +975,7 @@ TSYSDEF tsys_tensor *tsys_tensor_retain(tsys_tensor *t) { if (t) t->refcount++; 
 TSYSDEF void tsys_tensor_release(tsys_tensor *t) {
     if (!t || --t->refcount > 0) return;
     if (t->grad_fn) t->grad_fn->out = NULL;   // the tape node outlives its output
+    tsys_tensor_set_grad_hook(t, NULL, NULL);
     tsys_tensor_release(t->grad);
     tsys__storage_release(t->storage);
     TSYS_FREE(t);
@@ -1386,18 +1500,67 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
 
 static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
 
-// Which argument slots a kernel writes (bit j = t[j]); the rest are inputs.
-static bool tsys__kernel_writes(tsys_kernel k, int j) {
-    unsigned mask;
-    switch (k) {
-    case TSYS_K_SWIGLU_BWD: case TSYS_K_RMSNORM_FWD: case TSYS_K_RMSNORM_BWD: case TSYS_K_CE_FWD: case TSYS_K_MSE_BWD: mask = 3u; break;
-    case TSYS_K_LAYERNORM_FWD: case TSYS_K_LAYERNORM_BWD: mask = 7u; break;
-    case TSYS_K_ADAMW: mask = 13u; break;
-    case TSYS_K_FLASH_FWD: mask = 3u; break;
-    case TSYS_K_FLASH_BWD: mask = 7u; break;
-    default: mask = 1u;
+// The contract table as data: names, slot letters and written masks, indexed by tsys_kernel.
+static const struct { const char *name, *slots; unsigned written; } tsys__kernel_info[TSYS_K_COUNT] = {
+#define TSYS__X(e, name, slots, written, doc) {name, slots, written},
+    TSYS_KERNELS(TSYS__X)
+#undef TSYS__X
+};
+
+TSYSDEF const char *tsys_kernel_name(tsys_kernel k) { return (unsigned)k < TSYS_K_COUNT ? tsys__kernel_info[k].name : "gemm"; }
+
+// Whether kernel k writes slot j (the rest are inputs).
+static bool tsys__kernel_writes(tsys_kernel k, int j) { return (tsys__kernel_info[k].written >> j) & 1u; }
+
+static bool tsys__slot_dtype_ok(char kind, tsys_dtype dt) {
+    switch (kind | 0x20) {   // lower case: the same rule, NULL allowed
+    case 'f': return tsys_dtype_is_float(dt);
+    case 's': return dt == TSYS_F32;
+    case 'i': return dt == TSYS_I32 || dt == TSYS_I64;
+    case 'l': return dt == TSYS_I64;
+    default: return true;
     }
-    return (mask >> j) & 1u;
+}
+
+// Checks one launch against the contract: the slot count, required slots present, dtypes, device.
+static tsys_status tsys__kargs_check(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a) {
+    static const char *kinds = "fFsSiIlLaA";
+    static const char *what[] = {"a float tensor", "an f32 tensor", "an i32/i64 tensor", "an i64 scalar", "a tensor"};
+    if ((unsigned)k >= TSYS_K_COUNT) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "kernel %d: no such kernel", (int)k);
+    const char *slots = tsys__kernel_info[k].slots, *name = tsys__kernel_info[k].name;
+    int n = (int)strlen(slots);
+    for (int j = 0; j < TSYS_KARGS_MAX; j++) {
+        const tsys_tensor *t = a->t[j];
+        if (j >= n) {
+            if (t) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "kernel %s: t[%d] ('%s') is given, the kernel takes %d tensors", name, j, t->name, n);
+            continue;
+        }
+        char kind = slots[j];
+        bool optional = kind >= 'a';
+        if (!t) {
+            if (!optional) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "kernel %s: t[%d] is NULL, the kernel needs it", name, j);
+            continue;
+        }
+        if (!tsys__slot_dtype_ok(kind, t->dtype))
+            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "kernel %s: t[%d] ('%s') is %s, the kernel needs %s", name, j, t->name,
+                              tsys_dtype_name(t->dtype), what[(strchr(kinds, kind) - kinds) / 2]);
+        if (t->device != dev)
+            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "kernel %s: t[%d] ('%s') is on another device than the launch", name, j, t->name);
+    }
+    return TSYS_OK;
+}
+
+// Kernels that index by tensor values check every value first, so a bad one writes nothing.
+static tsys_status tsys__cpu_check_ids(tsys_ctx *ctx, const char *op, const char *what, const tsys_tensor *ids, int64_t limit) {
+    const void *p = tsys_tensor_data(ids);
+    int64_t n = tsys_tensor_numel(ids);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = tsys__load_id(p, ids->dtype, i);
+        if (id < 0 || id >= limit)
+            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: %s %lld at position %lld of '%s' is outside [0, %lld)", op, what, (long long)id,
+                              (long long)i, ids->name, (long long)limit);
+    }
+    return TSYS_OK;
 }
 
 // The elementwise kernels share one shape: fp32 views of the inputs, one loop, round into the outputs.
@@ -1408,6 +1571,14 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
     tsys__fbuf b[TSYS_KARGS_MAX];
     memset(b, 0, sizeof(b));
     tsys_status st = TSYS_OK;
+    switch (k) {
+    case TSYS_K_EMBED_FWD: st = tsys__cpu_check_ids(ctx, "embedding", "token id", t[2], t[1]->shape[0]); break;
+    case TSYS_K_EMBED_BWD: st = tsys__cpu_check_ids(ctx, "embedding backward", "token id", t[2], t[0]->shape[0]); break;
+    case TSYS_K_CE_FWD: st = tsys__cpu_check_ids(ctx, "cross_entropy", "target", t[3], tsys__last_dim(t[2])); break;
+    case TSYS_K_CE_BWD: st = tsys__cpu_check_ids(ctx, "cross_entropy backward", "target", t[3], tsys__last_dim(t[1])); break;
+    default: break;
+    }
+    if (st != TSYS_OK) return st;
 #define IN(j) (b[j] = tsys__fin(t[j]), b[j].p)
 #define OUT(j, keep) (b[j] = tsys__fout(t[j], keep), b[j].p)
     switch (k) {
@@ -1549,7 +1720,11 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
         break;
     }
     case TSYS_K_TRANSPOSE12: tsys__cpu_transpose12(tsys_tensor_data(t[0]), tsys_tensor_data(t[1]), t[1]->shape, tsys_dtype_size(t[1]->dtype)); break;
-    case TSYS_K_ADAMW: tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), n, f, tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0)); break;
+    case TSYS_K_ADAMW: {
+        float hyper[5] = {t[5] ? ((const float *)tsys_tensor_data(t[5]))[0] : f[0], f[1], f[2], f[3], f[4]};   // t5: lr on the device
+        tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), n, hyper, tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
+        break;
+    }
     case TSYS_K_STEP_INC: ((int64_t *)tsys_tensor_data(t[0]))[0] += 1; break;
     case TSYS_K_RANDN: {
         float *y = OUT(0, false);
@@ -1639,8 +1814,21 @@ static tsys_status tsys__cpu_copy(tsys_ctx *ctx, void *dst, tsys_device dd, cons
 }
 static tsys_status tsys__cpu_sync(tsys_ctx *ctx) { (void)ctx; return TSYS_OK; }
 
+// The CPU runs work as it is issued, on one stream: an event is the host clock at its record
+// (tsys_event_record stamps it), waiting is free, and the side stream is the compute stream.
+static tsys_status tsys__cpu_event_record(tsys_ctx *ctx, tsys_event *e, tsys_stream s) { (void)ctx; (void)e; (void)s; return TSYS_OK; }
+static tsys_status tsys__cpu_event_wait(tsys_ctx *ctx, const tsys_event *e, tsys_stream s) { (void)ctx; (void)e; (void)s; return TSYS_OK; }
+static tsys_status tsys__cpu_event_elapsed(tsys_ctx *ctx, const tsys_event *a, const tsys_event *b, double *ms) {
+    (void)ctx;
+    *ms = (b->host_us - a->host_us) * 1e-3;
+    return TSYS_OK;
+}
+static void tsys__cpu_event_release(tsys_ctx *ctx, tsys_event *e) { (void)ctx; (void)e; }
+static tsys_stream tsys__cpu_set_stream(tsys_ctx *ctx, tsys_stream s) { (void)ctx; (void)s; return TSYS_STREAM_COMPUTE; }
+
 static const tsys_backend tsys__cpu_backend = {
     "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL, NULL,
+    tsys__cpu_event_record, tsys__cpu_event_wait, tsys__cpu_event_elapsed, tsys__cpu_event_release, tsys__cpu_set_stream,
 };
 
 // Flash attention on fp32 views of the tensors (bf16/fp16 inputs are widened, outputs rounded back).
@@ -1660,17 +1848,40 @@ static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_karg
     return ok ? TSYS_OK : TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu flash attention: out of host memory for fp32 scratch");
 }
 
-static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a) {
+// Every launch of tsys.h goes through these two: the contract check (TSYS_DEBUG) and the kernel hook.
+static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g) {
     const tsys_backend *be = ctx->backends[dev];
-    if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %d has no backend", (int)dev);
-    return be->kernel(ctx, k, a);
+    if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu");
+#if TSYS_DEBUG
+    if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
+#endif
+    if (!ctx->trace.kernel) return a ? be->kernel(ctx, k, a) : be->gemm(ctx, g);
+    tsys_trace_kernel info;
+    info.device = dev; info.kernel = k; info.name = tsys_kernel_name(k); info.args = a; info.gemm = g;
+    info.t_begin_us = tsys_time_us();
+    info.status = a ? be->kernel(ctx, k, a) : be->gemm(ctx, g);
+    info.t_end_us = tsys_time_us();
+    ctx->trace.kernel(ctx, &info, ctx->trace.user);
+    return info.status;
 }
-
-static tsys_status tsys__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
-    return ctx->backends[g->c->device]->gemm(ctx, g);
-}
+static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a) { return tsys__launch(ctx, dev, k, a, NULL); }
+static tsys_status tsys__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) { return tsys__launch(ctx, g->c->device, TSYS_K_COUNT, NULL, g); }
 
 // >>context ---------------------------------------------------------------------------------------
+
+// Bytes the machine can still hand out without swapping or the OOM killer (Linux: MemAvailable);
+// SIZE_MAX where that cannot be read.
+static size_t tsys__host_mem_available(void) {
+    size_t avail = SIZE_MAX;
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    while (f && fgets(line, sizeof(line), f)) {
+        unsigned long long kib;
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) { avail = (size_t)kib * 1024; break; }
+    }
+    if (f) fclose(f);
+    return avail;
+}
 
 TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc) {
     tsys_ctx *ctx = (tsys_ctx *)TSYS_MALLOC(sizeof(tsys_ctx));
@@ -1682,7 +1893,7 @@ TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc) {
     tsys_ctx_desc d;
     memset(&d, 0, sizeof(d));
     if (desc) d = *desc;
-    ctx->cpu_memory_limit = d.cpu_memory_limit;
+    ctx->cpu_memory_limit = d.cpu_memory_limit ? d.cpu_memory_limit : tsys__host_mem_available();
     ctx->mem.record = d.record_events;
     tsys_rng_seed(ctx, d.seed ? d.seed : 0x5eed);
     ctx->mem.cur_tag = tsys_mem_tag(ctx, "other");
@@ -1699,6 +1910,7 @@ TSYSDEF void tsys_ctx_free(tsys_ctx *ctx) {
     for (int d = 0; d < TSYS_DEVICE_COUNT; d++)
         if (ctx->backends[d] && ctx->backends[d]->destroy) ctx->backends[d]->destroy(ctx);
     TSYS_FREE(ctx->ac_src); TSYS_FREE(ctx->ac_low);
+    TSYS_FREE(ctx->bwd_hooks);
     TSYS_FREE(ctx->tape);
     for (int i = 0; i < ctx->mem.num_tags; i++) TSYS_FREE(ctx->mem.tag_names[i]);
     TSYS_FREE(ctx->mem.events);
@@ -1709,6 +1921,80 @@ TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_bac
 TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev) { return ctx->backends[dev]; }
 TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev) { return ctx->backends[dev] ? ctx->backends[dev]->sync(ctx) : TSYS_OK; }
 
+// >>events ----------------------------------------------------------------------------------------
+
+static const tsys_backend *tsys__event_backend(tsys_ctx *ctx, tsys_device dev, tsys_stream s) {
+    const tsys_backend *be = (unsigned)dev < TSYS_DEVICE_COUNT ? ctx->backends[dev] : NULL;
+    if (!be) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: device %d has no backend", (int)dev); return NULL; }
+    if ((unsigned)s >= TSYS_STREAM_COUNT) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: no stream %d", (int)s); return NULL; }
+    return be;
+}
+TSYSDEF tsys_status tsys_event_record(tsys_ctx *ctx, tsys_device dev, tsys_stream s, tsys_event *e) {
+    const tsys_backend *be = tsys__event_backend(ctx, dev, s);
+    if (!be) return ctx->status;
+    if (e->handle && e->device != dev) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: recorded on another device before (release it first)");
+    e->device = dev; e->stream = s;
+    e->host_us = tsys_time_us();
+    return be->event_record(ctx, e, s);
+}
+TSYSDEF tsys_status tsys_event_wait(tsys_ctx *ctx, const tsys_event *e, tsys_stream s) {
+    const tsys_backend *be = tsys__event_backend(ctx, e->device, s);
+    return be ? be->event_wait(ctx, e, s) : ctx->status;
+}
+TSYSDEF double tsys_event_elapsed_ms(tsys_ctx *ctx, const tsys_event *start, const tsys_event *end) {
+    double ms = NAN;
+    if (start->device != end->device) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: elapsed between two devices"); return NAN; }
+    const tsys_backend *be = tsys__event_backend(ctx, end->device, end->stream);
+    if (be && be->event_elapsed(ctx, start, end, &ms) != TSYS_OK) return NAN;
+    return ms;
+}
+TSYSDEF void tsys_event_release(tsys_ctx *ctx, tsys_event *e) {
+    const tsys_backend *be = (unsigned)e->device < TSYS_DEVICE_COUNT ? ctx->backends[e->device] : NULL;
+    if (be && e->handle) be->event_release(ctx, e);
+    e->handle = NULL;
+}
+TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream s) {
+    const tsys_backend *be = tsys__event_backend(ctx, dev, s);
+    return be ? be->set_stream(ctx, s) : TSYS_STREAM_COMPUTE;
+}
+
+// >>trace -----------------------------------------------------------------------------------------
+
+TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks) {
+    tsys_trace_hooks old = ctx->trace;
+    if (hooks) ctx->trace = *hooks;
+    else memset(&ctx->trace, 0, sizeof(ctx->trace));
+    return old;
+}
+
+// Opens a scope for the hooks and the memory tracker: what it allocates carries `tag`. Returns the
+// tag to restore. With no hooks installed this costs a branch and a store.
+static int tsys__scope_begin(tsys_ctx *ctx, const char *name, int tag, tsys_trace_kind kind) {
+    int old = tsys_mem_set_tag(ctx, tag);
+    if (ctx->trace.op_begin) ctx->trace.op_begin(ctx, name, kind, ctx->trace.user);
+    return old;
+}
+static void tsys__scope_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, int old_tag) {
+    if (ctx->trace.op_end) ctx->trace.op_end(ctx, name, kind, ctx->trace.user);
+    tsys_mem_set_tag(ctx, old_tag);
+}
+static int tsys__op_begin(tsys_ctx *ctx, tsys__op op) { return tsys__scope_begin(ctx, tsys__op_names[op], ctx->op_tags[op], TSYS_TRACE_FORWARD); }
+static void tsys__op_end(tsys_ctx *ctx, tsys__op op, int old_tag) { tsys__scope_end(ctx, tsys__op_names[op], TSYS_TRACE_FORWARD, old_tag); }
+
+// Ranges nest; past TSYS__MAX_RANGES deep they are still reported but not tagged.
+TSYSDEF void tsys_trace_begin(tsys_ctx *ctx, const char *name) {
+    int tag = tsys_mem_tag(ctx, name);
+    int old = tsys__scope_begin(ctx, name, tag, TSYS_TRACE_RANGE);
+    if (ctx->num_ranges < TSYS__MAX_RANGES) { ctx->ranges[ctx->num_ranges].name = name; ctx->ranges[ctx->num_ranges].tag = old; }
+    ctx->num_ranges++;
+}
+TSYSDEF void tsys_trace_end(tsys_ctx *ctx) {
+    if (ctx->num_ranges == 0) return;
+    int i = --ctx->num_ranges;
+    if (i < TSYS__MAX_RANGES) tsys__scope_end(ctx, ctx->ranges[i].name, TSYS_TRACE_RANGE, ctx->ranges[i].tag);
+    else if (ctx->trace.op_end) ctx->trace.op_end(ctx, "?", TSYS_TRACE_RANGE, ctx->trace.user);
+}
+
 // >>autograd --------------------------------------------------------------------------------------
 
 TSYSDEF void tsys_no_grad_begin(tsys_ctx *ctx) { ctx->no_grad_depth++; }
@@ -1716,7 +2002,56 @@ TSYSDEF void tsys_no_grad_end(tsys_ctx *ctx) { if (ctx->no_grad_depth > 0) ctx->
 TSYSDEF bool tsys_grad_enabled(const tsys_ctx *ctx) { return ctx->no_grad_depth == 0; }
 TSYSDEF size_t tsys_tape_size(const tsys_ctx *ctx) { return ctx->tape_len; }
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on) { if (t && !t->grad_fn) t->requires_grad = on; }
-TSYSDEF void tsys_tensor_set_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user) { if (t) { t->hook = fn; t->hook_user = user; } }
+
+TSYSDEF tsys_status tsys_tensor_add_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user) {
+    if (!t || !fn) return TSYS_ERR_INVALID_ARGS;
+    struct tsys__grad_hook *h = (struct tsys__grad_hook *)TSYS_MALLOC(sizeof(*h)), **tail = &t->hooks;
+    if (!h) return TSYS__FAIL(t->storage->ctx, TSYS_ERR_OOM, "out of host memory for a gradient hook of '%s'", t->name);
+    h->fn = fn; h->user = user; h->next = NULL;
+    while (*tail) tail = &(*tail)->next;
+    *tail = h;
+    return TSYS_OK;
+}
+TSYSDEF bool tsys_tensor_remove_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user) {
+    for (struct tsys__grad_hook **p = t ? &t->hooks : NULL; p && *p; p = &(*p)->next) {
+        if ((*p)->fn != fn || (*p)->user != user) continue;
+        struct tsys__grad_hook *h = *p;
+        *p = h->next;
+        TSYS_FREE(h);
+        return true;
+    }
+    return false;
+}
+TSYSDEF void tsys_tensor_set_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user) {
+    if (!t) return;
+    while (t->hooks) tsys_tensor_remove_grad_hook(t, t->hooks->fn, t->hooks->user);
+    if (fn) tsys_tensor_add_grad_hook(t, fn, user);
+}
+static void tsys__fire_grad_hooks(tsys_ctx *ctx, tsys_tensor *leaf) {
+    for (struct tsys__grad_hook *h = leaf->hooks, *next; h; h = next) {
+        next = h->next;   // a hook may remove itself
+        h->fn(ctx, leaf, h->user);
+    }
+}
+
+TSYSDEF tsys_status tsys_ctx_add_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user) {
+    if (!fn) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward hook: NULL function");
+    struct tsys__backward_hook *h = (struct tsys__backward_hook *)TSYS_REALLOC(ctx->bwd_hooks, sizeof(*h) * (size_t)(ctx->num_bwd_hooks + 1));
+    if (!h) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a backward hook");
+    ctx->bwd_hooks = h;
+    h[ctx->num_bwd_hooks].fn = fn; h[ctx->num_bwd_hooks].user = user;
+    ctx->num_bwd_hooks++;
+    return TSYS_OK;
+}
+TSYSDEF bool tsys_ctx_remove_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user) {
+    for (int i = 0; i < ctx->num_bwd_hooks; i++) {
+        if (ctx->bwd_hooks[i].fn != fn || ctx->bwd_hooks[i].user != user) continue;
+        memmove(&ctx->bwd_hooks[i], &ctx->bwd_hooks[i + 1], sizeof(ctx->bwd_hooks[0]) * (size_t)(ctx->num_bwd_hooks - i - 1));
+        ctx->num_bwd_hooks--;
+        return true;
+    }
+    return false;
+}
 
 static tsys_kargs tsys__kargs0(void) { tsys_kargs a; memset(&a, 0, sizeof(a)); return a; }
 
@@ -1782,7 +2117,7 @@ static void tsys__node_free(tsys_ctx *ctx, tsys__node *node) {
         if (!leaf) continue;
         if (--leaf->tape_uses == 0 && leaf->grad_touched) {
             leaf->grad_touched = false;
-            if (leaf->hook) leaf->hook(ctx, leaf, leaf->hook_user);
+            tsys__fire_grad_hooks(ctx, leaf);
         }
         tsys_tensor_release(leaf);
     }
@@ -1896,6 +2231,7 @@ TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_ten
     }
     ctx->in_backward = false;
     tsys_mem_set_tag(ctx, tag);
+    for (int i = 0; st == TSYS_OK && i < ctx->num_bwd_hooks; i++) ctx->bwd_hooks[i].fn(ctx, ctx->bwd_hooks[i].user);
     return st;
 }
 
@@ -1986,16 +2322,14 @@ static tsys_tensor *tsys__run(tsys_ctx *ctx, tsys_kernel k, tsys_kargs *a) {
     return a->t[0];
 }
 
-static int tsys__op_tag(tsys_ctx *ctx, tsys__op op) { return tsys_mem_set_tag(ctx, ctx->op_tags[op]); }
-
 TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt) {
     if (!x) return NULL;
     if (x->dtype == dt) return tsys_tensor_retain(x);
     TSYS__REQUIRE(ctx, tsys_dtype_is_float(dt) && tsys_dtype_is_float(x->dtype), "cast: '%s' %s -> %s is not a float conversion", x->name, tsys_dtype_name(x->dtype), tsys_dtype_name(dt));
-    int tag = tsys__op_tag(ctx, TSYS__OP_CAST);
+    int tag = tsys__op_begin(ctx, TSYS__OP_CAST);
     tsys_tensor *y = tsys__cast_raw(ctx, x, dt);
     tsys__record(ctx, TSYS__OP_CAST, y, &x, 1, NULL, 0);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_CAST, tag);
     return y;
 }
 
@@ -2019,13 +2353,13 @@ TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_ten
     int64_t shape[TSYS_MAX_DIMS];
     memcpy(shape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
     shape[ids->ndim] = weight->shape[1];
-    int tag = tsys__op_tag(ctx, TSYS__OP_EMBEDDING);
+    int tag = tsys__op_begin(ctx, TSYS__OP_EMBEDDING);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys_tensor_new(ctx, weight->dtype, weight->device, ids->ndim + 1, shape);
     a.t[1] = weight; a.t[2] = ids;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_EMBED_FWD, &a) : NULL;
     tsys__record(ctx, TSYS__OP_EMBEDDING, y, ins, 2, &ids, 1);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_EMBEDDING, tag);
     return y;
 }
 
@@ -2057,7 +2391,7 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
                   "linear: input '%s' last dim %lld does not match weight '%s' (%lld, %lld) [d_out, d_in]", x->name, (long long)tsys__last_dim(x),
                   weight->name, (long long)weight->shape[0], (long long)(weight->ndim > 1 ? weight->shape[1] : -1));
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == weight->shape[0]), "linear: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)weight->shape[0]);
-    int tag = tsys__op_tag(ctx, TSYS__OP_LINEAR);
+    int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR);
     tsys_dtype dt = tsys__matmul_dtype(ctx, x, weight);
     tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false);
     tsys_tensor *wl = xl ? tsys__matmul_input(ctx, weight, dt, true) : NULL;
@@ -2082,7 +2416,7 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
     tsys_tensor *saved[2] = {xl, wl};
     tsys__record(ctx, TSYS__OP_LINEAR, y, slots, 3, saved, 2);
     tsys_tensor_release(xl); tsys_tensor_release(wl);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_LINEAR, tag);
     return y;
 }
 
@@ -2099,7 +2433,7 @@ TSYSDEF tsys_tensor *tsys_matmul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b, 
     int64_t batch = tsys__batch(a), bb = tsys__batch(b);
     TSYS__REQUIRE(ctx, k == kb, "matmul: inner dims differ: '%s' has %lld, '%s' has %lld", a->name, (long long)k, b->name, (long long)kb);
     TSYS__REQUIRE(ctx, bb == batch || b->ndim == 2, "matmul: batch sizes differ: '%s' %lld vs '%s' %lld", a->name, (long long)batch, b->name, (long long)bb);
-    int tag = tsys__op_tag(ctx, TSYS__OP_MATMUL);
+    int tag = tsys__op_begin(ctx, TSYS__OP_MATMUL);
     tsys_dtype dt = tsys__matmul_dtype(ctx, a, b);
     tsys_tensor *al = tsys__matmul_input(ctx, a, dt, false);
     tsys_tensor *bl = al ? tsys__matmul_input(ctx, b, dt, false) : NULL;
@@ -2120,7 +2454,7 @@ TSYSDEF tsys_tensor *tsys_matmul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b, 
     tsys__node *node = tsys__record(ctx, TSYS__OP_MATMUL, y, slots, 2, saved, 2);
     if (node) node->i[0] = trans_b;
     tsys_tensor_release(al); tsys_tensor_release(bl);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_MATMUL, tag);
     return y;
 }
 
@@ -2130,13 +2464,13 @@ static tsys_tensor *tsys__binary(tsys_ctx *ctx, tsys__op op, tsys_kernel k, tsys
     const char *name = tsys__op_names[op];
     if (!tsys__check_inputs(ctx, name, ins, 2)) return NULL;
     if (!tsys__check_float(ctx, name, a) || !tsys__check_float(ctx, name, b) || !tsys__check_same_shape(ctx, name, a, b)) return NULL;
-    int tag = tsys__op_tag(ctx, op);
+    int tag = tsys__op_begin(ctx, op);
     tsys_kargs args = tsys__kargs0();
     args.t[0] = tsys__new_like(ctx, a, tsys__promote(a->dtype, b->dtype));
     args.t[1] = a; args.t[2] = b;
     tsys_tensor *y = args.t[0] ? tsys__run(ctx, k, &args) : NULL;
     tsys__record(ctx, op, y, ins, 2, ins, save ? 2 : 0);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, op, tag);
     return y;
 }
 TSYSDEF tsys_tensor *tsys_add(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) { return tsys__binary(ctx, TSYS__OP_ADD, TSYS_K_ADD, a, b, false); }
@@ -2147,14 +2481,14 @@ TSYSDEF tsys_tensor *tsys_swiglu(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) 
 static tsys_tensor *tsys__unary(tsys_ctx *ctx, tsys__op op, tsys_kernel k, tsys_tensor *x, float f0, bool save) {
     if (!x) return NULL;
     if (!tsys__check_float(ctx, tsys__op_names[op], x)) return NULL;
-    int tag = tsys__op_tag(ctx, op);
+    int tag = tsys__op_begin(ctx, op);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, x->dtype);
     a.t[1] = x; a.f[0] = f0;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, k, &a) : NULL;
     tsys__node *node = tsys__record(ctx, op, y, &x, 1, &x, save ? 1 : 0);
     if (node) node->f[0] = f0;
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, op, tag);
     return y;
 }
 TSYSDEF tsys_tensor *tsys_scale(tsys_ctx *ctx, tsys_tensor *a, float s) { return tsys__unary(ctx, TSYS__OP_SCALE, TSYS_K_SCALE, a, s, false); }
@@ -2170,7 +2504,7 @@ TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *we
     tsys_tensor *ins[2] = {x, weight};
     if (!tsys__check_inputs(ctx, "rmsnorm", ins, 2) || !tsys__check_float(ctx, "rmsnorm", x)) return NULL;
     TSYS__REQUIRE(ctx, weight->ndim == 1 && weight->shape[0] == tsys__last_dim(x), "rmsnorm: weight '%s' must be (%lld) to match '%s'", weight->name, (long long)tsys__last_dim(x), x->name);
-    int tag = tsys__op_tag(ctx, TSYS__OP_RMSNORM);
+    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, x->dtype);   // cs336: computed in fp32, cast back to the input dtype
     a.t[1] = a.t[0] ? tsys__row_stats(ctx, x) : NULL;
@@ -2181,7 +2515,7 @@ TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *we
     tsys_tensor *saved[3] = {x, weight, a.t[1]};
     tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, 3);
     tsys_tensor_release(a.t[1]);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
     return y;
 }
 
@@ -2191,7 +2525,7 @@ TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *
     int64_t d = tsys__last_dim(x);
     TSYS__REQUIRE(ctx, !weight || (weight->ndim == 1 && weight->shape[0] == d), "layernorm: weight '%s' must be (%lld)", weight ? weight->name : "", (long long)d);
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == d), "layernorm: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)d);
-    int tag = tsys__op_tag(ctx, TSYS__OP_LAYERNORM);
+    int tag = tsys__op_begin(ctx, TSYS__OP_LAYERNORM);
     // autocast runs layer norm in fp32 and returns fp32 (torch's rule); outside it the input dtype
     tsys_dtype out_dt = ctx->autocast != TSYS_F32 ? TSYS_F32 : x->dtype;
     tsys_kargs a = tsys__kargs0();
@@ -2205,7 +2539,7 @@ TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *
     tsys_tensor *saved[5] = {x, weight, bias, a.t[1], a.t[2]};
     tsys__record(ctx, TSYS__OP_LAYERNORM, y, ins, 3, saved, 5);
     tsys_tensor_release(a.t[1]); tsys_tensor_release(a.t[2]);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_LAYERNORM, tag);
     return y;
 }
 
@@ -2213,42 +2547,42 @@ TSYSDEF tsys_tensor *tsys_rope(tsys_ctx *ctx, tsys_tensor *x, float theta) {
     if (!x) return NULL;
     TSYS__REQUIRE(ctx, x->ndim >= 2 && tsys__last_dim(x) % 2 == 0, "rope: '%s' needs (.., T, D) with D even (RoPE rotates pairs), got D = %lld", x->name, (long long)tsys__last_dim(x));
     if (!tsys__check_float(ctx, "rope", x)) return NULL;
-    int tag = tsys__op_tag(ctx, TSYS__OP_ROPE);
+    int tag = tsys__op_begin(ctx, TSYS__OP_ROPE);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, x->dtype);
     a.t[1] = x; a.f[0] = theta; a.f[1] = 1.0f;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_ROPE, &a) : NULL;
     tsys__node *node = tsys__record(ctx, TSYS__OP_ROPE, y, &x, 1, NULL, 0);
     if (node) node->f[0] = theta;
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_ROPE, tag);
     return y;
 }
 
 TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bool causal) {
     if (!x || !tsys__check_float(ctx, "softmax", x)) return NULL;
     TSYS__REQUIRE(ctx, !causal || (x->ndim >= 2 && x->shape[x->ndim - 1] == x->shape[x->ndim - 2]), "softmax: causal needs square (.., T, T) scores, '%s' is not", x->name);
-    int tag = tsys__op_tag(ctx, TSYS__OP_SOFTMAX);
+    int tag = tsys__op_begin(ctx, TSYS__OP_SOFTMAX);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, x->dtype);
     a.t[1] = x; a.f[0] = scale; a.i[0] = causal;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_SOFTMAX_FWD, &a) : NULL;
     tsys__node *node = tsys__record(ctx, TSYS__OP_SOFTMAX, y, &x, 1, &y, 1);
     if (node) node->f[0] = scale;
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_SOFTMAX, tag);
     return y;
 }
 
 TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x) {
     if (!x) return NULL;
     TSYS__REQUIRE(ctx, x->ndim == 4, "transpose12: '%s' must be 4-D, has %d dims", x->name, x->ndim);
-    int tag = tsys__op_tag(ctx, TSYS__OP_TRANSPOSE12);
+    int tag = tsys__op_begin(ctx, TSYS__OP_TRANSPOSE12);
     int64_t shape[4] = {x->shape[0], x->shape[2], x->shape[1], x->shape[3]};
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys_tensor_new(ctx, x->dtype, x->device, 4, shape);
     a.t[1] = x;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_TRANSPOSE12, &a) : NULL;
     tsys__record(ctx, TSYS__OP_TRANSPOSE12, y, &x, 1, NULL, 0);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_TRANSPOSE12, tag);
     return y;
 }
 
@@ -2271,7 +2605,7 @@ TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_te
     TSYS__REQUIRE(ctx, q->ndim >= 2 && k->ndim == q->ndim && v->ndim == q->ndim, "flash_attention: q, k, v must be (.., N, d) with the same number of dims");
     TSYS__REQUIRE(ctx, tsys__last_dim(k) == d && tsys__last_dim(v) == d && tsys_tensor_same_shape(k, v), "flash_attention: k '%s' and v '%s' must match q's head dim %lld", k->name, v->name, (long long)d);
     TSYS__REQUIRE(ctx, tsys_tensor_numel(q) / (q->shape[q->ndim - 2] * d) == tsys_tensor_numel(k) / (k->shape[k->ndim - 2] * d), "flash_attention: q and k have different batch*heads");
-    int tag = tsys__op_tag(ctx, TSYS__OP_FLASH_ATTN);
+    int tag = tsys__op_begin(ctx, TSYS__OP_FLASH_ATTN);
     tsys_dtype dt = ctx->autocast != TSYS_F32 ? ctx->autocast : q->dtype;
     tsys_tensor *ql = tsys__matmul_input(ctx, q, dt, false), *kl = tsys__matmul_input(ctx, k, dt, false), *vl = tsys__matmul_input(ctx, v, dt, false);
     tsys_kargs a = tsys__kargs0();
@@ -2294,7 +2628,7 @@ TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_te
     if (node) { node->i[0] = causal; node->f[0] = a.f[0]; }
     tsys_tensor_release(ql); tsys_tensor_release(kl); tsys_tensor_release(vl);
     if (lse_out) *lse_out = lse; else tsys_tensor_release(lse);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_FLASH_ATTN, tag);
     return o;
 }
 
@@ -2308,7 +2642,7 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
     if (!tsys__check_inputs(ctx, "cross_entropy", ins, 2) || !tsys__check_float(ctx, "cross_entropy", logits)) return NULL;
     TSYS__REQUIRE(ctx, targets->dtype == TSYS_I32 || targets->dtype == TSYS_I64, "cross_entropy: targets '%s' must be i32 or i64", targets->name);
     TSYS__REQUIRE(ctx, tsys_tensor_numel(targets) == tsys__rows(logits), "cross_entropy: %lld targets for %lld rows of logits", (long long)tsys_tensor_numel(targets), (long long)tsys__rows(logits));
-    int tag = tsys__op_tag(ctx, TSYS__OP_CROSS_ENTROPY);
+    int tag = tsys__op_begin(ctx, TSYS__OP_CROSS_ENTROPY);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__scalar(ctx, logits->device);
     a.t[1] = tsys__row_stats(ctx, logits);
@@ -2320,26 +2654,26 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
     tsys__record(ctx, TSYS__OP_CROSS_ENTROPY, loss, ins, 2, saved, 3);
     tsys_tensor_release(a.t[1]);
     if (loss) tsys_tensor_set_name(loss, "loss");
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_CROSS_ENTROPY, tag);
     return loss;
 }
 
 TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) {
     tsys_tensor *ins[2] = {a, b};
     if (!tsys__check_inputs(ctx, "mse", ins, 2) || !tsys__check_same_shape(ctx, "mse", a, b)) return NULL;
-    int tag = tsys__op_tag(ctx, TSYS__OP_MSE);
+    int tag = tsys__op_begin(ctx, TSYS__OP_MSE);
     tsys_kargs k = tsys__kargs0();
     k.t[0] = tsys__scalar(ctx, a->device);
     k.t[1] = a; k.t[2] = b;
     tsys_tensor *y = k.t[0] ? tsys__run(ctx, TSYS_K_MSE_FWD, &k) : NULL;
     tsys__record(ctx, TSYS__OP_MSE, y, ins, 2, ins, 2);
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_MSE, tag);
     return y;
 }
 
 static tsys_tensor *tsys__sum_scaled(tsys_ctx *ctx, tsys_tensor *x, bool mean) {
     if (!x || !tsys__check_float(ctx, mean ? "mean" : "sum", x)) return NULL;
-    int tag = tsys__op_tag(ctx, TSYS__OP_SUM);
+    int tag = tsys__op_begin(ctx, TSYS__OP_SUM);
     float s = mean ? 1.0f / (float)tsys_tensor_numel(x) : 1.0f;
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__scalar(ctx, x->device);
@@ -2347,7 +2681,7 @@ static tsys_tensor *tsys__sum_scaled(tsys_ctx *ctx, tsys_tensor *x, bool mean) {
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_SUM, &a) : NULL;
     tsys__node *node = tsys__record(ctx, TSYS__OP_SUM, y, &x, 1, NULL, 0);
     if (node) node->f[0] = s;
-    tsys_mem_set_tag(ctx, tag);
+    tsys__op_end(ctx, TSYS__OP_SUM, tag);
     return y;
 }
 TSYSDEF tsys_tensor *tsys_sum(tsys_ctx *ctx, tsys_tensor *x) { return tsys__sum_scaled(ctx, x, false); }
@@ -2503,7 +2837,7 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
 static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     tsys_tensor *g = n->gout;
     tsys_kargs a = tsys__kargs0();
-    int tag = tsys_mem_set_tag(ctx, ctx->op_tags[n->op]);
+    int tag = tsys__scope_begin(ctx, tsys__op_names[n->op], ctx->op_tags[n->op], TSYS_TRACE_BACKWARD);
     tsys_status st = TSYS_OK;
     switch (n->op) {
     case TSYS__OP_CAST: case TSYS__OP_ADD: st = tsys__bwd_pass(ctx, n, 0, g); if (st == TSYS_OK && n->op == TSYS__OP_ADD) st = tsys__bwd_pass(ctx, n, 1, g); break;
@@ -2577,7 +2911,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     }
     case TSYS__OP_COUNT: st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: bad op");
     }
-    tsys_mem_set_tag(ctx, tag);
+    tsys__scope_end(ctx, tsys__op_names[n->op], TSYS_TRACE_BACKWARD, tag);
     return st;
 }
 
