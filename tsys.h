@@ -606,6 +606,24 @@ typedef char tsys__op_names_match[(sizeof(tsys__op_names) / sizeof(tsys__op_name
 
 #define TSYS__NODE_IN 4
 #define TSYS__NODE_SAVED 6
+
+// What each op keeps for its backward: the index of each value in node->saved, named per op.
+enum {
+    TSYS__SAVED_LINEAR_X = 0, TSYS__SAVED_LINEAR_W, TSYS__SAVED_LINEAR_COUNT,                 // the compute-dtype copies
+    TSYS__SAVED_MATMUL_A = 0, TSYS__SAVED_MATMUL_B, TSYS__SAVED_MATMUL_COUNT,
+    TSYS__SAVED_EMBED_IDS = 0, TSYS__SAVED_EMBED_COUNT,
+    TSYS__SAVED_BINARY_A = 0, TSYS__SAVED_BINARY_B, TSYS__SAVED_BINARY_COUNT,                 // mul, swiglu, mse
+    TSYS__SAVED_UNARY_X = 0, TSYS__SAVED_UNARY_COUNT,                                          // relu, silu
+    TSYS__SAVED_SOFTMAX_Y = 0, TSYS__SAVED_SOFTMAX_COUNT,
+    TSYS__SAVED_RMSNORM_X = 0, TSYS__SAVED_RMSNORM_W, TSYS__SAVED_RMSNORM_RSTD, TSYS__SAVED_RMSNORM_COUNT,
+    TSYS__SAVED_LAYERNORM_X = 0, TSYS__SAVED_LAYERNORM_W, TSYS__SAVED_LAYERNORM_B, TSYS__SAVED_LAYERNORM_MEAN, TSYS__SAVED_LAYERNORM_RSTD,
+    TSYS__SAVED_LAYERNORM_COUNT,
+    TSYS__SAVED_CE_LOGITS = 0, TSYS__SAVED_CE_TARGETS, TSYS__SAVED_CE_LSE, TSYS__SAVED_CE_COUNT,
+    TSYS__SAVED_FLASH_Q = 0, TSYS__SAVED_FLASH_K, TSYS__SAVED_FLASH_V, TSYS__SAVED_FLASH_O, TSYS__SAVED_FLASH_LSE, TSYS__SAVED_FLASH_COUNT,
+};
+typedef char tsys__saved_fits[(TSYS__SAVED_LAYERNORM_COUNT <= TSYS__NODE_SAVED && TSYS__SAVED_FLASH_COUNT <= TSYS__NODE_SAVED) ? 1 : -1];
+// one backward serves both norms: x and w sit in the same slots
+typedef char tsys__saved_norms_agree[(TSYS__SAVED_RMSNORM_X == TSYS__SAVED_LAYERNORM_X && TSYS__SAVED_RMSNORM_W == TSYS__SAVED_LAYERNORM_W) ? 1 : -1];
 // Where an input's gradient goes: the node that produced it, or the leaf itself.
 typedef struct tsys__slot {
     tsys__node *node;                      // producer (earlier on the tape, alive until processed)
@@ -1290,38 +1308,19 @@ static void tsys__cpu_transpose12(void *dst, const void *src, const int64_t *s, 
                 memcpy((char *)dst + (size_t)(((a * C + c) * B + b) * D) * es, (const char *)src + (size_t)(((a * B + b) * C + c) * D) * es, (size_t)D * es);
 }
 
-// flash_cpu.h - FlashAttention-2 on the CPU: the tiled reference (fp32) for tsys.
-//
-// defines: tsys__cpu_flash_fwd, tsys__cpu_flash_bwd
+// >>cpu flash -------------------------------------------------------------------------------------
+// FlashAttention-2 on the CPU, the tiled reference (fp32) the CUDA kernels are checked against.
+// defines: tsys__cpu_flash_fwd, tsys__cpu_flash_bwd (and tsys__cpu_flash, the kernel entry, below)
 //
 // This is the algorithm of the CS336 handout (§1.3.2, Algorithm 1, and the backward with recomputation,
-// Eqs. 13-19), written as plain loops so that it reads as the spec. It is the truth the CUDA kernels are
-// checked against, so it favours clarity over speed: fp32 everywhere, tiles of 32 x 32, OpenMP over
-// (batch*head, tile).
+// Eqs. 13-19), written as plain loops so that it reads as the spec. It favours clarity over speed: fp32
+// everywhere, tiles of 32 x 32, OpenMP over (batch*head, tile).
 //
 // Layout: q (bh, n_q, d), k and v (bh, n_k, d), o (bh, n_q, d), lse (bh, n_q); all contiguous fp32.
 // Causal: query i keeps key j when i >= j; a masked score gets +(-1e6), exactly as the handout, so lse is
 // torch.logsumexp of the masked scores. A key tile whose every key is masked for every query of the tile
 // is skipped: its terms are exp(-1e6 - m), which is 0 in fp32, so skipping changes no bit of the result
 // (row 0 always keeps key 0, so a row is never fully masked).
-//
-// Self-contained: libc + (optionally) OpenMP. Valid C11 and C++.
-#ifndef TSYS_FLASH_CPU_H
-#define TSYS_FLASH_CPU_H
-
-#include <math.h>
-#include <stdbool.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#ifndef TSYS__OMP
-#if defined(_OPENMP) && !defined(TSYS_NO_OPENMP)
-#define TSYS__OMP(x) _Pragma(#x)
-#else
-#define TSYS__OMP(x)
-#endif
-#endif
 
 #define TSYS__FLASH_CPU_BQ 32   // query rows per tile
 #define TSYS__FLASH_CPU_BK 32   // key rows per tile
@@ -1496,9 +1495,9 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
     }
 }
 
-#endif // TSYS_FLASH_CPU_H
-
 static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
+
+// >>cpu kernel dispatch ---------------------------------------------------------------------------
 
 // The contract table as data: names, slot letters and written masks, indexed by tsys_kernel.
 static const struct { const char *name, *slots; unsigned written; } tsys__kernel_info[TSYS_K_COUNT] = {
@@ -2338,9 +2337,11 @@ TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const in
     int64_t n = 1;
     for (int i = 0; i < ndim; i++) n *= shape[i];
     TSYS__REQUIRE(ctx, n == tsys_tensor_numel(t), "view: '%s' has %lld elements, the new shape %lld", t->name, (long long)tsys_tensor_numel(t), (long long)n);
+    int tag = tsys__op_begin(ctx, TSYS__OP_VIEW);
     tsys_tensor *v = tsys_tensor_view_raw(ctx, t, 0, t->dtype, ndim, shape);
     if (v) memcpy(v->name, t->name, sizeof(v->name));
     tsys__record(ctx, TSYS__OP_VIEW, v, &t, 1, NULL, 0);
+    tsys__op_end(ctx, TSYS__OP_VIEW, tag);
     return v;
 }
 
@@ -2413,8 +2414,9 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
     }
     // Slots: the low-precision x (its cast node routes to x), the fp32 weight itself (dW lands in fp32).
     tsys_tensor *slots[3] = {xl, weight->grad_fn ? wl : weight, bias};
-    tsys_tensor *saved[2] = {xl, wl};
-    tsys__record(ctx, TSYS__OP_LINEAR, y, slots, 3, saved, 2);
+    tsys_tensor *saved[TSYS__SAVED_LINEAR_COUNT];
+    saved[TSYS__SAVED_LINEAR_X] = xl; saved[TSYS__SAVED_LINEAR_W] = wl;
+    tsys__record(ctx, TSYS__OP_LINEAR, y, slots, 3, saved, TSYS__SAVED_LINEAR_COUNT);
     tsys_tensor_release(xl); tsys_tensor_release(wl);
     tsys__op_end(ctx, TSYS__OP_LINEAR, tag);
     return y;
@@ -2449,9 +2451,10 @@ TSYSDEF tsys_tensor *tsys_matmul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b, 
         g.batch = batch; g.stride_a = m * k; g.stride_b = b->ndim == 2 ? 0 : k * n; g.stride_c = m * n;
         if (tsys__gemm(ctx, &g) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
     }
-    tsys_tensor *saved[2] = {al, bl};
+    tsys_tensor *saved[TSYS__SAVED_MATMUL_COUNT];
+    saved[TSYS__SAVED_MATMUL_A] = al; saved[TSYS__SAVED_MATMUL_B] = bl;
     tsys_tensor *slots[2] = {al, bl};
-    tsys__node *node = tsys__record(ctx, TSYS__OP_MATMUL, y, slots, 2, saved, 2);
+    tsys__node *node = tsys__record(ctx, TSYS__OP_MATMUL, y, slots, 2, saved, TSYS__SAVED_MATMUL_COUNT);
     if (node) node->i[0] = trans_b;
     tsys_tensor_release(al); tsys_tensor_release(bl);
     tsys__op_end(ctx, TSYS__OP_MATMUL, tag);
@@ -2512,8 +2515,9 @@ TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *we
     tsys_tensor *y = NULL;
     if (a.t[1] && tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_FWD, &a) == TSYS_OK) y = a.t[0];
     else tsys_tensor_release(a.t[0]);
-    tsys_tensor *saved[3] = {x, weight, a.t[1]};
-    tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, 3);
+    tsys_tensor *saved[TSYS__SAVED_RMSNORM_COUNT];
+    saved[TSYS__SAVED_RMSNORM_X] = x; saved[TSYS__SAVED_RMSNORM_W] = weight; saved[TSYS__SAVED_RMSNORM_RSTD] = a.t[1];
+    tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT);
     tsys_tensor_release(a.t[1]);
     tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
     return y;
@@ -2536,8 +2540,10 @@ TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *
     tsys_tensor *y = NULL;
     if (a.t[0] && a.t[1] && a.t[2] && tsys__kernel(ctx, x->device, TSYS_K_LAYERNORM_FWD, &a) == TSYS_OK) y = a.t[0];
     else tsys_tensor_release(a.t[0]);
-    tsys_tensor *saved[5] = {x, weight, bias, a.t[1], a.t[2]};
-    tsys__record(ctx, TSYS__OP_LAYERNORM, y, ins, 3, saved, 5);
+    tsys_tensor *saved[TSYS__SAVED_LAYERNORM_COUNT];
+    saved[TSYS__SAVED_LAYERNORM_X] = x; saved[TSYS__SAVED_LAYERNORM_W] = weight; saved[TSYS__SAVED_LAYERNORM_B] = bias;
+    saved[TSYS__SAVED_LAYERNORM_MEAN] = a.t[1]; saved[TSYS__SAVED_LAYERNORM_RSTD] = a.t[2];
+    tsys__record(ctx, TSYS__OP_LAYERNORM, y, ins, 3, saved, TSYS__SAVED_LAYERNORM_COUNT);
     tsys_tensor_release(a.t[1]); tsys_tensor_release(a.t[2]);
     tsys__op_end(ctx, TSYS__OP_LAYERNORM, tag);
     return y;
@@ -2623,8 +2629,10 @@ TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_te
         o = NULL;
     }
     tsys_tensor *slots[3] = {ql, kl, vl};
-    tsys_tensor *saved[5] = {ql, kl, vl, o, lse};
-    tsys__node *node = o ? tsys__record(ctx, TSYS__OP_FLASH_ATTN, o, slots, 3, saved, 5) : NULL;
+    tsys_tensor *saved[TSYS__SAVED_FLASH_COUNT];
+    saved[TSYS__SAVED_FLASH_Q] = ql; saved[TSYS__SAVED_FLASH_K] = kl; saved[TSYS__SAVED_FLASH_V] = vl;
+    saved[TSYS__SAVED_FLASH_O] = o; saved[TSYS__SAVED_FLASH_LSE] = lse;
+    tsys__node *node = o ? tsys__record(ctx, TSYS__OP_FLASH_ATTN, o, slots, 3, saved, TSYS__SAVED_FLASH_COUNT) : NULL;
     if (node) { node->i[0] = causal; node->f[0] = a.f[0]; }
     tsys_tensor_release(ql); tsys_tensor_release(kl); tsys_tensor_release(vl);
     if (lse_out) *lse_out = lse; else tsys_tensor_release(lse);
@@ -2650,8 +2658,9 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
     tsys_tensor *loss = NULL;
     if (a.t[0] && a.t[1] && tsys__kernel(ctx, logits->device, TSYS_K_CE_FWD, &a) == TSYS_OK) loss = a.t[0];
     else tsys_tensor_release(a.t[0]);
-    tsys_tensor *saved[3] = {logits, targets, a.t[1]};
-    tsys__record(ctx, TSYS__OP_CROSS_ENTROPY, loss, ins, 2, saved, 3);
+    tsys_tensor *saved[TSYS__SAVED_CE_COUNT];
+    saved[TSYS__SAVED_CE_LOGITS] = logits; saved[TSYS__SAVED_CE_TARGETS] = targets; saved[TSYS__SAVED_CE_LSE] = a.t[1];
+    tsys__record(ctx, TSYS__OP_CROSS_ENTROPY, loss, ins, 2, saved, TSYS__SAVED_CE_COUNT);
     tsys_tensor_release(a.t[1]);
     if (loss) tsys_tensor_set_name(loss, "loss");
     tsys__op_end(ctx, TSYS__OP_CROSS_ENTROPY, tag);
@@ -2741,7 +2750,7 @@ static tsys_status tsys__grad_dest_done(tsys_ctx *ctx, tsys__node *n, int j, tsy
 }
 
 static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
-    tsys_tensor *g = n->gout, *x = n->saved[0], *w = n->saved[1];
+    tsys_tensor *g = n->gout, *x = n->saved[TSYS__SAVED_LINEAR_X], *w = n->saved[TSYS__SAVED_LINEAR_W];
     int64_t rows = tsys__rows(x), d_out = w->shape[0], d_in = w->shape[1];
     tsys_status st = TSYS_OK;
     tsys_tensor *gl = g->dtype == x->dtype ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, x->dtype);
@@ -2774,7 +2783,7 @@ static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
 }
 
 static tsys_status tsys__bwd_matmul(tsys_ctx *ctx, tsys__node *n) {
-    tsys_tensor *a = n->saved[0], *b = n->saved[1];
+    tsys_tensor *a = n->saved[TSYS__SAVED_MATMUL_A], *b = n->saved[TSYS__SAVED_MATMUL_B];
     bool tb = n->i[0] != 0, b_bcast = b->ndim == 2 && a->ndim > 2;
     int64_t m = a->shape[a->ndim - 2], k = a->shape[a->ndim - 1], nn = n->out_shape[n->out_ndim - 1], batch = tsys__batch(a);
     tsys_status st = TSYS_OK;
@@ -2805,7 +2814,7 @@ static tsys_status tsys__bwd_matmul(tsys_ctx *ctx, tsys__node *n) {
 }
 
 static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
-    tsys_tensor *g = n->gout, *x = n->saved[0], *w = n->saved[1];
+    tsys_tensor *g = n->gout, *x = n->saved[TSYS__SAVED_RMSNORM_X], *w = n->saved[TSYS__SAVED_RMSNORM_W];
     tsys_kargs a = tsys__kargs0();
     bool fresh_w = false, fresh_b = false;
     tsys_tensor *dx = tsys__new_like(ctx, x, x->dtype);
@@ -2816,14 +2825,15 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
     tsys_status st = dx ? TSYS_OK : ctx->status;
     if (scratch_w) tsys_tensor_fill(ctx, scratch_w, 0.0f);
     if (layer) {
-        tsys_tensor *bias = n->saved[2];
+        tsys_tensor *bias = n->saved[TSYS__SAVED_LAYERNORM_B];
         tsys_tensor *scratch_b = (bias && !db) ? tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &bias->shape[0]) : NULL;
-        a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = db ? db : scratch_b; a.t[3] = g; a.t[4] = x; a.t[5] = w; a.t[6] = n->saved[3]; a.t[7] = n->saved[4];
+        a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = db ? db : scratch_b; a.t[3] = g; a.t[4] = x; a.t[5] = w;
+        a.t[6] = n->saved[TSYS__SAVED_LAYERNORM_MEAN]; a.t[7] = n->saved[TSYS__SAVED_LAYERNORM_RSTD];
         if (scratch_b) tsys_tensor_fill(ctx, scratch_b, 0.0f);
         if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_LAYERNORM_BWD, &a);
         tsys_tensor_release(scratch_b);
     } else {
-        a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = g; a.t[3] = x; a.t[4] = w; a.t[5] = n->saved[2];
+        a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = g; a.t[3] = x; a.t[4] = w; a.t[5] = n->saved[TSYS__SAVED_RMSNORM_RSTD];
         if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_BWD, &a);
     }
     tsys_tensor_release(scratch_w);
@@ -2851,7 +2861,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
         if (!n->in[0].needs) break;
         bool fresh;
         tsys_tensor *dw = tsys__grad_dest(ctx, n, 0, TSYS_F32, &fresh, NULL);
-        a.t[0] = dw; a.t[1] = g; a.t[2] = n->saved[0];
+        a.t[0] = dw; a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_EMBED_IDS];
         st = dw ? tsys__kernel(ctx, g->device, TSYS_K_EMBED_BWD, &a) : ctx->status;
         st = tsys__grad_dest_done(ctx, n, 0, dw, fresh, st);
         break;
@@ -2859,17 +2869,17 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     case TSYS__OP_LINEAR: st = tsys__bwd_linear(ctx, n); break;
     case TSYS__OP_MATMUL: st = tsys__bwd_matmul(ctx, n); break;
     case TSYS__OP_MUL:
-        a.t[1] = g; a.t[2] = n->saved[1];
+        a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_BINARY_B];
         st = tsys__bwd_unary(ctx, n, 0, TSYS_K_MUL, &a);
-        a.t[2] = n->saved[0];
+        a.t[2] = n->saved[TSYS__SAVED_BINARY_A];
         if (st == TSYS_OK) st = tsys__bwd_unary(ctx, n, 1, TSYS_K_MUL, &a);
         break;
     case TSYS__OP_SCALE: a.t[1] = g; a.f[0] = n->f[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SCALE, &a); break;
-    case TSYS__OP_RELU: a.t[1] = g; a.t[2] = n->saved[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_RELU_BWD, &a); break;
-    case TSYS__OP_SILU: a.t[1] = g; a.t[2] = n->saved[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SILU_BWD, &a); break;
+    case TSYS__OP_RELU: a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_UNARY_X]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_RELU_BWD, &a); break;
+    case TSYS__OP_SILU: a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_UNARY_X]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SILU_BWD, &a); break;
     case TSYS__OP_SWIGLU: {
         tsys_tensor *da = tsys__slot_tensor(ctx, &n->in[0], g->device), *db = tsys__slot_tensor(ctx, &n->in[1], g->device);
-        a.t[0] = da; a.t[1] = db; a.t[2] = g; a.t[3] = n->saved[0]; a.t[4] = n->saved[1];
+        a.t[0] = da; a.t[1] = db; a.t[2] = g; a.t[3] = n->saved[TSYS__SAVED_BINARY_A]; a.t[4] = n->saved[TSYS__SAVED_BINARY_B];
         st = (da && db) ? tsys__kernel(ctx, g->device, TSYS_K_SWIGLU_BWD, &a) : ctx->status;
         if (st == TSYS_OK && n->in[0].needs) { st = tsys__grad_add(ctx, &n->in[0], da); da = NULL; }
         if (st == TSYS_OK && n->in[1].needs) { st = tsys__grad_add(ctx, &n->in[1], db); db = NULL; }
@@ -2879,16 +2889,17 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     case TSYS__OP_RMSNORM: st = tsys__bwd_norm(ctx, n, false); break;
     case TSYS__OP_LAYERNORM: st = tsys__bwd_norm(ctx, n, true); break;
     case TSYS__OP_ROPE: a.t[1] = g; a.f[0] = n->f[0]; a.f[1] = -1.0f; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_ROPE, &a); break;
-    case TSYS__OP_SOFTMAX: a.t[1] = g; a.t[2] = n->saved[0]; a.f[0] = n->f[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SOFTMAX_BWD, &a); break;
+    case TSYS__OP_SOFTMAX: a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_SOFTMAX_Y]; a.f[0] = n->f[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SOFTMAX_BWD, &a); break;
     case TSYS__OP_TRANSPOSE12: a.t[1] = g; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_TRANSPOSE12, &a); break;
     case TSYS__OP_CROSS_ENTROPY:
-        a.t[1] = n->saved[0]; a.t[2] = n->saved[2]; a.t[3] = n->saved[1]; a.t[4] = g; a.f[0] = 1.0f / (float)tsys__rows(n->saved[0]);
+        a.t[1] = n->saved[TSYS__SAVED_CE_LOGITS]; a.t[2] = n->saved[TSYS__SAVED_CE_LSE]; a.t[3] = n->saved[TSYS__SAVED_CE_TARGETS]; a.t[4] = g;
+        a.f[0] = 1.0f / (float)tsys__rows(n->saved[TSYS__SAVED_CE_LOGITS]);
         st = tsys__bwd_unary(ctx, n, 0, TSYS_K_CE_BWD, &a);
         break;
     case TSYS__OP_MSE: {
         tsys_tensor *da = n->in[0].needs ? tsys__slot_tensor(ctx, &n->in[0], g->device) : NULL;
         tsys_tensor *db = n->in[1].needs ? tsys__slot_tensor(ctx, &n->in[1], g->device) : NULL;
-        a.t[0] = da; a.t[1] = db; a.t[2] = n->saved[0]; a.t[3] = n->saved[1]; a.t[4] = g;
+        a.t[0] = da; a.t[1] = db; a.t[2] = n->saved[TSYS__SAVED_BINARY_A]; a.t[3] = n->saved[TSYS__SAVED_BINARY_B]; a.t[4] = g;
         st = tsys__kernel(ctx, g->device, TSYS_K_MSE_BWD, &a);
         if (st == TSYS_OK && da) { st = tsys__grad_add(ctx, &n->in[0], da); da = NULL; }
         if (st == TSYS_OK && db) { st = tsys__grad_add(ctx, &n->in[1], db); db = NULL; }
@@ -2899,7 +2910,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     case TSYS__OP_FLASH_ATTN: {
         tsys_tensor *dq = tsys__slot_tensor(ctx, &n->in[0], g->device), *dk = tsys__slot_tensor(ctx, &n->in[1], g->device), *dv = tsys__slot_tensor(ctx, &n->in[2], g->device);
         a.t[0] = dq; a.t[1] = dk; a.t[2] = dv; a.t[3] = g;
-        for (int j = 0; j < 5; j++) a.t[4 + j] = n->saved[j];
+        for (int j = TSYS__SAVED_FLASH_Q; j < TSYS__SAVED_FLASH_COUNT; j++) a.t[4 + j] = n->saved[j];   // Q K V O L, the kernel's order
         a.i[0] = n->i[0]; a.f[0] = n->f[0];
         st = (dq && dk && dv) ? tsys__kernel(ctx, g->device, TSYS_K_FLASH_BWD, &a) : ctx->status;
         tsys_tensor *d[3] = {dq, dk, dv};

@@ -1,0 +1,178 @@
+// test_guards.c - bad input never corrupts memory and out of memory is an error, not a kill:
+// ops that index by tensor values reject out-of-range ids (naming the op, the value and the range)
+// and write nothing; CPU allocations respect the context's budget (by default what the machine has).
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#include "harness.h"
+#include "test_util.h"
+
+static tsys_tensor *ids_of(tsys_ctx *ctx, tsys_dtype dt, int n, const int64_t *vals) {
+    int64_t shape[2] = {1, n};
+    tsys_tensor *t = tsys_tensor_new(ctx, dt, TSYS_CPU, 2, shape);
+    for (int i = 0; i < n; i++) {
+        if (dt == TSYS_I64) ((int64_t *)tsys_tensor_data(t))[i] = vals[i];
+        else ((int32_t *)tsys_tensor_data(t))[i] = (int32_t)vals[i];
+    }
+    tsys_tensor_set_name(t, "ids");
+    return t;
+}
+
+static bool has(const char *msg, const char *part) { return strstr(msg, part) != NULL; }
+
+TSYS_TEST(embedding_rejects_out_of_range_ids) {
+    const int64_t bad_values[] = {-1, 10, 11, (int64_t)1 << 40, INT32_MIN};
+    const char *bad_text[] = {"-1", "10", "11", "1099511627776", "-2147483648"};
+    for (int dti = 0; dti < 2; dti++) {
+        tsys_dtype dt = dti ? TSYS_I64 : TSYS_I32;
+        for (int b = 0; b < 5; b++) {
+            if (dt == TSYS_I32 && b == 3) continue;   // 2^40 does not fit an i32
+            tsys_ctx *ctx = tsys_ctx_new(NULL);
+            int64_t sw[2] = {10, 4};
+            tsys_tensor *w = test_param(ctx, TSYS_CPU, 2, sw, 1);
+            int64_t vals[4] = {1, 2, bad_values[b], 3};
+            tsys_tensor *ids = ids_of(ctx, dt, 4, vals);
+            tsys_tensor *y = tsys_embedding(ctx, w, ids);
+            const char *msg = tsys_ctx_last_error(ctx);
+            TEST_CHECK(y == NULL && tsys_ctx_status(ctx) == TSYS_ERR_INVALID_ARGS, "id %s accepted", bad_text[b]);
+            TEST_CHECK(has(msg, "embedding") && has(msg, bad_text[b]) && has(msg, "[0, 10)") && has(msg, "position 2"), "message: %s", msg);
+            TEST_CHECK(tsys_tape_size(ctx) == 0, "a failed op left a tape node");
+            tsys_tensor_release(y); tsys_tensor_release(ids); tsys_tensor_release(w);
+            tsys_ctx_free(ctx);
+        }
+    }
+}
+
+TSYS_TEST(embedding_backward_kernel_writes_nothing_for_a_bad_id) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sg[2] = {10, 4}, sy[2] = {3, 4};
+    tsys_tensor *dw = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sg), *g = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sy);
+    tsys_tensor_fill(ctx, dw, 7.0f); tsys_tensor_fill(ctx, g, 1.0f);
+    int64_t vals[3] = {0, 10, 1};
+    int64_t s1[1] = {3};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 1, s1);
+    memcpy(tsys_tensor_data(ids), vals, sizeof(vals));
+    tsys_kargs a;
+    memset(&a, 0, sizeof(a));
+    a.t[0] = dw; a.t[1] = g; a.t[2] = ids;
+    TEST_CHECK(tsys_ctx_backend(ctx, TSYS_CPU)->kernel(ctx, TSYS_K_EMBED_BWD, &a) == TSYS_ERR_INVALID_ARGS, "bad id accepted by embed_bwd");
+    float *v = test_read(ctx, dw);
+    int changed = 0;
+    for (int i = 0; i < 40; i++) changed += v[i] != 7.0f;
+    TEST_CHECK(changed == 0, "%d gradient elements written before the bad id was seen", changed);
+    free(v);
+    tsys_tensor_release(dw); tsys_tensor_release(g); tsys_tensor_release(ids);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(cross_entropy_rejects_out_of_range_targets) {
+    const int64_t bad[] = {-1, 6, 1000};
+    for (int b = 0; b < 3; b++) {
+        tsys_ctx *ctx = tsys_ctx_new(NULL);
+        int64_t sl[2] = {3, 6};
+        tsys_tensor *logits = test_param(ctx, TSYS_CPU, 2, sl, 1);
+        int64_t vals[3] = {5, bad[b], 0}, s1[1] = {3};
+        tsys_tensor *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 1, s1);
+        memcpy(tsys_tensor_data(tgt), vals, sizeof(vals));
+        tsys_tensor_set_name(tgt, "targets");
+        tsys_tensor *loss = tsys_cross_entropy(ctx, logits, tgt);
+        char want[32];
+        snprintf(want, sizeof(want), "target %lld", (long long)bad[b]);
+        const char *msg = tsys_ctx_last_error(ctx);
+        TEST_CHECK(loss == NULL, "target %lld accepted", (long long)bad[b]);
+        TEST_CHECK(has(msg, "cross_entropy") && has(msg, want) && has(msg, "[0, 6)"), "message: %s", msg);
+        // the backward kernel, called directly, writes nothing either
+        tsys_ctx_clear_error(ctx);
+        int64_t one = 1;
+        tsys_tensor *dl = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sl), *lse = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, s1), *g = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &one);
+        tsys_tensor_fill(ctx, dl, 5.0f); tsys_tensor_fill(ctx, lse, 0.0f); tsys_tensor_fill(ctx, g, 1.0f);
+        tsys_kargs a;
+        memset(&a, 0, sizeof(a));
+        a.t[0] = dl; a.t[1] = logits; a.t[2] = lse; a.t[3] = tgt; a.t[4] = g; a.f[0] = 1.0f / 3;
+        TEST_CHECK(tsys_ctx_backend(ctx, TSYS_CPU)->kernel(ctx, TSYS_K_CE_BWD, &a) == TSYS_ERR_INVALID_ARGS, "ce_bwd accepted target %lld", (long long)bad[b]);
+        float *v = test_read(ctx, dl);
+        int changed = 0;
+        for (int i = 0; i < 18; i++) changed += v[i] != 5.0f;
+        TEST_CHECK(changed == 0, "ce_bwd wrote %d elements", changed);
+        free(v);
+        tsys_tensor *rel[6] = {logits, tgt, loss, dl, lse, g};
+        for (int i = 0; i < 6; i++) tsys_tensor_release(rel[i]);
+        tsys_ctx_free(ctx);
+    }
+}
+
+TSYS_TEST(model_forward_and_loss_reject_bad_token_ids) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 32; d.context_length = 4; d.d_model = 16; d.num_layers = 1; d.num_heads = 2; d.d_ff = 24;
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 1);
+    float before = ((float *)tsys_tensor_data(tsys_model_params(m)[0]))[0];
+    int64_t vals[4] = {0, 1, 32, 3};   // the vocabulary size itself: one past the last row
+    tsys_tensor *ids = ids_of(ctx, TSYS_I32, 4, vals);
+    tsys_tensor *logits = tsys_model_forward(m, ids);
+    TEST_CHECK(logits == NULL && has(tsys_ctx_last_error(ctx), "token id 32"), "forward: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    vals[2] = 2;
+    tsys_tensor *ok_ids = ids_of(ctx, TSYS_I32, 4, vals);
+    logits = tsys_model_forward(m, ok_ids);
+    int64_t tv[4] = {0, 1, 2, 32};
+    tsys_tensor *tgt = ids_of(ctx, TSYS_I32, 4, tv);
+    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, tgt);
+    TEST_CHECK(loss == NULL && has(tsys_ctx_last_error(ctx), "target 32"), "loss: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(before == ((float *)tsys_tensor_data(tsys_model_params(m)[0]))[0], "a parameter changed");
+    tsys_tensor_release(loss); tsys_tensor_release(logits); tsys_tensor_release(tgt); tsys_tensor_release(ok_ids); tsys_tensor_release(ids);
+    tsys_tape_clear(ctx);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+// ---- the CPU budget -----------------------------------------------------------------------------
+
+TSYS_TEST(cpu_allocations_respect_the_budget) {
+    tsys_ctx_desc desc;
+    memset(&desc, 0, sizeof(desc));
+    desc.cpu_memory_limit = (size_t)1 << 20;
+    tsys_ctx *ctx = tsys_ctx_new(&desc);
+    int64_t n = 200000;   // 800 KB: fits
+    tsys_tensor *a = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    TEST_CHECK(a != NULL, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor *b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);   // 1.6 MB live: over
+    TEST_CHECK(b == NULL && tsys_ctx_status(ctx) == TSYS_ERR_OOM, "second tensor allocated past the budget");
+    TEST_CHECK(has(tsys_ctx_last_error(ctx), "budget"), "message: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor_release(a);
+    b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    TEST_CHECK(b != NULL, "freed memory did not return to the budget");
+    tsys_tensor_release(b);
+    // a model too large for the budget is an OOM error, never a kill
+    tsys_model_desc d;
+    tsys_model_desc_preset("2.7B", &d, NULL, 0);
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 1);
+    TEST_CHECK(m == NULL && tsys_ctx_status(ctx) == TSYS_ERR_OOM, "2.7B model in 1 MiB: status %d", (int)tsys_ctx_status(ctx));
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(default_budget_is_the_memory_the_machine_has) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    size_t avail = tsys__host_mem_available();
+    TEST_CHECK(ctx->cpu_memory_limit == avail, "default budget %zu, MemAvailable %zu", ctx->cpu_memory_limit, avail);
+    if (avail != SIZE_MAX) {
+        // more than the machine has: refused up front instead of overcommitted and killed later
+        int64_t n = (int64_t)(avail / 4) + ((int64_t)1 << 28);
+        tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+        TEST_CHECK(t == NULL && tsys_ctx_status(ctx) == TSYS_ERR_OOM, "a tensor larger than MemAvailable was allocated");
+        tsys_tensor_release(t);
+    }
+    tsys_ctx_free(ctx);
+    tsys_ctx_desc unlimited;
+    memset(&unlimited, 0, sizeof(unlimited));
+    unlimited.cpu_memory_limit = SIZE_MAX;
+    ctx = tsys_ctx_new(&unlimited);
+    TEST_CHECK(ctx->cpu_memory_limit == SIZE_MAX, "SIZE_MAX is not unlimited");
+    int64_t n = 1000;
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    TEST_CHECK(t != NULL, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(t);
+    tsys_ctx_free(ctx);
+}
+
+int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
