@@ -1,4 +1,4 @@
-/* tsys.h - v0.1 - training and measuring Transformer language models in C (CPU reference backend)
+/* tsys.h - v0.2 - training and measuring Transformer language models in C (CPU reference backend)
 
    Do this:
       #define TSYS_IMPLEMENTATION
@@ -14,6 +14,8 @@
       TSYS_ASSERT(c)       assertion for programmer errors (default: assert)
       TSYS_NO_CBLAS        plain C loops instead of CBLAS for matmuls (slow; for odd machines)
       TSYS_NO_OPENMP       no OpenMP pragmas
+      TSYS_DEBUG           1 (default unless NDEBUG): every kernel launch is checked against the
+                           TSYS_KERNELS contract table (slot count, NULLs, dtypes, device)
 
    tsys DOES NOT:
       - call exit() or abort() on bad input or out-of-memory: functions return a tsys_status
@@ -41,19 +43,39 @@
       Ops return a new tensor or NULL. A NULL input makes an op return NULL without touching the
       error already recorded, so a whole forward pass can be written without checks and tested once
       at the end with tsys_ctx_status(). tsys_ctx_clear_error() resets the sticky error.
+      Ops that index by tensor values (embedding ids, cross-entropy targets) reject a value outside
+      [0, rows) naming the op, the value, its position and the range, and write nothing. On the CPU
+      the op fails at once; on CUDA the kernels skip the value and the error is raised at the next
+      synchronization (tsys_sync, a read to the host), so the check costs no sync per op.
 
    ON MEMORY
       Every byte of tensor storage, on every device, goes through one allocator that reports to the
       context's memory tracker: live bytes, peak bytes, bytes per tag (the op or phase that asked) and,
-      when enabled, a timeline of events. Tensors are refcounted; an op's result is owned by the caller
+      when enabled, a timeline of events. CPU storage respects a budget (tsys_ctx_desc.cpu_memory_limit,
+      by default the memory the machine has available), so running out is TSYS_ERR_OOM rather than the
+      kernel's OOM killer. Tensors are refcounted; an op's result is owned by the caller
       (release it); the autograd tape holds what backward needs and lets go of it node by node.
 
    ON AUTOGRAD
       Every op with an input that requires grad appends a node to the context's tape. tsys_backward()
       walks the tape in reverse, accumulates gradients (parameters: into .grad, fp32), releases each
-      node's saved tensors as soon as the node is done, and fires a parameter's gradient-ready hook the
-      moment its last use on the tape has been processed. tsys_no_grad_begin/end brackets regions that
-      record nothing.
+      node's saved tensors as soon as the node is done, and fires a parameter's gradient-ready hooks
+      (several may be added; they run in order) the moment its last use on the tape has been processed;
+      backward hooks (tsys_ctx_add_backward_hook) run once the whole backward is done.
+      tsys_no_grad_begin/end brackets regions that record nothing.
+
+   ON INSTRUMENTATION
+      One place sees everything: tsys_ctx_set_trace_hooks installs {op_begin, op_end, kernel, mem}
+      callbacks that every forward op, every backward node, every named range (tsys_trace_begin/end),
+      every kernel and GEMM launch and every allocation pass through; profilers, NVTX ranges and
+      memory timelines are clients. With no hooks installed the cost is a branch. Backends also
+      offer events and a second stream (tsys_event_record/wait/elapsed_ms, tsys_set_stream): timing
+      is one code on the CPU (the host clock) and on CUDA (cudaEvents).
+
+   ON KERNELS
+      tsys_kernel is generated from one table, TSYS_KERNELS(X): each kernel's name, argument slots
+      (count, which may be NULL, the dtypes each takes) and which slots it writes. Backends implement
+      every row; under TSYS_DEBUG each launch is checked against it.
 
    ON PRECISION
       tsys_autocast_begin(ctx, TSYS_BF16 or TSYS_F16) makes matmul-class ops (linear, matmul/bmm,
@@ -62,6 +84,8 @@
       fp32. tsys_grad_scaler gives fp16 dynamic loss scaling with torch GradScaler semantics.
 
    Revision history:
+      0.2  the kernel contract table, trace hooks and ranges, events and streams, several gradient-ready
+           hooks per tensor and backward hooks, a CPU memory budget, id checks in embedding/cross-entropy
       0.1  first release: CPU backend, autograd, cs336 Transformer LM, AdamW/SGD, autocast,
            safetensors I/O
 

@@ -2087,6 +2087,16 @@ typedef struct tsys_cuda__gemm_plan {
     cublasLtMatmulAlgo_t algo;
 } tsys_cuda__gemm_plan;
 
+// The first out-of-range id a kernel met (embedding ids, cross-entropy targets). Kernels never read
+// or write out of bounds for it; they note it here, in mapped host memory, and the host turns it
+// into the context's error at the next synchronization (sync, a device-to-host copy, an elapsed
+// time), so checking costs no extra sync per op.
+typedef struct tsys_cuda__fault {
+    int flag;              // 0 = none; set once by the first kernel that met a bad id
+    int kernel;            // TSYS_K_*
+    long long pos, value, limit;
+} tsys_cuda__fault;
+
 typedef struct tsys_cuda__state {
     tsys_ctx *ctx;
     int device;
@@ -2097,6 +2107,7 @@ typedef struct tsys_cuda__state {
     void *workspace;
     size_t workspace_bytes;
     bool tf32;
+    tsys_cuda__fault *fault, *fault_dev;   // host and device addresses of one mapped, pinned record
     float *partials;                 // TSYS_CUDA__MAX_PARTIALS floats for two-stage reductions
     // caching allocator
     tsys_cuda__block *blocks;
@@ -2346,6 +2357,11 @@ template <class T> __device__ __forceinline__ T tsys_cuda__fromf(float x);
 template <> __device__ __forceinline__ float tsys_cuda__fromf<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 tsys_cuda__fromf<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half tsys_cuda__fromf<__half>(float x) { return __float2half_rn(x); }
+
+// Notes the first bad id (see tsys_cuda__fault); later ones are dropped.
+__device__ __forceinline__ void tsys_cuda__bad_id(tsys_cuda__fault *f, int kernel, int64_t pos, int64_t value, int64_t limit) {
+    if (f && atomicCAS(&f->flag, 0, 1) == 0) { f->kernel = kernel; f->pos = pos; f->value = value; f->limit = limit; }
+}
 
 // Loads/stores through a run-time dtype: the switch is uniform across the warp, so it costs a few
 // instructions per element; used where operands may mix dtypes and speed does not matter.
@@ -2882,8 +2898,8 @@ __global__ void tsys_cuda__softmax_bwd(T *dx, const T *dy, const T *y, int64_t N
 // >>cross entropy ---------------------------------------------------------------------------------
 // CE forward, stage 1: one block per row of V logits; each thread keeps an online (max, sum) over its
 // columns, the block merges them: lse[r] = max + log(sum exp(x - max)). Stage 2 (ce_loss, one block)
-// adds lse[r] - x[r, target[r]] over rows in a fixed order: loss = that sum / rows. Targets outside
-// [0, V) count as 0 loss (the op layer validates ids).
+// adds lse[r] - x[r, target[r]] over rows in a fixed order: loss = that sum / rows. A target outside
+// [0, V) is never read through: it counts 0 and is reported (tsys_cuda__fault).
 template <class T>
 __global__ void tsys_cuda__ce_lse(float *lse, const T *logits, int64_t V) {
     int64_t r = blockIdx.x;
@@ -2901,11 +2917,13 @@ __global__ void tsys_cuda__ce_lse(float *lse, const T *logits, int64_t V) {
 }
 
 template <class T>
-__global__ void tsys_cuda__ce_loss(float *loss, const float *lse, const T *logits, const void *targets, int tdt, int64_t rows, int64_t V) {
+__global__ void tsys_cuda__ce_loss(float *loss, const float *lse, const T *logits, const void *targets, int tdt, int64_t rows, int64_t V,
+                                   tsys_cuda__fault *fault) {
     float acc = 0.0f;
     for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
         int64_t t = tsys_cuda__ld_id(targets, tdt, r);
         if (t >= 0 && t < V) acc += lse[r] - tsys_cuda__tof(logits[r * V + t]);
+        else tsys_cuda__bad_id(fault, TSYS_K_CE_FWD, r, t, V);
     }
     acc = tsys_cuda__block_sum(acc);
     if (threadIdx.x == 0) *loss = acc / (float)rows;
@@ -2915,10 +2933,11 @@ __global__ void tsys_cuda__ce_loss(float *loss, const float *lse, const T *logit
 // dlogits = dloss * inv_rows * (exp(x - lse) - [j == target]). dloss is read on the device.
 template <class T, class D>
 __global__ void tsys_cuda__ce_bwd(D *dlogits, const T *logits, const float *lse, const void *targets, int tdt,
-                                  const void *dloss, int ddt, float inv_rows, int64_t V) {
+                                  const void *dloss, int ddt, float inv_rows, int64_t V, tsys_cuda__fault *fault) {
     int64_t r = blockIdx.x;
     float g = tsys_cuda__ld(dloss, ddt, 0) * inv_rows, l = lse[r];
     int64_t t = tsys_cuda__ld_id(targets, tdt, r);
+    if ((t < 0 || t >= V) && threadIdx.x == 0) tsys_cuda__bad_id(fault, TSYS_K_CE_BWD, r, t, V);   // no column matches it
     const T *xr = logits + r * V;
     D *dr = dlogits + r * V;
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
@@ -2926,10 +2945,13 @@ __global__ void tsys_cuda__ce_bwd(D *dlogits, const T *logits, const float *lse,
 }
 
 // >>embedding -------------------------------------------------------------------------------------
-// Forward gather: one block per token, threads over D. Ids outside [0, V) give zeros.
-__global__ void tsys_cuda__embed_fwd(void *out, int odt, const void *w, int wdt, const void *ids, int idt, int64_t V, int64_t D) {
+// Forward gather: one block per token, threads over D. An id outside [0, V) gives a row of zeros
+// and is reported (tsys_cuda__fault).
+__global__ void tsys_cuda__embed_fwd(void *out, int odt, const void *w, int wdt, const void *ids, int idt, int64_t V, int64_t D,
+                                     tsys_cuda__fault *fault) {
     int64_t i = blockIdx.x, id = tsys_cuda__ld_id(ids, idt, i);
     bool ok = id >= 0 && id < V;
+    if (!ok && threadIdx.x == 0) tsys_cuda__bad_id(fault, TSYS_K_EMBED_FWD, i, id, V);
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
         tsys_cuda__st(out, odt, i * D + j, ok ? tsys_cuda__ld(w, wdt, id * D + j) : 0.0f);
 }
@@ -2937,9 +2959,10 @@ __global__ void tsys_cuda__embed_fwd(void *out, int odt, const void *w, int wdt,
 // Backward, deterministic without float atomics: (id, position) pairs are radix-sorted (stable, so
 // positions stay ascending within an id), then one block per run of equal ids adds the rows of dy
 // in position order and adds the total to dW[id]. Blocks that do not start a run exit at once.
-__global__ void tsys_cuda__embed_keys(int32_t *keys, int32_t *pos, const void *ids, int idt, int64_t N, int64_t V) {
+__global__ void tsys_cuda__embed_keys(int32_t *keys, int32_t *pos, const void *ids, int idt, int64_t N, int64_t V, tsys_cuda__fault *fault) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t id = tsys_cuda__ld_id(ids, idt, i);
+        if (id < 0 || id >= V) tsys_cuda__bad_id(fault, TSYS_K_EMBED_BWD, i, id, V);
         keys[i] = (id >= 0 && id < V) ? (int32_t)id : (int32_t)V;   // out-of-range ids sort last and are skipped
         pos[i] = (int32_t)i;
     }
@@ -2975,14 +2998,6 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 // Each takes the context, the state and the kernel args; checks what the kernel assumes
 // (dtypes, shapes); launches. Semantics: the comments of tsys_kernel in tsys.h.
 
-static const char *tsys_cuda__kernel_names[] = {
-    "fill", "cast", "accum", "add", "mul", "scale", "add_bias", "bias_grad", "relu_fwd", "relu_bwd",
-    "silu_fwd", "silu_bwd", "swiglu_fwd", "swiglu_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd",
-    "layernorm_bwd", "rope", "softmax_fwd", "softmax_bwd", "ce_fwd", "ce_bwd", "mse_fwd", "mse_bwd",
-    "sum", "broadcast", "embed_fwd", "embed_bwd", "transpose12", "adamw", "step_inc", "randn", "sgd", "sumsq", "nonfinite",
-    "flash_fwd", "flash_bwd",
-};
-typedef char tsys_cuda__names_match_kernels[(sizeof tsys_cuda__kernel_names / sizeof *tsys_cuda__kernel_names == TSYS_K_COUNT) ? 1 : -1];
 
 static bool tsys_cuda__is_float(tsys_dtype dt) { return dt == TSYS_F32 || dt == TSYS_BF16 || dt == TSYS_F16; }
 static bool tsys_cuda__is_id(tsys_dtype dt) { return dt == TSYS_I32 || dt == TSYS_I64; }
@@ -2990,7 +3005,7 @@ static bool tsys_cuda__is_id(tsys_dtype dt) { return dt == TSYS_I32 || dt == TSY
 static tsys_status tsys_cuda__k_elementwise(tsys_cuda__state *st, tsys_kernel k, const tsys_kargs *a) {
     tsys_ctx *ctx = st->ctx;
     tsys_tensor *const *t = a->t;
-    TSYS_CUDA__REQUIRE(ctx, t[0] != NULL, "%s: t[0] (output) is NULL", tsys_cuda__kernel_names[k]);
+    TSYS_CUDA__REQUIRE(ctx, t[0] != NULL, "%s: t[0] (output) is NULL", tsys_kernel_name(k));
     int64_t n = tsys_tensor_numel(t[0]);
     int nin = 0;
     switch (k) {
@@ -3000,10 +3015,10 @@ static tsys_status tsys_cuda__k_elementwise(tsys_cuda__state *st, tsys_kernel k,
     }
     int last_in = (k == TSYS_K_ACCUM || k == TSYS_K_ADD_BIAS) ? 1 : nin;   // these read t[0] and t[1]
     for (int i = 1; i <= last_in; i++) {
-        TSYS_CUDA__REQUIRE(ctx, t[i] != NULL, "%s: input t[%d] is NULL", tsys_cuda__kernel_names[k], i);
+        TSYS_CUDA__REQUIRE(ctx, t[i] != NULL, "%s: input t[%d] is NULL", tsys_kernel_name(k), i);
         if (k == TSYS_K_BROADCAST || k == TSYS_K_ADD_BIAS) continue;
         TSYS_CUDA__REQUIRE(ctx, tsys_tensor_numel(t[i]) == n, "%s: t[%d] has %lld elements, t[0] has %lld",
-                           tsys_cuda__kernel_names[k], i, (long long)tsys_tensor_numel(t[i]), (long long)n);
+                           tsys_kernel_name(k), i, (long long)tsys_tensor_numel(t[i]), (long long)n);
     }
     tsys_tensor *ins[3] = { t[1], t[2], NULL }, *outs[1] = { t[0] };
     tsys_cuda__ew_args e = tsys_cuda__ew_make(n, nin, ins, 1, outs);
@@ -3041,7 +3056,7 @@ static tsys_status tsys_cuda__k_elementwise(tsys_cuda__state *st, tsys_kernel k,
     }
     default: break;
     }
-    return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda: %s is not elementwise", tsys_cuda__kernel_names[k]);
+    return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda: %s is not elementwise", tsys_kernel_name(k));
 }
 
 static tsys_status tsys_cuda__k_swiglu_bwd(tsys_cuda__state *st, const tsys_kargs *a) {
@@ -3189,7 +3204,7 @@ static tsys_status tsys_cuda__k_ce_fwd(tsys_cuda__state *st, const tsys_kargs *a
         TSYS_CUDA__LAUNCH(st, tsys_cuda__ce_lse<T>, (unsigned)rows, tsys_cuda__row_threads(V), 0,
                           (float *)tsys_cuda__data(lse), (const T *)tsys_cuda__data(logits), V);
         TSYS_CUDA__LAUNCH(st, tsys_cuda__ce_loss<T>, 1, 1024, 0, (float *)tsys_cuda__data(loss), (const float *)tsys_cuda__data(lse),
-                          (const T *)tsys_cuda__data(logits), (const void *)tsys_cuda__data(tg), (int)tg->dtype, rows, V));
+                          (const T *)tsys_cuda__data(logits), (const void *)tsys_cuda__data(tg), (int)tg->dtype, rows, V, st->fault_dev));
     return TSYS_OK;
 }
 
@@ -3202,7 +3217,8 @@ static tsys_status tsys_cuda__k_ce_bwd(tsys_cuda__state *st, const tsys_kargs *a
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, logits->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, dl->dtype, D,
         TSYS_CUDA__LAUNCH(st, (tsys_cuda__ce_bwd<T, D>), (unsigned)rows, threads, 0,
                           (D *)tsys_cuda__data(dl), (const T *)tsys_cuda__data(logits), (const float *)tsys_cuda__data(lse),
-                          (const void *)tsys_cuda__data(tg), (int)tg->dtype, (const void *)tsys_cuda__data(dloss), (int)dloss->dtype, a->f[0], V)));
+                          (const void *)tsys_cuda__data(tg), (int)tg->dtype, (const void *)tsys_cuda__data(dloss), (int)dloss->dtype, a->f[0], V,
+                          st->fault_dev)));
     return TSYS_OK;
 }
 
@@ -3249,7 +3265,7 @@ static tsys_status tsys_cuda__k_embed_fwd(tsys_cuda__state *st, const tsys_kargs
     TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(out) == N * D, "embed_fwd: out has %lld elements, expected %lld x %lld", (long long)tsys_tensor_numel(out), (long long)N, (long long)D);
     TSYS_CUDA__LAUNCH(st, tsys_cuda__embed_fwd, (unsigned)N, tsys_cuda__row_threads(D), 0,
                       tsys_cuda__data(out), (int)out->dtype, (const void *)tsys_cuda__data(w), (int)w->dtype,
-                      (const void *)tsys_cuda__data(ids), (int)ids->dtype, V, D);
+                      (const void *)tsys_cuda__data(ids), (int)ids->dtype, V, D, st->fault_dev);
     return TSYS_OK;
 }
 
@@ -3270,7 +3286,7 @@ static tsys_status tsys_cuda__k_embed_bwd(tsys_cuda__state *st, const tsys_kargs
     int32_t *keys_in = (int32_t *)scratch, *pos_in = (int32_t *)(scratch + arr), *keys = (int32_t *)(scratch + 2 * arr), *pos = (int32_t *)(scratch + 3 * arr);
     tsys_status s = [&]() -> tsys_status {
         TSYS_CUDA__LAUNCH(st, tsys_cuda__embed_keys, tsys_cuda__grid(st, N, 256), 256, 0, keys_in, pos_in,
-                          (const void *)tsys_cuda__data(ids), (int)ids->dtype, N, V);
+                          (const void *)tsys_cuda__data(ids), (int)ids->dtype, N, V, st->fault_dev);
         TSYS_CUDA__CHECK(st->ctx, cub::DeviceRadixSort::SortPairs((void *)(scratch + 4 * arr), sort_bytes, (const int32_t *)keys_in, keys,
                                                                 (const int32_t *)pos_in, pos, (int)N, 0, end_bit, st->stream));
         TSYS_CUDA__LAUNCH(st, tsys_cuda__embed_bwd_runs, (unsigned)N, tsys_cuda__row_threads(D), 0, (float *)tsys_cuda__data(dw),
@@ -3413,7 +3429,7 @@ static tsys_status tsys_cuda__kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_ka
     case TSYS_K_FLASH_FWD: return tsys_cuda__k_flash_fwd(st, a);
     case TSYS_K_FLASH_BWD: return tsys_cuda__k_flash_bwd(st, a);
     default:
-        return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda: kernel %s is not implemented on CUDA yet", tsys_cuda__kernel_names[k]);
+        return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda: kernel %s is not implemented on CUDA yet", tsys_kernel_name(k));
     }
 }
 
@@ -3551,6 +3567,18 @@ static tsys_status tsys_cuda__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
 
 // >>copy and sync ---------------------------------------------------------------------------------
 
+// After a synchronization: a bad id some kernel met since the last check becomes the context's error.
+static tsys_status tsys_cuda__check_fault(tsys_cuda__state *st) {
+    tsys_cuda__fault *f = st->fault;
+    if (!f || !f->flag) return TSYS_OK;
+    bool embed = f->kernel == TSYS_K_EMBED_FWD || f->kernel == TSYS_K_EMBED_BWD;
+    tsys_status s = tsys_ctx_set_error(st->ctx, TSYS_ERR_INVALID_ARGS, "%s (%s on cuda): %s %lld at position %lld is outside [0, %lld); its row was not read or written",
+                                       embed ? "embedding" : "cross_entropy", tsys_kernel_name((tsys_kernel)f->kernel), embed ? "token id" : "target",
+                                       f->value, f->pos, f->limit);
+    memset(f, 0, sizeof(*f));
+    return s;
+}
+
 static tsys_status tsys_cuda__copy(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda copy: backend not initialized");
@@ -3562,7 +3590,10 @@ static tsys_status tsys_cuda__copy(tsys_ctx *ctx, void *dst, tsys_device dst_dev
     // Pageable host memory: the async H2D returns once the source is staged, so the caller may reuse
     // it at once; D2H must finish before the host reads, hence the sync.
     TSYS_CUDA__CHECK(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st->stream));
-    if (dst_dev == TSYS_CPU) TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->stream));
+    if (dst_dev == TSYS_CPU) {
+        TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->stream));
+        return tsys_cuda__check_fault(st);
+    }
     return TSYS_OK;
 }
 
@@ -3572,7 +3603,7 @@ static tsys_status tsys_cuda__sync(tsys_ctx *ctx) {
     if (st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda sync: not allowed while capturing a CUDA graph");
     TSYS_CUDA__TRY(tsys_cuda__enter(st));
     TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->stream));
-    return TSYS_OK;
+    return tsys_cuda__check_fault(st);
 }
 
 // >>init ------------------------------------------------------------------------------------------

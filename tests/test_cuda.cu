@@ -611,6 +611,94 @@ TSYS_TEST(cuda_two_contexts) {
     tsys_ctx_free(c2);
 }
 
+// ---- the kernel contract, bad ids, events -------------------------------------------------------
+
+// Every kernel of the TSYS_KERNELS table has a CUDA case that runs (the cases above compare them
+// with the CPU): a kernel added to the table without one fails here.
+TSYS_TEST(cuda_every_kernel_runs) {
+    TC_CTX(ctx);
+    test_kernel_count c;
+    tsys_status st = test_run_every_kernel(ctx, TSYS_CUDA, &c);
+    TEST_CHECK(st == TSYS_OK, "workload failed: %s", tsys_ctx_last_error(ctx));
+    for (int k = 0; k < TSYS_K_COUNT; k++)
+        TEST_CHECK(c.ok[k] > 0, "kernel %s never ran on cuda", tsys_kernel_name((tsys_kernel)k));
+    tsys_ctx_clear_error(ctx);
+}
+
+// Out-of-range ids on the GPU: nothing out of bounds is read or written (the kernels skip them), and
+// the first one becomes the context's error at the next synchronization, naming the op and the value.
+TSYS_TEST(cuda_bad_ids_are_reported_at_the_next_sync) {
+    TC_CTX(ctx);
+    int64_t sw[2] = {10, 8}, sid[1] = {4};
+    tsys_tensor *w = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 2, sw);
+    tsys_tensor_fill(ctx, w, 1.0f);
+    tsys_tensor_set_requires_grad(w, true);
+    const int64_t bad[3] = {10, -1, (int64_t)1 << 33};
+    for (int b = 0; b < 3; b++) {
+        int64_t vals[4] = {1, 2, 3, bad[b]};
+        tsys_tensor *ids = tsys_tensor_from_data(ctx, TSYS_I64, TSYS_CUDA, 1, sid, vals);
+        tsys_tensor *y = tsys_embedding(ctx, w, ids);
+        tsys_status st = tsys_sync(ctx, TSYS_CUDA);
+        char want[64];
+        snprintf(want, sizeof want, "token id %lld at position 3", (long long)bad[b]);
+        TEST_CHECK(st == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), want) && strstr(tsys_ctx_last_error(ctx), "embedding"),
+                   "embedding id %lld: status %d, '%s'", (long long)bad[b], (int)st, tsys_ctx_last_error(ctx));
+        tsys_ctx_clear_error(ctx);
+        tsys_tape_clear(ctx);
+        tsys_tensor_release(y); tsys_tensor_release(ids);
+    }
+    // cross-entropy: forward and backward meet the bad target; the error comes with the loss read
+    int64_t sl[2] = {4, 10};
+    tsys_tensor *logits = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 2, sl);
+    tsys_tensor_randn(ctx, logits, 1);
+    tsys_tensor_set_requires_grad(logits, true);
+    int64_t tv[4] = {0, 9, 10, 2};
+    tsys_tensor *tg = tsys_tensor_from_data(ctx, TSYS_I64, TSYS_CUDA, 1, sid, tv);
+    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, tg);
+    float l = tsys_item(ctx, loss);
+    (void)l;
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "target 10 at position 2"),
+               "cross-entropy: '%s'", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_tape_clear(ctx);
+    TEST_CHECK(tsys_sync(ctx, TSYS_CUDA) == TSYS_OK, "the fault was not cleared after it was reported: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(loss); tsys_tensor_release(tg); tsys_tensor_release(logits); tsys_tensor_release(w);
+    tsys_ctx_clear_error(ctx);
+}
+
+// Events time GPU work; work on the side stream is ordered against the compute stream by an event.
+TSYS_TEST(cuda_events_and_the_side_stream) {
+    TC_CTX(ctx);
+    int64_t n = (int64_t)1 << 26;   // 256 MB: a fill takes ~0.1 ms
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n), *y = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n);
+    tsys_event e0, e1, side_done;
+    memset(&e0, 0, sizeof e0); memset(&e1, 0, sizeof e1); memset(&side_done, 0, sizeof side_done);
+    tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &e0);
+    for (int i = 0; i < 10; i++) tsys_tensor_fill(ctx, x, (float)i);
+    tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &e1);
+    double ms = tsys_event_elapsed_ms(ctx, &e0, &e1);
+    TEST_CHECK(ms > 0.05 && ms < 1000, "10 fills of 256 MB took %g ms by the events", ms);
+    // side stream: y = 3 there, then the compute stream waits and scales it; without the wait the
+    // compute stream could read y before the side stream wrote it
+    tsys_tensor_fill(ctx, y, 0.0f);
+    tsys_event y_zero;
+    memset(&y_zero, 0, sizeof y_zero);
+    tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &y_zero);
+    tsys_event_wait(ctx, &y_zero, TSYS_STREAM_SIDE);   // the side stream writes y after the zero fill
+    tsys_stream prev = tsys_set_stream(ctx, TSYS_CUDA, TSYS_STREAM_SIDE);
+    TEST_CHECK(prev == TSYS_STREAM_COMPUTE, "previous stream %d", (int)prev);
+    for (int i = 0; i < 5; i++) tsys_tensor_fill(ctx, y, 3.0f);
+    tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &side_done);
+    TEST_CHECK(tsys_set_stream(ctx, TSYS_CUDA, prev) == TSYS_STREAM_SIDE, "set_stream did not return the side stream");
+    tsys_event_wait(ctx, &side_done, TSYS_STREAM_COMPUTE);
+    tsys_tensor *s = tsys_sum(ctx, y);
+    float v = tsys_item(ctx, s);
+    TEST_CHECK(fabs(v - 3.0 * (double)n) <= 1e-5 * 3.0 * (double)n, "sum after the side stream %g, expected %g: %s", v, 3.0f * (float)n, tsys_ctx_last_error(ctx));
+    tsys_event_release(ctx, &e0); tsys_event_release(ctx, &e1); tsys_event_release(ctx, &side_done); tsys_event_release(ctx, &y_zero);
+    tsys_tensor_release(s); tsys_tensor_release(x); tsys_tensor_release(y);
+    tsys_ctx_clear_error(ctx);
+}
+
 // ---- speed (not a correctness check: prints what the memory-bound kernels reach) ---------------
 // GB/s = the fewest bytes each kernel must move / median time; compare with the D2D copy line.
 
@@ -623,21 +711,17 @@ static tsys_tensor *tc_rand(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_
 // Median of 5 timings of `iters` launches of one kernel (or GEMM when g != NULL), in microseconds.
 static double tc_time(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g, int iters) {
     const tsys_backend *b = tsys_ctx_backend(ctx, TSYS_CUDA);
-    cudaStream_t s = (cudaStream_t)tsys_cuda_stream(ctx);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0); cudaEventCreate(&e1);
+    tsys_event e0, e1;
+    memset(&e0, 0, sizeof e0); memset(&e1, 0, sizeof e1);
     double t[5];
     for (int i = 0; i < 2; i++) { if (g) b->gemm(ctx, g); else b->kernel(ctx, k, a); }
     for (int r = 0; r < 5; r++) {
-        cudaEventRecord(e0, s);
+        tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &e0);
         for (int i = 0; i < iters; i++) { if (g) b->gemm(ctx, g); else b->kernel(ctx, k, a); }
-        cudaEventRecord(e1, s);
-        cudaEventSynchronize(e1);
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        t[r] = 1000.0 * ms / iters;
+        tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &e1);
+        t[r] = 1000.0 * tsys_event_elapsed_ms(ctx, &e0, &e1) / iters;
     }
-    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    tsys_event_release(ctx, &e0); tsys_event_release(ctx, &e1);
     for (int i = 0; i < 5; i++) for (int j = i + 1; j < 5; j++) if (t[j] < t[i]) { double x = t[i]; t[i] = t[j]; t[j] = x; }
     return t[2];
 }
