@@ -658,6 +658,8 @@ typedef struct tsys__slot {
     int64_t shape[TSYS_MAX_DIMS];
 } tsys__slot;
 
+struct tsys__backward_hook { tsys_backward_hook_fn fn; void *user; };
+
 // One gradient-ready hook of a tensor; a tensor's hooks form a list in registration order.
 struct tsys__grad_hook {
     tsys_grad_hook_fn fn;
@@ -713,7 +715,7 @@ struct tsys_ctx {
     tsys_trace_hooks trace;
     struct { const char *name; int tag; } ranges[TSYS__MAX_RANGES];
     int num_ranges;
-    struct tsys__backward_hook { tsys_backward_hook_fn fn; void *user; } *bwd_hooks;
+    struct tsys__backward_hook *bwd_hooks;
     int num_bwd_hooks;
 };
 

@@ -103,7 +103,8 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id);
 TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx);
 TSYSDEF int tsys_cuda_device_count(void);                 // 0 when there is no GPU or no driver
 TSYSDEF const char *tsys_cuda_device_name(tsys_ctx *ctx); // "NVIDIA H100 80GB HBM3", ...
-TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx);            // the backend's cudaStream_t
+TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx);            // the cudaStream_t launches go to now (tsys_set_stream)
+TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s);   // the compute or the side stream
 TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on);  // fp32 GEMMs on TF32 tensor cores (default off)
 TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx);
 
@@ -121,9 +122,12 @@ TSYSDEF tsys_status tsys_cuda_graph_replay(tsys_ctx *ctx, tsys_cuda_graph *g);  
 TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g);
 TSYSDEF bool tsys_cuda_capturing(tsys_ctx *ctx);
 
-// NVTX ranges (nsys shows them on the CPU and CUDA timelines)
+// NVTX ranges (nsys shows them on the CPU and CUDA timelines). tsys_cuda_set_nvtx(ctx, true) puts
+// every op, backward node and named range (tsys_trace_begin) in one, through the trace hooks.
 TSYSDEF void tsys_cuda_range_push(const char *name);
 TSYSDEF void tsys_cuda_range_pop(void);
+TSYSDEF tsys_status tsys_cuda_set_nvtx(tsys_ctx *ctx, bool on);
+TSYSDEF bool tsys_cuda_nvtx(tsys_ctx *ctx);
 
 #ifdef __cplusplus
 }
@@ -2102,7 +2106,13 @@ typedef struct tsys_cuda__state {
     int device;
     int num_sms;
     char device_name[256];
-    cudaStream_t stream;
+    cudaStream_t stream;                       // where launches go now: one of streams[]
+    cudaStream_t streams[TSYS_STREAM_COUNT];   // compute (made first) and side
+    tsys_stream cur_stream;
+    cudaEvent_t *free_events;                  // pool behind tsys_event handles
+    int num_free_events, cap_free_events;
+    tsys_trace_hooks nvtx_prev;                // the hooks the NVTX hooks chain to (desc.nvtx)
+    bool nvtx_on;
     cublasLtHandle_t lt;
     void *workspace;
     size_t workspace_bytes;
@@ -3602,8 +3612,71 @@ static tsys_status tsys_cuda__sync(tsys_ctx *ctx) {
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda sync: backend not initialized");
     if (st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda sync: not allowed while capturing a CUDA graph");
     TSYS_CUDA__TRY(tsys_cuda__enter(st));
-    TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->stream));
+    for (int s = 0; s < TSYS_STREAM_COUNT; s++) TSYS_CUDA__CHECK(ctx, cudaStreamSynchronize(st->streams[s]));
     return tsys_cuda__check_fault(st);
+}
+
+// >>events ----------------------------------------------------------------------------------------
+// tsys_event handles are cudaEvents from a per-context pool (no cudaEventCreate in the steady state).
+// Recording and waiting work while a graph is captured (they become graph nodes); elapsed does not.
+// The caching allocator is not stream-aware: memory freed while side-stream work may still use it
+// must be ordered by an event before the compute stream can be handed it again.
+
+static tsys_status tsys_cuda__event_record(tsys_ctx *ctx, tsys_event *e, tsys_stream s) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda event: backend not initialized");
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    if (!e->handle) {
+        cudaEvent_t ev;
+        if (st->num_free_events > 0) ev = st->free_events[--st->num_free_events];
+        else TSYS_CUDA__CHECK(ctx, cudaEventCreate(&ev));
+        e->handle = (void *)ev;
+    }
+    TSYS_CUDA__CHECK(ctx, cudaEventRecord((cudaEvent_t)e->handle, st->streams[s]));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__event_wait(tsys_ctx *ctx, const tsys_event *e, tsys_stream s) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda event: backend not initialized");
+    if (!e->handle) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda event wait: the event was never recorded");
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    TSYS_CUDA__CHECK(ctx, cudaStreamWaitEvent(st->streams[s], (cudaEvent_t)e->handle, 0));
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__event_elapsed(tsys_ctx *ctx, const tsys_event *a, const tsys_event *b, double *ms) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda event: backend not initialized");
+    if (!a->handle || !b->handle) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda event elapsed: an event was never recorded");
+    if (st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda event elapsed: not while capturing a CUDA graph");
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    float f = 0.0f;
+    TSYS_CUDA__CHECK(ctx, cudaEventSynchronize((cudaEvent_t)b->handle));
+    TSYS_CUDA__CHECK(ctx, cudaEventElapsedTime(&f, (cudaEvent_t)a->handle, (cudaEvent_t)b->handle));
+    *ms = f;
+    return tsys_cuda__check_fault(st);
+}
+
+static void tsys_cuda__event_release(tsys_ctx *ctx, tsys_event *e) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return;   // shut down: the pool (and the event) went with the state
+    if (st->num_free_events == st->cap_free_events) {
+        int cap = st->cap_free_events ? 2 * st->cap_free_events : 16;
+        cudaEvent_t *p = (cudaEvent_t *)TSYS_REALLOC(st->free_events, sizeof(cudaEvent_t) * (size_t)cap);
+        if (!p) { cudaEventDestroy((cudaEvent_t)e->handle); return; }
+        st->free_events = p; st->cap_free_events = cap;
+    }
+    st->free_events[st->num_free_events++] = (cudaEvent_t)e->handle;
+}
+
+static tsys_stream tsys_cuda__set_stream(tsys_ctx *ctx, tsys_stream s) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return TSYS_STREAM_COMPUTE;
+    tsys_stream prev = st->cur_stream;
+    st->cur_stream = s;
+    st->stream = st->streams[s];
+    return prev;
 }
 
 // >>init ------------------------------------------------------------------------------------------
@@ -3611,7 +3684,8 @@ static tsys_status tsys_cuda__sync(tsys_ctx *ctx) {
 static void tsys_cuda__state_free(tsys_cuda__state *st) {
     if (!st) return;
     cudaSetDevice(st->device);
-    if (st->stream) cudaStreamSynchronize(st->stream);
+    for (int s = 0; s < TSYS_STREAM_COUNT; s++)
+        if (st->streams[s]) cudaStreamSynchronize(st->streams[s]);
     for (int i = 0; i < TSYS_CUDA_GEMM_CACHE; i++) tsys_cuda__plan_destroy(&st->plans[i]);
     for (int i = 0; i < st->num_blocks; i++)
         if (st->blocks[i].alive) cudaFree(st->blocks[i].ptr);
@@ -3621,7 +3695,11 @@ static void tsys_cuda__state_free(tsys_cuda__state *st) {
     if (st->partials) cudaFree(st->partials);
     if (st->workspace) cudaFree(st->workspace);
     if (st->lt) cublasLtDestroy(st->lt);
-    if (st->stream) cudaStreamDestroy(st->stream);
+    for (int i = 0; i < st->num_free_events; i++) cudaEventDestroy(st->free_events[i]);
+    TSYS_FREE(st->free_events);
+    if (st->fault) cudaFreeHost(st->fault);
+    for (int s = 0; s < TSYS_STREAM_COUNT; s++)
+        if (st->streams[s]) cudaStreamDestroy(st->streams[s]);
     free(st);
 }
 
@@ -3646,7 +3724,12 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
         TSYS_CUDA__CHECK(ctx, cudaGetDeviceProperties(&prop, device_id));
         st->num_sms = prop.multiProcessorCount;
         snprintf(st->device_name, sizeof st->device_name, "%s", prop.name);
-        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
+        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_COMPUTE], cudaStreamNonBlocking));
+        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_SIDE], cudaStreamNonBlocking));
+        st->stream = st->streams[TSYS_STREAM_COMPUTE];
+        TSYS_CUDA__CHECK(ctx, cudaHostAlloc((void **)&st->fault, sizeof(tsys_cuda__fault), cudaHostAllocMapped));
+        memset(st->fault, 0, sizeof(tsys_cuda__fault));
+        TSYS_CUDA__CHECK(ctx, cudaHostGetDevicePointer((void **)&st->fault_dev, st->fault, 0));
         TSYS_CUDA__CHECK_BLAS(ctx, cublasLtCreate(&st->lt));
         st->workspace_bytes = TSYS_CUDA_WORKSPACE_BYTES;
         TSYS_CUDA__CHECK(ctx, cudaMalloc(&st->workspace, st->workspace_bytes));
@@ -3664,6 +3747,11 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
     b->sync = tsys_cuda__sync;
     b->state = st;
     b->destroy = tsys_cuda_shutdown;
+    b->event_record = tsys_cuda__event_record;
+    b->event_wait = tsys_cuda__event_wait;
+    b->event_elapsed = tsys_cuda__event_elapsed;
+    b->event_release = tsys_cuda__event_release;
+    b->set_stream = tsys_cuda__set_stream;
     tsys_ctx_set_backend(ctx, TSYS_CUDA, b);
     return TSYS_OK;
 }
@@ -3673,11 +3761,13 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
 // every other call reports "backend not initialized". Immutable, so no hidden global state.
 static const tsys_backend tsys_cuda__closed_backend = {
     "cuda (shut down)", tsys_cuda__alloc, tsys_cuda__free, tsys_cuda__copy, tsys_cuda__gemm, tsys_cuda__kernel, tsys_cuda__sync, NULL, NULL,
+    tsys_cuda__event_record, tsys_cuda__event_wait, tsys_cuda__event_elapsed, tsys_cuda__event_release, tsys_cuda__set_stream,
 };
 
 TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st) return;
+    tsys_cuda_set_nvtx(ctx, false);
     tsys_ctx_set_backend(ctx, TSYS_CUDA, &tsys_cuda__closed_backend);
     tsys_cuda__state_free(st);   // cudaFree's every block, live ones too
 }
@@ -3690,6 +3780,11 @@ TSYSDEF const char *tsys_cuda_device_name(tsys_ctx *ctx) {
 TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     return st ? (void *)st->stream : NULL;
+}
+
+TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st && (unsigned)s < TSYS_STREAM_COUNT ? (void *)st->streams[s] : NULL;
 }
 
 TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on) {
@@ -3753,6 +3848,8 @@ TSYSDEF tsys_status tsys_cuda_graph_begin(tsys_ctx *ctx) {
     TSYS_CUDA__TRY(tsys_cuda__enter(st));
     // thread-local mode: this thread's unsafe calls (a sync, a pageable copy) fail loudly instead of
     // silently breaking the capture; other threads are unaffected
+    if (st->cur_stream != TSYS_STREAM_COMPUTE)
+        return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_begin: capture starts on the compute stream (the side stream joins through events)");
     TSYS_CUDA__CHECK(ctx, cudaStreamBeginCapture(st->stream, cudaStreamCaptureModeThreadLocal));
     st->capturing = true;
     st->capture_pool = st->next_pool++;
@@ -3765,7 +3862,7 @@ TSYSDEF tsys_status tsys_cuda_graph_end(tsys_ctx *ctx, tsys_cuda_graph **out) {
     if (!st || !st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_end: not capturing");
     st->capturing = false;
     cudaGraph_t graph = NULL;
-    cudaError_t e = cudaStreamEndCapture(st->stream, &graph);
+    cudaError_t e = cudaStreamEndCapture(st->streams[TSYS_STREAM_COMPUTE], &graph);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         if (graph) cudaGraphDestroy(graph);
@@ -3788,7 +3885,7 @@ TSYSDEF tsys_status tsys_cuda_graph_replay(tsys_ctx *ctx, tsys_cuda_graph *g) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st || !g || g->st != st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_replay: no graph, or a graph of another context");
     TSYS_CUDA__TRY(tsys_cuda__enter(st));
-    TSYS_CUDA__CHECK(ctx, cudaGraphLaunch(g->exec, st->stream));
+    TSYS_CUDA__CHECK(ctx, cudaGraphLaunch(g->exec, st->streams[TSYS_STREAM_COMPUTE]));
     return TSYS_OK;
 }
 
@@ -3798,7 +3895,7 @@ TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g) {
     if (!g) return;
     tsys_cuda__state *st = g->st;
     cudaSetDevice(st->device);
-    cudaStreamSynchronize(st->stream);   // a replay may still be running
+    cudaStreamSynchronize(st->streams[TSYS_STREAM_COMPUTE]);   // a replay may still be running
     cudaGraphExecDestroy(g->exec);
     cudaGraphDestroy(g->graph);
     for (int i = 0; i < st->num_blocks; i++) {
@@ -3816,6 +3913,8 @@ TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g) {
 }
 
 // >>nvtx ------------------------------------------------------------------------------------------
+// NVTX ranges are a client of tsys.h's trace hooks: every op, backward node and named range becomes
+// a range nsys shows on the CPU and GPU timelines. The hooks chain to whatever was installed before.
 
 TSYSDEF void tsys_cuda_range_push(const char *name) {
 #ifndef TSYS_CUDA_NO_NVTX
@@ -3829,6 +3928,46 @@ TSYSDEF void tsys_cuda_range_pop(void) {
 #ifndef TSYS_CUDA_NO_NVTX
     nvtxRangePop();
 #endif
+}
+
+static void tsys_cuda__nvtx_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
+    char buf[96];
+    if (kind == TSYS_TRACE_BACKWARD) snprintf(buf, sizeof buf, "%s (backward)", name);
+    tsys_cuda_range_push(kind == TSYS_TRACE_BACKWARD ? buf : name);
+    if (prev->op_begin) prev->op_begin(ctx, name, kind, prev->user);
+}
+static void tsys_cuda__nvtx_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
+    if (prev->op_end) prev->op_end(ctx, name, kind, prev->user);
+    tsys_cuda_range_pop();
+}
+static void tsys_cuda__nvtx_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
+    if (prev->kernel) prev->kernel(ctx, k, prev->user);
+}
+static void tsys_cuda__nvtx_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) {
+    const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
+    if (prev->mem) prev->mem(ctx, e, prev->user);
+}
+
+TSYSDEF tsys_status tsys_cuda_set_nvtx(tsys_ctx *ctx, bool on) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_set_nvtx: backend not initialized");
+    if (on == st->nvtx_on) return TSYS_OK;
+    if (on) {
+        tsys_trace_hooks h = { tsys_cuda__nvtx_begin, tsys_cuda__nvtx_end, tsys_cuda__nvtx_kernel, tsys_cuda__nvtx_mem, st };
+        st->nvtx_prev = tsys_ctx_set_trace_hooks(ctx, &h);
+    } else {
+        tsys_ctx_set_trace_hooks(ctx, &st->nvtx_prev);   // gives back what was there before
+    }
+    st->nvtx_on = on;
+    return TSYS_OK;
+}
+
+TSYSDEF bool tsys_cuda_nvtx(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st && st->nvtx_on;
 }
 
 #endif // TSYS_CUDA_IMPLEMENTATION_INCLUDED

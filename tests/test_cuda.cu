@@ -699,6 +699,31 @@ TSYS_TEST(cuda_events_and_the_side_stream) {
     tsys_ctx_clear_error(ctx);
 }
 
+static void tc_count_op(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) { (void)ctx; (void)name; (void)kind; (*(int *)user)++; }
+
+// NVTX ranges come through the trace hooks and chain to the hooks that were there before.
+TSYS_TEST(cuda_nvtx_through_the_trace_hooks) {
+    TC_CTX(ctx);
+    int ops = 0;
+    tsys_trace_hooks mine;
+    memset(&mine, 0, sizeof mine);
+    mine.op_begin = tc_count_op; mine.user = &ops;
+    tsys_trace_hooks before = tsys_ctx_set_trace_hooks(ctx, &mine);
+    TEST_CHECK(tsys_cuda_set_nvtx(ctx, true) == TSYS_OK && tsys_cuda_nvtx(ctx), "%s", tsys_ctx_last_error(ctx));
+    int64_t n = 64;
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n);
+    tsys_tensor_fill(ctx, x, 1.0f);
+    tsys_trace_begin(ctx, "a range");
+    tsys_tensor *y = tsys_silu(ctx, x);
+    tsys_trace_end(ctx);
+    TEST_CHECK(ops == 2, "the chained hook saw %d begins, expected 2 (range, silu)", ops);
+    TEST_CHECK(tsys_cuda_set_nvtx(ctx, false) == TSYS_OK && !tsys_cuda_nvtx(ctx), "nvtx off");
+    tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, &before);
+    TEST_CHECK(now.op_begin == tc_count_op && now.user == &ops, "turning NVTX off did not give back the previous hooks");
+    tsys_tensor_release(x); tsys_tensor_release(y);
+    tsys_ctx_clear_error(ctx);
+}
+
 // ---- speed (not a correctness check: prints what the memory-bound kernels reach) ---------------
 // GB/s = the fewest bytes each kernel must move / median time; compare with the D2D copy line.
 
