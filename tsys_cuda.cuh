@@ -57,6 +57,17 @@
       Reductions (SUM, SUMSQ, MSE, CE loss, RMSNorm/LayerNorm weight grads, bias grads, embedding
       grads) are deterministic: fixed block counts and fixed summation orders, no float atomics.
 
+   ON STREAMS AND EVENTS
+      Two streams per context: compute (where ops run) and side (communication, overlapped work);
+      tsys_set_stream(ctx, TSYS_CUDA, s) picks where later launches go, tsys_event_record/wait order
+      them, tsys_event_elapsed_ms times them (cudaEvents from a pool). tsys_sync waits for both. The
+      caching allocator is not stream-aware: order side-stream users of freed memory with an event.
+
+   ON BAD IDS
+      Embedding and cross-entropy kernels never read or write out of bounds for an id outside [0, V);
+      they note the first such id in a mapped host record, and the next synchronization (tsys_sync, a
+      device-to-host copy, an event's elapsed time) turns it into the context's error.
+
    ON ADAMW AND GRAPHS
       TSYS_K_ADAMW reads the step count from its device tensor t[4], so a captured optimizer step
       replays the right bias corrections. Extension of the tsys.h contract: t[5], when given, is a
