@@ -94,9 +94,13 @@
 #ifndef TSYS_H_INCLUDED
 #define TSYS_H_INCLUDED
 
+#if (defined(TSYS_IMPLEMENTATION) || defined(TSYS_IMPL)) && !defined(_POSIX_C_SOURCE)
+#define _POSIX_C_SOURCE 200809L   // the implementation's clock_gettime, before the first libc header
+#endif
 #include <stddef.h>
 #include <stdint.h>
 #include <stdbool.h>
+#include <stdio.h>                // FILE, for the profiler's tables
 
 #ifdef TSYS_STATIC
 #if defined(__GNUC__) || defined(__clang__)
@@ -327,6 +331,7 @@ typedef enum tsys_trace_kind {
 } tsys_trace_kind;
 
 typedef struct tsys_trace_kernel {
+    uint64_t seq;                  // launch number in this context (1, 2, ...): matches kernel_begin to kernel
     tsys_device device;
     tsys_kernel kernel;            // TSYS_K_COUNT for a GEMM
     const char *name;              // tsys_kernel_name(kernel), or "gemm"
@@ -339,9 +344,10 @@ typedef struct tsys_trace_kernel {
 typedef struct tsys_trace_hooks {
     void (*op_begin)(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user);
     void (*op_end)(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user);
-    void (*kernel)(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user);
+    void (*kernel)(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user);          // after the launch
     void (*mem)(tsys_ctx *ctx, const tsys_mem_event *e, void *user);
     void *user;
+    void (*kernel_begin)(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user);    // before it (status, t_end unset)
 } tsys_trace_hooks;
 
 // >>public ----------------------------------------------------------------------------------------
@@ -544,6 +550,29 @@ TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, 
 TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path);
 TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path);
 
+// profiler: host time of every op (and, where the backend reports it, device time of every kernel),
+// built on the trace hooks. Outputs: an op table like torch.profiler's key_averages().table(), a
+// kernel table like nsys stats' cuda_gpu_kern_sum (per phase, matmuls apart), a Chrome trace (Perfetto).
+// Phases are the outermost named ranges open (tsys_trace_begin "forward", "backward", "optimizer").
+typedef struct tsys_profiler tsys_profiler;
+TSYSDEF tsys_profiler *tsys_profiler_begin(tsys_ctx *ctx);            // installs its hooks (chaining the ones there)
+TSYSDEF tsys_status tsys_profiler_end(tsys_profiler *p);              // syncs, gives the hooks back, collects device times
+TSYSDEF void tsys_profiler_print_ops(const tsys_profiler *p, FILE *f, int max_rows);     // sorted by device time
+TSYSDEF void tsys_profiler_print_kernels(const tsys_profiler *p, FILE *f, int max_rows); // per kernel name, per phase
+TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char *path); // Chrome trace JSON
+TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase);        // sum of kernel device times (phase NULL = all)
+TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind);
+TSYSDEF void tsys_profiler_free(tsys_profiler *p);
+// A backend that can time kernels on its device fills them in here (tsys_cuda.cuh: CUPTI); by
+// default a kernel's device time is its host time, exact on the CPU.
+typedef struct tsys_profiler_device_clock {
+    void *(*begin)(tsys_ctx *ctx);                                           // returns the clock's state
+    void (*launch)(void *state, uint64_t seq, bool begin);                   // around each launch
+    tsys_status (*collect)(void *state, void (*put)(void *p, uint64_t seq, double start_us, double dur_us), void *p);
+    void (*end)(void *state);
+} tsys_profiler_device_clock;
+TSYSDEF void tsys_profiler_set_device_clock(tsys_ctx *ctx, tsys_device dev, const tsys_profiler_device_clock *clock);
+
 // bench helpers
 typedef struct tsys_stats { double mean, std, median, min, max; int n; } tsys_stats;
 TSYSDEF tsys_stats tsys_stats_of(const double *x, int n);
@@ -713,6 +742,8 @@ struct tsys_ctx {
     int op_tags[TSYS__OP_COUNT];
     // instrumentation
     tsys_trace_hooks trace;
+    uint64_t launch_seq;
+    tsys_profiler_device_clock clocks[TSYS_DEVICE_COUNT];
     struct { const char *name; int tag; } ranges[TSYS__MAX_RANGES];
     int num_ranges;
     struct tsys__backward_hook *bwd_hooks;
@@ -1880,13 +1911,16 @@ static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, c
 #if TSYS_DEBUG
     if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
 #endif
-    if (!ctx->trace.kernel) return a ? be->kernel(ctx, k, a) : be->gemm(ctx, g);
+    if (!ctx->trace.kernel && !ctx->trace.kernel_begin) return a ? be->kernel(ctx, k, a) : be->gemm(ctx, g);
     tsys_trace_kernel info;
+    info.seq = ++ctx->launch_seq;
     info.device = dev; info.kernel = k; info.name = tsys_kernel_name(k); info.args = a; info.gemm = g;
+    info.status = TSYS_OK; info.t_end_us = 0;
     info.t_begin_us = tsys_time_us();
+    if (ctx->trace.kernel_begin) ctx->trace.kernel_begin(ctx, &info, ctx->trace.user);
     info.status = a ? be->kernel(ctx, k, a) : be->gemm(ctx, g);
     info.t_end_us = tsys_time_us();
-    ctx->trace.kernel(ctx, &info, ctx->trace.user);
+    if (ctx->trace.kernel) ctx->trace.kernel(ctx, &info, ctx->trace.user);
     return info.status;
 }
 static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a) { return tsys__launch(ctx, dev, k, a, NULL); }
@@ -3495,6 +3529,318 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
     }
     TSYS_FREE(a); TSYS_FREE(b); TSYS_FREE(c);
     return best;
+}
+
+// >>profiler --------------------------------------------------------------------------------------
+// A client of the trace hooks: spans for ops, backward nodes and ranges; a record per kernel launch
+// (device time from the device's clock when one is registered, else the launch's host time); the
+// live bytes per device after each allocation and free. Names are interned (range names may be
+// temporary strings). Growth past what memory allows stops recording and says so in the tables.
+
+#define TSYS__PROF_MAX_DEPTH 64
+#define TSYS__PROF_MAX_NAMES 512
+#define TSYS__PROF_MAX_PHASES 8
+
+typedef struct tsys__prof_span { int name; tsys_trace_kind kind; double t0, t1; int parent, phase; double self_us, total_us, flops; } tsys__prof_span;
+typedef struct tsys__prof_kernel { uint64_t seq; int name; tsys_device dev; double t0, t1, dev_t0, dev_us, flops; int span, phase; bool gemm; } tsys__prof_kernel;
+typedef struct tsys__prof_mem { double t; int64_t live[TSYS_DEVICE_COUNT]; } tsys__prof_mem;
+
+struct tsys_profiler {
+    tsys_ctx *ctx;
+    tsys_trace_hooks prev;
+    double t0;
+    char *names[TSYS__PROF_MAX_NAMES];
+    const char *name_ptr[TSYS__PROF_MAX_NAMES];   // the pointer last seen for each name: a cheap first test
+    int num_names;
+    int phases[TSYS__PROF_MAX_PHASES];            // name ids; index = phase id
+    int num_phases;
+    int phase, phase_span;                        // the open phase (-1 none) and the range that opened it
+    tsys__prof_span *spans; size_t num_spans, cap_spans;
+    tsys__prof_kernel *kernels; size_t num_kernels, cap_kernels;
+    tsys__prof_mem *mem; size_t num_mem, cap_mem;
+    int open[TSYS__PROF_MAX_DEPTH];
+    int depth;
+    void *clock_state[TSYS_DEVICE_COUNT];
+    bool truncated, ended;
+};
+
+TSYSDEF void tsys_profiler_set_device_clock(tsys_ctx *ctx, tsys_device dev, const tsys_profiler_device_clock *clock) {
+    if (clock) ctx->clocks[dev] = *clock;
+    else memset(&ctx->clocks[dev], 0, sizeof(ctx->clocks[dev]));
+}
+
+static int tsys__prof_name(tsys_profiler *p, const char *name) {
+    for (int i = 0; i < p->num_names; i++)
+        if (p->name_ptr[i] == name || strcmp(p->names[i], name) == 0) { p->name_ptr[i] = name; return i; }
+    size_t n = strlen(name) + 1;
+    char *copy = p->num_names < TSYS__PROF_MAX_NAMES ? (char *)TSYS_MALLOC(n) : NULL;
+    if (!copy) { p->truncated = true; return 0; }
+    memcpy(copy, name, n);
+    p->names[p->num_names] = copy; p->name_ptr[p->num_names] = name;
+    return p->num_names++;
+}
+
+// Room for one more element of an array that grows by doubling; false (and the profile marked
+// truncated) when the host has no memory for it.
+static bool tsys__prof_grow(tsys_profiler *p, void **arr, size_t *cap, size_t len, size_t elem) {
+    if (len < *cap) return true;
+    size_t c = *cap ? 2 * *cap : 1024;
+    void *a = TSYS_REALLOC(*arr, c * elem);
+    if (!a) { p->truncated = true; return false; }
+    *arr = a; *cap = c;
+    return true;
+}
+
+static void tsys__prof_on_op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    tsys_profiler *p = (tsys_profiler *)user;
+    if (p->prev.op_begin) p->prev.op_begin(ctx, name, kind, p->prev.user);
+    if (p->depth == TSYS__PROF_MAX_DEPTH || !tsys__prof_grow(p, (void **)&p->spans, &p->cap_spans, p->num_spans, sizeof(tsys__prof_span))) {
+        p->depth++;   // still balanced with op_end
+        return;
+    }
+    int id = (int)p->num_spans++;
+    tsys__prof_span *sp = &p->spans[id];
+    memset(sp, 0, sizeof(*sp));
+    sp->name = tsys__prof_name(p, name); sp->kind = kind; sp->t0 = tsys_time_us() - p->t0;
+    sp->parent = p->depth ? p->open[p->depth - 1] : -1;
+    if (kind == TSYS_TRACE_RANGE && p->phase < 0) {   // the outermost range names the phase
+        int ph = 0;
+        while (ph < p->num_phases && p->phases[ph] != sp->name) ph++;
+        if (ph == p->num_phases && ph < TSYS__PROF_MAX_PHASES) p->phases[p->num_phases++] = sp->name;
+        if (ph < p->num_phases) { p->phase = ph; p->phase_span = id; }
+    }
+    sp->phase = p->phase;
+    p->open[p->depth++] = id;
+}
+
+static void tsys__prof_on_op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    tsys_profiler *p = (tsys_profiler *)user;
+    if (p->depth > 0) {
+        p->depth--;
+        if (p->depth < TSYS__PROF_MAX_DEPTH && p->open[p->depth] >= 0 && (size_t)p->open[p->depth] < p->num_spans) {
+            int id = p->open[p->depth];
+            p->spans[id].t1 = tsys_time_us() - p->t0;
+            if (id == p->phase_span) { p->phase = -1; p->phase_span = -1; }
+        }
+    }
+    if (p->prev.op_end) p->prev.op_end(ctx, name, kind, p->prev.user);
+}
+
+static void tsys__prof_on_kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    tsys_profiler *p = (tsys_profiler *)user;
+    if (p->prev.kernel_begin) p->prev.kernel_begin(ctx, k, p->prev.user);
+    if (ctx->clocks[k->device].launch) ctx->clocks[k->device].launch(p->clock_state[k->device], k->seq, true);
+}
+
+static void tsys__prof_on_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    tsys_profiler *p = (tsys_profiler *)user;
+    if (ctx->clocks[k->device].launch) ctx->clocks[k->device].launch(p->clock_state[k->device], k->seq, false);
+    if (p->prev.kernel) p->prev.kernel(ctx, k, p->prev.user);
+    if (k->status != TSYS_OK || !tsys__prof_grow(p, (void **)&p->kernels, &p->cap_kernels, p->num_kernels, sizeof(tsys__prof_kernel))) return;
+    tsys__prof_kernel *r = &p->kernels[p->num_kernels++];
+    r->seq = k->seq; r->name = tsys__prof_name(p, k->name); r->dev = k->device;
+    r->t0 = k->t_begin_us - p->t0; r->t1 = k->t_end_us - p->t0;
+    r->dev_t0 = r->t0; r->dev_us = r->t1 - r->t0;   // until a device clock says otherwise
+    r->span = p->depth > 0 && p->depth <= TSYS__PROF_MAX_DEPTH ? p->open[p->depth - 1] : -1;
+    r->phase = p->phase;
+    r->gemm = k->gemm != NULL;
+    r->flops = k->gemm ? 2.0 * (double)k->gemm->m * (double)k->gemm->n * (double)k->gemm->k * (double)k->gemm->batch : 0.0;
+}
+
+static void tsys__prof_on_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) {
+    tsys_profiler *p = (tsys_profiler *)user;
+    if (p->prev.mem) p->prev.mem(ctx, e, p->prev.user);
+    if (!tsys__prof_grow(p, (void **)&p->mem, &p->cap_mem, p->num_mem, sizeof(tsys__prof_mem))) return;
+    tsys__prof_mem *m = &p->mem[p->num_mem++];
+    m->t = tsys_time_us() - p->t0;
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) m->live[d] = ctx->mem.dev[d].live_bytes;
+}
+
+TSYSDEF tsys_profiler *tsys_profiler_begin(tsys_ctx *ctx) {
+    tsys_profiler *p = (tsys_profiler *)TSYS_MALLOC(sizeof(tsys_profiler));
+    if (!p) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the profiler"); return NULL; }
+    memset(p, 0, sizeof(*p));
+    p->ctx = ctx; p->phase = -1; p->phase_span = -1;
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++)
+        if (ctx->backends[d] && ctx->clocks[d].begin) p->clock_state[d] = ctx->clocks[d].begin(ctx);
+    tsys_trace_hooks h = {tsys__prof_on_op_begin, tsys__prof_on_op_end, tsys__prof_on_kernel, tsys__prof_on_mem, p, tsys__prof_on_kernel_begin};
+    p->t0 = tsys_time_us();
+    p->prev = tsys_ctx_set_trace_hooks(ctx, &h);
+    return p;
+}
+
+static void tsys__prof_put_device_time(void *user, uint64_t seq, double start_us, double dur_us) {
+    tsys_profiler *p = (tsys_profiler *)user;
+    size_t lo = 0, hi = p->num_kernels;   // kernels are recorded in launch order
+    while (lo < hi) { size_t mid = (lo + hi) / 2; if (p->kernels[mid].seq < seq) lo = mid + 1; else hi = mid; }
+    if (lo < p->num_kernels && p->kernels[lo].seq == seq) { p->kernels[lo].dev_t0 = start_us - p->t0; p->kernels[lo].dev_us = dur_us; }
+}
+
+TSYSDEF tsys_status tsys_profiler_end(tsys_profiler *p) {
+    tsys_ctx *ctx = p->ctx;
+    if (p->ended) return TSYS_OK;
+    p->ended = true;
+    tsys_status st = TSYS_OK;
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) if (ctx->backends[d] && tsys_sync(ctx, d) != TSYS_OK) st = ctx->status;
+    tsys_ctx_set_trace_hooks(ctx, &p->prev);
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) {
+        if (!p->clock_state[d]) continue;
+        if (ctx->clocks[d].collect && ctx->clocks[d].collect(p->clock_state[d], tsys__prof_put_device_time, p) != TSYS_OK) st = ctx->status;
+        if (ctx->clocks[d].end) ctx->clocks[d].end(p->clock_state[d]);
+        p->clock_state[d] = NULL;
+    }
+    // self and total device time per span: a kernel counts for its innermost span (self) and for
+    // every span around it (total)
+    for (size_t i = 0; i < p->num_kernels; i++) {
+        tsys__prof_kernel *k = &p->kernels[i];
+        if (k->span < 0) continue;
+        p->spans[k->span].self_us += k->dev_us;
+        for (int s = k->span; s >= 0; s = p->spans[s].parent) { p->spans[s].total_us += k->dev_us; p->spans[s].flops += k->flops; }
+    }
+    return st;
+}
+
+TSYSDEF void tsys_profiler_free(tsys_profiler *p) {
+    if (!p) return;
+    if (!p->ended) tsys_profiler_end(p);
+    for (int i = 0; i < p->num_names; i++) TSYS_FREE(p->names[i]);
+    TSYS_FREE(p->spans); TSYS_FREE(p->kernels); TSYS_FREE(p->mem);
+    TSYS_FREE(p);
+}
+
+TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase) {
+    double us = 0;
+    for (size_t i = 0; i < p->num_kernels; i++) {
+        const tsys__prof_kernel *k = &p->kernels[i];
+        if (!phase || (k->phase >= 0 && strcmp(p->names[p->phases[k->phase]], phase) == 0)) us += k->dev_us;
+    }
+    return us * 1e-3;
+}
+
+TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind) {
+    int n = 0;
+    for (size_t i = 0; i < p->num_spans; i++) n += p->spans[i].kind == kind && strcmp(p->names[p->spans[i].name], name) == 0;
+    return n;
+}
+
+// One row of a table: what is summed over the spans or kernels of one key.
+typedef struct tsys__prof_row { int name, kind, calls; double self_us, total_us, host_us, flops, min_us, max_us, phase_us[TSYS__PROF_MAX_PHASES + 1]; bool gemm; } tsys__prof_row;
+
+static int tsys__prof_row_cmp(const void *a, const void *b) {
+    const tsys__prof_row *x = (const tsys__prof_row *)a, *y = (const tsys__prof_row *)b;
+    double kx = x->self_us > 0 ? x->self_us : x->total_us, ky = y->self_us > 0 ? y->self_us : y->total_us;
+    return (kx < ky) - (kx > ky);
+}
+
+static tsys__prof_row *tsys__prof_row_for(tsys__prof_row *rows, int *n, int name, int kind) {
+    for (int i = 0; i < *n; i++) if (rows[i].name == name && rows[i].kind == kind) return &rows[i];
+    tsys__prof_row *r = &rows[(*n)++];
+    memset(r, 0, sizeof(*r));
+    r->name = name; r->kind = kind; r->min_us = INFINITY;
+    return r;
+}
+
+static const char *tsys__prof_kind_suffix(int kind) { return kind == TSYS_TRACE_BACKWARD ? " (backward)" : kind == TSYS_TRACE_RANGE ? " [range]" : ""; }
+
+TSYSDEF void tsys_profiler_print_ops(const tsys_profiler *p, FILE *f, int max_rows) {
+    int cap = 3 * TSYS__PROF_MAX_NAMES, n = 0;
+    tsys__prof_row *rows = (tsys__prof_row *)TSYS_MALLOC(sizeof(tsys__prof_row) * (size_t)cap);
+    if (!rows) return;
+    double all_us = tsys_profiler_kernel_ms(p, NULL) * 1e3;
+    for (size_t i = 0; i < p->num_spans; i++) {
+        const tsys__prof_span *sp = &p->spans[i];
+        tsys__prof_row *r = tsys__prof_row_for(rows, &n, sp->name, sp->kind);
+        r->calls++; r->self_us += sp->self_us; r->total_us += sp->total_us; r->host_us += sp->t1 - sp->t0; r->flops += sp->flops;
+    }
+    qsort(rows, (size_t)n, sizeof(*rows), tsys__prof_row_cmp);
+    fprintf(f, "| name | calls | self device ms | self %% | total device ms | avg device ms | host ms | TFLOP/s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (int i = 0; i < n && (max_rows <= 0 || i < max_rows); i++) {
+        const tsys__prof_row *r = &rows[i];
+        char tf[32] = "";
+        if (r->flops > 0 && r->total_us > 0) snprintf(tf, sizeof(tf), "%.1f", r->flops / r->total_us * 1e-6);
+        fprintf(f, "| %s%s | %d | %.3f | %.1f%% | %.3f | %.4f | %.3f | %s |\n", p->names[r->name], tsys__prof_kind_suffix(r->kind), r->calls,
+                r->self_us * 1e-3, all_us > 0 ? 100.0 * r->self_us / all_us : 0.0, r->total_us * 1e-3, r->total_us * 1e-3 / r->calls, r->host_us * 1e-3, tf);
+    }
+    fprintf(f, "\n%zu ops, %zu kernel launches, %.3f ms of kernel time%s\n", p->num_spans, p->num_kernels, all_us * 1e-3,
+            p->truncated ? " (TRUNCATED: the host ran out of memory for the profile)" : "");
+    TSYS_FREE(rows);
+}
+
+TSYSDEF void tsys_profiler_print_kernels(const tsys_profiler *p, FILE *f, int max_rows) {
+    int n = 0;
+    tsys__prof_row *rows = (tsys__prof_row *)TSYS_MALLOC(sizeof(tsys__prof_row) * TSYS__PROF_MAX_NAMES * 2);
+    if (!rows) return;
+    double all_us = 0, matmul_us = 0;
+    for (size_t i = 0; i < p->num_kernels; i++) {
+        const tsys__prof_kernel *k = &p->kernels[i];
+        tsys__prof_row *r = tsys__prof_row_for(rows, &n, k->name, (int)k->dev);
+        r->calls++; r->self_us += k->dev_us; r->flops += k->flops; r->gemm = k->gemm;
+        r->min_us = TSYS__MIN(r->min_us, k->dev_us); r->max_us = TSYS__MAX(r->max_us, k->dev_us);
+        r->phase_us[k->phase >= 0 ? k->phase : TSYS__PROF_MAX_PHASES] += k->dev_us;
+        all_us += k->dev_us;
+        if (k->gemm) matmul_us += k->dev_us;
+    }
+    qsort(rows, (size_t)n, sizeof(*rows), tsys__prof_row_cmp);
+    fprintf(f, "| kernel | device | matmul | instances | total ms | %% | avg us | min us | max us |");
+    for (int ph = 0; ph < p->num_phases; ph++) fprintf(f, " %s ms |", p->names[p->phases[ph]]);
+    fprintf(f, " other ms |\n|---|---|---|---:|---:|---:|---:|---:|---:|");
+    for (int ph = 0; ph <= p->num_phases; ph++) fprintf(f, "---:|");
+    fprintf(f, "\n");
+    for (int i = 0; i < n && (max_rows <= 0 || i < max_rows); i++) {
+        const tsys__prof_row *r = &rows[i];
+        fprintf(f, "| %s | %s | %s | %d | %.3f | %.1f%% | %.1f | %.1f | %.1f |", p->names[r->name], r->kind == TSYS_CUDA ? "cuda" : "cpu", r->gemm ? "yes" : "no",
+                r->calls, r->self_us * 1e-3, all_us > 0 ? 100.0 * r->self_us / all_us : 0.0, r->self_us / r->calls, r->min_us, r->max_us);
+        for (int ph = 0; ph < p->num_phases; ph++) fprintf(f, " %.3f |", r->phase_us[ph] * 1e-3);
+        fprintf(f, " %.3f |\n", r->phase_us[TSYS__PROF_MAX_PHASES] * 1e-3);
+    }
+    fprintf(f, "\nkernel time %.3f ms: matmuls %.3f ms (%.1f%%), everything else %.3f ms\n", all_us * 1e-3, matmul_us * 1e-3,
+            all_us > 0 ? 100.0 * matmul_us / all_us : 0.0, (all_us - matmul_us) * 1e-3);
+    TSYS_FREE(rows);
+}
+
+static void tsys__json_str(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+        else if (c < 0x20) fprintf(f, "\\u%04x", c);
+        else fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+// Chrome trace event format: host spans on pid 1 (nested X events), kernels on pid 2 with one track
+// per device, live bytes as counters; timestamps in microseconds from tsys_profiler_begin.
+TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char *path) {
+    FILE *f = fopen(path, "w");
+    if (!f) return TSYS__FAIL(p->ctx, TSYS_ERR_IO, "profiler trace '%s': %s", path, strerror(errno));
+    fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
+    fprintf(f, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 1, \"args\": {\"name\": \"host\"}},\n");
+    fprintf(f, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 2, \"args\": {\"name\": \"device kernels\"}}");
+    for (size_t i = 0; i < p->num_spans; i++) {
+        const tsys__prof_span *sp = &p->spans[i];
+        fprintf(f, ",\n{\"name\": ");
+        tsys__json_str(f, p->names[sp->name]);
+        fprintf(f, ", \"cat\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 1, \"tid\": 1}",
+                sp->kind == TSYS_TRACE_RANGE ? "range" : sp->kind == TSYS_TRACE_BACKWARD ? "backward" : "op", sp->t0, sp->t1 - sp->t0);
+    }
+    for (size_t i = 0; i < p->num_kernels; i++) {
+        const tsys__prof_kernel *k = &p->kernels[i];
+        fprintf(f, ",\n{\"name\": ");
+        tsys__json_str(f, p->names[k->name]);
+        fprintf(f, ", \"cat\": \"kernel\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 2, \"tid\": %d, \"args\": {\"op\": ", k->dev_t0, k->dev_us, (int)k->dev + 1);
+        tsys__json_str(f, k->span >= 0 ? p->names[p->spans[k->span].name] : "");
+        fprintf(f, ", \"phase\": ");
+        tsys__json_str(f, k->phase >= 0 ? p->names[p->phases[k->phase]] : "");
+        fprintf(f, ", \"seq\": %llu}}", (unsigned long long)k->seq);
+    }
+    for (size_t i = 0; i < p->num_mem; i++)
+        fprintf(f, ",\n{\"name\": \"live bytes\", \"ph\": \"C\", \"ts\": %.3f, \"pid\": 1, \"args\": {\"cpu\": %lld, \"cuda\": %lld}}", p->mem[i].t,
+                (long long)p->mem[i].live[TSYS_CPU], (long long)p->mem[i].live[TSYS_CUDA]);
+    fprintf(f, "\n]}\n");
+    bool bad = ferror(f) != 0;
+    if (fclose(f) != 0 || bad) return TSYS__FAIL(p->ctx, TSYS_ERR_IO, "profiler trace '%s': write failed", path);
+    return TSYS_OK;
 }
 
 // >>safetensors -----------------------------------------------------------------------------------

@@ -3957,6 +3957,10 @@ static void tsys_cuda__nvtx_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, vo
     const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
     if (prev->kernel) prev->kernel(ctx, k, prev->user);
 }
+static void tsys_cuda__nvtx_kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
+    if (prev->kernel_begin) prev->kernel_begin(ctx, k, prev->user);
+}
 static void tsys_cuda__nvtx_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) {
     const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
     if (prev->mem) prev->mem(ctx, e, prev->user);
@@ -3967,7 +3971,7 @@ TSYSDEF tsys_status tsys_cuda_set_nvtx(tsys_ctx *ctx, bool on) {
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_set_nvtx: backend not initialized");
     if (on == st->nvtx_on) return TSYS_OK;
     if (on) {
-        tsys_trace_hooks h = { tsys_cuda__nvtx_begin, tsys_cuda__nvtx_end, tsys_cuda__nvtx_kernel, tsys_cuda__nvtx_mem, st };
+        tsys_trace_hooks h = { tsys_cuda__nvtx_begin, tsys_cuda__nvtx_end, tsys_cuda__nvtx_kernel, tsys_cuda__nvtx_mem, st, tsys_cuda__nvtx_kernel_begin };
         st->nvtx_prev = tsys_ctx_set_trace_hooks(ctx, &h);
     } else {
         tsys_ctx_set_trace_hooks(ctx, &st->nvtx_prev);   // gives back what was there before

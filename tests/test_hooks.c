@@ -78,7 +78,7 @@ TSYS_TEST(trace_hooks_see_ops_backward_nodes_ranges_kernels_and_memory) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     trace_log log;
     memset(&log, 0, sizeof(log));
-    tsys_trace_hooks h = {tl_begin, tl_end, tl_kernel, tl_mem, &log};
+    tsys_trace_hooks h = {tl_begin, tl_end, tl_kernel, tl_mem, &log, NULL};
     tsys_trace_hooks prev = tsys_ctx_set_trace_hooks(ctx, &h);
     TEST_CHECK(prev.op_begin == NULL && prev.kernel == NULL, "a fresh context has hooks installed");
     int64_t sx[2] = {4, 8}, sw[2] = {8, 8};

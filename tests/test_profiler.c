@@ -1,0 +1,144 @@
+// test_profiler.c - the built-in profiler on the CPU: every op of a training step appears with its
+// call count, kernels are attributed to phases, hooks that were installed keep firing, the Chrome
+// trace is well-formed JSON with nested spans and counters, and profiling changes no result.
+#define TSYS_IMPLEMENTATION
+#include "../tsys.h"
+#include "harness.h"
+#include "test_util.h"
+#include <unistd.h>
+
+static tsys_model *tiny_model(tsys_ctx *ctx) {
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 40; d.context_length = 8; d.d_model = 16; d.num_layers = 2; d.num_heads = 2; d.d_ff = 24;
+    return tsys_model_new(ctx, &d, TSYS_CPU, 11);
+}
+
+static int g_user_ops;
+static void user_op(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *u) { (void)ctx; (void)name; (void)kind; (void)u; g_user_ops++; }
+
+// One step in the report's phases; returns the loss. tape_counts (if given) gets the recorded ops per op.
+static float step(tsys_ctx *ctx, tsys_model *m, tsys_optim *opt, tsys_tensor *ids, int *tape_counts) {
+    tsys_trace_begin(ctx, "forward");
+    tsys_tensor *logits = tsys_model_forward(m, ids);
+    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, ids);
+    tsys_trace_end(ctx);
+    if (tape_counts) for (size_t i = 0; i < ctx->tape_len; i++) tape_counts[ctx->tape[i]->op]++;
+    tsys_trace_begin(ctx, "backward");
+    tsys_backward(ctx, loss);
+    tsys_trace_end(ctx);
+    tsys_trace_begin(ctx, "optimizer");
+    tsys_optim_step(opt);
+    tsys_optim_zero_grad(opt);
+    tsys_trace_end(ctx);
+    float l = tsys_item(ctx, loss);
+    tsys_tensor_release(logits); tsys_tensor_release(loss);
+    return l;
+}
+
+// Structural JSON check: balanced {} and [] outside strings, strings closed, escapes valid.
+static bool json_balanced(const char *s) {
+    int depth = 0;
+    bool in_str = false;
+    for (; *s; s++) {
+        if (in_str) {
+            if (*s == '\\') { s++; if (!*s) return false; }
+            else if (*s == '"') in_str = false;
+            else if ((unsigned char)*s < 0x20) return false;
+            continue;
+        }
+        if (*s == '"') in_str = true;
+        else if (*s == '{' || *s == '[') depth++;
+        else if (*s == '}' || *s == ']') { if (--depth < 0) return false; }
+    }
+    return depth == 0 && !in_str;
+}
+
+TSYS_TEST(profiler_lists_every_op_and_phase) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model *m = tiny_model(ctx);
+    tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+    int64_t sid[2] = {2, 8};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, sid);
+    tsys_tensor_randint(ctx, ids, 40);
+    tsys_trace_hooks mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.op_begin = user_op;
+    tsys_ctx_set_trace_hooks(ctx, &mine);
+    g_user_ops = 0;
+    tsys_profiler *p = tsys_profiler_begin(ctx);
+    TEST_CHECK(p != NULL, "%s", tsys_ctx_last_error(ctx));
+    int tape[TSYS__OP_COUNT];
+    memset(tape, 0, sizeof(tape));
+    step(ctx, m, opt, ids, tape);
+    TEST_CHECK(tsys_profiler_end(p) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(g_user_ops > 0, "the hook installed before the profiler stopped firing while it ran");
+    tsys_trace_hooks back = tsys_ctx_set_trace_hooks(ctx, NULL);
+    TEST_CHECK(back.op_begin == user_op, "profiler_end did not give the hooks back");
+    for (int op = 0; op < TSYS__OP_COUNT; op++) {
+        if (!tape[op]) continue;
+        int fwd = tsys_profiler_op_calls(p, tsys__op_names[op], TSYS_TRACE_FORWARD), bwd = tsys_profiler_op_calls(p, tsys__op_names[op], TSYS_TRACE_BACKWARD);
+        TEST_CHECK(fwd == tape[op], "%s: %d forward calls profiled, %d on the tape", tsys__op_names[op], fwd, tape[op]);
+        TEST_CHECK(bwd == tape[op], "%s: %d backward calls profiled, %d nodes on the tape", tsys__op_names[op], bwd, tape[op]);
+    }
+    TEST_CHECK(tape[TSYS__OP_LINEAR] == 2 * 7 + 1, "linear nodes %d", tape[TSYS__OP_LINEAR]);
+    double f = tsys_profiler_kernel_ms(p, "forward"), b = tsys_profiler_kernel_ms(p, "backward"), o = tsys_profiler_kernel_ms(p, "optimizer"), all = tsys_profiler_kernel_ms(p, NULL);
+    TEST_CHECK(f > 0 && b > 0 && o > 0, "phase kernel times %g %g %g", f, b, o);
+    TEST_CHECK(fabs(f + b + o - all) <= 0.05 * all + 0.05, "phases %g + %g + %g vs all kernels %g (only tsys_item is outside)", f, b, o, all);
+    // tables print, the trace is well-formed
+    FILE *tf = tmpfile();
+    tsys_profiler_print_ops(p, tf, 0);
+    tsys_profiler_print_kernels(p, tf, 0);
+    long tlen = ftell(tf);
+    TEST_CHECK(tlen > 500, "tables are %ld bytes", tlen);
+    fclose(tf);
+    char path[] = "/tmp/tsys_trace_XXXXXX";
+    int fd = mkstemp(path);
+    TEST_CHECK(fd >= 0, "mkstemp");
+    if (fd >= 0) close(fd);
+    TEST_CHECK(tsys_profiler_write_trace(p, path) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    FILE *jf = fopen(path, "r");
+    char *json = NULL;
+    long n = 0;
+    if (jf) { fseek(jf, 0, SEEK_END); n = ftell(jf); fseek(jf, 0, SEEK_SET); json = (char *)malloc((size_t)n + 1); n = (long)fread(json, 1, (size_t)n, jf); json[n] = 0; fclose(jf); }
+    TEST_CHECK(json && json_balanced(json), "trace is not balanced JSON");
+    TEST_CHECK(json && strstr(json, "\"traceEvents\"") && strstr(json, "\"ph\": \"X\"") && strstr(json, "\"ph\": \"C\"") && strstr(json, "\"name\": \"linear\""),
+               "trace lacks X spans, C counters or the linear op");
+    free(json);
+    remove(path);
+    // spans nest: every span lies inside its parent
+    int bad = 0;
+    for (size_t i = 0; i < p->num_spans; i++) {
+        const tsys__prof_span *sp = &p->spans[i];
+        if (sp->t1 < sp->t0) bad++;
+        if (sp->parent >= 0 && (sp->t0 < p->spans[sp->parent].t0 || sp->t1 > p->spans[sp->parent].t1)) bad++;
+    }
+    TEST_CHECK(bad == 0, "%d spans outside their parents", bad);
+    tsys_profiler_free(p);
+    tsys_tensor_release(ids);
+    tsys_optim_free(opt);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+TSYS_TEST(profiling_changes_no_result) {
+    float loss[2][3];
+    for (int prof = 0; prof < 2; prof++) {
+        tsys_ctx *ctx = tsys_ctx_new(NULL);
+        tsys_model *m = tiny_model(ctx);
+        tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+        int64_t sid[2] = {2, 8};
+        tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, sid);
+        tsys_rng_seed(ctx, 5);
+        tsys_tensor_randint(ctx, ids, 40);
+        tsys_profiler *p = prof ? tsys_profiler_begin(ctx) : NULL;
+        for (int i = 0; i < 3; i++) loss[prof][i] = step(ctx, m, opt, ids, NULL);
+        tsys_profiler_free(p);
+        tsys_tensor_release(ids);
+        tsys_optim_free(opt);
+        tsys_model_free(m);
+        tsys_ctx_free(ctx);
+    }
+    for (int i = 0; i < 3; i++) TEST_CHECK(loss[0][i] == loss[1][i], "step %d: loss %.9g unprofiled, %.9g profiled", i, loss[0][i], loss[1][i]);
+}
+
+int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
