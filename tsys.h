@@ -563,8 +563,9 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
 TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase);        // sum of kernel device times (phase NULL = all)
 TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind);
 TSYSDEF void tsys_profiler_free(tsys_profiler *p);
-// A backend that can time kernels on its device fills them in here (tsys_cuda.cuh: CUPTI); by
-// default a kernel's device time is its host time, exact on the CPU.
+// A backend that can time kernels on its device fills them in here (tsys_cuda.cuh: CUPTI, else
+// events); by default a kernel's device time is its host time, exact on the CPU. collect's put may be
+// called several times for one launch (its device kernels add up); start_us < 0 = start unknown.
 typedef struct tsys_profiler_device_clock {
     void *(*begin)(tsys_ctx *ctx);                                           // returns the clock's state
     void (*launch)(void *state, uint64_t seq, bool begin);                   // around each launch
@@ -3542,7 +3543,7 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
 #define TSYS__PROF_MAX_PHASES 8
 
 typedef struct tsys__prof_span { int name; tsys_trace_kind kind; double t0, t1; int parent, phase; double self_us, total_us, flops; } tsys__prof_span;
-typedef struct tsys__prof_kernel { uint64_t seq; int name; tsys_device dev; double t0, t1, dev_t0, dev_us, flops; int span, phase; bool gemm; } tsys__prof_kernel;
+typedef struct tsys__prof_kernel { uint64_t seq; int name; tsys_device dev; double t0, t1, dev_t0, dev_us, flops; int span, phase; bool gemm, timed; } tsys__prof_kernel;
 typedef struct tsys__prof_mem { double t; int64_t live[TSYS_DEVICE_COUNT]; } tsys__prof_mem;
 
 struct tsys_profiler {
@@ -3643,7 +3644,7 @@ static void tsys__prof_on_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void
     r->dev_t0 = r->t0; r->dev_us = r->t1 - r->t0;   // until a device clock says otherwise
     r->span = p->depth > 0 && p->depth <= TSYS__PROF_MAX_DEPTH ? p->open[p->depth - 1] : -1;
     r->phase = p->phase;
-    r->gemm = k->gemm != NULL;
+    r->gemm = k->gemm != NULL; r->timed = false;
     r->flops = k->gemm ? 2.0 * (double)k->gemm->m * (double)k->gemm->n * (double)k->gemm->k * (double)k->gemm->batch : 0.0;
 }
 
@@ -3673,7 +3674,13 @@ static void tsys__prof_put_device_time(void *user, uint64_t seq, double start_us
     tsys_profiler *p = (tsys_profiler *)user;
     size_t lo = 0, hi = p->num_kernels;   // kernels are recorded in launch order
     while (lo < hi) { size_t mid = (lo + hi) / 2; if (p->kernels[mid].seq < seq) lo = mid + 1; else hi = mid; }
-    if (lo < p->num_kernels && p->kernels[lo].seq == seq) { p->kernels[lo].dev_t0 = start_us - p->t0; p->kernels[lo].dev_us = dur_us; }
+    if (lo == p->num_kernels || p->kernels[lo].seq != seq) return;
+    tsys__prof_kernel *k = &p->kernels[lo];
+    // one tsys launch may be several device kernels (a sort, a multi-pass kernel): their times add up
+    double t0 = start_us < 0 ? k->dev_t0 : start_us - p->t0;
+    if (!k->timed) { k->timed = true; k->dev_t0 = t0; k->dev_us = dur_us; return; }
+    k->dev_t0 = TSYS__MIN(k->dev_t0, t0);
+    k->dev_us += dur_us;
 }
 
 TSYSDEF tsys_status tsys_profiler_end(tsys_profiler *p) {
@@ -3681,7 +3688,7 @@ TSYSDEF tsys_status tsys_profiler_end(tsys_profiler *p) {
     if (p->ended) return TSYS_OK;
     p->ended = true;
     tsys_status st = TSYS_OK;
-    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) if (ctx->backends[d] && tsys_sync(ctx, d) != TSYS_OK) st = ctx->status;
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) if (ctx->backends[d] && tsys_sync(ctx, (tsys_device)d) != TSYS_OK) st = ctx->status;
     tsys_ctx_set_trace_hooks(ctx, &p->prev);
     for (int d = 0; d < TSYS_DEVICE_COUNT; d++) {
         if (!p->clock_state[d]) continue;

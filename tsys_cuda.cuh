@@ -140,6 +140,9 @@ TSYSDEF void tsys_cuda_range_pop(void);
 TSYSDEF tsys_status tsys_cuda_set_nvtx(tsys_ctx *ctx, bool on);
 TSYSDEF bool tsys_cuda_nvtx(tsys_ctx *ctx);
 
+// tsys.h's profiler gets kernel device times from CUPTI when libcupti can be loaded, else from events.
+TSYSDEF bool tsys_cuda_cupti_available(void);
+
 #ifdef __cplusplus
 }
 #endif
@@ -3692,6 +3695,12 @@ static tsys_stream tsys_cuda__set_stream(tsys_ctx *ctx, tsys_stream s) {
 
 // >>init ------------------------------------------------------------------------------------------
 
+// the profiler clock (>>profiler clock) that init registers
+static void *tsys_cuda__clock_begin(tsys_ctx *ctx);
+static void tsys_cuda__clock_launch(void *state, uint64_t seq, bool begin);
+static tsys_status tsys_cuda__clock_collect(void *state, void (*put)(void *p, uint64_t seq, double start_us, double dur_us), void *p);
+static void tsys_cuda__clock_end(void *state);
+
 static void tsys_cuda__state_free(tsys_cuda__state *st) {
     if (!st) return;
     cudaSetDevice(st->device);
@@ -3764,6 +3773,8 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
     b->event_release = tsys_cuda__event_release;
     b->set_stream = tsys_cuda__set_stream;
     tsys_ctx_set_backend(ctx, TSYS_CUDA, b);
+    tsys_profiler_device_clock clock = { tsys_cuda__clock_begin, tsys_cuda__clock_launch, tsys_cuda__clock_collect, tsys_cuda__clock_end };
+    tsys_profiler_set_device_clock(ctx, TSYS_CUDA, &clock);
     return TSYS_OK;
 }
 
@@ -3779,6 +3790,7 @@ TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st) return;
     tsys_cuda_set_nvtx(ctx, false);
+    tsys_profiler_set_device_clock(ctx, TSYS_CUDA, NULL);
     tsys_ctx_set_backend(ctx, TSYS_CUDA, &tsys_cuda__closed_backend);
     tsys_cuda__state_free(st);   // cudaFree's every block, live ones too
 }
@@ -3983,6 +3995,216 @@ TSYSDEF tsys_status tsys_cuda_set_nvtx(tsys_ctx *ctx, bool on) {
 TSYSDEF bool tsys_cuda_nvtx(tsys_ctx *ctx) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     return st && st->nvtx_on;
+}
+
+// >>profiler clock --------------------------------------------------------------------------------
+// Device times for tsys.h's profiler. CUPTI's activity API (what torch.profiler's Kineto uses) gives
+// every kernel's start and end; each tsys launch pushes its sequence number as an external
+// correlation id, so kernels map back to the op and phase that launched them. libcupti is loaded at
+// run time (dlopen), so binaries do not need it; without it (or when another profiler holds CUPTI,
+// which is process-wide) the clock falls back to a pair of cudaEvents around each launch.
+// TSYS_CUDA_NO_CUPTI leaves CUPTI out.
+
+typedef struct tsys_cuda__kernel_time { uint64_t seq; float ms; cudaEvent_t a, b; } tsys_cuda__kernel_time;
+
+#ifndef TSYS_CUDA_NO_CUPTI
+#include <dlfcn.h>
+#include <cupti.h>
+
+typedef struct tsys_cuda__cupti_api {
+    void *lib;
+    CUptiResult (*enable)(CUpti_ActivityKind);
+    CUptiResult (*disable)(CUpti_ActivityKind);
+    CUptiResult (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
+    CUptiResult (*flush_all)(uint32_t);
+    CUptiResult (*next_record)(uint8_t *, size_t, CUpti_Activity **);
+    CUptiResult (*push_ext)(CUpti_ExternalCorrelationKind, uint64_t);
+    CUptiResult (*pop_ext)(CUpti_ExternalCorrelationKind, uint64_t *);
+    CUptiResult (*timestamp)(uint64_t *);
+} tsys_cuda__cupti_api;
+
+typedef struct tsys_cuda__cupti_rec { uint32_t corr; uint64_t start, end; } tsys_cuda__cupti_rec;
+typedef struct tsys_cuda__cupti_ext { uint32_t corr; uint64_t seq; } tsys_cuda__cupti_ext;
+#endif
+
+typedef struct tsys_cuda__clock {
+    tsys_cuda__state *st;
+    bool cupti;
+    double host_minus_gpu_us;                  // CUPTI timestamps to the host clock
+    tsys_cuda__kernel_time *times; size_t num_times, cap_times;   // the event fallback
+#ifndef TSYS_CUDA_NO_CUPTI
+    tsys_cuda__cupti_api api;
+    tsys_cuda__cupti_rec *recs; size_t num_recs, cap_recs;
+    tsys_cuda__cupti_ext *exts; size_t num_exts, cap_exts;
+#endif
+} tsys_cuda__clock;
+
+static bool tsys_cuda__grow(void **arr, size_t *cap, size_t len, size_t elem) {
+    if (len < *cap) return true;
+    size_t c = *cap ? 2 * *cap : 4096;
+    void *a = TSYS_REALLOC(*arr, c * elem);
+    if (!a) return false;
+    *arr = a; *cap = c;
+    return true;
+}
+
+#ifndef TSYS_CUDA_NO_CUPTI
+// CUPTI delivers buffers to process-wide callbacks: the one clock that holds CUPTI receives them.
+static tsys_cuda__clock *tsys_cuda__cupti_owner;
+
+static void CUPTIAPI tsys_cuda__cupti_buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
+    *size = (size_t)8 << 20;
+    *buffer = (uint8_t *)TSYS_MALLOC(*size);   // malloc's alignment covers CUPTI's 8 bytes
+    if (!*buffer) *size = 0;
+    *max_records = 0;
+}
+
+static void CUPTIAPI tsys_cuda__cupti_buffer_completed(CUcontext c, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
+    (void)c; (void)stream; (void)size;
+    tsys_cuda__clock *k = tsys_cuda__cupti_owner;
+    CUpti_Activity *rec = NULL;
+    while (k && k->api.next_record(buffer, valid, &rec) == CUPTI_SUCCESS) {
+        if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
+            const CUpti_ActivityKernel10 *r = (const CUpti_ActivityKernel10 *)rec;
+            if (tsys_cuda__grow((void **)&k->recs, &k->cap_recs, k->num_recs, sizeof(*k->recs))) {
+                tsys_cuda__cupti_rec *o = &k->recs[k->num_recs++];
+                o->corr = r->correlationId; o->start = r->start; o->end = r->end;
+            }
+        } else if (rec->kind == CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION) {
+            const CUpti_ActivityExternalCorrelation *r = (const CUpti_ActivityExternalCorrelation *)rec;
+            if (r->externalKind == CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0 && tsys_cuda__grow((void **)&k->exts, &k->cap_exts, k->num_exts, sizeof(*k->exts))) {
+                k->exts[k->num_exts].corr = r->correlationId; k->exts[k->num_exts].seq = r->externalId; k->num_exts++;
+            }
+        }
+    }
+    TSYS_FREE(buffer);
+}
+
+static bool tsys_cuda__cupti_load(tsys_cuda__cupti_api *a) {
+    memset(a, 0, sizeof(*a));
+    const char *names[] = {"libcupti.so", "libcupti.so.13", "libcupti.so.12", "/usr/local/cuda/extras/CUPTI/lib64/libcupti.so", "/usr/local/cuda/lib64/libcupti.so"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]) && !a->lib; i++) a->lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!a->lib) return false;
+#define TSYS_CUDA__SYM(field, sym) *(void **)&a->field = dlsym(a->lib, sym)
+    TSYS_CUDA__SYM(enable, "cuptiActivityEnable"); TSYS_CUDA__SYM(disable, "cuptiActivityDisable");
+    TSYS_CUDA__SYM(register_callbacks, "cuptiActivityRegisterCallbacks"); TSYS_CUDA__SYM(flush_all, "cuptiActivityFlushAll");
+    TSYS_CUDA__SYM(next_record, "cuptiActivityGetNextRecord"); TSYS_CUDA__SYM(push_ext, "cuptiActivityPushExternalCorrelationId");
+    TSYS_CUDA__SYM(pop_ext, "cuptiActivityPopExternalCorrelationId"); TSYS_CUDA__SYM(timestamp, "cuptiGetTimestamp");
+#undef TSYS_CUDA__SYM
+    if (a->enable && a->disable && a->register_callbacks && a->flush_all && a->next_record && a->push_ext && a->pop_ext && a->timestamp) return true;
+    dlclose(a->lib);
+    a->lib = NULL;
+    return false;
+}
+
+static bool tsys_cuda__cupti_start(tsys_cuda__clock *k) {
+    if (tsys_cuda__cupti_owner || getenv("TSYS_NO_CUPTI") || !tsys_cuda__cupti_load(&k->api)) return false;
+    tsys_cuda__cupti_owner = k;
+    uint64_t ts = 0;
+    bool ok = k->api.register_callbacks(tsys_cuda__cupti_buffer_requested, tsys_cuda__cupti_buffer_completed) == CUPTI_SUCCESS &&
+              k->api.enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) == CUPTI_SUCCESS &&
+              k->api.enable(CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION) == CUPTI_SUCCESS && k->api.timestamp(&ts) == CUPTI_SUCCESS;
+    k->host_minus_gpu_us = tsys_time_us() - (double)ts * 1e-3;
+    if (!ok) { tsys_cuda__cupti_owner = NULL; dlclose(k->api.lib); k->api.lib = NULL; }
+    return ok;
+}
+#endif
+
+static void *tsys_cuda__clock_begin(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    tsys_cuda__clock *k = st ? (tsys_cuda__clock *)TSYS_MALLOC(sizeof(tsys_cuda__clock)) : NULL;
+    if (!k) return NULL;
+    memset(k, 0, sizeof(*k));
+    k->st = st;
+#ifndef TSYS_CUDA_NO_CUPTI
+    k->cupti = tsys_cuda__cupti_start(k);
+#endif
+    return k;
+}
+
+static void tsys_cuda__clock_launch(void *state, uint64_t seq, bool begin) {
+    tsys_cuda__clock *k = (tsys_cuda__clock *)state;
+    if (!k) return;
+#ifndef TSYS_CUDA_NO_CUPTI
+    if (k->cupti) {
+        uint64_t last;
+        if (begin) k->api.push_ext(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, seq);
+        else k->api.pop_ext(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, &last);
+        return;
+    }
+#endif
+    if (k->st->capturing) return;   // captured launches run later, in a replay
+    if (begin) {
+        if (!tsys_cuda__grow((void **)&k->times, &k->cap_times, k->num_times, sizeof(*k->times))) return;
+        tsys_cuda__kernel_time *t = &k->times[k->num_times];
+        t->seq = seq; t->ms = -1.0f;
+        if (cudaEventCreate(&t->a) != cudaSuccess) { (void)cudaGetLastError(); return; }
+        if (cudaEventCreate(&t->b) != cudaSuccess) { (void)cudaGetLastError(); cudaEventDestroy(t->a); return; }
+        cudaEventRecord(t->a, k->st->stream);
+        k->num_times++;
+    } else if (k->num_times && k->times[k->num_times - 1].seq == seq) {
+        cudaEventRecord(k->times[k->num_times - 1].b, k->st->stream);
+    }
+}
+
+static tsys_status tsys_cuda__clock_collect(void *state, void (*put)(void *p, uint64_t seq, double start_us, double dur_us), void *p) {
+    tsys_cuda__clock *k = (tsys_cuda__clock *)state;
+    if (!k) return TSYS_OK;
+#ifndef TSYS_CUDA_NO_CUPTI
+    if (k->cupti) {
+        k->api.flush_all(1);   // CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
+        // external ids by correlation id: sort, then look each kernel up
+        tsys_cuda__cupti_ext *e = k->exts;
+        size_t n = k->num_exts;
+        qsort(e, n, sizeof(*e), [](const void *x, const void *y) -> int {
+            uint32_t a = ((const tsys_cuda__cupti_ext *)x)->corr, b = ((const tsys_cuda__cupti_ext *)y)->corr;
+            return (a > b) - (a < b);
+        });
+        for (size_t i = 0; i < k->num_recs; i++) {
+            size_t lo = 0, hi = n;
+            while (lo < hi) { size_t mid = (lo + hi) / 2; if (e[mid].corr < k->recs[i].corr) lo = mid + 1; else hi = mid; }
+            if (lo == n || e[lo].corr != k->recs[i].corr) continue;   // a kernel tsys did not launch (a graph replay, say)
+            put(p, e[lo].seq, (double)k->recs[i].start * 1e-3 + k->host_minus_gpu_us, (double)(k->recs[i].end - k->recs[i].start) * 1e-3);
+        }
+        return TSYS_OK;
+    }
+#endif
+    for (size_t i = 0; i < k->num_times; i++) {
+        tsys_cuda__kernel_time *t = &k->times[i];
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, t->a, t->b) != cudaSuccess) { (void)cudaGetLastError(); continue; }
+        put(p, t->seq, -1.0, (double)ms * 1e3);
+    }
+    return TSYS_OK;
+}
+
+static void tsys_cuda__clock_end(void *state) {
+    tsys_cuda__clock *k = (tsys_cuda__clock *)state;
+    if (!k) return;
+#ifndef TSYS_CUDA_NO_CUPTI
+    if (k->cupti) {
+        k->api.disable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+        k->api.disable(CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION);
+        k->api.flush_all(1);
+        tsys_cuda__cupti_owner = NULL;
+    }
+    TSYS_FREE(k->recs); TSYS_FREE(k->exts);
+#endif
+    for (size_t i = 0; i < k->num_times; i++) { cudaEventDestroy(k->times[i].a); cudaEventDestroy(k->times[i].b); }
+    TSYS_FREE(k->times);
+    TSYS_FREE(k);
+}
+
+// Whether profiles of this context get their kernel times from CUPTI (else from events).
+TSYSDEF bool tsys_cuda_cupti_available(void) {
+#ifndef TSYS_CUDA_NO_CUPTI
+    tsys_cuda__cupti_api a;
+    if (!tsys_cuda__cupti_load(&a)) return false;
+    dlclose(a.lib);
+    return true;
+#else
+    return false;
+#endif
 }
 
 #endif // TSYS_CUDA_IMPLEMENTATION_INCLUDED
