@@ -143,6 +143,24 @@ typedef struct tsys_ctx tsys_ctx;
 typedef struct tsys_tensor tsys_tensor;
 typedef struct tsys__node tsys__node;
 
+// What an allocation holds. Storage starts in the category the context is set to when it is made
+// (tsys_mem_set_category; the library sets it for parameters, gradients and optimizer state) and a
+// temporary moves to "activations" when the autograd tape saves it for backward. Backends count
+// their own scratch and library workspaces (cuBLAS) as workspace.
+#define TSYS_MEM_CATEGORIES(X) \
+    X(PARAMETERS, "parameters") \
+    X(GRADIENTS, "gradients") \
+    X(OPTIMIZER, "optimizer state") \
+    X(ACTIVATIONS, "activations") \
+    X(TEMPORARY, "temporaries") \
+    X(WORKSPACE, "workspace")
+typedef enum tsys_mem_category {
+#define TSYS__X(e, name) TSYS_MEM_##e,
+    TSYS_MEM_CATEGORIES(TSYS__X)
+#undef TSYS__X
+    TSYS_MEM_CATEGORY_COUNT
+} tsys_mem_category;
+
 // Refcounted block of bytes on one device. Tensors are windows into a storage.
 typedef struct tsys_storage {
     tsys_ctx *ctx;
@@ -151,6 +169,8 @@ typedef struct tsys_storage {
     size_t bytes;
     int refcount;
     int tag;             // index into the tracker's tag table at allocation time
+    tsys_mem_category category;
+    int saved_by;        // tape nodes that keep it for backward (a temporary is an activation meanwhile)
 } tsys_storage;
 
 typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
@@ -187,13 +207,15 @@ typedef struct tsys_ctx_desc {
     uint64_t seed;
 } tsys_ctx_desc;
 
-// One entry of the memory timeline.
+// One entry of the memory timeline. A temporary saved for backward shows as two events of the same
+// time and opposite deltas (-bytes temporaries, +bytes activations): live does not change.
 typedef struct tsys_mem_event {
     double t_us;          // microseconds since the context was created
     int64_t delta;        // +bytes on allocation, -bytes on free
     int64_t live;         // live bytes on that device after the event
     int tag;
     tsys_device device;
+    tsys_mem_category category;
 } tsys_mem_event;
 
 // Memory tracker totals for one device.
@@ -202,6 +224,8 @@ typedef struct tsys_mem_stats {
     int64_t peak_bytes;
     int64_t num_allocs;
     int64_t num_frees;
+    int64_t category_bytes[TSYS_MEM_CATEGORY_COUNT];   // live now, by category (they add up to live_bytes)
+    int64_t peak_category_bytes[TSYS_MEM_CATEGORY_COUNT];   // the breakdown at the peak
 } tsys_mem_stats;
 
 // ---- backend interface: every device supplies these. The CPU backend is built in; the CUDA
@@ -327,7 +351,9 @@ typedef struct tsys_backend {
 typedef enum tsys_trace_kind {
     TSYS_TRACE_FORWARD,    // an op (name: "linear", "rmsnorm", ...)
     TSYS_TRACE_BACKWARD,   // the backward of one tape node (name: the op's)
-    TSYS_TRACE_RANGE       // a named range: tsys_trace_begin/end ("forward", "backward", "optimizer", ...)
+    TSYS_TRACE_RANGE,      // a named range: tsys_trace_begin/end ("forward", "backward", "optimizer", ...)
+    TSYS_TRACE_REGION      // a part of the model the library marks: "layers.3", "computing attention scores",
+                           // "computing softmax", "final matmul", "flash attention" (hooks only, no memory tag)
 } tsys_trace_kind;
 
 typedef struct tsys_trace_kernel {
@@ -394,6 +420,11 @@ TSYSDEF int tsys_mem_tag(tsys_ctx *ctx, const char *tag);          // interns a 
 TSYSDEF const char *tsys_mem_tag_name(const tsys_ctx *ctx, int tag);
 TSYSDEF int tsys_mem_num_tags(const tsys_ctx *ctx);
 TSYSDEF int tsys_mem_set_tag(tsys_ctx *ctx, int tag);               // sets the current tag, returns the previous
+TSYSDEF tsys_mem_category tsys_mem_set_category(tsys_ctx *ctx, tsys_mem_category c);   // for what is made next; returns the previous
+TSYSDEF const char *tsys_mem_category_name(tsys_mem_category c);
+// Bytes a backend holds outside tensor storage (kernel scratch, library workspaces): +bytes when
+// taken, -bytes when given back; they count in live bytes and peaks like storage.
+TSYSDEF void tsys_mem_note_external(tsys_ctx *ctx, tsys_device dev, tsys_mem_category c, int64_t delta);
 TSYSDEF int64_t tsys_mem_tag_bytes(const tsys_ctx *ctx, int tag, tsys_device dev);   // live bytes under a tag
 TSYSDEF const tsys_mem_event *tsys_mem_events(const tsys_ctx *ctx, size_t *count);
 TSYSDEF void tsys_mem_record_events(tsys_ctx *ctx, bool on);
@@ -718,6 +749,7 @@ typedef struct tsys__mem_tracker {
     int64_t tag_bytes[TSYS__MAX_TAGS][TSYS_DEVICE_COUNT];
     int num_tags;
     int cur_tag;
+    tsys_mem_category cur_category;
     bool record;
     tsys_mem_event *events;
     size_t num_events, cap_events;
@@ -916,22 +948,47 @@ TSYSDEF int64_t tsys_mem_tag_bytes(const tsys_ctx *ctx, int tag, tsys_device dev
     return (tag >= 0 && tag < ctx->mem.num_tags) ? ctx->mem.tag_bytes[tag][dev] : 0;
 }
 TSYSDEF tsys_mem_stats tsys_mem_stats_get(const tsys_ctx *ctx, tsys_device dev) { return ctx->mem.dev[dev]; }
-TSYSDEF void tsys_mem_reset_peak(tsys_ctx *ctx, tsys_device dev) { ctx->mem.dev[dev].peak_bytes = ctx->mem.dev[dev].live_bytes; }
+TSYSDEF void tsys_mem_reset_peak(tsys_ctx *ctx, tsys_device dev) {
+    tsys_mem_stats *s = &ctx->mem.dev[dev];
+    s->peak_bytes = s->live_bytes;
+    memcpy(s->peak_category_bytes, s->category_bytes, sizeof(s->category_bytes));
+}
 TSYSDEF const tsys_mem_event *tsys_mem_events(const tsys_ctx *ctx, size_t *count) { *count = ctx->mem.num_events; return ctx->mem.events; }
 TSYSDEF void tsys_mem_record_events(tsys_ctx *ctx, bool on) { ctx->mem.record = on; }
 TSYSDEF void tsys_mem_clear_events(tsys_ctx *ctx) { ctx->mem.num_events = 0; }
 
-static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, int64_t delta) {
+TSYSDEF const char *tsys_mem_category_name(tsys_mem_category c) {
+    static const char *names[TSYS_MEM_CATEGORY_COUNT] = {
+#define TSYS__X(e, name) name,
+        TSYS_MEM_CATEGORIES(TSYS__X)
+#undef TSYS__X
+    };
+    return (unsigned)c < TSYS_MEM_CATEGORY_COUNT ? names[c] : "?";
+}
+TSYSDEF tsys_mem_category tsys_mem_set_category(tsys_ctx *ctx, tsys_mem_category c) {
+    tsys_mem_category old = ctx->mem.cur_category;
+    ctx->mem.cur_category = c;
+    return old;
+}
+
+// Every change of live bytes: totals, tags, categories, the peak (with its breakdown), the hooks and
+// the timeline. counted = an allocation or a free (not a change of category).
+static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta, bool counted) {
     tsys__mem_tracker *m = &ctx->mem;
     tsys_mem_stats *s = &m->dev[dev];
     s->live_bytes += delta;
-    if (delta > 0) s->num_allocs++; else s->num_frees++;
-    if (s->live_bytes > s->peak_bytes) s->peak_bytes = s->live_bytes;
+    s->category_bytes[cat] += delta;
+    if (counted && delta > 0) s->num_allocs++;
+    else if (counted) s->num_frees++;
+    if (s->live_bytes > s->peak_bytes) {
+        s->peak_bytes = s->live_bytes;
+        memcpy(s->peak_category_bytes, s->category_bytes, sizeof(s->category_bytes));
+    }
     m->tag_bytes[tag][dev] += delta;
     if (!m->record && !ctx->trace.mem) return;
     tsys_mem_event ev;
     ev.t_us = tsys_time_us() - ctx->t0_us;
-    ev.delta = delta; ev.live = s->live_bytes; ev.tag = tag; ev.device = dev;
+    ev.delta = delta; ev.live = s->live_bytes; ev.tag = tag; ev.device = dev; ev.category = cat;
     if (ctx->trace.mem) ctx->trace.mem(ctx, &ev, ctx->trace.user);
     if (!m->record) return;
     if (m->num_events == m->cap_events) {
@@ -941,6 +998,23 @@ static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, int64_t delt
         m->events = e; m->cap_events = cap;
     }
     m->events[m->num_events++] = ev;
+}
+static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta) { tsys__mem_change(ctx, dev, tag, cat, delta, true); }
+TSYSDEF void tsys_mem_note_external(tsys_ctx *ctx, tsys_device dev, tsys_mem_category c, int64_t delta) {
+    if (ctx && (unsigned)dev < TSYS_DEVICE_COUNT && (unsigned)c < TSYS_MEM_CATEGORY_COUNT && delta) tsys__mem_note(ctx, dev, ctx->mem.cur_tag, c, delta);
+}
+// A temporary is an activation while the tape keeps it for backward (saved = +1 when a node saves
+// it, -1 when the node lets go), and a temporary again after.
+static void tsys__mem_recategorize(tsys_ctx *ctx, tsys_storage *st, tsys_mem_category to) {
+    tsys__mem_change(ctx, st->device, st->tag, st->category, -(int64_t)st->bytes, false);
+    tsys__mem_change(ctx, st->device, st->tag, to, (int64_t)st->bytes, false);
+    st->category = to;
+}
+static void tsys__mem_saved(tsys_ctx *ctx, tsys_storage *st, int saved) {
+    if (!st) return;
+    st->saved_by += saved;
+    if (saved > 0 && st->saved_by == 1 && st->category == TSYS_MEM_TEMPORARY) tsys__mem_recategorize(ctx, st, TSYS_MEM_ACTIVATIONS);
+    else if (saved < 0 && st->saved_by == 0 && st->category == TSYS_MEM_ACTIVATIONS) tsys__mem_recategorize(ctx, st, TSYS_MEM_TEMPORARY);
 }
 
 static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t bytes) {
@@ -960,8 +1034,8 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
                    (long long)ctx->mem.dev[dev].live_bytes);
         return NULL;
     }
-    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag;
-    tsys__mem_note(ctx, dev, s->tag, (int64_t)asked);
+    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category;
+    tsys__mem_note(ctx, dev, s->tag, s->category, (int64_t)asked);
     return s;
 }
 
@@ -969,7 +1043,7 @@ static void tsys__storage_release(tsys_storage *s) {
     if (!s || --s->refcount > 0) return;
     tsys_ctx *ctx = s->ctx;
     ctx->backends[s->device]->free(ctx, s->data, s->bytes);
-    tsys__mem_note(ctx, s->device, s->tag, -(int64_t)s->bytes);
+    tsys__mem_note(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes);
     TSYS_FREE(s);
 }
 
@@ -1957,6 +2031,7 @@ TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc) {
     ctx->mem.record = d.record_events;
     tsys_rng_seed(ctx, d.seed ? d.seed : 0x5eed);
     ctx->mem.cur_tag = tsys_mem_tag(ctx, "other");
+    ctx->mem.cur_category = TSYS_MEM_TEMPORARY;
     for (int i = 0; i < TSYS__OP_COUNT; i++) ctx->op_tags[i] = tsys_mem_tag(ctx, tsys__op_names[i]);
     return ctx;
 }
@@ -2038,6 +2113,8 @@ static void tsys__scope_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kin
     if (ctx->trace.op_end) ctx->trace.op_end(ctx, name, kind, ctx->trace.user);
     tsys_mem_set_tag(ctx, old_tag);
 }
+static void tsys__region_begin(tsys_ctx *ctx, const char *name) { if (ctx->trace.op_begin) ctx->trace.op_begin(ctx, name, TSYS_TRACE_REGION, ctx->trace.user); }
+static void tsys__region_end(tsys_ctx *ctx, const char *name) { if (ctx->trace.op_end) ctx->trace.op_end(ctx, name, TSYS_TRACE_REGION, ctx->trace.user); }
 static int tsys__op_begin(tsys_ctx *ctx, tsys__op op) { return tsys__scope_begin(ctx, tsys__op_names[op], ctx->op_tags[op], TSYS_TRACE_FORWARD); }
 static void tsys__op_end(tsys_ctx *ctx, tsys__op op, int old_tag) { tsys__scope_end(ctx, tsys__op_names[op], TSYS_TRACE_FORWARD, old_tag); }
 
@@ -2155,7 +2232,10 @@ static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, ts
         if (x->grad_fn) s->node = x->grad_fn;
         else { s->leaf = tsys_tensor_retain(x); x->tape_uses++; }
     }
-    for (int i = 0; i < n_saved; i++) node->saved[i] = tsys_tensor_retain(saved[i]);
+    for (int i = 0; i < n_saved; i++) {
+        node->saved[i] = tsys_tensor_retain(saved[i]);
+        if (saved[i]) tsys__mem_saved(ctx, saved[i]->storage, +1);
+    }
     node->n_saved = n_saved;
     node->out = out;
     node->out_dtype = out->dtype; node->out_ndim = out->ndim;
@@ -2169,7 +2249,10 @@ static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, ts
 // Lets go of a node: saved values, its output gradient, and the leaves' pending uses (firing the
 // gradient-ready hook of a leaf whose last use this was).
 static void tsys__node_free(tsys_ctx *ctx, tsys__node *node) {
-    for (int i = 0; i < node->n_saved; i++) tsys_tensor_release(node->saved[i]);
+    for (int i = 0; i < node->n_saved; i++) {
+        if (node->saved[i]) tsys__mem_saved(ctx, node->saved[i]->storage, -1);
+        tsys_tensor_release(node->saved[i]);
+    }
     tsys_tensor_release(node->gout);
     if (node->out) { node->out->grad_fn = NULL; node->out->requires_grad = false; }
     for (int i = 0; i < node->n_in; i++) {
@@ -2195,7 +2278,9 @@ static tsys_tensor *tsys__leaf_grad_for_write(tsys_ctx *ctx, tsys_tensor *leaf, 
     *overwrite = false;
     if (!leaf->grad) {
         int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
+        tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
         leaf->grad = tsys__new_like(ctx, leaf, leaf->dtype);
+        tsys_mem_set_category(ctx, cat);
         tsys_mem_set_tag(ctx, tag);
         if (!leaf->grad) return NULL;
         tsys_tensor_set_name(leaf->grad, "%s.grad", leaf->name);
@@ -2330,7 +2415,9 @@ static tsys_tensor *tsys__autocast_weight(tsys_ctx *ctx, tsys_tensor *w, tsys_dt
         ctx->ac_cap = cap;
     }
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "autocast weights"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);   // low-precision copies of them, for the step
     tsys_tensor *low = tsys__cast_raw(ctx, w, dt);
+    tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
     if (!low) return NULL;
     tsys_tensor_set_name(low, "%s.%s", w->name, tsys_dtype_name(dt));
@@ -2656,10 +2743,16 @@ TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x) {
 TSYSDEF tsys_tensor *tsys_attention_naive(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal) {
     if (!q || !k || !v) return NULL;
     float scale = 1.0f / sqrtf((float)tsys__last_dim(q));
-    tsys_tensor *s = tsys_matmul(ctx, q, k, true);          // "computing attention scores"
-    tsys_tensor *p = tsys_softmax(ctx, s, scale, causal);    // "computing softmax"
+    tsys__region_begin(ctx, "computing attention scores");
+    tsys_tensor *s = tsys_matmul(ctx, q, k, true);
+    tsys__region_end(ctx, "computing attention scores");
+    tsys__region_begin(ctx, "computing softmax");
+    tsys_tensor *p = tsys_softmax(ctx, s, scale, causal);
+    tsys__region_end(ctx, "computing softmax");
     tsys_tensor_release(s);
-    tsys_tensor *o = tsys_matmul(ctx, p, v, false);          // "final matmul"
+    tsys__region_begin(ctx, "final matmul");
+    tsys_tensor *o = tsys_matmul(ctx, p, v, false);
+    tsys__region_end(ctx, "final matmul");
     tsys_tensor_release(p);
     return o;
 }
@@ -3001,6 +3094,7 @@ struct tsys_model {
     tsys_tensor **params;                    // parameters() order
     int num_tensors;
     tsys__layer *layers;
+    char (*layer_names)[24];                 // "layers.3": the model's regions for the trace hooks
     tsys_tensor *emb, *ln_final, *lm_head;
 };
 
@@ -3130,13 +3224,18 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
     int ntensors = 3 + 9 * d.num_layers;
     m->params = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)ntensors);
     m->layers = (tsys__layer *)TSYS_MALLOC(sizeof(tsys__layer) * (size_t)d.num_layers);
+    m->layer_names = (char (*)[24])TSYS_MALLOC(sizeof(*m->layer_names) * (size_t)d.num_layers);
+    for (int l = 0; m->layer_names && l < d.num_layers; l++) snprintf(m->layer_names[l], sizeof(m->layer_names[l]), "layers.%d", l);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
-    m->flat_params = (m->params && m->layers) ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+    m->flat_params = (m->params && m->layers && m->layer_names) ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
     tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
+    tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
     m->flat_grads = m->flat_params ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
+    tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
     if (!m->flat_grads) {
-        if (!m->params || !m->layers) TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model");
+        if (!m->params || !m->layers || !m->layer_names) TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model");
         tsys_model_free(m);
         return NULL;
     }
@@ -3176,6 +3275,7 @@ TSYSDEF void tsys_model_free(tsys_model *m) {
     tsys_tensor_release(m->flat_grads);
     TSYS_FREE(m->params);
     TSYS_FREE(m->layers);
+    TSYS_FREE(m->layer_names);
     TSYS_FREE(m);
 }
 
@@ -3217,8 +3317,10 @@ static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, t
         }
     }
     bool flash = strcmp(m->desc.attn, "flash") == 0;
+    if (flash) tsys__region_begin(ctx, "flash attention");
     tsys_tensor *a = flash ? tsys_flash_attention(ctx, heads[0], heads[1], heads[2], true, NULL)
                            : tsys_attention_naive(ctx, heads[0], heads[1], heads[2], true);
+    if (flash) tsys__region_end(ctx, "flash attention");
     for (int j = 0; j < 3; j++) tsys_tensor_release(heads[j]);
     tsys_tensor *at = tsys_transpose12(ctx, a);   // (B, T, H, dh)
     tsys_tensor_release(a);
@@ -3259,8 +3361,10 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
     int64_t B = ids->shape[0], T = ids->shape[1];
     tsys_tensor *x = tsys_embedding(ctx, m->emb, ids);
     for (int l = 0; l < m->desc.num_layers; l++) {
+        tsys__region_begin(ctx, m->layer_names[l]);
         x = tsys__residual(m, &m->layers[l], x, true, B, T);
         x = tsys__residual(m, &m->layers[l], x, false, B, T);
+        tsys__region_end(ctx, m->layer_names[l]);
     }
     tsys_tensor *h = tsys_rmsnorm(ctx, x, m->ln_final, m->desc.eps);
     tsys_tensor_release(x);
@@ -3329,12 +3433,14 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += tsys_tensor_numel(params[i]);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer state"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_OPTIMIZER);
     tsys_device dev = n ? params[0]->device : TSYS_CPU;
     o->m = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
     o->v = o->m ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total) : NULL;
-    tsys_mem_set_tag(ctx, tag);
     int64_t one = 1, zero = 0;
     o->step_t = o->v ? tsys_tensor_from_data(ctx, TSYS_I64, dev, 1, &one, &zero) : NULL;
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
     if (!o->step_t || tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK) { tsys_optim_free(o); return NULL; }
     return o;
 }
@@ -3747,7 +3853,7 @@ static tsys__prof_row *tsys__prof_row_for(tsys__prof_row *rows, int *n, int name
     return r;
 }
 
-static const char *tsys__prof_kind_suffix(int kind) { return kind == TSYS_TRACE_BACKWARD ? " (backward)" : kind == TSYS_TRACE_RANGE ? " [range]" : ""; }
+static const char *tsys__prof_kind_suffix(int kind) { return kind == TSYS_TRACE_BACKWARD ? " (backward)" : kind == TSYS_TRACE_RANGE ? " [range]" : kind == TSYS_TRACE_REGION ? " [region]" : ""; }
 
 TSYSDEF void tsys_profiler_print_ops(const tsys_profiler *p, FILE *f, int max_rows) {
     int cap = 3 * TSYS__PROF_MAX_NAMES, n = 0;
@@ -3829,7 +3935,7 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
         fprintf(f, ",\n{\"name\": ");
         tsys__json_str(f, p->names[sp->name]);
         fprintf(f, ", \"cat\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 1, \"tid\": 1}",
-                sp->kind == TSYS_TRACE_RANGE ? "range" : sp->kind == TSYS_TRACE_BACKWARD ? "backward" : "op", sp->t0, sp->t1 - sp->t0);
+                sp->kind == TSYS_TRACE_RANGE ? "range" : sp->kind == TSYS_TRACE_REGION ? "region" : sp->kind == TSYS_TRACE_BACKWARD ? "backward" : "op", sp->t0, sp->t1 - sp->t0);
     }
     for (size_t i = 0; i < p->num_kernels; i++) {
         const tsys__prof_kernel *k = &p->kernels[i];

@@ -2365,8 +2365,21 @@ static void tsys_cuda__free(tsys_ctx *ctx, void *ptr, size_t bytes) {
 
 // Scratch memory for kernels (reduction partials, sort buffers): same allocator, never tracked by
 // tsys's memory tracker (like cuBLAS workspace).
-static void *tsys_cuda__scratch(tsys_cuda__state *st, size_t bytes) { return tsys_cuda__alloc(st->ctx, bytes); }
-static void tsys_cuda__scratch_free(tsys_cuda__state *st, void *p) { tsys_cuda__free(st->ctx, p, 0); }
+// Kernel scratch: blocks of the caching allocator outside tensor storage, counted as workspace in
+// the memory tracker (by their size class, what they hold of the device).
+static size_t tsys_cuda__block_size(tsys_cuda__state *st, void *p) {
+    uint64_t bi;
+    return p && tsys_cuda__map_get(&st->by_ptr, (uint64_t)(uintptr_t)p, &bi) ? st->blocks[bi].size : 0;
+}
+static void *tsys_cuda__scratch(tsys_cuda__state *st, size_t bytes) {
+    void *p = tsys_cuda__alloc(st->ctx, bytes);
+    tsys_mem_note_external(st->ctx, TSYS_CUDA, TSYS_MEM_WORKSPACE, (int64_t)tsys_cuda__block_size(st, p));
+    return p;
+}
+static void tsys_cuda__scratch_free(tsys_cuda__state *st, void *p) {
+    tsys_mem_note_external(st->ctx, TSYS_CUDA, TSYS_MEM_WORKSPACE, -(int64_t)tsys_cuda__block_size(st, p));
+    tsys_cuda__free(st->ctx, p, 0);
+}
 
 // >>device helpers --------------------------------------------------------------------------------
 
@@ -3695,6 +3708,10 @@ static tsys_stream tsys_cuda__set_stream(tsys_ctx *ctx, tsys_stream s) {
 
 // >>init ------------------------------------------------------------------------------------------
 
+// What the backend holds for its whole life outside the allocator: the cuBLASLt workspace and the
+// reduction partials (counted as workspace in the memory tracker).
+static size_t tsys_cuda__fixed_workspace(const tsys_cuda__state *st) { return st->workspace_bytes + TSYS_CUDA__MAX_PARTIALS * sizeof(float); }
+
 // the profiler clock (>>profiler clock) that init registers
 static void *tsys_cuda__clock_begin(tsys_ctx *ctx);
 static void tsys_cuda__clock_launch(void *state, uint64_t seq, bool begin);
@@ -3775,6 +3792,7 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
     tsys_ctx_set_backend(ctx, TSYS_CUDA, b);
     tsys_profiler_device_clock clock = { tsys_cuda__clock_begin, tsys_cuda__clock_launch, tsys_cuda__clock_collect, tsys_cuda__clock_end };
     tsys_profiler_set_device_clock(ctx, TSYS_CUDA, &clock);
+    tsys_mem_note_external(ctx, TSYS_CUDA, TSYS_MEM_WORKSPACE, (int64_t)tsys_cuda__fixed_workspace(st));
     return TSYS_OK;
 }
 
@@ -3791,6 +3809,7 @@ TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx) {
     if (!st) return;
     tsys_cuda_set_nvtx(ctx, false);
     tsys_profiler_set_device_clock(ctx, TSYS_CUDA, NULL);
+    tsys_mem_note_external(ctx, TSYS_CUDA, TSYS_MEM_WORKSPACE, -(int64_t)tsys_cuda__fixed_workspace(st));
     tsys_ctx_set_backend(ctx, TSYS_CUDA, &tsys_cuda__closed_backend);
     tsys_cuda__state_free(st);   // cudaFree's every block, live ones too
 }

@@ -81,6 +81,11 @@ TSYS_TEST(profiler_lists_every_op_and_phase) {
         TEST_CHECK(bwd == tape[op], "%s: %d backward calls profiled, %d nodes on the tape", tsys__op_names[op], bwd, tape[op]);
     }
     TEST_CHECK(tape[TSYS__OP_LINEAR] == 2 * 7 + 1, "linear nodes %d", tape[TSYS__OP_LINEAR]);
+    // the model marks its layers and the parts of attention (the report's names)
+    TEST_CHECK(tsys_profiler_op_calls(p, "layers.1", TSYS_TRACE_REGION) == 1, "region layers.1: %d", tsys_profiler_op_calls(p, "layers.1", TSYS_TRACE_REGION));
+    const char *parts[3] = {"computing attention scores", "computing softmax", "final matmul"};
+    for (int i = 0; i < 3; i++)
+        TEST_CHECK(tsys_profiler_op_calls(p, parts[i], TSYS_TRACE_REGION) == 2, "region '%s': %d, expected one per layer", parts[i], tsys_profiler_op_calls(p, parts[i], TSYS_TRACE_REGION));
     double f = tsys_profiler_kernel_ms(p, "forward"), b = tsys_profiler_kernel_ms(p, "backward"), o = tsys_profiler_kernel_ms(p, "optimizer"), all = tsys_profiler_kernel_ms(p, NULL);
     TEST_CHECK(f > 0 && b > 0 && o > 0, "phase kernel times %g %g %g", f, b, o);
     TEST_CHECK(fabs(f + b + o - all) <= 0.05 * all + 0.05, "phases %g + %g + %g vs all kernels %g (only tsys_item is outside)", f, b, o, all);
@@ -139,6 +144,57 @@ TSYS_TEST(profiling_changes_no_result) {
         tsys_ctx_free(ctx);
     }
     for (int i = 0; i < 3; i++) TEST_CHECK(loss[0][i] == loss[1][i], "step %d: loss %.9g unprofiled, %.9g profiled", i, loss[0][i], loss[1][i]);
+}
+
+// ---- memory categories ----------------------------------------------------------------------
+
+static int64_t g_cat_live[TSYS_MEM_CATEGORY_COUNT];
+static int g_cat_mismatch, g_cat_events;
+static void cat_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *u) {
+    (void)u;
+    g_cat_live[e->category] += e->delta;
+    g_cat_events++;
+    int64_t sum = 0;
+    for (int c = 0; c < TSYS_MEM_CATEGORY_COUNT; c++) sum += g_cat_live[c];
+    tsys_mem_stats st = tsys_mem_stats_get(ctx, e->device);
+    for (int c = 0; c < TSYS_MEM_CATEGORY_COUNT; c++) g_cat_mismatch += st.category_bytes[c] != g_cat_live[c];
+    g_cat_mismatch += sum != e->live;
+}
+
+TSYS_TEST(memory_categories_add_up_and_return_to_the_model_state) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_trace_hooks h;
+    memset(&h, 0, sizeof(h));
+    h.mem = cat_mem;
+    tsys_ctx_set_trace_hooks(ctx, &h);
+    memset(g_cat_live, 0, sizeof(g_cat_live));
+    g_cat_mismatch = g_cat_events = 0;
+    tsys_model *m = tiny_model(ctx);
+    tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+    int64_t sid[2] = {2, 8};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, sid);
+    tsys_tensor_randint(ctx, ids, 40);
+    int64_t pbytes = tsys_model_num_params(m) * 4;
+    tsys_mem_reset_peak(ctx, TSYS_CPU);
+    step(ctx, m, opt, ids, NULL);
+    tsys_mem_stats st = tsys_mem_stats_get(ctx, TSYS_CPU);
+    TEST_CHECK(g_cat_events > 50 && g_cat_mismatch == 0, "%d of %d events where categories do not add up to live bytes", g_cat_mismatch, g_cat_events);
+    TEST_CHECK(st.category_bytes[TSYS_MEM_PARAMETERS] == pbytes && st.category_bytes[TSYS_MEM_GRADIENTS] == pbytes,
+               "parameters %lld, gradients %lld, expected %lld each", (long long)st.category_bytes[TSYS_MEM_PARAMETERS], (long long)st.category_bytes[TSYS_MEM_GRADIENTS], (long long)pbytes);
+    TEST_CHECK(st.category_bytes[TSYS_MEM_OPTIMIZER] == 2 * pbytes + 8, "optimizer state %lld, expected m, v and the step count", (long long)st.category_bytes[TSYS_MEM_OPTIMIZER]);
+    int64_t ids_bytes = 2 * 8 * 4;
+    TEST_CHECK(st.live_bytes == 4 * pbytes + 8 + ids_bytes, "after the step live %lld, expected params + grads + optimizer state + ids = %lld",
+               (long long)st.live_bytes, (long long)(4 * pbytes + 8 + ids_bytes));
+    TEST_CHECK(st.category_bytes[TSYS_MEM_ACTIVATIONS] == 0, "activations left after backward: %lld", (long long)st.category_bytes[TSYS_MEM_ACTIVATIONS]);
+    TEST_CHECK(st.peak_category_bytes[TSYS_MEM_ACTIVATIONS] > 0, "no activations at the peak");
+    int64_t peak_sum = 0;
+    for (int c = 0; c < TSYS_MEM_CATEGORY_COUNT; c++) peak_sum += st.peak_category_bytes[c];
+    TEST_CHECK(peak_sum == st.peak_bytes, "the peak's breakdown sums to %lld, the peak is %lld", (long long)peak_sum, (long long)st.peak_bytes);
+    tsys_tensor_release(ids);
+    tsys_optim_free(opt);
+    tsys_model_free(m);
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after releasing everything");
+    tsys_ctx_free(ctx);
 }
 
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
