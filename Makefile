@@ -1,6 +1,9 @@
 # tsys - build, test and benchmark.
 #   make            CPU drivers (build/e2e, build/precision, build/attn)
-#   make test       CPU tests (what CI runs); also compiles the CUDA code when nvcc is present
+#   make test       CPU tests (what CI runs): the tests, the drivers' tests, the same again under
+#                   ASan+UBSan (build/asan/), and the libFuzzer harnesses for FUZZ_SECONDS each when
+#                   clang is present; also compiles the CUDA code when nvcc is present
+#   make fuzz       the libFuzzer harnesses only (FUZZ_SECONDS each, default 60)
 #   make cuda       CUDA drivers (build/e2e_cuda ...), on a machine with nvcc
 #   make test-cuda  CUDA tests (needs a GPU)
 #   make bench      ./bench.sh
@@ -14,8 +17,10 @@ BLAS_LIBFILE := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libopenblas.so 
 BLAS_INC ?= $(if $(BLAS_LIBFILE),$(firstword $(wildcard /usr/include/x86_64-linux-gnu/cblas.h /usr/include/openblas/cblas.h /usr/include/cblas.h)))
 CPPFLAGS += -I. $(if $(BLAS_INC),-I$(dir $(BLAS_INC)),-DTSYS_NO_CBLAS)
 BLAS_LIB = $(if $(BLAS_INC),-lopenblas)
+# CFLAGS is yours (make CFLAGS=-O0 ...); what the code needs (C11, OpenMP threads, warnings) is in
+# TSYS_CFLAGS, which every C compile uses before CFLAGS, so overriding CFLAGS cannot drop it.
 CFLAGS  ?= -O2 -march=native
-CFLAGS  += -std=c11 -fopenmp -Wall -Wextra
+TSYS_CFLAGS = -std=c11 -fopenmp -Wall -Wextra
 LDLIBS  += $(BLAS_LIB) -lm
 # sm_90a: the FlashAttention kernels use Hopper wgmma (they fall back to mma.sync elsewhere)
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_90,code=compute_90
@@ -27,8 +32,39 @@ CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn
 CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention $(BUILD)/test_hooks $(BUILD)/test_guards $(BUILD)/test_profiler
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-.PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean
+# Sanitizer stage: the CPU tests and drivers again with ASan + UBSan (gcc's; OpenMP stays on).
+ASAN     = $(BUILD)/asan
+SANFLAGS = -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+ASAN_DRIVERS = $(patsubst $(BUILD)/%,$(ASAN)/%,$(CPU_DRIVERS))
+ASAN_TESTS = $(patsubst $(BUILD)/%,$(ASAN)/%,$(CPU_TESTS))
+# allocator_may_return_null: a huge malloc returns NULL (the out-of-memory paths run) instead of
+# aborting; leaks are reported (tests/lsan.supp: none is suppressed today, and why not libgomp whole).
+SAN_ENV = ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:abort_on_error=0 \
+          LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0 \
+          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+
+# libFuzzer harnesses (tests/fuzz/): built with clang when it has the fuzzer runtime.
+CLANG   ?= clang
+FUZZ    = $(BUILD)/fuzz
+FUZZ_SECONDS ?= 60
+export FUZZ_SECONDS
+# (no -fopenmp: Debian's clang would need libomp; the pragmas are ignored, the code runs on one
+# thread. Without it, -std=c11 hides POSIX from tsys.h, hence _POSIX_C_SOURCE here.)
+FUZZ_CFLAGS = -std=c11 -D_POSIX_C_SOURCE=200809L -g -O1 -fno-sanitize-recover=undefined -Wall -Wextra -Wno-unknown-pragmas
+FUZZ_SAN = address,undefined
+HAVE_FUZZ := $(shell printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; return (int)n * 0; }\n' | \
+               $(CLANG) -fsanitize=fuzzer -x c - -o /dev/null >/dev/null 2>&1 && echo yes)
+FUZZERS = $(FUZZ)/fuzz_safetensors $(FUZZ)/fuzz_flags
+FUZZ_RUNS = $(FUZZ)/run_fuzz_safetensors $(FUZZ)/run_fuzz_flags
+
+# Everything run-tests runs; each prints "N passed, N failed" last.
+ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ_RUNS))
+
+.PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
+# No intermediate file is deleted after a build (the CUDA objects of a chain, which make would
+# otherwise remove after the test summary, and which a rebuild needs).
+.SECONDARY:
 
 all: $(CPU_DRIVERS)
 
@@ -46,13 +82,49 @@ else
 endif
 
 $(BUILD)/%: drivers/%.c $(HEADERS) | $(BUILD)
-	$(CC) $(CPPFLAGS) $(CFLAGS) $< -o $@ $(LDLIBS)
+	$(CC) $(CPPFLAGS) $(TSYS_CFLAGS) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 $(BUILD)/test_%: tests/test_%.c tests/harness.h tests/test_util.h $(HEADERS) | $(BUILD)
-	$(CC) $(CPPFLAGS) $(CFLAGS) $< -o $@ $(LDLIBS)
+	$(CC) $(CPPFLAGS) $(TSYS_CFLAGS) $(CFLAGS) $< -o $@ $(LDLIBS)
 
-$(BUILD):
-	mkdir -p $(BUILD)
+# The driver tests (tests/test_drivers.sh) against one build of the drivers; the build tests
+# (tests/test_build.sh) check this Makefile itself.
+$(BUILD)/test_drivers: tests/test_drivers.sh $(CPU_DRIVERS) | $(BUILD)
+	printf '#!/bin/sh\nexec tests/test_drivers.sh $(BUILD)\n' > $@ && chmod +x $@
+$(BUILD)/test_build: tests/test_build.sh | $(BUILD)
+	printf '#!/bin/sh\nexec tests/test_build.sh\n' > $@ && chmod +x $@
+
+$(ASAN)/%: drivers/%.c $(HEADERS) | $(ASAN)
+	$(CC) $(CPPFLAGS) $(TSYS_CFLAGS) $(SANFLAGS) $< -o $@ $(LDLIBS)
+$(ASAN)/test_%: tests/test_%.c tests/harness.h tests/test_util.h $(HEADERS) | $(ASAN)
+	$(CC) $(CPPFLAGS) $(TSYS_CFLAGS) $(SANFLAGS) $< -o $@ $(LDLIBS)
+$(ASAN)/test_drivers: tests/test_drivers.sh $(ASAN_DRIVERS) | $(ASAN)
+	printf '#!/bin/sh\nexec tests/test_drivers.sh $(ASAN)\n' > $@ && chmod +x $@
+asan: $(ASAN_TESTS) $(ASAN_DRIVERS) $(ASAN)/test_drivers
+
+# The drivers' flag parsers for fuzz_flags: each driver compiled on its own with main renamed and
+# the library private to it (TSYS_STATIC), so the three link into one harness.
+$(FUZZ)/driver_%.o: drivers/%.c $(HEADERS) | $(FUZZ)
+	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link,$(FUZZ_SAN) -DTSYS_STATIC -Dmain=$*_main -c $< -o $@
+$(FUZZ)/fuzz_flags: tests/fuzz/fuzz_flags.c $(FUZZ)/driver_e2e.o $(FUZZ)/driver_attn.o $(FUZZ)/driver_precision.o | $(FUZZ)
+	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer,$(FUZZ_SAN) $^ -o $@ $(LDLIBS)
+$(FUZZ)/fuzz_safetensors: tests/fuzz/fuzz_safetensors.c $(HEADERS) | $(FUZZ)
+	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer,$(FUZZ_SAN) $< -o $@ $(LDLIBS)
+# A bounded run: new inputs go to build/fuzz/corpus_<name> (the committed seeds in
+# tests/fuzz/corpus/<name> stay as they are); a crash lands in build/fuzz/ and fails the run:
+# copy it into tests/fuzz/corpus/<name>/ as a regression seed when you fix it.
+$(FUZZ)/run_%: $(FUZZ)/% tests/fuzz/run_fuzzer.sh | $(FUZZ)
+	printf '#!/bin/sh\nexec tests/fuzz/run_fuzzer.sh $(FUZZ) $*\n' > $@ && chmod +x $@
+fuzz-build: $(FUZZERS) $(FUZZ_RUNS)
+fuzz: fuzz-build
+	@for r in $(FUZZ_RUNS); do $$r || exit 1; done
+# Regenerates the safetensors seeds (tests/fuzz/make_seeds.c writes them with tsys_safetensors_save).
+fuzz-seeds: | $(FUZZ)
+	$(CC) $(CPPFLAGS) $(TSYS_CFLAGS) $(CFLAGS) tests/fuzz/make_seeds.c -o $(FUZZ)/make_seeds $(LDLIBS)
+	$(FUZZ)/make_seeds tests/fuzz/corpus
+
+$(BUILD) $(ASAN) $(FUZZ):
+	mkdir -p $@
 
 test: deps
 	@$(MAKE) --no-print-directory run-tests
@@ -65,15 +137,17 @@ header-check: | $(BUILD)
 	$(CC) $(CPPFLAGS) -std=c11 -fopenmp -Wall -Wextra -Werror -DTSYS_STATIC -c $(BUILD)/header_check.c -o $(BUILD)/header_check_static.o
 	$(if $(HAVE_NVCC),$(NVCC_HEADER_CHECK))
 
-# Runs every CPU test binary; the last line is the sum over all of them.
-run-tests: header-check $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
-	@pass=0; fail=0; for t in $(CPU_TESTS); do \
-	  echo "== $$t"; $$t > $(BUILD)/$$(basename $$t).log 2>&1; rc=$$?; cat $(BUILD)/$$(basename $$t).log; \
-	  line=$$(tail -n 1 $(BUILD)/$$(basename $$t).log); \
+# Runs every test program; the last line is the sum over all of them.
+run-tests: header-check $(ALL_TESTS) $(if $(HAVE_NVCC),cuda-compile)
+	@pass=0; fail=0; for t in $(ALL_TESTS); do \
+	  echo "== $$t"; $(SAN_ENV) $$t > $$t.log 2>&1; rc=$$?; cat $$t.log; \
+	  line=$$(tail -n 1 $$t.log); \
 	  p=$$(echo "$$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$$/\1/p'); \
 	  f=$$(echo "$$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$$/\2/p'); \
-	  if [ -z "$$p" ]; then p=0; f=$$((f+1)); echo "$$t did not finish (exit $$rc)"; fi; \
+	  if [ -z "$$p" ]; then p=0; f=$$((f+1)); echo "$$t did not finish (exit $$rc)"; \
+	  elif [ $$rc -ne 0 ] && [ "$$f" -eq 0 ]; then f=1; echo "$$t exited $$rc after its summary (a sanitizer report?)"; fi; \
 	  pass=$$((pass+p)); fail=$$((fail+f)); done; \
+	$(if $(HAVE_FUZZ),,echo "(no clang with libFuzzer here: the fuzzers were not run)";) \
 	echo "$$pass passed, $$fail failed"; [ $$fail -eq 0 ]
 
 # CUDA builds (nvcc compiles the same driver sources as CUDA C++).

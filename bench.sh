@@ -8,6 +8,8 @@
 # STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there);
 # attention sections: ATTN_SEQ, ATTN_D, ATTN_BATCH, ATTN_REPS override the sizes (on the CPU they
 # default to small ones so that the sweeps finish in minutes).
+# Out-of-memory rows are expected in these sweeps (2.7B, long sequences) and pass (--oom-ok); a
+# section with an error row fails, the others still run, and bench.sh then exits 1.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ -z "${DEVICE:-}" ]; then
@@ -39,29 +41,39 @@ attn_env=()
 
 save() { if [ -n "$OUT" ]; then tee "$OUT/$1"; else cat; fi; }
 
+failed=()
 for s in "${sections[@]}"; do
+  rc=0
   case "$s" in
   e2e)
     echo "## End-to-end: models x contexts x modes x dtypes x compiled ($DEVICE, batch 4, warmup $WARMUP, $STEPS steps)"
     $E2E --device "$DEVICE" --model "$MODELS" --context-length "$CONTEXT" --mode forward,forward-backward,train --compile "$COMPILE" \
-         --dtype "$DTYPES" --warmup "$WARMUP" --steps "$STEPS" --format "$FORMAT" | save e2e.$FORMAT ;;
+         --dtype "$DTYPES" --warmup "$WARMUP" --steps "$STEPS" --format "$FORMAT" --oom-ok | save e2e.$FORMAT || rc=$? ;;
   warmup)
     echo "## Warmup steps 0, 1, 2, 5 (forward-backward, fp32, first model of MODELS)"
-    for w in 0 1 2 5; do
-      $E2E --device "$DEVICE" --model "${MODELS%%,*}" --context-length "$CONTEXT" --mode forward-backward --warmup $w --steps "$STEPS" --format csv --no-sgemm
-    done | awk 'NR == 1 || !/^device,/' | save warmup.csv ;;
+    ( st=0
+      for w in 0 1 2 5; do
+        $E2E --device "$DEVICE" --model "${MODELS%%,*}" --context-length "$CONTEXT" --mode forward-backward --warmup $w --steps "$STEPS" \
+             --format csv --no-sgemm --oom-ok || st=$?
+      done
+      exit $st ) | awk 'NR == 1 || !/^device,/' | save warmup.csv || rc=$? ;;
   precision)
-    build/precision | save precision.md ;;
+    build/precision | save precision.md || rc=$? ;;
   attn)
     echo "## pytorch_attention: naive vs flash attention, fp32, no head dim ($DEVICE)"
-    $ATTN --device "$DEVICE" --sweep pytorch_attention ${attn_args[@]+"${attn_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" | save attn.$FORMAT ;;
+    $ATTN --device "$DEVICE" --sweep pytorch_attention ${attn_args[@]+"${attn_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" --oom-ok \
+      | save attn.$FORMAT || rc=$? ;;
   flash)
     echo "## flash_benchmarking: batch 1, causal, naive vs flash ($DEVICE)"
-    $ATTN --device "$DEVICE" --sweep flash_benchmarking ${flash_args[@]+"${flash_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" | save flash.$FORMAT ;;
+    $ATTN --device "$DEVICE" --sweep flash_benchmarking ${flash_args[@]+"${flash_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" --oom-ok \
+      | save flash.$FORMAT || rc=$? ;;
   leaderboard)
     echo "## FlashAttention-2 leaderboard shape: o = attention(q, k, v, causal); o.sum().backward() ($DEVICE)"
-    $ATTN --device "$DEVICE" --sweep leaderboard ${lb_args[@]+"${lb_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" | save leaderboard.$FORMAT ;;
+    $ATTN --device "$DEVICE" --sweep leaderboard ${lb_args[@]+"${lb_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" --oom-ok \
+      | save leaderboard.$FORMAT || rc=$? ;;
   *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard)" >&2; exit 2 ;;
   esac
+  if [ $rc -ne 0 ]; then echo "bench.sh: section '$s' failed (exit $rc); going on" >&2; failed+=("$s"); fi
   echo
 done
+if [ ${#failed[@]} -gt 0 ]; then echo "bench.sh: failed sections: ${failed[*]}" >&2; exit 1; fi

@@ -3969,8 +3969,11 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
 // completely (a private recursive-descent parser with a nesting limit) and nothing but spaces may
 // follow it; every tensor names a known dtype, a shape whose byte size equals its data_offsets
 // range, and the ranges tile the data buffer exactly (no overlap, no gap, nothing left over); names
-// are unique. Every violation is a TSYS_ERR_IO error naming the file and the tensor; no byte is read
-// outside the file and no buffer larger than the file is allocated.
+// are unique; every string is valid UTF-8 (as JSON requires: no overlong forms, no surrogates). Only
+// regular files are read: a FIFO, directory or device is refused without blocking (on POSIX systems
+// the file is opened with O_NONBLOCK and checked with fstat before any read). Every violation is a
+// TSYS_ERR_IO error naming the file and the tensor; no byte is read outside the file and no buffer
+// larger than the file is allocated.
 //
 // Tensor data is streamed tensor by tensor (fseek + fread), never the whole file at once, so loading
 // a 13 GB checkpoint needs one tensor of staging memory at most. Host byte order must be little
@@ -3984,6 +3987,15 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
 #include <stdarg.h>
 #include <errno.h>
 #include <limits.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#define TSYS__ST_POSIX 1
+#ifndef O_CLOEXEC
+#define O_CLOEXEC 0
+#endif
+#endif
 
 #define TSYS__ST_MAX_HEADER   100000000u   // same limit as the Rust crate (MAX_HEADER_SIZE)
 #define TSYS__ST_MAX_DEPTH    64           // JSON nesting limit: no stack overflow on "[[[[..."
@@ -4149,8 +4161,25 @@ static size_t tsys__st_utf8(long cp, char *out) {
     return 4;
 }
 
+// Length of the UTF-8 sequence at p (1 to 4 bytes), or 0 when it is not valid UTF-8 (RFC 3629: no
+// overlong forms, no UTF-16 surrogates, nothing past U+10FFFF) or runs past end.
+static int tsys__st_utf8_len(const unsigned char *p, const unsigned char *end) {
+    unsigned c = p[0], lo = 0x80, hi = 0xBF;
+    int n;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) n = 2;
+    else if (c >= 0xE0 && c <= 0xEF) { n = 3; if (c == 0xE0) lo = 0xA0; else if (c == 0xED) hi = 0x9F; }
+    else if (c >= 0xF0 && c <= 0xF4) { n = 4; if (c == 0xF0) lo = 0x90; else if (c == 0xF4) hi = 0x8F; }
+    else return 0;   // a continuation byte, an overlong lead (C0, C1) or a lead past U+10FFFF
+    if (end - p < n || p[1] < lo || p[1] > hi) return 0;
+    for (int i = 2; i < n; i++)
+        if (p[i] < 0x80 || p[i] > 0xBF) return 0;
+    return n;
+}
+
 // Parses a JSON string. With out != NULL the decoded bytes land in a new NUL-terminated buffer;
-// an escaped NUL is refused there, because it would silently cut a tensor name short.
+// an escaped NUL is refused there, because it would silently cut a tensor name short. Raw bytes
+// must be valid UTF-8, so names compare and print the same in tsys and in PyTorch.
 static tsys_status tsys__st_string(tsys__st_parser *P, char **out) {
     tsys_status s = tsys__st_expect(P, '"');
     if (s != TSYS_OK) return s;
@@ -4165,6 +4194,14 @@ static tsys_status tsys__st_string(tsys__st_parser *P, char **out) {
         unsigned char c = (unsigned char)*P->p++;
         if (c == '"') { s = TSYS_OK; break; }
         if (c < 0x20) { P->p--; s = tsys__st_syntax(P, "control character in string"); break; }
+        if (c >= 0x80) {
+            int k = tsys__st_utf8_len((const unsigned char *)P->p - 1, (const unsigned char *)P->end);
+            if (!k) { P->p--; s = tsys__st_syntax(P, "invalid UTF-8 in string"); break; }
+            if (buf) memcpy(buf + n, P->p - 1, (size_t)k);
+            n += (size_t)k;
+            P->p += k - 1;
+            continue;
+        }
         if (c != '\\') { if (buf) buf[n] = (char)c; n++; continue; }
         if (P->p >= P->end) { s = tsys__st_syntax(P, "unterminated escape"); break; }
         char e = *P->p++;
@@ -4379,18 +4416,20 @@ static tsys_status tsys__st_header(tsys__st_parser *P) {
 
 // ---- layout checks --------------------------------------------------------------------------------
 
-// numel * dtype size, or false on overflow. A zero dim makes the product 0 whatever the others are.
+// numel * dtype size, or false on overflow. The product is taken left to right, as the reference
+// implementation does (a checked fold) and as tsys_tensor_numel does in int64: every partial
+// product must fit in int64 (so [4, 2^62, 0] overflows before the 0, while [2^62, 0, 4] is 0 bytes).
 static bool tsys__st_entry_bytes(const tsys__st_entry *e, uint64_t *bytes) {
-    uint64_t n = tsys_dtype_size(e->dtype);
+    uint64_t n = 1;
     *bytes = 0;
-    for (int i = 0; i < e->ndim; i++)
-        if (e->shape[i] == 0) return true;
     for (int i = 0; i < e->ndim; i++) {
         uint64_t d = (uint64_t)e->shape[i];
-        if (d && n > UINT64_MAX / d) return false;
+        if (d && n > (uint64_t)INT64_MAX / d) return false;
         n *= d;
     }
-    *bytes = n;
+    uint64_t size = tsys_dtype_size(e->dtype);
+    if (n > (uint64_t)INT64_MAX / size) return false;
+    *bytes = n * size;
     return true;
 }
 
@@ -4445,11 +4484,36 @@ static tsys_status tsys__st_open(tsys_ctx *ctx, const char *path, tsys__st_file 
     memset(sf, 0, sizeof *sf);
     sf->ctx = ctx; sf->path = path;
     if (!tsys__st_host_is_le()) return tsys__st_fail(ctx, TSYS_ERR_UNSUPPORTED, path, "big-endian hosts are not supported");
+#ifdef TSYS__ST_POSIX
+    // A plain fopen of a FIFO waits for a writer, and one of a directory "succeeds" with a size of
+    // LONG_MAX: open without blocking, then accept regular files only.
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot open: %s", strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot stat: %s", strerror(e));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        const char *kind = S_ISDIR(st.st_mode) ? "a directory" : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
+                         : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device" : "a socket or other special file";
+        close(fd);
+        return tsys__st_fail(ctx, TSYS_ERR_IO, path, "is %s; safetensors are read from regular files", kind);
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    sf->f = fdopen(fd, "rb");
+    if (!sf->f) { int e = errno; close(fd); return tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot open: %s", strerror(e)); }
+    long long size = (long long)st.st_size;
+#else
     sf->f = fopen(path, "rb");
     if (!sf->f) return tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot open: %s", strerror(errno));
-    long size = -1;
+    long long size = -1;
     if (fseek(sf->f, 0, SEEK_END) == 0) size = ftell(sf->f);
     if (size < 0 || fseek(sf->f, 0, SEEK_SET) != 0) { tsys__st_close(sf); return tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot determine the file size"); }
+#endif
+    if (size < 0) { tsys__st_close(sf); return tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot determine the file size"); }
     sf->file_bytes = (uint64_t)size;
     unsigned char len8[8];
     if (sf->file_bytes < 8 || fread(len8, 1, 8, sf->f) != 8) {
@@ -4658,6 +4722,11 @@ static tsys_status tsys__st_build_header(tsys_ctx *ctx, const char *path, tsys_t
         if (!t) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d] is NULL", i);
         if (!t->name[0]) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d] has no name", i);
         if (strcmp(t->name, "__metadata__") == 0) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: '__metadata__' is reserved");
+        for (const unsigned char *c = (const unsigned char *)t->name, *e = c + strlen(t->name); c < e; ) {
+            int k = tsys__st_utf8_len(c, e);   // what the loader (and PyTorch) would refuse to read back
+            if (!k) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d]'s name is not valid UTF-8 (byte %d)", i, (int)(c - (const unsigned char *)t->name));
+            c += k;
+        }
         for (int j = 0; j < i; j++)
             if (strcmp(tensors[j]->name, t->name) == 0)
                 return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensor name '%s' used twice (tensors[%d] and [%d])", t->name, j, i);

@@ -34,10 +34,11 @@ enum { F_IMPL = 1, F_BATCH = 2, F_HEADS = 4, F_D = 8, F_SEQ = 16, F_DTYPE = 32, 
 typedef struct attn_opts {
     const char *device, *impl, *ds, *seqs, *dtypes, *causals, *format, *sweep, *grad;
     int batch, heads, warmup, reps;
-    double mem_limit_gib;
+    size_t mem_limit;   // bytes; 0 = the default budget
     uint64_t seed;
-    bool tf32;
-    unsigned given;   // F_* flags set on the command line
+    bool tf32, oom_ok, dry_run;
+    unsigned given;     // F_* flags set on the command line
+    du_list d_list, seq_list, dtype_list, causal_list;   // the lists, split and checked
 } attn_opts;
 
 static void usage(FILE *f) {
@@ -62,11 +63,15 @@ static void usage(FILE *f) {
         "                                                   d 16..128 (powers of 2), bf16 and fp32, both, warmup 3, 20 reps\n"
         "                               leaderboard         batch 1, 16 heads x 16384 x 64, bf16, causal, backward of o.sum(),\n"
         "                                                   both, warmup 10, 100 reps\n"
-        "  --mem-limit GIB            cap on device memory (cuda: reserved bytes; cpu: live tensor bytes) to mimic a\n"
-        "                             smaller machine; 0 = none (default 0)\n"
+        DU_MEM_LIMIT_HELP
+        "                             (cuda: a cap on reserved bytes, to mimic a smaller device)\n"
+        "  --oom-ok                   out-of-memory rows do not make the exit status 1 (sweeps that expect them)\n"
         "  --seed N                   input seed (default 0)\n"
         "  --tf32                     fp32 GEMMs of naive attention on TF32 tensor cores (cuda; default off)\n"
-        "  --help\n");
+        "  --dry-run                  check the flags, print the configuration, measure nothing\n"
+        "  --help\n"
+        "Lists are comma-separated (at most %d values); rows are printed as soon as they are measured.\n"
+        DU_EXIT_HELP, DU_LIST_MAX);
 }
 
 static bool apply_sweep(attn_opts *o) {
@@ -117,21 +122,17 @@ static bool parse_dtype(const char *s, tsys_dtype *d) {
     return true;
 }
 
-// Checks every item of a comma list with `ok`; names the first bad one.
-static bool check_list(const char *flag, const char *s, bool (*ok)(const char *)) {
-    du_list l = du_split(s);
-    bool good = l.n > 0;
-    for (int i = 0; i < l.n && good; i++)
-        if (!ok(l.item[i])) { fprintf(stderr, "attn: bad value '%s' in %s\n", l.item[i], flag); good = false; }
-    if (l.n == 0) fprintf(stderr, "attn: %s needs at least one value\n", flag);
-    du_list_free(&l);
-    return good;
-}
 static bool ok_dim(const char *s) { int v; return du_parse_int(s, 1, 1 << 16, &v); }
 static bool ok_seq(const char *s) { int v; return du_parse_int(s, 1, 1 << 24, &v); }
 static bool ok_dtype(const char *s) { tsys_dtype d; return parse_dtype(s, &d); }
 static bool ok_causal(const char *s) { return !strcmp(s, "0") || !strcmp(s, "1"); }
 
+static void opts_free(attn_opts *o) {
+    du_list_free(&o->d_list); du_list_free(&o->seq_list); du_list_free(&o->dtype_list); du_list_free(&o->causal_list);
+}
+
+// Parses and checks every flag and list; returns 0 (o then owns the lists: opts_free), DU_HELP,
+// or DU_EXIT_USAGE after a message naming the flag (nothing to free). Never exits.
 static int parse_args(int argc, char **argv, attn_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
@@ -139,14 +140,16 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
     o->batch = 8; o->heads = 0; o->warmup = 5; o->reps = 20;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
         if (!strcmp(a, "--tf32")) { o->tf32 = true; continue; }
+        if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
+        if (!strcmp(a, "--dry-run")) { o->dry_run = true; continue; }
         static const char *const valued[] = {"--device", "--impl", "--batch", "--heads", "--d", "--seq", "--dtype", "--causal", "--grad",
                                              "--warmup", "--reps", "--format", "--sweep", "--mem-limit", "--seed"};
         bool known = false;
         for (size_t j = 0; j < sizeof(valued) / sizeof(valued[0]); j++) known = known || !strcmp(a, valued[j]);
-        if (!known) { fprintf(stderr, "attn: unknown flag '%s'\n", a); usage(stderr); return 2; }
-        if (i + 1 >= argc) { fprintf(stderr, "attn: flag %s needs a value\n", a); usage(stderr); return 2; }
+        if (!known) { fprintf(stderr, "attn: unknown flag '%s'\n", a); usage(stderr); return DU_EXIT_USAGE; }
+        if (i + 1 >= argc) { fprintf(stderr, "attn: flag %s needs a value\n", a); return DU_EXIT_USAGE; }
         const char *v = argv[++i];
         bool ok = true;
         if (!strcmp(a, "--device")) o->device = v;
@@ -162,20 +165,25 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
         else if (!strcmp(a, "--reps")) { ok = du_parse_int(v, 1, 1 << 20, &o->reps); o->given |= F_REPS; }
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--sweep")) o->sweep = v;
-        else if (!strcmp(a, "--mem-limit")) ok = du_parse_double(v, &o->mem_limit_gib) && o->mem_limit_gib >= 0;
+        else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("attn", a, v, &o->mem_limit)) return DU_EXIT_USAGE; }
         else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
-        if (!ok) { fprintf(stderr, "attn: bad value '%s' for %s\n", v, a); usage(stderr); return 2; }
+        if (!ok) { fprintf(stderr, "attn: bad value '%s' for %s\n", v, a); usage(stderr); return DU_EXIT_USAGE; }
     }
-    if (!apply_sweep(o)) { fprintf(stderr, "attn: unknown sweep '%s' (pytorch_attention, flash_benchmarking, leaderboard)\n", o->sweep); return 2; }
-    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "attn: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }
-    if (strcmp(o->impl, "naive") && strcmp(o->impl, "flash") && strcmp(o->impl, "both")) { fprintf(stderr, "attn: --impl must be naive, flash or both, not '%s'\n", o->impl); return 2; }
-    if (strcmp(o->grad, "random") && strcmp(o->grad, "sum")) { fprintf(stderr, "attn: --grad must be random or sum, not '%s'\n", o->grad); return 2; }
-    if (!du_format_ok(o->format)) { fprintf(stderr, "attn: --format must be md, csv or jsonl, not '%s'\n", o->format); return 2; }
-    if (!check_list("--d", o->ds, ok_dim) || !check_list("--seq", o->seqs, ok_seq) || !check_list("--dtype", o->dtypes, ok_dtype)
-        || !check_list("--causal", o->causals, ok_causal)) return 2;
+    if (!apply_sweep(o)) { fprintf(stderr, "attn: unknown sweep '%s' (pytorch_attention, flash_benchmarking, leaderboard)\n", o->sweep); return DU_EXIT_USAGE; }
+    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "attn: --device must be cpu or cuda, not '%s'\n", o->device); return DU_EXIT_USAGE; }
+    if (strcmp(o->impl, "naive") && strcmp(o->impl, "flash") && strcmp(o->impl, "both")) { fprintf(stderr, "attn: --impl must be naive, flash or both, not '%s'\n", o->impl); return DU_EXIT_USAGE; }
+    if (strcmp(o->grad, "random") && strcmp(o->grad, "sum")) { fprintf(stderr, "attn: --grad must be random or sum, not '%s'\n", o->grad); return DU_EXIT_USAGE; }
+    if (!du_format_ok(o->format)) { fprintf(stderr, "attn: --format must be md, csv or jsonl, not '%s'\n", o->format); return DU_EXIT_USAGE; }
 #ifndef TSYS_WITH_CUDA
-    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "attn: this binary was built without CUDA; build build/attn_cuda with 'make cuda'\n"); return 2; }
+    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "attn: this binary was built without CUDA; build build/attn_cuda with 'make cuda'\n"); return DU_EXIT_USAGE; }
 #endif
+    if (!du_split_check(&o->d_list, "attn", "--d", o->ds, ok_dim, "an integer from 1 to 65536")
+        || !du_split_check(&o->seq_list, "attn", "--seq", o->seqs, ok_seq, "an integer from 1 to 16777216")
+        || !du_split_check(&o->dtype_list, "attn", "--dtype", o->dtypes, ok_dtype, "fp32, bf16 or fp16")
+        || !du_split_check(&o->causal_list, "attn", "--causal", o->causals, ok_causal, "0 or 1")) {
+        opts_free(o);
+        return DU_EXIT_USAGE;
+    }
     return 0;
 }
 
@@ -271,6 +279,7 @@ static attn_result run_config(tsys_ctx *ctx, tsys_device dev, const attn_opts *o
 
     int n = o->reps;
     double *tf = (double *)calloc((size_t)n, sizeof(double)), *tb = (double *)calloc((size_t)n, sizeof(double)), *tt = (double *)calloc((size_t)n, sizeof(double));
+    if (st == TSYS_OK && !(tf && tb && tt)) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for %d timings", n);
     int64_t live_before_bwd = 0;
     const char *label = flash ? "flash" : "naive";
     // warmup: whole passes, untimed
@@ -342,53 +351,59 @@ static attn_result run_config(tsys_ctx *ctx, tsys_device dev, const attn_opts *o
 int main(int argc, char **argv) {
     attn_opts o;
     int rc = parse_args(argc, argv, &o);
+    if (rc == DU_HELP) { usage(stdout); return DU_EXIT_OK; }
     if (rc) return rc;
     tsys_device dev = strcmp(o.device, "cuda") ? TSYS_CPU : TSYS_CUDA;
+    // the budget applies to the device measured; the other keeps its default
     tsys_ctx_desc cd;
     memset(&cd, 0, sizeof(cd));
-    if (dev == TSYS_CPU && o.mem_limit_gib > 0) cd.cpu_memory_limit = (size_t)(o.mem_limit_gib * 1073741824.0);
-    tsys_ctx *ctx = tsys_ctx_new(&cd);
-    char where[160];
-    snprintf(where, sizeof(where), "cpu, %d threads", du_num_threads());
+    if (dev == TSYS_CPU) cd.cpu_memory_limit = o.mem_limit;
+    tsys_ctx *ctx = o.dry_run ? NULL : tsys_ctx_new(&cd);
+    if (!o.dry_run && !ctx) { fprintf(stderr, "attn: out of memory creating the context\n"); opts_free(&o); return DU_EXIT_FAILED; }
+    char where[160], lim[64];
+    snprintf(where, sizeof(where), "%s, %d threads", o.device, du_num_threads());
 #ifdef TSYS_WITH_CUDA
-    if (dev == TSYS_CUDA) {
-        if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "attn: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); return 1; }
+    if (dev == TSYS_CUDA && ctx) {
+        if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "attn: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); opts_free(&o); return DU_EXIT_FAILED; }
         tsys_cuda_set_tf32(ctx, o.tf32);
-        if (o.mem_limit_gib > 0) tsys_cuda_set_memory_limit(ctx, (size_t)(o.mem_limit_gib * 1073741824.0));
+        if (o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
         snprintf(where, sizeof(where), "cuda, %.120s", tsys_cuda_device_name(ctx));
     }
 #endif
     // the effective configuration on one line (stdout for md, stderr for the machine formats)
     FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
-    fprintf(cfg, "attn: %s; sweep %s; impl %s; batch %d; heads %d; d %s; seq %s; dtype %s; causal %s; grad %s; warmup %d; reps %d%s\n",
+    fprintf(cfg, "attn: %s; sweep %s; impl %s; batch %d; heads %d; d %s; seq %s; dtype %s; causal %s; grad %s; warmup %d; reps %d; memory limit %s\n",
             where, o.sweep ? o.sweep : "-", o.impl, o.batch, o.heads, o.ds, o.seqs, o.dtypes, o.causals, o.grad, o.warmup, o.reps,
-            o.mem_limit_gib > 0 ? "; memory capped" : "");
+            dev == TSYS_CUDA && !o.mem_limit ? "the whole device" : du_mem_limit_str(lim, sizeof(lim), o.mem_limit));
+    if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
+    if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
+    fflush(stdout);
     du_table tab;
     du_table_init(&tab, dev == TSYS_CPU
         ? "device,impl,batch,heads,seq,d,dtype,causal,fwd_ms,bwd_ms,fwd+bwd_ms,fwd_GFLOP/s,bwd_GFLOP/s,fwd+bwd_GFLOP/s,mem_before_bwd_MiB,peak_MiB,speedup,status"
-        : "device,impl,batch,heads,seq,d,dtype,causal,fwd_ms,bwd_ms,fwd+bwd_ms,fwd_TFLOP/s,bwd_TFLOP/s,fwd+bwd_TFLOP/s,mem_before_bwd_MiB,peak_MiB,speedup,status");
-    du_list dts = du_split(o.dtypes), cs = du_split(o.causals), ds = du_split(o.ds), seqs = du_split(o.seqs);
+        : "device,impl,batch,heads,seq,d,dtype,causal,fwd_ms,bwd_ms,fwd+bwd_ms,fwd_TFLOP/s,bwd_TFLOP/s,fwd+bwd_TFLOP/s,mem_before_bwd_MiB,peak_MiB,speedup,status",
+        o.format);
     bool both = !strcmp(o.impl, "both");
-    for (int t = 0; t < dts.n; t++)
-        for (int c = 0; c < cs.n; c++)
-            for (int di = 0; di < ds.n; di++)
-                for (int si = 0; si < seqs.n; si++) {
+    for (int t = 0; t < o.dtype_list.n; t++)
+        for (int c = 0; c < o.causal_list.n; c++)
+            for (int di = 0; di < o.d_list.n; di++)
+                for (int si = 0; si < o.seq_list.n; si++) {
                     tsys_dtype dt = TSYS_F32; int d = 0, seq = 0;
-                    parse_dtype(dts.item[t], &dt); du_parse_int(ds.item[di], 1, 1 << 16, &d); du_parse_int(seqs.item[si], 1, 1 << 24, &seq);
-                    bool causal = !strcmp(cs.item[c], "1");
+                    parse_dtype(o.dtype_list.item[t], &dt); du_parse_int(o.d_list.item[di], 1, 1 << 16, &d); du_parse_int(o.seq_list.item[si], 1, 1 << 24, &seq);
+                    bool causal = !strcmp(o.causal_list.item[c], "1");
                     attn_result naive = {false, 0, 0, 0};
                     if (both || !strcmp(o.impl, "naive")) {
                         naive = run_config(ctx, dev, &o, false, dt, d, seq, causal, NULL, &tab);
-                        du_table_print_last(&tab, o.format);
+                        du_table_emit(&tab);
                     }
                     if (both || !strcmp(o.impl, "flash")) {
                         run_config(ctx, dev, &o, true, dt, d, seq, causal, both ? &naive : NULL, &tab);
-                        du_table_print_last(&tab, o.format);
+                        du_table_emit(&tab);
                     }
                 }
-    if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
+    rc = du_table_exit_code(&tab, "attn", o.oom_ok);
     du_table_free(&tab);
-    du_list_free(&dts); du_list_free(&cs); du_list_free(&ds); du_list_free(&seqs);
+    opts_free(&o);
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
-    return 0;
+    return rc;
 }

@@ -1,16 +1,39 @@
 // driver_util.h - what every driver shares: strict flag values, comma lists, result tables printed
-// as markdown, CSV or JSON lines, and progress on stderr. Included after tsys.h by one driver.
+// row by row as markdown, CSV or JSON lines, the exit code, and progress on stderr. Included after
+// tsys.h by one driver.
+//
+// Exit codes (every driver, documented in each --help and the README):
+//   0  every row was measured (or skipped by design); with --oom-ok, out-of-memory rows count too
+//   1  some row failed (an error, or out of memory without --oom-ok), or the run could not start
+//   2  bad usage: an unknown flag, a bad value, an empty or too long list (nothing was measured)
 #ifndef TSYS_DRIVER_UTIL_H
 #define TSYS_DRIVER_UTIL_H
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <stdarg.h>
+#include <math.h>
 #include <unistd.h>
 #include <errno.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+enum { DU_EXIT_OK = 0, DU_EXIT_FAILED = 1, DU_EXIT_USAGE = 2 };
+// What a parser returns for --help (main prints the usage on stdout and exits 0); never an exit code.
+#define DU_HELP (-1)
+
+// The exit-code paragraph every --help ends with.
+#define DU_EXIT_HELP \
+    "exit status: 0 every row ok (skipped rows too; OOM rows too under --oom-ok), 1 some row failed\n" \
+    "             (error, or OOM without --oom-ok) or the run could not start, 2 bad usage\n"
+
+// The --mem-limit paragraph (e2e, attn, precision).
+#define DU_MEM_LIMIT_HELP \
+    "  --mem-limit GIB            memory budget in GiB for the tensors of the device measured, so that running\n" \
+    "                             out is an OOM row, never a kill (cpu: default = the memory available on this\n" \
+    "                             machine, MemAvailable; cuda: default = the whole device); 0 = the default;\n" \
+    "                             a number from 0 to 1048576\n"
 
 static char *du_strdup(const char *s) {
     size_t n = strlen(s) + 1;
@@ -24,31 +47,86 @@ static char *du_strdup(const char *s) {
 static inline bool du_parse_int(const char *s, long lo, long hi, int *out) {
     char *end;
     errno = 0;
+    if (*s == ' ' || (*s >= '\t' && *s <= '\r')) return false;   // strtol would skip it
     long v = strtol(s, &end, 10);
     if (errno || end == s || *end || v < lo || v > hi) return false;
     *out = (int)v;
     return true;
 }
 
+// Plain decimal notation only ("1.5", "2e-3"): no "inf", "nan", hex floats or leading blanks,
+// which strtod would take.
 static inline bool du_parse_double(const char *s, double *out) {
+    if (!*s) return false;
+    for (const char *c = s; *c; c++)
+        if (!strchr("0123456789.eE+-", *c)) return false;
     char *end;
+    errno = 0;
     double v = strtod(s, &end);
-    if (end == s || *end) return false;
+    if (end == s || *end || errno == ERANGE || !isfinite(v)) return false;
     *out = v;
+    return true;
+}
+
+#define DU_MAX_GIB 1048576.0   // 2^20 GiB = 2^50 bytes: beyond any machine, and the byte count fits size_t
+
+// --mem-limit: a number of GiB from 0 to DU_MAX_GIB, to bytes (rounded up, so a tiny positive value is
+// a tiny budget, not 0 = the default). Prints "<prog>: --mem-limit takes ..." when it is not one.
+static inline bool du_parse_gib(const char *prog, const char *flag, const char *s, size_t *bytes) {
+    double g = 0;
+    if (!du_parse_double(s, &g) || g < 0 || g > DU_MAX_GIB) {
+        fprintf(stderr, "%s: %s takes a number of GiB from 0 to %.0f (0 = the default: the memory available), not '%s'\n",
+                prog, flag, DU_MAX_GIB, s);
+        return false;
+    }
+    double b = ceil(g * 1073741824.0);
+    *bytes = (size_t)b;
     return true;
 }
 
 static inline bool du_format_ok(const char *f) { return !strcmp(f, "md") || !strcmp(f, "csv") || !strcmp(f, "jsonl"); }
 
-typedef struct du_list { char *buf; char *item[64]; int n; } du_list;
+#define DU_LIST_MAX 64
 
-// Splits "a,b,c" into items (at most 64); the list owns a copy of the string.
-static inline du_list du_split(const char *s) {
-    du_list l;
-    memset(&l, 0, sizeof(l));
-    l.buf = du_strdup(s);
-    for (char *tok = strtok(l.buf, ","); tok && l.n < 64; tok = strtok(NULL, ",")) l.item[l.n++] = tok;
-    return l;
+typedef struct du_list { const char *src; char *buf; char *item[DU_LIST_MAX]; int n; } du_list;   // src: the flag's value as given
+
+// Splits "a,b,c" into items; the list owns a copy of the string. An empty list, an empty item
+// ("a,,b", "a,") or more than DU_LIST_MAX items is an error that names the flag (the list is then
+// empty and needs no free).
+static inline bool du_split(du_list *l, const char *prog, const char *flag, const char *s) {
+    memset(l, 0, sizeof(*l));
+    if (!*s) { fprintf(stderr, "%s: %s needs at least one value\n", prog, flag); return false; }
+    int n = 1;
+    for (const char *c = s; *c; c++) n += *c == ',';
+    if (n > DU_LIST_MAX) { fprintf(stderr, "%s: %s lists %d values; at most %d\n", prog, flag, n, DU_LIST_MAX); return false; }
+    l->src = s;
+    l->buf = du_strdup(s);
+    if (!l->buf) { fprintf(stderr, "%s: out of memory\n", prog); return false; }
+    char *p = l->buf;
+    for (;;) {
+        char *comma = strchr(p, ',');
+        if (comma) *comma = 0;
+        if (!*p) {
+            fprintf(stderr, "%s: empty value in %s '%s'\n", prog, flag, s);
+            free(l->buf); memset(l, 0, sizeof(*l));
+            return false;
+        }
+        l->item[l->n++] = p;
+        if (!comma) break;
+        p = comma + 1;
+    }
+    return true;
+}
+// Checks every item with ok (NULL: any); names the flag and the first bad item.
+static inline bool du_split_check(du_list *l, const char *prog, const char *flag, const char *s, bool (*ok)(const char *), const char *rule) {
+    if (!du_split(l, prog, flag, s)) return false;
+    for (int i = 0; ok && i < l->n; i++) {
+        if (ok(l->item[i])) continue;
+        fprintf(stderr, "%s: bad value '%s' in %s (%s)\n", prog, l->item[i], flag, rule);
+        free(l->buf); memset(l, 0, sizeof(*l));
+        return false;
+    }
+    return true;
 }
 static inline void du_list_free(du_list *l) { free(l->buf); l->buf = NULL; l->n = 0; }
 
@@ -67,6 +145,13 @@ static inline bool du_has_cuda(void) {
 #else
     return false;
 #endif
+}
+
+// "8.00 GiB" or "default (available memory)", for the one-line configuration.
+static inline const char *du_mem_limit_str(char *buf, size_t len, size_t bytes) {
+    if (!bytes) snprintf(buf, len, "default (available memory)");
+    else snprintf(buf, len, "%.4g GiB", (double)bytes / 1073741824.0);
+    return buf;
 }
 
 // ---- progress on stderr (only when it is a terminal or TSYS_PROGRESS=1) -------------------------
@@ -89,32 +174,36 @@ static inline void du_progress(const char *fmt, ...) {
 static inline void du_progress_done(void) { if (du_progress_on()) fprintf(stderr, "\r\033[K"); }
 
 // ---- result tables ---------------------------------------------------------------------------
+//
+// Rows are printed the moment they are measured, in every format (markdown: the header before the
+// first row), and flushed, so a sweep that is killed keeps every finished row. The table counts
+// the rows by their status cell ("ok", "skipped: ...", "OOM: ...", anything else is a failure),
+// which gives the exit code.
 
 #define DU_MAX_COLS 32
-#define DU_CELL 160
+#define DU_CELL 320
 
 typedef struct du_row { char cell[DU_MAX_COLS][DU_CELL]; const char *const *cols; int ncols; } du_row;
 typedef struct du_table {
     char *colbuf;
     const char *cols[DU_MAX_COLS];
     int ncols;
-    du_row *rows;
-    int nrows, cap;
+    const char *fmt;          // md, csv or jsonl
+    du_row row;               // the row being filled
     bool header_done;
+    int rows, ok, skipped, oom, failed;
 } du_table;
 
-static inline void du_table_init(du_table *t, const char *columns) {
+static inline void du_table_init(du_table *t, const char *columns, const char *fmt) {
     memset(t, 0, sizeof(*t));
+    t->fmt = fmt;
     t->colbuf = du_strdup(columns);
-    for (char *tok = strtok(t->colbuf, ","); tok && t->ncols < DU_MAX_COLS; tok = strtok(NULL, ",")) t->cols[t->ncols++] = tok;
+    for (char *tok = t->colbuf ? strtok(t->colbuf, ",") : NULL; tok && t->ncols < DU_MAX_COLS; tok = strtok(NULL, ",")) t->cols[t->ncols++] = tok;
 }
 
+// A fresh, empty row; it is printed by du_table_emit.
 static inline du_row *du_table_row(du_table *t) {
-    if (t->nrows == t->cap) {
-        t->cap = t->cap ? t->cap * 2 : 16;
-        t->rows = (du_row *)realloc(t->rows, sizeof(du_row) * (size_t)t->cap);
-    }
-    du_row *r = &t->rows[t->nrows++];
+    du_row *r = &t->row;
     memset(r, 0, sizeof(*r));
     r->cols = t->cols; r->ncols = t->ncols;
     return r;
@@ -127,7 +216,7 @@ static inline void du_row_set(du_row *r, const char *col, const char *fmt, ...) 
         va_start(ap, fmt);
         vsnprintf(r->cell[i], DU_CELL, fmt, ap);
         va_end(ap);
-        for (char *c = r->cell[i]; *c; c++) if (*c == '\n' || *c == '|') *c = ' ';
+        for (char *c = r->cell[i]; *c; c++) if (*c == '\n' || *c == '\r' || *c == '|') *c = ' ';
         return;
     }
 }
@@ -139,25 +228,33 @@ static inline const char *du_row_get(const du_row *r, const char *col) {
 static inline bool du_is_number(const char *s) {
     if (!*s) return false;
     char *end;
-    strtod(s, &end);
-    return *end == 0;
+    double v = strtod(s, &end);
+    return *end == 0 && isfinite(v) && strchr("-0123456789", *s);   // what JSON calls a number
 }
 
-static inline void du_print_row(const du_table *t, const du_row *r, const char *fmt) {
-    if (!strcmp(fmt, "csv")) {
+static inline void du_print_row(const du_table *t, const du_row *r) {
+    if (!strcmp(t->fmt, "csv")) {
         for (int i = 0; i < t->ncols; i++) {
             bool quote = strchr(r->cell[i], ',') || strchr(r->cell[i], '"');
-            printf("%s%s%s%s", i ? "," : "", quote ? "\"" : "", r->cell[i], quote ? "\"" : "");
+            printf("%s", i ? "," : "");
+            if (!quote) { printf("%s", r->cell[i]); continue; }
+            printf("\"");
+            for (const char *c = r->cell[i]; *c; c++) printf(*c == '"' ? "\"\"" : "%c", *c);
+            printf("\"");
         }
         printf("\n");
-    } else if (!strcmp(fmt, "jsonl")) {
+    } else if (!strcmp(t->fmt, "jsonl")) {
         printf("{");
         for (int i = 0; i < t->ncols; i++) {
             printf("%s\"%s\": ", i ? ", " : "", t->cols[i]);
             if (du_is_number(r->cell[i])) printf("%s", r->cell[i]);
             else {
                 printf("\"");
-                for (const char *c = r->cell[i]; *c; c++) printf(*c == '"' || *c == '\\' ? "\\%c" : "%c", *c);
+                for (const char *c = r->cell[i]; *c; c++) {
+                    if (*c == '"' || *c == '\\') printf("\\%c", *c);
+                    else if ((unsigned char)*c < 0x20) printf("\\u%04x", (unsigned char)*c);
+                    else printf("%c", *c);
+                }
                 printf("\"");
             }
         }
@@ -169,29 +266,40 @@ static inline void du_print_row(const du_table *t, const du_row *r, const char *
     }
 }
 
-// Prints the row just added (csv and jsonl stream row by row; md waits for the whole table).
-static inline void du_table_print_last(du_table *t, const char *fmt) {
-    if (!strcmp(fmt, "md") || t->nrows == 0) return;
-    if (!strcmp(fmt, "csv") && !t->header_done) {
-        for (int i = 0; i < t->ncols; i++) printf("%s%s", i ? "," : "", t->cols[i]);
-        printf("\n");
+// Prints the current row (the header first, for md and csv), flushes, and counts its status.
+static inline void du_table_emit(du_table *t) {
+    if (!t->header_done) {
+        if (!strcmp(t->fmt, "md")) {
+            printf("|");
+            for (int i = 0; i < t->ncols; i++) printf(" %s |", t->cols[i]);
+            printf("\n|");
+            for (int i = 0; i < t->ncols; i++) printf("---|");
+            printf("\n");
+        } else if (!strcmp(t->fmt, "csv")) {
+            for (int i = 0; i < t->ncols; i++) printf("%s%s", i ? "," : "", t->cols[i]);
+            printf("\n");
+        }
+        t->header_done = true;
     }
-    t->header_done = true;
-    du_print_row(t, &t->rows[t->nrows - 1], fmt);
+    du_print_row(t, &t->row);
     fflush(stdout);
+    const char *st = du_row_get(&t->row, "status");
+    t->rows++;
+    if (!strcmp(st, "ok")) t->ok++;
+    else if (!strncmp(st, "skipped", 7)) t->skipped++;
+    else if (!strncmp(st, "OOM", 3)) t->oom++;
+    else t->failed++;
 }
 
-static inline void du_table_print(const du_table *t, const char *fmt) {
-    if (strcmp(fmt, "md")) { for (int r = 0; r < t->nrows; r++) du_print_row(t, &t->rows[r], fmt); return; }
-    printf("|");
-    for (int i = 0; i < t->ncols; i++) printf(" %s |", t->cols[i]);
-    printf("\n|");
-    for (int i = 0; i < t->ncols; i++) printf("---|");
-    printf("\n");
-    for (int r = 0; r < t->nrows; r++) du_print_row(t, &t->rows[r], fmt);
-    fflush(stdout);
+// The exit code of a sweep (see the top of this file); says on stderr why it is not 0.
+static inline int du_table_exit_code(const du_table *t, const char *prog, bool oom_ok) {
+    int bad = t->failed + (oom_ok ? 0 : t->oom);
+    if (!bad) return DU_EXIT_OK;
+    fprintf(stderr, "%s: %d of %d rows failed (errors: %d, out of memory: %d%s)\n", prog, bad, t->rows, t->failed, t->oom,
+            t->oom && !oom_ok ? "; --oom-ok accepts out-of-memory rows" : "");
+    return DU_EXIT_FAILED;
 }
 
-static inline void du_table_free(du_table *t) { free(t->colbuf); free(t->rows); memset(t, 0, sizeof(*t)); }
+static inline void du_table_free(du_table *t) { free(t->colbuf); memset(t, 0, sizeof(*t)); }
 
 #endif

@@ -18,11 +18,14 @@
 #include "driver_util.h"
 
 typedef struct e2e_opts {
-    const char *device, *models, *contexts, *modes, *dtypes, *format, *load, *attn, *compile;
+    const char *device, *format, *load;
+    du_list models, contexts, modes, dtypes, attns, compiles;
     int batch, warmup, steps;
     uint64_t seed;
+    size_t mem_limit;       // bytes; 0 = the default budget
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
-    bool sgemm, tf32;
+    bool sgemm, tf32, oom_ok, dry_run;
+    double cpu_gflops;      // measured CBLAS sgemm GFLOP/s on the CPU (0: not measured)
     double peak[3];         // measured GEMM TFLOP/s on the GPU, by autocast dtype (fp32, bf16, fp16)
 } e2e_opts;
 
@@ -42,54 +45,20 @@ static void usage(FILE *f) {
         "                             naive otherwise: the fp32 flash kernel has no tensor cores and loses to naive)\n"
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
-        "  --format md|csv|jsonl      output rows (default md)\n"
+        "  --format md|csv|jsonl      output rows, each printed as soon as it is measured (default md)\n"
         "  --load FILE.safetensors    weights to start from (PyTorch state names)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
-        "  --no-sgemm                 skip the reference GEMM measurement (CBLAS sgemm on cpu, GEMM peaks on cuda)\n"
+        DU_MEM_LIMIT_HELP
+        "  --oom-ok                   out-of-memory rows do not make the exit status 1 (sweeps that expect them)\n"
+        "  --no-sgemm                 skip the reference GEMM measurement (CBLAS sgemm on cpu, GEMM peaks on cuda);\n"
+        "                             the MFU column is then empty\n"
         "  --tf32                     fp32 GEMMs on TF32 tensor cores (cuda; default off)\n"
-        "  --help\n", tsys_model_preset_names());
-}
-
-static int parse_args(int argc, char **argv, e2e_opts *o) {
-    memset(o, 0, sizeof(*o));
-    o->device = du_has_cuda() ? "cuda" : "cpu";
-    o->models = "small"; o->contexts = "256"; o->modes = "forward-backward"; o->dtypes = "fp32"; o->format = "md"; o->attn = "auto"; o->compile = "no";
-    o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
-        if (!strcmp(a, "--no-sgemm")) { o->sgemm = false; continue; }
-        if (!strcmp(a, "--tf32")) { o->tf32 = true; continue; }
-        if (i + 1 >= argc) { fprintf(stderr, "e2e: flag %s needs a value\n", a); return 2; }
-        const char *v = argv[++i];
-        bool ok = true;
-        if (!strcmp(a, "--device")) o->device = v;
-        else if (!strcmp(a, "--model")) o->models = v;
-        else if (!strcmp(a, "--context-length")) o->contexts = v;
-        else if (!strcmp(a, "--mode")) o->modes = v;
-        else if (!strcmp(a, "--dtype")) o->dtypes = v;
-        else if (!strcmp(a, "--attn")) o->attn = v;
-        else if (!strcmp(a, "--compile")) o->compile = v;
-        else if (!strcmp(a, "--format")) o->format = v;
-        else if (!strcmp(a, "--load")) o->load = v;
-        else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
-        else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
-        else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
-        else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
-        else if (!strcmp(a, "--d-model")) ok = du_parse_int(v, 1, 1 << 20, &o->dims.d_model);
-        else if (!strcmp(a, "--d-ff")) ok = du_parse_int(v, 1, 1 << 22, &o->dims.d_ff);
-        else if (!strcmp(a, "--num-layers")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_layers);
-        else if (!strcmp(a, "--num-heads")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_heads);
-        else if (!strcmp(a, "--vocab-size")) ok = du_parse_int(v, 1, 1 << 24, &o->dims.vocab_size);
-        else { fprintf(stderr, "e2e: unknown flag '%s'\n", a); usage(stderr); return 2; }
-        if (!ok) { fprintf(stderr, "e2e: bad value '%s' for %s\n", v, a); usage(stderr); return 2; }
-    }
-    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: --device must be cpu or cuda, not '%s'\n", o->device); return 2; }
-    if (!du_format_ok(o->format)) { fprintf(stderr, "e2e: --format must be md, csv or jsonl, not '%s'\n", o->format); return 2; }
-#ifndef TSYS_WITH_CUDA
-    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: this binary was built without CUDA; build it with 'make cuda'\n"); return 2; }
-#endif
-    return 0;
+        "  --dry-run                  check the flags, print the configuration, measure nothing\n"
+        "  --help\n"
+        "Lists are comma-separated (at most %d values) and every combination is measured.\n"
+        "Columns that do not apply to a mode read '-' (bwd in forward mode, opt without an optimizer step,\n"
+        "the phases of a compiled step).\n"
+        DU_EXIT_HELP, tsys_model_preset_names(), DU_LIST_MAX);
 }
 
 typedef enum { MODE_FWD, MODE_FWDBWD, MODE_TRAIN } run_mode;
@@ -109,6 +78,86 @@ static bool parse_dtype(const char *s, tsys_dtype *d) {
     else return false;
     return true;
 }
+
+static bool ok_mode(const char *s) { run_mode m; return parse_mode(s, &m); }
+static bool ok_dtype(const char *s) { tsys_dtype d; return parse_dtype(s, &d); }
+static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
+static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
+static bool ok_compile(const char *s) { return !strcmp(s, "no") || !strcmp(s, "yes"); }
+static bool ok_model(const char *s) {
+    tsys_model_desc d;
+    return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK;
+}
+
+static void opts_free(e2e_opts *o) {
+    du_list_free(&o->models); du_list_free(&o->contexts); du_list_free(&o->modes);
+    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles);
+}
+
+// Parses and checks every flag and list; returns 0 (o then owns the lists: opts_free), DU_HELP,
+// or DU_EXIT_USAGE after a message naming the flag (nothing to free). Never exits.
+static int parse_args(int argc, char **argv, e2e_opts *o) {
+    memset(o, 0, sizeof(*o));
+    o->device = du_has_cuda() ? "cuda" : "cpu";
+    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no";
+    o->format = "md";
+    o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
+    static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--format",
+                                         "--load", "--batch-size", "--warmup", "--steps", "--seed", "--d-model", "--d-ff", "--num-layers",
+                                         "--num-heads", "--vocab-size", "--mem-limit"};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
+        if (!strcmp(a, "--no-sgemm")) { o->sgemm = false; continue; }
+        if (!strcmp(a, "--tf32")) { o->tf32 = true; continue; }
+        if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
+        if (!strcmp(a, "--dry-run")) { o->dry_run = true; continue; }
+        bool known = false;
+        for (size_t j = 0; j < sizeof(valued) / sizeof(valued[0]); j++) known = known || !strcmp(a, valued[j]);
+        if (!known) { fprintf(stderr, "e2e: unknown flag '%s'\n", a); usage(stderr); return DU_EXIT_USAGE; }
+        if (i + 1 >= argc) { fprintf(stderr, "e2e: flag %s needs a value\n", a); return DU_EXIT_USAGE; }
+        const char *v = argv[++i];
+        bool ok = true;
+        if (!strcmp(a, "--device")) o->device = v;
+        else if (!strcmp(a, "--model")) models = v;
+        else if (!strcmp(a, "--context-length")) contexts = v;
+        else if (!strcmp(a, "--mode")) modes = v;
+        else if (!strcmp(a, "--dtype")) dtypes = v;
+        else if (!strcmp(a, "--attn")) attn = v;
+        else if (!strcmp(a, "--compile")) compile = v;
+        else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--load")) o->load = v;
+        else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("e2e", a, v, &o->mem_limit)) return DU_EXIT_USAGE; }
+        else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
+        else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
+        else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
+        else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
+        else if (!strcmp(a, "--d-model")) ok = du_parse_int(v, 1, 1 << 20, &o->dims.d_model);
+        else if (!strcmp(a, "--d-ff")) ok = du_parse_int(v, 1, 1 << 22, &o->dims.d_ff);
+        else if (!strcmp(a, "--num-layers")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_layers);
+        else if (!strcmp(a, "--num-heads")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_heads);
+        else if (!strcmp(a, "--vocab-size")) ok = du_parse_int(v, 1, 1 << 24, &o->dims.vocab_size);
+        if (!ok) { fprintf(stderr, "e2e: bad value '%s' for %s\n", v, a); usage(stderr); return DU_EXIT_USAGE; }
+    }
+    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: --device must be cpu or cuda, not '%s'\n", o->device); return DU_EXIT_USAGE; }
+    if (!du_format_ok(o->format)) { fprintf(stderr, "e2e: --format must be md, csv or jsonl, not '%s'\n", o->format); return DU_EXIT_USAGE; }
+#ifndef TSYS_WITH_CUDA
+    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: this binary was built without CUDA; build it with 'make cuda'\n"); return DU_EXIT_USAGE; }
+#endif
+    char rule[256];
+    snprintf(rule, sizeof(rule), "a preset (%s) or custom", tsys_model_preset_names());
+    if (!du_split_check(&o->models, "e2e", "--model", models, ok_model, rule)
+        || !du_split_check(&o->contexts, "e2e", "--context-length", contexts, ok_context, "an integer from 1 to 1048576")
+        || !du_split_check(&o->modes, "e2e", "--mode", modes, ok_mode, "forward, forward-backward or train")
+        || !du_split_check(&o->dtypes, "e2e", "--dtype", dtypes, ok_dtype, "fp32, bf16 or fp16")
+        || !du_split_check(&o->attns, "e2e", "--attn", attn, ok_attn, "naive, flash or auto")
+        || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")) {
+        opts_free(o);
+        return DU_EXIT_USAGE;
+    }
+    return 0;
+}
+
 
 // Everything one configuration needs, built once, released by bench_free.
 typedef struct bench {
@@ -255,7 +304,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     int n = o->steps, total = (compiled && o->warmup < 1 ? 1 : o->warmup) + (compiled ? 0 : n);   // a graph is captured after at least one eager step
     double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
     double *opt = (double *)calloc((size_t)n, sizeof(double)), *tot = (double *)calloc((size_t)n, sizeof(double));
-    tsys_status st = bench_setup(&b, &d, o, T);
+    tsys_status st = fwd && bwd && opt && tot ? bench_setup(&b, &d, o, T)
+                                              : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for %d step timings", n);
     for (int i = 0; st == TSYS_OK && i < total; i++) {   // eager steps: warmup, then (eager) timed
         double t[3] = {0, 0, 0};
         st = bench_step(&b, t);
@@ -267,11 +317,16 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     du_progress_done();
     if (st == TSYS_OK) {
         tsys_stats s = tsys_stats_of(tot, n);
+        // phases a mode does not have read '-' (not 0.00): no backward in forward mode, no optimizer
+        // step outside train mode (its zero_grad time still counts in total_ms), and a compiled step
+        // is one graph replay, timed as a whole
+        static const char *const phase_cols[5] = {"fwd_ms", "fwd_std", "bwd_ms", "bwd_std", "opt_ms"};
+        for (int i = 0; i < 5; i++) du_row_set(row, phase_cols[i], "-");
         if (!compiled) {
             tsys_stats sf = tsys_stats_of(fwd, n), sb = tsys_stats_of(bwd, n), so = tsys_stats_of(opt, n);
             du_row_set(row, "fwd_ms", "%.2f", sf.mean); du_row_set(row, "fwd_std", "%.2f", sf.std);
-            du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std);
-            du_row_set(row, "opt_ms", "%.2f", so.mean);
+            if (mode != MODE_FWD) { du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std); }
+            if (mode == MODE_TRAIN) du_row_set(row, "opt_ms", "%.2f", so.mean);
         }
         du_row_set(row, "total_ms", "%.2f", s.mean); du_row_set(row, "total_std", "%.2f", s.std);
         double flops = tsys_model_flops(&d, o->batch, T, mode != MODE_FWD);
@@ -279,6 +334,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         du_row_set(row, dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s", dev == TSYS_CPU ? "%.1f" : "%.1f", flops / ms / (dev == TSYS_CPU ? 1e6 : 1e9));
         double peak = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2];
         if (dev == TSYS_CUDA && peak > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e9 / peak);
+        if (dev == TSYS_CPU && o->cpu_gflops > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e6 / o->cpu_gflops);
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
         du_row_set(row, "status", "ok");
     } else {
@@ -290,6 +346,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     free(fwd); free(bwd); free(opt); free(tot);
 }
 
+#ifdef TSYS_WITH_CUDA
 // Rate of an n x n x n product of random dt matrices through the backend's GEMM (the path the
 // model's matmuls take): the ceiling that MFU is measured against.
 static inline double gemm_peak_tflops(tsys_ctx *ctx, tsys_device dev, tsys_dtype dt, int n) {
@@ -313,60 +370,65 @@ static inline double gemm_peak_tflops(tsys_ctx *ctx, tsys_device dev, tsys_dtype
     tsys_ctx_clear_error(ctx);
     return best;
 }
+#endif
 
 int main(int argc, char **argv) {
     e2e_opts o;
     int rc = parse_args(argc, argv, &o);
+    if (rc == DU_HELP) { usage(stdout); return DU_EXIT_OK; }
     if (rc) return rc;
-    tsys_ctx *ctx = tsys_ctx_new(NULL);
     tsys_device dev = strcmp(o.device, "cuda") ? TSYS_CPU : TSYS_CUDA;
-#ifdef TSYS_WITH_CUDA
-    if (dev == TSYS_CUDA && tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); return 1; }
-#endif
-    du_list models = du_split(o.models), ctxs = du_split(o.contexts), modes = du_split(o.modes), dtypes = du_split(o.dtypes), comps = du_split(o.compile), attns = du_split(o.attn);
-    for (int i = 0; i < attns.n; i++) if (strcmp(attns.item[i], "naive") && strcmp(attns.item[i], "flash") && strcmp(attns.item[i], "auto")) { fprintf(stderr, "e2e: --attn takes naive, flash or auto, not '%s'\n", attns.item[i]); usage(stderr); return 2; }
-    for (int i = 0; i < comps.n; i++) if (strcmp(comps.item[i], "no") && strcmp(comps.item[i], "yes")) { fprintf(stderr, "e2e: --compile takes no, yes or no,yes, not '%s'\n", comps.item[i]); usage(stderr); return 2; }
-    for (int i = 0; i < modes.n; i++) { run_mode m; if (!parse_mode(modes.item[i], &m)) { fprintf(stderr, "e2e: unknown mode '%s' (forward, forward-backward, train)\n", modes.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "e2e: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "e2e: bad context length '%s'\n", ctxs.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < models.n; i++) {
-        tsys_model_desc d;
-        char err[256];
-        if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", err); usage(stderr); return 2; }
-    }
+    char lim[64];
+    // the effective configuration on one line (stdout for md, stderr for the machine formats)
+    FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
+    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; warmup %d; steps %d; memory limit %s%s%s\n",
+            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.warmup, o.steps,
+            du_mem_limit_str(lim, sizeof(lim), o.mem_limit), o.load ? "; load " : "", o.load ? o.load : "");
+    if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
+    // the budget applies to the device measured; the other keeps its default
+    tsys_ctx_desc cd;
+    memset(&cd, 0, sizeof(cd));
+    if (dev == TSYS_CPU) cd.cpu_memory_limit = o.mem_limit;
+    tsys_ctx *ctx = tsys_ctx_new(&cd);
+    if (!ctx) { fprintf(stderr, "e2e: out of memory creating the context\n"); opts_free(&o); return DU_EXIT_FAILED; }
 #ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA) {
+        if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); opts_free(&o); return DU_EXIT_FAILED; }
         tsys_cuda_set_tf32(ctx, o.tf32);
+        if (o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
         if (o.sgemm) {
             o.peak[0] = gemm_peak_tflops(ctx, dev, TSYS_F32, 8192);
             o.peak[1] = gemm_peak_tflops(ctx, dev, TSYS_BF16, 8192);
             o.peak[2] = gemm_peak_tflops(ctx, dev, TSYS_F16, 8192);
-            printf("cuda: %s; measured GEMM peaks (8192^3, random data): %s %.1f, bf16 %.1f, fp16 %.1f TFLOP/s\n\n", tsys_cuda_device_name(ctx),
-                   o.tf32 ? "tf32" : "fp32", o.peak[0], o.peak[1], o.peak[2]);
+            fprintf(cfg, "cuda: %s; measured GEMM peaks (8192^3, random data): %s %.1f, bf16 %.1f, fp16 %.1f TFLOP/s; MFU is measured against them\n",
+                    tsys_cuda_device_name(ctx), o.tf32 ? "tf32" : "fp32", o.peak[0], o.peak[1], o.peak[2]);
         }
     }
 #endif
     if (dev == TSYS_CPU && o.sgemm) {
-        double gf = tsys_cpu_sgemm_gflops(1024, 3);
-        printf("cpu: CBLAS sgemm %.1f GFLOP/s (1024^3, best of 3), %d threads\n\n", gf, du_num_threads());
+        o.cpu_gflops = tsys_cpu_sgemm_gflops(1024, 3);
+        fprintf(cfg, "cpu: CBLAS sgemm %.1f GFLOP/s (1024^3, best of 3), %d threads; MFU is measured against it\n", o.cpu_gflops, du_num_threads());
     }
+    if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
+    fflush(stdout);
     du_table tab;
-    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,peak_MiB,status"
-                                        : "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,peak_MiB,status");
-    for (int a = 0; a < models.n; a++)
-        for (int c = 0; c < ctxs.n; c++)
-            for (int m = 0; m < modes.n; m++)
-                for (int t = 0; t < dtypes.n; t++)
-                    for (int k = 0; k < comps.n; k++)
-                        for (int at = 0; at < attns.n; at++) {
+    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,peak_MiB,status"
+                                        : "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,peak_MiB,status",
+                  o.format);
+    for (int a = 0; a < o.models.n; a++)
+        for (int c = 0; c < o.contexts.n; c++)
+            for (int m = 0; m < o.modes.n; m++)
+                for (int t = 0; t < o.dtypes.n; t++)
+                    for (int k = 0; k < o.compiles.n; k++)
+                        for (int at = 0; at < o.attns.n; at++) {
                             run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                            parse_mode(modes.item[m], &mode); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
-                            run_config(ctx, dev, &o, models.item[a], T, mode, dt, !strcmp(comps.item[k], "yes"), attns.item[at], &tab);
-                            du_table_print_last(&tab, o.format);
+                            parse_mode(o.modes.item[m], &mode); parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
+                            run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.attns.item[at], &tab);
+                            du_table_emit(&tab);
                         }
-    if (!strcmp(o.format, "md")) { printf("\n"); du_table_print(&tab, "md"); }
+    rc = du_table_exit_code(&tab, "e2e", o.oom_ok);
     du_table_free(&tab);
-    du_list_free(&models); du_list_free(&ctxs); du_list_free(&modes); du_list_free(&dtypes); du_list_free(&comps); du_list_free(&attns);
+    opts_free(&o);
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
-    return 0;
+    return rc;
 }

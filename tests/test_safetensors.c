@@ -12,7 +12,9 @@
 
 #include <stdlib.h>
 #include <stdint.h>
+#include <errno.h>
 #include <unistd.h>
+#include <sys/stat.h>   // mkfifo, mkdir
 
 // ---- helpers ----------------------------------------------------------------------------------------
 
@@ -374,6 +376,9 @@ TSYS_TEST(safetensors_corrupt_entries) {
         { "{\"x\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[0,8]}}", "'x'", "I64 (2) needs 16" },
         { "{\"x\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904,4],\"data_offsets\":[0,8]}}", "'x'", "overflows" },
         { "{\"x\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904,0,4],\"data_offsets\":[0,8]}}", "'x'", "needs 0" },
+        // partial products must fit int64 (tsys_tensor_numel's arithmetic), even when a later dim is 0
+        { "{\"x\":{\"dtype\":\"F32\",\"shape\":[4,4611686018427387904,0],\"data_offsets\":[0,0]},"
+          "\"y\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", "'x'", "overflows" },
         { "{\"x\":{\"dtype\":\"F32\",\"shape\":[2]}}", "'x'", "lacks \"data_offsets\"" },
         { "{\"x\":{\"shape\":[2],\"data_offsets\":[0,8]}}", "'x'", "lacks \"dtype\"" },
         { "{\"x\":{\"dtype\":\"F32\",\"data_offsets\":[0,8]}}", "'x'", "lacks \"shape\"" },
@@ -391,6 +396,85 @@ TSYS_TEST(safetensors_corrupt_entries) {
         st_write_file(path, cases[i].hdr, st_x_data, 8);
         st_expect_bad_file(ctx, path, cases[i].sub1, cases[i].sub2);
     }
+    tsys_ctx_free(ctx);
+}
+
+// JSON text is UTF-8: a raw byte sequence that is not (a stray continuation byte, an overlong form,
+// a UTF-16 surrogate, a code point past U+10FFFF, a sequence cut short) is refused in a tensor name,
+// a field name or a metadata string; valid multi-byte names load and save.
+TSYS_TEST(safetensors_names_must_be_utf8) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    static const char *bad_names[] = { "x\x80", "\xc0\xaf", "\xc1\xbf", "\xed\xa0\x80", "\xf5\x80\x80\x80", "\xf4\x90\x80\x80",
+                                       "x\xe2\x82", "\xe0\x80\xaf", "\xf0\x80\x80\xaf", "\xff", "a\xc3" };
+    for (size_t i = 0; i < sizeof bad_names / sizeof bad_names[0]; i++) {
+        char hdr[256], name[64];
+        snprintf(hdr, sizeof hdr, "{\"%s\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", bad_names[i]);
+        snprintf(name, sizeof name, "bad_utf8_name_%zu.safetensors", i);
+        const char *path = st_path(name);
+        st_write_file(path, hdr, st_x_data, 8);
+        st_expect_bad_file(ctx, path, "invalid UTF-8", NULL);
+    }
+    const char *path = st_path("bad_utf8_metadata.safetensors");
+    st_write_file(path, "{\"__metadata__\":{\"k\":\"v\xc3\x28\"},\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", st_x_data, 8);
+    st_expect_bad_file(ctx, path, "invalid UTF-8", NULL);
+    path = st_path("bad_utf8_field.safetensors");
+    st_write_file(path, "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8],\"\xbf\":1}}", st_x_data, 8);
+    st_expect_bad_file(ctx, path, "invalid UTF-8", NULL);
+
+    // Two-, three- and four-byte names (and the same name escaped as \u) round trip.
+    static const char *good[] = { "gewicht.\xc3\xa4", "\xe5\xb1\x82.0", "emoji.\xf0\x9f\x98\x80", "max.\xf4\x8f\xbf\xbf" };
+    float v[2] = { 3, 4 };
+    const int64_t shape[1] = { 2 };
+    tsys_tensor *t[4];
+    for (int i = 0; i < 4; i++) t[i] = st_tensor(ctx, good[i], TSYS_F32, 1, shape, v);
+    path = st_path("good_utf8.safetensors");
+    TEST_CHECK(tsys_safetensors_save(ctx, path, t, 4) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor **back = NULL;
+    int n = 0;
+    TEST_CHECK(tsys_safetensors_load(ctx, path, TSYS_CPU, &back, &n) == TSYS_OK && n == 4, "load: %s", tsys_ctx_last_error(ctx));
+    for (int i = 0; i < n && i < 4; i++) TEST_CHECK(st_same(t[i], st_find(back, n, good[i])), "'%s' differs after the round trip", good[i]);
+    tsys_tensor_list_free(back, n);
+    path = st_path("escaped_utf8.safetensors");
+    st_write_file(path, "{\"gewicht.\\u00e4\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", v, 8);
+    TEST_CHECK(tsys_safetensors_load_into(ctx, path, &t[0], 1) == TSYS_OK, "\\u00e4 is the same name as its UTF-8 bytes: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+
+    // Saving refuses a name the loader would refuse to read back.
+    tsys_tensor_set_name(t[1], "bad.\xc3");
+    st_expect_error(ctx, tsys_safetensors_save(ctx, st_path("bad_name_save.safetensors"), t, 2), TSYS_ERR_INVALID_ARGS,
+                    "tensors[1]", "not valid UTF-8", NULL);
+    st_free_all(t, 4);
+    tsys_ctx_free(ctx);
+}
+
+// Only regular files: a FIFO must be refused at once (a plain fopen waits for a writer forever), a
+// directory must be refused by name (a plain fopen "opens" it with a size of LONG_MAX), and so must
+// a device.
+TSYS_TEST(safetensors_rejects_fifo_directory_device) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *fifo = st_path("pipe.safetensors");
+    unlink(fifo);
+    if (mkfifo(fifo, 0600) != 0) { TEST_CHECK(0, "mkfifo %s: %s", fifo, strerror(errno)); tsys_ctx_free(ctx); return; }
+    alarm(20);   // a hang kills the test binary (the runner then reports it) instead of stalling make test
+    double t0 = tsys_time_us();
+    st_expect_bad_file(ctx, fifo, "FIFO", "regular file");
+    TEST_CHECK(tsys_time_us() - t0 < 5e6, "rejecting a FIFO took %.1f s", (tsys_time_us() - t0) * 1e-6);
+    alarm(0);
+    unlink(fifo);
+
+    const char *dir = st_path("dir.safetensors");
+    TEST_CHECK(mkdir(dir, 0700) == 0, "mkdir %s: %s", dir, strerror(errno));
+    tsys_tensor **list = NULL;
+    int n = 0;
+    tsys_status s = tsys_safetensors_load(ctx, dir, TSYS_CPU, &list, &n);
+    const char *msg = tsys_ctx_last_error(ctx);
+    TEST_CHECK(s == TSYS_ERR_IO && strstr(msg, "is a directory") && strstr(msg, "dir.safetensors"), "directory: %s", msg);
+    TEST_CHECK(!strstr(msg, "9223372036854775807"), "a directory reported as a huge file: %s", msg);
+    tsys_ctx_clear_error(ctx);
+    st_expect_bad_file(ctx, dir, "directory", NULL);
+    rmdir(dir);
+
+    st_expect_bad_file(ctx, "/dev/null", "device", NULL);
     tsys_ctx_free(ctx);
 }
 

@@ -1,0 +1,297 @@
+#!/usr/bin/env bash
+# test_drivers.sh BINDIR - the drivers (BINDIR/e2e, attn, precision) as a user, and a hostile one,
+# runs them: rows printed as they are measured (markdown too), exit codes (0 ok, 1 a row failed,
+# 2 bad usage), --oom-ok, --mem-limit on every driver, strict flags and lists, --load on a FIFO or
+# a directory, the CPU MFU column, '-' for phases a mode does not have, the precision prose.
+# Run by make test twice: on build/ and on build/asan/ (ASan + UBSan + LeakSanitizer, where any
+# sanitizer report fails the test that caused it, so error exits must not leak).
+# Prints "N passed, N failed" last, like the C tests.
+#
+#   tests/test_drivers.sh build [name-filter]
+set -u
+B=${1:-build}
+filter=${2:-}
+for d in e2e attn precision; do
+  [ -x "$B/$d" ] || { echo "test_drivers: $B/$d is missing (make $B/$d)"; echo "0 passed, 1 failed"; exit 1; }
+done
+tmp=$(mktemp -d /tmp/tsys_drivers_XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+export TSYS_PROGRESS=0
+
+# A model small enough to run in milliseconds, even under ASan.
+MODEL=(--model custom --d-model 16 --num-layers 1 --num-heads 2 --d-ff 32 --vocab-size 64 --batch-size 1 --warmup 0 --steps 2)
+TINY=("${MODEL[@]}" --no-sgemm)
+
+why=""        # reasons the running test failed
+note() { why="$why"$'\n'"      $*"; }
+
+# run CMD...: stdout in $tmp/out, stderr in $tmp/err, exit status in $rc (124: it hung past 120 s).
+# A sanitizer report fails the running test whatever the command was expected to do.
+run() {
+  timeout 120 "$@" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  if grep -qE 'ERROR: (Address|Leak)Sanitizer|runtime error:|SUMMARY: (Address|Undefined|Leak)' "$tmp/err"; then
+    note "sanitizer report from: $*"
+    note "$(grep -m3 -E 'ERROR|runtime error|SUMMARY' "$tmp/err")"
+  fi
+  [ $rc -eq 124 ] && note "timed out: $*"
+  return 0
+}
+expect_rc() { [ "$rc" -eq "$1" ] || note "exit status $rc, wanted $1 ($2); stderr: $(head -c 300 "$tmp/err")"; }
+expect_in() {   # file pattern what
+  grep -qE -- "$2" "$1" || note "$3: no match for '$2' in $(basename "$1"): $(head -c 300 "$1")"
+}
+expect_not_in() { ! grep -qE -- "$2" "$1" || note "$3: unexpected '$2' in $(basename "$1")"; }
+
+# csv_col FILE ROW COLUMN: the cell of data row ROW (1-based) under header COLUMN (no quoted commas).
+csv_col() {
+  awk -F, -v row="$2" -v col="$3" 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == col) c = i; next }
+                                    NR - 1 == row { print (c ? $c : "NO-COLUMN") }' "$1"
+}
+
+# ---- rows and exit codes -------------------------------------------------------------------------
+
+# Markdown: header first, then each row the moment it is measured (flushed), so a sweep that is
+# killed keeps its finished rows. The second row (context 4096) takes seconds: the first must be
+# out while it runs.
+t_markdown_rows_stream() {
+  : >"$tmp/stream"
+  "$B/e2e" "${TINY[@]}" --steps 20 --context-length 8,4096 --mode forward >"$tmp/stream" 2>"$tmp/err" &
+  local pid=$! seen=0
+  for _ in $(seq 1 600); do
+    if grep -q '^| cpu | custom | 8 |' "$tmp/stream" && ! grep -q '^| cpu | custom | 4096 |' "$tmp/stream"; then
+      kill -0 $pid 2>/dev/null && seen=1; break
+    fi
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.1
+  done
+  kill $pid 2>/dev/null; wait $pid 2>/dev/null
+  [ $seen = 1 ] || note "the first row was not printed while the second was being measured: $(cat "$tmp/stream")"
+  local h r
+  h=$(grep -n '^| device | model |' "$tmp/stream" | head -1 | cut -d: -f1)
+  r=$(grep -n '^| cpu | custom | 8 |' "$tmp/stream" | head -1 | cut -d: -f1)
+  [ -n "$h" ] && [ -n "$r" ] && [ "$h" -lt "$r" ] || note "no markdown header before the first row (header line '$h', row line '$r')"
+  [ "$(grep -c '^| device | model |' "$tmp/stream")" -le 1 ] || note "the header was printed more than once"
+}
+
+t_csv_and_jsonl_stream_too() {
+  run "$B/e2e" "${TINY[@]}" --context-length 8,16 --format csv
+  expect_rc 0 "two ok rows"
+  [ "$(grep -c '^device,model,' "$tmp/out")" = 1 ] || note "csv: one header wanted: $(cat "$tmp/out")"
+  [ "$(grep -c '^cpu,custom,' "$tmp/out")" = 2 ] || note "csv: two rows wanted"
+  expect_not_in "$tmp/out" '^e2e:|^cpu:' "csv: configuration lines belong on stderr"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --format jsonl
+  expect_rc 0 "an ok row"
+  expect_in "$tmp/out" '^\{"device": "cpu", "model": "custom", "context": 8,.*"status": "ok"\}$' "jsonl row"
+  [ "$(wc -l <"$tmp/out")" = 1 ] || note "jsonl: stdout must hold the row only"
+}
+
+t_exit_1_when_a_row_fails() {
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --load "$tmp/no_such.safetensors"
+  expect_rc 1 "a load error is a failed row"
+  expect_in "$tmp/out" '\| error: safetensors .*no_such.safetensors.*cannot open' "the error row"
+  expect_in "$tmp/err" 'rows failed' "the summary on stderr"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --num-heads 3
+  expect_rc 1 "an invalid model is a failed row"
+  expect_in "$tmp/out" '\| error: .*num_heads' "the error row names the rule"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --compile yes
+  expect_rc 0 "a row skipped by design is not a failure"
+  expect_in "$tmp/out" '\| skipped: ' "the skipped row"
+}
+
+# Out of memory on the CPU is a row (the budget is --mem-limit), exit 1, or 0 under --oom-ok.
+t_oom_row_and_oom_ok() {
+  run "$B/e2e" "${TINY[@]}" --context-length 8,2048 --mem-limit 0.01
+  expect_rc 1 "an OOM row without --oom-ok"
+  expect_in "$tmp/out" '^\| cpu \| custom \| 8 \|.*\| ok \|$' "the row that fits"
+  expect_in "$tmp/out" '^\| cpu \| custom \| 2048 \|.*\| OOM: out of memory' "the OOM row"
+  expect_in "$tmp/err" '\-\-oom-ok' "the summary points at --oom-ok"
+  run "$B/e2e" "${TINY[@]}" --context-length 8,2048 --mem-limit 0.01 --oom-ok
+  expect_rc 0 "OOM rows are expected under --oom-ok"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --mem-limit 0.01 --oom-ok --load "$tmp/no_such.safetensors"
+  expect_rc 1 "--oom-ok does not excuse errors"
+  # the 2.7B training step: out of memory at once under a small budget, never a kill
+  run "$B/e2e" --model 2.7B --mode train --context-length 128 --warmup 0 --steps 1 --no-sgemm --mem-limit 0.05
+  expect_rc 1 "2.7B under 0.05 GiB"
+  expect_in "$tmp/out" '\| 2.7B \|.*\| OOM: out of memory' "the 2.7B OOM row"
+  run "$B/attn" --seq 64,4096 --d 16 --batch 1 --warmup 0 --reps 1 --impl naive --mem-limit 0.01
+  expect_rc 1 "attn: an OOM row"
+  expect_in "$tmp/out" '\| naive \| 1 \| 0 \| 64 \|.*\| ok \|$' "attn: the row that fits"
+  expect_in "$tmp/out" '\| naive \| 1 \| 0 \| 4096 \|.*\| OOM: ' "attn: the OOM row"
+  run "$B/attn" --seq 64,4096 --d 16 --batch 1 --warmup 0 --reps 1 --impl naive --mem-limit 0.01 --oom-ok
+  expect_rc 0 "attn: --oom-ok"
+  run "$B/precision" --mem-limit 0.0000001
+  expect_rc 1 "precision: the ToyModel out of memory"
+  expect_in "$tmp/out" 'OOM: out of memory' "precision: the OOM line"
+}
+
+# ---- flags ------------------------------------------------------------------------------------------
+
+t_unknown_flag_is_usage_error() {
+  for d in e2e attn precision; do
+    run "$B/$d" --bogus
+    expect_rc 2 "$d --bogus"
+    expect_in "$tmp/err" "unknown flag '--bogus'" "$d --bogus"
+    expect_not_in "$tmp/err" 'needs a value' "$d --bogus"
+  done
+  run "$B/e2e" --model
+  expect_rc 2 "e2e --model without a value"
+  expect_in "$tmp/err" '\-\-model needs a value' "a known flag without its value"
+}
+
+t_empty_lists_and_items() {
+  local args
+  for args in "e2e --context-length" "e2e --model" "e2e --mode" "e2e --dtype" "e2e --attn" "e2e --compile" \
+              "attn --seq" "attn --d" "attn --dtype" "attn --causal"; do
+    set -- $args
+    run "$B/$1" "$2" ''
+    expect_rc 2 "$1 $2 ''"
+    expect_in "$tmp/err" "$2 needs at least one value" "$1 $2 ''"
+    run "$B/$1" "$2" 'x,,y'
+    expect_rc 2 "$1 $2 x,,y"
+    run "$B/$1" "$2" ','
+    expect_rc 2 "$1 $2 ,"
+  done
+  run "$B/e2e" --context-length 8,
+  expect_rc 2 "e2e --context-length 8,"
+  expect_in "$tmp/err" 'empty value in --context-length' "a trailing comma"
+}
+
+t_list_longer_than_64_is_an_error() {
+  run "$B/e2e" --context-length "$(seq -s, 1 65)" --dry-run
+  expect_rc 2 "65 context lengths"
+  expect_in "$tmp/err" '\-\-context-length lists 65 values; at most 64' "65 items"
+  run "$B/attn" --seq "$(seq -s, 1 100)" --dry-run
+  expect_rc 2 "100 sequence lengths"
+  expect_in "$tmp/err" '\-\-seq lists 100' "attn: 100 items"
+  run "$B/e2e" --context-length "$(seq -s, 1 64)" --dry-run
+  expect_rc 0 "64 context lengths are fine"
+  expect_in "$tmp/out" "context 1,2,3,.*,63,64;" "all 64 in the configuration line"
+}
+
+t_mem_limit_is_strict() {
+  local v d
+  for d in e2e attn precision; do
+    for v in inf -inf nan -1 1e30 1048577 1e400 0x10 ' 1' '' 1GB 2,5; do
+      run "$B/$d" --mem-limit "$v" --dry-run
+      expect_rc 2 "$d --mem-limit '$v'"
+      expect_in "$tmp/err" '\-\-mem-limit takes a number of GiB from 0 to 1048576' "$d --mem-limit '$v'"
+    done
+  done
+  run "$B/attn" --mem-limit 2.5 --dry-run
+  expect_rc 0 "attn --mem-limit 2.5"
+  expect_in "$tmp/out" 'memory limit 2.5 GiB' "the cap in the configuration line"
+  run "$B/attn" --dry-run
+  expect_in "$tmp/out" 'memory limit default \(available memory\)' "no cap claimed by default"
+  run "$B/e2e" --mem-limit 0 --dry-run
+  expect_rc 0 "e2e --mem-limit 0 (the default)"
+  expect_in "$tmp/out" 'memory limit default' "0 = the default"
+}
+
+t_help_documents_exit_codes_and_memory() {
+  for d in e2e attn precision; do
+    run "$B/$d" --help
+    expect_rc 0 "$d --help"
+    expect_in "$tmp/out" '\-\-mem-limit GIB' "$d --help: --mem-limit"
+    expect_in "$tmp/out" 'available' "$d --help: the default budget"
+    expect_in "$tmp/out" 'exit status: 0 .*, 1 ' "$d --help: exit codes 0 and 1"
+    expect_in "$tmp/out" ', 2 bad usage' "$d --help: exit code 2"
+    [ "$d" = precision ] || expect_in "$tmp/out" '\-\-oom-ok' "$d --help: --oom-ok"
+  done
+}
+
+# Error exits free what they made: under ASan, LeakSanitizer would change the status and report.
+t_error_exits_do_not_leak() {
+  run "$B/e2e" --attn bogus
+  expect_rc 2 "e2e --attn bogus"
+  expect_in "$tmp/err" "bad value 'bogus' in --attn" "the message names the flag"
+  run "$B/e2e" --mode forward,backward
+  expect_rc 2 "e2e --mode backward"
+  run "$B/e2e" --model small,huge
+  expect_rc 2 "e2e --model huge"
+  expect_in "$tmp/err" "bad value 'huge' in --model" "an unknown preset"
+  run "$B/attn" --causal 0,2
+  expect_rc 2 "attn --causal 2"
+  run "$B/attn" --sweep nope
+  expect_rc 2 "attn --sweep nope"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --load /
+  expect_rc 1 "e2e --load /"
+}
+
+# ---- --load on what is not a safetensors file --------------------------------------------------------
+
+t_load_fifo_fails_fast() {
+  mkfifo "$tmp/pipe.safetensors" || { note "mkfifo failed"; return; }
+  timeout 10 "$B/e2e" "${TINY[@]}" --context-length 8 --load "$tmp/pipe.safetensors" >"$tmp/out" 2>"$tmp/err"
+  rc=$?
+  [ $rc -ne 124 ] || note "--load on a FIFO hung"
+  expect_rc 1 "--load FIFO"
+  expect_in "$tmp/out" 'FIFO' "the error names what the path is"
+}
+
+t_load_directory_is_named() {
+  mkdir -p "$tmp/dir.safetensors"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --load "$tmp/dir.safetensors"
+  expect_rc 1 "--load DIR"
+  expect_in "$tmp/out" 'is a directory' "the error says it is a directory"
+  expect_not_in "$tmp/out" '9223372036854775807' "a directory is no file of LONG_MAX bytes"
+}
+
+# ---- columns ----------------------------------------------------------------------------------------
+
+t_cpu_e2e_has_mfu() {
+  run "$B/e2e" "${MODEL[@]}" --context-length 8 --format csv
+  expect_rc 0 "e2e with the sgemm measurement"
+  expect_in "$tmp/out" '^device,.*,GFLOP/s,MFU,peak_MiB,status$' "the CPU header has MFU"
+  expect_in "$tmp/err" 'CBLAS sgemm .* GFLOP/s' "the reference rate"
+  local m
+  m=$(csv_col "$tmp/out" 1 MFU)
+  [[ "$m" =~ ^[0-9]+\.[0-9]%$ ]] || note "MFU cell '$m', wanted a percentage"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --format csv
+  m=$(csv_col "$tmp/out" 1 MFU)
+  [ -z "$m" ] || note "--no-sgemm: MFU '$m', wanted empty"
+}
+
+t_phases_a_mode_lacks_read_dash() {
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --mode forward,forward-backward,train --format csv
+  expect_rc 0 "three modes"
+  local c want
+  for c in "1 bwd_ms -" "1 bwd_std -" "1 opt_ms -" "2 opt_ms -" "3 opt_ms NUM" "2 bwd_ms NUM" "1 fwd_ms NUM"; do
+    set -- $c
+    want=$3
+    local v
+    v=$(csv_col "$tmp/out" "$1" "$2")
+    if [ "$want" = NUM ]; then [[ "$v" =~ ^[0-9]+\.[0-9]+$ ]] || note "row $1 $2 = '$v', wanted a number"
+    else [ "$v" = "$want" ] || note "row $1 $2 = '$v', wanted '$want'"; fi
+  done
+}
+
+t_precision_prose_matches_its_table() {
+  run "$B/precision"
+  expect_rc 0 "precision"
+  local e
+  e=$(grep -E '^\| fp32 \| fp32 \|' "$tmp/out" | awk -F'|' '{print $5}' | sed 's/^ *[+-]//; s/ *$//')
+  [ -n "$e" ] || { note "no fp32/fp32 row"; return; }
+  grep -v '^|' "$tmp/out" | grep -q -- "$e" || note "the prose does not quote the fp32 accumulator's error $e"
+  expect_not_in "$tmp/out" 'within ~1e-5' "the old claim"
+}
+
+t_dry_run_measures_nothing() {
+  run "$B/e2e" --model 2.7B --context-length 128 --mode train --dry-run
+  expect_rc 0 "e2e --dry-run"
+  expect_in "$tmp/out" '^e2e: device cpu; model 2.7B; context 128;' "the configuration line"
+  expect_not_in "$tmp/out" '^\|' "no table"
+}
+
+# ---- runner -------------------------------------------------------------------------------------------
+
+pass=0; fail=0
+for t in $(declare -F | awk '{print $3}' | grep '^t_'); do
+  [ -n "$filter" ] && [[ "$t" != *"$filter"* ]] && continue
+  why=""
+  printf '  %-44s ' "${t#t_}"
+  $t
+  if [ -z "$why" ]; then echo ok; pass=$((pass + 1)); else echo " -> FAILED$why"; fail=$((fail + 1)); fi
+done
+echo "$pass passed, $fail failed"
+[ $fail -eq 0 ]
