@@ -1034,7 +1034,7 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
                    (long long)ctx->mem.dev[dev].live_bytes);
         return NULL;
     }
-    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category;
+    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->saved_by = 0;
     tsys__mem_note(ctx, dev, s->tag, s->category, (int64_t)asked);
     return s;
 }
