@@ -16,6 +16,7 @@
 #include "../tsys_cuda.cuh"
 #endif
 #include "driver_util.h"
+#include <sys/stat.h>
 
 typedef struct e2e_opts {
     const char *device, *format, *load;
@@ -24,7 +25,9 @@ typedef struct e2e_opts {
     uint64_t seed;
     size_t mem_limit;       // bytes; 0 = the default budget
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
-    bool sgemm, tf32, oom_ok, dry_run;
+    bool sgemm, tf32, oom_ok, dry_run, nvtx;
+    const char *profile;    // a folder: one profiled step per configuration (tables + Chrome trace)
+    FILE *profile_log;      // the tables of every profiled configuration, printed after the results
     double cpu_gflops;      // measured CBLAS sgemm GFLOP/s on the CPU (0: not measured)
     double peak[3];         // measured GEMM TFLOP/s on the GPU, by autocast dtype (fp32, bf16, fp16)
 } e2e_opts;
@@ -54,6 +57,10 @@ static void usage(FILE *f) {
         "                             the MFU column is then empty\n"
         "  --tf32                     fp32 GEMMs on TF32 tensor cores (cuda; default off)\n"
         "  --dry-run                  check the flags, print the configuration, measure nothing\n"
+        "  --nvtx                     NVTX ranges for nsys (cuda): warmup, forward, backward, optimizer, each layer,\n"
+        "                             each op, the parts of attention\n"
+        "  --profile DIR              after the timed steps, profile one more (eager) step of each configuration: the\n"
+        "                             op and kernel tables (printed after the results) and a Chrome trace, in DIR\n"
         "  --help\n"
         "Lists are comma-separated (at most %d values) and every combination is measured.\n"
         "Columns that do not apply to a mode read '-' (bwd in forward mode, opt without an optimizer step,\n"
@@ -104,7 +111,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
     static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--format",
                                          "--load", "--batch-size", "--warmup", "--steps", "--seed", "--d-model", "--d-ff", "--num-layers",
-                                         "--num-heads", "--vocab-size", "--mem-limit"};
+                                         "--num-heads", "--vocab-size", "--mem-limit", "--profile"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
@@ -112,6 +119,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         if (!strcmp(a, "--tf32")) { o->tf32 = true; continue; }
         if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = true; continue; }
+        if (!strcmp(a, "--nvtx")) { o->nvtx = true; continue; }
         bool known = false;
         for (size_t j = 0; j < sizeof(valued) / sizeof(valued[0]); j++) known = known || !strcmp(a, valued[j]);
         if (!known) { fprintf(stderr, "e2e: unknown flag '%s'\n", a); usage(stderr); return DU_EXIT_USAGE; }
@@ -130,6 +138,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("e2e", a, v, &o->mem_limit)) return DU_EXIT_USAGE; }
         else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
         else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
+        else if (!strcmp(a, "--profile")) { o->profile = v; ok = *v != 0; }
         else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
         else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
         else if (!strcmp(a, "--d-model")) ok = du_parse_int(v, 1, 1 << 20, &o->dims.d_model);
@@ -170,21 +179,27 @@ typedef struct bench {
     run_mode mode;
     tsys_grad_scaler scaler;
     bool capturing;   // inside CUDA graph capture: no host synchronization allowed
+    tsys_event ev[4]; // the phase boundaries of a step: start, forward done, backward done, optimizer done
 } bench;
 
-static void bench_sync(bench *b) { if (!b->capturing) tsys_sync(b->ctx, b->dev); }
+// Marks a phase boundary on the compute stream (nothing while capturing: a graph is timed whole).
+static void bench_mark(bench *b, int i) { if (!b->capturing) tsys_event_record(b->ctx, b->dev, TSYS_STREAM_COMPUTE, &b->ev[i]); }
 
 static void bench_free(bench *b) {
+    for (int i = 0; i < 4; i++) tsys_event_release(b->ctx, &b->ev[i]);
     tsys_tensor_release(b->ids); tsys_tensor_release(b->targets);
     tsys_optim_free(b->opt);
     tsys_model_free(b->model);
     b->ids = b->targets = NULL; b->opt = NULL; b->model = NULL;
 }
 
-// One step; adds its phase times (ms) to t[0..2] = forward, backward, optimizer.
+// One step in the report's phases (named ranges "forward", "backward", "optimizer", so NVTX and the
+// profiler see them); adds the phase times (ms, from backend events: cudaEvents on the GPU, the host
+// clock on the CPU) to t[0..2]. The host waits only at the end of the step.
 static tsys_status bench_step(bench *b, double *t) {
     tsys_ctx *ctx = b->ctx;
-    double t0 = tsys_time_us();
+    bench_mark(b, 0);
+    tsys_trace_begin(ctx, "forward");
     if (b->mode == MODE_FWD) tsys_no_grad_begin(ctx);
     if (b->dtype != TSYS_F32) tsys_autocast_begin(ctx, b->dtype);
     tsys_tensor *logits = tsys_model_forward(b->model, b->ids);
@@ -192,27 +207,31 @@ static tsys_status bench_step(bench *b, double *t) {
     if (b->dtype != TSYS_F32) tsys_autocast_end(ctx);
     if (b->mode == MODE_FWD) tsys_no_grad_end(ctx);
     tsys_tensor_release(logits);
-    bench_sync(b);
-    double t1 = tsys_time_us();
-    t[0] += (t1 - t0) * 1e-3;
+    tsys_trace_end(ctx);
+    bench_mark(b, 1);
+    int last = 1;
     if (b->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
+        tsys_trace_begin(ctx, "backward");
         tsys_tensor *scaled = b->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &b->scaler, loss) : tsys_tensor_retain(loss);
         tsys_backward(ctx, scaled);
         tsys_tensor_release(scaled);
-        bench_sync(b);
-        double t2 = tsys_time_us();
-        t[1] += (t2 - t1) * 1e-3;
+        tsys_trace_end(ctx);
+        bench_mark(b, 2);
+        tsys_trace_begin(ctx, "optimizer");
         if (b->mode == MODE_TRAIN) {
             if (b->dtype == TSYS_F16) { tsys_grad_scaler_step(&b->scaler, b->opt); tsys_grad_scaler_update(&b->scaler); }
             else tsys_optim_step(b->opt);
         }
         if (b->opt) tsys_optim_zero_grad(b->opt);
         else tsys_zero_grads(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model));   // as torch's zero_grad(set_to_none)
-        bench_sync(b);
-        t[2] += (tsys_time_us() - t2) * 1e-3;
+        tsys_trace_end(ctx);
+        bench_mark(b, 3);
+        last = 3;
     }
     tsys_tensor_release(loss);
     tsys_tape_clear(ctx);
+    if (!b->capturing && tsys_ctx_status(ctx) == TSYS_OK)
+        for (int i = 0; i < last; i++) t[i] += tsys_event_elapsed_ms(ctx, &b->ev[i], &b->ev[i + 1]);
     return tsys_ctx_status(ctx);
 }
 
@@ -247,10 +266,11 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
         if (step_st != TSYS_OK) st = step_st;
     }
     for (int i = 0; st == TSYS_OK && i < steps; i++) {
-        double t0 = tsys_time_us();
+        bench_mark(b, 0);
         st = tsys_cuda_graph_replay(b->ctx, g);
-        if (st == TSYS_OK) st = tsys_sync(b->ctx, b->dev);
-        tot[i] = (tsys_time_us() - t0) * 1e-3;
+        bench_mark(b, 3);
+        tot[i] = tsys_event_elapsed_ms(b->ctx, &b->ev[0], &b->ev[3]);
+        if (st == TSYS_OK) st = tsys_ctx_status(b->ctx);
     }
     tsys_cuda_graph_free(g);
     return st;
@@ -258,6 +278,35 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
     (void)b; (void)steps; (void)tot;
     return tsys_ctx_set_error(b->ctx, TSYS_ERR_UNSUPPORTED, "--compile needs the CUDA build");
 #endif
+}
+
+// One more step under the profiler; its tables and Chrome trace go to DIR/<configuration>.{md,json}.
+static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_row *row) {
+    char base[512], path[600];
+    snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+             du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled");
+    tsys_profiler *p = tsys_profiler_begin(b->ctx);
+    double t[3] = {0, 0, 0};
+    tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->ctx);
+    if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(b->ctx);
+    snprintf(path, sizeof(path), "%s.json", base);
+    if (st == TSYS_OK) st = tsys_profiler_write_trace(p, path);
+    snprintf(path, sizeof(path), "%s.md", base);
+    FILE *f = st == TSYS_OK ? fopen(path, "w") : NULL;
+    if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
+    if (f) {
+        fprintf(f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, optimizer %.2f ms\n\n",
+                base + strlen(dir) + 1, t[0] + t[1] + t[2], t[0], t[1], t[2], tsys_profiler_kernel_ms(p, "forward"), tsys_profiler_kernel_ms(p, "backward"),
+                tsys_profiler_kernel_ms(p, "optimizer"));
+        tsys_profiler_print_ops(p, f, 40);
+        fprintf(f, "\n");
+        tsys_profiler_print_kernels(p, f, 40);
+        fprintf(f, "\n");
+        fclose(f);
+        fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
+    }
+    tsys_profiler_free(p);
+    return st;
 }
 
 static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn) {
@@ -306,14 +355,20 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     double *opt = (double *)calloc((size_t)n, sizeof(double)), *tot = (double *)calloc((size_t)n, sizeof(double));
     tsys_status st = fwd && bwd && opt && tot ? bench_setup(&b, &d, o, T)
                                               : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for %d step timings", n);
+    int warm = total - (compiled ? 0 : n);
+    bool in_warmup = warm > 0;
+    if (in_warmup) tsys_trace_begin(ctx, "warmup");   // nsys can skip it
     for (int i = 0; st == TSYS_OK && i < total; i++) {   // eager steps: warmup, then (eager) timed
         double t[3] = {0, 0, 0};
+        if (i == warm && in_warmup) { tsys_trace_end(ctx); in_warmup = false; }
         st = bench_step(&b, t);
         du_progress("%s T=%d %s: step %d/%d (%.1f ms)", model_name, T, du_row_get(row, "mode"), i + 1, total, t[0] + t[1] + t[2]);
         int j = i - (total - (compiled ? 0 : n));
         if (j >= 0) { fwd[j] = t[0]; bwd[j] = t[1]; opt[j] = t[2]; tot[j] = t[0] + t[1] + t[2]; }
     }
+    if (in_warmup) tsys_trace_end(ctx);
     if (st == TSYS_OK && compiled) st = bench_compiled(&b, n, tot);
+    if (st == TSYS_OK && o->profile) st = bench_profile(&b, o->profile, o->profile_log, row);
     du_progress_done();
     if (st == TSYS_OK) {
         tsys_stats s = tsys_stats_of(tot, n);
@@ -385,6 +440,11 @@ int main(int argc, char **argv) {
             o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.warmup, o.steps,
             du_mem_limit_str(lim, sizeof(lim), o.mem_limit), o.load ? "; load " : "", o.load ? o.load : "");
     if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
+    if (o.profile) {
+        if (mkdir(o.profile, 0777) != 0 && errno != EEXIST) { fprintf(stderr, "e2e: --profile: cannot make folder '%s': %s\n", o.profile, strerror(errno)); opts_free(&o); return DU_EXIT_USAGE; }
+        o.profile_log = tmpfile();
+        if (!o.profile_log) { fprintf(stderr, "e2e: --profile: no temporary file: %s\n", strerror(errno)); opts_free(&o); return DU_EXIT_FAILED; }
+    }
     // the budget applies to the device measured; the other keeps its default
     tsys_ctx_desc cd;
     memset(&cd, 0, sizeof(cd));
@@ -395,6 +455,7 @@ int main(int argc, char **argv) {
     if (dev == TSYS_CUDA) {
         if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "e2e: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); opts_free(&o); return DU_EXIT_FAILED; }
         tsys_cuda_set_tf32(ctx, o.tf32);
+        if (o.nvtx) tsys_cuda_set_nvtx(ctx, true);
         if (o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
         if (o.sgemm) {
             o.peak[0] = gemm_peak_tflops(ctx, dev, TSYS_F32, 8192);
@@ -426,6 +487,13 @@ int main(int argc, char **argv) {
                             run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.attns.item[at], &tab);
                             du_table_emit(&tab);
                         }
+    if (o.profile_log) {   // the tables, after the results
+        rewind(o.profile_log);
+        char line[512];
+        fprintf(cfg, "\n");
+        while (fgets(line, sizeof(line), o.profile_log)) fputs(line, cfg);
+        fclose(o.profile_log);
+    }
     rc = du_table_exit_code(&tab, "e2e", o.oom_ok);
     du_table_free(&tab);
     opts_free(&o);
