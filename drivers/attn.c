@@ -289,34 +289,34 @@ static attn_result run_config(tsys_ctx *ctx, tsys_device dev, const attn_opts *o
         st = case_pass_end(&c, out ? case_backward(&c, out) : tsys_ctx_status(ctx));
         if (st == TSYS_OK) st = tsys_sync(ctx, dev);
     }
-    // loop 1: forward and backward timed separately; the memory in use is read between them
+    // loop 1: forward and backward timed separately (backend events: cudaEvents on the GPU, the host
+    // clock on the CPU); the memory in use is read between them
+    tsys_event ev[3];
+    memset(ev, 0, sizeof(ev));
     for (int i = 0; st == TSYS_OK && i < n; i++) {
         du_progress("%s %s seq %d d %d: fwd/bwd %d/%d", label, dtype_str(dt), seq, d, i + 1, n);
-        tsys_sync(ctx, dev);
-        double t0 = tsys_time_us();
+        tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ev[0]);
         tsys_tensor *out = case_forward(&c);
-        st = tsys_sync(ctx, dev);
-        double t1 = tsys_time_us();
+        tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ev[1]);
         if (!out) st = tsys_ctx_status(ctx);
         live_before_bwd = tsys_mem_stats_get(ctx, dev).live_bytes;
         if (st == TSYS_OK) st = case_backward(&c, out);
         else tsys_tensor_release(out);
-        if (st == TSYS_OK) st = tsys_sync(ctx, dev);
-        double t2 = tsys_time_us();
+        tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ev[2]);
+        if (st == TSYS_OK) { tf[i] = tsys_event_elapsed_ms(ctx, &ev[0], &ev[1]); tb[i] = tsys_event_elapsed_ms(ctx, &ev[1], &ev[2]); st = tsys_ctx_status(ctx); }
         st = case_pass_end(&c, st);
-        tf[i] = (t1 - t0) * 1e-3; tb[i] = (t2 - t1) * 1e-3;
     }
-    // loop 2: forward+backward back to back, one sync at the end
+    // loop 2: forward+backward back to back, the host waits only at the end
     for (int i = 0; st == TSYS_OK && i < n; i++) {
         du_progress("%s %s seq %d d %d: fwd+bwd %d/%d", label, dtype_str(dt), seq, d, i + 1, n);
-        tsys_sync(ctx, dev);
-        double t0 = tsys_time_us();
+        tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ev[0]);
         tsys_tensor *out = case_forward(&c);
         st = out ? case_backward(&c, out) : tsys_ctx_status(ctx);
-        if (st == TSYS_OK) st = tsys_sync(ctx, dev);
-        tt[i] = (tsys_time_us() - t0) * 1e-3;
+        tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ev[1]);
+        if (st == TSYS_OK) { tt[i] = tsys_event_elapsed_ms(ctx, &ev[0], &ev[1]); st = tsys_ctx_status(ctx); }
         st = case_pass_end(&c, st);
     }
+    for (int i = 0; i < 3; i++) tsys_event_release(ctx, &ev[i]);
     du_progress_done();
     if (st == TSYS_OK) {
         res.ok = true;
