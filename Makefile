@@ -1,9 +1,9 @@
 # tsys - build, test and benchmark.
 #   make            CPU drivers (build/e2e, build/precision, build/attn)
 #   make test       CPU tests (what CI runs): the tests, the drivers' tests, the same again under
-#                   ASan+UBSan (build/asan/), and the libFuzzer harnesses for FUZZ_SECONDS each when
+#                   ASan+UBSan (build/asan/), and the libFuzzer harnesses side by side for FUZZ_SECONDS when
 #                   clang is present; also compiles the CUDA code when nvcc is present
-#   make fuzz       the libFuzzer harnesses only (FUZZ_SECONDS each, default 60)
+#   make fuzz       the libFuzzer harnesses only (side by side for FUZZ_SECONDS, default 60)
 #   make cuda       CUDA drivers (build/e2e_cuda ...), on a machine with nvcc
 #   make test-cuda  CUDA tests (needs a GPU)
 #   make bench      ./bench.sh
@@ -55,10 +55,9 @@ FUZZ_SAN = address,undefined
 HAVE_FUZZ := $(shell printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; return (int)n * 0; }\n' | \
                $(CLANG) -fsanitize=fuzzer -x c - -o /dev/null >/dev/null 2>&1 && echo yes)
 FUZZERS = $(FUZZ)/fuzz_safetensors $(FUZZ)/fuzz_flags
-FUZZ_RUNS = $(FUZZ)/run_fuzz_safetensors $(FUZZ)/run_fuzz_flags
 
 # Everything run-tests runs; each prints "N passed, N failed" last.
-ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ_RUNS))
+ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ)/run_fuzzers)
 
 .PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
@@ -110,14 +109,14 @@ $(FUZZ)/fuzz_flags: tests/fuzz/fuzz_flags.c $(FUZZ)/driver_e2e.o $(FUZZ)/driver_
 	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer,$(FUZZ_SAN) $^ -o $@ $(LDLIBS)
 $(FUZZ)/fuzz_safetensors: tests/fuzz/fuzz_safetensors.c $(HEADERS) | $(FUZZ)
 	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer,$(FUZZ_SAN) $< -o $@ $(LDLIBS)
-# A bounded run: new inputs go to build/fuzz/corpus_<name> (the committed seeds in
-# tests/fuzz/corpus/<name> stay as they are); a crash lands in build/fuzz/ and fails the run:
-# copy it into tests/fuzz/corpus/<name>/ as a regression seed when you fix it.
-$(FUZZ)/run_%: $(FUZZ)/% tests/fuzz/run_fuzzer.sh | $(FUZZ)
-	printf '#!/bin/sh\nexec tests/fuzz/run_fuzzer.sh $(FUZZ) $*\n' > $@ && chmod +x $@
-fuzz-build: $(FUZZERS) $(FUZZ_RUNS)
+# Bounded runs, the fuzzers side by side: new inputs go to build/fuzz/corpus_<name> (the committed
+# seeds in tests/fuzz/corpus/<name> stay as they are); a crash lands in build/fuzz/ and fails the
+# run: copy it into tests/fuzz/corpus/<name>/ as a regression seed when you fix it.
+$(FUZZ)/run_fuzzers: $(FUZZERS) tests/fuzz/run_fuzzer.sh | $(FUZZ)
+	printf '#!/bin/sh\nexec tests/fuzz/run_fuzzer.sh $(FUZZ) $(notdir $(FUZZERS))\n' > $@ && chmod +x $@
+fuzz-build: $(FUZZ)/run_fuzzers
 fuzz: fuzz-build
-	@for r in $(FUZZ_RUNS); do $$r || exit 1; done
+	@$(FUZZ)/run_fuzzers
 # Regenerates the safetensors seeds (tests/fuzz/make_seeds.c writes them with tsys_safetensors_save).
 fuzz-seeds: | $(FUZZ)
 	$(CC) $(CPPFLAGS) $(TSYS_CFLAGS) $(CFLAGS) tests/fuzz/make_seeds.c -o $(FUZZ)/make_seeds $(LDLIBS)
