@@ -1,4 +1,5 @@
-/* tsys_cuda.cuh - v0.1 - the CUDA backend of tsys: kernels, cuBLASLt GEMMs, caching allocator, CUDA graphs
+/* tsys_cuda.cuh - v0.2 - the CUDA backend of tsys: kernels, cuBLASLt GEMMs, FlashAttention-2, caching
+   allocator, CUDA graphs
 
    Do this:
       #define TSYS_CUDA_IMPLEMENTATION      (or TSYS_IMPL, which turns on every tsys implementation)
@@ -8,28 +9,41 @@
       #define TSYS_CUDA_IMPLEMENTATION
       #include "tsys_cuda.cuh"               // includes tsys.h itself
 
-      nvcc -x cu -std=c++17 -O2 -gencode arch=compute_90,code=sm_90 main.c -lcublasLt -lcublas
+      nvcc -x cu -std=c++17 -O2 -gencode arch=compute_90a,code=sm_90a main.c -lcublasLt -lcublas
+
+   (sm_90a, not sm_90: the Hopper FlashAttention kernels use wgmma, TMA and setmaxnreg, which only an
+   arch-specific target compiles; any other target keeps the mma.sync FlashAttention kernels.)
 
    The declarations are plain C (no CUDA types), so C files may include this header and call
    tsys_cuda_init() while one nvcc-compiled file holds the implementation.
 
    Optional defines (before the include, in the implementation file):
-      TSYS_CUDA_WORKSPACE_BYTES   cuBLASLt workspace (default 32 MiB, what cuBLAS asks for on Hopper)
+      TSYS_CUDA_WORKSPACE_BYTES   default cuBLASLt workspace (32 MiB, what cuBLAS asks for on Hopper);
+                                  tsys_cuda_desc.workspace_bytes overrides it per context
       TSYS_CUDA_GEMM_CACHE        slots of the per-shape GEMM plan cache (default 512, a power of two)
       TSYS_CUDA_NO_NVTX           make tsys_cuda_range_push/pop do nothing
+      TSYS_CUDA_NO_FLASH          leave the FlashAttention kernels out (>>flash: a third of the build time);
+                                  TSYS_K_FLASH_FWD/BWD then fail with TSYS_ERR_UNSUPPORTED
+      TSYS_MALLOC/TSYS_FREE/TSYS_REALLOC   host allocator, as in tsys.h (all three or none)
+
+   Environment (read once, by tsys_cuda_init, and only when desc.flash is AUTO):
+      TSYS_FLASH_NO_WS=1          FlashAttention without the warp-specialized TMA kernels (wgmma ones)
+      TSYS_FLASH_NO_WGMMA=1       FlashAttention on the mma.sync kernels
 
    tsys_cuda DOES NOT:
       - call cudaMalloc or cudaFree in the steady state: freed blocks go to size-class free lists of
         a caching allocator and come back for the next request of that class
       - copy device scalars to the host inside kernels (the loss, dloss, norms stay on the device), so
         a whole training step can be captured as one CUDA graph
-      - keep global state: stream, cuBLASLt handle, workspace, allocator and plan cache live in the
-        backend state of one tsys_ctx; two contexts (even on two devices) coexist
+      - keep global state: stream, cuBLASLt handle, workspace, allocator, plan cache and the choice of
+        FlashAttention kernels live in the backend state of one tsys_ctx; two contexts (even on two
+        devices) coexist (the one process-wide thing is the driver's TMA encoder, looked up once)
 
    Quick start:
 
       tsys_ctx *ctx = tsys_ctx_new(NULL);
       if (tsys_cuda_init(ctx, 0) != TSYS_OK) { puts(tsys_ctx_last_error(ctx)); return 1; }
+      // or, in C: tsys_cuda_init_desc(ctx, &(tsys_cuda_desc){ .device = 0, .flash = TSYS_CUDA_FLASH_MMA });
       tsys_model *m = tsys_model_new(ctx, &desc, TSYS_CUDA, 1234);
       ... same code as on the CPU ...
       tsys_model_free(m);            // release every CUDA tensor first,
@@ -68,6 +82,14 @@
       they note the first such id in a mapped host record, and the next synchronization (tsys_sync, a
       device-to-host copy, an event's elapsed time) turns it into the context's error.
 
+   ON FLASH ATTENTION
+      TSYS_K_FLASH_FWD/BWD (tsys_flash_attention) run the >>flash section: FlashAttention-2 for fp32, bf16
+      and fp16 at head dims 16, 32, 64, 80, 128, any sequence length, causal or not, a deterministic
+      backward (no atomics). bf16/fp16 at d = 64 and 128 have three implementations (tsys_cuda_flash_impl):
+      warp-specialized TMA + wgmma kernels (WS), cp.async + wgmma kernels (WGMMA), both sm_90a-only, and
+      mma.sync kernels (MMA, everywhere). AUTO takes the first this binary and device can run; desc.flash
+      or tsys_cuda_set_flash_impl pick one per context, and asking for one that cannot run is an error.
+
    ON ADAMW AND GRAPHS
       TSYS_K_ADAMW reads the step count from its device tensor t[4], so a captured optimizer step
       replays the right bias corrections. Extension of the tsys.h contract: t[5], when given, is a
@@ -75,6 +97,11 @@
       also survives graph replay).
 
    Revision history:
+      0.2  FlashAttention-2 as the >>flash section (mma.sync, fp32 SIMT, wgmma and warp-specialized TMA
+           kernels; one templated wgmma wrapper; TSYS_CUDA_NO_FLASH); tsys_cuda_desc with
+           tsys_cuda_init_desc / tsys_cuda_get_desc; the flash implementation is per context
+           (tsys_cuda_set_flash_impl) instead of environment switches read by the kernels; host
+           allocations through TSYS_MALLOC/TSYS_REALLOC/TSYS_FREE
       0.1  first release: every tsys kernel but flash attention, cuBLASLt GEMM with a plan cache,
            caching allocator with graph pools, CUDA graphs, NVTX ranges
 
@@ -107,9 +134,53 @@ typedef struct tsys_cuda_mem_info {
     int64_t num_ooms;              // requests that returned NULL
 } tsys_cuda_mem_info;
 
-// Creates the backend state (stream, cuBLASLt handle, workspace, caching allocator) on device_id
-// and registers it as the context's TSYS_CUDA backend.
+// Which FlashAttention kernels bf16/fp16 attention at head dims 64 and 128 runs (every other head dim and
+// fp32 have one implementation each: mma.sync tensor cores, SIMT fp32).
+//   AUTO   the fastest this binary and device can run: WS, else WGMMA, else MMA; a call whose inputs TMA
+//          cannot read (not 16-byte aligned) runs WGMMA instead of WS
+//   WS     warp-specialized forward and dQ (TMA producer warpgroup, wgmma consumers), wgmma dK/dV;
+//          a call whose inputs TMA cannot read fails (TSYS_ERR_UNSUPPORTED)
+//   WGMMA  Hopper wgmma kernels with cp.async loads
+//   MMA    mma.sync kernels (sm_80 and later)
+// WS and WGMMA need a binary built for sm_90a (-gencode arch=compute_90a,code=sm_90a) on a Hopper GPU (and,
+// for WS, a driver with TMA tensor maps); asking for one where it cannot run is an error, never a fallback.
+typedef enum tsys_cuda_flash_impl {
+    TSYS_CUDA_FLASH_AUTO = 0,
+    TSYS_CUDA_FLASH_WS,
+    TSYS_CUDA_FLASH_WGMMA,
+    TSYS_CUDA_FLASH_MMA
+} tsys_cuda_flash_impl;
+
+// How tsys_cuda_init_desc sets the backend up. All fields 0 = default:
+//   device           0           CUDA device id
+//   flash            AUTO        FlashAttention implementation (tsys_cuda_flash_impl); with AUTO, the
+//                                environment may steer it at init: TSYS_FLASH_NO_WGMMA=1 -> MMA,
+//                                TSYS_FLASH_NO_WS=1 -> WGMMA (or MMA where wgmma cannot run)
+//   tf32             false       fp32 GEMMs on TF32 tensor cores (tsys_cuda_set_tf32)
+//   workspace_bytes  32 MiB      cuBLASLt workspace (TSYS_CUDA_WORKSPACE_BYTES)
+//   memory_limit     0 = none    cap on the caching allocator's reserved bytes (tsys_cuda_set_memory_limit)
+//   nvtx             false       NVTX ranges for every op, backward node and range (tsys_cuda_set_nvtx)
+typedef struct tsys_cuda_desc {
+    int device;
+    tsys_cuda_flash_impl flash;
+    bool tf32;
+    size_t workspace_bytes;
+    size_t memory_limit;
+    bool nvtx;
+} tsys_cuda_desc;
+
+// Creates the backend state (stream, cuBLASLt handle, workspace, caching allocator) on desc->device
+// (desc NULL = all defaults) and registers it as the context's TSYS_CUDA backend.
+TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *desc);
+// Shorthand: tsys_cuda_init_desc with every field 0 but .device = device_id.
 TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id);
+// The effective desc: defaults filled in, the environment's flash override applied, AUTO resolved to the
+// implementation it runs, the setters' later changes included. All zero without a CUDA backend.
+TSYSDEF tsys_cuda_desc tsys_cuda_get_desc(tsys_ctx *ctx);
+// Switches the FlashAttention implementation at run time (tests sweep every one in one process). Error
+// (TSYS_ERR_UNSUPPORTED, with the reason) for one this binary or device cannot run; the choice stays as it was.
+TSYSDEF tsys_status tsys_cuda_set_flash_impl(tsys_ctx *ctx, tsys_cuda_flash_impl impl);
+TSYSDEF const char *tsys_cuda_flash_impl_name(tsys_cuda_flash_impl impl);   // "auto", "ws", "wgmma", "mma"
 // Frees everything the backend holds. Release every CUDA tensor of the context first.
 TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx);
 TSYSDEF int tsys_cuda_device_count(void);                 // 0 when there is no GPU or no driver
@@ -171,1875 +242,26 @@ TSYSDEF bool tsys_cuda_cupti_available(void);
 #ifndef TSYS_CUDA_NO_NVTX
 #include <nvtx3/nvToolsExt.h>
 #endif
-// flash_cuda.cuh - FlashAttention-2 forward and backward CUDA kernels for tsys (sm_80+, tuned on sm_90).
-//
-// defines: tsys_cuda__flash_fwd, tsys_cuda__flash_bwd, tsys_cuda__flash_bwd_scratch_bytes,
-//          tsys_cuda__flash_supported
-//
-// Layout everywhere: q, k, v, o and their gradients are (bh, n, d) contiguous in the one input dtype
-// (fp32, bf16 or fp16); lse is (bh, n) fp32, natural log, lse_i = logsumexp_j(scale * q_i . k_j) over the
-// kept keys. Causal keeps key j for query i when i >= j (the CS336 rule); masked scores are -inf here,
-// which gives the same O and lse as the handout's +(-1e6) because exp(-1e6 - m) is 0 in fp32.
-//
-// Kernels (bf16/fp16: tensor cores, mma.sync m16n8k16 with fp32 accumulation; fp32: a SIMT version):
-//   flash_fwd      one block per (query tile, bh); loops over key tiles with the online softmax
-//                  (Algorithm 1 of the handout); writes O and lse.
-//   flash_bwd_dot  D_i = rowsum(dO_i * O_i) in fp32 (the scratch buffer).
-//   flash_bwd_dkdv one block per (key tile, bh); loops over query tiles, recomputes P = exp(S - L) and
-//                  accumulates dV = P^T dO and dK = scale * dS^T Q in registers.
-//   flash_bwd_dq   one block per (query tile, bh); loops over key tiles and accumulates
-//                  dQ = scale * dS K in registers.
-// Each output element is written by exactly one thread, once, after a fixed-order loop: no atomics,
-// and the backward is bit-identical from run to run. dQ recomputes S and dP (7 matmuls instead of 5):
-// that is the price of no atomics.
-//
-// Any n >= 1 works: tiles are loaded with zero fill past row n and the masks drop keys >= n and queries
-// >= n. Causal launches skip key tiles that every query of a tile masks, and the heaviest tiles start
-// first. Head dims: 16, 32, 64, 80, 128 (the tensor-core kernels need d % 16 == 0; d = 80 is 5 k-steps).
-//
-// Hopper: built for sm_90a (-gencode arch=compute_90a,code=sm_90a), bf16/fp16 at d = 64 and 128 run wgmma
-// versions of the three tensor-core kernels (tsys__flash_*_wg_kernel, below the fp32 kernels); the forward
-// and dQ run warp-specialized versions of those (tsys__flash_*_ws_kernel: a TMA producer warpgroup and
-// consumer warpgroups handing tiles over through mbarriers) unless TSYS_FLASH_NO_WS=1 is set or no tensor
-// map can be made. In any other build, or with TSYS_FLASH_NO_WGMMA=1 in the environment, the mma.sync
-// kernels run.
-//
-// Self-contained: CUDA runtime only (the TMA tensor-map encoder is fetched from the driver at run time).
-// The launchers return cudaError_t (cudaErrorInvalidValue for a shape they don't support) and never
-// synchronise.
-#pragma once
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#ifndef TSYS_CUDA_NO_FLASH
+#include <cuda.h>   // CUtensorMap and its enums for the flash TMA kernels (the encoder is fetched at run time)
+#endif
 #include <stdint.h>
-#include <stdlib.h>
-#include <type_traits>
-#include <cuda.h>   // CUtensorMap and its enums (the encoder itself is fetched at run time)
-
-#define TSYS__FLASH_LOG2E 1.4426950408889634f
-#define TSYS__FLASH_LN2 0.6931471805599453f
-
-// ------------------------------------------------------------------------------------------------
-// PTX helpers: cp.async (16-byte global -> shared, zero-filled when the row is out of range),
-// ldmatrix (four 8x8 b16 tiles from shared into mma fragments) and the m16n8k16 mma.
-//
-// mma.m16n8k16 fragment layout (lane = threadIdx.x % 32, g = lane / 4, c = lane % 4):
-//   A 16x16 (row-major): a0 = A[g][2c..2c+1], a1 = A[g+8][2c..], a2 = A[g][2c+8..], a3 = A[g+8][2c+8..]
-//   B 16x8  (k x n):     b0 = B[2c..2c+1][g],  b1 = B[2c+8..2c+9][g]
-//   C 16x8  (fp32):      c0,c1 = C[g][2c..2c+1], c2,c3 = C[g+8][2c..2c+1]
-// Two C tiles side by side (16 x 16) are, once rounded to 16 bits and paired, exactly an A fragment:
-// that is how P and dS go from one matmul's accumulators to the next matmul's input without shared memory.
-
-__device__ __forceinline__ uint32_t tsys__smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void tsys__cp_async16(void *smem, const void *gmem, bool pred) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tsys__smem_addr(smem)), "l"(gmem),
-                 "r"(pred ? 16 : 0));
-}
-// 4-byte version (through L1); size 0 zero-fills the destination without reading.
-__device__ __forceinline__ void tsys__cp_async4(void *smem, const void *gmem, bool pred) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(tsys__smem_addr(smem)), "l"(gmem),
-                 "r"(pred ? 4 : 0));
-}
-__device__ __forceinline__ void tsys__cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void tsys__cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void tsys__ldsm_x4(uint32_t r[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tsys__smem_addr(p)));
-}
-__device__ __forceinline__ void tsys__ldsm_x4_t(uint32_t r[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tsys__smem_addr(p)));
-}
-
-// 2^x on the special-function unit (flush-to-zero; exp2f without fast-math adds denormal fix-ups).
-// 2^-inf = 0, which is what the masks rely on.
-__device__ __forceinline__ float tsys__ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// The 16-bit type's mma and its pack of two floats (low half = the lower column).
-template <typename T> struct tsys__flash_t;
-template <> struct tsys__flash_t<__nv_bfloat16> {
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                     "{%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        return *(uint32_t *)&h;
-    }
-};
-template <> struct tsys__flash_t<__half> {
-    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-                     "{%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 h = __floats2half2_rn(lo, hi);
-        return *(uint32_t *)&h;
-    }
-};
-
-// Shared-memory tiles hold R rows of D 16-bit elements with a row stride of D + 8: the 16-byte pad puts
-// the 8 rows one ldmatrix phase reads into 8 different 16-byte bank groups for every D used here.
-template <int D> struct tsys__flash_smem { static constexpr int SD = D + 8; };
-
-// Copy rows [r0, r0 + R) of a (n, D) matrix into a padded shared tile; rows >= n become zeros, so a tail
-// tile adds nothing to any product (the masks drop those rows too).
-template <int R, int D, int NT, typename T>
-__device__ __forceinline__ void tsys__flash_load_tile(T *s, const T *g, int r0, int n) {
-    constexpr int CPR = D / 8, SD = D + 8;   // 16-byte chunks per row
-#pragma unroll
-    for (int c = threadIdx.x; c < R * CPR; c += NT) {
-        const int r = c / CPR, cc = c % CPR;
-        const bool ok = r0 + r < n;
-        tsys__cp_async16(s + r * SD + cc * 8, g + (size_t)(ok ? r0 + r : 0) * D + cc * 8, ok);
-    }
-}
-
-// Load the A fragment of a 16 x 16 block at (row r0, col c0) of a padded row-major shared tile.
-template <int SD, typename T>
-__device__ __forceinline__ void tsys__flash_lda(uint32_t a[4], const T *s, int r0, int c0, int lane) {
-    tsys__ldsm_x4(a, s + (r0 + (lane & 15)) * SD + c0 + (lane >> 4) * 8);
-}
-// B fragments of two n-blocks for C = A X^T where X is stored row-major (rows = n, cols = k):
-// rows n0..n0+15, k cols c0..c0+15. b[0], b[1] feed n-block n0, b[2], b[3] n-block n0 + 8.
-template <int SD, typename T>
-__device__ __forceinline__ void tsys__flash_ldb(uint32_t b[4], const T *s, int n0, int c0, int lane) {
-    tsys__ldsm_x4(b, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + c0 + ((lane >> 3) & 1) * 8);
-}
-// B fragments of two n-blocks for C = A X where X is stored row-major (rows = k, cols = n):
-// k rows k0..k0+15, n cols n0..n0+15 (ldmatrix transposes on the way).
-template <int SD, typename T>
-__device__ __forceinline__ void tsys__flash_ldb_t(uint32_t b[4], const T *s, int k0, int n0, int lane) {
-    tsys__ldsm_x4_t(b, s + (k0 + (lane & 15)) * SD + n0 + (lane >> 4) * 8);
-}
-
-// acc[M/16 rows][N/8 n-blocks] (+)= A (M x K, rows r0.., shared) * X^T (X: N x K rows n0.., shared),
-// for one warp. MT m-tiles share every B fragment, which halves the shared-memory reads per mma.
-template <typename T, int SD, int MT, int N, int K>
-__device__ __forceinline__ void tsys__flash_gemm_nt(float (*acc)[N / 8][4], const T *sa, int r0, const T *sx, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) tsys__flash_lda<SD>(a[mt], sa, r0 + mt * 16, kk * 16, lane);
-#pragma unroll
-        for (int nb = 0; nb < N / 16; nb++) {
-            uint32_t b[4];
-            tsys__flash_ldb<SD>(b, sx, nb * 16, kk * 16, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                tsys__flash_t<T>::mma(acc[mt][2 * nb], a[mt], b[0], b[1]);
-                tsys__flash_t<T>::mma(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
-            }
-        }
-    }
-}
-
-// acc (M x N) += P (M x K, fp32 accumulators of a previous gemm, rounded here) * X (X: K x N rows k.., shared).
-template <typename T, int SD, int MT, int K, int N>
-__device__ __forceinline__ void tsys__flash_gemm_pn(float (*acc)[N / 8][4], float (*p)[K / 8][4], const T *sx, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            a[mt][0] = tsys__flash_t<T>::pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-            a[mt][1] = tsys__flash_t<T>::pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-            a[mt][2] = tsys__flash_t<T>::pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-            a[mt][3] = tsys__flash_t<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int nb = 0; nb < N / 16; nb++) {
-            uint32_t b[4];
-            tsys__flash_ldb_t<SD>(b, sx, kk * 16, nb * 16, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                tsys__flash_t<T>::mma(acc[mt][2 * nb], a[mt], b[0], b[1]);
-                tsys__flash_t<T>::mma(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
-            }
-        }
-    }
-}
-
-template <int MT, int N>
-__device__ __forceinline__ void tsys__flash_zero(float (*acc)[N / 8][4]) {
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nb = 0; nb < N / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[mt][nb][e] = 0.0f;
-}
-
-// Store a warp's (MT*16) x D fp32 accumulator, times mul, as T rows [row0, row0 + MT*16) of a (n, D)
-// matrix; rows >= n are dropped. Each lane writes pairs of 16-bit values (4 bytes).
-template <typename T, int MT, int D>
-__device__ __forceinline__ void tsys__flash_store(T *g, float (*acc)[D / 8][4], int row0, int n, float mul, int lane) {
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = row0 + mt * 16 + (lane >> 2) + h * 8;
-            if (row >= n) continue;
-#pragma unroll
-            for (int nb = 0; nb < D / 8; nb++) {
-                const int col = nb * 8 + (lane & 3) * 2;
-                *(uint32_t *)(g + (size_t)row * D + col) =
-                    tsys__flash_t<T>::pack(acc[mt][nb][2 * h] * mul, acc[mt][nb][2 * h + 1] * mul);
-            }
-        }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Forward (bf16/fp16). Block: NW warps, BQ = NW * MT * 16 query rows; warp w owns rows
-// [w*MT*16, (w+1)*MT*16) of the tile. Key/value tiles of BK rows are double-buffered in shared memory
-// (cp.async for tile j+1 in flight while tile j is used). Per key tile and warp:
-//   S = Q K^T (fp32, registers) -> scaled to log2 units, masked -> online softmax (row max and sum across
-//   the 4 lanes of a quad) -> O = alpha O + P V with P re-used from registers as the A operand.
-// The row sum l is kept per lane and reduced across the quad once, at the end.
-// Shared memory: (BQ + 4 BK) * (D + 8) * sizeof(T).
-
-template <typename T, int D, int MT, int BK, int NW, bool CAUSAL>
-__global__ void __launch_bounds__(NW * 32)
-tsys__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
-                       float *__restrict__ lse, int n, float scale_log2) {
-    constexpr int BQ = NW * MT * 16, SD = D + 8, NT = NW * 32;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *qs = (T *)tsys__flash_smem_raw;
-    T *ks = qs + BQ * SD;        // [2][BK * SD]
-    T *vs = ks + 2 * BK * SD;    // [2][BK * SD]
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;   // causal: longest rows first
-    const int q0 = qt * BQ, wr0 = warp * MT * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
-
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
-
-    tsys__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
-    tsys__flash_load_tile<BK, D, NT>(ks, k, 0, n);
-    tsys__flash_load_tile<BK, D, NT>(vs, v, 0, n);
-    tsys__cp_async_commit();
-
-    float oacc[MT][D / 8][4];
-    tsys__flash_zero<MT, D>(oacc);
-    float m[MT][2], l[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
-
-    for (int j = 0; j < nkt; j++) {
-        if (j + 1 < nkt) {   // prefetch the next key/value tile into the other buffer
-            tsys__flash_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * SD, k, (j + 1) * BK, n);
-            tsys__flash_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * SD, v, (j + 1) * BK, n);
-            tsys__cp_async_commit();
-            tsys__cp_async_wait<1>();
-        } else {
-            tsys__cp_async_wait<0>();
-        }
-        __syncthreads();
-        const int k0 = j * BK;
-        // a warp whose rows all precede this tile's first key has nothing to add (causal diagonal)
-        const bool active = !CAUSAL || k0 <= q0 + wr0 + MT * 16 - 1;
-        if (active) {
-            const T *kt = ks + (j & 1) * BK * SD, *vt = vs + (j & 1) * BK * SD;
-            float s[MT][BK / 8][4];
-            tsys__flash_zero<MT, BK>(s);
-            tsys__flash_gemm_nt<T, SD, MT, BK, D>(s, qs, wr0, kt, lane);
-
-            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
-                    float mx = m[mt][h];
-#pragma unroll
-                    for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                        for (int e = 0; e < 2; e++) {
-                            float x = s[mt][nb][2 * h + e] * scale_log2;
-                            if (need_mask) {
-                                const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
-                                if (col >= n || (CAUSAL && col > row)) x = -INFINITY;
-                            }
-                            s[mt][nb][2 * h + e] = x;
-                            mx = fmaxf(mx, x);
-                        }
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                    // mx = -inf only for a row with no key yet (a tail row); keep its terms at 0, not NaN
-                    const float mref = mx == -INFINITY ? 0.0f : mx;
-                    const float alpha = tsys__ex2(m[mt][h] - mref);
-                    float sum = 0.0f;
-#pragma unroll
-                    for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                        for (int e = 0; e < 2; e++) {
-                            const float p = tsys__ex2(s[mt][nb][2 * h + e] - mref);
-                            s[mt][nb][2 * h + e] = p;
-                            sum += p;
-                        }
-                    l[mt][h] = l[mt][h] * alpha + sum;
-                    m[mt][h] = mx;
-#pragma unroll
-                    for (int nb = 0; nb < D / 8; nb++) oacc[mt][nb][2 * h] *= alpha, oacc[mt][nb][2 * h + 1] *= alpha;
-                }
-            }
-            tsys__flash_gemm_pn<T, SD, MT, BK, D>(oacc, s, vt, lane);
-        }
-        __syncthreads();   // everyone is done with buffer j & 1 before it is refilled
-    }
-
-    // epilogue: finish the row sums across the quad, normalise, write O and lse (natural log)
-    float inv[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float sum = l[mt][h];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            inv[mt][h] = 1.0f / sum;
-            const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
-            if ((lane & 3) == 0 && row < n) lse[row] = (m[mt][h] + log2f(sum)) * TSYS__FLASH_LN2;
-        }
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nb = 0; nb < D / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) oacc[mt][nb][e] *= inv[mt][e >> 1];
-    tsys__flash_store<T, MT, D>(o, oacc, q0 + wr0, n, 1.0f, lane);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Backward pre-pass: dvec[row] = sum_c dO[row][c] * O[row][c] (fp32). One warp per row.
-template <typename T>
-__global__ void tsys__flash_bwd_dot_kernel(const T *__restrict__ dout, const T *__restrict__ o, float *__restrict__ dvec,
-                                           int64_t rows, int d) {
-    const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= rows) return;
-    const int lane = threadIdx.x & 31;
-    float acc = 0.0f;
-    for (int c = lane; c < d; c += 32) acc += (float)dout[row * d + c] * (float)o[row * d + c];
-#pragma unroll
-    for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) dvec[row] = acc;
-}
-
-// ------------------------------------------------------------------------------------------------
-// Backward dK, dV (bf16/fp16). Block: NW warps, BKV = NW * MK * 16 keys; warp w owns MK*16 keys of the
-// tile and keeps their dK, dV (MK*16 x D fp32) in registers. K and V of the tile stay in shared memory;
-// query tiles of BQ rows (Q, dO, L, D) are double-buffered. Everything is computed transposed, keys as rows:
-//   S^T = K Q^T, P^T = exp2(S^T * scale*log2e - L*log2e), dV += P^T dO,
-//   dP^T = V dO^T, dS^T = P^T o (dP^T - D), dK += dS^T Q; dK is scaled once at the end.
-// MK = 2 lets each Q / dO fragment read from shared memory feed two mma (shared-memory bandwidth is what
-// limits the MK = 1 version). Causal: query tiles that end before the key tile starts are skipped; key
-// tile 0 is the longest, so the natural block order already starts the heavy blocks first.
-// Shared memory: (2 BKV + 4 BQ) * (D + 8) * sizeof(T) + 4 BQ * 4.
-
-template <typename T, int D, int MK, int BQ, int NW, bool CAUSAL>
-__global__ void __launch_bounds__(NW * 32)
-tsys__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
-                            const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
-                            T *__restrict__ dk, T *__restrict__ dv, int n, float scale, float scale_log2) {
-    constexpr int BKV = NW * MK * 16, SD = D + 8, NT = NW * 32;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *ks = (T *)tsys__flash_smem_raw;
-    T *vs = ks + BKV * SD;
-    T *qs = vs + BKV * SD;       // [2][BQ * SD]
-    T *gs = qs + 2 * BQ * SD;    // [2][BQ * SD]  dO
-    float *ls = (float *)(gs + 2 * BQ * SD);   // [2][BQ]  lse * log2e
-    float *ds = ls + 2 * BQ;                   // [2][BQ]  D
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int k0 = blockIdx.x * BKV, wk0 = warp * MK * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; dout += base; dk += base; dv += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
-
-    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
-
-    tsys__flash_load_tile<BKV, D, NT>(ks, k, k0, n);
-    tsys__flash_load_tile<BKV, D, NT>(vs, v, k0, n);
-    auto load_q = [&](int it, int buf) {
-        const int q0 = it * BQ;
-        tsys__flash_load_tile<BQ, D, NT>(qs + buf * BQ * SD, q, q0, n);
-        tsys__flash_load_tile<BQ, D, NT>(gs + buf * BQ * SD, dout, q0, n);
-        for (int i = threadIdx.x; i < BQ; i += NT) {   // plain loads: tiny, and visible after the barrier
-            const bool ok = q0 + i < n;
-            ls[buf * BQ + i] = ok ? lse[q0 + i] * TSYS__FLASH_LOG2E : 0.0f;
-            ds[buf * BQ + i] = ok ? dvec[q0 + i] : 0.0f;
-        }
-    };
-    load_q(it0, 0);
-    tsys__cp_async_commit();
-
-    float dka[MK][D / 8][4], dva[MK][D / 8][4];
-    tsys__flash_zero<MK, D>(dka);
-    tsys__flash_zero<MK, D>(dva);
-
-    for (int it = it0; it < nqt; it++) {
-        const int buf = (it - it0) & 1;
-        if (it + 1 < nqt) {
-            load_q(it + 1, buf ^ 1);
-            tsys__cp_async_commit();
-            tsys__cp_async_wait<1>();
-        } else {
-            tsys__cp_async_wait<0>();
-        }
-        __syncthreads();
-        const int q0 = it * BQ;
-        // causal: this warp's keys all come after every query of the tile -> nothing to add
-        const bool active = !CAUSAL || k0 + wk0 <= q0 + BQ - 1;
-        if (active) {
-            const T *qt = qs + buf * BQ * SD, *gt = gs + buf * BQ * SD;
-            const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
-            float st[MK][BQ / 8][4], dpt[MK][BQ / 8][4];
-            tsys__flash_zero<MK, BQ>(st);
-            tsys__flash_gemm_nt<T, SD, MK, BQ, D>(st, ks, wk0, qt, lane);   // S^T = K Q^T
-            const bool need_mask = q0 + BQ > n || (CAUSAL && k0 + wk0 + MK * 16 - 1 > q0);
-#pragma unroll
-            for (int mt = 0; mt < MK; mt++)
-#pragma unroll
-                for (int nb = 0; nb < BQ / 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                        float p = tsys__ex2(st[mt][nb][e] * scale_log2 - lt[qi]);
-                        if (need_mask) {
-                            const int key = k0 + wk0 + mt * 16 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
-                            if (query >= n || (CAUSAL && key > query)) p = 0.0f;
-                        }
-                        st[mt][nb][e] = p;
-                    }
-            tsys__flash_gemm_pn<T, SD, MK, BQ, D>(dva, st, gt, lane);        // dV += P^T dO
-            tsys__flash_zero<MK, BQ>(dpt);
-            tsys__flash_gemm_nt<T, SD, MK, BQ, D>(dpt, vs, wk0, gt, lane);   // dP^T = V dO^T
-#pragma unroll
-            for (int mt = 0; mt < MK; mt++)
-#pragma unroll
-                for (int nb = 0; nb < BQ / 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                        dpt[mt][nb][e] = st[mt][nb][e] * (dpt[mt][nb][e] - dt[qi]);   // dS^T
-                    }
-            tsys__flash_gemm_pn<T, SD, MK, BQ, D>(dka, dpt, qt, lane);       // dK += dS^T Q
-        }
-        __syncthreads();
-    }
-    tsys__flash_store<T, MK, D>(dk, dka, k0 + wk0, n, scale, lane);
-    tsys__flash_store<T, MK, D>(dv, dva, k0 + wk0, n, 1.0f, lane);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Backward dQ (bf16/fp16). Block: NW warps, BQ = NW * MQ * 16 queries; warp w owns MQ*16 query rows and
-// their dQ (fp32) in registers; its lse and D values live in registers too. Key/value tiles of BK rows are
-// double-buffered. Per key tile: S = Q K^T, dP = dO V^T, P = exp2(S*scale*log2e - L*log2e),
-// dS = P o (dP - D), dQ += dS K; dQ is scaled once at the end.
-// Shared memory: (2 BQ + 4 BK) * (D + 8) * sizeof(T).
-
-template <typename T, int D, int MQ, int BK, int NW, bool CAUSAL>
-__global__ void __launch_bounds__(NW * 32)
-tsys__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
-                          const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
-                          T *__restrict__ dq, int n, float scale, float scale_log2) {
-    constexpr int BQ = NW * MQ * 16, SD = D + 8, NT = NW * 32;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *qs = (T *)tsys__flash_smem_raw;
-    T *gs = qs + BQ * SD;
-    T *ks = gs + BQ * SD;        // [2][BK * SD]
-    T *vs = ks + 2 * BK * SD;    // [2][BK * SD]
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * BQ, wr0 = warp * MQ * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; dout += base; dq += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
-
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
-
-    tsys__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
-    tsys__flash_load_tile<BQ, D, NT>(gs, dout, q0, n);
-    tsys__flash_load_tile<BK, D, NT>(ks, k, 0, n);
-    tsys__flash_load_tile<BK, D, NT>(vs, v, 0, n);
-    tsys__cp_async_commit();
-
-    float lrow[MQ][2], drow[MQ][2];
-#pragma unroll
-    for (int mt = 0; mt < MQ; mt++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
-            lrow[mt][h] = row < n ? lse[row] * TSYS__FLASH_LOG2E : 0.0f;
-            drow[mt][h] = row < n ? dvec[row] : 0.0f;
-        }
-    float dqa[MQ][D / 8][4];
-    tsys__flash_zero<MQ, D>(dqa);
-
-    for (int j = 0; j < nkt; j++) {
-        if (j + 1 < nkt) {
-            tsys__flash_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * SD, k, (j + 1) * BK, n);
-            tsys__flash_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * SD, v, (j + 1) * BK, n);
-            tsys__cp_async_commit();
-            tsys__cp_async_wait<1>();
-        } else {
-            tsys__cp_async_wait<0>();
-        }
-        __syncthreads();
-        const int k0 = j * BK;
-        const bool active = !CAUSAL || k0 <= q0 + wr0 + MQ * 16 - 1;
-        if (active) {
-            const T *kt = ks + (j & 1) * BK * SD, *vt = vs + (j & 1) * BK * SD;
-            float s[MQ][BK / 8][4], dp[MQ][BK / 8][4];
-            tsys__flash_zero<MQ, BK>(s);
-            tsys__flash_gemm_nt<T, SD, MQ, BK, D>(s, qs, wr0, kt, lane);    // S = Q K^T
-            tsys__flash_zero<MQ, BK>(dp);
-            tsys__flash_gemm_nt<T, SD, MQ, BK, D>(dp, gs, wr0, vt, lane);   // dP = dO V^T
-            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
-#pragma unroll
-            for (int mt = 0; mt < MQ; mt++)
-#pragma unroll
-                for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int h = e >> 1;
-                        float p = tsys__ex2(s[mt][nb][e] * scale_log2 - lrow[mt][h]);
-                        if (need_mask) {
-                            const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
-                            const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
-                            if (key >= n || (CAUSAL && key > row)) p = 0.0f;
-                        }
-                        s[mt][nb][e] = p * (dp[mt][nb][e] - drow[mt][h]);   // dS
-                    }
-            tsys__flash_gemm_pn<T, SD, MQ, BK, D>(dqa, s, kt, lane);         // dQ += dS K
-        }
-        __syncthreads();
-    }
-    tsys__flash_store<T, MQ, D>(dq, dqa, q0 + wr0, n, scale, lane);
-}
-
-// ------------------------------------------------------------------------------------------------
-// fp32 (SIMT). Correct and simple rather than fast: fp32 attention is a reference path here (bf16/fp16
-// are what training uses). One thread owns one row (a query for fwd and dQ, a key for dK/dV); its own
-// row vectors live in shared memory with a stride of D + 1 floats (thread t reads word t*(D+1)+c: no bank
-// conflicts); the tile it streams over is read by all threads at the same address (a broadcast).
-// Block: 64 threads = 64 rows; the streamed tile has 32 rows.
-
-#define TSYS__FLASH_F32_ROWS 64
-#define TSYS__FLASH_F32_TILE 32
-#define TSYS__FLASH_F32_FWD_BK(D) ((D) >= 128 ? 16 : 32)   // the forward keeps BK scores + D outputs per thread
-
-// Forward: own row q (shared), o accumulator (registers), key/value tile (shared). Natural-log softmax.
-template <int D, bool CAUSAL>
-__global__ void __launch_bounds__(TSYS__FLASH_F32_ROWS)
-tsys__flash_fwd_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
-                           float *__restrict__ o, float *__restrict__ lse, int n, float scale) {
-    constexpr int R = TSYS__FLASH_F32_ROWS, BK = TSYS__FLASH_F32_FWD_BK(D);
-    extern __shared__ float tsys__flash_f32_smem[];
-    float *qs = tsys__flash_f32_smem, *ks = qs + R * (D + 1), *vs = ks + BK * D;   // [R][D+1], [BK][D], [BK][D]
-    const int t = threadIdx.x;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * R, row = q0 + t;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
-    for (int i = t; i < R * D; i += R) {
-        const int r = i / D, c = i % D;
-        qs[r * (D + 1) + c] = q0 + r < n ? q[(size_t)(q0 + r) * D + c] : 0.0f;
-    }
-    float acc[D];
-#pragma unroll
-    for (int c = 0; c < D; c++) acc[c] = 0.0f;
-    float m = -INFINITY, l = 0.0f;
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + R - 1) / BK + 1);
-    const float *qr = qs + t * (D + 1);
-    for (int j = 0; j < nkt; j++) {
-        const int k0 = j * BK;
-        __syncthreads();
-        for (int i = t; i < BK * D; i += R) {
-            const bool ok = k0 + i / D < n;
-            ks[i] = ok ? k[(size_t)k0 * D + i] : 0.0f;
-            vs[i] = ok ? v[(size_t)k0 * D + i] : 0.0f;
-        }
-        __syncthreads();
-        float s[BK];
-        float mx = m;
-#pragma unroll
-        for (int jj = 0; jj < BK; jj++) s[jj] = 0.0f;
-        for (int c = 0; c < D; c++) {
-            const float qc = qr[c];
-#pragma unroll
-            for (int jj = 0; jj < BK; jj++) s[jj] += qc * ks[jj * D + c];
-        }
-#pragma unroll
-        for (int jj = 0; jj < BK; jj++) {
-            const int key = k0 + jj;
-            s[jj] = (key >= n || (CAUSAL && key > row)) ? -INFINITY : s[jj] * scale;
-            mx = fmaxf(mx, s[jj]);
-        }
-        const float mref = mx == -INFINITY ? 0.0f : mx;
-        const float alpha = expf(m - mref);
-        float sum = 0.0f;
-#pragma unroll
-        for (int jj = 0; jj < BK; jj++) { s[jj] = expf(s[jj] - mref); sum += s[jj]; }
-        l = l * alpha + sum;
-        m = mx;
-#pragma unroll
-        for (int c = 0; c < D; c++) {
-            float a = acc[c] * alpha;
-#pragma unroll
-            for (int jj = 0; jj < BK; jj++) a += s[jj] * vs[jj * D + c];
-            acc[c] = a;
-        }
-    }
-    if (row < n) {
-        const float inv = 1.0f / l;
-#pragma unroll
-        for (int c = 0; c < D; c++) o[(size_t)row * D + c] = acc[c] * inv;
-        lse[row] = m + logf(l);
-    }
-}
-
-// dK, dV: thread owns key row `key`; its k, v rows and dk, dv accumulators are in shared memory.
-template <int D, bool CAUSAL>
-__global__ void __launch_bounds__(TSYS__FLASH_F32_ROWS)
-tsys__flash_bwd_dkdv_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
-                                const float *__restrict__ dout, const float *__restrict__ lse,
-                                const float *__restrict__ dvec, float *__restrict__ dk, float *__restrict__ dv,
-                                int n, float scale) {
-    constexpr int R = TSYS__FLASH_F32_ROWS, BQ = TSYS__FLASH_F32_TILE, SR = D + 1;
-    extern __shared__ float tsys__flash_f32_smem[];
-    float *kr = tsys__flash_f32_smem, *vr = kr + R * SR, *dkr = vr + R * SR, *dvr = dkr + R * SR;
-    float *qs = dvr + R * SR, *gs = qs + BQ * D, *ls = gs + BQ * D, *dd = ls + BQ;
-    const int t = threadIdx.x, k0 = blockIdx.x * R, key = k0 + t;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; dout += base; dk += base; dv += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
-    for (int i = t; i < R * D; i += R) {
-        const int r = i / D, c = i % D;
-        const bool ok = k0 + r < n;
-        kr[r * SR + c] = ok ? k[(size_t)(k0 + r) * D + c] : 0.0f;
-        vr[r * SR + c] = ok ? v[(size_t)(k0 + r) * D + c] : 0.0f;
-        dkr[r * SR + c] = dvr[r * SR + c] = 0.0f;
-    }
-    const float *kme = kr + t * SR, *vme = vr + t * SR;
-    float *dkme = dkr + t * SR, *dvme = dvr + t * SR;
-    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
-    for (int it = it0; it < nqt; it++) {
-        const int q0 = it * BQ;
-        __syncthreads();
-        for (int i = t; i < BQ * D; i += R) {
-            const bool ok = q0 + i / D < n;
-            qs[i] = ok ? q[(size_t)q0 * D + i] : 0.0f;
-            gs[i] = ok ? dout[(size_t)q0 * D + i] : 0.0f;
-        }
-        for (int i = t; i < BQ; i += R) {
-            ls[i] = q0 + i < n ? lse[q0 + i] : 0.0f;
-            dd[i] = q0 + i < n ? dvec[q0 + i] : 0.0f;
-        }
-        __syncthreads();
-        for (int i = 0; i < BQ; i++) {
-            const int query = q0 + i;
-            if (query >= n || (CAUSAL && key > query)) continue;   // per-thread divergence is fine here
-            float s = 0.0f, dp = 0.0f;
-            for (int c = 0; c < D; c++) { s += kme[c] * qs[i * D + c]; dp += vme[c] * gs[i * D + c]; }
-            const float p = expf(s * scale - ls[i]);
-            const float dsv = p * (dp - dd[i]);
-            for (int c = 0; c < D; c++) { dvme[c] += p * gs[i * D + c]; dkme[c] += dsv * qs[i * D + c]; }
-        }
-    }
-    __syncthreads();
-    for (int i = t; i < R * D; i += R) {   // coalesced write-out of the block's rows
-        const int r = i / D, c = i % D;
-        if (k0 + r < n) {
-            dk[(size_t)(k0 + r) * D + c] = dkr[r * SR + c] * scale;
-            dv[(size_t)(k0 + r) * D + c] = dvr[r * SR + c];
-        }
-    }
-}
-
-// dQ: thread owns query row `row`; q, dO rows and the dq accumulator are in shared memory.
-template <int D, bool CAUSAL>
-__global__ void __launch_bounds__(TSYS__FLASH_F32_ROWS)
-tsys__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
-                              const float *__restrict__ dout, const float *__restrict__ lse,
-                              const float *__restrict__ dvec, float *__restrict__ dq, int n, float scale) {
-    constexpr int R = TSYS__FLASH_F32_ROWS, BK = TSYS__FLASH_F32_TILE, SR = D + 1;
-    extern __shared__ float tsys__flash_f32_smem[];
-    float *qr = tsys__flash_f32_smem, *gr = qr + R * SR, *dqr = gr + R * SR;
-    float *ks = dqr + R * SR, *vs = ks + BK * D;
-    const int t = threadIdx.x;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * R, row = q0 + t;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; dout += base; dq += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
-    for (int i = t; i < R * D; i += R) {
-        const int r = i / D, c = i % D;
-        const bool ok = q0 + r < n;
-        qr[r * SR + c] = ok ? q[(size_t)(q0 + r) * D + c] : 0.0f;
-        gr[r * SR + c] = ok ? dout[(size_t)(q0 + r) * D + c] : 0.0f;
-        dqr[r * SR + c] = 0.0f;
-    }
-    const float lrow = row < n ? lse[row] : 0.0f, drow = row < n ? dvec[row] : 0.0f;
-    const float *qme = qr + t * SR, *gme = gr + t * SR;
-    float *dqme = dqr + t * SR;
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + R - 1) / BK + 1);
-    for (int j = 0; j < nkt; j++) {
-        const int k0 = j * BK;
-        __syncthreads();
-        for (int i = t; i < BK * D; i += R) {
-            const bool ok = k0 + i / D < n;
-            ks[i] = ok ? k[(size_t)k0 * D + i] : 0.0f;
-            vs[i] = ok ? v[(size_t)k0 * D + i] : 0.0f;
-        }
-        __syncthreads();
-        if (row >= n) continue;
-        for (int jj = 0; jj < BK; jj++) {
-            const int key = k0 + jj;
-            if (key >= n || (CAUSAL && key > row)) continue;
-            float s = 0.0f, dp = 0.0f;
-            for (int c = 0; c < D; c++) { s += qme[c] * ks[jj * D + c]; dp += gme[c] * vs[jj * D + c]; }
-            const float dsv = expf(s * scale - lrow) * (dp - drow);
-            for (int c = 0; c < D; c++) dqme[c] += dsv * ks[jj * D + c];
-        }
-    }
-    __syncthreads();
-    for (int i = t; i < R * D; i += R) {
-        const int r = i / D, c = i % D;
-        if (q0 + r < n) dq[(size_t)(q0 + r) * D + c] = dqr[r * SR + c] * scale;
-    }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Hopper path (sm_90a only): the same three kernels with wgmma (warpgroup MMA, 4 warps x 16 rows = one
-// m64 block per warpgroup). Compiled only when the translation unit is built for sm_90a
-// (-gencode arch=compute_90a,code=sm_90a); otherwise the bodies are empty, the probe below reports
-// "not available" and the launchers keep the mma.sync kernels above. Head dims 64 and 128 only.
-//
-// Shared tiles (R rows x D cols, D % 64 == 0): D/64 column blocks of R x 128 bytes, each 128B-swizzled
-// (16-byte chunk c of row r stored at chunk c ^ (r % 8)); every tile starts 1024-byte aligned. One tile
-// serves both ways: as a K-major operand (rows = M or N, cols = K: Q, K, V, dO in S = Q K^T etc.) and as
-// an MN-major operand (rows = K, cols = N: V in P V, dO in P^T dO, Q in dS^T Q, K in dS K).
-// A wgmma accumulator m64nN holds, in warp w of the warpgroup, rows 16w..16w+15 in exactly the mma.sync
-// C layout (acc[nb][e] = C[16w + g + 8(e/2)][8nb + 2c + e%2]); rounded and paired it is the register A
-// operand of the next wgmma, as in the mma.sync kernels.
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void tsys__wgmma_ss64_bf16(float *d, uint64_t da, uint64_t db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(da), "l"(db), "r"(acc));
-}
-__device__ __forceinline__ void tsys__wgmma_rs64_bf16(float *d, const uint32_t *a, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void tsys__wgmma_ss128_bf16(float *d, uint64_t da, uint64_t db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(da), "l"(db), "r"(acc));
-}
-__device__ __forceinline__ void tsys__wgmma_rs128_bf16(float *d, const uint32_t *a, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void tsys__wgmma_ss64_f16(float *d, uint64_t da, uint64_t db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(da), "l"(db), "r"(acc));
-}
-__device__ __forceinline__ void tsys__wgmma_rs64_f16(float *d, const uint32_t *a, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void tsys__wgmma_ss128_f16(float *d, uint64_t da, uint64_t db, int acc) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(da), "l"(db), "r"(acc));
-}
-__device__ __forceinline__ void tsys__wgmma_rs128_f16(float *d, const uint32_t *a, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-#endif
-
-
-template <int R, int D, int NT, typename T>
-__device__ __forceinline__ void tsys__wg_load_tile(T *s, const T *g, int r0, int n) {
-    constexpr int CPR = D / 8;
-#pragma unroll
-    for (int c = threadIdx.x; c < R * CPR; c += NT) {
-        const int r = c / CPR, cc = c % CPR;
-        const bool ok = r0 + r < n;
-        unsigned char *dst = (unsigned char *)s + (cc >> 3) * R * 128 + r * 128 + (((cc & 7) ^ (r & 7)) << 4);
-        tsys__cp_async16(dst, g + (size_t)(ok ? r0 + r : 0) * D + cc * 8, ok);
-    }
-}
-__device__ __forceinline__ uint64_t tsys__wg_desc(const void *p, uint32_t lbo, uint32_t sbo) {
-    const uint64_t a = tsys__smem_addr(p);
-    return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) |
-           (1ull << 62);
-}
-// K-major operand: rows [r0, r0 + 64) (A) or all N rows (B) of an R-row tile, k-step kk (16 columns).
-template <int R> __device__ __forceinline__ uint64_t tsys__wg_desc_k(const void *tile, int r0, int kk) {
-    return tsys__wg_desc((const unsigned char *)tile + (kk >> 2) * R * 128 + r0 * 128 + (kk & 3) * 32, 16, 1024);
-}
-// MN-major operand (B = tile rows 16kk..16kk+15 as K, all D columns as N).
-template <int R> __device__ __forceinline__ uint64_t tsys__wg_desc_mn(const void *tile, int kk) {
-    return tsys__wg_desc((const unsigned char *)tile + kk * 16 * 128, R * 128, 1024);
-}
-
-__device__ __forceinline__ void tsys__wg_fence() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void tsys__wg_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N> __device__ __forceinline__ void tsys__wg_wait() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// cp.async writes (generic proxy) must be visible to wgmma reads (async proxy): each thread, after its
-// cp.async.wait and before the barrier.
-__device__ __forceinline__ void tsys__fence_proxy_async() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-// Keeps the compiler from moving reads of accumulators above the wgmma wait.
-template <int N> __device__ __forceinline__ void tsys__wg_fence_acc(float (*acc)[4]) {
-#pragma unroll
-    for (int i = 0; i < N / 8; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[i][e])::"memory");
-}
-
-// acc (m64 x N) (+)= A (smem, K-major, rows r0..r0+63 of an RA-row tile) * B^T (smem, K-major, N rows), K = KD.
-template <typename T, int N, int RA, int KD>
-__device__ __forceinline__ void tsys__wg_ss(float (*acc)[4], const T *a, int r0, const T *b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
-        const uint64_t da = tsys__wg_desc_k<RA>(a, r0, kk), db = tsys__wg_desc_k<N>(b, 0, kk);
-        if constexpr (N == 64) {
-            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_ss64_bf16(&acc[0][0], da, db, kk > 0);
-            else tsys__wgmma_ss64_f16(&acc[0][0], da, db, kk > 0);
-        } else {
-            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_ss128_bf16(&acc[0][0], da, db, kk > 0);
-            else tsys__wgmma_ss128_f16(&acc[0][0], da, db, kk > 0);
-        }
-    }
-#endif
-}
-// Round a wgmma accumulator (m64 x KD fp32, this thread's part) to 16 bits and pair it into the register A
-// operand of the next wgmma: KD/16 k-steps of 4 registers. All of it is packed before the wgmmas that read
-// it are issued: writing A registers between wgmmas would make ptxas insert a warpgroup.arrive each time.
-template <typename T, int KD>
-__device__ __forceinline__ void tsys__wg_pack(uint32_t (*a)[4], const float (*p)[4]) {
-#pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
-        a[kk][0] = tsys__flash_t<T>::pack(p[2 * kk][0], p[2 * kk][1]);
-        a[kk][1] = tsys__flash_t<T>::pack(p[2 * kk][2], p[2 * kk][3]);
-        a[kk][2] = tsys__flash_t<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        a[kk][3] = tsys__flash_t<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-    }
-}
-// acc (m64 x N) += A (registers, packed by tsys__wg_pack, m64 x KD) * B (smem tile of KD rows, MN-major,
-// N = D columns).
-template <typename T, int N, int KD>
-__device__ __forceinline__ void tsys__wg_rs(float (*acc)[4], const uint32_t (*a)[4], const T *b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
-        const uint64_t db = tsys__wg_desc_mn<KD>(b, kk);
-        if constexpr (N == 64) {
-            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs64_bf16(&acc[0][0], a[kk], db);
-            else tsys__wgmma_rs64_f16(&acc[0][0], a[kk], db);
-        } else {
-            if constexpr (std::is_same<T, __nv_bfloat16>::value) tsys__wgmma_rs128_bf16(&acc[0][0], a[kk], db);
-            else tsys__wgmma_rs128_f16(&acc[0][0], a[kk], db);
-        }
-    }
-#endif
-}
-
-// Dynamic shared memory rounded up to 1024 bytes (the 128B swizzle repeats every 1024 bytes of address).
-__device__ __forceinline__ unsigned char *tsys__wg_smem_base(unsigned char *raw) {
-    const uint32_t a = tsys__smem_addr(raw);
-    return raw + ((1024 - (a & 1023)) & 1023);
-}
-
-// Online softmax of one key tile for a warp's 16 rows of a wgmma accumulator (this thread: rows row0 +
-// lane / 4 and + 8): raw scores s become P = 2^(s * scale_log2 - m) in place, the running max m and sum l
-// are updated, and alpha is what the O accumulator must be multiplied by. MASK drops keys >= n and, when
-// causal, keys past the row (interior tiles skip that arithmetic).
-template <int BK, bool MASK, bool CAUSAL>
-__device__ __forceinline__ void tsys__wg_softmax(float (*s)[4], float *m, float *l, float *alpha, int row0, int k0, int n,
-                                                 int lane, float scale_log2) {
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int row = row0 + (lane >> 2) + h * 8;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                if (MASK) {
-                    const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
-                    if (col >= n || (CAUSAL && col > row)) s[nb][2 * h + e] = -INFINITY;
-                }
-                mx = fmaxf(mx, s[nb][2 * h + e]);
-            }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mnew = fmaxf(m[h], mx * scale_log2);   // scores in log2 units (scale > 0)
-        const float mref = mnew == -INFINITY ? 0.0f : mnew;
-        alpha[h] = tsys__ex2(m[h] - mref);
-        float sum = 0.0f;
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float p = tsys__ex2(fmaf(s[nb][2 * h + e], scale_log2, -mref));
-                s[nb][2 * h + e] = p;
-                sum += p;
-            }
-        l[h] = l[h] * alpha[h] + sum;
-        m[h] = mnew;
-    }
-}
-
-// Forward epilogue for a warp's 16 rows: O = acc / l (rows < n) and lse = m + log2(l) in natural log.
-template <typename T, int D>
-__device__ __forceinline__ void tsys__wg_fwd_finish(T *o, float *lse, float (&oacc)[D / 8][4], const float *m,
-                                                    const float *l, int row0, int n, int lane) {
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float sum = l[h];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inv[h] = 1.0f / sum;
-        const int row = row0 + (lane >> 2) + h * 8;
-        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS__FLASH_LN2;
-    }
-#pragma unroll
-    for (int nb = 0; nb < D / 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
-    tsys__flash_store<T, 1, D>(o, &oacc, row0, n, 1.0f, lane);
-}
-
-// dQ kernels, one key tile of a warp's 16 rows: S (done) becomes P = 2^(s * scale_log2 - lse) (masked when
-// MASK), then, once the dP wgmma (the newest group) is done, dS = P o (dP - D), in place of S.
-template <int BK, bool MASK, bool CAUSAL>
-__device__ __forceinline__ void tsys__wg_dq_ds(float (*s)[4], float (*dp)[4], const float *lrow, const float *drow,
-                                               int row0, int k0, int n, int lane, float scale_log2) {
-#pragma unroll
-    for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int h = e >> 1;
-            float p = tsys__ex2(fmaf(s[nb][e], scale_log2, -lrow[h]));
-            if (MASK) {
-                const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
-                const int row = row0 + (lane >> 2) + h * 8;
-                if (key >= n || (CAUSAL && key > row)) p = 0.0f;
-            }
-            s[nb][e] = p;
-        }
-    tsys__wg_wait<0>();
-    tsys__wg_fence_acc<BK>(dp);
-#pragma unroll
-    for (int nb = 0; nb < BK / 8; nb++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) s[nb][e] *= dp[nb][e] - drow[e >> 1];
-}
-
-// The streamed tiles of the wgmma kernels sit in a ring of three buffers: tile j + 1 is requested (cp.async)
-// right after the barrier that opens tile j, into the buffer of tile j - 2, so one barrier per tile suffices,
-// the copy overlaps all of tile j's work, and the last matmul of tile j (P V, dS K) may still be reading its
-// buffer while tile j + 1 starts: it is waited for only after the next tile's first wgmma is issued.
-#define TSYS__WG_STAGES 3
-
-// Forward: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows. Tiles that need no mask (inside n
-// and, when causal, at or below the block's first query row) run a body without index math.
-template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
-__global__ void __launch_bounds__(WG * 128, MINB)
-tsys__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
-                          float *__restrict__ lse, int n, float scale_log2) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BQ = WG * 64, NT = WG * 128;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
-    T *ks = qs + BQ * D;                          // [STAGES][BK * D]
-    T *vs = ks + TSYS__WG_STAGES * BK * D;        // [STAGES][BK * D]
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * BQ, wr0 = warp * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
-
-    int nkt = (n + BK - 1) / BK, nfull = n / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
-
-    tsys__wg_load_tile<BQ, D, NT>(qs, q, q0, n);
-    tsys__wg_load_tile<BK, D, NT>(ks, k, 0, n);
-    tsys__wg_load_tile<BK, D, NT>(vs, v, 0, n);
-    tsys__cp_async_commit();
-
-    float oacc[D / 8][4];
-    tsys__flash_zero<1, D>(&oacc);
-    float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
-
-    uint32_t pa[BK / 16][4];   // P of the previous tile: its P V wgmma may still be reading these registers
-    // no per-warpgroup causal skip anywhere: a data-dependent branch around wgmma makes ptxas serialize them
-    auto tile = [&](int j, auto masked) {
-        constexpr bool MASK = decltype(masked)::value;
-        tsys__cp_async_wait<0>();
-        tsys__fence_proxy_async();
-        __syncthreads();
-        if (j + 1 < nkt) {
-            const int nb = (j + 1) % TSYS__WG_STAGES;
-            tsys__wg_load_tile<BK, D, NT>(ks + nb * BK * D, k, (j + 1) * BK, n);
-            tsys__wg_load_tile<BK, D, NT>(vs + nb * BK * D, v, (j + 1) * BK, n);
-            tsys__cp_async_commit();
-        }
-        const int k0 = j * BK, buf = j % TSYS__WG_STAGES;
-        const T *kt = ks + buf * BK * D, *vt = vs + buf * BK * D;
-        float s[BK / 8][4];
-        tsys__wg_fence();
-        tsys__wg_ss<T, BK, BQ, D>(s, qs, wg * 64, kt);
-        tsys__wg_commit();
-        tsys__wg_wait<0>();   // S of this tile and P V of the previous one
-        tsys__wg_fence_acc<BK>(s);
-        tsys__wg_fence_acc<D>(oacc);
-        float alpha[2];
-        tsys__wg_softmax<BK, MASK, CAUSAL>(s, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
-        tsys__wg_pack<T, BK>(pa, s);
-#pragma unroll
-        for (int nb = 0; nb < D / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
-        tsys__wg_fence();
-        tsys__wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
-        tsys__wg_commit();
-    };
-    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
-    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
-    tsys__wg_wait<0>();
-    tsys__wg_fence_acc<D>(oacc);
-
-    tsys__wg_fwd_finish<T, D>(o, lse, oacc, m, l, q0 + wr0, n, lane);
-#endif
-}
-
-// Visits tiles [lo, hi) with the masked body at the two ends and the mask-free body in [free_lo, free_hi).
-template <typename F>
-__device__ __forceinline__ void tsys__wg_tiles(int lo, int hi, int free_lo, int free_hi, F &&tile) {
-    const int a = min(max(free_lo, lo), hi), b = max(a, min(free_hi, hi));
-    for (int i = lo; i < a; i++) tile(i, std::true_type());
-    for (int i = a; i < b; i++) tile(i, std::false_type());
-    for (int i = b; i < hi; i++) tile(i, std::true_type());
-}
-
-// dK, dV: WG warpgroups x 64 keys = BKV; query tiles of BQ rows (Q, dO, lse, D) double-buffered: tile it + 1
-// is requested right after the barrier that opens tile it, when every wgmma of tile it - 1 has completed.
-template <typename T, int D, int BQ, int WG, int MINB, bool CAUSAL>
-__global__ void __launch_bounds__(WG * 128, MINB)
-tsys__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
-                               const T *__restrict__ dout, const float *__restrict__ lse,
-                               const float *__restrict__ dvec, T *__restrict__ dk, T *__restrict__ dv, int n,
-                               float scale, float scale_log2) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BKV = WG * 64, NT = WG * 128;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *ks = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
-    T *vs = ks + BKV * D;
-    T *qs = vs + BKV * D;       // [2][BQ * D]
-    T *gs = qs + 2 * BQ * D;    // [2][BQ * D]
-    float *ls = (float *)(gs + 2 * BQ * D);   // [2][BQ]
-    float *ds = ls + 2 * BQ;                  // [2][BQ]
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int k0 = blockIdx.x * BKV, wk0 = warp * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; dout += base; dk += base; dv += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
-    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
-    // query tiles in [free_lo, free_hi) need no mask: all rows < n and, when causal, >= the block's last key
-    const int free_lo = CAUSAL ? (k0 + BKV - 1 + BQ - 1) / BQ : 0, free_hi = n / BQ;
-
-    tsys__wg_load_tile<BKV, D, NT>(ks, k, k0, n);
-    tsys__wg_load_tile<BKV, D, NT>(vs, v, k0, n);
-    auto load_q = [&](int it, int buf) {
-        const int q0 = it * BQ;
-        tsys__wg_load_tile<BQ, D, NT>(qs + buf * BQ * D, q, q0, n);
-        tsys__wg_load_tile<BQ, D, NT>(gs + buf * BQ * D, dout, q0, n);
-        for (int i = threadIdx.x; i < BQ; i += NT) {   // zero past n: those rows are masked
-            const bool ok = q0 + i < n;
-            tsys__cp_async4(ls + buf * BQ + i, lse + (ok ? q0 + i : 0), ok);
-            tsys__cp_async4(ds + buf * BQ + i, dvec + (ok ? q0 + i : 0), ok);
-        }
-    };
-    load_q(it0, 0);
-    tsys__cp_async_commit();
-
-    float dka[D / 8][4], dva[D / 8][4];
-    tsys__flash_zero<1, D>(&dka);
-    tsys__flash_zero<1, D>(&dva);
-
-    tsys__wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
-        constexpr bool MASK = decltype(masked)::value;
-        const int buf = (it - it0) & 1;
-        tsys__cp_async_wait<0>();
-        tsys__fence_proxy_async();
-        __syncthreads();
-        if (it + 1 < nqt) {
-            load_q(it + 1, buf ^ 1);
-            tsys__cp_async_commit();
-        }
-        const int q0 = it * BQ;
-        const T *qt = qs + buf * BQ * D, *gt = gs + buf * BQ * D;
-        const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
-        float st[BQ / 8][4], dpt[BQ / 8][4];
-        tsys__wg_fence();
-        tsys__wg_ss<T, BQ, BKV, D>(st, ks, wg * 64, qt);    // S^T = K Q^T
-        tsys__wg_commit();
-        tsys__wg_ss<T, BQ, BKV, D>(dpt, vs, wg * 64, gt);   // dP^T = V dO^T
-        tsys__wg_commit();
-        tsys__wg_wait<1>();
-        tsys__wg_fence_acc<BQ>(st);
-#pragma unroll
-        for (int nb = 0; nb < BQ / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                float p = tsys__ex2(fmaf(st[nb][e], scale_log2, -lt[qi] * TSYS__FLASH_LOG2E));
-                if (MASK) {
-                    const int key = k0 + wk0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
-                    if (query >= n || (CAUSAL && key > query)) p = 0.0f;
-                }
-                st[nb][e] = p;
-            }
-        uint32_t pa[BQ / 16][4];
-        tsys__wg_pack<T, BQ>(pa, st);
-        tsys__wg_fence();
-        tsys__wg_rs<T, D, BQ>(dva, pa, gt);                  // dV += P^T dO
-        tsys__wg_commit();
-        tsys__wg_wait<1>();
-        tsys__wg_fence_acc<BQ>(dpt);
-#pragma unroll
-        for (int nb = 0; nb < BQ / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                dpt[nb][e] = st[nb][e] * (dpt[nb][e] - dt[qi]);   // dS^T
-            }
-        uint32_t dsa[BQ / 16][4];
-        tsys__wg_pack<T, BQ>(dsa, dpt);
-        tsys__wg_fence();
-        tsys__wg_rs<T, D, BQ>(dka, dsa, qt);                 // dK += dS^T Q
-        tsys__wg_commit();
-        tsys__wg_wait<0>();
-        tsys__wg_fence_acc<D>(dka);
-        tsys__wg_fence_acc<D>(dva);
-    });
-    tsys__flash_store<T, 1, D>(dk, &dka, k0 + wk0, n, scale, lane);
-    tsys__flash_store<T, 1, D>(dv, &dva, k0 + wk0, n, 1.0f, lane);
-#endif
-}
-
-// dQ: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows in the ring, as in the forward.
-template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
-__global__ void __launch_bounds__(WG * 128, MINB)
-tsys__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
-                             const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
-                             T *__restrict__ dq, int n, float scale, float scale_log2) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BQ = WG * 64, NT = WG * 128;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
-    T *gs = qs + BQ * D;
-    T *ks = gs + BQ * D;                          // [STAGES][BK * D]
-    T *vs = ks + TSYS__WG_STAGES * BK * D;        // [STAGES][BK * D]
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * BQ, wr0 = warp * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; dout += base; dq += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
-
-    int nkt = (n + BK - 1) / BK, nfull = n / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
-
-    tsys__wg_load_tile<BQ, D, NT>(qs, q, q0, n);
-    tsys__wg_load_tile<BQ, D, NT>(gs, dout, q0, n);
-    tsys__wg_load_tile<BK, D, NT>(ks, k, 0, n);
-    tsys__wg_load_tile<BK, D, NT>(vs, v, 0, n);
-    tsys__cp_async_commit();
-
-    float lrow[2], drow[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int row = q0 + wr0 + (lane >> 2) + h * 8;
-        lrow[h] = row < n ? lse[row] * TSYS__FLASH_LOG2E : 0.0f;
-        drow[h] = row < n ? dvec[row] : 0.0f;
-    }
-    float dqa[D / 8][4];
-    tsys__flash_zero<1, D>(&dqa);
-
-    uint32_t dsa[BK / 16][4];   // dS of the previous tile: its dS K wgmma may still be reading these registers
-    auto tile = [&](int j, auto masked) {
-        constexpr bool MASK = decltype(masked)::value;
-        tsys__cp_async_wait<0>();
-        tsys__fence_proxy_async();
-        __syncthreads();
-        if (j + 1 < nkt) {
-            const int nb = (j + 1) % TSYS__WG_STAGES;
-            tsys__wg_load_tile<BK, D, NT>(ks + nb * BK * D, k, (j + 1) * BK, n);
-            tsys__wg_load_tile<BK, D, NT>(vs + nb * BK * D, v, (j + 1) * BK, n);
-            tsys__cp_async_commit();
-        }
-        const int k0 = j * BK, buf = j % TSYS__WG_STAGES;
-        const T *kt = ks + buf * BK * D, *vt = vs + buf * BK * D;
-        float s[BK / 8][4], dp[BK / 8][4];
-        tsys__wg_fence();
-        tsys__wg_ss<T, BK, BQ, D>(s, qs, wg * 64, kt);    // S = Q K^T
-        tsys__wg_commit();
-        tsys__wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);   // dP = dO V^T
-        tsys__wg_commit();
-        tsys__wg_wait<1>();   // the previous dS K, and S
-        tsys__wg_fence_acc<BK>(s);
-        tsys__wg_dq_ds<BK, MASK, CAUSAL>(s, dp, lrow, drow, q0 + wr0, k0, n, lane, scale_log2);
-        tsys__wg_pack<T, BK>(dsa, s);
-        tsys__wg_fence();
-        tsys__wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
-        tsys__wg_commit();
-    };
-    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
-    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
-    tsys__wg_wait<0>();
-    tsys__wg_fence_acc<D>(dqa);
-    tsys__flash_store<T, 1, D>(dq, &dqa, q0 + wr0, n, scale, lane);
-#endif
-}
-
-// ------------------------------------------------------------------------------------------------
-// Warp-specialized forward (sm_90a): one producer warpgroup streams K/V tiles with the tensor-memory
-// accelerator (TMA) into the ring, three consumer warpgroups (64 query rows each) compute. Stages are handed
-// over with mbarriers instead of block-wide barriers, so the consumers drift out of step and one warpgroup's
-// softmax (special-function unit) runs while another's matmuls use the tensor cores; `setmaxnreg` moves the
-// producer's registers to the consumers (24 / 160 per thread). TMA writes the same 128B-swizzled layout the
-// cp.async loads do, and fills rows past n with zeros.
-template <typename T, int D, int BK, int CW_ = 3> struct tsys__flash_ws_layout {
-    static constexpr int CW = CW_, BQ = CW * 64, NT = (CW + 1) * 128;
-    static constexpr size_t Q_BYTES = (size_t)BQ * D * sizeof(T), KV_BYTES = (size_t)BK * D * sizeof(T);
-    // Q (and dO in the dQ kernel), the K/V ring, the mbarriers, alignment slack
-    static constexpr size_t SMEM = 2 * Q_BYTES + 2 * TSYS__WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS__WG_STAGES) + 1024;
-};
-
-__device__ __forceinline__ void tsys__mbar_init(uint64_t *bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tsys__smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void tsys__mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tsys__smem_addr(bar)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void tsys__mbar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(tsys__smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void tsys__mbar_wait(uint64_t *bar, int parity) {
-    asm volatile("{\n.reg .pred p;\nTSYS_MBAR_WAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra TSYS_MBAR_WAIT_%=;\n}\n" ::"r"(tsys__smem_addr(bar)), "r"(parity) : "memory");
-}
-// One box (64 columns x the map's rows) of a (bh, n, D) tensor at column c0, row r0 of slice b.
-__device__ __forceinline__ void tsys__tma_load(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int r0, int b) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-                 ::"r"(tsys__smem_addr(dst)), "l"((uint64_t)map), "r"(c0), "r"(r0), "r"(b), "r"(tsys__smem_addr(bar))
-                 : "memory");
-}
-
-// Ring bookkeeping of the warp-specialized kernels: qfull (the block's Q / dO arrived), full[s] (stage s
-// holds its tile: one arrival with the byte count, then the copy engine's bytes), empty[s] (every consumer
-// warp is done with stage s: `consumers` arrivals).
-__device__ __forceinline__ void tsys__ws_init(uint64_t *qfull, uint64_t *full, uint64_t *empty, int consumers) {
-    if (threadIdx.x == 0) {
-        tsys__mbar_init(qfull, 1);
-        for (int s = 0; s < TSYS__WG_STAGES; s++) tsys__mbar_init(full + s, 1), tsys__mbar_init(empty + s, consumers);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-}
-// The producer thread's loop: K and V tiles 0..nkt-1 of slice b into the ring, each stage reused once the
-// consumers have released the tile STAGES before.
-template <int D, int BK, typename T>
-__device__ __forceinline__ void tsys__ws_stream_kv(T *ks, T *vs, uint64_t *full, uint64_t *empty, const CUtensorMap *tk,
-                                                   const CUtensorMap *tv, int nkt, int b) {
-    constexpr int ST = TSYS__WG_STAGES;
-    for (int j = 0; j < nkt; j++) {
-        const int s = j % ST;
-        if (j >= ST) tsys__mbar_wait(empty + s, (j / ST - 1) & 1);
-        tsys__mbar_expect_tx(full + s, (uint32_t)(2 * BK * D * sizeof(T)));
-        for (int cb = 0; cb < D / 64; cb++) {
-            tsys__tma_load(ks + s * BK * D + cb * BK * 64, tk, full + s, cb * 64, j * BK, b);
-            tsys__tma_load(vs + s * BK * D + cb * BK * 64, tv, full + s, cb * 64, j * BK, b);
-        }
-    }
-}
-
-template <typename T, int D, int BK, bool CAUSAL>
-__global__ void __launch_bounds__(tsys__flash_ws_layout<T, D, BK>::NT, 1)
-tsys__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
-                          const __grid_constant__ CUtensorMap tv, T *__restrict__ o, float *__restrict__ lse, int n,
-                          int b0, float scale_log2) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    typedef tsys__flash_ws_layout<T, D, BK> L;
-    constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS__WG_STAGES;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
-    T *ks = qs + BQ * D;        // [ST][BK * D]
-    T *vs = ks + ST * BK * D;   // [ST][BK * D]
-    uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * BQ, b = b0 + blockIdx.y;
-    int nkt = (n + BK - 1) / BK, nfull = n / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
-
-    tsys__ws_init(qfull, full, empty, CW * 4);
-
-    if (wg == CW) {   // producer warpgroup: one thread issues every copy
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == CW * 128) {
-            tsys__mbar_expect_tx(qfull, (uint32_t)L::Q_BYTES);
-            for (int cb = 0; cb < D / 64; cb++) tsys__tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
-            tsys__ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
-        }
-        return;
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
-    const int wr0 = warp * 16;
-    o += ((size_t)b * n) * D; lse += (size_t)b * n;
-    float oacc[D / 8][4];
-    tsys__flash_zero<1, D>(&oacc);
-    float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
-    uint32_t pa[BK / 16][4];   // P of the previous tile: its P V wgmma may still be reading these registers
-    tsys__mbar_wait(qfull, 0);
-
-    auto tile = [&](int j, auto masked) {
-        constexpr bool MASK = decltype(masked)::value;
-        const int s = j % ST, k0 = j * BK;
-        tsys__mbar_wait(full + s, (j / ST) & 1);
-        const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
-        float sc[BK / 8][4];
-        tsys__wg_fence();
-        tsys__wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);
-        tsys__wg_commit();
-        tsys__wg_wait<0>();   // S of this tile and P V of the previous one
-        tsys__wg_fence_acc<BK>(sc);
-        tsys__wg_fence_acc<D>(oacc);
-        if (j > 0 && lane == 0) tsys__mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
-        float alpha[2];
-        tsys__wg_softmax<BK, MASK, CAUSAL>(sc, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
-        tsys__wg_pack<T, BK>(pa, sc);
-#pragma unroll
-        for (int nb = 0; nb < D / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
-        tsys__wg_fence();
-        tsys__wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
-        tsys__wg_commit();
-    };
-    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
-    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
-    tsys__wg_wait<0>();
-    tsys__wg_fence_acc<D>(oacc);
-
-    tsys__wg_fwd_finish<T, D>(o, lse, oacc, m, l, q0 + wr0, n, lane);
-#endif
-}
-
-// Warp-specialized dQ (sm_90a), built like the warp-specialized forward: the producer warpgroup loads the
-// block's Q and dO once and streams K/V tiles through the ring; CW consumer warpgroups of 64 query rows each
-// accumulate dQ = scale * dS K, keeping each tile's dS K wgmma in flight until the next tile's S is done.
-template <typename T, int D, int BK, int CW, bool CAUSAL>
-__global__ void __launch_bounds__((CW + 1) * 128, 1)
-tsys__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
-                             const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
-                             const float *__restrict__ lse, const float *__restrict__ dvec, T *__restrict__ dq, int n,
-                             int b0, float scale, float scale_log2) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    typedef tsys__flash_ws_layout<T, D, BK, CW> L;
-    constexpr int BQ = L::BQ, ST = TSYS__WG_STAGES;
-    extern __shared__ __align__(16) unsigned char tsys__flash_smem_raw[];
-    T *qs = (T *)tsys__wg_smem_base(tsys__flash_smem_raw);
-    T *gs = qs + BQ * D;
-    T *ks = gs + BQ * D;        // [ST][BK * D]
-    T *vs = ks + ST * BK * D;   // [ST][BK * D]
-    uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * BQ, b = b0 + blockIdx.y;
-    int nkt = (n + BK - 1) / BK, nfull = n / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
-
-    tsys__ws_init(qfull, full, empty, CW * 4);
-
-    if (wg == CW) {   // producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == CW * 128) {
-            tsys__mbar_expect_tx(qfull, (uint32_t)(2 * L::Q_BYTES));
-            for (int cb = 0; cb < D / 64; cb++) {
-                tsys__tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
-                tsys__tma_load(gs + cb * BQ * 64, &tg, qfull, cb * 64, q0, b);
-            }
-            tsys__ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
-        }
-        return;
-    }
-    if constexpr (CW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
-    else asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
-    const int wr0 = warp * 16;
-    lse += (size_t)b * n; dvec += (size_t)b * n; dq += (size_t)b * n * D;
-    float lrow[2], drow[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int row = q0 + wr0 + (lane >> 2) + h * 8;
-        lrow[h] = row < n ? lse[row] * TSYS__FLASH_LOG2E : 0.0f;
-        drow[h] = row < n ? dvec[row] : 0.0f;
-    }
-    float dqa[D / 8][4];
-    tsys__flash_zero<1, D>(&dqa);
-    uint32_t dsa[BK / 16][4];   // dS of the previous tile: its dS K wgmma may still be reading these registers
-    tsys__mbar_wait(qfull, 0);
-
-    auto tile = [&](int j, auto masked) {
-        constexpr bool MASK = decltype(masked)::value;
-        const int s = j % ST, k0 = j * BK;
-        tsys__mbar_wait(full + s, (j / ST) & 1);
-        const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
-        float sc[BK / 8][4], dp[BK / 8][4];
-        tsys__wg_fence();
-        tsys__wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);    // S = Q K^T
-        tsys__wg_commit();
-        tsys__wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);    // dP = dO V^T
-        tsys__wg_commit();
-        tsys__wg_wait<1>();   // the previous dS K, and S
-        tsys__wg_fence_acc<BK>(sc);
-        if (j > 0 && lane == 0) tsys__mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
-        tsys__wg_dq_ds<BK, MASK, CAUSAL>(sc, dp, lrow, drow, q0 + wr0, k0, n, lane, scale_log2);
-        tsys__wg_pack<T, BK>(dsa, sc);
-        tsys__wg_fence();
-        tsys__wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
-        tsys__wg_commit();
-    };
-    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
-    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
-    tsys__wg_wait<0>();
-    tsys__wg_fence_acc<D>(dqa);
-    tsys__flash_store<T, 1, D>(dq, &dqa, q0 + wr0, n, scale, lane);
-#endif
-}
-
-// cuTensorMapEncodeTiled from the driver, fetched once through the runtime (no link against libcuda).
-typedef CUresult (*tsys__tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                         const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                         CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-static tsys__tmap_encode_fn tsys__tmap_encoder() {
-    static tsys__tmap_encode_fn fn = NULL;
-    static bool tried = false;
-    if (!tried) {
-        tried = true;
-        void *p = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (tsys__tmap_encode_fn)p;
-        cudaGetLastError();
-    }
-    return fn;
-}
-// A (bh, n, D) tensor of 16-bit elements as a 3-D tensor map read in boxes of 64 columns x `rows` rows,
-// 128B-swizzled; rows past n read as zeros. False when the driver offers no encoder or refuses the tensor.
-template <typename T>
-static bool tsys__tmap_rows(CUtensorMap *m, const T *g, int64_t bh, int n, int D, int rows) {
-    tsys__tmap_encode_fn enc = tsys__tmap_encoder();
-    if (!enc || ((uintptr_t)g & 15)) return false;
-    const cuuint64_t dims[3] = { (cuuint64_t)D, (cuuint64_t)n, (cuuint64_t)bh };
-    const cuuint64_t strides[2] = { (cuuint64_t)D * sizeof(T), (cuuint64_t)n * D * sizeof(T) };
-    const cuuint32_t box[3] = { 64, (cuuint32_t)rows, 1 }, unit[3] = { 1, 1, 1 };
-    const CUtensorMapDataType dt = std::is_same<T, __nv_bfloat16>::value ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return enc(m, dt, 3, (void *)g, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// Whether the wgmma kernels were compiled into the binary the device runs: the probe has static shared
-// memory only in its sm_90a body. TSYS_FLASH_NO_WGMMA=1 in the environment forces the mma.sync kernels.
-__global__ void tsys__flash_wg_probe_kernel(int *p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    __shared__ volatile int marker[64];
-    marker[threadIdx.x & 63] = (int)threadIdx.x;
-    if (p) *p = marker[0];
-#endif
-}
-static bool tsys__flash_wg_available() {
-    static int avail = -1;
-    if (avail < 0) {
-        cudaFuncAttributes a;
-        const char *env = getenv("TSYS_FLASH_NO_WGMMA");
-        avail = (!env || !*env || *env == '0') && cudaFuncGetAttributes(&a, tsys__flash_wg_probe_kernel) == cudaSuccess &&
-                a.sharedSizeBytes >= 256;
-        cudaGetLastError();
-    }
-    return avail == 1;
-}
-
-// TSYS_FLASH_NO_WS=1 in the environment keeps the forward and dQ on the cp.async wgmma kernels (no TMA).
-static bool tsys__flash_no_ws() {
-    static int no = -1;
-    if (no < 0) {
-        const char *env = getenv("TSYS_FLASH_NO_WS");
-        no = env && *env && *env != '0';
-    }
-    return no == 1;
-}
-
-// Hopper tile configurations (template parameters of the wg kernels): warpgroups per block, the streamed
-// tile, and the min-blocks-per-SM launch bound (which caps registers).
-// Picked per part from the variants timed on an H100 (docs/perf-notes-flash.md, v6 and v7).
-template <int D, bool CAUSAL> struct tsys__flash_wg_cfg {
-    static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_WG = 3, FWD_MINB = 1;
-    static constexpr int DKDV_BQ = D <= 64 ? 128 : 64, DKDV_WG = 2, DKDV_MINB = 1;
-    static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_WG = 2, DQ_MINB = 1;   // when the ws dQ cannot run
-};
-
-// ------------------------------------------------------------------------------------------------
-// Launchers. Grids put the tile index in x and bh in y; bh above 65535 is launched in slices.
-
-// Tile configurations, picked from the variants timed on an H100 (docs/perf-notes-flash.md, run 2).
-// Registers bound the choices: a warp holds MT*16 x D accumulators (O, dK+dV, dQ) plus MT*16 x B score
-// tiles (S, and dP in the backward); past ~255 registers the compiler spills.
-//   FWD:  MT m-tiles (16 query rows each) per warp, BK keys per tile, NW warps
-//   DKDV: MK m-tiles (16 keys each) per warp, BQ queries per tile, NW warps
-//   DQ:   MQ m-tiles (16 query rows each) per warp, BK keys per tile, NW warps
-// (The non-causal dK/dV kernel keeps MK = 1: with MK = 2 its mask-free loop spills at d = 64.)
-template <int D, bool CAUSAL> struct tsys__flash_cfg {
-    static constexpr int FWD_MT = 2, FWD_BK = D <= 64 ? 64 : 32, FWD_NW = 4;
-    static constexpr int DKDV_MK = D <= 64 && CAUSAL ? 2 : 1, DKDV_BQ = 64, DKDV_NW = D <= 64 && CAUSAL ? 4 : 8;
-    static constexpr int DQ_MQ = 1, DQ_BK = D <= 64 ? 128 : 64, DQ_NW = D <= 64 ? 8 : 4;
-};
-
-template <typename K>
-static cudaError_t tsys__flash_smem_attr(K kernel, size_t smem) {
-    if (smem <= 48 * 1024) return cudaSuccess;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-}
-
-template <typename T, int D, bool CAUSAL, typename C = tsys__flash_cfg<D, CAUSAL>>
-static cudaError_t tsys__flash_fwd_tc(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
-                                      float scale, cudaStream_t s) {
-    constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
-    const size_t smem = (size_t)(BQ + 4 * C::FWD_BK) * (D + 8) * sizeof(T);
-    auto kern = tsys__flash_fwd_kernel<T, D, C::FWD_MT, C::FWD_BK, C::FWD_NW, CAUSAL>;
-    cudaError_t err = tsys__flash_smem_attr(kern, smem);
-    if (err != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        const size_t off = (size_t)b0 * n * D;
-        dim3 grid((n + BQ - 1) / BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kern<<<grid, C::FWD_NW * 32, smem, s>>>(q + off, k + off, v + off, o + off, lse + (size_t)b0 * n, n,
-                                                scale * TSYS__FLASH_LOG2E);
-    }
-    return cudaGetLastError();
-}
-
-template <typename T, int D, bool CAUSAL, typename C = tsys__flash_cfg<D, CAUSAL>>
-static cudaError_t tsys__flash_bwd_tc(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
-                                      T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
-                                      int parts = 7 /* 1: D, 2: dK dV, 4: dQ (the lab times them apart) */) {
-    const int64_t rows = bh * n;
-    if (parts & 1) tsys__flash_bwd_dot_kernel<T><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    constexpr int BKV = C::DKDV_NW * C::DKDV_MK * 16, BQ = C::DQ_NW * C::DQ_MQ * 16;
-    const size_t smem_kv = (size_t)(2 * BKV + 4 * C::DKDV_BQ) * (D + 8) * sizeof(T) + 4 * C::DKDV_BQ * sizeof(float);
-    const size_t smem_q = (size_t)(2 * BQ + 4 * C::DQ_BK) * (D + 8) * sizeof(T);
-    auto kkv = tsys__flash_bwd_dkdv_kernel<T, D, C::DKDV_MK, C::DKDV_BQ, C::DKDV_NW, CAUSAL>;
-    auto kq = tsys__flash_bwd_dq_kernel<T, D, C::DQ_MQ, C::DQ_BK, C::DQ_NW, CAUSAL>;
-    if ((err = tsys__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
-    if ((err = tsys__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
-        const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
-        if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), C::DKDV_NW * 32, smem_kv, s>>>(
-            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
-            scale * TSYS__FLASH_LOG2E);
-        if (parts & 4) kq<<<dim3((n + BQ - 1) / BQ, nb), C::DQ_NW * 32, smem_q, s>>>(
-            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
-            scale * TSYS__FLASH_LOG2E);
-    }
-    return cudaGetLastError();
-}
-
-template <int D, bool CAUSAL>
-static cudaError_t tsys__flash_fwd_f32(const float *q, const float *k, const float *v, float *o, float *lse, int64_t bh,
-                                       int n, float scale, cudaStream_t s) {
-    constexpr int R = TSYS__FLASH_F32_ROWS, B = TSYS__FLASH_F32_FWD_BK(D);
-    const size_t smem = sizeof(float) * (R * (D + 1) + 2 * B * D);
-    cudaError_t err = tsys__flash_smem_attr(tsys__flash_fwd_f32_kernel<D, CAUSAL>, smem);
-    if (err != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        const size_t off = (size_t)b0 * n * D;
-        dim3 grid((n + R - 1) / R, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        tsys__flash_fwd_f32_kernel<D, CAUSAL><<<grid, R, smem, s>>>(q + off, k + off, v + off, o + off,
-                                                                 lse + (size_t)b0 * n, n, scale);
-    }
-    return cudaGetLastError();
-}
-
-template <int D, bool CAUSAL>
-static cudaError_t tsys__flash_bwd_f32(const float *dout, const float *q, const float *k, const float *v, const float *o,
-                                       const float *lse, float *dq, float *dk, float *dv, float *dvec, int64_t bh, int n,
-                                       float scale, cudaStream_t s) {
-    constexpr int R = TSYS__FLASH_F32_ROWS, B = TSYS__FLASH_F32_TILE, SR = D + 1;
-    const int64_t rows = bh * n;
-    tsys__flash_bwd_dot_kernel<float><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
-    const size_t smem_kv = sizeof(float) * (4 * R * SR + 2 * B * D + 2 * B);
-    const size_t smem_q = sizeof(float) * (3 * R * SR + 2 * B * D);
-    auto kkv = tsys__flash_bwd_dkdv_f32_kernel<D, CAUSAL>;
-    auto kq = tsys__flash_bwd_dq_f32_kernel<D, CAUSAL>;
-    cudaError_t err;
-    if ((err = tsys__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
-    if ((err = tsys__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
-        dim3 grid((n + R - 1) / R, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kkv<<<grid, R, smem_kv, s>>>(q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off,
-                                     dv + off, n, scale);
-        kq<<<grid, R, smem_q, s>>>(q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n,
-                                   scale);
-    }
-    return cudaGetLastError();
-}
-
-// ---- Hopper (wgmma) launchers; used by the entry points when tsys__flash_wg_available() and d is 64 or 128.
-// The warp-specialized forward; cudaErrorNotSupported when no tensor map can be made (the caller falls back).
-template <typename T, int D, bool CAUSAL>
-static cudaError_t tsys__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
-                                      float scale, cudaStream_t s) {
-    constexpr int BK = D <= 64 ? 128 : 64;
-    typedef tsys__flash_ws_layout<T, D, BK> L;
-    CUtensorMap tq, tk, tv;
-    if (!tsys__tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys__tmap_rows(&tk, k, bh, n, D, BK) ||
-        !tsys__tmap_rows(&tv, v, bh, n, D, BK))
-        return cudaErrorNotSupported;
-    auto kern = tsys__flash_fwd_ws_kernel<T, D, BK, CAUSAL>;
-    cudaError_t err = tsys__flash_smem_attr(kern, L::SMEM);
-    if (err != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, o, lse, n, (int)b0, scale * TSYS__FLASH_LOG2E);
-    }
-    return cudaGetLastError();
-}
-
-// The warp-specialized dQ kernel (BK keys per tile, CW consumer warpgroups); cudaErrorNotSupported when no
-// tensor map can be made.
-template <typename T, int D, bool CAUSAL, int BK = D <= 64 ? 128 : 64, int CW = 2>
-static cudaError_t tsys__flash_bwd_dq_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
-                                         const float *dvec, T *dq, int64_t bh, int n, float scale, cudaStream_t s) {
-    typedef tsys__flash_ws_layout<T, D, BK, CW> L;
-    CUtensorMap tq, tk, tv, tg;
-    if (!tsys__tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys__tmap_rows(&tg, dout, bh, n, D, L::BQ) ||
-        !tsys__tmap_rows(&tk, k, bh, n, D, BK) || !tsys__tmap_rows(&tv, v, bh, n, D, BK))
-        return cudaErrorNotSupported;
-    auto kern = tsys__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL>;
-    cudaError_t err = tsys__flash_smem_attr(kern, L::SMEM);
-    if (err != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dq, n, (int)b0, scale, scale * TSYS__FLASH_LOG2E);
-    }
-    return cudaGetLastError();
-}
-
-template <typename T, int D, bool CAUSAL, typename W = tsys__flash_wg_cfg<D, CAUSAL>>
-static cudaError_t tsys__flash_fwd_wg(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
-                                      float scale, cudaStream_t s) {
-    constexpr int BQ = W::FWD_WG * 64;
-    const size_t smem = (size_t)(BQ + 2 * TSYS__WG_STAGES * W::FWD_BK) * D * sizeof(T) + 1024;
-    auto kern = tsys__flash_fwd_wg_kernel<T, D, W::FWD_BK, W::FWD_WG, W::FWD_MINB, CAUSAL>;
-    cudaError_t err = tsys__flash_smem_attr(kern, smem);
-    if (err != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        const size_t off = (size_t)b0 * n * D;
-        dim3 grid((n + BQ - 1) / BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kern<<<grid, W::FWD_WG * 128, smem, s>>>(q + off, k + off, v + off, o + off, lse + (size_t)b0 * n, n,
-                                                 scale * TSYS__FLASH_LOG2E);
-    }
-    return cudaGetLastError();
-}
-
-template <typename T, int D, bool CAUSAL, typename W = tsys__flash_wg_cfg<D, CAUSAL>>
-static cudaError_t tsys__flash_bwd_wg(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
-                                      T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
-                                      int parts = 7) {
-    const int64_t rows = bh * n;
-    if (parts & 1) tsys__flash_bwd_dot_kernel<T><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    constexpr int BKV = W::DKDV_WG * 64, BQ = W::DQ_WG * 64;
-    const size_t smem_kv = (size_t)(2 * BKV + 4 * W::DKDV_BQ) * D * sizeof(T) + 4 * W::DKDV_BQ * sizeof(float) + 1024;
-    const size_t smem_q = (size_t)(2 * BQ + 2 * TSYS__WG_STAGES * W::DQ_BK) * D * sizeof(T) + 1024;
-    auto kkv = tsys__flash_bwd_dkdv_wg_kernel<T, D, W::DKDV_BQ, W::DKDV_WG, W::DKDV_MINB, CAUSAL>;
-    auto kq = tsys__flash_bwd_dq_wg_kernel<T, D, W::DQ_BK, W::DQ_WG, W::DQ_MINB, CAUSAL>;
-    bool ws_dq = false;   // dQ on the warp-specialized kernel (it runs first: it does not depend on dK/dV)
-    if ((parts & 4) && !tsys__flash_no_ws()) {
-        err = tsys__flash_bwd_dq_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, bh, n, scale, s);
-        if (err != cudaErrorNotSupported && err != cudaSuccess) return err;
-        ws_dq = err == cudaSuccess;
-    }
-    if ((err = tsys__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
-    if ((err = tsys__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
-        const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
-        if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
-            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
-            scale * TSYS__FLASH_LOG2E);
-        if ((parts & 4) && !ws_dq) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
-            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
-            scale * TSYS__FLASH_LOG2E);
-    }
-    return cudaGetLastError();
-}
-
-// The tensor-core entry points: wgmma where it was compiled in and d allows, mma.sync otherwise.
-template <typename T, int D, bool CAUSAL>
-static cudaError_t tsys__flash_fwd_pick(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
-                                        float scale, cudaStream_t s) {
-    if constexpr (D == 64 || D == 128)
-        if (tsys__flash_wg_available()) {
-            if (!tsys__flash_no_ws()) {
-                const cudaError_t err = tsys__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
-                if (err != cudaErrorNotSupported) return err;
-            }
-            return tsys__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
-        }
-    return tsys__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
-}
-template <typename T, int D, bool CAUSAL>
-static cudaError_t tsys__flash_bwd_pick(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
-                                        T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s) {
-    if constexpr (D == 64 || D == 128)
-        if (tsys__flash_wg_available())
-            return tsys__flash_bwd_wg<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
-    return tsys__flash_bwd_tc<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
-}
-
-// dtype: 0 fp32, 1 bf16, 2 fp16 (tsys's TSYS_F32 / TSYS_BF16 / TSYS_F16 order).
-static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
-    return dtype >= 0 && dtype <= 2 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
-}
-
-// Bytes of fp32 scratch the backward needs: D = rowsum(dO o O), one float per (bh, row).
-static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n) { return sizeof(float) * (size_t)(bh * n); }
-
-#define TSYS__FLASH_DISPATCH_D(d, CALL) \
-    switch (d) { \
-    case 16: { constexpr int D_ = 16; CALL; } break; \
-    case 32: { constexpr int D_ = 32; CALL; } break; \
-    case 64: { constexpr int D_ = 64; CALL; } break; \
-    case 80: { constexpr int D_ = 80; CALL; } break; \
-    case 128: { constexpr int D_ = 128; CALL; } break; \
-    default: return cudaErrorInvalidValue; \
-    }
-
-// O = softmax(scale * Q K^T [causal]) V and lse, for (bh, n, d) inputs of one dtype. lse is fp32 (bh, n).
-static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void *v, void *o, float *lse, int dtype,
-                                        int64_t bh, int64_t n, int64_t d, float scale, bool causal, cudaStream_t s) {
-    if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
-    const int ni = (int)n;
-#define TSYS__FLASH_FWD_CALL(T, D_, C_) \
-    return tsys__flash_fwd_pick<T, D_, C_>((const T *)q, (const T *)k, (const T *)v, (T *)o, lse, bh, ni, scale, s)
-#define TSYS__FLASH_FWD_ONE \
-    if (dtype == 0) { if (causal) return tsys__flash_fwd_f32<D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
-                      else return tsys__flash_fwd_f32<D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
-    if (dtype == 1) { if (causal) TSYS__FLASH_FWD_CALL(__nv_bfloat16, D_, true); else TSYS__FLASH_FWD_CALL(__nv_bfloat16, D_, false); } \
-    if (causal) TSYS__FLASH_FWD_CALL(__half, D_, true); else TSYS__FLASH_FWD_CALL(__half, D_, false)
-    TSYS__FLASH_DISPATCH_D(d, TSYS__FLASH_FWD_ONE)
-#undef TSYS__FLASH_FWD_ONE
-#undef TSYS__FLASH_FWD_CALL
-    return cudaErrorInvalidValue;
-}
-
-// dQ, dK, dV (input dtype) from dO, Q, K, V, O and lse of the forward. scratch: fp32, at least
-// tsys_cuda__flash_bwd_scratch_bytes(bh, n) bytes (holds D = rowsum(dO o O)).
-static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const void *k, const void *v, const void *o,
-                                        const float *lse, void *dq, void *dk, void *dv, float *scratch, int dtype,
-                                        int64_t bh, int64_t n, int64_t d, float scale, bool causal, cudaStream_t s) {
-    if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
-    const int ni = (int)n;
-#define TSYS__FLASH_BWD_CALL(F, T, D_, C_) \
-    return F<T, D_, C_>((const T *)dout, (const T *)q, (const T *)k, (const T *)v, (const T *)o, lse, (T *)dq, (T *)dk, \
-                        (T *)dv, scratch, bh, ni, scale, s)
-#define TSYS__FLASH_BWD_ONE \
-    if (dtype == 0) { if (causal) return tsys__flash_bwd_f32<D_, true>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); \
-                      else return tsys__flash_bwd_f32<D_, false>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); } \
-    if (dtype == 1) { if (causal) TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __nv_bfloat16, D_, true); else TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __nv_bfloat16, D_, false); } \
-    if (causal) TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __half, D_, true); else TSYS__FLASH_BWD_CALL(tsys__flash_bwd_pick, __half, D_, false)
-    TSYS__FLASH_DISPATCH_D(d, TSYS__FLASH_BWD_ONE)
-#undef TSYS__FLASH_BWD_ONE
-#undef TSYS__FLASH_BWD_CALL
-    return cudaErrorInvalidValue;
-}
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <type_traits>
+
+// Host allocations (backend state, allocator tables, graphs) use tsys.h's allocator macros; they are
+// defined here too for a translation unit that holds this implementation but not tsys.h's.
+#if defined(TSYS_MALLOC) && defined(TSYS_FREE) && defined(TSYS_REALLOC)
+#elif !defined(TSYS_MALLOC) && !defined(TSYS_FREE) && !defined(TSYS_REALLOC)
+#define TSYS_MALLOC(sz) malloc(sz)
+#define TSYS_REALLOC(p, sz) realloc(p, sz)
+#define TSYS_FREE(p) free(p)
+#else
+#error "Must define all or none of TSYS_MALLOC, TSYS_FREE, and TSYS_REALLOC."
+#endif
 
 #ifndef TSYS_CUDA_WORKSPACE_BYTES
 #define TSYS_CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
@@ -2128,10 +350,16 @@ typedef struct tsys_cuda__state {
     tsys_trace_hooks nvtx_prev;                // the hooks the NVTX hooks chain to (desc.nvtx)
     bool nvtx_on;
     cublasLtHandle_t lt;
+    int cc_major, cc_minor;          // compute capability
     void *workspace;
     size_t workspace_bytes;
     bool tf32;
     tsys_cuda__fault *fault, *fault_dev;   // host and device addresses of one mapped, pinned record
+    // FlashAttention (>>flash): what was asked for, what this binary and device can run, what launches get
+    tsys_cuda_flash_impl flash;      // asked for (desc.flash or tsys_cuda_set_flash_impl; env overrides of AUTO applied)
+    tsys_cuda_flash_impl flash_run;  // given to the launchers: AUTO (WS, then WGMMA per call), WS, WGMMA or MMA
+    bool flash_wg_ok;                // the wgmma kernels are in the binary for this device (probe, at init)
+    bool flash_ws_ok;                // and the driver can make TMA tensor maps
     float *partials;                 // TSYS_CUDA__MAX_PARTIALS floats for two-stage reductions
     // caching allocator
     tsys_cuda__block *blocks;
@@ -2181,15 +409,17 @@ static uint64_t tsys_cuda__mix(uint64_t x) {   // splitmix64 finalizer
 
 static bool tsys_cuda__map_grow(tsys_cuda__map *m) {
     size_t ncap = m->cap ? m->cap * 2 : 256;
-    uint64_t *nk = (uint64_t *)calloc(ncap, sizeof(uint64_t)), *nv = (uint64_t *)calloc(ncap, sizeof(uint64_t));
-    if (!nk || !nv) { free(nk); free(nv); return false; }
+    uint64_t *nk = (uint64_t *)TSYS_MALLOC(ncap * sizeof(uint64_t)), *nv = (uint64_t *)TSYS_MALLOC(ncap * sizeof(uint64_t));
+    if (!nk || !nv) { TSYS_FREE(nk); TSYS_FREE(nv); return false; }
+    memset(nk, 0, ncap * sizeof(uint64_t));   // key 0 = empty slot
+    memset(nv, 0, ncap * sizeof(uint64_t));
     for (size_t i = 0; i < m->cap; i++) {
         if (!m->keys[i]) continue;
         size_t j = tsys_cuda__mix(m->keys[i]) & (ncap - 1);
         while (nk[j]) j = (j + 1) & (ncap - 1);
         nk[j] = m->keys[i]; nv[j] = m->vals[i];
     }
-    free(m->keys); free(m->vals);
+    TSYS_FREE(m->keys); TSYS_FREE(m->vals);
     m->keys = nk; m->vals = nv; m->cap = ncap;
     return true;
 }
@@ -2227,7 +457,7 @@ static void tsys_cuda__map_del(tsys_cuda__map *m, uint64_t key) {
 }
 
 static void tsys_cuda__map_free(tsys_cuda__map *m) {
-    free(m->keys); free(m->vals);
+    TSYS_FREE(m->keys); TSYS_FREE(m->vals);
     memset(m, 0, sizeof *m);
 }
 
@@ -2273,7 +503,7 @@ static int tsys_cuda__block_slot(tsys_cuda__state *st) {
     if (st->free_slots >= 0) { int i = st->free_slots; st->free_slots = st->blocks[i].next_free; return i; }
     if (st->num_blocks == st->cap_blocks) {
         int ncap = st->cap_blocks ? st->cap_blocks * 2 : 1024;
-        tsys_cuda__block *nb = (tsys_cuda__block *)realloc(st->blocks, (size_t)ncap * sizeof *nb);
+        tsys_cuda__block *nb = (tsys_cuda__block *)TSYS_REALLOC(st->blocks, (size_t)ncap * sizeof *nb);
         if (!nb) return -1;
         st->blocks = nb; st->cap_blocks = ncap;
     }
@@ -3031,6 +1261,1851 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
     }
 }
 
+// >>flash -----------------------------------------------------------------------------------------
+// FlashAttention-2, forward and backward (sm_80+, tuned on sm_90): the kernels behind TSYS_K_FLASH_FWD/BWD.
+//
+// defines: tsys_cuda__flash_fwd, tsys_cuda__flash_bwd, tsys_cuda__flash_bwd_scratch_bytes,
+//          tsys_cuda__flash_supported, tsys_cuda__flash_wg_probe, tsys_cuda__flash_tmap_encoder
+//
+// Sub-tags: >>flash ptx (cp.async, ldmatrix, ex2 and the mma.sync fragment helpers), >>flash mma.sync (the
+// bf16/fp16 kernels for every head dim), >>flash fp32 (SIMT kernels), >>flash wgmma (Hopper kernels and the
+// wgmma wrapper), >>flash warp-specialized (TMA producer and consumer warpgroups), >>flash launchers (tile
+// configurations, launchers, the implementation pick and the entry points).
+//
+// Layout everywhere: q, k, v, o and their gradients are (bh, n, d) contiguous in the one input dtype
+// (fp32, bf16 or fp16); lse is (bh, n) fp32, natural log, lse_i = logsumexp_j(scale * q_i . k_j) over the
+// kept keys. Causal keeps key j for query i when i >= j (the CS336 rule); masked scores are -inf here,
+// which gives the same O and lse as the handout's +(-1e6) because exp(-1e6 - m) is 0 in fp32.
+//
+// Kernels (bf16/fp16: tensor cores, mma.sync m16n8k16 with fp32 accumulation; fp32: a SIMT version):
+//   flash_fwd      one block per (query tile, bh); loops over key tiles with the online softmax
+//                  (Algorithm 1 of the handout); writes O and lse.
+//   flash_bwd_dot  D_i = rowsum(dO_i * O_i) in fp32 (the scratch buffer).
+//   flash_bwd_dkdv one block per (key tile, bh); loops over query tiles, recomputes P = exp(S - L) and
+//                  accumulates dV = P^T dO and dK = scale * dS^T Q in registers.
+//   flash_bwd_dq   one block per (query tile, bh); loops over key tiles and accumulates
+//                  dQ = scale * dS K in registers.
+// Each output element is written by exactly one thread, once, after a fixed-order loop: no atomics,
+// and the backward is bit-identical from run to run. dQ recomputes S and dP (7 matmuls instead of 5):
+// that is the price of no atomics.
+//
+// Any n >= 1 works: tiles are loaded with zero fill past row n and the masks drop keys >= n and queries
+// >= n. Causal launches skip key tiles that every query of a tile masks, and the heaviest tiles start
+// first. Head dims: 16, 32, 64, 80, 128 (the tensor-core kernels need d % 16 == 0; d = 80 is 5 k-steps).
+//
+// Which kernels run for bf16/fp16 at d = 64 and 128 is the caller's tsys_cuda_flash_impl (the backend keeps
+// it per context: tsys_cuda_desc.flash, tsys_cuda_set_flash_impl):
+//   MMA    the mma.sync kernels (which bf16/fp16 at other head dims run anyway; fp32 runs the SIMT ones);
+//   WGMMA  wgmma versions of the three tensor-core kernels (tsys_cuda__flash_*_wg_kernel), cp.async loads;
+//   WS     the forward and dQ as warp-specialized versions of those (tsys_cuda__flash_*_ws_kernel: a TMA
+//          producer warpgroup and consumer warpgroups handing tiles over through mbarriers), dK/dV on the
+//          wgmma kernel; cudaErrorNotSupported when TMA cannot read an input (no tensor map);
+//   AUTO   WS, and WGMMA for a call whose inputs TMA cannot read.
+// WGMMA, WS and AUTO need a binary built for sm_90a (-gencode arch=compute_90a,code=sm_90a) running on a
+// Hopper GPU (tsys_cuda__flash_wg_probe says so); the caller checks that once (>>init), not per call.
+//
+// Self-contained: CUDA runtime only (the TMA tensor-map encoder is fetched from the driver at run time),
+// no backend state. The launchers return cudaError_t (cudaErrorInvalidValue for a shape they don't
+// support) and never synchronise. TSYS_CUDA_NO_FLASH leaves the whole section out.
+#ifndef TSYS_CUDA_NO_FLASH
+
+#define TSYS_CUDA__FLASH_LOG2E 1.4426950408889634f
+#define TSYS_CUDA__FLASH_LN2 0.6931471805599453f
+
+// >>flash ptx -------------------------------------------------------------------------------------
+// PTX helpers: cp.async (16-byte global -> shared, zero-filled when the row is out of range),
+// ldmatrix (four 8x8 b16 tiles from shared into mma fragments) and the m16n8k16 mma.
+//
+// mma.m16n8k16 fragment layout (lane = threadIdx.x % 32, g = lane / 4, c = lane % 4):
+//   A 16x16 (row-major): a0 = A[g][2c..2c+1], a1 = A[g+8][2c..], a2 = A[g][2c+8..], a3 = A[g+8][2c+8..]
+//   B 16x8  (k x n):     b0 = B[2c..2c+1][g],  b1 = B[2c+8..2c+9][g]
+//   C 16x8  (fp32):      c0,c1 = C[g][2c..2c+1], c2,c3 = C[g+8][2c..2c+1]
+// Two C tiles side by side (16 x 16) are, once rounded to 16 bits and paired, exactly an A fragment:
+// that is how P and dS go from one matmul's accumulators to the next matmul's input without shared memory.
+
+__device__ __forceinline__ uint32_t tsys_cuda__flash_smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void tsys_cuda__flash_cp_async16(void *smem, const void *gmem, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tsys_cuda__flash_smem_addr(smem)), "l"(gmem),
+                 "r"(pred ? 16 : 0));
+}
+// 4-byte version (through L1); size 0 zero-fills the destination without reading.
+__device__ __forceinline__ void tsys_cuda__flash_cp_async4(void *smem, const void *gmem, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(tsys_cuda__flash_smem_addr(smem)), "l"(gmem),
+                 "r"(pred ? 4 : 0));
+}
+__device__ __forceinline__ void tsys_cuda__flash_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void tsys_cuda__flash_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void tsys_cuda__flash_ldsm_x4(uint32_t r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tsys_cuda__flash_smem_addr(p)));
+}
+__device__ __forceinline__ void tsys_cuda__flash_ldsm_x4_t(uint32_t r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(tsys_cuda__flash_smem_addr(p)));
+}
+
+// 2^x on the special-function unit (flush-to-zero; exp2f without fast-math adds denormal fix-ups).
+// 2^-inf = 0, which is what the masks rely on.
+__device__ __forceinline__ float tsys_cuda__flash_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The 16-bit type's mma and its pack of two floats (low half = the lower column).
+template <typename T> struct tsys_cuda__flash_t;
+template <> struct tsys_cuda__flash_t<__nv_bfloat16> {
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                     "{%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *(uint32_t *)&h;
+    }
+};
+template <> struct tsys_cuda__flash_t<__half> {
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                     "{%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *(uint32_t *)&h;
+    }
+};
+
+// Shared-memory tiles hold R rows of D 16-bit elements with a row stride of D + 8: the 16-byte pad puts
+// the 8 rows one ldmatrix phase reads into 8 different 16-byte bank groups for every D used here.
+template <int D> struct tsys_cuda__flash_smem { static constexpr int SD = D + 8; };
+
+// Copy rows [r0, r0 + R) of a (n, D) matrix into a padded shared tile; rows >= n become zeros, so a tail
+// tile adds nothing to any product (the masks drop those rows too).
+template <int R, int D, int NT, typename T>
+__device__ __forceinline__ void tsys_cuda__flash_load_tile(T *s, const T *g, int r0, int n) {
+    constexpr int CPR = D / 8, SD = D + 8;   // 16-byte chunks per row
+#pragma unroll
+    for (int c = threadIdx.x; c < R * CPR; c += NT) {
+        const int r = c / CPR, cc = c % CPR;
+        const bool ok = r0 + r < n;
+        tsys_cuda__flash_cp_async16(s + r * SD + cc * 8, g + (size_t)(ok ? r0 + r : 0) * D + cc * 8, ok);
+    }
+}
+
+// Load the A fragment of a 16 x 16 block at (row r0, col c0) of a padded row-major shared tile.
+template <int SD, typename T>
+__device__ __forceinline__ void tsys_cuda__flash_lda(uint32_t a[4], const T *s, int r0, int c0, int lane) {
+    tsys_cuda__flash_ldsm_x4(a, s + (r0 + (lane & 15)) * SD + c0 + (lane >> 4) * 8);
+}
+// B fragments of two n-blocks for C = A X^T where X is stored row-major (rows = n, cols = k):
+// rows n0..n0+15, k cols c0..c0+15. b[0], b[1] feed n-block n0, b[2], b[3] n-block n0 + 8.
+template <int SD, typename T>
+__device__ __forceinline__ void tsys_cuda__flash_ldb(uint32_t b[4], const T *s, int n0, int c0, int lane) {
+    tsys_cuda__flash_ldsm_x4(b, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + c0 + ((lane >> 3) & 1) * 8);
+}
+// B fragments of two n-blocks for C = A X where X is stored row-major (rows = k, cols = n):
+// k rows k0..k0+15, n cols n0..n0+15 (ldmatrix transposes on the way).
+template <int SD, typename T>
+__device__ __forceinline__ void tsys_cuda__flash_ldb_t(uint32_t b[4], const T *s, int k0, int n0, int lane) {
+    tsys_cuda__flash_ldsm_x4_t(b, s + (k0 + (lane & 15)) * SD + n0 + (lane >> 4) * 8);
+}
+
+// acc[M/16 rows][N/8 n-blocks] (+)= A (M x K, rows r0.., shared) * X^T (X: N x K rows n0.., shared),
+// for one warp. MT m-tiles share every B fragment, which halves the shared-memory reads per mma.
+template <typename T, int SD, int MT, int N, int K>
+__device__ __forceinline__ void tsys_cuda__flash_gemm_nt(float (*acc)[N / 8][4], const T *sa, int r0, const T *sx, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) tsys_cuda__flash_lda<SD>(a[mt], sa, r0 + mt * 16, kk * 16, lane);
+#pragma unroll
+        for (int nb = 0; nb < N / 16; nb++) {
+            uint32_t b[4];
+            tsys_cuda__flash_ldb<SD>(b, sx, nb * 16, kk * 16, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb], a[mt], b[0], b[1]);
+                tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc (M x N) += P (M x K, fp32 accumulators of a previous gemm, rounded here) * X (X: K x N rows k.., shared).
+template <typename T, int SD, int MT, int K, int N>
+__device__ __forceinline__ void tsys_cuda__flash_gemm_pn(float (*acc)[N / 8][4], float (*p)[K / 8][4], const T *sx, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            a[mt][0] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int nb = 0; nb < N / 16; nb++) {
+            uint32_t b[4];
+            tsys_cuda__flash_ldb_t<SD>(b, sx, kk * 16, nb * 16, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb], a[mt], b[0], b[1]);
+                tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <int MT, int N>
+__device__ __forceinline__ void tsys_cuda__flash_zero(float (*acc)[N / 8][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nb = 0; nb < N / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][nb][e] = 0.0f;
+}
+
+// Store a warp's (MT*16) x D fp32 accumulator, times mul, as T rows [row0, row0 + MT*16) of a (n, D)
+// matrix; rows >= n are dropped. Each lane writes pairs of 16-bit values (4 bytes).
+template <typename T, int MT, int D>
+__device__ __forceinline__ void tsys_cuda__flash_store(T *g, float (*acc)[D / 8][4], int row0, int n, float mul, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = row0 + mt * 16 + (lane >> 2) + h * 8;
+            if (row >= n) continue;
+#pragma unroll
+            for (int nb = 0; nb < D / 8; nb++) {
+                const int col = nb * 8 + (lane & 3) * 2;
+                *(uint32_t *)(g + (size_t)row * D + col) =
+                    tsys_cuda__flash_t<T>::pack(acc[mt][nb][2 * h] * mul, acc[mt][nb][2 * h + 1] * mul);
+            }
+        }
+}
+
+// >>flash mma.sync --------------------------------------------------------------------------------
+// Forward (bf16/fp16). Block: NW warps, BQ = NW * MT * 16 query rows; warp w owns rows
+// [w*MT*16, (w+1)*MT*16) of the tile. Key/value tiles of BK rows are double-buffered in shared memory
+// (cp.async for tile j+1 in flight while tile j is used). Per key tile and warp:
+//   S = Q K^T (fp32, registers) -> scaled to log2 units, masked -> online softmax (row max and sum across
+//   the 4 lanes of a quad) -> O = alpha O + P V with P re-used from registers as the A operand.
+// The row sum l is kept per lane and reduced across the quad once, at the end.
+// Shared memory: (BQ + 4 BK) * (D + 8) * sizeof(T).
+
+template <typename T, int D, int MT, int BK, int NW, bool CAUSAL>
+__global__ void __launch_bounds__(NW * 32)
+tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
+                       float *__restrict__ lse, int n, float scale_log2) {
+    constexpr int BQ = NW * MT * 16, SD = D + 8, NT = NW * 32;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *qs = (T *)tsys_cuda__flash_smem_raw;
+    T *ks = qs + BQ * SD;        // [2][BK * SD]
+    T *vs = ks + 2 * BK * SD;    // [2][BK * SD]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;   // causal: longest rows first
+    const int q0 = qt * BQ, wr0 = warp * MT * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
+
+    int nkt = (n + BK - 1) / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+
+    tsys_cuda__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
+    tsys_cuda__flash_load_tile<BK, D, NT>(ks, k, 0, n);
+    tsys_cuda__flash_load_tile<BK, D, NT>(vs, v, 0, n);
+    tsys_cuda__flash_cp_async_commit();
+
+    float oacc[MT][D / 8][4];
+    tsys_cuda__flash_zero<MT, D>(oacc);
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
+
+    for (int j = 0; j < nkt; j++) {
+        if (j + 1 < nkt) {   // prefetch the next key/value tile into the other buffer
+            tsys_cuda__flash_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * SD, k, (j + 1) * BK, n);
+            tsys_cuda__flash_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * SD, v, (j + 1) * BK, n);
+            tsys_cuda__flash_cp_async_commit();
+            tsys_cuda__flash_cp_async_wait<1>();
+        } else {
+            tsys_cuda__flash_cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int k0 = j * BK;
+        // a warp whose rows all precede this tile's first key has nothing to add (causal diagonal)
+        const bool active = !CAUSAL || k0 <= q0 + wr0 + MT * 16 - 1;
+        if (active) {
+            const T *kt = ks + (j & 1) * BK * SD, *vt = vs + (j & 1) * BK * SD;
+            float s[MT][BK / 8][4];
+            tsys_cuda__flash_zero<MT, BK>(s);
+            tsys_cuda__flash_gemm_nt<T, SD, MT, BK, D>(s, qs, wr0, kt, lane);
+
+            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
+                    float mx = m[mt][h];
+#pragma unroll
+                    for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            float x = s[mt][nb][2 * h + e] * scale_log2;
+                            if (need_mask) {
+                                const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
+                                if (col >= n || (CAUSAL && col > row)) x = -INFINITY;
+                            }
+                            s[mt][nb][2 * h + e] = x;
+                            mx = fmaxf(mx, x);
+                        }
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    // mx = -inf only for a row with no key yet (a tail row); keep its terms at 0, not NaN
+                    const float mref = mx == -INFINITY ? 0.0f : mx;
+                    const float alpha = tsys_cuda__flash_ex2(m[mt][h] - mref);
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            const float p = tsys_cuda__flash_ex2(s[mt][nb][2 * h + e] - mref);
+                            s[mt][nb][2 * h + e] = p;
+                            sum += p;
+                        }
+                    l[mt][h] = l[mt][h] * alpha + sum;
+                    m[mt][h] = mx;
+#pragma unroll
+                    for (int nb = 0; nb < D / 8; nb++) oacc[mt][nb][2 * h] *= alpha, oacc[mt][nb][2 * h + 1] *= alpha;
+                }
+            }
+            tsys_cuda__flash_gemm_pn<T, SD, MT, BK, D>(oacc, s, vt, lane);
+        }
+        __syncthreads();   // everyone is done with buffer j & 1 before it is refilled
+    }
+
+    // epilogue: finish the row sums across the quad, normalise, write O and lse (natural log)
+    float inv[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float sum = l[mt][h];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            inv[mt][h] = 1.0f / sum;
+            const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
+            if ((lane & 3) == 0 && row < n) lse[row] = (m[mt][h] + log2f(sum)) * TSYS_CUDA__FLASH_LN2;
+        }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) oacc[mt][nb][e] *= inv[mt][e >> 1];
+    tsys_cuda__flash_store<T, MT, D>(o, oacc, q0 + wr0, n, 1.0f, lane);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward pre-pass: dvec[row] = sum_c dO[row][c] * O[row][c] (fp32). One warp per row.
+template <typename T>
+__global__ void tsys_cuda__flash_bwd_dot_kernel(const T *__restrict__ dout, const T *__restrict__ o, float *__restrict__ dvec,
+                                           int64_t rows, int d) {
+    const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    for (int c = lane; c < d; c += 32) acc += (float)dout[row * d + c] * (float)o[row * d + c];
+#pragma unroll
+    for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) dvec[row] = acc;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward dK, dV (bf16/fp16). Block: NW warps, BKV = NW * MK * 16 keys; warp w owns MK*16 keys of the
+// tile and keeps their dK, dV (MK*16 x D fp32) in registers. K and V of the tile stay in shared memory;
+// query tiles of BQ rows (Q, dO, L, D) are double-buffered. Everything is computed transposed, keys as rows:
+//   S^T = K Q^T, P^T = exp2(S^T * scale*log2e - L*log2e), dV += P^T dO,
+//   dP^T = V dO^T, dS^T = P^T o (dP^T - D), dK += dS^T Q; dK is scaled once at the end.
+// MK = 2 lets each Q / dO fragment read from shared memory feed two mma (shared-memory bandwidth is what
+// limits the MK = 1 version). Causal: query tiles that end before the key tile starts are skipped; key
+// tile 0 is the longest, so the natural block order already starts the heavy blocks first.
+// Shared memory: (2 BKV + 4 BQ) * (D + 8) * sizeof(T) + 4 BQ * 4.
+
+template <typename T, int D, int MK, int BQ, int NW, bool CAUSAL>
+__global__ void __launch_bounds__(NW * 32)
+tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                            const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
+                            T *__restrict__ dk, T *__restrict__ dv, int n, float scale, float scale_log2) {
+    constexpr int BKV = NW * MK * 16, SD = D + 8, NT = NW * 32;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *ks = (T *)tsys_cuda__flash_smem_raw;
+    T *vs = ks + BKV * SD;
+    T *qs = vs + BKV * SD;       // [2][BQ * SD]
+    T *gs = qs + 2 * BQ * SD;    // [2][BQ * SD]  dO
+    float *ls = (float *)(gs + 2 * BQ * SD);   // [2][BQ]  lse * log2e
+    float *ds = ls + 2 * BQ;                   // [2][BQ]  D
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k0 = blockIdx.x * BKV, wk0 = warp * MK * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dk += base; dv += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+
+    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
+
+    tsys_cuda__flash_load_tile<BKV, D, NT>(ks, k, k0, n);
+    tsys_cuda__flash_load_tile<BKV, D, NT>(vs, v, k0, n);
+    auto load_q = [&](int it, int buf) {
+        const int q0 = it * BQ;
+        tsys_cuda__flash_load_tile<BQ, D, NT>(qs + buf * BQ * SD, q, q0, n);
+        tsys_cuda__flash_load_tile<BQ, D, NT>(gs + buf * BQ * SD, dout, q0, n);
+        for (int i = threadIdx.x; i < BQ; i += NT) {   // plain loads: tiny, and visible after the barrier
+            const bool ok = q0 + i < n;
+            ls[buf * BQ + i] = ok ? lse[q0 + i] * TSYS_CUDA__FLASH_LOG2E : 0.0f;
+            ds[buf * BQ + i] = ok ? dvec[q0 + i] : 0.0f;
+        }
+    };
+    load_q(it0, 0);
+    tsys_cuda__flash_cp_async_commit();
+
+    float dka[MK][D / 8][4], dva[MK][D / 8][4];
+    tsys_cuda__flash_zero<MK, D>(dka);
+    tsys_cuda__flash_zero<MK, D>(dva);
+
+    for (int it = it0; it < nqt; it++) {
+        const int buf = (it - it0) & 1;
+        if (it + 1 < nqt) {
+            load_q(it + 1, buf ^ 1);
+            tsys_cuda__flash_cp_async_commit();
+            tsys_cuda__flash_cp_async_wait<1>();
+        } else {
+            tsys_cuda__flash_cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int q0 = it * BQ;
+        // causal: this warp's keys all come after every query of the tile -> nothing to add
+        const bool active = !CAUSAL || k0 + wk0 <= q0 + BQ - 1;
+        if (active) {
+            const T *qt = qs + buf * BQ * SD, *gt = gs + buf * BQ * SD;
+            const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
+            float st[MK][BQ / 8][4], dpt[MK][BQ / 8][4];
+            tsys_cuda__flash_zero<MK, BQ>(st);
+            tsys_cuda__flash_gemm_nt<T, SD, MK, BQ, D>(st, ks, wk0, qt, lane);   // S^T = K Q^T
+            const bool need_mask = q0 + BQ > n || (CAUSAL && k0 + wk0 + MK * 16 - 1 > q0);
+#pragma unroll
+            for (int mt = 0; mt < MK; mt++)
+#pragma unroll
+                for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                        float p = tsys_cuda__flash_ex2(st[mt][nb][e] * scale_log2 - lt[qi]);
+                        if (need_mask) {
+                            const int key = k0 + wk0 + mt * 16 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
+                            if (query >= n || (CAUSAL && key > query)) p = 0.0f;
+                        }
+                        st[mt][nb][e] = p;
+                    }
+            tsys_cuda__flash_gemm_pn<T, SD, MK, BQ, D>(dva, st, gt, lane);        // dV += P^T dO
+            tsys_cuda__flash_zero<MK, BQ>(dpt);
+            tsys_cuda__flash_gemm_nt<T, SD, MK, BQ, D>(dpt, vs, wk0, gt, lane);   // dP^T = V dO^T
+#pragma unroll
+            for (int mt = 0; mt < MK; mt++)
+#pragma unroll
+                for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                        dpt[mt][nb][e] = st[mt][nb][e] * (dpt[mt][nb][e] - dt[qi]);   // dS^T
+                    }
+            tsys_cuda__flash_gemm_pn<T, SD, MK, BQ, D>(dka, dpt, qt, lane);       // dK += dS^T Q
+        }
+        __syncthreads();
+    }
+    tsys_cuda__flash_store<T, MK, D>(dk, dka, k0 + wk0, n, scale, lane);
+    tsys_cuda__flash_store<T, MK, D>(dv, dva, k0 + wk0, n, 1.0f, lane);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward dQ (bf16/fp16). Block: NW warps, BQ = NW * MQ * 16 queries; warp w owns MQ*16 query rows and
+// their dQ (fp32) in registers; its lse and D values live in registers too. Key/value tiles of BK rows are
+// double-buffered. Per key tile: S = Q K^T, dP = dO V^T, P = exp2(S*scale*log2e - L*log2e),
+// dS = P o (dP - D), dQ += dS K; dQ is scaled once at the end.
+// Shared memory: (2 BQ + 4 BK) * (D + 8) * sizeof(T).
+
+template <typename T, int D, int MQ, int BK, int NW, bool CAUSAL>
+__global__ void __launch_bounds__(NW * 32)
+tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                          const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
+                          T *__restrict__ dq, int n, float scale, float scale_log2) {
+    constexpr int BQ = NW * MQ * 16, SD = D + 8, NT = NW * 32;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *qs = (T *)tsys_cuda__flash_smem_raw;
+    T *gs = qs + BQ * SD;
+    T *ks = gs + BQ * SD;        // [2][BK * SD]
+    T *vs = ks + 2 * BK * SD;    // [2][BK * SD]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, wr0 = warp * MQ * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dq += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+
+    int nkt = (n + BK - 1) / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+
+    tsys_cuda__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
+    tsys_cuda__flash_load_tile<BQ, D, NT>(gs, dout, q0, n);
+    tsys_cuda__flash_load_tile<BK, D, NT>(ks, k, 0, n);
+    tsys_cuda__flash_load_tile<BK, D, NT>(vs, v, 0, n);
+    tsys_cuda__flash_cp_async_commit();
+
+    float lrow[MQ][2], drow[MQ][2];
+#pragma unroll
+    for (int mt = 0; mt < MQ; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
+            lrow[mt][h] = row < n ? lse[row] * TSYS_CUDA__FLASH_LOG2E : 0.0f;
+            drow[mt][h] = row < n ? dvec[row] : 0.0f;
+        }
+    float dqa[MQ][D / 8][4];
+    tsys_cuda__flash_zero<MQ, D>(dqa);
+
+    for (int j = 0; j < nkt; j++) {
+        if (j + 1 < nkt) {
+            tsys_cuda__flash_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * SD, k, (j + 1) * BK, n);
+            tsys_cuda__flash_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * SD, v, (j + 1) * BK, n);
+            tsys_cuda__flash_cp_async_commit();
+            tsys_cuda__flash_cp_async_wait<1>();
+        } else {
+            tsys_cuda__flash_cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int k0 = j * BK;
+        const bool active = !CAUSAL || k0 <= q0 + wr0 + MQ * 16 - 1;
+        if (active) {
+            const T *kt = ks + (j & 1) * BK * SD, *vt = vs + (j & 1) * BK * SD;
+            float s[MQ][BK / 8][4], dp[MQ][BK / 8][4];
+            tsys_cuda__flash_zero<MQ, BK>(s);
+            tsys_cuda__flash_gemm_nt<T, SD, MQ, BK, D>(s, qs, wr0, kt, lane);    // S = Q K^T
+            tsys_cuda__flash_zero<MQ, BK>(dp);
+            tsys_cuda__flash_gemm_nt<T, SD, MQ, BK, D>(dp, gs, wr0, vt, lane);   // dP = dO V^T
+            const bool need_mask = k0 + BK > n || (CAUSAL && k0 + BK - 1 > q0 + wr0);
+#pragma unroll
+            for (int mt = 0; mt < MQ; mt++)
+#pragma unroll
+                for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int h = e >> 1;
+                        float p = tsys_cuda__flash_ex2(s[mt][nb][e] * scale_log2 - lrow[mt][h]);
+                        if (need_mask) {
+                            const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
+                            const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
+                            if (key >= n || (CAUSAL && key > row)) p = 0.0f;
+                        }
+                        s[mt][nb][e] = p * (dp[mt][nb][e] - drow[mt][h]);   // dS
+                    }
+            tsys_cuda__flash_gemm_pn<T, SD, MQ, BK, D>(dqa, s, kt, lane);         // dQ += dS K
+        }
+        __syncthreads();
+    }
+    tsys_cuda__flash_store<T, MQ, D>(dq, dqa, q0 + wr0, n, scale, lane);
+}
+
+// >>flash fp32 ------------------------------------------------------------------------------------
+// fp32 (SIMT). Correct and simple rather than fast: fp32 attention is a reference path here (bf16/fp16
+// are what training uses). One thread owns one row (a query for fwd and dQ, a key for dK/dV); its own
+// row vectors live in shared memory with a stride of D + 1 floats (thread t reads word t*(D+1)+c: no bank
+// conflicts); the tile it streams over is read by all threads at the same address (a broadcast).
+// Block: 64 threads = 64 rows; the streamed tile has 32 rows.
+
+#define TSYS_CUDA__FLASH_F32_ROWS 64
+#define TSYS_CUDA__FLASH_F32_TILE 32
+#define TSYS_CUDA__FLASH_F32_FWD_BK(D) ((D) >= 128 ? 16 : 32)   // the forward keeps BK scores + D outputs per thread
+
+// Forward: own row q (shared), o accumulator (registers), key/value tile (shared). Natural-log softmax.
+template <int D, bool CAUSAL>
+__global__ void __launch_bounds__(TSYS_CUDA__FLASH_F32_ROWS)
+tsys_cuda__flash_fwd_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                           float *__restrict__ o, float *__restrict__ lse, int n, float scale) {
+    constexpr int R = TSYS_CUDA__FLASH_F32_ROWS, BK = TSYS_CUDA__FLASH_F32_FWD_BK(D);
+    extern __shared__ float tsys_cuda__flash_f32_smem[];
+    float *qs = tsys_cuda__flash_f32_smem, *ks = qs + R * (D + 1), *vs = ks + BK * D;   // [R][D+1], [BK][D], [BK][D]
+    const int t = threadIdx.x;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * R, row = q0 + t;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
+    for (int i = t; i < R * D; i += R) {
+        const int r = i / D, c = i % D;
+        qs[r * (D + 1) + c] = q0 + r < n ? q[(size_t)(q0 + r) * D + c] : 0.0f;
+    }
+    float acc[D];
+#pragma unroll
+    for (int c = 0; c < D; c++) acc[c] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    int nkt = (n + BK - 1) / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + R - 1) / BK + 1);
+    const float *qr = qs + t * (D + 1);
+    for (int j = 0; j < nkt; j++) {
+        const int k0 = j * BK;
+        __syncthreads();
+        for (int i = t; i < BK * D; i += R) {
+            const bool ok = k0 + i / D < n;
+            ks[i] = ok ? k[(size_t)k0 * D + i] : 0.0f;
+            vs[i] = ok ? v[(size_t)k0 * D + i] : 0.0f;
+        }
+        __syncthreads();
+        float s[BK];
+        float mx = m;
+#pragma unroll
+        for (int jj = 0; jj < BK; jj++) s[jj] = 0.0f;
+        for (int c = 0; c < D; c++) {
+            const float qc = qr[c];
+#pragma unroll
+            for (int jj = 0; jj < BK; jj++) s[jj] += qc * ks[jj * D + c];
+        }
+#pragma unroll
+        for (int jj = 0; jj < BK; jj++) {
+            const int key = k0 + jj;
+            s[jj] = (key >= n || (CAUSAL && key > row)) ? -INFINITY : s[jj] * scale;
+            mx = fmaxf(mx, s[jj]);
+        }
+        const float mref = mx == -INFINITY ? 0.0f : mx;
+        const float alpha = expf(m - mref);
+        float sum = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < BK; jj++) { s[jj] = expf(s[jj] - mref); sum += s[jj]; }
+        l = l * alpha + sum;
+        m = mx;
+#pragma unroll
+        for (int c = 0; c < D; c++) {
+            float a = acc[c] * alpha;
+#pragma unroll
+            for (int jj = 0; jj < BK; jj++) a += s[jj] * vs[jj * D + c];
+            acc[c] = a;
+        }
+    }
+    if (row < n) {
+        const float inv = 1.0f / l;
+#pragma unroll
+        for (int c = 0; c < D; c++) o[(size_t)row * D + c] = acc[c] * inv;
+        lse[row] = m + logf(l);
+    }
+}
+
+// dK, dV: thread owns key row `key`; its k, v rows and dk, dv accumulators are in shared memory.
+template <int D, bool CAUSAL>
+__global__ void __launch_bounds__(TSYS_CUDA__FLASH_F32_ROWS)
+tsys_cuda__flash_bwd_dkdv_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                                const float *__restrict__ dout, const float *__restrict__ lse,
+                                const float *__restrict__ dvec, float *__restrict__ dk, float *__restrict__ dv,
+                                int n, float scale) {
+    constexpr int R = TSYS_CUDA__FLASH_F32_ROWS, BQ = TSYS_CUDA__FLASH_F32_TILE, SR = D + 1;
+    extern __shared__ float tsys_cuda__flash_f32_smem[];
+    float *kr = tsys_cuda__flash_f32_smem, *vr = kr + R * SR, *dkr = vr + R * SR, *dvr = dkr + R * SR;
+    float *qs = dvr + R * SR, *gs = qs + BQ * D, *ls = gs + BQ * D, *dd = ls + BQ;
+    const int t = threadIdx.x, k0 = blockIdx.x * R, key = k0 + t;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dk += base; dv += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+    for (int i = t; i < R * D; i += R) {
+        const int r = i / D, c = i % D;
+        const bool ok = k0 + r < n;
+        kr[r * SR + c] = ok ? k[(size_t)(k0 + r) * D + c] : 0.0f;
+        vr[r * SR + c] = ok ? v[(size_t)(k0 + r) * D + c] : 0.0f;
+        dkr[r * SR + c] = dvr[r * SR + c] = 0.0f;
+    }
+    const float *kme = kr + t * SR, *vme = vr + t * SR;
+    float *dkme = dkr + t * SR, *dvme = dvr + t * SR;
+    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
+    for (int it = it0; it < nqt; it++) {
+        const int q0 = it * BQ;
+        __syncthreads();
+        for (int i = t; i < BQ * D; i += R) {
+            const bool ok = q0 + i / D < n;
+            qs[i] = ok ? q[(size_t)q0 * D + i] : 0.0f;
+            gs[i] = ok ? dout[(size_t)q0 * D + i] : 0.0f;
+        }
+        for (int i = t; i < BQ; i += R) {
+            ls[i] = q0 + i < n ? lse[q0 + i] : 0.0f;
+            dd[i] = q0 + i < n ? dvec[q0 + i] : 0.0f;
+        }
+        __syncthreads();
+        for (int i = 0; i < BQ; i++) {
+            const int query = q0 + i;
+            if (query >= n || (CAUSAL && key > query)) continue;   // per-thread divergence is fine here
+            float s = 0.0f, dp = 0.0f;
+            for (int c = 0; c < D; c++) { s += kme[c] * qs[i * D + c]; dp += vme[c] * gs[i * D + c]; }
+            const float p = expf(s * scale - ls[i]);
+            const float dsv = p * (dp - dd[i]);
+            for (int c = 0; c < D; c++) { dvme[c] += p * gs[i * D + c]; dkme[c] += dsv * qs[i * D + c]; }
+        }
+    }
+    __syncthreads();
+    for (int i = t; i < R * D; i += R) {   // coalesced write-out of the block's rows
+        const int r = i / D, c = i % D;
+        if (k0 + r < n) {
+            dk[(size_t)(k0 + r) * D + c] = dkr[r * SR + c] * scale;
+            dv[(size_t)(k0 + r) * D + c] = dvr[r * SR + c];
+        }
+    }
+}
+
+// dQ: thread owns query row `row`; q, dO rows and the dq accumulator are in shared memory.
+template <int D, bool CAUSAL>
+__global__ void __launch_bounds__(TSYS_CUDA__FLASH_F32_ROWS)
+tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
+                              const float *__restrict__ dout, const float *__restrict__ lse,
+                              const float *__restrict__ dvec, float *__restrict__ dq, int n, float scale) {
+    constexpr int R = TSYS_CUDA__FLASH_F32_ROWS, BK = TSYS_CUDA__FLASH_F32_TILE, SR = D + 1;
+    extern __shared__ float tsys_cuda__flash_f32_smem[];
+    float *qr = tsys_cuda__flash_f32_smem, *gr = qr + R * SR, *dqr = gr + R * SR;
+    float *ks = dqr + R * SR, *vs = ks + BK * D;
+    const int t = threadIdx.x;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * R, row = q0 + t;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dq += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+    for (int i = t; i < R * D; i += R) {
+        const int r = i / D, c = i % D;
+        const bool ok = q0 + r < n;
+        qr[r * SR + c] = ok ? q[(size_t)(q0 + r) * D + c] : 0.0f;
+        gr[r * SR + c] = ok ? dout[(size_t)(q0 + r) * D + c] : 0.0f;
+        dqr[r * SR + c] = 0.0f;
+    }
+    const float lrow = row < n ? lse[row] : 0.0f, drow = row < n ? dvec[row] : 0.0f;
+    const float *qme = qr + t * SR, *gme = gr + t * SR;
+    float *dqme = dqr + t * SR;
+    int nkt = (n + BK - 1) / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + R - 1) / BK + 1);
+    for (int j = 0; j < nkt; j++) {
+        const int k0 = j * BK;
+        __syncthreads();
+        for (int i = t; i < BK * D; i += R) {
+            const bool ok = k0 + i / D < n;
+            ks[i] = ok ? k[(size_t)k0 * D + i] : 0.0f;
+            vs[i] = ok ? v[(size_t)k0 * D + i] : 0.0f;
+        }
+        __syncthreads();
+        if (row >= n) continue;
+        for (int jj = 0; jj < BK; jj++) {
+            const int key = k0 + jj;
+            if (key >= n || (CAUSAL && key > row)) continue;
+            float s = 0.0f, dp = 0.0f;
+            for (int c = 0; c < D; c++) { s += qme[c] * ks[jj * D + c]; dp += gme[c] * vs[jj * D + c]; }
+            const float dsv = expf(s * scale - lrow) * (dp - drow);
+            for (int c = 0; c < D; c++) dqme[c] += dsv * ks[jj * D + c];
+        }
+    }
+    __syncthreads();
+    for (int i = t; i < R * D; i += R) {
+        const int r = i / D, c = i % D;
+        if (q0 + r < n) dq[(size_t)(q0 + r) * D + c] = dqr[r * SR + c] * scale;
+    }
+}
+
+// >>flash wgmma -----------------------------------------------------------------------------------
+// Hopper path (sm_90a only): the same three kernels with wgmma (warpgroup MMA, 4 warps x 16 rows = one
+// m64 block per warpgroup). Compiled only when the translation unit is built for sm_90a
+// (-gencode arch=compute_90a,code=sm_90a); otherwise the bodies are empty, the probe (>>flash launchers)
+// reports "not available" and the backend keeps the mma.sync kernels above. Head dims 64 and 128 only.
+//
+// Shared tiles (R rows x D cols, D % 64 == 0): D/64 column blocks of R x 128 bytes, each 128B-swizzled
+// (16-byte chunk c of row r stored at chunk c ^ (r % 8)); every tile starts 1024-byte aligned. One tile
+// serves both ways: as a K-major operand (rows = M or N, cols = K: Q, K, V, dO in S = Q K^T etc.) and as
+// an MN-major operand (rows = K, cols = N: V in P V, dO in P^T dO, Q in dS^T Q, K in dS K).
+// A wgmma accumulator m64nN holds, in warp w of the warpgroup, rows 16w..16w+15 in exactly the mma.sync
+// C layout (acc[nb][e] = C[16w + g + 8(e/2)][8nb + 2c + e%2]); rounded and paired it is the register A
+// operand of the next wgmma, as in the mma.sync kernels.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// One warpgroup MMA m64nNk16 with fp32 accumulators (d: this thread's N/2 of them), T = bf16 or fp16:
+//   ss  d = (acc ? d : 0) + A B, A and B in shared memory (matrix descriptors da and db);
+//   rs  d += A B, A in registers (a: this thread's 4 registers of the 64 x 16 tile), B in shared memory.
+// An asm template must be one string literal, so the instruction is put together from literals by the
+// macros below and `if constexpr` picks the (T, N) case: each case is the exact text of one instruction.
+#define TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, TAIL) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." AB "." AB " " TSYS_CUDA__FLASH_WGMMA_D##NACC ", " OPS ", p, " TAIL ";\n}\n"
+#define TSYS_CUDA__FLASH_WGMMA_D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define TSYS_CUDA__FLASH_WGMMA_D64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define TSYS_CUDA__FLASH_WGMMA_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define TSYS_CUDA__FLASH_WGMMA_ACC32(d) TSYS_CUDA__FLASH_WGMMA_ACC8(d, 0), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 8), \
+    TSYS_CUDA__FLASH_WGMMA_ACC8(d, 16), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 24)
+#define TSYS_CUDA__FLASH_WGMMA_ACC64(d) TSYS_CUDA__FLASH_WGMMA_ACC32(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 32), \
+    TSYS_CUDA__FLASH_WGMMA_ACC8(d, 40), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 48), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 56)
+// operands: the NACC accumulators, then da, db, acc (ss) or a[0..3], db, 1 (rs: always accumulate)
+#define TSYS_CUDA__FLASH_WGMMA_SS(AB, NN, NACC, OPS, PRED) \
+    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, 0, 0") \
+                 : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "l"(da), "l"(db), "r"(acc))
+#define TSYS_CUDA__FLASH_WGMMA_RS(AB, NN, NACC, OPS, PRED) \
+    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, 1") \
+                 : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+
+template <typename T, int N> struct tsys_cuda__flash_wgmma {
+    static constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
+    static_assert(BF16 || std::is_same<T, __half>::value, "wgmma: bf16 or fp16 operands");
+    static_assert(N == 64 || N == 128, "wgmma: N = 64 or 128");
+    static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int acc) {
+        if constexpr (N == 64 && BF16) TSYS_CUDA__FLASH_WGMMA_SS("bf16", 64, 32, "%32, %33", "%34");
+        else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS("f16", 64, 32, "%32, %33", "%34");
+        else if constexpr (BF16) TSYS_CUDA__FLASH_WGMMA_SS("bf16", 128, 64, "%64, %65", "%66");
+        else TSYS_CUDA__FLASH_WGMMA_SS("f16", 128, 64, "%64, %65", "%66");
+    }
+    static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) {
+        if constexpr (N == 64 && BF16) TSYS_CUDA__FLASH_WGMMA_RS("bf16", 64, 32, "{%32,%33,%34,%35}, %36", "%37");
+        else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS("f16", 64, 32, "{%32,%33,%34,%35}, %36", "%37");
+        else if constexpr (BF16) TSYS_CUDA__FLASH_WGMMA_RS("bf16", 128, 64, "{%64,%65,%66,%67}, %68", "%69");
+        else TSYS_CUDA__FLASH_WGMMA_RS("f16", 128, 64, "{%64,%65,%66,%67}, %68", "%69");
+    }
+};
+#endif
+
+
+template <int R, int D, int NT, typename T>
+__device__ __forceinline__ void tsys_cuda__flash_wg_load_tile(T *s, const T *g, int r0, int n) {
+    constexpr int CPR = D / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < R * CPR; c += NT) {
+        const int r = c / CPR, cc = c % CPR;
+        const bool ok = r0 + r < n;
+        unsigned char *dst = (unsigned char *)s + (cc >> 3) * R * 128 + r * 128 + (((cc & 7) ^ (r & 7)) << 4);
+        tsys_cuda__flash_cp_async16(dst, g + (size_t)(ok ? r0 + r : 0) * D + cc * 8, ok);
+    }
+}
+__device__ __forceinline__ uint64_t tsys_cuda__flash_wg_desc(const void *p, uint32_t lbo, uint32_t sbo) {
+    const uint64_t a = tsys_cuda__flash_smem_addr(p);
+    return ((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) | ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) |
+           (1ull << 62);
+}
+// K-major operand: rows [r0, r0 + 64) (A) or all N rows (B) of an R-row tile, k-step kk (16 columns).
+template <int R> __device__ __forceinline__ uint64_t tsys_cuda__flash_wg_desc_k(const void *tile, int r0, int kk) {
+    return tsys_cuda__flash_wg_desc((const unsigned char *)tile + (kk >> 2) * R * 128 + r0 * 128 + (kk & 3) * 32, 16, 1024);
+}
+// MN-major operand (B = tile rows 16kk..16kk+15 as K, all D columns as N).
+template <int R> __device__ __forceinline__ uint64_t tsys_cuda__flash_wg_desc_mn(const void *tile, int kk) {
+    return tsys_cuda__flash_wg_desc((const unsigned char *)tile + kk * 16 * 128, R * 128, 1024);
+}
+
+__device__ __forceinline__ void tsys_cuda__flash_wg_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tsys_cuda__flash_wg_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void tsys_cuda__flash_wg_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// cp.async writes (generic proxy) must be visible to wgmma reads (async proxy): each thread, after its
+// cp.async.wait and before the barrier.
+__device__ __forceinline__ void tsys_cuda__flash_fence_proxy_async() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving reads of accumulators above the wgmma wait.
+template <int N> __device__ __forceinline__ void tsys_cuda__flash_wg_fence_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < N / 8; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[i][e])::"memory");
+}
+
+// acc (m64 x N) (+)= A (smem, K-major, rows r0..r0+63 of an RA-row tile) * B^T (smem, K-major, N rows), K = KD.
+template <typename T, int N, int RA, int KD>
+__device__ __forceinline__ void tsys_cuda__flash_wg_ss(float (*acc)[4], const T *a, int r0, const T *b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        const uint64_t da = tsys_cuda__flash_wg_desc_k<RA>(a, r0, kk), db = tsys_cuda__flash_wg_desc_k<N>(b, 0, kk);
+        tsys_cuda__flash_wgmma<T, N>::ss(&acc[0][0], da, db, kk > 0);
+    }
+#endif
+}
+// Round a wgmma accumulator (m64 x KD fp32, this thread's part) to 16 bits and pair it into the register A
+// operand of the next wgmma: KD/16 k-steps of 4 registers. All of it is packed before the wgmmas that read
+// it are issued: writing A registers between wgmmas would make ptxas insert a warpgroup.arrive each time.
+template <typename T, int KD>
+__device__ __forceinline__ void tsys_cuda__flash_wg_pack(uint32_t (*a)[4], const float (*p)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        a[kk][0] = tsys_cuda__flash_t<T>::pack(p[2 * kk][0], p[2 * kk][1]);
+        a[kk][1] = tsys_cuda__flash_t<T>::pack(p[2 * kk][2], p[2 * kk][3]);
+        a[kk][2] = tsys_cuda__flash_t<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[kk][3] = tsys_cuda__flash_t<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+}
+// acc (m64 x N) += A (registers, packed by tsys_cuda__flash_wg_pack, m64 x KD) * B (smem tile of KD rows, MN-major,
+// N = D columns).
+template <typename T, int N, int KD>
+__device__ __forceinline__ void tsys_cuda__flash_wg_rs(float (*acc)[4], const uint32_t (*a)[4], const T *b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        const uint64_t db = tsys_cuda__flash_wg_desc_mn<KD>(b, kk);
+        tsys_cuda__flash_wgmma<T, N>::rs(&acc[0][0], a[kk], db);
+    }
+#endif
+}
+
+// Dynamic shared memory rounded up to 1024 bytes (the 128B swizzle repeats every 1024 bytes of address).
+__device__ __forceinline__ unsigned char *tsys_cuda__flash_wg_smem_base(unsigned char *raw) {
+    const uint32_t a = tsys_cuda__flash_smem_addr(raw);
+    return raw + ((1024 - (a & 1023)) & 1023);
+}
+
+// Online softmax of one key tile for a warp's 16 rows of a wgmma accumulator (this thread: rows row0 +
+// lane / 4 and + 8): raw scores s become P = 2^(s * scale_log2 - m) in place, the running max m and sum l
+// are updated, and alpha is what the O accumulator must be multiplied by. MASK drops keys >= n and, when
+// causal, keys past the row (interior tiles skip that arithmetic).
+template <int BK, bool MASK, bool CAUSAL>
+__device__ __forceinline__ void tsys_cuda__flash_wg_softmax(float (*s)[4], float *m, float *l, float *alpha, int row0, int k0, int n,
+                                                 int lane, float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = row0 + (lane >> 2) + h * 8;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (MASK) {
+                    const int col = k0 + nb * 8 + (lane & 3) * 2 + e;
+                    if (col >= n || (CAUSAL && col > row)) s[nb][2 * h + e] = -INFINITY;
+                }
+                mx = fmaxf(mx, s[nb][2 * h + e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m[h], mx * scale_log2);   // scores in log2 units (scale > 0)
+        const float mref = mnew == -INFINITY ? 0.0f : mnew;
+        alpha[h] = tsys_cuda__flash_ex2(m[h] - mref);
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float p = tsys_cuda__flash_ex2(fmaf(s[nb][2 * h + e], scale_log2, -mref));
+                s[nb][2 * h + e] = p;
+                sum += p;
+            }
+        l[h] = l[h] * alpha[h] + sum;
+        m[h] = mnew;
+    }
+}
+
+// Forward epilogue for a warp's 16 rows: O = acc / l (rows < n) and lse = m + log2(l) in natural log.
+template <typename T, int D>
+__device__ __forceinline__ void tsys_cuda__flash_wg_fwd_finish(T *o, float *lse, float (&oacc)[D / 8][4], const float *m,
+                                                    const float *l, int row0, int n, int lane) {
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[h] = 1.0f / sum;
+        const int row = row0 + (lane >> 2) + h * 8;
+        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS_CUDA__FLASH_LN2;
+    }
+#pragma unroll
+    for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
+    tsys_cuda__flash_store<T, 1, D>(o, &oacc, row0, n, 1.0f, lane);
+}
+
+// dQ kernels, one key tile of a warp's 16 rows: S (done) becomes P = 2^(s * scale_log2 - lse) (masked when
+// MASK), then, once the dP wgmma (the newest group) is done, dS = P o (dP - D), in place of S.
+template <int BK, bool MASK, bool CAUSAL>
+__device__ __forceinline__ void tsys_cuda__flash_wg_dq_ds(float (*s)[4], float (*dp)[4], const float *lrow, const float *drow,
+                                               int row0, int k0, int n, int lane, float scale_log2) {
+#pragma unroll
+    for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = e >> 1;
+            float p = tsys_cuda__flash_ex2(fmaf(s[nb][e], scale_log2, -lrow[h]));
+            if (MASK) {
+                const int key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1);
+                const int row = row0 + (lane >> 2) + h * 8;
+                if (key >= n || (CAUSAL && key > row)) p = 0.0f;
+            }
+            s[nb][e] = p;
+        }
+    tsys_cuda__flash_wg_wait<0>();
+    tsys_cuda__flash_wg_fence_acc<BK>(dp);
+#pragma unroll
+    for (int nb = 0; nb < BK / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[nb][e] *= dp[nb][e] - drow[e >> 1];
+}
+
+// The streamed tiles of the wgmma kernels sit in a ring of three buffers: tile j + 1 is requested (cp.async)
+// right after the barrier that opens tile j, into the buffer of tile j - 2, so one barrier per tile suffices,
+// the copy overlaps all of tile j's work, and the last matmul of tile j (P V, dS K) may still be reading its
+// buffer while tile j + 1 starts: it is waited for only after the next tile's first wgmma is issued.
+#define TSYS_CUDA__FLASH_WG_STAGES 3
+
+// Forward: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows. Tiles that need no mask (inside n
+// and, when causal, at or below the block's first query row) run a body without index math.
+template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(WG * 128, MINB)
+tsys_cuda__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
+                          float *__restrict__ lse, int n, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BQ = WG * 64, NT = WG * 128;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
+    T *ks = qs + BQ * D;                          // [STAGES][BK * D]
+    T *vs = ks + TSYS_CUDA__FLASH_WG_STAGES * BK * D;        // [STAGES][BK * D]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, wr0 = warp * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
+
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+
+    tsys_cuda__flash_wg_load_tile<BQ, D, NT>(qs, q, q0, n);
+    tsys_cuda__flash_wg_load_tile<BK, D, NT>(ks, k, 0, n);
+    tsys_cuda__flash_wg_load_tile<BK, D, NT>(vs, v, 0, n);
+    tsys_cuda__flash_cp_async_commit();
+
+    float oacc[D / 8][4];
+    tsys_cuda__flash_zero<1, D>(&oacc);
+    float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+
+    uint32_t pa[BK / 16][4];   // P of the previous tile: its P V wgmma may still be reading these registers
+    // no per-warpgroup causal skip anywhere: a data-dependent branch around wgmma makes ptxas serialize them
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        tsys_cuda__flash_cp_async_wait<0>();
+        tsys_cuda__flash_fence_proxy_async();
+        __syncthreads();
+        if (j + 1 < nkt) {
+            const int nb = (j + 1) % TSYS_CUDA__FLASH_WG_STAGES;
+            tsys_cuda__flash_wg_load_tile<BK, D, NT>(ks + nb * BK * D, k, (j + 1) * BK, n);
+            tsys_cuda__flash_wg_load_tile<BK, D, NT>(vs + nb * BK * D, v, (j + 1) * BK, n);
+            tsys_cuda__flash_cp_async_commit();
+        }
+        const int k0 = j * BK, buf = j % TSYS_CUDA__FLASH_WG_STAGES;
+        const T *kt = ks + buf * BK * D, *vt = vs + buf * BK * D;
+        float s[BK / 8][4];
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_ss<T, BK, BQ, D>(s, qs, wg * 64, kt);
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<0>();   // S of this tile and P V of the previous one
+        tsys_cuda__flash_wg_fence_acc<BK>(s);
+        tsys_cuda__flash_wg_fence_acc<D>(oacc);
+        float alpha[2];
+        tsys_cuda__flash_wg_softmax<BK, MASK, CAUSAL>(s, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
+        tsys_cuda__flash_wg_pack<T, BK>(pa, s);
+#pragma unroll
+        for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
+        tsys_cuda__flash_wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys_cuda__flash_wg_wait<0>();
+    tsys_cuda__flash_wg_fence_acc<D>(oacc);
+
+    tsys_cuda__flash_wg_fwd_finish<T, D>(o, lse, oacc, m, l, q0 + wr0, n, lane);
+#endif
+}
+
+// Visits tiles [lo, hi) with the masked body at the two ends and the mask-free body in [free_lo, free_hi).
+template <typename F>
+__device__ __forceinline__ void tsys_cuda__flash_wg_tiles(int lo, int hi, int free_lo, int free_hi, F &&tile) {
+    const int a = min(max(free_lo, lo), hi), b = max(a, min(free_hi, hi));
+    for (int i = lo; i < a; i++) tile(i, std::true_type());
+    for (int i = a; i < b; i++) tile(i, std::false_type());
+    for (int i = b; i < hi; i++) tile(i, std::true_type());
+}
+
+// dK, dV: WG warpgroups x 64 keys = BKV; query tiles of BQ rows (Q, dO, lse, D) double-buffered: tile it + 1
+// is requested right after the barrier that opens tile it, when every wgmma of tile it - 1 has completed.
+template <typename T, int D, int BQ, int WG, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(WG * 128, MINB)
+tsys_cuda__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                               const T *__restrict__ dout, const float *__restrict__ lse,
+                               const float *__restrict__ dvec, T *__restrict__ dk, T *__restrict__ dv, int n,
+                               float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BKV = WG * 64, NT = WG * 128;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *ks = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
+    T *vs = ks + BKV * D;
+    T *qs = vs + BKV * D;       // [2][BQ * D]
+    T *gs = qs + 2 * BQ * D;    // [2][BQ * D]
+    float *ls = (float *)(gs + 2 * BQ * D);   // [2][BQ]
+    float *ds = ls + 2 * BQ;                  // [2][BQ]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int k0 = blockIdx.x * BKV, wk0 = warp * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dk += base; dv += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
+    // query tiles in [free_lo, free_hi) need no mask: all rows < n and, when causal, >= the block's last key
+    const int free_lo = CAUSAL ? (k0 + BKV - 1 + BQ - 1) / BQ : 0, free_hi = n / BQ;
+
+    tsys_cuda__flash_wg_load_tile<BKV, D, NT>(ks, k, k0, n);
+    tsys_cuda__flash_wg_load_tile<BKV, D, NT>(vs, v, k0, n);
+    auto load_q = [&](int it, int buf) {
+        const int q0 = it * BQ;
+        tsys_cuda__flash_wg_load_tile<BQ, D, NT>(qs + buf * BQ * D, q, q0, n);
+        tsys_cuda__flash_wg_load_tile<BQ, D, NT>(gs + buf * BQ * D, dout, q0, n);
+        for (int i = threadIdx.x; i < BQ; i += NT) {   // zero past n: those rows are masked
+            const bool ok = q0 + i < n;
+            tsys_cuda__flash_cp_async4(ls + buf * BQ + i, lse + (ok ? q0 + i : 0), ok);
+            tsys_cuda__flash_cp_async4(ds + buf * BQ + i, dvec + (ok ? q0 + i : 0), ok);
+        }
+    };
+    load_q(it0, 0);
+    tsys_cuda__flash_cp_async_commit();
+
+    float dka[D / 8][4], dva[D / 8][4];
+    tsys_cuda__flash_zero<1, D>(&dka);
+    tsys_cuda__flash_zero<1, D>(&dva);
+
+    tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int buf = (it - it0) & 1;
+        tsys_cuda__flash_cp_async_wait<0>();
+        tsys_cuda__flash_fence_proxy_async();
+        __syncthreads();
+        if (it + 1 < nqt) {
+            load_q(it + 1, buf ^ 1);
+            tsys_cuda__flash_cp_async_commit();
+        }
+        const int q0 = it * BQ;
+        const T *qt = qs + buf * BQ * D, *gt = gs + buf * BQ * D;
+        const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
+        float st[BQ / 8][4], dpt[BQ / 8][4];
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_ss<T, BQ, BKV, D>(st, ks, wg * 64, qt);    // S^T = K Q^T
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_ss<T, BQ, BKV, D>(dpt, vs, wg * 64, gt);   // dP^T = V dO^T
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<1>();
+        tsys_cuda__flash_wg_fence_acc<BQ>(st);
+#pragma unroll
+        for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                float p = tsys_cuda__flash_ex2(fmaf(st[nb][e], scale_log2, -lt[qi] * TSYS_CUDA__FLASH_LOG2E));
+                if (MASK) {
+                    const int key = k0 + wk0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
+                    if (query >= n || (CAUSAL && key > query)) p = 0.0f;
+                }
+                st[nb][e] = p;
+            }
+        uint32_t pa[BQ / 16][4];
+        tsys_cuda__flash_wg_pack<T, BQ>(pa, st);
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BQ>(dva, pa, gt);                  // dV += P^T dO
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<1>();
+        tsys_cuda__flash_wg_fence_acc<BQ>(dpt);
+#pragma unroll
+        for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+                dpt[nb][e] = st[nb][e] * (dpt[nb][e] - dt[qi]);   // dS^T
+            }
+        uint32_t dsa[BQ / 16][4];
+        tsys_cuda__flash_wg_pack<T, BQ>(dsa, dpt);
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);                 // dK += dS^T Q
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<0>();
+        tsys_cuda__flash_wg_fence_acc<D>(dka);
+        tsys_cuda__flash_wg_fence_acc<D>(dva);
+    });
+    tsys_cuda__flash_store<T, 1, D>(dk, &dka, k0 + wk0, n, scale, lane);
+    tsys_cuda__flash_store<T, 1, D>(dv, &dva, k0 + wk0, n, 1.0f, lane);
+#endif
+}
+
+// dQ: WG warpgroups x 64 query rows = BQ; key/value tiles of BK rows in the ring, as in the forward.
+template <typename T, int D, int BK, int WG, int MINB, bool CAUSAL>
+__global__ void __launch_bounds__(WG * 128, MINB)
+tsys_cuda__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                             const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
+                             T *__restrict__ dq, int n, float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BQ = WG * 64, NT = WG * 128;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
+    T *gs = qs + BQ * D;
+    T *ks = gs + BQ * D;                          // [STAGES][BK * D]
+    T *vs = ks + TSYS_CUDA__FLASH_WG_STAGES * BK * D;        // [STAGES][BK * D]
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, wr0 = warp * 16;
+    const size_t base = (size_t)blockIdx.y * n * D;
+    q += base; k += base; v += base; dout += base; dq += base;
+    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+
+    tsys_cuda__flash_wg_load_tile<BQ, D, NT>(qs, q, q0, n);
+    tsys_cuda__flash_wg_load_tile<BQ, D, NT>(gs, dout, q0, n);
+    tsys_cuda__flash_wg_load_tile<BK, D, NT>(ks, k, 0, n);
+    tsys_cuda__flash_wg_load_tile<BK, D, NT>(vs, v, 0, n);
+    tsys_cuda__flash_cp_async_commit();
+
+    float lrow[2], drow[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = q0 + wr0 + (lane >> 2) + h * 8;
+        lrow[h] = row < n ? lse[row] * TSYS_CUDA__FLASH_LOG2E : 0.0f;
+        drow[h] = row < n ? dvec[row] : 0.0f;
+    }
+    float dqa[D / 8][4];
+    tsys_cuda__flash_zero<1, D>(&dqa);
+
+    uint32_t dsa[BK / 16][4];   // dS of the previous tile: its dS K wgmma may still be reading these registers
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        tsys_cuda__flash_cp_async_wait<0>();
+        tsys_cuda__flash_fence_proxy_async();
+        __syncthreads();
+        if (j + 1 < nkt) {
+            const int nb = (j + 1) % TSYS_CUDA__FLASH_WG_STAGES;
+            tsys_cuda__flash_wg_load_tile<BK, D, NT>(ks + nb * BK * D, k, (j + 1) * BK, n);
+            tsys_cuda__flash_wg_load_tile<BK, D, NT>(vs + nb * BK * D, v, (j + 1) * BK, n);
+            tsys_cuda__flash_cp_async_commit();
+        }
+        const int k0 = j * BK, buf = j % TSYS_CUDA__FLASH_WG_STAGES;
+        const T *kt = ks + buf * BK * D, *vt = vs + buf * BK * D;
+        float s[BK / 8][4], dp[BK / 8][4];
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_ss<T, BK, BQ, D>(s, qs, wg * 64, kt);    // S = Q K^T
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);   // dP = dO V^T
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<1>();   // the previous dS K, and S
+        tsys_cuda__flash_wg_fence_acc<BK>(s);
+        tsys_cuda__flash_wg_dq_ds<BK, MASK, CAUSAL>(s, dp, lrow, drow, q0 + wr0, k0, n, lane, scale_log2);
+        tsys_cuda__flash_wg_pack<T, BK>(dsa, s);
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
+        tsys_cuda__flash_wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys_cuda__flash_wg_wait<0>();
+    tsys_cuda__flash_wg_fence_acc<D>(dqa);
+    tsys_cuda__flash_store<T, 1, D>(dq, &dqa, q0 + wr0, n, scale, lane);
+#endif
+}
+
+// >>flash warp-specialized ------------------------------------------------------------------------
+// Warp-specialized forward (sm_90a): one producer warpgroup streams K/V tiles with the tensor-memory
+// accelerator (TMA) into the ring, three consumer warpgroups (64 query rows each) compute. Stages are handed
+// over with mbarriers instead of block-wide barriers, so the consumers drift out of step and one warpgroup's
+// softmax (special-function unit) runs while another's matmuls use the tensor cores; `setmaxnreg` moves the
+// producer's registers to the consumers (24 / 160 per thread). TMA writes the same 128B-swizzled layout the
+// cp.async loads do, and fills rows past n with zeros.
+template <typename T, int D, int BK, int CW_ = 3> struct tsys_cuda__flash_ws_layout {
+    static constexpr int CW = CW_, BQ = CW * 64, NT = (CW + 1) * 128;
+    static constexpr size_t Q_BYTES = (size_t)BQ * D * sizeof(T), KV_BYTES = (size_t)BK * D * sizeof(T);
+    // Q (and dO in the dQ kernel), the K/V ring, the mbarriers, alignment slack
+    static constexpr size_t SMEM = 2 * Q_BYTES + 2 * TSYS_CUDA__FLASH_WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS_CUDA__FLASH_WG_STAGES) + 1024;
+};
+
+__device__ __forceinline__ void tsys_cuda__flash_mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tsys_cuda__flash_smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void tsys_cuda__flash_mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tsys_cuda__flash_smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void tsys_cuda__flash_mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(tsys_cuda__flash_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void tsys_cuda__flash_mbar_wait(uint64_t *bar, int parity) {
+    asm volatile("{\n.reg .pred p;\nTSYS_MBAR_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra TSYS_MBAR_WAIT_%=;\n}\n" ::"r"(tsys_cuda__flash_smem_addr(bar)), "r"(parity) : "memory");
+}
+// One box (64 columns x the map's rows) of a (bh, n, D) tensor at column c0, row r0 of slice b.
+__device__ __forceinline__ void tsys_cuda__flash_tma_load(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int r0, int b) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(tsys_cuda__flash_smem_addr(dst)), "l"((uint64_t)map), "r"(c0), "r"(r0), "r"(b), "r"(tsys_cuda__flash_smem_addr(bar))
+                 : "memory");
+}
+
+// Ring bookkeeping of the warp-specialized kernels: qfull (the block's Q / dO arrived), full[s] (stage s
+// holds its tile: one arrival with the byte count, then the copy engine's bytes), empty[s] (every consumer
+// warp is done with stage s: `consumers` arrivals).
+__device__ __forceinline__ void tsys_cuda__flash_ws_init(uint64_t *qfull, uint64_t *full, uint64_t *empty, int consumers) {
+    if (threadIdx.x == 0) {
+        tsys_cuda__flash_mbar_init(qfull, 1);
+        for (int s = 0; s < TSYS_CUDA__FLASH_WG_STAGES; s++) tsys_cuda__flash_mbar_init(full + s, 1), tsys_cuda__flash_mbar_init(empty + s, consumers);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+// The producer thread's loop: K and V tiles 0..nkt-1 of slice b into the ring, each stage reused once the
+// consumers have released the tile STAGES before.
+template <int D, int BK, typename T>
+__device__ __forceinline__ void tsys_cuda__flash_ws_stream_kv(T *ks, T *vs, uint64_t *full, uint64_t *empty, const CUtensorMap *tk,
+                                                   const CUtensorMap *tv, int nkt, int b) {
+    constexpr int ST = TSYS_CUDA__FLASH_WG_STAGES;
+    for (int j = 0; j < nkt; j++) {
+        const int s = j % ST;
+        if (j >= ST) tsys_cuda__flash_mbar_wait(empty + s, (j / ST - 1) & 1);
+        tsys_cuda__flash_mbar_expect_tx(full + s, (uint32_t)(2 * BK * D * sizeof(T)));
+        for (int cb = 0; cb < D / 64; cb++) {
+            tsys_cuda__flash_tma_load(ks + s * BK * D + cb * BK * 64, tk, full + s, cb * 64, j * BK, b);
+            tsys_cuda__flash_tma_load(vs + s * BK * D + cb * BK * 64, tv, full + s, cb * 64, j * BK, b);
+        }
+    }
+}
+
+template <typename T, int D, int BK, bool CAUSAL>
+__global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK>::NT, 1)
+tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                          const __grid_constant__ CUtensorMap tv, T *__restrict__ o, float *__restrict__ lse, int n,
+                          int b0, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef tsys_cuda__flash_ws_layout<T, D, BK> L;
+    constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS_CUDA__FLASH_WG_STAGES;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
+    T *ks = qs + BQ * D;        // [ST][BK * D]
+    T *vs = ks + ST * BK * D;   // [ST][BK * D]
+    uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, b = b0 + blockIdx.y;
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+
+    tsys_cuda__flash_ws_init(qfull, full, empty, CW * 4);
+
+    if (wg == CW) {   // producer warpgroup: one thread issues every copy
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == CW * 128) {
+            tsys_cuda__flash_mbar_expect_tx(qfull, (uint32_t)L::Q_BYTES);
+            for (int cb = 0; cb < D / 64; cb++) tsys_cuda__flash_tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
+            tsys_cuda__flash_ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    const int wr0 = warp * 16;
+    o += ((size_t)b * n) * D; lse += (size_t)b * n;
+    float oacc[D / 8][4];
+    tsys_cuda__flash_zero<1, D>(&oacc);
+    float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
+    uint32_t pa[BK / 16][4];   // P of the previous tile: its P V wgmma may still be reading these registers
+    tsys_cuda__flash_mbar_wait(qfull, 0);
+
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int s = j % ST, k0 = j * BK;
+        tsys_cuda__flash_mbar_wait(full + s, (j / ST) & 1);
+        const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
+        float sc[BK / 8][4];
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<0>();   // S of this tile and P V of the previous one
+        tsys_cuda__flash_wg_fence_acc<BK>(sc);
+        tsys_cuda__flash_wg_fence_acc<D>(oacc);
+        if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
+        float alpha[2];
+        tsys_cuda__flash_wg_softmax<BK, MASK, CAUSAL>(sc, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
+        tsys_cuda__flash_wg_pack<T, BK>(pa, sc);
+#pragma unroll
+        for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
+        tsys_cuda__flash_wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys_cuda__flash_wg_wait<0>();
+    tsys_cuda__flash_wg_fence_acc<D>(oacc);
+
+    tsys_cuda__flash_wg_fwd_finish<T, D>(o, lse, oacc, m, l, q0 + wr0, n, lane);
+#endif
+}
+
+// Warp-specialized dQ (sm_90a), built like the warp-specialized forward: the producer warpgroup loads the
+// block's Q and dO once and streams K/V tiles through the ring; CW consumer warpgroups of 64 query rows each
+// accumulate dQ = scale * dS K, keeping each tile's dS K wgmma in flight until the next tile's S is done.
+template <typename T, int D, int BK, int CW, bool CAUSAL>
+__global__ void __launch_bounds__((CW + 1) * 128, 1)
+tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                             const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
+                             const float *__restrict__ lse, const float *__restrict__ dvec, T *__restrict__ dq, int n,
+                             int b0, float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
+    constexpr int BQ = L::BQ, ST = TSYS_CUDA__FLASH_WG_STAGES;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
+    T *gs = qs + BQ * D;
+    T *ks = gs + BQ * D;        // [ST][BK * D]
+    T *vs = ks + ST * BK * D;   // [ST][BK * D]
+    uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int q0 = qt * BQ, b = b0 + blockIdx.y;
+    int nkt = (n + BK - 1) / BK, nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+
+    tsys_cuda__flash_ws_init(qfull, full, empty, CW * 4);
+
+    if (wg == CW) {   // producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == CW * 128) {
+            tsys_cuda__flash_mbar_expect_tx(qfull, (uint32_t)(2 * L::Q_BYTES));
+            for (int cb = 0; cb < D / 64; cb++) {
+                tsys_cuda__flash_tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
+                tsys_cuda__flash_tma_load(gs + cb * BQ * 64, &tg, qfull, cb * 64, q0, b);
+            }
+            tsys_cuda__flash_ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
+        }
+        return;
+    }
+    if constexpr (CW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    const int wr0 = warp * 16;
+    lse += (size_t)b * n; dvec += (size_t)b * n; dq += (size_t)b * n * D;
+    float lrow[2], drow[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = q0 + wr0 + (lane >> 2) + h * 8;
+        lrow[h] = row < n ? lse[row] * TSYS_CUDA__FLASH_LOG2E : 0.0f;
+        drow[h] = row < n ? dvec[row] : 0.0f;
+    }
+    float dqa[D / 8][4];
+    tsys_cuda__flash_zero<1, D>(&dqa);
+    uint32_t dsa[BK / 16][4];   // dS of the previous tile: its dS K wgmma may still be reading these registers
+    tsys_cuda__flash_mbar_wait(qfull, 0);
+
+    auto tile = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int s = j % ST, k0 = j * BK;
+        tsys_cuda__flash_mbar_wait(full + s, (j / ST) & 1);
+        const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
+        float sc[BK / 8][4], dp[BK / 8][4];
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);    // S = Q K^T
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);    // dP = dO V^T
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<1>();   // the previous dS K, and S
+        tsys_cuda__flash_wg_fence_acc<BK>(sc);
+        if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
+        tsys_cuda__flash_wg_dq_ds<BK, MASK, CAUSAL>(sc, dp, lrow, drow, q0 + wr0, k0, n, lane, scale_log2);
+        tsys_cuda__flash_wg_pack<T, BK>(dsa, sc);
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
+        tsys_cuda__flash_wg_commit();
+    };
+    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
+    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    tsys_cuda__flash_wg_wait<0>();
+    tsys_cuda__flash_wg_fence_acc<D>(dqa);
+    tsys_cuda__flash_store<T, 1, D>(dq, &dqa, q0 + wr0, n, scale, lane);
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, fetched through the runtime (no link against libcuda). It is one
+// function of the process's driver, so it is looked up once per process (a C++ static: thread-safe); NULL when
+// the driver does not offer it.
+typedef CUresult (*tsys_cuda__flash_tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                         const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                         CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static tsys_cuda__flash_tmap_encode_fn tsys_cuda__flash_tmap_encoder() {
+    static const tsys_cuda__flash_tmap_encode_fn fn = []() -> tsys_cuda__flash_tmap_encode_fn {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+                        q == cudaDriverEntryPointSuccess;
+        cudaGetLastError();
+        return ok ? (tsys_cuda__flash_tmap_encode_fn)p : NULL;
+    }();
+    return fn;
+}
+// A (bh, n, D) tensor of 16-bit elements as a 3-D tensor map read in boxes of 64 columns x `rows` rows,
+// 128B-swizzled; rows past n read as zeros. False when the driver offers no encoder or refuses the tensor.
+template <typename T>
+static bool tsys_cuda__flash_tmap_rows(CUtensorMap *m, const T *g, int64_t bh, int n, int D, int rows) {
+    tsys_cuda__flash_tmap_encode_fn enc = tsys_cuda__flash_tmap_encoder();
+    if (!enc || ((uintptr_t)g & 15)) return false;
+    const cuuint64_t dims[3] = { (cuuint64_t)D, (cuuint64_t)n, (cuuint64_t)bh };
+    const cuuint64_t strides[2] = { (cuuint64_t)D * sizeof(T), (cuuint64_t)n * D * sizeof(T) };
+    const cuuint32_t box[3] = { 64, (cuuint32_t)rows, 1 }, unit[3] = { 1, 1, 1 };
+    const CUtensorMapDataType dt = std::is_same<T, __nv_bfloat16>::value ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return enc(m, dt, 3, (void *)g, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// >>flash launchers -------------------------------------------------------------------------------
+// Launchers. Grids put the tile index in x and bh in y; bh above 65535 is launched in slices.
+
+// Whether the wgmma kernels were compiled into the binary the current device runs: the probe has static
+// shared memory only in its sm_90a body (an sm_90a image runs on Hopper only; elsewhere the compute_90 PTX
+// or nothing loads). The backend asks once, at init, for its device.
+__global__ void tsys_cuda__flash_wg_probe_kernel(int *p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __shared__ volatile int marker[64];
+    marker[threadIdx.x & 63] = (int)threadIdx.x;
+    if (p) *p = marker[0];
+#endif
+}
+static bool tsys_cuda__flash_wg_probe() {
+    cudaFuncAttributes a;
+    const bool ok = cudaFuncGetAttributes(&a, tsys_cuda__flash_wg_probe_kernel) == cudaSuccess && a.sharedSizeBytes >= 256;
+    cudaGetLastError();
+    return ok;
+}
+
+// Hopper tile configurations (template parameters of the wg kernels): warpgroups per block, the streamed
+// tile, and the min-blocks-per-SM launch bound (which caps registers).
+// Picked per part from the variants timed on an H100 (docs/perf-notes-flash.md, v6 and v7).
+template <int D, bool CAUSAL> struct tsys_cuda__flash_wg_cfg {
+    static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_WG = 3, FWD_MINB = 1;
+    static constexpr int DKDV_BQ = D <= 64 ? 128 : 64, DKDV_WG = 2, DKDV_MINB = 1;
+    static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_WG = 2, DQ_MINB = 1;   // when the ws dQ does not run
+};
+
+// Tile configurations, picked from the variants timed on an H100 (docs/perf-notes-flash.md, run 2).
+// Registers bound the choices: a warp holds MT*16 x D accumulators (O, dK+dV, dQ) plus MT*16 x B score
+// tiles (S, and dP in the backward); past ~255 registers the compiler spills.
+//   FWD:  MT m-tiles (16 query rows each) per warp, BK keys per tile, NW warps
+//   DKDV: MK m-tiles (16 keys each) per warp, BQ queries per tile, NW warps
+//   DQ:   MQ m-tiles (16 query rows each) per warp, BK keys per tile, NW warps
+// (The non-causal dK/dV kernel keeps MK = 1: with MK = 2 its mask-free loop spills at d = 64.)
+template <int D, bool CAUSAL> struct tsys_cuda__flash_cfg {
+    static constexpr int FWD_MT = 2, FWD_BK = D <= 64 ? 64 : 32, FWD_NW = 4;
+    static constexpr int DKDV_MK = D <= 64 && CAUSAL ? 2 : 1, DKDV_BQ = 64, DKDV_NW = D <= 64 && CAUSAL ? 4 : 8;
+    static constexpr int DQ_MQ = 1, DQ_BK = D <= 64 ? 128 : 64, DQ_NW = D <= 64 ? 8 : 4;
+};
+
+template <typename K>
+static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
+    if (smem <= 48 * 1024) return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+}
+
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg<D, CAUSAL>>
+static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                      float scale, cudaStream_t s) {
+    constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
+    const size_t smem = (size_t)(BQ + 4 * C::FWD_BK) * (D + 8) * sizeof(T);
+    auto kern = tsys_cuda__flash_fwd_kernel<T, D, C::FWD_MT, C::FWD_BK, C::FWD_NW, CAUSAL>;
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, smem);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D;
+        dim3 grid((n + BQ - 1) / BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, C::FWD_NW * 32, smem, s>>>(q + off, k + off, v + off, o + off, lse + (size_t)b0 * n, n,
+                                                scale * TSYS_CUDA__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg<D, CAUSAL>>
+static cudaError_t tsys_cuda__flash_bwd_tc(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
+                                      T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
+                                      int parts = 7 /* 1: D, 2: dK dV, 4: dQ (the lab times them apart) */) {
+    const int64_t rows = bh * n;
+    if (parts & 1) tsys_cuda__flash_bwd_dot_kernel<T><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    constexpr int BKV = C::DKDV_NW * C::DKDV_MK * 16, BQ = C::DQ_NW * C::DQ_MQ * 16;
+    const size_t smem_kv = (size_t)(2 * BKV + 4 * C::DKDV_BQ) * (D + 8) * sizeof(T) + 4 * C::DKDV_BQ * sizeof(float);
+    const size_t smem_q = (size_t)(2 * BQ + 4 * C::DQ_BK) * (D + 8) * sizeof(T);
+    auto kkv = tsys_cuda__flash_bwd_dkdv_kernel<T, D, C::DKDV_MK, C::DKDV_BQ, C::DKDV_NW, CAUSAL>;
+    auto kq = tsys_cuda__flash_bwd_dq_kernel<T, D, C::DQ_MQ, C::DQ_BK, C::DQ_NW, CAUSAL>;
+    if ((err = tsys_cuda__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
+    if ((err = tsys_cuda__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
+        const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
+        if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), C::DKDV_NW * 32, smem_kv, s>>>(
+            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
+            scale * TSYS_CUDA__FLASH_LOG2E);
+        if (parts & 4) kq<<<dim3((n + BQ - 1) / BQ, nb), C::DQ_NW * 32, smem_q, s>>>(
+            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
+            scale * TSYS_CUDA__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+template <int D, bool CAUSAL>
+static cudaError_t tsys_cuda__flash_fwd_f32(const float *q, const float *k, const float *v, float *o, float *lse, int64_t bh,
+                                       int n, float scale, cudaStream_t s) {
+    constexpr int R = TSYS_CUDA__FLASH_F32_ROWS, B = TSYS_CUDA__FLASH_F32_FWD_BK(D);
+    const size_t smem = sizeof(float) * (R * (D + 1) + 2 * B * D);
+    cudaError_t err = tsys_cuda__flash_smem_attr(tsys_cuda__flash_fwd_f32_kernel<D, CAUSAL>, smem);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D;
+        dim3 grid((n + R - 1) / R, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        tsys_cuda__flash_fwd_f32_kernel<D, CAUSAL><<<grid, R, smem, s>>>(q + off, k + off, v + off, o + off,
+                                                                 lse + (size_t)b0 * n, n, scale);
+    }
+    return cudaGetLastError();
+}
+
+template <int D, bool CAUSAL>
+static cudaError_t tsys_cuda__flash_bwd_f32(const float *dout, const float *q, const float *k, const float *v, const float *o,
+                                       const float *lse, float *dq, float *dk, float *dv, float *dvec, int64_t bh, int n,
+                                       float scale, cudaStream_t s) {
+    constexpr int R = TSYS_CUDA__FLASH_F32_ROWS, B = TSYS_CUDA__FLASH_F32_TILE, SR = D + 1;
+    const int64_t rows = bh * n;
+    tsys_cuda__flash_bwd_dot_kernel<float><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
+    const size_t smem_kv = sizeof(float) * (4 * R * SR + 2 * B * D + 2 * B);
+    const size_t smem_q = sizeof(float) * (3 * R * SR + 2 * B * D);
+    auto kkv = tsys_cuda__flash_bwd_dkdv_f32_kernel<D, CAUSAL>;
+    auto kq = tsys_cuda__flash_bwd_dq_f32_kernel<D, CAUSAL>;
+    cudaError_t err;
+    if ((err = tsys_cuda__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
+    if ((err = tsys_cuda__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
+        dim3 grid((n + R - 1) / R, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kkv<<<grid, R, smem_kv, s>>>(q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off,
+                                     dv + off, n, scale);
+        kq<<<grid, R, smem_q, s>>>(q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n,
+                                   scale);
+    }
+    return cudaGetLastError();
+}
+
+// ---- Hopper (wgmma) launchers; used by the entry points for bf16/fp16 at d = 64 and 128 when the caller's
+// implementation is WGMMA, WS or AUTO (the caller has checked tsys_cuda__flash_wg_probe).
+// The warp-specialized forward; cudaErrorNotSupported when no tensor map can be made (AUTO falls back).
+template <typename T, int D, bool CAUSAL>
+static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                      float scale, cudaStream_t s) {
+    constexpr int BK = D <= 64 ? 128 : 64;
+    typedef tsys_cuda__flash_ws_layout<T, D, BK> L;
+    CUtensorMap tq, tk, tv;
+    if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) ||
+        !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
+        return cudaErrorNotSupported;
+    auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL>;
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, o, lse, n, (int)b0, scale * TSYS_CUDA__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+// The warp-specialized dQ kernel (BK keys per tile, CW consumer warpgroups); cudaErrorNotSupported when no
+// tensor map can be made.
+template <typename T, int D, bool CAUSAL, int BK = D <= 64 ? 128 : 64, int CW = 2>
+static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
+                                         const float *dvec, T *dq, int64_t bh, int n, float scale, cudaStream_t s) {
+    typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
+    CUtensorMap tq, tk, tv, tg;
+    if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tg, dout, bh, n, D, L::BQ) ||
+        !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) || !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
+        return cudaErrorNotSupported;
+    auto kern = tsys_cuda__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL>;
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dq, n, (int)b0, scale, scale * TSYS_CUDA__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+template <typename T, int D, bool CAUSAL, typename W = tsys_cuda__flash_wg_cfg<D, CAUSAL>>
+static cudaError_t tsys_cuda__flash_fwd_wg(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                      float scale, cudaStream_t s) {
+    constexpr int BQ = W::FWD_WG * 64;
+    const size_t smem = (size_t)(BQ + 2 * TSYS_CUDA__FLASH_WG_STAGES * W::FWD_BK) * D * sizeof(T) + 1024;
+    auto kern = tsys_cuda__flash_fwd_wg_kernel<T, D, W::FWD_BK, W::FWD_WG, W::FWD_MINB, CAUSAL>;
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, smem);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D;
+        dim3 grid((n + BQ - 1) / BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, W::FWD_WG * 128, smem, s>>>(q + off, k + off, v + off, o + off, lse + (size_t)b0 * n, n,
+                                                 scale * TSYS_CUDA__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+// dQ: the warp-specialized kernel for WS (cudaErrorNotSupported when it cannot run) and AUTO (the cp.async one
+// when it cannot run), the cp.async wgmma kernel for WGMMA.
+template <typename T, int D, bool CAUSAL, typename W = tsys_cuda__flash_wg_cfg<D, CAUSAL>>
+static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
+                                      T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
+                                      int parts = 7, tsys_cuda_flash_impl impl = TSYS_CUDA_FLASH_AUTO) {
+    const int64_t rows = bh * n;
+    if (parts & 1) tsys_cuda__flash_bwd_dot_kernel<T><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    constexpr int BKV = W::DKDV_WG * 64, BQ = W::DQ_WG * 64;
+    const size_t smem_kv = (size_t)(2 * BKV + 4 * W::DKDV_BQ) * D * sizeof(T) + 4 * W::DKDV_BQ * sizeof(float) + 1024;
+    const size_t smem_q = (size_t)(2 * BQ + 2 * TSYS_CUDA__FLASH_WG_STAGES * W::DQ_BK) * D * sizeof(T) + 1024;
+    auto kkv = tsys_cuda__flash_bwd_dkdv_wg_kernel<T, D, W::DKDV_BQ, W::DKDV_WG, W::DKDV_MINB, CAUSAL>;
+    auto kq = tsys_cuda__flash_bwd_dq_wg_kernel<T, D, W::DQ_BK, W::DQ_WG, W::DQ_MINB, CAUSAL>;
+    bool ws_dq = false;   // dQ on the warp-specialized kernel (it runs first: it does not depend on dK/dV)
+    if ((parts & 4) && impl != TSYS_CUDA_FLASH_WGMMA) {
+        err = tsys_cuda__flash_bwd_dq_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, bh, n, scale, s);
+        if (err != cudaErrorNotSupported && err != cudaSuccess) return err;
+        if (err == cudaErrorNotSupported && impl == TSYS_CUDA_FLASH_WS) return err;
+        ws_dq = err == cudaSuccess;
+    }
+    if ((err = tsys_cuda__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
+    if ((err = tsys_cuda__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
+        const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
+        if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
+            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
+            scale * TSYS_CUDA__FLASH_LOG2E);
+        if ((parts & 4) && !ws_dq) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
+            q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
+            scale * TSYS_CUDA__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
+// The tensor-core entry points: the implementation the caller asked for where d allows wgmma (64, 128),
+// mma.sync otherwise.
+template <typename T, int D, bool CAUSAL>
+static cudaError_t tsys_cuda__flash_fwd_pick(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                        float scale, tsys_cuda_flash_impl impl, cudaStream_t s) {
+    if constexpr (D == 64 || D == 128)
+        if (impl != TSYS_CUDA_FLASH_MMA) {
+            if (impl != TSYS_CUDA_FLASH_WGMMA) {
+                const cudaError_t err = tsys_cuda__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+                if (err != cudaErrorNotSupported || impl == TSYS_CUDA_FLASH_WS) return err;
+            }
+            return tsys_cuda__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+        }
+    return tsys_cuda__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+}
+template <typename T, int D, bool CAUSAL>
+static cudaError_t tsys_cuda__flash_bwd_pick(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
+                                        T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale,
+                                        tsys_cuda_flash_impl impl, cudaStream_t s) {
+    if constexpr (D == 64 || D == 128)
+        if (impl != TSYS_CUDA_FLASH_MMA)
+            return tsys_cuda__flash_bwd_wg<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s, 7, impl);
+    return tsys_cuda__flash_bwd_tc<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
+}
+
+// dtype: 0 fp32, 1 bf16, 2 fp16 (tsys's TSYS_F32 / TSYS_BF16 / TSYS_F16 order).
+static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
+    return dtype >= 0 && dtype <= 2 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
+}
+
+// Bytes of fp32 scratch the backward needs: D = rowsum(dO o O), one float per (bh, row).
+static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n) { return sizeof(float) * (size_t)(bh * n); }
+
+#define TSYS_CUDA__FLASH_DISPATCH_D(d, CALL) \
+    switch (d) { \
+    case 16: { constexpr int D_ = 16; CALL; } break; \
+    case 32: { constexpr int D_ = 32; CALL; } break; \
+    case 64: { constexpr int D_ = 64; CALL; } break; \
+    case 80: { constexpr int D_ = 80; CALL; } break; \
+    case 128: { constexpr int D_ = 128; CALL; } break; \
+    default: return cudaErrorInvalidValue; \
+    }
+
+// O = softmax(scale * Q K^T [causal]) V and lse, for (bh, n, d) inputs of one dtype. lse is fp32 (bh, n).
+// impl: which kernels bf16/fp16 at d = 64, 128 run (see the top of the section; WGMMA, WS and AUTO only where
+// tsys_cuda__flash_wg_probe() holds). cudaErrorNotSupported: WS asked for, and TMA cannot read an input.
+static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void *v, void *o, float *lse, int dtype,
+                                        int64_t bh, int64_t n, int64_t d, float scale, bool causal,
+                                        tsys_cuda_flash_impl impl, cudaStream_t s) {
+    if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
+    const int ni = (int)n;
+#define TSYS_CUDA__FLASH_FWD_CALL(T, D_, C_) \
+    return tsys_cuda__flash_fwd_pick<T, D_, C_>((const T *)q, (const T *)k, (const T *)v, (T *)o, lse, bh, ni, scale, impl, s)
+#define TSYS_CUDA__FLASH_FWD_ONE \
+    if (dtype == 0) { if (causal) return tsys_cuda__flash_fwd_f32<D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
+                      else return tsys_cuda__flash_fwd_f32<D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
+    if (dtype == 1) { if (causal) TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, false); } \
+    if (causal) TSYS_CUDA__FLASH_FWD_CALL(__half, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__half, D_, false)
+    TSYS_CUDA__FLASH_DISPATCH_D(d, TSYS_CUDA__FLASH_FWD_ONE)
+#undef TSYS_CUDA__FLASH_FWD_ONE
+#undef TSYS_CUDA__FLASH_FWD_CALL
+    return cudaErrorInvalidValue;
+}
+
+// dQ, dK, dV (input dtype) from dO, Q, K, V, O and lse of the forward. scratch: fp32, at least
+// tsys_cuda__flash_bwd_scratch_bytes(bh, n) bytes (holds D = rowsum(dO o O)). impl: as for the forward.
+static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const void *k, const void *v, const void *o,
+                                        const float *lse, void *dq, void *dk, void *dv, float *scratch, int dtype,
+                                        int64_t bh, int64_t n, int64_t d, float scale, bool causal,
+                                        tsys_cuda_flash_impl impl, cudaStream_t s) {
+    if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
+    const int ni = (int)n;
+#define TSYS_CUDA__FLASH_BWD_CALL(F, T, D_, C_) \
+    return F<T, D_, C_>((const T *)dout, (const T *)q, (const T *)k, (const T *)v, (const T *)o, lse, (T *)dq, (T *)dk, \
+                        (T *)dv, scratch, bh, ni, scale, impl, s)
+#define TSYS_CUDA__FLASH_BWD_ONE \
+    if (dtype == 0) { if (causal) return tsys_cuda__flash_bwd_f32<D_, true>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); \
+                      else return tsys_cuda__flash_bwd_f32<D_, false>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); } \
+    if (dtype == 1) { if (causal) TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __nv_bfloat16, D_, true); else TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __nv_bfloat16, D_, false); } \
+    if (causal) TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __half, D_, true); else TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __half, D_, false)
+    TSYS_CUDA__FLASH_DISPATCH_D(d, TSYS_CUDA__FLASH_BWD_ONE)
+#undef TSYS_CUDA__FLASH_BWD_ONE
+#undef TSYS_CUDA__FLASH_BWD_CALL
+    return cudaErrorInvalidValue;
+}
+#endif // TSYS_CUDA_NO_FLASH
+
 // >>kernel entry points ---------------------------------------------------------------------------
 // Each takes the context, the state and the kernel args; checks what the kernel assumes
 // (dtypes, shapes); launches. Semantics: the comments of tsys_kernel in tsys.h.
@@ -3394,7 +3469,9 @@ static tsys_status tsys_cuda__k_sgd(tsys_cuda__state *st, const tsys_kargs *a) {
     return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_sgd{ a->f[0] }, tsys_cuda__ew_make(tsys_tensor_numel(p), 2, ins, 1, outs));
 }
 
-// Flash attention over (..., N, d) tensors of one dtype, seen as (bh, N, d); L is fp32 (bh, N).
+// Flash attention over (..., N, d) tensors of one dtype, seen as (bh, N, d); L is fp32 (bh, N). The kernels
+// are the context's choice of implementation (st->flash_run, see >>init).
+#ifndef TSYS_CUDA_NO_FLASH
 static tsys_status tsys_cuda__flash_shape(tsys_cuda__state *st, const tsys_tensor *q, int64_t *bh, int64_t *n, int64_t *d) {
     TSYS_CUDA__REQUIRE(st->ctx, q && q->ndim >= 2, "flash: q must be (..., N, d)");
     *d = q->shape[q->ndim - 1]; *n = q->shape[q->ndim - 2];
@@ -3404,13 +3481,22 @@ static tsys_status tsys_cuda__flash_shape(tsys_cuda__state *st, const tsys_tenso
     return TSYS_OK;
 }
 
+// cudaErrorNotSupported from the launchers: the WS implementation was asked for and TMA cannot read an input.
+static tsys_status tsys_cuda__flash_no_tma(tsys_cuda__state *st, const char *what) {
+    return tsys_ctx_set_error(st->ctx, TSYS_ERR_UNSUPPORTED, "%s: flash implementation 'ws' needs inputs TMA can read (each "
+                              "16-byte aligned); TSYS_CUDA_FLASH_AUTO falls back to 'wgmma' for such calls", what);
+}
+
 static tsys_status tsys_cuda__k_flash_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
     tsys_tensor *const *t = a->t;
     int64_t bh, n, d;
     TSYS_CUDA__REQUIRE(st->ctx, t[0] && t[1] && t[2] && t[3] && t[4] && t[1]->dtype == TSYS_F32, "flash_fwd: O, fp32 L, Q, K, V must be given");
     TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[2], &bh, &n, &d));
-    TSYS_CUDA__CHECK(st->ctx, tsys_cuda__flash_fwd(tsys_cuda__data(t[2]), tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[0]),
-                                                   (float *)tsys_cuda__data(t[1]), t[2]->dtype, bh, n, d, a->f[0], a->i[0] != 0, st->stream));
+    cudaError_t e = tsys_cuda__flash_fwd(tsys_cuda__data(t[2]), tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[0]),
+                                         (float *)tsys_cuda__data(t[1]), t[2]->dtype, bh, n, d, a->f[0], a->i[0] != 0, st->flash_run,
+                                         st->stream);
+    if (e == cudaErrorNotSupported && st->flash_run == TSYS_CUDA_FLASH_WS) return tsys_cuda__flash_no_tma(st, "flash_fwd");
+    TSYS_CUDA__CHECK(st->ctx, e);
     return TSYS_OK;
 }
 
@@ -3424,11 +3510,19 @@ static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs
     cudaError_t e = tsys_cuda__flash_bwd(tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[5]), tsys_cuda__data(t[6]),
                                          tsys_cuda__data(t[7]), (const float *)tsys_cuda__data(t[8]), tsys_cuda__data(t[0]),
                                          tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, t[4]->dtype, bh, n, d, a->f[0],
-                                         a->i[0] != 0, st->stream);
+                                         a->i[0] != 0, st->flash_run, st->stream);
     tsys_cuda__scratch_free(st, scratch);
+    if (e == cudaErrorNotSupported && st->flash_run == TSYS_CUDA_FLASH_WS) return tsys_cuda__flash_no_tma(st, "flash_bwd");
     TSYS_CUDA__CHECK(st->ctx, e);
     return TSYS_OK;
 }
+#else
+static tsys_status tsys_cuda__k_flash_off(tsys_cuda__state *st, const char *what) {
+    return tsys_ctx_set_error(st->ctx, TSYS_ERR_UNSUPPORTED, "%s: flash attention was compiled out (TSYS_CUDA_NO_FLASH)", what);
+}
+static tsys_status tsys_cuda__k_flash_fwd(tsys_cuda__state *st, const tsys_kargs *a) { (void)a; return tsys_cuda__k_flash_off(st, "flash_fwd"); }
+static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs *a) { (void)a; return tsys_cuda__k_flash_off(st, "flash_bwd"); }
+#endif // TSYS_CUDA_NO_FLASH
 
 static tsys_status tsys_cuda__kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
@@ -3726,7 +3820,7 @@ static void tsys_cuda__state_free(tsys_cuda__state *st) {
     for (int i = 0; i < TSYS_CUDA_GEMM_CACHE; i++) tsys_cuda__plan_destroy(&st->plans[i]);
     for (int i = 0; i < st->num_blocks; i++)
         if (st->blocks[i].alive) cudaFree(st->blocks[i].ptr);
-    free(st->blocks);
+    TSYS_FREE(st->blocks);
     tsys_cuda__map_free(&st->by_ptr);
     tsys_cuda__map_free(&st->free_lists);
     if (st->partials) cudaFree(st->partials);
@@ -3737,7 +3831,7 @@ static void tsys_cuda__state_free(tsys_cuda__state *st) {
     if (st->fault) cudaFreeHost(st->fault);
     for (int s = 0; s < TSYS_STREAM_COUNT; s++)
         if (st->streams[s]) cudaStreamDestroy(st->streams[s]);
-    free(st);
+    TSYS_FREE(st);
 }
 
 TSYSDEF int tsys_cuda_device_count(void) {
@@ -3746,21 +3840,95 @@ TSYSDEF int tsys_cuda_device_count(void) {
     return n;
 }
 
-TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
+TSYSDEF const char *tsys_cuda_flash_impl_name(tsys_cuda_flash_impl impl) {
+    switch (impl) {
+    case TSYS_CUDA_FLASH_AUTO: return "auto";
+    case TSYS_CUDA_FLASH_WS: return "ws";
+    case TSYS_CUDA_FLASH_WGMMA: return "wgmma";
+    case TSYS_CUDA_FLASH_MMA: return "mma";
+    }
+    return "?";
+}
+
+#ifndef TSYS_CUDA_NO_FLASH
+// An environment switch is on when set to anything but "" or "0". Only init reads the environment.
+static bool tsys_cuda__env_on(const char *name) {
+    const char *v = getenv(name);
+    return v && *v && *v != '0';
+}
+#endif
+
+// Why this backend cannot run a flash implementation; NULL when it can.
+static const char *tsys_cuda__flash_why_not(const tsys_cuda__state *st, tsys_cuda_flash_impl impl) {
+#ifdef TSYS_CUDA_NO_FLASH
+    (void)st;
+    return impl == TSYS_CUDA_FLASH_AUTO ? NULL : "flash attention was compiled out (TSYS_CUDA_NO_FLASH)";
+#else
+    if (impl == TSYS_CUDA_FLASH_AUTO || impl == TSYS_CUDA_FLASH_MMA) return NULL;
+    if (!st->flash_wg_ok)
+        return st->cc_major != 9 ? "the wgmma kernels run on Hopper GPUs (sm_90) only"
+                                 : "this binary has no sm_90a code (build with -gencode arch=compute_90a,code=sm_90a)";
+    if (impl == TSYS_CUDA_FLASH_WS && !st->flash_ws_ok) return "the driver offers no TMA tensor maps (cuTensorMapEncodeTiled)";
+    return NULL;
+#endif
+}
+
+// Sets the implementation (one this backend can run) and what the launchers get for it: AUTO becomes
+// WGMMA when TMA is missing and MMA when wgmma is, so the launchers never see a choice they cannot run.
+static void tsys_cuda__flash_use(tsys_cuda__state *st, tsys_cuda_flash_impl impl) {
+    st->flash = impl;
+    st->flash_run = impl != TSYS_CUDA_FLASH_AUTO ? impl
+                    : !st->flash_wg_ok ? TSYS_CUDA_FLASH_MMA : st->flash_ws_ok ? TSYS_CUDA_FLASH_AUTO : TSYS_CUDA_FLASH_WGMMA;
+}
+
+// The flash request checked against the backend: bad enum values and implementations it cannot run are errors.
+static tsys_status tsys_cuda__flash_check(tsys_cuda__state *st, const char *who, const char *what, tsys_cuda_flash_impl impl) {
+    if ((unsigned)impl > (unsigned)TSYS_CUDA_FLASH_MMA)
+        return tsys_ctx_set_error(st->ctx, TSYS_ERR_INVALID_ARGS, "%s: %s = %d is not a tsys_cuda_flash_impl (0 auto, 1 ws, 2 wgmma, 3 mma)",
+                                  who, what, (int)impl);
+    const char *why = tsys_cuda__flash_why_not(st, impl);
+    if (why)
+        return tsys_ctx_set_error(st->ctx, TSYS_ERR_UNSUPPORTED, "%s: %s = '%s' cannot run on device %d (%s, sm_%d%d): %s", who, what,
+                                  tsys_cuda_flash_impl_name(impl), st->device, st->device_name, st->cc_major, st->cc_minor, why);
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *desc) {
     if (!ctx) return TSYS_ERR_INVALID_ARGS;
+    tsys_cuda_desc d;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
     if (tsys_cuda__get(ctx)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_init: the context already has a CUDA backend");
     int count = tsys_cuda_device_count();
-    if (device_id < 0 || device_id >= count)
-        return tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tsys_cuda_init: device %d asked for, %d CUDA device(s) present", device_id, count);
-    tsys_cuda__state *st = (tsys_cuda__state *)calloc(1, sizeof *st);
+    if (count == 0) return tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tsys_cuda_init: desc.device = %d, but no CUDA device is present (or no driver)", d.device);
+    if (d.device < 0 || d.device >= count)
+        return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_init: desc.device = %d, but %d CUDA device(s) are present (ids 0..%d)",
+                                  d.device, count, count - 1);
+    if ((unsigned)d.flash > (unsigned)TSYS_CUDA_FLASH_MMA)
+        return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_init: desc.flash = %d is not a tsys_cuda_flash_impl (0 auto, 1 ws, 2 wgmma, 3 mma)",
+                                  (int)d.flash);
+    tsys_cuda__state *st = (tsys_cuda__state *)TSYS_MALLOC(sizeof *st);
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_cuda_init: no host memory for the backend state");
-    st->ctx = ctx; st->device = device_id; st->free_slots = -1; st->next_pool = 1;
+    memset(st, 0, sizeof *st);
+    st->ctx = ctx; st->device = d.device; st->free_slots = -1; st->next_pool = 1;
+    st->tf32 = d.tf32; st->memory_limit = d.memory_limit;
     tsys_status s = [&]() -> tsys_status {
-        TSYS_CUDA__CHECK(ctx, cudaSetDevice(device_id));
+        TSYS_CUDA__CHECK(ctx, cudaSetDevice(d.device));
         cudaDeviceProp prop;
-        TSYS_CUDA__CHECK(ctx, cudaGetDeviceProperties(&prop, device_id));
+        TSYS_CUDA__CHECK(ctx, cudaGetDeviceProperties(&prop, d.device));
         st->num_sms = prop.multiProcessorCount;
+        st->cc_major = prop.major; st->cc_minor = prop.minor;
         snprintf(st->device_name, sizeof st->device_name, "%s", prop.name);
+#ifndef TSYS_CUDA_NO_FLASH
+        st->flash_wg_ok = tsys_cuda__flash_wg_probe();
+        st->flash_ws_ok = st->flash_wg_ok && tsys_cuda__flash_tmap_encoder() != NULL;
+        // the environment steers AUTO only (comparisons of one binary without rebuilding); read here, once
+        if (d.flash == TSYS_CUDA_FLASH_AUTO && tsys_cuda__env_on("TSYS_FLASH_NO_WGMMA")) d.flash = TSYS_CUDA_FLASH_MMA;
+        else if (d.flash == TSYS_CUDA_FLASH_AUTO && tsys_cuda__env_on("TSYS_FLASH_NO_WS"))
+            d.flash = st->flash_wg_ok ? TSYS_CUDA_FLASH_WGMMA : TSYS_CUDA_FLASH_MMA;
+#endif
+        TSYS_CUDA__TRY(tsys_cuda__flash_check(st, "tsys_cuda_init", "desc.flash", d.flash));
+        tsys_cuda__flash_use(st, d.flash);
         TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_COMPUTE], cudaStreamNonBlocking));
         TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_SIDE], cudaStreamNonBlocking));
         st->stream = st->streams[TSYS_STREAM_COMPUTE];
@@ -3768,7 +3936,7 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
         memset(st->fault, 0, sizeof(tsys_cuda__fault));
         TSYS_CUDA__CHECK(ctx, cudaHostGetDevicePointer((void **)&st->fault_dev, st->fault, 0));
         TSYS_CUDA__CHECK_BLAS(ctx, cublasLtCreate(&st->lt));
-        st->workspace_bytes = TSYS_CUDA_WORKSPACE_BYTES;
+        st->workspace_bytes = d.workspace_bytes ? d.workspace_bytes : TSYS_CUDA_WORKSPACE_BYTES;
         TSYS_CUDA__CHECK(ctx, cudaMalloc(&st->workspace, st->workspace_bytes));
         TSYS_CUDA__CHECK(ctx, cudaMalloc((void **)&st->partials, TSYS_CUDA__MAX_PARTIALS * sizeof(float)));
         return TSYS_OK;
@@ -3793,6 +3961,39 @@ TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
     tsys_profiler_device_clock clock = { tsys_cuda__clock_begin, tsys_cuda__clock_launch, tsys_cuda__clock_collect, tsys_cuda__clock_end };
     tsys_profiler_set_device_clock(ctx, TSYS_CUDA, &clock);
     tsys_mem_note_external(ctx, TSYS_CUDA, TSYS_MEM_WORKSPACE, (int64_t)tsys_cuda__fixed_workspace(st));
+    return d.nvtx ? tsys_cuda_set_nvtx(ctx, true) : TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id) {
+    tsys_cuda_desc d;
+    memset(&d, 0, sizeof d);
+    d.device = device_id;
+    return tsys_cuda_init_desc(ctx, &d);
+}
+
+TSYSDEF tsys_cuda_desc tsys_cuda_get_desc(tsys_ctx *ctx) {
+    tsys_cuda_desc d;
+    memset(&d, 0, sizeof d);
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return d;
+    d.device = st->device;
+#ifdef TSYS_CUDA_NO_FLASH
+    d.flash = st->flash;
+#else
+    d.flash = st->flash_run == TSYS_CUDA_FLASH_AUTO ? TSYS_CUDA_FLASH_WS : st->flash_run;
+#endif
+    d.tf32 = st->tf32;
+    d.workspace_bytes = st->workspace_bytes;
+    d.memory_limit = st->memory_limit;
+    d.nvtx = st->nvtx_on;
+    return d;
+}
+
+TSYSDEF tsys_status tsys_cuda_set_flash_impl(tsys_ctx *ctx, tsys_cuda_flash_impl impl) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_set_flash_impl: backend not initialized (tsys_cuda_init)");
+    TSYS_CUDA__TRY(tsys_cuda__flash_check(st, "tsys_cuda_set_flash_impl", "impl", impl));
+    tsys_cuda__flash_use(st, impl);
     return TSYS_OK;
 }
 
@@ -3910,13 +4111,14 @@ TSYSDEF tsys_status tsys_cuda_graph_end(tsys_ctx *ctx, tsys_cuda_graph **out) {
         if (graph) cudaGraphDestroy(graph);
         return tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tsys_cuda_graph_end: cudaStreamEndCapture: %s (was something captured that cannot be, e.g. a sync?)", cudaGetErrorString(e));
     }
-    tsys_cuda_graph *g = (tsys_cuda_graph *)calloc(1, sizeof *g);
+    tsys_cuda_graph *g = (tsys_cuda_graph *)TSYS_MALLOC(sizeof *g);
     if (!g) { cudaGraphDestroy(graph); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_cuda_graph_end: no host memory"); }
+    memset(g, 0, sizeof *g);
     g->st = st; g->graph = graph; g->pool = st->capture_pool;
     e = cudaGraphInstantiate(&g->exec, graph, 0);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        cudaGraphDestroy(graph); free(g);
+        cudaGraphDestroy(graph); TSYS_FREE(g);
         return tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tsys_cuda_graph_end: cudaGraphInstantiate: %s", cudaGetErrorString(e));
     }
     if (out) *out = g; else tsys_cuda_graph_free(g);
@@ -3951,7 +4153,7 @@ TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g) {
             tsys_cuda__free_list_push(st, bi);
         }
     }
-    free(g);
+    TSYS_FREE(g);
 }
 
 // >>nvtx ------------------------------------------------------------------------------------------

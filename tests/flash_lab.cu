@@ -2,9 +2,11 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|wgvariants|wsdq|lb]
-//   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.
-//   TSYS_FLASH_NO_WGMMA=1 forces the mma.sync kernels in an sm_90a build.)
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|wgvariants|wsdq|lb] [auto|ws|wgmma|mma]
+//   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
+//   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
+//   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
+//   checks every implementation the device can run, one after the other, and the timings use auto.
 //
 // Every check draws fresh random inputs (never zeros) and poisons the outputs with NaN bytes first, so an
 // unwritten element fails. Timings: CUDA events, median of many repetitions after warm-up; TFLOP/s in the
@@ -26,6 +28,25 @@
 
 static const char *dtype_name[3] = { "f32", "bf16", "f16" };
 static const size_t dtype_size[3] = { 4, 2, 2 };
+
+// The lab calls the launchers directly (stream 0, device 0); a tsys context with a CUDA backend decides which
+// flash implementations this binary and device can run, and lab_impl is what the launchers are given.
+static tsys_ctx *lab_ctx;
+static tsys_cuda_flash_impl lab_impl = TSYS_CUDA_FLASH_MMA;
+static const char *lab_impl_name = "mma";
+static bool lab_use(tsys_cuda_flash_impl impl) {
+    if (tsys_cuda_set_flash_impl(lab_ctx, impl) != TSYS_OK) {
+        printf("  (flash implementation %s skipped: %s)\n", tsys_cuda_flash_impl_name(impl), tsys_ctx_last_error(lab_ctx));
+        tsys_ctx_clear_error(lab_ctx);
+        return false;
+    }
+    lab_impl = tsys_cuda__get(lab_ctx)->flash_run;
+    lab_impl_name = tsys_cuda_flash_impl_name(impl);
+    return true;
+}
+static bool lab_wg_available() { return tsys_cuda__get(lab_ctx)->flash_wg_ok; }
+// What the wgmma launchers get: the lab's choice when it is a Hopper one, else auto (ws dQ, cp.async fallback).
+static tsys_cuda_flash_impl lab_wg_impl() { return lab_impl == TSYS_CUDA_FLASH_MMA ? TSYS_CUDA_FLASH_AUTO : lab_impl; }
 
 // ---- host data ------------------------------------------------------------------------------------
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -143,14 +164,14 @@ static void check_cuda(int dt, long bh, long n, long d, bool causal) {
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     o.poison(); lse.poison(); dq.poison(); dk.poison(); dv.poison(); scratch.poison();
     const float scale = 1.0f / sqrtf((float)d);
-    CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, 0));
-    CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, 0));
+    CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0));
+    CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, lab_impl, 0));
     CHECK(cudaDeviceSynchronize());
     o.download(); lse.download(); dq.download(); dk.download(); dv.download();
     // determinism: the backward again, into poisoned buffers, must give the same bytes
     std::vector<unsigned char> dq1 = dq.raw, dk1 = dk.raw, dv1 = dv.raw;
     dq.poison(); dk.poison(); dv.poison();
-    CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, 0));
+    CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, lab_impl, 0));
     CHECK(cudaDeviceSynchronize());
     dq.download(); dk.download(); dv.download();
     const bool same = dq1 == dq.raw && dk1 == dk.raw && dv1 == dv.raw;
@@ -162,17 +183,11 @@ static void check_cuda(int dt, long bh, long n, long d, bool causal) {
                     rel_err(dk.h.data(), rdk.data(), N), rel_err(dv.h.data(), rdv.data(), N) };
     const double tol = dt == 0 ? 1e-4 : 1e-2;
     double worst = *std::max_element(e, e + 5);
-    report(worst < tol && same, "cuda %-4s bh=%ld n=%-5ld d=%-3ld causal=%d: O %.1e L %.1e dQ %.1e dK %.1e dV %.1e  deterministic=%s",
-           dtype_name[dt], bh, n, d, causal, e[0], e[1], e[2], e[3], e[4], same ? "yes" : "NO");
+    report(worst < tol && same, "cuda %-5s %-4s bh=%ld n=%-5ld d=%-3ld causal=%d: O %.1e L %.1e dQ %.1e dK %.1e dV %.1e  deterministic=%s",
+           lab_impl_name, dtype_name[dt], bh, n, d, causal, e[0], e[1], e[2], e[3], e[4], same ? "yes" : "NO");
 }
 
-static void run_tests() {
-    printf("== CPU tiled reference vs naive attention (double)\n");
-    check_cpu_vs_naive(4, 128, 64, false);
-    check_cpu_vs_naive(4, 128, 64, true);
-    check_cpu_vs_naive(2, 257, 80, true);
-    check_cpu_vs_naive(2, 17, 16, false);
-    printf("== CUDA vs CPU tiled reference\n");
+static void run_cuda_tests() {
     for (int dt = 0; dt < 3; dt++)
         for (int c = 0; c < 2; c++) check_cuda(dt, 4, 128, 64, c);   // the CS336 contract shape
     static const long ns[] = { 1, 17, 100, 257 };
@@ -185,6 +200,25 @@ static void run_tests() {
             for (int c = 0; c < 2; c++) check_cuda(dt, 2, d == 80 ? 257 : 100, d, c);
     for (int dt = 1; dt < 3; dt++) check_cuda(dt, 2, 1000, 64, true), check_cuda(dt, 2, 1000, 128, false);
     check_cuda(0, 1, 700, 80, true);
+}
+
+// The CUDA checks for the implementation named on the command line, or for each one the device can run.
+static void run_tests(const char *impl_arg) {
+    printf("== CPU tiled reference vs naive attention (double)\n");
+    check_cpu_vs_naive(4, 128, 64, false);
+    check_cpu_vs_naive(4, 128, 64, true);
+    check_cpu_vs_naive(2, 257, 80, true);
+    check_cpu_vs_naive(2, 17, 16, false);
+    static const tsys_cuda_flash_impl all[3] = { TSYS_CUDA_FLASH_MMA, TSYS_CUDA_FLASH_WGMMA, TSYS_CUDA_FLASH_WS };
+    for (int i = 0; i < 3; i++) {
+        if (impl_arg && strcmp(impl_arg, tsys_cuda_flash_impl_name(all[i]))) continue;
+        printf("== CUDA vs CPU tiled reference, flash implementation %s\n", tsys_cuda_flash_impl_name(all[i]));
+        if (lab_use(all[i])) run_cuda_tests();
+    }
+    if (impl_arg && !strcmp(impl_arg, "auto")) {
+        printf("== CUDA vs CPU tiled reference, flash implementation auto\n");
+        if (lab_use(TSYS_CUDA_FLASH_AUTO)) run_cuda_tests();
+    }
 }
 
 // ---- timing --------------------------------------------------------------------------------------------
@@ -225,10 +259,10 @@ template <int D, typename C> static void variant(const char *name, long bh, long
         Buf o2(1, N), dq2(1, N), dk2(1, N), dv2(1, N), lse2(0, R);
         q.randomize(); k.randomize(); v.randomize(); g.randomize();
         o2.poison(); dq2.poison(); dk2.poison(); dv2.poison(); lse2.poison();
-        CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, 1, sb, sn, D, scale, true, 0));
-        CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)sc.d, 1, sb, sn, D, scale, true, 0));
-        CHECK((tsys__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
-        CHECK((tsys__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
+        CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, 1, sb, sn, D, scale, true, lab_impl, 0));
+        CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)sc.d, 1, sb, sn, D, scale, true, lab_impl, 0));
+        CHECK((tsys_cuda__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
+        CHECK((tsys_cuda__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
         CHECK(cudaDeviceSynchronize());
         o.download(); lse.download(); dq.download(); dk.download(); dv.download();
         o2.download(); lse2.download(); dq2.download(); dk2.download(); dv2.download();
@@ -239,8 +273,8 @@ template <int D, typename C> static void variant(const char *name, long bh, long
     const size_t N = bh * n * D, R = bh * n;
     Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
-    auto fwd = [&] { CHECK((tsys__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
-    auto part = [&](int p) { CHECK((tsys__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p))); };
+    auto fwd = [&] { CHECK((tsys_cuda__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
+    auto part = [&](int p) { CHECK((tsys_cuda__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p))); };
     fwd(); part(1);
     float tf = time_ms(fwd, 3, 20), tdot = time_ms([&] { part(1); }, 3, 20), tkv = time_ms([&] { part(2); }, 3, 20), tq = time_ms([&] { part(4); }, 3, 20);
     const double f = 4.0 * bh * n * n * D / 2;
@@ -279,15 +313,15 @@ template <int D, typename W, bool CAUSAL = true> static void wgvariant(const cha
         q.randomize(); k.randomize(); v.randomize(); g.randomize();
         o2.poison(); dq2.poison(); dk2.poison(); dv2.poison(); lse2.poison();
         if (causal) {
-            CHECK((tsys__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_fwd_wg<T, D, true, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_bwd_wg<T, D, true, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_fwd_wg<T, D, true, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_bwd_wg<T, D, true, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0, 7, lab_wg_impl())));
         } else {
-            CHECK((tsys__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_fwd_wg<T, D, false, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_bwd_wg<T, D, false, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_fwd_wg<T, D, false, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_bwd_wg<T, D, false, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0, 7, lab_wg_impl())));
         }
         CHECK(cudaDeviceSynchronize());
         o.download(); lse.download(); dq.download(); dk.download(); dv.download();
@@ -300,8 +334,8 @@ template <int D, typename W, bool CAUSAL = true> static void wgvariant(const cha
     const size_t N = bh * n * D, R = bh * n;
     Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
-    auto fwd = [&] { CHECK((tsys__flash_fwd_wg<T, D, CAUSAL, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
-    auto part = [&](int p) { CHECK((tsys__flash_bwd_wg<T, D, CAUSAL, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p))); };
+    auto fwd = [&] { CHECK((tsys_cuda__flash_fwd_wg<T, D, CAUSAL, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
+    auto part = [&](int p) { CHECK((tsys_cuda__flash_bwd_wg<T, D, CAUSAL, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p, lab_wg_impl()))); };
     fwd(); part(1);
     float tf = time_ms(fwd, 3, 20), tdot = time_ms([&] { part(1); }, 3, 20), tkv = time_ms([&] { part(2); }, 3, 20), tq = time_ms([&] { part(4); }, 3, 20);
     const double f = 4.0 * bh * n * n * D / 2;
@@ -311,8 +345,9 @@ template <int D, typename W, bool CAUSAL = true> static void wgvariant(const cha
 }
 
 static void run_wgvariants() {
-    printf("== wgmma tile variants (bf16, causal, 16 x 16384); wgmma compiled in: %s\n", tsys__flash_wg_available() ? "yes" : "NO");
-    if (!tsys__flash_wg_available()) return;
+    printf("== wgmma tile variants (bf16, causal, 16 x 16384); wgmma compiled in: %s; dQ: %s\n", lab_wg_available() ? "yes" : "NO",
+           lab_wg_impl() == TSYS_CUDA_FLASH_WGMMA ? "cp.async wgmma" : "warp-specialized");
+    if (!lab_wg_available()) return;
     wgvariant<64, w64a>("64a", 16, 16384); wgvariant<64, w64b>("64b", 16, 16384);
     wgvariant<64, w64c>("64c", 16, 16384); wgvariant<64, w64d>("64d", 16, 16384);
     wgvariant<128, w128b>("128b", 16, 16384); wgvariant<128, w128c>("128c", 16, 16384);
@@ -330,13 +365,13 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
         q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison();
         cudaError_t e1, e2;
         if (causal) {
-            CHECK((tsys__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
-            e1 = tsys__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
+            CHECK((tsys_cuda__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            e1 = tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
         } else {
-            CHECK((tsys__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
-            CHECK((tsys__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
-            e1 = tsys__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
+            CHECK((tsys_cuda__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+            CHECK((tsys_cuda__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+            e1 = tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
         }
         e2 = cudaDeviceSynchronize();
         if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws dq BK=%d CW=%d d=%d: %s / %s", BK, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
@@ -348,7 +383,7 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     Buf q(1, N), k(1, N), v(1, N), g(1, N), dq(1, N), lse(0, R), sc(0, R);
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     CHECK(cudaMemset(lse.d, 0, R * 4)); CHECK(cudaMemset(sc.d, 0, R * 4));
-    auto run = [&] { CHECK((tsys__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0))); };
+    auto run = [&] { CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0))); };
     const float t = time_ms(run, 3, 20);
     const double f = 4.0 * bh * n * n * D / 2;
     printf("  ws dq BK=%d CW=%d bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s of 3 mm)\n", BK, CW, bh, n, D, t, 1.5 * f / t / 1e9);
@@ -360,8 +395,8 @@ static void bench(int dt, long bh, long n, long d, bool causal) {
     Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, R);
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     const float scale = 1.0f / sqrtf((float)d);
-    auto fwd = [&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, 0)); };
-    auto bwd = [&] { CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, 0)); };
+    auto fwd = [&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0)); };
+    auto bwd = [&] { CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, lab_impl, 0)); };
     const int reps = n >= 8192 || dt == 0 ? 30 : 100;
     float tf = time_ms(fwd, 5, reps), tb = time_ms(bwd, 5, reps), tfb = time_ms([&] { fwd(); bwd(); }, 5, reps);
     const double f = 4.0 * bh * n * n * d / (causal ? 2 : 1);
@@ -372,8 +407,8 @@ static void bench(int dt, long bh, long n, long d, bool causal) {
 
 static void run_perf() {
     cudaDeviceProp p; CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("== timings on %s (%d SMs), bf16/fp16 d=64/128 path: %s\n", p.name, p.multiProcessorCount,
-           tsys__flash_wg_available() ? "wgmma (sm_90a)" : "mma.sync");
+    printf("== timings on %s (%d SMs), bf16/fp16 d=64/128 flash implementation: %s (asked for %s)\n", p.name, p.multiProcessorCount,
+           tsys_cuda_flash_impl_name(tsys_cuda_get_desc(lab_ctx).flash), lab_impl_name);
     bench(1, 16, 16384, 64, true);    // the CS336 leaderboard shape
     bench(1, 16, 16384, 128, true);
     bench(2, 16, 16384, 64, true);
@@ -384,14 +419,34 @@ static void run_perf() {
 }
 
 int main(int argc, char **argv) {
-    const char *mode = argc > 1 ? argv[1] : "all";
-    if (!strcmp(mode, "test") || !strcmp(mode, "all") || !strcmp(mode, "tv")) run_tests();
+    const char *mode = argc > 1 ? argv[1] : "all", *impl_arg = argc > 2 ? argv[2] : NULL;
+    tsys_cuda_desc cd;
+    memset(&cd, 0, sizeof cd);
+    if (impl_arg) {
+        int i = 0;
+        while (i < 4 && strcmp(impl_arg, tsys_cuda_flash_impl_name((tsys_cuda_flash_impl)i))) i++;
+        if (i == 4) { fprintf(stderr, "flash_lab: unknown implementation '%s' (auto, ws, wgmma, mma)\n", impl_arg); return 2; }
+        cd.flash = (tsys_cuda_flash_impl)i;
+    }
+    lab_ctx = tsys_ctx_new(NULL);
+    if (tsys_cuda_init_desc(lab_ctx, &cd) != TSYS_OK) { fprintf(stderr, "flash_lab: %s\n", tsys_ctx_last_error(lab_ctx)); return 1; }
+    const tsys_cuda_flash_impl asked = tsys_cuda__get(lab_ctx)->flash;   // auto, or what the environment made of it
+    lab_use(asked);
+    printf("device %s; flash implementation %s (runs %s)\n", tsys_cuda_device_name(lab_ctx), lab_impl_name,
+           tsys_cuda_flash_impl_name(tsys_cuda_get_desc(lab_ctx).flash));
+    if (!strcmp(mode, "test") || !strcmp(mode, "all") || !strcmp(mode, "tv")) {
+        run_tests(impl_arg);
+        lab_use(asked);   // the timings use the context's choice again
+    }
     if (!strcmp(mode, "variants") || !strcmp(mode, "tv")) run_variants();
     if (!strcmp(mode, "wgvariants")) run_wgvariants();
     if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
-    if (!strcmp(mode, "wsdq"))
+    if (!strcmp(mode, "wsdq") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dq: the warp-specialized kernels cannot run here\n");
+    else if (!strcmp(mode, "wsdq"))
         wsdq_variant<64, 128, 2>(16, 16384), wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384);
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
+    tsys_cuda_shutdown(lab_ctx);
+    tsys_ctx_free(lab_ctx);
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }

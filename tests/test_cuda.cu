@@ -899,6 +899,49 @@ TSYS_TEST(perf_kernels) {
 // class are filled with NaN and freed, so the op's outputs land in NaN memory and an element a kernel
 // forgets to write fails the check.
 
+// Every flash test runs once per implementation of the bf16/fp16 d = 64, 128 kernels (tsys_cuda_flash_impl) that
+// this binary and device can run, switched on the shared context with tsys_cuda_set_flash_impl; one that
+// cannot run is skipped with a printed note, except that a test binary whose own probe finds sm_90a code on the
+// device must run them all (on an H100/H200 with the Makefile's sm_90a build: mma, wgmma and ws).
+static const tsys_cuda_flash_impl tc_fa_impls[3] = { TSYS_CUDA_FLASH_MMA, TSYS_CUDA_FLASH_WGMMA, TSYS_CUDA_FLASH_WS };
+static const char *tc_fa_impl = "auto";   // the implementation under test, for messages
+
+// Static shared memory only in the sm_90a body: this test binary has Hopper code for the device.
+__global__ void tc_sm90a_probe(int *p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __shared__ volatile int marker[64];
+    marker[threadIdx.x & 63] = (int)threadIdx.x;
+    if (p) *p = marker[0];
+#endif
+}
+static bool tc_sm90a(void) {
+    cudaFuncAttributes a;
+    bool ok = cudaFuncGetAttributes(&a, tc_sm90a_probe) == cudaSuccess && a.sharedSizeBytes >= 256;
+    cudaGetLastError();
+    return ok;
+}
+
+template <class F> static void tc_fa_sweep(F body) {
+    TC_CTX(ctx);
+    const bool hopper = tc_sm90a();
+    for (int i = 0; i < 3; i++) {
+        tc_fa_impl = tsys_cuda_flash_impl_name(tc_fa_impls[i]);
+        if (tsys_cuda_set_flash_impl(ctx, tc_fa_impls[i]) != TSYS_OK) {
+            TEST_CHECK(!hopper, "flash implementation %s refused although this binary has sm_90a code for the device: %s", tc_fa_impl, tsys_ctx_last_error(ctx));
+            printf("[%s skipped: %s] ", tc_fa_impl, tsys_ctx_last_error(ctx));
+            tsys_ctx_clear_error(ctx);
+            continue;
+        }
+        TEST_CHECK(tsys_cuda_get_desc(ctx).flash == tc_fa_impls[i], "get_desc reports %s after set_flash_impl(%s)",
+                   tsys_cuda_flash_impl_name(tsys_cuda_get_desc(ctx).flash), tc_fa_impl);
+        printf("[%s] ", tc_fa_impl);
+        fflush(stdout);
+        body(ctx);
+    }
+    tc_fa_impl = "auto";
+    TEST_CHECK(tsys_cuda_set_flash_impl(ctx, TSYS_CUDA_FLASH_AUTO) == TSYS_OK, "back to auto: %s", tsys_ctx_last_error(ctx));
+}
+
 // Relative error with the denominator floored at 1e-2 * sqrt(n): at seq 1, dQ = dK = 0 exactly and a
 // relative error against zero means nothing (the flash lab uses the same floor).
 static double tc_fa_err(const float *got, const float *ref, int64_t n) {
@@ -949,7 +992,7 @@ static bool tc_fa_run(tsys_ctx *ctx, tsys_device dev, tsys_dtype dt, int nd, con
     tsys_tensor_release(o); tsys_tensor_release(lse);
     for (int i = 0; i < 4; i++) { if (i < 3) { tsys_tensor_release(t[i]->grad); t[i]->grad = NULL; } tsys_tensor_release(t[i]); }
     bool ok = tsys_ctx_status(ctx) == TSYS_OK && r->o && r->l && r->dq && r->dk && r->dv;
-    TEST_CHECK(ok, "flash %s %s: %s", dev == TSYS_CUDA ? "cuda" : "cpu", tsys_dtype_name(dt), tsys_ctx_last_error(ctx));
+    TEST_CHECK(ok, "flash %s %s (%s): %s", dev == TSYS_CUDA ? "cuda" : "cpu", tsys_dtype_name(dt), tc_fa_impl, tsys_ctx_last_error(ctx));
     TEST_CHECK(tsys_tape_size(ctx) == 0, "tape not empty after backward");
     tsys_tape_clear(ctx);
     tsys_ctx_clear_error(ctx);
@@ -974,8 +1017,8 @@ static double tc_fa_case(tsys_dtype dt, int nd, const int64_t *shape, bool causa
         vals[i] = (float *)malloc(sizeof(float) * (size_t)n);
         for (int64_t j = 0; j < n; j++) vals[i][j] = tc_round(dt, tc_normal());
     }
-    char cfg[96];
-    int len = snprintf(cfg, sizeof cfg, "%s (", tsys_dtype_name(dt));
+    char cfg[128];
+    int len = snprintf(cfg, sizeof cfg, "%s %s (", tc_fa_impl, tsys_dtype_name(dt));
     for (int i = 0; i < nd; i++) len += snprintf(cfg + len, sizeof cfg - (size_t)len, "%s%lld", i ? "," : "", (long long)shape[i]);
     snprintf(cfg + len, sizeof cfg - (size_t)len, ")%s", causal ? " causal" : "");
     double worst = INFINITY;
@@ -1013,49 +1056,59 @@ static double tc_fa_case(tsys_dtype dt, int nd, const int64_t *shape, bool causa
 
 // The handout's shape, (4, 128, 64), in every dtype, causal and not; fp32 also against the handout's tolerance.
 TSYS_TEST(cuda_flash_cs336_contract) {
-    double w[3] = { 0, 0, 0 };
-    for (int di = 0; di < 3; di++)
-        for (int c = 0; c < 2; c++) { int64_t s[3] = { 4, 128, 64 }; w[di] = fmax(w[di], tc_fa_case(tc_floats[di], 3, s, c == 1, true)); }
-    printf("(worst rel err fp32 %.1e, bf16 %.1e, fp16 %.1e) ", w[0], w[1], w[2]);
+    tc_fa_sweep([](tsys_ctx *) {
+        double w[3] = { 0, 0, 0 };
+        for (int di = 0; di < 3; di++)
+            for (int c = 0; c < 2; c++) { int64_t s[3] = { 4, 128, 64 }; w[di] = fmax(w[di], tc_fa_case(tc_floats[di], 3, s, c == 1, true)); }
+        printf("(worst rel err fp32 %.1e, bf16 %.1e, fp16 %.1e) ", w[0], w[1], w[2]);
+    });
 }
 
 TSYS_TEST(cuda_flash_odd_lengths) {
-    static const int64_t ns[] = { 1, 17, 100, 257, 1000 };
-    for (int di = 0; di < 3; di++)
-        for (int i = 0; i < 5; i++)
-            for (int c = 0; c < 2; c++) { int64_t s[3] = { 2, ns[i], 64 }; tc_fa_case(tc_floats[di], 3, s, c == 1, false); }
+    tc_fa_sweep([](tsys_ctx *) {
+        static const int64_t ns[] = { 1, 17, 100, 257, 1000 };
+        for (int di = 0; di < 3; di++)
+            for (int i = 0; i < 5; i++)
+                for (int c = 0; c < 2; c++) { int64_t s[3] = { 2, ns[i], 64 }; tc_fa_case(tc_floats[di], 3, s, c == 1, false); }
+    });
 }
 
 TSYS_TEST(cuda_flash_head_dims) {   // 80: the 2.7B model's head dim, 5 tensor-core k-steps
-    static const int64_t ds[] = { 16, 32, 80, 128 };
-    for (int di = 0; di < 3; di++)
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < 2; c++) { int64_t s[3] = { 3, 257, ds[i] }; tc_fa_case(tc_floats[di], 3, s, c == 1, false); }
+    tc_fa_sweep([](tsys_ctx *) {
+        static const int64_t ds[] = { 16, 32, 80, 128 };
+        for (int di = 0; di < 3; di++)
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < 2; c++) { int64_t s[3] = { 3, 257, ds[i] }; tc_fa_case(tc_floats[di], 3, s, c == 1, false); }
+    });
 }
 
 // (batch, heads, seq, d) inputs, and the backward bit-identical from run to run at a size with many tiles.
 TSYS_TEST(cuda_flash_4d_deterministic) {
-    for (int di = 0; di < 3; di++)
-        for (int c = 0; c < 2; c++) {
-            int64_t s4[4] = { 2, 3, 100, 64 }; tc_fa_case(tc_floats[di], 4, s4, c == 1, true);
-            int64_t s3[3] = { 4, 1027, 80 }; tc_fa_case(tc_floats[di], 3, s3, c == 1, true);
-        }
+    tc_fa_sweep([](tsys_ctx *) {
+        for (int di = 0; di < 3; di++)
+            for (int c = 0; c < 2; c++) {
+                int64_t s4[4] = { 2, 3, 100, 64 }; tc_fa_case(tc_floats[di], 4, s4, c == 1, true);
+                int64_t s3[3] = { 4, 1027, 80 }; tc_fa_case(tc_floats[di], 3, s3, c == 1, true);
+                int64_t s5[3] = { 2, 1027, 128 }; tc_fa_case(tc_floats[di], 3, s5, c == 1, true);   // the Hopper kernels, many tiles
+            }
+    });
 }
 
 // A head dim without a kernel is an error with a message, and the context works afterwards.
 TSYS_TEST(cuda_flash_unsupported_head_dim) {
-    TC_CTX(ctx);
-    int64_t s[3] = { 2, 64, 40 };
-    tsys_tensor *q = tc_rand(ctx, TSYS_BF16, 3, s, 1);
-    tsys_tensor *o = tsys_flash_attention(ctx, q, q, q, true, NULL);
-    TEST_CHECK(o == NULL && tsys_ctx_status(ctx) != TSYS_OK, "head dim 40 must fail, status %d", (int)tsys_ctx_status(ctx));
-    TEST_CHECK(strstr(tsys_ctx_last_error(ctx), "head dim") != NULL, "message '%s' should name the head dim", tsys_ctx_last_error(ctx));
-    tsys_tensor_release(o);
-    tsys_tape_clear(ctx);
-    tsys_ctx_clear_error(ctx);
-    TEST_CHECK(tsys_tensor_fill(ctx, q, 1.0f) == TSYS_OK && tsys_sync(ctx, TSYS_CUDA) == TSYS_OK, "context broken after the error: %s", tsys_ctx_last_error(ctx));
-    tsys_tensor_release(q);
-    tsys_ctx_clear_error(ctx);
+    tc_fa_sweep([](tsys_ctx *ctx) {
+        int64_t s[3] = { 2, 64, 40 };
+        tsys_tensor *q = tc_rand(ctx, TSYS_BF16, 3, s, 1);
+        tsys_tensor *o = tsys_flash_attention(ctx, q, q, q, true, NULL);
+        TEST_CHECK(o == NULL && tsys_ctx_status(ctx) != TSYS_OK, "head dim 40 must fail, status %d", (int)tsys_ctx_status(ctx));
+        TEST_CHECK(strstr(tsys_ctx_last_error(ctx), "head dim") != NULL, "message '%s' should name the head dim", tsys_ctx_last_error(ctx));
+        tsys_tensor_release(o);
+        tsys_tape_clear(ctx);
+        tsys_ctx_clear_error(ctx);
+        TEST_CHECK(tsys_tensor_fill(ctx, q, 1.0f) == TSYS_OK && tsys_sync(ctx, TSYS_CUDA) == TSYS_OK, "context broken after the error: %s", tsys_ctx_last_error(ctx));
+        tsys_tensor_release(q);
+        tsys_ctx_clear_error(ctx);
+    });
 }
 
 // Memory past the inputs during forward+backward, from the tracker: linear in seq for flash.
@@ -1069,7 +1122,7 @@ static int64_t tc_fa_extra_bytes(tsys_ctx *ctx, bool flash, int64_t n) {
     tsys_backward_with(ctx, o, g);
     tsys_tensor_release(o);
     int64_t extra = tsys_mem_stats_get(ctx, TSYS_CUDA).peak_bytes - base;
-    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s n=%lld: %s", flash ? "flash" : "naive", (long long)n, tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s n=%lld (%s): %s", flash ? "flash" : "naive", (long long)n, tc_fa_impl, tsys_ctx_last_error(ctx));
     tsys_tensor *t[3] = { q, k, v };
     for (int i = 0; i < 3; i++) { tsys_tensor_release(t[i]->grad); t[i]->grad = NULL; tsys_tensor_release(t[i]); }
     tsys_tensor_release(g);
@@ -1080,11 +1133,14 @@ static int64_t tc_fa_extra_bytes(tsys_ctx *ctx, bool flash, int64_t n) {
 
 TSYS_TEST(cuda_flash_memory_linear) {
     TC_CTX(ctx);
-    int64_t f1 = tc_fa_extra_bytes(ctx, true, 4096), f2 = tc_fa_extra_bytes(ctx, true, 8192);
     int64_t n1 = tc_fa_extra_bytes(ctx, false, 2048), n2 = tc_fa_extra_bytes(ctx, false, 4096);
-    TEST_CHECK(f1 > 0 && (double)f2 / (double)f1 <= 2.1, "flash extra memory %lld -> %lld bytes when seq doubles (want <= 2.1x)", (long long)f1, (long long)f2);
     TEST_CHECK(n1 > 0 && (double)n2 / (double)n1 >= 3.5, "naive extra memory %lld -> %lld bytes when seq doubles (want ~4x)", (long long)n1, (long long)n2);
-    printf("(flash %.1f -> %.1f MiB at seq 4096 -> 8192; naive %.1f -> %.1f MiB at 2048 -> 4096) ", f1 / 1048576.0, f2 / 1048576.0, n1 / 1048576.0, n2 / 1048576.0);
+    printf("(naive %.1f -> %.1f MiB at 2048 -> 4096) ", n1 / 1048576.0, n2 / 1048576.0);
+    tc_fa_sweep([](tsys_ctx *ctx) {
+        int64_t f1 = tc_fa_extra_bytes(ctx, true, 4096), f2 = tc_fa_extra_bytes(ctx, true, 8192);
+        TEST_CHECK(f1 > 0 && (double)f2 / (double)f1 <= 2.1, "%s: flash extra memory %lld -> %lld bytes when seq doubles (want <= 2.1x)", tc_fa_impl, (long long)f1, (long long)f2);
+        printf("(flash %.1f -> %.1f MiB at seq 4096 -> 8192) ", f1 / 1048576.0, f2 / 1048576.0);
+    });
     tsys_cuda_empty_cache(ctx);
 }
 
@@ -1116,12 +1172,12 @@ static void tc_fa_model_check(tsys_dtype autocast, double tol_logits, double tol
     if (tsys_ctx_status(ctx) == TSYS_OK) {
         float ln = tsys_item(ctx, loss[0]), lf = tsys_item(ctx, loss[1]);
         double el = tc_compare(ctx, logits[1], logits[0]);
-        TEST_CHECK(el <= tol_logits, "logits flash vs naive rel err %.3g (tol %.0e)", el, tol_logits);
-        TEST_CHECK(fabsf(ln - lf) <= tol_logits * fabsf(ln), "loss naive %.7f flash %.7f", ln, lf);
+        TEST_CHECK(el <= tol_logits, "%s: logits flash vs naive rel err %.3g (tol %.0e)", tc_fa_impl, el, tol_logits);
+        TEST_CHECK(fabsf(ln - lf) <= tol_logits * fabsf(ln), "%s: loss naive %.7f flash %.7f", tc_fa_impl, ln, lf);
         double worst = 0;
         for (int i = 0; i < n; i++) {
             double e = tc_compare(ctx, pf[i]->grad, pn[i]->grad);
-            TEST_CHECK(e <= tol_grad, "grad of %s flash vs naive rel err %.3g (tol %.0e)", pn[i]->name, e, tol_grad);
+            TEST_CHECK(e <= tol_grad, "%s: grad of %s flash vs naive rel err %.3g (tol %.0e)", tc_fa_impl, pn[i]->name, e, tol_grad);
             if (e > worst) worst = e;
         }
         printf("(loss naive %.6f flash %.6f, worst grad rel err %.1e) ", ln, lf, worst);
@@ -1132,8 +1188,80 @@ static void tc_fa_model_check(tsys_dtype autocast, double tol_logits, double tol
     tsys_ctx_clear_error(ctx);
 }
 
-TSYS_TEST(cuda_flash_model_fp32) { tc_fa_model_check(TSYS_F32, 1e-5, 1e-4); }
-TSYS_TEST(cuda_flash_model_bf16_autocast) { tc_fa_model_check(TSYS_BF16, 2e-2, 5e-2); }
+TSYS_TEST(cuda_flash_model_fp32) { tc_fa_sweep([](tsys_ctx *) { tc_fa_model_check(TSYS_F32, 1e-5, 1e-4); }); }
+TSYS_TEST(cuda_flash_model_bf16_autocast) { tc_fa_sweep([](tsys_ctx *) { tc_fa_model_check(TSYS_BF16, 2e-2, 5e-2); }); }
+
+// ---- backend desc ---------------------------------------------------------------------------------
+// tsys_cuda_init_desc: a request that cannot be met fails with a message that names the field and its value
+// and leaves no backend; tsys_cuda_get_desc reports the effective values (defaults filled in, setters' changes).
+TSYS_TEST(cuda_init_desc) {
+    TC_CTX(ctx);
+    (void)ctx;
+    tsys_ctx *c2 = tsys_ctx_new(NULL);
+    tsys_cuda_desc d;
+    memset(&d, 0, sizeof d);
+    d.device = 999;
+    TEST_CHECK(tsys_cuda_init_desc(c2, &d) == TSYS_ERR_INVALID_ARGS, "device 999: status %d", (int)tsys_ctx_status(c2));
+    TEST_CHECK(strstr(tsys_ctx_last_error(c2), "desc.device = 999") != NULL, "message '%s' should name desc.device = 999", tsys_ctx_last_error(c2));
+    TEST_CHECK(tsys_cuda_get_desc(c2).workspace_bytes == 0 && tsys_cuda_stream(c2) == NULL, "a failed init must leave no backend");
+    tsys_ctx_clear_error(c2);
+    d.device = 0;
+    d.flash = (tsys_cuda_flash_impl)7;
+    TEST_CHECK(tsys_cuda_init_desc(c2, &d) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(c2), "desc.flash = 7") != NULL,
+               "flash 7: '%s'", tsys_ctx_last_error(c2));
+    tsys_ctx_clear_error(c2);
+    const bool hopper = tc_sm90a();
+    if (!hopper) {   // Hopper kernels asked for where they cannot run: an error naming the choice, no fallback
+        d.flash = TSYS_CUDA_FLASH_WGMMA;
+        TEST_CHECK(tsys_cuda_init_desc(c2, &d) == TSYS_ERR_UNSUPPORTED && strstr(tsys_ctx_last_error(c2), "desc.flash = 'wgmma'") != NULL,
+                   "wgmma without sm_90a: '%s'", tsys_ctx_last_error(c2));
+        tsys_ctx_clear_error(c2);
+    }
+
+    // every field set
+    memset(&d, 0, sizeof d);
+    d.flash = TSYS_CUDA_FLASH_MMA; d.tf32 = true; d.workspace_bytes = (size_t)4 << 20; d.memory_limit = (size_t)1 << 30; d.nvtx = true;
+    TEST_CHECK(tsys_cuda_init_desc(c2, &d) == TSYS_OK, "init_desc: %s", tsys_ctx_last_error(c2));
+    tsys_cuda_desc e = tsys_cuda_get_desc(c2);
+    TEST_CHECK(e.device == 0 && e.flash == TSYS_CUDA_FLASH_MMA && e.tf32 && e.workspace_bytes == ((size_t)4 << 20) &&
+               e.memory_limit == ((size_t)1 << 30) && e.nvtx,
+               "effective desc: device %d flash %s tf32 %d workspace %zu limit %zu nvtx %d", e.device, tsys_cuda_flash_impl_name(e.flash),
+               (int)e.tf32, e.workspace_bytes, e.memory_limit, (int)e.nvtx);
+    TEST_CHECK(tsys_cuda_tf32(c2), "tsys_cuda_tf32 after desc.tf32");
+    // the setters change the same state
+    tsys_cuda_set_tf32(c2, false);
+    tsys_cuda_set_memory_limit(c2, 0);
+    TEST_CHECK(tsys_cuda_set_flash_impl(c2, TSYS_CUDA_FLASH_AUTO) == TSYS_OK, "set auto: %s", tsys_ctx_last_error(c2));
+    e = tsys_cuda_get_desc(c2);
+    const tsys_cuda_flash_impl want = hopper ? TSYS_CUDA_FLASH_WS : TSYS_CUDA_FLASH_MMA;
+    TEST_CHECK(!e.tf32 && e.memory_limit == 0 && e.flash == want, "after the setters: tf32 %d limit %zu flash %s (want %s)", (int)e.tf32,
+               e.memory_limit, tsys_cuda_flash_impl_name(e.flash), tsys_cuda_flash_impl_name(want));
+    TEST_CHECK(tsys_cuda_set_flash_impl(c2, (tsys_cuda_flash_impl)9) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(c2), "impl = 9") != NULL,
+               "set_flash_impl(9): '%s'", tsys_ctx_last_error(c2));
+    TEST_CHECK(tsys_cuda_get_desc(c2).flash == want, "a refused set_flash_impl must keep the choice");
+    tsys_ctx_clear_error(c2);
+    if (!hopper) {
+        TEST_CHECK(tsys_cuda_set_flash_impl(c2, TSYS_CUDA_FLASH_WS) == TSYS_ERR_UNSUPPORTED && strstr(tsys_ctx_last_error(c2), "'ws'") != NULL,
+                   "ws without sm_90a: '%s'", tsys_ctx_last_error(c2));
+        tsys_ctx_clear_error(c2);
+    }
+    tsys_cuda_shutdown(c2);
+
+    // all defaults: NULL desc and the tsys_cuda_init shorthand
+    for (int k = 0; k < 2; k++) {
+        TEST_CHECK((k ? tsys_cuda_init(c2, 0) : tsys_cuda_init_desc(c2, NULL)) == TSYS_OK, "init (%d): %s", k, tsys_ctx_last_error(c2));
+        e = tsys_cuda_get_desc(c2);
+        TEST_CHECK(e.device == 0 && !e.tf32 && e.workspace_bytes == TSYS_CUDA_WORKSPACE_BYTES && e.memory_limit == 0 && !e.nvtx &&
+                   e.flash != TSYS_CUDA_FLASH_AUTO,
+                   "defaults (%d): device %d tf32 %d workspace %zu limit %zu nvtx %d flash %s", k, e.device, (int)e.tf32, e.workspace_bytes,
+                   e.memory_limit, (int)e.nvtx, tsys_cuda_flash_impl_name(e.flash));
+        tsys_cuda_shutdown(c2);
+    }
+    TEST_CHECK(!strcmp(tsys_cuda_flash_impl_name(TSYS_CUDA_FLASH_AUTO), "auto") && !strcmp(tsys_cuda_flash_impl_name(TSYS_CUDA_FLASH_WS), "ws") &&
+               !strcmp(tsys_cuda_flash_impl_name(TSYS_CUDA_FLASH_WGMMA), "wgmma") && !strcmp(tsys_cuda_flash_impl_name(TSYS_CUDA_FLASH_MMA), "mma"),
+               "implementation names");
+    tsys_ctx_free(c2);
+}
 
 int main(int argc, char **argv) {
     int rc = tsys_test_main(argc, argv);

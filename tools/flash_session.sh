@@ -2,6 +2,8 @@
 # flash_session.sh - one call on the GPU machine for the FlashAttention kernels: the lab's checks, tile
 # variants, the leaderboard rows, PyTorch SDPA at the same shapes (same call), and an ncu look at a kernel.
 #   tools/flash_session.sh build test wg lb torch ncu
+# `test` checks every flash implementation the device can run (mma, wgmma, ws); `lbnows` / `lbmma` time the
+# leaderboard rows on the cp.async wgmma / mma.sync kernels (build/flash_lab's second word picks one).
 # build/flash_lab may be built beforehand (nvcc ... -gencode arch=compute_90a,code=sm_90a) and carried;
 # `build` (re)builds it here. Logs go to $OUT; the lines that matter print as each part ends.
 set -uo pipefail
@@ -19,7 +21,8 @@ for part in "$@"; do
   wg) timeout 400 build/flash_lab wgvariants > "$OUT/flash_wg.log" 2>&1; grep -E "^  wg |FAIL|passed" "$OUT/flash_wg.log" ;;
   wsdq) timeout 200 build/flash_lab wsdq > "$OUT/flash_wsdq.log" 2>&1; cat "$OUT/flash_wsdq.log" ;;
   lb) timeout 120 build/flash_lab lb > "$OUT/flash_lb.log" 2>&1; cat "$OUT/flash_lb.log" ;;
-  lbnows) TSYS_FLASH_NO_WS=1 timeout 120 build/flash_lab lb > "$OUT/flash_lb_nows.log" 2>&1; cat "$OUT/flash_lb_nows.log" ;;
+  lbnows) timeout 120 build/flash_lab lb wgmma > "$OUT/flash_lb_nows.log" 2>&1; cat "$OUT/flash_lb_nows.log" ;;
+  lbmma) timeout 120 build/flash_lab lb mma > "$OUT/flash_lb_mma.log" 2>&1; cat "$OUT/flash_lb_mma.log" ;;
   perf) timeout 300 build/flash_lab perf > "$OUT/flash_perf.log" 2>&1; cat "$OUT/flash_perf.log" ;;
   torch) timeout 300 python3 tests/ref/torch_fa_lb.py > "$OUT/torch_fa_lb.log" 2>&1; cat "$OUT/torch_fa_lb.log" ;;
   ncu) for k in ${NCU_KERNELS:-fwd_wg dkdv_wg dq_wg}; do
