@@ -170,7 +170,10 @@ cuda: $(CUDA_DRIVERS) $(CUDA_TESTS)
 
 # CI has nvcc but no GPU: compile and link the drivers and the CUDA tests (which instantiate every
 # kernel) so broken kernels cannot land; the kernel lab is left to the GPU machine's `make cuda`.
-cuda-compile: $(CUDA_DRIVERS) $(BUILD)/test_cuda
+cuda-compile: $(CUDA_DRIVERS) $(BUILD)/test_cuda $(BUILD)/tsys_impl_cuda_noflash.o
+# The CUDA backend without its FlashAttention section (TSYS_CUDA_NO_FLASH), for users who want a fast build.
+$(BUILD)/tsys_impl_cuda_noflash.o: $(BUILD)/tsys_impl_cuda.o
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -DTSYS_CUDA_NO_FLASH -c $(BUILD)/tsys_impl_cuda.cu -o $@
 
 test-cuda: $(CUDA_TESTS)
 	$(BUILD)/test_cuda
