@@ -4324,7 +4324,10 @@ static bool tsys_cuda__cupti_start(tsys_cuda__clock *k) {
     uint64_t ts = 0;
     bool ok = k->api.register_callbacks(tsys_cuda__cupti_buffer_requested, tsys_cuda__cupti_buffer_completed) == CUPTI_SUCCESS &&
               k->api.enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) == CUPTI_SUCCESS &&
-              k->api.enable(CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION) == CUPTI_SUCCESS && k->api.timestamp(&ts) == CUPTI_SUCCESS;
+              k->api.enable(CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION) == CUPTI_SUCCESS &&
+              // external ids attach to API records: without these kinds CUPTI emits no correlation
+              k->api.enable(CUPTI_ACTIVITY_KIND_RUNTIME) == CUPTI_SUCCESS && k->api.enable(CUPTI_ACTIVITY_KIND_DRIVER) == CUPTI_SUCCESS &&
+              k->api.timestamp(&ts) == CUPTI_SUCCESS;
     k->host_minus_gpu_us = tsys_time_us() - (double)ts * 1e-3;
     if (!ok) { tsys_cuda__cupti_owner = NULL; dlclose(k->api.lib); k->api.lib = NULL; }
     return ok;
@@ -4381,12 +4384,16 @@ static tsys_status tsys_cuda__clock_collect(void *state, void (*put)(void *p, ui
             uint32_t a = ((const tsys_cuda__cupti_ext *)x)->corr, b = ((const tsys_cuda__cupti_ext *)y)->corr;
             return (a > b) - (a < b);
         });
+        size_t mapped = 0;
         for (size_t i = 0; i < k->num_recs; i++) {
             size_t lo = 0, hi = n;
             while (lo < hi) { size_t mid = (lo + hi) / 2; if (e[mid].corr < k->recs[i].corr) lo = mid + 1; else hi = mid; }
             if (lo == n || e[lo].corr != k->recs[i].corr) continue;   // a kernel tsys did not launch (a graph replay, say)
             put(p, e[lo].seq, (double)k->recs[i].start * 1e-3 + k->host_minus_gpu_us, (double)(k->recs[i].end - k->recs[i].start) * 1e-3);
+            mapped++;
         }
+        if (getenv("TSYS_PROFILER_DEBUG"))
+            fprintf(stderr, "tsys profiler: cupti gave %zu kernel records and %zu external ids; %zu kernels mapped to launches\n", k->num_recs, n, mapped);
         return TSYS_OK;
     }
 #endif
@@ -4406,6 +4413,8 @@ static void tsys_cuda__clock_end(void *state) {
     if (k->cupti) {
         k->api.disable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
         k->api.disable(CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION);
+        k->api.disable(CUPTI_ACTIVITY_KIND_RUNTIME);
+        k->api.disable(CUPTI_ACTIVITY_KIND_DRIVER);
         k->api.flush_all(1);
         tsys_cuda__cupti_owner = NULL;
     }

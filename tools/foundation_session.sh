@@ -26,7 +26,7 @@ for part in "$@"; do
         d=$B; [ $v = new ] && d=$N
         a=$(timeout 200 $d/e2e_cuda --model 2.7B $E 2>/dev/null | ms total_ms)
         s=$(timeout 100 $d/e2e_cuda --model small $E 2>/dev/null | ms total_ms)
-        l=$(timeout 100 $d/attn_cuda --sweep leaderboard --format jsonl 2>/dev/null | ms fwd+bwd_ms)
+        l=$(timeout 100 $d/attn_cuda --sweep leaderboard --format jsonl 2>/dev/null | grep "\"impl\": \"flash\"" | ms fwd+bwd_ms)
         echo "round $round $v: 2.7B bf16 compiled train ${a:-?} ms | small bf16 compiled train ${s:-?} ms | flash leaderboard fwd+bwd ${l:-?} ms" | tee -a "$OUT/compare.log"
       done
     done ;;
