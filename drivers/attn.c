@@ -184,6 +184,19 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
         opts_free(o);
         return DU_EXIT_USAGE;
     }
+    // every tensor a configuration makes (q, k, v, dO, naive's scores) below 2^62 elements
+    double bh = (double)o->batch * (o->heads > 0 ? o->heads : 1), worst = 0;
+    for (int si = 0; si < o->seq_list.n; si++)
+        for (int di = 0; di < o->d_list.n; di++) {
+            double seq = atof(o->seq_list.item[si]), d = atof(o->d_list.item[di]);
+            double n = bh * seq * (seq > d ? seq : d);
+            if (n > worst) worst = n;
+        }
+    if (!du_elems_ok(worst)) {
+        fprintf(stderr, "attn: --batch x --heads x --seq x max(--seq, --d) is %.3g elements; one tensor holds at most 2^62\n", worst);
+        opts_free(o);
+        return DU_EXIT_USAGE;
+    }
     return 0;
 }
 

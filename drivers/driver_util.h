@@ -84,6 +84,12 @@ static inline bool du_parse_gib(const char *prog, const char *flag, const char *
     return true;
 }
 
+// Element counts the drivers ask tensors for stay at most 2^62 (computed in double, exact enough
+// here): beyond, the library's int64 shape products would overflow before any memory check could
+// refuse them, and no machine holds such a tensor anyway.
+#define DU_MAX_ELEMS 4611686018427387904.0
+static inline bool du_elems_ok(double n) { return n <= DU_MAX_ELEMS; }
+
 static inline bool du_format_ok(const char *f) { return !strcmp(f, "md") || !strcmp(f, "csv") || !strcmp(f, "jsonl"); }
 
 #define DU_LIST_MAX 64

@@ -334,7 +334,15 @@ static bool config_desc(const e2e_opts *o, const char *model_name, int T, const 
     }
     d->context_length = T;
     d->attn = attn;
-    return tsys_model_desc_validate(d, err, len) == TSYS_OK;
+    if (tsys_model_desc_validate(d, err, len) != TSYS_OK) return false;
+    // the largest tensors of a step: logits, attention scores, the FFN activations, the weights
+    double B = o->batch, V = d->vocab_size, D = d->d_model, F = d->d_ff, H = d->num_heads;
+    if (!du_elems_ok(B * T * V) || !du_elems_ok(B * H * T * (double)T) || !du_elems_ok(B * T * F) || !du_elems_ok(V * D) || !du_elems_ok(D * F)) {
+        snprintf(err, len, "tensor sizes past 2^62 elements (batch %d x context %d with vocab %d, %d heads, d_ff %d)", o->batch, T,
+                 d->vocab_size, d->num_heads, d->d_ff);
+        return false;
+    }
+    return true;
 }
 
 static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn_flag, du_table *tab) {

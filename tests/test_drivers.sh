@@ -276,6 +276,18 @@ t_precision_prose_matches_its_table() {
   expect_not_in "$tmp/out" 'within ~1e-5' "the old claim"
 }
 
+# Sizes whose element counts would overflow the library's int64 shape products are refused before
+# any tensor is made (attn: a usage error; e2e: an error row), never wrapped into small allocations.
+t_sizes_past_2p62_elements_are_refused() {
+  run "$B/attn" --batch 1048576 --heads 65536 --seq 16777216 --d 65536 --impl naive --warmup 0 --reps 1
+  expect_rc 2 "attn at 2^76 elements"
+  expect_in "$tmp/err" 'at most 2\^62' "the rule"
+  run "$B/e2e" --model custom --d-model 16 --num-layers 1 --num-heads 2 --d-ff 32 --vocab-size 16777216 --batch-size 1048576 \
+      --context-length 1048576 --warmup 0 --steps 1 --no-sgemm
+  expect_rc 1 "e2e at 2^64 logits"
+  expect_in "$tmp/out" '\| error: tensor sizes past 2\^62 elements' "the error row"
+}
+
 t_dry_run_measures_nothing() {
   run "$B/e2e" --model 2.7B --context-length 128 --mode train --dry-run
   expect_rc 0 "e2e --dry-run"
