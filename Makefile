@@ -27,7 +27,7 @@ CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn
 CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention $(BUILD)/test_hooks $(BUILD)/test_guards
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-.PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean
+.PHONY: header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 
 all: $(CPU_DRIVERS)
@@ -140,6 +140,11 @@ $(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS) $(NCCL_LIBS) $(if $(HAVE_MPI),$(MPI_LINK))
 cuda: $(DIST_CUDA)
 cuda-compile: $(DIST_CUDA)
+# On the GPU machine: NCCL in a group of one, then two ranks sharing the GPU through host staging.
+test-cuda: test-dist-cuda
+test-dist-cuda: $(BUILD)/test_dist_cuda
+	$(BUILD)/test_dist_cuda
+	$(if $(HAVE_MPI),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 2 $(BUILD)/test_dist_cuda,$(BUILD)/test_dist_cuda --nproc 2)
 
 bench: all
 	./bench.sh

@@ -15,26 +15,96 @@
       cc  ... -DTSYS_DIST_MPI $(mpicc --showme:compile) ... $(mpicc --showme:link)
       nvcc ... -DTSYS_DIST_MPI -DTSYS_DIST_NCCL ... -lnccl $(mpicc --showme:link)
 
-   Engines are chosen by define: TSYS_DIST_MPI and/or TSYS_DIST_NCCL. With neither, only a group of
-   one process exists (world size 1), so DDP and ZeRO code runs unchanged in a single process. A
-   program that does not include this header needs neither NCCL nor MPI.
+   C builds also need -D_GNU_SOURCE (POSIX sockets, shared memory and threads; C++ has it already)
+   and -pthread. The Makefile's DIST_CFLAGS / DIST_NVFLAGS have everything.
+
+   Quick start (run as `mpirun -np 4 ./prog`, or `./prog 4` through the built-in launcher):
+
+      int code;
+      if (tsys_dist_spawn(argc > 1 ? atoi(argv[1]) : 1, argc, argv, &code)) return code;   // the launcher
+      tsys_ctx *ctx = tsys_ctx_new(NULL);
+      tsys_dist *d = tsys_dist_init(ctx, NULL);                  // NULL: tsys_ctx_last_error(ctx) says why
+      tsys_dist_all_reduce(d, grad, TSYS_DIST_AVG);              // in place, every rank gets the mean
+      tsys_dist_work *w = tsys_dist_all_reduce_async(d, other, TSYS_DIST_SUM);
+      ... compute ...
+      tsys_dist_wait(w);                                         // frees w
+      tsys_dist_free(d);                                         // before tsys_ctx_free
+
+   Engines (tsys_dist_engine_of):
+      mpi    ranks started by mpirun / srun (needs TSYS_DIST_MPI). Host tensors through MPI's
+             non-blocking collectives, or through shared memory when every rank is on this host.
+      tcp    ranks started by tsys_dist_spawn or torchrun-style variables (no MPI needed): host
+             tensors through shared memory on one host, else through TCP sockets (a star around
+             rank 0: fine for control and small tensors; use mpirun for bandwidth across hosts).
+      nccl   a CUDA group (desc.cuda) with TSYS_DIST_NCCL: CUDA tensors through NCCL on the side
+             stream; host tensors still go the mpi or tcp way.
+      self   a group of one: collectives are the identity (reduce-scatter and all-gather copy).
+   MPI and the tcp engine are never mixed: a process started by mpirun is an MPI rank, any other
+   process (the launcher's, torchrun's) is a tcp rank, and asking for the other engine is an error.
+   CUDA tensors in a group without NCCL travel through host memory (copy to the host, host
+   collective, copy back; blocking): how Gloo treats them, and how two ranks can share one GPU.
 
    Launch and rendezvous, in this order of preference (tsys_dist_init):
-      1. under mpirun / srun: rank, size and local rank from MPI; the NCCL id is broadcast over MPI
-         (this is how to go multi-node);
-      2. torchrun-style environment variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT:
-         a small TCP rendezvous on MASTER_ADDR:MASTER_PORT exchanges the NCCL id (and, without MPI,
-         carries the CPU collectives' rendezvous);
+      1. under mpirun / srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK, PMI_RANK, an srun step, or MPI
+         already initialized): rank, size and local rank (MPI_COMM_TYPE_SHARED) from MPI; the NCCL
+         id is broadcast over MPI (this is how to go multi-node);
+      2. torchrun-style environment variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (default
+         127.0.0.1), MASTER_PORT (default 29500): rank 0 listens on MASTER_PORT, the others connect
+         (retrying until the timeout), send a hello and get the table of ranks; the connections stay
+         as the group's control path (the NCCL id, the shared segment's name, the tcp engine);
       3. neither: a group of one.
       tsys_dist_spawn(nproc, argc, argv) is the built-in local launcher (drivers' --nproc N, like
-      torch.multiprocessing.spawn): it starts N copies of the program with the variables of 2 set.
-      A CUDA rank uses GPU = local rank.
+      torch.multiprocessing.spawn): it starts N copies of the program with the variables of 2 set
+      (rank 0 inherits the launcher's listening socket, so the port cannot be taken in between) and
+      waits. A CUDA rank uses GPU = local rank mod the device count.
+
+   Options (environment, read by tsys_dist_init):
+      TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
+      TSYS_DIST_SHM=0       no shared-memory path (host tensors through MPI or TCP)
+      TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 256 KiB)
+      TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
+                            dtype and size; 0: never; default: under TSYS_DEBUG, and at 64 KiB and up
+                            (the shared-memory and tcp paths always check: it costs them nothing)
+
+   ON ASYNCHRONOUS COLLECTIVES
+      CUDA tensors through NCCL: launched on the side stream after the compute stream's work so far;
+      tsys_dist_wait makes the compute stream wait (no host sync; capturable in a CUDA graph).
+      Host tensors: a worker thread per group runs them in the order they were issued (true overlap
+      with the caller's computation); a blocking collective waits for the queue first. Keep the
+      tensors alive and untouched until tsys_dist_wait, and wait for every handle (it frees it).
+      One thread uses a group; several groups may coexist (each has its own worker and segment).
+
+   ON FAILURE
+      Every MPI and NCCL call is checked (MPI_ERRORS_RETURN on the group's communicator). Waits poll
+      with a deadline of desc.timeout_s without progress, so a dead or stalled peer ends in an error
+      (TSYS_ERR_IO, the message says which collective) and the group is marked broken: every later
+      call fails at once, tsys_dist_free skips MPI_Finalize, and the program should exit non-zero.
+      What names the culprit:
+        - shared memory (all ranks on one host, either engine): "rank R (pid P) exited" within 50 ms
+          of its death, or "no reply from rank R (pid P) within T s" for a stalled one; the rank that
+          sees it first tells the others through the segment;
+        - tcp without shared memory: rank 0 names the rank whose socket closed or went silent and
+          tells the others; the others name rank 0 when it is the one that is gone;
+        - MPI across hosts: "no reply from the group within T s" (MPI does not say who; mpirun itself
+          stops the job when a rank exits and names it); ranks on this host are still named by pid;
+        - NCCL: the communicator is created non-blocking and polled (ncclCommGetAsyncError) with the
+          deadline, then aborted (ncclCommAbort); a collective that never finishes is detected where
+          the host waits for the side stream: tsys_dist_barrier;
+        - the launcher prints the first rank that exited non-zero and stops the others after a grace
+          of min(5 s, TSYS_DIST_TIMEOUT) (they usually report the dead rank themselves first).
+      Not detected: a rank that keeps calling collectives of matching shape with wrong data; an NCCL
+      collective stuck while nobody calls tsys_dist_barrier (the GPU stream just waits); a mismatch in
+      an MPI or NCCL collective under 64 KiB when TSYS_DEBUG is off (it may then hang until the
+      timeout, or be reported by MPI as truncation).
 
    tsys_dist DOES NOT:
       - hang on a dead or stuck peer: every wait is bounded by the group's timeout (desc.timeout_s,
         else TSYS_DIST_TIMEOUT from the environment, else 300 s) and ends in an error naming the rank
+        where it can (see ON FAILURE)
       - copy gradients into buckets: buckets are views of the contiguous gradient arena
-      - keep global state beyond what MPI itself keeps (MPI_Init is once per process)
+      - keep global state beyond what MPI itself keeps (MPI_Init is once per process; the group that
+        initialized MPI finalizes it in tsys_dist_free: free it last)
+      - call exit(): errors come back as a status and the context's message
 
    Revision history:
       0.1  first release
@@ -64,13 +134,15 @@ typedef enum tsys_dist_engine {
 typedef enum tsys_dist_op { TSYS_DIST_SUM, TSYS_DIST_AVG, TSYS_DIST_MAX } tsys_dist_op;
 
 // Group creation. All fields 0 = default:
-//   engine     auto: NCCL for CUDA tensors when compiled in and cuda is set, MPI for CPU tensors (and
-//              for CUDA tensors without NCCL, through host staging), a group of one without either
+//   engine     auto: NCCL for CUDA tensors when compiled in, cuda is set and there are several ranks;
+//              MPI for host tensors under mpirun, tcp otherwise (see the engines at the top); a group
+//              of one alone. CUDA tensors without NCCL travel through host staging
 //   cuda       this rank computes on a GPU: tsys_dist_init calls tsys_cuda_init(ctx, local rank mod
 //              the device count) unless the context already has a CUDA backend
 //   timeout_s  TSYS_DIST_TIMEOUT from the environment, else 300
 // Collectives pick their path by the tensor's device: CUDA tensors go through NCCL when the group
-// has a communicator, else through MPI with host staging (2 ranks may share one GPU that way).
+// has a communicator, else through the host engine with host staging (2 ranks may share one GPU that
+// way: engine mpi or tcp with cuda set gives no NCCL communicator).
 typedef struct tsys_dist_desc {
     tsys_dist_engine engine;
     bool cuda;
@@ -236,14 +308,7 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 #endif
 #endif
 
-// Options (environment, read by tsys_dist_init):
-//   TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
-//   TSYS_DIST_SHM         0 turns the shared-memory path off (host tensors then travel through MPI,
-//                         or TCP sockets); default 1: used whenever every rank is on this host
-//   TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 256 KiB)
-//   TSYS_DIST_CHECK       1: check every host collective's size/dtype across ranks; 0: none; default:
-//                         under TSYS_DEBUG, or at 64 KiB and up (the shared-memory and TCP paths
-//                         always check: it costs them nothing)
+// Options: see the top of the file (TSYS_DIST_TIMEOUT, TSYS_DIST_SHM, TSYS_DIST_SHM_SLICE, TSYS_DIST_CHECK).
 #ifndef TSYS_DIST_TIMEOUT_DEFAULT
 #define TSYS_DIST_TIMEOUT_DEFAULT 300
 #endif
