@@ -925,6 +925,7 @@ static void tsys_dist__reduce(int type, int op, void *dst1, void *dst2, const vo
 }
 
 // AVG after a summing engine (MPI): x /= size, in place.
+#ifdef TSYS_DIST_MPI
 static void tsys_dist__scale_avg(int type, void *p, int64_t n, int size) {
     for (int64_t i0 = 0; i0 < n; i0 += TSYS_DIST__BLK) {
         int m = (int)(n - i0 < TSYS_DIST__BLK ? n - i0 : TSYS_DIST__BLK);
@@ -935,6 +936,7 @@ static void tsys_dist__scale_avg(int type, void *p, int64_t n, int size) {
         tsys_dist__store_f(type, p, i0, m, acc);
     }
 }
+#endif
 
 // ---- shared memory (every rank on this host) ---------------------------------------------------
 // Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
@@ -1567,6 +1569,7 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
         d->worker_on = false;
     }
     bool broken = TSYS_DIST__LOAD(&d->broken) != 0;
+    (void)broken; (void)finalize;
 #ifdef TSYS_DIST_NCCL
     if (d->nccl) {
         if (broken) ncclCommAbort(d->nccl);

@@ -409,6 +409,44 @@ TSYS_TEST(two_groups_interleaved) {   // groups are independent: alternate betwe
     }
 }
 
+#ifdef TSYS_WITH_CUDA
+// NCCL collectives inside a captured CUDA graph (a group of one here: several ranks on this machine's
+// one GPU go through host staging, which cannot be captured and must say so).
+TSYS_TEST(cuda_graph_capture) {
+    int p = g_npaths - 1;
+    tsys_dist *d = g_group[p];
+    int64_t n = 1000;
+    float *h = (float *)hbuf(TSYS_F32, n);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)i;
+    tsys_tensor *t = mk(TSYS_CUDA, TSYS_F32, n, h), *o = mk(TSYS_CUDA, TSYS_F32, n * g_size, NULL);
+    STATUS_OK(tsys_cuda_graph_begin(g_ctx), "graph begin");
+    if (g_size == 1) {
+        tsys_dist_work *w = tsys_dist_all_reduce_async(d, t, TSYS_DIST_AVG);
+        TEST_CHECK(w != NULL, "async all_reduce while capturing: %s", tsys_ctx_last_error(g_ctx));
+        if (w) STATUS_OK(tsys_dist_wait(w), "wait while capturing");
+        STATUS_OK(tsys_dist_all_gather(d, o, t), "all_gather while capturing");
+        tsys_cuda_graph *g = NULL;
+        STATUS_OK(tsys_cuda_graph_end(g_ctx, &g), "graph end");
+        for (int k = 0; k < 3 && g; k++) STATUS_OK(tsys_cuda_graph_replay(g_ctx, g), "replay %d", k);
+        STATUS_OK(tsys_sync(g_ctx, TSYS_CUDA), "sync");
+        tsys_cuda_graph_free(g);
+        memset(h, 0, sizeof(float) * (size_t)n);
+        tsys_tensor_to_host(g_ctx, o, h);
+        CHECK_VALUES(n, (double)h[i], (double)i, "replayed all_reduce + all_gather");
+        STATUS_OK(tsys_dist_barrier(d), "barrier after the graph");
+    } else {
+        TEST_CHECK(tsys_dist_all_reduce(d, t, TSYS_DIST_SUM) != TSYS_OK && strstr(tsys_ctx_last_error(g_ctx), "graph"), "host-staged collective while capturing: %s", tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        tsys_cuda_graph *g = NULL;
+        tsys_cuda_graph_end(g_ctx, &g);
+        tsys_cuda_graph_free(g);
+        tsys_ctx_clear_error(g_ctx);
+    }
+    tsys_tensor_release(t); tsys_tensor_release(o);
+    free(h);
+}
+#endif
+
 // ---- failure modes (run by tests/test_dist_fail.sh) ----------------------------------------------
 
 static int failure_mode(tsys_dist *d, bool die, int victim) {
