@@ -62,6 +62,8 @@
       TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
       TSYS_DIST_SHM=0       no shared-memory path (host tensors through MPI or TCP)
       TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 256 KiB)
+      TSYS_DIST_BIND=0      tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
+                            own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
       TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
                             dtype and size; 0: never; default: under TSYS_DEBUG, and at 64 KiB and up
                             (the shared-memory and tcp paths always check: it costs them nothing)
@@ -400,6 +402,7 @@ struct tsys_dist {
     char *shm_base, *shm_data;
     size_t shm_bytes, slice;
     uint64_t shm_step, shm_k;     // barriers passed, pipeline slices used (slot = shm_k & 1)
+    long spin_limit;              // spins before a wait yields (tsys_dist__spin_adapt)
     char shm_note[128];           // why the shared-memory path is off, when it is
     // the worker thread that runs asynchronous host collectives in order
     bool worker_on, worker_stop, worker_busy;
@@ -409,7 +412,7 @@ struct tsys_dist {
     tsys_dist_work *q_head, *q_tail;
 #ifdef TSYS_DIST_MPI
     MPI_Comm comm;
-    bool have_comm, mpi_owner, mpi_serialized, mpi_ops;
+    bool have_comm, mpi_owner, mpi_multiple, mpi_ops;
     MPI_Op op16[2][2];            // [bf16, fp16][sum, max]
 #endif
 #ifdef TSYS_DIST_NCCL
@@ -601,6 +604,20 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
     pid_t *pids = (pid_t *)calloc((size_t)nproc, sizeof(pid_t));
     int *alive = (int *)calloc((size_t)nproc, sizeof(int));
     pid_t me = getpid();
+    // Like mpirun: each rank gets its own cores (ncpu / nproc of the launcher's), so ranks that
+    // wait for each other never share a core and OpenMP sizes each rank's team to its share.
+    // More ranks than cores, or TSYS_DIST_BIND=0: no binding.
+    int cpus[1024], ncpu = 0;
+    bool bind = false;
+#ifdef __linux__
+    {
+        cpu_set_t set;
+        const char *b = tsys_dist__env("TSYS_DIST_BIND");
+        if (!(b && !strcmp(b, "0")) && sched_getaffinity(0, sizeof set, &set) == 0)
+            for (int c = 0; c < CPU_SETSIZE && ncpu < 1024; c++) if (CPU_ISSET(c, &set)) cpus[ncpu++] = c;
+        bind = ncpu >= nproc;
+    }
+#endif
     fflush(stdout); fflush(stderr);
     int started = 0;
     for (int r = 0; r < nproc; r++) {
@@ -617,6 +634,15 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
 #ifdef __linux__
             prctl(PR_SET_PDEATHSIG, SIGTERM);   // the ranks go when the launcher goes
             if (getppid() != me) _exit(1);
+            if (bind) {
+                cpu_set_t set;
+                CPU_ZERO(&set);
+                int k = ncpu / nproc;
+                for (int c = r * k; c < (r + 1) * k; c++) CPU_SET(cpus[c], &set);
+                sched_setaffinity(0, sizeof set, &set);
+            }
+#else
+            (void)bind; (void)cpus; (void)ncpu;
 #endif
             execv(exe, argv);
             fprintf(stderr, "tsys_dist_spawn: rank %d: cannot run %s: %s\n", r, exe, strerror(errno));
@@ -987,6 +1013,15 @@ static bool tsys_dist__shm_aborted(tsys_dist *d, const tsys_dist__coll *c, tsys_
     return false;
 }
 
+// How long a wait spins before it yields the CPU adapts: a wait that ran out of spins (the peer was
+// not running: more ranks than cores, or a slow peer) halves it, a wait that ended while spinning
+// doubles it (one that did not wait at all changes nothing). Ranks on cores of their own keep spinning (sub-microsecond barriers); oversubscribed
+// ranks yield almost at once (spinning would only delay the peer they wait for).
+static void tsys_dist__spin_adapt(tsys_dist *d, long spins) {
+    if (spins >= d->spin_limit) d->spin_limit = d->spin_limit > 32 ? d->spin_limit / 2 : 16;
+    else if (spins > 0 && d->spin_limit < 4096) d->spin_limit *= 2;   // 0: the others were there already
+}
+
 // Waits until every rank's step counter reaches target: spins briefly, then yields, then naps; checks
 // the lagging ranks' pids every 50 ms and gives up after timeout_s without progress.
 static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__coll *c, tsys_dist__err *e) {
@@ -997,7 +1032,7 @@ static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__
         tsys_dist__shm_rank *p = tsys_dist__shm_r(d, r);
         while (TSYS_DIST__LOAD(&p->step) < target) {
             if (TSYS_DIST__LOAD(&h->abort_state)) return tsys_dist__shm_aborted(d, c, e);
-            if (++spins < 4000) { TSYS_DIST__RELAX(); continue; }
+            if (++spins < d->spin_limit) { TSYS_DIST__RELAX(); continue; }
             double now = tsys_time_us();
             if (t0 == 0) t0 = last_check = now;
             if (now - last_check > TSYS_DIST__DEAD_CHECK_US) {
@@ -1025,6 +1060,7 @@ static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__
             else tsys_dist__nap_us(50);
         }
     }
+    tsys_dist__spin_adapt(d, spins);
     return true;
 }
 
@@ -1050,8 +1086,15 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         const int64_t off = k * per, len = total - off < per ? total - off : per;
         const int slot = (int)(d->shm_k++ & 1);
         char *mybuf = tsys_dist__shm_buf(d, slot, me);
+        // all-reduce: each rank reduces one part of the slice (16-element aligned); it reads its own
+        // part from its input directly, so only the other parts are published
+        const int64_t q_per = ((len + n - 1) / n + 15) / 16 * 16;
+        const int64_t a = (int64_t)me * q_per < len ? (int64_t)me * q_per : len, b = a + q_per < len ? a + q_per : len;
         if (len > 0) switch (c->kind) {
-            case TSYS_DIST__ALLREDUCE: memcpy(mybuf, out + (size_t)off * es, (size_t)len * es); break;
+            case TSYS_DIST__ALLREDUCE:
+                memcpy(mybuf, out + (size_t)off * es, (size_t)a * es);
+                memcpy(mybuf + (size_t)b * es, out + (size_t)(off + b) * es, (size_t)(len - b) * es);
+                break;
             case TSYS_DIST__BCAST: if (me == c->root) memcpy(mybuf, out + (size_t)off * es, (size_t)len * es); break;
             case TSYS_DIST__AG: memcpy(mybuf, in + (size_t)off * es, (size_t)len * es); break;
             case TSYS_DIST__RS:
@@ -1069,9 +1112,9 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         if (len <= 0) continue;
         switch (c->kind) {
         case TSYS_DIST__ALLREDUCE: {
-            const int64_t q_per = ((len + n - 1) / n + 15) / 16 * 16;   // each rank reduces one part
-            int64_t a = (int64_t)me * q_per < len ? (int64_t)me * q_per : len, b = a + q_per < len ? a + q_per : len;
-            for (int r = 0; r < n; r++) srcs[r] = tsys_dist__shm_buf(d, slot, r) + (size_t)a * es;
+            for (int r = 0; r < n; r++) srcs[r] = r == me ? out + (size_t)(off + a) * es : tsys_dist__shm_buf(d, slot, r) + (size_t)a * es;
+            // the result goes to the slot (for the others) and over this rank's input (block by block,
+            // each read before it is written)
             if (b > a) tsys_dist__reduce(c->type, c->op, mybuf + (size_t)a * es, out + (size_t)(off + a) * es, srcs, n, b - a);
             if (!tsys_dist__shm_barrier(d, c, e)) return false;
             for (int r = 0; r < n; r++) {
@@ -1121,8 +1164,8 @@ static bool tsys_dist__mpi_wait(tsys_dist *d, MPI_Request *req, const char *what
     for (long spins = 0;; spins++) {
         int flag = 0;
         if (!tsys_dist__mpi_ok(d, MPI_Test(req, &flag, MPI_STATUS_IGNORE), what, c, e)) return false;
-        if (flag) return true;
-        if (spins < 2000) { TSYS_DIST__RELAX(); continue; }
+        if (flag) { tsys_dist__spin_adapt(d, spins); return true; }
+        if (spins < d->spin_limit) { TSYS_DIST__RELAX(); continue; }
         double now = tsys_time_us();
         if (t0 == 0) t0 = last_check = now;
         if (d->shm_base && now - last_check > TSYS_DIST__DEAD_CHECK_US) {   // ranks on this host: name a dead one
@@ -1292,10 +1335,11 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
     case TSYS_DIST__ALLREDUCE: {
         const size_t per = TSYS_DIST__TCP_CHUNK / es;
         char *scratch = NULL;
-        const void *srcs[512];
+        const void **srcs = NULL;
         if (me == 0 && count) {
             scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1));
-            if (!scratch) return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory");
+            srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+            if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory"); }
         }
         bool ok = true;
         for (size_t off = 0; ok && off < count; off += per) {
@@ -1311,6 +1355,7 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
             }
         }
         TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
         return ok;
     }
     case TSYS_DIST__BCAST:
@@ -1335,9 +1380,9 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         // and answers only once everything is in (a rank still sending cannot read yet)
         const size_t per = TSYS_DIST__TCP_CHUNK / es;
         char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1) + (size_t)(n - 1) * count * es + 1);
-        if (!scratch) return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory");
+        const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+        if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory"); }
         char *res = scratch + TSYS_DIST__TCP_CHUNK * (size_t)(n - 1);
-        const void *srcs[512];
         bool ok = true;
         for (int q = 0; ok && q < n; q++)
             for (size_t off = 0; ok && off < count; off += per) {
@@ -1348,6 +1393,7 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
             }
         for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, res + (size_t)(r - 1) * count * es, count * es, true, c, e);
         TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
         return ok;
     }
     default: return true;
@@ -1455,12 +1501,13 @@ static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
     MPI_Finalized(&finalized);
     if (finalized) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "MPI was finalized already (the group that initialized it was freed): MPI cannot start twice in a process");
     if (!inited) {
-        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &prov);
+        // MULTIPLE: each group's worker thread makes its own MPI calls, and several groups may be busy at once
+        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &prov);
         if (rc != MPI_SUCCESS) return tsys_dist__seterr(e, TSYS_ERR_IO, "MPI_Init_thread failed (code %d)", rc);
         d->mpi_owner = true;
     }
     MPI_Query_thread(&prov);
-    d->mpi_serialized = prov >= MPI_THREAD_SERIALIZED;
+    d->mpi_multiple = prov >= MPI_THREAD_MULTIPLE;
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     if (!tsys_dist__mpi_ok(d, MPI_Comm_dup(MPI_COMM_WORLD, &d->comm), "MPI_Comm_dup", NULL, e)) return false;
     d->have_comm = true;
@@ -1608,7 +1655,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     if (desc) dd = *desc;
     tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
     if (!d) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_init: out of host memory"); return NULL; }
-    d->ctx = ctx; d->size = 1; d->local_size = 1;
+    d->ctx = ctx; d->size = 1; d->local_size = 1; d->spin_limit = 1024;
     d->host = TSYS_DIST__HOST_SELF;
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
@@ -1741,7 +1788,8 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     {
         bool threads_ok = d->host != TSYS_DIST__HOST_SELF && d->size > 1;
 #ifdef TSYS_DIST_MPI
-        if (d->host == TSYS_DIST__HOST_MPI && !d->shm_base && !d->mpi_serialized) threads_ok = false;   // MPI initialized by the caller without thread support
+        // MPI without MPI_THREAD_MULTIPLE (initialized so by the caller): asynchronous collectives run at launch
+        if (d->host == TSYS_DIST__HOST_MPI && !d->shm_base && !d->mpi_multiple) threads_ok = false;
 #endif
         if (threads_ok) {
             pthread_mutex_init(&d->mu, NULL);
