@@ -33,6 +33,18 @@ for t in $tests; do
 done
 run "$BUILD/test_dist"
 run "$BUILD/test_dist" --nproc 3
+# torchrun-style variables set by hand (no launcher): rank 1 first, it retries until rank 0 listens
+torchrun_style() {
+  local port=$((20000 + RANDOM % 20000))
+  RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 MASTER_ADDR=localhost MASTER_PORT=$port "$BUILD/test_dist" all_reduce_f32 > /dev/null 2>&1 &
+  local pid=$!
+  sleep 0.3
+  RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=localhost MASTER_PORT=$port "$BUILD/test_dist" all_reduce_f32
+  local rc=$?
+  wait $pid || rc=1
+  return $rc
+}
+run torchrun_style
 run tests/test_dist_fail.sh
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

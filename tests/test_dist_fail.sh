@@ -29,6 +29,11 @@ case_ "launcher: rank 1 exits" $((T + 6)) "$named exited" "$bin" --nproc 3 --die
 case_ "launcher: rank 1 stalls" $((T + 8)) "no reply from $named" "$bin" --nproc 3 --stall 1
 case_ "launcher, tcp: rank 1 exits" $((T + 6)) "rank 1 closed the connection" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --die 1
 case_ "launcher, tcp: rank 1 stalls" $((T + 8)) "rank 1: nothing received" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --stall 1
+# the rendezvous itself: nobody there
+port=$((20000 + RANDOM % 20000))
+case_ "rendezvous: rank 0 never comes" $((T + 4)) "could not join rank 0 at 127.0.0.1:$port within $T s" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin"
+case_ "rendezvous: rank 1 never comes" $((T + 4)) "rank\(s\) 1 never connected" env RANK=0 WORLD_SIZE=2 MASTER_PORT=$port "$bin"
+case_ "rendezvous: bad RANK" 4 "RANK='5' and WORLD_SIZE='2'" env RANK=5 WORLD_SIZE=2 MASTER_PORT=$port "$bin"
 if command -v mpirun >/dev/null && ldd "$bin" 2>/dev/null | grep -q libmpi; then
   mpi="mpirun --oversubscribe -np 3"
   # mpirun may stop the job before the others report: its own message names the rank then
