@@ -412,15 +412,21 @@ TSYS_TEST(two_groups_interleaved) {   // groups are independent: alternate betwe
 #ifdef TSYS_WITH_CUDA
 // NCCL collectives inside a captured CUDA graph (a group of one here: several ranks on this machine's
 // one GPU go through host staging, which cannot be captured and must say so).
+static void cuda_graph_capture_on(tsys_dist *d, bool nccl);
 TSYS_TEST(cuda_graph_capture) {
-    int p = g_npaths - 1;
-    tsys_dist *d = g_group[p];
+    for (int p = 0; p < g_npaths; p++) {
+        if (g_dev[p] != TSYS_CUDA) continue;
+        bool nccl = tsys_dist_engine_of(g_group[p]) == TSYS_DIST_ENGINE_NCCL;
+        cuda_graph_capture_on(g_group[p], nccl);
+    }
+}
+static void cuda_graph_capture_on(tsys_dist *d, bool nccl) {
     int64_t n = 1000;
-    float *h = (float *)hbuf(TSYS_F32, n);
+    float *h = (float *)hbuf(TSYS_F32, n * g_size);
     for (int64_t i = 0; i < n; i++) h[i] = (float)i;
     tsys_tensor *t = mk(TSYS_CUDA, TSYS_F32, n, h), *o = mk(TSYS_CUDA, TSYS_F32, n * g_size, NULL);
     STATUS_OK(tsys_cuda_graph_begin(g_ctx), "graph begin");
-    if (g_size == 1) {
+    if (nccl) {
         tsys_dist_work *w = tsys_dist_all_reduce_async(d, t, TSYS_DIST_AVG);
         TEST_CHECK(w != NULL, "async all_reduce while capturing: %s", tsys_ctx_last_error(g_ctx));
         if (w) STATUS_OK(tsys_dist_wait(w), "wait while capturing");
@@ -430,9 +436,9 @@ TSYS_TEST(cuda_graph_capture) {
         for (int k = 0; k < 3 && g; k++) STATUS_OK(tsys_cuda_graph_replay(g_ctx, g), "replay %d", k);
         STATUS_OK(tsys_sync(g_ctx, TSYS_CUDA), "sync");
         tsys_cuda_graph_free(g);
-        memset(h, 0, sizeof(float) * (size_t)n);
+        memset(h, 0, sizeof(float) * (size_t)(n * g_size));
         tsys_tensor_to_host(g_ctx, o, h);
-        CHECK_VALUES(n, (double)h[i], (double)i, "replayed all_reduce + all_gather");
+        CHECK_VALUES(n * g_size, (double)h[i], (double)(i % n), "replayed all_reduce (avg of equal tensors) + all_gather");
         STATUS_OK(tsys_dist_barrier(d), "barrier after the graph");
     } else {
         TEST_CHECK(tsys_dist_all_reduce(d, t, TSYS_DIST_SUM) != TSYS_OK && strstr(tsys_ctx_last_error(g_ctx), "graph"), "host-staged collective while capturing: %s", tsys_ctx_last_error(g_ctx));
@@ -497,15 +503,24 @@ int main(int argc, char **argv) {
         g_npaths = 2;
     }
 #ifdef TSYS_WITH_CUDA
-    {   // CUDA tensors: NCCL in a group of one, else host staging through the host engine (ranks may share a GPU)
-        tsys_dist_desc cd;
-        memset(&cd, 0, sizeof cd);
-        cd.cuda = true;
-        cd.engine = g_size == 1 ? TSYS_DIST_ENGINE_NCCL : tsys_dist_engine_of(d);
-        tsys_dist *dc = tsys_dist_init(g_ctx, &cd);
-        if (!dc) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
-        g_group[g_npaths] = dc; g_dev[g_npaths] = TSYS_CUDA; g_name[g_npaths] = g_size == 1 ? "nccl (cuda)" : "host-staged (cuda)";
-        g_npaths++;
+    {   // CUDA tensors: through NCCL when every rank has a GPU of its own (a group of one always does),
+        // and through host staging when there are several ranks (they may share a GPU)
+        int gpus = tsys_cuda_device_count();
+        double need = g_size > 1 && gpus > 0 && gpus < d->local_size ? 1 : 0;   // any host short of GPUs?
+        tsys_dist_all_reduce_host(d, &need, 1, TSYS_DIST_MAX);
+        for (int k = 0; k < 2; k++) {
+            bool nccl = k == 0;
+            if (nccl && need > 0) continue;
+            if (!nccl && g_size == 1) continue;
+            tsys_dist_desc cd;
+            memset(&cd, 0, sizeof cd);
+            cd.cuda = true;
+            cd.engine = nccl ? TSYS_DIST_ENGINE_NCCL : tsys_dist_engine_of(d);
+            tsys_dist *dc = tsys_dist_init(g_ctx, &cd);
+            if (!dc) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
+            g_group[g_npaths] = dc; g_dev[g_npaths] = TSYS_CUDA; g_name[g_npaths] = nccl ? "nccl (cuda)" : "host-staged (cuda)";
+            g_npaths++;
+        }
     }
 #endif
     if (g_rank == 0) {
