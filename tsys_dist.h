@@ -1250,10 +1250,19 @@ static bool tsys_dist__mpi_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         return true;
     case TSYS_DIST__RS:
         if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "reduce_scatter: %lld elements per rank is more than one MPI call takes", (long long)c->count);
-        if (!tsys_dist__mpi_ok(d, MPI_Ireduce_scatter_block(in, out, (int)c->count, dt, mop, d->comm, &req), "MPI_Ireduce_scatter_block", c, e) ||
-            !tsys_dist__mpi_wait(d, &req, "MPI_Ireduce_scatter_block", c, e)) return false;
-        if (c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
-        return true;
+    {
+        // MPI forbids overlapping buffers: out inside in (in-place, as ZeRO may do it) goes through a copy
+        size_t ob = (size_t)c->count * es;
+        bool overlap = out < in + (size_t)d->size * ob && in < out + ob;
+        char *dst = overlap ? (char *)TSYS_MALLOC(ob ? ob : 1) : out;
+        if (!dst) return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory");
+        bool ok = tsys_dist__mpi_ok(d, MPI_Ireduce_scatter_block(in, dst, (int)c->count, dt, mop, d->comm, &req), "MPI_Ireduce_scatter_block", c, e) &&
+                  tsys_dist__mpi_wait(d, &req, "MPI_Ireduce_scatter_block", c, e);
+        if (ok && overlap) memcpy(out, dst, ob);
+        if (overlap) TSYS_FREE(dst);
+        if (ok && c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
+        return ok;
+    }
     case TSYS_DIST__AG: {
         if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "all_gather: %lld elements per rank is more than one MPI call takes", (long long)c->count);
         const void *send = in == out + (size_t)d->rank * (size_t)c->count * es ? MPI_IN_PLACE : (const void *)in;

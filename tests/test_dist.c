@@ -259,6 +259,22 @@ TSYS_TEST(all_gather_in_place) {   // in is this rank's block of out (a view), a
     }
 }
 
+TSYS_TEST(reduce_scatter_in_place) {   // out is this rank's block of in (a view)
+    for (int p = 0; p < g_npaths; p++) {
+        int64_t m = 999, nin = m * g_size;
+        float *h = (float *)hbuf(TSYS_F32, nin);
+        for (int64_t i = 0; i < nin; i++) h[i] = (float)val(TSYS_F32, g_rank, i);
+        tsys_tensor *in = mk(g_dev[p], TSYS_F32, nin, h);
+        int64_t shape[1] = { m };
+        tsys_tensor *out = tsys_tensor_view_raw(g_ctx, in, (size_t)(g_rank * m) * 4, TSYS_F32, 1, shape);
+        STATUS_OK(tsys_dist_reduce_scatter(g_group[p], out, in, TSYS_DIST_SUM), "%s", g_name[p]);
+        tsys_tensor_to_host(g_ctx, out, h);
+        CHECK_VALUES(m, (double)h[i], expect(TSYS_F32, TSYS_DIST_SUM, (int64_t)g_rank * m + i), "%s: in-place reduce_scatter", g_name[p]);
+        tsys_tensor_release(out); tsys_tensor_release(in);
+        free(h);
+    }
+}
+
 TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collective in between, waited out of order
     for (int p = 0; p < g_npaths; p++) {
         enum { K = 6 };
