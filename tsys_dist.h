@@ -61,7 +61,8 @@
    Options (environment, read by tsys_dist_init):
       TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
       TSYS_DIST_SHM=0       no shared-memory path (host tensors through MPI or TCP)
-      TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 256 KiB)
+      TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 8 MiB / ranks,
+                            within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
       TSYS_DIST_BIND=0      tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
                             own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
       TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
@@ -314,7 +315,7 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 #ifndef TSYS_DIST_TIMEOUT_DEFAULT
 #define TSYS_DIST_TIMEOUT_DEFAULT 300
 #endif
-#define TSYS_DIST__SLICE_DEFAULT ((size_t)256 << 10)
+#define TSYS_DIST__SLICE_TOTAL ((size_t)8 << 20)   // slot bytes over all ranks (the segment has two slots)
 #define TSYS_DIST__CHECK_BYTES ((int64_t)64 << 10)
 #define TSYS_DIST__TCP_CHUNK ((size_t)1 << 20)
 #define TSYS_DIST__MAGIC 0x74737964u   // "tsyd"
@@ -1448,7 +1449,9 @@ static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int 
 // with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
 // goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
 static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
-    size_t slice = TSYS_DIST__SLICE_DEFAULT;
+    // few large slices: each costs two barriers, and a barrier is where a preempted peer costs time
+    size_t slice = TSYS_DIST__SLICE_TOTAL / (size_t)d->size;
+    slice = slice < ((size_t)256 << 10) ? ((size_t)256 << 10) : slice > ((size_t)4 << 20) ? ((size_t)4 << 20) : slice;
     long v = 0;
     bool bad = false;
     if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", 4096, 1L << 30, &v, &bad)) slice = (size_t)v;

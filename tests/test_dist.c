@@ -502,7 +502,11 @@ int main(int argc, char **argv) {
     int code = 0;
     if (tsys_dist_spawn(nproc, argc, argv, &code)) return code;
     g_ctx = tsys_ctx_new(NULL);
+    // small shared-memory slots, so that the few-MB tensors below take many pipeline slices
+    bool slice_set = getenv("TSYS_DIST_SHM_SLICE") != NULL;
+    if (!slice_set && victim < 0) setenv("TSYS_DIST_SHM_SLICE", "65536", 1);
     tsys_dist *d = tsys_dist_init(g_ctx, NULL);
+    if (!slice_set) unsetenv("TSYS_DIST_SHM_SLICE");
     if (!d) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
     g_rank = tsys_dist_rank(d); g_size = tsys_dist_size(d);
     if (victim >= 0) return failure_mode(d, die, victim);
