@@ -1,5 +1,5 @@
 # tsys - build, test and benchmark.
-#   make            CPU drivers (build/e2e, build/precision, build/attn)
+#   make            CPU drivers (build/e2e, build/precision, build/attn, build/allreduce, build/ddp)
 #   make test       CPU tests (what CI runs): the tests, the drivers' tests, the same again under
 #                   ASan+UBSan (build/asan/), and the libFuzzer harnesses side by side for FUZZ_SECONDS when
 #                   clang is present; also compiles the CUDA code when nvcc is present
@@ -59,7 +59,7 @@ FUZZERS = $(FUZZ)/fuzz_safetensors $(FUZZ)/fuzz_flags
 # Everything run-tests runs; each prints "N passed, N failed" last.
 ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ)/run_fuzzers)
 
-.PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
+.PHONY: header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 # No intermediate file is deleted after a build (the CUDA objects of a chain, which make would
 # otherwise remove after the test summary, and which a rebuild needs).
@@ -138,9 +138,10 @@ header-check: | $(BUILD)
 
 # Runs every test program; the last line is the sum over all of them.
 run-tests: header-check $(ALL_TESTS) $(if $(HAVE_NVCC),cuda-compile)
-	@pass=0; fail=0; for t in $(ALL_TESTS); do \
-	  echo "== $$t"; $(SAN_ENV) $$t > $$t.log 2>&1; rc=$$?; cat $$t.log; \
-	  line=$$(tail -n 1 $$t.log); \
+	@pass=0; fail=0; for t in $(ALL_TESTS) $(TEST_RUNNERS); do \
+	  log=$$(case $$t in $(BUILD)/*) echo $$t.log;; *) echo $(BUILD)/$$(basename $$t).log;; esac); \
+	  echo "== $$t"; $(SAN_ENV) $$t > $$log 2>&1; rc=$$?; cat $$log; \
+	  line=$$(tail -n 1 $$log); \
 	  p=$$(echo "$$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$$/\1/p'); \
 	  f=$$(echo "$$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$$/\2/p'); \
 	  if [ -z "$$p" ]; then p=0; f=$$((f+1)); echo "$$t did not finish (exit $$rc)"; \
@@ -178,6 +179,55 @@ $(BUILD)/tsys_impl_cuda_noflash.o: $(BUILD)/tsys_impl_cuda.o
 test-cuda: $(CUDA_TESTS)
 	$(BUILD)/test_cuda
 	$(BUILD)/flash_lab test
+
+# ---- distributed: tsys_dist.h -------------------------------------------------------------------
+# CPU ranks through MPI when Open MPI's mpicc is there (its flags, our compiler and CFLAGS), else the
+# tcp engine alone (shared memory / TCP, launched by --nproc). drivers/ddp.c and tests/test_ddp.c
+# plug in by existing. tests/run_dist.sh runs every DIST_TESTS program under mpirun -np 2 and -np 4
+# (the launcher without MPI), plus test_dist alone, through the launcher and its failure modes.
+MPICC ?= mpicc
+MPI_COMPILE := $(shell $(MPICC) --showme:compile 2>/dev/null)
+MPI_LINK := $(shell $(MPICC) --showme:link 2>/dev/null)
+HAVE_MPI := $(if $(MPI_COMPILE),yes)
+DIST_CFLAGS = -D_GNU_SOURCE -pthread $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE))
+DIST_LIBS = -pthread $(if $(HAVE_MPI),$(MPI_LINK))
+DIST_HEADERS = tsys_dist.h tests/harness_dist.h
+DIST_DRIVERS = $(BUILD)/allreduce $(if $(wildcard drivers/ddp.c),$(BUILD)/ddp)
+DIST_TESTS = $(BUILD)/test_dist $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp)
+TEST_RUNNERS += tests/run_dist.sh
+
+$(DIST_DRIVERS): $(BUILD)/%: drivers/%.c $(HEADERS) $(DIST_HEADERS) | $(BUILD)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
+$(DIST_TESTS): $(BUILD)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(BUILD)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
+all: $(DIST_DRIVERS)
+# tsys_dist.h alone, warning-free as C11 (with and without MPI) and as C++
+dist-header-check: | $(BUILD)
+	@printf '#define TSYS_IMPLEMENTATION\n#include "tsys.h"\n#define TSYS_DIST_IMPLEMENTATION\n#include "tsys_dist.h"\nint main(void) { return 0; }\n' > $(BUILD)/dist_header_check.c
+	$(CC) $(CPPFLAGS) -std=c11 -fopenmp -D_GNU_SOURCE -Wall -Wextra -Wpedantic -Werror -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check.o
+	$(if $(HAVE_MPI),$(CC) $(CPPFLAGS) -std=c11 -fopenmp -D_GNU_SOURCE -Wall -Wextra -Wpedantic -Werror -DTSYS_DIST_MPI $(MPI_COMPILE) -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check_mpi.o)
+	$(CXX) $(CPPFLAGS) -x c++ -std=c++17 -fopenmp -Wall -Wextra -Werror $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE)) -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check_cxx.o
+run-tests: dist-header-check $(DIST_TESTS)
+run-tests: export TSYS_DIST_TESTS = $(DIST_TESTS)
+run-tests: export BUILD := $(BUILD)
+
+# CUDA: NCCL for CUDA tensors, MPI for the rest; linked against the one compiled implementation.
+NCCL_LIBS = -lnccl
+DIST_NVFLAGS = -DTSYS_DIST_NCCL -D_GNU_SOURCE $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE))
+DIST_CUDA = $(DIST_DRIVERS:%=%_cuda) $(DIST_TESTS:%=%_cuda)
+$(DIST_DRIVERS:%=%_cuda.o): $(BUILD)/%_cuda.o: drivers/%.c $(HEADERS) $(DIST_HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
+$(DIST_TESTS:%=%_cuda.o): $(BUILD)/%_cuda.o: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
+$(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS) $(NCCL_LIBS) $(if $(HAVE_MPI),$(MPI_LINK))
+cuda: $(DIST_CUDA)
+cuda-compile: $(DIST_CUDA)
+# On the GPU machine: NCCL in a group of one, then two ranks sharing the GPU through host staging.
+test-cuda: test-dist-cuda
+test-dist-cuda: $(BUILD)/test_dist_cuda
+	$(BUILD)/test_dist_cuda
+	$(if $(HAVE_MPI),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 2 $(BUILD)/test_dist_cuda,$(BUILD)/test_dist_cuda --nproc 2)
 
 bench: all
 	./bench.sh

@@ -4,6 +4,10 @@
 #     attn         CS336 pytorch_attention: naive vs flash, batch 8, d x seq, fp32, memory before backward
 #     flash        CS336 flash_benchmarking: batch 1, causal, seq 128..65536, d 16..128, bf16 + fp32
 #     leaderboard  the CS336 FlashAttention-2 leaderboard shape (16 heads x 16384 x 64, bf16, causal)
+#     allreduce    CS336 distributed_communication_single_node (not in the default list): all-reduce of
+#                  float32 over NPROCS ranks (cpu: 2,4 through shared memory; cuda: 2,4,6 GPUs, NCCL),
+#                  AR_SIZES (1MB,10MB,100MB,1GB), AR_OPS (all_reduce), with a torch.distributed row
+#                  (gloo / nccl, tests/ref/allreduce_torch.py) for each when python3 has torch
 # Environment: DEVICE=cpu|cuda (default: cuda when a GPU and nvcc are present), MODELS, CONTEXT, COMPILE (no,yes),
 # STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there);
 # attention sections: ATTN_SEQ, ATTN_D, ATTN_BATCH, ATTN_REPS override the sizes (on the CPU they
@@ -71,7 +75,18 @@ for s in "${sections[@]}"; do
     echo "## FlashAttention-2 leaderboard shape: o = attention(q, k, v, causal); o.sum().backward() ($DEVICE)"
     $ATTN --device "$DEVICE" --sweep leaderboard ${lb_args[@]+"${lb_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" --oom-ok \
       | save leaderboard.$FORMAT || rc=$? ;;
-  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard)" >&2; exit 2 ;;
+  allreduce)
+    if [ "$DEVICE" = cuda ]; then make -s build/allreduce_cuda; AR=(build/allreduce_cuda --backend nccl); TB=nccl
+      gpus=$(nvidia-smi -L | grep -c GPU); NPROCS=${NPROCS:-$(for n in 2 4 6; do [ "$n" -le "$gpus" ] && printf '%s,' $n; done)}
+    else make -s build/allreduce; AR=(build/allreduce --backend mpi); TB=gloo; NPROCS=${NPROCS:-2,4}; fi
+    echo "## distributed_communication_single_node: ${AR_OPS:-all_reduce}, float32, ranks ${NPROCS%,} ($DEVICE; busbw = algbw x 2(n-1)/n)"
+    for n in ${NPROCS//,/ }; do
+      "${AR[@]}" --nproc "$n" --sizes "${AR_SIZES:-1MB,10MB,100MB,1GB}" --op "${AR_OPS:-all_reduce}" --warmup "$WARMUP" --format "$FORMAT"
+      if python3 -c 'import torch' 2>/dev/null; then
+        python3 tests/ref/allreduce_torch.py --backend $TB --nproc "$n" --sizes "${AR_SIZES:-1MB,10MB,100MB,1GB}" --op "${AR_OPS:-all_reduce}" --warmup "$WARMUP" --format md
+      fi
+    done | save allreduce.$FORMAT || rc=$? ;;
+  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce)" >&2; exit 2 ;;
   esac
   if [ $rc -ne 0 ]; then echo "bench.sh: section '$s' failed (exit $rc); going on" >&2; failed+=("$s"); fi
   echo
