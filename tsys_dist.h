@@ -118,6 +118,8 @@ TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, ts
 // have no .grad yet get one from DDP: views of one zeroed gradient arena in parameter order (so
 // buckets are views too, as torch DDP's gradient_as_bucket_view), marked zero (lazy zero-grad).
 // A step is:  tsys_ddp_start_step; forward; backward; tsys_ddp_finish; optimizer step; zero grads.
+// One backward per step: overlap and bucketed send gradients while backward runs, so a second
+// backward before tsys_ddp_finish (gradient accumulation) would add into buffers in flight.
 // Every rank must run the same backward graph (the same parameters get gradients, in the same
 // order), as with torch DDP without find_unused_parameters; a trainable parameter that got no
 // gradient in a backward counts as zero and is reduced as zeros by tsys_ddp_finish.
@@ -171,6 +173,9 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp);
 // ZeRO-1: AdamW whose state is sharded by bytes over the ranks. Each rank updates the parameters it
 // owns with the same math as tsys_adamw_new's, then the owners broadcast them: equal to unsharded
 // AdamW bit for bit. Parameters without a gradient are left alone.
+// Ownership: trainable parameters in order, each to the rank holding the fewest bytes so far (ties:
+// the lowest rank); a rank holds at most total/N + the largest parameter. The gradients must already
+// be averaged (tsys_ddp_finish, or identical data on every rank); zero_grad covers every parameter.
 typedef struct tsys_zero1 tsys_zero1;
 TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_optim_desc *desc);
 TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z);
@@ -179,7 +184,10 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z);   // optimize
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 
 // Accounting: predicted bytes per rank and bytes sent per rank per step, for a model trained with
-// batch x context tokens per rank, world ranks, a dtype (autocast) and a strategy.
+// batch x context tokens per rank, world ranks, a dtype (autocast) and a strategy. DDP and ZeRO-1
+// as tsys implements them (ZeRO-1 = DDP's all-reduce + ZeRO-1's broadcasts); ZeRO-2/3 on paper.
+// The formulas are in the >>accounting section; act_bytes is what the forward keeps for backward
+// plus the logits' gradient (the peak of a step).
 typedef enum tsys_dist_scheme { TSYS_SCHEME_DDP, TSYS_SCHEME_ZERO1, TSYS_SCHEME_ZERO2, TSYS_SCHEME_ZERO3 } tsys_dist_scheme;
 typedef struct tsys_dist_account {
     double param_bytes, grad_bytes, optim_bytes, act_bytes, total_bytes;   // per rank, at the peak of a step
