@@ -591,6 +591,11 @@ int main(int argc, char **argv) {
 #ifdef TSYS_WITH_CUDA
     desc.cuda = true;
     g_dev = TSYS_CUDA;
+    // NCCL wants a GPU per rank: more ranks than GPUs share them through MPI with host staging
+    const char *ws = getenv("OMPI_COMM_WORLD_SIZE") ? getenv("OMPI_COMM_WORLD_SIZE") : getenv("WORLD_SIZE");
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess) ndev = 0;
+    if (ws && atoi(ws) > ndev) desc.engine = TSYS_DIST_ENGINE_MPI;
 #endif
     g_d = tsys_dist_init(g_ctx, &desc);
     if (!g_d) {
