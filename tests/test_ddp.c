@@ -4,6 +4,7 @@
 // print their failed checks on stderr.
 //
 //   mpirun --oversubscribe -np 2 build/test_ddp [name-filter]
+//   build/test_ddp --nproc 2 [name-filter]          (the built-in launcher)
 //
 // The same file builds with nvcc as test_ddp_cuda (TSYS_WITH_CUDA): the tensors live on the GPU;
 // 2 ranks share one GPU through MPI with host staging, world size 1 runs through NCCL.
@@ -607,6 +608,15 @@ TSYS_TEST(accounting_vs_measured_flash) { accounting_measured(TSYS_F32, "flash")
 
 int main(int argc, char **argv) {
     (void)tsys_test_main;   // the harness's one-process runner; ranks need the loop below
+    // test_ddp [--nproc N] [name-filter]: --nproc starts N ranks with the built-in launcher
+    const char *filter = NULL;
+    int nproc = 1;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = atoi(argv[++i]);
+        else filter = argv[i];
+    }
+    int code = 0;
+    if (nproc > 1 && tsys_dist_spawn(nproc, argc, argv, &code)) return code;
     g_ctx = tsys_ctx_new(NULL);
     tsys_dist_desc desc;
     memset(&desc, 0, sizeof(desc));
@@ -633,7 +643,6 @@ int main(int argc, char **argv) {
     }
     if (g_rank != 0) dup2(2, 1);   // only rank 0 writes the report; the others' failed checks go to stderr
     else printf("ranks: %d (%s), device %s\n", g_world, tsys_dist_engine_name(tsys_dist_engine_of(g_d)), g_dev == TSYS_CPU ? "cpu" : "cuda");
-    const char *filter = argc > 1 ? argv[1] : NULL;
     int passed = 0, failed = 0;
     for (int i = 0; i < tsys__ntests; i++) {
         if (filter && !strstr(tsys__tests[i].name, filter)) continue;
