@@ -57,7 +57,8 @@ static void usage(FILE *f) {
         "columns: step_ms the slowest rank's step (mean, std over steps); bwd_comm_ms backward + gradient\n"
         "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n"
         "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n"
-        "  the step waited for communication after backward; hidden 1 - exposed_ms / comm_ms; mem_* the peak\n"
+        "  the step waited for communication after backward (it includes waiting for a slower rank);\n"
+        "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; mem_* the peak\n"
         "  bytes per rank (largest rank) after init, before the first optimizer step, after it; state_MiB live\n"
         "  bytes after a step (parameters, gradients, optimizer state) against pred_state_MiB; pred_peak_MiB\n"
         "  adds the predicted activations; pred_sent_MB bytes each rank sends per step (ring algorithms).\n",
