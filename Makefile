@@ -1,5 +1,5 @@
 # tsys - build, test and benchmark.
-#   make            CPU drivers (build/e2e, build/precision, build/attn)
+#   make            CPU drivers (build/e2e, build/precision, build/attn, build/allreduce)
 #   make test       CPU tests (what CI runs); also compiles the CUDA code when nvcc is present
 #   make cuda       CUDA drivers (build/e2e_cuda ...), on a machine with nvcc
 #   make test-cuda  CUDA tests (needs a GPU)
@@ -67,7 +67,7 @@ header-check: | $(BUILD)
 
 # Runs every CPU test binary; the last line is the sum over all of them.
 run-tests: header-check $(CPU_TESTS) $(if $(HAVE_NVCC),cuda-compile)
-	@pass=0; fail=0; for t in $(CPU_TESTS); do \
+	@pass=0; fail=0; for t in $(CPU_TESTS) $(TEST_RUNNERS); do \
 	  echo "== $$t"; $$t > $(BUILD)/$$(basename $$t).log 2>&1; rc=$$?; cat $(BUILD)/$$(basename $$t).log; \
 	  line=$$(tail -n 1 $(BUILD)/$$(basename $$t).log); \
 	  p=$$(echo "$$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$$/\1/p'); \
@@ -102,6 +102,44 @@ cuda-compile: $(CUDA_DRIVERS) $(BUILD)/test_cuda
 test-cuda: $(CUDA_TESTS)
 	$(BUILD)/test_cuda
 	$(BUILD)/flash_lab test
+
+# ---- distributed: tsys_dist.h -------------------------------------------------------------------
+# CPU ranks through MPI when Open MPI's mpicc is there (its flags, our compiler and CFLAGS), else the
+# tcp engine alone (shared memory / TCP, launched by --nproc). drivers/ddp.c and tests/test_ddp.c
+# plug in by existing. tests/run_dist.sh runs every DIST_TESTS program under mpirun -np 2 and -np 4
+# (the launcher without MPI), plus test_dist alone, through the launcher and its failure modes.
+MPICC ?= mpicc
+MPI_COMPILE := $(shell $(MPICC) --showme:compile 2>/dev/null)
+MPI_LINK := $(shell $(MPICC) --showme:link 2>/dev/null)
+HAVE_MPI := $(if $(MPI_COMPILE),yes)
+DIST_CFLAGS = -D_GNU_SOURCE -pthread $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE))
+DIST_LIBS = -pthread $(if $(HAVE_MPI),$(MPI_LINK))
+DIST_HEADERS = tsys_dist.h tests/harness_dist.h
+DIST_DRIVERS = $(BUILD)/allreduce $(if $(wildcard drivers/ddp.c),$(BUILD)/ddp)
+DIST_TESTS = $(BUILD)/test_dist $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp)
+TEST_RUNNERS += tests/run_dist.sh
+
+$(DIST_DRIVERS): $(BUILD)/%: drivers/%.c $(HEADERS) $(DIST_HEADERS) | $(BUILD)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
+$(DIST_TESTS): $(BUILD)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(BUILD)
+	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
+all: $(DIST_DRIVERS)
+run-tests: $(DIST_TESTS)
+run-tests: export TSYS_DIST_TESTS = $(DIST_TESTS)
+run-tests: export BUILD := $(BUILD)
+
+# CUDA: NCCL for CUDA tensors, MPI for the rest; linked against the one compiled implementation.
+NCCL_LIBS = -lnccl
+DIST_NVFLAGS = -DTSYS_DIST_NCCL -D_GNU_SOURCE $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE))
+DIST_CUDA = $(DIST_DRIVERS:%=%_cuda) $(DIST_TESTS:%=%_cuda)
+$(DIST_DRIVERS:%=%_cuda.o): $(BUILD)/%_cuda.o: drivers/%.c $(HEADERS) $(DIST_HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
+$(DIST_TESTS:%=%_cuda.o): $(BUILD)/%_cuda.o: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) tsys_cuda.cuh | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
+$(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
+	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS) $(NCCL_LIBS) $(if $(HAVE_MPI),$(MPI_LINK))
+cuda: $(DIST_CUDA)
+cuda-compile: $(DIST_CUDA)
 
 bench: all
 	./bench.sh

@@ -56,7 +56,9 @@ typedef enum tsys_dist_engine {
     TSYS_DIST_ENGINE_AUTO = 0,   // NCCL for a CUDA group when compiled in, else MPI, else a group of one
     TSYS_DIST_ENGINE_MPI,        // CPU tensors; CUDA tensors through host staging
     TSYS_DIST_ENGINE_NCCL,       // CUDA tensors
-    TSYS_DIST_ENGINE_SELF        // world size 1
+    TSYS_DIST_ENGINE_SELF,       // world size 1
+    TSYS_DIST_ENGINE_TCP         // ranks not started by mpirun (tsys_dist_spawn, torchrun-style variables):
+                                 // host tensors through shared memory on one host, TCP sockets across hosts
 } tsys_dist_engine;
 
 typedef enum tsys_dist_op { TSYS_DIST_SUM, TSYS_DIST_AVG, TSYS_DIST_MAX } tsys_dist_op;
@@ -91,7 +93,7 @@ TSYSDEF int tsys_dist_rank(const tsys_dist *d);
 TSYSDEF int tsys_dist_size(const tsys_dist *d);
 TSYSDEF int tsys_dist_local_rank(const tsys_dist *d);
 TSYSDEF tsys_dist_engine tsys_dist_engine_of(const tsys_dist *d);
-TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e);   // "mpi", "nccl", "self"
+TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e);   // "mpi", "nccl", "self", "tcp"
 TSYSDEF tsys_ctx *tsys_dist_ctx(const tsys_dist *d);
 
 // Collectives on whole tsys tensors (contiguous, same shape and dtype on every rank; a mismatch is
@@ -208,12 +210,1821 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 #define TSYS_DIST_IMPLEMENTATION_INCLUDED
 
 // >>config ----------------------------------------------------------------------------------------
+// The implementation uses POSIX sockets, shared memory (shm_open) and threads. On glibc their
+// declarations need _GNU_SOURCE (or _POSIX_C_SOURCE >= 200809L) defined before the first system
+// header: compile C with -D_GNU_SOURCE (C++ compilers define it already).
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdarg.h>
+#include <errno.h>
+#include <math.h>
+#include <time.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sched.h>
+#include <pthread.h>
+#include <poll.h>
+#include <netdb.h>
+#include <sys/types.h>
+#include <sys/socket.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN2K8)
+#error "tsys_dist.h: the implementation needs POSIX 2008 declarations: compile with -D_GNU_SOURCE"
+#endif
+
+#ifdef TSYS_DIST_MPI
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+#ifdef TSYS_DIST_NCCL
+#ifndef TSYS_CUDA_H_INCLUDED
+#error "tsys_dist.h: TSYS_DIST_NCCL needs tsys_cuda.cuh included before tsys_dist.h"
+#endif
+#include <cuda_runtime.h>
+#include <nccl.h>
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "tsys_dist.h: NCCL 2.14 or newer is needed (ncclAvg, ncclCommInitRankConfig, non-blocking communicators)"
+#endif
+#endif
+
+#if !defined(TSYS_MALLOC)
+#define TSYS_MALLOC(sz) malloc(sz)
+#define TSYS_REALLOC(p, sz) realloc(p, sz)
+#define TSYS_FREE(p) free(p)
+#endif
+#ifndef TSYS_DEBUG
+#ifdef NDEBUG
+#define TSYS_DEBUG 0
+#else
+#define TSYS_DEBUG 1
+#endif
+#endif
+
+// Options (environment, read by tsys_dist_init):
+//   TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
+//   TSYS_DIST_SHM         0 turns the shared-memory path off (host tensors then travel through MPI,
+//                         or TCP sockets); default 1: used whenever every rank is on this host
+//   TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 256 KiB)
+//   TSYS_DIST_CHECK       1: check every host collective's size/dtype across ranks; 0: none; default:
+//                         under TSYS_DEBUG, or at 64 KiB and up (the shared-memory and TCP paths
+//                         always check: it costs them nothing)
+#ifndef TSYS_DIST_TIMEOUT_DEFAULT
+#define TSYS_DIST_TIMEOUT_DEFAULT 300
+#endif
+#define TSYS_DIST__SLICE_DEFAULT ((size_t)256 << 10)
+#define TSYS_DIST__CHECK_BYTES ((int64_t)64 << 10)
+#define TSYS_DIST__TCP_CHUNK ((size_t)1 << 20)
+#define TSYS_DIST__MAGIC 0x74737964u   // "tsyd"
+#define TSYS_DIST__DEAD_CHECK_US 50e3  // how often a long wait checks that the ranks it waits for are alive
+
+#define TSYS_DIST__LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define TSYS_DIST__STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#if defined(__x86_64__) || defined(__i386__)
+#define TSYS_DIST__RELAX() __asm__ __volatile__("pause" ::: "memory")
+#elif defined(__aarch64__)
+#define TSYS_DIST__RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define TSYS_DIST__RELAX() __asm__ __volatile__("" ::: "memory")
+#endif
+
+// Element types of host collectives: the five tsys dtypes, plus doubles (all_reduce_host) and bytes
+// (ids and names during setup).
+enum { TSYS_DIST__F64 = TSYS_DTYPE_COUNT, TSYS_DIST__U8 };
+enum { TSYS_DIST__ALLREDUCE, TSYS_DIST__BCAST, TSYS_DIST__RS, TSYS_DIST__AG, TSYS_DIST__BARRIER };
+static const char *const tsys_dist__kind_names[] = { "all_reduce", "broadcast", "reduce_scatter", "all_gather", "barrier" };
+enum { TSYS_DIST__HOST_SELF, TSYS_DIST__HOST_MPI, TSYS_DIST__HOST_TCP };
+
+// One collective on host memory, as every path sees it.
+typedef struct tsys_dist__coll {
+    int kind, type, op, root;
+    int64_t count;      // all_reduce, broadcast: elements; reduce_scatter: elements of out (in holds size x);
+                        // all_gather: elements of in (out holds size x)
+    void *in, *out;     // all_reduce and broadcast work in place on out
+    int64_t seq;        // collectives issued on the group before this one
+    bool check_only;    // only the agreement on the descriptor (before an NCCL collective)
+} tsys_dist__coll;
+
+typedef struct tsys_dist__err { tsys_status status; char msg[384]; } tsys_dist__err;
+
+// The shared segment (ranks on one host): a header, one 256-byte record per rank, then two pipeline
+// slots per rank of `slice` bytes each.
+typedef struct tsys_dist__shm_rank {
+    uint64_t step;            // barriers this rank has passed (only it writes; its own cache line)
+    char pad0[56];
+    int64_t desc[2][8];       // the collective it is in, by seq parity: seq, kind, type, op, root, count
+    int32_t pid;
+    char pad1[60];
+} tsys_dist__shm_rank;
+typedef struct tsys_dist__shm_hdr {
+    uint64_t magic;
+    int32_t size, pad;
+    uint64_t slice;
+    int32_t abort_state;      // 0; 1 while a rank writes abort_msg; 2 once it is there
+    int32_t abort_rank;
+    char abort_msg[384];
+} tsys_dist__shm_hdr;
+#define TSYS_DIST__SHM_RANKS_OFF 512
+typedef char tsys_dist__shm_sizes_ok[(sizeof(tsys_dist__shm_rank) == 256 && sizeof(tsys_dist__shm_hdr) <= TSYS_DIST__SHM_RANKS_OFF) ? 1 : -1];
+
+struct tsys_dist_work {
+    tsys_dist *d;
+    int path;                 // TSYS_DIST__WORK_*
+    tsys_dist__coll c;
+    tsys_dist__err err;
+    int done;                 // host work: set by whoever ran it (under d->mu when the worker did)
+    void *stage_in, *stage_out;   // host staging of CUDA tensors
+    tsys_tensor *dev_out;         // where stage_out goes back after the collective
+    size_t out_bytes;
+    tsys_event ev;            // NCCL: the collective's end on the side stream
+    tsys_dist_work *next;     // worker queue
+};
+enum { TSYS_DIST__WORK_DONE, TSYS_DIST__WORK_HOST, TSYS_DIST__WORK_NCCL };
+
+struct tsys_dist {
+    tsys_ctx *ctx;
+    int rank, size, local_rank, local_size;
+    tsys_dist_engine engine;      // what tsys_dist_engine_of reports
+    int host;                     // how host memory travels when not through shared memory
+    bool one_host;
+    double timeout_s;
+    int64_t seq;                  // collectives issued so far (host and NCCL alike)
+    int broken;                   // a peer died, stalled or an engine failed: every later call fails
+    char broken_msg[384];
+    bool cuda;
+    bool check_all, check_none;
+    char hostname[64];
+    // TCP: a star around rank 0 (rank 0 holds fds[1..size-1], the others fds[0])
+    int *fds;
+    // shared memory
+    char *shm_base, *shm_data;
+    size_t shm_bytes, slice;
+    uint64_t shm_step, shm_k;     // barriers passed, pipeline slices used (slot = shm_k & 1)
+    char shm_note[128];           // why the shared-memory path is off, when it is
+    // the worker thread that runs asynchronous host collectives in order
+    bool worker_on, worker_stop, worker_busy;
+    pthread_t worker;
+    pthread_mutex_t mu;
+    pthread_cond_t cv, cv_done;
+    tsys_dist_work *q_head, *q_tail;
+#ifdef TSYS_DIST_MPI
+    MPI_Comm comm;
+    bool have_comm, mpi_owner, mpi_serialized, mpi_ops;
+    MPI_Op op16[2][2];            // [bf16, fp16][sum, max]
+#endif
+#ifdef TSYS_DIST_NCCL
+    ncclComm_t nccl;
+    tsys_event ev_ready;
+#endif
+};
+
+static bool tsys_dist__seterr(tsys_dist__err *e, tsys_status s, const char *fmt, ...) {
+    if (e->status != TSYS_OK) return false;   // keep the first: it is the cause
+    e->status = s;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+    return false;
+}
+
+static tsys_status tsys_dist__fail(tsys_dist *d, tsys_status s, const char *fmt, ...) {
+    char buf[448];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return tsys_ctx_set_error(d->ctx, s, "tsys_dist rank %d: %s", d->rank, buf);
+}
+
+static size_t tsys_dist__tsize(int t) {
+    switch (t) {
+    case TSYS_F32: case TSYS_I32: return 4;
+    case TSYS_BF16: case TSYS_F16: return 2;
+    case TSYS_I64: case TSYS_DIST__F64: return 8;
+    default: return 1;
+    }
+}
+static const char *tsys_dist__tname(int t) {
+    return t < TSYS_DTYPE_COUNT ? tsys_dtype_name((tsys_dtype)t) : t == TSYS_DIST__F64 ? "f64" : "bytes";
+}
+static const char *tsys_dist__opname(int op) { return op == TSYS_DIST_SUM ? "sum" : op == TSYS_DIST_AVG ? "avg" : op == TSYS_DIST_MAX ? "max" : "?"; }
+
+// "all_reduce of 1001 x f32 (sum)": what a descriptor {seq, kind, type, op, root, count} asks for.
+static void tsys_dist__describe(const int64_t *desc, char *buf, size_t n) {
+    int kind = (int)desc[1];
+    const char *k = kind >= 0 && kind <= TSYS_DIST__BARRIER ? tsys_dist__kind_names[kind] : "?";
+    if (kind == TSYS_DIST__BARRIER) snprintf(buf, n, "barrier");
+    else if (kind == TSYS_DIST__BCAST) snprintf(buf, n, "broadcast of %lld x %s from rank %lld", (long long)desc[5], tsys_dist__tname((int)desc[2]), (long long)desc[4]);
+    else if (kind == TSYS_DIST__AG) snprintf(buf, n, "all_gather of %lld x %s per rank", (long long)desc[5], tsys_dist__tname((int)desc[2]));
+    else if (kind == TSYS_DIST__RS) snprintf(buf, n, "reduce_scatter to %lld x %s per rank (%s)", (long long)desc[5], tsys_dist__tname((int)desc[2]), tsys_dist__opname((int)desc[3]));
+    else snprintf(buf, n, "%s of %lld x %s (%s)", k, (long long)desc[5], tsys_dist__tname((int)desc[2]), tsys_dist__opname((int)desc[3]));
+}
+static void tsys_dist__desc_of(const tsys_dist__coll *c, int64_t *desc) {
+    desc[0] = c->seq; desc[1] = c->kind; desc[2] = c->type;
+    desc[3] = c->kind == TSYS_DIST__ALLREDUCE || c->kind == TSYS_DIST__RS ? c->op : 0;
+    desc[4] = c->kind == TSYS_DIST__BCAST ? c->root : 0;
+    desc[5] = c->kind == TSYS_DIST__BARRIER ? 0 : c->count;
+    desc[6] = desc[7] = 0;
+}
+// Compares this rank's descriptor with rank r's; on a difference writes the error naming both.
+static bool tsys_dist__desc_agree(tsys_dist *d, const int64_t *mine, const int64_t *other, int r, tsys_dist__err *e) {
+    if (!memcmp(mine, other, 6 * sizeof(int64_t))) return true;
+    char a[160], b[160];
+    tsys_dist__describe(mine, a, sizeof a);
+    tsys_dist__describe(other, b, sizeof b);
+    if (mine[0] != other[0])
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "ranks disagree: rank %d is at collective #%lld (%s), rank %d at #%lld (%s): they issued different sequences of collectives",
+                                 d->rank, (long long)mine[0], a, r, (long long)other[0], b);
+    return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "collective #%lld: ranks disagree: rank %d calls %s, rank %d calls %s (every rank must pass the same op, dtype and size)",
+                             (long long)mine[0], d->rank, a, r, b);
+}
+
+// Copies a string, cutting it to fit (messages are cut on purpose).
+static void tsys_dist__strcpy(char *dst, size_t n, const char *src) {
+    size_t l = strlen(src);
+    if (l >= n) l = n - 1;
+    memcpy(dst, src, l);
+    dst[l] = 0;
+}
+
+static void tsys_dist__nap_us(double us) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)(us / 1e6);
+    ts.tv_nsec = (long)((us - (double)ts.tv_sec * 1e6) * 1e3);
+    nanosleep(&ts, NULL);
+}
+
+// Marks the group unusable (a peer died or stalled, an engine failed): later calls fail at once.
+static void tsys_dist__break(tsys_dist *d, const tsys_dist__err *e) {
+    if (TSYS_DIST__LOAD(&d->broken)) return;
+    snprintf(d->broken_msg, sizeof d->broken_msg, "%s", e->msg);
+    TSYS_DIST__STORE(&d->broken, 1);
+}
 
 // >>launch ----------------------------------------------------------------------------------------
 
+static const char *tsys_dist__env(const char *name) {
+    const char *v = getenv(name);
+    return v && *v ? v : NULL;
+}
+// false when absent; *bad set when present but not an integer in [lo, hi]
+static bool tsys_dist__env_long(const char *name, long lo, long hi, long *out, bool *bad) {
+    const char *v = tsys_dist__env(name);
+    if (!v) return false;
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi) { *bad = true; return false; }
+    *out = x;
+    return true;
+}
+
+// Started by mpirun/mpiexec (Open MPI, MPICH/Hydra, PMIx) or srun (a job step: SLURM_STEP_ID).
+static bool tsys_dist__launched_by_mpi(void) {
+    return tsys_dist__env("OMPI_COMM_WORLD_SIZE") || tsys_dist__env("PMIX_RANK") || tsys_dist__env("PMI_RANK") ||
+           tsys_dist__env("PMI_SIZE") || (tsys_dist__env("SLURM_PROCID") && (tsys_dist__env("SLURM_STEP_ID") || tsys_dist__env("SLURM_STEPID")));
+}
+
+static void tsys_dist__sock_opts(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+// Moves n bytes over a non-blocking socket; fails when the peer closes or nothing moves for the
+// group's timeout. `who` names the peer in errors.
+static bool tsys_dist__sock_io(int fd, void *buf, size_t n, bool out, double timeout_s, const char *who, tsys_dist__err *e) {
+    char *p = (char *)buf;
+    size_t done = 0;
+    double t0 = tsys_time_us();
+    while (done < n) {
+        ssize_t k = out ? send(fd, p + done, n - done, MSG_NOSIGNAL) : recv(fd, p + done, n - done, 0);
+        if (k > 0) { done += (size_t)k; t0 = tsys_time_us(); continue; }
+        if (k == 0) return tsys_dist__seterr(e, TSYS_ERR_IO, "%s closed the connection (it exited, or gave up after an error of its own)", who);
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            if (errno == ECONNRESET || errno == EPIPE) return tsys_dist__seterr(e, TSYS_ERR_IO, "%s dropped the connection (it exited?)", who);
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "connection to %s: %s", who, strerror(errno));
+        }
+        struct pollfd pf;
+        pf.fd = fd; pf.events = (short)(out ? POLLOUT : POLLIN); pf.revents = 0;
+        poll(&pf, 1, 100);
+        if ((tsys_time_us() - t0) * 1e-6 > timeout_s)
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "%s: nothing %s within %g s (it stalled or died)", who, out ? "accepted" : "received", timeout_s);
+    }
+    return true;
+}
+
+// A name for this machine that differs between machines with the same hostname (containers).
+static uint64_t tsys_dist__host_id(const char *hostname) {
+    char boot[64] = {0};
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) { if (!fgets(boot, sizeof boot, f)) boot[0] = 0; fclose(f); }
+    uint64_t h = 1469598103934665603ull;   // FNV-1a
+    for (const char *s = hostname; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    for (const char *s = boot; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+// Built-in launcher: fork/exec nproc copies of this program with torchrun's variables set. Rank 0
+// inherits the listening socket (TSYS_DIST_LISTEN_FD), so the port cannot be taken in between.
+TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
+    (void)argc;
+    if (exit_code) *exit_code = 0;
+    if (nproc <= 1 || !argv || !argv[0] || tsys_dist__env("RANK") || tsys_dist__launched_by_mpi()) return false;
+    int code = 0;
+    long tmo = TSYS_DIST_TIMEOUT_DEFAULT;
+    bool bad = false;
+    tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &tmo, &bad);
+    double grace_s = tmo < 5 ? (double)tmo : 5.0;   // time the others get to report the failure themselves
+    int lfd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    if (lfd >= 0) setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);   // rank 0 listens there again for later groups
+    struct sockaddr_in a;
+    socklen_t alen = sizeof a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, nproc + 16) != 0 || getsockname(lfd, (struct sockaddr *)&a, &alen) != 0) {
+        fprintf(stderr, "tsys_dist_spawn: cannot open a local port for the rendezvous: %s\n", strerror(errno));
+        if (lfd >= 0) close(lfd);
+        if (exit_code) *exit_code = 1;
+        return true;
+    }
+    int port = ntohs(a.sin_port);
+    char exe[4096];
+    ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (el > 0) exe[el] = 0; else snprintf(exe, sizeof exe, "%s", argv[0]);
+    pid_t *pids = (pid_t *)calloc((size_t)nproc, sizeof(pid_t));
+    int *alive = (int *)calloc((size_t)nproc, sizeof(int));
+    pid_t me = getpid();
+    fflush(stdout); fflush(stderr);
+    int started = 0;
+    for (int r = 0; r < nproc; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            char v[32];
+            snprintf(v, sizeof v, "%d", r); setenv("RANK", v, 1); setenv("LOCAL_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", nproc); setenv("WORLD_SIZE", v, 1); setenv("LOCAL_WORLD_SIZE", v, 1);
+            snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            snprintf(v, sizeof v, "%d", (int)me); setenv("TSYS_DIST_LAUNCHER", v, 1);
+            if (r == 0) { snprintf(v, sizeof v, "%d", lfd); setenv("TSYS_DIST_LISTEN_FD", v, 1); }
+            else close(lfd);
+#ifdef __linux__
+            prctl(PR_SET_PDEATHSIG, SIGTERM);   // the ranks go when the launcher goes
+            if (getppid() != me) _exit(1);
+#endif
+            execv(exe, argv);
+            fprintf(stderr, "tsys_dist_spawn: rank %d: cannot run %s: %s\n", r, exe, strerror(errno));
+            _exit(127);
+        }
+        if (pid < 0) { fprintf(stderr, "tsys_dist_spawn: fork failed for rank %d: %s\n", r, strerror(errno)); code = 1; break; }
+        pids[r] = pid; alive[r] = 1; started++;
+    }
+    close(lfd);
+    int first_fail = -1, nalive = started, stage = 0;   // stage 1: SIGTERM sent, 2: SIGKILL sent
+    double fail_t = 0;
+    if (code) { fail_t = tsys_time_us(); first_fail = nproc; }
+    while (nalive > 0) {
+        bool any = false;
+        for (int r = 0; r < nproc; r++) {
+            if (!alive[r]) continue;
+            int st = 0;
+            pid_t p = waitpid(pids[r], &st, WNOHANG);
+            if (p == 0) continue;
+            if (p < 0 && errno == EINTR) continue;
+            alive[r] = 0; nalive--; any = true;
+            int rc = p < 0 ? 1 : WIFEXITED(st) ? WEXITSTATUS(st) : WIFSIGNALED(st) ? 128 + WTERMSIG(st) : 1;
+            if (rc != 0 && first_fail < 0) {
+                first_fail = r; code = rc; fail_t = tsys_time_us();
+                if (p > 0 && WIFSIGNALED(st))
+                    fprintf(stderr, "tsys_dist_spawn: rank %d (pid %d) was killed by signal %d; stopping the other ranks\n", r, (int)pids[r], WTERMSIG(st));
+                else
+                    fprintf(stderr, "tsys_dist_spawn: rank %d (pid %d) exited with code %d; stopping the other ranks\n", r, (int)pids[r], rc);
+            }
+        }
+        if (nalive == 0) break;
+        if (first_fail >= 0) {
+            double waited = (tsys_time_us() - fail_t) * 1e-6;
+            if (stage == 0 && waited > grace_s) { for (int r = 0; r < nproc; r++) if (alive[r]) kill(pids[r], SIGTERM); stage = 1; }
+            else if (stage == 1 && waited > grace_s + 3) { for (int r = 0; r < nproc; r++) if (alive[r]) kill(pids[r], SIGKILL); stage = 2; }
+        }
+        if (!any) tsys_dist__nap_us(2000);
+    }
+    free(pids); free(alive);
+    if (exit_code) *exit_code = code;
+    return true;
+}
+
+// ---- the TCP rendezvous (torchrun-style variables) ----------------------------------------------
+// Rank 0 listens on MASTER_PORT; the others connect (retrying until the timeout) and send a hello;
+// rank 0 answers everyone with the table of ranks. The connections stay: they are the group's
+// control path (a star around rank 0) and, without shared memory, its data path too.
+
+typedef struct tsys_dist__hello {
+    uint32_t magic, version;
+    int32_t rank, size, pid, local_rank;
+    uint64_t host_id;
+    char host[64];
+} tsys_dist__hello;
+typedef struct tsys_dist__reply {
+    uint32_t magic;
+    int32_t status;     // 0 ok, else msg says why
+    char msg[256];
+} tsys_dist__reply;
+
+static bool tsys_dist__tcp_rank0(tsys_dist *d, int port, tsys_dist__hello *table, tsys_dist__err *e) {
+    int lfd = -1;
+    long inh = -1;
+    bool bad = false;
+    if (tsys_dist__env_long("TSYS_DIST_LISTEN_FD", 0, 1L << 20, &inh, &bad)) {
+        struct sockaddr_in a;
+        socklen_t alen = sizeof a;
+        if (getsockname((int)inh, (struct sockaddr *)&a, &alen) == 0 && a.sin_family == AF_INET && ntohs(a.sin_port) == port) lfd = (int)inh;
+        unsetenv("TSYS_DIST_LISTEN_FD");   // the next group listens anew
+    }
+    if (lfd < 0) {
+        lfd = socket(AF_INET, SOCK_STREAM, 0);
+        int one = 1;
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_ANY); a.sin_port = htons((uint16_t)port);
+        if (lfd < 0) return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: socket: %s", strerror(errno));
+        setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, d->size + 16) != 0) {
+            int err = errno;
+            close(lfd);
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: rank 0 cannot listen on MASTER_PORT %d: %s", port, strerror(err));
+        }
+    }
+    fcntl(lfd, F_SETFD, FD_CLOEXEC);
+    int got = 0;
+    double t0 = tsys_time_us();
+    while (got < d->size - 1) {
+        double left_ms = d->timeout_s * 1e3 - (tsys_time_us() - t0) * 1e-3;
+        if (left_ms <= 0) {
+            char missing[160] = {0};
+            size_t ml = 0;
+            for (int r = 1; r < d->size && ml + 12 < sizeof missing; r++)
+                if (d->fds[r] < 0) ml += (size_t)snprintf(missing + ml, sizeof missing - ml, "%s%d", ml ? ", " : "", r);
+            close(lfd);
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous on port %d: rank 0 waited %g s; rank(s) %s never connected", port, d->timeout_s, missing);
+        }
+        struct pollfd pf;
+        pf.fd = lfd; pf.events = POLLIN; pf.revents = 0;
+        if (poll(&pf, 1, left_ms > 200 ? 200 : (int)left_ms + 1) <= 0) continue;
+        int fd = accept(lfd, NULL, NULL);
+        if (fd < 0) continue;
+        tsys_dist__sock_opts(fd);
+        tsys_dist__hello h;
+        tsys_dist__err he;
+        memset(&he, 0, sizeof he);
+        double hello_s = d->timeout_s < 10 ? d->timeout_s : 10;
+        if (!tsys_dist__sock_io(fd, &h, sizeof h, false, hello_s, "a connecting process", &he) || h.magic != TSYS_DIST__MAGIC) { close(fd); continue; }   // not one of ours
+        h.host[sizeof h.host - 1] = 0;
+        const char *why = NULL;
+        char whybuf[200];
+        if (h.size != d->size) { snprintf(whybuf, sizeof whybuf, "rank %d says WORLD_SIZE=%d, rank 0 has %d", h.rank, h.size, d->size); why = whybuf; }
+        else if (h.rank <= 0 || h.rank >= d->size) { snprintf(whybuf, sizeof whybuf, "a process says RANK=%d, outside [1, %d)", h.rank, d->size); why = whybuf; }
+        else if (d->fds[h.rank] >= 0) { snprintf(whybuf, sizeof whybuf, "two processes say RANK=%d", h.rank); why = whybuf; }
+        if (why) {
+            tsys_dist__reply rep;
+            memset(&rep, 0, sizeof rep);
+            rep.magic = TSYS_DIST__MAGIC; rep.status = 1;
+            snprintf(rep.msg, sizeof rep.msg, "rendezvous: %s", why);
+            tsys_dist__sock_io(fd, &rep, sizeof rep, true, 1, "a connecting process", &he);
+            close(fd);
+            close(lfd);
+            return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "rendezvous: %s", why);
+        }
+        d->fds[h.rank] = fd;
+        table[h.rank] = h;
+        got++;
+    }
+    close(lfd);   // before anyone hears back: a later group's hellos cannot reach this listener
+    tsys_dist__reply rep;
+    memset(&rep, 0, sizeof rep);
+    rep.magic = TSYS_DIST__MAGIC;
+    for (int r = 1; r < d->size; r++) {
+        char who[32];
+        snprintf(who, sizeof who, "rank %d", r);
+        if (!tsys_dist__sock_io(d->fds[r], &rep, sizeof rep, true, d->timeout_s, who, e) ||
+            !tsys_dist__sock_io(d->fds[r], table, sizeof(tsys_dist__hello) * (size_t)d->size, true, d->timeout_s, who, e)) return false;
+    }
+    return true;
+}
+
+static bool tsys_dist__tcp_peer(tsys_dist *d, const char *addr, int port, tsys_dist__hello *table, tsys_dist__err *e) {
+    double t0 = tsys_time_us();
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    const char *last = "no answer";
+    char lastbuf[160];
+    for (;;) {
+        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s)
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: could not join rank 0 at %s:%d within %g s (%s)", addr, port, d->timeout_s, last);
+        struct addrinfo hints, *res = NULL;
+        memset(&hints, 0, sizeof hints);
+        hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM;
+        int gai = getaddrinfo(addr, portstr, &hints, &res);
+        if (gai != 0) {
+            snprintf(lastbuf, sizeof lastbuf, "MASTER_ADDR '%s': %s", addr, gai_strerror(gai)); last = lastbuf;
+            tsys_dist__nap_us(200e3);
+            continue;
+        }
+        int fd = -1;
+        for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
+            fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+            if (fd < 0) continue;
+            fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+            int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+            if (rc != 0 && errno == EINPROGRESS) {
+                struct pollfd pf;
+                pf.fd = fd; pf.events = POLLOUT; pf.revents = 0;
+                int soerr = ETIMEDOUT;
+                socklen_t sl = sizeof soerr;
+                if (poll(&pf, 1, 1000) == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+                rc = soerr ? -1 : 0;
+                errno = soerr;
+            }
+            if (rc != 0) { snprintf(lastbuf, sizeof lastbuf, "%s", strerror(errno)); last = lastbuf; close(fd); fd = -1; }
+        }
+        freeaddrinfo(res);
+        if (fd < 0) { tsys_dist__nap_us(100e3); continue; }
+        tsys_dist__sock_opts(fd);
+        tsys_dist__hello h;
+        memset(&h, 0, sizeof h);
+        h.magic = TSYS_DIST__MAGIC; h.version = 1; h.rank = d->rank; h.size = d->size; h.pid = (int32_t)getpid();
+        h.local_rank = d->local_rank;
+        snprintf(h.host, sizeof h.host, "%s", d->hostname);
+        h.host_id = tsys_dist__host_id(d->hostname);
+        tsys_dist__reply rep;
+        tsys_dist__err ce;
+        memset(&ce, 0, sizeof ce);
+        // a listener that closes under us (a previous group's) resets the connection: try again
+        if (!tsys_dist__sock_io(fd, &h, sizeof h, true, d->timeout_s, "rank 0", &ce) ||
+            !tsys_dist__sock_io(fd, &rep, sizeof rep, false, d->timeout_s, "rank 0", &ce) || rep.magic != TSYS_DIST__MAGIC) {
+            close(fd);
+            tsys_dist__strcpy(lastbuf, sizeof lastbuf, ce.msg[0] ? ce.msg : "bad reply"); last = lastbuf;
+            tsys_dist__nap_us(100e3);
+            continue;
+        }
+        rep.msg[sizeof rep.msg - 1] = 0;
+        if (rep.status != 0) { close(fd); return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", rep.msg); }
+        if (!tsys_dist__sock_io(fd, table, sizeof(tsys_dist__hello) * (size_t)d->size, false, d->timeout_s, "rank 0", e)) { close(fd); return false; }
+        d->fds[0] = fd;
+        return true;
+    }
+}
+
+// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT -> the star, the local ranks, one_host.
+static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_dist__err *e) {
+    d->fds = (int *)TSYS_MALLOC(sizeof(int) * (size_t)d->size);
+    tsys_dist__hello *table = (tsys_dist__hello *)calloc((size_t)d->size, sizeof(tsys_dist__hello));
+    if (!d->fds || !table) { free(table); return tsys_dist__seterr(e, TSYS_ERR_OOM, "rendezvous: out of memory"); }
+    for (int r = 0; r < d->size; r++) d->fds[r] = -1;
+    tsys_dist__hello *mine = &table[d->rank];
+    mine->magic = TSYS_DIST__MAGIC; mine->rank = d->rank; mine->size = d->size; mine->pid = (int32_t)getpid();
+    mine->local_rank = d->local_rank;
+    snprintf(mine->host, sizeof mine->host, "%s", d->hostname);
+    mine->host_id = tsys_dist__host_id(d->hostname);
+    bool ok = d->rank == 0 ? tsys_dist__tcp_rank0(d, port, table, e) : tsys_dist__tcp_peer(d, addr, port, table, e);
+    if (ok) {
+        int lr = 0, ls = 0;
+        for (int r = 0; r < d->size; r++)
+            if (table[r].host_id == table[d->rank].host_id) { ls++; if (r < d->rank) lr++; }
+        d->one_host = ls == d->size;
+        d->local_size = ls;
+        long env_lr = 0;
+        bool bad = false;
+        if (!tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &env_lr, &bad)) d->local_rank = lr;   // torchrun's LOCAL_RANK wins
+    }
+    free(table);
+    return ok;
+}
+
 // >>group -----------------------------------------------------------------------------------------
+// The host engines (shared memory, MPI, TCP) live here: setup uses them to agree on things.
+
+
+// ---- reductions on host memory: dst = op over the sources, in fp32 for the 16-bit floats (rounded
+// once at the end), in int64 for the integers. Blocks of TSYS_DIST__BLK stay in L1.
+#define TSYS_DIST__BLK 256
+
+static inline float tsys_dist__bf2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t tsys_dist__f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   // same rounding as tsys_f32_to_bf16
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void tsys_dist__load_f(int type, const void *src, int64_t i0, int m, float *acc, int op, bool first) {
+    float v[TSYS_DIST__BLK];
+    const float *s = v;
+    if (type == TSYS_F32) s = (const float *)src + i0;
+    else if (type == TSYS_BF16) { const uint16_t *p = (const uint16_t *)src + i0; for (int j = 0; j < m; j++) v[j] = tsys_dist__bf2f(p[j]); }
+    else { const uint16_t *p = (const uint16_t *)src + i0; for (int j = 0; j < m; j++) v[j] = tsys_f16_to_f32(p[j]); }
+    if (first) { memcpy(acc, s, sizeof(float) * (size_t)m); return; }
+    if (op == TSYS_DIST_MAX) { for (int j = 0; j < m; j++) if (s[j] > acc[j] || s[j] != s[j]) acc[j] = s[j]; }   // NaN wins, like torch
+    else if (m == TSYS_DIST__BLK) { for (int j = 0; j < TSYS_DIST__BLK; j++) acc[j] += s[j]; }                 // fixed trip count: vectorized
+    else { for (int j = 0; j < m; j++) acc[j] += s[j]; }
+}
+static void tsys_dist__store_f(int type, void *dst, int64_t i0, int m, const float *acc) {
+    if (!dst) return;
+    if (type == TSYS_F32) memcpy((float *)dst + i0, acc, sizeof(float) * (size_t)m);
+    else if (type == TSYS_BF16) { uint16_t *p = (uint16_t *)dst + i0; for (int j = 0; j < m; j++) p[j] = tsys_dist__f2bf(acc[j]); }
+    else { uint16_t *p = (uint16_t *)dst + i0; for (int j = 0; j < m; j++) p[j] = tsys_f32_to_f16(acc[j]); }
+}
+
+// dst1 (and dst2 when not NULL) = op(src[0..nsrc-1]) over n elements; AVG divides by nsrc. A
+// destination may be one of the sources (each block is read before it is written).
+static void tsys_dist__reduce(int type, int op, void *dst1, void *dst2, const void *const *src, int nsrc, int64_t n) {
+    for (int64_t i0 = 0; i0 < n; i0 += TSYS_DIST__BLK) {
+        int m = (int)(n - i0 < TSYS_DIST__BLK ? n - i0 : TSYS_DIST__BLK);
+        if (type == TSYS_F32 || type == TSYS_BF16 || type == TSYS_F16) {
+            float acc[TSYS_DIST__BLK];
+            for (int s = 0; s < nsrc; s++) tsys_dist__load_f(type, src[s], i0, m, acc, op, s == 0);
+            if (op == TSYS_DIST_AVG) for (int j = 0; j < m; j++) acc[j] /= (float)nsrc;
+            tsys_dist__store_f(type, dst1, i0, m, acc);
+            tsys_dist__store_f(type, dst2, i0, m, acc);
+        } else if (type == TSYS_DIST__F64) {
+            double acc[TSYS_DIST__BLK];
+            memcpy(acc, (const double *)src[0] + i0, sizeof(double) * (size_t)m);
+            for (int s = 1; s < nsrc; s++) {
+                const double *p = (const double *)src[s] + i0;
+                if (op == TSYS_DIST_MAX) { for (int j = 0; j < m; j++) if (p[j] > acc[j] || p[j] != p[j]) acc[j] = p[j]; }
+                else for (int j = 0; j < m; j++) acc[j] += p[j];
+            }
+            if (op == TSYS_DIST_AVG) for (int j = 0; j < m; j++) acc[j] /= nsrc;
+            memcpy((double *)dst1 + i0, acc, sizeof(double) * (size_t)m);
+            if (dst2) memcpy((double *)dst2 + i0, acc, sizeof(double) * (size_t)m);
+        } else {   // I32, I64: sums wrap like two's complement
+            int64_t acc[TSYS_DIST__BLK];
+            for (int s = 0; s < nsrc; s++) {
+                for (int j = 0; j < m; j++) {
+                    int64_t v = type == TSYS_I32 ? (int64_t)((const int32_t *)src[s])[i0 + j] : ((const int64_t *)src[s])[i0 + j];
+                    if (s == 0) acc[j] = v;
+                    else if (op == TSYS_DIST_MAX) acc[j] = v > acc[j] ? v : acc[j];
+                    else acc[j] = (int64_t)((uint64_t)acc[j] + (uint64_t)v);
+                }
+            }
+            for (int t = 0; t < 2; t++) {
+                void *dst = t ? dst2 : dst1;
+                if (!dst) continue;
+                if (type == TSYS_I32) for (int j = 0; j < m; j++) ((int32_t *)dst)[i0 + j] = (int32_t)(uint32_t)(uint64_t)acc[j];
+                else memcpy((int64_t *)dst + i0, acc, sizeof(int64_t) * (size_t)m);
+            }
+        }
+    }
+}
+
+// AVG after a summing engine (MPI): x /= size, in place.
+static void tsys_dist__scale_avg(int type, void *p, int64_t n, int size) {
+    for (int64_t i0 = 0; i0 < n; i0 += TSYS_DIST__BLK) {
+        int m = (int)(n - i0 < TSYS_DIST__BLK ? n - i0 : TSYS_DIST__BLK);
+        if (type == TSYS_DIST__F64) { for (int j = 0; j < m; j++) ((double *)p)[i0 + j] /= size; continue; }
+        float acc[TSYS_DIST__BLK];
+        tsys_dist__load_f(type, p, i0, m, acc, TSYS_DIST_SUM, true);
+        for (int j = 0; j < m; j++) acc[j] /= (float)size;
+        tsys_dist__store_f(type, p, i0, m, acc);
+    }
+}
+
+// ---- shared memory (every rank on this host) ---------------------------------------------------
+// Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
+// a barrier, then each rank reads what it needs from the others' slots (all-reduce: each rank
+// reduces 1/size of the slice in place, a second barrier, everyone copies the reduced parts out).
+// Slots alternate by a counter kept across collectives, so a slot is rewritten only after a later
+// barrier has shown that every rank finished reading it. The descriptor of each collective sits in
+// the rank records and is compared after the first barrier: a mismatch costs nothing to detect and
+// every rank sees it at the same point.
+
+static tsys_dist__shm_hdr *tsys_dist__shm_h(tsys_dist *d) { return (tsys_dist__shm_hdr *)d->shm_base; }
+static tsys_dist__shm_rank *tsys_dist__shm_r(tsys_dist *d, int r) { return (tsys_dist__shm_rank *)(d->shm_base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)r); }
+static char *tsys_dist__shm_buf(tsys_dist *d, int slot, int r) { return d->shm_data + ((size_t)slot * (size_t)d->size + (size_t)r) * d->slice; }
+
+// A pid that is gone (or a zombie nobody reaped yet).
+static bool tsys_dist__pid_dead(int pid) {
+    if (pid <= 0) return false;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+// Publishes a failure in the segment so every rank stops at once, naming the same cause.
+static bool tsys_dist__shm_abort(tsys_dist *d, tsys_dist__err *e) {
+    tsys_dist__shm_hdr *h = tsys_dist__shm_h(d);
+    int32_t zero = 0;
+    if (__atomic_compare_exchange_n(&h->abort_state, &zero, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        h->abort_rank = d->rank;
+        snprintf(h->abort_msg, sizeof h->abort_msg, "%s", e->msg);
+        TSYS_DIST__STORE(&h->abort_state, 2);
+    }
+    tsys_dist__break(d, e);
+    return false;
+}
+
+static bool tsys_dist__shm_aborted(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    tsys_dist__shm_hdr *h = tsys_dist__shm_h(d);
+    for (int i = 0; i < 100000 && TSYS_DIST__LOAD(&h->abort_state) != 2; i++) TSYS_DIST__RELAX();
+    tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank %d gave up: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, h->abort_rank, h->abort_msg);
+    tsys_dist__break(d, e);
+    return false;
+}
+
+// Waits until every rank's step counter reaches target: spins briefly, then yields, then naps; checks
+// the lagging ranks' pids every 50 ms and gives up after timeout_s without progress.
+static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__coll *c, tsys_dist__err *e) {
+    tsys_dist__shm_hdr *h = tsys_dist__shm_h(d);
+    double t0 = 0, last_check = 0;
+    long spins = 0;
+    for (int r = 0; r < d->size; r++) {
+        tsys_dist__shm_rank *p = tsys_dist__shm_r(d, r);
+        while (TSYS_DIST__LOAD(&p->step) < target) {
+            if (TSYS_DIST__LOAD(&h->abort_state)) return tsys_dist__shm_aborted(d, c, e);
+            if (++spins < 4000) { TSYS_DIST__RELAX(); continue; }
+            double now = tsys_time_us();
+            if (t0 == 0) t0 = last_check = now;
+            if (now - last_check > TSYS_DIST__DEAD_CHECK_US) {
+                last_check = now;
+                for (int q = 0; q < d->size; q++) {
+                    tsys_dist__shm_rank *pq = tsys_dist__shm_r(d, q);
+                    if (TSYS_DIST__LOAD(&pq->step) < target && tsys_dist__pid_dead(pq->pid)) {
+                        tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank %d (pid %d) exited before reaching it", tsys_dist__kind_names[c->kind], (long long)c->seq, q, (int)pq->pid);
+                        return tsys_dist__shm_abort(d, e);
+                    }
+                }
+            }
+            if ((now - t0) * 1e-6 > d->timeout_s) {
+                char late[160] = {0};
+                size_t ll = 0;
+                for (int q = 0; q < d->size && ll + 24 < sizeof late; q++) {
+                    tsys_dist__shm_rank *pq = tsys_dist__shm_r(d, q);
+                    if (TSYS_DIST__LOAD(&pq->step) < target) ll += (size_t)snprintf(late + ll, sizeof late - ll, "%s%d (pid %d)", ll ? ", " : "", q, (int)pq->pid);
+                }
+                tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: no reply from rank %s within %g s (stalled, or dead without a trace)",
+                                  tsys_dist__kind_names[c->kind], (long long)c->seq, late, d->timeout_s);
+                return tsys_dist__shm_abort(d, e);
+            }
+            if (now - t0 < 2000) sched_yield();
+            else tsys_dist__nap_us(50);
+        }
+    }
+    return true;
+}
+
+static bool tsys_dist__shm_barrier(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    uint64_t target = ++d->shm_step;
+    TSYS_DIST__STORE(&tsys_dist__shm_r(d, d->rank)->step, target);
+    return tsys_dist__shm_wait(d, target, c, e);
+}
+
+static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    const int n = d->size, me = d->rank;
+    const size_t es = tsys_dist__tsize(c->type);
+    int64_t *desc = tsys_dist__shm_r(d, me)->desc[c->seq & 1];
+    int64_t mine[8];
+    tsys_dist__desc_of(c, mine);
+    memcpy(desc, mine, sizeof mine);                      // published by the barrier's release store
+    const int64_t total = c->kind == TSYS_DIST__BARRIER || c->check_only ? 0 : c->count;
+    const int64_t per = c->kind == TSYS_DIST__RS ? (int64_t)(d->slice / (es * (size_t)n)) : (int64_t)(d->slice / es);
+    const int64_t nslices = total > 0 ? (total + per - 1) / per : 1;
+    char *in = (char *)c->in, *out = (char *)c->out;
+    const void *srcs[512];
+    for (int64_t k = 0; k < nslices; k++) {
+        const int64_t off = k * per, len = total - off < per ? total - off : per;
+        const int slot = (int)(d->shm_k++ & 1);
+        char *mybuf = tsys_dist__shm_buf(d, slot, me);
+        if (len > 0) switch (c->kind) {
+            case TSYS_DIST__ALLREDUCE: memcpy(mybuf, out + (size_t)off * es, (size_t)len * es); break;
+            case TSYS_DIST__BCAST: if (me == c->root) memcpy(mybuf, out + (size_t)off * es, (size_t)len * es); break;
+            case TSYS_DIST__AG: memcpy(mybuf, in + (size_t)off * es, (size_t)len * es); break;
+            case TSYS_DIST__RS:
+                for (int q = 0; q < n; q++) memcpy(mybuf + (size_t)q * (size_t)per * es, in + ((size_t)q * (size_t)c->count + (size_t)off) * es, (size_t)len * es);
+                break;
+            default: break;
+        }
+        if (!tsys_dist__shm_barrier(d, c, e)) return false;
+        if (k == 0)
+            for (int r = 0; r < n; r++) {
+                int64_t other[8];
+                memcpy(other, tsys_dist__shm_r(d, r)->desc[c->seq & 1], sizeof other);
+                if (r != me && !tsys_dist__desc_agree(d, mine, other, r, e)) return false;   // every rank stops here
+            }
+        if (len <= 0) continue;
+        switch (c->kind) {
+        case TSYS_DIST__ALLREDUCE: {
+            const int64_t q_per = ((len + n - 1) / n + 15) / 16 * 16;   // each rank reduces one part
+            int64_t a = (int64_t)me * q_per < len ? (int64_t)me * q_per : len, b = a + q_per < len ? a + q_per : len;
+            for (int r = 0; r < n; r++) srcs[r] = tsys_dist__shm_buf(d, slot, r) + (size_t)a * es;
+            if (b > a) tsys_dist__reduce(c->type, c->op, mybuf + (size_t)a * es, out + (size_t)(off + a) * es, srcs, n, b - a);
+            if (!tsys_dist__shm_barrier(d, c, e)) return false;
+            for (int r = 0; r < n; r++) {
+                if (r == me) continue;
+                int64_t ra = (int64_t)r * q_per < len ? (int64_t)r * q_per : len, rb = ra + q_per < len ? ra + q_per : len;
+                if (rb > ra) memcpy(out + (size_t)(off + ra) * es, tsys_dist__shm_buf(d, slot, r) + (size_t)ra * es, (size_t)(rb - ra) * es);
+            }
+            break;
+        }
+        case TSYS_DIST__BCAST:
+            if (me != c->root) memcpy(out + (size_t)off * es, tsys_dist__shm_buf(d, slot, c->root), (size_t)len * es);
+            break;
+        case TSYS_DIST__AG:
+            for (int r = 0; r < n; r++) {
+                char *dst = out + ((size_t)r * (size_t)c->count + (size_t)off) * es;
+                const char *src = r == me ? in + (size_t)off * es : tsys_dist__shm_buf(d, slot, r);
+                if (dst != src) memmove(dst, src, (size_t)len * es);
+            }
+            break;
+        case TSYS_DIST__RS:
+            for (int r = 0; r < n; r++) srcs[r] = tsys_dist__shm_buf(d, slot, r) + (size_t)me * (size_t)per * es;
+            tsys_dist__reduce(c->type, c->op, out + (size_t)off * es, NULL, srcs, n, len);
+            break;
+        default: break;
+        }
+    }
+    return true;
+}
+
+// ---- MPI -----------------------------------------------------------------------------------------
+// Every call is non-blocking and its wait polls MPI_Test against the group's timeout (a blocking
+// MPI call cannot time out). bf16/fp16 reduce through user-defined ops that add in fp32.
+#ifdef TSYS_DIST_MPI
+static bool tsys_dist__mpi_ok(tsys_dist *d, int rc, const char *what, const tsys_dist__coll *c, tsys_dist__err *e) {
+    if (rc == MPI_SUCCESS) return true;
+    char s[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, s, &len);
+    s[len < MPI_MAX_ERROR_STRING ? len : MPI_MAX_ERROR_STRING - 1] = 0;
+    tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: %s failed: %s (a peer died, or the MPI library failed)", c ? tsys_dist__kind_names[c->kind] : "setup", c ? (long long)c->seq : 0LL, what, s);
+    tsys_dist__break(d, e);
+    return false;
+}
+
+static bool tsys_dist__mpi_wait(tsys_dist *d, MPI_Request *req, const char *what, const tsys_dist__coll *c, tsys_dist__err *e) {
+    double t0 = 0, last_check = 0;
+    for (long spins = 0;; spins++) {
+        int flag = 0;
+        if (!tsys_dist__mpi_ok(d, MPI_Test(req, &flag, MPI_STATUS_IGNORE), what, c, e)) return false;
+        if (flag) return true;
+        if (spins < 2000) { TSYS_DIST__RELAX(); continue; }
+        double now = tsys_time_us();
+        if (t0 == 0) t0 = last_check = now;
+        if (d->shm_base && now - last_check > TSYS_DIST__DEAD_CHECK_US) {   // ranks on this host: name a dead one
+            last_check = now;
+            for (int q = 0; q < d->size; q++)
+                if (tsys_dist__pid_dead(tsys_dist__shm_r(d, q)->pid)) {
+                    tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank %d (pid %d) exited", c ? tsys_dist__kind_names[c->kind] : what, c ? (long long)c->seq : 0LL, q, (int)tsys_dist__shm_r(d, q)->pid);
+                    tsys_dist__break(d, e);
+                    return false;
+                }
+        }
+        if ((now - t0) * 1e-6 > d->timeout_s) {
+            tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: no reply from the group within %g s (%s: a peer died or stalled; MPI does not say which)",
+                              c ? tsys_dist__kind_names[c->kind] : what, c ? (long long)c->seq : 0LL, d->timeout_s, what);
+            tsys_dist__break(d, e);   // the request stays posted: the group cannot be used again
+            return false;
+        }
+        if (now - t0 < 2000) sched_yield();
+        else tsys_dist__nap_us(50);
+    }
+}
+
+static void tsys_dist__mpi_op16(void *in, void *inout, int *len, MPI_Datatype *dt, int type, int max) {
+    (void)dt;
+    const void *src[2];
+    src[0] = inout; src[1] = in;
+    tsys_dist__reduce(type, max ? TSYS_DIST_MAX : TSYS_DIST_SUM, inout, NULL, src, 2, *len);
+}
+static void tsys_dist__mpi_sum_bf16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_BF16, 0); }
+static void tsys_dist__mpi_max_bf16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_BF16, 1); }
+static void tsys_dist__mpi_sum_f16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_F16, 0); }
+static void tsys_dist__mpi_max_f16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_F16, 1); }
+
+static MPI_Datatype tsys_dist__mpi_type(int t) {
+    switch (t) {
+    case TSYS_F32: return MPI_FLOAT;
+    case TSYS_BF16: case TSYS_F16: return MPI_UINT16_T;
+    case TSYS_I32: return MPI_INT32_T;
+    case TSYS_I64: return MPI_INT64_T;
+    case TSYS_DIST__F64: return MPI_DOUBLE;
+    default: return MPI_BYTE;
+    }
+}
+static MPI_Op tsys_dist__mpi_op(tsys_dist *d, int t, int op) {
+    if (t == TSYS_BF16 || t == TSYS_F16) return d->op16[t == TSYS_F16][op == TSYS_DIST_MAX];
+    return op == TSYS_DIST_MAX ? MPI_MAX : MPI_SUM;
+}
+
+static bool tsys_dist__mpi_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    const size_t es = tsys_dist__tsize(c->type);
+    const int64_t bytes = c->count * (int64_t)es * (c->kind == TSYS_DIST__RS || c->kind == TSYS_DIST__AG ? d->size : 1);
+    MPI_Request req;
+    if (!d->check_none && (c->check_only || d->check_all || bytes >= TSYS_DIST__CHECK_BYTES)) {
+        // everyone's descriptor to everyone: a mismatch names the ranks (MPI would hang or truncate)
+        int64_t mine[8];
+        tsys_dist__desc_of(c, mine);
+        int64_t *all = (int64_t *)TSYS_MALLOC(sizeof mine * (size_t)d->size);
+        if (!all) return tsys_dist__seterr(e, TSYS_ERR_OOM, "out of host memory");
+        bool ok = tsys_dist__mpi_ok(d, MPI_Iallgather(mine, 8, MPI_INT64_T, all, 8, MPI_INT64_T, d->comm, &req), "MPI_Iallgather", c, e) &&
+                  tsys_dist__mpi_wait(d, &req, "MPI_Iallgather", c, e);
+        for (int r = 0; ok && r < d->size; r++) ok = r == d->rank || tsys_dist__desc_agree(d, mine, all + 8 * r, r, e);
+        TSYS_FREE(all);
+        if (!ok) return false;
+    }
+    if (c->check_only) return true;
+    MPI_Datatype dt = tsys_dist__mpi_type(c->type);
+    MPI_Op mop = tsys_dist__mpi_op(d, c->type, c->op);
+    char *in = (char *)c->in, *out = (char *)c->out;
+    const int64_t max_count = (int64_t)1 << 30;   // MPI counts are ints: long buffers go in pieces
+    switch (c->kind) {
+    case TSYS_DIST__ALLREDUCE:
+    case TSYS_DIST__BCAST:
+        for (int64_t off = 0; off < c->count || (off == 0 && c->count == 0); off += max_count) {
+            int cnt = (int)(c->count - off < max_count ? c->count - off : max_count);
+            int rc = c->kind == TSYS_DIST__ALLREDUCE ? MPI_Iallreduce(MPI_IN_PLACE, out + (size_t)off * es, cnt, dt, mop, d->comm, &req)
+                                                      : MPI_Ibcast(out + (size_t)off * es, cnt, dt, c->root, d->comm, &req);
+            const char *what = c->kind == TSYS_DIST__ALLREDUCE ? "MPI_Iallreduce" : "MPI_Ibcast";
+            if (!tsys_dist__mpi_ok(d, rc, what, c, e) || !tsys_dist__mpi_wait(d, &req, what, c, e)) return false;
+            if (c->count == 0) break;
+        }
+        if (c->kind == TSYS_DIST__ALLREDUCE && c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
+        return true;
+    case TSYS_DIST__RS:
+        if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "reduce_scatter: %lld elements per rank is more than one MPI call takes", (long long)c->count);
+        if (!tsys_dist__mpi_ok(d, MPI_Ireduce_scatter_block(in, out, (int)c->count, dt, mop, d->comm, &req), "MPI_Ireduce_scatter_block", c, e) ||
+            !tsys_dist__mpi_wait(d, &req, "MPI_Ireduce_scatter_block", c, e)) return false;
+        if (c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
+        return true;
+    case TSYS_DIST__AG: {
+        if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "all_gather: %lld elements per rank is more than one MPI call takes", (long long)c->count);
+        const void *send = in == out + (size_t)d->rank * (size_t)c->count * es ? MPI_IN_PLACE : (const void *)in;
+        return tsys_dist__mpi_ok(d, MPI_Iallgather(send, (int)c->count, dt, out, (int)c->count, dt, d->comm, &req), "MPI_Iallgather", c, e) &&
+               tsys_dist__mpi_wait(d, &req, "MPI_Iallgather", c, e);
+    }
+    default:
+        return tsys_dist__mpi_ok(d, MPI_Ibarrier(d->comm, &req), "MPI_Ibarrier", c, e) && tsys_dist__mpi_wait(d, &req, "MPI_Ibarrier", c, e);
+    }
+}
+#endif
+
+// ---- TCP: a star around rank 0 -------------------------------------------------------------------
+// Every collective starts with the descriptors: the ranks send theirs to rank 0, which compares
+// them and answers everyone (ok, or the mismatch). Data then flows through rank 0 in 1 MiB chunks.
+// Simple and deterministic (rank 0 reduces in rank order); for bandwidth across hosts use mpirun.
+
+typedef struct tsys_dist__tcp_msg { uint32_t magic; int32_t status; int64_t desc[8]; char text[320]; } tsys_dist__tcp_msg;
+
+static bool tsys_dist__tcp_io_t(tsys_dist *d, int peer, void *buf, size_t n, bool out, double timeout_s, const tsys_dist__coll *c, tsys_dist__err *e) {
+    char who[48];
+    snprintf(who, sizeof who, "rank %d", peer);
+    int fd = d->rank == 0 ? d->fds[peer] : d->fds[0];
+    if (tsys_dist__sock_io(fd, buf, n, out, timeout_s, who, e)) return true;
+    char tmp[sizeof e->msg + 64];
+    snprintf(tmp, sizeof tmp, "%s #%lld: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, e->msg);
+    tsys_dist__strcpy(e->msg, sizeof e->msg, tmp);
+    tsys_dist__break(d, e);
+    return false;
+}
+static bool tsys_dist__tcp_io(tsys_dist *d, int peer, void *buf, size_t n, bool out, const tsys_dist__coll *c, tsys_dist__err *e) {
+    return tsys_dist__tcp_io_t(d, peer, buf, n, out, d->timeout_s, c, e);
+}
+
+static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    const int n = d->size, me = d->rank;
+    const size_t es = tsys_dist__tsize(c->type);
+    tsys_dist__tcp_msg m;
+    memset(&m, 0, sizeof m);
+    m.magic = TSYS_DIST__MAGIC;
+    tsys_dist__desc_of(c, m.desc);
+    if (me == 0) {
+        tsys_dist__tcp_msg reply = m, got;
+        tsys_dist__err mis;
+        memset(&mis, 0, sizeof mis);
+        for (int r = 1; r < n; r++) {
+            if (!tsys_dist__tcp_io(d, r, &got, sizeof got, false, c, e)) {
+                // tell the ranks waiting for the answer why (they cannot see rank r); best effort
+                tsys_dist__tcp_msg bad = m;
+                tsys_dist__err ignore;
+                bad.status = 2;
+                tsys_dist__strcpy(bad.text, sizeof bad.text, e->msg);
+                for (int q = 1; q < n; q++) { memset(&ignore, 0, sizeof ignore); if (q != r) tsys_dist__sock_io(d->fds[q], &bad, sizeof bad, true, 1.0, "", &ignore); }
+                return false;
+            }
+            if (got.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank %d sent garbage", r);
+            if (reply.status == 0 && !tsys_dist__desc_agree(d, m.desc, got.desc, r, &mis)) { reply.status = 1; tsys_dist__strcpy(reply.text, sizeof reply.text, mis.msg); }
+        }
+        for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, &reply, sizeof reply, true, c, e)) return false;
+        if (reply.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", reply.text);
+    } else {
+        if (!tsys_dist__tcp_io(d, 0, &m, sizeof m, true, c, e)) return false;
+        // rank 0 answers once it heard from everyone: wait longer than it does, so that when a
+        // third rank is missing, rank 0's report (naming it) arrives before this rank gives up
+        if (!tsys_dist__tcp_io_t(d, 0, &m, sizeof m, false, d->timeout_s * 1.25 + 1, c, e)) return false;
+        if (m.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank 0 sent garbage");
+        m.text[sizeof m.text - 1] = 0;
+        if (m.status == 2) {   // rank 0 lost a rank: the group is done
+            tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank 0 reports: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, m.text);
+            tsys_dist__break(d, e);
+            return false;
+        }
+        if (m.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", m.text);
+    }
+    if (c->check_only || c->kind == TSYS_DIST__BARRIER) return true;
+    char *in = (char *)c->in, *out = (char *)c->out;
+    const size_t count = (size_t)c->count;
+    switch (c->kind) {
+    case TSYS_DIST__ALLREDUCE: {
+        const size_t per = TSYS_DIST__TCP_CHUNK / es;
+        char *scratch = NULL;
+        const void *srcs[512];
+        if (me == 0 && count) {
+            scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1));
+            if (!scratch) return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory");
+        }
+        bool ok = true;
+        for (size_t off = 0; ok && off < count; off += per) {
+            size_t len = count - off < per ? count - off : per;
+            char *p = out + off * es;
+            if (me == 0) {
+                srcs[0] = p;
+                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
+                if (ok) tsys_dist__reduce(c->type, c->op, p, NULL, srcs, n, (int64_t)len);
+                for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, p, len * es, true, c, e);
+            } else {
+                ok = tsys_dist__tcp_io(d, 0, p, len * es, true, c, e) && tsys_dist__tcp_io(d, 0, p, len * es, false, c, e);
+            }
+        }
+        TSYS_FREE(scratch);
+        return ok;
+    }
+    case TSYS_DIST__BCAST:
+        if (c->root != 0) {
+            if (me == c->root && !tsys_dist__tcp_io(d, 0, out, count * es, true, c, e)) return false;
+            if (me == 0 && !tsys_dist__tcp_io(d, c->root, out, count * es, false, c, e)) return false;
+        }
+        if (me == 0) { for (int r = 1; r < n; r++) if (r != c->root && !tsys_dist__tcp_io(d, r, out, count * es, true, c, e)) return false; }
+        else if (me != c->root && !tsys_dist__tcp_io(d, 0, out, count * es, false, c, e)) return false;
+        return true;
+    case TSYS_DIST__AG:
+        if (me == 0) {
+            if (out != in) memmove(out, in, count * es);
+            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out + (size_t)r * count * es, count * es, false, c, e)) return false;
+            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out, (size_t)n * count * es, true, c, e)) return false;
+            return true;
+        }
+        return tsys_dist__tcp_io(d, 0, in, count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, (size_t)n * count * es, false, c, e);
+    case TSYS_DIST__RS: {
+        if (me != 0) return tsys_dist__tcp_io(d, 0, in, (size_t)n * count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, count * es, false, c, e);
+        // rank 0 reads every rank's blocks in the order they were sent, reduces block q for rank q,
+        // and answers only once everything is in (a rank still sending cannot read yet)
+        const size_t per = TSYS_DIST__TCP_CHUNK / es;
+        char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1) + (size_t)(n - 1) * count * es + 1);
+        if (!scratch) return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory");
+        char *res = scratch + TSYS_DIST__TCP_CHUNK * (size_t)(n - 1);
+        const void *srcs[512];
+        bool ok = true;
+        for (int q = 0; ok && q < n; q++)
+            for (size_t off = 0; ok && off < count; off += per) {
+                size_t len = count - off < per ? count - off : per;
+                srcs[0] = in + ((size_t)q * count + off) * es;
+                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
+                if (ok) tsys_dist__reduce(c->type, c->op, q == 0 ? out + off * es : res + ((size_t)(q - 1) * count + off) * es, NULL, srcs, n, (int64_t)len);
+            }
+        for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, res + (size_t)(r - 1) * count * es, count * es, true, c, e);
+        TSYS_FREE(scratch);
+        return ok;
+    }
+    default: return true;
+    }
+}
+
+// Runs one host collective on whichever path the group has. Touches only the group's transport
+// state, never the tsys context: the worker thread calls it too.
+static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    if (TSYS_DIST__LOAD(&d->broken))
+        return tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: the group is broken since: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, d->broken_msg);
+    if (d->size == 1) {   // a group of one: identity (reduce-scatter and all-gather copy)
+        if ((c->kind == TSYS_DIST__RS || c->kind == TSYS_DIST__AG) && !c->check_only && c->in != c->out && c->count)
+            memmove(c->out, c->in, (size_t)c->count * tsys_dist__tsize(c->type));
+        return true;
+    }
+    if (d->shm_base) return tsys_dist__shm_coll(d, c, e);
+#ifdef TSYS_DIST_MPI
+    if (d->host == TSYS_DIST__HOST_MPI) return tsys_dist__mpi_coll(d, c, e);
+#endif
+    if (d->host == TSYS_DIST__HOST_TCP) return tsys_dist__tcp_coll(d, c, e);
+    return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "no engine for host collectives");
+}
+
+
+static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
+
+// A host collective during setup (before the worker runs): bytes from root, or an int32 reduction.
+static bool tsys_dist__setup_bcast(tsys_dist *d, void *buf, int64_t bytes, int root, tsys_dist__err *e) {
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__BCAST; c.type = TSYS_DIST__U8; c.root = root; c.count = bytes; c.in = c.out = buf; c.seq = d->seq++;
+    return tsys_dist__host_exec(d, &c, e);
+}
+static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int op, tsys_dist__err *e) {
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_I32; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
+    return tsys_dist__host_exec(d, &c, e);
+}
+
+// The shared segment: rank 0 creates it (reserving the pages, so a small /dev/shm fails here and not
+// with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
+// goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
+static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
+    size_t slice = TSYS_DIST__SLICE_DEFAULT;
+    long v = 0;
+    bool bad = false;
+    if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", 4096, 1L << 30, &v, &bad)) slice = (size_t)v;
+    slice = (slice + 4095) / 4096 * 4096;
+    if (slice < (size_t)d->size * 64) slice = ((size_t)d->size * 64 + 4095) / 4096 * 4096;   // reduce-scatter puts size blocks in a slot
+    size_t data_off = (TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->size + 4095) / 4096 * 4096;
+    size_t bytes = data_off + 2 * (size_t)d->size * slice;
+    struct { char name[96]; int32_t ok; char why[92]; } msg;
+    memset(&msg, 0, sizeof msg);
+    int fd = -1;
+    char *base = NULL;
+    if (d->rank == 0) {
+        snprintf(msg.name, sizeof msg.name, "/tsys_dist.%d.%llx", (int)getpid(), (unsigned long long)(tsys_time_us() * 1000) ^ (unsigned long long)(uintptr_t)d);
+        fd = shm_open(msg.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        int err = fd < 0 ? errno : 0;
+        if (fd >= 0 && ftruncate(fd, (off_t)bytes) != 0) err = errno;
+        if (fd >= 0 && !err) err = posix_fallocate(fd, 0, (off_t)bytes);
+        if (fd >= 0 && !err) { base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); if (base == MAP_FAILED) { base = NULL; err = errno; } }
+        if (err) snprintf(msg.why, sizeof msg.why, "%s (%zu bytes in /dev/shm)", strerror(err), bytes);
+        msg.ok = base != NULL;
+        if (base) {
+            tsys_dist__shm_hdr *h = (tsys_dist__shm_hdr *)base;
+            h->magic = 0x7473797364697374ull; h->size = d->size; h->slice = slice;
+        }
+    }
+    if (!tsys_dist__setup_bcast(d, &msg, (int64_t)sizeof msg, 0, e)) { if (base) munmap(base, bytes); if (fd >= 0) { close(fd); shm_unlink(msg.name); } return false; }
+    if (d->rank != 0 && msg.ok) {
+        fd = shm_open(msg.name, O_RDWR, 0600);
+        struct stat sb;
+        if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes) {
+            base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (base == MAP_FAILED) base = NULL;
+        }
+        if (!base) snprintf(msg.why, sizeof msg.why, "rank %d cannot map it: %s (another /dev/shm?)", d->rank, strerror(errno));
+    }
+    if (fd >= 0) close(fd);
+    if (base) {
+        tsys_dist__shm_rank *me = (tsys_dist__shm_rank *)(base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->rank);
+        me->pid = (int32_t)getpid();
+    }
+    int32_t failed = base != NULL ? 0 : 1;
+    bool agreed = tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, e);
+    if (d->rank == 0 && msg.ok) shm_unlink(msg.name);   // everyone mapped it, or gave up
+    if (!agreed) { if (base) munmap(base, bytes); return false; }
+    if (failed) {
+        if (base) munmap(base, bytes);
+        snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: %s", msg.why[0] ? msg.why : "a rank could not map the segment");
+        return true;
+    }
+    d->shm_base = base; d->shm_bytes = bytes; d->slice = slice;
+    d->shm_data = base + data_off;
+    return true;
+}
+
+#ifdef TSYS_DIST_MPI
+static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
+    int inited = 0, finalized = 0, prov = 0;
+    MPI_Initialized(&inited);
+    MPI_Finalized(&finalized);
+    if (finalized) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "MPI was finalized already (the group that initialized it was freed): MPI cannot start twice in a process");
+    if (!inited) {
+        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &prov);
+        if (rc != MPI_SUCCESS) return tsys_dist__seterr(e, TSYS_ERR_IO, "MPI_Init_thread failed (code %d)", rc);
+        d->mpi_owner = true;
+    }
+    MPI_Query_thread(&prov);
+    d->mpi_serialized = prov >= MPI_THREAD_SERIALIZED;
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    if (!tsys_dist__mpi_ok(d, MPI_Comm_dup(MPI_COMM_WORLD, &d->comm), "MPI_Comm_dup", NULL, e)) return false;
+    d->have_comm = true;
+    MPI_Comm_set_errhandler(d->comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(d->comm, &d->rank);
+    MPI_Comm_size(d->comm, &d->size);
+    MPI_Comm local;
+    if (!tsys_dist__mpi_ok(d, MPI_Comm_split_type(d->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local), "MPI_Comm_split_type", NULL, e)) return false;
+    MPI_Comm_rank(local, &d->local_rank);
+    MPI_Comm_size(local, &d->local_size);
+    MPI_Comm_free(&local);
+    d->one_host = d->local_size == d->size;
+    MPI_User_function *fns[2][2] = { { tsys_dist__mpi_sum_bf16, tsys_dist__mpi_max_bf16 }, { tsys_dist__mpi_sum_f16, tsys_dist__mpi_max_f16 } };
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++)
+            if (!tsys_dist__mpi_ok(d, MPI_Op_create(fns[i][j], 1, &d->op16[i][j]), "MPI_Op_create", NULL, e)) return false;
+    d->mpi_ops = true;
+    d->host = TSYS_DIST__HOST_MPI;
+    return true;
+}
+#endif
+
+#ifdef TSYS_DIST_NCCL
+static bool tsys_dist__nccl_ok(tsys_dist *d, ncclResult_t r, const char *what, tsys_dist__err *e) {
+    if (r == ncclSuccess || r == ncclInProgress) return true;
+    const char *last = d->nccl ? ncclGetLastError(d->nccl) : NULL;
+    tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: %s%s%s", what, ncclGetErrorString(r), last && *last ? ": " : "", last ? last : "");
+    tsys_dist__break(d, e);
+    return false;
+}
+// A non-blocking communicator: waits (host side, bounded by the timeout) until the last call is
+// through; on timeout the communicator is aborted.
+static bool tsys_dist__nccl_settle(tsys_dist *d, const char *what, tsys_dist__err *e) {
+    double t0 = tsys_time_us();
+    for (long spins = 0;; spins++) {
+        ncclResult_t st = ncclSuccess;
+        ncclResult_t r = ncclCommGetAsyncError(d->nccl, &st);
+        if (r != ncclSuccess) return tsys_dist__nccl_ok(d, r, what, e);
+        if (st != ncclInProgress) return tsys_dist__nccl_ok(d, st, what, e);
+        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
+            tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: NCCL did not finish within %g s (a peer died or stalled); communicator aborted", what, d->timeout_s);
+            tsys_dist__break(d, e);
+            ncclCommAbort(d->nccl);
+            d->nccl = NULL;
+            return false;
+        }
+        if (spins > 1000) tsys_dist__nap_us(100);
+    }
+}
+static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (d->rank == 0 && !tsys_dist__nccl_ok(d, ncclGetUniqueId(&id), "ncclGetUniqueId", e)) return false;
+    if (d->size > 1 && !tsys_dist__setup_bcast(d, &id, (int64_t)sizeof id, 0, e)) return false;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclComm_t comm = NULL;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, d->size, id, d->rank, &cfg);
+    d->nccl = comm;
+    if (!tsys_dist__nccl_ok(d, r, "ncclCommInitRankConfig", e)) { if (comm) ncclCommAbort(comm); d->nccl = NULL; return false; }
+    return tsys_dist__nccl_settle(d, "ncclCommInitRankConfig (the group did not form)", e);
+}
+#endif
+
+// ---- the worker: asynchronous host collectives run on it, in the order they were issued ----------
+static void *tsys_dist__worker_main(void *arg) {
+    tsys_dist *d = (tsys_dist *)arg;
+    pthread_mutex_lock(&d->mu);
+    for (;;) {
+        while (!d->q_head && !d->worker_stop) pthread_cond_wait(&d->cv, &d->mu);
+        if (!d->q_head) break;
+        tsys_dist_work *w = d->q_head;
+        d->q_head = w->next;
+        if (!d->q_head) d->q_tail = NULL;
+        d->worker_busy = true;
+        pthread_mutex_unlock(&d->mu);
+        tsys_dist__host_exec(d, &w->c, &w->err);
+        pthread_mutex_lock(&d->mu);
+        w->done = 1;
+        d->worker_busy = false;
+        pthread_cond_broadcast(&d->cv_done);
+    }
+    pthread_mutex_unlock(&d->mu);
+    return NULL;
+}
+
+// Waits until the worker has run everything queued (a blocking collective goes after them).
+static void tsys_dist__drain(tsys_dist *d) {
+    if (!d->worker_on) return;
+    pthread_mutex_lock(&d->mu);
+    while (d->q_head || d->worker_busy) pthread_cond_wait(&d->cv_done, &d->mu);
+    pthread_mutex_unlock(&d->mu);
+}
+
+static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
+    if (d->worker_on) {
+        tsys_dist__drain(d);
+        pthread_mutex_lock(&d->mu);
+        d->worker_stop = true;
+        pthread_cond_broadcast(&d->cv);
+        pthread_mutex_unlock(&d->mu);
+        pthread_join(d->worker, NULL);
+        pthread_mutex_destroy(&d->mu);
+        pthread_cond_destroy(&d->cv);
+        pthread_cond_destroy(&d->cv_done);
+        d->worker_on = false;
+    }
+    bool broken = TSYS_DIST__LOAD(&d->broken) != 0;
+#ifdef TSYS_DIST_NCCL
+    if (d->nccl) {
+        if (broken) ncclCommAbort(d->nccl);
+        else {
+            tsys_dist__err e;
+            memset(&e, 0, sizeof e);
+            ncclCommFinalize(d->nccl);
+            tsys_dist__nccl_settle(d, "ncclCommFinalize", &e);
+            if (d->nccl) ncclCommDestroy(d->nccl);
+        }
+        d->nccl = NULL;
+    }
+    if (d->ev_ready.handle) tsys_event_release(d->ctx, &d->ev_ready);
+#endif
+    if (d->shm_base) munmap(d->shm_base, d->shm_bytes);
+    d->shm_base = NULL;
+    if (d->fds) { for (int r = 0; r < d->size; r++) if (d->fds[r] >= 0) close(d->fds[r]); TSYS_FREE(d->fds); d->fds = NULL; }
+#ifdef TSYS_DIST_MPI
+    // A broken group leaves MPI alone: a posted request may never finish, so MPI_Finalize could hang.
+    // The program is expected to exit with an error, which ends the job.
+    if (!broken) {
+        if (d->mpi_ops) for (int i = 0; i < 2; i++) for (int j = 0; j < 2; j++) MPI_Op_free(&d->op16[i][j]);
+        if (d->have_comm) MPI_Comm_free(&d->comm);
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (finalize && d->mpi_owner && !fin) MPI_Finalize();
+    }
+    d->have_comm = false; d->mpi_ops = false;
+#endif
+}
+
+TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
+    if (!ctx) return NULL;
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    if (desc) dd = *desc;
+    tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
+    if (!d) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_init: out of host memory"); return NULL; }
+    d->ctx = ctx; d->size = 1; d->local_size = 1;
+    d->host = TSYS_DIST__HOST_SELF;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    const char *what = "tsys_dist_init";
+    long v = 0;
+    bool bad = false;
+    if ((unsigned)dd.engine > (unsigned)TSYS_DIST_ENGINE_TCP) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "unknown engine %d", (int)dd.engine); goto fail; }
+    if (dd.timeout_s < 0) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "timeout_s %d is negative", dd.timeout_s); goto fail; }
+    d->timeout_s = TSYS_DIST_TIMEOUT_DEFAULT;
+    if (dd.timeout_s > 0) d->timeout_s = dd.timeout_s;
+    else if (tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &v, &bad)) d->timeout_s = (double)v;
+    if (bad) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_TIMEOUT='%s' is not a whole number of seconds >= 1", getenv("TSYS_DIST_TIMEOUT")); goto fail; }
+    {
+        const char *chk = tsys_dist__env("TSYS_DIST_CHECK");
+        d->check_all = TSYS_DEBUG || (chk && !strcmp(chk, "1"));
+        d->check_none = chk && !strcmp(chk, "0");
+        if (d->check_none) d->check_all = false;
+    }
+    if (gethostname(d->hostname, sizeof d->hostname - 1) != 0) snprintf(d->hostname, sizeof d->hostname, "localhost");
+    {
+        bool by_mpi = tsys_dist__launched_by_mpi();
+#ifdef TSYS_DIST_MPI
+        int inited = 0;
+        MPI_Initialized(&inited);
+        by_mpi = by_mpi || inited;
+        // an explicit MPI engine in a process started alone is an MPI singleton (a group of one)
+        if (!by_mpi && dd.engine == TSYS_DIST_ENGINE_MPI && !tsys_dist__env("RANK") && !tsys_dist__env("WORLD_SIZE")) by_mpi = true;
+        if (by_mpi) {
+            what = "tsys_dist_init (MPI)";
+            if (!tsys_dist__mpi_setup(d, &e)) goto fail;
+        }
+#else
+        if (by_mpi) {
+            const char *n = tsys_dist__env("OMPI_COMM_WORLD_SIZE");
+            if (!n) n = tsys_dist__env("PMI_SIZE");
+            if (!n) n = tsys_dist__env("SLURM_NTASKS");
+            if (n && strcmp(n, "1")) {
+                tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "started by mpirun/srun with %s ranks, but this program was built without TSYS_DIST_MPI: "
+                                  "rebuild it with -DTSYS_DIST_MPI and MPI's flags, or start it with --nproc / torchrun-style variables", n);
+                goto fail;
+            }
+            by_mpi = false;
+        }
+#endif
+        if (!by_mpi && (tsys_dist__env("RANK") || tsys_dist__env("WORLD_SIZE"))) {
+            what = "tsys_dist_init (TCP rendezvous)";
+            long rank = -1, size = -1, port = 29500;
+            bool b1 = false, b2 = false, b3 = false;
+            if (!tsys_dist__env_long("WORLD_SIZE", 1, 1 << 20, &size, &b1) || !tsys_dist__env_long("RANK", 0, size - 1, &rank, &b2)) {
+                tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "RANK='%s' and WORLD_SIZE='%s' must both be set: 0 <= RANK < WORLD_SIZE",
+                                  getenv("RANK") ? getenv("RANK") : "", getenv("WORLD_SIZE") ? getenv("WORLD_SIZE") : "");
+                goto fail;
+            }
+            d->rank = (int)rank; d->size = (int)size;
+            if (tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &v, &b3)) d->local_rank = (int)v;
+            else d->local_rank = d->rank;
+            if (b3) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "LOCAL_RANK='%s' is not a rank", getenv("LOCAL_RANK")); goto fail; }
+            d->local_size = d->size; d->one_host = true;
+            if (d->size > 1) {
+                bool b4 = false;
+                tsys_dist__env_long("MASTER_PORT", 1, 65535, &port, &b4);
+                if (b4) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "MASTER_PORT='%s' is not a port", getenv("MASTER_PORT")); goto fail; }
+                const char *addr = tsys_dist__env("MASTER_ADDR");
+                if (!tsys_dist__tcp_setup(d, addr ? addr : "127.0.0.1", (int)port, &e)) goto fail;
+                d->host = TSYS_DIST__HOST_TCP;
+            }
+        }
+    }
+    what = "tsys_dist_init";
+    // the engine asked for against the way this process was started
+    switch (dd.engine) {
+    case TSYS_DIST_ENGINE_SELF:
+        if (d->size > 1) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine self is a group of one, but this process is rank %d of %d", d->rank, d->size); goto fail; }
+        break;
+    case TSYS_DIST_ENGINE_MPI:
+#ifdef TSYS_DIST_MPI
+        if (d->host != TSYS_DIST__HOST_MPI) {
+            tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
+                              "variables, which give the tcp engine (ask for engine auto)");
+            goto fail;
+        }
+#else
+        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "engine mpi: built without TSYS_DIST_MPI");
+        goto fail;
+#endif
+        break;
+    case TSYS_DIST_ENGINE_NCCL:
+#ifndef TSYS_DIST_NCCL
+        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "engine nccl: built without TSYS_DIST_NCCL");
+        goto fail;
+#endif
+        if (!dd.cuda) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine nccl needs desc.cuda (NCCL moves CUDA tensors)"); goto fail; }
+        break;
+    case TSYS_DIST_ENGINE_TCP:
+        if (d->size > 1 && d->host != TSYS_DIST__HOST_TCP) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine tcp needs ranks started by tsys_dist_spawn or torchrun-style variables, not mpirun"); goto fail; }
+        break;
+    default: break;
+    }
+    if (d->size == 1 && dd.engine != TSYS_DIST_ENGINE_MPI) d->host = TSYS_DIST__HOST_SELF;
+    if (dd.cuda) {
+#ifdef TSYS_CUDA_H_INCLUDED
+        if (!tsys_ctx_backend(ctx, TSYS_CUDA) || !tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)) {
+            int count = tsys_cuda_device_count();
+            if (count <= 0) { tsys_dist__seterr(&e, TSYS_ERR_CUDA, "desc.cuda: no CUDA device is visible"); goto fail; }
+            if (tsys_cuda_init(ctx, d->local_rank % count) != TSYS_OK) { tsys_dist__seterr(&e, TSYS_ERR_CUDA, "GPU %d: %s", d->local_rank % count, tsys_ctx_last_error(ctx)); goto fail; }
+        }
+        d->cuda = true;
+#else
+        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "desc.cuda: this program was built without CUDA (include tsys_cuda.cuh before tsys_dist.h)");
+        goto fail;
+#endif
+    }
+    if (d->size > 1 && d->one_host && d->size <= 512) {
+        const char *shm = tsys_dist__env("TSYS_DIST_SHM");
+        if (shm && !strcmp(shm, "0")) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: TSYS_DIST_SHM=0");
+        else if (!tsys_dist__shm_setup(d, &e)) goto fail;
+    } else if (d->size > 1) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: the ranks are on %s", d->one_host ? "more than 512 ranks" : "several hosts");
+#ifdef TSYS_DIST_NCCL
+    if (d->cuda && (dd.engine == TSYS_DIST_ENGINE_NCCL || (dd.engine == TSYS_DIST_ENGINE_AUTO && d->size > 1))) {
+        what = "tsys_dist_init (NCCL)";
+        if (!tsys_dist__nccl_setup(d, &e)) goto fail;
+    }
+#endif
+    d->engine = TSYS_DIST_ENGINE_SELF;
+    if (d->host == TSYS_DIST__HOST_MPI) d->engine = TSYS_DIST_ENGINE_MPI;
+    if (d->host == TSYS_DIST__HOST_TCP) d->engine = TSYS_DIST_ENGINE_TCP;
+#ifdef TSYS_DIST_NCCL
+    if (d->nccl) d->engine = TSYS_DIST_ENGINE_NCCL;
+#endif
+    {
+        bool threads_ok = d->host != TSYS_DIST__HOST_SELF && d->size > 1;
+#ifdef TSYS_DIST_MPI
+        if (d->host == TSYS_DIST__HOST_MPI && !d->shm_base && !d->mpi_serialized) threads_ok = false;   // MPI initialized by the caller without thread support
+#endif
+        if (threads_ok) {
+            pthread_mutex_init(&d->mu, NULL);
+            pthread_cond_init(&d->cv, NULL);
+            pthread_cond_init(&d->cv_done, NULL);
+            if (pthread_create(&d->worker, NULL, tsys_dist__worker_main, d) == 0) d->worker_on = true;
+            else { pthread_mutex_destroy(&d->mu); pthread_cond_destroy(&d->cv); pthread_cond_destroy(&d->cv_done); }
+        }
+    }
+    return d;
+fail:
+    tsys_ctx_set_error(ctx, e.status ? e.status : TSYS_ERR_INVALID_ARGS, "%s: rank %d: %s", what, d->rank, e.msg);
+    tsys_dist__teardown(d, false);   // MPI stays initialized (a later group may still use it)
+    free(d);
+    return NULL;
+}
+
+TSYSDEF void tsys_dist_free(tsys_dist *d) {
+    if (!d) return;
+    tsys_dist__teardown(d, true);
+    free(d);
+}
+
+TSYSDEF int tsys_dist_rank(const tsys_dist *d) { return d ? d->rank : 0; }
+TSYSDEF int tsys_dist_size(const tsys_dist *d) { return d ? d->size : 1; }
+TSYSDEF int tsys_dist_local_rank(const tsys_dist *d) { return d ? d->local_rank : 0; }
+TSYSDEF tsys_dist_engine tsys_dist_engine_of(const tsys_dist *d) { return d ? d->engine : TSYS_DIST_ENGINE_SELF; }
+TSYSDEF tsys_ctx *tsys_dist_ctx(const tsys_dist *d) { return d ? d->ctx : NULL; }
+TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e) {
+    switch (e) {
+    case TSYS_DIST_ENGINE_AUTO: return "auto";
+    case TSYS_DIST_ENGINE_MPI: return "mpi";
+    case TSYS_DIST_ENGINE_NCCL: return "nccl";
+    case TSYS_DIST_ENGINE_SELF: return "self";
+    case TSYS_DIST_ENGINE_TCP: return "tcp";
+    }
+    return "?";
+}
 
 // >>collectives -----------------------------------------------------------------------------------
+// ---- NCCL ----------------------------------------------------------------------------------------
+// On the side stream, after the compute stream's work so far (an event from the backend's pool);
+// the collective's end is another event, which tsys_dist_wait makes the compute stream wait for.
+// No host sync anywhere, so the whole sequence can be captured in a CUDA graph.
+#ifdef TSYS_DIST_NCCL
+static ncclDataType_t tsys_dist__nccl_type(int t) {
+    switch (t) {
+    case TSYS_F32: return ncclFloat32;
+    case TSYS_BF16: return ncclBfloat16;
+    case TSYS_F16: return ncclFloat16;
+    case TSYS_I32: return ncclInt32;
+    default: return ncclInt64;
+    }
+}
+static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_event *done, tsys_dist__err *e) {
+    tsys_ctx *ctx = d->ctx;
+    if (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
+        tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK)
+        return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+    cudaStream_t side = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_SIDE);
+    ncclDataType_t dt = tsys_dist__nccl_type(c->type);
+    ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
+    ncclResult_t r;
+    const char *what;
+    switch (c->kind) {
+    case TSYS_DIST__ALLREDUCE: what = "ncclAllReduce"; r = ncclAllReduce(c->out, c->out, (size_t)c->count, dt, op, d->nccl, side); break;
+    case TSYS_DIST__BCAST: what = "ncclBroadcast"; r = ncclBroadcast(c->out, c->out, (size_t)c->count, dt, c->root, d->nccl, side); break;
+    case TSYS_DIST__RS: what = "ncclReduceScatter"; r = ncclReduceScatter(c->in, c->out, (size_t)c->count, dt, op, d->nccl, side); break;
+    default: what = "ncclAllGather"; r = ncclAllGather(c->in, c->out, (size_t)c->count, dt, d->nccl, side); break;
+    }
+    char buf[96];
+    snprintf(buf, sizeof buf, "%s (collective #%lld)", what, (long long)c->seq);
+    if (!tsys_dist__nccl_ok(d, r, buf, e)) return false;
+    if (r == ncclInProgress && !tsys_dist__nccl_settle(d, buf, e)) return false;
+    if (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+    return true;
+}
+#endif
+
+// ---- issuing collectives -------------------------------------------------------------------------
+
+static void tsys_dist__work_free(tsys_dist_work *w) {
+    if (!w) return;
+    TSYS_FREE(w->stage_in);
+    TSYS_FREE(w->stage_out);
+    if (w->dev_out) tsys_tensor_release(w->dev_out);
+    if (w->ev.handle) tsys_event_release(w->d->ctx, &w->ev);
+    free(w);
+}
+
+// Host work finished (by the caller or the worker): copy staged results back to the device, report.
+static tsys_status tsys_dist__work_finish(tsys_dist_work *w) {
+    tsys_dist *d = w->d;
+    tsys_status st = TSYS_OK;
+    if (w->err.status != TSYS_OK) st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg);
+    else if (w->dev_out && w->out_bytes) {
+        const tsys_backend *be = tsys_ctx_backend(d->ctx, w->dev_out->device);
+        st = be->copy(d->ctx, tsys_tensor_data(w->dev_out), w->dev_out->device, w->stage_out, TSYS_CPU, w->out_bytes);
+    }
+    tsys_dist__work_free(w);
+    return st;
+}
+
+static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op, int root, bool async, tsys_status *st) {
+    *st = TSYS_ERR_INVALID_ARGS;
+    if (!d) return NULL;
+    tsys_ctx *ctx = d->ctx;
+    if (!out || (kind == TSYS_DIST__RS || kind == TSYS_DIST__AG ? !in : false)) { *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: NULL tensor", fn); return NULL; }
+    if (!in) in = out;
+    if ((unsigned)op > (unsigned)TSYS_DIST_MAX) { *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: unknown op %d", fn, (int)op); return NULL; }
+    if (in->dtype != out->dtype || in->device != out->device) {
+        *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: in is %s on %s, out %s on %s: they must match", fn, tsys_dtype_name(in->dtype), in->device == TSYS_CPU ? "cpu" : "cuda",
+                              tsys_dtype_name(out->dtype), out->device == TSYS_CPU ? "cpu" : "cuda");
+        return NULL;
+    }
+    if (op == TSYS_DIST_AVG && !tsys_dtype_is_float(out->dtype) && (kind == TSYS_DIST__ALLREDUCE || kind == TSYS_DIST__RS)) {
+        *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: AVG needs a floating-point tensor, '%s' is %s (SUM it, then divide)", fn, out->name, tsys_dtype_name(out->dtype));
+        return NULL;
+    }
+    int64_t nout = tsys_tensor_numel(out), nin = tsys_tensor_numel(in);
+    if (kind == TSYS_DIST__RS && nin != (int64_t)d->size * nout) {
+        *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: in has %lld elements, out %lld: in must hold size (%d) x numel(out) = %lld", fn, (long long)nin, (long long)nout, d->size, (long long)d->size * nout);
+        return NULL;
+    }
+    if (kind == TSYS_DIST__AG && nout != (int64_t)d->size * nin) {
+        *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: out has %lld elements, in %lld: out must hold size (%d) x numel(in) = %lld", fn, (long long)nout, (long long)nin, d->size, (long long)d->size * nin);
+        return NULL;
+    }
+    if (kind == TSYS_DIST__BCAST && (root < 0 || root >= d->size)) { *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: root %d is not a rank of this group of %d", fn, root, d->size); return NULL; }
+    if (out->device != TSYS_CPU && !tsys_ctx_backend(ctx, out->device)) { *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: the context has no backend for the tensor's device", fn); return NULL; }
+    if (TSYS_DIST__LOAD(&d->broken)) { *st = tsys_dist__fail(d, TSYS_ERR_IO, "%s: the group is broken since: %s", fn, d->broken_msg); return NULL; }
+
+    tsys_dist_work *w = (tsys_dist_work *)calloc(1, sizeof *w);
+    if (!w) { *st = tsys_dist__fail(d, TSYS_ERR_OOM, "%s: out of host memory", fn); return NULL; }
+    w->d = d;
+    tsys_dist__coll *c = &w->c;
+    c->kind = kind; c->type = out->dtype; c->op = op; c->root = root;
+    c->count = kind == TSYS_DIST__RS ? nout : kind == TSYS_DIST__AG ? nin : nout;
+    c->in = tsys_tensor_data(in); c->out = tsys_tensor_data(out);
+    c->seq = d->seq++;
+    const size_t es = tsys_dtype_size(out->dtype);
+
+#ifdef TSYS_DIST_NCCL
+    if (out->device == TSYS_CUDA && d->nccl) {
+        // sizes and dtypes agree? (host round trip; not while replaying a graph: checked at capture)
+        if (d->size > 1 && !d->check_none && (d->check_all || (int64_t)(nout > nin ? nout : nin) * (int64_t)es >= TSYS_DIST__CHECK_BYTES)) {
+            tsys_dist__coll chk = *c;
+            chk.check_only = true;
+            tsys_dist__drain(d);
+            if (!tsys_dist__host_exec(d, &chk, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
+        }
+        if (!tsys_dist__nccl_coll(d, c, &w->ev, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
+        w->path = TSYS_DIST__WORK_NCCL;
+        if (async) { *st = TSYS_OK; return w; }
+        *st = tsys_event_wait(ctx, &w->ev, TSYS_STREAM_COMPUTE);
+        tsys_dist__work_free(w);
+        return NULL;
+    }
+#endif
+    if (d->host == TSYS_DIST__HOST_SELF && out->device != TSYS_CPU) {
+        // a group of one on a device: reduce-scatter and all-gather are copies on the current stream
+        if ((kind == TSYS_DIST__RS || kind == TSYS_DIST__AG) && in != out && nout) *st = tsys_tensor_copy_from(ctx, out, in);
+        else *st = TSYS_OK;
+        w->path = TSYS_DIST__WORK_DONE;
+        if (*st != TSYS_OK || !async) { tsys_dist__work_free(w); return NULL; }
+        return w;
+    }
+    if (out->device != TSYS_CPU) {
+        // host staging (how Gloo treats CUDA tensors): device -> host now (a sync of the current
+        // stream), the collective on the host, host -> device when it is done
+#ifdef TSYS_CUDA_H_INCLUDED
+        if (tsys_cuda_capturing(ctx)) {
+            *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: CUDA tensors travel through host memory in this group (no NCCL communicator), which a CUDA graph cannot capture", fn);
+            tsys_dist__work_free(w);
+            return NULL;
+        }
+#endif
+        size_t in_bytes = (size_t)nin * es, out_bytes = (size_t)nout * es;
+        w->stage_out = TSYS_MALLOC(out_bytes ? out_bytes : 1);
+        w->stage_in = in != out ? TSYS_MALLOC(in_bytes ? in_bytes : 1) : NULL;
+        if (!w->stage_out || (in != out && !w->stage_in)) { *st = tsys_dist__fail(d, TSYS_ERR_OOM, "%s: no host memory to stage %zu bytes", fn, in_bytes + out_bytes); tsys_dist__work_free(w); return NULL; }
+        tsys_status cs = TSYS_OK;
+        if (in != out) cs = tsys_tensor_to_host(ctx, in, w->stage_in);
+        else if (kind != TSYS_DIST__BCAST || d->rank == root) cs = tsys_tensor_to_host(ctx, out, w->stage_out);
+        if (cs != TSYS_OK) { *st = cs; tsys_dist__work_free(w); return NULL; }
+        c->in = in != out ? w->stage_in : w->stage_out;
+        c->out = w->stage_out;
+        w->dev_out = tsys_tensor_retain(out);
+        w->out_bytes = out_bytes;
+    }
+    w->path = TSYS_DIST__WORK_HOST;
+    if (async && d->worker_on) {
+        pthread_mutex_lock(&d->mu);
+        if (d->q_tail) d->q_tail->next = w; else d->q_head = w;
+        d->q_tail = w;
+        pthread_cond_signal(&d->cv);
+        pthread_mutex_unlock(&d->mu);
+        *st = TSYS_OK;
+        return w;
+    }
+    tsys_dist__drain(d);
+    tsys_dist__host_exec(d, c, &w->err);
+    w->done = 1;
+    if (async) { *st = TSYS_OK; return w; }   // no worker: already done; errors come out of the wait
+    *st = tsys_dist__work_finish(w);
+    return NULL;
+}
+
+TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w) {
+    if (!w) return TSYS_ERR_INVALID_ARGS;
+    tsys_dist *d = w->d;
+    if (w->path == TSYS_DIST__WORK_NCCL) {
+        tsys_status st = tsys_event_wait(d->ctx, &w->ev, TSYS_STREAM_COMPUTE);
+        tsys_dist__work_free(w);
+        return st;
+    }
+    if (w->path == TSYS_DIST__WORK_DONE) { tsys_dist__work_free(w); return TSYS_OK; }
+    if (d->worker_on) {
+        pthread_mutex_lock(&d->mu);
+        while (!w->done) pthread_cond_wait(&d->cv_done, &d->mu);
+        pthread_mutex_unlock(&d->mu);
+    }
+    return tsys_dist__work_finish(w);
+}
+
+TSYSDEF tsys_status tsys_dist_all_reduce(tsys_dist *d, tsys_tensor *t, tsys_dist_op op) {
+    tsys_status st;
+    tsys_dist__issue(d, "all_reduce", TSYS_DIST__ALLREDUCE, t, NULL, op, 0, false, &st);
+    return st;
+}
+TSYSDEF tsys_status tsys_dist_broadcast(tsys_dist *d, tsys_tensor *t, int root) {
+    tsys_status st;
+    tsys_dist__issue(d, "broadcast", TSYS_DIST__BCAST, t, NULL, TSYS_DIST_SUM, root, false, &st);
+    return st;
+}
+TSYSDEF tsys_status tsys_dist_reduce_scatter(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op) {
+    tsys_status st;
+    tsys_dist__issue(d, "reduce_scatter", TSYS_DIST__RS, out, in, op, 0, false, &st);
+    return st;
+}
+TSYSDEF tsys_status tsys_dist_all_gather(tsys_dist *d, tsys_tensor *out, tsys_tensor *in) {
+    tsys_status st;
+    tsys_dist__issue(d, "all_gather", TSYS_DIST__AG, out, in, TSYS_DIST_SUM, 0, false, &st);
+    return st;
+}
+TSYSDEF tsys_dist_work *tsys_dist_all_reduce_async(tsys_dist *d, tsys_tensor *t, tsys_dist_op op) {
+    tsys_status st;
+    return tsys_dist__issue(d, "all_reduce_async", TSYS_DIST__ALLREDUCE, t, NULL, op, 0, true, &st);
+}
+TSYSDEF tsys_dist_work *tsys_dist_reduce_scatter_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op) {
+    tsys_status st;
+    return tsys_dist__issue(d, "reduce_scatter_async", TSYS_DIST__RS, out, in, op, 0, true, &st);
+}
+TSYSDEF tsys_dist_work *tsys_dist_all_gather_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in) {
+    tsys_status st;
+    return tsys_dist__issue(d, "all_gather_async", TSYS_DIST__AG, out, in, TSYS_DIST_SUM, 0, true, &st);
+}
+
+// Host barrier after everything issued so far on the host; on an NCCL group it also waits (bounded
+// by the timeout, host side) for the side stream, so a stuck NCCL collective ends in an error here.
+TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
+    if (!d) return TSYS_ERR_INVALID_ARGS;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+#ifdef TSYS_DIST_NCCL
+    if (d->nccl && !tsys_cuda_capturing(d->ctx)) {
+        tsys_event ev;
+        memset(&ev, 0, sizeof ev);
+        if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK) return tsys_ctx_status(d->ctx);
+        double t0 = tsys_time_us();
+        for (long spins = 0;; spins++) {
+            cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
+            if (q == cudaSuccess) break;
+            ncclResult_t ae = ncclSuccess;
+            ncclCommGetAsyncError(d->nccl, &ae);
+            if (q != cudaErrorNotReady || (ae != ncclSuccess && ae != ncclInProgress)) {
+                tsys_event_release(d->ctx, &ev);
+                if (q != cudaErrorNotReady) return tsys_dist__fail(d, TSYS_ERR_CUDA, "barrier: %s", cudaGetErrorString(q));
+                tsys_dist__nccl_ok(d, ae, "barrier: NCCL", &e);
+                return tsys_dist__fail(d, e.status, "%s", e.msg);
+            }
+            if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
+                tsys_event_release(d->ctx, &ev);
+                tsys_dist__seterr(&e, TSYS_ERR_NCCL, "barrier: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", d->timeout_s);
+                tsys_dist__break(d, &e);
+                ncclCommAbort(d->nccl);
+                d->nccl = NULL;
+                return tsys_dist__fail(d, e.status, "%s", e.msg);
+            }
+            if (spins > 1000) tsys_dist__nap_us(50);
+        }
+        tsys_event_release(d->ctx, &ev);
+    }
+#endif
+    if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "barrier: the group is broken since: %s", d->broken_msg);
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__BARRIER; c.seq = d->seq++;
+    tsys_dist__drain(d);
+    if (!tsys_dist__host_exec(d, &c, &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, tsys_dist_op op) {
+    if (!d) return TSYS_ERR_INVALID_ARGS;
+    if (n < 0 || (n > 0 && !v) || (unsigned)op > (unsigned)TSYS_DIST_MAX) return tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "all_reduce_host: bad arguments (n %d, op %d)", n, (int)op);
+    if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "all_reduce_host: the group is broken since: %s", d->broken_msg);
+    tsys_dist__coll c;
+    tsys_dist__err e;
+    memset(&c, 0, sizeof c);
+    memset(&e, 0, sizeof e);
+    c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_DIST__F64; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
+    tsys_dist__drain(d);
+    if (!tsys_dist__host_exec(d, &c, &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
+    return TSYS_OK;
+}
 
 // >>ddp -------------------------------------------------------------------------------------------
 // DDP, ZeRO-1 and the accounting use only the public tsys and collective API (no engine internals).

@@ -1,0 +1,255 @@
+// allreduce - the CS336 distributed_communication_single_node benchmark: all-reduce (and
+// reduce-scatter, all-gather) of float32 tensors of several sizes across ranks, timed after warmup.
+//
+//   allreduce --nproc 2 --sizes 1MB,10MB,100MB,1GB                   CPU ranks (the role of Gloo)
+//   mpirun -np 4 allreduce --sizes 1MB,1GB --op all_reduce,all_gather
+//   allreduce_cuda --backend nccl --nproc 2                          one GPU per rank
+//
+// One row per (op, dtype, size): min/mean/max time over iterations and ranks (gathered on rank 0),
+// and algbw/busbw in the nccl-tests convention, from the mean over iterations of the slowest rank:
+// algbw = bytes / time; busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for reduce-scatter and
+// all-gather (bytes = the whole buffer: the all-reduced tensor, the reduce-scatter input, the
+// all-gather output). Sizes: B, KB, MB, GB are powers of 1024 (1MB = 2^20 bytes, as in the CS336
+// scripts and the torch baseline); a plain number is bytes. Only rank 0 prints.
+#ifndef TSYS_LINKED_IMPL   // the Makefile's CUDA build compiles the implementations once and links them
+#define TSYS_IMPLEMENTATION
+#endif
+#include "../tsys.h"
+#ifdef TSYS_WITH_CUDA
+#ifndef TSYS_LINKED_IMPL
+#define TSYS_CUDA_IMPLEMENTATION
+#endif
+#include "../tsys_cuda.cuh"
+#endif
+#define TSYS_DIST_IMPLEMENTATION
+#include "../tsys_dist.h"
+#include "driver_util.h"
+
+typedef struct ar_opts {
+    const char *backend, *sizes, *ops, *dtypes, *format, *shm;
+    int nproc, warmup, iters, timeout;
+    bool check;
+} ar_opts;
+
+static void usage(FILE *f) {
+    fprintf(f,
+        "usage: allreduce [flags]\n"
+        "  --backend mpi|nccl       mpi: CPU tensors through the host engine (MPI under mpirun, else shared\n"
+        "                           memory / TCP between --nproc ranks); nccl: CUDA tensors, one GPU per\n"
+        "                           local rank (allreduce_cuda) (default mpi)\n"
+        "  --nproc N                start N ranks on this host (default 1; under mpirun: mpirun's ranks)\n"
+        "  --sizes LIST             buffer sizes: 1MB,10MB,100MB,1GB (KB/MB/GB = 2^10/2^20/2^30 bytes; a\n"
+        "                           plain number is bytes) (default 1MB,10MB,100MB,1GB)\n"
+        "  --op LIST                all_reduce, reduce_scatter, all_gather (default all_reduce)\n"
+        "  --dtype LIST             fp32, bf16, fp16 (default fp32)\n"
+        "  --warmup N               untimed iterations first (default 5)\n"
+        "  --iters N                timed iterations (default 20)\n"
+        "  --shm yes|no             host tensors through a shared-memory segment when every rank is on\n"
+        "                           this host (default yes; no: through MPI or TCP)\n"
+        "  --timeout S              seconds without progress before a rank gives up (default 300)\n"
+        "  --no-check               skip checking the result of the first iteration\n"
+        "  --format md|csv|jsonl    output rows (default md)\n"
+        "  --help\n");
+}
+
+static int parse_args(int argc, char **argv, ar_opts *o) {
+    memset(o, 0, sizeof(*o));
+    o->backend = "mpi"; o->sizes = "1MB,10MB,100MB,1GB"; o->ops = "all_reduce"; o->dtypes = "fp32"; o->format = "md"; o->shm = "yes";
+    o->nproc = 1; o->warmup = 5; o->iters = 20; o->check = true;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--no-check")) { o->check = false; continue; }
+        if (i + 1 >= argc) { fprintf(stderr, "allreduce: flag %s needs a value\n", a); usage(stderr); return 2; }
+        const char *v = argv[++i];
+        bool ok = true;
+        if (!strcmp(a, "--backend")) o->backend = v;
+        else if (!strcmp(a, "--sizes")) o->sizes = v;
+        else if (!strcmp(a, "--op")) o->ops = v;
+        else if (!strcmp(a, "--dtype")) o->dtypes = v;
+        else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--shm")) o->shm = v;
+        else if (!strcmp(a, "--nproc")) ok = du_parse_int(v, 1, 1024, &o->nproc);
+        else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
+        else if (!strcmp(a, "--iters")) ok = du_parse_int(v, 1, 1 << 20, &o->iters);
+        else if (!strcmp(a, "--timeout")) ok = du_parse_int(v, 1, 1 << 30, &o->timeout);
+        else { fprintf(stderr, "allreduce: unknown flag '%s'\n", a); usage(stderr); return 2; }
+        if (!ok) { fprintf(stderr, "allreduce: bad value '%s' for %s\n", v, a); usage(stderr); return 2; }
+    }
+    if (strcmp(o->backend, "mpi") && strcmp(o->backend, "nccl")) { fprintf(stderr, "allreduce: --backend must be mpi or nccl, not '%s'\n", o->backend); usage(stderr); return 2; }
+    if (strcmp(o->shm, "yes") && strcmp(o->shm, "no")) { fprintf(stderr, "allreduce: --shm must be yes or no, not '%s'\n", o->shm); usage(stderr); return 2; }
+    if (!du_format_ok(o->format)) { fprintf(stderr, "allreduce: --format must be md, csv or jsonl, not '%s'\n", o->format); usage(stderr); return 2; }
+#ifndef TSYS_WITH_CUDA
+    if (!strcmp(o->backend, "nccl")) { fprintf(stderr, "allreduce: --backend nccl needs the CUDA build (make cuda: build/allreduce_cuda)\n"); return 2; }
+#endif
+    return 0;
+}
+
+// "1MB" -> 1048576; false on anything else
+static bool parse_size(const char *s, int64_t *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0) return false;
+    double mul = 1;
+    if (!strcmp(end, "") || !strcmp(end, "B")) mul = 1;
+    else if (!strcmp(end, "KB") || !strcmp(end, "KiB") || !strcmp(end, "K")) mul = 1024.0;
+    else if (!strcmp(end, "MB") || !strcmp(end, "MiB") || !strcmp(end, "M")) mul = 1048576.0;
+    else if (!strcmp(end, "GB") || !strcmp(end, "GiB") || !strcmp(end, "G")) mul = 1073741824.0;
+    else return false;
+    double b = v * mul;
+    if (b > 1e15 || b != floor(b)) return false;
+    *out = (int64_t)b;
+    return true;
+}
+
+enum { OP_AR, OP_RS, OP_AG };
+static bool parse_op(const char *s, int *op) {
+    if (!strcmp(s, "all_reduce")) *op = OP_AR;
+    else if (!strcmp(s, "reduce_scatter")) *op = OP_RS;
+    else if (!strcmp(s, "all_gather")) *op = OP_AG;
+    else return false;
+    return true;
+}
+static bool parse_dtype(const char *s, tsys_dtype *d) {
+    if (!strcmp(s, "fp32")) *d = TSYS_F32;
+    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
+    else if (!strcmp(s, "fp16")) *d = TSYS_F16;
+    else return false;
+    return true;
+}
+
+static void die(tsys_dist *d, const char *what) {
+    fprintf(stderr, "allreduce: rank %d: %s: %s\n", tsys_dist_rank(d), what, tsys_ctx_last_error(tsys_dist_ctx(d)));
+    exit(1);   // ends the job (under mpirun the others are stopped; under --nproc the launcher stops them)
+}
+
+static double get_f32(tsys_ctx *ctx, tsys_tensor *t, int64_t i, float *scratch, int64_t n) {
+    (void)i; (void)n;
+    tsys_tensor_to_f32(ctx, t, scratch);
+    return scratch[i];
+}
+
+// One (op, dtype, size): returns false when the first iteration's result was wrong.
+static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsys_dtype dt, const char *label, int64_t bytes, du_table *tab) {
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    int n = tsys_dist_size(d), rank = tsys_dist_rank(d);
+    int64_t es = (int64_t)tsys_dtype_size(dt);
+    int64_t count = bytes / es;
+    if (op != OP_AR) count = count / n * n;   // the whole buffer splits into n blocks
+    if (count < (op == OP_AR ? 1 : n)) count = op == OP_AR ? 1 : n;
+    int64_t big[1] = { count }, small[1] = { count / n };
+    tsys_tensor *a = tsys_tensor_new(ctx, dt, dev, 1, op == OP_AR ? big : op == OP_RS ? big : small);   // AR: the tensor; RS: in; AG: in
+    tsys_tensor *b = op == OP_AR ? NULL : tsys_tensor_new(ctx, dt, dev, 1, op == OP_RS ? small : big);
+    if (!a || (op != OP_AR && !b)) die(d, "allocating the buffers");
+    bool ok = true;
+    double *t = (double *)calloc((size_t)o->iters, sizeof(double));
+    for (int it = 0; it < o->warmup + o->iters || it == 0; it++) {
+        bool check = o->check && it == 0;
+        if (check) tsys_tensor_fill(ctx, a, (float)(rank + 1));
+        if (tsys_dist_barrier(d) != TSYS_OK) die(d, "barrier");
+        double t0 = tsys_time_us();
+        tsys_status st = op == OP_AR ? tsys_dist_all_reduce(d, a, TSYS_DIST_SUM) : op == OP_RS ? tsys_dist_reduce_scatter(d, b, a, TSYS_DIST_SUM) : tsys_dist_all_gather(d, b, a);
+        if (st == TSYS_OK && dev != TSYS_CPU) st = tsys_sync(ctx, dev);
+        double us = tsys_time_us() - t0;
+        if (st != TSYS_OK) die(d, op == OP_AR ? "all_reduce" : op == OP_RS ? "reduce_scatter" : "all_gather");
+        if (it >= o->warmup && it - o->warmup < o->iters) t[it - o->warmup] = us * 1e-3;
+        if (check) {   // a few elements of the result against what they must be
+            tsys_tensor *res = op == OP_AR ? a : b;
+            int64_t rn = tsys_tensor_numel(res);
+            float *h = (float *)malloc(sizeof(float) * (size_t)rn);
+            tsys_tensor_to_f32(ctx, res, h);
+            int64_t idx[4] = { 0, rn / 3, rn / 2, rn - 1 };
+            for (int k = 0; k < 4; k++) {
+                double want = op == OP_AG ? (double)(idx[k] / (rn / n) + 1) : n * (n + 1) / 2.0;
+                if (h[idx[k]] != want) ok = false;
+            }
+            free(h);
+        }
+    }
+    (void)get_f32;
+    // min / mean / max over iterations and ranks; the slowest rank per iteration for the bandwidth
+    double lo = 1e300, hi = 0, sum = 0;
+    for (int i = 0; i < o->iters; i++) { lo = t[i] < lo ? t[i] : lo; hi = t[i] > hi ? t[i] : hi; sum += t[i]; }
+    double agg[3] = { -lo, hi, sum };
+    double okv = ok ? 0 : 1;
+    if (tsys_dist_all_reduce_host(d, agg, 2, TSYS_DIST_MAX) != TSYS_OK || tsys_dist_all_reduce_host(d, agg + 2, 1, TSYS_DIST_SUM) != TSYS_OK ||
+        tsys_dist_all_reduce_host(d, t, o->iters, TSYS_DIST_MAX) != TSYS_OK || tsys_dist_all_reduce_host(d, &okv, 1, TSYS_DIST_MAX) != TSYS_OK)
+        die(d, "gathering the times");
+    double slow = 0;
+    for (int i = 0; i < o->iters; i++) slow += t[i];
+    slow /= o->iters;
+    int64_t buf_bytes = count * es;
+    double algbw = buf_bytes / (slow * 1e-3) / 1e9;
+    double factor = op == OP_AR ? 2.0 * (n - 1) / n : (double)(n - 1) / n;
+    du_row *row = du_table_row(tab);
+    du_row_set(row, "op", "%s", op == OP_AR ? "all_reduce" : op == OP_RS ? "reduce_scatter" : "all_gather");
+    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
+    du_row_set(row, "size", "%s", label);
+    du_row_set(row, "bytes", "%lld", (long long)buf_bytes);
+    du_row_set(row, "ranks", "%d", n);
+    du_row_set(row, "min_ms", "%.4f", -agg[0]);
+    du_row_set(row, "mean_ms", "%.4f", agg[2] / ((double)o->iters * n));
+    du_row_set(row, "max_ms", "%.4f", agg[1]);
+    du_row_set(row, "time_ms", "%.4f", slow);
+    du_row_set(row, "algbw_GB/s", "%.3f", algbw);
+    du_row_set(row, "busbw_GB/s", "%.3f", algbw * factor);
+    du_row_set(row, "check", "%s", !o->check ? "skipped" : okv == 0 ? "ok" : "WRONG");
+    free(t);
+    tsys_tensor_release(a);
+    tsys_tensor_release(b);
+    return okv == 0;
+}
+
+int main(int argc, char **argv) {
+    ar_opts o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc) return rc;
+    du_list sizes = du_split(o.sizes), ops = du_split(o.ops), dtypes = du_split(o.dtypes);
+    for (int i = 0; i < sizes.n; i++) { int64_t b; if (!parse_size(sizes.item[i], &b) || b == 0) { fprintf(stderr, "allreduce: bad size '%s' (e.g. 4KB, 1MB, 1GB, 1000)\n", sizes.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < ops.n; i++) { int op; if (!parse_op(ops.item[i], &op)) { fprintf(stderr, "allreduce: unknown op '%s' (all_reduce, reduce_scatter, all_gather)\n", ops.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < dtypes.n; i++) { tsys_dtype dt; if (!parse_dtype(dtypes.item[i], &dt)) { fprintf(stderr, "allreduce: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); usage(stderr); return 2; } }
+    if (!sizes.n || !ops.n || !dtypes.n) { fprintf(stderr, "allreduce: empty list\n"); usage(stderr); return 2; }
+    int code = 0;
+    if (tsys_dist_spawn(o.nproc, argc, argv, &code)) return code;
+    if (!strcmp(o.shm, "no")) setenv("TSYS_DIST_SHM", "0", 1);
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_dist_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.timeout_s = o.timeout;
+    tsys_device dev = TSYS_CPU;
+    if (!strcmp(o.backend, "nccl")) { desc.cuda = true; desc.engine = TSYS_DIST_ENGINE_NCCL; dev = TSYS_CUDA; }
+    tsys_dist *d = tsys_dist_init(ctx, &desc);
+    if (!d) { fprintf(stderr, "allreduce: %s\n", tsys_ctx_last_error(ctx)); return 1; }
+    int rank = tsys_dist_rank(d), n = tsys_dist_size(d);
+    if (rank == 0) {
+        char path[200];
+        // the host data path (tsys_dist internals: this driver includes the implementation)
+        if (dev == TSYS_CUDA) snprintf(path, sizeof path, "CUDA tensors through NCCL");
+        else if (n == 1) snprintf(path, sizeof path, "a group of one: nothing moves");
+        else if (d->shm_base) snprintf(path, sizeof path, "shared memory (2 x %zu KiB slots per rank)", d->slice >> 10);
+        else snprintf(path, sizeof path, "%s (%s)", tsys_dist_engine_name(tsys_dist_engine_of(d)), d->shm_note);
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        printf("allreduce: world %d, engine %s, data path: %s; host %s, %ld cpus; %d warmup + %d timed iterations\n\n",
+               n, tsys_dist_engine_name(tsys_dist_engine_of(d)), path, d->hostname, cpus, o.warmup, o.iters);
+        fflush(stdout);
+    }
+    du_table tab;
+    du_table_init(&tab, "op,dtype,size,bytes,ranks,min_ms,mean_ms,max_ms,time_ms,algbw_GB/s,busbw_GB/s,check");
+    bool all_ok = true;
+    for (int k = 0; k < ops.n; k++)
+        for (int t = 0; t < dtypes.n; t++)
+            for (int s = 0; s < sizes.n; s++) {
+                int op = 0; tsys_dtype dt = TSYS_F32; int64_t b = 0;
+                parse_op(ops.item[k], &op); parse_dtype(dtypes.item[t], &dt); parse_size(sizes.item[s], &b);
+                if (!run_one(d, dev, &o, op, dt, sizes.item[s], b, &tab)) all_ok = false;
+                if (rank == 0) du_table_print_last(&tab, o.format);
+            }
+    if (rank == 0 && !strcmp(o.format, "md")) du_table_print(&tab, "md");
+    du_table_free(&tab);
+    du_list_free(&sizes); du_list_free(&ops); du_list_free(&dtypes);
+    tsys_dist_free(d);
+    tsys_ctx_free(ctx);
+    if (!all_ok && rank == 0) fprintf(stderr, "allreduce: a result was wrong (check column)\n");
+    return all_ok ? 0 : 1;
+}

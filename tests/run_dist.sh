@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The distributed tests, as `make test` runs them: every program of TSYS_DIST_TESTS under mpirun with
+# 2 and 4 ranks (through the built-in launcher when the build has no MPI), test_dist also alone (a
+# group of one), through the launcher, and its failure modes (tests/test_dist_fail.sh). Prints each
+# run's output and, last, the sum of their "N passed, N failed" lines.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+tests=${TSYS_DIST_TESTS:-$BUILD/test_dist}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # CI runs as root
+export OMPI_MCA_btl_base_warn_component_unused=0
+export TSYS_DIST_TIMEOUT=${TSYS_DIST_TIMEOUT:-60}                  # a hang fails in a minute, not five
+pass=0; fail=0
+run() {
+  echo "== $*"
+  out=$(timeout 900 "$@" 2>&1); rc=$?
+  echo "$out"
+  line=$(echo "$out" | tail -n 1)
+  p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
+  f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
+  if [ -z "$p" ]; then p=0; f=1; echo "$* did not finish (exit $rc)"; fi
+  pass=$((pass + p)); fail=$((fail + f))
+}
+uses_mpi() { command -v mpirun >/dev/null && ldd "$1" 2>/dev/null | grep -q libmpi; }
+for t in $tests; do
+  if uses_mpi "$t"; then
+    run mpirun --oversubscribe -np 2 "$t"
+    run mpirun --oversubscribe -np 4 "$t"
+  else
+    run "$t" --nproc 2
+    run "$t" --nproc 4
+  fi
+done
+run "$BUILD/test_dist"
+run "$BUILD/test_dist" --nproc 3
+run tests/test_dist_fail.sh
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]

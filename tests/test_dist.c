@@ -1,0 +1,482 @@
+// test_dist.c - tsys_dist.h's process groups and collectives. Run as many ranks as you like:
+//   build/test_dist                                   a group of one (engine self)
+//   mpirun -np 4 build/test_dist                      MPI ranks (one host: shared memory, and MPI itself)
+//   build/test_dist --nproc 3                         the built-in launcher (engine tcp: shared memory, and TCP)
+//   build/test_dist [--nproc N] [filter]              only the tests whose name contains filter
+//   build/test_dist --die R | --stall R               rank R exits early / stalls before a collective: the
+//                                                     others must fail within TSYS_DIST_TIMEOUT, naming it
+//                                                     (tests/test_dist_fail.sh runs these)
+// Every rank fills its tensors with a known function of (rank, index); results are checked against
+// values computed on one rank. Each collective runs on every path the group has: with shared memory
+// and without (MPI or TCP), on CPU tensors, and on CUDA tensors when built with CUDA (NCCL in a
+// group of one, host staging with several ranks on one GPU).
+#ifndef TSYS_LINKED_IMPL
+#define TSYS_IMPLEMENTATION
+#endif
+#include "../tsys.h"
+#ifdef TSYS_WITH_CUDA
+#ifndef TSYS_LINKED_IMPL
+#define TSYS_CUDA_IMPLEMENTATION
+#endif
+#include "../tsys_cuda.cuh"
+#endif
+#define TSYS_DIST_IMPLEMENTATION
+#include "../tsys_dist.h"
+#include "harness.h"
+#include "harness_dist.h"
+
+static tsys_ctx *g_ctx;
+static int g_rank, g_size;
+// (group, device) pairs every collective test runs on
+#define MAXPATHS 4
+static tsys_dist *g_group[MAXPATHS];
+static tsys_device g_dev[MAXPATHS];
+static const char *g_name[MAXPATHS];
+static int g_npaths;
+static tsys_dist *g_main;
+
+static const int g_types[] = { TSYS_F32, TSYS_BF16, TSYS_F16, TSYS_I32, TSYS_I64 };
+
+// ---- values --------------------------------------------------------------------------------------
+
+static double val(int type, int r, int64_t i) {
+    if (type == TSYS_I64) return (double)(r + 1) * 1099511627776.0 + (double)(i % 100003);   // 2^40 scale: more than int32, exact in a double
+    if (type == TSYS_I32) return (double)((r + 1) * 100000 - (int)(i % 1000));
+    return (double)((r + 1) * 3 - (int)(i % 11));   // small integers: exact sums in every float dtype
+}
+static double round_to(int type, double x) {
+    switch (type) {
+    case TSYS_F32: return (double)(float)x;
+    case TSYS_BF16: return tsys_bf16_to_f32(tsys_f32_to_bf16((float)x));
+    case TSYS_F16: return tsys_f16_to_f32(tsys_f32_to_f16((float)x));
+    default: return x;
+    }
+}
+static void put(int type, void *buf, int64_t i, double v) {
+    switch (type) {
+    case TSYS_F32: ((float *)buf)[i] = (float)v; break;
+    case TSYS_BF16: ((uint16_t *)buf)[i] = tsys_f32_to_bf16((float)v); break;
+    case TSYS_F16: ((uint16_t *)buf)[i] = tsys_f32_to_f16((float)v); break;
+    case TSYS_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
+    default: ((int64_t *)buf)[i] = (int64_t)v; break;
+    }
+}
+static double get(int type, const void *buf, int64_t i) {
+    switch (type) {
+    case TSYS_F32: return ((const float *)buf)[i];
+    case TSYS_BF16: return tsys_bf16_to_f32(((const uint16_t *)buf)[i]);
+    case TSYS_F16: return tsys_f16_to_f32(((const uint16_t *)buf)[i]);
+    case TSYS_I32: return ((const int32_t *)buf)[i];
+    default: return (double)((const int64_t *)buf)[i];
+    }
+}
+// op over ranks of val(type, r, i), rounded the way the library rounds: fp32 sum, one division, one rounding
+static double expect(int type, int op, int64_t i) {
+    double acc = val(type, 0, i);
+    for (int r = 1; r < g_size; r++) acc = op == TSYS_DIST_MAX ? (val(type, r, i) > acc ? val(type, r, i) : acc) : acc + val(type, r, i);
+    if (op == TSYS_DIST_AVG) return round_to(type, (double)((float)acc / (float)g_size));
+    return round_to(type, acc);
+}
+
+static const char *op_name(int op) { return op == TSYS_DIST_SUM ? "sum" : op == TSYS_DIST_AVG ? "avg" : "max"; }
+static int64_t big_count(int type) { return ((int64_t)3 << 20) / (int64_t)tsys_dtype_size((tsys_dtype)type) + 1; }   // 3 MB and one more element
+
+static tsys_tensor *mk(tsys_device dev, int type, int64_t n, const void *host) {
+    int64_t shape[1] = { n };
+    tsys_tensor *t = host ? tsys_tensor_from_data(g_ctx, (tsys_dtype)type, dev, 1, shape, host) : tsys_tensor_new(g_ctx, (tsys_dtype)type, dev, 1, shape);
+    if (!t) { printf("    cannot make a tensor: %s\n", tsys_ctx_last_error(g_ctx)); tsys_ctx_clear_error(g_ctx); }
+    return t;
+}
+static void *hbuf(int type, int64_t n) { return calloc((size_t)(n > 0 ? n : 1), tsys_dtype_size((tsys_dtype)type)); }
+
+// Counts elements of got that differ from want(i); reports the first.
+#define CHECK_VALUES(n, got_expr, want_expr, ...) do { \
+    int64_t bad_ = 0, first_ = -1; double g1_ = 0, w1_ = 0; \
+    for (int64_t i = 0; i < (n); i++) { double g_ = (got_expr), w_ = (want_expr); if (g_ != w_) { if (!bad_) { first_ = i; g1_ = g_; w1_ = w_; } bad_++; } } \
+    TEST_CHECK(bad_ == 0, __VA_ARGS__); \
+    if (bad_) printf("      rank %d: %lld of %lld wrong, first at %lld: got %.17g, want %.17g\n", g_rank, (long long)bad_, (long long)(n), (long long)first_, g1_, w1_); \
+} while (0)
+
+#define STATUS_OK(st, ...) do { tsys_status s_ = (st); TEST_CHECK(s_ == TSYS_OK, __VA_ARGS__); \
+    if (s_ != TSYS_OK) { printf("      rank %d: %s\n", g_rank, tsys_ctx_last_error(g_ctx)); tsys_ctx_clear_error(g_ctx); } } while (0)
+
+// ---- one collective, checked -----------------------------------------------------------------------
+
+static void check_all_reduce(int p, int type, int op, int64_t n, bool async) {
+    void *h = hbuf(type, n);
+    for (int64_t i = 0; i < n; i++) put(type, h, i, val(type, g_rank, i));
+    tsys_tensor *t = mk(g_dev[p], type, n, h);
+    if (!t) { free(h); TEST_CHECK(0, "tensor"); return; }
+    tsys_status st = async ? tsys_dist_wait(tsys_dist_all_reduce_async(g_group[p], t, (tsys_dist_op)op)) : tsys_dist_all_reduce(g_group[p], t, (tsys_dist_op)op);
+    STATUS_OK(st, "%s: all_reduce%s %s %s n=%lld", g_name[p], async ? "_async" : "", tsys_dtype_name((tsys_dtype)type), op_name(op), (long long)n);
+    memset(h, 0xff, (size_t)(n > 0 ? n : 1) * tsys_dtype_size((tsys_dtype)type));
+    STATUS_OK(tsys_tensor_to_host(g_ctx, t, h), "to host");
+    CHECK_VALUES(n, get(type, h, i), expect(type, op, i), "%s: all_reduce%s %s %s n=%lld values", g_name[p], async ? "_async" : "", tsys_dtype_name((tsys_dtype)type), op_name(op), (long long)n);
+    tsys_tensor_release(t);
+    free(h);
+}
+
+static void check_broadcast(int p, int type, int root, int64_t n, bool async_unused) {
+    (void)async_unused;
+    void *h = hbuf(type, n);
+    for (int64_t i = 0; i < n; i++) put(type, h, i, val(type, g_rank, i));
+    tsys_tensor *t = mk(g_dev[p], type, n, h);
+    if (!t) { free(h); TEST_CHECK(0, "tensor"); return; }
+    STATUS_OK(tsys_dist_broadcast(g_group[p], t, root), "%s: broadcast %s root %d n=%lld", g_name[p], tsys_dtype_name((tsys_dtype)type), root, (long long)n);
+    STATUS_OK(tsys_tensor_to_host(g_ctx, t, h), "to host");
+    CHECK_VALUES(n, get(type, h, i), round_to(type, val(type, root, i)), "%s: broadcast %s root %d n=%lld values", g_name[p], tsys_dtype_name((tsys_dtype)type), root, (long long)n);
+    tsys_tensor_release(t);
+    free(h);
+}
+
+// in = size x m elements per rank; out = m: out[i] = op over ranks of in_r[rank * m + i]
+static void check_reduce_scatter(int p, int type, int op, int64_t m, bool async) {
+    int64_t nin = m * g_size;
+    void *h = hbuf(type, nin);
+    for (int64_t i = 0; i < nin; i++) put(type, h, i, val(type, g_rank, i));
+    tsys_tensor *in = mk(g_dev[p], type, nin, h), *out = mk(g_dev[p], type, m, NULL);
+    if (!in || !out) { free(h); tsys_tensor_release(in); tsys_tensor_release(out); TEST_CHECK(0, "tensor"); return; }
+    tsys_status st = async ? tsys_dist_wait(tsys_dist_reduce_scatter_async(g_group[p], out, in, (tsys_dist_op)op)) : tsys_dist_reduce_scatter(g_group[p], out, in, (tsys_dist_op)op);
+    STATUS_OK(st, "%s: reduce_scatter%s %s %s m=%lld", g_name[p], async ? "_async" : "", tsys_dtype_name((tsys_dtype)type), op_name(op), (long long)m);
+    STATUS_OK(tsys_tensor_to_host(g_ctx, out, h), "to host");
+    CHECK_VALUES(m, get(type, h, i), expect(type, op, (int64_t)g_rank * m + i), "%s: reduce_scatter%s %s %s m=%lld values", g_name[p], async ? "_async" : "", tsys_dtype_name((tsys_dtype)type), op_name(op), (long long)m);
+    tsys_tensor_release(in); tsys_tensor_release(out);
+    free(h);
+}
+
+// in = m elements per rank; out = size x m: out[q * m + i] = in_q[i]
+static void check_all_gather(int p, int type, int64_t m, bool async) {
+    int64_t nout = m * g_size;
+    void *h = hbuf(type, nout);
+    for (int64_t i = 0; i < m; i++) put(type, h, i, val(type, g_rank, i));
+    tsys_tensor *in = mk(g_dev[p], type, m, h), *out = mk(g_dev[p], type, nout, NULL);
+    if (!in || !out) { free(h); tsys_tensor_release(in); tsys_tensor_release(out); TEST_CHECK(0, "tensor"); return; }
+    tsys_status st = async ? tsys_dist_wait(tsys_dist_all_gather_async(g_group[p], out, in)) : tsys_dist_all_gather(g_group[p], out, in);
+    STATUS_OK(st, "%s: all_gather%s %s m=%lld", g_name[p], async ? "_async" : "", tsys_dtype_name((tsys_dtype)type), (long long)m);
+    STATUS_OK(tsys_tensor_to_host(g_ctx, out, h), "to host");
+    CHECK_VALUES(nout, get(type, h, i), round_to(type, val(type, (int)(i / (m ? m : 1)), i % (m ? m : 1))), "%s: all_gather%s %s m=%lld values", g_name[p], async ? "_async" : "", tsys_dtype_name((tsys_dtype)type), (long long)m);
+    tsys_tensor_release(in); tsys_tensor_release(out);
+    free(h);
+}
+
+static int64_t small_sizes[] = { 0, 1, 1001 };
+
+// ---- tests -------------------------------------------------------------------------------------------
+
+TSYS_TEST(group_info) {
+    for (int p = 0; p < g_npaths; p++) {
+        tsys_dist *d = g_group[p];
+        TEST_CHECK(tsys_dist_rank(d) == g_rank && tsys_dist_size(d) == g_size, "%s: rank %d size %d", g_name[p], tsys_dist_rank(d), tsys_dist_size(d));
+        TEST_CHECK(tsys_dist_local_rank(d) >= 0 && tsys_dist_local_rank(d) < g_size, "%s: local rank %d", g_name[p], tsys_dist_local_rank(d));
+        TEST_CHECK(tsys_dist_ctx(d) == g_ctx, "ctx");
+        tsys_dist_engine e = tsys_dist_engine_of(d);
+        TEST_CHECK(g_size > 1 ? e != TSYS_DIST_ENGINE_SELF : (e == TSYS_DIST_ENGINE_SELF || e == TSYS_DIST_ENGINE_NCCL), "%s: engine %s with %d ranks", g_name[p], tsys_dist_engine_name(e), g_size);
+    }
+    TEST_CHECK(!strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_MPI), "mpi") && !strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_NCCL), "nccl") &&
+               !strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_SELF), "self") && !strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_TCP), "tcp"), "engine names");
+    // the launcher does nothing inside a rank
+    int code = 7;
+    char *argv[] = { (char *)"x", NULL };
+    TEST_CHECK(g_size == 1 || !tsys_dist_spawn(4, 1, argv, &code), "spawn inside a rank");
+    TEST_CHECK(!tsys_dist_spawn(1, 1, argv, &code) && code == 0, "spawn of one");
+}
+
+static void all_reduce_dtype(int type) {
+    for (int p = 0; p < g_npaths; p++)
+        for (int op = TSYS_DIST_SUM; op <= TSYS_DIST_MAX; op++) {
+            if (op == TSYS_DIST_AVG && !tsys_dtype_is_float((tsys_dtype)type)) continue;
+            for (int s = 0; s < 3; s++) check_all_reduce(p, type, op, small_sizes[s], false);
+            check_all_reduce(p, type, op, 1001, true);
+            check_all_reduce(p, type, op, big_count(type), false);
+        }
+}
+TSYS_TEST(all_reduce_f32) { all_reduce_dtype(TSYS_F32); }
+TSYS_TEST(all_reduce_bf16) { all_reduce_dtype(TSYS_BF16); }
+TSYS_TEST(all_reduce_f16) { all_reduce_dtype(TSYS_F16); }
+TSYS_TEST(all_reduce_i32) { all_reduce_dtype(TSYS_I32); }
+TSYS_TEST(all_reduce_i64) { all_reduce_dtype(TSYS_I64); }
+
+TSYS_TEST(all_reduce_i64_full_range) {   // values a double cannot hold: the integers are summed as integers
+    for (int p = 0; p < g_npaths; p++) {
+        int64_t h[3] = { ((int64_t)1 << 60) + g_rank, -((int64_t)1 << 58) * (g_rank + 1) + 1, (int64_t)g_rank * 3 };
+        tsys_tensor *t = mk(g_dev[p], TSYS_I64, 3, h);
+        STATUS_OK(tsys_dist_all_reduce(g_group[p], t, TSYS_DIST_SUM), "%s", g_name[p]);
+        tsys_tensor_to_host(g_ctx, t, h);
+        int64_t w0 = 0, w1 = 0, w2 = 0;
+        for (int r = 0; r < g_size; r++) { w0 += ((int64_t)1 << 60) + r; w1 += -((int64_t)1 << 58) * (r + 1) + 1; w2 += (int64_t)r * 3; }
+        TEST_CHECK(h[0] == w0 && h[1] == w1 && h[2] == w2, "%s: %lld %lld %lld", g_name[p], (long long)h[0], (long long)h[1], (long long)h[2]);
+        tsys_tensor_release(t);
+    }
+}
+
+TSYS_TEST(broadcast_every_dtype) {
+    for (int p = 0; p < g_npaths; p++)
+        for (int k = 0; k < 5; k++) {
+            int roots[2] = { 0, g_size - 1 };
+            for (int ri = 0; ri < 2; ri++) {
+                for (int s = 0; s < 3; s++) check_broadcast(p, g_types[k], roots[ri], small_sizes[s], false);
+                check_broadcast(p, g_types[k], roots[ri], big_count(g_types[k]), false);
+            }
+        }
+}
+
+TSYS_TEST(reduce_scatter_every_dtype) {
+    for (int p = 0; p < g_npaths; p++)
+        for (int k = 0; k < 5; k++)
+            for (int op = TSYS_DIST_SUM; op <= TSYS_DIST_MAX; op++) {
+                int type = g_types[k];
+                if (op == TSYS_DIST_AVG && !tsys_dtype_is_float((tsys_dtype)type)) continue;
+                for (int s = 0; s < 3; s++) check_reduce_scatter(p, type, op, small_sizes[s], false);
+                check_reduce_scatter(p, type, op, 1001, true);
+                check_reduce_scatter(p, type, op, big_count(type) / g_size, false);
+            }
+}
+
+TSYS_TEST(all_gather_every_dtype) {
+    for (int p = 0; p < g_npaths; p++)
+        for (int k = 0; k < 5; k++) {
+            for (int s = 0; s < 3; s++) check_all_gather(p, g_types[k], small_sizes[s], false);
+            check_all_gather(p, g_types[k], 1001, true);
+            check_all_gather(p, g_types[k], big_count(g_types[k]) / g_size, false);
+        }
+}
+
+TSYS_TEST(all_gather_in_place) {   // in is this rank's block of out (a view), as ZeRO-1 does it
+    for (int p = 0; p < g_npaths; p++) {
+        int64_t m = 777;
+        tsys_tensor *out = mk(g_dev[p], TSYS_F32, m * g_size, NULL);
+        int64_t shape[1] = { m };
+        tsys_tensor *in = tsys_tensor_view_raw(g_ctx, out, (size_t)(g_rank * m) * 4, TSYS_F32, 1, shape);
+        float *h = (float *)hbuf(TSYS_F32, m * g_size);
+        for (int64_t i = 0; i < m; i++) h[g_rank * m + i] = (float)val(TSYS_F32, g_rank, i);
+        tsys_tensor *src = mk(g_dev[p], TSYS_F32, m, h + g_rank * m);
+        tsys_tensor_copy_from(g_ctx, in, src);
+        STATUS_OK(tsys_dist_all_gather(g_group[p], out, in), "%s", g_name[p]);
+        tsys_tensor_to_host(g_ctx, out, h);
+        CHECK_VALUES(m * g_size, (double)h[i], val(TSYS_F32, (int)(i / m), i % m), "%s: in-place all_gather", g_name[p]);
+        tsys_tensor_release(in); tsys_tensor_release(out); tsys_tensor_release(src);
+        free(h);
+    }
+}
+
+TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collective in between, waited out of order
+    for (int p = 0; p < g_npaths; p++) {
+        enum { K = 6 };
+        int64_t n = 5000;
+        tsys_tensor *t[K];
+        tsys_dist_work *w[K];
+        float *h = (float *)hbuf(TSYS_F32, n);
+        for (int k = 0; k < K; k++) {
+            for (int64_t i = 0; i < n; i++) h[i] = (float)(val(TSYS_F32, g_rank, i) + k);
+            t[k] = mk(g_dev[p], TSYS_F32, n, h);
+            w[k] = tsys_dist_all_reduce_async(g_group[p], t[k], k % 2 ? TSYS_DIST_MAX : TSYS_DIST_SUM);
+            TEST_CHECK(w[k] != NULL, "%s: launch %d: %s", g_name[p], k, tsys_ctx_last_error(g_ctx));
+            if (k == 2) STATUS_OK(tsys_dist_barrier(g_group[p]), "%s: barrier between", g_name[p]);
+        }
+        for (int k = K - 1; k >= 0; k--) {
+            if (!w[k]) continue;
+            STATUS_OK(tsys_dist_wait(w[k]), "%s: wait %d", g_name[p], k);
+            tsys_tensor_to_host(g_ctx, t[k], h);
+            int op = k % 2 ? TSYS_DIST_MAX : TSYS_DIST_SUM;
+            CHECK_VALUES(n, (double)h[i], expect(TSYS_F32, op, i) + (op == TSYS_DIST_SUM ? (double)k * g_size : (double)k), "%s: async %d values", g_name[p], k);
+            tsys_tensor_release(t[k]);
+        }
+        free(h);
+    }
+}
+
+TSYS_TEST(all_reduce_host_doubles) {
+    for (int p = 0; p < g_npaths; p++) {
+        double v[3] = { 1.5 * g_rank, -(double)g_rank, 1e300 };
+        STATUS_OK(tsys_dist_all_reduce_host(g_group[p], v, 3, TSYS_DIST_SUM), "%s", g_name[p]);
+        TEST_CHECK(v[0] == 1.5 * g_size * (g_size - 1) / 2 && v[1] == -(double)g_size * (g_size - 1) / 2 && v[2] == 1e300 * g_size, "%s: sum %g %g %g", g_name[p], v[0], v[1], v[2]);
+        double m[2] = { (double)g_rank, -(double)g_rank };
+        STATUS_OK(tsys_dist_all_reduce_host(g_group[p], m, 2, TSYS_DIST_MAX), "%s", g_name[p]);
+        TEST_CHECK(m[0] == g_size - 1 && m[1] == 0, "%s: max %g %g", g_name[p], m[0], m[1]);
+        double a = g_rank;
+        STATUS_OK(tsys_dist_all_reduce_host(g_group[p], &a, 1, TSYS_DIST_AVG), "%s", g_name[p]);
+        TEST_CHECK(a == (g_size - 1) / 2.0, "%s: avg %g", g_name[p], a);
+        STATUS_OK(tsys_dist_all_reduce_host(g_group[p], NULL, 0, TSYS_DIST_SUM), "%s: empty", g_name[p]);
+    }
+}
+
+TSYS_TEST(barriers) {
+    for (int p = 0; p < g_npaths; p++)
+        for (int k = 0; k < 20; k++) STATUS_OK(tsys_dist_barrier(g_group[p]), "%s: barrier %d", g_name[p], k);
+}
+
+// A mismatch is an error on every rank (not a hang) and leaves the group usable.
+static void expect_mismatch(int p, tsys_status st, const char *what) {
+    TEST_CHECK(g_size == 1 || st != TSYS_OK, "%s: %s went through", g_name[p], what);
+    if (st != TSYS_OK) {
+        const char *msg = tsys_ctx_last_error(g_ctx);
+        TEST_CHECK(strstr(msg, "disagree") != NULL, "%s: %s: message '%s'", g_name[p], what, msg);
+        tsys_ctx_clear_error(g_ctx);
+    }
+    check_all_reduce(p, TSYS_F32, TSYS_DIST_SUM, 1001, false);   // still usable
+}
+
+TSYS_TEST(mismatch_is_an_error) {
+    for (int p = 0; p < g_npaths; p++) {
+        tsys_tensor *t = mk(g_dev[p], TSYS_F32, g_rank == 0 ? 100 : 101, NULL), *b = mk(g_dev[p], TSYS_F32, g_rank == 0 ? 1 << 18 : (1 << 18) + 1, NULL);
+        tsys_tensor_fill(g_ctx, t, 1); tsys_tensor_fill(g_ctx, b, 1);
+        expect_mismatch(p, tsys_dist_all_reduce(g_group[p], t, TSYS_DIST_SUM), "all_reduce of 100 vs 101 elements");
+        expect_mismatch(p, tsys_dist_all_reduce(g_group[p], b, TSYS_DIST_SUM), "all_reduce of 1 MB vs 1 MB + 4 bytes");
+        expect_mismatch(p, tsys_dist_broadcast(g_group[p], t, 0), "broadcast of 100 vs 101 elements");
+        tsys_dist_work *w = tsys_dist_all_reduce_async(g_group[p], t, TSYS_DIST_SUM);
+        expect_mismatch(p, w ? tsys_dist_wait(w) : tsys_ctx_status(g_ctx), "async all_reduce of 100 vs 101 elements");
+        tsys_tensor *x = mk(g_dev[p], g_rank == 0 ? TSYS_F32 : TSYS_I32, 64, NULL);
+        tsys_tensor_fill(g_ctx, x, 0);
+        expect_mismatch(p, tsys_dist_all_reduce(g_group[p], x, TSYS_DIST_SUM), "all_reduce of f32 vs i32");
+        expect_mismatch(p, tsys_dist_all_reduce(g_group[p], x, g_rank == 0 ? TSYS_DIST_SUM : TSYS_DIST_MAX), "all_reduce sum vs max");
+        expect_mismatch(p, g_rank == 0 ? tsys_dist_broadcast(g_group[p], x, 0) : tsys_dist_all_reduce(g_group[p], x, TSYS_DIST_MAX), "broadcast vs all_reduce");
+        expect_mismatch(p, g_rank == 0 ? tsys_dist_barrier(g_group[p]) : tsys_dist_all_reduce(g_group[p], x, TSYS_DIST_MAX), "barrier vs all_reduce");
+        tsys_tensor_release(t); tsys_tensor_release(b); tsys_tensor_release(x);
+    }
+}
+
+TSYS_TEST(bad_arguments) {   // caught on each rank before anything is sent: the group stays in step
+    for (int p = 0; p < g_npaths; p++) {
+        tsys_dist *d = g_group[p];
+        tsys_tensor *a = mk(g_dev[p], TSYS_F32, 10, NULL), *b = mk(g_dev[p], TSYS_F32, 10 * g_size + 1, NULL);
+        tsys_tensor *i = mk(g_dev[p], TSYS_I32, 10, NULL), *h = mk(g_dev[p], TSYS_BF16, 10 * g_size, NULL);
+        struct { tsys_status st; const char *what, *needle; } cases[] = {
+            { tsys_dist_reduce_scatter(d, a, b, TSYS_DIST_SUM), "reduce_scatter with in != size x out", "must hold" },
+            { tsys_dist_all_gather(d, b, a), "all_gather with out != size x in", "must hold" },
+            { tsys_dist_all_reduce(d, i, TSYS_DIST_AVG), "AVG of int32", "AVG needs" },
+            { tsys_dist_broadcast(d, a, g_size), "broadcast from a root outside the group", "not a rank" },
+            { tsys_dist_broadcast(d, a, -1), "broadcast from root -1", "not a rank" },
+            { tsys_dist_all_reduce(d, NULL, TSYS_DIST_SUM), "NULL tensor", "NULL" },
+            { tsys_dist_all_reduce(d, a, (tsys_dist_op)7), "unknown op", "unknown op" },
+            { tsys_dist_reduce_scatter(d, a, h, TSYS_DIST_SUM), "reduce_scatter bf16 into f32", "must match" },
+            { tsys_dist_all_reduce_host(d, NULL, 3, TSYS_DIST_SUM), "all_reduce_host of NULL", "bad arguments" },
+        };
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+            TEST_CHECK(cases[k].st != TSYS_OK, "%s: %s went through", g_name[p], cases[k].what);
+            tsys_ctx_clear_error(g_ctx);
+        }
+        // the messages, one at a time
+        tsys_dist_reduce_scatter(d, a, b, TSYS_DIST_SUM);
+        TEST_CHECK(strstr(tsys_ctx_last_error(g_ctx), "must hold") != NULL, "message: %s", tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        tsys_dist_all_reduce(d, i, TSYS_DIST_AVG);
+        TEST_CHECK(strstr(tsys_ctx_last_error(g_ctx), "AVG needs") != NULL, "message: %s", tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        TEST_CHECK(tsys_dist_all_reduce_async(d, i, TSYS_DIST_AVG) == NULL, "async with bad arguments gives NULL");
+        tsys_ctx_clear_error(g_ctx);
+        TEST_CHECK(tsys_dist_wait(NULL) == TSYS_ERR_INVALID_ARGS, "wait(NULL)");
+        tsys_tensor_release(a); tsys_tensor_release(b); tsys_tensor_release(i); tsys_tensor_release(h);
+        check_all_reduce(p, TSYS_F32, TSYS_DIST_SUM, 1001, false);   // in step
+    }
+}
+
+TSYS_TEST(init_errors) {   // every rank fails the same way, at the same point
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    tsys_dist_engine host_engine = tsys_dist_engine_of(g_main);
+    if (g_size > 1) {
+        dd.engine = TSYS_DIST_ENGINE_SELF;
+        TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "group of one"), "engine self with %d ranks: %s", g_size, tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        dd.engine = host_engine == TSYS_DIST_ENGINE_MPI ? TSYS_DIST_ENGINE_TCP : TSYS_DIST_ENGINE_MPI;
+        TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL, "engine %s when the ranks were started for %s", tsys_dist_engine_name(dd.engine), tsys_dist_engine_name(host_engine));
+        printf("%s", g_rank == 0 && g_size > 1 && 0 ? tsys_ctx_last_error(g_ctx) : "");
+        tsys_ctx_clear_error(g_ctx);
+    }
+#ifndef TSYS_DIST_NCCL
+    dd.engine = TSYS_DIST_ENGINE_NCCL; dd.cuda = true;
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "TSYS_DIST_NCCL"), "engine nccl without NCCL: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+#endif
+    dd.engine = (tsys_dist_engine)42; dd.cuda = false;
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "unknown engine"), "engine 42: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    dd.engine = TSYS_DIST_ENGINE_AUTO; dd.timeout_s = -3;
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL, "negative timeout");
+    tsys_ctx_clear_error(g_ctx);
+    setenv("TSYS_DIST_TIMEOUT", "soon", 1);
+    TEST_CHECK(tsys_dist_init(g_ctx, NULL) == NULL && strstr(tsys_ctx_last_error(g_ctx), "TSYS_DIST_TIMEOUT"), "TSYS_DIST_TIMEOUT=soon: %s", tsys_ctx_last_error(g_ctx));
+    unsetenv("TSYS_DIST_TIMEOUT");
+    tsys_ctx_clear_error(g_ctx);
+    check_all_reduce(0, TSYS_F32, TSYS_DIST_SUM, 1001, false);   // the groups that exist still work
+}
+
+TSYS_TEST(two_groups_interleaved) {   // groups are independent: alternate between them
+    if (g_npaths < 2) return;
+    for (int k = 0; k < 10; k++) {
+        check_all_reduce(k % 2, TSYS_F32, TSYS_DIST_SUM, 100 + k, k % 3 == 0);
+        STATUS_OK(tsys_dist_barrier(g_group[(k + 1) % 2]), "barrier");
+    }
+}
+
+// ---- failure modes (run by tests/test_dist_fail.sh) ----------------------------------------------
+
+static int failure_mode(tsys_dist *d, bool die, int victim) {
+    int rank = tsys_dist_rank(d);
+    if (tsys_dist_barrier(d) != TSYS_OK) { fprintf(stderr, "rank %d: first barrier: %s\n", rank, tsys_ctx_last_error(g_ctx)); return 1; }
+    if (rank == victim) {
+        if (die) _exit(0);   // early, without a word and without tsys_dist_free / MPI_Finalize
+        for (;;) sleep(1000);
+    }
+    int64_t n = 1000;
+    tsys_tensor *t = mk(TSYS_CPU, TSYS_F32, n, NULL);
+    for (int k = 0; k < 3; k++)
+        if (tsys_dist_all_reduce(d, t, TSYS_DIST_SUM) != TSYS_OK) {
+            fprintf(stderr, "rank %d: all_reduce failed as it should: %s\n", rank, tsys_ctx_last_error(g_ctx));
+            return 1;
+        }
+    fprintf(stderr, "rank %d: all_reduce went through with rank %d %s\n", rank, victim, die ? "gone" : "stalled");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int nproc = 1, victim = -1;
+    bool die = false;
+    const char *filter = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = atoi(argv[++i]);
+        else if ((!strcmp(argv[i], "--die") || !strcmp(argv[i], "--stall")) && i + 1 < argc) { die = !strcmp(argv[i], "--die"); victim = atoi(argv[++i]); }
+        else if (argv[i][0] == '-') { fprintf(stderr, "usage: test_dist [--nproc N] [--die R | --stall R] [filter]\n"); return 2; }
+        else filter = argv[i];
+    }
+    int code = 0;
+    if (tsys_dist_spawn(nproc, argc, argv, &code)) return code;
+    g_ctx = tsys_ctx_new(NULL);
+    tsys_dist *d = tsys_dist_init(g_ctx, NULL);
+    if (!d) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
+    g_rank = tsys_dist_rank(d); g_size = tsys_dist_size(d);
+    if (victim >= 0) return failure_mode(d, die, victim);
+    g_main = d;
+    g_group[0] = d; g_dev[0] = TSYS_CPU;
+    g_name[0] = d->shm_base ? "shm" : tsys_dist_engine_name(tsys_dist_engine_of(d));
+    g_npaths = 1;
+    if (g_size > 1 && d->shm_base) {   // the same ranks without shared memory: MPI or TCP carries the data
+        setenv("TSYS_DIST_SHM", "0", 1);
+        tsys_dist *d2 = tsys_dist_init(g_ctx, NULL);
+        unsetenv("TSYS_DIST_SHM");
+        if (!d2) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
+        g_group[1] = d2; g_dev[1] = TSYS_CPU; g_name[1] = tsys_dist_engine_name(tsys_dist_engine_of(d2));
+        g_npaths = 2;
+    }
+#ifdef TSYS_WITH_CUDA
+    {   // CUDA tensors: NCCL in a group of one, else host staging through the host engine (ranks may share a GPU)
+        tsys_dist_desc cd;
+        memset(&cd, 0, sizeof cd);
+        cd.cuda = true;
+        cd.engine = g_size == 1 ? TSYS_DIST_ENGINE_NCCL : tsys_dist_engine_of(d);
+        tsys_dist *dc = tsys_dist_init(g_ctx, &cd);
+        if (!dc) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
+        g_group[g_npaths] = dc; g_dev[g_npaths] = TSYS_CUDA; g_name[g_npaths] = g_size == 1 ? "nccl (cuda)" : "host-staged (cuda)";
+        g_npaths++;
+    }
+#endif
+    if (g_rank == 0) {
+        printf("test_dist: %d rank(s), paths:", g_size);
+        for (int p = 0; p < g_npaths; p++) printf(" %s%s", g_name[p], p + 1 < g_npaths ? "," : "\n");
+    }
+    int rc = tsys_test_main_dist(filter, d);
+    for (int p = g_npaths - 1; p > 0; p--) tsys_dist_free(g_group[p]);
+    tsys_dist_free(d);
+    tsys_ctx_free(g_ctx);
+    return rc;
+}

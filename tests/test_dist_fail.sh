@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A rank that exits early or stalls: the others must stop with an error that names it, within the
+# timeout (TSYS_DIST_TIMEOUT=2 here) plus a margin, through the launcher and under mpirun, with and
+# without shared memory. Prints one line per case and "N passed, N failed".
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+T=2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+pass=0; fail=0
+# case NAME LIMIT_S PATTERN cmd...: must exit non-zero within LIMIT_S with PATTERN on its output
+case_() {
+  local name=$1 limit=$2 pat=$3; shift 3
+  local t0 t1 out rc el
+  t0=$(date +%s%N)
+  out=$(TSYS_DIST_TIMEOUT=$T timeout 120 "$@" 2>&1); rc=$?
+  t1=$(date +%s%N); el=$(( (t1 - t0) / 1000000 ))
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $el -lt $((limit * 1000)) ] && echo "$out" | grep -Eq "$pat"; then
+    printf '  %-44s ok (%d ms)\n' "$name" "$el"; pass=$((pass + 1))
+  else
+    printf '  %-44s FAILED (exit %d after %d ms, limit %d s, wanted /%s/)\n' "$name" "$rc" "$el" "$limit" "$pat"
+    echo "$out" | sed 's/^/      /' | tail -n 20
+    fail=$((fail + 1))
+  fi
+}
+named='rank 1 \(pid [0-9]+\)'
+bin=$BUILD/test_dist
+case_ "launcher: rank 1 exits" $((T + 6)) "$named exited" "$bin" --nproc 3 --die 1
+case_ "launcher: rank 1 stalls" $((T + 8)) "no reply from $named" "$bin" --nproc 3 --stall 1
+case_ "launcher, tcp: rank 1 exits" $((T + 6)) "rank 1 closed the connection" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --die 1
+case_ "launcher, tcp: rank 1 stalls" $((T + 8)) "rank 1: nothing received" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --stall 1
+if command -v mpirun >/dev/null && ldd "$bin" 2>/dev/null | grep -q libmpi; then
+  mpi="mpirun --oversubscribe -np 3"
+  # mpirun may stop the job before the others report: its own message names the rank then
+  case_ "mpirun: rank 1 exits" $((T + 8)) "$named exited|process rank 1 " $mpi "$bin" --die 1
+  case_ "mpirun: rank 1 stalls" $((T + 8)) "no reply from $named" $mpi "$bin" --stall 1
+  case_ "mpirun, no shm: rank 1 stalls (unnamed)" $((T + 8)) "no reply from the group within $T s" $mpi -x TSYS_DIST_SHM=0 "$bin" --stall 1
+fi
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
