@@ -636,6 +636,17 @@ int main(int argc, char **argv) {
     }
     g_rank = tsys_dist_rank(g_d);
     g_world = tsys_dist_size(g_d);
+    if (!getenv("OMP_NUM_THREADS")) {   // ranks share the host's cores (OpenMP spinning on oversubscribed cores is slow)
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        int per = (int)(cores / g_world > 1 ? cores / g_world : 1);
+#ifdef _OPENMP
+        omp_set_num_threads(per);
+#endif
+#ifdef OPENBLAS_VERSION
+        openblas_set_num_threads(per);
+#endif
+        (void)per;
+    }
     if (g_world > TOY_MAX_ROWS) {
         if (g_rank == 0) printf("test_ddp: at most %d ranks\n0 passed, 1 failed\n", TOY_MAX_ROWS);
         tsys_dist_free(g_d);
