@@ -23,6 +23,9 @@
 #include "harness.h"
 #include "test_util.h"
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static tsys_ctx *g_ctx;
 static tsys_dist *g_d;
