@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench.sh - sweeps that print the tables of the CS336 report.
-#   ./bench.sh [section ...]      sections: e2e warmup precision attn flash leaderboard (default: all)
+#   ./bench.sh [section ...]      sections: e2e warmup precision attn flash leaderboard ddp (default: all)
 #     attn         CS336 pytorch_attention: naive vs flash, batch 8, d x seq, fp32, memory before backward
 #     flash        CS336 flash_benchmarking: batch 1, causal, seq 128..65536, d 16..128, bf16 + fp32
 #     leaderboard  the CS336 FlashAttention-2 leaderboard shape (16 heads x 16384 x 64, bf16, causal)
@@ -8,8 +8,12 @@
 #                  float32 over NPROCS ranks (cpu: 2,4 through shared memory; cuda: 2,4,6 GPUs, NCCL),
 #                  AR_SIZES (1MB,10MB,100MB,1GB), AR_OPS (all_reduce), with a torch.distributed row
 #                  (gloo / nccl, tests/ref/allreduce_torch.py) for each when python3 has torch
+#     ddp          CS336 naive/flat/overlap/bucketed DDP and ZeRO-1 (problems 14-19, 22) on DDP_NPROC ranks
+#                  (default: 2 CPU ranks, or one rank per GPU; the built-in launcher), then the accounting prediction (problem 22, DDP vs ZeRO-1/2/3)
 # Environment: DEVICE=cpu|cuda (default: cuda when a GPU and nvcc are present), MODELS, CONTEXT, COMPILE (no,yes),
 # STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there);
+# ddp: DDP_NPROC, DDP_MODELS (default xl on cuda, small on cpu), DDP_DTYPES, DDP_CONTEXT (256), DDP_BUCKETS (1,10,100,1000), DDP_STEPS/DDP_WARMUP
+# (default STEPS/WARMUP on cuda; 3 and 1 on cpu, where a small-model step takes seconds per rank);
 # attention sections: ATTN_SEQ, ATTN_D, ATTN_BATCH, ATTN_REPS override the sizes (on the CPU they
 # default to small ones so that the sweeps finish in minutes).
 # Out-of-memory rows are expected in these sweeps (2.7B, long sequences) and pass (--oom-ok); a
@@ -35,7 +39,7 @@ fi
 CONTEXT=${CONTEXT:-256}; COMPILE=${COMPILE:-no}; STEPS=${STEPS:-10}; WARMUP=${WARMUP:-5}; FORMAT=${FORMAT:-md}
 OUT=${OUT:-}
 [ -n "$OUT" ] && mkdir -p "$OUT"
-sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(e2e warmup precision attn flash leaderboard)
+sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(e2e warmup precision attn flash leaderboard ddp)
 # explicit sizes for the attention sections (the same for all three)
 attn_env=()
 [ -n "${ATTN_SEQ:-}" ] && attn_env+=(--seq "$ATTN_SEQ")
@@ -86,7 +90,19 @@ for s in "${sections[@]}"; do
         python3 tests/ref/allreduce_torch.py --backend $TB --nproc "$n" --sizes "${AR_SIZES:-1MB,10MB,100MB,1GB}" --op "${AR_OPS:-all_reduce}" --warmup "$WARMUP" --format md
       fi
     done | save allreduce.$FORMAT || rc=$? ;;
-  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce)" >&2; exit 2 ;;
+  ddp)
+    if [ "$DEVICE" = cuda ]; then make -s build/ddp_cuda; DDP=build/ddp_cuda; DDP_MODELS=${DDP_MODELS:-xl}; DDP_DTYPES=${DDP_DTYPES:-fp32,bf16}
+    else make -s build/ddp; DDP=build/ddp; DDP_MODELS=${DDP_MODELS:-small}; DDP_DTYPES=${DDP_DTYPES:-fp32}; DDP_STEPS=${DDP_STEPS:-3}; DDP_WARMUP=${DDP_WARMUP:-1}; fi
+    DDP_CONTEXT=${DDP_CONTEXT:-256}
+    if [ "$DEVICE" = cuda ]; then DDP_NPROC=${DDP_NPROC:-$(nvidia-smi -L | grep -c GPU)}; fi   # NCCL: one rank per GPU
+    DDP_NPROC=${DDP_NPROC:-2}; DDP_BUCKETS=${DDP_BUCKETS:-1,10,100,1000}; DDP_STEPS=${DDP_STEPS:-$STEPS}; DDP_WARMUP=${DDP_WARMUP:-$WARMUP}
+    echo "## DDP: naive, flat, overlap, bucketed ($DDP_BUCKETS MB), ZeRO-1 ($DEVICE, $DDP_NPROC ranks, $DDP_MODELS, batch 4 per rank, context $DDP_CONTEXT, warmup $DDP_WARMUP, $DDP_STEPS steps)"
+    $DDP --device "$DEVICE" --nproc "$DDP_NPROC" --model "$DDP_MODELS" --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb "$DDP_BUCKETS" \
+         --dtype "$DDP_DTYPES" --context-length "$DDP_CONTEXT" --warmup "$DDP_WARMUP" --steps "$DDP_STEPS" --format "$FORMAT" | save ddp.$FORMAT || rc=$?
+    echo
+    echo "## Accounting: bytes per rank and sent per step, DDP vs ZeRO-1 (ZeRO-2/3 on paper), $DDP_NPROC ranks"
+    $DDP --account --device "$DEVICE" --nproc "$DDP_NPROC" --model "$DDP_MODELS" --dtype "$DDP_DTYPES" --context-length "$DDP_CONTEXT" --format "$FORMAT" | save ddp_account.$FORMAT || rc=$? ;;
+  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce, ddp)" >&2; exit 2 ;;
   esac
   if [ $rc -ne 0 ]; then echo "bench.sh: section '$s' failed (exit $rc); going on" >&2; failed+=("$s"); fi
   echo

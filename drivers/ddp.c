@@ -1,0 +1,430 @@
+// ddp - data-parallel training of the cs336 Transformer LM: the CS336 naive_ddp_benchmarking,
+// minimal_ddp_flat_benchmarking, ddp_overlap_individual_parameters_benchmarking,
+// ddp_bucketed_benchmarking and optimizer_state_sharding_accounting measurements, one row per
+// configuration, with the accounting prediction beside what was measured.
+//
+//   ddp --nproc 2 --model small --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb 1,10,100,1000
+//   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16
+//   ddp --account --model xl --nproc 2          (the prediction table only, nothing runs)
+//
+// Every rank trains on its own batch of --batch-size sequences (gradients averaged, AdamW); only
+// rank 0 prints. Times are the slowest rank's, mean (and std) over the timed steps.
+#define _POSIX_C_SOURCE 200809L   // setenv
+#ifndef TSYS_LINKED_IMPL   // the Makefile's CUDA build compiles the implementations once and links them
+#define TSYS_IMPLEMENTATION
+#endif
+#include "../tsys.h"
+#ifdef TSYS_WITH_CUDA
+#ifndef TSYS_LINKED_IMPL
+#define TSYS_CUDA_IMPLEMENTATION
+#endif
+#include "../tsys_cuda.cuh"
+#endif
+#ifndef TSYS_DIST_LINKED_IMPL
+#define TSYS_DIST_IMPLEMENTATION
+#endif
+#include "../tsys_dist.h"
+#include "driver_util.h"
+
+typedef struct ddp_opts {
+    const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn;
+    int batch, warmup, steps, nproc, seed;
+    bool account;
+    tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
+} ddp_opts;
+
+static void usage(FILE *f) {
+    fprintf(f,
+        "usage: ddp [flags]\n"
+        "  --device cpu|cuda          where each rank computes (default: cuda when a GPU is present, else cpu)\n"
+        "  --model LIST               presets (%s) or 'custom' with the dims below\n"
+        "                             (default: xl on cuda, small on cpu)\n"
+        "  --d-model N --d-ff N --num-layers N --num-heads N --vocab-size N   explicit dims\n"
+        "  --strategy LIST            naive | flat | overlap | bucketed | zero1 (default: all five)\n"
+        "                             zero1 = flat gradient all-reduce + ZeRO-1 sharded AdamW\n"
+        "  --bucket-mb LIST           bucket sizes of 'bucketed' in MB (2^20 bytes; default 1,10,100,1000)\n"
+        "  --dtype LIST               fp32 | bf16 autocast (default fp32)\n"
+        "  --batch-size N             sequences per rank (default 4)\n"
+        "  --context-length LIST      (default 256)\n"
+        "  --attn naive|flash|auto    attention (default auto: flash on cuda under bf16, else naive)\n"
+        "  --warmup N                 untimed steps first (default 5)\n"
+        "  --steps N                  timed steps (default 10)\n"
+        "  --nproc N                  start N local ranks (built-in launcher); not needed under mpirun/torchrun\n"
+        "  --account                  print the accounting prediction (DDP, ZeRO-1/2/3) for --nproc ranks; run nothing\n"
+        "  --format md|csv|jsonl      output rows (default md)\n"
+        "  --seed N                   weights and batch seed (default 0)\n"
+        "  --help\n"
+        "columns: step_ms the slowest rank's step (mean, std over steps); bwd_comm_ms backward + gradient\n"
+        "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n"
+        "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n"
+        "  the step waited for communication after backward (it includes waiting for a slower rank);\n"
+        "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; mem_* the peak\n"
+        "  bytes per rank (largest rank) after init, before the first optimizer step, after it; state_MiB live\n"
+        "  bytes after a step (parameters, gradients, optimizer state) against pred_state_MiB; pred_peak_MiB\n"
+        "  adds the predicted activations; pred_sent_MB bytes each rank sends per step (ring algorithms).\n",
+        tsys_model_preset_names());
+}
+
+static int parse_args(int argc, char **argv, ddp_opts *o) {
+    memset(o, 0, sizeof(*o));
+    o->device = du_has_cuda() ? "cuda" : "cpu";
+    o->models = NULL; o->strategies = "naive,flat,overlap,bucketed,zero1"; o->buckets = "1,10,100,1000";
+    o->dtypes = "fp32"; o->contexts = "256"; o->format = "md"; o->attn = "auto";
+    o->batch = 4; o->warmup = 5; o->steps = 10; o->nproc = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--account")) { o->account = true; continue; }
+        if (i + 1 >= argc) { fprintf(stderr, "ddp: flag %s needs a value\n", a); usage(stderr); return 2; }
+        const char *v = argv[++i];
+        bool ok = true;
+        if (!strcmp(a, "--device")) o->device = v;
+        else if (!strcmp(a, "--model")) o->models = v;
+        else if (!strcmp(a, "--strategy")) o->strategies = v;
+        else if (!strcmp(a, "--bucket-mb")) o->buckets = v;
+        else if (!strcmp(a, "--dtype")) o->dtypes = v;
+        else if (!strcmp(a, "--context-length")) o->contexts = v;
+        else if (!strcmp(a, "--attn")) o->attn = v;
+        else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
+        else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
+        else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
+        else if (!strcmp(a, "--nproc")) ok = du_parse_int(v, 1, 1024, &o->nproc);
+        else if (!strcmp(a, "--seed")) ok = du_parse_int(v, 0, 1 << 30, &o->seed);
+        else if (!strcmp(a, "--d-model")) ok = du_parse_int(v, 1, 1 << 20, &o->dims.d_model);
+        else if (!strcmp(a, "--d-ff")) ok = du_parse_int(v, 1, 1 << 22, &o->dims.d_ff);
+        else if (!strcmp(a, "--num-layers")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_layers);
+        else if (!strcmp(a, "--num-heads")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_heads);
+        else if (!strcmp(a, "--vocab-size")) ok = du_parse_int(v, 1, 1 << 24, &o->dims.vocab_size);
+        else { fprintf(stderr, "ddp: unknown flag '%s'\n", a); usage(stderr); return 2; }
+        if (!ok) { fprintf(stderr, "ddp: bad value '%s' for %s\n", v, a); usage(stderr); return 2; }
+    }
+    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "ddp: --device must be cpu or cuda, not '%s'\n", o->device); usage(stderr); return 2; }
+    if (!du_format_ok(o->format)) { fprintf(stderr, "ddp: --format must be md, csv or jsonl, not '%s'\n", o->format); usage(stderr); return 2; }
+    if (strcmp(o->attn, "naive") && strcmp(o->attn, "flash") && strcmp(o->attn, "auto")) { fprintf(stderr, "ddp: --attn takes naive, flash or auto, not '%s'\n", o->attn); usage(stderr); return 2; }
+    if (!o->models) o->models = strcmp(o->device, "cuda") ? "small" : "xl";
+#ifndef TSYS_WITH_CUDA
+    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "ddp: this binary was built without CUDA; build it with nvcc (make cuda)\n"); return 2; }
+#endif
+    return 0;
+}
+
+typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1 } strat;
+static const char *strat_names[] = {"naive", "flat", "overlap", "bucketed", "zero1"};
+
+static bool parse_strategy(const char *s, strat *out) {
+    for (int i = 0; i < 5; i++) if (!strcmp(s, strat_names[i])) { *out = (strat)i; return true; }
+    return false;
+}
+static bool parse_dtype(const char *s, tsys_dtype *d) {
+    if (!strcmp(s, "fp32")) *d = TSYS_F32;
+    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
+    else return false;
+    return true;
+}
+
+static bool config_desc(const ddp_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
+    if (!strcmp(model_name, "custom")) *d = tsys_model_desc_defaults(&o->dims);
+    else if (tsys_model_desc_preset(model_name, d, err, len) != TSYS_OK) return false;
+    else {
+        if (o->dims.d_model) d->d_model = o->dims.d_model;
+        if (o->dims.d_ff) d->d_ff = o->dims.d_ff;
+        if (o->dims.num_layers) d->num_layers = o->dims.num_layers;
+        if (o->dims.num_heads) d->num_heads = o->dims.num_heads;
+        if (o->dims.vocab_size) d->vocab_size = o->dims.vocab_size;
+    }
+    d->context_length = T;
+    d->attn = attn;
+    return tsys_model_desc_validate(d, err, len) == TSYS_OK;
+}
+
+static const double MiB = 1048576.0;
+
+// ---- --account: the prediction table ---------------------------------------------------------------
+
+static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du_list *ctxs) {
+    du_table tab;
+    du_table_init(&tab, "model,params,dtype,context,batch,ranks,scheme,param_MiB,grad_MiB,optim_MiB,act_MiB,total_MiB,sent_MB_per_step");
+    for (int a = 0; a < models->n; a++)
+        for (int c = 0; c < ctxs->n; c++)
+            for (int t = 0; t < dtypes->n; t++) {
+                tsys_dtype dt = TSYS_F32;
+                int T = 0;
+                parse_dtype(dtypes->item[t], &dt);
+                du_parse_int(ctxs->item[c], 1, 1 << 20, &T);
+                const char *attn = strcmp(o->attn, "auto") ? o->attn : (!strcmp(o->device, "cuda") && dt != TSYS_F32) ? "flash" : "naive";
+                tsys_model_desc d;
+                char err[256];
+                if (!config_desc(o, models->item[a], T, attn, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); du_table_free(&tab); return 2; }
+                for (int s = TSYS_SCHEME_DDP; s <= TSYS_SCHEME_ZERO3; s++) {
+                    tsys_dist_account acc = tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
+                    du_row *r = du_table_row(&tab);
+                    du_row_set(r, "model", "%s", models->item[a]);
+                    du_row_set(r, "params", "%.3g", (double)tsys_model_desc_num_params(&d));
+                    du_row_set(r, "dtype", "%s", dtypes->item[t]);
+                    du_row_set(r, "context", "%d", T);
+                    du_row_set(r, "batch", "%d", o->batch);
+                    du_row_set(r, "ranks", "%d", o->nproc);
+                    du_row_set(r, "scheme", "%s%s", tsys_dist_scheme_name((tsys_dist_scheme)s), s >= TSYS_SCHEME_ZERO2 ? " (paper)" : "");
+                    du_row_set(r, "param_MiB", "%.1f", acc.param_bytes / MiB);
+                    du_row_set(r, "grad_MiB", "%.1f", acc.grad_bytes / MiB);
+                    du_row_set(r, "optim_MiB", "%.1f", acc.optim_bytes / MiB);
+                    du_row_set(r, "act_MiB", "%.1f", acc.act_bytes / MiB);
+                    du_row_set(r, "total_MiB", "%.1f", acc.total_bytes / MiB);
+                    du_row_set(r, "sent_MB_per_step", "%.1f", acc.sent_bytes / 1e6);
+                    du_table_print_last(&tab, o->format);
+                }
+            }
+    if (!strcmp(o->format, "md")) du_table_print(&tab, "md");
+    du_table_free(&tab);
+    return 0;
+}
+
+// ---- one configuration -------------------------------------------------------------------------------
+
+typedef struct run {
+    tsys_ctx *ctx;
+    tsys_dist *d;
+    tsys_device dev;
+    tsys_model *model;
+    tsys_ddp *ddp;
+    tsys_optim *opt;
+    tsys_zero1 *zero1;
+    tsys_tensor *ids, *targets;
+    tsys_dtype dtype;
+} run;
+
+static void run_free(run *r) {
+    tsys_ddp_free(r->ddp); tsys_zero1_free(r->zero1); tsys_optim_free(r->opt);
+    tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
+    tsys_model_free(r->model);
+    r->ddp = NULL; r->zero1 = NULL; r->opt = NULL; r->ids = r->targets = NULL; r->model = NULL;
+}
+
+static double peak_now(run *r) { return (double)tsys_mem_stats_get(r->ctx, r->dev).peak_bytes; }
+
+// One training step; t[0..3] = forward, backward + gradient synchronization, optimizer, whole (ms).
+// mem[0..1] (when not NULL) = the peak before and after the optimizer step.
+static tsys_status step(run *r, double *t, double *mem) {
+    tsys_ctx *ctx = r->ctx;
+    double t0 = tsys_time_us();
+    tsys_ddp_start_step(r->ddp);
+    if (r->zero1) tsys_zero1_zero_grad(r->zero1); else tsys_optim_zero_grad(r->opt);
+    if (r->dtype != TSYS_F32) tsys_autocast_begin(ctx, r->dtype);
+    tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
+    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, r->targets);
+    if (r->dtype != TSYS_F32) tsys_autocast_end(ctx);
+    tsys_tensor_release(logits);
+    tsys_sync(ctx, r->dev);
+    double t1 = tsys_time_us();
+    tsys_backward(ctx, loss);
+    tsys_tensor_release(loss);
+    tsys_ddp_finish(r->ddp);
+    tsys_sync(ctx, r->dev);
+    double t2 = tsys_time_us();
+    if (mem) mem[0] = peak_now(r);
+    if (r->zero1) tsys_zero1_step(r->zero1); else tsys_optim_step(r->opt);
+    tsys_sync(ctx, r->dev);
+    double t3 = tsys_time_us();
+    if (mem) mem[1] = peak_now(r);
+    tsys_tape_clear(ctx);
+    t[0] = (t1 - t0) * 1e-3; t[1] = (t2 - t1) * 1e-3; t[2] = (t3 - t2) * 1e-3; t[3] = (t3 - t0) * 1e-3;
+    return tsys_ctx_status(ctx);
+}
+
+// Did any rank fail? (every rank calls this at the same points, so a failure stops all of them)
+static bool any_failed(tsys_dist *d, tsys_status st) {
+    double bad = st != TSYS_OK;
+    if (tsys_dist_all_reduce_host(d, &bad, 1, TSYS_DIST_MAX) != TSYS_OK) return true;
+    return bad != 0;
+}
+
+static void max_over_ranks(tsys_dist *d, double *v, int n) { tsys_dist_all_reduce_host(d, v, n, TSYS_DIST_MAX); }
+
+static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const char *model_name, int T, strat s, double bucket_mb,
+                       tsys_dtype dt, du_table *tab) {
+    int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
+    char err[256] = "";
+    const char *attn = strcmp(o->attn, "auto") ? o->attn : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
+    du_row *row = du_table_row(tab);
+    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
+    du_row_set(row, "model", "%s", model_name);
+    du_row_set(row, "ranks", "%d", world);
+    du_row_set(row, "strategy", "%s", strat_names[s]);
+    du_row_set(row, "bucket_mb", s == S_BUCKETED ? "%g" : "-", bucket_mb);
+    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : "bf16");
+    du_row_set(row, "context", "%d", T);
+    du_row_set(row, "batch", "%d", o->batch);
+    tsys_model_desc desc;
+    if (!config_desc(o, model_name, T, attn, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    run r;
+    memset(&r, 0, sizeof(r));
+    r.ctx = ctx; r.d = d; r.dev = dev; r.dtype = dt;
+    tsys_mem_reset_peak(ctx, dev);
+    double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
+    int n = o->steps, total = o->warmup + n;
+    double *tstep = (double *)calloc((size_t)n, sizeof(double)), *tbwd = (double *)calloc((size_t)n, sizeof(double));
+    double *topt = (double *)calloc((size_t)n, sizeof(double)), *texp = (double *)calloc((size_t)n, sizeof(double));
+    double mem[4] = {0, 0, 0, 0};   // peak after init, before / after the first optimizer step, live after a step
+    // every rank builds the model from the same seed; the broadcast makes them equal regardless
+    r.model = tsys_model_new(ctx, &desc, dev, (uint64_t)o->seed + 1);
+    tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT, bucket_mb};
+    if (r.model) r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
+    if (r.ddp && s == S_ZERO1) r.zero1 = tsys_zero1_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
+    else if (r.ddp) r.opt = tsys_adamw_new(ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
+    int64_t shape[2] = {o->batch, T};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
+    tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);   // each rank its own batch
+    if (ids && tgt) { tsys_tensor_randint(ctx, ids, desc.vocab_size); tsys_tensor_randint(ctx, tgt, desc.vocab_size); }
+    r.ids = tsys_tensor_to(ctx, ids, dev);
+    r.targets = tsys_tensor_to(ctx, tgt, dev);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    tsys_sync(ctx, dev);
+    mem[0] = peak_now(&r);
+    tsys_status st = tsys_ctx_status(ctx);
+    bool failed = any_failed(d, st);
+    for (int i = 0; !failed && i < total; i++) {
+        double t[4];
+        double m2[2];
+        st = step(&r, t, i == 0 ? m2 : NULL);
+        if (i == 0) { mem[1] = m2[0]; mem[2] = m2[1]; mem[3] = (double)tsys_mem_stats_get(ctx, dev).live_bytes - base_live; }
+        int j = i - o->warmup;
+        if (j >= 0) {
+            tstep[j] = t[3]; tbwd[j] = t[1]; topt[j] = t[2];
+            texp[j] = tsys_ddp_stats_get(r.ddp).exposed_ms;
+        }
+        if (rank == 0) du_progress("%s %s%s T=%d: step %d/%d (%.1f ms)", model_name, strat_names[s], s == S_BUCKETED ? " bucketed" : "", T, i + 1, total, t[3]);
+        failed = any_failed(d, st);
+    }
+    // the step's all-reduces alone: finish with no backward reduces every bucket at once
+    double alone = 0;
+    for (int k = 0; !failed && k < 3; k++) {
+        tsys_dist_barrier(d);
+        tsys_ddp_start_step(r.ddp);
+        st = tsys_ddp_finish(r.ddp);
+        tsys_sync(ctx, dev);
+        alone += tsys_ddp_stats_get(r.ddp).comm_ms / 3;
+        failed = any_failed(d, st);
+    }
+    if (rank == 0) du_progress_done();
+    if (!failed) {
+        max_over_ranks(d, tstep, n); max_over_ranks(d, tbwd, n); max_over_ranks(d, topt, n); max_over_ranks(d, texp, n);
+        max_over_ranks(d, mem, 4); max_over_ranks(d, &alone, 1);
+        tsys_stats ss = tsys_stats_of(tstep, n), sb = tsys_stats_of(tbwd, n), so = tsys_stats_of(topt, n), se = tsys_stats_of(texp, n);
+        tsys_ddp_stats ds = tsys_ddp_stats_get(r.ddp);
+        tsys_dist_account acc = tsys_dist_accounting(&desc, dt, o->batch, T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
+        du_row_set(row, "step_ms", "%.2f", ss.mean); du_row_set(row, "step_std", "%.2f", ss.std);
+        du_row_set(row, "bwd_comm_ms", "%.2f", sb.mean);
+        du_row_set(row, "opt_ms", "%.2f", so.mean);
+        du_row_set(row, "comm_ms", "%.2f", alone);
+        du_row_set(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
+        du_row_set(row, "exposed_ms", "%.2f", se.mean);
+        double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
+        du_row_set(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
+        du_row_set(row, "buckets", "%d%s", ds.num_buckets, ds.copied_buckets ? " (copied)" : "");
+        du_row_set(row, "MB_per_step", "%.1f", (double)ds.bytes_per_step / 1e6);
+        du_row_set(row, "mem_init_MiB", "%.1f", mem[0] / MiB);
+        du_row_set(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
+        du_row_set(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB);
+        du_row_set(row, "state_MiB", "%.1f", mem[3] / MiB);
+        du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - (dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(&desc) : 0)) / MiB);
+        du_row_set(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
+        du_row_set(row, "pred_sent_MB", "%.1f", acc.sent_bytes / 1e6);
+        du_row_set(row, "status", "ok");
+    } else {
+        double e = st == TSYS_ERR_OOM ? 1 : 0;
+        tsys_dist_all_reduce_host(d, &e, 1, TSYS_DIST_MAX);
+        du_row_set(row, "status", "%s: %s", e > 0 ? "OOM" : "error", st != TSYS_OK ? tsys_ctx_last_error(ctx) : "on another rank");
+    }
+    tsys_tape_clear(ctx);
+    run_free(&r);
+    tsys_ctx_clear_error(ctx);
+    free(tstep); free(tbwd); free(topt); free(texp);
+}
+
+// Ranks on one host share its cores: unless the user says otherwise, each gets cores / ranks threads.
+static void share_cores(int ranks) {
+    if (getenv("OMP_NUM_THREADS") || ranks <= 1) return;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int per = (int)(cores / ranks > 1 ? cores / ranks : 1);
+    char v[16];
+    snprintf(v, sizeof(v), "%d", per);
+    setenv("OMP_NUM_THREADS", v, 0);
+    setenv("OPENBLAS_NUM_THREADS", v, 0);
+#ifdef _OPENMP
+    omp_set_num_threads(per);
+#endif
+#ifdef OPENBLAS_VERSION
+    openblas_set_num_threads(per);
+#endif
+}
+
+int main(int argc, char **argv) {
+    ddp_opts o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc) return rc;
+    du_list models = du_split(o.models), strategies = du_split(o.strategies), buckets = du_split(o.buckets), dtypes = du_split(o.dtypes), ctxs = du_split(o.contexts);
+    for (int i = 0; i < strategies.n; i++) { strat s; if (!parse_strategy(strategies.item[i], &s)) { fprintf(stderr, "ddp: unknown strategy '%s' (naive, flat, overlap, bucketed, zero1)\n", strategies.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < buckets.n; i++) { double b; if (!du_parse_double(buckets.item[i], &b) || !(b >= 0) || b > 1e9) { fprintf(stderr, "ddp: bad bucket size '%s' (MB, >= 0)\n", buckets.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "ddp: unknown dtype '%s' (fp32, bf16)\n", dtypes.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "ddp: bad context length '%s'\n", ctxs.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < models.n; i++) {
+        tsys_model_desc d;
+        char err[256];
+        if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "ddp: %s\n", err); usage(stderr); return 2; }
+    }
+    if (models.n == 0 || strategies.n == 0 || buckets.n == 0 || dtypes.n == 0 || ctxs.n == 0) { fprintf(stderr, "ddp: an empty list\n"); usage(stderr); return 2; }
+    if (o.account) {
+        rc = print_account(&o, &models, &dtypes, &ctxs);
+        du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
+        return rc;
+    }
+    bool cuda = !strcmp(o.device, "cuda");
+    if (!cuda) share_cores(o.nproc);
+    int exit_code = 0;
+    if (tsys_dist_spawn(o.nproc, argc, argv, &exit_code)) return exit_code;   // this was the launcher
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof(dd));
+    dd.cuda = cuda;
+    tsys_dist *d = tsys_dist_init(ctx, &dd);
+    if (!d) { fprintf(stderr, "ddp: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); return 1; }
+    int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
+    if (!cuda) share_cores(world);
+    tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
+    if (rank == 0) {
+        printf("ddp: %d ranks (%s), %s", world, tsys_dist_engine_name(tsys_dist_engine_of(d)), cuda ? "cuda" : "cpu");
+#ifdef TSYS_WITH_CUDA
+        if (cuda) printf(" (%s)", tsys_cuda_device_name(ctx));
+#endif
+        if (!cuda) printf(", %d threads per rank", du_num_threads());
+        printf(", batch %d per rank, warmup %d, %d steps, AdamW\n\n", o.batch, o.warmup, o.steps);
+        fflush(stdout);
+    }
+    du_table tab;
+    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,dtype,context,batch,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,"
+                        "buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status");
+    int failures = 0;
+    for (int a = 0; a < models.n; a++)
+        for (int c = 0; c < ctxs.n; c++)
+            for (int t = 0; t < dtypes.n; t++)
+                for (int k = 0; k < strategies.n; k++) {
+                    strat s = S_NAIVE;
+                    tsys_dtype dt = TSYS_F32;
+                    int T = 0;
+                    parse_strategy(strategies.item[k], &s); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
+                    for (int b = 0; b < (s == S_BUCKETED ? buckets.n : 1); b++) {
+                        double mb = 0;
+                        if (s == S_BUCKETED) du_parse_double(buckets.item[b], &mb);
+                        run_config(ctx, d, dev, &o, models.item[a], T, s, mb, dt, &tab);
+                        if (strcmp(du_row_get(&tab.rows[tab.nrows - 1], "status"), "ok")) failures++;
+                        if (rank == 0) du_table_print_last(&tab, o.format);
+                    }
+                }
+    if (rank == 0 && !strcmp(o.format, "md")) { du_table_print(&tab, "md"); }
+    du_table_free(&tab);
+    du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
+    tsys_dist_free(d);
+    tsys_ctx_free(ctx);   // also shuts the CUDA backend down
+    return failures ? 1 : 0;
+}
