@@ -205,7 +205,10 @@ int main(int argc, char **argv) {
     ar_opts o;
     int rc = parse_args(argc, argv, &o);
     if (rc) return rc;
-    du_list sizes = du_split(o.sizes), ops = du_split(o.ops), dtypes = du_split(o.dtypes);
+    du_list sizes, ops, dtypes;
+    if (!du_split(&sizes, "allreduce", "--sizes", o.sizes)) return 2;
+    if (!du_split(&ops, "allreduce", "--op", o.ops)) { du_list_free(&sizes); return 2; }
+    if (!du_split(&dtypes, "allreduce", "--dtype", o.dtypes)) { du_list_free(&sizes); du_list_free(&ops); return 2; }
     for (int i = 0; i < sizes.n; i++) { int64_t b; if (!parse_size(sizes.item[i], &b) || b == 0) { fprintf(stderr, "allreduce: bad size '%s' (e.g. 4KB, 1MB, 1GB, 1000)\n", sizes.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < ops.n; i++) { int op; if (!parse_op(ops.item[i], &op)) { fprintf(stderr, "allreduce: unknown op '%s' (all_reduce, reduce_scatter, all_gather)\n", ops.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < dtypes.n; i++) { tsys_dtype dt; if (!parse_dtype(dtypes.item[i], &dt)) { fprintf(stderr, "allreduce: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); usage(stderr); return 2; } }
@@ -235,7 +238,7 @@ int main(int argc, char **argv) {
         fflush(stdout);
     }
     du_table tab;
-    du_table_init(&tab, "op,dtype,size,bytes,ranks,min_ms,mean_ms,max_ms,time_ms,algbw_GB/s,busbw_GB/s,check");
+    du_table_init(&tab, "op,dtype,size,bytes,ranks,min_ms,mean_ms,max_ms,time_ms,algbw_GB/s,busbw_GB/s,check", o.format);
     bool all_ok = true;
     for (int k = 0; k < ops.n; k++)
         for (int t = 0; t < dtypes.n; t++)
@@ -243,9 +246,8 @@ int main(int argc, char **argv) {
                 int op = 0; tsys_dtype dt = TSYS_F32; int64_t b = 0;
                 parse_op(ops.item[k], &op); parse_dtype(dtypes.item[t], &dt); parse_size(sizes.item[s], &b);
                 if (!run_one(d, dev, &o, op, dt, sizes.item[s], b, &tab)) all_ok = false;
-                if (rank == 0) du_table_print_last(&tab, o.format);
+                if (rank == 0) du_table_emit(&tab);
             }
-    if (rank == 0 && !strcmp(o.format, "md")) du_table_print(&tab, "md");
     du_table_free(&tab);
     du_list_free(&sizes); du_list_free(&ops); du_list_free(&dtypes);
     tsys_dist_free(d);

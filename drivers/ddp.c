@@ -144,7 +144,7 @@ static const double MiB = 1048576.0;
 
 static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du_list *ctxs) {
     du_table tab;
-    du_table_init(&tab, "model,params,dtype,context,batch,ranks,scheme,param_MiB,grad_MiB,optim_MiB,act_MiB,total_MiB,sent_MB_per_step");
+    du_table_init(&tab, "model,params,dtype,context,batch,ranks,scheme,param_MiB,grad_MiB,optim_MiB,act_MiB,total_MiB,sent_MB_per_step", o->format);
     for (int a = 0; a < models->n; a++)
         for (int c = 0; c < ctxs->n; c++)
             for (int t = 0; t < dtypes->n; t++) {
@@ -172,10 +172,9 @@ static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du
                     du_row_set(r, "act_MiB", "%.1f", acc.act_bytes / MiB);
                     du_row_set(r, "total_MiB", "%.1f", acc.total_bytes / MiB);
                     du_row_set(r, "sent_MB_per_step", "%.1f", acc.sent_bytes / 1e6);
-                    du_table_print_last(&tab, o->format);
+                    du_table_emit(&tab);
                 }
             }
-    if (!strcmp(o->format, "md")) du_table_print(&tab, "md");
     du_table_free(&tab);
     return 0;
 }
@@ -363,7 +362,14 @@ int main(int argc, char **argv) {
     ddp_opts o;
     int rc = parse_args(argc, argv, &o);
     if (rc) return rc;
-    du_list models = du_split(o.models), strategies = du_split(o.strategies), buckets = du_split(o.buckets), dtypes = du_split(o.dtypes), ctxs = du_split(o.contexts);
+    du_list models, strategies, buckets, dtypes, ctxs;
+    memset(&strategies, 0, sizeof(du_list)); memset(&buckets, 0, sizeof(du_list)); memset(&dtypes, 0, sizeof(du_list)); memset(&ctxs, 0, sizeof(du_list));
+    if (!du_split(&models, "ddp", "--model", o.models) || !du_split(&strategies, "ddp", "--strategy", o.strategies) ||
+        !du_split(&buckets, "ddp", "--bucket-mb", o.buckets) || !du_split(&dtypes, "ddp", "--dtype", o.dtypes) ||
+        !du_split(&ctxs, "ddp", "--context-length", o.contexts)) {
+        du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
+        return 2;
+    }
     for (int i = 0; i < strategies.n; i++) { strat s; if (!parse_strategy(strategies.item[i], &s)) { fprintf(stderr, "ddp: unknown strategy '%s' (naive, flat, overlap, bucketed, zero1)\n", strategies.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < buckets.n; i++) { double b; if (!du_parse_double(buckets.item[i], &b) || !(b >= 0) || b > 1e9) { fprintf(stderr, "ddp: bad bucket size '%s' (MB, >= 0)\n", buckets.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "ddp: unknown dtype '%s' (fp32, bf16)\n", dtypes.item[i]); usage(stderr); return 2; } }
@@ -403,7 +409,7 @@ int main(int argc, char **argv) {
     }
     du_table tab;
     du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,dtype,context,batch,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,"
-                        "buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status");
+                        "buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o.format);
     int failures = 0;
     for (int a = 0; a < models.n; a++)
         for (int c = 0; c < ctxs.n; c++)
@@ -417,11 +423,10 @@ int main(int argc, char **argv) {
                         double mb = 0;
                         if (s == S_BUCKETED) du_parse_double(buckets.item[b], &mb);
                         run_config(ctx, d, dev, &o, models.item[a], T, s, mb, dt, &tab);
-                        if (strcmp(du_row_get(&tab.rows[tab.nrows - 1], "status"), "ok")) failures++;
-                        if (rank == 0) du_table_print_last(&tab, o.format);
+                        if (strcmp(du_row_get(&tab.row, "status"), "ok")) failures++;
+                        if (rank == 0) du_table_emit(&tab);
                     }
                 }
-    if (rank == 0 && !strcmp(o.format, "md")) { du_table_print(&tab, "md"); }
     du_table_free(&tab);
     du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
     tsys_dist_free(d);
