@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# multigpu_session.sh - tsys_dist on a machine with several GPUs, ours and torch.distributed in the same
+# call. Binaries are built on the development machine and carried in gpu/dist (rebuilt here when one
+# does not start). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine's notes ask.
+#   tools/multigpu_session.sh topo tests allreduce ddp_ours ddp_torch ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TSYS_DIST_TIMEOUT=${TSYS_DIST_TIMEOUT:-120} TSYS_PROGRESS=0 PYTHONUNBUFFERED=1
+G=gpu/dist
+NG=$(nvidia-smi -L | grep -c GPU)
+MODEL=${MODEL:-xl}; DTYPES=${DTYPES:-bf16}; STEPS=${STEPS:-5}; WARMUP=${WARMUP:-3}
+for part in "$@"; do
+  echo "=== $part ($(date +%T))"
+  case "$part" in
+  topo) nvidia-smi -L; nvidia-smi topo -m; echo "cpus: $(nproc)" ;;
+  tests)  # NCCL with one rank a GPU; two ranks sharing GPU 0 through MPI host staging; the DDP and ZeRO-1 procedures
+    timeout 200 mpirun --oversubscribe -np $NG $G/test_dist_cuda > "$OUT/test_dist_cuda_nccl.log" 2>&1; echo "test_dist_cuda, $NG ranks: $(tail -n 1 "$OUT/test_dist_cuda_nccl.log")"
+    CUDA_VISIBLE_DEVICES=0 timeout 200 mpirun --oversubscribe -np 2 $G/test_dist_cuda > "$OUT/test_dist_cuda_staged.log" 2>&1; echo "test_dist_cuda, 2 ranks on one GPU: $(tail -n 1 "$OUT/test_dist_cuda_staged.log")"
+    timeout 200 $G/test_dist_cuda > "$OUT/test_dist_cuda_1.log" 2>&1; echo "test_dist_cuda, 1 rank: $(tail -n 1 "$OUT/test_dist_cuda_1.log")"
+    timeout 300 mpirun --oversubscribe -np $NG $G/test_ddp_cuda > "$OUT/test_ddp_cuda_nccl.log" 2>&1; echo "test_ddp_cuda, $NG ranks: $(tail -n 1 "$OUT/test_ddp_cuda_nccl.log")"
+    CUDA_VISIBLE_DEVICES=0 timeout 300 mpirun --oversubscribe -np 2 $G/test_ddp_cuda > "$OUT/test_ddp_cuda_staged.log" 2>&1; echo "test_ddp_cuda, 2 ranks on one GPU: $(tail -n 1 "$OUT/test_ddp_cuda_staged.log")"
+    grep -h "FAIL" "$OUT"/test_d*_cuda_*.log | head -20 ;;
+  allreduce)
+    timeout 200 $G/allreduce_cuda --backend nccl --nproc $NG --sizes 1MB,10MB,100MB,1GB --op all_reduce,reduce_scatter,all_gather --format md > "$OUT/ar_nccl_ours.md" 2>&1; cat "$OUT/ar_nccl_ours.md"
+    timeout 300 python3 tests/ref/allreduce_torch.py --backend nccl --nproc $NG --sizes 1MB,10MB,100MB,1GB --op all_reduce,reduce_scatter,all_gather --format md > "$OUT/ar_nccl_torch.md" 2>&1; cat "$OUT/ar_nccl_torch.md" ;;
+  cpu)
+    timeout 200 $G/allreduce_cuda --backend mpi --nproc 2 --sizes 4B,1MB,1GB --format md > "$OUT/ar_cpu_ours.md" 2>&1; cat "$OUT/ar_cpu_ours.md"
+    timeout 300 python3 tests/ref/allreduce_torch.py --backend gloo --nproc 2 --sizes 4B,1MB,1GB --format md > "$OUT/ar_cpu_gloo.md" 2>&1; cat "$OUT/ar_cpu_gloo.md" ;;
+  ddp_ours)
+    timeout 300 $G/ddp_cuda --device cuda --nproc 1 --model $MODEL --dtype $DTYPES --strategy flat --warmup $WARMUP --steps $STEPS > "$OUT/ddp_ours_1gpu.md" 2>&1; cat "$OUT/ddp_ours_1gpu.md"
+    timeout 500 $G/ddp_cuda --device cuda --nproc $NG --model $MODEL --dtype $DTYPES --strategy ${STRATS:-naive,flat,overlap,bucketed,zero1} --bucket-mb ${BUCKETS:-1,10,100,1000} \
+      --warmup $WARMUP --steps $STEPS > "$OUT/ddp_ours_${NG}gpu.md" 2>&1; cat "$OUT/ddp_ours_${NG}gpu.md" ;;
+  ddp_torch)
+    timeout 300 torchrun --nproc_per_node 1 tests/ref/torch_ddp.py --part ddp --device cuda --model $MODEL --dtype $DTYPES --strategy flat --warmup $WARMUP --steps $STEPS > "$OUT/ddp_torch_1gpu.md" 2>&1; tail -n 8 "$OUT/ddp_torch_1gpu.md"
+    timeout 500 torchrun --nproc_per_node $NG tests/ref/torch_ddp.py --part ddp --device cuda --model $MODEL --dtype $DTYPES --strategy ${TSTRATS:-naive,flat,bucketed,zero1} --bucket-mb ${TBUCKETS:-25,100} \
+      --warmup $WARMUP --steps $STEPS > "$OUT/ddp_torch_${NG}gpu.md" 2>&1; tail -n 16 "$OUT/ddp_torch_${NG}gpu.md" ;;
+  account) $G/ddp_cuda --account --device cuda --nproc $NG --model $MODEL --dtype $DTYPES ;;
+  *) echo "unknown part $part" ;;
+  esac
+done
