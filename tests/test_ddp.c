@@ -254,7 +254,9 @@ static int ddp_procedure(bool tied, tsys_ddp_strategy strategy, double bucket_mb
         int64_t trainable = 0;
         for (int i = 0; i < mine.n; i++) if (mine.p[i]->requires_grad) trainable += (int64_t)tsys_tensor_bytes(mine.p[i]);
         TEST_CHECK(s.bytes_per_step == trainable, "bytes per step %lld, trainable parameters hold %lld", (long long)s.bytes_per_step, (long long)trainable);
-        TEST_CHECK(s.comm_ms >= 0 && s.exposed_ms >= 0 && s.exposed_ms <= s.comm_ms + 1e-9, "comm %g ms, exposed %g ms", s.comm_ms, s.exposed_ms);
+        // exposed is timed on the compute stream and also holds the wait for a slower rank and the event
+        // latencies, so on GPUs it can pass comm by a little when nothing is hidden (naive, flat)
+        TEST_CHECK(s.comm_ms >= 0 && s.exposed_ms >= 0 && s.exposed_ms <= 1.25 * s.comm_ms + 0.5, "comm %g ms, exposed %g ms", s.comm_ms, s.exposed_ms);
         // DDP's own gradients are one arena (no copies); separate gradients given by the user are
         // copied when several share a bucket
         int multi = 0;   // buckets over several separate gradient tensors
