@@ -184,7 +184,10 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d);
 TSYSDEF tsys_dist_work *tsys_dist_all_reduce_async(tsys_dist *d, tsys_tensor *t, tsys_dist_op op);   // NULL on error
 TSYSDEF tsys_dist_work *tsys_dist_reduce_scatter_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op);
 TSYSDEF tsys_dist_work *tsys_dist_all_gather_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in);
-TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w);   // orders the compute stream after w, frees w
+// Host tensors: the asynchronous forms run on the group's worker thread, in issue order; leave the
+// tensors alone until the wait. The wait blocks until a host collective is done (and copies a
+// host-staged CUDA result back), or orders the compute stream after an NCCL one; it frees w.
+TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w);
 // Host-side helpers for drivers and tests: the same over plain doubles (rank 0's view of min/max/mean).
 TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, tsys_dist_op op);
 
