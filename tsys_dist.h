@@ -1751,7 +1751,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
 #ifdef TSYS_DIST_MPI
         if (d->host != TSYS_DIST__HOST_MPI) {
             tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
-                              "variables, which give the tcp engine (ask for engine auto)");
+                              "variables: ask for TSYS_DIST_ENGINE_TCP (the host engine of such ranks; no NCCL) or AUTO");
             goto fail;
         }
 #else
