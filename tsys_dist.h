@@ -78,7 +78,8 @@
       One thread uses a group; several groups may coexist (each has its own worker and segment).
 
    ON FAILURE
-      Every MPI and NCCL call is checked (MPI_ERRORS_RETURN on the group's communicator). Waits poll
+      Every MPI and NCCL call is checked (MPI_ERRORS_RETURN on the group's communicator; only
+      tsys_dist_free's own calls, which have nobody to report to, go unchecked). Waits poll
       with a deadline of desc.timeout_s without progress, so a dead or stalled peer ends in an error
       (TSYS_ERR_IO, the message says which collective) and the group is marked broken: every later
       call fails at once, tsys_dist_free skips MPI_Finalize, and the program should exit non-zero.
@@ -184,7 +185,10 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d);
 TSYSDEF tsys_dist_work *tsys_dist_all_reduce_async(tsys_dist *d, tsys_tensor *t, tsys_dist_op op);   // NULL on error
 TSYSDEF tsys_dist_work *tsys_dist_reduce_scatter_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op);
 TSYSDEF tsys_dist_work *tsys_dist_all_gather_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in);
-TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w);   // orders the compute stream after w, frees w
+// Host tensors: the asynchronous forms run on the group's worker thread, in issue order; leave the
+// tensors alone until the wait. The wait blocks until a host collective is done (and copies a
+// host-staged CUDA result back), or orders the compute stream after an NCCL one; it frees w.
+TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w);
 // Host-side helpers for drivers and tests: the same over plain doubles (rank 0's view of min/max/mean).
 TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, tsys_dist_op op);
 
@@ -1553,19 +1557,20 @@ static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
         if (rc != MPI_SUCCESS) return tsys_dist__seterr(e, TSYS_ERR_IO, "MPI_Init_thread failed (code %d)", rc);
         d->mpi_owner = true;
     }
-    MPI_Query_thread(&prov);
+    if (!tsys_dist__mpi_ok(d, MPI_Query_thread(&prov), "MPI_Query_thread", NULL, e)) return false;
     d->mpi_multiple = prov >= MPI_THREAD_MULTIPLE;
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    if (!tsys_dist__mpi_ok(d, MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", NULL, e)) return false;
     if (!tsys_dist__mpi_ok(d, MPI_Comm_dup(MPI_COMM_WORLD, &d->comm), "MPI_Comm_dup", NULL, e)) return false;
     d->have_comm = true;
-    MPI_Comm_set_errhandler(d->comm, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(d->comm, &d->rank);
-    MPI_Comm_size(d->comm, &d->size);
     MPI_Comm local;
-    if (!tsys_dist__mpi_ok(d, MPI_Comm_split_type(d->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local), "MPI_Comm_split_type", NULL, e)) return false;
-    MPI_Comm_rank(local, &d->local_rank);
-    MPI_Comm_size(local, &d->local_size);
+    if (!tsys_dist__mpi_ok(d, MPI_Comm_set_errhandler(d->comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", NULL, e) ||
+        !tsys_dist__mpi_ok(d, MPI_Comm_rank(d->comm, &d->rank), "MPI_Comm_rank", NULL, e) ||
+        !tsys_dist__mpi_ok(d, MPI_Comm_size(d->comm, &d->size), "MPI_Comm_size", NULL, e) ||
+        !tsys_dist__mpi_ok(d, MPI_Comm_split_type(d->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local), "MPI_Comm_split_type", NULL, e)) return false;
+    bool ok = tsys_dist__mpi_ok(d, MPI_Comm_rank(local, &d->local_rank), "MPI_Comm_rank", NULL, e) &&
+              tsys_dist__mpi_ok(d, MPI_Comm_size(local, &d->local_size), "MPI_Comm_size", NULL, e);
     MPI_Comm_free(&local);
+    if (!ok) return false;
     d->one_host = d->local_size == d->size;
     MPI_User_function *fns[2][2] = { { tsys_dist__mpi_sum_bf16, tsys_dist__mpi_max_bf16 }, { tsys_dist__mpi_sum_f16, tsys_dist__mpi_max_f16 } };
     for (int i = 0; i < 2; i++)
@@ -1781,7 +1786,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
 #ifdef TSYS_DIST_MPI
         if (d->host != TSYS_DIST__HOST_MPI) {
             tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
-                              "variables, which give the tcp engine (ask for engine auto)");
+                              "variables: ask for TSYS_DIST_ENGINE_TCP (the host engine of such ranks; no NCCL) or AUTO");
             goto fail;
         }
 #else
@@ -2111,7 +2116,8 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
             cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
             if (q == cudaSuccess) break;
             ncclResult_t ae = ncclSuccess;
-            ncclCommGetAsyncError(d->nccl, &ae);
+            ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
+            if (qr != ncclSuccess) ae = qr;
             if (q != cudaErrorNotReady || (ae != ncclSuccess && ae != ncclInProgress)) {
                 tsys_event_release(d->ctx, &ev);
                 if (q != cudaErrorNotReady) return tsys_dist__fail(d, TSYS_ERR_CUDA, "barrier: %s", cudaGetErrorString(q));

@@ -301,6 +301,57 @@ TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collecti
     }
 }
 
+// A random sequence (the same on every rank) of blocking and asynchronous collectives of random
+// sizes, several in flight, barriers between: shakes the slot reuse and the worker's ordering.
+TSYS_TEST(random_sequence_mixed) {
+    for (int p = 0; p < g_npaths; p++) {
+        uint64_t rs = 0x9e3779b97f4a7c15ull;
+        enum { K = 4 };
+        for (int it = 0; it < 40; it++) {
+            tsys_tensor *t[K], *o[K];
+            tsys_dist_work *w[K];
+            int kind[K];
+            int64_t m[K];
+            rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
+            int kn = 1 + (int)(rs % K);
+            for (int k = 0; k < kn; k++) {
+                rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
+                kind[k] = (int)(rs % 4); m[k] = (int64_t)((rs >> 8) % 20000);
+                bool async = (rs >> 40) & 1;
+                int64_t nin = kind[k] == 2 ? m[k] * g_size : m[k], nout = kind[k] == 3 ? m[k] * g_size : m[k];
+                float *h = (float *)hbuf(TSYS_F32, nin);
+                for (int64_t i = 0; i < nin; i++) h[i] = (float)(g_rank * 7 + (i % 13) + k);
+                t[k] = mk(g_dev[p], TSYS_F32, nin, h);
+                o[k] = kind[k] >= 2 ? mk(g_dev[p], TSYS_F32, nout, NULL) : NULL;
+                free(h);
+                tsys_status st = TSYS_OK;
+                w[k] = NULL;
+                if (kind[k] == 0) { if (async) w[k] = tsys_dist_all_reduce_async(g_group[p], t[k], TSYS_DIST_SUM); else st = tsys_dist_all_reduce(g_group[p], t[k], TSYS_DIST_SUM); }
+                else if (kind[k] == 1) st = tsys_dist_broadcast(g_group[p], t[k], it % g_size);
+                else if (kind[k] == 2) { if (async) w[k] = tsys_dist_reduce_scatter_async(g_group[p], o[k], t[k], TSYS_DIST_SUM); else st = tsys_dist_reduce_scatter(g_group[p], o[k], t[k], TSYS_DIST_SUM); }
+                else { if (async) w[k] = tsys_dist_all_gather_async(g_group[p], o[k], t[k]); else st = tsys_dist_all_gather(g_group[p], o[k], t[k]); }
+                STATUS_OK(st, "%s: step %d.%d", g_name[p], it, k);
+                if (async && kind[k] != 1) TEST_CHECK(w[k] != NULL, "%s: step %d.%d launch: %s", g_name[p], it, k, tsys_ctx_last_error(g_ctx));
+                if ((rs >> 50) % 5 == 0) STATUS_OK(tsys_dist_barrier(g_group[p]), "%s: barrier", g_name[p]);
+            }
+            for (int k = kn - 1; k >= 0; k--) if (w[k]) STATUS_OK(tsys_dist_wait(w[k]), "%s: wait %d.%d", g_name[p], it, k);
+            for (int k = 0; k < kn; k++) {
+                int64_t cnt = kind[k] == 3 ? m[k] * g_size : m[k], mm = m[k] ? m[k] : 1;
+                float *h = (float *)hbuf(TSYS_F32, cnt);
+                tsys_tensor_to_host(g_ctx, kind[k] >= 2 ? o[k] : t[k], h);
+                int kk = k, root = it % g_size;
+                if (kind[k] == 0) CHECK_VALUES(cnt, (double)h[i], 7.0 * g_size * (g_size - 1) / 2 + (double)g_size * ((i % 13) + kk), "%s: step %d.%d all_reduce", g_name[p], it, k);
+                else if (kind[k] == 1) CHECK_VALUES(cnt, (double)h[i], (double)(root * 7 + (i % 13) + kk), "%s: step %d.%d broadcast", g_name[p], it, k);
+                else if (kind[k] == 2) CHECK_VALUES(cnt, (double)h[i], 7.0 * g_size * (g_size - 1) / 2 + (double)g_size * (((g_rank * mm + i) % 13) + kk), "%s: step %d.%d reduce_scatter", g_name[p], it, k);
+                else CHECK_VALUES(cnt, (double)h[i], (double)((i / mm) * 7 + ((i % mm) % 13) + kk), "%s: step %d.%d all_gather", g_name[p], it, k);
+                free(h);
+                tsys_tensor_release(t[k]);
+                tsys_tensor_release(o[k]);
+            }
+        }
+    }
+}
+
 TSYS_TEST(all_reduce_host_doubles) {
     for (int p = 0; p < g_npaths; p++) {
         double v[3] = { 1.5 * g_rank, -(double)g_rank, 1e300 };
