@@ -124,18 +124,7 @@ static bool parse_dtype(const char *s, tsys_dtype *d) {
 }
 
 static bool config_desc(const ddp_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
-    if (!strcmp(model_name, "custom")) *d = tsys_model_desc_defaults(&o->dims);
-    else if (tsys_model_desc_preset(model_name, d, err, len) != TSYS_OK) return false;
-    else {
-        if (o->dims.d_model) d->d_model = o->dims.d_model;
-        if (o->dims.d_ff) d->d_ff = o->dims.d_ff;
-        if (o->dims.num_layers) d->num_layers = o->dims.num_layers;
-        if (o->dims.num_heads) d->num_heads = o->dims.num_heads;
-        if (o->dims.vocab_size) d->vocab_size = o->dims.vocab_size;
-    }
-    d->context_length = T;
-    d->attn = attn;
-    return tsys_model_desc_validate(d, err, len) == TSYS_OK;
+    return du_model_desc(&o->dims, model_name, T, attn, d, err, len);
 }
 
 static const double MiB = 1048576.0;

@@ -160,6 +160,25 @@ static inline const char *du_mem_limit_str(char *buf, size_t len, size_t bytes) 
     return buf;
 }
 
+// ---- model shapes ------------------------------------------------------------------------------
+
+// The model of a configuration: a preset with the non-zero fields of dims over it, or 'custom' (dims
+// over the defaults); then the context length and attention. False (err filled) when it is invalid.
+static inline bool du_model_desc(const tsys_model_desc *dims, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
+    if (!strcmp(model_name, "custom")) *d = tsys_model_desc_defaults(dims);
+    else if (tsys_model_desc_preset(model_name, d, err, len) != TSYS_OK) return false;
+    else {
+        if (dims->d_model) d->d_model = dims->d_model;
+        if (dims->d_ff) d->d_ff = dims->d_ff;
+        if (dims->num_layers) d->num_layers = dims->num_layers;
+        if (dims->num_heads) d->num_heads = dims->num_heads;
+        if (dims->vocab_size) d->vocab_size = dims->vocab_size;
+    }
+    d->context_length = T;
+    d->attn = attn;
+    return tsys_model_desc_validate(d, err, len) == TSYS_OK;
+}
+
 // ---- progress on stderr (only when it is a terminal or TSYS_PROGRESS=1) -------------------------
 
 static inline bool du_progress_on(void) {

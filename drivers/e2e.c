@@ -323,18 +323,7 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
 
 // The model shape of a configuration: a preset (explicit dims override it) or 'custom'.
 static bool config_desc(const e2e_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
-    if (!strcmp(model_name, "custom")) *d = tsys_model_desc_defaults(&o->dims);
-    else if (tsys_model_desc_preset(model_name, d, err, len) != TSYS_OK) return false;
-    else {
-        if (o->dims.d_model) d->d_model = o->dims.d_model;
-        if (o->dims.d_ff) d->d_ff = o->dims.d_ff;
-        if (o->dims.num_layers) d->num_layers = o->dims.num_layers;
-        if (o->dims.num_heads) d->num_heads = o->dims.num_heads;
-        if (o->dims.vocab_size) d->vocab_size = o->dims.vocab_size;
-    }
-    d->context_length = T;
-    d->attn = attn;
-    if (tsys_model_desc_validate(d, err, len) != TSYS_OK) return false;
+    if (!du_model_desc(&o->dims, model_name, T, attn, d, err, len)) return false;
     // the largest tensors of a step: logits, attention scores, the FFN activations, the weights
     double B = o->batch, V = d->vocab_size, D = d->d_model, F = d->d_ff, H = d->num_heads;
     if (!du_elems_ok(B * T * V) || !du_elems_ok(B * H * T * (double)T) || !du_elems_ok(B * T * F) || !du_elems_ok(V * D) || !du_elems_ok(D * F)) {
