@@ -2223,6 +2223,20 @@ static tsys_status tsys__dist_broadcast_list(tsys_dist *d, tsys_tensor *const *t
     return TSYS_OK;
 }
 
+// A layout (DDP's buckets, ZeRO-1's ownership) that every rank must share: its hash is compared once,
+// over the host path, and the collectives it then issues every step skip the per-call descriptor
+// check (a host round trip each, in front of every NCCL launch) because they cannot disagree.
+static uint64_t tsys__dist_hash(uint64_t h, int64_t v) { return (h ^ (uint64_t)v) * 0x100000001b3ull; }
+static tsys_status tsys__dist_agree_layout(tsys_dist *d, uint64_t hash, const char *what) {
+    double v[2] = {(double)(hash >> 12), -(double)(hash >> 12)};   // 52 bits: exact in a double
+    tsys_status st = tsys_dist_all_reduce_host(d, v, 2, TSYS_DIST_MAX);
+    if (st == TSYS_OK && v[0] != -v[1])
+        st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_INVALID_ARGS, "%s: the ranks have different layouts (were they given the same parameters?)", what);
+    return st;
+}
+// Runs collectives of an agreed layout without the per-call check; returns what to restore.
+static bool tsys__dist_trust(tsys_dist *d, bool on) { bool was = d->check_none; if (on) d->check_none = true; return was; }
+
 typedef struct tsys__ddp_bucket {
     int first, count;            // trainable parameters tp[first .. first + count)
     int64_t numel, bytes;
@@ -2260,6 +2274,7 @@ struct tsys_ddp {
     tsys_ddp_stats stats;
     int stats_launched;          // buckets the last finished step launched
     tsys_status launch_error;    // a hook that failed to launch (reported by finish)
+    bool layout_agreed;          // every rank has the same buckets (tsys__dist_agree_layout)
 };
 
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
@@ -2301,7 +2316,9 @@ static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
         tsys_event_wait(ctx, &b->ev_ready, TSYS_STREAM_SIDE);
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
     }
+    bool was = tsys__dist_trust(ddp->d, ddp->layout_agreed);
     b->work = tsys_dist_all_reduce_async(ddp->d, b->flat, TSYS_DIST_AVG);
+    ddp->d->check_none = was;
     if (!b->work) return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
     if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
     return tsys_ctx_status(ctx);
@@ -2499,6 +2516,12 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         }
         if (st != TSYS_OK && tsys_ctx_status(ctx) != TSYS_OK) st = tsys_ctx_status(ctx);
     }
+    if (st == TSYS_OK) {
+        uint64_t h = tsys__dist_hash(0xcbf29ce484222325ull, dd.strategy);
+        for (int i = 0; i < ddp->nb; i++) h = tsys__dist_hash(tsys__dist_hash(h, ddp->b[i].numel), ddp->b[i].flat ? ddp->b[i].flat->dtype : -1);
+        st = tsys__dist_agree_layout(d, h, "ddp");
+        ddp->layout_agreed = st == TSYS_OK;
+    }
     if (st == TSYS_OK && (dd.strategy == TSYS_DDP_OVERLAP || dd.strategy == TSYS_DDP_BUCKETED)) {
         ddp->hooked = true;
         for (int i = 0; i < ddp->ntp; i++) {
@@ -2602,6 +2625,7 @@ struct tsys_zero1 {
     int nmine;
     tsys_optim *opt;             // AdamW over `mine` (NULL when this rank owns none)
     int64_t state_bytes;
+    bool layout_agreed;          // every rank has the same owners (tsys__dist_agree_layout)
 };
 
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z) {
@@ -2654,6 +2678,9 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
         }
     }
     TSYS__DIST_RELEASE(load);
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int i = 0; i < z->ntp; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, tsys_tensor_numel(z->tp[i])), z->tp[i]->dtype), z->owner[i]);
+    z->layout_agreed = tsys__dist_agree_layout(d, h, "zero1") == TSYS_OK;
     if (z->nmine > 0) z->opt = tsys_adamw_new(ctx, z->mine, z->nmine, desc);
     if ((z->nmine > 0 && !z->opt) || tsys_ctx_status(ctx) != TSYS_OK) { tsys_zero1_free(z); return NULL; }
     return z;
@@ -2665,12 +2692,14 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
     if (tsys_ctx_status(ctx) != TSYS_OK) return tsys_ctx_status(ctx);
     tsys_status st = z->opt ? tsys_optim_step(z->opt) : TSYS_OK;
     // each run of back-to-back parameters with one owner: one broadcast from the owner
+    bool was = tsys__dist_trust(z->d, z->layout_agreed);
     for (int i = 0; st == TSYS_OK && i < z->ntp;) {
         int j = i + 1;
         while (j < z->ntp && z->owner[j] == z->owner[i] && tsys__dist_contiguous(z->tp + i, j - i + 1, false)) j++;
         st = tsys__dist_broadcast_list(z->d, z->tp + i, j - i, z->owner[i]);
         i = j;
     }
+    z->d->check_none = was;
     return st;
 }
 

@@ -319,6 +319,15 @@ TSYS_TEST(ddp_bad_desc) {
     TEST_CHECK(tsys_ddp_new(g_d, m.p, m.n, &bad2) == NULL, "unknown strategy accepted");
     tsys_ctx_clear_error(g_ctx);
     TEST_CHECK(!strcmp(tsys_ddp_strategy_name(TSYS_DDP_BUCKETED), "bucketed") && !strcmp(tsys_ddp_strategy_name(TSYS_DDP_OVERLAP), "overlap"), "names");
+    // ranks that build different buckets (here: different bucket sizes) are refused at construction,
+    // on every rank: the steps' all-reduces skip the per-call check because of this one
+    if (g_world > 1) {
+        tsys_ddp_desc mixed = {TSYS_DDP_BUCKETED, g_rank == 0 ? 0.01 : 0.0001};
+        tsys_ddp *dd = tsys_ddp_new(g_d, m.p, m.n, &mixed);
+        TEST_CHECK(dd == NULL && strstr(tsys_ctx_last_error(g_ctx), "different layouts") != NULL, "rank %d: mixed buckets: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        tsys_ddp_free(dd);
+        tsys_ctx_clear_error(g_ctx);
+    }
     toy_free(&m);
 }
 
