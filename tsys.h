@@ -3702,6 +3702,7 @@ static void tsys__prof_on_op_begin(tsys_ctx *ctx, const char *name, tsys_trace_k
     tsys_profiler *p = (tsys_profiler *)user;
     if (p->prev.op_begin) p->prev.op_begin(ctx, name, kind, p->prev.user);
     if (p->depth == TSYS__PROF_MAX_DEPTH || !tsys__prof_grow(p, (void **)&p->spans, &p->cap_spans, p->num_spans, sizeof(tsys__prof_span))) {
+        if (p->depth < TSYS__PROF_MAX_DEPTH) p->open[p->depth] = -1;   // no span: op_end and kernels skip it
         p->depth++;   // still balanced with op_end
         return;
     }
