@@ -2518,7 +2518,7 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
     }
     if (st == TSYS_OK) {
         uint64_t h = tsys__dist_hash(0xcbf29ce484222325ull, dd.strategy);
-        for (int i = 0; i < ddp->nb; i++) h = tsys__dist_hash(tsys__dist_hash(h, ddp->b[i].numel), ddp->b[i].flat ? ddp->b[i].flat->dtype : -1);
+        for (int i = 0; i < ddp->nb; i++) h = tsys__dist_hash(tsys__dist_hash(h, ddp->b[i].numel), ddp->b[i].flat ? (int64_t)ddp->b[i].flat->dtype : -1);
         st = tsys__dist_agree_layout(d, h, "ddp");
         ddp->layout_agreed = st == TSYS_OK;
     }
