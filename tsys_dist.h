@@ -254,8 +254,9 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp);
 // ZeRO-1: AdamW whose state is sharded by bytes over the ranks. Each rank updates the parameters it
 // owns with the same math as tsys_adamw_new's, then the owners broadcast them: equal to unsharded
 // AdamW bit for bit. Parameters without a gradient are left alone.
-// Ownership: trainable parameters in order, each to the rank holding the fewest bytes so far (ties:
-// the lowest rank); a rank holds at most total/N + the largest parameter. The gradients must already
+// Ownership: contiguous ranges of the trainable parameters in order, cut at r/N of their bytes (a
+// parameter goes where its middle byte falls); a rank holds at most total/N + the largest parameter,
+// and its parameters are one run of the arena: the step ends with one broadcast per rank. The gradients must already
 // be averaged (tsys_ddp_finish, or identical data on every rank); zero_grad covers every parameter.
 typedef struct tsys_zero1 tsys_zero1;
 TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_optim_desc *desc);
@@ -2653,31 +2654,35 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     z->tp = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
     z->mine = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
     z->owner = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    double *load = (double *)TSYS__DIST_ALLOC(sizeof(double) * (size_t)(world > 0 ? world : 1));
-    if (!z->params || !z->tp || !z->mine || !z->owner || !load) {
-        TSYS__DIST_RELEASE(load);
+    if (!z->params || !z->tp || !z->mine || !z->owner) {
         tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory");
         tsys_zero1_free(z);
         return NULL;
     }
-    for (int r = 0; r < world; r++) load[r] = 0;
+    double total = 0;
     for (int i = 0; i < n; i++) {
         bool seen = false;
         for (int j = 0; j < z->n && !seen; j++) seen = z->params[j] == params[i];
         if (seen) continue;
         z->params[z->n++] = tsys_tensor_retain(params[i]);
         if (!params[i]->requires_grad) continue;   // never updated: no state, no broadcast
-        int best = 0;
-        for (int r = 1; r < world; r++) if (load[r] < load[best]) best = r;
-        load[best] += (double)tsys_tensor_bytes(params[i]);
-        z->owner[z->ntp] = best;
         z->tp[z->ntp++] = params[i];
-        if (best == rank) {
-            z->mine[z->nmine++] = params[i];
-            z->state_bytes += 2 * (int64_t)tsys_tensor_numel(params[i]) * 4;   // m and v, fp32
+        total += (double)tsys_tensor_bytes(params[i]);
+    }
+    // contiguous ranges in parameter order, cut where the bytes pass r/N of the total (a parameter
+    // goes to the range holding its middle byte): each owner's parameters are one run of the arena,
+    // so the step ends with one broadcast per rank instead of one per parameter
+    double before = 0;
+    for (int i = 0; i < z->ntp; i++) {
+        double sz = (double)tsys_tensor_bytes(z->tp[i]);
+        int owner = total > 0 ? (int)((before + 0.5 * sz) * world / total) : 0;
+        z->owner[i] = owner < world ? owner : world - 1;
+        before += sz;
+        if (z->owner[i] == rank) {
+            z->mine[z->nmine++] = z->tp[i];
+            z->state_bytes += 2 * (int64_t)tsys_tensor_numel(z->tp[i]) * 4;   // m and v, fp32
         }
     }
-    TSYS__DIST_RELEASE(load);
     uint64_t h = 0xcbf29ce484222325ull;
     for (int i = 0; i < z->ntp; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, tsys_tensor_numel(z->tp[i])), z->tp[i]->dtype), z->owner[i]);
     z->layout_agreed = tsys__dist_agree_layout(d, h, "zero1") == TSYS_OK;
