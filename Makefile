@@ -27,7 +27,7 @@ CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn
 CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention $(BUILD)/test_hooks $(BUILD)/test_guards
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
-.PHONY: header-check all test run-tests test-cuda cuda cuda-compile bench e2e deps clean
+.PHONY: header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 
 all: $(CPU_DRIVERS)
@@ -124,7 +124,13 @@ $(DIST_DRIVERS): $(BUILD)/%: drivers/%.c $(HEADERS) $(DIST_HEADERS) | $(BUILD)
 $(DIST_TESTS): $(BUILD)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(BUILD)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
 all: $(DIST_DRIVERS)
-run-tests: $(DIST_TESTS)
+# tsys_dist.h alone, warning-free as C11 (with and without MPI) and as C++
+dist-header-check: | $(BUILD)
+	@printf '#define TSYS_IMPLEMENTATION\n#include "tsys.h"\n#define TSYS_DIST_IMPLEMENTATION\n#include "tsys_dist.h"\nint main(void) { return 0; }\n' > $(BUILD)/dist_header_check.c
+	$(CC) $(CPPFLAGS) -std=c11 -fopenmp -D_GNU_SOURCE -Wall -Wextra -Wpedantic -Werror -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check.o
+	$(if $(HAVE_MPI),$(CC) $(CPPFLAGS) -std=c11 -fopenmp -D_GNU_SOURCE -Wall -Wextra -Wpedantic -Werror -DTSYS_DIST_MPI $(MPI_COMPILE) -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check_mpi.o)
+	$(CXX) $(CPPFLAGS) -x c++ -std=c++17 -fopenmp -Wall -Wextra -Werror $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE)) -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check_cxx.o
+run-tests: dist-header-check $(DIST_TESTS)
 run-tests: export TSYS_DIST_TESTS = $(DIST_TESTS)
 run-tests: export BUILD := $(BUILD)
 
@@ -140,6 +146,11 @@ $(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS) $(NCCL_LIBS) $(if $(HAVE_MPI),$(MPI_LINK))
 cuda: $(DIST_CUDA)
 cuda-compile: $(DIST_CUDA)
+# On the GPU machine: NCCL in a group of one, then two ranks sharing the GPU through host staging.
+test-cuda: test-dist-cuda
+test-dist-cuda: $(BUILD)/test_dist_cuda
+	$(BUILD)/test_dist_cuda
+	$(if $(HAVE_MPI),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --oversubscribe -np 2 $(BUILD)/test_dist_cuda,$(BUILD)/test_dist_cuda --nproc 2)
 
 bench: all
 	./bench.sh

@@ -6,6 +6,10 @@
 #     leaderboard  the CS336 FlashAttention-2 leaderboard shape (16 heads x 16384 x 64, bf16, causal)
 #     ddp          CS336 naive/flat/overlap/bucketed DDP and ZeRO-1 (problems 14-19, 22) on DDP_NPROC ranks
 #                  (default: 2 CPU ranks, or one rank per GPU; the built-in launcher), then the accounting prediction (problem 22, DDP vs ZeRO-1/2/3)
+#     allreduce    CS336 distributed_communication_single_node (not in the default list): all-reduce of
+#                  float32 over NPROCS ranks (cpu: 2,4 through shared memory; cuda: 2,4,6 GPUs, NCCL),
+#                  AR_SIZES (1MB,10MB,100MB,1GB), AR_OPS (all_reduce), with a torch.distributed row
+#                  (gloo / nccl, tests/ref/allreduce_torch.py) for each when python3 has torch
 # Environment: DEVICE=cpu|cuda (default: cuda when a GPU and nvcc are present), MODELS, CONTEXT, COMPILE (no,yes),
 # STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there);
 # ddp: DDP_NPROC, DDP_MODELS (default xl on cuda, small on cpu), DDP_DTYPES, DDP_CONTEXT (256), DDP_BUCKETS (1,10,100,1000), DDP_STEPS/DDP_WARMUP
@@ -65,6 +69,17 @@ for s in "${sections[@]}"; do
   leaderboard)
     echo "## FlashAttention-2 leaderboard shape: o = attention(q, k, v, causal); o.sum().backward() ($DEVICE)"
     $ATTN --device "$DEVICE" --sweep leaderboard ${lb_args[@]+"${lb_args[@]}"} ${attn_env[@]+"${attn_env[@]}"} --format "$FORMAT" | save leaderboard.$FORMAT ;;
+  allreduce)
+    if [ "$DEVICE" = cuda ]; then make -s build/allreduce_cuda; AR=(build/allreduce_cuda --backend nccl); TB=nccl
+      gpus=$(nvidia-smi -L | grep -c GPU); NPROCS=${NPROCS:-$(for n in 2 4 6; do [ "$n" -le "$gpus" ] && printf '%s,' $n; done)}
+    else make -s build/allreduce; AR=(build/allreduce --backend mpi); TB=gloo; NPROCS=${NPROCS:-2,4}; fi
+    echo "## distributed_communication_single_node: ${AR_OPS:-all_reduce}, float32, ranks ${NPROCS%,} ($DEVICE; busbw = algbw x 2(n-1)/n)"
+    for n in ${NPROCS//,/ }; do
+      "${AR[@]}" --nproc "$n" --sizes "${AR_SIZES:-1MB,10MB,100MB,1GB}" --op "${AR_OPS:-all_reduce}" --warmup "$WARMUP" --format "$FORMAT"
+      if python3 -c 'import torch' 2>/dev/null; then
+        python3 tests/ref/allreduce_torch.py --backend $TB --nproc "$n" --sizes "${AR_SIZES:-1MB,10MB,100MB,1GB}" --op "${AR_OPS:-all_reduce}" --warmup "$WARMUP" --format md
+      fi
+    done | save allreduce.$FORMAT ;;
   ddp)
     if [ "$DEVICE" = cuda ]; then make -s build/ddp_cuda; DDP=build/ddp_cuda; DDP_MODELS=${DDP_MODELS:-xl}; DDP_DTYPES=${DDP_DTYPES:-fp32,bf16}
     else make -s build/ddp; DDP=build/ddp; DDP_MODELS=${DDP_MODELS:-small}; DDP_DTYPES=${DDP_DTYPES:-fp32}; DDP_STEPS=${DDP_STEPS:-3}; DDP_WARMUP=${DDP_WARMUP:-1}; fi
@@ -77,7 +92,7 @@ for s in "${sections[@]}"; do
     echo
     echo "## Accounting: bytes per rank and sent per step, DDP vs ZeRO-1 (ZeRO-2/3 on paper), $DDP_NPROC ranks"
     $DDP --account --device "$DEVICE" --nproc "$DDP_NPROC" --model "$DDP_MODELS" --dtype "$DDP_DTYPES" --context-length "$DDP_CONTEXT" --format "$FORMAT" | save ddp_account.$FORMAT ;;
-  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, ddp)" >&2; exit 2 ;;
+  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce, ddp)" >&2; exit 2 ;;
   esac
   echo
 done

@@ -15,26 +15,100 @@
       cc  ... -DTSYS_DIST_MPI $(mpicc --showme:compile) ... $(mpicc --showme:link)
       nvcc ... -DTSYS_DIST_MPI -DTSYS_DIST_NCCL ... -lnccl $(mpicc --showme:link)
 
-   Engines are chosen by define: TSYS_DIST_MPI and/or TSYS_DIST_NCCL. With neither, only a group of
-   one process exists (world size 1), so DDP and ZeRO code runs unchanged in a single process. A
-   program that does not include this header needs neither NCCL nor MPI.
+   C builds also need -D_GNU_SOURCE (POSIX sockets, shared memory and threads; C++ has it already)
+   and -pthread. The Makefile's DIST_CFLAGS / DIST_NVFLAGS have everything.
+
+   Quick start (run as `mpirun -np 4 ./prog`, or `./prog 4` through the built-in launcher):
+
+      int code;
+      if (tsys_dist_spawn(argc > 1 ? atoi(argv[1]) : 1, argc, argv, &code)) return code;   // the launcher
+      tsys_ctx *ctx = tsys_ctx_new(NULL);
+      tsys_dist *d = tsys_dist_init(ctx, NULL);                  // NULL: tsys_ctx_last_error(ctx) says why
+      tsys_dist_all_reduce(d, grad, TSYS_DIST_AVG);              // in place, every rank gets the mean
+      tsys_dist_work *w = tsys_dist_all_reduce_async(d, other, TSYS_DIST_SUM);
+      ... compute ...
+      tsys_dist_wait(w);                                         // frees w
+      tsys_dist_free(d);                                         // before tsys_ctx_free
+
+   Engines (tsys_dist_engine_of):
+      mpi    ranks started by mpirun / srun (needs TSYS_DIST_MPI). Host tensors through MPI's
+             non-blocking collectives, or through shared memory when every rank is on this host.
+      tcp    ranks started by tsys_dist_spawn or torchrun-style variables (no MPI needed): host
+             tensors through shared memory on one host, else through TCP sockets (a star around
+             rank 0: fine for control and small tensors; use mpirun for bandwidth across hosts).
+      nccl   a CUDA group (desc.cuda) with TSYS_DIST_NCCL: CUDA tensors through NCCL on the side
+             stream; host tensors still go the mpi or tcp way.
+      self   a group of one: collectives are the identity (reduce-scatter and all-gather copy).
+   MPI and the tcp engine are never mixed: a process started by mpirun is an MPI rank, any other
+   process (the launcher's, torchrun's) is a tcp rank, and asking for the other engine is an error.
+   CUDA tensors in a group without NCCL travel through host memory (copy to the host, host
+   collective, copy back; blocking): how Gloo treats them, and how two ranks can share one GPU.
 
    Launch and rendezvous, in this order of preference (tsys_dist_init):
-      1. under mpirun / srun: rank, size and local rank from MPI; the NCCL id is broadcast over MPI
-         (this is how to go multi-node);
-      2. torchrun-style environment variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT:
-         a small TCP rendezvous on MASTER_ADDR:MASTER_PORT exchanges the NCCL id (and, without MPI,
-         carries the CPU collectives' rendezvous);
+      1. under mpirun / srun (OMPI_COMM_WORLD_SIZE, PMIX_RANK, PMI_RANK, an srun step, or MPI
+         already initialized): rank, size and local rank (MPI_COMM_TYPE_SHARED) from MPI; the NCCL
+         id is broadcast over MPI (this is how to go multi-node);
+      2. torchrun-style environment variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (default
+         127.0.0.1), MASTER_PORT (default 29500): rank 0 listens on MASTER_PORT, the others connect
+         (retrying until the timeout), send a hello and get the table of ranks; the connections stay
+         as the group's control path (the NCCL id, the shared segment's name, the tcp engine);
       3. neither: a group of one.
       tsys_dist_spawn(nproc, argc, argv) is the built-in local launcher (drivers' --nproc N, like
-      torch.multiprocessing.spawn): it starts N copies of the program with the variables of 2 set.
-      A CUDA rank uses GPU = local rank.
+      torch.multiprocessing.spawn): it starts N copies of the program with the variables of 2 set
+      (rank 0 inherits the launcher's listening socket, so the port cannot be taken in between) and
+      waits. A CUDA rank uses GPU = local rank mod the device count.
+
+   Options (environment, read by tsys_dist_init):
+      TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
+      TSYS_DIST_SHM=0       no shared-memory path (host tensors through MPI or TCP)
+      TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 8 MiB / ranks,
+                            within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
+      TSYS_DIST_BIND=0      tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
+                            own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
+      TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
+                            dtype and size; 0: never; default: under TSYS_DEBUG, and at 64 KiB and up
+                            (the shared-memory and tcp paths always check: it costs them nothing)
+
+   ON ASYNCHRONOUS COLLECTIVES
+      CUDA tensors through NCCL: launched on the side stream after the compute stream's work so far;
+      tsys_dist_wait makes the compute stream wait (no host sync; capturable in a CUDA graph).
+      Host tensors: a worker thread per group runs them in the order they were issued (true overlap
+      with the caller's computation); a blocking collective waits for the queue first. Keep the
+      tensors alive and untouched until tsys_dist_wait, and wait for every handle (it frees it).
+      One thread uses a group; several groups may coexist (each has its own worker and segment).
+
+   ON FAILURE
+      Every MPI and NCCL call is checked (MPI_ERRORS_RETURN on the group's communicator; only
+      tsys_dist_free's own calls, which have nobody to report to, go unchecked). Waits poll
+      with a deadline of desc.timeout_s without progress, so a dead or stalled peer ends in an error
+      (TSYS_ERR_IO, the message says which collective) and the group is marked broken: every later
+      call fails at once, tsys_dist_free skips MPI_Finalize, and the program should exit non-zero.
+      What names the culprit:
+        - shared memory (all ranks on one host, either engine): "rank R (pid P) exited" within 50 ms
+          of its death, or "no reply from rank R (pid P) within T s" for a stalled one; the rank that
+          sees it first tells the others through the segment;
+        - tcp without shared memory: rank 0 names the rank whose socket closed or went silent and
+          tells the others; the others name rank 0 when it is the one that is gone;
+        - MPI across hosts: "no reply from the group within T s" (MPI does not say who; mpirun itself
+          stops the job when a rank exits and names it); ranks on this host are still named by pid;
+        - NCCL: the communicator is created non-blocking and polled (ncclCommGetAsyncError) with the
+          deadline, then aborted (ncclCommAbort); a collective that never finishes is detected where
+          the host waits for the side stream: tsys_dist_barrier;
+        - the launcher prints the first rank that exited non-zero and stops the others after a grace
+          of min(5 s, TSYS_DIST_TIMEOUT) (they usually report the dead rank themselves first).
+      Not detected: a rank that keeps calling collectives of matching shape with wrong data; an NCCL
+      collective stuck while nobody calls tsys_dist_barrier (the GPU stream just waits); a mismatch in
+      an MPI or NCCL collective under 64 KiB when TSYS_DEBUG is off (it may then hang until the
+      timeout, or be reported by MPI as truncation).
 
    tsys_dist DOES NOT:
       - hang on a dead or stuck peer: every wait is bounded by the group's timeout (desc.timeout_s,
         else TSYS_DIST_TIMEOUT from the environment, else 300 s) and ends in an error naming the rank
+        where it can (see ON FAILURE)
       - copy gradients into buckets: buckets are views of the contiguous gradient arena
-      - keep global state beyond what MPI itself keeps (MPI_Init is once per process)
+      - keep global state beyond what MPI itself keeps (MPI_Init is once per process; the group that
+        initialized MPI finalizes it in tsys_dist_free: free it last)
+      - call exit(): errors come back as a status and the context's message
 
    Revision history:
       0.1  first release
@@ -64,13 +138,15 @@ typedef enum tsys_dist_engine {
 typedef enum tsys_dist_op { TSYS_DIST_SUM, TSYS_DIST_AVG, TSYS_DIST_MAX } tsys_dist_op;
 
 // Group creation. All fields 0 = default:
-//   engine     auto: NCCL for CUDA tensors when compiled in and cuda is set, MPI for CPU tensors (and
-//              for CUDA tensors without NCCL, through host staging), a group of one without either
+//   engine     auto: NCCL for CUDA tensors when compiled in, cuda is set and there are several ranks;
+//              MPI for host tensors under mpirun, tcp otherwise (see the engines at the top); a group
+//              of one alone. CUDA tensors without NCCL travel through host staging
 //   cuda       this rank computes on a GPU: tsys_dist_init calls tsys_cuda_init(ctx, local rank mod
 //              the device count) unless the context already has a CUDA backend
 //   timeout_s  TSYS_DIST_TIMEOUT from the environment, else 300
 // Collectives pick their path by the tensor's device: CUDA tensors go through NCCL when the group
-// has a communicator, else through MPI with host staging (2 ranks may share one GPU that way).
+// has a communicator, else through the host engine with host staging (2 ranks may share one GPU that
+// way: engine mpi or tcp with cuda set gives no NCCL communicator).
 typedef struct tsys_dist_desc {
     tsys_dist_engine engine;
     bool cuda;
@@ -109,7 +185,10 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d);
 TSYSDEF tsys_dist_work *tsys_dist_all_reduce_async(tsys_dist *d, tsys_tensor *t, tsys_dist_op op);   // NULL on error
 TSYSDEF tsys_dist_work *tsys_dist_reduce_scatter_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op);
 TSYSDEF tsys_dist_work *tsys_dist_all_gather_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in);
-TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w);   // orders the compute stream after w, frees w
+// Host tensors: the asynchronous forms run on the group's worker thread, in issue order; leave the
+// tensors alone until the wait. The wait blocks until a host collective is done (and copies a
+// host-staged CUDA result back), or orders the compute stream after an NCCL one; it frees w.
+TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w);
 // Host-side helpers for drivers and tests: the same over plain doubles (rank 0's view of min/max/mean).
 TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, tsys_dist_op op);
 
@@ -271,18 +350,11 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 #endif
 #endif
 
-// Options (environment, read by tsys_dist_init):
-//   TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
-//   TSYS_DIST_SHM         0 turns the shared-memory path off (host tensors then travel through MPI,
-//                         or TCP sockets); default 1: used whenever every rank is on this host
-//   TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 256 KiB)
-//   TSYS_DIST_CHECK       1: check every host collective's size/dtype across ranks; 0: none; default:
-//                         under TSYS_DEBUG, or at 64 KiB and up (the shared-memory and TCP paths
-//                         always check: it costs them nothing)
+// Options: see the top of the file (TSYS_DIST_TIMEOUT, TSYS_DIST_SHM, TSYS_DIST_SHM_SLICE, TSYS_DIST_CHECK).
 #ifndef TSYS_DIST_TIMEOUT_DEFAULT
 #define TSYS_DIST_TIMEOUT_DEFAULT 300
 #endif
-#define TSYS_DIST__SLICE_DEFAULT ((size_t)256 << 10)
+#define TSYS_DIST__SLICE_TOTAL ((size_t)8 << 20)   // slot bytes over all ranks (the segment has two slots)
 #define TSYS_DIST__CHECK_BYTES ((int64_t)64 << 10)
 #define TSYS_DIST__TCP_CHUNK ((size_t)1 << 20)
 #define TSYS_DIST__MAGIC 0x74737964u   // "tsyd"
@@ -370,6 +442,7 @@ struct tsys_dist {
     char *shm_base, *shm_data;
     size_t shm_bytes, slice;
     uint64_t shm_step, shm_k;     // barriers passed, pipeline slices used (slot = shm_k & 1)
+    long spin_limit;              // spins before a wait yields (tsys_dist__spin_adapt)
     char shm_note[128];           // why the shared-memory path is off, when it is
     // the worker thread that runs asynchronous host collectives in order
     bool worker_on, worker_stop, worker_busy;
@@ -379,7 +452,7 @@ struct tsys_dist {
     tsys_dist_work *q_head, *q_tail;
 #ifdef TSYS_DIST_MPI
     MPI_Comm comm;
-    bool have_comm, mpi_owner, mpi_serialized, mpi_ops;
+    bool have_comm, mpi_owner, mpi_multiple, mpi_ops;
     MPI_Op op16[2][2];            // [bf16, fp16][sum, max]
 #endif
 #ifdef TSYS_DIST_NCCL
@@ -571,6 +644,20 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
     pid_t *pids = (pid_t *)calloc((size_t)nproc, sizeof(pid_t));
     int *alive = (int *)calloc((size_t)nproc, sizeof(int));
     pid_t me = getpid();
+    // Like mpirun: each rank gets its own cores (ncpu / nproc of the launcher's), so ranks that
+    // wait for each other never share a core and OpenMP sizes each rank's team to its share.
+    // More ranks than cores, or TSYS_DIST_BIND=0: no binding.
+    int cpus[1024], ncpu = 0;
+    bool bind = false;
+#ifdef __linux__
+    {
+        cpu_set_t set;
+        const char *b = tsys_dist__env("TSYS_DIST_BIND");
+        if (!(b && !strcmp(b, "0")) && sched_getaffinity(0, sizeof set, &set) == 0)
+            for (int c = 0; c < CPU_SETSIZE && ncpu < 1024; c++) if (CPU_ISSET(c, &set)) cpus[ncpu++] = c;
+        bind = ncpu >= nproc;
+    }
+#endif
     fflush(stdout); fflush(stderr);
     int started = 0;
     for (int r = 0; r < nproc; r++) {
@@ -587,6 +674,15 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
 #ifdef __linux__
             prctl(PR_SET_PDEATHSIG, SIGTERM);   // the ranks go when the launcher goes
             if (getppid() != me) _exit(1);
+            if (bind) {
+                cpu_set_t set;
+                CPU_ZERO(&set);
+                int k = ncpu / nproc;
+                for (int c = r * k; c < (r + 1) * k; c++) CPU_SET(cpus[c], &set);
+                sched_setaffinity(0, sizeof set, &set);
+            }
+#else
+            (void)bind; (void)cpus; (void)ncpu;
 #endif
             execv(exe, argv);
             fprintf(stderr, "tsys_dist_spawn: rank %d: cannot run %s: %s\n", r, exe, strerror(errno));
@@ -895,6 +991,7 @@ static void tsys_dist__reduce(int type, int op, void *dst1, void *dst2, const vo
 }
 
 // AVG after a summing engine (MPI): x /= size, in place.
+#ifdef TSYS_DIST_MPI
 static void tsys_dist__scale_avg(int type, void *p, int64_t n, int size) {
     for (int64_t i0 = 0; i0 < n; i0 += TSYS_DIST__BLK) {
         int m = (int)(n - i0 < TSYS_DIST__BLK ? n - i0 : TSYS_DIST__BLK);
@@ -905,6 +1002,7 @@ static void tsys_dist__scale_avg(int type, void *p, int64_t n, int size) {
         tsys_dist__store_f(type, p, i0, m, acc);
     }
 }
+#endif
 
 // ---- shared memory (every rank on this host) ---------------------------------------------------
 // Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
@@ -955,6 +1053,15 @@ static bool tsys_dist__shm_aborted(tsys_dist *d, const tsys_dist__coll *c, tsys_
     return false;
 }
 
+// How long a wait spins before it yields the CPU adapts: a wait that ran out of spins (the peer was
+// not running: more ranks than cores, or a slow peer) halves it, a wait that ended while spinning
+// doubles it (one that did not wait at all changes nothing). Ranks on cores of their own keep spinning (sub-microsecond barriers); oversubscribed
+// ranks yield almost at once (spinning would only delay the peer they wait for).
+static void tsys_dist__spin_adapt(tsys_dist *d, long spins) {
+    if (spins >= d->spin_limit) d->spin_limit = d->spin_limit > 32 ? d->spin_limit / 2 : 16;
+    else if (spins > 0 && d->spin_limit < 4096) d->spin_limit *= 2;   // 0: the others were there already
+}
+
 // Waits until every rank's step counter reaches target: spins briefly, then yields, then naps; checks
 // the lagging ranks' pids every 50 ms and gives up after timeout_s without progress.
 static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__coll *c, tsys_dist__err *e) {
@@ -965,7 +1072,7 @@ static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__
         tsys_dist__shm_rank *p = tsys_dist__shm_r(d, r);
         while (TSYS_DIST__LOAD(&p->step) < target) {
             if (TSYS_DIST__LOAD(&h->abort_state)) return tsys_dist__shm_aborted(d, c, e);
-            if (++spins < 4000) { TSYS_DIST__RELAX(); continue; }
+            if (++spins < d->spin_limit) { TSYS_DIST__RELAX(); continue; }
             double now = tsys_time_us();
             if (t0 == 0) t0 = last_check = now;
             if (now - last_check > TSYS_DIST__DEAD_CHECK_US) {
@@ -993,6 +1100,7 @@ static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__
             else tsys_dist__nap_us(50);
         }
     }
+    tsys_dist__spin_adapt(d, spins);
     return true;
 }
 
@@ -1018,8 +1126,15 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         const int64_t off = k * per, len = total - off < per ? total - off : per;
         const int slot = (int)(d->shm_k++ & 1);
         char *mybuf = tsys_dist__shm_buf(d, slot, me);
+        // all-reduce: each rank reduces one part of the slice (16-element aligned); it reads its own
+        // part from its input directly, so only the other parts are published
+        const int64_t q_per = ((len + n - 1) / n + 15) / 16 * 16;
+        const int64_t a = (int64_t)me * q_per < len ? (int64_t)me * q_per : len, b = a + q_per < len ? a + q_per : len;
         if (len > 0) switch (c->kind) {
-            case TSYS_DIST__ALLREDUCE: memcpy(mybuf, out + (size_t)off * es, (size_t)len * es); break;
+            case TSYS_DIST__ALLREDUCE:
+                memcpy(mybuf, out + (size_t)off * es, (size_t)a * es);
+                memcpy(mybuf + (size_t)b * es, out + (size_t)(off + b) * es, (size_t)(len - b) * es);
+                break;
             case TSYS_DIST__BCAST: if (me == c->root) memcpy(mybuf, out + (size_t)off * es, (size_t)len * es); break;
             case TSYS_DIST__AG: memcpy(mybuf, in + (size_t)off * es, (size_t)len * es); break;
             case TSYS_DIST__RS:
@@ -1037,9 +1152,9 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         if (len <= 0) continue;
         switch (c->kind) {
         case TSYS_DIST__ALLREDUCE: {
-            const int64_t q_per = ((len + n - 1) / n + 15) / 16 * 16;   // each rank reduces one part
-            int64_t a = (int64_t)me * q_per < len ? (int64_t)me * q_per : len, b = a + q_per < len ? a + q_per : len;
-            for (int r = 0; r < n; r++) srcs[r] = tsys_dist__shm_buf(d, slot, r) + (size_t)a * es;
+            for (int r = 0; r < n; r++) srcs[r] = r == me ? out + (size_t)(off + a) * es : tsys_dist__shm_buf(d, slot, r) + (size_t)a * es;
+            // the result goes to the slot (for the others) and over this rank's input (block by block,
+            // each read before it is written)
             if (b > a) tsys_dist__reduce(c->type, c->op, mybuf + (size_t)a * es, out + (size_t)(off + a) * es, srcs, n, b - a);
             if (!tsys_dist__shm_barrier(d, c, e)) return false;
             for (int r = 0; r < n; r++) {
@@ -1089,8 +1204,8 @@ static bool tsys_dist__mpi_wait(tsys_dist *d, MPI_Request *req, const char *what
     for (long spins = 0;; spins++) {
         int flag = 0;
         if (!tsys_dist__mpi_ok(d, MPI_Test(req, &flag, MPI_STATUS_IGNORE), what, c, e)) return false;
-        if (flag) return true;
-        if (spins < 2000) { TSYS_DIST__RELAX(); continue; }
+        if (flag) { tsys_dist__spin_adapt(d, spins); return true; }
+        if (spins < d->spin_limit) { TSYS_DIST__RELAX(); continue; }
         double now = tsys_time_us();
         if (t0 == 0) t0 = last_check = now;
         if (d->shm_base && now - last_check > TSYS_DIST__DEAD_CHECK_US) {   // ranks on this host: name a dead one
@@ -1175,10 +1290,19 @@ static bool tsys_dist__mpi_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         return true;
     case TSYS_DIST__RS:
         if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "reduce_scatter: %lld elements per rank is more than one MPI call takes", (long long)c->count);
-        if (!tsys_dist__mpi_ok(d, MPI_Ireduce_scatter_block(in, out, (int)c->count, dt, mop, d->comm, &req), "MPI_Ireduce_scatter_block", c, e) ||
-            !tsys_dist__mpi_wait(d, &req, "MPI_Ireduce_scatter_block", c, e)) return false;
-        if (c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
-        return true;
+    {
+        // MPI forbids overlapping buffers: out inside in (in-place, as ZeRO may do it) goes through a copy
+        size_t ob = (size_t)c->count * es;
+        bool overlap = out < in + (size_t)d->size * ob && in < out + ob;
+        char *dst = overlap ? (char *)TSYS_MALLOC(ob ? ob : 1) : out;
+        if (!dst) return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory");
+        bool ok = tsys_dist__mpi_ok(d, MPI_Ireduce_scatter_block(in, dst, (int)c->count, dt, mop, d->comm, &req), "MPI_Ireduce_scatter_block", c, e) &&
+                  tsys_dist__mpi_wait(d, &req, "MPI_Ireduce_scatter_block", c, e);
+        if (ok && overlap) memcpy(out, dst, ob);
+        if (overlap) TSYS_FREE(dst);
+        if (ok && c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
+        return ok;
+    }
     case TSYS_DIST__AG: {
         if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "all_gather: %lld elements per rank is more than one MPI call takes", (long long)c->count);
         const void *send = in == out + (size_t)d->rank * (size_t)c->count * es ? MPI_IN_PLACE : (const void *)in;
@@ -1260,10 +1384,11 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
     case TSYS_DIST__ALLREDUCE: {
         const size_t per = TSYS_DIST__TCP_CHUNK / es;
         char *scratch = NULL;
-        const void *srcs[512];
+        const void **srcs = NULL;
         if (me == 0 && count) {
             scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1));
-            if (!scratch) return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory");
+            srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+            if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory"); }
         }
         bool ok = true;
         for (size_t off = 0; ok && off < count; off += per) {
@@ -1279,6 +1404,7 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
             }
         }
         TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
         return ok;
     }
     case TSYS_DIST__BCAST:
@@ -1303,9 +1429,9 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         // and answers only once everything is in (a rank still sending cannot read yet)
         const size_t per = TSYS_DIST__TCP_CHUNK / es;
         char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1) + (size_t)(n - 1) * count * es + 1);
-        if (!scratch) return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory");
+        const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+        if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory"); }
         char *res = scratch + TSYS_DIST__TCP_CHUNK * (size_t)(n - 1);
-        const void *srcs[512];
         bool ok = true;
         for (int q = 0; ok && q < n; q++)
             for (size_t off = 0; ok && off < count; off += per) {
@@ -1316,6 +1442,7 @@ static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
             }
         for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, res + (size_t)(r - 1) * count * es, count * es, true, c, e);
         TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
         return ok;
     }
     default: return true;
@@ -1361,7 +1488,9 @@ static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int 
 // with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
 // goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
 static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
-    size_t slice = TSYS_DIST__SLICE_DEFAULT;
+    // few large slices: each costs two barriers, and a barrier is where a preempted peer costs time
+    size_t slice = TSYS_DIST__SLICE_TOTAL / (size_t)d->size;
+    slice = slice < ((size_t)256 << 10) ? ((size_t)256 << 10) : slice > ((size_t)4 << 20) ? ((size_t)4 << 20) : slice;
     long v = 0;
     bool bad = false;
     if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", 4096, 1L << 30, &v, &bad)) slice = (size_t)v;
@@ -1423,23 +1552,25 @@ static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
     MPI_Finalized(&finalized);
     if (finalized) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "MPI was finalized already (the group that initialized it was freed): MPI cannot start twice in a process");
     if (!inited) {
-        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &prov);
+        // MULTIPLE: each group's worker thread makes its own MPI calls, and several groups may be busy at once
+        int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &prov);
         if (rc != MPI_SUCCESS) return tsys_dist__seterr(e, TSYS_ERR_IO, "MPI_Init_thread failed (code %d)", rc);
         d->mpi_owner = true;
     }
-    MPI_Query_thread(&prov);
-    d->mpi_serialized = prov >= MPI_THREAD_SERIALIZED;
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    if (!tsys_dist__mpi_ok(d, MPI_Query_thread(&prov), "MPI_Query_thread", NULL, e)) return false;
+    d->mpi_multiple = prov >= MPI_THREAD_MULTIPLE;
+    if (!tsys_dist__mpi_ok(d, MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", NULL, e)) return false;
     if (!tsys_dist__mpi_ok(d, MPI_Comm_dup(MPI_COMM_WORLD, &d->comm), "MPI_Comm_dup", NULL, e)) return false;
     d->have_comm = true;
-    MPI_Comm_set_errhandler(d->comm, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(d->comm, &d->rank);
-    MPI_Comm_size(d->comm, &d->size);
     MPI_Comm local;
-    if (!tsys_dist__mpi_ok(d, MPI_Comm_split_type(d->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local), "MPI_Comm_split_type", NULL, e)) return false;
-    MPI_Comm_rank(local, &d->local_rank);
-    MPI_Comm_size(local, &d->local_size);
+    if (!tsys_dist__mpi_ok(d, MPI_Comm_set_errhandler(d->comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", NULL, e) ||
+        !tsys_dist__mpi_ok(d, MPI_Comm_rank(d->comm, &d->rank), "MPI_Comm_rank", NULL, e) ||
+        !tsys_dist__mpi_ok(d, MPI_Comm_size(d->comm, &d->size), "MPI_Comm_size", NULL, e) ||
+        !tsys_dist__mpi_ok(d, MPI_Comm_split_type(d->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local), "MPI_Comm_split_type", NULL, e)) return false;
+    bool ok = tsys_dist__mpi_ok(d, MPI_Comm_rank(local, &d->local_rank), "MPI_Comm_rank", NULL, e) &&
+              tsys_dist__mpi_ok(d, MPI_Comm_size(local, &d->local_size), "MPI_Comm_size", NULL, e);
     MPI_Comm_free(&local);
+    if (!ok) return false;
     d->one_host = d->local_size == d->size;
     MPI_User_function *fns[2][2] = { { tsys_dist__mpi_sum_bf16, tsys_dist__mpi_max_bf16 }, { tsys_dist__mpi_sum_f16, tsys_dist__mpi_max_f16 } };
     for (int i = 0; i < 2; i++)
@@ -1537,6 +1668,7 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
         d->worker_on = false;
     }
     bool broken = TSYS_DIST__LOAD(&d->broken) != 0;
+    (void)broken; (void)finalize;
 #ifdef TSYS_DIST_NCCL
     if (d->nccl) {
         if (broken) ncclCommAbort(d->nccl);
@@ -1575,7 +1707,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     if (desc) dd = *desc;
     tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
     if (!d) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_init: out of host memory"); return NULL; }
-    d->ctx = ctx; d->size = 1; d->local_size = 1;
+    d->ctx = ctx; d->size = 1; d->local_size = 1; d->spin_limit = 1024;
     d->host = TSYS_DIST__HOST_SELF;
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
@@ -1654,7 +1786,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
 #ifdef TSYS_DIST_MPI
         if (d->host != TSYS_DIST__HOST_MPI) {
             tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
-                              "variables, which give the tcp engine (ask for engine auto)");
+                              "variables: ask for TSYS_DIST_ENGINE_TCP (the host engine of such ranks; no NCCL) or AUTO");
             goto fail;
         }
 #else
@@ -1708,7 +1840,8 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     {
         bool threads_ok = d->host != TSYS_DIST__HOST_SELF && d->size > 1;
 #ifdef TSYS_DIST_MPI
-        if (d->host == TSYS_DIST__HOST_MPI && !d->shm_base && !d->mpi_serialized) threads_ok = false;   // MPI initialized by the caller without thread support
+        // MPI without MPI_THREAD_MULTIPLE (initialized so by the caller): asynchronous collectives run at launch
+        if (d->host == TSYS_DIST__HOST_MPI && !d->shm_base && !d->mpi_multiple) threads_ok = false;
 #endif
         if (threads_ok) {
             pthread_mutex_init(&d->mu, NULL);
@@ -1983,7 +2116,8 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
             cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
             if (q == cudaSuccess) break;
             ncclResult_t ae = ncclSuccess;
-            ncclCommGetAsyncError(d->nccl, &ae);
+            ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
+            if (qr != ncclSuccess) ae = qr;
             if (q != cudaErrorNotReady || (ae != ncclSuccess && ae != ncclInProgress)) {
                 tsys_event_release(d->ctx, &ev);
                 if (q != cudaErrorNotReady) return tsys_dist__fail(d, TSYS_ERR_CUDA, "barrier: %s", cudaGetErrorString(q));

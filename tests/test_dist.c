@@ -259,6 +259,22 @@ TSYS_TEST(all_gather_in_place) {   // in is this rank's block of out (a view), a
     }
 }
 
+TSYS_TEST(reduce_scatter_in_place) {   // out is this rank's block of in (a view)
+    for (int p = 0; p < g_npaths; p++) {
+        int64_t m = 999, nin = m * g_size;
+        float *h = (float *)hbuf(TSYS_F32, nin);
+        for (int64_t i = 0; i < nin; i++) h[i] = (float)val(TSYS_F32, g_rank, i);
+        tsys_tensor *in = mk(g_dev[p], TSYS_F32, nin, h);
+        int64_t shape[1] = { m };
+        tsys_tensor *out = tsys_tensor_view_raw(g_ctx, in, (size_t)(g_rank * m) * 4, TSYS_F32, 1, shape);
+        STATUS_OK(tsys_dist_reduce_scatter(g_group[p], out, in, TSYS_DIST_SUM), "%s", g_name[p]);
+        tsys_tensor_to_host(g_ctx, out, h);
+        CHECK_VALUES(m, (double)h[i], expect(TSYS_F32, TSYS_DIST_SUM, (int64_t)g_rank * m + i), "%s: in-place reduce_scatter", g_name[p]);
+        tsys_tensor_release(out); tsys_tensor_release(in);
+        free(h);
+    }
+}
+
 TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collective in between, waited out of order
     for (int p = 0; p < g_npaths; p++) {
         enum { K = 6 };
@@ -282,6 +298,57 @@ TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collecti
             tsys_tensor_release(t[k]);
         }
         free(h);
+    }
+}
+
+// A random sequence (the same on every rank) of blocking and asynchronous collectives of random
+// sizes, several in flight, barriers between: shakes the slot reuse and the worker's ordering.
+TSYS_TEST(random_sequence_mixed) {
+    for (int p = 0; p < g_npaths; p++) {
+        uint64_t rs = 0x9e3779b97f4a7c15ull;
+        enum { K = 4 };
+        for (int it = 0; it < 40; it++) {
+            tsys_tensor *t[K], *o[K];
+            tsys_dist_work *w[K];
+            int kind[K];
+            int64_t m[K];
+            rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
+            int kn = 1 + (int)(rs % K);
+            for (int k = 0; k < kn; k++) {
+                rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
+                kind[k] = (int)(rs % 4); m[k] = (int64_t)((rs >> 8) % 20000);
+                bool async = (rs >> 40) & 1;
+                int64_t nin = kind[k] == 2 ? m[k] * g_size : m[k], nout = kind[k] == 3 ? m[k] * g_size : m[k];
+                float *h = (float *)hbuf(TSYS_F32, nin);
+                for (int64_t i = 0; i < nin; i++) h[i] = (float)(g_rank * 7 + (i % 13) + k);
+                t[k] = mk(g_dev[p], TSYS_F32, nin, h);
+                o[k] = kind[k] >= 2 ? mk(g_dev[p], TSYS_F32, nout, NULL) : NULL;
+                free(h);
+                tsys_status st = TSYS_OK;
+                w[k] = NULL;
+                if (kind[k] == 0) { if (async) w[k] = tsys_dist_all_reduce_async(g_group[p], t[k], TSYS_DIST_SUM); else st = tsys_dist_all_reduce(g_group[p], t[k], TSYS_DIST_SUM); }
+                else if (kind[k] == 1) st = tsys_dist_broadcast(g_group[p], t[k], it % g_size);
+                else if (kind[k] == 2) { if (async) w[k] = tsys_dist_reduce_scatter_async(g_group[p], o[k], t[k], TSYS_DIST_SUM); else st = tsys_dist_reduce_scatter(g_group[p], o[k], t[k], TSYS_DIST_SUM); }
+                else { if (async) w[k] = tsys_dist_all_gather_async(g_group[p], o[k], t[k]); else st = tsys_dist_all_gather(g_group[p], o[k], t[k]); }
+                STATUS_OK(st, "%s: step %d.%d", g_name[p], it, k);
+                if (async && kind[k] != 1) TEST_CHECK(w[k] != NULL, "%s: step %d.%d launch: %s", g_name[p], it, k, tsys_ctx_last_error(g_ctx));
+                if ((rs >> 50) % 5 == 0) STATUS_OK(tsys_dist_barrier(g_group[p]), "%s: barrier", g_name[p]);
+            }
+            for (int k = kn - 1; k >= 0; k--) if (w[k]) STATUS_OK(tsys_dist_wait(w[k]), "%s: wait %d.%d", g_name[p], it, k);
+            for (int k = 0; k < kn; k++) {
+                int64_t cnt = kind[k] == 3 ? m[k] * g_size : m[k], mm = m[k] ? m[k] : 1;
+                float *h = (float *)hbuf(TSYS_F32, cnt);
+                tsys_tensor_to_host(g_ctx, kind[k] >= 2 ? o[k] : t[k], h);
+                int kk = k, root = it % g_size;
+                if (kind[k] == 0) CHECK_VALUES(cnt, (double)h[i], 7.0 * g_size * (g_size - 1) / 2 + (double)g_size * ((i % 13) + kk), "%s: step %d.%d all_reduce", g_name[p], it, k);
+                else if (kind[k] == 1) CHECK_VALUES(cnt, (double)h[i], (double)(root * 7 + (i % 13) + kk), "%s: step %d.%d broadcast", g_name[p], it, k);
+                else if (kind[k] == 2) CHECK_VALUES(cnt, (double)h[i], 7.0 * g_size * (g_size - 1) / 2 + (double)g_size * (((g_rank * mm + i) % 13) + kk), "%s: step %d.%d reduce_scatter", g_name[p], it, k);
+                else CHECK_VALUES(cnt, (double)h[i], (double)((i / mm) * 7 + ((i % mm) % 13) + kk), "%s: step %d.%d all_gather", g_name[p], it, k);
+                free(h);
+                tsys_tensor_release(t[k]);
+                tsys_tensor_release(o[k]);
+            }
+        }
     }
 }
 
@@ -409,6 +476,50 @@ TSYS_TEST(two_groups_interleaved) {   // groups are independent: alternate betwe
     }
 }
 
+#ifdef TSYS_WITH_CUDA
+// NCCL collectives inside a captured CUDA graph (a group of one here: several ranks on this machine's
+// one GPU go through host staging, which cannot be captured and must say so).
+static void cuda_graph_capture_on(tsys_dist *d, bool nccl);
+TSYS_TEST(cuda_graph_capture) {
+    for (int p = 0; p < g_npaths; p++) {
+        if (g_dev[p] != TSYS_CUDA) continue;
+        bool nccl = tsys_dist_engine_of(g_group[p]) == TSYS_DIST_ENGINE_NCCL;
+        cuda_graph_capture_on(g_group[p], nccl);
+    }
+}
+static void cuda_graph_capture_on(tsys_dist *d, bool nccl) {
+    int64_t n = 1000;
+    float *h = (float *)hbuf(TSYS_F32, n * g_size);
+    for (int64_t i = 0; i < n; i++) h[i] = (float)i;
+    tsys_tensor *t = mk(TSYS_CUDA, TSYS_F32, n, h), *o = mk(TSYS_CUDA, TSYS_F32, n * g_size, NULL);
+    STATUS_OK(tsys_cuda_graph_begin(g_ctx), "graph begin");
+    if (nccl) {
+        tsys_dist_work *w = tsys_dist_all_reduce_async(d, t, TSYS_DIST_AVG);
+        TEST_CHECK(w != NULL, "async all_reduce while capturing: %s", tsys_ctx_last_error(g_ctx));
+        if (w) STATUS_OK(tsys_dist_wait(w), "wait while capturing");
+        STATUS_OK(tsys_dist_all_gather(d, o, t), "all_gather while capturing");
+        tsys_cuda_graph *g = NULL;
+        STATUS_OK(tsys_cuda_graph_end(g_ctx, &g), "graph end");
+        for (int k = 0; k < 3 && g; k++) STATUS_OK(tsys_cuda_graph_replay(g_ctx, g), "replay %d", k);
+        STATUS_OK(tsys_sync(g_ctx, TSYS_CUDA), "sync");
+        tsys_cuda_graph_free(g);
+        memset(h, 0, sizeof(float) * (size_t)(n * g_size));
+        tsys_tensor_to_host(g_ctx, o, h);
+        CHECK_VALUES(n * g_size, (double)h[i], (double)(i % n), "replayed all_reduce (avg of equal tensors) + all_gather");
+        STATUS_OK(tsys_dist_barrier(d), "barrier after the graph");
+    } else {
+        TEST_CHECK(tsys_dist_all_reduce(d, t, TSYS_DIST_SUM) != TSYS_OK && strstr(tsys_ctx_last_error(g_ctx), "graph"), "host-staged collective while capturing: %s", tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        tsys_cuda_graph *g = NULL;
+        tsys_cuda_graph_end(g_ctx, &g);
+        tsys_cuda_graph_free(g);
+        tsys_ctx_clear_error(g_ctx);
+    }
+    tsys_tensor_release(t); tsys_tensor_release(o);
+    free(h);
+}
+#endif
+
 // ---- failure modes (run by tests/test_dist_fail.sh) ----------------------------------------------
 
 static int failure_mode(tsys_dist *d, bool die, int victim) {
@@ -442,7 +553,11 @@ int main(int argc, char **argv) {
     int code = 0;
     if (tsys_dist_spawn(nproc, argc, argv, &code)) return code;
     g_ctx = tsys_ctx_new(NULL);
+    // small shared-memory slots, so that the few-MB tensors below take many pipeline slices
+    bool slice_set = getenv("TSYS_DIST_SHM_SLICE") != NULL;
+    if (!slice_set && victim < 0) setenv("TSYS_DIST_SHM_SLICE", "65536", 1);
     tsys_dist *d = tsys_dist_init(g_ctx, NULL);
+    if (!slice_set) unsetenv("TSYS_DIST_SHM_SLICE");
     if (!d) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
     g_rank = tsys_dist_rank(d); g_size = tsys_dist_size(d);
     if (victim >= 0) return failure_mode(d, die, victim);
@@ -459,15 +574,24 @@ int main(int argc, char **argv) {
         g_npaths = 2;
     }
 #ifdef TSYS_WITH_CUDA
-    {   // CUDA tensors: NCCL in a group of one, else host staging through the host engine (ranks may share a GPU)
-        tsys_dist_desc cd;
-        memset(&cd, 0, sizeof cd);
-        cd.cuda = true;
-        cd.engine = g_size == 1 ? TSYS_DIST_ENGINE_NCCL : tsys_dist_engine_of(d);
-        tsys_dist *dc = tsys_dist_init(g_ctx, &cd);
-        if (!dc) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
-        g_group[g_npaths] = dc; g_dev[g_npaths] = TSYS_CUDA; g_name[g_npaths] = g_size == 1 ? "nccl (cuda)" : "host-staged (cuda)";
-        g_npaths++;
+    {   // CUDA tensors: through NCCL when every rank has a GPU of its own (a group of one always does),
+        // and through host staging when there are several ranks (they may share a GPU)
+        int gpus = tsys_cuda_device_count();
+        double need = g_size > 1 && gpus > 0 && gpus < d->local_size ? 1 : 0;   // any host short of GPUs?
+        tsys_dist_all_reduce_host(d, &need, 1, TSYS_DIST_MAX);
+        for (int k = 0; k < 2; k++) {
+            bool nccl = k == 0;
+            if (nccl && need > 0) continue;
+            if (!nccl && g_size == 1) continue;
+            tsys_dist_desc cd;
+            memset(&cd, 0, sizeof cd);
+            cd.cuda = true;
+            cd.engine = nccl ? TSYS_DIST_ENGINE_NCCL : tsys_dist_engine_of(d);
+            tsys_dist *dc = tsys_dist_init(g_ctx, &cd);
+            if (!dc) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
+            g_group[g_npaths] = dc; g_dev[g_npaths] = TSYS_CUDA; g_name[g_npaths] = nccl ? "nccl (cuda)" : "host-staged (cuda)";
+            g_npaths++;
+        }
     }
 #endif
     if (g_rank == 0) {

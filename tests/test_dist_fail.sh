@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A rank that exits early or stalls: the others must stop with an error that names it, within the
 # timeout (TSYS_DIST_TIMEOUT=2 here) plus a margin, through the launcher and under mpirun, with and
-# without shared memory. Prints one line per case and "N passed, N failed".
+# without shared memory; the rendezvous without a partner; the allreduce driver's bad flags.
+# Prints one line per case and "N passed, N failed".
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -29,6 +30,22 @@ case_ "launcher: rank 1 exits" $((T + 6)) "$named exited" "$bin" --nproc 3 --die
 case_ "launcher: rank 1 stalls" $((T + 8)) "no reply from $named" "$bin" --nproc 3 --stall 1
 case_ "launcher, tcp: rank 1 exits" $((T + 6)) "rank 1 closed the connection" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --die 1
 case_ "launcher, tcp: rank 1 stalls" $((T + 8)) "rank 1: nothing received" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --stall 1
+# the rendezvous itself: nobody there
+port=$((20000 + RANDOM % 20000))
+case_ "rendezvous: rank 0 never comes" $((T + 4)) "could not join rank 0 at 127.0.0.1:$port within $T s" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin"
+case_ "rendezvous: rank 1 never comes" $((T + 4)) "rank\(s\) 1 never connected" env RANK=0 WORLD_SIZE=2 MASTER_PORT=$port "$bin"
+case_ "rendezvous: bad RANK" 4 "RANK='5' and WORLD_SIZE='2'" env RANK=5 WORLD_SIZE=2 MASTER_PORT=$port "$bin"
+# the allreduce driver's flags: a usage error (exit 2) naming the bad value, before any rank starts
+ar=$BUILD/allreduce
+if [ -x "$ar" ]; then
+  for bad in "--sizes 1XB:bad size '1XB'" "--op scatter:unknown op 'scatter'" "--dtype fp8:unknown dtype 'fp8'" "--nproc 0:bad value '0' for --nproc" \
+             "--bogus 1:unknown flag '--bogus'" "--format xml:--format must be" "--shm maybe:--shm must be yes or no" "--iters:needs a value"; do
+    args=${bad%%:*}; pat=${bad#*:}
+    out=$("$ar" $args 2>&1); rc=$?
+    if [ $rc -eq 2 ] && echo "$out" | grep -qF -- "$pat"; then printf '  %-44s ok\n' "allreduce $args"; pass=$((pass + 1))
+    else printf '  %-44s FAILED (exit %d, wanted 2 and "%s")\n' "allreduce $args" $rc "$pat"; echo "$out" | head -3 | sed 's/^/      /'; fail=$((fail + 1)); fi
+  done
+fi
 if command -v mpirun >/dev/null && ldd "$bin" 2>/dev/null | grep -q libmpi; then
   mpi="mpirun --oversubscribe -np 3"
   # mpirun may stop the job before the others report: its own message names the rank then
