@@ -257,7 +257,9 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     // every rank builds the model from the same seed; the broadcast makes them equal regardless
     r.model = tsys_model_new(ctx, &desc, dev, (uint64_t)o->seed + 1);
     tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT, bucket_mb};
-    if (r.model) r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
+    // a rank that could not build the model (out of memory) must not leave the others in the broadcast
+    if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM))
+        r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
     if (r.ddp && s == S_ZERO1) r.zero1 = tsys_zero1_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
     else if (r.ddp) r.opt = tsys_adamw_new(ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
     int64_t shape[2] = {o->batch, T};
