@@ -2606,9 +2606,9 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp) {
 }
 
 // >>zero1 -----------------------------------------------------------------------------------------
-// Sharding: the trainable parameters, in parameter order, each to the rank that holds the fewest
-// bytes so far (ties: the lowest rank) - greedy, deterministic, the same on every rank; a rank
-// holds at most total/N + the largest parameter. Each rank runs a tsys_adamw over the parameters
+// Sharding: the trainable parameters, in parameter order, cut into N contiguous ranges at r/N of
+// their bytes (deterministic, the same on every rank, agreed once by a hash); a rank holds at most
+// total/N + the largest parameter. Each rank runs a tsys_adamw over the parameters
 // it owns (the same desc, so the same per-element math and step count as one unsharded AdamW:
 // bit-for-bit equal), then every parameter is broadcast from its owner, a run of back-to-back
 // parameters with one owner in one call. (A flat all-gather would need equal-sized shards: either
