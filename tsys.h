@@ -1081,8 +1081,15 @@ static void tsys__shape_str(const tsys_tensor *t, char *buf, size_t len) {
 static tsys_tensor *tsys__tensor_header(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
     if (ndim < 0 || ndim > TSYS_MAX_DIMS) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: %d dims (at most %d)", ndim, TSYS_MAX_DIMS); return NULL; }
     if ((unsigned)dt >= TSYS_DTYPE_COUNT) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: unknown dtype %d", (int)dt); return NULL; }
-    for (int i = 0; i < ndim; i++)
+    int64_t numel = 1, max_numel = INT64_MAX / (int64_t)tsys_dtype_size(dt);
+    for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: negative size %lld in dim %d", (long long)shape[i], i); return NULL; }
+        if (shape[i] && numel > max_numel / shape[i]) {   // the byte count must fit int64 (numel would wrap)
+            TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: shape too large (dim %d = %lld makes more than 2^63 bytes of %s)", i, (long long)shape[i], tsys_dtype_name(dt));
+            return NULL;
+        }
+        numel *= shape[i];
+    }
     tsys_tensor *t = (tsys_tensor *)TSYS_MALLOC(sizeof(tsys_tensor));
     if (!t) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a tensor header"); return NULL; }
     memset(t, 0, sizeof(*t));
@@ -1181,7 +1188,13 @@ TSYSDEF tsys_status tsys_tensor_to_f32(tsys_ctx *ctx, const tsys_tensor *t, floa
 
 static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a);
 
+// A NULL tensor given to a filling function: an earlier failure (its error stays) or a caller's bug.
+static tsys_status tsys__null_tensor(tsys_ctx *ctx, const char *what) {
+    return ctx->status != TSYS_OK ? ctx->status : TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: NULL tensor", what);
+}
+
 TSYSDEF tsys_status tsys_tensor_fill(tsys_ctx *ctx, tsys_tensor *t, float value) {
+    if (!t) return tsys__null_tensor(ctx, "fill");
     tsys_kargs a;
     memset(&a, 0, sizeof(a));
     a.t[0] = t; a.f[0] = value;
@@ -1225,6 +1238,7 @@ static float tsys__gen_int(tsys_ctx *ctx, const float *p) { return (float)(tsys_
 
 // Normal samples drawn on the tensor's own device from a seed taken off the context's RNG.
 static tsys_status tsys__randn_kernel(tsys_ctx *ctx, tsys_tensor *t, float std, float lo, float hi) {
+    if (!t) return tsys__null_tensor(ctx, "randn");
     tsys_kargs a;
     memset(&a, 0, sizeof(a));
     if (!tsys_dtype_is_float(t->dtype)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "randn: '%s' is not a float tensor", t->name);
@@ -1238,6 +1252,7 @@ TSYSDEF tsys_status tsys_tensor_trunc_normal(tsys_ctx *ctx, tsys_tensor *t, floa
 }
 TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t hi) {
     float p[1] = {(float)hi};
+    if (!t) return tsys__null_tensor(ctx, "randint");
     if (hi <= 0 || hi > (1 << 24)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "randint: bound %lld out of (0, 2^24]", (long long)hi);
     return tsys__fill_host(ctx, t, tsys__gen_int, p);
 }

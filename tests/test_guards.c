@@ -175,4 +175,20 @@ TSYS_TEST(default_budget_is_the_memory_the_machine_has) {
     tsys_ctx_free(ctx);
 }
 
+TSYS_TEST(null_tensors_and_shapes_past_int64_are_errors) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    TEST_CHECK(tsys_tensor_fill(ctx, NULL, 1.0f) == TSYS_ERR_INVALID_ARGS, "fill of NULL");
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_tensor_randn(ctx, NULL, 1.0f) == TSYS_ERR_INVALID_ARGS, "randn of NULL");
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_tensor_randint(ctx, NULL, 10) == TSYS_ERR_INVALID_ARGS, "randint of NULL");
+    tsys_ctx_clear_error(ctx);
+    // an earlier failure keeps its error: a NULL from it does not replace the cause
+    int64_t huge[3] = {(int64_t)1 << 31, (int64_t)1 << 31, 4};   // 2^64 elements: the count would wrap to 0
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 3, huge);
+    TEST_CHECK(t == NULL && strstr(tsys_ctx_last_error(ctx), "too large"), "2^64-element tensor: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_tensor_fill(ctx, t, 0.0f) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "too large"), "the first error was replaced: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_free(ctx);
+}
+
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
