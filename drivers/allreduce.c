@@ -111,13 +111,6 @@ static bool parse_op(const char *s, int *op) {
     else return false;
     return true;
 }
-static bool parse_dtype(const char *s, tsys_dtype *d) {
-    if (!strcmp(s, "fp32")) *d = TSYS_F32;
-    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
-    else if (!strcmp(s, "fp16")) *d = TSYS_F16;
-    else return false;
-    return true;
-}
 
 static void die(tsys_dist *d, const char *what) {
     fprintf(stderr, "allreduce: rank %d: %s: %s\n", tsys_dist_rank(d), what, tsys_ctx_last_error(tsys_dist_ctx(d)));
@@ -211,7 +204,7 @@ int main(int argc, char **argv) {
     if (!du_split(&dtypes, "allreduce", "--dtype", o.dtypes)) { du_list_free(&sizes); du_list_free(&ops); return 2; }
     for (int i = 0; i < sizes.n; i++) { int64_t b; if (!parse_size(sizes.item[i], &b) || b == 0) { fprintf(stderr, "allreduce: bad size '%s' (e.g. 4KB, 1MB, 1GB, 1000)\n", sizes.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < ops.n; i++) { int op; if (!parse_op(ops.item[i], &op)) { fprintf(stderr, "allreduce: unknown op '%s' (all_reduce, reduce_scatter, all_gather)\n", ops.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < dtypes.n; i++) { tsys_dtype dt; if (!parse_dtype(dtypes.item[i], &dt)) { fprintf(stderr, "allreduce: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < dtypes.n; i++) { tsys_dtype dt; if (!du_parse_dtype(dtypes.item[i], &dt)) { fprintf(stderr, "allreduce: unknown dtype '%s' (fp32, bf16, fp16)\n", dtypes.item[i]); usage(stderr); return 2; } }
     if (!sizes.n || !ops.n || !dtypes.n) { fprintf(stderr, "allreduce: empty list\n"); usage(stderr); return 2; }
     int code = 0;
     if (tsys_dist_spawn(o.nproc, argc, argv, &code)) return code;
@@ -244,7 +237,7 @@ int main(int argc, char **argv) {
         for (int t = 0; t < dtypes.n; t++)
             for (int s = 0; s < sizes.n; s++) {
                 int op = 0; tsys_dtype dt = TSYS_F32; int64_t b = 0;
-                parse_op(ops.item[k], &op); parse_dtype(dtypes.item[t], &dt); parse_size(sizes.item[s], &b);
+                parse_op(ops.item[k], &op); du_parse_dtype(dtypes.item[t], &dt); parse_size(sizes.item[s], &b);
                 if (!run_one(d, dev, &o, op, dt, sizes.item[s], b, &tab)) all_ok = false;
                 if (rank == 0) du_table_emit(&tab);
             }

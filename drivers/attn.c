@@ -114,17 +114,10 @@ static bool apply_sweep(attn_opts *o) {
     return true;
 }
 
-static bool parse_dtype(const char *s, tsys_dtype *d) {
-    if (!strcmp(s, "fp32")) *d = TSYS_F32;
-    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
-    else if (!strcmp(s, "fp16")) *d = TSYS_F16;
-    else return false;
-    return true;
-}
 
 static bool ok_dim(const char *s) { int v; return du_parse_int(s, 1, 1 << 16, &v); }
 static bool ok_seq(const char *s) { int v; return du_parse_int(s, 1, 1 << 24, &v); }
-static bool ok_dtype(const char *s) { tsys_dtype d; return parse_dtype(s, &d); }
+static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d); }
 static bool ok_causal(const char *s) { return !strcmp(s, "0") || !strcmp(s, "1"); }
 
 static void opts_free(attn_opts *o) {
@@ -402,7 +395,7 @@ int main(int argc, char **argv) {
             for (int di = 0; di < o.d_list.n; di++)
                 for (int si = 0; si < o.seq_list.n; si++) {
                     tsys_dtype dt = TSYS_F32; int d = 0, seq = 0;
-                    parse_dtype(o.dtype_list.item[t], &dt); du_parse_int(o.d_list.item[di], 1, 1 << 16, &d); du_parse_int(o.seq_list.item[si], 1, 1 << 24, &seq);
+                    du_parse_dtype(o.dtype_list.item[t], &dt); du_parse_int(o.d_list.item[di], 1, 1 << 16, &d); du_parse_int(o.seq_list.item[si], 1, 1 << 24, &seq);
                     bool causal = !strcmp(o.causal_list.item[c], "1");
                     attn_result naive = {false, 0, 0, 0};
                     if (both || !strcmp(o.impl, "naive")) {

@@ -90,6 +90,15 @@ static inline bool du_parse_gib(const char *prog, const char *flag, const char *
 #define DU_MAX_ELEMS 4611686018427387904.0
 static inline bool du_elems_ok(double n) { return n <= DU_MAX_ELEMS; }
 
+// fp32, bf16 or fp16 (a driver's --dtype values).
+static inline bool du_parse_dtype(const char *s, tsys_dtype *d) {
+    if (!strcmp(s, "fp32")) *d = TSYS_F32;
+    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
+    else if (!strcmp(s, "fp16")) *d = TSYS_F16;
+    else return false;
+    return true;
+}
+
 static inline bool du_format_ok(const char *f) { return !strcmp(f, "md") || !strcmp(f, "csv") || !strcmp(f, "jsonl"); }
 
 #define DU_LIST_MAX 64

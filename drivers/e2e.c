@@ -78,16 +78,9 @@ static bool parse_mode(const char *s, run_mode *m) {
     return true;
 }
 
-static bool parse_dtype(const char *s, tsys_dtype *d) {
-    if (!strcmp(s, "fp32")) *d = TSYS_F32;
-    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
-    else if (!strcmp(s, "fp16")) *d = TSYS_F16;
-    else return false;
-    return true;
-}
 
 static bool ok_mode(const char *s) { run_mode m; return parse_mode(s, &m); }
-static bool ok_dtype(const char *s) { tsys_dtype d; return parse_dtype(s, &d); }
+static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d); }
 static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
 static bool ok_compile(const char *s) { return !strcmp(s, "no") || !strcmp(s, "yes"); }
@@ -480,7 +473,7 @@ int main(int argc, char **argv) {
                     for (int k = 0; k < o.compiles.n; k++)
                         for (int at = 0; at < o.attns.n; at++) {
                             run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                            parse_mode(o.modes.item[m], &mode); parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
+                            parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
                             run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.attns.item[at], &tab);
                             du_table_emit(&tab);
                         }
