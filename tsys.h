@@ -3408,11 +3408,14 @@ static tsys_status tsys__replay_saved_inputs(tsys_ctx *ctx, tsys__node *n, tsys_
     return TSYS_OK;
 }
 
+// Input j of a node in the dormant region `child` comes from outside it: the node keeps it for the child's recompute.
+static bool tsys__replay_crosses(const tsys_ctx *ctx, const tsys__node *n, int j, int child) {
+    return child >= 0 && !tsys__node_in(ctx, n->src[j], child);
+}
 // Does the recompute of region r need input j of node n? (child: the region below r holding n, -1 = n is directly in r)
 static bool tsys__replay_reads(const tsys_ctx *ctx, const tsys__node *n, int j, int child) {
     if (n->rc_run) return true;
-    if (child < 0) return tsys__saves_input(n, j);
-    return !tsys__node_in(ctx, n->src[j], child);   // crosses into the still dormant child: n keeps it
+    return child < 0 ? tsys__saves_input(n, j) : tsys__replay_crosses(ctx, n, j, child);
 }
 
 // Marks which nodes of region r up to tape position cur run, and counts the readers of each output
@@ -3451,7 +3454,7 @@ static tsys_status tsys__replay_node(tsys_ctx *ctx, int r, tsys__node *n) {
         st = tsys__replay_saved_inputs(ctx, n, v);
     }
     for (int j = 0; st == TSYS_OK && child >= 0 && j < n->n_in; j++)
-        if (v[j] && !n->inval[j] && tsys__replay_reads(ctx, n, j, child)) tsys__node_keep_input(ctx, n, j, v[j]);
+        if (v[j] && !n->inval[j] && tsys__replay_crosses(ctx, n, j, child)) tsys__node_keep_input(ctx, n, j, v[j]);
     for (int j = 0; j < n->n_in; j++) {
         if (!(n->rc_reads >> j & 1)) continue;
         tsys__node *p = n->src[j];
@@ -4101,7 +4104,7 @@ TSYSDEF void tsys_checkpoint_plan_print(const tsys_checkpoint_plan *p, FILE *f, 
     fprintf(f, "  predicted peak %.1f MiB (fixed %.1f MiB%s%.1f MiB); recomputation %.3g GFLOP (+%.1f%% of the step's matmuls)",
             p->peak_bytes / MiB, p->fixed_bytes / MiB, p->budget > 0 ? ", budget " : "", p->budget > 0 ? p->budget / MiB : 0.0,
             p->recompute_flops / 1e9, p->step_flops > 0 ? 100.0 * p->recompute_flops / p->step_flops : 0.0);
-    if (tflops > 0 || gbps > 0) fprintf(f, ", about +%.2f ms at %.0f TFLOP/s and %.0f GB/s", tsys_checkpoint_plan_extra_ms(p, tflops, gbps), tflops, gbps);
+    if (tflops > 0 && gbps > 0) fprintf(f, ", about +%.2f ms at %.3g TFLOP/s and %.0f GB/s", tsys_checkpoint_plan_extra_ms(p, tflops, gbps), tflops, gbps);
     fprintf(f, "\n");
 }
 

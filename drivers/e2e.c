@@ -20,12 +20,12 @@
 
 typedef struct e2e_opts {
     const char *device, *format, *load;
-    du_list models, contexts, modes, dtypes, attns, compiles;
+    du_list models, contexts, modes, dtypes, attns, compiles, ckpts;
     int batch, warmup, steps;
     uint64_t seed;
     size_t mem_limit;       // bytes; 0 = the default budget
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
-    bool sgemm, tf32, oom_ok, dry_run, nvtx;
+    bool sgemm, tf32, oom_ok, dry_run, nvtx, plan;
     const char *profile;    // a folder: one profiled step per configuration (tables + Chrome trace)
     FILE *profile_log;      // the tables of every profiled configuration, printed after the results
     double cpu_gflops;      // measured CBLAS sgemm GFLOP/s on the CPU (0: not measured)
@@ -48,6 +48,12 @@ static void usage(FILE *f) {
         "                             naive otherwise: the fp32 flash kernel has no tensor cores and loses to naive)\n"
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
+        "  --checkpoint LIST          activation checkpointing: none | blocks:K | sqrt | nested[:K] | selective |\n"
+        "                             blocks:K+selective, sqrt+selective, nested[:K]+selective | auto:BYTES (the planner\n"
+        "                             picks the cheapest policy whose predicted peak fits BYTES, e.g. auto:60GiB, and\n"
+        "                             prints its plan on stderr) (default none)\n"
+        "  --plan                     print each configuration's checkpointing accounting (bytes a block keeps with\n"
+        "                             and without checkpointing, predicted peak, recomputed FLOPs) instead of measuring\n"
         "  --format md|csv|jsonl      output rows, each printed as soon as it is measured (default md)\n"
         "  --load FILE.safetensors    weights to start from (PyTorch state names)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
@@ -84,6 +90,8 @@ static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d)
 static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
 static bool ok_compile(const char *s) { return !strcmp(s, "no") || !strcmp(s, "yes"); }
+// the syntax only: whether K fits a model's layers is checked per configuration (an error row)
+static bool ok_ckpt(const char *s) { tsys_checkpoint_policy p; return tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK; }
 static bool ok_model(const char *s) {
     tsys_model_desc d;
     return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK;
@@ -91,7 +99,7 @@ static bool ok_model(const char *s) {
 
 static void opts_free(e2e_opts *o) {
     du_list_free(&o->models); du_list_free(&o->contexts); du_list_free(&o->modes);
-    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles);
+    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->ckpts);
 }
 
 // Parses and checks every flag and list; returns 0 (o then owns the lists: opts_free), DU_HELP,
@@ -99,12 +107,12 @@ static void opts_free(e2e_opts *o) {
 static int parse_args(int argc, char **argv, e2e_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no";
+    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *ckpt = "none";
     o->format = "md";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
     static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--format",
                                          "--load", "--batch-size", "--warmup", "--steps", "--seed", "--d-model", "--d-ff", "--num-layers",
-                                         "--num-heads", "--vocab-size", "--mem-limit", "--profile"};
+                                         "--num-heads", "--vocab-size", "--mem-limit", "--profile", "--checkpoint"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
@@ -113,6 +121,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = true; continue; }
         if (!strcmp(a, "--nvtx")) { o->nvtx = true; continue; }
+        if (!strcmp(a, "--plan")) { o->plan = true; continue; }
         bool known = false;
         for (size_t j = 0; j < sizeof(valued) / sizeof(valued[0]); j++) known = known || !strcmp(a, valued[j]);
         if (!known) { fprintf(stderr, "e2e: unknown flag '%s'\n", a); usage(stderr); return DU_EXIT_USAGE; }
@@ -126,6 +135,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--dtype")) dtypes = v;
         else if (!strcmp(a, "--attn")) attn = v;
         else if (!strcmp(a, "--compile")) compile = v;
+        else if (!strcmp(a, "--checkpoint")) ckpt = v;
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--load")) o->load = v;
         else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("e2e", a, v, &o->mem_limit)) return DU_EXIT_USAGE; }
@@ -153,7 +163,9 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         || !du_split_check(&o->modes, "e2e", "--mode", modes, ok_mode, "forward, forward-backward or train")
         || !du_split_check(&o->dtypes, "e2e", "--dtype", dtypes, ok_dtype, "fp32, bf16 or fp16")
         || !du_split_check(&o->attns, "e2e", "--attn", attn, ok_attn, "naive, flash or auto")
-        || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")) {
+        || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")
+        || !du_split_check(&o->ckpts, "e2e", "--checkpoint", ckpt, ok_ckpt,
+                           "none, blocks:K, sqrt, nested[:K], selective, P+selective or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
         opts_free(o);
         return DU_EXIT_USAGE;
     }
@@ -172,6 +184,7 @@ typedef struct bench {
     run_mode mode;
     tsys_grad_scaler scaler;
     bool capturing;   // inside CUDA graph capture: no host synchronization allowed
+    int64_t saved;    // bytes the forward kept for backward (the tracker's activations after it)
     tsys_event ev[4]; // the phase boundaries of a step: start, forward done, backward done, optimizer done
 } bench;
 
@@ -201,6 +214,8 @@ static tsys_status bench_step(bench *b, double *t) {
     if (b->mode == MODE_FWD) tsys_no_grad_end(ctx);
     tsys_tensor_release(logits);
     tsys_trace_end(ctx);
+    if (b->mode != MODE_FWD)   // the batch is the caller's (embedding and the loss keep it too)
+        b->saved = tsys_mem_stats_get(ctx, b->dev).category_bytes[TSYS_MEM_ACTIVATIONS] - (int64_t)(tsys_tensor_bytes(b->ids) + tsys_tensor_bytes(b->targets));
     bench_mark(b, 1);
     int last = 1;
     if (b->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
@@ -302,7 +317,7 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     return st;
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn) {
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn, const char *ckpt) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
@@ -311,6 +326,7 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
     du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
+    du_row_set(row, "ckpt", "%s", ckpt);
     du_row_set(row, "warmup", "%d", o->warmup);
 }
 
@@ -327,13 +343,59 @@ static bool config_desc(const e2e_opts *o, const char *model_name, int T, const 
     return true;
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn_flag, du_table *tab) {
-    char err[256] = "";
+// The checkpointing plan of a configuration; auto:BYTES is resolved here with what the step holds
+// (AdamW state only in train mode) and its plan printed on stderr. d->checkpoint becomes the policy run.
+static bool config_plan(const e2e_opts *o, tsys_model_desc *d, const char *ckpt, int T, run_mode mode, tsys_dtype dt, tsys_checkpoint_plan *plan,
+                        char *name, size_t name_len, char *err, size_t len, bool quiet) {
+    d->checkpoint = ckpt;
+    if (tsys_checkpoint_plan_make(d, ckpt, o->batch, T, dt, mode == MODE_TRAIN, plan, err, len) != TSYS_OK) return false;
+    snprintf(name, name_len, "%s%s", plan->name, strncmp(ckpt, "auto:", 5) ? "" : " (auto)");
+    if (strncmp(ckpt, "auto:", 5)) return true;
+    d->checkpoint = plan->name;
+    if (quiet) return true;
+    double tflops = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2], gbps = o->peak[0] > 0 ? 2000.0 : 10.0;   // GPU HBM / CPU DRAM, nominal
+    if (!(tflops > 0)) tflops = o->cpu_gflops > 0 ? o->cpu_gflops / 1e3 : 0;
+    tsys_checkpoint_plan_print(plan, stderr, tflops, gbps);
+    return true;
+}
+
+// --plan: the accounting of one configuration, no model built.
+static void plan_config(const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, const char *attn, const char *ckpt, du_table *tab) {
+    char err[256] = "", name[64] = "";
     tsys_model_desc d;
+    tsys_checkpoint_plan p;
+    du_row *row = du_table_row(tab);
+    du_row_set(row, "model", "%s", model_name); du_row_set(row, "context", "%d", T); du_row_set(row, "batch", "%d", o->batch);
+    du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
+    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16"); du_row_set(row, "attn", "%s", attn);
+    du_row_set(row, "ckpt", "%s", ckpt);
+    if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err)) || !config_plan(o, &d, ckpt, T, mode, dt, &p, name, sizeof(name), err, sizeof(err), true)) {
+        du_row_set(row, "status", "error: %s", err);
+        return;
+    }
+    const double MiB = 1048576.0;
+    du_row_set(row, "ckpt", "%s", name);
+    du_row_set(row, "block_MiB", "%.2f", p.block_bytes / MiB);
+    du_row_set(row, "kept_block_MiB", "%.2f", p.kept_block_bytes / MiB);
+    du_row_set(row, "kept_blocks_MiB", "%.2f", p.kept_block_bytes * d.num_layers / MiB);
+    du_row_set(row, "kept_MiB", "%.1f", p.kept_bytes / MiB);
+    du_row_set(row, "pred_peak_MiB", "%.1f", p.peak_bytes / MiB);
+    du_row_set(row, "recompute", "+%.1f%%", p.step_flops > 0 ? 100.0 * p.recompute_flops / p.step_flops : 0.0);
+    du_row_set(row, "fits", "%s", p.budget > 0 ? (p.fits ? "yes" : "no: least peak") : "-");
+    du_row_set(row, "status", "ok");
+}
+
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn_flag,
+                       const char *ckpt, du_table *tab) {
+    char err[256] = "", ckpt_name[64] = "";
+    tsys_model_desc d;
+    tsys_checkpoint_plan plan;
     du_row *row = du_table_row(tab);
     const char *attn = strcmp(attn_flag, "auto") ? attn_flag : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
-    row_header(row, dev, o, model_name, T, mode, dt, compiled, attn);
+    row_header(row, dev, o, model_name, T, mode, dt, compiled, attn, ckpt);
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    if (!config_plan(o, &d, ckpt, T, mode, dt, &plan, ckpt_name, sizeof(ckpt_name), err, sizeof(err), false)) { du_row_set(row, "status", "error: %s", err); return; }
+    du_row_set(row, "ckpt", "%s", ckpt_name);
     if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
     if (compiled && dt == TSYS_F16 && mode == MODE_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
     bench b;
@@ -380,6 +442,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         double peak = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2];
         if (dev == TSYS_CUDA && peak > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e9 / peak);
         if (dev == TSYS_CPU && o->cpu_gflops > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e6 / o->cpu_gflops);
+        if (mode == MODE_FWD) { du_row_set(row, "saved_MiB", "-"); du_row_set(row, "pred_MiB", "-"); }   // the plan models a step with backward
+        else { du_row_set(row, "saved_MiB", "%.0f", (double)b.saved / 1048576.0); du_row_set(row, "pred_MiB", "%.0f", plan.peak_bytes / 1048576.0); }
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
         du_row_set(row, "status", "ok");
     } else {
@@ -417,6 +481,29 @@ static inline double gemm_peak_tflops(tsys_ctx *ctx, tsys_device dev, tsys_dtype
 }
 #endif
 
+// --plan: one accounting row per (model, context, mode, dtype, attn, policy); nothing is built.
+static int plan_all(e2e_opts *o, tsys_device dev, FILE *cfg) {
+    if (cfg == stdout) printf("\n");
+    du_table tab;
+    du_table_init(&tab, "model,context,batch,mode,dtype,attn,ckpt,block_MiB,kept_block_MiB,kept_blocks_MiB,kept_MiB,pred_peak_MiB,recompute,fits,status", o->format);
+    for (int a = 0; a < o->models.n; a++)
+        for (int c = 0; c < o->contexts.n; c++)
+            for (int m = 0; m < o->modes.n; m++)
+                for (int t = 0; t < o->dtypes.n; t++)
+                    for (int at = 0; at < o->attns.n; at++)
+                        for (int cp = 0; cp < o->ckpts.n; cp++) {
+                            run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
+                            parse_mode(o->modes.item[m], &mode); du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
+                            const char *attn = strcmp(o->attns.item[at], "auto") ? o->attns.item[at] : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
+                            plan_config(o, o->models.item[a], T, mode, dt, attn, o->ckpts.item[cp], &tab);
+                            du_table_emit(&tab);
+                        }
+    int rc = du_table_exit_code(&tab, "e2e", false);
+    du_table_free(&tab);
+    opts_free(o);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     e2e_opts o;
     int rc = parse_args(argc, argv, &o);
@@ -426,10 +513,11 @@ int main(int argc, char **argv) {
     char lim[64];
     // the effective configuration on one line (stdout for md, stderr for the machine formats)
     FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
-    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; warmup %d; steps %d; memory limit %s%s%s\n",
-            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.warmup, o.steps,
+    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; checkpoint %s; warmup %d; steps %d; memory limit %s%s%s\n",
+            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.ckpts.src, o.warmup, o.steps,
             du_mem_limit_str(lim, sizeof(lim), o.mem_limit), o.load ? "; load " : "", o.load ? o.load : "");
     if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
+    if (o.plan) return plan_all(&o, dev, cfg);
     if (o.profile) {
         if (mkdir(o.profile, 0777) != 0 && errno != EEXIST) { fprintf(stderr, "e2e: --profile: cannot make folder '%s': %s\n", o.profile, strerror(errno)); opts_free(&o); return DU_EXIT_USAGE; }
         o.profile_log = tmpfile();
@@ -463,20 +551,21 @@ int main(int argc, char **argv) {
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
-    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,peak_MiB,status"
-                                        : "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,peak_MiB,status",
+    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status"
+                                        : "device,model,context,batch,mode,dtype,attn,compiled,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status",
                   o.format);
     for (int a = 0; a < o.models.n; a++)
         for (int c = 0; c < o.contexts.n; c++)
             for (int m = 0; m < o.modes.n; m++)
                 for (int t = 0; t < o.dtypes.n; t++)
                     for (int k = 0; k < o.compiles.n; k++)
-                        for (int at = 0; at < o.attns.n; at++) {
-                            run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                            parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
-                            run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.attns.item[at], &tab);
-                            du_table_emit(&tab);
-                        }
+                        for (int at = 0; at < o.attns.n; at++)
+                            for (int cp = 0; cp < o.ckpts.n; cp++) {
+                                run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
+                                parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
+                                run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.attns.item[at], o.ckpts.item[cp], &tab);
+                                du_table_emit(&tab);
+                            }
     if (o.profile_log) {   // the tables, after the results
         rewind(o.profile_log);
         char line[512];
