@@ -3973,25 +3973,27 @@ static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T
     return a;
 }
 
-// The most a selective block adds back while backward goes through it: one of its regions recomputed
-// (with the low-precision weight copies it makes), over what selective keeps.
-static double tsys__acct_sel_extra(const tsys__acct *a) {
-    double cc = a->ac ? a->c : 0;
-    double swiglu = a->s + cc * a->d * a->f;
-    double norm2 = a->st + a->ffn + cc * 2 * a->d * a->f;
-    double core = a->attn_big + (a->flash ? a->o + cc * a->d * a->d : 0);
-    double norm1 = a->st + a->qkv + cc * 3 * a->d * a->d;
-    return TSYS__MAX(TSYS__MAX(swiglu, norm2), TSYS__MAX(core, norm1));
+// The most a block holds while backward goes through it, its own kept bytes included: first the FFN
+// (everything kept, SwiGLU's gradients ds, da, db in flight), then attention (the FFN's and the
+// output projection's values are gone; naive: the gradients of the probabilities and the scores,
+// flash: dO, dq, dk, dv). Selective: the region being recomputed adds back its part, with the
+// low-precision weight copies it casts again. Two residual gradients are in flight throughout.
+static double tsys__acct_block_peak(const tsys__acct *a, bool sel) {
+    double attn_tr = a->flash ? 4 * a->c * a->E * a->d : 2 * a->attn_big, cc = a->ac ? a->c : 0;
+    double ffn_phase, attn_phase;
+    if (!sel) {
+        ffn_phase = a->full + 3 * a->s;
+        attn_phase = a->x + a->st + a->qkv + a->attn_in + a->attn_big + attn_tr;
+    } else {
+        ffn_phase = a->sel + a->s + cc * a->d * a->f + 3 * a->s;
+        double norm2 = a->sel - a->ab + a->st + a->ffn + cc * 2 * a->d * a->f + 2 * a->c * a->E * a->d;
+        attn_phase = a->x + a->attn_in + a->attn_big + (a->flash ? a->o + cc * a->d * a->d : 0) + attn_tr;
+        double norm1 = a->x + a->st + a->qkv + cc * 3 * a->d * a->d + 3 * a->c * a->E * a->d;
+        ffn_phase = TSYS__MAX(ffn_phase, norm2);
+        attn_phase = TSYS__MAX(attn_phase, norm1);
+    }
+    return 2 * a->x + TSYS__MAX(ffn_phase, attn_phase);
 }
-
-// Gradients in flight inside a block's backward (beyond what it keeps).
-static double tsys__acct_bwd_transient(const tsys__acct *a) {
-    double attn = a->flash ? 4 * a->c * a->E * a->d : 2 * a->c * a->B * a->H * a->T * a->T;
-    return 2 * a->x + TSYS__MAX(3 * a->s, attn);
-}
-
-// What a block holds while backward is in it, with the policy below the block level (selective or not).
-static double tsys__acct_block_live(const tsys__acct *a, bool sel) { return sel ? a->sel + tsys__acct_sel_extra(a) : a->full; }
 
 // Predicted bytes and FLOPs of one policy.
 static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_policy *p, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out) {
@@ -4012,13 +4014,15 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double attn_fwd = a.flash ? 0 : a.c * a.B * a.H * a.T * a.T * ((seg || p->selective) ? 2 : 1);
     double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head, attn_fwd);
     double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V;
-    double tr = tsys__acct_bwd_transient(&a), blocks = 0;
-    if (!seg) blocks = kept_blocks + (p->selective ? tsys__acct_sel_extra(&a) : 0) + tr;
-    for (int s = 0; s < nseg; s++) {   // the segment's turn: earlier segments keep their input
+    // a segment's turn: the earlier segments keep their input; in the segment, the blocks before the
+    // one backward is in are recomputed (all they keep; nested: only their inputs) and that one peaks
+    double kept_one = p->selective ? a.sel : a.full, blocks = 0;
+    double peak_one = tsys__acct_block_peak(&a, p->selective) + (seg || p->selective ? a.ac_block : 0);
+    if (!seg) blocks = (L - 1) * kept_one + peak_one;
+    for (int s = 0; s < nseg; s++) {
         double k = TSYS__MIN(seg, d->num_layers - s * seg);
-        double live = p->inner ? k * a.x + tsys__acct_block_live(&a, p->selective) + a.ac_block
-                               : k * (p->selective ? a.sel : a.full) + (p->selective ? tsys__acct_sel_extra(&a) : 0) + k * a.ac_block;
-        blocks = TSYS__MAX(blocks, s * a.x + live + tr);
+        double before = (k - 1) * (p->inner ? a.x : kept_one + (a.ac ? a.ac_block : 0));
+        blocks = TSYS__MAX(blocks, s * a.x + before + peak_one);
     }
     blocks += ac_held - a.ac_head;
     out->peak_bytes = out->fixed_bytes + TSYS__MAX(end_fwd, TSYS__MAX(start_bwd, blocks));
@@ -4027,8 +4031,8 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double elem_blk = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 0 : 2 * a.attn_big) + 6 * a.c * E * a.d;
     double elem_sel = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 2 * a.o : 2 * a.attn_big);
     double flops = 0, bytes = 0;
-    if (seg) { flops += L * (gemm - w2 + 2 * qk); bytes += L * elem_blk; }
-    if (p->inner) { flops += (L - nseg) * (gemm + 2 * qk); bytes += (L - nseg) * elem_blk; }
+    if (seg) { flops += L * (gemm - w2 + 2 * qk) + (L - nseg) * w2; bytes += L * elem_blk; }   // a segment's last w2 is not rerun
+    if (p->inner) { flops += (L - nseg) * (gemm - w2 + 2 * qk); bytes += (L - nseg) * elem_blk; }   // nested: blocks but the last run once more
     if (p->selective) { flops += L * (a.flash ? 2 * qk : qk); bytes += L * elem_sel; }
     out->step_flops = tsys_model_flops(d, B, T, true);
     out->recompute_flops = flops;
