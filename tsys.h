@@ -64,6 +64,13 @@
       backward hooks (tsys_ctx_add_backward_hook) run once the whole backward is done.
       tsys_no_grad_begin/end brackets regions that record nothing.
 
+   ON CHECKPOINTING
+      tsys_checkpoint_begin/end bracket a region whose ops keep only the region's inputs for backward;
+      backward recomputes the region when it reaches it (regions nest). Gradients and hooks are those
+      of the run without regions, bit for bit. The model takes a policy (tsys_model_desc.checkpoint:
+      blocks:K, sqrt, nested, selective, auto:BYTES), and tsys_checkpoint_plan_make predicts what a
+      policy keeps, its peak and its recomputation (>>checkpoint, >>checkpoint planner).
+
    ON INSTRUMENTATION
       One place sees everything: tsys_ctx_set_trace_hooks installs {op_begin, op_end, kernel, mem}
       callbacks that every forward op, every backward node, every named range (tsys_trace_begin/end),
