@@ -4016,8 +4016,10 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     out->kept_block_bytes = kept_blocks / L;
     out->kept_bytes = kept_blocks + a.head;
     out->fixed_bytes = 8 * P + (opt ? 8 * P : 0) + 16 * E;
-    // autocast copies still held after the forward: those of linears outside every region
-    double ac_held = a.ac_head + (seg ? 0 : p->selective ? (a.flash ? 0 : L * a.c * a.d * a.d * (a.ac ? 1 : 0)) : L * a.ac_block);
+    // autocast copies still held after the forward: those of linears outside every region (lm_head;
+    // without block regions every block's, or under selective with naive attention the output projection's)
+    double ac_o = a.ac && !a.flash ? L * a.c * a.d * a.d : 0;
+    double ac_held = a.ac_head + (seg ? 0 : p->selective ? ac_o : L * a.ac_block);
     double attn_fwd = a.flash ? 0 : a.c * a.B * a.H * a.T * a.T * ((seg || p->selective) ? 2 : 1);
     double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head, attn_fwd);
     double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V;
