@@ -171,6 +171,7 @@ typedef struct tsys_storage {
     int tag;             // index into the tracker's tag table at allocation time
     tsys_mem_category category;
     int saved_by;        // tape nodes that keep it for backward (a temporary is an activation meanwhile)
+    uint64_t id;         // serial number, the id of its memory events
 } tsys_storage;
 
 typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
@@ -209,13 +210,26 @@ typedef struct tsys_ctx_desc {
 
 // One entry of the memory timeline. A temporary saved for backward shows as two events of the same
 // time and opposite deltas (-bytes temporaries, +bytes activations): live does not change.
+// What an event records: an allocation, a free, or a move between categories (a temporary saved for
+// backward becomes an activation: two MOVE events of the same time, -bytes from, +bytes to).
+typedef enum tsys_mem_action { TSYS_MEM_EV_ALLOC, TSYS_MEM_EV_FREE, TSYS_MEM_EV_MOVE } tsys_mem_action;
+
+// An allocation and its free carry the same id (a storage's serial number; 0 for memory a backend
+// notes itself, such as library workspaces); the allocation also carries the shape and dtype of the
+// tensor it was made for (ndim -1 when it was not made for one).
 typedef struct tsys_mem_event {
-    double t_us;          // microseconds since the context was created
+    double t_us;          // microseconds since the context was created (tsys_ctx_time_us)
     int64_t delta;        // +bytes on allocation, -bytes on free
     int64_t live;         // live bytes on that device after the event
+    int64_t cached;       // bytes the device's allocator holds beyond those in use (0 on the CPU)
+    uint64_t id;
     int tag;
     tsys_device device;
     tsys_mem_category category;
+    tsys_mem_action action;
+    tsys_dtype dtype;
+    int ndim;
+    int64_t shape[TSYS_MAX_DIMS];
 } tsys_mem_event;
 
 // Memory tracker totals for one device.
@@ -342,6 +356,7 @@ typedef struct tsys_backend {
     tsys_status (*event_elapsed)(tsys_ctx *ctx, const tsys_event *start, const tsys_event *end, double *ms);
     void (*event_release)(tsys_ctx *ctx, tsys_event *e);
     tsys_stream (*set_stream)(tsys_ctx *ctx, tsys_stream s);    // where later kernels and GEMMs go; returns the previous
+    int64_t (*cached_bytes)(tsys_ctx *ctx);   // optional: bytes reserved from the device but not in use (a caching allocator's free blocks)
 } tsys_backend;
 
 // ---- trace hooks: every forward op, every backward node, named ranges, kernel and GEMM launches,
@@ -390,6 +405,7 @@ TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_bac
 TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev);
 TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev);
 TSYSDEF double tsys_time_us(void);   // monotonic wall clock
+TSYSDEF double tsys_ctx_time_us(const tsys_ctx *ctx);   // microseconds since the context was made (the memory timeline's clock)
 TSYSDEF const char *tsys_kernel_name(tsys_kernel k);
 
 // events and streams (see tsys_event); the CPU backend has them too, so timing code is one code
@@ -533,6 +549,21 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids);   // (
 TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, int vocab_size, int context_length);
 TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int64_t T, bool backward);  // matmul FLOPs
 
+// The memory of one step of the model from its shapes alone: what the tape keeps for backward, op by
+// op, and the state the step holds (the memory driver prints it beside the tracker's measurement).
+typedef struct tsys_model_mem_estimate {
+    int64_t params;            // fp32 master weights (+ autocast's low-precision copies, alive through backward)
+    int64_t grads, optimizer;  // fp32 gradients (steps with backward), AdamW m and v (train)
+    int64_t saved_per_layer;   // activations one block keeps for backward
+    int64_t saved_outside;     // those of the embedding, the final norm, lm_head and the loss
+    int64_t activations;       // saved_per_layer x num_layers + saved_outside (0 without backward)
+    int64_t temporaries;       // the largest short-lived buffers alive at the peak
+    const char *temporaries_what;
+    int64_t peak;              // the sum: where the peak is (end of forward / start of backward)
+    int num_layers;
+} tsys_model_mem_estimate;
+TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer);
+
 // optimizers and training utilities
 // AdamW desc, 0 = default: lr 1e-3 | beta1 0.9 | beta2 0.999 | eps 1e-8 | weight_decay 0.01.
 // weight_decay 0 cannot be asked for with 0; set no_weight_decay instead.
@@ -593,6 +624,11 @@ TSYSDEF void tsys_profiler_print_kernels(const tsys_profiler *p, FILE *f, int ma
 TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char *path); // Chrome trace JSON
 TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase);        // sum of kernel device times (phase NULL = all)
 TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind);
+TSYSDEF double tsys_profiler_matmul_ms(const tsys_profiler *p, const char *phase);        // the GEMMs' part of it
+TSYSDEF double tsys_profiler_span_ms(const tsys_profiler *p, const char *name);          // device ms under every span of that name (op, region or range)
+// The kernel with the most device time in a phase (NULL = all): matmul -1 any, 0 only non-matmul,
+// 1 only matmul kernels; its total ms and launches go to *ms and *calls. NULL when there is none.
+TSYSDEF const char *tsys_profiler_top_kernel(const tsys_profiler *p, const char *phase, int matmul, double *ms, int *calls);
 TSYSDEF void tsys_profiler_free(tsys_profiler *p);
 // A backend that can time kernels on its device fills them in here (tsys_cuda.cuh: CUPTI, else
 // events); by default a kernel's device time is its host time, exact on the CPU. collect's put may be
@@ -753,6 +789,8 @@ typedef struct tsys__mem_tracker {
     bool record;
     tsys_mem_event *events;
     size_t num_events, cap_events;
+    uint64_t next_id;                // storage serial numbers
+    const tsys_tensor *making;       // the tensor whose storage is being made (its shape goes in the event)
 } tsys__mem_tracker;
 
 struct tsys_ctx {
@@ -821,6 +859,7 @@ TSYSDEF tsys_status tsys_ctx_status(const tsys_ctx *ctx) { return ctx ? ctx->sta
 TSYSDEF const char *tsys_ctx_last_error(const tsys_ctx *ctx) { return ctx ? (ctx->status ? ctx->error : "") : "no context"; }
 TSYSDEF void tsys_ctx_clear_error(tsys_ctx *ctx) { ctx->status = TSYS_OK; ctx->error[0] = 0; }
 
+TSYSDEF double tsys_ctx_time_us(const tsys_ctx *ctx) { return tsys_time_us() - ctx->t0_us; }
 TSYSDEF double tsys_time_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -972,8 +1011,9 @@ TSYSDEF tsys_mem_category tsys_mem_set_category(tsys_ctx *ctx, tsys_mem_category
 }
 
 // Every change of live bytes: totals, tags, categories, the peak (with its breakdown), the hooks and
-// the timeline. counted = an allocation or a free (not a change of category).
-static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta, bool counted) {
+// the timeline. counted = an allocation or a free (not a change of category); st = the storage it
+// concerns (NULL for memory a backend notes itself).
+static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta, bool counted, const tsys_storage *st) {
     tsys__mem_tracker *m = &ctx->mem;
     tsys_mem_stats *s = &m->dev[dev];
     s->live_bytes += delta;
@@ -987,8 +1027,18 @@ static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_c
     m->tag_bytes[tag][dev] += delta;
     if (!m->record && !ctx->trace.mem) return;
     tsys_mem_event ev;
+    memset(&ev, 0, sizeof(ev));
     ev.t_us = tsys_time_us() - ctx->t0_us;
     ev.delta = delta; ev.live = s->live_bytes; ev.tag = tag; ev.device = dev; ev.category = cat;
+    ev.cached = ctx->backends[dev] && ctx->backends[dev]->cached_bytes ? ctx->backends[dev]->cached_bytes(ctx) : 0;
+    ev.id = st ? st->id : 0;
+    ev.action = !counted ? TSYS_MEM_EV_MOVE : delta > 0 ? TSYS_MEM_EV_ALLOC : TSYS_MEM_EV_FREE;
+    ev.ndim = -1;
+    const tsys_tensor *t = m->making;
+    if (counted && delta > 0 && t && st) {
+        ev.dtype = t->dtype; ev.ndim = t->ndim;
+        memcpy(ev.shape, t->shape, sizeof(ev.shape));
+    }
     if (ctx->trace.mem) ctx->trace.mem(ctx, &ev, ctx->trace.user);
     if (!m->record) return;
     if (m->num_events == m->cap_events) {
@@ -999,15 +1049,14 @@ static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_c
     }
     m->events[m->num_events++] = ev;
 }
-static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta) { tsys__mem_change(ctx, dev, tag, cat, delta, true); }
 TSYSDEF void tsys_mem_note_external(tsys_ctx *ctx, tsys_device dev, tsys_mem_category c, int64_t delta) {
-    if (ctx && (unsigned)dev < TSYS_DEVICE_COUNT && (unsigned)c < TSYS_MEM_CATEGORY_COUNT && delta) tsys__mem_note(ctx, dev, ctx->mem.cur_tag, c, delta);
+    if (ctx && (unsigned)dev < TSYS_DEVICE_COUNT && (unsigned)c < TSYS_MEM_CATEGORY_COUNT && delta) tsys__mem_change(ctx, dev, ctx->mem.cur_tag, c, delta, true, NULL);
 }
 // A temporary is an activation while the tape keeps it for backward (saved = +1 when a node saves
 // it, -1 when the node lets go), and a temporary again after.
 static void tsys__mem_recategorize(tsys_ctx *ctx, tsys_storage *st, tsys_mem_category to) {
-    tsys__mem_change(ctx, st->device, st->tag, st->category, -(int64_t)st->bytes, false);
-    tsys__mem_change(ctx, st->device, st->tag, to, (int64_t)st->bytes, false);
+    tsys__mem_change(ctx, st->device, st->tag, st->category, -(int64_t)st->bytes, false, st);
+    tsys__mem_change(ctx, st->device, st->tag, to, (int64_t)st->bytes, false, st);
     st->category = to;
 }
 static void tsys__mem_saved(tsys_ctx *ctx, tsys_storage *st, int saved) {
@@ -1035,7 +1084,8 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
         return NULL;
     }
     s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->saved_by = 0;
-    tsys__mem_note(ctx, dev, s->tag, s->category, (int64_t)asked);
+    s->id = ++ctx->mem.next_id;
+    tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)asked, true, s);
     return s;
 }
 
@@ -1043,7 +1093,7 @@ static void tsys__storage_release(tsys_storage *s) {
     if (!s || --s->refcount > 0) return;
     tsys_ctx *ctx = s->ctx;
     ctx->backends[s->device]->free(ctx, s->data, s->bytes);
-    tsys__mem_note(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes);
+    tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
     TSYS_FREE(s);
 }
 
@@ -1101,7 +1151,9 @@ static tsys_tensor *tsys__tensor_header(tsys_ctx *ctx, tsys_dtype dt, tsys_devic
 TSYSDEF tsys_tensor *tsys_tensor_new(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
     tsys_tensor *t = tsys__tensor_header(ctx, dt, dev, ndim, shape);
     if (!t) return NULL;
+    ctx->mem.making = t;
     t->storage = tsys__storage_new(ctx, dev, tsys_tensor_bytes(t));
+    ctx->mem.making = NULL;
     if (!t->storage) { TSYS_FREE(t); return NULL; }
     return t;
 }
@@ -1975,6 +2027,7 @@ static tsys_stream tsys__cpu_set_stream(tsys_ctx *ctx, tsys_stream s) { (void)ct
 static const tsys_backend tsys__cpu_backend = {
     "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL, NULL,
     tsys__cpu_event_record, tsys__cpu_event_wait, tsys__cpu_event_elapsed, tsys__cpu_event_release, tsys__cpu_set_stream,
+    NULL,   // no cache: malloc gives memory back at free
 };
 
 // Flash attention on fp32 views of the tensors (bf16/fp16 inputs are widened, outputs rounded back).
@@ -3185,6 +3238,49 @@ TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int6
     return backward ? 3.0 * fwd : fwd;
 }
 
+// What the tape keeps, op by op (N = batch x T tokens, c = bytes of the compute dtype, 4 without
+// autocast). A block saves: its fp32 residual input and the mid-block residual (the norms' inputs)
+// and the two norms' 1/rms; the norm outputs as the projections read them (fp32: one tensor shared by
+// q, k, v and by w1, w3; autocast: each linear's own cast, 3 + 2); q and k after RoPE, v and the merged
+// heads (transposed copies); naive attention the softmax output (B, H, T, T), flash attention its
+// output and log-sum-exp (B, H, T); the SwiGLU inputs and output (3 x N x d_ff). Outside the blocks:
+// the final norm's input and 1/rms, lm_head's input, the logits and the loss's log-sum-exp.
+// Autocast's low-precision weight copies (every matrix but the embedding) live from their first use
+// to the end of backward. Gradients are one fp32 block made with the model.
+TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer) {
+    tsys_model_mem_estimate e;
+    memset(&e, 0, sizeof(e));
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    bool autocast = compute != TSYS_F32, flash = d.attn && strcmp(d.attn, "flash") == 0;
+    int64_t c = (int64_t)tsys_dtype_size(compute), N = batch * T, D = d.d_model, F = d.d_ff, H = d.num_heads, V = d.vocab_size, L = d.num_layers;
+    int64_t P = tsys_model_desc_num_params(&d), matrices = P - V * D - (2 * L + 1) * D;
+    int64_t copies = autocast ? matrices * c : 0, scores = batch * H * T * T * c;
+    e.num_layers = d.num_layers;
+    e.params = 4 * P + copies;
+    e.grads = 4 * P;
+    e.optimizer = optimizer ? 8 * P + 8 : 0;   // m, v and the step count
+    int64_t norm_outs = autocast ? 5 * N * D * c : 2 * N * D * 4;
+    e.saved_per_layer = 2 * N * D * 4 + 2 * N * 4 + norm_outs + 4 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : scores) + 3 * N * F * c;
+    e.saved_outside = N * D * 4 + N * 4 + N * D * (autocast ? c : 4) + N * V * c + N * 4;
+    int64_t act = e.saved_per_layer * L + e.saved_outside;
+    if (backward) {
+        // the peak: at the loss's backward (every activation, plus the logits' gradient), or in the
+        // last block's naive softmax backward (the logits and that block's FFN are gone; dP and dS)
+        int64_t at_loss = N * V * c, in_softmax = flash ? 0 : 2 * scores - N * V * c - N * D * (autocast ? c : 4) - 3 * N * F * c;
+        e.activations = act;
+        e.temporaries = in_softmax > at_loss ? in_softmax : at_loss;
+        e.temporaries_what = in_softmax > at_loss ? "the last block's softmax backward: dP and dS, less what is freed by then" : "the logits' gradient (batch x T x vocab)";
+    } else {
+        // no tape: the largest pair alive at once, the attention scores and their softmax or the
+        // logits with lm_head's input and the residual stream
+        int64_t at_head = N * V * c + N * D * (4 + c) + N * D * 4, at_softmax = flash ? 0 : 2 * scores + 5 * N * D * 4;
+        e.temporaries = at_softmax > at_head ? at_softmax : at_head;
+        e.temporaries_what = at_softmax > at_head ? "attention scores and their softmax, with the residual stream" : "the logits, lm_head's input and the residual stream";
+    }
+    e.peak = e.params + e.grads + e.optimizer + e.activations + e.temporaries;
+    return e;
+}
+
 TSYSDEF const tsys_model_desc *tsys_model_get_desc(const tsys_model *m) { return &m->desc; }
 TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m) { return m->params; }
 TSYSDEF int tsys_model_num_tensors(const tsys_model *m) { return m->num_tensors; }
@@ -3665,7 +3761,7 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
 
 typedef struct tsys__prof_span { int name; tsys_trace_kind kind; double t0, t1; int parent, phase; double self_us, total_us, flops; } tsys__prof_span;
 typedef struct tsys__prof_kernel { uint64_t seq; int name; tsys_device dev; double t0, t1, dev_t0, dev_us, flops; int span, phase; bool gemm, timed; } tsys__prof_kernel;
-typedef struct tsys__prof_mem { double t; int64_t live[TSYS_DEVICE_COUNT]; } tsys__prof_mem;
+typedef struct tsys__prof_mem { double t; int64_t live[TSYS_DEVICE_COUNT], cached[TSYS_DEVICE_COUNT]; } tsys__prof_mem;
 
 struct tsys_profiler {
     tsys_ctx *ctx;
@@ -3777,6 +3873,7 @@ static void tsys__prof_on_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user
     tsys__prof_mem *m = &p->mem[p->num_mem++];
     m->t = tsys_time_us() - p->t0;
     for (int d = 0; d < TSYS_DEVICE_COUNT; d++) m->live[d] = ctx->mem.dev[d].live_bytes;
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) m->cached[d] = d == (int)e->device ? e->cached : (m > p->mem ? m[-1].cached[d] : 0);
 }
 
 TSYSDEF tsys_profiler *tsys_profiler_begin(tsys_ctx *ctx) {
@@ -3837,13 +3934,37 @@ TSYSDEF void tsys_profiler_free(tsys_profiler *p) {
     TSYS_FREE(p);
 }
 
+static bool tsys__prof_in_phase(const tsys_profiler *p, const tsys__prof_kernel *k, const char *phase) {
+    return !phase || (k->phase >= 0 && strcmp(p->names[p->phases[k->phase]], phase) == 0);
+}
 TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase) {
     double us = 0;
+    for (size_t i = 0; i < p->num_kernels; i++) if (tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
+    return us * 1e-3;
+}
+TSYSDEF double tsys_profiler_matmul_ms(const tsys_profiler *p, const char *phase) {
+    double us = 0;
+    for (size_t i = 0; i < p->num_kernels; i++) if (p->kernels[i].gemm && tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
+    return us * 1e-3;
+}
+TSYSDEF double tsys_profiler_span_ms(const tsys_profiler *p, const char *name) {
+    double us = 0;
+    for (size_t i = 0; i < p->num_spans; i++) if (strcmp(p->names[p->spans[i].name], name) == 0) us += p->spans[i].total_us;
+    return us * 1e-3;
+}
+TSYSDEF const char *tsys_profiler_top_kernel(const tsys_profiler *p, const char *phase, int matmul, double *ms, int *calls) {
+    double us[TSYS__PROF_MAX_NAMES];
+    int n[TSYS__PROF_MAX_NAMES], best = -1;
+    memset(us, 0, sizeof(us)); memset(n, 0, sizeof(n));
     for (size_t i = 0; i < p->num_kernels; i++) {
         const tsys__prof_kernel *k = &p->kernels[i];
-        if (!phase || (k->phase >= 0 && strcmp(p->names[p->phases[k->phase]], phase) == 0)) us += k->dev_us;
+        if ((matmul >= 0 && k->gemm != (matmul == 1)) || !tsys__prof_in_phase(p, k, phase)) continue;
+        us[k->name] += k->dev_us; n[k->name]++;
+        if (best < 0 || us[k->name] > us[best]) best = k->name;
     }
-    return us * 1e-3;
+    if (ms) *ms = best >= 0 ? us[best] * 1e-3 : 0.0;
+    if (calls) *calls = best >= 0 ? n[best] : 0;
+    return best >= 0 ? p->names[best] : NULL;
 }
 
 TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind) {
@@ -3963,9 +4084,13 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
         tsys__json_str(f, k->phase >= 0 ? p->names[p->phases[k->phase]] : "");
         fprintf(f, ", \"seq\": %llu}}", (unsigned long long)k->seq);
     }
-    for (size_t i = 0; i < p->num_mem; i++)
+    for (size_t i = 0; i < p->num_mem; i++) {
         fprintf(f, ",\n{\"name\": \"live bytes\", \"ph\": \"C\", \"ts\": %.3f, \"pid\": 1, \"args\": {\"cpu\": %lld, \"cuda\": %lld}}", p->mem[i].t,
                 (long long)p->mem[i].live[TSYS_CPU], (long long)p->mem[i].live[TSYS_CUDA]);
+        // reserved = live + the allocator's cached blocks (what nvidia-smi sees, less the context)
+        fprintf(f, ",\n{\"name\": \"reserved bytes\", \"ph\": \"C\", \"ts\": %.3f, \"pid\": 1, \"args\": {\"cpu\": %lld, \"cuda\": %lld}}", p->mem[i].t,
+                (long long)(p->mem[i].live[TSYS_CPU] + p->mem[i].cached[TSYS_CPU]), (long long)(p->mem[i].live[TSYS_CUDA] + p->mem[i].cached[TSYS_CUDA]));
+    }
     fprintf(f, "\n]}\n");
     bool bad = ferror(f) != 0;
     if (fclose(f) != 0 || bad) return TSYS__FAIL(p->ctx, TSYS_ERR_IO, "profiler trace '%s': write failed", path);

@@ -188,6 +188,18 @@ static inline bool du_model_desc(const tsys_model_desc *dims, const char *model_
     return tsys_model_desc_validate(d, err, len) == TSYS_OK;
 }
 
+// The largest tensors of a step (logits, attention scores, the FFN activations, the weights) stay
+// within DU_MAX_ELEMS; err names the sizes when they do not.
+static inline bool du_model_sizes_ok(const tsys_model_desc *d, int batch, int T, char *err, size_t len) {
+    double B = batch, V = d->vocab_size, D = d->d_model, F = d->d_ff, H = d->num_heads;
+    if (du_elems_ok(B * T * V) && du_elems_ok(B * H * T * (double)T) && du_elems_ok(B * T * F) && du_elems_ok(V * D) && du_elems_ok(D * F)) return true;
+    snprintf(err, len, "tensor sizes past 2^62 elements (batch %d x context %d with vocab %d, %d heads, d_ff %d)", batch, T, d->vocab_size, d->num_heads, d->d_ff);
+    return false;
+}
+
+// The --dtype spelling of an autocast dtype (fp32, bf16, fp16).
+static inline const char *du_dtype_flag(tsys_dtype d) { return d == TSYS_F32 ? "fp32" : d == TSYS_BF16 ? "bf16" : "fp16"; }
+
 // ---- progress on stderr (only when it is a terminal or TSYS_PROGRESS=1) -------------------------
 
 static inline bool du_progress_on(void) {

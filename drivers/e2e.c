@@ -273,6 +273,31 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
 #endif
 }
 
+// One line per profiled configuration in DIR/summary.csv (the header when the file is new), the
+// numbers the report's nsys_profile questions ask for: the kernel that takes the most time in forward
+// and in the whole step, the matmuls' share, the largest non-matmul kernel, and attention's softmax
+// against its two matmuls (naive attention's regions).
+static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const char *dir, const char *config, const double *t) {
+    char path[600];
+    snprintf(path, sizeof(path), "%s/summary.csv", dir);
+    FILE *f = fopen(path, "a");
+    if (!f) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
+    if (ftell(f) == 0)
+        fprintf(f, "config,step_ms,fwd_ms,bwd_ms,opt_ms,kernel_ms,fwd_kernel_ms,fwd_top_kernel,fwd_top_ms,fwd_top_calls,step_top_kernel,step_top_ms,"
+                   "step_top_calls,fwd_matmul_pct,step_matmul_pct,fwd_top_other,fwd_top_other_ms,softmax_ms,attn_matmul_ms\n");
+    double all = tsys_profiler_kernel_ms(p, NULL), fwd = tsys_profiler_kernel_ms(p, "forward"), fwd_top = 0, step_top = 0, other = 0;
+    int fwd_calls = 0, step_calls = 0;
+    const char *fk = tsys_profiler_top_kernel(p, "forward", -1, &fwd_top, &fwd_calls), *sk = tsys_profiler_top_kernel(p, NULL, -1, &step_top, &step_calls);
+    const char *ok = tsys_profiler_top_kernel(p, "forward", 0, &other, NULL);
+    fprintf(f, "%s,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%s,%.3f,%d,%s,%.3f,%d,%.1f,%.1f,%s,%.3f,%.3f,%.3f\n", config, t[0] + t[1] + t[2], t[0], t[1], t[2], all, fwd,
+            fk ? fk : "-", fwd_top, fwd_calls, sk ? sk : "-", step_top, step_calls, fwd > 0 ? 100.0 * tsys_profiler_matmul_ms(p, "forward") / fwd : 0.0,
+            all > 0 ? 100.0 * tsys_profiler_matmul_ms(p, NULL) / all : 0.0, ok ? ok : "-", other, tsys_profiler_span_ms(p, "computing softmax"),
+            tsys_profiler_span_ms(p, "computing attention scores") + tsys_profiler_span_ms(p, "final matmul"));
+    bool bad = ferror(f) != 0;
+    if (fclose(f) != 0 || bad) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: write to '%s' failed", path);
+    return TSYS_OK;
+}
+
 // One more step under the profiler; its tables and Chrome trace go to DIR/<configuration>.{md,json}.
 static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_row *row) {
     char base[512], path[600];
@@ -297,6 +322,7 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
         fprintf(f, "\n");
         fclose(f);
         fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
+        st = profile_summary(b->ctx, p, dir, base + strlen(dir) + 1, t);
     }
     tsys_profiler_free(p);
     return st;
@@ -316,15 +342,7 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
 
 // The model shape of a configuration: a preset (explicit dims override it) or 'custom'.
 static bool config_desc(const e2e_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
-    if (!du_model_desc(&o->dims, model_name, T, attn, d, err, len)) return false;
-    // the largest tensors of a step: logits, attention scores, the FFN activations, the weights
-    double B = o->batch, V = d->vocab_size, D = d->d_model, F = d->d_ff, H = d->num_heads;
-    if (!du_elems_ok(B * T * V) || !du_elems_ok(B * H * T * (double)T) || !du_elems_ok(B * T * F) || !du_elems_ok(V * D) || !du_elems_ok(D * F)) {
-        snprintf(err, len, "tensor sizes past 2^62 elements (batch %d x context %d with vocab %d, %d heads, d_ff %d)", o->batch, T,
-                 d->vocab_size, d->num_heads, d->d_ff);
-        return false;
-    }
-    return true;
+    return du_model_desc(&o->dims, model_name, T, attn, d, err, len) && du_model_sizes_ok(d, o->batch, T, err, len);
 }
 
 static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn_flag, du_table *tab) {

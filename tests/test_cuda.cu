@@ -806,6 +806,45 @@ TSYS_TEST(cuda_profiler_device_times) {
     tsys_ctx_clear_error(ctx);
 }
 
+// The first-principles prediction against the tracker on CUDA (the library's workspace aside, which
+// the prediction leaves out), and the caching allocator's free blocks on the timeline.
+static void tc_mem_case(const char *attn, tsys_dtype dt, bool backward, bool optimizer) {
+    TC_CTX(ctx);
+    test_mem_result r;
+    tsys_status st = test_mem_step(ctx, TSYS_CUDA, attn, dt, backward, optimizer, &r);
+    TEST_CHECK(st == TSYS_OK, "%s %s: %s", attn, tsys_dtype_name(dt), tsys_ctx_last_error(ctx));
+    TEST_CHECK(test_rel_diff(r.peak - r.workspace, r.predicted.peak) <= 0.10, "%s %s backward %d: peak %lld less workspace %lld, predicted %lld", attn,
+               tsys_dtype_name(dt), (int)backward, (long long)r.peak, (long long)r.workspace, (long long)r.predicted.peak);
+    if (backward)
+        TEST_CHECK(test_rel_diff(r.activations, r.predicted.activations) <= 0.10, "%s %s: activations %lld, predicted %lld", attn, tsys_dtype_name(dt),
+                   (long long)r.activations, (long long)r.predicted.activations);
+    TEST_CHECK(r.allocs > 20 && r.unpaired_frees == 0 && r.bad_shapes == 0 && r.odd_moves == 0, "%d allocations, %d frees without one, %d without a shape, %d unpaired moves",
+               r.allocs, r.unpaired_frees, r.bad_shapes, r.odd_moves);
+}
+TSYS_TEST(cuda_memory_prediction) {
+    tc_mem_case("naive", TSYS_F32, true, true);
+    tc_mem_case("flash", TSYS_BF16, true, true);
+    tc_mem_case("naive", TSYS_BF16, false, false);
+}
+TSYS_TEST(cuda_memory_events_carry_the_cache) {
+    TC_CTX(ctx);
+    int64_t shape[1] = {1 << 20};
+    tsys_mem_clear_events(ctx);
+    tsys_mem_record_events(ctx, true);
+    tsys_tensor *a = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, shape);
+    tsys_tensor_release(a);   // its block goes to the cache, not back to the device
+    tsys_tensor *b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, shape);
+    tsys_mem_record_events(ctx, false);
+    size_t n;
+    const tsys_mem_event *ev = tsys_mem_events(ctx, &n);
+    TEST_CHECK(n == 3 && ev[1].action == TSYS_MEM_EV_FREE && ev[1].cached >= (int64_t)(4 << 20) && ev[2].cached == ev[1].cached - (int64_t)(4 << 20),
+               "%zu events; cached after the free %lld, after the reuse %lld", n, n > 1 ? (long long)ev[1].cached : -1, n > 2 ? (long long)ev[2].cached : -1);
+    tsys_cuda_mem_info mi = tsys_cuda_mem_info_get(ctx);
+    TEST_CHECK(n == 3 && ev[2].cached == (int64_t)mi.cached_bytes, "the last event's cached %lld, the allocator's %zu", n == 3 ? (long long)ev[2].cached : -1, mi.cached_bytes);
+    tsys_tensor_release(b);
+    tsys_mem_clear_events(ctx);
+}
+
 TSYS_TEST(perf_kernels) {
     TC_CTX(ctx);
     printf("\n");
