@@ -142,6 +142,7 @@ typedef enum tsys_device { TSYS_CPU, TSYS_CUDA, TSYS_DEVICE_COUNT } tsys_device;
 typedef struct tsys_ctx tsys_ctx;
 typedef struct tsys_tensor tsys_tensor;
 typedef struct tsys__node tsys__node;
+typedef struct tsys__grad_home tsys__grad_home;
 
 // What an allocation holds. Storage starts in the category the context is set to when it is made
 // (tsys_mem_set_category; the library sets it for parameters, gradients and optimizer state) and a
@@ -192,6 +193,7 @@ struct tsys_tensor {
     bool grad_zero;              // leaves: .grad holds stale bytes that count as zero (tsys_optim_zero_grad);
                                  // the next gradient overwrites instead of adding, saving a fill and a read
     struct tsys__grad_hook *hooks;   // leaves: fired in order once .grad is final for this backward
+    struct tsys__grad_home *grad_home;   // leaves: the block .grad is carved from when backward first needs it
     char name[TSYS_NAME_LEN];
 };
 
@@ -2340,10 +2342,42 @@ TSYSDEF void tsys_tape_clear(tsys_ctx *ctx) {
     ctx->tape_len = 0;
 }
 
+// The gradients of a group of parameters that lie back to back in one block (a model's): one fp32
+// block laid out like theirs, made the first time backward needs any of them, so that a model used
+// only for inference never holds gradients (as PyTorch's .grad stays None), and the optimizer and
+// DDP still see one contiguous run.
+struct tsys__grad_home {
+    tsys_tensor *params_block;   // the parameters' block (their offsets in it are the gradients' offsets)
+    tsys_tensor **params;
+    int n;
+    tsys_tensor *block;          // NULL until made
+};
+static tsys_status tsys__grad_home_make(tsys_ctx *ctx, tsys__grad_home *h) {
+    if (h->block) return TSYS_OK;
+    int64_t numel = tsys_tensor_numel(h->params_block);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+    h->block = tsys_tensor_new(ctx, TSYS_F32, h->params_block->device, 1, &numel);
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    if (!h->block) return ctx->status;
+    tsys_tensor_set_name(h->block, "gradients");
+    for (int i = 0; i < h->n; i++) {
+        tsys_tensor *p = h->params[i];
+        if (p->grad) continue;   // one a user set on their own stays theirs
+        p->grad = tsys_tensor_view_raw(ctx, h->block, p->offset - h->params_block->offset, TSYS_F32, p->ndim, p->shape);
+        if (!p->grad) return ctx->status;
+        tsys_tensor_set_name(p->grad, "%s.grad", p->name);
+        p->grad_zero = true;   // counts as zero: the first gradient is stored, not added
+    }
+    return TSYS_OK;
+}
+
 // A leaf's gradient buffer for a kernel to write: *overwrite says the kernel must store (the buffer
-// counts as zero) rather than add. Created on first use.
+// counts as zero) rather than add. Created on first use (for a model's parameter: all of the model's).
 static tsys_tensor *tsys__leaf_grad_for_write(tsys_ctx *ctx, tsys_tensor *leaf, bool *overwrite) {
     *overwrite = false;
+    if (!leaf->grad && leaf->grad_home && tsys__grad_home_make(ctx, leaf->grad_home) != TSYS_OK) return NULL;
     if (!leaf->grad) {
         int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
         tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
@@ -3158,7 +3192,8 @@ struct tsys_model {
     tsys_ctx *ctx;
     tsys_model_desc desc;
     tsys_device device;
-    tsys_tensor *flat_params, *flat_grads;   // one block each; every parameter and its grad is a view
+    tsys_tensor *flat_params;                // one block; every parameter is a view
+    tsys__grad_home grads;                   // their gradients, one block made at the first backward
     tsys_tensor **params;                    // parameters() order
     int num_tensors;
     tsys__layer *layers;
@@ -3246,7 +3281,8 @@ TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int6
 // output and log-sum-exp (B, H, T); the SwiGLU inputs and output (3 x N x d_ff). Outside the blocks:
 // the final norm's input and 1/rms, lm_head's input, the logits and the loss's log-sum-exp.
 // Autocast's low-precision weight copies (every matrix but the embedding) live from their first use
-// to the end of backward. Gradients are one fp32 block made with the model.
+// to the end of backward. Gradients are one fp32 block, made by the model's first backward (a model
+// only run forward has none).
 TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer) {
     tsys_model_mem_estimate e;
     memset(&e, 0, sizeof(e));
@@ -3257,7 +3293,7 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *de
     int64_t copies = autocast ? matrices * c : 0, scores = batch * H * T * T * c;
     e.num_layers = d.num_layers;
     e.params = 4 * P + copies;
-    e.grads = 4 * P;
+    e.grads = backward ? 4 * P : 0;
     e.optimizer = optimizer ? 8 * P + 8 : 0;   // m, v and the step count
     int64_t norm_outs = autocast ? 5 * N * D * c : 2 * N * D * 4;
     e.saved_per_layer = 2 * N * D * 4 + 2 * N * 4 + norm_outs + 4 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : scores) + 3 * N * F * c;
@@ -3271,11 +3307,19 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *de
         e.temporaries = in_softmax > at_loss ? in_softmax : at_loss;
         e.temporaries_what = in_softmax > at_loss ? "the last block's softmax backward: dP and dS, less what is freed by then" : "the logits' gradient (batch x T x vocab)";
     } else {
-        // no tape: the largest pair alive at once, the attention scores and their softmax or the
-        // logits with lm_head's input and the residual stream
-        int64_t at_head = N * V * c + N * D * (4 + c) + N * D * 4, at_softmax = flash ? 0 : 2 * scores + 5 * N * D * 4;
-        e.temporaries = at_softmax > at_head ? at_softmax : at_head;
-        e.temporaries_what = at_softmax > at_head ? "attention scores and their softmax, with the residual stream" : "the logits, lm_head's input and the residual stream";
+        // no tape: the most alive at once is in the last block's attention (the residual stream, q, k
+        // and v, the scores and their softmax or flash attention's output) or its FFN (the residual
+        // stream, the norm's output, both projections and their SwiGLU), where lm_head's copy is not
+        // made yet; or at lm_head (its input, its cast and the logits)
+        int64_t head_copy = autocast ? V * D * c : 0;
+        int64_t in_attn = N * D * 4 + 3 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : 2 * scores) - head_copy;
+        int64_t in_ffn = 2 * N * D * 4 + 3 * N * F * c - head_copy;
+        int64_t at_head = N * V * c + N * D * 4 + (autocast ? N * D * c : 0);
+        e.temporaries = TSYS__MAX(TSYS__MAX(in_attn, in_ffn), at_head);
+        e.temporaries_what = e.temporaries == at_head ? "the logits, lm_head's input and its cast"
+                           : e.temporaries == in_ffn ? "the last block's FFN: the residual stream, the norm's output, both projections and their SwiGLU"
+                                                     : "the last block's attention: the residual stream, q, k, v, the scores and their softmax";
+        if (e.temporaries != at_head) { e.params -= head_copy; e.temporaries += head_copy; }
     }
     e.peak = e.params + e.grads + e.optimizer + e.activations + e.temporaries;
     return e;
@@ -3296,14 +3340,13 @@ static tsys_tensor *tsys__model_param(tsys_model *m, size_t *offset, int ndim, i
     int64_t shape[2] = {d0, d1};
     tsys_ctx *ctx = m->ctx;
     tsys_tensor *p = tsys_tensor_view_raw(ctx, m->flat_params, *offset, TSYS_F32, ndim, shape);
-    tsys_tensor *g = p ? tsys_tensor_view_raw(ctx, m->flat_grads, *offset, TSYS_F32, ndim, shape) : NULL;
-    if (!g) { tsys_tensor_release(p); return NULL; }
+    if (!p) return NULL;
     tsys_tensor_set_name(p, fmt, layer);
-    tsys_tensor_set_name(g, "%s.grad", p->name);
     p->requires_grad = true;
-    p->grad = g;
+    p->grad_home = &m->grads;
     *offset += tsys_tensor_bytes(p);
     m->params[m->num_tensors++] = p;
+    m->grads.n = m->num_tensors;
     return p;
 }
 
@@ -3320,7 +3363,7 @@ static tsys_status tsys__model_init_params(tsys_model *m) {
         }
         if (st != TSYS_OK) return st;
     }
-    return tsys_tensor_fill(ctx, m->flat_grads, 0.0f);
+    return TSYS_OK;
 }
 
 TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, tsys_device dev, uint64_t seed) {
@@ -3340,18 +3383,15 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
     m->flat_params = (m->params && m->layers && m->layer_names) ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
-    tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
-    tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
-    m->flat_grads = m->flat_params ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
-    if (!m->flat_grads) {
+    m->grads.params_block = m->flat_params; m->grads.params = m->params;
+    if (!m->flat_params) {
         if (!m->params || !m->layers || !m->layer_names) TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model");
         tsys_model_free(m);
         return NULL;
     }
     tsys_tensor_set_name(m->flat_params, "parameters");
-    tsys_tensor_set_name(m->flat_grads, "gradients");
     size_t off = 0;
     int64_t dm = d.d_model, dff = d.d_ff;
     bool ok = (m->emb = tsys__model_param(m, &off, 2, d.vocab_size, dm, "token_embeddings.weight", 0)) != NULL;
@@ -3383,7 +3423,7 @@ TSYSDEF void tsys_model_free(tsys_model *m) {
     if (!m) return;
     for (int i = 0; i < m->num_tensors; i++) tsys_tensor_release(m->params[i]);
     tsys_tensor_release(m->flat_params);
-    tsys_tensor_release(m->flat_grads);
+    tsys_tensor_release(m->grads.block);
     TSYS_FREE(m->params);
     TSYS_FREE(m->layers);
     TSYS_FREE(m->layer_names);
@@ -3603,6 +3643,7 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
         inc.t[0] = o->step_t;
         st = tsys__kernel(ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
     }
+    if (!o->flat_p) tsys__optim_find_flat(o);   // a model's gradients are made by its first backward
     if (o->flat_p) st = tsys__optim_update(o, o->flat_p, o->flat_g, o->m, o->v);
     size_t off = 0;
     for (int i = 0; !o->flat_p && st == TSYS_OK && i < o->n; i++) {

@@ -384,7 +384,7 @@ static void print_prediction(FILE *f, tsys_ctx *ctx, const timeline *tl, const t
     const int64_t *m = tl->peak.cat;
     fprintf(f, "predicted (from the model's shapes) vs measured at the peak, MiB:\n\n| term | predicted | measured | what |\n|---|---:|---:|---|\n");
     fprintf(f, "| parameters | %.1f | %.1f | fp32 master weights |\n", pe->params * MIB, m[TSYS_MEM_PARAMETERS] * MIB);
-    fprintf(f, "| gradients | %.1f | %.1f | fp32, one per parameter, when the peak is in backward or later |\n", pe->grads * MIB, m[TSYS_MEM_GRADIENTS] * MIB);
+    fprintf(f, "| gradients | %.1f | %.1f | fp32, one per parameter, made by the first backward |\n", pe->grads * MIB, m[TSYS_MEM_GRADIENTS] * MIB);
     fprintf(f, "| optimizer state | %.1f | %.1f | AdamW m and v |\n", pe->optimizer * MIB, m[TSYS_MEM_OPTIMIZER] * MIB);
     fprintf(f, "| activations | %.1f | %.1f | saved for backward: %.1f per layer x %d + %.1f outside the layers |\n", pe->activations * MIB,
             m[TSYS_MEM_ACTIVATIONS] * MIB, pe->saved_per_layer * MIB, pe->num_layers, pe->saved_outside * MIB);
