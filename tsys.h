@@ -579,6 +579,7 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
 TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, float lr);
 TSYSDEF tsys_status tsys_optim_step(tsys_optim *opt);
 TSYSDEF void tsys_optim_zero_grad(tsys_optim *opt);
+TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads on its parameters
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
@@ -586,6 +587,7 @@ TSYSDEF void tsys_optim_free(tsys_optim *opt);
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm);   // returns the norm before clipping
 TSYSDEF double tsys_cosine_lr(int64_t it, double max_lr, double min_lr, int64_t warmup_iters, int64_t cosine_cycle_iters);
 TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n);          // lazy: marks them zero (see the implementation)
+TSYSDEF void tsys_release_grads(tsys_ctx *ctx, tsys_tensor **params, int n);       // zero_grad(set_to_none=True): a model's gradients are given back
 TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n); // writes the zeros of gradients marked zero
 
 // fp16 dynamic loss scaling, torch.cuda.amp.GradScaler semantics
@@ -2342,35 +2344,48 @@ TSYSDEF void tsys_tape_clear(tsys_ctx *ctx) {
     ctx->tape_len = 0;
 }
 
-// The gradients of a group of parameters that lie back to back in one block (a model's): one fp32
-// block laid out like theirs, made the first time backward needs any of them, so that a model used
-// only for inference never holds gradients (as PyTorch's .grad stays None), and the optimizer and
-// DDP still see one contiguous run.
+// The gradients of a group of fp32 parameters that lie back to back in one block (a model's layer):
+// one block laid out like theirs, made the first time backward needs any of them, and given back by
+// tsys_release_grads. A model used only for inference never holds gradients (as PyTorch's .grad
+// stays None); in training, backward makes them layer by layer as it frees the layers' activations,
+// so the two do not peak together; the optimizer still sees contiguous runs.
 struct tsys__grad_home {
-    tsys_tensor *params_block;   // the parameters' block (their offsets in it are the gradients' offsets)
-    tsys_tensor **params;
+    tsys_tensor **params;   // back to back in one storage, in order
     int n;
-    tsys_tensor *block;          // NULL until made
+    tsys_tensor *block;     // NULL until made
 };
 static tsys_status tsys__grad_home_make(tsys_ctx *ctx, tsys__grad_home *h) {
     if (h->block) return TSYS_OK;
-    int64_t numel = tsys_tensor_numel(h->params_block);
+    int64_t numel = 0;
+    for (int i = 0; i < h->n; i++) numel += tsys_tensor_numel(h->params[i]);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
-    h->block = tsys_tensor_new(ctx, TSYS_F32, h->params_block->device, 1, &numel);
+    h->block = tsys_tensor_new(ctx, TSYS_F32, h->params[0]->device, 1, &numel);
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
     if (!h->block) return ctx->status;
-    tsys_tensor_set_name(h->block, "gradients");
+    tsys_tensor_set_name(h->block, "%s.grads", h->params[0]->name);
     for (int i = 0; i < h->n; i++) {
         tsys_tensor *p = h->params[i];
         if (p->grad) continue;   // one a user set on their own stays theirs
-        p->grad = tsys_tensor_view_raw(ctx, h->block, p->offset - h->params_block->offset, TSYS_F32, p->ndim, p->shape);
+        p->grad = tsys_tensor_view_raw(ctx, h->block, p->offset - h->params[0]->offset, TSYS_F32, p->ndim, p->shape);
         if (!p->grad) return ctx->status;
         tsys_tensor_set_name(p->grad, "%s.grad", p->name);
         p->grad_zero = true;   // counts as zero: the first gradient is stored, not added
     }
     return TSYS_OK;
+}
+// Gives the block back: the parameters' .grad become NULL (those it made; a user's stay).
+static void tsys__grad_home_release(tsys__grad_home *h) {
+    if (!h->block) return;
+    for (int i = 0; i < h->n; i++) {
+        tsys_tensor *p = h->params[i];
+        if (!p->grad || p->grad->storage != h->block->storage) continue;
+        tsys_tensor_release(p->grad);
+        p->grad = NULL; p->grad_zero = false;
+    }
+    tsys_tensor_release(h->block);
+    h->block = NULL;
 }
 
 // A leaf's gradient buffer for a kernel to write: *overwrite says the kernel must store (the buffer
@@ -3193,7 +3208,8 @@ struct tsys_model {
     tsys_model_desc desc;
     tsys_device device;
     tsys_tensor *flat_params;                // one block; every parameter is a view
-    tsys__grad_home grads;                   // their gradients, one block made at the first backward
+    tsys__grad_home *grad_homes;             // the gradients by group (the embedding, each layer, the head), made by backward
+    int num_grad_homes;
     tsys_tensor **params;                    // parameters() order
     int num_tensors;
     tsys__layer *layers;
@@ -3281,8 +3297,8 @@ TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int6
 // output and log-sum-exp (B, H, T); the SwiGLU inputs and output (3 x N x d_ff). Outside the blocks:
 // the final norm's input and 1/rms, lm_head's input, the logits and the loss's log-sum-exp.
 // Autocast's low-precision weight copies (every matrix but the embedding) live from their first use
-// to the end of backward. Gradients are one fp32 block, made by the model's first backward (a model
-// only run forward has none).
+// to the end of backward. Gradients are fp32, one block per layer, made when backward reaches the
+// layer and given back after the step (the drivers' tsys_optim_release_grads, torch's set_to_none).
 TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer) {
     tsys_model_mem_estimate e;
     memset(&e, 0, sizeof(e));
@@ -3300,12 +3316,29 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *de
     e.saved_outside = N * D * 4 + N * 4 + N * D * (autocast ? c : 4) + N * V * c + N * 4;
     int64_t act = e.saved_per_layer * L + e.saved_outside;
     if (backward) {
-        // the peak: at the loss's backward (every activation, plus the logits' gradient), or in the
-        // last block's naive softmax backward (the logits and that block's FFN are gone; dP and dS)
-        int64_t at_loss = N * V * c, in_softmax = flash ? 0 : 2 * scores - N * V * c - N * D * (autocast ? c : 4) - 3 * N * F * c;
-        e.activations = act;
-        e.temporaries = in_softmax > at_loss ? in_softmax : at_loss;
-        e.temporaries_what = in_softmax > at_loss ? "the last block's softmax backward: dP and dS, less what is freed by then" : "the logits' gradient (batch x T x vocab)";
+        // Gradients are made by group as backward reaches it (the head, then each layer) and given
+        // back after the step (tsys_release_grads); the saved tensors go as their nodes finish. The
+        // peak is the largest of: the loss's backward (every activation and the logits' gradient);
+        // lm_head's (the logits gone, the head's gradients made); the last block's FFN backward (the
+        // head's tensors gone; that layer's gradients, the residual stream's gradient, dS, da, db);
+        // its naive softmax backward (the FFN's tensors gone too; dP and dS); the end of backward
+        // (every gradient; autocast's weight copies gone with their nodes).
+        int64_t ch = autocast ? c : 4, head_grads = 4 * (V * D + D), layer_grads = 4 * (4 * D * D + 3 * D * F + 2 * D);
+        int64_t head_saved = N * V * c + N * D * ch + N * D * 4 + N * 4, ffn_saved = 3 * N * F * c + N * D * 4 + (autocast ? 2 * N * D * c : N * D * 4) + N * 4;
+        struct { int64_t act, grads, temp, params; const char *what; } cand[5] = {
+            {act, 0, N * V * c, e.params, "the loss's backward: every activation and the logits' gradient"},
+            {act - N * V * c, head_grads, N * V * c + N * D * c, e.params, "lm_head's backward: the logits' gradient, the head's gradients"},
+            {act - head_saved, head_grads + layer_grads, N * D * 4 + 3 * N * F * c, e.params, "the last block's FFN backward: its gradients, the residual stream's, dS, da, db"},
+            {act - head_saved - ffn_saved, head_grads + layer_grads, N * D * 4 + 2 * scores, e.params, "the last block's softmax backward: dP and dS"},
+            {0, e.grads, N * D * 4, 4 * P, "the end of backward: every gradient, and the residual stream's"},
+        };
+        int best = 0;
+        for (int k = 1; k < 5; k++) {
+            if (k == 3 && flash) continue;
+            if (cand[k].act + cand[k].grads + cand[k].temp + cand[k].params > cand[best].act + cand[best].grads + cand[best].temp + cand[best].params) best = k;
+        }
+        e.activations = cand[best].act; e.grads = cand[best].grads; e.temporaries = cand[best].temp; e.params = cand[best].params;
+        e.temporaries_what = cand[best].what;
     } else {
         // no tape: the most alive at once is in the last block's attention (the residual stream, q, k
         // and v, the scores and their softmax or flash attention's output) or its FFN (the residual
@@ -3343,11 +3376,26 @@ static tsys_tensor *tsys__model_param(tsys_model *m, size_t *offset, int ndim, i
     if (!p) return NULL;
     tsys_tensor_set_name(p, fmt, layer);
     p->requires_grad = true;
-    p->grad_home = &m->grads;
     *offset += tsys_tensor_bytes(p);
     m->params[m->num_tensors++] = p;
-    m->grads.n = m->num_tensors;
     return p;
+}
+
+// Gradient groups: the embedding, each layer's nine, the final norm with lm_head. Backward reaches
+// them in reverse order, so each group's gradients are made as its layer's backward starts.
+static bool tsys__model_grad_homes(tsys_model *m) {
+    int L = m->desc.num_layers, first = 0;
+    m->grad_homes = (tsys__grad_home *)TSYS_MALLOC(sizeof(tsys__grad_home) * (size_t)(L + 2));
+    if (!m->grad_homes) { TSYS__FAIL(m->ctx, TSYS_ERR_OOM, "out of host memory for the model"); return false; }
+    m->num_grad_homes = L + 2;
+    for (int g = 0; g < L + 2; g++) {
+        tsys__grad_home *h = &m->grad_homes[g];
+        h->params = m->params + first; h->n = g == 0 ? 1 : g <= L ? 9 : 2; h->block = NULL;
+        for (int i = 0; i < h->n; i++) m->params[first + i]->grad_home = h;
+        first += h->n;
+    }
+    TSYS_ASSERT(first == m->num_tensors);
+    return true;
 }
 
 static tsys_status tsys__model_init_params(tsys_model *m) {
@@ -3385,7 +3433,6 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
     m->flat_params = (m->params && m->layers && m->layer_names) ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
-    m->grads.params_block = m->flat_params; m->grads.params = m->params;
     if (!m->flat_params) {
         if (!m->params || !m->layers || !m->layer_names) TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model");
         tsys_model_free(m);
@@ -3410,6 +3457,7 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
     ok = ok && (m->ln_final = tsys__model_param(m, &off, 1, dm, 0, "ln_final.weight", 0)) &&
          (m->lm_head = tsys__model_param(m, &off, 2, d.vocab_size, dm, "lm_head.weight", 0));
     TSYS_ASSERT(!ok || off == (size_t)n * sizeof(float));
+    ok = ok && tsys__model_grad_homes(m);
     uint64_t saved_rng[4];
     memcpy(saved_rng, ctx->rng, sizeof(saved_rng));
     tsys_rng_seed(ctx, seed);
@@ -3421,9 +3469,11 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
 
 TSYSDEF void tsys_model_free(tsys_model *m) {
     if (!m) return;
+    for (int i = 0; m->grad_homes && i < m->num_grad_homes; i++) tsys__grad_home_release(&m->grad_homes[i]);
+    for (int i = 0; i < m->num_tensors; i++) m->params[i]->grad_home = NULL;   // an optimizer may keep them
     for (int i = 0; i < m->num_tensors; i++) tsys_tensor_release(m->params[i]);
     tsys_tensor_release(m->flat_params);
-    tsys_tensor_release(m->grads.block);
+    TSYS_FREE(m->grad_homes);
     TSYS_FREE(m->params);
     TSYS_FREE(m->layers);
     TSYS_FREE(m->layer_names);
@@ -3533,25 +3583,25 @@ struct tsys_optim {
     tsys_optim_desc desc;
     tsys_tensor **params;
     int n;
-    tsys_tensor *flat_p, *flat_g;   // views over all parameters/grads when they are one contiguous block
     tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
     tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
     int64_t step;
 };
 
-// If the parameters (and their grads) lie back to back in one storage, views over the whole run:
-// then an update is one kernel launch instead of one per tensor.
-static void tsys__optim_find_flat(tsys_optim *o) {
-    tsys_tensor **p = o->params;
-    if (o->n == 0 || !p[0]->grad) return;
-    int64_t total = 0;
-    for (int i = 0; i < o->n; i++) {
-        if (p[i]->dtype != TSYS_F32 || !p[i]->grad || p[i]->storage != p[0]->storage || p[i]->grad->storage != p[0]->grad->storage) return;
-        if (p[i]->offset != p[0]->offset + (size_t)total * 4 || p[i]->grad->offset != p[0]->grad->offset + (size_t)total * 4) return;
-        total += tsys_tensor_numel(p[i]);
+// The end of the run of parameters that starts at i: they and their gradients lie back to back,
+// each in one storage (a model's parameters; its gradients by layer, or whole), so one kernel launch
+// updates the run. Found at each step: a model's gradients are made (and given back) as it trains.
+static int tsys__optim_run_end(const tsys_optim *o, int i, int64_t *numel) {
+    tsys_tensor *const *p = o->params;
+    *numel = tsys_tensor_numel(p[i]);
+    int j = i + 1;
+    for (; p[i]->grad && j < o->n; j++) {
+        const tsys_tensor *g = p[j]->grad;
+        if (!g || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != TSYS_F32) break;
+        if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * 4) break;
+        *numel += tsys_tensor_numel(p[j]);
     }
-    o->flat_p = tsys_tensor_view_raw(o->ctx, p[0], 0, TSYS_F32, 1, &total);
-    o->flat_g = tsys_tensor_view_raw(o->ctx, p[0]->grad, 0, TSYS_F32, 1, &total);
+    return j;
 }
 
 static tsys_optim *tsys__optim_new(tsys_ctx *ctx, tsys_tensor **params, int n, bool adamw) {
@@ -3564,7 +3614,6 @@ static tsys_optim *tsys__optim_new(tsys_ctx *ctx, tsys_tensor **params, int n, b
     list[0] = NULL;
     o->ctx = ctx; o->adamw = adamw; o->params = list; o->n = n;
     for (int i = 0; i < n; i++) list[i] = tsys_tensor_retain(params[i]);
-    tsys__optim_find_flat(o);
     return o;
 }
 
@@ -3605,7 +3654,6 @@ TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, flo
 TSYSDEF void tsys_optim_free(tsys_optim *o) {
     if (!o) return;
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
-    tsys_tensor_release(o->flat_p); tsys_tensor_release(o->flat_g);
     tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t);
     TSYS_FREE(o->params);
     TSYS_FREE(o);
@@ -3643,19 +3691,21 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
         inc.t[0] = o->step_t;
         st = tsys__kernel(ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
     }
-    if (!o->flat_p) tsys__optim_find_flat(o);   // a model's gradients are made by its first backward
-    if (o->flat_p) st = tsys__optim_update(o, o->flat_p, o->flat_g, o->m, o->v);
     size_t off = 0;
-    for (int i = 0; !o->flat_p && st == TSYS_OK && i < o->n; i++) {
-        tsys_tensor *p = o->params[i];
-        int64_t n = tsys_tensor_numel(p);
-        if (p->grad) {   // parameters without a gradient are skipped, as in torch
+    for (int i = 0, j; st == TSYS_OK && i < o->n; i = j) {
+        int64_t n;
+        j = tsys__optim_run_end(o, i, &n);
+        tsys_tensor *p0 = o->params[i];
+        if (p0->grad) {   // parameters without a gradient are skipped, as in torch
+            bool one = j == i + 1;
+            tsys_tensor *p = one ? tsys_tensor_retain(p0) : tsys_tensor_view_raw(ctx, p0, 0, TSYS_F32, 1, &n);
+            tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, TSYS_F32, 1, &n);
             tsys_tensor *m = NULL, *v = NULL;
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
-            st = (!o->adamw || (m && v)) ? tsys__optim_update(o, p, p->grad, m, v) : ctx->status;
-            tsys_tensor_release(m); tsys_tensor_release(v);
+            st = p && g && (!o->adamw || (m && v)) ? tsys__optim_update(o, p, g, m, v) : ctx->status;
+            tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v);
         }
-        off += (size_t)n * 4;
+        for (int k = i; k < j; k++) off += (size_t)tsys_tensor_numel(o->params[k]) * 4;
     }
     tsys_mem_set_tag(ctx, tag);
     return st;
@@ -3672,6 +3722,16 @@ TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
 }
 TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n) { return tsys__grads_settle(ctx, params, n); }
 TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) { tsys_zero_grads(o->ctx, o->params, o->n); }
+
+// torch's zero_grad(set_to_none=True), the memory side: the gradients a model made for its parameters
+// (by layer, at backward) are given back, and the next backward makes them again as it reaches each
+// layer, so a step's peak does not hold every gradient and every activation at once. Gradients made
+// any other way (a tensor's own, DDP's buckets) are marked zero as tsys_zero_grads does.
+TSYSDEF void tsys_release_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
+    tsys_zero_grads(ctx, params, n);
+    for (int i = 0; i < n; i++) if (params[i]->grad_home) tsys__grad_home_release(params[i]->grad_home);
+}
+TSYSDEF void tsys_optim_release_grads(tsys_optim *o) { tsys_release_grads(o->ctx, o->params, o->n); }
 
 // Sum over gradients of kernel k's scalar (SUMSQ or NONFINITE), read back once.
 static double tsys__grads_reduce(tsys_ctx *ctx, tsys_tensor **params, int n, tsys_kernel k) {

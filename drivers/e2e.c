@@ -215,8 +215,8 @@ static tsys_status bench_step(bench *b, double *t) {
             if (b->dtype == TSYS_F16) { tsys_grad_scaler_step(&b->scaler, b->opt); tsys_grad_scaler_update(&b->scaler); }
             else tsys_optim_step(b->opt);
         }
-        if (b->opt) tsys_optim_zero_grad(b->opt);
-        else tsys_zero_grads(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model));   // as torch's zero_grad(set_to_none)
+        if (b->opt) tsys_optim_release_grads(b->opt);   // as torch's zero_grad(set_to_none=True)
+        else tsys_release_grads(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model));
         tsys_trace_end(ctx);
         bench_mark(b, 3);
         last = 3;

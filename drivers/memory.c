@@ -177,8 +177,8 @@ static tsys_status run_step(run *r) {
         tsys_trace_begin(ctx, "optimizer");
         if (r->mode == MODE_TRAIN && r->dtype == TSYS_F16) { tsys_grad_scaler_step(&r->scaler, r->opt); tsys_grad_scaler_update(&r->scaler); }
         else if (r->mode == MODE_TRAIN) tsys_optim_step(r->opt);
-        if (r->opt) tsys_optim_zero_grad(r->opt);
-        else tsys_zero_grads(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model));
+        if (r->opt) tsys_optim_release_grads(r->opt);   // as torch's zero_grad(set_to_none=True)
+        else tsys_release_grads(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model));
         tsys_trace_end(ctx);
         run_mark(r);
     }

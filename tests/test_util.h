@@ -92,7 +92,8 @@ static inline tsys_status test_run_every_kernel(tsys_ctx *ctx, tsys_device dev, 
 // timeline's own consistency (allocations paired with frees of the same id and size, moves in
 // pairs, shapes on the allocations of tensors).
 typedef struct test_mem_result {
-    int64_t peak, activations, workspace;   // workspace at the peak: the prediction leaves library workspace out
+    int64_t peak, workspace;    // workspace at the peak: the prediction leaves library workspace out
+    int64_t saved;              // the most activations (tensors the tape keeps) alive at once
     tsys_model_mem_estimate predicted;
     int unpaired_frees, bad_shapes, odd_moves, allocs;
 } test_mem_result;
@@ -120,7 +121,7 @@ static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const ch
         tsys_tensor_release(logits);
         if (loss) tsys_backward(ctx, loss);
         if (opt) tsys_optim_step(opt);
-        if (loss) tsys_zero_grads(ctx, tsys_model_params(m), tsys_model_num_tensors(m));
+        if (loss) tsys_release_grads(ctx, tsys_model_params(m), tsys_model_num_tensors(m));
         tsys_tensor_release(loss);
         tsys_tape_clear(ctx);
         tsys_sync(ctx, dev);
@@ -128,13 +129,17 @@ static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const ch
     tsys_mem_record_events(ctx, false);
     tsys_mem_stats st = tsys_mem_stats_get(ctx, dev);
     r->peak = st.peak_bytes;
-    r->activations = st.peak_category_bytes[TSYS_MEM_ACTIVATIONS];
     r->workspace = st.peak_category_bytes[TSYS_MEM_WORKSPACE];
     r->predicted = tsys_model_mem_predict(&d, B, T, dt, backward, optimizer);
     size_t n;
     const tsys_mem_event *ev = tsys_mem_events(ctx, &n);
     uint64_t first = UINT64_MAX;   // ids are serial: a free below the window's first allocation frees an older one
     for (size_t i = 0; i < n; i++) if (ev[i].action == TSYS_MEM_EV_ALLOC && ev[i].id && ev[i].id < first) first = ev[i].id;
+    int64_t saved = 0;   // the tape is empty when the window opens
+    for (size_t i = 0; i < n; i++) {
+        const tsys_mem_event *e = &ev[i];
+        if (e->device == dev && e->category == TSYS_MEM_ACTIVATIONS) { saved += e->delta; if (saved > r->saved) r->saved = saved; }
+    }
     for (size_t i = 0; i < n; i++) {
         const tsys_mem_event *e = &ev[i];
         if (e->device != dev || !e->id) continue;
