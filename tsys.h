@@ -453,6 +453,13 @@ TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t h
 TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape);   // reshape, shares storage, recorded
 TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape);  // no autograd
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on);
+// Storage surgery for sharded training (tsys_dist.h's FSDP). rebind: t becomes a window of target's
+// storage at byte_offset (its dtype and shape kept, its old storage released; the window must fit).
+// resize: frees (bytes = 0) or reallocates the memory of t's storage under every tensor that views it,
+// as torch's storage().resize_(0) does for FSDP's parameters; the contents are undefined afterwards and
+// a tensor on a 0-byte storage must not be read. The tracker sees the bytes come and go.
+TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset);
+TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes);
 // Gradient-ready hooks: fn runs once per backward, the moment t's gradient is final (after its last
 // use on the tape, tied weights included); several hooks on one tensor run in registration order.
 TSYSDEF tsys_status tsys_tensor_add_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);
@@ -1042,9 +1049,30 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
 static void tsys__storage_release(tsys_storage *s) {
     if (!s || --s->refcount > 0) return;
     tsys_ctx *ctx = s->ctx;
-    ctx->backends[s->device]->free(ctx, s->data, s->bytes);
+    if (s->data) ctx->backends[s->device]->free(ctx, s->data, s->bytes);   // NULL: resized to 0 (tsys_storage_resize)
     tsys__mem_note(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes);
     TSYS_FREE(s);
+}
+
+TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes) {
+    if (!t) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize: NULL tensor");
+    tsys_storage *s = t->storage;
+    if (bytes == (s->data ? s->bytes : 0)) return TSYS_OK;
+    const tsys_backend *be = ctx->backends[s->device];
+    void *data = NULL;
+    if (bytes) {
+        size_t live = (size_t)ctx->mem.dev[s->device].live_bytes - (s->data ? s->bytes : 0);
+        if (s->device == TSYS_CPU && bytes > ctx->cpu_memory_limit - TSYS__MIN(live, ctx->cpu_memory_limit))
+            return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on cpu for '%s' with %zu live (budget %zu)", bytes, t->name, live, ctx->cpu_memory_limit);
+        data = be->alloc(ctx, bytes);
+        if (!data) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on %s for '%s'", bytes, be->name, t->name);
+    }
+    if (s->data) be->free(ctx, s->data, s->bytes);
+    tsys__mem_note(ctx, s->device, s->tag, s->category, -(int64_t)(s->data ? s->bytes : 0));
+    s->data = data;
+    s->bytes = bytes;
+    tsys__mem_note(ctx, s->device, s->tag, s->category, (int64_t)bytes);
+    return TSYS_OK;
 }
 
 // >>tensors ---------------------------------------------------------------------------------------
@@ -1152,6 +1180,20 @@ TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t 
     v->storage = t->storage; v->storage->refcount++;
     v->offset = t->offset + byte_offset;
     return v;
+}
+
+TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset) {
+    if (!t || !target) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind: NULL tensor");
+    if (t->device != target->device) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind '%s' into '%s': different devices", t->name, target->name);
+    size_t off = target->offset + byte_offset;
+    if (off + tsys_tensor_bytes(t) > target->storage->bytes)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind '%s' into '%s': %zu bytes at offset %zu pass the end of its storage (%zu bytes)", t->name, target->name,
+                          tsys_tensor_bytes(t), off, target->storage->bytes);
+    target->storage->refcount++;
+    tsys__storage_release(t->storage);
+    t->storage = target->storage;
+    t->offset = off;
+    return TSYS_OK;
 }
 
 TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src) {
@@ -1998,6 +2040,13 @@ static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_karg
 static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g) {
     const tsys_backend *be = ctx->backends[dev];
     if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu");
+    // a tensor whose storage was resized to 0 (a sharded parameter outside its gather): an error, not a crash
+    const tsys_tensor *gt[3] = {g ? g->a : NULL, g ? g->b : NULL, g ? g->c : NULL};
+    for (int j = 0; j < (a ? TSYS_KARGS_MAX : 3); j++) {
+        const tsys_tensor *x = a ? a->t[j] : gt[j];
+        if (x && !x->storage->data)
+            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' has no memory (its storage was resized to 0: a sharded parameter used outside its all-gather?)", tsys_kernel_name(k), x->name);
+    }
 #if TSYS_DEBUG
     if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
 #endif
