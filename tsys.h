@@ -403,6 +403,10 @@ TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream 
 TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks); // NULL removes; returns the previous
 TSYSDEF void tsys_trace_begin(tsys_ctx *ctx, const char *name);   // a range for the hooks; also the memory tag of what it allocates
 TSYSDEF void tsys_trace_end(tsys_ctx *ctx);                       // closes the innermost range
+// Inside the op_begin/op_end hooks of a linear or embedding, forward or backward: its weight (the
+// parameter itself, not an autocast copy), so a hook can tell which parameters an op is about to use
+// (FSDP gathers them); NULL in any other hook.
+TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx);
 
 // dtypes
 TSYSDEF size_t tsys_dtype_size(tsys_dtype dt);
@@ -782,6 +786,7 @@ struct tsys_ctx {
     int op_tags[TSYS__OP_COUNT];
     // instrumentation
     tsys_trace_hooks trace;
+    tsys_tensor *trace_weight;   // the weight of the linear/embedding whose op_begin/op_end hooks run (tsys_trace_weight)
     uint64_t launch_seq;
     tsys_profiler_device_clock clocks[TSYS_DEVICE_COUNT];
     struct { const char *name; int tag; } ranges[TSYS__MAX_RANGES];
@@ -2159,6 +2164,7 @@ TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream 
 
 // >>trace -----------------------------------------------------------------------------------------
 
+TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx) { return ctx ? ctx->trace_weight : NULL; }
 TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks) {
     tsys_trace_hooks old = ctx->trace;
     if (hooks) ctx->trace = *hooks;
@@ -2566,13 +2572,17 @@ TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_ten
     int64_t shape[TSYS_MAX_DIMS];
     memcpy(shape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
     shape[ids->ndim] = weight->shape[1];
+    ctx->trace_weight = weight;
     int tag = tsys__op_begin(ctx, TSYS__OP_EMBEDDING);
+    ctx->trace_weight = NULL;
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys_tensor_new(ctx, weight->dtype, weight->device, ids->ndim + 1, shape);
     a.t[1] = weight; a.t[2] = ids;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_EMBED_FWD, &a) : NULL;
     tsys__record(ctx, TSYS__OP_EMBEDDING, y, ins, 2, &ids, 1);
+    ctx->trace_weight = weight;
     tsys__op_end(ctx, TSYS__OP_EMBEDDING, tag);
+    ctx->trace_weight = NULL;
     return y;
 }
 
@@ -2604,7 +2614,9 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
                   "linear: input '%s' last dim %lld does not match weight '%s' (%lld, %lld) [d_out, d_in]", x->name, (long long)tsys__last_dim(x),
                   weight->name, (long long)weight->shape[0], (long long)(weight->ndim > 1 ? weight->shape[1] : -1));
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == weight->shape[0]), "linear: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)weight->shape[0]);
+    ctx->trace_weight = weight;
     int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR);
+    ctx->trace_weight = NULL;
     tsys_dtype dt = tsys__matmul_dtype(ctx, x, weight);
     tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false);
     tsys_tensor *wl = xl ? tsys__matmul_input(ctx, weight, dt, true) : NULL;
@@ -2630,7 +2642,9 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
     saved[TSYS__SAVED_LINEAR_X] = xl; saved[TSYS__SAVED_LINEAR_W] = wl;
     tsys__record(ctx, TSYS__OP_LINEAR, y, slots, 3, saved, TSYS__SAVED_LINEAR_COUNT);
     tsys_tensor_release(xl); tsys_tensor_release(wl);
+    ctx->trace_weight = weight;
     tsys__op_end(ctx, TSYS__OP_LINEAR, tag);
+    ctx->trace_weight = NULL;
     return y;
 }
 
@@ -3065,7 +3079,11 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
 static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     tsys_tensor *g = n->gout;
     tsys_kargs a = tsys__kargs0();
+    // the weight of a linear (its leaf, else the saved one) or an embedding, for the hooks
+    tsys_tensor *weight = n->op == TSYS__OP_LINEAR ? (n->in[1].leaf ? n->in[1].leaf : n->saved[TSYS__SAVED_LINEAR_W]) : n->op == TSYS__OP_EMBEDDING ? n->in[0].leaf : NULL;
+    ctx->trace_weight = weight;
     int tag = tsys__scope_begin(ctx, tsys__op_names[n->op], ctx->op_tags[n->op], TSYS_TRACE_BACKWARD);
+    ctx->trace_weight = NULL;
     tsys_status st = TSYS_OK;
     switch (n->op) {
     case TSYS__OP_CAST: case TSYS__OP_ADD: st = tsys__bwd_pass(ctx, n, 0, g); if (st == TSYS_OK && n->op == TSYS__OP_ADD) st = tsys__bwd_pass(ctx, n, 1, g); break;
@@ -3140,7 +3158,9 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     }
     case TSYS__OP_COUNT: st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: bad op");
     }
+    ctx->trace_weight = weight;
     tsys__scope_end(ctx, tsys__op_names[n->op], TSYS_TRACE_BACKWARD, tag);
+    ctx->trace_weight = NULL;
     return st;
 }
 

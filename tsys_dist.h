@@ -280,10 +280,11 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 // shard gradient. The last unit stays gathered from its forward into its backward.
 // Use: build the optimizer over tsys_fsdp_params (the shards, then the replicated parameters); per
 // step: zero grads, forward, loss, backward, tsys_fsdp_finish, optimizer step.
-// The model must use each sharded parameter in exactly one linear or embedding op per forward, units
-// in parameter order (the cs336 model, the S26 ToyFSDPModel), and run no other linear/embedding op
-// inside that forward: FSDP follows the forward by counting those ops through the trace hooks (it
-// chains the hooks installed before it; remove a profiler installed after it before freeing it).
+// The model must use each sharded parameter in one linear or embedding op per forward (tied weights
+// are refused), units in parameter order (the cs336 model, the S26 ToyFSDPModel). FSDP follows the
+// forward and backward through the trace hooks, which tell it the weight of every linear/embedding
+// (tsys_trace_weight): ops on other weights, another model in the same context, are ignored. It chains
+// the hooks installed before it; remove a profiler installed after it before freeing it.
 // compute_dtype bf16/fp16: the parameters take that dtype while FSDP holds them, so the forward runs in
 // it (norms compute in fp32 and return the input's dtype), gradients come out in it; the fp32
 // masters, shard gradients and optimizer state stay fp32 (the S26 fp16 semantics). Do not add
@@ -2776,9 +2777,10 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 // saved weights are those same tensors, so backward reads whatever the storage holds when it runs.
 // Gradients of a unit are windows of `gfull` (compute dtype), alive from the unit's first backward op
 // to its reduce-scatter.
-// Following the model: the trace hooks see every forward op and backward node by name; the k-th
-// "linear"/"embedding" of a forward belongs to unit op_unit[k] (each sharded parameter is used by one
-// such op), and backward meets the same ops in reverse. Gradient-ready hooks count a unit's gradients.
+// Following the model: the trace hooks see every linear/embedding, forward and backward, with the
+// weight it uses (tsys_trace_weight): the first op of a unit gathers it (and issues the next one's
+// gather), the last frees it; ops on other weights (another model in the same context) are ignored.
+// Gradient-ready hooks count a unit's gradients.
 // Ordering on GPUs: an NCCL collective starts on the side stream after the compute stream's work so
 // far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
 // makes the compute stream wait for the gather (no host sync).
@@ -2789,7 +2791,6 @@ typedef struct tsys_fsdp__unit {
     int np;
     int64_t *off;                // element offset of each in the flat run
     int64_t numel, shard;        // U and S
-    int first_op, nops;          // its counted ops: [first_op, first_op + nops)
     bool has_linear;             // backward needs the weights (an embedding's does not)
     tsys_tensor *full, *gfull;   // compute dtype, N·S: the gathered weights / the full gradients
     tsys_tensor *master;         // fp32 S: this rank's shard (requires grad; .grad fp32 S)
@@ -2798,6 +2799,7 @@ typedef struct tsys_fsdp__unit {
     tsys_dist_work *ag, *rs;
     bool gathered;
     int ready;                   // gradients final in this backward
+    int seen_fwd, seen_bwd;      // its ops met in this forward / backward
 } tsys_fsdp__unit;
 
 struct tsys_fsdp {
@@ -2815,10 +2817,7 @@ struct tsys_fsdp {
     int nlocal;
     tsys_dist_work **rep_work;   // all-reduces of replicated gradients in flight
     int nrep_work;
-    int *op_unit;                // counted op k -> unit
-    int total_ops;
-    int fpos, bpos, bcur;        // forward position, backward position, the backward op running
-    bool fwd_done;
+    bool built;                  // the parameters were moved in (free gives them back)
     int rs_pending;              // unit whose reduce-scatter is in flight (-1 none)
     tsys_trace_hooks prev;       // hooks installed before ours (chained)
     int in_hook;
@@ -2976,47 +2975,51 @@ static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
 
 static bool tsys_fsdp__counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
 
+// The unit of the weight the running linear/embedding uses (tsys_trace_weight); -1: not ours.
+static int tsys_fsdp__unit_of(const tsys_fsdp *f, const tsys_tensor *w) {
+    for (int i = 0; w && i < f->nu; i++)
+        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == w) return i;
+    return -1;
+}
+
 static void tsys_fsdp__op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (f->prev.op_begin) f->prev.op_begin(ctx, name, kind, f->prev.user);
-    if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_fsdp__counted(name) || f->total_ops == 0) return;
+    if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_fsdp__counted(name)) return;
+    int i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (i < 0) return;
+    tsys_fsdp__unit *U = &f->u[i];
     f->in_hook++;
     if (kind == TSYS_TRACE_FORWARD) {
-        if (f->fpos >= f->total_ops) f->fpos = 0;
-        int i = f->op_unit[f->fpos];
-        if (!strcmp(name, "linear")) f->u[i].has_linear = true;   // its backward will read the weights
-        if (f->fpos == f->u[i].first_op) {
-            if (f->fpos == 0)   // a new forward: units left from an unfinished step go
-                for (int j = 1; j < f->nu; j++) tsys_fsdp__release(f, j);
+        if (U->seen_fwd >= U->np) {   // a unit used again: a new forward (what the last one left goes)
+            for (int j = 0; j < f->nu; j++) {
+                f->u[j].seen_fwd = f->u[j].seen_bwd = 0;
+                if (j != i) tsys_fsdp__release(f, j);
+            }
+        }
+        if (!strcmp(name, "linear")) U->has_linear = true;   // its backward will read the weights
+        if (U->seen_fwd == 0) {
             tsys_fsdp__gather_wait(f, i);
             if (f->prefetch && i + 1 < f->nu) tsys_fsdp__gather_issue(f, i + 1);
         }
-    } else if (f->bpos > 0) {
-        int k = --f->bpos, i = f->op_unit[k];
-        f->bcur = k;
-        if (k == f->u[i].first_op + f->u[i].nops - 1) {
-            if (f->u[i].has_linear) tsys_fsdp__gather_wait(f, i);
-            tsys_fsdp__grads_begin(f, i);
-            int j = i - 1;
-            if (f->prefetch && j >= 0 && f->u[j].has_linear) tsys_fsdp__gather_issue(f, j);
-        }
+    } else if (U->seen_bwd == 0) {
+        if (U->has_linear) tsys_fsdp__gather_wait(f, i);
+        tsys_fsdp__grads_begin(f, i);
+        if (f->prefetch && i > 0 && f->u[i - 1].has_linear && f->u[i - 1].seen_bwd == 0) tsys_fsdp__gather_issue(f, i - 1);
     }
     f->in_hook--;
 }
 
 static void tsys_fsdp__op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
-    if (!f->in_hook && (kind == TSYS_TRACE_FORWARD || kind == TSYS_TRACE_BACKWARD) && tsys_fsdp__counted(name) && f->total_ops > 0) {
+    int i = -1;
+    if (!f->in_hook && (kind == TSYS_TRACE_FORWARD || kind == TSYS_TRACE_BACKWARD) && tsys_fsdp__counted(name)) i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (i >= 0) {
+        tsys_fsdp__unit *U = &f->u[i];
         f->in_hook++;
-        if (kind == TSYS_TRACE_FORWARD && f->fpos < f->total_ops) {
-            int k = f->fpos++, i = f->op_unit[k];
-            if (k == f->u[i].first_op + f->u[i].nops - 1 && i != f->nu - 1) tsys_fsdp__release(f, i);   // the last unit serves backward next
-            if (f->fpos == f->total_ops) f->bpos = f->total_ops;
-        } else if (kind == TSYS_TRACE_BACKWARD && f->bcur >= 0) {
-            int k = f->bcur, i = f->op_unit[k];
-            f->bcur = -1;
-            if (k == f->u[i].first_op) tsys_fsdp__release(f, i);
-        }
+        if (kind == TSYS_TRACE_FORWARD) {
+            if (++U->seen_fwd == U->np && i != f->nu - 1) tsys_fsdp__release(f, i);   // the last unit serves backward next
+        } else if (++U->seen_bwd == U->np) tsys_fsdp__release(f, i);
         f->in_hook--;
     }
     if (f->prev.op_end) f->prev.op_end(ctx, name, kind, f->prev.user);
@@ -3040,7 +3043,7 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
     for (int i = 0; i < f->nrep_work; i++) { tsys_status s2 = tsys_dist_wait(f->rep_work[i]); if (st == TSYS_OK) st = s2; }
     f->cur.wait_ms += (tsys_time_us() - t0) * 1e-3;
     f->nrep_work = 0;
-    f->fpos = 0; f->bpos = 0; f->bcur = -1;
+    for (int i = 0; i < f->nu; i++) f->u[i].seen_fwd = f->u[i].seen_bwd = 0;
     f->ngathered = 0;
     tsys_fsdp_stats keep = f->stats;
     f->stats = f->cur;
@@ -3055,7 +3058,7 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
 TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     if (!f) return;
     tsys_ctx *ctx = f->ctx;
-    if (f->op_unit) {   // unhook, settle what is in flight, give the parameters back whole in fp32
+    if (f->built) {   // unhook, settle what is in flight, give the parameters back whole in fp32
         tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, NULL);
         if (now.user == f) tsys_ctx_set_trace_hooks(ctx, &f->prev); else tsys_ctx_set_trace_hooks(ctx, &now);
         tsys_fsdp_finish(f);
@@ -3085,7 +3088,7 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     for (int i = 0; i < f->nrep; i++) tsys_tensor_release(f->rep[i]);
     for (int i = 0; i < f->nfrozen; i++) tsys_tensor_release(f->frozen[i]);
     TSYS__DIST_RELEASE(f->u); TSYS__DIST_RELEASE(f->rep); TSYS__DIST_RELEASE(f->frozen); TSYS__DIST_RELEASE(f->local);
-    TSYS__DIST_RELEASE(f->rep_work); TSYS__DIST_RELEASE(f->op_unit);
+    TSYS__DIST_RELEASE(f->rep_work);
     TSYS__DIST_RELEASE(f);
 }
 
@@ -3126,7 +3129,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     tsys_fsdp *f = (tsys_fsdp *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp));
     if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
     memset(f, 0, sizeof(*f));
-    f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1; f->bcur = -1;
+    f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
     size_t cnt = (size_t)n;
     f->u = (tsys_fsdp__unit *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp__unit) * cnt);
     f->rep = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
@@ -3166,9 +3169,6 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     if (st == TSYS_OK && f->nu == 0) st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: no 2-D trainable parameter (Linear or Embedding weight) to shard");
     int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
     size_t es = tsys_dtype_size(f->cdt);
-    for (int i = 0; i < f->nu; i++) f->total_ops += f->u[i].np;
-    f->op_unit = st == TSYS_OK ? (int *)TSYS__DIST_ALLOC(sizeof(int) * (size_t)f->total_ops) : NULL;
-    if (st == TSYS_OK && !f->op_unit) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
     // the old homes of the parameters and their gradients (the model's arenas): freed at the end
     tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * 2 * cnt) : NULL;
     int nold = 0;
@@ -3176,13 +3176,10 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     if (st == TSYS_OK && !old) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
-    for (int i = 0, op = 0; st == TSYS_OK && i < f->nu; i++) {
+    for (int i = 0; st == TSYS_OK && i < f->nu; i++) {
         tsys_fsdp__unit *U = &f->u[i];
         U->shard = (U->numel + world - 1) / world;
-        U->first_op = op; U->nops = U->np;
-        for (int k = 0; k < U->np; k++) {
-            f->op_unit[op++] = i;
-        }
+        f->built = true;
         int64_t padded = world * U->shard;
         tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
         tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit

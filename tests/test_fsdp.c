@@ -259,9 +259,13 @@ static void fsdp_correctness(tsys_dtype cdt) {
     bool half = cdt != TSYS_F32;
     int rows = (20 + g_world - 1) / g_world * g_world, per = rows / g_world;
     toy whole, micro, mine;
+    // the whole-batch reference runs in FSDP's own context (FSDP must ignore its ops), the micro-batch
+    // one in the reference context
+    toy_init(&whole, 42);
+    tsys_optim *o_whole = tsys_sgd_new(C, whole.p, 6, 0.01f);
     ref_begin();
-    toy_init(&whole, 42); toy_init(&micro, 42);
-    tsys_optim *o_whole = tsys_sgd_new(C, whole.p, 6, 0.01f), *o_micro = tsys_sgd_new(C, micro.p, 6, 0.01f);
+    toy_init(&micro, 42);
+    tsys_optim *o_micro = tsys_sgd_new(C, micro.p, 6, 0.01f);
     ref_end();
     toy_init(&mine, 42 + (uint64_t)g_rank);   // other ranks start elsewhere: FSDP broadcasts rank 0's
     int64_t ids[64 * TT], labels[64];
@@ -278,11 +282,11 @@ static void fsdp_correctness(tsys_dtype cdt) {
     for (int step = 0; step < 3; step++) {
         permutation(perm, rows, 42 + (uint64_t)step);
         tsys_tensor *ai, *al, *bi, *bl;
-        ref_begin();
         toy_batch(ids, labels, perm, 0, rows, &ai, &al);
         tsys_optim_zero_grad(o_whole);
         toy_backward(&whole, ai, al, 1.0f, half);
         tsys_optim_step(o_whole);
+        ref_begin();
         toy_mb mb = {&micro, ids, labels, perm, per, half};
         micro_batch_step(micro.p, 6, o_micro, toy_one, &mb);
         ref_end();
