@@ -2786,7 +2786,7 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 // makes the compute stream wait for the gather (no host sync).
 
 typedef struct tsys_fsdp__unit {
-    char name[48];
+    char name[TSYS_NAME_LEN];
     tsys_tensor **p;             // its parameters (retained), forward order
     int np;
     int64_t *off;                // element offset of each in the flat run
@@ -3159,7 +3159,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
             f->u[ui].off = (int64_t *)TSYS__DIST_ALLOC(sizeof(int64_t) * cnt);
             if (!f->u[ui].p || !f->u[ui].off) { st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); break; }
             if (key) snprintf(f->u[ui].name, sizeof(f->u[ui].name), "%.*s", (int)(key - 1), p->name);
-            else snprintf(f->u[ui].name, sizeof(f->u[ui].name), "%s", p->name);
+            else memcpy(f->u[ui].name, p->name, sizeof(f->u[ui].name));
         }
         tsys_fsdp__unit *U = &f->u[ui];
         U->off[U->np] = U->numel;
