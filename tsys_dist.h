@@ -316,6 +316,10 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f);       // after backward (fin
 // the caller releases (then TSYS_FREE(*out)); every rank gets them (all ranks must call it).
 TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***out, int *n);
 TSYSDEF tsys_fsdp_stats tsys_fsdp_stats_get(const tsys_fsdp *f);
+// One step's collectives alone, back to back with nothing to overlap (forward and backward all-gathers,
+// reduce-scatters into scratch, the replicated all-reduces on copies): *ms, host clock, synchronized.
+// Leaves the parameters and gradients as they were. Every rank calls it (between steps).
+TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms);
 TSYSDEF void tsys_fsdp_free(tsys_fsdp *f);
 
 // Accounting: predicted bytes per rank and bytes sent per rank per step, for a model trained with
@@ -3275,6 +3279,43 @@ TSYSDEF tsys_fsdp_stats tsys_fsdp_stats_get(const tsys_fsdp *f) {
     tsys_fsdp_stats s;
     memset(&s, 0, sizeof(s));
     return f ? f->stats : s;
+}
+
+TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
+    if (!f || !ms) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = f->ctx;
+    tsys_device dev = f->u[0].master->device;
+    *ms = 0;
+    tsys_status st = tsys_fsdp_finish(f);
+    if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+    if (st == TSYS_OK) st = tsys_dist_barrier(f->d);
+    double t0 = tsys_time_us();
+    int world = tsys_dist_size(f->d);
+    for (int pass = 0; st == TSYS_OK && pass < 2; pass++)   // forward: every unit; backward: those it re-gathers
+        for (int j = 0; st == TSYS_OK && j < f->nu; j++) {
+            int i = pass ? f->nu - 1 - j : j;
+            if (pass && (i == f->nu - 1 || !f->u[i].has_linear)) continue;
+            st = tsys_fsdp__gather_wait(f, i);
+            tsys_fsdp__release(f, i);
+        }
+    for (int i = f->nu - 1; st == TSYS_OK && i >= 0; i--) {
+        tsys_fsdp__unit *U = &f->u[i];
+        st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+        tsys_tensor *scratch = st == TSYS_OK ? tsys_tensor_new(ctx, f->cdt, dev, 1, &U->shard) : NULL;
+        if (st == TSYS_OK) st = scratch ? tsys_dist_reduce_scatter(f->d, scratch, U->gfull, TSYS_DIST_AVG) : tsys_ctx_status(ctx);
+        tsys_tensor_release(scratch);
+        tsys_storage_resize(ctx, U->gfull, 0);
+    }
+    for (int i = 0; st == TSYS_OK && i < f->nrep; i++) {
+        tsys_tensor *c = tsys_tensor_clone(ctx, f->rep[i]);
+        st = c ? tsys_dist_all_reduce(f->d, c, TSYS_DIST_AVG) : tsys_ctx_status(ctx);
+        tsys_tensor_release(c);
+    }
+    if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+    *ms = (tsys_time_us() - t0) * 1e-3;
+    memset(&f->cur, 0, sizeof(f->cur));
+    f->ngathered = 0;
+    return st;
 }
 
 TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***out, int *n) {
