@@ -2822,6 +2822,7 @@ struct tsys_fsdp {
     tsys_dist_work **rep_work;   // all-reduces of replicated gradients in flight
     int nrep_work;
     bool built;                  // the parameters were moved in (free gives them back)
+    bool agreed;                 // every rank has the same units: the collectives skip their per-call check
     int rs_pending;              // unit whose reduce-scatter is in flight (-1 none)
     tsys_trace_hooks prev;       // hooks installed before ours (chained)
     int in_hook;
@@ -2851,7 +2852,9 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
         tsys_no_grad_end(ctx);
+        bool was = tsys__dist_trust(f->d, f->agreed);   // every rank agreed on the units at construction
         U->ag = U->src ? tsys_dist_all_gather_async(f->d, U->full, U->src) : NULL;
+        f->d->check_none = was;
         if (!U->ag) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO;
     }
     tsys_mem_set_tag(ctx, tag);
@@ -2961,7 +2964,9 @@ static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     // fp32 into a gradient that counts as zero: straight into it; else a buffer, added when done
     U->rs_out = f->cdt == TSYS_F32 && U->master->grad_zero ? g : tsys_tensor_new(ctx, f->cdt, g->device, 1, &U->shard);
     tsys_mem_set_tag(ctx, tag);
+    bool was = tsys__dist_trust(f->d, f->agreed);
     U->rs = U->rs_out ? tsys_dist_reduce_scatter_async(f->d, U->rs_out, U->gfull, TSYS_DIST_AVG) : NULL;
+    f->d->check_none = was;
     if (!U->rs) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->cur.reduce_scatters++;
     f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
@@ -2970,8 +2975,14 @@ static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
 
 static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
-    if (!p->grad || f->nrep_work >= f->nrep) return;
+    if (!p->grad) return;
+    if (f->nrep_work >= f->nrep) {   // a second backward before finish: the first one's are done first
+        for (int i = 0; i < f->nrep_work; i++) tsys_fsdp__note(f, tsys_dist_wait(f->rep_work[i]));
+        f->nrep_work = 0;
+    }
+    bool was = tsys__dist_trust(f->d, f->agreed);
     tsys_dist_work *w = tsys_dist_all_reduce_async(f->d, p->grad, TSYS_DIST_AVG);
+    f->d->check_none = was;
     if (!w) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->rep_work[f->nrep_work++] = w;
     f->cur.all_reduces++;
@@ -3258,6 +3269,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         for (int i = 0; i < f->nu; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, f->u[i].numel), f->u[i].np), f->cdt);
         for (int i = 0; i < f->nrep; i++) h = tsys__dist_hash(h, tsys_tensor_numel(f->rep[i]));
         st = tsys__dist_agree_layout(d, h, "fsdp");
+        f->agreed = st == TSYS_OK;
     }
     if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
         f->prev = there;
