@@ -618,14 +618,32 @@ TSYS_TEST(fsdp_bad_input) {
     toy_free(&m);
 }
 
+// --die R (tests/test_dist_fail.sh): rank R exits once FSDP is built; the others' first forward must
+// fail (its all-gather) within the group's timeout with an error that names the rank, not hang.
+static int fsdp_peer_dies(int die) {
+    tsys_model_desc d = tiny_desc();
+    tsys_model *m = tsys_model_new(C, &d, g_dev, 5);
+    tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+    if (!f) { printf("rank %d: tsys_fsdp_new: %s\n", g_rank, tsys_ctx_last_error(C)); return 1; }
+    if (g_rank == die) _exit(3);
+    tsys_tensor *ids, *tgt;
+    lm_batch(3, 2 * g_world, 16, d.vocab_size, 2 * g_rank, 2 * (g_rank + 1), &ids, &tgt);
+    lm_backward(m, ids, tgt, 1.0f);
+    tsys_status st = tsys_fsdp_finish(f);
+    printf("rank %d: step %s: %s\n", g_rank, st == TSYS_OK ? "ok" : "failed", tsys_ctx_last_error(C));
+    fflush(stdout);
+    _exit(st == TSYS_OK ? 0 : 1);   // the group is broken: no orderly teardown
+}
+
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
 int main(int argc, char **argv) {
     (void)tsys_test_main;
     const char *filter = NULL;
-    int nproc = 1;
+    int nproc = 1, die = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--die") && i + 1 < argc) die = atoi(argv[++i]);
         else filter = argv[i];
     }
     int code = 0;
@@ -668,6 +686,7 @@ int main(int argc, char **argv) {
         tsys_dist_free(g_d);
         return 1;
     }
+    if (die >= 0) return fsdp_peer_dies(die);
     if (g_rank != 0) dup2(2, 1);
     else printf("ranks: %d (%s), device %s\n", g_world, tsys_dist_engine_name(tsys_dist_engine_of(g_d)), g_dev == TSYS_CPU ? "cpu" : "cuda");
     int passed = 0, failed = 0;
