@@ -603,6 +603,25 @@ TSYS_TEST(fsdp_save_and_memory) {
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
 
+// tsys_fsdp_accounting on the xl preset: shards of N, replicated norms, the working set, bytes sent.
+TSYS_TEST(fsdp_accounting_formulas) {
+    tsys_model_desc d;
+    tsys_model_desc_preset("xl", &d, NULL, 0);
+    double P = (double)tsys_model_desc_num_params(&d), Pr = (2.0 * d.num_layers + 1) * d.d_model, Ps = P - Pr;
+    double Ue = (double)d.vocab_size * d.d_model, Ul = 4.0 * d.d_model * d.d_model + 3.0 * d.d_model * d.d_ff;
+    tsys_dist_account a2 = tsys_fsdp_accounting(&d, TSYS_F32, 4, 256, 2), a1 = tsys_fsdp_accounting(&d, TSYS_F32, 4, 256, 1);
+    tsys_dist_account b2 = tsys_fsdp_accounting(&d, TSYS_BF16, 4, 256, 2), ddp = tsys_dist_accounting(&d, TSYS_F32, 4, 256, 2, TSYS_SCHEME_DDP);
+    double local = Ps / 2 + Pr;
+    TEST_CHECK(fabs(a2.optim_bytes - 8 * local) <= 1e-6 * a2.optim_bytes + 64, "optimizer %.0f, 8 x (shards + replicated) = %.0f", a2.optim_bytes, 8 * local);
+    TEST_CHECK(fabs(a2.param_bytes + a2.grad_bytes - a2.work_bytes - 8 * local) <= 1e-6 * a2.param_bytes + 64, "masters + shard gradients");
+    TEST_CHECK(fabs(a2.work_bytes - 4 * (2 * Ue + Ul)) <= 64, "working set %.0f: lm_head + one layer gathered, lm_head's full gradient", a2.work_bytes);
+    TEST_CHECK(fabs(b2.work_bytes - 2 * (2 * Ue + Ul)) <= 64 && b2.optim_bytes == a2.optim_bytes, "bf16: the working set in 2 bytes, fp32 state");
+    TEST_CHECK(a1.sent_bytes == 0 && a2.sent_bytes > 0 && b2.sent_bytes < 0.51 * a2.sent_bytes, "sent: N=1 %.0f, fp32 %.0f, bf16 %.0f", a1.sent_bytes, a2.sent_bytes, b2.sent_bytes);
+    double state = a2.param_bytes + a2.grad_bytes + a2.optim_bytes - a2.work_bytes, ddp_state = ddp.param_bytes + ddp.grad_bytes + ddp.optim_bytes;
+    TEST_CHECK(state < 0.51 * ddp_state, "FSDP model state at N=2 %.3g bytes, DDP %.3g", state, ddp_state);
+    TEST_CHECK(b2.act_bytes < a2.act_bytes && a2.act_bytes == ddp.act_bytes, "activations: bf16 compute smaller, fp32 as DDP's");
+}
+
 TSYS_TEST(fsdp_bad_input) {
     toy m;
     toy_init(&m, 1);
