@@ -1,5 +1,6 @@
 /* tsys_dist.h - v0.1 - distributed training for tsys: process groups on NCCL (GPUs) and MPI (CPUs),
-   collectives, DDP (naive, flat, overlap, bucketed), ZeRO-1, and memory/communication accounting
+   collectives, DDP (naive, flat, overlap, bucketed), ZeRO-1, FSDP (ZeRO-3, `>>fsdp`), and
+   memory/communication accounting
 
    Do this:
       #define TSYS_DIST_IMPLEMENTATION      (or TSYS_IMPL)
