@@ -421,6 +421,10 @@ TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream 
 TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks); // NULL removes; returns the previous
 TSYSDEF void tsys_trace_begin(tsys_ctx *ctx, const char *name);   // a range for the hooks; also the memory tag of what it allocates
 TSYSDEF void tsys_trace_end(tsys_ctx *ctx);                       // closes the innermost range
+// Inside the op_begin/op_end hooks of a linear or embedding, forward or backward: its weight (the
+// parameter itself, not an autocast copy), so a hook can tell which parameters an op is about to use
+// (FSDP gathers them); NULL in any other hook.
+TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx);
 
 // dtypes
 TSYSDEF size_t tsys_dtype_size(tsys_dtype dt);
@@ -471,6 +475,13 @@ TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t h
 TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape);   // reshape, shares storage, recorded
 TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape);  // no autograd
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on);
+// Storage surgery for sharded training (tsys_dist.h's FSDP). rebind: t becomes a window of target's
+// storage at byte_offset (its dtype and shape kept, its old storage released; the window must fit).
+// resize: frees (bytes = 0) or reallocates the memory of t's storage under every tensor that views it,
+// as torch's storage().resize_(0) does for FSDP's parameters; the contents are undefined afterwards and
+// a tensor on a 0-byte storage must not be read. The tracker sees the bytes come and go.
+TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset);
+TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes);
 // Gradient-ready hooks: fn runs once per backward, the moment t's gradient is final (after its last
 // use on the tape, tied weights included); several hooks on one tensor run in registration order.
 TSYSDEF tsys_status tsys_tensor_add_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);
@@ -817,6 +828,7 @@ struct tsys_ctx {
     int op_tags[TSYS__OP_COUNT];
     // instrumentation
     tsys_trace_hooks trace;
+    tsys_tensor *trace_weight;   // the weight of the linear/embedding whose op_begin/op_end hooks run (tsys_trace_weight)
     uint64_t launch_seq;
     tsys_profiler_device_clock clocks[TSYS_DEVICE_COUNT];
     struct { const char *name; int tag; } ranges[TSYS__MAX_RANGES];
@@ -1096,9 +1108,32 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
 static void tsys__storage_release(tsys_storage *s) {
     if (!s || --s->refcount > 0) return;
     tsys_ctx *ctx = s->ctx;
-    ctx->backends[s->device]->free(ctx, s->data, s->bytes);
-    tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
+    if (s->data) ctx->backends[s->device]->free(ctx, s->data, s->bytes);   // NULL: resized to 0 (tsys_storage_resize)
+    if (s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
     TSYS_FREE(s);
+}
+
+TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes) {
+    if (!t) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize: NULL tensor");
+    tsys_storage *s = t->storage;
+    if (bytes == (s->data ? s->bytes : 0)) return TSYS_OK;
+    const tsys_backend *be = ctx->backends[s->device];
+    void *data = NULL;
+    if (bytes) {
+        size_t live = (size_t)ctx->mem.dev[s->device].live_bytes - (s->data ? s->bytes : 0);
+        if (s->device == TSYS_CPU && bytes > ctx->cpu_memory_limit - TSYS__MIN(live, ctx->cpu_memory_limit))
+            return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on cpu for '%s' with %zu live (budget %zu)", bytes, t->name, live, ctx->cpu_memory_limit);
+        data = be->alloc(ctx, bytes);
+        if (!data) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on %s for '%s'", bytes, be->name, t->name);
+    }
+    if (s->data) be->free(ctx, s->data, s->bytes);
+    if (s->data && s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
+    s->data = data;
+    s->bytes = bytes;
+    ctx->mem.making = t;   // the allocation event carries the tensor's shape
+    if (bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, (int64_t)bytes, true, s);
+    ctx->mem.making = NULL;
+    return TSYS_OK;
 }
 
 // >>tensors ---------------------------------------------------------------------------------------
@@ -1208,6 +1243,21 @@ TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t 
     v->storage = t->storage; v->storage->refcount++;
     v->offset = t->offset + byte_offset;
     return v;
+}
+
+TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset) {
+    if (!t || !target) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind: NULL tensor");
+    if (t->device != target->device) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind '%s' into '%s': different devices", t->name, target->name);
+    size_t off = target->offset + byte_offset;
+    if (off + tsys_tensor_bytes(t) > target->storage->bytes)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind '%s' into '%s': %zu bytes at offset %zu pass the end of its storage (%zu bytes)", t->name, target->name,
+                          tsys_tensor_bytes(t), off, target->storage->bytes);
+    target->storage->refcount++;
+    tsys__storage_release(t->storage);
+    t->storage = target->storage;
+    t->offset = off;
+    t->grad_home = NULL;   // its gradient no longer lies where its group's block would put it
+    return TSYS_OK;
 }
 
 TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src) {
@@ -2055,6 +2105,13 @@ static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_karg
 static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g) {
     const tsys_backend *be = ctx->backends[dev];
     if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu");
+    // a tensor whose storage was resized to 0 (a sharded parameter outside its gather): an error, not a crash
+    const tsys_tensor *gt[3] = {g ? g->a : NULL, g ? g->b : NULL, g ? g->c : NULL};
+    for (int j = 0; j < (a ? TSYS_KARGS_MAX : 3); j++) {
+        const tsys_tensor *x = a ? a->t[j] : gt[j];
+        if (x && !x->storage->data)
+            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' has no memory (its storage was resized to 0: a sharded parameter used outside its all-gather?)", tsys_kernel_name(k), x->name);
+    }
 #if TSYS_DEBUG
     if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
 #endif
@@ -2167,6 +2224,7 @@ TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream 
 
 // >>trace -----------------------------------------------------------------------------------------
 
+TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx) { return ctx ? ctx->trace_weight : NULL; }
 TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks) {
     tsys_trace_hooks old = ctx->trace;
     if (hooks) ctx->trace = *hooks;
@@ -2619,13 +2677,17 @@ TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_ten
     int64_t shape[TSYS_MAX_DIMS];
     memcpy(shape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
     shape[ids->ndim] = weight->shape[1];
+    ctx->trace_weight = weight;
     int tag = tsys__op_begin(ctx, TSYS__OP_EMBEDDING);
+    ctx->trace_weight = NULL;
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys_tensor_new(ctx, weight->dtype, weight->device, ids->ndim + 1, shape);
     a.t[1] = weight; a.t[2] = ids;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_EMBED_FWD, &a) : NULL;
     tsys__record(ctx, TSYS__OP_EMBEDDING, y, ins, 2, &ids, 1);
+    ctx->trace_weight = weight;
     tsys__op_end(ctx, TSYS__OP_EMBEDDING, tag);
+    ctx->trace_weight = NULL;
     return y;
 }
 
@@ -2657,7 +2719,9 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
                   "linear: input '%s' last dim %lld does not match weight '%s' (%lld, %lld) [d_out, d_in]", x->name, (long long)tsys__last_dim(x),
                   weight->name, (long long)weight->shape[0], (long long)(weight->ndim > 1 ? weight->shape[1] : -1));
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == weight->shape[0]), "linear: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)weight->shape[0]);
+    ctx->trace_weight = weight;
     int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR);
+    ctx->trace_weight = NULL;
     tsys_dtype dt = tsys__matmul_dtype(ctx, x, weight);
     tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false);
     tsys_tensor *wl = xl ? tsys__matmul_input(ctx, weight, dt, true) : NULL;
@@ -2683,7 +2747,9 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
     saved[TSYS__SAVED_LINEAR_X] = xl; saved[TSYS__SAVED_LINEAR_W] = wl;
     tsys__record(ctx, TSYS__OP_LINEAR, y, slots, 3, saved, TSYS__SAVED_LINEAR_COUNT);
     tsys_tensor_release(xl); tsys_tensor_release(wl);
+    ctx->trace_weight = weight;
     tsys__op_end(ctx, TSYS__OP_LINEAR, tag);
+    ctx->trace_weight = NULL;
     return y;
 }
 
@@ -3118,7 +3184,11 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
 static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     tsys_tensor *g = n->gout;
     tsys_kargs a = tsys__kargs0();
+    // the weight of a linear (its leaf, else the saved one) or an embedding, for the hooks
+    tsys_tensor *weight = n->op == TSYS__OP_LINEAR ? (n->in[1].leaf ? n->in[1].leaf : n->saved[TSYS__SAVED_LINEAR_W]) : n->op == TSYS__OP_EMBEDDING ? n->in[0].leaf : NULL;
+    ctx->trace_weight = weight;
     int tag = tsys__scope_begin(ctx, tsys__op_names[n->op], ctx->op_tags[n->op], TSYS_TRACE_BACKWARD);
+    ctx->trace_weight = NULL;
     tsys_status st = TSYS_OK;
     switch (n->op) {
     case TSYS__OP_CAST: case TSYS__OP_ADD: st = tsys__bwd_pass(ctx, n, 0, g); if (st == TSYS_OK && n->op == TSYS__OP_ADD) st = tsys__bwd_pass(ctx, n, 1, g); break;
@@ -3193,7 +3263,9 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     }
     case TSYS__OP_COUNT: st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: bad op");
     }
+    ctx->trace_weight = weight;
     tsys__scope_end(ctx, tsys__op_names[n->op], TSYS_TRACE_BACKWARD, tag);
+    ctx->trace_weight = NULL;
     return st;
 }
 

@@ -258,6 +258,13 @@ static alloc_rec *find_alloc(timeline *tl, uint64_t id) {   // allocations are r
 }
 
 static void note_alloc_event(timeline *tl, const tsys_mem_event *e) {
+    // a storage resized back from 0 (FSDP's gathered weights) allocates again under its old id: the
+    // record (if it was made in the window) lives again; the array stays sorted by id
+    if (e->action == TSYS_MEM_EV_ALLOC && e->id && tl->nallocs && e->id <= tl->allocs[tl->nallocs - 1].id) {
+        alloc_rec *a = find_alloc(tl, e->id);
+        if (a) a->t_free = -1;
+        return;
+    }
     if (e->action == TSYS_MEM_EV_ALLOC && e->id) {
         alloc_rec *a = &tl->allocs[tl->nallocs++];
         memset(a, 0, sizeof(*a));

@@ -15,8 +15,9 @@ for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case "$part" in
   test)
-    timeout 300 $N/test_cuda memory > "$OUT/test_cuda_memory.log" 2>&1; tail -4 "$OUT/test_cuda_memory.log"
-    timeout 300 $N/test_cuda profiler > "$OUT/test_cuda_profiler.log" 2>&1; tail -2 "$OUT/test_cuda_profiler.log" ;;
+    for f in memory profiler graph alloc model; do   # name filters of test_cuda
+      timeout 300 $N/test_cuda $f > "$OUT/test_cuda_$f.log" 2>&1; echo "test_cuda $f: $(tail -n 1 "$OUT/test_cuda_$f.log")"; grep -A3 FAIL "$OUT/test_cuda_$f.log" | head -20
+    done ;;
   memory)
     mkdir -p "$OUT/mem"
     timeout 420 $N/memory_cuda --model "${MEM_MODELS:-2.7B}" --context-length "${MEM_CONTEXT:-128,256,512}" --mode forward,train --dtype fp32,bf16 \
@@ -27,7 +28,7 @@ for part in "$@"; do
           --dtype fp32,bf16 --format csv > "$OUT/memory_torch.csv" 2>&1
       cat "$OUT/memory_torch.csv"
     fi
-    ls "$OUT/mem" | head -30 ;;
+    (cd "$OUT/mem" && tar czf "$OUT/memory_plots.tgz" *.svg cuda_*_ctx256_train_bf16_*.json 2>/dev/null); rm -rf "$OUT/mem" ;;
   profile)
     mkdir -p "$OUT/prof"
     timeout 400 $N/e2e_cuda --model "${PROF_MODELS:-small,2.7B}" --context-length "${PROF_CONTEXT:-128,512}" --mode forward,forward-backward,train \
