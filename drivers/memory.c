@@ -603,11 +603,15 @@ static bool timeline_open(timeline *tl, tsys_ctx *ctx, tsys_device dev) {
 
 static bool timeline_close(timeline *tl, tsys_ctx *ctx, const run *r) {
     tsys_mem_record_events(ctx, false);
-    tl->t1 = tsys_ctx_time_us(ctx) * 1e-3;
     tl->ev = tsys_mem_events(ctx, &tl->n);
     tl->nmarks = r->nmarks;
     memcpy(tl->mark, r->mark, sizeof(tl->mark));
     if (tl->nmarks == 0) { tl->mark[0] = tl->t0; tl->nmarks = 1; }
+    // the window ends at the step's last mark or event, not after the final sync (the device
+    // finishing its queue allocates nothing and would stretch the plot)
+    tl->t1 = tl->mark[tl->nmarks - 1];
+    if (tl->n && tl->ev[tl->n - 1].t_us * 1e-3 > tl->t1) tl->t1 = tl->ev[tl->n - 1].t_us * 1e-3;
+    if (tl->t1 <= tl->t0) tl->t1 = tsys_ctx_time_us(ctx) * 1e-3;
     int n = tsys_mem_num_tags(ctx);
     if (n > tl->num_tags) n = tl->num_tags;   // more new ops than room: their bytes show under no tag
     tl->num_tags = n;
