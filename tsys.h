@@ -591,6 +591,18 @@ TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, flo
 TSYSDEF tsys_status tsys_optim_step(tsys_optim *opt);
 TSYSDEF void tsys_optim_zero_grad(tsys_optim *opt);
 TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads on its parameters
+// The optimizer inside backward: between overlap_begin (before tsys_backward) and overlap_end (after
+// it, instead of tsys_optim_step), each group of parameters whose gradients are made together (a
+// model's layer; any other tensor alone) is updated on the side stream as soon as its gradients are
+// final, after them by an event: AdamW's memory traffic overlaps backward's GEMMs. The same kernels
+// in the same order per parameter as tsys_optim_step, so the result is bitwise the same. overlap_end
+// joins the side stream into the compute stream and updates what backward did not reach. Works
+// inside a captured CUDA graph (the event pairs become the graph's fork and join). What needs every
+// gradient before any update does not fit this mode: clip by global norm and the fp16 loss scaler's
+// inf check; and DDP, whose buckets do not follow the groups (a group could be updated before its
+// bucket is reduced). For those, tsys_optim_step after backward (after tsys_ddp_finish).
+TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *opt);
+TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
@@ -3658,6 +3670,7 @@ struct tsys_optim {
     tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
     tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
     int64_t step;
+    struct tsys__overlap *ov;       // the optimizer in backward (tsys_optim_overlap_begin), made on first use
 };
 
 // The end of the run of parameters that starts at i: they and their gradients lie back to back,
@@ -3723,8 +3736,10 @@ TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, flo
     return o;
 }
 
+static void tsys__overlap_free(tsys_optim *o);
 TSYSDEF void tsys_optim_free(tsys_optim *o) {
     if (!o) return;
+    tsys__overlap_free(o);
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
     tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t);
     TSYS_FREE(o->params);
@@ -3752,19 +3767,12 @@ static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
 }
 
-TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
+// Updates parameters [first, end) (off: the byte offset of params[first] in m and v), one launch per
+// contiguous run.
+static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, size_t off) {
     tsys_ctx *ctx = o->ctx;
-    if (ctx->status != TSYS_OK) return ctx->status;
-    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
-    o->step++;
-    tsys_status st = tsys__grads_settle(ctx, o->params, o->n);
-    if (st == TSYS_OK && o->adamw) {
-        tsys_kargs inc = tsys__kargs0();
-        inc.t[0] = o->step_t;
-        st = tsys__kernel(ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
-    }
-    size_t off = 0;
-    for (int i = 0, j; st == TSYS_OK && i < o->n; i = j) {
+    tsys_status st = ctx->status;
+    for (int i = first, j; st == TSYS_OK && i < end; i = j) {
         int64_t n;
         j = tsys__optim_run_end(o, i, &n);
         tsys_tensor *p0 = o->params[i];
@@ -3778,6 +3786,149 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
             tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v);
         }
         for (int k = i; k < j; k++) off += (size_t)tsys_tensor_numel(o->params[k]) * 4;
+    }
+    return st;
+}
+
+// The step count first (the AdamW kernel reads it on the device).
+static tsys_status tsys__optim_count_step(tsys_optim *o) {
+    o->step++;
+    if (!o->adamw) return TSYS_OK;
+    tsys_kargs inc = tsys__kargs0();
+    inc.t[0] = o->step_t;
+    return tsys__kernel(o->ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
+}
+
+TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_status st = tsys__grads_settle(ctx, o->params, o->n);
+    if (st == TSYS_OK) st = tsys__optim_count_step(o);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, 0, o->n, 0);
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+// ---- the optimizer in backward ----
+// Groups: consecutive parameters of one gradient home (a model's layer), or one tensor alone; a
+// group is updated when the last of its gradients is final (its grad-ready hooks count down).
+typedef struct tsys__overlap {
+    int ngroups;
+    int *group_of;          // per parameter
+    int *first, *end;       // per group: parameters [first, end)
+    size_t *off;            // per group: byte offset in m and v
+    int *pending;           // per group: gradients not final yet in this backward
+    bool *done;             // per group: updated in this step
+    tsys_event *ready;      // per group: its gradients are final (recorded on the compute stream)
+    tsys_event join;        // the side stream's last update
+    bool active, launched;
+} tsys__overlap;
+
+static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user);
+static void tsys__overlap_free(tsys_optim *o) {
+    tsys__overlap *ov = o->ov;
+    if (!ov) return;
+    for (int i = 0; i < o->n; i++) tsys_tensor_remove_grad_hook(o->params[i], tsys__overlap_hook, o);
+    for (int g = 0; g < ov->ngroups; g++) tsys_event_release(o->ctx, &ov->ready[g]);
+    tsys_event_release(o->ctx, &ov->join);
+    TSYS_FREE(ov->group_of); TSYS_FREE(ov->first); TSYS_FREE(ov->end); TSYS_FREE(ov->off);
+    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready);
+    TSYS_FREE(ov);
+    o->ov = NULL;
+}
+
+// Group g's gradients are final: its update goes on the side stream after them.
+static tsys_status tsys__overlap_launch(tsys_optim *o, int g) {
+    tsys__overlap *ov = o->ov;
+    tsys_ctx *ctx = o->ctx;
+    tsys_device dev = o->params[ov->first[g]]->device;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_status st = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ov->ready[g]);
+    tsys_stream prev = tsys_set_stream(ctx, dev, TSYS_STREAM_SIDE);
+    if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[g], TSYS_STREAM_SIDE);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
+    tsys_set_stream(ctx, dev, prev);
+    tsys_mem_set_tag(ctx, tag);
+    ov->done[g] = true;
+    ov->launched = true;
+    return st;
+}
+
+static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user) {
+    (void)ctx;
+    tsys_optim *o = (tsys_optim *)user;
+    tsys__overlap *ov = o->ov;
+    if (!ov || !ov->active) return;
+    for (int i = 0; i < o->n; i++) {
+        if (o->params[i] != param) continue;
+        int g = ov->group_of[i];
+        if (--ov->pending[g] == 0 && !ov->done[g]) tsys__overlap_launch(o, g);
+        return;
+    }
+}
+
+static tsys_status tsys__overlap_setup(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    tsys__overlap *ov = (tsys__overlap *)TSYS_MALLOC(sizeof(tsys__overlap));
+    if (!ov) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
+    memset(ov, 0, sizeof(*ov));
+    o->ov = ov;
+    size_t np = (size_t)(o->n ? o->n : 1);
+    ov->group_of = (int *)TSYS_MALLOC(np * sizeof(int)); ov->first = (int *)TSYS_MALLOC(np * sizeof(int)); ov->end = (int *)TSYS_MALLOC(np * sizeof(int));
+    ov->off = (size_t *)TSYS_MALLOC(np * sizeof(size_t)); ov->pending = (int *)TSYS_MALLOC(np * sizeof(int)); ov->done = (bool *)TSYS_MALLOC(np * sizeof(bool));
+    ov->ready = (tsys_event *)TSYS_MALLOC(np * sizeof(tsys_event));
+    if (!ov->group_of || !ov->first || !ov->end || !ov->off || !ov->pending || !ov->done || !ov->ready) {
+        tsys__overlap_free(o);
+        return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
+    }
+    memset(ov->ready, 0, np * sizeof(tsys_event));
+    memset(&ov->join, 0, sizeof(ov->join));
+    size_t off = 0;
+    for (int i = 0; i < o->n; i++) {
+        tsys_tensor *p = o->params[i];
+        bool joins = i > 0 && p->grad_home && p->grad_home == o->params[i - 1]->grad_home;
+        if (!joins) { ov->first[ov->ngroups] = i; ov->off[ov->ngroups] = off; ov->ngroups++; }
+        ov->group_of[i] = ov->ngroups - 1;
+        ov->end[ov->ngroups - 1] = i + 1;
+        off += tsys_tensor_bytes(p);
+        if (tsys_tensor_add_grad_hook(p, tsys__overlap_hook, o) != TSYS_OK) { tsys__overlap_free(o); return ctx->status; }
+    }
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    if (!o->ov && tsys__overlap_setup(o) != TSYS_OK) return ctx->status;
+    tsys__overlap *ov = o->ov;
+    if (ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin: the previous overlap_begin was not ended");
+    for (int g = 0; g < ov->ngroups; g++) { ov->pending[g] = ov->end[g] - ov->first[g]; ov->done[g] = false; }
+    ov->launched = false;
+    ov->active = true;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_status st = tsys__optim_count_step(o);   // on the compute stream, before every update
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    tsys__overlap *ov = o->ov;
+    if (!ov || !ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_end without tsys_optim_overlap_begin");
+    ov->active = false;
+    tsys_status st = ctx->status;
+    if (st == TSYS_OK && ov->launched && o->n) {   // the compute stream waits for the side stream's updates
+        tsys_device dev = o->params[0]->device;
+        st = tsys_event_record(ctx, dev, TSYS_STREAM_SIDE, &ov->join);
+        if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->join, TSYS_STREAM_COMPUTE);
+    }
+    // groups backward did not finish (a parameter it did not reach): as tsys_optim_step would
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    for (int g = 0; st == TSYS_OK && g < ov->ngroups; g++) {
+        if (ov->done[g]) continue;
+        st = tsys__grads_settle(ctx, o->params + ov->first[g], ov->end[g] - ov->first[g]);
+        if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
     }
     tsys_mem_set_tag(ctx, tag);
     return st;

@@ -20,7 +20,7 @@
 
 typedef struct e2e_opts {
     const char *device, *format, *load;
-    du_list models, contexts, modes, dtypes, attns, compiles;
+    du_list models, contexts, modes, dtypes, attns, compiles, overlaps;
     int batch, warmup, steps;
     uint64_t seed;
     size_t mem_limit;       // bytes; 0 = the default budget
@@ -46,6 +46,9 @@ static void usage(FILE *f) {
         "  --dtype LIST               fp32 | bf16 | fp16 autocast (default fp32)\n"
         "  --attn LIST                naive | flash | auto (default auto: flash on cuda under bf16/fp16 autocast,\n"
         "                             naive otherwise: the fp32 flash kernel has no tensor cores and loses to naive)\n"
+        "  --opt-in-backward LIST     no | yes: yes runs each layer's AdamW update on the side stream as soon as its\n"
+        "                             gradients are final, overlapped with the rest of backward (train mode; not\n"
+        "                             with fp16, whose loss scaler needs every gradient first; default no)\n"
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
         "  --format md|csv|jsonl      output rows, each printed as soon as it is measured (default md)\n"
@@ -91,7 +94,7 @@ static bool ok_model(const char *s) {
 
 static void opts_free(e2e_opts *o) {
     du_list_free(&o->models); du_list_free(&o->contexts); du_list_free(&o->modes);
-    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles);
+    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->overlaps);
 }
 
 // Parses and checks every flag and list; returns 0 (o then owns the lists: opts_free), DU_HELP,
@@ -99,10 +102,10 @@ static void opts_free(e2e_opts *o) {
 static int parse_args(int argc, char **argv, e2e_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no";
+    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *overlap = "no";
     o->format = "md";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
-    static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--format",
+    static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--opt-in-backward", "--format",
                                          "--load", "--batch-size", "--warmup", "--steps", "--seed", "--d-model", "--d-ff", "--num-layers",
                                          "--num-heads", "--vocab-size", "--mem-limit", "--profile"};
     for (int i = 1; i < argc; i++) {
@@ -126,6 +129,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--dtype")) dtypes = v;
         else if (!strcmp(a, "--attn")) attn = v;
         else if (!strcmp(a, "--compile")) compile = v;
+        else if (!strcmp(a, "--opt-in-backward")) overlap = v;
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--load")) o->load = v;
         else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("e2e", a, v, &o->mem_limit)) return DU_EXIT_USAGE; }
@@ -153,7 +157,8 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         || !du_split_check(&o->modes, "e2e", "--mode", modes, ok_mode, "forward, forward-backward or train")
         || !du_split_check(&o->dtypes, "e2e", "--dtype", dtypes, ok_dtype, "fp32, bf16 or fp16")
         || !du_split_check(&o->attns, "e2e", "--attn", attn, ok_attn, "naive, flash or auto")
-        || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")) {
+        || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")
+        || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_compile, "no or yes")) {
         opts_free(o);
         return DU_EXIT_USAGE;
     }
@@ -172,6 +177,7 @@ typedef struct bench {
     run_mode mode;
     tsys_grad_scaler scaler;
     bool capturing;   // inside CUDA graph capture: no host synchronization allowed
+    bool overlap;     // the optimizer inside backward (tsys_optim_overlap_begin/end)
     tsys_event ev[4]; // the phase boundaries of a step: start, forward done, backward done, optimizer done
 } bench;
 
@@ -206,14 +212,16 @@ static tsys_status bench_step(bench *b, double *t) {
     if (b->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
         tsys_trace_begin(ctx, "backward");
         tsys_tensor *scaled = b->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &b->scaler, loss) : tsys_tensor_retain(loss);
+        if (b->overlap) tsys_optim_overlap_begin(b->opt);
         tsys_backward(ctx, scaled);
+        if (b->overlap) tsys_optim_overlap_end(b->opt);   // joins the side stream: the updates count in backward
         tsys_tensor_release(scaled);
         tsys_trace_end(ctx);
         bench_mark(b, 2);
         tsys_trace_begin(ctx, "optimizer");
         if (b->mode == MODE_TRAIN) {
             if (b->dtype == TSYS_F16) { tsys_grad_scaler_step(&b->scaler, b->opt); tsys_grad_scaler_update(&b->scaler); }
-            else tsys_optim_step(b->opt);
+            else if (!b->overlap) tsys_optim_step(b->opt);
         }
         if (b->opt) tsys_optim_release_grads(b->opt);   // as torch's zero_grad(set_to_none=True)
         else tsys_release_grads(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model));
@@ -328,7 +336,7 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     return st;
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn) {
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, bool overlap, const char *attn) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
@@ -337,6 +345,7 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
     du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
+    du_row_set(row, "opt_in_bwd", "%s", overlap ? "yes" : "no");
     du_row_set(row, "warmup", "%d", o->warmup);
 }
 
@@ -345,18 +354,21 @@ static bool config_desc(const e2e_opts *o, const char *model_name, int T, const 
     return du_model_desc(&o->dims, model_name, T, attn, d, err, len) && du_model_sizes_ok(d, o->batch, T, err, len);
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn_flag, du_table *tab) {
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, bool overlap,
+                       const char *attn_flag, du_table *tab) {
     char err[256] = "";
     tsys_model_desc d;
     du_row *row = du_table_row(tab);
     const char *attn = strcmp(attn_flag, "auto") ? attn_flag : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
-    row_header(row, dev, o, model_name, T, mode, dt, compiled, attn);
+    row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, attn);
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
     if (compiled && dt == TSYS_F16 && mode == MODE_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
+    if (overlap && mode != MODE_TRAIN) { du_row_set(row, "status", "skipped: --opt-in-backward applies to train mode"); return; }
+    if (overlap && dt == TSYS_F16) { du_row_set(row, "status", "skipped: fp16 loss scaling needs every gradient before any update"); return; }
     bench b;
     memset(&b, 0, sizeof(b));
-    b.ctx = ctx; b.dev = dev; b.mode = mode; b.dtype = dt;
+    b.ctx = ctx; b.dev = dev; b.mode = mode; b.dtype = dt; b.overlap = overlap;
     tsys_mem_reset_peak(ctx, dev);
     int n = o->steps, total = (compiled && o->warmup < 1 ? 1 : o->warmup) + (compiled ? 0 : n);   // a graph is captured after at least one eager step
     double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
@@ -444,8 +456,8 @@ int main(int argc, char **argv) {
     char lim[64];
     // the effective configuration on one line (stdout for md, stderr for the machine formats)
     FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
-    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; warmup %d; steps %d; memory limit %s%s%s\n",
-            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.warmup, o.steps,
+    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; warmup %d; steps %d; memory limit %s%s%s\n",
+            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.overlaps.src, o.warmup, o.steps,
             du_mem_limit_str(lim, sizeof(lim), o.mem_limit), o.load ? "; load " : "", o.load ? o.load : "");
     if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
     if (o.profile) {
@@ -481,20 +493,22 @@ int main(int argc, char **argv) {
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
-    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,peak_MiB,status"
-                                        : "device,model,context,batch,mode,dtype,attn,compiled,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,peak_MiB,status",
+    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,peak_MiB,status"
+                                        : "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,peak_MiB,status",
                   o.format);
     for (int a = 0; a < o.models.n; a++)
         for (int c = 0; c < o.contexts.n; c++)
             for (int m = 0; m < o.modes.n; m++)
                 for (int t = 0; t < o.dtypes.n; t++)
                     for (int k = 0; k < o.compiles.n; k++)
-                        for (int at = 0; at < o.attns.n; at++) {
-                            run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                            parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
-                            run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.attns.item[at], &tab);
-                            du_table_emit(&tab);
-                        }
+                        for (int ov = 0; ov < o.overlaps.n; ov++)
+                            for (int at = 0; at < o.attns.n; at++) {
+                                run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
+                                parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
+                                run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), !strcmp(o.overlaps.item[ov], "yes"),
+                                           o.attns.item[at], &tab);
+                                du_table_emit(&tab);
+                            }
     if (o.profile_log) {   // the tables, after the results
         rewind(o.profile_log);
         char line[512];

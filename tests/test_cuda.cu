@@ -602,6 +602,55 @@ TSYS_TEST(cuda_graph_train_step) {
     tsys_ctx_clear_error(ctx);
 }
 
+// The optimizer inside backward on the GPU: each layer's AdamW on the side stream from its gradients'
+// hooks gives the ordinary step's parameters bit for bit, eagerly and replayed from a captured graph
+// (the events become the graph's fork and join).
+static void tc_overlap_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg) {
+    tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, tg);
+    tsys_optim_overlap_begin(o);
+    tsys_backward(ctx, loss);
+    tsys_optim_overlap_end(o);
+    tsys_optim_release_grads(o);
+    tsys_tensor_release(logits); tsys_tensor_release(loss);
+}
+TSYS_TEST(cuda_optimizer_in_backward) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *m[3];
+    m[0] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
+    if (!m[0] || !m[1] || !m[2]) return;
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[3];
+    for (int k = 0; k < 3; k++) o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    for (int i = 0; i < 4; i++) tc_train_step_ex(ctx, m[0], o[0], ids, tg, NULL, true);   // the ordinary step
+    for (int i = 0; i < 4; i++) tc_overlap_step(ctx, m[1], o[1], ids, tg);               // eager, in backward
+    tc_overlap_step(ctx, m[2], o[2], ids, tg);                                         // one eager step, then a graph of one
+    tsys_cuda_graph *gr = NULL;
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tc_overlap_step(ctx, m[2], o[2], ids, tg);
+    TEST_CHECK(tsys_cuda_graph_end(ctx, &gr) == TSYS_OK && gr, "capture: %s", tsys_ctx_last_error(ctx));
+    for (int i = 0; gr && i < 2; i++) tsys_cuda_graph_replay(ctx, gr);   // steps 3 and 4
+    tsys_sync(ctx, TSYS_CUDA);
+    for (int k = 1; k < 3; k++) {
+        int differ = 0;
+        for (int i = 0; i < n; i++) {
+            tsys_tensor *a = tsys_model_params(m[0])[i], *b = tsys_model_params(m[k])[i];
+            float *va = test_read(ctx, a), *vb = test_read(ctx, b);
+            differ += !va || !vb || memcmp(va, vb, sizeof(float) * (size_t)tsys_tensor_numel(a)) != 0;
+            free(va); free(vb);
+        }
+        TEST_CHECK(differ == 0, "%s: %d parameter tensors differ from the ordinary step after 4 steps", k == 1 ? "eager" : "graph", differ);
+    }
+    tsys_cuda_graph_free(gr);
+    tsys_tensor_release(ids); tsys_tensor_release(tg);
+    for (int k = 0; k < 3; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    tsys_ctx_clear_error(ctx);
+}
+
 // Two contexts, each with its own backend state, used side by side.
 TSYS_TEST(cuda_two_contexts) {
     TC_CTX(ctx);
