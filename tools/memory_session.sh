@@ -3,7 +3,7 @@
 # the memory tracker and profiler, the memory_profiling sweep beside PyTorch's peaks, a part of the
 # nsys_profile sweep, and a same-run before/after of timed e2e rows (binaries of the previous tree in
 # gpu/base, of this one in gpu/new: built on the development machine and carried).
-#   tools/memory_session.sh test memory profile compare
+#   tools/memory_session.sh test memory profile compare overlap
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
@@ -35,6 +35,12 @@ for part in "$@"; do
         --dtype fp32 --attn naive --warmup 2 --steps 3 --no-sgemm --format csv --oom-ok --profile "$OUT/prof" > "$OUT/profile_rows.csv" 2> "$OUT/profile.log"
     cat "$OUT/profile_rows.csv"; cat "$OUT/prof/summary.csv"
     tar czf "$OUT/profile_tables.tgz" -C "$OUT/prof" $(cd "$OUT/prof" && ls *.md) 2>/dev/null; rm -f "$OUT"/prof/*.json ;;
+  overlap)   # the optimizer inside backward: its CUDA tests, then the training step with and without it, same call
+    for f in optimizer graph_train; do
+      timeout 300 $N/test_cuda $f > "$OUT/test_cuda_$f.log" 2>&1; echo "test_cuda $f: $(tail -n 1 "$OUT/test_cuda_$f.log")"; grep -A3 FAIL "$OUT/test_cuda_$f.log" | head -20
+    done
+    timeout 400 $N/e2e_cuda --model ${OV_MODELS:-small,xl,2.7B} --context-length 256 --mode train --dtype bf16 --compile no,yes --opt-in-backward no,yes \
+        --warmup 3 --steps 10 --no-sgemm --format csv > "$OUT/overlap.csv" 2> "$OUT/overlap.log"; cut -d, -f2,8,9,11,15,16,21 "$OUT/overlap.csv" ;;
   compare)
     E="--context-length 256 --mode train --dtype bf16 --compile yes --warmup 3 --steps 10 --no-sgemm --format jsonl"
     for round in 1 2; do
