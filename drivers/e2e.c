@@ -71,18 +71,7 @@ static void usage(FILE *f) {
         DU_EXIT_HELP, tsys_model_preset_names(), DU_LIST_MAX);
 }
 
-typedef enum { MODE_FWD, MODE_FWDBWD, MODE_TRAIN } run_mode;
-
-static bool parse_mode(const char *s, run_mode *m) {
-    if (!strcmp(s, "forward")) *m = MODE_FWD;
-    else if (!strcmp(s, "forward-backward")) *m = MODE_FWDBWD;
-    else if (!strcmp(s, "train")) *m = MODE_TRAIN;
-    else return false;
-    return true;
-}
-
-
-static bool ok_mode(const char *s) { run_mode m; return parse_mode(s, &m); }
+static bool ok_mode(const char *s) { du_mode m; return du_parse_mode(s, &m); }
 static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d); }
 static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
@@ -168,89 +157,30 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
 
 // Everything one configuration needs, built once, released by bench_free.
 typedef struct bench {
-    tsys_ctx *ctx;
-    tsys_device dev;
-    tsys_model *model;
-    tsys_optim *opt;
-    tsys_tensor *ids, *targets;
-    tsys_dtype dtype;
-    run_mode mode;
-    tsys_grad_scaler scaler;
+    du_lm lm;         // the model, its optimizer, the batch, the step
     bool capturing;   // inside CUDA graph capture: no host synchronization allowed
-    bool overlap;     // the optimizer inside backward (tsys_optim_overlap_begin/end)
     tsys_event ev[4]; // the phase boundaries of a step: start, forward done, backward done, optimizer done
 } bench;
 
 // Marks a phase boundary on the compute stream (nothing while capturing: a graph is timed whole).
-static void bench_mark(bench *b, int i) { if (!b->capturing) tsys_event_record(b->ctx, b->dev, TSYS_STREAM_COMPUTE, &b->ev[i]); }
+static void bench_mark(void *user, int i) {
+    bench *b = (bench *)user;
+    if (!b->capturing) tsys_event_record(b->lm.ctx, b->lm.dev, TSYS_STREAM_COMPUTE, &b->ev[i]);
+}
 
 static void bench_free(bench *b) {
-    for (int i = 0; i < 4; i++) tsys_event_release(b->ctx, &b->ev[i]);
-    tsys_tensor_release(b->ids); tsys_tensor_release(b->targets);
-    tsys_optim_free(b->opt);
-    tsys_model_free(b->model);
-    b->ids = b->targets = NULL; b->opt = NULL; b->model = NULL;
+    for (int i = 0; i < 4; i++) tsys_event_release(b->lm.ctx, &b->ev[i]);
+    du_lm_free(&b->lm);
 }
 
-// One step in the report's phases (named ranges "forward", "backward", "optimizer", so NVTX and the
-// profiler see them); adds the phase times (ms, from backend events: cudaEvents on the GPU, the host
-// clock on the CPU) to t[0..2]. The host waits only at the end of the step.
+// One step (du_lm_step); adds the phase times (ms, from backend events: cudaEvents on the GPU, the
+// host clock on the CPU) to t[0..2]. The host waits only at the end of the step.
 static tsys_status bench_step(bench *b, double *t) {
-    tsys_ctx *ctx = b->ctx;
-    bench_mark(b, 0);
-    tsys_trace_begin(ctx, "forward");
-    if (b->mode == MODE_FWD) tsys_no_grad_begin(ctx);
-    if (b->dtype != TSYS_F32) tsys_autocast_begin(ctx, b->dtype);
-    tsys_tensor *logits = tsys_model_forward(b->model, b->ids);
-    tsys_tensor *loss = b->mode == MODE_FWD ? NULL : tsys_cross_entropy(ctx, logits, b->targets);
-    if (b->dtype != TSYS_F32) tsys_autocast_end(ctx);
-    if (b->mode == MODE_FWD) tsys_no_grad_end(ctx);
-    tsys_tensor_release(logits);
-    tsys_trace_end(ctx);
-    bench_mark(b, 1);
-    int last = 1;
-    if (b->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
-        tsys_trace_begin(ctx, "backward");
-        tsys_tensor *scaled = b->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &b->scaler, loss) : tsys_tensor_retain(loss);
-        if (b->overlap) tsys_optim_overlap_begin(b->opt);
-        tsys_backward(ctx, scaled);
-        if (b->overlap) tsys_optim_overlap_end(b->opt);   // joins the side stream: the updates count in backward
-        tsys_tensor_release(scaled);
-        tsys_trace_end(ctx);
-        bench_mark(b, 2);
-        tsys_trace_begin(ctx, "optimizer");
-        if (b->mode == MODE_TRAIN) {
-            if (b->dtype == TSYS_F16) { tsys_grad_scaler_step(&b->scaler, b->opt); tsys_grad_scaler_update(&b->scaler); }
-            else if (!b->overlap) tsys_optim_step(b->opt);
-        }
-        if (b->opt) tsys_optim_release_grads(b->opt);   // as torch's zero_grad(set_to_none=True)
-        else tsys_release_grads(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model));
-        tsys_trace_end(ctx);
-        bench_mark(b, 3);
-        last = 3;
-    }
-    tsys_tensor_release(loss);
-    tsys_tape_clear(ctx);
-    if (!b->capturing && tsys_ctx_status(ctx) == TSYS_OK)
-        for (int i = 0; i < last; i++) t[i] += tsys_event_elapsed_ms(ctx, &b->ev[i], &b->ev[i + 1]);
-    return tsys_ctx_status(ctx);
-}
-
-static tsys_status bench_setup(bench *b, const tsys_model_desc *d, const e2e_opts *o, int T) {
-    tsys_ctx *ctx = b->ctx;
-    b->model = tsys_model_new(ctx, d, b->dev, o->seed + 1);
-    if (b->model && o->load) tsys_model_load(b->model, o->load);
-    // AdamW state (two parameter-sized buffers) only where a step uses it, so memory columns compare
-    if (b->model && b->mode == MODE_TRAIN) b->opt = tsys_adamw_new(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model), NULL);
-    int64_t shape[2] = {o->batch, T};
-    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
-    tsys_rng_seed(ctx, o->seed + 7);
-    if (ids && tgt) { tsys_tensor_randint(ctx, ids, d->vocab_size); tsys_tensor_randint(ctx, tgt, d->vocab_size); }
-    b->ids = tsys_tensor_to(ctx, ids, b->dev);
-    b->targets = tsys_tensor_to(ctx, tgt, b->dev);
-    tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    b->scaler = tsys_grad_scaler_init();
-    return tsys_ctx_status(ctx);
+    int last;
+    tsys_status st = du_lm_step(&b->lm, &last);
+    if (!b->capturing && st == TSYS_OK)
+        for (int i = 0; i < last; i++) t[i] += tsys_event_elapsed_ms(b->lm.ctx, &b->ev[i], &b->ev[i + 1]);
+    return tsys_ctx_status(b->lm.ctx);
 }
 
 // Times `steps` replays of the step captured as a CUDA graph; per-step totals go to tot[].
@@ -258,26 +188,26 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
 #ifdef TSYS_WITH_CUDA
     double t[3] = {0, 0, 0};
     tsys_cuda_graph *g = NULL;
-    tsys_status st = tsys_cuda_graph_begin(b->ctx);
+    tsys_status st = tsys_cuda_graph_begin(b->lm.ctx);
     if (st == TSYS_OK) {
         b->capturing = true;
         tsys_status step_st = bench_step(b, t);
         b->capturing = false;
-        st = tsys_cuda_graph_end(b->ctx, &g);
+        st = tsys_cuda_graph_end(b->lm.ctx, &g);
         if (step_st != TSYS_OK) st = step_st;
     }
     for (int i = 0; st == TSYS_OK && i < steps; i++) {
         bench_mark(b, 0);
-        st = tsys_cuda_graph_replay(b->ctx, g);
+        st = tsys_cuda_graph_replay(b->lm.ctx, g);
         bench_mark(b, 3);
-        tot[i] = tsys_event_elapsed_ms(b->ctx, &b->ev[0], &b->ev[3]);
-        if (st == TSYS_OK) st = tsys_ctx_status(b->ctx);
+        tot[i] = tsys_event_elapsed_ms(b->lm.ctx, &b->ev[0], &b->ev[3]);
+        if (st == TSYS_OK) st = tsys_ctx_status(b->lm.ctx);
     }
     tsys_cuda_graph_free(g);
     return st;
 #else
     (void)b; (void)steps; (void)tot;
-    return tsys_ctx_set_error(b->ctx, TSYS_ERR_UNSUPPORTED, "--compile needs the CUDA build");
+    return tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_UNSUPPORTED, "--compile needs the CUDA build");
 #endif
 }
 
@@ -311,15 +241,15 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     char base[512], path[600];
     snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
              du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled");
-    tsys_profiler *p = tsys_profiler_begin(b->ctx);
+    tsys_profiler *p = tsys_profiler_begin(b->lm.ctx);
     double t[3] = {0, 0, 0};
-    tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->ctx);
-    if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(b->ctx);
+    tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->lm.ctx);
+    if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(b->lm.ctx);
     snprintf(path, sizeof(path), "%s.json", base);
     if (st == TSYS_OK) st = tsys_profiler_write_trace(p, path);
     snprintf(path, sizeof(path), "%s.md", base);
     FILE *f = st == TSYS_OK ? fopen(path, "w") : NULL;
-    if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
+    if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
     if (f) {
         fprintf(f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, optimizer %.2f ms\n\n",
                 base + strlen(dir) + 1, t[0] + t[1] + t[2], t[0], t[1], t[2], tsys_profiler_kernel_ms(p, "forward"), tsys_profiler_kernel_ms(p, "backward"),
@@ -330,18 +260,18 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
         fprintf(f, "\n");
         fclose(f);
         fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
-        st = profile_summary(b->ctx, p, dir, base + strlen(dir) + 1, t);
+        st = profile_summary(b->lm.ctx, p, dir, base + strlen(dir) + 1, t);
     }
     tsys_profiler_free(p);
     return st;
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, bool overlap, const char *attn) {
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap, const char *attn) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
     du_row_set(row, "batch", "%d", o->batch);
-    du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
+    du_row_set(row, "mode", "%s", du_mode_names[mode]);
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
     du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
@@ -354,7 +284,7 @@ static bool config_desc(const e2e_opts *o, const char *model_name, int T, const 
     return du_model_desc(&o->dims, model_name, T, attn, d, err, len) && du_model_sizes_ok(d, o->batch, T, err, len);
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, bool overlap,
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap,
                        const char *attn_flag, du_table *tab) {
     char err[256] = "";
     tsys_model_desc d;
@@ -363,17 +293,17 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, attn);
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
-    if (compiled && dt == TSYS_F16 && mode == MODE_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
-    if (overlap && mode != MODE_TRAIN) { du_row_set(row, "status", "skipped: --opt-in-backward applies to train mode"); return; }
+    if (compiled && dt == TSYS_F16 && mode == DU_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
+    if (overlap && mode != DU_TRAIN) { du_row_set(row, "status", "skipped: --opt-in-backward applies to train mode"); return; }
     if (overlap && dt == TSYS_F16) { du_row_set(row, "status", "skipped: fp16 loss scaling needs every gradient before any update"); return; }
     bench b;
     memset(&b, 0, sizeof(b));
-    b.ctx = ctx; b.dev = dev; b.mode = mode; b.dtype = dt; b.overlap = overlap;
+    b.lm.ctx = ctx; b.lm.dev = dev; b.lm.mode = mode; b.lm.dtype = dt; b.lm.overlap = overlap; b.lm.mark = bench_mark; b.lm.mark_user = &b;
     tsys_mem_reset_peak(ctx, dev);
     int n = o->steps, total = (compiled && o->warmup < 1 ? 1 : o->warmup) + (compiled ? 0 : n);   // a graph is captured after at least one eager step
     double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
     double *opt = (double *)calloc((size_t)n, sizeof(double)), *tot = (double *)calloc((size_t)n, sizeof(double));
-    tsys_status st = fwd && bwd && opt && tot ? bench_setup(&b, &d, o, T)
+    tsys_status st = fwd && bwd && opt && tot ? du_lm_setup(&b.lm, &d, o->batch, T, o->seed, o->load)
                                               : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for %d step timings", n);
     int warm = total - (compiled ? 0 : n);
     bool in_warmup = warm > 0;
@@ -400,11 +330,11 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         if (!compiled) {
             tsys_stats sf = tsys_stats_of(fwd, n), sb = tsys_stats_of(bwd, n), so = tsys_stats_of(opt, n);
             du_row_set(row, "fwd_ms", "%.2f", sf.mean); du_row_set(row, "fwd_std", "%.2f", sf.std);
-            if (mode != MODE_FWD) { du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std); }
-            if (mode == MODE_TRAIN) du_row_set(row, "opt_ms", "%.2f", so.mean);
+            if (mode != DU_FORWARD) { du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std); }
+            if (mode == DU_TRAIN) du_row_set(row, "opt_ms", "%.2f", so.mean);
         }
         du_row_set(row, "total_ms", "%.2f", s.mean); du_row_set(row, "total_std", "%.2f", s.std);
-        double flops = tsys_model_flops(&d, o->batch, T, mode != MODE_FWD);
+        double flops = tsys_model_flops(&d, o->batch, T, mode != DU_FORWARD);
         double ms = s.mean;   // over the whole step, as the PyTorch baseline counts it
         du_row_set(row, dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s", dev == TSYS_CPU ? "%.1f" : "%.1f", flops / ms / (dev == TSYS_CPU ? 1e6 : 1e9));
         double peak = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2];
@@ -503,8 +433,8 @@ int main(int argc, char **argv) {
                     for (int k = 0; k < o.compiles.n; k++)
                         for (int ov = 0; ov < o.overlaps.n; ov++)
                             for (int at = 0; at < o.attns.n; at++) {
-                                run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                                parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
+                                du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
+                                du_parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
                                 run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), !strcmp(o.overlaps.item[ov], "yes"),
                                            o.attns.item[at], &tab);
                                 du_table_emit(&tab);

@@ -23,8 +23,6 @@
 
 #define MIB (1.0 / 1048576.0)
 
-typedef enum { MODE_FWD, MODE_FWDBWD, MODE_TRAIN } run_mode;
-static const char *const mode_names[3] = {"forward", "forward-backward", "train"};
 
 typedef struct mem_opts {
     const char *device, *format, *out;
@@ -62,11 +60,7 @@ static void usage(FILE *f) {
         DU_EXIT_HELP, tsys_model_preset_names());
 }
 
-static bool parse_mode(const char *s, run_mode *m) {
-    for (int i = 0; i < 3; i++) if (!strcmp(s, mode_names[i])) { *m = (run_mode)i; return true; }
-    return false;
-}
-static bool ok_mode(const char *s) { run_mode m; return parse_mode(s, &m); }
+static bool ok_mode(const char *s) { du_mode m; return du_parse_mode(s, &m); }
 static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d); }
 static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
@@ -136,78 +130,25 @@ static int parse_args(int argc, char **argv, mem_opts *o) {
 // ---- one recorded step ---------------------------------------------------------------------------
 
 typedef struct run {
-    tsys_ctx *ctx;
-    tsys_device dev;
-    tsys_model *model;
-    tsys_optim *opt;
-    tsys_tensor *ids, *targets;
-    tsys_dtype dtype;
-    run_mode mode;
-    tsys_grad_scaler scaler;
+    du_lm lm;
     double mark[4];   // ms on the timeline's clock: start, forward done, backward done, optimizer done
     int nmarks;
 } run;
 
-static void run_mark(run *r) { r->mark[r->nmarks++] = tsys_ctx_time_us(r->ctx) * 1e-3; }
+// The phase marks are host times, the clock of the allocations: on CUDA the host issues the work and
+// allocates as it goes, which is what the caching allocator (and PyTorch's memory snapshot) sees.
+static void run_mark(void *user, int i) {
+    run *r = (run *)user;
+    r->mark[i] = tsys_ctx_time_us(r->lm.ctx) * 1e-3;
+    r->nmarks = i + 1;
+}
 
-// One step in the report's phases (the named ranges the profiler and NVTX also see). The phase marks
-// are host times, the clock of the allocations: on CUDA the host issues the work and allocates as it
-// goes, which is what the caching allocator (and PyTorch's memory snapshot) sees.
 static tsys_status run_step(run *r) {
-    tsys_ctx *ctx = r->ctx;
+    int last;
     r->nmarks = 0;
-    run_mark(r);
-    tsys_trace_begin(ctx, "forward");
-    if (r->mode == MODE_FWD) tsys_no_grad_begin(ctx);
-    if (r->dtype != TSYS_F32) tsys_autocast_begin(ctx, r->dtype);
-    tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
-    tsys_tensor *loss = r->mode == MODE_FWD ? NULL : tsys_cross_entropy(ctx, logits, r->targets);
-    if (r->dtype != TSYS_F32) tsys_autocast_end(ctx);
-    if (r->mode == MODE_FWD) tsys_no_grad_end(ctx);
-    tsys_tensor_release(logits);
-    tsys_trace_end(ctx);
-    run_mark(r);
-    if (r->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
-        tsys_trace_begin(ctx, "backward");
-        tsys_tensor *scaled = r->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &r->scaler, loss) : tsys_tensor_retain(loss);
-        tsys_backward(ctx, scaled);
-        tsys_tensor_release(scaled);
-        tsys_trace_end(ctx);
-        run_mark(r);
-        tsys_trace_begin(ctx, "optimizer");
-        if (r->mode == MODE_TRAIN && r->dtype == TSYS_F16) { tsys_grad_scaler_step(&r->scaler, r->opt); tsys_grad_scaler_update(&r->scaler); }
-        else if (r->mode == MODE_TRAIN) tsys_optim_step(r->opt);
-        if (r->opt) tsys_optim_release_grads(r->opt);   // as torch's zero_grad(set_to_none=True)
-        else tsys_release_grads(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model));
-        tsys_trace_end(ctx);
-        run_mark(r);
-    }
-    tsys_tensor_release(loss);
-    tsys_tape_clear(ctx);
-    if (tsys_ctx_status(ctx) == TSYS_OK) tsys_sync(ctx, r->dev);
-    return tsys_ctx_status(ctx);
-}
-
-static tsys_status run_setup(run *r, const tsys_model_desc *d, const mem_opts *o, int T) {
-    tsys_ctx *ctx = r->ctx;
-    r->model = tsys_model_new(ctx, d, r->dev, o->seed + 1);
-    if (r->model && r->mode == MODE_TRAIN) r->opt = tsys_adamw_new(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model), NULL);
-    int64_t shape[2] = {o->batch, T};
-    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
-    tsys_rng_seed(ctx, o->seed + 7);
-    if (ids && tgt) { tsys_tensor_randint(ctx, ids, d->vocab_size); tsys_tensor_randint(ctx, tgt, d->vocab_size); }
-    r->ids = tsys_tensor_to(ctx, ids, r->dev);
-    r->targets = tsys_tensor_to(ctx, tgt, r->dev);
-    tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    r->scaler = tsys_grad_scaler_init();
-    return tsys_ctx_status(ctx);
-}
-
-static void run_free(run *r) {
-    tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
-    tsys_optim_free(r->opt);
-    tsys_model_free(r->model);
-    r->ids = r->targets = NULL; r->opt = NULL; r->model = NULL;
+    tsys_status st = du_lm_step(&r->lm, &last);
+    if (st == TSYS_OK) st = tsys_sync(r->lm.ctx, r->lm.dev);
+    return st;
 }
 
 // ---- the timeline, replayed ---------------------------------------------------------------------
@@ -579,10 +520,10 @@ static bool write_svg(const char *path, const timeline *tl, const char *title, c
 
 // ---- one configuration ----------------------------------------------------------------------------
 
-typedef struct config { const char *model; int T; run_mode mode; tsys_dtype dt; const char *attn; tsys_model_desc d; } config;
+typedef struct config { const char *model; int T; du_mode mode; tsys_dtype dt; const char *attn; tsys_model_desc d; } config;
 
 static void config_name(const config *c, tsys_device dev, char *buf, size_t len) {
-    snprintf(buf, len, "%s_%s_ctx%d_%s_%s_%s", dev == TSYS_CPU ? "cpu" : "cuda", c->model, c->T, mode_names[c->mode], du_dtype_flag(c->dt), c->attn);
+    snprintf(buf, len, "%s_%s_ctx%d_%s_%s_%s", dev == TSYS_CPU ? "cpu" : "cuda", c->model, c->T, du_mode_names[c->mode], du_dtype_flag(c->dt), c->attn);
 }
 
 // Opens the recorded window: the state by category and by tag when it starts, the clock.
@@ -641,7 +582,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     du_row *row = du_table_row(tab);
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", c->model); du_row_set(row, "context", "%d", c->T); du_row_set(row, "batch", "%d", o->batch);
-    du_row_set(row, "mode", "%s", mode_names[c->mode]); du_row_set(row, "dtype", "%s", du_dtype_flag(c->dt)); du_row_set(row, "attn", "%s", c->attn);
+    du_row_set(row, "mode", "%s", du_mode_names[c->mode]); du_row_set(row, "dtype", "%s", du_dtype_flag(c->dt)); du_row_set(row, "attn", "%s", c->attn);
     if (!du_model_desc(&o->dims, c->model, c->T, c->attn, &c->d, err, sizeof(err)) || !du_model_sizes_ok(&c->d, o->batch, c->T, err, sizeof(err))) {
         du_row_set(row, "status", "error: %s", err);
         return;
@@ -649,7 +590,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     config_name(c, dev, name, sizeof(name));
     run r;
     memset(&r, 0, sizeof(r));
-    r.ctx = ctx; r.dev = dev; r.mode = c->mode; r.dtype = c->dt;
+    r.lm.ctx = ctx; r.lm.dev = dev; r.lm.mode = c->mode; r.lm.dtype = c->dt; r.lm.mark = run_mark; r.lm.mark_user = &r;
     timeline tl;
     memset(&tl, 0, sizeof(tl));
     // Setup and the warmup step are recorded too: when they fail, that timeline shows where. When
@@ -657,7 +598,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     // window starts again with the measured step.
     du_progress("%s: setup and warmup step", name);
     bool opened = timeline_open(&tl, ctx, dev);
-    tsys_status st = opened ? run_setup(&r, &c->d, o, c->T) : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for the timeline");
+    tsys_status st = opened ? du_lm_setup(&r.lm, &c->d, o->batch, c->T, o->seed, NULL) : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for the timeline");
     if (st == TSYS_OK) st = run_step(&r);
     if (st == TSYS_OK) {
         timeline_free(&tl);
@@ -669,7 +610,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     const char *oom = st == TSYS_ERR_OOM ? tsys_ctx_last_error(ctx) : NULL;
     if (opened && !timeline_close(&tl, ctx, &r) && st == TSYS_OK) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory replaying the timeline");
     du_progress_done();
-    tsys_model_mem_estimate pe = tsys_model_mem_predict(&c->d, o->batch, c->T, c->dt, c->mode != MODE_FWD, c->mode == MODE_TRAIN);
+    tsys_model_mem_estimate pe = tsys_model_mem_predict(&c->d, o->batch, c->T, c->dt, c->mode != DU_FORWARD, c->mode == DU_TRAIN);
     if (opened) {
         fill_row(row, &tl, &pe, &c->d, o, c->T, st == TSYS_OK);
         if (tl.mismatches) fprintf(stderr, "memory: %s: %ld timeline events where the categories do not add up to the live bytes\n", name, tl.mismatches);
@@ -681,7 +622,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
         }
         if (o->out) {
             char path[1024], title[320];
-            snprintf(title, sizeof(title), "%s, context %d, batch %d, %s, %s (%s)%s", c->model, c->T, o->batch, mode_names[c->mode], du_dtype_flag(c->dt),
+            snprintf(title, sizeof(title), "%s, context %d, batch %d, %s, %s (%s)%s", c->model, c->T, o->batch, du_mode_names[c->mode], du_dtype_flag(c->dt),
                      dev == TSYS_CPU ? "cpu" : "cuda", oom ? ": out of memory" : "");
             snprintf(path, sizeof(path), "%s/%s.json", o->out, name);
             bool ok = write_json(path, ctx, &tl, title, oom);
@@ -695,7 +636,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     else du_row_set(row, "status", "%s: %s", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
     timeline_free(&tl);
     tsys_tape_clear(ctx);
-    run_free(&r);
+    du_lm_free(&r.lm);
     tsys_ctx_clear_error(ctx);
 #ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA) tsys_cuda_empty_cache(ctx);   // the next configuration starts from an empty cache
@@ -741,7 +682,7 @@ int main(int argc, char **argv) {
                         config cf;
                         memset(&cf, 0, sizeof(cf));
                         cf.model = o.models.item[a];
-                        parse_mode(o.modes.item[m], &cf.mode); du_parse_dtype(o.dtypes.item[t], &cf.dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &cf.T);
+                        du_parse_mode(o.modes.item[m], &cf.mode); du_parse_dtype(o.dtypes.item[t], &cf.dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &cf.T);
                         cf.attn = strcmp(o.attns.item[at], "auto") ? o.attns.item[at] : (dev == TSYS_CUDA && cf.dt != TSYS_F32) ? "flash" : "naive";
                         run_config(ctx, dev, &o, &cf, &tab);
                         du_table_emit(&tab);
