@@ -1,5 +1,5 @@
 # tsys - build, test and benchmark.
-#   make            CPU drivers (build/e2e, build/precision, build/attn, build/allreduce, build/ddp)
+#   make            CPU drivers (build/e2e, build/precision, build/attn, build/memory, build/allreduce, build/ddp)
 #   make test       CPU tests (what CI runs): the tests, the drivers' tests, the same again under
 #                   ASan+UBSan (build/asan/), and the libFuzzer harnesses side by side for FUZZ_SECONDS when
 #                   clang is present; also compiles the CUDA code when nvcc is present
@@ -28,7 +28,7 @@ NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_WITH_CUD
 NVLIBS  = -lcublasLt -lcublas $(BLAS_LIB) -lgomp
 
 HEADERS = tsys.h $(wildcard drivers/*.h)
-CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn
+CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn $(BUILD)/memory
 CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_checkpoint $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention $(BUILD)/test_hooks $(BUILD)/test_guards $(BUILD)/test_profiler
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
@@ -102,10 +102,10 @@ $(ASAN)/test_drivers: tests/test_drivers.sh $(ASAN_DRIVERS) | $(ASAN)
 asan: $(ASAN_TESTS) $(ASAN_DRIVERS) $(ASAN)/test_drivers
 
 # The drivers' flag parsers for fuzz_flags: each driver compiled on its own with main renamed and
-# the library private to it (TSYS_STATIC), so the three link into one harness.
+# the library private to it (TSYS_STATIC), so the four link into one harness.
 $(FUZZ)/driver_%.o: drivers/%.c $(HEADERS) | $(FUZZ)
 	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link,$(FUZZ_SAN) -DTSYS_STATIC -Dmain=$*_main -c $< -o $@
-$(FUZZ)/fuzz_flags: tests/fuzz/fuzz_flags.c $(FUZZ)/driver_e2e.o $(FUZZ)/driver_attn.o $(FUZZ)/driver_precision.o | $(FUZZ)
+$(FUZZ)/fuzz_flags: tests/fuzz/fuzz_flags.c $(FUZZ)/driver_e2e.o $(FUZZ)/driver_attn.o $(FUZZ)/driver_precision.o $(FUZZ)/driver_memory.o | $(FUZZ)
 	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer,$(FUZZ_SAN) $^ -o $@ $(LDLIBS)
 $(FUZZ)/fuzz_safetensors: tests/fuzz/fuzz_safetensors.c $(HEADERS) | $(FUZZ)
 	$(CLANG) $(CPPFLAGS) $(FUZZ_CFLAGS) -fsanitize=fuzzer,$(FUZZ_SAN) $< -o $@ $(LDLIBS)
@@ -151,7 +151,7 @@ run-tests: header-check $(ALL_TESTS) $(if $(HAVE_NVCC),cuda-compile)
 	echo "$$pass passed, $$fail failed"; [ $$fail -eq 0 ]
 
 # CUDA builds (nvcc compiles the same driver sources as CUDA C++).
-CUDA_DRIVERS = $(BUILD)/e2e_cuda $(BUILD)/attn_cuda
+CUDA_DRIVERS = $(BUILD)/e2e_cuda $(BUILD)/attn_cuda $(BUILD)/memory_cuda
 CUDA_TESTS = $(BUILD)/test_cuda $(BUILD)/flash_lab
 # The drivers link one compiled copy of both implementations (the kernels take minutes to compile);
 # the test programs, which reach into the implementations, compile their own.
@@ -193,7 +193,7 @@ DIST_CFLAGS = -D_GNU_SOURCE -pthread $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMP
 DIST_LIBS = -pthread $(if $(HAVE_MPI),$(MPI_LINK))
 DIST_HEADERS = tsys_dist.h tests/harness_dist.h
 DIST_DRIVERS = $(BUILD)/allreduce $(if $(wildcard drivers/ddp.c),$(BUILD)/ddp)
-DIST_TESTS = $(BUILD)/test_dist $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp)
+DIST_TESTS = $(BUILD)/test_dist $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp) $(if $(wildcard tests/test_fsdp.c),$(BUILD)/test_fsdp)
 TEST_RUNNERS += tests/run_dist.sh
 
 $(DIST_DRIVERS): $(BUILD)/%: drivers/%.c $(HEADERS) $(DIST_HEADERS) | $(BUILD)

@@ -8,6 +8,14 @@
 #                  float32 over NPROCS ranks (cpu: 2,4 through shared memory; cuda: 2,4,6 GPUs, NCCL),
 #                  AR_SIZES (1MB,10MB,100MB,1GB), AR_OPS (all_reduce), with a torch.distributed row
 #                  (gloo / nccl, tests/ref/allreduce_torch.py) for each when python3 has torch
+#     memory       CS336 memory_profiling (not in the default list): MEM_MODELS (2.7B on cuda, small on cpu) x
+#                  MEM_CONTEXT (128,256,512) x forward, train x fp32, bf16: the peak table, its breakdown, the
+#                  prediction, the largest allocations, and a timeline plot (SVG) per row in $OUT/memory (or
+#                  ./memory-profile); on cuda with torch, torch.cuda.max_memory_allocated beside each row
+#     profile      CS336 nsys_profile (not in the default list): PROF_MODELS (every preset) x PROF_CONTEXT
+#                  (128,256,512,1024) x forward, forward-backward, train, PROF_DTYPES (fp32), naive attention,
+#                  profiled by the built-in profiler (tables + Chrome traces in $OUT/profile or ./profile), then
+#                  one summary table per question of the report
 #     ddp          CS336 naive/flat/overlap/bucketed DDP and ZeRO-1 (problems 14-19, 22) on DDP_NPROC ranks
 #                  (default: 2 CPU ranks, or one rank per GPU; the built-in launcher), then the accounting prediction (problem 22, DDP vs ZeRO-1/2/3)
 #     checkpoint   CS336 (S26) gradient_checkpointing: the xl block's accounting at context 2048, batch 4, fp32 per policy
@@ -121,7 +129,48 @@ for s in "${sections[@]}"; do
       $E2E --device cpu --model "${MODELS%%,*}" --context-length "$CONTEXT" --mode train --checkpoint "$pols" --warmup 1 --steps 3 \
            --format "$FORMAT" --oom-ok | save ckpt.$FORMAT || rc=$?
     fi ;;
-  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce, ddp, checkpoint)" >&2; exit 2 ;;
+  memory)
+    if [ "$DEVICE" = cuda ]; then make -s build/memory_cuda; MEM=build/memory_cuda; MEM_MODELS=${MEM_MODELS:-2.7B}
+    else make -s build/memory; MEM=build/memory; MEM_MODELS=${MEM_MODELS:-small}; fi
+    mdir=${OUT:+$OUT/}memory-profile; MEM_CONTEXT=${MEM_CONTEXT:-128,256,512}; MEM_DTYPES=${MEM_DTYPES:-fp32,bf16}
+    echo "## memory_profiling: $MEM_MODELS, contexts $MEM_CONTEXT, forward and a full training step, $MEM_DTYPES ($DEVICE, batch 4); plots in $mdir"
+    $MEM --device "$DEVICE" --model "$MEM_MODELS" --context-length "$MEM_CONTEXT" --mode forward,train --dtype "$MEM_DTYPES" --out "$mdir" \
+         --format csv --oom-ok >"$mdir.csv" 2>"$mdir.details.md" || rc=$?
+    if [ "$DEVICE" = cuda ] && python3 -c 'import torch' 2>/dev/null; then   # PyTorch's peak for the same rows, then the two side by side
+      python3 tests/ref/memory_torch.py --model "$MEM_MODELS" --context-length "$MEM_CONTEXT" --mode forward,train --dtype "$MEM_DTYPES" --format csv >"$mdir.torch.csv" || rc=$?
+    else : >"$mdir.torch.csv"; fi
+    awk -F, 'FNR == 1 { for (i = 1; i <= NF; i++) col[FILENAME, $i] = i; next }
+             FILENAME ~ /torch/ { torch[$1 "," $2 "," $3 "," $4] = $(col[FILENAME, "torch_peak_MiB"]); next }
+             { k = $2 "," $3 "," $5 "," $6; rows[++n] = $0; key[n] = k }
+             END { printf "| model | context | mode | dtype | peak MiB | predicted MiB | diff | params | grads | optimizer | activations | temporaries | workspace | cached | fwd peak | bwd peak | opt peak | peak in | residual MiB | torch MiB | tsys / torch | status |\n"
+                   printf "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|\n"
+                   for (r = 1; r <= n; r++) { split(rows[r], c, ","); t = (key[r] in torch) ? torch[key[r]] : "";
+                     ratio = (t != "" && t + 0 > 0 && c[8] + 0 > 0) ? sprintf("%.3f", c[8] / t) : "-"
+                     printf "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", c[2], c[3], c[5], c[6], c[8], c[9], c[10],
+                            c[11], c[12], c[13], c[14], c[15], c[16], c[17], c[18], c[19], c[20], c[21], c[22], (t == "" ? "-" : t), ratio, c[23] } }' \
+        "$mdir.torch.csv" "$mdir.csv" | save memory.md
+    echo; cat "$mdir.details.md" ;;
+  profile)
+    E2EP=$E2E; [ "$DEVICE" = cuda ] || make -s build/e2e
+    pdir=${OUT:+$OUT/}profile; rm -f "$pdir/summary.csv"
+    PROF_MODELS=${PROF_MODELS:-$([ "$DEVICE" = cuda ] && echo small,medium,large,xl,2.7B || echo small)}
+    PROF_CONTEXT=${PROF_CONTEXT:-$([ "$DEVICE" = cuda ] && echo 128,256,512,1024 || echo 128,256)}; PROF_DTYPES=${PROF_DTYPES:-fp32}
+    echo "## nsys_profile with the built-in profiler: $PROF_MODELS x contexts $PROF_CONTEXT x forward, forward-backward, train ($DEVICE, $PROF_DTYPES, naive attention); tables and traces in $pdir"
+    $E2EP --device "$DEVICE" --model "$PROF_MODELS" --context-length "$PROF_CONTEXT" --mode forward,forward-backward,train --dtype "$PROF_DTYPES" \
+          --attn naive --warmup "$WARMUP" --steps "$STEPS" --format csv --oom-ok --profile "$pdir" >"$pdir.csv" 2>"$pdir.log" || rc=$?
+    [ -s "$pdir/summary.csv" ] || { echo "bench.sh: no profile summary in $pdir (see $pdir.log)" >&2; rc=1; }
+    {
+      q() { awk -F, -v want="$1" -v cols="$2" -v head="$3" 'BEGIN { n = split(cols, cs, " "); printf "%s\n|", head; for (i = 1; i <= n; i++) printf " %s |", cs[i]; printf "\n|"; for (i = 1; i <= n; i++) printf "---|"; printf "\n" }
+            NR == 1 { for (i = 1; i <= NF; i++) ix[$i] = i; next }
+            $1 ~ want { printf "|"; for (i = 1; i <= n; i++) printf " %s |", $(ix[cs[i]]); printf "\n" }' "$pdir/summary.csv"; echo; }
+      q '_forward_' 'config step_ms fwd_kernel_ms' '### (a) forward pass: step time under the profiler vs the kernels'"'"' device time (timed rows: '"$pdir"'.csv)'
+      q '_forward_' 'config fwd_top_kernel fwd_top_calls fwd_top_ms fwd_kernel_ms' '### (b) the kernel with the most forward time, its launches'
+      q '_forward-backward_' 'config step_top_kernel step_top_calls step_top_ms kernel_ms' '### (b) ... and in forward + backward'
+      q '_forward_' 'config fwd_matmul_pct fwd_top_other fwd_top_other_ms' '### (c) forward: the matmuls'"'"' share and the largest non-matmul kernel'
+      q '_train_' 'config fwd_matmul_pct step_matmul_pct step_top_kernel step_top_ms' '### (d) a training step: the matmuls'"'"' share in forward and in the whole step'
+      q '_forward_' 'config softmax_ms attn_matmul_ms fwd_kernel_ms' '### (e) attention (forward): softmax vs its two matmuls (QK^T and PV). Matmul FLOPs / softmax FLOPs = 4 d_head / ~5 (~51 at d_head 64)'
+    } | save profile.md ;;
+  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce, ddp, memory, profile, checkpoint)" >&2; exit 2 ;;
   esac
   if [ $rc -ne 0 ]; then echo "bench.sh: section '$s' failed (exit $rc); going on" >&2; failed+=("$s"); fi
   echo

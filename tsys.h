@@ -149,6 +149,7 @@ typedef enum tsys_device { TSYS_CPU, TSYS_CUDA, TSYS_DEVICE_COUNT } tsys_device;
 typedef struct tsys_ctx tsys_ctx;
 typedef struct tsys_tensor tsys_tensor;
 typedef struct tsys__node tsys__node;
+typedef struct tsys__grad_home tsys__grad_home;
 
 // What an allocation holds. Storage starts in the category the context is set to when it is made
 // (tsys_mem_set_category; the library sets it for parameters, gradients and optimizer state) and a
@@ -178,6 +179,7 @@ typedef struct tsys_storage {
     int tag;             // index into the tracker's tag table at allocation time
     tsys_mem_category category;
     int saved_by;        // tape nodes that keep it for backward (a temporary is an activation meanwhile)
+    uint64_t id;         // serial number, the id of its memory events
 } tsys_storage;
 
 typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
@@ -198,6 +200,7 @@ struct tsys_tensor {
     bool grad_zero;              // leaves: .grad holds stale bytes that count as zero (tsys_optim_zero_grad);
                                  // the next gradient overwrites instead of adding, saving a fill and a read
     struct tsys__grad_hook *hooks;   // leaves: fired in order once .grad is final for this backward
+    struct tsys__grad_home *grad_home;   // leaves: the block .grad is carved from when backward first needs it
     char name[TSYS_NAME_LEN];
 };
 
@@ -216,13 +219,26 @@ typedef struct tsys_ctx_desc {
 
 // One entry of the memory timeline. A temporary saved for backward shows as two events of the same
 // time and opposite deltas (-bytes temporaries, +bytes activations): live does not change.
+// What an event records: an allocation, a free, or a move between categories (a temporary saved for
+// backward becomes an activation: two MOVE events of the same time, -bytes from, +bytes to).
+typedef enum tsys_mem_action { TSYS_MEM_EV_ALLOC, TSYS_MEM_EV_FREE, TSYS_MEM_EV_MOVE } tsys_mem_action;
+
+// An allocation and its free carry the same id (a storage's serial number; 0 for memory a backend
+// notes itself, such as library workspaces); the allocation also carries the shape and dtype of the
+// tensor it was made for (ndim -1 when it was not made for one).
 typedef struct tsys_mem_event {
-    double t_us;          // microseconds since the context was created
+    double t_us;          // microseconds since the context was created (tsys_ctx_time_us)
     int64_t delta;        // +bytes on allocation, -bytes on free
     int64_t live;         // live bytes on that device after the event
+    int64_t cached;       // bytes the device's allocator holds beyond those in use (0 on the CPU)
+    uint64_t id;
     int tag;
     tsys_device device;
     tsys_mem_category category;
+    tsys_mem_action action;
+    tsys_dtype dtype;
+    int ndim;
+    int64_t shape[TSYS_MAX_DIMS];
 } tsys_mem_event;
 
 // Memory tracker totals for one device.
@@ -349,6 +365,7 @@ typedef struct tsys_backend {
     tsys_status (*event_elapsed)(tsys_ctx *ctx, const tsys_event *start, const tsys_event *end, double *ms);
     void (*event_release)(tsys_ctx *ctx, tsys_event *e);
     tsys_stream (*set_stream)(tsys_ctx *ctx, tsys_stream s);    // where later kernels and GEMMs go; returns the previous
+    int64_t (*cached_bytes)(tsys_ctx *ctx);   // optional: bytes reserved from the device but not in use (a caching allocator's free blocks)
 } tsys_backend;
 
 // ---- trace hooks: every forward op, every backward node, named ranges, kernel and GEMM launches,
@@ -397,6 +414,7 @@ TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_bac
 TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev);
 TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev);
 TSYSDEF double tsys_time_us(void);   // monotonic wall clock
+TSYSDEF double tsys_ctx_time_us(const tsys_ctx *ctx);   // microseconds since the context was made (the memory timeline's clock)
 TSYSDEF const char *tsys_kernel_name(tsys_kernel k);
 
 // events and streams (see tsys_event); the CPU backend has them too, so timing code is one code
@@ -410,6 +428,10 @@ TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream 
 TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks); // NULL removes; returns the previous
 TSYSDEF void tsys_trace_begin(tsys_ctx *ctx, const char *name);   // a range for the hooks; also the memory tag of what it allocates
 TSYSDEF void tsys_trace_end(tsys_ctx *ctx);                       // closes the innermost range
+// Inside the op_begin/op_end hooks of a linear or embedding, forward or backward: its weight (the
+// parameter itself, not an autocast copy), so a hook can tell which parameters an op is about to use
+// (FSDP gathers them); NULL in any other hook.
+TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx);
 
 // dtypes
 TSYSDEF size_t tsys_dtype_size(tsys_dtype dt);
@@ -460,6 +482,13 @@ TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t h
 TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape);   // reshape, shares storage, recorded
 TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape);  // no autograd
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on);
+// Storage surgery for sharded training (tsys_dist.h's FSDP). rebind: t becomes a window of target's
+// storage at byte_offset (its dtype and shape kept, its old storage released; the window must fit).
+// resize: frees (bytes = 0) or reallocates the memory of t's storage under every tensor that views it,
+// as torch's storage().resize_(0) does for FSDP's parameters; the contents are undefined afterwards and
+// a tensor on a 0-byte storage must not be read. The tracker sees the bytes come and go.
+TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset);
+TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes);
 // Gradient-ready hooks: fn runs once per backward, the moment t's gradient is final (after its last
 // use on the tape, tied weights included); several hooks on one tensor run in registration order.
 TSYSDEF tsys_status tsys_tensor_add_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user);
@@ -593,7 +622,7 @@ typedef struct tsys_checkpoint_plan {
     double block_bytes;          // what one block keeps for backward without checkpointing
     double kept_block_bytes;     // what the blocks keep after the forward under the policy, per block
     double kept_bytes;           // what the whole forward keeps (blocks, embedding, final norm, lm_head, loss)
-    double fixed_bytes;          // parameters, gradients, optimizer state, the batch
+    double fixed_bytes;          // parameters, optimizer state, the batch (gradients are made by layer in backward)
     double peak_bytes;           // predicted peak of the step (forward, backward, optimizer)
     double step_flops;           // matmul FLOPs of forward + backward without recomputation
     double recompute_flops;      // matmul FLOPs the recomputation adds
@@ -610,6 +639,20 @@ TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, doub
 // The plan in a few lines: policy, what is kept and what is recomputed, predicted peak, extra time.
 TSYSDEF void tsys_checkpoint_plan_print(const tsys_checkpoint_plan *p, FILE *f, double tflops, double gbps);
 TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model *m);   // the last forward's (NULL before / none)
+// The memory of one step of the model from its shapes alone: what the tape keeps for backward, op by
+// op, and the state the step holds (the memory driver prints it beside the tracker's measurement).
+typedef struct tsys_model_mem_estimate {
+    int64_t params;            // fp32 master weights (+ autocast's low-precision copies, alive through backward)
+    int64_t grads, optimizer;  // fp32 gradients (steps with backward), AdamW m and v (train)
+    int64_t saved_per_layer;   // activations one block keeps for backward
+    int64_t saved_outside;     // those of the embedding, the final norm, lm_head and the loss
+    int64_t activations;       // saved_per_layer x num_layers + saved_outside (0 without backward)
+    int64_t temporaries;       // the largest short-lived buffers alive at the peak
+    const char *temporaries_what;
+    int64_t peak;              // the sum: where the peak is (end of forward / start of backward)
+    int num_layers;
+} tsys_model_mem_estimate;
+TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer);
 
 // optimizers and training utilities
 // AdamW desc, 0 = default: lr 1e-3 | beta1 0.9 | beta2 0.999 | eps 1e-8 | weight_decay 0.01.
@@ -624,6 +667,19 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
 TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, float lr);
 TSYSDEF tsys_status tsys_optim_step(tsys_optim *opt);
 TSYSDEF void tsys_optim_zero_grad(tsys_optim *opt);
+TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads on its parameters
+// The optimizer inside backward: between overlap_begin (before tsys_backward) and overlap_end (after
+// it, instead of tsys_optim_step), each group of parameters whose gradients are made together (a
+// model's layer; any other tensor alone) is updated on the side stream as soon as its gradients are
+// final, after them by an event: AdamW's memory traffic overlaps backward's GEMMs. The same kernels
+// in the same order per parameter as tsys_optim_step, so the result is bitwise the same. overlap_end
+// joins the side stream into the compute stream and updates what backward did not reach. Works
+// inside a captured CUDA graph (the event pairs become the graph's fork and join). What needs every
+// gradient before any update does not fit this mode: clip by global norm and the fp16 loss scaler's
+// inf check; and DDP, whose buckets do not follow the groups (a group could be updated before its
+// bucket is reduced). For those, tsys_optim_step after backward (after tsys_ddp_finish).
+TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *opt);
+TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
@@ -631,6 +687,7 @@ TSYSDEF void tsys_optim_free(tsys_optim *opt);
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm);   // returns the norm before clipping
 TSYSDEF double tsys_cosine_lr(int64_t it, double max_lr, double min_lr, int64_t warmup_iters, int64_t cosine_cycle_iters);
 TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n);          // lazy: marks them zero (see the implementation)
+TSYSDEF void tsys_release_grads(tsys_ctx *ctx, tsys_tensor **params, int n);       // zero_grad(set_to_none=True): a model's gradients are given back
 TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n); // writes the zeros of gradients marked zero
 
 // fp16 dynamic loss scaling, torch.cuda.amp.GradScaler semantics
@@ -671,6 +728,11 @@ TSYSDEF void tsys_profiler_print_kernels(const tsys_profiler *p, FILE *f, int ma
 TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char *path); // Chrome trace JSON
 TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase);        // sum of kernel device times (phase NULL = all)
 TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind);
+TSYSDEF double tsys_profiler_matmul_ms(const tsys_profiler *p, const char *phase);        // the GEMMs' part of it
+TSYSDEF double tsys_profiler_span_ms(const tsys_profiler *p, const char *name);          // device ms under every span of that name (op, region or range)
+// The kernel with the most device time in a phase (NULL = all): matmul -1 any, 0 only non-matmul,
+// 1 only matmul kernels; its total ms and launches go to *ms and *calls. NULL when there is none.
+TSYSDEF const char *tsys_profiler_top_kernel(const tsys_profiler *p, const char *phase, int matmul, double *ms, int *calls);
 TSYSDEF void tsys_profiler_free(tsys_profiler *p);
 // A backend that can time kernels on its device fills them in here (tsys_cuda.cuh: CUPTI, else
 // events); by default a kernel's device time is its host time, exact on the CPU. collect's put may be
@@ -851,6 +913,8 @@ typedef struct tsys__mem_tracker {
     bool record;
     tsys_mem_event *events;
     size_t num_events, cap_events;
+    uint64_t next_id;                // storage serial numbers
+    const tsys_tensor *making;       // the tensor whose storage is being made (its shape goes in the event)
 } tsys__mem_tracker;
 
 struct tsys_ctx {
@@ -879,6 +943,7 @@ struct tsys_ctx {
     int op_tags[TSYS__OP_COUNT];
     // instrumentation
     tsys_trace_hooks trace;
+    tsys_tensor *trace_weight;   // the weight of the linear/embedding whose op_begin/op_end hooks run (tsys_trace_weight)
     uint64_t launch_seq;
     tsys_profiler_device_clock clocks[TSYS_DEVICE_COUNT];
     struct { const char *name; int tag; } ranges[TSYS__MAX_RANGES];
@@ -925,6 +990,7 @@ TSYSDEF tsys_status tsys_ctx_status(const tsys_ctx *ctx) { return ctx ? ctx->sta
 TSYSDEF const char *tsys_ctx_last_error(const tsys_ctx *ctx) { return ctx ? (ctx->status ? ctx->error : "") : "no context"; }
 TSYSDEF void tsys_ctx_clear_error(tsys_ctx *ctx) { ctx->status = TSYS_OK; ctx->error[0] = 0; }
 
+TSYSDEF double tsys_ctx_time_us(const tsys_ctx *ctx) { return tsys_time_us() - ctx->t0_us; }
 TSYSDEF double tsys_time_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1076,8 +1142,9 @@ TSYSDEF tsys_mem_category tsys_mem_set_category(tsys_ctx *ctx, tsys_mem_category
 }
 
 // Every change of live bytes: totals, tags, categories, the peak (with its breakdown), the hooks and
-// the timeline. counted = an allocation or a free (not a change of category).
-static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta, bool counted) {
+// the timeline. counted = an allocation or a free (not a change of category); st = the storage it
+// concerns (NULL for memory a backend notes itself).
+static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta, bool counted, const tsys_storage *st) {
     tsys__mem_tracker *m = &ctx->mem;
     tsys_mem_stats *s = &m->dev[dev];
     s->live_bytes += delta;
@@ -1091,8 +1158,18 @@ static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_c
     m->tag_bytes[tag][dev] += delta;
     if (!m->record && !ctx->trace.mem) return;
     tsys_mem_event ev;
+    memset(&ev, 0, sizeof(ev));
     ev.t_us = tsys_time_us() - ctx->t0_us;
     ev.delta = delta; ev.live = s->live_bytes; ev.tag = tag; ev.device = dev; ev.category = cat;
+    ev.cached = ctx->backends[dev] && ctx->backends[dev]->cached_bytes ? ctx->backends[dev]->cached_bytes(ctx) : 0;
+    ev.id = st ? st->id : 0;
+    ev.action = !counted ? TSYS_MEM_EV_MOVE : delta > 0 ? TSYS_MEM_EV_ALLOC : TSYS_MEM_EV_FREE;
+    ev.ndim = -1;
+    const tsys_tensor *t = m->making;
+    if (counted && delta > 0 && t && st) {
+        ev.dtype = t->dtype; ev.ndim = t->ndim;
+        memcpy(ev.shape, t->shape, sizeof(ev.shape));
+    }
     if (ctx->trace.mem) ctx->trace.mem(ctx, &ev, ctx->trace.user);
     if (!m->record) return;
     if (m->num_events == m->cap_events) {
@@ -1103,15 +1180,14 @@ static void tsys__mem_change(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_c
     }
     m->events[m->num_events++] = ev;
 }
-static void tsys__mem_note(tsys_ctx *ctx, tsys_device dev, int tag, tsys_mem_category cat, int64_t delta) { tsys__mem_change(ctx, dev, tag, cat, delta, true); }
 TSYSDEF void tsys_mem_note_external(tsys_ctx *ctx, tsys_device dev, tsys_mem_category c, int64_t delta) {
-    if (ctx && (unsigned)dev < TSYS_DEVICE_COUNT && (unsigned)c < TSYS_MEM_CATEGORY_COUNT && delta) tsys__mem_note(ctx, dev, ctx->mem.cur_tag, c, delta);
+    if (ctx && (unsigned)dev < TSYS_DEVICE_COUNT && (unsigned)c < TSYS_MEM_CATEGORY_COUNT && delta) tsys__mem_change(ctx, dev, ctx->mem.cur_tag, c, delta, true, NULL);
 }
 // A temporary is an activation while the tape keeps it for backward (saved = +1 when a node saves
 // it, -1 when the node lets go), and a temporary again after.
 static void tsys__mem_recategorize(tsys_ctx *ctx, tsys_storage *st, tsys_mem_category to) {
-    tsys__mem_change(ctx, st->device, st->tag, st->category, -(int64_t)st->bytes, false);
-    tsys__mem_change(ctx, st->device, st->tag, to, (int64_t)st->bytes, false);
+    tsys__mem_change(ctx, st->device, st->tag, st->category, -(int64_t)st->bytes, false, st);
+    tsys__mem_change(ctx, st->device, st->tag, to, (int64_t)st->bytes, false, st);
     st->category = to;
 }
 static void tsys__mem_saved(tsys_ctx *ctx, tsys_storage *st, int saved) {
@@ -1139,16 +1215,40 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
         return NULL;
     }
     s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->saved_by = 0;
-    tsys__mem_note(ctx, dev, s->tag, s->category, (int64_t)asked);
+    s->id = ++ctx->mem.next_id;
+    tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)asked, true, s);
     return s;
 }
 
 static void tsys__storage_release(tsys_storage *s) {
     if (!s || --s->refcount > 0) return;
     tsys_ctx *ctx = s->ctx;
-    ctx->backends[s->device]->free(ctx, s->data, s->bytes);
-    tsys__mem_note(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes);
+    if (s->data) ctx->backends[s->device]->free(ctx, s->data, s->bytes);   // NULL: resized to 0 (tsys_storage_resize)
+    if (s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
     TSYS_FREE(s);
+}
+
+TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes) {
+    if (!t) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize: NULL tensor");
+    tsys_storage *s = t->storage;
+    if (bytes == (s->data ? s->bytes : 0)) return TSYS_OK;
+    const tsys_backend *be = ctx->backends[s->device];
+    void *data = NULL;
+    if (bytes) {
+        size_t live = (size_t)ctx->mem.dev[s->device].live_bytes - (s->data ? s->bytes : 0);
+        if (s->device == TSYS_CPU && bytes > ctx->cpu_memory_limit - TSYS__MIN(live, ctx->cpu_memory_limit))
+            return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on cpu for '%s' with %zu live (budget %zu)", bytes, t->name, live, ctx->cpu_memory_limit);
+        data = be->alloc(ctx, bytes);
+        if (!data) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on %s for '%s'", bytes, be->name, t->name);
+    }
+    if (s->data) be->free(ctx, s->data, s->bytes);
+    if (s->data && s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
+    s->data = data;
+    s->bytes = bytes;
+    ctx->mem.making = t;   // the allocation event carries the tensor's shape
+    if (bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, (int64_t)bytes, true, s);
+    ctx->mem.making = NULL;
+    return TSYS_OK;
 }
 
 // >>tensors ---------------------------------------------------------------------------------------
@@ -1205,7 +1305,9 @@ static tsys_tensor *tsys__tensor_header(tsys_ctx *ctx, tsys_dtype dt, tsys_devic
 TSYSDEF tsys_tensor *tsys_tensor_new(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
     tsys_tensor *t = tsys__tensor_header(ctx, dt, dev, ndim, shape);
     if (!t) return NULL;
+    ctx->mem.making = t;
     t->storage = tsys__storage_new(ctx, dev, tsys_tensor_bytes(t));
+    ctx->mem.making = NULL;
     if (!t->storage) { TSYS_FREE(t); return NULL; }
     return t;
 }
@@ -1256,6 +1358,21 @@ TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t 
     v->storage = t->storage; v->storage->refcount++;
     v->offset = t->offset + byte_offset;
     return v;
+}
+
+TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset) {
+    if (!t || !target) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind: NULL tensor");
+    if (t->device != target->device) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind '%s' into '%s': different devices", t->name, target->name);
+    size_t off = target->offset + byte_offset;
+    if (off + tsys_tensor_bytes(t) > target->storage->bytes)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind '%s' into '%s': %zu bytes at offset %zu pass the end of its storage (%zu bytes)", t->name, target->name,
+                          tsys_tensor_bytes(t), off, target->storage->bytes);
+    target->storage->refcount++;
+    tsys__storage_release(t->storage);
+    t->storage = target->storage;
+    t->offset = off;
+    t->grad_home = NULL;   // its gradient no longer lies where its group's block would put it
+    return TSYS_OK;
 }
 
 TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src) {
@@ -2079,6 +2196,7 @@ static tsys_stream tsys__cpu_set_stream(tsys_ctx *ctx, tsys_stream s) { (void)ct
 static const tsys_backend tsys__cpu_backend = {
     "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL, NULL,
     tsys__cpu_event_record, tsys__cpu_event_wait, tsys__cpu_event_elapsed, tsys__cpu_event_release, tsys__cpu_set_stream,
+    NULL,   // no cache: malloc gives memory back at free
 };
 
 // Flash attention on fp32 views of the tensors (bf16/fp16 inputs are widened, outputs rounded back).
@@ -2102,6 +2220,13 @@ static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_karg
 static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g) {
     const tsys_backend *be = ctx->backends[dev];
     if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu");
+    // a tensor whose storage was resized to 0 (a sharded parameter outside its gather): an error, not a crash
+    const tsys_tensor *gt[3] = {g ? g->a : NULL, g ? g->b : NULL, g ? g->c : NULL};
+    for (int j = 0; j < (a ? TSYS_KARGS_MAX : 3); j++) {
+        const tsys_tensor *x = a ? a->t[j] : gt[j];
+        if (x && !x->storage->data)
+            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' has no memory (its storage was resized to 0: a sharded parameter used outside its all-gather?)", tsys_kernel_name(k), x->name);
+    }
 #if TSYS_DEBUG
     if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
 #endif
@@ -2216,6 +2341,7 @@ TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream 
 
 // >>trace -----------------------------------------------------------------------------------------
 
+TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx) { return ctx ? ctx->trace_weight : NULL; }
 TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks) {
     tsys_trace_hooks old = ctx->trace;
     if (hooks) ctx->trace = *hooks;
@@ -2408,10 +2534,55 @@ TSYSDEF void tsys_tape_clear(tsys_ctx *ctx) {
     ctx->open_region = -1;
 }
 
+// The gradients of a group of fp32 parameters that lie back to back in one block (a model's layer):
+// one block laid out like theirs, made the first time backward needs any of them, and given back by
+// tsys_release_grads. A model used only for inference never holds gradients (as PyTorch's .grad
+// stays None); in training, backward makes them layer by layer as it frees the layers' activations,
+// so the two do not peak together; the optimizer still sees contiguous runs.
+struct tsys__grad_home {
+    tsys_tensor **params;   // back to back in one storage, in order
+    int n;
+    tsys_tensor *block;     // NULL until made
+};
+static tsys_status tsys__grad_home_make(tsys_ctx *ctx, tsys__grad_home *h) {
+    if (h->block) return TSYS_OK;
+    int64_t numel = 0;
+    for (int i = 0; i < h->n; i++) numel += tsys_tensor_numel(h->params[i]);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+    h->block = tsys_tensor_new(ctx, TSYS_F32, h->params[0]->device, 1, &numel);
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    if (!h->block) return ctx->status;
+    tsys_tensor_set_name(h->block, "%s.grads", h->params[0]->name);
+    for (int i = 0; i < h->n; i++) {
+        tsys_tensor *p = h->params[i];
+        if (p->grad) continue;   // one a user set on their own stays theirs
+        p->grad = tsys_tensor_view_raw(ctx, h->block, p->offset - h->params[0]->offset, TSYS_F32, p->ndim, p->shape);
+        if (!p->grad) return ctx->status;
+        tsys_tensor_set_name(p->grad, "%s.grad", p->name);
+        p->grad_zero = true;   // counts as zero: the first gradient is stored, not added
+    }
+    return TSYS_OK;
+}
+// Gives the block back: the parameters' .grad become NULL (those it made; a user's stay).
+static void tsys__grad_home_release(tsys__grad_home *h) {
+    if (!h->block) return;
+    for (int i = 0; i < h->n; i++) {
+        tsys_tensor *p = h->params[i];
+        if (!p->grad || p->grad->storage != h->block->storage) continue;
+        tsys_tensor_release(p->grad);
+        p->grad = NULL; p->grad_zero = false;
+    }
+    tsys_tensor_release(h->block);
+    h->block = NULL;
+}
+
 // A leaf's gradient buffer for a kernel to write: *overwrite says the kernel must store (the buffer
-// counts as zero) rather than add. Created on first use.
+// counts as zero) rather than add. Created on first use (for a model's parameter: all of the model's).
 static tsys_tensor *tsys__leaf_grad_for_write(tsys_ctx *ctx, tsys_tensor *leaf, bool *overwrite) {
     *overwrite = false;
+    if (!leaf->grad && leaf->grad_home && tsys__grad_home_make(ctx, leaf->grad_home) != TSYS_OK) return NULL;
     if (!leaf->grad) {
         int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
         tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
@@ -2650,13 +2821,17 @@ TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_ten
     int64_t shape[TSYS_MAX_DIMS];
     memcpy(shape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
     shape[ids->ndim] = weight->shape[1];
+    ctx->trace_weight = weight;
     int tag = tsys__op_begin(ctx, TSYS__OP_EMBEDDING);
+    ctx->trace_weight = NULL;
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys_tensor_new(ctx, weight->dtype, weight->device, ids->ndim + 1, shape);
     a.t[1] = weight; a.t[2] = ids;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_EMBED_FWD, &a) : NULL;
     tsys__record(ctx, TSYS__OP_EMBEDDING, y, ins, 2, &ids, 1);
+    ctx->trace_weight = weight;
     tsys__op_end(ctx, TSYS__OP_EMBEDDING, tag);
+    ctx->trace_weight = NULL;
     return y;
 }
 
@@ -2688,7 +2863,9 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
                   "linear: input '%s' last dim %lld does not match weight '%s' (%lld, %lld) [d_out, d_in]", x->name, (long long)tsys__last_dim(x),
                   weight->name, (long long)weight->shape[0], (long long)(weight->ndim > 1 ? weight->shape[1] : -1));
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == weight->shape[0]), "linear: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)weight->shape[0]);
+    ctx->trace_weight = weight;
     int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR);
+    ctx->trace_weight = NULL;
     tsys_dtype dt = tsys__matmul_dtype(ctx, x, weight);
     tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false);
     tsys_tensor *wl = xl ? tsys__matmul_input(ctx, weight, dt, true) : NULL;
@@ -2714,7 +2891,9 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
     saved[TSYS__SAVED_LINEAR_X] = xl; saved[TSYS__SAVED_LINEAR_W] = wl;
     tsys__record(ctx, TSYS__OP_LINEAR, y, slots, 3, saved, TSYS__SAVED_LINEAR_COUNT);
     tsys_tensor_release(xl); tsys_tensor_release(wl);
+    ctx->trace_weight = weight;
     tsys__op_end(ctx, TSYS__OP_LINEAR, tag);
+    ctx->trace_weight = NULL;
     return y;
 }
 
@@ -3151,7 +3330,11 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
 static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     tsys_tensor *g = n->gout;
     tsys_kargs a = tsys__kargs0();
+    // the weight of a linear (its leaf, else the saved one) or an embedding, for the hooks
+    tsys_tensor *weight = n->op == TSYS__OP_LINEAR ? (n->in[1].leaf ? n->in[1].leaf : n->saved[TSYS__SAVED_LINEAR_W]) : n->op == TSYS__OP_EMBEDDING ? n->in[0].leaf : NULL;
+    ctx->trace_weight = weight;
     int tag = tsys__scope_begin(ctx, tsys__op_names[n->op], ctx->op_tags[n->op], TSYS_TRACE_BACKWARD);
+    ctx->trace_weight = NULL;
     tsys_status st = TSYS_OK;
     switch (n->op) {
     case TSYS__OP_CAST: case TSYS__OP_ADD: st = tsys__bwd_pass(ctx, n, 0, g); if (st == TSYS_OK && n->op == TSYS__OP_ADD) st = tsys__bwd_pass(ctx, n, 1, g); break;
@@ -3226,7 +3409,9 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     }
     case TSYS__OP_COUNT: st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: bad op");
     }
+    ctx->trace_weight = weight;
     tsys__scope_end(ctx, tsys__op_names[n->op], TSYS_TRACE_BACKWARD, tag);
+    ctx->trace_weight = NULL;
     return st;
 }
 
@@ -3518,7 +3703,9 @@ struct tsys_model {
     tsys_ctx *ctx;
     tsys_model_desc desc;
     tsys_device device;
-    tsys_tensor *flat_params, *flat_grads;   // one block each; every parameter and its grad is a view
+    tsys_tensor *flat_params;                // one block; every parameter is a view
+    tsys__grad_home *grad_homes;             // the gradients by group (the embedding, each layer, the head), made by backward
+    int num_grad_homes;
     tsys_tensor **params;                    // parameters() order
     int num_tensors;
     tsys__layer *layers;
@@ -3604,6 +3791,75 @@ TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int6
     return backward ? 3.0 * fwd : fwd;
 }
 
+// What the tape keeps, op by op (N = batch x T tokens, c = bytes of the compute dtype, 4 without
+// autocast). A block saves: its fp32 residual input and the mid-block residual (the norms' inputs)
+// and the two norms' 1/rms; the norm outputs as the projections read them (fp32: one tensor shared by
+// q, k, v and by w1, w3; autocast: each linear's own cast, 3 + 2); q and k after RoPE, v and the merged
+// heads (transposed copies); naive attention the softmax output (B, H, T, T), flash attention its
+// output and log-sum-exp (B, H, T); the SwiGLU inputs and output (3 x N x d_ff). Outside the blocks:
+// the final norm's input and 1/rms, lm_head's input, the logits and the loss's log-sum-exp.
+// Autocast's low-precision weight copies (every matrix but the embedding) live from their first use
+// to the end of backward. Gradients are fp32, one block per layer, made when backward reaches the
+// layer and given back after the step (the drivers' tsys_optim_release_grads, torch's set_to_none).
+TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer) {
+    tsys_model_mem_estimate e;
+    memset(&e, 0, sizeof(e));
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    bool autocast = compute != TSYS_F32, flash = d.attn && strcmp(d.attn, "flash") == 0;
+    int64_t c = (int64_t)tsys_dtype_size(compute), N = batch * T, D = d.d_model, F = d.d_ff, H = d.num_heads, V = d.vocab_size, L = d.num_layers;
+    int64_t P = tsys_model_desc_num_params(&d), matrices = P - V * D - (2 * L + 1) * D;
+    int64_t copies = autocast ? matrices * c : 0, scores = batch * H * T * T * c;
+    e.num_layers = d.num_layers;
+    e.params = 4 * P + copies;
+    e.grads = backward ? 4 * P : 0;
+    e.optimizer = optimizer ? 8 * P + 8 : 0;   // m, v and the step count
+    int64_t norm_outs = autocast ? 5 * N * D * c : 2 * N * D * 4;
+    e.saved_per_layer = 2 * N * D * 4 + 2 * N * 4 + norm_outs + 4 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : scores) + 3 * N * F * c;
+    e.saved_outside = N * D * 4 + N * 4 + N * D * (autocast ? c : 4) + N * V * c + N * 4;
+    int64_t act = e.saved_per_layer * L + e.saved_outside;
+    if (backward) {
+        // Gradients are made by group as backward reaches it (the head, then each layer) and given
+        // back after the step (tsys_release_grads); the saved tensors go as their nodes finish. The
+        // peak is the largest of: the loss's backward (every activation and the logits' gradient);
+        // lm_head's (the logits gone, the head's gradients made); the last block's FFN backward (the
+        // head's tensors gone; that layer's gradients, the residual stream's gradient, dS, da, db);
+        // its naive softmax backward (the FFN's tensors gone too; dP and dS); the end of backward
+        // (every gradient; autocast's weight copies gone with their nodes).
+        int64_t ch = autocast ? c : 4, head_grads = 4 * (V * D + D), layer_grads = 4 * (4 * D * D + 3 * D * F + 2 * D);
+        int64_t head_saved = N * V * c + N * D * ch + N * D * 4 + N * 4, ffn_saved = 3 * N * F * c + N * D * 4 + (autocast ? 2 * N * D * c : N * D * 4) + N * 4;
+        struct { int64_t act, grads, temp, params; const char *what; } cand[5] = {
+            {act, 0, N * V * c, e.params, "the loss's backward: every activation and the logits' gradient"},
+            {act - N * V * c, head_grads, N * V * c + N * D * c, e.params, "lm_head's backward: the logits' gradient, the head's gradients"},
+            {act - head_saved, head_grads + layer_grads, N * D * 4 + 3 * N * F * c, e.params, "the last block's FFN backward: its gradients, the residual stream's, dS, da, db"},
+            {act - head_saved - ffn_saved, head_grads + layer_grads, N * D * 4 + 2 * scores, e.params, "the last block's softmax backward: dP and dS"},
+            {0, e.grads, N * D * 4, 4 * P, "the end of backward: every gradient, and the residual stream's"},
+        };
+        int best = 0;
+        for (int k = 1; k < 5; k++) {
+            if (k == 3 && flash) continue;
+            if (cand[k].act + cand[k].grads + cand[k].temp + cand[k].params > cand[best].act + cand[best].grads + cand[best].temp + cand[best].params) best = k;
+        }
+        e.activations = cand[best].act; e.grads = cand[best].grads; e.temporaries = cand[best].temp; e.params = cand[best].params;
+        e.temporaries_what = cand[best].what;
+    } else {
+        // no tape: the most alive at once is in the last block's attention (the residual stream, q, k
+        // and v, the scores and their softmax or flash attention's output) or its FFN (the residual
+        // stream, the norm's output, both projections and their SwiGLU), where lm_head's copy is not
+        // made yet; or at lm_head (its input, its cast and the logits)
+        int64_t head_copy = autocast ? V * D * c : 0;
+        int64_t in_attn = N * D * 4 + 3 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : 2 * scores) - head_copy;
+        int64_t in_ffn = 2 * N * D * 4 + 3 * N * F * c - head_copy;
+        int64_t at_head = N * V * c + N * D * 4 + (autocast ? N * D * c : 0);
+        e.temporaries = TSYS__MAX(TSYS__MAX(in_attn, in_ffn), at_head);
+        e.temporaries_what = e.temporaries == at_head ? "the logits, lm_head's input and its cast"
+                           : e.temporaries == in_ffn ? "the last block's FFN: the residual stream, the norm's output, both projections and their SwiGLU"
+                                                     : "the last block's attention: the residual stream, q, k, v, the scores and their softmax";
+        if (e.temporaries != at_head) { e.params -= head_copy; e.temporaries += head_copy; }
+    }
+    e.peak = e.params + e.grads + e.optimizer + e.activations + e.temporaries;
+    return e;
+}
+
 TSYSDEF const tsys_model_desc *tsys_model_get_desc(const tsys_model *m) { return &m->desc; }
 TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m) { return m->params; }
 TSYSDEF int tsys_model_num_tensors(const tsys_model *m) { return m->num_tensors; }
@@ -3619,15 +3875,29 @@ static tsys_tensor *tsys__model_param(tsys_model *m, size_t *offset, int ndim, i
     int64_t shape[2] = {d0, d1};
     tsys_ctx *ctx = m->ctx;
     tsys_tensor *p = tsys_tensor_view_raw(ctx, m->flat_params, *offset, TSYS_F32, ndim, shape);
-    tsys_tensor *g = p ? tsys_tensor_view_raw(ctx, m->flat_grads, *offset, TSYS_F32, ndim, shape) : NULL;
-    if (!g) { tsys_tensor_release(p); return NULL; }
+    if (!p) return NULL;
     tsys_tensor_set_name(p, fmt, layer);
-    tsys_tensor_set_name(g, "%s.grad", p->name);
     p->requires_grad = true;
-    p->grad = g;
     *offset += tsys_tensor_bytes(p);
     m->params[m->num_tensors++] = p;
     return p;
+}
+
+// Gradient groups: the embedding, each layer's nine, the final norm with lm_head. Backward reaches
+// them in reverse order, so each group's gradients are made as its layer's backward starts.
+static bool tsys__model_grad_homes(tsys_model *m) {
+    int L = m->desc.num_layers, first = 0;
+    m->grad_homes = (tsys__grad_home *)TSYS_MALLOC(sizeof(tsys__grad_home) * (size_t)(L + 2));
+    if (!m->grad_homes) { TSYS__FAIL(m->ctx, TSYS_ERR_OOM, "out of host memory for the model"); return false; }
+    m->num_grad_homes = L + 2;
+    for (int g = 0; g < L + 2; g++) {
+        tsys__grad_home *h = &m->grad_homes[g];
+        h->params = m->params + first; h->n = g == 0 ? 1 : g <= L ? 9 : 2; h->block = NULL;
+        for (int i = 0; i < h->n; i++) m->params[first + i]->grad_home = h;
+        first += h->n;
+    }
+    TSYS_ASSERT(first == m->num_tensors);
+    return true;
 }
 
 static tsys_status tsys__model_init_params(tsys_model *m) {
@@ -3643,7 +3913,7 @@ static tsys_status tsys__model_init_params(tsys_model *m) {
         }
         if (st != TSYS_OK) return st;
     }
-    return tsys_tensor_fill(ctx, m->flat_grads, 0.0f);
+    return TSYS_OK;
 }
 
 TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, tsys_device dev, uint64_t seed) {
@@ -3664,18 +3934,14 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
     m->flat_params = (m->params && m->layers && m->layer_names) ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
-    tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
-    tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
-    m->flat_grads = m->flat_params ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &n) : NULL;
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
-    if (!m->flat_grads) {
+    if (!m->flat_params) {
         if (!m->params || !m->layers || !m->layer_names) TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model");
         tsys_model_free(m);
         return NULL;
     }
     tsys_tensor_set_name(m->flat_params, "parameters");
-    tsys_tensor_set_name(m->flat_grads, "gradients");
     size_t off = 0;
     int64_t dm = d.d_model, dff = d.d_ff;
     bool ok = (m->emb = tsys__model_param(m, &off, 2, d.vocab_size, dm, "token_embeddings.weight", 0)) != NULL;
@@ -3694,6 +3960,7 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
     ok = ok && (m->ln_final = tsys__model_param(m, &off, 1, dm, 0, "ln_final.weight", 0)) &&
          (m->lm_head = tsys__model_param(m, &off, 2, d.vocab_size, dm, "lm_head.weight", 0));
     TSYS_ASSERT(!ok || off == (size_t)n * sizeof(float));
+    ok = ok && tsys__model_grad_homes(m);
     uint64_t saved_rng[4];
     memcpy(saved_rng, ctx->rng, sizeof(saved_rng));
     tsys_rng_seed(ctx, seed);
@@ -3705,9 +3972,11 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
 
 TSYSDEF void tsys_model_free(tsys_model *m) {
     if (!m) return;
+    for (int i = 0; m->grad_homes && i < m->num_grad_homes; i++) tsys__grad_home_release(&m->grad_homes[i]);
+    for (int i = 0; i < m->num_tensors; i++) m->params[i]->grad_home = NULL;   // an optimizer may keep them
     for (int i = 0; i < m->num_tensors; i++) tsys_tensor_release(m->params[i]);
     tsys_tensor_release(m->flat_params);
-    tsys_tensor_release(m->flat_grads);
+    TSYS_FREE(m->grad_homes);
     TSYS_FREE(m->params);
     TSYS_FREE(m->layers);
     TSYS_FREE(m->layer_names);
@@ -4015,26 +4284,31 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double kept_blocks = seg ? nseg * a.x : L * (p->selective ? a.sel : a.full);
     out->kept_block_bytes = kept_blocks / L;
     out->kept_bytes = kept_blocks + a.head;
-    out->fixed_bytes = 8 * P + (opt ? 8 * P : 0) + 16 * E;
+    out->fixed_bytes = 4 * P + (opt ? 8 * P : 0) + 16 * E;
+    // gradients are made by group as backward reaches it (lm_head and the final norm first, then each
+    // layer from the top; tsys__grad_home) and all live at its end and in the optimizer step
+    double head_grads = 4 * (a.V * a.d + a.d), layer_grads = 4 * (4 * a.d * a.d + 3 * a.d * a.f + 2 * a.d);
     // autocast copies still held after the forward: those of linears outside every region (lm_head;
     // without block regions every block's, or under selective with naive attention the output projection's)
     double ac_o = a.ac && !a.flash ? L * a.c * a.d * a.d : 0;
     double ac_held = a.ac_head + (seg ? 0 : p->selective ? ac_o : L * a.ac_block);
     double attn_fwd = a.flash ? 0 : a.c * a.B * a.H * a.T * a.T * ((seg || p->selective) ? 2 : 1);
     double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head, attn_fwd);
-    double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V;
+    double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V + head_grads;
     // a segment's turn: the earlier segments keep their input; in the segment, the blocks before the
     // one backward is in are recomputed (all they keep; nested: only their inputs) and that one peaks
     double kept_one = p->selective ? a.sel : a.full, blocks = 0;
     double peak_one = tsys__acct_block_peak(&a, p->selective) + (seg || p->selective ? a.ac_block : 0);
-    if (!seg) blocks = (L - 1) * kept_one + peak_one;
-    for (int s = 0; s < nseg; s++) {
+    if (!seg) blocks = (L - 1) * kept_one + peak_one + head_grads + layer_grads;
+    for (int s = 0; s < nseg; s++) {   // s segments below; the gradients of the layers above and of this block are made
         double k = TSYS__MIN(seg, d->num_layers - s * seg);
         double before = (k - 1) * (p->inner ? a.x : kept_one + (a.ac ? a.ac_block : 0));
-        blocks = TSYS__MAX(blocks, s * a.x + before + peak_one);
+        double grads = head_grads + (L - s * seg - k + 1) * layer_grads;
+        blocks = TSYS__MAX(blocks, s * a.x + before + peak_one + grads);
     }
     blocks += ac_held - a.ac_head;
-    out->peak_bytes = out->fixed_bytes + TSYS__MAX(end_fwd, TSYS__MAX(start_bwd, blocks));
+    double end_bwd = 4 * P + a.x;   // every gradient, and the residual stream's
+    out->peak_bytes = out->fixed_bytes + TSYS__MAX(TSYS__MAX(end_fwd, end_bwd), TSYS__MAX(start_bwd, blocks));
     // recomputation: matmul FLOPs, and bytes of the elementwise ops rerun
     double gemm = 2 * E * (4 * a.d * a.d + 3 * a.d * a.f), w2 = 2 * E * a.d * a.f, qk = 2 * a.B * a.T * a.T * a.d;
     double elem_blk = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 0 : 2 * a.attn_big) + 6 * a.c * E * a.d;
@@ -4129,25 +4403,26 @@ struct tsys_optim {
     tsys_optim_desc desc;
     tsys_tensor **params;
     int n;
-    tsys_tensor *flat_p, *flat_g;   // views over all parameters/grads when they are one contiguous block
     tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
     tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
     int64_t step;
+    struct tsys__overlap *ov;       // the optimizer in backward (tsys_optim_overlap_begin), made on first use
 };
 
-// If the parameters (and their grads) lie back to back in one storage, views over the whole run:
-// then an update is one kernel launch instead of one per tensor.
-static void tsys__optim_find_flat(tsys_optim *o) {
-    tsys_tensor **p = o->params;
-    if (o->n == 0 || !p[0]->grad) return;
-    int64_t total = 0;
-    for (int i = 0; i < o->n; i++) {
-        if (p[i]->dtype != TSYS_F32 || !p[i]->grad || p[i]->storage != p[0]->storage || p[i]->grad->storage != p[0]->grad->storage) return;
-        if (p[i]->offset != p[0]->offset + (size_t)total * 4 || p[i]->grad->offset != p[0]->grad->offset + (size_t)total * 4) return;
-        total += tsys_tensor_numel(p[i]);
+// The end of the run of parameters that starts at i: they and their gradients lie back to back,
+// each in one storage (a model's parameters; its gradients by layer, or whole), so one kernel launch
+// updates the run. Found at each step: a model's gradients are made (and given back) as it trains.
+static int tsys__optim_run_end(const tsys_optim *o, int i, int64_t *numel) {
+    tsys_tensor *const *p = o->params;
+    *numel = tsys_tensor_numel(p[i]);
+    int j = i + 1;
+    for (; p[i]->grad && j < o->n; j++) {
+        const tsys_tensor *g = p[j]->grad;
+        if (!g || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != TSYS_F32) break;
+        if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * 4) break;
+        *numel += tsys_tensor_numel(p[j]);
     }
-    o->flat_p = tsys_tensor_view_raw(o->ctx, p[0], 0, TSYS_F32, 1, &total);
-    o->flat_g = tsys_tensor_view_raw(o->ctx, p[0]->grad, 0, TSYS_F32, 1, &total);
+    return j;
 }
 
 static tsys_optim *tsys__optim_new(tsys_ctx *ctx, tsys_tensor **params, int n, bool adamw) {
@@ -4160,7 +4435,6 @@ static tsys_optim *tsys__optim_new(tsys_ctx *ctx, tsys_tensor **params, int n, b
     list[0] = NULL;
     o->ctx = ctx; o->adamw = adamw; o->params = list; o->n = n;
     for (int i = 0; i < n; i++) list[i] = tsys_tensor_retain(params[i]);
-    tsys__optim_find_flat(o);
     return o;
 }
 
@@ -4198,10 +4472,11 @@ TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, flo
     return o;
 }
 
+static void tsys__overlap_free(tsys_optim *o);
 TSYSDEF void tsys_optim_free(tsys_optim *o) {
     if (!o) return;
+    tsys__overlap_free(o);
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
-    tsys_tensor_release(o->flat_p); tsys_tensor_release(o->flat_g);
     tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t);
     TSYS_FREE(o->params);
     TSYS_FREE(o);
@@ -4228,29 +4503,168 @@ static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
 }
 
+// Updates parameters [first, end) (off: the byte offset of params[first] in m and v), one launch per
+// contiguous run.
+static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, size_t off) {
+    tsys_ctx *ctx = o->ctx;
+    tsys_status st = ctx->status;
+    for (int i = first, j; st == TSYS_OK && i < end; i = j) {
+        int64_t n;
+        j = tsys__optim_run_end(o, i, &n);
+        tsys_tensor *p0 = o->params[i];
+        if (p0->grad) {   // parameters without a gradient are skipped, as in torch
+            bool one = j == i + 1;
+            tsys_tensor *p = one ? tsys_tensor_retain(p0) : tsys_tensor_view_raw(ctx, p0, 0, TSYS_F32, 1, &n);
+            tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, TSYS_F32, 1, &n);
+            tsys_tensor *m = NULL, *v = NULL;
+            if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
+            st = p && g && (!o->adamw || (m && v)) ? tsys__optim_update(o, p, g, m, v) : ctx->status;
+            tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v);
+        }
+        for (int k = i; k < j; k++) off += (size_t)tsys_tensor_numel(o->params[k]) * 4;
+    }
+    return st;
+}
+
+// The step count first (the AdamW kernel reads it on the device).
+static tsys_status tsys__optim_count_step(tsys_optim *o) {
+    o->step++;
+    if (!o->adamw) return TSYS_OK;
+    tsys_kargs inc = tsys__kargs0();
+    inc.t[0] = o->step_t;
+    return tsys__kernel(o->ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
+}
+
 TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
-    o->step++;
     tsys_status st = tsys__grads_settle(ctx, o->params, o->n);
-    if (st == TSYS_OK && o->adamw) {
-        tsys_kargs inc = tsys__kargs0();
-        inc.t[0] = o->step_t;
-        st = tsys__kernel(ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
+    if (st == TSYS_OK) st = tsys__optim_count_step(o);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, 0, o->n, 0);
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+// ---- the optimizer in backward ----
+// Groups: consecutive parameters of one gradient home (a model's layer), or one tensor alone; a
+// group is updated when the last of its gradients is final (its grad-ready hooks count down).
+typedef struct tsys__overlap {
+    int ngroups;
+    int *group_of;          // per parameter
+    int *first, *end;       // per group: parameters [first, end)
+    size_t *off;            // per group: byte offset in m and v
+    int *pending;           // per group: gradients not final yet in this backward
+    bool *done;             // per group: updated in this step
+    tsys_event *ready;      // per group: its gradients are final (recorded on the compute stream)
+    tsys_event join;        // the side stream's last update
+    bool active, launched;
+} tsys__overlap;
+
+static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user);
+static void tsys__overlap_free(tsys_optim *o) {
+    tsys__overlap *ov = o->ov;
+    if (!ov) return;
+    for (int i = 0; i < o->n; i++) tsys_tensor_remove_grad_hook(o->params[i], tsys__overlap_hook, o);
+    for (int g = 0; g < ov->ngroups; g++) tsys_event_release(o->ctx, &ov->ready[g]);
+    tsys_event_release(o->ctx, &ov->join);
+    TSYS_FREE(ov->group_of); TSYS_FREE(ov->first); TSYS_FREE(ov->end); TSYS_FREE(ov->off);
+    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready);
+    TSYS_FREE(ov);
+    o->ov = NULL;
+}
+
+// Group g's gradients are final: its update goes on the side stream after them.
+static tsys_status tsys__overlap_launch(tsys_optim *o, int g) {
+    tsys__overlap *ov = o->ov;
+    tsys_ctx *ctx = o->ctx;
+    tsys_device dev = o->params[ov->first[g]]->device;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_status st = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ov->ready[g]);
+    tsys_stream prev = tsys_set_stream(ctx, dev, TSYS_STREAM_SIDE);
+    if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[g], TSYS_STREAM_SIDE);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
+    tsys_set_stream(ctx, dev, prev);
+    tsys_mem_set_tag(ctx, tag);
+    ov->done[g] = true;
+    ov->launched = true;
+    return st;
+}
+
+static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user) {
+    (void)ctx;
+    tsys_optim *o = (tsys_optim *)user;
+    tsys__overlap *ov = o->ov;
+    if (!ov || !ov->active) return;
+    for (int i = 0; i < o->n; i++) {
+        if (o->params[i] != param) continue;
+        int g = ov->group_of[i];
+        if (--ov->pending[g] == 0 && !ov->done[g]) tsys__overlap_launch(o, g);
+        return;
     }
-    if (o->flat_p) st = tsys__optim_update(o, o->flat_p, o->flat_g, o->m, o->v);
+}
+
+static tsys_status tsys__overlap_setup(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    tsys__overlap *ov = (tsys__overlap *)TSYS_MALLOC(sizeof(tsys__overlap));
+    if (!ov) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
+    memset(ov, 0, sizeof(*ov));
+    o->ov = ov;
+    size_t np = (size_t)(o->n ? o->n : 1);
+    ov->group_of = (int *)TSYS_MALLOC(np * sizeof(int)); ov->first = (int *)TSYS_MALLOC(np * sizeof(int)); ov->end = (int *)TSYS_MALLOC(np * sizeof(int));
+    ov->off = (size_t *)TSYS_MALLOC(np * sizeof(size_t)); ov->pending = (int *)TSYS_MALLOC(np * sizeof(int)); ov->done = (bool *)TSYS_MALLOC(np * sizeof(bool));
+    ov->ready = (tsys_event *)TSYS_MALLOC(np * sizeof(tsys_event));
+    if (!ov->group_of || !ov->first || !ov->end || !ov->off || !ov->pending || !ov->done || !ov->ready) {
+        tsys__overlap_free(o);
+        return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
+    }
+    memset(ov->ready, 0, np * sizeof(tsys_event));
+    memset(&ov->join, 0, sizeof(ov->join));
     size_t off = 0;
-    for (int i = 0; !o->flat_p && st == TSYS_OK && i < o->n; i++) {
+    for (int i = 0; i < o->n; i++) {
         tsys_tensor *p = o->params[i];
-        int64_t n = tsys_tensor_numel(p);
-        if (p->grad) {   // parameters without a gradient are skipped, as in torch
-            tsys_tensor *m = NULL, *v = NULL;
-            if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
-            st = (!o->adamw || (m && v)) ? tsys__optim_update(o, p, p->grad, m, v) : ctx->status;
-            tsys_tensor_release(m); tsys_tensor_release(v);
-        }
-        off += (size_t)n * 4;
+        bool joins = i > 0 && p->grad_home && p->grad_home == o->params[i - 1]->grad_home;
+        if (!joins) { ov->first[ov->ngroups] = i; ov->off[ov->ngroups] = off; ov->ngroups++; }
+        ov->group_of[i] = ov->ngroups - 1;
+        ov->end[ov->ngroups - 1] = i + 1;
+        off += tsys_tensor_bytes(p);
+        if (tsys_tensor_add_grad_hook(p, tsys__overlap_hook, o) != TSYS_OK) { tsys__overlap_free(o); return ctx->status; }
+    }
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    if (!o->ov && tsys__overlap_setup(o) != TSYS_OK) return ctx->status;
+    tsys__overlap *ov = o->ov;
+    if (ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin: the previous overlap_begin was not ended");
+    for (int g = 0; g < ov->ngroups; g++) { ov->pending[g] = ov->end[g] - ov->first[g]; ov->done[g] = false; }
+    ov->launched = false;
+    ov->active = true;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_status st = tsys__optim_count_step(o);   // on the compute stream, before every update
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
+    tsys_ctx *ctx = o->ctx;
+    tsys__overlap *ov = o->ov;
+    if (!ov || !ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_end without tsys_optim_overlap_begin");
+    ov->active = false;
+    tsys_status st = ctx->status;
+    if (st == TSYS_OK && ov->launched && o->n) {   // the compute stream waits for the side stream's updates
+        tsys_device dev = o->params[0]->device;
+        st = tsys_event_record(ctx, dev, TSYS_STREAM_SIDE, &ov->join);
+        if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->join, TSYS_STREAM_COMPUTE);
+    }
+    // groups backward did not finish (a parameter it did not reach): as tsys_optim_step would
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    for (int g = 0; st == TSYS_OK && g < ov->ngroups; g++) {
+        if (ov->done[g]) continue;
+        st = tsys__grads_settle(ctx, o->params + ov->first[g], ov->end[g] - ov->first[g]);
+        if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
     }
     tsys_mem_set_tag(ctx, tag);
     return st;
@@ -4267,6 +4681,16 @@ TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
 }
 TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n) { return tsys__grads_settle(ctx, params, n); }
 TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) { tsys_zero_grads(o->ctx, o->params, o->n); }
+
+// torch's zero_grad(set_to_none=True), the memory side: the gradients a model made for its parameters
+// (by layer, at backward) are given back, and the next backward makes them again as it reaches each
+// layer, so a step's peak does not hold every gradient and every activation at once. Gradients made
+// any other way (a tensor's own, DDP's buckets) are marked zero as tsys_zero_grads does.
+TSYSDEF void tsys_release_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
+    tsys_zero_grads(ctx, params, n);
+    for (int i = 0; i < n; i++) if (params[i]->grad_home) tsys__grad_home_release(params[i]->grad_home);
+}
+TSYSDEF void tsys_optim_release_grads(tsys_optim *o) { tsys_release_grads(o->ctx, o->params, o->n); }
 
 // Sum over gradients of kernel k's scalar (SUMSQ or NONFINITE), read back once.
 static double tsys__grads_reduce(tsys_ctx *ctx, tsys_tensor **params, int n, tsys_kernel k) {
@@ -4397,7 +4821,7 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
 
 typedef struct tsys__prof_span { int name; tsys_trace_kind kind; double t0, t1; int parent, phase; double self_us, total_us, flops; } tsys__prof_span;
 typedef struct tsys__prof_kernel { uint64_t seq; int name; tsys_device dev; double t0, t1, dev_t0, dev_us, flops; int span, phase; bool gemm, timed; } tsys__prof_kernel;
-typedef struct tsys__prof_mem { double t; int64_t live[TSYS_DEVICE_COUNT]; } tsys__prof_mem;
+typedef struct tsys__prof_mem { double t; int64_t live[TSYS_DEVICE_COUNT], cached[TSYS_DEVICE_COUNT]; } tsys__prof_mem;
 
 struct tsys_profiler {
     tsys_ctx *ctx;
@@ -4509,6 +4933,7 @@ static void tsys__prof_on_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user
     tsys__prof_mem *m = &p->mem[p->num_mem++];
     m->t = tsys_time_us() - p->t0;
     for (int d = 0; d < TSYS_DEVICE_COUNT; d++) m->live[d] = ctx->mem.dev[d].live_bytes;
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) m->cached[d] = d == (int)e->device ? e->cached : (m > p->mem ? m[-1].cached[d] : 0);
 }
 
 TSYSDEF tsys_profiler *tsys_profiler_begin(tsys_ctx *ctx) {
@@ -4569,13 +4994,37 @@ TSYSDEF void tsys_profiler_free(tsys_profiler *p) {
     TSYS_FREE(p);
 }
 
+static bool tsys__prof_in_phase(const tsys_profiler *p, const tsys__prof_kernel *k, const char *phase) {
+    return !phase || (k->phase >= 0 && strcmp(p->names[p->phases[k->phase]], phase) == 0);
+}
 TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase) {
     double us = 0;
+    for (size_t i = 0; i < p->num_kernels; i++) if (tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
+    return us * 1e-3;
+}
+TSYSDEF double tsys_profiler_matmul_ms(const tsys_profiler *p, const char *phase) {
+    double us = 0;
+    for (size_t i = 0; i < p->num_kernels; i++) if (p->kernels[i].gemm && tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
+    return us * 1e-3;
+}
+TSYSDEF double tsys_profiler_span_ms(const tsys_profiler *p, const char *name) {
+    double us = 0;
+    for (size_t i = 0; i < p->num_spans; i++) if (strcmp(p->names[p->spans[i].name], name) == 0) us += p->spans[i].total_us;
+    return us * 1e-3;
+}
+TSYSDEF const char *tsys_profiler_top_kernel(const tsys_profiler *p, const char *phase, int matmul, double *ms, int *calls) {
+    double us[TSYS__PROF_MAX_NAMES];
+    int n[TSYS__PROF_MAX_NAMES], best = -1;
+    memset(us, 0, sizeof(us)); memset(n, 0, sizeof(n));
     for (size_t i = 0; i < p->num_kernels; i++) {
         const tsys__prof_kernel *k = &p->kernels[i];
-        if (!phase || (k->phase >= 0 && strcmp(p->names[p->phases[k->phase]], phase) == 0)) us += k->dev_us;
+        if ((matmul >= 0 && k->gemm != (matmul == 1)) || !tsys__prof_in_phase(p, k, phase)) continue;
+        us[k->name] += k->dev_us; n[k->name]++;
+        if (best < 0 || us[k->name] > us[best]) best = k->name;
     }
-    return us * 1e-3;
+    if (ms) *ms = best >= 0 ? us[best] * 1e-3 : 0.0;
+    if (calls) *calls = best >= 0 ? n[best] : 0;
+    return best >= 0 ? p->names[best] : NULL;
 }
 
 TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind) {
@@ -4695,9 +5144,13 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
         tsys__json_str(f, k->phase >= 0 ? p->names[p->phases[k->phase]] : "");
         fprintf(f, ", \"seq\": %llu}}", (unsigned long long)k->seq);
     }
-    for (size_t i = 0; i < p->num_mem; i++)
+    for (size_t i = 0; i < p->num_mem; i++) {
         fprintf(f, ",\n{\"name\": \"live bytes\", \"ph\": \"C\", \"ts\": %.3f, \"pid\": 1, \"args\": {\"cpu\": %lld, \"cuda\": %lld}}", p->mem[i].t,
                 (long long)p->mem[i].live[TSYS_CPU], (long long)p->mem[i].live[TSYS_CUDA]);
+        // reserved = live + the allocator's cached blocks (what nvidia-smi sees, less the context)
+        fprintf(f, ",\n{\"name\": \"reserved bytes\", \"ph\": \"C\", \"ts\": %.3f, \"pid\": 1, \"args\": {\"cpu\": %lld, \"cuda\": %lld}}", p->mem[i].t,
+                (long long)(p->mem[i].live[TSYS_CPU] + p->mem[i].cached[TSYS_CPU]), (long long)(p->mem[i].live[TSYS_CUDA] + p->mem[i].cached[TSYS_CUDA]));
+    }
     fprintf(f, "\n]}\n");
     bool bad = ferror(f) != 0;
     if (fclose(f) != 0 || bad) return TSYS__FAIL(p->ctx, TSYS_ERR_IO, "profiler trace '%s': write failed", path);

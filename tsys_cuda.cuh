@@ -3804,6 +3804,12 @@ static tsys_stream tsys_cuda__set_stream(tsys_ctx *ctx, tsys_stream s) {
 
 // What the backend holds for its whole life outside the allocator: the cuBLASLt workspace and the
 // reduction partials (counted as workspace in the memory tracker).
+// The caching allocator's free blocks: reserved from the device, not handed out (the memory tracker's
+// "cached" series, torch's reserved - allocated).
+static int64_t tsys_cuda__cached_bytes(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st ? (int64_t)(st->mem.reserved_bytes - st->mem.allocated_bytes) : 0;
+}
 static size_t tsys_cuda__fixed_workspace(const tsys_cuda__state *st) { return st->workspace_bytes + TSYS_CUDA__MAX_PARTIALS * sizeof(float); }
 
 // the profiler clock (>>profiler clock) that init registers
@@ -3957,6 +3963,7 @@ TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *des
     b->event_elapsed = tsys_cuda__event_elapsed;
     b->event_release = tsys_cuda__event_release;
     b->set_stream = tsys_cuda__set_stream;
+    b->cached_bytes = tsys_cuda__cached_bytes;
     tsys_ctx_set_backend(ctx, TSYS_CUDA, b);
     tsys_profiler_device_clock clock = { tsys_cuda__clock_begin, tsys_cuda__clock_launch, tsys_cuda__clock_collect, tsys_cuda__clock_end };
     tsys_profiler_set_device_clock(ctx, TSYS_CUDA, &clock);

@@ -1,5 +1,6 @@
 /* tsys_dist.h - v0.1 - distributed training for tsys: process groups on NCCL (GPUs) and MPI (CPUs),
-   collectives, DDP (naive, flat, overlap, bucketed), ZeRO-1, and memory/communication accounting
+   collectives, DDP (naive, flat, overlap, bucketed), ZeRO-1, FSDP (ZeRO-3, `>>fsdp`), and
+   memory/communication accounting
 
    Do this:
       #define TSYS_DIST_IMPLEMENTATION      (or TSYS_IMPL)
@@ -265,6 +266,63 @@ TSYSDEF void tsys_zero1_zero_grad(tsys_zero1 *z);
 TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z);   // optimizer state this rank holds
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 
+// FSDP (ZeRO-3, the S26 `fsdp` problem): Linear and Embedding weights (the 2-D parameters) are
+// sharded over the ranks, flat per unit (a unit = the 2-D parameters of one "layers.N." block, or one
+// 2-D parameter outside blocks: one all-gather and one reduce-scatter per unit); 1-D parameters (norm
+// gains) stay replicated, their gradients all-reduced (AVG) as soon as they are ready. Construction
+// broadcasts rank 0's weights, keeps this rank's 1/N of each unit (fp32: the master weights), frees the
+// rest and the model's gradient arena. During forward and backward each unit is all-gathered (in
+// compute_dtype, cast *before* the all-gather) just before its first op, into the storage its
+// parameters view, and freed after its last op; the next unit's all-gather is issued when a unit
+// starts (the report's rule: a unit is fetched only after the one two before it finished), on the
+// communication path (NCCL: the side stream; host: the group's worker thread). Backward re-gathers
+// every unit that has a linear (the embedding's backward needs no weight), and as soon as a unit's
+// gradients are all ready, reduce-scatters them (AVG, in compute_dtype) and adds them into the fp32
+// shard gradient. The last unit stays gathered from its forward into its backward.
+// Use: build the optimizer over tsys_fsdp_params (the shards, then the replicated parameters); per
+// step: zero grads, forward, loss, backward, tsys_fsdp_finish, optimizer step.
+// The model must use each sharded parameter in one linear or embedding op per forward (tied weights
+// are refused), units in parameter order (the cs336 model, the S26 ToyFSDPModel). FSDP follows the
+// forward and backward through the trace hooks, which tell it the weight of every linear/embedding
+// (tsys_trace_weight): ops on other weights, another model in the same context, are ignored. It chains
+// the hooks installed before it; remove a profiler installed after it before freeing it.
+// compute_dtype bf16/fp16: the parameters take that dtype while FSDP holds them, so the forward runs in
+// it (norms compute in fp32 and return the input's dtype), gradients come out in it; the fp32
+// masters, shard gradients and optimizer state stay fp32 (the S26 fp16 semantics). Do not add
+// autocast on top. tsys_fsdp_free restores the whole fp32 parameters (one all-gather).
+typedef struct tsys_fsdp_desc {
+    tsys_dtype compute_dtype;    // TSYS_F32 (0, default), TSYS_BF16 or TSYS_F16
+    bool no_prefetch;            // gather each unit only when it is needed (for measurements)
+} tsys_fsdp_desc;
+
+// Per step (the last tsys_fsdp_finish), for this rank:
+typedef struct tsys_fsdp_stats {
+    int num_units;
+    int64_t sharded_numel, replicated_numel;   // elements of the model, sharded (unpadded) and replicated
+    int64_t local_numel;                       // fp32 elements this rank keeps (shards with padding + replicated)
+    int all_gathers, reduce_scatters, all_reduces;
+    int64_t gathered_bytes, reduced_bytes;     // bytes per step of the all-gather outputs and reduce-scatter inputs
+    int max_units_gathered;                    // most units whose full weights were alive at once
+    double wait_ms;                            // host time spent waiting for collectives (host engines;
+                                               // on NCCL the compute stream waits instead and this is ~0)
+} tsys_fsdp_stats;
+
+typedef struct tsys_fsdp tsys_fsdp;
+TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_fsdp_desc *desc);
+TSYSDEF tsys_tensor **tsys_fsdp_params(tsys_fsdp *f);     // what the optimizer updates: unit shards (1-D fp32), then replicated
+TSYSDEF int tsys_fsdp_num_params(const tsys_fsdp *f);
+TSYSDEF bool tsys_fsdp_param_is_shard(const tsys_fsdp *f, int i);
+TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f);       // after backward (finish_gradient_synchronization)
+// Full fp32 weights (every parameter, by its name: the unprefixed names of the model) as new tensors
+// the caller releases (then TSYS_FREE(*out)); every rank gets them (all ranks must call it).
+TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***out, int *n);
+TSYSDEF tsys_fsdp_stats tsys_fsdp_stats_get(const tsys_fsdp *f);
+// One step's collectives alone, back to back with nothing to overlap (forward and backward all-gathers,
+// reduce-scatters into scratch, the replicated all-reduces on copies): *ms, host clock, synchronized.
+// Leaves the parameters and gradients as they were. Every rank calls it (between steps).
+TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms);
+TSYSDEF void tsys_fsdp_free(tsys_fsdp *f);
+
 // Accounting: predicted bytes per rank and bytes sent per rank per step, for a model trained with
 // batch x context tokens per rank, world ranks, a dtype (autocast) and a strategy. DDP and ZeRO-1
 // as tsys implements them (ZeRO-1 = DDP's all-reduce + ZeRO-1's broadcasts); ZeRO-2/3 on paper.
@@ -274,9 +332,14 @@ typedef enum tsys_dist_scheme { TSYS_SCHEME_DDP, TSYS_SCHEME_ZERO1, TSYS_SCHEME_
 typedef struct tsys_dist_account {
     double param_bytes, grad_bytes, optim_bytes, act_bytes, total_bytes;   // per rank, at the peak of a step
     double sent_bytes;                                                    // per rank per step (ring algorithms)
+    double work_bytes;                                                    // tsys_fsdp_accounting: of param + grad bytes, the
+                                                                          // gathered units and full gradients alive at the peak
 } tsys_dist_account;
 TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context, int world, tsys_dist_scheme scheme);
 TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
+// ZeRO-3 as tsys_fsdp implements it (the >>accounting section has the formulas): per-unit padded shards,
+// replicated norms, the gathered working set, weights and gradients communicated in compute_dtype.
+TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world);
 
 #ifdef __cplusplus
 }
@@ -1610,6 +1673,19 @@ static bool tsys_dist__nccl_settle(tsys_dist *d, const char *what, tsys_dist__er
         if (spins > 1000) tsys_dist__nap_us(100);
     }
 }
+// A GPU rank bound to one CPU (mpirun's default for 2 ranks, --bind-to core) shares it with NCCL's
+// proxy thread and the CUDA driver's: measured on 2 x H200, every all-reduce up to 10 MB then takes
+// ~0.21 ms instead of 0.06. Rank 0 says so once; the results are right either way.
+static void tsys_dist__warn_one_cpu(const tsys_dist *d) {
+#ifdef __linux__
+    cpu_set_t set;
+    if (d->rank != 0 || sched_getaffinity(0, sizeof set, &set) != 0 || CPU_COUNT(&set) != 1 || sysconf(_SC_NPROCESSORS_ONLN) < 2) return;
+    fprintf(stderr, "tsys_dist: rank 0 runs on one CPU (mpirun binds each rank to a core by default); NCCL's proxy thread shares it and "
+                    "small collectives wait ~0.2 ms for it: launch GPU ranks with --bind-to none (or --bind-to socket)\n");
+#else
+    (void)d;
+#endif
+}
 static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
     ncclUniqueId id;
     memset(&id, 0, sizeof id);
@@ -1830,6 +1906,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     if (d->cuda && (dd.engine == TSYS_DIST_ENGINE_NCCL || (dd.engine == TSYS_DIST_ENGINE_AUTO && d->size > 1))) {
         what = "tsys_dist_init (NCCL)";
         if (!tsys_dist__nccl_setup(d, &e)) goto fail;
+        tsys_dist__warn_one_cpu(d);
     }
 #endif
     d->engine = TSYS_DIST_ENGINE_SELF;
@@ -2711,6 +2788,605 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
 TSYSDEF void tsys_zero1_zero_grad(tsys_zero1 *z) { if (z) tsys_zero_grads(z->ctx, z->params, z->n); }
 TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z->state_bytes : 0; }
 
+// >>fsdp ------------------------------------------------------------------------------------------
+// Layout: a unit's 2-D parameters, in order, make a flat run of U elements, padded to N·S (S =
+// ceil(U/N)); rank r keeps elements [rS, rS + S) as a 1-D fp32 tensor (its master shard, with an fp32
+// gradient of the same shape). The parameters themselves become windows of the unit's `full` tensor
+// (compute dtype, N·S elements), whose storage has memory only while the unit is gathered: the tape's
+// saved weights are those same tensors, so backward reads whatever the storage holds when it runs.
+// Gradients of a unit are windows of `gfull` (compute dtype), alive from the unit's first backward op
+// to its reduce-scatter.
+// Following the model: the trace hooks see every linear/embedding, forward and backward, with the
+// weight it uses (tsys_trace_weight): the first op of a unit gathers it (and issues the next one's
+// gather), the last frees it; ops on other weights (another model in the same context) are ignored.
+// Gradient-ready hooks count a unit's gradients.
+// Ordering on GPUs: an NCCL collective starts on the side stream after the compute stream's work so
+// far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
+// makes the compute stream wait for the gather (no host sync).
+
+typedef struct tsys_fsdp__unit {
+    char name[TSYS_NAME_LEN];
+    tsys_tensor **p;             // its parameters (retained), forward order
+    int np;
+    int64_t *off;                // element offset of each in the flat run
+    int64_t numel, shard;        // U and S
+    bool has_linear;             // backward needs the weights (an embedding's does not)
+    tsys_tensor *full, *gfull;   // compute dtype, N·S: the gathered weights / the full gradients
+    tsys_tensor *master;         // fp32 S: this rank's shard (requires grad; .grad fp32 S)
+    tsys_tensor *src;            // the compute-dtype copy of master being all-gathered
+    tsys_tensor *rs_out;         // reduce-scatter output (compute dtype S) while in flight
+    tsys_dist_work *ag, *rs;
+    bool gathered;
+    int ready;                   // gradients final in this backward
+    int seen_fwd, seen_bwd;      // its ops met in this forward / backward
+} tsys_fsdp__unit;
+
+struct tsys_fsdp {
+    tsys_dist *d;
+    tsys_ctx *ctx;
+    tsys_dtype cdt;
+    bool prefetch;
+    tsys_fsdp__unit *u;
+    int nu;
+    tsys_tensor **rep;           // replicated trainable parameters (retained)
+    int nrep;
+    tsys_tensor **frozen;        // parameters without requires_grad (retained; broadcast once)
+    int nfrozen;
+    tsys_tensor **local;         // tsys_fsdp_params: masters then rep
+    int nlocal;
+    tsys_dist_work **rep_work;   // all-reduces of replicated gradients in flight
+    int nrep_work;
+    bool built;                  // the parameters were moved in (free gives them back)
+    bool agreed;                 // every rank has the same units: the collectives skip their per-call check
+    int rs_pending;              // unit whose reduce-scatter is in flight (-1 none)
+    tsys_trace_hooks prev;       // hooks installed before ours (chained)
+    int in_hook;
+    int ngathered;
+    tsys_fsdp_stats stats, cur;
+    tsys_status err;
+};
+
+static size_t tsys_fsdp__es(const tsys_fsdp *f) { return tsys_dtype_size(f->cdt); }
+
+// Errors inside hooks cannot be returned: the first one is kept (and set in the context, which
+// stops later kernels) and tsys_fsdp_finish returns it.
+static tsys_status tsys_fsdp__note(tsys_fsdp *f, tsys_status st) {
+    if (st != TSYS_OK && f->err == TSYS_OK) f->err = st;
+    return st;
+}
+
+static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    if (U->gathered || U->ag) return TSYS_OK;
+    tsys_ctx *ctx = f->ctx;
+    int world = tsys_dist_size(f->d);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp gathered weights"));
+    tsys_status st = tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+    tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
+    if (st == TSYS_OK) {
+        tsys_no_grad_begin(ctx);
+        U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
+        tsys_no_grad_end(ctx);
+        bool was = tsys__dist_trust(f->d, f->agreed);   // every rank agreed on the units at construction
+        U->ag = U->src ? tsys_dist_all_gather_async(f->d, U->full, U->src) : NULL;
+        f->d->check_none = was;
+        if (!U->ag) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO;
+    }
+    tsys_mem_set_tag(ctx, tag);
+    if (st == TSYS_OK) {
+        f->cur.all_gathers++;
+        f->cur.gathered_bytes += (int64_t)tsys_tensor_bytes(U->full);
+        if (++f->ngathered > f->cur.max_units_gathered) f->cur.max_units_gathered = f->ngathered;
+    } else {
+        tsys_tensor_release(U->src); U->src = NULL;
+        tsys_storage_resize(ctx, U->full, 0);
+    }
+    return tsys_fsdp__note(f, st);
+}
+
+static tsys_status tsys_fsdp__gather_wait(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    if (U->gathered) return TSYS_OK;
+    tsys_status st = tsys_fsdp__gather_issue(f, i);
+    if (st != TSYS_OK) return st;
+    double t0 = tsys_time_us();
+    st = tsys_dist_wait(U->ag);
+    f->cur.wait_ms += (tsys_time_us() - t0) * 1e-3;
+    U->ag = NULL;
+    tsys_tensor_release(U->src); U->src = NULL;
+    U->gathered = st == TSYS_OK;
+    return tsys_fsdp__note(f, st);
+}
+
+static void tsys_fsdp__release(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    if (U->ag) { tsys_fsdp__note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
+    if (!U->gathered) return;
+    tsys_storage_resize(f->ctx, U->full, 0);
+    U->gathered = false;
+    f->ngathered--;
+}
+
+// The reduce-scatter of unit i is done: its fp32 shard gradient += the result (or = when it counts as
+// zero), the full gradients are freed.
+static tsys_status tsys_fsdp__rs_complete(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    if (!U->rs) return TSYS_OK;
+    tsys_ctx *ctx = f->ctx;
+    double t0 = tsys_time_us();
+    tsys_status st = tsys_dist_wait(U->rs);
+    f->cur.wait_ms += (tsys_time_us() - t0) * 1e-3;
+    U->rs = NULL;
+    tsys_tensor *g = U->master->grad;
+    if (st == TSYS_OK && U->rs_out != g) {
+        tsys_no_grad_begin(ctx);
+        tsys_tensor *r32 = tsys_cast(ctx, U->rs_out, TSYS_F32);
+        tsys_tensor *sum = !r32 ? NULL : U->master->grad_zero ? tsys_tensor_retain(r32) : tsys_add(ctx, g, r32);
+        tsys_no_grad_end(ctx);
+        st = sum ? tsys_tensor_copy_from(ctx, g, sum) : tsys_ctx_status(ctx);
+        tsys_tensor_release(r32); tsys_tensor_release(sum);
+    }
+    if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
+    if (U->rs_out != g) tsys_tensor_release(U->rs_out);
+    U->rs_out = NULL;
+    for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
+    tsys_storage_resize(ctx, U->gfull, 0);
+    return tsys_fsdp__note(f, st);
+}
+
+// Unit i enters its backward: full gradients as windows of gfull, marked zero (the first write stores).
+static tsys_status tsys_fsdp__grads_begin(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    tsys_ctx *ctx = f->ctx;
+    if (U->rs) tsys_fsdp__rs_complete(f, i);   // a second backward before finish
+    if (U->p[0]->grad) return TSYS_OK;
+    int world = tsys_dist_size(f->d);
+    size_t es = tsys_fsdp__es(f);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp full grads"));
+    tsys_status st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * es);
+    tsys_mem_set_tag(ctx, tag);
+    if (st != TSYS_OK) return tsys_fsdp__note(f, st);
+    // the padding past U is reduced too: it must hold zeros
+    if (world * U->shard > U->numel) {
+        int64_t pad = world * U->shard - U->numel;
+        tsys_tensor *tail = tsys_tensor_view_raw(ctx, U->gfull, (size_t)U->numel * es, f->cdt, 1, &pad);
+        st = tail ? tsys_tensor_fill(ctx, tail, 0.0f) : tsys_ctx_status(ctx);
+        tsys_tensor_release(tail);
+    }
+    for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+        tsys_tensor *p = U->p[k];
+        p->grad = tsys_tensor_view_raw(ctx, U->gfull, (size_t)U->off[k] * es, f->cdt, p->ndim, p->shape);
+        if (!p->grad) { st = tsys_ctx_status(ctx); break; }
+        tsys_tensor_set_name(p->grad, "%s.grad", p->name);
+        p->grad_zero = true;
+    }
+    U->ready = 0;
+    return tsys_fsdp__note(f, st);
+}
+
+static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
+    tsys_fsdp *f = (tsys_fsdp *)user;
+    tsys_fsdp__unit *U = NULL;
+    for (int i = 0; i < f->nu && !U; i++)
+        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == p) { U = &f->u[i]; break; }
+    if (!U || ++U->ready < U->np) return;
+    int i = (int)(U - f->u);
+    // one reduce-scatter in flight: the previous unit's completes first (bounds the full gradients alive)
+    if (f->rs_pending >= 0 && f->rs_pending != i) tsys_fsdp__rs_complete(f, f->rs_pending);
+    f->rs_pending = -1;
+    tsys_tensor *g = U->master->grad;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
+    // fp32 into a gradient that counts as zero: straight into it; else a buffer, added when done
+    U->rs_out = f->cdt == TSYS_F32 && U->master->grad_zero ? g : tsys_tensor_new(ctx, f->cdt, g->device, 1, &U->shard);
+    tsys_mem_set_tag(ctx, tag);
+    bool was = tsys__dist_trust(f->d, f->agreed);
+    U->rs = U->rs_out ? tsys_dist_reduce_scatter_async(f->d, U->rs_out, U->gfull, TSYS_DIST_AVG) : NULL;
+    f->d->check_none = was;
+    if (!U->rs) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
+    f->cur.reduce_scatters++;
+    f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
+    f->rs_pending = i;
+}
+
+static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
+    tsys_fsdp *f = (tsys_fsdp *)user;
+    if (!p->grad) return;
+    if (f->nrep_work >= f->nrep) {   // a second backward before finish: the first one's are done first
+        for (int i = 0; i < f->nrep_work; i++) tsys_fsdp__note(f, tsys_dist_wait(f->rep_work[i]));
+        f->nrep_work = 0;
+    }
+    bool was = tsys__dist_trust(f->d, f->agreed);
+    tsys_dist_work *w = tsys_dist_all_reduce_async(f->d, p->grad, TSYS_DIST_AVG);
+    f->d->check_none = was;
+    if (!w) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
+    f->rep_work[f->nrep_work++] = w;
+    f->cur.all_reduces++;
+}
+
+static bool tsys_fsdp__counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
+
+// The unit of the weight the running linear/embedding uses (tsys_trace_weight); -1: not ours.
+static int tsys_fsdp__unit_of(const tsys_fsdp *f, const tsys_tensor *w) {
+    for (int i = 0; w && i < f->nu; i++)
+        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == w) return i;
+    return -1;
+}
+
+static void tsys_fsdp__op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    tsys_fsdp *f = (tsys_fsdp *)user;
+    if (f->prev.op_begin) f->prev.op_begin(ctx, name, kind, f->prev.user);
+    if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_fsdp__counted(name)) return;
+    int i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (i < 0) return;
+    tsys_fsdp__unit *U = &f->u[i];
+    f->in_hook++;
+    if (kind == TSYS_TRACE_FORWARD) {
+        if (U->seen_fwd >= U->np) {   // a unit used again: a new forward (what the last one left goes)
+            for (int j = 0; j < f->nu; j++) {
+                f->u[j].seen_fwd = f->u[j].seen_bwd = 0;
+                if (j != i) tsys_fsdp__release(f, j);
+            }
+        }
+        if (!strcmp(name, "linear")) U->has_linear = true;   // its backward will read the weights
+        if (U->seen_fwd == 0) {
+            tsys_fsdp__gather_wait(f, i);
+            if (f->prefetch && i + 1 < f->nu) tsys_fsdp__gather_issue(f, i + 1);
+        }
+    } else if (U->seen_bwd == 0) {
+        if (U->has_linear) tsys_fsdp__gather_wait(f, i);
+        tsys_fsdp__grads_begin(f, i);
+        if (f->prefetch && i > 0 && f->u[i - 1].has_linear && f->u[i - 1].seen_bwd == 0) tsys_fsdp__gather_issue(f, i - 1);
+    }
+    f->in_hook--;
+}
+
+static void tsys_fsdp__op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    tsys_fsdp *f = (tsys_fsdp *)user;
+    int i = -1;
+    if (!f->in_hook && (kind == TSYS_TRACE_FORWARD || kind == TSYS_TRACE_BACKWARD) && tsys_fsdp__counted(name)) i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (i >= 0) {
+        tsys_fsdp__unit *U = &f->u[i];
+        f->in_hook++;
+        if (kind == TSYS_TRACE_FORWARD) {
+            if (++U->seen_fwd == U->np && i != f->nu - 1) tsys_fsdp__release(f, i);   // the last unit serves backward next
+        } else if (++U->seen_bwd == U->np) tsys_fsdp__release(f, i);
+        f->in_hook--;
+    }
+    if (f->prev.op_end) f->prev.op_end(ctx, name, kind, f->prev.user);
+}
+// the other members pass through to the hooks that were there
+static void tsys_fsdp__kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel) f->prev.kernel(ctx, k, f->prev.user); }
+static void tsys_fsdp__kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel_begin) f->prev.kernel_begin(ctx, k, f->prev.user); }
+static void tsys_fsdp__mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.mem) f->prev.mem(ctx, e, f->prev.user); }
+
+TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
+    if (!f) return TSYS_ERR_INVALID_ARGS;
+    tsys_status st = TSYS_OK;
+    for (int i = 0; i < f->nu; i++) {
+        if (f->u[i].rs) { tsys_status s2 = tsys_fsdp__rs_complete(f, i); if (st == TSYS_OK) st = s2; }
+        tsys_fsdp__release(f, i);
+        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k]->grad) { tsys_tensor_release(f->u[i].p[k]->grad); f->u[i].p[k]->grad = NULL; }
+        tsys_storage_resize(f->ctx, f->u[i].gfull, 0);
+    }
+    f->rs_pending = -1;
+    double t0 = tsys_time_us();
+    for (int i = 0; i < f->nrep_work; i++) { tsys_status s2 = tsys_dist_wait(f->rep_work[i]); if (st == TSYS_OK) st = s2; }
+    f->cur.wait_ms += (tsys_time_us() - t0) * 1e-3;
+    f->nrep_work = 0;
+    for (int i = 0; i < f->nu; i++) f->u[i].seen_fwd = f->u[i].seen_bwd = 0;
+    f->ngathered = 0;
+    tsys_fsdp_stats keep = f->stats;
+    f->stats = f->cur;
+    f->stats.num_units = keep.num_units; f->stats.sharded_numel = keep.sharded_numel;
+    f->stats.replicated_numel = keep.replicated_numel; f->stats.local_numel = keep.local_numel;
+    memset(&f->cur, 0, sizeof(f->cur));
+    if (st == TSYS_OK) st = f->err;
+    f->err = TSYS_OK;
+    return st;
+}
+
+TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
+    if (!f) return;
+    tsys_ctx *ctx = f->ctx;
+    if (f->built) {   // unhook, settle what is in flight, give the parameters back whole in fp32
+        tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, NULL);
+        if (now.user == f) tsys_ctx_set_trace_hooks(ctx, &f->prev); else tsys_ctx_set_trace_hooks(ctx, &now);
+        tsys_fsdp_finish(f);
+        for (int i = 0; i < f->nrep; i++) tsys_tensor_remove_grad_hook(f->rep[i], tsys_fsdp__rep_ready, f);
+        f->cdt = TSYS_F32;
+        for (int i = 0; i < f->nu; i++) {
+            tsys_fsdp__unit *U = &f->u[i];
+            for (int k = 0; k < U->np; k++) tsys_tensor_remove_grad_hook(U->p[k], tsys_fsdp__grad_ready, f);
+            if (!U->full) continue;
+            U->full->dtype = TSYS_F32;
+            tsys_fsdp__gather_wait(f, i);
+            tsys_tensor *whole = U->gathered ? tsys_tensor_clone(ctx, U->full) : NULL;   // own storage, exactly the unit's size
+            for (int k = 0; k < U->np; k++) {
+                U->p[k]->dtype = TSYS_F32;
+                if (whole) tsys_tensor_rebind(ctx, U->p[k], whole, (size_t)U->off[k] * 4);
+            }
+            tsys_tensor_release(whole);
+            tsys_fsdp__release(f, i);
+        }
+    }
+    for (int i = 0; f->u && i < f->nu; i++) {
+        tsys_fsdp__unit *U = &f->u[i];
+        for (int k = 0; k < U->np; k++) tsys_tensor_release(U->p[k]);
+        tsys_tensor_release(U->full); tsys_tensor_release(U->gfull); tsys_tensor_release(U->master);
+        TSYS__DIST_RELEASE(U->p); TSYS__DIST_RELEASE(U->off);
+    }
+    for (int i = 0; i < f->nrep; i++) tsys_tensor_release(f->rep[i]);
+    for (int i = 0; i < f->nfrozen; i++) tsys_tensor_release(f->frozen[i]);
+    TSYS__DIST_RELEASE(f->u); TSYS__DIST_RELEASE(f->rep); TSYS__DIST_RELEASE(f->frozen); TSYS__DIST_RELEASE(f->local);
+    TSYS__DIST_RELEASE(f->rep_work);
+    TSYS__DIST_RELEASE(f);
+}
+
+// "layers.3.attn.q_proj.weight" -> "layers.3." (the unit key); other names are a unit of their own.
+static size_t tsys_fsdp__unit_key(const char *name) {
+    if (strncmp(name, "layers.", 7) != 0) return 0;
+    const char *q = name + 7;
+    while (*q >= '0' && *q <= '9') q++;
+    return (q > name + 7 && *q == '.') ? (size_t)(q + 1 - name) : 0;
+}
+
+TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_fsdp_desc *desc) {
+    if (!d) return NULL;
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    if (tsys_ctx_status(ctx) != TSYS_OK) return NULL;
+    tsys_fsdp_desc dd;
+    memset(&dd, 0, sizeof(dd));
+    if (desc) dd = *desc;
+    if (dd.compute_dtype != TSYS_F32 && dd.compute_dtype != TSYS_BF16 && dd.compute_dtype != TSYS_F16) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: compute_dtype %s is not fp32, bf16 or fp16", tsys_dtype_name(dd.compute_dtype));
+        return NULL;
+    }
+    if (n < 1 || !params) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *p = params[i];
+        if (!p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter %d is NULL", i); return NULL; }
+        if (p->dtype != TSYS_F32) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter '%s' is %s; FSDP keeps fp32 masters and takes fp32 parameters", p->name, tsys_dtype_name(p->dtype)); return NULL; }
+        if (p->grad_fn) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' is the result of an op, not a parameter", p->name); return NULL; }
+        for (int j = 0; j < i; j++)
+            if (params[j] == p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' appears twice (tied weights are not supported: each sharded weight is used once per forward)", p->name); return NULL; }
+    }
+    tsys_trace_hooks there = tsys_ctx_set_trace_hooks(ctx, NULL);
+    tsys_ctx_set_trace_hooks(ctx, &there);
+    if (there.op_begin == tsys_fsdp__op_begin) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: the context already has an FSDP wrapper (one per context)");
+        return NULL;
+    }
+    tsys_fsdp *f = (tsys_fsdp *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp));
+    if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
+    memset(f, 0, sizeof(*f));
+    f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
+    size_t cnt = (size_t)n;
+    f->u = (tsys_fsdp__unit *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp__unit) * cnt);
+    f->rep = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->frozen = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->local = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->rep_work = (tsys_dist_work **)TSYS__DIST_ALLOC(sizeof(tsys_dist_work *) * cnt);
+    bool ok = f->u && f->rep && f->frozen && f->local && f->rep_work;
+    if (ok) memset(f->u, 0, sizeof(tsys_fsdp__unit) * cnt);
+    // rank 0's weights everywhere, trainable or not (as DDP)
+    tsys_status st = ok ? tsys__dist_broadcast_list(d, params, n, 0) : TSYS_ERR_OOM;
+    // units: 2-D trainable parameters grouped by "layers.N.", in order of first appearance
+    for (int i = 0; st == TSYS_OK && i < n; i++) {
+        tsys_tensor *p = params[i];
+        if (!p->requires_grad) { f->frozen[f->nfrozen++] = tsys_tensor_retain(p); continue; }
+        if (p->ndim != 2) { f->rep[f->nrep++] = tsys_tensor_retain(p); continue; }
+        size_t key = tsys_fsdp__unit_key(p->name);
+        int ui = -1;
+        for (int j = 0; key && j < f->nu && ui < 0; j++)
+            if (f->u[j].np && !strncmp(f->u[j].p[0]->name, p->name, key) && tsys_fsdp__unit_key(f->u[j].p[0]->name) == key) ui = j;
+        if (ui >= 0 && ui != f->nu - 1) {
+            st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' comes after another unit began; a block's parameters must be consecutive (units follow the forward order)", p->name);
+            break;
+        }
+        if (ui < 0) {
+            ui = f->nu++;
+            f->u[ui].p = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
+            f->u[ui].off = (int64_t *)TSYS__DIST_ALLOC(sizeof(int64_t) * cnt);
+            if (!f->u[ui].p || !f->u[ui].off) { st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); break; }
+            if (key) snprintf(f->u[ui].name, sizeof(f->u[ui].name), "%.*s", (int)(key - 1), p->name);
+            else memcpy(f->u[ui].name, p->name, sizeof(f->u[ui].name));
+        }
+        tsys_fsdp__unit *U = &f->u[ui];
+        U->off[U->np] = U->numel;
+        U->p[U->np++] = tsys_tensor_retain(p);
+        U->numel += tsys_tensor_numel(p);
+    }
+    if (st == TSYS_OK && f->nu == 0) st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: no 2-D trainable parameter (Linear or Embedding weight) to shard");
+    int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
+    size_t es = tsys_dtype_size(f->cdt);
+    // the old homes of the parameters and their gradients (the model's arenas): freed at the end
+    tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * 2 * cnt) : NULL;
+    int nold = 0;
+    int64_t one = 1;
+    if (st == TSYS_OK && !old) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+    for (int i = 0; st == TSYS_OK && i < f->nu; i++) {
+        tsys_fsdp__unit *U = &f->u[i];
+        U->shard = (U->numel + world - 1) / world;
+        f->built = true;
+        int64_t padded = world * U->shard;
+        tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+        tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit
+        U->master = whole ? tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard) : NULL;
+        U->full = U->master ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
+        tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+        U->gfull = U->full ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
+        if (U->master) U->master->grad = tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard);
+        if (!U->gfull || !U->master->grad) { st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; tsys_tensor_release(whole); break; }
+        tsys_tensor_set_name(U->master, "%s.shard", U->name);
+        tsys_tensor_set_name(U->master->grad, "%s.shard.grad", U->name);
+        tsys_tensor_set_name(U->full, "%s.full", U->name);
+        tsys_tensor_set_name(U->gfull, "%s.full.grad", U->name);
+        U->master->requires_grad = true;
+        U->master->grad_zero = true;
+        st = tsys_tensor_fill(ctx, whole, 0.0f);
+        for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+            tsys_tensor *dst = tsys_tensor_view_raw(ctx, whole, (size_t)U->off[k] * 4, TSYS_F32, U->p[k]->ndim, U->p[k]->shape);
+            st = dst ? tsys_tensor_copy_from(ctx, dst, U->p[k]) : tsys_ctx_status(ctx);
+            tsys_tensor_release(dst);
+        }
+        tsys_tensor *mine = st == TSYS_OK ? tsys_tensor_view_raw(ctx, whole, (size_t)(rank * U->shard) * 4, TSYS_F32, 1, &U->shard) : NULL;
+        if (st == TSYS_OK) st = mine ? tsys_tensor_copy_from(ctx, U->master, mine) : tsys_ctx_status(ctx);
+        tsys_tensor_release(mine);
+        tsys_tensor_release(whole);
+        // the parameters become windows of `full` in the compute dtype; their old storage and gradient go
+        for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+            tsys_tensor *p = U->p[k];
+            old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);   // keeps the old storage to free it below
+            if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
+            p->dtype = f->cdt;
+            st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
+            if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__grad_ready, f);
+        }
+        if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->full, 0);
+        if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
+        f->local[f->nlocal++] = U->master;
+        f->stats.sharded_numel += U->numel;
+        f->stats.local_numel += U->shard;
+    }
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    // replicated: their own storage (out of the model's arena), gradients all-reduced from their hooks
+    for (int i = 0; st == TSYS_OK && i < f->nrep; i++) {
+        tsys_tensor *p = f->rep[i];
+        tsys_tensor *own = tsys_tensor_clone(ctx, p);
+        old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
+        if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
+        st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
+        tsys_tensor_release(own);
+        if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__rep_ready, f);
+        f->local[f->nlocal++] = p;
+        f->stats.replicated_numel += tsys_tensor_numel(p);
+        f->stats.local_numel += tsys_tensor_numel(p);
+    }
+    for (int i = 0; st == TSYS_OK && i < f->nfrozen; i++) {   // frozen ones move out of the arena too
+        tsys_tensor *p = f->frozen[i];
+        tsys_tensor *own = tsys_tensor_clone(ctx, p);
+        old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
+        st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
+        tsys_tensor_release(own);
+    }
+    // the model's arenas now hold nothing anyone uses (the parameters were all moved): their memory goes
+    for (int i = 0; i < nold; i++) {
+        if (old[i] && st == TSYS_OK) tsys_storage_resize(ctx, old[i], 0);
+        tsys_tensor_release(old[i]);
+    }
+    TSYS__DIST_RELEASE(old);
+    f->stats.num_units = f->nu;
+    if (st == TSYS_OK) {
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (int i = 0; i < f->nu; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, f->u[i].numel), f->u[i].np), f->cdt);
+        for (int i = 0; i < f->nrep; i++) h = tsys__dist_hash(h, tsys_tensor_numel(f->rep[i]));
+        st = tsys__dist_agree_layout(d, h, "fsdp");
+        f->agreed = st == TSYS_OK;
+    }
+    if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
+        f->prev = there;
+        tsys_fsdp_free(f);   // gives back what moved where it can (the parameters may be left unusable)
+        return NULL;
+    }
+    tsys_trace_hooks mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.op_begin = tsys_fsdp__op_begin; mine.op_end = tsys_fsdp__op_end; mine.kernel = tsys_fsdp__kernel;
+    mine.kernel_begin = tsys_fsdp__kernel_begin; mine.mem = tsys_fsdp__mem; mine.user = f;
+    f->prev = tsys_ctx_set_trace_hooks(ctx, &mine);
+    return f;
+}
+
+TSYSDEF tsys_tensor **tsys_fsdp_params(tsys_fsdp *f) { return f ? f->local : NULL; }
+TSYSDEF int tsys_fsdp_num_params(const tsys_fsdp *f) { return f ? f->nlocal : 0; }
+TSYSDEF bool tsys_fsdp_param_is_shard(const tsys_fsdp *f, int i) { return f && i >= 0 && i < f->nu; }
+TSYSDEF tsys_fsdp_stats tsys_fsdp_stats_get(const tsys_fsdp *f) {
+    tsys_fsdp_stats s;
+    memset(&s, 0, sizeof(s));
+    return f ? f->stats : s;
+}
+
+TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
+    if (!f || !ms) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = f->ctx;
+    tsys_device dev = f->u[0].master->device;
+    *ms = 0;
+    tsys_status st = tsys_fsdp_finish(f);
+    if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+    if (st == TSYS_OK) st = tsys_dist_barrier(f->d);
+    double t0 = tsys_time_us();
+    int world = tsys_dist_size(f->d);
+    for (int pass = 0; st == TSYS_OK && pass < 2; pass++)   // forward: every unit; backward: those it re-gathers
+        for (int j = 0; st == TSYS_OK && j < f->nu; j++) {
+            int i = pass ? f->nu - 1 - j : j;
+            if (pass && (i == f->nu - 1 || !f->u[i].has_linear)) continue;
+            st = tsys_fsdp__gather_wait(f, i);
+            tsys_fsdp__release(f, i);
+        }
+    for (int i = f->nu - 1; st == TSYS_OK && i >= 0; i--) {
+        tsys_fsdp__unit *U = &f->u[i];
+        st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+        tsys_tensor *scratch = st == TSYS_OK ? tsys_tensor_new(ctx, f->cdt, dev, 1, &U->shard) : NULL;
+        if (st == TSYS_OK) st = scratch ? tsys_dist_reduce_scatter(f->d, scratch, U->gfull, TSYS_DIST_AVG) : tsys_ctx_status(ctx);
+        tsys_tensor_release(scratch);
+        tsys_storage_resize(ctx, U->gfull, 0);
+    }
+    for (int i = 0; st == TSYS_OK && i < f->nrep; i++) {
+        tsys_tensor *c = tsys_tensor_clone(ctx, f->rep[i]);
+        st = c ? tsys_dist_all_reduce(f->d, c, TSYS_DIST_AVG) : tsys_ctx_status(ctx);
+        tsys_tensor_release(c);
+    }
+    if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+    *ms = (tsys_time_us() - t0) * 1e-3;
+    memset(&f->cur, 0, sizeof(f->cur));
+    f->ngathered = 0;
+    return st;
+}
+
+TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***out, int *n) {
+    if (!f || !out || !n) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = f->ctx;
+    *out = NULL; *n = 0;
+    int total = f->nrep + f->nfrozen;
+    for (int i = 0; i < f->nu; i++) total += f->u[i].np;
+    tsys_tensor **list = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(total ? total : 1));
+    if (!list) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
+    int world = tsys_dist_size(f->d), m = 0;
+    tsys_status st = TSYS_OK;
+    for (int i = 0; st == TSYS_OK && i < f->nu; i++) {   // fp32: the masters themselves, not their compute-dtype copies
+        tsys_fsdp__unit *U = &f->u[i];
+        int64_t padded = world * U->shard;
+        tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->master->device, 1, &padded);
+        st = whole ? tsys_dist_all_gather(f->d, whole, U->master) : tsys_ctx_status(ctx);
+        for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+            tsys_tensor *v = tsys_tensor_view_raw(ctx, whole, (size_t)U->off[k] * 4, TSYS_F32, U->p[k]->ndim, U->p[k]->shape);
+            tsys_tensor *c = v ? tsys_tensor_clone(ctx, v) : NULL;
+            tsys_tensor_release(v);
+            if (!c) { st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; break; }
+            tsys_tensor_set_name(c, "%s", U->p[k]->name);
+            list[m++] = c;
+        }
+        tsys_tensor_release(whole);
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; st == TSYS_OK && i < (pass ? f->nfrozen : f->nrep); i++) {
+            tsys_tensor *p = pass ? f->frozen[i] : f->rep[i];
+            tsys_tensor *c = tsys_tensor_clone(ctx, p);
+            if (!c) { st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; break; }
+            tsys_tensor_set_name(c, "%s", p->name);
+            list[m++] = c;
+        }
+    if (st != TSYS_OK) {
+        for (int i = 0; i < m; i++) tsys_tensor_release(list[i]);
+        TSYS_FREE(list);
+        return st;
+    }
+    *out = list; *n = m;
+    return TSYS_OK;
+}
+
 // >>accounting ------------------------------------------------------------------------------------
 // Bytes per rank, Ψ = parameters (tsys_model_desc_num_params), N = world, E = batch x context
 // tokens per rank, d = d_model, f = d_ff, H = heads, T = context, V = vocab, L = layers,
@@ -2742,6 +3418,39 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 //   ZeRO-2   (on paper) reduce-scatter of the gradients + all-gather of the parameters: 2(N-1)/N · 4Ψ
 //   ZeRO-3   (on paper) reduce-scatter + an all-gather of the parameters in forward and again in
 //            backward: 3(N-1)/N · 4Ψ
+
+// FSDP (tsys_fsdp_accounting), c = bytes of compute_dtype, units = the embedding (Vd), L layers (Ψl =
+// 4d² + 3df each) and the lm_head (Vd), each padded to N·ceil(U/N); Ψr = (2L + 1)d replicated:
+//   parameters   4(Σ shards + Ψr) fp32 masters + the working set c·(lm_head + one layer): at the peak
+//                (the logits' gradient, the start of backward) the lm_head is still gathered from its
+//                forward and the last layer is being prefetched
+//   gradients    4(Σ shards + Ψr) fp32 + the lm_head's full gradient c·Vd
+//   optimizer    8(Σ shards + Ψr)
+//   activations  the fp32 formula below; for bf16/fp16 compute the whole forward runs in that dtype,
+//                so scaled by c/4 (approximate: rstd and lse stay fp32)
+//   sent         all-gathers in forward (every unit) and backward (all but the embedding, whose
+//                backward needs no weight, and the lm_head, kept from its forward): (N-1)/N · c(2Ψs -
+//                2Vd); reduce-scatters (N-1)/N · cΨs;
+//                all-reduce of the replicated gradients 2(N-1)/N · 4Ψr
+TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world) {
+    tsys_dist_account a = tsys_dist_accounting(m, TSYS_F32, batch, context, world, TSYS_SCHEME_ZERO3);
+    tsys_model_desc d = tsys_model_desc_defaults(m);
+    double N = world > 0 ? world : 1;
+    double c = compute_dtype == TSYS_BF16 || compute_dtype == TSYS_F16 ? 2.0 : 4.0;
+    double dm = d.d_model, V = d.vocab_size, L = d.num_layers;
+    double Ue = V * dm, Ul = 4 * dm * dm + 3 * dm * d.d_ff;
+    double Se = ceil(Ue / N), Sl = ceil(Ul / N), shards = 2 * Se + L * Sl, Pr = (2 * L + 1) * dm;
+    double work_p = c * N * (Se + Sl), work_g = c * N * Se;
+    a.param_bytes = 4 * (shards + Pr) + work_p;
+    a.grad_bytes = 4 * (shards + Pr) + work_g;
+    a.optim_bytes = 8 * (shards + Pr);
+    a.work_bytes = work_p + work_g;
+    a.act_bytes *= c / 4.0;
+    a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
+    double ring = (N - 1) / N, Ps = 2 * Ue + L * Ul;
+    a.sent_bytes = ring * c * (2 * Ps - 2 * Ue) + ring * c * Ps + 2 * ring * 4 * Pr;
+    return a;
+}
 
 TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s) {
     switch (s) {

@@ -1,7 +1,8 @@
 // ddp - data-parallel training of the cs336 Transformer LM: the CS336 naive_ddp_benchmarking,
 // minimal_ddp_flat_benchmarking, ddp_overlap_individual_parameters_benchmarking,
-// ddp_bucketed_benchmarking and optimizer_state_sharding_accounting measurements, one row per
-// configuration, with the accounting prediction beside what was measured.
+// ddp_bucketed_benchmarking and optimizer_state_sharding_accounting measurements, and the S26 fsdp /
+// fsdp_accounting ones (--strategy fsdp), one row per configuration, with the accounting prediction
+// beside what was measured.
 //
 //   ddp --nproc 2 --model small --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb 1,10,100,1000
 //   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16
@@ -40,10 +41,12 @@ static void usage(FILE *f) {
         "  --model LIST               presets (%s) or 'custom' with the dims below\n"
         "                             (default: xl on cuda, small on cpu)\n"
         "  --d-model N --d-ff N --num-layers N --num-heads N --vocab-size N   explicit dims\n"
-        "  --strategy LIST            naive | flat | overlap | bucketed | zero1 (default: all five)\n"
-        "                             zero1 = flat gradient all-reduce + ZeRO-1 sharded AdamW\n"
+        "  --strategy LIST            naive | flat | overlap | bucketed | zero1 | fsdp (default: the first five)\n"
+        "                             zero1 = flat gradient all-reduce + ZeRO-1 sharded AdamW; fsdp = ZeRO-3\n"
+        "                             (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)\n"
         "  --bucket-mb LIST           bucket sizes of 'bucketed' in MB (2^20 bytes; default 1,10,100,1000)\n"
-        "  --dtype LIST               fp32 | bf16 autocast (default fp32)\n"
+        "  --dtype LIST               fp32 | bf16 autocast (fsdp: bf16 weights and gradients on the wire,\n"
+        "                             bf16 compute, fp32 masters) (default fp32)\n"
         "  --batch-size N             sequences per rank (default 4)\n"
         "  --context-length LIST      (default 256)\n"
         "  --attn naive|flash|auto    attention (default auto: flash on cuda under bf16, else naive)\n"
@@ -58,7 +61,9 @@ static void usage(FILE *f) {
         "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n"
         "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n"
         "  the step waited for communication after backward (it includes waiting for a slower rank);\n"
-        "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; mem_* the peak\n"
+        "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; fsdp: comm_ms its all-gathers, reduce-scatters\n"
+        "  and all-reduces alone, exposed_ms step_ms - compute_ms, compute_ms the same local step without\n"
+        "  sharding or communication (a plain model on each rank; bf16 under autocast); mem_* the peak\n"
         "  bytes per rank (largest rank) after init, before the first optimizer step, after it; state_MiB live\n"
         "  bytes after a step (parameters, gradients, optimizer state) against pred_state_MiB; pred_peak_MiB\n"
         "  adds the predicted activations; pred_sent_MB bytes each rank sends per step (ring algorithms).\n",
@@ -109,11 +114,11 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
     return 0;
 }
 
-typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1 } strat;
-static const char *strat_names[] = {"naive", "flat", "overlap", "bucketed", "zero1"};
+typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1, S_FSDP } strat;
+static const char *strat_names[] = {"naive", "flat", "overlap", "bucketed", "zero1", "fsdp"};
 
 static bool parse_strategy(const char *s, strat *out) {
-    for (int i = 0; i < 5; i++) if (!strcmp(s, strat_names[i])) { *out = (strat)i; return true; }
+    for (int i = 0; i < 6; i++) if (!strcmp(s, strat_names[i])) { *out = (strat)i; return true; }
     return false;
 }
 static bool parse_dtype(const char *s, tsys_dtype *d) {
@@ -145,8 +150,9 @@ static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du
                 tsys_model_desc d;
                 char err[256];
                 if (!config_desc(o, models->item[a], T, attn, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); du_table_free(&tab); return 2; }
-                for (int s = TSYS_SCHEME_DDP; s <= TSYS_SCHEME_ZERO3; s++) {
-                    tsys_dist_account acc = tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
+                for (int s = TSYS_SCHEME_DDP; s <= TSYS_SCHEME_ZERO3 + 1; s++) {   // + 1: FSDP as tsys_fsdp does it
+                    bool fs = s > TSYS_SCHEME_ZERO3;
+                    tsys_dist_account acc = fs ? tsys_fsdp_accounting(&d, dt, o->batch, T, o->nproc) : tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
                     du_row *r = du_table_row(&tab);
                     du_row_set(r, "model", "%s", models->item[a]);
                     du_row_set(r, "params", "%.3g", (double)tsys_model_desc_num_params(&d));
@@ -154,7 +160,8 @@ static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du
                     du_row_set(r, "context", "%d", T);
                     du_row_set(r, "batch", "%d", o->batch);
                     du_row_set(r, "ranks", "%d", o->nproc);
-                    du_row_set(r, "scheme", "%s%s", tsys_dist_scheme_name((tsys_dist_scheme)s), s >= TSYS_SCHEME_ZERO2 ? " (paper)" : "");
+                    if (fs) du_row_set(r, "scheme", "fsdp (tsys_fsdp)");
+                    else du_row_set(r, "scheme", "%s%s", tsys_dist_scheme_name((tsys_dist_scheme)s), s >= TSYS_SCHEME_ZERO2 ? " (paper)" : "");
                     du_row_set(r, "param_MiB", "%.1f", acc.param_bytes / MiB);
                     du_row_set(r, "grad_MiB", "%.1f", acc.grad_bytes / MiB);
                     du_row_set(r, "optim_MiB", "%.1f", acc.optim_bytes / MiB);
@@ -178,15 +185,16 @@ typedef struct run {
     tsys_ddp *ddp;
     tsys_optim *opt;
     tsys_zero1 *zero1;
+    tsys_fsdp *fsdp;
     tsys_tensor *ids, *targets;
     tsys_dtype dtype;
 } run;
 
 static void run_free(run *r) {
-    tsys_ddp_free(r->ddp); tsys_zero1_free(r->zero1); tsys_optim_free(r->opt);
+    tsys_ddp_free(r->ddp); tsys_zero1_free(r->zero1); tsys_optim_free(r->opt); tsys_fsdp_free(r->fsdp);
     tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
     tsys_model_free(r->model);
-    r->ddp = NULL; r->zero1 = NULL; r->opt = NULL; r->ids = r->targets = NULL; r->model = NULL;
+    r->ddp = NULL; r->zero1 = NULL; r->opt = NULL; r->fsdp = NULL; r->ids = r->targets = NULL; r->model = NULL;
 }
 
 static double peak_now(run *r) { return (double)tsys_mem_stats_get(r->ctx, r->dev).peak_bytes; }
@@ -196,18 +204,20 @@ static double peak_now(run *r) { return (double)tsys_mem_stats_get(r->ctx, r->de
 static tsys_status step(run *r, double *t, double *mem) {
     tsys_ctx *ctx = r->ctx;
     double t0 = tsys_time_us();
-    tsys_ddp_start_step(r->ddp);
+    if (r->ddp) tsys_ddp_start_step(r->ddp);
     if (r->zero1) tsys_zero1_zero_grad(r->zero1); else tsys_optim_zero_grad(r->opt);
-    if (r->dtype != TSYS_F32) tsys_autocast_begin(ctx, r->dtype);
+    bool ac = r->dtype != TSYS_F32 && !r->fsdp;   // FSDP computes in its compute_dtype itself
+    if (ac) tsys_autocast_begin(ctx, r->dtype);
     tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
     tsys_tensor *loss = tsys_cross_entropy(ctx, logits, r->targets);
-    if (r->dtype != TSYS_F32) tsys_autocast_end(ctx);
+    if (ac) tsys_autocast_end(ctx);
     tsys_tensor_release(logits);
     tsys_sync(ctx, r->dev);
     double t1 = tsys_time_us();
     tsys_backward(ctx, loss);
     tsys_tensor_release(loss);
-    tsys_ddp_finish(r->ddp);
+    if (r->ddp) tsys_ddp_finish(r->ddp);
+    if (r->fsdp) tsys_fsdp_finish(r->fsdp);
     tsys_sync(ctx, r->dev);
     double t2 = tsys_time_us();
     if (mem) mem[0] = peak_now(r);
@@ -229,6 +239,28 @@ static bool any_failed(tsys_dist *d, tsys_status st) {
 
 static void max_over_ranks(tsys_dist *d, double *v, int n) { tsys_dist_all_reduce_host(d, v, n, TSYS_DIST_MAX); }
 
+// The same local step with no sharding and no communication: a plain model and AdamW on this rank
+// (bf16 under autocast), mean ms over the timed steps (NAN when it fails, e.g. out of memory).
+static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc, tsys_dtype dt, tsys_tensor *ids, tsys_tensor *tgt) {
+    run r;
+    memset(&r, 0, sizeof(r));
+    r.ctx = ctx; r.dev = dev; r.dtype = dt;
+    r.model = tsys_model_new(ctx, desc, dev, (uint64_t)o->seed + 1);
+    r.opt = r.model ? tsys_adamw_new(ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL) : NULL;
+    r.ids = tsys_tensor_retain(ids); r.targets = tsys_tensor_retain(tgt);
+    double sum = 0;
+    tsys_status st = r.opt ? TSYS_OK : TSYS_ERR_OOM;
+    for (int i = 0; st == TSYS_OK && i < o->warmup + o->steps; i++) {
+        double t[4];
+        st = step(&r, t, NULL);
+        if (i >= o->warmup) sum += t[3];
+    }
+    tsys_tape_clear(ctx);
+    run_free(&r);
+    tsys_ctx_clear_error(ctx);
+    return st == TSYS_OK ? sum / o->steps : NAN;
+}
+
 static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const char *model_name, int T, strat s, double bucket_mb,
                        tsys_dtype dt, du_table *tab) {
     int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
@@ -248,6 +280,18 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     run r;
     memset(&r, 0, sizeof(r));
     r.ctx = ctx; r.d = d; r.dev = dev; r.dtype = dt;
+    double compute_ms = 0;
+    if (s == S_FSDP) {   // the compute alone first (its memory is gone before the peaks are reset)
+        int64_t sh[2] = {o->batch, T};
+        tsys_tensor *hi = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, sh), *ht = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, sh);
+        tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);
+        if (hi && ht) { tsys_tensor_randint(ctx, hi, desc.vocab_size); tsys_tensor_randint(ctx, ht, desc.vocab_size); }
+        tsys_tensor *di = tsys_tensor_to(ctx, hi, dev), *dtg = tsys_tensor_to(ctx, ht, dev);
+        if (rank == 0) du_progress("%s fsdp T=%d: the compute alone", model_name, T);
+        compute_ms = (di && dtg) ? plain_step_ms(ctx, dev, o, &desc, dt, di, dtg) : NAN;
+        tsys_tensor_release(hi); tsys_tensor_release(ht); tsys_tensor_release(di); tsys_tensor_release(dtg);
+        max_over_ranks(d, &compute_ms, 1);
+    }
     tsys_mem_reset_peak(ctx, dev);
     double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
     int n = o->steps, total = o->warmup + n;
@@ -258,9 +302,15 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     r.model = tsys_model_new(ctx, &desc, dev, (uint64_t)o->seed + 1);
     tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT, bucket_mb};
     // a rank that could not build the model (out of memory) must not leave the others in the broadcast
-    if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM))
-        r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
-    if (r.ddp && s == S_ZERO1) r.zero1 = tsys_zero1_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
+    if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
+        if (s == S_FSDP) {
+            tsys_fsdp_desc fd = {dt, false};
+            r.fsdp = tsys_fsdp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &fd);
+            if (r.fsdp) r.opt = tsys_adamw_new(ctx, tsys_fsdp_params(r.fsdp), tsys_fsdp_num_params(r.fsdp), NULL);
+        } else r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
+    }
+    if (r.fsdp) {
+    } else if (r.ddp && s == S_ZERO1) r.zero1 = tsys_zero1_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
     else if (r.ddp) r.opt = tsys_adamw_new(ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
     int64_t shape[2] = {o->batch, T};
     tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
@@ -271,6 +321,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     tsys_tensor_release(ids); tsys_tensor_release(tgt);
     tsys_sync(ctx, dev);
     mem[0] = peak_now(&r);
+    if (r.fsdp) tsys_mem_reset_peak(ctx, dev);   // the whole model existed until it was sharded: the step's peak is what counts
     tsys_status st = tsys_ctx_status(ctx);
     bool failed = any_failed(d, st);
     for (int i = 0; !failed && i < total; i++) {
@@ -281,19 +332,28 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         int j = i - o->warmup;
         if (j >= 0) {
             tstep[j] = t[3]; tbwd[j] = t[1]; topt[j] = t[2];
-            texp[j] = tsys_ddp_stats_get(r.ddp).exposed_ms;
+            texp[j] = r.fsdp ? fmax(0.0, t[3] - compute_ms) : tsys_ddp_stats_get(r.ddp).exposed_ms;
         }
         if (rank == 0) du_progress("%s %s%s T=%d: step %d/%d (%.1f ms)", model_name, strat_names[s], s == S_BUCKETED ? " bucketed" : "", T, i + 1, total, t[3]);
         failed = any_failed(d, st);
     }
     // the step's all-reduces alone: finish with no backward reduces every bucket at once
     double alone = 0;
+    tsys_fsdp_stats fst;
+    memset(&fst, 0, sizeof(fst));
+    if (r.fsdp) fst = tsys_fsdp_stats_get(r.fsdp);   // the last step's, before the timing below
     for (int k = 0; !failed && k < 3; k++) {
         tsys_dist_barrier(d);
-        tsys_ddp_start_step(r.ddp);
-        st = tsys_ddp_finish(r.ddp);
-        tsys_sync(ctx, dev);
-        alone += tsys_ddp_stats_get(r.ddp).comm_ms / 3;
+        if (r.fsdp) {
+            double ms = 0;
+            st = tsys_fsdp_time_collectives(r.fsdp, &ms);
+            alone += ms / 3;
+        } else {
+            tsys_ddp_start_step(r.ddp);
+            st = tsys_ddp_finish(r.ddp);
+            tsys_sync(ctx, dev);
+            alone += tsys_ddp_stats_get(r.ddp).comm_ms / 3;
+        }
         failed = any_failed(d, st);
     }
     if (rank == 0) du_progress_done();
@@ -302,7 +362,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         max_over_ranks(d, mem, 4); max_over_ranks(d, &alone, 1);
         tsys_stats ss = tsys_stats_of(tstep, n), sb = tsys_stats_of(tbwd, n), so = tsys_stats_of(topt, n), se = tsys_stats_of(texp, n);
         tsys_ddp_stats ds = tsys_ddp_stats_get(r.ddp);
-        tsys_dist_account acc = tsys_dist_accounting(&desc, dt, o->batch, T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
+        tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting(&desc, dt, o->batch, T, world)
+                                            : tsys_dist_accounting(&desc, dt, o->batch, T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
         du_row_set(row, "step_ms", "%.2f", ss.mean); du_row_set(row, "step_std", "%.2f", ss.std);
         du_row_set(row, "bwd_comm_ms", "%.2f", sb.mean);
         du_row_set(row, "opt_ms", "%.2f", so.mean);
@@ -311,13 +372,21 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         du_row_set(row, "exposed_ms", "%.2f", se.mean);
         double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
         du_row_set(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
-        du_row_set(row, "buckets", "%d%s", ds.num_buckets, ds.copied_buckets ? " (copied)" : "");
-        du_row_set(row, "MB_per_step", "%.1f", (double)ds.bytes_per_step / 1e6);
+        if (r.fsdp) {
+            du_row_set(row, "buckets", "%d units", fst.num_units);
+            du_row_set(row, "MB_per_step", "%.1f", (double)(fst.gathered_bytes + fst.reduced_bytes) / 1e6);
+            du_row_set(row, "compute_ms", "%.2f", compute_ms);
+        } else {
+            du_row_set(row, "buckets", "%d%s", ds.num_buckets, ds.copied_buckets ? " (copied)" : "");
+            du_row_set(row, "MB_per_step", "%.1f", (double)ds.bytes_per_step / 1e6);
+            du_row_set(row, "compute_ms", "-");
+        }
         du_row_set(row, "mem_init_MiB", "%.1f", mem[0] / MiB);
         du_row_set(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
         du_row_set(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB);
         du_row_set(row, "state_MiB", "%.1f", mem[3] / MiB);
-        du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - (dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(&desc) : 0)) / MiB);
+        if (s == S_FSDP) du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - acc.work_bytes) / MiB);
+        else du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - (dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(&desc) : 0)) / MiB);
         du_row_set(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
         du_row_set(row, "pred_sent_MB", "%.1f", acc.sent_bytes / 1e6);
         du_row_set(row, "status", "ok");
@@ -361,7 +430,7 @@ int main(int argc, char **argv) {
         du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
         return 2;
     }
-    for (int i = 0; i < strategies.n; i++) { strat s; if (!parse_strategy(strategies.item[i], &s)) { fprintf(stderr, "ddp: unknown strategy '%s' (naive, flat, overlap, bucketed, zero1)\n", strategies.item[i]); usage(stderr); return 2; } }
+    for (int i = 0; i < strategies.n; i++) { strat s; if (!parse_strategy(strategies.item[i], &s)) { fprintf(stderr, "ddp: unknown strategy '%s' (naive, flat, overlap, bucketed, zero1, fsdp)\n", strategies.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < buckets.n; i++) { double b; if (!du_parse_double(buckets.item[i], &b) || !(b >= 0) || b > 1e9) { fprintf(stderr, "ddp: bad bucket size '%s' (MB, >= 0)\n", buckets.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "ddp: unknown dtype '%s' (fp32, bf16)\n", dtypes.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "ddp: bad context length '%s'\n", ctxs.item[i]); usage(stderr); return 2; } }
@@ -399,7 +468,7 @@ int main(int argc, char **argv) {
         fflush(stdout);
     }
     du_table tab;
-    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,dtype,context,batch,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,"
+    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,dtype,context,batch,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,compute_ms,"
                         "buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o.format);
     int failures = 0;
     for (int a = 0; a < models.n; a++)

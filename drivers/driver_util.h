@@ -188,6 +188,110 @@ static inline bool du_model_desc(const tsys_model_desc *dims, const char *model_
     return tsys_model_desc_validate(d, err, len) == TSYS_OK;
 }
 
+// The largest tensors of a step (logits, attention scores, the FFN activations, the weights) stay
+// within DU_MAX_ELEMS; err names the sizes when they do not.
+static inline bool du_model_sizes_ok(const tsys_model_desc *d, int batch, int T, char *err, size_t len) {
+    double B = batch, V = d->vocab_size, D = d->d_model, F = d->d_ff, H = d->num_heads;
+    if (du_elems_ok(B * T * V) && du_elems_ok(B * H * T * (double)T) && du_elems_ok(B * T * F) && du_elems_ok(V * D) && du_elems_ok(D * F)) return true;
+    snprintf(err, len, "tensor sizes past 2^62 elements (batch %d x context %d with vocab %d, %d heads, d_ff %d)", batch, T, d->vocab_size, d->num_heads, d->d_ff);
+    return false;
+}
+
+// The --dtype spelling of an autocast dtype (fp32, bf16, fp16).
+static inline const char *du_dtype_flag(tsys_dtype d) { return d == TSYS_F32 ? "fp32" : d == TSYS_BF16 ? "bf16" : "fp16"; }
+
+// ---- one step of the cs336 LM, in the report's phases (e2e and memory) ---------------------------
+
+typedef enum { DU_FORWARD, DU_FORWARD_BACKWARD, DU_TRAIN } du_mode;
+static const char *const du_mode_names[3] = {"forward", "forward-backward", "train"};
+static inline bool du_parse_mode(const char *s, du_mode *m) {
+    for (int i = 0; i < 3; i++) if (!strcmp(s, du_mode_names[i])) { *m = (du_mode)i; return true; }
+    return false;
+}
+
+// A model, its optimizer (train mode only: AdamW state only where a step uses it, so memory columns
+// compare) and a batch; mark (optional) is called at the phase boundaries of each step: 0 start,
+// 1 forward done, 2 backward done, 3 optimizer done.
+typedef struct du_lm {
+    tsys_ctx *ctx;
+    tsys_device dev;
+    tsys_model *model;
+    tsys_optim *opt;
+    tsys_tensor *ids, *targets;
+    tsys_dtype dtype;
+    du_mode mode;
+    tsys_grad_scaler scaler;
+    bool overlap;                          // the optimizer inside backward (tsys_optim_overlap_begin/end)
+    void (*mark)(void *user, int boundary);
+    void *mark_user;
+} du_lm;
+
+static inline tsys_status du_lm_setup(du_lm *r, const tsys_model_desc *d, int batch, int T, uint64_t seed, const char *load) {
+    tsys_ctx *ctx = r->ctx;
+    r->model = tsys_model_new(ctx, d, r->dev, seed + 1);
+    if (r->model && load) tsys_model_load(r->model, load);
+    if (r->model && r->mode == DU_TRAIN) r->opt = tsys_adamw_new(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model), NULL);
+    int64_t shape[2] = {batch, T};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
+    tsys_rng_seed(ctx, seed + 7);
+    if (ids && tgt) { tsys_tensor_randint(ctx, ids, d->vocab_size); tsys_tensor_randint(ctx, tgt, d->vocab_size); }
+    r->ids = tsys_tensor_to(ctx, ids, r->dev);
+    r->targets = tsys_tensor_to(ctx, tgt, r->dev);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    r->scaler = tsys_grad_scaler_init();
+    return tsys_ctx_status(ctx);
+}
+
+static inline void du_lm_free(du_lm *r) {
+    tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
+    tsys_optim_free(r->opt);
+    tsys_model_free(r->model);
+    r->ids = r->targets = NULL; r->opt = NULL; r->model = NULL;
+}
+
+static inline void du_lm_mark(du_lm *r, int boundary) { if (r->mark) r->mark(r->mark_user, boundary); }
+
+// One step in the named ranges "forward", "backward", "optimizer" (NVTX and the profiler see them):
+// forward under no_grad in forward mode, autocast for bf16/fp16, the fp16 loss scaler, and the
+// gradients given back after the step (torch's zero_grad(set_to_none=True)). *last: the last
+// boundary marked (1 in forward mode, else 3). The host does not wait.
+static inline tsys_status du_lm_step(du_lm *r, int *last) {
+    tsys_ctx *ctx = r->ctx;
+    *last = 1;
+    du_lm_mark(r, 0);
+    tsys_trace_begin(ctx, "forward");
+    if (r->mode == DU_FORWARD) tsys_no_grad_begin(ctx);
+    if (r->dtype != TSYS_F32) tsys_autocast_begin(ctx, r->dtype);
+    tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
+    tsys_tensor *loss = r->mode == DU_FORWARD ? NULL : tsys_cross_entropy(ctx, logits, r->targets);
+    if (r->dtype != TSYS_F32) tsys_autocast_end(ctx);
+    if (r->mode == DU_FORWARD) tsys_no_grad_end(ctx);
+    tsys_tensor_release(logits);
+    tsys_trace_end(ctx);
+    du_lm_mark(r, 1);
+    if (r->mode != DU_FORWARD && tsys_ctx_status(ctx) == TSYS_OK) {
+        tsys_trace_begin(ctx, "backward");
+        tsys_tensor *scaled = r->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &r->scaler, loss) : tsys_tensor_retain(loss);
+        if (r->overlap) tsys_optim_overlap_begin(r->opt);
+        tsys_backward(ctx, scaled);
+        if (r->overlap) tsys_optim_overlap_end(r->opt);   // joins the side stream: the updates count in backward
+        tsys_tensor_release(scaled);
+        tsys_trace_end(ctx);
+        du_lm_mark(r, 2);
+        tsys_trace_begin(ctx, "optimizer");
+        if (r->mode == DU_TRAIN && r->dtype == TSYS_F16) { tsys_grad_scaler_step(&r->scaler, r->opt); tsys_grad_scaler_update(&r->scaler); }
+        else if (r->mode == DU_TRAIN && !r->overlap) tsys_optim_step(r->opt);
+        if (r->opt) tsys_optim_release_grads(r->opt);   // as torch's zero_grad(set_to_none=True)
+        else tsys_release_grads(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model));
+        tsys_trace_end(ctx);
+        du_lm_mark(r, 3);
+        *last = 3;
+    }
+    tsys_tensor_release(loss);
+    tsys_tape_clear(ctx);
+    return tsys_ctx_status(ctx);
+}
+
 // ---- progress on stderr (only when it is a terminal or TSYS_PROGRESS=1) -------------------------
 
 static inline bool du_progress_on(void) {

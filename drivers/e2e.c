@@ -20,7 +20,7 @@
 
 typedef struct e2e_opts {
     const char *device, *format, *load;
-    du_list models, contexts, modes, dtypes, attns, compiles, ckpts;
+    du_list models, contexts, modes, dtypes, attns, compiles, overlaps, ckpts;
     int batch, warmup, steps;
     uint64_t seed;
     size_t mem_limit;       // bytes; 0 = the default budget
@@ -46,6 +46,9 @@ static void usage(FILE *f) {
         "  --dtype LIST               fp32 | bf16 | fp16 autocast (default fp32)\n"
         "  --attn LIST                naive | flash | auto (default auto: flash on cuda under bf16/fp16 autocast,\n"
         "                             naive otherwise: the fp32 flash kernel has no tensor cores and loses to naive)\n"
+        "  --opt-in-backward LIST     no | yes: yes runs each layer's AdamW update on the side stream as soon as its\n"
+        "                             gradients are final, overlapped with the rest of backward (train mode; not\n"
+        "                             with fp16, whose loss scaler needs every gradient first; default no)\n"
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
         "  --checkpoint LIST          activation checkpointing: none | blocks:K | sqrt | nested[:K] | selective |\n"
@@ -74,18 +77,7 @@ static void usage(FILE *f) {
         DU_EXIT_HELP, tsys_model_preset_names(), DU_LIST_MAX);
 }
 
-typedef enum { MODE_FWD, MODE_FWDBWD, MODE_TRAIN } run_mode;
-
-static bool parse_mode(const char *s, run_mode *m) {
-    if (!strcmp(s, "forward")) *m = MODE_FWD;
-    else if (!strcmp(s, "forward-backward")) *m = MODE_FWDBWD;
-    else if (!strcmp(s, "train")) *m = MODE_TRAIN;
-    else return false;
-    return true;
-}
-
-
-static bool ok_mode(const char *s) { run_mode m; return parse_mode(s, &m); }
+static bool ok_mode(const char *s) { du_mode m; return du_parse_mode(s, &m); }
 static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d); }
 static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
@@ -99,7 +91,7 @@ static bool ok_model(const char *s) {
 
 static void opts_free(e2e_opts *o) {
     du_list_free(&o->models); du_list_free(&o->contexts); du_list_free(&o->modes);
-    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->ckpts);
+    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->overlaps); du_list_free(&o->ckpts);
 }
 
 // Parses and checks every flag and list; returns 0 (o then owns the lists: opts_free), DU_HELP,
@@ -107,10 +99,10 @@ static void opts_free(e2e_opts *o) {
 static int parse_args(int argc, char **argv, e2e_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *ckpt = "none";
+    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *overlap = "no", *ckpt = "none";
     o->format = "md";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
-    static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--format",
+    static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--opt-in-backward", "--format",
                                          "--load", "--batch-size", "--warmup", "--steps", "--seed", "--d-model", "--d-ff", "--num-layers",
                                          "--num-heads", "--vocab-size", "--mem-limit", "--profile", "--checkpoint"};
     for (int i = 1; i < argc; i++) {
@@ -135,6 +127,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--dtype")) dtypes = v;
         else if (!strcmp(a, "--attn")) attn = v;
         else if (!strcmp(a, "--compile")) compile = v;
+        else if (!strcmp(a, "--opt-in-backward")) overlap = v;
         else if (!strcmp(a, "--checkpoint")) ckpt = v;
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--load")) o->load = v;
@@ -164,6 +157,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         || !du_split_check(&o->dtypes, "e2e", "--dtype", dtypes, ok_dtype, "fp32, bf16 or fp16")
         || !du_split_check(&o->attns, "e2e", "--attn", attn, ok_attn, "naive, flash or auto")
         || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")
+        || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_compile, "no or yes")
         || !du_split_check(&o->ckpts, "e2e", "--checkpoint", ckpt, ok_ckpt,
                            "none, blocks:K, sqrt, nested[:K], selective, P+selective or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
         opts_free(o);
@@ -175,89 +169,36 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
 
 // Everything one configuration needs, built once, released by bench_free.
 typedef struct bench {
-    tsys_ctx *ctx;
-    tsys_device dev;
-    tsys_model *model;
-    tsys_optim *opt;
-    tsys_tensor *ids, *targets;
-    tsys_dtype dtype;
-    run_mode mode;
-    tsys_grad_scaler scaler;
+    du_lm lm;         // the model, its optimizer, the batch, the step
     bool capturing;   // inside CUDA graph capture: no host synchronization allowed
     int64_t saved;    // bytes the forward kept for backward (the tracker's activations after it)
     tsys_event ev[4]; // the phase boundaries of a step: start, forward done, backward done, optimizer done
 } bench;
 
 // Marks a phase boundary on the compute stream (nothing while capturing: a graph is timed whole).
-static void bench_mark(bench *b, int i) { if (!b->capturing) tsys_event_record(b->ctx, b->dev, TSYS_STREAM_COMPUTE, &b->ev[i]); }
+// At the end of forward it also takes the bytes the forward kept (the batch is the caller's: the
+// embedding and the loss keep it too).
+static void bench_mark(void *user, int i) {
+    bench *b = (bench *)user;
+    du_lm *lm = &b->lm;
+    if (i == 1 && lm->mode != DU_FORWARD)
+        b->saved = tsys_mem_stats_get(lm->ctx, lm->dev).category_bytes[TSYS_MEM_ACTIVATIONS] - (int64_t)(tsys_tensor_bytes(lm->ids) + tsys_tensor_bytes(lm->targets));
+    if (!b->capturing) tsys_event_record(lm->ctx, lm->dev, TSYS_STREAM_COMPUTE, &b->ev[i]);
+}
 
 static void bench_free(bench *b) {
-    for (int i = 0; i < 4; i++) tsys_event_release(b->ctx, &b->ev[i]);
-    tsys_tensor_release(b->ids); tsys_tensor_release(b->targets);
-    tsys_optim_free(b->opt);
-    tsys_model_free(b->model);
-    b->ids = b->targets = NULL; b->opt = NULL; b->model = NULL;
+    for (int i = 0; i < 4; i++) tsys_event_release(b->lm.ctx, &b->ev[i]);
+    du_lm_free(&b->lm);
 }
 
-// One step in the report's phases (named ranges "forward", "backward", "optimizer", so NVTX and the
-// profiler see them); adds the phase times (ms, from backend events: cudaEvents on the GPU, the host
-// clock on the CPU) to t[0..2]. The host waits only at the end of the step.
+// One step (du_lm_step); adds the phase times (ms, from backend events: cudaEvents on the GPU, the
+// host clock on the CPU) to t[0..2]. The host waits only at the end of the step.
 static tsys_status bench_step(bench *b, double *t) {
-    tsys_ctx *ctx = b->ctx;
-    bench_mark(b, 0);
-    tsys_trace_begin(ctx, "forward");
-    if (b->mode == MODE_FWD) tsys_no_grad_begin(ctx);
-    if (b->dtype != TSYS_F32) tsys_autocast_begin(ctx, b->dtype);
-    tsys_tensor *logits = tsys_model_forward(b->model, b->ids);
-    tsys_tensor *loss = b->mode == MODE_FWD ? NULL : tsys_cross_entropy(ctx, logits, b->targets);
-    if (b->dtype != TSYS_F32) tsys_autocast_end(ctx);
-    if (b->mode == MODE_FWD) tsys_no_grad_end(ctx);
-    tsys_tensor_release(logits);
-    tsys_trace_end(ctx);
-    if (b->mode != MODE_FWD)   // the batch is the caller's (embedding and the loss keep it too)
-        b->saved = tsys_mem_stats_get(ctx, b->dev).category_bytes[TSYS_MEM_ACTIVATIONS] - (int64_t)(tsys_tensor_bytes(b->ids) + tsys_tensor_bytes(b->targets));
-    bench_mark(b, 1);
-    int last = 1;
-    if (b->mode != MODE_FWD && tsys_ctx_status(ctx) == TSYS_OK) {
-        tsys_trace_begin(ctx, "backward");
-        tsys_tensor *scaled = b->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &b->scaler, loss) : tsys_tensor_retain(loss);
-        tsys_backward(ctx, scaled);
-        tsys_tensor_release(scaled);
-        tsys_trace_end(ctx);
-        bench_mark(b, 2);
-        tsys_trace_begin(ctx, "optimizer");
-        if (b->mode == MODE_TRAIN) {
-            if (b->dtype == TSYS_F16) { tsys_grad_scaler_step(&b->scaler, b->opt); tsys_grad_scaler_update(&b->scaler); }
-            else tsys_optim_step(b->opt);
-        }
-        if (b->opt) tsys_optim_zero_grad(b->opt);
-        else tsys_zero_grads(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model));   // as torch's zero_grad(set_to_none)
-        tsys_trace_end(ctx);
-        bench_mark(b, 3);
-        last = 3;
-    }
-    tsys_tensor_release(loss);
-    tsys_tape_clear(ctx);
-    if (!b->capturing && tsys_ctx_status(ctx) == TSYS_OK)
-        for (int i = 0; i < last; i++) t[i] += tsys_event_elapsed_ms(ctx, &b->ev[i], &b->ev[i + 1]);
-    return tsys_ctx_status(ctx);
-}
-
-static tsys_status bench_setup(bench *b, const tsys_model_desc *d, const e2e_opts *o, int T) {
-    tsys_ctx *ctx = b->ctx;
-    b->model = tsys_model_new(ctx, d, b->dev, o->seed + 1);
-    if (b->model && o->load) tsys_model_load(b->model, o->load);
-    // AdamW state (two parameter-sized buffers) only where a step uses it, so memory columns compare
-    if (b->model && b->mode == MODE_TRAIN) b->opt = tsys_adamw_new(ctx, tsys_model_params(b->model), tsys_model_num_tensors(b->model), NULL);
-    int64_t shape[2] = {o->batch, T};
-    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
-    tsys_rng_seed(ctx, o->seed + 7);
-    if (ids && tgt) { tsys_tensor_randint(ctx, ids, d->vocab_size); tsys_tensor_randint(ctx, tgt, d->vocab_size); }
-    b->ids = tsys_tensor_to(ctx, ids, b->dev);
-    b->targets = tsys_tensor_to(ctx, tgt, b->dev);
-    tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    b->scaler = tsys_grad_scaler_init();
-    return tsys_ctx_status(ctx);
+    int last;
+    tsys_status st = du_lm_step(&b->lm, &last);
+    if (!b->capturing && st == TSYS_OK)
+        for (int i = 0; i < last; i++) t[i] += tsys_event_elapsed_ms(b->lm.ctx, &b->ev[i], &b->ev[i + 1]);
+    return tsys_ctx_status(b->lm.ctx);
 }
 
 // Times `steps` replays of the step captured as a CUDA graph; per-step totals go to tot[].
@@ -265,27 +206,52 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
 #ifdef TSYS_WITH_CUDA
     double t[3] = {0, 0, 0};
     tsys_cuda_graph *g = NULL;
-    tsys_status st = tsys_cuda_graph_begin(b->ctx);
+    tsys_status st = tsys_cuda_graph_begin(b->lm.ctx);
     if (st == TSYS_OK) {
         b->capturing = true;
         tsys_status step_st = bench_step(b, t);
         b->capturing = false;
-        st = tsys_cuda_graph_end(b->ctx, &g);
+        st = tsys_cuda_graph_end(b->lm.ctx, &g);
         if (step_st != TSYS_OK) st = step_st;
     }
     for (int i = 0; st == TSYS_OK && i < steps; i++) {
         bench_mark(b, 0);
-        st = tsys_cuda_graph_replay(b->ctx, g);
+        st = tsys_cuda_graph_replay(b->lm.ctx, g);
         bench_mark(b, 3);
-        tot[i] = tsys_event_elapsed_ms(b->ctx, &b->ev[0], &b->ev[3]);
-        if (st == TSYS_OK) st = tsys_ctx_status(b->ctx);
+        tot[i] = tsys_event_elapsed_ms(b->lm.ctx, &b->ev[0], &b->ev[3]);
+        if (st == TSYS_OK) st = tsys_ctx_status(b->lm.ctx);
     }
     tsys_cuda_graph_free(g);
     return st;
 #else
     (void)b; (void)steps; (void)tot;
-    return tsys_ctx_set_error(b->ctx, TSYS_ERR_UNSUPPORTED, "--compile needs the CUDA build");
+    return tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_UNSUPPORTED, "--compile needs the CUDA build");
 #endif
+}
+
+// One line per profiled configuration in DIR/summary.csv (the header when the file is new), the
+// numbers the report's nsys_profile questions ask for: the kernel that takes the most time in forward
+// and in the whole step, the matmuls' share, the largest non-matmul kernel, and attention's softmax
+// against its two matmuls (naive attention's regions).
+static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const char *dir, const char *config, const double *t) {
+    char path[600];
+    snprintf(path, sizeof(path), "%s/summary.csv", dir);
+    FILE *f = fopen(path, "a");
+    if (!f) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
+    if (ftell(f) == 0)
+        fprintf(f, "config,step_ms,fwd_ms,bwd_ms,opt_ms,kernel_ms,fwd_kernel_ms,fwd_top_kernel,fwd_top_ms,fwd_top_calls,step_top_kernel,step_top_ms,"
+                   "step_top_calls,fwd_matmul_pct,step_matmul_pct,fwd_top_other,fwd_top_other_ms,softmax_ms,attn_matmul_ms\n");
+    double all = tsys_profiler_kernel_ms(p, NULL), fwd = tsys_profiler_kernel_ms(p, "forward"), fwd_top = 0, step_top = 0, other = 0;
+    int fwd_calls = 0, step_calls = 0;
+    const char *fk = tsys_profiler_top_kernel(p, "forward", -1, &fwd_top, &fwd_calls), *sk = tsys_profiler_top_kernel(p, NULL, -1, &step_top, &step_calls);
+    const char *ok = tsys_profiler_top_kernel(p, "forward", 0, &other, NULL);
+    fprintf(f, "%s,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%s,%.3f,%d,%s,%.3f,%d,%.1f,%.1f,%s,%.3f,%.3f,%.3f\n", config, t[0] + t[1] + t[2], t[0], t[1], t[2], all, fwd,
+            fk ? fk : "-", fwd_top, fwd_calls, sk ? sk : "-", step_top, step_calls, fwd > 0 ? 100.0 * tsys_profiler_matmul_ms(p, "forward") / fwd : 0.0,
+            all > 0 ? 100.0 * tsys_profiler_matmul_ms(p, NULL) / all : 0.0, ok ? ok : "-", other, tsys_profiler_span_ms(p, "computing softmax"),
+            tsys_profiler_span_ms(p, "computing attention scores") + tsys_profiler_span_ms(p, "final matmul"));
+    bool bad = ferror(f) != 0;
+    if (fclose(f) != 0 || bad) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: write to '%s' failed", path);
+    return TSYS_OK;
 }
 
 // One more step under the profiler; its tables and Chrome trace go to DIR/<configuration>.{md,json}.
@@ -293,15 +259,15 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     char base[512], path[600];
     snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
              du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled");
-    tsys_profiler *p = tsys_profiler_begin(b->ctx);
+    tsys_profiler *p = tsys_profiler_begin(b->lm.ctx);
     double t[3] = {0, 0, 0};
-    tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->ctx);
-    if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(b->ctx);
+    tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->lm.ctx);
+    if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(b->lm.ctx);
     snprintf(path, sizeof(path), "%s.json", base);
     if (st == TSYS_OK) st = tsys_profiler_write_trace(p, path);
     snprintf(path, sizeof(path), "%s.md", base);
     FILE *f = st == TSYS_OK ? fopen(path, "w") : NULL;
-    if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
+    if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
     if (f) {
         fprintf(f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, optimizer %.2f ms\n\n",
                 base + strlen(dir) + 1, t[0] + t[1] + t[2], t[0], t[1], t[2], tsys_profiler_kernel_ms(p, "forward"), tsys_profiler_kernel_ms(p, "backward"),
@@ -312,43 +278,38 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
         fprintf(f, "\n");
         fclose(f);
         fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
+        st = profile_summary(b->lm.ctx, p, dir, base + strlen(dir) + 1, t);
     }
     tsys_profiler_free(p);
     return st;
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn, const char *ckpt) {
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap, const char *attn,
+                       const char *ckpt) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
     du_row_set(row, "batch", "%d", o->batch);
-    du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
+    du_row_set(row, "mode", "%s", du_mode_names[mode]);
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
     du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
+    du_row_set(row, "opt_in_bwd", "%s", overlap ? "yes" : "no");
     du_row_set(row, "ckpt", "%s", ckpt);
     du_row_set(row, "warmup", "%d", o->warmup);
 }
 
 // The model shape of a configuration: a preset (explicit dims override it) or 'custom'.
 static bool config_desc(const e2e_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
-    if (!du_model_desc(&o->dims, model_name, T, attn, d, err, len)) return false;
-    // the largest tensors of a step: logits, attention scores, the FFN activations, the weights
-    double B = o->batch, V = d->vocab_size, D = d->d_model, F = d->d_ff, H = d->num_heads;
-    if (!du_elems_ok(B * T * V) || !du_elems_ok(B * H * T * (double)T) || !du_elems_ok(B * T * F) || !du_elems_ok(V * D) || !du_elems_ok(D * F)) {
-        snprintf(err, len, "tensor sizes past 2^62 elements (batch %d x context %d with vocab %d, %d heads, d_ff %d)", o->batch, T,
-                 d->vocab_size, d->num_heads, d->d_ff);
-        return false;
-    }
-    return true;
+    return du_model_desc(&o->dims, model_name, T, attn, d, err, len) && du_model_sizes_ok(d, o->batch, T, err, len);
 }
 
 // The checkpointing plan of a configuration; auto:BYTES is resolved here with what the step holds
 // (AdamW state only in train mode) and its plan printed on stderr. d->checkpoint becomes the policy run.
-static bool config_plan(const e2e_opts *o, tsys_model_desc *d, const char *ckpt, int T, run_mode mode, tsys_dtype dt, tsys_checkpoint_plan *plan,
+static bool config_plan(const e2e_opts *o, tsys_model_desc *d, const char *ckpt, int T, du_mode mode, tsys_dtype dt, tsys_checkpoint_plan *plan,
                         char *name, size_t name_len, char *err, size_t len, bool quiet) {
     d->checkpoint = ckpt;
-    if (tsys_checkpoint_plan_make(d, ckpt, o->batch, T, dt, mode == MODE_TRAIN, plan, err, len) != TSYS_OK) return false;
+    if (tsys_checkpoint_plan_make(d, ckpt, o->batch, T, dt, mode == DU_TRAIN, plan, err, len) != TSYS_OK) return false;
     snprintf(name, name_len, "%s%s", plan->name, strncmp(ckpt, "auto:", 5) ? "" : " (auto)");
     if (strncmp(ckpt, "auto:", 5)) return true;
     d->checkpoint = plan->name;
@@ -360,13 +321,13 @@ static bool config_plan(const e2e_opts *o, tsys_model_desc *d, const char *ckpt,
 }
 
 // --plan: the accounting of one configuration, no model built.
-static void plan_config(const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, const char *attn, const char *ckpt, du_table *tab) {
+static void plan_config(const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, const char *attn, const char *ckpt, du_table *tab) {
     char err[256] = "", name[64] = "";
     tsys_model_desc d;
     tsys_checkpoint_plan p;
     du_row *row = du_table_row(tab);
     du_row_set(row, "model", "%s", model_name); du_row_set(row, "context", "%d", T); du_row_set(row, "batch", "%d", o->batch);
-    du_row_set(row, "mode", "%s", mode == MODE_FWD ? "forward" : mode == MODE_FWDBWD ? "forward-backward" : "train");
+    du_row_set(row, "mode", "%s", du_mode_names[mode]);
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16"); du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "ckpt", "%s", ckpt);
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err)) || !config_plan(o, &d, ckpt, T, mode, dt, &p, name, sizeof(name), err, sizeof(err), true)) {
@@ -385,27 +346,29 @@ static void plan_config(const e2e_opts *o, const char *model_name, int T, run_mo
     du_row_set(row, "status", "ok");
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, run_mode mode, tsys_dtype dt, bool compiled, const char *attn_flag,
-                       const char *ckpt, du_table *tab) {
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap,
+                       const char *attn_flag, const char *ckpt, du_table *tab) {
     char err[256] = "", ckpt_name[64] = "";
     tsys_model_desc d;
     tsys_checkpoint_plan plan;
     du_row *row = du_table_row(tab);
     const char *attn = strcmp(attn_flag, "auto") ? attn_flag : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
-    row_header(row, dev, o, model_name, T, mode, dt, compiled, attn, ckpt);
+    row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, attn, ckpt);
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     if (!config_plan(o, &d, ckpt, T, mode, dt, &plan, ckpt_name, sizeof(ckpt_name), err, sizeof(err), false)) { du_row_set(row, "status", "error: %s", err); return; }
     du_row_set(row, "ckpt", "%s", ckpt_name);
     if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
-    if (compiled && dt == TSYS_F16 && mode == MODE_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
+    if (compiled && dt == TSYS_F16 && mode == DU_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
+    if (overlap && mode != DU_TRAIN) { du_row_set(row, "status", "skipped: --opt-in-backward applies to train mode"); return; }
+    if (overlap && dt == TSYS_F16) { du_row_set(row, "status", "skipped: fp16 loss scaling needs every gradient before any update"); return; }
     bench b;
     memset(&b, 0, sizeof(b));
-    b.ctx = ctx; b.dev = dev; b.mode = mode; b.dtype = dt;
+    b.lm.ctx = ctx; b.lm.dev = dev; b.lm.mode = mode; b.lm.dtype = dt; b.lm.overlap = overlap; b.lm.mark = bench_mark; b.lm.mark_user = &b;
     tsys_mem_reset_peak(ctx, dev);
     int n = o->steps, total = (compiled && o->warmup < 1 ? 1 : o->warmup) + (compiled ? 0 : n);   // a graph is captured after at least one eager step
     double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
     double *opt = (double *)calloc((size_t)n, sizeof(double)), *tot = (double *)calloc((size_t)n, sizeof(double));
-    tsys_status st = fwd && bwd && opt && tot ? bench_setup(&b, &d, o, T)
+    tsys_status st = fwd && bwd && opt && tot ? du_lm_setup(&b.lm, &d, o->batch, T, o->seed, o->load)
                                               : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for %d step timings", n);
     int warm = total - (compiled ? 0 : n);
     bool in_warmup = warm > 0;
@@ -432,17 +395,17 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         if (!compiled) {
             tsys_stats sf = tsys_stats_of(fwd, n), sb = tsys_stats_of(bwd, n), so = tsys_stats_of(opt, n);
             du_row_set(row, "fwd_ms", "%.2f", sf.mean); du_row_set(row, "fwd_std", "%.2f", sf.std);
-            if (mode != MODE_FWD) { du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std); }
-            if (mode == MODE_TRAIN) du_row_set(row, "opt_ms", "%.2f", so.mean);
+            if (mode != DU_FORWARD) { du_row_set(row, "bwd_ms", "%.2f", sb.mean); du_row_set(row, "bwd_std", "%.2f", sb.std); }
+            if (mode == DU_TRAIN) du_row_set(row, "opt_ms", "%.2f", so.mean);
         }
         du_row_set(row, "total_ms", "%.2f", s.mean); du_row_set(row, "total_std", "%.2f", s.std);
-        double flops = tsys_model_flops(&d, o->batch, T, mode != MODE_FWD);
+        double flops = tsys_model_flops(&d, o->batch, T, mode != DU_FORWARD);
         double ms = s.mean;   // over the whole step, as the PyTorch baseline counts it
         du_row_set(row, dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s", dev == TSYS_CPU ? "%.1f" : "%.1f", flops / ms / (dev == TSYS_CPU ? 1e6 : 1e9));
         double peak = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2];
         if (dev == TSYS_CUDA && peak > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e9 / peak);
         if (dev == TSYS_CPU && o->cpu_gflops > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e6 / o->cpu_gflops);
-        if (mode == MODE_FWD) { du_row_set(row, "saved_MiB", "-"); du_row_set(row, "pred_MiB", "-"); }   // the plan models a step with backward
+        if (mode == DU_FORWARD) { du_row_set(row, "saved_MiB", "-"); du_row_set(row, "pred_MiB", "-"); }   // the plan models a step with backward
         else { du_row_set(row, "saved_MiB", "%.0f", (double)b.saved / 1048576.0); du_row_set(row, "pred_MiB", "%.0f", plan.peak_bytes / 1048576.0); }
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
         du_row_set(row, "status", "ok");
@@ -492,8 +455,8 @@ static int plan_all(e2e_opts *o, tsys_device dev, FILE *cfg) {
                 for (int t = 0; t < o->dtypes.n; t++)
                     for (int at = 0; at < o->attns.n; at++)
                         for (int cp = 0; cp < o->ckpts.n; cp++) {
-                            run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                            parse_mode(o->modes.item[m], &mode); du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
+                            du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
+                            du_parse_mode(o->modes.item[m], &mode); du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
                             const char *attn = strcmp(o->attns.item[at], "auto") ? o->attns.item[at] : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
                             plan_config(o, o->models.item[a], T, mode, dt, attn, o->ckpts.item[cp], &tab);
                             du_table_emit(&tab);
@@ -513,8 +476,8 @@ int main(int argc, char **argv) {
     char lim[64];
     // the effective configuration on one line (stdout for md, stderr for the machine formats)
     FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
-    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; checkpoint %s; warmup %d; steps %d; memory limit %s%s%s\n",
-            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.ckpts.src, o.warmup, o.steps,
+    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; checkpoint %s; warmup %d; steps %d; memory limit %s%s%s\n",
+            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.overlaps.src, o.ckpts.src, o.warmup, o.steps,
             du_mem_limit_str(lim, sizeof(lim), o.mem_limit), o.load ? "; load " : "", o.load ? o.load : "");
     if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
     if (o.plan) return plan_all(&o, dev, cfg);
@@ -551,19 +514,21 @@ int main(int argc, char **argv) {
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
-    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status"
-                                        : "device,model,context,batch,mode,dtype,attn,compiled,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status",
+    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status"
+                                        : "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status",
                   o.format);
     for (int a = 0; a < o.models.n; a++)
         for (int c = 0; c < o.contexts.n; c++)
             for (int m = 0; m < o.modes.n; m++)
                 for (int t = 0; t < o.dtypes.n; t++)
                     for (int k = 0; k < o.compiles.n; k++)
-                        for (int at = 0; at < o.attns.n; at++)
-                            for (int cp = 0; cp < o.ckpts.n; cp++) {
-                                run_mode mode = MODE_FWD; tsys_dtype dt = TSYS_F32; int T = 0;
-                                parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
-                                run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.attns.item[at], o.ckpts.item[cp], &tab);
+                        for (int ov = 0; ov < o.overlaps.n; ov++)
+                            for (int at = 0; at < o.attns.n; at++)
+                                for (int cp = 0; cp < o.ckpts.n; cp++) {
+                                    du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
+                                    du_parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
+                                    run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), !strcmp(o.overlaps.item[ov], "yes"),
+                                               o.attns.item[at], o.ckpts.item[cp], &tab);
                                 du_table_emit(&tab);
                             }
     if (o.profile_log) {   // the tables, after the results

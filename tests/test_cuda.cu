@@ -454,17 +454,23 @@ TSYS_TEST(cuda_alloc_oom) {
 }
 
 // One training step of the small model; returns the loss (host copy).
-static float tc_train_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, tsys_tensor **loss_out) {
+// One AdamW step; release: give the model's gradients back after it (torch's set_to_none) instead
+// of marking them zero.
+static float tc_train_step_ex(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, tsys_tensor **loss_out, bool release) {
     tsys_tensor *logits = tsys_model_forward(m, ids);
     tsys_tensor *loss = tsys_cross_entropy(ctx, logits, tg);
     tsys_backward(ctx, loss);
     tsys_optim_step(o);
-    tsys_optim_zero_grad(o);
+    if (release) tsys_optim_release_grads(o);
+    else tsys_optim_zero_grad(o);
     tsys_tensor_release(logits);
     if (loss_out) { *loss_out = loss; return 0.0f; }
     float l = tsys_item(ctx, loss);
     tsys_tensor_release(loss);
     return l;
+}
+static float tc_train_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, tsys_tensor **loss_out) {
+    return tc_train_step_ex(ctx, m, o, ids, tg, loss_out, false);
 }
 
 TSYS_TEST(cuda_alloc_steady_state) {
@@ -575,11 +581,12 @@ TSYS_TEST(cuda_graph_train_step) {
     tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
     float eager[6], graph[6];
     for (int i = 0; i < 6; i++) eager[i] = tc_train_step(ctx, me, oe, ids, tg, NULL);
-    graph[0] = tc_train_step(ctx, mg, og, ids, tg, NULL);
+    // the captured model gives its gradients back each step: they are made and freed inside the graph
+    graph[0] = tc_train_step_ex(ctx, mg, og, ids, tg, NULL, true);
     tsys_tensor *loss = NULL;
     tsys_cuda_graph *gr = NULL;
     TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
-    tc_train_step(ctx, mg, og, ids, tg, &loss);
+    tc_train_step_ex(ctx, mg, og, ids, tg, &loss, true);
     tsys_status s = tsys_cuda_graph_end(ctx, &gr);
     TEST_CHECK(s == TSYS_OK && gr && loss, "capture of a training step: %s", tsys_ctx_last_error(ctx));
     for (int i = 1; i < 6 && gr && loss; i++) {
@@ -714,6 +721,54 @@ TSYS_TEST(cuda_checkpoint_in_a_captured_graph) {
     tc_ckpt_graph("blocks:1", TSYS_F32);
     tc_ckpt_graph("nested:2+selective", TSYS_F32);
     tc_ckpt_graph("blocks:1", TSYS_BF16);
+}
+// The optimizer inside backward on the GPU: each layer's AdamW on the side stream from its gradients'
+// hooks gives the ordinary step's parameters bit for bit, eagerly and replayed from a captured graph
+// (the events become the graph's fork and join).
+static void tc_overlap_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg) {
+    tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, tg);
+    tsys_optim_overlap_begin(o);
+    tsys_backward(ctx, loss);
+    tsys_optim_overlap_end(o);
+    tsys_optim_release_grads(o);
+    tsys_tensor_release(logits); tsys_tensor_release(loss);
+}
+TSYS_TEST(cuda_optimizer_in_backward) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *m[3];
+    m[0] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
+    if (!m[0] || !m[1] || !m[2]) return;
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[3];
+    for (int k = 0; k < 3; k++) o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    for (int i = 0; i < 4; i++) tc_train_step_ex(ctx, m[0], o[0], ids, tg, NULL, true);   // the ordinary step
+    for (int i = 0; i < 4; i++) tc_overlap_step(ctx, m[1], o[1], ids, tg);               // eager, in backward
+    tc_overlap_step(ctx, m[2], o[2], ids, tg);                                         // one eager step, then a graph of one
+    tsys_cuda_graph *gr = NULL;
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tc_overlap_step(ctx, m[2], o[2], ids, tg);
+    TEST_CHECK(tsys_cuda_graph_end(ctx, &gr) == TSYS_OK && gr, "capture: %s", tsys_ctx_last_error(ctx));
+    for (int i = 0; gr && i < 3; i++) tsys_cuda_graph_replay(ctx, gr);   // steps 2, 3 and 4 (capturing runs nothing)
+    tsys_sync(ctx, TSYS_CUDA);
+    for (int k = 1; k < 3; k++) {
+        int differ = 0;
+        for (int i = 0; i < n; i++) {
+            tsys_tensor *a = tsys_model_params(m[0])[i], *b = tsys_model_params(m[k])[i];
+            float *va = test_read(ctx, a), *vb = test_read(ctx, b);
+            differ += !va || !vb || memcmp(va, vb, sizeof(float) * (size_t)tsys_tensor_numel(a)) != 0;
+            free(va); free(vb);
+        }
+        TEST_CHECK(differ == 0, "%s: %d parameter tensors differ from the ordinary step after 4 steps", k == 1 ? "eager" : "graph", differ);
+    }
+    tsys_cuda_graph_free(gr);
+    tsys_tensor_release(ids); tsys_tensor_release(tg);
+    for (int k = 0; k < 3; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    tsys_ctx_clear_error(ctx);
 }
 
 // Two contexts, each with its own backend state, used side by side.
@@ -925,6 +980,46 @@ TSYS_TEST(cuda_profiler_device_times) {
     tsys_optim_free(opt);
     tsys_model_free(m);
     tsys_ctx_clear_error(ctx);
+}
+
+// The first-principles prediction against the tracker on CUDA (the library's workspace aside, which
+// the prediction leaves out), and the caching allocator's free blocks on the timeline.
+static void tc_mem_case(const char *attn, tsys_dtype dt, bool backward, bool optimizer) {
+    TC_CTX(ctx);
+    test_mem_result r;
+    tsys_status st = test_mem_step(ctx, TSYS_CUDA, attn, dt, backward, optimizer, &r);
+    TEST_CHECK(st == TSYS_OK, "%s %s: %s", attn, tsys_dtype_name(dt), tsys_ctx_last_error(ctx));
+    TEST_CHECK(test_rel_diff(r.peak - r.workspace, r.predicted.peak) <= 0.10, "%s %s backward %d: peak %lld less workspace %lld, predicted %lld", attn,
+               tsys_dtype_name(dt), (int)backward, (long long)r.peak, (long long)r.workspace, (long long)r.predicted.peak);
+    if (backward)
+        TEST_CHECK(test_rel_diff(r.saved, r.predicted.saved_per_layer * r.predicted.num_layers + r.predicted.saved_outside) <= 0.10,
+                   "%s %s: the tape kept at most %lld bytes, predicted %lld", attn, tsys_dtype_name(dt), (long long)r.saved,
+                   (long long)(r.predicted.saved_per_layer * r.predicted.num_layers + r.predicted.saved_outside));
+    TEST_CHECK(r.allocs > 20 && r.unpaired_frees == 0 && r.bad_shapes == 0 && r.odd_moves == 0, "%d allocations, %d frees without one, %d without a shape, %d unpaired moves",
+               r.allocs, r.unpaired_frees, r.bad_shapes, r.odd_moves);
+}
+TSYS_TEST(cuda_memory_prediction) {
+    tc_mem_case("naive", TSYS_F32, true, true);
+    tc_mem_case("flash", TSYS_BF16, true, true);
+    tc_mem_case("naive", TSYS_BF16, false, false);
+}
+TSYS_TEST(cuda_memory_events_carry_the_cache) {
+    TC_CTX(ctx);
+    int64_t shape[1] = {1 << 20};
+    tsys_mem_clear_events(ctx);
+    tsys_mem_record_events(ctx, true);
+    tsys_tensor *a = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, shape);
+    tsys_tensor_release(a);   // its block goes to the cache, not back to the device
+    tsys_tensor *b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, shape);
+    tsys_mem_record_events(ctx, false);
+    size_t n;
+    const tsys_mem_event *ev = tsys_mem_events(ctx, &n);
+    TEST_CHECK(n == 3 && ev[1].action == TSYS_MEM_EV_FREE && ev[1].cached >= (int64_t)(4 << 20) && ev[2].cached == ev[1].cached - (int64_t)(4 << 20),
+               "%zu events; cached after the free %lld, after the reuse %lld", n, n > 1 ? (long long)ev[1].cached : -1, n > 2 ? (long long)ev[2].cached : -1);
+    tsys_cuda_mem_info mi = tsys_cuda_mem_info_get(ctx);
+    TEST_CHECK(n == 3 && ev[2].cached == (int64_t)mi.cached_bytes, "the last event's cached %lld, the allocator's %zu", n == 3 ? (long long)ev[2].cached : -1, mi.cached_bytes);
+    tsys_tensor_release(b);
+    tsys_mem_clear_events(ctx);
 }
 
 TSYS_TEST(perf_kernels) {

@@ -432,8 +432,7 @@ static float lm_step_backward(tsys_model *m, tsys_tensor *ids, tsys_tensor *tgt,
 
 // Three AdamW steps of the tiny model under DDP on per-rank batches of 2 equal one process on the
 // combined batch: parameters allclose (rtol 1e-5) in fp32; losses within 1e-3 under bf16 autocast.
-static void lm_ddp(tsys_ddp_strategy strategy, double bucket_mb, tsys_dtype dt, bool zero1) {
-    tsys_model_desc d = tiny_desc();
+static void lm_ddp_run(tsys_ddp_strategy strategy, double bucket_mb, tsys_dtype dt, bool zero1, tsys_model_desc d, int T, int steps) {
     tsys_model *ref = tsys_model_new(g_ctx, &d, g_dev, 7);
     tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 7 + (uint64_t)g_rank);   // rank 0's init arrives by broadcast
     tsys_optim_desc od = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, false};
@@ -446,8 +445,8 @@ static void lm_ddp(tsys_ddp_strategy strategy, double bucket_mb, tsys_dtype dt, 
     if (zero1) z = tsys_zero1_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &od);
     else opt = tsys_adamw_new(g_ctx, tsys_model_params(m), tsys_model_num_tensors(m), &od);
     if (ddp && strategy == TSYS_DDP_FLAT) TEST_CHECK(tsys_ddp_stats_get(ddp).copied_buckets == 0, "the model's gradient arena should be reduced in place");
-    int B = 2, T = 16;
-    for (int it = 0; ddp && it < 3; it++) {
+    int B = 2;
+    for (int it = 0; ddp && it < steps; it++) {
         tsys_tensor *ai, *at, *bi, *bt;
         lm_batch(500 + (uint64_t)it, B * g_world, T, d.vocab_size, 0, B * g_world, &ai, &at);
         lm_batch(500 + (uint64_t)it, B * g_world, T, d.vocab_size, B * g_rank, B * (g_rank + 1), &bi, &bt);
@@ -499,6 +498,17 @@ static void lm_ddp(tsys_ddp_strategy strategy, double bucket_mb, tsys_dtype dt, 
     TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
 }
 
+static void lm_ddp(tsys_ddp_strategy strategy, double bucket_mb, tsys_dtype dt, bool zero1) { lm_ddp_run(strategy, bucket_mb, dt, zero1, tiny_desc(), 16, 3); }
+
+// The loss curve of 20 bf16-autocast steps against one process on the combined batch, step by step
+// within 1e-3: the cs336 small model at context 128 on GPUs, the tiny one on CPU ranks (where the
+// small model would take minutes a step).
+TSYS_TEST(ddp_lm_bf16_loss_curve_20_steps) {
+    tsys_model_desc d = tiny_desc();
+    int T = 16;
+    if (g_dev == TSYS_CUDA) { tsys_model_desc_preset("small", &d, NULL, 0); d.context_length = T = 128; }
+    lm_ddp_run(TSYS_DDP_BUCKETED, 25, TSYS_BF16, false, d, T, 20);
+}
 TSYS_TEST(ddp_lm_flat_fp32) { lm_ddp(TSYS_DDP_FLAT, 0, TSYS_F32, false); }
 TSYS_TEST(ddp_lm_bucketed_fp32) { lm_ddp(TSYS_DDP_BUCKETED, 0.01, TSYS_F32, false); }
 TSYS_TEST(ddp_lm_overlap_fp32) { lm_ddp(TSYS_DDP_OVERLAP, 0, TSYS_F32, false); }

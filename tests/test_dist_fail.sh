@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A rank that exits early or stalls: the others must stop with an error that names it, within the
 # timeout (TSYS_DIST_TIMEOUT=2 here) plus a margin, through the launcher and under mpirun, with and
-# without shared memory; the rendezvous without a partner; the allreduce driver's bad flags.
+# without shared memory; FSDP's gathers; the rendezvous without a partner; the allreduce driver's bad flags.
 # Prints one line per case and "N passed, N failed".
 set -u
 cd "$(dirname "$0")/.."
@@ -30,6 +30,10 @@ case_ "launcher: rank 1 exits" $((T + 6)) "$named exited" "$bin" --nproc 3 --die
 case_ "launcher: rank 1 stalls" $((T + 8)) "no reply from $named" "$bin" --nproc 3 --stall 1
 case_ "launcher, tcp: rank 1 exits" $((T + 6)) "rank 1 closed the connection" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --die 1
 case_ "launcher, tcp: rank 1 stalls" $((T + 8)) "rank 1: nothing received" env TSYS_DIST_SHM=0 "$bin" --nproc 3 --stall 1
+# FSDP: a rank gone after construction; the others' first forward all-gather fails and names it
+if [ -x "$BUILD/test_fsdp" ]; then
+  case_ "fsdp: rank 1 exits before the forward" $((T + 6)) "$named exited" "$BUILD/test_fsdp" --nproc 2 --die 1
+fi
 # the rendezvous itself: nobody there
 port=$((20000 + RANDOM % 20000))
 case_ "rendezvous: rank 0 never comes" $((T + 4)) "could not join rank 0 at 127.0.0.1:$port within $T s" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin"

@@ -11,7 +11,7 @@
 set -u
 B=${1:-build}
 filter=${2:-}
-for d in e2e attn precision; do
+for d in e2e attn precision memory; do
   [ -x "$B/$d" ] || { echo "test_drivers: $B/$d is missing (make $B/$d)"; echo "0 passed, 1 failed"; exit 1; }
 done
 tmp=$(mktemp -d /tmp/tsys_drivers_XXXXXX)
@@ -128,7 +128,7 @@ t_oom_row_and_oom_ok() {
 # ---- flags ------------------------------------------------------------------------------------------
 
 t_unknown_flag_is_usage_error() {
-  for d in e2e attn precision; do
+  for d in e2e attn precision memory; do
     run "$B/$d" --bogus
     expect_rc 2 "$d --bogus"
     expect_in "$tmp/err" "unknown flag '--bogus'" "$d --bogus"
@@ -142,7 +142,7 @@ t_unknown_flag_is_usage_error() {
 t_empty_lists_and_items() {
   local args
   for args in "e2e --context-length" "e2e --model" "e2e --mode" "e2e --dtype" "e2e --attn" "e2e --compile" \
-              "attn --seq" "attn --d" "attn --dtype" "attn --causal"; do
+              "attn --seq" "attn --d" "attn --dtype" "attn --causal" "memory --context-length" "memory --mode" "memory --dtype"; do
     set -- $args
     run "$B/$1" "$2" ''
     expect_rc 2 "$1 $2 ''"
@@ -171,7 +171,7 @@ t_list_longer_than_64_is_an_error() {
 
 t_mem_limit_is_strict() {
   local v d
-  for d in e2e attn precision; do
+  for d in e2e attn precision memory; do
     for v in inf -inf nan -1 1e30 1048577 1e400 0x10 ' 1' '' 1GB 2,5; do
       run "$B/$d" --mem-limit "$v" --dry-run
       expect_rc 2 "$d --mem-limit '$v'"
@@ -189,7 +189,7 @@ t_mem_limit_is_strict() {
 }
 
 t_help_documents_exit_codes_and_memory() {
-  for d in e2e attn precision; do
+  for d in e2e attn precision memory; do
     run "$B/$d" --help
     expect_rc 0 "$d --help"
     expect_in "$tmp/out" '\-\-mem-limit GIB' "$d --help: --mem-limit"
@@ -329,6 +329,62 @@ t_checkpoint_auto_and_plan() {
   run "$B/e2e" "${TINY[@]}" --context-length 8 --checkpoint blocks:3
   expect_rc 1 "blocks:3 on a one-layer model"
   expect_in "$tmp/out" 'K from 1 to num_layers \(1\)' "the error row names the rule"
+# ---- the memory driver ----------------------------------------------------------------------------------
+
+MEMTINY=(--model custom --d-model 32 --num-layers 2 --num-heads 2 --d-ff 64 --vocab-size 128 --batch-size 2 --context-length 32)
+
+# check_plot SVG JSON PHASES: the SVG is well-formed XML with one series per category, the reserved
+# line and the peak; the JSON timeline parses, its events replay to its peak, it has PHASES phases.
+check_plot() {
+  [ -s "$1" ] && [ -s "$2" ] || { note "missing $1 or $2"; return; }
+  if ! command -v python3 >/dev/null; then echo -n "(no python3: XML and JSON not parsed) "; grep -q '</svg>' "$1" || note "$1 has no </svg>"; return; fi
+  python3 - "$1" "$2" "$3" >"$tmp/py" 2>&1 <<'PY' || note "plot/timeline: $(head -c 400 "$tmp/py")"
+import json, sys, xml.etree.ElementTree as ET
+svg, js, phases = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root = ET.parse(svg).getroot()
+assert root.tag.endswith('svg'), root.tag
+cats = {p.get('data-category') for p in root.iter('{http://www.w3.org/2000/svg}path') if p.get('data-category')}
+want = {'parameters', 'gradients', 'optimizer state', 'activations', 'temporaries', 'workspace', 'reserved'}
+assert cats == want, cats
+assert any(g.get('class') == 'peak' for g in root.iter('{http://www.w3.org/2000/svg}g')), 'no peak mark'
+t = json.load(open(js))
+assert len(t['phases']) == phases, t['phases']
+live = sum(t['start']); peak = live
+for e in t['events']:
+    live += e[1]; peak = max(peak, live)
+    assert live == e[2], ('replayed live', live, 'event says', e[2])
+assert peak == t['peak']['bytes'] and sum(t['peak']['by_category']) == peak, (peak, t['peak'])
+PY
+}
+
+t_memory_rows_plots_and_prediction() {
+  run "$B/memory" --device cpu "${MEMTINY[@]}" --mode forward,train --dtype fp32,bf16 --out "$tmp/mem" --format csv
+  expect_rc 0 "memory sweep"
+  [ "$(grep -c ',ok$' "$tmp/out")" = 4 ] || note "4 ok rows expected: $(cat "$tmp/out")"
+  local r d
+  for r in 1 2 3 4; do   # the first-principles prediction within 10 % of the measured peak
+    d=$(csv_col "$tmp/out" $r diff | tr -d '+%-')
+    awk -v d="$d" 'BEGIN { exit !(d != "" && d <= 10) }' || note "row $r: prediction off by $d %"
+  done
+  [ "$(csv_col "$tmp/out" 3 peak_in)" = backward ] || note "a train step peaks in backward: $(csv_col "$tmp/out" 3 peak_in)"
+  [ "$(csv_col "$tmp/out" 1 bwd_peak_MiB)" = - ] || note "forward rows have no backward peak"
+  expect_in "$tmp/err" 'largest allocations of the step' "the allocation table after the rows"
+  expect_in "$tmp/err" '\| [0-9.]+ \| 1 \| [0-9.]+ \| \(2, 32, 128\) \| f32 \| linear \| activations \(saved for backward\)' "the logits, saved for the loss"
+  check_plot "$tmp/mem/cpu_custom_ctx32_train_fp32_naive.svg" "$tmp/mem/cpu_custom_ctx32_train_fp32_naive.json" 3
+  check_plot "$tmp/mem/cpu_custom_ctx32_forward_bf16_naive.svg" "$tmp/mem/cpu_custom_ctx32_forward_bf16_naive.json" 1
+}
+
+t_memory_oom_is_a_row_and_the_plot_shows_it() {
+  run "$B/memory" --device cpu "${MEMTINY[@]}" --context-length 32,2048 --mode train --dtype fp32 --mem-limit 0.02 --out "$tmp/mem"
+  expect_rc 1 "an OOM row without --oom-ok"
+  expect_in "$tmp/out" '\| 32 \|.*\| ok \|' "the row that fits"
+  expect_in "$tmp/out" '\| 2048 \|.*\| OOM: out of memory' "the OOM row"
+  expect_in "$tmp/mem/cpu_custom_ctx2048_train_fp32_naive.svg" 'class="oom"' "the OOM mark in the plot"
+  run "$B/memory" --device cpu "${MEMTINY[@]}" --context-length 2048 --mode train --dtype fp32 --mem-limit 0.02 --oom-ok
+  expect_rc 0 "--oom-ok"
+  run "$B/memory" --device cpu "${MEMTINY[@]}" --out /proc/no/such/dir
+  expect_rc 2 "an --out folder that cannot be made"
+  expect_in "$tmp/err" "cannot make folder '/proc/no/such/dir'" "the message names the folder"
 }
 
 # ---- runner -------------------------------------------------------------------------------------------

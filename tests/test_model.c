@@ -280,6 +280,95 @@ TSYS_TEST(lazy_zero_grad_overwrites_and_settles) {
     tsys_ctx_free(ctx);
 }
 
+// Giving a model's gradients back after each step (torch's zero_grad(set_to_none=True)) trains
+// exactly as keeping them marked zero: the same parameters, bit for bit, after three AdamW steps; in
+// between, the model holds no gradient memory, and backward makes it again layer by layer.
+TSYS_TEST(release_grads_trains_like_zero_grad) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 50; d.context_length = 16; d.d_model = 16; d.num_layers = 3; d.num_heads = 2; d.d_ff = 40;
+    tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
+    tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), tsys_model_num_tensors(m[0]), NULL),
+                        tsys_adamw_new(ctx, tsys_model_params(m[1]), tsys_model_num_tensors(m[1]), NULL)};
+    int64_t shape[2] = {2, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    int64_t grad_peak = 0, grad_bytes = tsys_model_num_params(m[1]) * 4;
+    for (int step = 0; step < 3; step++) {
+        for (int k = 0; k < 2; k++) {
+            int64_t before = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_GRADIENTS];
+            tsys_mem_reset_peak(ctx, TSYS_CPU);
+            tsys_tensor *logits = tsys_model_forward(m[k], ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+            tsys_backward(ctx, loss);
+            tsys_optim_step(o[k]);
+            if (k == 0) tsys_optim_zero_grad(o[k]);
+            else {
+                tsys_optim_release_grads(o[k]);
+                grad_peak = tsys_mem_stats_get(ctx, TSYS_CPU).peak_category_bytes[TSYS_MEM_GRADIENTS] - before;
+                TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_GRADIENTS] == before, "step %d: gradient memory left after release", step);
+                TEST_CHECK(tsys_model_params(m[1])[0]->grad == NULL, "step %d: a released gradient is still there", step);
+            }
+            tsys_tensor_release(logits); tsys_tensor_release(loss);
+        }
+    }
+    TEST_CHECK(grad_peak <= grad_bytes, "gradients at the peak %lld > all of them %lld", (long long)grad_peak, (long long)grad_bytes);
+    int differ = 0;
+    for (int i = 0; i < tsys_model_num_tensors(m[0]); i++)
+        differ += memcmp(tsys_tensor_data(tsys_model_params(m[0])[i]), tsys_tensor_data(tsys_model_params(m[1])[i]), tsys_tensor_bytes(tsys_model_params(m[0])[i])) != 0;
+    TEST_CHECK(differ == 0, "%d parameter tensors differ between zero_grad and release_grads training", differ);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(ids);
+    for (int k = 0; k < 2; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after everything is freed: %lld", (long long)tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes);
+    tsys_ctx_free(ctx);
+}
+
+// The optimizer inside backward (each layer's update launched from its gradients' hooks) gives the
+// parameters of the ordinary step bit for bit, AdamW and SGD, with gradients released or kept.
+static void overlap_case(bool adamw, bool release) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 50; d.context_length = 16; d.d_model = 16; d.num_layers = 3; d.num_heads = 2; d.d_ff = 40;
+    tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[2];
+    for (int k = 0; k < 2; k++) o[k] = adamw ? tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL) : tsys_sgd_new(ctx, tsys_model_params(m[k]), n, 0.05f);
+    int64_t shape[2] = {2, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    for (int step = 0; step < 3; step++)
+        for (int k = 0; k < 2; k++) {
+            tsys_tensor *logits = tsys_model_forward(m[k], ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+            if (k == 1) TEST_CHECK(tsys_optim_overlap_begin(o[k]) == TSYS_OK, "overlap_begin: %s", tsys_ctx_last_error(ctx));
+            tsys_backward(ctx, loss);
+            if (k == 0) tsys_optim_step(o[k]);
+            else TEST_CHECK(tsys_optim_overlap_end(o[k]) == TSYS_OK, "overlap_end: %s", tsys_ctx_last_error(ctx));
+            if (release) tsys_optim_release_grads(o[k]); else tsys_optim_zero_grad(o[k]);
+            tsys_tensor_release(logits); tsys_tensor_release(loss);
+        }
+    int differ = 0;
+    for (int i = 0; i < n; i++)
+        differ += memcmp(tsys_tensor_data(tsys_model_params(m[0])[i]), tsys_tensor_data(tsys_model_params(m[1])[i]), tsys_tensor_bytes(tsys_model_params(m[0])[i])) != 0;
+    TEST_CHECK(differ == 0, "%s, %s: %d parameter tensors differ between the step and the optimizer in backward", adamw ? "adamw" : "sgd", release ? "released" : "kept", differ);
+    TEST_CHECK(tsys_optim_steps(o[1]) == 3, "step count %lld", (long long)tsys_optim_steps(o[1]));
+    TEST_CHECK(tsys_optim_overlap_end(o[1]) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "without tsys_optim_overlap_begin"), "an end without a begin is an error");
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor_release(ids);
+    for (int k = 0; k < 2; k++) tsys_optim_free(o[k]);
+    // the hooks went with the optimizer: a backward after it is freed runs no update
+    ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    tsys_tensor *logits = tsys_model_forward(m[1], ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+    tsys_backward(ctx, loss);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(ids);
+    for (int k = 0; k < 2; k++) tsys_model_free(m[k]);
+    tsys_ctx_free(ctx);
+}
+TSYS_TEST(optimizer_in_backward_matches_the_step) {
+    overlap_case(true, true); overlap_case(true, false); overlap_case(false, true);
+}
+
 TSYS_TEST(clip_and_cosine_schedule) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     int64_t s[1] = {2};

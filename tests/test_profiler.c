@@ -89,6 +89,16 @@ TSYS_TEST(profiler_lists_every_op_and_phase) {
     double f = tsys_profiler_kernel_ms(p, "forward"), b = tsys_profiler_kernel_ms(p, "backward"), o = tsys_profiler_kernel_ms(p, "optimizer"), all = tsys_profiler_kernel_ms(p, NULL);
     TEST_CHECK(f > 0 && b > 0 && o > 0, "phase kernel times %g %g %g", f, b, o);
     TEST_CHECK(fabs(f + b + o - all) <= 0.05 * all + 0.05, "phases %g + %g + %g vs all kernels %g (only tsys_item is outside)", f, b, o, all);
+    // the numbers of the report's questions: the top kernels, the matmuls' share, the softmax region
+    double top_ms = 0, mm = tsys_profiler_matmul_ms(p, NULL), sm = tsys_profiler_span_ms(p, "computing softmax");
+    int top_calls = 0;
+    const char *top_mm = tsys_profiler_top_kernel(p, NULL, 1, &top_ms, &top_calls);
+    TEST_CHECK(top_mm && !strcmp(top_mm, "gemm") && fabs(top_ms - mm) <= 1e-9 && top_calls > 0, "the matmul kernel: %s, %g ms (matmuls %g), %d calls", top_mm ? top_mm : "none", top_ms, mm, top_calls);
+    const char *top_other = tsys_profiler_top_kernel(p, "forward", 0, &top_ms, NULL);
+    TEST_CHECK(top_other && strcmp(top_other, "gemm") && top_ms > 0 && top_ms <= f - tsys_profiler_matmul_ms(p, "forward") + 1e-9, "forward's largest non-matmul kernel: %s %g ms",
+               top_other ? top_other : "none", top_ms);
+    TEST_CHECK(sm > 0 && sm <= f, "the softmax regions: %g ms of %g in forward", sm, f);
+    TEST_CHECK(tsys_profiler_top_kernel(p, "no such phase", -1, &top_ms, &top_calls) == NULL && top_ms == 0 && top_calls == 0, "a phase that never ran has no kernel");
     // tables print, the trace is well-formed
     FILE *tf = tmpfile();
     tsys_profiler_print_ops(p, tf, 0);
@@ -106,8 +116,8 @@ TSYS_TEST(profiler_lists_every_op_and_phase) {
     long n = 0;
     if (jf) { fseek(jf, 0, SEEK_END); n = ftell(jf); fseek(jf, 0, SEEK_SET); json = (char *)malloc((size_t)n + 1); n = (long)fread(json, 1, (size_t)n, jf); json[n] = 0; fclose(jf); }
     TEST_CHECK(json && json_balanced(json), "trace is not balanced JSON");
-    TEST_CHECK(json && strstr(json, "\"traceEvents\"") && strstr(json, "\"ph\": \"X\"") && strstr(json, "\"ph\": \"C\"") && strstr(json, "\"name\": \"linear\""),
-               "trace lacks X spans, C counters or the linear op");
+    TEST_CHECK(json && strstr(json, "\"traceEvents\"") && strstr(json, "\"ph\": \"X\"") && strstr(json, "\"ph\": \"C\"") && strstr(json, "\"name\": \"linear\"")
+               && strstr(json, "\"name\": \"reserved bytes\""), "trace lacks X spans, C counters (live and reserved bytes) or the linear op");
     free(json);
     remove(path);
     // spans nest: every span lies inside its parent
@@ -196,5 +206,28 @@ TSYS_TEST(memory_categories_add_up_and_return_to_the_model_state) {
     TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after releasing everything");
     tsys_ctx_free(ctx);
 }
+
+// The first-principles prediction (tsys_model_mem_predict, from the shapes) against the tracker's
+// peak, for each kind of step: within 10 % in total and in the most the tape keeps at once; the timeline
+// pairs every free with its allocation, carries the shapes, and moves bytes between categories in pairs.
+static void mem_prediction_case(const char *attn, tsys_dtype dt, bool backward, bool optimizer) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    test_mem_result r;
+    tsys_status st = test_mem_step(ctx, TSYS_CPU, attn, dt, backward, optimizer, &r);
+    const char *what = !backward ? "forward" : optimizer ? "train" : "forward-backward";
+    TEST_CHECK(st == TSYS_OK, "%s %s: %s", what, tsys_dtype_name(dt), tsys_ctx_last_error(ctx));
+    TEST_CHECK(r.workspace == 0 && test_rel_diff(r.peak, r.predicted.peak) <= 0.10, "%s %s: peak %lld, predicted %lld", what, tsys_dtype_name(dt), (long long)r.peak, (long long)r.predicted.peak);
+    if (backward)
+        TEST_CHECK(test_rel_diff(r.saved, r.predicted.saved_per_layer * r.predicted.num_layers + r.predicted.saved_outside) <= 0.10,
+                   "%s %s: the tape kept at most %lld bytes, predicted %lld", what, tsys_dtype_name(dt), (long long)r.saved,
+                   (long long)(r.predicted.saved_per_layer * r.predicted.num_layers + r.predicted.saved_outside));
+    TEST_CHECK(r.allocs > 20 && r.unpaired_frees == 0 && r.bad_shapes == 0 && r.odd_moves == 0, "%s: %d allocations, %d frees without one, %d without a shape, %d unpaired moves",
+               what, r.allocs, r.unpaired_frees, r.bad_shapes, r.odd_moves);
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after the model is freed");
+    tsys_ctx_free(ctx);
+}
+TSYS_TEST(predicted_peak_matches_the_tracker_train) { mem_prediction_case("naive", TSYS_F32, true, true); mem_prediction_case("naive", TSYS_BF16, true, true); }
+TSYS_TEST(predicted_peak_matches_the_tracker_forward_backward) { mem_prediction_case("naive", TSYS_F32, true, false); mem_prediction_case("flash", TSYS_F32, true, false); }
+TSYS_TEST(predicted_peak_matches_the_tracker_forward) { mem_prediction_case("naive", TSYS_F32, false, false); mem_prediction_case("naive", TSYS_BF16, false, false); }
 
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }

@@ -3,6 +3,7 @@
 #define TSYS_TEST_UTIL_H
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 // A tensor's elements as a malloc'd fp32 array (any dtype, any device).
 static inline float *test_read(tsys_ctx *ctx, const tsys_tensor *t) {
@@ -85,4 +86,85 @@ static inline tsys_status test_run_every_kernel(tsys_ctx *ctx, tsys_device dev, 
     tsys_ctx_set_trace_hooks(ctx, &h);
     return tsys_ctx_status(ctx);
 }
+// ---- memory: one recorded training step against the first-principles prediction ----------------
+
+// What test_mem_step measured: the tracker's peak and its activations, the prediction, and the
+// timeline's own consistency (allocations paired with frees of the same id and size, moves in
+// pairs, shapes on the allocations of tensors).
+typedef struct test_mem_result {
+    int64_t peak, workspace;    // workspace at the peak: the prediction leaves library workspace out
+    int64_t saved;              // the most activations (tensors the tape keeps) alive at once
+    tsys_model_mem_estimate predicted;
+    int unpaired_frees, bad_shapes, odd_moves, allocs;
+} test_mem_result;
+
+// A model whose activations outweigh its parameters (so the prediction's activation terms are what
+// is tested), a warmup step, then one recorded step: forward (under no_grad when !backward),
+// backward, AdamW when optimizer.
+static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, test_mem_result *r) {
+    memset(r, 0, sizeof(*r));
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 512; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192; d.attn = attn;
+    int64_t B = 2, T = 128, shape[2] = {B, T};
+    tsys_model *m = tsys_model_new(ctx, &d, dev, 5);
+    tsys_optim *opt = m && optimizer ? tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL) : NULL;
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, dev, 2, shape);
+    if (ids) tsys_tensor_randint(ctx, ids, d.vocab_size);
+    for (int step = 0; step < 2 && tsys_ctx_status(ctx) == TSYS_OK; step++) {
+        if (step == 1) { tsys_sync(ctx, dev); tsys_mem_clear_events(ctx); tsys_mem_record_events(ctx, true); tsys_mem_reset_peak(ctx, dev); }
+        if (!backward) tsys_no_grad_begin(ctx);
+        if (dt != TSYS_F32) tsys_autocast_begin(ctx, dt);
+        tsys_tensor *logits = tsys_model_forward(m, ids);
+        tsys_tensor *loss = backward ? tsys_cross_entropy(ctx, logits, ids) : NULL;
+        if (dt != TSYS_F32) tsys_autocast_end(ctx);
+        if (!backward) tsys_no_grad_end(ctx);
+        tsys_tensor_release(logits);
+        if (loss) tsys_backward(ctx, loss);
+        if (opt) tsys_optim_step(opt);
+        if (loss) tsys_release_grads(ctx, tsys_model_params(m), tsys_model_num_tensors(m));
+        tsys_tensor_release(loss);
+        tsys_tape_clear(ctx);
+        tsys_sync(ctx, dev);
+    }
+    tsys_mem_record_events(ctx, false);
+    tsys_mem_stats st = tsys_mem_stats_get(ctx, dev);
+    r->peak = st.peak_bytes;
+    r->workspace = st.peak_category_bytes[TSYS_MEM_WORKSPACE];
+    r->predicted = tsys_model_mem_predict(&d, B, T, dt, backward, optimizer);
+    size_t n;
+    const tsys_mem_event *ev = tsys_mem_events(ctx, &n);
+    uint64_t first = UINT64_MAX;   // ids are serial: a free below the window's first allocation frees an older one
+    for (size_t i = 0; i < n; i++) if (ev[i].action == TSYS_MEM_EV_ALLOC && ev[i].id && ev[i].id < first) first = ev[i].id;
+    int64_t saved = 0;   // the tape is empty when the window opens
+    for (size_t i = 0; i < n; i++) {
+        const tsys_mem_event *e = &ev[i];
+        if (e->device == dev && e->category == TSYS_MEM_ACTIVATIONS) { saved += e->delta; if (saved > r->saved) r->saved = saved; }
+    }
+    for (size_t i = 0; i < n; i++) {
+        const tsys_mem_event *e = &ev[i];
+        if (e->device != dev || !e->id) continue;
+        if (e->action == TSYS_MEM_EV_ALLOC) {
+            r->allocs++;
+            int64_t numel = 1;
+            for (int k = 0; k < e->ndim; k++) numel *= e->shape[k];
+            r->bad_shapes += e->ndim < 0 || numel * (int64_t)tsys_dtype_size(e->dtype) > e->delta;
+        } else if (e->action == TSYS_MEM_EV_FREE) {
+            bool found = false;
+            for (size_t j = 0; j < i && !found; j++) found = ev[j].action == TSYS_MEM_EV_ALLOC && ev[j].id == e->id && ev[j].delta == -e->delta;
+            r->unpaired_frees += !found && e->id >= first;
+        } else {
+            r->odd_moves += !(i + 1 < n && ev[i + 1].action == TSYS_MEM_EV_MOVE && ev[i + 1].id == e->id && ev[i + 1].delta == -e->delta && e->delta < 0);
+            i++;
+        }
+    }
+    tsys_mem_clear_events(ctx);
+    tsys_tensor_release(ids);
+    tsys_optim_free(opt);
+    tsys_model_free(m);
+    return tsys_ctx_status(ctx);
+}
+
+// |measured - predicted| / predicted
+static inline double test_rel_diff(int64_t measured, int64_t predicted) { return predicted ? fabs((double)(measured - predicted) / (double)predicted) : 1.0; }
+
 #endif

@@ -2,7 +2,7 @@
 # multigpu_session.sh - tsys_dist on a machine with several GPUs, ours and torch.distributed in the same
 # call. Binaries are built on the development machine and carried in gpu/dist (rebuilt here when one
 # does not start). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine's notes ask.
-#   tools/multigpu_session.sh topo tests allreduce ddp_ours ddp_torch ...
+#   tools/multigpu_session.sh topo tests allreduce ddp_ours ddp_torch fsdp ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
@@ -37,6 +37,26 @@ for part in "$@"; do
     timeout 500 torchrun --nproc_per_node $NG tests/ref/torch_ddp.py --part ddp --device cuda --model $MODEL --dtype $DTYPES --strategy ${TSTRATS:-naive,flat,bucketed,zero1} --bucket-mb ${TBUCKETS:-25,100} \
       --warmup $WARMUP --steps $STEPS > "$OUT/ddp_torch_${NG}gpu.md" 2>&1; tail -n 16 "$OUT/ddp_torch_${NG}gpu.md" ;;
   account) $G/ddp_cuda --account --device cuda --nproc $NG --model $MODEL --dtype $DTYPES ;;
+  fsdp)  # FSDP (ZeRO-3): its tests through NCCL, with 2 ranks on one GPU (staging) and alone; then the xl rows
+         # (batch 4 per GPU, context 256) beside DDP's best (bucketed 1000 MB, overlap) and the 1-GPU overhead;
+         # last, peak memory per rank against the accounting (needs build/test_fsdp_cuda and build/ddp_cuda in gpu/dist)
+    timeout 300 mpirun --oversubscribe -np $NG $G/test_fsdp_cuda > "$OUT/test_fsdp_cuda_nccl.log" 2>&1; echo "test_fsdp_cuda, $NG ranks: $(tail -n 1 "$OUT/test_fsdp_cuda_nccl.log")"
+    CUDA_VISIBLE_DEVICES=0 timeout 300 mpirun --oversubscribe -np 2 $G/test_fsdp_cuda > "$OUT/test_fsdp_cuda_staged.log" 2>&1; echo "test_fsdp_cuda, 2 ranks on one GPU: $(tail -n 1 "$OUT/test_fsdp_cuda_staged.log")"
+    timeout 200 $G/test_fsdp_cuda > "$OUT/test_fsdp_cuda_1.log" 2>&1; echo "test_fsdp_cuda, 1 rank: $(tail -n 1 "$OUT/test_fsdp_cuda_1.log")"
+    grep -h "FAIL" "$OUT"/test_fsdp_cuda_*.log | head -20
+    for dt in ${FSDP_DTYPES:-bf16 fp32}; do
+      timeout 600 $G/ddp_cuda --device cuda --nproc $NG --model $MODEL --dtype $dt --strategy fsdp,bucketed,overlap --bucket-mb 1000 \
+        --batch-size 4 --context-length 256 --warmup $WARMUP --steps $STEPS > "$OUT/fsdp_${MODEL}_${dt}_${NG}gpu.md" 2>&1; cat "$OUT/fsdp_${MODEL}_${dt}_${NG}gpu.md"
+    done
+    timeout 400 $G/ddp_cuda --device cuda --nproc 1 --model $MODEL --dtype bf16 --strategy flat,fsdp --batch-size 4 --context-length 256 \
+      --warmup $WARMUP --steps $STEPS > "$OUT/fsdp_${MODEL}_bf16_1gpu.md" 2>&1; cat "$OUT/fsdp_${MODEL}_bf16_1gpu.md"
+    echo "peak memory per rank (MiB) against the accounting:"
+    for f in "$OUT"/fsdp_${MODEL}_*gpu.md; do
+      awk -F'|' '/^\| device/ { for (i = 2; i < NF; i++) { gsub(/ /, "", $i); c[$i] = i }; next }
+        /^\| cuda/ { s = $c["strategy"]; gsub(/ /, "", s); pk = $c["mem_pre_opt_MiB"] + 0; po = $c["mem_post_opt_MiB"] + 0; pp = $c["pred_peak_MiB"] + 0;
+          st = $c["state_MiB"] + 0; ps = $c["pred_state_MiB"] + 0; m = (pk > po) ? pk : po;
+          printf "  %-9s %-5s ranks %s  step %s ms  peak %.0f, predicted %.0f (%+.1f %%)  state %.0f, predicted %.0f (%+.1f %%)\n", s, $c["dtype"], $c["ranks"], $c["step_ms"], m, pp, (pp > 0) ? 100 * (m - pp) / pp : 0, st, ps, (ps > 0) ? 100 * (st - ps) / ps : 0 }' "$f"
+    done ;;
   *) echo "unknown part $part" ;;
   esac
 done
