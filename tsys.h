@@ -519,6 +519,15 @@ TSYSDEF bool tsys_ctx_remove_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn 
 // are exactly those of the run without regions. Begin/end pairs are the caller's; backward refuses
 // to run while a region is open.
 TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx);
+// As tsys_checkpoint_begin, with options (TSYS_CHECKPOINT_*, or'ed).
+enum {
+    // A linear under autocast keeps its low-precision weight copy (as it would without the region)
+    // instead of casting the weight again in backward: for regions whose linears need not rerun
+    // (selective), where the copies would be made again only to be read once. Applies when the region
+    // is the outermost one around the linear; inside an outer region without it, the copies go.
+    TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES = 1
+};
+TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags);
 TSYSDEF tsys_status tsys_checkpoint_end(tsys_ctx *ctx);
 TSYSDEF int tsys_checkpoint_depth(const tsys_ctx *ctx);   // regions open now
 
@@ -900,6 +909,7 @@ typedef struct tsys__region {
     size_t first, end;   // tape range [first, end); end = SIZE_MAX while the region is open
     int parent;          // enclosing region, -1 = top level
     bool dormant;        // saved tensors not there yet: recompute before backward enters the region
+    unsigned flags;      // TSYS_CHECKPOINT_*
     uint64_t rng[4];     // the context RNG at begin, restored for the recompute
 } tsys__region;
 
@@ -2452,7 +2462,7 @@ static bool tsys__recording(const tsys_ctx *ctx, tsys_tensor *const *ins, int n)
 }
 
 static tsys__node *tsys__replay_record(tsys_ctx *ctx, tsys__op op, tsys_tensor *const *saved, int n_saved);
-static void tsys__region_link(tsys_ctx *ctx, tsys__node *node, tsys_tensor *const *ins);
+static void tsys__region_link(tsys_ctx *ctx, tsys__node *node, tsys_tensor *const *ins, tsys_tensor *const *saved);
 
 // Appends a node for `out` = op(ins) that keeps `saved` alive until backward passes it (inside a
 // checkpointed region it keeps the region's inputs instead: >>checkpoint). While a node is being
@@ -2488,7 +2498,7 @@ static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, ts
     node->index = ctx->tape_len;
     node->region = ctx->open_region;
     node->autocast = ctx->autocast;
-    if (node->region >= 0) tsys__region_link(ctx, node, ins);   // keeps the inputs, not the saved values
+    if (node->region >= 0) tsys__region_link(ctx, node, ins, saved);   // keeps the inputs, not the saved values
     for (int i = 0; node->region < 0 && i < n_saved; i++) {
         node->saved[i] = tsys_tensor_retain(saved[i]);
         if (saved[i]) tsys__mem_saved(ctx, saved[i]->storage, +1);
@@ -3436,7 +3446,9 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
 // The context RNG is set back to its state at tsys_checkpoint_begin for the recompute (no op draws
 // from it today; a dropout would then draw the same mask).
 
-TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx) {
+TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx) { return tsys_checkpoint_begin_ex(ctx, 0); }
+TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags) {
+    if (flags & ~(unsigned)TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: unknown flags 0x%x", flags);
     if (ctx->in_backward) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: called during backward (a region is part of a forward pass)");
     if (ctx->num_regions == ctx->cap_regions) {
         int cap = ctx->cap_regions ? ctx->cap_regions * 2 : 64;
@@ -3445,7 +3457,7 @@ TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx) {
         ctx->regions = r; ctx->cap_regions = cap;
     }
     tsys__region *r = &ctx->regions[ctx->num_regions];
-    r->first = ctx->tape_len; r->end = SIZE_MAX; r->parent = ctx->open_region; r->dormant = true;
+    r->first = ctx->tape_len; r->end = SIZE_MAX; r->parent = ctx->open_region; r->dormant = true; r->flags = flags;
     memcpy(r->rng, ctx->rng, sizeof(r->rng));
     ctx->open_region = ctx->num_regions++;
     return TSYS_OK;
@@ -3493,10 +3505,13 @@ static void tsys__node_keep_saved(tsys_ctx *ctx, tsys__node *node, int k, tsys_t
 }
 
 // At record time, for a node inside a region: its producers, and the inputs that the outermost open
-// region cannot recompute (made before it began, or by no recorded op).
-static void tsys__region_link(tsys_ctx *ctx, tsys__node *node, tsys_tensor *const *ins) {
+// region cannot recompute (made before it began, or by no recorded op); a linear's low-precision
+// weight copy when that region keeps them (TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES).
+static void tsys__region_link(tsys_ctx *ctx, tsys__node *node, tsys_tensor *const *ins, tsys_tensor *const *saved) {
     int top = node->region;
     while (ctx->regions[top].parent >= 0) top = ctx->regions[top].parent;
+    tsys_tensor *w = node->op == TSYS__OP_LINEAR ? saved[TSYS__SAVED_LINEAR_W] : NULL;
+    if ((ctx->regions[top].flags & TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES) && w && w != ins[1]) tsys__node_keep_saved(ctx, node, TSYS__SAVED_LINEAR_W, w);
     for (int j = 0; j < node->n_in; j++) {
         tsys_tensor *x = ins[j];
         if (!x) continue;
@@ -3513,7 +3528,8 @@ static tsys__node *tsys__replay_record(tsys_ctx *ctx, tsys__op op, tsys_tensor *
     if (ctx->replay_done || n->op != op) return NULL;
     TSYS_ASSERT(n_saved == n->n_saved);
     ctx->replay_done = true;
-    for (int k = 0; ctx->replay_keep && k < n_saved; k++) tsys__node_keep_saved(ctx, n, k, saved[k]);
+    for (int k = 0; ctx->replay_keep && k < n_saved; k++)
+        if (!n->saved[k]) tsys__node_keep_saved(ctx, n, k, saved[k]);   // a kept weight copy is already there
     return n;
 }
 
@@ -3584,6 +3600,7 @@ static tsys_status tsys__replay_saved_inputs(tsys_ctx *ctx, tsys__node *n, tsys_
         int j = tsys__saved_input(n, k);
         if (j < 0 || j >= TSYS__NODE_IN) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint: %s computes what it saves; it must be rerun", tsys__op_names[n->op]);
         tsys_tensor *t = v[j];
+        if (n->saved[k]) continue;   // a weight copy kept from the forward
         if (n->op == TSYS__OP_LINEAR && k == TSYS__SAVED_LINEAR_W && t->dtype != n->out_dtype) {
             tsys_dtype ac = ctx->autocast;
             ctx->replay = n; ctx->replay_done = true;   // nothing records; the autocast cache is not extended
@@ -4002,8 +4019,9 @@ TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, 
     return st;
 }
 
-// Selective checkpointing marks regions inside a block (tsys_checkpoint_policy.selective).
-static void tsys__sel_begin(tsys_ctx *ctx, bool sel) { if (sel) tsys_checkpoint_begin(ctx); }
+// Selective checkpointing marks regions inside a block (tsys_checkpoint_policy.selective). Their
+// linears never rerun, so under autocast they keep the weight copies the forward made.
+static void tsys__sel_begin(tsys_ctx *ctx, bool sel) { if (sel) tsys_checkpoint_begin_ex(ctx, TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES); }
 static void tsys__sel_end(tsys_ctx *ctx, bool sel) { if (sel) tsys_checkpoint_end(ctx); }
 
 // Causal self-attention of one block: project, split heads, RoPE on q and k, attend, merge, project.
@@ -4288,17 +4306,16 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     // gradients are made by group as backward reaches it (lm_head and the final norm first, then each
     // layer from the top; tsys__grad_home) and all live at its end and in the optimizer step
     double head_grads = 4 * (a.V * a.d + a.d), layer_grads = 4 * (4 * a.d * a.d + 3 * a.d * a.f + 2 * a.d);
-    // autocast copies still held after the forward: those of linears outside every region (lm_head;
-    // without block regions every block's, or under selective with naive attention the output projection's)
-    double ac_o = a.ac && !a.flash ? L * a.c * a.d * a.d : 0;
-    double ac_held = a.ac_head + (seg ? 0 : p->selective ? ac_o : L * a.ac_block);
+    // autocast copies still held after the forward: lm_head's, and without block regions every
+    // block's (selective's regions keep theirs: TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES)
+    double ac_held = a.ac_head + (seg ? 0 : L * a.ac_block);
     double attn_fwd = a.flash ? 0 : a.c * a.B * a.H * a.T * a.T * ((seg || p->selective) ? 2 : 1);
     double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head, attn_fwd);
     double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V + head_grads;
     // a segment's turn: the earlier segments keep their input; in the segment, the blocks before the
     // one backward is in are recomputed (all they keep; nested: only their inputs) and that one peaks
     double kept_one = p->selective ? a.sel : a.full, blocks = 0;
-    double peak_one = tsys__acct_block_peak(&a, p->selective) + (seg || p->selective ? a.ac_block : 0);
+    double peak_one = tsys__acct_block_peak(&a, p->selective) + (seg ? a.ac_block : 0);   // a recomputed block casts its weights again
     if (!seg) blocks = (L - 1) * kept_one + peak_one + head_grads + layer_grads;
     for (int s = 0; s < nseg; s++) {   // s segments below; the gradients of the layers above and of this block are made
         double k = TSYS__MIN(seg, d->num_layers - s * seg);

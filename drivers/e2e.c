@@ -16,6 +16,7 @@
 #include "../tsys_cuda.cuh"
 #endif
 #include "driver_util.h"
+#include <ctype.h>
 #include <sys/stat.h>
 
 typedef struct e2e_opts {
@@ -256,9 +257,14 @@ static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const 
 
 // One more step under the profiler; its tables and Chrome trace go to DIR/<configuration>.{md,json}.
 static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_row *row) {
-    char base[512], path[600];
-    snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
-             du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled");
+    char base[512], path[600], ckpt[64] = "";
+    if (strcmp(du_row_get(row, "ckpt"), "none")) {   // "_ckpt-blocks-1-selective" (a file name's characters)
+        snprintf(ckpt, sizeof(ckpt), "_ckpt-%s", du_row_get(row, "ckpt"));
+        for (char *c = ckpt + 6; *c; c++) if (!isalnum((unsigned char)*c)) *c = '-';
+    }
+    snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+             du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled",
+             strcmp(du_row_get(row, "opt_in_bwd"), "yes") ? "" : "_opt-in-bwd", ckpt);
     tsys_profiler *p = tsys_profiler_begin(b->lm.ctx);
     double t[3] = {0, 0, 0};
     tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->lm.ctx);

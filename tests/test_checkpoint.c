@@ -207,18 +207,27 @@ TSYS_TEST(nested_regions_by_hand_bf16) { nested_case(TSYS_BF16); }
 
 // ---- what runs again: one block region reruns each block's forward except its last GEMM ------------
 
-typedef struct op_count { int linear_in_backward, ops_in_backward; bool in_bwd; } op_count;
+typedef struct op_count { int linear_in_backward, cast_in_backward, cast_kernels_in_backward, ops_in_backward; bool in_bwd; } op_count;
 static void oc_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *u) {
     (void)ctx;
     op_count *c = (op_count *)u;
     if (kind == TSYS_TRACE_RANGE && !strcmp(name, "backward")) c->in_bwd = true;
-    if (kind == TSYS_TRACE_FORWARD && c->in_bwd) { c->ops_in_backward++; if (!strcmp(name, "linear")) c->linear_in_backward++; }
+    if (kind == TSYS_TRACE_FORWARD && c->in_bwd) {
+        c->ops_in_backward++;
+        c->linear_in_backward += !strcmp(name, "linear");
+        c->cast_in_backward += !strcmp(name, "cast");
+    }
+}
+static void oc_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *u) {
+    (void)ctx;
+    op_count *c = (op_count *)u;
+    if (c->in_bwd && !strcmp(k->name, "cast")) c->cast_kernels_in_backward++;   // the ops' and the weight copies'
 }
 static void oc_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *u) {
     (void)ctx;
     if (kind == TSYS_TRACE_RANGE && !strcmp(name, "backward")) ((op_count *)u)->in_bwd = false;
 }
-static op_count count_recompute(const char *policy) {
+static op_count count_recompute_ac(const char *policy, tsys_dtype ac) {
     op_count c;
     memset(&c, 0, sizeof(c));
     tsys_ctx *ctx = tsys_ctx_new(NULL);
@@ -229,9 +238,11 @@ static op_count count_recompute(const char *policy) {
     tsys_tensor_randint(ctx, ids, d.vocab_size);
     tsys_trace_hooks h;
     memset(&h, 0, sizeof(h));
-    h.op_begin = oc_begin; h.op_end = oc_end; h.user = &c;
+    h.op_begin = oc_begin; h.op_end = oc_end; h.kernel = oc_kernel; h.user = &c;
     tsys_ctx_set_trace_hooks(ctx, &h);
+    if (ac != TSYS_F32) tsys_autocast_begin(ctx, ac);
     tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+    if (ac != TSYS_F32) tsys_autocast_end(ctx);   // as the drivers do: the weight-copy cache goes
     tsys_trace_begin(ctx, "backward");
     tsys_backward(ctx, loss);
     tsys_trace_end(ctx);
@@ -241,6 +252,7 @@ static op_count count_recompute(const char *policy) {
     tsys_ctx_free(ctx);
     return c;
 }
+static op_count count_recompute(const char *policy) { return count_recompute_ac(policy, TSYS_F32); }
 TSYS_TEST(recompute_reruns_what_backward_needs_once) {
     op_count none = count_recompute("none"), b1 = count_recompute("blocks:1"), b2 = count_recompute("blocks:2");
     op_count nested = count_recompute("nested:2"), sel = count_recompute("selective");
@@ -253,6 +265,15 @@ TSYS_TEST(recompute_reruns_what_backward_needs_once) {
     TEST_CHECK(nested.linear_in_backward == 6 * 4 + 7 * 2, "nested:2 reruns %d linears, expected %d", nested.linear_in_backward, 6 * 4 + 7 * 2);
     // selective reruns no linear: the projections in the norm regions only get their inputs back
     TEST_CHECK(sel.linear_in_backward == 0 && sel.ops_in_backward > 0, "selective reruns %d linears, %d ops", sel.linear_in_backward, sel.ops_in_backward);
+    // under autocast selective's projections keep the weight copies of the forward: the casts that
+    // run again are those of the normalized inputs (q, k, v, w1, w3: 5 a block), while a block region
+    // casts its weights again too
+    op_count sel16 = count_recompute_ac("selective", TSYS_BF16), b116 = count_recompute_ac("blocks:1", TSYS_BF16);
+    TEST_CHECK(sel16.cast_in_backward == 5 * 4, "selective bf16 reruns %d casts, expected %d", sel16.cast_in_backward, 5 * 4);
+    TEST_CHECK(sel16.cast_kernels_in_backward == sel16.cast_in_backward + count_recompute_ac("none", TSYS_BF16).cast_kernels_in_backward,
+               "selective bf16: %d cast kernels in backward for %d recomputed casts (weights cast again?)", sel16.cast_kernels_in_backward, sel16.cast_in_backward);
+    TEST_CHECK(b116.cast_kernels_in_backward >= b116.cast_in_backward + 6 * 4, "blocks:1 bf16: %d cast kernels, %d recomputed casts: its 6 rerun linears a block cast their weights",
+               b116.cast_kernels_in_backward, b116.cast_in_backward);
 }
 
 // ---- gradient-ready hooks: once each, after the last use, with the final gradient ---------------------
