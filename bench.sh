@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench.sh - sweeps that print the tables of the CS336 report.
-#   ./bench.sh [section ...]      sections: e2e warmup precision attn flash leaderboard ddp (default: all)
+#   ./bench.sh [section ...]      sections: e2e warmup precision attn flash leaderboard ddp checkpoint (default: all)
 #     attn         CS336 pytorch_attention: naive vs flash, batch 8, d x seq, fp32, memory before backward
 #     flash        CS336 flash_benchmarking: batch 1, causal, seq 128..65536, d 16..128, bf16 + fp32
 #     leaderboard  the CS336 FlashAttention-2 leaderboard shape (16 heads x 16384 x 64, bf16, causal)
@@ -18,6 +18,9 @@
 #                  one summary table per question of the report
 #     ddp          CS336 naive/flat/overlap/bucketed DDP and ZeRO-1 (problems 14-19, 22) on DDP_NPROC ranks
 #                  (default: 2 CPU ranks, or one rank per GPU; the built-in launcher), then the accounting prediction (problem 22, DDP vs ZeRO-1/2/3)
+#     checkpoint   CS336 (S26) gradient_checkpointing: the xl block's accounting at context 2048, batch 4, fp32 per policy
+#                  (the reference's 3651 / 14605 / 160 MiB), then step time, bytes kept and peak per policy (CKPT_POLICIES;
+#                  cuda: xl fp32 context 2048 and 2.7B bf16 context 1024; cpu: the first model of MODELS at CONTEXT)
 # Environment: DEVICE=cpu|cuda (default: cuda when a GPU and nvcc are present), MODELS, CONTEXT, COMPILE (no,yes),
 # STEPS, WARMUP, FORMAT (md|csv|jsonl), OUT (a folder: every table is also saved there);
 # ddp: DDP_NPROC, DDP_MODELS (default xl on cuda, small on cpu), DDP_DTYPES, DDP_CONTEXT (256), DDP_BUCKETS (1,10,100,1000), DDP_STEPS/DDP_WARMUP
@@ -47,7 +50,7 @@ fi
 CONTEXT=${CONTEXT:-256}; COMPILE=${COMPILE:-no}; STEPS=${STEPS:-10}; WARMUP=${WARMUP:-5}; FORMAT=${FORMAT:-md}
 OUT=${OUT:-}
 [ -n "$OUT" ] && mkdir -p "$OUT"
-sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(e2e warmup precision attn flash leaderboard ddp)
+sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(e2e warmup precision attn flash leaderboard ddp checkpoint)
 # explicit sizes for the attention sections (the same for all three)
 attn_env=()
 [ -n "${ATTN_SEQ:-}" ] && attn_env+=(--seq "$ATTN_SEQ")
@@ -110,6 +113,22 @@ for s in "${sections[@]}"; do
     echo
     echo "## Accounting: bytes per rank and sent per step, DDP vs ZeRO-1 (ZeRO-2/3 on paper), $DDP_NPROC ranks"
     $DDP --account --device "$DEVICE" --nproc "$DDP_NPROC" --model "$DDP_MODELS" --dtype "$DDP_DTYPES" --context-length "$DDP_CONTEXT" --format "$FORMAT" | save ddp_account.$FORMAT || rc=$? ;;
+  checkpoint)
+    pols=${CKPT_POLICIES:-none,selective,blocks:1,blocks:2,sqrt,nested,nested+selective}
+    echo "## gradient_checkpointing: what the xl (S26) block keeps, context 2048, batch 4, fp32, naive attention (torch: 3651.31 MiB a block)"
+    { $E2E --model 2.7B --context-length 2048 --attn naive --mode train --checkpoint "$pols,auto:70GiB" --plan --format "$FORMAT"
+      echo; echo "four blocks (torch: 14605.25 MiB; two checkpoint(two_blocks): 160.00 MiB)"
+      $E2E --model 2.7B --num-layers 4 --context-length 2048 --attn naive --mode train --checkpoint none,blocks:2 --plan --format "$FORMAT"; } | save ckpt_plan.$FORMAT || rc=$?
+    echo
+    echo "## Activation checkpointing per policy: step time, bytes kept (saved_MiB), predicted and measured peak ($DEVICE)"
+    if [ "$DEVICE" = cuda ]; then
+      { $E2E --device cuda --model 2.7B --context-length 2048 --attn naive --mode train --checkpoint "$pols" --warmup 1 --steps 3 --format "$FORMAT" --no-sgemm --oom-ok
+        $E2E --device cuda --model 2.7B --context-length 1024 --dtype bf16 --mode train --checkpoint none,blocks:1,selective,nested+selective \
+             --warmup 2 --steps "$STEPS" --format "$FORMAT" --no-sgemm --oom-ok; } | save ckpt.$FORMAT || rc=$?
+    else
+      $E2E --device cpu --model "${MODELS%%,*}" --context-length "$CONTEXT" --mode train --checkpoint "$pols" --warmup 1 --steps 3 \
+           --format "$FORMAT" --oom-ok | save ckpt.$FORMAT || rc=$?
+    fi ;;
   memory)
     if [ "$DEVICE" = cuda ]; then make -s build/memory_cuda; MEM=build/memory_cuda; MEM_MODELS=${MEM_MODELS:-2.7B}
     else make -s build/memory; MEM=build/memory; MEM_MODELS=${MEM_MODELS:-small}; fi
@@ -151,7 +170,7 @@ for s in "${sections[@]}"; do
       q '_train_' 'config fwd_matmul_pct step_matmul_pct step_top_kernel step_top_ms' '### (d) a training step: the matmuls'"'"' share in forward and in the whole step'
       q '_forward_' 'config softmax_ms attn_matmul_ms fwd_kernel_ms' '### (e) attention (forward): softmax vs its two matmuls (QK^T and PV). Matmul FLOPs / softmax FLOPs = 4 d_head / ~5 (~51 at d_head 64)'
     } | save profile.md ;;
-  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce, ddp, memory, profile)" >&2; exit 2 ;;
+  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce, ddp, memory, profile, checkpoint)" >&2; exit 2 ;;
   esac
   if [ $rc -ne 0 ]; then echo "bench.sh: section '$s' failed (exit $rc); going on" >&2; failed+=("$s"); fi
   echo

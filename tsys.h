@@ -64,6 +64,13 @@
       backward hooks (tsys_ctx_add_backward_hook) run once the whole backward is done.
       tsys_no_grad_begin/end brackets regions that record nothing.
 
+   ON CHECKPOINTING
+      tsys_checkpoint_begin/end bracket a region whose ops keep only the region's inputs for backward;
+      backward recomputes the region when it reaches it (regions nest). Gradients and hooks are those
+      of the run without regions, bit for bit. The model takes a policy (tsys_model_desc.checkpoint:
+      blocks:K, sqrt, nested, selective, auto:BYTES), and tsys_checkpoint_plan_make predicts what a
+      policy keeps, its peak and its recomputation (>>checkpoint, >>checkpoint planner).
+
    ON INSTRUMENTATION
       One place sees everything: tsys_ctx_set_trace_hooks installs {op_begin, op_end, kernel, mem}
       callbacks that every forward op, every backward node, every named range (tsys_trace_begin/end),
@@ -505,6 +512,25 @@ typedef void (*tsys_backward_hook_fn)(tsys_ctx *ctx, void *user_data);
 TSYSDEF tsys_status tsys_ctx_add_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user);
 TSYSDEF bool tsys_ctx_remove_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user);
 
+// Checkpointed regions (activation checkpointing): the ops between begin and end keep only the
+// region's inputs for backward (parameters, and the activations made before the region); backward
+// recomputes the region's forward when it gets there, then goes through it. Regions nest (an inner
+// region stays checkpointed while its outer one is recomputed). Gradients and gradient-ready hooks
+// are exactly those of the run without regions. Begin/end pairs are the caller's; backward refuses
+// to run while a region is open.
+TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx);
+// As tsys_checkpoint_begin, with options (TSYS_CHECKPOINT_*, or'ed).
+enum {
+    // A linear under autocast keeps its low-precision weight copy (as it would without the region)
+    // instead of casting the weight again in backward: for regions whose linears need not rerun
+    // (selective), where the copies would be made again only to be read once. Applies when the region
+    // is the outermost one around the linear; inside an outer region without it, the copies go.
+    TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES = 1
+};
+TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags);
+TSYSDEF tsys_status tsys_checkpoint_end(tsys_ctx *ctx);
+TSYSDEF int tsys_checkpoint_depth(const tsys_ctx *ctx);   // regions open now
+
 // autocast (mixed precision)
 TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low);     // TSYS_BF16 or TSYS_F16
 TSYSDEF void tsys_autocast_end(tsys_ctx *ctx);                       // also drops the cached low-precision weights
@@ -538,10 +564,13 @@ TSYSDEF float tsys_item(tsys_ctx *ctx, const tsys_tensor *scalar);              
 // Model shape. All fields 0 = default (tsys_model_desc_defaults fills them):
 //   vocab_size 10000 | context_length 256 | d_model 768 | num_layers 12 | num_heads 12 | d_ff 4*d_model
 //   rope_theta 10000 | eps 1e-5 | attn "naive" (CPU) ("flash" once the backend has it)
+//   checkpoint "none": activation checkpointing policy (see tsys_checkpoint_policy_parse):
+//     none | blocks:K | sqrt | nested[:K] | selective | blocks:K+selective ... | auto:BYTES
 typedef struct tsys_model_desc {
     int vocab_size, context_length, d_model, num_layers, num_heads, d_ff;
     float rope_theta, eps;
     const char *attn;
+    const char *checkpoint;
 } tsys_model_desc;
 
 typedef struct tsys_model tsys_model;
@@ -562,6 +591,63 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids);   // (
 TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, int vocab_size, int context_length);
 TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int64_t T, bool backward);  // matmul FLOPs
 
+// Activation checkpointing of the model (tsys_model_desc.checkpoint). A policy says which parts of
+// the forward are checkpointed regions (tsys_checkpoint_begin/end):
+//   none           everything is kept for backward
+//   blocks:K       every K consecutive blocks one region (the last may be shorter): keeps one
+//                  residual per region; backward recomputes K blocks at a time
+//   sqrt           blocks:K with K = ceil(sqrt(num_layers)) (Chen et al. 2016)
+//   nested[:K]     regions of K blocks (default ceil(sqrt(num_layers))), each block a region nested
+//                  inside: keeps one residual per K blocks, then K residuals and one block at a time
+//   selective      in every block, regions around what is cheap to recompute and large to keep: the
+//                  two RMSNorms with the projections that read them (the normalized inputs and their
+//                  low-precision copies), the attention core (naive: QK^T and softmax, whose T x T
+//                  probabilities go; flash: the kernel and the output projection's input), and SwiGLU
+//                  with w2 (its output); GEMM outputs are kept
+//   P+selective    (P = blocks:K, sqrt, nested[:K]) the selective regions nested in P's, so a
+//                  recomputed block keeps only what selective keeps
+//   auto:BYTES     the planner (tsys_checkpoint_plan_make) picks the policy with the least
+//                  recomputation whose predicted peak fits BYTES (suffixes K, M, G, T, with or without
+//                  "iB"/"B", are powers of 1024); the model plans for a training step with AdamW
+// Which policy a model runs is fixed at tsys_model_new; auto plans again when (batch, context,
+// autocast) change.
+typedef struct tsys_checkpoint_policy {
+    int segment;       // blocks per region (0 = no block regions)
+    int inner;         // blocks per region nested in each segment (0 = none, 1 = every block)
+    bool selective;    // the per-block regions of `selective`
+    double budget;     // auto: bytes the step's peak must fit in (0 = not auto)
+} tsys_checkpoint_policy;
+TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, tsys_checkpoint_policy *out, char *err, size_t err_len);
+TSYSDEF void tsys_checkpoint_policy_name(const tsys_checkpoint_policy *p, char *buf, size_t len);   // canonical: "blocks:4+selective"
+
+// What a policy costs, from the accounting of what each op keeps for backward and the FLOPs of the
+// recomputed ops (formulas at >>checkpoint planner). Bytes are what the memory tracker counts.
+typedef struct tsys_checkpoint_plan {
+    tsys_checkpoint_policy policy;
+    char name[48];               // the policy, canonical
+    int64_t batch, context;
+    tsys_dtype dtype;            // autocast dtype (F32: none)
+    bool optimizer;              // AdamW state in the peak
+    double block_bytes;          // what one block keeps for backward without checkpointing
+    double kept_block_bytes;     // what the blocks keep after the forward under the policy, per block
+    double kept_bytes;           // what the whole forward keeps (blocks, embedding, final norm, lm_head, loss)
+    double fixed_bytes;          // parameters, optimizer state, the batch (gradients are made by layer in backward)
+    double peak_bytes;           // predicted peak of the step (forward, backward, optimizer)
+    double step_flops;           // matmul FLOPs of forward + backward without recomputation
+    double recompute_flops;      // matmul FLOPs the recomputation adds
+    double recompute_bytes;      // bytes the recomputed elementwise ops (norms, casts, SwiGLU, softmax) move
+    double budget;               // auto: the budget; the plan fits when peak_bytes <= budget
+    bool fits;
+} tsys_checkpoint_plan;
+// policy: any policy string (auto:BYTES: the planner's choice; when nothing fits, the plan with the
+// least predicted peak, fits = false). dtype: the autocast dtype. The model desc's own checkpoint is ignored.
+TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
+                                              bool optimizer, tsys_checkpoint_plan *out, char *err, size_t err_len);
+// Extra step time of the recomputation at the given rates (TFLOP/s for matmuls, GB/s for elementwise).
+TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, double tflops, double gbps);
+// The plan in a few lines: policy, what is kept and what is recomputed, predicted peak, extra time.
+TSYSDEF void tsys_checkpoint_plan_print(const tsys_checkpoint_plan *p, FILE *f, double tflops, double gbps);
+TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model *m);   // the last forward's (NULL before / none)
 // The memory of one step of the model from its shapes alone: what the tape keeps for backward, op by
 // op, and the state the step holds (the memory driver prints it beside the tracker's measurement).
 typedef struct tsys_model_mem_estimate {
@@ -804,7 +890,28 @@ struct tsys__node {
     tsys_tensor *gout;                     // gradient of the output, accumulated during backward
     float f[4];
     int64_t i[4];
+    // >>checkpoint: what a node inside a checkpointed region needs to be recomputed
+    size_t index;                          // position on the tape
+    int region;                            // innermost checkpointed region, -1 = none
+    tsys_dtype autocast;                   // autocast dtype when recorded (the recompute runs under it)
+    tsys__node *src[TSYS__NODE_IN];        // producer of each input (weak; earlier on the tape)
+    tsys_tensor *inval[TSYS__NODE_IN];     // inputs from outside the region being recomputed (retained)
+    tsys_tensor *rc_out;                   // the recomputed output while later recomputed nodes need it
+    int rc_need;                           // recomputed nodes still to read rc_out
+    unsigned rc_reads;                     // bit j: input j counted in its producer's rc_need
+    bool rc_run;                           // the recompute runs this node's op (else it only re-links inputs)
+    unsigned in_mask;                      // bit j: input j was given (not NULL)
 };
+
+// A checkpointed region: a contiguous range of the tape whose nodes dropped their saved tensors.
+// Regions nest; a child lies inside its parent's range.
+typedef struct tsys__region {
+    size_t first, end;   // tape range [first, end); end = SIZE_MAX while the region is open
+    int parent;          // enclosing region, -1 = top level
+    bool dormant;        // saved tensors not there yet: recompute before backward enters the region
+    unsigned flags;      // TSYS_CHECKPOINT_*
+    uint64_t rng[4];     // the context RNG at begin, restored for the recompute
+} tsys__region;
 
 typedef struct tsys__mem_tracker {
     tsys_mem_stats dev[TSYS_DEVICE_COUNT];
@@ -833,6 +940,12 @@ struct tsys_ctx {
     size_t tape_len, tape_cap;
     int no_grad_depth;
     bool in_backward;
+    // checkpointed regions (>>checkpoint)
+    tsys__region *regions;
+    int num_regions, cap_regions;
+    int open_region;                // innermost open region, -1 = none
+    tsys__node *replay;             // the node being recomputed: its op's record call lands here
+    bool replay_keep, replay_done;  // keep the saved tensors the op hands over; the op has recorded
     // autocast: low dtype (F32 = off) and the step's cache of low-precision weight copies
     tsys_dtype autocast;
     tsys_tensor **ac_src, **ac_low;
@@ -2165,6 +2278,7 @@ TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc) {
     ctx->backends[TSYS_CPU] = &tsys__cpu_backend;
     ctx->t0_us = tsys_time_us();
     ctx->autocast = TSYS_F32;
+    ctx->open_region = -1;
     tsys_ctx_desc d;
     memset(&d, 0, sizeof(d));
     if (desc) d = *desc;
@@ -2187,6 +2301,7 @@ TSYSDEF void tsys_ctx_free(tsys_ctx *ctx) {
         if (ctx->backends[d] && ctx->backends[d]->destroy) ctx->backends[d]->destroy(ctx);
     TSYS_FREE(ctx->ac_src); TSYS_FREE(ctx->ac_low);
     TSYS_FREE(ctx->bwd_hooks);
+    TSYS_FREE(ctx->regions);
     TSYS_FREE(ctx->tape);
     for (int i = 0; i < ctx->mem.num_tags; i++) TSYS_FREE(ctx->mem.tag_names[i]);
     TSYS_FREE(ctx->mem.events);
@@ -2346,8 +2461,14 @@ static bool tsys__recording(const tsys_ctx *ctx, tsys_tensor *const *ins, int n)
     return false;
 }
 
-// Appends a node for `out` = op(ins) that keeps `saved` alive until backward passes it.
+static tsys__node *tsys__replay_record(tsys_ctx *ctx, tsys__op op, tsys_tensor *const *saved, int n_saved);
+static void tsys__region_link(tsys_ctx *ctx, tsys__node *node, tsys_tensor *const *ins, tsys_tensor *const *saved);
+
+// Appends a node for `out` = op(ins) that keeps `saved` alive until backward passes it (inside a
+// checkpointed region it keeps the region's inputs instead: >>checkpoint). While a node is being
+// recomputed, the op's call lands on that node instead of appending one.
 static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, tsys_tensor *const *ins, int n_in, tsys_tensor *const *saved, int n_saved) {
+    if (out && ctx->replay) return tsys__replay_record(ctx, op, saved, n_saved);
     if (!out || !tsys__recording(ctx, ins, n_in)) return NULL;
     tsys__node *node = (tsys__node *)TSYS_MALLOC(sizeof(tsys__node));
     if (ctx->tape_len == ctx->tape_cap) {
@@ -2374,7 +2495,11 @@ static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, ts
         if (x->grad_fn) s->node = x->grad_fn;
         else { s->leaf = tsys_tensor_retain(x); x->tape_uses++; }
     }
-    for (int i = 0; i < n_saved; i++) {
+    node->index = ctx->tape_len;
+    node->region = ctx->open_region;
+    node->autocast = ctx->autocast;
+    if (node->region >= 0) tsys__region_link(ctx, node, ins, saved);   // keeps the inputs, not the saved values
+    for (int i = 0; node->region < 0 && i < n_saved; i++) {
         node->saved[i] = tsys_tensor_retain(saved[i]);
         if (saved[i]) tsys__mem_saved(ctx, saved[i]->storage, +1);
     }
@@ -2390,11 +2515,14 @@ static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, ts
 
 // Lets go of a node: saved values, its output gradient, and the leaves' pending uses (firing the
 // gradient-ready hook of a leaf whose last use this was).
+static void tsys__node_drop_inputs(tsys_ctx *ctx, tsys__node *node);
 static void tsys__node_free(tsys_ctx *ctx, tsys__node *node) {
     for (int i = 0; i < node->n_saved; i++) {
         if (node->saved[i]) tsys__mem_saved(ctx, node->saved[i]->storage, -1);
         tsys_tensor_release(node->saved[i]);
     }
+    tsys__node_drop_inputs(ctx, node);
+    tsys_tensor_release(node->rc_out);
     tsys_tensor_release(node->gout);
     if (node->out) { node->out->grad_fn = NULL; node->out->requires_grad = false; }
     for (int i = 0; i < node->n_in; i++) {
@@ -2412,6 +2540,8 @@ static void tsys__node_free(tsys_ctx *ctx, tsys__node *node) {
 TSYSDEF void tsys_tape_clear(tsys_ctx *ctx) {
     for (size_t i = ctx->tape_len; i-- > 0;) tsys__node_free(ctx, ctx->tape[i]);
     ctx->tape_len = 0;
+    ctx->num_regions = 0;   // an open region is abandoned with its tape
+    ctx->open_region = -1;
 }
 
 // The gradients of a group of fp32 parameters that lie back to back in one block (a model's layer):
@@ -2542,11 +2672,13 @@ static tsys_status tsys__grad_add(tsys_ctx *ctx, tsys__slot *s, tsys_tensor *g) 
 }
 
 static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *node);
+static tsys_status tsys__checkpoint_materialize(tsys_ctx *ctx, tsys__node *node);
 
 TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_tensor *grad_out) {
     if (!out || !grad_out) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: NULL tensor (did the forward pass fail? %s)", ctx->error);
     if (ctx->status != TSYS_OK) return ctx->status;
     if (!out->grad_fn) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: '%s' was not produced by a recorded op (no_grad, or nothing requires grad)", out->name);
+    if (ctx->open_region >= 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: a checkpointed region is still open (every tsys_checkpoint_begin needs its tsys_checkpoint_end first)");
     if (tsys_tensor_numel(out) != tsys_tensor_numel(grad_out))
         return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: gradient has %lld elements, output '%s' has %lld", (long long)tsys_tensor_numel(grad_out), out->name, (long long)tsys_tensor_numel(out));
     tsys__slot root;
@@ -2557,10 +2689,12 @@ TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_ten
     ctx->in_backward = true;
     for (size_t i = ctx->tape_len; i-- > 0;) {
         tsys__node *node = ctx->tape[i];
+        if (st == TSYS_OK && node->gout && node->region >= 0) st = tsys__checkpoint_materialize(ctx, node);
         if (st == TSYS_OK && node->gout) st = tsys__node_backward(ctx, node);
         tsys__node_free(ctx, node);
         ctx->tape_len = i;
     }
+    ctx->num_regions = 0;
     ctx->in_backward = false;
     tsys_mem_set_tag(ctx, tag);
     for (int i = 0; st == TSYS_OK && i < ctx->num_bwd_hooks; i++) ctx->bwd_hooks[i].fn(ctx, ctx->bwd_hooks[i].user);
@@ -2592,6 +2726,14 @@ TSYSDEF void tsys_autocast_end(tsys_ctx *ctx) { ctx->autocast = TSYS_F32; tsys__
 static tsys_tensor *tsys__autocast_weight(tsys_ctx *ctx, tsys_tensor *w, tsys_dtype dt) {
     for (int i = 0; i < ctx->ac_len; i++)
         if (ctx->ac_src[i] == w && ctx->ac_low[i]->dtype == dt) return tsys_tensor_retain(ctx->ac_low[i]);
+    if (ctx->replay) {   // a recompute in backward (autocast has ended): the copy lives as long as its node keeps it
+        int rtag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "autocast weights"));
+        tsys_mem_category rcat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+        tsys_tensor *copy = tsys__cast_raw(ctx, w, dt);
+        tsys_mem_set_category(ctx, rcat);
+        tsys_mem_set_tag(ctx, rtag);
+        return copy;
+    }
     if (ctx->ac_len == ctx->ac_cap) {
         int cap = ctx->ac_cap ? ctx->ac_cap * 2 : 64;
         tsys_tensor **s = (tsys_tensor **)TSYS_REALLOC(ctx->ac_src, (size_t)cap * sizeof(*s));
@@ -2860,7 +3002,8 @@ TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *we
     else tsys_tensor_release(a.t[0]);
     tsys_tensor *saved[TSYS__SAVED_RMSNORM_COUNT];
     saved[TSYS__SAVED_RMSNORM_X] = x; saved[TSYS__SAVED_RMSNORM_W] = weight; saved[TSYS__SAVED_RMSNORM_RSTD] = a.t[1];
-    tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT);
+    tsys__node *node = tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT);
+    if (node) node->f[0] = eps;   // for a recompute
     tsys_tensor_release(a.t[1]);
     tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
     return y;
@@ -2886,7 +3029,8 @@ TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *
     tsys_tensor *saved[TSYS__SAVED_LAYERNORM_COUNT];
     saved[TSYS__SAVED_LAYERNORM_X] = x; saved[TSYS__SAVED_LAYERNORM_W] = weight; saved[TSYS__SAVED_LAYERNORM_B] = bias;
     saved[TSYS__SAVED_LAYERNORM_MEAN] = a.t[1]; saved[TSYS__SAVED_LAYERNORM_RSTD] = a.t[2];
-    tsys__record(ctx, TSYS__OP_LAYERNORM, y, ins, 3, saved, TSYS__SAVED_LAYERNORM_COUNT);
+    tsys__node *node = tsys__record(ctx, TSYS__OP_LAYERNORM, y, ins, 3, saved, TSYS__SAVED_LAYERNORM_COUNT);
+    if (node) node->f[0] = eps;   // for a recompute
     tsys_tensor_release(a.t[1]); tsys_tensor_release(a.t[2]);
     tsys__op_end(ctx, TSYS__OP_LAYERNORM, tag);
     return y;
@@ -2916,7 +3060,7 @@ TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bo
     a.t[1] = x; a.f[0] = scale; a.i[0] = causal;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_SOFTMAX_FWD, &a) : NULL;
     tsys__node *node = tsys__record(ctx, TSYS__OP_SOFTMAX, y, &x, 1, &y, 1);
-    if (node) node->f[0] = scale;
+    if (node) { node->f[0] = scale; node->i[0] = causal; }
     tsys__op_end(ctx, TSYS__OP_SOFTMAX, tag);
     return y;
 }
@@ -3038,7 +3182,7 @@ static tsys_tensor *tsys__sum_scaled(tsys_ctx *ctx, tsys_tensor *x, bool mean) {
     a.t[1] = x; a.f[0] = s;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_SUM, &a) : NULL;
     tsys__node *node = tsys__record(ctx, TSYS__OP_SUM, y, &x, 1, NULL, 0);
-    if (node) node->f[0] = s;
+    if (node) { node->f[0] = s; node->i[0] = mean; }
     tsys__op_end(ctx, TSYS__OP_SUM, tag);
     return y;
 }
@@ -3281,6 +3425,291 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     return st;
 }
 
+// >>checkpoint ------------------------------------------------------------------------------------
+// Checkpointed regions (tsys_checkpoint_begin/end). Ops inside a region are recorded as usual: the
+// gradient flow, the leaves' pending uses and so their gradient-ready hooks are what they would be
+// without the region. But a node keeps no saved values; it keeps (retained, in inval) the inputs it
+// takes from outside the outermost region it is in: parameters, which cost nothing, and the
+// activations that are the region's inputs. When backward reaches a node whose region is still
+// dormant, the outermost dormant region around it is recomputed from its first node up to that node:
+// each node's op runs again through its public function, and the op's record call hands its saved
+// values to the existing node (tsys__replay_record) instead of appending one. A recompute leaves the
+// regions nested in it dormant: their nodes keep the inputs that cross into them, and are recomputed
+// in turn when backward gets there (nested checkpointing).
+// The recompute is lazy: a node's op runs only when a later recomputed node reads its output, or when
+// its backward needs a value the op computes (norm statistics, softmax output, attention O and L,
+// cross-entropy's logsumexp). A node that saves only inputs (linear, matmul, mul, swiglu, silu,
+// relu, embedding, mse) gets them back without running, so a block's last GEMM is never redone.
+// It runs the same kernels on the same values in the same order as the forward did, so gradients are
+// bit for bit those of the run without regions. It synchronizes nothing with the host and allocates
+// through the backend's allocator, so it can be captured in a CUDA graph with the rest of the step.
+// The context RNG is set back to its state at tsys_checkpoint_begin for the recompute (no op draws
+// from it today; a dropout would then draw the same mask).
+
+TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx) { return tsys_checkpoint_begin_ex(ctx, 0); }
+TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags) {
+    if (flags & ~(unsigned)TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: unknown flags 0x%x", flags);
+    if (ctx->in_backward) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: called during backward (a region is part of a forward pass)");
+    if (ctx->num_regions == ctx->cap_regions) {
+        int cap = ctx->cap_regions ? ctx->cap_regions * 2 : 64;
+        tsys__region *r = (tsys__region *)TSYS_REALLOC(ctx->regions, (size_t)cap * sizeof(*r));
+        if (!r) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a checkpointed region");
+        ctx->regions = r; ctx->cap_regions = cap;
+    }
+    tsys__region *r = &ctx->regions[ctx->num_regions];
+    r->first = ctx->tape_len; r->end = SIZE_MAX; r->parent = ctx->open_region; r->dormant = true; r->flags = flags;
+    memcpy(r->rng, ctx->rng, sizeof(r->rng));
+    ctx->open_region = ctx->num_regions++;
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_checkpoint_end(tsys_ctx *ctx) {
+    if (ctx->open_region < 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_end: no region is open (each tsys_checkpoint_end closes one tsys_checkpoint_begin)");
+    tsys__region *r = &ctx->regions[ctx->open_region];
+    r->end = ctx->tape_len;
+    ctx->open_region = r->parent;
+    return TSYS_OK;
+}
+
+TSYSDEF int tsys_checkpoint_depth(const tsys_ctx *ctx) {
+    int d = 0;
+    for (int r = ctx->open_region; r >= 0; r = ctx->regions[r].parent) d++;
+    return d;
+}
+
+static bool tsys__node_in(const tsys_ctx *ctx, const tsys__node *p, int r) {
+    return p && p->index >= ctx->regions[r].first && p->index < ctx->regions[r].end;
+}
+// The region right below r on the way up from region `inner` (inner lies inside r).
+static int tsys__region_child(const tsys_ctx *ctx, int inner, int r) {
+    while (ctx->regions[inner].parent != r) inner = ctx->regions[inner].parent;
+    return inner;
+}
+
+// Input j of `node`, kept for a later recompute; the tracker counts it as a saved activation.
+static void tsys__node_keep_input(tsys_ctx *ctx, tsys__node *node, int j, tsys_tensor *x) {
+    node->inval[j] = tsys_tensor_retain(x);
+    tsys__mem_saved(ctx, x->storage, +1);
+}
+static void tsys__node_drop_inputs(tsys_ctx *ctx, tsys__node *node) {
+    for (int j = 0; j < TSYS__NODE_IN; j++) {
+        if (!node->inval[j]) continue;
+        tsys__mem_saved(ctx, node->inval[j]->storage, -1);
+        tsys_tensor_release(node->inval[j]);
+        node->inval[j] = NULL;
+    }
+}
+static void tsys__node_keep_saved(tsys_ctx *ctx, tsys__node *node, int k, tsys_tensor *t) {
+    node->saved[k] = tsys_tensor_retain(t);
+    if (t) tsys__mem_saved(ctx, t->storage, +1);
+}
+
+// At record time, for a node inside a region: its producers, and the inputs that the outermost open
+// region cannot recompute (made before it began, or by no recorded op); a linear's low-precision
+// weight copy when that region keeps them (TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES).
+static void tsys__region_link(tsys_ctx *ctx, tsys__node *node, tsys_tensor *const *ins, tsys_tensor *const *saved) {
+    int top = node->region;
+    while (ctx->regions[top].parent >= 0) top = ctx->regions[top].parent;
+    tsys_tensor *w = node->op == TSYS__OP_LINEAR ? saved[TSYS__SAVED_LINEAR_W] : NULL;
+    if ((ctx->regions[top].flags & TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES) && w && w != ins[1]) tsys__node_keep_saved(ctx, node, TSYS__SAVED_LINEAR_W, w);
+    for (int j = 0; j < node->n_in; j++) {
+        tsys_tensor *x = ins[j];
+        if (!x) continue;
+        node->in_mask |= 1u << j;
+        node->src[j] = x->grad_fn;
+        if (!(x->grad_fn && x->grad_fn->index >= ctx->regions[top].first)) tsys__node_keep_input(ctx, node, j, x);
+    }
+}
+
+// The op of a node being recomputed calls tsys__record: the node takes the saved values (when its
+// backward is next) and no node is appended. Ops the recomputed one calls inside record nothing.
+static tsys__node *tsys__replay_record(tsys_ctx *ctx, tsys__op op, tsys_tensor *const *saved, int n_saved) {
+    tsys__node *n = ctx->replay;
+    if (ctx->replay_done || n->op != op) return NULL;
+    TSYS_ASSERT(n_saved == n->n_saved);
+    ctx->replay_done = true;
+    for (int k = 0; ctx->replay_keep && k < n_saved; k++)
+        if (!n->saved[k]) tsys__node_keep_saved(ctx, n, k, saved[k]);   // a kept weight copy is already there
+    return n;
+}
+
+// Which input an op saves in saved[k], for ops whose saved values are all inputs; -1 otherwise.
+static int tsys__saved_input(const tsys__node *n, int k) {
+    switch (n->op) {
+    case TSYS__OP_LINEAR: case TSYS__OP_MATMUL: case TSYS__OP_MUL: case TSYS__OP_SWIGLU: case TSYS__OP_MSE: return k;   // x/a = in 0, w/b = in 1
+    case TSYS__OP_RELU: case TSYS__OP_SILU: return 0;
+    case TSYS__OP_EMBEDDING: return 1;   // the ids
+    default: return -1;
+    }
+}
+static bool tsys__saves_inputs_only(const tsys__node *n) {
+    for (int k = 0; k < n->n_saved; k++)
+        if (tsys__saved_input(n, k) < 0) return false;
+    return true;
+}
+static bool tsys__saves_input(const tsys__node *n, int j) {
+    for (int k = 0; k < n->n_saved; k++)
+        if (tsys__saved_input(n, k) == j) return true;
+    return false;
+}
+
+// Runs node n's op again on the values v (its inputs); the op's record call lands on n. Returns the output.
+static tsys_tensor *tsys__replay_op(tsys_ctx *ctx, tsys__node *n, tsys_tensor *const *v, bool keep) {
+    tsys_dtype ac = ctx->autocast;
+    ctx->replay = n; ctx->replay_keep = keep; ctx->replay_done = false;
+    ctx->autocast = n->autocast;
+    tsys_tensor *y = NULL;
+    switch (n->op) {
+    case TSYS__OP_CAST: y = tsys_cast(ctx, v[0], n->out_dtype); break;
+    case TSYS__OP_EMBEDDING: y = tsys_embedding(ctx, v[0], v[1]); break;
+    case TSYS__OP_LINEAR: y = tsys_linear(ctx, v[0], v[1], v[2]); break;
+    case TSYS__OP_MATMUL: y = tsys_matmul(ctx, v[0], v[1], n->i[0] != 0); break;
+    case TSYS__OP_ADD: y = tsys_add(ctx, v[0], v[1]); break;
+    case TSYS__OP_MUL: y = tsys_mul(ctx, v[0], v[1]); break;
+    case TSYS__OP_SCALE: y = tsys_scale(ctx, v[0], n->f[0]); break;
+    case TSYS__OP_RELU: y = tsys_relu(ctx, v[0]); break;
+    case TSYS__OP_SILU: y = tsys_silu(ctx, v[0]); break;
+    case TSYS__OP_SWIGLU: y = tsys_swiglu(ctx, v[0], v[1]); break;
+    case TSYS__OP_RMSNORM: y = tsys_rmsnorm(ctx, v[0], v[1], n->f[0]); break;
+    case TSYS__OP_LAYERNORM: y = tsys_layernorm(ctx, v[0], v[1], v[2], n->f[0]); break;
+    case TSYS__OP_ROPE: y = tsys_rope(ctx, v[0], n->f[0]); break;
+    case TSYS__OP_SOFTMAX: y = tsys_softmax(ctx, v[0], n->f[0], n->i[0] != 0); break;
+    case TSYS__OP_TRANSPOSE12: y = tsys_transpose12(ctx, v[0]); break;
+    case TSYS__OP_VIEW: y = tsys_view(ctx, v[0], n->out_ndim, n->out_shape); break;
+    case TSYS__OP_CROSS_ENTROPY: y = tsys_cross_entropy(ctx, v[0], v[1]); break;
+    case TSYS__OP_MSE: y = tsys_mse(ctx, v[0], v[1]); break;
+    case TSYS__OP_SUM: y = tsys__sum_scaled(ctx, v[0], n->i[0] != 0); break;
+    case TSYS__OP_FLASH_ATTN: y = tsys_flash_attention(ctx, v[0], v[1], v[2], n->i[0] != 0, NULL); break;
+    case TSYS__OP_COUNT: break;
+    }
+    ctx->autocast = ac;
+    ctx->replay = NULL;
+    if (y && (!ctx->replay_done || y->dtype != n->out_dtype)) {
+        tsys_tensor_release(y);
+        TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint: recomputing %s (tape position %zu) did not reproduce it; was an input changed in place?", tsys__op_names[n->op], n->index);
+        return NULL;
+    }
+    if (!y && ctx->status == TSYS_OK) TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint: recomputing %s (tape position %zu) failed", tsys__op_names[n->op], n->index);
+    return y;
+}
+
+// Gives a node that saves only its inputs its saved values without running the op. A linear saves
+// the weight in its compute dtype: under autocast that is a fresh low-precision copy.
+static tsys_status tsys__replay_saved_inputs(tsys_ctx *ctx, tsys__node *n, tsys_tensor *const *v) {
+    for (int k = 0; k < n->n_saved; k++) {
+        int j = tsys__saved_input(n, k);
+        if (j < 0 || j >= TSYS__NODE_IN) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint: %s computes what it saves; it must be rerun", tsys__op_names[n->op]);
+        tsys_tensor *t = v[j];
+        if (n->saved[k]) continue;   // a weight copy kept from the forward
+        if (n->op == TSYS__OP_LINEAR && k == TSYS__SAVED_LINEAR_W && t->dtype != n->out_dtype) {
+            tsys_dtype ac = ctx->autocast;
+            ctx->replay = n; ctx->replay_done = true;   // nothing records; the autocast cache is not extended
+            ctx->autocast = n->autocast;
+            tsys_tensor *low = tsys__matmul_input(ctx, t, n->out_dtype, true);
+            ctx->autocast = ac; ctx->replay = NULL;
+            if (!low) return ctx->status;
+            tsys__node_keep_saved(ctx, n, k, low);
+            tsys_tensor_release(low);
+        } else {
+            tsys__node_keep_saved(ctx, n, k, t);
+        }
+    }
+    return TSYS_OK;
+}
+
+// Input j of a node in the dormant region `child` comes from outside it: the node keeps it for the child's recompute.
+static bool tsys__replay_crosses(const tsys_ctx *ctx, const tsys__node *n, int j, int child) {
+    return child >= 0 && !tsys__node_in(ctx, n->src[j], child);
+}
+// Does the recompute of region r need input j of node n? (child: the region below r holding n, -1 = n is directly in r)
+static bool tsys__replay_reads(const tsys_ctx *ctx, const tsys__node *n, int j, int child) {
+    if (n->rc_run) return true;
+    return child < 0 ? tsys__saves_input(n, j) : tsys__replay_crosses(ctx, n, j, child);
+}
+
+// Marks which nodes of region r up to tape position cur run, and counts the readers of each output
+// (a reader comes after its producer, so one backward sweep sees them all first).
+static void tsys__replay_plan(tsys_ctx *ctx, int r, size_t cur) {
+    const tsys__region *R = &ctx->regions[r];
+    for (size_t i = cur + 1; i-- > R->first;) {
+        tsys__node *n = ctx->tape[i];
+        int child = n->region == r ? -1 : tsys__region_child(ctx, n->region, r);
+        n->rc_run = n->rc_need > 0 || (child < 0 && !tsys__saves_inputs_only(n));
+        for (int j = 0; j < n->n_in; j++) {
+            tsys__node *p = n->src[j];
+            if (!(n->in_mask >> j & 1) || !p || p->index < R->first || !tsys__replay_reads(ctx, n, j, child)) continue;
+            p->rc_need++;
+            n->rc_reads |= 1u << j;
+        }
+    }
+}
+
+// One node of the recompute of region r: its input values, then its op (or only its saved inputs),
+// then what it keeps for a dormant child region; producers nobody reads any more let go of their output.
+static tsys_status tsys__replay_node(tsys_ctx *ctx, int r, tsys__node *n) {
+    int child = n->region == r ? -1 : tsys__region_child(ctx, n->region, r);
+    tsys_tensor *v[TSYS__NODE_IN] = {NULL, NULL, NULL, NULL}, *y = NULL;
+    tsys_status st = TSYS_OK;
+    for (int j = 0; j < n->n_in; j++) {
+        if (!(n->in_mask >> j & 1)) continue;
+        v[j] = (n->rc_reads >> j & 1) ? n->src[j]->rc_out : n->inval[j];
+        if (!v[j] && tsys__replay_reads(ctx, n, j, child))
+            st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint: input %d of %s (tape position %zu) is missing for its recompute", j, tsys__op_names[n->op], n->index);
+    }
+    if (st == TSYS_OK && n->rc_run) {
+        y = tsys__replay_op(ctx, n, v, child < 0);
+        st = y ? TSYS_OK : ctx->status;
+    } else if (st == TSYS_OK && child < 0) {
+        st = tsys__replay_saved_inputs(ctx, n, v);
+    }
+    for (int j = 0; st == TSYS_OK && child >= 0 && j < n->n_in; j++)
+        if (v[j] && !n->inval[j] && tsys__replay_crosses(ctx, n, j, child)) tsys__node_keep_input(ctx, n, j, v[j]);
+    for (int j = 0; j < n->n_in; j++) {
+        if (!(n->rc_reads >> j & 1)) continue;
+        tsys__node *p = n->src[j];
+        if (--p->rc_need == 0) { tsys_tensor_release(p->rc_out); p->rc_out = NULL; }
+    }
+    n->rc_reads = 0;
+    if (y && n->rc_need > 0) n->rc_out = y;
+    else tsys_tensor_release(y);
+    return st;
+}
+
+// Recomputes region r from its first node up to tape position cur (the node backward is at; the
+// nodes after it are done). Its own nodes get their saved values; nested regions stay dormant.
+static tsys_status tsys__region_recompute(tsys_ctx *ctx, int r, size_t cur) {
+    size_t first = ctx->regions[r].first;
+    uint64_t rng[4];
+    memcpy(rng, ctx->rng, sizeof(rng));
+    memcpy(ctx->rng, ctx->regions[r].rng, sizeof(rng));
+    tsys__region_begin(ctx, "checkpoint recompute");
+    tsys__replay_plan(ctx, r, cur);
+    tsys_status st = TSYS_OK;
+    for (size_t i = first; i <= cur && st == TSYS_OK; i++) st = tsys__replay_node(ctx, r, ctx->tape[i]);
+    for (size_t i = first; i <= cur; i++) {   // after a failure some outputs are still held
+        tsys__node *n = ctx->tape[i];
+        tsys_tensor_release(n->rc_out);
+        n->rc_out = NULL; n->rc_need = 0; n->rc_reads = 0;
+        if (n->region == r) tsys__node_drop_inputs(ctx, n);   // its saved values now hold what backward needs
+    }
+    tsys__region_end(ctx, "checkpoint recompute");
+    memcpy(ctx->rng, rng, sizeof(rng));
+    ctx->regions[r].dormant = false;
+    return st;
+}
+
+// Before backward enters a node of a dormant region: recompute the outermost dormant region around
+// it, then the next one inside, until the node has its saved values.
+static tsys_status tsys__checkpoint_materialize(tsys_ctx *ctx, tsys__node *node) {
+    while (node->region >= 0 && ctx->regions[node->region].dormant) {
+        int r = node->region;
+        for (int p = ctx->regions[r].parent; p >= 0 && ctx->regions[p].dormant; p = ctx->regions[p].parent) r = p;
+        tsys_status st = tsys__region_recompute(ctx, r, node->index);
+        if (st != TSYS_OK) return st;
+    }
+    return TSYS_OK;
+}
+
 // >>model -----------------------------------------------------------------------------------------
 
 typedef struct tsys__layer {
@@ -3299,6 +3728,9 @@ struct tsys_model {
     tsys__layer *layers;
     char (*layer_names)[24];                 // "layers.3": the model's regions for the trace hooks
     tsys_tensor *emb, *ln_final, *lm_head;
+    tsys_checkpoint_policy ckpt;             // desc.checkpoint, parsed
+    tsys_checkpoint_plan plan;               // what the last forward ran (auto: planned for its shape)
+    bool has_plan;
 };
 
 static const struct { const char *name; int d_model, d_ff, num_layers, num_heads; } tsys__presets[] = {
@@ -3316,7 +3748,7 @@ TSYSDEF tsys_model_desc tsys_model_desc_defaults(const tsys_model_desc *desc) {
 #define TSYS__DEF(f, v) if (!d.f) d.f = (v)
     TSYS__DEF(vocab_size, 10000); TSYS__DEF(context_length, 256); TSYS__DEF(d_model, 768);
     TSYS__DEF(num_layers, 12); TSYS__DEF(num_heads, 12); TSYS__DEF(d_ff, 4 * d.d_model);
-    TSYS__DEF(rope_theta, 10000.0f); TSYS__DEF(eps, 1e-5f); TSYS__DEF(attn, "naive");
+    TSYS__DEF(rope_theta, 10000.0f); TSYS__DEF(eps, 1e-5f); TSYS__DEF(attn, "naive"); TSYS__DEF(checkpoint, "none");
 #undef TSYS__DEF
     return d;
 }
@@ -3351,6 +3783,9 @@ TSYSDEF tsys_status tsys_model_desc_validate(const tsys_model_desc *desc, char *
     else if (strcmp(d.attn, "naive") != 0 && strcmp(d.attn, "flash") != 0) {
         snprintf(buf, sizeof(buf), "attention '%s' is neither 'naive' nor 'flash'", d.attn);
         why = buf;
+    } else {
+        tsys_checkpoint_policy p;
+        if (tsys_checkpoint_policy_parse(d.checkpoint, d.num_layers, &p, buf, sizeof(buf)) != TSYS_OK) why = buf;
     }
     if (!why) return TSYS_OK;
     if (err) snprintf(err, err_len, "invalid model: %s", why);
@@ -3506,6 +3941,7 @@ TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, t
     if (!m) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model"); return NULL; }
     memset(m, 0, sizeof(*m));
     m->ctx = ctx; m->desc = d; m->device = dev;
+    tsys_checkpoint_policy_parse(d.checkpoint, d.num_layers, &m->ckpt, NULL, 0);   // validated above
     int64_t n = tsys_model_desc_num_params(&d);
     int ntensors = 3 + 9 * d.num_layers;
     m->params = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)ntensors);
@@ -3583,8 +4019,15 @@ TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, 
     return st;
 }
 
+// Selective checkpointing marks regions inside a block (tsys_checkpoint_policy.selective). Their
+// linears never rerun, so under autocast they keep the weight copies the forward made.
+static void tsys__sel_begin(tsys_ctx *ctx, bool sel) { if (sel) tsys_checkpoint_begin_ex(ctx, TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES); }
+static void tsys__sel_end(tsys_ctx *ctx, bool sel) { if (sel) tsys_checkpoint_end(ctx); }
+
 // Causal self-attention of one block: project, split heads, RoPE on q and k, attend, merge, project.
-static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, tsys_tensor *h, int64_t B, int64_t T) {
+// Selective: the projections close the region the residual step opened around the norm, and the
+// attention core is a region (naive: QK^T and softmax; flash: the kernel up to the output projection).
+static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, tsys_tensor *h, int64_t B, int64_t T, bool sel) {
     tsys_ctx *ctx = m->ctx;
     int64_t H = m->desc.num_heads, dh = m->desc.d_model / H;
     int64_t split[4] = {B, T, H, dh}, merged[3] = {B, T, m->desc.d_model};
@@ -3601,11 +4044,14 @@ static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, t
             heads[j] = r;
         }
     }
+    tsys__sel_end(ctx, sel);
     bool flash = strcmp(m->desc.attn, "flash") == 0;
+    tsys__sel_begin(ctx, sel);
     if (flash) tsys__region_begin(ctx, "flash attention");
     tsys_tensor *a = flash ? tsys_flash_attention(ctx, heads[0], heads[1], heads[2], true, NULL)
                            : tsys_attention_naive(ctx, heads[0], heads[1], heads[2], true);
     if (flash) tsys__region_end(ctx, "flash attention");
+    tsys__sel_end(ctx, sel && !flash);
     for (int j = 0; j < 3; j++) tsys_tensor_release(heads[j]);
     tsys_tensor *at = tsys_transpose12(ctx, a);   // (B, T, H, dh)
     tsys_tensor_release(a);
@@ -3613,28 +4059,70 @@ static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, t
     tsys_tensor_release(at);
     tsys_tensor *o = tsys_linear(ctx, av, L->o, NULL);
     tsys_tensor_release(av);
+    tsys__sel_end(ctx, sel && flash);
     return o;
 }
 
-static tsys_tensor *tsys__model_ffn(tsys_model *m, const tsys__layer *L, tsys_tensor *h) {
+// SwiGLU feed-forward. Selective: w1 and w3 close the norm's region; SwiGLU and w2 are one region
+// (SwiGLU's output is recomputed from the kept w1, w3 outputs; w2 is not rerun).
+static tsys_tensor *tsys__model_ffn(tsys_model *m, const tsys__layer *L, tsys_tensor *h, bool sel) {
     tsys_ctx *ctx = m->ctx;
     tsys_tensor *a = tsys_linear(ctx, h, L->w1, NULL), *b = tsys_linear(ctx, h, L->w3, NULL);
+    tsys__sel_end(ctx, sel);
+    tsys__sel_begin(ctx, sel);
     tsys_tensor *s = tsys_swiglu(ctx, a, b);
     tsys_tensor_release(a); tsys_tensor_release(b);
     tsys_tensor *y = tsys_linear(ctx, s, L->w2, NULL);
+    tsys__sel_end(ctx, sel);
     tsys_tensor_release(s);
     return y;
 }
 
-// x + f(norm(x)), the pre-norm residual step; consumes x.
-static tsys_tensor *tsys__residual(tsys_model *m, const tsys__layer *L, tsys_tensor *x, bool attn, int64_t B, int64_t T) {
+// x + f(norm(x)), the pre-norm residual step; consumes x. Selective: the norm opens a region that
+// the projections reading its output close.
+static tsys_tensor *tsys__residual(tsys_model *m, const tsys__layer *L, tsys_tensor *x, bool attn, int64_t B, int64_t T, bool sel) {
     tsys_ctx *ctx = m->ctx;
+    tsys__sel_begin(ctx, sel);
     tsys_tensor *h = tsys_rmsnorm(ctx, x, attn ? L->ln1 : L->ln2, m->desc.eps);
-    tsys_tensor *f = attn ? tsys__model_attention(m, L, h, B, T) : tsys__model_ffn(m, L, h);
+    tsys_tensor *f = attn ? tsys__model_attention(m, L, h, B, T, sel) : tsys__model_ffn(m, L, h, sel);
     tsys_tensor_release(h);
     tsys_tensor *y = tsys_add(ctx, x, f);
     tsys_tensor_release(x); tsys_tensor_release(f);
     return y;
+}
+
+static tsys_status tsys__checkpoint_plan(const tsys_model_desc *desc, const tsys_checkpoint_policy *pol, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out);
+
+// The policy this forward runs: the model's, or for auto the planner's choice for this shape.
+static tsys_checkpoint_policy tsys__model_policy(tsys_model *m, int64_t B, int64_t T) {
+    tsys_ctx *ctx = m->ctx;
+    tsys_dtype dt = ctx->autocast;
+    bool same = m->has_plan && m->plan.batch == B && m->plan.context == T && m->plan.dtype == dt;
+    if (!same) {
+        m->has_plan = tsys__checkpoint_plan(&m->desc, &m->ckpt, B, T, dt, true, &m->plan) == TSYS_OK;
+        if (!m->has_plan) TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "model: no checkpointing plan for batch %lld, context %lld", (long long)B, (long long)T);
+    }
+    return m->has_plan ? m->plan.policy : m->ckpt;
+}
+
+// The blocks, with the policy's regions: segments of p.segment blocks, regions of p.inner blocks
+// nested in each, the selective regions inside every block.
+static tsys_tensor *tsys__model_blocks(tsys_model *m, tsys_tensor *x, const tsys_checkpoint_policy *p, int64_t B, int64_t T) {
+    tsys_ctx *ctx = m->ctx;
+    int n = m->desc.num_layers, seg = p->segment, inner = p->inner;
+    for (int l = 0; l < n; l++) {
+        int in_seg = seg ? l % seg : l;   // position in the segment
+        bool seg_last = seg && ((l + 1) % seg == 0 || l + 1 == n);
+        if (seg && in_seg == 0) tsys_checkpoint_begin(ctx);
+        if (inner && in_seg % inner == 0) tsys_checkpoint_begin(ctx);
+        tsys__region_begin(ctx, m->layer_names[l]);
+        x = tsys__residual(m, &m->layers[l], x, true, B, T, p->selective);
+        x = tsys__residual(m, &m->layers[l], x, false, B, T, p->selective);
+        tsys__region_end(ctx, m->layer_names[l]);
+        if (inner && ((in_seg + 1) % inner == 0 || seg_last)) tsys_checkpoint_end(ctx);
+        if (seg_last) tsys_checkpoint_end(ctx);
+    }
+    return x;
 }
 
 TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
@@ -3644,19 +4132,284 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
     TSYS__REQUIRE(ctx, ids->shape[1] <= m->desc.context_length, "model: sequence length %lld is longer than context_length %d", (long long)ids->shape[1], m->desc.context_length);
     TSYS__REQUIRE(ctx, ids->device == m->device, "model: ids '%s' are on another device than the model", ids->name);
     int64_t B = ids->shape[0], T = ids->shape[1];
+    tsys_checkpoint_policy p = tsys__model_policy(m, B, T);
     tsys_tensor *x = tsys_embedding(ctx, m->emb, ids);
-    for (int l = 0; l < m->desc.num_layers; l++) {
-        tsys__region_begin(ctx, m->layer_names[l]);
-        x = tsys__residual(m, &m->layers[l], x, true, B, T);
-        x = tsys__residual(m, &m->layers[l], x, false, B, T);
-        tsys__region_end(ctx, m->layer_names[l]);
-    }
+    x = tsys__model_blocks(m, x, &p, B, T);
     tsys_tensor *h = tsys_rmsnorm(ctx, x, m->ln_final, m->desc.eps);
     tsys_tensor_release(x);
     tsys_tensor *logits = tsys_linear(ctx, h, m->lm_head, NULL);
     tsys_tensor_release(h);
     if (logits) tsys_tensor_set_name(logits, "logits");
     return logits;
+}
+
+TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model *m) { return m->has_plan ? &m->plan : NULL; }
+
+// >>checkpoint planner ----------------------------------------------------------------------------
+// Policies (tsys_model_desc.checkpoint) and what they cost. Bytes per block that the forward keeps for
+// backward, read off the ops (E = batch x context tokens, d, f = d_ff, H heads, T context, B batch;
+// c = 4 in fp32, 2 under bf16/fp16 autocast; the residual stream and norm statistics stay fp32):
+//   x    4Ed     each RMSNorm's input (the residual), and rstd 4E
+//   qkv  fp32: 4Ed, the norm's output the three projections share; autocast: 3cEd, a cast each
+//   attn naive: q, k (QK^T), v (PV) 3cEd + the softmax output c B H T^2 (softmax and PV share it);
+//        flash: q, k, v, O 4cEd + L 4 B H T
+//   o    cEd     the output projection's input
+//   ffn  fp32: 4Ed shared by w1, w3; autocast: 2cEd
+//   ab   2cEf    SwiGLU's inputs (w1, w3 outputs);  s  cEf  SwiGLU's output (w2's input)
+// Without checkpointing a block keeps all of it (the CS336 xl block, fp32, context 2048, batch 4:
+// 3648 MiB against torch's 3651). A region keeps its inputs: a block or segment of blocks one x;
+// selective keeps x + 3cEd + (naive: o) + x + ab (the norms' outputs and casts, the softmax output or
+// flash's O and o, and s go). The rest of the model keeps the final norm's x and rstd, the lm_head
+// input (4Ed or cEd), the logits c E V and the loss's logsumexp 4E.
+// Peak: the fixed part (parameters 4P, gradients 4P, AdamW 8P, the (B, T) i64 ids and targets) plus
+// the largest of three moments:
+//   end of forward     autocast weight copies (c x matmul weights), all kept bytes, and the last
+//                      block's attention transients (naive: scores and probabilities)
+//   start of backward  kept bytes + the logits' gradient c E V
+//   a segment's turn   the kept bytes of the earlier blocks, the segment recomputed (its blocks' kept
+//                      bytes as the policy below it leaves them: all, selective's, or inputs of the
+//                      nested regions plus one block), the largest part a nested selective region adds
+//                      back, and the gradients in flight (two residual gradients and the largest of
+//                      SwiGLU's 3cEf, naive softmax's 2 c B H T^2, flash's 4cEd)
+// Recomputation: a block region reruns the block's forward but w2 (its output is not needed: the
+// lazy recompute skips it); a nested segment also reruns all but its last block in full once more;
+// selective reruns QK^T (naive) or the flash kernel, and the elementwise ops it recomputes.
+
+// Bytes: a number with an optional K, M, G or T (powers of 1024), alone or with "B" or "iB".
+static bool tsys__parse_bytes(const char *s, double *out) {
+    if (!s || !((*s >= '0' && *s <= '9') || *s == '.')) return false;   // no sign, no hex, no inf/nan
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || !(v >= 0) || v > 1e18) return false;
+    static const char units[] = "KMGT";
+    const char *u = *end ? strchr(units, *end) : NULL;
+    if (u && *end) { for (int i = 0; i <= u - units; i++) v *= 1024.0; end++; if (*end == 'i') end++; if (*end == 'B') end++; }
+    else if (*end == 'B') end++;
+    if (*end) return false;
+    *out = v;
+    return true;
+}
+
+static int tsys__isqrt_up(int n) { int k = 1; while (k * k < n) k++; return k; }
+
+TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, tsys_checkpoint_policy *out, char *err, size_t err_len) {
+    memset(out, 0, sizeof(*out));
+    if (!s || !*s || !strcmp(s, "none")) return TSYS_OK;
+    int L = num_layers > 0 ? num_layers : 1;
+    char buf[64], why[160] = "";
+    size_t n = strlen(s);
+    if (n >= sizeof(buf)) snprintf(why, sizeof(why), "longer than %d characters", (int)sizeof(buf) - 1);
+    else {
+        memcpy(buf, s, n + 1);
+        char *plus = strstr(buf, "+selective");
+        if (plus && plus[10] == 0 && plus != buf) { out->selective = true; *plus = 0; }
+        int k = 0;
+        if (!strcmp(buf, "selective") && !out->selective) out->selective = true;
+        else if (!strncmp(buf, "blocks:", 7)) {
+            if (buf[7] && strspn(buf + 7, "0123456789") == strlen(buf + 7) && strlen(buf + 7) < 8) k = atoi(buf + 7);
+            if (k < 1 || k > L)
+                snprintf(why, sizeof(why), "blocks:K needs K from 1 to num_layers (%d)", L);
+            out->segment = k;
+        } else if (!strcmp(buf, "sqrt")) out->segment = tsys__isqrt_up(L);
+        else if (!strcmp(buf, "nested") || !strncmp(buf, "nested:", 7)) {
+            k = TSYS__MAX(2, tsys__isqrt_up(L));
+            if (buf[6] == ':') k = (buf[7] && strspn(buf + 7, "0123456789") == strlen(buf + 7) && strlen(buf + 7) < 8) ? atoi(buf + 7) : -1;
+            if (k < 2 || k > L) snprintf(why, sizeof(why), "nested:K needs K from 2 to num_layers (%d) blocks per segment", L);
+            out->segment = k; out->inner = 1;
+        } else if (!strncmp(buf, "auto:", 5) && !out->selective) {
+            if (!tsys__parse_bytes(buf + 5, &out->budget) || out->budget <= 0)
+                snprintf(why, sizeof(why), "auto:BYTES needs a positive size such as 40GiB, 512M or 3e10");
+        } else snprintf(why, sizeof(why), "unknown policy");
+    }
+    if (!why[0]) return TSYS_OK;
+    if (err) snprintf(err, err_len, "checkpoint policy '%s': %s (policies: none, blocks:K, sqrt, nested[:K], selective, blocks:K+selective, sqrt+selective, nested[:K]+selective, auto:BYTES)", s, why);
+    memset(out, 0, sizeof(*out));
+    return TSYS_ERR_INVALID_ARGS;
+}
+
+TSYSDEF void tsys_checkpoint_policy_name(const tsys_checkpoint_policy *p, char *buf, size_t len) {
+    if (p->budget > 0) snprintf(buf, len, "auto:%.4gGiB", p->budget / 1073741824.0);
+    else if (p->inner) snprintf(buf, len, "nested:%d%s", p->segment, p->selective ? "+selective" : "");
+    else if (p->segment) snprintf(buf, len, "blocks:%d%s", p->segment, p->selective ? "+selective" : "");
+    else snprintf(buf, len, "%s", p->selective ? "selective" : "none");
+}
+
+// The sizes of one step and what a block keeps, part by part (the table above).
+typedef struct tsys__acct {
+    double E, B, T, d, f, H, V, L, c;
+    bool ac, flash;
+    double x, st, qkv, attn_in, attn_big, o, ffn, ab, s;   // attn_in: q, k, v; attn_big: P (naive) or O + L (flash)
+    double full, sel, head;
+    double ac_block, ac_head;          // autocast copies of a block's matmul weights, of lm_head's
+} tsys__acct;
+
+static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T, tsys_dtype dt) {
+    tsys__acct a;
+    memset(&a, 0, sizeof(a));
+    a.B = (double)B; a.T = (double)T; a.E = a.B * a.T;
+    a.d = d->d_model; a.f = d->d_ff; a.H = d->num_heads; a.V = d->vocab_size; a.L = d->num_layers;
+    a.ac = dt == TSYS_BF16 || dt == TSYS_F16;
+    a.c = a.ac ? 2.0 : 4.0;
+    a.flash = strcmp(d->attn, "flash") == 0;
+    double E = a.E, c = a.c;
+    a.x = 4 * E * a.d; a.st = 4 * E;
+    a.qkv = a.ac ? 3 * c * E * a.d : a.x;
+    a.attn_in = 3 * c * E * a.d;
+    a.attn_big = a.flash ? c * E * a.d + 4 * a.B * a.H * a.T : c * a.B * a.H * a.T * a.T;
+    a.o = c * E * a.d;
+    a.ffn = a.ac ? 2 * c * E * a.d : a.x;
+    a.ab = 2 * c * E * a.f; a.s = c * E * a.f;
+    a.full = 2 * (a.x + a.st) + a.qkv + a.attn_in + a.attn_big + a.o + a.ffn + a.ab + a.s;
+    a.sel = 2 * a.x + a.attn_in + (a.flash ? 0 : a.o) + a.ab;
+    a.head = a.x + a.st + (a.ac ? c * E * a.d : a.x) + c * E * a.V + 4 * E;
+    a.ac_block = a.ac ? c * (4 * a.d * a.d + 3 * a.d * a.f) : 0;
+    a.ac_head = a.ac ? c * a.V * a.d : 0;
+    return a;
+}
+
+// The most a block holds while backward goes through it, its own kept bytes included: first the FFN
+// (everything kept, SwiGLU's gradients ds, da, db in flight), then attention (the FFN's and the
+// output projection's values are gone; naive: the gradients of the probabilities and the scores,
+// flash: dO, dq, dk, dv). Selective: the region being recomputed adds back its part, with the
+// low-precision weight copies it casts again. Two residual gradients are in flight throughout.
+static double tsys__acct_block_peak(const tsys__acct *a, bool sel) {
+    double attn_tr = a->flash ? 4 * a->c * a->E * a->d : 2 * a->attn_big, cc = a->ac ? a->c : 0;
+    double ffn_phase, attn_phase;
+    if (!sel) {
+        ffn_phase = a->full + 3 * a->s;
+        attn_phase = a->x + a->st + a->qkv + a->attn_in + a->attn_big + attn_tr;
+    } else {
+        ffn_phase = a->sel + a->s + cc * a->d * a->f + 3 * a->s;
+        double norm2 = a->sel - a->ab + a->st + a->ffn + cc * 2 * a->d * a->f + 2 * a->c * a->E * a->d;
+        attn_phase = a->x + a->attn_in + a->attn_big + (a->flash ? a->o + cc * a->d * a->d : 0) + attn_tr;
+        double norm1 = a->x + a->st + a->qkv + cc * 3 * a->d * a->d + 3 * a->c * a->E * a->d;
+        ffn_phase = TSYS__MAX(ffn_phase, norm2);
+        attn_phase = TSYS__MAX(attn_phase, norm1);
+    }
+    return 2 * a->x + TSYS__MAX(ffn_phase, attn_phase);
+}
+
+// Predicted bytes and FLOPs of one policy.
+static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_policy *p, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out) {
+    tsys__acct a = tsys__acct_make(d, B, T, dt);
+    double P = (double)tsys_model_desc_num_params(d), L = a.L, E = a.E;
+    int seg = p->segment, nseg = seg ? (d->num_layers + seg - 1) / seg : 0;
+    memset(out, 0, sizeof(*out));
+    out->policy = *p;
+    tsys_checkpoint_policy_name(p, out->name, sizeof(out->name));
+    out->batch = B; out->context = T; out->dtype = dt; out->optimizer = opt;
+    out->block_bytes = a.full;
+    double kept_blocks = seg ? nseg * a.x : L * (p->selective ? a.sel : a.full);
+    out->kept_block_bytes = kept_blocks / L;
+    out->kept_bytes = kept_blocks + a.head;
+    out->fixed_bytes = 4 * P + (opt ? 8 * P : 0) + 16 * E;
+    // gradients are made by group as backward reaches it (lm_head and the final norm first, then each
+    // layer from the top; tsys__grad_home) and all live at its end and in the optimizer step
+    double head_grads = 4 * (a.V * a.d + a.d), layer_grads = 4 * (4 * a.d * a.d + 3 * a.d * a.f + 2 * a.d);
+    // autocast copies still held after the forward: lm_head's, and without block regions every
+    // block's (selective's regions keep theirs: TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES)
+    double ac_held = a.ac_head + (seg ? 0 : L * a.ac_block);
+    double attn_fwd = a.flash ? 0 : a.c * a.B * a.H * a.T * a.T * ((seg || p->selective) ? 2 : 1);
+    double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head, attn_fwd);
+    double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V + head_grads;
+    // a segment's turn: the earlier segments keep their input; in the segment, the blocks before the
+    // one backward is in are recomputed (all they keep; nested: only their inputs) and that one peaks
+    double kept_one = p->selective ? a.sel : a.full, blocks = 0;
+    double peak_one = tsys__acct_block_peak(&a, p->selective) + (seg ? a.ac_block : 0);   // a recomputed block casts its weights again
+    if (!seg) blocks = (L - 1) * kept_one + peak_one + head_grads + layer_grads;
+    for (int s = 0; s < nseg; s++) {   // s segments below; the gradients of the layers above and of this block are made
+        double k = TSYS__MIN(seg, d->num_layers - s * seg);
+        double before = (k - 1) * (p->inner ? a.x : kept_one + (a.ac ? a.ac_block : 0));
+        double grads = head_grads + (L - s * seg - k + 1) * layer_grads;
+        blocks = TSYS__MAX(blocks, s * a.x + before + peak_one + grads);
+    }
+    blocks += ac_held - a.ac_head;
+    double end_bwd = 4 * P + a.x;   // every gradient, and the residual stream's
+    out->peak_bytes = out->fixed_bytes + TSYS__MAX(TSYS__MAX(end_fwd, end_bwd), TSYS__MAX(start_bwd, blocks));
+    // recomputation: matmul FLOPs, and bytes of the elementwise ops rerun
+    double gemm = 2 * E * (4 * a.d * a.d + 3 * a.d * a.f), w2 = 2 * E * a.d * a.f, qk = 2 * a.B * a.T * a.T * a.d;
+    double elem_blk = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 0 : 2 * a.attn_big) + 6 * a.c * E * a.d;
+    double elem_sel = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 2 * a.o : 2 * a.attn_big);
+    double flops = 0, bytes = 0;
+    if (seg) { flops += L * (gemm - w2 + 2 * qk) + (L - nseg) * w2; bytes += L * elem_blk; }   // a segment's last w2 is not rerun
+    if (p->inner) { flops += (L - nseg) * (gemm - w2 + 2 * qk); bytes += (L - nseg) * elem_blk; }   // nested: blocks but the last run once more
+    if (p->selective) { flops += L * (a.flash ? 2 * qk : qk); bytes += L * elem_sel; }
+    out->step_flops = tsys_model_flops(d, B, T, true);
+    out->recompute_flops = flops;
+    out->recompute_bytes = bytes;
+    out->budget = p->budget;
+    out->fits = p->budget <= 0 || out->peak_bytes <= p->budget;
+}
+
+// The nominal machine the planner ranks policies on: recomputation costs FLOPs / 400 TFLOP/s + bytes / 2 TB/s.
+static double tsys__plan_cost(const tsys_checkpoint_plan *p) { return tsys_checkpoint_plan_extra_ms(p, 400.0, 2000.0); }
+
+// auto: every policy, the cheapest that fits (ties: the smaller peak); when none fits, the smallest peak.
+static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out) {
+    tsys_checkpoint_plan best, cand;
+    bool have = false;
+    int L = d->num_layers;
+    for (int kind = 0; kind < 3; kind++)
+        for (int k = kind == 0 ? 0 : kind == 1 ? 1 : 2; k <= (kind == 0 ? 0 : L); k++)
+            for (int sel = 0; sel < 2; sel++) {
+                tsys_checkpoint_policy p;
+                memset(&p, 0, sizeof(p));
+                p.segment = k; p.inner = kind == 2 ? 1 : 0; p.selective = sel != 0;
+                tsys__plan_fill(d, &p, B, T, dt, opt, &cand);
+                cand.fits = cand.peak_bytes <= budget;
+                bool better = !have || (cand.fits && !best.fits) ||
+                              (cand.fits == best.fits && (cand.fits ? (tsys__plan_cost(&cand) < tsys__plan_cost(&best) ||
+                                                                       (tsys__plan_cost(&cand) == tsys__plan_cost(&best) && cand.peak_bytes < best.peak_bytes))
+                                                                    : cand.peak_bytes < best.peak_bytes));
+                if (better) { best = cand; have = true; }
+            }
+    *out = best;
+    out->budget = budget;
+}
+
+static tsys_status tsys__checkpoint_plan(const tsys_model_desc *desc, const tsys_checkpoint_policy *pol, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out) {
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    if (B < 1 || T < 1) return TSYS_ERR_INVALID_ARGS;
+    if (pol->budget > 0) tsys__plan_auto(&d, pol->budget, B, T, dt, opt, out);
+    else tsys__plan_fill(&d, pol, B, T, dt, opt, out);
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
+                                              bool optimizer, tsys_checkpoint_plan *out, char *err, size_t err_len) {
+    tsys_model_desc d = tsys_model_desc_defaults(desc);
+    if (tsys_model_desc_validate(&d, err, err_len) != TSYS_OK) return TSYS_ERR_INVALID_ARGS;
+    tsys_checkpoint_policy p;
+    if (tsys_checkpoint_policy_parse(policy, d.num_layers, &p, err, err_len) != TSYS_OK) return TSYS_ERR_INVALID_ARGS;
+    if (batch < 1 || context < 1) {
+        if (err) snprintf(err, err_len, "checkpoint plan: batch %lld and context %lld must be positive", (long long)batch, (long long)context);
+        return TSYS_ERR_INVALID_ARGS;
+    }
+    return tsys__checkpoint_plan(&d, &p, batch, context, dtype, optimizer, out);
+}
+
+TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, double tflops, double gbps) {
+    double ms = 0;
+    if (tflops > 0) ms += p->recompute_flops / (tflops * 1e12) * 1e3;
+    if (gbps > 0) ms += p->recompute_bytes / (gbps * 1e9) * 1e3;
+    return ms;
+}
+
+TSYSDEF void tsys_checkpoint_plan_print(const tsys_checkpoint_plan *p, FILE *f, double tflops, double gbps) {
+    const double MiB = 1048576.0;
+    fprintf(f, "checkpoint plan: %s (batch %lld, context %lld, %s%s)%s\n", p->name, (long long)p->batch, (long long)p->context,
+            p->dtype == TSYS_F32 ? "fp32" : tsys_dtype_name(p->dtype), p->optimizer ? ", AdamW" : "",
+            p->budget > 0 ? (p->fits ? " fits the budget" : " -- nothing fits the budget; this is the smallest peak") : "");
+    const tsys_checkpoint_policy *q = &p->policy;
+    fprintf(f, "  kept for backward: %.1f MiB per block (%.1f MiB without checkpointing), %.1f MiB in all\n", p->kept_block_bytes / MiB, p->block_bytes / MiB, p->kept_bytes / MiB);
+    if (q->segment) fprintf(f, "  recomputed: every %d blocks from their input%s\n", q->segment, q->inner ? ", then each block again from its own" : "");
+    if (q->selective) fprintf(f, "  recomputed in every block: the norms and their projections' inputs, the attention core, SwiGLU\n");
+    if (!q->segment && !q->selective) fprintf(f, "  recomputed: nothing\n");
+    fprintf(f, "  predicted peak %.1f MiB (fixed %.1f MiB%s%.1f MiB); recomputation %.3g GFLOP (+%.1f%% of the step's matmuls)",
+            p->peak_bytes / MiB, p->fixed_bytes / MiB, p->budget > 0 ? ", budget " : "", p->budget > 0 ? p->budget / MiB : 0.0,
+            p->recompute_flops / 1e9, p->step_flops > 0 ? 100.0 * p->recompute_flops / p->step_flops : 0.0);
+    if (tflops > 0 && gbps > 0) fprintf(f, ", about +%.2f ms at %.3g TFLOP/s and %.0f GB/s", tsys_checkpoint_plan_extra_ms(p, tflops, gbps), tflops, gbps);
+    fprintf(f, "\n");
 }
 
 // >>optimizer -------------------------------------------------------------------------------------

@@ -2841,6 +2841,7 @@ struct tsys_fsdp {
     int rs_pending;              // unit whose reduce-scatter is in flight (-1 none)
     tsys_trace_hooks prev;       // hooks installed before ours (chained)
     int in_hook;
+    int recompute;               // inside an activation-checkpoint recompute (its forward ops are backward's)
     int ngathered;
     tsys_fsdp_stats stats, cur;
     tsys_status err;
@@ -3015,12 +3016,17 @@ static int tsys_fsdp__unit_of(const tsys_fsdp *f, const tsys_tensor *w) {
 static void tsys_fsdp__op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (f->prev.op_begin) f->prev.op_begin(ctx, name, kind, f->prev.user);
+    if (kind == TSYS_TRACE_REGION && !strcmp(name, "checkpoint recompute")) f->recompute++;
     if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_fsdp__counted(name)) return;
     int i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
     if (i < 0) return;
     tsys_fsdp__unit *U = &f->u[i];
     f->in_hook++;
-    if (kind == TSYS_TRACE_FORWARD) {
+    if (kind == TSYS_TRACE_FORWARD && f->recompute) {
+        // a checkpointed region runs its forward again inside backward: the unit is gathered again
+        // (its forward freed it) and stays so until its own backward ops are done
+        tsys_fsdp__gather_wait(f, i);
+    } else if (kind == TSYS_TRACE_FORWARD) {
         if (U->seen_fwd >= U->np) {   // a unit used again: a new forward (what the last one left goes)
             for (int j = 0; j < f->nu; j++) {
                 f->u[j].seen_fwd = f->u[j].seen_bwd = 0;
@@ -3043,7 +3049,9 @@ static void tsys_fsdp__op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind
 static void tsys_fsdp__op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     int i = -1;
-    if (!f->in_hook && (kind == TSYS_TRACE_FORWARD || kind == TSYS_TRACE_BACKWARD) && tsys_fsdp__counted(name)) i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (kind == TSYS_TRACE_REGION && !strcmp(name, "checkpoint recompute") && f->recompute > 0) f->recompute--;
+    bool counted = (kind == TSYS_TRACE_FORWARD && !f->recompute) || kind == TSYS_TRACE_BACKWARD;
+    if (!f->in_hook && counted && tsys_fsdp__counted(name)) i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
     if (i >= 0) {
         tsys_fsdp__unit *U = &f->u[i];
         f->in_hook++;

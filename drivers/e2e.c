@@ -16,16 +16,17 @@
 #include "../tsys_cuda.cuh"
 #endif
 #include "driver_util.h"
+#include <ctype.h>
 #include <sys/stat.h>
 
 typedef struct e2e_opts {
     const char *device, *format, *load;
-    du_list models, contexts, modes, dtypes, attns, compiles, overlaps;
+    du_list models, contexts, modes, dtypes, attns, compiles, overlaps, ckpts;
     int batch, warmup, steps;
     uint64_t seed;
     size_t mem_limit;       // bytes; 0 = the default budget
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
-    bool sgemm, tf32, oom_ok, dry_run, nvtx;
+    bool sgemm, tf32, oom_ok, dry_run, nvtx, plan;
     const char *profile;    // a folder: one profiled step per configuration (tables + Chrome trace)
     FILE *profile_log;      // the tables of every profiled configuration, printed after the results
     double cpu_gflops;      // measured CBLAS sgemm GFLOP/s on the CPU (0: not measured)
@@ -51,6 +52,12 @@ static void usage(FILE *f) {
         "                             with fp16, whose loss scaler needs every gradient first; default no)\n"
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
+        "  --checkpoint LIST          activation checkpointing: none | blocks:K | sqrt | nested[:K] | selective |\n"
+        "                             blocks:K+selective, sqrt+selective, nested[:K]+selective | auto:BYTES (the planner\n"
+        "                             picks the cheapest policy whose predicted peak fits BYTES, e.g. auto:60GiB, and\n"
+        "                             prints its plan on stderr) (default none)\n"
+        "  --plan                     print each configuration's checkpointing accounting (bytes a block keeps with\n"
+        "                             and without checkpointing, predicted peak, recomputed FLOPs) instead of measuring\n"
         "  --format md|csv|jsonl      output rows, each printed as soon as it is measured (default md)\n"
         "  --load FILE.safetensors    weights to start from (PyTorch state names)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
@@ -76,6 +83,8 @@ static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d)
 static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
 static bool ok_compile(const char *s) { return !strcmp(s, "no") || !strcmp(s, "yes"); }
+// the syntax only: whether K fits a model's layers is checked per configuration (an error row)
+static bool ok_ckpt(const char *s) { tsys_checkpoint_policy p; return tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK; }
 static bool ok_model(const char *s) {
     tsys_model_desc d;
     return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK;
@@ -83,7 +92,7 @@ static bool ok_model(const char *s) {
 
 static void opts_free(e2e_opts *o) {
     du_list_free(&o->models); du_list_free(&o->contexts); du_list_free(&o->modes);
-    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->overlaps);
+    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->overlaps); du_list_free(&o->ckpts);
 }
 
 // Parses and checks every flag and list; returns 0 (o then owns the lists: opts_free), DU_HELP,
@@ -91,12 +100,12 @@ static void opts_free(e2e_opts *o) {
 static int parse_args(int argc, char **argv, e2e_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *overlap = "no";
+    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *overlap = "no", *ckpt = "none";
     o->format = "md";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
     static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--opt-in-backward", "--format",
                                          "--load", "--batch-size", "--warmup", "--steps", "--seed", "--d-model", "--d-ff", "--num-layers",
-                                         "--num-heads", "--vocab-size", "--mem-limit", "--profile"};
+                                         "--num-heads", "--vocab-size", "--mem-limit", "--profile", "--checkpoint"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
@@ -105,6 +114,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = true; continue; }
         if (!strcmp(a, "--nvtx")) { o->nvtx = true; continue; }
+        if (!strcmp(a, "--plan")) { o->plan = true; continue; }
         bool known = false;
         for (size_t j = 0; j < sizeof(valued) / sizeof(valued[0]); j++) known = known || !strcmp(a, valued[j]);
         if (!known) { fprintf(stderr, "e2e: unknown flag '%s'\n", a); usage(stderr); return DU_EXIT_USAGE; }
@@ -119,6 +129,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--attn")) attn = v;
         else if (!strcmp(a, "--compile")) compile = v;
         else if (!strcmp(a, "--opt-in-backward")) overlap = v;
+        else if (!strcmp(a, "--checkpoint")) ckpt = v;
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--load")) o->load = v;
         else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("e2e", a, v, &o->mem_limit)) return DU_EXIT_USAGE; }
@@ -147,7 +158,9 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         || !du_split_check(&o->dtypes, "e2e", "--dtype", dtypes, ok_dtype, "fp32, bf16 or fp16")
         || !du_split_check(&o->attns, "e2e", "--attn", attn, ok_attn, "naive, flash or auto")
         || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")
-        || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_compile, "no or yes")) {
+        || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_compile, "no or yes")
+        || !du_split_check(&o->ckpts, "e2e", "--checkpoint", ckpt, ok_ckpt,
+                           "none, blocks:K, sqrt, nested[:K], selective, P+selective or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
         opts_free(o);
         return DU_EXIT_USAGE;
     }
@@ -159,13 +172,19 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
 typedef struct bench {
     du_lm lm;         // the model, its optimizer, the batch, the step
     bool capturing;   // inside CUDA graph capture: no host synchronization allowed
+    int64_t saved;    // bytes the forward kept for backward (the tracker's activations after it)
     tsys_event ev[4]; // the phase boundaries of a step: start, forward done, backward done, optimizer done
 } bench;
 
 // Marks a phase boundary on the compute stream (nothing while capturing: a graph is timed whole).
+// At the end of forward it also takes the bytes the forward kept (the batch is the caller's: the
+// embedding and the loss keep it too).
 static void bench_mark(void *user, int i) {
     bench *b = (bench *)user;
-    if (!b->capturing) tsys_event_record(b->lm.ctx, b->lm.dev, TSYS_STREAM_COMPUTE, &b->ev[i]);
+    du_lm *lm = &b->lm;
+    if (i == 1 && lm->mode != DU_FORWARD)
+        b->saved = tsys_mem_stats_get(lm->ctx, lm->dev).category_bytes[TSYS_MEM_ACTIVATIONS] - (int64_t)(tsys_tensor_bytes(lm->ids) + tsys_tensor_bytes(lm->targets));
+    if (!b->capturing) tsys_event_record(lm->ctx, lm->dev, TSYS_STREAM_COMPUTE, &b->ev[i]);
 }
 
 static void bench_free(bench *b) {
@@ -238,9 +257,14 @@ static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const 
 
 // One more step under the profiler; its tables and Chrome trace go to DIR/<configuration>.{md,json}.
 static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_row *row) {
-    char base[512], path[600];
-    snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
-             du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled");
+    char base[512], path[600], ckpt[64] = "";
+    if (strcmp(du_row_get(row, "ckpt"), "none")) {   // "_ckpt-blocks-1-selective" (a file name's characters)
+        snprintf(ckpt, sizeof(ckpt), "_ckpt-%s", du_row_get(row, "ckpt"));
+        for (char *c = ckpt + 6; *c; c++) if (!isalnum((unsigned char)*c)) *c = '-';
+    }
+    snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+             du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled",
+             strcmp(du_row_get(row, "opt_in_bwd"), "yes") ? "" : "_opt-in-bwd", ckpt);
     tsys_profiler *p = tsys_profiler_begin(b->lm.ctx);
     double t[3] = {0, 0, 0};
     tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->lm.ctx);
@@ -266,7 +290,8 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     return st;
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap, const char *attn) {
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap, const char *attn,
+                       const char *ckpt) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
@@ -276,6 +301,7 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
     du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
     du_row_set(row, "opt_in_bwd", "%s", overlap ? "yes" : "no");
+    du_row_set(row, "ckpt", "%s", ckpt);
     du_row_set(row, "warmup", "%d", o->warmup);
 }
 
@@ -284,14 +310,59 @@ static bool config_desc(const e2e_opts *o, const char *model_name, int T, const 
     return du_model_desc(&o->dims, model_name, T, attn, d, err, len) && du_model_sizes_ok(d, o->batch, T, err, len);
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap,
-                       const char *attn_flag, du_table *tab) {
-    char err[256] = "";
+// The checkpointing plan of a configuration; auto:BYTES is resolved here with what the step holds
+// (AdamW state only in train mode) and its plan printed on stderr. d->checkpoint becomes the policy run.
+static bool config_plan(const e2e_opts *o, tsys_model_desc *d, const char *ckpt, int T, du_mode mode, tsys_dtype dt, tsys_checkpoint_plan *plan,
+                        char *name, size_t name_len, char *err, size_t len, bool quiet) {
+    d->checkpoint = ckpt;
+    if (tsys_checkpoint_plan_make(d, ckpt, o->batch, T, dt, mode == DU_TRAIN, plan, err, len) != TSYS_OK) return false;
+    snprintf(name, name_len, "%s%s", plan->name, strncmp(ckpt, "auto:", 5) ? "" : " (auto)");
+    if (strncmp(ckpt, "auto:", 5)) return true;
+    d->checkpoint = plan->name;
+    if (quiet) return true;
+    double tflops = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2], gbps = o->peak[0] > 0 ? 2000.0 : 10.0;   // GPU HBM / CPU DRAM, nominal
+    if (!(tflops > 0)) tflops = o->cpu_gflops > 0 ? o->cpu_gflops / 1e3 : 0;
+    tsys_checkpoint_plan_print(plan, stderr, tflops, gbps);
+    return true;
+}
+
+// --plan: the accounting of one configuration, no model built.
+static void plan_config(const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, const char *attn, const char *ckpt, du_table *tab) {
+    char err[256] = "", name[64] = "";
     tsys_model_desc d;
+    tsys_checkpoint_plan p;
+    du_row *row = du_table_row(tab);
+    du_row_set(row, "model", "%s", model_name); du_row_set(row, "context", "%d", T); du_row_set(row, "batch", "%d", o->batch);
+    du_row_set(row, "mode", "%s", du_mode_names[mode]);
+    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16"); du_row_set(row, "attn", "%s", attn);
+    du_row_set(row, "ckpt", "%s", ckpt);
+    if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err)) || !config_plan(o, &d, ckpt, T, mode, dt, &p, name, sizeof(name), err, sizeof(err), true)) {
+        du_row_set(row, "status", "error: %s", err);
+        return;
+    }
+    const double MiB = 1048576.0;
+    du_row_set(row, "ckpt", "%s", name);
+    du_row_set(row, "block_MiB", "%.2f", p.block_bytes / MiB);
+    du_row_set(row, "kept_block_MiB", "%.2f", p.kept_block_bytes / MiB);
+    du_row_set(row, "kept_blocks_MiB", "%.2f", p.kept_block_bytes * d.num_layers / MiB);
+    du_row_set(row, "kept_MiB", "%.1f", p.kept_bytes / MiB);
+    du_row_set(row, "pred_peak_MiB", "%.1f", p.peak_bytes / MiB);
+    du_row_set(row, "recompute", "+%.1f%%", p.step_flops > 0 ? 100.0 * p.recompute_flops / p.step_flops : 0.0);
+    du_row_set(row, "fits", "%s", p.budget > 0 ? (p.fits ? "yes" : "no: least peak") : "-");
+    du_row_set(row, "status", "ok");
+}
+
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap,
+                       const char *attn_flag, const char *ckpt, du_table *tab) {
+    char err[256] = "", ckpt_name[64] = "";
+    tsys_model_desc d;
+    tsys_checkpoint_plan plan;
     du_row *row = du_table_row(tab);
     const char *attn = strcmp(attn_flag, "auto") ? attn_flag : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
-    row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, attn);
+    row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, attn, ckpt);
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    if (!config_plan(o, &d, ckpt, T, mode, dt, &plan, ckpt_name, sizeof(ckpt_name), err, sizeof(err), false)) { du_row_set(row, "status", "error: %s", err); return; }
+    du_row_set(row, "ckpt", "%s", ckpt_name);
     if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
     if (compiled && dt == TSYS_F16 && mode == DU_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
     if (overlap && mode != DU_TRAIN) { du_row_set(row, "status", "skipped: --opt-in-backward applies to train mode"); return; }
@@ -340,6 +411,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         double peak = o->peak[dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2];
         if (dev == TSYS_CUDA && peak > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e9 / peak);
         if (dev == TSYS_CPU && o->cpu_gflops > 0) du_row_set(row, "MFU", "%.1f%%", 100.0 * flops / ms / 1e6 / o->cpu_gflops);
+        if (mode == DU_FORWARD) { du_row_set(row, "saved_MiB", "-"); du_row_set(row, "pred_MiB", "-"); }   // the plan models a step with backward
+        else { du_row_set(row, "saved_MiB", "%.0f", (double)b.saved / 1048576.0); du_row_set(row, "pred_MiB", "%.0f", plan.peak_bytes / 1048576.0); }
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
         du_row_set(row, "status", "ok");
     } else {
@@ -377,6 +450,29 @@ static inline double gemm_peak_tflops(tsys_ctx *ctx, tsys_device dev, tsys_dtype
 }
 #endif
 
+// --plan: one accounting row per (model, context, mode, dtype, attn, policy); nothing is built.
+static int plan_all(e2e_opts *o, tsys_device dev, FILE *cfg) {
+    if (cfg == stdout) printf("\n");
+    du_table tab;
+    du_table_init(&tab, "model,context,batch,mode,dtype,attn,ckpt,block_MiB,kept_block_MiB,kept_blocks_MiB,kept_MiB,pred_peak_MiB,recompute,fits,status", o->format);
+    for (int a = 0; a < o->models.n; a++)
+        for (int c = 0; c < o->contexts.n; c++)
+            for (int m = 0; m < o->modes.n; m++)
+                for (int t = 0; t < o->dtypes.n; t++)
+                    for (int at = 0; at < o->attns.n; at++)
+                        for (int cp = 0; cp < o->ckpts.n; cp++) {
+                            du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
+                            du_parse_mode(o->modes.item[m], &mode); du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
+                            const char *attn = strcmp(o->attns.item[at], "auto") ? o->attns.item[at] : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
+                            plan_config(o, o->models.item[a], T, mode, dt, attn, o->ckpts.item[cp], &tab);
+                            du_table_emit(&tab);
+                        }
+    int rc = du_table_exit_code(&tab, "e2e", false);
+    du_table_free(&tab);
+    opts_free(o);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     e2e_opts o;
     int rc = parse_args(argc, argv, &o);
@@ -386,10 +482,11 @@ int main(int argc, char **argv) {
     char lim[64];
     // the effective configuration on one line (stdout for md, stderr for the machine formats)
     FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
-    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; warmup %d; steps %d; memory limit %s%s%s\n",
-            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.overlaps.src, o.warmup, o.steps,
+    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; checkpoint %s; warmup %d; steps %d; memory limit %s%s%s\n",
+            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.overlaps.src, o.ckpts.src, o.warmup, o.steps,
             du_mem_limit_str(lim, sizeof(lim), o.mem_limit), o.load ? "; load " : "", o.load ? o.load : "");
     if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
+    if (o.plan) return plan_all(&o, dev, cfg);
     if (o.profile) {
         if (mkdir(o.profile, 0777) != 0 && errno != EEXIST) { fprintf(stderr, "e2e: --profile: cannot make folder '%s': %s\n", o.profile, strerror(errno)); opts_free(&o); return DU_EXIT_USAGE; }
         o.profile_log = tmpfile();
@@ -423,8 +520,8 @@ int main(int argc, char **argv) {
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
-    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,peak_MiB,status"
-                                        : "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,peak_MiB,status",
+    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status"
+                                        : "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status",
                   o.format);
     for (int a = 0; a < o.models.n; a++)
         for (int c = 0; c < o.contexts.n; c++)
@@ -432,11 +529,12 @@ int main(int argc, char **argv) {
                 for (int t = 0; t < o.dtypes.n; t++)
                     for (int k = 0; k < o.compiles.n; k++)
                         for (int ov = 0; ov < o.overlaps.n; ov++)
-                            for (int at = 0; at < o.attns.n; at++) {
-                                du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
-                                du_parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
-                                run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), !strcmp(o.overlaps.item[ov], "yes"),
-                                           o.attns.item[at], &tab);
+                            for (int at = 0; at < o.attns.n; at++)
+                                for (int cp = 0; cp < o.ckpts.n; cp++) {
+                                    du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
+                                    du_parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
+                                    run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), !strcmp(o.overlaps.item[ov], "yes"),
+                                               o.attns.item[at], o.ckpts.item[cp], &tab);
                                 du_table_emit(&tab);
                             }
     if (o.profile_log) {   // the tables, after the results

@@ -602,6 +602,126 @@ TSYS_TEST(cuda_graph_train_step) {
     tsys_ctx_clear_error(ctx);
 }
 
+// ---- activation checkpointing --------------------------------------------------------------------
+
+// One forward + backward of the small model on CUDA under `policy`: the loss, every gradient (host
+// copies, parameters() order) and the bytes the forward kept (the tracker's activations, batch aside).
+typedef struct tc_ckpt_out { float loss; float *grads; int64_t n, kept, peak; } tc_ckpt_out;
+static bool tc_ckpt_run(tsys_ctx *ctx, const char *attn, const char *policy, tsys_dtype ac, tc_ckpt_out *r) {
+    memset(r, 0, sizeof(*r));
+    tsys_model_desc d = tc_model_desc();
+    d.attn = attn; d.checkpoint = policy;
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CUDA, 7);
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 11), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 23);
+    tsys_sync(ctx, TSYS_CUDA);
+    tsys_mem_reset_peak(ctx, TSYS_CUDA);
+    if (ac != TSYS_F32) tsys_autocast_begin(ctx, ac);
+    tsys_tensor *logits = m ? tsys_model_forward(m, ids) : NULL, *loss = tsys_cross_entropy(ctx, logits, tg);
+    if (ac != TSYS_F32) tsys_autocast_end(ctx);
+    tsys_tensor_release(logits);
+    r->kept = tsys_mem_stats_get(ctx, TSYS_CUDA).category_bytes[TSYS_MEM_ACTIVATIONS] - (int64_t)(tsys_tensor_bytes(ids) + tsys_tensor_bytes(tg));
+    tsys_backward(ctx, loss);
+    r->peak = tsys_mem_stats_get(ctx, TSYS_CUDA).peak_bytes;
+    bool ok = tsys_ctx_status(ctx) == TSYS_OK;
+    if (ok) {
+        r->loss = tsys_item(ctx, loss);
+        tsys_tensor **ps = tsys_model_params(m);
+        for (int i = 0; i < tsys_model_num_tensors(m); i++) r->n += tsys_tensor_numel(ps[i]);
+        r->grads = (float *)malloc(sizeof(float) * (size_t)r->n);
+        for (int i = 0, o = 0; i < tsys_model_num_tensors(m); o += (int)tsys_tensor_numel(ps[i]), i++) tsys_tensor_to_f32(ctx, ps[i]->grad, r->grads + o);
+    } else {
+        printf("[%s %s: %s] ", attn, policy, tsys_ctx_last_error(ctx));
+    }
+    tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(tg);
+    tsys_model_free(m);
+    tsys_ctx_clear_error(ctx);
+    return ok;
+}
+
+// Every policy against the run without checkpointing on the GPU: the recompute launches the same
+// kernels on the same values in the same order, so loss and gradients are equal bit for bit (fp32
+// and bf16 autocast, naive and flash attention); the bytes kept are the accounting's.
+TSYS_TEST(cuda_checkpoint_policies_bitwise) {
+    TC_CTX(ctx);
+    const char *const attns[2] = {"naive", "flash"};
+    const tsys_dtype dts[2] = {TSYS_F32, TSYS_BF16};
+    const char *const pols[5] = {"blocks:1", "blocks:2", "nested:2", "selective", "nested:2+selective"};
+    for (int a = 0; a < 2; a++)
+        for (int t = 0; t < 2; t++) {
+            tc_ckpt_out ref, got;
+            if (!tc_ckpt_run(ctx, attns[a], "none", dts[t], &ref)) { TEST_CHECK(false, "%s %s none failed", attns[a], tsys_dtype_name(dts[t])); continue; }
+            for (int i = 0; i < 5; i++) {
+                if (!tc_ckpt_run(ctx, attns[a], pols[i], dts[t], &got)) { TEST_CHECK(false, "%s failed", pols[i]); continue; }
+                TEST_CHECK(got.loss == ref.loss, "%s %s %s: loss %.9g vs %.9g", attns[a], tsys_dtype_name(dts[t]), pols[i], got.loss, ref.loss);
+                TEST_CHECK(memcmp(got.grads, ref.grads, sizeof(float) * (size_t)ref.n) == 0, "%s %s %s: gradients differ (rel err %.3g)", attns[a],
+                           tsys_dtype_name(dts[t]), pols[i], tsys_test_rel_err(got.grads, ref.grads, ref.n));
+                tsys_model_desc d = tc_model_desc();
+                d.attn = attns[a];
+                tsys_checkpoint_plan p;
+                tsys_checkpoint_plan_make(&d, pols[i], 2, 32, dts[t], false, &p, NULL, 0);
+                TEST_CHECK((double)got.kept == p.kept_bytes, "%s %s %s: kept %lld bytes, accounting %.0f", attns[a], tsys_dtype_name(dts[t]), pols[i],
+                           (long long)got.kept, p.kept_bytes);
+                TEST_CHECK(got.kept < ref.kept, "%s keeps %lld, none %lld", pols[i], (long long)got.kept, (long long)ref.kept);
+                free(got.grads);
+            }
+            free(ref.grads);
+        }
+}
+
+// The recompute inside a captured CUDA graph: a training step with blocks:1 (and with
+// nested:2+selective) captured after one eager step and replayed gives the losses of eager steps
+// without checkpointing, bit for bit.
+// A training step with the forward under autocast `ac`, ended before backward as e2e does (so the
+// recompute casts the weights again, inside the capture when there is one).
+static float tc_ac_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, tsys_dtype ac, tsys_tensor **loss_out) {
+    if (ac != TSYS_F32) tsys_autocast_begin(ctx, ac);
+    tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, tg);
+    if (ac != TSYS_F32) tsys_autocast_end(ctx);
+    tsys_backward(ctx, loss);
+    tsys_optim_step(o);
+    tsys_optim_zero_grad(o);
+    tsys_tensor_release(logits);
+    if (loss_out) { *loss_out = loss; return 0.0f; }
+    float l = tsys_item(ctx, loss);
+    tsys_tensor_release(loss);
+    return l;
+}
+static void tc_ckpt_graph(const char *policy, tsys_dtype ac) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc(), dc = d;
+    dc.checkpoint = policy;
+    tsys_model *me = tsys_model_new(ctx, &d, TSYS_CUDA, 5), *mg = tsys_model_new(ctx, &dc, TSYS_CUDA, 5);
+    TEST_CHECK(me && mg, "setup: %s", tsys_ctx_last_error(ctx));
+    if (!me || !mg) return;
+    int n = tsys_model_num_tensors(me);
+    tsys_optim *oe = tsys_adamw_new(ctx, tsys_model_params(me), n, NULL), *og = tsys_adamw_new(ctx, tsys_model_params(mg), n, NULL);
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    float eager[5], graph[5];
+    for (int i = 0; i < 5; i++) eager[i] = tc_ac_step(ctx, me, oe, ids, tg, ac, NULL);
+    graph[0] = tc_ac_step(ctx, mg, og, ids, tg, ac, NULL);
+    TEST_CHECK(graph[0] == eager[0], "%s eager step: loss %.8f, without checkpointing %.8f", policy, graph[0], eager[0]);
+    tsys_tensor *loss = NULL;
+    tsys_cuda_graph *gr = NULL;
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tc_ac_step(ctx, mg, og, ids, tg, ac, &loss);
+    tsys_status s = tsys_cuda_graph_end(ctx, &gr);
+    TEST_CHECK(s == TSYS_OK && gr && loss, "capture of a checkpointed training step (%s): %s", policy, tsys_ctx_last_error(ctx));
+    for (int i = 1; i < 5 && gr && loss; i++) {
+        tsys_cuda_graph_replay(ctx, gr);
+        graph[i] = tsys_item(ctx, loss);
+        TEST_CHECK(graph[i] == eager[i], "%s step %d: eager loss %.8f (no checkpointing), graph %.8f", policy, i, eager[i], graph[i]);
+    }
+    tsys_cuda_graph_free(gr);
+    tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(tg);
+    tsys_optim_free(oe); tsys_optim_free(og);
+    tsys_model_free(me); tsys_model_free(mg);
+    tsys_ctx_clear_error(ctx);
+}
+TSYS_TEST(cuda_checkpoint_in_a_captured_graph) {
+    tc_ckpt_graph("blocks:1", TSYS_F32);
+    tc_ckpt_graph("nested:2+selective", TSYS_F32);
+    tc_ckpt_graph("blocks:1", TSYS_BF16);
+}
 // The optimizer inside backward on the GPU: each layer's AdamW on the side stream from its gradients'
 // hooks gives the ordinary step's parameters bit for bit, eagerly and replayed from a captured graph
 // (the events become the graph's fork and join).

@@ -433,7 +433,9 @@ static float lm_step_backward(tsys_model *m, tsys_tensor *ids, tsys_tensor *tgt,
 // Three AdamW steps of the tiny model under DDP on per-rank batches of 2 equal one process on the
 // combined batch: parameters allclose (rtol 1e-5) in fp32; losses within 1e-3 under bf16 autocast.
 static void lm_ddp_run(tsys_ddp_strategy strategy, double bucket_mb, tsys_dtype dt, bool zero1, tsys_model_desc d, int T, int steps) {
-    tsys_model *ref = tsys_model_new(g_ctx, &d, g_dev, 7);
+    tsys_model_desc dref = d;
+    dref.checkpoint = NULL;   // the reference keeps every activation
+    tsys_model *ref = tsys_model_new(g_ctx, &dref, g_dev, 7);
     tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 7 + (uint64_t)g_rank);   // rank 0's init arrives by broadcast
     tsys_optim_desc od = {1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, false};
     tsys_optim *ref_opt = tsys_adamw_new(g_ctx, tsys_model_params(ref), tsys_model_num_tensors(ref), &od);
@@ -515,6 +517,17 @@ TSYS_TEST(ddp_lm_overlap_fp32) { lm_ddp(TSYS_DDP_OVERLAP, 0, TSYS_F32, false); }
 TSYS_TEST(ddp_lm_flat_bf16) { lm_ddp(TSYS_DDP_FLAT, 0, TSYS_BF16, false); }
 TSYS_TEST(ddp_lm_bucketed_bf16) { lm_ddp(TSYS_DDP_BUCKETED, 0.01, TSYS_BF16, false); }
 TSYS_TEST(ddp_lm_zero1_fp32) { lm_ddp(TSYS_DDP_BUCKETED, 0.005, TSYS_F32, true); }
+
+// Activation checkpointing under DDP: the recompute runs before a parameter's gradient is final, so
+// the buckets see the same gradients at the same moments; the run equals one process without it.
+static void lm_ddp_checkpoint(tsys_ddp_strategy strategy, tsys_dtype dt, const char *policy) {
+    tsys_model_desc d = tiny_desc();
+    d.checkpoint = policy;
+    lm_ddp_run(strategy, 0.01, dt, false, d, 16, 3);
+}
+TSYS_TEST(ddp_lm_checkpoint_blocks_fp32) { lm_ddp_checkpoint(TSYS_DDP_BUCKETED, TSYS_F32, "blocks:1"); }
+TSYS_TEST(ddp_lm_checkpoint_nested_selective_overlap_fp32) { lm_ddp_checkpoint(TSYS_DDP_OVERLAP, TSYS_F32, "nested:2+selective"); }
+TSYS_TEST(ddp_lm_checkpoint_selective_bf16) { lm_ddp_checkpoint(TSYS_DDP_BUCKETED, TSYS_BF16, "selective"); }
 
 // ZeRO-1 under DDP equals DDP with a plain AdamW bit for bit (the same averaged gradients).
 TSYS_TEST(zero1_lm_bitwise) {

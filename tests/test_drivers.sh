@@ -242,7 +242,7 @@ t_load_directory_is_named() {
 t_cpu_e2e_has_mfu() {
   run "$B/e2e" "${MODEL[@]}" --context-length 8 --format csv
   expect_rc 0 "e2e with the sgemm measurement"
-  expect_in "$tmp/out" '^device,.*,GFLOP/s,MFU,peak_MiB,status$' "the CPU header has MFU"
+  expect_in "$tmp/out" '^device,.*,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status$' "the CPU header has MFU"
   expect_in "$tmp/err" 'CBLAS sgemm .* GFLOP/s' "the reference rate"
   local m
   m=$(csv_col "$tmp/out" 1 MFU)
@@ -295,6 +295,40 @@ t_dry_run_measures_nothing() {
   expect_not_in "$tmp/out" '^\|' "no table"
 }
 
+# ---- activation checkpointing ----------------------------------------------------------------------
+
+# Every policy runs, keeps less than none, and its measured peak is within 10% of the plan's.
+t_checkpoint_policies_keep_less() {
+  run "$B/e2e" --model custom --d-model 32 --num-layers 4 --num-heads 2 --d-ff 64 --vocab-size 64 --batch-size 2 --warmup 0 --steps 1 --no-sgemm \
+      --context-length 32 --mode train --checkpoint none,blocks:1,blocks:2,sqrt,nested,selective,nested:2+selective --format csv
+  expect_rc 0 "e2e --checkpoint"
+  local none i s p m
+  none=$(csv_col "$tmp/out" 1 saved_MiB)
+  [ "$(csv_col "$tmp/out" 4 ckpt)" = "blocks:2" ] || note "sqrt of 4 blocks: ckpt '$(csv_col "$tmp/out" 4 ckpt)', wanted blocks:2"
+  for i in 2 3 4 5 6 7; do
+    s=$(csv_col "$tmp/out" $i saved_MiB); p=$(csv_col "$tmp/out" $i pred_MiB); m=$(csv_col "$tmp/out" $i peak_MiB)
+    awk -v s="$s" -v n="$none" 'BEGIN { exit !(s < n) }' || note "row $i ($(csv_col "$tmp/out" $i ckpt)) keeps $s MiB, none $none"
+    awk -v p="$p" -v m="$m" 'BEGIN { exit !(p > 0.9 * m && p < 1.1 * m) }' || note "row $i: predicted peak $p MiB, measured $m"
+  done
+}
+
+# auto:BYTES prints its plan and runs the policy it chose; --plan measures nothing; bad policies are usage errors.
+t_checkpoint_auto_and_plan() {
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --checkpoint auto:1K --format csv
+  expect_rc 0 "e2e --checkpoint auto:1K"
+  expect_in "$tmp/err" 'checkpoint plan: .*nothing fits the budget' "the plan on stderr"
+  expect_in "$tmp/out" '\(auto\)' "the row names the policy auto chose"
+  run "$B/e2e" --model 2.7B --context-length 2048 --attn naive --checkpoint none,blocks:2 --num-layers 4 --plan --format csv
+  expect_rc 0 "e2e --plan"
+  [ "$(csv_col "$tmp/out" 1 block_MiB)" = "3648.06" ] || note "the xl block keeps $(csv_col "$tmp/out" 1 block_MiB) MiB, wanted 3648.06 (torch: 3651.31)"
+  [ "$(csv_col "$tmp/out" 2 kept_blocks_MiB)" = "160.00" ] || note "two checkpointed pairs keep $(csv_col "$tmp/out" 2 kept_blocks_MiB) MiB, wanted 160.00"
+  for bad in blocks:0 blocks:x nested:1 auto:-1G auto: bogus; do
+    run "$B/e2e" "${TINY[@]}" --checkpoint "$bad" --dry-run
+    expect_rc 2 "--checkpoint $bad"
+  done
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --checkpoint blocks:3
+  expect_rc 1 "blocks:3 on a one-layer model"
+  expect_in "$tmp/out" 'K from 1 to num_layers \(1\)' "the error row names the rule"
 # ---- the memory driver ----------------------------------------------------------------------------------
 
 MEMTINY=(--model custom --d-model 32 --num-layers 2 --num-heads 2 --d-ff 64 --vocab-size 128 --batch-size 2 --context-length 32)

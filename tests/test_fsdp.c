@@ -449,7 +449,7 @@ static void lm_one(int r, void *user) {
 
 // Five AdamW steps of the tiny cs336 model under FSDP (batch 2 per rank) against one process: bit for
 // bit over the same micro-batches, allclose (rtol 1e-5) on the whole batch; losses agree.
-TSYS_TEST(fsdp_lm_adamw_fp32) {
+static void fsdp_lm_adamw(const char *policy) {
     tsys_model_desc d = tiny_desc();
     int B = 2, T = 16;
     tsys_optim_desc od = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, false};
@@ -458,7 +458,9 @@ TSYS_TEST(fsdp_lm_adamw_fp32) {
     int np = tsys_model_num_tensors(whole);
     tsys_optim *o_whole = tsys_adamw_new(C, tsys_model_params(whole), np, &od), *o_micro = tsys_adamw_new(C, tsys_model_params(micro), np, &od);
     ref_end();
-    tsys_model *m = tsys_model_new(C, &d, g_dev, 7 + (uint64_t)g_rank);
+    tsys_model_desc dm = d;
+    dm.checkpoint = policy;   // the references keep every activation
+    tsys_model *m = tsys_model_new(C, &dm, g_dev, 7 + (uint64_t)g_rank);
     tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), np, NULL);
     TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
     tsys_optim *opt = f ? tsys_adamw_new(C, tsys_fsdp_params(f), tsys_fsdp_num_params(f), &od) : NULL;
@@ -485,6 +487,8 @@ TSYS_TEST(fsdp_lm_adamw_fp32) {
         tsys_optim_step(opt);
         tsys_dist_all_reduce_host(g_d, &l, 1, TSYS_DIST_AVG);
         TEST_CHECK(fabs(l - lref) <= 1e-5, "step %d: FSDP loss %.7f, one process %.7f", it, l, lref);
+        tsys_fsdp_stats s = tsys_fsdp_stats_get(f);   // each unit gathered once in forward, once in backward (not the embedding, nor lm_head still held)
+        TEST_CHECK(s.all_gathers == 2 * s.num_units - 2, "step %d (%s): %d all-gathers for %d units", it, policy ? policy : "none", s.all_gathers, s.num_units);
         compare_full(f, tsys_model_params(micro), np, -1, 0, "one process over the same micro-batches, bit for bit", it);
         compare_full(f, tsys_model_params(whole), np, 1e-5, 1e-7, "one process on the whole batch", it);
         tsys_tensor_release(ai); tsys_tensor_release(at); tsys_tensor_release(bi); tsys_tensor_release(bt);
@@ -495,6 +499,12 @@ TSYS_TEST(fsdp_lm_adamw_fp32) {
     tsys_tape_clear(C);
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
+
+TSYS_TEST(fsdp_lm_adamw_fp32) { fsdp_lm_adamw(NULL); }
+// Activation checkpointing under FSDP: a recompute gathers the unit its ops use again (the weights
+// were freed after the forward) and the unit's backward frees it; bit for bit as without it.
+TSYS_TEST(fsdp_lm_checkpoint_blocks_fp32) { fsdp_lm_adamw("blocks:1"); }
+TSYS_TEST(fsdp_lm_checkpoint_nested_selective_fp32) { fsdp_lm_adamw("nested:2+selective"); }
 
 // bf16 compute: weights all-gathered in bf16 (half the bytes), gradients reduce-scattered in bf16; the
 // loss follows fp32 FSDP within bf16 precision over 3 AdamW steps, the masters stay fp32 and finite.
