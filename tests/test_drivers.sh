@@ -329,6 +329,8 @@ t_checkpoint_auto_and_plan() {
   run "$B/e2e" "${TINY[@]}" --context-length 8 --checkpoint blocks:3
   expect_rc 1 "blocks:3 on a one-layer model"
   expect_in "$tmp/out" 'K from 1 to num_layers \(1\)' "the error row names the rule"
+}
+
 # ---- the memory driver ----------------------------------------------------------------------------------
 
 MEMTINY=(--model custom --d-model 32 --num-layers 2 --num-heads 2 --d-ff 64 --vocab-size 128 --batch-size 2 --context-length 32)

@@ -39,7 +39,9 @@ rows() {
   local tmp="$OUT/.rows"
   "${E2E[@]}" "$@" >"$tmp" 2>>"$OUT/stderr.log"
   if [ -s "$file" ]; then tail -n +2 "$tmp" >>"$file"; else cat "$tmp" >"$file"; fi
-  tail -n +2 "$tmp" | awk -F, '{ printf "  %s T=%s %s %s %s %s: total %s ms, saved %s MiB, peak %s MiB (predicted %s) %s\n", $2, $3, $5, $6, $7, $9, $16, $20, $22, $21, ($23 == "ok" ? "" : $23) }'
+  awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next }   # columns by name
+            { printf "  %s T=%s %s %s %s %s: total %s ms, saved %s MiB, peak %s MiB (predicted %s) %s\n", $c["model"], $c["context"], $c["mode"], $c["dtype"], $c["attn"],
+                     $c["ckpt"], $c["total_ms"], $c["saved_MiB"], $c["peak_MiB"], $c["pred_MiB"], ($c["status"] == "ok" ? "" : $c["status"]) }' "$tmp"
 }
 
 echo "== 1. CUDA tests ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
@@ -71,17 +73,18 @@ echo
 echo "== summary ($(( $(date +%s) - t0 )) s; rows in $OUT)"
 summ() {   # FILE: policy, total ms and saved MiB (against the first row that ran), peak
   [ -s "$1" ] || return
-  awk -F, 'NR == 1 { next }
-           { ok = ($23 == "ok") }
-           ok && !t0 { t0 = $16; s0 = $20 }   # the first row that ran is the baseline
-           { printf "| %-22s | %5s | %9s | %8s %-8s | %8s %-9s | %8s | %s\n", $9, $3, $5, ok ? $16 : "-", (ok && t0 > 0 ? sprintf("(%+.1f%%)", 100 * ($16 - t0) / t0) : ""),
-                    ok ? $20 : "-", (ok && s0 > 0 ? sprintf("(-%.0f%%)", 100 * (s0 - $20) / s0) : ""), ok ? $22 : "-", ok ? "" : substr($23, 1, 40) }' "$1"
+  awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next }   # columns by name
+           { ok = ($c["status"] == "ok"); t = $c["total_ms"]; sv = $c["saved_MiB"] }
+           ok && !t0 { t0 = t; s0 = sv }   # the first row that ran is the baseline
+           { printf "| %-22s | %5s | %9s | %8s %-8s | %8s %-9s | %8s | %s\n", $c["ckpt"], $c["context"], $c["mode"], ok ? t : "-", (ok && t0 > 0 ? sprintf("(%+.1f%%)", 100 * (t - t0) / t0) : ""),
+                    ok ? sv : "-", (ok && s0 > 0 ? sprintf("(-%.0f%%)", 100 * (s0 - sv) / s0) : ""), ok ? $c["peak_MiB"] : "-", ok ? "" : substr($c["status"], 1, 40) }' "$1"
 }
 echo "| policy                 |  ctx  |   mode    | step ms            | saved MiB          | peak MiB | status"
 summ "$OUT/t1024.csv"; summ "$OUT/t1024_naive.csv"; summ "$OUT/xl.csv"
 if [ -s "$OUT/ctx.csv" ]; then
   echo "largest context that fit (2.7B bf16 train, batch 4):"
-  awk -F, 'NR > 1 && $23 == "ok" { if ($3 + 0 > best[$9]) best[$9] = $3 + 0 } NR > 1 { seen[$9] = 1 }
+  awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next }
+           $c["status"] == "ok" { if ($c["context"] + 0 > best[$c["ckpt"]]) best[$c["ckpt"]] = $c["context"] + 0 } { seen[$c["ckpt"]] = 1 }
            END { for (p in seen) printf "  %-20s %s\n", p, (p in best) ? best[p] : "none fit"; }' "$OUT/ctx.csv"
 fi
 grep -E '^[0-9]+ passed' "$OUT/test_cuda.log" | sed 's/^/CUDA checkpoint tests: /'
