@@ -3386,7 +3386,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     case TSYS__OP_RMSNORM: st = tsys__bwd_norm(ctx, n, false); break;
     case TSYS__OP_LAYERNORM: st = tsys__bwd_norm(ctx, n, true); break;
     case TSYS__OP_ROPE: a.t[1] = g; a.f[0] = n->f[0]; a.f[1] = -1.0f; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_ROPE, &a); break;
-    case TSYS__OP_SOFTMAX: a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_SOFTMAX_Y]; a.f[0] = n->f[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SOFTMAX_BWD, &a); break;
+    case TSYS__OP_SOFTMAX: a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_SOFTMAX_Y]; a.f[0] = n->f[0]; a.i[0] = n->i[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SOFTMAX_BWD, &a); break;
     case TSYS__OP_TRANSPOSE12: a.t[1] = g; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_TRANSPOSE12, &a); break;
     case TSYS__OP_CROSS_ENTROPY:
         a.t[1] = n->saved[TSYS__SAVED_CE_LOGITS]; a.t[2] = n->saved[TSYS__SAVED_CE_LSE]; a.t[3] = n->saved[TSYS__SAVED_CE_TARGETS]; a.t[4] = g;

@@ -1150,6 +1150,54 @@ __global__ void tsys_cuda__softmax_fwd(T *y, const T *x, int64_t N, float scale,
         yr[j] = tsys_cuda__fromf<T>(j < valid ? expf(scale * tsys_cuda__tof(xr[j]) - mx) * inv : 0.0f);
 }
 
+// The same with the row in registers: each thread loads up to MAXV 16-byte packs once (a pack past
+// the causal limit is not read), so a row costs one read and one write. For rows of whole packs
+// (N a multiple of 16 / sizeof(T), 16-byte aligned) of at most MAXV packs a thread. WARP: a warp
+// per row (rows of at most 32 x MAXV packs; no block-wide synchronization), else a block per row.
+#define TSYS_CUDA__SOFTMAX_ROW(WARP, rows)                                                              \
+    const int lane = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x, width = WARP ? 32 : (int)blockDim.x; \
+    const int64_t r = WARP ? (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (int64_t)blockIdx.x; \
+    if (r >= (rows)) return;   /* a whole warp leaves: WARP reductions are warp-wide */
+template <class T, int MAXV, bool WARP>
+__global__ void tsys_cuda__softmax_fwd_reg(T *y, const T *x, int64_t rows, int64_t N, float scale, int causal) {
+    constexpr int V = 16 / sizeof(T);
+    TSYS_CUDA__SOFTMAX_ROW(WARP, rows)
+    int64_t valid = causal ? (r % N) + 1 : N;
+    const tsys_cuda__pack<T> *xr = reinterpret_cast<const tsys_cuda__pack<T> *>(x + r * N);
+    tsys_cuda__pack<T> *yr = reinterpret_cast<tsys_cuda__pack<T> *>(y + r * N);
+    int npk = (int)(N / V);
+    float v[MAXV][V], mx = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < MAXV; k++) {
+        int i = k * width + lane;
+        int64_t j0 = (int64_t)i * V;
+        tsys_cuda__pack<T> p;
+        bool load = i < npk && j0 < valid;
+        if (load) p = xr[i];
+#pragma unroll
+        for (int t = 0; t < V; t++) {
+            v[k][t] = load && j0 + t < valid ? scale * tsys_cuda__tof(p.v[t]) : -INFINITY;
+            mx = fmaxf(mx, v[k][t]);
+        }
+    }
+    mx = WARP ? tsys_cuda__warp_max(mx) : tsys_cuda__block_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAXV; k++)
+#pragma unroll
+        for (int t = 0; t < V; t++) { v[k][t] = expf(v[k][t] - mx); sum += v[k][t]; }   // masked: exp(-inf) = 0
+    float inv = 1.0f / (WARP ? tsys_cuda__warp_sum(sum) : tsys_cuda__block_sum(sum));
+#pragma unroll
+    for (int k = 0; k < MAXV; k++) {
+        int i = k * width + lane;
+        if (i >= npk) continue;
+        tsys_cuda__pack<T> p;
+#pragma unroll
+        for (int t = 0; t < V; t++) p.v[t] = tsys_cuda__fromf<T>(v[k][t] * inv);
+        yr[i] = p;
+    }
+}
+
 // dx = scale * y * (dy - sum(dy * y)); masked entries have y = 0 and get dx = 0.
 template <class T>
 __global__ void tsys_cuda__softmax_bwd(T *dx, const T *dy, const T *y, int64_t N, float scale) {
@@ -1160,6 +1208,54 @@ __global__ void tsys_cuda__softmax_bwd(T *dx, const T *dy, const T *y, int64_t N
     dot = tsys_cuda__block_sum(dot);
     for (int64_t j = threadIdx.x; j < N; j += blockDim.x)
         dx[r * N + j] = tsys_cuda__fromf<T>(scale * tsys_cuda__tof(yr[j]) * (tsys_cuda__tof(dyr[j]) - dot));
+}
+
+// The same with packs in registers (as softmax_fwd_reg): dy and y are read once, and under the causal
+// mask only up to the row's limit (past it y is 0, so dx is 0).
+template <class T, int MAXV, bool WARP>
+__global__ void tsys_cuda__softmax_bwd_reg(T *dx, const T *dy, const T *y, int64_t rows, int64_t N, float scale, int causal) {
+    constexpr int V = 16 / sizeof(T);
+    TSYS_CUDA__SOFTMAX_ROW(WARP, rows)
+    int64_t valid = causal ? (r % N) + 1 : N;
+    const tsys_cuda__pack<T> *dyr = reinterpret_cast<const tsys_cuda__pack<T> *>(dy + r * N), *yr = reinterpret_cast<const tsys_cuda__pack<T> *>(y + r * N);
+    tsys_cuda__pack<T> *dxr = reinterpret_cast<tsys_cuda__pack<T> *>(dx + r * N);
+    int npk = (int)(N / V);
+    float g[MAXV][V], p[MAXV][V], dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAXV; k++) {
+        int i = k * width + lane;
+        bool load = i < npk && (int64_t)i * V < valid;
+        tsys_cuda__pack<T> a, b;
+        if (load) { a = dyr[i]; b = yr[i]; }
+#pragma unroll
+        for (int t = 0; t < V; t++) {
+            g[k][t] = load ? tsys_cuda__tof(a.v[t]) : 0.0f;
+            p[k][t] = load ? tsys_cuda__tof(b.v[t]) : 0.0f;
+            dot += g[k][t] * p[k][t];
+        }
+    }
+    dot = WARP ? tsys_cuda__warp_sum(dot) : tsys_cuda__block_sum(dot);
+#pragma unroll
+    for (int k = 0; k < MAXV; k++) {
+        int i = k * width + lane;
+        if (i >= npk) continue;
+        tsys_cuda__pack<T> o;
+#pragma unroll
+        for (int t = 0; t < V; t++) o.v[t] = tsys_cuda__fromf<T>(scale * p[k][t] * (g[k][t] - dot));
+        dxr[i] = o;
+    }
+}
+
+// Threads a row for a register-row softmax of n elements in 16-byte packs of `per_pack`, MAXV packs
+// a thread at most: 32 (a warp per row, 8 rows a block), else a multiple of 32 up to 1024 (a block
+// per row); 0 when the row does not fit (the plain kernel runs).
+static int tsys_cuda__softmax_reg_threads(int64_t n, int per_pack, int maxv, const void *a, const void *b, const void *c) {
+    bool aligned = ((uintptr_t)a | (uintptr_t)b | (uintptr_t)(c ? c : a)) % 16 == 0;
+    if (!aligned || n % per_pack != 0) return 0;
+    int64_t packs = n / per_pack, t = (packs + maxv - 1) / maxv;
+    t = (t + 31) / 32 * 32;
+    if (t > 32 && t < 64) t = 64;
+    return t <= 1024 ? (int)t : 0;
 }
 
 // >>cross entropy ---------------------------------------------------------------------------------
@@ -3290,8 +3386,11 @@ static tsys_status tsys_cuda__k_softmax_fwd(tsys_cuda__state *st, const tsys_kar
     TSYS_CUDA__REQUIRE(st->ctx, !causal || (N > 0 && rows % N == 0), "softmax_fwd: causal needs square (.., T, T) blocks, rows %lld, cols %lld", (long long)rows, (long long)N);
     int threads = tsys_cuda__row_threads(N);
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T,
-        TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_fwd<T>, (unsigned)rows, threads, 0,
-                          (T *)tsys_cuda__data(y), (const T *)tsys_cuda__data(x), N, a->f[0], (int)causal));
+        T *yp = (T *)tsys_cuda__data(y); const T *xp = (const T *)tsys_cuda__data(x);
+        int reg = tsys_cuda__softmax_reg_threads(N, (int)(16 / sizeof(T)), 4, yp, xp, NULL);
+        if (reg == 32) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_fwd_reg<T, 4, true>), (unsigned)((rows + 7) / 8), 256, 0, yp, xp, rows, N, a->f[0], (int)causal);
+        else if (reg) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_fwd_reg<T, 4, false>), (unsigned)rows, reg, 0, yp, xp, rows, N, a->f[0], (int)causal);
+        else TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_fwd<T>, (unsigned)rows, threads, 0, yp, xp, N, a->f[0], (int)causal));
     return TSYS_OK;
 }
 
@@ -3299,9 +3398,14 @@ static tsys_status tsys_cuda__k_softmax_bwd(tsys_cuda__state *st, const tsys_kar
     tsys_tensor *dx = a->t[0], *dy = a->t[1], *y = a->t[2];
     TSYS_CUDA__REQUIRE(st->ctx, dx && dy && y && dx->dtype == y->dtype && dy->dtype == y->dtype, "softmax_bwd: dx, dy, y must be given, same dtype");
     int64_t N = tsys_cuda__last_dim(y), rows = tsys_cuda__rows(y);
+    bool causal = a->i[0] != 0;   // the forward's mask (y is 0 past it); 0 from callers that do not know it
+    TSYS_CUDA__REQUIRE(st->ctx, !causal || (N > 0 && rows % N == 0), "softmax_bwd: causal needs square (.., T, T) blocks, rows %lld, cols %lld", (long long)rows, (long long)N);
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, y->dtype, T,
-        TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_bwd<T>, (unsigned)rows, tsys_cuda__row_threads(N), 0,
-                          (T *)tsys_cuda__data(dx), (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(y), N, a->f[0]));
+        T *dxp = (T *)tsys_cuda__data(dx); const T *dyp = (const T *)tsys_cuda__data(dy), *yp = (const T *)tsys_cuda__data(y);
+        int reg = tsys_cuda__softmax_reg_threads(N, (int)(16 / sizeof(T)), 4, dxp, dyp, yp);
+        if (reg == 32) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_bwd_reg<T, 4, true>), (unsigned)((rows + 7) / 8), 256, 0, dxp, dyp, yp, rows, N, a->f[0], (int)causal);
+        else if (reg) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_bwd_reg<T, 4, false>), (unsigned)rows, reg, 0, dxp, dyp, yp, rows, N, a->f[0], (int)causal);
+        else TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_bwd<T>, (unsigned)rows, tsys_cuda__row_threads(N), 0, dxp, dyp, yp, N, a->f[0]));
     return TSYS_OK;
 }
 

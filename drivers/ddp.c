@@ -28,9 +28,9 @@
 #include "driver_util.h"
 
 typedef struct ddp_opts {
-    const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn;
+    const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn, *checkpoint;
     int batch, warmup, steps, nproc, seed;
-    bool account;
+    bool account, loss_sum, compute_ref;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
 } ddp_opts;
 
@@ -50,6 +50,11 @@ static void usage(FILE *f) {
         "  --batch-size N             sequences per rank (default 4)\n"
         "  --context-length LIST      (default 256)\n"
         "  --attn naive|flash|auto    attention (default auto: flash on cuda under bf16, else naive)\n"
+        "  --checkpoint POLICY        activation checkpointing of the model (none, blocks:K, sqrt, nested[:K], selective,\n"
+        "                             P+selective; see e2e --help; default none)\n"
+        "  --loss mean|sum            cross-entropy's mean over the tokens, or its sum (the S26 leaderboard's) (default mean)\n"
+        "  --no-compute-ref           fsdp: skip the same step without sharding (compute_ms; exposed_ms and hidden read '-'),\n"
+        "                             for models that do not fit one device unsharded\n"
         "  --warmup N                 untimed steps first (default 5)\n"
         "  --steps N                  timed steps (default 10)\n"
         "  --nproc N                  start N local ranks (built-in launcher); not needed under mpirun/torchrun\n"
@@ -75,11 +80,12 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
     o->device = du_has_cuda() ? "cuda" : "cpu";
     o->models = NULL; o->strategies = "naive,flat,overlap,bucketed,zero1"; o->buckets = "1,10,100,1000";
     o->dtypes = "fp32"; o->contexts = "256"; o->format = "md"; o->attn = "auto";
-    o->batch = 4; o->warmup = 5; o->steps = 10; o->nproc = 1;
+    o->batch = 4; o->warmup = 5; o->steps = 10; o->nproc = 1; o->checkpoint = "none"; o->compute_ref = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
         if (!strcmp(a, "--account")) { o->account = true; continue; }
+        if (!strcmp(a, "--no-compute-ref")) { o->compute_ref = false; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "ddp: flag %s needs a value\n", a); usage(stderr); return 2; }
         const char *v = argv[++i];
         bool ok = true;
@@ -90,6 +96,8 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
         else if (!strcmp(a, "--dtype")) o->dtypes = v;
         else if (!strcmp(a, "--context-length")) o->contexts = v;
         else if (!strcmp(a, "--attn")) o->attn = v;
+        else if (!strcmp(a, "--checkpoint")) { tsys_checkpoint_policy p; o->checkpoint = v; ok = tsys_checkpoint_policy_parse(v, 1 << 20, &p, NULL, 0) == TSYS_OK && strncmp(v, "auto:", 5); }
+        else if (!strcmp(a, "--loss")) { ok = !strcmp(v, "mean") || !strcmp(v, "sum"); o->loss_sum = !strcmp(v, "sum"); }
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
         else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
@@ -129,7 +137,10 @@ static bool parse_dtype(const char *s, tsys_dtype *d) {
 }
 
 static bool config_desc(const ddp_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
-    return du_model_desc(&o->dims, model_name, T, attn, d, err, len);
+    if (!du_model_desc(&o->dims, model_name, T, attn, d, err, len)) return false;
+    d->checkpoint = o->checkpoint;
+    tsys_checkpoint_policy p;
+    return tsys_checkpoint_policy_parse(o->checkpoint, d->num_layers, &p, err, len) == TSYS_OK;
 }
 
 static const double MiB = 1048576.0;
@@ -188,6 +199,7 @@ typedef struct run {
     tsys_fsdp *fsdp;
     tsys_tensor *ids, *targets;
     tsys_dtype dtype;
+    float loss_scale;   // 1: cross-entropy's mean; batch x context: its sum (--loss sum)
 } run;
 
 static void run_free(run *r) {
@@ -210,6 +222,11 @@ static tsys_status step(run *r, double *t, double *mem) {
     if (ac) tsys_autocast_begin(ctx, r->dtype);
     tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
     tsys_tensor *loss = tsys_cross_entropy(ctx, logits, r->targets);
+    if (r->loss_scale != 1.0f) {   // --loss sum: the mean times the tokens
+        tsys_tensor *sum = tsys_scale(ctx, loss, r->loss_scale);
+        tsys_tensor_release(loss);
+        loss = sum;
+    }
     if (ac) tsys_autocast_end(ctx);
     tsys_tensor_release(logits);
     tsys_sync(ctx, r->dev);
@@ -244,7 +261,7 @@ static void max_over_ranks(tsys_dist *d, double *v, int n) { tsys_dist_all_reduc
 static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc, tsys_dtype dt, tsys_tensor *ids, tsys_tensor *tgt) {
     run r;
     memset(&r, 0, sizeof(r));
-    r.ctx = ctx; r.dev = dev; r.dtype = dt;
+    r.ctx = ctx; r.dev = dev; r.dtype = dt; r.loss_scale = o->loss_sum ? (float)((double)o->batch * desc->context_length) : 1.0f;
     r.model = tsys_model_new(ctx, desc, dev, (uint64_t)o->seed + 1);
     r.opt = r.model ? tsys_adamw_new(ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL) : NULL;
     r.ids = tsys_tensor_retain(ids); r.targets = tsys_tensor_retain(tgt);
@@ -275,13 +292,15 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : "bf16");
     du_row_set(row, "context", "%d", T);
     du_row_set(row, "batch", "%d", o->batch);
+    du_row_set(row, "ckpt", "%s", o->checkpoint);
+    du_row_set(row, "loss", "%s", o->loss_sum ? "sum" : "mean");
     tsys_model_desc desc;
     if (!config_desc(o, model_name, T, attn, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     run r;
     memset(&r, 0, sizeof(r));
-    r.ctx = ctx; r.d = d; r.dev = dev; r.dtype = dt;
-    double compute_ms = 0;
-    if (s == S_FSDP) {   // the compute alone first (its memory is gone before the peaks are reset)
+    r.ctx = ctx; r.d = d; r.dev = dev; r.dtype = dt; r.loss_scale = o->loss_sum ? (float)((double)o->batch * T) : 1.0f;
+    double compute_ms = NAN;
+    if (s == S_FSDP && o->compute_ref) {   // the compute alone first (its memory is gone before the peaks are reset)
         int64_t sh[2] = {o->batch, T};
         tsys_tensor *hi = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, sh), *ht = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, sh);
         tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);
@@ -332,7 +351,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         int j = i - o->warmup;
         if (j >= 0) {
             tstep[j] = t[3]; tbwd[j] = t[1]; topt[j] = t[2];
-            texp[j] = r.fsdp ? fmax(0.0, t[3] - compute_ms) : tsys_ddp_stats_get(r.ddp).exposed_ms;
+            texp[j] = r.fsdp ? (isnan(compute_ms) ? NAN : fmax(0.0, t[3] - compute_ms)) : tsys_ddp_stats_get(r.ddp).exposed_ms;
         }
         if (rank == 0) du_progress("%s %s%s T=%d: step %d/%d (%.1f ms)", model_name, strat_names[s], s == S_BUCKETED ? " bucketed" : "", T, i + 1, total, t[3]);
         failed = any_failed(d, st);
@@ -369,13 +388,14 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         du_row_set(row, "opt_ms", "%.2f", so.mean);
         du_row_set(row, "comm_ms", "%.2f", alone);
         du_row_set(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
-        du_row_set(row, "exposed_ms", "%.2f", se.mean);
         double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
-        du_row_set(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
+        if (isnan(se.mean)) { du_row_set(row, "exposed_ms", "-"); du_row_set(row, "hidden", "-"); }   // --no-compute-ref: nothing to compare with
+        else { du_row_set(row, "exposed_ms", "%.2f", se.mean); du_row_set(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden); }
         if (r.fsdp) {
             du_row_set(row, "buckets", "%d units", fst.num_units);
             du_row_set(row, "MB_per_step", "%.1f", (double)(fst.gathered_bytes + fst.reduced_bytes) / 1e6);
-            du_row_set(row, "compute_ms", "%.2f", compute_ms);
+            if (isnan(compute_ms)) du_row_set(row, "compute_ms", "-");
+            else du_row_set(row, "compute_ms", "%.2f", compute_ms);
         } else {
             du_row_set(row, "buckets", "%d%s", ds.num_buckets, ds.copied_buckets ? " (copied)" : "");
             du_row_set(row, "MB_per_step", "%.1f", (double)ds.bytes_per_step / 1e6);
@@ -468,7 +488,7 @@ int main(int argc, char **argv) {
         fflush(stdout);
     }
     du_table tab;
-    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,dtype,context,batch,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,compute_ms,"
+    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,dtype,context,batch,ckpt,loss,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,compute_ms,"
                         "buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o.format);
     int failures = 0;
     for (int a = 0; a < models.n; a++)

@@ -179,6 +179,12 @@ TSYS_TEST(cuda_rope_softmax) {
             { "softmax causal", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 2, 3, 64, 64, I_RANDN, 1), A4(R_IN, T, 2, 3, 64, 64, I_RANDN, 3) }, { 0.125f }, { 1 } },
             { "softmax causal 1024", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 1, 1, 1024, 1024, I_RANDN, 1), A4(R_IN, T, 1, 1, 1024, 1024, I_RANDN, 3) }, { 0.125f }, { 1 } },
             { "softmax_bwd", TSYS_K_SOFTMAX_BWD, { A2(R_OUT, T, 64, 200, I_RANDN, 1), A2(R_IN, T, 64, 200, I_RANDN, 1), A2(R_IN, T, 64, 200, I_POS, 0.01f) }, { 0.5f } },
+            // rows the register kernels do not take (odd width; wider than 4 packs a thread of 1024) run the plain ones
+            { "softmax odd", TSYS_K_SOFTMAX_FWD, { A2(R_OUT, T, 5, 1001, I_RANDN, 1), A2(R_IN, T, 5, 1001, I_RANDN, 3) }, { 0.7f } },
+            { "softmax wide", TSYS_K_SOFTMAX_FWD, { A2(R_OUT, T, 3, 40000, I_RANDN, 1), A2(R_IN, T, 3, 40000, I_RANDN, 3) }, { 0.7f } },
+            { "softmax causal 2048", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 1, 2, 2048, 2048, I_RANDN, 1), A4(R_IN, T, 1, 2, 2048, 2048, I_RANDN, 3) }, { 0.125f }, { 1 } },
+            { "softmax_bwd odd", TSYS_K_SOFTMAX_BWD, { A2(R_OUT, T, 9, 77, I_RANDN, 1), A2(R_IN, T, 9, 77, I_RANDN, 1), A2(R_IN, T, 9, 77, I_POS, 0.01f) }, { 0.5f } },
+            { "softmax_bwd wide", TSYS_K_SOFTMAX_BWD, { A2(R_OUT, T, 3, 40000, I_RANDN, 1), A2(R_IN, T, 3, 40000, I_RANDN, 1), A2(R_IN, T, 3, 40000, I_POS, 1e-4f) }, { 0.5f } },
         };
         for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
     }

@@ -57,6 +57,15 @@ for part in "$@"; do
           st = $c["state_MiB"] + 0; ps = $c["pred_state_MiB"] + 0; m = (pk > po) ? pk : po;
           printf "  %-9s %-5s ranks %s  step %s ms  peak %.0f, predicted %.0f (%+.1f %%)  state %.0f, predicted %.0f (%+.1f %%)\n", s, $c["dtype"], $c["ranks"], $c["step_ms"], m, pp, (pp > 0) ? 100 * (m - pp) / pp : 0, st, ps, (ps > 0) ? 100 * (st - ps) / ps : 0 }' "$f"
     done ;;
+  fsdp_ckpt)  # FSDP's checkpointing tests through NCCL (needs build/test_fsdp_cuda in gpu/dist)
+    timeout 300 mpirun --oversubscribe -np $NG $G/test_fsdp_cuda > "$OUT/test_fsdp_cuda_nccl.log" 2>&1; echo "test_fsdp_cuda, $NG ranks: $(tail -n 1 "$OUT/test_fsdp_cuda_nccl.log")"
+    grep -h "FAIL\|checkpoint" "$OUT"/test_fsdp_cuda_nccl.log | head -20 ;;
+  leaderboard)  # the S26 leaderboard step: 8.1 B parameters (d 4096, d_ff 11008, 34 layers, 32 heads, vocab 151936),
+                # context 32768, batch 2 in all, bf16, causal flash attention, cross_entropy(...).sum(), forward +
+                # backward + AdamW, under FSDP with activation checkpointing (LB_CKPT, default blocks:1)
+    timeout 560 $G/ddp_cuda --device cuda --nproc $NG --model custom --d-model 4096 --d-ff 11008 --num-layers 34 --num-heads 32 --vocab-size 151936 \
+      --context-length 32768 --batch-size $((2 / NG)) --dtype bf16 --attn flash --strategy fsdp --checkpoint ${LB_CKPT:-blocks:1} --loss sum \
+      --no-compute-ref --warmup ${LB_WARMUP:-1} --steps ${LB_STEPS:-2} --format md > "$OUT/leaderboard_${NG}gpu.md" 2>&1; cat "$OUT/leaderboard_${NG}gpu.md" ;;
   *) echo "unknown part $part" ;;
   esac
 done
