@@ -68,8 +68,9 @@
       tsys_checkpoint_begin/end bracket a region whose ops keep only the region's inputs for backward;
       backward recomputes the region when it reaches it (regions nest). Gradients and hooks are those
       of the run without regions, bit for bit. The model takes a policy (tsys_model_desc.checkpoint:
-      blocks:K, sqrt, nested, selective, auto:BYTES), and tsys_checkpoint_plan_make predicts what a
-      policy keeps, its peak and its recomputation (>>checkpoint, >>checkpoint planner).
+      blocks:K, sqrt, nested, selective, P+keep-attn, auto:BYTES), and tsys_checkpoint_plan_make
+      predicts what a policy keeps, its peak and its recomputation (>>checkpoint, >>checkpoint
+      planner). tsys_checkpoint_begin_ex's flags keep autocast weight copies or attention's output.
 
    ON INSTRUMENTATION
       One place sees everything: tsys_ctx_set_trace_hooks installs {op_begin, op_end, kernel, mem}
@@ -525,7 +526,11 @@ enum {
     // instead of casting the weight again in backward: for regions whose linears need not rerun
     // (selective), where the copies would be made again only to be read once. Applies when the region
     // is the outermost one around the linear; inside an outer region without it, the copies go.
-    TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES = 1
+    TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES = 1,
+    // A flash attention keeps its output and log-sum-exp, so a recompute of the region does not run
+    // the attention forward again (it still recomputes q, k, v): for long contexts, where attention's
+    // O(T^2) FLOPs dominate the recompute and its output is a small part of what a block keeps.
+    TSYS_CHECKPOINT_KEEP_ATTENTION = 2
 };
 TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags);
 TSYSDEF tsys_status tsys_checkpoint_end(tsys_ctx *ctx);
@@ -606,6 +611,9 @@ TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int6
 //                  with w2 (its output); GEMM outputs are kept
 //   P+selective    (P = blocks:K, sqrt, nested[:K]) the selective regions nested in P's, so a
 //                  recomputed block keeps only what selective keeps
+//   P+keep-attn    P's regions, where flash attention keeps its output and log-sum-exp (one bf16
+//                  activation a block) so the recompute does not run the attention forward again:
+//                  for long contexts (TSYS_CHECKPOINT_KEEP_ATTENTION; no effect with naive attention)
 //   auto:BYTES     the planner (tsys_checkpoint_plan_make) picks the policy with the least
 //                  recomputation whose predicted peak fits BYTES (suffixes K, M, G, T, with or without
 //                  "iB"/"B", are powers of 1024); the model plans for a training step with AdamW
@@ -615,6 +623,7 @@ typedef struct tsys_checkpoint_policy {
     int segment;       // blocks per region (0 = no block regions)
     int inner;         // blocks per region nested in each segment (0 = none, 1 = every block)
     bool selective;    // the per-block regions of `selective`
+    bool keep_attention;   // flash attention keeps its output in the block regions (+keep-attn)
     double budget;     // auto: bytes the step's peak must fit in (0 = not auto)
 } tsys_checkpoint_policy;
 TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, tsys_checkpoint_policy *out, char *err, size_t err_len);
@@ -3448,7 +3457,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
 
 TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx) { return tsys_checkpoint_begin_ex(ctx, 0); }
 TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags) {
-    if (flags & ~(unsigned)TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: unknown flags 0x%x", flags);
+    if (flags & ~(unsigned)(TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES | TSYS_CHECKPOINT_KEEP_ATTENTION)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: unknown flags 0x%x", flags);
     if (ctx->in_backward) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: called during backward (a region is part of a forward pass)");
     if (ctx->num_regions == ctx->cap_regions) {
         int cap = ctx->cap_regions ? ctx->cap_regions * 2 : 64;
@@ -3512,6 +3521,10 @@ static void tsys__region_link(tsys_ctx *ctx, tsys__node *node, tsys_tensor *cons
     while (ctx->regions[top].parent >= 0) top = ctx->regions[top].parent;
     tsys_tensor *w = node->op == TSYS__OP_LINEAR ? saved[TSYS__SAVED_LINEAR_W] : NULL;
     if ((ctx->regions[top].flags & TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES) && w && w != ins[1]) tsys__node_keep_saved(ctx, node, TSYS__SAVED_LINEAR_W, w);
+    if ((ctx->regions[top].flags & TSYS_CHECKPOINT_KEEP_ATTENTION) && node->op == TSYS__OP_FLASH_ATTN) {
+        tsys__node_keep_saved(ctx, node, TSYS__SAVED_FLASH_O, saved[TSYS__SAVED_FLASH_O]);
+        tsys__node_keep_saved(ctx, node, TSYS__SAVED_FLASH_LSE, saved[TSYS__SAVED_FLASH_LSE]);
+    }
     for (int j = 0; j < node->n_in; j++) {
         tsys_tensor *x = ins[j];
         if (!x) continue;
@@ -3539,8 +3552,22 @@ static int tsys__saved_input(const tsys__node *n, int k) {
     case TSYS__OP_LINEAR: case TSYS__OP_MATMUL: case TSYS__OP_MUL: case TSYS__OP_SWIGLU: case TSYS__OP_MSE: return k;   // x/a = in 0, w/b = in 1
     case TSYS__OP_RELU: case TSYS__OP_SILU: return 0;
     case TSYS__OP_EMBEDDING: return 1;   // the ids
+    case TSYS__OP_FLASH_ATTN: return k <= TSYS__SAVED_FLASH_V ? k : -1;   // q, k, v (O and LSE it computes)
     default: return -1;
     }
+}
+// The saved value that is the op's output (-1: none): what a node that kept it gives its readers.
+static int tsys__saved_output(const tsys__node *n) { return n->op == TSYS__OP_FLASH_ATTN ? TSYS__SAVED_FLASH_O : -1; }
+// Does the node hold every value its op computes for backward (TSYS_CHECKPOINT_KEEP_ATTENTION)? Then
+// a recompute needs only its inputs, and readers of its output get the kept one.
+static bool tsys__kept_computed(const tsys__node *n) {
+    bool any = false;
+    for (int k = 0; k < n->n_saved; k++) {
+        if (tsys__saved_input(n, k) >= 0) continue;
+        if (!n->saved[k]) return false;
+        any = true;
+    }
+    return any;
 }
 static bool tsys__saves_inputs_only(const tsys__node *n) {
     for (int k = 0; k < n->n_saved; k++)
@@ -3597,11 +3624,12 @@ static tsys_tensor *tsys__replay_op(tsys_ctx *ctx, tsys__node *n, tsys_tensor *c
 // the weight in its compute dtype: under autocast that is a fresh low-precision copy.
 static tsys_status tsys__replay_saved_inputs(tsys_ctx *ctx, tsys__node *n, tsys_tensor *const *v) {
     for (int k = 0; k < n->n_saved; k++) {
+        if (n->saved[k]) continue;   // kept from the forward: a weight copy, attention's O and LSE
         int j = tsys__saved_input(n, k);
         if (j < 0 || j >= TSYS__NODE_IN) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint: %s computes what it saves; it must be rerun", tsys__op_names[n->op]);
         tsys_tensor *t = v[j];
-        if (n->saved[k]) continue;   // a weight copy kept from the forward
-        if (n->op == TSYS__OP_LINEAR && k == TSYS__SAVED_LINEAR_W && t->dtype != n->out_dtype) {
+        bool cast = (n->op == TSYS__OP_LINEAR && k == TSYS__SAVED_LINEAR_W) || n->op == TSYS__OP_FLASH_ATTN;   // saved in the compute dtype
+        if (cast && t->dtype != n->out_dtype) {
             tsys_dtype ac = ctx->autocast;
             ctx->replay = n; ctx->replay_done = true;   // nothing records; the autocast cache is not extended
             ctx->autocast = n->autocast;
@@ -3634,7 +3662,8 @@ static void tsys__replay_plan(tsys_ctx *ctx, int r, size_t cur) {
     for (size_t i = cur + 1; i-- > R->first;) {
         tsys__node *n = ctx->tape[i];
         int child = n->region == r ? -1 : tsys__region_child(ctx, n->region, r);
-        n->rc_run = n->rc_need > 0 || (child < 0 && !tsys__saves_inputs_only(n));
+        bool kept = tsys__kept_computed(n);
+        n->rc_run = !kept && (n->rc_need > 0 || (child < 0 && !tsys__saves_inputs_only(n)));
         for (int j = 0; j < n->n_in; j++) {
             tsys__node *p = n->src[j];
             if (!(n->in_mask >> j & 1) || !p || p->index < R->first || !tsys__replay_reads(ctx, n, j, child)) continue;
@@ -3662,6 +3691,7 @@ static tsys_status tsys__replay_node(tsys_ctx *ctx, int r, tsys__node *n) {
     } else if (st == TSYS_OK && child < 0) {
         st = tsys__replay_saved_inputs(ctx, n, v);
     }
+    if (st == TSYS_OK && !n->rc_run && n->rc_need > 0 && tsys__saved_output(n) >= 0) y = tsys_tensor_retain(n->saved[tsys__saved_output(n)]);
     for (int j = 0; st == TSYS_OK && child >= 0 && j < n->n_in; j++)
         if (v[j] && !n->inval[j] && tsys__replay_crosses(ctx, n, j, child)) tsys__node_keep_input(ctx, n, j, v[j]);
     for (int j = 0; j < n->n_in; j++) {
@@ -4113,8 +4143,9 @@ static tsys_tensor *tsys__model_blocks(tsys_model *m, tsys_tensor *x, const tsys
     for (int l = 0; l < n; l++) {
         int in_seg = seg ? l % seg : l;   // position in the segment
         bool seg_last = seg && ((l + 1) % seg == 0 || l + 1 == n);
-        if (seg && in_seg == 0) tsys_checkpoint_begin(ctx);
-        if (inner && in_seg % inner == 0) tsys_checkpoint_begin(ctx);
+        unsigned flags = p->keep_attention ? TSYS_CHECKPOINT_KEEP_ATTENTION : 0;
+        if (seg && in_seg == 0) tsys_checkpoint_begin_ex(ctx, flags);
+        if (inner && in_seg % inner == 0) tsys_checkpoint_begin_ex(ctx, flags);
         tsys__region_begin(ctx, m->layer_names[l]);
         x = tsys__residual(m, &m->layers[l], x, true, B, T, p->selective);
         x = tsys__residual(m, &m->layers[l], x, false, B, T, p->selective);
@@ -4201,6 +4232,8 @@ TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, 
     if (n >= sizeof(buf)) snprintf(why, sizeof(why), "longer than %d characters", (int)sizeof(buf) - 1);
     else {
         memcpy(buf, s, n + 1);
+        char *keep = strstr(buf, "+keep-attn");
+        if (keep && keep[10] == 0 && keep != buf) { out->keep_attention = true; *keep = 0; }
         char *plus = strstr(buf, "+selective");
         if (plus && plus[10] == 0 && plus != buf) { out->selective = true; *plus = 0; }
         int k = 0;
@@ -4220,17 +4253,19 @@ TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, 
             if (!tsys__parse_bytes(buf + 5, &out->budget) || out->budget <= 0)
                 snprintf(why, sizeof(why), "auto:BYTES needs a positive size such as 40GiB, 512M or 3e10");
         } else snprintf(why, sizeof(why), "unknown policy");
+        if (!why[0] && out->keep_attention && (!out->segment || out->selective || out->budget > 0))
+            snprintf(why, sizeof(why), "+keep-attn goes with block regions alone (blocks:K, sqrt, nested[:K])");
     }
     if (!why[0]) return TSYS_OK;
-    if (err) snprintf(err, err_len, "checkpoint policy '%s': %s (policies: none, blocks:K, sqrt, nested[:K], selective, blocks:K+selective, sqrt+selective, nested[:K]+selective, auto:BYTES)", s, why);
+    if (err) snprintf(err, err_len, "checkpoint policy '%s': %s (policies: none, blocks:K, sqrt, nested[:K], selective, blocks:K+selective, sqrt+selective, nested[:K]+selective, P+keep-attn, auto:BYTES)", s, why);
     memset(out, 0, sizeof(*out));
     return TSYS_ERR_INVALID_ARGS;
 }
 
 TSYSDEF void tsys_checkpoint_policy_name(const tsys_checkpoint_policy *p, char *buf, size_t len) {
     if (p->budget > 0) snprintf(buf, len, "auto:%.4gGiB", p->budget / 1073741824.0);
-    else if (p->inner) snprintf(buf, len, "nested:%d%s", p->segment, p->selective ? "+selective" : "");
-    else if (p->segment) snprintf(buf, len, "blocks:%d%s", p->segment, p->selective ? "+selective" : "");
+    else if (p->inner) snprintf(buf, len, "nested:%d%s", p->segment, p->selective ? "+selective" : p->keep_attention ? "+keep-attn" : "");
+    else if (p->segment) snprintf(buf, len, "blocks:%d%s", p->segment, p->selective ? "+selective" : p->keep_attention ? "+keep-attn" : "");
     else snprintf(buf, len, "%s", p->selective ? "selective" : "none");
 }
 
@@ -4299,7 +4334,9 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     tsys_checkpoint_policy_name(p, out->name, sizeof(out->name));
     out->batch = B; out->context = T; out->dtype = dt; out->optimizer = opt;
     out->block_bytes = a.full;
-    double kept_blocks = seg ? nseg * a.x : L * (p->selective ? a.sel : a.full);
+    bool keep_attn = p->keep_attention && a.flash && seg;   // every block's O and LSE stay
+    double kept_attn = keep_attn ? L * a.attn_big : 0;
+    double kept_blocks = seg ? nseg * a.x + kept_attn : L * (p->selective ? a.sel : a.full);
     out->kept_block_bytes = kept_blocks / L;
     out->kept_bytes = kept_blocks + a.head;
     out->fixed_bytes = 4 * P + (opt ? 8 * P : 0) + 16 * E;
@@ -4321,7 +4358,7 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
         double k = TSYS__MIN(seg, d->num_layers - s * seg);
         double before = (k - 1) * (p->inner ? a.x : kept_one + (a.ac ? a.ac_block : 0));
         double grads = head_grads + (L - s * seg - k + 1) * layer_grads;
-        blocks = TSYS__MAX(blocks, s * a.x + before + peak_one + grads);
+        blocks = TSYS__MAX(blocks, s * a.x + kept_attn + before + peak_one + grads);
     }
     blocks += ac_held - a.ac_head;
     double end_bwd = 4 * P + a.x;   // every gradient, and the residual stream's
@@ -4330,9 +4367,9 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double gemm = 2 * E * (4 * a.d * a.d + 3 * a.d * a.f), w2 = 2 * E * a.d * a.f, qk = 2 * a.B * a.T * a.T * a.d;
     double elem_blk = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 0 : 2 * a.attn_big) + 6 * a.c * E * a.d;
     double elem_sel = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 2 * a.o : 2 * a.attn_big);
-    double flops = 0, bytes = 0;
-    if (seg) { flops += L * (gemm - w2 + 2 * qk) + (L - nseg) * w2; bytes += L * elem_blk; }   // a segment's last w2 is not rerun
-    if (p->inner) { flops += (L - nseg) * (gemm - w2 + 2 * qk); bytes += (L - nseg) * elem_blk; }   // nested: blocks but the last run once more
+    double flops = 0, bytes = 0, attn = keep_attn ? 0 : 2 * qk;   // +keep-attn: the attention forward is not rerun
+    if (seg) { flops += L * (gemm - w2 + attn) + (L - nseg) * w2; bytes += L * elem_blk; }   // a segment's last w2 is not rerun
+    if (p->inner) { flops += (L - nseg) * (gemm - w2 + attn); bytes += (L - nseg) * elem_blk; }   // nested: blocks but the last run once more
     if (p->selective) { flops += L * (a.flash ? 2 * qk : qk); bytes += L * elem_sel; }
     out->step_flops = tsys_model_flops(d, B, T, true);
     out->recompute_flops = flops;
@@ -4351,10 +4388,11 @@ static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, 
     int L = d->num_layers;
     for (int kind = 0; kind < 3; kind++)
         for (int k = kind == 0 ? 0 : kind == 1 ? 1 : 2; k <= (kind == 0 ? 0 : L); k++)
-            for (int sel = 0; sel < 2; sel++) {
+            for (int sel = 0; sel < 3; sel++) {   // none, +selective, +keep-attn (block regions, flash)
+                if (sel == 2 && (kind == 0 || strcmp(d->attn, "flash"))) continue;
                 tsys_checkpoint_policy p;
                 memset(&p, 0, sizeof(p));
-                p.segment = k; p.inner = kind == 2 ? 1 : 0; p.selective = sel != 0;
+                p.segment = k; p.inner = kind == 2 ? 1 : 0; p.selective = sel == 1; p.keep_attention = sel == 2;
                 tsys__plan_fill(d, &p, B, T, dt, opt, &cand);
                 cand.fits = cand.peak_bytes <= budget;
                 bool better = !have || (cand.fits && !best.fits) ||

@@ -53,7 +53,9 @@ static void usage(FILE *f) {
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
         "  --checkpoint LIST          activation checkpointing: none | blocks:K | sqrt | nested[:K] | selective |\n"
-        "                             blocks:K+selective, sqrt+selective, nested[:K]+selective | auto:BYTES (the planner\n"
+        "                             blocks:K+selective, sqrt+selective, nested[:K]+selective | blocks:K+keep-attn,\n"
+        "                             sqrt+keep-attn, nested[:K]+keep-attn (flash attention keeps its output: no attention\n"
+        "                             forward in the recompute) | auto:BYTES (the planner\n"
         "                             picks the cheapest policy whose predicted peak fits BYTES, e.g. auto:60GiB, and\n"
         "                             prints its plan on stderr) (default none)\n"
         "  --plan                     print each configuration's checkpointing accounting (bytes a block keeps with\n"
@@ -160,7 +162,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")
         || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_compile, "no or yes")
         || !du_split_check(&o->ckpts, "e2e", "--checkpoint", ckpt, ok_ckpt,
-                           "none, blocks:K, sqrt, nested[:K], selective, P+selective or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
+                           "none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
         opts_free(o);
         return DU_EXIT_USAGE;
     }

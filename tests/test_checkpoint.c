@@ -74,7 +74,7 @@ static bool run_step(const char *attn, const char *policy, tsys_dtype autocast, 
 }
 
 static const char *const policies[] = {"blocks:1", "blocks:2", "blocks:3", "sqrt", "nested", "nested:3", "selective",
-                                       "blocks:2+selective", "nested:2+selective", "blocks:4+selective"};
+                                       "blocks:2+selective", "nested:2+selective", "blocks:4+selective", "blocks:1+keep-attn", "nested:2+keep-attn"};
 #define NUM_POLICIES ((int)(sizeof(policies) / sizeof(policies[0])))
 
 static void bitwise_every_policy(const char *attn, tsys_dtype autocast) {
@@ -207,7 +207,7 @@ TSYS_TEST(nested_regions_by_hand_bf16) { nested_case(TSYS_BF16); }
 
 // ---- what runs again: one block region reruns each block's forward except its last GEMM ------------
 
-typedef struct op_count { int linear_in_backward, cast_in_backward, cast_kernels_in_backward, ops_in_backward; bool in_bwd; } op_count;
+typedef struct op_count { int linear_in_backward, cast_in_backward, cast_kernels_in_backward, flash_in_backward, ops_in_backward; bool in_bwd; } op_count;
 static void oc_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *u) {
     (void)ctx;
     op_count *c = (op_count *)u;
@@ -216,6 +216,7 @@ static void oc_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void
         c->ops_in_backward++;
         c->linear_in_backward += !strcmp(name, "linear");
         c->cast_in_backward += !strcmp(name, "cast");
+        c->flash_in_backward += !strcmp(name, "flash_attention");
     }
 }
 static void oc_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *u) {
@@ -227,11 +228,11 @@ static void oc_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *
     (void)ctx;
     if (kind == TSYS_TRACE_RANGE && !strcmp(name, "backward")) ((op_count *)u)->in_bwd = false;
 }
-static op_count count_recompute_ac(const char *policy, tsys_dtype ac) {
+static op_count count_recompute_attn(const char *attn, const char *policy, tsys_dtype ac) {
     op_count c;
     memset(&c, 0, sizeof(c));
     tsys_ctx *ctx = tsys_ctx_new(NULL);
-    tsys_model_desc d = small_desc("naive", policy);
+    tsys_model_desc d = small_desc(attn, policy);
     tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 5);
     int64_t shape[2] = {2, 8};
     tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
@@ -252,6 +253,7 @@ static op_count count_recompute_ac(const char *policy, tsys_dtype ac) {
     tsys_ctx_free(ctx);
     return c;
 }
+static op_count count_recompute_ac(const char *policy, tsys_dtype ac) { return count_recompute_attn("naive", policy, ac); }
 static op_count count_recompute(const char *policy) { return count_recompute_ac(policy, TSYS_F32); }
 TSYS_TEST(recompute_reruns_what_backward_needs_once) {
     op_count none = count_recompute("none"), b1 = count_recompute("blocks:1"), b2 = count_recompute("blocks:2");
@@ -272,6 +274,10 @@ TSYS_TEST(recompute_reruns_what_backward_needs_once) {
     TEST_CHECK(sel16.cast_in_backward == 5 * 4, "selective bf16 reruns %d casts, expected %d", sel16.cast_in_backward, 5 * 4);
     TEST_CHECK(sel16.cast_kernels_in_backward == sel16.cast_in_backward + count_recompute_ac("none", TSYS_BF16).cast_kernels_in_backward,
                "selective bf16: %d cast kernels in backward for %d recomputed casts (weights cast again?)", sel16.cast_kernels_in_backward, sel16.cast_in_backward);
+    // +keep-attn: the block recompute runs every linear it ran before, but no attention forward
+    op_count fb1 = count_recompute_attn("flash", "blocks:1", TSYS_F32), fka = count_recompute_attn("flash", "blocks:1+keep-attn", TSYS_F32);
+    TEST_CHECK(fb1.flash_in_backward == 4 && fka.flash_in_backward == 0, "flash forwards rerun: blocks:1 %d (want 4), +keep-attn %d (want 0)", fb1.flash_in_backward, fka.flash_in_backward);
+    TEST_CHECK(fka.linear_in_backward == fb1.linear_in_backward, "+keep-attn reruns %d linears, blocks:1 %d", fka.linear_in_backward, fb1.linear_in_backward);
     TEST_CHECK(b116.cast_kernels_in_backward >= b116.cast_in_backward + 6 * 4, "blocks:1 bf16: %d cast kernels, %d recomputed casts: its 6 rerun linears a block cast their weights",
                b116.cast_kernels_in_backward, b116.cast_in_backward);
 }
@@ -322,13 +328,13 @@ TSYS_TEST(hooks_see_the_final_gradient_once_per_backward) {
 // ---- memory: the tracker against the accounting --------------------------------------------------------
 
 TSYS_TEST(saved_bytes_match_the_accounting) {
-    const char *const pols[6] = {"none", "selective", "blocks:1", "blocks:3", "nested:2", "nested:2+selective"};
+    const char *const pols[8] = {"none", "selective", "blocks:1", "blocks:3", "nested:2", "nested:2+selective", "blocks:1+keep-attn", "nested:2+keep-attn"};
     const char *const attns[2] = {"naive", "flash"};
     const tsys_dtype dts[2] = {TSYS_F32, TSYS_BF16};
     step_result r;
     for (int a = 0; a < 2; a++)
         for (int t = 0; t < 2; t++)
-            for (int i = 0; i < 6; i++) {
+            for (int i = 0; i < 8; i++) {
                 if (a == 1 && t == 1) continue;   // the CPU flash kernel is fp32
                 if (!run_step(attns[a], pols[i], dts[t], &r)) { TEST_CHECK(false, "%s failed", pols[i]); continue; }
                 tsys_model_desc d = small_desc(attns[a], pols[i]);
@@ -458,7 +464,8 @@ TSYS_TEST(misuse_is_reported_with_the_rule) {
         {"blocks:0", "K from 1 to num_layers (4)"}, {"blocks:5", "K from 1 to num_layers (4)"}, {"blocks:", "K from 1"}, {"blocks:2x", "K from 1"},
         {"nested:1", "K from 2 to num_layers"}, {"nested:9", "K from 2"}, {"auto:", "positive size"}, {"auto:-5G", "positive size"},
         {"auto:12Q", "positive size"}, {"auto:nan", "positive size"}, {"selective+selective", "unknown policy"}, {"+selective", "unknown policy"},
-        {"auto:1G+selective", "unknown policy"}, {"everything", "unknown policy"}};
+        {"auto:1G+selective", "unknown policy"}, {"everything", "unknown policy"}, {"selective+keep-attn", "block regions alone"},
+        {"blocks:2+selective+keep-attn", "block regions alone"}, {"none+keep-attn", "unknown policy"}};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         tsys_checkpoint_policy p;
         char err[512] = "";

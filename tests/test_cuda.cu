@@ -651,12 +651,12 @@ TSYS_TEST(cuda_checkpoint_policies_bitwise) {
     TC_CTX(ctx);
     const char *const attns[2] = {"naive", "flash"};
     const tsys_dtype dts[2] = {TSYS_F32, TSYS_BF16};
-    const char *const pols[5] = {"blocks:1", "blocks:2", "nested:2", "selective", "nested:2+selective"};
+    const char *const pols[6] = {"blocks:1", "blocks:2", "nested:2", "selective", "nested:2+selective", "blocks:1+keep-attn"};
     for (int a = 0; a < 2; a++)
         for (int t = 0; t < 2; t++) {
             tc_ckpt_out ref, got;
             if (!tc_ckpt_run(ctx, attns[a], "none", dts[t], &ref)) { TEST_CHECK(false, "%s %s none failed", attns[a], tsys_dtype_name(dts[t])); continue; }
-            for (int i = 0; i < 5; i++) {
+            for (int i = 0; i < 6; i++) {
                 if (!tc_ckpt_run(ctx, attns[a], pols[i], dts[t], &got)) { TEST_CHECK(false, "%s failed", pols[i]); continue; }
                 TEST_CHECK(got.loss == ref.loss, "%s %s %s: loss %.9g vs %.9g", attns[a], tsys_dtype_name(dts[t]), pols[i], got.loss, ref.loss);
                 TEST_CHECK(memcmp(got.grads, ref.grads, sizeof(float) * (size_t)ref.n) == 0, "%s %s %s: gradients differ (rel err %.3g)", attns[a],
