@@ -82,6 +82,12 @@
       attention matmuls) round their inputs to the low precision, accumulate in fp32 and round the
       output; norms, softmax, losses and reductions compute in fp32. Parameters and gradients stay
       fp32. tsys_grad_scaler gives fp16 dynamic loss scaling with torch GradScaler semantics.
+      A weight is cast once per autocast region; tsys_optim_keep_lowp(opt, TSYS_BF16) instead has
+      AdamW write each parameter's bf16 (or fp16) copy in its update kernel, kept across steps, so a
+      training step casts no weight (2 bytes a parameter; bitwise the same training). A copy counts
+      while its parameter's storage is at the version it was made from: every write tsys sees bumps
+      it (kernels, copies, fills, loads, resizes, collectives); after writing through
+      tsys_tensor_data yourself, call tsys_tensor_mark_written.
 
    Revision history:
       0.2  the kernel contract table, trace hooks and ranges, events and streams, several gradient-ready
@@ -623,7 +629,11 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 // weight every step; a copy counts only while its parameter's storage is at the version it was made
 // from (any other write of the parameter: the next use casts into the copy again). Bitwise the same
 // training as without it. TSYS_F32 gives the copies back. Call before capturing a step in a CUDA graph
-// (the copies' addresses are fixed from here on).
+// and run one eager step first: the copies' addresses are fixed, the captured forward reads them and
+// the captured AdamW writes them; whether a weight is cast was decided at capture, so a parameter
+// written outside the graph between replays (a checkpoint load) needs an eager step or a new capture.
+// The copies belong to the optimizer's own parameters: under FSDP (an optimizer of shards, a forward
+// of gathered weights) nothing would read them.
 TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *opt, tsys_dtype dt);
 TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *opt);   // TSYS_F32 when off
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);

@@ -94,7 +94,10 @@
       TSYS_K_ADAMW reads the step count from its device tensor t[4], so a captured optimizer step
       replays the right bias corrections. Extension of the tsys.h contract: t[5], when given, is a
       one-element fp32 device tensor holding lr and overriding f[0] (a learning-rate schedule that
-      also survives graph replay).
+      also survives graph replay). t[6], when given (tsys_optim_keep_lowp), is the parameter's kept
+      bf16/fp16 copy: a kernel of its own writes it beside p, m and v in the same pass (the fp32-only
+      path stays the generic elementwise kernel), so a captured step's forward reads copies that the
+      captured AdamW of the replay before wrote, and no weight is cast in the graph.
 
    Revision history:
       0.2  FlashAttention-2 as the >>flash section (mma.sync, fp32 SIMT, wgmma and warp-specialized TMA
@@ -3434,14 +3437,55 @@ static tsys_status tsys_cuda__k_transpose12(tsys_cuda__state *st, const tsys_kar
     return TSYS_OK;
 }
 
+// AdamW that also writes the kept low-precision copy of the new p (t[6]; L = __nv_bfloat16 or __half),
+// rounded to nearest even as the cast kernel rounds (tsys_cuda__fromf). The update is the functor
+// of the fp32-only kernel, so p, m and v come out bit for bit as there. vec: p, g, m, v 16-byte and
+// low 8-byte aligned: four elements per thread-iteration (fp32 float4s, one 8-byte store of the
+// copy), the last n % 4 one by one.
+template <class L> struct alignas(8) tsys_cuda__lowp4 { L v[4]; };
+template <class L>
+__global__ void tsys_cuda__adamw_lowp(tsys_cuda__op_adamw op, float *p, const float *g, float *m, float *v, L *low, int64_t n, bool vec) {
+    int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    int64_t nv = vec ? n / 4 : 0;
+    for (int64_t i = tid; i < nv; i += stride) {
+        float4 P = ((const float4 *)p)[i], G = ((const float4 *)g)[i], M = ((const float4 *)m)[i], V = ((const float4 *)v)[i];
+        float xs[4][4] = { { P.x, G.x, M.x, V.x }, { P.y, G.y, M.y, V.y }, { P.z, G.z, M.z, V.z }, { P.w, G.w, M.w, V.w } }, ys[4][3];
+        tsys_cuda__lowp4<L> c;
+#pragma unroll
+        for (int e = 0; e < 4; e++) { op(xs[e], ys[e]); c.v[e] = tsys_cuda__fromf<L>(ys[e][0]); }
+        ((float4 *)p)[i] = make_float4(ys[0][0], ys[1][0], ys[2][0], ys[3][0]);
+        ((float4 *)m)[i] = make_float4(ys[0][1], ys[1][1], ys[2][1], ys[3][1]);
+        ((float4 *)v)[i] = make_float4(ys[0][2], ys[1][2], ys[2][2], ys[3][2]);
+        ((tsys_cuda__lowp4<L> *)low)[i] = c;
+    }
+    for (int64_t i = nv * 4 + tid; i < n; i += stride) {
+        float x[4] = { p[i], g[i], m[i], v[i] }, y[3];
+        op(x, y);
+        p[i] = y[0]; m[i] = y[1]; v[i] = y[2];
+        low[i] = tsys_cuda__fromf<L>(y[0]);
+    }
+}
+
 static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a) {
-    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5];
+    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5], *low = a->t[6];
     TSYS_CUDA__REQUIRE(st->ctx, p && g && m && v && step, "adamw: p, g, m, v and the device step must be given");
     int64_t n = tsys_tensor_numel(p);
     TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(g) == n && tsys_tensor_numel(m) == n && tsys_tensor_numel(v) == n, "adamw: p, g, m, v differ in size");
     TSYS_CUDA__REQUIRE(st->ctx, tsys_cuda__is_id(step->dtype) && (!lr || lr->dtype == TSYS_F32), "adamw: step must be I32/I64, lr (t[5]) fp32");
     tsys_cuda__op_adamw op = { a->f[0], a->f[1], a->f[2], a->f[3], a->f[4], tsys_cuda__data(step), (int)step->dtype,
                                (const float *)tsys_cuda__data(lr) };
+    if (low) {
+        TSYS_CUDA__REQUIRE(st->ctx, (low->dtype == TSYS_BF16 || low->dtype == TSYS_F16) && tsys_tensor_numel(low) == n, "adamw: the copy t[6] must be bf16/f16 of p's size");
+        if (n <= 0) return TSYS_OK;
+        float *pp = (float *)tsys_cuda__data(p), *pm = (float *)tsys_cuda__data(m), *pv = (float *)tsys_cuda__data(v);
+        const float *pg = (const float *)tsys_cuda__data(g);
+        void *pl = tsys_cuda__data(low);
+        bool vec = tsys_cuda__aligned16(pp) && tsys_cuda__aligned16(pg) && tsys_cuda__aligned16(pm) && tsys_cuda__aligned16(pv) && ((uintptr_t)pl & 7) == 0;
+        unsigned grid = tsys_cuda__grid(st, vec ? (n + 3) / 4 : n, 256);
+        if (low->dtype == TSYS_BF16) TSYS_CUDA__LAUNCH(st, tsys_cuda__adamw_lowp<__nv_bfloat16>, grid, 256, 0, op, pp, pg, pm, pv, (__nv_bfloat16 *)pl, n, vec);
+        else TSYS_CUDA__LAUNCH(st, tsys_cuda__adamw_lowp<__half>, grid, 256, 0, op, pp, pg, pm, pv, (__half *)pl, n, vec);
+        return TSYS_OK;
+    }
     tsys_tensor *ins[4] = { p, g, m, v }, *outs[3] = { p, m, v };
     return tsys_cuda__ew<4, 3>(st, op, tsys_cuda__ew_make(n, 4, ins, 3, outs));
 }
