@@ -2635,6 +2635,11 @@ static void tsys__autocast_cache_clear(tsys_ctx *ctx) {
 }
 TSYSDEF void tsys_autocast_end(tsys_ctx *ctx) { ctx->autocast = TSYS_F32; tsys__autocast_cache_clear(ctx); }
 
+// Where a kept copy starts in its optimizer's block (tsys_optim_keep_lowp): 256-byte aligned, as a
+// fresh allocation is. The CUDA GEMM picks its cuBLASLt algorithm by the operands' alignment (up to
+// 256 bytes), so a copy aligned less than the cast it replaces could be multiplied by another
+// algorithm and round differently.
+static size_t tsys__lowp_align(size_t off) { return (off + 255) & ~(size_t)255; }
 static bool tsys__lowp_valid(const tsys_tensor *w) { return w->lowp && w->lowp_of == w->storage->id && w->lowp_version == w->storage->version; }
 static void tsys__lowp_mark(tsys_tensor *w) { w->lowp_of = w->storage->id; w->lowp_version = w->storage->version; }
 
@@ -3463,7 +3468,10 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
     bool kept = kept_copies && autocast && optimizer;   // the optimizer holds them
     int64_t c = (int64_t)tsys_dtype_size(compute), N = batch * T, D = d.d_model, F = d.d_ff, H = d.num_heads, V = d.vocab_size, L = d.num_layers;
     int64_t P = tsys_model_desc_num_params(&d), matrices = P - V * D - (2 * L + 1) * D;
-    int64_t copies = kept ? P * c : autocast ? matrices * c : 0, scores = batch * H * T * T * c;
+    // kept: each tensor's copy 256-byte aligned in the optimizer's block (tsys__lowp_align)
+    int64_t kept_bytes = 2 * (int64_t)tsys__lowp_align((size_t)(V * D * c)) + (2 * L + 1) * (int64_t)tsys__lowp_align((size_t)(D * c))
+                       + L * (4 * (int64_t)tsys__lowp_align((size_t)(D * D * c)) + 3 * (int64_t)tsys__lowp_align((size_t)(D * F * c)));
+    int64_t copies = kept ? kept_bytes : autocast ? matrices * c : 0, scores = batch * H * T * T * c;
     e.num_layers = d.num_layers;
     e.params = 4 * P + copies;
     e.grads = backward ? 4 * P : 0;
@@ -3834,8 +3842,22 @@ TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which)
 }
 
 // ---- kept low-precision copies ----
-// The params' copies are windows of one block laid out as m and v are, so a run of parameters that
-// one AdamW launch updates has its copies back to back too, and the launch writes them all.
+// The params' copies are windows of one block in parameter order, so a run of parameters that one
+// AdamW launch updates has its copies back to back too (where each copy's size keeps the next one
+// aligned, below), and the launch writes them all.
+
+// The end of the run [i, end) (an update run) whose copies lie back to back in the block; *numel its elements.
+static int tsys__lowp_run_end(const tsys_optim *o, int i, int end, int64_t *numel) {
+    tsys_tensor *const *p = o->params;
+    *numel = tsys_tensor_numel(p[i]);
+    int j = i + 1;
+    for (; j < end; j++) {
+        const tsys_tensor *a = p[j - 1]->lowp, *b = p[j]->lowp;
+        if (!a || !b || a->storage != o->lowp->storage || b->storage != a->storage || b->offset != a->offset + tsys_tensor_bytes(a)) break;
+        *numel += tsys_tensor_numel(p[j]);
+    }
+    return j;
+}
 
 // Gives each parameter's copy back (those this optimizer made; a parameter keeps another's).
 static void tsys__lowp_drop(tsys_optim *o) {
@@ -3882,6 +3904,8 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
     for (int i = first, j; st == TSYS_OK && i < end; i = j) {
         int64_t n;
         j = tsys__optim_run_end(o, i, &n);
+        bool copies = o->lowp && o->params[i]->lowp && o->params[i]->lowp->storage == o->lowp->storage;
+        if (copies) j = tsys__lowp_run_end(o, i, j, &n);   // one launch: its copies back to back as well
         tsys_tensor *p0 = o->params[i];
         if (p0->grad) {   // parameters without a gradient are skipped, as in torch
             bool one = j == i + 1;
@@ -3889,9 +3913,9 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
             tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, TSYS_F32, 1, &n);
             tsys_tensor *m = NULL, *v = NULL, *low = NULL;
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
-            if (o->lowp) low = tsys_tensor_view_raw(ctx, o->lowp, off / 4 * tsys_dtype_size(o->lowp->dtype), o->lowp->dtype, 1, &n);
+            if (copies) low = tsys_tensor_view_raw(ctx, o->lowp, p0->lowp->offset - o->lowp->offset, o->lowp->dtype, 1, &n);
             uint64_t before = p0->storage->version;
-            st = p && g && (!o->adamw || (m && v)) && (!o->lowp || low) ? tsys__optim_update(o, p, g, m, v, low) : ctx->status;
+            st = p && g && (!o->adamw || (m && v)) && (!copies || low) ? tsys__optim_update(o, p, g, m, v, low) : ctx->status;
             if (st == TSYS_OK && low) tsys__lowp_after_update(o, i, j, before);
             tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v); tsys_tensor_release(low);
         }
@@ -4056,8 +4080,9 @@ TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *o, tsys_dtype dt) {
     if (o->lowp && o->lowp->dtype == dt) return TSYS_OK;
     tsys__lowp_drop(o);
     if (dt == TSYS_F32 || o->n == 0) return TSYS_OK;
-    int64_t total = 0;
-    for (int i = 0; i < o->n; i++) total += tsys_tensor_numel(o->params[i]);
+    size_t es = tsys_dtype_size(dt), bytes = 0;
+    for (int i = 0; i < o->n; i++) bytes = tsys__lowp_align(bytes) + (size_t)tsys_tensor_numel(o->params[i]) * es;
+    int64_t total = (int64_t)(tsys__lowp_align(bytes) / es);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "kept weight copies"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);   // copies of them, held across steps
     o->lowp = tsys_tensor_new(ctx, dt, o->params[0]->device, 1, &total);
@@ -4066,6 +4091,7 @@ TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *o, tsys_dtype dt) {
     size_t off = 0;
     for (int i = 0; o->lowp && i < o->n; i++) {
         tsys_tensor *p = o->params[i];
+        off = tsys__lowp_align(off);
         tsys_tensor *c = tsys_tensor_view_raw(ctx, o->lowp, off, dt, p->ndim, p->shape);
         if (!c) { tsys__lowp_drop(o); return ctx->status; }
         tsys_tensor_set_name(c, "%s.%s", p->name, tsys_dtype_name(dt));
