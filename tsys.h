@@ -90,6 +90,12 @@
       attention matmuls) round their inputs to the low precision, accumulate in fp32 and round the
       output; norms, softmax, losses and reductions compute in fp32. Parameters and gradients stay
       fp32. tsys_grad_scaler gives fp16 dynamic loss scaling with torch GradScaler semantics.
+      A weight is cast once per autocast region; tsys_optim_keep_lowp(opt, TSYS_BF16) instead has
+      AdamW write each parameter's bf16 (or fp16) copy in its update kernel, kept across steps, so a
+      training step casts no weight (2 bytes a parameter; bitwise the same training). A copy counts
+      while its parameter's storage is at the version it was made from: every write tsys sees bumps
+      it (kernels, copies, fills, loads, resizes, collectives); after writing through
+      tsys_tensor_data yourself, call tsys_tensor_mark_written.
 
    Revision history:
       0.2  the kernel contract table, trace hooks and ranges, events and streams, several gradient-ready
@@ -181,6 +187,9 @@ typedef struct tsys_storage {
     tsys_mem_category category;
     int saved_by;        // tape nodes that keep it for backward (a temporary is an activation meanwhile)
     uint64_t id;         // serial number, the id of its memory events
+    uint64_t version;    // bumped by every write of its bytes that tsys sees (kernels, GEMMs, copies, fills,
+                         // resizes, loads, collectives, tsys_tensor_mark_written): a kept low-precision
+                         // copy of a parameter is valid only at the version it was made from
 } tsys_storage;
 
 typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
@@ -202,6 +211,8 @@ struct tsys_tensor {
                                  // the next gradient overwrites instead of adding, saving a fill and a read
     struct tsys__grad_hook *hooks;   // leaves: fired in order once .grad is final for this backward
     struct tsys__grad_home *grad_home;   // leaves: the block .grad is carved from when backward first needs it
+    tsys_tensor *lowp;           // parameters: the kept bf16/fp16 copy autocast reads (tsys_optim_keep_lowp), or NULL
+    uint64_t lowp_of, lowp_version;   // the storage id and version lowp was made from (0: not made yet)
     char name[TSYS_NAME_LEN];
 };
 
@@ -294,7 +305,7 @@ typedef struct tsys_mem_stats {
     X(EMBED_FWD,     "embed_fwd",     "AAI",       0x001, "t0 (N, D) = rows t2 (N ids, each in [0, V)) of t1 (V, D)") \
     X(EMBED_BWD,     "embed_bwd",     "SFI",       0x001, "t0 (V, D, f32) += scatter of t1 (N, D) to rows t2 (N ids, each in [0, V))") \
     X(TRANSPOSE12,   "transpose12",   "AA",        0x001, "t0 (A, C, B, D) = t1 (A, B, C, D) with dims 1 and 2 swapped") \
-    X(ADAMW,         "adamw",         "SSSSLs",    0x00d, "p t0, g t1, m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given); f = lr, beta1, beta2, eps, wd") \
+    X(ADAMW,         "adamw",         "SSSSLsf",   0x04d, "p t0, g t1, m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd") \
     X(STEP_INC,      "step_inc",      "L",         0x001, "t0 += 1") \
     X(RANDN,         "randn",         "F",         0x001, "t0 = f0 N(0, 1) from a counter-based hash of (seed i0, element index), redrawn into [f1, f2] when f1 < f2") \
     X(SGD,           "sgd",           "FF",        0x001, "p t0 -= f0 * g t1") \
@@ -483,6 +494,10 @@ TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t h
 TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape);   // reshape, shares storage, recorded
 TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape);  // no autograd
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on);
+// Writes through tsys_tensor_data's pointer (or by any means tsys does not launch) must be followed by
+// this: it bumps the storage's version, so a kept low-precision copy of t (tsys_optim_keep_lowp) is
+// made again at its next use instead of serving the old values.
+TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t);
 // Storage surgery for sharded training (tsys_dist.h's FSDP). rebind: t becomes a window of target's
 // storage at byte_offset (its dtype and shape kept, its old storage released; the window must fit).
 // resize: frees (bytes = 0) or reallocates the memory of t's storage under every tensor that views it,
@@ -538,7 +553,7 @@ TSYSDEF int tsys_checkpoint_depth(const tsys_ctx *ctx);   // regions open now
 
 // autocast (mixed precision)
 TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low);     // TSYS_BF16 or TSYS_F16
-TSYSDEF void tsys_autocast_end(tsys_ctx *ctx);                       // also drops the cached low-precision weights
+TSYSDEF void tsys_autocast_end(tsys_ctx *ctx);                       // also drops the region's low-precision weights (not the kept ones)
 TSYSDEF tsys_dtype tsys_autocast_dtype(const tsys_ctx *ctx);         // TSYS_F32 when off
 
 // ops (forward + backward). Inputs are borrowed; the result is a new reference.
@@ -671,6 +686,10 @@ typedef struct tsys_model_mem_estimate {
     int num_layers;
 } tsys_model_mem_estimate;
 TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer);
+// The same with AdamW keeping the compute-dtype weights (tsys_optim_keep_lowp, when kept_copies and an
+// optimizer under autocast): a copy of every parameter held across the step, in place of the step's copies.
+TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer,
+                                                            bool kept_copies);
 
 // optimizers and training utilities
 // AdamW desc, 0 = default: lr 1e-3 | beta1 0.9 | beta2 0.999 | eps 1e-8 | weight_decay 0.01.
@@ -698,6 +717,20 @@ TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads 
 // bucket is reduced). For those, tsys_optim_step after backward (after tsys_ddp_finish).
 TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *opt);
 TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
+// Kept low-precision weights (AdamW only; opt-in): the optimizer holds a dt (TSYS_BF16 or TSYS_F16)
+// copy of every parameter, one block in parameter order ("parameters" memory, tag "kept weight
+// copies", 2 bytes a parameter), and its update kernel writes the new copy beside the new fp32 value,
+// rounded to nearest even as the cast is. Autocast of dt then reads the copy instead of casting each
+// weight every step; a copy counts only while its parameter's storage is at the version it was made
+// from (any other write of the parameter: the next use casts into the copy again). Bitwise the same
+// training as without it. TSYS_F32 gives the copies back. Call before capturing a step in a CUDA graph
+// and run one eager step first: the copies' addresses are fixed, the captured forward reads them and
+// the captured AdamW writes them; whether a weight is cast was decided at capture, so a parameter
+// written outside the graph between replays (a checkpoint load) needs an eager step or a new capture.
+// The copies belong to the optimizer's own parameters: under FSDP (an optimizer of shards, a forward
+// of gathered weights) nothing would read them.
+TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *opt, tsys_dtype dt);
+TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *opt);   // TSYS_F32 when off
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
@@ -1235,6 +1268,7 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
     }
     s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->saved_by = 0;
     s->id = ++ctx->mem.next_id;
+    s->version = 0;
     tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)asked, true, s);
     return s;
 }
@@ -1264,6 +1298,7 @@ TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t by
     if (s->data && s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
     s->data = data;
     s->bytes = bytes;
+    s->version++;   // new memory, undefined contents
     ctx->mem.making = t;   // the allocation event carries the tensor's shape
     if (bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, (int64_t)bytes, true, s);
     ctx->mem.making = NULL;
@@ -1279,6 +1314,7 @@ TSYSDEF int64_t tsys_tensor_numel(const tsys_tensor *t) {
 }
 TSYSDEF size_t tsys_tensor_bytes(const tsys_tensor *t) { return (size_t)tsys_tensor_numel(t) * tsys_dtype_size(t->dtype); }
 TSYSDEF void *tsys_tensor_data(const tsys_tensor *t) { return (char *)t->storage->data + t->offset; }
+TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t) { if (t) t->storage->version++; }
 
 TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...) {
     if (!t) return;
@@ -1359,6 +1395,7 @@ TSYSDEF void tsys_tensor_release(tsys_tensor *t) {
     if (t->grad_fn) t->grad_fn->out = NULL;   // the tape node outlives its output
     tsys_tensor_set_grad_hook(t, NULL, NULL);
     tsys_tensor_release(t->grad);
+    tsys_tensor_release(t->lowp);
     tsys__storage_release(t->storage);
     TSYS_FREE(t);
 }
@@ -1399,6 +1436,7 @@ TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const
     if (dst->dtype != src->dtype || tsys_tensor_numel(dst) != tsys_tensor_numel(src))
         return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "copy into '%s': dtype/size differ (%s x %lld vs %s x %lld)", dst->name,
                           tsys_dtype_name(dst->dtype), (long long)tsys_tensor_numel(dst), tsys_dtype_name(src->dtype), (long long)tsys_tensor_numel(src));
+    tsys_tensor_mark_written(dst);
     return tsys__copy_bytes(ctx, tsys_tensor_data(dst), dst->device, tsys_tensor_data(src), src->device, tsys_tensor_bytes(src));
 }
 
@@ -1447,6 +1485,7 @@ static tsys_status tsys__fill_host(tsys_ctx *ctx, tsys_tensor *t, float (*gen)(t
     void *raw = TSYS_MALLOC(tsys_tensor_bytes(t) + 1);
     if (!raw) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory filling '%s'", t->name);
     for (int64_t i = 0; i < n; i++) tsys__store(raw, t->dtype, i, gen(ctx, p));
+    tsys_tensor_mark_written(t);
     tsys_status s = tsys__copy_bytes(ctx, tsys_tensor_data(t), t->device, raw, TSYS_CPU, tsys_tensor_bytes(t));
     TSYS_FREE(raw);
     return s;
@@ -1671,7 +1710,8 @@ static void tsys__cpu_ce_bwd(float *dl, const float *logits, const float *lse, c
     }
 }
 
-static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, int64_t n, const float *f, int64_t t) {
+// low (optional, dtype ldt): the new p rounded as the cast rounds it, the kept copy autocast reads.
+static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, void *low, tsys_dtype ldt, int64_t n, const float *f, int64_t t) {
     float lr = f[0], b1 = f[1], b2 = f[2], eps = f[3], wd = f[4];
     float bc1 = (float)(1.0 - pow(b1, (double)t)), bc2 = (float)(1.0 - pow(b2, (double)t));
     float step = lr / bc1, bc2_sqrt = sqrtf(bc2);
@@ -1683,6 +1723,7 @@ static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, int64_
         v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
         float denom = sqrtf(v[i]) / bc2_sqrt + eps;
         p[i] = pi - step * (m[i] / denom);
+        if (low) tsys__store(low, ldt, i, p[i]);
     }
 }
 
@@ -2107,8 +2148,10 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
     }
     case TSYS_K_TRANSPOSE12: tsys__cpu_transpose12(tsys_tensor_data(t[0]), tsys_tensor_data(t[1]), t[1]->shape, tsys_dtype_size(t[1]->dtype)); break;
     case TSYS_K_ADAMW: {
+        if (t[6] && (tsys_tensor_numel(t[6]) != n || t[6]->dtype == TSYS_F32)) { st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "adamw: the copy t[6] '%s' must be bf16/f16 of p's size", t[6]->name); break; }
         float hyper[5] = {t[5] ? ((const float *)tsys_tensor_data(t[5]))[0] : f[0], f[1], f[2], f[3], f[4]};   // t5: lr on the device
-        tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), n, hyper, tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
+        tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, n, hyper,
+                        tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
         break;
     }
     case TSYS_K_STEP_INC: ((int64_t *)tsys_tensor_data(t[0]))[0] += 1; break;
@@ -2249,6 +2292,10 @@ static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, c
 #if TSYS_DEBUG
     if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
 #endif
+    // what the launch writes is at a new version (kept low-precision copies of it are stale)
+    if (g) g->c->storage->version++;
+    for (int j = 0; a && j < TSYS_KARGS_MAX; j++)
+        if (a->t[j] && tsys__kernel_writes(k, j)) a->t[j]->storage->version++;
     if (!ctx->trace.kernel && !ctx->trace.kernel_begin) return a ? be->kernel(ctx, k, a) : be->gemm(ctx, g);
     tsys_trace_kernel info;
     info.seq = ++ctx->launch_seq;
@@ -2731,8 +2778,33 @@ static void tsys__autocast_cache_clear(tsys_ctx *ctx) {
 }
 TSYSDEF void tsys_autocast_end(tsys_ctx *ctx) { ctx->autocast = TSYS_F32; tsys__autocast_cache_clear(ctx); }
 
-// Low-precision copy of a parameter, made once per autocast region (weights do not change inside it).
+// Where a kept copy starts in its optimizer's block (tsys_optim_keep_lowp): 256-byte aligned, as a
+// fresh allocation is. The CUDA GEMM picks its cuBLASLt algorithm by the operands' alignment (up to
+// 256 bytes), so a copy aligned less than the cast it replaces could be multiplied by another
+// algorithm and round differently.
+static size_t tsys__lowp_align(size_t off) { return (off + 255) & ~(size_t)255; }
+static bool tsys__lowp_valid(const tsys_tensor *w) { return w->lowp && w->lowp_of == w->storage->id && w->lowp_version == w->storage->version; }
+static void tsys__lowp_mark(tsys_tensor *w) { w->lowp_of = w->storage->id; w->lowp_version = w->storage->version; }
+
+// The kept copy of w (tsys_optim_keep_lowp) in dt, cast again into its place when w was written since
+// it was made; NULL when w has none in dt, or when the stale one is still held by another (a tape node
+// saved it for backward: overwriting it would change that backward), so the caller casts as usual.
+static tsys_tensor *tsys__autocast_kept(tsys_ctx *ctx, tsys_tensor *w, tsys_dtype dt) {
+    if (!w->lowp || w->lowp->dtype != dt) return NULL;
+    if (tsys__lowp_valid(w)) return tsys_tensor_retain(w->lowp);
+    if (w->lowp->refcount > 1) return NULL;
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = w->lowp; a.t[1] = w;
+    if (tsys__kernel(ctx, w->device, TSYS_K_CAST, &a) != TSYS_OK) return NULL;
+    tsys__lowp_mark(w);
+    return tsys_tensor_retain(w->lowp);
+}
+
+// Low-precision copy of a parameter: the kept one when there is one, else made once per autocast
+// region (weights do not change inside it).
 static tsys_tensor *tsys__autocast_weight(tsys_ctx *ctx, tsys_tensor *w, tsys_dtype dt) {
+    tsys_tensor *kept = tsys__autocast_kept(ctx, w, dt);
+    if (kept || ctx->status != TSYS_OK) return kept;
     for (int i = 0; i < ctx->ac_len; i++)
         if (ctx->ac_src[i] == w && ctx->ac_low[i]->dtype == dt) return tsys_tensor_retain(ctx->ac_low[i]);
     if (ctx->replay) {   // a recompute in backward (autocast has ended): the copy lives as long as its node keeps it
@@ -3846,16 +3918,25 @@ TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int6
 // output and log-sum-exp (B, H, T); the SwiGLU inputs and output (3 x N x d_ff). Outside the blocks:
 // the final norm's input and 1/rms, lm_head's input, the logits and the loss's log-sum-exp.
 // Autocast's low-precision weight copies (every matrix but the embedding) live from their first use
-// to the end of backward. Gradients are fp32, one block per layer, made when backward reaches the
-// layer and given back after the step (the drivers' tsys_optim_release_grads, torch's set_to_none).
+// to the end of backward; kept by AdamW (kept_copies), a copy of every parameter lives all along.
+// Gradients are fp32, one block per layer, made when backward reaches the layer and given back after
+// the step (the drivers' tsys_optim_release_grads, torch's set_to_none).
 TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer) {
+    return tsys_model_mem_predict_kept(desc, batch, T, compute, backward, optimizer, false);
+}
+TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_desc *desc, int64_t batch, int64_t T, tsys_dtype compute, bool backward, bool optimizer,
+                                                            bool kept_copies) {
     tsys_model_mem_estimate e;
     memset(&e, 0, sizeof(e));
     tsys_model_desc d = tsys_model_desc_defaults(desc);
     bool autocast = compute != TSYS_F32, flash = d.attn && strcmp(d.attn, "flash") == 0;
+    bool kept = kept_copies && autocast && optimizer;   // the optimizer holds them
     int64_t c = (int64_t)tsys_dtype_size(compute), N = batch * T, D = d.d_model, F = d.d_ff, H = d.num_heads, V = d.vocab_size, L = d.num_layers;
     int64_t P = tsys_model_desc_num_params(&d), matrices = P - V * D - (2 * L + 1) * D;
-    int64_t copies = autocast ? matrices * c : 0, scores = batch * H * T * T * c;
+    // kept: each tensor's copy 256-byte aligned in the optimizer's block (tsys__lowp_align)
+    int64_t kept_bytes = 2 * (int64_t)tsys__lowp_align((size_t)(V * D * c)) + (2 * L + 1) * (int64_t)tsys__lowp_align((size_t)(D * c))
+                       + L * (4 * (int64_t)tsys__lowp_align((size_t)(D * D * c)) + 3 * (int64_t)tsys__lowp_align((size_t)(D * F * c)));
+    int64_t copies = kept ? kept_bytes : autocast ? matrices * c : 0, scores = batch * H * T * T * c;
     e.num_layers = d.num_layers;
     e.params = 4 * P + copies;
     e.grads = backward ? 4 * P : 0;
@@ -3879,7 +3960,7 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *de
             {act - N * V * c, head_grads, N * V * c + N * D * c, e.params, "lm_head's backward: the logits' gradient, the head's gradients"},
             {act - head_saved, head_grads + layer_grads, N * D * 4 + 3 * N * F * c, e.params, "the last block's FFN backward: its gradients, the residual stream's, dS, da, db"},
             {act - head_saved - ffn_saved, head_grads + layer_grads, N * D * 4 + 2 * scores, e.params, "the last block's softmax backward: dP and dS"},
-            {0, e.grads, N * D * 4, 4 * P, "the end of backward: every gradient, and the residual stream's"},
+            {0, e.grads, N * D * 4, kept ? e.params : 4 * P, "the end of backward: every gradient, and the residual stream's"},
         };
         int best = 0;
         for (int k = 1; k < 5; k++) {
@@ -3893,7 +3974,7 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict(const tsys_model_desc *de
         // and v, the scores and their softmax or flash attention's output) or its FFN (the residual
         // stream, the norm's output, both projections and their SwiGLU), where lm_head's copy is not
         // made yet; or at lm_head (its input, its cast and the logits)
-        int64_t head_copy = autocast ? V * D * c : 0;
+        int64_t head_copy = autocast && !kept ? V * D * c : 0;   // kept: there all along
         int64_t in_attn = N * D * 4 + 3 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : 2 * scores) - head_copy;
         int64_t in_ffn = 2 * N * D * 4 + 3 * N * F * c - head_copy;
         int64_t at_head = N * V * c + N * D * 4 + (autocast ? N * D * c : 0);
@@ -4460,6 +4541,7 @@ struct tsys_optim {
     int n;
     tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
     tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
+    tsys_tensor *lowp;              // kept low-precision copies (tsys_optim_keep_lowp), one block in parameter order, or NULL
     int64_t step;
     struct tsys__overlap *ov;       // the optimizer in backward (tsys_optim_overlap_begin), made on first use
 };
@@ -4528,9 +4610,11 @@ TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, flo
 }
 
 static void tsys__overlap_free(tsys_optim *o);
+static void tsys__lowp_drop(tsys_optim *o);
 TSYSDEF void tsys_optim_free(tsys_optim *o) {
     if (!o) return;
     tsys__overlap_free(o);
+    tsys__lowp_drop(o);
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
     tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t);
     TSYS_FREE(o->params);
@@ -4548,12 +4632,57 @@ TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which)
     return tsys_tensor_view_raw(o->ctx, which ? o->v : o->m, off, TSYS_F32, p->ndim, p->shape);
 }
 
-// One update of parameters [p, g, m, v] (m, v NULL for SGD).
-static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor *g, tsys_tensor *m, tsys_tensor *v) {
+// ---- kept low-precision copies ----
+// The params' copies are windows of one block in parameter order, so a run of parameters that one
+// AdamW launch updates has its copies back to back too (where each copy's size keeps the next one
+// aligned, below), and the launch writes them all.
+
+// The end of the run [i, end) (an update run) whose copies lie back to back in the block; *numel its elements.
+static int tsys__lowp_run_end(const tsys_optim *o, int i, int end, int64_t *numel) {
+    tsys_tensor *const *p = o->params;
+    *numel = tsys_tensor_numel(p[i]);
+    int j = i + 1;
+    for (; j < end; j++) {
+        const tsys_tensor *a = p[j - 1]->lowp, *b = p[j]->lowp;
+        if (!a || !b || a->storage != o->lowp->storage || b->storage != a->storage || b->offset != a->offset + tsys_tensor_bytes(a)) break;
+        *numel += tsys_tensor_numel(p[j]);
+    }
+    return j;
+}
+
+// Gives each parameter's copy back (those this optimizer made; a parameter keeps another's).
+static void tsys__lowp_drop(tsys_optim *o) {
+    if (!o->lowp) return;
+    for (int i = 0; i < o->n; i++) {
+        tsys_tensor *p = o->params[i];
+        if (!p->lowp || p->lowp->storage != o->lowp->storage) continue;
+        tsys_tensor_release(p->lowp);
+        p->lowp = NULL; p->lowp_of = p->lowp_version = 0;
+    }
+    tsys_tensor_release(o->lowp);
+    o->lowp = NULL;
+}
+
+// After one AdamW launch that wrote parameters [first, end) and their copies: their copies are made
+// from the storage's new version; the launch moved the whole storage to that version, so the other
+// parameters of that storage whose copies were valid before it stay valid (their bytes did not change).
+static void tsys__lowp_after_update(tsys_optim *o, int first, int end, uint64_t before) {
+    tsys_storage *s = o->params[first]->storage;
+    if (s->version != before + 1) return;   // something else wrote it too: the others are stale
+    for (int k = 0; k < o->n; k++) {
+        tsys_tensor *p = o->params[k];
+        if (p->storage != s || !p->lowp) continue;
+        bool written = k >= first && k < end && p->lowp->storage == o->lowp->storage, was_valid = p->lowp_of == s->id && p->lowp_version == before;
+        if (written || was_valid) tsys__lowp_mark(p);
+    }
+}
+
+// One update of parameters [p, g, m, v] (m, v NULL for SGD); low: their kept copies, or NULL.
+static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor *g, tsys_tensor *m, tsys_tensor *v, tsys_tensor *low) {
     tsys_kargs a = tsys__kargs0();
     a.t[0] = p; a.t[1] = g;
     if (!o->adamw) { a.f[0] = o->desc.lr; return tsys__kernel(o->ctx, p->device, TSYS_K_SGD, &a); }
-    a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t;
+    a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t; a.t[6] = low;
     a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
 }
@@ -4566,15 +4695,20 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
     for (int i = first, j; st == TSYS_OK && i < end; i = j) {
         int64_t n;
         j = tsys__optim_run_end(o, i, &n);
+        bool copies = o->lowp && o->params[i]->lowp && o->params[i]->lowp->storage == o->lowp->storage;
+        if (copies) j = tsys__lowp_run_end(o, i, j, &n);   // one launch: its copies back to back as well
         tsys_tensor *p0 = o->params[i];
         if (p0->grad) {   // parameters without a gradient are skipped, as in torch
             bool one = j == i + 1;
             tsys_tensor *p = one ? tsys_tensor_retain(p0) : tsys_tensor_view_raw(ctx, p0, 0, TSYS_F32, 1, &n);
             tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, TSYS_F32, 1, &n);
-            tsys_tensor *m = NULL, *v = NULL;
+            tsys_tensor *m = NULL, *v = NULL, *low = NULL;
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
-            st = p && g && (!o->adamw || (m && v)) ? tsys__optim_update(o, p, g, m, v) : ctx->status;
-            tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v);
+            if (copies) low = tsys_tensor_view_raw(ctx, o->lowp, p0->lowp->offset - o->lowp->offset, o->lowp->dtype, 1, &n);
+            uint64_t before = p0->storage->version;
+            st = p && g && (!o->adamw || (m && v)) && (!copies || low) ? tsys__optim_update(o, p, g, m, v, low) : ctx->status;
+            if (st == TSYS_OK && low) tsys__lowp_after_update(o, i, j, before);
+            tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v); tsys_tensor_release(low);
         }
         for (int k = i; k < j; k++) off += (size_t)tsys_tensor_numel(o->params[k]) * 4;
     }
@@ -4724,6 +4858,41 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
     tsys_mem_set_tag(ctx, tag);
     return st;
 }
+
+// ---- kept low-precision copies: turning them on and off ----
+
+TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *o, tsys_dtype dt) {
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    if (dt != TSYS_F32 && dt != TSYS_BF16 && dt != TSYS_F16)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp: %s is not a low-precision float (bf16 or f16; f32 turns the copies off)", tsys_dtype_name(dt));
+    if (dt != TSYS_F32 && !o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_keep_lowp: only AdamW writes the copies");
+    if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp: not between overlap_begin and overlap_end");
+    if (o->lowp && o->lowp->dtype == dt) return TSYS_OK;
+    tsys__lowp_drop(o);
+    if (dt == TSYS_F32 || o->n == 0) return TSYS_OK;
+    size_t es = tsys_dtype_size(dt), bytes = 0;
+    for (int i = 0; i < o->n; i++) bytes = tsys__lowp_align(bytes) + (size_t)tsys_tensor_numel(o->params[i]) * es;
+    int64_t total = (int64_t)(tsys__lowp_align(bytes) / es);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "kept weight copies"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);   // copies of them, held across steps
+    o->lowp = tsys_tensor_new(ctx, dt, o->params[0]->device, 1, &total);
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    size_t off = 0;
+    for (int i = 0; o->lowp && i < o->n; i++) {
+        tsys_tensor *p = o->params[i];
+        off = tsys__lowp_align(off);
+        tsys_tensor *c = tsys_tensor_view_raw(ctx, o->lowp, off, dt, p->ndim, p->shape);
+        if (!c) { tsys__lowp_drop(o); return ctx->status; }
+        tsys_tensor_set_name(c, "%s.%s", p->name, tsys_dtype_name(dt));
+        tsys_tensor_release(p->lowp);
+        p->lowp = c; p->lowp_of = p->lowp_version = 0;   // made at first use (autocast casts into it), then by each update
+        off += tsys_tensor_bytes(c);
+    }
+    return o->lowp ? TSYS_OK : ctx->status;
+}
+TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *o) { return o->lowp ? o->lowp->dtype : TSYS_F32; }
 
 // Marks the gradients as zero without touching memory (like torch's zero_grad(set_to_none=True)):
 // the next backward stores its first contribution instead of adding it, a gradient-sized fill and
@@ -5847,6 +6016,7 @@ static void tsys__st_convert(void *dst, tsys_dtype dd, const void *src, tsys_dty
 // Fills t from entry e, converting F32 <-> BF16/F16 when the dtypes differ. CPU tensors of the
 // file's dtype are read straight into their storage; everything else goes through staging.
 static tsys_status tsys__st_fill(tsys__st_file *sf, const tsys__st_entry *e, tsys_tensor *t) {
+    tsys_tensor_mark_written(t);   // the direct read below bypasses the copy that would mark it
     if (t->dtype == e->dtype && t->device == TSYS_CPU) return tsys__st_read(sf, e, tsys_tensor_data(t));
     size_t file_bytes = (size_t)(e->end - e->begin);
     size_t conv_bytes = t->dtype == e->dtype ? 0 : tsys_tensor_bytes(t);

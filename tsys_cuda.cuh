@@ -94,7 +94,11 @@
       TSYS_K_ADAMW reads the step count from its device tensor t[4], so a captured optimizer step
       replays the right bias corrections. Extension of the tsys.h contract: t[5], when given, is a
       one-element fp32 device tensor holding lr and overriding f[0] (a learning-rate schedule that
-      also survives graph replay).
+      also survives graph replay). t[6], when given (tsys_optim_keep_lowp), is the parameter's kept
+      bf16/fp16 copy, written beside p, m and v in the same pass: a captured step's forward reads the
+      copies that the captured AdamW of the replay before wrote, and no weight is cast in the graph.
+      AdamW has a kernel of its own (not the generic elementwise one), with one site computing the
+      update, so the fp32 results are the same bits with the copy written or not.
 
    Revision history:
       0.2  FlashAttention-2 as the >>flash section (mma.sync, fp32 SIMT, wgmma and warp-specialized TMA
@@ -3538,16 +3542,74 @@ static tsys_status tsys_cuda__k_transpose12(tsys_cuda__state *st, const tsys_kar
     return TSYS_OK;
 }
 
+// AdamW, with or without the kept low-precision copy of the new p (t[6], tsys_optim_keep_lowp;
+// low_dt bf16 or f16, rounded to nearest even as the cast kernel rounds). One kernel for both, and
+// one place in it where the update is computed: an element's new p, m and v are the same bits
+// whether a copy is written or not, whichever path loads it and wherever it falls in a launch (with
+// the copies on, a run of parameters can be cut into more launches: tsys__lowp_run_end). Each thread
+// takes groups of four elements: float4 loads and stores when p, g, m, v are 16-byte aligned and the
+// group is whole, one 8-byte store of the copies when that is aligned too; else element by element.
+__device__ __forceinline__ uint16_t tsys_cuda__lowp_bits(float x, int dt) {
+    return dt == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+__global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *g, float *m, float *v, uint16_t *low, int low_dt, int64_t n, bool vec) {
+    int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
+    bool low8 = ((uintptr_t)low & 7) == 0;
+    for (int64_t q = tid; q < (n + 3) / 4; q += stride) {
+        int64_t i0 = 4 * q;
+        int k = n - i0 < 4 ? (int)(n - i0) : 4;   // elements in this group
+        bool whole = vec && k == 4;
+        float xs[4][4], ys[4][3];
+        if (whole) {
+            float4 P = ((const float4 *)p)[q], G = ((const float4 *)g)[q], M = ((const float4 *)m)[q], V = ((const float4 *)v)[q];
+            xs[0][0] = P.x; xs[1][0] = P.y; xs[2][0] = P.z; xs[3][0] = P.w;
+            xs[0][1] = G.x; xs[1][1] = G.y; xs[2][1] = G.z; xs[3][1] = G.w;
+            xs[0][2] = M.x; xs[1][2] = M.y; xs[2][2] = M.z; xs[3][2] = M.w;
+            xs[0][3] = V.x; xs[1][3] = V.y; xs[2][3] = V.z; xs[3][3] = V.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                bool in = e < k;
+                xs[e][0] = in ? p[i0 + e] : 0.0f; xs[e][1] = in ? g[i0 + e] : 0.0f;
+                xs[e][2] = in ? m[i0 + e] : 0.0f; xs[e][3] = in ? v[i0 + e] : 1.0f;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) op(xs[e], ys[e]);   // the only place the update is computed
+        uint16_t c[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) c[e] = low ? tsys_cuda__lowp_bits(ys[e][0], low_dt) : 0;
+        if (whole) {
+            ((float4 *)p)[q] = make_float4(ys[0][0], ys[1][0], ys[2][0], ys[3][0]);
+            ((float4 *)m)[q] = make_float4(ys[0][1], ys[1][1], ys[2][1], ys[3][1]);
+            ((float4 *)v)[q] = make_float4(ys[0][2], ys[1][2], ys[2][2], ys[3][2]);
+            if (low && low8) ((uint2 *)low)[q] = make_uint2((uint32_t)c[0] | ((uint32_t)c[1] << 16), (uint32_t)c[2] | ((uint32_t)c[3] << 16));
+            else if (low) for (int e = 0; e < 4; e++) low[i0 + e] = c[e];
+        } else {
+            for (int e = 0; e < k; e++) {
+                p[i0 + e] = ys[e][0]; m[i0 + e] = ys[e][1]; v[i0 + e] = ys[e][2];
+                if (low) low[i0 + e] = c[e];
+            }
+        }
+    }
+}
+
 static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a) {
-    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5];
+    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5], *low = a->t[6];
     TSYS_CUDA__REQUIRE(st->ctx, p && g && m && v && step, "adamw: p, g, m, v and the device step must be given");
     int64_t n = tsys_tensor_numel(p);
     TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(g) == n && tsys_tensor_numel(m) == n && tsys_tensor_numel(v) == n, "adamw: p, g, m, v differ in size");
     TSYS_CUDA__REQUIRE(st->ctx, tsys_cuda__is_id(step->dtype) && (!lr || lr->dtype == TSYS_F32), "adamw: step must be I32/I64, lr (t[5]) fp32");
     tsys_cuda__op_adamw op = { a->f[0], a->f[1], a->f[2], a->f[3], a->f[4], tsys_cuda__data(step), (int)step->dtype,
                                (const float *)tsys_cuda__data(lr) };
-    tsys_tensor *ins[4] = { p, g, m, v }, *outs[3] = { p, m, v };
-    return tsys_cuda__ew<4, 3>(st, op, tsys_cuda__ew_make(n, 4, ins, 3, outs));
+    TSYS_CUDA__REQUIRE(st->ctx, !low || ((low->dtype == TSYS_BF16 || low->dtype == TSYS_F16) && tsys_tensor_numel(low) == n), "adamw: the copy t[6] must be bf16/f16 of p's size");
+    if (n <= 0) return TSYS_OK;
+    float *pp = (float *)tsys_cuda__data(p), *pm = (float *)tsys_cuda__data(m), *pv = (float *)tsys_cuda__data(v);
+    const float *pg = (const float *)tsys_cuda__data(g);
+    bool vec = tsys_cuda__aligned16(pp) && tsys_cuda__aligned16(pg) && tsys_cuda__aligned16(pm) && tsys_cuda__aligned16(pv);
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__adamw, tsys_cuda__grid(st, (n + 3) / 4, 256), 256, 0, op, pp, pg, pm, pv, (uint16_t *)tsys_cuda__data(low),
+                      low ? (int)low->dtype : (int)TSYS_BF16, n, vec);
+    return TSYS_OK;
 }
 
 static tsys_status tsys_cuda__k_step_inc(tsys_cuda__state *st, const tsys_kargs *a) {

@@ -2054,6 +2054,7 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
 
     tsys_dist_work *w = (tsys_dist_work *)calloc(1, sizeof *w);
     if (!w) { *st = tsys_dist__fail(d, TSYS_ERR_OOM, "%s: out of host memory", fn); return NULL; }
+    tsys_tensor_mark_written(out);   // the collective writes it behind tsys's back (kept weight copies of it go stale)
     w->d = d;
     tsys_dist__coll *c = &w->c;
     c->kind = kind; c->type = out->dtype; c->op = op; c->root = root;

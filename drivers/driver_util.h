@@ -222,6 +222,7 @@ typedef struct du_lm {
     du_mode mode;
     tsys_grad_scaler scaler;
     bool overlap;                          // the optimizer inside backward (tsys_optim_overlap_begin/end)
+    bool lowp_copies;                      // AdamW keeps the autocast dtype's weight copies (tsys_optim_keep_lowp; train, bf16/fp16)
     void (*mark)(void *user, int boundary);
     void *mark_user;
 } du_lm;
@@ -231,6 +232,7 @@ static inline tsys_status du_lm_setup(du_lm *r, const tsys_model_desc *d, int ba
     r->model = tsys_model_new(ctx, d, r->dev, seed + 1);
     if (r->model && load) tsys_model_load(r->model, load);
     if (r->model && r->mode == DU_TRAIN) r->opt = tsys_adamw_new(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model), NULL);
+    if (r->opt && r->lowp_copies && r->dtype != TSYS_F32) tsys_optim_keep_lowp(r->opt, r->dtype);
     int64_t shape[2] = {batch, T};
     tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
     tsys_rng_seed(ctx, seed + 7);

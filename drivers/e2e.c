@@ -21,7 +21,7 @@
 
 typedef struct e2e_opts {
     const char *device, *format, *load;
-    du_list models, contexts, modes, dtypes, attns, compiles, overlaps, ckpts;
+    du_list models, contexts, modes, dtypes, attns, compiles, overlaps, lowps, ckpts;
     int batch, warmup, steps;
     uint64_t seed;
     size_t mem_limit;       // bytes; 0 = the default budget
@@ -50,6 +50,9 @@ static void usage(FILE *f) {
         "  --opt-in-backward LIST     no | yes: yes runs each layer's AdamW update on the side stream as soon as its\n"
         "                             gradients are final, overlapped with the rest of backward (train mode; not\n"
         "                             with fp16, whose loss scaler needs every gradient first; default no)\n"
+        "  --lowp-copies LIST         no | yes: yes has AdamW write each weight's bf16/fp16 copy in its update kernel\n"
+        "                             (tsys_optim_keep_lowp) so autocast casts no weight each step; 2 bytes a\n"
+        "                             parameter more, bitwise the same training (train mode under bf16/fp16; default no)\n"
         "  --compile LIST             no | yes: yes captures the whole step as a CUDA graph after warmup\n"
         "                             and replays it (cuda only; default no)\n"
         "  --checkpoint LIST          activation checkpointing: none | blocks:K | sqrt | nested[:K] | selective |\n"
@@ -94,7 +97,7 @@ static bool ok_model(const char *s) {
 
 static void opts_free(e2e_opts *o) {
     du_list_free(&o->models); du_list_free(&o->contexts); du_list_free(&o->modes);
-    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->overlaps); du_list_free(&o->ckpts);
+    du_list_free(&o->dtypes); du_list_free(&o->attns); du_list_free(&o->compiles); du_list_free(&o->overlaps); du_list_free(&o->lowps); du_list_free(&o->ckpts);
 }
 
 // Parses and checks every flag and list; returns 0 (o then owns the lists: opts_free), DU_HELP,
@@ -102,10 +105,10 @@ static void opts_free(e2e_opts *o) {
 static int parse_args(int argc, char **argv, e2e_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *overlap = "no", *ckpt = "none";
+    const char *models = "small", *contexts = "256", *modes = "forward-backward", *dtypes = "fp32", *attn = "auto", *compile = "no", *overlap = "no", *lowp = "no", *ckpt = "none";
     o->format = "md";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->sgemm = true;
-    static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--opt-in-backward", "--format",
+    static const char *const valued[] = {"--device", "--model", "--context-length", "--mode", "--dtype", "--attn", "--compile", "--opt-in-backward", "--lowp-copies", "--format",
                                          "--load", "--batch-size", "--warmup", "--steps", "--seed", "--d-model", "--d-ff", "--num-layers",
                                          "--num-heads", "--vocab-size", "--mem-limit", "--profile", "--checkpoint"};
     for (int i = 1; i < argc; i++) {
@@ -131,6 +134,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         else if (!strcmp(a, "--attn")) attn = v;
         else if (!strcmp(a, "--compile")) compile = v;
         else if (!strcmp(a, "--opt-in-backward")) overlap = v;
+        else if (!strcmp(a, "--lowp-copies")) lowp = v;
         else if (!strcmp(a, "--checkpoint")) ckpt = v;
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--load")) o->load = v;
@@ -161,6 +165,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         || !du_split_check(&o->attns, "e2e", "--attn", attn, ok_attn, "naive, flash or auto")
         || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")
         || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_compile, "no or yes")
+        || !du_split_check(&o->lowps, "e2e", "--lowp-copies", lowp, ok_compile, "no or yes")
         || !du_split_check(&o->ckpts, "e2e", "--checkpoint", ckpt, ok_ckpt,
                            "none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
         opts_free(o);
@@ -292,8 +297,8 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     return st;
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap, const char *attn,
-                       const char *ckpt) {
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap, bool lowp,
+                       const char *attn, const char *ckpt) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "context", "%d", T);
@@ -303,6 +308,7 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
     du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
     du_row_set(row, "opt_in_bwd", "%s", overlap ? "yes" : "no");
+    du_row_set(row, "lowp_copies", "%s", lowp ? "yes" : "no");
     du_row_set(row, "ckpt", "%s", ckpt);
     du_row_set(row, "warmup", "%d", o->warmup);
 }
@@ -355,13 +361,13 @@ static void plan_config(const e2e_opts *o, const char *model_name, int T, du_mod
 }
 
 static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap,
-                       const char *attn_flag, const char *ckpt, du_table *tab) {
+                       bool lowp, const char *attn_flag, const char *ckpt, du_table *tab) {
     char err[256] = "", ckpt_name[64] = "";
     tsys_model_desc d;
     tsys_checkpoint_plan plan;
     du_row *row = du_table_row(tab);
     const char *attn = strcmp(attn_flag, "auto") ? attn_flag : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
-    row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, attn, ckpt);
+    row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, lowp, attn, ckpt);
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     if (!config_plan(o, &d, ckpt, T, mode, dt, &plan, ckpt_name, sizeof(ckpt_name), err, sizeof(err), false)) { du_row_set(row, "status", "error: %s", err); return; }
     du_row_set(row, "ckpt", "%s", ckpt_name);
@@ -369,9 +375,10 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     if (compiled && dt == TSYS_F16 && mode == DU_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
     if (overlap && mode != DU_TRAIN) { du_row_set(row, "status", "skipped: --opt-in-backward applies to train mode"); return; }
     if (overlap && dt == TSYS_F16) { du_row_set(row, "status", "skipped: fp16 loss scaling needs every gradient before any update"); return; }
+    if (lowp && (mode != DU_TRAIN || dt == TSYS_F32)) { du_row_set(row, "status", "skipped: --lowp-copies applies to train mode under bf16/fp16"); return; }
     bench b;
     memset(&b, 0, sizeof(b));
-    b.lm.ctx = ctx; b.lm.dev = dev; b.lm.mode = mode; b.lm.dtype = dt; b.lm.overlap = overlap; b.lm.mark = bench_mark; b.lm.mark_user = &b;
+    b.lm.ctx = ctx; b.lm.dev = dev; b.lm.mode = mode; b.lm.dtype = dt; b.lm.overlap = overlap; b.lm.lowp_copies = lowp; b.lm.mark = bench_mark; b.lm.mark_user = &b;
     tsys_mem_reset_peak(ctx, dev);
     int n = o->steps, total = (compiled && o->warmup < 1 ? 1 : o->warmup) + (compiled ? 0 : n);   // a graph is captured after at least one eager step
     double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
@@ -484,8 +491,8 @@ int main(int argc, char **argv) {
     char lim[64];
     // the effective configuration on one line (stdout for md, stderr for the machine formats)
     FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
-    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; checkpoint %s; warmup %d; steps %d; memory limit %s%s%s\n",
-            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.overlaps.src, o.ckpts.src, o.warmup, o.steps,
+    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; lowp-copies %s; checkpoint %s; warmup %d; steps %d; memory limit %s%s%s\n",
+            o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, o.compiles.src, o.overlaps.src, o.lowps.src, o.ckpts.src, o.warmup, o.steps,
             du_mem_limit_str(lim, sizeof(lim), o.mem_limit), o.load ? "; load " : "", o.load ? o.load : "");
     if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
     if (o.plan) return plan_all(&o, dev, cfg);
@@ -522,8 +529,8 @@ int main(int argc, char **argv) {
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
-    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status"
-                                        : "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status",
+    du_table_init(&tab, dev == TSYS_CPU ? "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,lowp_copies,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status"
+                                        : "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,lowp_copies,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status",
                   o.format);
     for (int a = 0; a < o.models.n; a++)
         for (int c = 0; c < o.contexts.n; c++)
@@ -531,12 +538,13 @@ int main(int argc, char **argv) {
                 for (int t = 0; t < o.dtypes.n; t++)
                     for (int k = 0; k < o.compiles.n; k++)
                         for (int ov = 0; ov < o.overlaps.n; ov++)
+                            for (int lp = 0; lp < o.lowps.n; lp++)
                             for (int at = 0; at < o.attns.n; at++)
                                 for (int cp = 0; cp < o.ckpts.n; cp++) {
                                     du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
                                     du_parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
                                     run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), !strcmp(o.overlaps.item[ov], "yes"),
-                                               o.attns.item[at], o.ckpts.item[cp], &tab);
+                                               !strcmp(o.lowps.item[lp], "yes"), o.attns.item[at], o.ckpts.item[cp], &tab);
                                 du_table_emit(&tab);
                             }
     if (o.profile_log) {   // the tables, after the results

@@ -241,6 +241,14 @@ TSYS_TEST(cuda_embedding_transpose_adamw) {
     adam4.name = "adamw (multiple of 4)";
     adam4.t[0].shape[0] = adam4.t[1].shape[0] = adam4.t[2].shape[0] = adam4.t[3].shape[0] = 4096;
     tc_run_case(&adam4);
+    // with the kept low-precision copy t[6] (tsys_optim_keep_lowp): the one-by-one and the vector path
+    for (int di = 1; di < 3; di++)
+        for (int n4 = 0; n4 < 2; n4++) {
+            tc_case al = n4 ? adam4 : adam;
+            al.name = n4 ? "adamw + kept copy (multiple of 4)" : "adamw + kept copy";
+            al.t[6] = A1(R_OUT, tc_floats[di], al.t[0].shape[0], I_RANDN, 1);
+            tc_run_case(&al);
+        }
     for (int di = 0; di < 3; di++) {
         tc_case rn = { "randn", TSYS_K_RANDN, { A1(R_OUT, tc_floats[di], 10001, I_RANDN, 1) }, { 0.02f, 0.0f, 0.0f }, { 12345 } };
         tc_run_case(&rn);
@@ -776,6 +784,90 @@ TSYS_TEST(cuda_optimizer_in_backward) {
     for (int k = 0; k < 3; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
     tsys_ctx_clear_error(ctx);
 }
+
+// Kept low-precision weights (tsys_optim_keep_lowp) on the GPU: AdamW's kernel writes each copy, the
+// next forward reads it. Against the same model trained without them (autocast casting every weight
+// at every use), bf16 and fp16, ordinary step and optimizer in backward: eager steps with the copies,
+// and one eager step then a captured step replayed three times, give the losses of every step and the
+// final parameters bit for bit; the captured forward casts no weight (it reads the copies the eager
+// step's AdamW wrote, and the captured AdamW writes them for the replays); every copy equals a cast.
+static tsys_tensor *tc_lowp_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, tsys_dtype dt, bool overlap) {
+    tsys_autocast_begin(ctx, dt);
+    tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, tg);
+    tsys_autocast_end(ctx);
+    if (overlap) tsys_optim_overlap_begin(o);
+    tsys_backward(ctx, loss);
+    if (overlap) tsys_optim_overlap_end(o); else tsys_optim_step(o);
+    tsys_optim_release_grads(o);
+    tsys_tensor_release(logits);
+    return loss;
+}
+static float tc_lowp_loss(tsys_ctx *ctx, tsys_tensor *loss) { float v = tsys_item(ctx, loss); tsys_tensor_release(loss); return v; }
+typedef struct { tsys_tensor **params; int n, casts; } tc_casts;
+static void tc_count_weight_casts(tsys_ctx *, const tsys_trace_kernel *k, void *user) {
+    tc_casts *c = (tc_casts *)user;
+    if (k->kernel != TSYS_K_CAST || !k->args) return;
+    for (int i = 0; i < c->n; i++) c->casts += k->args->t[1] == c->params[i];
+}
+static void tc_lowp_case(tsys_dtype dt, bool overlap) {
+    TC_CTX(ctx);
+    const char *what = overlap ? "in backward" : "step";
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *m[3];
+    m[0] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
+    if (!m[0] || !m[1] || !m[2]) return;
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[3];
+    for (int k = 0; k < 3; k++) o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
+    for (int k = 1; k < 3; k++) TEST_CHECK(tsys_optim_keep_lowp(o[k], dt) == TSYS_OK, "keep_lowp: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    float ref[4], eager[4], graph[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; i++) ref[i] = tc_lowp_loss(ctx, tc_lowp_step(ctx, m[0], o[0], ids, tg, dt, false));
+    for (int i = 0; i < 4; i++) eager[i] = tc_lowp_loss(ctx, tc_lowp_step(ctx, m[1], o[1], ids, tg, dt, overlap));
+    graph[0] = tc_lowp_loss(ctx, tc_lowp_step(ctx, m[2], o[2], ids, tg, dt, overlap));
+    tc_casts cc = { tsys_model_params(m[2]), n, 0 };
+    tsys_trace_hooks h;
+    memset(&h, 0, sizeof h);
+    h.kernel = tc_count_weight_casts; h.user = &cc;
+    tsys_cuda_graph *gr = NULL;
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tsys_trace_hooks prev = tsys_ctx_set_trace_hooks(ctx, &h);
+    tsys_tensor *loss = tc_lowp_step(ctx, m[2], o[2], ids, tg, dt, overlap);
+    tsys_ctx_set_trace_hooks(ctx, &prev);
+    TEST_CHECK(tsys_cuda_graph_end(ctx, &gr) == TSYS_OK && gr && loss, "capture: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(cc.casts == 0, "%s %s: the captured forward cast %d weights instead of reading the kept copies", tsys_dtype_name(dt), what, cc.casts);
+    for (int i = 1; i < 4 && gr && loss; i++) { tsys_cuda_graph_replay(ctx, gr); graph[i] = tsys_item(ctx, loss); }
+    tsys_sync(ctx, TSYS_CUDA);
+    for (int i = 0; i < 4; i++)
+        TEST_CHECK(eager[i] == ref[i] && graph[i] == ref[i], "%s %s step %d: loss %.9g without copies, %.9g eager with, %.9g graph with", tsys_dtype_name(dt), what, i,
+                   ref[i], eager[i], graph[i]);
+    for (int k = 1; k < 3; k++) {
+        int differ = 0, stale = 0;
+        tsys_no_grad_begin(ctx);
+        for (int i = 0; i < n; i++) {
+            tsys_tensor *a = tsys_model_params(m[0])[i], *b = tsys_model_params(m[k])[i], *cast = tsys_cast(ctx, b, dt);
+            float *va = test_read(ctx, a), *vb = test_read(ctx, b), *vc = cast ? test_read(ctx, cast) : NULL, *vl = b->lowp ? test_read(ctx, b->lowp) : NULL;
+            size_t bytes = sizeof(float) * (size_t)tsys_tensor_numel(a);
+            differ += !va || !vb || memcmp(va, vb, bytes) != 0;
+            stale += !vc || !vl || memcmp(vc, vl, bytes) != 0;
+            free(va); free(vb); free(vc); free(vl);
+            tsys_tensor_release(cast);
+        }
+        tsys_no_grad_end(ctx);
+        TEST_CHECK(differ == 0, "%s %s, %s: %d parameter tensors differ from training without copies", tsys_dtype_name(dt), what, k == 1 ? "eager" : "graph", differ);
+        TEST_CHECK(stale == 0, "%s %s, %s: %d kept copies differ from a cast of their parameter", tsys_dtype_name(dt), what, k == 1 ? "eager" : "graph", stale);
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_cuda_graph_free(gr);
+    tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(tg);
+    for (int k = 0; k < 3; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    tsys_ctx_clear_error(ctx);
+}
+TSYS_TEST(cuda_kept_lowp_copies) { tc_lowp_case(TSYS_BF16, false); tc_lowp_case(TSYS_F16, false); }
+TSYS_TEST(cuda_kept_lowp_copies_in_backward) { tc_lowp_case(TSYS_BF16, true); tc_lowp_case(TSYS_F16, true); }
 
 // Two contexts, each with its own backend state, used side by side.
 TSYS_TEST(cuda_two_contexts) {

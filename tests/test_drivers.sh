@@ -266,6 +266,21 @@ t_phases_a_mode_lacks_read_dash() {
   done
 }
 
+# --lowp-copies is a sweep column: train mode under bf16/fp16 runs with the copies, fp32 is a
+# skipped row (autocast has nothing to read them), and the column says which row is which.
+t_lowp_copies_column() {
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --mode train --dtype fp32,bf16 --lowp-copies no,yes --format csv
+  expect_rc 0 "four rows"
+  local c v
+  for c in "1 lowp_copies no" "2 lowp_copies yes" "3 lowp_copies no" "4 lowp_copies yes" "1 status ok" "3 status ok" "4 status ok"; do
+    set -- $c
+    v=$(csv_col "$tmp/out" "$1" "$2")
+    [ "$v" = "$3" ] || note "row $1 $2 = '$v', wanted '$3'"
+  done
+  expect_in "$tmp/out" 'skipped: --lowp-copies applies to train mode under bf16/fp16' "the fp32 row with copies"
+  expect_in "$tmp/err" 'lowp-copies no,yes' "the configuration line"
+}
+
 t_precision_prose_matches_its_table() {
   run "$B/precision"
   expect_rc 0 "precision"

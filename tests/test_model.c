@@ -4,6 +4,7 @@
 #include "../tsys.h"
 #include "harness.h"
 #include "test_util.h"
+#include <unistd.h>
 
 #ifndef TSYS_FIXTURES
 #define TSYS_FIXTURES "tests/fixtures"
@@ -367,6 +368,205 @@ static void overlap_case(bool adamw, bool release) {
 }
 TSYS_TEST(optimizer_in_backward_matches_the_step) {
     overlap_case(true, true); overlap_case(true, false); overlap_case(false, true);
+}
+
+// ---- kept low-precision weights (tsys_optim_keep_lowp) ----
+// The reference is always the same model trained without them: autocast then casts every weight at
+// every use, so equal losses and parameters bit for bit say the copies AdamW writes are the casts.
+
+static tsys_model_desc lowp_desc(void) {
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 50; d.context_length = 16; d.d_model = 16; d.num_layers = 3; d.num_heads = 2; d.d_ff = 40;
+    return d;
+}
+
+// Counts CAST launches that read one of a model's parameters (autocast casting a weight).
+typedef struct lowp_casts { tsys_tensor **params; int n, casts; } lowp_casts;
+static void lowp_count_cast(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    (void)ctx;
+    lowp_casts *c = (lowp_casts *)user;
+    if (k->kernel != TSYS_K_CAST || !k->args) return;
+    for (int i = 0; i < c->n; i++) c->casts += k->args->t[1] == c->params[i];
+}
+
+// One training step under autocast dt: forward, loss, backward, AdamW (in backward when overlap).
+static float lowp_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_dtype dt, bool overlap) {
+    tsys_autocast_begin(ctx, dt);
+    tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+    tsys_autocast_end(ctx);
+    float v = tsys_item(ctx, loss);
+    if (overlap) tsys_optim_overlap_begin(o);
+    tsys_backward(ctx, loss);
+    if (overlap) tsys_optim_overlap_end(o); else tsys_optim_step(o);
+    tsys_optim_release_grads(o);
+    tsys_tensor_release(logits); tsys_tensor_release(loss);
+    return v;
+}
+
+static int lowp_params_differ(tsys_model *a, tsys_model *b) {
+    int differ = 0;
+    for (int i = 0; i < tsys_model_num_tensors(a); i++)
+        differ += memcmp(tsys_tensor_data(tsys_model_params(a)[i]), tsys_tensor_data(tsys_model_params(b)[i]), tsys_tensor_bytes(tsys_model_params(a)[i])) != 0;
+    return differ;
+}
+
+// Five steps with the copies (ordinary step, or in backward when overlap) against five without:
+// the same losses and parameters bit for bit; after the first step no weight is cast any more; each
+// kept copy equals a fresh cast of its parameter.
+static void lowp_train_case(tsys_dtype dt, bool overlap) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = lowp_desc();
+    tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), n, NULL), tsys_adamw_new(ctx, tsys_model_params(m[1]), n, NULL)};
+    TEST_CHECK(tsys_optim_keep_lowp(o[1], dt) == TSYS_OK && tsys_optim_lowp(o[1]) == dt && tsys_optim_lowp(o[0]) == TSYS_F32, "keep_lowp: %s", tsys_ctx_last_error(ctx));
+    int64_t shape[2] = {2, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    lowp_casts cc = {tsys_model_params(m[1]), n, 0};
+    tsys_trace_hooks h;
+    memset(&h, 0, sizeof(h));
+    h.kernel = lowp_count_cast; h.user = &cc;
+    const char *what = overlap ? "in backward" : "step";
+    for (int step = 0; step < 5; step++) {
+        float ref = lowp_step(ctx, m[0], o[0], ids, dt, false);
+        cc.casts = 0;
+        tsys_ctx_set_trace_hooks(ctx, &h);
+        float got = lowp_step(ctx, m[1], o[1], ids, dt, overlap);
+        tsys_ctx_set_trace_hooks(ctx, NULL);
+        TEST_CHECK(got == ref, "%s %s step %d: loss %.9g with kept copies, %.9g without", tsys_dtype_name(dt), what, step, got, ref);
+        // step 0 casts each matrix once into its copy (7 per layer... every linear weight), later steps none
+        if (step == 0) TEST_CHECK(cc.casts == 7 * d.num_layers + 1, "%s %s: the first step cast %d weights, expected %d", tsys_dtype_name(dt), what, cc.casts, 7 * d.num_layers + 1);
+        else TEST_CHECK(cc.casts == 0, "%s %s step %d: %d weights cast although AdamW wrote their copies", tsys_dtype_name(dt), what, step, cc.casts);
+    }
+    TEST_CHECK(lowp_params_differ(m[0], m[1]) == 0, "%s %s: %d parameter tensors differ after 5 steps", tsys_dtype_name(dt), what, lowp_params_differ(m[0], m[1]));
+    int bad = 0;
+    tsys_no_grad_begin(ctx);
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *p = tsys_model_params(m[1])[i], *cast = tsys_cast(ctx, p, dt);
+        bad += !p->lowp || !cast || memcmp(tsys_tensor_data(p->lowp), tsys_tensor_data(cast), tsys_tensor_bytes(cast)) != 0;
+        tsys_tensor_release(cast);
+    }
+    tsys_no_grad_end(ctx);
+    TEST_CHECK(bad == 0, "%s %s: %d kept copies differ from a cast of their parameter", tsys_dtype_name(dt), what, bad);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(ids);
+    for (int k = 0; k < 2; k++) tsys_optim_free(o[k]);
+    TEST_CHECK(tsys_model_params(m[1])[0]->lowp == NULL, "the copies outlived their optimizer");
+    for (int k = 0; k < 2; k++) tsys_model_free(m[k]);
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after everything is freed: %lld", (long long)tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes);
+    tsys_ctx_free(ctx);
+}
+TSYS_TEST(kept_lowp_copies_train_bitwise) { lowp_train_case(TSYS_BF16, false); lowp_train_case(TSYS_F16, false); }
+TSYS_TEST(kept_lowp_copies_in_backward_bitwise) { lowp_train_case(TSYS_BF16, true); lowp_train_case(TSYS_F16, true); }
+
+// A parameter written by anything but its optimizer after a step: the next forward reads the new
+// values (the logits of a model with copies equal those of one without, given the same write). The
+// write through tsys_tensor_data without tsys_tensor_mark_written is the control: the stale copy is
+// used, so the comparison can tell.
+typedef enum { W_FILL, W_COPY, W_LOAD, W_RAW_MARKED, W_REBIND, W_RESIZE, W_RAW_UNMARKED, W_COUNT } lowp_writer;
+static const char *const lowp_writer_names[W_COUNT] = {"fill", "copy_from", "safetensors load_into", "raw + mark_written", "rebind", "resize + copy", "raw, unmarked"};
+
+static void lowp_write(tsys_ctx *ctx, tsys_model *m, lowp_writer w, const char *path, tsys_tensor *src, tsys_tensor *ids) {
+    tsys_tensor *p = tsys_model_param(m, "layers.1.attn.q_proj.weight");
+    switch (w) {
+    case W_FILL: tsys_tensor_fill(ctx, p, 0.03125f); break;
+    case W_COPY: tsys_tensor_copy_from(ctx, p, src); break;
+    case W_LOAD: tsys_safetensors_load_into(ctx, path, &p, 1); break;
+    case W_RAW_MARKED: case W_RAW_UNMARKED:
+        memcpy(tsys_tensor_data(p), tsys_tensor_data(src), tsys_tensor_bytes(p));
+        if (w == W_RAW_MARKED) tsys_tensor_mark_written(p);
+        break;
+    case W_REBIND: tsys_tensor_rebind(ctx, p, src, 0); break;
+    case W_RESIZE: {
+        // a sharded parameter's storage given back and taken again (FSDP), then filled as a
+        // collective fills it, unmarked. First the parameter alone in a storage, its copy made from it.
+        tsys_tensor *lone = tsys_tensor_clone(ctx, p);
+        tsys_tensor_rebind(ctx, p, lone, 0);
+        tsys_tensor_release(lone);
+        tsys_no_grad_begin(ctx);
+        tsys_autocast_begin(ctx, TSYS_BF16);
+        tsys_tensor_release(tsys_model_forward(m, ids));
+        tsys_autocast_end(ctx);
+        tsys_no_grad_end(ctx);
+        tsys_storage_resize(ctx, p, 0);
+        tsys_storage_resize(ctx, p, tsys_tensor_bytes(p));
+        memcpy(tsys_tensor_data(p), tsys_tensor_data(src), tsys_tensor_bytes(p));
+        break;
+    }
+    default: break;
+    }
+}
+
+TSYS_TEST(kept_lowp_copies_follow_other_writes) {
+    char path[] = "/tmp/tsys_lowp_XXXXXX";   // its own file: the sanitizer build runs beside this one
+    int fd = mkstemp(path);
+    TEST_CHECK(fd >= 0, "mkstemp failed");
+    if (fd < 0) return;
+    close(fd);
+    for (int w = 0; w < W_COUNT; w++) {
+        tsys_ctx *ctx = tsys_ctx_new(NULL);
+        tsys_model_desc d = lowp_desc();
+        tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
+        int n = tsys_model_num_tensors(m[0]);
+        tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), n, NULL), tsys_adamw_new(ctx, tsys_model_params(m[1]), n, NULL)};
+        tsys_optim_keep_lowp(o[1], TSYS_BF16);
+        int64_t shape[2] = {2, 16};
+        tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+        tsys_tensor_randint(ctx, ids, d.vocab_size);
+        for (int step = 0; step < 2; step++)
+            for (int k = 0; k < 2; k++) lowp_step(ctx, m[k], o[k], ids, TSYS_BF16, false);
+        // the new values: another model's tensor of that name (in a file for load_into)
+        tsys_model *other = tsys_model_new(ctx, &d, TSYS_CPU, 77);
+        tsys_tensor *src = tsys_model_param(other, "layers.1.attn.q_proj.weight");
+        if (w == W_LOAD) tsys_safetensors_save(ctx, path, &src, 1);
+        for (int k = 0; k < 2; k++) lowp_write(ctx, m[k], (lowp_writer)w, path, src, ids);
+        tsys_tensor *logits[2];
+        tsys_autocast_begin(ctx, TSYS_BF16);
+        for (int k = 0; k < 2; k++) logits[k] = tsys_model_forward(m[k], ids);
+        tsys_autocast_end(ctx);
+        bool same = logits[0] && logits[1] && memcmp(tsys_tensor_data(logits[0]), tsys_tensor_data(logits[1]), tsys_tensor_bytes(logits[0])) == 0;
+        if (w == W_RAW_UNMARKED) TEST_CHECK(!same, "an unmarked write did not leave the copy stale: this test could not tell a stale copy");
+        else TEST_CHECK(same, "after %s the model with kept copies computes other logits than a fresh cast", lowp_writer_names[w]);
+        TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s: %s", lowp_writer_names[w], tsys_ctx_last_error(ctx));
+        tsys_tape_clear(ctx);
+        for (int k = 0; k < 2; k++) { tsys_tensor_release(logits[k]); tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+        tsys_model_free(other);
+        tsys_tensor_release(ids);
+        tsys_ctx_free(ctx);
+    }
+    remove(path);
+}
+
+// The options: only AdamW writes copies, only of bf16/f16; f32 gives them back (memory included).
+TSYS_TEST(kept_lowp_copies_options_and_memory) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = lowp_desc();
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 9);
+    int n = tsys_model_num_tensors(m);
+    tsys_optim *sgd = tsys_sgd_new(ctx, tsys_model_params(m), n, 0.1f);
+    TEST_CHECK(tsys_optim_keep_lowp(sgd, TSYS_BF16) == TSYS_ERR_UNSUPPORTED, "SGD accepted kept copies");
+    tsys_ctx_clear_error(ctx);
+    tsys_optim_free(sgd);
+    tsys_optim *o = tsys_adamw_new(ctx, tsys_model_params(m), n, NULL);
+    TEST_CHECK(tsys_optim_keep_lowp(o, TSYS_I32) == TSYS_ERR_INVALID_ARGS, "i32 copies accepted");
+    tsys_ctx_clear_error(ctx);
+    // each copy starts 256-byte aligned, as a fresh allocation does (GEMM plans follow alignment)
+    int64_t before = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_PARAMETERS], expect = 0;
+    for (int i = 0; i < n; i++) expect += (tsys_tensor_numel(tsys_model_params(m)[i]) * 2 + 255) / 256 * 256;
+    tsys_optim_keep_lowp(o, TSYS_F16);
+    int64_t with = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_PARAMETERS];
+    TEST_CHECK(with - before == expect, "kept copies hold %lld parameter bytes, expected %lld", (long long)(with - before), (long long)expect);
+    TEST_CHECK(tsys_mem_tag_bytes(ctx, tsys_mem_tag(ctx, "kept weight copies"), TSYS_CPU) == expect, "the copies are not under their tag");
+    int misaligned = 0;
+    for (int i = 0; i < n; i++) misaligned += (tsys_model_params(m)[i]->lowp->offset & 255) != 0;   // in the block (CUDA's is 512-byte aligned)
+    TEST_CHECK(misaligned == 0, "%d copies do not start 256-byte aligned in their block", misaligned);
+    tsys_optim_keep_lowp(o, TSYS_F32);
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_PARAMETERS] == before && tsys_optim_lowp(o) == TSYS_F32, "f32 did not give the copies back");
+    TEST_CHECK(tsys_model_params(m)[3]->lowp == NULL, "a parameter still points at a copy");
+    tsys_optim_free(o);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
 }
 
 TSYS_TEST(clip_and_cosine_schedule) {

@@ -226,6 +226,31 @@ static void mem_prediction_case(const char *attn, tsys_dtype dt, bool backward, 
     TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after the model is freed");
     tsys_ctx_free(ctx);
 }
+// AdamW keeping the bf16 weight copies (tsys_optim_keep_lowp): the peak within 10 % as above, and the
+// parameters at the peak exactly the fp32 weights and an aligned copy of each (held all along, in place of
+// the step's copies of the matrices, which the prediction without kept copies counts).
+TSYS_TEST(predicted_peak_matches_the_tracker_kept_copies) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    test_mem_result r;
+    tsys_status st = test_mem_step_kept(ctx, TSYS_CPU, "naive", TSYS_BF16, true, true, true, &r);
+    TEST_CHECK(st == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(r.workspace == 0 && test_rel_diff(r.peak, r.predicted.peak) <= 0.10, "peak %lld, predicted %lld", (long long)r.peak, (long long)r.predicted.peak);
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 512; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192;   // test_mem_step's model
+    // each tensor's copy starts 256-byte aligned (GEMM plans follow the operands' alignment)
+    tsys_ctx *c2 = tsys_ctx_new(NULL);
+    tsys_model *m = tsys_model_new(c2, &d, TSYS_CPU, 1);
+    int64_t P = tsys_model_desc_num_params(&d), copies = 0;
+    for (int i = 0; m && i < tsys_model_num_tensors(m); i++) copies += (tsys_tensor_numel(tsys_model_params(m)[i]) * 2 + 255) / 256 * 256;
+    tsys_model_free(m);
+    tsys_ctx_free(c2);
+    TEST_CHECK(copies >= 2 * P && r.predicted.params == 4 * P + copies, "predicted parameters %lld, expected 4 x %lld + %lld of copies", (long long)r.predicted.params, (long long)P, (long long)copies);
+    TEST_CHECK(r.params_at_peak == r.predicted.params, "parameters at the peak %lld, predicted %lld", (long long)r.params_at_peak, (long long)r.predicted.params);
+    tsys_model_mem_estimate plain = tsys_model_mem_predict(&d, 2, 128, TSYS_BF16, true, true);
+    TEST_CHECK(plain.params != r.predicted.params, "the prediction does not see the kept copies");
+    tsys_ctx_free(ctx);
+}
+
 TSYS_TEST(predicted_peak_matches_the_tracker_train) { mem_prediction_case("naive", TSYS_F32, true, true); mem_prediction_case("naive", TSYS_BF16, true, true); }
 TSYS_TEST(predicted_peak_matches_the_tracker_forward_backward) { mem_prediction_case("naive", TSYS_F32, true, false); mem_prediction_case("flash", TSYS_F32, true, false); }
 TSYS_TEST(predicted_peak_matches_the_tracker_forward) { mem_prediction_case("naive", TSYS_F32, false, false); mem_prediction_case("naive", TSYS_BF16, false, false); }

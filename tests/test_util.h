@@ -93,6 +93,7 @@ static inline tsys_status test_run_every_kernel(tsys_ctx *ctx, tsys_device dev, 
 // pairs, shapes on the allocations of tensors).
 typedef struct test_mem_result {
     int64_t peak, workspace;    // workspace at the peak: the prediction leaves library workspace out
+    int64_t params_at_peak;     // the parameters category at the peak
     int64_t saved;              // the most activations (tensors the tape keeps) alive at once
     tsys_model_mem_estimate predicted;
     int unpaired_frees, bad_shapes, odd_moves, allocs;
@@ -100,14 +101,15 @@ typedef struct test_mem_result {
 
 // A model whose activations outweigh its parameters (so the prediction's activation terms are what
 // is tested), a warmup step, then one recorded step: forward (under no_grad when !backward),
-// backward, AdamW when optimizer.
-static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, test_mem_result *r) {
+// backward, AdamW when optimizer (keeping the dt weight copies when kept: tsys_optim_keep_lowp).
+static inline tsys_status test_mem_step_kept(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, bool kept, test_mem_result *r) {
     memset(r, 0, sizeof(*r));
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
     d.vocab_size = 512; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192; d.attn = attn;
     int64_t B = 2, T = 128, shape[2] = {B, T};
     tsys_model *m = tsys_model_new(ctx, &d, dev, 5);
     tsys_optim *opt = m && optimizer ? tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL) : NULL;
+    if (opt && kept && dt != TSYS_F32) tsys_optim_keep_lowp(opt, dt);
     tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, dev, 2, shape);
     if (ids) tsys_tensor_randint(ctx, ids, d.vocab_size);
     for (int step = 0; step < 2 && tsys_ctx_status(ctx) == TSYS_OK; step++) {
@@ -130,7 +132,8 @@ static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const ch
     tsys_mem_stats st = tsys_mem_stats_get(ctx, dev);
     r->peak = st.peak_bytes;
     r->workspace = st.peak_category_bytes[TSYS_MEM_WORKSPACE];
-    r->predicted = tsys_model_mem_predict(&d, B, T, dt, backward, optimizer);
+    r->params_at_peak = st.peak_category_bytes[TSYS_MEM_PARAMETERS];
+    r->predicted = tsys_model_mem_predict_kept(&d, B, T, dt, backward, optimizer, kept);
     size_t n;
     const tsys_mem_event *ev = tsys_mem_events(ctx, &n);
     uint64_t first = UINT64_MAX;   // ids are serial: a free below the window's first allocation frees an older one
@@ -162,6 +165,9 @@ static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const ch
     tsys_optim_free(opt);
     tsys_model_free(m);
     return tsys_ctx_status(ctx);
+}
+static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, test_mem_result *r) {
+    return test_mem_step_kept(ctx, dev, attn, dt, backward, optimizer, false, r);
 }
 
 // |measured - predicted| / predicted
