@@ -290,9 +290,28 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 // it (norms compute in fp32 and return the input's dtype), gradients come out in it; the fp32
 // masters, shard gradients and optimizer state stay fp32 (the S26 fp16 semantics). Do not add
 // autocast on top. tsys_fsdp_free restores the whole fp32 parameters (one all-gather).
+// Reshard after forward (PyTorch FSDP2's reshard_after_forward): free a unit's gathered weights after
+// its forward and gather it again for its backward (memory: about two units gathered at a time), or
+// keep them from the forward through the backward (one all-gather per unit and step, every unit
+// gathered at the end of the forward: the memory of autocast's weight copies in the plain step).
+// A unit whose backward needs no weight (the embedding) is freed after its forward either way.
+typedef enum tsys_fsdp_reshard {
+    TSYS_FSDP_RESHARD_AUTO = 0,  // yes when world > 1, no in a group of one (nothing to save there)
+    TSYS_FSDP_RESHARD_YES,
+    TSYS_FSDP_RESHARD_NO
+} tsys_fsdp_reshard;
+// 0 = default for every field:
+//   compute_dtype          TSYS_F32
+//   no_prefetch            false: the next unit's gather is issued when a unit starts
+//   reshard_after_forward  TSYS_FSDP_RESHARD_AUTO
+//   no_shortcut            false: in a group of one, gather = the master shard cast into the unit's
+//                          weights, reduce-scatter = the full gradients added into the fp32 shard
+//                          gradient (one kernel each, no collective); the same bits as the collectives
 typedef struct tsys_fsdp_desc {
     tsys_dtype compute_dtype;    // TSYS_F32 (0, default), TSYS_BF16 or TSYS_F16
     bool no_prefetch;            // gather each unit only when it is needed (for measurements)
+    tsys_fsdp_reshard reshard_after_forward;
+    bool no_shortcut;            // a group of one goes through the collectives too (tests, measurements)
 } tsys_fsdp_desc;
 
 // Per step (the last tsys_fsdp_finish), for this rank:
@@ -340,6 +359,8 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 // ZeRO-3 as tsys_fsdp implements it (the >>accounting section has the formulas): per-unit padded shards,
 // replicated norms, the gathered working set, weights and gradients communicated in compute_dtype.
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world);
+// The same for a desc's settings (compute_dtype, reshard_after_forward); the one above takes the defaults.
+TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, const tsys_fsdp_desc *desc, int batch, int context, int world);
 
 #ifdef __cplusplus
 }
@@ -2826,6 +2847,8 @@ struct tsys_fsdp {
     tsys_ctx *ctx;
     tsys_dtype cdt;
     bool prefetch;
+    bool reshard;                // free a unit after its forward, gather it again for its backward
+    bool direct;                 // a group of one without the collectives (desc.no_shortcut off)
     tsys_fsdp__unit *u;
     int nu;
     tsys_tensor **rep;           // replicated trainable parameters (retained)
@@ -2856,6 +2879,15 @@ static tsys_status tsys_fsdp__note(tsys_fsdp *f, tsys_status st) {
     return st;
 }
 
+// A group of one: the shard is the whole unit (no padding), the all-gather of its cast a copy, so the
+// cast writes the weights themselves; done at once, on the compute stream.
+static tsys_status tsys_fsdp__gather_direct(tsys_fsdp *f, tsys_fsdp__unit *U) {
+    TSYS_ASSERT(f->direct && U->shard == U->numel);
+    tsys_status st = tsys_tensor_cast_from(f->ctx, U->full, U->master);
+    U->gathered = st == TSYS_OK;
+    return st;
+}
+
 static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
     tsys_fsdp__unit *U = &f->u[i];
     if (U->gathered || U->ag) return TSYS_OK;
@@ -2864,7 +2896,8 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp gathered weights"));
     tsys_status st = tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
     tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
-    if (st == TSYS_OK) {
+    if (st == TSYS_OK && f->direct) st = tsys_fsdp__gather_direct(f, U);
+    else if (st == TSYS_OK) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
         tsys_no_grad_end(ctx);
@@ -2889,7 +2922,7 @@ static tsys_status tsys_fsdp__gather_wait(tsys_fsdp *f, int i) {
     tsys_fsdp__unit *U = &f->u[i];
     if (U->gathered) return TSYS_OK;
     tsys_status st = tsys_fsdp__gather_issue(f, i);
-    if (st != TSYS_OK) return st;
+    if (st != TSYS_OK || U->gathered) return st;   // gathered already: a group of one's direct cast
     double t0 = tsys_time_us();
     st = tsys_dist_wait(U->ag);
     f->cur.wait_ms += (tsys_time_us() - t0) * 1e-3;
@@ -2906,6 +2939,25 @@ static void tsys_fsdp__release(tsys_fsdp *f, int i) {
     tsys_storage_resize(f->ctx, U->full, 0);
     U->gathered = false;
     f->ngathered--;
+}
+
+// Unit i's gradients are in its shard gradient: the parameters' gradient windows and gfull go.
+static void tsys_fsdp__grads_end(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
+    tsys_storage_resize(f->ctx, U->gfull, 0);
+}
+
+// A group of one: the reduce-scatter (AVG over 1) would be a copy of gfull, added to the fp32 shard
+// gradient after a cast to fp32 (stored when it counts as zero); one kernel does the same sum.
+static tsys_status tsys_fsdp__reduce_direct(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    TSYS_ASSERT(f->direct && U->shard == U->numel && !U->rs);
+    tsys_tensor *g = U->master->grad;
+    tsys_status st = U->master->grad_zero ? tsys_tensor_cast_from(f->ctx, g, U->gfull) : tsys_tensor_accumulate(f->ctx, g, U->gfull);
+    if (st == TSYS_OK) U->master->grad_zero = false;
+    tsys_fsdp__grads_end(f, i);
+    return tsys_fsdp__note(f, st);
 }
 
 // The reduce-scatter of unit i is done: its fp32 shard gradient += the result (or = when it counts as
@@ -2930,8 +2982,7 @@ static tsys_status tsys_fsdp__rs_complete(tsys_fsdp *f, int i) {
     if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
     if (U->rs_out != g) tsys_tensor_release(U->rs_out);
     U->rs_out = NULL;
-    for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
-    tsys_storage_resize(ctx, U->gfull, 0);
+    tsys_fsdp__grads_end(f, i);
     return tsys_fsdp__note(f, st);
 }
 
@@ -2972,6 +3023,12 @@ static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
         for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == p) { U = &f->u[i]; break; }
     if (!U || ++U->ready < U->np) return;
     int i = (int)(U - f->u);
+    if (f->direct) {
+        f->cur.reduce_scatters++;
+        f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
+        tsys_fsdp__reduce_direct(f, i);
+        return;
+    }
     // one reduce-scatter in flight: the previous unit's completes first (bounds the full gradients alive)
     if (f->rs_pending >= 0 && f->rs_pending != i) tsys_fsdp__rs_complete(f, f->rs_pending);
     f->rs_pending = -1;
@@ -3056,7 +3113,9 @@ static void tsys_fsdp__op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind k
         tsys_fsdp__unit *U = &f->u[i];
         f->in_hook++;
         if (kind == TSYS_TRACE_FORWARD) {
-            if (++U->seen_fwd == U->np && i != f->nu - 1) tsys_fsdp__release(f, i);   // the last unit serves backward next
+            // the last unit serves backward next; without resharding every unit whose backward reads
+            // its weights stays gathered for it (has_linear is known by its last forward op)
+            if (++U->seen_fwd == U->np && i != f->nu - 1 && (f->reshard || !U->has_linear)) tsys_fsdp__release(f, i);
         } else if (++U->seen_bwd == U->np) tsys_fsdp__release(f, i);
         f->in_hook--;
     }
@@ -3149,6 +3208,10 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: compute_dtype %s is not fp32, bf16 or fp16", tsys_dtype_name(dd.compute_dtype));
         return NULL;
     }
+    if ((unsigned)dd.reshard_after_forward > (unsigned)TSYS_FSDP_RESHARD_NO) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: reshard_after_forward %d is not AUTO, YES or NO", (int)dd.reshard_after_forward);
+        return NULL;
+    }
     if (n < 1 || !params) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
     for (int i = 0; i < n; i++) {
         tsys_tensor *p = params[i];
@@ -3168,6 +3231,8 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
     memset(f, 0, sizeof(*f));
     f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
+    f->direct = tsys_dist_size(d) == 1 && !dd.no_shortcut;
+    f->reshard = dd.reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd.reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
     size_t cnt = (size_t)n;
     f->u = (tsys_fsdp__unit *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp__unit) * cnt);
     f->rep = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
@@ -3329,7 +3394,7 @@ TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
     for (int pass = 0; st == TSYS_OK && pass < 2; pass++)   // forward: every unit; backward: those it re-gathers
         for (int j = 0; st == TSYS_OK && j < f->nu; j++) {
             int i = pass ? f->nu - 1 - j : j;
-            if (pass && (i == f->nu - 1 || !f->u[i].has_linear)) continue;
+            if (pass && (i == f->nu - 1 || !f->u[i].has_linear || !f->reshard)) continue;
             st = tsys_fsdp__gather_wait(f, i);
             tsys_fsdp__release(f, i);
         }
@@ -3431,16 +3496,28 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
 // 4d² + 3df each) and the lm_head (Vd), each padded to N·ceil(U/N); Ψr = (2L + 1)d replicated:
 //   parameters   4(Σ shards + Ψr) fp32 masters + the working set c·(lm_head + one layer): at the peak
 //                (the logits' gradient, the start of backward) the lm_head is still gathered from its
-//                forward and the last layer is being prefetched
+//                forward and the last layer is being prefetched; without reshard_after_forward (the
+//                default in a group of one) c·(lm_head + L layers): all but the embedding are still
+//                gathered from the forward, as autocast's weight copies are in the plain step
 //   gradients    4(Σ shards + Ψr) fp32 + the lm_head's full gradient c·Vd
 //   optimizer    8(Σ shards + Ψr)
 //   activations  the fp32 formula below; for bf16/fp16 compute the whole forward runs in that dtype,
 //                so scaled by c/4 (approximate: rstd and lse stay fp32)
 //   sent         all-gathers in forward (every unit) and backward (all but the embedding, whose
 //                backward needs no weight, and the lm_head, kept from its forward): (N-1)/N · c(2Ψs -
-//                2Vd); reduce-scatters (N-1)/N · cΨs;
+//                2Vd), without resharding only the forward's (N-1)/N · cΨs; reduce-scatters (N-1)/N · cΨs;
 //                all-reduce of the replicated gradients 2(N-1)/N · 4Ψr
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world) {
+    tsys_fsdp_desc fd;
+    memset(&fd, 0, sizeof(fd));
+    fd.compute_dtype = compute_dtype;
+    return tsys_fsdp_accounting_desc(m, &fd, batch, context, world);
+}
+
+TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, const tsys_fsdp_desc *desc, int batch, int context, int world) {
+    tsys_dtype compute_dtype = desc ? desc->compute_dtype : TSYS_F32;
+    tsys_fsdp_reshard rs = desc ? desc->reshard_after_forward : TSYS_FSDP_RESHARD_AUTO;
+    bool reshard = rs == TSYS_FSDP_RESHARD_YES || (rs == TSYS_FSDP_RESHARD_AUTO && world > 1);   // as tsys_fsdp_new decides
     tsys_dist_account a = tsys_dist_accounting(m, TSYS_F32, batch, context, world, TSYS_SCHEME_ZERO3);
     tsys_model_desc d = tsys_model_desc_defaults(m);
     double N = world > 0 ? world : 1;
@@ -3448,7 +3525,7 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dt
     double dm = d.d_model, V = d.vocab_size, L = d.num_layers;
     double Ue = V * dm, Ul = 4 * dm * dm + 3 * dm * d.d_ff;
     double Se = ceil(Ue / N), Sl = ceil(Ul / N), shards = 2 * Se + L * Sl, Pr = (2 * L + 1) * dm;
-    double work_p = c * N * (Se + Sl), work_g = c * N * Se;
+    double work_p = c * N * (Se + (reshard ? 1 : L) * Sl), work_g = c * N * Se;
     a.param_bytes = 4 * (shards + Pr) + work_p;
     a.grad_bytes = 4 * (shards + Pr) + work_g;
     a.optim_bytes = 8 * (shards + Pr);
@@ -3456,7 +3533,7 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dt
     a.act_bytes *= c / 4.0;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
     double ring = (N - 1) / N, Ps = 2 * Ue + L * Ul;
-    a.sent_bytes = ring * c * (2 * Ps - 2 * Ue) + ring * c * Ps + 2 * ring * 4 * Pr;
+    a.sent_bytes = ring * c * (reshard ? 2 * Ps - 2 * Ue : Ps) + ring * c * Ps + 2 * ring * 4 * Pr;
     return a;
 }
 
