@@ -399,6 +399,11 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <arpa/inet.h>
+#include <assert.h>
+// tsys.h's assert override, also when its implementation is compiled elsewhere (TSYS_LINKED_IMPL)
+#ifndef TSYS_ASSERT
+#define TSYS_ASSERT(c) assert(c)
+#endif
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
@@ -2866,6 +2871,7 @@ struct tsys_fsdp {
     int in_hook;
     int recompute;               // inside an activation-checkpoint recompute (its forward ops are backward's)
     int ngathered;
+    int near;                    // the unit found last: where the next search starts
     tsys_fsdp_stats stats, cur;
     tsys_status err;
 };
@@ -3016,13 +3022,13 @@ static tsys_status tsys_fsdp__grads_begin(tsys_fsdp *f, int i) {
     return tsys_fsdp__note(f, st);
 }
 
+static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w);
+
 static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
-    tsys_fsdp__unit *U = NULL;
-    for (int i = 0; i < f->nu && !U; i++)
-        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == p) { U = &f->u[i]; break; }
+    int i = tsys_fsdp__unit_of(f, p);
+    tsys_fsdp__unit *U = i >= 0 ? &f->u[i] : NULL;
     if (!U || ++U->ready < U->np) return;
-    int i = (int)(U - f->u);
     if (f->direct) {
         f->cur.reduce_scatters++;
         f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
@@ -3049,6 +3055,7 @@ static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
 static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (!p->grad) return;
+    if (f->direct) { f->cur.all_reduces++; return; }   // the average over one rank: the gradient itself
     if (f->nrep_work >= f->nrep) {   // a second backward before finish: the first one's are done first
         for (int i = 0; i < f->nrep_work; i++) tsys_fsdp__note(f, tsys_dist_wait(f->rep_work[i]));
         f->nrep_work = 0;
@@ -3063,10 +3070,19 @@ static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
 
 static bool tsys_fsdp__counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
 
-// The unit of the weight the running linear/embedding uses (tsys_trace_weight); -1: not ours.
-static int tsys_fsdp__unit_of(const tsys_fsdp *f, const tsys_tensor *w) {
-    for (int i = 0; w && i < f->nu; i++)
-        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == w) return i;
+// The unit of a parameter (the weight the running linear/embedding uses, tsys_trace_weight, or one
+// whose gradient is ready); -1: not ours. Every op asks (forward and backward, begin and end), and
+// the model goes through its units in order, forward then back: the search starts at the unit found
+// last and widens on both sides (a few compares a call instead of a scan over all the parameters).
+static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w) {
+    if (!w) return -1;
+    for (int dist = 0; dist < f->nu; dist++)
+        for (int side = 0; side < (dist ? 2 : 1); side++) {
+            int i = side ? f->near - dist : f->near + dist;
+            if (i < 0 || i >= f->nu) continue;
+            for (int k = 0; k < f->u[i].np; k++)
+                if (f->u[i].p[k] == w) { f->near = i; return i; }
+        }
     return -1;
 }
 
