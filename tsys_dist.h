@@ -278,7 +278,12 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 // communication path (NCCL: the side stream; host: the group's worker thread). Backward re-gathers
 // every unit that has a linear (the embedding's backward needs no weight), and as soon as a unit's
 // gradients are all ready, reduce-scatters them (AVG, in compute_dtype) and adds them into the fp32
-// shard gradient. The last unit stays gathered from its forward into its backward.
+// shard gradient. The last unit stays gathered from its forward into its backward. Without
+// reshard_after_forward (the default in a group of one) every unit with a linear stays gathered from
+// its forward into its backward: one all-gather per unit and step. A group of one calls no collective
+// (the gather is a cast of the master into the weights, the reduce-scatter an fp32 sum into the shard
+// gradient): a group of one costs what the plain step under autocast costs, with the same bits as the
+// collectives would give.
 // Use: build the optimizer over tsys_fsdp_params (the shards, then the replicated parameters); per
 // step: zero grads, forward, loss, backward, tsys_fsdp_finish, optimizer step.
 // The model must use each sharded parameter in one linear or embedding op per forward (tied weights
@@ -2824,8 +2829,15 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 // to its reduce-scatter.
 // Following the model: the trace hooks see every linear/embedding, forward and backward, with the
 // weight it uses (tsys_trace_weight): the first op of a unit gathers it (and issues the next one's
-// gather), the last frees it; ops on other weights (another model in the same context) are ignored.
-// Gradient-ready hooks count a unit's gradients.
+// gather), the last frees it (in forward only when resharding, or when its backward needs no weight);
+// ops on other weights (another model in the same context) are ignored. Gradient-ready hooks count a
+// unit's gradients.
+// A group of one (f->direct, desc.no_shortcut off): a unit's shard is the whole unit, unpadded; the
+// all-gather of the cast master would copy it, the reduce-scatter (AVG over 1) copy gfull, and the
+// sum into the shard gradient cast it to fp32 and add (or store when the gradient counts as zero).
+// So the gather casts the master straight into `full` and the reduce-scatter is one cast-or-add
+// kernel from gfull into the shard gradient: no `src` or `rs_out`, no collective, no wait, the same
+// bits (tests/test_fsdp.c fsdp_paths_agree_* checks them against the general path).
 // Ordering on GPUs: an NCCL collective starts on the side stream after the compute stream's work so
 // far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
 // makes the compute stream wait for the gather (no host sync).
