@@ -2837,7 +2837,8 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 // sum into the shard gradient cast it to fp32 and add (or store when the gradient counts as zero).
 // So the gather casts the master straight into `full` and the reduce-scatter is one cast-or-add
 // kernel from gfull into the shard gradient: no `src` or `rs_out`, no collective, no wait, the same
-// bits (tests/test_fsdp.c fsdp_paths_agree_* checks them against the general path).
+// bits (tests/test_fsdp.c fsdp_paths_agree_* checks them against the general path). In fp32 the cast
+// is a copy, so `full` is a view of the master (f->alias): gathering and freeing do nothing.
 // Ordering on GPUs: an NCCL collective starts on the side stream after the compute stream's work so
 // far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
 // makes the compute stream wait for the gather (no host sync).
@@ -2866,6 +2867,7 @@ struct tsys_fsdp {
     bool prefetch;
     bool reshard;                // free a unit after its forward, gather it again for its backward
     bool direct;                 // a group of one without the collectives (desc.no_shortcut off)
+    bool alias;                  // direct in fp32: `full` is a view of the master itself (nothing to gather)
     tsys_fsdp__unit *u;
     int nu;
     tsys_tensor **rep;           // replicated trainable parameters (retained)
@@ -2912,9 +2914,10 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
     tsys_ctx *ctx = f->ctx;
     int world = tsys_dist_size(f->d);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp gathered weights"));
-    tsys_status st = tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+    tsys_status st = f->alias ? TSYS_OK : tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
     tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
-    if (st == TSYS_OK && f->direct) st = tsys_fsdp__gather_direct(f, U);
+    if (st == TSYS_OK && f->alias) U->gathered = true;   // the weights are the master's memory
+    else if (st == TSYS_OK && f->direct) st = tsys_fsdp__gather_direct(f, U);
     else if (st == TSYS_OK) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
@@ -2931,7 +2934,7 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
         if (++f->ngathered > f->cur.max_units_gathered) f->cur.max_units_gathered = f->ngathered;
     } else {
         tsys_tensor_release(U->src); U->src = NULL;
-        tsys_storage_resize(ctx, U->full, 0);
+        if (!f->alias) tsys_storage_resize(ctx, U->full, 0);
     }
     return tsys_fsdp__note(f, st);
 }
@@ -2954,7 +2957,7 @@ static void tsys_fsdp__release(tsys_fsdp *f, int i) {
     tsys_fsdp__unit *U = &f->u[i];
     if (U->ag) { tsys_fsdp__note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
     if (!U->gathered) return;
-    tsys_storage_resize(f->ctx, U->full, 0);
+    if (!f->alias) tsys_storage_resize(f->ctx, U->full, 0);   // an alias's memory is the master's
     U->gathered = false;
     f->ngathered--;
 }
@@ -3260,6 +3263,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     memset(f, 0, sizeof(*f));
     f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
     f->direct = tsys_dist_size(d) == 1 && !dd.no_shortcut;
+    f->alias = f->direct && f->cdt == TSYS_F32;
     f->reshard = dd.reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd.reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
     size_t cnt = (size_t)n;
     f->u = (tsys_fsdp__unit *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp__unit) * cnt);
@@ -3315,7 +3319,8 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
         tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit
         U->master = whole ? tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard) : NULL;
-        U->full = U->master ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
+        // fp32 in a group of one: the weights are the master (one rank, no padding), viewed
+        U->full = !U->master ? NULL : f->alias ? tsys_tensor_view_raw(ctx, U->master, 0, TSYS_F32, 1, &padded) : tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded);
         tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
         U->gfull = U->full ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
         if (U->master) U->master->grad = tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard);
@@ -3345,7 +3350,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
             st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
             if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__grad_ready, f);
         }
-        if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->full, 0);
+        if (st == TSYS_OK && !f->alias) st = tsys_storage_resize(ctx, U->full, 0);
         if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
         f->local[f->nlocal++] = U->master;
         f->stats.sharded_numel += U->numel;
@@ -3526,7 +3531,8 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
 //                (the logits' gradient, the start of backward) the lm_head is still gathered from its
 //                forward and the last layer is being prefetched; without reshard_after_forward (the
 //                default in a group of one) c·(lm_head + L layers): all but the embedding are still
-//                gathered from the forward, as autocast's weight copies are in the plain step
+//                gathered from the forward, as autocast's weight copies are in the plain step; fp32 in
+//                a group of one: 0 (the weights are views of the masters)
 //   gradients    4(Σ shards + Ψr) fp32 + the lm_head's full gradient c·Vd
 //   optimizer    8(Σ shards + Ψr)
 //   activations  the fp32 formula below; for bf16/fp16 compute the whole forward runs in that dtype,
@@ -3553,7 +3559,8 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
     double dm = d.d_model, V = d.vocab_size, L = d.num_layers;
     double Ue = V * dm, Ul = 4 * dm * dm + 3 * dm * d.d_ff;
     double Se = ceil(Ue / N), Sl = ceil(Ul / N), shards = 2 * Se + L * Sl, Pr = (2 * L + 1) * dm;
-    double work_p = c * N * (Se + (reshard ? 1 : L) * Sl), work_g = c * N * Se;
+    bool alias = world <= 1 && c == 4 && !(desc && desc->no_shortcut);   // fp32 alone: the weights are the masters
+    double work_p = alias ? 0 : c * N * (Se + (reshard ? 1 : L) * Sl), work_g = c * N * Se;
     a.param_bytes = 4 * (shards + Pr) + work_p;
     a.grad_bytes = 4 * (shards + Pr) + work_g;
     a.optim_bytes = 8 * (shards + Pr);

@@ -701,18 +701,19 @@ TSYS_TEST(fsdp_save_and_memory) {
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
 
-// The gathered working set against tsys_fsdp_accounting (bf16, the defaults): after the forward, a
-// group of one holds every unit but the embedding (as the plain step holds autocast's weight copies),
-// exactly the accounting's parameter working set; resharding ranks hold the lm_head alone, less.
-TSYS_TEST(fsdp_memory_working_set) {
+// The gathered working set against tsys_fsdp_accounting (the defaults): after the forward, a group of
+// one holds every unit but the embedding in bf16 (as the plain step holds autocast's weight copies)
+// and nothing in fp32 (the weights are the masters), exactly the accounting's parameter working set;
+// resharding ranks hold the lm_head alone, less.
+static void fsdp_memory_working_set(tsys_dtype cdt) {
     tsys_model_desc d = tiny_desc();
     int B = 2, T = 16;
     tsys_model *m = tsys_model_new(C, &d, g_dev, 13);
-    tsys_fsdp_desc fd = {TSYS_BF16, false, TSYS_FSDP_RESHARD_AUTO, false};
+    tsys_fsdp_desc fd = {cdt, false, TSYS_FSDP_RESHARD_AUTO, false};
     tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &fd);
     TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
-    tsys_dist_account acc = tsys_fsdp_accounting(&d, TSYS_BF16, B, T, g_world);
-    double N = g_world, lm_head = 2.0 * N * ceil((double)d.vocab_size * d.d_model / N);   // its full gradient, in work_bytes too
+    tsys_dist_account acc = tsys_fsdp_accounting(&d, cdt, B, T, g_world);
+    double N = g_world, lm_head = (double)tsys_dtype_size(cdt) * N * ceil((double)d.vocab_size * d.d_model / N);   // its full gradient, in work_bytes too
     double want = acc.work_bytes - lm_head;
     // the units' weights are parameters (the masters are too, and do not change in a forward)
     #define PARAM_BYTES() ((double)tsys_mem_stats_get(C, g_dev).category_bytes[TSYS_MEM_PARAMETERS])
@@ -724,7 +725,8 @@ TSYS_TEST(fsdp_memory_working_set) {
         double held = PARAM_BYTES() - before;
         if (reshards()) TEST_CHECK(held > 0 && held <= want, "step %d: %.0f bytes gathered after the forward, the accounting's working set %.0f", it, held, want);
         else TEST_CHECK(held == want, "step %d: %.0f bytes gathered after the forward, the accounting's working set %.0f", it, held, want);
-        tsys_tensor *l32 = tsys_cast(C, logits, TSYS_F32), *loss = tsys_cross_entropy(C, l32, tgt);
+        tsys_tensor *l32 = logits && logits->dtype != TSYS_F32 ? tsys_cast(C, logits, TSYS_F32) : tsys_tensor_retain(logits);
+        tsys_tensor *loss = tsys_cross_entropy(C, l32, tgt);
         tsys_backward(C, loss);
         TEST_CHECK(tsys_fsdp_finish(f) == TSYS_OK, "finish: %s", tsys_ctx_last_error(C));
         TEST_CHECK(PARAM_BYTES() == before, "step %d: %.0f bytes still gathered after finish", it, PARAM_BYTES() - before);
@@ -737,6 +739,8 @@ TSYS_TEST(fsdp_memory_working_set) {
     tsys_model_free(m);
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
+TSYS_TEST(fsdp_memory_working_set_bf16) { fsdp_memory_working_set(TSYS_BF16); }
+TSYS_TEST(fsdp_memory_working_set_fp32) { fsdp_memory_working_set(TSYS_F32); }
 
 // tsys_fsdp_accounting on the xl preset: shards of N, replicated norms, the working set, bytes sent.
 TSYS_TEST(fsdp_accounting_formulas) {
@@ -754,13 +758,19 @@ TSYS_TEST(fsdp_accounting_formulas) {
     TEST_CHECK(a1.sent_bytes == 0 && a2.sent_bytes > 0 && b2.sent_bytes < 0.51 * a2.sent_bytes, "sent: N=1 %.0f, fp32 %.0f, bf16 %.0f", a1.sent_bytes, a2.sent_bytes, b2.sent_bytes);
     // a group of one keeps its units from forward to backward: lm_head + every layer gathered at the peak
     tsys_fsdp_desc yes = {TSYS_F32, false, TSYS_FSDP_RESHARD_YES, false}, no = {TSYS_F32, false, TSYS_FSDP_RESHARD_NO, false};
-    tsys_dist_account a1y = tsys_fsdp_accounting_desc(&d, &yes, 4, 256, 1), a2n = tsys_fsdp_accounting_desc(&d, &no, 4, 256, 2);
-    TEST_CHECK(fabs(a1.work_bytes - 4 * (2 * Ue + d.num_layers * Ul)) <= 64 && fabs(a1y.work_bytes - 4 * (2 * Ue + Ul)) <= 64,
-               "N=1 working set %.0f (kept), %.0f (resharded)", a1.work_bytes, a1y.work_bytes);
+    tsys_dist_account a2n = tsys_fsdp_accounting_desc(&d, &no, 4, 256, 2);
+    // (fp32 alone: the weights are the masters themselves; only the lm_head's full gradient is extra)
+    tsys_dist_account b1 = tsys_fsdp_accounting(&d, TSYS_BF16, 4, 256, 1);
+    yes.compute_dtype = TSYS_BF16;
+    tsys_dist_account b1y = tsys_fsdp_accounting_desc(&d, &yes, 4, 256, 1);
+    TEST_CHECK(fabs(b1.work_bytes - 2 * (2 * Ue + d.num_layers * Ul)) <= 64 && fabs(b1y.work_bytes - 2 * (2 * Ue + Ul)) <= 64 && fabs(a1.work_bytes - 4 * Ue) <= 64,
+               "N=1 working set: bf16 %.0f (kept), %.0f (resharded); fp32 %.0f", b1.work_bytes, b1y.work_bytes, a1.work_bytes);
     TEST_CHECK(fabs(a2n.sent_bytes - a2.sent_bytes + 0.5 * 4 * (Ps - 2 * Ue)) <= 1e-9 * a2.sent_bytes, "N=2 kept: %.0f sent, resharded %.0f", a2n.sent_bytes, a2.sent_bytes);
     // the plain bf16 step's weights: fp32 + autocast's copies of the matmul weights; FSDP at N=1 the same
     tsys_dist_account p1 = tsys_dist_accounting(&d, TSYS_BF16, 4, 256, 1, TSYS_SCHEME_DDP), f1 = tsys_fsdp_accounting(&d, TSYS_BF16, 4, 256, 1);
     TEST_CHECK(fabs((f1.param_bytes) - p1.param_bytes) <= 1e-9 * p1.param_bytes + 64, "N=1 bf16 weights: FSDP %.0f, plain %.0f", f1.param_bytes, p1.param_bytes);
+    tsys_dist_account p1f = tsys_dist_accounting(&d, TSYS_F32, 4, 256, 1, TSYS_SCHEME_DDP);
+    TEST_CHECK(fabs(a1.param_bytes - p1f.param_bytes) <= 1e-9 * p1f.param_bytes + 64, "N=1 fp32 weights: FSDP %.0f, plain %.0f", a1.param_bytes, p1f.param_bytes);
     double state = a2.param_bytes + a2.grad_bytes + a2.optim_bytes - a2.work_bytes, ddp_state = ddp.param_bytes + ddp.grad_bytes + ddp.optim_bytes;
     TEST_CHECK(state < 0.51 * ddp_state, "FSDP model state at N=2 %.3g bytes, DDP %.3g", state, ddp_state);
     TEST_CHECK(b2.act_bytes < a2.act_bytes && a2.act_bytes == ddp.act_bytes, "activations: bf16 compute smaller, fp32 as DDP's");
