@@ -281,9 +281,9 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 // shard gradient. The last unit stays gathered from its forward into its backward. Without
 // reshard_after_forward (the default in a group of one) every unit with a linear stays gathered from
 // its forward into its backward: one all-gather per unit and step. A group of one calls no collective
-// (the gather is a cast of the master into the weights, the reduce-scatter an fp32 sum into the shard
-// gradient): a group of one costs what the plain step under autocast costs, with the same bits as the
-// collectives would give.
+// (the gather is a cast of the master into the weights, in fp32 the master itself; the reduce-scatter
+// an fp32 sum into the shard gradient): per unit the work of the plain step under autocast (one cast
+// in forward, one cast-or-add in backward), with the bits the collectives would give.
 // Use: build the optimizer over tsys_fsdp_params (the shards, then the replicated parameters); per
 // step: zero grads, forward, loss, backward, tsys_fsdp_finish, optimizer step.
 // The model must use each sharded parameter in one linear or embedding op per forward (tied weights
@@ -310,8 +310,9 @@ typedef enum tsys_fsdp_reshard {
 //   no_prefetch            false: the next unit's gather is issued when a unit starts
 //   reshard_after_forward  TSYS_FSDP_RESHARD_AUTO
 //   no_shortcut            false: in a group of one, gather = the master shard cast into the unit's
-//                          weights, reduce-scatter = the full gradients added into the fp32 shard
-//                          gradient (one kernel each, no collective); the same bits as the collectives
+//                          weights (fp32: the weights are views of the master), reduce-scatter = the
+//                          full gradients added into the fp32 shard gradient (one kernel each, no
+//                          collective); the same bits as the collectives
 typedef struct tsys_fsdp_desc {
     tsys_dtype compute_dtype;    // TSYS_F32 (0, default), TSYS_BF16 or TSYS_F16
     bool no_prefetch;            // gather each unit only when it is needed (for measurements)
@@ -324,7 +325,8 @@ typedef struct tsys_fsdp_stats {
     int num_units;
     int64_t sharded_numel, replicated_numel;   // elements of the model, sharded (unpadded) and replicated
     int64_t local_numel;                       // fp32 elements this rank keeps (shards with padding + replicated)
-    int all_gathers, reduce_scatters, all_reduces;
+    int all_gathers, reduce_scatters, all_reduces;   // a group of one (no collectives): the units made
+                                                     // available, summed, and the replicated gradients
     int64_t gathered_bytes, reduced_bytes;     // bytes per step of the all-gather outputs and reduce-scatter inputs
     int max_units_gathered;                    // most units whose full weights were alive at once
     double wait_ms;                            // host time spent waiting for collectives (host engines;
@@ -364,7 +366,8 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 // ZeRO-3 as tsys_fsdp implements it (the >>accounting section has the formulas): per-unit padded shards,
 // replicated norms, the gathered working set, weights and gradients communicated in compute_dtype.
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world);
-// The same for a desc's settings (compute_dtype, reshard_after_forward); the one above takes the defaults.
+// The same for a desc's settings (compute_dtype, reshard_after_forward, no_shortcut); the one above
+// takes the defaults.
 TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, const tsys_fsdp_desc *desc, int batch, int context, int world);
 
 #ifdef __cplusplus
