@@ -485,6 +485,10 @@ TSYSDEF bool tsys_tensor_same_shape(const tsys_tensor *a, const tsys_tensor *b);
 TSYSDEF tsys_tensor *tsys_tensor_to(tsys_ctx *ctx, const tsys_tensor *t, tsys_device dev);        // copy, no autograd
 TSYSDEF tsys_tensor *tsys_tensor_clone(tsys_ctx *ctx, const tsys_tensor *t);                      // copy, no autograd
 TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src); // same numel and dtype
+TSYSDEF tsys_status tsys_tensor_cast_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src); // same numel, float dtypes
+                                                                                                  // may differ (tsys_cast's rounding)
+TSYSDEF tsys_status tsys_tensor_accumulate(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src); // dst += src in fp32 (same numel;
+                                                                                                   // src's float dtype may differ)
 TSYSDEF tsys_status tsys_tensor_to_host(tsys_ctx *ctx, const tsys_tensor *t, void *host);          // raw bytes
 TSYSDEF tsys_status tsys_tensor_to_f32(tsys_ctx *ctx, const tsys_tensor *t, float *host);          // converted to fp32
 TSYSDEF tsys_status tsys_tensor_fill(tsys_ctx *ctx, tsys_tensor *t, float value);
@@ -1477,6 +1481,36 @@ TSYSDEF tsys_status tsys_tensor_fill(tsys_ctx *ctx, tsys_tensor *t, float value)
     memset(&a, 0, sizeof(a));
     a.t[0] = t; a.f[0] = value;
     return tsys__kernel(ctx, t->device, TSYS_K_FILL, &a);
+}
+
+// Into existing memory (what tsys_cast and gradient accumulation compute, without a new tensor): the
+// same kernels, so the same bits. No autograd.
+static tsys_status tsys__check_into(tsys_ctx *ctx, const char *what, const tsys_tensor *dst, const tsys_tensor *src) {
+    if (!dst || !src) return tsys__null_tensor(ctx, what);
+    if (tsys_tensor_numel(dst) != tsys_tensor_numel(src) || dst->device != src->device || !tsys_dtype_is_float(dst->dtype) || !tsys_dtype_is_float(src->dtype))
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s into '%s': %s x %lld on %d from '%s' %s x %lld on %d (float, same numel and device)", what, dst->name,
+                          tsys_dtype_name(dst->dtype), (long long)tsys_tensor_numel(dst), (int)dst->device, src->name,
+                          tsys_dtype_name(src->dtype), (long long)tsys_tensor_numel(src), (int)src->device);
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_tensor_cast_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src) {
+    tsys_status st = tsys__check_into(ctx, "cast_from", dst, src);
+    if (st != TSYS_OK) return st;
+    if (dst->dtype == src->dtype) return tsys_tensor_copy_from(ctx, dst, src);
+    tsys_kargs a;
+    memset(&a, 0, sizeof(a));
+    a.t[0] = dst; a.t[1] = (tsys_tensor *)src;   // read only
+    return tsys__kernel(ctx, dst->device, TSYS_K_CAST, &a);
+}
+
+TSYSDEF tsys_status tsys_tensor_accumulate(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src) {
+    tsys_status st = tsys__check_into(ctx, "accumulate", dst, src);
+    if (st != TSYS_OK) return st;
+    tsys_kargs a;
+    memset(&a, 0, sizeof(a));
+    a.t[0] = dst; a.t[1] = (tsys_tensor *)src; a.f[0] = 1.0f;   // dst + src·1: exactly dst + src
+    return tsys__kernel(ctx, dst->device, TSYS_K_ACCUM, &a);
 }
 
 // Fills t on the host with gen(ctx) values, then copies to t's device.

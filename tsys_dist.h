@@ -278,7 +278,12 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 // communication path (NCCL: the side stream; host: the group's worker thread). Backward re-gathers
 // every unit that has a linear (the embedding's backward needs no weight), and as soon as a unit's
 // gradients are all ready, reduce-scatters them (AVG, in compute_dtype) and adds them into the fp32
-// shard gradient. The last unit stays gathered from its forward into its backward.
+// shard gradient. The last unit stays gathered from its forward into its backward. Without
+// reshard_after_forward (the default in a group of one) every unit with a linear stays gathered from
+// its forward into its backward: one all-gather per unit and step. A group of one calls no collective
+// (the gather is a cast of the master into the weights, in fp32 the master itself; the reduce-scatter
+// an fp32 sum into the shard gradient): per unit the work of the plain step under autocast (one cast
+// in forward, one cast-or-add in backward), with the bits the collectives would give.
 // Use: build the optimizer over tsys_fsdp_params (the shards, then the replicated parameters); per
 // step: zero grads, forward, loss, backward, tsys_fsdp_finish, optimizer step.
 // The model must use each sharded parameter in one linear or embedding op per forward (tied weights
@@ -290,9 +295,29 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 // it (norms compute in fp32 and return the input's dtype), gradients come out in it; the fp32
 // masters, shard gradients and optimizer state stay fp32 (the S26 fp16 semantics). Do not add
 // autocast on top. tsys_fsdp_free restores the whole fp32 parameters (one all-gather).
+// Reshard after forward (PyTorch FSDP2's reshard_after_forward): free a unit's gathered weights after
+// its forward and gather it again for its backward (memory: about two units gathered at a time), or
+// keep them from the forward through the backward (one all-gather per unit and step, every unit
+// gathered at the end of the forward: the memory of autocast's weight copies in the plain step).
+// A unit whose backward needs no weight (the embedding) is freed after its forward either way.
+typedef enum tsys_fsdp_reshard {
+    TSYS_FSDP_RESHARD_AUTO = 0,  // yes when world > 1, no in a group of one (nothing to save there)
+    TSYS_FSDP_RESHARD_YES,
+    TSYS_FSDP_RESHARD_NO
+} tsys_fsdp_reshard;
+// 0 = default for every field:
+//   compute_dtype          TSYS_F32
+//   no_prefetch            false: the next unit's gather is issued when a unit starts
+//   reshard_after_forward  TSYS_FSDP_RESHARD_AUTO
+//   no_shortcut            false: in a group of one, gather = the master shard cast into the unit's
+//                          weights (fp32: the weights are views of the master), reduce-scatter = the
+//                          full gradients added into the fp32 shard gradient (one kernel each, no
+//                          collective); the same bits as the collectives
 typedef struct tsys_fsdp_desc {
     tsys_dtype compute_dtype;    // TSYS_F32 (0, default), TSYS_BF16 or TSYS_F16
     bool no_prefetch;            // gather each unit only when it is needed (for measurements)
+    tsys_fsdp_reshard reshard_after_forward;
+    bool no_shortcut;            // a group of one goes through the collectives too (tests, measurements)
 } tsys_fsdp_desc;
 
 // Per step (the last tsys_fsdp_finish), for this rank:
@@ -300,7 +325,8 @@ typedef struct tsys_fsdp_stats {
     int num_units;
     int64_t sharded_numel, replicated_numel;   // elements of the model, sharded (unpadded) and replicated
     int64_t local_numel;                       // fp32 elements this rank keeps (shards with padding + replicated)
-    int all_gathers, reduce_scatters, all_reduces;
+    int all_gathers, reduce_scatters, all_reduces;   // a group of one (no collectives): the units made
+                                                     // available, summed, and the replicated gradients
     int64_t gathered_bytes, reduced_bytes;     // bytes per step of the all-gather outputs and reduce-scatter inputs
     int max_units_gathered;                    // most units whose full weights were alive at once
     double wait_ms;                            // host time spent waiting for collectives (host engines;
@@ -340,6 +366,9 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 // ZeRO-3 as tsys_fsdp implements it (the >>accounting section has the formulas): per-unit padded shards,
 // replicated norms, the gathered working set, weights and gradients communicated in compute_dtype.
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world);
+// The same for a desc's settings (compute_dtype, reshard_after_forward, no_shortcut); the one above
+// takes the defaults.
+TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, const tsys_fsdp_desc *desc, int batch, int context, int world);
 
 #ifdef __cplusplus
 }
@@ -378,6 +407,11 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dt
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <arpa/inet.h>
+#include <assert.h>
+// tsys.h's assert override, also when its implementation is compiled elsewhere (TSYS_LINKED_IMPL)
+#ifndef TSYS_ASSERT
+#define TSYS_ASSERT(c) assert(c)
+#endif
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
@@ -2799,8 +2833,16 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 // to its reduce-scatter.
 // Following the model: the trace hooks see every linear/embedding, forward and backward, with the
 // weight it uses (tsys_trace_weight): the first op of a unit gathers it (and issues the next one's
-// gather), the last frees it; ops on other weights (another model in the same context) are ignored.
-// Gradient-ready hooks count a unit's gradients.
+// gather), the last frees it (in forward only when resharding, or when its backward needs no weight);
+// ops on other weights (another model in the same context) are ignored. Gradient-ready hooks count a
+// unit's gradients.
+// A group of one (f->direct, desc.no_shortcut off): a unit's shard is the whole unit, unpadded; the
+// all-gather of the cast master would copy it, the reduce-scatter (AVG over 1) copy gfull, and the
+// sum into the shard gradient cast it to fp32 and add (or store when the gradient counts as zero).
+// So the gather casts the master straight into `full` and the reduce-scatter is one cast-or-add
+// kernel from gfull into the shard gradient: no `src` or `rs_out`, no collective, no wait, the same
+// bits (tests/test_fsdp.c fsdp_paths_agree_* checks them against the general path). In fp32 the cast
+// is a copy, so `full` is a view of the master (f->alias): gathering and freeing do nothing.
 // Ordering on GPUs: an NCCL collective starts on the side stream after the compute stream's work so
 // far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
 // makes the compute stream wait for the gather (no host sync).
@@ -2827,6 +2869,9 @@ struct tsys_fsdp {
     tsys_ctx *ctx;
     tsys_dtype cdt;
     bool prefetch;
+    bool reshard;                // free a unit after its forward, gather it again for its backward
+    bool direct;                 // a group of one without the collectives (desc.no_shortcut off)
+    bool alias;                  // direct in fp32: `full` is a view of the master itself (nothing to gather)
     tsys_fsdp__unit *u;
     int nu;
     tsys_tensor **rep;           // replicated trainable parameters (retained)
@@ -2844,6 +2889,7 @@ struct tsys_fsdp {
     int in_hook;
     int recompute;               // inside an activation-checkpoint recompute (its forward ops are backward's)
     int ngathered;
+    int near;                    // the unit found last: where the next search starts
     tsys_fsdp_stats stats, cur;
     tsys_status err;
 };
@@ -2857,15 +2903,26 @@ static tsys_status tsys_fsdp__note(tsys_fsdp *f, tsys_status st) {
     return st;
 }
 
+// A group of one: the shard is the whole unit (no padding), the all-gather of its cast a copy, so the
+// cast writes the weights themselves; done at once, on the compute stream.
+static tsys_status tsys_fsdp__gather_direct(tsys_fsdp *f, tsys_fsdp__unit *U) {
+    TSYS_ASSERT(f->direct && U->shard == U->numel);
+    tsys_status st = tsys_tensor_cast_from(f->ctx, U->full, U->master);
+    U->gathered = st == TSYS_OK;
+    return st;
+}
+
 static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
     tsys_fsdp__unit *U = &f->u[i];
     if (U->gathered || U->ag) return TSYS_OK;
     tsys_ctx *ctx = f->ctx;
     int world = tsys_dist_size(f->d);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp gathered weights"));
-    tsys_status st = tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+    tsys_status st = f->alias ? TSYS_OK : tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
     tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
-    if (st == TSYS_OK) {
+    if (st == TSYS_OK && f->alias) U->gathered = true;   // the weights are the master's memory
+    else if (st == TSYS_OK && f->direct) st = tsys_fsdp__gather_direct(f, U);
+    else if (st == TSYS_OK) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
         tsys_no_grad_end(ctx);
@@ -2881,7 +2938,7 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
         if (++f->ngathered > f->cur.max_units_gathered) f->cur.max_units_gathered = f->ngathered;
     } else {
         tsys_tensor_release(U->src); U->src = NULL;
-        tsys_storage_resize(ctx, U->full, 0);
+        if (!f->alias) tsys_storage_resize(ctx, U->full, 0);
     }
     return tsys_fsdp__note(f, st);
 }
@@ -2890,7 +2947,7 @@ static tsys_status tsys_fsdp__gather_wait(tsys_fsdp *f, int i) {
     tsys_fsdp__unit *U = &f->u[i];
     if (U->gathered) return TSYS_OK;
     tsys_status st = tsys_fsdp__gather_issue(f, i);
-    if (st != TSYS_OK) return st;
+    if (st != TSYS_OK || U->gathered) return st;   // gathered already: a group of one's direct cast
     double t0 = tsys_time_us();
     st = tsys_dist_wait(U->ag);
     f->cur.wait_ms += (tsys_time_us() - t0) * 1e-3;
@@ -2904,9 +2961,28 @@ static void tsys_fsdp__release(tsys_fsdp *f, int i) {
     tsys_fsdp__unit *U = &f->u[i];
     if (U->ag) { tsys_fsdp__note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
     if (!U->gathered) return;
-    tsys_storage_resize(f->ctx, U->full, 0);
+    if (!f->alias) tsys_storage_resize(f->ctx, U->full, 0);   // an alias's memory is the master's
     U->gathered = false;
     f->ngathered--;
+}
+
+// Unit i's gradients are in its shard gradient: the parameters' gradient windows and gfull go.
+static void tsys_fsdp__grads_end(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
+    tsys_storage_resize(f->ctx, U->gfull, 0);
+}
+
+// A group of one: the reduce-scatter (AVG over 1) would be a copy of gfull, added to the fp32 shard
+// gradient after a cast to fp32 (stored when it counts as zero); one kernel does the same sum.
+static tsys_status tsys_fsdp__reduce_direct(tsys_fsdp *f, int i) {
+    tsys_fsdp__unit *U = &f->u[i];
+    TSYS_ASSERT(f->direct && U->shard == U->numel && !U->rs);
+    tsys_tensor *g = U->master->grad;
+    tsys_status st = U->master->grad_zero ? tsys_tensor_cast_from(f->ctx, g, U->gfull) : tsys_tensor_accumulate(f->ctx, g, U->gfull);
+    if (st == TSYS_OK) U->master->grad_zero = false;
+    tsys_fsdp__grads_end(f, i);
+    return tsys_fsdp__note(f, st);
 }
 
 // The reduce-scatter of unit i is done: its fp32 shard gradient += the result (or = when it counts as
@@ -2931,8 +3007,7 @@ static tsys_status tsys_fsdp__rs_complete(tsys_fsdp *f, int i) {
     if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
     if (U->rs_out != g) tsys_tensor_release(U->rs_out);
     U->rs_out = NULL;
-    for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
-    tsys_storage_resize(ctx, U->gfull, 0);
+    tsys_fsdp__grads_end(f, i);
     return tsys_fsdp__note(f, st);
 }
 
@@ -2966,13 +3041,19 @@ static tsys_status tsys_fsdp__grads_begin(tsys_fsdp *f, int i) {
     return tsys_fsdp__note(f, st);
 }
 
+static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w);
+
 static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
-    tsys_fsdp__unit *U = NULL;
-    for (int i = 0; i < f->nu && !U; i++)
-        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == p) { U = &f->u[i]; break; }
+    int i = tsys_fsdp__unit_of(f, p);
+    tsys_fsdp__unit *U = i >= 0 ? &f->u[i] : NULL;
     if (!U || ++U->ready < U->np) return;
-    int i = (int)(U - f->u);
+    if (f->direct) {
+        f->cur.reduce_scatters++;
+        f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
+        tsys_fsdp__reduce_direct(f, i);
+        return;
+    }
     // one reduce-scatter in flight: the previous unit's completes first (bounds the full gradients alive)
     if (f->rs_pending >= 0 && f->rs_pending != i) tsys_fsdp__rs_complete(f, f->rs_pending);
     f->rs_pending = -1;
@@ -2993,6 +3074,7 @@ static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
 static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (!p->grad) return;
+    if (f->direct) { f->cur.all_reduces++; return; }   // the average over one rank: the gradient itself
     if (f->nrep_work >= f->nrep) {   // a second backward before finish: the first one's are done first
         for (int i = 0; i < f->nrep_work; i++) tsys_fsdp__note(f, tsys_dist_wait(f->rep_work[i]));
         f->nrep_work = 0;
@@ -3007,10 +3089,19 @@ static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
 
 static bool tsys_fsdp__counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
 
-// The unit of the weight the running linear/embedding uses (tsys_trace_weight); -1: not ours.
-static int tsys_fsdp__unit_of(const tsys_fsdp *f, const tsys_tensor *w) {
-    for (int i = 0; w && i < f->nu; i++)
-        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k] == w) return i;
+// The unit of a parameter (the weight the running linear/embedding uses, tsys_trace_weight, or one
+// whose gradient is ready); -1: not ours. Every op asks (forward and backward, begin and end), and
+// the model goes through its units in order, forward then back: the search starts at the unit found
+// last and widens on both sides (a few compares a call instead of a scan over all the parameters).
+static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w) {
+    if (!w) return -1;
+    for (int dist = 0; dist < f->nu; dist++)
+        for (int side = 0; side < (dist ? 2 : 1); side++) {
+            int i = side ? f->near - dist : f->near + dist;
+            if (i < 0 || i >= f->nu) continue;
+            for (int k = 0; k < f->u[i].np; k++)
+                if (f->u[i].p[k] == w) { f->near = i; return i; }
+        }
     return -1;
 }
 
@@ -3057,7 +3148,9 @@ static void tsys_fsdp__op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind k
         tsys_fsdp__unit *U = &f->u[i];
         f->in_hook++;
         if (kind == TSYS_TRACE_FORWARD) {
-            if (++U->seen_fwd == U->np && i != f->nu - 1) tsys_fsdp__release(f, i);   // the last unit serves backward next
+            // the last unit serves backward next; without resharding every unit whose backward reads
+            // its weights stays gathered for it (has_linear is known by its last forward op)
+            if (++U->seen_fwd == U->np && i != f->nu - 1 && (f->reshard || !U->has_linear)) tsys_fsdp__release(f, i);
         } else if (++U->seen_bwd == U->np) tsys_fsdp__release(f, i);
         f->in_hook--;
     }
@@ -3150,6 +3243,10 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: compute_dtype %s is not fp32, bf16 or fp16", tsys_dtype_name(dd.compute_dtype));
         return NULL;
     }
+    if ((unsigned)dd.reshard_after_forward > (unsigned)TSYS_FSDP_RESHARD_NO) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: reshard_after_forward %d is not AUTO, YES or NO", (int)dd.reshard_after_forward);
+        return NULL;
+    }
     if (n < 1 || !params) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
     for (int i = 0; i < n; i++) {
         tsys_tensor *p = params[i];
@@ -3169,6 +3266,9 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
     memset(f, 0, sizeof(*f));
     f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
+    f->direct = tsys_dist_size(d) == 1 && !dd.no_shortcut;
+    f->alias = f->direct && f->cdt == TSYS_F32;
+    f->reshard = dd.reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd.reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
     size_t cnt = (size_t)n;
     f->u = (tsys_fsdp__unit *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp__unit) * cnt);
     f->rep = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
@@ -3223,7 +3323,8 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
         tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit
         U->master = whole ? tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard) : NULL;
-        U->full = U->master ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
+        // fp32 in a group of one: the weights are the master (one rank, no padding), viewed
+        U->full = !U->master ? NULL : f->alias ? tsys_tensor_view_raw(ctx, U->master, 0, TSYS_F32, 1, &padded) : tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded);
         tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
         U->gfull = U->full ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
         if (U->master) U->master->grad = tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard);
@@ -3253,7 +3354,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
             st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
             if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__grad_ready, f);
         }
-        if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->full, 0);
+        if (st == TSYS_OK && !f->alias) st = tsys_storage_resize(ctx, U->full, 0);
         if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
         f->local[f->nlocal++] = U->master;
         f->stats.sharded_numel += U->numel;
@@ -3330,7 +3431,7 @@ TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
     for (int pass = 0; st == TSYS_OK && pass < 2; pass++)   // forward: every unit; backward: those it re-gathers
         for (int j = 0; st == TSYS_OK && j < f->nu; j++) {
             int i = pass ? f->nu - 1 - j : j;
-            if (pass && (i == f->nu - 1 || !f->u[i].has_linear)) continue;
+            if (pass && (i == f->nu - 1 || !f->u[i].has_linear || !f->reshard)) continue;
             st = tsys_fsdp__gather_wait(f, i);
             tsys_fsdp__release(f, i);
         }
@@ -3432,16 +3533,29 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
 // 4d² + 3df each) and the lm_head (Vd), each padded to N·ceil(U/N); Ψr = (2L + 1)d replicated:
 //   parameters   4(Σ shards + Ψr) fp32 masters + the working set c·(lm_head + one layer): at the peak
 //                (the logits' gradient, the start of backward) the lm_head is still gathered from its
-//                forward and the last layer is being prefetched
+//                forward and the last layer is being prefetched; without reshard_after_forward (the
+//                default in a group of one) c·(lm_head + L layers): all but the embedding are still
+//                gathered from the forward, as autocast's weight copies are in the plain step; fp32 in
+//                a group of one: 0 (the weights are views of the masters)
 //   gradients    4(Σ shards + Ψr) fp32 + the lm_head's full gradient c·Vd
 //   optimizer    8(Σ shards + Ψr)
 //   activations  the fp32 formula below; for bf16/fp16 compute the whole forward runs in that dtype,
 //                so scaled by c/4 (approximate: rstd and lse stay fp32)
 //   sent         all-gathers in forward (every unit) and backward (all but the embedding, whose
 //                backward needs no weight, and the lm_head, kept from its forward): (N-1)/N · c(2Ψs -
-//                2Vd); reduce-scatters (N-1)/N · cΨs;
+//                2Vd), without resharding only the forward's (N-1)/N · cΨs; reduce-scatters (N-1)/N · cΨs;
 //                all-reduce of the replicated gradients 2(N-1)/N · 4Ψr
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world) {
+    tsys_fsdp_desc fd;
+    memset(&fd, 0, sizeof(fd));
+    fd.compute_dtype = compute_dtype;
+    return tsys_fsdp_accounting_desc(m, &fd, batch, context, world);
+}
+
+TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, const tsys_fsdp_desc *desc, int batch, int context, int world) {
+    tsys_dtype compute_dtype = desc ? desc->compute_dtype : TSYS_F32;
+    tsys_fsdp_reshard rs = desc ? desc->reshard_after_forward : TSYS_FSDP_RESHARD_AUTO;
+    bool reshard = rs == TSYS_FSDP_RESHARD_YES || (rs == TSYS_FSDP_RESHARD_AUTO && world > 1);   // as tsys_fsdp_new decides
     tsys_dist_account a = tsys_dist_accounting(m, TSYS_F32, batch, context, world, TSYS_SCHEME_ZERO3);
     tsys_model_desc d = tsys_model_desc_defaults(m);
     double N = world > 0 ? world : 1;
@@ -3449,7 +3563,8 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dt
     double dm = d.d_model, V = d.vocab_size, L = d.num_layers;
     double Ue = V * dm, Ul = 4 * dm * dm + 3 * dm * d.d_ff;
     double Se = ceil(Ue / N), Sl = ceil(Ul / N), shards = 2 * Se + L * Sl, Pr = (2 * L + 1) * dm;
-    double work_p = c * N * (Se + Sl), work_g = c * N * Se;
+    bool alias = world <= 1 && c == 4 && !(desc && desc->no_shortcut);   // fp32 alone: the weights are the masters
+    double work_p = alias ? 0 : c * N * (Se + (reshard ? 1 : L) * Sl), work_g = c * N * Se;
     a.param_bytes = 4 * (shards + Pr) + work_p;
     a.grad_bytes = 4 * (shards + Pr) + work_g;
     a.optim_bytes = 8 * (shards + Pr);
@@ -3457,7 +3572,7 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dt
     a.act_bytes *= c / 4.0;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
     double ring = (N - 1) / N, Ps = 2 * Ue + L * Ul;
-    a.sent_bytes = ring * c * (2 * Ps - 2 * Ue) + ring * c * Ps + 2 * ring * 4 * Pr;
+    a.sent_bytes = ring * c * (reshard ? 2 * Ps - 2 * Ue : Ps) + ring * c * Ps + 2 * ring * 4 * Pr;
     return a;
 }
 

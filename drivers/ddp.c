@@ -323,7 +323,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     // a rank that could not build the model (out of memory) must not leave the others in the broadcast
     if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
         if (s == S_FSDP) {
-            tsys_fsdp_desc fd = {dt, false};
+            tsys_fsdp_desc fd = {dt, false, TSYS_FSDP_RESHARD_AUTO, false};
             r.fsdp = tsys_fsdp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &fd);
             if (r.fsdp) r.opt = tsys_adamw_new(ctx, tsys_fsdp_params(r.fsdp), tsys_fsdp_num_params(r.fsdp), NULL);
         } else r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);

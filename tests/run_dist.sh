@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The distributed tests, as `make test` runs them: every program of TSYS_DIST_TESTS under mpirun with
-# 2 and 4 ranks (through the built-in launcher when the build has no MPI), test_dist also alone (a
-# group of one), through the launcher, and its failure modes (tests/test_dist_fail.sh). Prints each
+# 2 and 4 ranks (through the built-in launcher when the build has no MPI), test_dist and test_fsdp also
+# alone (a group of one), test_dist through the launcher, and its failure modes (tests/test_dist_fail.sh). Prints each
 # run's output and, last, the sum of their "N passed, N failed" lines.
 set -u
 cd "$(dirname "$0")/.."
@@ -34,6 +34,9 @@ for t in $tests; do
 done
 run "$BUILD/test_dist"
 run "$BUILD/test_dist" --nproc 3
+# FSDP in a group of one takes its own path (casts and sums in place of collectives, units kept from
+# forward to backward): alone too
+case " $tests " in *"/test_fsdp "*) run "$BUILD/test_fsdp" ;; esac
 # torchrun-style variables set by hand (no launcher): rank 1 first, it retries until rank 0 listens
 torchrun_style() {
   local port=$((20000 + RANDOM % 20000))

@@ -42,6 +42,9 @@ static tsys_ctx *g_ref;   // the references' context: FSDP must not see their op
 static tsys_ctx *C;       // the context the helpers below use now
 static tsys_dist *g_d;
 static int g_rank, g_world;
+// FSDP's default (TSYS_FSDP_RESHARD_AUTO): a unit freed after its forward is gathered again for its
+// backward at world > 1; a group of one keeps its units from the forward through the backward
+static bool reshards(void) { return g_world > 1; }
 static tsys_device g_dev = TSYS_CPU;
 
 static tsys_tensor *dev_from(tsys_dtype dt, int ndim, const int64_t *shape, const void *host) {
@@ -270,7 +273,7 @@ static void fsdp_correctness(tsys_dtype cdt) {
     toy_init(&mine, 42 + (uint64_t)g_rank);   // other ranks start elsewhere: FSDP broadcasts rank 0's
     int64_t ids[64 * TT], labels[64];
     toy_data(ids, labels, rows);
-    tsys_fsdp_desc fd = {cdt, false};
+    tsys_fsdp_desc fd = {cdt, false, TSYS_FSDP_RESHARD_AUTO, false};
     tsys_fsdp *f = tsys_fsdp_new(g_d, mine.p, 6, &fd);
     TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
     if (!f) { tsys_optim_free(o_whole); tsys_optim_free(o_micro); toy_free(&whole); toy_free(&micro); toy_free(&mine); tsys_ctx_clear_error(C); return; }
@@ -298,8 +301,9 @@ static void fsdp_correctness(tsys_dtype cdt) {
         TEST_CHECK(tsys_fsdp_finish(f) == TSYS_OK, "finish: %s", tsys_ctx_last_error(C));
         tsys_optim_step(opt);
         tsys_fsdp_stats st = tsys_fsdp_stats_get(f);
-        TEST_CHECK(st.reduce_scatters == 4 && st.all_reduces == 2 && st.all_gathers == 4 + 2, "step %d: %d all-gathers (4 forward + 2 backward), %d reduce-scatters, %d all-reduces",
-                   step, st.all_gathers, st.reduce_scatters, st.all_reduces);
+        int again = reshards() ? 2 : 0;   // linear1 and linear2 gathered again for their backward
+        TEST_CHECK(st.reduce_scatters == 4 && st.all_reduces == 2 && st.all_gathers == 4 + again, "step %d: %d all-gathers (4 forward + %d backward), %d reduce-scatters, %d all-reduces",
+                   step, st.all_gathers, again, st.reduce_scatters, st.all_reduces);
         TEST_CHECK(st.max_units_gathered <= 3, "step %d: %d units gathered at once", step, st.max_units_gathered);
         if (half) {
             compare_full(f, whole.p, 6, 1e-4, 1e-4, "one process on the whole batch (fp16 weights)", step);
@@ -330,7 +334,7 @@ static void fsdp_gradient_sync(tsys_dtype cdt) {
     toy mine, ref;
     toy_init(&mine, 42);
     ref_begin(); toy_init(&ref, 42); ref_end();
-    tsys_fsdp_desc fd = {cdt, false};
+    tsys_fsdp_desc fd = {cdt, false, TSYS_FSDP_RESHARD_AUTO, false};
     tsys_fsdp *f = tsys_fsdp_new(g_d, mine.p, 6, &fd);
     TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
     if (!f) { toy_free(&mine); toy_free(&ref); tsys_ctx_clear_error(C); return; }
@@ -448,8 +452,10 @@ static void lm_one(int r, void *user) {
 }
 
 // Five AdamW steps of the tiny cs336 model under FSDP (batch 2 per rank) against one process: bit for
-// bit over the same micro-batches, allclose (rtol 1e-5) on the whole batch; losses agree.
-static void fsdp_lm_adamw(const char *policy) {
+// bit over the same micro-batches, allclose (rtol 1e-5) on the whole batch; losses agree. Alone (a
+// group of one) the micro-batch reference is the plain model trained in fp32: FSDP's direct path
+// (no collectives) must equal it bit for bit.
+static void fsdp_lm_adamw(const char *policy, tsys_fsdp_reshard rs) {
     tsys_model_desc d = tiny_desc();
     int B = 2, T = 16;
     tsys_optim_desc od = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, false};
@@ -461,7 +467,9 @@ static void fsdp_lm_adamw(const char *policy) {
     tsys_model_desc dm = d;
     dm.checkpoint = policy;   // the references keep every activation
     tsys_model *m = tsys_model_new(C, &dm, g_dev, 7 + (uint64_t)g_rank);
-    tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), np, NULL);
+    tsys_fsdp_desc fd = {TSYS_F32, false, rs, false};
+    bool reshard = rs == TSYS_FSDP_RESHARD_YES || (rs == TSYS_FSDP_RESHARD_AUTO && reshards());
+    tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), np, &fd);
     TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
     tsys_optim *opt = f ? tsys_adamw_new(C, tsys_fsdp_params(f), tsys_fsdp_num_params(f), &od) : NULL;
     if (f) {
@@ -487,8 +495,12 @@ static void fsdp_lm_adamw(const char *policy) {
         tsys_optim_step(opt);
         tsys_dist_all_reduce_host(g_d, &l, 1, TSYS_DIST_AVG);
         TEST_CHECK(fabs(l - lref) <= 1e-5, "step %d: FSDP loss %.7f, one process %.7f", it, l, lref);
-        tsys_fsdp_stats s = tsys_fsdp_stats_get(f);   // each unit gathered once in forward, once in backward (not the embedding, nor lm_head still held)
-        TEST_CHECK(s.all_gathers == 2 * s.num_units - 2, "step %d (%s): %d all-gathers for %d units", it, policy ? policy : "none", s.all_gathers, s.num_units);
+        // resharding: each unit gathered once in forward, once in backward (not the embedding, nor
+        // lm_head still held); without: once a step, all but the embedding held at the forward's end
+        tsys_fsdp_stats s = tsys_fsdp_stats_get(f);
+        int want = reshard ? 2 * s.num_units - 2 : s.num_units;
+        TEST_CHECK(s.all_gathers == want, "step %d (%s, reshard %d): %d all-gathers for %d units", it, policy ? policy : "none", reshard, s.all_gathers, s.num_units);
+        TEST_CHECK(reshard || s.max_units_gathered == s.num_units - 1, "step %d: %d units gathered at most, %d units", it, s.max_units_gathered, s.num_units);
         compare_full(f, tsys_model_params(micro), np, -1, 0, "one process over the same micro-batches, bit for bit", it);
         compare_full(f, tsys_model_params(whole), np, 1e-5, 1e-7, "one process on the whole batch", it);
         tsys_tensor_release(ai); tsys_tensor_release(at); tsys_tensor_release(bi); tsys_tensor_release(bt);
@@ -500,11 +512,16 @@ static void fsdp_lm_adamw(const char *policy) {
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
 
-TSYS_TEST(fsdp_lm_adamw_fp32) { fsdp_lm_adamw(NULL); }
+TSYS_TEST(fsdp_lm_adamw_fp32) { fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_AUTO); }
 // Activation checkpointing under FSDP: a recompute gathers the unit its ops use again (the weights
 // were freed after the forward) and the unit's backward frees it; bit for bit as without it.
-TSYS_TEST(fsdp_lm_checkpoint_blocks_fp32) { fsdp_lm_adamw("blocks:1"); }
-TSYS_TEST(fsdp_lm_checkpoint_nested_selective_fp32) { fsdp_lm_adamw("nested:2+selective"); }
+TSYS_TEST(fsdp_lm_checkpoint_blocks_fp32) { fsdp_lm_adamw("blocks:1", TSYS_FSDP_RESHARD_AUTO); }
+TSYS_TEST(fsdp_lm_checkpoint_nested_selective_fp32) { fsdp_lm_adamw("nested:2+selective", TSYS_FSDP_RESHARD_AUTO); }
+// reshard_after_forward set either way at every world size: the same bits, a unit gathered once a
+// step when kept (a recompute finds it still gathered)
+TSYS_TEST(fsdp_lm_keep_gathered_fp32) { fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_NO); }
+TSYS_TEST(fsdp_lm_keep_gathered_checkpoint_fp32) { fsdp_lm_adamw("blocks:1", TSYS_FSDP_RESHARD_NO); }
+TSYS_TEST(fsdp_lm_reshard_fp32) { fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_YES); }
 
 // bf16 compute: weights all-gathered in bf16 (half the bytes), gradients reduce-scattered in bf16; the
 // loss follows fp32 FSDP within bf16 precision over 3 AdamW steps, the masters stay fp32 and finite.
@@ -518,7 +535,7 @@ TSYS_TEST(fsdp_lm_bf16) {
     tsys_optim *oa = tsys_adamw_new(C, tsys_model_params(a), np, &od);
     ref_end();
     tsys_model *b = tsys_model_new(C, &d, g_dev, 9);
-    tsys_fsdp_desc fd = {TSYS_BF16, false};
+    tsys_fsdp_desc fd = {TSYS_BF16, false, TSYS_FSDP_RESHARD_AUTO, false};
     tsys_fsdp *fb = tsys_fsdp_new(g_d, tsys_model_params(b), np, &fd);
     TEST_CHECK(fb != NULL, "tsys_fsdp_new bf16: %s", tsys_ctx_last_error(C));
     tsys_optim *ob = fb ? tsys_adamw_new(C, tsys_fsdp_params(fb), tsys_fsdp_num_params(fb), &od) : NULL;
@@ -538,10 +555,11 @@ TSYS_TEST(fsdp_lm_bf16) {
         tsys_dist_all_reduce_host(g_d, &lb, 1, TSYS_DIST_AVG);
         TEST_CHECK(fabs(lb - la) <= 2e-2 * fabs(la), "step %d: bf16 FSDP loss %.5f, fp32 one process %.5f", it, lb, la);
         tsys_fsdp_stats s = tsys_fsdp_stats_get(fb);
-        // bf16 on the wire: 2 bytes an element of the padded units (forward: all; backward: all but the
-        // embedding, which needs no weight, and the lm_head, still gathered from its forward)
+        // bf16 on the wire: 2 bytes an element of the padded units (forward: all; backward when
+        // resharding: all but the embedding, which needs no weight, and the lm_head, still gathered)
         int64_t units = s.sharded_numel + (int64_t)g_world * s.num_units, emb = (int64_t)d.vocab_size * d.d_model;
-        TEST_CHECK(s.gathered_bytes >= 2 * (2 * s.sharded_numel - 2 * emb) && s.gathered_bytes <= 2 * (2 * units - 2 * emb) && s.reduced_bytes >= 2 * s.sharded_numel && s.reduced_bytes <= 2 * units,
+        int64_t lo = reshards() ? 2 * s.sharded_numel - 2 * emb : s.sharded_numel, hi = reshards() ? 2 * units - 2 * emb : units;
+        TEST_CHECK(s.gathered_bytes >= 2 * lo && s.gathered_bytes <= 2 * hi && s.reduced_bytes >= 2 * s.sharded_numel && s.reduced_bytes <= 2 * units,
                    "step %d: %lld bytes gathered, %lld reduced (bf16; %lld sharded elements)", it, (long long)s.gathered_bytes, (long long)s.reduced_bytes, (long long)s.sharded_numel);
         tsys_tensor_release(bi); tsys_tensor_release(bt); tsys_tensor_release(ai); tsys_tensor_release(at);
     }
@@ -560,6 +578,76 @@ TSYS_TEST(fsdp_lm_bf16) {
     tsys_tape_clear(C);
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
+
+// The tiny cs336 model trained `steps` AdamW steps under FSDP with desc *fd (batch 2 per rank, the
+// same batches every call): each step's loss on this rank, the full fp32 parameters after the last
+// (host copies, *n of them, ne[i] elements each) and the last step's stats.
+static float **fsdp_lm_run(const tsys_fsdp_desc *fd, const char *policy, int steps, float *loss, int *n, long *ne, tsys_fsdp_stats *last) {
+    tsys_model_desc d = tiny_desc();
+    d.checkpoint = policy;
+    int B = 2, T = 16;
+    tsys_optim_desc od = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, false};
+    tsys_model *m = tsys_model_new(C, &d, g_dev, 11);
+    int np = tsys_model_num_tensors(m);
+    tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), np, fd);
+    TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
+    tsys_optim *opt = f ? tsys_adamw_new(C, tsys_fsdp_params(f), tsys_fsdp_num_params(f), &od) : NULL;
+    for (int it = 0; f && it < steps; it++) {
+        tsys_tensor *ids, *tgt;
+        lm_batch(900 + (uint64_t)it, B * g_world, T, d.vocab_size, B * g_rank, B * (g_rank + 1), &ids, &tgt);
+        tsys_optim_zero_grad(opt);
+        loss[it] = lm_backward(m, ids, tgt, 1.0f);
+        TEST_CHECK(tsys_fsdp_finish(f) == TSYS_OK, "finish: %s", tsys_ctx_last_error(C));
+        tsys_optim_step(opt);
+        tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    }
+    float **host = NULL;
+    tsys_tensor **full = NULL;
+    *n = 0;
+    if (f) *last = tsys_fsdp_stats_get(f);
+    if (f && tsys_fsdp_gather_full_params(f, &full, n) == TSYS_OK) {
+        host = (float **)calloc((size_t)*n, sizeof(float *));
+        for (int i = 0; i < *n; i++) {
+            host[i] = test_read(C, full[i]);
+            if (i < 64) ne[i] = (long)tsys_tensor_numel(full[i]);   // the callers' room
+            tsys_tensor_release(full[i]);
+        }
+        TSYS_FREE(full);
+    }
+    tsys_optim_free(opt);
+    tsys_fsdp_free(f);
+    tsys_model_free(m);
+    tsys_tape_clear(C);
+    return host;
+}
+
+// The paths agree bit for bit over 4 AdamW steps: the general one (collectives at every world size,
+// a unit gathered again for its backward) against a unit kept from its forward through its backward,
+// which in a group of one is the default with its direct casts and accumulations (no collectives).
+static void fsdp_paths_agree(tsys_dtype cdt, const char *policy) {
+    enum { STEPS = 4 };
+    float la[STEPS], lb[STEPS];
+    int na = 0, nb = 0;
+    long nea[64], neb[64];
+    tsys_fsdp_stats sa, sb;
+    memset(&sa, 0, sizeof(sa)); memset(&sb, 0, sizeof(sb));
+    tsys_fsdp_desc general = {cdt, false, TSYS_FSDP_RESHARD_YES, true}, kept = {cdt, false, TSYS_FSDP_RESHARD_NO, false};
+    float **a = fsdp_lm_run(&general, policy, STEPS, la, &na, nea, &sa);
+    float **b = fsdp_lm_run(&kept, policy, STEPS, lb, &nb, neb, &sb);
+    TEST_CHECK(a && b && na == nb && na > 0 && na <= 64, "runs: %d and %d parameters", na, nb);
+    TEST_CHECK(memcmp(la, lb, sizeof(la)) == 0, "losses: general %.9g %.9g %.9g %.9g, kept %.9g %.9g %.9g %.9g", la[0], la[1], la[2], la[3], lb[0], lb[1], lb[2], lb[3]);
+    for (int i = 0; a && b && i < na && i < nb && i < 64; i++)
+        TEST_CHECK(nea[i] == neb[i] && same_bits_host(a[i], b[i], nea[i]), "parameter %d (%ld elements) differs after %d steps", i, nea[i], STEPS);
+    for (int i = 0; a && b && i < na && i < nb; i++) free(a[i]), free(b[i]);
+    free(a); free(b);
+    TEST_CHECK(sa.all_gathers == 2 * sa.num_units - 2 && sb.all_gathers == sb.num_units, "all-gathers a step: general %d, kept %d (%d units)", sa.all_gathers, sb.all_gathers, sb.num_units);
+    TEST_CHECK(sa.reduce_scatters == sa.num_units && sb.reduce_scatters == sb.num_units, "reduce-scatters: %d, %d", sa.reduce_scatters, sb.reduce_scatters);
+    TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
+}
+
+TSYS_TEST(fsdp_paths_agree_fp32) { fsdp_paths_agree(TSYS_F32, NULL); }
+TSYS_TEST(fsdp_paths_agree_bf16) { fsdp_paths_agree(TSYS_BF16, NULL); }
+TSYS_TEST(fsdp_paths_agree_bf16_checkpoint) { fsdp_paths_agree(TSYS_BF16, "blocks:1"); }
 
 // gather_full_params -> safetensors: the file has every parameter by its model name and loads back
 // into a fresh model bit for bit; memory: the model state per rank against the FSDP accounting.
@@ -613,6 +701,47 @@ TSYS_TEST(fsdp_save_and_memory) {
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
 
+// The gathered working set against tsys_fsdp_accounting (the defaults): after the forward, a group of
+// one holds every unit but the embedding in bf16 (as the plain step holds autocast's weight copies)
+// and nothing in fp32 (the weights are the masters), exactly the accounting's parameter working set;
+// resharding ranks hold the lm_head alone, less.
+static void fsdp_memory_working_set(tsys_dtype cdt) {
+    tsys_model_desc d = tiny_desc();
+    int B = 2, T = 16;
+    tsys_model *m = tsys_model_new(C, &d, g_dev, 13);
+    tsys_fsdp_desc fd = {cdt, false, TSYS_FSDP_RESHARD_AUTO, false};
+    tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &fd);
+    TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
+    tsys_dist_account acc = tsys_fsdp_accounting(&d, cdt, B, T, g_world);
+    double N = g_world, lm_head = (double)tsys_dtype_size(cdt) * N * ceil((double)d.vocab_size * d.d_model / N);   // its full gradient, in work_bytes too
+    double want = acc.work_bytes - lm_head;
+    // the units' weights are parameters (the masters are too, and do not change in a forward)
+    #define PARAM_BYTES() ((double)tsys_mem_stats_get(C, g_dev).category_bytes[TSYS_MEM_PARAMETERS])
+    for (int it = 0; f && it < 2; it++) {
+        tsys_tensor *ids, *tgt;
+        lm_batch(40 + (uint64_t)it, B * g_world, T, d.vocab_size, B * g_rank, B * (g_rank + 1), &ids, &tgt);
+        double before = PARAM_BYTES();
+        tsys_tensor *logits = tsys_model_forward(m, ids);
+        double held = PARAM_BYTES() - before;
+        if (reshards()) TEST_CHECK(held > 0 && held <= want, "step %d: %.0f bytes gathered after the forward, the accounting's working set %.0f", it, held, want);
+        else TEST_CHECK(held == want, "step %d: %.0f bytes gathered after the forward, the accounting's working set %.0f", it, held, want);
+        tsys_tensor *l32 = logits && logits->dtype != TSYS_F32 ? tsys_cast(C, logits, TSYS_F32) : tsys_tensor_retain(logits);
+        tsys_tensor *loss = tsys_cross_entropy(C, l32, tgt);
+        tsys_backward(C, loss);
+        TEST_CHECK(tsys_fsdp_finish(f) == TSYS_OK, "finish: %s", tsys_ctx_last_error(C));
+        TEST_CHECK(PARAM_BYTES() == before, "step %d: %.0f bytes still gathered after finish", it, PARAM_BYTES() - before);
+        tsys_tensor *tl[5] = {ids, tgt, logits, l32, loss};
+        for (int i = 0; i < 5; i++) tsys_tensor_release(tl[i]);
+        tsys_tape_clear(C);
+    }
+    #undef PARAM_BYTES
+    tsys_fsdp_free(f);
+    tsys_model_free(m);
+    TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
+}
+TSYS_TEST(fsdp_memory_working_set_bf16) { fsdp_memory_working_set(TSYS_BF16); }
+TSYS_TEST(fsdp_memory_working_set_fp32) { fsdp_memory_working_set(TSYS_F32); }
+
 // tsys_fsdp_accounting on the xl preset: shards of N, replicated norms, the working set, bytes sent.
 TSYS_TEST(fsdp_accounting_formulas) {
     tsys_model_desc d;
@@ -627,6 +756,21 @@ TSYS_TEST(fsdp_accounting_formulas) {
     TEST_CHECK(fabs(a2.work_bytes - 4 * (2 * Ue + Ul)) <= 64, "working set %.0f: lm_head + one layer gathered, lm_head's full gradient", a2.work_bytes);
     TEST_CHECK(fabs(b2.work_bytes - 2 * (2 * Ue + Ul)) <= 64 && b2.optim_bytes == a2.optim_bytes, "bf16: the working set in 2 bytes, fp32 state");
     TEST_CHECK(a1.sent_bytes == 0 && a2.sent_bytes > 0 && b2.sent_bytes < 0.51 * a2.sent_bytes, "sent: N=1 %.0f, fp32 %.0f, bf16 %.0f", a1.sent_bytes, a2.sent_bytes, b2.sent_bytes);
+    // a group of one keeps its units from forward to backward: lm_head + every layer gathered at the peak
+    tsys_fsdp_desc yes = {TSYS_F32, false, TSYS_FSDP_RESHARD_YES, false}, no = {TSYS_F32, false, TSYS_FSDP_RESHARD_NO, false};
+    tsys_dist_account a2n = tsys_fsdp_accounting_desc(&d, &no, 4, 256, 2);
+    // (fp32 alone: the weights are the masters themselves; only the lm_head's full gradient is extra)
+    tsys_dist_account b1 = tsys_fsdp_accounting(&d, TSYS_BF16, 4, 256, 1);
+    yes.compute_dtype = TSYS_BF16;
+    tsys_dist_account b1y = tsys_fsdp_accounting_desc(&d, &yes, 4, 256, 1);
+    TEST_CHECK(fabs(b1.work_bytes - 2 * (2 * Ue + d.num_layers * Ul)) <= 64 && fabs(b1y.work_bytes - 2 * (2 * Ue + Ul)) <= 64 && fabs(a1.work_bytes - 4 * Ue) <= 64,
+               "N=1 working set: bf16 %.0f (kept), %.0f (resharded); fp32 %.0f", b1.work_bytes, b1y.work_bytes, a1.work_bytes);
+    TEST_CHECK(fabs(a2n.sent_bytes - a2.sent_bytes + 0.5 * 4 * (Ps - 2 * Ue)) <= 1e-9 * a2.sent_bytes, "N=2 kept: %.0f sent, resharded %.0f", a2n.sent_bytes, a2.sent_bytes);
+    // the plain bf16 step's weights: fp32 + autocast's copies of the matmul weights; FSDP at N=1 the same
+    tsys_dist_account p1 = tsys_dist_accounting(&d, TSYS_BF16, 4, 256, 1, TSYS_SCHEME_DDP), f1 = tsys_fsdp_accounting(&d, TSYS_BF16, 4, 256, 1);
+    TEST_CHECK(fabs((f1.param_bytes) - p1.param_bytes) <= 1e-9 * p1.param_bytes + 64, "N=1 bf16 weights: FSDP %.0f, plain %.0f", f1.param_bytes, p1.param_bytes);
+    tsys_dist_account p1f = tsys_dist_accounting(&d, TSYS_F32, 4, 256, 1, TSYS_SCHEME_DDP);
+    TEST_CHECK(fabs(a1.param_bytes - p1f.param_bytes) <= 1e-9 * p1f.param_bytes + 64, "N=1 fp32 weights: FSDP %.0f, plain %.0f", a1.param_bytes, p1f.param_bytes);
     double state = a2.param_bytes + a2.grad_bytes + a2.optim_bytes - a2.work_bytes, ddp_state = ddp.param_bytes + ddp.grad_bytes + ddp.optim_bytes;
     TEST_CHECK(state < 0.51 * ddp_state, "FSDP model state at N=2 %.3g bytes, DDP %.3g", state, ddp_state);
     TEST_CHECK(b2.act_bytes < a2.act_bytes && a2.act_bytes == ddp.act_bytes, "activations: bf16 compute smaller, fp32 as DDP's");
@@ -635,8 +779,12 @@ TSYS_TEST(fsdp_accounting_formulas) {
 TSYS_TEST(fsdp_bad_input) {
     toy m;
     toy_init(&m, 1);
-    tsys_fsdp_desc bad = {TSYS_I32, false};
+    tsys_fsdp_desc bad = {TSYS_I32, false, TSYS_FSDP_RESHARD_AUTO, false};
     TEST_CHECK(tsys_fsdp_new(g_d, m.p, 6, &bad) == NULL && strstr(tsys_ctx_last_error(C), "compute_dtype") != NULL, "i32 compute: %s", tsys_ctx_last_error(C));
+    tsys_ctx_clear_error(C);
+    bad.compute_dtype = TSYS_F32;
+    bad.reshard_after_forward = (tsys_fsdp_reshard)7;
+    TEST_CHECK(tsys_fsdp_new(g_d, m.p, 6, &bad) == NULL && strstr(tsys_ctx_last_error(C), "reshard_after_forward") != NULL, "reshard 7: %s", tsys_ctx_last_error(C));
     tsys_ctx_clear_error(C);
     tsys_tensor *norms[2] = {m.p[1], m.p[3]};
     TEST_CHECK(tsys_fsdp_new(g_d, norms, 2, NULL) == NULL && strstr(tsys_ctx_last_error(C), "2-D") != NULL, "nothing to shard: %s", tsys_ctx_last_error(C));

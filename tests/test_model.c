@@ -281,6 +281,32 @@ TSYS_TEST(lazy_zero_grad_overwrites_and_settles) {
     tsys_ctx_free(ctx);
 }
 
+// Casting and accumulating into existing tensors (what FSDP's group of one does instead of a
+// collective): the bits of tsys_cast, and of an fp32 sum after a cast; bad sizes are refused.
+TSYS_TEST(cast_from_and_accumulate_match_cast_and_add) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t n = 4099;
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n), *g = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    tsys_tensor_randn(ctx, x, 3); tsys_tensor_randn(ctx, g, 1);
+    tsys_dtype lows[2] = {TSYS_BF16, TSYS_F16};
+    for (int i = 0; i < 2; i++) {
+        tsys_tensor *ref = tsys_cast(ctx, x, lows[i]), *into = tsys_tensor_new(ctx, lows[i], TSYS_CPU, 1, &n);
+        TEST_CHECK(tsys_tensor_cast_from(ctx, into, x) == TSYS_OK && memcmp(tsys_tensor_data(ref), tsys_tensor_data(into), tsys_tensor_bytes(ref)) == 0, "%s: cast_from differs from tsys_cast", tsys_dtype_name(lows[i]));
+        tsys_tensor *up = tsys_cast(ctx, ref, TSYS_F32), *sum = tsys_add(ctx, g, up), *acc = tsys_tensor_clone(ctx, g);
+        TEST_CHECK(tsys_tensor_accumulate(ctx, acc, ref) == TSYS_OK && memcmp(tsys_tensor_data(sum), tsys_tensor_data(acc), tsys_tensor_bytes(sum)) == 0, "%s: accumulate differs from add after a cast", tsys_dtype_name(lows[i]));
+        tsys_tensor *back = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+        TEST_CHECK(tsys_tensor_cast_from(ctx, back, ref) == TSYS_OK && memcmp(tsys_tensor_data(up), tsys_tensor_data(back), tsys_tensor_bytes(up)) == 0, "%s: cast_from to fp32", tsys_dtype_name(lows[i]));
+        tsys_tensor *tl[6] = {ref, into, up, sum, acc, back};
+        for (int k = 0; k < 6; k++) tsys_tensor_release(tl[k]);
+    }
+    int64_t m = n - 1;
+    tsys_tensor *short_one = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &m);
+    TEST_CHECK(tsys_tensor_accumulate(ctx, short_one, x) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "accumulate") != NULL, "sizes differ: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor_release(short_one); tsys_tensor_release(x); tsys_tensor_release(g);
+    tsys_ctx_free(ctx);
+}
+
 // Giving a model's gradients back after each step (torch's zero_grad(set_to_none=True)) trains
 // exactly as keeping them marked zero: the same parameters, bit for bit, after three AdamW steps; in
 // between, the model holds no gradient memory, and backward makes it again layer by layer.
