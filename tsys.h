@@ -289,11 +289,11 @@ typedef struct tsys_mem_stats {
     X(SILU_BWD,      "silu_bwd",      "FFF",       0x001, "dx t0 = dy t1 * silu'(x t2)") \
     X(SWIGLU_FWD,    "swiglu_fwd",    "FFF",       0x001, "t0 = silu(t1) * t2") \
     X(SWIGLU_BWD,    "swiglu_bwd",    "FFFFF",     0x003, "da t0, db t1 from dy t2, a t3, b t4") \
-    X(RMSNORM_FWD,   "rmsnorm_fwd",   "FSFF",      0x003, "y t0, rstd t1 (rows, f32) from x t2, w t3; f0 = eps") \
-    X(RMSNORM_BWD,   "rmsnorm_bwd",   "FSFFFS",    0x003, "dx t0, dw t1 (f32, accumulated) from dy t2, x t3, w t4, rstd t5") \
+    X(RMSNORM_FWD,   "rmsnorm_fwd",   "FSFF",      0x003, "y t0 (x's dtype, or bf16/f16 from f32 x), rstd t1 (rows, f32) from x t2, w t3; f0 = eps") \
+    X(RMSNORM_BWD,   "rmsnorm_bwd",   "FSFFFS",    0x003, "dx t0 (i0 = 1: added to), dw t1 (f32, accumulated) from dy t2, x t3, w t4, rstd t5") \
     X(LAYERNORM_FWD, "layernorm_fwd", "FSSFff",    0x007, "y t0, mean t1, rstd t2 from x t3, w t4, b t5; f0 = eps") \
     X(LAYERNORM_BWD, "layernorm_bwd", "FssFFfSS",  0x007, "dx t0, dw t1, db t2 (f32, accumulated) from dy t3, x t4, w t5, mean t6, rstd t7") \
-    X(ROPE,          "rope",          "FF",        0x001, "t0 = rope(t1) over (.., T, D), positions 0..T-1; f0 = theta, f1 = +1 forward or -1 inverse") \
+    X(ROPE,          "rope",          "FF",        0x001, "t0 = rope(t1) over (.., T, D), positions 0..T-1; f0 = theta, f1 = +1 forward or -1 inverse; i0 = 1: t1 (B, T, H, D) -> t0 (B, H, T, D), 2: the way back") \
     X(SOFTMAX_FWD,   "softmax_fwd",   "FF",        0x001, "t0 = softmax(f0 * t1) over the last dim; i0 = causal (row r of a (.., T, T) block keeps cols <= r % T)") \
     X(SOFTMAX_BWD,   "softmax_bwd",   "FFF",       0x001, "dx t0 from dy t1, y t2; f0 = scale") \
     X(CE_FWD,        "ce_fwd",        "SSFI",      0x003, "loss t0 (scalar), lse t1 (rows) from logits t2 (rows, V), targets t3 (rows, each in [0, V))") \
@@ -574,6 +574,7 @@ TSYSDEF tsys_tensor *tsys_swiglu(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);
 TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps);
 TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias, float eps);
 TSYSDEF tsys_tensor *tsys_rope(tsys_ctx *ctx, tsys_tensor *x, float theta);           // (.., T, D), interleaved pairs
+TSYSDEF tsys_tensor *tsys_rope_heads(tsys_ctx *ctx, tsys_tensor *x, float theta);     // (B, T, H, D) -> (B, H, T, D): rope(transpose12(x)) in one pass
 TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bool causal);
 TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x);                  // (A, B, C, D) -> (A, C, B, D)
 TSYSDEF tsys_tensor *tsys_attention_naive(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal);  // (.., T, D)
@@ -671,6 +672,15 @@ typedef struct tsys_checkpoint_plan {
 // least predicted peak, fits = false). dtype: the autocast dtype. The model desc's own checkpoint is ignored.
 TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
                                               bool optimizer, tsys_checkpoint_plan *out, char *err, size_t err_len);
+// The same for a step described by flags: the optimizer's state in the peak (OPTIMIZER), AdamW's kept
+// low-precision weights in place of the step's casts (KEPT_COPIES, tsys_optim_keep_lowp; with an
+// optimizer under autocast), the optimizer in backward giving each layer's gradients back
+// (FREE_GRADS, TSYS_OPTIM_FREE_GRADS). tsys_checkpoint_plan_make is OPTIMIZER or nothing.
+#define TSYS_PLAN_OPTIMIZER 1u
+#define TSYS_PLAN_KEPT_COPIES 2u
+#define TSYS_PLAN_FREE_GRADS 4u
+TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
+                                                 unsigned flags, tsys_checkpoint_plan *out, char *err, size_t err_len);
 // Extra step time of the recomputation at the given rates (TFLOP/s for matmuls, GB/s for elementwise).
 TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, double tflops, double gbps);
 // The plan in a few lines: policy, what is kept and what is recomputed, predicted peak, extra time.
@@ -721,6 +731,14 @@ TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads 
 // bucket is reduced). For those, tsys_optim_step after backward (after tsys_ddp_finish).
 TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *opt);
 TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
+// Flags of overlap_begin_ex. FREE_GRADS: each group is updated on the compute stream (in order, so no
+// event is needed) and a model's gradients of that group are given back right after its update, as
+// tsys_release_grads would after the step: the peak holds the parameters, the optimizer state, the
+// activations and one layer's gradients (the layer backward is in), not every gradient (torch's
+// "optimizer step fused into backward"). The same bits as the ordinary step; after overlap_end the
+// model holds no gradients.
+#define TSYS_OPTIM_FREE_GRADS 1u
+TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *opt, unsigned flags);
 // Kept low-precision weights (AdamW only; opt-in): the optimizer holds a dt (TSYS_BF16 or TSYS_F16)
 // copy of every parameter, one block in parameter order ("parameters" memory, tag "kept weight
 // copies", 2 bytes a parameter), and its update kernel writes the new copy beside the new fp32 value,
@@ -931,6 +949,8 @@ struct tsys__node {
     int n_saved;
     tsys_tensor *out;                      // weak: cleared when the output is released
     tsys_dtype out_dtype;
+    tsys_dtype grad_dtype;                 // what gout accumulates in: out_dtype, or fp32 for a norm whose
+                                           // low-precision output feeds several matmuls (tsys__rmsnorm_to)
     int out_ndim;
     int64_t out_shape[TSYS_MAX_DIMS];
     tsys_tensor *gout;                     // gradient of the output, accumulated during backward
@@ -1628,7 +1648,7 @@ static void tsys__cpu_rmsnorm_fwd(float *y, float *rstd, const float *x, const f
 }
 
 // dx_j = s w_j dy_j - x_j s^3 / d * sum_k(dy_k w_k x_k);  dw_j += sum_rows dy_j x_j s
-static void tsys__cpu_rmsnorm_bwd(float *dx, float *dw, const float *dy, const float *x, const float *w, const float *rstd, int64_t rows, int64_t d) {
+static void tsys__cpu_rmsnorm_bwd(float *dx, bool dx_add, float *dw, const float *dy, const float *x, const float *w, const float *rstd, int64_t rows, int64_t d) {
     TSYS__OMP(omp parallel for)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * d, *gr = dy + r * d;
@@ -1636,7 +1656,10 @@ static void tsys__cpu_rmsnorm_bwd(float *dx, float *dw, const float *dy, const f
         double dot = 0;
         for (int64_t j = 0; j < d; j++) dot += (double)gr[j] * w[j] * xr[j];
         float c = (float)(dot * s * s * s / (double)d);
-        for (int64_t j = 0; j < d; j++) dx[r * d + j] = s * w[j] * gr[j] - xr[j] * c;
+        for (int64_t j = 0; j < d; j++) {
+            float v = s * w[j] * gr[j] - xr[j] * c;
+            dx[r * d + j] = dx_add ? dx[r * d + j] + v : v;   // the bits of storing v, then accumulating it
+        }
     }
     for (int64_t r = 0; r < rows; r++)   // rows in order: the sum is deterministic
         for (int64_t j = 0; j < d; j++) dw[j] += dy[r * d + j] * x[r * d + j] * rstd[r];
@@ -1679,14 +1702,22 @@ static void tsys__cpu_layernorm_bwd(float *dx, float *dw, float *db, const float
 }
 
 // Interleaved pairs (2j, 2j+1) rotated by angle t * theta^(-2j/D); sign -1 rotates back (the backward).
-static void tsys__cpu_rope(float *y, const float *x, int64_t outer, int64_t T, int64_t D, float theta, float sign) {
+// The source row of output row o and its position, by layout (TSYS_K_ROPE's i0): 0 the same (.., T, D)
+// rows; 1 x (B, T, H, D) to y (B, H, T, D); 2 x (B, H, T, D) to y (B, T, H, D).
+static int64_t tsys__rope_src(int64_t o, int64_t H, int64_t T, int mode, int64_t *t) {
+    if (mode == 2) { int64_t b = o / (T * H), tt = (o / H) % T, h = o % H; *t = tt; return (b * H + h) * T + tt; }
+    int64_t b = o / (H * T), h = (o / T) % H, tt = o % T;
+    *t = tt;
+    return mode == 1 ? (b * T + tt) * H + h : o;
+}
+static void tsys__cpu_rope(float *y, const float *x, int64_t B, int64_t H, int64_t T, int64_t D, float theta, float sign, int mode) {
     TSYS__OMP(omp parallel for)
-    for (int64_t o = 0; o < outer * T; o++) {
-        int64_t t = o % T;
+    for (int64_t o = 0; o < B * H * T; o++) {
+        int64_t t, src = tsys__rope_src(o, H, T, mode, &t);
         for (int64_t j = 0; j < D / 2; j++) {
             float freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
             float ang = (float)t * freq, c = cosf(ang), s = sign * sinf(ang);
-            float x1 = x[o * D + 2 * j], x2 = x[o * D + 2 * j + 1];
+            float x1 = x[src * D + 2 * j], x2 = x[src * D + 2 * j + 1];
             y[o * D + 2 * j] = c * x1 - s * x2;
             y[o * D + 2 * j + 1] = s * x1 + c * x2;
         }
@@ -1959,6 +1990,16 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
 
 static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
 
+// The rows of a ROPE launch from its input's shape, by layout (i0): 0 (.., T, D) as B = the rest, H = 1;
+// 1 (B, T, H, D); 2 (B, H, T, D).
+static void tsys__rope_dims(const tsys_tensor *x, int mode, int64_t *B, int64_t *H, int64_t *T, int64_t *D) {
+    *D = x->shape[x->ndim - 1];
+    if (mode == 0) { *T = x->shape[x->ndim - 2]; *H = 1; *B = (*T) * (*D) != 0 ? tsys_tensor_numel(x) / ((*T) * (*D)) : 0; return; }
+    *B = x->shape[0];
+    *T = mode == 1 ? x->shape[1] : x->shape[2];
+    *H = mode == 1 ? x->shape[2] : x->shape[1];
+}
+
 // >>cpu kernel dispatch ---------------------------------------------------------------------------
 
 // The contract table as data: names, slot letters and written masks, indexed by tsys_kernel.
@@ -2104,7 +2145,7 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
     }
     case TSYS_K_RMSNORM_BWD: {
         int64_t d = tsys__last_dim(t[3]);
-        tsys__cpu_rmsnorm_bwd(OUT(0, false), OUT(1, true), IN(2), IN(3), IN(4), IN(5), tsys__rows(t[3]), d);
+        tsys__cpu_rmsnorm_bwd(OUT(0, a->i[0] != 0), a->i[0] != 0, OUT(1, true), IN(2), IN(3), IN(4), IN(5), tsys__rows(t[3]), d);
         break;
     }
     case TSYS_K_LAYERNORM_FWD: {
@@ -2118,8 +2159,9 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
         break;
     }
     case TSYS_K_ROPE: {
-        int64_t D = tsys__last_dim(t[1]), T = t[1]->shape[t[1]->ndim - 2];
-        tsys__cpu_rope(OUT(0, false), IN(1), tsys_tensor_numel(t[1]) / (T * D), T, D, f[0], f[1]);
+        int64_t B, H, T, D;
+        tsys__rope_dims(t[1], (int)a->i[0], &B, &H, &T, &D);
+        tsys__cpu_rope(OUT(0, false), IN(1), B, H, T, D, f[0], f[1], (int)a->i[0]);
         break;
     }
     case TSYS_K_SOFTMAX_FWD: tsys__cpu_softmax_fwd(OUT(0, false), IN(1), tsys__rows(t[1]), tsys__last_dim(t[1]), f[0], a->i[0] != 0); break;
@@ -2595,7 +2637,7 @@ static tsys__node *tsys__record(tsys_ctx *ctx, tsys__op op, tsys_tensor *out, ts
     }
     node->n_saved = n_saved;
     node->out = out;
-    node->out_dtype = out->dtype; node->out_ndim = out->ndim;
+    node->out_dtype = node->grad_dtype = out->dtype; node->out_ndim = out->ndim;
     memcpy(node->out_shape, out->shape, sizeof(node->out_shape));
     out->grad_fn = node;
     out->requires_grad = true;
@@ -2746,7 +2788,7 @@ static tsys_status tsys__grad_add(tsys_ctx *ctx, tsys__slot *s, tsys_tensor *g) 
         tsys__node *n = s->node;
         if (!n->gout) {
             // Take g as the gradient when it has the output's dtype; copy it on a later accumulation if shared.
-            n->gout = g->dtype == n->out_dtype ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, n->out_dtype);
+            n->gout = g->dtype == n->grad_dtype ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, n->grad_dtype);
             if (!n->gout) st = ctx->status ? ctx->status : TSYS_ERR_OOM;
         } else {
             if (n->gout->refcount > 1 || n->gout->storage->refcount > 1) {   // copy on write
@@ -3103,13 +3145,20 @@ static tsys_tensor *tsys__row_stats(tsys_ctx *ctx, const tsys_tensor *x) {
     return tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &rows);
 }
 
-TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps) {
+// RMSNorm whose output is written in out_dt: x's dtype (tsys_rmsnorm), or, for an fp32 x under
+// autocast, the compute dtype of the matmuls it feeds. The fp32 value is rounded once, as autocast's
+// cast of it would be, so each matmul reads the bits it would have cast for itself; and the output's
+// gradient accumulates in fp32, as the casts' gradients would have summed into the fp32 norm output.
+// What that saves: the fp32 output, and one cast per reader (q, k, v; w1, w3) in forward and backward.
+static tsys_tensor *tsys__rmsnorm_to(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps, tsys_dtype out_dt) {
     tsys_tensor *ins[2] = {x, weight};
     if (!tsys__check_inputs(ctx, "rmsnorm", ins, 2) || !tsys__check_float(ctx, "rmsnorm", x)) return NULL;
     TSYS__REQUIRE(ctx, weight->ndim == 1 && weight->shape[0] == tsys__last_dim(x), "rmsnorm: weight '%s' must be (%lld) to match '%s'", weight->name, (long long)tsys__last_dim(x), x->name);
+    TSYS__REQUIRE(ctx, out_dt == x->dtype || (x->dtype == TSYS_F32 && (out_dt == TSYS_BF16 || out_dt == TSYS_F16)), "rmsnorm: output %s from %s input '%s' (a low-precision output needs fp32 x)",
+                  tsys_dtype_name(out_dt), tsys_dtype_name(x->dtype), x->name);
     int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM);
     tsys_kargs a = tsys__kargs0();
-    a.t[0] = tsys__new_like(ctx, x, x->dtype);   // cs336: computed in fp32, cast back to the input dtype
+    a.t[0] = tsys__new_like(ctx, x, out_dt);   // cs336: computed in fp32, cast back to the input dtype
     a.t[1] = a.t[0] ? tsys__row_stats(ctx, x) : NULL;
     a.t[2] = x; a.t[3] = weight; a.f[0] = eps;
     tsys_tensor *y = NULL;
@@ -3118,11 +3167,12 @@ TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *we
     tsys_tensor *saved[TSYS__SAVED_RMSNORM_COUNT];
     saved[TSYS__SAVED_RMSNORM_X] = x; saved[TSYS__SAVED_RMSNORM_W] = weight; saved[TSYS__SAVED_RMSNORM_RSTD] = a.t[1];
     tsys__node *node = tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT);
-    if (node) node->f[0] = eps;   // for a recompute
+    if (node) { node->f[0] = eps; node->grad_dtype = x->dtype; }   // eps for a recompute
     tsys_tensor_release(a.t[1]);
     tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
     return y;
 }
+TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps) { return tsys__rmsnorm_to(ctx, x, weight, eps, x ? x->dtype : TSYS_F32); }
 
 TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias, float eps) {
     tsys_tensor *ins[3] = {x, weight, bias};
@@ -3151,20 +3201,28 @@ TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *
     return y;
 }
 
-TSYSDEF tsys_tensor *tsys_rope(tsys_ctx *ctx, tsys_tensor *x, float theta) {
+// heads: x is a projection split into heads (B, T, H, D) and y comes out (B, H, T, D): the transpose
+// to attention's layout in the same pass (one read, one write instead of two each).
+static tsys_tensor *tsys__rope(tsys_ctx *ctx, tsys_tensor *x, float theta, bool heads) {
     if (!x) return NULL;
     TSYS__REQUIRE(ctx, x->ndim >= 2 && tsys__last_dim(x) % 2 == 0, "rope: '%s' needs (.., T, D) with D even (RoPE rotates pairs), got D = %lld", x->name, (long long)tsys__last_dim(x));
+    TSYS__REQUIRE(ctx, !heads || x->ndim == 4, "rope_heads: '%s' needs (B, T, H, D), has %d dims", x->name, x->ndim);
     if (!tsys__check_float(ctx, "rope", x)) return NULL;
     int tag = tsys__op_begin(ctx, TSYS__OP_ROPE);
     tsys_kargs a = tsys__kargs0();
-    a.t[0] = tsys__new_like(ctx, x, x->dtype);
-    a.t[1] = x; a.f[0] = theta; a.f[1] = 1.0f;
+    int64_t shape[TSYS_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof(shape));
+    if (heads) { shape[1] = x->shape[2]; shape[2] = x->shape[1]; }
+    a.t[0] = tsys_tensor_new(ctx, x->dtype, x->device, x->ndim, shape);
+    a.t[1] = x; a.f[0] = theta; a.f[1] = 1.0f; a.i[0] = heads ? 1 : 0;
     tsys_tensor *y = a.t[0] ? tsys__run(ctx, TSYS_K_ROPE, &a) : NULL;
     tsys__node *node = tsys__record(ctx, TSYS__OP_ROPE, y, &x, 1, NULL, 0);
-    if (node) node->f[0] = theta;
+    if (node) { node->f[0] = theta; node->i[0] = heads; }
     tsys__op_end(ctx, TSYS__OP_ROPE, tag);
     return y;
 }
+TSYSDEF tsys_tensor *tsys_rope(tsys_ctx *ctx, tsys_tensor *x, float theta) { return tsys__rope(ctx, x, theta, false); }
+TSYSDEF tsys_tensor *tsys_rope_heads(tsys_ctx *ctx, tsys_tensor *x, float theta) { return tsys__rope(ctx, x, theta, true); }
 
 TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bool causal) {
     if (!x || !tsys__check_float(ctx, "softmax", x)) return NULL;
@@ -3421,11 +3479,23 @@ static tsys_status tsys__bwd_matmul(tsys_ctx *ctx, tsys__node *n) {
     return st;
 }
 
+// The gradient gathered so far for input j of n when n's backward may add into it in place (a
+// producer's own buffer of dtype dt, shared with nobody): what tsys__grad_add would accumulate into,
+// minus the temporary. The pre-norm residual stream: the norm's dx lands on the gradient the residual
+// add passed down. NULL: make a fresh buffer and tsys__grad_add it.
+static tsys_tensor *tsys__grad_sink(tsys__node *n, int j, tsys_dtype dt) {
+    tsys__node *p = n->in[j].needs ? n->in[j].node : NULL;
+    tsys_tensor *g = p ? p->gout : NULL;
+    if (!g || g->dtype != dt || g->refcount > 1 || g->storage->refcount > 1) return NULL;
+    return g;
+}
+
 static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
     tsys_tensor *g = n->gout, *x = n->saved[TSYS__SAVED_RMSNORM_X], *w = n->saved[TSYS__SAVED_RMSNORM_W];
     tsys_kargs a = tsys__kargs0();
     bool fresh_w = false, fresh_b = false;
-    tsys_tensor *dx = tsys__new_like(ctx, x, x->dtype);
+    tsys_tensor *sink = layer ? NULL : tsys__grad_sink(n, 0, x->dtype);
+    tsys_tensor *dx = sink ? tsys_tensor_retain(sink) : tsys__new_like(ctx, x, x->dtype);
     tsys_tensor *dw = (w && n->in[1].needs) ? tsys__grad_dest(ctx, n, 1, TSYS_F32, &fresh_w, NULL) : NULL;
     tsys_tensor *db = (layer && n->in[2].needs) ? tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh_b, NULL) : NULL;
     // kernels always write dw/db: give them scratch when the input wants no gradient
@@ -3442,10 +3512,11 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
         tsys_tensor_release(scratch_b);
     } else {
         a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = g; a.t[3] = x; a.t[4] = w; a.t[5] = n->saved[TSYS__SAVED_RMSNORM_RSTD];
+        a.i[0] = sink != NULL;
         if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_BWD, &a);
     }
     tsys_tensor_release(scratch_w);
-    if (st == TSYS_OK && n->in[0].needs) st = tsys__grad_add(ctx, &n->in[0], dx);
+    if (st == TSYS_OK && n->in[0].needs && !sink) st = tsys__grad_add(ctx, &n->in[0], dx);
     else tsys_tensor_release(dx);
     if (dw) st = tsys__grad_dest_done(ctx, n, 1, dw, fresh_w, st);
     if (db) st = tsys__grad_dest_done(ctx, n, 2, db, fresh_b, st);
@@ -3500,7 +3571,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     }
     case TSYS__OP_RMSNORM: st = tsys__bwd_norm(ctx, n, false); break;
     case TSYS__OP_LAYERNORM: st = tsys__bwd_norm(ctx, n, true); break;
-    case TSYS__OP_ROPE: a.t[1] = g; a.f[0] = n->f[0]; a.f[1] = -1.0f; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_ROPE, &a); break;
+    case TSYS__OP_ROPE: a.t[1] = g; a.f[0] = n->f[0]; a.f[1] = -1.0f; a.i[0] = n->i[0] ? 2 : 0; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_ROPE, &a); break;
     case TSYS__OP_SOFTMAX: a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_SOFTMAX_Y]; a.f[0] = n->f[0]; a.i[0] = n->i[0]; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_SOFTMAX_BWD, &a); break;
     case TSYS__OP_TRANSPOSE12: a.t[1] = g; st = tsys__bwd_unary(ctx, n, 0, TSYS_K_TRANSPOSE12, &a); break;
     case TSYS__OP_CROSS_ENTROPY:
@@ -3703,9 +3774,9 @@ static tsys_tensor *tsys__replay_op(tsys_ctx *ctx, tsys__node *n, tsys_tensor *c
     case TSYS__OP_RELU: y = tsys_relu(ctx, v[0]); break;
     case TSYS__OP_SILU: y = tsys_silu(ctx, v[0]); break;
     case TSYS__OP_SWIGLU: y = tsys_swiglu(ctx, v[0], v[1]); break;
-    case TSYS__OP_RMSNORM: y = tsys_rmsnorm(ctx, v[0], v[1], n->f[0]); break;
+    case TSYS__OP_RMSNORM: y = tsys__rmsnorm_to(ctx, v[0], v[1], n->f[0], n->out_dtype); break;
     case TSYS__OP_LAYERNORM: y = tsys_layernorm(ctx, v[0], v[1], v[2], n->f[0]); break;
-    case TSYS__OP_ROPE: y = tsys_rope(ctx, v[0], n->f[0]); break;
+    case TSYS__OP_ROPE: y = tsys__rope(ctx, v[0], n->f[0], n->i[0] != 0); break;
     case TSYS__OP_SOFTMAX: y = tsys_softmax(ctx, v[0], n->f[0], n->i[0] != 0); break;
     case TSYS__OP_TRANSPOSE12: y = tsys_transpose12(ctx, v[0]); break;
     case TSYS__OP_VIEW: y = tsys_view(ctx, v[0], n->out_ndim, n->out_shape); break;
@@ -3975,7 +4046,7 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
     e.params = 4 * P + copies;
     e.grads = backward ? 4 * P : 0;
     e.optimizer = optimizer ? 8 * P + 8 : 0;   // m, v and the step count
-    int64_t norm_outs = autocast ? 5 * N * D * c : 2 * N * D * 4;
+    int64_t norm_outs = 2 * N * D * (autocast ? c : 4);   // each norm's output, in the dtype its matmuls read (tsys__rmsnorm_to)
     e.saved_per_layer = 2 * N * D * 4 + 2 * N * 4 + norm_outs + 4 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : scores) + 3 * N * F * c;
     e.saved_outside = N * D * 4 + N * 4 + N * D * (autocast ? c : 4) + N * V * c + N * 4;
     int64_t act = e.saved_per_layer * L + e.saved_outside;
@@ -3988,7 +4059,7 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
         // its naive softmax backward (the FFN's tensors gone too; dP and dS); the end of backward
         // (every gradient; autocast's weight copies gone with their nodes).
         int64_t ch = autocast ? c : 4, head_grads = 4 * (V * D + D), layer_grads = 4 * (4 * D * D + 3 * D * F + 2 * D);
-        int64_t head_saved = N * V * c + N * D * ch + N * D * 4 + N * 4, ffn_saved = 3 * N * F * c + N * D * 4 + (autocast ? 2 * N * D * c : N * D * 4) + N * 4;
+        int64_t head_saved = N * V * c + N * D * ch + N * D * 4 + N * 4, ffn_saved = 3 * N * F * c + N * D * 4 + N * D * (autocast ? c : 4) + N * 4;
         struct { int64_t act, grads, temp, params; const char *what; } cand[5] = {
             {act, 0, N * V * c, e.params, "the loss's backward: every activation and the logits' gradient"},
             {act - N * V * c, head_grads, N * V * c + N * D * c, e.params, "lm_head's backward: the logits' gradient, the head's gradients"},
@@ -4010,10 +4081,10 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
         // made yet; or at lm_head (its input, its cast and the logits)
         int64_t head_copy = autocast && !kept ? V * D * c : 0;   // kept: there all along
         int64_t in_attn = N * D * 4 + 3 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : 2 * scores) - head_copy;
-        int64_t in_ffn = 2 * N * D * 4 + 3 * N * F * c - head_copy;
-        int64_t at_head = N * V * c + N * D * 4 + (autocast ? N * D * c : 0);
+        int64_t in_ffn = N * D * 4 + N * D * (autocast ? c : 4) + 3 * N * F * c - head_copy;
+        int64_t at_head = N * V * c + N * D * (autocast ? c : 4);
         e.temporaries = TSYS__MAX(TSYS__MAX(in_attn, in_ffn), at_head);
-        e.temporaries_what = e.temporaries == at_head ? "the logits, lm_head's input and its cast"
+        e.temporaries_what = e.temporaries == at_head ? "the logits and lm_head's input"
                            : e.temporaries == in_ffn ? "the last block's FFN: the residual stream, the norm's output, both projections and their SwiGLU"
                                                      : "the last block's attention: the residual stream, q, k, v, the scores and their softmax";
         if (e.temporaries != at_head) { e.params -= head_copy; e.temporaries += head_copy; }
@@ -4181,13 +4252,9 @@ static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, t
         tsys_tensor *p = tsys_linear(ctx, h, proj[j], NULL);
         tsys_tensor *pv = tsys_view(ctx, p, 4, split);
         tsys_tensor_release(p);
-        heads[j] = tsys_transpose12(ctx, pv);   // (B, H, T, dh)
+        // (B, H, T, dh); q and k rotated in the same pass
+        heads[j] = j < 2 ? tsys_rope_heads(ctx, pv, m->desc.rope_theta) : tsys_transpose12(ctx, pv);
         tsys_tensor_release(pv);
-        if (j < 2) {
-            tsys_tensor *r = tsys_rope(ctx, heads[j], m->desc.rope_theta);
-            tsys_tensor_release(heads[j]);
-            heads[j] = r;
-        }
     }
     tsys__sel_end(ctx, sel);
     bool flash = strcmp(m->desc.attn, "flash") == 0;
@@ -4225,10 +4292,16 @@ static tsys_tensor *tsys__model_ffn(tsys_model *m, const tsys__layer *L, tsys_te
 
 // x + f(norm(x)), the pre-norm residual step; consumes x. Selective: the norm opens a region that
 // the projections reading its output close.
+// The dtype a norm feeding matmuls writes: autocast's compute dtype for the fp32 residual stream
+// (each matmul would cast it so; tsys__rmsnorm_to), else the stream's own.
+static tsys_dtype tsys__model_norm_dtype(const tsys_ctx *ctx, const tsys_tensor *x) {
+    return x && x->dtype == TSYS_F32 && ctx->autocast != TSYS_F32 ? ctx->autocast : x ? x->dtype : TSYS_F32;
+}
+
 static tsys_tensor *tsys__residual(tsys_model *m, const tsys__layer *L, tsys_tensor *x, bool attn, int64_t B, int64_t T, bool sel) {
     tsys_ctx *ctx = m->ctx;
     tsys__sel_begin(ctx, sel);
-    tsys_tensor *h = tsys_rmsnorm(ctx, x, attn ? L->ln1 : L->ln2, m->desc.eps);
+    tsys_tensor *h = tsys__rmsnorm_to(ctx, x, attn ? L->ln1 : L->ln2, m->desc.eps, tsys__model_norm_dtype(ctx, x));
     tsys_tensor *f = attn ? tsys__model_attention(m, L, h, B, T, sel) : tsys__model_ffn(m, L, h, sel);
     tsys_tensor_release(h);
     tsys_tensor *y = tsys_add(ctx, x, f);
@@ -4236,7 +4309,7 @@ static tsys_tensor *tsys__residual(tsys_model *m, const tsys__layer *L, tsys_ten
     return y;
 }
 
-static tsys_status tsys__checkpoint_plan(const tsys_model_desc *desc, const tsys_checkpoint_policy *pol, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out);
+static tsys_status tsys__checkpoint_plan(const tsys_model_desc *desc, const tsys_checkpoint_policy *pol, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out);
 
 // The policy this forward runs: the model's, or for auto the planner's choice for this shape.
 static tsys_checkpoint_policy tsys__model_policy(tsys_model *m, int64_t B, int64_t T) {
@@ -4244,7 +4317,7 @@ static tsys_checkpoint_policy tsys__model_policy(tsys_model *m, int64_t B, int64
     tsys_dtype dt = ctx->autocast;
     bool same = m->has_plan && m->plan.batch == B && m->plan.context == T && m->plan.dtype == dt;
     if (!same) {
-        m->has_plan = tsys__checkpoint_plan(&m->desc, &m->ckpt, B, T, dt, true, &m->plan) == TSYS_OK;
+        m->has_plan = tsys__checkpoint_plan(&m->desc, &m->ckpt, B, T, dt, TSYS_PLAN_OPTIMIZER, &m->plan) == TSYS_OK;
         if (!m->has_plan) TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "model: no checkpointing plan for batch %lld, context %lld", (long long)B, (long long)T);
     }
     return m->has_plan ? m->plan.policy : m->ckpt;
@@ -4281,7 +4354,7 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
     tsys_checkpoint_policy p = tsys__model_policy(m, B, T);
     tsys_tensor *x = tsys_embedding(ctx, m->emb, ids);
     x = tsys__model_blocks(m, x, &p, B, T);
-    tsys_tensor *h = tsys_rmsnorm(ctx, x, m->ln_final, m->desc.eps);
+    tsys_tensor *h = tsys__rmsnorm_to(ctx, x, m->ln_final, m->desc.eps, tsys__model_norm_dtype(ctx, x));
     tsys_tensor_release(x);
     tsys_tensor *logits = tsys_linear(ctx, h, m->lm_head, NULL);
     tsys_tensor_release(h);
@@ -4403,11 +4476,11 @@ static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T
     a.flash = strcmp(d->attn, "flash") == 0;
     double E = a.E, c = a.c;
     a.x = 4 * E * a.d; a.st = 4 * E;
-    a.qkv = a.ac ? 3 * c * E * a.d : a.x;
+    a.qkv = a.ac ? c * E * a.d : a.x;   // the norm's output, once for q, k and v (tsys__rmsnorm_to)
     a.attn_in = 3 * c * E * a.d;
     a.attn_big = a.flash ? c * E * a.d + 4 * a.B * a.H * a.T : c * a.B * a.H * a.T * a.T;
     a.o = c * E * a.d;
-    a.ffn = a.ac ? 2 * c * E * a.d : a.x;
+    a.ffn = a.ac ? c * E * a.d : a.x;
     a.ab = 2 * c * E * a.f; a.s = c * E * a.f;
     a.full = 2 * (a.x + a.st) + a.qkv + a.attn_in + a.attn_big + a.o + a.ffn + a.ab + a.s;
     a.sel = 2 * a.x + a.attn_in + (a.flash ? 0 : a.o) + a.ab;
@@ -4440,8 +4513,19 @@ static double tsys__acct_block_peak(const tsys__acct *a, bool sel) {
 }
 
 // Predicted bytes and FLOPs of one policy.
-static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_policy *p, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out) {
+// Bytes of the kept low-precision copies of a model's parameters in dtype size c: each tensor's copy
+// starts 256-byte aligned in the optimizer's block (tsys__lowp_align).
+static double tsys__kept_copies_bytes(const tsys_model_desc *d, int64_t c) {
+    int64_t V = d->vocab_size, D = d->d_model, F = d->d_ff, L = d->num_layers;
+    return (double)(2 * (int64_t)tsys__lowp_align((size_t)(V * D * c)) + (2 * L + 1) * (int64_t)tsys__lowp_align((size_t)(D * c))
+                    + L * (4 * (int64_t)tsys__lowp_align((size_t)(D * D * c)) + 3 * (int64_t)tsys__lowp_align((size_t)(D * F * c))));
+}
+
+static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_policy *p, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out) {
+    bool opt = (how & TSYS_PLAN_OPTIMIZER) != 0, free_grads = (how & TSYS_PLAN_FREE_GRADS) != 0;
     tsys__acct a = tsys__acct_make(d, B, T, dt);
+    bool kept = (how & TSYS_PLAN_KEPT_COPIES) && opt && a.ac;   // autocast reads the optimizer's copies: no weight is cast in the step
+    if (kept) a.ac_block = a.ac_head = 0;
     double P = (double)tsys_model_desc_num_params(d), L = a.L, E = a.E;
     int seg = p->segment, nseg = seg ? (d->num_layers + seg - 1) / seg : 0;
     memset(out, 0, sizeof(*out));
@@ -4454,7 +4538,7 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double kept_blocks = seg ? nseg * a.x + kept_attn : L * (p->selective ? a.sel : a.full);
     out->kept_block_bytes = kept_blocks / L;
     out->kept_bytes = kept_blocks + a.head;
-    out->fixed_bytes = 4 * P + (opt ? 8 * P : 0) + 16 * E;
+    out->fixed_bytes = 4 * P + (opt ? 8 * P : 0) + 16 * E + (kept ? tsys__kept_copies_bytes(d, (int64_t)a.c) : 0);
     // gradients are made by group as backward reaches it (lm_head and the final norm first, then each
     // layer from the top; tsys__grad_home) and all live at its end and in the optimizer step
     double head_grads = 4 * (a.V * a.d + a.d), layer_grads = 4 * (4 * a.d * a.d + 3 * a.d * a.f + 2 * a.d);
@@ -4466,22 +4550,32 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V + head_grads;
     // a segment's turn: the earlier segments keep their input; in the segment, the blocks before the
     // one backward is in are recomputed (all they keep; nested: only their inputs) and that one peaks
-    double kept_one = p->selective ? a.sel : a.full, blocks = 0;
+    // Freeing gradients in backward: a layer's are given back when backward leaves it, so a block
+    // holds its own alone (the head's are gone once the final norm is done).
+    double kept_one = p->selective ? a.sel : a.full, blocks = 0, blocks_free = 0;
     double peak_one = tsys__acct_block_peak(&a, p->selective) + (seg ? a.ac_block : 0);   // a recomputed block casts its weights again
-    if (!seg) blocks = (L - 1) * kept_one + peak_one + head_grads + layer_grads;
+    if (!seg) {
+        blocks = (L - 1) * kept_one + peak_one + head_grads + layer_grads;
+        blocks_free = blocks - head_grads;
+    }
     for (int s = 0; s < nseg; s++) {   // s segments below; the gradients of the layers above and of this block are made
         double k = TSYS__MIN(seg, d->num_layers - s * seg);
         double before = (k - 1) * (p->inner ? a.x : kept_one + (a.ac ? a.ac_block : 0));
         double grads = head_grads + (L - s * seg - k + 1) * layer_grads;
         blocks = TSYS__MAX(blocks, s * a.x + kept_attn + before + peak_one + grads);
+        blocks_free = TSYS__MAX(blocks_free, s * a.x + kept_attn + before + peak_one + layer_grads);
     }
     blocks += ac_held - a.ac_head;
+    blocks_free += ac_held - a.ac_head;
     double end_bwd = 4 * P + a.x;   // every gradient, and the residual stream's
-    out->peak_bytes = out->fixed_bytes + TSYS__MAX(TSYS__MAX(end_fwd, end_bwd), TSYS__MAX(start_bwd, blocks));
+    double end_bwd_free = 4 * (a.V * a.d) + a.x;   // the embedding's gradients, the last made
+    out->peak_bytes = out->fixed_bytes + (free_grads ? TSYS__MAX(TSYS__MAX(end_fwd, end_bwd_free), TSYS__MAX(start_bwd, blocks_free))
+                                                     : TSYS__MAX(TSYS__MAX(end_fwd, end_bwd), TSYS__MAX(start_bwd, blocks)));
     // recomputation: matmul FLOPs, and bytes of the elementwise ops rerun
     double gemm = 2 * E * (4 * a.d * a.d + 3 * a.d * a.f), w2 = 2 * E * a.d * a.f, qk = 2 * a.B * a.T * a.T * a.d;
-    double elem_blk = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 0 : 2 * a.attn_big) + 6 * a.c * E * a.d;
-    double elem_sel = 2 * (2 * a.x) + (a.ac ? 5 * (a.x + a.c * E * a.d) : 0) + 3 * a.s + (a.flash ? 2 * a.o : 2 * a.attn_big);
+    double norms = 2 * (a.x + (a.ac ? a.c * E * a.d : a.x));   // two norms: the residual read, the matmuls' input written
+    double elem_blk = norms + 3 * a.s + (a.flash ? 0 : 2 * a.attn_big) + 6 * a.c * E * a.d;
+    double elem_sel = norms + 3 * a.s + (a.flash ? 2 * a.o : 2 * a.attn_big);
     double flops = 0, bytes = 0, attn = keep_attn ? 0 : 2 * qk;   // +keep-attn: the attention forward is not rerun
     if (seg) { flops += L * (gemm - w2 + attn) + (L - nseg) * w2; bytes += L * elem_blk; }   // a segment's last w2 is not rerun
     if (p->inner) { flops += (L - nseg) * (gemm - w2 + attn); bytes += (L - nseg) * elem_blk; }   // nested: blocks but the last run once more
@@ -4497,7 +4591,7 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
 static double tsys__plan_cost(const tsys_checkpoint_plan *p) { return tsys_checkpoint_plan_extra_ms(p, 400.0, 2000.0); }
 
 // auto: every policy, the cheapest that fits (ties: the smaller peak); when none fits, the smallest peak.
-static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out) {
+static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out) {
     tsys_checkpoint_plan best, cand;
     bool have = false;
     int L = d->num_layers;
@@ -4508,7 +4602,7 @@ static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, 
                 tsys_checkpoint_policy p;
                 memset(&p, 0, sizeof(p));
                 p.segment = k; p.inner = kind == 2 ? 1 : 0; p.selective = sel == 1; p.keep_attention = sel == 2;
-                tsys__plan_fill(d, &p, B, T, dt, opt, &cand);
+                tsys__plan_fill(d, &p, B, T, dt, how, &cand);
                 cand.fits = cand.peak_bytes <= budget;
                 bool better = !have || (cand.fits && !best.fits) ||
                               (cand.fits == best.fits && (cand.fits ? (tsys__plan_cost(&cand) < tsys__plan_cost(&best) ||
@@ -4520,16 +4614,20 @@ static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, 
     out->budget = budget;
 }
 
-static tsys_status tsys__checkpoint_plan(const tsys_model_desc *desc, const tsys_checkpoint_policy *pol, int64_t B, int64_t T, tsys_dtype dt, bool opt, tsys_checkpoint_plan *out) {
+static tsys_status tsys__checkpoint_plan(const tsys_model_desc *desc, const tsys_checkpoint_policy *pol, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out) {
     tsys_model_desc d = tsys_model_desc_defaults(desc);
     if (B < 1 || T < 1) return TSYS_ERR_INVALID_ARGS;
-    if (pol->budget > 0) tsys__plan_auto(&d, pol->budget, B, T, dt, opt, out);
-    else tsys__plan_fill(&d, pol, B, T, dt, opt, out);
+    if (pol->budget > 0) tsys__plan_auto(&d, pol->budget, B, T, dt, how, out);
+    else tsys__plan_fill(&d, pol, B, T, dt, how, out);
     return TSYS_OK;
 }
 
 TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
                                               bool optimizer, tsys_checkpoint_plan *out, char *err, size_t err_len) {
+    return tsys_checkpoint_plan_make_ex(desc, policy, batch, context, dtype, optimizer ? TSYS_PLAN_OPTIMIZER : 0u, out, err, err_len);
+}
+TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
+                                                 unsigned flags, tsys_checkpoint_plan *out, char *err, size_t err_len) {
     tsys_model_desc d = tsys_model_desc_defaults(desc);
     if (tsys_model_desc_validate(&d, err, err_len) != TSYS_OK) return TSYS_ERR_INVALID_ARGS;
     tsys_checkpoint_policy p;
@@ -4538,7 +4636,11 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const
         if (err) snprintf(err, err_len, "checkpoint plan: batch %lld and context %lld must be positive", (long long)batch, (long long)context);
         return TSYS_ERR_INVALID_ARGS;
     }
-    return tsys__checkpoint_plan(&d, &p, batch, context, dtype, optimizer, out);
+    if (flags & ~(TSYS_PLAN_OPTIMIZER | TSYS_PLAN_KEPT_COPIES | TSYS_PLAN_FREE_GRADS)) {
+        if (err) snprintf(err, err_len, "checkpoint plan: unknown flags 0x%x", flags & ~(TSYS_PLAN_OPTIMIZER | TSYS_PLAN_KEPT_COPIES | TSYS_PLAN_FREE_GRADS));
+        return TSYS_ERR_INVALID_ARGS;
+    }
+    return tsys__checkpoint_plan(&d, &p, batch, context, dtype, flags, out);
 }
 
 TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, double tflops, double gbps) {
@@ -4782,6 +4884,7 @@ typedef struct tsys__overlap {
     tsys_event *ready;      // per group: its gradients are final (recorded on the compute stream)
     tsys_event join;        // the side stream's last update
     bool active, launched;
+    bool free_grads;        // TSYS_OPTIM_FREE_GRADS: updates on the compute stream, each group's gradients given back after it
 } tsys__overlap;
 
 static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user);
@@ -4798,9 +4901,24 @@ static void tsys__overlap_free(tsys_optim *o) {
 }
 
 // Group g's gradients are final: its update goes on the side stream after them.
+// FREE_GRADS: the group's update is queued on the compute stream, so the stream's order keeps its
+// gradients' memory from being handed to a later kernel before the update has read them.
+static tsys_status tsys__overlap_update_inline(tsys_optim *o, int g) {
+    tsys__overlap *ov = o->ov;
+    tsys_ctx *ctx = o->ctx;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_status st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
+    tsys__grad_home *home = o->params[ov->first[g]]->grad_home;   // a group is one home's run of parameters, or a tensor alone
+    if (st == TSYS_OK && home) tsys__grad_home_release(home);
+    tsys_mem_set_tag(ctx, tag);
+    ov->done[g] = true;
+    return st;
+}
+
 static tsys_status tsys__overlap_launch(tsys_optim *o, int g) {
     tsys__overlap *ov = o->ov;
     tsys_ctx *ctx = o->ctx;
+    if (ov->free_grads) return tsys__overlap_update_inline(o, g);
     tsys_device dev = o->params[ov->first[g]]->device;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ov->ready[g]);
@@ -4856,14 +4974,17 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
     return TSYS_OK;
 }
 
-TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *o) {
+TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *o) { return tsys_optim_overlap_begin_ex(o, 0); }
+TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
+    if (flags & ~TSYS_OPTIM_FREE_GRADS) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin_ex: unknown flags 0x%x", flags & ~TSYS_OPTIM_FREE_GRADS);
     if (!o->ov && tsys__overlap_setup(o) != TSYS_OK) return ctx->status;
     tsys__overlap *ov = o->ov;
     if (ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin: the previous overlap_begin was not ended");
     for (int g = 0; g < ov->ngroups; g++) { ov->pending[g] = ov->end[g] - ov->first[g]; ov->done[g] = false; }
     ov->launched = false;
+    ov->free_grads = (flags & TSYS_OPTIM_FREE_GRADS) != 0;
     ov->active = true;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys__optim_count_step(o);   // on the compute stream, before every update
@@ -4887,7 +5008,7 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
     for (int g = 0; st == TSYS_OK && g < ov->ngroups; g++) {
         if (ov->done[g]) continue;
         st = tsys__grads_settle(ctx, o->params + ov->first[g], ov->end[g] - ov->first[g]);
-        if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
+        if (st == TSYS_OK) st = ov->free_grads ? tsys__overlap_update_inline(o, g) : tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
     }
     tsys_mem_set_tag(ctx, tag);
     return st;

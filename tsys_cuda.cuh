@@ -878,21 +878,25 @@ struct tsys_cuda__op_adamw {
     float lr, beta1, beta2, eps, wd;
     const void *step; int step_dt;     // one-element I32/I64 device tensor, already incremented
     const float *lr_dev;               // optional one-element fp32 device lr (extension: t[5]), overrides lr
-    // what every element of a launch shares: the step's lr and bias corrections, computed once a thread
-    struct shared { float lr, bc1, bc2; };
+    // What every element of a launch shares, computed once a thread: each is the very expression the
+    // per-element update would evaluate (same operands, same rounding), so hoisting it keeps the bits,
+    // and the loop is left one square root and two divisions an element (the IEEE-exact _rn forms
+    // are instruction sequences: at 3.4 G parameters the update was close to issue-bound).
+    struct shared { float decay, one_m_b1, one_m_b2, sqrt_bc2, step_size; };
     __device__ shared prep() const {
         float t = (float)tsys_cuda__ld_id(step, step_dt, 0);
-        return { lr_dev ? *lr_dev : lr, 1.0f - powf(beta1, t), 1.0f - powf(beta2, t) };
+        float l = lr_dev ? *lr_dev : lr, bc1 = 1.0f - powf(beta1, t), bc2 = 1.0f - powf(beta2, t);
+        return { __fsub_rn(1.0f, __fmul_rn(l, wd)), __fsub_rn(1.0f, beta1), __fsub_rn(1.0f, beta2), __fsqrt_rn(bc2), __fdiv_rn(l, bc1) };
     }
     // Every rounding is spelled out (the _rn intrinsics are never contracted), so each kernel that
     // inlines this computes the same bits: left to the compiler, the launches with and without the
     // kept copies contracted the multiply-adds differently (measured: losses apart from step 1).
     __device__ void apply(const shared &k, const float *x, float *y) const {
-        float p = __fmul_rn(x[0], __fsub_rn(1.0f, __fmul_rn(k.lr, wd))), g = x[1];
-        float m = __fmaf_rn(beta1, x[2], __fmul_rn(__fsub_rn(1.0f, beta1), g));
-        float v = __fmaf_rn(beta2, x[3], __fmul_rn(__fmul_rn(__fsub_rn(1.0f, beta2), g), g));
-        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), __fsqrt_rn(k.bc2)), eps);
-        y[0] = __fsub_rn(p, __fmul_rn(__fdiv_rn(k.lr, k.bc1), __fdiv_rn(m, denom)));
+        float p = __fmul_rn(x[0], k.decay), g = x[1];
+        float m = __fmaf_rn(beta1, x[2], __fmul_rn(k.one_m_b1, g));
+        float v = __fmaf_rn(beta2, x[3], __fmul_rn(__fmul_rn(k.one_m_b2, g), g));
+        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.sqrt_bc2), eps);
+        y[0] = __fsub_rn(p, __fmul_rn(k.step_size, __fdiv_rn(m, denom)));
         y[1] = m; y[2] = v;
     }
     __device__ void operator()(const float *x, float *y) const { apply(prep(), x, y); }
@@ -1019,20 +1023,21 @@ static tsys_status tsys_cuda__colsum_launch(tsys_cuda__state *st, void *out, int
 // >>norms -----------------------------------------------------------------------------------------
 
 // RMSNorm forward. One block per row of D elements; each thread takes columns tid, tid+blockDim, ...
-// (coalesced). Sum of squares in fp32 -> rstd = 1/sqrt(mean + eps), y = x * rstd * w, rounded to T.
-// Assumes y has x's dtype; w (D) any float dtype W; rstd (rows) fp32.
-template <class T, class W>
-__global__ void tsys_cuda__rmsnorm_fwd(T *y, float *rstd, const T *x, const W *w, int64_t D, float eps) {
+// (coalesced). Sum of squares in fp32 -> rstd = 1/sqrt(mean + eps), y = x * rstd * w, rounded to Y:
+// x's dtype T, or bf16/f16 from fp32 x (the norm feeding autocast's matmuls); w (D) any float dtype
+// W; rstd (rows) fp32.
+template <class T, class Y, class W>
+__global__ void tsys_cuda__rmsnorm_fwd(Y *y, float *rstd, const T *x, const W *w, int64_t D, float eps) {
     int64_t r = blockIdx.x;
     const T *xr = x + r * D;
-    T *yr = y + r * D;
+    Y *yr = y + r * D;
     float ss = 0.0f;
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) { float v = tsys_cuda__tof(xr[j]); ss += v * v; }
     ss = tsys_cuda__block_sum(ss);
     float rs = 1.0f / sqrtf(ss / (float)D + eps);
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
         float wj = w ? tsys_cuda__tof(w[j]) : 1.0f;
-        yr[j] = tsys_cuda__fromf<T>(tsys_cuda__tof(xr[j]) * rs * wj);
+        yr[j] = tsys_cuda__fromf<Y>(tsys_cuda__tof(xr[j]) * rs * wj);
     }
     if (threadIdx.x == 0 && rstd) rstd[r] = rs;
 }
@@ -1041,9 +1046,10 @@ __global__ void tsys_cuda__rmsnorm_fwd(T *y, float *rstd, const T *x, const W *w
 // columns in every row, so it accumulates dw for them in shared memory without atomics; at the end
 // each block writes its D partial sums to dw_part[b] and colsum folds the G rows into dw in order.
 //   dx_j = rstd (dy_j w_j - x_j rstd^2 mean_k(dy_k w_k x_k)),  dw_j += dy_j x_j rstd
-// Shared memory: D floats (D <= 12288 with the default 48 KB).
+// dx_add: dx holds a gradient already and the row's dx is added to it (__fadd_rn: the bits of storing
+// dx and accumulating it with another kernel). Shared memory: D floats (D <= 12288 with the default 48 KB).
 template <class T, class W>
-__global__ void tsys_cuda__rmsnorm_bwd(T *dx, float *dw_part, const T *dy, const T *x, const W *w, const float *rstd, int64_t rows, int64_t D) {
+__global__ void tsys_cuda__rmsnorm_bwd(T *dx, bool dx_add, float *dw_part, const T *dy, const T *x, const W *w, const float *rstd, int64_t rows, int64_t D) {
     extern __shared__ float dw_acc[];
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dw_acc[j] = 0.0f;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -1057,12 +1063,73 @@ __global__ void tsys_cuda__rmsnorm_bwd(T *dx, float *dw_part, const T *dy, const
         float c = dot * rs * rs / (float)D;
         for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
             float wj = w ? tsys_cuda__tof(w[j]) : 1.0f, dyj = tsys_cuda__tof(dyr[j]), xj = tsys_cuda__tof(xr[j]);
-            if (dx) dx[r * D + j] = tsys_cuda__fromf<T>(rs * (dyj * wj - xj * c));
+            float v = rs * (dyj * wj - xj * c);
+            if (dx) dx[r * D + j] = tsys_cuda__fromf<T>(dx_add ? __fadd_rn(tsys_cuda__tof(dx[r * D + j]), v) : v);
             dw_acc[j] += dyj * xj * rs;
         }
     }
     if (dw_part)
         for (int64_t j = threadIdx.x; j < D; j += blockDim.x) dw_part[blockIdx.x * D + j] = dw_acc[j];
+}
+
+// The same with the row in registers, for rows of whole 16-byte packs (D a multiple of 16 /
+// sizeof(T), aligned) of at most MAXCH packs a thread: a thread loads its packs of dy and x (and dx
+// when adding) once, all in flight together, and owns the same columns in every row, so its dw
+// partials stay in registers. Each row is one read of dy and x and one write of dx.
+template <class T, class W, int MAXCH>
+__global__ void tsys_cuda__rmsnorm_bwd_reg(T *dx, bool dx_add, float *dw_part, const T *dy, const T *x, const W *w, const float *rstd, int64_t rows, int64_t D) {
+    constexpr int P = (int)(16 / sizeof(T));
+    const int nch = (int)(D / P);
+    float dwa[MAXCH][P];
+#pragma unroll
+    for (int k = 0; k < MAXCH; k++)
+#pragma unroll
+        for (int e = 0; e < P; e++) dwa[k][e] = 0.0f;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const tsys_cuda__pack<T> *dyr = (const tsys_cuda__pack<T> *)(dy + r * D), *xr = (const tsys_cuda__pack<T> *)(x + r * D);
+        tsys_cuda__pack<T> *dxr = dx ? (tsys_cuda__pack<T> *)(dx + r * D) : NULL;
+        tsys_cuda__pack<T> pdy[MAXCH], px[MAXCH], pold[MAXCH];
+#pragma unroll
+        for (int k = 0; k < MAXCH; k++) {
+            int c = threadIdx.x + k * blockDim.x;
+            if (c < nch) { pdy[k] = dyr[c]; px[k] = xr[c]; if (dx_add && dxr) pold[k] = dxr[c]; }
+        }
+        float rs = rstd[r], dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MAXCH; k++) {
+            int c = threadIdx.x + k * blockDim.x;
+            if (c >= nch) continue;
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+                float wj = w ? tsys_cuda__tof(w[(int64_t)c * P + e]) : 1.0f;
+                dot += tsys_cuda__tof(pdy[k].v[e]) * wj * tsys_cuda__tof(px[k].v[e]);
+            }
+        }
+        dot = tsys_cuda__block_sum(dot);
+        float cc = dot * rs * rs / (float)D;
+#pragma unroll
+        for (int k = 0; k < MAXCH; k++) {
+            int c = threadIdx.x + k * blockDim.x;
+            if (c >= nch) continue;
+            tsys_cuda__pack<T> out;
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+                float wj = w ? tsys_cuda__tof(w[(int64_t)c * P + e]) : 1.0f, dyj = tsys_cuda__tof(pdy[k].v[e]), xj = tsys_cuda__tof(px[k].v[e]);
+                float v = rs * (dyj * wj - xj * cc);
+                out.v[e] = tsys_cuda__fromf<T>(dx_add ? __fadd_rn(tsys_cuda__tof(pold[k].v[e]), v) : v);
+                dwa[k][e] += dyj * xj * rs;
+            }
+            if (dxr) dxr[c] = out;
+        }
+    }
+    if (!dw_part) return;
+#pragma unroll
+    for (int k = 0; k < MAXCH; k++) {
+        int c = threadIdx.x + k * blockDim.x;
+        if (c >= nch) continue;
+#pragma unroll
+        for (int e = 0; e < P; e++) dw_part[blockIdx.x * D + (int64_t)c * P + e] = dwa[k][e];
+    }
 }
 
 // LayerNorm forward: one block per row; mean, then variance around the mean (two passes, no
@@ -1123,21 +1190,40 @@ static int tsys_cuda__norm_bwd_blocks(const tsys_cuda__state *st, int64_t rows) 
 }
 
 // >>rope ------------------------------------------------------------------------------------------
-// RoPE with interleaved pairs (2j, 2j+1) over x (..., T, D); row r has position r % T. One thread per
-// pair; angle = pos * theta^(-2j/D) in fp32 as torch does; dir = -1 rotates backwards (the gradient).
-template <class T>
-__global__ void tsys_cuda__rope(T *y, const T *x, int64_t npairs, int64_t T_len, int64_t D, float theta, float dir) {
-    int64_t half = D / 2;
-    for (int64_t p = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; p < npairs; p += (int64_t)gridDim.x * blockDim.x) {
-        int64_t row = p / half, j = p % half;
-        float pos = (float)(row % T_len);
-        float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
-        float s, c;
-        sincosf(pos * inv_freq, &s, &c);
-        s *= dir;
-        float x0 = tsys_cuda__tof(x[2 * p]), x1 = tsys_cuda__tof(x[2 * p + 1]);
-        y[2 * p] = tsys_cuda__fromf<T>(x0 * c - x1 * s);
-        y[2 * p + 1] = tsys_cuda__fromf<T>(x0 * s + x1 * c);
+// RoPE with interleaved pairs (2j, 2j+1) of rows of D; angle = pos * theta^(-2j/D) in fp32 as torch
+// does; dir = -1 rotates backwards (the gradient). mode (TSYS_K_ROPE's i0): 0 rows of (.., T, D) in
+// place of layout, position = row % T; 1 x (B, T, H, D) -> y (B, H, T, D) (a projection's heads to
+// attention's layout, the transpose in the same pass); 2 x (B, H, T, D) -> y (B, T, H, D). A thread
+// takes E elements of one output row (E/2 pairs): a 16-byte pack when rows are whole packs and
+// aligned, else one pair. Output-ordered, so writes are coalesced; a source row is contiguous too.
+__device__ __forceinline__ int64_t tsys_cuda__rope_src(int64_t o, int64_t H, int64_t T, int mode, int64_t *t) {
+    if (mode == 2) { int64_t b = o / (T * H), tt = (o / H) % T, h = o % H; *t = tt; return (b * H + h) * T + tt; }
+    int64_t b = o / (H * T), h = (o / T) % H, tt = o % T;
+    *t = tt;
+    return mode == 1 ? (b * T + tt) * H + h : o;
+}
+template <class T, int E>
+__global__ void tsys_cuda__rope(T *y, const T *x, int64_t rows, int64_t H, int64_t T_len, int64_t D, float theta, float dir, int mode) {
+    int64_t per_row = D / E, n = rows * per_row;
+    for (int64_t q = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; q < n; q += (int64_t)gridDim.x * blockDim.x) {
+        int64_t o = q / per_row, c = (q % per_row) * E, t;
+        int64_t src = tsys_cuda__rope_src(o, H, T_len, mode, &t);
+        tsys_cuda__pack<T> in, out;   // E <= a pack's elements
+        if (E * sizeof(T) == 16) in = *(const tsys_cuda__pack<T> *)(x + src * D + c);
+        else for (int e = 0; e < E; e++) in.v[e] = x[src * D + c + e];
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            int64_t j = (c + e) / 2;
+            float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
+            float sn, cs;
+            sincosf((float)t * inv_freq, &sn, &cs);
+            sn *= dir;
+            float x0 = tsys_cuda__tof(in.v[e]), x1 = tsys_cuda__tof(in.v[e + 1]);
+            out.v[e] = tsys_cuda__fromf<T>(x0 * cs - x1 * sn);
+            out.v[e + 1] = tsys_cuda__fromf<T>(x0 * sn + x1 * cs);
+        }
+        if (E * sizeof(T) == 16) *(tsys_cuda__pack<T> *)(y + o * D + c) = out;
+        else for (int e = 0; e < E; e++) y[o * D + c + e] = out.v[e];
     }
 }
 
@@ -3297,13 +3383,20 @@ static tsys_status tsys_cuda__k_bias_grad(tsys_cuda__state *st, const tsys_kargs
 
 static tsys_status tsys_cuda__k_rmsnorm_fwd(tsys_cuda__state *st, const tsys_kargs *a) {
     tsys_tensor *y = a->t[0], *rstd = a->t[1], *x = a->t[2], *w = a->t[3];
-    TSYS_CUDA__REQUIRE(st->ctx, y && x && y->dtype == x->dtype, "rmsnorm_fwd: y and x must be given, same dtype");
+    TSYS_CUDA__REQUIRE(st->ctx, y && x && (y->dtype == x->dtype || (x->dtype == TSYS_F32 && (y->dtype == TSYS_BF16 || y->dtype == TSYS_F16))),
+                       "rmsnorm_fwd: y and x must be given, y of x's dtype or bf16/f16 from fp32 x");
     TSYS_CUDA__REQUIRE(st->ctx, !rstd || rstd->dtype == TSYS_F32, "rmsnorm_fwd: rstd must be fp32");
     int64_t D = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
     TSYS_CUDA__REQUIRE(st->ctx, !w || tsys_tensor_numel(w) == D, "rmsnorm_fwd: weight has %lld elements, rows have %lld", w ? (long long)tsys_tensor_numel(w) : 0LL, (long long)D);
     int wdt = w ? w->dtype : x->dtype, threads = tsys_cuda__row_threads(D);
+    if (y->dtype != x->dtype) {   // fp32 x, low-precision y
+        TSYS_CUDA__FLOAT_SWITCH(st->ctx, y->dtype, Y, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
+            TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_fwd<float, Y, W>), (unsigned)rows, threads, 0,
+                              (Y *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const float *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0])));
+        return TSYS_OK;
+    }
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
-        TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_fwd<T, W>), (unsigned)rows, threads, 0,
+        TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_fwd<T, T, W>), (unsigned)rows, threads, 0,
                           (T *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const T *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0])));
     return TSYS_OK;
 }
@@ -3314,7 +3407,14 @@ static tsys_status tsys_cuda__k_rmsnorm_bwd(tsys_cuda__state *st, const tsys_kar
     TSYS_CUDA__REQUIRE(st->ctx, !dx || dx->dtype == x->dtype, "rmsnorm_bwd: dx must have x's dtype");
     int64_t D = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
     TSYS_CUDA__REQUIRE(st->ctx, D * 4 <= 48 * 1024, "rmsnorm_bwd: rows of %lld elements exceed the shared-memory tile (12288)", (long long)D);
-    int G = tsys_cuda__norm_bwd_blocks(st, rows), threads = tsys_cuda__row_threads(D);
+    // the register kernel: whole aligned packs, at most 4 a thread of 256 (D <= 4096 fp32, 8192 bf16/f16)
+    constexpr int MAXCH = 4;
+    int P = (int)(16 / tsys_dtype_size(x->dtype)), nch = (int)(D / P);
+    bool reg = D % P == 0 && nch <= 256 * MAXCH && tsys_cuda__aligned16(tsys_cuda__data(dy)) && tsys_cuda__aligned16(tsys_cuda__data(x)) && (!dx || tsys_cuda__aligned16(tsys_cuda__data(dx)));
+    int64_t g4 = (int64_t)st->num_sms * 4;
+    int G = reg ? (int)(rows < 1 ? 1 : rows < g4 ? rows : g4) : tsys_cuda__norm_bwd_blocks(st, rows);
+    int half = ((nch + 1) / 2 + 31) / 32 * 32;   // about two packs a thread
+    int threads = reg ? (half < 32 ? 32 : half > 256 ? 256 : half) : tsys_cuda__row_threads(D);
     float *part = NULL;
     if (dw) {
         part = (float *)tsys_cuda__scratch(st, (size_t)G * D * sizeof(float));
@@ -3323,9 +3423,13 @@ static tsys_status tsys_cuda__k_rmsnorm_bwd(tsys_cuda__state *st, const tsys_kar
     tsys_status s = TSYS_OK;
     int wdt = w ? w->dtype : x->dtype;
     s = [&]() -> tsys_status {
-        TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
+        if (reg) TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
+            TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_bwd_reg<T, W, MAXCH>), (unsigned)G, threads, 0,
+                              (T *)tsys_cuda__data(dx), a->i[0] != 0, part, (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(x),
+                              (const W *)tsys_cuda__data(w), (const float *)tsys_cuda__data(rstd), rows, D)));
+        else TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
             TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_bwd<T, W>), (unsigned)G, threads, (size_t)D * sizeof(float),
-                              (T *)tsys_cuda__data(dx), part, (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(x),
+                              (T *)tsys_cuda__data(dx), a->i[0] != 0, part, (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(x),
                               (const W *)tsys_cuda__data(w), (const float *)tsys_cuda__data(rstd), rows, D)));
         if (dw) return tsys_cuda__colsum_launch(st, tsys_cuda__data(dw), dw->dtype, part, TSYS_F32, G, D, D);
         return TSYS_OK;
@@ -3377,15 +3481,22 @@ static tsys_status tsys_cuda__k_layernorm_bwd(tsys_cuda__state *st, const tsys_k
 
 static tsys_status tsys_cuda__k_rope(tsys_cuda__state *st, const tsys_kargs *a) {
     tsys_tensor *y = a->t[0], *x = a->t[1];
+    int mode = (int)a->i[0];
     TSYS_CUDA__REQUIRE(st->ctx, y && x && y->dtype == x->dtype && tsys_tensor_numel(y) == tsys_tensor_numel(x), "rope: y and x must be given, same dtype and size");
-    TSYS_CUDA__REQUIRE(st->ctx, x->ndim >= 2, "rope: x must be (..., T, D), has %d dims", x->ndim);
-    int64_t D = x->shape[x->ndim - 1], T_len = x->shape[x->ndim - 2];
+    TSYS_CUDA__REQUIRE(st->ctx, mode >= 0 && mode <= 2, "rope: layout i0 = %d (0 rows, 1 (B,T,H,D) -> (B,H,T,D), 2 back)", mode);
+    TSYS_CUDA__REQUIRE(st->ctx, mode == 0 ? x->ndim >= 2 : x->ndim == 4, "rope: x must be (..., T, D) (layout 0) or 4-D (layouts 1, 2), has %d dims", x->ndim);
+    int64_t D = x->shape[x->ndim - 1], T_len, H;
+    if (mode == 0) { T_len = x->shape[x->ndim - 2]; H = 1; }
+    else { T_len = mode == 1 ? x->shape[1] : x->shape[2]; H = mode == 1 ? x->shape[2] : x->shape[1]; }
     TSYS_CUDA__REQUIRE(st->ctx, D % 2 == 0, "rope: head dim %lld is odd", (long long)D);
-    int64_t npairs = tsys_tensor_numel(x) / 2;
+    int64_t rows = D ? tsys_tensor_numel(x) / D : 0;
     float dir = a->f[1] < 0 ? -1.0f : 1.0f;
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T,
-        TSYS_CUDA__LAUNCH(st, tsys_cuda__rope<T>, tsys_cuda__grid(st, npairs, 256), 256, 0,
-                          (T *)tsys_cuda__data(y), (const T *)tsys_cuda__data(x), npairs, T_len, D, a->f[0], dir));
+        constexpr int P = (int)(16 / sizeof(T));
+        T *yp = (T *)tsys_cuda__data(y); const T *xp = (const T *)tsys_cuda__data(x);
+        bool packs = D % P == 0 && tsys_cuda__aligned16(yp) && tsys_cuda__aligned16(xp);
+        if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode);
+        else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode));
     return TSYS_OK;
 }
 
@@ -3556,51 +3667,65 @@ static tsys_status tsys_cuda__k_transpose12(tsys_cuda__state *st, const tsys_kar
 // the copies on, a run of parameters can be cut into more launches: tsys__lowp_run_end). Each thread
 // takes groups of four elements: float4 loads and stores when p, g, m, v are 16-byte aligned and the
 // group is whole, one 8-byte store of the copies when that is aligned too; else element by element.
-__device__ __forceinline__ uint16_t tsys_cuda__lowp_bits(float x, int dt) {
-    return dt == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+template <int DT> __device__ __forceinline__ uint16_t tsys_cuda__lowp_bits(float x) {
+    return DT == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
-// LOW and VEC are template flags so the launch without copies (or unaligned) carries none of the
-// other's code (registers, branches: the generic version ran ~9% slower on the H100).
-template <bool LOW, bool VEC>
-__global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *g, float *m, float *v, uint16_t *low, int low_dt, int64_t n) {
+// LOW (the copies' dtype, 0 for none) and VEC are template parameters so the launch without copies
+// (or unaligned) carries none of the other's code (registers, branches: the generic version ran ~9%
+// slower on the H100).
+template <int LOW, bool VEC, int GS>
+__global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *g, float *m, float *v, uint16_t *low, int64_t n) {
+    constexpr int NV = GS / 4;   // float4s of each array in a group
     int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
-    bool low8 = ((uintptr_t)low & 7) == 0;
+    bool low_vec = ((uintptr_t)low & (2 * GS - 1)) == 0;   // the group's copies in one 8- or 16-byte store
     const tsys_cuda__op_adamw::shared sk = op.prep();   // the same bits as per element, once
-    for (int64_t q = tid; q < (n + 3) / 4; q += stride) {
-        int64_t i0 = 4 * q;
-        int k = n - i0 < 4 ? (int)(n - i0) : 4;   // elements in this group
-        bool whole = VEC && k == 4;
-        float xs[4][4], ys[4][3];
+    for (int64_t q = tid; q < (n + GS - 1) / GS; q += stride) {
+        int64_t i0 = GS * q;
+        int k = n - i0 < GS ? (int)(n - i0) : GS;   // elements in this group
+        bool whole = VEC && k == GS;
+        float xs[GS][4], ys[GS][3];
         if (whole) {
-            float4 P = ((const float4 *)p)[q], G = ((const float4 *)g)[q], M = ((const float4 *)m)[q], V = ((const float4 *)v)[q];
-            xs[0][0] = P.x; xs[1][0] = P.y; xs[2][0] = P.z; xs[3][0] = P.w;
-            xs[0][1] = G.x; xs[1][1] = G.y; xs[2][1] = G.z; xs[3][1] = G.w;
-            xs[0][2] = M.x; xs[1][2] = M.y; xs[2][2] = M.z; xs[3][2] = M.w;
-            xs[0][3] = V.x; xs[1][3] = V.y; xs[2][3] = V.z; xs[3][3] = V.w;
+#pragma unroll
+            for (int u = 0; u < NV; u++) {
+                float4 P = ((const float4 *)p)[q * NV + u], G = ((const float4 *)g)[q * NV + u], M = ((const float4 *)m)[q * NV + u], V = ((const float4 *)v)[q * NV + u];
+                float *x0 = xs[4 * u], *x1 = xs[4 * u + 1], *x2 = xs[4 * u + 2], *x3 = xs[4 * u + 3];
+                x0[0] = P.x; x1[0] = P.y; x2[0] = P.z; x3[0] = P.w;
+                x0[1] = G.x; x1[1] = G.y; x2[1] = G.z; x3[1] = G.w;
+                x0[2] = M.x; x1[2] = M.y; x2[2] = M.z; x3[2] = M.w;
+                x0[3] = V.x; x1[3] = V.y; x2[3] = V.z; x3[3] = V.w;
+            }
         } else {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
+            for (int e = 0; e < GS; e++) {
                 bool in = e < k;
                 xs[e][0] = in ? p[i0 + e] : 0.0f; xs[e][1] = in ? g[i0 + e] : 0.0f;
                 xs[e][2] = in ? m[i0 + e] : 0.0f; xs[e][3] = in ? v[i0 + e] : 1.0f;
             }
         }
 #pragma unroll
-        for (int e = 0; e < 4; e++) op.apply(sk, xs[e], ys[e]);   // the only place the update is computed
-        uint16_t c[4] = {0, 0, 0, 0};
-        if (LOW)
+        for (int e = 0; e < GS; e++) op.apply(sk, xs[e], ys[e]);   // the only place the update is computed
+        uint32_t c[GS / 2];
 #pragma unroll
-            for (int e = 0; e < 4; e++) c[e] = tsys_cuda__lowp_bits(ys[e][0], low_dt);
+        for (int e = 0; e < GS / 2; e++) c[e] = LOW ? (uint32_t)tsys_cuda__lowp_bits<LOW>(ys[2 * e][0]) | ((uint32_t)tsys_cuda__lowp_bits<LOW>(ys[2 * e + 1][0]) << 16) : 0u;
         if (whole) {
-            ((float4 *)p)[q] = make_float4(ys[0][0], ys[1][0], ys[2][0], ys[3][0]);
-            ((float4 *)m)[q] = make_float4(ys[0][1], ys[1][1], ys[2][1], ys[3][1]);
-            ((float4 *)v)[q] = make_float4(ys[0][2], ys[1][2], ys[2][2], ys[3][2]);
-            if (LOW && low8) ((uint2 *)low)[q] = make_uint2((uint32_t)c[0] | ((uint32_t)c[1] << 16), (uint32_t)c[2] | ((uint32_t)c[3] << 16));
-            else if (LOW) for (int e = 0; e < 4; e++) low[i0 + e] = c[e];
+#pragma unroll
+            for (int u = 0; u < NV; u++) {
+                const int e = 4 * u;
+                ((float4 *)p)[q * NV + u] = make_float4(ys[e][0], ys[e + 1][0], ys[e + 2][0], ys[e + 3][0]);
+                ((float4 *)m)[q * NV + u] = make_float4(ys[e][1], ys[e + 1][1], ys[e + 2][1], ys[e + 3][1]);
+                ((float4 *)v)[q * NV + u] = make_float4(ys[e][2], ys[e + 1][2], ys[e + 2][2], ys[e + 3][2]);
+            }
+            if (LOW && low_vec && GS == 8) ((uint4 *)low)[q] = make_uint4(c[0], c[1], c[2 % (GS / 2)], c[3 % (GS / 2)]);
+            else if (LOW && low_vec) ((uint2 *)low)[q] = make_uint2(c[0], c[1 % (GS / 2)]);
+            else if (LOW)
+#pragma unroll
+                for (int e = 0; e < GS; e++) low[i0 + e] = (uint16_t)(c[e / 2] >> (16 * (e & 1)));
         } else {
-            for (int e = 0; e < k; e++) {
+#pragma unroll
+            for (int e = 0; e < GS; e++) {   // unrolled with a guard: a dynamic index would put ys and c in local memory
+                if (e >= k) break;
                 p[i0 + e] = ys[e][0]; m[i0 + e] = ys[e][1]; v[i0 + e] = ys[e][2];
-                if (LOW) low[i0 + e] = c[e];
+                if (LOW) low[i0 + e] = (uint16_t)(c[e / 2] >> (16 * (e & 1)));
             }
         }
     }
@@ -3620,12 +3745,17 @@ static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a)
     const float *pg = (const float *)tsys_cuda__data(g);
     bool vec = tsys_cuda__aligned16(pp) && tsys_cuda__aligned16(pg) && tsys_cuda__aligned16(pm) && tsys_cuda__aligned16(pv);
     uint16_t *pl = (uint16_t *)tsys_cuda__data(low);
-    int ldt = low ? (int)low->dtype : (int)TSYS_BF16;
-    unsigned grid = tsys_cuda__grid(st, (n + 3) / 4, 256);
-    if (low && vec) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<true, true>), grid, 256, 0, op, pp, pg, pm, pv, pl, ldt, n);
-    else if (low) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<true, false>), grid, 256, 0, op, pp, pg, pm, pv, pl, ldt, n);
-    else if (vec) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<false, true>), grid, 256, 0, op, pp, pg, pm, pv, pl, ldt, n);
-    else TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<false, false>), grid, 256, 0, op, pp, pg, pm, pv, pl, ldt, n);
+    int ldt = low ? (int)low->dtype : 0;
+    // groups of 4 (groups of 8 measured slower: 68 registers, 2095 GB/s against 2584 with copies on
+    // the H100; what costs most is local memory, which the kernel must not touch: ptxas -v shows none)
+#define TSYS_CUDA__ADAMW_LAUNCH(L) \
+    { constexpr int GS = 4; unsigned grid = tsys_cuda__grid(st, (n + GS - 1) / GS, 256); \
+      if (vec) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, true, GS>), grid, 256, 0, op, pp, pg, pm, pv, pl, n); \
+      else TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, false, GS>), grid, 256, 0, op, pp, pg, pm, pv, pl, n); }
+    if (ldt == TSYS_BF16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_BF16) }
+    else if (ldt == TSYS_F16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_F16) }
+    else { TSYS_CUDA__ADAMW_LAUNCH(0) }
+#undef TSYS_CUDA__ADAMW_LAUNCH
     return TSYS_OK;
 }
 

@@ -47,9 +47,11 @@ static void usage(FILE *f) {
         "  --dtype LIST               fp32 | bf16 | fp16 autocast (default fp32)\n"
         "  --attn LIST                naive | flash | auto (default auto: flash on cuda under bf16/fp16 autocast,\n"
         "                             naive otherwise: the fp32 flash kernel has no tensor cores and loses to naive)\n"
-        "  --opt-in-backward LIST     no | yes: yes runs each layer's AdamW update on the side stream as soon as its\n"
-        "                             gradients are final, overlapped with the rest of backward (train mode; not\n"
-        "                             with fp16, whose loss scaler needs every gradient first; default no)\n"
+        "  --opt-in-backward LIST     no | yes | free: yes runs each layer's AdamW update on the side stream as soon as\n"
+        "                             its gradients are final, overlapped with the rest of backward; free runs it on\n"
+        "                             the compute stream and gives the layer's gradients back after it (the peak holds\n"
+        "                             one layer's gradients, not all) (train mode; not with fp16, whose loss scaler\n"
+        "                             needs every gradient first; default no)\n"
         "  --lowp-copies LIST         no | yes: yes has AdamW write each weight's bf16/fp16 copy in its update kernel\n"
         "                             (tsys_optim_keep_lowp) so autocast casts no weight each step; 2 bytes a\n"
         "                             parameter more, bitwise the same training (train mode under bf16/fp16; default no)\n"
@@ -88,6 +90,7 @@ static bool ok_dtype(const char *s) { tsys_dtype d; return du_parse_dtype(s, &d)
 static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool ok_attn(const char *s) { return !strcmp(s, "naive") || !strcmp(s, "flash") || !strcmp(s, "auto"); }
 static bool ok_compile(const char *s) { return !strcmp(s, "no") || !strcmp(s, "yes"); }
+static bool ok_in_backward(const char *s) { return ok_compile(s) || !strcmp(s, "free"); }
 // the syntax only: whether K fits a model's layers is checked per configuration (an error row)
 static bool ok_ckpt(const char *s) { tsys_checkpoint_policy p; return tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK; }
 static bool ok_model(const char *s) {
@@ -164,7 +167,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
         || !du_split_check(&o->dtypes, "e2e", "--dtype", dtypes, ok_dtype, "fp32, bf16 or fp16")
         || !du_split_check(&o->attns, "e2e", "--attn", attn, ok_attn, "naive, flash or auto")
         || !du_split_check(&o->compiles, "e2e", "--compile", compile, ok_compile, "no or yes")
-        || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_compile, "no or yes")
+        || !du_split_check(&o->overlaps, "e2e", "--opt-in-backward", overlap, ok_in_backward, "no, yes or free")
         || !du_split_check(&o->lowps, "e2e", "--lowp-copies", lowp, ok_compile, "no or yes")
         || !du_split_check(&o->ckpts, "e2e", "--checkpoint", ckpt, ok_ckpt,
                            "none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
@@ -271,7 +274,7 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     }
     snprintf(base, sizeof(base), "%s/%s_%s_T%s_%s_%s_%s%s%s%s", dir, du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
              du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled",
-             strcmp(du_row_get(row, "opt_in_bwd"), "yes") ? "" : "_opt-in-bwd", ckpt);
+             !strcmp(du_row_get(row, "opt_in_bwd"), "yes") ? "_opt-in-bwd" : !strcmp(du_row_get(row, "opt_in_bwd"), "free") ? "_opt-in-bwd-free" : "", ckpt);
     tsys_profiler *p = tsys_profiler_begin(b->lm.ctx);
     double t[3] = {0, 0, 0};
     tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->lm.ctx);
@@ -297,7 +300,7 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     return st;
 }
 
-static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap, bool lowp,
+static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, const char *overlap, bool lowp,
                        const char *attn, const char *ckpt) {
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
@@ -307,7 +310,7 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
     du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "compiled", "%s", compiled ? "yes" : "no");
-    du_row_set(row, "opt_in_bwd", "%s", overlap ? "yes" : "no");
+    du_row_set(row, "opt_in_bwd", "%s", overlap);
     du_row_set(row, "lowp_copies", "%s", lowp ? "yes" : "no");
     du_row_set(row, "ckpt", "%s", ckpt);
     du_row_set(row, "warmup", "%d", o->warmup);
@@ -320,10 +323,12 @@ static bool config_desc(const e2e_opts *o, const char *model_name, int T, const 
 
 // The checkpointing plan of a configuration; auto:BYTES is resolved here with what the step holds
 // (AdamW state only in train mode) and its plan printed on stderr. d->checkpoint becomes the policy run.
-static bool config_plan(const e2e_opts *o, tsys_model_desc *d, const char *ckpt, int T, du_mode mode, tsys_dtype dt, tsys_checkpoint_plan *plan,
+// extra: TSYS_PLAN_KEPT_COPIES / TSYS_PLAN_FREE_GRADS when the step runs with them.
+static bool config_plan(const e2e_opts *o, tsys_model_desc *d, const char *ckpt, int T, du_mode mode, tsys_dtype dt, unsigned extra, tsys_checkpoint_plan *plan,
                         char *name, size_t name_len, char *err, size_t len, bool quiet) {
     d->checkpoint = ckpt;
-    if (tsys_checkpoint_plan_make(d, ckpt, o->batch, T, dt, mode == DU_TRAIN, plan, err, len) != TSYS_OK) return false;
+    unsigned flags = mode == DU_TRAIN ? TSYS_PLAN_OPTIMIZER | extra : 0u;
+    if (tsys_checkpoint_plan_make_ex(d, ckpt, o->batch, T, dt, flags, plan, err, len) != TSYS_OK) return false;
     snprintf(name, name_len, "%s%s", plan->name, strncmp(ckpt, "auto:", 5) ? "" : " (auto)");
     if (strncmp(ckpt, "auto:", 5)) return true;
     d->checkpoint = plan->name;
@@ -344,7 +349,7 @@ static void plan_config(const e2e_opts *o, const char *model_name, int T, du_mod
     du_row_set(row, "mode", "%s", du_mode_names[mode]);
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16"); du_row_set(row, "attn", "%s", attn);
     du_row_set(row, "ckpt", "%s", ckpt);
-    if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err)) || !config_plan(o, &d, ckpt, T, mode, dt, &p, name, sizeof(name), err, sizeof(err), true)) {
+    if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err)) || !config_plan(o, &d, ckpt, T, mode, dt, 0u, &p, name, sizeof(name), err, sizeof(err), true)) {
         du_row_set(row, "status", "error: %s", err);
         return;
     }
@@ -360,16 +365,18 @@ static void plan_config(const e2e_opts *o, const char *model_name, int T, du_mod
     du_row_set(row, "status", "ok");
 }
 
-static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, bool overlap,
+static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const char *model_name, int T, du_mode mode, tsys_dtype dt, bool compiled, const char *in_backward,
                        bool lowp, const char *attn_flag, const char *ckpt, du_table *tab) {
     char err[256] = "", ckpt_name[64] = "";
     tsys_model_desc d;
     tsys_checkpoint_plan plan;
     du_row *row = du_table_row(tab);
     const char *attn = strcmp(attn_flag, "auto") ? attn_flag : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
-    row_header(row, dev, o, model_name, T, mode, dt, compiled, overlap, lowp, attn, ckpt);
+    row_header(row, dev, o, model_name, T, mode, dt, compiled, in_backward, lowp, attn, ckpt);
+    bool overlap = strcmp(in_backward, "no") != 0;
     if (!config_desc(o, model_name, T, attn, &d, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
-    if (!config_plan(o, &d, ckpt, T, mode, dt, &plan, ckpt_name, sizeof(ckpt_name), err, sizeof(err), false)) { du_row_set(row, "status", "error: %s", err); return; }
+    unsigned step_flags = (lowp && dt != TSYS_F32 ? TSYS_PLAN_KEPT_COPIES : 0u) | (!strcmp(in_backward, "free") ? TSYS_PLAN_FREE_GRADS : 0u);
+    if (!config_plan(o, &d, ckpt, T, mode, dt, step_flags, &plan, ckpt_name, sizeof(ckpt_name), err, sizeof(err), false)) { du_row_set(row, "status", "error: %s", err); return; }
     du_row_set(row, "ckpt", "%s", ckpt_name);
     if (compiled && dev != TSYS_CUDA) { du_row_set(row, "status", "skipped: --compile needs --device cuda"); return; }
     if (compiled && dt == TSYS_F16 && mode == DU_TRAIN) { du_row_set(row, "status", "skipped: fp16 loss scaling reads the overflow flag on the host"); return; }
@@ -378,7 +385,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     if (lowp && (mode != DU_TRAIN || dt == TSYS_F32)) { du_row_set(row, "status", "skipped: --lowp-copies applies to train mode under bf16/fp16"); return; }
     bench b;
     memset(&b, 0, sizeof(b));
-    b.lm.ctx = ctx; b.lm.dev = dev; b.lm.mode = mode; b.lm.dtype = dt; b.lm.overlap = overlap; b.lm.lowp_copies = lowp; b.lm.mark = bench_mark; b.lm.mark_user = &b;
+    b.lm.ctx = ctx; b.lm.dev = dev; b.lm.mode = mode; b.lm.dtype = dt; b.lm.overlap = overlap; b.lm.free_grads = !strcmp(in_backward, "free"); b.lm.lowp_copies = lowp; b.lm.mark = bench_mark; b.lm.mark_user = &b;
     tsys_mem_reset_peak(ctx, dev);
     int n = o->steps, total = (compiled && o->warmup < 1 ? 1 : o->warmup) + (compiled ? 0 : n);   // a graph is captured after at least one eager step
     double *fwd = (double *)calloc((size_t)n, sizeof(double)), *bwd = (double *)calloc((size_t)n, sizeof(double));
@@ -543,7 +550,7 @@ int main(int argc, char **argv) {
                                 for (int cp = 0; cp < o.ckpts.n; cp++) {
                                     du_mode mode = DU_FORWARD; tsys_dtype dt = TSYS_F32; int T = 0;
                                     du_parse_mode(o.modes.item[m], &mode); du_parse_dtype(o.dtypes.item[t], &dt); du_parse_int(o.contexts.item[c], 1, 1 << 20, &T);
-                                    run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), !strcmp(o.overlaps.item[ov], "yes"),
+                                    run_config(ctx, dev, &o, o.models.item[a], T, mode, dt, !strcmp(o.compiles.item[k], "yes"), o.overlaps.item[ov],
                                                !strcmp(o.lowps.item[lp], "yes"), o.attns.item[at], o.ckpts.item[cp], &tab);
                                 du_table_emit(&tab);
                             }

@@ -167,6 +167,20 @@ TSYS_TEST(cuda_norms) {
             };
             for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
         }
+    // the norm feeding autocast's matmuls: fp32 x, bf16/f16 y; backward adding dx into a gradient
+    // already there (the residual stream's), fp32
+    for (int di = 1; di < 3; di++)
+        for (int k = 0; k < 3; k++) {
+            int64_t R = 70, D = dims[k];
+            tc_case cs[] = {
+                { "rmsnorm_fwd f32 -> low", TSYS_K_RMSNORM_FWD, { A2(R_OUT, tc_floats[di], R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
+                                                                  A2(R_IN, TSYS_F32, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1) }, { 1e-5f } },
+                { "rmsnorm_bwd dx added", TSYS_K_RMSNORM_BWD, { A2(R_INOUT, TSYS_F32, R, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1),
+                                                                A2(R_IN, TSYS_F32, R, D, I_RANDN, 1), A2(R_IN, TSYS_F32, R, D, I_RANDN, 1),
+                                                                A1(R_IN, TSYS_F32, D, I_RANDN, 1), A1(R_IN, TSYS_F32, R, I_POS, 1) }, { 0 }, { 1 } },
+            };
+            for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
+        }
 }
 
 TSYS_TEST(cuda_rope_softmax) {
@@ -175,6 +189,9 @@ TSYS_TEST(cuda_rope_softmax) {
         tc_case cs[] = {
             { "rope fwd", TSYS_K_ROPE, { A4(R_OUT, T, 2, 3, 256, 64, I_RANDN, 1), A4(R_IN, T, 2, 3, 256, 64, I_RANDN, 1) }, { 10000.0f, 1.0f } },
             { "rope inv", TSYS_K_ROPE, { A4(R_OUT, T, 2, 3, 40, 16, I_RANDN, 1), A4(R_IN, T, 2, 3, 40, 16, I_RANDN, 1) }, { 10000.0f, -1.0f } },
+            { "rope to heads", TSYS_K_ROPE, { A4(R_OUT, T, 2, 5, 40, 64, I_RANDN, 1), A4(R_IN, T, 2, 40, 5, 64, I_RANDN, 1) }, { 10000.0f, 1.0f }, { 1 } },
+            { "rope from heads inv", TSYS_K_ROPE, { A4(R_OUT, T, 2, 40, 5, 64, I_RANDN, 1), A4(R_IN, T, 2, 5, 40, 64, I_RANDN, 1) }, { 10000.0f, -1.0f }, { 2 } },
+            { "rope to heads d6", TSYS_K_ROPE, { A4(R_OUT, T, 3, 4, 33, 6, I_RANDN, 1), A4(R_IN, T, 3, 33, 4, 6, I_RANDN, 1) }, { 500.0f, 1.0f }, { 1 } },
             { "softmax", TSYS_K_SOFTMAX_FWD, { A2(R_OUT, T, 37, 300, I_RANDN, 1), A2(R_IN, T, 37, 300, I_RANDN, 3) }, { 0.7f } },
             { "softmax causal", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 2, 3, 64, 64, I_RANDN, 1), A4(R_IN, T, 2, 3, 64, 64, I_RANDN, 3) }, { 0.125f }, { 1 } },
             { "softmax causal 1024", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 1, 1, 1024, 1024, I_RANDN, 1), A4(R_IN, T, 1, 1, 1024, 1024, I_RANDN, 3) }, { 0.125f }, { 1 } },
@@ -738,27 +755,31 @@ TSYS_TEST(cuda_checkpoint_in_a_captured_graph) {
 }
 // The optimizer inside backward on the GPU: each layer's AdamW on the side stream from its gradients'
 // hooks gives the ordinary step's parameters bit for bit, eagerly and replayed from a captured graph
-// (the events become the graph's fork and join).
-static void tc_overlap_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg) {
+// (the events become the graph's fork and join); so does TSYS_OPTIM_FREE_GRADS (updates on the
+// compute stream, each layer's gradients given back after its update), eagerly and captured.
+static void tc_overlap_step_ex(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, unsigned flags) {
     tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, tg);
-    tsys_optim_overlap_begin(o);
+    tsys_optim_overlap_begin_ex(o, flags);
     tsys_backward(ctx, loss);
     tsys_optim_overlap_end(o);
     tsys_optim_release_grads(o);
     tsys_tensor_release(logits); tsys_tensor_release(loss);
 }
+static void tc_overlap_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg) { tc_overlap_step_ex(ctx, m, o, ids, tg, 0); }
 TSYS_TEST(cuda_optimizer_in_backward) {
     TC_CTX(ctx);
     tsys_model_desc d = tc_model_desc();
-    tsys_model *m[3];
+    enum { NM = 5 };
+    tsys_model *m[NM];
     m[0] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
-    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
-    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
-    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
-    if (!m[0] || !m[1] || !m[2]) return;
+    for (int k = 1; k < NM; k++) m[k] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    bool made = true;
+    for (int k = 0; k < NM; k++) made = made && m[k];
+    TEST_CHECK(made, "setup: %s", tsys_ctx_last_error(ctx));
+    if (!made) return;
     int n = tsys_model_num_tensors(m[0]);
-    tsys_optim *o[3];
-    for (int k = 0; k < 3; k++) o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
+    tsys_optim *o[NM];
+    for (int k = 0; k < NM; k++) o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
     tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
     for (int i = 0; i < 4; i++) tc_train_step_ex(ctx, m[0], o[0], ids, tg, NULL, true);   // the ordinary step
     for (int i = 0; i < 4; i++) tc_overlap_step(ctx, m[1], o[1], ids, tg);               // eager, in backward
@@ -768,8 +789,19 @@ TSYS_TEST(cuda_optimizer_in_backward) {
     tc_overlap_step(ctx, m[2], o[2], ids, tg);
     TEST_CHECK(tsys_cuda_graph_end(ctx, &gr) == TSYS_OK && gr, "capture: %s", tsys_ctx_last_error(ctx));
     for (int i = 0; gr && i < 3; i++) tsys_cuda_graph_replay(ctx, gr);   // steps 2, 3 and 4 (capturing runs nothing)
+    tsys_cuda_graph_free(gr);
+    gr = NULL;
+    for (int i = 0; i < 4; i++) tc_overlap_step_ex(ctx, m[3], o[3], ids, tg, TSYS_OPTIM_FREE_GRADS);
+    TEST_CHECK(tsys_model_params(m[3])[0]->grad == NULL && tsys_mem_stats_get(ctx, TSYS_CUDA).category_bytes[TSYS_MEM_GRADIENTS] == 0,
+               "free_grads: gradients left after the step (%lld bytes)", (long long)tsys_mem_stats_get(ctx, TSYS_CUDA).category_bytes[TSYS_MEM_GRADIENTS]);
+    tc_overlap_step_ex(ctx, m[4], o[4], ids, tg, TSYS_OPTIM_FREE_GRADS);
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tc_overlap_step_ex(ctx, m[4], o[4], ids, tg, TSYS_OPTIM_FREE_GRADS);
+    TEST_CHECK(tsys_cuda_graph_end(ctx, &gr) == TSYS_OK && gr, "capture (free_grads): %s", tsys_ctx_last_error(ctx));
+    for (int i = 0; gr && i < 3; i++) tsys_cuda_graph_replay(ctx, gr);
     tsys_sync(ctx, TSYS_CUDA);
-    for (int k = 1; k < 3; k++) {
+    const char *what[NM] = {"", "eager", "graph", "free_grads eager", "free_grads graph"};
+    for (int k = 1; k < NM; k++) {
         int differ = 0;
         for (int i = 0; i < n; i++) {
             tsys_tensor *a = tsys_model_params(m[0])[i], *b = tsys_model_params(m[k])[i];
@@ -777,11 +809,11 @@ TSYS_TEST(cuda_optimizer_in_backward) {
             differ += !va || !vb || memcmp(va, vb, sizeof(float) * (size_t)tsys_tensor_numel(a)) != 0;
             free(va); free(vb);
         }
-        TEST_CHECK(differ == 0, "%s: %d parameter tensors differ from the ordinary step after 4 steps", k == 1 ? "eager" : "graph", differ);
+        TEST_CHECK(differ == 0, "%s: %d parameter tensors differ from the ordinary step after 4 steps", what[k], differ);
     }
     tsys_cuda_graph_free(gr);
     tsys_tensor_release(ids); tsys_tensor_release(tg);
-    for (int k = 0; k < 3; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    for (int k = 0; k < NM; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
     tsys_ctx_clear_error(ctx);
 }
 
@@ -1142,6 +1174,11 @@ TSYS_TEST(perf_kernels) {
         a.f[0] = 1e-3f; a.f[1] = 0.9f; a.f[2] = 0.999f; a.f[3] = 1e-8f; a.f[4] = 0.01f;
         double us = tc_time(ctx, TSYS_K_ADAMW, &a, NULL, 5);
         printf("    %-34s %9.1f us %8.0f GB/s\n", "adamw 100M fp32", us, 28.0 * n / us / 1e3);
+        tsys_tensor *low = tsys_tensor_new(ctx, TSYS_BF16, TSYS_CUDA, 1, &n);   // the kept bf16 copy: 2 bytes more
+        a.t[6] = low;
+        us = tc_time(ctx, TSYS_K_ADAMW, &a, NULL, 5);
+        printf("    %-34s %9.1f us %8.0f GB/s\n", "adamw 100M fp32 + bf16 copy", us, 30.0 * n / us / 1e3);
+        tsys_tensor_release(low);
         tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v); tsys_tensor_release(step);
     }
     const tsys_dtype dts[2] = { TSYS_F32, TSYS_BF16 };

@@ -351,8 +351,11 @@ TSYS_TEST(release_grads_trains_like_zero_grad) {
 }
 
 // The optimizer inside backward (each layer's update launched from its gradients' hooks) gives the
-// parameters of the ordinary step bit for bit, AdamW and SGD, with gradients released or kept.
-static void overlap_case(bool adamw, bool release) {
+// parameters of the ordinary step bit for bit, AdamW and SGD, with gradients released or kept. With
+// TSYS_OPTIM_FREE_GRADS each layer's gradients are given back after its update: one layer's gradients
+// are alive at a time (a layer's update runs when backward leaves it, before the next layer's are
+// made), and after the step the model holds none, the memory back to what it held before backward.
+static void overlap_case(bool adamw, bool release, bool free_grads) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
     d.vocab_size = 50; d.context_length = 16; d.d_model = 16; d.num_layers = 3; d.num_heads = 2; d.d_ff = 40;
@@ -363,20 +366,49 @@ static void overlap_case(bool adamw, bool release) {
     int64_t shape[2] = {2, 16};
     tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
     tsys_tensor_randint(ctx, ids, d.vocab_size);
+    int64_t largest_group = 0, group = 0;   // fp32 bytes of the biggest run of one layer's parameters
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *p = tsys_model_params(m[1])[i];
+        bool joins = i > 0 && strncmp(p->name, tsys_model_params(m[1])[i - 1]->name, 9) == 0 && strncmp(p->name, "layers.", 7) == 0;
+        group = (joins ? group : 0) + (int64_t)tsys_tensor_bytes(p);
+        if (group > largest_group) largest_group = group;
+    }
     for (int step = 0; step < 3; step++)
         for (int k = 0; k < 2; k++) {
             tsys_tensor *logits = tsys_model_forward(m[k], ids), *loss = tsys_cross_entropy(ctx, logits, ids);
-            if (k == 1) TEST_CHECK(tsys_optim_overlap_begin(o[k]) == TSYS_OK, "overlap_begin: %s", tsys_ctx_last_error(ctx));
+            int64_t live_before = tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes, grads_before = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_GRADIENTS];
+            tsys_mem_clear_events(ctx);
+            tsys_mem_record_events(ctx, k == 1);
+            if (k == 1) TEST_CHECK(tsys_optim_overlap_begin_ex(o[k], free_grads ? TSYS_OPTIM_FREE_GRADS : 0) == TSYS_OK, "overlap_begin: %s", tsys_ctx_last_error(ctx));
             tsys_backward(ctx, loss);
             if (k == 0) tsys_optim_step(o[k]);
             else TEST_CHECK(tsys_optim_overlap_end(o[k]) == TSYS_OK, "overlap_end: %s", tsys_ctx_last_error(ctx));
+            tsys_mem_record_events(ctx, false);
+            if (k == 1 && free_grads) {
+                tsys_mem_stats ms = tsys_mem_stats_get(ctx, TSYS_CPU);
+                size_t ne;
+                const tsys_mem_event *ev = tsys_mem_events(ctx, &ne);
+                int64_t grads = 0, grad_peak = 0;   // gradient bytes made in this backward, at their most
+                for (size_t e = 0; e < ne; e++) {
+                    if (ev[e].category != TSYS_MEM_GRADIENTS) continue;
+                    grads += ev[e].delta;
+                    if (grads > grad_peak) grad_peak = grads;
+                }
+                TEST_CHECK(grad_peak > 0, "step %d: no gradient memory was made", step);
+                TEST_CHECK(grad_peak <= largest_group, "step %d: %lld bytes of gradients at once, more than one layer's %lld", step, (long long)grad_peak, (long long)largest_group);
+                TEST_CHECK(ms.category_bytes[TSYS_MEM_GRADIENTS] == grads_before && tsys_model_params(m[1])[0]->grad == NULL, "step %d: %lld bytes of gradients left after the step (%lld before)", step,
+                           (long long)ms.category_bytes[TSYS_MEM_GRADIENTS], (long long)grads_before);
+                // what backward freed (the activations) aside, the memory is back: the step added nothing
+                TEST_CHECK(ms.live_bytes <= live_before, "step %d: %lld bytes live after the step, %lld before backward", step, (long long)ms.live_bytes, (long long)live_before);
+            }
             if (release) tsys_optim_release_grads(o[k]); else tsys_optim_zero_grad(o[k]);
             tsys_tensor_release(logits); tsys_tensor_release(loss);
         }
     int differ = 0;
     for (int i = 0; i < n; i++)
         differ += memcmp(tsys_tensor_data(tsys_model_params(m[0])[i]), tsys_tensor_data(tsys_model_params(m[1])[i]), tsys_tensor_bytes(tsys_model_params(m[0])[i])) != 0;
-    TEST_CHECK(differ == 0, "%s, %s: %d parameter tensors differ between the step and the optimizer in backward", adamw ? "adamw" : "sgd", release ? "released" : "kept", differ);
+    TEST_CHECK(differ == 0, "%s, %s%s: %d parameter tensors differ between the step and the optimizer in backward", adamw ? "adamw" : "sgd", release ? "released" : "kept",
+               free_grads ? ", freed in backward" : "", differ);
     TEST_CHECK(tsys_optim_steps(o[1]) == 3, "step count %lld", (long long)tsys_optim_steps(o[1]));
     TEST_CHECK(tsys_optim_overlap_end(o[1]) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "without tsys_optim_overlap_begin"), "an end without a begin is an error");
     tsys_ctx_clear_error(ctx);
@@ -393,7 +425,8 @@ static void overlap_case(bool adamw, bool release) {
     tsys_ctx_free(ctx);
 }
 TSYS_TEST(optimizer_in_backward_matches_the_step) {
-    overlap_case(true, true); overlap_case(true, false); overlap_case(false, true);
+    overlap_case(true, true, false); overlap_case(true, false, false); overlap_case(false, true, false);
+    overlap_case(true, false, true); overlap_case(false, true, true);
 }
 
 // ---- kept low-precision weights (tsys_optim_keep_lowp) ----

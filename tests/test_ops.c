@@ -80,6 +80,7 @@ static tsys_tensor *f_swiglu(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; 
 static tsys_tensor *f_rmsnorm(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_rmsnorm(c, in[0], in[1], 1e-5f); }
 static tsys_tensor *f_layernorm(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_layernorm(c, in[0], in[1], in[2], 1e-5f); }
 static tsys_tensor *f_rope(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_rope(c, in[0], 10000.0f); }
+static tsys_tensor *f_rope_heads(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_rope_heads(c, in[0], 10000.0f); }
 static tsys_tensor *f_softmax(tsys_ctx *c, tsys_tensor **in, void *u) { return tsys_softmax(c, in[0], 0.7f, u != NULL); }
 static tsys_tensor *f_transpose(tsys_ctx *c, tsys_tensor **in, void *u) { (void)u; return tsys_transpose12(c, in[0]); }
 static tsys_tensor *f_attn(tsys_ctx *c, tsys_tensor **in, void *u) { return tsys_attention_naive(c, in[0], in[1], in[2], u != NULL); }
@@ -155,12 +156,97 @@ TSYS_TEST(grad_norms) {
     tsys_ctx_free(ctx);
 }
 
+// The pre-norm residual step under bf16 autocast, two ways: the norm's fp32 output read by three
+// linears that each cast it (torch's autocast), and tsys__rmsnorm_to writing the bf16 input once with
+// its gradient summed in fp32. Loss and every gradient equal bit for bit; the second casts nothing.
+// And the norm's dx added in place into the residual gradient (x a node: its gradient is there) equals
+// the separate add (x a leaf).
+typedef struct norm_kcount { int casts, accums, dx_added; } norm_kcount;
+static void norm_count(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    (void)ctx;
+    norm_kcount *c = (norm_kcount *)user;
+    c->casts += k->kernel == TSYS_K_CAST;
+    c->accums += k->kernel == TSYS_K_ACCUM;
+    c->dx_added += k->kernel == TSYS_K_RMSNORM_BWD && k->args && k->args->i[0] != 0;
+}
+static float norm_step(tsys_ctx *ctx, tsys_tensor *x0, tsys_tensor *w, tsys_tensor **proj, bool fused, bool through_node, norm_kcount *kc) {
+    tsys_trace_hooks h;
+    memset(&h, 0, sizeof(h));
+    h.kernel = norm_count; h.user = kc;
+    tsys_ctx_set_trace_hooks(ctx, &h);
+    tsys_autocast_begin(ctx, TSYS_BF16);
+    tsys_tensor *x = through_node ? tsys_scale(ctx, x0, 1.0f) : tsys_tensor_retain(x0);
+    tsys_tensor *hn = fused ? tsys__rmsnorm_to(ctx, x, w, 1e-5f, TSYS_BF16) : tsys_rmsnorm(ctx, x, w, 1e-5f);
+    tsys_tensor *y = tsys_tensor_retain(x);
+    for (int j = 0; j < 3; j++) {
+        tsys_tensor *p = tsys_linear(ctx, hn, proj[j], NULL), *pf = tsys_cast(ctx, p, TSYS_F32), *s = tsys_add(ctx, y, pf);
+        tsys_tensor_release(p); tsys_tensor_release(pf); tsys_tensor_release(y);
+        y = s;
+    }
+    tsys_autocast_end(ctx);
+    tsys_tensor *sq = tsys_mul(ctx, y, y), *loss = tsys_sum(ctx, sq);
+    float v = tsys_item(ctx, loss);
+    tsys_backward(ctx, loss);
+    tsys_ctx_set_trace_hooks(ctx, NULL);
+    tsys_tensor_release(x); tsys_tensor_release(hn); tsys_tensor_release(y); tsys_tensor_release(sq); tsys_tensor_release(loss);
+    tsys_tape_clear(ctx);
+    return v;
+}
+TSYS_TEST(fused_norm_matches_casts_bitwise) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t s[2] = {6, 16}, sw[1] = {16}, sp[2] = {16, 16};
+    tsys_tensor *x0 = leaf(ctx, 2, s, 1), *w = leaf(ctx, 1, sw, 1), *proj[3];
+    for (int j = 0; j < 3; j++) proj[j] = leaf(ctx, 2, sp, 0.3f);
+    tsys_tensor *all[5] = {x0, w, proj[0], proj[1], proj[2]};
+    float *ref[5] = {NULL}, loss_ref = 0;
+    int casts_ref = 0;
+    const struct { bool fused, node; const char *what; } runs[3] = {{false, true, "casts"}, {true, true, "fused, dx added in place"}, {true, false, "fused, x a leaf"}};
+    for (int r = 0; r < 3; r++) {
+        norm_kcount kc = {0, 0, 0};
+        for (int i = 0; i < 5; i++) { tsys_tensor_release(all[i]->grad); all[i]->grad = NULL; }
+        float loss = norm_step(ctx, x0, w, proj, runs[r].fused, runs[r].node, &kc);
+        TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s: %s", runs[r].what, tsys_ctx_last_error(ctx));
+        if (r == 0) loss_ref = loss;
+        else TEST_CHECK(loss == loss_ref, "%s: loss %.9g, with casts %.9g", runs[r].what, loss, loss_ref);
+        for (int i = 0; i < 5; i++) {
+            float *g = test_read(ctx, all[i]->grad);
+            size_t bytes = sizeof(float) * (size_t)tsys_tensor_numel(all[i]);
+            if (r == 0) ref[i] = g;
+            else { TEST_CHECK(g && ref[i] && memcmp(g, ref[i], bytes) == 0, "%s: gradient %d differs from the casts'", runs[r].what, i); free(g); }
+        }
+        // fused: no forward cast of the norm's output for each linear (3), and in backward one fp32
+        // conversion (the first dx) in place of the three casts' gradients
+        if (r == 0) casts_ref = kc.casts;
+        else TEST_CHECK(kc.casts == casts_ref - 3 - 2, "%s: %d cast kernels, the casts' way %d", runs[r].what, kc.casts, casts_ref);
+        TEST_CHECK(kc.dx_added == (runs[r].node ? 1 : 0), "%s: the norm's dx was added in place %d times", runs[r].what, kc.dx_added);
+    }
+    for (int i = 0; i < 5; i++) { free(ref[i]); tsys_tensor_release(all[i]); }
+    TEST_CHECK(tsys__rmsnorm_to(ctx, x0 = leaf(ctx, 2, s, 1), w = leaf(ctx, 1, sw, 1), 1e-5f, TSYS_I32) == NULL && strstr(tsys_ctx_last_error(ctx), "rmsnorm: output i32"),
+               "an integer output is refused: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(x0); tsys_tensor_release(w);
+    tsys_ctx_free(ctx);
+}
+
 TSYS_TEST(grad_rope_softmax_transpose) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     int64_t s[4] = {2, 3, 5, 8}, ss[3] = {2, 6, 6};
     tsys_tensor *x = leaf(ctx, 4, s, 1), *sc = leaf(ctx, 3, ss, 1);
     fd_check("rope", f_rope, &x, 1, NULL, 1e-2, 2e-3);
+    fd_check("rope_heads", f_rope_heads, &x, 1, NULL, 1e-2, 2e-3);
     fd_check("transpose12", f_transpose, &x, 1, NULL, 1e-2, 2e-3);
+    {   // rope_heads is rope(transpose12(x)) in one pass: the same values, bit for bit, and the same gradient
+        tsys_tensor *t = tsys_transpose12(ctx, x), *r1 = tsys_rope(ctx, t, 10000.0f), *r2 = tsys_rope_heads(ctx, x, 10000.0f);
+        float *a1 = test_read(ctx, r1), *a2 = test_read(ctx, r2);
+        TEST_CHECK(r1 && r2 && r2->shape[1] == 5 && r2->shape[2] == 3 && memcmp(a1, a2, sizeof(float) * (size_t)tsys_tensor_numel(r1)) == 0, "rope_heads differs from rope(transpose12)");
+        free(a1); free(a2);
+        tsys_tensor_release(t); tsys_tensor_release(r1); tsys_tensor_release(r2);
+        tsys_tape_clear(ctx);
+        int64_t s3[3] = {2, 5, 8};
+        tsys_tensor *bad = leaf(ctx, 3, s3, 1);
+        TEST_CHECK(tsys_rope_heads(ctx, bad, 10000.0f) == NULL && strstr(tsys_ctx_last_error(ctx), "needs (B, T, H, D)"), "a 3-D input is refused: %s", tsys_ctx_last_error(ctx));
+        tsys_ctx_clear_error(ctx);
+        tsys_tensor_release(bad);
+    }
     fd_check("softmax", f_softmax, &sc, 1, NULL, 1e-2, 3e-3);
     fd_check("softmax causal", f_softmax, &sc, 1, (void *)1, 1e-2, 3e-3);
     int64_t sv[3] = {2, 3, 4};
