@@ -289,7 +289,7 @@ typedef struct tsys_mem_stats {
     X(SILU_BWD,      "silu_bwd",      "FFF",       0x001, "dx t0 = dy t1 * silu'(x t2)") \
     X(SWIGLU_FWD,    "swiglu_fwd",    "FFF",       0x001, "t0 = silu(t1) * t2") \
     X(SWIGLU_BWD,    "swiglu_bwd",    "FFFFF",     0x003, "da t0, db t1 from dy t2, a t3, b t4") \
-    X(RMSNORM_FWD,   "rmsnorm_fwd",   "FSFF",      0x003, "y t0 (x's dtype, or bf16/f16 from f32 x), rstd t1 (rows, f32) from x t2, w t3; f0 = eps") \
+    X(RMSNORM_FWD,   "rmsnorm_fwd",   "FSFFfs",    0x023, "y t0 (x's dtype, or bf16/f16 from f32 x), rstd t1 (rows, f32) from x t2, w t3; f0 = eps; with r t4: s = x + r (f32 x) written to t5, y = norm(s)") \
     X(RMSNORM_BWD,   "rmsnorm_bwd",   "FSFFFS",    0x003, "dx t0 (i0 = 1: added to), dw t1 (f32, accumulated) from dy t2, x t3, w t4, rstd t5") \
     X(LAYERNORM_FWD, "layernorm_fwd", "FSSFff",    0x007, "y t0, mean t1, rstd t2 from x t3, w t4, b t5; f0 = eps") \
     X(LAYERNORM_BWD, "layernorm_bwd", "FssFFfSS",  0x007, "dx t0, dw t1, db t2 (f32, accumulated) from dy t3, x t4, w t5, mean t6, rstd t7") \
@@ -2140,7 +2140,14 @@ static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kar
     }
     case TSYS_K_RMSNORM_FWD: {
         int64_t d = tsys__last_dim(t[2]);
-        tsys__cpu_rmsnorm_fwd(OUT(0, false), OUT(1, false), IN(2), IN(3), tsys__rows(t[2]), d, f[0]);
+        const float *x = IN(2);
+        if (t[4]) {   // the residual add first, as TSYS_K_ADD computes it
+            float *sum = OUT(5, false);
+            const float *r = IN(4);
+            for (int64_t i = 0, nx = tsys_tensor_numel(t[2]); i < nx; i++) sum[i] = x[i] + r[i];
+            x = sum;
+        }
+        tsys__cpu_rmsnorm_fwd(OUT(0, false), OUT(1, false), x, IN(3), tsys__rows(t[2]), d, f[0]);
         break;
     }
     case TSYS_K_RMSNORM_BWD: {
@@ -3173,6 +3180,38 @@ static tsys_tensor *tsys__rmsnorm_to(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor 
     return y;
 }
 TSYSDEF tsys_tensor *tsys_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps) { return tsys__rmsnorm_to(ctx, x, weight, eps, x ? x->dtype : TSYS_F32); }
+
+// s = x + r and y = tsys__rmsnorm_to(s) in one pass over each row (the add that closes a pre-norm
+// residual step and the norm that opens the next: s is read once instead of written and read back).
+// Recorded as the two ops it is, an add node and a norm node, so backward and a checkpoint's
+// recompute (which reruns them apart) see nothing new; the kernel computes both as they would, to
+// the bit. *sum: the new residual stream s. x fp32, r any float dtype of x's shape.
+static tsys_tensor *tsys__add_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *r, tsys_tensor *weight, float eps, tsys_dtype out_dt, tsys_tensor **sum) {
+    *sum = NULL;
+    tsys_tensor *ins[3] = {x, r, weight};
+    if (!tsys__check_inputs(ctx, "add_rmsnorm", ins, 3) || !tsys__check_float(ctx, "add_rmsnorm", r) || !tsys__check_same_shape(ctx, "add_rmsnorm", x, r)) return NULL;
+    TSYS__REQUIRE(ctx, x->dtype == TSYS_F32, "add_rmsnorm: the residual stream '%s' must be fp32, is %s", x->name, tsys_dtype_name(x->dtype));
+    TSYS__REQUIRE(ctx, weight->ndim == 1 && weight->shape[0] == tsys__last_dim(x), "rmsnorm: weight '%s' must be (%lld) to match '%s'", weight->name, (long long)tsys__last_dim(x), x->name);
+    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM);
+    tsys_kargs a = tsys__kargs0();
+    a.t[5] = tsys__new_like(ctx, x, TSYS_F32);
+    a.t[0] = a.t[5] ? tsys__new_like(ctx, x, out_dt) : NULL;
+    a.t[1] = a.t[0] ? tsys__row_stats(ctx, x) : NULL;
+    a.t[2] = x; a.t[3] = weight; a.t[4] = r; a.f[0] = eps;
+    tsys_tensor *s = NULL, *y = NULL;
+    if (a.t[1] && tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_FWD, &a) == TSYS_OK) { s = a.t[5]; y = a.t[0]; }
+    else { tsys_tensor_release(a.t[5]); tsys_tensor_release(a.t[0]); }
+    tsys_tensor *add_ins[2] = {x, r}, *norm_ins[2] = {s, weight};
+    tsys__record(ctx, TSYS__OP_ADD, s, add_ins, 2, add_ins, 0);
+    tsys_tensor *saved[TSYS__SAVED_RMSNORM_COUNT];
+    saved[TSYS__SAVED_RMSNORM_X] = s; saved[TSYS__SAVED_RMSNORM_W] = weight; saved[TSYS__SAVED_RMSNORM_RSTD] = a.t[1];
+    tsys__node *node = s ? tsys__record(ctx, TSYS__OP_RMSNORM, y, norm_ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT) : NULL;
+    if (node) { node->f[0] = eps; node->grad_dtype = TSYS_F32; }
+    tsys_tensor_release(a.t[1]);
+    tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
+    *sum = s;
+    return y;
+}
 
 TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias, float eps) {
     tsys_tensor *ins[3] = {x, weight, bias};
@@ -4323,6 +4362,31 @@ static tsys_checkpoint_policy tsys__model_policy(tsys_model *m, int64_t B, int64
     return m->has_plan ? m->plan.policy : m->ckpt;
 }
 
+// The blocks without checkpoint regions, the residual stream's add and the next norm fused
+// (tsys__add_rmsnorm): a step's branch f waits for the next norm to be added. Returns the final
+// norm's output (the head's input). Consumes x.
+static tsys_tensor *tsys__model_blocks_fused(tsys_model *m, tsys_tensor *x, int64_t B, int64_t T) {
+    tsys_ctx *ctx = m->ctx;
+    tsys_tensor *f = NULL, *h = NULL;
+    for (int l = 0; l <= m->desc.num_layers; l++) {
+        if (l < m->desc.num_layers) tsys__region_begin(ctx, m->layer_names[l]);
+        for (int half = 0; half < (l < m->desc.num_layers ? 2 : 1); half++) {
+            const tsys__layer *L = l < m->desc.num_layers ? &m->layers[l] : NULL;
+            tsys_tensor *ln = !L ? m->ln_final : half == 0 ? L->ln1 : L->ln2, *s = NULL;
+            tsys_dtype dt = tsys__model_norm_dtype(ctx, x);
+            h = f ? tsys__add_rmsnorm(ctx, x, f, ln, m->desc.eps, dt, &s) : tsys__rmsnorm_to(ctx, x, ln, m->desc.eps, dt);
+            if (f) { tsys_tensor_release(x); tsys_tensor_release(f); x = s; f = NULL; }
+            if (!L) break;
+            f = half == 0 ? tsys__model_attention(m, L, h, B, T, false) : tsys__model_ffn(m, L, h, false);
+            tsys_tensor_release(h);
+            h = NULL;
+        }
+        if (l < m->desc.num_layers) tsys__region_end(ctx, m->layer_names[l]);
+    }
+    tsys_tensor_release(x);
+    return h;
+}
+
 // The blocks, with the policy's regions: segments of p.segment blocks, regions of p.inner blocks
 // nested in each, the selective regions inside every block.
 static tsys_tensor *tsys__model_blocks(tsys_model *m, tsys_tensor *x, const tsys_checkpoint_policy *p, int64_t B, int64_t T) {
@@ -4352,10 +4416,13 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
     TSYS__REQUIRE(ctx, ids->device == m->device, "model: ids '%s' are on another device than the model", ids->name);
     int64_t B = ids->shape[0], T = ids->shape[1];
     tsys_checkpoint_policy p = tsys__model_policy(m, B, T);
-    tsys_tensor *x = tsys_embedding(ctx, m->emb, ids);
-    x = tsys__model_blocks(m, x, &p, B, T);
-    tsys_tensor *h = tsys__rmsnorm_to(ctx, x, m->ln_final, m->desc.eps, tsys__model_norm_dtype(ctx, x));
-    tsys_tensor_release(x);
+    tsys_tensor *x = tsys_embedding(ctx, m->emb, ids), *h;
+    if (!p.segment && !p.selective && x && x->dtype == TSYS_F32) h = tsys__model_blocks_fused(m, x, B, T);
+    else {   // checkpoint regions begin and end between the add and the norm: they run apart
+        x = tsys__model_blocks(m, x, &p, B, T);
+        h = tsys__rmsnorm_to(ctx, x, m->ln_final, m->desc.eps, tsys__model_norm_dtype(ctx, x));
+        tsys_tensor_release(x);
+    }
     tsys_tensor *logits = tsys_linear(ctx, h, m->lm_head, NULL);
     tsys_tensor_release(h);
     if (logits) tsys_tensor_set_name(logits, "logits");

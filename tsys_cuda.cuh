@@ -1026,13 +1026,31 @@ static tsys_status tsys_cuda__colsum_launch(tsys_cuda__state *st, void *out, int
 // (coalesced). Sum of squares in fp32 -> rstd = 1/sqrt(mean + eps), y = x * rstd * w, rounded to Y:
 // x's dtype T, or bf16/f16 from fp32 x (the norm feeding autocast's matmuls); w (D) any float dtype
 // W; rstd (rows) fp32.
-template <class T, class Y, class W>
-__global__ void tsys_cuda__rmsnorm_fwd(Y *y, float *rstd, const T *x, const W *w, int64_t D, float eps) {
+// R: with a residual branch res (TSYS_K_RMSNORM_FWD's t4), fp32 x: the row is s = x + res, written
+// to sum, and normalized; the sum of squares and the output are those of the plain kernel on s (the
+// same block shape and order, __fmaf_rn), so the fused add and norm give the bits of the two apart.
+template <class T, class Y, class W, class R = T>
+__global__ void tsys_cuda__rmsnorm_fwd(Y *y, float *rstd, const T *x, const W *w, int64_t D, float eps, const R *res, float *sum) {
     int64_t r = blockIdx.x;
     const T *xr = x + r * D;
     Y *yr = y + r * D;
     float ss = 0.0f;
-    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) { float v = tsys_cuda__tof(xr[j]); ss += v * v; }
+    if (res) {
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+            float v = tsys_cuda__tof(xr[j]) + tsys_cuda__tof(res[r * D + j]);
+            sum[r * D + j] = v;
+            ss = __fmaf_rn(v, v, ss);
+        }
+        ss = tsys_cuda__block_sum(ss);
+        float rs = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
+            float wj = w ? tsys_cuda__tof(w[j]) : 1.0f;
+            yr[j] = tsys_cuda__fromf<Y>(sum[r * D + j] * rs * wj);
+        }
+        if (threadIdx.x == 0 && rstd) rstd[r] = rs;
+        return;
+    }
+    for (int64_t j = threadIdx.x; j < D; j += blockDim.x) { float v = tsys_cuda__tof(xr[j]); ss = __fmaf_rn(v, v, ss); }
     ss = tsys_cuda__block_sum(ss);
     float rs = 1.0f / sqrtf(ss / (float)D + eps);
     for (int64_t j = threadIdx.x; j < D; j += blockDim.x) {
@@ -3389,15 +3407,27 @@ static tsys_status tsys_cuda__k_rmsnorm_fwd(tsys_cuda__state *st, const tsys_kar
     int64_t D = tsys_cuda__last_dim(x), rows = tsys_cuda__rows(x);
     TSYS_CUDA__REQUIRE(st->ctx, !w || tsys_tensor_numel(w) == D, "rmsnorm_fwd: weight has %lld elements, rows have %lld", w ? (long long)tsys_tensor_numel(w) : 0LL, (long long)D);
     int wdt = w ? w->dtype : x->dtype, threads = tsys_cuda__row_threads(D);
+    tsys_tensor *res = a->t[4], *sum = a->t[5];
+    if (res) {   // the residual add first: fp32 x, the sum fp32
+        TSYS_CUDA__REQUIRE(st->ctx, x->dtype == TSYS_F32 && sum && sum->dtype == TSYS_F32 && tsys_tensor_numel(sum) == tsys_tensor_numel(x) && tsys_tensor_numel(res) == tsys_tensor_numel(x),
+                           "rmsnorm_fwd: with a residual t4, x must be fp32 and t5 an fp32 sum of x's size");
+        TSYS_CUDA__FLOAT_SWITCH(st->ctx, y->dtype, Y, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W, TSYS_CUDA__FLOAT_SWITCH(st->ctx, res->dtype, R,
+            TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_fwd<float, Y, W, R>), (unsigned)rows, threads, 0,
+                              (Y *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const float *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0],
+                              (const R *)tsys_cuda__data(res), (float *)tsys_cuda__data(sum)))));
+        return TSYS_OK;
+    }
     if (y->dtype != x->dtype) {   // fp32 x, low-precision y
         TSYS_CUDA__FLOAT_SWITCH(st->ctx, y->dtype, Y, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
             TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_fwd<float, Y, W>), (unsigned)rows, threads, 0,
-                              (Y *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const float *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0])));
+                              (Y *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const float *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0],
+                              (const float *)nullptr, (float *)nullptr)));
         return TSYS_OK;
     }
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T, TSYS_CUDA__FLOAT_SWITCH(st->ctx, wdt, W,
         TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_fwd<T, T, W>), (unsigned)rows, threads, 0,
-                          (T *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const T *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0])));
+                          (T *)tsys_cuda__data(y), (float *)tsys_cuda__data(rstd), (const T *)tsys_cuda__data(x), (const W *)tsys_cuda__data(w), D, a->f[0],
+                          (const T *)nullptr, (float *)nullptr)));
     return TSYS_OK;
 }
 

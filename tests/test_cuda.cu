@@ -175,6 +175,9 @@ TSYS_TEST(cuda_norms) {
             tc_case cs[] = {
                 { "rmsnorm_fwd f32 -> low", TSYS_K_RMSNORM_FWD, { A2(R_OUT, tc_floats[di], R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
                                                                   A2(R_IN, TSYS_F32, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1) }, { 1e-5f } },
+                { "rmsnorm_fwd x + r", TSYS_K_RMSNORM_FWD, { A2(R_OUT, tc_floats[di], R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
+                                                             A2(R_IN, TSYS_F32, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1),
+                                                             A2(R_IN, tc_floats[di], R, D, I_RANDN, 1), A2(R_OUT, TSYS_F32, R, D, I_RANDN, 1) }, { 1e-5f } },
                 { "rmsnorm_bwd dx added", TSYS_K_RMSNORM_BWD, { A2(R_INOUT, TSYS_F32, R, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1),
                                                                 A2(R_IN, TSYS_F32, R, D, I_RANDN, 1), A2(R_IN, TSYS_F32, R, D, I_RANDN, 1),
                                                                 A1(R_IN, TSYS_F32, D, I_RANDN, 1), A1(R_IN, TSYS_F32, R, I_POS, 1) }, { 0 }, { 1 } },
