@@ -138,8 +138,8 @@ typedef struct tsys_cuda_mem_info {
     int64_t num_ooms;              // requests that returned NULL
 } tsys_cuda_mem_info;
 
-// Which FlashAttention kernels bf16/fp16 attention at head dims 64 and 128 runs (every other head dim and
-// fp32 have one implementation each: mma.sync tensor cores, SIMT fp32).
+// Which FlashAttention kernels bf16/fp16 attention at head dims 64 and 128 runs (every other head dim has one
+// implementation: mma.sync tensor cores; fp32 has two, chosen by desc.flash_fp32_exact).
 //   AUTO   the fastest this binary and device can run: WS, else WGMMA, else MMA; a call whose inputs TMA
 //          cannot read (not 16-byte aligned) runs WGMMA instead of WS
 //   WS     warp-specialized forward and dQ (TMA producer warpgroup, wgmma consumers), wgmma dK/dV;
@@ -161,6 +161,9 @@ typedef enum tsys_cuda_flash_impl {
 //                                environment may steer it at init: TSYS_FLASH_NO_WGMMA=1 -> MMA,
 //                                TSYS_FLASH_NO_WS=1 -> WGMMA (or MMA where wgmma cannot run)
 //   tf32             false       fp32 GEMMs on TF32 tensor cores (tsys_cuda_set_tf32)
+//   flash_fp32_exact false       fp32 FlashAttention multiplies on TF32 tensor cores (inputs rounded to 10-bit
+//                                mantissas, fp32 accumulation: what Triton's tl.dot does with fp32 by default);
+//                                true: in fp32 on CUDA cores, 10-30x slower (tsys_cuda_set_flash_fp32_exact)
 //   workspace_bytes  32 MiB      cuBLASLt workspace (TSYS_CUDA_WORKSPACE_BYTES)
 //   memory_limit     0 = none    cap on the caching allocator's reserved bytes (tsys_cuda_set_memory_limit)
 //   nvtx             false       NVTX ranges for every op, backward node and range (tsys_cuda_set_nvtx)
@@ -168,6 +171,7 @@ typedef struct tsys_cuda_desc {
     int device;
     tsys_cuda_flash_impl flash;
     bool tf32;
+    bool flash_fp32_exact;
     size_t workspace_bytes;
     size_t memory_limit;
     bool nvtx;
@@ -193,6 +197,7 @@ TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx);            // the cudaStream_t la
 TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s);   // the compute or the side stream
 TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on);  // fp32 GEMMs on TF32 tensor cores (default off)
 TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx);
+TSYSDEF void tsys_cuda_set_flash_fp32_exact(tsys_ctx *ctx, bool on);   // fp32 flash attention off TF32 (default off)
 
 // caching allocator
 TSYSDEF size_t tsys_cuda_mem_reserved(tsys_ctx *ctx);
@@ -364,6 +369,7 @@ typedef struct tsys_cuda__state {
     tsys_cuda_flash_impl flash_run;  // given to the launchers: AUTO (WS, then WGMMA per call), WS, WGMMA or MMA
     bool flash_wg_ok;                // the wgmma kernels are in the binary for this device (probe, at init)
     bool flash_ws_ok;                // and the driver can make TMA tensor maps
+    bool flash_fp32_exact;           // fp32 on the SIMT kernels instead of TF32 tensor cores
     float *partials;                 // TSYS_CUDA__MAX_PARTIALS floats for two-stage reductions
     // caching allocator
     tsys_cuda__block *blocks;
@@ -1372,6 +1378,13 @@ static int tsys_cuda__softmax_reg_threads(int64_t n, int per_pack, int maxv, con
     if (t > 32 && t < 64) t = 64;
     return t <= 1024 ? (int)t : 0;
 }
+// The most threads a block of kernel k can launch with (its registers decide: a register-row kernel may not
+// fit 1024 threads); read once per kernel.
+template <class K> static int tsys_cuda__block_threads_max(K k) {
+    cudaFuncAttributes fa;
+    const cudaError_t e = cudaFuncGetAttributes(&fa, k);
+    return e == cudaSuccess ? fa.maxThreadsPerBlock : (cudaGetLastError(), 0);
+}
 
 // >>cross entropy ---------------------------------------------------------------------------------
 // CE forward, stage 1: one block per row of V logits; each thread keeps an online (max, sum) over its
@@ -1580,6 +1593,8 @@ template <> struct tsys_cuda__flash_t<__nv_bfloat16> {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *(uint32_t *)&h;
     }
+    static __device__ __forceinline__ void prep(uint32_t *) {}
+    static __device__ __forceinline__ void store2(__nv_bfloat16 *p, float lo, float hi) { *(uint32_t *)p = pack(lo, hi); }
 };
 template <> struct tsys_cuda__flash_t<__half> {
     static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
@@ -1592,35 +1607,63 @@ template <> struct tsys_cuda__flash_t<__half> {
         __half2 h = __floats2half2_rn(lo, hi);
         return *(uint32_t *)&h;
     }
+    static __device__ __forceinline__ void prep(uint32_t *) {}
+    static __device__ __forceinline__ void store2(__half *p, float lo, float hi) { *(uint32_t *)p = pack(lo, hi); }
+};
+// fp32 inputs on TF32 tensor cores: mma.m16n8k8.tf32, whose fragments hold one element a register:
+//   A 16x8: a0 = A[g][c], a1 = A[g+8][c], a2 = A[g][c+4], a3 = A[g+8][c+4];  B 8x8: b0 = B[c][g], b1 = B[c+4][g]
+// (C as for m16n8k16). ldmatrix.b16 moves 32-bit words as pairs of halves, so the same row addresses give
+// these fragments from fp32 tiles. Operands are rounded to TF32 to nearest (cvt.rna), not truncated.
+template <> struct tsys_cuda__flash_t<float> {
+    static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                     "{%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t tf32(float x) {
+        uint32_t r;
+        asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+        return r;
+    }
+    static __device__ __forceinline__ void prep(uint32_t *r) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) r[i] = tf32(__uint_as_float(r[i]));
+    }
+    static __device__ __forceinline__ void store2(float *p, float lo, float hi) { *(float2 *)p = make_float2(lo, hi); }
 };
 
-// Shared-memory tiles hold R rows of D 16-bit elements with a row stride of D + 8: the 16-byte pad puts
-// the 8 rows one ldmatrix phase reads into 8 different 16-byte bank groups for every D used here.
-template <int D> struct tsys_cuda__flash_smem { static constexpr int SD = D + 8; };
+// Shared-memory tiles hold R rows of D elements with a row stride of D + E, E = 16 / sizeof(T) (one 16-byte
+// chunk): the pad puts the 8 rows one ldmatrix phase reads into 8 different 16-byte bank groups for every D
+// used here; for fp32 (D + 4 floats) it also spreads the scalar B reads of tsys_cuda__flash_gemm_pn (rows 2c
+// and 2c + 1, columns g) over 32 banks.
+template <typename T, int D> struct tsys_cuda__flash_smem {
+    static constexpr int E = 16 / (int)sizeof(T), SD = D + E, KS = 2 * E;   // KS: the k of one mma
+};
 
 // Copy rows [r0, r0 + R) of a (n, D) matrix into a padded shared tile; rows >= n become zeros, so a tail
 // tile adds nothing to any product (the masks drop those rows too).
 template <int R, int D, int NT, typename T>
 __device__ __forceinline__ void tsys_cuda__flash_load_tile(T *s, const T *g, int r0, int n) {
-    constexpr int CPR = D / 8, SD = D + 8;   // 16-byte chunks per row
+    constexpr int E = tsys_cuda__flash_smem<T, D>::E, CPR = D / E, SD = tsys_cuda__flash_smem<T, D>::SD;   // CPR: 16-byte chunks per row
 #pragma unroll
     for (int c = threadIdx.x; c < R * CPR; c += NT) {
         const int r = c / CPR, cc = c % CPR;
         const bool ok = r0 + r < n;
-        tsys_cuda__flash_cp_async16(s + r * SD + cc * 8, g + (size_t)(ok ? r0 + r : 0) * D + cc * 8, ok);
+        tsys_cuda__flash_cp_async16(s + r * SD + cc * E, g + (size_t)(ok ? r0 + r : 0) * D + cc * E, ok);
     }
 }
 
 // Load the A fragment of a 16 x 16 block at (row r0, col c0) of a padded row-major shared tile.
 template <int SD, typename T>
 __device__ __forceinline__ void tsys_cuda__flash_lda(uint32_t a[4], const T *s, int r0, int c0, int lane) {
-    tsys_cuda__flash_ldsm_x4(a, s + (r0 + (lane & 15)) * SD + c0 + (lane >> 4) * 8);
+    tsys_cuda__flash_ldsm_x4(a, s + (r0 + (lane & 15)) * SD + c0 + (lane >> 4) * (16 / (int)sizeof(T)));
 }
 // B fragments of two n-blocks for C = A X^T where X is stored row-major (rows = n, cols = k):
 // rows n0..n0+15, k cols c0..c0+15. b[0], b[1] feed n-block n0, b[2], b[3] n-block n0 + 8.
 template <int SD, typename T>
 __device__ __forceinline__ void tsys_cuda__flash_ldb(uint32_t b[4], const T *s, int n0, int c0, int lane) {
-    tsys_cuda__flash_ldsm_x4(b, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + c0 + ((lane >> 3) & 1) * 8);
+    tsys_cuda__flash_ldsm_x4(b, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + c0 + ((lane >> 3) & 1) * (16 / (int)sizeof(T)));
 }
 // B fragments of two n-blocks for C = A X where X is stored row-major (rows = k, cols = n):
 // k rows k0..k0+15, n cols n0..n0+15 (ldmatrix transposes on the way).
@@ -1633,15 +1676,20 @@ __device__ __forceinline__ void tsys_cuda__flash_ldb_t(uint32_t b[4], const T *s
 // for one warp. MT m-tiles share every B fragment, which halves the shared-memory reads per mma.
 template <typename T, int SD, int MT, int N, int K>
 __device__ __forceinline__ void tsys_cuda__flash_gemm_nt(float (*acc)[N / 8][4], const T *sa, int r0, const T *sx, int lane) {
+    constexpr int KS = 32 / (int)sizeof(T);   // 16 (16-bit), 8 (tf32)
 #pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
+    for (int kk = 0; kk < K / KS; kk++) {
         uint32_t a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) tsys_cuda__flash_lda<SD>(a[mt], sa, r0 + mt * 16, kk * 16, lane);
+        for (int mt = 0; mt < MT; mt++) {
+            tsys_cuda__flash_lda<SD>(a[mt], sa, r0 + mt * 16, kk * KS, lane);
+            tsys_cuda__flash_t<T>::prep(a[mt]);
+        }
 #pragma unroll
         for (int nb = 0; nb < N / 16; nb++) {
             uint32_t b[4];
-            tsys_cuda__flash_ldb<SD>(b, sx, nb * 16, kk * 16, lane);
+            tsys_cuda__flash_ldb<SD>(b, sx, nb * 16, kk * KS, lane);
+            tsys_cuda__flash_t<T>::prep(b);
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb], a[mt], b[0], b[1]);
@@ -1652,26 +1700,50 @@ __device__ __forceinline__ void tsys_cuda__flash_gemm_nt(float (*acc)[N / 8][4],
 }
 
 // acc (M x N) += P (M x K, fp32 accumulators of a previous gemm, rounded here) * X (X: K x N rows k.., shared).
+// tf32: the accumulators hold columns 2c, 2c + 1 of each 8-wide k block, the A fragment wants c and c + 4.
+// The sum over k does not care about the order of k, so k is permuted within each block (A's column c is
+// the accumulators' 2c, c + 4 is 2c + 1) and B's rows are read in the same order: b0 = X[2c][g],
+// b1 = X[2c + 1][g] (scalar shared loads; ldmatrix cannot transpose 32-bit elements).
 template <typename T, int SD, int MT, int K, int N>
 __device__ __forceinline__ void tsys_cuda__flash_gemm_pn(float (*acc)[N / 8][4], float (*p)[K / 8][4], const T *sx, int lane) {
+    if constexpr (sizeof(T) == 4) {
+        typedef tsys_cuda__flash_t<float> F;
+        const T *xl = sx + 2 * (lane & 3) * SD + (lane >> 2);
 #pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            a[mt][0] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-            a[mt][1] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-            a[mt][2] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-            a[mt][3] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int nb = 0; nb < N / 16; nb++) {
-            uint32_t b[4];
-            tsys_cuda__flash_ldb_t<SD>(b, sx, kk * 16, nb * 16, lane);
+        for (int kk = 0; kk < K / 8; kk++) {
+            uint32_t a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb], a[mt], b[0], b[1]);
-                tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
+                a[mt][0] = F::tf32(p[mt][kk][0]); a[mt][1] = F::tf32(p[mt][kk][2]);
+                a[mt][2] = F::tf32(p[mt][kk][1]); a[mt][3] = F::tf32(p[mt][kk][3]);
+            }
+#pragma unroll
+            for (int nb = 0; nb < N / 8; nb++) {
+                const uint32_t b0 = F::tf32(xl[kk * 8 * SD + nb * 8]), b1 = F::tf32(xl[(kk * 8 + 1) * SD + nb * 8]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) F::mma(acc[mt][nb], a[mt], b0, b1);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; kk++) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                a[mt][0] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+                a[mt][1] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+                a[mt][2] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+                a[mt][3] = tsys_cuda__flash_t<T>::pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int nb = 0; nb < N / 16; nb++) {
+                uint32_t b[4];
+                tsys_cuda__flash_ldb_t<SD>(b, sx, kk * 16, nb * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb], a[mt], b[0], b[1]);
+                    tsys_cuda__flash_t<T>::mma(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
+                }
             }
         }
     }
@@ -1700,8 +1772,7 @@ __device__ __forceinline__ void tsys_cuda__flash_store(T *g, float (*acc)[D / 8]
 #pragma unroll
             for (int nb = 0; nb < D / 8; nb++) {
                 const int col = nb * 8 + (lane & 3) * 2;
-                *(uint32_t *)(g + (size_t)row * D + col) =
-                    tsys_cuda__flash_t<T>::pack(acc[mt][nb][2 * h] * mul, acc[mt][nb][2 * h + 1] * mul);
+                tsys_cuda__flash_t<T>::store2(g + (size_t)row * D + col, acc[mt][nb][2 * h] * mul, acc[mt][nb][2 * h + 1] * mul);
             }
         }
 }
@@ -1713,13 +1784,13 @@ __device__ __forceinline__ void tsys_cuda__flash_store(T *g, float (*acc)[D / 8]
 //   S = Q K^T (fp32, registers) -> scaled to log2 units, masked -> online softmax (row max and sum across
 //   the 4 lanes of a quad) -> O = alpha O + P V with P re-used from registers as the A operand.
 // The row sum l is kept per lane and reduced across the quad once, at the end.
-// Shared memory: (BQ + 4 BK) * (D + 8) * sizeof(T).
+// Shared memory: (BQ + 4 BK) * SD * sizeof(T) (SD: tsys_cuda__flash_smem).
 
 template <typename T, int D, int MT, int BK, int NW, bool CAUSAL>
 __global__ void __launch_bounds__(NW * 32)
 tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
                        float *__restrict__ lse, int n, float scale_log2) {
-    constexpr int BQ = NW * MT * 16, SD = D + 8, NT = NW * 32;
+    constexpr int BQ = NW * MT * 16, SD = tsys_cuda__flash_smem<T, D>::SD, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_smem_raw;
     T *ks = qs + BQ * SD;        // [2][BK * SD]
@@ -1831,15 +1902,24 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
 }
 
 // ------------------------------------------------------------------------------------------------
-// Backward pre-pass: dvec[row] = sum_c dO[row][c] * O[row][c] (fp32). One warp per row.
-template <typename T>
+// Backward pre-pass: dvec[row] = sum_c dO[row][c] * O[row][c] (fp32). One warp per row. TF32: the operands
+// rounded as the TF32 mma rounds dO and V, so that dS = P (dP - D) cancels where it should (at one key,
+// O = V and dP = D up to the order of the sum, not up to TF32's rounding).
+template <typename T, bool TF32 = false>
 __global__ void tsys_cuda__flash_bwd_dot_kernel(const T *__restrict__ dout, const T *__restrict__ o, float *__restrict__ dvec,
                                            int64_t rows, int d) {
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
     float acc = 0.0f;
-    for (int c = lane; c < d; c += 32) acc += (float)dout[row * d + c] * (float)o[row * d + c];
+    for (int c = lane; c < d; c += 32) {
+        float x = (float)dout[row * d + c], y = (float)o[row * d + c];
+        if constexpr (TF32) {
+            x = __uint_as_float(tsys_cuda__flash_t<float>::tf32(x));
+            y = __uint_as_float(tsys_cuda__flash_t<float>::tf32(y));
+        }
+        acc += x * y;
+    }
 #pragma unroll
     for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) dvec[row] = acc;
@@ -1854,14 +1934,14 @@ __global__ void tsys_cuda__flash_bwd_dot_kernel(const T *__restrict__ dout, cons
 // MK = 2 lets each Q / dO fragment read from shared memory feed two mma (shared-memory bandwidth is what
 // limits the MK = 1 version). Causal: query tiles that end before the key tile starts are skipped; key
 // tile 0 is the longest, so the natural block order already starts the heavy blocks first.
-// Shared memory: (2 BKV + 4 BQ) * (D + 8) * sizeof(T) + 4 BQ * 4.
+// Shared memory: (2 BKV + 4 BQ) * SD * sizeof(T) + 4 BQ * 4.
 
 template <typename T, int D, int MK, int BQ, int NW, bool CAUSAL>
 __global__ void __launch_bounds__(NW * 32)
 tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                             const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
                             T *__restrict__ dk, T *__restrict__ dv, int n, float scale, float scale_log2) {
-    constexpr int BKV = NW * MK * 16, SD = D + 8, NT = NW * 32;
+    constexpr int BKV = NW * MK * 16, SD = tsys_cuda__flash_smem<T, D>::SD, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *ks = (T *)tsys_cuda__flash_smem_raw;
     T *vs = ks + BKV * SD;
@@ -1956,14 +2036,14 @@ tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ 
 // their dQ (fp32) in registers; its lse and D values live in registers too. Key/value tiles of BK rows are
 // double-buffered. Per key tile: S = Q K^T, dP = dO V^T, P = exp2(S*scale*log2e - L*log2e),
 // dS = P o (dP - D), dQ += dS K; dQ is scaled once at the end.
-// Shared memory: (2 BQ + 4 BK) * (D + 8) * sizeof(T).
+// Shared memory: (2 BQ + 4 BK) * SD * sizeof(T).
 
 template <typename T, int D, int MQ, int BK, int NW, bool CAUSAL>
 __global__ void __launch_bounds__(NW * 32)
 tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                           const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
                           T *__restrict__ dq, int n, float scale, float scale_log2) {
-    constexpr int BQ = NW * MQ * 16, SD = D + 8, NT = NW * 32;
+    constexpr int BQ = NW * MQ * 16, SD = tsys_cuda__flash_smem<T, D>::SD, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_smem_raw;
     T *gs = qs + BQ * SD;
@@ -2050,6 +2130,17 @@ tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
 #define TSYS_CUDA__FLASH_F32_ROWS 64
 #define TSYS_CUDA__FLASH_F32_TILE 32
 #define TSYS_CUDA__FLASH_F32_FWD_BK(D) ((D) >= 128 ? 16 : 32)   // the forward keeps BK scores + D outputs per thread
+
+// The backward pre-pass of these kernels: one thread a row, dO[c] * O[c] summed in column order with fma, as
+// the kernels sum dP = dO . v; at one key (O = v) D and dP are the same float and dS is exactly 0.
+__global__ void tsys_cuda__flash_bwd_dot_seq_kernel(const float *__restrict__ dout, const float *__restrict__ o, float *__restrict__ dvec,
+                                               int64_t rows, int d) {
+    const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows) return;
+    float acc = 0.0f;
+    for (int c = 0; c < d; c++) acc = __fmaf_rn(dout[row * d + c], o[row * d + c], acc);
+    dvec[row] = acc;
+}
 
 // Forward: own row q (shared), o accumulator (registers), key/value tile (shared). Natural-log softmax.
 template <int D, bool CAUSAL>
@@ -2164,7 +2255,7 @@ tsys_cuda__flash_bwd_dkdv_f32_kernel(const float *__restrict__ q, const float *_
             const int query = q0 + i;
             if (query >= n || (CAUSAL && key > query)) continue;   // per-thread divergence is fine here
             float s = 0.0f, dp = 0.0f;
-            for (int c = 0; c < D; c++) { s += kme[c] * qs[i * D + c]; dp += vme[c] * gs[i * D + c]; }
+            for (int c = 0; c < D; c++) { s += kme[c] * qs[i * D + c]; dp = __fmaf_rn(gs[i * D + c], vme[c], dp); }
             const float p = expf(s * scale - ls[i]);
             const float dsv = p * (dp - dd[i]);
             for (int c = 0; c < D; c++) { dvme[c] += p * gs[i * D + c]; dkme[c] += dsv * qs[i * D + c]; }
@@ -2222,7 +2313,7 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
             const int key = k0 + jj;
             if (key >= n || (CAUSAL && key > row)) continue;
             float s = 0.0f, dp = 0.0f;
-            for (int c = 0; c < D; c++) { s += qme[c] * ks[jj * D + c]; dp += gme[c] * vs[jj * D + c]; }
+            for (int c = 0; c < D; c++) { s += qme[c] * ks[jj * D + c]; dp = __fmaf_rn(gme[c], vs[jj * D + c], dp); }
             const float dsv = expf(s * scale - lrow) * (dp - drow);
             for (int c = 0; c < D; c++) dqme[c] += dsv * ks[jj * D + c];
         }
@@ -3041,6 +3132,15 @@ template <int D, bool CAUSAL> struct tsys_cuda__flash_cfg {
     static constexpr int DKDV_MK = D <= 64 && CAUSAL ? 2 : 1, DKDV_BQ = 64, DKDV_NW = D <= 64 && CAUSAL ? 4 : 8;
     static constexpr int DQ_MQ = 1, DQ_BK = D <= 64 ? 128 : 64, DQ_NW = D <= 64 ? 8 : 4;
 };
+// By element type. fp32 (TF32): 64-row tiles and 4 warps in all three kernels, the fastest of five variants
+// timed at batch 1 (flash_lab tf32variants, docs/perf-notes-flash.md): at batch 1 the grid is small, and
+// 64-row tiles give 2 to 3 blocks an SM (fp32 tiles take twice the shared memory: 203 KB at most, d = 128).
+template <typename T, int D, bool CAUSAL> struct tsys_cuda__flash_cfg_of : tsys_cuda__flash_cfg<D, CAUSAL> {};
+template <int D, bool CAUSAL> struct tsys_cuda__flash_cfg_of<float, D, CAUSAL> {
+    static constexpr int FWD_MT = 1, FWD_BK = 64, FWD_NW = 4;
+    static constexpr int DKDV_MK = 1, DKDV_BQ = 64, DKDV_NW = 4;
+    static constexpr int DQ_MQ = 1, DQ_BK = 64, DQ_NW = 4;
+};
 
 template <typename K>
 static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
@@ -3048,11 +3148,11 @@ static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
 }
 
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg<D, CAUSAL>>
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
 static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s) {
     constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
-    const size_t smem = (size_t)(BQ + 4 * C::FWD_BK) * (D + 8) * sizeof(T);
+    const size_t smem = (size_t)(BQ + 4 * C::FWD_BK) * tsys_cuda__flash_smem<T, D>::SD * sizeof(T);
     auto kern = tsys_cuda__flash_fwd_kernel<T, D, C::FWD_MT, C::FWD_BK, C::FWD_NW, CAUSAL>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, smem);
     if (err != cudaSuccess) return err;
@@ -3065,17 +3165,18 @@ static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T
     return cudaGetLastError();
 }
 
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg<D, CAUSAL>>
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
 static cudaError_t tsys_cuda__flash_bwd_tc(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
                                       T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
                                       int parts = 7 /* 1: D, 2: dK dV, 4: dQ (the lab times them apart) */) {
     const int64_t rows = bh * n;
-    if (parts & 1) tsys_cuda__flash_bwd_dot_kernel<T><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
+    if (parts & 1) tsys_cuda__flash_bwd_dot_kernel<T, sizeof(T) == 4><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     constexpr int BKV = C::DKDV_NW * C::DKDV_MK * 16, BQ = C::DQ_NW * C::DQ_MQ * 16;
-    const size_t smem_kv = (size_t)(2 * BKV + 4 * C::DKDV_BQ) * (D + 8) * sizeof(T) + 4 * C::DKDV_BQ * sizeof(float);
-    const size_t smem_q = (size_t)(2 * BQ + 4 * C::DQ_BK) * (D + 8) * sizeof(T);
+    constexpr int SD = tsys_cuda__flash_smem<T, D>::SD;
+    const size_t smem_kv = (size_t)(2 * BKV + 4 * C::DKDV_BQ) * SD * sizeof(T) + 4 * C::DKDV_BQ * sizeof(float);
+    const size_t smem_q = (size_t)(2 * BQ + 4 * C::DQ_BK) * SD * sizeof(T);
     auto kkv = tsys_cuda__flash_bwd_dkdv_kernel<T, D, C::DKDV_MK, C::DKDV_BQ, C::DKDV_NW, CAUSAL>;
     auto kq = tsys_cuda__flash_bwd_dq_kernel<T, D, C::DQ_MQ, C::DQ_BK, C::DQ_NW, CAUSAL>;
     if ((err = tsys_cuda__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
@@ -3115,7 +3216,7 @@ static cudaError_t tsys_cuda__flash_bwd_f32(const float *dout, const float *q, c
                                        float scale, cudaStream_t s) {
     constexpr int R = TSYS_CUDA__FLASH_F32_ROWS, B = TSYS_CUDA__FLASH_F32_TILE, SR = D + 1;
     const int64_t rows = bh * n;
-    tsys_cuda__flash_bwd_dot_kernel<float><<<(unsigned)((rows + 7) / 8), 256, 0, s>>>(dout, o, dvec, rows, D);
+    tsys_cuda__flash_bwd_dot_seq_kernel<<<(unsigned)((rows + 255) / 256), 256, 0, s>>>(dout, o, dvec, rows, D);
     const size_t smem_kv = sizeof(float) * (4 * R * SR + 2 * B * D + 2 * B);
     const size_t smem_q = sizeof(float) * (3 * R * SR + 2 * B * D);
     auto kkv = tsys_cuda__flash_bwd_dkdv_f32_kernel<D, CAUSAL>;
@@ -3255,9 +3356,11 @@ static cudaError_t tsys_cuda__flash_bwd_pick(const T *dout, const T *q, const T 
     return tsys_cuda__flash_bwd_tc<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
 }
 
-// dtype: 0 fp32, 1 bf16, 2 fp16 (tsys's TSYS_F32 / TSYS_BF16 / TSYS_F16 order).
+// The entry points' dtype: tsys's TSYS_F32 / TSYS_BF16 / TSYS_F16 order (fp32 exact: the SIMT kernels), and
+// fp32 inputs multiplied on TF32 tensor cores (the mma.sync kernels with T = float).
+enum { TSYS_CUDA__FLASH_F32 = 0, TSYS_CUDA__FLASH_BF16 = 1, TSYS_CUDA__FLASH_F16 = 2, TSYS_CUDA__FLASH_TF32 = 3 };
 static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
-    return dtype >= 0 && dtype <= 2 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
+    return dtype >= TSYS_CUDA__FLASH_F32 && dtype <= TSYS_CUDA__FLASH_TF32 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
 }
 
 // Bytes of fp32 scratch the backward needs: D = rowsum(dO o O), one float per (bh, row).
@@ -3286,6 +3389,8 @@ static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void
 #define TSYS_CUDA__FLASH_FWD_ONE \
     if (dtype == 0) { if (causal) return tsys_cuda__flash_fwd_f32<D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
                       else return tsys_cuda__flash_fwd_f32<D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
+    if (dtype == TSYS_CUDA__FLASH_TF32) { if (causal) return tsys_cuda__flash_fwd_tc<float, D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
+                                          else return tsys_cuda__flash_fwd_tc<float, D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
     if (dtype == 1) { if (causal) TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, false); } \
     if (causal) TSYS_CUDA__FLASH_FWD_CALL(__half, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__half, D_, false)
     TSYS_CUDA__FLASH_DISPATCH_D(d, TSYS_CUDA__FLASH_FWD_ONE)
@@ -3308,6 +3413,8 @@ static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const v
 #define TSYS_CUDA__FLASH_BWD_ONE \
     if (dtype == 0) { if (causal) return tsys_cuda__flash_bwd_f32<D_, true>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); \
                       else return tsys_cuda__flash_bwd_f32<D_, false>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); } \
+    if (dtype == TSYS_CUDA__FLASH_TF32) { if (causal) return tsys_cuda__flash_bwd_tc<float, D_, true>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); \
+                                          else return tsys_cuda__flash_bwd_tc<float, D_, false>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); } \
     if (dtype == 1) { if (causal) TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __nv_bfloat16, D_, true); else TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __nv_bfloat16, D_, false); } \
     if (causal) TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __half, D_, true); else TSYS_CUDA__FLASH_BWD_CALL(tsys_cuda__flash_bwd_pick, __half, D_, false)
     TSYS_CUDA__FLASH_DISPATCH_D(d, TSYS_CUDA__FLASH_BWD_ONE)
@@ -3540,6 +3647,8 @@ static tsys_status tsys_cuda__k_softmax_fwd(tsys_cuda__state *st, const tsys_kar
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T,
         T *yp = (T *)tsys_cuda__data(y); const T *xp = (const T *)tsys_cuda__data(x);
         int reg = tsys_cuda__softmax_reg_threads(N, (int)(16 / sizeof(T)), 4, yp, xp, NULL);
+        static const int reg_max = tsys_cuda__block_threads_max(tsys_cuda__softmax_fwd_reg<T, 4, false>);
+        if (reg > reg_max) reg = 0;   // more threads than its registers allow: the plain kernel
         if (reg == 32) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_fwd_reg<T, 4, true>), (unsigned)((rows + 7) / 8), 256, 0, yp, xp, rows, N, a->f[0], (int)causal);
         else if (reg) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_fwd_reg<T, 4, false>), (unsigned)rows, reg, 0, yp, xp, rows, N, a->f[0], (int)causal);
         else TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_fwd<T>, (unsigned)rows, threads, 0, yp, xp, N, a->f[0], (int)causal));
@@ -3555,6 +3664,8 @@ static tsys_status tsys_cuda__k_softmax_bwd(tsys_cuda__state *st, const tsys_kar
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, y->dtype, T,
         T *dxp = (T *)tsys_cuda__data(dx); const T *dyp = (const T *)tsys_cuda__data(dy), *yp = (const T *)tsys_cuda__data(y);
         int reg = tsys_cuda__softmax_reg_threads(N, (int)(16 / sizeof(T)), 4, dxp, dyp, yp);
+        static const int reg_max = tsys_cuda__block_threads_max(tsys_cuda__softmax_bwd_reg<T, 4, false>);
+        if (reg > reg_max) reg = 0;   // (bf16 rows of 32768: 1024 threads of 64+ registers do not launch)
         if (reg == 32) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_bwd_reg<T, 4, true>), (unsigned)((rows + 7) / 8), 256, 0, dxp, dyp, yp, rows, N, a->f[0], (int)causal);
         else if (reg) TSYS_CUDA__LAUNCH(st, (tsys_cuda__softmax_bwd_reg<T, 4, false>), (unsigned)rows, reg, 0, dxp, dyp, yp, rows, N, a->f[0], (int)causal);
         else TSYS_CUDA__LAUNCH(st, tsys_cuda__softmax_bwd<T>, (unsigned)rows, tsys_cuda__row_threads(N), 0, dxp, dyp, yp, N, a->f[0]));
@@ -3824,6 +3935,11 @@ static tsys_status tsys_cuda__flash_shape(tsys_cuda__state *st, const tsys_tenso
     return TSYS_OK;
 }
 
+// The launchers' dtype for a tensor: fp32 goes to the TF32 kernels unless the context asks for exact fp32.
+static int tsys_cuda__flash_dtype(const tsys_cuda__state *st, const tsys_tensor *q) {
+    return q->dtype == TSYS_F32 && !st->flash_fp32_exact ? TSYS_CUDA__FLASH_TF32 : (int)q->dtype;
+}
+
 // cudaErrorNotSupported from the launchers: the WS implementation was asked for and TMA cannot read an input.
 static tsys_status tsys_cuda__flash_no_tma(tsys_cuda__state *st, const char *what) {
     return tsys_ctx_set_error(st->ctx, TSYS_ERR_UNSUPPORTED, "%s: flash implementation 'ws' needs inputs TMA can read (each "
@@ -3836,7 +3952,7 @@ static tsys_status tsys_cuda__k_flash_fwd(tsys_cuda__state *st, const tsys_kargs
     TSYS_CUDA__REQUIRE(st->ctx, t[0] && t[1] && t[2] && t[3] && t[4] && t[1]->dtype == TSYS_F32, "flash_fwd: O, fp32 L, Q, K, V must be given");
     TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[2], &bh, &n, &d));
     cudaError_t e = tsys_cuda__flash_fwd(tsys_cuda__data(t[2]), tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[0]),
-                                         (float *)tsys_cuda__data(t[1]), t[2]->dtype, bh, n, d, a->f[0], a->i[0] != 0, st->flash_run,
+                                         (float *)tsys_cuda__data(t[1]), tsys_cuda__flash_dtype(st, t[2]), bh, n, d, a->f[0], a->i[0] != 0, st->flash_run,
                                          st->stream);
     if (e == cudaErrorNotSupported && st->flash_run == TSYS_CUDA_FLASH_WS) return tsys_cuda__flash_no_tma(st, "flash_fwd");
     TSYS_CUDA__CHECK(st->ctx, e);
@@ -3852,7 +3968,7 @@ static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs
     if (!scratch) return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_bwd: no memory for %lld x %lld row sums", (long long)bh, (long long)n);
     cudaError_t e = tsys_cuda__flash_bwd(tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[5]), tsys_cuda__data(t[6]),
                                          tsys_cuda__data(t[7]), (const float *)tsys_cuda__data(t[8]), tsys_cuda__data(t[0]),
-                                         tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, t[4]->dtype, bh, n, d, a->f[0],
+                                         tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, tsys_cuda__flash_dtype(st, t[4]), bh, n, d, a->f[0],
                                          a->i[0] != 0, st->flash_run, st->stream);
     tsys_cuda__scratch_free(st, scratch);
     if (e == cudaErrorNotSupported && st->flash_run == TSYS_CUDA_FLASH_WS) return tsys_cuda__flash_no_tma(st, "flash_bwd");
@@ -4260,7 +4376,7 @@ TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *des
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_cuda_init: no host memory for the backend state");
     memset(st, 0, sizeof *st);
     st->ctx = ctx; st->device = d.device; st->free_slots = -1; st->next_pool = 1;
-    st->tf32 = d.tf32; st->memory_limit = d.memory_limit;
+    st->tf32 = d.tf32; st->memory_limit = d.memory_limit; st->flash_fp32_exact = d.flash_fp32_exact;
     tsys_status s = [&]() -> tsys_status {
         TSYS_CUDA__CHECK(ctx, cudaSetDevice(d.device));
         cudaDeviceProp prop;
@@ -4333,6 +4449,7 @@ TSYSDEF tsys_cuda_desc tsys_cuda_get_desc(tsys_ctx *ctx) {
     d.flash = st->flash_run == TSYS_CUDA_FLASH_AUTO ? TSYS_CUDA_FLASH_WS : st->flash_run;
 #endif
     d.tf32 = st->tf32;
+    d.flash_fp32_exact = st->flash_fp32_exact;
     d.workspace_bytes = st->workspace_bytes;
     d.memory_limit = st->memory_limit;
     d.nvtx = st->nvtx_on;
@@ -4383,6 +4500,10 @@ TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s) {
 TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (st) st->tf32 = on;   // part of the plan key: no need to flush the plan cache
+}
+TSYSDEF void tsys_cuda_set_flash_fp32_exact(tsys_ctx *ctx, bool on) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (st) st->flash_fp32_exact = on;   // read at each launch
 }
 
 TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx) {

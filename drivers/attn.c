@@ -32,7 +32,7 @@
 enum { F_IMPL = 1, F_BATCH = 2, F_HEADS = 4, F_D = 8, F_SEQ = 16, F_DTYPE = 32, F_CAUSAL = 64, F_WARMUP = 128, F_REPS = 256, F_GRAD = 512 };
 
 typedef struct attn_opts {
-    const char *device, *impl, *ds, *seqs, *dtypes, *causals, *format, *sweep, *grad;
+    const char *device, *impl, *ds, *seqs, *dtypes, *causals, *format, *sweep, *grad, *flash_fp32;
     int batch, heads, warmup, reps;
     size_t mem_limit;   // bytes; 0 = the default budget
     uint64_t seed;
@@ -68,6 +68,8 @@ static void usage(FILE *f) {
         "  --oom-ok                   out-of-memory rows do not make the exit status 1 (sweeps that expect them)\n"
         "  --seed N                   input seed (default 0)\n"
         "  --tf32                     fp32 GEMMs of naive attention on TF32 tensor cores (cuda; default off)\n"
+        "  --flash-fp32 tf32|exact    fp32 flash attention on TF32 tensor cores, or exact fp32 on CUDA cores\n"
+        "                             (cuda; default tf32, as Triton's fp32 tl.dot; the impl column says which)\n"
         "  --dry-run                  check the flags, print the configuration, measure nothing\n"
         "  --help\n"
         "Lists are comma-separated (at most %d values); rows are printed as soon as they are measured.\n"
@@ -130,6 +132,7 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
     o->impl = "both"; o->ds = "64"; o->seqs = "1024"; o->dtypes = "fp32"; o->causals = "0"; o->format = "md"; o->grad = "random";
+    o->flash_fp32 = "tf32";
     o->batch = 8; o->heads = 0; o->warmup = 5; o->reps = 20;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -138,7 +141,7 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
         if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
         if (!strcmp(a, "--dry-run")) { o->dry_run = true; continue; }
         static const char *const valued[] = {"--device", "--impl", "--batch", "--heads", "--d", "--seq", "--dtype", "--causal", "--grad",
-                                             "--warmup", "--reps", "--format", "--sweep", "--mem-limit", "--seed"};
+                                             "--warmup", "--reps", "--format", "--sweep", "--mem-limit", "--seed", "--flash-fp32"};
         bool known = false;
         for (size_t j = 0; j < sizeof(valued) / sizeof(valued[0]); j++) known = known || !strcmp(a, valued[j]);
         if (!known) { fprintf(stderr, "attn: unknown flag '%s'\n", a); usage(stderr); return DU_EXIT_USAGE; }
@@ -157,6 +160,7 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
         else if (!strcmp(a, "--warmup")) { ok = du_parse_int(v, 0, 1 << 20, &o->warmup); o->given |= F_WARMUP; }
         else if (!strcmp(a, "--reps")) { ok = du_parse_int(v, 1, 1 << 20, &o->reps); o->given |= F_REPS; }
         else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--flash-fp32")) o->flash_fp32 = v;
         else if (!strcmp(a, "--sweep")) o->sweep = v;
         else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("attn", a, v, &o->mem_limit)) return DU_EXIT_USAGE; }
         else if (!strcmp(a, "--seed")) { int s; ok = du_parse_int(v, 0, 1 << 30, &s); o->seed = (uint64_t)s; }
@@ -165,6 +169,7 @@ static int parse_args(int argc, char **argv, attn_opts *o) {
     if (!apply_sweep(o)) { fprintf(stderr, "attn: unknown sweep '%s' (pytorch_attention, flash_benchmarking, leaderboard)\n", o->sweep); return DU_EXIT_USAGE; }
     if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "attn: --device must be cpu or cuda, not '%s'\n", o->device); return DU_EXIT_USAGE; }
     if (strcmp(o->impl, "naive") && strcmp(o->impl, "flash") && strcmp(o->impl, "both")) { fprintf(stderr, "attn: --impl must be naive, flash or both, not '%s'\n", o->impl); return DU_EXIT_USAGE; }
+    if (strcmp(o->flash_fp32, "tf32") && strcmp(o->flash_fp32, "exact")) { fprintf(stderr, "attn: --flash-fp32 must be tf32 or exact, not '%s'\n", o->flash_fp32); return DU_EXIT_USAGE; }
     if (strcmp(o->grad, "random") && strcmp(o->grad, "sum")) { fprintf(stderr, "attn: --grad must be random or sum, not '%s'\n", o->grad); return DU_EXIT_USAGE; }
     if (!du_format_ok(o->format)) { fprintf(stderr, "attn: --format must be md, csv or jsonl, not '%s'\n", o->format); return DU_EXIT_USAGE; }
 #ifndef TSYS_WITH_CUDA
@@ -254,7 +259,10 @@ static attn_result run_config(tsys_ctx *ctx, tsys_device dev, const attn_opts *o
     const char *flops_col[3] = { dev == TSYS_CPU ? "fwd_GFLOP/s" : "fwd_TFLOP/s", dev == TSYS_CPU ? "bwd_GFLOP/s" : "bwd_TFLOP/s",
                                  dev == TSYS_CPU ? "fwd+bwd_GFLOP/s" : "fwd+bwd_TFLOP/s" };
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
-    du_row_set(row, "impl", "%s", flash ? "flash" : "naive");
+    // fp32 on the GPU: which kernel multiplied (flash: --flash-fp32; naive: cuBLAS, --tf32)
+    const bool f32_gpu = dev == TSYS_CUDA && dt == TSYS_F32;
+    du_row_set(row, "impl", "%s%s", flash ? "flash" : "naive",
+               !f32_gpu ? "" : flash ? (!strcmp(o->flash_fp32, "exact") ? " (exact)" : " (tf32)") : o->tf32 ? " (tf32)" : " (exact)");
     du_row_set(row, "batch", "%d", o->batch);
     du_row_set(row, "heads", "%d", o->heads);
     du_row_set(row, "seq", "%d", seq);
@@ -372,14 +380,15 @@ int main(int argc, char **argv) {
     if (dev == TSYS_CUDA && ctx) {
         if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "attn: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); opts_free(&o); return DU_EXIT_FAILED; }
         tsys_cuda_set_tf32(ctx, o.tf32);
+        tsys_cuda_set_flash_fp32_exact(ctx, !strcmp(o.flash_fp32, "exact"));
         if (o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
         snprintf(where, sizeof(where), "cuda, %.120s", tsys_cuda_device_name(ctx));
     }
 #endif
     // the effective configuration on one line (stdout for md, stderr for the machine formats)
     FILE *cfg = strcmp(o.format, "md") ? stderr : stdout;
-    fprintf(cfg, "attn: %s; sweep %s; impl %s; batch %d; heads %d; d %s; seq %s; dtype %s; causal %s; grad %s; warmup %d; reps %d; memory limit %s\n",
-            where, o.sweep ? o.sweep : "-", o.impl, o.batch, o.heads, o.ds, o.seqs, o.dtypes, o.causals, o.grad, o.warmup, o.reps,
+    fprintf(cfg, "attn: %s; sweep %s; impl %s; batch %d; heads %d; d %s; seq %s; dtype %s; causal %s; grad %s; flash fp32 %s; naive tf32 %s; warmup %d; reps %d; memory limit %s\n",
+            where, o.sweep ? o.sweep : "-", o.impl, o.batch, o.heads, o.ds, o.seqs, o.dtypes, o.causals, o.grad, o.flash_fp32, o.tf32 ? "on" : "off", o.warmup, o.reps,
             dev == TSYS_CUDA && !o.mem_limit ? "the whole device" : du_mem_limit_str(lim, sizeof(lim), o.mem_limit));
     if (o.dry_run) { opts_free(&o); return DU_EXIT_OK; }
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table

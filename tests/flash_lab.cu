@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|wgvariants|wsdq|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|wgvariants|wsdq|lb] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -249,18 +249,20 @@ CFG(v128b, 2, 32, 4, 1, 64, 8, 1, 64, 8)
 CFG(v128c, 1, 64, 8, 1, 32, 4, 1, 32, 4)
 CFG(v128d, 1, 32, 4, 1, 32, 4, 1, 64, 4)
 
-template <int D, typename C> static void variant(const char *name, long bh, long n) {
-    typedef __nv_bfloat16 T;
+// T: __nv_bfloat16, or float for the TF32 kernels (the launchers' dtype TSYS_CUDA__FLASH_TF32).
+template <int D, typename C, typename T = __nv_bfloat16> static void variant(const char *name, long bh, long n) {
+    constexpr bool tf32 = sizeof(T) == 4;
+    const int bt = tf32 ? 0 : 1, ldt = tf32 ? TSYS_CUDA__FLASH_TF32 : 1;   // Buf dtype, launcher dtype
     const float scale = 1.0f / sqrtf((float)D);
     // correctness against the default configuration
     {
         const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
-        Buf o2(1, N), dq2(1, N), dk2(1, N), dv2(1, N), lse2(0, R);
+        Buf q(bt, N), k(bt, N), v(bt, N), g(bt, N), o(bt, N), dq(bt, N), dk(bt, N), dv(bt, N), lse(0, R), sc(0, R);
+        Buf o2(bt, N), dq2(bt, N), dk2(bt, N), dv2(bt, N), lse2(0, R);
         q.randomize(); k.randomize(); v.randomize(); g.randomize();
         o2.poison(); dq2.poison(); dk2.poison(); dv2.poison(); lse2.poison();
-        CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, 1, sb, sn, D, scale, true, lab_impl, 0));
-        CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)sc.d, 1, sb, sn, D, scale, true, lab_impl, 0));
+        CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, ldt, sb, sn, D, scale, true, lab_impl, 0));
+        CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)sc.d, ldt, sb, sn, D, scale, true, lab_impl, 0));
         CHECK((tsys_cuda__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o2.d, (float *)lse2.d, sb, sn, scale, 0)));
         CHECK((tsys_cuda__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq2.d, (T *)dk2.d, (T *)dv2.d, (float *)sc.d, sb, sn, scale, 0)));
         CHECK(cudaDeviceSynchronize());
@@ -271,15 +273,15 @@ template <int D, typename C> static void variant(const char *name, long bh, long
         report(e < 1e-2, "variant %s d=%d matches the default (worst rel err %.1e)", name, D, e);
     }
     const size_t N = bh * n * D, R = bh * n;
-    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
+    Buf q(bt, N), k(bt, N), v(bt, N), g(bt, N), o(bt, N), dq(bt, N), dk(bt, N), dv(bt, N), lse(0, R), sc(0, R);
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     auto fwd = [&] { CHECK((tsys_cuda__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
     auto part = [&](int p) { CHECK((tsys_cuda__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p))); };
     fwd(); part(1);
     float tf = time_ms(fwd, 3, 20), tdot = time_ms([&] { part(1); }, 3, 20), tkv = time_ms([&] { part(2); }, 3, 20), tq = time_ms([&] { part(4); }, 3, 20);
     const double f = 4.0 * bh * n * n * D / 2;
-    printf("  variant %-6s bf16 bh=%ld n=%ld d=%d causal: fwd %.3f ms (%.0f TFLOP/s)  D %.3f  dkdv %.3f (%.0f of 4 mm)  dq %.3f (%.0f of 3 mm)  total %.3f ms\n",
-           name, bh, n, D, tf, f / tf / 1e9, tdot, tkv, 2 * f / tkv / 1e9, tq, 1.5 * f / tq / 1e9, tf + tdot + tkv + tq);
+    printf("  variant %-6s %s bh=%ld n=%ld d=%d causal: fwd %.3f ms (%.0f TFLOP/s)  D %.3f  dkdv %.3f (%.0f of 4 mm)  dq %.3f (%.0f of 3 mm)  total %.3f ms\n",
+           name, tf32 ? "tf32" : "bf16", bh, n, D, tf, f / tf / 1e9, tdot, tkv, 2 * f / tkv / 1e9, tq, 1.5 * f / tq / 1e9, tf + tdot + tkv + tq);
     fflush(stdout);
 }
 
@@ -289,6 +291,21 @@ static void run_variants() {
     variant<64, v64c>("64c", 16, 16384); variant<64, v64d>("64d", 16, 16384);
     variant<128, v128a>("128a", 16, 16384); variant<128, v128b>("128b", 16, 16384);
     variant<128, v128c>("128c", 16, 16384); variant<128, v128d>("128d", 16, 16384);
+}
+
+// TF32 (fp32 inputs) tile variants at batch 1, where the grid is small: the default (t64a), then smaller and
+// wider tiles.
+CFG(t64a, 2, 64, 4, 2, 64, 4, 1, 128, 8)
+CFG(t64b, 1, 64, 4, 1, 64, 4, 1, 64, 4)
+CFG(t64c, 1, 32, 4, 1, 32, 4, 1, 32, 4)
+CFG(t64d, 2, 32, 4, 2, 32, 4, 1, 64, 4)
+CFG(t64e, 1, 64, 8, 1, 64, 8, 1, 64, 8)
+static void run_tf32_variants() {
+    printf("== TF32 tile variants (fp32 inputs, causal, batch 1)\n");
+    for (long n : { 16384L, 4096L }) {
+        variant<64, t64a, float>("t64a", 1, n); variant<64, t64b, float>("t64b", 1, n); variant<64, t64c, float>("t64c", 1, n);
+        variant<64, t64d, float>("t64d", 1, n); variant<64, t64e, float>("t64e", 1, n);
+    }
 }
 
 // Hopper (wgmma) tile variants: checked against the mma.sync kernels (the default tile configuration, called
@@ -439,6 +456,7 @@ int main(int argc, char **argv) {
         lab_use(asked);   // the timings use the context's choice again
     }
     if (!strcmp(mode, "variants") || !strcmp(mode, "tv")) run_variants();
+    if (!strcmp(mode, "tf32variants")) run_tf32_variants();
     if (!strcmp(mode, "wgvariants")) run_wgvariants();
     if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
     if (!strcmp(mode, "wsdq") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dq: the warp-specialized kernels cannot run here\n");

@@ -204,6 +204,8 @@ TSYS_TEST(cuda_rope_softmax) {
             { "softmax wide", TSYS_K_SOFTMAX_FWD, { A2(R_OUT, T, 3, 40000, I_RANDN, 1), A2(R_IN, T, 3, 40000, I_RANDN, 3) }, { 0.7f } },
             { "softmax causal 2048", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 1, 2, 2048, 2048, I_RANDN, 1), A4(R_IN, T, 1, 2, 2048, 2048, I_RANDN, 3) }, { 0.125f }, { 1 } },
             { "softmax_bwd odd", TSYS_K_SOFTMAX_BWD, { A2(R_OUT, T, 9, 77, I_RANDN, 1), A2(R_IN, T, 9, 77, I_RANDN, 1), A2(R_IN, T, 9, 77, I_POS, 0.01f) }, { 0.5f } },
+            { "softmax 32768 (1024 threads a row)", TSYS_K_SOFTMAX_FWD, { A2(R_OUT, T, 2, 32768, I_RANDN, 1), A2(R_IN, T, 2, 32768, I_RANDN, 3) }, { 0.7f } },
+            { "softmax_bwd 32768 (1024 threads a row)", TSYS_K_SOFTMAX_BWD, { A2(R_OUT, T, 2, 32768, I_RANDN, 1), A2(R_IN, T, 2, 32768, I_RANDN, 1), A2(R_IN, T, 2, 32768, I_POS, 1e-4f) }, { 0.5f } },
             { "softmax_bwd wide", TSYS_K_SOFTMAX_BWD, { A2(R_OUT, T, 3, 40000, I_RANDN, 1), A2(R_IN, T, 3, 40000, I_RANDN, 1), A2(R_IN, T, 3, 40000, I_POS, 1e-4f) }, { 0.5f } },
         };
         for (size_t i = 0; i < sizeof cs / sizeof *cs; i++) tc_run_case(&cs[i]);
@@ -1308,7 +1310,11 @@ static double tc_fa_err(const float *got, const float *ref, int64_t n) {
     return sqrt(num) / fmax(sqrt(den), 1e-2 * sqrt((double)n));
 }
 
-static double tc_fa_tol(tsys_dtype dt) { return dt == TSYS_F32 ? 1e-4 : 1e-2; }
+// fp32 has two kernels (tsys_cuda_desc.flash_fp32_exact): exact fp32 on CUDA cores is held to 1e-5, TF32 tensor
+// cores (10-bit mantissas in, fp32 sums) to 3e-3; bf16/fp16 inputs are rounded before both runs.
+static bool tc_fa_exact = false;   // the fp32 kernel under test
+static double tc_fa_worst_exact = 0;   // the exact fp32 kernel's worst relative error so far (printed)
+static double tc_fa_tol(tsys_dtype dt) { return dt == TSYS_F32 ? (tc_fa_exact ? 1e-5 : 3e-3) : 1e-2; }
 
 typedef struct tc_fa_out { float *o, *l, *dq, *dk, *dv; int64_t n, nl; } tc_fa_out;
 static void tc_fa_out_free(tc_fa_out *r) { free(r->o); free(r->l); free(r->dq); free(r->dk); free(r->dv); memset(r, 0, sizeof *r); }
@@ -1378,15 +1384,20 @@ static double tc_fa_case(tsys_dtype dt, int nd, const int64_t *shape, bool causa
     double worst = INFINITY;
     tc_fa_out ref, got, again;
     if (tc_fa_run(ctx, TSYS_CPU, TSYS_F32, nd, shape, vals, causal, &ref)) {
+        for (int mode = 0; mode < (dt == TSYS_F32 ? 2 : 1); mode++) {   // fp32: TF32, then exact
+        tc_fa_exact = mode == 1;
+        tsys_cuda_set_flash_fp32_exact(ctx, tc_fa_exact);
+        if (dt == TSYS_F32) snprintf(cfg + len, sizeof cfg - (size_t)len, ")%s %s", causal ? " causal" : "", tc_fa_exact ? "exact" : "tf32");
         if (tc_fa_run(ctx, TSYS_CUDA, dt, nd, shape, vals, causal, &got)) {
             double tol = tc_fa_tol(dt);
+            if (dt != TSYS_F32 || mode == 0) worst = 0;   // fp32: the TF32 run's errors are the ones reported
             double e[5] = { tc_fa_err(got.o, ref.o, n), tc_fa_err(got.l, ref.l, ref.nl), tc_fa_err(got.dq, ref.dq, n),
                             tc_fa_err(got.dk, ref.dk, n), tc_fa_err(got.dv, ref.dv, n) };
             const char *names[5] = { "O", "L", "dQ", "dK", "dV" };
-            worst = 0;
             for (int i = 0; i < 5; i++) {
                 TEST_CHECK(e[i] <= tol, "%s: %s rel err %.3g (tol %.0e)%s", cfg, names[i], e[i], tol, isinf(e[i]) ? " (NaN: unwritten element?)" : "");
-                if (e[i] > worst) worst = e[i];
+                if (mode == 0 && e[i] > worst) worst = e[i];
+                if (mode == 1 && e[i] > tc_fa_worst_exact) tc_fa_worst_exact = e[i];
             }
             TEST_CHECK(got.nl == ref.nl, "%s: L has %lld elements, cpu %lld", cfg, (long long)got.nl, (long long)ref.nl);
             if (dt == TSYS_F32) {   // the handout's own criterion
@@ -1402,6 +1413,9 @@ static double tc_fa_case(tsys_dtype dt, int nd, const int64_t *shape, bool causa
             }
             tc_fa_out_free(&got);
         }
+        }
+        tc_fa_exact = false;
+        tsys_cuda_set_flash_fp32_exact(ctx, false);
         tc_fa_out_free(&ref);
     }
     for (int i = 0; i < 4; i++) free(vals[i]);
@@ -1414,7 +1428,7 @@ TSYS_TEST(cuda_flash_cs336_contract) {
         double w[3] = { 0, 0, 0 };
         for (int di = 0; di < 3; di++)
             for (int c = 0; c < 2; c++) { int64_t s[3] = { 4, 128, 64 }; w[di] = fmax(w[di], tc_fa_case(tc_floats[di], 3, s, c == 1, true)); }
-        printf("(worst rel err fp32 %.1e, bf16 %.1e, fp16 %.1e) ", w[0], w[1], w[2]);
+        printf("(worst rel err fp32 tf32 %.1e, fp32 exact %.1e, bf16 %.1e, fp16 %.1e) ", w[0], tc_fa_worst_exact, w[1], w[2]);
     });
 }
 
@@ -1542,7 +1556,14 @@ static void tc_fa_model_check(tsys_dtype autocast, double tol_logits, double tol
     tsys_ctx_clear_error(ctx);
 }
 
-TSYS_TEST(cuda_flash_model_fp32) { tc_fa_sweep([](tsys_ctx *) { tc_fa_model_check(TSYS_F32, 1e-5, 1e-4); }); }
+TSYS_TEST(cuda_flash_model_fp32) {   // exact fp32 flash against naive at fp32 tolerances; TF32 at its own
+    tc_fa_sweep([](tsys_ctx *ctx) {
+        tsys_cuda_set_flash_fp32_exact(ctx, true);
+        tc_fa_model_check(TSYS_F32, 1e-5, 1e-4);
+        tsys_cuda_set_flash_fp32_exact(ctx, false);
+        tc_fa_model_check(TSYS_F32, 3e-3, 2e-2);
+    });
+}
 TSYS_TEST(cuda_flash_model_bf16_autocast) { tc_fa_sweep([](tsys_ctx *) { tc_fa_model_check(TSYS_BF16, 2e-2, 5e-2); }); }
 
 // ---- backend desc ---------------------------------------------------------------------------------
@@ -1575,16 +1596,19 @@ TSYS_TEST(cuda_init_desc) {
     // every field set
     memset(&d, 0, sizeof d);
     d.flash = TSYS_CUDA_FLASH_MMA; d.tf32 = true; d.workspace_bytes = (size_t)4 << 20; d.memory_limit = (size_t)1 << 30; d.nvtx = true;
+    d.flash_fp32_exact = true;
     TEST_CHECK(tsys_cuda_init_desc(c2, &d) == TSYS_OK, "init_desc: %s", tsys_ctx_last_error(c2));
     tsys_cuda_desc e = tsys_cuda_get_desc(c2);
     TEST_CHECK(e.device == 0 && e.flash == TSYS_CUDA_FLASH_MMA && e.tf32 && e.workspace_bytes == ((size_t)4 << 20) &&
-               e.memory_limit == ((size_t)1 << 30) && e.nvtx,
+               e.memory_limit == ((size_t)1 << 30) && e.nvtx && e.flash_fp32_exact,
                "effective desc: device %d flash %s tf32 %d workspace %zu limit %zu nvtx %d", e.device, tsys_cuda_flash_impl_name(e.flash),
                (int)e.tf32, e.workspace_bytes, e.memory_limit, (int)e.nvtx);
     TEST_CHECK(tsys_cuda_tf32(c2), "tsys_cuda_tf32 after desc.tf32");
     // the setters change the same state
     tsys_cuda_set_tf32(c2, false);
     tsys_cuda_set_memory_limit(c2, 0);
+    tsys_cuda_set_flash_fp32_exact(c2, false);
+    TEST_CHECK(!tsys_cuda_get_desc(c2).flash_fp32_exact, "set_flash_fp32_exact(false) not in the desc");
     TEST_CHECK(tsys_cuda_set_flash_impl(c2, TSYS_CUDA_FLASH_AUTO) == TSYS_OK, "set auto: %s", tsys_ctx_last_error(c2));
     e = tsys_cuda_get_desc(c2);
     const tsys_cuda_flash_impl want = hopper ? TSYS_CUDA_FLASH_WS : TSYS_CUDA_FLASH_MMA;

@@ -214,6 +214,12 @@ t_error_exits_do_not_leak() {
   expect_rc 2 "attn --causal 2"
   run "$B/attn" --sweep nope
   expect_rc 2 "attn --sweep nope"
+  run "$B/attn" --flash-fp32 tf16
+  expect_rc 2 "attn --flash-fp32 tf16"
+  expect_in "$tmp/err" "flash-fp32 must be tf32 or exact, not 'tf16'" "the message names --flash-fp32 and its values"
+  run "$B/attn" --flash-fp32 exact --dry-run
+  expect_rc 0 "attn --flash-fp32 exact"
+  expect_in "$tmp/out" "flash fp32 exact" "the configuration line says which fp32 flash kernel"
   run "$B/e2e" "${TINY[@]}" --context-length 8 --load /
   expect_rc 1 "e2e --load /"
 }
