@@ -1492,7 +1492,7 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 //          tsys_cuda__flash_supported, tsys_cuda__flash_wg_probe, tsys_cuda__flash_tmap_encoder
 //
 // Sub-tags: >>flash ptx (cp.async, ldmatrix, ex2 and the mma.sync fragment helpers), >>flash mma.sync (the
-// bf16/fp16 kernels for every head dim), >>flash fp32 (SIMT kernels), >>flash wgmma (Hopper kernels and the
+// bf16/fp16 kernels for every head dim, and fp32 on TF32), >>flash fp32 (SIMT kernels: exact fp32), >>flash wgmma (Hopper kernels and the
 // wgmma wrapper), >>flash warp-specialized (TMA producer and consumer warpgroups), >>flash launchers (tile
 // configurations, launchers, the implementation pick and the entry points).
 //
@@ -1501,7 +1501,8 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 // kept keys. Causal keeps key j for query i when i >= j (the CS336 rule); masked scores are -inf here,
 // which gives the same O and lse as the handout's +(-1e6) because exp(-1e6 - m) is 0 in fp32.
 //
-// Kernels (bf16/fp16: tensor cores, mma.sync m16n8k16 with fp32 accumulation; fp32: a SIMT version):
+// Kernels (bf16/fp16: tensor cores, mma.sync m16n8k16 with fp32 accumulation; fp32: the same kernels on
+// TF32 (m16n8k8), or a SIMT version when the caller asks for exact fp32):
 //   flash_fwd      one block per (query tile, bh); loops over key tiles with the online softmax
 //                  (Algorithm 1 of the handout); writes O and lse.
 //   flash_bwd_dot  D_i = rowsum(dO_i * O_i) in fp32 (the scratch buffer).
@@ -1519,7 +1520,7 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 //
 // Which kernels run for bf16/fp16 at d = 64 and 128 is the caller's tsys_cuda_flash_impl (the backend keeps
 // it per context: tsys_cuda_desc.flash, tsys_cuda_set_flash_impl):
-//   MMA    the mma.sync kernels (which bf16/fp16 at other head dims run anyway; fp32 runs the SIMT ones);
+//   MMA    the mma.sync kernels (which bf16/fp16 at other head dims and fp32 on TF32 run anyway);
 //   WGMMA  wgmma versions of the three tensor-core kernels (tsys_cuda__flash_*_wg_kernel), cp.async loads;
 //   WS     the forward and dQ as warp-specialized versions of those (tsys_cuda__flash_*_ws_kernel: a TMA
 //          producer warpgroup and consumer warpgroups handing tiles over through mbarriers), dK/dV on the
@@ -1940,7 +1941,8 @@ template <typename T, int D, int MK, int BQ, int NW, bool CAUSAL>
 __global__ void __launch_bounds__(NW * 32)
 tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                             const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
-                            T *__restrict__ dk, T *__restrict__ dv, int n, float scale, float scale_log2) {
+                            T *__restrict__ dk, T *__restrict__ dv, int n, float scale, float scale_log2, int nsplit,
+                            float *__restrict__ part) {
     constexpr int BKV = NW * MK * 16, SD = tsys_cuda__flash_smem<T, D>::SD, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *ks = (T *)tsys_cuda__flash_smem_raw;
@@ -1952,11 +1954,14 @@ tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ 
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k0 = blockIdx.x * BKV, wk0 = warp * MK * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
+    const int bhi = blockIdx.y / nsplit, split = blockIdx.y % nsplit, nbh = gridDim.y / nsplit;
+    const size_t base = (size_t)bhi * n * D;
     q += base; k += base; v += base; dout += base; dk += base; dv += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+    lse += (size_t)bhi * n; dvec += (size_t)bhi * n;
 
-    const int it0 = CAUSAL ? k0 / BQ : 0, nqt = (n + BQ - 1) / BQ;
+    // this block's query tiles: its share of those the key tile sees (all of them when nsplit = 1)
+    const int first = CAUSAL ? k0 / BQ : 0, nqt_all = (n + BQ - 1) / BQ, per = (nqt_all - first + nsplit - 1) / nsplit;
+    const int it0 = min(nqt_all, first + split * per), nqt = min(nqt_all, it0 + per);
 
     tsys_cuda__flash_load_tile<BKV, D, NT>(ks, k, k0, n);
     tsys_cuda__flash_load_tile<BKV, D, NT>(vs, v, k0, n);
@@ -1970,7 +1975,7 @@ tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ 
             ds[buf * BQ + i] = ok ? dvec[q0 + i] : 0.0f;
         }
     };
-    load_q(it0, 0);
+    if (it0 < nqt) load_q(it0, 0);
     tsys_cuda__flash_cp_async_commit();
 
     float dka[MK][D / 8][4], dva[MK][D / 8][4];
@@ -2027,6 +2032,13 @@ tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ 
         }
         __syncthreads();
     }
+    tsys_cuda__flash_cp_async_wait<0>();   // an empty share still loaded K and V
+    if (part) {   // split: this share's sums, unscaled, for tsys_cuda__flash_split_sum ([split][bh][n][D], dK then dV)
+        const size_t plane = (size_t)nbh * n * D, at = (size_t)split * plane + base;
+        tsys_cuda__flash_store<float, MK, D>(part + at, dka, k0 + wk0, n, 1.0f, lane);
+        tsys_cuda__flash_store<float, MK, D>(part + (size_t)nsplit * plane + at, dva, k0 + wk0, n, 1.0f, lane);
+        return;
+    }
     tsys_cuda__flash_store<T, MK, D>(dk, dka, k0 + wk0, n, scale, lane);
     tsys_cuda__flash_store<T, MK, D>(dv, dva, k0 + wk0, n, 1.0f, lane);
 }
@@ -2042,7 +2054,7 @@ template <typename T, int D, int MQ, int BK, int NW, bool CAUSAL>
 __global__ void __launch_bounds__(NW * 32)
 tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                           const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
-                          T *__restrict__ dq, int n, float scale, float scale_log2) {
+                          T *__restrict__ dq, int n, float scale, float scale_log2, int nsplit, float *__restrict__ part) {
     constexpr int BQ = NW * MQ * 16, SD = tsys_cuda__flash_smem<T, D>::SD, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_smem_raw;
@@ -2053,17 +2065,22 @@ tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int q0 = qt * BQ, wr0 = warp * MQ * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
+    const int bhi = blockIdx.y / nsplit, split = blockIdx.y % nsplit, nbh = gridDim.y / nsplit;
+    const size_t base = (size_t)bhi * n * D;
     q += base; k += base; v += base; dout += base; dq += base;
-    lse += (size_t)blockIdx.y * n; dvec += (size_t)blockIdx.y * n;
+    lse += (size_t)bhi * n; dvec += (size_t)bhi * n;
 
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+    // this block's key tiles: its share of those the query tile sees (all of them when nsplit = 1)
+    int nkt_all = (n + BK - 1) / BK;
+    if (CAUSAL) nkt_all = min(nkt_all, (q0 + BQ - 1) / BK + 1);
+    const int per = (nkt_all + nsplit - 1) / nsplit, j0 = min(nkt_all, split * per), nkt = min(nkt_all, j0 + per);
 
     tsys_cuda__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
     tsys_cuda__flash_load_tile<BQ, D, NT>(gs, dout, q0, n);
-    tsys_cuda__flash_load_tile<BK, D, NT>(ks, k, 0, n);
-    tsys_cuda__flash_load_tile<BK, D, NT>(vs, v, 0, n);
+    if (j0 < nkt) {
+        tsys_cuda__flash_load_tile<BK, D, NT>(ks, k, j0 * BK, n);
+        tsys_cuda__flash_load_tile<BK, D, NT>(vs, v, j0 * BK, n);
+    }
     tsys_cuda__flash_cp_async_commit();
 
     float lrow[MQ][2], drow[MQ][2];
@@ -2078,10 +2095,11 @@ tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
     float dqa[MQ][D / 8][4];
     tsys_cuda__flash_zero<MQ, D>(dqa);
 
-    for (int j = 0; j < nkt; j++) {
+    for (int j = j0; j < nkt; j++) {
+        const int buf = (j - j0) & 1;
         if (j + 1 < nkt) {
-            tsys_cuda__flash_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * SD, k, (j + 1) * BK, n);
-            tsys_cuda__flash_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * SD, v, (j + 1) * BK, n);
+            tsys_cuda__flash_load_tile<BK, D, NT>(ks + (buf ^ 1) * BK * SD, k, (j + 1) * BK, n);
+            tsys_cuda__flash_load_tile<BK, D, NT>(vs + (buf ^ 1) * BK * SD, v, (j + 1) * BK, n);
             tsys_cuda__flash_cp_async_commit();
             tsys_cuda__flash_cp_async_wait<1>();
         } else {
@@ -2091,7 +2109,7 @@ tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
         const int k0 = j * BK;
         const bool active = !CAUSAL || k0 <= q0 + wr0 + MQ * 16 - 1;
         if (active) {
-            const T *kt = ks + (j & 1) * BK * SD, *vt = vs + (j & 1) * BK * SD;
+            const T *kt = ks + buf * BK * SD, *vt = vs + buf * BK * SD;
             float s[MQ][BK / 8][4], dp[MQ][BK / 8][4];
             tsys_cuda__flash_zero<MQ, BK>(s);
             tsys_cuda__flash_gemm_nt<T, SD, MQ, BK, D>(s, qs, wr0, kt, lane);    // S = Q K^T
@@ -2116,6 +2134,11 @@ tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
             tsys_cuda__flash_gemm_pn<T, SD, MQ, BK, D>(dqa, s, kt, lane);         // dQ += dS K
         }
         __syncthreads();
+    }
+    tsys_cuda__flash_cp_async_wait<0>();   // an empty share still loaded Q and dO
+    if (part) {   // split: this share's sum, unscaled ([split][bh][n][D])
+        tsys_cuda__flash_store<float, MQ, D>(part + (size_t)split * nbh * n * D + base, dqa, q0 + wr0, n, 1.0f, lane);
+        return;
     }
     tsys_cuda__flash_store<T, MQ, D>(dq, dqa, q0 + wr0, n, scale, lane);
 }
@@ -3165,6 +3188,52 @@ static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T
     return cudaGetLastError();
 }
 
+// out = mul * (sum over nsplit of part's planes, in plane order), rounded to T: the split backward's reduction.
+template <typename T>
+__global__ void tsys_cuda__flash_split_sum(T *__restrict__ out, const float *__restrict__ part, int nsplit, int64_t count, float mul) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < nsplit; s++) acc += part[(size_t)s * count + i];
+        out[i] = tsys_cuda__fromf<T>(acc * mul);
+    }
+}
+
+// The mma.sync backward splits its work where the grid would leave SMs idle (batch 1, short sequences): the
+// dK/dV kernel cuts each key tile's query tiles, the dQ kernel each query tile's key tiles, into nsplit
+// shares, a block each; the shares' fp32 sums are added in share order afterwards (deterministic). nsplit
+// gives at least 2 blocks an SM, at most 8 shares, each of 2 tiles or more. The extra fp32 scratch (floats
+// after the row sums D, 16-byte aligned) is what tsys_cuda__flash_bwd_scratch_bytes counts.
+static int tsys_cuda__flash_sm_count() {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;   // unknown: no split
+    }
+    return sms;
+}
+static int tsys_cuda__flash_splits(int64_t blocks, int64_t tiles, int sms) {
+    if (sms <= 0 || blocks >= 2 * (int64_t)sms || blocks * 8 > 65535) return 1;
+    int64_t s = (2 * (int64_t)sms + blocks - 1) / blocks;
+    s = s < 8 ? s : 8;
+    s = s < tiles / 2 ? s : tiles / 2;
+    return s > 1 ? (int)s : 1;
+}
+struct tsys_cuda__flash_split_plan {
+    int kv, q;                  // shares of the dK/dV and the dQ kernel (1: no split)
+    size_t d_floats, floats;    // floats of the row sums D (rounded up to 16 bytes), of everything
+};
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t n) {
+    constexpr int BKV = C::DKDV_NW * C::DKDV_MK * 16, BQ = C::DQ_NW * C::DQ_MQ * 16;
+    const int sms = tsys_cuda__flash_sm_count();
+    tsys_cuda__flash_split_plan p;
+    p.kv = tsys_cuda__flash_splits(bh * ((n + BKV - 1) / BKV), (n + C::DKDV_BQ - 1) / C::DKDV_BQ, sms);
+    p.q = tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), (n + C::DQ_BK - 1) / C::DQ_BK, sms);
+    p.d_floats = ((size_t)(bh * n) + 3) / 4 * 4;
+    p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
+    return p;
+}
+
 template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
 static cudaError_t tsys_cuda__flash_bwd_tc(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
                                       T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
@@ -3181,15 +3250,35 @@ static cudaError_t tsys_cuda__flash_bwd_tc(const T *dout, const T *q, const T *k
     auto kq = tsys_cuda__flash_bwd_dq_kernel<T, D, C::DQ_MQ, C::DQ_BK, C::DQ_NW, CAUSAL>;
     if ((err = tsys_cuda__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
     if ((err = tsys_cuda__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
+    const tsys_cuda__flash_split_plan sp = tsys_cuda__flash_tc_split<T, D, CAUSAL, C>(bh, n);
+    if (sp.kv > 1 || sp.q > 1) {   // small grid: one launch of each kernel over (bh x shares), then the sums
+        const int64_t count = bh * n * D;
+        float *pkv = dvec + sp.d_floats, *pq = pkv + (sp.kv > 1 ? 2 * sp.kv * count : 0);
+        const unsigned sum_blocks = (unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);
+        if (parts & 2) {
+            kkv<<<dim3((n + BKV - 1) / BKV, (unsigned)(bh * sp.kv)), C::DKDV_NW * 32, smem_kv, s>>>(
+                q, k, v, dout, lse, dvec, dk, dv, n, scale, scale * TSYS_CUDA__FLASH_LOG2E, sp.kv, sp.kv > 1 ? pkv : nullptr);
+            if (sp.kv > 1) {
+                tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dk, pkv, sp.kv, count, scale);
+                tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dv, pkv + sp.kv * count, sp.kv, count, 1.0f);
+            }
+        }
+        if (parts & 4) {
+            kq<<<dim3((n + BQ - 1) / BQ, (unsigned)(bh * sp.q)), C::DQ_NW * 32, smem_q, s>>>(
+                q, k, v, dout, lse, dvec, dq, n, scale, scale * TSYS_CUDA__FLASH_LOG2E, sp.q, sp.q > 1 ? pq : nullptr);
+            if (sp.q > 1) tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dq, pq, sp.q, count, scale);
+        }
+        return cudaGetLastError();
+    }
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
         const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
         const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
         if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), C::DKDV_NW * 32, smem_kv, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
-            scale * TSYS_CUDA__FLASH_LOG2E);
+            scale * TSYS_CUDA__FLASH_LOG2E, 1, nullptr);
         if (parts & 4) kq<<<dim3((n + BQ - 1) / BQ, nb), C::DQ_NW * 32, smem_q, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
-            scale * TSYS_CUDA__FLASH_LOG2E);
+            scale * TSYS_CUDA__FLASH_LOG2E, 1, nullptr);
     }
     return cudaGetLastError();
 }
@@ -3363,8 +3452,30 @@ static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
     return dtype >= TSYS_CUDA__FLASH_F32 && dtype <= TSYS_CUDA__FLASH_TF32 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
 }
 
-// Bytes of fp32 scratch the backward needs: D = rowsum(dO o O), one float per (bh, row).
-static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n) { return sizeof(float) * (size_t)(bh * n); }
+// Bytes of fp32 scratch the backward needs: D = rowsum(dO o O), one float per (bh, row), and where the
+// mma.sync kernels run on a small grid, their split shares (tsys_cuda__flash_tc_split). The arguments are
+// those of tsys_cuda__flash_bwd.
+static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl) {
+    const size_t plain = sizeof(float) * (size_t)(bh * n);
+    if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1 || dtype == TSYS_CUDA__FLASH_F32) return plain;
+    if (dtype != TSYS_CUDA__FLASH_TF32 && (d == 64 || d == 128) && impl != TSYS_CUDA_FLASH_MMA) return plain;   // the Hopper kernels
+#define TSYS_CUDA__FLASH_SPLIT_BYTES(T) \
+    return sizeof(float) * (causal ? tsys_cuda__flash_tc_split<T, D_, true>(bh, n) : tsys_cuda__flash_tc_split<T, D_, false>(bh, n)).floats
+#define TSYS_CUDA__FLASH_SPLIT_ONE \
+    if (dtype == TSYS_CUDA__FLASH_TF32) { TSYS_CUDA__FLASH_SPLIT_BYTES(float); } \
+    if (dtype == TSYS_CUDA__FLASH_BF16) { TSYS_CUDA__FLASH_SPLIT_BYTES(__nv_bfloat16); } \
+    TSYS_CUDA__FLASH_SPLIT_BYTES(__half)
+    switch (d) {
+    case 16: { constexpr int D_ = 16; TSYS_CUDA__FLASH_SPLIT_ONE; }
+    case 32: { constexpr int D_ = 32; TSYS_CUDA__FLASH_SPLIT_ONE; }
+    case 64: { constexpr int D_ = 64; TSYS_CUDA__FLASH_SPLIT_ONE; }
+    case 80: { constexpr int D_ = 80; TSYS_CUDA__FLASH_SPLIT_ONE; }
+    case 128: { constexpr int D_ = 128; TSYS_CUDA__FLASH_SPLIT_ONE; }
+    default: return plain;
+    }
+#undef TSYS_CUDA__FLASH_SPLIT_ONE
+#undef TSYS_CUDA__FLASH_SPLIT_BYTES
+}
 
 #define TSYS_CUDA__FLASH_DISPATCH_D(d, CALL) \
     switch (d) { \
@@ -3400,7 +3511,8 @@ static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void
 }
 
 // dQ, dK, dV (input dtype) from dO, Q, K, V, O and lse of the forward. scratch: fp32, at least
-// tsys_cuda__flash_bwd_scratch_bytes(bh, n) bytes (holds D = rowsum(dO o O)). impl: as for the forward.
+// tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, dtype, causal, impl) bytes (D = rowsum(dO o O), split shares).
+// impl: as for the forward.
 static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const void *k, const void *v, const void *o,
                                         const float *lse, void *dq, void *dk, void *dv, float *scratch, int dtype,
                                         int64_t bh, int64_t n, int64_t d, float scale, bool causal,
@@ -3964,11 +4076,12 @@ static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs
     int64_t bh, n, d;
     for (int j = 0; j < 9; j++) TSYS_CUDA__REQUIRE(st->ctx, t[j] != NULL, "flash_bwd: t[%d] is NULL", j);
     TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[4], &bh, &n, &d));
-    float *scratch = (float *)tsys_cuda__scratch(st, tsys_cuda__flash_bwd_scratch_bytes(bh, n));
+    const int fdt = tsys_cuda__flash_dtype(st, t[4]);
+    float *scratch = (float *)tsys_cuda__scratch(st, tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run));
     if (!scratch) return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_bwd: no memory for %lld x %lld row sums", (long long)bh, (long long)n);
     cudaError_t e = tsys_cuda__flash_bwd(tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[5]), tsys_cuda__data(t[6]),
                                          tsys_cuda__data(t[7]), (const float *)tsys_cuda__data(t[8]), tsys_cuda__data(t[0]),
-                                         tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, tsys_cuda__flash_dtype(st, t[4]), bh, n, d, a->f[0],
+                                         tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, fdt, bh, n, d, a->f[0],
                                          a->i[0] != 0, st->flash_run, st->stream);
     tsys_cuda__scratch_free(st, scratch);
     if (e == cudaErrorNotSupported && st->flash_run == TSYS_CUDA_FLASH_WS) return tsys_cuda__flash_no_tma(st, "flash_bwd");

@@ -157,10 +157,17 @@ static void check_cpu_vs_naive(long bh, long n, long d, bool causal) {
            bh, n, d, causal, e[0], e[1], e[2], e[3], e[4]);
 }
 
+// Floats of backward scratch: what the entry points need with the lab's implementation (exact), and an upper
+// bound for a launcher called with its own tile configuration (the row sums and 8 shares of dK, dV and dQ).
+static size_t lab_scratch(int dt, long bh, long n, long d, bool causal) {
+    return tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, dt, causal, lab_impl) / sizeof(float);
+}
+static size_t lab_scratch_max(long bh, long n, long d) { return (size_t)(bh * n + 4) + (size_t)(24 * bh * n * d); }
+
 // ---- CUDA vs CPU ------------------------------------------------------------------------------------
 static void check_cuda(int dt, long bh, long n, long d, bool causal) {
     const size_t N = bh * n * d, R = bh * n;
-    Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, R);
+    Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, lab_scratch(dt, bh, n, d, causal));
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     o.poison(); lse.poison(); dq.poison(); dk.poison(); dv.poison(); scratch.poison();
     const float scale = 1.0f / sqrtf((float)d);
@@ -257,7 +264,7 @@ template <int D, typename C, typename T = __nv_bfloat16> static void variant(con
     // correctness against the default configuration
     {
         const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(bt, N), k(bt, N), v(bt, N), g(bt, N), o(bt, N), dq(bt, N), dk(bt, N), dv(bt, N), lse(0, R), sc(0, R);
+        Buf q(bt, N), k(bt, N), v(bt, N), g(bt, N), o(bt, N), dq(bt, N), dk(bt, N), dv(bt, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
         Buf o2(bt, N), dq2(bt, N), dk2(bt, N), dv2(bt, N), lse2(0, R);
         q.randomize(); k.randomize(); v.randomize(); g.randomize();
         o2.poison(); dq2.poison(); dk2.poison(); dv2.poison(); lse2.poison();
@@ -273,7 +280,7 @@ template <int D, typename C, typename T = __nv_bfloat16> static void variant(con
         report(e < 1e-2, "variant %s d=%d matches the default (worst rel err %.1e)", name, D, e);
     }
     const size_t N = bh * n * D, R = bh * n;
-    Buf q(bt, N), k(bt, N), v(bt, N), g(bt, N), o(bt, N), dq(bt, N), dk(bt, N), dv(bt, N), lse(0, R), sc(0, R);
+    Buf q(bt, N), k(bt, N), v(bt, N), g(bt, N), o(bt, N), dq(bt, N), dk(bt, N), dv(bt, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     auto fwd = [&] { CHECK((tsys_cuda__flash_fwd_tc<T, D, true, C>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
     auto part = [&](int p) { CHECK((tsys_cuda__flash_bwd_tc<T, D, true, C>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p))); };
@@ -325,7 +332,7 @@ template <int D, typename W, bool CAUSAL = true> static void wgvariant(const cha
     for (int c = 0; c < 2; c++) {
         const bool causal = c == 0;
         const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
         Buf o2(1, N), dq2(1, N), dk2(1, N), dv2(1, N), lse2(0, R);
         q.randomize(); k.randomize(); v.randomize(); g.randomize();
         o2.poison(); dq2.poison(); dk2.poison(); dv2.poison(); lse2.poison();
@@ -349,7 +356,7 @@ template <int D, typename W, bool CAUSAL = true> static void wgvariant(const cha
                name, D, causal, e[0], e[1], e[2], e[3], e[4]);
     }
     const size_t N = bh * n * D, R = bh * n;
-    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R);
+    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     auto fwd = [&] { CHECK((tsys_cuda__flash_fwd_wg<T, D, CAUSAL, W>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
     auto part = [&](int p) { CHECK((tsys_cuda__flash_bwd_wg<T, D, CAUSAL, W>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, p, lab_wg_impl()))); };
@@ -378,7 +385,7 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     for (int c = 0; c < 2; c++) {
         const bool causal = c == 0;
         const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, R), dq2(1, N);
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D)), dq2(1, N);
         q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison();
         cudaError_t e1, e2;
         if (causal) {
@@ -397,7 +404,7 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
         report(e < 1e-2, "ws dq BK=%d CW=%d d=%d causal=%d vs mma.sync: dQ %.1e", BK, CW, D, causal, e);
     }
     const size_t N = bh * n * D, R = bh * n;
-    Buf q(1, N), k(1, N), v(1, N), g(1, N), dq(1, N), lse(0, R), sc(0, R);
+    Buf q(1, N), k(1, N), v(1, N), g(1, N), dq(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     CHECK(cudaMemset(lse.d, 0, R * 4)); CHECK(cudaMemset(sc.d, 0, R * 4));
     auto run = [&] { CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0))); };
@@ -409,7 +416,7 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
 
 static void bench(int dt, long bh, long n, long d, bool causal) {
     const size_t N = bh * n * d, R = bh * n;
-    Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, R);
+    Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, lab_scratch(dt, bh, n, d, causal));
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     const float scale = 1.0f / sqrtf((float)d);
     auto fwd = [&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0)); };
