@@ -3192,9 +3192,12 @@ static tsys_tensor *tsys__add_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor
     if (!tsys__check_inputs(ctx, "add_rmsnorm", ins, 3) || !tsys__check_float(ctx, "add_rmsnorm", r) || !tsys__check_same_shape(ctx, "add_rmsnorm", x, r)) return NULL;
     TSYS__REQUIRE(ctx, x->dtype == TSYS_F32, "add_rmsnorm: the residual stream '%s' must be fp32, is %s", x->name, tsys_dtype_name(x->dtype));
     TSYS__REQUIRE(ctx, weight->ndim == 1 && weight->shape[0] == tsys__last_dim(x), "rmsnorm: weight '%s' must be (%lld) to match '%s'", weight->name, (long long)tsys__last_dim(x), x->name);
-    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM);
+    // the add runs inside the norm's kernel; it is still an op to the hooks (a call of its own, around the
+    // norm's, with the new residual stream under its tag), as it is a node on the tape
+    int add_tag = tsys__op_begin(ctx, TSYS__OP_ADD);
     tsys_kargs a = tsys__kargs0();
     a.t[5] = tsys__new_like(ctx, x, TSYS_F32);
+    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM);
     a.t[0] = a.t[5] ? tsys__new_like(ctx, x, out_dt) : NULL;
     a.t[1] = a.t[0] ? tsys__row_stats(ctx, x) : NULL;
     a.t[2] = x; a.t[3] = weight; a.t[4] = r; a.f[0] = eps;
@@ -3209,6 +3212,7 @@ static tsys_tensor *tsys__add_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor
     if (node) { node->f[0] = eps; node->grad_dtype = TSYS_F32; }
     tsys_tensor_release(a.t[1]);
     tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
+    tsys__op_end(ctx, TSYS__OP_ADD, add_tag);
     *sum = s;
     return y;
 }

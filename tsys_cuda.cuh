@@ -1790,7 +1790,7 @@ __device__ __forceinline__ void tsys_cuda__flash_store(T *g, float (*acc)[D / 8]
 template <typename T, int D, int MT, int BK, int NW, bool CAUSAL>
 __global__ void __launch_bounds__(NW * 32)
 tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
-                       float *__restrict__ lse, int n, float scale_log2) {
+                       float *__restrict__ lse, int n, float scale_log2, int nsplit, float *__restrict__ part) {
     constexpr int BQ = NW * MT * 16, SD = tsys_cuda__flash_smem<T, D>::SD, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_smem_raw;
@@ -1800,15 +1800,20 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;   // causal: longest rows first
     const int q0 = qt * BQ, wr0 = warp * MT * 16;
-    const size_t base = (size_t)blockIdx.y * n * D;
-    q += base; k += base; v += base; o += base; lse += (size_t)blockIdx.y * n;
+    const int bhi = blockIdx.y / nsplit, split = blockIdx.y % nsplit, nbh = gridDim.y / nsplit;
+    const size_t base = (size_t)bhi * n * D;
+    q += base; k += base; v += base; o += base; lse += (size_t)bhi * n;
 
-    int nkt = (n + BK - 1) / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1);
+    // this block's key tiles: its share of those the query tile sees (all of them when nsplit = 1)
+    int nkt_all = (n + BK - 1) / BK;
+    if (CAUSAL) nkt_all = min(nkt_all, (q0 + BQ - 1) / BK + 1);
+    const int per = (nkt_all + nsplit - 1) / nsplit, j0 = min(nkt_all, split * per), nkt = min(nkt_all, j0 + per);
 
     tsys_cuda__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
-    tsys_cuda__flash_load_tile<BK, D, NT>(ks, k, 0, n);
-    tsys_cuda__flash_load_tile<BK, D, NT>(vs, v, 0, n);
+    if (j0 < nkt) {
+        tsys_cuda__flash_load_tile<BK, D, NT>(ks, k, j0 * BK, n);
+        tsys_cuda__flash_load_tile<BK, D, NT>(vs, v, j0 * BK, n);
+    }
     tsys_cuda__flash_cp_async_commit();
 
     float oacc[MT][D / 8][4];
@@ -1817,10 +1822,11 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
 
-    for (int j = 0; j < nkt; j++) {
+    for (int j = j0; j < nkt; j++) {
+        const int buf = (j - j0) & 1;
         if (j + 1 < nkt) {   // prefetch the next key/value tile into the other buffer
-            tsys_cuda__flash_load_tile<BK, D, NT>(ks + ((j + 1) & 1) * BK * SD, k, (j + 1) * BK, n);
-            tsys_cuda__flash_load_tile<BK, D, NT>(vs + ((j + 1) & 1) * BK * SD, v, (j + 1) * BK, n);
+            tsys_cuda__flash_load_tile<BK, D, NT>(ks + (buf ^ 1) * BK * SD, k, (j + 1) * BK, n);
+            tsys_cuda__flash_load_tile<BK, D, NT>(vs + (buf ^ 1) * BK * SD, v, (j + 1) * BK, n);
             tsys_cuda__flash_cp_async_commit();
             tsys_cuda__flash_cp_async_wait<1>();
         } else {
@@ -1831,7 +1837,7 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
         // a warp whose rows all precede this tile's first key has nothing to add (causal diagonal)
         const bool active = !CAUSAL || k0 <= q0 + wr0 + MT * 16 - 1;
         if (active) {
-            const T *kt = ks + (j & 1) * BK * SD, *vt = vs + (j & 1) * BK * SD;
+            const T *kt = ks + buf * BK * SD, *vt = vs + buf * BK * SD;
             float s[MT][BK / 8][4];
             tsys_cuda__flash_zero<MT, BK>(s);
             tsys_cuda__flash_gemm_nt<T, SD, MT, BK, D>(s, qs, wr0, kt, lane);
@@ -1877,8 +1883,13 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
             }
             tsys_cuda__flash_gemm_pn<T, SD, MT, BK, D>(oacc, s, vt, lane);
         }
-        __syncthreads();   // everyone is done with buffer j & 1 before it is refilled
+        __syncthreads();   // everyone is done with this buffer before it is refilled
     }
+    tsys_cuda__flash_cp_async_wait<0>();   // an empty share still loaded Q
+    // split: this share's O normalized by its own sum and its lse (-inf, O = 0 for a row that saw no key
+    // here), to [split][bh][n][D] and, after every O, [split][bh][n]; tsys_cuda__flash_split_combine merges
+    float *po = part ? part + (size_t)split * nbh * n * D + base : nullptr;
+    float *pl = part ? part + (size_t)nsplit * nbh * n * D + ((size_t)split * nbh + bhi) * n : nullptr;
 
     // epilogue: finish the row sums across the quad, normalise, write O and lse (natural log)
     float inv[MT][2];
@@ -1889,9 +1900,10 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
             float sum = l[mt][h];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            inv[mt][h] = 1.0f / sum;
+            inv[mt][h] = sum > 0.0f ? 1.0f / sum : 0.0f;
             const int row = q0 + wr0 + mt * 16 + (lane >> 2) + h * 8;
-            if ((lane & 3) == 0 && row < n) lse[row] = (m[mt][h] + log2f(sum)) * TSYS_CUDA__FLASH_LN2;
+            const float l = sum > 0.0f ? (m[mt][h] + log2f(sum)) * TSYS_CUDA__FLASH_LN2 : -INFINITY;
+            if ((lane & 3) == 0 && row < n) (pl ? pl : lse)[row] = l;
         }
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -1899,7 +1911,8 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
         for (int nb = 0; nb < D / 8; nb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) oacc[mt][nb][e] *= inv[mt][e >> 1];
-    tsys_cuda__flash_store<T, MT, D>(o, oacc, q0 + wr0, n, 1.0f, lane);
+    if (po) tsys_cuda__flash_store<float, MT, D>(po, oacc, q0 + wr0, n, 1.0f, lane);
+    else tsys_cuda__flash_store<T, MT, D>(o, oacc, q0 + wr0, n, 1.0f, lane);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -3171,22 +3184,6 @@ static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
 }
 
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
-static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
-                                      float scale, cudaStream_t s) {
-    constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
-    const size_t smem = (size_t)(BQ + 4 * C::FWD_BK) * tsys_cuda__flash_smem<T, D>::SD * sizeof(T);
-    auto kern = tsys_cuda__flash_fwd_kernel<T, D, C::FWD_MT, C::FWD_BK, C::FWD_NW, CAUSAL>;
-    cudaError_t err = tsys_cuda__flash_smem_attr(kern, smem);
-    if (err != cudaSuccess) return err;
-    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        const size_t off = (size_t)b0 * n * D;
-        dim3 grid((n + BQ - 1) / BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kern<<<grid, C::FWD_NW * 32, smem, s>>>(q + off, k + off, v + off, o + off, lse + (size_t)b0 * n, n,
-                                                scale * TSYS_CUDA__FLASH_LOG2E);
-    }
-    return cudaGetLastError();
-}
 
 // out = mul * (sum over nsplit of part's planes, in plane order), rounded to T: the split backward's reduction.
 template <typename T>
@@ -3201,8 +3198,10 @@ __global__ void tsys_cuda__flash_split_sum(T *__restrict__ out, const float *__r
 // The mma.sync backward splits its work where the grid would leave SMs idle (batch 1, short sequences): the
 // dK/dV kernel cuts each key tile's query tiles, the dQ kernel each query tile's key tiles, into nsplit
 // shares, a block each; the shares' fp32 sums are added in share order afterwards (deterministic). nsplit
-// gives at least 2 blocks an SM, at most 8 shares, each of 2 tiles or more. The extra fp32 scratch (floats
-// after the row sums D, 16-byte aligned) is what tsys_cuda__flash_bwd_scratch_bytes counts.
+// gives at least 2 blocks an SM, at most 8 shares, each of at least 256 keys (queries) of the sequence, so
+// that the extra pass and launches stay small against the work (a short sequence in a large batch, as in
+// training at context 256, does not split). The extra fp32 scratch (floats after the row sums D, 16-byte
+// aligned) is what tsys_cuda__flash_bwd_scratch_bytes counts.
 static int tsys_cuda__flash_sm_count() {
     int dev = 0, sms = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
@@ -3211,11 +3210,11 @@ static int tsys_cuda__flash_sm_count() {
     }
     return sms;
 }
-static int tsys_cuda__flash_splits(int64_t blocks, int64_t tiles, int sms) {
+static int tsys_cuda__flash_splits(int64_t blocks, int64_t n, int sms) {
     if (sms <= 0 || blocks >= 2 * (int64_t)sms || blocks * 8 > 65535) return 1;
     int64_t s = (2 * (int64_t)sms + blocks - 1) / blocks;
     s = s < 8 ? s : 8;
-    s = s < tiles / 2 ? s : tiles / 2;
+    s = s < n / 256 ? s : n / 256;
     return s > 1 ? (int)s : 1;
 }
 struct tsys_cuda__flash_split_plan {
@@ -3227,11 +3226,70 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t
     constexpr int BKV = C::DKDV_NW * C::DKDV_MK * 16, BQ = C::DQ_NW * C::DQ_MQ * 16;
     const int sms = tsys_cuda__flash_sm_count();
     tsys_cuda__flash_split_plan p;
-    p.kv = tsys_cuda__flash_splits(bh * ((n + BKV - 1) / BKV), (n + C::DKDV_BQ - 1) / C::DKDV_BQ, sms);
-    p.q = tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), (n + C::DQ_BK - 1) / C::DQ_BK, sms);
+    p.kv = tsys_cuda__flash_splits(bh * ((n + BKV - 1) / BKV), n, sms);
+    p.q = tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), n, sms);
     p.d_floats = ((size_t)(bh * n) + 3) / 4 * 4;
     p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
     return p;
+}
+
+// The forward's split (the same rule: a grid of fewer than 2 blocks an SM cuts each query tile's key tiles
+// into shares): floats of scratch it needs, 0 when it does not split.
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+static int tsys_cuda__flash_fwd_shares(int64_t bh, int64_t n) {
+    constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
+    return tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), n, tsys_cuda__flash_sm_count());
+}
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+static size_t tsys_cuda__flash_fwd_split_floats(int64_t bh, int64_t n) {
+    const int sh = tsys_cuda__flash_fwd_shares<T, D, CAUSAL, C>(bh, n);
+    return sh > 1 ? (size_t)sh * (size_t)(bh * n) * (D + 1) : 0;
+}
+
+// Merges the forward's shares: lse = log sum_s exp(lse_s), O = sum_s O_s exp(lse_s - lse), in share order.
+template <typename T, int D>
+__global__ void tsys_cuda__flash_split_combine(T *__restrict__ o, float *__restrict__ lse, const float *__restrict__ part, int nsplit,
+                                          int64_t rows) {
+    const float *pl = part + (size_t)nsplit * rows * D;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * D; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = i / D;
+        float mx = -INFINITY;
+        for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, pl[(size_t)s * rows + row]);
+        float sum = 0.0f, acc = 0.0f;
+        for (int s = 0; s < nsplit; s++) {
+            const float w = expf(pl[(size_t)s * rows + row] - mx);   // 0 for a share that saw no key
+            sum += w;
+            acc += w * part[(size_t)s * rows * D + i];
+        }
+        o[i] = tsys_cuda__fromf<T>(acc / sum);
+        if (i % D == 0) lse[row] = mx + logf(sum);
+    }
+}
+
+// scratch: at least tsys_cuda__flash_fwd_split_floats floats, or nullptr (then no split).
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
+                                      float scale, cudaStream_t s, float *scratch = nullptr) {
+    constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
+    const size_t smem = (size_t)(BQ + 4 * C::FWD_BK) * tsys_cuda__flash_smem<T, D>::SD * sizeof(T);
+    auto kern = tsys_cuda__flash_fwd_kernel<T, D, C::FWD_MT, C::FWD_BK, C::FWD_NW, CAUSAL>;
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, smem);
+    if (err != cudaSuccess) return err;
+    const int sh = scratch ? tsys_cuda__flash_fwd_shares<T, D, CAUSAL, C>(bh, n) : 1;
+    if (sh > 1) {
+        const int64_t rows = bh * n;
+        kern<<<dim3((n + BQ - 1) / BQ, (unsigned)(bh * sh)), C::FWD_NW * 32, smem, s>>>(q, k, v, o, lse, n, scale * TSYS_CUDA__FLASH_LOG2E, sh, scratch);
+        const int64_t count = rows * D;
+        tsys_cuda__flash_split_combine<T, D><<<(unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0, s>>>(o, lse, scratch, sh, rows);
+        return cudaGetLastError();
+    }
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        const size_t off = (size_t)b0 * n * D;
+        dim3 grid((n + BQ - 1) / BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, C::FWD_NW * 32, smem, s>>>(q + off, k + off, v + off, o + off, lse + (size_t)b0 * n, n,
+                                                scale * TSYS_CUDA__FLASH_LOG2E, 1, nullptr);
+    }
+    return cudaGetLastError();
 }
 
 template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
@@ -3424,7 +3482,7 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
 // mma.sync otherwise.
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_pick(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
-                                        float scale, tsys_cuda_flash_impl impl, cudaStream_t s) {
+                                        float scale, tsys_cuda_flash_impl impl, cudaStream_t s, float *scratch) {
     if constexpr (D == 64 || D == 128)
         if (impl != TSYS_CUDA_FLASH_MMA) {
             if (impl != TSYS_CUDA_FLASH_WGMMA) {
@@ -3433,7 +3491,7 @@ static cudaError_t tsys_cuda__flash_fwd_pick(const T *q, const T *k, const T *v,
             }
             return tsys_cuda__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
         }
-    return tsys_cuda__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+    return tsys_cuda__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
 }
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_pick(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
@@ -3452,14 +3510,15 @@ static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
     return dtype >= TSYS_CUDA__FLASH_F32 && dtype <= TSYS_CUDA__FLASH_TF32 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
 }
 
-// Bytes of fp32 scratch the backward needs: D = rowsum(dO o O), one float per (bh, row), and where the
-// mma.sync kernels run on a small grid, their split shares (tsys_cuda__flash_tc_split). The arguments are
-// those of tsys_cuda__flash_bwd.
-static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl) {
-    const size_t plain = sizeof(float) * (size_t)(bh * n);
+// Bytes of fp32 scratch the backward (fwd = false) needs: D = rowsum(dO o O), one float per (bh, row), and
+// where the mma.sync kernels run on a small grid, their split shares (tsys_cuda__flash_tc_split); the
+// forward's: its split shares only. The arguments are those of tsys_cuda__flash_fwd / _bwd.
+static size_t tsys_cuda__flash_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl, bool fwd) {
+    const size_t plain = fwd ? 0 : sizeof(float) * (size_t)(bh * n);
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1 || dtype == TSYS_CUDA__FLASH_F32) return plain;
     if (dtype != TSYS_CUDA__FLASH_TF32 && (d == 64 || d == 128) && impl != TSYS_CUDA_FLASH_MMA) return plain;   // the Hopper kernels
 #define TSYS_CUDA__FLASH_SPLIT_BYTES(T) \
+    if (fwd) return sizeof(float) * (causal ? tsys_cuda__flash_fwd_split_floats<T, D_, true>(bh, n) : tsys_cuda__flash_fwd_split_floats<T, D_, false>(bh, n)); \
     return sizeof(float) * (causal ? tsys_cuda__flash_tc_split<T, D_, true>(bh, n) : tsys_cuda__flash_tc_split<T, D_, false>(bh, n)).floats
 #define TSYS_CUDA__FLASH_SPLIT_ONE \
     if (dtype == TSYS_CUDA__FLASH_TF32) { TSYS_CUDA__FLASH_SPLIT_BYTES(float); } \
@@ -3475,6 +3534,13 @@ static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n, int64_t 
     }
 #undef TSYS_CUDA__FLASH_SPLIT_ONE
 #undef TSYS_CUDA__FLASH_SPLIT_BYTES
+}
+static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl) {
+    return tsys_cuda__flash_scratch_bytes(bh, n, d, dtype, causal, impl, false);
+}
+// The forward's scratch (its split shares on a small grid); 0: none needed.
+static size_t tsys_cuda__flash_fwd_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl) {
+    return tsys_cuda__flash_scratch_bytes(bh, n, d, dtype, causal, impl, true);
 }
 
 #define TSYS_CUDA__FLASH_DISPATCH_D(d, CALL) \
@@ -3492,16 +3558,16 @@ static size_t tsys_cuda__flash_bwd_scratch_bytes(int64_t bh, int64_t n, int64_t 
 // tsys_cuda__flash_wg_probe() holds). cudaErrorNotSupported: WS asked for, and TMA cannot read an input.
 static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void *v, void *o, float *lse, int dtype,
                                         int64_t bh, int64_t n, int64_t d, float scale, bool causal,
-                                        tsys_cuda_flash_impl impl, cudaStream_t s) {
+                                        tsys_cuda_flash_impl impl, cudaStream_t s, float *scratch = nullptr) {
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
     const int ni = (int)n;
 #define TSYS_CUDA__FLASH_FWD_CALL(T, D_, C_) \
-    return tsys_cuda__flash_fwd_pick<T, D_, C_>((const T *)q, (const T *)k, (const T *)v, (T *)o, lse, bh, ni, scale, impl, s)
+    return tsys_cuda__flash_fwd_pick<T, D_, C_>((const T *)q, (const T *)k, (const T *)v, (T *)o, lse, bh, ni, scale, impl, s, scratch)
 #define TSYS_CUDA__FLASH_FWD_ONE \
     if (dtype == 0) { if (causal) return tsys_cuda__flash_fwd_f32<D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
                       else return tsys_cuda__flash_fwd_f32<D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
-    if (dtype == TSYS_CUDA__FLASH_TF32) { if (causal) return tsys_cuda__flash_fwd_tc<float, D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
-                                          else return tsys_cuda__flash_fwd_tc<float, D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
+    if (dtype == TSYS_CUDA__FLASH_TF32) { if (causal) return tsys_cuda__flash_fwd_tc<float, D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s, scratch); \
+                                          else return tsys_cuda__flash_fwd_tc<float, D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s, scratch); } \
     if (dtype == 1) { if (causal) TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, false); } \
     if (causal) TSYS_CUDA__FLASH_FWD_CALL(__half, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__half, D_, false)
     TSYS_CUDA__FLASH_DISPATCH_D(d, TSYS_CUDA__FLASH_FWD_ONE)
@@ -4063,9 +4129,15 @@ static tsys_status tsys_cuda__k_flash_fwd(tsys_cuda__state *st, const tsys_kargs
     int64_t bh, n, d;
     TSYS_CUDA__REQUIRE(st->ctx, t[0] && t[1] && t[2] && t[3] && t[4] && t[1]->dtype == TSYS_F32, "flash_fwd: O, fp32 L, Q, K, V must be given");
     TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[2], &bh, &n, &d));
+    const int fdt = tsys_cuda__flash_dtype(st, t[2]);
+    const size_t scratch_bytes = tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run);
+    float *scratch = scratch_bytes ? (float *)tsys_cuda__scratch(st, scratch_bytes) : NULL;
+    if (scratch_bytes && !scratch)
+        return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_fwd: no memory for %.1f MiB of split shares", scratch_bytes / 1048576.0);
     cudaError_t e = tsys_cuda__flash_fwd(tsys_cuda__data(t[2]), tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[0]),
-                                         (float *)tsys_cuda__data(t[1]), tsys_cuda__flash_dtype(st, t[2]), bh, n, d, a->f[0], a->i[0] != 0, st->flash_run,
-                                         st->stream);
+                                         (float *)tsys_cuda__data(t[1]), fdt, bh, n, d, a->f[0], a->i[0] != 0, st->flash_run,
+                                         st->stream, scratch);
+    if (scratch) tsys_cuda__scratch_free(st, scratch);
     if (e == cudaErrorNotSupported && st->flash_run == TSYS_CUDA_FLASH_WS) return tsys_cuda__flash_no_tma(st, "flash_fwd");
     TSYS_CUDA__CHECK(st->ctx, e);
     return TSYS_OK;

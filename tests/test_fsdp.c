@@ -502,7 +502,10 @@ static void fsdp_lm_adamw(const char *policy, tsys_fsdp_reshard rs) {
         TEST_CHECK(s.all_gathers == want, "step %d (%s, reshard %d): %d all-gathers for %d units", it, policy ? policy : "none", reshard, s.all_gathers, s.num_units);
         TEST_CHECK(reshard || s.max_units_gathered == s.num_units - 1, "step %d: %d units gathered at most, %d units", it, s.max_units_gathered, s.num_units);
         compare_full(f, tsys_model_params(micro), np, -1, 0, "one process over the same micro-batches, bit for bit", it);
-        compare_full(f, tsys_model_params(whole), np, 1e-5, 1e-7, "one process on the whole batch", it);
+        // the whole batch sums its gradients in another order than the micro-batches; AdamW's normalized step
+        // turns that rounding on a near-zero gradient into up to ~lr: atol 2e-5 (2% of lr) (the micro-batch
+        // check above is the exact one; 4 ranks on a 2-core machine measured 5.2e-6 on one weight)
+        compare_full(f, tsys_model_params(whole), np, 1e-5, 2e-5, "one process on the whole batch", it);
         tsys_tensor_release(ai); tsys_tensor_release(at); tsys_tensor_release(bi); tsys_tensor_release(bt);
     }
     tsys_optim_free(opt); tsys_optim_free(o_whole); tsys_optim_free(o_micro);
