@@ -135,12 +135,19 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     tsys_tensor *a = tsys_tensor_new(ctx, dt, dev, 1, op == OP_AR ? big : op == OP_RS ? big : small);   // AR: the tensor; RS: in; AG: in
     tsys_tensor *b = op == OP_AR ? NULL : tsys_tensor_new(ctx, dt, dev, 1, op == OP_RS ? small : big);
     if (!a || (op != OP_AR && !b)) die(d, "allocating the buffers");
+    // GPUs: the ranks are lined up on the devices before each timed call, as torch's NCCL barrier does (a
+    // one-element all-reduce, waited for): the host barrier alone releases ranks tens of microseconds
+    // apart, and the early one would time the wait for its peer inside the collective
+    int64_t one[1] = { 1 };
+    tsys_tensor *tick = dev != TSYS_CPU ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, one) : NULL;
+    if (dev != TSYS_CPU && (!tick || tsys_tensor_fill(ctx, tick, 0.0f) != TSYS_OK)) die(d, "allocating the device barrier");
     bool ok = true;
     double *t = (double *)calloc((size_t)o->iters, sizeof(double));
     for (int it = 0; it < o->warmup + o->iters || it == 0; it++) {
         bool check = o->check && it == 0;
         if (check) tsys_tensor_fill(ctx, a, (float)(rank + 1));
         if (tsys_dist_barrier(d) != TSYS_OK) die(d, "barrier");
+        if (tick && (tsys_dist_all_reduce(d, tick, TSYS_DIST_SUM) != TSYS_OK || tsys_sync(ctx, dev) != TSYS_OK)) die(d, "device barrier");
         double t0 = tsys_time_us();
         tsys_status st = op == OP_AR ? tsys_dist_all_reduce(d, a, TSYS_DIST_SUM) : op == OP_RS ? tsys_dist_reduce_scatter(d, b, a, TSYS_DIST_SUM) : tsys_dist_all_gather(d, b, a);
         if (st == TSYS_OK && dev != TSYS_CPU) st = tsys_sync(ctx, dev);
@@ -190,6 +197,7 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     du_row_set(row, "check", "%s", !o->check ? "skipped" : okv == 0 ? "ok" : "WRONG");
     free(t);
     tsys_tensor_release(a);
+    tsys_tensor_release(tick);
     tsys_tensor_release(b);
     return okv == 0;
 }
