@@ -3157,6 +3157,14 @@ static tsys_tensor *tsys__row_stats(tsys_ctx *ctx, const tsys_tensor *x) {
 // cast of it would be, so each matmul reads the bits it would have cast for itself; and the output's
 // gradient accumulates in fp32, as the casts' gradients would have summed into the fp32 norm output.
 // What that saves: the fp32 output, and one cast per reader (q, k, v; w1, w3) in forward and backward.
+// The norm's node: y = rmsnorm(x) with its saved x, weight and row stats (eps for a recompute).
+static void tsys__record_rmsnorm(tsys_ctx *ctx, tsys_tensor *y, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *rstd, float eps) {
+    tsys_tensor *ins[2] = {x, weight}, *saved[TSYS__SAVED_RMSNORM_COUNT];
+    saved[TSYS__SAVED_RMSNORM_X] = x; saved[TSYS__SAVED_RMSNORM_W] = weight; saved[TSYS__SAVED_RMSNORM_RSTD] = rstd;
+    tsys__node *node = tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT);
+    if (node) { node->f[0] = eps; node->grad_dtype = x->dtype; }
+}
+
 static tsys_tensor *tsys__rmsnorm_to(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, float eps, tsys_dtype out_dt) {
     tsys_tensor *ins[2] = {x, weight};
     if (!tsys__check_inputs(ctx, "rmsnorm", ins, 2) || !tsys__check_float(ctx, "rmsnorm", x)) return NULL;
@@ -3171,10 +3179,7 @@ static tsys_tensor *tsys__rmsnorm_to(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor 
     tsys_tensor *y = NULL;
     if (a.t[1] && tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_FWD, &a) == TSYS_OK) y = a.t[0];
     else tsys_tensor_release(a.t[0]);
-    tsys_tensor *saved[TSYS__SAVED_RMSNORM_COUNT];
-    saved[TSYS__SAVED_RMSNORM_X] = x; saved[TSYS__SAVED_RMSNORM_W] = weight; saved[TSYS__SAVED_RMSNORM_RSTD] = a.t[1];
-    tsys__node *node = tsys__record(ctx, TSYS__OP_RMSNORM, y, ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT);
-    if (node) { node->f[0] = eps; node->grad_dtype = x->dtype; }   // eps for a recompute
+    tsys__record_rmsnorm(ctx, y, x, weight, a.t[1], eps);
     tsys_tensor_release(a.t[1]);
     tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
     return y;
@@ -3204,12 +3209,9 @@ static tsys_tensor *tsys__add_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor
     tsys_tensor *s = NULL, *y = NULL;
     if (a.t[1] && tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_FWD, &a) == TSYS_OK) { s = a.t[5]; y = a.t[0]; }
     else { tsys_tensor_release(a.t[5]); tsys_tensor_release(a.t[0]); }
-    tsys_tensor *add_ins[2] = {x, r}, *norm_ins[2] = {s, weight};
-    tsys__record(ctx, TSYS__OP_ADD, s, add_ins, 2, add_ins, 0);
-    tsys_tensor *saved[TSYS__SAVED_RMSNORM_COUNT];
-    saved[TSYS__SAVED_RMSNORM_X] = s; saved[TSYS__SAVED_RMSNORM_W] = weight; saved[TSYS__SAVED_RMSNORM_RSTD] = a.t[1];
-    tsys__node *node = s ? tsys__record(ctx, TSYS__OP_RMSNORM, y, norm_ins, 2, saved, TSYS__SAVED_RMSNORM_COUNT) : NULL;
-    if (node) { node->f[0] = eps; node->grad_dtype = TSYS_F32; }
+    tsys_tensor *add_ins[2] = {x, r};
+    tsys__record(ctx, TSYS__OP_ADD, s, add_ins, 2, add_ins, 0);   // the add first: backward reaches it after the norm
+    if (s) tsys__record_rmsnorm(ctx, y, s, weight, a.t[1], eps);
     tsys_tensor_release(a.t[1]);
     tsys__op_end(ctx, TSYS__OP_RMSNORM, tag);
     tsys__op_end(ctx, TSYS__OP_ADD, add_tag);
@@ -4366,27 +4368,35 @@ static tsys_checkpoint_policy tsys__model_policy(tsys_model *m, int64_t B, int64
     return m->has_plan ? m->plan.policy : m->ckpt;
 }
 
-// The blocks without checkpoint regions, the residual stream's add and the next norm fused
-// (tsys__add_rmsnorm): a step's branch f waits for the next norm to be added. Returns the final
-// norm's output (the head's input). Consumes x.
+// One residual step's seam: the norm that opens the next step over the stream x, with the branch f of the
+// step before added first (tsys__add_rmsnorm) when there is one; x becomes the new stream, f is consumed.
+static tsys_tensor *tsys__model_norm_next(tsys_model *m, tsys_tensor **x, tsys_tensor **f, tsys_tensor *ln) {
+    tsys_ctx *ctx = m->ctx;
+    tsys_dtype dt = tsys__model_norm_dtype(ctx, *x);
+    if (!*f) return tsys__rmsnorm_to(ctx, *x, ln, m->desc.eps, dt);
+    tsys_tensor *s = NULL, *h = tsys__add_rmsnorm(ctx, *x, *f, ln, m->desc.eps, dt, &s);
+    tsys_tensor_release(*x); tsys_tensor_release(*f);
+    *x = s; *f = NULL;
+    return h;
+}
+
+// The blocks without checkpoint regions, each residual add fused with the norm after it
+// (tsys__model_norm_next). Returns the final norm's output (the head's input). Consumes x.
 static tsys_tensor *tsys__model_blocks_fused(tsys_model *m, tsys_tensor *x, int64_t B, int64_t T) {
     tsys_ctx *ctx = m->ctx;
-    tsys_tensor *f = NULL, *h = NULL;
-    for (int l = 0; l <= m->desc.num_layers; l++) {
-        if (l < m->desc.num_layers) tsys__region_begin(ctx, m->layer_names[l]);
-        for (int half = 0; half < (l < m->desc.num_layers ? 2 : 1); half++) {
-            const tsys__layer *L = l < m->desc.num_layers ? &m->layers[l] : NULL;
-            tsys_tensor *ln = !L ? m->ln_final : half == 0 ? L->ln1 : L->ln2, *s = NULL;
-            tsys_dtype dt = tsys__model_norm_dtype(ctx, x);
-            h = f ? tsys__add_rmsnorm(ctx, x, f, ln, m->desc.eps, dt, &s) : tsys__rmsnorm_to(ctx, x, ln, m->desc.eps, dt);
-            if (f) { tsys_tensor_release(x); tsys_tensor_release(f); x = s; f = NULL; }
-            if (!L) break;
-            f = half == 0 ? tsys__model_attention(m, L, h, B, T, false) : tsys__model_ffn(m, L, h, false);
-            tsys_tensor_release(h);
-            h = NULL;
-        }
-        if (l < m->desc.num_layers) tsys__region_end(ctx, m->layer_names[l]);
+    tsys_tensor *f = NULL, *h;
+    for (int l = 0; l < m->desc.num_layers; l++) {
+        const tsys__layer *L = &m->layers[l];
+        tsys__region_begin(ctx, m->layer_names[l]);
+        h = tsys__model_norm_next(m, &x, &f, L->ln1);
+        f = tsys__model_attention(m, L, h, B, T, false);
+        tsys_tensor_release(h);
+        h = tsys__model_norm_next(m, &x, &f, L->ln2);
+        f = tsys__model_ffn(m, L, h, false);
+        tsys_tensor_release(h);
+        tsys__region_end(ctx, m->layer_names[l]);
     }
+    h = tsys__model_norm_next(m, &x, &f, m->ln_final);
     tsys_tensor_release(x);
     return h;
 }

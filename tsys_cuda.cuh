@@ -1581,9 +1581,14 @@ __device__ __forceinline__ float tsys_cuda__flash_ex2(float x) {
     return y;
 }
 
-// The 16-bit type's mma and its pack of two floats (low half = the lower column).
+// The element type's mma, and how fragments are prepared and pairs of results stored. The 16-bit types:
+// fragments go to the mma as loaded, results are packed two to a word (low half = the lower column).
 template <typename T> struct tsys_cuda__flash_t;
-template <> struct tsys_cuda__flash_t<__nv_bfloat16> {
+template <typename T> struct tsys_cuda__flash_t16 {
+    static __device__ __forceinline__ void prep(uint32_t *) {}
+    static __device__ __forceinline__ void store2(T *p, float lo, float hi) { *(uint32_t *)p = tsys_cuda__flash_t<T>::pack(lo, hi); }
+};
+template <> struct tsys_cuda__flash_t<__nv_bfloat16> : tsys_cuda__flash_t16<__nv_bfloat16> {
     static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
                      "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -1594,10 +1599,8 @@ template <> struct tsys_cuda__flash_t<__nv_bfloat16> {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *(uint32_t *)&h;
     }
-    static __device__ __forceinline__ void prep(uint32_t *) {}
-    static __device__ __forceinline__ void store2(__nv_bfloat16 *p, float lo, float hi) { *(uint32_t *)p = pack(lo, hi); }
 };
-template <> struct tsys_cuda__flash_t<__half> {
+template <> struct tsys_cuda__flash_t<__half> : tsys_cuda__flash_t16<__half> {
     static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
                      "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -1608,8 +1611,6 @@ template <> struct tsys_cuda__flash_t<__half> {
         __half2 h = __floats2half2_rn(lo, hi);
         return *(uint32_t *)&h;
     }
-    static __device__ __forceinline__ void prep(uint32_t *) {}
-    static __device__ __forceinline__ void store2(__half *p, float lo, float hi) { *(uint32_t *)p = pack(lo, hi); }
 };
 // fp32 inputs on TF32 tensor cores: mma.m16n8k8.tf32, whose fragments hold one element a register:
 //   A 16x8: a0 = A[g][c], a1 = A[g+8][c], a2 = A[g][c+4], a3 = A[g+8][c+4];  B 8x8: b0 = B[c][g], b1 = B[c+4][g]
@@ -1638,9 +1639,8 @@ template <> struct tsys_cuda__flash_t<float> {
 // chunk): the pad puts the 8 rows one ldmatrix phase reads into 8 different 16-byte bank groups for every D
 // used here; for fp32 (D + 4 floats) it also spreads the scalar B reads of tsys_cuda__flash_gemm_pn (rows 2c
 // and 2c + 1, columns g) over 32 banks.
-template <typename T, int D> struct tsys_cuda__flash_smem {
-    static constexpr int E = 16 / (int)sizeof(T), SD = D + E, KS = 2 * E;   // KS: the k of one mma
-};
+template <typename T> constexpr int tsys_cuda__flash_e16 = 16 / (int)sizeof(T);   // elements of a 16-byte chunk
+template <typename T, int D> struct tsys_cuda__flash_smem { static constexpr int E = tsys_cuda__flash_e16<T>, SD = D + E; };
 
 // Copy rows [r0, r0 + R) of a (n, D) matrix into a padded shared tile; rows >= n become zeros, so a tail
 // tile adds nothing to any product (the masks drop those rows too).
@@ -1658,13 +1658,13 @@ __device__ __forceinline__ void tsys_cuda__flash_load_tile(T *s, const T *g, int
 // Load the A fragment of a 16 x 16 block at (row r0, col c0) of a padded row-major shared tile.
 template <int SD, typename T>
 __device__ __forceinline__ void tsys_cuda__flash_lda(uint32_t a[4], const T *s, int r0, int c0, int lane) {
-    tsys_cuda__flash_ldsm_x4(a, s + (r0 + (lane & 15)) * SD + c0 + (lane >> 4) * (16 / (int)sizeof(T)));
+    tsys_cuda__flash_ldsm_x4(a, s + (r0 + (lane & 15)) * SD + c0 + (lane >> 4) * tsys_cuda__flash_e16<T>);
 }
 // B fragments of two n-blocks for C = A X^T where X is stored row-major (rows = n, cols = k):
 // rows n0..n0+15, k cols c0..c0+15. b[0], b[1] feed n-block n0, b[2], b[3] n-block n0 + 8.
 template <int SD, typename T>
 __device__ __forceinline__ void tsys_cuda__flash_ldb(uint32_t b[4], const T *s, int n0, int c0, int lane) {
-    tsys_cuda__flash_ldsm_x4(b, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + c0 + ((lane >> 3) & 1) * (16 / (int)sizeof(T)));
+    tsys_cuda__flash_ldsm_x4(b, s + (n0 + (lane & 7) + (lane >> 4) * 8) * SD + c0 + ((lane >> 3) & 1) * tsys_cuda__flash_e16<T>);
 }
 // B fragments of two n-blocks for C = A X where X is stored row-major (rows = k, cols = n):
 // k rows k0..k0+15, n cols n0..n0+15 (ldmatrix transposes on the way).
@@ -1677,7 +1677,7 @@ __device__ __forceinline__ void tsys_cuda__flash_ldb_t(uint32_t b[4], const T *s
 // for one warp. MT m-tiles share every B fragment, which halves the shared-memory reads per mma.
 template <typename T, int SD, int MT, int N, int K>
 __device__ __forceinline__ void tsys_cuda__flash_gemm_nt(float (*acc)[N / 8][4], const T *sa, int r0, const T *sx, int lane) {
-    constexpr int KS = 32 / (int)sizeof(T);   // 16 (16-bit), 8 (tf32)
+    constexpr int KS = 2 * tsys_cuda__flash_e16<T>;   // the k of one mma: 16 (16-bit), 8 (tf32)
 #pragma unroll
     for (int kk = 0; kk < K / KS; kk++) {
         uint32_t a[MT][4];
@@ -1750,6 +1750,14 @@ __device__ __forceinline__ void tsys_cuda__flash_gemm_pn(float (*acc)[N / 8][4],
     }
 }
 
+// A block's share [*b, *e) of the tiles [first, end) its loop would run: split of nsplit contiguous
+// shares (the split kernels; nsplit = 1: all of them). A share may be empty.
+__device__ __forceinline__ void tsys_cuda__flash_share(int first, int end, int nsplit, int split, int *b, int *e) {
+    const int per = (end - first + nsplit - 1) / nsplit;
+    *b = min(end, first + split * per);
+    *e = min(end, *b + per);
+}
+
 template <int MT, int N>
 __device__ __forceinline__ void tsys_cuda__flash_zero(float (*acc)[N / 8][4]) {
 #pragma unroll
@@ -1804,10 +1812,10 @@ tsys_cuda__flash_fwd_kernel(const T *__restrict__ q, const T *__restrict__ k, co
     const size_t base = (size_t)bhi * n * D;
     q += base; k += base; v += base; o += base; lse += (size_t)bhi * n;
 
-    // this block's key tiles: its share of those the query tile sees (all of them when nsplit = 1)
-    int nkt_all = (n + BK - 1) / BK;
+    // this block's key tiles: its share of those the query tile sees
+    int nkt_all = (n + BK - 1) / BK, j0, nkt;
     if (CAUSAL) nkt_all = min(nkt_all, (q0 + BQ - 1) / BK + 1);
-    const int per = (nkt_all + nsplit - 1) / nsplit, j0 = min(nkt_all, split * per), nkt = min(nkt_all, j0 + per);
+    tsys_cuda__flash_share(0, nkt_all, nsplit, split, &j0, &nkt);
 
     tsys_cuda__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
     if (j0 < nkt) {
@@ -1972,9 +1980,9 @@ tsys_cuda__flash_bwd_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ 
     q += base; k += base; v += base; dout += base; dk += base; dv += base;
     lse += (size_t)bhi * n; dvec += (size_t)bhi * n;
 
-    // this block's query tiles: its share of those the key tile sees (all of them when nsplit = 1)
-    const int first = CAUSAL ? k0 / BQ : 0, nqt_all = (n + BQ - 1) / BQ, per = (nqt_all - first + nsplit - 1) / nsplit;
-    const int it0 = min(nqt_all, first + split * per), nqt = min(nqt_all, it0 + per);
+    // this block's query tiles: its share of those the key tile sees
+    int it0, nqt;
+    tsys_cuda__flash_share(CAUSAL ? k0 / BQ : 0, (n + BQ - 1) / BQ, nsplit, split, &it0, &nqt);
 
     tsys_cuda__flash_load_tile<BKV, D, NT>(ks, k, k0, n);
     tsys_cuda__flash_load_tile<BKV, D, NT>(vs, v, k0, n);
@@ -2083,10 +2091,10 @@ tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
     q += base; k += base; v += base; dout += base; dq += base;
     lse += (size_t)bhi * n; dvec += (size_t)bhi * n;
 
-    // this block's key tiles: its share of those the query tile sees (all of them when nsplit = 1)
-    int nkt_all = (n + BK - 1) / BK;
+    // this block's key tiles: its share of those the query tile sees
+    int nkt_all = (n + BK - 1) / BK, j0, nkt;
     if (CAUSAL) nkt_all = min(nkt_all, (q0 + BQ - 1) / BK + 1);
-    const int per = (nkt_all + nsplit - 1) / nsplit, j0 = min(nkt_all, split * per), nkt = min(nkt_all, j0 + per);
+    tsys_cuda__flash_share(0, nkt_all, nsplit, split, &j0, &nkt);
 
     tsys_cuda__flash_load_tile<BQ, D, NT>(qs, q, q0, n);
     tsys_cuda__flash_load_tile<BQ, D, NT>(gs, dout, q0, n);
@@ -3184,7 +3192,6 @@ static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
 }
 
-
 // out = mul * (sum over nsplit of part's planes, in plane order), rounded to T: the split backward's reduction.
 template <typename T>
 __global__ void tsys_cuda__flash_split_sum(T *__restrict__ out, const float *__restrict__ part, int nsplit, int64_t count, float mul) {
@@ -3234,7 +3241,7 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t
 }
 
 // The forward's split (the same rule: a grid of fewer than 2 blocks an SM cuts each query tile's key tiles
-// into shares): floats of scratch it needs, 0 when it does not split.
+// into shares): how many shares, and the floats of scratch they need (0 when it does not split).
 template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
 static int tsys_cuda__flash_fwd_shares(int64_t bh, int64_t n) {
     constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
