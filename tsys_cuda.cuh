@@ -142,7 +142,7 @@ typedef struct tsys_cuda_mem_info {
 // implementation: mma.sync tensor cores; fp32 has two, chosen by desc.flash_fp32_exact).
 //   AUTO   the fastest this binary and device can run: WS, else WGMMA, else MMA; a call whose inputs TMA
 //          cannot read (not 16-byte aligned) runs WGMMA instead of WS
-//   WS     warp-specialized forward and dQ (TMA producer warpgroup, wgmma consumers), wgmma dK/dV;
+//   WS     warp-specialized forward, dQ and dK/dV (TMA producer warpgroup, wgmma consumers);
 //          a call whose inputs TMA cannot read fails (TSYS_ERR_UNSUPPORTED)
 //   WGMMA  Hopper wgmma kernels with cp.async loads
 //   MMA    mma.sync kernels (sm_80 and later)
@@ -2565,9 +2565,10 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_softmax(float (*s)[4], float
     }
 }
 
-// Forward epilogue for a warp's 16 rows: O = acc / l (rows < n) and lse = m + log2(l) in natural log.
-template <typename T, int D>
-__device__ __forceinline__ void tsys_cuda__flash_wg_fwd_finish(T *o, float *lse, float (&oacc)[D / 8][4], const float *m,
+// Forward epilogue for a warp's 16 rows: O = acc / l (rows < n) and lse = m + log2(l) in natural log; a row
+// that saw no key (a split share's) gets O = 0 and lse = -inf. OT: T, or float for a split share.
+template <typename OT, int D>
+__device__ __forceinline__ void tsys_cuda__flash_wg_fwd_finish(OT *o, float *lse, float (&oacc)[D / 8][4], const float *m,
                                                     const float *l, int row0, int n, int lane) {
     float inv[2];
 #pragma unroll
@@ -2575,15 +2576,15 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_fwd_finish(T *o, float *lse,
         float sum = l[h];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inv[h] = 1.0f / sum;
+        inv[h] = sum > 0.0f ? 1.0f / sum : 0.0f;
         const int row = row0 + (lane >> 2) + h * 8;
-        if ((lane & 3) == 0 && row < n) lse[row] = (m[h] + log2f(sum)) * TSYS_CUDA__FLASH_LN2;
+        if ((lane & 3) == 0 && row < n) lse[row] = sum > 0.0f ? (m[h] + log2f(sum)) * TSYS_CUDA__FLASH_LN2 : -INFINITY;
     }
 #pragma unroll
     for (int nb = 0; nb < D / 8; nb++)
 #pragma unroll
         for (int e = 0; e < 4; e++) oacc[nb][e] *= inv[e >> 1];
-    tsys_cuda__flash_store<T, 1, D>(o, &oacc, row0, n, 1.0f, lane);
+    tsys_cuda__flash_store<OT, 1, D>(o, &oacc, row0, n, 1.0f, lane);
 }
 
 // dQ kernels, one key tile of a warp's 16 rows: S (done) becomes P = 2^(s * scale_log2 - lse) (masked when
@@ -2610,6 +2611,42 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_dq_ds(float (*s)[4], float (
     for (int nb = 0; nb < BK / 8; nb++)
 #pragma unroll
         for (int e = 0; e < 4; e++) s[nb][e] *= dp[nb][e] - drow[e >> 1];
+}
+
+// dK/dV kernels: issue S^T = K Q^T and dP^T = V dO^T for warpgroup wg's 64 keys, one commit group each.
+template <typename T, int D, int BQ, int BKV>
+__device__ __forceinline__ void tsys_cuda__flash_wg_kv_scores(float (*st)[4], float (*dpt)[4], const T *ks, const T *vs, int wg,
+                                                  const T *qt, const T *gt) {
+    tsys_cuda__flash_wg_fence();
+    tsys_cuda__flash_wg_ss<T, BQ, BKV, D>(st, ks, wg * 64, qt);
+    tsys_cuda__flash_wg_commit();
+    tsys_cuda__flash_wg_ss<T, BQ, BKV, D>(dpt, vs, wg * 64, gt);
+    tsys_cuda__flash_wg_commit();
+}
+// dK/dV kernels, one query tile for a warp's 16 keys (from key0) of S^T = K Q^T (done): P^T = 2^(s * scale_log2 -
+// lse) in place, masked when MASK (queries >= n and, when causal, queries before the key); lt: the tile's lse.
+template <int BQ, bool MASK, bool CAUSAL>
+__device__ __forceinline__ void tsys_cuda__flash_wg_kv_p(float (*st)[4], const float *lt, int key0, int q0, int n, int lane, float scale_log2) {
+#pragma unroll
+    for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
+            float p = tsys_cuda__flash_ex2(fmaf(st[nb][e], scale_log2, -lt[qi] * TSYS_CUDA__FLASH_LOG2E));
+            if (MASK) {
+                const int key = key0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
+                if (query >= n || (CAUSAL && key > query)) p = 0.0f;
+            }
+            st[nb][e] = p;
+        }
+}
+// ... and dS^T = P^T o (dP^T - D) in place of dP^T (dt: the tile's D).
+template <int BQ>
+__device__ __forceinline__ void tsys_cuda__flash_wg_kv_ds(float (*dpt)[4], const float (*st)[4], const float *dt, int lane) {
+#pragma unroll
+    for (int nb = 0; nb < BQ / 8; nb++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dpt[nb][e] = st[nb][e] * (dpt[nb][e] - dt[nb * 8 + (lane & 3) * 2 + (e & 1)]);
 }
 
 // The streamed tiles of the wgmma kernels sit in a ring of three buffers: tile j + 1 is requested (cp.async)
@@ -2760,25 +2797,10 @@ tsys_cuda__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict
         const T *qt = qs + buf * BQ * D, *gt = gs + buf * BQ * D;
         const float *lt = ls + buf * BQ, *dt = ds + buf * BQ;
         float st[BQ / 8][4], dpt[BQ / 8][4];
-        tsys_cuda__flash_wg_fence();
-        tsys_cuda__flash_wg_ss<T, BQ, BKV, D>(st, ks, wg * 64, qt);    // S^T = K Q^T
-        tsys_cuda__flash_wg_commit();
-        tsys_cuda__flash_wg_ss<T, BQ, BKV, D>(dpt, vs, wg * 64, gt);   // dP^T = V dO^T
-        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, ks, vs, wg, qt, gt);
         tsys_cuda__flash_wg_wait<1>();
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
-#pragma unroll
-        for (int nb = 0; nb < BQ / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                float p = tsys_cuda__flash_ex2(fmaf(st[nb][e], scale_log2, -lt[qi] * TSYS_CUDA__FLASH_LOG2E));
-                if (MASK) {
-                    const int key = k0 + wk0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
-                    if (query >= n || (CAUSAL && key > query)) p = 0.0f;
-                }
-                st[nb][e] = p;
-            }
+        tsys_cuda__flash_wg_kv_p<BQ, MASK, CAUSAL>(st, lt, k0 + wk0, q0, n, lane, scale_log2);
         uint32_t pa[BQ / 16][4];
         tsys_cuda__flash_wg_pack<T, BQ>(pa, st);
         tsys_cuda__flash_wg_fence();
@@ -2786,13 +2808,7 @@ tsys_cuda__flash_bwd_dkdv_wg_kernel(const T *__restrict__ q, const T *__restrict
         tsys_cuda__flash_wg_commit();
         tsys_cuda__flash_wg_wait<1>();
         tsys_cuda__flash_wg_fence_acc<BQ>(dpt);
-#pragma unroll
-        for (int nb = 0; nb < BQ / 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-                dpt[nb][e] = st[nb][e] * (dpt[nb][e] - dt[qi]);   // dS^T
-            }
+        tsys_cuda__flash_wg_kv_ds<BQ>(dpt, st, dt, lane);
         uint32_t dsa[BQ / 16][4];
         tsys_cuda__flash_wg_pack<T, BQ>(dsa, dpt);
         tsys_cuda__flash_wg_fence();
@@ -2897,6 +2913,22 @@ template <typename T, int D, int BK, int CW_ = 3> struct tsys_cuda__flash_ws_lay
     static constexpr size_t SMEM = 2 * Q_BYTES + 2 * TSYS_CUDA__FLASH_WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS_CUDA__FLASH_WG_STAGES) + 1024;
 };
 
+// The query block of a warp-specialized forward or dQ block (causal: the last, longest rows first), slice b,
+// and its key tiles: its share [j0, j1) of them (blockIdx.y = bh index x nsplit + share), of which those
+// below nfull need no mask.
+struct tsys_cuda__flash_ws_qrange { int q0, b, split, j0, j1, nfull; };
+template <int BQ, int BK, bool CAUSAL>
+__device__ __forceinline__ tsys_cuda__flash_ws_qrange tsys_cuda__flash_ws_qblock(int n, int b0, int nsplit) {
+    tsys_cuda__flash_ws_qrange r;
+    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    r.q0 = qt * BQ; r.b = b0 + blockIdx.y / nsplit; r.split = blockIdx.y % nsplit;
+    int nkt = (n + BK - 1) / BK;
+    r.nfull = n / BK;
+    if (CAUSAL) nkt = min(nkt, (r.q0 + BQ - 1) / BK + 1), r.nfull = min(r.nfull, (r.q0 + 1) / BK);
+    tsys_cuda__flash_share(0, nkt, nsplit, r.split, &r.j0, &r.j1);
+    return r;
+}
+
 __device__ __forceinline__ void tsys_cuda__flash_mbar_init(uint64_t *bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tsys_cuda__flash_smem_addr(bar)), "r"(count));
 }
@@ -2922,23 +2954,24 @@ __device__ __forceinline__ void tsys_cuda__flash_tma_load(void *dst, const CUten
 // Ring bookkeeping of the warp-specialized kernels: qfull (the block's Q / dO arrived), full[s] (stage s
 // holds its tile: one arrival with the byte count, then the copy engine's bytes), empty[s] (every consumer
 // warp is done with stage s: `consumers` arrivals).
-__device__ __forceinline__ void tsys_cuda__flash_ws_init(uint64_t *qfull, uint64_t *full, uint64_t *empty, int consumers) {
+// `fillers`: the arrivals that fill a stage (the TMA thread's, plus the lanes of a warp that copies with cp.async).
+__device__ __forceinline__ void tsys_cuda__flash_ws_init(uint64_t *qfull, uint64_t *full, uint64_t *empty, int consumers, int fillers = 1) {
     if (threadIdx.x == 0) {
         tsys_cuda__flash_mbar_init(qfull, 1);
-        for (int s = 0; s < TSYS_CUDA__FLASH_WG_STAGES; s++) tsys_cuda__flash_mbar_init(full + s, 1), tsys_cuda__flash_mbar_init(empty + s, consumers);
+        for (int s = 0; s < TSYS_CUDA__FLASH_WG_STAGES; s++) tsys_cuda__flash_mbar_init(full + s, fillers), tsys_cuda__flash_mbar_init(empty + s, consumers);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 }
-// The producer thread's loop: K and V tiles 0..nkt-1 of slice b into the ring, each stage reused once the
-// consumers have released the tile STAGES before.
+// The producer thread's loop: K and V tiles j0..j1-1 of slice b into the ring (the i-th of them in stage
+// i % STAGES), each stage reused once the consumers have released the tile STAGES before.
 template <int D, int BK, typename T>
 __device__ __forceinline__ void tsys_cuda__flash_ws_stream_kv(T *ks, T *vs, uint64_t *full, uint64_t *empty, const CUtensorMap *tk,
-                                                   const CUtensorMap *tv, int nkt, int b) {
+                                                   const CUtensorMap *tv, int j0, int j1, int b) {
     constexpr int ST = TSYS_CUDA__FLASH_WG_STAGES;
-    for (int j = 0; j < nkt; j++) {
-        const int s = j % ST;
-        if (j >= ST) tsys_cuda__flash_mbar_wait(empty + s, (j / ST - 1) & 1);
+    for (int j = j0; j < j1; j++) {
+        const int i = j - j0, s = i % ST;
+        if (i >= ST) tsys_cuda__flash_mbar_wait(empty + s, (i / ST - 1) & 1);
         tsys_cuda__flash_mbar_expect_tx(full + s, (uint32_t)(2 * BK * D * sizeof(T)));
         for (int cb = 0; cb < D / 64; cb++) {
             tsys_cuda__flash_tma_load(ks + s * BK * D + cb * BK * 64, tk, full + s, cb * 64, j * BK, b);
@@ -2947,11 +2980,13 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_stream_kv(T *ks, T *vs, uint
     }
 }
 
+// Split (nsplit > 1, one slice: b0 = 0): blockIdx.y = bh index x nsplit + share, each block runs its share of
+// the key tiles (as the mma.sync forward's split).
 template <typename T, int D, int BK, bool CAUSAL>
 __global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK>::NT, 1)
 tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                           const __grid_constant__ CUtensorMap tv, T *__restrict__ o, float *__restrict__ lse, int n,
-                          int b0, float scale_log2) {
+                          int b0, float scale_log2, int nsplit, float *__restrict__ part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef tsys_cuda__flash_ws_layout<T, D, BK> L;
     constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS_CUDA__FLASH_WG_STAGES;
@@ -2962,10 +2997,8 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
     uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * BQ, b = b0 + blockIdx.y;
-    int nkt = (n + BK - 1) / BK, nfull = n / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+    const tsys_cuda__flash_ws_qrange r = tsys_cuda__flash_ws_qblock<BQ, BK, CAUSAL>(n, b0, nsplit);
+    const int q0 = r.q0, b = r.b, split = r.split, j0 = r.j0, nkt = r.j1, nfull = r.nfull;
 
     tsys_cuda__flash_ws_init(qfull, full, empty, CW * 4);
 
@@ -2974,7 +3007,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         if (threadIdx.x == CW * 128) {
             tsys_cuda__flash_mbar_expect_tx(qfull, (uint32_t)L::Q_BYTES);
             for (int cb = 0; cb < D / 64; cb++) tsys_cuda__flash_tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
-            tsys_cuda__flash_ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
+            tsys_cuda__flash_ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, j0, nkt, b);
         }
         return;
     }
@@ -2989,8 +3022,8 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
 
     auto tile = [&](int j, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
-        const int s = j % ST, k0 = j * BK;
-        tsys_cuda__flash_mbar_wait(full + s, (j / ST) & 1);
+        const int i = j - j0, s = i % ST, k0 = j * BK;
+        tsys_cuda__flash_mbar_wait(full + s, (i / ST) & 1);
         const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
         float sc[BK / 8][4];
         tsys_cuda__flash_wg_fence();
@@ -2999,7 +3032,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         tsys_cuda__flash_wg_wait<0>();   // S of this tile and P V of the previous one
         tsys_cuda__flash_wg_fence_acc<BK>(sc);
         tsys_cuda__flash_wg_fence_acc<D>(oacc);
-        if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
+        if (i > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (i - 1) % ST);   // this warp is done with tile j - 1
         float alpha[2];
         tsys_cuda__flash_wg_softmax<BK, MASK, CAUSAL>(sc, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
         tsys_cuda__flash_wg_pack<T, BK>(pa, sc);
@@ -3011,11 +3044,17 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
         tsys_cuda__flash_wg_commit();
     };
-    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
-    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    for (int j = j0; j < min(nfull, nkt); j++) tile(j, std::false_type());
+    for (int j = max(j0, nfull); j < nkt; j++) tile(j, std::true_type());
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(oacc);
 
+    if (part) {   // split: O of this share normalized by its own sum, and its lse, for tsys_cuda__flash_split_combine
+        const size_t rows = (size_t)(gridDim.y / nsplit) * n;   // one slice: gridDim.y / nsplit = bh
+        tsys_cuda__flash_wg_fwd_finish<float, D>(part + (split * rows + (size_t)b * n) * D, part + nsplit * rows * D + split * rows + (size_t)b * n,
+                                                 oacc, m, l, q0 + wr0, n, lane);
+        return;
+    }
     tsys_cuda__flash_wg_fwd_finish<T, D>(o, lse, oacc, m, l, q0 + wr0, n, lane);
 #endif
 }
@@ -3023,12 +3062,14 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
 // Warp-specialized dQ (sm_90a), built like the warp-specialized forward: the producer warpgroup loads the
 // block's Q and dO once and streams K/V tiles through the ring; CW consumer warpgroups of 64 query rows each
 // accumulate dQ = scale * dS K, keeping each tile's dS K wgmma in flight until the next tile's S is done.
+// Split (nsplit > 1, one slice: b0 = 0): blockIdx.y = bh index x nsplit + share; the block runs its share of
+// the key tiles and leaves its unscaled fp32 sums in part ([share][bh][n][D]) for tsys_cuda__flash_split_sum.
 template <typename T, int D, int BK, int CW, bool CAUSAL>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
 tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                              const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
                              const float *__restrict__ lse, const float *__restrict__ dvec, T *__restrict__ dq, int n,
-                             int b0, float scale, float scale_log2) {
+                             int b0, float scale, float scale_log2, int nsplit, float *__restrict__ part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     constexpr int BQ = L::BQ, ST = TSYS_CUDA__FLASH_WG_STAGES;
@@ -3040,10 +3081,8 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
     uint64_t *qfull = (uint64_t *)(vs + ST * BK * D), *full = qfull + 1, *empty = full + ST;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int q0 = qt * BQ, b = b0 + blockIdx.y;
-    int nkt = (n + BK - 1) / BK, nfull = n / BK;
-    if (CAUSAL) nkt = min(nkt, (q0 + BQ - 1) / BK + 1), nfull = min(nfull, (q0 + 1) / BK);
+    const tsys_cuda__flash_ws_qrange r = tsys_cuda__flash_ws_qblock<BQ, BK, CAUSAL>(n, b0, nsplit);
+    const int q0 = r.q0, b = r.b, split = r.split, j0 = r.j0, nkt = r.j1, nfull = r.nfull;
 
     tsys_cuda__flash_ws_init(qfull, full, empty, CW * 4);
 
@@ -3055,7 +3094,7 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
                 tsys_cuda__flash_tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
                 tsys_cuda__flash_tma_load(gs + cb * BQ * 64, &tg, qfull, cb * 64, q0, b);
             }
-            tsys_cuda__flash_ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, nkt, b);
+            tsys_cuda__flash_ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, j0, nkt, b);
         }
         return;
     }
@@ -3077,8 +3116,8 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
 
     auto tile = [&](int j, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
-        const int s = j % ST, k0 = j * BK;
-        tsys_cuda__flash_mbar_wait(full + s, (j / ST) & 1);
+        const int i = j - j0, s = i % ST, k0 = j * BK;
+        tsys_cuda__flash_mbar_wait(full + s, (i / ST) & 1);
         const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
         float sc[BK / 8][4], dp[BK / 8][4];
         tsys_cuda__flash_wg_fence();
@@ -3088,18 +3127,148 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
         tsys_cuda__flash_wg_commit();
         tsys_cuda__flash_wg_wait<1>();   // the previous dS K, and S
         tsys_cuda__flash_wg_fence_acc<BK>(sc);
-        if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
+        if (i > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (i - 1) % ST);   // this warp is done with tile j - 1
         tsys_cuda__flash_wg_dq_ds<BK, MASK, CAUSAL>(sc, dp, lrow, drow, q0 + wr0, k0, n, lane, scale_log2);
         tsys_cuda__flash_wg_pack<T, BK>(dsa, sc);
         tsys_cuda__flash_wg_fence();
         tsys_cuda__flash_wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
         tsys_cuda__flash_wg_commit();
     };
-    for (int j = 0; j < nfull; j++) tile(j, std::false_type());
-    for (int j = nfull; j < nkt; j++) tile(j, std::true_type());
+    for (int j = j0; j < min(nfull, nkt); j++) tile(j, std::false_type());
+    for (int j = max(j0, nfull); j < nkt; j++) tile(j, std::true_type());
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(dqa);
+    if (part) {   // split: this share's sums, unscaled ([share][bh][n][D]; one slice, so gridDim.y / nsplit = bh)
+        const size_t plane = (size_t)(gridDim.y / nsplit) * n * D;
+        tsys_cuda__flash_store<float, 1, D>(part + split * plane + (size_t)b * n * D, &dqa, q0 + wr0, n, 1.0f, lane);
+        return;
+    }
     tsys_cuda__flash_store<T, 1, D>(dq, &dqa, q0 + wr0, n, scale, lane);
+#endif
+}
+
+// Warp-specialized dK/dV (sm_90a): CW consumer warpgroups of 64 keys each (BKV = CW * 64 keys a block, K and V
+// loaded once) walk the query tiles; the producer warpgroup streams each tile's Q and dO with TMA and, from a
+// second warp, its lse and D rows with cp.async (zeros past n), all landing on the stage's `full` mbarrier.
+// A tile's dK += dS^T Q stays in flight until the next tile's S^T is done, so the consumers release a stage
+// one tile late. At d 128 ptxas serializes the wgmmas (C7512: the dK and dV accumulators are 128 registers a
+// thread), and it still beats the cp.async kernel by 15%; neither waiting for dV before dS^T is packed nor a
+// 288-thread block with one producer warp (no `setmaxnreg`) helped (the latter serializes d 64 too).
+template <typename T, int D, int BQ, int CW> struct tsys_cuda__flash_ws_kv_layout {
+    static constexpr int BKV = CW * 64, NT = (CW + 1) * 128, ST = TSYS_CUDA__FLASH_WG_STAGES;
+    static constexpr size_t KV_BYTES = (size_t)BKV * D * sizeof(T), QT_BYTES = (size_t)BQ * D * sizeof(T);
+    // K, V; the Q and dO rings; the lse and D rings; the mbarriers; alignment slack
+    static constexpr size_t SMEM = 2 * KV_BYTES + ST * (2 * QT_BYTES + 2 * BQ * sizeof(float)) + 8 * (1 + 2 * ST) + 1024;
+};
+
+__device__ __forceinline__ void tsys_cuda__flash_cp_async_mbar_arrive(uint64_t *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(tsys_cuda__flash_smem_addr(bar)) : "memory");
+}
+
+template <typename T, int D, int BQ, int CW, bool CAUSAL>
+__global__ void __launch_bounds__((CW + 1) * 128, 1)
+tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                               const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
+                               const float *__restrict__ lse, const float *__restrict__ dvec, T *__restrict__ dk,
+                               T *__restrict__ dv, int n, int b0, float scale, float scale_log2, int nsplit,
+                               float *__restrict__ part) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW> L;
+    constexpr int BKV = L::BKV, ST = L::ST;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *ks = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
+    T *vs = ks + BKV * D;
+    T *qs = vs + BKV * D;         // [ST][BQ * D]
+    T *gs = qs + ST * BQ * D;     // [ST][BQ * D]
+    float *ls = (float *)(gs + ST * BQ * D), *ds = ls + ST * BQ;   // [ST][BQ] each
+    uint64_t *kvfull = (uint64_t *)(ds + ST * BQ), *full = kvfull + 1, *empty = full + ST;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    const int bhi = blockIdx.y / nsplit, split = blockIdx.y % nsplit;
+    const int k0 = blockIdx.x * BKV, b = b0 + bhi;
+    int it0, nqt;   // this block's query tiles [it0, nqt)
+    tsys_cuda__flash_share(CAUSAL ? k0 / BQ : 0, (n + BQ - 1) / BQ, nsplit, split, &it0, &nqt);
+    // query tiles in [free_lo, free_hi) need no mask: all rows < n and, when causal, >= the block's last key
+    const int free_lo = CAUSAL ? (k0 + BKV - 1 + BQ - 1) / BQ : 0, free_hi = n / BQ;
+    lse += (size_t)b * n; dvec += (size_t)b * n;
+
+    tsys_cuda__flash_ws_init(kvfull, full, empty, CW * 4, 1 + 32);
+
+    if (wg == CW) {   // producer warpgroup: thread 0 issues the TMA copies, warp 1 the lse / D rows
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (warp == CW * 4 && lane == 0) {
+            tsys_cuda__flash_mbar_expect_tx(kvfull, (uint32_t)(2 * L::KV_BYTES));
+            for (int cb = 0; cb < D / 64; cb++) {
+                tsys_cuda__flash_tma_load(ks + cb * BKV * 64, &tk, kvfull, cb * 64, k0, b);
+                tsys_cuda__flash_tma_load(vs + cb * BKV * 64, &tv, kvfull, cb * 64, k0, b);
+            }
+            for (int it = it0; it < nqt; it++) {
+                const int j = it - it0, s = j % ST;
+                if (j >= ST) tsys_cuda__flash_mbar_wait(empty + s, (j / ST - 1) & 1);
+                tsys_cuda__flash_mbar_expect_tx(full + s, (uint32_t)(2 * L::QT_BYTES));
+                for (int cb = 0; cb < D / 64; cb++) {
+                    tsys_cuda__flash_tma_load(qs + s * BQ * D + cb * BQ * 64, &tq, full + s, cb * 64, it * BQ, b);
+                    tsys_cuda__flash_tma_load(gs + s * BQ * D + cb * BQ * 64, &tg, full + s, cb * 64, it * BQ, b);
+                }
+            }
+        } else if (warp == CW * 4 + 1) {
+            for (int it = it0; it < nqt; it++) {
+                const int j = it - it0, s = j % ST;
+                if (j >= ST) tsys_cuda__flash_mbar_wait(empty + s, (j / ST - 1) & 1);
+                for (int i = lane; i < BQ; i += 32) {
+                    const int row = it * BQ + i;
+                    tsys_cuda__flash_cp_async4(ls + s * BQ + i, lse + (row < n ? row : 0), row < n);
+                    tsys_cuda__flash_cp_async4(ds + s * BQ + i, dvec + (row < n ? row : 0), row < n);
+                }
+                tsys_cuda__flash_cp_async_mbar_arrive(full + s);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int wk0 = warp * 16;
+    float dka[D / 8][4], dva[D / 8][4];
+    tsys_cuda__flash_zero<1, D>(&dka);
+    tsys_cuda__flash_zero<1, D>(&dva);
+    uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];   // P^T and dS^T: their wgmmas may still read them in the next tile
+    tsys_cuda__flash_mbar_wait(kvfull, 0);
+
+    tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int j = it - it0, s = j % ST, q0 = it * BQ;
+        tsys_cuda__flash_mbar_wait(full + s, (j / ST) & 1);
+        const T *qt = qs + s * BQ * D, *gt = gs + s * BQ * D;
+        const float *lt = ls + s * BQ, *dt = ds + s * BQ;
+        float st[BQ / 8][4], dpt[BQ / 8][4];
+        tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, ks, vs, wg, qt, gt);
+        tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
+        tsys_cuda__flash_wg_fence_acc<BQ>(st);
+        if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
+        tsys_cuda__flash_wg_kv_p<BQ, MASK, CAUSAL>(st, lt, k0 + wk0, q0, n, lane, scale_log2);
+        tsys_cuda__flash_wg_pack<T, BQ>(pa, st);
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BQ>(dva, pa, gt);                  // dV += P^T dO
+        tsys_cuda__flash_wg_commit();
+        tsys_cuda__flash_wg_wait<1>();   // dP^T (dV stays in flight)
+        tsys_cuda__flash_wg_fence_acc<BQ>(dpt);
+        tsys_cuda__flash_wg_kv_ds<BQ>(dpt, st, dt, lane);
+        tsys_cuda__flash_wg_pack<T, BQ>(dsa, dpt);
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);                 // dK += dS^T Q, waited for in the next tile
+        tsys_cuda__flash_wg_commit();
+    });
+    tsys_cuda__flash_wg_wait<0>();
+    tsys_cuda__flash_wg_fence_acc<D>(dka);
+    tsys_cuda__flash_wg_fence_acc<D>(dva);
+    const size_t base = (size_t)b * n * D;
+    if (part) {   // split: this share's sums, unscaled ([share][bh][n][D], dK then dV; one slice: gridDim.y / nsplit = bh)
+        const size_t plane = (size_t)(gridDim.y / nsplit) * n * D, at = (size_t)split * plane + base;
+        tsys_cuda__flash_store<float, 1, D>(part + at, &dka, k0 + wk0, n, 1.0f, lane);
+        tsys_cuda__flash_store<float, 1, D>(part + (size_t)nsplit * plane + at, &dva, k0 + wk0, n, 1.0f, lane);
+        return;
+    }
+    tsys_cuda__flash_store<T, 1, D>(dk + base, &dka, k0 + wk0, n, scale, lane);
+    tsys_cuda__flash_store<T, 1, D>(dv + base, &dva, k0 + wk0, n, 1.0f, lane);
 #endif
 }
 
@@ -3235,6 +3404,35 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t
     tsys_cuda__flash_split_plan p;
     p.kv = tsys_cuda__flash_splits(bh * ((n + BKV - 1) / BKV), n, sms);
     p.q = tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), n, sms);
+    p.d_floats = ((size_t)(bh * n) + 3) / 4 * 4;
+    p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
+    return p;
+}
+
+template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-specialized kernels' tiles
+    static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_BQ = 3 * 64;                // forward: keys a tile, rows a block
+    static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_CW = 2, DQ_BQ = DQ_CW * 64;   // dQ: keys a tile, consumers, rows a block
+    static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
+};
+// The warp-specialized forward's shares, and the floats of scratch they need (0 when it does not split).
+template <typename T, int D>
+static int tsys_cuda__flash_ws_fwd_shares(int64_t bh, int64_t n) {
+    return tsys_cuda__flash_splits(bh * ((n + tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ - 1) / tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ), n,
+                                   tsys_cuda__flash_sm_count());
+}
+template <typename T, int D>
+static size_t tsys_cuda__flash_ws_fwd_split_floats(int64_t bh, int64_t n) {
+    const int sh = tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n);
+    return sh > 1 ? (size_t)sh * (size_t)(bh * n) * (D + 1) : 0;
+}
+// The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles).
+template <typename T, int D>
+static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t n) {
+    typedef tsys_cuda__flash_ws_tiles<T, D> W;
+    const int sms = tsys_cuda__flash_sm_count();
+    tsys_cuda__flash_split_plan p;
+    p.kv = tsys_cuda__flash_splits(bh * ((n + W::KV_BKV - 1) / W::KV_BKV), n, sms);
+    p.q = tsys_cuda__flash_splits(bh * ((n + W::DQ_BQ - 1) / W::DQ_BQ), n, sms);
     p.d_floats = ((size_t)(bh * n) + 3) / 4 * 4;
     p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
     return p;
@@ -3392,11 +3590,13 @@ static cudaError_t tsys_cuda__flash_bwd_f32(const float *dout, const float *q, c
 // ---- Hopper (wgmma) launchers; used by the entry points for bf16/fp16 at d = 64 and 128 when the caller's
 // implementation is WGMMA, WS or AUTO (the caller has checked tsys_cuda__flash_wg_probe).
 // The warp-specialized forward; cudaErrorNotSupported when no tensor map can be made (AUTO falls back).
+// scratch: at least tsys_cuda__flash_ws_fwd_split_floats floats, or nullptr (then no split).
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
-                                      float scale, cudaStream_t s) {
-    constexpr int BK = D <= 64 ? 128 : 64;
+                                      float scale, cudaStream_t s, float *scratch = nullptr) {
+    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK;
     typedef tsys_cuda__flash_ws_layout<T, D, BK> L;
+    const int sh = scratch ? tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n) : 1;
     CUtensorMap tq, tk, tv;
     if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) ||
         !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
@@ -3405,17 +3605,23 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, o, lse, n, (int)b0, scale * TSYS_CUDA__FLASH_LOG2E);
+        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)((bh - b0 < 65535 ? bh - b0 : 65535) * sh));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, o, lse, n, (int)b0, scale * TSYS_CUDA__FLASH_LOG2E, sh, sh > 1 ? scratch : nullptr);
+    }
+    if (sh > 1) {
+        const int64_t rows = bh * n, count = rows * D;
+        tsys_cuda__flash_split_combine<T, D><<<(unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096), 256, 0, s>>>(o, lse, scratch, sh, rows);
     }
     return cudaGetLastError();
 }
 
 // The warp-specialized dQ kernel (BK keys per tile, CW consumer warpgroups); cudaErrorNotSupported when no
 // tensor map can be made.
-template <typename T, int D, bool CAUSAL, int BK = D <= 64 ? 128 : 64, int CW = 2>
+// nsplit > 1: each query tile's key tiles in nsplit shares, fp32 sums into part (see the kernel).
+template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::DQ_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::DQ_CW>
 static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
-                                         const float *dvec, T *dq, int64_t bh, int n, float scale, cudaStream_t s) {
+                                         const float *dvec, T *dq, int64_t bh, int n, float scale, cudaStream_t s,
+                                         int nsplit = 1, float *part = nullptr) {
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tg, dout, bh, n, D, L::BQ) ||
@@ -3425,8 +3631,30 @@ static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
-        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
-        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dq, n, (int)b0, scale, scale * TSYS_CUDA__FLASH_LOG2E);
+        dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)((bh - b0 < 65535 ? bh - b0 : 65535) * nsplit));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dq, n, (int)b0, scale, scale * TSYS_CUDA__FLASH_LOG2E, nsplit, part);
+    }
+    return cudaGetLastError();
+}
+
+// The warp-specialized dK/dV kernel (BQ query rows per tile, CW consumer warpgroups of 64 keys);
+// cudaErrorNotSupported when no tensor map can be made.
+// nsplit > 1: each key block's query tiles in nsplit shares, fp32 sums into part (see the kernel).
+template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW>
+static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
+                                           const float *dvec, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s,
+                                           int nsplit = 1, float *part = nullptr) {
+    typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW> L;
+    CUtensorMap tq, tk, tv, tg;
+    if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, BQ) || !tsys_cuda__flash_tmap_rows(&tg, dout, bh, n, D, BQ) ||
+        !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, L::BKV) || !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, L::BKV))
+        return cudaErrorNotSupported;
+    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL>;
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
+    if (err != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        dim3 grid((n + L::BKV - 1) / L::BKV, (unsigned)((bh - b0 < 65535 ? bh - b0 : 65535) * nsplit));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dk, dv, n, (int)b0, scale, scale * TSYS_CUDA__FLASH_LOG2E, nsplit, part);
     }
     return cudaGetLastError();
 }
@@ -3448,8 +3676,8 @@ static cudaError_t tsys_cuda__flash_fwd_wg(const T *q, const T *k, const T *v, T
     return cudaGetLastError();
 }
 
-// dQ: the warp-specialized kernel for WS (cudaErrorNotSupported when it cannot run) and AUTO (the cp.async one
-// when it cannot run), the cp.async wgmma kernel for WGMMA.
+// dQ and dK/dV: the warp-specialized kernels for WS (cudaErrorNotSupported when they cannot run) and AUTO (the
+// cp.async ones when they cannot run), the cp.async wgmma kernels for WGMMA.
 template <typename T, int D, bool CAUSAL, typename W = tsys_cuda__flash_wg_cfg<D, CAUSAL>>
 static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
                                       T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
@@ -3463,19 +3691,33 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
     const size_t smem_q = (size_t)(2 * BQ + 2 * TSYS_CUDA__FLASH_WG_STAGES * W::DQ_BK) * D * sizeof(T) + 1024;
     auto kkv = tsys_cuda__flash_bwd_dkdv_wg_kernel<T, D, W::DKDV_BQ, W::DKDV_WG, W::DKDV_MINB, CAUSAL>;
     auto kq = tsys_cuda__flash_bwd_dq_wg_kernel<T, D, W::DQ_BK, W::DQ_WG, W::DQ_MINB, CAUSAL>;
-    bool ws_dq = false;   // dQ on the warp-specialized kernel (it runs first: it does not depend on dK/dV)
-    if ((parts & 4) && impl != TSYS_CUDA_FLASH_WGMMA) {
-        err = tsys_cuda__flash_bwd_dq_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, bh, n, scale, s);
-        if (err != cudaErrorNotSupported && err != cudaSuccess) return err;
-        if (err == cudaErrorNotSupported && impl == TSYS_CUDA_FLASH_WS) return err;
-        ws_dq = err == cudaSuccess;
+    // dQ and dK/dV on the warp-specialized kernels where they can run, split on small grids (their sums after)
+    bool ws_dq = false, ws_kv = false;
+    auto settle = [&](cudaError_t e, bool *ran) {
+        *ran = e == cudaSuccess;
+        return e == cudaErrorNotSupported && impl != TSYS_CUDA_FLASH_WS ? cudaSuccess : e;
+    };
+    const tsys_cuda__flash_split_plan sp = impl != TSYS_CUDA_FLASH_WGMMA ? tsys_cuda__flash_ws_split<T, D>(bh, n) : tsys_cuda__flash_split_plan{1, 1, 0, 0};
+    const int64_t count = bh * n * D;
+    float *pkv = dvec + sp.d_floats, *pq = pkv + (sp.kv > 1 ? 2 * sp.kv * count : 0);
+    const unsigned sum_blocks = (unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);
+    if ((parts & 4) && impl != TSYS_CUDA_FLASH_WGMMA &&
+        (err = settle(tsys_cuda__flash_bwd_dq_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, bh, n, scale, s, sp.q, sp.q > 1 ? pq : nullptr), &ws_dq)) != cudaSuccess)
+        return err;
+    if (ws_dq && sp.q > 1) tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dq, pq, sp.q, count, scale);
+    if ((parts & 2) && impl != TSYS_CUDA_FLASH_WGMMA &&
+        (err = settle(tsys_cuda__flash_bwd_dkdv_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dk, dv, bh, n, scale, s, sp.kv, sp.kv > 1 ? pkv : nullptr), &ws_kv)) != cudaSuccess)
+        return err;
+    if (ws_kv && sp.kv > 1) {
+        tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dk, pkv, sp.kv, count, scale);
+        tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dv, pkv + sp.kv * count, sp.kv, count, 1.0f);
     }
     if ((err = tsys_cuda__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
     if ((err = tsys_cuda__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
         const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
         const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
-        if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
+        if ((parts & 2) && !ws_kv) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
             scale * TSYS_CUDA__FLASH_LOG2E);
         if ((parts & 4) && !ws_dq) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
@@ -3493,7 +3735,7 @@ static cudaError_t tsys_cuda__flash_fwd_pick(const T *q, const T *k, const T *v,
     if constexpr (D == 64 || D == 128)
         if (impl != TSYS_CUDA_FLASH_MMA) {
             if (impl != TSYS_CUDA_FLASH_WGMMA) {
-                const cudaError_t err = tsys_cuda__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+                const cudaError_t err = tsys_cuda__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
                 if (err != cudaErrorNotSupported || impl == TSYS_CUDA_FLASH_WS) return err;
             }
             return tsys_cuda__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
@@ -3518,12 +3760,20 @@ static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
 }
 
 // Bytes of fp32 scratch the backward (fwd = false) needs: D = rowsum(dO o O), one float per (bh, row), and
-// where the mma.sync kernels run on a small grid, their split shares (tsys_cuda__flash_tc_split); the
-// forward's: its split shares only. The arguments are those of tsys_cuda__flash_fwd / _bwd.
+// where the mma.sync or the warp-specialized kernels run on a small grid, their split shares
+// (tsys_cuda__flash_tc_split, tsys_cuda__flash_ws_split); the forward's: its split shares only (mma.sync or
+// warp-specialized). The arguments are those of tsys_cuda__flash_fwd / _bwd.
 static size_t tsys_cuda__flash_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl, bool fwd) {
     const size_t plain = fwd ? 0 : sizeof(float) * (size_t)(bh * n);
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1 || dtype == TSYS_CUDA__FLASH_F32) return plain;
-    if (dtype != TSYS_CUDA__FLASH_TF32 && (d == 64 || d == 128) && impl != TSYS_CUDA_FLASH_MMA) return plain;   // the Hopper kernels
+    if (dtype != TSYS_CUDA__FLASH_TF32 && (d == 64 || d == 128) && impl != TSYS_CUDA_FLASH_MMA) {   // the Hopper kernels
+        if (impl == TSYS_CUDA_FLASH_WGMMA) return plain;   // only the warp-specialized kernels split
+#define TSYS_CUDA__FLASH_WS_FLOATS(T, D_) (fwd ? tsys_cuda__flash_ws_fwd_split_floats<T, D_>(bh, n) : tsys_cuda__flash_ws_split<T, D_>(bh, n).floats)
+#define TSYS_CUDA__FLASH_WS_BYTES(D_) (dtype == TSYS_CUDA__FLASH_BF16 ? TSYS_CUDA__FLASH_WS_FLOATS(__nv_bfloat16, D_) : TSYS_CUDA__FLASH_WS_FLOATS(__half, D_))
+        return sizeof(float) * (d == 64 ? TSYS_CUDA__FLASH_WS_BYTES(64) : TSYS_CUDA__FLASH_WS_BYTES(128));
+#undef TSYS_CUDA__FLASH_WS_BYTES
+#undef TSYS_CUDA__FLASH_WS_FLOATS
+    }
 #define TSYS_CUDA__FLASH_SPLIT_BYTES(T) \
     if (fwd) return sizeof(float) * (causal ? tsys_cuda__flash_fwd_split_floats<T, D_, true>(bh, n) : tsys_cuda__flash_fwd_split_floats<T, D_, false>(bh, n)); \
     return sizeof(float) * (causal ? tsys_cuda__flash_tc_split<T, D_, true>(bh, n) : tsys_cuda__flash_tc_split<T, D_, false>(bh, n)).floats

@@ -214,9 +214,15 @@ typedef enum tsys_ddp_strategy {
 
 // bucket_mb counts MiB (1 MB = 2^20 bytes, as torch DDP's bucket_cap_mb) of parameter bytes. A
 // bucket holds at most that much; a parameter larger than the limit gets a bucket of its own.
+// comm_bf16 (torch's bf16_compress_hook): fp32 buckets travel as bf16, half the bytes. Each rank's
+// gradients are rounded to bf16, NCCL (or the host path) averages them in bf16, and the average is
+// widened back into the fp32 gradients: about 3 significant digits, where fp32 keeps 7. Costs a bf16 copy
+// of the fp32 gradients (one arena). CUDA through NCCL: both casts run on the side stream, beside the
+// collective, so backward does not wait for them. 16-bit gradients go as they are.
 typedef struct tsys_ddp_desc {
     tsys_ddp_strategy strategy;
     double bucket_mb;            // BUCKETED: at most this many MB of parameters per bucket (0 = one bucket)
+    bool comm_bf16;              // all-reduce fp32 gradients as bf16
 } tsys_ddp_desc;
 
 // What the last tsys_ddp_finish saw. Times are per step, in ms:
@@ -241,7 +247,7 @@ typedef struct tsys_ddp_stats {
                                  // gradients are copied into a scratch buffer and back around the all-reduce
     double comm_ms;              // last step: time the communication took (see above)
     double exposed_ms;           // last step: of it, what was not hidden behind backward
-    int64_t bytes_per_step;      // gradient bytes all-reduced per step
+    int64_t bytes_per_step;      // gradient bytes all-reduced per step (as they travel: bf16 under comm_bf16)
 } tsys_ddp_stats;
 
 typedef struct tsys_ddp tsys_ddp;
@@ -2359,9 +2365,11 @@ typedef struct tsys__ddp_bucket {
     int pending;                 // gradients of the bucket not final yet in this backward
     bool launched;
     bool scratch;                // flat is a copy buffer (the grads are not one run of one arena)
-    tsys_tensor *flat;           // what is all-reduced: a view of the gradient arena, or the scratch
+    tsys_tensor *flat;           // the bucket's gradients: a view of the gradient arena, or the scratch
+    tsys_tensor *wire;           // comm_bf16: the bf16 copy that is all-reduced (a view of ddp->wire_arena)
     tsys_dist_work *work;
     tsys_event ev_ready, ev_start, ev_end;   // CUDA timing: compute ready, side-stream start and end
+    tsys_event ev_widened;       // comm_bf16 through NCCL: the average is back in flat (side stream)
     double t_launch_us;
 } tsys__ddp_bucket;
 
@@ -2384,6 +2392,7 @@ struct tsys_ddp {
     int *order;                  // buckets in launch order this step
     int nlaunched;
     tsys_tensor *grad_arena;     // the gradients DDP gave parameters that had none
+    tsys_tensor *wire_arena;     // comm_bf16: every fp32 bucket's bf16 copy
     bool gpu_timing;             // the last step recorded side-stream events
     tsys_event ev_bwd_end;
     double t_bwd_end_us, t_first_us, t_done_us;
@@ -2403,8 +2412,20 @@ TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
     return "unknown";
 }
 
+// comm_bf16's casts run on the side stream, beside the collective, where that is NCCL's stream.
+static bool tsys__ddp_side_casts(const tsys_ddp *ddp) {
+    return ddp->dev == TSYS_CUDA && tsys_dist_engine_of(ddp->d) == TSYS_DIST_ENGINE_NCCL;
+}
+// dst = src in dst's dtype, on the side stream when `side`.
+static tsys_status tsys__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const tsys_tensor *src, bool side) {
+    tsys_stream prev = side ? tsys_set_stream(ddp->ctx, ddp->dev, TSYS_STREAM_SIDE) : TSYS_STREAM_COMPUTE;
+    tsys_status st = tsys_tensor_cast_from(ddp->ctx, dst, src);
+    if (side) tsys_set_stream(ddp->ctx, ddp->dev, prev);
+    return st;
+}
+
 // Starts bucket bi's all-reduce: gradients that still count as zero get their zeros, a scratch
-// bucket copies its gradients in, then the asynchronous average.
+// bucket copies its gradients in, then the asynchronous average (of the bf16 copy under comm_bf16).
 static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
     tsys__ddp_bucket *b = &ddp->b[bi];
     tsys_ctx *ctx = ddp->ctx;
@@ -2427,15 +2448,21 @@ static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
     double now = tsys_time_us();
     if (ddp->nlaunched == 1) { ddp->t_first_us = now; ddp->gpu_timing = tsys__ddp_gpu_timing(ddp->d, ctx, ddp->dev); }
     b->t_launch_us = now;
-    if (ddp->gpu_timing) {   // the side stream waits for the gradients, then marks the start
+    bool side = b->wire && tsys__ddp_side_casts(ddp);
+    if (ddp->gpu_timing || side) {   // the side stream waits for the gradients, then marks the start
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_COMPUTE, &b->ev_ready);
         tsys_event_wait(ctx, &b->ev_ready, TSYS_STREAM_SIDE);
-        tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
+        if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
     }
+    if (b->wire && (st = tsys__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
     bool was = tsys__dist_trust(ddp->d, ddp->layout_agreed);
-    b->work = tsys_dist_all_reduce_async(ddp->d, b->flat, TSYS_DIST_AVG);
+    b->work = tsys_dist_all_reduce_async(ddp->d, b->wire ? b->wire : b->flat, TSYS_DIST_AVG);
     ddp->d->check_none = was;
     if (!b->work) return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
+    if (side) {   // widen right behind the collective on the side stream; tsys__ddp_wait waits for it
+        if ((st = tsys__ddp_cast(ddp, b->flat, b->wire, true)) != TSYS_OK) return st;
+        tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_widened);
+    }
     if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
     return tsys_ctx_status(ctx);
 }
@@ -2446,6 +2473,8 @@ static tsys_status tsys__ddp_wait(tsys_ddp *ddp, int bi) {
     if (!b->work) return TSYS_OK;
     tsys_status st = tsys_dist_wait(b->work);
     b->work = NULL;
+    if (st == TSYS_OK && b->wire)   // the average back into the fp32 gradients (already under way on the side stream)
+        st = tsys__ddp_side_casts(ddp) ? tsys_event_wait(ctx, &b->ev_widened, TSYS_STREAM_COMPUTE) : tsys__ddp_cast(ddp, b->flat, b->wire, false);
     if (st == TSYS_OK && b->scratch) {
         tsys_tensor **p = ddp->tp + b->first;
         size_t off = 0;
@@ -2551,6 +2580,28 @@ static tsys_status tsys__ddp_make_grads(tsys_ddp *ddp) {
     return st;
 }
 
+// comm_bf16: a bf16 copy for every fp32 bucket, views of one arena.
+static tsys_status tsys__ddp_make_wires(tsys_ddp *ddp) {
+    tsys_ctx *ctx = ddp->ctx;
+    int64_t total = 0;
+    for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].flat->dtype == TSYS_F32) total += ddp->b[i].numel;
+    if (total == 0) return TSYS_OK;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "ddp buckets"));
+    ddp->wire_arena = tsys_tensor_new(ctx, TSYS_BF16, ddp->dev, 1, &total);
+    tsys_mem_set_tag(ctx, tag);
+    if (!ddp->wire_arena) return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
+    tsys_tensor_set_name(ddp->wire_arena, "ddp bf16 buckets");
+    size_t off = 0;
+    for (int i = 0; i < ddp->nb; i++) {
+        tsys__ddp_bucket *b = &ddp->b[i];
+        if (b->flat->dtype != TSYS_F32) continue;
+        b->wire = tsys_tensor_view_raw(ctx, ddp->wire_arena, off, TSYS_BF16, 1, &b->numel);
+        if (!b->wire) return tsys_ctx_status(ctx);
+        off += (size_t)b->numel * 2;
+    }
+    return TSYS_OK;
+}
+
 TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     if (!ddp) return;
     for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].work) tsys_dist_wait(ddp->b[i].work);
@@ -2558,9 +2609,11 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
         for (int i = 0; i < ddp->ntp; i++) tsys_tensor_remove_grad_hook(ddp->tp[i], tsys__ddp_grad_ready, &ddp->hooks[i]);
     for (int i = 0; i < ddp->nb; i++) {
         tsys__ddp_bucket *b = &ddp->b[i];
-        tsys_tensor_release(b->flat);
+        tsys_tensor_release(b->flat); tsys_tensor_release(b->wire);
         tsys_event_release(ddp->ctx, &b->ev_ready); tsys_event_release(ddp->ctx, &b->ev_start); tsys_event_release(ddp->ctx, &b->ev_end);
+        tsys_event_release(ddp->ctx, &b->ev_widened);
     }
+    tsys_tensor_release(ddp->wire_arena);
     tsys_event_release(ddp->ctx, &ddp->ev_bwd_end);
     for (int i = 0; i < ddp->n; i++) tsys_tensor_release(ddp->params[i]);
     tsys_tensor_release(ddp->grad_arena);
@@ -2632,9 +2685,13 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         }
         if (st != TSYS_OK && tsys_ctx_status(ctx) != TSYS_OK) st = tsys_ctx_status(ctx);
     }
+    if (st == TSYS_OK && dd.comm_bf16) st = tsys__ddp_make_wires(ddp);
     if (st == TSYS_OK) {
         uint64_t h = tsys__dist_hash(0xcbf29ce484222325ull, dd.strategy);
-        for (int i = 0; i < ddp->nb; i++) h = tsys__dist_hash(tsys__dist_hash(h, ddp->b[i].numel), ddp->b[i].flat ? (int64_t)ddp->b[i].flat->dtype : -1);
+        for (int i = 0; i < ddp->nb; i++) {
+            const tsys_tensor *sent = ddp->b[i].wire ? ddp->b[i].wire : ddp->b[i].flat;
+            h = tsys__dist_hash(tsys__dist_hash(h, ddp->b[i].numel), sent ? (int64_t)sent->dtype : -1);
+        }
         st = tsys__dist_agree_layout(d, h, "ddp");
         ddp->layout_agreed = st == TSYS_OK;
     }
@@ -2652,7 +2709,7 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
     }
     ddp->stats.num_buckets = ddp->nb;
     for (int i = 0; i < ddp->nb; i++) {
-        ddp->stats.bytes_per_step += ddp->b[i].bytes;
+        ddp->stats.bytes_per_step += ddp->b[i].wire ? (int64_t)tsys_tensor_bytes(ddp->b[i].wire) : ddp->b[i].bytes;
         ddp->stats.copied_buckets += ddp->b[i].scratch;
     }
     return ddp;

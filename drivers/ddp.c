@@ -28,7 +28,7 @@
 #include "driver_util.h"
 
 typedef struct ddp_opts {
-    const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn, *checkpoint;
+    const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn, *checkpoint, *comms;
     int batch, warmup, steps, nproc, seed;
     bool account, loss_sum, compute_ref;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
@@ -45,6 +45,8 @@ static void usage(FILE *f) {
         "                             zero1 = flat gradient all-reduce + ZeRO-1 sharded AdamW; fsdp = ZeRO-3\n"
         "                             (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)\n"
         "  --bucket-mb LIST           bucket sizes of 'bucketed' in MB (2^20 bytes; default 1,10,100,1000)\n"
+        "  --grad-comm LIST           fp32 | bf16: how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\n"
+        "                             torch's bf16_compress_hook; half the bytes) (default fp32)\n"
         "  --dtype LIST               fp32 | bf16 autocast (fsdp: bf16 weights and gradients on the wire,\n"
         "                             bf16 compute, fp32 masters) (default fp32)\n"
         "  --batch-size N             sequences per rank (default 4)\n"
@@ -79,7 +81,7 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
     o->models = NULL; o->strategies = "naive,flat,overlap,bucketed,zero1"; o->buckets = "1,10,100,1000";
-    o->dtypes = "fp32"; o->contexts = "256"; o->format = "md"; o->attn = "auto";
+    o->dtypes = "fp32"; o->contexts = "256"; o->comms = "fp32"; o->format = "md"; o->attn = "auto";
     o->batch = 4; o->warmup = 5; o->steps = 10; o->nproc = 1; o->checkpoint = "none"; o->compute_ref = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -93,6 +95,7 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
         else if (!strcmp(a, "--model")) o->models = v;
         else if (!strcmp(a, "--strategy")) o->strategies = v;
         else if (!strcmp(a, "--bucket-mb")) o->buckets = v;
+        else if (!strcmp(a, "--grad-comm")) o->comms = v;
         else if (!strcmp(a, "--dtype")) o->dtypes = v;
         else if (!strcmp(a, "--context-length")) o->contexts = v;
         else if (!strcmp(a, "--attn")) o->attn = v;
@@ -279,7 +282,7 @@ static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, c
 }
 
 static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const char *model_name, int T, strat s, double bucket_mb,
-                       tsys_dtype dt, du_table *tab) {
+                       bool comm_bf16, tsys_dtype dt, du_table *tab) {
     int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
     char err[256] = "";
     const char *attn = strcmp(o->attn, "auto") ? o->attn : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
@@ -289,6 +292,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "ranks", "%d", world);
     du_row_set(row, "strategy", "%s", strat_names[s]);
     du_row_set(row, "bucket_mb", s == S_BUCKETED ? "%g" : "-", bucket_mb);
+    du_row_set(row, "grad_comm", "%s", s == S_FSDP ? "-" : comm_bf16 ? "bf16" : "fp32");
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : "bf16");
     du_row_set(row, "context", "%d", T);
     du_row_set(row, "batch", "%d", o->batch);
@@ -319,7 +323,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     double mem[4] = {0, 0, 0, 0};   // peak after init, before / after the first optimizer step, live after a step
     // every rank builds the model from the same seed; the broadcast makes them equal regardless
     r.model = tsys_model_new(ctx, &desc, dev, (uint64_t)o->seed + 1);
-    tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT, bucket_mb};
+    tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT, bucket_mb, comm_bf16};
     // a rank that could not build the model (out of memory) must not leave the others in the broadcast
     if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
         if (s == S_FSDP) {
@@ -408,7 +412,9 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         if (s == S_FSDP) du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - acc.work_bytes) / MiB);
         else du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - (dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(&desc) : 0)) / MiB);
         du_row_set(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
-        du_row_set(row, "pred_sent_MB", "%.1f", acc.sent_bytes / 1e6);
+        // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
+        double sent = acc.sent_bytes * (!comm_bf16 || s == S_FSDP ? 1.0 : s == S_ZERO1 ? 2.0 / 3.0 : 0.5);
+        du_row_set(row, "pred_sent_MB", "%.1f", sent / 1e6);
         du_row_set(row, "status", "ok");
     } else {
         double e = st == TSYS_ERR_OOM ? 1 : 0;
@@ -450,6 +456,17 @@ int main(int argc, char **argv) {
         du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
         return 2;
     }
+    bool comm_bf16[2];   // --grad-comm, in the order given
+    int ncomm = 0;
+    du_list comms;
+    if (!du_split(&comms, "ddp", "--grad-comm", o.comms)) return 2;
+    for (int i = 0; i < comms.n; i++) {
+        bool fp32 = !strcmp(comms.item[i], "fp32"), bf16 = !strcmp(comms.item[i], "bf16");
+        if ((!fp32 && !bf16) || ncomm == 2) { fprintf(stderr, "ddp: --grad-comm takes fp32 and/or bf16, not '%s'\n", o.comms); du_list_free(&comms); usage(stderr); return 2; }
+        comm_bf16[ncomm++] = bf16;
+    }
+    du_list_free(&comms);
+    if (ncomm == 0) { fprintf(stderr, "ddp: an empty --grad-comm\n"); usage(stderr); return 2; }
     for (int i = 0; i < strategies.n; i++) { strat s; if (!parse_strategy(strategies.item[i], &s)) { fprintf(stderr, "ddp: unknown strategy '%s' (naive, flat, overlap, bucketed, zero1, fsdp)\n", strategies.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < buckets.n; i++) { double b; if (!du_parse_double(buckets.item[i], &b) || !(b >= 0) || b > 1e9) { fprintf(stderr, "ddp: bad bucket size '%s' (MB, >= 0)\n", buckets.item[i]); usage(stderr); return 2; } }
     for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "ddp: unknown dtype '%s' (fp32, bf16)\n", dtypes.item[i]); usage(stderr); return 2; } }
@@ -488,7 +505,7 @@ int main(int argc, char **argv) {
         fflush(stdout);
     }
     du_table tab;
-    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,dtype,context,batch,ckpt,loss,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,compute_ms,"
+    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,comm_frac,exposed_ms,hidden,compute_ms,"
                         "buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o.format);
     int failures = 0;
     for (int a = 0; a < models.n; a++)
@@ -502,9 +519,11 @@ int main(int argc, char **argv) {
                     for (int b = 0; b < (s == S_BUCKETED ? buckets.n : 1); b++) {
                         double mb = 0;
                         if (s == S_BUCKETED) du_parse_double(buckets.item[b], &mb);
-                        run_config(ctx, d, dev, &o, models.item[a], T, s, mb, dt, &tab);
-                        if (strcmp(du_row_get(&tab.row, "status"), "ok")) failures++;
-                        if (rank == 0) du_table_emit(&tab);
+                        for (int g = 0; g < (s == S_FSDP ? 1 : ncomm); g++) {
+                            run_config(ctx, d, dev, &o, models.item[a], T, s, mb, comm_bf16[g], dt, &tab);
+                            if (strcmp(du_row_get(&tab.row, "status"), "ok")) failures++;
+                            if (rank == 0) du_table_emit(&tab);
+                        }
                     }
                 }
     du_table_free(&tab);

@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|wgvariants|wsdq|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|wgvariants|wsdq|wsdkdv|lb] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -377,6 +377,18 @@ static void run_wgvariants() {
     wgvariant<128, w128b>("128b", 16, 16384); wgvariant<128, w128c>("128c", 16, 16384);
 }
 
+// The mma.sync forward and backward of a small problem: what the Hopper kernel variants are checked against.
+template <typename T, int D>
+static void lab_mma_reference(bool causal, Buf &q, Buf &k, Buf &v, Buf &g, Buf &o, Buf &lse, Buf &dq, Buf &dk, Buf &dv, Buf &sc, long sb, long sn, float scale) {
+    if (causal) {
+        CHECK((tsys_cuda__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+        CHECK((tsys_cuda__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+    } else {
+        CHECK((tsys_cuda__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
+        CHECK((tsys_cuda__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
+    }
+}
+
 // Warp-specialized dQ variants (BK keys per tile, CW consumer warpgroups): checked against the mma.sync dQ on a
 // 300-row problem, causal and not, then timed on the benchmark shape.
 template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
@@ -387,17 +399,10 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
         const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
         Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D)), dq2(1, N);
         q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison();
-        cudaError_t e1, e2;
-        if (causal) {
-            CHECK((tsys_cuda__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
-            CHECK((tsys_cuda__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
-            e1 = tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
-        } else {
-            CHECK((tsys_cuda__flash_fwd_tc<T, D, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
-            CHECK((tsys_cuda__flash_bwd_tc<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
-            e1 = tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
-        }
-        e2 = cudaDeviceSynchronize();
+        lab_mma_reference<T, D>(causal, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0)
+                                      : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
+        const cudaError_t e2 = cudaDeviceSynchronize();
         if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws dq BK=%d CW=%d d=%d: %s / %s", BK, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
         dq.download(); dq2.download();
         const double e = rel_err(dq2.h.data(), dq.h.data(), N);
@@ -411,6 +416,40 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     const float t = time_ms(run, 3, 20);
     const double f = 4.0 * bh * n * n * D / 2;
     printf("  ws dq BK=%d CW=%d bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s of 3 mm)\n", BK, CW, bh, n, D, t, 1.5 * f / t / 1e9);
+    fflush(stdout);
+}
+
+// Warp-specialized dK/dV variants (BQ query rows per tile, CW consumer warpgroups): checked against the mma.sync
+// dK/dV on a 300-row problem, causal and not, then timed on the benchmark shape beside the cp.async kernel.
+template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
+    typedef __nv_bfloat16 T;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int c = 0; c < 2; c++) {
+        const bool causal = c == 0;
+        const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
+        Buf dk2(1, N), dv2(1, N);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dk2.poison(); dv2.poison();
+        lab_mma_reference<T, D>(causal, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0)
+                                      : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0);
+        const cudaError_t e2 = cudaDeviceSynchronize();
+        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws dkdv BQ=%d CW=%d d=%d: %s / %s", BQ, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
+        dk.download(); dv.download(); dk2.download(); dv2.download();
+        const double ek = rel_err(dk2.h.data(), dk.h.data(), N), ev = rel_err(dv2.h.data(), dv.h.data(), N);
+        report(ek < 1e-2 && ev < 1e-2, "ws dkdv BQ=%d CW=%d d=%d causal=%d vs mma.sync: dK %.1e dV %.1e", BQ, CW, D, causal, ek, ev);
+    }
+    const size_t N = bh * n * D, R = bh * n;
+    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
+    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    CHECK((tsys_cuda__flash_fwd_wg<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
+    CHECK((tsys_cuda__flash_bwd_wg<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, 1)));
+    auto ws = [&] { CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0))); };
+    auto cp = [&] { CHECK((tsys_cuda__flash_bwd_wg<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, 2, TSYS_CUDA_FLASH_WGMMA))); };
+    const float t = time_ms(ws, 3, 20), t0 = time_ms(cp, 3, 20);
+    const double f = 4.0 * bh * n * n * D / 2;
+    printf("  ws dkdv BQ=%d CW=%d bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s of 4 mm); cp.async kernel %.3f ms (%.0f)\n", BQ, CW, bh, n, D,
+           t, 2 * f / t / 1e9, t0, 2 * f / t0 / 1e9);
     fflush(stdout);
 }
 
@@ -469,6 +508,9 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "wsdq") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dq: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "wsdq"))
         wsdq_variant<64, 128, 2>(16, 16384), wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384);
+    if (!strcmp(mode, "wsdkdv") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dkdv: the warp-specialized kernels cannot run here\n");
+    else if (!strcmp(mode, "wsdkdv"))
+        wsdkdv_variant<64, 64, 2>(16, 16384), wsdkdv_variant<128, 64, 2>(16, 16384);
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);

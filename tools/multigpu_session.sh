@@ -10,7 +10,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TSYS_DIST_TIMEOUT=${TSYS_DIST_TIMEOUT:-120} TSYS_PROGRESS=0 PYTHONUNBUFFERED=1
 G=gpu/dist
 NG=$(nvidia-smi -L | grep -c GPU)
-MODEL=${MODEL:-xl}; DTYPES=${DTYPES:-bf16}; STEPS=${STEPS:-5}; WARMUP=${WARMUP:-3}
+MODEL=${MODEL:-xl}; DTYPES=${DTYPES:-bf16}; STEPS=${STEPS:-5}; WARMUP=${WARMUP:-3}   # GRAD_COMM: fp32,bf16 (ddp --grad-comm)
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case "$part" in
@@ -30,7 +30,7 @@ for part in "$@"; do
     timeout 300 python3 tests/ref/allreduce_torch.py --backend gloo --nproc 2 --sizes 4B,1MB,1GB --format md > "$OUT/ar_cpu_gloo.md" 2>&1; cat "$OUT/ar_cpu_gloo.md" ;;
   ddp_ours)
     timeout 300 $G/ddp_cuda --device cuda --nproc 1 --model $MODEL --dtype $DTYPES --strategy flat --warmup $WARMUP --steps $STEPS > "$OUT/ddp_ours_1gpu.md" 2>&1; cat "$OUT/ddp_ours_1gpu.md"
-    timeout 500 $G/ddp_cuda --device cuda --nproc $NG --model $MODEL --dtype $DTYPES --strategy ${STRATS:-naive,flat,overlap,bucketed,zero1} --bucket-mb ${BUCKETS:-1,10,100,1000} \
+    timeout 500 $G/ddp_cuda --device cuda --nproc $NG --model $MODEL --dtype $DTYPES --strategy ${STRATS:-naive,flat,overlap,bucketed,zero1} --bucket-mb ${BUCKETS:-1,10,100,1000} --grad-comm ${GRAD_COMM:-fp32} \
       --warmup $WARMUP --steps $STEPS > "$OUT/ddp_ours_${NG}gpu.md" 2>&1; cat "$OUT/ddp_ours_${NG}gpu.md" ;;
   ddp_torch)
     timeout 300 torchrun --nproc_per_node 1 tests/ref/torch_ddp.py --part ddp --device cuda --model $MODEL --dtype $DTYPES --strategy flat --warmup $WARMUP --steps $STEPS > "$OUT/ddp_torch_1gpu.md" 2>&1; tail -n 8 "$OUT/ddp_torch_1gpu.md"
