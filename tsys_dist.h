@@ -186,6 +186,13 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d);
 TSYSDEF tsys_dist_work *tsys_dist_all_reduce_async(tsys_dist *d, tsys_tensor *t, tsys_dist_op op);   // NULL on error
 TSYSDEF tsys_dist_work *tsys_dist_reduce_scatter_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op);
 TSYSDEF tsys_dist_work *tsys_dist_all_gather_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in);
+TSYSDEF tsys_dist_work *tsys_dist_broadcast_async(tsys_dist *d, tsys_tensor *t, int root);
+// The asynchronous collectives issued between begin and end on CUDA tensors through NCCL form one NCCL
+// group: they are launched together at end, so that, say, broadcasts from different roots use both
+// directions of every link at once. Only asynchronous calls inside; wait for their handles after end.
+// Elsewhere (host tensors, host staging) calls run as they are issued and a group changes nothing.
+TSYSDEF tsys_status tsys_dist_group_begin(tsys_dist *d);
+TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d);
 // Host tensors: the asynchronous forms run on the group's worker thread, in issue order; leave the
 // tensors alone until the wait. The wait blocks until a host collective is done (and copies a
 // host-staged CUDA result back), or orders the compute stream after an NCCL one; it frees w.
@@ -523,7 +530,7 @@ struct tsys_dist_work {
     tsys_tensor *dev_out;         // where stage_out goes back after the collective
     size_t out_bytes;
     tsys_event ev;            // NCCL: the collective's end on the side stream
-    tsys_dist_work *next;     // worker queue
+    tsys_dist_work *next;     // worker queue; NCCL inside a group: the works whose end event waits for the group's end
 };
 enum { TSYS_DIST__WORK_DONE, TSYS_DIST__WORK_HOST, TSYS_DIST__WORK_NCCL };
 
@@ -559,9 +566,11 @@ struct tsys_dist {
     bool have_comm, mpi_owner, mpi_multiple, mpi_ops;
     MPI_Op op16[2][2];            // [bf16, fp16][sum, max]
 #endif
+    bool group_open;              // between tsys_dist_group_begin and _end
 #ifdef TSYS_DIST_NCCL
     ncclComm_t nccl;
     tsys_event ev_ready;
+    tsys_dist_work *group_head, *group_tail;   // the open NCCL group's works, their end events still to record
 #endif
 };
 
@@ -2036,6 +2045,7 @@ static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_ev
     char buf[96];
     snprintf(buf, sizeof buf, "%s (collective #%lld)", what, (long long)c->seq);
     if (!tsys_dist__nccl_ok(d, r, buf, e)) return false;
+    if (d->group_open) return true;   // launched, settled and given its end event by tsys_dist_group_end
     if (r == ncclInProgress && !tsys_dist__nccl_settle(d, buf, e)) return false;
     if (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
     return true;
@@ -2094,6 +2104,7 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
     if (kind == TSYS_DIST__BCAST && (root < 0 || root >= d->size)) { *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: root %d is not a rank of this group of %d", fn, root, d->size); return NULL; }
     if (out->device != TSYS_CPU && !tsys_ctx_backend(ctx, out->device)) { *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: the context has no backend for the tensor's device", fn); return NULL; }
     if (TSYS_DIST__LOAD(&d->broken)) { *st = tsys_dist__fail(d, TSYS_ERR_IO, "%s: the group is broken since: %s", fn, d->broken_msg); return NULL; }
+    if (d->group_open && !async) { *st = tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: between tsys_dist_group_begin and _end only asynchronous calls may be issued", fn); return NULL; }
 
     tsys_dist_work *w = (tsys_dist_work *)calloc(1, sizeof *w);
     if (!w) { *st = tsys_dist__fail(d, TSYS_ERR_OOM, "%s: out of host memory", fn); return NULL; }
@@ -2117,6 +2128,10 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
         }
         if (!tsys_dist__nccl_coll(d, c, &w->ev, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
         w->path = TSYS_DIST__WORK_NCCL;
+        if (d->group_open) {   // its end event is recorded by tsys_dist_group_end
+            if (d->group_tail) d->group_tail->next = w; else d->group_head = w;
+            d->group_tail = w;
+        }
         if (async) { *st = TSYS_OK; return w; }
         *st = tsys_event_wait(ctx, &w->ev, TSYS_STREAM_COMPUTE);
         tsys_dist__work_free(w);
@@ -2176,6 +2191,7 @@ TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w) {
     if (!w) return TSYS_ERR_INVALID_ARGS;
     tsys_dist *d = w->d;
     if (w->path == TSYS_DIST__WORK_NCCL) {
+        if (d->group_open) return tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_wait: the collective's group is still open (call tsys_dist_group_end first)");
         tsys_status st = tsys_event_wait(d->ctx, &w->ev, TSYS_STREAM_COMPUTE);
         tsys_dist__work_free(w);
         return st;
@@ -2220,6 +2236,38 @@ TSYSDEF tsys_dist_work *tsys_dist_reduce_scatter_async(tsys_dist *d, tsys_tensor
 TSYSDEF tsys_dist_work *tsys_dist_all_gather_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in) {
     tsys_status st;
     return tsys_dist__issue(d, "all_gather_async", TSYS_DIST__AG, out, in, TSYS_DIST_SUM, 0, true, &st);
+}
+TSYSDEF tsys_dist_work *tsys_dist_broadcast_async(tsys_dist *d, tsys_tensor *t, int root) {
+    tsys_status st;
+    return tsys_dist__issue(d, "broadcast_async", TSYS_DIST__BCAST, t, NULL, TSYS_DIST_SUM, root, true, &st);
+}
+TSYSDEF tsys_status tsys_dist_group_begin(tsys_dist *d) {
+    if (!d) return TSYS_ERR_INVALID_ARGS;
+    if (d->group_open) return tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_group_begin: a group is already open (groups do not nest)");
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__err e = {TSYS_OK, ""};
+    if (d->nccl && !tsys_dist__nccl_ok(d, ncclGroupStart(), "ncclGroupStart", &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
+#endif
+    d->group_open = true;
+    return TSYS_OK;
+}
+// Launches the group's NCCL collectives, then records each one's end event (after all of them).
+TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
+    if (!d) return TSYS_ERR_INVALID_ARGS;
+    if (!d->group_open) return tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_group_end: no group is open");
+    d->group_open = false;
+#ifdef TSYS_DIST_NCCL
+    if (d->nccl) {
+        tsys_dist__err e = {TSYS_OK, ""};
+        ncclResult_t r = ncclGroupEnd();
+        bool ok = tsys_dist__nccl_ok(d, r, "ncclGroupEnd", &e) && (r != ncclInProgress || tsys_dist__nccl_settle(d, "ncclGroupEnd", &e));
+        for (tsys_dist_work *w = d->group_head; w; w = w->next)
+            if (ok && tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &w->ev) != TSYS_OK) ok = tsys_dist__seterr(&e, tsys_ctx_status(d->ctx), "%s", tsys_ctx_last_error(d->ctx));
+        d->group_head = d->group_tail = NULL;
+        if (!ok) return tsys_dist__fail(d, e.status, "%s", e.msg);
+    }
+#endif
+    return TSYS_OK;
 }
 
 // Host barrier after everything issued so far on the host; on an NCCL group it also waits (bounded
@@ -2783,8 +2831,9 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp) {
 // total/N + the largest parameter. Each rank runs a tsys_adamw over the parameters
 // it owns (the same desc, so the same per-element math and step count as one unsharded AdamW:
 // bit-for-bit equal), then every parameter is broadcast from its owner, a run of back-to-back
-// parameters with one owner in one call. (A flat all-gather would need equal-sized shards: either
-// parameters split across ranks or padded copies; broadcasts of runs send the same bytes.)
+// parameters with one owner in one call, all the calls in one group (tsys_dist_group_begin) so that
+// through NCCL every owner sends at once. (A flat all-gather would need equal-sized shards: either
+// parameters split across ranks or padded copies; grouped broadcasts of runs send the same bytes.)
 
 struct tsys_zero1 {
     tsys_dist *d;
@@ -2799,6 +2848,7 @@ struct tsys_zero1 {
     tsys_optim *opt;             // AdamW over `mine` (NULL when this rank owns none)
     int64_t state_bytes;
     bool layout_agreed;          // every rank has the same owners (tsys__dist_agree_layout)
+    tsys_dist_work **works;      // a step's broadcasts in flight (at most one per trainable parameter)
 };
 
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z) {
@@ -2806,6 +2856,7 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z) {
     tsys_optim_free(z->opt);
     for (int i = 0; i < z->n; i++) tsys_tensor_release(z->params[i]);
     TSYS__DIST_RELEASE(z->params); TSYS__DIST_RELEASE(z->tp); TSYS__DIST_RELEASE(z->owner); TSYS__DIST_RELEASE(z->mine);
+    TSYS__DIST_RELEASE(z->works);
     TSYS__DIST_RELEASE(z);
 }
 
@@ -2826,7 +2877,8 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     z->tp = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
     z->mine = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
     z->owner = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    if (!z->params || !z->tp || !z->mine || !z->owner) {
+    z->works = (tsys_dist_work **)TSYS__DIST_ALLOC(sizeof(tsys_dist_work *) * cnt);
+    if (!z->params || !z->tp || !z->mine || !z->owner || !z->works) {
         tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory");
         tsys_zero1_free(z);
         return NULL;
@@ -2868,14 +2920,24 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
     tsys_ctx *ctx = z->ctx;
     if (tsys_ctx_status(ctx) != TSYS_OK) return tsys_ctx_status(ctx);
     tsys_status st = z->opt ? tsys_optim_step(z->opt) : TSYS_OK;
-    // each run of back-to-back parameters with one owner: one broadcast from the owner
+    // each run of back-to-back parameters with one owner: one broadcast from the owner, all of them in
+    // one group (through NCCL the owners send at the same time, as an all-gather would)
     bool was = tsys__dist_trust(z->d, z->layout_agreed);
+    int nw = 0;
+    if (st == TSYS_OK) st = tsys_dist_group_begin(z->d);
+    bool open = st == TSYS_OK;
     for (int i = 0; st == TSYS_OK && i < z->ntp;) {
         int j = i + 1;
         while (j < z->ntp && z->owner[j] == z->owner[i] && tsys__dist_contiguous(z->tp + i, j - i + 1, false)) j++;
-        st = tsys__dist_broadcast_list(z->d, z->tp + i, j - i, z->owner[i]);
+        tsys_tensor *v = j - i > 1 ? tsys__dist_run_view(ctx, z->tp + i, j - i, false) : tsys_tensor_retain(z->tp[i]);
+        z->works[nw] = v ? tsys_dist_broadcast_async(z->d, v, z->owner[i]) : NULL;   // the parameters outlive the wait
+        tsys_tensor_release(v);
+        if (!z->works[nw]) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
+        else nw++;
         i = j;
     }
+    if (open) { tsys_status e = tsys_dist_group_end(z->d); if (st == TSYS_OK) st = e; }
+    for (int k = 0; k < nw; k++) { tsys_status e = tsys_dist_wait(z->works[k]); if (st == TSYS_OK) st = e; }
     z->d->check_none = was;
     return st;
 }

@@ -42,7 +42,8 @@ static void usage(FILE *f) {
         "                             (default: xl on cuda, small on cpu)\n"
         "  --d-model N --d-ff N --num-layers N --num-heads N --vocab-size N   explicit dims\n"
         "  --strategy LIST            naive | flat | overlap | bucketed | zero1 | fsdp (default: the first five)\n"
-        "                             zero1 = flat gradient all-reduce + ZeRO-1 sharded AdamW; fsdp = ZeRO-3\n"
+        "                             zero1 = bucketed gradient all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW;\n"
+        "                             fsdp = ZeRO-3\n"
         "                             (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)\n"
         "  --bucket-mb LIST           bucket sizes of 'bucketed' in MB (2^20 bytes; default 1,10,100,1000)\n"
         "  --grad-comm LIST           fp32 | bf16: how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\n"
@@ -291,7 +292,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "ranks", "%d", world);
     du_row_set(row, "strategy", "%s", strat_names[s]);
-    du_row_set(row, "bucket_mb", s == S_BUCKETED ? "%g" : "-", bucket_mb);
+    du_row_set(row, "bucket_mb", s == S_BUCKETED || s == S_ZERO1 ? "%g" : "-", bucket_mb);
     du_row_set(row, "grad_comm", "%s", s == S_FSDP ? "-" : comm_bf16 ? "bf16" : "fp32");
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : "bf16");
     du_row_set(row, "context", "%d", T);
@@ -323,7 +324,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     double mem[4] = {0, 0, 0, 0};   // peak after init, before / after the first optimizer step, live after a step
     // every rank builds the model from the same seed; the broadcast makes them equal regardless
     r.model = tsys_model_new(ctx, &desc, dev, (uint64_t)o->seed + 1);
-    tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT, bucket_mb, comm_bf16};
+    tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED || s == S_ZERO1 ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT,
+                        bucket_mb, comm_bf16};
     // a rank that could not build the model (out of memory) must not leave the others in the broadcast
     if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
         if (s == S_FSDP) {
@@ -516,9 +518,10 @@ int main(int argc, char **argv) {
                     tsys_dtype dt = TSYS_F32;
                     int T = 0;
                     parse_strategy(strategies.item[k], &s); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
-                    for (int b = 0; b < (s == S_BUCKETED ? buckets.n : 1); b++) {
+                    const bool bucketed = s == S_BUCKETED || s == S_ZERO1;
+                    for (int b = 0; b < (bucketed ? buckets.n : 1); b++) {
                         double mb = 0;
-                        if (s == S_BUCKETED) du_parse_double(buckets.item[b], &mb);
+                        if (bucketed) du_parse_double(buckets.item[b], &mb);
                         for (int g = 0; g < (s == S_FSDP ? 1 : ncomm); g++) {
                             run_config(ctx, d, dev, &o, models.item[a], T, s, mb, comm_bf16[g], dt, &tab);
                             if (strcmp(du_row_get(&tab.row, "status"), "ok")) failures++;

@@ -301,6 +301,45 @@ TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collecti
     }
 }
 
+// Broadcasts from every rank in one group (ZeRO-1's parameter exchange): launched together (through NCCL
+// as one group), waited after the group's end; a blocking call inside, a nested begin and an end without a
+// begin are refused by name, and the group is usable again afterwards.
+TSYS_TEST(broadcast_group_every_root) {
+    for (int p = 0; p < g_npaths; p++) {
+        enum { K = 5 };
+        int64_t n = 3001;
+        tsys_tensor *t[K];
+        tsys_dist_work *w[K];
+        float *h = (float *)hbuf(TSYS_F32, n);
+        STATUS_OK(tsys_dist_group_begin(g_group[p]), "%s: group begin", g_name[p]);
+        for (int k = 0; k < K; k++) {
+            for (int64_t i = 0; i < n; i++) h[i] = (float)(val(TSYS_F32, g_rank, i) + 10 * k);
+            t[k] = mk(g_dev[p], TSYS_F32, n, h);
+            w[k] = tsys_dist_broadcast_async(g_group[p], t[k], k % g_size);
+            TEST_CHECK(w[k] != NULL, "%s: broadcast %d: %s", g_name[p], k, tsys_ctx_last_error(g_ctx));
+        }
+        TEST_CHECK(tsys_dist_all_reduce(g_group[p], t[0], TSYS_DIST_SUM) == TSYS_ERR_INVALID_ARGS &&
+                   strstr(tsys_ctx_last_error(g_ctx), "only asynchronous") != NULL, "%s: a blocking call inside a group: %s", g_name[p], tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        TEST_CHECK(tsys_dist_group_begin(g_group[p]) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(g_ctx), "nest") != NULL,
+                   "%s: nested begin: %s", g_name[p], tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        STATUS_OK(tsys_dist_group_end(g_group[p]), "%s: group end", g_name[p]);
+        for (int k = 0; k < K; k++) {
+            if (!w[k]) continue;
+            STATUS_OK(tsys_dist_wait(w[k]), "%s: wait %d", g_name[p], k);
+            tsys_tensor_to_host(g_ctx, t[k], h);
+            CHECK_VALUES(n, (double)h[i], val(TSYS_F32, k % g_size, i) + 10 * k, "%s: broadcast %d from rank %d", g_name[p], k, k % g_size);
+            tsys_tensor_release(t[k]);
+        }
+        TEST_CHECK(tsys_dist_group_end(g_group[p]) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(g_ctx), "no group") != NULL,
+                   "%s: end without begin: %s", g_name[p], tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        STATUS_OK(tsys_dist_barrier(g_group[p]), "%s: barrier after the group", g_name[p]);
+        free(h);
+    }
+}
+
 // A random sequence (the same on every rank) of blocking and asynchronous collectives of random
 // sizes, several in flight, barriers between: shakes the slot reuse and the worker's ordering.
 TSYS_TEST(random_sequence_mixed) {
