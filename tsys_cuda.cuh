@@ -3304,6 +3304,14 @@ static bool tsys_cuda__flash_tmap_rows(CUtensorMap *m, const T *g, int64_t bh, i
                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The backward's four maps: Q and dO read in boxes of qrows rows, K and V in boxes of krows.
+template <typename T>
+static bool tsys_cuda__flash_tmap_bwd(CUtensorMap *tq, CUtensorMap *tg, CUtensorMap *tk, CUtensorMap *tv, const T *q, const T *dout,
+                                      const T *k, const T *v, int64_t bh, int n, int D, int qrows, int krows) {
+    return tsys_cuda__flash_tmap_rows(tq, q, bh, n, D, qrows) && tsys_cuda__flash_tmap_rows(tg, dout, bh, n, D, qrows) &&
+           tsys_cuda__flash_tmap_rows(tk, k, bh, n, D, krows) && tsys_cuda__flash_tmap_rows(tv, v, bh, n, D, krows);
+}
+
 // >>flash launchers -------------------------------------------------------------------------------
 // Launchers. Grids put the tile index in x and bh in y; bh above 65535 is launched in slices.
 
@@ -3397,9 +3405,8 @@ struct tsys_cuda__flash_split_plan {
     int kv, q;                  // shares of the dK/dV and the dQ kernel (1: no split)
     size_t d_floats, floats;    // floats of the row sums D (rounded up to 16 bytes), of everything
 };
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
-static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t n) {
-    constexpr int BKV = C::DKDV_NW * C::DKDV_MK * 16, BQ = C::DQ_NW * C::DQ_MQ * 16;
+// The plan of a backward whose dK/dV kernel takes BKV keys a block and whose dQ kernel BQ rows a block.
+static tsys_cuda__flash_split_plan tsys_cuda__flash_split_of(int64_t bh, int64_t n, int64_t D, int BKV, int BQ) {
     const int sms = tsys_cuda__flash_sm_count();
     tsys_cuda__flash_split_plan p;
     p.kv = tsys_cuda__flash_splits(bh * ((n + BKV - 1) / BKV), n, sms);
@@ -3407,6 +3414,10 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t
     p.d_floats = ((size_t)(bh * n) + 3) / 4 * 4;
     p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
     return p;
+}
+template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t n) {
+    return tsys_cuda__flash_split_of(bh, n, D, C::DKDV_NW * C::DKDV_MK * 16, C::DQ_NW * C::DQ_MQ * 16);
 }
 
 template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-specialized kernels' tiles
@@ -3428,14 +3439,7 @@ static size_t tsys_cuda__flash_ws_fwd_split_floats(int64_t bh, int64_t n) {
 // The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles).
 template <typename T, int D>
 static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t n) {
-    typedef tsys_cuda__flash_ws_tiles<T, D> W;
-    const int sms = tsys_cuda__flash_sm_count();
-    tsys_cuda__flash_split_plan p;
-    p.kv = tsys_cuda__flash_splits(bh * ((n + W::KV_BKV - 1) / W::KV_BKV), n, sms);
-    p.q = tsys_cuda__flash_splits(bh * ((n + W::DQ_BQ - 1) / W::DQ_BQ), n, sms);
-    p.d_floats = ((size_t)(bh * n) + 3) / 4 * 4;
-    p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
-    return p;
+    return tsys_cuda__flash_split_of(bh, n, D, tsys_cuda__flash_ws_tiles<T, D>::KV_BKV, tsys_cuda__flash_ws_tiles<T, D>::DQ_BQ);
 }
 
 // The forward's split (the same rule: a grid of fewer than 2 blocks an SM cuts each query tile's key tiles
@@ -3624,9 +3628,7 @@ static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T
                                          int nsplit = 1, float *part = nullptr) {
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     CUtensorMap tq, tk, tv, tg;
-    if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tg, dout, bh, n, D, L::BQ) ||
-        !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) || !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
-        return cudaErrorNotSupported;
+    if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, L::BQ, BK)) return cudaErrorNotSupported;
     auto kern = tsys_cuda__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
@@ -3646,9 +3648,7 @@ static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const
                                            int nsplit = 1, float *part = nullptr) {
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW> L;
     CUtensorMap tq, tk, tv, tg;
-    if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, BQ) || !tsys_cuda__flash_tmap_rows(&tg, dout, bh, n, D, BQ) ||
-        !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, L::BKV) || !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, L::BKV))
-        return cudaErrorNotSupported;
+    if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, BQ, L::BKV)) return cudaErrorNotSupported;
     auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;

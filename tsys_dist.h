@@ -530,7 +530,8 @@ struct tsys_dist_work {
     tsys_tensor *dev_out;         // where stage_out goes back after the collective
     size_t out_bytes;
     tsys_event ev;            // NCCL: the collective's end on the side stream
-    tsys_dist_work *next;     // worker queue; NCCL inside a group: the works whose end event waits for the group's end
+    bool in_group;            // NCCL: issued in a group that has not ended yet (ev not recorded)
+    tsys_dist_work *next;     // worker queue; NCCL: the open group's works
 };
 enum { TSYS_DIST__WORK_DONE, TSYS_DIST__WORK_HOST, TSYS_DIST__WORK_NCCL };
 
@@ -2129,6 +2130,7 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
         if (!tsys_dist__nccl_coll(d, c, &w->ev, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
         w->path = TSYS_DIST__WORK_NCCL;
         if (d->group_open) {   // its end event is recorded by tsys_dist_group_end
+            w->in_group = true;
             if (d->group_tail) d->group_tail->next = w; else d->group_head = w;
             d->group_tail = w;
         }
@@ -2191,7 +2193,7 @@ TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w) {
     if (!w) return TSYS_ERR_INVALID_ARGS;
     tsys_dist *d = w->d;
     if (w->path == TSYS_DIST__WORK_NCCL) {
-        if (d->group_open) return tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_wait: the collective's group is still open (call tsys_dist_group_end first)");
+        if (w->in_group) return tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_wait: the collective's group is still open (call tsys_dist_group_end first)");
         tsys_status st = tsys_event_wait(d->ctx, &w->ev, TSYS_STREAM_COMPUTE);
         tsys_dist__work_free(w);
         return st;
@@ -2261,8 +2263,10 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
         tsys_dist__err e = {TSYS_OK, ""};
         ncclResult_t r = ncclGroupEnd();
         bool ok = tsys_dist__nccl_ok(d, r, "ncclGroupEnd", &e) && (r != ncclInProgress || tsys_dist__nccl_settle(d, "ncclGroupEnd", &e));
-        for (tsys_dist_work *w = d->group_head; w; w = w->next)
+        for (tsys_dist_work *w = d->group_head; w; w = w->next) {
+            w->in_group = false;
             if (ok && tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &w->ev) != TSYS_OK) ok = tsys_dist__seterr(&e, tsys_ctx_status(d->ctx), "%s", tsys_ctx_last_error(d->ctx));
+        }
         d->group_head = d->group_tail = NULL;
         if (!ok) return tsys_dist__fail(d, e.status, "%s", e.msg);
     }
@@ -2370,11 +2374,13 @@ static bool tsys__dist_contiguous(tsys_tensor *const *t, int n, bool grads) {
     return n > 0 && (!grads || t[0]->grad);
 }
 
-// A 1-D view over n back-to-back tensors (their grads when `grads`), starting at the first.
+// A 1-D view over n back-to-back tensors (their grads when `grads`), starting at the first; for one
+// tensor, that tensor (retained). Release it either way.
 static tsys_tensor *tsys__dist_run_view(tsys_ctx *ctx, tsys_tensor *const *t, int n, bool grads) {
+    tsys_tensor *base = grads ? t[0]->grad : t[0];
+    if (n == 1) return tsys_tensor_retain(base);
     int64_t numel = 0;
     for (int i = 0; i < n; i++) numel += tsys_tensor_numel(t[i]);
-    tsys_tensor *base = grads ? t[0]->grad : t[0];
     return tsys_tensor_view_raw(ctx, base, 0, base->dtype, 1, &numel);
 }
 
@@ -2384,7 +2390,7 @@ static tsys_status tsys__dist_broadcast_list(tsys_dist *d, tsys_tensor *const *t
     for (int i = 0; i < n;) {
         int j = i + 1;
         while (j < n && tsys__dist_contiguous(t + i, j - i + 1, false)) j++;
-        tsys_tensor *v = j - i > 1 ? tsys__dist_run_view(ctx, t + i, j - i, false) : tsys_tensor_retain(t[i]);
+        tsys_tensor *v = tsys__dist_run_view(ctx, t + i, j - i, false);
         tsys_status st = v ? tsys_dist_broadcast(d, v, root) : tsys_ctx_status(ctx);
         tsys_tensor_release(v);
         if (st != TSYS_OK) return st;
@@ -2929,7 +2935,7 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
     for (int i = 0; st == TSYS_OK && i < z->ntp;) {
         int j = i + 1;
         while (j < z->ntp && z->owner[j] == z->owner[i] && tsys__dist_contiguous(z->tp + i, j - i + 1, false)) j++;
-        tsys_tensor *v = j - i > 1 ? tsys__dist_run_view(ctx, z->tp + i, j - i, false) : tsys_tensor_retain(z->tp[i]);
+        tsys_tensor *v = tsys__dist_run_view(ctx, z->tp + i, j - i, false);
         z->works[nw] = v ? tsys_dist_broadcast_async(z->d, v, z->owner[i]) : NULL;   // the parameters outlive the wait
         tsys_tensor_release(v);
         if (!z->works[nw]) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
