@@ -2392,36 +2392,48 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
 #define TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, TAIL) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." AB "." AB " " TSYS_CUDA__FLASH_WGMMA_D##NACC ", " OPS ", p, " TAIL ";\n}\n"
+#define TSYS_CUDA__FLASH_WGMMA_D16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define TSYS_CUDA__FLASH_WGMMA_D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define TSYS_CUDA__FLASH_WGMMA_D64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 #define TSYS_CUDA__FLASH_WGMMA_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define TSYS_CUDA__FLASH_WGMMA_ACC32(d) TSYS_CUDA__FLASH_WGMMA_ACC8(d, 0), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 8), \
-    TSYS_CUDA__FLASH_WGMMA_ACC8(d, 16), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 24)
+#define TSYS_CUDA__FLASH_WGMMA_ACC16(d) TSYS_CUDA__FLASH_WGMMA_ACC8(d, 0), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 8)
+#define TSYS_CUDA__FLASH_WGMMA_ACC32(d) TSYS_CUDA__FLASH_WGMMA_ACC16(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 16), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 24)
 #define TSYS_CUDA__FLASH_WGMMA_ACC64(d) TSYS_CUDA__FLASH_WGMMA_ACC32(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 32), \
     TSYS_CUDA__FLASH_WGMMA_ACC8(d, 40), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 48), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 56)
-// operands: the NACC accumulators, then da, db, acc (ss) or a[0..3], db, 1 (rs: always accumulate)
-#define TSYS_CUDA__FLASH_WGMMA_SS(AB, NN, NACC, OPS, PRED) \
-    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, 0, 0") \
+// operands: the NACC accumulators, then da, db, acc (ss) or a[0..3], db, 1 (rs: always accumulate).
+// TR: the transpose flags of A and B in ss ("0, 0": both K-major; "1, 1": both MN-major).
+#define TSYS_CUDA__FLASH_WGMMA_SS(AB, NN, NACC, OPS, PRED, TR) \
+    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, " TR) \
                  : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "l"(da), "l"(db), "r"(acc))
 #define TSYS_CUDA__FLASH_WGMMA_RS(AB, NN, NACC, OPS, PRED) \
     asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, 1") \
                  : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+// The N = 32, 64, 128 cases of one element type (AB) for ss and rs.
+#define TSYS_CUDA__FLASH_WGMMA_SS_N(AB, TR) \
+    if constexpr (N == 32) TSYS_CUDA__FLASH_WGMMA_SS(AB, 32, 16, "%16, %17", "%18", TR); \
+    else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS(AB, 64, 32, "%32, %33", "%34", TR); \
+    else TSYS_CUDA__FLASH_WGMMA_SS(AB, 128, 64, "%64, %65", "%66", TR)
+#define TSYS_CUDA__FLASH_WGMMA_RS_N(AB) \
+    if constexpr (N == 32) TSYS_CUDA__FLASH_WGMMA_RS(AB, 32, 16, "{%16,%17,%18,%19}, %20", "%21"); \
+    else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS(AB, 64, 32, "{%32,%33,%34,%35}, %36", "%37"); \
+    else TSYS_CUDA__FLASH_WGMMA_RS(AB, 128, 64, "{%64,%65,%66,%67}, %68", "%69")
 
 template <typename T, int N> struct tsys_cuda__flash_wgmma {
     static constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
     static_assert(BF16 || std::is_same<T, __half>::value, "wgmma: bf16 or fp16 operands");
-    static_assert(N == 64 || N == 128, "wgmma: N = 64 or 128");
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma: N = 32, 64 or 128");
     static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int acc) {
-        if constexpr (N == 64 && BF16) TSYS_CUDA__FLASH_WGMMA_SS("bf16", 64, 32, "%32, %33", "%34");
-        else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS("f16", 64, 32, "%32, %33", "%34");
-        else if constexpr (BF16) TSYS_CUDA__FLASH_WGMMA_SS("bf16", 128, 64, "%64, %65", "%66");
-        else TSYS_CUDA__FLASH_WGMMA_SS("f16", 128, 64, "%64, %65", "%66");
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", "0, 0"); }
+        else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", "0, 0"); }
+    }
+    // both operands MN-major (A stored K rows x M columns, B K rows x N columns)
+    static __device__ __forceinline__ void ss_mn(float *d, uint64_t da, uint64_t db, int acc) {
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", "1, 1"); }
+        else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", "1, 1"); }
     }
     static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) {
-        if constexpr (N == 64 && BF16) TSYS_CUDA__FLASH_WGMMA_RS("bf16", 64, 32, "{%32,%33,%34,%35}, %36", "%37");
-        else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS("f16", 64, 32, "{%32,%33,%34,%35}, %36", "%37");
-        else if constexpr (BF16) TSYS_CUDA__FLASH_WGMMA_RS("bf16", 128, 64, "{%64,%65,%66,%67}, %68", "%69");
-        else TSYS_CUDA__FLASH_WGMMA_RS("f16", 128, 64, "{%64,%65,%66,%67}, %68", "%69");
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_RS_N("bf16"); }
+        else { TSYS_CUDA__FLASH_WGMMA_RS_N("f16"); }
     }
 };
 #endif
@@ -2515,6 +2527,19 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_rs(float (*acc)[4], const ui
     for (int kk = 0; kk < KD / 16; kk++) {
         const uint64_t db = tsys_cuda__flash_wg_desc_mn<KD>(b, kk);
         tsys_cuda__flash_wgmma<T, N>::rs(&acc[0][0], a[kk], db);
+    }
+#endif
+}
+
+// acc (m64 x N) = A B with both operands MN-major in shared memory: A = KD rows of 64 columns from a (the columns
+// are M: a K-major tile read transposed, dS^T as dS), B = KD rows from b of a tile of RB rows, N columns.
+template <typename T, int N, int KD, int RB>
+__device__ __forceinline__ void tsys_cuda__flash_wg_ss_mn(float (*acc)[4], const T *a, const T *b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        const uint64_t da = tsys_cuda__flash_wg_desc_mn<KD>(a, kk), db = tsys_cuda__flash_wg_desc_mn<RB>(b, kk);
+        tsys_cuda__flash_wgmma<T, N>::ss_mn(&acc[0][0], da, db, kk > 0);
     }
 #endif
 }
@@ -3154,38 +3179,165 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
 // one tile late. At d 128 ptxas serializes the wgmmas (C7512: the dK and dV accumulators are 128 registers a
 // thread), and it still beats the cp.async kernel by 15%; neither waiting for dV before dS^T is packed nor a
 // 288-thread block with one producer warp (no `setmaxnreg`) helped (the latter serializes d 64 too).
-template <typename T, int D, int BQ, int CW> struct tsys_cuda__flash_ws_kv_layout {
+template <typename T, int D, int BQ, int CW, bool FUSED = false> struct tsys_cuda__flash_ws_kv_layout {
     static constexpr int BKV = CW * 64, NT = (CW + 1) * 128, ST = TSYS_CUDA__FLASH_WG_STAGES;
+    static constexpr int SLOTS = FUSED ? 2 : 0;           // dQ staging buffers (the finishing consumer alternates)
+    static constexpr int DQ_N = D;                         // dQ columns a consumer computes (over its own keys)
     static constexpr size_t KV_BYTES = (size_t)BKV * D * sizeof(T), QT_BYTES = (size_t)BQ * D * sizeof(T);
-    // K, V; the Q and dO rings; the lse and D rings; the mbarriers; alignment slack
-    static constexpr size_t SMEM = 2 * KV_BYTES + ST * (2 * QT_BYTES + 2 * BQ * sizeof(float)) + 8 * (1 + 2 * ST) + 1024;
+    static constexpr size_t DS_BYTES = FUSED ? (size_t)BKV * BQ * sizeof(T) : 0;       // dS^T
+    static constexpr size_t STAGE_BYTES = (size_t)BQ * DQ_N * sizeof(float);          // one consumer's dQ part
+    // K, V; the Q and dO rings; dS^T; the dQ staging; the lse and D rings; the mbarriers; alignment slack
+    static constexpr size_t SMEM = 2 * KV_BYTES + ST * 2 * QT_BYTES + DS_BYTES + SLOTS * STAGE_BYTES + ST * 2 * BQ * sizeof(float) +
+                                   8 * (1 + 2 * ST + 3 * SLOTS) + 1024;
 };
 
 __device__ __forceinline__ void tsys_cuda__flash_cp_async_mbar_arrive(uint64_t *bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(tsys_cuda__flash_smem_addr(bar)) : "memory");
 }
+// Barrier `id` (1..15) over the first `threads` threads of the block (the consumer warpgroups).
+__device__ __forceinline__ void tsys_cuda__flash_named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
-template <typename T, int D, int BQ, int CW, bool CAUSAL>
+// The fused backward's consumers: dS^T (packed as the dK wgmma's A registers, rows r0 and r0 + 8 of the block's
+// keys) into a BQ = 64 column 128B-swizzled tile, the layout the dQ wgmma reads MN-major.
+template <int BQ>
+__device__ __forceinline__ void tsys_cuda__flash_ws_put_ds(void *tile, const uint32_t (*dsa)[4], int r0, int lane) {
+    static_assert(BQ == 64, "one 128-byte row of dS^T a key");
+    unsigned char *t = (unsigned char *)tile;
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; kk++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {   // dsa[kk][q]: row + 8 (q & 1), columns 16 kk + 8 (q >> 1) + 2 (lane & 3)
+            const int r = r0 + (q & 1) * 8, chunk = 2 * kk + (q >> 1);
+            *(uint32_t *)(t + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * (lane & 3)) = dsa[kk][q];
+        }
+}
+// ... and tile j's dQ: the two consumers' parts (64 x N each, in registers) meet in staging buffer j % 2, in
+// [column block of 8][thread][4] order (a warp's stores contiguous). Consumer j % 2 finishes the tile: it waits
+// for the other's part, adds its own over it (fp32 addition commutes: the same bits whichever finishes) and hands
+// the sum to the adder warp; the finisher alternates so that neither consumer always waits.
+template <int N>
+__device__ __forceinline__ void tsys_cuda__flash_ws_stage_dq(float *stage, uint64_t *ready, uint64_t *sfull, uint64_t *sempty,
+                                                  const float (*dqa)[4], int j, int wg) {
+    const int slot = j & 1, use = j >> 1, t = threadIdx.x & 127;
+    float4 *buf = reinterpret_cast<float4 *>(stage + (size_t)slot * 64 * N);
+    if (wg != slot) {
+        if (use > 0) tsys_cuda__flash_mbar_wait(sempty + slot, (use - 1) & 1);
+#pragma unroll
+        for (int nb = 0; nb < N / 8; nb++) buf[nb * 128 + t] = make_float4(dqa[nb][0], dqa[nb][1], dqa[nb][2], dqa[nb][3]);
+        tsys_cuda__flash_mbar_arrive(ready + slot);
+        return;
+    }
+    tsys_cuda__flash_mbar_wait(ready + slot, use & 1);
+#pragma unroll
+    for (int nb = 0; nb < N / 8; nb++) {
+        const float4 u = buf[nb * 128 + t];
+        buf[nb * 128 + t] = make_float4(dqa[nb][0] + u.x, dqa[nb][1] + u.y, dqa[nb][2] + u.z, dqa[nb][3] + u.w);
+    }
+    tsys_cuda__flash_fence_proxy_async();   // the bulk copy reads the buffer through the async proxy
+    tsys_cuda__flash_mbar_arrive(sfull + slot);
+}
+
+// The fused backward's dQ: each key block adds its fp32 part of every query tile into a global accumulator
+// with the bulk-copy engine, in a fixed order per tile (deterministic): a counter per (slice, query tile)
+// says how many key blocks have added; key block kb adds when it reads its turn, the number of blocks above
+// it that reach the tile (the highest adds first: causal, it reaches the tile two tiles before the next one
+// down). The first writes instead of adding, so the accumulator needs no clearing. A turn that never comes
+// (a broken order) traps after 10 s instead of hanging.
+__device__ __forceinline__ void tsys_cuda__flash_turn_wait(const int *sem, int turn) {
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+    for (int v;;) {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+        if (v == turn) break;
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+        if (t - t0 > 10000000000ull) __trap();
+    }
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");   // the bulk adds below come after the acquire
+}
+__device__ __forceinline__ void tsys_cuda__flash_turn_pass(int *sem) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");   // the finished bulk adds come before the release
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem) : "memory");
+}
+__device__ __forceinline__ void tsys_cuda__flash_bulk_out(float *dst, const float *src, uint32_t bytes, bool add) {
+    if (add)
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                     "r"(tsys_cuda__flash_smem_addr(src)), "r"(bytes) : "memory");
+    else
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(tsys_cuda__flash_smem_addr(src)),
+                     "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void tsys_cuda__flash_bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void tsys_cuda__flash_bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// The query tiles [it0, nqt) of key block kb, at most `nkb` of which reach a tile: add each tile's staged sum
+// (buffer j % SLOTS) into the tile's accumulator ([tiles][BQ x D]) in turn; a tile's counter is passed on once its
+// add is complete, which is checked after the next tile's add is issued.
+template <int BQ, int BKV, int D, int SLOTS, bool CAUSAL>
+__device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqsem, const float *stage, uint64_t *sfull, uint64_t *sempty,
+                                               int b, int kb, int nkb, int it0, int nqt_all, int nqt) {
+    constexpr int PART = BQ * D;
+    int *prev = nullptr;
+    for (int it = it0; it < nqt; it++) {
+        const int j = it - it0, slot = j % SLOTS;
+        tsys_cuda__flash_mbar_wait(sfull + slot, (j / SLOTS) & 1);
+        const int top = CAUSAL ? min(nkb - 1, (it * BQ + BQ - 1) / BKV) : nkb - 1;
+        int *sem = dqsem + (size_t)b * nqt_all + it;
+        tsys_cuda__flash_turn_wait(sem, top - kb);
+        tsys_cuda__flash_bulk_out(dqacc + ((size_t)b * nqt_all + it) * PART, stage + (size_t)slot * PART, PART * sizeof(float), kb < top);
+        tsys_cuda__flash_bulk_wait_read();
+        tsys_cuda__flash_mbar_arrive(sempty + slot);
+        if (prev) {
+            tsys_cuda__flash_bulk_wait<1>();   // the previous tile's add (this tile's may still run)
+            tsys_cuda__flash_turn_pass(prev);
+        }
+        prev = sem;
+    }
+    if (prev) {
+        tsys_cuda__flash_bulk_wait<0>();
+        tsys_cuda__flash_turn_pass(prev);
+    }
+}
+
+// FUSED: the 5-matmul backward. The kernel also makes dQ: each consumer puts its 64 rows of dS^T (bf16) into
+// shared memory and computes the tile's dQ over its own keys, dS_w K_w (dS read MN-major from the dS^T rows, K
+// MN-major); the two parts meet in a staging buffer (tsys_cuda__flash_ws_stage_dq), and the producer warpgroup's
+// warp 2 adds their sum into the tile's accumulator in turn (tsys_cuda__flash_dq_adder), in the consumers'
+// register order ([column block of 8][thread][4]); tsys_cuda__flash_dq_finish rounds it into dq. Key blocks run
+// from the last (blockIdx.x 0) down: a block waits only for the blocks above it, which started before it (the
+// longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
+// later slices start their blocks one by one). nsplit must be 1.
+template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
 tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
                                const float *__restrict__ lse, const float *__restrict__ dvec, T *__restrict__ dk,
                                T *__restrict__ dv, int n, int b0, float scale, float scale_log2, int nsplit,
-                               float *__restrict__ part) {
+                               float *__restrict__ part, float *__restrict__ dqacc, int *__restrict__ dqsem) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW> L;
-    constexpr int BKV = L::BKV, ST = L::ST;
+    typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, FUSED> L;
+    constexpr int BKV = L::BKV, ST = L::ST, SLOTS = L::SLOTS;
+    static_assert(!FUSED || (BQ == 64 && CW == 2), "the fused dQ: dS^T as one 64-column swizzled tile, two consumers");
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *ks = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
     T *vs = ks + BKV * D;
     T *qs = vs + BKV * D;         // [ST][BQ * D]
     T *gs = qs + ST * BQ * D;     // [ST][BQ * D]
-    float *ls = (float *)(gs + ST * BQ * D), *ds = ls + ST * BQ;   // [ST][BQ] each
+    T *dst_s = gs + ST * BQ * D;  // [2][BKV * BQ] (FUSED)
+    float *stage = (float *)((unsigned char *)dst_s + L::DS_BYTES);   // [SLOTS][BQ * D] (FUSED)
+    float *ls = (float *)((unsigned char *)stage + SLOTS * L::STAGE_BYTES), *ds = ls + ST * BQ;   // [ST][BQ] each
     uint64_t *kvfull = (uint64_t *)(ds + ST * BQ), *full = kvfull + 1, *empty = full + ST;
+    uint64_t *ready = empty + ST, *sfull = ready + SLOTS, *sempty = sfull + SLOTS;   // [SLOTS] each (FUSED)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int bhi = blockIdx.y / nsplit, split = blockIdx.y % nsplit;
-    const int k0 = blockIdx.x * BKV, b = b0 + bhi;
+    const int bhi = blockIdx.y / nsplit, split = blockIdx.y % nsplit, nkb = (n + BKV - 1) / BKV;
+    const int kb = FUSED ? nkb - 1 - (int)blockIdx.x : (int)blockIdx.x;   // FUSED: the last key block first
+    const int k0 = kb * BKV, b = b0 + bhi;
     int it0, nqt;   // this block's query tiles [it0, nqt)
     tsys_cuda__flash_share(CAUSAL ? k0 / BQ : 0, (n + BQ - 1) / BQ, nsplit, split, &it0, &nqt);
     // query tiles in [free_lo, free_hi) need no mask: all rows < n and, when causal, >= the block's last key
@@ -3193,8 +3345,16 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     lse += (size_t)b * n; dvec += (size_t)b * n;
 
     tsys_cuda__flash_ws_init(kvfull, full, empty, CW * 4, 1 + 32);
+    if constexpr (FUSED) {
+        if (threadIdx.x == 0) {
+            for (int i = 0; i < SLOTS; i++)
+                tsys_cuda__flash_mbar_init(ready + i, 128), tsys_cuda__flash_mbar_init(sfull + i, 128), tsys_cuda__flash_mbar_init(sempty + i, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+    }
 
-    if (wg == CW) {   // producer warpgroup: thread 0 issues the TMA copies, warp 1 the lse / D rows
+    if (wg == CW) {   // producer warpgroup: thread 0 issues the TMA copies, warp 1 the lse / D rows, warp 2 adds dQ
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (warp == CW * 4 && lane == 0) {
             tsys_cuda__flash_mbar_expect_tx(kvfull, (uint32_t)(2 * L::KV_BYTES));
@@ -3222,6 +3382,10 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
                 }
                 tsys_cuda__flash_cp_async_mbar_arrive(full + s);
             }
+        } else if constexpr (FUSED) {
+            if (warp == CW * 4 + 2 && lane == 0)
+                tsys_cuda__flash_dq_adder<BQ, BKV, D, SLOTS, CAUSAL>(dqacc, dqsem, stage, sfull, sempty, b, kb, nkb, it0,
+                                                                         (n + BQ - 1) / BQ, nqt);
         }
         return;
     }
@@ -3231,6 +3395,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     tsys_cuda__flash_zero<1, D>(&dka);
     tsys_cuda__flash_zero<1, D>(&dva);
     uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];   // P^T and dS^T: their wgmmas may still read them in the next tile
+    float dqa[FUSED ? L::DQ_N / 8 : 1][4];      // FUSED: this consumer's part of the tile's dQ
     tsys_cuda__flash_mbar_wait(kvfull, 0);
 
     tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
@@ -3253,9 +3418,24 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_fence_acc<BQ>(dpt);
         tsys_cuda__flash_wg_kv_ds<BQ>(dpt, st, dt, lane);
         tsys_cuda__flash_wg_pack<T, BQ>(dsa, dpt);
-        tsys_cuda__flash_wg_fence();
-        tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);                 // dK += dS^T Q, waited for in the next tile
-        tsys_cuda__flash_wg_commit();
+        if constexpr (FUSED) {
+            // this consumer's 64 rows of dS^T (the previous tile's dQ wgmma, their last reader, is done)
+            tsys_cuda__flash_ws_put_ds<BQ>(dst_s, dsa, wk0 + (lane >> 2), lane);
+            tsys_cuda__flash_fence_proxy_async();
+            tsys_cuda__flash_named_sync(1 + wg, 128);
+            tsys_cuda__flash_wg_fence();
+            tsys_cuda__flash_wg_ss_mn<T, D, 64, BKV>(dqa, dst_s + wg * 64 * BQ, ks + wg * 64 * 64);   // dQ part = dS_w K_w
+            tsys_cuda__flash_wg_commit();
+            tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
+            tsys_cuda__flash_wg_commit();
+            tsys_cuda__flash_wg_wait<1>();   // dQ
+            tsys_cuda__flash_wg_fence_acc<L::DQ_N>(dqa);
+            tsys_cuda__flash_ws_stage_dq<L::DQ_N>(stage, ready, sfull, sempty, dqa, j, wg);
+        } else {
+            tsys_cuda__flash_wg_fence();
+            tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
+            tsys_cuda__flash_wg_commit();
+        }
     });
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(dka);
@@ -3270,6 +3450,21 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     tsys_cuda__flash_store<T, 1, D>(dk + base, &dka, k0 + wk0, n, scale, lane);
     tsys_cuda__flash_store<T, 1, D>(dv + base, &dva, k0 + wk0, n, 1.0f, lane);
 #endif
+}
+
+// dq = scale x the fused backward's dQ accumulator (see the kernel), rows < n.
+template <typename T, int D, int BQ>
+__global__ void tsys_cuda__flash_dq_finish(T *__restrict__ dq, const float *__restrict__ acc, int64_t tiles, int nqt, int n, float scale) {
+    constexpr int PART = BQ * D / 4;   // float4s
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < tiles * PART; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t tile = i / PART;
+        const int r = (int)(i % PART), nb = r / 128, t = r % 128;
+        const int row = (int)(tile % nqt) * BQ + (t >> 5) * 16 + ((t & 31) >> 2), col = nb * 8 + (t & 3) * 2;
+        const float4 v = reinterpret_cast<const float4 *>(acc)[i];
+        T *o = dq + (size_t)(tile / nqt) * n * D + (size_t)row * D + col;
+        if (row < n) *(uint32_t *)o = tsys_cuda__flash_t<T>::pack(v.x * scale, v.y * scale);
+        if (row + 8 < n) *(uint32_t *)(o + 8 * D) = tsys_cuda__flash_t<T>::pack(v.z * scale, v.w * scale);
+    }
 }
 
 // cuTensorMapEncodeTiled from the driver, fetched through the runtime (no link against libcuda). It is one
@@ -3654,8 +3849,38 @@ static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
         dim3 grid((n + L::BKV - 1) / L::BKV, (unsigned)((bh - b0 < 65535 ? bh - b0 : 65535) * nsplit));
-        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dk, dv, n, (int)b0, scale, scale * TSYS_CUDA__FLASH_LOG2E, nsplit, part);
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dk, dv, n, (int)b0, scale, scale * TSYS_CUDA__FLASH_LOG2E, nsplit, part,
+                                          nullptr, nullptr);
     }
+    return cudaGetLastError();
+}
+
+// The fused (5-matmul) backward: dK, dV and dQ from one warp-specialized kernel (see its FUSED comment), then dq
+// rounded from the accumulator. dqacc: bh x ceil(n / BQ) tiles of BQ x D floats, then one int a tile (the turn
+// counters, cleared here). The entry points do not use it: at d 64 it measured no faster than the 7-matmul kernels
+// (docs/perf-notes-flash.md, v12); flash_lab's `fused` mode checks and times it. cudaErrorNotSupported when no
+// tensor map can be made.
+template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW>
+static cudaError_t tsys_cuda__flash_bwd_fused_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse, const float *dvec,
+                                            T *dq, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s, float *dqacc) {
+    typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, true> L;
+    CUtensorMap tq, tk, tv, tg;
+    if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, BQ, L::BKV)) return cudaErrorNotSupported;
+    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, true>;
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
+    if (err != cudaSuccess) return err;
+    const int nqt = (n + BQ - 1) / BQ, nkb = (n + L::BKV - 1) / L::BKV;
+    const int64_t tiles = bh * nqt;
+    int *turns = (int *)(dqacc + (size_t)tiles * BQ * D);
+    if ((err = cudaMemsetAsync(turns, 0, (size_t)tiles * sizeof(int), s)) != cudaSuccess) return err;
+    for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
+        dim3 grid(nkb, (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535));
+        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, tg, lse, dvec, dk, dv, n, (int)b0, scale, scale * TSYS_CUDA__FLASH_LOG2E, 1, nullptr,
+                                          dqacc, turns);
+    }
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    const int64_t f4 = tiles * BQ * D / 4;
+    tsys_cuda__flash_dq_finish<T, D, BQ><<<(unsigned)((f4 + 255) / 256 < 2048 ? (f4 + 255) / 256 : 2048), 256, 0, s>>>(dq, dqacc, tiles, nqt, n, scale);
     return cudaGetLastError();
 }
 

@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|wgvariants|wsdq|wsdkdv|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|wgvariants|wsdq|wsdkdv|fused|lb] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -453,6 +453,68 @@ template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
     fflush(stdout);
 }
 
+// The fused (5-matmul) backward (not used by the entry points): dQ, dK and dV against the mma.sync backward at 300
+// and 1000 rows, causal and not; the same bits from two runs on a 4 x 4096 problem (the order of the dQ adds is
+// fixed by the turns); then timed on the benchmark shape beside the 7-matmul warp-specialized kernels.
+template <int D> static void fused_variant(long bh, long n) {
+    typedef __nv_bfloat16 T;
+    const float scale = 1.0f / sqrtf((float)D);
+    auto fused = [&](bool causal, Buf &q, Buf &k, Buf &v, Buf &g, Buf &lse, Buf &sc, Buf &dq, Buf &dk, Buf &dv, long sb, long sn) {
+        float *acc = (float *)sc.d + (sb * sn + 3) / 4 * 4;
+        return causal ? tsys_cuda__flash_bwd_fused_ws<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, sb, sn, scale, 0, acc)
+                      : tsys_cuda__flash_bwd_fused_ws<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, sb, sn, scale, 0, acc);
+    };
+    for (int c = 0; c < 4; c++) {
+        const bool causal = c % 2 == 0;
+        const long sb = 2, sn = c < 2 ? 300 : 1000;
+        const size_t N = sb * sn * D, R = sb * sn;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
+        Buf dq2(1, N), dk2(1, N), dv2(1, N);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison(); dk2.poison(); dv2.poison();
+        lab_mma_reference<T, D>(causal, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        const cudaError_t e1 = fused(causal, q, k, v, g, lse, sc, dq2, dk2, dv2, sb, sn), e2 = cudaDeviceSynchronize();
+        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "fused d=%d: %s / %s", D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
+        dq.download(); dk.download(); dv.download(); dq2.download(); dk2.download(); dv2.download();
+        const double eq = rel_err(dq2.h.data(), dq.h.data(), N), ek = rel_err(dk2.h.data(), dk.h.data(), N), ev = rel_err(dv2.h.data(), dv.h.data(), N);
+        report(eq < 1e-2 && ek < 1e-2 && ev < 1e-2, "fused d=%d n=%ld causal=%d vs mma.sync: dQ %.1e dK %.1e dV %.1e", D, sn, causal, eq, ek, ev);
+    }
+    {
+        const long sb = 4, sn = 4096;
+        const size_t N = sb * sn * D, R = sb * sn;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
+        Buf dq2(1, N), dk2(1, N), dv2(1, N);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison(); dk2.poison(); dv2.poison();
+        lab_mma_reference<T, D>(true, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        CHECK(fused(true, q, k, v, g, lse, sc, dq, dk, dv, sb, sn));
+        CHECK(fused(true, q, k, v, g, lse, sc, dq2, dk2, dv2, sb, sn));
+        CHECK(cudaDeviceSynchronize());
+        dq.download(); dk.download(); dv.download(); dq2.download(); dk2.download(); dv2.download();
+        report(dq.raw == dq2.raw && dk.raw == dk2.raw && dv.raw == dv2.raw, "fused d=%d 4 x 4096 causal: the same bits from two runs", D);
+    }
+    for (int c = 0; c < 2; c++) {
+        const bool causal = c == 0;
+        const size_t N = bh * n * D, R = bh * n;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
+        q.randomize(); k.randomize(); v.randomize(); g.randomize();
+        CHECK((tsys_cuda__flash_fwd_wg<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
+        CHECK((tsys_cuda__flash_bwd_wg<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, 1)));
+        auto seven = [&] {
+            if (causal) {
+                CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0)));
+                CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0)));
+            } else {
+                CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0)));
+                CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0)));
+            }
+        };
+        const float tf = time_ms([&] { CHECK(fused(causal, q, k, v, g, lse, sc, dq, dk, dv, bh, n)); }, 3, 20), t7 = time_ms(seven, 3, 20);
+        const double f = 4.0 * bh * n * n * D / (causal ? 2 : 1);
+        printf("  fused bf16 bh=%ld n=%ld d=%d causal=%d: %.3f ms (%.0f TFLOP/s of 5 mm); 7-matmul dQ + dK/dV %.3f ms\n",
+               bh, n, D, causal, tf, 2.5 * f / tf / 1e9, t7);
+        fflush(stdout);
+    }
+}
+
 static void bench(int dt, long bh, long n, long d, bool causal) {
     const size_t N = bh * n * d, R = bh * n;
     Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, lab_scratch(dt, bh, n, d, causal));
@@ -511,6 +573,8 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "wsdkdv") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dkdv: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "wsdkdv"))
         wsdkdv_variant<64, 64, 2>(16, 16384), wsdkdv_variant<128, 64, 2>(16, 16384);
+    if (!strcmp(mode, "fused") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== fused: the warp-specialized kernels cannot run here\n");
+    else if (!strcmp(mode, "fused")) fused_variant<64>(16, 16384);
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);
