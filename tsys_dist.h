@@ -66,6 +66,8 @@
                             within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
       TSYS_DIST_BIND=0      tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
                             own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
+      TSYS_DIST_NCCL_BLOCKING  0: a non-blocking NCCL communicator (every NCCL call polled with the
+                            deadline; each collective ~50 us slower); default 1, NCCL's blocking mode
       TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
                             dtype and size; 0: never; default: under TSYS_DEBUG, and at 64 KiB and up
                             (the shared-memory and tcp paths always check: it costs them nothing)
@@ -92,9 +94,11 @@
           tells the others; the others name rank 0 when it is the one that is gone;
         - MPI across hosts: "no reply from the group within T s" (MPI does not say who; mpirun itself
           stops the job when a rank exits and names it); ranks on this host are still named by pid;
-        - NCCL: the communicator is created non-blocking and polled (ncclCommGetAsyncError) with the
-          deadline, then aborted (ncclCommAbort); a collective that never finishes is detected where
-          the host waits for the side stream: tsys_dist_barrier;
+        - NCCL: the communicator is made on a helper thread that the rank waits for with the deadline
+          (a group that does not form is an error, the helper left behind); a collective that never
+          finishes is detected where the host waits for the side stream (polling ncclCommGetAsyncError
+          with the deadline, then ncclCommAbort): tsys_dist_barrier, and tsys_dist_free before it
+          finalizes the communicator;
         - the launcher prints the first rank that exited non-zero and stops the others after a grace
           of min(5 s, TSYS_DIST_TIMEOUT) (they usually report the dead rank themselves first).
       Not detected: a rank that keeps calling collectives of matching shape with wrong data; an NCCL
@@ -1704,6 +1708,7 @@ static bool tsys_dist__nccl_ok(tsys_dist *d, ncclResult_t r, const char *what, t
     tsys_dist__break(d, e);
     return false;
 }
+static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e);
 // A non-blocking communicator: waits (host side, bounded by the timeout) until the last call is
 // through; on timeout the communicator is aborted.
 static bool tsys_dist__nccl_settle(tsys_dist *d, const char *what, tsys_dist__err *e) {
@@ -1739,18 +1744,55 @@ static void tsys_dist__warn_one_cpu(const tsys_dist *d) {
     (void)d;
 #endif
 }
-static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
+// The communicator is blocking (NCCL's default, as torch's): a non-blocking one, whose every call is polled
+// with ncclCommGetAsyncError, made each collective ~50 us slower (2 x H200, 1 MB all-reduce: 80 us against
+// 31). Its creation, the step that waits for every peer, still cannot hang: it runs on a helper thread that
+// tsys_dist__nccl_setup waits for with the group's timeout. TSYS_DIST_NCCL_BLOCKING=0 asks for the
+// non-blocking communicator.
+typedef struct tsys_dist__nccl_init {
     ncclUniqueId id;
-    memset(&id, 0, sizeof id);
-    if (d->rank == 0 && !tsys_dist__nccl_ok(d, ncclGetUniqueId(&id), "ncclGetUniqueId", e)) return false;
-    if (d->size > 1 && !tsys_dist__setup_bcast(d, &id, (int64_t)sizeof id, 0, e)) return false;
+    int size, rank, device, blocking;
+    ncclComm_t comm;
+    ncclResult_t r;
+    int done;   // set last, with release order
+} tsys_dist__nccl_init;
+static void *tsys_dist__nccl_init_main(void *arg) {
+    tsys_dist__nccl_init *a = (tsys_dist__nccl_init *)arg;
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = 0;
-    ncclComm_t comm = NULL;
-    ncclResult_t r = ncclCommInitRankConfig(&comm, d->size, id, d->rank, &cfg);
-    d->nccl = comm;
-    if (!tsys_dist__nccl_ok(d, r, "ncclCommInitRankConfig", e)) { if (comm) ncclCommAbort(comm); d->nccl = NULL; return false; }
-    return tsys_dist__nccl_settle(d, "ncclCommInitRankConfig (the group did not form)", e);
+    cfg.blocking = a->blocking;
+    a->r = cudaSetDevice(a->device) == cudaSuccess ? ncclCommInitRankConfig(&a->comm, a->size, a->id, a->rank, &cfg) : ncclUnhandledCudaError;
+    __atomic_store_n(&a->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
+    tsys_dist__nccl_init *a = (tsys_dist__nccl_init *)calloc(1, sizeof *a);   // the helper may outlive a timeout
+    if (!a) return tsys_dist__seterr(e, TSYS_ERR_OOM, "NCCL setup: out of host memory");
+    if (d->rank == 0 && !tsys_dist__nccl_ok(d, ncclGetUniqueId(&a->id), "ncclGetUniqueId", e)) { free(a); return false; }
+    if (d->size > 1 && !tsys_dist__setup_bcast(d, &a->id, (int64_t)sizeof a->id, 0, e)) { free(a); return false; }
+    long blocking = 1;
+    bool bad = false;
+    tsys_dist__env_long("TSYS_DIST_NCCL_BLOCKING", 0, 1, &blocking, &bad);
+    if (bad) { free(a); return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_NCCL_BLOCKING='%s' is not 0 or 1", getenv("TSYS_DIST_NCCL_BLOCKING")); }
+    a->size = d->size; a->rank = d->rank; a->blocking = (int)blocking;
+    if (cudaGetDevice(&a->device) != cudaSuccess) { free(a); return tsys_dist__seterr(e, TSYS_ERR_CUDA, "NCCL setup: cudaGetDevice failed"); }
+    pthread_t th;
+    if (pthread_create(&th, NULL, tsys_dist__nccl_init_main, a) != 0) { free(a); return tsys_dist__seterr(e, TSYS_ERR_IO, "NCCL setup: pthread_create failed"); }
+    const double t0 = tsys_time_us();
+    while (!__atomic_load_n(&a->done, __ATOMIC_ACQUIRE)) {
+        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {   // the helper stays blocked in NCCL; the group is broken
+            pthread_detach(th);
+            tsys_dist__seterr(e, TSYS_ERR_NCCL, "ncclCommInitRankConfig: the group did not form within %g s (a peer died or stalled)", d->timeout_s);
+            tsys_dist__break(d, e);
+            return false;
+        }
+        tsys_dist__nap_us(200);
+    }
+    pthread_join(th, NULL);
+    const ncclResult_t r = a->r;
+    d->nccl = a->comm;
+    free(a);
+    if (!tsys_dist__nccl_ok(d, r, "ncclCommInitRankConfig", e)) { if (d->nccl) ncclCommAbort(d->nccl); d->nccl = NULL; return false; }
+    return r != ncclInProgress || tsys_dist__nccl_settle(d, "ncclCommInitRankConfig (the group did not form)", e);
 }
 #endif
 
@@ -1805,8 +1847,11 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
         else {
             tsys_dist__err e;
             memset(&e, 0, sizeof e);
-            ncclCommFinalize(d->nccl);
-            tsys_dist__nccl_settle(d, "ncclCommFinalize", &e);
+            // a blocking ncclCommFinalize waits for the collectives in flight: first make sure they end
+            if (tsys_dist__nccl_drain(d, "tsys_dist_free", &e)) {
+                ncclCommFinalize(d->nccl);
+                tsys_dist__nccl_settle(d, "ncclCommFinalize", &e);
+            }
             if (d->nccl) ncclCommDestroy(d->nccl);
         }
         d->nccl = NULL;
@@ -2274,6 +2319,44 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
     return TSYS_OK;
 }
 
+#ifdef TSYS_DIST_NCCL
+// Waits (host side, bounded by the timeout) for the NCCL collectives issued so far on the side stream; a
+// peer that died or stalled ends it in an error and an aborted communicator.
+static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e) {
+    tsys_event ev;
+    memset(&ev, 0, sizeof ev);
+    if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
+        return tsys_dist__seterr(e, tsys_ctx_status(d->ctx), "%s: %s", what, tsys_ctx_last_error(d->ctx));
+    const double t0 = tsys_time_us();
+    bool ok = true;
+    for (long spins = 0;; spins++) {
+        const cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
+        if (q == cudaSuccess) break;
+        ncclResult_t ae = ncclSuccess;
+        const ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
+        if (qr != ncclSuccess) ae = qr;
+        if (q != cudaErrorNotReady) { ok = tsys_dist__seterr(e, TSYS_ERR_CUDA, "%s: %s", what, cudaGetErrorString(q)); break; }
+        if (ae != ncclSuccess && ae != ncclInProgress) {
+            char buf[64];
+            snprintf(buf, sizeof buf, "%s: NCCL", what);
+            ok = tsys_dist__nccl_ok(d, ae, buf, e);
+            break;
+        }
+        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
+            tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", what, d->timeout_s);
+            tsys_dist__break(d, e);
+            ncclCommAbort(d->nccl);
+            d->nccl = NULL;
+            ok = false;
+            break;
+        }
+        if (spins > 1000) tsys_dist__nap_us(50);
+    }
+    tsys_event_release(d->ctx, &ev);
+    return ok;
+}
+#endif
+
 // Host barrier after everything issued so far on the host; on an NCCL group it also waits (bounded
 // by the timeout, host side) for the side stream, so a stuck NCCL collective ends in an error here.
 TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
@@ -2281,35 +2364,7 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
 #ifdef TSYS_DIST_NCCL
-    if (d->nccl && !tsys_cuda_capturing(d->ctx)) {
-        tsys_event ev;
-        memset(&ev, 0, sizeof ev);
-        if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK) return tsys_ctx_status(d->ctx);
-        double t0 = tsys_time_us();
-        for (long spins = 0;; spins++) {
-            cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
-            if (q == cudaSuccess) break;
-            ncclResult_t ae = ncclSuccess;
-            ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
-            if (qr != ncclSuccess) ae = qr;
-            if (q != cudaErrorNotReady || (ae != ncclSuccess && ae != ncclInProgress)) {
-                tsys_event_release(d->ctx, &ev);
-                if (q != cudaErrorNotReady) return tsys_dist__fail(d, TSYS_ERR_CUDA, "barrier: %s", cudaGetErrorString(q));
-                tsys_dist__nccl_ok(d, ae, "barrier: NCCL", &e);
-                return tsys_dist__fail(d, e.status, "%s", e.msg);
-            }
-            if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
-                tsys_event_release(d->ctx, &ev);
-                tsys_dist__seterr(&e, TSYS_ERR_NCCL, "barrier: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", d->timeout_s);
-                tsys_dist__break(d, &e);
-                ncclCommAbort(d->nccl);
-                d->nccl = NULL;
-                return tsys_dist__fail(d, e.status, "%s", e.msg);
-            }
-            if (spins > 1000) tsys_dist__nap_us(50);
-        }
-        tsys_event_release(d->ctx, &ev);
-    }
+    if (d->nccl && !tsys_cuda_capturing(d->ctx) && !tsys_dist__nccl_drain(d, "barrier", &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
 #endif
     if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "barrier: the group is broken since: %s", d->broken_msg);
     tsys_dist__coll c;

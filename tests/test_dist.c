@@ -6,6 +6,8 @@
 //   build/test_dist --die R | --stall R               rank R exits early / stalls before a collective: the
 //                                                     others must fail within TSYS_DIST_TIMEOUT, naming it
 //                                                     (tests/test_dist_fail.sh runs these)
+//   build/test_dist_cuda --die R --nccl               the same through NCCL with CUDA tensors (one GPU a rank):
+//                                                     the others' tsys_dist_barrier must fail within the timeout
 // Every rank fills its tensors with a known function of (rank, index); results are checked against
 // values computed on one rank. Each collective runs on every path the group has: with shared memory
 // and without (MPI or TCP), on CPU tensors, and on CUDA tensors when built with CUDA (NCCL in a
@@ -561,17 +563,30 @@ static void cuda_graph_capture_on(tsys_dist *d, bool nccl) {
 
 // ---- failure modes (run by tests/test_dist_fail.sh) ----------------------------------------------
 
-static int failure_mode(tsys_dist *d, bool die, int victim) {
+static int failure_mode(tsys_dist *d, bool die, int victim, bool nccl) {
     int rank = tsys_dist_rank(d);
+    tsys_device dev = TSYS_CPU;
+#ifdef TSYS_WITH_CUDA
+    if (nccl) {   // a second group through NCCL; the collectives below carry CUDA tensors
+        tsys_dist_desc cd;
+        memset(&cd, 0, sizeof cd);
+        cd.cuda = true;
+        cd.engine = TSYS_DIST_ENGINE_NCCL;
+        if (!(d = tsys_dist_init(g_ctx, &cd))) { fprintf(stderr, "rank %d: NCCL group: %s\n", rank, tsys_ctx_last_error(g_ctx)); return 1; }
+        dev = TSYS_CUDA;
+    }
+#else
+    if (nccl) { fprintf(stderr, "test_dist: --nccl needs the CUDA build\n"); return 2; }
+#endif
     if (tsys_dist_barrier(d) != TSYS_OK) { fprintf(stderr, "rank %d: first barrier: %s\n", rank, tsys_ctx_last_error(g_ctx)); return 1; }
     if (rank == victim) {
         if (die) _exit(0);   // early, without a word and without tsys_dist_free / MPI_Finalize
         for (;;) sleep(1000);
     }
     int64_t n = 1000;
-    tsys_tensor *t = mk(TSYS_CPU, TSYS_F32, n, NULL);
-    for (int k = 0; k < 3; k++)
-        if (tsys_dist_all_reduce(d, t, TSYS_DIST_SUM) != TSYS_OK) {
+    tsys_tensor *t = mk(dev, TSYS_F32, n, NULL);
+    for (int k = 0; k < 3; k++)   // NCCL: the collective is only enqueued; the barrier waits for it
+        if (tsys_dist_all_reduce(d, t, TSYS_DIST_SUM) != TSYS_OK || (dev != TSYS_CPU && tsys_dist_barrier(d) != TSYS_OK)) {
             fprintf(stderr, "rank %d: all_reduce failed as it should: %s\n", rank, tsys_ctx_last_error(g_ctx));
             return 1;
         }
@@ -581,12 +596,13 @@ static int failure_mode(tsys_dist *d, bool die, int victim) {
 
 int main(int argc, char **argv) {
     int nproc = 1, victim = -1;
-    bool die = false;
+    bool die = false, nccl = false;
     const char *filter = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = atoi(argv[++i]);
         else if ((!strcmp(argv[i], "--die") || !strcmp(argv[i], "--stall")) && i + 1 < argc) { die = !strcmp(argv[i], "--die"); victim = atoi(argv[++i]); }
-        else if (argv[i][0] == '-') { fprintf(stderr, "usage: test_dist [--nproc N] [--die R | --stall R] [filter]\n"); return 2; }
+        else if (!strcmp(argv[i], "--nccl")) nccl = true;
+        else if (argv[i][0] == '-') { fprintf(stderr, "usage: test_dist [--nproc N] [--die R | --stall R [--nccl]] [filter]\n"); return 2; }
         else filter = argv[i];
     }
     int code = 0;
@@ -599,7 +615,7 @@ int main(int argc, char **argv) {
     if (!slice_set) unsetenv("TSYS_DIST_SHM_SLICE");
     if (!d) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
     g_rank = tsys_dist_rank(d); g_size = tsys_dist_size(d);
-    if (victim >= 0) return failure_mode(d, die, victim);
+    if (victim >= 0) return failure_mode(d, die, victim, nccl);
     g_main = d;
     g_group[0] = d; g_dev[0] = TSYS_CPU;
     g_name[0] = d->shm_base ? "shm" : tsys_dist_engine_name(tsys_dist_engine_of(d));

@@ -34,6 +34,12 @@ case_ "launcher, tcp: rank 1 stalls" $((T + 8)) "rank 1: nothing received" env T
 if [ -x "$BUILD/test_fsdp" ]; then
   case_ "fsdp: rank 1 exits before the forward" $((T + 6)) "$named exited" "$BUILD/test_fsdp" --nproc 2 --die 1
 fi
+# NCCL with CUDA tensors (two GPUs and the CUDA build only): the dead or stalled rank is caught where the
+# others wait for the side stream (tsys_dist_barrier), within the timeout
+if [ -x "$BUILD/test_dist_cuda" ] && command -v mpirun > /dev/null && [ "$(nvidia-smi -L 2> /dev/null | grep -c GPU)" -ge 2 ]; then
+  case_ "nccl: rank 1 exits" $((T + 8)) "rank 1|NCCL|did not finish" mpirun --oversubscribe -np 2 "$BUILD/test_dist_cuda" --die 1 --nccl
+  case_ "nccl: rank 1 stalls" $((T + 10)) "rank 1|NCCL|did not finish" mpirun --oversubscribe -np 2 "$BUILD/test_dist_cuda" --stall 1 --nccl
+fi
 # the rendezvous itself: nobody there
 port=$((20000 + RANDOM % 20000))
 case_ "rendezvous: rank 0 never comes" $((T + 4)) "could not join rank 0 at 127.0.0.1:$port within $T s" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin"
