@@ -2392,12 +2392,11 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
 #define TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, TAIL) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." AB "." AB " " TSYS_CUDA__FLASH_WGMMA_D##NACC ", " OPS ", p, " TAIL ";\n}\n"
-#define TSYS_CUDA__FLASH_WGMMA_D16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define TSYS_CUDA__FLASH_WGMMA_D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define TSYS_CUDA__FLASH_WGMMA_D64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 #define TSYS_CUDA__FLASH_WGMMA_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define TSYS_CUDA__FLASH_WGMMA_ACC16(d) TSYS_CUDA__FLASH_WGMMA_ACC8(d, 0), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 8)
-#define TSYS_CUDA__FLASH_WGMMA_ACC32(d) TSYS_CUDA__FLASH_WGMMA_ACC16(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 16), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 24)
+#define TSYS_CUDA__FLASH_WGMMA_ACC32(d) TSYS_CUDA__FLASH_WGMMA_ACC8(d, 0), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 8), \
+    TSYS_CUDA__FLASH_WGMMA_ACC8(d, 16), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 24)
 #define TSYS_CUDA__FLASH_WGMMA_ACC64(d) TSYS_CUDA__FLASH_WGMMA_ACC32(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 32), \
     TSYS_CUDA__FLASH_WGMMA_ACC8(d, 40), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 48), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 56)
 // operands: the NACC accumulators, then da, db, acc (ss) or a[0..3], db, 1 (rs: always accumulate).
@@ -2408,20 +2407,18 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
 #define TSYS_CUDA__FLASH_WGMMA_RS(AB, NN, NACC, OPS, PRED) \
     asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, 1") \
                  : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
-// The N = 32, 64, 128 cases of one element type (AB) for ss and rs.
+// The N = 64 and 128 cases of one element type (AB) for ss and rs.
 #define TSYS_CUDA__FLASH_WGMMA_SS_N(AB, TR) \
-    if constexpr (N == 32) TSYS_CUDA__FLASH_WGMMA_SS(AB, 32, 16, "%16, %17", "%18", TR); \
-    else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS(AB, 64, 32, "%32, %33", "%34", TR); \
+    if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS(AB, 64, 32, "%32, %33", "%34", TR); \
     else TSYS_CUDA__FLASH_WGMMA_SS(AB, 128, 64, "%64, %65", "%66", TR)
 #define TSYS_CUDA__FLASH_WGMMA_RS_N(AB) \
-    if constexpr (N == 32) TSYS_CUDA__FLASH_WGMMA_RS(AB, 32, 16, "{%16,%17,%18,%19}, %20", "%21"); \
-    else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS(AB, 64, 32, "{%32,%33,%34,%35}, %36", "%37"); \
+    if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS(AB, 64, 32, "{%32,%33,%34,%35}, %36", "%37"); \
     else TSYS_CUDA__FLASH_WGMMA_RS(AB, 128, 64, "{%64,%65,%66,%67}, %68", "%69")
 
 template <typename T, int N> struct tsys_cuda__flash_wgmma {
     static constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
     static_assert(BF16 || std::is_same<T, __half>::value, "wgmma: bf16 or fp16 operands");
-    static_assert(N == 32 || N == 64 || N == 128, "wgmma: N = 32, 64 or 128");
+    static_assert(N == 64 || N == 128, "wgmma: N = 64 or 128");
     static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int acc) {
         if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", "0, 0"); }
         else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", "0, 0"); }
@@ -3182,10 +3179,9 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
 template <typename T, int D, int BQ, int CW, bool FUSED = false> struct tsys_cuda__flash_ws_kv_layout {
     static constexpr int BKV = CW * 64, NT = (CW + 1) * 128, ST = TSYS_CUDA__FLASH_WG_STAGES;
     static constexpr int SLOTS = FUSED ? 2 : 0;           // dQ staging buffers (the finishing consumer alternates)
-    static constexpr int DQ_N = D;                         // dQ columns a consumer computes (over its own keys)
     static constexpr size_t KV_BYTES = (size_t)BKV * D * sizeof(T), QT_BYTES = (size_t)BQ * D * sizeof(T);
     static constexpr size_t DS_BYTES = FUSED ? (size_t)BKV * BQ * sizeof(T) : 0;       // dS^T
-    static constexpr size_t STAGE_BYTES = (size_t)BQ * DQ_N * sizeof(float);          // one consumer's dQ part
+    static constexpr size_t STAGE_BYTES = (size_t)BQ * D * sizeof(float);             // one tile's dQ part
     // K, V; the Q and dO rings; dS^T; the dQ staging; the lse and D rings; the mbarriers; alignment slack
     static constexpr size_t SMEM = 2 * KV_BYTES + ST * 2 * QT_BYTES + DS_BYTES + SLOTS * STAGE_BYTES + ST * 2 * BQ * sizeof(float) +
                                    8 * (1 + 2 * ST + 3 * SLOTS) + 1024;
@@ -3328,7 +3324,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     T *vs = ks + BKV * D;
     T *qs = vs + BKV * D;         // [ST][BQ * D]
     T *gs = qs + ST * BQ * D;     // [ST][BQ * D]
-    T *dst_s = gs + ST * BQ * D;  // [2][BKV * BQ] (FUSED)
+    T *dst_s = gs + ST * BQ * D;  // [BKV * BQ] (FUSED)
     float *stage = (float *)((unsigned char *)dst_s + L::DS_BYTES);   // [SLOTS][BQ * D] (FUSED)
     float *ls = (float *)((unsigned char *)stage + SLOTS * L::STAGE_BYTES), *ds = ls + ST * BQ;   // [ST][BQ] each
     uint64_t *kvfull = (uint64_t *)(ds + ST * BQ), *full = kvfull + 1, *empty = full + ST;
@@ -3395,7 +3391,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     tsys_cuda__flash_zero<1, D>(&dka);
     tsys_cuda__flash_zero<1, D>(&dva);
     uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];   // P^T and dS^T: their wgmmas may still read them in the next tile
-    float dqa[FUSED ? L::DQ_N / 8 : 1][4];      // FUSED: this consumer's part of the tile's dQ
+    float dqa[FUSED ? D / 8 : 1][4];            // FUSED: this consumer's part of the tile's dQ
     tsys_cuda__flash_mbar_wait(kvfull, 0);
 
     tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
@@ -3429,8 +3425,8 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
             tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
             tsys_cuda__flash_wg_commit();
             tsys_cuda__flash_wg_wait<1>();   // dQ
-            tsys_cuda__flash_wg_fence_acc<L::DQ_N>(dqa);
-            tsys_cuda__flash_ws_stage_dq<L::DQ_N>(stage, ready, sfull, sempty, dqa, j, wg);
+            tsys_cuda__flash_wg_fence_acc<D>(dqa);
+            tsys_cuda__flash_ws_stage_dq<D>(stage, ready, sfull, sempty, dqa, j, wg);
         } else {
             tsys_cuda__flash_wg_fence();
             tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile

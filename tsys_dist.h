@@ -2908,8 +2908,6 @@ struct tsys_zero1 {
     int ntp;
     int *owner;                  // per trainable parameter
     int *chunk;                  // per trainable parameter: its chunk of its owner's run
-    tsys_tensor **mine;          // the ones this rank owns
-    int nmine;
     tsys_optim *opt[TSYS__ZERO1_CHUNKS];   // AdamW over this rank's parameters of each chunk (NULL: none)
     int64_t state_bytes;
     bool layout_agreed;          // every rank has the same owners (tsys__dist_agree_layout)
@@ -2920,7 +2918,7 @@ TSYSDEF void tsys_zero1_free(tsys_zero1 *z) {
     if (!z) return;
     for (int c = 0; c < TSYS__ZERO1_CHUNKS; c++) tsys_optim_free(z->opt[c]);
     for (int i = 0; i < z->n; i++) tsys_tensor_release(z->params[i]);
-    TSYS__DIST_RELEASE(z->params); TSYS__DIST_RELEASE(z->tp); TSYS__DIST_RELEASE(z->owner); TSYS__DIST_RELEASE(z->chunk); TSYS__DIST_RELEASE(z->mine);
+    TSYS__DIST_RELEASE(z->params); TSYS__DIST_RELEASE(z->tp); TSYS__DIST_RELEASE(z->owner); TSYS__DIST_RELEASE(z->chunk);
     TSYS__DIST_RELEASE(z->works);
     TSYS__DIST_RELEASE(z);
 }
@@ -2940,11 +2938,10 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
     z->params = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
     z->tp = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    z->mine = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
     z->owner = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
     z->chunk = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
     z->works = (tsys_dist_work **)TSYS__DIST_ALLOC(sizeof(tsys_dist_work *) * cnt);
-    if (!z->params || !z->tp || !z->mine || !z->owner || !z->chunk || !z->works) {
+    if (!z->params || !z->tp || !z->owner || !z->chunk || !z->works) {
         tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory");
         tsys_zero1_free(z);
         return NULL;
@@ -2968,10 +2965,7 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
         int owner = total > 0 ? (int)((before + 0.5 * sz) * world / total) : 0;
         z->owner[i] = owner < world ? owner : world - 1;
         before += sz;
-        if (z->owner[i] == rank) {
-            z->mine[z->nmine++] = z->tp[i];
-            z->state_bytes += 2 * (int64_t)tsys_tensor_numel(z->tp[i]) * 4;   // m and v, fp32
-        }
+        if (z->owner[i] == rank) z->state_bytes += 2 * (int64_t)tsys_tensor_numel(z->tp[i]) * 4;   // m and v, fp32
     }
     // chunks: each owner's run cut the same way, at c/CHUNKS of its bytes (by middle bytes)
     for (int i = 0; i < z->ntp;) {

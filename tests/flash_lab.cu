@@ -377,9 +377,21 @@ static void run_wgvariants() {
     wgvariant<128, w128b>("128b", 16, 16384); wgvariant<128, w128c>("128c", 16, 16384);
 }
 
+// A bf16 (bh, n, D) problem for the Hopper kernel variants: random q, k, v and dO; outputs, lse and scratch
+// enough for any launcher.
+struct LabProblem {
+    Buf q, k, v, g, o, dq, dk, dv, lse, sc;
+    LabProblem(long bh, long n, int D)
+        : q(1, bh * n * D), k(1, bh * n * D), v(1, bh * n * D), g(1, bh * n * D), o(1, bh * n * D), dq(1, bh * n * D), dk(1, bh * n * D),
+          dv(1, bh * n * D), lse(0, bh * n), sc(0, lab_scratch_max(bh, n, D)) {
+        q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    }
+};
+
 // The mma.sync forward and backward of a small problem: what the Hopper kernel variants are checked against.
 template <typename T, int D>
-static void lab_mma_reference(bool causal, Buf &q, Buf &k, Buf &v, Buf &g, Buf &o, Buf &lse, Buf &dq, Buf &dk, Buf &dv, Buf &sc, long sb, long sn, float scale) {
+static void lab_mma_reference(bool causal, LabProblem &p, long sb, long sn, float scale) {
+    Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &o = p.o, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
     if (causal) {
         CHECK((tsys_cuda__flash_fwd_tc<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, sb, sn, scale, 0)));
         CHECK((tsys_cuda__flash_bwd_tc<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, sb, sn, scale, 0)));
@@ -396,10 +408,12 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     const float scale = 1.0f / sqrtf((float)D);
     for (int c = 0; c < 2; c++) {
         const bool causal = c == 0;
-        const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D)), dq2(1, N);
-        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison();
-        lab_mma_reference<T, D>(causal, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        const long sb = 2, sn = 300; const size_t N = sb * sn * D;
+        LabProblem p(sb, sn, D);
+        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &lse = p.lse, &sc = p.sc;
+        Buf dq2(1, N);
+        dq2.poison();
+        lab_mma_reference<T, D>(causal, p, sb, sn, scale);
         const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0)
                                       : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
         const cudaError_t e2 = cudaDeviceSynchronize();
@@ -410,7 +424,6 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     }
     const size_t N = bh * n * D, R = bh * n;
     Buf q(1, N), k(1, N), v(1, N), g(1, N), dq(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
-    q.randomize(); k.randomize(); v.randomize(); g.randomize();
     CHECK(cudaMemset(lse.d, 0, R * 4)); CHECK(cudaMemset(sc.d, 0, R * 4));
     auto run = [&] { CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0))); };
     const float t = time_ms(run, 3, 20);
@@ -426,11 +439,12 @@ template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
     const float scale = 1.0f / sqrtf((float)D);
     for (int c = 0; c < 2; c++) {
         const bool causal = c == 0;
-        const long sb = 2, sn = 300; const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
+        const long sb = 2, sn = 300; const size_t N = sb * sn * D;
+        LabProblem p(sb, sn, D);
+        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
         Buf dk2(1, N), dv2(1, N);
-        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dk2.poison(); dv2.poison();
-        lab_mma_reference<T, D>(causal, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        dk2.poison(); dv2.poison();
+        lab_mma_reference<T, D>(causal, p, sb, sn, scale);
         const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0)
                                       : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0);
         const cudaError_t e2 = cudaDeviceSynchronize();
@@ -439,9 +453,8 @@ template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
         const double ek = rel_err(dk2.h.data(), dk.h.data(), N), ev = rel_err(dv2.h.data(), dv.h.data(), N);
         report(ek < 1e-2 && ev < 1e-2, "ws dkdv BQ=%d CW=%d d=%d causal=%d vs mma.sync: dK %.1e dV %.1e", BQ, CW, D, causal, ek, ev);
     }
-    const size_t N = bh * n * D, R = bh * n;
-    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
-    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    LabProblem p(bh, n, D);
+    Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &o = p.o, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
     CHECK((tsys_cuda__flash_fwd_wg<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
     CHECK((tsys_cuda__flash_bwd_wg<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, 1)));
     auto ws = [&] { CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0))); };
@@ -467,11 +480,12 @@ template <int D> static void fused_variant(long bh, long n) {
     for (int c = 0; c < 4; c++) {
         const bool causal = c % 2 == 0;
         const long sb = 2, sn = c < 2 ? 300 : 1000;
-        const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
+        const size_t N = sb * sn * D;
+        LabProblem p(sb, sn, D);
+        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
         Buf dq2(1, N), dk2(1, N), dv2(1, N);
-        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison(); dk2.poison(); dv2.poison();
-        lab_mma_reference<T, D>(causal, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        dq2.poison(); dk2.poison(); dv2.poison();
+        lab_mma_reference<T, D>(causal, p, sb, sn, scale);
         const cudaError_t e1 = fused(causal, q, k, v, g, lse, sc, dq2, dk2, dv2, sb, sn), e2 = cudaDeviceSynchronize();
         if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "fused d=%d: %s / %s", D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
         dq.download(); dk.download(); dv.download(); dq2.download(); dk2.download(); dv2.download();
@@ -480,11 +494,12 @@ template <int D> static void fused_variant(long bh, long n) {
     }
     {
         const long sb = 4, sn = 4096;
-        const size_t N = sb * sn * D, R = sb * sn;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(sb, sn, D));
+        const size_t N = sb * sn * D;
+        LabProblem p(sb, sn, D);
+        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
         Buf dq2(1, N), dk2(1, N), dv2(1, N);
-        q.randomize(); k.randomize(); v.randomize(); g.randomize(); dq2.poison(); dk2.poison(); dv2.poison();
-        lab_mma_reference<T, D>(true, q, k, v, g, o, lse, dq, dk, dv, sc, sb, sn, scale);
+        dq2.poison(); dk2.poison(); dv2.poison();
+        lab_mma_reference<T, D>(true, p, sb, sn, scale);
         CHECK(fused(true, q, k, v, g, lse, sc, dq, dk, dv, sb, sn));
         CHECK(fused(true, q, k, v, g, lse, sc, dq2, dk2, dv2, sb, sn));
         CHECK(cudaDeviceSynchronize());
@@ -493,9 +508,8 @@ template <int D> static void fused_variant(long bh, long n) {
     }
     for (int c = 0; c < 2; c++) {
         const bool causal = c == 0;
-        const size_t N = bh * n * D, R = bh * n;
-        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
-        q.randomize(); k.randomize(); v.randomize(); g.randomize();
+        LabProblem p(bh, n, D);
+        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &o = p.o, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
         CHECK((tsys_cuda__flash_fwd_wg<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
         CHECK((tsys_cuda__flash_bwd_wg<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, 1)));
         auto seven = [&] {
