@@ -139,7 +139,8 @@ typedef struct tsys_cuda_mem_info {
 } tsys_cuda_mem_info;
 
 // Which FlashAttention kernels bf16/fp16 attention at head dims 64 and 128 runs (every other head dim has one
-// implementation: mma.sync tensor cores; fp32 has two, chosen by desc.flash_fp32_exact).
+// implementation: mma.sync tensor cores; fp32 has two, chosen by desc.flash_fp32_exact, and its TF32 forward
+// at d = 64 runs warp-specialized under WS, and under AUTO from 2048 rows).
 //   AUTO   the fastest this binary and device can run: WS, else WGMMA, else MMA; a call whose inputs TMA
 //          cannot read (not 16-byte aligned) runs WGMMA instead of WS
 //   WS     warp-specialized forward, dQ and dK/dV (TMA producer warpgroup, wgmma consumers);
@@ -1526,6 +1527,8 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 //          producer warpgroup and consumer warpgroups handing tiles over through mbarriers), dK/dV on the
 //          wgmma kernel; cudaErrorNotSupported when TMA cannot read an input (no tensor map);
 //   AUTO   WS, and WGMMA for a call whose inputs TMA cannot read.
+// fp32 on TF32 at d = 64 under WS (and AUTO from 2048 rows): the warp-specialized forward with tf32 wgmmas (its rounded K and
+// V^T copies in the forward's scratch); the backward, and every other fp32 case, stays on mma.sync.
 // WGMMA, WS and AUTO need a binary built for sm_90a (-gencode arch=compute_90a,code=sm_90a) running on a
 // Hopper GPU (tsys_cuda__flash_wg_probe says so); the caller checks that once (>>init), not per call.
 //
@@ -2384,14 +2387,15 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
 // operand of the next wgmma, as in the mma.sync kernels.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// One warpgroup MMA m64nNk16 with fp32 accumulators (d: this thread's N/2 of them), T = bf16 or fp16:
+// One warpgroup MMA m64nNk16 (k8 for tf32) with fp32 accumulators (d: this thread's N/2 of them), T = bf16,
+// fp16 or float (TF32):
 //   ss  d = (acc ? d : 0) + A B, A and B in shared memory (matrix descriptors da and db);
-//   rs  d += A B, A in registers (a: this thread's 4 registers of the 64 x 16 tile), B in shared memory.
+//   rs  d += A B, A in registers (a: this thread's 4 registers of the 64 x k tile), B in shared memory.
 // An asm template must be one string literal, so the instruction is put together from literals by the
 // macros below and `if constexpr` picks the (T, N) case: each case is the exact text of one instruction.
-#define TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, TAIL) \
+#define TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, KK, NACC, OPS, PRED, TAIL) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n" \
-    "wgmma.mma_async.sync.aligned.m64n" #NN "k16.f32." AB "." AB " " TSYS_CUDA__FLASH_WGMMA_D##NACC ", " OPS ", p, " TAIL ";\n}\n"
+    "wgmma.mma_async.sync.aligned.m64n" #NN "k" #KK ".f32." AB "." AB " " TSYS_CUDA__FLASH_WGMMA_D##NACC ", " OPS ", p, " TAIL ";\n}\n"
 #define TSYS_CUDA__FLASH_WGMMA_D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define TSYS_CUDA__FLASH_WGMMA_D64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 #define TSYS_CUDA__FLASH_WGMMA_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -2400,38 +2404,47 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
 #define TSYS_CUDA__FLASH_WGMMA_ACC64(d) TSYS_CUDA__FLASH_WGMMA_ACC32(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 32), \
     TSYS_CUDA__FLASH_WGMMA_ACC8(d, 40), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 48), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 56)
 // operands: the NACC accumulators, then da, db, acc (ss) or a[0..3], db, 1 (rs: always accumulate).
-// TR: the transpose flags of A and B in ss ("0, 0": both K-major; "1, 1": both MN-major).
-#define TSYS_CUDA__FLASH_WGMMA_SS(AB, NN, NACC, OPS, PRED, TR) \
-    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, " TR) \
+// TAIL: the immediates after the predicate: the scales of A and B (1, 1), then for 16-bit operands the
+// transpose flags (ss: of A and B, "0, 0" both K-major, "1, 1" both MN-major; rs: of B). tf32 has none: its
+// shared-memory operands are always K-major.
+#define TSYS_CUDA__FLASH_WGMMA_SS(AB, NN, KK, NACC, OPS, PRED, TAIL) \
+    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, KK, NACC, OPS, PRED, TAIL) \
                  : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "l"(da), "l"(db), "r"(acc))
-#define TSYS_CUDA__FLASH_WGMMA_RS(AB, NN, NACC, OPS, PRED) \
-    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, NACC, OPS, PRED, "1, 1, 1") \
+#define TSYS_CUDA__FLASH_WGMMA_RS(AB, NN, KK, NACC, OPS, PRED, TAIL) \
+    asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, KK, NACC, OPS, PRED, TAIL) \
                  : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
-// The N = 64 and 128 cases of one element type (AB) for ss and rs.
-#define TSYS_CUDA__FLASH_WGMMA_SS_N(AB, TR) \
-    if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS(AB, 64, 32, "%32, %33", "%34", TR); \
-    else TSYS_CUDA__FLASH_WGMMA_SS(AB, 128, 64, "%64, %65", "%66", TR)
-#define TSYS_CUDA__FLASH_WGMMA_RS_N(AB) \
-    if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS(AB, 64, 32, "{%32,%33,%34,%35}, %36", "%37"); \
-    else TSYS_CUDA__FLASH_WGMMA_RS(AB, 128, 64, "{%64,%65,%66,%67}, %68", "%69")
+// The N = 64 and 128 cases of one element type (AB, k KK) for ss and rs.
+#define TSYS_CUDA__FLASH_WGMMA_SS_N(AB, KK, TAIL) \
+    if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS(AB, 64, KK, 32, "%32, %33", "%34", TAIL); \
+    else TSYS_CUDA__FLASH_WGMMA_SS(AB, 128, KK, 64, "%64, %65", "%66", TAIL)
+#define TSYS_CUDA__FLASH_WGMMA_RS_N(AB, KK, TAIL) \
+    if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS(AB, 64, KK, 32, "{%32,%33,%34,%35}, %36", "%37", TAIL); \
+    else TSYS_CUDA__FLASH_WGMMA_RS(AB, 128, KK, 64, "{%64,%65,%66,%67}, %68", "%69", TAIL)
 
 template <typename T, int N> struct tsys_cuda__flash_wgmma {
     static constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
     static_assert(BF16 || std::is_same<T, __half>::value, "wgmma: bf16 or fp16 operands");
     static_assert(N == 64 || N == 128, "wgmma: N = 64 or 128");
     static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int acc) {
-        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", "0, 0"); }
-        else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", "0, 0"); }
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", 16, "1, 1, 0, 0"); }
+        else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", 16, "1, 1, 0, 0"); }
     }
     // both operands MN-major (A stored K rows x M columns, B K rows x N columns)
     static __device__ __forceinline__ void ss_mn(float *d, uint64_t da, uint64_t db, int acc) {
-        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", "1, 1"); }
-        else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", "1, 1"); }
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", 16, "1, 1, 1, 1"); }
+        else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", 16, "1, 1, 1, 1"); }
     }
     static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) {
-        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_RS_N("bf16"); }
-        else { TSYS_CUDA__FLASH_WGMMA_RS_N("f16"); }
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_RS_N("bf16", 16, "1, 1, 1"); }
+        else { TSYS_CUDA__FLASH_WGMMA_RS_N("f16", 16, "1, 1, 1"); }
     }
+};
+// fp32 operands on TF32 (m64nNk8): both shared-memory operands K-major; the register A operand of one warp's
+// 16 x 8 block holds (row g, col c), (g + 8, c), (g, c + 4), (g + 8, c + 4) for lane = 4 g + c.
+template <int N> struct tsys_cuda__flash_wgmma<float, N> {
+    static_assert(N == 64 || N == 128, "wgmma: N = 64 or 128");
+    static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int acc) { TSYS_CUDA__FLASH_WGMMA_SS_N("tf32", 8, "1, 1"); }
+    static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) { TSYS_CUDA__FLASH_WGMMA_RS_N("tf32", 8, "1, 1"); }
 };
 #endif
 
@@ -2491,12 +2504,16 @@ template <int N> __device__ __forceinline__ void tsys_cuda__flash_wg_fence_acc(f
         for (int e = 0; e < 4; e++) asm volatile("" : "+f"(acc[i][e])::"memory");
 }
 
+// The k of one wgmma: 32 bytes of K-major row (16 elements of 16 bits, 8 tf32), so the descriptors' k-step
+// is the same for every element type.
+template <typename T> constexpr int tsys_cuda__flash_wg_k = 32 / (int)sizeof(T);
+
 // acc (m64 x N) (+)= A (smem, K-major, rows r0..r0+63 of an RA-row tile) * B^T (smem, K-major, N rows), K = KD.
 template <typename T, int N, int RA, int KD>
 __device__ __forceinline__ void tsys_cuda__flash_wg_ss(float (*acc)[4], const T *a, int r0, const T *b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
+    for (int kk = 0; kk < KD / tsys_cuda__flash_wg_k<T>; kk++) {
         const uint64_t da = tsys_cuda__flash_wg_desc_k<RA>(a, r0, kk), db = tsys_cuda__flash_wg_desc_k<N>(b, 0, kk);
         tsys_cuda__flash_wgmma<T, N>::ss(&acc[0][0], da, db, kk > 0);
     }
@@ -2505,24 +2522,37 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_ss(float (*acc)[4], const T 
 // Round a wgmma accumulator (m64 x KD fp32, this thread's part) to 16 bits and pair it into the register A
 // operand of the next wgmma: KD/16 k-steps of 4 registers. All of it is packed before the wgmmas that read
 // it are issued: writing A registers between wgmmas would make ptxas insert a warpgroup.arrive each time.
+// tf32 (KD/8 k-steps): an 8-wide k block's accumulators hold columns 2c, 2c + 1 where the A operand wants c,
+// c + 4, so slot c takes column 2c and slot c + 4 column 2c + 1: B must hold its keys in that order (the
+// TF32 forward's V^T does, tsys_cuda__flash_tf32_prep). Rounded to nearest, as the mma.sync kernels round.
 template <typename T, int KD>
 __device__ __forceinline__ void tsys_cuda__flash_wg_pack(uint32_t (*a)[4], const float (*p)[4]) {
+    if constexpr (sizeof(T) == 4) {
 #pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
-        a[kk][0] = tsys_cuda__flash_t<T>::pack(p[2 * kk][0], p[2 * kk][1]);
-        a[kk][1] = tsys_cuda__flash_t<T>::pack(p[2 * kk][2], p[2 * kk][3]);
-        a[kk][2] = tsys_cuda__flash_t<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        a[kk][3] = tsys_cuda__flash_t<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        for (int kk = 0; kk < KD / 8; kk++) {
+            a[kk][0] = tsys_cuda__flash_t<float>::tf32(p[kk][0]);
+            a[kk][1] = tsys_cuda__flash_t<float>::tf32(p[kk][2]);
+            a[kk][2] = tsys_cuda__flash_t<float>::tf32(p[kk][1]);
+            a[kk][3] = tsys_cuda__flash_t<float>::tf32(p[kk][3]);
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < KD / 16; kk++) {
+            a[kk][0] = tsys_cuda__flash_t<T>::pack(p[2 * kk][0], p[2 * kk][1]);
+            a[kk][1] = tsys_cuda__flash_t<T>::pack(p[2 * kk][2], p[2 * kk][3]);
+            a[kk][2] = tsys_cuda__flash_t<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+            a[kk][3] = tsys_cuda__flash_t<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        }
     }
 }
 // acc (m64 x N) += A (registers, packed by tsys_cuda__flash_wg_pack, m64 x KD) * B (smem tile of KD rows, MN-major,
-// N = D columns).
+// N = D columns; tf32: B^T, a tile of N rows and KD columns, K-major).
 template <typename T, int N, int KD>
 __device__ __forceinline__ void tsys_cuda__flash_wg_rs(float (*acc)[4], const uint32_t (*a)[4], const T *b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #pragma unroll
-    for (int kk = 0; kk < KD / 16; kk++) {
-        const uint64_t db = tsys_cuda__flash_wg_desc_mn<KD>(b, kk);
+    for (int kk = 0; kk < KD / tsys_cuda__flash_wg_k<T>; kk++) {
+        const uint64_t db = sizeof(T) == 4 ? tsys_cuda__flash_wg_desc_k<N>(b, 0, kk) : tsys_cuda__flash_wg_desc_mn<KD>(b, kk);
         tsys_cuda__flash_wgmma<T, N>::rs(&acc[0][0], a[kk], db);
     }
 #endif
@@ -2922,12 +2952,18 @@ tsys_cuda__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__
 }
 
 // >>flash warp-specialized ------------------------------------------------------------------------
+// Barrier `id` (1..15) that `threads` threads (whole warps) meet at: a warpgroup (128) or the consumer warpgroups.
+__device__ __forceinline__ void tsys_cuda__flash_named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Warp-specialized forward (sm_90a): one producer warpgroup streams K/V tiles with the tensor-memory
 // accelerator (TMA) into the ring, three consumer warpgroups (64 query rows each) compute. Stages are handed
 // over with mbarriers instead of block-wide barriers, so the consumers drift out of step and one warpgroup's
 // softmax (special-function unit) runs while another's matmuls use the tensor cores; `setmaxnreg` moves the
 // producer's registers to the consumers (24 / 160 per thread). TMA writes the same 128B-swizzled layout the
-// cp.async loads do, and fills rows past n with zeros.
+// cp.async loads do, and fills rows past n with zeros. T = float runs the matmuls on TF32 (k8 wgmmas, 64-key
+// tiles): Q rounded in shared memory by its consumers, K and V^T from the pre-pass (tsys_cuda__flash_tf32_prep).
 template <typename T, int D, int BK, int CW_ = 3> struct tsys_cuda__flash_ws_layout {
     static constexpr int CW = CW_, BQ = CW * 64, NT = (CW + 1) * 128;
     static constexpr size_t Q_BYTES = (size_t)BQ * D * sizeof(T), KV_BYTES = (size_t)BK * D * sizeof(T);
@@ -2986,20 +3022,40 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_init(uint64_t *qfull, uint64
     __syncthreads();
 }
 // The producer thread's loop: K and V tiles j0..j1-1 of slice b into the ring (the i-th of them in stage
-// i % STAGES), each stage reused once the consumers have released the tile STAGES before.
+// i % STAGES), each stage reused once the consumers have released the tile STAGES before. A box is 128 bytes
+// wide (64 16-bit columns, 32 fp32). fp32 (TF32): tv maps V^T (bh, D, keys), and a stage holds D rows of BK
+// keys, the K-major B operand of P V.
 template <int D, int BK, typename T>
 __device__ __forceinline__ void tsys_cuda__flash_ws_stream_kv(T *ks, T *vs, uint64_t *full, uint64_t *empty, const CUtensorMap *tk,
                                                    const CUtensorMap *tv, int j0, int j1, int b) {
-    constexpr int ST = TSYS_CUDA__FLASH_WG_STAGES;
+    constexpr int ST = TSYS_CUDA__FLASH_WG_STAGES, C = 128 / (int)sizeof(T);
     for (int j = j0; j < j1; j++) {
         const int i = j - j0, s = i % ST;
         if (i >= ST) tsys_cuda__flash_mbar_wait(empty + s, (i / ST - 1) & 1);
         tsys_cuda__flash_mbar_expect_tx(full + s, (uint32_t)(2 * BK * D * sizeof(T)));
-        for (int cb = 0; cb < D / 64; cb++) {
-            tsys_cuda__flash_tma_load(ks + s * BK * D + cb * BK * 64, tk, full + s, cb * 64, j * BK, b);
-            tsys_cuda__flash_tma_load(vs + s * BK * D + cb * BK * 64, tv, full + s, cb * 64, j * BK, b);
+        for (int cb = 0; cb < D / C; cb++) tsys_cuda__flash_tma_load(ks + s * BK * D + cb * BK * C, tk, full + s, cb * C, j * BK, b);
+        if constexpr (sizeof(T) == 4)
+            for (int cb = 0; cb < BK / C; cb++) tsys_cuda__flash_tma_load(vs + s * BK * D + cb * D * C, tv, full + s, j * BK + cb * C, 0, b);
+        else
+            for (int cb = 0; cb < D / C; cb++) tsys_cuda__flash_tma_load(vs + s * BK * D + cb * BK * C, tv, full + s, cb * C, j * BK, b);
+    }
+}
+
+// TF32: each consumer warpgroup rounds its 64 rows of the block's Q tile (D / 32 column blocks of BQ rows x
+// 128 bytes) to nearest in place, as the mma.sync kernels round their operands; wgmma would truncate.
+template <int BQ, int D>
+__device__ __forceinline__ void tsys_cuda__flash_ws_round_q(float *qs, int wg) {
+    for (int cb = 0; cb < D / 32; cb++) {
+        float4 *p = (float4 *)(qs + cb * BQ * 32 + wg * 64 * 32);
+        for (int i = threadIdx.x & 127; i < 64 * 32 / 4; i += 128) {
+            float4 x = p[i];
+            x.x = __uint_as_float(tsys_cuda__flash_t<float>::tf32(x.x)); x.y = __uint_as_float(tsys_cuda__flash_t<float>::tf32(x.y));
+            x.z = __uint_as_float(tsys_cuda__flash_t<float>::tf32(x.z)); x.w = __uint_as_float(tsys_cuda__flash_t<float>::tf32(x.w));
+            p[i] = x;
         }
     }
+    tsys_cuda__flash_fence_proxy_async();   // the generic-proxy writes, before wgmma reads them
+    tsys_cuda__flash_named_sync(1 + wg, 128);
 }
 
 // Split (nsplit > 1, one slice: b0 = 0): blockIdx.y = bh index x nsplit + share, each block runs its share of
@@ -3027,8 +3083,9 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
     if (wg == CW) {   // producer warpgroup: one thread issues every copy
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (threadIdx.x == CW * 128) {
+            constexpr int C = 128 / (int)sizeof(T);
             tsys_cuda__flash_mbar_expect_tx(qfull, (uint32_t)L::Q_BYTES);
-            for (int cb = 0; cb < D / 64; cb++) tsys_cuda__flash_tma_load(qs + cb * BQ * 64, &tq, qfull, cb * 64, q0, b);
+            for (int cb = 0; cb < D / C; cb++) tsys_cuda__flash_tma_load(qs + cb * BQ * C, &tq, qfull, cb * C, q0, b);
             tsys_cuda__flash_ws_stream_kv<D, BK>(ks, vs, full, empty, &tk, &tv, j0, nkt, b);
         }
         return;
@@ -3039,8 +3096,9 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
     float oacc[D / 8][4];
     tsys_cuda__flash_zero<1, D>(&oacc);
     float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };
-    uint32_t pa[BK / 16][4];   // P of the previous tile: its P V wgmma may still be reading these registers
+    uint32_t pa[BK / tsys_cuda__flash_wg_k<T>][4];   // P of the previous tile: its P V wgmma may still be reading these registers
     tsys_cuda__flash_mbar_wait(qfull, 0);
+    if constexpr (sizeof(T) == 4) tsys_cuda__flash_ws_round_q<BQ, D>((float *)qs, wg);
 
     auto tile = [&](int j, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
@@ -3189,10 +3247,6 @@ template <typename T, int D, int BQ, int CW, bool FUSED = false> struct tsys_cud
 
 __device__ __forceinline__ void tsys_cuda__flash_cp_async_mbar_arrive(uint64_t *bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(tsys_cuda__flash_smem_addr(bar)) : "memory");
-}
-// Barrier `id` (1..15) over the first `threads` threads of the block (the consumer warpgroups).
-__device__ __forceinline__ void tsys_cuda__flash_named_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The fused backward's consumers: dS^T (packed as the dK wgmma's A registers, rows r0 and r0 + 8 of the block's
@@ -3480,17 +3534,19 @@ static tsys_cuda__flash_tmap_encode_fn tsys_cuda__flash_tmap_encoder() {
     }();
     return fn;
 }
-// A (bh, n, D) tensor of 16-bit elements as a 3-D tensor map read in boxes of 64 columns x `rows` rows,
-// 128B-swizzled; rows past n read as zeros. False when the driver offers no encoder or refuses the tensor.
+// A (bh, n, D) tensor of 16-bit or fp32 elements as a 3-D tensor map read in boxes of 128 bytes (64 or 32
+// columns) x `rows` rows, 128B-swizzled; rows past n read as zeros. False when the driver offers no encoder
+// or refuses the tensor.
 template <typename T>
 static bool tsys_cuda__flash_tmap_rows(CUtensorMap *m, const T *g, int64_t bh, int n, int D, int rows) {
     tsys_cuda__flash_tmap_encode_fn enc = tsys_cuda__flash_tmap_encoder();
     if (!enc || ((uintptr_t)g & 15)) return false;
     const cuuint64_t dims[3] = { (cuuint64_t)D, (cuuint64_t)n, (cuuint64_t)bh };
     const cuuint64_t strides[2] = { (cuuint64_t)D * sizeof(T), (cuuint64_t)n * D * sizeof(T) };
-    const cuuint32_t box[3] = { 64, (cuuint32_t)rows, 1 }, unit[3] = { 1, 1, 1 };
+    const cuuint32_t box[3] = { 128 / (cuuint32_t)sizeof(T), (cuuint32_t)rows, 1 }, unit[3] = { 1, 1, 1 };
     const CUtensorMapDataType dt = std::is_same<T, __nv_bfloat16>::value ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+                                   : std::is_same<T, float>::value       ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                                                         : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     return enc(m, dt, 3, (void *)g, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -3612,10 +3668,12 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t
 }
 
 template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-specialized kernels' tiles
-    static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_BQ = 3 * 64;                // forward: keys a tile, rows a block
+    // forward: keys a tile (fp32: 64, so that Q and the ring fit shared memory), rows a block
+    static constexpr int FWD_BK = sizeof(T) == 4 || D > 64 ? 64 : 128, FWD_BQ = 3 * 64;
     static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_CW = 2, DQ_BQ = DQ_CW * 64;   // dQ: keys a tile, consumers, rows a block
     static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
 };
+static size_t tsys_cuda__flash_round4(size_t floats) { return (floats + 3) / 4 * 4; }   // 16-byte aligned parts
 // The warp-specialized forward's shares, and the floats of scratch they need (0 when it does not split).
 template <typename T, int D>
 static int tsys_cuda__flash_ws_fwd_shares(int64_t bh, int64_t n) {
@@ -3626,6 +3684,14 @@ template <typename T, int D>
 static size_t tsys_cuda__flash_ws_fwd_split_floats(int64_t bh, int64_t n) {
     const int sh = tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n);
     return sh > 1 ? (size_t)sh * (size_t)(bh * n) * (D + 1) : 0;
+}
+// All the forward's scratch: the shares, and for fp32 (TF32) the rounded K and the padded V^T after them.
+template <typename T, int D>
+static size_t tsys_cuda__flash_ws_fwd_floats(int64_t bh, int64_t n) {
+    const size_t split = tsys_cuda__flash_ws_fwd_split_floats<T, D>(bh, n);
+    if (sizeof(T) != 4) return split;
+    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK;
+    return tsys_cuda__flash_round4(split) + tsys_cuda__flash_round4((size_t)(bh * n) * D) + (size_t)bh * D * ((n + BK - 1) / BK * BK);
 }
 // The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles).
 template <typename T, int D>
@@ -3782,10 +3848,36 @@ static cudaError_t tsys_cuda__flash_bwd_f32(const float *dout, const float *q, c
     return cudaGetLastError();
 }
 
+// The TF32 forward's pre-pass, one 32 x 32 block of (keys, columns) of a slice per block (32 x 8 threads):
+// kr = K rounded to TF32 to nearest; vt = V rounded and transposed to (bh, D, npad), zeros past n, the keys of
+// each 8-key block in the order the P V wgmma's register operand takes them (slot c: key 2c, slot c + 4:
+// key 2c + 1; tsys_cuda__flash_wg_pack). Both are copies: wgmma reads fp32 from shared memory K-major only
+// and would truncate, and V is the MN-major operand of P V.
+template <int D>
+__global__ void tsys_cuda__flash_tf32_prep(const float *__restrict__ k, const float *__restrict__ v, float *__restrict__ kr,
+                                           float *__restrict__ vt, int n, int npad, int64_t bh) {
+    __shared__ float tile[32][33];
+    const int k0 = blockIdx.x * 32, c0 = blockIdx.y * 32, tx = threadIdx.x;
+    for (int64_t b = blockIdx.z; b < bh; b += gridDim.z) {
+        const size_t base = (size_t)b * n * D;
+        for (int i = threadIdx.y; i < 32; i += 8) {
+            const int key = k0 + i;
+            const size_t at = base + (size_t)key * D + c0 + tx;
+            tile[i][tx] = key < n ? __uint_as_float(tsys_cuda__flash_t<float>::tf32(v[at])) : 0.0f;
+            if (key < n) kr[at] = __uint_as_float(tsys_cuda__flash_t<float>::tf32(k[at]));
+        }
+        __syncthreads();
+        const int c = tx & 7, key = (tx & ~7) + (c < 4 ? 2 * c : 2 * (c - 4) + 1);
+        for (int i = threadIdx.y; i < 32; i += 8) vt[((size_t)b * D + c0 + i) * npad + k0 + tx] = tile[key][i];
+        __syncthreads();
+    }
+}
+
 // ---- Hopper (wgmma) launchers; used by the entry points for bf16/fp16 at d = 64 and 128 when the caller's
 // implementation is WGMMA, WS or AUTO (the caller has checked tsys_cuda__flash_wg_probe).
 // The warp-specialized forward; cudaErrorNotSupported when no tensor map can be made (AUTO falls back).
-// scratch: at least tsys_cuda__flash_ws_fwd_split_floats floats, or nullptr (then no split).
+// scratch: at least tsys_cuda__flash_ws_fwd_floats floats, or nullptr (then no split; fp32 needs it: the
+// rounded K and the V^T of tsys_cuda__flash_tf32_prep live there after the shares).
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s, float *scratch = nullptr) {
@@ -3793,8 +3885,18 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
     typedef tsys_cuda__flash_ws_layout<T, D, BK> L;
     const int sh = scratch ? tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n) : 1;
     CUtensorMap tq, tk, tv;
-    if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) ||
-        !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
+    if constexpr (sizeof(T) == 4) {
+        if (!scratch) return cudaErrorNotSupported;
+        float *kr = scratch + tsys_cuda__flash_round4(tsys_cuda__flash_ws_fwd_split_floats<T, D>(bh, n));
+        float *vt = kr + tsys_cuda__flash_round4((size_t)(bh * n) * D);
+        const int npad = (n + BK - 1) / BK * BK;
+        if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, (const float *)kr, bh, n, D, BK) ||
+            !tsys_cuda__flash_tmap_rows(&tv, (const float *)vt, bh, D, npad, D))
+            return cudaErrorNotSupported;
+        const dim3 grid((unsigned)(npad / 32), D / 32, (unsigned)(bh < 65535 ? bh : 65535));
+        tsys_cuda__flash_tf32_prep<D><<<grid, dim3(32, 8), 0, s>>>(k, v, kr, vt, n, npad, bh);
+    } else if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) ||
+               !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
         return cudaErrorNotSupported;
     auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
@@ -3950,18 +4052,33 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
 
 // The tensor-core entry points: the implementation the caller asked for where d allows wgmma (64, 128),
 // mma.sync otherwise.
+// fp32 (TF32): the warp-specialized forward at d = 64 for WS, and for AUTO from 2048 rows (below that its
+// pre-pass and 192-row blocks cost more than they save: 0.022 against 0.019 ms at batch 1, 1024 rows, H100),
+// when there is scratch for its copies; mma.sync otherwise (no cp.async wgmma version; the backward is mma.sync).
+static bool tsys_cuda__flash_tf32_ws(int64_t n, int64_t d, tsys_cuda_flash_impl impl) {
+    return d == 64 && (impl == TSYS_CUDA_FLASH_WS || (impl == TSYS_CUDA_FLASH_AUTO && n >= 2048));
+}
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_pick(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                         float scale, tsys_cuda_flash_impl impl, cudaStream_t s, float *scratch) {
-    if constexpr (D == 64 || D == 128)
-        if (impl != TSYS_CUDA_FLASH_MMA) {
-            if (impl != TSYS_CUDA_FLASH_WGMMA) {
+    if constexpr (sizeof(T) == 4) {
+        if constexpr (D == 64)
+            if (scratch && tsys_cuda__flash_tf32_ws(n, D, impl)) {
                 const cudaError_t err = tsys_cuda__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
-                if (err != cudaErrorNotSupported || impl == TSYS_CUDA_FLASH_WS) return err;
+                if (err != cudaErrorNotSupported) return err;
             }
-            return tsys_cuda__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
-        }
-    return tsys_cuda__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
+        return tsys_cuda__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
+    } else {
+        if constexpr (D == 64 || D == 128)
+            if (impl != TSYS_CUDA_FLASH_MMA) {
+                if (impl != TSYS_CUDA_FLASH_WGMMA) {
+                    const cudaError_t err = tsys_cuda__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
+                    if (err != cudaErrorNotSupported || impl == TSYS_CUDA_FLASH_WS) return err;
+                }
+                return tsys_cuda__flash_fwd_wg<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s);
+            }
+        return tsys_cuda__flash_fwd_tc<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
+    }
 }
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_pick(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
@@ -3982,11 +4099,14 @@ static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
 
 // Bytes of fp32 scratch the backward (fwd = false) needs: D = rowsum(dO o O), one float per (bh, row), and
 // where the mma.sync or the warp-specialized kernels run on a small grid, their split shares
-// (tsys_cuda__flash_tc_split, tsys_cuda__flash_ws_split); the forward's: its split shares only (mma.sync or
-// warp-specialized). The arguments are those of tsys_cuda__flash_fwd / _bwd.
+// (tsys_cuda__flash_tc_split, tsys_cuda__flash_ws_split); the forward's: its split shares (mma.sync or
+// warp-specialized), and the TF32 warp-specialized forward's rounded K and V^T. The arguments are those of
+// tsys_cuda__flash_fwd / _bwd.
 static size_t tsys_cuda__flash_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl, bool fwd) {
     const size_t plain = fwd ? 0 : sizeof(float) * (size_t)(bh * n);
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1 || dtype == TSYS_CUDA__FLASH_F32) return plain;
+    if (fwd && dtype == TSYS_CUDA__FLASH_TF32 && tsys_cuda__flash_tf32_ws(n, d, impl))
+        return sizeof(float) * tsys_cuda__flash_ws_fwd_floats<float, 64>(bh, n);   // the Hopper TF32 forward
     if (dtype != TSYS_CUDA__FLASH_TF32 && (d == 64 || d == 128) && impl != TSYS_CUDA_FLASH_MMA) {   // the Hopper kernels
         if (impl == TSYS_CUDA_FLASH_WGMMA) return plain;   // only the warp-specialized kernels split
 #define TSYS_CUDA__FLASH_WS_FLOATS(T, D_) (fwd ? tsys_cuda__flash_ws_fwd_split_floats<T, D_>(bh, n) : tsys_cuda__flash_ws_split<T, D_>(bh, n).floats)
@@ -4044,8 +4164,7 @@ static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void
 #define TSYS_CUDA__FLASH_FWD_ONE \
     if (dtype == 0) { if (causal) return tsys_cuda__flash_fwd_f32<D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); \
                       else return tsys_cuda__flash_fwd_f32<D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s); } \
-    if (dtype == TSYS_CUDA__FLASH_TF32) { if (causal) return tsys_cuda__flash_fwd_tc<float, D_, true>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s, scratch); \
-                                          else return tsys_cuda__flash_fwd_tc<float, D_, false>((const float *)q, (const float *)k, (const float *)v, (float *)o, lse, bh, ni, scale, s, scratch); } \
+    if (dtype == TSYS_CUDA__FLASH_TF32) { if (causal) TSYS_CUDA__FLASH_FWD_CALL(float, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(float, D_, false); } \
     if (dtype == 1) { if (causal) TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__nv_bfloat16, D_, false); } \
     if (causal) TSYS_CUDA__FLASH_FWD_CALL(__half, D_, true); else TSYS_CUDA__FLASH_FWD_CALL(__half, D_, false)
     TSYS_CUDA__FLASH_DISPATCH_D(d, TSYS_CUDA__FLASH_FWD_ONE)
