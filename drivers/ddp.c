@@ -31,6 +31,7 @@ typedef struct ddp_opts {
     const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn, *checkpoint, *comms;
     int batch, warmup, steps, nproc, seed;
     bool account, loss_sum, compute_ref;
+    tsys_fsdp_reshard fsdp_reshard;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
 } ddp_opts;
 
@@ -56,6 +57,9 @@ static void usage(FILE *f) {
         "  --checkpoint POLICY        activation checkpointing of the model (none, blocks:K, sqrt, nested[:K], selective,\n"
         "                             P+selective; see e2e --help; default none)\n"
         "  --loss mean|sum            cross-entropy's mean over the tokens, or its sum (the S26 leaderboard's) (default mean)\n"
+        "  --fsdp-reshard auto|yes|no fsdp: free each unit's gathered weights after its forward and gather them again\n"
+        "                             for its backward (yes), or keep them through the backward (no: one all-gather per\n"
+        "                             unit and step, ZeRO-2's traffic); auto: yes with several ranks (default auto)\n"
         "  --no-compute-ref           fsdp: skip the same step without sharding (compute_ms; exposed_ms and hidden read '-'),\n"
         "                             for models that do not fit one device unsharded\n"
         "  --warmup N                 untimed steps first (default 5)\n"
@@ -102,6 +106,10 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
         else if (!strcmp(a, "--context-length")) o->contexts = v;
         else if (!strcmp(a, "--attn")) o->attn = v;
         else if (!strcmp(a, "--checkpoint")) { tsys_checkpoint_policy p; o->checkpoint = v; ok = tsys_checkpoint_policy_parse(v, 1 << 20, &p, NULL, 0) == TSYS_OK && strncmp(v, "auto:", 5); }
+        else if (!strcmp(a, "--fsdp-reshard")) {
+            ok = !strcmp(v, "auto") || !strcmp(v, "yes") || !strcmp(v, "no");
+            o->fsdp_reshard = !strcmp(v, "yes") ? TSYS_FSDP_RESHARD_YES : !strcmp(v, "no") ? TSYS_FSDP_RESHARD_NO : TSYS_FSDP_RESHARD_AUTO;
+        }
         else if (!strcmp(a, "--loss")) { ok = !strcmp(v, "mean") || !strcmp(v, "sum"); o->loss_sum = !strcmp(v, "sum"); }
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
@@ -168,7 +176,8 @@ static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du
                 if (!config_desc(o, models->item[a], T, attn, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); du_table_free(&tab); return 2; }
                 for (int s = TSYS_SCHEME_DDP; s <= TSYS_SCHEME_ZERO3 + 1; s++) {   // + 1: FSDP as tsys_fsdp does it
                     bool fs = s > TSYS_SCHEME_ZERO3;
-                    tsys_dist_account acc = fs ? tsys_fsdp_accounting(&d, dt, o->batch, T, o->nproc) : tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
+                    tsys_fsdp_desc fd = {dt, false, o->fsdp_reshard, false};
+                    tsys_dist_account acc = fs ? tsys_fsdp_accounting_desc(&d, &fd, o->batch, T, o->nproc) : tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
                     du_row *r = du_table_row(&tab);
                     du_row_set(r, "model", "%s", models->item[a]);
                     du_row_set(r, "params", "%.3g", (double)tsys_model_desc_num_params(&d));
@@ -335,7 +344,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
     du_row_set(row, "model", "%s", model_name);
     du_row_set(row, "ranks", "%d", world);
-    du_row_set(row, "strategy", "%s", strat_names[s]);
+    du_row_set(row, "strategy", "%s%s", strat_names[s], s != S_FSDP || o->fsdp_reshard == TSYS_FSDP_RESHARD_AUTO ? ""
+                                                     : o->fsdp_reshard == TSYS_FSDP_RESHARD_YES ? ":reshard" : ":keep");
     du_row_set(row, "bucket_mb", s == S_BUCKETED || s == S_ZERO1 ? "%g" : "-", bucket_mb);
     du_row_set(row, "grad_comm", "%s", s == S_FSDP ? "-" : comm_bf16 ? "bf16" : "fp32");
     du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : "bf16");
@@ -373,7 +383,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     // a rank that could not build the model (out of memory) must not leave the others in the broadcast
     if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
         if (s == S_FSDP) {
-            tsys_fsdp_desc fd = {dt, false, TSYS_FSDP_RESHARD_AUTO, false};
+            tsys_fsdp_desc fd = {dt, false, o->fsdp_reshard, false};
             r.fsdp = tsys_fsdp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &fd);
             if (r.fsdp) r.opt = tsys_adamw_new(ctx, tsys_fsdp_params(r.fsdp), tsys_fsdp_num_params(r.fsdp), NULL);
         } else r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
@@ -431,7 +441,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         max_over_ranks(d, mem, 4); max_over_ranks(d, &alone, 1);
         tsys_stats ss = tsys_stats_of(tstep, n), sb = tsys_stats_of(tbwd, n), so = tsys_stats_of(topt, n), se = tsys_stats_of(texp, n);
         tsys_ddp_stats ds = tsys_ddp_stats_get(r.ddp);
-        tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting(&desc, dt, o->batch, T, world)
+        const tsys_fsdp_desc fdesc = {dt, false, o->fsdp_reshard, false};
+        tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(&desc, &fdesc, o->batch, T, world)
                                             : tsys_dist_accounting(&desc, dt, o->batch, T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
         du_row_set(row, "step_ms", "%.2f", ss.mean); du_row_set(row, "step_std", "%.2f", ss.std);
         du_row_set(row, "bwd_comm_ms", "%.2f", sb.mean);

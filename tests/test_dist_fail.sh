@@ -60,7 +60,8 @@ fi
 # activation checkpointing, the summed loss, no unsharded reference) runs and says what it ran
 dd=$BUILD/ddp
 if [ -x "$dd" ]; then
-  for bad in "--checkpoint blocks:x:bad value 'blocks:x' for --checkpoint" "--checkpoint auto:1G:bad value 'auto:1G'" "--loss max:bad value 'max' for --loss"; do
+  for bad in "--checkpoint blocks:x:bad value 'blocks:x' for --checkpoint" "--checkpoint auto:1G:bad value 'auto:1G'" "--loss max:bad value 'max' for --loss" \
+             "--fsdp-reshard maybe:bad value 'maybe' for --fsdp-reshard"; do
     args=${bad%:bad*}; pat=${bad#"$args":}
     out=$("$dd" $args 2>&1); rc=$?
     if [ $rc -eq 2 ] && echo "$out" | grep -qF -- "$pat"; then printf '  %-44s ok\n' "ddp $args"; pass=$((pass + 1))
@@ -72,6 +73,15 @@ if [ -x "$dd" ]; then
   fsdp_ref=$(echo "$out" | awk -F, '/^device,/ { for (i = 1; i <= NF; i++) c[$i] = i } $4 == "fsdp" { print $c["compute_ms"] "/" $c["hidden"] }')   # not measured
   if [ $rc -eq 0 ] && [ "$rows" = 2 ] && [ "$fsdp_ref" = -/- ]; then printf '  %-44s ok\n' "ddp fsdp+checkpoint, loss sum"; pass=$((pass + 1))
   else printf '  %-44s FAILED (exit %d, %s ok rows, compute_ms %s)\n' "ddp fsdp+checkpoint, loss sum" $rc "$rows" "$fsdp_ref"; echo "$out" | tail -4 | sed 's/^/      /'; fail=$((fail + 1)); fi
+  # FSDP keeping each unit gathered from forward into backward: its own row label, one all-gather per unit
+  # and step in the prediction (the resharding row's sends more)
+  sent() { "$dd" --device cpu --nproc 2 --model custom --d-model 128 --num-layers 2 --num-heads 2 --d-ff 512 --vocab-size 512 --batch-size 1 \
+           --context-length 16 --strategy fsdp --fsdp-reshard "$1" --warmup 0 --steps 1 --format csv 2>&1 \
+           | awk -F, '/^device,/ { for (i = 1; i <= NF; i++) c[$i] = i } $4 ~ /^fsdp/ && $NF == "ok" { print $4 "=" $c["pred_sent_MB"] }'; }
+  keep=$(sent no); again=$(sent yes)
+  if [ "${keep%=*}" = fsdp:keep ] && [ "${again%=*}" = fsdp:reshard ] && awk -v a="${keep#*=}" -v b="${again#*=}" 'BEGIN { exit !(a > 0 && a < b) }'; then
+    printf '  %-44s ok\n' "ddp fsdp --fsdp-reshard no / yes"; pass=$((pass + 1))
+  else printf '  %-44s FAILED (rows: "%s", "%s")\n' "ddp fsdp --fsdp-reshard no / yes" "$keep" "$again"; fail=$((fail + 1)); fi
 fi
 if command -v mpirun >/dev/null && ldd "$bin" 2>/dev/null | grep -q libmpi; then
   mpi="mpirun --oversubscribe -np 3"
