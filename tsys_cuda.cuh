@@ -140,7 +140,9 @@ typedef struct tsys_cuda_mem_info {
 
 // Which FlashAttention kernels bf16/fp16 attention at head dims 64 and 128 runs (every other head dim has one
 // implementation: mma.sync tensor cores; fp32 has two, chosen by desc.flash_fp32_exact, and its TF32 forward
-// at d = 64 runs warp-specialized under WS, and under AUTO from 2048 rows).
+// at d = 64 runs warp-specialized under WS, and under AUTO from 2048 rows; bf16/fp16 at d = 16, 32 run
+// zero-padded on the d = 64 kernels, d = 80 on the d = 128 ones, under WS, and under AUTO on long sequences:
+// tsys_cuda__flash_pad).
 //   AUTO   the fastest this binary and device can run: WS, else WGMMA, else MMA; a call whose inputs TMA
 //          cannot read (not 16-byte aligned) runs WGMMA instead of WS
 //   WS     warp-specialized forward, dQ and dK/dV (TMA producer warpgroup, wgmma consumers);
@@ -1527,6 +1529,9 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 //          producer warpgroup and consumer warpgroups handing tiles over through mbarriers), dK/dV on the
 //          wgmma kernel; cudaErrorNotSupported when TMA cannot read an input (no tensor map);
 //   AUTO   WS, and WGMMA for a call whose inputs TMA cannot read.
+// bf16/fp16 at d = 16 and 32 under WS (and under AUTO from 16384 rows: the forward, and the backward at d 32):
+// zero-padded to 64 columns and run on the d = 64 Hopper kernels; d = 80 padded to 128 under WS (and AUTO
+// from 8192 rows) (tsys_cuda__flash_pad).
 // fp32 on TF32 at d = 64 under WS (and AUTO from 2048 rows): the warp-specialized forward with tf32 wgmmas (its rounded K and
 // V^T copies in the forward's scratch); the backward, and every other fp32 case, stays on mma.sync.
 // WGMMA, WS and AUTO need a binary built for sm_90a (-gencode arch=compute_90a,code=sm_90a) running on a
@@ -4097,6 +4102,50 @@ static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
     return dtype >= TSYS_CUDA__FLASH_F32 && dtype <= TSYS_CUDA__FLASH_TF32 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
 }
 
+// Head dims 16, 32 and 80 (bf16/fp16) on the Hopper kernels: the inputs are copied into (bh, n, dp) buffers
+// (dp = 64 for 16 and 32, 128 for 80) whose extra columns are zeros, the d = dp kernels run on them with the
+// caller's scale, and the first d columns of the outputs are copied back. Zero columns add exact zeros to
+// every score and leave the padded outputs' extra columns zero, so the result is the d-column attention.
+// The copies cost a few microseconds. Where the padded Hopper kernels win (H100, bf16, causal; the lab's
+// `pad` mode, docs/perf-notes-flash.md v13): at 64 columns from 16384 rows in the forward (65536 rows, batch
+// 1: 1.20 against 1.82 ms) and in the backward at d 32 only (3.43 against 4.30; d 16: 3.40 against 3.14); at
+// 128 columns for d 80 from 8192 rows both ways (65536: 7.84 against 12.00 ms fwd + bwd). On short sequences
+// with many heads they lose (bh 128 x 256 rows, d 80: 0.26 against 0.09 ms), so AUTO pads only there; WS
+// pads at every length and both ways (so its tests cover the path). Only when the launcher is given scratch
+// and every input and output is 16-byte aligned (the copies move 16-byte chunks).
+static int tsys_cuda__flash_pad_width(int64_t d) { return d == 16 || d == 32 ? 64 : d == 80 ? 128 : 0; }
+static bool tsys_cuda__flash_pad(int dtype, int64_t n, int64_t d, tsys_cuda_flash_impl impl, bool fwd) {
+    const bool pays = d == 80 ? n >= 8192 : n >= 16384 && (fwd || d == 32);
+    return (dtype == TSYS_CUDA__FLASH_BF16 || dtype == TSYS_CUDA__FLASH_F16) && tsys_cuda__flash_pad_width(d) &&
+           (impl == TSYS_CUDA_FLASH_WS || (impl == TSYS_CUDA_FLASH_AUTO && pays));
+}
+static size_t tsys_cuda__flash_pad_bytes(int64_t bh, int64_t n, int64_t d) {
+    return ((size_t)(bh * n) * tsys_cuda__flash_pad_width(d) * 2 + 255) / 256 * 256;
+}
+// Up to five tensors a launch (blockIdx.y picks one), in 16-byte chunks: dst (rows, dp) = src (rows, d) and
+// zeros, or back (unpad: dst (rows, d) = the first d columns of src (rows, dp)). Every pointer 16-byte aligned.
+struct tsys_cuda__flash_pad_set { const void *src[5]; void *dst[5]; };
+__global__ void tsys_cuda__flash_pad_cols(tsys_cuda__flash_pad_set set, int64_t rows, int d, int dp, bool unpad) {
+    const uint4 *src = (const uint4 *)set.src[blockIdx.y];
+    uint4 *dst = (uint4 *)set.dst[blockIdx.y];
+    const int cd = d / 8, cp = dp / 8, w = unpad ? cd : cp;   // 16-byte chunks a row: the d columns, padded, written
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * w; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / w;
+        const int c = (int)(i - r * w);
+        dst[i] = unpad ? src[r * cp + c] : c < cd ? src[r * cd + c] : make_uint4(0, 0, 0, 0);
+    }
+}
+static void tsys_cuda__flash_pad_launch(const tsys_cuda__flash_pad_set &set, int count, int64_t rows, int d, bool unpad, cudaStream_t s) {
+    const int dp = tsys_cuda__flash_pad_width(d);
+    const int64_t blocks = (rows * (unpad ? d : dp) / 8 + 255) / 256;
+    tsys_cuda__flash_pad_cols<<<dim3((unsigned)(blocks < 2048 ? blocks : 2048), (unsigned)count), 256, 0, s>>>(set, rows, d, dp, unpad);
+}
+static bool tsys_cuda__flash_aligned16(const void *const *p, int count) {
+    for (int i = 0; i < count; i++)
+        if (!tsys_cuda__aligned16(p[i])) return false;
+    return true;
+}
+
 // Bytes of fp32 scratch the backward (fwd = false) needs: D = rowsum(dO o O), one float per (bh, row), and
 // where the mma.sync or the warp-specialized kernels run on a small grid, their split shares
 // (tsys_cuda__flash_tc_split, tsys_cuda__flash_ws_split); the forward's: its split shares (mma.sync or
@@ -4105,6 +4154,9 @@ static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
 static size_t tsys_cuda__flash_scratch_bytes(int64_t bh, int64_t n, int64_t d, int dtype, bool causal, tsys_cuda_flash_impl impl, bool fwd) {
     const size_t plain = fwd ? 0 : sizeof(float) * (size_t)(bh * n);
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1 || dtype == TSYS_CUDA__FLASH_F32) return plain;
+    if (tsys_cuda__flash_pad(dtype, n, d, impl, fwd))   // the padded copies, then what the d = dp kernels need
+        return (fwd ? 4 : 8) * tsys_cuda__flash_pad_bytes(bh, n, d) +
+               tsys_cuda__flash_scratch_bytes(bh, n, tsys_cuda__flash_pad_width(d), dtype, causal, impl, fwd);
     if (fwd && dtype == TSYS_CUDA__FLASH_TF32 && tsys_cuda__flash_tf32_ws(n, d, impl))
         return sizeof(float) * tsys_cuda__flash_ws_fwd_floats<float, 64>(bh, n);   // the Hopper TF32 forward
     if (dtype != TSYS_CUDA__FLASH_TF32 && (d == 64 || d == 128) && impl != TSYS_CUDA_FLASH_MMA) {   // the Hopper kernels
@@ -4158,6 +4210,17 @@ static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void
                                         int64_t bh, int64_t n, int64_t d, float scale, bool causal,
                                         tsys_cuda_flash_impl impl, cudaStream_t s, float *scratch = nullptr) {
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
+    const void *fio[4] = { q, k, v, o };
+    if (scratch && tsys_cuda__flash_pad(dtype, n, d, impl, true) && tsys_cuda__flash_aligned16(fio, 4)) {   // on the d = 64 / 128 kernels
+        const size_t b = tsys_cuda__flash_pad_bytes(bh, n, d);
+        unsigned char *p = (unsigned char *)scratch;
+        tsys_cuda__flash_pad_launch({ { q, k, v }, { p, p + b, p + 2 * b } }, 3, bh * n, (int)d, false, s);
+        const cudaError_t e = tsys_cuda__flash_fwd(p, p + b, p + 2 * b, p + 3 * b, lse, dtype, bh, n, tsys_cuda__flash_pad_width(d), scale, causal, impl, s,
+                                                   (float *)(p + 4 * b));
+        if (e != cudaSuccess) return e;
+        tsys_cuda__flash_pad_launch({ { p + 3 * b }, { o } }, 1, bh * n, (int)d, true, s);
+        return cudaGetLastError();
+    }
     const int ni = (int)n;
 #define TSYS_CUDA__FLASH_FWD_CALL(T, D_, C_) \
     return tsys_cuda__flash_fwd_pick<T, D_, C_>((const T *)q, (const T *)k, (const T *)v, (T *)o, lse, bh, ni, scale, impl, s, scratch)
@@ -4181,6 +4244,17 @@ static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const v
                                         int64_t bh, int64_t n, int64_t d, float scale, bool causal,
                                         tsys_cuda_flash_impl impl, cudaStream_t s) {
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
+    const void *bio[8] = { dout, q, k, v, o, dq, dk, dv };
+    if (tsys_cuda__flash_pad(dtype, n, d, impl, false) && tsys_cuda__flash_aligned16(bio, 8)) {   // padded (see the forward)
+        const size_t b = tsys_cuda__flash_pad_bytes(bh, n, d);
+        unsigned char *p = (unsigned char *)scratch;
+        tsys_cuda__flash_pad_launch({ { dout, q, k, v, o }, { p, p + b, p + 2 * b, p + 3 * b, p + 4 * b } }, 5, bh * n, (int)d, false, s);
+        const cudaError_t e = tsys_cuda__flash_bwd(p, p + b, p + 2 * b, p + 3 * b, p + 4 * b, lse, p + 5 * b, p + 6 * b, p + 7 * b,
+                                                   (float *)(p + 8 * b), dtype, bh, n, tsys_cuda__flash_pad_width(d), scale, causal, impl, s);
+        if (e != cudaSuccess) return e;
+        tsys_cuda__flash_pad_launch({ { p + 5 * b, p + 6 * b, p + 7 * b }, { dq, dk, dv } }, 3, bh * n, (int)d, true, s);
+        return cudaGetLastError();
+    }
     const int ni = (int)n;
 #define TSYS_CUDA__FLASH_BWD_CALL(F, T, D_, C_) \
     return F<T, D_, C_>((const T *)dout, (const T *)q, (const T *)k, (const T *)v, (const T *)o, lse, (T *)dq, (T *)dk, \
@@ -4730,7 +4804,8 @@ static tsys_status tsys_cuda__k_flash_fwd(tsys_cuda__state *st, const tsys_kargs
     const size_t scratch_bytes = tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run);
     float *scratch = scratch_bytes ? (float *)tsys_cuda__scratch(st, scratch_bytes) : NULL;
     if (scratch_bytes && !scratch)
-        return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_fwd: no memory for %.1f MiB of split shares", scratch_bytes / 1048576.0);
+        return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_fwd: no memory for %.1f MiB of scratch (split shares, padded or rounded copies)",
+                                  scratch_bytes / 1048576.0);
     cudaError_t e = tsys_cuda__flash_fwd(tsys_cuda__data(t[2]), tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[0]),
                                          (float *)tsys_cuda__data(t[1]), fdt, bh, n, d, a->f[0], a->i[0] != 0, st->flash_run,
                                          st->stream, scratch);
@@ -4747,7 +4822,9 @@ static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs
     TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[4], &bh, &n, &d));
     const int fdt = tsys_cuda__flash_dtype(st, t[4]);
     float *scratch = (float *)tsys_cuda__scratch(st, tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run));
-    if (!scratch) return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_bwd: no memory for %lld x %lld row sums", (long long)bh, (long long)n);
+    if (!scratch)
+        return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_bwd: no memory for %.1f MiB of scratch (row sums, split shares, padded copies)",
+                                  tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run) / 1048576.0);
     cudaError_t e = tsys_cuda__flash_bwd(tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[5]), tsys_cuda__data(t[6]),
                                          tsys_cuda__data(t[7]), (const float *)tsys_cuda__data(t[8]), tsys_cuda__data(t[0]),
                                          tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, fdt, bh, n, d, a->f[0],

@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|wgvariants|wsdq|wsdkdv|fused|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsdq|wsdkdv|fused|lb] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -168,10 +168,11 @@ static size_t lab_scratch_max(long bh, long n, long d) { return (size_t)(bh * n 
 static void check_cuda(int dt, long bh, long n, long d, bool causal) {
     const size_t N = bh * n * d, R = bh * n;
     Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, lab_scratch(dt, bh, n, d, causal));
+    Buf fsc(0, tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, dt, causal, lab_impl) / sizeof(float) + 1);   // as the entry points give it
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
-    o.poison(); lse.poison(); dq.poison(); dk.poison(); dv.poison(); scratch.poison();
+    o.poison(); lse.poison(); dq.poison(); dk.poison(); dv.poison(); scratch.poison(); fsc.poison();
     const float scale = 1.0f / sqrtf((float)d);
-    CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0));
+    CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0, (float *)fsc.d));
     CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, lab_impl, 0));
     CHECK(cudaDeviceSynchronize());
     o.download(); lse.download(); dq.download(); dk.download(); dv.download();
@@ -583,14 +584,33 @@ static void bench(int dt, long bh, long n, long d, bool causal) {
     Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), dq(dt, N), dk(dt, N), dv(dt, N), lse(0, R), scratch(0, lab_scratch(dt, bh, n, d, causal));
     q.randomize(); k.randomize(); v.randomize(); g.randomize();
     const float scale = 1.0f / sqrtf((float)d);
-    auto fwd = [&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0)); };
+    Buf fsc(0, tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, dt, causal, lab_impl) / sizeof(float) + 1);   // as the entry points give it
+    auto fwd = [&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0, (float *)fsc.d)); };
     auto bwd = [&] { CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, dt, bh, n, d, scale, causal, lab_impl, 0)); };
     const int reps = n >= 8192 || dt == 0 ? 30 : 100;
     float tf = time_ms(fwd, 5, reps), tb = time_ms(bwd, 5, reps), tfb = time_ms([&] { fwd(); bwd(); }, 5, reps);
     const double f = 4.0 * bh * n * n * d / (causal ? 2 : 1);
-    printf("  %-4s bh=%ld n=%ld d=%ld causal=%d: fwd %.3f ms (%.1f TFLOP/s)  bwd %.3f ms (%.1f)  fwd+bwd %.3f ms (%.1f)\n",
-           dtype_name[dt], bh, n, d, causal, tf, f / tf / 1e9, tb, 2.5 * f / tb / 1e9, tfb, 3.5 * f / tfb / 1e9);
+    printf("  %-4s %-5s bh=%ld n=%ld d=%ld causal=%d: fwd %.3f ms (%.1f TFLOP/s)  bwd %.3f ms (%.1f)  fwd+bwd %.3f ms (%.1f)\n",
+           dtype_name[dt], tsys_cuda_flash_impl_name(lab_impl), bh, n, d, causal, tf, f / tf / 1e9, tb, 2.5 * f / tb / 1e9, tfb, 3.5 * f / tfb / 1e9);
     fflush(stdout);
+}
+
+// bf16 at d 16, 32 (padded to 64) and 80 (padded to 128) on the Hopper kernels against the mma.sync kernels,
+// causal: first checked against the CPU reference with the lab's implementation (auto pads d 16 and 32 from
+// 16384 rows) and with ws (which always pads), then timed, ws against mma, at batch 1 and at two batched shapes.
+static void run_pad() {
+    printf("== d 16 / 32 / 80 zero-padded onto the Hopper kernels against mma.sync, bf16, causal\n");
+    for (long d : { 16L, 32L }) check_cuda(1, 1, 16384, d, true);
+    const tsys_cuda_flash_impl keep = lab_impl;
+    lab_impl = TSYS_CUDA_FLASH_WS;
+    check_cuda(1, 2, 3000, 80, true); check_cuda(1, 2, 1000, 80, false);
+    struct { long bh, n; } shapes[] = { { 1, 4096 }, { 1, 8192 }, { 1, 16384 }, { 1, 32768 }, { 1, 65536 }, { 128, 256 }, { 32, 2048 } };
+    for (long d : { 16L, 32L, 80L })
+        for (auto sh : shapes) {
+            lab_impl = TSYS_CUDA_FLASH_WS; bench(1, sh.bh, sh.n, d, true);
+            lab_impl = TSYS_CUDA_FLASH_MMA; bench(1, sh.bh, sh.n, d, true);
+        }
+    lab_impl = keep;
 }
 
 static void run_perf() {
@@ -629,6 +649,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "variants") || !strcmp(mode, "tv")) run_variants();
     if (!strcmp(mode, "tf32variants")) run_tf32_variants();
     if (!strcmp(mode, "tf32fwd")) run_tf32_fwd();
+    if (!strcmp(mode, "pad")) run_pad();
     if (!strcmp(mode, "wgvariants")) run_wgvariants();
     if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
     if (!strcmp(mode, "wsdq") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dq: the warp-specialized kernels cannot run here\n");

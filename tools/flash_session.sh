@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # flash_session.sh - one call on the GPU machine for the FlashAttention kernels: the lab's checks, tile
 # variants, the leaderboard rows, PyTorch SDPA at the same shapes (same call), and an ncu look at a kernel.
-#   tools/flash_session.sh build test wg lb torch ncu testcuda tf32 sweep32
+#   tools/flash_session.sh build test wg lb torch ncu testcuda tf32 pad sweep
 # `test` checks every flash implementation the device can run (mma, wgmma, ws); `testcuda` runs build/test_cuda;
-# `tf32` checks and times the TF32 forward; `sweep32` is the fp32 half of the flash_benchmarking sweep beside
-# PyTorch SDPA (build/attn_cuda and tests/ref/torch_fa_sweep.py, one table); `lbnows` / `lbmma` time the
+# `tf32` checks and times the TF32 forward; `pad` the zero-padded d 16 / 32 path; `sweep` is the flash_benchmarking
+# sweep beside PyTorch SDPA (build/attn_cuda and tests/ref/torch_fa_sweep.py, one table) for SWEEP_DTYPES
+# (default fp32) and SWEEP_DS (default 16,32,64,128); `lbnows` / `lbmma` time the
 # leaderboard rows on the cp.async wgmma / mma.sync kernels (build/flash_lab's second word picks one).
 # build/flash_lab may be built beforehand (nvcc ... -gencode arch=compute_90a,code=sm_90a) and carried;
 # `build` (re)builds it here. Logs go to $OUT; the lines that matter print as each part ends.
@@ -24,12 +25,14 @@ for part in "$@"; do
   wsdq) timeout 200 build/flash_lab wsdq > "$OUT/flash_wsdq.log" 2>&1; cat "$OUT/flash_wsdq.log" ;;
   testcuda) timeout 400 build/test_cuda > "$OUT/test_cuda.log" 2>&1; grep -v " ok$" "$OUT/test_cuda.log" | grep -v "^    " | tail -20 ;;
   tf32) timeout 200 build/flash_lab tf32fwd ws > "$OUT/flash_tf32fwd.log" 2>&1; cat "$OUT/flash_tf32fwd.log" ;;
-  sweep32) timeout 300 build/attn_cuda --device cuda --sweep flash_benchmarking --dtype fp32 --grad sum --oom-ok --format csv \
-             > "$OUT/attn_sweep_fp32.csv" 2> "$OUT/attn_sweep_fp32.err"; grep -c ",ok$" "$OUT/attn_sweep_fp32.csv"
-           timeout 400 python3 tests/ref/torch_fa_sweep.py 128,256,512,1024,2048,4096,8192,16384,32768,65536 16,32,64,128 fp32 \
-             > "$OUT/torch_fa_sweep_fp32.jsonl" 2>&1; grep -c fwd_ms "$OUT/torch_fa_sweep_fp32.jsonl"
-           python3 tools/flash_sweep_table.py "$OUT/attn_sweep_fp32.csv" "$OUT/torch_fa_sweep_fp32.jsonl" "$OUT/sweep_fp32_full.md" > "$OUT/sweep_fp32_table.md"
-           cat "$OUT/sweep_fp32_table.md" ;;
+  sweep) dt=${SWEEP_DTYPES:-fp32}; ds=${SWEEP_DS:-16,32,64,128}; tag=${dt//,/_}_d${ds//,/_}
+         timeout 300 build/attn_cuda --device cuda --sweep flash_benchmarking --dtype "$dt" --d "$ds" --grad sum --oom-ok --format csv \
+           > "$OUT/attn_sweep_$tag.csv" 2> "$OUT/attn_sweep_$tag.err"; grep -c ",ok$" "$OUT/attn_sweep_$tag.csv"
+         timeout 400 python3 tests/ref/torch_fa_sweep.py 128,256,512,1024,2048,4096,8192,16384,32768,65536 "$ds" "$dt" \
+           > "$OUT/torch_fa_sweep_$tag.jsonl" 2>&1; grep -c fwd_ms "$OUT/torch_fa_sweep_$tag.jsonl"
+         python3 tools/flash_sweep_table.py "$OUT/attn_sweep_$tag.csv" "$OUT/torch_fa_sweep_$tag.jsonl" "$OUT/sweep_${tag}_full.md" > "$OUT/sweep_${tag}_table.md"
+         cat "$OUT/sweep_${tag}_table.md" ;;
+  pad) timeout 200 build/flash_lab pad > "$OUT/flash_pad.log" 2>&1; cat "$OUT/flash_pad.log" ;;
   lb) timeout 120 build/flash_lab lb > "$OUT/flash_lb.log" 2>&1; cat "$OUT/flash_lb.log" ;;
   lbnows) timeout 120 build/flash_lab lb wgmma > "$OUT/flash_lb_nows.log" 2>&1; cat "$OUT/flash_lb_nows.log" ;;
   lbmma) timeout 120 build/flash_lab lb mma > "$OUT/flash_lb_mma.log" 2>&1; cat "$OUT/flash_lb_mma.log" ;;
