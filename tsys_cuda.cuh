@@ -1523,7 +1523,8 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 //
 // Which kernels run for bf16/fp16 at d = 64 and 128 is the caller's tsys_cuda_flash_impl (the backend keeps
 // it per context: tsys_cuda_desc.flash, tsys_cuda_set_flash_impl):
-//   MMA    the mma.sync kernels (which bf16/fp16 at other head dims and fp32 on TF32 run anyway);
+//   MMA    the mma.sync kernels (which fp32 on TF32, and bf16/fp16 at other head dims where they are not padded
+//          onto the Hopper kernels, run anyway);
 //   WGMMA  wgmma versions of the three tensor-core kernels (tsys_cuda__flash_*_wg_kernel), cp.async loads;
 //   WS     the forward and dQ as warp-specialized versions of those (tsys_cuda__flash_*_ws_kernel: a TMA
 //          producer warpgroup and consumer warpgroups handing tiles over through mbarriers), dK/dV on the
