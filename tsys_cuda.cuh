@@ -140,7 +140,7 @@ typedef struct tsys_cuda_mem_info {
 
 // Which FlashAttention kernels bf16/fp16 attention at head dims 64 and 128 runs (every other head dim has one
 // implementation: mma.sync tensor cores; fp32 has two, chosen by desc.flash_fp32_exact, and its TF32 forward
-// at d = 64 runs warp-specialized under WS, and under AUTO from 2048 rows; bf16/fp16 at d = 16, 32 run
+// at d = 64 and 128 runs warp-specialized under WS, and under AUTO from 2048 rows; bf16/fp16 at d = 16, 32 run
 // zero-padded on the d = 64 kernels, d = 80 on the d = 128 ones, under WS, and under AUTO on long sequences:
 // tsys_cuda__flash_pad).
 //   AUTO   the fastest this binary and device can run: WS, else WGMMA, else MMA; a call whose inputs TMA
@@ -1533,7 +1533,7 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 // bf16/fp16 at d = 16 and 32 under WS (and under AUTO from 16384 rows: the forward, and the backward at d 32):
 // zero-padded to 64 columns and run on the d = 64 Hopper kernels; d = 80 padded to 128 under WS (and AUTO
 // from 8192 rows) (tsys_cuda__flash_pad).
-// fp32 on TF32 at d = 64 under WS (and AUTO from 2048 rows): the warp-specialized forward with tf32 wgmmas (its rounded K and
+// fp32 on TF32 at d = 64, 128 under WS (and AUTO from 2048 rows): the warp-specialized forward with tf32 wgmmas (its rounded K and
 // V^T copies in the forward's scratch); the backward, and every other fp32 case, stays on mma.sync.
 // WGMMA, WS and AUTO need a binary built for sm_90a (-gencode arch=compute_90a,code=sm_90a) running on a
 // Hopper GPU (tsys_cuda__flash_wg_probe says so); the caller checks that once (>>init), not per call.
@@ -2402,9 +2402,11 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
 #define TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, KK, NACC, OPS, PRED, TAIL) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n" #NN "k" #KK ".f32." AB "." AB " " TSYS_CUDA__FLASH_WGMMA_D##NACC ", " OPS ", p, " TAIL ";\n}\n"
+#define TSYS_CUDA__FLASH_WGMMA_D16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define TSYS_CUDA__FLASH_WGMMA_D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define TSYS_CUDA__FLASH_WGMMA_D64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 #define TSYS_CUDA__FLASH_WGMMA_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define TSYS_CUDA__FLASH_WGMMA_ACC16(d) TSYS_CUDA__FLASH_WGMMA_ACC8(d, 0), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 8)
 #define TSYS_CUDA__FLASH_WGMMA_ACC32(d) TSYS_CUDA__FLASH_WGMMA_ACC8(d, 0), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 8), \
     TSYS_CUDA__FLASH_WGMMA_ACC8(d, 16), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 24)
 #define TSYS_CUDA__FLASH_WGMMA_ACC64(d) TSYS_CUDA__FLASH_WGMMA_ACC32(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 32), \
@@ -2419,9 +2421,10 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
 #define TSYS_CUDA__FLASH_WGMMA_RS(AB, NN, KK, NACC, OPS, PRED, TAIL) \
     asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, KK, NACC, OPS, PRED, TAIL) \
                  : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
-// The N = 64 and 128 cases of one element type (AB, k KK) for ss and rs.
+// The N = 64 and 128 cases of one element type (AB, k KK) for ss and rs (ss also N = 32: TF32's 32-key tiles).
 #define TSYS_CUDA__FLASH_WGMMA_SS_N(AB, KK, TAIL) \
-    if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS(AB, 64, KK, 32, "%32, %33", "%34", TAIL); \
+    if constexpr (N == 32) TSYS_CUDA__FLASH_WGMMA_SS(AB, 32, KK, 16, "%16, %17", "%18", TAIL); \
+    else if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_SS(AB, 64, KK, 32, "%32, %33", "%34", TAIL); \
     else TSYS_CUDA__FLASH_WGMMA_SS(AB, 128, KK, 64, "%64, %65", "%66", TAIL)
 #define TSYS_CUDA__FLASH_WGMMA_RS_N(AB, KK, TAIL) \
     if constexpr (N == 64) TSYS_CUDA__FLASH_WGMMA_RS(AB, 64, KK, 32, "{%32,%33,%34,%35}, %36", "%37", TAIL); \
@@ -2448,7 +2451,7 @@ template <typename T, int N> struct tsys_cuda__flash_wgmma {
 // fp32 operands on TF32 (m64nNk8): both shared-memory operands K-major; the register A operand of one warp's
 // 16 x 8 block holds (row g, col c), (g + 8, c), (g, c + 4), (g + 8, c + 4) for lane = 4 g + c.
 template <int N> struct tsys_cuda__flash_wgmma<float, N> {
-    static_assert(N == 64 || N == 128, "wgmma: N = 64 or 128");
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma: N = 32, 64 or 128");
     static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int acc) { TSYS_CUDA__FLASH_WGMMA_SS_N("tf32", 8, "1, 1"); }
     static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) { TSYS_CUDA__FLASH_WGMMA_RS_N("tf32", 8, "1, 1"); }
 };
@@ -2968,8 +2971,9 @@ __device__ __forceinline__ void tsys_cuda__flash_named_sync(int id, int threads)
 // over with mbarriers instead of block-wide barriers, so the consumers drift out of step and one warpgroup's
 // softmax (special-function unit) runs while another's matmuls use the tensor cores; `setmaxnreg` moves the
 // producer's registers to the consumers (24 / 160 per thread). TMA writes the same 128B-swizzled layout the
-// cp.async loads do, and fills rows past n with zeros. T = float runs the matmuls on TF32 (k8 wgmmas, 64-key
-// tiles): Q rounded in shared memory by its consumers, K and V^T from the pre-pass (tsys_cuda__flash_tf32_prep).
+// cp.async loads do, and fills rows past n with zeros. T = float runs the matmuls on TF32 (k8 wgmmas; 64-key
+// tiles at d 64, 32-key tiles and two consumers at d 128): Q rounded in shared memory by its consumers, K and
+// V^T from the pre-pass (tsys_cuda__flash_tf32_prep).
 template <typename T, int D, int BK, int CW_ = 3> struct tsys_cuda__flash_ws_layout {
     static constexpr int CW = CW_, BQ = CW * 64, NT = (CW + 1) * 128;
     static constexpr size_t Q_BYTES = (size_t)BQ * D * sizeof(T), KV_BYTES = (size_t)BK * D * sizeof(T);
@@ -3066,13 +3070,14 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_round_q(float *qs, int wg) {
 
 // Split (nsplit > 1, one slice: b0 = 0): blockIdx.y = bh index x nsplit + share, each block runs its share of
 // the key tiles (as the mma.sync forward's split).
-template <typename T, int D, int BK, bool CAUSAL>
-__global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK>::NT, 1)
+// CW consumer warpgroups: 3 (160 registers each), or 2 (240) where three blocks of Q do not fit shared memory.
+template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3>
+__global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK, CW_>::NT, 1)
 tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                           const __grid_constant__ CUtensorMap tv, T *__restrict__ o, float *__restrict__ lse, int n,
                           int b0, float scale_log2, int nsplit, float *__restrict__ part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    typedef tsys_cuda__flash_ws_layout<T, D, BK> L;
+    typedef tsys_cuda__flash_ws_layout<T, D, BK, CW_> L;
     constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS_CUDA__FLASH_WG_STAGES;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
@@ -3096,7 +3101,8 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    if constexpr (CW == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
     const int wr0 = warp * 16;
     o += ((size_t)b * n) * D; lse += (size_t)b * n;
     float oacc[D / 8][4];
@@ -3674,8 +3680,10 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t
 }
 
 template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-specialized kernels' tiles
-    // forward: keys a tile (fp32: 64, so that Q and the ring fit shared memory), rows a block
-    static constexpr int FWD_BK = sizeof(T) == 4 || D > 64 ? 64 : 128, FWD_BQ = 3 * 64;
+    // forward: keys a tile and rows a block (fp32: 64-key tiles at d 64, and 2 x 64 rows with 32-key tiles at
+    // d 128, so that Q and the ring fit shared memory)
+    static constexpr bool F128 = sizeof(T) == 4 && D > 64;
+    static constexpr int FWD_BK = F128 ? 32 : sizeof(T) == 4 || D > 64 ? 64 : 128, FWD_BQ = (F128 ? 2 : 3) * 64;
     static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_CW = 2, DQ_BQ = DQ_CW * 64;   // dQ: keys a tile, consumers, rows a block
     static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
 };
@@ -3887,8 +3895,8 @@ __global__ void tsys_cuda__flash_tf32_prep(const float *__restrict__ k, const fl
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s, float *scratch = nullptr) {
-    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK;
-    typedef tsys_cuda__flash_ws_layout<T, D, BK> L;
+    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK, CW = tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ / 64;
+    typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     const int sh = scratch ? tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n) : 1;
     CUtensorMap tq, tk, tv;
     if constexpr (sizeof(T) == 4) {
@@ -3904,7 +3912,7 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
     } else if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) ||
                !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
         return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL>;
+    auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL, CW>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -4058,17 +4066,17 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
 
 // The tensor-core entry points: the implementation the caller asked for where d allows wgmma (64, 128),
 // mma.sync otherwise.
-// fp32 (TF32): the warp-specialized forward at d = 64 for WS, and for AUTO from 2048 rows (below that its
+// fp32 (TF32): the warp-specialized forward at d = 64 and 128 for WS, and for AUTO from 2048 rows (below that its
 // pre-pass and 192-row blocks cost more than they save: 0.022 against 0.019 ms at batch 1, 1024 rows, H100),
 // when there is scratch for its copies; mma.sync otherwise (no cp.async wgmma version; the backward is mma.sync).
 static bool tsys_cuda__flash_tf32_ws(int64_t n, int64_t d, tsys_cuda_flash_impl impl) {
-    return d == 64 && (impl == TSYS_CUDA_FLASH_WS || (impl == TSYS_CUDA_FLASH_AUTO && n >= 2048));
+    return (d == 64 || d == 128) && (impl == TSYS_CUDA_FLASH_WS || (impl == TSYS_CUDA_FLASH_AUTO && n >= 2048));
 }
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_pick(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                         float scale, tsys_cuda_flash_impl impl, cudaStream_t s, float *scratch) {
     if constexpr (sizeof(T) == 4) {
-        if constexpr (D == 64)
+        if constexpr (D == 64 || D == 128)
             if (scratch && tsys_cuda__flash_tf32_ws(n, D, impl)) {
                 const cudaError_t err = tsys_cuda__flash_fwd_ws<T, D, CAUSAL>(q, k, v, o, lse, bh, n, scale, s, scratch);
                 if (err != cudaErrorNotSupported) return err;
@@ -4159,7 +4167,8 @@ static size_t tsys_cuda__flash_scratch_bytes(int64_t bh, int64_t n, int64_t d, i
         return (fwd ? 4 : 8) * tsys_cuda__flash_pad_bytes(bh, n, d) +
                tsys_cuda__flash_scratch_bytes(bh, n, tsys_cuda__flash_pad_width(d), dtype, causal, impl, fwd);
     if (fwd && dtype == TSYS_CUDA__FLASH_TF32 && tsys_cuda__flash_tf32_ws(n, d, impl))
-        return sizeof(float) * tsys_cuda__flash_ws_fwd_floats<float, 64>(bh, n);   // the Hopper TF32 forward
+        return sizeof(float) * (d == 64 ? tsys_cuda__flash_ws_fwd_floats<float, 64>(bh, n)
+                                        : tsys_cuda__flash_ws_fwd_floats<float, 128>(bh, n));   // the Hopper TF32 forward
     if (dtype != TSYS_CUDA__FLASH_TF32 && (d == 64 || d == 128) && impl != TSYS_CUDA_FLASH_MMA) {   // the Hopper kernels
         if (impl == TSYS_CUDA_FLASH_WGMMA) return plain;   // only the warp-specialized kernels split
 #define TSYS_CUDA__FLASH_WS_FLOATS(T, D_) (fwd ? tsys_cuda__flash_ws_fwd_split_floats<T, D_>(bh, n) : tsys_cuda__flash_ws_split<T, D_>(bh, n).floats)

@@ -533,8 +533,8 @@ template <int D> static void fused_variant(long bh, long n) {
 // The TF32 forward (fp32 inputs, d = 64) of the lab's implementation against the CPU reference and against the
 // mma.sync TF32 forward, with the scratch the entry points give it (shares, rounded K, V^T) poisoned first;
 // run twice for the same bytes. Then timed beside the mma.sync forward at batch 1 (the sweep's shape).
-static void tf32_fwd_check(long bh, long n, bool causal) {
-    const long d = 64; const size_t N = bh * n * d, R = bh * n;
+static void tf32_fwd_check(long bh, long n, bool causal, long d = 64) {
+    const size_t N = bh * n * d, R = bh * n;
     const int dt = TSYS_CUDA__FLASH_TF32;
     Buf q(0, N), k(0, N), v(0, N), o(0, N), lse(0, R), o2(0, N), lse2(0, R);
     Buf sc(0, tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, dt, causal, lab_impl) / sizeof(float) + 1);
@@ -556,27 +556,30 @@ static void tf32_fwd_check(long bh, long n, bool causal) {
     tsys__cpu_flash_fwd(q.h.data(), k.h.data(), v.h.data(), ro.data(), rl.data(), bh, n, n, d, scale, causal);
     const double eo = rel_err(o.h.data(), ro.data(), N), el = rel_err(lse.h.data(), rl.data(), R);
     const double mo = rel_err(o2.h.data(), ro.data(), N), ml = rel_err(lse2.h.data(), rl.data(), R), xo = rel_err(o.h.data(), o2.h.data(), N);
-    report(std::max(eo, el) < 3e-3 && same, "tf32 fwd %-4s bh=%ld n=%-5ld causal=%d: O %.1e L %.1e (mma.sync: O %.1e L %.1e; the two %.1e) deterministic=%s",
-           lab_impl_name, bh, n, causal, eo, el, mo, ml, xo, same ? "yes" : "NO");
+    report(std::max(eo, el) < 3e-3 && same, "tf32 fwd %-4s bh=%ld n=%-5ld d=%-3ld causal=%d: O %.1e L %.1e (mma.sync: O %.1e L %.1e; the two %.1e) deterministic=%s",
+           lab_impl_name, bh, n, d, causal, eo, el, mo, ml, xo, same ? "yes" : "NO");
 }
 static void run_tf32_fwd() {
-    printf("== TF32 forward (fp32 inputs, d 64): %s against the CPU reference and mma.sync\n", lab_impl_name);
-    for (int c = 0; c < 2; c++)
-        for (long n : { 1L, 17L, 100L, 300L, 1000L }) tf32_fwd_check(3, n, c);
-    tf32_fwd_check(1, 4096, true);    // split into shares at batch 1
-    tf32_fwd_check(1, 3001, false);
-    for (long n : { 1024L, 2048L, 4096L, 8192L, 16384L, 65536L })
-        for (int pass = 0; pass < 2; pass++) {
-            const tsys_cuda_flash_impl impl = pass ? TSYS_CUDA_FLASH_MMA : lab_impl;
-            const long bh = 1, d = 64; const size_t N = bh * n * d;
-            const int dt = TSYS_CUDA__FLASH_TF32;
-            Buf q(0, N), k(0, N), v(0, N), o(0, N), lse(0, bh * n), sc(0, tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, dt, true, impl) / sizeof(float) + 1);
-            q.randomize(); k.randomize(); v.randomize();
-            const float scale = 1.0f / sqrtf((float)d);
-            const float t = time_ms([&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, true, impl, 0, (float *)sc.d)); }, 5, 50);
-            printf("  tf32 fwd %-4s bh=1 n=%-5ld d=64 causal: %.3f ms (%.1f TFLOP/s)\n", pass ? "mma" : lab_impl_name, n, t, 2.0 * n * n * d / t / 1e9);
-            fflush(stdout);
-        }
+    printf("== TF32 forward (fp32 inputs, d 64 and 128): %s against the CPU reference and mma.sync\n", lab_impl_name);
+    for (long d : { 64L, 128L }) {
+        for (int c = 0; c < 2; c++)
+            for (long n : { 1L, 17L, 100L, 300L, 1000L }) tf32_fwd_check(3, n, c, d);
+        tf32_fwd_check(1, 4096, true, d);    // split into shares at batch 1
+        tf32_fwd_check(1, 3001, false, d);
+    }
+    for (long d : { 64L, 128L })
+        for (long n : { 1024L, 2048L, 4096L, 8192L, 16384L, 65536L })
+            for (int pass = 0; pass < 2; pass++) {
+                const tsys_cuda_flash_impl impl = pass ? TSYS_CUDA_FLASH_MMA : lab_impl;
+                const long bh = 1; const size_t N = bh * n * d;
+                const int dt = TSYS_CUDA__FLASH_TF32;
+                Buf q(0, N), k(0, N), v(0, N), o(0, N), lse(0, bh * n), sc(0, tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, dt, true, impl) / sizeof(float) + 1);
+                q.randomize(); k.randomize(); v.randomize();
+                const float scale = 1.0f / sqrtf((float)d);
+                const float t = time_ms([&] { CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, true, impl, 0, (float *)sc.d)); }, 5, 50);
+                printf("  tf32 fwd %-4s bh=1 n=%-5ld d=%-3ld causal: %.3f ms (%.1f TFLOP/s)\n", pass ? "mma" : lab_impl_name, n, d, t, 2.0 * n * n * d / t / 1e9);
+                fflush(stdout);
+            }
 }
 
 static void bench(int dt, long bh, long n, long d, bool causal) {
