@@ -2966,6 +2966,14 @@ __device__ __forceinline__ void tsys_cuda__flash_named_sync(int id, int threads)
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The consumer warpgroups' registers once the producer has given its own back (`setmaxnreg.dec` to 24): 240 each
+// with 2 consumers, 160 with 3 (the block's 64K registers).
+template <int CW> __device__ __forceinline__ void tsys_cuda__flash_ws_consumer_regs() {
+    static_assert(CW == 2 || CW == 3, "2 or 3 consumer warpgroups");
+    if constexpr (CW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+}
+
 // Warp-specialized forward (sm_90a): one producer warpgroup streams K/V tiles with the tensor-memory
 // accelerator (TMA) into the ring, three consumer warpgroups (64 query rows each) compute. Stages are handed
 // over with mbarriers instead of block-wide barriers, so the consumers drift out of step and one warpgroup's
@@ -3101,8 +3109,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         }
         return;
     }
-    if constexpr (CW == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
-    else asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    tsys_cuda__flash_ws_consumer_regs<CW>();
     const int wr0 = warp * 16;
     o += ((size_t)b * n) * D; lse += (size_t)b * n;
     float oacc[D / 8][4];
@@ -3190,8 +3197,7 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
         }
         return;
     }
-    if constexpr (CW == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
-    else asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    tsys_cuda__flash_ws_consumer_regs<CW>();
     const int wr0 = warp * 16;
     lse += (size_t)b * n; dvec += (size_t)b * n; dq += (size_t)b * n * D;
     float lrow[2], drow[2];
@@ -3451,7 +3457,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    tsys_cuda__flash_ws_consumer_regs<CW>();
     const int wk0 = warp * 16;
     float dka[D / 8][4], dva[D / 8][4];
     tsys_cuda__flash_zero<1, D>(&dka);
@@ -3665,12 +3671,13 @@ struct tsys_cuda__flash_split_plan {
     size_t d_floats, floats;    // floats of the row sums D (rounded up to 16 bytes), of everything
 };
 // The plan of a backward whose dK/dV kernel takes BKV keys a block and whose dQ kernel BQ rows a block.
+static size_t tsys_cuda__flash_round4(size_t floats) { return (floats + 3) / 4 * 4; }   // 16-byte aligned parts
 static tsys_cuda__flash_split_plan tsys_cuda__flash_split_of(int64_t bh, int64_t n, int64_t D, int BKV, int BQ) {
     const int sms = tsys_cuda__flash_sm_count();
     tsys_cuda__flash_split_plan p;
     p.kv = tsys_cuda__flash_splits(bh * ((n + BKV - 1) / BKV), n, sms);
     p.q = tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), n, sms);
-    p.d_floats = ((size_t)(bh * n) + 3) / 4 * 4;
+    p.d_floats = tsys_cuda__flash_round4((size_t)(bh * n));
     p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
     return p;
 }
@@ -3687,7 +3694,6 @@ template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-sp
     static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_CW = 2, DQ_BQ = DQ_CW * 64;   // dQ: keys a tile, consumers, rows a block
     static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
 };
-static size_t tsys_cuda__flash_round4(size_t floats) { return (floats + 3) / 4 * 4; }   // 16-byte aligned parts
 // The warp-specialized forward's shares, and the floats of scratch they need (0 when it does not split).
 template <typename T, int D>
 static int tsys_cuda__flash_ws_fwd_shares(int64_t bh, int64_t n) {
@@ -3699,14 +3705,22 @@ static size_t tsys_cuda__flash_ws_fwd_split_floats(int64_t bh, int64_t n) {
     const int sh = tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n);
     return sh > 1 ? (size_t)sh * (size_t)(bh * n) * (D + 1) : 0;
 }
-// All the forward's scratch: the shares, and for fp32 (TF32) the rounded K and the padded V^T after them.
+// The forward's scratch, in floats: the shares, then for fp32 (TF32) the rounded K at kr and the V^T of
+// npad keys (n padded to the key tile) at vt.
+template <typename T, int D> struct tsys_cuda__flash_ws_fwd_scratch {
+    size_t kr, vt, floats;
+    int npad;
+    tsys_cuda__flash_ws_fwd_scratch(int64_t bh, int64_t n) {
+        constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK;
+        const size_t split = tsys_cuda__flash_ws_fwd_split_floats<T, D>(bh, n);
+        npad = (int)((n + BK - 1) / BK * BK);
+        kr = tsys_cuda__flash_round4(split);
+        vt = kr + tsys_cuda__flash_round4((size_t)(bh * n) * D);
+        floats = sizeof(T) == 4 ? vt + (size_t)bh * D * npad : split;
+    }
+};
 template <typename T, int D>
-static size_t tsys_cuda__flash_ws_fwd_floats(int64_t bh, int64_t n) {
-    const size_t split = tsys_cuda__flash_ws_fwd_split_floats<T, D>(bh, n);
-    if (sizeof(T) != 4) return split;
-    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK;
-    return tsys_cuda__flash_round4(split) + tsys_cuda__flash_round4((size_t)(bh * n) * D) + (size_t)bh * D * ((n + BK - 1) / BK * BK);
-}
+static size_t tsys_cuda__flash_ws_fwd_floats(int64_t bh, int64_t n) { return tsys_cuda__flash_ws_fwd_scratch<T, D>(bh, n).floats; }
 // The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles).
 template <typename T, int D>
 static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t n) {
@@ -3901,9 +3915,9 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
     CUtensorMap tq, tk, tv;
     if constexpr (sizeof(T) == 4) {
         if (!scratch) return cudaErrorNotSupported;
-        float *kr = scratch + tsys_cuda__flash_round4(tsys_cuda__flash_ws_fwd_split_floats<T, D>(bh, n));
-        float *vt = kr + tsys_cuda__flash_round4((size_t)(bh * n) * D);
-        const int npad = (n + BK - 1) / BK * BK;
+        const tsys_cuda__flash_ws_fwd_scratch<T, D> at(bh, n);
+        float *kr = scratch + at.kr, *vt = scratch + at.vt;
+        const int npad = at.npad;
         if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, (const float *)kr, bh, n, D, BK) ||
             !tsys_cuda__flash_tmap_rows(&tv, (const float *)vt, bh, D, npad, D))
             return cudaErrorNotSupported;

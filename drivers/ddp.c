@@ -35,6 +35,12 @@ typedef struct ddp_opts {
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
 } ddp_opts;
 
+// FSDP as the flags ask: compute in dt, prefetching, the reshard choice, the group-of-one shortcut.
+static tsys_fsdp_desc fsdp_desc(const ddp_opts *o, tsys_dtype dt) {
+    tsys_fsdp_desc fd = {dt, false, o->fsdp_reshard, false};
+    return fd;
+}
+
 static void usage(FILE *f) {
     fprintf(f,
         "usage: ddp [flags]\n"
@@ -176,7 +182,7 @@ static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du
                 if (!config_desc(o, models->item[a], T, attn, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); du_table_free(&tab); return 2; }
                 for (int s = TSYS_SCHEME_DDP; s <= TSYS_SCHEME_ZERO3 + 1; s++) {   // + 1: FSDP as tsys_fsdp does it
                     bool fs = s > TSYS_SCHEME_ZERO3;
-                    tsys_fsdp_desc fd = {dt, false, o->fsdp_reshard, false};
+                    const tsys_fsdp_desc fd = fsdp_desc(o, dt);
                     tsys_dist_account acc = fs ? tsys_fsdp_accounting_desc(&d, &fd, o->batch, T, o->nproc) : tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
                     du_row *r = du_table_row(&tab);
                     du_row_set(r, "model", "%s", models->item[a]);
@@ -383,7 +389,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     // a rank that could not build the model (out of memory) must not leave the others in the broadcast
     if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
         if (s == S_FSDP) {
-            tsys_fsdp_desc fd = {dt, false, o->fsdp_reshard, false};
+            const tsys_fsdp_desc fd = fsdp_desc(o, dt);
             r.fsdp = tsys_fsdp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &fd);
             if (r.fsdp) r.opt = tsys_adamw_new(ctx, tsys_fsdp_params(r.fsdp), tsys_fsdp_num_params(r.fsdp), NULL);
         } else r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
@@ -441,7 +447,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         max_over_ranks(d, mem, 4); max_over_ranks(d, &alone, 1);
         tsys_stats ss = tsys_stats_of(tstep, n), sb = tsys_stats_of(tbwd, n), so = tsys_stats_of(topt, n), se = tsys_stats_of(texp, n);
         tsys_ddp_stats ds = tsys_ddp_stats_get(r.ddp);
-        const tsys_fsdp_desc fdesc = {dt, false, o->fsdp_reshard, false};
+        const tsys_fsdp_desc fdesc = fsdp_desc(o, dt);
         tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(&desc, &fdesc, o->batch, T, world)
                                             : tsys_dist_accounting(&desc, dt, o->batch, T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
         du_row_set(row, "step_ms", "%.2f", ss.mean); du_row_set(row, "step_std", "%.2f", ss.std);

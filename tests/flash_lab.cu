@@ -380,12 +380,14 @@ static void run_wgvariants() {
 
 // A bf16 (bh, n, D) problem for the Hopper kernel variants: random q, k, v and dO; outputs, lse and scratch
 // enough for any launcher.
+// dq, dk, dv: the reference's gradients (lab_mma_reference); dq2, dk2, dv2 (poisoned): the variant's.
 struct LabProblem {
-    Buf q, k, v, g, o, dq, dk, dv, lse, sc;
+    Buf q, k, v, g, o, dq, dk, dv, lse, sc, dq2, dk2, dv2;
     LabProblem(long bh, long n, int D)
         : q(1, bh * n * D), k(1, bh * n * D), v(1, bh * n * D), g(1, bh * n * D), o(1, bh * n * D), dq(1, bh * n * D), dk(1, bh * n * D),
-          dv(1, bh * n * D), lse(0, bh * n), sc(0, lab_scratch_max(bh, n, D)) {
+          dv(1, bh * n * D), lse(0, bh * n), sc(0, lab_scratch_max(bh, n, D)), dq2(1, bh * n * D), dk2(1, bh * n * D), dv2(1, bh * n * D) {
         q.randomize(); k.randomize(); v.randomize(); g.randomize();
+        dq2.poison(); dk2.poison(); dv2.poison();
     }
 };
 
@@ -411,9 +413,7 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
         const bool causal = c == 0;
         const long sb = 2, sn = 300; const size_t N = sb * sn * D;
         LabProblem p(sb, sn, D);
-        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &lse = p.lse, &sc = p.sc;
-        Buf dq2(1, N);
-        dq2.poison();
+        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &lse = p.lse, &sc = p.sc, &dq2 = p.dq2;
         lab_mma_reference<T, D>(causal, p, sb, sn, scale);
         const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0)
                                       : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
@@ -442,9 +442,7 @@ template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
         const bool causal = c == 0;
         const long sb = 2, sn = 300; const size_t N = sb * sn * D;
         LabProblem p(sb, sn, D);
-        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
-        Buf dk2(1, N), dv2(1, N);
-        dk2.poison(); dv2.poison();
+        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc, &dk2 = p.dk2, &dv2 = p.dv2;
         lab_mma_reference<T, D>(causal, p, sb, sn, scale);
         const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0)
                                       : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0);
@@ -484,8 +482,7 @@ template <int D> static void fused_variant(long bh, long n) {
         const size_t N = sb * sn * D;
         LabProblem p(sb, sn, D);
         Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
-        Buf dq2(1, N), dk2(1, N), dv2(1, N);
-        dq2.poison(); dk2.poison(); dv2.poison();
+        Buf &dq2 = p.dq2, &dk2 = p.dk2, &dv2 = p.dv2;
         lab_mma_reference<T, D>(causal, p, sb, sn, scale);
         const cudaError_t e1 = fused(causal, q, k, v, g, lse, sc, dq2, dk2, dv2, sb, sn), e2 = cudaDeviceSynchronize();
         if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "fused d=%d: %s / %s", D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
@@ -498,8 +495,7 @@ template <int D> static void fused_variant(long bh, long n) {
         const size_t N = sb * sn * D;
         LabProblem p(sb, sn, D);
         Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
-        Buf dq2(1, N), dk2(1, N), dv2(1, N);
-        dq2.poison(); dk2.poison(); dv2.poison();
+        Buf &dq2 = p.dq2, &dk2 = p.dk2, &dv2 = p.dv2;
         lab_mma_reference<T, D>(true, p, sb, sn, scale);
         CHECK(fused(true, q, k, v, g, lse, sc, dq, dk, dv, sb, sn));
         CHECK(fused(true, q, k, v, g, lse, sc, dq2, dk2, dv2, sb, sn));
