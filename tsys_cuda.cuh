@@ -2411,7 +2411,7 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
     TSYS_CUDA__FLASH_WGMMA_ACC8(d, 16), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 24)
 #define TSYS_CUDA__FLASH_WGMMA_ACC64(d) TSYS_CUDA__FLASH_WGMMA_ACC32(d), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 32), \
     TSYS_CUDA__FLASH_WGMMA_ACC8(d, 40), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 48), TSYS_CUDA__FLASH_WGMMA_ACC8(d, 56)
-// operands: the NACC accumulators, then da, db, acc (ss) or a[0..3], db, 1 (rs: always accumulate).
+// operands: the NACC accumulators, then da, db, acc (ss) or a[0..3], db, acc (rs).
 // TAIL: the immediates after the predicate: the scales of A and B (1, 1), then for 16-bit operands the
 // transpose flags (ss: of A and B, "0, 0" both K-major, "1, 1" both MN-major; rs: of B). tf32 has none: its
 // shared-memory operands are always K-major.
@@ -2420,7 +2420,7 @@ tsys_cuda__flash_bwd_dq_f32_kernel(const float *__restrict__ q, const float *__r
                  : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "l"(da), "l"(db), "r"(acc))
 #define TSYS_CUDA__FLASH_WGMMA_RS(AB, NN, KK, NACC, OPS, PRED, TAIL) \
     asm volatile(TSYS_CUDA__FLASH_WGMMA_PTX(AB, NN, KK, NACC, OPS, PRED, TAIL) \
-                 : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1))
+                 : TSYS_CUDA__FLASH_WGMMA_ACC##NACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc))
 // The N = 64 and 128 cases of one element type (AB, k KK) for ss and rs (ss also N = 32: TF32's 32-key tiles).
 #define TSYS_CUDA__FLASH_WGMMA_SS_N(AB, KK, TAIL) \
     if constexpr (N == 32) TSYS_CUDA__FLASH_WGMMA_SS(AB, 32, KK, 16, "%16, %17", "%18", TAIL); \
@@ -2443,9 +2443,14 @@ template <typename T, int N> struct tsys_cuda__flash_wgmma {
         if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", 16, "1, 1, 1, 1"); }
         else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", 16, "1, 1, 1, 1"); }
     }
-    static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) {
+    static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) {   // B MN-major, accumulate
+        constexpr int acc = 1;
         if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_RS_N("bf16", 16, "1, 1, 1"); }
         else { TSYS_CUDA__FLASH_WGMMA_RS_N("f16", 16, "1, 1, 1"); }
+    }
+    static __device__ __forceinline__ void rs_k(float *d, const uint32_t *a, uint64_t db, int acc) {   // B K-major
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_RS_N("bf16", 16, "1, 1, 0"); }
+        else { TSYS_CUDA__FLASH_WGMMA_RS_N("f16", 16, "1, 1, 0"); }
     }
 };
 // fp32 operands on TF32 (m64nNk8): both shared-memory operands K-major; the register A operand of one warp's
@@ -2453,7 +2458,10 @@ template <typename T, int N> struct tsys_cuda__flash_wgmma {
 template <int N> struct tsys_cuda__flash_wgmma<float, N> {
     static_assert(N == 32 || N == 64 || N == 128, "wgmma: N = 32, 64 or 128");
     static __device__ __forceinline__ void ss(float *d, uint64_t da, uint64_t db, int acc) { TSYS_CUDA__FLASH_WGMMA_SS_N("tf32", 8, "1, 1"); }
-    static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) { TSYS_CUDA__FLASH_WGMMA_RS_N("tf32", 8, "1, 1"); }
+    static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) {
+        constexpr int acc = 1;
+        TSYS_CUDA__FLASH_WGMMA_RS_N("tf32", 8, "1, 1");
+    }
 };
 #endif
 
@@ -2564,6 +2572,29 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_rs(float (*acc)[4], const ui
         const uint64_t db = sizeof(T) == 4 ? tsys_cuda__flash_wg_desc_k<N>(b, 0, kk) : tsys_cuda__flash_wg_desc_mn<KD>(b, kk);
         tsys_cuda__flash_wgmma<T, N>::rs(&acc[0][0], a[kk], db);
     }
+#endif
+}
+
+// A warpgroup's 64 rows (r0..r0 + 63) of an R-row K-major 128B-swizzled tile of 16-bit elements, KD columns, as the
+// register A operand of its wgmmas (KD / 16 k-steps of 4 registers, ldmatrix: warp w's 16 rows, the m16n8k16 A
+// fragment). For operands that stay for a block's whole loop: their RS wgmmas then read only B from shared
+// memory, half the bytes of an SS wgmma of the same shape.
+template <int R, int KD>
+__device__ __forceinline__ void tsys_cuda__flash_wg_load_a(uint32_t (*a)[4], const void *tile, int r0) {
+    const int lane = threadIdx.x & 31, mi = lane >> 3;
+    const int r = r0 + ((threadIdx.x >> 5) & 3) * 16 + (lane & 7) + (mi & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) {
+        const int chunk = 2 * kk + (mi >> 1);
+        tsys_cuda__flash_ldsm_x4(a[kk], (const unsigned char *)tile + (chunk >> 3) * R * 128 + r * 128 + (((chunk & 7) ^ (r & 7)) << 4));
+    }
+}
+// acc (m64 x N) = A B^T: A in registers (tsys_cuda__flash_wg_load_a), B^T K-major in shared memory (N rows, KD columns).
+template <typename T, int N, int KD>
+__device__ __forceinline__ void tsys_cuda__flash_wg_rs_k(float (*acc)[4], const uint32_t (*a)[4], const T *b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++) tsys_cuda__flash_wgmma<T, N>::rs_k(&acc[0][0], a[kk], tsys_cuda__flash_wg_desc_k<N>(b, 0, kk), kk > 0);
 #endif
 }
 
@@ -2684,8 +2715,19 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_kv_scores(float (*st)[4], fl
     tsys_cuda__flash_wg_ss<T, BQ, BKV, D>(dpt, vs, wg * 64, gt);
     tsys_cuda__flash_wg_commit();
 }
+// ... the same with K and V of the warpgroup's keys in registers (tsys_cuda__flash_wg_load_a): RS wgmmas.
+template <typename T, int D, int BQ>
+__device__ __forceinline__ void tsys_cuda__flash_wg_kv_scores_r(float (*st)[4], float (*dpt)[4], const uint32_t (*kr)[4], const uint32_t (*vr)[4],
+                                                    const T *qt, const T *gt) {
+    tsys_cuda__flash_wg_fence();
+    tsys_cuda__flash_wg_rs_k<T, BQ, D>(st, kr, qt);
+    tsys_cuda__flash_wg_commit();
+    tsys_cuda__flash_wg_rs_k<T, BQ, D>(dpt, vr, gt);
+    tsys_cuda__flash_wg_commit();
+}
 // dK/dV kernels, one query tile for a warp's 16 keys (from key0) of S^T = K Q^T (done): P^T = 2^(s * scale_log2 -
 // lse) in place, masked when MASK (queries >= n and, when causal, queries before the key); lt: the tile's lse.
+// (Loading a thread's two columns of lt or dt as one float2 measured 1-2% slower.)
 template <int BQ, bool MASK, bool CAUSAL>
 __device__ __forceinline__ void tsys_cuda__flash_wg_kv_p(float (*st)[4], const float *lt, int key0, int q0, int n, int lane, float scale_log2) {
 #pragma unroll
@@ -3380,7 +3422,8 @@ __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqs
 // from the last (blockIdx.x 0) down: a block waits only for the blocks above it, which started before it (the
 // longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
 // later slices start their blocks one by one). nsplit must be 1.
-template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false>
+// AREG: each consumer keeps its 64 rows of K and V in registers (16-bit, d 64) and issues S^T and dP^T as RS wgmmas.
+template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false, bool AREG = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
 tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
@@ -3391,6 +3434,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, FUSED> L;
     constexpr int BKV = L::BKV, ST = L::ST, SLOTS = L::SLOTS;
     static_assert(!FUSED || (BQ == 64 && CW == 2), "the fused dQ: dS^T as one 64-column swizzled tile, two consumers");
+    static_assert(!AREG || (sizeof(T) == 2 && D == 64 && !FUSED), "K and V in registers: 16-bit, d 64, the 4-matmul kernel");
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *ks = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
     T *vs = ks + BKV * D;
@@ -3464,7 +3508,12 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     tsys_cuda__flash_zero<1, D>(&dva);
     uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];   // P^T and dS^T: their wgmmas may still read them in the next tile
     float dqa[FUSED ? D / 8 : 1][4];            // FUSED: this consumer's part of the tile's dQ
+    uint32_t kr[AREG ? D / 16 : 1][4], vr[AREG ? D / 16 : 1][4];   // AREG: this consumer's K and V rows
     tsys_cuda__flash_mbar_wait(kvfull, 0);
+    if constexpr (AREG) {
+        tsys_cuda__flash_wg_load_a<BKV, D>(kr, ks, wg * 64);
+        tsys_cuda__flash_wg_load_a<BKV, D>(vr, vs, wg * 64);
+    }
 
     tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
@@ -3473,7 +3522,8 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         const T *qt = qs + s * BQ * D, *gt = gs + s * BQ * D;
         const float *lt = ls + s * BQ, *dt = ds + s * BQ;
         float st[BQ / 8][4], dpt[BQ / 8][4];
-        tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, ks, vs, wg, qt, gt);
+        if constexpr (AREG) tsys_cuda__flash_wg_kv_scores_r<T, D, BQ>(st, dpt, kr, vr, qt, gt);
+        else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, ks, vs, wg, qt, gt);
         tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
         if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
@@ -3693,6 +3743,8 @@ template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-sp
     static constexpr int FWD_BK = F128 ? 32 : sizeof(T) == 4 || D > 64 ? 64 : 128, FWD_BQ = (F128 ? 2 : 3) * 64;
     static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_CW = 2, DQ_BQ = DQ_CW * 64;   // dQ: keys a tile, consumers, rows a block
     static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
+    // dK/dV: K and V in registers (measured 1.07-1.10x at d 64; d 128 has no registers to spare)
+    static constexpr bool KV_AREG = sizeof(T) == 2 && D == 64;
 };
 // The warp-specialized forward's shares, and the floats of scratch they need (0 when it does not split).
 template <typename T, int D>
@@ -3963,14 +4015,15 @@ static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T
 // The warp-specialized dK/dV kernel (BQ query rows per tile, CW consumer warpgroups of 64 keys);
 // cudaErrorNotSupported when no tensor map can be made.
 // nsplit > 1: each key block's query tiles in nsplit shares, fp32 sums into part (see the kernel).
-template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW>
+template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW,
+          bool AREG = tsys_cuda__flash_ws_tiles<T, D>::KV_AREG>
 static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
                                            const float *dvec, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s,
                                            int nsplit = 1, float *part = nullptr) {
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, BQ, L::BKV)) return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL>;
+    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, false, AREG>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {

@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsdq|wsdkdv|fused|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsdq|wsdkdv|fused|areg|lb] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -465,6 +465,51 @@ template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
     fflush(stdout);
 }
 
+// The dK/dV kernel with K and V in registers (AREG, d 64: RS wgmmas for S^T and dP^T, the entry points' choice)
+// against the kernel without it: the same bits (and the mma.sync accuracy) on 300- and 1000-row problems, causal
+// and not; then both timed twice on the benchmark shape (causal).
+template <bool CAUSAL, bool AREG>
+static void areg_dkdv(LabProblem &p, Buf &dk, Buf &dv, long bh, long n, float scale) {
+    typedef __nv_bfloat16 T;
+    CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, 64, CAUSAL, 64, 2, AREG>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d,
+                                                                   (T *)dk.d, (T *)dv.d, bh, n, scale, 0)));
+}
+template <bool CAUSAL> static void areg_check(long sn, float scale) {
+    typedef __nv_bfloat16 T;
+    const long sb = 2;
+    const size_t N = sb * sn * 64;
+    LabProblem p(sb, sn, 64);
+    lab_mma_reference<T, 64>(CAUSAL, p, sb, sn, scale);   // p.sc holds D = rowsum(dO o O) first
+    Buf dk1(1, N), dv1(1, N);
+    dk1.poison(); dv1.poison();
+    areg_dkdv<CAUSAL, false>(p, dk1, dv1, sb, sn, scale);
+    areg_dkdv<CAUSAL, true>(p, p.dk2, p.dv2, sb, sn, scale);
+    CHECK(cudaDeviceSynchronize());
+    for (Buf *b : { &p.dk, &p.dv, &dk1, &dv1, &p.dk2, &p.dv2 }) b->download();
+    const double ek = rel_err(p.dk2.h.data(), p.dk.h.data(), N), ev = rel_err(p.dv2.h.data(), p.dv.h.data(), N);
+    const bool same = dk1.raw == p.dk2.raw && dv1.raw == p.dv2.raw;
+    report(same && ek < 1e-2 && ev < 1e-2, "areg dK/dV n=%ld causal=%d: the shared-memory kernel's bits %s; vs mma.sync dK %.1e dV %.1e", sn,
+           CAUSAL, same ? "yes" : "NO", ek, ev);
+}
+static void run_areg() {
+    typedef __nv_bfloat16 T;
+    const float scale = 0.125f;
+    printf("== dK/dV with K and V in registers against the kernel without it, d 64\n");
+    for (long sn : { 300L, 1000L }) areg_check<true>(sn, scale), areg_check<false>(sn, scale);
+    const long bh = 16, n = 16384;
+    LabProblem p(bh, n, 64);
+    CHECK((tsys_cuda__flash_fwd_wg<T, 64, true>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.o.d, (float *)p.lse.d, bh, n, scale, 0)));
+    CHECK((tsys_cuda__flash_bwd_wg<T, 64, true>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.o.d, (float *)p.lse.d, (T *)p.dq.d, (T *)p.dk.d, (T *)p.dv.d, (float *)p.sc.d, bh, n, scale, 0, 1)));
+    float t[2][2];
+    for (int r = 0; r < 2; r++) {
+        t[0][r] = time_ms([&] { areg_dkdv<true, false>(p, p.dk2, p.dv2, bh, n, scale); }, 3, 20);
+        t[1][r] = time_ms([&] { areg_dkdv<true, true>(p, p.dk2, p.dv2, bh, n, scale); }, 3, 20);
+    }
+    printf("  dK/dV bf16 %ld x %ld x 64 causal, ms (two rounds): shared-memory K and V %.3f / %.3f, in registers %.3f / %.3f\n", bh, n,
+           t[0][0], t[0][1], t[1][0], t[1][1]);
+    fflush(stdout);
+}
+
 // The fused (5-matmul) backward (not used by the entry points): dQ, dK and dV against the mma.sync backward at 300
 // and 1000 rows, causal and not; the same bits from two runs on a 4 x 4096 problem (the order of the dQ adds is
 // fixed by the turns); then timed on the benchmark shape beside the 7-matmul warp-specialized kernels.
@@ -659,6 +704,8 @@ int main(int argc, char **argv) {
         wsdkdv_variant<64, 64, 2>(16, 16384), wsdkdv_variant<128, 64, 2>(16, 16384);
     if (!strcmp(mode, "fused") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== fused: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "fused")) fused_variant<64>(16, 16384);
+    if (!strcmp(mode, "areg") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== areg: the warp-specialized kernels cannot run here\n");
+    else if (!strcmp(mode, "areg")) run_areg();
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);

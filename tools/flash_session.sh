@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # flash_session.sh - one call on the GPU machine for the FlashAttention kernels: the lab's checks, tile
 # variants, the leaderboard rows, PyTorch SDPA at the same shapes (same call), and an ncu look at a kernel.
-#   tools/flash_session.sh build test wg lb torch ncu testcuda tf32 pad sweep
+#   tools/flash_session.sh build test wg lb torch ncu testcuda tf32 areg pad sweep
 # `test` checks every flash implementation the device can run (mma, wgmma, ws); `testcuda` runs build/test_cuda;
+# `areg` checks and times the dK/dV kernel with K and V in registers (d 64); `lb` and `torch` may repeat (each run
+# writes its own numbered log, so interleaved runs show the call-to-call spread);
 # `tf32` checks and times the TF32 forward; `pad` the zero-padded d 16 / 32 path; `sweep` is the flash_benchmarking
 # sweep beside PyTorch SDPA (build/attn_cuda and tests/ref/torch_fa_sweep.py, one table) for SWEEP_DTYPES
 # (default fp32) and SWEEP_DS (default 16,32,64,128); `lbnows` / `lbmma` time the
@@ -32,12 +34,13 @@ for part in "$@"; do
            > "$OUT/torch_fa_sweep_$tag.jsonl" 2>&1; grep -c fwd_ms "$OUT/torch_fa_sweep_$tag.jsonl"
          python3 tools/flash_sweep_table.py "$OUT/attn_sweep_$tag.csv" "$OUT/torch_fa_sweep_$tag.jsonl" "$OUT/sweep_${tag}_full.md" > "$OUT/sweep_${tag}_table.md"
          cat "$OUT/sweep_${tag}_table.md" ;;
+  areg) timeout 200 build/flash_lab areg > "$OUT/flash_areg.log" 2>&1; cat "$OUT/flash_areg.log" ;;
   pad) timeout 200 build/flash_lab pad > "$OUT/flash_pad.log" 2>&1; cat "$OUT/flash_pad.log" ;;
-  lb) timeout 120 build/flash_lab lb > "$OUT/flash_lb.log" 2>&1; cat "$OUT/flash_lb.log" ;;
+  lb) lbn=$((${lbn:-0} + 1)); timeout 120 build/flash_lab lb > "$OUT/flash_lb_$lbn.log" 2>&1; cat "$OUT/flash_lb_$lbn.log" ;;
   lbnows) timeout 120 build/flash_lab lb wgmma > "$OUT/flash_lb_nows.log" 2>&1; cat "$OUT/flash_lb_nows.log" ;;
   lbmma) timeout 120 build/flash_lab lb mma > "$OUT/flash_lb_mma.log" 2>&1; cat "$OUT/flash_lb_mma.log" ;;
   perf) timeout 300 build/flash_lab perf > "$OUT/flash_perf.log" 2>&1; cat "$OUT/flash_perf.log" ;;
-  torch) timeout 300 python3 tests/ref/torch_fa_lb.py > "$OUT/torch_fa_lb.log" 2>&1; cat "$OUT/torch_fa_lb.log" ;;
+  torch) tn=$((${tn:-0} + 1)); timeout 300 python3 tests/ref/torch_fa_lb.py > "$OUT/torch_fa_lb_$tn.log" 2>&1; cat "$OUT/torch_fa_lb_$tn.log" ;;
   ncu) for k in ${NCU_KERNELS:-fwd_wg dkdv_wg dq_wg}; do
          timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" -k regex:$k --launch-skip 3 --launch-count 1 build/flash_lab lb > "$OUT/ncu_$k.log" 2>&1
