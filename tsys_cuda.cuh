@@ -3031,15 +3031,26 @@ template <typename T, int D, int BK, int CW_ = 3> struct tsys_cuda__flash_ws_lay
     static constexpr size_t SMEM = 2 * Q_BYTES + 2 * TSYS_CUDA__FLASH_WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS_CUDA__FLASH_WG_STAGES) + 1024;
 };
 
+// Which (tile, slice x share) a warp-specialized block works on, for a grid of (tiles, slices x shares): the
+// hardware starts blocks in the order of blockIdx.y * gridDim.x + blockIdx.x, and that number is read tile-major
+// (tile 0 of every slice, then tile 1, ...), so that causal grids start their longest blocks first across all
+// slices: read slice by slice, each slice's longest block starts late and ends the kernel ~6% after the rest.
+struct tsys_cuda__flash_ws_block { int tile, ys; };
+__device__ __forceinline__ tsys_cuda__flash_ws_block tsys_cuda__flash_ws_block_of() {
+    const unsigned l = blockIdx.y * gridDim.x + blockIdx.x;
+    return { (int)(l / gridDim.y), (int)(l % gridDim.y) };
+}
+
 // The query block of a warp-specialized forward or dQ block (causal: the last, longest rows first), slice b,
-// and its key tiles: its share [j0, j1) of them (blockIdx.y = bh index x nsplit + share), of which those
-// below nfull need no mask.
+// and its key tiles: its share [j0, j1) of them (ys = bh index x nsplit + share), of which those below nfull
+// need no mask.
 struct tsys_cuda__flash_ws_qrange { int q0, b, split, j0, j1, nfull; };
 template <int BQ, int BK, bool CAUSAL>
 __device__ __forceinline__ tsys_cuda__flash_ws_qrange tsys_cuda__flash_ws_qblock(int n, int b0, int nsplit) {
     tsys_cuda__flash_ws_qrange r;
-    const int qt = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    r.q0 = qt * BQ; r.b = b0 + blockIdx.y / nsplit; r.split = blockIdx.y % nsplit;
+    const tsys_cuda__flash_ws_block o = tsys_cuda__flash_ws_block_of();
+    const int qt = CAUSAL ? gridDim.x - 1 - o.tile : o.tile;
+    r.q0 = qt * BQ; r.b = b0 + o.ys / nsplit; r.split = o.ys % nsplit;
     int nkt = (n + BK - 1) / BK;
     r.nfull = n / BK;
     if (CAUSAL) nkt = min(nkt, (r.q0 + BQ - 1) / BK + 1), r.nfull = min(r.nfull, (r.q0 + 1) / BK);
@@ -3118,7 +3129,7 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_round_q(float *qs, int wg) {
     tsys_cuda__flash_named_sync(1 + wg, 128);
 }
 
-// Split (nsplit > 1, one slice: b0 = 0): blockIdx.y = bh index x nsplit + share, each block runs its share of
+// Split (nsplit > 1, one slice: b0 = 0): gridDim.y = bh x nsplit (tsys_cuda__flash_ws_block_of), each block runs its share of
 // the key tiles (as the mma.sync forward's split).
 // CW consumer warpgroups: 3 (160 registers each), or 2 (240) where three blocks of Q do not fit shared memory.
 template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3>
@@ -3203,7 +3214,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
 // Warp-specialized dQ (sm_90a), built like the warp-specialized forward: the producer warpgroup loads the
 // block's Q and dO once and streams K/V tiles through the ring; CW consumer warpgroups of 64 query rows each
 // accumulate dQ = scale * dS K, keeping each tile's dS K wgmma in flight until the next tile's S is done.
-// Split (nsplit > 1, one slice: b0 = 0): blockIdx.y = bh index x nsplit + share; the block runs its share of
+// Split (nsplit > 1, one slice: b0 = 0): gridDim.y = bh x nsplit (tsys_cuda__flash_ws_block_of); the block runs its share of
 // the key tiles and leaves its unscaled fp32 sums in part ([share][bh][n][D]) for tsys_cuda__flash_split_sum.
 template <typename T, int D, int BK, int CW, bool CAUSAL>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
@@ -3447,8 +3458,10 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     uint64_t *ready = empty + ST, *sfull = ready + SLOTS, *sempty = sfull + SLOTS;   // [SLOTS] each (FUSED)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int bhi = blockIdx.y / nsplit, split = blockIdx.y % nsplit, nkb = (n + BKV - 1) / BKV;
-    const int kb = FUSED ? nkb - 1 - (int)blockIdx.x : (int)blockIdx.x;   // FUSED: the last key block first
+    // causal: key block 0 is the longest (tsys_cuda__flash_ws_block_of); FUSED: the last key block first, in grid order
+    const tsys_cuda__flash_ws_block o = FUSED ? tsys_cuda__flash_ws_block{ (int)blockIdx.x, (int)blockIdx.y } : tsys_cuda__flash_ws_block_of();
+    const int bhi = o.ys / nsplit, split = o.ys % nsplit, nkb = (n + BKV - 1) / BKV;
+    const int kb = FUSED ? nkb - 1 - o.tile : o.tile;
     const int k0 = kb * BKV, b = b0 + bhi;
     int it0, nqt;   // this block's query tiles [it0, nqt)
     tsys_cuda__flash_share(CAUSAL ? k0 / BQ : 0, (n + BQ - 1) / BQ, nsplit, split, &it0, &nqt);
