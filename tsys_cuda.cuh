@@ -3754,7 +3754,9 @@ template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-sp
     // d 128, so that Q and the ring fit shared memory)
     static constexpr bool F128 = sizeof(T) == 4 && D > 64;
     static constexpr int FWD_BK = F128 ? 32 : sizeof(T) == 4 || D > 64 ? 64 : 128, FWD_BQ = (F128 ? 2 : 3) * 64;
-    static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_CW = 2, DQ_BQ = DQ_CW * 64;   // dQ: keys a tile, consumers, rows a block
+    // dQ: keys a tile, consumers, rows a block (d 64: three consumers on 64-key tiles, 1.05x two on 128-key tiles
+    // once the blocks run longest-first across slices; the other way round before)
+    static constexpr int DQ_BK = 64, DQ_CW = D <= 64 ? 3 : 2, DQ_BQ = DQ_CW * 64;
     static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
     // dK/dV: K and V in registers (measured 1.07-1.10x at d 64; d 128 has no registers to spare)
     static constexpr bool KV_AREG = sizeof(T) == 2 && D == 64;
