@@ -3758,7 +3758,7 @@ template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-sp
     // once the blocks run longest-first across slices; the other way round before)
     static constexpr int DQ_BK = 64, DQ_CW = D <= 64 ? 3 : 2, DQ_BQ = DQ_CW * 64;
     static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
-    // dK/dV: K and V in registers (measured 1.07-1.10x at d 64; d 128 has no registers to spare)
+    // dK/dV: K and V in registers (measured 1.05-1.15x at d 64; d 128 has no registers to spare)
     static constexpr bool KV_AREG = sizeof(T) == 2 && D == 64;
 };
 // The warp-specialized forward's shares, and the floats of scratch they need (0 when it does not split).
@@ -4913,10 +4913,11 @@ static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs
     for (int j = 0; j < 9; j++) TSYS_CUDA__REQUIRE(st->ctx, t[j] != NULL, "flash_bwd: t[%d] is NULL", j);
     TSYS_CUDA__TRY(tsys_cuda__flash_shape(st, t[4], &bh, &n, &d));
     const int fdt = tsys_cuda__flash_dtype(st, t[4]);
-    float *scratch = (float *)tsys_cuda__scratch(st, tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run));
+    const size_t scratch_bytes = tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run);
+    float *scratch = (float *)tsys_cuda__scratch(st, scratch_bytes);
     if (!scratch)
         return tsys_ctx_set_error(st->ctx, TSYS_ERR_OOM, "flash_bwd: no memory for %.1f MiB of scratch (row sums, split shares, padded copies)",
-                                  tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, fdt, a->i[0] != 0, st->flash_run) / 1048576.0);
+                                  scratch_bytes / 1048576.0);
     cudaError_t e = tsys_cuda__flash_bwd(tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[5]), tsys_cuda__data(t[6]),
                                          tsys_cuda__data(t[7]), (const float *)tsys_cuda__data(t[8]), tsys_cuda__data(t[0]),
                                          tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, fdt, bh, n, d, a->f[0],
