@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsdq|wsdkdv|fused|areg|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsdq|wsdkdv|fused|areg|parts|lb] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <utility>
 #include <vector>
 
 #define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
@@ -242,6 +243,22 @@ template <typename F> static float time_ms(F f, int warm, int reps) {
     std::sort(t.begin(), t.end());
     cudaEventDestroy(a); cudaEventDestroy(b);
     return t[t.size() / 2];
+}
+
+// Medians of fa and fb timed in alternation, one run of each in turn (drift in the clocks then touches both alike).
+template <typename FA, typename FB> static std::pair<float, float> time_ab(FA fa, FB fb, int warm, int reps) {
+    cudaEvent_t e[3]; for (auto &x : e) CHECK(cudaEventCreate(&x));
+    std::vector<float> ta, tb;
+    for (int i = 0; i < warm; i++) fa(), fb();
+    for (int i = 0; i < reps; i++) {
+        CHECK(cudaEventRecord(e[0])); fa(); CHECK(cudaEventRecord(e[1])); fb(); CHECK(cudaEventRecord(e[2])); CHECK(cudaEventSynchronize(e[2]));
+        float a, b; CHECK(cudaEventElapsedTime(&a, e[0], e[1])); CHECK(cudaEventElapsedTime(&b, e[1], e[2]));
+        ta.push_back(a); tb.push_back(b);
+    }
+    CHECK(cudaGetLastError());
+    std::sort(ta.begin(), ta.end()); std::sort(tb.begin(), tb.end());
+    for (auto &x : e) cudaEventDestroy(x);
+    return { ta[ta.size() / 2], tb[tb.size() / 2] };
 }
 
 // Tile-shape variants of the bf16 causal kernels: each is checked against the default configuration's
@@ -510,6 +527,55 @@ static void run_areg() {
     fflush(stdout);
 }
 
+// The backward part by part at the leaderboard shapes (bf16, causal, 16 x 16384), with the dK/dV kernel launched
+// in the dQ kernel's tail (programmatic dependent launch) and without: first the same bits both ways, then each
+// part alone (D pre-pass, dQ, dK/dV), the two together, the whole backward and forward + backward, interleaved.
+template <int D> static void parts_one() {
+    typedef __nv_bfloat16 T;
+    const long bh = 16, n = 16384;
+    const float scale = 1.0f / sqrtf((float)D);
+    LabProblem p(bh, n, D);
+    const tsys_cuda_flash_impl impl = lab_wg_impl();
+    auto fwd = [&] { CHECK((tsys_cuda__flash_fwd_pick<T, D, true>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.o.d, (float *)p.lse.d, bh, n, scale, impl, 0, (float *)p.sc.d))); };
+    auto part = [&](int parts, Buf &dq, Buf &dk, Buf &dv) {
+        CHECK((tsys_cuda__flash_bwd_wg<T, D, true>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.o.d, (float *)p.lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d,
+                                                   (float *)p.sc.d, bh, n, scale, 0, parts, impl)));
+    };
+    fwd();
+    tsys_cuda__flash_pdl_off = true; part(7, p.dq, p.dk, p.dv);
+    tsys_cuda__flash_pdl_off = false; part(7, p.dq2, p.dk2, p.dv2);
+    CHECK(cudaDeviceSynchronize());
+    for (Buf *a : { &p.dq, &p.dk, &p.dv, &p.dq2, &p.dk2, &p.dv2 }) a->download();
+    const bool same = p.dq.raw == p.dq2.raw && p.dk.raw == p.dk2.raw && p.dv.raw == p.dv2.raw;
+    report(same, "d=%d backward with the dK/dV kernel in the dQ kernel's tail: the same bits as without", D);
+    // D: the 16-byte-load kernel against the warp-per-row one (the same sums in another order)
+    const long rows = bh * n;
+    Buf d1(0, rows), d2(0, rows);
+    auto dot_row = [&] { tsys_cuda__flash_bwd_dot_kernel<T><<<(unsigned)((rows + 7) / 8), 256>>>((T *)p.g.d, (T *)p.o.d, (float *)d1.d, rows, D); };
+    auto dot_vec = [&] { tsys_cuda__flash_bwd_dot<T, D>((T *)p.g.d, (T *)p.o.d, (float *)d2.d, rows, 0); };
+    dot_row(); dot_vec(); CHECK(cudaDeviceSynchronize()); d1.download(); d2.download();
+    report(rel_err(d2.h.data(), d1.h.data(), rows) < 1e-6, "d=%d D from 16-byte loads matches the warp-per-row kernel (rel err %.1e)", D,
+           rel_err(d2.h.data(), d1.h.data(), rows));
+    const auto td = time_ab(dot_row, dot_vec, 3, 30);
+    printf("  d=%d D pre-pass: warp per row %.4f ms, 16-byte loads %.4f ms\n", D, td.first, td.second);
+    // each part with ordinary launches (a) and with the dK/dV kernel tail-launched (b), alternating run by run
+    auto ab = [&](auto f) { return time_ab([&] { tsys_cuda__flash_pdl_off = true; f(); }, [&] { tsys_cuda__flash_pdl_off = false; f(); }, 3, 30); };
+    for (int round = 0; round < 2; round++) {
+        const auto tf = ab(fwd), tq = ab([&] { part(4, p.dq, p.dk, p.dv); }), tkv = ab([&] { part(2, p.dq, p.dk, p.dv); });
+        const auto tqkv = ab([&] { part(6, p.dq, p.dk, p.dv); }), tb = ab([&] { part(7, p.dq, p.dk, p.dv); });
+        const auto tfb = ab([&] { fwd(); part(7, p.dq, p.dk, p.dv); });
+        printf("  d=%d ordinary / tail-launched, ms: fwd %.3f / %.3f  dQ %.3f / %.3f  dK/dV %.3f / %.3f  dQ+dK/dV %.3f / %.3f  bwd %.3f / %.3f  "
+               "fwd+bwd %.3f / %.3f\n", D, tf.first, tf.second, tq.first, tq.second, tkv.first, tkv.second, tqkv.first, tqkv.second,
+               tb.first, tb.second, tfb.first, tfb.second);
+        fflush(stdout);
+    }
+    tsys_cuda__flash_pdl_off = false;
+}
+static void run_parts() {
+    printf("== the backward part by part, bf16, causal, 16 x 16384 (ms)\n");
+    parts_one<64>(); parts_one<128>();
+}
+
 // The fused (5-matmul) backward (not used by the entry points): dQ, dK and dV against the mma.sync backward at 300
 // and 1000 rows, causal and not; the same bits from two runs on a 4 x 4096 problem (the order of the dQ adds is
 // fixed by the turns); then timed on the benchmark shape beside the 7-matmul warp-specialized kernels.
@@ -706,6 +772,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(mode, "fused")) fused_variant<64>(16, 16384);
     if (!strcmp(mode, "areg") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== areg: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "areg")) run_areg();
+    if (!strcmp(mode, "parts") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== parts: the warp-specialized kernels cannot run here\n");
+    else if (!strcmp(mode, "parts")) run_parts();
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);
