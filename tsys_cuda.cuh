@@ -84,7 +84,7 @@
 
    ON FLASH ATTENTION
       TSYS_K_FLASH_FWD/BWD (tsys_flash_attention) run the >>flash section: FlashAttention-2 for fp32, bf16
-      and fp16 at head dims 16, 32, 64, 80, 128, any sequence length, causal or not, a deterministic
+      and fp16 at head dims 16, 32, 64, 80, 96, 128, any sequence length, causal or not, a deterministic
       backward (no atomics). bf16/fp16 at d = 64 and 128 have three implementations (tsys_cuda_flash_impl):
       warp-specialized TMA + wgmma kernels (WS), cp.async + wgmma kernels (WGMMA), both sm_90a-only, and
       mma.sync kernels (MMA, everywhere). AUTO takes the first this binary and device can run; desc.flash
@@ -141,7 +141,7 @@ typedef struct tsys_cuda_mem_info {
 // Which FlashAttention kernels bf16/fp16 attention at head dims 64 and 128 runs (every other head dim has one
 // implementation: mma.sync tensor cores; fp32 has two, chosen by desc.flash_fp32_exact, and its TF32 forward
 // at d = 64 and 128 runs warp-specialized under WS, and under AUTO from 2048 rows; bf16/fp16 at d = 16, 32 run
-// zero-padded on the d = 64 kernels, d = 80 on the d = 128 ones, under WS, and under AUTO on long sequences:
+// zero-padded on the d = 64 kernels, d = 80 and 96 on the d = 128 ones, under WS, and under AUTO on long sequences:
 // tsys_cuda__flash_pad).
 //   AUTO   the fastest this binary and device can run: WS, else WGMMA, else MMA; a call whose inputs TMA
 //          cannot read (not 16-byte aligned) runs WGMMA instead of WS
@@ -1519,7 +1519,9 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 //
 // Any n >= 1 works: tiles are loaded with zero fill past row n and the masks drop keys >= n and queries
 // >= n. Causal launches skip key tiles that every query of a tile masks, and the heaviest tiles start
-// first. Head dims: 16, 32, 64, 80, 128 (the tensor-core kernels need d % 16 == 0; d = 80 is 5 k-steps).
+// first. Head dims: 16, 32, 64, 80, 96, 128 (the tensor-core kernels need d % 16 == 0; d = 80 is 5 k-steps).
+// (256 is not among them: the mma.sync kernels keep a warp's rows x D accumulators in registers, 256 a thread
+// for the forward's O at D = 256 and as many for dK + dV, past the 255 a thread has; it needs D split over warps.)
 //
 // Which kernels run for bf16/fp16 at d = 64 and 128 is the caller's tsys_cuda_flash_impl (the backend keeps
 // it per context: tsys_cuda_desc.flash, tsys_cuda_set_flash_impl):
@@ -1531,7 +1533,7 @@ __global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B
 //          wgmma kernel; cudaErrorNotSupported when TMA cannot read an input (no tensor map);
 //   AUTO   WS, and WGMMA for a call whose inputs TMA cannot read.
 // bf16/fp16 at d = 16 and 32 under WS (and under AUTO from 16384 rows: the forward, and the backward at d 32):
-// zero-padded to 64 columns and run on the d = 64 Hopper kernels; d = 80 padded to 128 under WS (and AUTO
+// zero-padded to 64 columns and run on the d = 64 Hopper kernels; d = 80 and 96 padded to 128 under WS (and AUTO
 // from 8192 rows) (tsys_cuda__flash_pad).
 // fp32 on TF32 at d = 64, 128 under WS (and AUTO from 2048 rows): the warp-specialized forward with tf32 wgmmas (its rounded K and
 // V^T copies in the forward's scratch); the backward, and every other fp32 case, stays on mma.sync.
@@ -4258,23 +4260,24 @@ static cudaError_t tsys_cuda__flash_bwd_pick(const T *dout, const T *q, const T 
 // fp32 inputs multiplied on TF32 tensor cores (the mma.sync kernels with T = float).
 enum { TSYS_CUDA__FLASH_F32 = 0, TSYS_CUDA__FLASH_BF16 = 1, TSYS_CUDA__FLASH_F16 = 2, TSYS_CUDA__FLASH_TF32 = 3 };
 static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
-    return dtype >= TSYS_CUDA__FLASH_F32 && dtype <= TSYS_CUDA__FLASH_TF32 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 128);
+    return dtype >= TSYS_CUDA__FLASH_F32 && dtype <= TSYS_CUDA__FLASH_TF32 && (d == 16 || d == 32 || d == 64 || d == 80 || d == 96 || d == 128);
 }
 
-// Head dims 16, 32 and 80 (bf16/fp16) on the Hopper kernels: the inputs are copied into (bh, n, dp) buffers
-// (dp = 64 for 16 and 32, 128 for 80) whose extra columns are zeros, the d = dp kernels run on them with the
+// Head dims 16, 32, 80 and 96 (bf16/fp16) on the Hopper kernels: the inputs are copied into (bh, n, dp) buffers
+// (dp = 64 for 16 and 32, 128 for 80 and 96) whose extra columns are zeros, the d = dp kernels run on them with the
 // caller's scale, and the first d columns of the outputs are copied back. Zero columns add exact zeros to
 // every score and leave the padded outputs' extra columns zero, so the result is the d-column attention.
 // The copies cost a few microseconds. Where the padded Hopper kernels win (H100, bf16, causal; the lab's
 // `pad` mode, docs/perf-notes-flash.md v13): at 64 columns from 16384 rows in the forward (65536 rows, batch
 // 1: 1.20 against 1.82 ms) and in the backward at d 32 only (3.43 against 4.30; d 16: 3.40 against 3.14); at
 // 128 columns for d 80 from 8192 rows both ways (65536: 7.84 against 12.00 ms fwd + bwd). On short sequences
-// with many heads they lose (bh 128 x 256 rows, d 80: 0.26 against 0.09 ms), so AUTO pads only there; WS
+// with many heads they lose (bh 128 x 256 rows, d 80: 0.26 against 0.09 ms), so AUTO pads only there (d 96 as
+// d 80: 0.285 against 0.373 ms at 8192 rows, 8.09 against 14.03 at 65536, 0.26 against 0.10 at 128 x 256; v15); WS
 // pads at every length and both ways (so its tests cover the path). Only when the launcher is given scratch
 // and every input and output is 16-byte aligned (the copies move 16-byte chunks).
-static int tsys_cuda__flash_pad_width(int64_t d) { return d == 16 || d == 32 ? 64 : d == 80 ? 128 : 0; }
+static int tsys_cuda__flash_pad_width(int64_t d) { return d == 16 || d == 32 ? 64 : d == 80 || d == 96 ? 128 : 0; }
 static bool tsys_cuda__flash_pad(int dtype, int64_t n, int64_t d, tsys_cuda_flash_impl impl, bool fwd) {
-    const bool pays = d == 80 ? n >= 8192 : n >= 16384 && (fwd || d == 32);
+    const bool pays = d == 80 || d == 96 ? n >= 8192 : n >= 16384 && (fwd || d == 32);
     return (dtype == TSYS_CUDA__FLASH_BF16 || dtype == TSYS_CUDA__FLASH_F16) && tsys_cuda__flash_pad_width(d) &&
            (impl == TSYS_CUDA_FLASH_WS || (impl == TSYS_CUDA_FLASH_AUTO && pays));
 }
@@ -4339,6 +4342,7 @@ static size_t tsys_cuda__flash_scratch_bytes(int64_t bh, int64_t n, int64_t d, i
     case 32: { constexpr int D_ = 32; TSYS_CUDA__FLASH_SPLIT_ONE; }
     case 64: { constexpr int D_ = 64; TSYS_CUDA__FLASH_SPLIT_ONE; }
     case 80: { constexpr int D_ = 80; TSYS_CUDA__FLASH_SPLIT_ONE; }
+    case 96: { constexpr int D_ = 96; TSYS_CUDA__FLASH_SPLIT_ONE; }
     case 128: { constexpr int D_ = 128; TSYS_CUDA__FLASH_SPLIT_ONE; }
     default: return plain;
     }
@@ -4359,6 +4363,7 @@ static size_t tsys_cuda__flash_fwd_scratch_bytes(int64_t bh, int64_t n, int64_t 
     case 32: { constexpr int D_ = 32; CALL; } break; \
     case 64: { constexpr int D_ = 64; CALL; } break; \
     case 80: { constexpr int D_ = 80; CALL; } break; \
+    case 96: { constexpr int D_ = 96; CALL; } break; \
     case 128: { constexpr int D_ = 128; CALL; } break; \
     default: return cudaErrorInvalidValue; \
     }
@@ -4939,7 +4944,7 @@ static tsys_status tsys_cuda__flash_shape(tsys_cuda__state *st, const tsys_tenso
     TSYS_CUDA__REQUIRE(st->ctx, q && q->ndim >= 2, "flash: q must be (..., N, d)");
     *d = q->shape[q->ndim - 1]; *n = q->shape[q->ndim - 2];
     *bh = tsys_tensor_numel(q) / (*n * *d);
-    TSYS_CUDA__REQUIRE(st->ctx, tsys_cuda__flash_supported(q->dtype, *d), "flash: %s with head dim %lld is not supported (16, 32, 64, 80, 128)",
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_cuda__flash_supported(q->dtype, *d), "flash: %s with head dim %lld is not supported (16, 32, 64, 80, 96, 128)",
                        tsys_dtype_name(q->dtype), (long long)*d);
     return TSYS_OK;
 }

@@ -200,13 +200,13 @@ static void run_cuda_tests() {
     for (int dt = 0; dt < 3; dt++)
         for (int c = 0; c < 2; c++) check_cuda(dt, 4, 128, 64, c);   // the CS336 contract shape
     static const long ns[] = { 1, 17, 100, 257 };
-    static const long ds[] = { 16, 32, 64, 80, 128 };
+    static const long ds[] = { 16, 32, 64, 80, 96, 128 };
     for (int dt = 0; dt < 3; dt++)
         for (long n : ns)
             for (int c = 0; c < 2; c++) check_cuda(dt, 3, n, 64, c);
     for (int dt = 0; dt < 3; dt++)
         for (long d : ds)
-            for (int c = 0; c < 2; c++) check_cuda(dt, 2, d == 80 ? 257 : 100, d, c);
+            for (int c = 0; c < 2; c++) check_cuda(dt, 2, d == 80 || d == 96 ? 257 : 100, d, c);
     for (int dt = 1; dt < 3; dt++) check_cuda(dt, 2, 1000, 64, true), check_cuda(dt, 2, 1000, 128, false);
     check_cuda(0, 1, 700, 80, true);
 }
@@ -705,17 +705,18 @@ static void bench(int dt, long bh, long n, long d, bool causal) {
     fflush(stdout);
 }
 
-// bf16 at d 16, 32 (padded to 64) and 80 (padded to 128) on the Hopper kernels against the mma.sync kernels,
+// bf16 at d 16, 32 (padded to 64), 80 and 96 (padded to 128) on the Hopper kernels against the mma.sync kernels,
 // causal: first checked against the CPU reference with the lab's implementation (auto pads d 16 and 32 from
 // 16384 rows) and with ws (which always pads), then timed, ws against mma, at batch 1 and at two batched shapes.
 static void run_pad() {
-    printf("== d 16 / 32 / 80 zero-padded onto the Hopper kernels against mma.sync, bf16, causal\n");
+    printf("== d 16 / 32 / 80 / 96 zero-padded onto the Hopper kernels against mma.sync, bf16, causal\n");
     for (long d : { 16L, 32L }) check_cuda(1, 1, 16384, d, true);
     const tsys_cuda_flash_impl keep = lab_impl;
     lab_impl = TSYS_CUDA_FLASH_WS;
     check_cuda(1, 2, 3000, 80, true); check_cuda(1, 2, 1000, 80, false);
+    check_cuda(1, 2, 3000, 96, true); check_cuda(1, 2, 1000, 96, false);
     struct { long bh, n; } shapes[] = { { 1, 4096 }, { 1, 8192 }, { 1, 16384 }, { 1, 32768 }, { 1, 65536 }, { 128, 256 }, { 32, 2048 } };
-    for (long d : { 16L, 32L, 80L })
+    for (long d : { 16L, 32L, 80L, 96L })
         for (auto sh : shapes) {
             lab_impl = TSYS_CUDA_FLASH_WS; bench(1, sh.bh, sh.n, d, true);
             lab_impl = TSYS_CUDA_FLASH_MMA; bench(1, sh.bh, sh.n, d, true);

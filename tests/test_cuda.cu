@@ -1447,11 +1447,11 @@ TSYS_TEST(cuda_flash_odd_lengths) {
     });
 }
 
-TSYS_TEST(cuda_flash_head_dims) {   // 80: the 2.7B model's head dim, 5 tensor-core k-steps
+TSYS_TEST(cuda_flash_head_dims) {   // 80: the 2.7B model's head dim, 5 tensor-core k-steps; 96: 6
     tc_fa_sweep([](tsys_ctx *) {
-        static const int64_t ds[] = { 16, 32, 80, 128 };
+        static const int64_t ds[] = { 16, 32, 80, 96, 128 };
         for (int di = 0; di < 3; di++)
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 5; i++)
                 for (int c = 0; c < 2; c++) { int64_t s[3] = { 3, 257, ds[i] }; tc_fa_case(tc_floats[di], 3, s, c == 1, false); }
     });
 }
