@@ -3089,7 +3089,6 @@ template <typename T, int D, int BK, int CW_ = 3> struct tsys_cuda__flash_ws_lay
     static constexpr size_t SMEM = 2 * Q_BYTES + 2 * TSYS_CUDA__FLASH_WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS_CUDA__FLASH_WG_STAGES) + 1024;
 };
 
-
 // The query block of a warp-specialized forward or dQ block (causal: the last, longest rows first), slice b,
 // and its key tiles: its share [j0, j1) of them (ys = bh index x nsplit + share), of which those below nfull
 // need no mask.
