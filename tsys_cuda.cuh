@@ -3085,8 +3085,10 @@ template <int CW> __device__ __forceinline__ void tsys_cuda__flash_ws_consumer_r
 template <typename T, int D, int BK, int CW_ = 3> struct tsys_cuda__flash_ws_layout {
     static constexpr int CW = CW_, BQ = CW * 64, NT = (CW + 1) * 128;
     static constexpr size_t Q_BYTES = (size_t)BQ * D * sizeof(T), KV_BYTES = (size_t)BK * D * sizeof(T);
-    // Q (and dO in the dQ kernel), the K/V ring, the mbarriers, alignment slack
-    static constexpr size_t SMEM = 2 * Q_BYTES + 2 * TSYS_CUDA__FLASH_WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS_CUDA__FLASH_WG_STAGES) + 1024;
+    // Q (and dO in the dQ kernel: SMEM; the forward's FWD_SMEM holds Q alone), the K/V ring, the mbarriers,
+    // alignment slack
+    static constexpr size_t RING = 2 * TSYS_CUDA__FLASH_WG_STAGES * KV_BYTES + 8 * (1 + 2 * TSYS_CUDA__FLASH_WG_STAGES) + 1024;
+    static constexpr size_t SMEM = 2 * Q_BYTES + RING, FWD_SMEM = Q_BYTES + RING;
 };
 
 // The query block of a warp-specialized forward or dQ block (causal: the last, longest rows first), slice b,
@@ -3179,7 +3181,8 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_round_q(float *qs, int wg) {
 
 // Split (nsplit > 1, one slice: b0 = 0): gridDim.y = bh x nsplit (tsys_cuda__flash_block_of), each block runs its share of
 // the key tiles (as the mma.sync forward's split).
-// CW consumer warpgroups: 3 (160 registers each), or 2 (240) where three blocks of Q do not fit shared memory.
+// CW consumer warpgroups: 3 (160 registers each), or 2 (240): TF32 at d 128 (three blocks of Q do not fit shared memory)
+// and 16-bit at d 128 (128-key tiles; faster than three consumers on 64-key tiles).
 template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3>
 __global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK, CW_>::NT, 1)
 tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
@@ -3817,9 +3820,10 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t
 
 template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-specialized kernels' tiles
     // forward: keys a tile and rows a block (fp32: 64-key tiles at d 64, and 2 x 64 rows with 32-key tiles at
-    // d 128, so that Q and the ring fit shared memory)
+    // d 128, so that Q and the ring fit shared memory; 16-bit: 128-key tiles, three consumers at d 64 and two at
+    // d 128, where they measured 1.68 against 1.92 ms for three on 64-key tiles, 16 x 16384, H100)
     static constexpr bool F128 = sizeof(T) == 4 && D > 64;
-    static constexpr int FWD_BK = F128 ? 32 : sizeof(T) == 4 || D > 64 ? 64 : 128, FWD_BQ = (F128 ? 2 : 3) * 64;
+    static constexpr int FWD_BK = F128 ? 32 : sizeof(T) == 4 ? 64 : 128, FWD_BQ = (F128 || (sizeof(T) == 2 && D > 64) ? 2 : 3) * 64;
     // dQ: keys a tile, consumers, rows a block (d 64: three consumers on 64-key tiles, 1.05x two on 128-key tiles
     // once the blocks run longest-first across slices; the other way round before)
     static constexpr int DQ_BK = 64, DQ_CW = D <= 64 ? 3 : 2, DQ_BQ = DQ_CW * 64;
@@ -4038,11 +4042,12 @@ __global__ void tsys_cuda__flash_tf32_prep(const float *__restrict__ k, const fl
 // implementation is WGMMA, WS or AUTO (the caller has checked tsys_cuda__flash_wg_probe).
 // The warp-specialized forward; cudaErrorNotSupported when no tensor map can be made (AUTO falls back).
 // scratch: at least tsys_cuda__flash_ws_fwd_floats floats, or nullptr (then no split; fp32 needs it: the
-// rounded K and the V^T of tsys_cuda__flash_tf32_prep live there after the shares).
-template <typename T, int D, bool CAUSAL>
+// rounded K and the V^T of tsys_cuda__flash_tf32_prep live there after the shares). BK, CW: the tiles' choice,
+// or a variant of the lab's (16-bit, no scratch).
+template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ / 64>
 static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s, float *scratch = nullptr) {
-    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK, CW = tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ / 64;
+    static_assert(BK == tsys_cuda__flash_ws_tiles<T, D>::FWD_BK || !(sizeof(T) == 4), "TF32: the pre-pass's key padding is the tiles' FWD_BK");
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     const int sh = scratch ? tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n) : 1;
     CUtensorMap tq, tk, tv;
@@ -4060,11 +4065,11 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
                !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
         return cudaErrorNotSupported;
     auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL, CW>;
-    cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
+    cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::FWD_SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
         dim3 grid((n + L::BQ - 1) / L::BQ, (unsigned)((bh - b0 < 65535 ? bh - b0 : 65535) * sh));
-        kern<<<grid, L::NT, L::SMEM, s>>>(tq, tk, tv, o, lse, n, (int)b0, scale * TSYS_CUDA__FLASH_LOG2E, sh, sh > 1 ? scratch : nullptr);
+        kern<<<grid, L::NT, L::FWD_SMEM, s>>>(tq, tk, tv, o, lse, n, (int)b0, scale * TSYS_CUDA__FLASH_LOG2E, sh, sh > 1 ? scratch : nullptr);
     }
     if (sh > 1) {
         const int64_t rows = bh * n, count = rows * D;

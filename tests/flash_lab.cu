@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsdq|wsdkdv|fused|areg|parts|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsfwd|wsdq|wsdkdv|fused|areg|parts|lb] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -450,6 +450,35 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     fflush(stdout);
 }
 
+// Warp-specialized forward variants (BK keys a tile, CW consumer warpgroups): O and lse against the mma.sync
+// forward on a 300-row problem, causal and not, then the benchmark shape timed (causal).
+template <int D, int BK, int CW> static void wsfwd_variant(long bh, long n) {
+    typedef __nv_bfloat16 T;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int c = 0; c < 2; c++) {
+        const bool causal = c == 0;
+        const long sb = 2, sn = 300; const size_t N = sb * sn * D;
+        LabProblem p(sb, sn, D);
+        Buf lse2(0, sb * sn);
+        lse2.poison();
+        lab_mma_reference<T, D>(causal, p, sb, sn, scale);
+        const cudaError_t e1 = causal ? tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, sb, sn, scale, 0)
+                                      : tsys_cuda__flash_fwd_ws<T, D, false, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, sb, sn, scale, 0);
+        const cudaError_t e2 = cudaDeviceSynchronize();
+        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws fwd BK=%d CW=%d d=%d: %s / %s", BK, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
+        p.o.download(); p.dq2.download(); p.lse.download(); lse2.download();
+        const double eo = rel_err(p.dq2.h.data(), p.o.h.data(), N), el = rel_err(lse2.h.data(), p.lse.h.data(), sb * sn);
+        report(eo < 1e-2 && el < 1e-5, "ws fwd BK=%d CW=%d d=%d causal=%d vs mma.sync: O %.1e lse %.1e", BK, CW, D, causal, eo, el);
+    }
+    const size_t N = bh * n * D;
+    Buf q(1, N), k(1, N), v(1, N), o(1, N), lse(0, bh * n);
+    q.randomize(); k.randomize(); v.randomize();
+    auto run = [&] { CHECK((tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
+    const float t = time_ms(run, 3, 20);
+    printf("  ws fwd BK=%d CW=%d bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s)\n", BK, CW, bh, n, D, t, 2.0 * bh * n * n * D / t / 1e9);
+    fflush(stdout);
+}
+
 // Warp-specialized dK/dV variants (BQ query rows per tile, CW consumer warpgroups): checked against the mma.sync
 // dK/dV on a 300-row problem, causal and not, then timed on the benchmark shape beside the cp.async kernel.
 template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
@@ -766,6 +795,10 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "wsdq") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dq: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "wsdq"))
         wsdq_variant<64, 128, 2>(16, 16384), wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384);
+    if (!strcmp(mode, "wsfwd") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws fwd: the warp-specialized kernels cannot run here\n");
+    else if (!strcmp(mode, "wsfwd"))
+        for (int round = 0; round < 3; round++)
+            wsfwd_variant<128, 64, 3>(16, 16384), wsfwd_variant<128, 128, 2>(16, 16384), wsfwd_variant<64, 128, 3>(16, 16384);
     if (!strcmp(mode, "wsdkdv") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dkdv: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "wsdkdv"))
         wsdkdv_variant<64, 64, 2>(16, 16384), wsdkdv_variant<128, 64, 2>(16, 16384);
