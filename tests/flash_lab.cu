@@ -421,25 +421,39 @@ static void lab_mma_reference(bool causal, LabProblem &p, long sb, long sn, floa
     }
 }
 
+// The checks a kernel variant goes through: a 2 x 300-row problem, causal and not, with the mma.sync kernels'
+// outputs in p as the reference. launch(causal, p) runs the variant (into p's second buffers) and returns its
+// error; compare(causal, p) downloads and reports. false: the variant did not run (reported).
+template <int D, typename L, typename C> static bool lab_variant_checks(const char *name, L launch, C compare) {
+    const long sb = 2, sn = 300;
+    for (int c = 0; c < 2; c++) {
+        const bool causal = c == 0;
+        LabProblem p(sb, sn, D);
+        lab_mma_reference<__nv_bfloat16, D>(causal, p, sb, sn, 1.0f / sqrtf((float)D));
+        const cudaError_t e1 = launch(causal, p), e2 = cudaDeviceSynchronize();
+        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "%s d=%d: %s / %s", name, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return false; }
+        compare(causal, p);
+    }
+    return true;
+}
+
 // Warp-specialized dQ variants (BK keys per tile, CW consumer warpgroups): checked against the mma.sync dQ on a
 // 300-row problem, causal and not, then timed on the benchmark shape.
 template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     typedef __nv_bfloat16 T;
     const float scale = 1.0f / sqrtf((float)D);
-    for (int c = 0; c < 2; c++) {
-        const bool causal = c == 0;
-        const long sb = 2, sn = 300; const size_t N = sb * sn * D;
-        LabProblem p(sb, sn, D);
-        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &lse = p.lse, &sc = p.sc, &dq2 = p.dq2;
-        lab_mma_reference<T, D>(causal, p, sb, sn, scale);
-        const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0)
-                                      : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq2.d, sb, sn, scale, 0);
-        const cudaError_t e2 = cudaDeviceSynchronize();
-        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws dq BK=%d CW=%d d=%d: %s / %s", BK, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
-        dq.download(); dq2.download();
-        const double e = rel_err(dq2.h.data(), dq.h.data(), N);
-        report(e < 1e-2, "ws dq BK=%d CW=%d d=%d causal=%d vs mma.sync: dQ %.1e", BK, CW, D, causal, e);
-    }
+    char name[64];
+    snprintf(name, sizeof name, "ws dq BK=%d CW=%d", BK, CW);
+    auto launch = [&](bool causal, LabProblem &p) {
+        return causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, 2, 300, scale, 0)
+                      : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, 2, 300, scale, 0);
+    };
+    auto compare = [&](bool causal, LabProblem &p) {
+        p.dq.download(); p.dq2.download();
+        const double e = rel_err(p.dq2.h.data(), p.dq.h.data(), p.dq.n);
+        report(e < 1e-2, "%s d=%d causal=%d vs mma.sync: dQ %.1e", name, D, causal, e);
+    };
+    if (!lab_variant_checks<D>(name, launch, compare)) return;
     const size_t N = bh * n * D, R = bh * n;
     Buf q(1, N), k(1, N), v(1, N), g(1, N), dq(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
     CHECK(cudaMemset(lse.d, 0, R * 4)); CHECK(cudaMemset(sc.d, 0, R * 4));
@@ -455,21 +469,20 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
 template <int D, int BK, int CW> static void wsfwd_variant(long bh, long n) {
     typedef __nv_bfloat16 T;
     const float scale = 1.0f / sqrtf((float)D);
-    for (int c = 0; c < 2; c++) {
-        const bool causal = c == 0;
-        const long sb = 2, sn = 300; const size_t N = sb * sn * D;
-        LabProblem p(sb, sn, D);
-        Buf lse2(0, sb * sn);
+    char name[64];
+    snprintf(name, sizeof name, "ws fwd BK=%d CW=%d", BK, CW);
+    Buf lse2(0, 2 * 300);   // O goes to dq2 (NaN-poisoned), lse here
+    auto launch = [&](bool causal, LabProblem &p) {
         lse2.poison();
-        lab_mma_reference<T, D>(causal, p, sb, sn, scale);
-        const cudaError_t e1 = causal ? tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, sb, sn, scale, 0)
-                                      : tsys_cuda__flash_fwd_ws<T, D, false, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, sb, sn, scale, 0);
-        const cudaError_t e2 = cudaDeviceSynchronize();
-        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws fwd BK=%d CW=%d d=%d: %s / %s", BK, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
+        return causal ? tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, 2, 300, scale, 0)
+                      : tsys_cuda__flash_fwd_ws<T, D, false, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, 2, 300, scale, 0);
+    };
+    auto compare = [&](bool causal, LabProblem &p) {
         p.o.download(); p.dq2.download(); p.lse.download(); lse2.download();
-        const double eo = rel_err(p.dq2.h.data(), p.o.h.data(), N), el = rel_err(lse2.h.data(), p.lse.h.data(), sb * sn);
-        report(eo < 1e-2 && el < 1e-5, "ws fwd BK=%d CW=%d d=%d causal=%d vs mma.sync: O %.1e lse %.1e", BK, CW, D, causal, eo, el);
-    }
+        const double eo = rel_err(p.dq2.h.data(), p.o.h.data(), p.o.n), el = rel_err(lse2.h.data(), p.lse.h.data(), p.lse.n);
+        report(eo < 1e-2 && el < 1e-5, "%s d=%d causal=%d vs mma.sync: O %.1e lse %.1e", name, D, causal, eo, el);
+    };
+    if (!lab_variant_checks<D>(name, launch, compare)) return;
     const size_t N = bh * n * D;
     Buf q(1, N), k(1, N), v(1, N), o(1, N), lse(0, bh * n);
     q.randomize(); k.randomize(); v.randomize();
@@ -484,20 +497,18 @@ template <int D, int BK, int CW> static void wsfwd_variant(long bh, long n) {
 template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
     typedef __nv_bfloat16 T;
     const float scale = 1.0f / sqrtf((float)D);
-    for (int c = 0; c < 2; c++) {
-        const bool causal = c == 0;
-        const long sb = 2, sn = 300; const size_t N = sb * sn * D;
-        LabProblem p(sb, sn, D);
-        Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc, &dk2 = p.dk2, &dv2 = p.dv2;
-        lab_mma_reference<T, D>(causal, p, sb, sn, scale);
-        const cudaError_t e1 = causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0)
-                                      : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, BQ, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk2.d, (T *)dv2.d, sb, sn, scale, 0);
-        const cudaError_t e2 = cudaDeviceSynchronize();
-        if (e1 != cudaSuccess || e2 != cudaSuccess) { report(false, "ws dkdv BQ=%d CW=%d d=%d: %s / %s", BQ, CW, D, cudaGetErrorString(e1), cudaGetErrorString(e2)); return; }
-        dk.download(); dv.download(); dk2.download(); dv2.download();
-        const double ek = rel_err(dk2.h.data(), dk.h.data(), N), ev = rel_err(dv2.h.data(), dv.h.data(), N);
-        report(ek < 1e-2 && ev < 1e-2, "ws dkdv BQ=%d CW=%d d=%d causal=%d vs mma.sync: dK %.1e dV %.1e", BQ, CW, D, causal, ek, ev);
-    }
+    char name[64];
+    snprintf(name, sizeof name, "ws dkdv BQ=%d CW=%d", BQ, CW);
+    auto launch = [&](bool causal, LabProblem &p) {
+        return causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, 2, 300, scale, 0)
+                      : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, BQ, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, 2, 300, scale, 0);
+    };
+    auto compare = [&](bool causal, LabProblem &p) {
+        p.dk.download(); p.dv.download(); p.dk2.download(); p.dv2.download();
+        const double ek = rel_err(p.dk2.h.data(), p.dk.h.data(), p.dk.n), ev = rel_err(p.dv2.h.data(), p.dv.h.data(), p.dv.n);
+        report(ek < 1e-2 && ev < 1e-2, "%s d=%d causal=%d vs mma.sync: dK %.1e dV %.1e", name, D, causal, ek, ev);
+    };
+    if (!lab_variant_checks<D>(name, launch, compare)) return;
     LabProblem p(bh, n, D);
     Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &o = p.o, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
     CHECK((tsys_cuda__flash_fwd_wg<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
