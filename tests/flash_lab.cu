@@ -424,8 +424,9 @@ static void lab_mma_reference(bool causal, LabProblem &p, long sb, long sn, floa
 // The checks a kernel variant goes through: a 2 x 300-row problem, causal and not, with the mma.sync kernels'
 // outputs in p as the reference. launch(causal, p) runs the variant (into p's second buffers) and returns its
 // error; compare(causal, p) downloads and reports. false: the variant did not run (reported).
+static const long lab_check_bh = 2, lab_check_n = 300;   // the variants' check problem
 template <int D, typename L, typename C> static bool lab_variant_checks(const char *name, L launch, C compare) {
-    const long sb = 2, sn = 300;
+    const long sb = lab_check_bh, sn = lab_check_n;
     for (int c = 0; c < 2; c++) {
         const bool causal = c == 0;
         LabProblem p(sb, sn, D);
@@ -445,8 +446,8 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     char name[64];
     snprintf(name, sizeof name, "ws dq BK=%d CW=%d", BK, CW);
     auto launch = [&](bool causal, LabProblem &p) {
-        return causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, 2, 300, scale, 0)
-                      : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, 2, 300, scale, 0);
+        return causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, lab_check_bh, lab_check_n, scale, 0)
+                      : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, lab_check_bh, lab_check_n, scale, 0);
     };
     auto compare = [&](bool causal, LabProblem &p) {
         p.dq.download(); p.dq2.download();
@@ -471,11 +472,11 @@ template <int D, int BK, int CW> static void wsfwd_variant(long bh, long n) {
     const float scale = 1.0f / sqrtf((float)D);
     char name[64];
     snprintf(name, sizeof name, "ws fwd BK=%d CW=%d", BK, CW);
-    Buf lse2(0, 2 * 300);   // O goes to dq2 (NaN-poisoned), lse here
+    Buf lse2(0, lab_check_bh * lab_check_n);   // O goes to dq2 (NaN-poisoned), lse here
     auto launch = [&](bool causal, LabProblem &p) {
         lse2.poison();
-        return causal ? tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, 2, 300, scale, 0)
-                      : tsys_cuda__flash_fwd_ws<T, D, false, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, 2, 300, scale, 0);
+        return causal ? tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, lab_check_bh, lab_check_n, scale, 0)
+                      : tsys_cuda__flash_fwd_ws<T, D, false, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, lab_check_bh, lab_check_n, scale, 0);
     };
     auto compare = [&](bool causal, LabProblem &p) {
         p.o.download(); p.dq2.download(); p.lse.download(); lse2.download();
@@ -500,8 +501,8 @@ template <int D, int BQ, int CW> static void wsdkdv_variant(long bh, long n) {
     char name[64];
     snprintf(name, sizeof name, "ws dkdv BQ=%d CW=%d", BQ, CW);
     auto launch = [&](bool causal, LabProblem &p) {
-        return causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, 2, 300, scale, 0)
-                      : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, BQ, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, 2, 300, scale, 0);
+        return causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, BQ, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, lab_check_bh, lab_check_n, scale, 0)
+                      : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, BQ, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, lab_check_bh, lab_check_n, scale, 0);
     };
     auto compare = [&](bool causal, LabProblem &p) {
         p.dk.download(); p.dv.download(); p.dk2.download(); p.dv2.download();
