@@ -3133,11 +3133,13 @@ __device__ __forceinline__ void tsys_cuda__flash_tma_load(void *dst, const CUten
 // Ring bookkeeping of the warp-specialized kernels: qfull (the block's Q / dO arrived), full[s] (stage s
 // holds its tile: one arrival with the byte count, then the copy engine's bytes), empty[s] (every consumer
 // warp is done with stage s: `consumers` arrivals).
-// `fillers`: the arrivals that fill a stage (the TMA thread's, plus the lanes of a warp that copies with cp.async).
-__device__ __forceinline__ void tsys_cuda__flash_ws_init(uint64_t *qfull, uint64_t *full, uint64_t *empty, int consumers, int fillers = 1) {
+// `fillers`: the arrivals that fill a stage (the TMA thread's, plus the lanes of a warp that copies with cp.async);
+// `stages`: the ring's (full and empty hold that many barriers each).
+__device__ __forceinline__ void tsys_cuda__flash_ws_init(uint64_t *qfull, uint64_t *full, uint64_t *empty, int consumers, int fillers = 1,
+                                              int stages = TSYS_CUDA__FLASH_WG_STAGES) {
     if (threadIdx.x == 0) {
         tsys_cuda__flash_mbar_init(qfull, 1);
-        for (int s = 0; s < TSYS_CUDA__FLASH_WG_STAGES; s++) tsys_cuda__flash_mbar_init(full + s, fillers), tsys_cuda__flash_mbar_init(empty + s, consumers);
+        for (int s = 0; s < stages; s++) tsys_cuda__flash_mbar_init(full + s, fillers), tsys_cuda__flash_mbar_init(empty + s, consumers);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -3358,10 +3360,15 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
 // thread), and it still beats the cp.async kernel by 15%; neither waiting for dV before dS^T is packed nor a
 // 288-thread block with one producer warp (no `setmaxnreg`) helped (the latter serializes d 64 too).
 template <typename T, int D, int BQ, int CW, bool FUSED = false> struct tsys_cuda__flash_ws_kv_layout {
-    static constexpr int BKV = CW * 64, NT = (CW + 1) * 128, ST = TSYS_CUDA__FLASH_WG_STAGES;
+    // DQCOL (the fused kernel past d 64): each consumer makes D / CW columns of the tile's dQ over all BKV keys
+    // (its own 64 keys' dQ, D columns, would not fit its registers beside dK and dV); dS^T is then read by both
+    // consumers and double-buffered, and the Q / dO ring has two stages so that it all fits shared memory.
+    static constexpr bool DQCOL = FUSED && D > 64;
+    static constexpr int BKV = CW * 64, NT = (CW + 1) * 128, ST = DQCOL ? 2 : TSYS_CUDA__FLASH_WG_STAGES;
+    static constexpr int DQN = DQCOL ? D / CW : D;       // the columns of a consumer's dQ part
     static constexpr int SLOTS = FUSED ? 2 : 0;           // dQ staging buffers (the finishing consumer alternates)
     static constexpr size_t KV_BYTES = (size_t)BKV * D * sizeof(T), QT_BYTES = (size_t)BQ * D * sizeof(T);
-    static constexpr size_t DS_BYTES = FUSED ? (size_t)BKV * BQ * sizeof(T) : 0;       // dS^T
+    static constexpr size_t DS_BYTES = FUSED ? (size_t)(DQCOL ? 2 : 1) * BKV * BQ * sizeof(T) : 0;       // dS^T
     static constexpr size_t STAGE_BYTES = (size_t)BQ * D * sizeof(float);             // one tile's dQ part
     // K, V; the Q and dO rings; dS^T; the dQ staging; the lse and D rings; the mbarriers; alignment slack
     static constexpr size_t SMEM = 2 * KV_BYTES + ST * 2 * QT_BYTES + DS_BYTES + SLOTS * STAGE_BYTES + ST * 2 * BQ * sizeof(float) +
@@ -3408,6 +3415,22 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_stage_dq(float *stage, uint6
         const float4 u = buf[nb * 128 + t];
         buf[nb * 128 + t] = make_float4(dqa[nb][0] + u.x, dqa[nb][1] + u.y, dqa[nb][2] + u.z, dqa[nb][3] + u.w);
     }
+    tsys_cuda__flash_fence_proxy_async();   // the bulk copy reads the buffer through the async proxy
+    tsys_cuda__flash_mbar_arrive(sfull + slot);
+}
+
+// ... DQCOL: consumer wg's N columns of tile j's dQ (all of the block's keys) into its half of staging buffer
+// j % 2; the adder takes the buffer once both halves are in (`sfull` counts both consumers' threads). The halves
+// lie [consumer][column block of 8][thread][4]: the layout of one D-column part, so tsys_cuda__flash_dq_finish
+// reads either.
+template <int N>
+__device__ __forceinline__ void tsys_cuda__flash_ws_stage_dq_col(float *stage, uint64_t *sfull, uint64_t *sempty, const float (*dqa)[4],
+                                                      int j, int wg, int cw) {
+    const int slot = j & 1, use = j >> 1, t = threadIdx.x & 127;
+    float4 *buf = reinterpret_cast<float4 *>(stage + ((size_t)slot * cw + wg) * 64 * N);
+    if (use > 0) tsys_cuda__flash_mbar_wait(sempty + slot, (use - 1) & 1);
+#pragma unroll
+    for (int nb = 0; nb < N / 8; nb++) buf[nb * 128 + t] = make_float4(dqa[nb][0], dqa[nb][1], dqa[nb][2], dqa[nb][3]);
     tsys_cuda__flash_fence_proxy_async();   // the bulk copy reads the buffer through the async proxy
     tsys_cuda__flash_mbar_arrive(sfull + slot);
 }
@@ -3479,9 +3502,10 @@ __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqs
 
 // FUSED: the 5-matmul backward. The kernel also makes dQ: each consumer puts its 64 rows of dS^T (bf16) into
 // shared memory and computes the tile's dQ over its own keys, dS_w K_w (dS read MN-major from the dS^T rows, K
-// MN-major); the two parts meet in a staging buffer (tsys_cuda__flash_ws_stage_dq), and the producer warpgroup's
-// warp 2 adds their sum into the tile's accumulator in turn (tsys_cuda__flash_dq_adder), in the consumers'
-// register order ([column block of 8][thread][4]); tsys_cuda__flash_dq_finish rounds it into dq. Key blocks run
+// MN-major), or, past d 64 (DQCOL), its D / 2 columns of dQ over all the block's keys once both consumers' rows
+// are in (a barrier between them); the parts meet in a staging buffer (tsys_cuda__flash_ws_stage_dq, _stage_dq_col),
+// and the producer warpgroup's warp 2 adds their sum into the tile's accumulator in turn (tsys_cuda__flash_dq_adder),
+// in the consumers' register order ([column block of 8][thread][4]); tsys_cuda__flash_dq_finish rounds it into dq. Key blocks run
 // from the last (blockIdx.x 0) down: a block waits only for the blocks above it, which started before it (the
 // longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
 // later slices start their blocks one by one). nsplit must be 1.
@@ -3497,6 +3521,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, FUSED> L;
     constexpr int BKV = L::BKV, ST = L::ST, SLOTS = L::SLOTS;
     static_assert(!FUSED || (BQ == 64 && CW == 2), "the fused dQ: dS^T as one 64-column swizzled tile, two consumers");
+    static_assert(!L::DQCOL || L::DQN == 64, "the fused dQ by columns: one 64-column block of K a consumer");
     static_assert(!AREG || (sizeof(T) == 2 && D == 64 && !FUSED), "K and V in registers: 16-bit, d 64, the 4-matmul kernel");
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *ks = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
@@ -3510,7 +3535,9 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     uint64_t *ready = empty + ST, *sfull = ready + SLOTS, *sempty = sfull + SLOTS;   // [SLOTS] each (FUSED)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    // causal: key block 0 is the longest (tsys_cuda__flash_block_of); FUSED: the last key block first, in grid order
+    // causal: key block 0 is the longest (tsys_cuda__flash_block_of); FUSED: the last key block first, in grid order,
+    // slice by slice (each key block of every slice in turn measured 1.8x slower causal: the slices' dQ accumulators
+    // and inputs no longer share the L2)
     const tsys_cuda__flash_block o = FUSED ? tsys_cuda__flash_block{ (int)blockIdx.x, (int)blockIdx.y } : tsys_cuda__flash_block_of();
     const int bhi = o.ys / nsplit, split = o.ys % nsplit, nkb = (n + BKV - 1) / BKV;
     const int kb = FUSED ? nkb - 1 - o.tile : o.tile;
@@ -3521,11 +3548,12 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     const int free_lo = CAUSAL ? (k0 + BKV - 1 + BQ - 1) / BQ : 0, free_hi = n / BQ;
     lse += (size_t)b * n; dvec += (size_t)b * n;
 
-    tsys_cuda__flash_ws_init(kvfull, full, empty, CW * 4, 1 + 32);
+    tsys_cuda__flash_ws_init(kvfull, full, empty, CW * 4, 1 + 32, ST);
     if constexpr (FUSED) {
         if (threadIdx.x == 0) {
             for (int i = 0; i < SLOTS; i++)
-                tsys_cuda__flash_mbar_init(ready + i, 128), tsys_cuda__flash_mbar_init(sfull + i, 128), tsys_cuda__flash_mbar_init(sempty + i, 1);
+                tsys_cuda__flash_mbar_init(ready + i, 128), tsys_cuda__flash_mbar_init(sfull + i, L::DQCOL ? CW * 128 : 128),
+                    tsys_cuda__flash_mbar_init(sempty + i, 1);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
         __syncthreads();
@@ -3575,7 +3603,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     tsys_cuda__flash_zero<1, D>(&dka);
     tsys_cuda__flash_zero<1, D>(&dva);
     uint32_t pa[BQ / 16][4], dsa[BQ / 16][4];   // P^T and dS^T: their wgmmas may still read them in the next tile
-    float dqa[FUSED ? D / 8 : 1][4];            // FUSED: this consumer's part of the tile's dQ
+    float dqa[FUSED ? L::DQN / 8 : 1][4];       // FUSED: this consumer's part of the tile's dQ
     uint32_t kr[AREG ? D / 16 : 1][4], vr[AREG ? D / 16 : 1][4];   // AREG: this consumer's K and V rows
     tsys_cuda__flash_mbar_wait(kvfull, 0);
     if constexpr (AREG) {
@@ -3604,7 +3632,22 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_fence_acc<BQ>(dpt);
         tsys_cuda__flash_wg_kv_ds<BQ>(dpt, st, dt, lane);
         tsys_cuda__flash_wg_pack<T, BQ>(dsa, dpt);
-        if constexpr (FUSED) {
+        if constexpr (L::DQCOL) {
+            // this consumer's 64 rows of dS^T into buffer j % 2, whose last readers, both consumers' dQ wgmmas of
+            // tile j - 2, were waited for before either met the barrier below in tile j - 1
+            T *dsb = dst_s + (j & 1) * BKV * BQ;
+            tsys_cuda__flash_ws_put_ds<BQ>(dsb, dsa, wk0 + (lane >> 2), lane);
+            tsys_cuda__flash_fence_proxy_async();
+            tsys_cuda__flash_named_sync(1 + CW, CW * 128);   // every consumer's rows are in
+            tsys_cuda__flash_wg_fence();
+            tsys_cuda__flash_wg_ss_mn<T, L::DQN, BKV, BKV>(dqa, dsb, ks + wg * BKV * 64);   // dQ columns of wg = dS K[:, wg]
+            tsys_cuda__flash_wg_commit();
+            tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
+            tsys_cuda__flash_wg_commit();
+            tsys_cuda__flash_wg_wait<1>();   // dQ
+            tsys_cuda__flash_wg_fence_acc<L::DQN>(dqa);
+            tsys_cuda__flash_ws_stage_dq_col<L::DQN>(stage, sfull, sempty, dqa, j, wg, CW);
+        } else if constexpr (FUSED) {
             // this consumer's 64 rows of dS^T (the previous tile's dQ wgmma, their last reader, is done)
             tsys_cuda__flash_ws_put_ds<BQ>(dst_s, dsa, wk0 + (lane >> 2), lane);
             tsys_cuda__flash_fence_proxy_async();
@@ -3755,6 +3798,8 @@ static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
 // Launches kernel on s; pdl: as a programmatic dependent of the kernel before it (see tsys_cuda__flash_grid_wait).
 // Off (tsys_cuda__flash_pdl_off), every launch is an ordinary one: the lab times both.
 static bool tsys_cuda__flash_pdl_off = false;
+// Off (tsys_cuda__flash_fused_off), the warp-specialized backward never takes the fused kernel: the lab times both.
+static bool tsys_cuda__flash_fused_off = false;
 template <typename... P, typename... A>
 static cudaError_t tsys_cuda__flash_launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl, A... args) {
     cudaLaunchAttribute attr[1];
@@ -3801,6 +3846,7 @@ static int tsys_cuda__flash_splits(int64_t blocks, int64_t n, int sms) {
 struct tsys_cuda__flash_split_plan {
     int kv, q;                  // shares of the dK/dV and the dQ kernel (1: no split)
     size_t d_floats, floats;    // floats of the row sums D (rounded up to 16 bytes), of everything
+    bool fused;                 // the warp-specialized backward runs the fused kernel (tsys_cuda__flash_ws_split)
 };
 // The plan of a backward whose dK/dV kernel takes BKV keys a block and whose dQ kernel BQ rows a block.
 static size_t tsys_cuda__flash_round4(size_t floats) { return (floats + 3) / 4 * 4; }   // 16-byte aligned parts
@@ -3811,6 +3857,7 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_split_of(int64_t bh, int64_t
     p.q = tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), n, sms);
     p.d_floats = tsys_cuda__flash_round4((size_t)(bh * n));
     p.floats = p.d_floats + (size_t)(bh * n * D) * ((p.kv > 1 ? 2 * p.kv : 0) + (p.q > 1 ? p.q : 0));
+    p.fused = false;
     return p;
 }
 template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
@@ -3858,10 +3905,25 @@ template <typename T, int D> struct tsys_cuda__flash_ws_fwd_scratch {
 };
 template <typename T, int D>
 static size_t tsys_cuda__flash_ws_fwd_floats(int64_t bh, int64_t n) { return tsys_cuda__flash_ws_fwd_scratch<T, D>(bh, n).floats; }
-// The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles).
+// The fused (5-matmul) backward's fp32 dQ accumulator: BQ x D floats a query tile, then one int a tile (the
+// turn counters).
+template <typename T, int D> static size_t tsys_cuda__flash_fused_floats(int64_t bh, int64_t n) {
+    constexpr int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ;
+    const size_t tiles = (size_t)(bh * ((n + BQ - 1) / BQ));
+    return tiles * BQ * D + tiles;
+}
+// The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles). 16-bit d 128 runs the
+// fused kernel instead on long sequences in grids of at least 2048 key blocks (H100, causal: 1.07-1.15x the two
+// kernels at 16 x 16384, 1.27x at 8 x 32768, 1.34x at 32 x 16384; slower at 1 x 65536 (0.90x: its longest key
+// blocks start last and run alone) and at 64 x 2048 (0.88x)); its accumulator follows the row sums.
 template <typename T, int D>
 static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t n) {
-    return tsys_cuda__flash_split_of(bh, n, D, tsys_cuda__flash_ws_tiles<T, D>::KV_BKV, tsys_cuda__flash_ws_tiles<T, D>::DQ_BQ);
+    tsys_cuda__flash_split_plan p =
+        tsys_cuda__flash_split_of(bh, n, D, tsys_cuda__flash_ws_tiles<T, D>::KV_BKV, tsys_cuda__flash_ws_tiles<T, D>::DQ_BQ);
+    p.fused = sizeof(T) == 2 && D == 128 && p.kv == 1 && p.q == 1 && n >= 16384 &&
+              bh * ((n + tsys_cuda__flash_ws_tiles<T, D>::KV_BKV - 1) / tsys_cuda__flash_ws_tiles<T, D>::KV_BKV) >= 2048;
+    if (p.fused) p.floats = p.d_floats + tsys_cuda__flash_fused_floats<T, D>(bh, n);
+    return p;
 }
 
 // The forward's split (the same rule: a grid of fewer than 2 blocks an SM cuts each query tile's key tiles
@@ -4124,9 +4186,10 @@ static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const
 
 // The fused (5-matmul) backward: dK, dV and dQ from one warp-specialized kernel (see its FUSED comment), then dq
 // rounded from the accumulator. dqacc: bh x ceil(n / BQ) tiles of BQ x D floats, then one int a tile (the turn
-// counters, cleared here). The entry points do not use it: at d 64 it measured no faster than the 7-matmul kernels
-// (docs/perf-notes-flash.md, v12); flash_lab's `fused` mode checks and times it. cudaErrorNotSupported when no
-// tensor map can be made.
+// counters, cleared here; tsys_cuda__flash_fused_floats). The entry points run it for 16-bit d 128 where the grid
+// needs no split (tsys_cuda__flash_ws_split); at d 64 it measured slower than the 7-matmul kernels (3.67 against
+// 3.29 ms, docs/perf-notes-flash.md v12 and v16). flash_lab's `fused` mode checks and times it.
+// cudaErrorNotSupported when no tensor map can be made.
 template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW>
 static cudaError_t tsys_cuda__flash_bwd_fused_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse, const float *dvec,
                                             T *dq, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s, float *dqacc) {
@@ -4189,7 +4252,14 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
         *ran = e == cudaSuccess;
         return e == cudaErrorNotSupported && impl != TSYS_CUDA_FLASH_WS ? cudaSuccess : e;
     };
-    const tsys_cuda__flash_split_plan sp = impl != TSYS_CUDA_FLASH_WGMMA ? tsys_cuda__flash_ws_split<T, D>(bh, n) : tsys_cuda__flash_split_plan{1, 1, 0, 0};
+    const tsys_cuda__flash_split_plan sp =
+        impl != TSYS_CUDA_FLASH_WGMMA ? tsys_cuda__flash_ws_split<T, D>(bh, n) : tsys_cuda__flash_split_plan{ 1, 1, 0, 0, false };
+    if (sp.fused && (parts & 6) == 6 && !tsys_cuda__flash_fused_off) {
+        bool ran = false;
+        if ((err = settle(tsys_cuda__flash_bwd_fused_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, dk, dv, bh, n, scale, s, dvec + sp.d_floats),
+                          &ran)) != cudaSuccess || ran)
+            return err;
+    }
     const int64_t count = bh * n * D;
     float *pkv = dvec + sp.d_floats, *pq = pkv + (sp.kv > 1 ? 2 * sp.kv * count : 0);
     const unsigned sum_blocks = (unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);

@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsfwd|wsdq|wsdkdv|fused|areg|parts|lb] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsfwd|wsdq|wsdkdv|fused|areg|parts|lb|lbfused] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -617,7 +617,7 @@ static void run_parts() {
     parts_one<64>(); parts_one<128>();
 }
 
-// The fused (5-matmul) backward (not used by the entry points): dQ, dK and dV against the mma.sync backward at 300
+// The fused (5-matmul) backward (the entry points take it at d 128 on large grids): dQ, dK and dV against the mma.sync backward at 300
 // and 1000 rows, causal and not; the same bits from two runs on a 4 x 4096 problem (the order of the dQ adds is
 // fixed by the turns); then timed on the benchmark shape beside the 7-matmul warp-specialized kernels.
 template <int D> static void fused_variant(long bh, long n) {
@@ -655,8 +655,12 @@ template <int D> static void fused_variant(long bh, long n) {
         dq.download(); dk.download(); dv.download(); dq2.download(); dk2.download(); dv2.download();
         report(dq.raw == dq2.raw && dk.raw == dk2.raw && dv.raw == dv2.raw, "fused d=%d 4 x 4096 causal: the same bits from two runs", D);
     }
-    for (int c = 0; c < 2; c++) {
-        const bool causal = c == 0;
+    // the benchmark shape both ways, then (d 128, where the entry points take the fused kernel on grids that need
+    // no split) causal shapes from batch 1 to short sequences in large batches
+    const long shapes[][3] = { { bh, n, 1 }, { bh, n, 0 }, { 8, 32768, 1 }, { 32, 16384, 1 }, { 1, 65536, 1 }, { 64, 2048, 1 } };
+    for (int c = 0; c < (D == 128 ? 6 : 2); c++) {
+        const bool causal = shapes[c][2] != 0;
+        const long bh = shapes[c][0], n = shapes[c][1];
         LabProblem p(bh, n, D);
         Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &o = p.o, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
         CHECK((tsys_cuda__flash_fwd_wg<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
@@ -670,10 +674,11 @@ template <int D> static void fused_variant(long bh, long n) {
                 CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, D, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0)));
             }
         };
-        const float tf = time_ms([&] { CHECK(fused(causal, q, k, v, g, lse, sc, dq, dk, dv, bh, n)); }, 3, 20), t7 = time_ms(seven, 3, 20);
+        // the fused kernel and the two 7-matmul kernels, alternating run by run
+        const auto t = time_ab([&] { CHECK(fused(causal, q, k, v, g, lse, sc, dq, dk, dv, bh, n)); }, seven, 3, 20);
         const double f = 4.0 * bh * n * n * D / (causal ? 2 : 1);
         printf("  fused bf16 bh=%ld n=%ld d=%d causal=%d: %.3f ms (%.0f TFLOP/s of 5 mm); 7-matmul dQ + dK/dV %.3f ms\n",
-               bh, n, D, causal, tf, 2.5 * f / tf / 1e9, t7);
+               bh, n, D, causal, t.first, 2.5 * f / t.first / 1e9, t.second);
         fflush(stdout);
     }
 }
@@ -746,6 +751,39 @@ static void bench(int dt, long bh, long n, long d, bool causal) {
     fflush(stdout);
 }
 
+// The entry points' forward + backward with the fused backward and with the two 7-matmul kernels, in alternation
+// (three rounds), at d 128 shapes where the entry points take the fused kernel.
+static void run_lb_fused() {
+    printf("== fwd + bwd through the entry points, bf16, d 128: fused backward / 7-matmul kernels, alternating (ms)\n");
+    const long shapes[][3] = { { 16, 16384, 1 }, { 8, 32768, 1 }, { 32, 16384, 1 }, { 16, 16384, 0 } };
+    for (auto &sh : shapes) {
+        const long bh = sh[0], n = sh[1], d = 128;
+        const bool causal = sh[2] != 0;
+        const size_t N = bh * n * d, R = bh * n;
+        Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), scratch(0, lab_scratch(1, bh, n, d, causal));
+        Buf fsc(0, tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, 1, causal, lab_impl) / sizeof(float) + 1);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize();
+        const float scale = 1.0f / sqrtf((float)d);
+        auto step = [&](bool fused_off) {
+            tsys_cuda__flash_fused_off = fused_off;
+            CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, 1, bh, n, d, scale, causal, lab_impl, 0, (float *)fsc.d));
+            CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, 1, bh, n, d, scale, causal, lab_impl, 0));
+        };
+        for (int round = 0; round < 2; round++) {
+            const auto t = time_ab([&] { step(false); }, [&] { step(true); }, 3, 20);
+            printf("  bh=%ld n=%ld d=%ld causal=%d, alternating: fused %.3f  7-matmul %.3f  (%.3fx)\n", bh, n, d, causal, t.first, t.second,
+                   t.second / t.first);
+            fflush(stdout);
+        }
+        // ... and each in a run of its own (the clocks then settle to what that configuration draws), A B B A
+        const float a1 = time_ms([&] { step(false); }, 5, 30), b1 = time_ms([&] { step(true); }, 5, 30);
+        const float b2 = time_ms([&] { step(true); }, 5, 30), a2 = time_ms([&] { step(false); }, 5, 30);
+        printf("  bh=%ld n=%ld d=%ld causal=%d, runs of 30: fused %.3f / %.3f  7-matmul %.3f / %.3f\n", bh, n, d, causal, a1, a2, b1, b2);
+        fflush(stdout);
+    }
+    tsys_cuda__flash_fused_off = false;
+}
+
 // bf16 at d 16, 32 (padded to 64), 80 and 96 (padded to 128) on the Hopper kernels against the mma.sync kernels,
 // causal: first checked against the CPU reference with the lab's implementation (auto pads d 16 and 32 from
 // 16384 rows) and with ws (which always pads), then timed, ws against mma, at batch 1 and at two batched shapes.
@@ -815,11 +853,12 @@ int main(int argc, char **argv) {
     else if (!strcmp(mode, "wsdkdv"))
         wsdkdv_variant<64, 64, 2>(16, 16384), wsdkdv_variant<128, 64, 2>(16, 16384);
     if (!strcmp(mode, "fused") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== fused: the warp-specialized kernels cannot run here\n");
-    else if (!strcmp(mode, "fused")) fused_variant<64>(16, 16384);
+    else if (!strcmp(mode, "fused")) fused_variant<64>(16, 16384), fused_variant<128>(16, 16384);
     if (!strcmp(mode, "areg") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== areg: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "areg")) run_areg();
     if (!strcmp(mode, "parts") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== parts: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "parts")) run_parts();
+    if (!strcmp(mode, "lbfused")) run_lb_fused();
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);
