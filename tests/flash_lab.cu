@@ -212,6 +212,40 @@ static void run_cuda_tests() {
 }
 
 // The CUDA checks for the implementation named on the command line, or for each one the device can run.
+// The entry points' fused backward (16-bit d 128 on a grid of 2048 key blocks: 16 x 16384, where the rule takes it)
+// against their 7-matmul kernels (tsys_cuda__flash_fused_off), causal and not, scratch and outputs poisoned before
+// each run (the accumulator needs no clearing: each tile's first add is a copy); then the same bits from a second run.
+static void check_fused_entry() {
+    const long bh = 16, n = 16384, d = 128;
+    const int dt = 1;
+    const size_t N = bh * n * d, R = bh * n;
+    const bool taken = tsys_cuda__flash_ws_split<__nv_bfloat16, 128>(bh, n).fused;
+    for (int c = 0; c < 2; c++) {
+        const bool causal = c == 0;
+        Buf q(dt, N), k(dt, N), v(dt, N), g(dt, N), o(dt, N), lse(0, R), dq(dt, N), dk(dt, N), dv(dt, N), dq2(dt, N), dk2(dt, N), dv2(dt, N);
+        Buf sc(0, lab_scratch(dt, bh, n, d, causal)), fsc(0, tsys_cuda__flash_fwd_scratch_bytes(bh, n, d, dt, causal, lab_impl) / sizeof(float) + 1);
+        q.randomize(); k.randomize(); v.randomize(); g.randomize();
+        const float scale = 1.0f / sqrtf((float)d);
+        CHECK(tsys_cuda__flash_fwd(q.d, k.d, v.d, o.d, (float *)lse.d, dt, bh, n, d, scale, causal, lab_impl, 0, (float *)fsc.d));
+        auto bwd = [&](bool fused_off, Buf &gq, Buf &gk, Buf &gv) {
+            tsys_cuda__flash_fused_off = fused_off;
+            gq.poison(); gk.poison(); gv.poison(); sc.poison();
+            CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, gq.d, gk.d, gv.d, (float *)sc.d, dt, bh, n, d, scale, causal, lab_impl, 0));
+            CHECK(cudaDeviceSynchronize());
+            gq.download(); gk.download(); gv.download();
+        };
+        bwd(true, dq2, dk2, dv2);
+        bwd(false, dq, dk, dv);
+        const double eq = rel_err(dq.h.data(), dq2.h.data(), N), ek = rel_err(dk.h.data(), dk2.h.data(), N), ev = rel_err(dv.h.data(), dv2.h.data(), N);
+        report(taken && eq < 1e-2 && ek < 1e-2 && ev < 1e-2, "entry fused backward (taken: %d) bf16 16 x 16384 d=128 causal=%d vs 7-matmul: dQ %.1e dK %.1e dV %.1e",
+               taken, causal, eq, ek, ev);
+        const std::vector<unsigned char> rq = dq.raw, rk = dk.raw, rv = dv.raw;
+        bwd(false, dq, dk, dv);
+        report(dq.raw == rq && dk.raw == rk && dv.raw == rv, "entry fused backward bf16 16 x 16384 d=128 causal=%d: the same bits from two runs", causal);
+    }
+    tsys_cuda__flash_fused_off = false;
+}
+
 static void run_tests(const char *impl_arg) {
     printf("== CPU tiled reference vs naive attention (double)\n");
     check_cpu_vs_naive(4, 128, 64, false);
@@ -227,6 +261,10 @@ static void run_tests(const char *impl_arg) {
     if (impl_arg && !strcmp(impl_arg, "auto")) {
         printf("== CUDA vs CPU tiled reference, flash implementation auto\n");
         if (lab_use(TSYS_CUDA_FLASH_AUTO)) run_cuda_tests();
+    }
+    if ((!impl_arg || !strcmp(impl_arg, "ws")) && lab_use(TSYS_CUDA_FLASH_WS)) {
+        printf("== the fused backward through the entry points against their 7-matmul kernels\n");
+        check_fused_entry();
     }
 }
 
@@ -617,8 +655,8 @@ static void run_parts() {
     parts_one<64>(); parts_one<128>();
 }
 
-// The fused (5-matmul) backward (the entry points take it at d 128 on large grids): dQ, dK and dV against the mma.sync backward at 300
-// and 1000 rows, causal and not; the same bits from two runs on a 4 x 4096 problem (the order of the dQ adds is
+// The fused (5-matmul) backward (the entry points take it at d 128 on large grids): dQ, dK and dV against the
+// mma.sync backward at 300 and 1000 rows, causal and not; the same bits from two runs on a 4 x 4096 problem (the order of the dQ adds is
 // fixed by the turns); then timed on the benchmark shape beside the 7-matmul warp-specialized kernels.
 template <int D> static void fused_variant(long bh, long n) {
     typedef __nv_bfloat16 T;
