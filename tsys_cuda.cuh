@@ -3505,8 +3505,8 @@ __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqs
 // MN-major), or, past d 64 (DQCOL), its D / 2 columns of dQ over all the block's keys once both consumers' rows
 // are in (a barrier between them); the parts meet in a staging buffer (tsys_cuda__flash_ws_stage_dq, _stage_dq_col),
 // and the producer warpgroup's warp 2 adds their sum into the tile's accumulator in turn (tsys_cuda__flash_dq_adder),
-// in the consumers' register order ([column block of 8][thread][4]); tsys_cuda__flash_dq_finish rounds it into dq. Key blocks run
-// from the last (blockIdx.x 0) down: a block waits only for the blocks above it, which started before it (the
+// in the consumers' register order ([column block of 8][thread][4]); tsys_cuda__flash_dq_finish rounds it into dq.
+// Key blocks run from the last (blockIdx.x 0) down: a block waits only for the blocks above it, which started before it (the
 // longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
 // later slices start their blocks one by one). nsplit must be 1.
 // AREG: each consumer keeps its 64 rows of K and V in registers (16-bit, d 64) and issues S^T and dP^T as RS wgmmas.
@@ -3916,9 +3916,10 @@ template <typename T, int D> static size_t tsys_cuda__flash_fused_floats(int64_t
     return tiles * BQ * D + tiles;
 }
 // The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles). 16-bit d 128 runs the
-// fused kernel instead on long sequences in grids of at least 2048 key blocks (H100, causal: 1.07-1.15x the two
-// kernels at 16 x 16384, 1.27x at 8 x 32768, 1.34x at 32 x 16384; slower at 1 x 65536 (0.90x: its longest key
-// blocks start last and run alone) and at 64 x 2048 (0.88x)); its accumulator follows the row sums.
+// fused kernel instead on long sequences in grids of at least 2048 key blocks (H100, forward + backward against the
+// two kernels: level at 16 x 16384, 1.00-1.08x at 8 x 32768 and 32 x 16384; its backward alone slower at 1 x 65536,
+// 0.82-0.90x, where the longest key blocks start last and run alone, and at 64 x 2048, 0.88x; perf-notes-flash v16);
+// its accumulator follows the row sums.
 template <typename T, int D>
 static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t n) {
     tsys_cuda__flash_split_plan p =
