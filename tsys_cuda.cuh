@@ -3375,6 +3375,13 @@ template <typename T, int D, int BQ, int CW, bool FUSED = false> struct tsys_cud
                                    8 * (1 + 2 * ST + 3 * SLOTS) + 1024;
 };
 
+// p, addressed afresh in loop iteration it when FRESH ((it >> 30) is 0, but not provably so): the wgmma descriptors
+// made from it are then recomputed in the loop instead of held in registers across it (the fused d 128 dK/dV kernel
+// spilled 108-124 bytes with K's and V's held).
+template <bool FRESH, typename T> __device__ __forceinline__ const T *tsys_cuda__flash_fresh(const T *p, int it) {
+    return FRESH ? p + ((it >> 30) << 10) : p;
+}
+
 __device__ __forceinline__ void tsys_cuda__flash_cp_async_mbar_arrive(uint64_t *bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(tsys_cuda__flash_smem_addr(bar)) : "memory");
 }
@@ -3617,12 +3624,10 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_mbar_wait(full + s, (j / ST) & 1);
         const T *qt = qs + s * BQ * D, *gt = gs + s * BQ * D;
         const float *lt = ls + s * BQ, *dt = ds + s * BQ;
-        // FUSED: K and V addressed afresh each tile ((it >> 30) is 0), so that their wgmma descriptors are recomputed
-        // in the loop instead of held in registers across it (the d 128 kernel spilled 108-124 bytes without this)
-        const T *kf = FUSED ? ks + ((it >> 30) << 10) : ks, *vf = FUSED ? vs + ((it >> 30) << 10) : vs;
         float st[BQ / 8][4], dpt[BQ / 8][4];
         if constexpr (AREG) tsys_cuda__flash_wg_kv_scores_r<T, D, BQ>(st, dpt, kr, vr, qt, gt);
-        else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, kf, vf, wg, qt, gt);
+        else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, tsys_cuda__flash_fresh<FUSED>(ks, it), tsys_cuda__flash_fresh<FUSED>(vs, it),
+                                                          wg, qt, gt);
         tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
         if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
@@ -3643,7 +3648,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
             tsys_cuda__flash_fence_proxy_async();
             tsys_cuda__flash_named_sync(1 + CW, CW * 128);   // every consumer's rows are in
             tsys_cuda__flash_wg_fence();
-            tsys_cuda__flash_wg_ss_mn<T, L::DQN, BKV, BKV>(dqa, dsb, kf + wg * BKV * 64);   // dQ columns of wg = dS K[:, wg]
+            tsys_cuda__flash_wg_ss_mn<T, L::DQN, BKV, BKV>(dqa, dsb, tsys_cuda__flash_fresh<true>(ks, it) + wg * BKV * 64);   // dS K[:, wg]
             tsys_cuda__flash_wg_commit();
             tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
             tsys_cuda__flash_wg_commit();
