@@ -682,7 +682,6 @@ template <int D> static void fused_variant(long bh, long n) {
     }
     {
         const long sb = 4, sn = 4096;
-        const size_t N = sb * sn * D;
         LabProblem p(sb, sn, D);
         Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
         Buf &dq2 = p.dq2, &dk2 = p.dk2, &dv2 = p.dv2;
