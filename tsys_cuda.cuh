@@ -3430,11 +3430,11 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_stage_dq(float *stage, uint6
 // j % 2; the adder takes the buffer once both halves are in (`sfull` counts both consumers' threads). The halves
 // lie [consumer][column block of 8][thread][4]: the layout of one D-column part, so tsys_cuda__flash_dq_finish
 // reads either.
-template <int N>
+template <int N, int CW>
 __device__ __forceinline__ void tsys_cuda__flash_ws_stage_dq_col(float *stage, uint64_t *sfull, uint64_t *sempty, const float (*dqa)[4],
-                                                      int j, int wg, int cw) {
+                                                      int j, int wg) {
     const int slot = j & 1, use = j >> 1, t = threadIdx.x & 127;
-    float4 *buf = reinterpret_cast<float4 *>(stage + ((size_t)slot * cw + wg) * 64 * N);
+    float4 *buf = reinterpret_cast<float4 *>(stage + ((size_t)slot * CW + wg) * 64 * N);
     if (use > 0) tsys_cuda__flash_mbar_wait(sempty + slot, (use - 1) & 1);
 #pragma unroll
     for (int nb = 0; nb < N / 8; nb++) buf[nb * 128 + t] = make_float4(dqa[nb][0], dqa[nb][1], dqa[nb][2], dqa[nb][3]);
@@ -3640,34 +3640,27 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_fence_acc<BQ>(dpt);
         tsys_cuda__flash_wg_kv_ds<BQ>(dpt, st, dt, lane);
         tsys_cuda__flash_wg_pack<T, BQ>(dsa, dpt);
-        if constexpr (L::DQCOL) {
-            // this consumer's 64 rows of dS^T into buffer j % 2, whose last readers, both consumers' dQ wgmmas of
-            // tile j - 2, were waited for before either met the barrier below in tile j - 1
-            T *dsb = dst_s + (j & 1) * BKV * BQ;
+        if constexpr (FUSED) {
+            // this consumer's 64 rows of dS^T. DQCOL: into buffer j % 2, whose last readers, both consumers' dQ wgmmas
+            // of tile j - 2, were waited for before either met the barrier below in tile j - 1; otherwise its last
+            // reader is this consumer's previous dQ wgmma, done
+            T *dsb = dst_s + (L::DQCOL ? (j & 1) * BKV * BQ : 0);
             tsys_cuda__flash_ws_put_ds<BQ>(dsb, dsa, wk0 + (lane >> 2), lane);
             tsys_cuda__flash_fence_proxy_async();
-            tsys_cuda__flash_named_sync(1 + CW, CW * 128);   // every consumer's rows are in
+            if constexpr (L::DQCOL) tsys_cuda__flash_named_sync(1 + CW, CW * 128);   // every consumer's rows are in
+            else tsys_cuda__flash_named_sync(1 + wg, 128);
             tsys_cuda__flash_wg_fence();
-            tsys_cuda__flash_wg_ss_mn<T, L::DQN, BKV, BKV>(dqa, dsb, tsys_cuda__flash_fresh<true>(ks, it) + wg * BKV * 64);   // dS K[:, wg]
+            if constexpr (L::DQCOL)   // dQ columns of wg = dS K[:, wg]
+                tsys_cuda__flash_wg_ss_mn<T, L::DQN, BKV, BKV>(dqa, dsb, tsys_cuda__flash_fresh<true>(ks, it) + wg * BKV * 64);
+            else   // dQ part = dS_w K_w
+                tsys_cuda__flash_wg_ss_mn<T, D, 64, BKV>(dqa, dsb + wg * 64 * BQ, ks + wg * 64 * 64);
             tsys_cuda__flash_wg_commit();
             tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
             tsys_cuda__flash_wg_commit();
             tsys_cuda__flash_wg_wait<1>();   // dQ
             tsys_cuda__flash_wg_fence_acc<L::DQN>(dqa);
-            tsys_cuda__flash_ws_stage_dq_col<L::DQN>(stage, sfull, sempty, dqa, j, wg, CW);
-        } else if constexpr (FUSED) {
-            // this consumer's 64 rows of dS^T (the previous tile's dQ wgmma, their last reader, is done)
-            tsys_cuda__flash_ws_put_ds<BQ>(dst_s, dsa, wk0 + (lane >> 2), lane);
-            tsys_cuda__flash_fence_proxy_async();
-            tsys_cuda__flash_named_sync(1 + wg, 128);
-            tsys_cuda__flash_wg_fence();
-            tsys_cuda__flash_wg_ss_mn<T, D, 64, BKV>(dqa, dst_s + wg * 64 * BQ, ks + wg * 64 * 64);   // dQ part = dS_w K_w
-            tsys_cuda__flash_wg_commit();
-            tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
-            tsys_cuda__flash_wg_commit();
-            tsys_cuda__flash_wg_wait<1>();   // dQ
-            tsys_cuda__flash_wg_fence_acc<D>(dqa);
-            tsys_cuda__flash_ws_stage_dq<D>(stage, ready, sfull, sempty, dqa, j, wg);
+            if constexpr (L::DQCOL) tsys_cuda__flash_ws_stage_dq_col<L::DQN, CW>(stage, sfull, sempty, dqa, j, wg);
+            else tsys_cuda__flash_ws_stage_dq<D>(stage, ready, sfull, sempty, dqa, j, wg);
         } else {
             tsys_cuda__flash_wg_fence();
             tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
