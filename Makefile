@@ -221,8 +221,11 @@ $(DIST_TESTS:%=%_cuda.o): $(BUILD)/%_cuda.o: tests/%.c tests/harness.h tests/tes
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
 $(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS) $(NCCL_LIBS) $(if $(HAVE_MPI),$(MPI_LINK))
-cuda: $(DIST_CUDA)
-cuda-compile: $(DIST_CUDA)
+# the lab tool that times NCCL alone beside tsys_dist (tools/nccl_latency.c: MPI ranks, one GPU each)
+$(BUILD)/nccl_latency: tools/nccl_latency.c | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(MPI_COMPILE) -x cu $< -o $@ $(NCCL_LIBS) $(MPI_LINK)
+cuda: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency)
+cuda-compile: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency)
 # On the GPU machine: NCCL in a group of one, then two ranks sharing the GPU through host staging.
 test-cuda: test-dist-cuda
 test-dist-cuda: $(BUILD)/test_dist_cuda

@@ -190,6 +190,9 @@ typedef struct tsys_storage {
     uint64_t version;    // bumped by every write of its bytes that tsys sees (kernels, GEMMs, copies, fills,
                          // resizes, loads, collectives, tsys_tensor_mark_written): a kept low-precision
                          // copy of a parameter is valid only at the version it was made from
+    bool external;       // memory tsys did not allocate (tsys_tensor_wrap): given back through release, if any
+    void (*release)(void *user, void *data, size_t bytes);
+    void *release_user;
 } tsys_storage;
 
 typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
@@ -475,6 +478,12 @@ TSYSDEF void tsys_mem_clear_events(tsys_ctx *ctx);
 TSYSDEF tsys_tensor *tsys_tensor_new(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape);
 TSYSDEF tsys_tensor *tsys_tensor_new_2d(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int64_t d0, int64_t d1);
 TSYSDEF tsys_tensor *tsys_tensor_from_data(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, const void *host_data);
+TSYSDEF int64_t tsys_shape_bytes(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_t *shape);   // -1 + the context's error on a bad shape
+// A tensor over memory tsys did not allocate (a communication library's buffer, a mapped file): data must hold
+// the shape's bytes on dev; release (may be NULL: the caller keeps ownership) runs once, when the last tensor
+// on it goes. It counts in the memory tracker like storage, and cannot be resized.
+TSYSDEF tsys_tensor *tsys_tensor_wrap(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, void *data,
+                                      void (*release)(void *user, void *data, size_t bytes), void *user);
 TSYSDEF tsys_tensor *tsys_tensor_retain(tsys_tensor *t);
 TSYSDEF void tsys_tensor_release(tsys_tensor *t);
 TSYSDEF int64_t tsys_tensor_numel(const tsys_tensor *t);
@@ -1291,6 +1300,7 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
         return NULL;
     }
     s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->saved_by = 0;
+    s->external = false; s->release = NULL; s->release_user = NULL;
     s->id = ++ctx->mem.next_id;
     s->version = 0;
     tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)asked, true, s);
@@ -1300,7 +1310,8 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
 static void tsys__storage_release(tsys_storage *s) {
     if (!s || --s->refcount > 0) return;
     tsys_ctx *ctx = s->ctx;
-    if (s->data) ctx->backends[s->device]->free(ctx, s->data, s->bytes);   // NULL: resized to 0 (tsys_storage_resize)
+    if (s->external) { if (s->release) s->release(s->release_user, s->data, s->bytes); }
+    else if (s->data) ctx->backends[s->device]->free(ctx, s->data, s->bytes);   // NULL: resized to 0 (tsys_storage_resize)
     if (s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
     TSYS_FREE(s);
 }
@@ -1309,6 +1320,7 @@ TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t by
     if (!t) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize: NULL tensor");
     tsys_storage *s = t->storage;
     if (bytes == (s->data ? s->bytes : 0)) return TSYS_OK;
+    if (s->external) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize: '%s' wraps memory tsys did not allocate (tsys_tensor_wrap)", t->name);
     const tsys_backend *be = ctx->backends[s->device];
     void *data = NULL;
     if (bytes) {
@@ -1361,18 +1373,23 @@ static void tsys__shape_str(const tsys_tensor *t, char *buf, size_t len) {
     if (o < len) snprintf(buf + o, len - o, ")");
 }
 
-static tsys_tensor *tsys__tensor_header(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
-    if (ndim < 0 || ndim > TSYS_MAX_DIMS) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: %d dims (at most %d)", ndim, TSYS_MAX_DIMS); return NULL; }
-    if ((unsigned)dt >= TSYS_DTYPE_COUNT) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: unknown dtype %d", (int)dt); return NULL; }
+TSYSDEF int64_t tsys_shape_bytes(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_t *shape) {
+    if (ndim < 0 || ndim > TSYS_MAX_DIMS) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: %d dims (at most %d)", ndim, TSYS_MAX_DIMS); return -1; }
+    if ((unsigned)dt >= TSYS_DTYPE_COUNT) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: unknown dtype %d", (int)dt); return -1; }
     int64_t numel = 1, max_numel = INT64_MAX / (int64_t)tsys_dtype_size(dt);
     for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: negative size %lld in dim %d", (long long)shape[i], i); return NULL; }
+        if (shape[i] < 0) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: negative size %lld in dim %d", (long long)shape[i], i); return -1; }
         if (shape[i] && numel > max_numel / shape[i]) {   // the byte count must fit int64 (numel would wrap)
             TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: shape too large (dim %d = %lld makes more than 2^63 bytes of %s)", i, (long long)shape[i], tsys_dtype_name(dt));
-            return NULL;
+            return -1;
         }
         numel *= shape[i];
     }
+    return numel * (int64_t)tsys_dtype_size(dt);
+}
+
+static tsys_tensor *tsys__tensor_header(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
+    if (tsys_shape_bytes(ctx, dt, ndim, shape) < 0) return NULL;
     tsys_tensor *t = (tsys_tensor *)TSYS_MALLOC(sizeof(tsys_tensor));
     if (!t) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a tensor header"); return NULL; }
     memset(t, 0, sizeof(*t));
@@ -1409,6 +1426,28 @@ TSYSDEF tsys_tensor *tsys_tensor_from_data(tsys_ctx *ctx, tsys_dtype dt, tsys_de
         tsys_tensor_release(t);
         return NULL;
     }
+    return t;
+}
+
+TSYSDEF tsys_tensor *tsys_tensor_wrap(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, void *data,
+                                      void (*release)(void *user, void *data, size_t bytes), void *user) {
+    if (!data) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor_wrap: data is NULL"); return NULL; }
+    if (!ctx->backends[dev]) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor_wrap: device %s has no backend", dev == TSYS_CUDA ? "cuda" : "cpu"); return NULL; }
+    tsys_tensor *t = tsys__tensor_header(ctx, dt, dev, ndim, shape);
+    tsys_storage *s = t ? (tsys_storage *)TSYS_MALLOC(sizeof(tsys_storage)) : NULL;
+    if (!s) {
+        if (t) TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a storage header");
+        TSYS_FREE(t);
+        return NULL;
+    }
+    memset(s, 0, sizeof *s);
+    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = tsys_tensor_bytes(t); s->refcount = 1;
+    s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->id = ++ctx->mem.next_id;
+    s->external = true; s->release = release; s->release_user = user;
+    t->storage = s;
+    ctx->mem.making = t;
+    if (s->bytes) tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)s->bytes, true, s);
+    ctx->mem.making = NULL;
     return t;
 }
 

@@ -69,11 +69,13 @@
       TSYS_DIST_NCCL_BLOCKING  0: a non-blocking NCCL communicator (every NCCL call polled with the
                             deadline; each collective ~50 us slower); default 1, NCCL's blocking mode
       TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
-                            dtype and size; 0: never; default: under TSYS_DEBUG, and at 64 KiB and up
-                            (the shared-memory and tcp paths always check: it costs them nothing)
+                            dtype and size; 0: never; default: under TSYS_DEBUG, MPI at 64 KiB and up,
+                            NCCL at 64 MiB and up (a host round trip: ~4 us, 13% of a 1 MB NCCL
+                            all-reduce); the shared-memory and tcp paths always check (it costs them nothing)
 
    ON ASYNCHRONOUS COLLECTIVES
-      CUDA tensors through NCCL: launched on the side stream after the compute stream's work so far;
+      CUDA tensors through NCCL: launched on the side stream after the compute stream's work so far
+      (a blocking one goes on the compute stream itself when no asynchronous one is in flight);
       tsys_dist_wait makes the compute stream wait (no host sync; capturable in a CUDA graph).
       Host tensors: a worker thread per group runs them in the order they were issued (true overlap
       with the caller's computation); a blocking collective waits for the queue first. Keep the
@@ -96,15 +98,15 @@
           stops the job when a rank exits and names it); ranks on this host are still named by pid;
         - NCCL: the communicator is made on a helper thread that the rank waits for with the deadline
           (a group that does not form is an error, the helper left behind); a collective that never
-          finishes is detected where the host waits for the side stream (polling ncclCommGetAsyncError
+          finishes is detected where the host waits for the NCCL streams (polling ncclCommGetAsyncError
           with the deadline, then ncclCommAbort): tsys_dist_barrier, and tsys_dist_free before it
           finalizes the communicator;
         - the launcher prints the first rank that exited non-zero and stops the others after a grace
           of min(5 s, TSYS_DIST_TIMEOUT) (they usually report the dead rank themselves first).
       Not detected: a rank that keeps calling collectives of matching shape with wrong data; an NCCL
       collective stuck while nobody calls tsys_dist_barrier (the GPU stream just waits); a mismatch in
-      an MPI or NCCL collective under 64 KiB when TSYS_DEBUG is off (it may then hang until the
-      timeout, or be reported by MPI as truncation).
+      an MPI collective under 64 KiB or an NCCL one under 64 MiB when TSYS_DEBUG is off and
+      TSYS_DIST_CHECK is not 1 (it may then hang until the timeout, or be reported by MPI as truncation).
 
    tsys_dist DOES NOT:
       - hang on a dead or stuck peer: every wait is bounded by the group's timeout (desc.timeout_s,
@@ -203,6 +205,15 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d);
 TSYSDEF tsys_status tsys_dist_wait(tsys_dist_work *w);
 // Host-side helpers for drivers and tests: the same over plain doubles (rank 0's view of min/max/mean).
 TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, tsys_dist_op op);
+// A tensor made for this group's collectives. On a GPU of a group of several NCCL ranks its memory is an
+// NCCL symmetric window (ncclMemAlloc, then ncclCommWindowRegister with NCCL_WIN_COLL_SYMMETRIC; NCCL 2.27 or
+// newer): NCCL can then run its low-latency kernels, which read and write the peers' buffers directly, for
+// sum all-reduces, reduce-scatters and all-gathers of 32-bit floats and smaller (other ops and dtypes work as
+// with any tensor). Anywhere else it is tsys_tensor_new's. Making and releasing the last reference are
+// collective on such a group: every rank makes the same shapes in the same order and releases them in the
+// same order, while the group lives (tsys_dist_free deregisters what is left; the memory itself goes with
+// the last reference).
+TSYSDEF tsys_tensor *tsys_dist_tensor_new(tsys_dist *d, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape);
 
 // DDP: wraps a set of parameters (the cs336 model's, a toy model's; tied weights appear once).
 // Construction broadcasts every parameter, trainable or not, from rank 0. After backward,
@@ -473,6 +484,9 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 #endif
 #define TSYS_DIST__SLICE_TOTAL ((size_t)8 << 20)   // slot bytes over all ranks (the segment has two slots)
 #define TSYS_DIST__CHECK_BYTES ((int64_t)64 << 10)
+// NCCL collectives are checked from 64 MiB: the check's host round trip (~4 us between two GPUs of one host)
+// was 13% of a 1 MB all-reduce's 30 us, and is under 2% of a collective this size
+#define TSYS_DIST__NCCL_CHECK_BYTES ((int64_t)64 << 20)
 #define TSYS_DIST__TCP_CHUNK ((size_t)1 << 20)
 #define TSYS_DIST__MAGIC 0x74737964u   // "tsyd"
 #define TSYS_DIST__DEAD_CHECK_US 50e3  // how often a long wait checks that the ranks it waits for are alive
@@ -537,6 +551,7 @@ struct tsys_dist_work {
     size_t out_bytes;
     tsys_event ev;            // NCCL: the collective's end on the side stream
     bool in_group;            // NCCL: issued in a group that has not ended yet (ev not recorded)
+    bool async;               // NCCL: counted in d->side_inflight until freed
     tsys_dist_work *next;     // worker queue; NCCL: the open group's works
 };
 enum { TSYS_DIST__WORK_DONE, TSYS_DIST__WORK_HOST, TSYS_DIST__WORK_NCCL };
@@ -578,6 +593,9 @@ struct tsys_dist {
     ncclComm_t nccl;
     tsys_event ev_ready;
     tsys_dist_work *group_head, *group_tail;   // the open NCCL group's works, their end events still to record
+    struct tsys_dist__window *windows;         // symmetric windows still registered (tsys_dist_tensor_new)
+    int side_inflight;                         // asynchronous NCCL works not yet waited for (their side-stream work)
+    int nccl_version;                          // the library's at run time (ncclGetVersion)
 #endif
 };
 
@@ -1794,6 +1812,7 @@ static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
     d->nccl = a->comm;
     free(a);
     if (!tsys_dist__nccl_ok(d, r, "ncclCommInitRankConfig", e)) { if (d->nccl) ncclCommAbort(d->nccl); d->nccl = NULL; return false; }
+    if (!tsys_dist__nccl_ok(d, ncclGetVersion(&d->nccl_version), "ncclGetVersion", e)) return false;
     return r != ncclInProgress || tsys_dist__nccl_settle(d, "ncclCommInitRankConfig (the group did not form)", e);
 }
 #endif
@@ -1828,6 +1847,84 @@ static void tsys_dist__drain(tsys_dist *d) {
     pthread_mutex_unlock(&d->mu);
 }
 
+// ---- symmetric windows (tsys_dist_tensor_new) ----------------------------------------------------
+// A window outlives neither its group nor its memory: the tensor's last release deregisters it (while the
+// group lives) and frees the memory; tsys_dist_free deregisters the ones still alive and leaves them the
+// freeing (d = NULL).
+#ifdef TSYS_DIST_NCCL
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+#define TSYS_DIST__WINDOWS 1
+typedef struct tsys_dist__window {
+    tsys_dist *d;
+    ncclWindow_t win;
+    struct tsys_dist__window *next;
+} tsys_dist__window;
+
+static void tsys_dist__window_unlink(tsys_dist *d, tsys_dist__window *w) {
+    for (tsys_dist__window **p = &d->windows; *p; p = &(*p)->next)
+        if (*p == w) { *p = w->next; return; }
+}
+static void tsys_dist__window_release(void *user, void *data, size_t bytes) {
+    tsys_dist__window *w = (tsys_dist__window *)user;
+    (void)bytes;
+    if (w->d) {
+        tsys_dist *d = w->d;
+        tsys_dist__window_unlink(d, w);
+        tsys_dist__err e;
+        memset(&e, 0, sizeof e);
+        if (d->nccl && !TSYS_DIST__LOAD(&d->broken)) {
+            ncclResult_t r = ncclCommWindowDeregister(d->nccl, w->win);
+            if (tsys_dist__nccl_ok(d, r, "ncclCommWindowDeregister", &e) && r == ncclInProgress) tsys_dist__nccl_settle(d, "ncclCommWindowDeregister", &e);
+            if (e.status != TSYS_OK) tsys_dist__fail(d, e.status, "%s", e.msg);
+        }
+    }
+    ncclResult_t r = ncclMemFree(data);
+    if (r != ncclSuccess) fprintf(stderr, "tsys_dist: ncclMemFree: %s\n", ncclGetErrorString(r));   // nobody else to tell
+    free(w);
+}
+#endif
+// NCCL 2.27 to 2.28.6's symmetric kernels could corrupt data for sizes that are not a multiple of 8 bytes and for
+// several symmetric collectives in one group (fixed in 2.28.7). Seen with 2.28.3: reduce-scatters and
+// all-gathers of 4097 elements a rank came back wrong (test_dist). Such a collective on a window is refused.
+static bool tsys_dist__window_ok(tsys_dist *d, const char *fn, const tsys_tensor *in, const tsys_tensor *out, int64_t bytes) {
+#ifdef TSYS_DIST__WINDOWS
+    const bool window = in->storage->release == tsys_dist__window_release || out->storage->release == tsys_dist__window_release;
+    if (!window || d->nccl_version >= NCCL_VERSION(2, 28, 7) || (bytes % 8 == 0 && !d->group_open)) return true;
+    const int v = d->nccl_version;
+    tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "%s: NCCL %d.%d.%d's symmetric kernels can corrupt a collective on a window (tsys_dist_tensor_new) %s (fixed in NCCL 2.28.7): %s",
+                    fn, v / 10000, v / 100 % 100, v % 100, bytes % 8 ? "whose size is not a multiple of 8 bytes" : "inside a group",
+                    bytes % 8 ? "make it a multiple of 8 bytes, or use tsys_tensor_new's memory" : "issue it outside tsys_dist_group_begin / _end");
+    return false;
+#else
+    (void)d; (void)fn; (void)in; (void)out; (void)bytes;
+    return true;
+#endif
+}
+// Deregisters every window still alive (the group is about to go; its ranks all come here).
+static void tsys_dist__windows_drop(tsys_dist *d) {
+#ifdef TSYS_DIST__WINDOWS
+    while (d->windows) {
+        tsys_dist__window *w = d->windows;
+        d->windows = w->next;
+        w->d = NULL;
+        ncclResult_t r = ncclCommWindowDeregister(d->nccl, w->win);
+        if (r != ncclSuccess && r != ncclInProgress) fprintf(stderr, "tsys_dist rank %d: ncclCommWindowDeregister at tsys_dist_free: %s\n", d->rank, ncclGetErrorString(r));
+    }
+#else
+    (void)d;
+#endif
+}
+// A broken group: the communicator is aborted, its windows with it; the memory is freed with the tensors.
+static void tsys_dist__windows_orphan(tsys_dist *d) {
+#ifdef TSYS_DIST__WINDOWS
+    for (tsys_dist__window *w = d->windows; w; w = w->next) w->d = NULL;
+    d->windows = NULL;
+#else
+    (void)d;
+#endif
+}
+#endif   // TSYS_DIST_NCCL
+
 static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
     if (d->worker_on) {
         tsys_dist__drain(d);
@@ -1845,12 +1942,14 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
     (void)broken; (void)finalize;
 #ifdef TSYS_DIST_NCCL
     if (d->nccl) {
-        if (broken) ncclCommAbort(d->nccl);
+        if (broken) { tsys_dist__windows_orphan(d); ncclCommAbort(d->nccl); }
         else {
             tsys_dist__err e;
             memset(&e, 0, sizeof e);
             // a blocking ncclCommFinalize waits for the collectives in flight: first make sure they end
-            if (tsys_dist__nccl_drain(d, "tsys_dist_free", &e)) {
+            bool drained = tsys_dist__nccl_drain(d, "tsys_dist_free", &e);
+            if (drained) tsys_dist__windows_drop(d);
+            if (drained && d->nccl) {
                 ncclCommFinalize(d->nccl);
                 tsys_dist__nccl_settle(d, "ncclCommFinalize", &e);
             }
@@ -2074,12 +2173,16 @@ static ncclDataType_t tsys_dist__nccl_type(int t) {
     default: return ncclInt64;
     }
 }
+// done == NULL: a blocking collective with no asynchronous one in flight goes on the compute stream itself
+// (the compute stream would wait for it at once; the two events of the side stream cost ~2.6 us, measured
+// on 2 x H200 by tools/nccl_latency.c). With asynchronous ones in flight it takes the side stream behind them:
+// collectives on one communicator must run in the order they were issued.
 static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_event *done, tsys_dist__err *e) {
     tsys_ctx *ctx = d->ctx;
-    if (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
-        tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK)
+    if (done && (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
+                 tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK))
         return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
-    cudaStream_t side = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_SIDE);
+    cudaStream_t side = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
     ncclDataType_t dt = tsys_dist__nccl_type(c->type);
     ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
     ncclResult_t r;
@@ -2095,15 +2198,57 @@ static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_ev
     if (!tsys_dist__nccl_ok(d, r, buf, e)) return false;
     if (d->group_open) return true;   // launched, settled and given its end event by tsys_dist_group_end
     if (r == ncclInProgress && !tsys_dist__nccl_settle(d, buf, e)) return false;
-    if (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+    if (done && tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
     return true;
 }
 #endif
+
+// ---- tensors for collectives ----------------------------------------------------------------------
+
+TSYSDEF tsys_tensor *tsys_dist_tensor_new(tsys_dist *d, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
+    if (!d) return NULL;
+#ifdef TSYS_DIST__WINDOWS
+    if (dev == TSYS_CUDA && d->nccl && d->size > 1) {
+        if (TSYS_DIST__LOAD(&d->broken)) { tsys_dist__fail(d, TSYS_ERR_IO, "tsys_dist_tensor_new: the group is broken since: %s", d->broken_msg); return NULL; }
+        int64_t nbytes = tsys_shape_bytes(d->ctx, dt, ndim, shape);
+        if (nbytes < 0) return NULL;
+        size_t bytes = (size_t)nbytes;
+        tsys_dist__err e;
+        memset(&e, 0, sizeof e);
+        tsys_dist__window *w = (tsys_dist__window *)calloc(1, sizeof *w);
+        void *data = NULL;
+        if (!w) { tsys_dist__fail(d, TSYS_ERR_OOM, "tsys_dist_tensor_new: out of host memory"); return NULL; }
+        ncclResult_t r = ncclMemAlloc(&data, bytes ? bytes : 1);
+        if (r != ncclSuccess) {
+            free(w);
+            tsys_dist__fail(d, TSYS_ERR_OOM, "tsys_dist_tensor_new: ncclMemAlloc of %zu bytes: %s", bytes, ncclGetErrorString(r));
+            return NULL;
+        }
+        r = ncclCommWindowRegister(d->nccl, data, bytes ? bytes : 1, &w->win, NCCL_WIN_COLL_SYMMETRIC);
+        if (!tsys_dist__nccl_ok(d, r, "ncclCommWindowRegister", &e) || (r == ncclInProgress && !tsys_dist__nccl_settle(d, "ncclCommWindowRegister", &e))) {
+            ncclMemFree(data);
+            free(w);
+            tsys_dist__fail(d, e.status, "tsys_dist_tensor_new: %s", e.msg);
+            return NULL;
+        }
+        w->d = d;
+        w->next = d->windows;
+        d->windows = w;
+        tsys_tensor *t = tsys_tensor_wrap(d->ctx, dt, dev, ndim, shape, data, tsys_dist__window_release, w);
+        if (!t) tsys_dist__window_release(w, data, bytes);
+        return t;
+    }
+#endif
+    return tsys_tensor_new(d->ctx, dt, dev, ndim, shape);
+}
 
 // ---- issuing collectives -------------------------------------------------------------------------
 
 static void tsys_dist__work_free(tsys_dist_work *w) {
     if (!w) return;
+#ifdef TSYS_DIST_NCCL
+    if (w->path == TSYS_DIST__WORK_NCCL && w->async) w->d->side_inflight--;
+#endif
     TSYS_FREE(w->stage_in);
     TSYS_FREE(w->stage_out);
     if (w->dev_out) tsys_tensor_release(w->dev_out);
@@ -2167,15 +2312,19 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
 
 #ifdef TSYS_DIST_NCCL
     if (out->device == TSYS_CUDA && d->nccl) {
+        if (!tsys_dist__window_ok(d, fn, in, out, c->count * (int64_t)es)) { tsys_dist__work_free(w); return NULL; }
         // sizes and dtypes agree? (host round trip; not while replaying a graph: checked at capture)
-        if (d->size > 1 && !d->check_none && (d->check_all || (int64_t)(nout > nin ? nout : nin) * (int64_t)es >= TSYS_DIST__CHECK_BYTES)) {
+        if (d->size > 1 && !d->check_none && (d->check_all || (int64_t)(nout > nin ? nout : nin) * (int64_t)es >= TSYS_DIST__NCCL_CHECK_BYTES)) {
             tsys_dist__coll chk = *c;
             chk.check_only = true;
             tsys_dist__drain(d);
             if (!tsys_dist__host_exec(d, &chk, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
         }
-        if (!tsys_dist__nccl_coll(d, c, &w->ev, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
+        const bool direct = !async && !d->group_open && d->side_inflight == 0;
+        if (!tsys_dist__nccl_coll(d, c, direct ? NULL : &w->ev, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
+        if (direct) { tsys_dist__work_free(w); *st = TSYS_OK; return NULL; }
         w->path = TSYS_DIST__WORK_NCCL;
+        if (async) { w->async = true; d->side_inflight++; }
         if (d->group_open) {   // its end event is recorded by tsys_dist_group_end
             w->in_group = true;
             if (d->group_tail) d->group_tail->next = w; else d->group_head = w;
@@ -2327,7 +2476,10 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
 static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e) {
     tsys_event ev;
     memset(&ev, 0, sizeof ev);
-    if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
+    // the side stream's collectives, and the compute stream's (blocking ones go there): the side stream
+    // waits for the compute stream, and the host for the side stream
+    if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK || tsys_event_wait(d->ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK ||
+        tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
         return tsys_dist__seterr(e, tsys_ctx_status(d->ctx), "%s: %s", what, tsys_ctx_last_error(d->ctx));
     const double t0 = tsys_time_us();
     bool ok = true;
@@ -2360,7 +2512,7 @@ static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err
 #endif
 
 // Host barrier after everything issued so far on the host; on an NCCL group it also waits (bounded
-// by the timeout, host side) for the side stream, so a stuck NCCL collective ends in an error here.
+// by the timeout, host side) for the side and compute streams, so a stuck NCCL collective ends in an error here.
 TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
     if (!d) return TSYS_ERR_INVALID_ARGS;
     tsys_dist__err e;

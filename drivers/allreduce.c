@@ -26,7 +26,7 @@
 #include "driver_util.h"
 
 typedef struct ar_opts {
-    const char *backend, *sizes, *ops, *dtypes, *format, *shm;
+    const char *backend, *sizes, *ops, *dtypes, *format, *shm, *buffers;
     int nproc, warmup, iters, timeout;
     bool check;
 } ar_opts;
@@ -46,6 +46,9 @@ static void usage(FILE *f) {
         "  --iters N                timed iterations (default 20)\n"
         "  --shm yes|no             host tensors through a shared-memory segment when every rank is on\n"
         "                           this host (default yes; no: through MPI or TCP)\n"
+        "  --buffers plain|window   nccl: the buffers from tsys_tensor_new (plain), or NCCL symmetric\n"
+        "                           windows (tsys_dist_tensor_new), which NCCL's low-latency kernels\n"
+        "                           use for fp32/bf16/fp16 sums (default plain)\n"
         "  --timeout S              seconds without progress before a rank gives up (default 300)\n"
         "  --no-check               skip checking the result of the first iteration\n"
         "  --format md|csv|jsonl    output rows (default md)\n"
@@ -54,7 +57,7 @@ static void usage(FILE *f) {
 
 static int parse_args(int argc, char **argv, ar_opts *o) {
     memset(o, 0, sizeof(*o));
-    o->backend = "mpi"; o->sizes = "1MB,10MB,100MB,1GB"; o->ops = "all_reduce"; o->dtypes = "fp32"; o->format = "md"; o->shm = "yes";
+    o->backend = "mpi"; o->sizes = "1MB,10MB,100MB,1GB"; o->ops = "all_reduce"; o->dtypes = "fp32"; o->format = "md"; o->shm = "yes"; o->buffers = "plain";
     o->nproc = 1; o->warmup = 5; o->iters = 20; o->check = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -69,6 +72,7 @@ static int parse_args(int argc, char **argv, ar_opts *o) {
         else if (!strcmp(a, "--dtype")) o->dtypes = v;
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--shm")) o->shm = v;
+        else if (!strcmp(a, "--buffers")) o->buffers = v;
         else if (!strcmp(a, "--nproc")) ok = du_parse_int(v, 1, 1024, &o->nproc);
         else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
         else if (!strcmp(a, "--iters")) ok = du_parse_int(v, 1, 1 << 20, &o->iters);
@@ -78,6 +82,7 @@ static int parse_args(int argc, char **argv, ar_opts *o) {
     }
     if (strcmp(o->backend, "mpi") && strcmp(o->backend, "nccl")) { fprintf(stderr, "allreduce: --backend must be mpi or nccl, not '%s'\n", o->backend); usage(stderr); return 2; }
     if (strcmp(o->shm, "yes") && strcmp(o->shm, "no")) { fprintf(stderr, "allreduce: --shm must be yes or no, not '%s'\n", o->shm); usage(stderr); return 2; }
+    if (strcmp(o->buffers, "plain") && strcmp(o->buffers, "window")) { fprintf(stderr, "allreduce: --buffers must be plain or window, not '%s'\n", o->buffers); usage(stderr); return 2; }
     if (!du_format_ok(o->format)) { fprintf(stderr, "allreduce: --format must be md, csv or jsonl, not '%s'\n", o->format); usage(stderr); return 2; }
 #ifndef TSYS_WITH_CUDA
     if (!strcmp(o->backend, "nccl")) { fprintf(stderr, "allreduce: --backend nccl needs the CUDA build (make cuda: build/allreduce_cuda)\n"); return 2; }
@@ -132,8 +137,10 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     if (op != OP_AR) count = count / n * n;   // the whole buffer splits into n blocks
     if (count < (op == OP_AR ? 1 : n)) count = op == OP_AR ? 1 : n;
     int64_t big[1] = { count }, small[1] = { count / n };
-    tsys_tensor *a = tsys_tensor_new(ctx, dt, dev, 1, op == OP_AR ? big : op == OP_RS ? big : small);   // AR: the tensor; RS: in; AG: in
-    tsys_tensor *b = op == OP_AR ? NULL : tsys_tensor_new(ctx, dt, dev, 1, op == OP_RS ? small : big);
+    bool window = !strcmp(o->buffers, "window");
+    tsys_tensor *a = window ? tsys_dist_tensor_new(d, dt, dev, 1, op == OP_AR ? big : op == OP_RS ? big : small)   // AR: the tensor; RS: in; AG: in
+                            : tsys_tensor_new(ctx, dt, dev, 1, op == OP_AR ? big : op == OP_RS ? big : small);
+    tsys_tensor *b = op == OP_AR ? NULL : window ? tsys_dist_tensor_new(d, dt, dev, 1, op == OP_RS ? small : big) : tsys_tensor_new(ctx, dt, dev, 1, op == OP_RS ? small : big);
     if (!a || (op != OP_AR && !b)) die(d, "allocating the buffers");
     // GPUs: the ranks are lined up on the devices before each timed call, as torch's NCCL barrier does (a
     // one-element all-reduce, waited for): the host barrier alone releases ranks tens of microseconds
@@ -229,7 +236,14 @@ int main(int argc, char **argv) {
     if (rank == 0) {
         char path[200];
         // the host data path (tsys_dist internals: this driver includes the implementation)
-        if (dev == TSYS_CUDA) snprintf(path, sizeof path, "CUDA tensors through NCCL");
+        if (dev == TSYS_CUDA) {
+            int v = 0;
+#ifdef TSYS_DIST_NCCL
+            if (ncclGetVersion(&v) != ncclSuccess) v = 0;
+#endif
+            snprintf(path, sizeof path, "CUDA tensors through NCCL %d.%d.%d, %s buffers", v / 10000, v / 100 % 100, v % 100,
+                     !strcmp(o.buffers, "window") ? "symmetric-window" : "plain");
+        }
         else if (n == 1) snprintf(path, sizeof path, "a group of one: nothing moves");
         else if (d->shm_base) snprintf(path, sizeof path, "shared memory (2 x %zu KiB slots per rank)", d->slice >> 10);
         else snprintf(path, sizeof path, "%s (%s)", tsys_dist_engine_name(tsys_dist_engine_of(d)), d->shm_note);

@@ -83,9 +83,16 @@ static double expect(int type, int op, int64_t i) {
 static const char *op_name(int op) { return op == TSYS_DIST_SUM ? "sum" : op == TSYS_DIST_AVG ? "avg" : "max"; }
 static int64_t big_count(int type) { return ((int64_t)3 << 20) / (int64_t)tsys_dtype_size((tsys_dtype)type) + 1; }   // 3 MB and one more element
 
+static tsys_dist *g_mk_group;   // set: mk makes its tensors with this group's tsys_dist_tensor_new
 static tsys_tensor *mk(tsys_device dev, int type, int64_t n, const void *host) {
     int64_t shape[1] = { n };
-    tsys_tensor *t = host ? tsys_tensor_from_data(g_ctx, (tsys_dtype)type, dev, 1, shape, host) : tsys_tensor_new(g_ctx, (tsys_dtype)type, dev, 1, shape);
+    tsys_tensor *t;
+    if (g_mk_group) {
+        t = tsys_dist_tensor_new(g_mk_group, (tsys_dtype)type, dev, 1, shape);
+        tsys_tensor *src = t && host ? tsys_tensor_from_data(g_ctx, (tsys_dtype)type, dev, 1, shape, host) : NULL;
+        if (t && host && (!src || tsys_tensor_copy_from(g_ctx, t, src) != TSYS_OK)) { tsys_tensor_release(t); t = NULL; }
+        tsys_tensor_release(src);
+    } else t = host ? tsys_tensor_from_data(g_ctx, (tsys_dtype)type, dev, 1, shape, host) : tsys_tensor_new(g_ctx, (tsys_dtype)type, dev, 1, shape);
     if (!t) { printf("    cannot make a tensor: %s\n", tsys_ctx_last_error(g_ctx)); tsys_ctx_clear_error(g_ctx); }
     return t;
 }
@@ -390,6 +397,69 @@ TSYS_TEST(random_sequence_mixed) {
                 tsys_tensor_release(o[k]);
             }
         }
+    }
+}
+
+// NCCL before 2.28.7 corrupted symmetric collectives of sizes that are not a multiple of 8 bytes: tsys_dist refuses
+// them on windows (a GPU group of several NCCL ranks)
+static bool window_refuses_odd(int p) {
+#ifdef TSYS_DIST__WINDOWS
+    tsys_dist *d = g_group[p];
+    return g_dev[p] == TSYS_CUDA && d->nccl && d->size > 1 && d->nccl_version < NCCL_VERSION(2, 28, 7);
+#else
+    (void)p;
+    return false;
+#endif
+}
+
+// Tensors made for the group's collectives (NCCL symmetric windows on a GPU group of several ranks, plain
+// tensors elsewhere): the collectives that NCCL's window kernels take (sums of 32-bit floats and smaller) and
+// some they do not (max, avg, int32), blocking and async, small and 3 MB, sizes of 8-byte multiples and not;
+// and the memory tracker sees them come and go.
+TSYS_TEST(tensors_for_collectives) {
+    for (int p = 0; p < g_npaths; p++) {
+        int64_t live0 = tsys_mem_stats_get(g_ctx, g_dev[p]).live_bytes;
+        int64_t shape[2] = { 3, 5 };
+        tsys_tensor *t = tsys_dist_tensor_new(g_group[p], TSYS_BF16, g_dev[p], 2, shape);
+        TEST_CHECK(t && t->ndim == 2 && t->shape[1] == 5 && t->dtype == TSYS_BF16 && t->device == g_dev[p], "%s: tsys_dist_tensor_new: %s", g_name[p], tsys_ctx_last_error(g_ctx));
+        TEST_CHECK(tsys_mem_stats_get(g_ctx, g_dev[p]).live_bytes - live0 >= 30, "%s: the tracker counts it", g_name[p]);
+        tsys_tensor_release(t);
+        TEST_CHECK(tsys_mem_stats_get(g_ctx, g_dev[p]).live_bytes == live0, "%s: and lets it go (%lld live bytes left over)", g_name[p],
+                   (long long)(tsys_mem_stats_get(g_ctx, g_dev[p]).live_bytes - live0));
+        int64_t bad[1] = { -1 };
+        TEST_CHECK(!tsys_dist_tensor_new(g_group[p], TSYS_F32, g_dev[p], 1, bad) && strstr(tsys_ctx_last_error(g_ctx), "negative"), "%s: a negative size: %s", g_name[p], tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+
+        g_mk_group = g_group[p];
+        int types[3] = { TSYS_F32, TSYS_BF16, TSYS_F16 };
+        for (int k = 0; k < 3; k++) {
+            check_all_reduce(p, types[k], TSYS_DIST_SUM, 1000, false);
+            check_all_reduce(p, types[k], TSYS_DIST_SUM, big_count(types[k]) - 1, k == 1);   // 3 MB
+            check_reduce_scatter(p, types[k], TSYS_DIST_SUM, 4096, k == 2);
+            check_all_gather(p, types[k], 4096, false);
+            if (window_refuses_odd(p)) continue;
+            check_all_reduce(p, types[k], TSYS_DIST_SUM, 1001, false);
+            check_reduce_scatter(p, types[k], TSYS_DIST_SUM, 4097, false);
+            check_all_gather(p, types[k], 4097, k == 0);
+        }
+        check_all_reduce(p, TSYS_F32, TSYS_DIST_MAX, 1000, false);
+        check_all_reduce(p, TSYS_F32, TSYS_DIST_AVG, big_count(TSYS_F32) - 1, true);
+        check_all_reduce(p, TSYS_I32, TSYS_DIST_SUM, 1000, false);
+        if (window_refuses_odd(p)) {   // refused on every rank before anything is launched: the group goes on
+            tsys_tensor *in = mk(g_dev[p], TSYS_BF16, (int64_t)g_size * 4097, NULL), *out = mk(g_dev[p], TSYS_BF16, 4097, NULL);
+            tsys_tensor *even = mk(g_dev[p], TSYS_F32, 1024, NULL);
+            TEST_CHECK(in && out && tsys_dist_reduce_scatter(g_group[p], out, in, TSYS_DIST_SUM) == TSYS_ERR_INVALID_ARGS &&
+                       strstr(tsys_ctx_last_error(g_ctx), "multiple of 8 bytes") && strstr(tsys_ctx_last_error(g_ctx), "2.28.7"), "%s: a window of 4097 bf16 refused: %s", g_name[p], tsys_ctx_last_error(g_ctx));
+            tsys_ctx_clear_error(g_ctx);
+            STATUS_OK(tsys_dist_group_begin(g_group[p]), "group begin");
+            TEST_CHECK(even && !tsys_dist_all_reduce_async(g_group[p], even, TSYS_DIST_SUM) && strstr(tsys_ctx_last_error(g_ctx), "inside a group"), "%s: a window in a group refused: %s", g_name[p], tsys_ctx_last_error(g_ctx));
+            tsys_ctx_clear_error(g_ctx);
+            STATUS_OK(tsys_dist_group_end(g_group[p]), "group end");
+            tsys_tensor_release(in); tsys_tensor_release(out); tsys_tensor_release(even);
+            check_all_reduce(p, TSYS_F32, TSYS_DIST_SUM, 1000, false);
+        }
+        g_mk_group = NULL;
+        TEST_CHECK(tsys_mem_stats_get(g_ctx, g_dev[p]).live_bytes == live0, "%s: every tensor given back", g_name[p]);
     }
 }
 

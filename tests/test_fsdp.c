@@ -17,7 +17,8 @@
 //   - "micro-batches": one process, no tsys_dist at all, the rows cut as the ranks cut them, each
 //     micro-batch's loss scaled by 1/N, the micro-batch gradients summed in rank order: the same sums
 //     in the same order (N a power of two makes the 1/N scaling exact), so fp32 FSDP must equal it
-//     bit for bit, which is the S26 test's torch.equal.
+//     bit for bit, which is the S26 test's torch.equal (where tsys_dist sums in rank order: its host
+//     paths, and any two ranks; NCCL over more ranks sums in its ring's order: allclose there).
 #ifndef TSYS_LINKED_IMPL
 #define TSYS_IMPLEMENTATION
 #endif
@@ -110,6 +111,17 @@ static int compare_full(tsys_fsdp *f, tsys_tensor **ref, int nref, double rtol, 
     for (int j = 0; j < n; j++) tsys_tensor_release(full[j]);
     TSYS_FREE(full);
     return bad;
+}
+
+// The ranks' gradients are summed in rank order by tsys_dist's host paths, and any sum of two is the same either
+// way; NCCL over more ranks sums in its ring's order, so the last bits may differ from the micro-batch reference
+// (4 x H200: 4e-9 to 1.5e-8 on the toy model's weights).
+static bool sums_in_rank_order(void) { return g_world <= 2 || tsys_dist_engine_of(g_d) != TSYS_DIST_ENGINE_NCCL; }
+// Against one process over the same micro-batches: bit for bit where the sums are in rank order, else allclose
+// with the whole-batch comparison's tolerance.
+static int compare_micro(tsys_fsdp *f, tsys_tensor **ref, int nref, double rtol, double atol, int step) {
+    if (sums_in_rank_order()) return compare_full(f, ref, nref, -1, 0, "one process over the same micro-batches, bit for bit", step);
+    return compare_full(f, ref, nref, rtol, atol, "one process over the same micro-batches (in NCCL's order of sums)", step);
 }
 
 // ---- the S26 ToyFSDPModel ------------------------------------------------------------------------
@@ -308,7 +320,7 @@ static void fsdp_correctness(tsys_dtype cdt) {
         if (half) {
             compare_full(f, whole.p, 6, 1e-4, 1e-4, "one process on the whole batch (fp16 weights)", step);
         } else {
-            compare_full(f, micro.p, 6, -1, 0, "one process over the same micro-batches, bit for bit", step);
+            compare_micro(f, micro.p, 6, 1e-5, 1e-7, step);
             compare_full(f, whole.p, 6, 1e-5, 1e-7, "one process on the whole batch", step);
         }
         tsys_tensor *tl[7] = {ai, al, bi, bl, out, last, loss};
@@ -388,10 +400,14 @@ static void fsdp_gradient_sync(tsys_dtype cdt) {
         float *full = test_read(C, ref_g), *shard = test_read(C, lp[u]->grad);
         long n = (long)tsys_tensor_numel(ref_g), S = (long)tsys_tensor_numel(lp[u]);
         TEST_CHECK(S == (n + world - 1) / world, "%s: shard of %ld elements for %ld over %d ranks", lp[u]->name, S, n, world);
-        double worst = 0;
+        // the floor under the relative tolerance: 1e-3, or in NCCL's order of sums over more than two ranks the
+        // tensor's mean magnitude (a sum that cancels keeps the rounding of its larger terms)
+        double worst = 0, floor_ = 1e-3, mean = 0;
+        for (long k = 0; full && k < n; k++) mean += fabs(full[k]) / (double)n;
+        if (!sums_in_rank_order()) floor_ = fmax(floor_, mean);
         for (long k = 0; full && shard && k < S; k++) {
             long j = (long)g_rank * S + k;
-            double want = j < n ? full[j] : 0.0, tol = (cdt == TSYS_F32 ? 1e-5 : 2e-2) * (fabs(want) + 1e-3);
+            double want = j < n ? full[j] : 0.0, tol = (cdt == TSYS_F32 ? 1e-5 : 2e-2) * (fabs(want) + floor_);
             worst = fmax(worst, fabs(shard[k] - want) / tol);
         }
         TEST_CHECK(worst <= 1.0, "rank %d %s: shard gradient differs from the averaged full gradient (ratio %g)", g_rank, lp[u]->name, worst);
@@ -501,7 +517,7 @@ static void fsdp_lm_adamw(const char *policy, tsys_fsdp_reshard rs) {
         int want = reshard ? 2 * s.num_units - 2 : s.num_units;
         TEST_CHECK(s.all_gathers == want, "step %d (%s, reshard %d): %d all-gathers for %d units", it, policy ? policy : "none", reshard, s.all_gathers, s.num_units);
         TEST_CHECK(reshard || s.max_units_gathered == s.num_units - 1, "step %d: %d units gathered at most, %d units", it, s.max_units_gathered, s.num_units);
-        compare_full(f, tsys_model_params(micro), np, -1, 0, "one process over the same micro-batches, bit for bit", it);
+        compare_micro(f, tsys_model_params(micro), np, 1e-5, 2e-5, it);
         // the whole batch sums its gradients in another order than the micro-batches; AdamW's normalized step
         // turns that rounding on a near-zero gradient into up to ~lr: atol 2e-5 (2% of lr) (the micro-batch
         // check above is the exact one; 4 ranks on a 2-core machine measured 5.2e-6 on one weight)

@@ -1,6 +1,7 @@
 // test_guards.c - bad input never corrupts memory and out of memory is an error, not a kill:
 // ops that index by tensor values reject out-of-range ids (naming the op, the value and the range)
-// and write nothing; CPU allocations respect the context's budget (by default what the machine has).
+// and write nothing; CPU allocations respect the context's budget (by default what the machine has);
+// memory a tensor wraps goes back to its owner once.
 #define TSYS_IMPLEMENTATION
 #include "../tsys.h"
 #include "harness.h"
@@ -197,6 +198,49 @@ TSYS_TEST(null_tensors_and_shapes_past_int64_are_errors) {
     tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 3, huge);
     TEST_CHECK(t == NULL && strstr(tsys_ctx_last_error(ctx), "too large"), "2^64-element tensor: %s", tsys_ctx_last_error(ctx));
     TEST_CHECK(tsys_tensor_fill(ctx, t, 0.0f) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "too large"), "the first error was replaced: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_free(ctx);
+}
+
+// Memory tsys did not allocate: the tensor reads and writes it, views share it, the release callback runs
+// once with the pointer and size when the last reference goes, the tracker counts it, and a resize is refused.
+typedef struct wrapped_mem { void *data; size_t bytes; int releases; } wrapped_mem;
+static void wrapped_release(void *user, void *data, size_t bytes) {
+    wrapped_mem *m = (wrapped_mem *)user;
+    m->releases++;
+    m->data = data; m->bytes = bytes;
+}
+
+TSYS_TEST(wrapped_memory_is_released_once_by_its_owner) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    float buf[12];
+    for (int i = 0; i < 12; i++) buf[i] = (float)i;
+    wrapped_mem m = { NULL, 0, 0 };
+    int64_t live0 = tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes;
+    int64_t shape[2] = {3, 4};
+    tsys_tensor *t = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CPU, 2, shape, buf, wrapped_release, &m);
+    TEST_CHECK(t && tsys_tensor_data(t) == (void *)buf && tsys_tensor_bytes(t) == sizeof buf, "wrap: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes - live0 == (int64_t)sizeof buf, "the tracker counts the wrapped bytes");
+    tsys_tensor_fill(ctx, t, 2.5f);
+    TEST_CHECK(buf[0] == 2.5f && buf[11] == 2.5f, "a fill writes the caller's memory");
+    int64_t row[1] = {4};
+    tsys_tensor *v = tsys_tensor_view_raw(ctx, t, 4 * sizeof(float), TSYS_F32, 1, row);
+    TEST_CHECK(v && tsys_tensor_data(v) == (void *)(buf + 4), "a view shares it");
+    TEST_CHECK(tsys_storage_resize(ctx, t, 4) == TSYS_ERR_INVALID_ARGS && has(tsys_ctx_last_error(ctx), "tsys_tensor_wrap"), "resize refused: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor_release(t);
+    TEST_CHECK(m.releases == 0, "released while a view still holds it");
+    tsys_tensor_release(v);
+    TEST_CHECK(m.releases == 1 && m.data == (void *)buf && m.bytes == sizeof buf, "released once, with its pointer and size (%d times)", m.releases);
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == live0, "the tracker lets it go");
+    // borrowed memory (no callback), and bad arguments named
+    tsys_tensor *b = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CPU, 2, shape, buf, NULL, NULL);
+    TEST_CHECK(b != NULL, "borrowed memory");
+    tsys_tensor_release(b);
+    TEST_CHECK(!tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CPU, 2, shape, NULL, NULL, NULL) && has(tsys_ctx_last_error(ctx), "data is NULL"), "NULL data: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    int64_t neg[1] = {-2};
+    TEST_CHECK(!tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CPU, 1, neg, buf, NULL, NULL) && has(tsys_ctx_last_error(ctx), "negative"), "negative size: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_shape_bytes(ctx, TSYS_BF16, 2, shape) == 24 && tsys_shape_bytes(ctx, TSYS_F32, 1, neg) == -1, "tsys_shape_bytes");
     tsys_ctx_free(ctx);
 }
 

@@ -25,6 +25,27 @@ for part in "$@"; do
   allreduce)
     timeout 200 $G/allreduce_cuda --backend nccl --nproc $NG --sizes 1MB,10MB,100MB,1GB --op all_reduce,reduce_scatter,all_gather --format md > "$OUT/ar_nccl_ours.md" 2>&1; cat "$OUT/ar_nccl_ours.md"
     timeout 300 python3 tests/ref/allreduce_torch.py --backend nccl --nproc $NG --sizes 1MB,10MB,100MB,1GB --op all_reduce,reduce_scatter,all_gather --format md > "$OUT/ar_nccl_torch.md" 2>&1; cat "$OUT/ar_nccl_torch.md" ;;
+  window)  # plain buffers against NCCL symmetric windows (tsys_dist_tensor_new), alternating, 100 iterations; then torch
+    for k in 1 2; do for b in plain window; do
+      echo "== all_reduce, $b buffers ($k)"
+      timeout 200 $G/allreduce_cuda --backend nccl --nproc $NG --buffers $b --sizes 256KB,1MB,4MB,10MB,100MB,1GB --iters 100 --format md > "$OUT/ar_${b}_$k.md" 2>&1
+      grep "allreduce:\|^| all_reduce" "$OUT/ar_${b}_$k.md"
+    done; done
+    for b in plain window; do
+      echo "== reduce_scatter, all_gather, $b buffers"
+      timeout 200 $G/allreduce_cuda --backend nccl --nproc $NG --buffers $b --sizes 1MB,10MB,100MB,1GB --op reduce_scatter,all_gather --iters 50 --format md > "$OUT/rsag_${b}.md" 2>&1
+      grep "^| \(reduce\|all_g\)" "$OUT/rsag_${b}.md"
+    done
+    echo "== torch.distributed, NCCL defaults"
+    timeout 300 python3 tests/ref/allreduce_torch.py --backend nccl --nproc $NG --sizes 256KB,1MB,4MB,10MB,100MB,1GB --op all_reduce --iters 100 --format md > "$OUT/ar_torch.md" 2>&1
+    grep "all_reduce" "$OUT/ar_torch.md" ;;
+  latency)  # where the small all-reduce's time goes: NCCL alone (tools/nccl_latency.c), then tsys_dist with and without
+            # its descriptor check, plain buffers and windows, alternating
+    timeout 200 mpirun --oversubscribe --bind-to none -np $NG $G/nccl_latency ${ITERS:-200} 2>&1 | grep "^|\|nccl_latency"
+    for k in 1 2; do for b in plain window; do for c in default 0; do
+      echo "== tsys_dist, $b buffers, TSYS_DIST_CHECK=$c ($k)"
+      TSYS_DIST_CHECK=$([ $c = 0 ] && echo 0 || echo "") timeout 200 $G/allreduce_cuda --backend nccl --nproc $NG --buffers $b --sizes 256KB,1MB,4MB --iters ${ITERS:-200} --format md 2>&1 | grep "^| all_reduce"
+    done; done; done ;;
   cpu)
     timeout 200 $G/allreduce_cuda --backend mpi --nproc 2 --sizes 4B,1MB,1GB --format md > "$OUT/ar_cpu_ours.md" 2>&1; cat "$OUT/ar_cpu_ours.md"
     timeout 300 python3 tests/ref/allreduce_torch.py --backend gloo --nproc 2 --sizes 4B,1MB,1GB --format md > "$OUT/ar_cpu_gloo.md" 2>&1; cat "$OUT/ar_cpu_gloo.md" ;;
