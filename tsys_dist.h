@@ -181,9 +181,12 @@ TSYSDEF tsys_ctx *tsys_dist_ctx(const tsys_dist *d);
 
 // Collectives on whole tsys tensors (contiguous, same shape and dtype on every rank; a mismatch is
 // an error). In-place all-reduce and broadcast; reduce-scatter takes in = size x numel(out) elements,
-// all-gather gives out = size x numel(in). GPU collectives run on the side stream (TSYS_STREAM_SIDE),
-// after the compute stream's work so far; waiting makes the compute stream wait for them (no host
-// sync, capturable in a CUDA graph). Blocking forms = async + wait.
+// all-gather gives out = size x numel(in). GPU collectives run after the compute stream's work so far,
+// on the side stream (TSYS_STREAM_SIDE); waiting makes the compute stream wait for them (no host sync,
+// capturable in a CUDA graph). Blocking forms = async + wait, except that with no asynchronous one in
+// flight a blocking one runs on the compute stream itself: either way it is ordered after the compute
+// stream's work and before what follows it there; work of your own on the side stream is ordered
+// against them through the compute stream (events), as against any compute-stream work.
 TSYSDEF tsys_status tsys_dist_all_reduce(tsys_dist *d, tsys_tensor *t, tsys_dist_op op);
 TSYSDEF tsys_status tsys_dist_broadcast(tsys_dist *d, tsys_tensor *t, int root);
 TSYSDEF tsys_status tsys_dist_reduce_scatter(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op);
@@ -2182,16 +2185,16 @@ static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_ev
     if (done && (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
                  tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK))
         return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
-    cudaStream_t side = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
+    cudaStream_t stream = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
     ncclDataType_t dt = tsys_dist__nccl_type(c->type);
     ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
     ncclResult_t r;
     const char *what;
     switch (c->kind) {
-    case TSYS_DIST__ALLREDUCE: what = "ncclAllReduce"; r = ncclAllReduce(c->out, c->out, (size_t)c->count, dt, op, d->nccl, side); break;
-    case TSYS_DIST__BCAST: what = "ncclBroadcast"; r = ncclBroadcast(c->out, c->out, (size_t)c->count, dt, c->root, d->nccl, side); break;
-    case TSYS_DIST__RS: what = "ncclReduceScatter"; r = ncclReduceScatter(c->in, c->out, (size_t)c->count, dt, op, d->nccl, side); break;
-    default: what = "ncclAllGather"; r = ncclAllGather(c->in, c->out, (size_t)c->count, dt, d->nccl, side); break;
+    case TSYS_DIST__ALLREDUCE: what = "ncclAllReduce"; r = ncclAllReduce(c->out, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
+    case TSYS_DIST__BCAST: what = "ncclBroadcast"; r = ncclBroadcast(c->out, c->out, (size_t)c->count, dt, c->root, d->nccl, stream); break;
+    case TSYS_DIST__RS: what = "ncclReduceScatter"; r = ncclReduceScatter(c->in, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
+    default: what = "ncclAllGather"; r = ncclAllGather(c->in, c->out, (size_t)c->count, dt, d->nccl, stream); break;
     }
     char buf[96];
     snprintf(buf, sizeof buf, "%s (collective #%lld)", what, (long long)c->seq);
