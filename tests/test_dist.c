@@ -461,6 +461,31 @@ TSYS_TEST(tensors_for_collectives) {
         g_mk_group = NULL;
         TEST_CHECK(tsys_mem_stats_get(g_ctx, g_dev[p]).live_bytes == live0, "%s: every tensor given back", g_name[p]);
     }
+#ifdef TSYS_WITH_CUDA
+    // a tensor that outlives its NCCL group: tsys_dist_free deregisters its window, the last release frees the memory
+    for (int p = 0; p < g_npaths; p++) {
+        if (g_dev[p] != TSYS_CUDA || tsys_dist_engine_of(g_group[p]) != TSYS_DIST_ENGINE_NCCL) continue;
+        tsys_dist_desc cd;
+        memset(&cd, 0, sizeof cd);
+        cd.cuda = true;
+        cd.engine = TSYS_DIST_ENGINE_NCCL;
+        int64_t live0 = tsys_mem_stats_get(g_ctx, TSYS_CUDA).live_bytes, shape[1] = { 4096 };
+        tsys_dist *d2 = tsys_dist_init(g_ctx, &cd);
+        TEST_CHECK(d2 != NULL, "a second NCCL group: %s", tsys_ctx_last_error(g_ctx));
+        if (!d2) { tsys_ctx_clear_error(g_ctx); continue; }
+        tsys_tensor *t = tsys_dist_tensor_new(d2, TSYS_F32, TSYS_CUDA, 1, shape);
+        TEST_CHECK(t && tsys_tensor_fill(g_ctx, t, 1.0f) == TSYS_OK && tsys_dist_all_reduce(d2, t, TSYS_DIST_SUM) == TSYS_OK, "a tensor of the second group: %s", tsys_ctx_last_error(g_ctx));
+        tsys_dist_free(d2);
+        if (t) {
+            float *all = (float *)malloc(sizeof(float) * 4096);
+            TEST_CHECK(all && tsys_tensor_to_host(g_ctx, t, all) == TSYS_OK && all[0] == (float)g_size && all[4095] == (float)g_size, "its values after the group is gone");
+            free(all);
+        }
+        tsys_tensor_release(t);
+        TEST_CHECK(tsys_mem_stats_get(g_ctx, TSYS_CUDA).live_bytes == live0 && tsys_ctx_status(g_ctx) == TSYS_OK, "released after its group: %s", tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+    }
+#endif
 }
 
 TSYS_TEST(all_reduce_host_doubles) {
