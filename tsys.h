@@ -1282,6 +1282,14 @@ static void tsys__mem_saved(tsys_ctx *ctx, tsys_storage *st, int saved) {
     else if (saved < 0 && st->saved_by == 0 && st->category == TSYS_MEM_ACTIVATIONS) tsys__mem_recategorize(ctx, st, TSYS_MEM_TEMPORARY);
 }
 
+// A storage header over data (bytes of it on dev), counted by the memory tracker from now on.
+static void tsys__storage_init(tsys_ctx *ctx, tsys_storage *s, tsys_device dev, void *data, size_t bytes) {
+    memset(s, 0, sizeof *s);
+    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = bytes; s->refcount = 1;
+    s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->id = ++ctx->mem.next_id;
+    if (bytes) tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)bytes, true, s);
+}
+
 static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t bytes) {
     const tsys_backend *be = ctx->backends[dev];
     if (!be) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu"); return NULL; }
@@ -1299,11 +1307,7 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
                    (long long)ctx->mem.dev[dev].live_bytes);
         return NULL;
     }
-    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = asked; s->refcount = 1; s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->saved_by = 0;
-    s->external = false; s->release = NULL; s->release_user = NULL;
-    s->id = ++ctx->mem.next_id;
-    s->version = 0;
-    tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)asked, true, s);
+    tsys__storage_init(ctx, s, dev, data, asked);
     return s;
 }
 
@@ -1440,14 +1444,11 @@ TSYSDEF tsys_tensor *tsys_tensor_wrap(tsys_ctx *ctx, tsys_dtype dt, tsys_device 
         TSYS_FREE(t);
         return NULL;
     }
-    memset(s, 0, sizeof *s);
-    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = tsys_tensor_bytes(t); s->refcount = 1;
-    s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->id = ++ctx->mem.next_id;
-    s->external = true; s->release = release; s->release_user = user;
     t->storage = s;
-    ctx->mem.making = t;
-    if (s->bytes) tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)s->bytes, true, s);
+    ctx->mem.making = t;   // the allocation event carries the tensor's shape
+    tsys__storage_init(ctx, s, dev, data, tsys_tensor_bytes(t));
     ctx->mem.making = NULL;
+    s->external = true; s->release = release; s->release_user = user;
     return t;
 }
 

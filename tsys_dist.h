@@ -2215,19 +2215,19 @@ TSYSDEF tsys_tensor *tsys_dist_tensor_new(tsys_dist *d, tsys_dtype dt, tsys_devi
         if (TSYS_DIST__LOAD(&d->broken)) { tsys_dist__fail(d, TSYS_ERR_IO, "tsys_dist_tensor_new: the group is broken since: %s", d->broken_msg); return NULL; }
         int64_t nbytes = tsys_shape_bytes(d->ctx, dt, ndim, shape);
         if (nbytes < 0) return NULL;
-        size_t bytes = (size_t)nbytes;
+        const size_t bytes = (size_t)nbytes, alloc = bytes ? bytes : 1;
         tsys_dist__err e;
         memset(&e, 0, sizeof e);
         tsys_dist__window *w = (tsys_dist__window *)calloc(1, sizeof *w);
         void *data = NULL;
         if (!w) { tsys_dist__fail(d, TSYS_ERR_OOM, "tsys_dist_tensor_new: out of host memory"); return NULL; }
-        ncclResult_t r = ncclMemAlloc(&data, bytes ? bytes : 1);
+        ncclResult_t r = ncclMemAlloc(&data, alloc);
         if (r != ncclSuccess) {
             free(w);
             tsys_dist__fail(d, TSYS_ERR_OOM, "tsys_dist_tensor_new: ncclMemAlloc of %zu bytes: %s", bytes, ncclGetErrorString(r));
             return NULL;
         }
-        r = ncclCommWindowRegister(d->nccl, data, bytes ? bytes : 1, &w->win, NCCL_WIN_COLL_SYMMETRIC);
+        r = ncclCommWindowRegister(d->nccl, data, alloc, &w->win, NCCL_WIN_COLL_SYMMETRIC);
         if (!tsys_dist__nccl_ok(d, r, "ncclCommWindowRegister", &e) || (r == ncclInProgress && !tsys_dist__nccl_settle(d, "ncclCommWindowRegister", &e))) {
             ncclMemFree(data);
             free(w);

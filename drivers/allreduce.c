@@ -128,6 +128,12 @@ static double get_f32(tsys_ctx *ctx, tsys_tensor *t, int64_t i, float *scratch, 
     return scratch[i];
 }
 
+// A buffer of n elements: NCCL symmetric-window memory with --buffers window, else tsys_tensor_new's.
+static tsys_tensor *buffer(tsys_dist *d, const ar_opts *o, tsys_dtype dt, tsys_device dev, int64_t n) {
+    int64_t shape[1] = { n };
+    return !strcmp(o->buffers, "window") ? tsys_dist_tensor_new(d, dt, dev, 1, shape) : tsys_tensor_new(tsys_dist_ctx(d), dt, dev, 1, shape);
+}
+
 // One (op, dtype, size): returns false when the first iteration's result was wrong.
 static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsys_dtype dt, const char *label, int64_t bytes, du_table *tab) {
     tsys_ctx *ctx = tsys_dist_ctx(d);
@@ -136,11 +142,8 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     int64_t count = bytes / es;
     if (op != OP_AR) count = count / n * n;   // the whole buffer splits into n blocks
     if (count < (op == OP_AR ? 1 : n)) count = op == OP_AR ? 1 : n;
-    int64_t big[1] = { count }, small[1] = { count / n };
-    bool window = !strcmp(o->buffers, "window");
-    tsys_tensor *a = window ? tsys_dist_tensor_new(d, dt, dev, 1, op == OP_AR ? big : op == OP_RS ? big : small)   // AR: the tensor; RS: in; AG: in
-                            : tsys_tensor_new(ctx, dt, dev, 1, op == OP_AR ? big : op == OP_RS ? big : small);
-    tsys_tensor *b = op == OP_AR ? NULL : window ? tsys_dist_tensor_new(d, dt, dev, 1, op == OP_RS ? small : big) : tsys_tensor_new(ctx, dt, dev, 1, op == OP_RS ? small : big);
+    tsys_tensor *a = buffer(d, o, dt, dev, op == OP_AG ? count / n : count);   // AR: the tensor; RS: in; AG: in
+    tsys_tensor *b = op == OP_AR ? NULL : buffer(d, o, dt, dev, op == OP_RS ? count / n : count);
     if (!a || (op != OP_AR && !b)) die(d, "allocating the buffers");
     // GPUs: the ranks are lined up on the devices before each timed call, as torch's NCCL barrier does (a
     // one-element all-reduce, waited for): the host barrier alone releases ranks tens of microseconds
