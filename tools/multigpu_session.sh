@@ -46,6 +46,13 @@ for part in "$@"; do
       echo "== tsys_dist, $b buffers, TSYS_DIST_CHECK=$c ($k)"
       TSYS_DIST_CHECK=$([ $c = 0 ] && echo 0 || echo "") timeout 200 $G/allreduce_cuda --backend nccl --nproc $NG --buffers $b --sizes 256KB,1MB,4MB --iters ${ITERS:-200} --format md 2>&1 | grep "^| all_reduce"
     done; done; done ;;
+  protocols)  # NCCL alone at 256 KB-4 MB under each protocol / algorithm NCCL offers without NVLS, on all GPUs and on
+              # two: is NCCL's default pick the small all-reduce's floor? (tools/nccl_latency.c, device time beside host time)
+    for np in $NG 2; do for pa in default:default LL:default LL128:default Simple:default default:Ring default:Tree LL:Ring LL:Tree; do
+      pr=${pa%%:*}; al=${pa##*:}
+      env $([ $pr != default ] && echo NCCL_PROTO=$pr) $([ $al != default ] && echo NCCL_ALGO=$al) \
+        timeout 120 mpirun --oversubscribe --bind-to none -np $np $G/nccl_latency ${ITERS:-200} 2>&1 | grep -E "nccl_latency|^\| plain, compute stream +\||rror"
+    done; done ;;
   cpu)
     timeout 200 $G/allreduce_cuda --backend mpi --nproc 2 --sizes 4B,1MB,1GB --format md > "$OUT/ar_cpu_ours.md" 2>&1; cat "$OUT/ar_cpu_ours.md"
     timeout 300 python3 tests/ref/allreduce_torch.py --backend gloo --nproc 2 --sizes 4B,1MB,1GB --format md > "$OUT/ar_cpu_gloo.md" 2>&1; cat "$OUT/ar_cpu_gloo.md" ;;

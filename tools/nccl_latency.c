@@ -1,10 +1,12 @@
 // nccl_latency.c - where a small all-reduce's time goes: NCCL alone, measured the way the allreduce driver
 // measures tsys_dist (host clock around the call and a synchronize, the ranks lined up on the devices first),
 // with the steps tsys_dist adds taken one at a time: the side stream and its two events, and NCCL symmetric
-// windows for the buffers. A lab tool, not part of the library.
+// windows for the buffers. NCCL's own protocol and algorithm choices are compared by running it under
+// NCCL_PROTO / NCCL_ALGO (named in its first line). A lab tool, not part of the library.
 //
 //   make build/nccl_latency
 //   mpirun -np 2 build/nccl_latency [iters]
+//   NCCL_PROTO=LL mpirun -x NCCL_PROTO -np 4 build/nccl_latency 200
 #include <cuda_runtime.h>
 #include <mpi.h>
 #include <nccl.h>
@@ -25,7 +27,7 @@ static double now_us(void) {
 typedef struct probe {
     ncclComm_t comm;
     cudaStream_t compute, side;
-    cudaEvent_t ready, done;
+    cudaEvent_t ready, done, t_start, t_end;   // t_*: the device's own time for one call, on the compute stream
     float *tick;
     int rank, size;
 } probe;
@@ -40,25 +42,33 @@ static void all_reduce(probe *p, float *buf, size_t count, int hop) {
     CK_CUDA(cudaStreamWaitEvent(p->compute, p->done, 0));
 }
 
-// Mean and minimum over iterations of the slowest rank's time, in microseconds.
+// Mean and minimum over iterations of the slowest rank's time, in microseconds, and the mean of the device's
+// own time (events around the call on the compute stream: what is left once the host's launch and
+// synchronize are taken out).
 static void run(probe *p, float *buf, size_t bytes, int hop, int iters, const char *label) {
     size_t count = bytes / sizeof(float);
-    double *t = (double *)calloc((size_t)iters, sizeof(double));
+    double *t = (double *)calloc((size_t)iters, sizeof(double)), *dev = (double *)calloc((size_t)iters, sizeof(double));
     for (int it = -5; it < iters; it++) {
         CK_MPI(MPI_Barrier(MPI_COMM_WORLD));
         CK_NCCL(ncclAllReduce(p->tick, p->tick, 1, ncclFloat32, ncclSum, p->comm, p->compute));   // line up on the devices
         CK_CUDA(cudaStreamSynchronize(p->compute));
         double t0 = now_us();
+        CK_CUDA(cudaEventRecord(p->t_start, p->compute));
         all_reduce(p, buf, count, hop);
+        CK_CUDA(cudaEventRecord(p->t_end, p->compute));
         CK_CUDA(cudaStreamSynchronize(p->compute));
         if (hop) CK_CUDA(cudaStreamSynchronize(p->side));
-        if (it >= 0) t[it] = now_us() - t0;
+        float ms = 0;
+        CK_CUDA(cudaEventElapsedTime(&ms, p->t_start, p->t_end));
+        if (it >= 0) t[it] = now_us() - t0, dev[it] = 1e3 * ms;
     }
     CK_MPI(MPI_Allreduce(MPI_IN_PLACE, t, iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
-    double sum = 0, lo = 1e30;
-    for (int i = 0; i < iters; i++) { sum += t[i]; lo = t[i] < lo ? t[i] : lo; }
-    if (p->rank == 0) printf("| %-28s | %7zu KB | %8.1f | %8.1f |\n", label, bytes >> 10, sum / iters, lo);
+    CK_MPI(MPI_Allreduce(MPI_IN_PLACE, dev, iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+    double sum = 0, lo = 1e30, dsum = 0;
+    for (int i = 0; i < iters; i++) { sum += t[i]; lo = t[i] < lo ? t[i] : lo; dsum += dev[i]; }
+    if (p->rank == 0) printf("| %-28s | %7zu KB | %8.1f | %8.1f | %8.1f |\n", label, bytes >> 10, sum / iters, lo, dsum / iters);
     free(t);
+    free(dev);
 }
 
 int main(int argc, char **argv) {
@@ -77,6 +87,8 @@ int main(int argc, char **argv) {
     CK_CUDA(cudaStreamCreateWithFlags(&p.side, cudaStreamNonBlocking));
     CK_CUDA(cudaEventCreateWithFlags(&p.ready, cudaEventDisableTiming));
     CK_CUDA(cudaEventCreateWithFlags(&p.done, cudaEventDisableTiming));
+    CK_CUDA(cudaEventCreate(&p.t_start));
+    CK_CUDA(cudaEventCreate(&p.t_end));
     CK_CUDA(cudaMalloc((void **)&p.tick, sizeof(float)));
     CK_CUDA(cudaMemset(p.tick, 0, sizeof(float)));
     const size_t max_bytes = 4 << 20;
@@ -90,7 +102,10 @@ int main(int argc, char **argv) {
     if (p.rank == 0) {
         int v = 0;
         CK_NCCL(ncclGetVersion(&v));
-        printf("nccl_latency: %d ranks, NCCL %d, %d iterations; us, slowest rank\n| case | size | mean | min |\n|---|---:|---:|---:|\n", p.size, v, iters);
+        const char *proto = getenv("NCCL_PROTO"), *algo = getenv("NCCL_ALGO");
+        printf("nccl_latency: %d ranks, NCCL %d, NCCL_PROTO=%s NCCL_ALGO=%s, %d iterations; us, slowest rank\n"
+               "| case | size | mean | min | device mean |\n|---|---:|---:|---:|---:|\n",
+               p.size, v, proto ? proto : "(default)", algo ? algo : "(default)", iters);
     }
     size_t sizes[3] = { 256 << 10, 1 << 20, 4 << 20 };
     for (int s = 0; s < 3; s++) {
@@ -104,6 +119,8 @@ int main(int argc, char **argv) {
     CK_NCCL(ncclMemFree(sym));
     CK_CUDA(cudaFree(plain));
     CK_CUDA(cudaFree(p.tick));
+    CK_CUDA(cudaEventDestroy(p.t_start));
+    CK_CUDA(cudaEventDestroy(p.t_end));
     CK_NCCL(ncclCommDestroy(p.comm));
     CK_MPI(MPI_Finalize());
     return 0;
