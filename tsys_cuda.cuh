@@ -3065,6 +3065,9 @@ tsys_cuda__flash_bwd_dq_wg_kernel(const T *__restrict__ q, const T *__restrict__
 __device__ __forceinline__ void tsys_cuda__flash_named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void tsys_cuda__flash_named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // The consumer warpgroups' registers once the producer has given its own back (`setmaxnreg.dec` to 24): 240 each
 // with 2 consumers, 160 with 3 (the block's 64K registers).
@@ -3185,7 +3188,10 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_round_q(float *qs, int wg) {
 // the key tiles (as the mma.sync forward's split).
 // CW consumer warpgroups: 3 (160 registers each), or 2 (240): TF32 at d 128 (three blocks of Q do not fit shared memory)
 // and 16-bit at d 128 (128-key tiles; faster than three consumers on 64-key tiles).
-template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3>
+// OVL: the softmax of tile j runs while tile j - 1's P V does (issued after tile j's S). PP (with OVL): the
+// consumers issue their tiles' wgmmas in turn (named barriers 8 + w), so that one's softmax runs while the next
+// one's matmuls do. Both: tsys_cuda__flash_ws_tiles::FWD_TURNS.
+template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3, bool OVL = false, bool PP = false>
 __global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK, CW_>::NT, 1)
 tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                           const __grid_constant__ CUtensorMap tv, T *__restrict__ o, float *__restrict__ lse, int n,
@@ -3193,6 +3199,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW_> L;
     constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS_CUDA__FLASH_WG_STAGES;
+    static_assert(OVL || !PP, "the consumers' turns (PP) come with the overlap (OVL)");
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
     T *ks = qs + BQ * D;        // [ST][BK * D]
@@ -3249,8 +3256,49 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
         tsys_cuda__flash_wg_commit();
     };
-    for (int j = j0; j < min(nfull, nkt); j++) tile(j, std::false_type());
-    for (int j = max(j0, nfull); j < nkt; j++) tile(j, std::true_type());
+    // OVL: S of tile j, then P V of tile j - 1 (P still in pa); the softmax of tile j while that P V runs; O is
+    // rescaled and pa repacked once it is done. Every tile commits two groups (the second empty for the first
+    // tile), so that one unconditional wait<1> covers S.
+    auto tile_ovl = [&](int j, auto masked) {
+        constexpr bool MASK = decltype(masked)::value;
+        const int i = j - j0, s = i % ST, k0 = j * BK;
+        tsys_cuda__flash_mbar_wait(full + s, (i / ST) & 1);
+        const T *kt = ks + s * BK * D;
+        float sc[BK / 8][4];
+        if constexpr (PP) tsys_cuda__flash_named_sync(8 + wg, 256);   // this consumer's turn to issue
+        tsys_cuda__flash_wg_fence();
+        tsys_cuda__flash_wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);
+        tsys_cuda__flash_wg_commit();
+        if (i > 0) tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vs + ((i - 1) % ST) * BK * D);
+        tsys_cuda__flash_wg_commit();
+        if constexpr (PP) tsys_cuda__flash_named_arrive(8 + (wg + 1) % CW, 256);   // the next consumer's turn
+        tsys_cuda__flash_wg_wait<1>();   // S of this tile
+        tsys_cuda__flash_wg_fence_acc<BK>(sc);
+        float alpha[2];
+        tsys_cuda__flash_wg_softmax<BK, MASK, CAUSAL>(sc, m, l, alpha, q0 + wr0, k0, n, lane, scale_log2);
+        tsys_cuda__flash_wg_wait<0>();   // P V of the previous tile
+        tsys_cuda__flash_wg_fence_acc<D>(oacc);
+        if (i > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (i - 1) % ST);   // this warp is done with tile j - 1
+#pragma unroll
+        for (int nb = 0; nb < D / 8; nb++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
+        tsys_cuda__flash_wg_pack<T, BK>(pa, sc);
+    };
+    if constexpr (OVL) {
+        if (PP && wg == CW - 1) tsys_cuda__flash_named_arrive(8, 256);   // consumer 0 issues first
+        for (int j = j0; j < min(nfull, nkt); j++) tile_ovl(j, std::false_type());
+        for (int j = max(j0, nfull); j < nkt; j++) tile_ovl(j, std::true_type());
+        if (PP && wg == 0) tsys_cuda__flash_named_sync(8, 256);   // the last consumer's last turn, so that every arrive is met
+        if (nkt > j0) {
+            tsys_cuda__flash_wg_fence();
+            tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vs + ((nkt - 1 - j0) % ST) * BK * D);
+            tsys_cuda__flash_wg_commit();
+        }
+    } else {
+        for (int j = j0; j < min(nfull, nkt); j++) tile(j, std::false_type());
+        for (int j = max(j0, nfull); j < nkt; j++) tile(j, std::true_type());
+    }
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(oacc);
 
@@ -3269,7 +3317,9 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
 // accumulate dQ = scale * dS K, keeping each tile's dS K wgmma in flight until the next tile's S is done.
 // Split (nsplit > 1, one slice: b0 = 0): gridDim.y = bh x nsplit (tsys_cuda__flash_block_of); the block runs its share of
 // the key tiles and leaves its unscaled fp32 sums in part ([share][bh][n][D]) for tsys_cuda__flash_split_sum.
-template <typename T, int D, int BK, int CW, bool CAUSAL>
+// PP: the consumers issue each tile's S and dP wgmmas in turn (named barriers 8 + w), as the forward's FWD_TURNS
+// (tsys_cuda__flash_ws_tiles::DQ_TURNS).
+template <typename T, int D, int BK, int CW, bool CAUSAL, bool PP = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
 tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                              const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
@@ -3325,11 +3375,13 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
         tsys_cuda__flash_mbar_wait(full + s, (i / ST) & 1);
         const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
         float sc[BK / 8][4], dp[BK / 8][4];
+        if constexpr (PP) tsys_cuda__flash_named_sync(8 + wg, 256);   // this consumer's turn to issue
         tsys_cuda__flash_wg_fence();
         tsys_cuda__flash_wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);    // S = Q K^T
         tsys_cuda__flash_wg_commit();
         tsys_cuda__flash_wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);    // dP = dO V^T
         tsys_cuda__flash_wg_commit();
+        if constexpr (PP) tsys_cuda__flash_named_arrive(8 + (wg + 1) % CW, 256);   // the next consumer's turn
         tsys_cuda__flash_wg_wait<1>();   // the previous dS K, and S
         tsys_cuda__flash_wg_fence_acc<BK>(sc);
         if (i > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (i - 1) % ST);   // this warp is done with tile j - 1
@@ -3339,8 +3391,10 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
         tsys_cuda__flash_wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
         tsys_cuda__flash_wg_commit();
     };
+    if (PP && wg == CW - 1) tsys_cuda__flash_named_arrive(8, 256);   // consumer 0 issues first
     for (int j = j0; j < min(nfull, nkt); j++) tile(j, std::false_type());
     for (int j = max(j0, nfull); j < nkt; j++) tile(j, std::true_type());
+    if (PP && wg == 0) tsys_cuda__flash_named_sync(8, 256);   // the last consumer's last turn, so that every arrive is met
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(dqa);
     if (part) {   // split: this share's sums, unscaled ([share][bh][n][D]; one slice, so gridDim.y / nsplit = bh)
@@ -3517,7 +3571,9 @@ __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqs
 // longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
 // later slices start their blocks one by one). nsplit must be 1.
 // AREG: each consumer keeps its 64 rows of K and V in registers (16-bit, d 64) and issues S^T and dP^T as RS wgmmas.
-template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false, bool AREG = false>
+// PP: the consumers issue each tile's S^T and dP^T wgmmas in turn (named barriers 8 + w), as the forward's FWD_TURNS
+// (a lab variant: slower in both the 4-matmul and the fused kernel, perf notes v17).
+template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false, bool AREG = false, bool PP = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
 tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
@@ -3618,6 +3674,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_load_a<BKV, D>(vr, vs, wg * 64);
     }
 
+    if (PP && wg == CW - 1) tsys_cuda__flash_named_arrive(8, 256);   // consumer 0 issues first
     tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
         const int j = it - it0, s = j % ST, q0 = it * BQ;
@@ -3625,9 +3682,11 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         const T *qt = qs + s * BQ * D, *gt = gs + s * BQ * D;
         const float *lt = ls + s * BQ, *dt = ds + s * BQ;
         float st[BQ / 8][4], dpt[BQ / 8][4];
+        if constexpr (PP) tsys_cuda__flash_named_sync(8 + wg, 256);   // this consumer's turn to issue
         if constexpr (AREG) tsys_cuda__flash_wg_kv_scores_r<T, D, BQ>(st, dpt, kr, vr, qt, gt);
         else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, tsys_cuda__flash_fresh<FUSED>(ks, it), tsys_cuda__flash_fresh<FUSED>(vs, it),
                                                           wg, qt, gt);
+        if constexpr (PP) tsys_cuda__flash_named_arrive(8 + (wg + 1) % CW, 256);   // the next consumer's turn
         tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
         if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
@@ -3667,6 +3726,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
             tsys_cuda__flash_wg_commit();
         }
     });
+    if (PP && wg == 0) tsys_cuda__flash_named_sync(8, 256);   // the last consumer's last turn, so that every arrive is met
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(dka);
     tsys_cuda__flash_wg_fence_acc<D>(dva);
@@ -3872,9 +3932,15 @@ template <typename T, int D> struct tsys_cuda__flash_ws_tiles {   // the warp-sp
     // d 128, where they measured 1.68 against 1.92 ms for three on 64-key tiles, 16 x 16384, H100)
     static constexpr bool F128 = sizeof(T) == 4 && D > 64;
     static constexpr int FWD_BK = F128 ? 32 : sizeof(T) == 4 ? 64 : 128, FWD_BQ = (F128 || (sizeof(T) == 2 && D > 64) ? 2 : 3) * 64;
+    // forward, 16-bit d 64: the softmax of a tile beside the previous tile's P V, the three consumers issuing their
+    // matmuls in turn (1.07x at 16 x 16384; either alone, or both on two consumers or at d 128, measured no faster)
+    static constexpr bool FWD_TURNS = sizeof(T) == 2 && D == 64;
     // dQ: keys a tile, consumers, rows a block (d 64: three consumers on 64-key tiles, 1.05x two on 128-key tiles
     // once the blocks run longest-first across slices; the other way round before)
     static constexpr int DQ_BK = 64, DQ_CW = D <= 64 ? 3 : 2, DQ_BQ = DQ_CW * 64;
+    // dQ, 16-bit d 128 (two consumers): S and dP issued by the consumers in turn (2.02 against 2.26 ms at 16 x 16384;
+    // level at d 64, and slower in the dK/dV and fused kernels)
+    static constexpr bool DQ_TURNS = sizeof(T) == 2 && D == 128;
     static constexpr int KV_BQ = 64, KV_CW = 2, KV_BKV = KV_CW * 64;                // dK/dV: queries a tile, consumers, keys a block
     // dK/dV: K and V in registers (measured 1.05-1.15x at d 64; d 128 has no registers to spare)
     static constexpr bool KV_AREG = sizeof(T) == 2 && D == 64;
@@ -4108,7 +4174,8 @@ __global__ void tsys_cuda__flash_tf32_prep(const float *__restrict__ k, const fl
 // scratch: at least tsys_cuda__flash_ws_fwd_floats floats, or nullptr (then no split; fp32 needs it: the
 // rounded K and the V^T of tsys_cuda__flash_tf32_prep live there after the shares). BK, CW: the tiles' choice,
 // or a variant of the lab's (16-bit, no scratch).
-template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ / 64>
+template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ / 64,
+          bool OVL = tsys_cuda__flash_ws_tiles<T, D>::FWD_TURNS, bool PP = tsys_cuda__flash_ws_tiles<T, D>::FWD_TURNS>
 static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s, float *scratch = nullptr) {
     static_assert(BK == tsys_cuda__flash_ws_tiles<T, D>::FWD_BK || !(sizeof(T) == 4), "TF32: the pre-pass's key padding is the tiles' FWD_BK");
@@ -4128,7 +4195,7 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
     } else if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) ||
                !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
         return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL, CW>;
+    auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL, CW, OVL, PP>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::FWD_SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -4145,14 +4212,15 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
 // The warp-specialized dQ kernel (BK keys per tile, CW consumer warpgroups); cudaErrorNotSupported when no
 // tensor map can be made.
 // nsplit > 1: each query tile's key tiles in nsplit shares, fp32 sums into part (see the kernel).
-template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::DQ_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::DQ_CW>
+template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::DQ_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::DQ_CW,
+          bool PP = tsys_cuda__flash_ws_tiles<T, D>::DQ_TURNS>
 static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
                                          const float *dvec, T *dq, int64_t bh, int n, float scale, cudaStream_t s,
                                          int nsplit = 1, float *part = nullptr) {
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, L::BQ, BK)) return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL>;
+    auto kern = tsys_cuda__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL, PP>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -4167,14 +4235,14 @@ static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T
 // nsplit > 1: each key block's query tiles in nsplit shares, fp32 sums into part (see the kernel).
 // after_dq: the kernel before it on s is the dQ kernel; it then starts in that kernel's tail (programmatic launch).
 template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW,
-          bool AREG = tsys_cuda__flash_ws_tiles<T, D>::KV_AREG>
+          bool AREG = tsys_cuda__flash_ws_tiles<T, D>::KV_AREG, bool PP = false>
 static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
                                            const float *dvec, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s,
                                            int nsplit = 1, float *part = nullptr, bool after_dq = false) {
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, BQ, L::BKV)) return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, false, AREG>;
+    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, false, AREG, PP>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -4192,13 +4260,14 @@ static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const
 // needs no split (tsys_cuda__flash_ws_split); at d 64 it measured slower than the 7-matmul kernels (3.67 against
 // 3.29 ms, docs/perf-notes-flash.md v12 and v16). flash_lab's `fused` mode checks and times it.
 // cudaErrorNotSupported when no tensor map can be made.
-template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW>
+template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW,
+          bool PP = false>
 static cudaError_t tsys_cuda__flash_bwd_fused_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse, const float *dvec,
                                             T *dq, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s, float *dqacc) {
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, true> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, BQ, L::BKV)) return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, true>;
+    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, true, false, PP>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     const int nqt = (n + BQ - 1) / BQ, nkb = (n + L::BKV - 1) / L::BKV;

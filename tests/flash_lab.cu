@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsfwd|wsdq|wsdkdv|fused|areg|parts|lb|lbfused] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsfwd|wsdq|wsdkdv|fused|areg|parts|lb|lbfused|lbturns] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -478,14 +478,14 @@ template <int D, typename L, typename C> static bool lab_variant_checks(const ch
 
 // Warp-specialized dQ variants (BK keys per tile, CW consumer warpgroups): checked against the mma.sync dQ on a
 // 300-row problem, causal and not, then timed on the benchmark shape.
-template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
+template <int D, int BK, int CW, bool PP = false> static void wsdq_variant(long bh, long n) {
     typedef __nv_bfloat16 T;
     const float scale = 1.0f / sqrtf((float)D);
     char name[64];
-    snprintf(name, sizeof name, "ws dq BK=%d CW=%d", BK, CW);
+    snprintf(name, sizeof name, "ws dq BK=%d CW=%d%s", BK, CW, PP ? " turns" : "");
     auto launch = [&](bool causal, LabProblem &p) {
-        return causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, lab_check_bh, lab_check_n, scale, 0)
-                      : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, lab_check_bh, lab_check_n, scale, 0);
+        return causal ? tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW, PP>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, lab_check_bh, lab_check_n, scale, 0)
+                      : tsys_cuda__flash_bwd_dq_ws<T, D, false, BK, CW, PP>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dq2.d, lab_check_bh, lab_check_n, scale, 0);
     };
     auto compare = [&](bool causal, LabProblem &p) {
         p.dq.download(); p.dq2.download();
@@ -496,25 +496,25 @@ template <int D, int BK, int CW> static void wsdq_variant(long bh, long n) {
     const size_t N = bh * n * D, R = bh * n;
     Buf q(1, N), k(1, N), v(1, N), g(1, N), dq(1, N), lse(0, R), sc(0, lab_scratch_max(bh, n, D));
     CHECK(cudaMemset(lse.d, 0, R * 4)); CHECK(cudaMemset(sc.d, 0, R * 4));
-    auto run = [&] { CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0))); };
+    auto run = [&] { CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true, BK, CW, PP>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0))); };
     const float t = time_ms(run, 3, 20);
     const double f = 4.0 * bh * n * n * D / 2;
-    printf("  ws dq BK=%d CW=%d bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s of 3 mm)\n", BK, CW, bh, n, D, t, 1.5 * f / t / 1e9);
+    printf("  %s bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s of 3 mm)\n", name, bh, n, D, t, 1.5 * f / t / 1e9);
     fflush(stdout);
 }
 
 // Warp-specialized forward variants (BK keys a tile, CW consumer warpgroups): O and lse against the mma.sync
 // forward on a 300-row problem, causal and not, then the benchmark shape timed (causal).
-template <int D, int BK, int CW> static void wsfwd_variant(long bh, long n) {
+template <int D, int BK, int CW, bool OVL = false, bool PP = false> static void wsfwd_variant(long bh, long n) {
     typedef __nv_bfloat16 T;
     const float scale = 1.0f / sqrtf((float)D);
     char name[64];
-    snprintf(name, sizeof name, "ws fwd BK=%d CW=%d", BK, CW);
+    snprintf(name, sizeof name, "ws fwd BK=%d CW=%d%s%s", BK, CW, OVL ? " overlap" : "", PP ? " pingpong" : "");
     Buf lse2(0, lab_check_bh * lab_check_n);   // O goes to dq2 (NaN-poisoned), lse here
     auto launch = [&](bool causal, LabProblem &p) {
         lse2.poison();
-        return causal ? tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, lab_check_bh, lab_check_n, scale, 0)
-                      : tsys_cuda__flash_fwd_ws<T, D, false, BK, CW>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, lab_check_bh, lab_check_n, scale, 0);
+        return causal ? tsys_cuda__flash_fwd_ws<T, D, true, BK, CW, OVL, PP>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, lab_check_bh, lab_check_n, scale, 0)
+                      : tsys_cuda__flash_fwd_ws<T, D, false, BK, CW, OVL, PP>((T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (T *)p.dq2.d, (float *)lse2.d, lab_check_bh, lab_check_n, scale, 0);
     };
     auto compare = [&](bool causal, LabProblem &p) {
         p.o.download(); p.dq2.download(); p.lse.download(); lse2.download();
@@ -525,9 +525,9 @@ template <int D, int BK, int CW> static void wsfwd_variant(long bh, long n) {
     const size_t N = bh * n * D;
     Buf q(1, N), k(1, N), v(1, N), o(1, N), lse(0, bh * n);
     q.randomize(); k.randomize(); v.randomize();
-    auto run = [&] { CHECK((tsys_cuda__flash_fwd_ws<T, D, true, BK, CW>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
+    auto run = [&] { CHECK((tsys_cuda__flash_fwd_ws<T, D, true, BK, CW, OVL, PP>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0))); };
     const float t = time_ms(run, 3, 20);
-    printf("  ws fwd BK=%d CW=%d bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s)\n", BK, CW, bh, n, D, t, 2.0 * bh * n * n * D / t / 1e9);
+    printf("  %s bf16 bh=%ld n=%ld d=%d causal: %.3f ms (%.0f TFLOP/s)\n", name, bh, n, D, t, 2.0 * bh * n * n * D / t / 1e9);
     fflush(stdout);
 }
 
@@ -720,6 +720,55 @@ template <int D> static void fused_variant(long bh, long n) {
     }
 }
 
+// The backward kernels with their consumers issuing S and dP (S^T and dP^T) in turn, against the kernels as they
+// are (bf16, 16 x 16384, causal): dK/dV checked against the mma.sync backward first; then timed in rounds, the
+// variants one after the other.
+template <int D> static void kv_turns() {
+    typedef __nv_bfloat16 T;
+    constexpr bool AREG = tsys_cuda__flash_ws_tiles<T, D>::KV_AREG;
+    const long bh = 16, n = 16384;
+    const float scale = 1.0f / sqrtf((float)D);
+    auto launch = [&](bool causal, LabProblem &p) {
+        return causal ? tsys_cuda__flash_bwd_dkdv_ws<T, D, true, 64, 2, AREG, true>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, lab_check_bh, lab_check_n, scale, 0)
+                      : tsys_cuda__flash_bwd_dkdv_ws<T, D, false, 64, 2, AREG, true>((T *)p.g.d, (T *)p.q.d, (T *)p.k.d, (T *)p.v.d, (float *)p.lse.d, (float *)p.sc.d, (T *)p.dk2.d, (T *)p.dv2.d, lab_check_bh, lab_check_n, scale, 0);
+    };
+    auto compare = [&](bool causal, LabProblem &p) {
+        p.dk.download(); p.dv.download(); p.dk2.download(); p.dv2.download();
+        const double ek = rel_err(p.dk2.h.data(), p.dk.h.data(), p.dk.n), ev = rel_err(p.dv2.h.data(), p.dv.h.data(), p.dv.n);
+        report(ek < 1e-2 && ev < 1e-2, "dkdv turns d=%d causal=%d vs mma.sync: dK %.1e dV %.1e", D, causal, ek, ev);
+    };
+    if (!lab_variant_checks<D>("dkdv turns", launch, compare)) return;
+    LabProblem p(bh, n, D);
+    Buf &q = p.q, &k = p.k, &v = p.v, &g = p.g, &o = p.o, &dq = p.dq, &dk = p.dk, &dv = p.dv, &lse = p.lse, &sc = p.sc;
+    CHECK((tsys_cuda__flash_fwd_wg<T, D, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
+    CHECK((tsys_cuda__flash_bwd_wg<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, (float *)sc.d, bh, n, scale, 0, 1)));
+    float *acc = (float *)sc.d + (bh * n + 3) / 4 * 4;
+    auto dqk = [&](bool pp) {
+        if (pp) CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true, 64, tsys_cuda__flash_ws_tiles<T, D>::DQ_CW, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0)));
+        else CHECK((tsys_cuda__flash_bwd_dq_ws<T, D, true, 64, tsys_cuda__flash_ws_tiles<T, D>::DQ_CW, false>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, bh, n, scale, 0)));
+    };
+    auto kvk = [&](bool pp) {
+        if (pp) CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, D, true, 64, 2, AREG, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0)));
+        else CHECK((tsys_cuda__flash_bwd_dkdv_ws<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0)));
+    };
+    auto fz = [&](bool pp) {
+        if (pp) CHECK((tsys_cuda__flash_bwd_fused_ws<T, D, true, 64, 2, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0, acc)));
+        else CHECK((tsys_cuda__flash_bwd_fused_ws<T, D, true>((T *)g.d, (T *)q.d, (T *)k.d, (T *)v.d, (float *)lse.d, (float *)sc.d, (T *)dq.d, (T *)dk.d, (T *)dv.d, bh, n, scale, 0, acc)));
+    };
+    for (int round = 0; round < 2; round++) {
+        const float kv0 = time_ms([&] { kvk(false); }, 3, 20), kv1 = time_ms([&] { kvk(true); }, 3, 20);
+        const float s00 = time_ms([&] { dqk(false); kvk(false); }, 3, 20), s11 = time_ms([&] { dqk(true); kvk(true); }, 3, 20);
+        const float s10 = time_ms([&] { dqk(true); kvk(false); }, 3, 20);
+        printf("  d=%d dK/dV %.3f, in turn %.3f | dQ + dK/dV %.3f, dQ in turn %.3f, both in turn %.3f", D, kv0, kv1, s00, s10, s11);
+        if constexpr (D == 128) {
+            const float f0 = time_ms([&] { fz(false); }, 3, 20), f1 = time_ms([&] { fz(true); }, 3, 20);
+            printf(" | fused %.3f, in turn %.3f", f0, f1);
+        }
+        printf(" ms\n");
+        fflush(stdout);
+    }
+}
+
 // The TF32 forward (fp32 inputs, d = 64) of the lab's implementation against the CPU reference and against the
 // mma.sync TF32 forward, with the scratch the entry points give it (shares, rounded K, V^T) poisoned first;
 // run twice for the same bytes. Then timed beside the mma.sync forward at batch 1 (the sweep's shape).
@@ -785,6 +834,38 @@ static void bench(int dt, long bh, long n, long d, bool causal) {
     const double f = 4.0 * bh * n * n * d / (causal ? 2 : 1);
     printf("  %-4s %-5s bh=%ld n=%ld d=%ld causal=%d: fwd %.3f ms (%.1f TFLOP/s)  bwd %.3f ms (%.1f)  fwd+bwd %.3f ms (%.1f)\n",
            dtype_name[dt], tsys_cuda_flash_impl_name(lab_impl), bh, n, d, causal, tf, f / tf / 1e9, tb, 2.5 * f / tb / 1e9, tfb, 3.5 * f / tfb / 1e9);
+    fflush(stdout);
+}
+
+// The d 64 leaderboard shape's forward + backward (the entry points' backward) with the forward's consumers in turn
+// (tsys_cuda__flash_ws_tiles::FWD_TURNS) and without, in alternation, then in runs of 30 (A B B A); the forwards
+// alone the same ways.
+static void run_lb_turns() {
+    typedef __nv_bfloat16 T;
+    const long bh = 16, n = 16384, d = 64;
+    const size_t N = bh * n * d, R = bh * n;
+    Buf q(1, N), k(1, N), v(1, N), g(1, N), o(1, N), dq(1, N), dk(1, N), dv(1, N), lse(0, R), scratch(0, lab_scratch(1, bh, n, d, true));
+    q.randomize(); k.randomize(); v.randomize(); g.randomize();
+    const float scale = 1.0f / sqrtf((float)d);
+    auto fwd = [&](bool turns) {
+        if (turns) CHECK((tsys_cuda__flash_fwd_ws<T, 64, true, 128, 3, true, true>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
+        else CHECK((tsys_cuda__flash_fwd_ws<T, 64, true, 128, 3, false, false>((T *)q.d, (T *)k.d, (T *)v.d, (T *)o.d, (float *)lse.d, bh, n, scale, 0)));
+    };
+    auto step = [&](bool turns) {
+        fwd(turns);
+        CHECK(tsys_cuda__flash_bwd(g.d, q.d, k.d, v.d, o.d, (float *)lse.d, dq.d, dk.d, dv.d, (float *)scratch.d, 1, bh, n, d, scale, true, lab_impl, 0));
+    };
+    printf("== bf16 d 64 16 x 16384 causal: the forward's consumers in turn / as before (ms)\n");
+    for (int round = 0; round < 2; round++) {
+        const auto f = time_ab([&] { fwd(true); }, [&] { fwd(false); }, 3, 30);
+        const auto t = time_ab([&] { step(true); }, [&] { step(false); }, 3, 30);
+        printf("  alternating: fwd %.3f / %.3f (%.3fx)  fwd + bwd %.3f / %.3f (%.3fx)\n", f.first, f.second, f.second / f.first, t.first, t.second,
+               t.second / t.first);
+        fflush(stdout);
+    }
+    const float a1 = time_ms([&] { step(true); }, 5, 30), b1 = time_ms([&] { step(false); }, 5, 30);
+    const float b2 = time_ms([&] { step(false); }, 5, 30), a2 = time_ms([&] { step(true); }, 5, 30);
+    printf("  runs of 30, fwd + bwd: in turn %.3f / %.3f  as before %.3f / %.3f\n", a1, a2, b1, b2);
     fflush(stdout);
 }
 
@@ -882,10 +963,18 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "wsdq") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dq: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "wsdq"))
         wsdq_variant<64, 128, 2>(16, 16384), wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384);
+    if (!strcmp(mode, "wsdqturns"))   // the consumers issuing S and dP in turn, against the kernels as they are
+        for (int round = 0; round < 2; round++)
+            wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<64, 64, 3, true>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384),
+                wsdq_variant<128, 64, 2, true>(16, 16384);
     if (!strcmp(mode, "wsfwd") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws fwd: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "wsfwd"))
         for (int round = 0; round < 3; round++)
             wsfwd_variant<128, 64, 3>(16, 16384), wsfwd_variant<128, 128, 2>(16, 16384), wsfwd_variant<64, 128, 3>(16, 16384);
+    if (!strcmp(mode, "wsfwdovl"))   // the softmax beside the previous tile's P V, in turn with the kernels as they are
+        for (int round = 0; round < 2; round++)
+            wsfwd_variant<64, 128, 3>(16, 16384), wsfwd_variant<64, 128, 2, true>(16, 16384), wsfwd_variant<64, 128, 2, true, true>(16, 16384),
+                wsfwd_variant<64, 128, 3, true, true>(16, 16384), wsfwd_variant<128, 128, 2>(16, 16384), wsfwd_variant<128, 128, 2, true, true>(16, 16384);
     if (!strcmp(mode, "wsdkdv") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dkdv: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "wsdkdv"))
         wsdkdv_variant<64, 64, 2>(16, 16384), wsdkdv_variant<128, 64, 2>(16, 16384);
@@ -896,6 +985,8 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "parts") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== parts: the warp-specialized kernels cannot run here\n");
     else if (!strcmp(mode, "parts")) run_parts();
     if (!strcmp(mode, "lbfused")) run_lb_fused();
+    if (!strcmp(mode, "lbturns")) run_lb_turns();
+    if (!strcmp(mode, "kvturns")) kv_turns<64>(), kv_turns<128>();
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);
