@@ -3068,6 +3068,15 @@ __device__ __forceinline__ void tsys_cuda__flash_named_sync(int id, int threads)
 __device__ __forceinline__ void tsys_cuda__flash_named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// CW consumer warpgroups issuing their wgmmas in turn, round robin (ON: else every call is a no-op): turn w is named
+// barrier 8 + w, met by consumer w (take) and the consumer before it (pass). open() before the loop lets consumer 0
+// go first; close() after it has consumer 0 meet the last consumer's last pass, so that every arrive is matched.
+template <int CW, bool ON> struct tsys_cuda__flash_turns {
+    static __device__ __forceinline__ void open(int wg) { if (ON && wg == CW - 1) tsys_cuda__flash_named_arrive(8, 256); }
+    static __device__ __forceinline__ void take(int wg) { if (ON) tsys_cuda__flash_named_sync(8 + wg, 256); }
+    static __device__ __forceinline__ void pass(int wg) { if (ON) tsys_cuda__flash_named_arrive(8 + (wg + 1) % CW, 256); }
+    static __device__ __forceinline__ void close(int wg) { if (ON && wg == 0) tsys_cuda__flash_named_sync(8, 256); }
+};
 
 // The consumer warpgroups' registers once the producer has given its own back (`setmaxnreg.dec` to 24): 240 each
 // with 2 consumers, 160 with 3 (the block's 64K registers).
@@ -3189,7 +3198,7 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_round_q(float *qs, int wg) {
 // CW consumer warpgroups: 3 (160 registers each), or 2 (240): TF32 at d 128 (three blocks of Q do not fit shared memory)
 // and 16-bit at d 128 (128-key tiles; faster than three consumers on 64-key tiles).
 // OVL: the softmax of tile j runs while tile j - 1's P V does (issued after tile j's S). PP (with OVL): the
-// consumers issue their tiles' wgmmas in turn (named barriers 8 + w), so that one's softmax runs while the next
+// consumers issue their tiles' wgmmas in turn (tsys_cuda__flash_turns), so that one's softmax runs while the next
 // one's matmuls do. Both: tsys_cuda__flash_ws_tiles::FWD_TURNS.
 template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3, bool OVL = false, bool PP = false>
 __global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK, CW_>::NT, 1)
@@ -3200,6 +3209,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW_> L;
     constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS_CUDA__FLASH_WG_STAGES;
     static_assert(OVL || !PP, "the consumers' turns (PP) come with the overlap (OVL)");
+    typedef tsys_cuda__flash_turns<CW, PP> turns;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
     T *ks = qs + BQ * D;        // [ST][BK * D]
@@ -3265,13 +3275,13 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         tsys_cuda__flash_mbar_wait(full + s, (i / ST) & 1);
         const T *kt = ks + s * BK * D;
         float sc[BK / 8][4];
-        if constexpr (PP) tsys_cuda__flash_named_sync(8 + wg, 256);   // this consumer's turn to issue
+        turns::take(wg);
         tsys_cuda__flash_wg_fence();
         tsys_cuda__flash_wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);
         tsys_cuda__flash_wg_commit();
         if (i > 0) tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vs + ((i - 1) % ST) * BK * D);
         tsys_cuda__flash_wg_commit();
-        if constexpr (PP) tsys_cuda__flash_named_arrive(8 + (wg + 1) % CW, 256);   // the next consumer's turn
+        turns::pass(wg);
         tsys_cuda__flash_wg_wait<1>();   // S of this tile
         tsys_cuda__flash_wg_fence_acc<BK>(sc);
         float alpha[2];
@@ -3286,10 +3296,10 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         tsys_cuda__flash_wg_pack<T, BK>(pa, sc);
     };
     if constexpr (OVL) {
-        if (PP && wg == CW - 1) tsys_cuda__flash_named_arrive(8, 256);   // consumer 0 issues first
+        turns::open(wg);
         for (int j = j0; j < min(nfull, nkt); j++) tile_ovl(j, std::false_type());
         for (int j = max(j0, nfull); j < nkt; j++) tile_ovl(j, std::true_type());
-        if (PP && wg == 0) tsys_cuda__flash_named_sync(8, 256);   // the last consumer's last turn, so that every arrive is met
+        turns::close(wg);
         if (nkt > j0) {
             tsys_cuda__flash_wg_fence();
             tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vs + ((nkt - 1 - j0) % ST) * BK * D);
@@ -3317,7 +3327,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
 // accumulate dQ = scale * dS K, keeping each tile's dS K wgmma in flight until the next tile's S is done.
 // Split (nsplit > 1, one slice: b0 = 0): gridDim.y = bh x nsplit (tsys_cuda__flash_block_of); the block runs its share of
 // the key tiles and leaves its unscaled fp32 sums in part ([share][bh][n][D]) for tsys_cuda__flash_split_sum.
-// PP: the consumers issue each tile's S and dP wgmmas in turn (named barriers 8 + w), as the forward's FWD_TURNS
+// PP: the consumers issue each tile's S and dP wgmmas in turn (tsys_cuda__flash_turns), as the forward's FWD_TURNS
 // (tsys_cuda__flash_ws_tiles::DQ_TURNS).
 template <typename T, int D, int BK, int CW, bool CAUSAL, bool PP = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
@@ -3328,6 +3338,7 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     constexpr int BQ = L::BQ, ST = TSYS_CUDA__FLASH_WG_STAGES;
+    typedef tsys_cuda__flash_turns<CW, PP> turns;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
     T *gs = qs + BQ * D;
@@ -3375,13 +3386,13 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
         tsys_cuda__flash_mbar_wait(full + s, (i / ST) & 1);
         const T *kt = ks + s * BK * D, *vt = vs + s * BK * D;
         float sc[BK / 8][4], dp[BK / 8][4];
-        if constexpr (PP) tsys_cuda__flash_named_sync(8 + wg, 256);   // this consumer's turn to issue
+        turns::take(wg);
         tsys_cuda__flash_wg_fence();
         tsys_cuda__flash_wg_ss<T, BK, BQ, D>(sc, qs, wg * 64, kt);    // S = Q K^T
         tsys_cuda__flash_wg_commit();
         tsys_cuda__flash_wg_ss<T, BK, BQ, D>(dp, gs, wg * 64, vt);    // dP = dO V^T
         tsys_cuda__flash_wg_commit();
-        if constexpr (PP) tsys_cuda__flash_named_arrive(8 + (wg + 1) % CW, 256);   // the next consumer's turn
+        turns::pass(wg);
         tsys_cuda__flash_wg_wait<1>();   // the previous dS K, and S
         tsys_cuda__flash_wg_fence_acc<BK>(sc);
         if (i > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (i - 1) % ST);   // this warp is done with tile j - 1
@@ -3391,10 +3402,10 @@ tsys_cuda__flash_bwd_dq_ws_kernel(const __grid_constant__ CUtensorMap tq, const 
         tsys_cuda__flash_wg_rs<T, D, BK>(dqa, dsa, kt);               // dQ += dS K, waited for in the next tile
         tsys_cuda__flash_wg_commit();
     };
-    if (PP && wg == CW - 1) tsys_cuda__flash_named_arrive(8, 256);   // consumer 0 issues first
+    turns::open(wg);
     for (int j = j0; j < min(nfull, nkt); j++) tile(j, std::false_type());
     for (int j = max(j0, nfull); j < nkt; j++) tile(j, std::true_type());
-    if (PP && wg == 0) tsys_cuda__flash_named_sync(8, 256);   // the last consumer's last turn, so that every arrive is met
+    turns::close(wg);
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(dqa);
     if (part) {   // split: this share's sums, unscaled ([share][bh][n][D]; one slice, so gridDim.y / nsplit = bh)
@@ -3571,7 +3582,7 @@ __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqs
 // longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
 // later slices start their blocks one by one). nsplit must be 1.
 // AREG: each consumer keeps its 64 rows of K and V in registers (16-bit, d 64) and issues S^T and dP^T as RS wgmmas.
-// PP: the consumers issue each tile's S^T and dP^T wgmmas in turn (named barriers 8 + w), as the forward's FWD_TURNS
+// PP: the consumers issue each tile's S^T and dP^T wgmmas in turn (tsys_cuda__flash_turns), as the forward's FWD_TURNS
 // (a lab variant: slower in both the 4-matmul and the fused kernel, perf notes v17).
 template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false, bool AREG = false, bool PP = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
@@ -3583,6 +3594,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, FUSED> L;
     constexpr int BKV = L::BKV, ST = L::ST, SLOTS = L::SLOTS;
+    typedef tsys_cuda__flash_turns<CW, PP> turns;
     static_assert(!FUSED || (BQ == 64 && CW == 2), "the fused dQ: dS^T as one 64-column swizzled tile, two consumers");
     static_assert(!L::DQCOL || L::DQN == 64, "the fused dQ by columns: one 64-column block of K a consumer");
     static_assert(!AREG || (sizeof(T) == 2 && D == 64 && !FUSED), "K and V in registers: 16-bit, d 64, the 4-matmul kernel");
@@ -3674,7 +3686,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_load_a<BKV, D>(vr, vs, wg * 64);
     }
 
-    if (PP && wg == CW - 1) tsys_cuda__flash_named_arrive(8, 256);   // consumer 0 issues first
+    turns::open(wg);
     tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
         const int j = it - it0, s = j % ST, q0 = it * BQ;
@@ -3682,11 +3694,11 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         const T *qt = qs + s * BQ * D, *gt = gs + s * BQ * D;
         const float *lt = ls + s * BQ, *dt = ds + s * BQ;
         float st[BQ / 8][4], dpt[BQ / 8][4];
-        if constexpr (PP) tsys_cuda__flash_named_sync(8 + wg, 256);   // this consumer's turn to issue
+        turns::take(wg);
         if constexpr (AREG) tsys_cuda__flash_wg_kv_scores_r<T, D, BQ>(st, dpt, kr, vr, qt, gt);
         else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, tsys_cuda__flash_fresh<FUSED>(ks, it), tsys_cuda__flash_fresh<FUSED>(vs, it),
                                                           wg, qt, gt);
-        if constexpr (PP) tsys_cuda__flash_named_arrive(8 + (wg + 1) % CW, 256);   // the next consumer's turn
+        turns::pass(wg);
         tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
         if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
@@ -3726,7 +3738,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
             tsys_cuda__flash_wg_commit();
         }
     });
-    if (PP && wg == 0) tsys_cuda__flash_named_sync(8, 256);   // the last consumer's last turn, so that every arrive is met
+    turns::close(wg);
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(dka);
     tsys_cuda__flash_wg_fence_acc<D>(dva);
