@@ -2,7 +2,7 @@
 // tiled CPU reference (tsys.h), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsfwd|wsdq|wsdkdv|fused|areg|parts|lb|lbfused|lbturns] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|variants|tf32variants|tf32fwd|pad|wgvariants|wsfwd|wsfwdovl|wsdq|wsdqturns|wsdkdv|kvturns|fused|areg|parts|lb|lbfused|lbturns] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_flash_impl,
 //   set on a tsys context: asking for one this binary or device cannot run is an error). Without it, `test`
@@ -509,7 +509,7 @@ template <int D, int BK, int CW, bool OVL = false, bool PP = false> static void 
     typedef __nv_bfloat16 T;
     const float scale = 1.0f / sqrtf((float)D);
     char name[64];
-    snprintf(name, sizeof name, "ws fwd BK=%d CW=%d%s%s", BK, CW, OVL ? " overlap" : "", PP ? " pingpong" : "");
+    snprintf(name, sizeof name, "ws fwd BK=%d CW=%d%s%s", BK, CW, OVL ? " overlap" : "", PP ? " turns" : "");
     Buf lse2(0, lab_check_bh * lab_check_n);   // O goes to dq2 (NaN-poisoned), lse here
     auto launch = [&](bool causal, LabProblem &p) {
         lse2.poison();
@@ -934,6 +934,14 @@ static void run_perf() {
     bench(0, 16, 2048, 64, true);     // fp32 SIMT path, for the record
 }
 
+// True when `mode` is `name` and the warp-specialized kernels can run here; says why not when they cannot.
+static bool ws_mode(const char *mode, const char *name) {
+    if (strcmp(mode, name)) return false;
+    if (tsys_cuda__get(lab_ctx)->flash_ws_ok) return true;
+    printf("== %s: the warp-specialized kernels cannot run here\n", name);
+    return false;
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "all", *impl_arg = argc > 2 ? argv[2] : NULL;
     tsys_cuda_desc cd;
@@ -960,33 +968,27 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "pad")) run_pad();
     if (!strcmp(mode, "wgvariants")) run_wgvariants();
     if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
-    if (!strcmp(mode, "wsdq") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dq: the warp-specialized kernels cannot run here\n");
-    else if (!strcmp(mode, "wsdq"))
+    if (ws_mode(mode, "wsdq"))
         wsdq_variant<64, 128, 2>(16, 16384), wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384);
-    if (!strcmp(mode, "wsdqturns"))   // the consumers issuing S and dP in turn, against the kernels as they are
+    if (ws_mode(mode, "wsdqturns"))   // the consumers issuing S and dP in turn, against the kernels as they are
         for (int round = 0; round < 2; round++)
             wsdq_variant<64, 64, 3>(16, 16384), wsdq_variant<64, 64, 3, true>(16, 16384), wsdq_variant<128, 64, 2>(16, 16384),
                 wsdq_variant<128, 64, 2, true>(16, 16384);
-    if (!strcmp(mode, "wsfwd") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws fwd: the warp-specialized kernels cannot run here\n");
-    else if (!strcmp(mode, "wsfwd"))
+    if (ws_mode(mode, "wsfwd"))
         for (int round = 0; round < 3; round++)
             wsfwd_variant<128, 64, 3>(16, 16384), wsfwd_variant<128, 128, 2>(16, 16384), wsfwd_variant<64, 128, 3>(16, 16384);
-    if (!strcmp(mode, "wsfwdovl"))   // the softmax beside the previous tile's P V, in turn with the kernels as they are
+    if (ws_mode(mode, "wsfwdovl"))   // the softmax beside the previous tile's P V, in turn with the kernels as they are
         for (int round = 0; round < 2; round++)
             wsfwd_variant<64, 128, 3>(16, 16384), wsfwd_variant<64, 128, 2, true>(16, 16384), wsfwd_variant<64, 128, 2, true, true>(16, 16384),
                 wsfwd_variant<64, 128, 3, true, true>(16, 16384), wsfwd_variant<128, 128, 2>(16, 16384), wsfwd_variant<128, 128, 2, true, true>(16, 16384);
-    if (!strcmp(mode, "wsdkdv") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== ws dkdv: the warp-specialized kernels cannot run here\n");
-    else if (!strcmp(mode, "wsdkdv"))
+    if (ws_mode(mode, "wsdkdv"))
         wsdkdv_variant<64, 64, 2>(16, 16384), wsdkdv_variant<128, 64, 2>(16, 16384);
-    if (!strcmp(mode, "fused") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== fused: the warp-specialized kernels cannot run here\n");
-    else if (!strcmp(mode, "fused")) fused_variant<64>(16, 16384), fused_variant<128>(16, 16384);
-    if (!strcmp(mode, "areg") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== areg: the warp-specialized kernels cannot run here\n");
-    else if (!strcmp(mode, "areg")) run_areg();
-    if (!strcmp(mode, "parts") && !tsys_cuda__get(lab_ctx)->flash_ws_ok) printf("== parts: the warp-specialized kernels cannot run here\n");
-    else if (!strcmp(mode, "parts")) run_parts();
-    if (!strcmp(mode, "lbfused")) run_lb_fused();
-    if (!strcmp(mode, "lbturns")) run_lb_turns();
-    if (!strcmp(mode, "kvturns")) kv_turns<64>(), kv_turns<128>();
+    if (ws_mode(mode, "fused")) fused_variant<64>(16, 16384), fused_variant<128>(16, 16384);
+    if (ws_mode(mode, "areg")) run_areg();
+    if (ws_mode(mode, "parts")) run_parts();
+    if (ws_mode(mode, "lbfused")) run_lb_fused();
+    if (ws_mode(mode, "lbturns")) run_lb_turns();
+    if (ws_mode(mode, "kvturns")) kv_turns<64>(), kv_turns<128>();
     if (!strcmp(mode, "lb")) bench(1, 16, 16384, 64, true), bench(1, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);
