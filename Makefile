@@ -59,7 +59,7 @@ FUZZERS = $(FUZZ)/fuzz_safetensors $(FUZZ)/fuzz_flags
 # Everything run-tests runs; each prints "N passed, N failed" last.
 ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ)/run_fuzzers)
 
-.PHONY: header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
+.PHONY: tsan header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 # No intermediate file is deleted after a build (the CUDA objects of a chain, which make would
 # otherwise remove after the test summary, and which a rebuild needs).
@@ -207,8 +207,19 @@ dist-header-check: | $(BUILD)
 	$(CC) $(CPPFLAGS) -std=c11 -fopenmp -D_GNU_SOURCE -Wall -Wextra -Wpedantic -Werror -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check.o
 	$(if $(HAVE_MPI),$(CC) $(CPPFLAGS) -std=c11 -fopenmp -D_GNU_SOURCE -Wall -Wextra -Wpedantic -Werror -DTSYS_DIST_MPI $(MPI_COMPILE) -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check_mpi.o)
 	$(CXX) $(CPPFLAGS) -x c++ -std=c++17 -fopenmp -Wall -Wextra -Werror $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE)) -c $(BUILD)/dist_header_check.c -o $(BUILD)/dist_header_check_cxx.o
-run-tests: dist-header-check $(DIST_TESTS)
+# The same tests under ThreadSanitizer (the worker thread that runs asynchronous host collectives
+# beside the caller's: tests/tsan.supp lists what is suppressed inside Open MPI, nothing of ours).
+TSAN = $(BUILD)/tsan
+TSAN_FLAGS = -O1 -g -fsanitize=thread -fno-omit-frame-pointer
+DIST_TSAN_TESTS = $(DIST_TESTS:$(BUILD)/%=$(TSAN)/%)
+$(DIST_TSAN_TESTS): $(TSAN)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(TSAN)
+	$(CC) $(CPPFLAGS) $(TSAN_FLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
+$(TSAN):
+	mkdir -p $@
+tsan: $(DIST_TSAN_TESTS)
+run-tests: dist-header-check $(DIST_TESTS) $(DIST_TSAN_TESTS)
 run-tests: export TSYS_DIST_TESTS = $(DIST_TESTS)
+run-tests: export TSYS_DIST_TSAN_TESTS = $(DIST_TSAN_TESTS)
 run-tests: export BUILD := $(BUILD)
 
 # CUDA: NCCL for CUDA tensors, MPI for the rest; linked against the one compiled implementation.

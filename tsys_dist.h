@@ -519,6 +519,8 @@ typedef struct tsys_dist__coll {
     void *in, *out;     // all_reduce and broadcast work in place on out
     int64_t seq;        // collectives issued on the group before this one
     bool check_only;    // only the agreement on the descriptor (before an NCCL collective)
+    bool check;         // MPI: agree on the descriptor before the data. Decided when the collective is
+                        // queued, never read later from the group: the ranks must post the same MPI calls
 } tsys_dist__coll;
 
 typedef struct tsys_dist__err { tsys_status status; char msg[384]; } tsys_dist__err;
@@ -570,7 +572,9 @@ struct tsys_dist {
     int broken;                   // a peer died, stalled or an engine failed: every later call fails
     char broken_msg[384];
     bool cuda;
-    bool check_all, check_none;
+    bool check_all, check_none;   // TSYS_DIST_CHECK=1 / =0: fixed at init
+    int trusted;                  // > 0 while an agreed layout issues its collectives (tsys__dist_trust);
+                                  // only the issuing thread reads it, when it queues a collective
     char hostname[64];
     // TCP: a star around rank 0 (rank 0 holds fds[1..size-1], the others fds[0])
     int *fds;
@@ -588,8 +592,7 @@ struct tsys_dist {
     tsys_dist_work *q_head, *q_tail;
 #ifdef TSYS_DIST_MPI
     MPI_Comm comm;
-    bool have_comm, mpi_owner, mpi_multiple, mpi_ops;
-    MPI_Op op16[2][2];            // [bf16, fp16][sum, max]
+    bool have_comm, mpi_owner, mpi_multiple;
 #endif
     bool group_open;              // between tsys_dist_group_begin and _end
 #ifdef TSYS_DIST_NCCL
@@ -651,6 +654,14 @@ static void tsys_dist__desc_of(const tsys_dist__coll *c, int64_t *desc) {
     desc[5] = c->kind == TSYS_DIST__BARRIER ? 0 : c->count;
     desc[6] = desc[7] = 0;
 }
+// Whether a collective of this many bytes first checks that every rank issued the same one: always
+// under TSYS_DIST_CHECK=1 (and in debug builds), never under =0 or for an agreed layout's collectives
+// (tsys__dist_trust), else from `from` bytes. Called when the collective is queued.
+static bool tsys_dist__wants_check(const tsys_dist *d, int64_t bytes, int64_t from) {
+    if (d->check_none || d->trusted > 0) return false;
+    return d->check_all || bytes >= from;
+}
+
 // Compares this rank's descriptor with rank r's; on a difference writes the error naming both.
 static bool tsys_dist__desc_agree(tsys_dist *d, const int64_t *mine, const int64_t *other, int r, tsys_dist__err *e) {
     if (!memcmp(mine, other, 6 * sizeof(int64_t))) return true;
@@ -1131,19 +1142,6 @@ static void tsys_dist__reduce(int type, int op, void *dst1, void *dst2, const vo
     }
 }
 
-// AVG after a summing engine (MPI): x /= size, in place.
-#ifdef TSYS_DIST_MPI
-static void tsys_dist__scale_avg(int type, void *p, int64_t n, int size) {
-    for (int64_t i0 = 0; i0 < n; i0 += TSYS_DIST__BLK) {
-        int m = (int)(n - i0 < TSYS_DIST__BLK ? n - i0 : TSYS_DIST__BLK);
-        if (type == TSYS_DIST__F64) { for (int j = 0; j < m; j++) ((double *)p)[i0 + j] /= size; continue; }
-        float acc[TSYS_DIST__BLK];
-        tsys_dist__load_f(type, p, i0, m, acc, TSYS_DIST_SUM, true);
-        for (int j = 0; j < m; j++) acc[j] /= (float)size;
-        tsys_dist__store_f(type, p, i0, m, acc);
-    }
-}
-#endif
 
 // ---- shared memory (every rank on this host) ---------------------------------------------------
 // Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
@@ -1327,7 +1325,7 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
 
 // ---- MPI -----------------------------------------------------------------------------------------
 // Every call is non-blocking and its wait polls MPI_Test against the group's timeout (a blocking
-// MPI call cannot time out). bf16/fp16 reduce through user-defined ops that add in fp32.
+// MPI call cannot time out). Reductions happen here, in rank order (tsys_dist__mpi_allreduce).
 #ifdef TSYS_DIST_MPI
 static bool tsys_dist__mpi_ok(tsys_dist *d, int rc, const char *what, const tsys_dist__coll *c, tsys_dist__err *e) {
     if (rc == MPI_SUCCESS) return true;
@@ -1369,17 +1367,6 @@ static bool tsys_dist__mpi_wait(tsys_dist *d, MPI_Request *req, const char *what
     }
 }
 
-static void tsys_dist__mpi_op16(void *in, void *inout, int *len, MPI_Datatype *dt, int type, int max) {
-    (void)dt;
-    const void *src[2];
-    src[0] = inout; src[1] = in;
-    tsys_dist__reduce(type, max ? TSYS_DIST_MAX : TSYS_DIST_SUM, inout, NULL, src, 2, *len);
-}
-static void tsys_dist__mpi_sum_bf16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_BF16, 0); }
-static void tsys_dist__mpi_max_bf16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_BF16, 1); }
-static void tsys_dist__mpi_sum_f16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_F16, 0); }
-static void tsys_dist__mpi_max_f16(void *in, void *io, int *n, MPI_Datatype *dt) { tsys_dist__mpi_op16(in, io, n, dt, TSYS_F16, 1); }
-
 static MPI_Datatype tsys_dist__mpi_type(int t) {
     switch (t) {
     case TSYS_F32: return MPI_FLOAT;
@@ -1390,16 +1377,83 @@ static MPI_Datatype tsys_dist__mpi_type(int t) {
     default: return MPI_BYTE;
     }
 }
-static MPI_Op tsys_dist__mpi_op(tsys_dist *d, int t, int op) {
-    if (t == TSYS_BF16 || t == TSYS_F16) return d->op16[t == TSYS_F16][op == TSYS_DIST_MAX];
-    return op == TSYS_DIST_MAX ? MPI_MAX : MPI_SUM;
+// All-reduce and reduce-scatter run as an all-to-all (each rank receives its part of the data from
+// every rank), a reduction in rank order on the receiving rank and, for all-reduce, an all-gather of
+// the reduced parts: the bytes of a ring, and the sums in the order the shared-memory and TCP paths
+// use, so every host engine gives the same bits (MPI's own reductions choose their order by size and
+// rank count). Pieces of TSYS_DIST__MPI_PIECE bytes bound the scratch and keep MPI's counts ints.
+#define TSYS_DIST__MPI_PIECE ((size_t)16 << 20)
+
+static bool tsys_dist__mpi_run(tsys_dist *d, int rc, const char *what, MPI_Request *req, const tsys_dist__coll *c, tsys_dist__err *e) {
+    return tsys_dist__mpi_ok(d, rc, what, c, e) && tsys_dist__mpi_wait(d, req, what, c, e);
+}
+
+// The part [*off, *off + return) of a piece of len elements that rank r reduces.
+static int tsys_dist__mpi_part(int64_t len, int size, int r, int *off) {
+    const int64_t q = (len + size - 1) / size, a = (int64_t)r * q < len ? (int64_t)r * q : len, b = a + q < len ? a + q : len;
+    *off = (int)a;
+    return (int)(b - a);
+}
+
+static bool tsys_dist__mpi_allreduce(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    const int n = d->size, me = d->rank;
+    const size_t es = tsys_dist__tsize(c->type);
+    const MPI_Datatype dt = tsys_dist__mpi_type(c->type);
+    const int64_t per = (int64_t)(TSYS_DIST__MPI_PIECE / es);
+    char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__MPI_PIECE + (size_t)n * es);   // n parts of ceil(piece / n)
+    int *cnt = (int *)TSYS_MALLOC(sizeof(int) * 4 * (size_t)n);
+    const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+    bool ok = scratch && cnt && srcs;
+    if (!ok) tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce #%lld: out of host memory for %zu bytes of scratch", (long long)c->seq, TSYS_DIST__MPI_PIECE);
+    int *dsp = cnt + n, *rcnt = cnt + 2 * n, *rdsp = cnt + 3 * n;
+    MPI_Request req;
+    for (int64_t off = 0; ok && off < c->count; off += per) {
+        const int64_t len = c->count - off < per ? c->count - off : per;
+        char *p = (char *)c->out + (size_t)off * es;
+        for (int r = 0; r < n; r++) cnt[r] = tsys_dist__mpi_part(len, n, r, &dsp[r]);
+        for (int r = 0; r < n; r++) { rcnt[r] = cnt[me]; rdsp[r] = r * cnt[me]; srcs[r] = scratch + (size_t)rdsp[r] * es; }
+        ok = tsys_dist__mpi_run(d, MPI_Ialltoallv(p, cnt, dsp, dt, scratch, rcnt, rdsp, dt, d->comm, &req), "MPI_Ialltoallv", &req, c, e);
+        if (ok) tsys_dist__reduce(c->type, c->op, p + (size_t)dsp[me] * es, NULL, srcs, n, cnt[me]);
+        ok = ok && tsys_dist__mpi_run(d, MPI_Iallgatherv(MPI_IN_PLACE, 0, dt, p, cnt, dsp, dt, d->comm, &req), "MPI_Iallgatherv", &req, c, e);
+    }
+    TSYS_FREE(scratch); TSYS_FREE(cnt); TSYS_FREE((void *)srcs);
+    return ok;
+}
+
+static bool tsys_dist__mpi_reduce_scatter(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    const int n = d->size;
+    const size_t es = tsys_dist__tsize(c->type), ob = (size_t)c->count * es;
+    const MPI_Datatype dt = tsys_dist__mpi_type(c->type);
+    const int64_t per = (int64_t)(TSYS_DIST__MPI_PIECE / es / (size_t)n);   // elements of each rank's block per round
+    const char *in = (const char *)c->in;
+    char *out = (char *)c->out;
+    // out inside in (in place, as ZeRO may do it): reduced into a copy, so no unread input is overwritten
+    const bool overlap = out < in + (size_t)n * ob && in < out + ob;
+    char *dst = overlap ? (char *)TSYS_MALLOC(ob ? ob : 1) : out;
+    char *pack = (char *)TSYS_MALLOC(2 * TSYS_DIST__MPI_PIECE), *scratch = pack ? pack + TSYS_DIST__MPI_PIECE : NULL;
+    const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+    bool ok = dst && pack && srcs;
+    if (!ok) tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter #%lld: out of host memory for its scratch", (long long)c->seq);
+    MPI_Request req;
+    for (int64_t off = 0; ok && off < c->count; off += per) {
+        const int64_t len = c->count - off < per ? c->count - off : per;
+        for (int r = 0; r < n; r++) {
+            memcpy(pack + (size_t)r * (size_t)len * es, in + ((size_t)r * (size_t)c->count + (size_t)off) * es, (size_t)len * es);
+            srcs[r] = scratch + (size_t)r * (size_t)len * es;
+        }
+        ok = tsys_dist__mpi_run(d, MPI_Ialltoall(pack, (int)len, dt, scratch, (int)len, dt, d->comm, &req), "MPI_Ialltoall", &req, c, e);
+        if (ok) tsys_dist__reduce(c->type, c->op, dst + (size_t)off * es, NULL, srcs, n, len);
+    }
+    if (ok && overlap) memcpy(out, dst, ob);
+    if (overlap) TSYS_FREE(dst);
+    TSYS_FREE(pack); TSYS_FREE((void *)srcs);
+    return ok;
 }
 
 static bool tsys_dist__mpi_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
     const size_t es = tsys_dist__tsize(c->type);
-    const int64_t bytes = c->count * (int64_t)es * (c->kind == TSYS_DIST__RS || c->kind == TSYS_DIST__AG ? d->size : 1);
     MPI_Request req;
-    if (!d->check_none && (c->check_only || d->check_all || bytes >= TSYS_DIST__CHECK_BYTES)) {
+    if (c->check_only || c->check) {
         // everyone's descriptor to everyone: a mismatch names the ranks (MPI would hang or truncate)
         int64_t mine[8];
         tsys_dist__desc_of(c, mine);
@@ -1413,37 +1467,18 @@ static bool tsys_dist__mpi_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
     }
     if (c->check_only) return true;
     MPI_Datatype dt = tsys_dist__mpi_type(c->type);
-    MPI_Op mop = tsys_dist__mpi_op(d, c->type, c->op);
     char *in = (char *)c->in, *out = (char *)c->out;
     const int64_t max_count = (int64_t)1 << 30;   // MPI counts are ints: long buffers go in pieces
     switch (c->kind) {
-    case TSYS_DIST__ALLREDUCE:
+    case TSYS_DIST__ALLREDUCE: return tsys_dist__mpi_allreduce(d, c, e);
+    case TSYS_DIST__RS: return tsys_dist__mpi_reduce_scatter(d, c, e);
     case TSYS_DIST__BCAST:
         for (int64_t off = 0; off < c->count || (off == 0 && c->count == 0); off += max_count) {
             int cnt = (int)(c->count - off < max_count ? c->count - off : max_count);
-            int rc = c->kind == TSYS_DIST__ALLREDUCE ? MPI_Iallreduce(MPI_IN_PLACE, out + (size_t)off * es, cnt, dt, mop, d->comm, &req)
-                                                      : MPI_Ibcast(out + (size_t)off * es, cnt, dt, c->root, d->comm, &req);
-            const char *what = c->kind == TSYS_DIST__ALLREDUCE ? "MPI_Iallreduce" : "MPI_Ibcast";
-            if (!tsys_dist__mpi_ok(d, rc, what, c, e) || !tsys_dist__mpi_wait(d, &req, what, c, e)) return false;
+            if (!tsys_dist__mpi_run(d, MPI_Ibcast(out + (size_t)off * es, cnt, dt, c->root, d->comm, &req), "MPI_Ibcast", &req, c, e)) return false;
             if (c->count == 0) break;
         }
-        if (c->kind == TSYS_DIST__ALLREDUCE && c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
         return true;
-    case TSYS_DIST__RS:
-        if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "reduce_scatter: %lld elements per rank is more than one MPI call takes", (long long)c->count);
-    {
-        // MPI forbids overlapping buffers: out inside in (in-place, as ZeRO may do it) goes through a copy
-        size_t ob = (size_t)c->count * es;
-        bool overlap = out < in + (size_t)d->size * ob && in < out + ob;
-        char *dst = overlap ? (char *)TSYS_MALLOC(ob ? ob : 1) : out;
-        if (!dst) return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory");
-        bool ok = tsys_dist__mpi_ok(d, MPI_Ireduce_scatter_block(in, dst, (int)c->count, dt, mop, d->comm, &req), "MPI_Ireduce_scatter_block", c, e) &&
-                  tsys_dist__mpi_wait(d, &req, "MPI_Ireduce_scatter_block", c, e);
-        if (ok && overlap) memcpy(out, dst, ob);
-        if (overlap) TSYS_FREE(dst);
-        if (ok && c->op == TSYS_DIST_AVG) tsys_dist__scale_avg(c->type, out, c->count, d->size);
-        return ok;
-    }
     case TSYS_DIST__AG: {
         if (c->count > INT32_MAX) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "all_gather: %lld elements per rank is more than one MPI call takes", (long long)c->count);
         const void *send = in == out + (size_t)d->rank * (size_t)c->count * es ? MPI_IN_PLACE : (const void *)in;
@@ -1616,12 +1651,14 @@ static bool tsys_dist__setup_bcast(tsys_dist *d, void *buf, int64_t bytes, int r
     tsys_dist__coll c;
     memset(&c, 0, sizeof c);
     c.kind = TSYS_DIST__BCAST; c.type = TSYS_DIST__U8; c.root = root; c.count = bytes; c.in = c.out = buf; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, bytes, TSYS_DIST__CHECK_BYTES);
     return tsys_dist__host_exec(d, &c, e);
 }
 static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int op, tsys_dist__err *e) {
     tsys_dist__coll c;
     memset(&c, 0, sizeof c);
     c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_I32; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, (int64_t)n * 4, TSYS_DIST__CHECK_BYTES);
     return tsys_dist__host_exec(d, &c, e);
 }
 
@@ -1713,11 +1750,6 @@ static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
     MPI_Comm_free(&local);
     if (!ok) return false;
     d->one_host = d->local_size == d->size;
-    MPI_User_function *fns[2][2] = { { tsys_dist__mpi_sum_bf16, tsys_dist__mpi_max_bf16 }, { tsys_dist__mpi_sum_f16, tsys_dist__mpi_max_f16 } };
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++)
-            if (!tsys_dist__mpi_ok(d, MPI_Op_create(fns[i][j], 1, &d->op16[i][j]), "MPI_Op_create", NULL, e)) return false;
-    d->mpi_ops = true;
     d->host = TSYS_DIST__HOST_MPI;
     return true;
 }
@@ -1969,13 +2001,12 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
     // A broken group leaves MPI alone: a posted request may never finish, so MPI_Finalize could hang.
     // The program is expected to exit with an error, which ends the job.
     if (!broken) {
-        if (d->mpi_ops) for (int i = 0; i < 2; i++) for (int j = 0; j < 2; j++) MPI_Op_free(&d->op16[i][j]);
         if (d->have_comm) MPI_Comm_free(&d->comm);
         int fin = 0;
         MPI_Finalized(&fin);
         if (finalize && d->mpi_owner && !fin) MPI_Finalize();
     }
-    d->have_comm = false; d->mpi_ops = false;
+    d->have_comm = false;
 #endif
 }
 
@@ -2312,12 +2343,13 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
     c->in = tsys_tensor_data(in); c->out = tsys_tensor_data(out);
     c->seq = d->seq++;
     const size_t es = tsys_dtype_size(out->dtype);
+    c->check = tsys_dist__wants_check(d, (int64_t)(nout > nin ? nout : nin) * (int64_t)es, TSYS_DIST__CHECK_BYTES);
 
 #ifdef TSYS_DIST_NCCL
     if (out->device == TSYS_CUDA && d->nccl) {
         if (!tsys_dist__window_ok(d, fn, in, out, c->count * (int64_t)es)) { tsys_dist__work_free(w); return NULL; }
         // sizes and dtypes agree? (host round trip; not while replaying a graph: checked at capture)
-        if (d->size > 1 && !d->check_none && (d->check_all || (int64_t)(nout > nin ? nout : nin) * (int64_t)es >= TSYS_DIST__NCCL_CHECK_BYTES)) {
+        if (d->size > 1 && tsys_dist__wants_check(d, (int64_t)(nout > nin ? nout : nin) * (int64_t)es, TSYS_DIST__NCCL_CHECK_BYTES)) {
             tsys_dist__coll chk = *c;
             chk.check_only = true;
             tsys_dist__drain(d);
@@ -2527,6 +2559,7 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
     tsys_dist__coll c;
     memset(&c, 0, sizeof c);
     c.kind = TSYS_DIST__BARRIER; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, 0, TSYS_DIST__CHECK_BYTES);
     tsys_dist__drain(d);
     if (!tsys_dist__host_exec(d, &c, &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
     return TSYS_OK;
@@ -2541,6 +2574,7 @@ TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, ts
     memset(&c, 0, sizeof c);
     memset(&e, 0, sizeof e);
     c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_DIST__F64; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, (int64_t)n * 8, TSYS_DIST__CHECK_BYTES);
     tsys_dist__drain(d);
     if (!tsys_dist__host_exec(d, &c, &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
     return TSYS_OK;
@@ -2622,8 +2656,11 @@ static tsys_status tsys__dist_agree_layout(tsys_dist *d, uint64_t hash, const ch
         st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_INVALID_ARGS, "%s: the ranks have different layouts (were they given the same parameters?)", what);
     return st;
 }
-// Runs collectives of an agreed layout without the per-call check; returns what to restore.
-static bool tsys__dist_trust(tsys_dist *d, bool on) { bool was = d->check_none; if (on) d->check_none = true; return was; }
+// Collectives issued between tsys__dist_trust(d, true) and tsys__dist_untrust belong to an agreed
+// layout and skip the per-call check. Each collective records the decision when it is queued, so
+// a worker thread running it later never sees this change.
+static bool tsys__dist_trust(tsys_dist *d, bool on) { if (on) d->trusted++; return on; }
+static void tsys__dist_untrust(tsys_dist *d, bool was_on) { if (was_on) d->trusted--; }
 
 typedef struct tsys__ddp_bucket {
     int first, count;            // trainable parameters tp[first .. first + count)
@@ -2721,9 +2758,9 @@ static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
         if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
     }
     if (b->wire && (st = tsys__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
-    bool was = tsys__dist_trust(ddp->d, ddp->layout_agreed);
+    bool trusting = tsys__dist_trust(ddp->d, ddp->layout_agreed);
     b->work = tsys_dist_all_reduce_async(ddp->d, b->wire ? b->wire : b->flat, TSYS_DIST_AVG);
-    ddp->d->check_none = was;
+    tsys__dist_untrust(ddp->d, trusting);
     if (!b->work) return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
     if (side) {   // widen right behind the collective on the side stream; tsys__ddp_wait waits for it
         if ((st = tsys__ddp_cast(ddp, b->flat, b->wire, true)) != TSYS_OK) return st;
@@ -3158,7 +3195,7 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
     // chunk by chunk: this rank's update of the chunk, then each run of back-to-back parameters of the
     // chunk with one owner broadcast from it, all in one group (through NCCL the owners send at the same
     // time, as an all-gather would; on the side stream, after the update, while the next chunk's runs)
-    bool was = tsys__dist_trust(z->d, z->layout_agreed);
+    bool trusting = tsys__dist_trust(z->d, z->layout_agreed);
     tsys_status st = TSYS_OK;
     int nw = 0;
     for (int c = 0; st == TSYS_OK && c < TSYS__ZERO1_CHUNKS; c++) {
@@ -3179,7 +3216,7 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
         if (open) { tsys_status e = tsys_dist_group_end(z->d); if (st == TSYS_OK) st = e; }
     }
     for (int k = 0; k < nw; k++) { tsys_status e = tsys_dist_wait(z->works[k]); if (st == TSYS_OK) st = e; }
-    z->d->check_none = was;
+    tsys__dist_untrust(z->d, trusting);
     return st;
 }
 
@@ -3289,9 +3326,9 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
         tsys_no_grad_end(ctx);
-        bool was = tsys__dist_trust(f->d, f->agreed);   // every rank agreed on the units at construction
+        bool trusting = tsys__dist_trust(f->d, f->agreed);   // every rank agreed on the units at construction
         U->ag = U->src ? tsys_dist_all_gather_async(f->d, U->full, U->src) : NULL;
-        f->d->check_none = was;
+        tsys__dist_untrust(f->d, trusting);
         if (!U->ag) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO;
     }
     tsys_mem_set_tag(ctx, tag);
@@ -3425,9 +3462,9 @@ static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     // fp32 into a gradient that counts as zero: straight into it; else a buffer, added when done
     U->rs_out = f->cdt == TSYS_F32 && U->master->grad_zero ? g : tsys_tensor_new(ctx, f->cdt, g->device, 1, &U->shard);
     tsys_mem_set_tag(ctx, tag);
-    bool was = tsys__dist_trust(f->d, f->agreed);
+    bool trusting = tsys__dist_trust(f->d, f->agreed);
     U->rs = U->rs_out ? tsys_dist_reduce_scatter_async(f->d, U->rs_out, U->gfull, TSYS_DIST_AVG) : NULL;
-    f->d->check_none = was;
+    tsys__dist_untrust(f->d, trusting);
     if (!U->rs) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->cur.reduce_scatters++;
     f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
@@ -3442,9 +3479,9 @@ static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
         for (int i = 0; i < f->nrep_work; i++) tsys_fsdp__note(f, tsys_dist_wait(f->rep_work[i]));
         f->nrep_work = 0;
     }
-    bool was = tsys__dist_trust(f->d, f->agreed);
+    bool trusting = tsys__dist_trust(f->d, f->agreed);
     tsys_dist_work *w = tsys_dist_all_reduce_async(f->d, p->grad, TSYS_DIST_AVG);
-    f->d->check_none = was;
+    tsys__dist_untrust(f->d, trusting);
     if (!w) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->rep_work[f->nrep_work++] = w;
     f->cur.all_reduces++;

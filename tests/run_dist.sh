@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The distributed tests, as `make test` runs them: every program of TSYS_DIST_TESTS under mpirun with
-# 2 and 4 ranks (through the built-in launcher when the build has no MPI), test_dist and test_fsdp also
-# alone (a group of one), test_dist through the launcher, and its failure modes (tests/test_dist_fail.sh). Prints each
-# run's output and, last, the sum of their "N passed, N failed" lines.
+# The distributed tests, as `make test` runs them: every program of TSYS_DIST_TESTS at 2 and 4 ranks on
+# every CPU engine (shared memory; MPI without it; TCP without it, through the built-in launcher), the
+# same under ThreadSanitizer (TSYS_DIST_TSAN_TESTS), test_dist and test_fsdp also alone (a group of one),
+# test_dist through the launcher, and its failure modes (tests/test_dist_fail.sh). Prints each run's
+# output and, last, the sum of their "N passed, N failed" lines.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -19,19 +20,30 @@ run() {
   line=$(echo "$out" | tail -n 1)
   p=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p')
   f=$(echo "$line" | sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p')
-  if [ -z "$p" ]; then p=0; f=1; echo "$* did not finish (exit $rc)"; fi
+  if [ -z "$p" ]; then p=0; f=1; echo "$* did not finish (exit $rc)";
+  elif [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; echo "$* exited $rc after its summary (a sanitizer report?)"; fi
   pass=$((pass + p)); fail=$((fail + f))
 }
 uses_mpi() { command -v mpirun >/dev/null && ldd "$1" 2>/dev/null | grep -q libmpi; }
-for t in $tests; do
-  if uses_mpi "$t"; then
-    run mpirun --oversubscribe -np 2 "$t"
-    run mpirun --oversubscribe -np 4 "$t"
-  else
-    run "$t" --nproc 2
-    run "$t" --nproc 4
-  fi
-done
+# One program at 2 and 4 ranks on each engine: shared memory (mpirun, or the launcher without MPI),
+# MPI alone and TCP alone (TSYS_DIST_SHM=0: the path ranks on different hosts take).
+engines() {
+  local t=$1 n
+  for n in 2 4; do
+    if uses_mpi "$t"; then
+      run mpirun --oversubscribe -np $n "$t"
+      run mpirun --oversubscribe -x TSYS_DIST_SHM=0 -np $n "$t"
+    else
+      run "$t" --nproc $n
+    fi
+    run env TSYS_DIST_SHM=0 "$t" --nproc $n
+  done
+}
+for t in $tests; do engines "$t"; done
+# ThreadSanitizer: a report fails the run (exit 66 after the summary, or no summary)
+export TSAN_OPTIONS="halt_on_error=1 exitcode=66 suppressions=$PWD/tests/tsan.supp"
+for t in ${TSYS_DIST_TSAN_TESTS:-}; do engines "$t"; done
+unset TSAN_OPTIONS
 run "$BUILD/test_dist"
 run "$BUILD/test_dist" --nproc 3
 # FSDP in a group of one takes its own path (casts and sums in place of collectives, units kept from

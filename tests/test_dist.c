@@ -310,6 +310,67 @@ TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collecti
     }
 }
 
+// An agreed layout's collectives skip the descriptor check (tsys__dist_trust, as DDP, ZeRO-1 and FSDP
+// issue them); the decision travels with each queued collective. Were it read from the group when the
+// worker thread runs the collective, the ranks would post different MPI calls (check or not) as the
+// trust is released around them: wrong sums, MPI_ERR_TRUNCATE or a corrupt heap.
+TSYS_TEST(async_trusted_collectives_keep_their_check) {
+    for (int p = 0; p < g_npaths; p++) {
+        enum { K = 4, ROUNDS = 60 };
+        const int64_t n = (TSYS_DIST__CHECK_BYTES / 4) * 2;   // large enough to be checked when not trusted
+        float *h = (float *)hbuf(TSYS_F32, n);
+        for (int round = 0; round < ROUNDS; round++) {
+            tsys_tensor *t[K];
+            tsys_dist_work *w[K];
+            for (int k = 0; k < K; k++) {
+                for (int64_t i = 0; i < n; i++) h[i] = (float)(val(TSYS_F32, g_rank, i) + k);
+                t[k] = mk(g_dev[p], TSYS_F32, n, h);
+                bool trusting = tsys__dist_trust(g_group[p], k % 2 == 0);
+                w[k] = t[k] ? tsys_dist_all_reduce_async(g_group[p], t[k], TSYS_DIST_SUM) : NULL;
+                tsys__dist_untrust(g_group[p], trusting);
+            }
+            for (int k = 0; k < K; k++) {
+                STATUS_OK(w[k] ? tsys_dist_wait(w[k]) : TSYS_ERR_INVALID_ARGS, "%s: round %d wait %d", g_name[p], round, k);
+                if (t[k]) tsys_tensor_to_host(g_ctx, t[k], h);
+                CHECK_VALUES(n, (double)h[i], expect(TSYS_F32, TSYS_DIST_SUM, i) + (double)k * g_size, "%s: round %d collective %d values", g_name[p], round, k);
+                tsys_tensor_release(t[k]);
+            }
+            if (tsys__test_failed) break;
+        }
+        free(h);
+    }
+}
+
+// Every host path sums in rank order, ((x0 + x1) + x2) + ..., accumulated in fp32: shared memory, MPI
+// and TCP give the same bits (MPI's own reductions choose an order by size and rank count).
+static float ragged(int r, int64_t i) { return (float)(1.0 + (double)((r * 7919 + i * 104729) % 1000003) / 1000003.0) * (r % 2 ? 1e-3f : 1.0f); }
+static double ragged_sum(int64_t i) {
+    float acc = ragged(0, i);
+    for (int r = 1; r < g_size; r++) acc += ragged(r, i);
+    return acc;
+}
+TSYS_TEST(float_sums_in_rank_order) {
+    const int64_t n = 300001, m = 70001;
+    float *h = (float *)hbuf(TSYS_F32, n > m * g_size ? n : m * g_size);
+    for (int p = 0; p < g_npaths; p++) {
+        if (g_dev[p] != TSYS_CPU) continue;
+        for (int64_t i = 0; i < n; i++) h[i] = ragged(g_rank, i);
+        tsys_tensor *t = mk(g_dev[p], TSYS_F32, n, h);
+        STATUS_OK(t ? tsys_dist_all_reduce(g_group[p], t, TSYS_DIST_SUM) : TSYS_ERR_OOM, "%s: all_reduce", g_name[p]);
+        if (t) tsys_tensor_to_host(g_ctx, t, h);
+        CHECK_VALUES(n, (double)h[i], ragged_sum(i), "%s: all_reduce sums in rank order", g_name[p]);
+        tsys_tensor_release(t);
+        for (int64_t i = 0; i < m * g_size; i++) h[i] = ragged(g_rank, i);
+        tsys_tensor *in = mk(g_dev[p], TSYS_F32, m * g_size, h), *out = mk(g_dev[p], TSYS_F32, m, NULL);
+        STATUS_OK(in && out ? tsys_dist_reduce_scatter(g_group[p], out, in, TSYS_DIST_SUM) : TSYS_ERR_OOM, "%s: reduce_scatter", g_name[p]);
+        if (out) tsys_tensor_to_host(g_ctx, out, h);
+        const int64_t base = (int64_t)g_rank * m;
+        CHECK_VALUES(m, (double)h[i], ragged_sum(base + i), "%s: reduce_scatter sums in rank order", g_name[p]);
+        tsys_tensor_release(in); tsys_tensor_release(out);
+    }
+    free(h);
+}
+
 // Broadcasts from every rank in one group (ZeRO-1's parameter exchange): launched together (through NCCL
 // as one group), waited after the group's end; a blocking call inside, a nested begin and an end without a
 // begin are refused by name, and the group is usable again afterwards.
