@@ -194,11 +194,13 @@ DIST_LIBS = -pthread $(if $(HAVE_MPI),$(MPI_LINK))
 DIST_HEADERS = tsys_dist.h tests/harness_dist.h
 DIST_DRIVERS = $(BUILD)/allreduce $(if $(wildcard drivers/ddp.c),$(BUILD)/ddp)
 DIST_TESTS = $(BUILD)/test_dist $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp) $(if $(wildcard tests/test_fsdp.c),$(BUILD)/test_fsdp)
+# tests that start their own ranks (run once, alone)
+DIST_SOLO_TESTS = $(BUILD)/test_rendezvous
 TEST_RUNNERS += tests/run_dist.sh
 
 $(DIST_DRIVERS): $(BUILD)/%: drivers/%.c $(HEADERS) $(DIST_HEADERS) | $(BUILD)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
-$(DIST_TESTS): $(BUILD)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(BUILD)
+$(DIST_TESTS) $(DIST_SOLO_TESTS): $(BUILD)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(BUILD)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
 all: $(DIST_DRIVERS)
 # tsys_dist.h alone, warning-free as C11 (with and without MPI) and as C++
@@ -217,7 +219,7 @@ $(DIST_TSAN_TESTS): $(TSAN)/%: tests/%.c tests/harness.h tests/test_util.h $(HEA
 $(TSAN):
 	mkdir -p $@
 tsan: $(DIST_TSAN_TESTS)
-run-tests: dist-header-check $(DIST_TESTS) $(DIST_TSAN_TESTS)
+run-tests: dist-header-check $(DIST_TESTS) $(DIST_SOLO_TESTS) $(DIST_TSAN_TESTS)
 run-tests: export TSYS_DIST_TESTS = $(DIST_TESTS)
 run-tests: export TSYS_DIST_TSAN_TESTS = $(DIST_TSAN_TESTS)
 run-tests: export BUILD := $(BUILD)

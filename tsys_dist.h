@@ -50,9 +50,10 @@
          already initialized): rank, size and local rank (MPI_COMM_TYPE_SHARED) from MPI; the NCCL
          id is broadcast over MPI (this is how to go multi-node);
       2. torchrun-style environment variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (default
-         127.0.0.1), MASTER_PORT (default 29500): rank 0 listens on MASTER_PORT, the others connect
-         (retrying until the timeout), send a hello and get the table of ranks; the connections stay
-         as the group's control path (the NCCL id, the shared segment's name, the tcp engine);
+         127.0.0.1), MASTER_PORT (default 29500): rank 0 listens on MASTER_PORT at MASTER_ADDR's
+         address, the others connect (retrying until the timeout), send a hello and get the table of
+         ranks; the connections stay as the group's control path (the NCCL id, the shared segment's
+         name, the tcp engine). Who may join: see ON THE RENDEZVOUS;
       3. neither: a group of one.
       tsys_dist_spawn(nproc, argc, argv) is the built-in local launcher (drivers' --nproc N, like
       torch.multiprocessing.spawn): it starts N copies of the program with the variables of 2 set
@@ -61,6 +62,9 @@
 
    Options (environment, read by tsys_dist_init):
       TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
+      TSYS_DIST_RUN_ID      the job's identity in the TCP rendezvous (else TORCHELASTIC_RUN_ID)
+      TSYS_DIST_SECRET      a shared secret every rank of the TCP rendezvous must prove it knows
+      TSYS_DIST_LISTEN_ADDR where rank 0 listens (default: MASTER_ADDR's address)
       TSYS_DIST_SHM=0       no shared-memory path (host tensors through MPI or TCP)
       TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 8 MiB / ranks,
                             within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
@@ -72,6 +76,22 @@
                             dtype and size; 0: never; default: under TSYS_DEBUG, MPI at 64 KiB and up,
                             NCCL at 64 MiB and up (a host round trip: ~4 us, 13% of a 1 MB NCCL
                             all-reduce); the shared-memory and tcp paths always check (it costs them nothing)
+
+   ON THE RENDEZVOUS (what rank 0's port trusts)
+      - It listens where MASTER_ADDR points (loopback for tsys_dist_spawn's ranks), not on every
+        interface; TSYS_DIST_LISTEN_ADDR=0.0.0.0 (or ::) widens it. A loopback MASTER_ADDR in a job
+        whose ranks are not all on this host (LOCAL_WORLD_SIZE < WORLD_SIZE) is refused at once.
+      - Every hello carries the job's run id (TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID):
+        rank 0 admits only its own run's, and a rank joins only a rank 0 of its own run, so two jobs
+        given one MASTER_PORT fail instead of forming one group. Rank 0 warns when there is no run id.
+      - With TSYS_DIST_SECRET set, both sides prove they know it (HMAC-SHA-256 over the other side's
+        fresh nonce: the secret never crosses the wire, an old hello cannot be replayed).
+        tsys_dist_spawn gives its ranks a random run id and secret.
+      - A connection that is not a rank of this job (garbage, another protocol or run, a wrong secret,
+        a wrong RANK or WORLD_SIZE) is refused with one line on rank 0's stderr and the rendezvous goes
+        on; at most 64 connections wait for their hello at once, each for at most 10 s.
+      - Not protected: the traffic after the rendezvous (collectives, the NCCL id) is neither encrypted
+        nor authenticated; run jobs on networks you trust, as with torchrun and NCCL.
 
    ON ASYNCHRONOUS COLLECTIVES
       CUDA tensors through NCCL: launched on the side stream after the compute stream's work so far
@@ -764,6 +784,148 @@ static uint64_t tsys_dist__host_id(const char *hostname) {
     return h;
 }
 
+// ---- who may join: the run id, the shared secret, HMAC-SHA-256 ----------------------------------
+// Every hello carries the job's run id (TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
+// tsys_dist_spawn makes one for its children): rank 0 admits only hellos of its own run, and a rank
+// joins only a rank 0 of its own run, so two jobs given one MASTER_PORT cannot form a group. With
+// TSYS_DIST_SECRET set (tsys_dist_spawn sets a random one), each side also proves it knows the secret:
+// an HMAC-SHA-256 over the other side's fresh nonce and the message, so the secret never crosses the
+// wire and an old hello cannot be replayed. Without a secret the run id is an identity, not a password.
+#define TSYS_DIST__RUN_ID_MAX 64
+#define TSYS_DIST__SECRET_MAX 256
+#define TSYS_DIST__PROTOCOL 2
+
+typedef struct tsys_dist__sha256 { uint32_t h[8]; uint8_t buf[64]; uint64_t len; } tsys_dist__sha256;
+
+static uint32_t tsys_dist__ror(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+static void tsys_dist__sha256_block(tsys_dist__sha256 *s, const uint8_t *p) {
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3,
+        0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+        0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13,
+        0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+        0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208,
+        0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2 };
+    uint32_t w[64], v[8];
+    for (int i = 0; i < 16; i++) w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = tsys_dist__ror(w[i - 15], 7) ^ tsys_dist__ror(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = tsys_dist__ror(w[i - 2], 17) ^ tsys_dist__ror(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    memcpy(v, s->h, sizeof v);
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = v[7] + (tsys_dist__ror(v[4], 6) ^ tsys_dist__ror(v[4], 11) ^ tsys_dist__ror(v[4], 25)) + ((v[4] & v[5]) ^ (~v[4] & v[6])) + k[i] + w[i];
+        uint32_t t2 = (tsys_dist__ror(v[0], 2) ^ tsys_dist__ror(v[0], 13) ^ tsys_dist__ror(v[0], 22)) + ((v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]));
+        memmove(v + 1, v, sizeof(uint32_t) * 7);
+        v[4] += t1;
+        v[0] = t1 + t2;
+    }
+    for (int i = 0; i < 8; i++) s->h[i] += v[i];
+}
+static void tsys_dist__sha256_init(tsys_dist__sha256 *s) {
+    static const uint32_t h0[8] = { 0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19 };
+    memcpy(s->h, h0, sizeof h0);
+    s->len = 0;
+}
+static void tsys_dist__sha256_add(tsys_dist__sha256 *s, const void *data, size_t n) {
+    const uint8_t *p = (const uint8_t *)data;
+    for (size_t i = 0; i < n; i++) {
+        s->buf[s->len++ % 64] = p[i];
+        if (s->len % 64 == 0) tsys_dist__sha256_block(s, s->buf);
+    }
+}
+static void tsys_dist__sha256_end(tsys_dist__sha256 *s, uint8_t out[32]) {
+    const uint64_t bits = s->len * 8;
+    const uint8_t one = 0x80, zero = 0;
+    tsys_dist__sha256_add(s, &one, 1);
+    while (s->len % 64 != 56) tsys_dist__sha256_add(s, &zero, 1);
+    for (int i = 7; i >= 0; i--) { uint8_t b = (uint8_t)(bits >> (8 * i)); tsys_dist__sha256_add(s, &b, 1); }
+    for (int i = 0; i < 32; i++) out[i] = (uint8_t)(s->h[i / 4] >> (24 - 8 * (i % 4)));
+}
+// HMAC-SHA-256 (RFC 2104) of the concatenation of two parts.
+static void tsys_dist__hmac(const uint8_t *key, size_t klen, const void *a, size_t na, const void *b, size_t nb, uint8_t out[32]) {
+    uint8_t k[64], pad[64], inner[32];
+    tsys_dist__sha256 s;
+    memset(k, 0, sizeof k);
+    if (klen > 64) { tsys_dist__sha256_init(&s); tsys_dist__sha256_add(&s, key, klen); tsys_dist__sha256_end(&s, k); }
+    else if (klen) memcpy(k, key, klen);
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x36;
+    tsys_dist__sha256_init(&s); tsys_dist__sha256_add(&s, pad, 64); tsys_dist__sha256_add(&s, a, na); tsys_dist__sha256_add(&s, b, nb); tsys_dist__sha256_end(&s, inner);
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x5c;
+    tsys_dist__sha256_init(&s); tsys_dist__sha256_add(&s, pad, 64); tsys_dist__sha256_add(&s, inner, 32); tsys_dist__sha256_end(&s, out);
+}
+// Compares in time independent of where they differ.
+static bool tsys_dist__mac_equal(const uint8_t *a, const uint8_t *b) {
+    uint8_t diff = 0;
+    for (int i = 0; i < 32; i++) diff |= (uint8_t)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
+static bool tsys_dist__random(void *buf, size_t n) {
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    size_t got = 0;
+    while (got < n) {
+        ssize_t k = read(fd, (char *)buf + got, n - got);
+        if (k > 0) got += (size_t)k;
+        else if (k < 0 && errno == EINTR) continue;
+        else break;
+    }
+    close(fd);
+    return got == n;
+}
+
+// The job's identity as the environment gives it ("" when none is set).
+typedef struct tsys_dist__ident {
+    char run_id[TSYS_DIST__RUN_ID_MAX];
+    uint8_t secret[TSYS_DIST__SECRET_MAX];
+    size_t secret_len;
+} tsys_dist__ident;
+static bool tsys_dist__ident_get(tsys_dist__ident *id, tsys_dist__err *e) {
+    memset(id, 0, sizeof *id);
+    const char *run = tsys_dist__env("TSYS_DIST_RUN_ID");
+    const char *from = "TSYS_DIST_RUN_ID";
+    if (!run) { run = tsys_dist__env("TORCHELASTIC_RUN_ID"); from = "TORCHELASTIC_RUN_ID"; }
+    if (run && strlen(run) >= sizeof id->run_id)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s is %zu characters: at most %d", from, strlen(run), TSYS_DIST__RUN_ID_MAX - 1);
+    if (run) memcpy(id->run_id, run, strlen(run) + 1);
+    const char *secret = tsys_dist__env("TSYS_DIST_SECRET");
+    if (secret && strlen(secret) > sizeof id->secret)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_SECRET is %zu bytes: at most %d", strlen(secret), TSYS_DIST__SECRET_MAX);
+    if (secret) { id->secret_len = strlen(secret); memcpy(id->secret, secret, id->secret_len); }
+    return true;
+}
+// A message's MAC: over the other side's nonce and the message itself, its mac field zero.
+static void tsys_dist__sign(const tsys_dist__ident *id, const uint8_t nonce[16], const void *msg, size_t n, uint8_t mac[32]) {
+    memset(mac, 0, 32);
+    uint8_t out[32];
+    if (!id->secret_len) return;
+    tsys_dist__hmac(id->secret, id->secret_len, nonce, 16, msg, n, out);
+    memcpy(mac, out, 32);
+}
+static bool tsys_dist__signed_by(const tsys_dist__ident *id, const uint8_t nonce[16], const void *msg, size_t n, uint8_t mac[32]) {
+    if (!id->secret_len) return true;
+    uint8_t got[32], want[32];
+    memcpy(got, mac, 32);
+    tsys_dist__sign(id, nonce, msg, n, mac);
+    memcpy(want, mac, 32);
+    memcpy(mac, got, 32);
+    return tsys_dist__mac_equal(got, want);
+}
+
+// The identity the launcher gives its children where the caller gave none: a random run id and a
+// random secret (inherited through the environment, which only this user can read).
+static void tsys_dist__spawn_ident(char run_id[TSYS_DIST__RUN_ID_MAX], char secret[65]) {
+    uint8_t r[40];
+    run_id[0] = secret[0] = 0;
+    if (!tsys_dist__random(r, sizeof r)) { fprintf(stderr, "tsys_dist_spawn: no random bytes for the ranks' run id and secret: %s\n", strerror(errno)); return; }
+    if (!tsys_dist__env("TSYS_DIST_RUN_ID") && !tsys_dist__env("TORCHELASTIC_RUN_ID"))
+        snprintf(run_id, TSYS_DIST__RUN_ID_MAX, "tsys-%02x%02x%02x%02x%02x%02x%02x%02x", r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    if (!tsys_dist__env("TSYS_DIST_SECRET"))
+        for (int i = 0; i < 32; i++) snprintf(secret + 2 * i, 3, "%02x", r[8 + i]);
+}
+
 // Built-in launcher: fork/exec nproc copies of this program with torchrun's variables set. Rank 0
 // inherits the listening socket (TSYS_DIST_LISTEN_FD), so the port cannot be taken in between.
 TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
@@ -790,6 +952,8 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
         return true;
     }
     int port = ntohs(a.sin_port);
+    char run_id[TSYS_DIST__RUN_ID_MAX], secret[65];
+    tsys_dist__spawn_ident(run_id, secret);
     char exe[4096];
     ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (el > 0) exe[el] = 0; else snprintf(exe, sizeof exe, "%s", argv[0]);
@@ -821,6 +985,8 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
             snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             snprintf(v, sizeof v, "%d", (int)me); setenv("TSYS_DIST_LAUNCHER", v, 1);
+            if (run_id[0]) setenv("TSYS_DIST_RUN_ID", run_id, 1);
+            if (secret[0]) setenv("TSYS_DIST_SECRET", secret, 1);
             if (r == 0) { snprintf(v, sizeof v, "%d", lfd); setenv("TSYS_DIST_LISTEN_FD", v, 1); }
             else close(lfd);
 #ifdef __linux__
@@ -879,178 +1045,338 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
 }
 
 // ---- the TCP rendezvous (torchrun-style variables) ----------------------------------------------
-// Rank 0 listens on MASTER_PORT; the others connect (retrying until the timeout) and send a hello;
-// rank 0 answers everyone with the table of ranks. The connections stay: they are the group's
-// control path (a star around rank 0) and, without shared memory, its data path too.
+// Rank 0 listens on MASTER_PORT at MASTER_ADDR's address (not on every interface; TSYS_DIST_LISTEN_ADDR
+// widens it); the others connect, retrying until the timeout. Rank 0 opens each connection with a
+// challenge (its run id and a nonce), the rank answers with a hello, and once every rank is in, rank 0
+// answers each with the table of ranks. The connections stay: they are the group's control path (a
+// star around rank 0) and, without shared memory, its data path too. A connection that is not a rank
+// of this job (another job, a scanner, a rank of another protocol) is refused, logged and closed, and
+// the rendezvous goes on. At most TSYS_DIST__PENDING connections wait for their hello at once, each for
+// at most TSYS_DIST__HELLO_S: idle connections cannot lock the real ranks out.
+#define TSYS_DIST__PENDING 64
+#define TSYS_DIST__HELLO_S 10.0
 
+typedef struct tsys_dist__challenge {
+    uint32_t magic, version;
+    uint8_t nonce[16];
+    char run_id[TSYS_DIST__RUN_ID_MAX];
+} tsys_dist__challenge;
 typedef struct tsys_dist__hello {
     uint32_t magic, version;
     int32_t rank, size, pid, local_rank;
     uint64_t host_id;
     char host[64];
+    char run_id[TSYS_DIST__RUN_ID_MAX];
+    uint8_t nonce[16];      // the rank's challenge to rank 0, answered by the reply's mac
+    uint8_t mac[32];        // over rank 0's nonce and this hello (zeros without a secret)
 } tsys_dist__hello;
 typedef struct tsys_dist__reply {
     uint32_t magic;
-    int32_t status;     // 0 ok, else msg says why
+    int32_t status;         // 0 ok, else msg says why
     char msg[256];
+    uint8_t mac[32];        // over the hello's nonce and this reply
 } tsys_dist__reply;
 
-static bool tsys_dist__tcp_rank0(tsys_dist *d, int port, tsys_dist__hello *table, tsys_dist__err *e) {
-    int lfd = -1;
+static double tsys_dist__hello_s(const tsys_dist *d) { return d->timeout_s < TSYS_DIST__HELLO_S ? d->timeout_s : TSYS_DIST__HELLO_S; }
+
+static bool tsys_dist__is_loopback(const struct sockaddr *sa) {
+    if (sa->sa_family == AF_INET) return (ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24) == 127;
+    if (sa->sa_family == AF_INET6) return IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)sa)->sin6_addr);
+    return false;
+}
+// MASTER_ADDR values that say "this host only" (a host name that resolves to 127.0.1.1 does not).
+static bool tsys_dist__loopback_name(const char *addr) { return !strcmp(addr, "localhost") || !strncmp(addr, "127.", 4) || !strcmp(addr, "::1"); }
+static void tsys_dist__addr_str(const struct sockaddr *sa, char *buf, size_t n) {
+    char host[64] = "?";
+    int port = 0;
+    if (sa->sa_family == AF_INET) { inet_ntop(AF_INET, &((const struct sockaddr_in *)sa)->sin_addr, host, sizeof host); port = ntohs(((const struct sockaddr_in *)sa)->sin_port); }
+    else if (sa->sa_family == AF_INET6) { inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)sa)->sin6_addr, host, sizeof host); port = ntohs(((const struct sockaddr_in6 *)sa)->sin6_port); }
+    snprintf(buf, n, "%s:%d", host, port);
+}
+
+// Rank 0's listening socket: the one tsys_dist_spawn opened for it, else a socket bound to the address
+// MASTER_ADDR names here (TSYS_DIST_LISTEN_ADDR overrides: "0.0.0.0" or "::" for every interface).
+// A loopback address for a job whose ranks are not all on this host is refused: they could not reach it.
+static int tsys_dist__listen(tsys_dist *d, const char *addr, int port, bool *loopback, tsys_dist__err *e) {
     long inh = -1;
     bool bad = false;
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
     if (tsys_dist__env_long("TSYS_DIST_LISTEN_FD", 0, 1L << 20, &inh, &bad)) {
-        struct sockaddr_in a;
-        socklen_t alen = sizeof a;
-        if (getsockname((int)inh, (struct sockaddr *)&a, &alen) == 0 && a.sin_family == AF_INET && ntohs(a.sin_port) == port) lfd = (int)inh;
         unsetenv("TSYS_DIST_LISTEN_FD");   // the next group listens anew
-    }
-    if (lfd < 0) {
-        lfd = socket(AF_INET, SOCK_STREAM, 0);
-        int one = 1;
-        struct sockaddr_in a;
-        memset(&a, 0, sizeof a);
-        a.sin_family = AF_INET; a.sin_addr.s_addr = htonl(INADDR_ANY); a.sin_port = htons((uint16_t)port);
-        if (lfd < 0) return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: socket: %s", strerror(errno));
-        setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, d->size + 16) != 0) {
-            int err = errno;
-            close(lfd);
-            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: rank 0 cannot listen on MASTER_PORT %d: %s", port, strerror(err));
+        if (getsockname((int)inh, (struct sockaddr *)&ss, &sl) == 0 && ss.ss_family == AF_INET && ntohs(((struct sockaddr_in *)&ss)->sin_port) == port) {
+            *loopback = tsys_dist__is_loopback((struct sockaddr *)&ss);
+            fcntl((int)inh, F_SETFD, FD_CLOEXEC);
+            return (int)inh;
         }
     }
-    fcntl(lfd, F_SETFD, FD_CLOEXEC);
-    int got = 0;
-    double t0 = tsys_time_us();
+    const char *listen_addr = tsys_dist__env("TSYS_DIST_LISTEN_ADDR");
+    const char *host = listen_addr ? listen_addr : addr;
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM; hints.ai_flags = AI_NUMERICSERV;
+    int gai = getaddrinfo(host, portstr, &hints, &res);
+    if (gai != 0) { tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "rendezvous: rank 0 cannot resolve %s '%s' to listen on: %s", listen_addr ? "TSYS_DIST_LISTEN_ADDR" : "MASTER_ADDR", host, gai_strerror(gai)); return -1; }
+    int fd = -1, err = 0;
+    for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) { err = errno; continue; }
+        int one = 1, zero = 0;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (ai->ai_family == AF_INET6) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, TSYS_DIST__PENDING) != 0) { err = errno; close(fd); fd = -1; continue; }
+        *loopback = tsys_dist__is_loopback(ai->ai_addr);
+    }
+    freeaddrinfo(res);
+    if (fd < 0) {
+        tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: rank 0 cannot listen on %s port %d: %s%s", host, port, strerror(err),
+                          err == EADDRNOTAVAIL ? " (the address is not one of this host's: rank 0 must run where MASTER_ADDR points)" :
+                          err == EADDRINUSE ? " (another program, or another job, holds the port: give this job its own MASTER_PORT)" : "");
+        return -1;
+    }
+    long lws = 0;
+    bool bad_lws = false;
+    if (*loopback && !listen_addr && tsys_dist__env_long("LOCAL_WORLD_SIZE", 1, 1L << 20, &lws, &bad_lws) && lws < d->size) {
+        close(fd);
+        tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "rendezvous: MASTER_ADDR '%s' is a loopback address on rank 0's host, but only %ld of the %d ranks run here "
+                          "(LOCAL_WORLD_SIZE): the others could not reach it; set MASTER_ADDR to this host's network address (or TSYS_DIST_LISTEN_ADDR)", addr, lws, d->size);
+        return -1;
+    }
+    return fd;
+}
+
+// A connection that rank 0 has challenged and whose hello it is reading.
+typedef struct tsys_dist__pending {
+    int fd;
+    double deadline_us;
+    size_t got;                 // bytes of the hello received so far
+    tsys_dist__challenge ch;    // what it was asked
+    tsys_dist__hello h;
+    char from[80];              // its address, for the log
+} tsys_dist__pending;
+
+typedef struct tsys_dist__refusals { int count; char last[320]; } tsys_dist__refusals;
+
+// Refuses a connection without ending the rendezvous: tells it why (best effort), logs one line on
+// stderr, keeps the reason for rank 0's own error should a rank never arrive.
+static void tsys_dist__refuse(const tsys_dist__ident *id, tsys_dist__pending *p, int port, const char *why, tsys_dist__refusals *rf) {
+    if (p->got == sizeof p->h) {   // it said hello: it may be a rank of this job with a wrong setting
+        tsys_dist__reply rep;
+        tsys_dist__err ignore;
+        memset(&rep, 0, sizeof rep);
+        memset(&ignore, 0, sizeof ignore);
+        rep.magic = TSYS_DIST__MAGIC; rep.status = 1;
+        snprintf(rep.msg, sizeof rep.msg, "rendezvous: rank 0 refused this rank: %s", why);
+        tsys_dist__sign(id, p->h.nonce, &rep, sizeof rep, rep.mac);
+        tsys_dist__sock_io(p->fd, &rep, sizeof rep, true, 1.0, "", &ignore);
+    }
+    fprintf(stderr, "tsys_dist rank 0: rendezvous on port %d: refused a connection from %s: %s\n", port, p->from, why);
+    snprintf(rf->last, sizeof rf->last, "%s (from %s)", why, p->from);
+    rf->count++;
+    close(p->fd);
+    p->fd = -1;
+}
+
+// Why a complete hello is not one of this job's ranks, or NULL when it is.
+static const char *tsys_dist__hello_fault(tsys_dist *d, const tsys_dist__ident *id, tsys_dist__pending *p, char *why, size_t n) {
+    tsys_dist__hello *h = &p->h;
+    h->host[sizeof h->host - 1] = 0;
+    h->run_id[sizeof h->run_id - 1] = 0;
+    if (h->magic != TSYS_DIST__MAGIC) snprintf(why, n, "not a tsys_dist hello");
+    else if (h->version != TSYS_DIST__PROTOCOL) snprintf(why, n, "rendezvous protocol %u, rank 0 speaks %d (another tsys build?)", h->version, TSYS_DIST__PROTOCOL);
+    else if (strcmp(h->run_id, id->run_id)) snprintf(why, n, "run id '%s' is not this job's ('%s'): another job on the same MASTER_PORT?", h->run_id, id->run_id);
+    else if (!tsys_dist__signed_by(id, p->ch.nonce, h, sizeof *h, h->mac)) snprintf(why, n, "it failed authentication (its TSYS_DIST_SECRET differs, or it has none)");
+    else if (h->size != d->size) snprintf(why, n, "rank %d says WORLD_SIZE=%d, rank 0 has %d", h->rank, h->size, d->size);
+    else if (h->rank <= 0 || h->rank >= d->size) snprintf(why, n, "a process says RANK=%d, outside [1, %d)", h->rank, d->size);
+    else if (d->fds[h->rank] >= 0) snprintf(why, n, "RANK=%d has joined already (two processes with one RANK?)", h->rank);
+    else return NULL;
+    return why;
+}
+
+// Takes a new connection: challenges it and adds it to the pending ones (the oldest is dropped when full).
+static void tsys_dist__admit(tsys_dist *d, const tsys_dist__ident *id, int lfd, int port, tsys_dist__pending *pend, int *npend, tsys_dist__refusals *rf) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    int fd = accept(lfd, (struct sockaddr *)&ss, &sl);
+    if (fd < 0) return;
+    if (*npend == TSYS_DIST__PENDING) {
+        tsys_dist__refuse(id, &pend[0], port, "dropped: too many connections waiting to say hello", rf);
+        memmove(pend, pend + 1, sizeof *pend * (TSYS_DIST__PENDING - 1));
+        (*npend)--;
+    }
+    tsys_dist__pending *p = &pend[(*npend)++];
+    memset(p, 0, sizeof *p);
+    p->fd = fd;
+    p->deadline_us = tsys_time_us() + tsys_dist__hello_s(d) * 1e6;
+    tsys_dist__addr_str((struct sockaddr *)&ss, p->from, sizeof p->from);
+    tsys_dist__sock_opts(fd);
+    p->ch.magic = TSYS_DIST__MAGIC; p->ch.version = TSYS_DIST__PROTOCOL;
+    memcpy(p->ch.run_id, id->run_id, sizeof p->ch.run_id);
+    tsys_dist__err ce;
+    memset(&ce, 0, sizeof ce);
+    if (!tsys_dist__random(p->ch.nonce, sizeof p->ch.nonce) || !tsys_dist__sock_io(fd, &p->ch, sizeof p->ch, true, 1.0, p->from, &ce)) { close(fd); (*npend)--; }
+}
+
+// Reads what a pending connection has sent; true when it became rank h.rank of the table.
+static bool tsys_dist__hear(tsys_dist *d, const tsys_dist__ident *id, tsys_dist__pending *p, int port, tsys_dist__hello *table, tsys_dist__refusals *rf) {
+    ssize_t k = recv(p->fd, (char *)&p->h + p->got, sizeof p->h - p->got, 0);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+    if (k <= 0) { tsys_dist__refuse(id, p, port, "it closed the connection before its hello", rf); return false; }
+    p->got += (size_t)k;
+    if (p->got < sizeof p->h) return false;
+    char why[200];
+    if (tsys_dist__hello_fault(d, id, p, why, sizeof why)) { tsys_dist__refuse(id, p, port, why, rf); return false; }
+    d->fds[p->h.rank] = p->fd;
+    table[p->h.rank] = p->h;
+    p->fd = -1;
+    return true;
+}
+
+static bool tsys_dist__tcp_rank0(tsys_dist *d, const char *addr, int port, const tsys_dist__ident *id, tsys_dist__hello *table, tsys_dist__err *e) {
+    bool loopback = false;
+    int lfd = tsys_dist__listen(d, addr, port, &loopback, e);
+    if (lfd < 0) return false;
+    if (!id->run_id[0])
+        fprintf(stderr, "tsys_dist rank 0: no run id (TSYS_DIST_RUN_ID or TORCHELASTIC_RUN_ID): a rank of another job given port %d could join this one\n", port);
+    tsys_dist__pending *pend = (tsys_dist__pending *)calloc(TSYS_DIST__PENDING, sizeof *pend);
+    struct pollfd *pf = (struct pollfd *)calloc(TSYS_DIST__PENDING + 1, sizeof *pf);
+    if (!pend || !pf) { free(pend); free(pf); close(lfd); return tsys_dist__seterr(e, TSYS_ERR_OOM, "rendezvous: out of host memory"); }
+    tsys_dist__refusals rf;
+    memset(&rf, 0, sizeof rf);
+    int npend = 0, got = 0;
+    const double t0 = tsys_time_us();
+    bool ok = true;
     while (got < d->size - 1) {
-        double left_ms = d->timeout_s * 1e3 - (tsys_time_us() - t0) * 1e-3;
+        const double now = tsys_time_us(), left_ms = d->timeout_s * 1e3 - (now - t0) * 1e-3;
         if (left_ms <= 0) {
             char missing[160] = {0};
             size_t ml = 0;
             for (int r = 1; r < d->size && ml + 12 < sizeof missing; r++)
                 if (d->fds[r] < 0) ml += (size_t)snprintf(missing + ml, sizeof missing - ml, "%s%d", ml ? ", " : "", r);
-            close(lfd);
-            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous on port %d: rank 0 waited %g s; rank(s) %s never connected", port, d->timeout_s, missing);
+            ok = tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous on port %d: rank 0 waited %g s; rank(s) %s never joined%s%s%s", port, d->timeout_s, missing,
+                                   rf.count ? "; refused: " : "", rf.count ? rf.last : "",
+                                   loopback && !tsys_dist__loopback_name(addr) ? " (MASTER_ADDR resolves to a loopback address here: ranks on other hosts cannot reach it)" : "");
+            break;
         }
-        struct pollfd pf;
-        pf.fd = lfd; pf.events = POLLIN; pf.revents = 0;
-        if (poll(&pf, 1, left_ms > 200 ? 200 : (int)left_ms + 1) <= 0) continue;
-        int fd = accept(lfd, NULL, NULL);
-        if (fd < 0) continue;
-        tsys_dist__sock_opts(fd);
-        tsys_dist__hello h;
-        tsys_dist__err he;
-        memset(&he, 0, sizeof he);
-        double hello_s = d->timeout_s < 10 ? d->timeout_s : 10;
-        if (!tsys_dist__sock_io(fd, &h, sizeof h, false, hello_s, "a connecting process", &he) || h.magic != TSYS_DIST__MAGIC) { close(fd); continue; }   // not one of ours
-        h.host[sizeof h.host - 1] = 0;
-        const char *why = NULL;
-        char whybuf[200];
-        if (h.size != d->size) { snprintf(whybuf, sizeof whybuf, "rank %d says WORLD_SIZE=%d, rank 0 has %d", h.rank, h.size, d->size); why = whybuf; }
-        else if (h.rank <= 0 || h.rank >= d->size) { snprintf(whybuf, sizeof whybuf, "a process says RANK=%d, outside [1, %d)", h.rank, d->size); why = whybuf; }
-        else if (d->fds[h.rank] >= 0) { snprintf(whybuf, sizeof whybuf, "two processes say RANK=%d", h.rank); why = whybuf; }
-        if (why) {
-            tsys_dist__reply rep;
-            memset(&rep, 0, sizeof rep);
-            rep.magic = TSYS_DIST__MAGIC; rep.status = 1;
-            snprintf(rep.msg, sizeof rep.msg, "rendezvous: %s", why);
-            tsys_dist__sock_io(fd, &rep, sizeof rep, true, 1, "a connecting process", &he);
-            close(fd);
-            close(lfd);
-            return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "rendezvous: %s", why);
+        pf[0].fd = lfd; pf[0].events = POLLIN; pf[0].revents = 0;
+        for (int i = 0; i < npend; i++) { pf[1 + i].fd = pend[i].fd; pf[1 + i].events = POLLIN; pf[1 + i].revents = 0; }
+        if (poll(pf, (nfds_t)(1 + npend), left_ms > 200 ? 200 : (int)left_ms + 1) < 0 && errno != EINTR) { ok = tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: poll: %s", strerror(errno)); break; }
+        for (int i = 0; i < npend; i++) {
+            if (pf[1 + i].revents && tsys_dist__hear(d, id, &pend[i], port, table, &rf)) got++;
+            else if (pend[i].fd >= 0 && tsys_time_us() > pend[i].deadline_us) tsys_dist__refuse(id, &pend[i], port, "no hello in time", &rf);
         }
-        d->fds[h.rank] = fd;
-        table[h.rank] = h;
-        got++;
+        int kept = 0;
+        for (int i = 0; i < npend; i++) if (pend[i].fd >= 0) pend[kept++] = pend[i];
+        npend = kept;
+        if (pf[0].revents & POLLIN) tsys_dist__admit(d, id, lfd, port, pend, &npend, &rf);
     }
+    for (int i = 0; i < npend; i++) close(pend[i].fd);
+    free(pend); free(pf);
     close(lfd);   // before anyone hears back: a later group's hellos cannot reach this listener
-    tsys_dist__reply rep;
-    memset(&rep, 0, sizeof rep);
-    rep.magic = TSYS_DIST__MAGIC;
+    if (!ok) return false;
     for (int r = 1; r < d->size; r++) {
         char who[32];
         snprintf(who, sizeof who, "rank %d", r);
+        tsys_dist__reply rep;
+        memset(&rep, 0, sizeof rep);
+        rep.magic = TSYS_DIST__MAGIC;
+        tsys_dist__sign(id, table[r].nonce, &rep, sizeof rep, rep.mac);
         if (!tsys_dist__sock_io(d->fds[r], &rep, sizeof rep, true, d->timeout_s, who, e) ||
             !tsys_dist__sock_io(d->fds[r], table, sizeof(tsys_dist__hello) * (size_t)d->size, true, d->timeout_s, who, e)) return false;
     }
     return true;
 }
 
-static bool tsys_dist__tcp_peer(tsys_dist *d, const char *addr, int port, tsys_dist__hello *table, tsys_dist__err *e) {
-    double t0 = tsys_time_us();
+// Connects to MASTER_ADDR:MASTER_PORT (every address it resolves to); -1 with *why when none answers.
+static int tsys_dist__connect(const char *addr, int port, char *why, size_t nwhy) {
     char portstr[16];
     snprintf(portstr, sizeof portstr, "%d", port);
-    const char *last = "no answer";
-    char lastbuf[160];
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM; hints.ai_flags = AI_NUMERICSERV;
+    int gai = getaddrinfo(addr, portstr, &hints, &res);
+    if (gai != 0) { snprintf(why, nwhy, "MASTER_ADDR '%s': %s", addr, gai_strerror(gai)); return -1; }
+    int fd = -1;
+    for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) continue;
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+        int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+        if (rc != 0 && errno == EINPROGRESS) {
+            struct pollfd pf;
+            pf.fd = fd; pf.events = POLLOUT; pf.revents = 0;
+            int soerr = ETIMEDOUT;
+            socklen_t sl = sizeof soerr;
+            if (poll(&pf, 1, 1000) == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+            rc = soerr ? -1 : 0;
+            errno = soerr;
+        }
+        if (rc != 0) { snprintf(why, nwhy, "%s", strerror(errno)); close(fd); fd = -1; }
+    }
+    freeaddrinfo(res);
+    if (fd >= 0) tsys_dist__sock_opts(fd);
+    return fd;
+}
+
+// One attempt to join: 1 joined, 0 try again (*why says what went wrong), -1 refused for good (e set).
+static int tsys_dist__join(tsys_dist *d, int fd, const char *addr, int port, const tsys_dist__ident *id, tsys_dist__hello *table, char *why, size_t nwhy, tsys_dist__err *e) {
+    tsys_dist__challenge ch;
+    tsys_dist__err ce;
+    memset(&ce, 0, sizeof ce);
+    // a listener that closes under us (a previous group's) resets the connection: try again
+    if (!tsys_dist__sock_io(fd, &ch, sizeof ch, false, tsys_dist__hello_s(d), "rank 0", &ce)) { snprintf(why, nwhy, "%s", ce.msg); return 0; }
+    ch.run_id[sizeof ch.run_id - 1] = 0;
+    if (ch.magic != TSYS_DIST__MAGIC || ch.version != TSYS_DIST__PROTOCOL) { snprintf(why, nwhy, "%s:%d is not a tsys_dist rank 0 of rendezvous protocol %d", addr, port, TSYS_DIST__PROTOCOL); return 0; }
+    if (strcmp(ch.run_id, id->run_id)) { snprintf(why, nwhy, "%s:%d is rank 0 of another job (run id '%s'; this rank's is '%s')", addr, port, ch.run_id, id->run_id); return 0; }
+    tsys_dist__hello h = table[d->rank];
+    memcpy(h.run_id, id->run_id, sizeof h.run_id);
+    if (!tsys_dist__random(h.nonce, sizeof h.nonce)) { tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: no random bytes (/dev/urandom): %s", strerror(errno)); return -1; }
+    tsys_dist__sign(id, ch.nonce, &h, sizeof h, h.mac);
+    tsys_dist__reply rep;
+    if (!tsys_dist__sock_io(fd, &h, sizeof h, true, d->timeout_s, "rank 0", &ce) || !tsys_dist__sock_io(fd, &rep, sizeof rep, false, d->timeout_s, "rank 0", &ce)) {
+        snprintf(why, nwhy, "%s", ce.msg);
+        return 0;
+    }
+    if (rep.magic != TSYS_DIST__MAGIC) { snprintf(why, nwhy, "bad reply from %s:%d", addr, port); return 0; }
+    if (!tsys_dist__signed_by(id, h.nonce, &rep, sizeof rep, rep.mac)) { snprintf(why, nwhy, "%s:%d failed authentication (its TSYS_DIST_SECRET differs)", addr, port); return 0; }
+    rep.msg[sizeof rep.msg - 1] = 0;
+    if (rep.status != 0) { tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", rep.msg); return -1; }
+    if (!tsys_dist__sock_io(fd, table, sizeof(tsys_dist__hello) * (size_t)d->size, false, d->timeout_s, "rank 0", e)) return -1;
+    return 1;
+}
+
+static bool tsys_dist__tcp_peer(tsys_dist *d, const char *addr, int port, const tsys_dist__ident *id, tsys_dist__hello *table, tsys_dist__err *e) {
+    const double t0 = tsys_time_us();
+    char why[256] = "no answer";
     for (;;) {
         if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s)
-            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: could not join rank 0 at %s:%d within %g s (%s)", addr, port, d->timeout_s, last);
-        struct addrinfo hints, *res = NULL;
-        memset(&hints, 0, sizeof hints);
-        hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM;
-        int gai = getaddrinfo(addr, portstr, &hints, &res);
-        if (gai != 0) {
-            snprintf(lastbuf, sizeof lastbuf, "MASTER_ADDR '%s': %s", addr, gai_strerror(gai)); last = lastbuf;
-            tsys_dist__nap_us(200e3);
-            continue;
-        }
-        int fd = -1;
-        for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
-            fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
-            if (fd < 0) continue;
-            fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-            int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
-            if (rc != 0 && errno == EINPROGRESS) {
-                struct pollfd pf;
-                pf.fd = fd; pf.events = POLLOUT; pf.revents = 0;
-                int soerr = ETIMEDOUT;
-                socklen_t sl = sizeof soerr;
-                if (poll(&pf, 1, 1000) == 1) getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
-                rc = soerr ? -1 : 0;
-                errno = soerr;
-            }
-            if (rc != 0) { snprintf(lastbuf, sizeof lastbuf, "%s", strerror(errno)); last = lastbuf; close(fd); fd = -1; }
-        }
-        freeaddrinfo(res);
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: could not join rank 0 at %s:%d within %g s (%s)", addr, port, d->timeout_s, why);
+        int fd = tsys_dist__connect(addr, port, why, sizeof why);
         if (fd < 0) { tsys_dist__nap_us(100e3); continue; }
-        tsys_dist__sock_opts(fd);
-        tsys_dist__hello h;
-        memset(&h, 0, sizeof h);
-        h.magic = TSYS_DIST__MAGIC; h.version = 1; h.rank = d->rank; h.size = d->size; h.pid = (int32_t)getpid();
-        h.local_rank = d->local_rank;
-        snprintf(h.host, sizeof h.host, "%s", d->hostname);
-        h.host_id = tsys_dist__host_id(d->hostname);
-        tsys_dist__reply rep;
-        tsys_dist__err ce;
-        memset(&ce, 0, sizeof ce);
-        // a listener that closes under us (a previous group's) resets the connection: try again
-        if (!tsys_dist__sock_io(fd, &h, sizeof h, true, d->timeout_s, "rank 0", &ce) ||
-            !tsys_dist__sock_io(fd, &rep, sizeof rep, false, d->timeout_s, "rank 0", &ce) || rep.magic != TSYS_DIST__MAGIC) {
-            close(fd);
-            tsys_dist__strcpy(lastbuf, sizeof lastbuf, ce.msg[0] ? ce.msg : "bad reply"); last = lastbuf;
-            tsys_dist__nap_us(100e3);
-            continue;
-        }
-        rep.msg[sizeof rep.msg - 1] = 0;
-        if (rep.status != 0) { close(fd); return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", rep.msg); }
-        if (!tsys_dist__sock_io(fd, table, sizeof(tsys_dist__hello) * (size_t)d->size, false, d->timeout_s, "rank 0", e)) { close(fd); return false; }
-        d->fds[0] = fd;
-        return true;
+        int joined = tsys_dist__join(d, fd, addr, port, id, table, why, sizeof why, e);
+        if (joined > 0) { d->fds[0] = fd; return true; }
+        close(fd);
+        if (joined < 0) return false;
+        tsys_dist__nap_us(100e3);
     }
 }
 
 // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT -> the star, the local ranks, one_host.
 static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_dist__err *e) {
+    tsys_dist__ident id;
+    if (!tsys_dist__ident_get(&id, e)) return false;
     d->fds = (int *)TSYS_MALLOC(sizeof(int) * (size_t)d->size);
     tsys_dist__hello *table = (tsys_dist__hello *)calloc((size_t)d->size, sizeof(tsys_dist__hello));
     if (!d->fds || !table) { free(table); return tsys_dist__seterr(e, TSYS_ERR_OOM, "rendezvous: out of memory"); }
     for (int r = 0; r < d->size; r++) d->fds[r] = -1;
     tsys_dist__hello *mine = &table[d->rank];
-    mine->magic = TSYS_DIST__MAGIC; mine->rank = d->rank; mine->size = d->size; mine->pid = (int32_t)getpid();
+    mine->magic = TSYS_DIST__MAGIC; mine->version = TSYS_DIST__PROTOCOL; mine->rank = d->rank; mine->size = d->size; mine->pid = (int32_t)getpid();
     mine->local_rank = d->local_rank;
     snprintf(mine->host, sizeof mine->host, "%s", d->hostname);
     mine->host_id = tsys_dist__host_id(d->hostname);
-    bool ok = d->rank == 0 ? tsys_dist__tcp_rank0(d, port, table, e) : tsys_dist__tcp_peer(d, addr, port, table, e);
+    bool ok = d->rank == 0 ? tsys_dist__tcp_rank0(d, addr, port, &id, table, e) : tsys_dist__tcp_peer(d, addr, port, &id, table, e);
     if (ok) {
         int lr = 0, ls = 0;
         for (int r = 0; r < d->size; r++)

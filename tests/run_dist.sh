@@ -46,6 +46,7 @@ for t in ${TSYS_DIST_TSAN_TESTS:-}; do engines "$t"; done
 unset TSAN_OPTIONS
 run "$BUILD/test_dist"
 run "$BUILD/test_dist" --nproc 3
+run "$BUILD/test_rendezvous"        # who may join a TCP rendezvous (it starts its own ranks)
 # FSDP in a group of one takes its own path (casts and sums in place of collectives, units kept from
 # forward to backward): alone too
 case " $tests " in *"/test_fsdp "*) run "$BUILD/test_fsdp" ;; esac

@@ -183,6 +183,11 @@ TSYS_TEST(group_info) {
     }
     TEST_CHECK(!strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_MPI), "mpi") && !strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_NCCL), "nccl") &&
                !strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_SELF), "self") && !strcmp(tsys_dist_engine_name(TSYS_DIST_ENGINE_TCP), "tcp"), "engine names");
+    // the launcher's ranks carry a run id and a secret it made for them (the rendezvous admits only those)
+    if (getenv("TSYS_DIST_LAUNCHER") && !getenv("TORCHELASTIC_RUN_ID"))
+        TEST_CHECK(getenv("TSYS_DIST_RUN_ID") && strlen(getenv("TSYS_DIST_RUN_ID")) > 8 && getenv("TSYS_DIST_SECRET") && strlen(getenv("TSYS_DIST_SECRET")) >= 32,
+                   "a rank of tsys_dist_spawn has run id '%s' and a secret of %zu characters", getenv("TSYS_DIST_RUN_ID") ? getenv("TSYS_DIST_RUN_ID") : "",
+                   getenv("TSYS_DIST_SECRET") ? strlen(getenv("TSYS_DIST_SECRET")) : (size_t)0);
     // the launcher does nothing inside a rank
     int code = 7;
     char *argv[] = { (char *)"x", NULL };

@@ -43,7 +43,7 @@ fi
 # the rendezvous itself: nobody there
 port=$((20000 + RANDOM % 20000))
 case_ "rendezvous: rank 0 never comes" $((T + 4)) "could not join rank 0 at 127.0.0.1:$port within $T s" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$bin"
-case_ "rendezvous: rank 1 never comes" $((T + 4)) "rank\(s\) 1 never connected" env RANK=0 WORLD_SIZE=2 MASTER_PORT=$port "$bin"
+case_ "rendezvous: rank 1 never comes" $((T + 4)) "rank\(s\) 1 never joined" env RANK=0 WORLD_SIZE=2 MASTER_PORT=$port "$bin"
 case_ "rendezvous: bad RANK" 4 "RANK='5' and WORLD_SIZE='2'" env RANK=5 WORLD_SIZE=2 MASTER_PORT=$port "$bin"
 # the allreduce driver's flags: a usage error (exit 2) naming the bad value, before any rank starts
 ar=$BUILD/allreduce
