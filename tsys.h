@@ -43,6 +43,11 @@
       Ops return a new tensor or NULL. A NULL input makes an op return NULL without touching the
       error already recorded, so a whole forward pass can be written without checks and tested once
       at the end with tsys_ctx_status(). tsys_ctx_clear_error() resets the sticky error.
+      Misuse of the API is an error too, never a crash or corrupted memory: a NULL context, object,
+      name or path (a NULL context has nowhere to keep a message: the function returns NULL or
+      TSYS_ERR_INVALID_ARGS), a device outside tsys_device, a tensor of another context, a storage
+      resized under its tensors, bad optimizer hyper-parameters. Tensors may outlive their context
+      (see tsys_ctx_free).
       Ops that index by tensor values (embedding ids, cross-entropy targets) reject a value outside
       [0, rows) naming the op, the value, its position and the range, and write nothing. On the CPU
       the op fails at once; on CUDA the kernels skip the value and the error is raised at the next
@@ -193,6 +198,8 @@ typedef struct tsys_storage {
     bool external;       // memory tsys did not allocate (tsys_tensor_wrap): given back through release, if any
     void (*release)(void *user, void *data, size_t bytes);
     void *release_user;
+    size_t extent;       // the most bytes from data any tensor on it has reached (its own, views, rebinds): a
+                         // resize keeps at least this many (or frees the memory, 0), never cuts under a tensor
 } tsys_storage;
 
 typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
@@ -419,6 +426,12 @@ typedef struct tsys_trace_hooks {
 
 // context and errors
 TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc);
+// Frees the context: its tape, autocast's weight copies, its hooks and its device backends go at once
+// (a device backend's memory goes with it, live tensors' too: a CUDA tensor still held has no memory
+// from here on). What is still held (tensors, models, optimizers) keeps only the context's header, which
+// goes with the last of them: releasing them after tsys_ctx_free (tsys_tensor_release, tsys_model_free,
+// tsys_optim_free) is safe and frees their CPU memory, and memory a tensor wraps still goes back to its
+// owner then. Release is all they are good for: the context is gone for every other use. NULL: nothing.
 TSYSDEF void tsys_ctx_free(tsys_ctx *ctx);
 TSYSDEF tsys_status tsys_ctx_status(const tsys_ctx *ctx);
 TSYSDEF const char *tsys_ctx_last_error(const tsys_ctx *ctx);
@@ -481,7 +494,7 @@ TSYSDEF tsys_tensor *tsys_tensor_from_data(tsys_ctx *ctx, tsys_dtype dt, tsys_de
 TSYSDEF int64_t tsys_shape_bytes(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_t *shape);   // -1 + the context's error on a bad shape
 // A tensor over memory tsys did not allocate (a communication library's buffer, a mapped file): data must hold
 // the shape's bytes on dev; release (may be NULL: the caller keeps ownership) runs once, when the last tensor
-// on it goes. It counts in the memory tracker like storage, and cannot be resized.
+// on it goes (after tsys_ctx_free too). It counts in the memory tracker like storage, and cannot be resized.
 TSYSDEF tsys_tensor *tsys_tensor_wrap(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, void *data,
                                       void (*release)(void *user, void *data, size_t bytes), void *user);
 TSYSDEF tsys_tensor *tsys_tensor_retain(tsys_tensor *t);
@@ -489,7 +502,7 @@ TSYSDEF void tsys_tensor_release(tsys_tensor *t);
 TSYSDEF int64_t tsys_tensor_numel(const tsys_tensor *t);
 TSYSDEF size_t tsys_tensor_bytes(const tsys_tensor *t);
 TSYSDEF void *tsys_tensor_data(const tsys_tensor *t);
-TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...);
+TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...);   // printf-style; NULL t or fmt: nothing
 TSYSDEF bool tsys_tensor_same_shape(const tsys_tensor *a, const tsys_tensor *b);
 TSYSDEF tsys_tensor *tsys_tensor_to(tsys_ctx *ctx, const tsys_tensor *t, tsys_device dev);        // copy, no autograd
 TSYSDEF tsys_tensor *tsys_tensor_clone(tsys_ctx *ctx, const tsys_tensor *t);                      // copy, no autograd
@@ -514,8 +527,12 @@ TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t);
 // Storage surgery for sharded training (tsys_dist.h's FSDP). rebind: t becomes a window of target's
 // storage at byte_offset (its dtype and shape kept, its old storage released; the window must fit).
 // resize: frees (bytes = 0) or reallocates the memory of t's storage under every tensor that views it,
-// as torch's storage().resize_(0) does for FSDP's parameters; the contents are undefined afterwards and
-// a tensor on a 0-byte storage must not be read. The tracker sees the bytes come and go.
+// as torch's storage().resize_(0) does for FSDP's parameters; the contents are undefined afterwards.
+// A size other than 0 must cover every tensor that was placed on the storage (its own, views, rebinds:
+// the storage's extent), else the resize is refused: a shrink under a live view would leave it past the
+// end. A tensor on a 0-byte storage has no memory: ops, kernels and copies given it fail with an error
+// (tsys_tensor_data is NULL + offset: do not read it yourself). The tracker sees the bytes come and go.
+// Both take tensors of ctx only.
 TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset);
 TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes);
 // Gradient-ready hooks: fn runs once per backward, the moment t's gradient is final (after its last
@@ -569,7 +586,8 @@ TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low);     // TSYS_BF1
 TSYSDEF void tsys_autocast_end(tsys_ctx *ctx);                       // also drops the region's low-precision weights (not the kept ones)
 TSYSDEF tsys_dtype tsys_autocast_dtype(const tsys_ctx *ctx);         // TSYS_F32 when off
 
-// ops (forward + backward). Inputs are borrowed; the result is a new reference.
+// ops (forward + backward). Inputs are borrowed; the result is a new reference. Every input must
+// belong to ctx (made by it or from its tensors): a tensor of another context is an error naming the op.
 TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt);
 TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_tensor *ids);
 TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias);  // x W^T (+ b)
@@ -716,7 +734,10 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
 
 // optimizers and training utilities
 // AdamW desc, 0 = default: lr 1e-3 | beta1 0.9 | beta2 0.999 | eps 1e-8 | weight_decay 0.01.
-// weight_decay 0 cannot be asked for with 0; set no_weight_decay instead.
+// weight_decay 0 cannot be asked for with 0; set no_weight_decay instead. As torch.optim, the
+// constructors refuse (NULL, and an error naming the field and its rule) lr < 0, eps < 0, a beta
+// outside [0, 1), weight_decay < 0, and NaN or infinity anywhere; so does tsys_optim_set_lr, which
+// then keeps the rate it had. params must hold n (>= 0) tensors of ctx.
 typedef struct tsys_optim_desc {
     float lr, beta1, beta2, eps, weight_decay;
     bool no_weight_decay;
@@ -767,6 +788,10 @@ TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
 TSYSDEF void tsys_optim_free(tsys_optim *opt);
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm);   // returns the norm before clipping
+// The cs336 schedule: max_lr * it / warmup_iters while it < warmup_iters; then the cosine from max_lr
+// down to min_lr until it reaches cosine_cycle_iters; min_lr from there on (a cycle equal to the warmup
+// has no cosine part: min_lr right after the warmup). NAN for nonsense (which tsys_optim_set_lr
+// refuses): it < 0, warmup_iters < 0, cosine_cycle_iters < warmup_iters, a rate that is NaN or negative.
 TSYSDEF double tsys_cosine_lr(int64_t it, double max_lr, double min_lr, int64_t warmup_iters, int64_t cosine_cycle_iters);
 TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n);          // lazy: marks them zero (see the implementation)
 TSYSDEF void tsys_release_grads(tsys_ctx *ctx, tsys_tensor **params, int n);       // zero_grad(set_to_none=True): a model's gradients are given back
@@ -895,6 +920,10 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps);   // measured CBLAS sgemm
 #define TSYS__FAIL(ctx, status, ...) tsys__fail((ctx), (status), __FILE__, __LINE__, __VA_ARGS__)
 // Checks a caller-supplied condition; on failure records "func: message" and returns NULL.
 #define TSYS__REQUIRE(ctx, cond, ...) do { if (!(cond)) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, __VA_ARGS__); return NULL; } } while (0)
+// The same for any public function: returns ret (TSYS_ERR_INVALID_ARGS, NULL, NAN, ...; left empty in a
+// function returning void). A NULL ctx has nowhere to keep the message: TSYS__CHECK_ARG(ctx, ctx, ret, ...)
+// just returns.
+#define TSYS__CHECK_ARG(ctx, cond, ret, ...) do { if (!(cond)) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, __VA_ARGS__); return ret; } } while (0)
 
 // >>structs (private) -----------------------------------------------------------------------------
 
@@ -1035,6 +1064,10 @@ struct tsys_ctx {
     int num_ranges;
     struct tsys__backward_hook *bwd_hooks;
     int num_bwd_hooks;
+    // lifetime: what was made from the context (storages, models, optimizers) keeps it; after
+    // tsys_ctx_free the last of them to go frees it (tsys__ctx_unref)
+    int64_t users;
+    bool freed;
 };
 
 // >>logging / errors ------------------------------------------------------------------------------
@@ -1073,9 +1106,30 @@ TSYSDEF const char *tsys_status_str(tsys_status s) {
 
 TSYSDEF tsys_status tsys_ctx_status(const tsys_ctx *ctx) { return ctx ? ctx->status : TSYS_ERR_INVALID_ARGS; }
 TSYSDEF const char *tsys_ctx_last_error(const tsys_ctx *ctx) { return ctx ? (ctx->status ? ctx->error : "") : "no context"; }
-TSYSDEF void tsys_ctx_clear_error(tsys_ctx *ctx) { ctx->status = TSYS_OK; ctx->error[0] = 0; }
+TSYSDEF void tsys_ctx_clear_error(tsys_ctx *ctx) { if (ctx) { ctx->status = TSYS_OK; ctx->error[0] = 0; } }
 
-TSYSDEF double tsys_ctx_time_us(const tsys_ctx *ctx) { return tsys_time_us() - ctx->t0_us; }
+TSYSDEF double tsys_ctx_time_us(const tsys_ctx *ctx) { return ctx ? tsys_time_us() - ctx->t0_us : NAN; }
+
+// A tsys_device value from the caller: one of the enum's (it indexes the backend and tracker tables).
+static bool tsys__device_ok(tsys_ctx *ctx, const char *fn, tsys_device dev) {
+    if ((unsigned)dev < TSYS_DEVICE_COUNT) return true;
+    TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: device %d is not a tsys_device (TSYS_CPU = 0, TSYS_CUDA = 1)", fn, (int)dev);
+    return false;
+}
+static const char *tsys__device_name(tsys_device dev) { return dev == TSYS_CPU ? "cpu" : dev == TSYS_CUDA ? "cuda" : "?"; }
+
+// A tensor given to ctx must be one of ctx's: its storage's allocator, tracker and tape are ctx's.
+static bool tsys__owned(tsys_ctx *ctx, const char *fn, const tsys_tensor *t) {
+    if (t->storage->ctx == ctx) return true;
+    TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' belongs to another context (a tensor is used only with the context that made it)", fn, t->name);
+    return false;
+}
+// A tensor whose bytes are there to be read or written (not on a storage freed by tsys_storage_resize).
+static bool tsys__has_memory(tsys_ctx *ctx, const char *fn, const tsys_tensor *t) {
+    if (t->storage->data) return true;
+    TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' has no memory (its storage was resized to 0: a sharded parameter used outside its all-gather?)", fn, t->name);
+    return false;
+}
 TSYSDEF double tsys_time_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1184,6 +1238,7 @@ static inline TSYS_HOSTDEV float tsys__hash_normal(uint64_t seed, uint64_t i, ui
 // >>memory ----------------------------------------------------------------------------------------
 
 TSYSDEF int tsys_mem_tag(tsys_ctx *ctx, const char *tag) {
+    if (!ctx || !tag) return 0;   // the first tag ("other")
     tsys__mem_tracker *m = &ctx->mem;
     for (int i = 0; i < m->num_tags; i++)
         if (strcmp(m->tag_names[i], tag) == 0) return i;
@@ -1195,22 +1250,36 @@ TSYSDEF int tsys_mem_tag(tsys_ctx *ctx, const char *tag) {
     return m->num_tags++;
 }
 TSYSDEF const char *tsys_mem_tag_name(const tsys_ctx *ctx, int tag) {
-    return (tag >= 0 && tag < ctx->mem.num_tags) ? ctx->mem.tag_names[tag] : "?";
+    return (ctx && tag >= 0 && tag < ctx->mem.num_tags) ? ctx->mem.tag_names[tag] : "?";
 }
-TSYSDEF int tsys_mem_num_tags(const tsys_ctx *ctx) { return ctx->mem.num_tags; }
-TSYSDEF int tsys_mem_set_tag(tsys_ctx *ctx, int tag) { int old = ctx->mem.cur_tag; ctx->mem.cur_tag = tag; return old; }
+TSYSDEF int tsys_mem_num_tags(const tsys_ctx *ctx) { return ctx ? ctx->mem.num_tags : 0; }
+TSYSDEF int tsys_mem_set_tag(tsys_ctx *ctx, int tag) {
+    if (!ctx) return 0;
+    int old = ctx->mem.cur_tag;
+    if (tag >= 0 && tag < ctx->mem.num_tags) ctx->mem.cur_tag = tag;   // it indexes the tag table
+    return old;
+}
 TSYSDEF int64_t tsys_mem_tag_bytes(const tsys_ctx *ctx, int tag, tsys_device dev) {
-    return (tag >= 0 && tag < ctx->mem.num_tags) ? ctx->mem.tag_bytes[tag][dev] : 0;
+    return (ctx && tag >= 0 && tag < ctx->mem.num_tags && (unsigned)dev < TSYS_DEVICE_COUNT) ? ctx->mem.tag_bytes[tag][dev] : 0;
 }
-TSYSDEF tsys_mem_stats tsys_mem_stats_get(const tsys_ctx *ctx, tsys_device dev) { return ctx->mem.dev[dev]; }
+// A device outside the enum has no totals: zeros (no context to hold an error: these are const getters).
+TSYSDEF tsys_mem_stats tsys_mem_stats_get(const tsys_ctx *ctx, tsys_device dev) {
+    tsys_mem_stats none;
+    memset(&none, 0, sizeof(none));
+    return ctx && (unsigned)dev < TSYS_DEVICE_COUNT ? ctx->mem.dev[dev] : none;
+}
 TSYSDEF void tsys_mem_reset_peak(tsys_ctx *ctx, tsys_device dev) {
+    if (!ctx || !tsys__device_ok(ctx, "tsys_mem_reset_peak", dev)) return;
     tsys_mem_stats *s = &ctx->mem.dev[dev];
     s->peak_bytes = s->live_bytes;
     memcpy(s->peak_category_bytes, s->category_bytes, sizeof(s->category_bytes));
 }
-TSYSDEF const tsys_mem_event *tsys_mem_events(const tsys_ctx *ctx, size_t *count) { *count = ctx->mem.num_events; return ctx->mem.events; }
-TSYSDEF void tsys_mem_record_events(tsys_ctx *ctx, bool on) { ctx->mem.record = on; }
-TSYSDEF void tsys_mem_clear_events(tsys_ctx *ctx) { ctx->mem.num_events = 0; }
+TSYSDEF const tsys_mem_event *tsys_mem_events(const tsys_ctx *ctx, size_t *count) {
+    if (count) *count = ctx ? ctx->mem.num_events : 0;
+    return ctx ? ctx->mem.events : NULL;
+}
+TSYSDEF void tsys_mem_record_events(tsys_ctx *ctx, bool on) { if (ctx) ctx->mem.record = on; }
+TSYSDEF void tsys_mem_clear_events(tsys_ctx *ctx) { if (ctx) ctx->mem.num_events = 0; }
 
 TSYSDEF const char *tsys_mem_category_name(tsys_mem_category c) {
     static const char *names[TSYS_MEM_CATEGORY_COUNT] = {
@@ -1221,8 +1290,10 @@ TSYSDEF const char *tsys_mem_category_name(tsys_mem_category c) {
     return (unsigned)c < TSYS_MEM_CATEGORY_COUNT ? names[c] : "?";
 }
 TSYSDEF tsys_mem_category tsys_mem_set_category(tsys_ctx *ctx, tsys_mem_category c) {
+    if (!ctx) return TSYS_MEM_TEMPORARY;
     tsys_mem_category old = ctx->mem.cur_category;
-    ctx->mem.cur_category = c;
+    if ((unsigned)c < TSYS_MEM_CATEGORY_COUNT) ctx->mem.cur_category = c;   // it indexes the per-category totals
+    else TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_mem_set_category: %d is not a tsys_mem_category", (int)c);
     return old;
 }
 
@@ -1283,16 +1354,27 @@ static void tsys__mem_saved(tsys_ctx *ctx, tsys_storage *st, int saved) {
 }
 
 // A storage header over data (bytes of it on dev), counted by the memory tracker from now on.
-static void tsys__storage_init(tsys_ctx *ctx, tsys_storage *s, tsys_device dev, void *data, size_t bytes) {
+// Every storage, model and optimizer made from a context keeps it: tsys_ctx_free frees it at once only
+// when none is left; otherwise the last of them to go does (the contract at tsys_ctx_free).
+static void tsys__ctx_destroy(tsys_ctx *ctx);
+static void tsys__ctx_ref(tsys_ctx *ctx) { ctx->users++; }
+static void tsys__ctx_unref(tsys_ctx *ctx) {
+    if (--ctx->users == 0 && ctx->freed) tsys__ctx_destroy(ctx);
+}
+
+// A storage header over data (bytes of it on dev), counted by the memory tracker from now on; `used`
+// is what the tensor it is made for reaches (its extent).
+static void tsys__storage_init(tsys_ctx *ctx, tsys_storage *s, tsys_device dev, void *data, size_t bytes, size_t used) {
     memset(s, 0, sizeof *s);
-    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = bytes; s->refcount = 1;
+    s->ctx = ctx; s->device = dev; s->data = data; s->bytes = bytes; s->refcount = 1; s->extent = used;
     s->tag = ctx->mem.cur_tag; s->category = ctx->mem.cur_category; s->id = ++ctx->mem.next_id;
+    tsys__ctx_ref(ctx);
     if (bytes) tsys__mem_change(ctx, dev, s->tag, s->category, (int64_t)bytes, true, s);
 }
 
 static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t bytes) {
     const tsys_backend *be = ctx->backends[dev];
-    if (!be) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu"); return NULL; }
+    if (!be) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", tsys__device_name(dev)); return NULL; }
     size_t asked = bytes ? bytes : 1;
     if (dev == TSYS_CPU && asked > ctx->cpu_memory_limit - TSYS__MIN((size_t)ctx->mem.dev[dev].live_bytes, ctx->cpu_memory_limit)) {
         TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of memory: %zu bytes asked on cpu with %lld live (budget %zu: see tsys_ctx_desc.cpu_memory_limit)", asked,
@@ -1307,7 +1389,7 @@ static tsys_storage *tsys__storage_new(tsys_ctx *ctx, tsys_device dev, size_t by
                    (long long)ctx->mem.dev[dev].live_bytes);
         return NULL;
     }
-    tsys__storage_init(ctx, s, dev, data, asked);
+    tsys__storage_init(ctx, s, dev, data, asked, bytes);
     return s;
 }
 
@@ -1315,16 +1397,28 @@ static void tsys__storage_release(tsys_storage *s) {
     if (!s || --s->refcount > 0) return;
     tsys_ctx *ctx = s->ctx;
     if (s->external) { if (s->release) s->release(s->release_user, s->data, s->bytes); }
-    else if (s->data) ctx->backends[s->device]->free(ctx, s->data, s->bytes);   // NULL: resized to 0 (tsys_storage_resize)
+    // data NULL: resized to 0 (tsys_storage_resize); no backend: it was destroyed by tsys_ctx_free, its memory with it
+    else if (s->data && ctx->backends[s->device]) ctx->backends[s->device]->free(ctx, s->data, s->bytes);
     if (s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
     TSYS_FREE(s);
+    tsys__ctx_unref(ctx);
 }
 
+// A tensor now reaches `end` bytes into its storage: a resize must keep that much.
+static void tsys__storage_reach(tsys_storage *s, size_t end) { if (end > s->extent) s->extent = end; }
+
 TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t bytes) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
     if (!t) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize: NULL tensor");
+    if (!tsys__owned(ctx, "storage resize", t)) return TSYS_ERR_INVALID_ARGS;
     tsys_storage *s = t->storage;
     if (bytes == (s->data ? s->bytes : 0)) return TSYS_OK;
     if (s->external) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize: '%s' wraps memory tsys did not allocate (tsys_tensor_wrap)", t->name);
+    // the tensors on it (t, its views, tensors rebound into it) stay within their storage: free it, or
+    // give it at least what they reach; never cut under one of them
+    if (bytes && bytes < s->extent)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "storage resize of '%s' to %zu bytes: tensors on its storage reach %zu bytes (resize to 0 to free it, or to at least %zu)",
+                          t->name, bytes, s->extent, s->extent);
     const tsys_backend *be = ctx->backends[s->device];
     void *data = NULL;
     if (bytes) {
@@ -1348,16 +1442,17 @@ TSYSDEF tsys_status tsys_storage_resize(tsys_ctx *ctx, tsys_tensor *t, size_t by
 // >>tensors ---------------------------------------------------------------------------------------
 
 TSYSDEF int64_t tsys_tensor_numel(const tsys_tensor *t) {
+    if (!t) return 0;
     int64_t n = 1;
     for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
     return n;
 }
-TSYSDEF size_t tsys_tensor_bytes(const tsys_tensor *t) { return (size_t)tsys_tensor_numel(t) * tsys_dtype_size(t->dtype); }
-TSYSDEF void *tsys_tensor_data(const tsys_tensor *t) { return (char *)t->storage->data + t->offset; }
+TSYSDEF size_t tsys_tensor_bytes(const tsys_tensor *t) { return t ? (size_t)tsys_tensor_numel(t) * tsys_dtype_size(t->dtype) : 0; }
+TSYSDEF void *tsys_tensor_data(const tsys_tensor *t) { return t ? (char *)t->storage->data + t->offset : NULL; }
 TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t) { if (t) t->storage->version++; }
 
 TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...) {
-    if (!t) return;
+    if (!t || !fmt) return;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(t->name, sizeof(t->name), fmt, ap);
@@ -1365,7 +1460,7 @@ TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...) {
 }
 
 TSYSDEF bool tsys_tensor_same_shape(const tsys_tensor *a, const tsys_tensor *b) {
-    if (a->ndim != b->ndim) return false;
+    if (!a || !b || a->ndim != b->ndim) return false;
     for (int i = 0; i < a->ndim; i++)
         if (a->shape[i] != b->shape[i]) return false;
     return true;
@@ -1380,6 +1475,7 @@ static void tsys__shape_str(const tsys_tensor *t, char *buf, size_t len) {
 TSYSDEF int64_t tsys_shape_bytes(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_t *shape) {
     if (ndim < 0 || ndim > TSYS_MAX_DIMS) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: %d dims (at most %d)", ndim, TSYS_MAX_DIMS); return -1; }
     if ((unsigned)dt >= TSYS_DTYPE_COUNT) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: unknown dtype %d", (int)dt); return -1; }
+    if (!shape && ndim > 0) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: shape is NULL (for %d dims)", ndim); return -1; }
     int64_t numel = 1, max_numel = INT64_MAX / (int64_t)tsys_dtype_size(dt);
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor: negative size %lld in dim %d", (long long)shape[i], i); return -1; }
@@ -1393,7 +1489,8 @@ TSYSDEF int64_t tsys_shape_bytes(tsys_ctx *ctx, tsys_dtype dt, int ndim, const i
 }
 
 static tsys_tensor *tsys__tensor_header(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
-    if (tsys_shape_bytes(ctx, dt, ndim, shape) < 0) return NULL;
+    TSYS__CHECK_ARG(ctx, ctx, NULL, "no context");
+    if (!tsys__device_ok(ctx, "tensor", dev) || tsys_shape_bytes(ctx, dt, ndim, shape) < 0) return NULL;
     tsys_tensor *t = (tsys_tensor *)TSYS_MALLOC(sizeof(tsys_tensor));
     if (!t) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a tensor header"); return NULL; }
     memset(t, 0, sizeof(*t));
@@ -1419,12 +1516,14 @@ TSYSDEF tsys_tensor *tsys_tensor_new_2d(tsys_ctx *ctx, tsys_dtype dt, tsys_devic
 
 static tsys_status tsys__copy_bytes(tsys_ctx *ctx, void *dst, tsys_device dd, const void *src, tsys_device sd, size_t bytes) {
     if (bytes == 0) return TSYS_OK;
+    if (!ctx) return TSYS_ERR_INVALID_ARGS;
     const tsys_backend *be = ctx->backends[dd != TSYS_CPU ? dd : sd];
     if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "copy: device has no backend");
     return be->copy(ctx, dst, dd, src, sd, bytes);
 }
 
 TSYSDEF tsys_tensor *tsys_tensor_from_data(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, const void *host_data) {
+    TSYS__CHECK_ARG(ctx, host_data, NULL, "tensor_from_data: host_data is NULL");
     tsys_tensor *t = tsys_tensor_new(ctx, dt, dev, ndim, shape);
     if (t && tsys__copy_bytes(ctx, tsys_tensor_data(t), dev, host_data, TSYS_CPU, tsys_tensor_bytes(t)) != TSYS_OK) {
         tsys_tensor_release(t);
@@ -1435,8 +1534,10 @@ TSYSDEF tsys_tensor *tsys_tensor_from_data(tsys_ctx *ctx, tsys_dtype dt, tsys_de
 
 TSYSDEF tsys_tensor *tsys_tensor_wrap(tsys_ctx *ctx, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape, void *data,
                                       void (*release)(void *user, void *data, size_t bytes), void *user) {
+    TSYS__CHECK_ARG(ctx, ctx, NULL, "no context");
     if (!data) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor_wrap: data is NULL"); return NULL; }
-    if (!ctx->backends[dev]) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor_wrap: device %s has no backend", dev == TSYS_CUDA ? "cuda" : "cpu"); return NULL; }
+    if (!tsys__device_ok(ctx, "tensor_wrap", dev)) return NULL;
+    if (!ctx->backends[dev]) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tensor_wrap: device %s has no backend", tsys__device_name(dev)); return NULL; }
     tsys_tensor *t = tsys__tensor_header(ctx, dt, dev, ndim, shape);
     tsys_storage *s = t ? (tsys_storage *)TSYS_MALLOC(sizeof(tsys_storage)) : NULL;
     if (!s) {
@@ -1446,7 +1547,7 @@ TSYSDEF tsys_tensor *tsys_tensor_wrap(tsys_ctx *ctx, tsys_dtype dt, tsys_device 
     }
     t->storage = s;
     ctx->mem.making = t;   // the allocation event carries the tensor's shape
-    tsys__storage_init(ctx, s, dev, data, tsys_tensor_bytes(t));
+    tsys__storage_init(ctx, s, dev, data, tsys_tensor_bytes(t), tsys_tensor_bytes(t));
     ctx->mem.making = NULL;
     s->external = true; s->release = release; s->release_user = user;
     return t;
@@ -1477,11 +1578,14 @@ TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t 
     }
     v->storage = t->storage; v->storage->refcount++;
     v->offset = t->offset + byte_offset;
+    tsys__storage_reach(v->storage, v->offset + need);
     return v;
 }
 
 TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tensor *target, size_t byte_offset) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
     if (!t || !target) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind: NULL tensor");
+    if (!tsys__owned(ctx, "rebind", t) || !tsys__owned(ctx, "rebind", target)) return TSYS_ERR_INVALID_ARGS;
     if (t->device != target->device) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "rebind '%s' into '%s': different devices", t->name, target->name);
     size_t off = target->offset + byte_offset;
     if (off + tsys_tensor_bytes(t) > target->storage->bytes)
@@ -1491,12 +1595,14 @@ TSYSDEF tsys_status tsys_tensor_rebind(tsys_ctx *ctx, tsys_tensor *t, tsys_tenso
     tsys__storage_release(t->storage);
     t->storage = target->storage;
     t->offset = off;
+    tsys__storage_reach(t->storage, off + tsys_tensor_bytes(t));
     t->grad_home = NULL;   // its gradient no longer lies where its group's block would put it
     return TSYS_OK;
 }
 
 TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const tsys_tensor *src) {
     if (!dst || !src) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "copy: NULL tensor");
+    if (!tsys__has_memory(ctx, "copy", dst) || !tsys__has_memory(ctx, "copy", src)) return TSYS_ERR_INVALID_ARGS;
     if (dst->dtype != src->dtype || tsys_tensor_numel(dst) != tsys_tensor_numel(src))
         return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "copy into '%s': dtype/size differ (%s x %lld vs %s x %lld)", dst->name,
                           tsys_dtype_name(dst->dtype), (long long)tsys_tensor_numel(dst), tsys_dtype_name(src->dtype), (long long)tsys_tensor_numel(src));
@@ -1505,7 +1611,7 @@ TSYSDEF tsys_status tsys_tensor_copy_from(tsys_ctx *ctx, tsys_tensor *dst, const
 }
 
 TSYSDEF tsys_tensor *tsys_tensor_to(tsys_ctx *ctx, const tsys_tensor *t, tsys_device dev) {
-    if (!t) return NULL;
+    if (!t) return NULL;   // an earlier failure (its error stays)
     tsys_tensor *r = tsys_tensor_new(ctx, t->dtype, dev, t->ndim, t->shape);
     if (r && tsys_tensor_copy_from(ctx, r, t) != TSYS_OK) { tsys_tensor_release(r); return NULL; }
     if (r) memcpy(r->name, t->name, sizeof(r->name));
@@ -1514,10 +1620,13 @@ TSYSDEF tsys_tensor *tsys_tensor_to(tsys_ctx *ctx, const tsys_tensor *t, tsys_de
 TSYSDEF tsys_tensor *tsys_tensor_clone(tsys_ctx *ctx, const tsys_tensor *t) { return t ? tsys_tensor_to(ctx, t, t->device) : NULL; }
 
 TSYSDEF tsys_status tsys_tensor_to_host(tsys_ctx *ctx, const tsys_tensor *t, void *host) {
+    if (!t || !host) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "to_host: %s is NULL", t ? "host" : "the tensor");
+    if (!tsys__has_memory(ctx, "to_host", t)) return TSYS_ERR_INVALID_ARGS;
     return tsys__copy_bytes(ctx, host, TSYS_CPU, tsys_tensor_data(t), t->device, tsys_tensor_bytes(t));
 }
 
 TSYSDEF tsys_status tsys_tensor_to_f32(tsys_ctx *ctx, const tsys_tensor *t, float *host) {
+    if (!t || !host) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "to_f32: %s is NULL", t ? "host" : "the tensor");
     if (t->dtype == TSYS_F32) return tsys_tensor_to_host(ctx, t, host);
     int64_t n = tsys_tensor_numel(t);
     void *raw = TSYS_MALLOC(tsys_tensor_bytes(t) + 1);
@@ -1532,6 +1641,7 @@ static tsys_status tsys__kernel(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, c
 
 // A NULL tensor given to a filling function: an earlier failure (its error stays) or a caller's bug.
 static tsys_status tsys__null_tensor(tsys_ctx *ctx, const char *what) {
+    if (!ctx) return TSYS_ERR_INVALID_ARGS;
     return ctx->status != TSYS_OK ? ctx->status : TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: NULL tensor", what);
 }
 
@@ -1575,6 +1685,7 @@ TSYSDEF tsys_status tsys_tensor_accumulate(tsys_ctx *ctx, tsys_tensor *dst, cons
 
 // Fills t on the host with gen(ctx) values, then copies to t's device.
 static tsys_status tsys__fill_host(tsys_ctx *ctx, tsys_tensor *t, float (*gen)(tsys_ctx *, const float *), const float *p) {
+    if (!tsys__has_memory(ctx, "fill", t)) return TSYS_ERR_INVALID_ARGS;
     int64_t n = tsys_tensor_numel(t);
     void *raw = TSYS_MALLOC(tsys_tensor_bytes(t) + 1);
     if (!raw) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory filling '%s'", t->name);
@@ -1593,16 +1704,18 @@ static uint64_t tsys__splitmix(uint64_t *x) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
-TSYSDEF void tsys_rng_seed(tsys_ctx *ctx, uint64_t seed) { for (int i = 0; i < 4; i++) ctx->rng[i] = tsys__splitmix(&seed); }
+TSYSDEF void tsys_rng_seed(tsys_ctx *ctx, uint64_t seed) { for (int i = 0; ctx && i < 4; i++) ctx->rng[i] = tsys__splitmix(&seed); }
 static uint64_t tsys__rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 TSYSDEF uint64_t tsys_rng_next(tsys_ctx *ctx) {
+    if (!ctx) return 0;
     uint64_t *s = ctx->rng;
     uint64_t r = tsys__rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
     s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= t; s[3] = tsys__rotl(s[3], 45);
     return r;
 }
-TSYSDEF float tsys_rng_uniform(tsys_ctx *ctx) { return (float)((tsys_rng_next(ctx) >> 40) * (1.0 / 16777216.0)); }
+TSYSDEF float tsys_rng_uniform(tsys_ctx *ctx) { return !ctx ? NAN : (float)((tsys_rng_next(ctx) >> 40) * (1.0 / 16777216.0)); }
 TSYSDEF float tsys_rng_normal(tsys_ctx *ctx) {
+    if (!ctx) return NAN;
     double u1 = ((tsys_rng_next(ctx) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
     double u2 = (tsys_rng_next(ctx) >> 11) * (1.0 / 9007199254740992.0);
     return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
@@ -1611,7 +1724,7 @@ static float tsys__gen_int(tsys_ctx *ctx, const float *p) { return (float)(tsys_
 
 // Normal samples drawn on the tensor's own device from a seed taken off the context's RNG.
 static tsys_status tsys__randn_kernel(tsys_ctx *ctx, tsys_tensor *t, float std, float lo, float hi) {
-    if (!t) return tsys__null_tensor(ctx, "randn");
+    if (!ctx || !t) return tsys__null_tensor(ctx, "randn");
     tsys_kargs a;
     memset(&a, 0, sizeof(a));
     if (!tsys_dtype_is_float(t->dtype)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "randn: '%s' is not a float tensor", t->name);
@@ -1625,7 +1738,7 @@ TSYSDEF tsys_status tsys_tensor_trunc_normal(tsys_ctx *ctx, tsys_tensor *t, floa
 }
 TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t hi) {
     float p[1] = {(float)hi};
-    if (!t) return tsys__null_tensor(ctx, "randint");
+    if (!ctx || !t) return tsys__null_tensor(ctx, "randint");
     if (hi <= 0 || hi > (1 << 24)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "randint: bound %lld out of (0, 2^24]", (long long)hi);
     return tsys__fill_host(ctx, t, tsys__gen_int, p);
 }
@@ -2402,15 +2515,19 @@ static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_karg
 }
 
 // Every launch of tsys.h goes through these two: the contract check (TSYS_DEBUG) and the kernel hook.
+// Always checked, as they would otherwise corrupt memory: every tensor is one of ctx's (its memory is on
+// ctx's device, in ctx's allocator) and has memory (a storage resized to 0, a sharded parameter outside
+// its gather, is an error, not a crash). Ops check their inputs at their entry (tsys__check_inputs), so
+// this names the kernel only for what launches directly (fills, copies, optimizers).
 static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g) {
+    if (!ctx) return TSYS_ERR_INVALID_ARGS;
+    if (!tsys__device_ok(ctx, tsys_kernel_name(k), dev)) return TSYS_ERR_INVALID_ARGS;
     const tsys_backend *be = ctx->backends[dev];
-    if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", dev == TSYS_CUDA ? "cuda" : "cpu");
-    // a tensor whose storage was resized to 0 (a sharded parameter outside its gather): an error, not a crash
+    if (!be) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "device %s has no backend (call tsys_cuda_init first)", tsys__device_name(dev));
     const tsys_tensor *gt[3] = {g ? g->a : NULL, g ? g->b : NULL, g ? g->c : NULL};
     for (int j = 0; j < (a ? TSYS_KARGS_MAX : 3); j++) {
         const tsys_tensor *x = a ? a->t[j] : gt[j];
-        if (x && !x->storage->data)
-            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' has no memory (its storage was resized to 0: a sharded parameter used outside its all-gather?)", tsys_kernel_name(k), x->name);
+        if (x && (!tsys__owned(ctx, tsys_kernel_name(k), x) || !tsys__has_memory(ctx, tsys_kernel_name(k), x))) return TSYS_ERR_INVALID_ARGS;
     }
 #if TSYS_DEBUG
     if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
@@ -2472,34 +2589,64 @@ TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc) {
 
 static void tsys__autocast_cache_clear(tsys_ctx *ctx);
 
+// The context's header (the struct itself), once tsys_ctx_free has run and nothing made from it remains.
+static void tsys__ctx_destroy(tsys_ctx *ctx) { TSYS_FREE(ctx); }
+
+// Everything goes now but the header: the tape and autocast's copies (the context's own references),
+// the device backends (a backend's destroy gives its memory back, that of live tensors too: CUDA
+// cudaFree's every block), the hooks, tags and timeline. What the caller still holds (tensors, models,
+// optimizers) keeps the header until the last of it goes (tsys__ctx_unref): a release then finds the
+// tracker's totals (inline in the header), the built-in CPU backend (stateless: CPU memory is freed at
+// the release) and no device backend (its memory went with it). No hook runs for what outlives the
+// context: the caller may have freed what the hooks point to.
 TSYSDEF void tsys_ctx_free(tsys_ctx *ctx) {
-    if (!ctx) return;
+    if (!ctx || ctx->freed) return;
     tsys_tape_clear(ctx);
     tsys__autocast_cache_clear(ctx);
     for (int d = 0; d < TSYS_DEVICE_COUNT; d++)
         if (ctx->backends[d] && ctx->backends[d]->destroy) ctx->backends[d]->destroy(ctx);
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++)
+        if (ctx->backends[d] != &tsys__cpu_backend) ctx->backends[d] = NULL;
+    memset(&ctx->trace, 0, sizeof(ctx->trace));   // after the backends: their destroy may give hooks back
+    memset(ctx->clocks, 0, sizeof(ctx->clocks));
     TSYS_FREE(ctx->ac_src); TSYS_FREE(ctx->ac_low);
+    ctx->ac_src = ctx->ac_low = NULL; ctx->ac_len = ctx->ac_cap = 0;
     TSYS_FREE(ctx->bwd_hooks);
+    ctx->bwd_hooks = NULL; ctx->num_bwd_hooks = 0;
     TSYS_FREE(ctx->regions);
+    ctx->regions = NULL; ctx->num_regions = ctx->cap_regions = 0;
     TSYS_FREE(ctx->tape);
+    ctx->tape = NULL; ctx->tape_len = ctx->tape_cap = 0;
     for (int i = 0; i < ctx->mem.num_tags; i++) TSYS_FREE(ctx->mem.tag_names[i]);
+    ctx->mem.num_tags = 0;   // the tag ids storages keep still index tag_bytes (inline): totals only
     TSYS_FREE(ctx->mem.events);
-    TSYS_FREE(ctx);
+    ctx->mem.events = NULL; ctx->mem.num_events = ctx->mem.cap_events = 0;
+    ctx->mem.record = false;
+    ctx->freed = true;
+    if (ctx->users == 0) tsys__ctx_destroy(ctx);
 }
 
-TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_backend *backend) { ctx->backends[dev] = backend; }
-TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev) { return ctx->backends[dev]; }
-TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev) { return ctx->backends[dev] ? ctx->backends[dev]->sync(ctx) : TSYS_OK; }
+TSYSDEF void tsys_ctx_set_backend(tsys_ctx *ctx, tsys_device dev, const tsys_backend *backend) {
+    if (ctx && tsys__device_ok(ctx, "tsys_ctx_set_backend", dev)) ctx->backends[dev] = backend;
+}
+TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device dev) { return ctx && (unsigned)dev < TSYS_DEVICE_COUNT ? ctx->backends[dev] : NULL; }
+TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
+    if (!tsys__device_ok(ctx, "tsys_sync", dev)) return TSYS_ERR_INVALID_ARGS;
+    return ctx->backends[dev] ? ctx->backends[dev]->sync(ctx) : TSYS_OK;
+}
 
 // >>events ----------------------------------------------------------------------------------------
 
 static const tsys_backend *tsys__event_backend(tsys_ctx *ctx, tsys_device dev, tsys_stream s) {
+    if (!ctx) return NULL;
     const tsys_backend *be = (unsigned)dev < TSYS_DEVICE_COUNT ? ctx->backends[dev] : NULL;
     if (!be) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: device %d has no backend", (int)dev); return NULL; }
     if ((unsigned)s >= TSYS_STREAM_COUNT) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: no stream %d", (int)s); return NULL; }
     return be;
 }
 TSYSDEF tsys_status tsys_event_record(tsys_ctx *ctx, tsys_device dev, tsys_stream s, tsys_event *e) {
+    TSYS__CHECK_ARG(ctx, ctx && e, TSYS_ERR_INVALID_ARGS, "event_record: the event is NULL");
     const tsys_backend *be = tsys__event_backend(ctx, dev, s);
     if (!be) return ctx->status;
     if (e->handle && e->device != dev) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: recorded on another device before (release it first)");
@@ -2508,17 +2655,20 @@ TSYSDEF tsys_status tsys_event_record(tsys_ctx *ctx, tsys_device dev, tsys_strea
     return be->event_record(ctx, e, s);
 }
 TSYSDEF tsys_status tsys_event_wait(tsys_ctx *ctx, const tsys_event *e, tsys_stream s) {
+    TSYS__CHECK_ARG(ctx, ctx && e, TSYS_ERR_INVALID_ARGS, "event_wait: the event is NULL");
     const tsys_backend *be = tsys__event_backend(ctx, e->device, s);
     return be ? be->event_wait(ctx, e, s) : ctx->status;
 }
 TSYSDEF double tsys_event_elapsed_ms(tsys_ctx *ctx, const tsys_event *start, const tsys_event *end) {
     double ms = NAN;
+    TSYS__CHECK_ARG(ctx, ctx && start && end, NAN, "event_elapsed: an event is NULL");
     if (start->device != end->device) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "event: elapsed between two devices"); return NAN; }
     const tsys_backend *be = tsys__event_backend(ctx, end->device, end->stream);
     if (be && be->event_elapsed(ctx, start, end, &ms) != TSYS_OK) return NAN;
     return ms;
 }
 TSYSDEF void tsys_event_release(tsys_ctx *ctx, tsys_event *e) {
+    if (!ctx || !e) return;
     const tsys_backend *be = (unsigned)e->device < TSYS_DEVICE_COUNT ? ctx->backends[e->device] : NULL;
     if (be && e->handle) be->event_release(ctx, e);
     e->handle = NULL;
@@ -2532,7 +2682,10 @@ TSYSDEF tsys_stream tsys_set_stream(tsys_ctx *ctx, tsys_device dev, tsys_stream 
 
 TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx) { return ctx ? ctx->trace_weight : NULL; }
 TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trace_hooks *hooks) {
-    tsys_trace_hooks old = ctx->trace;
+    tsys_trace_hooks old;
+    memset(&old, 0, sizeof(old));
+    if (!ctx) return old;
+    old = ctx->trace;
     if (hooks) ctx->trace = *hooks;
     else memset(&ctx->trace, 0, sizeof(ctx->trace));
     return old;
@@ -2556,13 +2709,15 @@ static void tsys__op_end(tsys_ctx *ctx, tsys__op op, int old_tag) { tsys__scope_
 
 // Ranges nest; past TSYS__MAX_RANGES deep they are still reported but not tagged.
 TSYSDEF void tsys_trace_begin(tsys_ctx *ctx, const char *name) {
+    if (!ctx) return;
+    if (!name) name = "?";   // still a range, so the caller's tsys_trace_end closes this one
     int tag = tsys_mem_tag(ctx, name);
     int old = tsys__scope_begin(ctx, name, tag, TSYS_TRACE_RANGE);
     if (ctx->num_ranges < TSYS__MAX_RANGES) { ctx->ranges[ctx->num_ranges].name = name; ctx->ranges[ctx->num_ranges].tag = old; }
     ctx->num_ranges++;
 }
 TSYSDEF void tsys_trace_end(tsys_ctx *ctx) {
-    if (ctx->num_ranges == 0) return;
+    if (!ctx || ctx->num_ranges == 0) return;
     int i = --ctx->num_ranges;
     if (i < TSYS__MAX_RANGES) tsys__scope_end(ctx, ctx->ranges[i].name, TSYS_TRACE_RANGE, ctx->ranges[i].tag);
     else if (ctx->trace.op_end) ctx->trace.op_end(ctx, "?", TSYS_TRACE_RANGE, ctx->trace.user);
@@ -2570,10 +2725,10 @@ TSYSDEF void tsys_trace_end(tsys_ctx *ctx) {
 
 // >>autograd --------------------------------------------------------------------------------------
 
-TSYSDEF void tsys_no_grad_begin(tsys_ctx *ctx) { ctx->no_grad_depth++; }
-TSYSDEF void tsys_no_grad_end(tsys_ctx *ctx) { if (ctx->no_grad_depth > 0) ctx->no_grad_depth--; }
-TSYSDEF bool tsys_grad_enabled(const tsys_ctx *ctx) { return ctx->no_grad_depth == 0; }
-TSYSDEF size_t tsys_tape_size(const tsys_ctx *ctx) { return ctx->tape_len; }
+TSYSDEF void tsys_no_grad_begin(tsys_ctx *ctx) { if (ctx) ctx->no_grad_depth++; }
+TSYSDEF void tsys_no_grad_end(tsys_ctx *ctx) { if (ctx && ctx->no_grad_depth > 0) ctx->no_grad_depth--; }
+TSYSDEF bool tsys_grad_enabled(const tsys_ctx *ctx) { return ctx && ctx->no_grad_depth == 0; }
+TSYSDEF size_t tsys_tape_size(const tsys_ctx *ctx) { return ctx ? ctx->tape_len : 0; }
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on) { if (t && !t->grad_fn) t->requires_grad = on; }
 
 TSYSDEF tsys_status tsys_tensor_add_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user) {
@@ -2608,7 +2763,7 @@ static void tsys__fire_grad_hooks(tsys_ctx *ctx, tsys_tensor *leaf) {
 }
 
 TSYSDEF tsys_status tsys_ctx_add_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user) {
-    if (!fn) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward hook: NULL function");
+    if (!ctx || !fn) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward hook: NULL function");
     struct tsys__backward_hook *h = (struct tsys__backward_hook *)TSYS_REALLOC(ctx->bwd_hooks, sizeof(*h) * (size_t)(ctx->num_bwd_hooks + 1));
     if (!h) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for a backward hook");
     ctx->bwd_hooks = h;
@@ -2617,7 +2772,7 @@ TSYSDEF tsys_status tsys_ctx_add_backward_hook(tsys_ctx *ctx, tsys_backward_hook
     return TSYS_OK;
 }
 TSYSDEF bool tsys_ctx_remove_backward_hook(tsys_ctx *ctx, tsys_backward_hook_fn fn, void *user) {
-    for (int i = 0; i < ctx->num_bwd_hooks; i++) {
+    for (int i = 0; ctx && i < ctx->num_bwd_hooks; i++) {
         if (ctx->bwd_hooks[i].fn != fn || ctx->bwd_hooks[i].user != user) continue;
         memmove(&ctx->bwd_hooks[i], &ctx->bwd_hooks[i + 1], sizeof(ctx->bwd_hooks[0]) * (size_t)(ctx->num_bwd_hooks - i - 1));
         ctx->num_bwd_hooks--;
@@ -2717,6 +2872,7 @@ static void tsys__node_free(tsys_ctx *ctx, tsys__node *node) {
 }
 
 TSYSDEF void tsys_tape_clear(tsys_ctx *ctx) {
+    if (!ctx) return;
     for (size_t i = ctx->tape_len; i-- > 0;) tsys__node_free(ctx, ctx->tape[i]);
     ctx->tape_len = 0;
     ctx->num_regions = 0;   // an open region is abandoned with its tape
@@ -2854,8 +3010,10 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *node);
 static tsys_status tsys__checkpoint_materialize(tsys_ctx *ctx, tsys__node *node);
 
 TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_tensor *grad_out) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
     if (!out || !grad_out) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: NULL tensor (did the forward pass fail? %s)", ctx->error);
     if (ctx->status != TSYS_OK) return ctx->status;
+    if (!tsys__owned(ctx, "backward", out) || !tsys__owned(ctx, "backward", grad_out)) return TSYS_ERR_INVALID_ARGS;
     if (!out->grad_fn) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: '%s' was not produced by a recorded op (no_grad, or nothing requires grad)", out->name);
     if (ctx->open_region >= 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: a checkpointed region is still open (every tsys_checkpoint_begin needs its tsys_checkpoint_end first)");
     if (tsys_tensor_numel(out) != tsys_tensor_numel(grad_out))
@@ -2881,6 +3039,7 @@ TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_ten
 }
 
 TSYSDEF tsys_status tsys_backward(tsys_ctx *ctx, tsys_tensor *loss) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
     if (!loss) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: loss is NULL (did the forward pass fail? %s)", ctx->error);
     if (tsys_tensor_numel(loss) != 1) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: loss '%s' has %lld elements, expected a scalar", loss->name, (long long)tsys_tensor_numel(loss));
     tsys_tensor *one = tsys__new_like(ctx, loss, loss->dtype);
@@ -2892,14 +3051,14 @@ TSYSDEF tsys_status tsys_backward(tsys_ctx *ctx, tsys_tensor *loss) {
 
 // >>autocast --------------------------------------------------------------------------------------
 
-TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low) { ctx->autocast = (low == TSYS_BF16 || low == TSYS_F16) ? low : TSYS_F32; }
-TSYSDEF tsys_dtype tsys_autocast_dtype(const tsys_ctx *ctx) { return ctx->autocast; }
+TSYSDEF void tsys_autocast_begin(tsys_ctx *ctx, tsys_dtype low) { if (ctx) ctx->autocast = (low == TSYS_BF16 || low == TSYS_F16) ? low : TSYS_F32; }
+TSYSDEF tsys_dtype tsys_autocast_dtype(const tsys_ctx *ctx) { return ctx ? ctx->autocast : TSYS_F32; }
 
 static void tsys__autocast_cache_clear(tsys_ctx *ctx) {
     for (int i = 0; i < ctx->ac_len; i++) { tsys_tensor_release(ctx->ac_src[i]); tsys_tensor_release(ctx->ac_low[i]); }
     ctx->ac_len = 0;
 }
-TSYSDEF void tsys_autocast_end(tsys_ctx *ctx) { ctx->autocast = TSYS_F32; tsys__autocast_cache_clear(ctx); }
+TSYSDEF void tsys_autocast_end(tsys_ctx *ctx) { if (ctx) { ctx->autocast = TSYS_F32; tsys__autocast_cache_clear(ctx); } }
 
 // Where a kept copy starts in its optimizer's block (tsys_optim_keep_lowp): 256-byte aligned, as a
 // fresh allocation is. The CUDA GEMM picks its cuBLASLt algorithm by the operands' alignment (up to
@@ -2970,10 +3129,15 @@ static tsys_dtype tsys__promote(tsys_dtype a, tsys_dtype b) { return a == b ? a 
 
 // >>ops -------------------------------------------------------------------------------------------
 
-// Common entry checks: inputs present, on one device, float where a float is needed.
+// Common entry checks, which every op makes before it runs anything: a context, inputs present (a NULL
+// one: an earlier op failed, its error is already recorded), each of them one of ctx's (ctx's allocator,
+// tracker and tape are about to hold them), on one device; float where a float is needed.
 static bool tsys__check_inputs(tsys_ctx *ctx, const char *op, tsys_tensor *const *ins, int n) {
+    if (!ctx) return false;
     for (int i = 0; i < n; i++)
-        if (!ins[i]) return false;   // an earlier op failed; its error is already recorded
+        if (!ins[i]) return false;
+    for (int i = 0; i < n; i++)
+        if (!tsys__owned(ctx, op, ins[i])) return false;
     for (int i = 1; i < n; i++)
         if (ins[i]->device != ins[0]->device) {
             TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: inputs '%s' and '%s' are on different devices", op, ins[0]->name, ins[i]->name);
@@ -3003,7 +3167,7 @@ static tsys_tensor *tsys__run(tsys_ctx *ctx, tsys_kernel k, tsys_kargs *a) {
 }
 
 TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt) {
-    if (!x) return NULL;
+    if (!tsys__check_inputs(ctx, "cast", &x, 1)) return NULL;
     if (x->dtype == dt) return tsys_tensor_retain(x);
     TSYS__REQUIRE(ctx, tsys_dtype_is_float(dt) && tsys_dtype_is_float(x->dtype), "cast: '%s' %s -> %s is not a float conversion", x->name, tsys_dtype_name(x->dtype), tsys_dtype_name(dt));
     int tag = tsys__op_begin(ctx, TSYS__OP_CAST);
@@ -3014,7 +3178,9 @@ TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt) {
 }
 
 TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape) {
-    if (!t) return NULL;
+    if (!tsys__check_inputs(ctx, "view", &t, 1)) return NULL;
+    TSYS__REQUIRE(ctx, ndim >= 0 && ndim <= TSYS_MAX_DIMS && (shape || ndim == 0), "view: '%s' to %d dims%s (0 to %d, with a shape)", t->name, ndim,
+                  shape ? "" : " of a NULL shape", TSYS_MAX_DIMS);
     int64_t n = 1;
     for (int i = 0; i < ndim; i++) n *= shape[i];
     TSYS__REQUIRE(ctx, n == tsys_tensor_numel(t), "view: '%s' has %lld elements, the new shape %lld", t->name, (long long)tsys_tensor_numel(t), (long long)n);
@@ -3171,8 +3337,7 @@ TSYSDEF tsys_tensor *tsys_swiglu(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) 
 
 // Elementwise op of one input; the output keeps the input's dtype.
 static tsys_tensor *tsys__unary(tsys_ctx *ctx, tsys__op op, tsys_kernel k, tsys_tensor *x, float f0, bool save) {
-    if (!x) return NULL;
-    if (!tsys__check_float(ctx, tsys__op_names[op], x)) return NULL;
+    if (!tsys__check_inputs(ctx, tsys__op_names[op], &x, 1) || !tsys__check_float(ctx, tsys__op_names[op], x)) return NULL;
     int tag = tsys__op_begin(ctx, op);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, x->dtype);
@@ -3260,8 +3425,11 @@ static tsys_tensor *tsys__add_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor
 }
 
 TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias, float eps) {
-    tsys_tensor *ins[3] = {x, weight, bias};
-    if (!x || !tsys__check_float(ctx, "layernorm", x)) return NULL;
+    tsys_tensor *ins[3] = {x, weight, bias}, *given[3] = {x, weight, bias};   // weight and bias may be NULL
+    int ngiven = 1;
+    if (weight) given[ngiven++] = weight;
+    if (bias) given[ngiven++] = bias;
+    if (!tsys__check_inputs(ctx, "layernorm", given, ngiven) || !tsys__check_float(ctx, "layernorm", x)) return NULL;
     int64_t d = tsys__last_dim(x);
     TSYS__REQUIRE(ctx, !weight || (weight->ndim == 1 && weight->shape[0] == d), "layernorm: weight '%s' must be (%lld)", weight ? weight->name : "", (long long)d);
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == d), "layernorm: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)d);
@@ -3289,7 +3457,7 @@ TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *
 // heads: x is a projection split into heads (B, T, H, D) and y comes out (B, H, T, D): the transpose
 // to attention's layout in the same pass (one read, one write instead of two each).
 static tsys_tensor *tsys__rope(tsys_ctx *ctx, tsys_tensor *x, float theta, bool heads) {
-    if (!x) return NULL;
+    if (!tsys__check_inputs(ctx, heads ? "rope_heads" : "rope", &x, 1)) return NULL;
     TSYS__REQUIRE(ctx, x->ndim >= 2 && tsys__last_dim(x) % 2 == 0, "rope: '%s' needs (.., T, D) with D even (RoPE rotates pairs), got D = %lld", x->name, (long long)tsys__last_dim(x));
     TSYS__REQUIRE(ctx, !heads || x->ndim == 4, "rope_heads: '%s' needs (B, T, H, D), has %d dims", x->name, x->ndim);
     if (!tsys__check_float(ctx, "rope", x)) return NULL;
@@ -3310,7 +3478,7 @@ TSYSDEF tsys_tensor *tsys_rope(tsys_ctx *ctx, tsys_tensor *x, float theta) { ret
 TSYSDEF tsys_tensor *tsys_rope_heads(tsys_ctx *ctx, tsys_tensor *x, float theta) { return tsys__rope(ctx, x, theta, true); }
 
 TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bool causal) {
-    if (!x || !tsys__check_float(ctx, "softmax", x)) return NULL;
+    if (!tsys__check_inputs(ctx, "softmax", &x, 1) || !tsys__check_float(ctx, "softmax", x)) return NULL;
     TSYS__REQUIRE(ctx, !causal || (x->ndim >= 2 && x->shape[x->ndim - 1] == x->shape[x->ndim - 2]), "softmax: causal needs square (.., T, T) scores, '%s' is not", x->name);
     int tag = tsys__op_begin(ctx, TSYS__OP_SOFTMAX);
     tsys_kargs a = tsys__kargs0();
@@ -3324,7 +3492,7 @@ TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bo
 }
 
 TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x) {
-    if (!x) return NULL;
+    if (!tsys__check_inputs(ctx, "transpose12", &x, 1)) return NULL;
     TSYS__REQUIRE(ctx, x->ndim == 4, "transpose12: '%s' must be 4-D, has %d dims", x->name, x->ndim);
     int tag = tsys__op_begin(ctx, TSYS__OP_TRANSPOSE12);
     int64_t shape[4] = {x->shape[0], x->shape[2], x->shape[1], x->shape[3]};
@@ -3338,7 +3506,8 @@ TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x) {
 }
 
 TSYSDEF tsys_tensor *tsys_attention_naive(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal) {
-    if (!q || !k || !v) return NULL;
+    tsys_tensor *ins[3] = {q, k, v};
+    if (!tsys__check_inputs(ctx, "attention_naive", ins, 3)) return NULL;
     float scale = 1.0f / sqrtf((float)tsys__last_dim(q));
     tsys__region_begin(ctx, "computing attention scores");
     tsys_tensor *s = tsys_matmul(ctx, q, k, true);
@@ -3432,7 +3601,7 @@ TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) {
 }
 
 static tsys_tensor *tsys__sum_scaled(tsys_ctx *ctx, tsys_tensor *x, bool mean) {
-    if (!x || !tsys__check_float(ctx, mean ? "mean" : "sum", x)) return NULL;
+    if (!tsys__check_inputs(ctx, mean ? "mean" : "sum", &x, 1) || !tsys__check_float(ctx, mean ? "mean" : "sum", x)) return NULL;
     int tag = tsys__op_begin(ctx, TSYS__OP_SUM);
     float s = mean ? 1.0f / (float)tsys_tensor_numel(x) : 1.0f;
     tsys_kargs a = tsys__kargs0();
@@ -3449,7 +3618,7 @@ TSYSDEF tsys_tensor *tsys_mean(tsys_ctx *ctx, tsys_tensor *x) { return tsys__sum
 
 TSYSDEF float tsys_item(tsys_ctx *ctx, const tsys_tensor *scalar) {
     float v = NAN;
-    if (!scalar) return v;
+    if (!ctx || !scalar) return v;
     if (tsys_tensor_numel(scalar) != 1) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "item: '%s' is not a one-element tensor", scalar->name); return v; }
     if (tsys_tensor_to_f32(ctx, scalar, &v) != TSYS_OK) return NAN;
     return v;
@@ -3719,6 +3888,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
 
 TSYSDEF tsys_status tsys_checkpoint_begin(tsys_ctx *ctx) { return tsys_checkpoint_begin_ex(ctx, 0); }
 TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
     if (flags & ~(unsigned)(TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES | TSYS_CHECKPOINT_KEEP_ATTENTION)) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: unknown flags 0x%x", flags);
     if (ctx->in_backward) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_begin: called during backward (a region is part of a forward pass)");
     if (ctx->num_regions == ctx->cap_regions) {
@@ -3735,6 +3905,7 @@ TSYSDEF tsys_status tsys_checkpoint_begin_ex(tsys_ctx *ctx, unsigned flags) {
 }
 
 TSYSDEF tsys_status tsys_checkpoint_end(tsys_ctx *ctx) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
     if (ctx->open_region < 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "checkpoint_end: no region is open (each tsys_checkpoint_end closes one tsys_checkpoint_begin)");
     tsys__region *r = &ctx->regions[ctx->open_region];
     r->end = ctx->tape_len;
@@ -3744,7 +3915,7 @@ TSYSDEF tsys_status tsys_checkpoint_end(tsys_ctx *ctx) {
 
 TSYSDEF int tsys_checkpoint_depth(const tsys_ctx *ctx) {
     int d = 0;
-    for (int r = ctx->open_region; r >= 0; r = ctx->regions[r].parent) d++;
+    for (int r = ctx ? ctx->open_region : -1; r >= 0; r = ctx->regions[r].parent) d++;
     return d;
 }
 
@@ -4046,6 +4217,10 @@ TSYSDEF tsys_model_desc tsys_model_desc_defaults(const tsys_model_desc *desc) {
 }
 
 TSYSDEF tsys_status tsys_model_desc_preset(const char *name, tsys_model_desc *out, char *err, size_t err_len) {
+    if (!out) {
+        if (err) snprintf(err, err_len, "model preset '%s': out is NULL", name ? name : "(null)");
+        return TSYS_ERR_INVALID_ARGS;
+    }
     for (int i = 0; name && i < TSYS__NUM_PRESETS; i++) {
         if (strcmp(name, tsys__presets[i].name) != 0) continue;
         tsys_model_desc d;
@@ -4178,12 +4353,13 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
     return e;
 }
 
-TSYSDEF const tsys_model_desc *tsys_model_get_desc(const tsys_model *m) { return &m->desc; }
-TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m) { return m->params; }
-TSYSDEF int tsys_model_num_tensors(const tsys_model *m) { return m->num_tensors; }
-TSYSDEF int64_t tsys_model_num_params(const tsys_model *m) { return tsys_model_desc_num_params(&m->desc); }
+// A NULL model: NULL, 0 (nothing to name an error in).
+TSYSDEF const tsys_model_desc *tsys_model_get_desc(const tsys_model *m) { return m ? &m->desc : NULL; }
+TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m) { return m ? m->params : NULL; }
+TSYSDEF int tsys_model_num_tensors(const tsys_model *m) { return m ? m->num_tensors : 0; }
+TSYSDEF int64_t tsys_model_num_params(const tsys_model *m) { return m ? tsys_model_desc_num_params(&m->desc) : 0; }
 TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name) {
-    for (int i = 0; i < m->num_tensors; i++)
+    for (int i = 0; m && name && i < m->num_tensors; i++)
         if (strcmp(m->params[i]->name, name) == 0) return m->params[i];
     return NULL;
 }
@@ -4236,12 +4412,15 @@ static tsys_status tsys__model_init_params(tsys_model *m) {
 
 TSYSDEF tsys_model *tsys_model_new(tsys_ctx *ctx, const tsys_model_desc *desc, tsys_device dev, uint64_t seed) {
     char err[256];
+    TSYS__CHECK_ARG(ctx, ctx, NULL, "no context");
+    if (!tsys__device_ok(ctx, "tsys_model_new", dev)) return NULL;
     tsys_model_desc d = tsys_model_desc_defaults(desc);
     if (tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s", err); return NULL; }
     tsys_model *m = (tsys_model *)TSYS_MALLOC(sizeof(tsys_model));
     if (!m) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the model"); return NULL; }
     memset(m, 0, sizeof(*m));
     m->ctx = ctx; m->desc = d; m->device = dev;
+    tsys__ctx_ref(ctx);   // given back by tsys_model_free
     tsys_checkpoint_policy_parse(d.checkpoint, d.num_layers, &m->ckpt, NULL, 0);   // validated above
     int64_t n = tsys_model_desc_num_params(&d);
     int ntensors = 3 + 9 * d.num_layers;
@@ -4298,7 +4477,9 @@ TSYSDEF void tsys_model_free(tsys_model *m) {
     TSYS_FREE(m->params);
     TSYS_FREE(m->layers);
     TSYS_FREE(m->layer_names);
+    tsys_ctx *ctx = m->ctx;
     TSYS_FREE(m);
+    tsys__ctx_unref(ctx);   // last: after tsys_ctx_free, this may free the context
 }
 
 TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, int vocab_size, int context_length) {
@@ -4463,8 +4644,9 @@ static tsys_tensor *tsys__model_blocks(tsys_model *m, tsys_tensor *x, const tsys
 }
 
 TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
+    if (!m) return NULL;
     tsys_ctx *ctx = m->ctx;
-    if (!ids) return NULL;
+    if (!tsys__check_inputs(ctx, "model", &ids, 1)) return NULL;
     TSYS__REQUIRE(ctx, ids->ndim == 2 && (ids->dtype == TSYS_I32 || ids->dtype == TSYS_I64), "model: ids '%s' must be (batch, seq) i32/i64", ids->name);
     TSYS__REQUIRE(ctx, ids->shape[1] <= m->desc.context_length, "model: sequence length %lld is longer than context_length %d", (long long)ids->shape[1], m->desc.context_length);
     TSYS__REQUIRE(ctx, ids->device == m->device, "model: ids '%s' are on another device than the model", ids->name);
@@ -4483,7 +4665,7 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
     return logits;
 }
 
-TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model *m) { return m->has_plan ? &m->plan : NULL; }
+TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model *m) { return m && m->has_plan ? &m->plan : NULL; }
 
 // >>checkpoint planner ----------------------------------------------------------------------------
 // Policies (tsys_model_desc.checkpoint) and what they cost. Bytes per block that the forward keeps for
@@ -4533,6 +4715,10 @@ static bool tsys__parse_bytes(const char *s, double *out) {
 static int tsys__isqrt_up(int n) { int k = 1; while (k * k < n) k++; return k; }
 
 TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, tsys_checkpoint_policy *out, char *err, size_t err_len) {
+    if (!out) {
+        if (err) snprintf(err, err_len, "checkpoint policy: out is NULL");
+        return TSYS_ERR_INVALID_ARGS;
+    }
     memset(out, 0, sizeof(*out));
     if (!s || !*s || !strcmp(s, "none")) return TSYS_OK;
     int L = num_layers > 0 ? num_layers : 1;
@@ -4572,7 +4758,9 @@ TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, 
 }
 
 TSYSDEF void tsys_checkpoint_policy_name(const tsys_checkpoint_policy *p, char *buf, size_t len) {
-    if (p->budget > 0) snprintf(buf, len, "auto:%.4gGiB", p->budget / 1073741824.0);
+    if (!buf || !len) return;
+    if (!p) snprintf(buf, len, "none");
+    else if (p->budget > 0) snprintf(buf, len, "auto:%.4gGiB", p->budget / 1073741824.0);
     else if (p->inner) snprintf(buf, len, "nested:%d%s", p->segment, p->selective ? "+selective" : p->keep_attention ? "+keep-attn" : "");
     else if (p->segment) snprintf(buf, len, "blocks:%d%s", p->segment, p->selective ? "+selective" : p->keep_attention ? "+keep-attn" : "");
     else snprintf(buf, len, "%s", p->selective ? "selective" : "none");
@@ -4749,6 +4937,10 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const
 }
 TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
                                                  unsigned flags, tsys_checkpoint_plan *out, char *err, size_t err_len) {
+    if (!out) {
+        if (err) snprintf(err, err_len, "checkpoint plan: out is NULL");
+        return TSYS_ERR_INVALID_ARGS;
+    }
     tsys_model_desc d = tsys_model_desc_defaults(desc);
     if (tsys_model_desc_validate(&d, err, err_len) != TSYS_OK) return TSYS_ERR_INVALID_ARGS;
     tsys_checkpoint_policy p;
@@ -4766,6 +4958,7 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, co
 
 TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, double tflops, double gbps) {
     double ms = 0;
+    if (!p) return NAN;
     if (tflops > 0) ms += p->recompute_flops / (tflops * 1e12) * 1e3;
     if (gbps > 0) ms += p->recompute_bytes / (gbps * 1e9) * 1e3;
     return ms;
@@ -4773,6 +4966,7 @@ TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, doub
 
 TSYSDEF void tsys_checkpoint_plan_print(const tsys_checkpoint_plan *p, FILE *f, double tflops, double gbps) {
     const double MiB = 1048576.0;
+    if (!p || !f) return;
     fprintf(f, "checkpoint plan: %s (batch %lld, context %lld, %s%s)%s\n", p->name, (long long)p->batch, (long long)p->context,
             p->dtype == TSYS_F32 ? "fp32" : tsys_dtype_name(p->dtype), p->optimizer ? ", AdamW" : "",
             p->budget > 0 ? (p->fits ? " fits the budget" : " -- nothing fits the budget; this is the smallest peak") : "");
@@ -4819,9 +5013,23 @@ static int tsys__optim_run_end(const tsys_optim *o, int i, int64_t *numel) {
     return j;
 }
 
+// A hyper-parameter torch.optim would refuse (and NaN, or infinity, which torch lets through): an error
+// naming the optimizer, the field, its value and the rule. `below1`: the rule is [0, 1) (betas), else >= 0.
+static bool tsys__hyper_ok(tsys_ctx *ctx, const char *opt, const char *field, float v, bool below1) {
+    if (below1 ? (v >= 0.0f && v < 1.0f) : (v >= 0.0f && isfinite(v))) return true;
+    TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: %s is %g (it must be %s)", opt, field, (double)v, below1 ? "in [0, 1)" : "a finite number >= 0");
+    return false;
+}
+
 static tsys_optim *tsys__optim_new(tsys_ctx *ctx, tsys_tensor **params, int n, bool adamw) {
-    for (int i = 0; i < n; i++)
+    const char *name = adamw ? "adamw" : "sgd";
+    TSYS__CHECK_ARG(ctx, ctx, NULL, "no context");
+    TSYS__REQUIRE(ctx, n >= 0, "%s: %d parameters (n must be >= 0)", name, n);
+    TSYS__REQUIRE(ctx, params || n == 0, "%s: params is NULL for %d parameters", name, n);
+    for (int i = 0; i < n; i++) {
         TSYS__REQUIRE(ctx, params[i] && params[i]->dtype == TSYS_F32, "optimizer: parameter %d ('%s') must be an fp32 tensor", i, params[i] ? params[i]->name : "NULL");
+        if (!tsys__owned(ctx, name, params[i])) return NULL;
+    }
     tsys_optim *o = (tsys_optim *)TSYS_MALLOC(sizeof(tsys_optim));
     tsys_tensor **list = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(n ? n : 1));
     if (!o || !list) { TSYS_FREE(o); TSYS_FREE(list); TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer"); return NULL; }
@@ -4829,12 +5037,11 @@ static tsys_optim *tsys__optim_new(tsys_ctx *ctx, tsys_tensor **params, int n, b
     list[0] = NULL;
     o->ctx = ctx; o->adamw = adamw; o->params = list; o->n = n;
     for (int i = 0; i < n; i++) list[i] = tsys_tensor_retain(params[i]);
+    tsys__ctx_ref(ctx);   // given back by tsys_optim_free
     return o;
 }
 
 TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, const tsys_optim_desc *desc) {
-    tsys_optim *o = tsys__optim_new(ctx, params, n, true);
-    if (!o) return NULL;
     tsys_optim_desc d;
     memset(&d, 0, sizeof(d));
     if (desc) d = *desc;
@@ -4844,6 +5051,12 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
     if (!d.eps) d.eps = 1e-8f;
     if (!d.weight_decay && !d.no_weight_decay) d.weight_decay = 0.01f;
     if (d.no_weight_decay) d.weight_decay = 0.0f;
+    if (!tsys__hyper_ok(ctx, "adamw", "lr", d.lr, false) || !tsys__hyper_ok(ctx, "adamw", "beta1", d.beta1, true) ||
+        !tsys__hyper_ok(ctx, "adamw", "beta2", d.beta2, true) || !tsys__hyper_ok(ctx, "adamw", "eps", d.eps, false) ||
+        !tsys__hyper_ok(ctx, "adamw", "weight_decay", d.weight_decay, false))
+        return NULL;
+    tsys_optim *o = tsys__optim_new(ctx, params, n, true);
+    if (!o) return NULL;
     o->desc = d;
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += tsys_tensor_numel(params[i]);
@@ -4861,6 +5074,7 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
 }
 
 TSYSDEF tsys_optim *tsys_sgd_new(tsys_ctx *ctx, tsys_tensor **params, int n, float lr) {
+    if (!tsys__hyper_ok(ctx, "sgd", "lr", lr, false)) return NULL;
     tsys_optim *o = tsys__optim_new(ctx, params, n, false);
     if (o) o->desc.lr = lr;
     return o;
@@ -4875,14 +5089,18 @@ TSYSDEF void tsys_optim_free(tsys_optim *o) {
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
     tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t);
     TSYS_FREE(o->params);
+    tsys_ctx *ctx = o->ctx;
     TSYS_FREE(o);
+    tsys__ctx_unref(ctx);   // last: after tsys_ctx_free, this may free the context
 }
 
-TSYSDEF void tsys_optim_set_lr(tsys_optim *o, float lr) { o->desc.lr = lr; }
-TSYSDEF int64_t tsys_optim_steps(const tsys_optim *o) { return o->step; }   // host count: replayed graphs do not add to it
+TSYSDEF void tsys_optim_set_lr(tsys_optim *o, float lr) {
+    if (o && tsys__hyper_ok(o->ctx, o->adamw ? "adamw (tsys_optim_set_lr)" : "sgd (tsys_optim_set_lr)", "lr", lr, false)) o->desc.lr = lr;
+}
+TSYSDEF int64_t tsys_optim_steps(const tsys_optim *o) { return o ? o->step : 0; }   // host count: replayed graphs do not add to it
 
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which) {
-    if (!o->adamw || param_index < 0 || param_index >= o->n) return NULL;
+    if (!o || !o->adamw || param_index < 0 || param_index >= o->n) return NULL;
     size_t off = 0;
     for (int i = 0; i < param_index; i++) off += tsys_tensor_bytes(o->params[i]);
     tsys_tensor *p = o->params[param_index];
@@ -4982,6 +5200,7 @@ static tsys_status tsys__optim_count_step(tsys_optim *o) {
 }
 
 TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
@@ -5097,6 +5316,7 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
 
 TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *o) { return tsys_optim_overlap_begin_ex(o, 0); }
 TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
     if (flags & ~TSYS_OPTIM_FREE_GRADS) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin_ex: unknown flags 0x%x", flags & ~TSYS_OPTIM_FREE_GRADS);
@@ -5114,6 +5334,7 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
 }
 
 TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     tsys__overlap *ov = o->ov;
     if (!ov || !ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_end without tsys_optim_overlap_begin");
@@ -5138,6 +5359,7 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
 // ---- kept low-precision copies: turning them on and off ----
 
 TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *o, tsys_dtype dt) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
     if (dt != TSYS_F32 && dt != TSYS_BF16 && dt != TSYS_F16)
@@ -5168,29 +5390,42 @@ TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *o, tsys_dtype dt) {
     }
     return o->lowp ? TSYS_OK : ctx->status;
 }
-TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *o) { return o->lowp ? o->lowp->dtype : TSYS_F32; }
+TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *o) { return o && o->lowp ? o->lowp->dtype : TSYS_F32; }
 
 // Marks the gradients as zero without touching memory (like torch's zero_grad(set_to_none=True)):
 // the next backward stores its first contribution instead of adding it, a gradient-sized fill and
 // read fewer per step. Whatever in tsys reads gradients (optimizers, clipping, loss scaling) fills
 // the ones no backward has written since; read .grad yourself only after tsys_grads_settle.
+// The parameter lists the gradient utilities take: n (>= 0) tensors, none NULL (checked before any is touched).
+static bool tsys__params_ok(tsys_ctx *ctx, const char *fn, tsys_tensor *const *params, int n) {
+    if (n < 0 || (n > 0 && !params)) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: %s for %d parameters", fn, params ? "a negative count" : "params is NULL", n); return false; }
+    for (int i = 0; i < n; i++)
+        if (!params[i]) { TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: parameter %d is NULL", fn, i); return false; }
+    return true;
+}
+
 TSYSDEF void tsys_zero_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
-    (void)ctx;
+    if (!tsys__params_ok(ctx, "tsys_zero_grads", params, n)) return;
     for (int i = 0; i < n; i++)
         if (params[i]->grad) params[i]->grad_zero = true;
 }
-TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n) { return tsys__grads_settle(ctx, params, n); }
-TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) { tsys_zero_grads(o->ctx, o->params, o->n); }
+TSYSDEF tsys_status tsys_grads_settle(tsys_ctx *ctx, tsys_tensor **params, int n) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
+    if (!tsys__params_ok(ctx, "tsys_grads_settle", params, n)) return TSYS_ERR_INVALID_ARGS;
+    return tsys__grads_settle(ctx, params, n);
+}
+TSYSDEF void tsys_optim_zero_grad(tsys_optim *o) { if (o) tsys_zero_grads(o->ctx, o->params, o->n); }
 
 // torch's zero_grad(set_to_none=True), the memory side: the gradients a model made for its parameters
 // (by layer, at backward) are given back, and the next backward makes them again as it reaches each
 // layer, so a step's peak does not hold every gradient and every activation at once. Gradients made
 // any other way (a tensor's own, DDP's buckets) are marked zero as tsys_zero_grads does.
 TSYSDEF void tsys_release_grads(tsys_ctx *ctx, tsys_tensor **params, int n) {
+    if (!tsys__params_ok(ctx, "tsys_release_grads", params, n)) return;
     tsys_zero_grads(ctx, params, n);
     for (int i = 0; i < n; i++) if (params[i]->grad_home) tsys__grad_home_release(params[i]->grad_home);
 }
-TSYSDEF void tsys_optim_release_grads(tsys_optim *o) { tsys_release_grads(o->ctx, o->params, o->n); }
+TSYSDEF void tsys_optim_release_grads(tsys_optim *o) { if (o) tsys_release_grads(o->ctx, o->params, o->n); }
 
 // Sum over gradients of kernel k's scalar (SUMSQ or NONFINITE), read back once.
 static double tsys__grads_reduce(tsys_ctx *ctx, tsys_tensor **params, int n, tsys_kernel k) {
@@ -5219,6 +5454,7 @@ static void tsys__grads_scale(tsys_ctx *ctx, tsys_tensor **params, int n, float 
 }
 
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm) {
+    if (!ctx || !tsys__params_ok(ctx, "tsys_clip_grad_norm", params, n)) return NAN;
     double norm = sqrt(tsys__grads_reduce(ctx, params, n, TSYS_K_SUMSQ));
     double coef = max_norm / (norm + 1e-6);
     tsys__grads_scale(ctx, params, n, (float)(coef < 1.0 ? coef : 1.0));   // cs336: applied even when 1
@@ -5226,8 +5462,10 @@ TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, d
 }
 
 TSYSDEF double tsys_cosine_lr(int64_t it, double max_lr, double min_lr, int64_t warmup_iters, int64_t cosine_cycle_iters) {
+    if (it < 0 || warmup_iters < 0 || cosine_cycle_iters < warmup_iters || !(max_lr >= 0) || !(min_lr >= 0)) return NAN;   // nonsense (NaN rates too)
     if (it < warmup_iters) return max_lr * (double)it / (double)warmup_iters;
-    if (it > cosine_cycle_iters) return min_lr;
+    // at it == cycle the cosine is at its end, min_lr; starting there also leaves no 0/0 when warmup == cycle
+    if (it >= cosine_cycle_iters) return min_lr;
     double progress = (double)(it - warmup_iters) / (double)(cosine_cycle_iters - warmup_iters);
     return min_lr + 0.5 * (1.0 + cos(3.141592653589793 * progress)) * (max_lr - min_lr);
 }
@@ -5241,9 +5479,14 @@ TSYSDEF tsys_grad_scaler tsys_grad_scaler_init(void) {
     return s;
 }
 
-TSYSDEF tsys_tensor *tsys_grad_scaler_scale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor *loss) { return tsys_scale(ctx, loss, s->scale); }
+TSYSDEF tsys_tensor *tsys_grad_scaler_scale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor *loss) {
+    TSYS__CHECK_ARG(ctx, s, NULL, "tsys_grad_scaler_scale: the scaler is NULL");
+    return tsys_scale(ctx, loss, s->scale);
+}
 
 TSYSDEF tsys_status tsys_grad_scaler_unscale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor **params, int n) {
+    TSYS__CHECK_ARG(ctx, ctx && s, TSYS_ERR_INVALID_ARGS, "tsys_grad_scaler_unscale: the scaler is NULL");
+    if (!tsys__params_ok(ctx, "tsys_grad_scaler_unscale", params, n)) return TSYS_ERR_INVALID_ARGS;
     double bad = tsys__grads_reduce(ctx, params, n, TSYS_K_NONFINITE);
     s->found_inf = bad != 0.0;
     if (!s->found_inf) tsys__grads_scale(ctx, params, n, 1.0f / s->scale);
@@ -5251,12 +5494,14 @@ TSYSDEF tsys_status tsys_grad_scaler_unscale(tsys_ctx *ctx, tsys_grad_scaler *s,
 }
 
 TSYSDEF tsys_status tsys_grad_scaler_step(tsys_grad_scaler *s, tsys_optim *opt) {
+    if (!opt) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = tsys_grad_scaler_unscale(opt->ctx, s, opt->params, opt->n);
     if (st != TSYS_OK || s->found_inf) return st;   // inf/nan: skip the step, the scale backs off in update
     return tsys_optim_step(opt);
 }
 
 TSYSDEF void tsys_grad_scaler_update(tsys_grad_scaler *s) {
+    if (!s) return;
     if (s->found_inf) { s->scale *= s->backoff_factor; s->growth_tracker = 0; return; }
     if (++s->growth_tracker == s->growth_interval) { s->scale *= s->growth_factor; s->growth_tracker = 0; }
 }
@@ -5272,7 +5517,7 @@ TSYSDEF tsys_stats tsys_stats_of(const double *x, int n) {
     tsys_stats s;
     memset(&s, 0, sizeof(s));
     s.n = n;
-    if (n <= 0) { s.mean = s.std = s.median = s.min = s.max = NAN; return s; }
+    if (n <= 0 || !x) { s.mean = s.std = s.median = s.min = s.max = NAN; return s; }
     double *sorted = (double *)TSYS_MALLOC(sizeof(double) * (size_t)n), sum = 0, ss = 0;
     for (int i = 0; i < n; i++) sum += x[i];
     s.mean = sum / n;
@@ -5343,6 +5588,7 @@ struct tsys_profiler {
 };
 
 TSYSDEF void tsys_profiler_set_device_clock(tsys_ctx *ctx, tsys_device dev, const tsys_profiler_device_clock *clock) {
+    if (!ctx || !tsys__device_ok(ctx, "tsys_profiler_set_device_clock", dev)) return;
     if (clock) ctx->clocks[dev] = *clock;
     else memset(&ctx->clocks[dev], 0, sizeof(ctx->clocks[dev]));
 }
@@ -5437,6 +5683,7 @@ static void tsys__prof_on_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user
 }
 
 TSYSDEF tsys_profiler *tsys_profiler_begin(tsys_ctx *ctx) {
+    if (!ctx) return NULL;
     tsys_profiler *p = (tsys_profiler *)TSYS_MALLOC(sizeof(tsys_profiler));
     if (!p) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the profiler"); return NULL; }
     memset(p, 0, sizeof(*p));
@@ -5463,6 +5710,7 @@ static void tsys__prof_put_device_time(void *user, uint64_t seq, double start_us
 }
 
 TSYSDEF tsys_status tsys_profiler_end(tsys_profiler *p) {
+    if (!p) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = p->ctx;
     if (p->ended) return TSYS_OK;
     p->ended = true;
@@ -5499,24 +5747,24 @@ static bool tsys__prof_in_phase(const tsys_profiler *p, const tsys__prof_kernel 
 }
 TSYSDEF double tsys_profiler_kernel_ms(const tsys_profiler *p, const char *phase) {
     double us = 0;
-    for (size_t i = 0; i < p->num_kernels; i++) if (tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
+    for (size_t i = 0; p && i < p->num_kernels; i++) if (tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
     return us * 1e-3;
 }
 TSYSDEF double tsys_profiler_matmul_ms(const tsys_profiler *p, const char *phase) {
     double us = 0;
-    for (size_t i = 0; i < p->num_kernels; i++) if (p->kernels[i].gemm && tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
+    for (size_t i = 0; p && i < p->num_kernels; i++) if (p->kernels[i].gemm && tsys__prof_in_phase(p, &p->kernels[i], phase)) us += p->kernels[i].dev_us;
     return us * 1e-3;
 }
 TSYSDEF double tsys_profiler_span_ms(const tsys_profiler *p, const char *name) {
     double us = 0;
-    for (size_t i = 0; i < p->num_spans; i++) if (strcmp(p->names[p->spans[i].name], name) == 0) us += p->spans[i].total_us;
+    for (size_t i = 0; p && name && i < p->num_spans; i++) if (strcmp(p->names[p->spans[i].name], name) == 0) us += p->spans[i].total_us;
     return us * 1e-3;
 }
 TSYSDEF const char *tsys_profiler_top_kernel(const tsys_profiler *p, const char *phase, int matmul, double *ms, int *calls) {
     double us[TSYS__PROF_MAX_NAMES];
     int n[TSYS__PROF_MAX_NAMES], best = -1;
     memset(us, 0, sizeof(us)); memset(n, 0, sizeof(n));
-    for (size_t i = 0; i < p->num_kernels; i++) {
+    for (size_t i = 0; p && i < p->num_kernels; i++) {
         const tsys__prof_kernel *k = &p->kernels[i];
         if ((matmul >= 0 && k->gemm != (matmul == 1)) || !tsys__prof_in_phase(p, k, phase)) continue;
         us[k->name] += k->dev_us; n[k->name]++;
@@ -5529,7 +5777,7 @@ TSYSDEF const char *tsys_profiler_top_kernel(const tsys_profiler *p, const char 
 
 TSYSDEF int tsys_profiler_op_calls(const tsys_profiler *p, const char *name, tsys_trace_kind kind) {
     int n = 0;
-    for (size_t i = 0; i < p->num_spans; i++) n += p->spans[i].kind == kind && strcmp(p->names[p->spans[i].name], name) == 0;
+    for (size_t i = 0; p && name && i < p->num_spans; i++) n += p->spans[i].kind == kind && strcmp(p->names[p->spans[i].name], name) == 0;
     return n;
 }
 
@@ -5553,6 +5801,7 @@ static tsys__prof_row *tsys__prof_row_for(tsys__prof_row *rows, int *n, int name
 static const char *tsys__prof_kind_suffix(int kind) { return kind == TSYS_TRACE_BACKWARD ? " (backward)" : kind == TSYS_TRACE_RANGE ? " [range]" : kind == TSYS_TRACE_REGION ? " [region]" : ""; }
 
 TSYSDEF void tsys_profiler_print_ops(const tsys_profiler *p, FILE *f, int max_rows) {
+    if (!p || !f) return;
     int cap = 3 * TSYS__PROF_MAX_NAMES, n = 0;
     tsys__prof_row *rows = (tsys__prof_row *)TSYS_MALLOC(sizeof(tsys__prof_row) * (size_t)cap);
     if (!rows) return;
@@ -5577,6 +5826,7 @@ TSYSDEF void tsys_profiler_print_ops(const tsys_profiler *p, FILE *f, int max_ro
 }
 
 TSYSDEF void tsys_profiler_print_kernels(const tsys_profiler *p, FILE *f, int max_rows) {
+    if (!p || !f) return;
     int n = 0;
     tsys__prof_row *rows = (tsys__prof_row *)TSYS_MALLOC(sizeof(tsys__prof_row) * TSYS__PROF_MAX_NAMES * 2);
     if (!rows) return;
@@ -5622,6 +5872,8 @@ static void tsys__json_str(FILE *f, const char *s) {
 // Chrome trace event format: host spans on pid 1 (nested X events), kernels on pid 2 with one track
 // per device, live bytes as counters; timestamps in microseconds from tsys_profiler_begin.
 TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char *path) {
+    if (!p) return TSYS_ERR_INVALID_ARGS;
+    if (!path) return TSYS__FAIL(p->ctx, TSYS_ERR_INVALID_ARGS, "profiler trace: path is NULL");
     FILE *f = fopen(path, "w");
     if (!f) return TSYS__FAIL(p->ctx, TSYS_ERR_IO, "profiler trace '%s': %s", path, strerror(errno));
     fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
@@ -6323,6 +6575,7 @@ TSYSDEF void tsys_tensor_list_free(tsys_tensor **list, int n) {
 TSYSDEF tsys_status tsys_safetensors_load(tsys_ctx *ctx, const char *path, tsys_device dev, tsys_tensor ***out, int *n) {
     if (!ctx || !path || !out || !n) return ctx ? tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_load: NULL argument") : TSYS_ERR_INVALID_ARGS;
     *out = NULL; *n = 0;
+    if (!tsys__device_ok(ctx, "tsys_safetensors_load", dev)) return TSYS_ERR_INVALID_ARGS;
     tsys__st_file sf;
     tsys_status s = tsys__st_open(ctx, path, &sf);
     if (s != TSYS_OK) return s;
@@ -6500,8 +6753,8 @@ TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_
     return s;
 }
 
-TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path) { return tsys_safetensors_save(m->ctx, path, m->params, m->num_tensors); }
-TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path) { return tsys_safetensors_load_into(m->ctx, path, m->params, m->num_tensors); }
+TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path) { return m ? tsys_safetensors_save(m->ctx, path, m->params, m->num_tensors) : TSYS_ERR_INVALID_ARGS; }
+TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path) { return m ? tsys_safetensors_load_into(m->ctx, path, m->params, m->num_tensors) : TSYS_ERR_INVALID_ARGS; }
 
 #endif // TSYS_IMPLEMENTATION
 
