@@ -212,6 +212,11 @@ TSYSDEF tsys_status tsys_dist_broadcast(tsys_dist *d, tsys_tensor *t, int root);
 TSYSDEF tsys_status tsys_dist_reduce_scatter(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op);
 TSYSDEF tsys_status tsys_dist_all_gather(tsys_dist *d, tsys_tensor *out, tsys_tensor *in);
 TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d);
+// tsys_sync for a group's GPU: waits until the work issued so far on the compute and side streams, NCCL's
+// included, is done, bounded by the group's timeout and watching NCCL's errors and the peers this rank can
+// see, so that a peer that died mid-collective ends in an error naming it (where the host paths can tell)
+// and an aborted communicator, never a hang. Call it where a training step would call tsys_sync.
+TSYSDEF tsys_status tsys_dist_sync(tsys_dist *d);
 TSYSDEF tsys_dist_work *tsys_dist_all_reduce_async(tsys_dist *d, tsys_tensor *t, tsys_dist_op op);   // NULL on error
 TSYSDEF tsys_dist_work *tsys_dist_reduce_scatter_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in, tsys_dist_op op);
 TSYSDEF tsys_dist_work *tsys_dist_all_gather_async(tsys_dist *d, tsys_tensor *out, tsys_tensor *in);
@@ -1497,6 +1502,34 @@ static bool tsys_dist__pid_dead(int pid) {
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
+#if defined(TSYS_DIST_NCCL) || defined(TSYS_DIST_MPI)
+// The peers this rank can tell are gone without their help: by pid for ranks on this host (the shared
+// segment), by a closed socket in the TCP star (rank 0 sees every rank, the others rank 0). Names them
+// in buf ("rank 1 (pid 4242)"); returns how many.
+static int tsys_dist__dead_peers(tsys_dist *d, char *buf, size_t n) {
+    int dead = 0;
+    size_t l = 0;
+    buf[0] = 0;
+    for (int q = 0; q < d->size; q++) {
+        if (q == d->rank) continue;
+        int pid = 0;
+        bool gone = false;
+        if (d->shm_base) { pid = tsys_dist__shm_r(d, q)->pid; gone = tsys_dist__pid_dead(pid); }
+        else if (d->fds && (d->rank == 0 || q == 0)) {
+            const int fd = d->rank == 0 ? d->fds[q] : d->fds[0];
+            char c;
+            const ssize_t k = fd >= 0 ? recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : 1;
+            gone = k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+        }
+        if (!gone) continue;
+        dead++;
+        if (l + 40 < n) l += (size_t)snprintf(buf + l, n - l, pid ? "%srank %d (pid %d)" : "%srank %d", l ? ", " : "", q, pid);
+    }
+    return dead;
+}
+#endif
+
+
 // Publishes a failure in the segment so every rank stops at once, naming the same cause.
 static bool tsys_dist__shm_abort(tsys_dist *d, tsys_dist__err *e) {
     tsys_dist__shm_hdr *h = tsys_dist__shm_h(d);
@@ -1673,14 +1706,14 @@ static bool tsys_dist__mpi_wait(tsys_dist *d, MPI_Request *req, const char *what
         if (spins < d->spin_limit) { TSYS_DIST__RELAX(); continue; }
         double now = tsys_time_us();
         if (t0 == 0) t0 = last_check = now;
+        char dead[160];
         if (d->shm_base && now - last_check > TSYS_DIST__DEAD_CHECK_US) {   // ranks on this host: name a dead one
             last_check = now;
-            for (int q = 0; q < d->size; q++)
-                if (tsys_dist__pid_dead(tsys_dist__shm_r(d, q)->pid)) {
-                    tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank %d (pid %d) exited", c ? tsys_dist__kind_names[c->kind] : what, c ? (long long)c->seq : 0LL, q, (int)tsys_dist__shm_r(d, q)->pid);
-                    tsys_dist__break(d, e);
-                    return false;
-                }
+            if (tsys_dist__dead_peers(d, dead, sizeof dead) > 0) {
+                tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: %s exited", c ? tsys_dist__kind_names[c->kind] : what, c ? (long long)c->seq : 0LL, dead);
+                tsys_dist__break(d, e);
+                return false;
+            }
         }
         if ((now - t0) * 1e-6 > d->timeout_s) {
             tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: no reply from the group within %g s (%s: a peer died or stalled; MPI does not say which)",
@@ -2832,8 +2865,18 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
 }
 
 #ifdef TSYS_DIST_NCCL
+// Ends an NCCL group that cannot go on: aborting the communicator also ends its kernels still waiting
+// on the GPU for a peer that will never send (without it the process could not even exit).
+static bool tsys_dist__nccl_give_up(tsys_dist *d, tsys_dist__err *e) {
+    tsys_dist__break(d, e);
+    if (d->nccl) ncclCommAbort(d->nccl);
+    d->nccl = NULL;
+    return false;
+}
+
 // Waits (host side, bounded by the timeout) for the NCCL collectives issued so far on the side stream; a
-// peer that died or stalled ends it in an error and an aborted communicator.
+// peer that died or stalled ends it in an error and an aborted communicator. A peer that this rank can
+// see is gone (tsys_dist__dead_peers) is named within TSYS_DIST__DEAD_CHECK_US.
 static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e) {
     tsys_event ev;
     memset(&ev, 0, sizeof ev);
@@ -2843,26 +2886,35 @@ static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err
         tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
         return tsys_dist__seterr(e, tsys_ctx_status(d->ctx), "%s: %s", what, tsys_ctx_last_error(d->ctx));
     const double t0 = tsys_time_us();
+    double last_check = t0;
     bool ok = true;
     for (long spins = 0;; spins++) {
         const cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
         if (q == cudaSuccess) break;
+        char dead[160];
+        if (tsys_time_us() - last_check > TSYS_DIST__DEAD_CHECK_US) {
+            last_check = tsys_time_us();
+            if (tsys_dist__dead_peers(d, dead, sizeof dead) > 0) {
+                tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: %s exited, with NCCL collectives in flight; communicator aborted", what, dead);
+                ok = tsys_dist__nccl_give_up(d, e);
+                break;
+            }
+        }
         ncclResult_t ae = ncclSuccess;
         const ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
         if (qr != ncclSuccess) ae = qr;
         if (q != cudaErrorNotReady) { ok = tsys_dist__seterr(e, TSYS_ERR_CUDA, "%s: %s", what, cudaGetErrorString(q)); break; }
         if (ae != ncclSuccess && ae != ncclInProgress) {
-            char buf[64];
-            snprintf(buf, sizeof buf, "%s: NCCL", what);
-            ok = tsys_dist__nccl_ok(d, ae, buf, e);
+            char buf[200];
+            const bool named = tsys_dist__dead_peers(d, dead, sizeof dead) > 0;
+            snprintf(buf, sizeof buf, named ? "%s: NCCL (%s exited)" : "%s: NCCL%s", what, dead);
+            tsys_dist__nccl_ok(d, ae, buf, e);
+            ok = tsys_dist__nccl_give_up(d, e);
             break;
         }
         if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
             tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", what, d->timeout_s);
-            tsys_dist__break(d, e);
-            ncclCommAbort(d->nccl);
-            d->nccl = NULL;
-            ok = false;
+            ok = tsys_dist__nccl_give_up(d, e);
             break;
         }
         if (spins > 1000) tsys_dist__nap_us(50);
@@ -2871,6 +2923,17 @@ static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err
     return ok;
 }
 #endif
+
+TSYSDEF tsys_status tsys_dist_sync(tsys_dist *d) {
+    if (!d) return TSYS_ERR_INVALID_ARGS;
+    if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "sync: the group is broken since: %s", d->broken_msg);
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    if (d->nccl && !tsys_cuda_capturing(d->ctx)) return tsys_dist__nccl_drain(d, "sync", &e) ? TSYS_OK : tsys_dist__fail(d, e.status, "%s", e.msg);
+#endif
+    return d->cuda ? tsys_sync(d->ctx, TSYS_CUDA) : TSYS_OK;
+}
 
 // Host barrier after everything issued so far on the host; on an NCCL group it also waits (bounded
 // by the timeout, host side) for the side and compute streams, so a stuck NCCL collective ends in an error here.

@@ -249,17 +249,17 @@ static tsys_status step(run *r, double *t, double *mem) {
     }
     if (ac) tsys_autocast_end(ctx);
     tsys_tensor_release(logits);
-    tsys_sync(ctx, r->dev);
+    tsys_dist_sync(r->d);   // bounded: a peer that dies mid-step is an error, not a hang
     double t1 = tsys_time_us();
     tsys_backward(ctx, loss);
     tsys_tensor_release(loss);
     if (r->ddp) tsys_ddp_finish(r->ddp);
     if (r->fsdp) tsys_fsdp_finish(r->fsdp);
-    tsys_sync(ctx, r->dev);
+    tsys_dist_sync(r->d);
     double t2 = tsys_time_us();
     if (mem) mem[0] = peak_now(r);
     if (r->zero1) tsys_zero1_step(r->zero1); else tsys_optim_step(r->opt);
-    tsys_sync(ctx, r->dev);
+    tsys_dist_sync(r->d);
     double t3 = tsys_time_us();
     if (mem) mem[1] = peak_now(r);
     tsys_tape_clear(ctx);
@@ -304,7 +304,7 @@ static link_model calibrate_link(tsys_ctx *ctx, tsys_dist *d, tsys_device dev) {
             const int reps = k == 0 ? 20 : 1;
             double t0 = tsys_time_us();
             for (int r = 0; st == TSYS_OK && r < reps; r++) st = tsys_dist_all_reduce(d, x, TSYS_DIST_SUM);
-            if (st == TSYS_OK) st = tsys_sync(ctx, dev);
+            if (st == TSYS_OK) st = tsys_dist_sync(d);
             if (it >= 2) sum += (tsys_time_us() - t0) * 1e-3 / reps;
         }
         tsys_tensor_release(x);
@@ -404,7 +404,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     r.ids = tsys_tensor_to(ctx, ids, dev);
     r.targets = tsys_tensor_to(ctx, tgt, dev);
     tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    tsys_sync(ctx, dev);
+    tsys_dist_sync(d);
     mem[0] = peak_now(&r);
     if (r.fsdp) tsys_mem_reset_peak(ctx, dev);   // the whole model existed until it was sharded: the step's peak is what counts
     tsys_status st = tsys_ctx_status(ctx);
@@ -436,7 +436,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         } else {
             tsys_ddp_start_step(r.ddp);
             st = tsys_ddp_finish(r.ddp);
-            tsys_sync(ctx, dev);
+            tsys_dist_sync(d);
             alone += tsys_ddp_stats_get(r.ddp).comm_ms / 3;
         }
         failed = any_failed(d, st);
