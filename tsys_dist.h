@@ -119,8 +119,9 @@
         - NCCL: the communicator is made on a helper thread that the rank waits for with the deadline
           (a group that does not form is an error, the helper left behind); a collective that never
           finishes is detected where the host waits for the NCCL streams (polling ncclCommGetAsyncError
-          with the deadline, then ncclCommAbort): tsys_dist_barrier, and tsys_dist_free before it
-          finalizes the communicator;
+          and, every 50 ms, the peers this rank can see: by pid on one host, by a closed socket of the
+          TCP star; then ncclCommAbort): tsys_dist_sync, tsys_dist_barrier, and tsys_dist_free before
+          it finalizes the communicator;
         - the launcher prints the first rank that exited non-zero and stops the others after a grace
           of min(5 s, TSYS_DIST_TIMEOUT) (they usually report the dead rank themselves first).
       Not detected: a rank that keeps calling collectives of matching shape with wrong data; an NCCL
