@@ -30,6 +30,7 @@
 typedef struct ddp_opts {
     const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn, *checkpoint, *comms;
     int batch, warmup, steps, nproc, seed;
+    size_t mem_limit;       // --mem-limit, bytes a rank (0: the host's available memory over its ranks)
     bool account, loss_sum, compute_ref;
     tsys_fsdp_reshard fsdp_reshard;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
@@ -74,6 +75,8 @@ static void usage(FILE *f) {
         "  --account                  print the accounting prediction (DDP, ZeRO-1/2/3) for --nproc ranks; run nothing\n"
         "  --format md|csv|jsonl      output rows (default md)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
+        DU_MEM_LIMIT_HELP
+        DU_MEM_LIMIT_RANKS_HELP
         "  --help\n"
         "columns: step_ms the slowest rank's step (mean, std over steps); bwd_comm_ms backward + gradient\n"
         "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n"
@@ -118,6 +121,7 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
         }
         else if (!strcmp(a, "--loss")) { ok = !strcmp(v, "mean") || !strcmp(v, "sum"); o->loss_sum = !strcmp(v, "sum"); }
         else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("ddp", a, v, &o->mem_limit)) return 2; }
         else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
         else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
         else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
@@ -560,13 +564,24 @@ int main(int argc, char **argv) {
     int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
     if (!cuda) share_cores(world);
     tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
+    // the ranks on this host share its memory: each gets its part as its CPU budget (or --mem-limit);
+    // on cuda, --mem-limit caps each rank's device instead
+    const int local = tsys_dist_local_size(d);
+    size_t cpu_budget = du_rank_cpu_budget(ctx, cuda ? 0 : o.mem_limit, local);
+#ifdef TSYS_WITH_CUDA
+    if (cuda && o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
+#endif
+    char lim[160];
     if (rank == 0) {
         printf("ddp: %d ranks (%s), %s", world, tsys_dist_engine_name(tsys_dist_engine_of(d)), cuda ? "cuda" : "cpu");
 #ifdef TSYS_WITH_CUDA
         if (cuda) printf(" (%s)", tsys_cuda_device_name(ctx));
 #endif
         if (!cuda) printf(", %d threads per rank", du_num_threads());
-        printf(", batch %d per rank, warmup %d, %d steps, AdamW\n", o.batch, o.warmup, o.steps);
+        printf(", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o.batch, o.warmup, o.steps,
+               du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o.mem_limit, local));
+        if (cuda) printf("; device memory %s", o.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o.mem_limit) : "the whole device");
+        printf("\n");
         fflush(stdout);
     }
     const link_model link = calibrate_link(ctx, d, dev);

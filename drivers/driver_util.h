@@ -1,6 +1,6 @@
 // driver_util.h - what every driver shares: strict flag values, comma lists, result tables printed
-// row by row as markdown, CSV or JSON lines, the exit code, and progress on stderr. Included after
-// tsys.h by one driver.
+// row by row as markdown, CSV or JSON lines, the exit code, progress on stderr, the memory budget of
+// ranks that share a host. Included after tsys.h by one driver.
 //
 // Exit codes (every driver, documented in each --help and the README):
 //   0  every row was measured (or skipped by design); with --oom-ok, out-of-memory rows count too
@@ -15,6 +15,7 @@
 #include <math.h>
 #include <unistd.h>
 #include <errno.h>
+#include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -28,12 +29,16 @@ enum { DU_EXIT_OK = 0, DU_EXIT_FAILED = 1, DU_EXIT_USAGE = 2 };
     "exit status: 0 every row ok (skipped rows too; OOM rows too under --oom-ok), 1 some row failed\n" \
     "             (error, or OOM without --oom-ok) or the run could not start, 2 bad usage\n"
 
-// The --mem-limit paragraph (e2e, attn, precision).
+// The --mem-limit paragraph (e2e, attn, precision, memory; ddp and allreduce add DU_MEM_LIMIT_RANKS_HELP).
 #define DU_MEM_LIMIT_HELP \
     "  --mem-limit GIB            memory budget in GiB for the tensors of the device measured, so that running\n" \
     "                             out is an OOM row, never a kill (cpu: default = the memory available on this\n" \
-    "                             machine, MemAvailable; cuda: default = the whole device); 0 = the default;\n" \
+    "                             machine, MemAvailable, or less: the room left in the memory cgroup of a\n" \
+    "                             container or a Slurm job; cuda: default = the whole device); 0 = the default;\n" \
     "                             a number from 0 to 1048576\n"
+#define DU_MEM_LIMIT_RANKS_HELP \
+    "                             (per rank: without it, the ranks on one host share the host's memory, each\n" \
+    "                             getting the available memory divided by the number of ranks on the host)\n"
 
 static char *du_strdup(const char *s) {
     size_t n = strlen(s) + 1;
@@ -166,6 +171,27 @@ static inline bool du_has_cuda(void) {
 static inline const char *du_mem_limit_str(char *buf, size_t len, size_t bytes) {
     if (!bytes) snprintf(buf, len, "default (available memory)");
     else snprintf(buf, len, "%.4g GiB", (double)bytes / 1073741824.0);
+    return buf;
+}
+
+// ---- the memory budget of ranks that share a host -------------------------------------------------
+
+// Sets and returns the CPU budget of one of local_ranks ranks on this host: cpu_limit (--mem-limit,
+// bytes) when given, else the host's default (what tsys_ctx_new found: MemAvailable or the cgroup's
+// room) divided among the local ranks, which would otherwise each count on all of it.
+static inline size_t du_rank_cpu_budget(tsys_ctx *ctx, size_t cpu_limit, int local_ranks) {
+    size_t b = cpu_limit ? cpu_limit : tsys_ctx_cpu_memory_limit(ctx);
+    if (!cpu_limit && local_ranks > 1 && b != SIZE_MAX) b /= (size_t)local_ranks;
+    tsys_ctx_set_cpu_memory_limit(ctx, b ? b : 1);
+    return b;
+}
+
+// "2.5 GiB a rank (the host's available memory over 4 ranks)", for the configuration line.
+static inline const char *du_rank_budget_str(char *buf, size_t len, size_t bytes, size_t cpu_limit, int local_ranks) {
+    if (bytes == SIZE_MAX) snprintf(buf, len, "unlimited (the available memory is unknown)");
+    else if (cpu_limit) snprintf(buf, len, "%.4g GiB a rank (--mem-limit)", (double)bytes / 1073741824.0);
+    else snprintf(buf, len, "%.4g GiB a rank (the host's available memory over %d local rank%s)", (double)bytes / 1073741824.0, local_ranks,
+                  local_ranks == 1 ? "" : "s");
     return buf;
 }
 
