@@ -62,7 +62,7 @@ static void usage(FILE *f) {
         "  --oom-ok                 out-of-memory rows do not make the exit status 1 (sweeps that expect them)\n"
         "  --help\n"
         "exit status: 0 every row ok (OOM rows too under --oom-ok), 1 a row failed (a wrong result, out of memory\n"
-        "             without --oom-ok) or the run could not start, 2 bad usage\n");
+        "             without --oom-ok), the run could not start or the results could not be written, 2 bad usage\n");
 }
 
 static int parse_args(int argc, char **argv, ar_opts *o) {
@@ -71,7 +71,7 @@ static int parse_args(int argc, char **argv, ar_opts *o) {
     o->nproc = 1; o->warmup = 5; o->iters = 20; o->check = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
         if (!strcmp(a, "--no-check")) { o->check = false; continue; }
         if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "allreduce: flag %s needs a value\n", a); usage(stderr); return 2; }
@@ -241,9 +241,10 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     return okv == 0;
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     ar_opts o;
     int rc = parse_args(argc, argv, &o);
+    if (rc == DU_HELP) { usage(stdout); return 0; }
     if (rc) return rc;
     du_list sizes, ops, dtypes;
     if (!du_split(&sizes, "allreduce", "--sizes", o.sizes)) return 2;
@@ -313,3 +314,5 @@ int main(int argc, char **argv) {
     tsys_ctx_free(ctx);
     return all_ok ? 0 : 1;   // every rank: the rows' outcomes were agreed on
 }
+
+int main(int argc, char **argv) { return du_exit("allreduce", driver_main(argc, argv)); }

@@ -78,6 +78,8 @@ static void usage(FILE *f) {
         DU_MEM_LIMIT_HELP
         DU_MEM_LIMIT_RANKS_HELP
         "  --help\n"
+        "exit status: 0 every row ok, 1 some row failed (error or OOM), the run could not start or the results\n"
+        "             could not be written, 2 bad usage\n"
         "columns: step_ms the slowest rank's step (mean, std over steps); bwd_comm_ms backward + gradient\n"
         "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n"
         "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n"
@@ -100,7 +102,7 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
     o->batch = 4; o->warmup = 5; o->steps = 10; o->nproc = 1; o->checkpoint = "none"; o->compute_ref = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
         if (!strcmp(a, "--account")) { o->account = true; continue; }
         if (!strcmp(a, "--no-compute-ref")) { o->compute_ref = false; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "ddp: flag %s needs a value\n", a); usage(stderr); return 2; }
@@ -513,9 +515,10 @@ static void share_cores(int ranks) {
 #endif
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     ddp_opts o;
     int rc = parse_args(argc, argv, &o);
+    if (rc == DU_HELP) { usage(stdout); return 0; }
     if (rc) return rc;
     du_list models, strategies, buckets, dtypes, ctxs;
     memset(&strategies, 0, sizeof(du_list)); memset(&buckets, 0, sizeof(du_list)); memset(&dtypes, 0, sizeof(du_list)); memset(&ctxs, 0, sizeof(du_list));
@@ -621,3 +624,5 @@ int main(int argc, char **argv) {
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
     return failures ? 1 : 0;
 }
+
+int main(int argc, char **argv) { return du_exit("ddp", driver_main(argc, argv)); }

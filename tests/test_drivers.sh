@@ -3,7 +3,8 @@
 # built) as a user, and a hostile one, runs them: rows printed as they are measured (markdown too), exit
 # codes (0 ok, 1 a row failed, 2 bad usage), --oom-ok, --mem-limit on every driver, the budget under a
 # cgroup and shared by the ranks of a host, strict flags and lists, --load on a FIFO or a directory, the
-# CPU MFU column, '-' for phases a mode does not have, the precision prose.
+# CPU MFU column, '-' for phases a mode does not have, the precision prose, results that cannot be
+# written (stdout on a full disk, output files past a size limit: exit 1, no partial file).
 # Run by make test twice: on build/ and on build/asan/ (ASan + UBSan + LeakSanitizer, where any
 # sanitizer report fails the test that caused it, so error exits must not leak).
 # Prints "N passed, N failed" last, like the C tests.
@@ -502,6 +503,78 @@ t_dist_drivers_mem_limit_and_shared_budget() {
     expect_rc 1 "allreduce: two ranks sharing 768 KiB"
     expect_in "$tmp/out" '^all_reduce,fp32,512KB,524288,2,.*,OOM: allocating the buffers: out of memory' "allreduce: the OOM row of two ranks"
   fi
+}
+
+# ---- results that cannot be written ---------------------------------------------------------------------
+
+# Every driver, every format: stdout on a full disk (/dev/full) is an error on stderr and exit status 1,
+# never a silent 0 (rows, --help, dry runs and the prediction tables alike).
+t_full_stdout_is_a_failure() {
+  local c
+  local -a cmds=(
+    "e2e ${TINY[*]} --context-length 8" "e2e ${TINY[*]} --context-length 8 --format csv" "e2e ${TINY[*]} --context-length 8 --format jsonl"
+    "e2e --dry-run" "e2e --help" "attn --seq 16 --d 16 --batch 1 --warmup 0 --reps 1 --impl naive" "attn --dry-run" "precision"
+    "memory --device cpu ${MEMTINY[*]} --mode forward --format jsonl" "memory --help"
+    "ddp --account --device cpu --model custom --d-model 16 --num-layers 1 --num-heads 2 --d-ff 32 --vocab-size 64" "ddp --help"
+    "allreduce --sizes 1KB --warmup 0 --iters 1" "allreduce --nproc 2 --sizes 1KB --warmup 0 --iters 1 --format csv" "allreduce --help")
+  for c in "${cmds[@]}"; do
+    set -- $c
+    [ -x "$B/$1" ] || continue
+    local bin=$B/$1; shift
+    timeout 120 "$bin" "$@" >/dev/full 2>"$tmp/err"
+    rc=$?
+    expect_rc 1 "$c >/dev/full"
+    expect_in "$tmp/err" 'writing the results to stdout failed: ' "$c >/dev/full: the message"
+  done
+}
+
+# A result file that cannot be written whole (here a file size limit: the write fails part way, as on a
+# full disk) is an error row and exit status 1, and leaves nothing under its final name (the files go to
+# a temporary, renamed into place once written, synced and closed) and no temporary behind.
+# check_no_partial DIR: no *.tmp left; every .json is whole JSON, every .svg ends with </svg>.
+check_no_partial() {
+  local f
+  for f in "$1"/*; do
+    [ -e "$f" ] || continue
+    case $f in
+      *.tmp) note "a temporary left behind: $f" ;;
+      *.json) if command -v python3 >/dev/null; then python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$f" 2>/dev/null || note "a partial file under its final name: $f ($(wc -c <"$f") bytes)"
+              else tail -c 3 "$f" | grep -q '}' || note "a partial file: $f"; fi ;;
+      *.svg) tail -c 8 "$f" | grep -q '</svg>' || note "a partial file under its final name: $f ($(wc -c <"$f") bytes)" ;;
+    esac
+  done
+}
+t_result_files_are_whole_or_absent() {
+  # memory --out: the JSON timeline (about 16 KB) fits under 20 KiB, the SVG plot (about 110 KB) does not
+  local out=$tmp/mem_limited prof=$tmp/prof_limited name=cpu_custom_ctx32_train_fp32_naive
+  (trap '' XFSZ; ulimit -f 20; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  expect_rc 1 "memory --out past the file size limit"
+  expect_in "$tmp/out" "error: --out: cannot write .*$name.\\{json,svg\\}: File too large" "the error row"
+  [ -s "$out/$name.json" ] || note "the timeline that fitted was not put in place"
+  [ -e "$out/$name.svg" ] && note "a plot left under its final name"
+  check_no_partial "$out"
+  # a file already there keeps what it had when its replacement cannot be written
+  echo '<svg>the previous plot</svg>' >"$out/$name.svg"
+  (trap '' XFSZ; ulimit -f 20; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  expect_rc 1 "memory --out past the file size limit, again"
+  [ "$(cat "$out/$name.svg")" = '<svg>the previous plot</svg>' ] || note "the previous plot was overwritten: $(head -c 100 "$out/$name.svg")"
+  check_no_partial "$out"
+  # e2e --profile: the Chrome trace (about 50 KB) written by the library, past an 8 KiB limit
+  (trap '' XFSZ; ulimit -f 8; exec "$B/e2e" "${TINY[@]}" --context-length 8 --steps 1 --profile "$prof" >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  expect_rc 1 "e2e --profile past the file size limit"
+  expect_in "$tmp/out" "error: --profile: write to '[^']*/cpu_custom_T8_forward-backward_fp32_naive.json' failed" "the error row names the file"
+  [ -n "$(ls "$prof")" ] && note "files under their final names: $(ls "$prof")"
+  check_no_partial "$prof"
+  # and whole when there is room: the trace, the tables, summary.csv appended to (a line per run)
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --steps 1 --profile "$prof"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --steps 1 --profile "$prof"
+  expect_rc 0 "e2e --profile"
+  [ "$(grep -c '^cpu_custom_T8_forward-backward_fp32_naive,' "$prof/summary.csv" 2>/dev/null)" = 2 ] || note "summary.csv: $(cat "$prof/summary.csv" 2>&1)"
+  [ -s "$prof/cpu_custom_T8_forward-backward_fp32_naive.md" ] || note "no tables"
+  check_no_partial "$prof"
 }
 
 # ---- runner -------------------------------------------------------------------------------------------
