@@ -57,7 +57,8 @@
       Every byte of tensor storage, on every device, goes through one allocator that reports to the
       context's memory tracker: live bytes, peak bytes, bytes per tag (the op or phase that asked) and,
       when enabled, a timeline of events. CPU storage respects a budget (tsys_ctx_desc.cpu_memory_limit,
-      by default the memory the machine has available), so running out is TSYS_ERR_OOM rather than the
+      by default the memory the machine has available, or less: the room left under the process's
+      memory cgroup, a container's or a Slurm job's), so running out is TSYS_ERR_OOM rather than the
       kernel's OOM killer. Tensors are refcounted; an op's result is owned by the caller
       (release it); the autograd tape holds what backward needs and lets go of it node by node.
 
@@ -229,7 +230,8 @@ struct tsys_tensor {
 // Context creation. All fields 0 = default.
 //   cpu_memory_limit   bytes of live CPU tensor storage past which allocation fails (TSYS_ERR_OOM);
 //                      0 = the memory the machine has available when the context is made (Linux:
-//                      MemAvailable of /proc/meminfo; unlimited where that cannot be read); SIZE_MAX = unlimited.
+//                      MemAvailable of /proc/meminfo, or less: the room left under the memory cgroups
+//                      holding the process, v1 or v2; unlimited where none can be read); SIZE_MAX = unlimited.
 //                      Without a budget Linux overcommits and its OOM killer ends the process instead.
 //   record_events      keep the allocation timeline (tsys_mem_events)
 //   seed               0 = 0x5eed
@@ -443,6 +445,12 @@ TSYSDEF const tsys_backend *tsys_ctx_backend(const tsys_ctx *ctx, tsys_device de
 TSYSDEF tsys_status tsys_sync(tsys_ctx *ctx, tsys_device dev);
 TSYSDEF double tsys_time_us(void);   // monotonic wall clock
 TSYSDEF double tsys_ctx_time_us(const tsys_ctx *ctx);   // microseconds since the context was made (the memory timeline's clock)
+// The CPU budget (tsys_ctx_desc.cpu_memory_limit): what the context has, and a new one (0 = the
+// default, the memory available now); tsys_cpu_memory_available() is that default: the least of
+// MemAvailable and the room left in this process's memory cgroups (containers, Slurm jobs).
+TSYSDEF size_t tsys_ctx_cpu_memory_limit(const tsys_ctx *ctx);
+TSYSDEF void tsys_ctx_set_cpu_memory_limit(tsys_ctx *ctx, size_t bytes);
+TSYSDEF size_t tsys_cpu_memory_available(void);
 TSYSDEF const char *tsys_kernel_name(tsys_kernel k);
 
 // events and streams (see tsys_event); the CPU backend has them too, so timing code is one code
@@ -2553,8 +2561,159 @@ static tsys_status tsys__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) { return t
 
 // >>context ---------------------------------------------------------------------------------------
 
-// Bytes the machine can still hand out without swapping or the OOM killer (Linux: MemAvailable);
-// SIZE_MAX where that cannot be read.
+// The CPU budget: the least of what the machine has (MemAvailable) and the room left in every memory
+// cgroup that holds this process (a container, a Slurm job), since a cgroup's limit kills the process
+// long before the machine runs out. cgroup v2: /proc/self/cgroup's "0::/path", and memory.max and
+// memory.current of that cgroup and of each parent up to the root (a parent's limit binds its
+// children too); cgroup v1: the same walk with memory.limit_in_bytes and memory.usage_in_bytes under
+// the memory controller's mount. The cgroup's inactive page cache (memory.stat) counts as room, as
+// MemAvailable counts reclaimable cache. The mounts come from /proc/self/mountinfo (a container's
+// mount shows its own cgroup as the mount's root).
+// TSYS_CGROUP_ROOT (environment, for tests): a directory that stands for / when the cgroup files
+// are read (<root>/proc/self/cgroup, <root>/proc/self/mountinfo, the mounts under <root>), so a test
+// can give fake cgroup files; MemAvailable is still the machine's.
+
+#define TSYS__CG_PATH 1024   // a cgroup path or mount point (longer ones are skipped: no limit read)
+
+// The number a cgroup file starts with; false when the file is missing or says "max" (no limit).
+static bool tsys__cg_read_num(const char *path, unsigned long long *v) {
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    char buf[64];
+    bool ok = fgets(buf, sizeof(buf), f) != NULL;
+    fclose(f);
+    if (!ok || buf[0] < '0' || buf[0] > '9') return false;
+    *v = strtoull(buf, NULL, 10);
+    return true;
+}
+
+// One "key value" line of a memory.stat file (0 when absent).
+static unsigned long long tsys__cg_stat(const char *path, const char *key) {
+    FILE *f = fopen(path, "r");
+    char line[256];
+    unsigned long long v = 0;
+    size_t k = strlen(key);
+    while (f && fgets(line, sizeof(line), f))
+        if (!strncmp(line, key, k) && line[k] == ' ') { v = strtoull(line + k + 1, NULL, 10); break; }
+    if (f) fclose(f);
+    return v;
+}
+
+// The least room over dir and each of its parents down to (and including) the mount point mnt
+// (dir starts with mnt); SIZE_MAX where no level has a limit.
+static size_t tsys__cg_walk(char *dir, size_t mnt_len, bool v2) {
+    size_t room = SIZE_MAX, len = strlen(dir);
+    char path[TSYS__CG_PATH + 64];
+    for (;;) {
+        unsigned long long limit, usage;
+        snprintf(path, sizeof(path), "%s/%s", dir, v2 ? "memory.max" : "memory.limit_in_bytes");
+        if (tsys__cg_read_num(path, &limit)) {
+            snprintf(path, sizeof(path), "%s/%s", dir, v2 ? "memory.current" : "memory.usage_in_bytes");
+            if (!tsys__cg_read_num(path, &usage)) usage = 0;
+            snprintf(path, sizeof(path), "%s/memory.stat", dir);
+            unsigned long long cache = tsys__cg_stat(path, v2 ? "inactive_file" : "total_inactive_file");
+            usage -= cache < usage ? cache : usage;
+            unsigned long long r = limit > usage ? limit - usage : 0;
+            if (r < (unsigned long long)room) room = (size_t)r;
+        }
+        if (len <= mnt_len) break;
+        while (len > mnt_len && dir[len - 1] != '/') len--;   // up one level
+        if (len > mnt_len) len--;                             // the '/' itself
+        dir[len] = 0;
+    }
+    return room;
+}
+
+// Copies a mountinfo field, turning its octal escapes (\040 for a space) back into characters.
+static void tsys__cg_unescape(char *out, size_t cap, const char *in) {
+    size_t n = 0;
+    for (; *in && n + 1 < cap; n++) {
+        if (in[0] == '\\' && in[1] >= '0' && in[1] <= '3' && in[2] >= '0' && in[2] <= '7' && in[3] >= '0' && in[3] <= '7') {
+            out[n] = (char)((in[1] - '0') * 64 + (in[2] - '0') * 8 + (in[3] - '0'));
+            in += 4;
+        } else out[n] = *in++;
+    }
+    out[n] = 0;
+}
+
+// The room the memory cgroups of this process leave, reading the files under root ("" = the real
+// /); SIZE_MAX where there is no limit or nothing can be read.
+static size_t tsys__cgroup_room(const char *root) {
+    char line[4 * TSYS__CG_PATH], path[TSYS__CG_PATH + 32], cg[2][TSYS__CG_PATH], mnt[2][TSYS__CG_PATH], mroot[2][TSYS__CG_PATH];
+    bool have_cg[2] = {false, false}, have_mnt[2] = {false, false};   // [0] v2, [1] v1 memory
+    snprintf(path, sizeof(path), "%s/proc/self/cgroup", root);
+    FILE *f = fopen(path, "r");
+    while (f && fgets(line, sizeof(line), f)) {   // "0::/path" (v2), "4:memory:/path" or "3:cpu,memory:/path" (v1)
+        line[strcspn(line, "\n")] = 0;
+        char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+        if (!c2 || c2[1] != '/') continue;
+        *c2 = 0;
+        int k = -1;
+        if (!strcmp(line, "0:")) k = 0;   // "0:" + the empty controller list
+        else {
+            char *ctl = c1 + 1;
+            for (char *t = ctl; t && *t; ) {
+                size_t n = strcspn(t, ",");
+                if (n == 6 && !strncmp(t, "memory", 6)) { k = 1; break; }
+                t = t[n] ? t + n + 1 : NULL;
+            }
+        }
+        if (k >= 0 && strlen(c2 + 1) < sizeof(cg[k])) { memcpy(cg[k], c2 + 1, strlen(c2 + 1) + 1); have_cg[k] = true; }
+    }
+    if (f) fclose(f);
+    if (!have_cg[0] && !have_cg[1]) return SIZE_MAX;
+    snprintf(path, sizeof(path), "%s/proc/self/mountinfo", root);
+    f = fopen(path, "r");
+    while (f && fgets(line, sizeof(line), f)) {   // "id parent maj:min root mountpoint opts [tags] - fstype source superopts"
+        char *sep = strstr(line, " - ");
+        if (!sep) continue;
+        char froot[TSYS__CG_PATH], fmnt[TSYS__CG_PATH], fstype[64], src[256], sopts[256];
+        froot[0] = fmnt[0] = fstype[0] = sopts[0] = 0;
+        if (sscanf(line, "%*s %*s %*s %1023s %1023s", froot, fmnt) != 2 || sscanf(sep + 3, "%63s %255s %255s", fstype, src, sopts) < 2) continue;
+        int k = !strcmp(fstype, "cgroup2") ? 0 : !strcmp(fstype, "cgroup") ? 1 : -1;
+        if (k == 1) {   // a v1 hierarchy: the memory one has "memory" among its super options
+            bool mem = false;
+            for (char *t = sopts; *t; ) {
+                size_t n = strcspn(t, ",");
+                if (n == 6 && !strncmp(t, "memory", 6)) mem = true;
+                t += n + (t[n] != 0);
+            }
+            if (!mem) k = -1;
+        }
+        if (k < 0 || have_mnt[k]) continue;
+        tsys__cg_unescape(mnt[k], sizeof(mnt[k]), fmnt);
+        tsys__cg_unescape(mroot[k], sizeof(mroot[k]), froot);
+        have_mnt[k] = true;
+    }
+    if (f) fclose(f);
+    size_t room = SIZE_MAX;
+    for (int k = 0; k < 2; k++) {
+        if (!have_cg[k]) continue;
+        if (!have_mnt[k]) {   // no mountinfo: the usual places
+            snprintf(mnt[k], sizeof(mnt[k]), "%s", k == 0 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory");
+            snprintf(mroot[k], sizeof(mroot[k]), "/");
+        }
+        // the cgroup's path below the mount: the part past the mount's own root (a container's mount
+        // shows its cgroup as /); a path outside it ("/../..") reads as the mount point itself
+        const char *rel = cg[k];
+        size_t rl = strlen(mroot[k]);
+        if (!strcmp(mroot[k], "/")) rl = 0;
+        if (rl && !strncmp(rel, mroot[k], rl) && (rel[rl] == 0 || rel[rl] == '/')) rel += rl;
+        else if (rl || strstr(rel, "/..")) rel = "";
+        while (*rel == '/') rel++;
+        char dir[TSYS__CG_PATH];
+        int mn = snprintf(dir, sizeof(dir), "%s%s", root, mnt[k]);
+        if (mn < 0 || (size_t)mn >= sizeof(dir)) continue;
+        while (mn > 1 && dir[mn - 1] == '/') dir[--mn] = 0;
+        if (*rel && snprintf(dir + mn, sizeof(dir) - (size_t)mn, "/%s", rel) >= (int)(sizeof(dir) - (size_t)mn)) continue;
+        size_t r = tsys__cg_walk(dir, (size_t)mn, k == 0);
+        if (r < room) room = r;
+    }
+    return room;
+}
+
+// Bytes this process can still have without swapping, the OOM killer or its cgroup's limit: the
+// least of MemAvailable and the cgroups' room; SIZE_MAX where neither can be read.
 static size_t tsys__host_mem_available(void) {
     size_t avail = SIZE_MAX;
     FILE *f = fopen("/proc/meminfo", "r");
@@ -2564,8 +2723,14 @@ static size_t tsys__host_mem_available(void) {
         if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) { avail = (size_t)kib * 1024; break; }
     }
     if (f) fclose(f);
-    return avail;
+    const char *root = getenv("TSYS_CGROUP_ROOT");
+    size_t room = tsys__cgroup_room(root ? root : "");
+    return room < avail ? room : avail;
 }
+
+TSYSDEF size_t tsys_cpu_memory_available(void) { return tsys__host_mem_available(); }
+TSYSDEF size_t tsys_ctx_cpu_memory_limit(const tsys_ctx *ctx) { return ctx->cpu_memory_limit; }
+TSYSDEF void tsys_ctx_set_cpu_memory_limit(tsys_ctx *ctx, size_t bytes) { ctx->cpu_memory_limit = bytes ? bytes : tsys__host_mem_available(); }
 
 TSYSDEF tsys_ctx *tsys_ctx_new(const tsys_ctx_desc *desc) {
     tsys_ctx *ctx = (tsys_ctx *)TSYS_MALLOC(sizeof(tsys_ctx));

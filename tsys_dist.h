@@ -196,6 +196,7 @@ TSYSDEF void tsys_dist_free(tsys_dist *d);
 TSYSDEF int tsys_dist_rank(const tsys_dist *d);
 TSYSDEF int tsys_dist_size(const tsys_dist *d);
 TSYSDEF int tsys_dist_local_rank(const tsys_dist *d);
+TSYSDEF int tsys_dist_local_size(const tsys_dist *d);   // the ranks on this host (they share its memory)
 TSYSDEF tsys_dist_engine tsys_dist_engine_of(const tsys_dist *d);
 TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e);   // "mpi", "nccl", "self", "tcp"
 TSYSDEF tsys_ctx *tsys_dist_ctx(const tsys_dist *d);
@@ -2539,6 +2540,7 @@ TSYSDEF void tsys_dist_free(tsys_dist *d) {
 TSYSDEF int tsys_dist_rank(const tsys_dist *d) { return d ? d->rank : 0; }
 TSYSDEF int tsys_dist_size(const tsys_dist *d) { return d ? d->size : 1; }
 TSYSDEF int tsys_dist_local_rank(const tsys_dist *d) { return d ? d->local_rank : 0; }
+TSYSDEF int tsys_dist_local_size(const tsys_dist *d) { return d && d->local_size > 0 ? d->local_size : 1; }
 TSYSDEF tsys_dist_engine tsys_dist_engine_of(const tsys_dist *d) { return d ? d->engine : TSYS_DIST_ENGINE_SELF; }
 TSYSDEF tsys_ctx *tsys_dist_ctx(const tsys_dist *d) { return d ? d->ctx : NULL; }
 TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e) {

@@ -10,7 +10,9 @@
 // algbw = bytes / time; busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for reduce-scatter and
 // all-gather (bytes = the whole buffer: the all-reduced tensor, the reduce-scatter input, the
 // all-gather output). Sizes: B, KB, MB, GB are powers of 1024 (1MB = 2^20 bytes, as in the CS336
-// scripts and the torch baseline); a plain number is bytes. Only rank 0 prints.
+// scripts and the torch baseline); a plain number is bytes. Only rank 0 prints. Buffers that do not
+// fit the memory budget (--mem-limit, else the host's available memory shared by its ranks) are an
+// OOM row.
 #ifndef TSYS_LINKED_IMPL   // the Makefile's CUDA build compiles the implementations once and links them
 #define TSYS_IMPLEMENTATION
 #endif
@@ -28,7 +30,8 @@
 typedef struct ar_opts {
     const char *backend, *sizes, *ops, *dtypes, *format, *shm, *buffers;
     int nproc, warmup, iters, timeout;
-    bool check;
+    size_t mem_limit;   // --mem-limit, bytes a rank (0: the host's available memory over its ranks)
+    bool check, oom_ok;
 } ar_opts;
 
 static void usage(FILE *f) {
@@ -52,7 +55,14 @@ static void usage(FILE *f) {
         "  --timeout S              seconds without progress before a rank gives up (default 300)\n"
         "  --no-check               skip checking the result of the first iteration\n"
         "  --format md|csv|jsonl    output rows (default md)\n"
-        "  --help\n");
+        "  --mem-limit GIB          memory budget in GiB for the buffers of each rank, so that running out is an\n"
+        "                           OOM row, never a kill (mpi: default = the host's available memory, MemAvailable\n"
+        "                           or the room its memory cgroup leaves, divided among the ranks on the host;\n"
+        "                           nccl: default = the whole device); 0 = the default; a number from 0 to 1048576\n"
+        "  --oom-ok                 out-of-memory rows do not make the exit status 1 (sweeps that expect them)\n"
+        "  --help\n"
+        "exit status: 0 every row ok (OOM rows too under --oom-ok), 1 a row failed (a wrong result, out of memory\n"
+        "             without --oom-ok), the run could not start or the results could not be written, 2 bad usage\n");
 }
 
 static int parse_args(int argc, char **argv, ar_opts *o) {
@@ -61,8 +71,9 @@ static int parse_args(int argc, char **argv, ar_opts *o) {
     o->nproc = 1; o->warmup = 5; o->iters = 20; o->check = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
         if (!strcmp(a, "--no-check")) { o->check = false; continue; }
+        if (!strcmp(a, "--oom-ok")) { o->oom_ok = true; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "allreduce: flag %s needs a value\n", a); usage(stderr); return 2; }
         const char *v = argv[++i];
         bool ok = true;
@@ -73,6 +84,7 @@ static int parse_args(int argc, char **argv, ar_opts *o) {
         else if (!strcmp(a, "--format")) o->format = v;
         else if (!strcmp(a, "--shm")) o->shm = v;
         else if (!strcmp(a, "--buffers")) o->buffers = v;
+        else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("allreduce", a, v, &o->mem_limit)) return 2; }
         else if (!strcmp(a, "--nproc")) ok = du_parse_int(v, 1, 1024, &o->nproc);
         else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
         else if (!strcmp(a, "--iters")) ok = du_parse_int(v, 1, 1 << 20, &o->iters);
@@ -134,7 +146,16 @@ static tsys_tensor *buffer(tsys_dist *d, const ar_opts *o, tsys_dtype dt, tsys_d
     return !strcmp(o->buffers, "window") ? tsys_dist_tensor_new(d, dt, dev, 1, shape) : tsys_tensor_new(tsys_dist_ctx(d), dt, dev, 1, shape);
 }
 
-// One (op, dtype, size): returns false when the first iteration's result was wrong.
+static void row_names(du_row *row, int op, tsys_dtype dt, const char *label, int64_t bytes, int n) {
+    du_row_set(row, "op", "%s", op == OP_AR ? "all_reduce" : op == OP_RS ? "reduce_scatter" : "all_gather");
+    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
+    du_row_set(row, "size", "%s", label);
+    du_row_set(row, "bytes", "%lld", (long long)bytes);
+    du_row_set(row, "ranks", "%d", n);
+}
+
+// One (op, dtype, size): returns false when the first iteration's result was wrong or the buffers
+// did not fit (an OOM row on every rank: they agree before any collective) and --oom-ok is not given.
 static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsys_dtype dt, const char *label, int64_t bytes, du_table *tab) {
     tsys_ctx *ctx = tsys_dist_ctx(d);
     int n = tsys_dist_size(d), rank = tsys_dist_rank(d);
@@ -143,8 +164,19 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     if (op != OP_AR) count = count / n * n;   // the whole buffer splits into n blocks
     if (count < (op == OP_AR ? 1 : n)) count = op == OP_AR ? 1 : n;
     tsys_tensor *a = buffer(d, o, dt, dev, op == OP_AG ? count / n : count);   // AR: the tensor; RS: in; AG: in
-    tsys_tensor *b = op == OP_AR ? NULL : buffer(d, o, dt, dev, op == OP_RS ? count / n : count);
-    if (!a || (op != OP_AR && !b)) die(d, "allocating the buffers");
+    tsys_tensor *b = a && op != OP_AR ? buffer(d, o, dt, dev, op == OP_RS ? count / n : count) : NULL;
+    double bad = (!a || (op != OP_AR && !b)) ? (tsys_ctx_status(ctx) == TSYS_ERR_OOM ? 2 : 1) : 0;
+    if (tsys_dist_all_reduce_host(d, &bad, 1, TSYS_DIST_MAX) != TSYS_OK) die(d, "agreeing on the buffers");
+    if (bad) {   // out of memory here or on another rank: a row that says so, and on to the next size
+        du_row *row = du_table_row(tab);
+        row_names(row, op, dt, label, count * es, n);
+        const char *why = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_last_error(ctx) : "on another rank";
+        du_row_set(row, "check", "-");
+        du_row_set(row, "status", "%s: allocating the buffers: %s", bad == 2 ? "OOM" : "error", why);
+        tsys_tensor_release(a); tsys_tensor_release(b);
+        tsys_ctx_clear_error(ctx);
+        return bad == 2 && o->oom_ok;
+    }
     // GPUs: the ranks are lined up on the devices before each timed call, as torch's NCCL barrier does (a
     // one-element all-reduce, waited for): the host barrier alone releases ranks tens of microseconds
     // apart, and the early one would time the wait for its peer inside the collective
@@ -168,7 +200,7 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
             tsys_tensor *res = op == OP_AR ? a : b;
             int64_t rn = tsys_tensor_numel(res);
             float *h = (float *)malloc(sizeof(float) * (size_t)rn);
-            tsys_tensor_to_f32(ctx, res, h);
+            if (!h || tsys_tensor_to_f32(ctx, res, h) != TSYS_OK) die(d, "reading the result back to check it (--no-check skips it)");
             int64_t idx[4] = { 0, rn / 3, rn / 2, rn - 1 };
             for (int k = 0; k < 4; k++) {
                 double want = op == OP_AG ? (double)(idx[k] / (rn / n) + 1) : n * (n + 1) / 2.0;
@@ -193,11 +225,7 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     double algbw = buf_bytes / (slow * 1e-3) / 1e9;
     double factor = op == OP_AR ? 2.0 * (n - 1) / n : (double)(n - 1) / n;
     du_row *row = du_table_row(tab);
-    du_row_set(row, "op", "%s", op == OP_AR ? "all_reduce" : op == OP_RS ? "reduce_scatter" : "all_gather");
-    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : dt == TSYS_BF16 ? "bf16" : "fp16");
-    du_row_set(row, "size", "%s", label);
-    du_row_set(row, "bytes", "%lld", (long long)buf_bytes);
-    du_row_set(row, "ranks", "%d", n);
+    row_names(row, op, dt, label, buf_bytes, n);
     du_row_set(row, "min_ms", "%.4f", -agg[0]);
     du_row_set(row, "mean_ms", "%.4f", agg[2] / ((double)o->iters * n));
     du_row_set(row, "max_ms", "%.4f", agg[1]);
@@ -205,6 +233,7 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     du_row_set(row, "algbw_GB/s", "%.3f", algbw);
     du_row_set(row, "busbw_GB/s", "%.3f", algbw * factor);
     du_row_set(row, "check", "%s", !o->check ? "skipped" : okv == 0 ? "ok" : "WRONG");
+    du_row_set(row, "status", "%s", okv == 0 ? "ok" : "error: a wrong result (check)");
     free(t);
     tsys_tensor_release(a);
     tsys_tensor_release(tick);
@@ -212,9 +241,10 @@ static bool run_one(tsys_dist *d, tsys_device dev, const ar_opts *o, int op, tsy
     return okv == 0;
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     ar_opts o;
     int rc = parse_args(argc, argv, &o);
+    if (rc == DU_HELP) { usage(stdout); return 0; }
     if (rc) return rc;
     du_list sizes, ops, dtypes;
     if (!du_split(&sizes, "allreduce", "--sizes", o.sizes)) return 2;
@@ -236,6 +266,14 @@ int main(int argc, char **argv) {
     tsys_dist *d = tsys_dist_init(ctx, &desc);
     if (!d) { fprintf(stderr, "allreduce: %s\n", tsys_ctx_last_error(ctx)); return 1; }
     int rank = tsys_dist_rank(d), n = tsys_dist_size(d);
+    // the ranks on this host share its memory: each gets its part as its CPU budget (or --mem-limit);
+    // nccl: --mem-limit caps each rank's device instead
+    const int local = tsys_dist_local_size(d);
+    char lim[160];
+    size_t cpu_budget = du_rank_cpu_budget(ctx, dev == TSYS_CPU ? o.mem_limit : 0, local);
+#ifdef TSYS_WITH_CUDA
+    if (dev == TSYS_CUDA && o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
+#endif
     if (rank == 0) {
         char path[200];
         // the host data path (tsys_dist internals: this driver includes the implementation)
@@ -251,12 +289,15 @@ int main(int argc, char **argv) {
         else if (d->shm_base) snprintf(path, sizeof path, "shared memory (2 x %zu KiB slots per rank)", d->slice >> 10);
         else snprintf(path, sizeof path, "%s (%s)", tsys_dist_engine_name(tsys_dist_engine_of(d)), d->shm_note);
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        printf("allreduce: world %d, engine %s, data path: %s; host %s, %ld cpus; %d warmup + %d timed iterations\n\n",
-               n, tsys_dist_engine_name(tsys_dist_engine_of(d)), path, d->hostname, cpus, o.warmup, o.iters);
+        printf("allreduce: world %d, engine %s, data path: %s; host %s, %ld cpus; %d warmup + %d timed iterations; cpu memory budget %s",
+               n, tsys_dist_engine_name(tsys_dist_engine_of(d)), path, d->hostname, cpus, o.warmup, o.iters,
+               du_rank_budget_str(lim, sizeof(lim), cpu_budget, dev == TSYS_CPU ? o.mem_limit : 0, local));
+        if (dev == TSYS_CUDA) printf("; device memory %s", o.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o.mem_limit) : "the whole device");
+        printf("\n\n");
         fflush(stdout);
     }
     du_table tab;
-    du_table_init(&tab, "op,dtype,size,bytes,ranks,min_ms,mean_ms,max_ms,time_ms,algbw_GB/s,busbw_GB/s,check", o.format);
+    du_table_init(&tab, "op,dtype,size,bytes,ranks,min_ms,mean_ms,max_ms,time_ms,algbw_GB/s,busbw_GB/s,check,status", o.format);
     bool all_ok = true;
     for (int k = 0; k < ops.n; k++)
         for (int t = 0; t < dtypes.n; t++)
@@ -266,10 +307,12 @@ int main(int argc, char **argv) {
                 if (!run_one(d, dev, &o, op, dt, sizes.item[s], b, &tab)) all_ok = false;
                 if (rank == 0) du_table_emit(&tab);
             }
+    if (rank == 0) du_table_exit_code(&tab, "allreduce", o.oom_ok);   // says on stderr which rows failed
     du_table_free(&tab);
     du_list_free(&sizes); du_list_free(&ops); du_list_free(&dtypes);
     tsys_dist_free(d);
     tsys_ctx_free(ctx);
-    if (!all_ok && rank == 0) fprintf(stderr, "allreduce: a result was wrong (check column)\n");
-    return all_ok ? 0 : 1;
+    return all_ok ? 0 : 1;   // every rank: the rows' outcomes were agreed on
 }
+
+int main(int argc, char **argv) { return du_exit("allreduce", driver_main(argc, argv)); }

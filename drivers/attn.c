@@ -362,7 +362,7 @@ static attn_result run_config(tsys_ctx *ctx, tsys_device dev, const attn_opts *o
     return res;
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     attn_opts o;
     int rc = parse_args(argc, argv, &o);
     if (rc == DU_HELP) { usage(stdout); return DU_EXIT_OK; }
@@ -422,3 +422,5 @@ int main(int argc, char **argv) {
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
     return rc;
 }
+
+int main(int argc, char **argv) { return du_exit("attn", driver_main(argc, argv)); }

@@ -30,6 +30,7 @@
 typedef struct ddp_opts {
     const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn, *checkpoint, *comms;
     int batch, warmup, steps, nproc, seed;
+    size_t mem_limit;       // --mem-limit, bytes a rank (0: the host's available memory over its ranks)
     bool account, loss_sum, compute_ref;
     tsys_fsdp_reshard fsdp_reshard;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
@@ -74,7 +75,11 @@ static void usage(FILE *f) {
         "  --account                  print the accounting prediction (DDP, ZeRO-1/2/3) for --nproc ranks; run nothing\n"
         "  --format md|csv|jsonl      output rows (default md)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
+        DU_MEM_LIMIT_HELP
+        DU_MEM_LIMIT_RANKS_HELP
         "  --help\n"
+        "exit status: 0 every row ok, 1 some row failed (error or OOM), the run could not start or the results\n"
+        "             could not be written, 2 bad usage\n"
         "columns: step_ms the slowest rank's step (mean, std over steps); bwd_comm_ms backward + gradient\n"
         "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n"
         "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n"
@@ -97,7 +102,7 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
     o->batch = 4; o->warmup = 5; o->steps = 10; o->nproc = 1; o->checkpoint = "none"; o->compute_ref = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); exit(0); }
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
         if (!strcmp(a, "--account")) { o->account = true; continue; }
         if (!strcmp(a, "--no-compute-ref")) { o->compute_ref = false; continue; }
         if (i + 1 >= argc) { fprintf(stderr, "ddp: flag %s needs a value\n", a); usage(stderr); return 2; }
@@ -118,6 +123,7 @@ static int parse_args(int argc, char **argv, ddp_opts *o) {
         }
         else if (!strcmp(a, "--loss")) { ok = !strcmp(v, "mean") || !strcmp(v, "sum"); o->loss_sum = !strcmp(v, "sum"); }
         else if (!strcmp(a, "--format")) o->format = v;
+        else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("ddp", a, v, &o->mem_limit)) return 2; }
         else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
         else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
         else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
@@ -509,9 +515,10 @@ static void share_cores(int ranks) {
 #endif
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     ddp_opts o;
     int rc = parse_args(argc, argv, &o);
+    if (rc == DU_HELP) { usage(stdout); return 0; }
     if (rc) return rc;
     du_list models, strategies, buckets, dtypes, ctxs;
     memset(&strategies, 0, sizeof(du_list)); memset(&buckets, 0, sizeof(du_list)); memset(&dtypes, 0, sizeof(du_list)); memset(&ctxs, 0, sizeof(du_list));
@@ -560,13 +567,24 @@ int main(int argc, char **argv) {
     int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
     if (!cuda) share_cores(world);
     tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
+    // the ranks on this host share its memory: each gets its part as its CPU budget (or --mem-limit);
+    // on cuda, --mem-limit caps each rank's device instead
+    const int local = tsys_dist_local_size(d);
+    size_t cpu_budget = du_rank_cpu_budget(ctx, cuda ? 0 : o.mem_limit, local);
+#ifdef TSYS_WITH_CUDA
+    if (cuda && o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
+#endif
+    char lim[160];
     if (rank == 0) {
         printf("ddp: %d ranks (%s), %s", world, tsys_dist_engine_name(tsys_dist_engine_of(d)), cuda ? "cuda" : "cpu");
 #ifdef TSYS_WITH_CUDA
         if (cuda) printf(" (%s)", tsys_cuda_device_name(ctx));
 #endif
         if (!cuda) printf(", %d threads per rank", du_num_threads());
-        printf(", batch %d per rank, warmup %d, %d steps, AdamW\n", o.batch, o.warmup, o.steps);
+        printf(", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o.batch, o.warmup, o.steps,
+               du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o.mem_limit, local));
+        if (cuda) printf("; device memory %s", o.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o.mem_limit) : "the whole device");
+        printf("\n");
         fflush(stdout);
     }
     const link_model link = calibrate_link(ctx, d, dev);
@@ -606,3 +624,5 @@ int main(int argc, char **argv) {
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
     return failures ? 1 : 0;
 }
+
+int main(int argc, char **argv) { return du_exit("ddp", driver_main(argc, argv)); }

@@ -1,10 +1,12 @@
 // driver_util.h - what every driver shares: strict flag values, comma lists, result tables printed
-// row by row as markdown, CSV or JSON lines, the exit code, and progress on stderr. Included after
-// tsys.h by one driver.
+// row by row as markdown, CSV or JSON lines, the exit code, progress on stderr, result files put in
+// place whole and stdout checked at exit, the memory budget of ranks that share a host. Included
+// after tsys.h by one driver.
 //
 // Exit codes (every driver, documented in each --help and the README):
 //   0  every row was measured (or skipped by design); with --oom-ok, out-of-memory rows count too
-//   1  some row failed (an error, or out of memory without --oom-ok), or the run could not start
+//   1  some row failed (an error, or out of memory without --oom-ok), or the run could not start, or
+//      a result could not be written (stdout, or a file of --out / --profile)
 //   2  bad usage: an unknown flag, a bad value, an empty or too long list (nothing was measured)
 #ifndef TSYS_DRIVER_UTIL_H
 #define TSYS_DRIVER_UTIL_H
@@ -15,6 +17,7 @@
 #include <math.h>
 #include <unistd.h>
 #include <errno.h>
+#include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -26,14 +29,19 @@ enum { DU_EXIT_OK = 0, DU_EXIT_FAILED = 1, DU_EXIT_USAGE = 2 };
 // The exit-code paragraph every --help ends with.
 #define DU_EXIT_HELP \
     "exit status: 0 every row ok (skipped rows too; OOM rows too under --oom-ok), 1 some row failed\n" \
-    "             (error, or OOM without --oom-ok) or the run could not start, 2 bad usage\n"
+    "             (error, or OOM without --oom-ok), the run could not start or a result could not be\n" \
+    "             written (stdout, an output file), 2 bad usage\n"
 
-// The --mem-limit paragraph (e2e, attn, precision).
+// The --mem-limit paragraph (e2e, attn, precision, memory; ddp and allreduce add DU_MEM_LIMIT_RANKS_HELP).
 #define DU_MEM_LIMIT_HELP \
     "  --mem-limit GIB            memory budget in GiB for the tensors of the device measured, so that running\n" \
     "                             out is an OOM row, never a kill (cpu: default = the memory available on this\n" \
-    "                             machine, MemAvailable; cuda: default = the whole device); 0 = the default;\n" \
+    "                             machine, MemAvailable, or less: the room left in the memory cgroup of a\n" \
+    "                             container or a Slurm job; cuda: default = the whole device); 0 = the default;\n" \
     "                             a number from 0 to 1048576\n"
+#define DU_MEM_LIMIT_RANKS_HELP \
+    "                             (per rank: without it, the ranks on one host share the host's memory, each\n" \
+    "                             getting the available memory divided by the number of ranks on the host)\n"
 
 static char *du_strdup(const char *s) {
     size_t n = strlen(s) + 1;
@@ -167,6 +175,121 @@ static inline const char *du_mem_limit_str(char *buf, size_t len, size_t bytes) 
     if (!bytes) snprintf(buf, len, "default (available memory)");
     else snprintf(buf, len, "%.4g GiB", (double)bytes / 1073741824.0);
     return buf;
+}
+
+// ---- the memory budget of ranks that share a host -------------------------------------------------
+
+// Sets and returns the CPU budget of one of local_ranks ranks on this host: cpu_limit (--mem-limit,
+// bytes) when given, else the host's default (what tsys_ctx_new found: MemAvailable or the cgroup's
+// room) divided among the local ranks, which would otherwise each count on all of it.
+static inline size_t du_rank_cpu_budget(tsys_ctx *ctx, size_t cpu_limit, int local_ranks) {
+    size_t b = cpu_limit ? cpu_limit : tsys_ctx_cpu_memory_limit(ctx);
+    if (!cpu_limit && local_ranks > 1 && b != SIZE_MAX) b /= (size_t)local_ranks;
+    tsys_ctx_set_cpu_memory_limit(ctx, b ? b : 1);
+    return b;
+}
+
+// "2.5 GiB a rank (the host's available memory over 4 ranks)", for the configuration line.
+static inline const char *du_rank_budget_str(char *buf, size_t len, size_t bytes, size_t cpu_limit, int local_ranks) {
+    if (bytes == SIZE_MAX) snprintf(buf, len, "unlimited (the available memory is unknown)");
+    else if (cpu_limit) snprintf(buf, len, "%.4g GiB a rank (--mem-limit)", (double)bytes / 1073741824.0);
+    else snprintf(buf, len, "%.4g GiB a rank (the host's available memory over %d local rank%s)", (double)bytes / 1073741824.0, local_ranks,
+                  local_ranks == 1 ? "" : "s");
+    return buf;
+}
+
+// ---- writing results ---------------------------------------------------------------------------
+//
+// A result that cannot be written is a failure, never a silent exit 0: stdout is flushed and checked
+// when main returns (du_exit), and a result file goes to a temporary beside its final name, which it
+// takes (rename) only once it is written, synced and closed, so a full disk or a size limit leaves
+// the old file or none under the final name, never a truncated one.
+
+// The exit status of a driver whose work returned rc: stdout flushed and its error flag checked, then
+// a close of a copy of its descriptor (where NFS reports the writes it deferred). A failure is said
+// on stderr and turns 0 into 1 (a usage error keeps its 2). stdout stays open (the fuzz harness calls
+// the drivers' main again).
+static int du_stdout_errno;   // why a flush of stdout failed before (du_table_emit), for du_exit's message
+static inline int du_exit(const char *prog, int rc) {
+    errno = 0;
+    bool bad = fflush(stdout) != 0 || ferror(stdout);
+    int err = errno ? errno : du_stdout_errno;
+    if (!bad) {
+        int fd = dup(fileno(stdout));
+        if (fd >= 0 && close(fd) != 0) { bad = true; err = errno; }
+    }
+    if (!bad) return rc;
+    fprintf(stderr, "%s: writing the results to stdout failed: %s\n", prog, err ? strerror(err) : "a write failed");
+    return rc == DU_EXIT_OK ? DU_EXIT_FAILED : rc;
+}
+
+typedef struct du_file {
+    FILE *f;           // the temporary, open (du_file_open), or NULL (du_file_begin: another writer fills it)
+    char path[1024];   // the final name
+    char tmp[1100];    // PATH.<pid>.tmp
+} du_file;
+
+// Names the temporary for path without opening it, for a writer that opens its own file
+// (tsys_profiler_write_trace(p, df.tmp)); then du_file_commit or du_file_discard. False (errno
+// ENAMETOOLONG) when the path is too long.
+static inline bool du_file_begin(du_file *df, const char *path) {
+    memset(df, 0, sizeof(*df));
+    if (strlen(path) >= sizeof(df->path)) { errno = ENAMETOOLONG; return false; }
+    memcpy(df->path, path, strlen(path) + 1);
+    snprintf(df->tmp, sizeof(df->tmp), "%s.%ld.tmp", path, (long)getpid());
+    return true;
+}
+
+// Opens the temporary for writing; with append, it starts as a copy of the final file's content (if
+// there is one), so the writer appends to it. NULL (errno set) when it cannot be made.
+static inline FILE *du_file_open(du_file *df, const char *path, bool append) {
+    if (!du_file_begin(df, path)) return NULL;
+    df->f = fopen(df->tmp, "w");
+    if (!df->f) return NULL;
+    FILE *old = append ? fopen(path, "r") : NULL;
+    if (old) {
+        char buf[8192];
+        size_t n;
+        while ((n = fread(buf, 1, sizeof(buf), old)) > 0)
+            if (fwrite(buf, 1, n, df->f) != n) break;
+        bool bad = ferror(old) || ferror(df->f);
+        int err = errno;
+        fclose(old);
+        if (bad) { fclose(df->f); df->f = NULL; remove(df->tmp); errno = err ? err : EIO; return NULL; }
+    }
+    return df->f;
+}
+
+// Gives up: the temporary is closed and removed; the final name is untouched.
+static inline void du_file_discard(du_file *df) {
+    int err = errno;
+    if (df->f) fclose(df->f);
+    df->f = NULL;
+    if (df->tmp[0]) remove(df->tmp);
+    errno = err;
+}
+
+// Puts the file in place: flushed, synced, closed, renamed over the final name. True when all of
+// it worked; else the temporary is removed, the final name keeps what it had, and errno says why
+// (EIO when an earlier write failed and left no reason).
+static inline bool du_file_commit(du_file *df) {
+    FILE *f = df->f;
+    df->f = NULL;
+    if (!f) f = fopen(df->tmp, "r");   // written and closed by another writer: opened again to sync it
+    if (!f) { du_file_discard(df); return false; }
+    int err = 0;
+    bool failed_before = ferror(f) != 0;
+    clearerr(f);
+    errno = 0;
+    if (fflush(f) != 0) err = errno ? errno : EIO;   // what is still buffered fails again, with its reason
+    else if (failed_before) err = EIO;
+    if (!err && fsync(fileno(f)) != 0 && errno != EINVAL) err = errno;   // EINVAL: a file that cannot be synced
+    if (fclose(f) != 0 && !err) err = errno ? errno : EIO;
+    if (!err && rename(df->tmp, df->path) != 0) err = errno;
+    if (!err) return true;
+    remove(df->tmp);
+    errno = err;
+    return false;
 }
 
 // ---- model shapes ------------------------------------------------------------------------------
@@ -423,7 +546,8 @@ static inline void du_table_emit(du_table *t) {
         t->header_done = true;
     }
     du_print_row(t, &t->row);
-    fflush(stdout);
+    errno = 0;
+    if (fflush(stdout) != 0 && errno) du_stdout_errno = errno;   // reported when main returns (du_exit)
     const char *st = du_row_get(&t->row, "status");
     t->rows++;
     if (!strcmp(st, "ok")) t->ok++;

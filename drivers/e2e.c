@@ -247,7 +247,8 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
 static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const char *dir, const char *config, const double *t) {
     char path[600];
     snprintf(path, sizeof(path), "%s/summary.csv", dir);
-    FILE *f = fopen(path, "a");
+    du_file df;   // the lines so far and this one, put in place whole
+    FILE *f = du_file_open(&df, path, true);
     if (!f) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
     if (ftell(f) == 0)
         fprintf(f, "config,step_ms,fwd_ms,bwd_ms,opt_ms,kernel_ms,fwd_kernel_ms,fwd_top_kernel,fwd_top_ms,fwd_top_calls,step_top_kernel,step_top_ms,"
@@ -260,8 +261,7 @@ static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const 
             fk ? fk : "-", fwd_top, fwd_calls, sk ? sk : "-", step_top, step_calls, fwd > 0 ? 100.0 * tsys_profiler_matmul_ms(p, "forward") / fwd : 0.0,
             all > 0 ? 100.0 * tsys_profiler_matmul_ms(p, NULL) / all : 0.0, ok ? ok : "-", other, tsys_profiler_span_ms(p, "computing softmax"),
             tsys_profiler_span_ms(p, "computing attention scores") + tsys_profiler_span_ms(p, "final matmul"));
-    bool bad = ferror(f) != 0;
-    if (fclose(f) != 0 || bad) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: write to '%s' failed", path);
+    if (!du_file_commit(&df)) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: write to '%s' failed: %s", path, strerror(errno));
     return TSYS_OK;
 }
 
@@ -279,10 +279,23 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     double t[3] = {0, 0, 0};
     tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->lm.ctx);
     if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(b->lm.ctx);
+    // each file under a temporary name until it is whole (du_file)
+    du_file df;
     snprintf(path, sizeof(path), "%s.json", base);
-    if (st == TSYS_OK) st = tsys_profiler_write_trace(p, path);
+    if (st == TSYS_OK && !du_file_begin(&df, path)) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: '%s': %s", path, strerror(errno));
+    if (st == TSYS_OK) {
+        st = tsys_profiler_write_trace(p, df.tmp);
+        if (st != TSYS_OK) {   // named by its final name; the library's words about the temporary after it
+            char why[600];
+            snprintf(why, sizeof(why), "%s", tsys_ctx_last_error(b->lm.ctx));
+            du_file_discard(&df);
+            tsys_ctx_clear_error(b->lm.ctx);
+            st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: write to '%s' failed (%s)", path, why);
+        }
+        else if (!du_file_commit(&df)) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: write to '%s' failed: %s", path, strerror(errno));
+    }
     snprintf(path, sizeof(path), "%s.md", base);
-    FILE *f = st == TSYS_OK ? fopen(path, "w") : NULL;
+    FILE *f = st == TSYS_OK ? du_file_open(&df, path, false) : NULL;
     if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
     if (f) {
         fprintf(f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, optimizer %.2f ms\n\n",
@@ -292,9 +305,11 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
         fprintf(f, "\n");
         tsys_profiler_print_kernels(p, f, 40);
         fprintf(f, "\n");
-        fclose(f);
-        fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
-        st = profile_summary(b->lm.ctx, p, dir, base + strlen(dir) + 1, t);
+        if (!du_file_commit(&df)) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: write to '%s' failed: %s", path, strerror(errno));
+        else {
+            fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
+            st = profile_summary(b->lm.ctx, p, dir, base + strlen(dir) + 1, t);
+        }
     }
     tsys_profiler_free(p);
     return st;
@@ -489,7 +504,7 @@ static int plan_all(e2e_opts *o, tsys_device dev, FILE *cfg) {
     return rc;
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     e2e_opts o;
     int rc = parse_args(argc, argv, &o);
     if (rc == DU_HELP) { usage(stdout); return DU_EXIT_OK; }
@@ -567,3 +582,5 @@ int main(int argc, char **argv) {
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
     return rc;
 }
+
+int main(int argc, char **argv) { return du_exit("e2e", driver_main(argc, argv)); }

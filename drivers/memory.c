@@ -374,8 +374,11 @@ static void print_phases(FILE *f, const timeline *tl) {
     fprintf(f, "\n");
 }
 
+// The timeline as JSON; false (errno set) when the file could not be written whole (it is then not
+// there: du_file).
 static bool write_json(const char *path, tsys_ctx *ctx, const timeline *tl, const char *title, const char *oom) {
-    FILE *f = fopen(path, "w");
+    du_file df;
+    FILE *f = du_file_open(&df, path, false);
     if (!f) return false;
     fprintf(f, "{\"title\": \"%s\", \"unit\": {\"time\": \"ms\", \"memory\": \"bytes\"},\n \"categories\": [", title);
     for (int c = 0; c < NCAT; c++) fprintf(f, "%s\"%s\"", c ? ", " : "", tsys_mem_category_name((tsys_mem_category)c));
@@ -402,8 +405,7 @@ static bool write_json(const char *path, tsys_ctx *ctx, const timeline *tl, cons
                 (long long)e->cached, (int)e->category, e->tag, (unsigned long long)e->id, (int)e->action);
     }
     fprintf(f, "\n]}\n");
-    bool bad = ferror(f) != 0;
-    return fclose(f) == 0 && !bad;
+    return du_file_commit(&df);
 }
 
 // Ticks at 1, 2 or 5 times a power of ten, about n of them over [0, hi].
@@ -455,7 +457,8 @@ static bool write_svg(const char *path, const timeline *tl, const char *title, c
     int ph = SVG_H - PT - PB;
 #define SX(t) (PL + ((t) - tl->t0) / span * COLS)
 #define SY(b) (PT + ph - (double)(b) * gib / ymax * ph)
-    FILE *f = fopen(path, "w");
+    du_file df;
+    FILE *f = du_file_open(&df, path, false);
     if (!f) return false;
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n",
             SVG_W, SVG_H, SVG_W, SVG_H);
@@ -514,8 +517,7 @@ static bool write_svg(const char *path, const timeline *tl, const char *title, c
     fprintf(f, "</svg>\n");
 #undef SX
 #undef SY
-    bool bad = ferror(f) != 0;
-    return fclose(f) == 0 && !bad;
+    return du_file_commit(&df);
 }
 
 // ---- one configuration ----------------------------------------------------------------------------
@@ -626,9 +628,18 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
                      dev == TSYS_CPU ? "cpu" : "cuda", oom ? ": out of memory" : "");
             snprintf(path, sizeof(path), "%s/%s.json", o->out, name);
             bool ok = write_json(path, ctx, &tl, title, oom);
+            int err = errno;
             snprintf(path, sizeof(path), "%s/%s.svg", o->out, name);
-            ok = write_svg(path, &tl, title, oom) && ok;
-            if (!ok && st == TSYS_OK) st = tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--out: cannot write %s/%s.{json,svg}: %s", o->out, name, strerror(errno));
+            if (write_svg(path, &tl, title, oom)) errno = err;
+            else ok = false;
+            if (!ok) {   // a lost result fails the row, whatever the step did (an OOM row's plot too)
+                char was[600] = "";
+                if (st != TSYS_OK) snprintf(was, sizeof(was), " (and the step: %s: %s)", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
+                const char *why = strerror(errno);
+                tsys_ctx_clear_error(ctx);
+                st = tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--out: cannot write %s/%s.{json,svg}: %s%s", o->out, name, why, was);
+                oom = NULL;
+            }
             else if (o->details) fprintf(o->details, "timeline: %s/%s.json, plot: %s/%s.svg\n\n", o->out, name, o->out, name);
         }
     }
@@ -643,7 +654,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
 #endif
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     mem_opts o;
     int rc = parse_args(argc, argv, &o);
     if (rc == DU_HELP) { usage(stdout); return DU_EXIT_OK; }
@@ -698,3 +709,5 @@ int main(int argc, char **argv) {
     tsys_ctx_free(ctx);
     return rc;
 }
+
+int main(int argc, char **argv) { return du_exit("memory", driver_main(argc, argv)); }

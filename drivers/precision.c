@@ -89,7 +89,8 @@ static void usage(FILE *f) {
         DU_MEM_LIMIT_HELP
         "  --dry-run                  check the flags, print nothing else\n"
         "  --help\n"
-        "exit status: 0 every table printed, 1 a ToyModel run failed (error or out of memory), 2 bad usage\n");
+        "exit status: 0 every table printed, 1 a ToyModel run failed (error or out of memory) or the tables could\n"
+        "             not be written, 2 bad usage\n");
 }
 
 // Returns 0, DU_HELP or DU_EXIT_USAGE (after a message naming the flag); never exits.
@@ -106,7 +107,7 @@ static int parse_args(int argc, char **argv, size_t *mem_limit, bool *dry_run) {
     return 0;
 }
 
-int main(int argc, char **argv) {
+static int driver_main(int argc, char **argv) {
     size_t mem_limit;
     bool dry_run;
     int rc = parse_args(argc, argv, &mem_limit, &dry_run);
@@ -122,3 +123,5 @@ int main(int argc, char **argv) {
            "the variance sum imprecise: keeping norms in fp32 remains the safe rule.\n");
     return ok ? DU_EXIT_OK : DU_EXIT_FAILED;
 }
+
+int main(int argc, char **argv) { return du_exit("precision", driver_main(argc, argv)); }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# test_drivers.sh BINDIR - the drivers (BINDIR/e2e, attn, precision) as a user, and a hostile one,
-# runs them: rows printed as they are measured (markdown too), exit codes (0 ok, 1 a row failed,
-# 2 bad usage), --oom-ok, --mem-limit on every driver, strict flags and lists, --load on a FIFO or
-# a directory, the CPU MFU column, '-' for phases a mode does not have, the precision prose.
+# test_drivers.sh BINDIR - the drivers (BINDIR/e2e, attn, precision, memory; ddp and allreduce where
+# built) as a user, and a hostile one, runs them: rows printed as they are measured (markdown too), exit
+# codes (0 ok, 1 a row failed, 2 bad usage), --oom-ok, --mem-limit on every driver, the budget under a
+# cgroup and shared by the ranks of a host, strict flags and lists, --load on a FIFO or a directory, the
+# CPU MFU column, '-' for phases a mode does not have, the precision prose, results that cannot be
+# written (stdout on a full disk, output files past a size limit: exit 1, no partial file).
 # Run by make test twice: on build/ and on build/asan/ (ASan + UBSan + LeakSanitizer, where any
 # sanitizer report fails the test that caused it, so error exits must not leak).
 # Prints "N passed, N failed" last, like the C tests.
@@ -427,6 +429,152 @@ t_memory_oom_is_a_row_and_the_plot_shows_it() {
   run "$B/memory" --device cpu "${MEMTINY[@]}" --out /proc/no/such/dir
   expect_rc 2 "an --out folder that cannot be made"
   expect_in "$tmp/err" "cannot make folder '/proc/no/such/dir'" "the message names the folder"
+}
+
+# ---- the memory budget under a cgroup, and ranks sharing a host -------------------------------------------
+
+# fake_cgroup DIR BYTES: a cgroup v2 file tree under DIR (for TSYS_CGROUP_ROOT, which stands for / when
+# the library reads /proc/self/cgroup, /proc/self/mountinfo and the cgroup files) whose job has BYTES
+# of room: its limit is BYTES above what it uses.
+fake_cgroup() {
+  mkdir -p "$1/proc/self" "$1/sys/fs/cgroup/job/step"
+  echo "0::/job/step" >"$1/proc/self/cgroup"
+  echo "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw" >"$1/proc/self/mountinfo"
+  echo $(( $2 + 1048576 )) >"$1/sys/fs/cgroup/job/memory.max"   # the parent's limit binds the step
+  echo 1048576 >"$1/sys/fs/cgroup/job/memory.current"
+  echo max >"$1/sys/fs/cgroup/job/step/memory.max"
+  echo 524288 >"$1/sys/fs/cgroup/job/step/memory.current"
+}
+
+# In a container or a Slurm job the limit is the cgroup's, not the machine's MemAvailable: what does not
+# fit is an OOM row (the budget names the cgroup's room), never the kernel killing the process rowless.
+t_cgroup_limit_is_the_budget() {
+  fake_cgroup "$tmp/cg" $((10 << 20))
+  TSYS_CGROUP_ROOT="$tmp/cg" run "$B/e2e" "${TINY[@]}" --context-length 8,1024 --steps 1
+  expect_rc 1 "e2e in a cgroup with 10 MiB of room"
+  expect_in "$tmp/out" '^\| cpu \| custom \| 8 \|.*\| ok \|$' "the row that fits"
+  expect_in "$tmp/out" "^\\| cpu \\| custom \\| 1024 \\|.*\\| OOM: out of memory.*budget $((10 << 20))[^0-9]" "the OOM row, the cgroup's room as the budget"
+  TSYS_CGROUP_ROOT="$tmp/cg" run "$B/e2e" "${TINY[@]}" --context-length 1024 --steps 1 --mem-limit 0.5
+  expect_rc 0 "--mem-limit still sets the budget"
+}
+
+# ddp and allreduce: --mem-limit (strict, as in every driver) caps each rank, and out of memory is a row
+# with exit status 1 (allreduce: 0 under --oom-ok); without it the ranks on one host share its memory, so
+# what fits one rank alone is an OOM row with two (the cgroup's room, split), on every rank at once.
+DDPTINY=(--device cpu --model custom --d-model 32 --num-layers 2 --num-heads 2 --d-ff 64 --vocab-size 97 --batch-size 1 --context-length 16
+         --warmup 0 --steps 1 --strategy flat --format csv)
+t_dist_drivers_mem_limit_and_shared_budget() {
+  local d v
+  for d in ddp allreduce; do
+    [ -x "$B/$d" ] || { echo -n "(no $B/$d: skipped) "; continue; }
+    for v in inf -1 1GB ''; do
+      run "$B/$d" --mem-limit "$v"
+      expect_rc 2 "$d --mem-limit '$v'"
+      expect_in "$tmp/err" '\-\-mem-limit takes a number of GiB from 0 to 1048576' "$d --mem-limit '$v'"
+    done
+    run "$B/$d" --help
+    expect_in "$tmp/out" '\-\-mem-limit GIB' "$d --help: --mem-limit"
+  done
+  fake_cgroup "$tmp/cg" $((768 << 10))
+  if [ -x "$B/ddp" ]; then
+    run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --mem-limit 0.0001
+    expect_rc 1 "ddp under --mem-limit 0.0001"
+    expect_in "$tmp/out" '^cpu,custom,2,flat,.*,OOM: out of memory' "ddp: the OOM row"
+    TSYS_CGROUP_ROOT="$tmp/cg" run "$B/ddp" --nproc 1 "${DDPTINY[@]}"
+    expect_rc 0 "ddp: one rank in 768 KiB"
+    expect_in "$tmp/out" '^cpu,custom,1,flat,.*,ok$' "ddp: one rank's row"
+    TSYS_CGROUP_ROOT="$tmp/cg" run "$B/ddp" --nproc 2 "${DDPTINY[@]}"
+    expect_rc 1 "ddp: two ranks sharing 768 KiB"
+    expect_in "$tmp/out" '^ddp: .*cpu memory budget 0.0003662 GiB a rank \(the host.s available memory over 2 local ranks\)' "ddp: the budget a rank"
+    expect_in "$tmp/out" '^cpu,custom,2,flat,.*,OOM: out of memory' "ddp: the OOM row of two ranks"
+    TSYS_CGROUP_ROOT="$tmp/cg" run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --mem-limit 0.01
+    expect_rc 0 "ddp: --mem-limit instead of the shared budget"
+  fi
+  if [ -x "$B/allreduce" ]; then
+    run "$B/allreduce" --sizes 1KB,1MB --warmup 0 --iters 1 --mem-limit 0.0001 --format csv
+    expect_rc 1 "allreduce under --mem-limit 0.0001"
+    expect_in "$tmp/out" '^all_reduce,fp32,1KB,1024,1,.*,ok,ok$' "allreduce: the size that fits"
+    expect_in "$tmp/out" '^all_reduce,fp32,1MB,1048576,1,.*,OOM: allocating the buffers: out of memory' "allreduce: the OOM row"
+    run "$B/allreduce" --sizes 1MB --warmup 0 --iters 1 --mem-limit 0.0001 --oom-ok
+    expect_rc 0 "allreduce --oom-ok"
+    TSYS_CGROUP_ROOT="$tmp/cg" run "$B/allreduce" --nproc 1 --sizes 512KB --warmup 0 --iters 1 --format csv
+    expect_rc 0 "allreduce: one rank, 512 KiB in 768 KiB"
+    TSYS_CGROUP_ROOT="$tmp/cg" run "$B/allreduce" --nproc 2 --sizes 512KB --warmup 0 --iters 1 --format csv
+    expect_rc 1 "allreduce: two ranks sharing 768 KiB"
+    expect_in "$tmp/out" '^all_reduce,fp32,512KB,524288,2,.*,OOM: allocating the buffers: out of memory' "allreduce: the OOM row of two ranks"
+  fi
+}
+
+# ---- results that cannot be written ---------------------------------------------------------------------
+
+# Every driver, every format: stdout on a full disk (/dev/full) is an error on stderr and exit status 1,
+# never a silent 0 (rows, --help, dry runs and the prediction tables alike).
+t_full_stdout_is_a_failure() {
+  local c
+  local -a cmds=(
+    "e2e ${TINY[*]} --context-length 8" "e2e ${TINY[*]} --context-length 8 --format csv" "e2e ${TINY[*]} --context-length 8 --format jsonl"
+    "e2e --dry-run" "e2e --help" "attn --seq 16 --d 16 --batch 1 --warmup 0 --reps 1 --impl naive" "attn --dry-run" "precision"
+    "memory --device cpu ${MEMTINY[*]} --mode forward --format jsonl" "memory --help"
+    "ddp --account --device cpu --model custom --d-model 16 --num-layers 1 --num-heads 2 --d-ff 32 --vocab-size 64" "ddp --help"
+    "allreduce --sizes 1KB --warmup 0 --iters 1" "allreduce --nproc 2 --sizes 1KB --warmup 0 --iters 1 --format csv" "allreduce --help")
+  for c in "${cmds[@]}"; do
+    set -- $c
+    [ -x "$B/$1" ] || continue
+    local bin=$B/$1; shift
+    timeout 120 "$bin" "$@" >/dev/full 2>"$tmp/err"
+    rc=$?
+    expect_rc 1 "$c >/dev/full"
+    expect_in "$tmp/err" 'writing the results to stdout failed: ' "$c >/dev/full: the message"
+  done
+}
+
+# A result file that cannot be written whole (here a file size limit: the write fails part way, as on a
+# full disk) is an error row and exit status 1, and leaves nothing under its final name (the files go to
+# a temporary, renamed into place once written, synced and closed) and no temporary behind.
+# check_no_partial DIR: no *.tmp left; every .json is whole JSON, every .svg ends with </svg>.
+check_no_partial() {
+  local f
+  for f in "$1"/*; do
+    [ -e "$f" ] || continue
+    case $f in
+      *.tmp) note "a temporary left behind: $f" ;;
+      *.json) if command -v python3 >/dev/null; then python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$f" 2>/dev/null || note "a partial file under its final name: $f ($(wc -c <"$f") bytes)"
+              else tail -c 3 "$f" | grep -q '}' || note "a partial file: $f"; fi ;;
+      *.svg) tail -c 8 "$f" | grep -q '</svg>' || note "a partial file under its final name: $f ($(wc -c <"$f") bytes)" ;;
+    esac
+  done
+}
+t_result_files_are_whole_or_absent() {
+  # memory --out: the JSON timeline (about 16 KB) fits under 20 KiB, the SVG plot (about 110 KB) does not
+  local out=$tmp/mem_limited prof=$tmp/prof_limited name=cpu_custom_ctx32_train_fp32_naive
+  (trap '' XFSZ; ulimit -f 20; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  expect_rc 1 "memory --out past the file size limit"
+  expect_in "$tmp/out" "error: --out: cannot write .*$name.\\{json,svg\\}: File too large" "the error row"
+  [ -s "$out/$name.json" ] || note "the timeline that fitted was not put in place"
+  [ -e "$out/$name.svg" ] && note "a plot left under its final name"
+  check_no_partial "$out"
+  # a file already there keeps what it had when its replacement cannot be written
+  echo '<svg>the previous plot</svg>' >"$out/$name.svg"
+  (trap '' XFSZ; ulimit -f 20; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  expect_rc 1 "memory --out past the file size limit, again"
+  [ "$(cat "$out/$name.svg")" = '<svg>the previous plot</svg>' ] || note "the previous plot was overwritten: $(head -c 100 "$out/$name.svg")"
+  check_no_partial "$out"
+  # e2e --profile: the Chrome trace (about 50 KB) written by the library, past an 8 KiB limit
+  (trap '' XFSZ; ulimit -f 8; exec "$B/e2e" "${TINY[@]}" --context-length 8 --steps 1 --profile "$prof" >"$tmp/out" 2>"$tmp/err")
+  rc=$?
+  expect_rc 1 "e2e --profile past the file size limit"
+  expect_in "$tmp/out" "error: --profile: write to '[^']*/cpu_custom_T8_forward-backward_fp32_naive.json' failed" "the error row names the file"
+  [ -n "$(ls "$prof")" ] && note "files under their final names: $(ls "$prof")"
+  check_no_partial "$prof"
+  # and whole when there is room: the trace, the tables, summary.csv appended to (a line per run)
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --steps 1 --profile "$prof"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --steps 1 --profile "$prof"
+  expect_rc 0 "e2e --profile"
+  [ "$(grep -c '^cpu_custom_T8_forward-backward_fp32_naive,' "$prof/summary.csv" 2>/dev/null)" = 2 ] || note "summary.csv: $(cat "$prof/summary.csv" 2>&1)"
+  [ -s "$prof/cpu_custom_T8_forward-backward_fp32_naive.md" ] || note "no tables"
+  check_no_partial "$prof"
 }
 
 # ---- runner -------------------------------------------------------------------------------------------

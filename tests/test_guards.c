@@ -1,13 +1,17 @@
 // test_guards.c - bad input never corrupts memory and out of memory is an error, not a kill:
 // ops that index by tensor values reject out-of-range ids (naming the op, the value and the range)
-// and write nothing; CPU allocations respect the context's budget (by default what the machine has);
-// memory a tensor wraps goes back to its owner once; misuse of the API (a storage shrunk under its
-// tensors, tensors of two contexts, releases after tsys_ctx_free, NULL arguments, devices outside the
-// enum, bad optimizer hyper-parameters and schedules) is an error naming the input and the rule.
+// and write nothing; CPU allocations respect the context's budget (by default what the machine has,
+// or less: what its memory cgroup, v1 or v2, leaves); memory a tensor wraps goes back to its owner
+// once; misuse of the API (a storage shrunk under its tensors, tensors of two contexts, releases after
+// tsys_ctx_free, NULL arguments, devices outside the enum, bad optimizer hyper-parameters and
+// schedules) is an error naming the input and the rule.
+#define _POSIX_C_SOURCE 200809L   // mkdtemp, mkdir, setenv
 #define TSYS_IMPLEMENTATION
 #include "../tsys.h"
 #include "harness.h"
 #include "test_util.h"
+#include <sys/stat.h>
+#include <unistd.h>
 
 static tsys_tensor *ids_of(tsys_ctx *ctx, tsys_dtype dt, int n, const int64_t *vals) {
     int64_t shape[2] = {1, n};
@@ -185,6 +189,88 @@ TSYS_TEST(default_budget_is_the_memory_the_machine_has) {
     TEST_CHECK(t != NULL, "%s", tsys_ctx_last_error(ctx));
     tsys_tensor_release(t);
     tsys_ctx_free(ctx);
+}
+
+// A fake file system under root: each path (relative to root) with its text, directories made.
+static void cg_file(const char *root, const char *rel, const char *text) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", root, rel);
+    for (char *c = path + strlen(root) + 1; *c; c++)
+        if (*c == '/') { *c = 0; mkdir(path, 0777); *c = '/'; }
+    FILE *f = fopen(path, "w");
+    TEST_CHECK(f != NULL, "cannot write %s", path);
+    if (f) { fputs(text, f); fclose(f); }
+}
+static void cg_clear(const char *root) {
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", root);
+    TEST_CHECK(system(cmd) == 0, "%s", cmd);
+}
+#define CG_MIB(n) ((size_t)(n) << 20)
+
+TSYS_TEST(cgroup_room_bounds_the_budget) {
+    char root[64] = "/tmp/tsys_cgroup_XXXXXX", line[128];
+    if (!mkdtemp(root)) { TEST_CHECK(false, "mkdtemp"); return; }
+    // no cgroup files at all: no limit from there
+    TEST_CHECK(tsys__cgroup_room(root) == SIZE_MAX, "no /proc/self/cgroup: %zu", tsys__cgroup_room(root));
+    // cgroup v2: a job with 1 GiB of which 900 MiB are used (100 MiB of it inactive page cache, which
+    // counts as room), its step unlimited: the parent's limit binds the step
+    cg_file(root, "proc/self/cgroup", "0::/job/step\n");
+    cg_file(root, "proc/self/mountinfo", "25 1 0:22 / /proc rw - proc proc rw\n30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n");
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(1024)); cg_file(root, "sys/fs/cgroup/job/memory.max", line);
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(900)); cg_file(root, "sys/fs/cgroup/job/memory.current", line);
+    snprintf(line, sizeof(line), "anon 1\ninactive_anon 5\ninactive_file %zu\nactive_file 7\n", CG_MIB(100)); cg_file(root, "sys/fs/cgroup/job/memory.stat", line);
+    cg_file(root, "sys/fs/cgroup/job/step/memory.max", "max\n");
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(850)); cg_file(root, "sys/fs/cgroup/job/step/memory.current", line);
+    cg_file(root, "sys/fs/cgroup/memory.current", "123456789012\n");   // the root cgroup: no memory.max
+    TEST_CHECK(tsys__cgroup_room(root) == CG_MIB(224), "v2, the parent's limit: %zu MiB, wanted 224", tsys__cgroup_room(root) >> 20);
+    // the step's own limit, tighter: the least room wins
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(860)); cg_file(root, "sys/fs/cgroup/job/step/memory.max", line);
+    TEST_CHECK(tsys__cgroup_room(root) == CG_MIB(10), "v2, the step's limit: %zu MiB, wanted 10", tsys__cgroup_room(root) >> 20);
+    // over its limit already (usage can pass it briefly): no room, not a wrapped huge number
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(870)); cg_file(root, "sys/fs/cgroup/job/step/memory.current", line);
+    TEST_CHECK(tsys__cgroup_room(root) == 0, "v2, over the limit: %zu", tsys__cgroup_room(root));
+    // the budget of a new context is that room when it is below MemAvailable (the files from TSYS_CGROUP_ROOT)
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(800)); cg_file(root, "sys/fs/cgroup/job/step/memory.current", line);
+    setenv("TSYS_CGROUP_ROOT", root, 1);
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    TEST_CHECK(ctx->cpu_memory_limit == CG_MIB(60) && tsys_ctx_cpu_memory_limit(ctx) == CG_MIB(60), "budget %zu MiB, wanted the step's 60", ctx->cpu_memory_limit >> 20);
+    TEST_CHECK(tsys_cpu_memory_available() == CG_MIB(60), "tsys_cpu_memory_available: %zu", tsys_cpu_memory_available());
+    int64_t n = (int64_t)CG_MIB(64) / 4;   // 64 MiB: more than the cgroup leaves
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    TEST_CHECK(t == NULL && tsys_ctx_status(ctx) == TSYS_ERR_OOM, "64 MiB allocated in a cgroup with 60 MiB of room");
+    tsys_ctx_clear_error(ctx);
+    tsys_ctx_set_cpu_memory_limit(ctx, CG_MIB(1));
+    TEST_CHECK(tsys_ctx_cpu_memory_limit(ctx) == CG_MIB(1), "set to 1 MiB: %zu", tsys_ctx_cpu_memory_limit(ctx));
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(830)); cg_file(root, "sys/fs/cgroup/job/step/memory.current", line);
+    tsys_ctx_set_cpu_memory_limit(ctx, 0);   // the default again, read now
+    TEST_CHECK(tsys_ctx_cpu_memory_limit(ctx) == CG_MIB(30), "0 = the room now: %zu MiB, wanted 30", tsys_ctx_cpu_memory_limit(ctx) >> 20);
+    tsys_ctx_free(ctx);
+    unsetenv("TSYS_CGROUP_ROOT");
+    cg_clear(root);
+    // a container's view: the mount's root is the container's own cgroup, which /proc/self/cgroup names too
+    if (!mkdtemp(strcpy(root, "/tmp/tsys_cgroup_XXXXXX"))) { TEST_CHECK(false, "mkdtemp"); return; }
+    cg_file(root, "proc/self/cgroup", "0::/docker/abc\n");
+    cg_file(root, "proc/self/mountinfo", "30 23 0:26 /docker/abc /sys/fs/cgroup ro,nosuid - cgroup2 cgroup rw\n");
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(512)); cg_file(root, "sys/fs/cgroup/memory.max", line);
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(12)); cg_file(root, "sys/fs/cgroup/memory.current", line);
+    TEST_CHECK(tsys__cgroup_room(root) == CG_MIB(500), "v2 in a container: %zu MiB, wanted 500", tsys__cgroup_room(root) >> 20);
+    cg_clear(root);
+    // cgroup v1 (a hybrid host: the unified hierarchy holds no memory controller): the memory
+    // controller's mount, a Slurm job's limit, its parents unlimited (v1 writes a huge number)
+    if (!mkdtemp(strcpy(root, "/tmp/tsys_cgroup_XXXXXX"))) { TEST_CHECK(false, "mkdtemp"); return; }
+    cg_file(root, "proc/self/cgroup", "9:name=systemd:/\n5:cpu,cpuacct:/\n4:memory:/slurm/uid_0/job_7\n0::/\n");
+    cg_file(root, "proc/self/mountinfo", "31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+                                         "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n");
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(512)); cg_file(root, "sys/fs/cgroup/memory/slurm/uid_0/job_7/memory.limit_in_bytes", line);
+    snprintf(line, sizeof(line), "%zu\n", CG_MIB(112)); cg_file(root, "sys/fs/cgroup/memory/slurm/uid_0/job_7/memory.usage_in_bytes", line);
+    snprintf(line, sizeof(line), "cache 1\ninactive_file 999\ntotal_inactive_file %zu\n", CG_MIB(12)); cg_file(root, "sys/fs/cgroup/memory/slurm/uid_0/job_7/memory.stat", line);
+    cg_file(root, "sys/fs/cgroup/memory/slurm/memory.limit_in_bytes", "9223372036854771712\n");
+    cg_file(root, "sys/fs/cgroup/memory/slurm/memory.usage_in_bytes", "2000000000\n");
+    cg_file(root, "sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+    cg_file(root, "sys/fs/cgroup/memory/memory.usage_in_bytes", "9000000000\n");
+    TEST_CHECK(tsys__cgroup_room(root) == CG_MIB(412), "v1: %zu MiB, wanted 412", tsys__cgroup_room(root) >> 20);
+    cg_clear(root);
 }
 
 TSYS_TEST(null_tensors_and_shapes_past_int64_are_errors) {
