@@ -184,7 +184,8 @@ test-cuda: $(CUDA_TESTS)
 # CPU ranks through MPI when Open MPI's mpicc is there (its flags, our compiler and CFLAGS), else the
 # tcp engine alone (shared memory / TCP, launched by --nproc). drivers/ddp.c and tests/test_ddp.c
 # plug in by existing. tests/run_dist.sh runs every DIST_TESTS program under mpirun -np 2 and -np 4
-# (the launcher without MPI), plus test_dist alone, through the launcher and its failure modes.
+# (the launcher without MPI), plus test_dist alone, through the launcher and its failure modes, and
+# tests/test_netns.sh: the same programs across two simulated hosts (network namespaces, needs root).
 MPICC ?= mpicc
 MPI_COMPILE := $(shell $(MPICC) --showme:compile 2>/dev/null)
 MPI_LINK := $(shell $(MPICC) --showme:link 2>/dev/null)

@@ -2,8 +2,10 @@
 # The distributed tests, as `make test` runs them: every program of TSYS_DIST_TESTS at 2 and 4 ranks on
 # every CPU engine (shared memory; MPI without it; TCP without it, through the built-in launcher), the
 # same under ThreadSanitizer (TSYS_DIST_TSAN_TESTS), test_dist and test_fsdp also alone (a group of one),
-# test_dist through the launcher, and its failure modes (tests/test_dist_fail.sh). Prints each run's
-# output and, last, the sum of their "N passed, N failed" lines.
+# test_dist through the launcher, its failure modes (tests/test_dist_fail.sh), and last the three
+# programs across two simulated hosts (tests/test_netns.sh: network namespaces joined by a veth pair,
+# TCP and MPI; skipped without root unless CI_REQUIRE_NETNS=1). Prints each run's output and, last,
+# the sum of their "N passed, N failed" lines.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -63,5 +65,6 @@ torchrun_style() {
 }
 run torchrun_style
 run tests/test_dist_fail.sh
+run tests/test_netns.sh "$BUILD"   # two hosts: the rendezvous, MPI and TCP across a veth pair (2-3 min on 2 cores)
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -810,8 +810,12 @@ int main(int argc, char **argv) {
         }
     }
 #endif
+    // the hosts the group spans, as tsys sees them (each rank counts 1 / its host's local size): ranks
+    // on several hosts take MPI or TCP, never shared memory, between them (tests/test_netns.sh checks it)
+    double hosts = 1.0 / d->local_size;
+    if (g_size > 1 && tsys_dist_all_reduce_host(d, &hosts, 1, TSYS_DIST_SUM) != TSYS_OK) { fprintf(stderr, "rank %d: %s\n", g_rank, tsys_ctx_last_error(g_ctx)); return 1; }
     if (g_rank == 0) {
-        printf("test_dist: %d rank(s), paths:", g_size);
+        printf("test_dist: %d rank(s) on %d host(s), paths:", g_size, (int)(hosts + 0.5));
         for (int p = 0; p < g_npaths; p++) printf(" %s%s", g_name[p], p + 1 < g_npaths ? "," : "\n");
     }
     int rc = tsys_test_main_dist(filter, d);
