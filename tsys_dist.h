@@ -53,7 +53,11 @@
          127.0.0.1), MASTER_PORT (default 29500): rank 0 listens on MASTER_PORT at MASTER_ADDR's
          address, the others connect (retrying until the timeout), send a hello and get the table of
          ranks; the connections stay as the group's control path (the NCCL id, the shared segment's
-         name, the tcp engine). Who may join: see ON THE RENDEZVOUS;
+         name, the tcp engine). Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent holds
+         MASTER_PORT with its TCPStore: every rank is a client of that store, rank 0 listens on a
+         port the system picks and publishes it there, the others wait for it (within the timeout)
+         and join as above. LOCAL_WORLD_SIZE, when set, must be in [1, WORLD_SIZE]. Who may join:
+         see ON THE RENDEZVOUS;
       3. neither: a group of one.
       tsys_dist_spawn(nproc, argc, argv) is the built-in local launcher (drivers' --nproc N, like
       torch.multiprocessing.spawn): it starts N copies of the program with the variables of 2 set
@@ -90,6 +94,11 @@
       - A connection that is not a rank of this job (garbage, another protocol or run, a wrong secret,
         a wrong RANK or WORLD_SIZE) is refused with one line on rank 0's stderr and the rendezvous goes
         on; at most 64 connections wait for their hello at once, each for at most 10 s.
+      - Under torchrun, rank 0's port is found in the agent's store, under the key
+        /tsys/<run id>/<TORCHELASTIC_RESTART_COUNT>/<n>/rank0 (n counts the TCP rendezvous of the
+        process, so every rank must make its groups in the same order); only the commands VALIDATE,
+        SET, CHECK, WAIT and GET of torch's TCPStore protocol are spoken (pinned on torch 2.11).
+        Whoever can reach the store can read the port: the hello's run id and secret still decide.
       - Not protected: the traffic after the rendezvous (collectives, the NCCL id) is neither encrypted
         nor authenticated; run jobs on networks you trust, as with torchrun and NCCL.
 
@@ -992,6 +1001,7 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
             snprintf(v, sizeof v, "%d", port); setenv("MASTER_PORT", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             snprintf(v, sizeof v, "%d", (int)me); setenv("TSYS_DIST_LAUNCHER", v, 1);
+            unsetenv("TORCHELASTIC_USE_AGENT_STORE");   // rank 0 holds MASTER_PORT itself: there is no agent's store
             if (run_id[0]) setenv("TSYS_DIST_RUN_ID", run_id, 1);
             if (secret[0]) setenv("TSYS_DIST_SECRET", secret, 1);
             if (r == 0) { snprintf(v, sizeof v, "%d", lfd); setenv("TSYS_DIST_LISTEN_FD", v, 1); }
@@ -1059,7 +1069,9 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
 // star around rank 0) and, without shared memory, its data path too. A connection that is not a rank
 // of this job (another job, a scanner, a rank of another protocol) is refused, logged and closed, and
 // the rendezvous goes on. At most TSYS_DIST__PENDING connections wait for their hello at once, each for
-// at most TSYS_DIST__HELLO_S: idle connections cannot lock the real ranks out.
+// at most TSYS_DIST__HELLO_S: idle connections cannot lock the real ranks out. Under torchrun, whose
+// agent holds MASTER_PORT, rank 0 listens on a port of the system's choosing and the others find it in
+// the agent's store (see "torchrun's agent store" below); the hellos are the same.
 #define TSYS_DIST__PENDING 64
 #define TSYS_DIST__HELLO_S 10.0
 
@@ -1101,9 +1113,23 @@ static void tsys_dist__addr_str(const struct sockaddr *sa, char *buf, size_t n) 
     snprintf(buf, n, "%s:%d", host, port);
 }
 
+// LOCAL_WORLD_SIZE (torchrun and tsys_dist_spawn set it): the ranks on this host, 0 when unset; an
+// error unless 1 <= LOCAL_WORLD_SIZE <= WORLD_SIZE (and LOCAL_RANK, when set, is below it).
+static bool tsys_dist__local_world_size(const tsys_dist *d, long *lws, tsys_dist__err *e) {
+    bool bad = false;
+    long lr = 0;
+    *lws = 0;
+    if (!tsys_dist__env_long("LOCAL_WORLD_SIZE", 1, d->size, lws, &bad) && bad)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "LOCAL_WORLD_SIZE='%s' is not a number of ranks in [1, WORLD_SIZE=%d]", getenv("LOCAL_WORLD_SIZE"), d->size);
+    if (*lws && tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &lr, &bad) && lr >= *lws)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "LOCAL_RANK=%ld is not below LOCAL_WORLD_SIZE=%ld", lr, *lws);
+    return true;
+}
+
 // Rank 0's listening socket: the one tsys_dist_spawn opened for it, else a socket bound to the address
-// MASTER_ADDR names here (TSYS_DIST_LISTEN_ADDR overrides: "0.0.0.0" or "::" for every interface).
-// A loopback address for a job whose ranks are not all on this host is refused: they could not reach it.
+// MASTER_ADDR names here (TSYS_DIST_LISTEN_ADDR overrides: "0.0.0.0" or "::" for every interface);
+// port 0: one the system picks. A loopback address for a job whose ranks are not all on this host
+// (LOCAL_WORLD_SIZE < WORLD_SIZE) is refused: they could not reach it.
 static int tsys_dist__listen(tsys_dist *d, const char *addr, int port, bool *loopback, tsys_dist__err *e) {
     long inh = -1;
     bool bad = false;
@@ -1138,14 +1164,15 @@ static int tsys_dist__listen(tsys_dist *d, const char *addr, int port, bool *loo
     }
     freeaddrinfo(res);
     if (fd < 0) {
-        tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: rank 0 cannot listen on %s port %d: %s%s", host, port, strerror(err),
+        tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: rank 0 cannot listen on %s port %s: %s%s", host, port ? portstr : "(any)", strerror(err),
                           err == EADDRNOTAVAIL ? " (the address is not one of this host's: rank 0 must run where MASTER_ADDR points)" :
                           err == EADDRINUSE ? " (another program, or another job, holds the port: give this job its own MASTER_PORT)" : "");
         return -1;
     }
     long lws = 0;
-    bool bad_lws = false;
-    if (*loopback && !listen_addr && tsys_dist__env_long("LOCAL_WORLD_SIZE", 1, 1L << 20, &lws, &bad_lws) && lws < d->size) {
+    tsys_dist__err lws_e;   // validated by tsys_dist__tcp_setup already
+    memset(&lws_e, 0, sizeof lws_e);
+    if (*loopback && !listen_addr && tsys_dist__local_world_size(d, &lws, &lws_e) && lws && lws < d->size) {
         close(fd);
         tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "rendezvous: MASTER_ADDR '%s' is a loopback address on rank 0's host, but only %ld of the %d ranks run here "
                           "(LOCAL_WORLD_SIZE): the others could not reach it; set MASTER_ADDR to this host's network address (or TSYS_DIST_LISTEN_ADDR)", addr, lws, d->size);
@@ -1241,10 +1268,8 @@ static bool tsys_dist__hear(tsys_dist *d, const tsys_dist__ident *id, tsys_dist_
     return true;
 }
 
-static bool tsys_dist__tcp_rank0(tsys_dist *d, const char *addr, int port, const tsys_dist__ident *id, tsys_dist__hello *table, tsys_dist__err *e) {
-    bool loopback = false;
-    int lfd = tsys_dist__listen(d, addr, port, &loopback, e);
-    if (lfd < 0) return false;
+// Rank 0's side on its listening socket lfd (port: the one it listens on; closes lfd).
+static bool tsys_dist__tcp_rank0(tsys_dist *d, int lfd, bool loopback, const char *addr, int port, const tsys_dist__ident *id, tsys_dist__hello *table, tsys_dist__err *e) {
     if (!id->run_id[0])
         fprintf(stderr, "tsys_dist rank 0: no run id (TSYS_DIST_RUN_ID or TORCHELASTIC_RUN_ID): a rank of another job given port %d could join this one\n", port);
     tsys_dist__pending *pend = (tsys_dist__pending *)calloc(TSYS_DIST__PENDING, sizeof *pend);
@@ -1354,8 +1379,8 @@ static int tsys_dist__join(tsys_dist *d, int fd, const char *addr, int port, con
     return 1;
 }
 
-static bool tsys_dist__tcp_peer(tsys_dist *d, const char *addr, int port, const tsys_dist__ident *id, tsys_dist__hello *table, tsys_dist__err *e) {
-    const double t0 = tsys_time_us();
+// A rank's side: connects to rank 0 at addr:port and joins, retrying until t0 (us) + the timeout.
+static bool tsys_dist__tcp_peer(tsys_dist *d, const char *addr, int port, double t0, const tsys_dist__ident *id, tsys_dist__hello *table, tsys_dist__err *e) {
     char why[256] = "no answer";
     for (;;) {
         if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s)
@@ -1370,20 +1395,182 @@ static bool tsys_dist__tcp_peer(tsys_dist *d, const char *addr, int port, const 
     }
 }
 
+// ---- torchrun's agent store ---------------------------------------------------------------------
+// torchrun's agent holds MASTER_PORT with its TCPStore and tells the workers to use it
+// (TORCHELASTIC_USE_AGENT_STORE=True). Then rank 0 listens on a port the system picks and publishes it
+// in that store under a key of this rendezvous, TSYS_DIST__STORE_KEY (the run, torchrun's restart
+// count, and the number of TCP rendezvous this process has made: ranks make their groups in the same
+// order); the others wait for the key, read the port, and join as usual. Every rank is a raw client
+// of the store, torch 2.x's wire protocol (pinned on 2.11): a command byte, then keys and values as a
+// u64 length and the bytes, integers raw little-endian; the first message is VALIDATE with its magic
+// (no reply). Only VALIDATE, SET, CHECK, WAIT and GET are spoken; each exchange is bounded by the
+// rendezvous's deadline, and an error names the store, the command and the key.
+#define TSYS_DIST__STORE_MAGIC 0x3C85F7CEu
+#define TSYS_DIST__STORE_KEY "/tsys/%s/%ld/%u/rank0"   // run id, TORCHELASTIC_RESTART_COUNT, group number
+enum { TSYS_DIST__STORE_VALIDATE = 0, TSYS_DIST__STORE_SET = 1, TSYS_DIST__STORE_GET = 3, TSYS_DIST__STORE_CHECK = 5, TSYS_DIST__STORE_WAIT = 6 };
+
+// The TCP rendezvous this process has made so far: the group number in the key. The one global of
+// tsys_dist (the store outlives a group, and the ranks' processes are what agree on the order).
+static unsigned tsys_dist__tcp_groups;
+
+typedef struct tsys_dist__store {
+    int fd;
+    char name[80];        // "MASTER_ADDR:MASTER_PORT", for errors
+    double deadline_us;   // the rendezvous's
+    double timeout_s;
+} tsys_dist__store;
+
+static bool tsys_dist__agent_store_on(void) {
+    const char *v = tsys_dist__env("TORCHELASTIC_USE_AGENT_STORE");
+    return v && !strcmp(v, "True");
+}
+
+// Moves n bytes to or from the store before the deadline; `what` ("WAIT of key '...'") names the exchange.
+static bool tsys_dist__store_io(tsys_dist__store *s, void *buf, size_t n, bool out, const char *what, tsys_dist__err *e) {
+    char *p = (char *)buf;
+    size_t done = 0;
+    while (done < n) {
+        ssize_t k = out ? send(s->fd, p + done, n - done, MSG_NOSIGNAL) : recv(s->fd, p + done, n - done, 0);
+        if (k > 0) { done += (size_t)k; continue; }
+        if (k == 0) return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s closed the connection during %s", s->name, what);
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s: %s: %s", s->name, what, strerror(errno));
+        const double left_ms = (s->deadline_us - tsys_time_us()) * 1e-3;
+        if (left_ms <= 0)
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s: %s: no %s within the timeout (%g s)", s->name, what, out ? "progress" : "reply", s->timeout_s);
+        struct pollfd pf;
+        pf.fd = s->fd; pf.events = (short)(out ? POLLOUT : POLLIN); pf.revents = 0;
+        if (poll(&pf, 1, left_ms > 200 ? 200 : (int)left_ms + 1) < 0 && errno != EINTR)
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s: %s: poll: %s", s->name, what, strerror(errno));
+    }
+    return true;
+}
+
+// Appends a u64 little-endian length and the bytes (a key or a value) to a message at m + at.
+static size_t tsys_dist__store_put(uint8_t *m, size_t at, const void *p, size_t n) {
+    for (int i = 0; i < 8; i++) m[at + (size_t)i] = (uint8_t)((uint64_t)n >> (8 * i));
+    memcpy(m + at + 8, p, n);
+    return at + 8 + n;
+}
+
+// Connects to the store (retrying until the deadline: the agent starts it before the workers) and validates.
+static bool tsys_dist__store_open(tsys_dist__store *s, const char *addr, int port, double deadline_us, double timeout_s, tsys_dist__err *e) {
+    snprintf(s->name, sizeof s->name, "%s:%d", addr, port);
+    s->deadline_us = deadline_us; s->timeout_s = timeout_s;
+    char why[256] = "no answer";
+    while ((s->fd = tsys_dist__connect(addr, port, why, sizeof why)) < 0) {
+        if (tsys_time_us() > deadline_us)
+            return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: cannot reach torchrun's agent store at %s (TORCHELASTIC_USE_AGENT_STORE=True) within %g s: %s", s->name, timeout_s, why);
+        tsys_dist__nap_us(100e3);
+    }
+    uint8_t m[5] = { TSYS_DIST__STORE_VALIDATE };
+    for (int i = 0; i < 4; i++) m[1 + i] = (uint8_t)(TSYS_DIST__STORE_MAGIC >> (8 * i));
+    if (tsys_dist__store_io(s, m, sizeof m, true, "VALIDATE", e)) return true;
+    close(s->fd);
+    s->fd = -1;
+    return false;
+}
+
+// Sends a command on one key (with a value for SET; CHECK and WAIT take a count of keys first) and
+// reads a one-byte reply when `reply` is not NULL.
+static bool tsys_dist__store_cmd(tsys_dist__store *s, int cmd, const char *key, const char *value, uint8_t *reply, tsys_dist__err *e) {
+    uint8_t m[1 + 8 + 8 + 2 * 128];
+    const size_t kl = strlen(key), vl = value ? strlen(value) : 0;
+    TSYS_ASSERT(kl < 128 && vl < 128);
+    size_t n = 0;
+    m[n++] = (uint8_t)cmd;
+    if (cmd == TSYS_DIST__STORE_CHECK || cmd == TSYS_DIST__STORE_WAIT) { for (int i = 0; i < 8; i++) m[n++] = (uint8_t)(i == 0); }   // u64 1: one key
+    n = tsys_dist__store_put(m, n, key, kl);
+    if (cmd == TSYS_DIST__STORE_SET) n = tsys_dist__store_put(m, n, value, vl);
+    const char *name = cmd == TSYS_DIST__STORE_SET ? "SET" : cmd == TSYS_DIST__STORE_GET ? "GET" : cmd == TSYS_DIST__STORE_CHECK ? "CHECK" : "WAIT";
+    char what[200];
+    snprintf(what, sizeof what, "%s of key '%s'", name, key);
+    return tsys_dist__store_io(s, m, n, true, what, e) && (!reply || tsys_dist__store_io(s, reply, 1, false, what, e));
+}
+
+// Rank 0: stores its port under key and checks that the store has it (VALIDATE and SET have no reply:
+// CHECK is what shows that MASTER_PORT is a TCPStore that took it).
+static bool tsys_dist__store_publish(tsys_dist__store *s, const char *key, int port, tsys_dist__err *e) {
+    char v[16];
+    uint8_t ready = 1;
+    snprintf(v, sizeof v, "%d", port);
+    if (!tsys_dist__store_cmd(s, TSYS_DIST__STORE_SET, key, v, NULL, e) || !tsys_dist__store_cmd(s, TSYS_DIST__STORE_CHECK, key, NULL, &ready, e)) return false;
+    if (ready != 0) return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s: CHECK of key '%s' after its SET answered %u, not 0 (ready)", s->name, key, ready);
+    return true;
+}
+
+// The other ranks: waits until rank 0 has published its port under key, then reads it.
+static bool tsys_dist__store_lookup(tsys_dist__store *s, const char *key, int *port, tsys_dist__err *e) {
+    uint8_t done = 1, len8[8];
+    char v[16];
+    if (!tsys_dist__store_cmd(s, TSYS_DIST__STORE_WAIT, key, NULL, &done, e)) {
+        if (tsys_time_us() >= s->deadline_us) snprintf(e->msg + strlen(e->msg), sizeof e->msg - strlen(e->msg), ": rank 0 never published its port (it failed, or is not a tsys program of this run)");
+        return false;
+    }
+    if (done != 0) return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s: WAIT of key '%s' answered %u, not 0 (stop waiting)", s->name, key, done);
+    if (!tsys_dist__store_cmd(s, TSYS_DIST__STORE_GET, key, NULL, NULL, e) || !tsys_dist__store_io(s, len8, 8, false, "GET's reply", e)) return false;
+    uint64_t len = 0;
+    for (int i = 0; i < 8; i++) len |= (uint64_t)len8[i] << (8 * i);
+    if (len == 0 || len >= sizeof v) return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s: key '%s' holds %llu bytes, not a port", s->name, key, (unsigned long long)len);
+    if (!tsys_dist__store_io(s, v, (size_t)len, false, "GET's reply", e)) return false;
+    v[len] = 0;
+    char *end;
+    long p = strtol(v, &end, 10);
+    if (*end || p < 1 || p > 65535) return tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: torchrun's agent store at %s: key '%s' holds '%s', not a port", s->name, key, v);
+    *port = (int)p;
+    return true;
+}
+
+// ---- the TCP rendezvous, with or without the agent's store ---------------------------------------
 // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT -> the star, the local ranks, one_host.
 static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_dist__err *e) {
+    const double t0 = tsys_time_us();
+    const unsigned group = __atomic_fetch_add(&tsys_dist__tcp_groups, 1u, __ATOMIC_RELAXED);
     tsys_dist__ident id;
-    if (!tsys_dist__ident_get(&id, e)) return false;
+    long lws = 0;
+    if (!tsys_dist__ident_get(&id, e) || !tsys_dist__local_world_size(d, &lws, e)) return false;
+    if (lws) d->local_size = (int)lws;   // until the table of ranks says which share this host
+    const bool agent = tsys_dist__agent_store_on();
+    tsys_dist__store store;
+    char key[128];
+    store.fd = -1;
+    if (agent) {
+        long restarts = 0;
+        bool bad = false;
+        tsys_dist__env_long("TORCHELASTIC_RESTART_COUNT", 0, 1L << 30, &restarts, &bad);
+        snprintf(key, sizeof key, TSYS_DIST__STORE_KEY, id.run_id, restarts, group);
+        if (!tsys_dist__store_open(&store, addr, port, t0 + d->timeout_s * 1e6, d->timeout_s, e)) return false;
+    }
     d->fds = (int *)TSYS_MALLOC(sizeof(int) * (size_t)d->size);
     tsys_dist__hello *table = (tsys_dist__hello *)calloc((size_t)d->size, sizeof(tsys_dist__hello));
-    if (!d->fds || !table) { free(table); return tsys_dist__seterr(e, TSYS_ERR_OOM, "rendezvous: out of memory"); }
+    if (!d->fds || !table) { free(table); if (store.fd >= 0) close(store.fd); return tsys_dist__seterr(e, TSYS_ERR_OOM, "rendezvous: out of memory"); }
     for (int r = 0; r < d->size; r++) d->fds[r] = -1;
     tsys_dist__hello *mine = &table[d->rank];
     mine->magic = TSYS_DIST__MAGIC; mine->version = TSYS_DIST__PROTOCOL; mine->rank = d->rank; mine->size = d->size; mine->pid = (int32_t)getpid();
     mine->local_rank = d->local_rank;
     snprintf(mine->host, sizeof mine->host, "%s", d->hostname);
     mine->host_id = tsys_dist__host_id(d->hostname);
-    bool ok = d->rank == 0 ? tsys_dist__tcp_rank0(d, addr, port, &id, table, e) : tsys_dist__tcp_peer(d, addr, port, &id, table, e);
+    bool ok;
+    if (d->rank == 0) {
+        bool loopback = false;
+        int lfd = tsys_dist__listen(d, addr, agent ? 0 : port, &loopback, e);   // under torchrun the agent holds MASTER_PORT
+        ok = lfd >= 0;
+        if (ok && agent) {
+            struct sockaddr_storage ss;
+            socklen_t sl = sizeof ss;
+            ok = getsockname(lfd, (struct sockaddr *)&ss, &sl) == 0 ? true : tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: getsockname: %s", strerror(errno));
+            if (ok) port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port : ((struct sockaddr_in *)&ss)->sin_port);
+            ok = ok && tsys_dist__store_publish(&store, key, port, e);
+            if (!ok) close(lfd);
+        }
+        if (store.fd >= 0) close(store.fd);
+        ok = ok && tsys_dist__tcp_rank0(d, lfd, loopback, addr, port, &id, table, e);
+    } else {
+        ok = !agent || tsys_dist__store_lookup(&store, key, &port, e);
+        if (store.fd >= 0) close(store.fd);
+        ok = ok && tsys_dist__tcp_peer(d, addr, port, t0, &id, table, e);
+    }
     if (ok) {
         int lr = 0, ls = 0;
         for (int r = 0; r < d->size; r++)
