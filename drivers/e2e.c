@@ -282,9 +282,10 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     snprintf(path, sizeof(path), "%s.json", base);
     if (st == TSYS_OK) st = tsys_profiler_write_trace(p, path);
     snprintf(path, sizeof(path), "%s.md", base);
-    FILE *f = st == TSYS_OK ? fopen(path, "w") : NULL;
-    if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
-    if (f) {
+    tsys_atomic_file af;   // replaced whole: never half a table, never written through a symlink
+    if (st == TSYS_OK) st = tsys_atomic_file_open(b->lm.ctx, "--profile", path, &af);
+    if (st == TSYS_OK) {
+        FILE *f = af.f;
         fprintf(f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, optimizer %.2f ms\n\n",
                 base + strlen(dir) + 1, t[0] + t[1] + t[2], t[0], t[1], t[2], tsys_profiler_kernel_ms(p, "forward"), tsys_profiler_kernel_ms(p, "backward"),
                 tsys_profiler_kernel_ms(p, "optimizer"));
@@ -292,7 +293,9 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
         fprintf(f, "\n");
         tsys_profiler_print_kernels(p, f, 40);
         fprintf(f, "\n");
-        fclose(f);
+        st = tsys_atomic_file_commit(b->lm.ctx, &af);
+    }
+    if (st == TSYS_OK) {
         fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
         st = profile_summary(b->lm.ctx, p, dir, base + strlen(dir) + 1, t);
     }
