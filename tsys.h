@@ -829,7 +829,38 @@ TSYSDEF void tsys_tensor_list_free(tsys_tensor **list, int n);
 // F32 file data may fill BF16/F16 tensors and the other way round).
 TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n);
 TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path);
+// Loads a model's parameters, strictly by default (PyTorch's load_state_dict(strict=True)): a
+// parameter the file lacks, or a tensor of the file the model lacks, is an error naming it, and no
+// parameter is written. tsys_model_load(m, path) is tsys_model_load_ex(m, path, NULL).
+// tsys_model_load_desc, 0 = default (strict):
+//   allow_unexpected   tensors of the file that the model does not have are skipped
+//   allow_missing      parameters the file does not hold keep their values
+typedef struct tsys_model_load_desc {
+    bool allow_unexpected;
+    bool allow_missing;
+} tsys_model_load_desc;
 TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path);
+TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const tsys_model_load_desc *desc);
+
+// Replacing a file whole (safetensors, traces, the drivers' reports): the content is written to a
+// temporary beside path, "<path>.tmp.XXXXXX", created exclusively (0644 less the umask; never through
+// a symlink, never someone else's file), then checked, fsynced and renamed over path, and the
+// directory is fsynced. Readers see the old file or the new one, never a part of one; processes
+// saving one path at once each leave a whole file (the last rename wins). On any failure, and on
+// abort, the temporary is removed and path is untouched. `what` starts the messages ("safetensors"
+// gives "safetensors '<path>': ..."); ctx may be NULL (no message is kept).
+//   tsys_atomic_file af;
+//   if (tsys_atomic_file_open(ctx, "report", path, &af) != TSYS_OK) return ...;
+//   fprintf(af.f, ...);                        // any stdio writes
+//   tsys_status s = tsys_atomic_file_commit(ctx, &af);   // or tsys_atomic_file_abort(&af)
+typedef struct tsys_atomic_file {
+    FILE *f;              // write the new content here
+    char *path, *tmp;     // the final name and the temporary's (owned)
+    const char *what;
+} tsys_atomic_file;
+TSYSDEF tsys_status tsys_atomic_file_open(tsys_ctx *ctx, const char *what, const char *path, tsys_atomic_file *af);
+TSYSDEF tsys_status tsys_atomic_file_commit(tsys_ctx *ctx, tsys_atomic_file *af);
+TSYSDEF void tsys_atomic_file_abort(tsys_atomic_file *af);
 
 // profiler: host time of every op (and, where the backend reports it, device time of every kernel),
 // built on the trace hooks. Outputs: an op table like torch.profiler's key_averages().table(), a
@@ -888,6 +919,18 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps);   // measured CBLAS sgemm
 #include <time.h>
 #include <errno.h>
 #include <assert.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#define TSYS__POSIX 1
+#ifndef O_CLOEXEC
+#define O_CLOEXEC 0
+#endif
+#ifndef O_NOFOLLOW
+#define O_NOFOLLOW 0
+#endif
+#endif
 
 #if defined(TSYS_MALLOC) && defined(TSYS_FREE) && defined(TSYS_REALLOC)
 #elif !defined(TSYS_MALLOC) && !defined(TSYS_FREE) && !defined(TSYS_REALLOC)
@@ -5719,6 +5762,142 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
     return best;
 }
 
+// >>atomic files ----------------------------------------------------------------------------------
+//
+// A file is replaced whole or not at all (tsys_atomic_file in >>public). The temporary has a name of
+// its own per call, made like mkstemp's (random letters, retried while the name exists), and is
+// opened O_CREAT|O_EXCL|O_NOFOLLOW: a file or symlink already there, planted or left by another
+// writer, is never opened, so nothing outside the temporary is written. rename() replaces the final
+// name atomically; the fsyncs make the new content reach the disk before the name points at it and
+// the name itself survive a crash.
+
+#define TSYS__ATOMIC_TMP_SUFFIX ".tmp.XXXXXX"
+#define TSYS__ATOMIC_TRIES 100
+
+static tsys_status tsys__atomic_fail(tsys_ctx *ctx, const tsys_atomic_file *af, const char *fmt, ...) {
+    char msg[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "%s '%s': %s", af->what, af->path, msg);
+}
+
+// Overwrites the XXXXXX at the end of tmp with letters and digits drawn from the clock, the process
+// and the call: unpredictable enough that guessing the next name to plant a file there is pointless
+// (the exclusive open refuses it anyway), varied enough that concurrent writers rarely collide.
+static void tsys__atomic_fill_name(char *tmp, uint64_t *state) {
+    static const char letters[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    uint64_t r = tsys__splitmix(state);
+    char *x = tmp + strlen(tmp) - 6;
+    for (int i = 0; i < 6; i++, r /= 62) x[i] = letters[r % 62];
+}
+
+static uint64_t tsys__atomic_seed(const void *salt) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t seed = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    seed ^= (uint64_t)(uintptr_t)salt * 0x9e3779b97f4a7c15ull;
+#ifdef TSYS__POSIX
+    seed ^= (uint64_t)getpid() << 32;
+#endif
+    return seed;
+}
+
+// Creates the temporary exclusively: a stdio stream on a new file nobody else has opened.
+static FILE *tsys__atomic_create(char *tmp, uint64_t *state) {
+    for (int attempt = 0; attempt < TSYS__ATOMIC_TRIES; attempt++) {
+        tsys__atomic_fill_name(tmp, state);
+#ifdef TSYS__POSIX
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (fd < 0) { if (errno == EEXIST) continue; return NULL; }
+        FILE *f = fdopen(fd, "wb");
+        if (!f) { int e = errno; close(fd); unlink(tmp); errno = e; }
+        return f;
+#else
+        FILE *f = fopen(tmp, "wbx");   // C11 exclusive mode
+        if (f || errno != EEXIST) return f;
+#endif
+    }
+    errno = EEXIST;
+    return NULL;
+}
+
+TSYSDEF tsys_status tsys_atomic_file_open(tsys_ctx *ctx, const char *what, const char *path, tsys_atomic_file *af) {
+    if (!af) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_atomic_file_open: NULL tsys_atomic_file");
+    memset(af, 0, sizeof *af);
+    af->what = what ? what : "file";
+    if (!path || !path[0]) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "%s: empty path", af->what);
+    size_t len = strlen(path), suffix = sizeof TSYS__ATOMIC_TMP_SUFFIX;   // with its NUL
+    char *names = (char *)TSYS_MALLOC(2 * len + 1 + suffix);
+    if (!names) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "%s '%s': out of memory", af->what, path);
+    af->path = names;
+    af->tmp = names + len + 1;
+    memcpy(af->path, path, len + 1);
+    memcpy(af->tmp, path, len);
+    memcpy(af->tmp + len, TSYS__ATOMIC_TMP_SUFFIX, suffix);
+    uint64_t state = tsys__atomic_seed(af);
+    af->f = tsys__atomic_create(af->tmp, &state);
+    if (af->f) return TSYS_OK;
+    tsys_status s = tsys__atomic_fail(ctx, af, "cannot create a temporary file beside it: %s", strerror(errno));
+    TSYS_FREE(names);
+    memset(af, 0, sizeof *af);
+    return s;
+}
+
+TSYSDEF void tsys_atomic_file_abort(tsys_atomic_file *af) {
+    if (!af || !af->path) return;
+    if (af->f) fclose(af->f);
+    remove(af->tmp);
+    TSYS_FREE(af->path);   // one block with tmp
+    memset(af, 0, sizeof *af);
+}
+
+// Every byte written (stdio keeps the first error), on the disk, and the stream closed.
+static tsys_status tsys__atomic_finish_writes(tsys_ctx *ctx, tsys_atomic_file *af) {
+    FILE *f = af->f;
+    int e = errno;   // after a failed fwrite/fprintf, its reason (stdio keeps only the error flag)
+    af->f = NULL;
+    if (!ferror(f)) { errno = 0; if (fflush(f) != 0) e = errno; }
+    const char *failed = ferror(f) ? "write failed" : NULL;
+#ifdef TSYS__POSIX
+    if (!failed && fsync(fileno(f)) != 0) { e = errno; failed = "fsync failed"; }
+#endif
+    if (fclose(f) != 0 && !failed) { e = errno; failed = "write failed on close"; }
+    if (failed) return tsys__atomic_fail(ctx, af, "%s: %s", failed, e ? strerror(e) : "stream error");
+    return TSYS_OK;
+}
+
+// The directory entry made by rename() survives a crash only once the directory is synced. Some
+// file systems cannot sync a directory (EINVAL, ENOTSUP): there the rename is as durable as it gets.
+static tsys_status tsys__atomic_sync_dir(tsys_ctx *ctx, tsys_atomic_file *af) {
+#ifdef TSYS__POSIX
+    char *slash = strrchr(af->path, '/');
+    const char *dir = ".";
+    if (slash) { *slash = 0; dir = slash == af->path ? "/" : af->path; }
+    int fd = open(dir, O_RDONLY | O_CLOEXEC), e = 0;
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL && errno != ENOTSUP)) e = errno;
+    if (fd >= 0) close(fd);
+    if (slash) *slash = '/';
+    if (e) return tsys__atomic_fail(ctx, af, "the new file is in place, but syncing its directory failed: %s", strerror(e));
+#else
+    (void)ctx; (void)af;
+#endif
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_atomic_file_commit(tsys_ctx *ctx, tsys_atomic_file *af) {
+    if (!af || !af->path || !af->f) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_atomic_file_commit: the file is not open");
+    tsys_status s = tsys__atomic_finish_writes(ctx, af);
+    if (s == TSYS_OK && rename(af->tmp, af->path) != 0)
+        s = tsys__atomic_fail(ctx, af, "cannot rename '%s' into place: %s", af->tmp, strerror(errno));
+    if (s != TSYS_OK) { tsys_atomic_file_abort(af); return s; }
+    s = tsys__atomic_sync_dir(ctx, af);
+    TSYS_FREE(af->path);
+    memset(af, 0, sizeof *af);
+    return s;
+}
+
 // >>profiler --------------------------------------------------------------------------------------
 // A client of the trace hooks: spans for ops, backward nodes and ranges; a record per kernel launch
 // (device time from the device's clock when one is registered, else the launch's host time); the
@@ -6036,11 +6215,14 @@ static void tsys__json_str(FILE *f, const char *s) {
 
 // Chrome trace event format: host spans on pid 1 (nested X events), kernels on pid 2 with one track
 // per device, live bytes as counters; timestamps in microseconds from tsys_profiler_begin.
+// The file is replaced whole (tsys_atomic_file), never written in place through whatever is there.
 TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char *path) {
     if (!p) return TSYS_ERR_INVALID_ARGS;
     if (!path) return TSYS__FAIL(p->ctx, TSYS_ERR_INVALID_ARGS, "profiler trace: path is NULL");
-    FILE *f = fopen(path, "w");
-    if (!f) return TSYS__FAIL(p->ctx, TSYS_ERR_IO, "profiler trace '%s': %s", path, strerror(errno));
+    tsys_atomic_file af;
+    tsys_status s = tsys_atomic_file_open(p->ctx, "profiler trace", path, &af);
+    if (s != TSYS_OK) return s;
+    FILE *f = af.f;
     fprintf(f, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
     fprintf(f, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 1, \"args\": {\"name\": \"host\"}},\n");
     fprintf(f, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 2, \"args\": {\"name\": \"device kernels\"}}");
@@ -6069,9 +6251,7 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
                 (long long)(p->mem[i].live[TSYS_CPU] + p->mem[i].cached[TSYS_CPU]), (long long)(p->mem[i].live[TSYS_CUDA] + p->mem[i].cached[TSYS_CUDA]));
     }
     fprintf(f, "\n]}\n");
-    bool bad = ferror(f) != 0;
-    if (fclose(f) != 0 || bad) return TSYS__FAIL(p->ctx, TSYS_ERR_IO, "profiler trace '%s': write failed", path);
-    return TSYS_OK;
+    return tsys_atomic_file_commit(p->ctx, &af);   // checks every write above (stdio's error flag)
 }
 
 // >>safetensors -----------------------------------------------------------------------------------
@@ -6095,7 +6275,11 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
 //
 // Tensor data is streamed tensor by tensor (fseek + fread), never the whole file at once, so loading
 // a 13 GB checkpoint needs one tensor of staging memory at most. Host byte order must be little
-// endian, like the format (checked at run time).
+// endian, like the format (checked at run time). Names are checked and looked up through a hash
+// index, so the work grows linearly with the number of tensors, hostile headers included.
+//
+// Saving replaces the file whole through tsys_atomic_file (>>atomic files): a unique temporary
+// beside it, written, fsynced and renamed into place.
 //
 // It uses only the public API above, libc, and the TSYS_MALLOC/TSYS_REALLOC/TSYS_FREE macros of >>config.
 
@@ -6105,15 +6289,6 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
 #include <stdarg.h>
 #include <errno.h>
 #include <limits.h>
-#if defined(__unix__) || defined(__APPLE__)
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-#define TSYS__ST_POSIX 1
-#ifndef O_CLOEXEC
-#define O_CLOEXEC 0
-#endif
-#endif
 
 #define TSYS__ST_MAX_HEADER   100000000u   // same limit as the Rust crate (MAX_HEADER_SIZE)
 #define TSYS__ST_MAX_DEPTH    64           // JSON nesting limit: no stack overflow on "[[[[..."
@@ -6166,6 +6341,73 @@ static bool tsys__st_dtype_parse(const char *s, tsys_dtype *out) {
     return false;
 }
 
+// ---- a name index ------------------------------------------------------------------------------------
+//
+// Names to indices in expected constant time, so that a header of n tensors is checked for duplicate
+// names, and load_into finds its n tensors, in O(n) rather than pairwise in O(n^2) (200 000 names
+// took minutes that way). Open addressing with linear probing, kept at most half full. The hash is
+// FNV-1a started from a per-index random seed and finished with splitmix64's mixer, so the slot
+// depends on every bit of the hash and a header cannot pile its names into one run of slots by
+// choosing them in advance, as it could against a fixed hash (FNV-1a is no keyed hash like SipHash:
+// this makes such an attack costly, not impossible). The index points at names it does not own.
+
+typedef struct tsys__st_slot { const char *name; int value; } tsys__st_slot;
+typedef struct tsys__st_index { tsys__st_slot *slots; size_t cap, count; uint64_t seed; } tsys__st_index;
+
+static size_t tsys__st_hash(const tsys__st_index *ix, const char *name) {
+    uint64_t h = 14695981039346656037ull ^ ix->seed;   // FNV-1a offset basis, seeded
+    for (const unsigned char *c = (const unsigned char *)name; *c; c++) h = (h ^ *c) * 1099511628211ull;
+    return (size_t)tsys__splitmix(&h);
+}
+
+// The slot holding name, or the empty slot where it would go (there is one: the index is never full).
+static tsys__st_slot *tsys__st_index_slot(const tsys__st_index *ix, const char *name) {
+    size_t i = tsys__st_hash(ix, name) & (ix->cap - 1);
+    while (ix->slots[i].name && strcmp(ix->slots[i].name, name) != 0) i = (i + 1) & (ix->cap - 1);
+    return &ix->slots[i];
+}
+
+// The value stored under name, or -1.
+static int tsys__st_index_find(const tsys__st_index *ix, const char *name) {
+    if (!ix->cap) return -1;
+    const tsys__st_slot *slot = tsys__st_index_slot(ix, name);
+    return slot->name ? slot->value : -1;
+}
+
+// Doubles the slots (64 at first) and puts every name back; false when out of memory.
+static bool tsys__st_index_grow(tsys__st_index *ix) {
+    tsys__st_index bigger = *ix;
+    bigger.cap = ix->cap ? 2 * ix->cap : 64;
+    if (bigger.cap > SIZE_MAX / sizeof *bigger.slots) return false;
+    bigger.slots = (tsys__st_slot *)tsys__st_malloc(bigger.cap * sizeof *bigger.slots);
+    if (!bigger.slots) return false;
+    memset(bigger.slots, 0, bigger.cap * sizeof *bigger.slots);
+    if (!ix->cap) bigger.seed = tsys__atomic_seed(ix);   // random enough; see above
+    for (size_t i = 0; i < ix->cap; i++)
+        if (ix->slots[i].name) *tsys__st_index_slot(&bigger, ix->slots[i].name) = ix->slots[i];
+    tsys__st_free(ix->slots);
+    *ix = bigger;
+    return true;
+}
+
+// Adds name -> value unless name is there already; *existing gets the value found there, or -1
+// when name was added. False when out of memory.
+static bool tsys__st_index_add(tsys__st_index *ix, const char *name, int value, int *existing) {
+    *existing = tsys__st_index_find(ix, name);
+    if (*existing >= 0) return true;
+    if (2 * (ix->count + 1) > ix->cap && !tsys__st_index_grow(ix)) return false;
+    tsys__st_slot *slot = tsys__st_index_slot(ix, name);
+    slot->name = name;
+    slot->value = value;
+    ix->count++;
+    return true;
+}
+
+static void tsys__st_index_free(tsys__st_index *ix) {
+    tsys__st_free(ix->slots);
+    memset(ix, 0, sizeof *ix);
+}
+
 // ---- the parsed header ----------------------------------------------------------------------------
 
 typedef struct tsys__st_entry {
@@ -6185,10 +6427,12 @@ typedef struct tsys__st_file {
     uint64_t data_bytes;
     tsys__st_entry *entries;
     int n, cap;
+    tsys__st_index names;                // entry names -> indices into entries
     bool has_metadata;
 } tsys__st_file;
 
 static void tsys__st_close(tsys__st_file *sf) {
+    tsys__st_index_free(&sf->names);
     for (int i = 0; i < sf->n; i++) tsys__st_free(sf->entries[i].name);
     tsys__st_free(sf->entries);
     if (sf->f) fclose(sf->f);
@@ -6471,12 +6715,6 @@ static tsys_status tsys__st_tensor_info(tsys__st_parser *P, tsys__st_entry *e) {
     return TSYS_OK;
 }
 
-static int tsys__st_find(const tsys__st_file *sf, const char *name) {
-    for (int i = 0; i < sf->n; i++)
-        if (strcmp(sf->entries[i].name, name) == 0) return i;
-    return -1;
-}
-
 // "__metadata__": an object, validated and ignored; at most one.
 static tsys_status tsys__st_metadata(tsys__st_parser *P) {
     tsys_status s;
@@ -6492,16 +6730,21 @@ static tsys_status tsys__st_metadata(tsys__st_parser *P) {
 static tsys_status tsys__st_member(tsys__st_parser *P, char *name) {
     tsys__st_file *sf = P->sf;
     tsys_status s;
-    if (tsys__st_find(sf, name) >= 0) {
-        s = tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "tensor '%s' appears twice in the header", name);
-        tsys__st_free(name);
-        return s;
-    }
+    int earlier = -1;
     if (sf->n == sf->cap) {
         int cap = sf->cap ? 2 * sf->cap : 64;
         tsys__st_entry *grown = (tsys__st_entry *)tsys__st_realloc(sf->entries, (size_t)cap * sizeof *grown);
         if (!grown) { tsys__st_free(name); return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory parsing the header", sf->path); }
         sf->entries = grown; sf->cap = cap;
+    }
+    if (!tsys__st_index_add(&sf->names, name, sf->n, &earlier)) {
+        tsys__st_free(name);
+        return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory parsing the header", sf->path);
+    }
+    if (earlier >= 0) {
+        s = tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "tensor '%s' appears twice in the header (tensors %d and %d)", name, earlier, sf->n);
+        tsys__st_free(name);
+        return s;
     }
     tsys__st_entry *e = &sf->entries[sf->n++];
     memset(e, 0, sizeof *e);
@@ -6602,7 +6845,7 @@ static tsys_status tsys__st_open(tsys_ctx *ctx, const char *path, tsys__st_file 
     memset(sf, 0, sizeof *sf);
     sf->ctx = ctx; sf->path = path;
     if (!tsys__st_host_is_le()) return tsys__st_fail(ctx, TSYS_ERR_UNSUPPORTED, path, "big-endian hosts are not supported");
-#ifdef TSYS__ST_POSIX
+#ifdef TSYS__POSIX
     // A plain fopen of a FIFO waits for a writer, and one of a directory "succeeds" with a size of
     // LONG_MAX: open without blocking, then accept regular files only.
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
@@ -6763,35 +7006,73 @@ TSYSDEF tsys_status tsys_safetensors_load(tsys_ctx *ctx, const char *path, tsys_
     return TSYS_OK;
 }
 
-TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) {
-    if (!ctx || !path || (n > 0 && !tensors) || n < 0) return ctx ? tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_load_into: bad arguments") : TSYS_ERR_INVALID_ARGS;
+// What a load into given tensors accepts beyond an exact match of names.
+typedef struct tsys__st_rules {
+    bool allow_missing;      // a tensor the file lacks keeps its values (else: an error naming it)
+    bool refuse_unexpected;  // a file tensor no given tensor asks for is an error naming it (else: skipped)
+    const char *owner;       // what the given tensors are, for messages: "the model"
+} tsys__st_rules;
+
+// Whether entry e can fill t (same shape, a dtype it converts from); else an error naming t.
+static tsys_status tsys__st_check_match(tsys__st_file *sf, const tsys__st_entry *e, const tsys_tensor *t) {
+    bool same = e->ndim == t->ndim;
+    for (int d = 0; same && d < e->ndim; d++) same = e->shape[d] == t->shape[d];
+    if (!same) {
+        char a[160], b[160];
+        return tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "tensor '%s': shape mismatch: file %s, tensor %s", t->name,
+                             tsys__st_shape_str(a, sizeof a, e->ndim, e->shape), tsys__st_shape_str(b, sizeof b, t->ndim, t->shape));
+    }
+    if (!tsys__st_convertible(e->dtype, t->dtype))
+        return tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "tensor '%s': dtype mismatch: file %s, tensor %s", t->name,
+                             tsys__st_dtype_str(e->dtype), tsys_dtype_name(t->dtype));
+    return TSYS_OK;
+}
+
+// With refuse_unexpected: the first file tensor (in header order) that no given tensor matched is an
+// error naming it, with the count of such tensors.
+static tsys_status tsys__st_check_unexpected(tsys__st_file *sf, const int *match, int n, const tsys__st_rules *rules) {
+    bool *wanted = (bool *)tsys__st_malloc((size_t)sf->n * sizeof *wanted);
+    if (!wanted) return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", sf->path);
+    memset(wanted, 0, (size_t)sf->n * sizeof *wanted);
+    for (int i = 0; i < n; i++) if (match[i] >= 0) wanted[match[i]] = true;
+    int first = -1, extra = 0;
+    for (int k = 0; k < sf->n; k++) if (!wanted[k]) { extra++; if (first < 0) first = k; }
+    tsys__st_free(wanted);
+    if (!extra) return TSYS_OK;
+    return tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "tensor '%s' is in the file but not in %s (%d such tensor%s; the load is strict, "
+                         "like load_state_dict(strict=True): tsys_model_load_ex's .allow_unexpected skips them)",
+                         sf->entries[first].name, rules->owner, extra, extra == 1 ? "" : "s");
+}
+
+// Matches every tensor by name, checks them all against the rules, then fills them: a refused load
+// writes nothing.
+static tsys_status tsys__st_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n, const tsys__st_rules *rules) {
     tsys__st_file sf;
     tsys_status s = tsys__st_open(ctx, path, &sf);
     if (s != TSYS_OK) return s;
     int *match = (int *)tsys__st_malloc((size_t)n * sizeof *match);
     if (!match) { tsys__st_close(&sf); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", path); }
-    // Check every tensor before writing any, so a mismatch leaves all of them untouched.
     for (int i = 0; s == TSYS_OK && i < n; i++) {
         tsys_tensor *t = tensors[i];
         if (!t) { s = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_load_into: tensors[%d] is NULL", i); break; }
-        int k = match[i] = tsys__st_find(&sf, t->name);
-        if (k < 0) { s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "tensor '%s' is missing from the file (it holds %d tensors)", t->name, sf.n); break; }
-        const tsys__st_entry *e = &sf.entries[k];
-        bool same = e->ndim == t->ndim;
-        for (int d = 0; same && d < e->ndim; d++) same = e->shape[d] == t->shape[d];
-        if (!same) {
-            char a[160], b[160];
-            s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "tensor '%s': shape mismatch: file %s, tensor %s", t->name,
-                              tsys__st_shape_str(a, sizeof a, e->ndim, e->shape), tsys__st_shape_str(b, sizeof b, t->ndim, t->shape));
-        } else if (!tsys__st_convertible(e->dtype, t->dtype)) {
-            s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "tensor '%s': dtype mismatch: file %s, tensor %s", t->name,
-                              tsys__st_dtype_str(e->dtype), tsys_dtype_name(t->dtype));
-        }
+        int k = match[i] = tsys__st_index_find(&sf.names, t->name);
+        if (k >= 0) s = tsys__st_check_match(&sf, &sf.entries[k], t);
+        else if (!rules->allow_missing)
+            s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "tensor '%s' is missing from the file (it holds %d tensors)", t->name, sf.n);
     }
-    for (int i = 0; s == TSYS_OK && i < n; i++) s = tsys__st_fill(&sf, &sf.entries[match[i]], tensors[i]);
+    if (s == TSYS_OK && rules->refuse_unexpected) s = tsys__st_check_unexpected(&sf, match, n, rules);
+    for (int i = 0; s == TSYS_OK && i < n; i++)
+        if (match[i] >= 0) s = tsys__st_fill(&sf, &sf.entries[match[i]], tensors[i]);
     tsys__st_free(match);
     tsys__st_close(&sf);
     return s;
+}
+
+// Each given tensor must be in the file; the file may hold more.
+TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) {
+    if (!ctx || !path || (n > 0 && !tensors) || n < 0) return ctx ? tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_load_into: bad arguments") : TSYS_ERR_INVALID_ARGS;
+    const tsys__st_rules rules = { false, false, "the tensors asked for" };
+    return tsys__st_load_into(ctx, path, tensors, n, &rules);
 }
 
 // ---- saving ---------------------------------------------------------------------------------------
@@ -6832,25 +7113,37 @@ static void tsys__st_put_json_string(tsys__st_buf *b, const char *s) {
     tsys__st_put(b, "\"", 1);
 }
 
+// Whether tensors[i] can be saved: a NULL, a missing, reserved or non-UTF-8 name and a bad dtype are
+// refused, and so is a name an earlier tensor has (names holds those).
+static tsys_status tsys__st_check_savable(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int i, tsys__st_index *names) {
+    const tsys_tensor *t = tensors[i];
+    if (!t) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d] is NULL", i);
+    if (!t->name[0]) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d] has no name", i);
+    if (strcmp(t->name, "__metadata__") == 0) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: '__metadata__' is reserved");
+    for (const unsigned char *c = (const unsigned char *)t->name, *e = c + strlen(t->name); c < e; ) {
+        int k = tsys__st_utf8_len(c, e);   // what the loader (and PyTorch) would refuse to read back
+        if (!k) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d]'s name is not valid UTF-8 (byte %d)", i, (int)(c - (const unsigned char *)t->name));
+        c += k;
+    }
+    int earlier = -1;
+    if (!tsys__st_index_add(names, t->name, i, &earlier)) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory checking names", path);
+    if (earlier >= 0)
+        return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensor name '%s' used twice (tensors[%d] and [%d])", t->name, earlier, i);
+    if (!tsys__st_dtype_str(t->dtype)) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save tensor '%s': bad dtype %d", t->name, (int)t->dtype);
+    return TSYS_OK;
+}
+
 // The JSON header, padded with spaces so the data buffer starts 8-byte aligned.
 static tsys_status tsys__st_build_header(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n, tsys__st_buf *b) {
     uint64_t at = 0;
     static const char meta[] = "{\"__metadata__\":{\"format\":\"pt\"}";
+    tsys__st_index names;
+    memset(&names, 0, sizeof names);
     tsys__st_put(b, meta, sizeof meta - 1);
     for (int i = 0; i < n; i++) {
         const tsys_tensor *t = tensors[i];
-        if (!t) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d] is NULL", i);
-        if (!t->name[0]) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d] has no name", i);
-        if (strcmp(t->name, "__metadata__") == 0) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: '__metadata__' is reserved");
-        for (const unsigned char *c = (const unsigned char *)t->name, *e = c + strlen(t->name); c < e; ) {
-            int k = tsys__st_utf8_len(c, e);   // what the loader (and PyTorch) would refuse to read back
-            if (!k) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensors[%d]'s name is not valid UTF-8 (byte %d)", i, (int)(c - (const unsigned char *)t->name));
-            c += k;
-        }
-        for (int j = 0; j < i; j++)
-            if (strcmp(tensors[j]->name, t->name) == 0)
-                return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: tensor name '%s' used twice (tensors[%d] and [%d])", t->name, j, i);
-        if (!tsys__st_dtype_str(t->dtype)) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save tensor '%s': bad dtype %d", t->name, (int)t->dtype);
+        tsys_status s = tsys__st_check_savable(ctx, path, tensors, i, &names);
+        if (s != TSYS_OK) { tsys__st_index_free(&names); return s; }
         uint64_t bytes = tsys_tensor_bytes(t);
         tsys__st_put(b, ",", 1);
         tsys__st_put_json_string(b, t->name);
@@ -6859,6 +7152,7 @@ static tsys_status tsys__st_build_header(tsys_ctx *ctx, const char *path, tsys_t
         tsys__st_putf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)at, (unsigned long long)(at + bytes));
         at += bytes;
     }
+    tsys__st_index_free(&names);
     tsys__st_put(b, "}", 1);
     while (!b->oom && b->len % 8) tsys__st_put(b, " ", 1);
     if (b->oom) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory building the header", path);
@@ -6891,35 +7185,37 @@ static tsys_status tsys__st_write(tsys_ctx *ctx, const char *path, FILE *f, cons
     return s;
 }
 
-// Writes to "<path>.tmp" and renames it over path, so a failed save never leaves half a file.
+// Through tsys_atomic_file: a failed save leaves the old file, concurrent saves each leave a whole
+// one, and nothing but the save's own temporary is ever written.
 TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) {
     if (!ctx || !path || n < 0 || (n > 0 && !tensors)) return ctx ? tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_save: bad arguments") : TSYS_ERR_INVALID_ARGS;
     if (!tsys__st_host_is_le()) return tsys__st_fail(ctx, TSYS_ERR_UNSUPPORTED, path, "big-endian hosts are not supported");
     tsys__st_buf hdr;
     memset(&hdr, 0, sizeof hdr);
+    tsys_atomic_file af;
     tsys_status s = tsys__st_build_header(ctx, path, tensors, n, &hdr);
-    size_t plen = strlen(path);
-    char *tmp = s == TSYS_OK ? (char *)tsys__st_malloc(plen + 5) : NULL;
-    if (s == TSYS_OK && !tmp) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", path);
+    if (s == TSYS_OK) s = tsys_atomic_file_open(ctx, "safetensors", path, &af);
     if (s == TSYS_OK) {
-        memcpy(tmp, path, plen);
-        memcpy(tmp + plen, ".tmp", 5);
-        FILE *f = fopen(tmp, "wb");
-        if (!f) s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot create '%s': %s", tmp, strerror(errno));
-        if (f) {
-            s = tsys__st_write(ctx, path, f, &hdr, tensors, n);
-            if (fclose(f) != 0 && s == TSYS_OK) s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "write failed on close: %s", strerror(errno));
-            if (s == TSYS_OK && rename(tmp, path) != 0) s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "cannot rename '%s' into place: %s", tmp, strerror(errno));
-            if (s != TSYS_OK) remove(tmp);
-        }
+        s = tsys__st_write(ctx, path, af.f, &hdr, tensors, n);
+        if (s == TSYS_OK) s = tsys_atomic_file_commit(ctx, &af);
+        else tsys_atomic_file_abort(&af);
     }
-    tsys__st_free(tmp);
     tsys__st_free(hdr.p);
     return s;
 }
 
 TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path) { return m ? tsys_safetensors_save(m->ctx, path, m->params, m->num_tensors) : TSYS_ERR_INVALID_ARGS; }
-TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path) { return m ? tsys_safetensors_load_into(m->ctx, path, m->params, m->num_tensors) : TSYS_ERR_INVALID_ARGS; }
+TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path) { return tsys_model_load_ex(m, path, NULL); }
+
+// Strict unless desc says otherwise (tsys_model_load_desc in >>public).
+TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const tsys_model_load_desc *desc) {
+    if (!m || !path) return m ? tsys_ctx_set_error(m->ctx, TSYS_ERR_INVALID_ARGS, "tsys_model_load: NULL path") : TSYS_ERR_INVALID_ARGS;
+    tsys_model_load_desc d;
+    memset(&d, 0, sizeof d);
+    if (desc) d = *desc;
+    const tsys__st_rules rules = { d.allow_missing, !d.allow_unexpected, "the model" };
+    return tsys__st_load_into(m->ctx, path, m->params, m->num_tensors, &rules);
+}
 
 #endif // TSYS_IMPLEMENTATION
 

@@ -247,9 +247,18 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
 static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const char *dir, const char *config, const double *t) {
     char path[600];
     snprintf(path, sizeof(path), "%s/summary.csv", dir);
-    du_file df;   // the lines so far and this one, put in place whole
-    FILE *f = du_file_open(&df, path, true);
-    if (!f) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
+    tsys_atomic_file af;   // the lines so far and this one, put in place whole
+    tsys_status st = tsys_atomic_file_open(ctx, "--profile", path, &af);
+    if (st != TSYS_OK) return st;
+    FILE *f = af.f, *old = fopen(path, "r");
+    if (old) {   // the lines of earlier runs first
+        char buf[8192];
+        size_t n;
+        while ((n = fread(buf, 1, sizeof(buf), old)) > 0) fwrite(buf, 1, n, f);
+        bool bad = ferror(old) != 0;
+        fclose(old);
+        if (bad) { tsys_atomic_file_abort(&af); return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: cannot read '%s' to add a line", path); }
+    }
     if (ftell(f) == 0)
         fprintf(f, "config,step_ms,fwd_ms,bwd_ms,opt_ms,kernel_ms,fwd_kernel_ms,fwd_top_kernel,fwd_top_ms,fwd_top_calls,step_top_kernel,step_top_ms,"
                    "step_top_calls,fwd_matmul_pct,step_matmul_pct,fwd_top_other,fwd_top_other_ms,softmax_ms,attn_matmul_ms\n");
@@ -261,8 +270,7 @@ static tsys_status profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const 
             fk ? fk : "-", fwd_top, fwd_calls, sk ? sk : "-", step_top, step_calls, fwd > 0 ? 100.0 * tsys_profiler_matmul_ms(p, "forward") / fwd : 0.0,
             all > 0 ? 100.0 * tsys_profiler_matmul_ms(p, NULL) / all : 0.0, ok ? ok : "-", other, tsys_profiler_span_ms(p, "computing softmax"),
             tsys_profiler_span_ms(p, "computing attention scores") + tsys_profiler_span_ms(p, "final matmul"));
-    if (!du_file_commit(&df)) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: write to '%s' failed: %s", path, strerror(errno));
-    return TSYS_OK;
+    return tsys_atomic_file_commit(ctx, &af);   // a failed write of the copy or the line fails here
 }
 
 // One more step under the profiler; its tables and Chrome trace go to DIR/<configuration>.{md,json}.
@@ -279,25 +287,19 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
     double t[3] = {0, 0, 0};
     tsys_status st = p ? bench_step(b, t) : tsys_ctx_status(b->lm.ctx);
     if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(b->lm.ctx);
-    // each file under a temporary name until it is whole (du_file)
-    du_file df;
+    // each file replaced whole (tsys_atomic_file): never half a table, never written through a symlink
     snprintf(path, sizeof(path), "%s.json", base);
-    if (st == TSYS_OK && !du_file_begin(&df, path)) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: '%s': %s", path, strerror(errno));
-    if (st == TSYS_OK) {
-        st = tsys_profiler_write_trace(p, df.tmp);
-        if (st != TSYS_OK) {   // named by its final name; the library's words about the temporary after it
-            char why[600];
-            snprintf(why, sizeof(why), "%s", tsys_ctx_last_error(b->lm.ctx));
-            du_file_discard(&df);
-            tsys_ctx_clear_error(b->lm.ctx);
-            st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: write to '%s' failed (%s)", path, why);
-        }
-        else if (!du_file_commit(&df)) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: write to '%s' failed: %s", path, strerror(errno));
+    if (st == TSYS_OK && tsys_profiler_write_trace(p, path) != TSYS_OK) {
+        char why[600];
+        snprintf(why, sizeof(why), "%s", tsys_ctx_last_error(b->lm.ctx));
+        tsys_ctx_clear_error(b->lm.ctx);
+        st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: write to '%s' failed (%s)", path, why);
     }
     snprintf(path, sizeof(path), "%s.md", base);
-    FILE *f = st == TSYS_OK ? du_file_open(&df, path, false) : NULL;
-    if (st == TSYS_OK && !f) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: cannot write '%s': %s", path, strerror(errno));
-    if (f) {
+    tsys_atomic_file af;
+    if (st == TSYS_OK) st = tsys_atomic_file_open(b->lm.ctx, "--profile", path, &af);
+    if (st == TSYS_OK) {
+        FILE *f = af.f;
         fprintf(f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, optimizer %.2f ms\n\n",
                 base + strlen(dir) + 1, t[0] + t[1] + t[2], t[0], t[1], t[2], tsys_profiler_kernel_ms(p, "forward"), tsys_profiler_kernel_ms(p, "backward"),
                 tsys_profiler_kernel_ms(p, "optimizer"));
@@ -305,11 +307,11 @@ static tsys_status bench_profile(bench *b, const char *dir, FILE *log, const du_
         fprintf(f, "\n");
         tsys_profiler_print_kernels(p, f, 40);
         fprintf(f, "\n");
-        if (!du_file_commit(&df)) st = tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_IO, "--profile: write to '%s' failed: %s", path, strerror(errno));
-        else {
-            fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
-            st = profile_summary(b->lm.ctx, p, dir, base + strlen(dir) + 1, t);
-        }
+        st = tsys_atomic_file_commit(b->lm.ctx, &af);
+    }
+    if (st == TSYS_OK) {
+        fprintf(log, "profile of %s: %s.md, %s.json\n", base + strlen(dir) + 1, base, base);
+        st = profile_summary(b->lm.ctx, p, dir, base + strlen(dir) + 1, t);
     }
     tsys_profiler_free(p);
     return st;

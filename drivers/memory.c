@@ -374,12 +374,13 @@ static void print_phases(FILE *f, const timeline *tl) {
     fprintf(f, "\n");
 }
 
-// The timeline as JSON; false (errno set) when the file could not be written whole (it is then not
-// there: du_file).
+// The reports replace their files whole (tsys_atomic_file): a failed or concurrent run never leaves
+// half a file, and nothing already at the path (a symlink, say) is written through. A failure is
+// also recorded in ctx, naming the path.
 static bool write_json(const char *path, tsys_ctx *ctx, const timeline *tl, const char *title, const char *oom) {
-    du_file df;
-    FILE *f = du_file_open(&df, path, false);
-    if (!f) return false;
+    tsys_atomic_file af;
+    if (tsys_atomic_file_open(ctx, "--out", path, &af) != TSYS_OK) return false;
+    FILE *f = af.f;
     fprintf(f, "{\"title\": \"%s\", \"unit\": {\"time\": \"ms\", \"memory\": \"bytes\"},\n \"categories\": [", title);
     for (int c = 0; c < NCAT; c++) fprintf(f, "%s\"%s\"", c ? ", " : "", tsys_mem_category_name((tsys_mem_category)c));
     fprintf(f, "],\n \"start\": [");
@@ -405,7 +406,7 @@ static bool write_json(const char *path, tsys_ctx *ctx, const timeline *tl, cons
                 (long long)e->cached, (int)e->category, e->tag, (unsigned long long)e->id, (int)e->action);
     }
     fprintf(f, "\n]}\n");
-    return du_file_commit(&df);
+    return tsys_atomic_file_commit(ctx, &af) == TSYS_OK;
 }
 
 // Ticks at 1, 2 or 5 times a power of ten, about n of them over [0, hi].
@@ -423,7 +424,7 @@ static double nice_step(double hi, int n) {
 #define PR 190
 #define PT 40
 #define PB 50
-static bool write_svg(const char *path, const timeline *tl, const char *title, const char *oom) {
+static bool write_svg(const char *path, tsys_ctx *ctx, const timeline *tl, const char *title, const char *oom) {
     static const char *const colors[NCAT] = {"#2e7d32", "#8e44ad", "#f1c40f", "#d35400", "#3498db", "#7f8c8d"};
     static const int stack_order[NCAT] = {TSYS_MEM_PARAMETERS, TSYS_MEM_OPTIMIZER, TSYS_MEM_GRADIENTS, TSYS_MEM_ACTIVATIONS, TSYS_MEM_TEMPORARY, TSYS_MEM_WORKSPACE};
     enum { COLS = SVG_W - PL - PR };
@@ -457,9 +458,9 @@ static bool write_svg(const char *path, const timeline *tl, const char *title, c
     int ph = SVG_H - PT - PB;
 #define SX(t) (PL + ((t) - tl->t0) / span * COLS)
 #define SY(b) (PT + ph - (double)(b) * gib / ymax * ph)
-    du_file df;
-    FILE *f = du_file_open(&df, path, false);
-    if (!f) return false;
+    tsys_atomic_file af;
+    if (tsys_atomic_file_open(ctx, "--out", path, &af) != TSYS_OK) return false;
+    FILE *f = af.f;
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n",
             SVG_W, SVG_H, SVG_W, SVG_H);
     fprintf(f, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n<text x=\"%d\" y=\"22\" font-size=\"15\">", PL);
@@ -517,7 +518,7 @@ static bool write_svg(const char *path, const timeline *tl, const char *title, c
     fprintf(f, "</svg>\n");
 #undef SX
 #undef SY
-    return du_file_commit(&df);
+    return tsys_atomic_file_commit(ctx, &af) == TSYS_OK;
 }
 
 // ---- one configuration ----------------------------------------------------------------------------
@@ -628,14 +629,12 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
                      dev == TSYS_CPU ? "cpu" : "cuda", oom ? ": out of memory" : "");
             snprintf(path, sizeof(path), "%s/%s.json", o->out, name);
             bool ok = write_json(path, ctx, &tl, title, oom);
-            int err = errno;
             snprintf(path, sizeof(path), "%s/%s.svg", o->out, name);
-            if (write_svg(path, &tl, title, oom)) errno = err;
-            else ok = false;
+            ok = write_svg(path, ctx, &tl, title, oom) && ok;
             if (!ok) {   // a lost result fails the row, whatever the step did (an OOM row's plot too)
-                char was[600] = "";
-                if (st != TSYS_OK) snprintf(was, sizeof(was), " (and the step: %s: %s)", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
-                const char *why = strerror(errno);
+                char why[600] = "a write failed", was[600] = "";
+                if (st == TSYS_OK) snprintf(why, sizeof(why), "%s", tsys_ctx_last_error(ctx));   // tsys_atomic_file's: the file and why
+                else snprintf(was, sizeof(was), " (and the step: %s: %s)", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
                 tsys_ctx_clear_error(ctx);
                 st = tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--out: cannot write %s/%s.{json,svg}: %s%s", o->out, name, why, was);
                 oom = NULL;

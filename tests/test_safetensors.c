@@ -14,7 +14,12 @@
 #include <stdint.h>
 #include <errno.h>
 #include <unistd.h>
+#include <fcntl.h>
+#include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>   // mkfifo, mkdir
+#include <sys/wait.h>
+#include <sys/resource.h>   // RLIMIT_FSIZE
 
 // ---- helpers ----------------------------------------------------------------------------------------
 
@@ -77,6 +82,8 @@ static const tsys_tensor *st_find(tsys_tensor **list, int n, const char *name) {
     for (int i = 0; i < n; i++) if (strcmp(list[i]->name, name) == 0) return list[i];
     return NULL;
 }
+
+static float st_at(const tsys_tensor *t, int64_t i) { return ((const float *)tsys_tensor_data(t))[i]; }
 
 static bool st_same(const tsys_tensor *a, const tsys_tensor *b) {
     return a && b && a->dtype == b->dtype && tsys_tensor_same_shape(a, b) && a->ndim == b->ndim &&
@@ -249,6 +256,199 @@ TSYS_TEST(safetensors_save_rejects_bad_names) {
     tsys_ctx_free(ctx);
 }
 
+// ---- saving never clobbers: a unique temporary, written fully, renamed into place ----------------------
+
+// A fresh directory of its own for a test that counts the files it leaves.
+static const char *st_subdir(const char *name) {
+    const char *dir = st_path(name);
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) TEST_CHECK(0, "mkdir %s: %s", dir, strerror(errno));
+    return dir;
+}
+
+// Entries of dir other than "." and ".." whose names start with prefix.
+static int st_count_entries(const char *dir, const char *prefix) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    if (!d) return -1;
+    for (struct dirent *e; (e = readdir(d)) != NULL; )
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") && strncmp(e->d_name, prefix, strlen(prefix)) == 0) n++;
+    closedir(d);
+    return n;
+}
+
+// The whole of a small file as a NUL-terminated string in buf ("" when it cannot be read).
+static const char *st_slurp(const char *path, char *buf, size_t len) {
+    FILE *f = fopen(path, "rb");
+    size_t n = f ? fread(buf, 1, len - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    return buf;
+}
+
+static void st_write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "wb");
+    if (!f) { TEST_CHECK(0, "cannot write %s: %s", path, strerror(errno)); return; }
+    fputs(text, f);
+    fclose(f);
+}
+
+// Saves one F32 tensor "w" of n elements, each equal to v.
+static tsys_status st_save_filled(tsys_ctx *ctx, const char *path, int64_t n, float v) {
+    float *data = (float *)malloc((size_t)n * sizeof *data);
+    if (!data) return TSYS_ERR_OOM;
+    for (int64_t i = 0; i < n; i++) data[i] = v;
+    tsys_tensor *t = st_tensor(ctx, "w", TSYS_F32, 1, &n, data);
+    tsys_status s = t ? tsys_safetensors_save(ctx, path, &t, 1) : TSYS_ERR_OOM;
+    tsys_tensor_release(t);
+    free(data);
+    return s;
+}
+
+// Loads path, expecting one F32 tensor "w" whose elements all equal one value; returns that value
+// and its element count, or -1 when the file is not such a file (a torn or mixed write).
+static float st_load_filled(tsys_ctx *ctx, const char *path, int64_t *n) {
+    tsys_tensor **list = NULL;
+    int count = 0;
+    float v = -1;
+    *n = 0;
+    if (tsys_safetensors_load(ctx, path, TSYS_CPU, &list, &count) == TSYS_OK && count == 1 && strcmp(list[0]->name, "w") == 0) {
+        const float *d = (const float *)tsys_tensor_data(list[0]);
+        *n = tsys_tensor_numel(list[0]);
+        v = *n ? d[0] : -1;
+        for (int64_t i = 1; i < *n; i++) if (d[i] != v) { v = -1; break; }
+    }
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor_list_free(list, count);
+    return v;
+}
+
+// Anything at the old fixed temporary name "<path>.tmp" is someone else's: a symlink planted there
+// must not be followed (its target would be overwritten), and a regular file there must not be
+// truncated or renamed away.
+TSYS_TEST(safetensors_save_ignores_planted_tmp) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *dir = st_subdir("planted");
+    char path[512], tmp[520], victim[512], buf[64];
+    snprintf(path, sizeof path, "%s/ck.safetensors", dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    snprintf(victim, sizeof victim, "%s/victim.txt", dir);
+    st_write_text(victim, "precious");
+    TEST_CHECK(symlink(victim, tmp) == 0, "symlink %s: %s", tmp, strerror(errno));
+    TEST_CHECK(st_save_filled(ctx, path, 4, 1.0f) == TSYS_OK, "save beside a planted symlink: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(strcmp(st_slurp(victim, buf, sizeof buf), "precious") == 0, "the symlink's target was overwritten: '%s'", buf);
+    struct stat st;
+    TEST_CHECK(lstat(path, &st) == 0 && S_ISREG(st.st_mode), "%s is not a regular file after the save", path);
+    TEST_CHECK(lstat(tmp, &st) == 0 && S_ISLNK(st.st_mode), "the planted symlink %s was moved", tmp);
+    int64_t n = 0;
+    TEST_CHECK(st_load_filled(ctx, path, &n) == 1.0f && n == 4, "the saved file does not load back");
+
+    // A regular file at the old name stays as it is, too.
+    unlink(tmp);
+    st_write_text(tmp, "not yours");
+    TEST_CHECK(st_save_filled(ctx, path, 4, 2.0f) == TSYS_OK, "save beside a file named .tmp: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(strcmp(st_slurp(tmp, buf, sizeof buf), "not yours") == 0, "%s was overwritten: '%s'", tmp, buf);
+    TEST_CHECK(st_load_filled(ctx, path, &n) == 2.0f && n == 4, "the second save does not load back");
+    TEST_CHECK(st_count_entries(dir, "ck.safetensors.tmp") == 1, "%d names start with ck.safetensors.tmp, wanted the planted file alone",
+               st_count_entries(dir, "ck.safetensors.tmp"));
+    tsys_ctx_free(ctx);
+}
+
+// One child of the concurrent test: waits for the start signal (the pipe closing), saves its own
+// content (child c: (c + 1) * 16384 elements, each c + 1), exits 0 on success.
+static void st_save_child(int start_fd, const char *path, int c) {
+    char b;
+    while (read(start_fd, &b, 1) < 0 && errno == EINTR) { }
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_status s = ctx ? st_save_filled(ctx, path, (int64_t)(c + 1) * 16384, (float)(c + 1)) : TSYS_ERR_OOM;
+    if (s != TSYS_OK) fprintf(stderr, "    child %d: %s\n", c, ctx ? tsys_ctx_last_error(ctx) : "no context");
+    tsys_ctx_free(ctx);
+    _exit(s == TSYS_OK ? 0 : 1);   // never return into the harness: the parent runs the rest
+}
+
+// Several processes saving one path at once: every save succeeds and, each round, the file left is
+// exactly one child's content (never a mix, never truncated).
+TSYS_TEST(safetensors_concurrent_saves_of_one_path) {
+    enum { CHILDREN = 4, ROUNDS = 40 };
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *dir = st_subdir("concurrent");
+    char path[512];
+    snprintf(path, sizeof path, "%s/shared.safetensors", dir);
+    int bad_rounds = 0, failed_saves = 0;
+    for (int round = 0; round < ROUNDS; round++) {
+        int start[2];
+        if (pipe(start) != 0) { TEST_CHECK(0, "pipe: %s", strerror(errno)); break; }
+        fflush(stdout);
+        pid_t kids[CHILDREN];
+        int forked = 0;
+        for (int c = 0; c < CHILDREN; c++) {
+            kids[c] = fork();
+            if (kids[c] == 0) { close(start[1]); st_save_child(start[0], path, c); }
+            if (kids[c] > 0) forked++;
+        }
+        close(start[0]);
+        close(start[1]);   // all children start writing now
+        for (int c = 0; c < CHILDREN; c++) {
+            int status = 0;
+            if (kids[c] <= 0) continue;
+            while (waitpid(kids[c], &status, 0) < 0 && errno == EINTR) { }
+            if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed_saves++;
+        }
+        TEST_CHECK(forked == CHILDREN, "fork: %s", strerror(errno));
+        int64_t n = 0;
+        float v = st_load_filled(ctx, path, &n);
+        bool one_child = v >= 1 && v <= CHILDREN && n == (int64_t)v * 16384;
+        if (!one_child) bad_rounds++;
+    }
+    TEST_CHECK(failed_saves == 0, "%d of %d saves failed", failed_saves, CHILDREN * ROUNDS);
+    TEST_CHECK(bad_rounds == 0, "%d of %d rounds left a file that is not one child's content", bad_rounds, ROUNDS);
+    TEST_CHECK(st_count_entries(dir, "shared.safetensors.tmp") == 0, "%d temporaries left behind", st_count_entries(dir, "shared.safetensors.tmp"));
+    tsys_ctx_free(ctx);
+}
+
+// A save that fails leaves the final name as it was and no temporary behind, and says which path.
+TSYS_TEST(safetensors_failed_save_leaves_nothing) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *dir = st_subdir("failing");
+    char path[512], tmp[520], buf[64];
+
+    // The path is a directory: the rename cannot replace it. A file that happens to be called
+    // "<path>.tmp" is not the save's to truncate or delete.
+    snprintf(path, sizeof path, "%s/is_a_dir.safetensors", dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    TEST_CHECK(mkdir(path, 0700) == 0, "mkdir %s: %s", path, strerror(errno));
+    st_write_text(tmp, "not yours");
+    st_expect_error(ctx, st_save_filled(ctx, path, 4, 1.0f), TSYS_ERR_IO, path, NULL);
+    struct stat st;
+    TEST_CHECK(stat(path, &st) == 0 && S_ISDIR(st.st_mode), "the directory %s changed", path);
+    TEST_CHECK(strcmp(st_slurp(tmp, buf, sizeof buf), "not yours") == 0, "a failed save clobbered %s: '%s'", tmp, buf);
+    TEST_CHECK(st_count_entries(dir, "is_a_dir.safetensors.tmp") == 1, "%d names start with is_a_dir.safetensors.tmp, wanted the planted file alone",
+               st_count_entries(dir, "is_a_dir.safetensors.tmp"));
+
+    // A write that fails half way (here the file size limit, as a full disk would): the old file
+    // stays whole. In a child, so the limit does not outlive the test.
+    snprintf(path, sizeof path, "%s/full_disk.safetensors", dir);
+    TEST_CHECK(st_save_filled(ctx, path, 4, 3.0f) == TSYS_OK, "first save: %s", tsys_ctx_last_error(ctx));
+    fflush(stdout);
+    pid_t kid = fork();
+    if (kid == 0) {
+        struct rlimit lim = { 64 * 1024, 64 * 1024 };
+        signal(SIGXFSZ, SIG_IGN);   // write() then fails with EFBIG instead of killing the process
+        tsys_ctx *c = tsys_ctx_new(NULL);
+        bool ok = c && setrlimit(RLIMIT_FSIZE, &lim) == 0;
+        tsys_status s = ok ? st_save_filled(c, path, 1 << 20, 4.0f) : TSYS_OK;
+        const char *msg = c ? tsys_ctx_last_error(c) : "";
+        if (ok && (s != TSYS_ERR_IO || !strstr(msg, path))) fprintf(stderr, "    child: status %d, message %s\n", (int)s, msg);
+        _exit(!ok ? 2 : s == TSYS_ERR_IO && strstr(msg, path) ? 0 : 1);
+    }
+    int status = -1;
+    if (kid > 0) while (waitpid(kid, &status, 0) < 0 && errno == EINTR) { }
+    TEST_CHECK(kid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "a save past the file size limit must fail naming the path (status %d)", status);
+    int64_t n = 0;
+    TEST_CHECK(st_load_filled(ctx, path, &n) == 3.0f && n == 4, "the failed save changed %s", path);
+    TEST_CHECK(st_count_entries(dir, "full_disk.safetensors.") == 0, "temporaries left behind: %d", st_count_entries(dir, "full_disk.safetensors."));
+    tsys_ctx_free(ctx);
+}
+
 // ---- corrupt files ------------------------------------------------------------------------------------
 
 // Loads path both ways (load and load_into a tensor "x" of shape (2,) F32) and expects the same error.
@@ -396,6 +596,92 @@ TSYS_TEST(safetensors_corrupt_entries) {
         st_write_file(path, cases[i].hdr, st_x_data, 8);
         st_expect_bad_file(ctx, path, cases[i].sub1, cases[i].sub2);
     }
+    tsys_ctx_free(ctx);
+}
+
+// ---- large headers: checks and lookups in linear time ---------------------------------------------------
+
+#define ST_MANY 200000
+// The bound on each load: 5 s, or 20 s under AddressSanitizer (its malloc records a stack per call,
+// which makes 200 000 tensors several times slower). The pairwise checks took about 290 s without it.
+#if defined(__SANITIZE_ADDRESS__)
+#define ST_MANY_SECONDS 20.0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ST_MANY_SECONDS 20.0
+#endif
+#endif
+#ifndef ST_MANY_SECONDS
+#define ST_MANY_SECONDS 5.0
+#endif
+
+// A header of n one-element F32 tensors "t000000".. in file order, with tensor i at byte 4 i; with
+// dup_of >= 0 the last tensor takes the name of tensor dup_of. The data holds i at element i.
+static bool st_write_many(const char *path, int n, int dup_of) {
+    size_t cap = (size_t)n * 80 + 16, len = 0;
+    char *hdr = (char *)malloc(cap);
+    float *data = (float *)malloc((size_t)n * sizeof *data);
+    if (!hdr || !data) { free(hdr); free(data); return false; }
+    hdr[len++] = '{';
+    for (int i = 0; i < n; i++) {
+        int name = i == n - 1 && dup_of >= 0 ? dup_of : i;
+        len += (size_t)snprintf(hdr + len, cap - len, "%s\"t%06d\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[%d,%d]}",
+                                i ? "," : "", name, 4 * i, 4 * i + 4);
+        data[i] = (float)i;
+    }
+    hdr[len++] = '}';
+    hdr[len] = 0;
+    st_write_file(path, hdr, data, (size_t)n * sizeof *data);
+    free(hdr);
+    free(data);
+    return true;
+}
+
+// 200 000 tensors: the header's duplicate check and load_into's name lookups must not be pairwise
+// (that took minutes; the reference Rust implementation needs under a second).
+TSYS_TEST(safetensors_many_tensors_load_fast) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *path = st_path("many.safetensors");
+    TEST_CHECK(st_write_many(path, ST_MANY, -1), "out of memory writing %s", path);
+    tsys_tensor **list = NULL;
+    int n = 0;
+    double t0 = tsys_time_us();
+    tsys_status s = tsys_safetensors_load(ctx, path, TSYS_CPU, &list, &n);
+    double load_s = (tsys_time_us() - t0) * 1e-6;
+    TEST_CHECK(s == TSYS_OK && n == ST_MANY, "load: %d tensors, %s", n, tsys_ctx_last_error(ctx));
+    TEST_CHECK(load_s < ST_MANY_SECONDS, "loading %d tensors took %.1f s", ST_MANY, load_s);
+    if (n == ST_MANY) {
+        const tsys_tensor *last = st_find(list, n, "t199999");
+        TEST_CHECK(last && st_at(last, 0) == 199999.0f, "tensor t199999 is missing or wrong");
+    }
+    if (s != TSYS_OK || load_s >= ST_MANY_SECONDS) { tsys_tensor_list_free(list, n); tsys_ctx_free(ctx); return; }
+
+    // load_into the same tensors in reverse order: one lookup per tensor.
+    tsys_tensor **into = (tsys_tensor **)malloc((size_t)n * sizeof *into);
+    for (int i = 0; into && i < n; i++) into[i] = list[n - 1 - i];
+    for (int i = 0; into && i < n; i++) ((float *)tsys_tensor_data(into[i]))[0] = -1.0f;
+    t0 = tsys_time_us();
+    s = into ? tsys_safetensors_load_into(ctx, path, into, n) : TSYS_ERR_OOM;
+    double into_s = (tsys_time_us() - t0) * 1e-6;
+    TEST_CHECK(s == TSYS_OK, "load_into: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(into_s < ST_MANY_SECONDS, "load_into of %d tensors took %.1f s", n, into_s);
+    int wrong = 0;
+    for (int i = 0; s == TSYS_OK && i < n; i++) wrong += st_at(list[i], 0) != (float)i;
+    TEST_CHECK(wrong == 0, "%d tensors hold the wrong value after load_into", wrong);
+    free(into);
+    tsys_tensor_list_free(list, n);
+    tsys_ctx_free(ctx);
+}
+
+// A duplicate name among 200 000 (the last tensor takes the first one's name) is still found, by name.
+TSYS_TEST(safetensors_many_tensors_duplicate_found) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *path = st_path("many_dup.safetensors");
+    TEST_CHECK(st_write_many(path, ST_MANY, 0), "out of memory writing %s", path);
+    double t0 = tsys_time_us();
+    st_expect_bad_file(ctx, path, "'t000000'", "appears twice");
+    double both_s = (tsys_time_us() - t0) * 1e-6;   // load and load_into
+    TEST_CHECK(both_s < 2 * ST_MANY_SECONDS, "refusing the duplicate (twice) took %.1f s", both_s);
     tsys_ctx_free(ctx);
 }
 
@@ -569,8 +855,6 @@ static const char *st_fixture(const char *name) {
     return buf;
 }
 
-static float st_at(const tsys_tensor *t, int64_t i) { return ((const float *)tsys_tensor_data(t))[i]; }
-
 TSYS_TEST(safetensors_reads_pytorch_model) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     tsys_tensor **w = NULL;
@@ -670,6 +954,98 @@ TSYS_TEST(safetensors_pytorch_weights_into_model) {
         TEST_CHECK(e && st_at(e, 0) == -1.12583983f, "token_embeddings.weight[0] = %.9g", e ? st_at(e, 0) : 0.0f);
         tsys_model_free(m);
     }
+    tsys_ctx_free(ctx);
+}
+
+// tsys_model_load is strict, like PyTorch's load_state_dict(strict=True): a tensor in the file that
+// the model lacks is refused by name, as is one the model has and the file lacks; nothing is written.
+static tsys_model *st_small_model(tsys_ctx *ctx, uint64_t seed) {
+    tsys_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.vocab_size = 64; d.context_length = 8; d.d_model = 16; d.num_layers = 1; d.num_heads = 2; d.d_ff = 32;
+    d = tsys_model_desc_defaults(&d);
+    return tsys_model_new(ctx, &d, TSYS_CPU, seed);
+}
+
+static bool st_model_equal(tsys_model *a, tsys_model *b) {
+    for (int i = 0; i < tsys_model_num_tensors(a); i++)
+        if (!st_same(tsys_model_params(a)[i], tsys_model_params(b)[i])) return false;
+    return true;
+}
+
+TSYS_TEST(safetensors_model_load_refuses_unexpected) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    // src holds the file's values; dst is loaded; ref stays as dst started (the same seed).
+    tsys_model *src = st_small_model(ctx, 1), *dst = st_small_model(ctx, 2), *ref = st_small_model(ctx, 2);
+    TEST_CHECK(src && dst && ref, "model: %s", tsys_ctx_last_error(ctx));
+    if (!src || !dst || !ref) { tsys_model_free(src); tsys_model_free(dst); tsys_model_free(ref); tsys_ctx_free(ctx); return; }
+    int np = tsys_model_num_tensors(src);
+    tsys_tensor **all = (tsys_tensor **)malloc((size_t)(np + 1) * sizeof *all);
+    memcpy(all, tsys_model_params(src), (size_t)np * sizeof *all);
+    float v[3] = { 1, 2, 3 };
+    const int64_t s3[1] = { 3 };
+    all[np] = st_tensor(ctx, "layers.7.extra.bias", TSYS_F32, 1, s3, v);
+    const char *path = st_path("model_extra.safetensors");
+    TEST_CHECK(tsys_safetensors_save(ctx, path, all, np + 1) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+
+    st_expect_error(ctx, tsys_model_load(dst, path), TSYS_ERR_IO, "model_extra.safetensors", "'layers.7.extra.bias'", "not in the model", NULL);
+    TEST_CHECK(st_model_equal(dst, ref), "a refused load changed the model's parameters");
+    st_expect_error(ctx, tsys_model_load_ex(dst, path, NULL), TSYS_ERR_IO, "'layers.7.extra.bias'", "not in the model", NULL);
+    const tsys_model_load_desc lenient = { .allow_unexpected = true };
+    TEST_CHECK(tsys_model_load_ex(dst, path, &lenient) == TSYS_OK, "with allow_unexpected: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(st_model_equal(dst, src), "with allow_unexpected the parameters are not the file's");
+
+    // A parameter the file lacks (the last one): refused by name, or left as it was with allow_missing.
+    tsys_model_free(dst);
+    dst = st_small_model(ctx, 2);
+    const char *short_path = st_path("model_short.safetensors");
+    TEST_CHECK(tsys_safetensors_save(ctx, short_path, all, np - 1) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    char quoted[80];
+    snprintf(quoted, sizeof quoted, "'%s'", all[np - 1]->name);
+    st_expect_error(ctx, tsys_model_load(dst, short_path), TSYS_ERR_IO, "model_short.safetensors", quoted, "missing", NULL);
+    TEST_CHECK(st_model_equal(dst, ref), "a refused load changed the model's parameters");
+    const tsys_model_load_desc partial = { .allow_missing = true };
+    TEST_CHECK(tsys_model_load_ex(dst, short_path, &partial) == TSYS_OK, "with allow_missing: %s", tsys_ctx_last_error(ctx));
+    for (int i = 0; i < np; i++) {
+        const tsys_tensor *want = i < np - 1 ? tsys_model_params(src)[i] : tsys_model_params(ref)[i];
+        TEST_CHECK(st_same(tsys_model_params(dst)[i], want), "with allow_missing, '%s' is not %s", want->name, i < np - 1 ? "the file's" : "kept");
+    }
+    tsys_tensor_release(all[np]);
+    free(all);
+    tsys_model_free(src);
+    tsys_model_free(dst);
+    tsys_model_free(ref);
+    tsys_ctx_free(ctx);
+}
+
+// The other whole-file writers go through the same tsys_atomic_file: a symlink at the final name is
+// replaced, never written through (here the profiler's trace); an aborted file leaves nothing.
+TSYS_TEST(safetensors_atomic_file_never_writes_through) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *dir = st_subdir("atomic");
+    char path[512], victim[512], buf[64];
+    snprintf(path, sizeof path, "%s/trace.json", dir);
+    snprintf(victim, sizeof victim, "%s/victim.txt", dir);
+    st_write_text(victim, "precious");
+    TEST_CHECK(symlink(victim, path) == 0, "symlink %s: %s", path, strerror(errno));
+    tsys_profiler *p = tsys_profiler_begin(ctx);
+    TEST_CHECK(p && tsys_profiler_end(p) == TSYS_OK, "profiler: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(p && tsys_profiler_write_trace(p, path) == TSYS_OK, "trace: %s", tsys_ctx_last_error(ctx));
+    tsys_profiler_free(p);
+    TEST_CHECK(strcmp(st_slurp(victim, buf, sizeof buf), "precious") == 0, "the trace was written through the symlink: '%s'", buf);
+    TEST_CHECK(strncmp(st_slurp(path, buf, sizeof buf), "{\"displayTimeUnit\"", 18) == 0, "%s does not hold the trace: '%s'", path, buf);
+    struct stat st;
+    TEST_CHECK(lstat(path, &st) == 0 && S_ISREG(st.st_mode), "%s is still a symlink", path);
+
+    snprintf(path, sizeof path, "%s/aborted.txt", dir);
+    tsys_atomic_file af;
+    TEST_CHECK(tsys_atomic_file_open(ctx, "test", path, &af) == TSYS_OK && af.f, "open: %s", tsys_ctx_last_error(ctx));
+    if (af.f) fputs("half", af.f);
+    tsys_atomic_file_abort(&af);
+    TEST_CHECK(st_count_entries(dir, "aborted.txt") == 0, "an aborted file left %d entries", st_count_entries(dir, "aborted.txt"));
+    snprintf(path, sizeof path, "%s/no/such/dir/x.txt", dir);
+    st_expect_error(ctx, tsys_atomic_file_open(ctx, "test", path, &af), TSYS_ERR_IO, "test '", "/no/such/dir/x.txt'", "temporary", NULL);
+    TEST_CHECK(af.f == NULL && af.path == NULL, "a failed open must leave an empty tsys_atomic_file");
     tsys_ctx_free(ctx);
 }
 
