@@ -22,7 +22,7 @@ for part in "$@"; do
     done ;;
   tests)
     for t in test_dist test_ddp test_fsdp; do
-      for tr in default net; do
+      for tr in ${TRANSPORTS:-net default}; do
         log="$OUT/${t}_${tr}.log"
         env $([ $tr = net ] && echo $NET) NCCL_DEBUG=INFO TSYS_DIST_TIMEOUT=120 timeout 400 mpirun --oversubscribe -np 2 $G/${t}_cuda > "$log" 2>&1
         via=$(grep -o "via NET/[A-Za-z]*\|via P2P/[A-Za-z/]*\|via SHM" "$log" | sort | uniq -c | tr '\n' ' ')
@@ -32,7 +32,7 @@ for part in "$@"; do
   step)   # the xl training step, bf16, 2 ranks, each strategy: the default transport and the network one
     for tr in default net; do
       env $([ $tr = net ] && echo $NET) TSYS_DIST_TIMEOUT=120 timeout 500 $G/ddp_cuda --device cuda --nproc 2 --model xl --dtype bf16 \
-        --strategy flat,bucketed,zero1,fsdp --bucket-mb 100 --warmup 3 --steps 5 --format md > "$OUT/step_$tr.md" 2>&1
+        --strategy ${STRATEGIES:-flat,bucketed,zero1,fsdp} --bucket-mb 100 --warmup 3 --steps 5 --format md > "$OUT/step_$tr.md" 2>&1
       echo "--- $tr"; grep "^|" "$OUT/step_$tr.md"
       note "xl step, $tr transport: exit $? ($(grep -c '^| ' "$OUT/step_$tr.md") table lines)"
     done ;;
