@@ -1126,6 +1126,16 @@ static bool tsys_dist__local_world_size(const tsys_dist *d, long *lws, tsys_dist
     return true;
 }
 
+// The stream-socket addresses of host:port (IPv4 and IPv6); getaddrinfo's status.
+static int tsys_dist__resolve(const char *host, int port, struct addrinfo **res) {
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    struct addrinfo hints;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM; hints.ai_flags = AI_NUMERICSERV;
+    return getaddrinfo(host, portstr, &hints, res);
+}
+
 // Rank 0's listening socket: the one tsys_dist_spawn opened for it, else a socket bound to the address
 // MASTER_ADDR names here (TSYS_DIST_LISTEN_ADDR overrides: "0.0.0.0" or "::" for every interface);
 // port 0: one the system picks. A loopback address for a job whose ranks are not all on this host
@@ -1145,12 +1155,8 @@ static int tsys_dist__listen(tsys_dist *d, const char *addr, int port, bool *loo
     }
     const char *listen_addr = tsys_dist__env("TSYS_DIST_LISTEN_ADDR");
     const char *host = listen_addr ? listen_addr : addr;
-    char portstr[16];
-    snprintf(portstr, sizeof portstr, "%d", port);
-    struct addrinfo hints, *res = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM; hints.ai_flags = AI_NUMERICSERV;
-    int gai = getaddrinfo(host, portstr, &hints, &res);
+    struct addrinfo *res = NULL;
+    int gai = tsys_dist__resolve(host, port, &res);
     if (gai != 0) { tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "rendezvous: rank 0 cannot resolve %s '%s' to listen on: %s", listen_addr ? "TSYS_DIST_LISTEN_ADDR" : "MASTER_ADDR", host, gai_strerror(gai)); return -1; }
     int fd = -1, err = 0;
     for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
@@ -1164,7 +1170,7 @@ static int tsys_dist__listen(tsys_dist *d, const char *addr, int port, bool *loo
     }
     freeaddrinfo(res);
     if (fd < 0) {
-        tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: rank 0 cannot listen on %s port %s: %s%s", host, port ? portstr : "(any)", strerror(err),
+        tsys_dist__seterr(e, TSYS_ERR_IO, "rendezvous: rank 0 cannot listen on %s port %d%s: %s%s", host, port, port ? "" : " (any)", strerror(err),
                           err == EADDRNOTAVAIL ? " (the address is not one of this host's: rank 0 must run where MASTER_ADDR points)" :
                           err == EADDRINUSE ? " (another program, or another job, holds the port: give this job its own MASTER_PORT)" : "");
         return -1;
@@ -1323,12 +1329,8 @@ static bool tsys_dist__tcp_rank0(tsys_dist *d, int lfd, bool loopback, const cha
 
 // Connects to MASTER_ADDR:MASTER_PORT (every address it resolves to); -1 with *why when none answers.
 static int tsys_dist__connect(const char *addr, int port, char *why, size_t nwhy) {
-    char portstr[16];
-    snprintf(portstr, sizeof portstr, "%d", port);
-    struct addrinfo hints, *res = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC; hints.ai_socktype = SOCK_STREAM; hints.ai_flags = AI_NUMERICSERV;
-    int gai = getaddrinfo(addr, portstr, &hints, &res);
+    struct addrinfo *res = NULL;
+    int gai = tsys_dist__resolve(addr, port, &res);
     if (gai != 0) { snprintf(why, nwhy, "MASTER_ADDR '%s': %s", addr, gai_strerror(gai)); return -1; }
     int fd = -1;
     for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {

@@ -417,41 +417,41 @@ TSYS_TEST(strangers_do_not_stop_the_rendezvous) {
     close(bad);
 }
 
+// Rank 0 of a job, then an intruder that must be turned away (its exit code is returned), then the
+// job's real rank 1; *c0 and *c1 get the job's exit codes.
+static int intruder_between(job_rank r0, job_rank intruder, const char *tag, int *c0, int *c1) {
+    char l0[64], li[64], l1[64];
+    snprintf(l0, sizeof l0, "%s_r0", tag); snprintf(li, sizeof li, "%s_intruder", tag); snprintf(l1, sizeof l1, "%s_r1", tag);
+    job_rank r1 = r0;
+    r1.rank = 1;
+    pid_t p0 = start_rank(r0, logname(l0));
+    char local[64];
+    listen_addr(r0.port, local, sizeof local, 10);
+    int ci = finish(start_rank(intruder, logname(li)), 20);
+    pid_t p1 = start_rank(r1, logname(l1));
+    *c0 = finish(p0, 30);
+    *c1 = finish(p1, 30);
+    if (ci != 1 || *c0 || *c1) { log_show("rank 0's stderr", logname(l0)); log_show("the intruder's stderr", logname(li)); }
+    return ci;
+}
+
 // Job A's rank 0 and job B's rank 1 on one MASTER_PORT: they must not form a group.
 TSYS_TEST(two_jobs_on_one_port_do_not_mix) {
-    int port = free_port();
-    job_rank a0 = { 0, 2, port, "job-a", NULL, "127.0.0.1", 20, 0, false, 1 }, a1 = a0, b1 = a0;
-    a1.rank = 1;
+    job_rank a0 = { 0, 2, free_port(), "job-a", NULL, "127.0.0.1", 20, 0, false, 1 }, b1 = a0;
     b1.rank = 1; b1.run_id = "job-b"; b1.timeout_s = 4;
-    pid_t pa0 = start_rank(a0, logname("jobs_a0"));
-    char local[64];
-    listen_addr(port, local, sizeof local, 10);
-    pid_t pb1 = start_rank(b1, logname("jobs_b1"));
-    int cb1 = finish(pb1, 20);
-    pid_t pa1 = start_rank(a1, logname("jobs_a1"));
-    int ca0 = finish(pa0, 30), ca1 = finish(pa1, 30);
-    TEST_CHECK(cb1 == 1 && log_has(logname("jobs_b1"), "another job"), "job B's rank 1: exit %d, must fail naming the other job", cb1);
-    TEST_CHECK(ca0 == 0 && ca1 == 0, "job A: exit codes %d %d", ca0, ca1);
-    if (cb1 != 1 || ca0 || ca1) { log_show("job A rank 0's stderr", logname("jobs_a0")); log_show("job B rank 1's stderr", logname("jobs_b1")); }
+    int c0, c1, cb1 = intruder_between(a0, b1, "jobs", &c0, &c1);
+    TEST_CHECK(cb1 == 1 && log_has(logname("jobs_intruder"), "another job"), "job B's rank 1: exit %d, must fail naming the other job", cb1);
+    TEST_CHECK(c0 == 0 && c1 == 0, "job A: exit codes %d %d", c0, c1);
 }
 
 // A rank without the job's secret is refused (and cannot see the others' secret: only MACs cross).
 TSYS_TEST(wrong_secret_is_refused) {
-    int port = free_port();
-    job_rank a0 = { 0, 2, port, "job-a", "s3cret", "127.0.0.1", 20, 0, false, 1 }, a1 = a0, x1 = a0;
-    a1.rank = 1;
+    job_rank a0 = { 0, 2, free_port(), "job-a", "s3cret", "127.0.0.1", 20, 0, false, 1 }, x1 = a0;
     x1.rank = 1; x1.secret = "guess"; x1.timeout_s = 4;
-    pid_t pa0 = start_rank(a0, logname("secret_a0"));
-    char local[64];
-    listen_addr(port, local, sizeof local, 10);
-    pid_t px1 = start_rank(x1, logname("secret_x1"));
-    int cx1 = finish(px1, 20);
-    pid_t pa1 = start_rank(a1, logname("secret_a1"));
-    int ca0 = finish(pa0, 30), ca1 = finish(pa1, 30);
-    TEST_CHECK(cx1 == 1 && log_has(logname("secret_x1"), "authentication"), "the rank with a wrong secret: exit %d", cx1);
-    TEST_CHECK(log_has(logname("secret_a0"), "failed authentication"), "rank 0 logs it");
-    TEST_CHECK(ca0 == 0 && ca1 == 0, "the job: exit codes %d %d", ca0, ca1);
-    if (cx1 != 1 || ca0 || ca1) { log_show("rank 0's stderr", logname("secret_a0")); log_show("impostor's stderr", logname("secret_x1")); }
+    int c0, c1, cx1 = intruder_between(a0, x1, "secret", &c0, &c1);
+    TEST_CHECK(cx1 == 1 && log_has(logname("secret_intruder"), "authentication"), "the rank with a wrong secret: exit %d", cx1);
+    TEST_CHECK(log_has(logname("secret_r0"), "failed authentication"), "rank 0 logs it");
+    TEST_CHECK(c0 == 0 && c1 == 0, "the job: exit codes %d %d", c0, c1);
 }
 
 // ---- under torchrun: the agent's store ---------------------------------------------------------------
