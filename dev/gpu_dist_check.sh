@@ -17,7 +17,7 @@ for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case "$part" in
   link)
-    for p in test_dist test_ddp test_fsdp ddp; do
+    for p in ${LINK:-test_dist test_ddp test_fsdp ddp}; do
       nvcc -O2 -gencode arch=compute_90a,code=sm_90a $G/${p}_cuda.o $G/tsys_impl_cuda.o -o $G/${p}_cuda -lcublasLt -lcublas -lgomp -lnccl $(mpicc --showme:link) || note "link $p: FAILED"
     done ;;
   tests)
@@ -37,20 +37,21 @@ for part in "$@"; do
       note "xl step, $tr transport: exit $? ($(grep -c '^| ' "$OUT/step_$tr.md") table lines)"
     done ;;
   kill)   # two ranks started by hand (no launcher to stop the survivor); rank 1 killed with SIGKILL mid-step
-    for tr in net default; do
+    KB=${KILL_BIN:-ddp}   # ddp_oldsync: the driver as it was, waiting with tsys_sync
+    for tr in ${TRANSPORTS:-net default}; do
       port=$((20000 + RANDOM % 20000))
       common="WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port TSYS_DIST_RUN_ID=killtest TSYS_DIST_TIMEOUT=60 TSYS_PROGRESS=1"
-      env $([ $tr = net ] && echo $NET) $common RANK=1 LOCAL_RANK=1 $G/ddp_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 > "$OUT/kill_${tr}_r1.log" 2>&1 &
+      env $([ $tr = net ] && echo $NET) $common RANK=1 LOCAL_RANK=1 $G/${KB}_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 > "$OUT/kill_${KB}_${tr}_r1.log" 2>&1 &
       p1=$!
-      env $([ $tr = net ] && echo $NET) $common RANK=0 LOCAL_RANK=0 timeout 300 $G/ddp_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 > "$OUT/kill_${tr}_r0.log" 2>&1 &
+      env $([ $tr = net ] && echo $NET) $common RANK=0 LOCAL_RANK=0 timeout ${KILL_LIMIT:-300} $G/${KB}_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 > "$OUT/kill_${KB}_${tr}_r0.log" 2>&1 &
       p0=$!
-      for i in $(seq 1 120); do grep -q "step [1-9][0-9]*/" "$OUT/kill_${tr}_r0.log" 2>/dev/null && break; sleep 1; done
+      for i in $(seq 1 120); do grep -q "step [1-9][0-9]*/" "$OUT/kill_${KB}_${tr}_r0.log" 2>/dev/null && break; sleep 1; done
       sleep 5
       kill -9 $p1; t0=$(date +%s.%N)
       wait $p0; rc=$?; t1=$(date +%s.%N)
       wait $p1 2>/dev/null
-      err=$(grep -i "error\|exited\|fail" "$OUT/kill_${tr}_r0.log" | grep -v "^|" | head -n 3 | tr '\n' ' ' | cut -c1-400)
-      note "kill rank 1 mid-step, $tr transport: rank 0 exit $rc after $(awk "BEGIN{printf \"%.1f\", $t1 - $t0}") s (124 = hung until timeout): $err"
+      err=$(tr '\r' '\n' < "$OUT/kill_${KB}_${tr}_r0.log" | grep -o "error: .*" | head -n 2 | tr '\n' ' ' | cut -c1-300)
+      note "$KB: kill rank 1 mid-step, $tr transport: rank 0 exit $rc after $(awk "BEGIN{printf \"%.1f\", $t1 - $t0}") s (124 = hung until timeout): $err"
     done ;;
   torchrun)
     cp $G/ddp_cuda $G/test_dist_cuda build/
