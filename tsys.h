@@ -1,4 +1,4 @@
-/* tsys.h - v0.2 - training and measuring Transformer language models in C (CPU reference backend)
+/* tsys.h - v0.3 - training and measuring Transformer language models in C (CPU reference backend)
 
    Do this:
       #define TSYS_IMPLEMENTATION
@@ -104,6 +104,9 @@
       tsys_tensor_data yourself, call tsys_tensor_mark_written.
 
    Revision history:
+      0.3  errors, not corruption, on API misuse (mixed contexts, shrunk storages, NULLs, devices, bad
+           optimizer settings); tsys_model_load strict (tsys_model_load_ex to relax); tsys_atomic_file;
+           linear-time safetensors names; the CPU budget bounded by memory cgroups
       0.2  the kernel contract table, trace hooks and ranges, events and streams, several gradient-ready
            hooks per tensor and backward hooks, a CPU memory budget, id checks in embedding/cross-entropy
       0.1  first release: CPU backend, autograd, cs336 Transformer LM, AdamW/SGD, autocast,
@@ -113,6 +116,9 @@
 */
 #ifndef TSYS_H_INCLUDED
 #define TSYS_H_INCLUDED
+#define TSYS_VERSION_MAJOR 0
+#define TSYS_VERSION_MINOR 3
+#define TSYS_VERSION_PATCH 0
 
 #if (defined(TSYS_IMPLEMENTATION) || defined(TSYS_IMPL)) && !defined(_POSIX_C_SOURCE)
 #define _POSIX_C_SOURCE 200809L   // the implementation's clock_gettime, before the first libc header

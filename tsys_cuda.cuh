@@ -113,6 +113,9 @@
 */
 #ifndef TSYS_CUDA_H_INCLUDED
 #define TSYS_CUDA_H_INCLUDED
+#define TSYS_CUDA_VERSION_MAJOR 0
+#define TSYS_CUDA_VERSION_MINOR 2
+#define TSYS_CUDA_VERSION_PATCH 0
 
 #include "tsys.h"
 

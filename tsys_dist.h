@@ -1,4 +1,4 @@
-/* tsys_dist.h - v0.1 - distributed training for tsys: process groups on NCCL (GPUs) and MPI (CPUs),
+/* tsys_dist.h - v0.2 - distributed training for tsys: process groups on NCCL (GPUs) and MPI (CPUs),
    collectives, DDP (naive, flat, overlap, bucketed), ZeRO-1, FSDP (ZeRO-3, `>>fsdp`), and
    memory/communication accounting
 
@@ -148,12 +148,18 @@
       - call exit(): errors come back as a status and the context's message
 
    Revision history:
+      0.2  collectives carry their own check (the MPI path's race); MPI sums in rank order; a rendezvous
+           that admits only its own job (run id, optional secret, bound to MASTER_ADDR); torchrun's agent
+           store; tsys_dist_sync; tsys_dist_local_size
       0.1  first release
 
    License: MIT, see the end of tsys.h.
 */
 #ifndef TSYS_DIST_H_INCLUDED
 #define TSYS_DIST_H_INCLUDED
+#define TSYS_DIST_VERSION_MAJOR 0
+#define TSYS_DIST_VERSION_MINOR 2
+#define TSYS_DIST_VERSION_PATCH 0
 
 #include "tsys.h"
 
