@@ -1957,52 +1957,67 @@ static bool tsys_dist__mpi_allreduce(tsys_dist *d, const tsys_dist__coll *c, tsy
     const MPI_Datatype dt = tsys_dist__mpi_type(c->type);
     const int64_t per = (int64_t)(TSYS_DIST__MPI_PIECE / es);
     char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__MPI_PIECE + (size_t)n * es);   // n parts of ceil(piece / n)
-    int *cnt = (int *)TSYS_MALLOC(sizeof(int) * 4 * (size_t)n);
+    int *cnt = (int *)TSYS_MALLOC(sizeof(int) * 5 * (size_t)n);
     const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
     bool ok = scratch && cnt && srcs;
     if (!ok) tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce #%lld: out of host memory for %zu bytes of scratch", (long long)c->seq, TSYS_DIST__MPI_PIECE);
-    int *dsp = cnt + n, *rcnt = cnt + 2 * n, *rdsp = cnt + 3 * n;
+    int *dsp = cnt + n, *scnt = cnt + 2 * n, *rcnt = cnt + 3 * n, *rdsp = cnt + 4 * n;
     MPI_Request req;
     for (int64_t off = 0; ok && off < c->count; off += per) {
         const int64_t len = c->count - off < per ? c->count - off : per;
         char *p = (char *)c->out + (size_t)off * es;
         for (int r = 0; r < n; r++) cnt[r] = tsys_dist__mpi_part(len, n, r, &dsp[r]);
-        for (int r = 0; r < n; r++) { rcnt[r] = cnt[me]; rdsp[r] = r * cnt[me]; srcs[r] = scratch + (size_t)rdsp[r] * es; }
-        ok = tsys_dist__mpi_run(d, MPI_Ialltoallv(p, cnt, dsp, dt, scratch, rcnt, rdsp, dt, d->comm, &req), "MPI_Ialltoallv", &req, c, e);
-        if (ok) tsys_dist__reduce(c->type, c->op, p + (size_t)dsp[me] * es, NULL, srcs, n, cnt[me]);
+        for (int r = 0; r < n; r++) {   // this rank's own part is read where it is, not sent to itself
+            scnt[r] = r == me ? 0 : cnt[r];
+            rcnt[r] = r == me ? 0 : cnt[me];
+            rdsp[r] = r * cnt[me];
+            srcs[r] = r == me ? p + (size_t)dsp[me] * es : scratch + (size_t)rdsp[r] * es;
+        }
+        ok = tsys_dist__mpi_run(d, MPI_Ialltoallv(p, scnt, dsp, dt, scratch, rcnt, rdsp, dt, d->comm, &req), "MPI_Ialltoallv", &req, c, e);
+        if (ok) tsys_dist__reduce(c->type, c->op, p + (size_t)dsp[me] * es, NULL, srcs, n, cnt[me]);   // block by block: in place is safe
         ok = ok && tsys_dist__mpi_run(d, MPI_Iallgatherv(MPI_IN_PLACE, 0, dt, p, cnt, dsp, dt, d->comm, &req), "MPI_Iallgatherv", &req, c, e);
     }
     TSYS_FREE(scratch); TSYS_FREE(cnt); TSYS_FREE((void *)srcs);
     return ok;
 }
 
+// Reduce-scatter: each rank receives its block of every other rank's input and reduces them with its
+// own in rank order. The displacements into `in` are ints: inputs of more than 2^31 elements are
+// packed piece by piece first.
 static bool tsys_dist__mpi_reduce_scatter(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
-    const int n = d->size;
+    const int n = d->size, me = d->rank;
     const size_t es = tsys_dist__tsize(c->type), ob = (size_t)c->count * es;
     const MPI_Datatype dt = tsys_dist__mpi_type(c->type);
     const int64_t per = (int64_t)(TSYS_DIST__MPI_PIECE / es / (size_t)n);   // elements of each rank's block per round
+    const bool packed = (int64_t)n * c->count > INT32_MAX;
     const char *in = (const char *)c->in;
     char *out = (char *)c->out;
     // out inside in (in place, as ZeRO may do it): reduced into a copy, so no unread input is overwritten
     const bool overlap = out < in + (size_t)n * ob && in < out + ob;
     char *dst = overlap ? (char *)TSYS_MALLOC(ob ? ob : 1) : out;
-    char *pack = (char *)TSYS_MALLOC(2 * TSYS_DIST__MPI_PIECE), *scratch = pack ? pack + TSYS_DIST__MPI_PIECE : NULL;
+    char *scratch = (char *)TSYS_MALLOC((packed ? 2 : 1) * TSYS_DIST__MPI_PIECE), *pack = packed && scratch ? scratch + TSYS_DIST__MPI_PIECE : NULL;
+    int *cnt = (int *)TSYS_MALLOC(sizeof(int) * 4 * (size_t)n);
     const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
-    bool ok = dst && pack && srcs;
+    bool ok = dst && scratch && cnt && srcs;
     if (!ok) tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter #%lld: out of host memory for its scratch", (long long)c->seq);
+    int *scnt = cnt, *sdsp = cnt + n, *rcnt = cnt + 2 * n, *rdsp = cnt + 3 * n;
     MPI_Request req;
     for (int64_t off = 0; ok && off < c->count; off += per) {
         const int64_t len = c->count - off < per ? c->count - off : per;
         for (int r = 0; r < n; r++) {
-            memcpy(pack + (size_t)r * (size_t)len * es, in + ((size_t)r * (size_t)c->count + (size_t)off) * es, (size_t)len * es);
-            srcs[r] = scratch + (size_t)r * (size_t)len * es;
+            const char *mine = in + ((size_t)r * (size_t)c->count + (size_t)off) * es;   // this rank's input for rank r
+            if (packed) memcpy(pack + (size_t)r * (size_t)len * es, mine, (size_t)len * es);
+            scnt[r] = rcnt[r] = r == me ? 0 : (int)len;
+            sdsp[r] = packed ? r * (int)len : (int)((int64_t)r * c->count + off);
+            rdsp[r] = r * (int)len;
+            srcs[r] = r == me ? (const void *)(in + ((size_t)me * (size_t)c->count + (size_t)off) * es) : scratch + (size_t)r * (size_t)len * es;
         }
-        ok = tsys_dist__mpi_run(d, MPI_Ialltoall(pack, (int)len, dt, scratch, (int)len, dt, d->comm, &req), "MPI_Ialltoall", &req, c, e);
+        ok = tsys_dist__mpi_run(d, MPI_Ialltoallv(packed ? pack : in, scnt, sdsp, dt, scratch, rcnt, rdsp, dt, d->comm, &req), "MPI_Ialltoallv", &req, c, e);
         if (ok) tsys_dist__reduce(c->type, c->op, dst + (size_t)off * es, NULL, srcs, n, len);
     }
     if (ok && overlap) memcpy(out, dst, ob);
     if (overlap) TSYS_FREE(dst);
-    TSYS_FREE(pack); TSYS_FREE((void *)srcs);
+    TSYS_FREE(scratch); TSYS_FREE(cnt); TSYS_FREE((void *)srcs);
     return ok;
 }
 
