@@ -1,4 +1,4 @@
-/* tsys.h - v0.3 - training and measuring Transformer language models in C (CPU reference backend)
+/* tsys.h - v0.4 - training and measuring Transformer language models in C (CPU reference backend)
 
    Do this:
       #define TSYS_IMPLEMENTATION
@@ -103,7 +103,55 @@
       it (kernels, copies, fills, loads, resizes, collectives); after writing through
       tsys_tensor_data yourself, call tsys_tensor_mark_written.
 
+   TAG INDEX (search the file for ">>tag"; docs/design/contributing.md says where new code goes)
+      declarations (always compiled)
+      >>structs              tsys_status, tsys_dtype, tsys_device, tsys_tensor, tsys_ctx_desc, memory
+                             stats and events, TSYS_KERNELS (the kernel contract) and tsys_kernel,
+                             tsys_kargs, tsys_gemm_args, tsys_backend, events, trace hooks
+      >>public               every TSYSDEF declaration: context, tensors, autograd, checkpointing,
+                             autocast, ops, model, checkpoint plans, optimizers, loss scaling, bench,
+                             atomic files, profiler, safetensors
+      implementation (TSYS_IMPLEMENTATION)
+      >>config               libc includes, TSYS_MALLOC/FREE/REALLOC, TSYS_ASSERT, TSYS__OMP,
+                             TSYS_DEBUG, TSYS__FAIL / TSYS__REQUIRE / TSYS__CHECK_ARG
+      >>structs (private)    tsys__op (autograd op ids), saved-slot indices, tsys__node, tsys__region,
+                             the memory tracker, struct tsys_ctx
+      >>logging / errors     tsys__fail, tsys_ctx_set_error, status strings, device/ownership checks
+      >>dtypes               bf16/f16 conversions, tsys__load/tsys__store/tsys__load_id, the
+                             counter-based normal hash (shared with CUDA)
+      >>memory               memory tags, categories, tracker, events; storages (new, release, resize)
+      >>tensors              tensor create/wrap/view/copy/cast/fill, refcounts
+      >>rng                  xoshiro256** context RNG; tensor randn, trunc_normal, randint
+      >>cpu kernels          fp32 views (tsys__fin/fout/fdone) and the CPU math of norms, rope,
+                             softmax, cross-entropy, AdamW, transpose12
+      >>cpu flash            FlashAttention-2 forward/backward on the CPU (the tiled fp32 reference)
+      >>kernel contract      TSYS_KERNELS as data: tsys_kernel_name, written slots, tsys__kargs_check
+      >>cpu kernel entry points  tsys__cpu_k_<name> (one per kernel id) and the tsys__cpu_kernels
+                             table; tsys__cpu_kernel dispatches through it
+      >>cpu backend          CPU gemm (CBLAS or loops), alloc/free/copy, events, tsys__cpu_backend
+      >>launch               tsys__launch: ownership, contract check, version bumps, kernel hooks
+      >>context              CPU memory budget (cgroups), tsys_ctx_new/free, backends, tsys_sync
+      >>events               tsys_event_record/wait/elapsed_ms, tsys_set_stream
+      >>trace                trace hooks, named ranges, op begin/end
+      >>autograd             no_grad, grad hooks, tape recording (tsys__record), gradient homes,
+                             tsys_backward
+      >>autocast             autocast regions, low-precision weight cache and kept copies, promotion
+      >>ops                  forward ops (tsys_linear ... tsys_mean): input checks, launches, records
+      >>backward             tsys__node_backward: one case per tsys__op
+      >>checkpoint           tsys_checkpoint_begin/end, what nodes keep, region recomputation
+      >>model                presets, desc validation, parameters, tsys_model_forward, memory predict
+      >>checkpoint planner   policy parsing, tsys_checkpoint_plan_make, auto:BYTES search
+      >>optimizer            AdamW/SGD, overlapped updates, kept low-precision copies, grad zero/
+                             clip/release, cosine LR
+      >>loss scaling         tsys_grad_scaler (fp16 dynamic loss scaling)
+      >>bench                tsys_stats_of, tsys_cpu_sgemm_gflops
+      >>atomic files         tsys_atomic_file: write to a temporary, fsync, rename
+      >>profiler             tsys_profiler: per-op and per-kernel tables, Chrome trace
+      >>safetensors          safetensors parser and writer, tsys_model_save/load
+
    Revision history:
+      0.4  the CPU backend has one entry point per kernel (tsys__cpu_k_<name>, found through
+           tsys__cpu_kernels) as the CUDA backend does; a tag index of the sections above
       0.3  errors, not corruption, on API misuse (mixed contexts, shrunk storages, NULLs, devices, bad
            optimizer settings); tsys_model_load strict (tsys_model_load_ex to relax); tsys_atomic_file;
            linear-time safetensors names; the CPU budget bounded by memory cgroups
@@ -117,7 +165,7 @@
 #ifndef TSYS_H_INCLUDED
 #define TSYS_H_INCLUDED
 #define TSYS_VERSION_MAJOR 0
-#define TSYS_VERSION_MINOR 3
+#define TSYS_VERSION_MINOR 4
 #define TSYS_VERSION_PATCH 0
 
 #if (defined(TSYS_IMPLEMENTATION) || defined(TSYS_IMPL)) && !defined(_POSIX_C_SOURCE)
@@ -291,7 +339,8 @@ typedef struct tsys_mem_stats {
 //            string must be NULL. Under TSYS_DEBUG every launch is checked against this.
 //   written  bit j set = the kernel writes t[j]; the other slots are read only.
 // Scalars f[] and i[] are named in the last column. Every backend handles every row (a test runs
-// each kernel on each backend); adding a row means adding its CPU and CUDA cases and tests.
+// each kernel on each backend); adding a row means adding its CPU entry (tsys__cpu_k_<name> and its
+// row in tsys__cpu_kernels), its CUDA entry (tsys_cuda__k_<name>) and tests.
 #define TSYS_KERNELS(X) \
     X(FILL,          "fill",          "A",         0x001, "t0 = f0") \
     X(CAST,          "cast",          "AA",        0x001, "t0 = (dtype of t0) t1, rounded to nearest even") \
