@@ -1,4 +1,4 @@
-/* tsys.h - v0.3 - training and measuring Transformer language models in C (CPU reference backend)
+/* tsys.h - v0.4 - training and measuring Transformer language models in C (CPU reference backend)
 
    Do this:
       #define TSYS_IMPLEMENTATION
@@ -103,7 +103,55 @@
       it (kernels, copies, fills, loads, resizes, collectives); after writing through
       tsys_tensor_data yourself, call tsys_tensor_mark_written.
 
+   TAG INDEX (search the file for ">>tag"; docs/design/contributing.md says where new code goes)
+      declarations (always compiled)
+      >>structs              tsys_status, tsys_dtype, tsys_device, tsys_tensor, tsys_ctx_desc, memory
+                             stats and events, TSYS_KERNELS (the kernel contract) and tsys_kernel,
+                             tsys_kargs, tsys_gemm_args, tsys_backend, events, trace hooks
+      >>public               every TSYSDEF declaration: context, tensors, autograd, checkpointing,
+                             autocast, ops, model, checkpoint plans, optimizers, loss scaling, bench,
+                             atomic files, profiler, safetensors
+      implementation (TSYS_IMPLEMENTATION)
+      >>config               libc includes, TSYS_MALLOC/FREE/REALLOC, TSYS_ASSERT, TSYS__OMP,
+                             TSYS_DEBUG, TSYS__FAIL / TSYS__REQUIRE / TSYS__CHECK_ARG
+      >>structs (private)    tsys__op (autograd op ids), saved-slot indices, tsys__node, tsys__region,
+                             the memory tracker, struct tsys_ctx
+      >>logging / errors     tsys__fail, tsys_ctx_set_error, status strings, device/ownership checks
+      >>dtypes               bf16/f16 conversions, tsys__load/tsys__store/tsys__load_id, the
+                             counter-based normal hash (shared with CUDA)
+      >>memory               memory tags, categories, tracker, events; storages (new, release, resize)
+      >>tensors              tensor create/wrap/view/copy/cast/fill, refcounts
+      >>rng                  xoshiro256** context RNG; tensor randn, trunc_normal, randint
+      >>cpu kernels          fp32 views (tsys__fin/fout/fdone) and the CPU math of norms, rope,
+                             softmax, cross-entropy, AdamW, transpose12
+      >>cpu flash            FlashAttention-2 forward/backward on the CPU (the tiled fp32 reference)
+      >>kernel contract      TSYS_KERNELS as data: tsys_kernel_name, written slots, tsys__kargs_check
+      >>cpu kernel entry points  tsys__cpu_k_<name> (one per kernel id) and the tsys__cpu_kernels
+                             table; tsys__cpu_kernel dispatches through it
+      >>cpu backend          CPU gemm (CBLAS or loops), alloc/free/copy, events, tsys__cpu_backend
+      >>launch               tsys__launch: ownership, contract check, version bumps, kernel hooks
+      >>context              CPU memory budget (cgroups), tsys_ctx_new/free, backends, tsys_sync
+      >>events               tsys_event_record/wait/elapsed_ms, tsys_set_stream
+      >>trace                trace hooks, named ranges, op begin/end
+      >>autograd             no_grad, grad hooks, tape recording (tsys__record), gradient homes,
+                             tsys_backward
+      >>autocast             autocast regions, low-precision weight cache and kept copies, promotion
+      >>ops                  forward ops (tsys_linear ... tsys_mean): input checks, launches, records
+      >>backward             tsys__node_backward: one case per tsys__op
+      >>checkpoint           tsys_checkpoint_begin/end, what nodes keep, region recomputation
+      >>model                presets, desc validation, parameters, tsys_model_forward, memory predict
+      >>checkpoint planner   policy parsing, tsys_checkpoint_plan_make, auto:BYTES search
+      >>optimizer            AdamW/SGD, overlapped updates, kept low-precision copies, grad zero/
+                             clip/release, cosine LR
+      >>loss scaling         tsys_grad_scaler (fp16 dynamic loss scaling)
+      >>bench                tsys_stats_of, tsys_cpu_sgemm_gflops
+      >>atomic files         tsys_atomic_file: write to a temporary, fsync, rename
+      >>profiler             tsys_profiler: per-op and per-kernel tables, Chrome trace
+      >>safetensors          safetensors parser and writer, tsys_model_save/load
+
    Revision history:
+      0.4  the CPU backend has one entry point per kernel (tsys__cpu_k_<name>, found through
+           tsys__cpu_kernels) as the CUDA backend does; a tag index of the sections above
       0.3  errors, not corruption, on API misuse (mixed contexts, shrunk storages, NULLs, devices, bad
            optimizer settings); tsys_model_load strict (tsys_model_load_ex to relax); tsys_atomic_file;
            linear-time safetensors names; the CPU budget bounded by memory cgroups
@@ -117,7 +165,7 @@
 #ifndef TSYS_H_INCLUDED
 #define TSYS_H_INCLUDED
 #define TSYS_VERSION_MAJOR 0
-#define TSYS_VERSION_MINOR 3
+#define TSYS_VERSION_MINOR 4
 #define TSYS_VERSION_PATCH 0
 
 #if (defined(TSYS_IMPLEMENTATION) || defined(TSYS_IMPL)) && !defined(_POSIX_C_SOURCE)
@@ -291,7 +339,8 @@ typedef struct tsys_mem_stats {
 //            string must be NULL. Under TSYS_DEBUG every launch is checked against this.
 //   written  bit j set = the kernel writes t[j]; the other slots are read only.
 // Scalars f[] and i[] are named in the last column. Every backend handles every row (a test runs
-// each kernel on each backend); adding a row means adding its CPU and CUDA cases and tests.
+// each kernel on each backend); adding a row means adding its CPU entry (tsys__cpu_k_<name> and its
+// row in tsys__cpu_kernels), its CUDA entry (tsys_cuda__k_<name>) and tests.
 #define TSYS_KERNELS(X) \
     X(FILL,          "fill",          "A",         0x001, "t0 = f0") \
     X(CAST,          "cast",          "AA",        0x001, "t0 = (dtype of t0) t1, rounded to nearest even") \
@@ -1934,6 +1983,16 @@ static void tsys__cpu_rope(float *y, const float *x, int64_t B, int64_t H, int64
     }
 }
 
+// The rows of a ROPE launch from its input's shape, by layout (i0): 0 (.., T, D) as B = the rest, H = 1;
+// 1 (B, T, H, D); 2 (B, H, T, D).
+static void tsys__rope_dims(const tsys_tensor *x, int mode, int64_t *B, int64_t *H, int64_t *T, int64_t *D) {
+    *D = x->shape[x->ndim - 1];
+    if (mode == 0) { *T = x->shape[x->ndim - 2]; *H = 1; *B = (*T) * (*D) != 0 ? tsys_tensor_numel(x) / ((*T) * (*D)) : 0; return; }
+    *B = x->shape[0];
+    *T = mode == 1 ? x->shape[1] : x->shape[2];
+    *H = mode == 1 ? x->shape[2] : x->shape[1];
+}
+
 // Row r of a (.., T, n) block: causal rows keep columns c <= r % T (query index >= key index).
 static void tsys__cpu_softmax_fwd(float *y, const float *x, int64_t rows, int64_t n, float scale, bool causal) {
     TSYS__OMP(omp parallel for)
@@ -2013,7 +2072,7 @@ static void tsys__cpu_transpose12(void *dst, const void *src, const int64_t *s, 
 
 // >>cpu flash -------------------------------------------------------------------------------------
 // FlashAttention-2 on the CPU, the tiled reference (fp32) the CUDA kernels are checked against.
-// defines: tsys__cpu_flash_fwd, tsys__cpu_flash_bwd (and tsys__cpu_flash, the kernel entry, below)
+// defines: tsys__cpu_flash_fwd, tsys__cpu_flash_bwd, tsys__cpu_flash (fp32 views, for the kernel entries)
 //
 // This is the algorithm of the CS336 handout (§1.3.2, Algorithm 1, and the backward with recomputation,
 // Eqs. 13-19), written as plain loops so that it reads as the spec. It favours clarity over speed: fp32
@@ -2198,19 +2257,25 @@ static void tsys__cpu_flash_bwd(const float *dout, const float *q, const float *
     }
 }
 
-static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
-
-// The rows of a ROPE launch from its input's shape, by layout (i0): 0 (.., T, D) as B = the rest, H = 1;
-// 1 (B, T, H, D); 2 (B, H, T, D).
-static void tsys__rope_dims(const tsys_tensor *x, int mode, int64_t *B, int64_t *H, int64_t *T, int64_t *D) {
-    *D = x->shape[x->ndim - 1];
-    if (mode == 0) { *T = x->shape[x->ndim - 2]; *H = 1; *B = (*T) * (*D) != 0 ? tsys_tensor_numel(x) / ((*T) * (*D)) : 0; return; }
-    *B = x->shape[0];
-    *T = mode == 1 ? x->shape[1] : x->shape[2];
-    *H = mode == 1 ? x->shape[2] : x->shape[1];
+// Flash attention on fp32 views of the tensors (bf16/fp16 inputs are widened, outputs rounded back).
+static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
+    tsys_tensor *const *t = a->t;
+    int nt = k == TSYS_K_FLASH_FWD ? 5 : 9, nout = k == TSYS_K_FLASH_FWD ? 2 : 3;
+    tsys__fbuf b[9];
+    bool ok = true;
+    for (int j = 0; j < nt; j++) { b[j] = j < nout ? tsys__fout(t[j], false) : tsys__fin(t[j]); ok = ok && b[j].p; }
+    const tsys_tensor *q = t[k == TSYS_K_FLASH_FWD ? 2 : 4], *kk = t[k == TSYS_K_FLASH_FWD ? 3 : 5];
+    int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
+    if (ok && k == TSYS_K_FLASH_FWD)
+        ok = tsys__cpu_flash_fwd(b[2].p, b[3].p, b[4].p, b[0].p, b[1].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
+    else if (ok)
+        tsys__cpu_flash_bwd(b[3].p, b[4].p, b[5].p, b[6].p, b[7].p, b[8].p, b[0].p, b[1].p, b[2].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
+    for (int j = 0; j < nt; j++) tsys__fdone(&b[j], j < nout ? t[j] : NULL);
+    return ok ? TSYS_OK : TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu flash attention: out of host memory for fp32 scratch");
 }
 
-// >>cpu kernel dispatch ---------------------------------------------------------------------------
+// >>kernel contract -------------------------------------------------------------------------------
+// TSYS_KERNELS as data, for every backend: names, slots, written masks, and the launch check.
 
 // The contract table as data: names, slot letters and written masks, indexed by tsys_kernel.
 static const struct { const char *name, *slots; unsigned written; } tsys__kernel_info[TSYS_K_COUNT] = {
@@ -2262,6 +2327,184 @@ static tsys_status tsys__kargs_check(tsys_ctx *ctx, tsys_device dev, tsys_kernel
     return TSYS_OK;
 }
 
+// >>cpu kernel entry points -----------------------------------------------------------------------
+// One function per kernel, tsys__cpu_k_<name>, as tsys_cuda.cuh has tsys_cuda__k_<name>; the table
+// below maps a kernel id to its function. Semantics: the rows of TSYS_KERNELS.
+// defines: tsys__cpu_launch, tsys__cpu_k_* (one per kernel), tsys__cpu_kernels, tsys__cpu_kernel
+//
+// A kernel reads its slots through IN(j) (an fp32 view) and writes them through OUT(j, keep) (an fp32
+// buffer; keep loads the current contents, for accumulation). Both record the view in L->b[j];
+// tsys__cpu_kernel then rounds every written slot back into its tensor and frees the scratch, so a
+// kernel returns as soon as it is done (or fails) and never cleans up.
+
+typedef struct tsys__cpu_launch {
+    tsys_ctx *ctx;
+    const tsys_kargs *a;
+    tsys_tensor *const *t;   // a->t
+    const float *f;          // a->f
+    int64_t n;               // elements of t[0] (0 when NULL)
+    tsys__fbuf b[TSYS_KARGS_MAX];
+} tsys__cpu_launch;
+
+#define IN(j) (L->b[j] = tsys__fin(L->t[j]), L->b[j].p)
+#define OUT(j, keep) (L->b[j] = tsys__fout(L->t[j], keep), L->b[j].p)
+
+static tsys_status tsys__cpu_k_fill(tsys__cpu_launch *L) {
+    int64_t n = L->n;
+    if (L->t[0]->dtype == TSYS_F32) { float *p = (float *)tsys_tensor_data(L->t[0]); for (int64_t i = 0; i < n; i++) p[i] = L->f[0]; return TSYS_OK; }
+    void *raw = tsys_tensor_data(L->t[0]);
+    for (int64_t i = 0; i < n; i++) tsys__store(raw, L->t[0]->dtype, i, L->f[0]);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_cast(tsys__cpu_launch *L) {
+    int64_t n = L->n;
+    void *dst = tsys_tensor_data(L->t[0]);
+    const void *src = tsys_tensor_data(L->t[1]);
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) tsys__store(dst, L->t[0]->dtype, i, tsys__load(src, L->t[1]->dtype, i));
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_accum(tsys__cpu_launch *L) {
+    float *y = OUT(0, true); const float *x = IN(1);
+    for (int64_t i = 0; i < L->n; i++) y[i] += x[i] * L->f[0];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_add(tsys__cpu_launch *L) {
+    int64_t n = L->n;
+    float *y = OUT(0, false); const float *p = IN(1), *q = IN(2);
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) y[i] = p[i] + q[i];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_mul(tsys__cpu_launch *L) {
+    float *y = OUT(0, false); const float *p = IN(1), *q = IN(2);
+    for (int64_t i = 0; i < L->n; i++) y[i] = p[i] * q[i];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_scale(tsys__cpu_launch *L) {
+    float *y = OUT(0, false); const float *x = IN(1);
+    for (int64_t i = 0; i < L->n; i++) y[i] = x[i] * L->f[0];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_add_bias(tsys__cpu_launch *L) {
+    float *y = OUT(0, true); const float *bias = IN(1);
+    int64_t d = tsys_tensor_numel(L->t[1]);
+    for (int64_t i = 0; i < L->n; i++) y[i] += bias[i % d];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_bias_grad(tsys__cpu_launch *L) {
+    float *db = OUT(0, true); const float *g = IN(1);
+    int64_t d = tsys_tensor_numel(L->t[0]), rows = tsys_tensor_numel(L->t[1]) / d;
+    for (int64_t r = 0; r < rows; r++) for (int64_t j = 0; j < d; j++) db[j] += g[r * d + j];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_relu_fwd(tsys__cpu_launch *L) {
+    float *y = OUT(0, false); const float *x = IN(1);
+    for (int64_t i = 0; i < L->n; i++) y[i] = x[i] > 0 ? x[i] : 0.0f;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_relu_bwd(tsys__cpu_launch *L) {
+    float *dx = OUT(0, false); const float *g = IN(1), *x = IN(2);
+    for (int64_t i = 0; i < L->n; i++) dx[i] = x[i] > 0 ? g[i] : 0.0f;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_silu_fwd(tsys__cpu_launch *L) {
+    int64_t n = L->n;
+    float *y = OUT(0, false); const float *x = IN(1);
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * tsys__sigmoid(x[i]);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_silu_bwd(tsys__cpu_launch *L) {
+    int64_t n = L->n;
+    float *dx = OUT(0, false); const float *g = IN(1), *x = IN(2);
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) { float s = tsys__sigmoid(x[i]); dx[i] = g[i] * s * (1.0f + x[i] * (1.0f - s)); }
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_swiglu_fwd(tsys__cpu_launch *L) {
+    int64_t n = L->n;
+    float *y = OUT(0, false); const float *p = IN(1), *q = IN(2);
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) y[i] = p[i] * tsys__sigmoid(p[i]) * q[i];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_swiglu_bwd(tsys__cpu_launch *L) {
+    int64_t n = L->n;
+    float *da = OUT(0, false), *db = OUT(1, false); const float *g = IN(2), *p = IN(3), *q = IN(4);
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) {
+        float s = tsys__sigmoid(p[i]);
+        db[i] = g[i] * p[i] * s;
+        da[i] = g[i] * q[i] * s * (1.0f + p[i] * (1.0f - s));
+    }
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_rmsnorm_fwd(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    int64_t d = tsys__last_dim(t[2]);
+    const float *x = IN(2);
+    if (t[4]) {   // the residual add first, as TSYS_K_ADD computes it
+        float *sum = OUT(5, false);
+        const float *r = IN(4);
+        for (int64_t i = 0, nx = tsys_tensor_numel(t[2]); i < nx; i++) sum[i] = x[i] + r[i];
+        x = sum;
+    }
+    tsys__cpu_rmsnorm_fwd(OUT(0, false), OUT(1, false), x, IN(3), tsys__rows(t[2]), d, L->f[0]);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_rmsnorm_bwd(tsys__cpu_launch *L) {
+    bool add = L->a->i[0] != 0;
+    int64_t d = tsys__last_dim(L->t[3]);
+    tsys__cpu_rmsnorm_bwd(OUT(0, add), add, OUT(1, true), IN(2), IN(3), IN(4), IN(5), tsys__rows(L->t[3]), d);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_layernorm_fwd(tsys__cpu_launch *L) {
+    int64_t d = tsys__last_dim(L->t[3]);
+    tsys__cpu_layernorm_fwd(OUT(0, false), OUT(1, false), OUT(2, false), IN(3), IN(4), IN(5), tsys__rows(L->t[3]), d, L->f[0]);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_layernorm_bwd(tsys__cpu_launch *L) {
+    int64_t d = tsys__last_dim(L->t[4]);
+    tsys__cpu_layernorm_bwd(OUT(0, false), OUT(1, true), OUT(2, true), IN(3), IN(4), IN(5), IN(6), IN(7), tsys__rows(L->t[4]), d);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_rope(tsys__cpu_launch *L) {
+    int64_t B, H, T, D;
+    int mode = (int)L->a->i[0];
+    tsys__rope_dims(L->t[1], mode, &B, &H, &T, &D);
+    tsys__cpu_rope(OUT(0, false), IN(1), B, H, T, D, L->f[0], L->f[1], mode);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_softmax_fwd(tsys__cpu_launch *L) {
+    tsys__cpu_softmax_fwd(OUT(0, false), IN(1), tsys__rows(L->t[1]), tsys__last_dim(L->t[1]), L->f[0], L->a->i[0] != 0);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_softmax_bwd(tsys__cpu_launch *L) {
+    tsys__cpu_softmax_bwd(OUT(0, false), IN(1), IN(2), tsys__rows(L->t[1]), tsys__last_dim(L->t[1]), L->f[0]);
+    return TSYS_OK;
+}
+
 // Kernels that index by tensor values check every value first, so a bad one writes nothing.
 static tsys_status tsys__cpu_check_ids(tsys_ctx *ctx, const char *op, const char *what, const tsys_tensor *ids, int64_t limit) {
     const void *p = tsys_tensor_data(ids);
@@ -2275,223 +2518,220 @@ static tsys_status tsys__cpu_check_ids(tsys_ctx *ctx, const char *op, const char
     return TSYS_OK;
 }
 
-// The elementwise kernels share one shape: fp32 views of the inputs, one loop, round into the outputs.
-static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
-    tsys_tensor *const *t = a->t;
-    const float *f = a->f;
-    int64_t n = t[0] ? tsys_tensor_numel(t[0]) : 0;
-    tsys__fbuf b[TSYS_KARGS_MAX];
-    memset(b, 0, sizeof(b));
-    tsys_status st = TSYS_OK;
-    switch (k) {
-    case TSYS_K_EMBED_FWD: st = tsys__cpu_check_ids(ctx, "embedding", "token id", t[2], t[1]->shape[0]); break;
-    case TSYS_K_EMBED_BWD: st = tsys__cpu_check_ids(ctx, "embedding backward", "token id", t[2], t[0]->shape[0]); break;
-    case TSYS_K_CE_FWD: st = tsys__cpu_check_ids(ctx, "cross_entropy", "target", t[3], tsys__last_dim(t[2])); break;
-    case TSYS_K_CE_BWD: st = tsys__cpu_check_ids(ctx, "cross_entropy backward", "target", t[3], tsys__last_dim(t[1])); break;
-    default: break;
-    }
+static tsys_status tsys__cpu_k_ce_fwd(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    tsys_status st = tsys__cpu_check_ids(L->ctx, "cross_entropy", "target", t[3], tsys__last_dim(t[2]));
     if (st != TSYS_OK) return st;
-#define IN(j) (b[j] = tsys__fin(t[j]), b[j].p)
-#define OUT(j, keep) (b[j] = tsys__fout(t[j], keep), b[j].p)
-    switch (k) {
-    case TSYS_K_FILL: {
-        if (t[0]->dtype == TSYS_F32) { float *p = (float *)tsys_tensor_data(t[0]); for (int64_t i = 0; i < n; i++) p[i] = f[0]; break; }
-        void *raw = tsys_tensor_data(t[0]);
-        for (int64_t i = 0; i < n; i++) tsys__store(raw, t[0]->dtype, i, f[0]);
-        break;
+    tsys__cpu_ce_fwd(OUT(0, false), OUT(1, false), IN(2), tsys_tensor_data(t[3]), t[3]->dtype, tsys__rows(t[2]), tsys__last_dim(t[2]));
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_ce_bwd(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    tsys_status st = tsys__cpu_check_ids(L->ctx, "cross_entropy backward", "target", t[3], tsys__last_dim(t[1]));
+    if (st != TSYS_OK) return st;
+    const float *gl = IN(4);
+    tsys__cpu_ce_bwd(OUT(0, false), IN(1), IN(2), tsys_tensor_data(t[3]), t[3]->dtype, tsys__rows(t[1]), tsys__last_dim(t[1]), gl[0] * L->f[0]);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_mse_fwd(tsys__cpu_launch *L) {
+    const float *p = IN(1), *q = IN(2);
+    int64_t m = tsys_tensor_numel(L->t[1]);
+    double s = 0;
+    for (int64_t i = 0; i < m; i++) s += (double)(p[i] - q[i]) * (p[i] - q[i]);
+    OUT(0, false)[0] = (float)(s / (double)m);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_mse_bwd(tsys__cpu_launch *L) {
+    const float *p = IN(2), *q = IN(3), *gl = IN(4);
+    int64_t m = tsys_tensor_numel(L->t[2]);
+    float c = 2.0f * gl[0] / (float)m;
+    float *da = L->t[0] ? OUT(0, false) : NULL, *db = L->t[1] ? OUT(1, false) : NULL;
+    for (int64_t i = 0; i < m; i++) {
+        float d = c * (p[i] - q[i]);
+        if (da) da[i] = d;
+        if (db) db[i] = -d;
     }
-    case TSYS_K_CAST: {
-        void *dst = tsys_tensor_data(t[0]);
-        const void *src = tsys_tensor_data(t[1]);
-        TSYS__OMP(omp parallel for if (n > 65536))
-        for (int64_t i = 0; i < n; i++) tsys__store(dst, t[0]->dtype, i, tsys__load(src, t[1]->dtype, i));
-        break;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_sum(tsys__cpu_launch *L) {
+    const float *x = IN(1);
+    int64_t m = tsys_tensor_numel(L->t[1]);
+    double s = 0;
+    for (int64_t i = 0; i < m; i++) s += x[i];
+    OUT(0, false)[0] = (float)(s * L->f[0]);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_broadcast(tsys__cpu_launch *L) {
+    float *y = OUT(0, false);
+    float v = IN(1)[0] * L->f[0];
+    for (int64_t i = 0; i < L->n; i++) y[i] = v;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_embed_fwd(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    tsys_status st = tsys__cpu_check_ids(L->ctx, "embedding", "token id", t[2], t[1]->shape[0]);
+    if (st != TSYS_OK) return st;
+    int64_t D = tsys__last_dim(t[1]), N = tsys_tensor_numel(t[2]);
+    size_t row = (size_t)D * tsys_dtype_size(t[1]->dtype);
+    const void *ids = tsys_tensor_data(t[2]);
+    TSYS__OMP(omp parallel for if (N > 256))
+    for (int64_t r = 0; r < N; r++)
+        memcpy((char *)tsys_tensor_data(t[0]) + (size_t)r * row, (const char *)tsys_tensor_data(t[1]) + (size_t)tsys__load_id(ids, t[2]->dtype, r) * row, row);
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_embed_bwd(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    tsys_status st = tsys__cpu_check_ids(L->ctx, "embedding backward", "token id", t[2], t[0]->shape[0]);
+    if (st != TSYS_OK) return st;
+    float *dw = OUT(0, true); const float *g = IN(1);
+    int64_t D = tsys__last_dim(t[0]), N = tsys_tensor_numel(t[2]);
+    const void *ids = tsys_tensor_data(t[2]);
+    for (int64_t r = 0; r < N; r++) {
+        float *dst = dw + tsys__load_id(ids, t[2]->dtype, r) * D;
+        for (int64_t j = 0; j < D; j++) dst[j] += g[r * D + j];
     }
-    case TSYS_K_ACCUM: { float *y = OUT(0, true); const float *x = IN(1); for (int64_t i = 0; i < n; i++) y[i] += x[i] * f[0]; break; }
-    case TSYS_K_ADD: { float *y = OUT(0, false); const float *p = IN(1), *q = IN(2); TSYS__OMP(omp parallel for if (n > 65536)) for (int64_t i = 0; i < n; i++) y[i] = p[i] + q[i]; break; }
-    case TSYS_K_MUL: { float *y = OUT(0, false); const float *p = IN(1), *q = IN(2); for (int64_t i = 0; i < n; i++) y[i] = p[i] * q[i]; break; }
-    case TSYS_K_SCALE: { float *y = OUT(0, false); const float *x = IN(1); for (int64_t i = 0; i < n; i++) y[i] = x[i] * f[0]; break; }
-    case TSYS_K_ADD_BIAS: {
-        float *y = OUT(0, true); const float *bias = IN(1);
-        int64_t d = tsys_tensor_numel(t[1]);
-        for (int64_t i = 0; i < n; i++) y[i] += bias[i % d];
-        break;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_transpose12(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    tsys__cpu_transpose12(tsys_tensor_data(t[0]), tsys_tensor_data(t[1]), t[1]->shape, tsys_dtype_size(t[1]->dtype));
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_adamw(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    const float *f = L->f;
+    if (t[6] && (tsys_tensor_numel(t[6]) != L->n || t[6]->dtype == TSYS_F32))
+        return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "adamw: the copy t[6] '%s' must be bf16/f16 of p's size", t[6]->name);
+    float hyper[5] = {t[5] ? ((const float *)tsys_tensor_data(t[5]))[0] : f[0], f[1], f[2], f[3], f[4]};   // t5: lr on the device
+    tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, L->n, hyper,
+                    tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_step_inc(tsys__cpu_launch *L) {
+    ((int64_t *)tsys_tensor_data(L->t[0]))[0] += 1;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_randn(tsys__cpu_launch *L) {
+    const float *f = L->f;
+    int64_t n = L->n;
+    float *y = OUT(0, false);
+    uint64_t seed = (uint64_t)L->a->i[0];
+    bool trunc = f[1] < f[2];
+    TSYS__OMP(omp parallel for if (n > 65536))
+    for (int64_t i = 0; i < n; i++) {
+        float v = f[0] * tsys__hash_normal(seed, (uint64_t)i, 0);
+        for (uint32_t r = 1; trunc && (v < f[1] || v > f[2]); r++) v = f[0] * tsys__hash_normal(seed, (uint64_t)i, r);
+        y[i] = v;
     }
-    case TSYS_K_BIAS_GRAD: {
-        float *db = OUT(0, true); const float *g = IN(1);
-        int64_t d = tsys_tensor_numel(t[0]), rows = tsys_tensor_numel(t[1]) / d;
-        for (int64_t r = 0; r < rows; r++) for (int64_t j = 0; j < d; j++) db[j] += g[r * d + j];
-        break;
-    }
-    case TSYS_K_RELU_FWD: { float *y = OUT(0, false); const float *x = IN(1); for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0 ? x[i] : 0.0f; break; }
-    case TSYS_K_RELU_BWD: { float *dx = OUT(0, false); const float *g = IN(1), *x = IN(2); for (int64_t i = 0; i < n; i++) dx[i] = x[i] > 0 ? g[i] : 0.0f; break; }
-    case TSYS_K_SILU_FWD: { float *y = OUT(0, false); const float *x = IN(1); TSYS__OMP(omp parallel for if (n > 65536)) for (int64_t i = 0; i < n; i++) y[i] = x[i] * tsys__sigmoid(x[i]); break; }
-    case TSYS_K_SILU_BWD: {
-        float *dx = OUT(0, false); const float *g = IN(1), *x = IN(2);
-        TSYS__OMP(omp parallel for if (n > 65536))
-        for (int64_t i = 0; i < n; i++) { float s = tsys__sigmoid(x[i]); dx[i] = g[i] * s * (1.0f + x[i] * (1.0f - s)); }
-        break;
-    }
-    case TSYS_K_SWIGLU_FWD: {
-        float *y = OUT(0, false); const float *p = IN(1), *q = IN(2);
-        TSYS__OMP(omp parallel for if (n > 65536))
-        for (int64_t i = 0; i < n; i++) y[i] = p[i] * tsys__sigmoid(p[i]) * q[i];
-        break;
-    }
-    case TSYS_K_SWIGLU_BWD: {
-        float *da = OUT(0, false), *db = OUT(1, false); const float *g = IN(2), *p = IN(3), *q = IN(4);
-        TSYS__OMP(omp parallel for if (n > 65536))
-        for (int64_t i = 0; i < n; i++) {
-            float s = tsys__sigmoid(p[i]);
-            db[i] = g[i] * p[i] * s;
-            da[i] = g[i] * q[i] * s * (1.0f + p[i] * (1.0f - s));
-        }
-        break;
-    }
-    case TSYS_K_RMSNORM_FWD: {
-        int64_t d = tsys__last_dim(t[2]);
-        const float *x = IN(2);
-        if (t[4]) {   // the residual add first, as TSYS_K_ADD computes it
-            float *sum = OUT(5, false);
-            const float *r = IN(4);
-            for (int64_t i = 0, nx = tsys_tensor_numel(t[2]); i < nx; i++) sum[i] = x[i] + r[i];
-            x = sum;
-        }
-        tsys__cpu_rmsnorm_fwd(OUT(0, false), OUT(1, false), x, IN(3), tsys__rows(t[2]), d, f[0]);
-        break;
-    }
-    case TSYS_K_RMSNORM_BWD: {
-        int64_t d = tsys__last_dim(t[3]);
-        tsys__cpu_rmsnorm_bwd(OUT(0, a->i[0] != 0), a->i[0] != 0, OUT(1, true), IN(2), IN(3), IN(4), IN(5), tsys__rows(t[3]), d);
-        break;
-    }
-    case TSYS_K_LAYERNORM_FWD: {
-        int64_t d = tsys__last_dim(t[3]);
-        tsys__cpu_layernorm_fwd(OUT(0, false), OUT(1, false), OUT(2, false), IN(3), IN(4), IN(5), tsys__rows(t[3]), d, f[0]);
-        break;
-    }
-    case TSYS_K_LAYERNORM_BWD: {
-        int64_t d = tsys__last_dim(t[4]);
-        tsys__cpu_layernorm_bwd(OUT(0, false), OUT(1, true), OUT(2, true), IN(3), IN(4), IN(5), IN(6), IN(7), tsys__rows(t[4]), d);
-        break;
-    }
-    case TSYS_K_ROPE: {
-        int64_t B, H, T, D;
-        tsys__rope_dims(t[1], (int)a->i[0], &B, &H, &T, &D);
-        tsys__cpu_rope(OUT(0, false), IN(1), B, H, T, D, f[0], f[1], (int)a->i[0]);
-        break;
-    }
-    case TSYS_K_SOFTMAX_FWD: tsys__cpu_softmax_fwd(OUT(0, false), IN(1), tsys__rows(t[1]), tsys__last_dim(t[1]), f[0], a->i[0] != 0); break;
-    case TSYS_K_SOFTMAX_BWD: tsys__cpu_softmax_bwd(OUT(0, false), IN(1), IN(2), tsys__rows(t[1]), tsys__last_dim(t[1]), f[0]); break;
-    case TSYS_K_CE_FWD:
-        tsys__cpu_ce_fwd(OUT(0, false), OUT(1, false), IN(2), tsys_tensor_data(t[3]), t[3]->dtype, tsys__rows(t[2]), tsys__last_dim(t[2]));
-        break;
-    case TSYS_K_CE_BWD: {
-        const float *gl = IN(4);
-        tsys__cpu_ce_bwd(OUT(0, false), IN(1), IN(2), tsys_tensor_data(t[3]), t[3]->dtype, tsys__rows(t[1]), tsys__last_dim(t[1]), gl[0] * f[0]);
-        break;
-    }
-    case TSYS_K_MSE_FWD: {
-        const float *p = IN(1), *q = IN(2);
-        int64_t m = tsys_tensor_numel(t[1]);
-        double s = 0;
-        for (int64_t i = 0; i < m; i++) s += (double)(p[i] - q[i]) * (p[i] - q[i]);
-        OUT(0, false)[0] = (float)(s / (double)m);
-        break;
-    }
-    case TSYS_K_MSE_BWD: {
-        const float *p = IN(2), *q = IN(3), *gl = IN(4);
-        int64_t m = tsys_tensor_numel(t[2]);
-        float c = 2.0f * gl[0] / (float)m;
-        float *da = t[0] ? OUT(0, false) : NULL, *db = t[1] ? OUT(1, false) : NULL;
-        for (int64_t i = 0; i < m; i++) {
-            float d = c * (p[i] - q[i]);
-            if (da) da[i] = d;
-            if (db) db[i] = -d;
-        }
-        break;
-    }
-    case TSYS_K_SUM: {
-        const float *x = IN(1);
-        int64_t m = tsys_tensor_numel(t[1]);
-        double s = 0;
-        for (int64_t i = 0; i < m; i++) s += x[i];
-        OUT(0, false)[0] = (float)(s * f[0]);
-        break;
-    }
-    case TSYS_K_BROADCAST: { float *y = OUT(0, false); float v = IN(1)[0] * f[0]; for (int64_t i = 0; i < n; i++) y[i] = v; break; }
-    case TSYS_K_EMBED_FWD: {
-        int64_t D = tsys__last_dim(t[1]), N = tsys_tensor_numel(t[2]);
-        size_t row = (size_t)D * tsys_dtype_size(t[1]->dtype);
-        const void *ids = tsys_tensor_data(t[2]);
-        TSYS__OMP(omp parallel for if (N > 256))
-        for (int64_t r = 0; r < N; r++)
-            memcpy((char *)tsys_tensor_data(t[0]) + (size_t)r * row, (const char *)tsys_tensor_data(t[1]) + (size_t)tsys__load_id(ids, t[2]->dtype, r) * row, row);
-        break;
-    }
-    case TSYS_K_EMBED_BWD: {
-        float *dw = OUT(0, true); const float *g = IN(1);
-        int64_t D = tsys__last_dim(t[0]), N = tsys_tensor_numel(t[2]);
-        const void *ids = tsys_tensor_data(t[2]);
-        for (int64_t r = 0; r < N; r++) {
-            float *dst = dw + tsys__load_id(ids, t[2]->dtype, r) * D;
-            for (int64_t j = 0; j < D; j++) dst[j] += g[r * D + j];
-        }
-        break;
-    }
-    case TSYS_K_TRANSPOSE12: tsys__cpu_transpose12(tsys_tensor_data(t[0]), tsys_tensor_data(t[1]), t[1]->shape, tsys_dtype_size(t[1]->dtype)); break;
-    case TSYS_K_ADAMW: {
-        if (t[6] && (tsys_tensor_numel(t[6]) != n || t[6]->dtype == TSYS_F32)) { st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "adamw: the copy t[6] '%s' must be bf16/f16 of p's size", t[6]->name); break; }
-        float hyper[5] = {t[5] ? ((const float *)tsys_tensor_data(t[5]))[0] : f[0], f[1], f[2], f[3], f[4]};   // t5: lr on the device
-        tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, n, hyper,
-                        tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
-        break;
-    }
-    case TSYS_K_STEP_INC: ((int64_t *)tsys_tensor_data(t[0]))[0] += 1; break;
-    case TSYS_K_RANDN: {
-        float *y = OUT(0, false);
-        uint64_t seed = (uint64_t)a->i[0];
-        bool trunc = f[1] < f[2];
-        TSYS__OMP(omp parallel for if (n > 65536))
-        for (int64_t i = 0; i < n; i++) {
-            float v = f[0] * tsys__hash_normal(seed, (uint64_t)i, 0);
-            for (uint32_t r = 1; trunc && (v < f[1] || v > f[2]); r++) v = f[0] * tsys__hash_normal(seed, (uint64_t)i, r);
-            y[i] = v;
-        }
-        break;
-    }
-    case TSYS_K_SGD: { float *p = OUT(0, true); const float *g = IN(1); for (int64_t i = 0; i < n; i++) p[i] -= f[0] * g[i]; break; }
-    case TSYS_K_SUMSQ: {
-        const float *x = IN(1);
-        int64_t m = tsys_tensor_numel(t[1]);
-        double s = 0;
-        for (int64_t i = 0; i < m; i++) s += (double)x[i] * x[i];
-        OUT(0, true)[0] += (float)s;
-        break;
-    }
-    case TSYS_K_NONFINITE: {
-        const float *x = IN(1);
-        int64_t m = tsys_tensor_numel(t[1]);
-        bool bad = false;
-        for (int64_t i = 0; i < m; i++) bad |= !isfinite(x[i]);
-        if (bad) OUT(0, true)[0] = 1.0f;
-        break;
-    }
-    case TSYS_K_FLASH_FWD:
-    case TSYS_K_FLASH_BWD: st = tsys__cpu_flash(ctx, k, a); break;
-    default: st = TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "cpu: kernel %d not implemented", (int)k);
-    }
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_sgd(tsys__cpu_launch *L) {
+    float *p = OUT(0, true); const float *g = IN(1);
+    for (int64_t i = 0; i < L->n; i++) p[i] -= L->f[0] * g[i];
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_sumsq(tsys__cpu_launch *L) {
+    const float *x = IN(1);
+    int64_t m = tsys_tensor_numel(L->t[1]);
+    double s = 0;
+    for (int64_t i = 0; i < m; i++) s += (double)x[i] * x[i];
+    OUT(0, true)[0] += (float)s;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__cpu_k_nonfinite(tsys__cpu_launch *L) {
+    const float *x = IN(1);
+    int64_t m = tsys_tensor_numel(L->t[1]);
+    bool bad = false;
+    for (int64_t i = 0; i < m; i++) bad |= !isfinite(x[i]);
+    if (bad) OUT(0, true)[0] = 1.0f;
+    return TSYS_OK;
+}
+
+// The flash kernels keep their own fp32 views (tsys__cpu_flash in >>cpu flash).
+static tsys_status tsys__cpu_k_flash_fwd(tsys__cpu_launch *L) { return tsys__cpu_flash(L->ctx, TSYS_K_FLASH_FWD, L->a); }
+static tsys_status tsys__cpu_k_flash_bwd(tsys__cpu_launch *L) { return tsys__cpu_flash(L->ctx, TSYS_K_FLASH_BWD, L->a); }
+
 #undef IN
 #undef OUT
+
+// Kernel id -> entry point, in TSYS_KERNELS order. Each row names its id: a row out of place fails the
+// size check below at compile time or the id check in tsys__cpu_kernel at the first launch.
+typedef tsys_status (*tsys__cpu_kfn)(tsys__cpu_launch *L);
+static const struct { tsys_kernel id; tsys__cpu_kfn fn; } tsys__cpu_kernels[] = {
+    {TSYS_K_FILL, tsys__cpu_k_fill},
+    {TSYS_K_CAST, tsys__cpu_k_cast},
+    {TSYS_K_ACCUM, tsys__cpu_k_accum},
+    {TSYS_K_ADD, tsys__cpu_k_add},
+    {TSYS_K_MUL, tsys__cpu_k_mul},
+    {TSYS_K_SCALE, tsys__cpu_k_scale},
+    {TSYS_K_ADD_BIAS, tsys__cpu_k_add_bias},
+    {TSYS_K_BIAS_GRAD, tsys__cpu_k_bias_grad},
+    {TSYS_K_RELU_FWD, tsys__cpu_k_relu_fwd},
+    {TSYS_K_RELU_BWD, tsys__cpu_k_relu_bwd},
+    {TSYS_K_SILU_FWD, tsys__cpu_k_silu_fwd},
+    {TSYS_K_SILU_BWD, tsys__cpu_k_silu_bwd},
+    {TSYS_K_SWIGLU_FWD, tsys__cpu_k_swiglu_fwd},
+    {TSYS_K_SWIGLU_BWD, tsys__cpu_k_swiglu_bwd},
+    {TSYS_K_RMSNORM_FWD, tsys__cpu_k_rmsnorm_fwd},
+    {TSYS_K_RMSNORM_BWD, tsys__cpu_k_rmsnorm_bwd},
+    {TSYS_K_LAYERNORM_FWD, tsys__cpu_k_layernorm_fwd},
+    {TSYS_K_LAYERNORM_BWD, tsys__cpu_k_layernorm_bwd},
+    {TSYS_K_ROPE, tsys__cpu_k_rope},
+    {TSYS_K_SOFTMAX_FWD, tsys__cpu_k_softmax_fwd},
+    {TSYS_K_SOFTMAX_BWD, tsys__cpu_k_softmax_bwd},
+    {TSYS_K_CE_FWD, tsys__cpu_k_ce_fwd},
+    {TSYS_K_CE_BWD, tsys__cpu_k_ce_bwd},
+    {TSYS_K_MSE_FWD, tsys__cpu_k_mse_fwd},
+    {TSYS_K_MSE_BWD, tsys__cpu_k_mse_bwd},
+    {TSYS_K_SUM, tsys__cpu_k_sum},
+    {TSYS_K_BROADCAST, tsys__cpu_k_broadcast},
+    {TSYS_K_EMBED_FWD, tsys__cpu_k_embed_fwd},
+    {TSYS_K_EMBED_BWD, tsys__cpu_k_embed_bwd},
+    {TSYS_K_TRANSPOSE12, tsys__cpu_k_transpose12},
+    {TSYS_K_ADAMW, tsys__cpu_k_adamw},
+    {TSYS_K_STEP_INC, tsys__cpu_k_step_inc},
+    {TSYS_K_RANDN, tsys__cpu_k_randn},
+    {TSYS_K_SGD, tsys__cpu_k_sgd},
+    {TSYS_K_SUMSQ, tsys__cpu_k_sumsq},
+    {TSYS_K_NONFINITE, tsys__cpu_k_nonfinite},
+    {TSYS_K_FLASH_FWD, tsys__cpu_k_flash_fwd},
+    {TSYS_K_FLASH_BWD, tsys__cpu_k_flash_bwd},
+};
+typedef char tsys__cpu_kernels_complete[(sizeof(tsys__cpu_kernels) / sizeof(tsys__cpu_kernels[0]) == TSYS_K_COUNT) ? 1 : -1];
+
+// The backend's kernel hook: looks the entry point up, runs it, then rounds the fp32 buffers of the
+// written slots back into their tensors and frees every scratch view.
+static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
+    if ((unsigned)k >= TSYS_K_COUNT || tsys__cpu_kernels[k].id != k) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "cpu: kernel %d not implemented", (int)k);
+    tsys__cpu_launch L;
+    memset(&L, 0, sizeof(L));
+    L.ctx = ctx; L.a = a; L.t = a->t; L.f = a->f;
+    L.n = a->t[0] ? tsys_tensor_numel(a->t[0]) : 0;
+    tsys_status st = tsys__cpu_kernels[k].fn(&L);
     for (int j = 0; j < TSYS_KARGS_MAX; j++) {
-        if (b[j].owned && !b[j].p) st = TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu kernel %d: out of host memory for fp32 scratch", (int)k);
+        if (L.b[j].owned && !L.b[j].p) st = TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu kernel %d: out of host memory for fp32 scratch", (int)k);
         // outputs are the leading slots of each kernel; inputs are never written back
-        bool is_out = b[j].owned && t[j] && j < 4 && tsys__kernel_writes(k, j);
-        tsys__fdone(&b[j], is_out ? t[j] : NULL);
+        bool is_out = L.b[j].owned && a->t[j] && j < 4 && tsys__kernel_writes(k, j);
+        tsys__fdone(&L.b[j], is_out ? a->t[j] : NULL);
     }
     return st;
 }
 
+// >>cpu backend -----------------------------------------------------------------------------------
 // C = alpha op(A) op(B) + beta C per batch item through cblas_sgemm on fp32 views.
 static tsys_status tsys__cpu_gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
     tsys__fbuf a = tsys__fin(g->a), b = tsys__fin(g->b), c = tsys__fout(g->c, g->beta != 0.0f);
@@ -2554,23 +2794,7 @@ static const tsys_backend tsys__cpu_backend = {
     NULL,   // no cache: malloc gives memory back at free
 };
 
-// Flash attention on fp32 views of the tensors (bf16/fp16 inputs are widened, outputs rounded back).
-static tsys_status tsys__cpu_flash(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a) {
-    tsys_tensor *const *t = a->t;
-    int nt = k == TSYS_K_FLASH_FWD ? 5 : 9, nout = k == TSYS_K_FLASH_FWD ? 2 : 3;
-    tsys__fbuf b[9];
-    bool ok = true;
-    for (int j = 0; j < nt; j++) { b[j] = j < nout ? tsys__fout(t[j], false) : tsys__fin(t[j]); ok = ok && b[j].p; }
-    const tsys_tensor *q = t[k == TSYS_K_FLASH_FWD ? 2 : 4], *kk = t[k == TSYS_K_FLASH_FWD ? 3 : 5];
-    int64_t d = tsys__last_dim(q), nq = q->shape[q->ndim - 2], nk = kk->shape[kk->ndim - 2], bh = tsys_tensor_numel(q) / (nq * d);
-    if (ok && k == TSYS_K_FLASH_FWD)
-        ok = tsys__cpu_flash_fwd(b[2].p, b[3].p, b[4].p, b[0].p, b[1].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
-    else if (ok)
-        tsys__cpu_flash_bwd(b[3].p, b[4].p, b[5].p, b[6].p, b[7].p, b[8].p, b[0].p, b[1].p, b[2].p, bh, nq, nk, d, a->f[0], a->i[0] != 0);
-    for (int j = 0; j < nt; j++) tsys__fdone(&b[j], j < nout ? t[j] : NULL);
-    return ok ? TSYS_OK : TSYS__FAIL(ctx, TSYS_ERR_OOM, "cpu flash attention: out of host memory for fp32 scratch");
-}
-
+// >>launch ----------------------------------------------------------------------------------------
 // Every launch of tsys.h goes through these two: the contract check (TSYS_DEBUG) and the kernel hook.
 // Always checked, as they would otherwise corrupt memory: every tensor is one of ctx's (its memory is on
 // ctx's device, in ctx's allocator) and has memory (a storage resized to 0, a sharded parameter outside

@@ -449,4 +449,21 @@ TSYS_TEST(random_normal_statistics) {
     tsys_ctx_free(ctx);
 }
 
+// The CPU backend has one entry point per kernel id, in TSYS_KERNELS order (the table's size is checked
+// when tsys.h compiles, its order here); an id past the table is refused, naming it, and runs nothing.
+TSYS_TEST(cpu_kernel_table_has_every_kernel_in_order) {
+    for (int k = 0; k < TSYS_K_COUNT; k++)
+        TEST_CHECK(tsys__cpu_kernels[k].id == (tsys_kernel)k && tsys__cpu_kernels[k].fn != NULL, "row %d holds %s, not %s", k,
+                   tsys_kernel_name(tsys__cpu_kernels[k].id), tsys_kernel_name((tsys_kernel)k));
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_kargs a;
+    memset(&a, 0, sizeof(a));
+    tsys_status st = tsys__cpu_backend.kernel(ctx, TSYS_K_COUNT, &a);
+    char want[64];
+    snprintf(want, sizeof(want), "kernel %d not implemented", (int)TSYS_K_COUNT);
+    TEST_CHECK(st == TSYS_ERR_UNSUPPORTED && strstr(tsys_ctx_last_error(ctx), want), "id %d: status %d, %s", (int)TSYS_K_COUNT, (int)st,
+               tsys_ctx_last_error(ctx));
+    tsys_ctx_free(ctx);
+}
+
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
