@@ -58,6 +58,8 @@ FUZZERS = $(FUZZ)/fuzz_safetensors $(FUZZ)/fuzz_flags
 
 # Everything run-tests runs; each prints "N passed, N failed" last.
 ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ)/run_fuzzers)
+# The README's tour, run as written (tests/test_tour.sh).
+TEST_RUNNERS += tests/test_tour.sh
 
 .PHONY: tsan header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
@@ -136,6 +138,8 @@ header-check: | $(BUILD)
 	$(CC) $(CPPFLAGS) -std=c11 -fopenmp -Wall -Wextra -Werror -DTSYS_STATIC -c $(BUILD)/header_check.c -o $(BUILD)/header_check_static.o
 	$(if $(HAVE_NVCC),$(NVCC_HEADER_CHECK))
 
+# The tour runs the drivers `make` builds.
+run-tests: all
 # Runs every test program; the last line is the sum over all of them.
 run-tests: header-check $(ALL_TESTS) $(if $(HAVE_NVCC),cuda-compile)
 	@pass=0; fail=0; for t in $(ALL_TESTS) $(TEST_RUNNERS); do \
