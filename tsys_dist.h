@@ -615,7 +615,7 @@ struct tsys_dist {
     char broken_msg[384];
     bool cuda;
     bool check_all, check_none;   // TSYS_DIST_CHECK=1 / =0: fixed at init
-    int trusted;                  // > 0 while an agreed layout issues its collectives (tsys__dist_trust);
+    int trusted;                  // > 0 while an agreed layout issues its collectives (tsys_dist__trust);
                                   // only the issuing thread reads it, when it queues a collective
     char hostname[64];
     // TCP: a star around rank 0 (rank 0 holds fds[1..size-1], the others fds[0])
@@ -698,7 +698,7 @@ static void tsys_dist__desc_of(const tsys_dist__coll *c, int64_t *desc) {
 }
 // Whether a collective of this many bytes first checks that every rank issued the same one: always
 // under TSYS_DIST_CHECK=1 (and in debug builds), never under =0 or for an agreed layout's collectives
-// (tsys__dist_trust), else from `from` bytes. Called when the collective is queued.
+// (tsys_dist__trust), else from `from` bytes. Called when the collective is queued.
 static bool tsys_dist__wants_check(const tsys_dist *d, int64_t bytes, int64_t from) {
     if (d->check_none || d->trusted > 0) return false;
     return d->check_all || bytes >= from;
@@ -3194,16 +3194,16 @@ TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, ts
 #include <stdio.h>
 #include <math.h>
 #if defined(TSYS_MALLOC) && defined(TSYS_FREE)
-#define TSYS__DIST_ALLOC(sz) TSYS_MALLOC(sz)
-#define TSYS__DIST_RELEASE(p) TSYS_FREE(p)
+#define TSYS_DIST__ALLOC(sz) TSYS_MALLOC(sz)
+#define TSYS_DIST__RELEASE(p) TSYS_FREE(p)
 #else
-#define TSYS__DIST_ALLOC(sz) malloc(sz)
-#define TSYS__DIST_RELEASE(p) free(p)
+#define TSYS_DIST__ALLOC(sz) malloc(sz)
+#define TSYS_DIST__RELEASE(p) free(p)
 #endif
 
 // Side-stream events are used for timing only when the group talks NCCL on CUDA tensors and no
 // graph is being captured (elapsed times cannot be read from captured events).
-static bool tsys__ddp_gpu_timing(tsys_dist *d, tsys_ctx *ctx, tsys_device dev) {
+static bool tsys_dist__ddp_gpu_timing(tsys_dist *d, tsys_ctx *ctx, tsys_device dev) {
     if (dev != TSYS_CUDA || tsys_dist_engine_of(d) != TSYS_DIST_ENGINE_NCCL) return false;
 #ifdef TSYS_CUDA_H_INCLUDED
     if (tsys_cuda_capturing(ctx)) return false;
@@ -3214,7 +3214,7 @@ static bool tsys__ddp_gpu_timing(tsys_dist *d, tsys_ctx *ctx, tsys_device dev) {
 }
 
 // Do the tensors' grads (or the tensors themselves) lie back to back in one storage, one dtype?
-static bool tsys__dist_contiguous(tsys_tensor *const *t, int n, bool grads) {
+static bool tsys_dist__contiguous(tsys_tensor *const *t, int n, bool grads) {
     for (int i = 1; i < n; i++) {
         const tsys_tensor *a = grads ? t[i - 1]->grad : t[i - 1], *b = grads ? t[i]->grad : t[i];
         if (!a || !b || a->storage != b->storage || a->dtype != b->dtype || b->offset != a->offset + tsys_tensor_bytes(a)) return false;
@@ -3224,7 +3224,7 @@ static bool tsys__dist_contiguous(tsys_tensor *const *t, int n, bool grads) {
 
 // A 1-D view over n back-to-back tensors (their grads when `grads`), starting at the first; for one
 // tensor, that tensor (retained). Release it either way.
-static tsys_tensor *tsys__dist_run_view(tsys_ctx *ctx, tsys_tensor *const *t, int n, bool grads) {
+static tsys_tensor *tsys_dist__run_view(tsys_ctx *ctx, tsys_tensor *const *t, int n, bool grads) {
     tsys_tensor *base = grads ? t[0]->grad : t[0];
     if (n == 1) return tsys_tensor_retain(base);
     int64_t numel = 0;
@@ -3233,12 +3233,12 @@ static tsys_tensor *tsys__dist_run_view(tsys_ctx *ctx, tsys_tensor *const *t, in
 }
 
 // Broadcasts tensors from root: each maximal run of back-to-back tensors goes as one call.
-static tsys_status tsys__dist_broadcast_list(tsys_dist *d, tsys_tensor *const *t, int n, int root) {
+static tsys_status tsys_dist__broadcast_list(tsys_dist *d, tsys_tensor *const *t, int n, int root) {
     tsys_ctx *ctx = tsys_dist_ctx(d);
     for (int i = 0; i < n;) {
         int j = i + 1;
-        while (j < n && tsys__dist_contiguous(t + i, j - i + 1, false)) j++;
-        tsys_tensor *v = tsys__dist_run_view(ctx, t + i, j - i, false);
+        while (j < n && tsys_dist__contiguous(t + i, j - i + 1, false)) j++;
+        tsys_tensor *v = tsys_dist__run_view(ctx, t + i, j - i, false);
         tsys_status st = v ? tsys_dist_broadcast(d, v, root) : tsys_ctx_status(ctx);
         tsys_tensor_release(v);
         if (st != TSYS_OK) return st;
@@ -3250,21 +3250,21 @@ static tsys_status tsys__dist_broadcast_list(tsys_dist *d, tsys_tensor *const *t
 // A layout (DDP's buckets, ZeRO-1's ownership) that every rank must share: its hash is compared once,
 // over the host path, and the collectives it then issues every step skip the per-call descriptor
 // check (a host round trip each, in front of every NCCL launch) because they cannot disagree.
-static uint64_t tsys__dist_hash(uint64_t h, int64_t v) { return (h ^ (uint64_t)v) * 0x100000001b3ull; }
-static tsys_status tsys__dist_agree_layout(tsys_dist *d, uint64_t hash, const char *what) {
+static uint64_t tsys_dist__hash(uint64_t h, int64_t v) { return (h ^ (uint64_t)v) * 0x100000001b3ull; }
+static tsys_status tsys_dist__agree_layout(tsys_dist *d, uint64_t hash, const char *what) {
     double v[2] = {(double)(hash >> 12), -(double)(hash >> 12)};   // 52 bits: exact in a double
     tsys_status st = tsys_dist_all_reduce_host(d, v, 2, TSYS_DIST_MAX);
     if (st == TSYS_OK && v[0] != -v[1])
         st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_INVALID_ARGS, "%s: the ranks have different layouts (were they given the same parameters?)", what);
     return st;
 }
-// Collectives issued between tsys__dist_trust(d, true) and tsys__dist_untrust belong to an agreed
+// Collectives issued between tsys_dist__trust(d, true) and tsys_dist__untrust belong to an agreed
 // layout and skip the per-call check. Each collective records the decision when it is queued, so
 // a worker thread running it later never sees this change.
-static bool tsys__dist_trust(tsys_dist *d, bool on) { if (on) d->trusted++; return on; }
-static void tsys__dist_untrust(tsys_dist *d, bool was_on) { if (was_on) d->trusted--; }
+static bool tsys_dist__trust(tsys_dist *d, bool on) { if (on) d->trusted++; return on; }
+static void tsys_dist__untrust(tsys_dist *d, bool was_on) { if (was_on) d->trusted--; }
 
-typedef struct tsys__ddp_bucket {
+typedef struct tsys_dist__ddp_bucket {
     int first, count;            // trainable parameters tp[first .. first + count)
     int64_t numel, bytes;
     int pending;                 // gradients of the bucket not final yet in this backward
@@ -3276,9 +3276,9 @@ typedef struct tsys__ddp_bucket {
     tsys_event ev_ready, ev_start, ev_end;   // CUDA timing: compute ready, side-stream start and end
     tsys_event ev_widened;       // comm_bf16 through NCCL: the average is back in flat (side stream)
     double t_launch_us;
-} tsys__ddp_bucket;
+} tsys_dist__ddp_bucket;
 
-typedef struct tsys__ddp_hook { struct tsys_ddp *ddp; int index; } tsys__ddp_hook;
+typedef struct tsys_dist__ddp_hook { struct tsys_ddp *ddp; int index; } tsys_dist__ddp_hook;
 
 struct tsys_ddp {
     tsys_dist *d;
@@ -3290,9 +3290,9 @@ struct tsys_ddp {
     tsys_tensor **tp;            // the trainable ones, in parameter order (borrowed from params)
     int ntp;
     int *bucket_of;              // tp index -> bucket
-    tsys__ddp_hook *hooks;       // one per trainable parameter (OVERLAP, BUCKETED)
+    tsys_dist__ddp_hook *hooks;       // one per trainable parameter (OVERLAP, BUCKETED)
     bool hooked;
-    tsys__ddp_bucket *b;
+    tsys_dist__ddp_bucket *b;
     int nb;
     int *order;                  // buckets in launch order this step
     int nlaunched;
@@ -3304,7 +3304,7 @@ struct tsys_ddp {
     tsys_ddp_stats stats;
     int stats_launched;          // buckets the last finished step launched
     tsys_status launch_error;    // a hook that failed to launch (reported by finish)
-    bool layout_agreed;          // every rank has the same buckets (tsys__dist_agree_layout)
+    bool layout_agreed;          // every rank has the same buckets (tsys_dist__agree_layout)
 };
 
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
@@ -3318,11 +3318,11 @@ TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
 }
 
 // comm_bf16's casts run on the side stream, beside the collective, where that is NCCL's stream.
-static bool tsys__ddp_side_casts(const tsys_ddp *ddp) {
+static bool tsys_dist__ddp_side_casts(const tsys_ddp *ddp) {
     return ddp->dev == TSYS_CUDA && tsys_dist_engine_of(ddp->d) == TSYS_DIST_ENGINE_NCCL;
 }
 // dst = src in dst's dtype, on the side stream when `side`.
-static tsys_status tsys__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const tsys_tensor *src, bool side) {
+static tsys_status tsys_dist__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const tsys_tensor *src, bool side) {
     tsys_stream prev = side ? tsys_set_stream(ddp->ctx, ddp->dev, TSYS_STREAM_SIDE) : TSYS_STREAM_COMPUTE;
     tsys_status st = tsys_tensor_cast_from(ddp->ctx, dst, src);
     if (side) tsys_set_stream(ddp->ctx, ddp->dev, prev);
@@ -3331,8 +3331,8 @@ static tsys_status tsys__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const tsys_te
 
 // Starts bucket bi's all-reduce: gradients that still count as zero get their zeros, a scratch
 // bucket copies its gradients in, then the asynchronous average (of the bf16 copy under comm_bf16).
-static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
-    tsys__ddp_bucket *b = &ddp->b[bi];
+static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
+    tsys_dist__ddp_bucket *b = &ddp->b[bi];
     tsys_ctx *ctx = ddp->ctx;
     tsys_tensor **p = ddp->tp + b->first;
     if (b->launched) return TSYS_OK;
@@ -3351,35 +3351,35 @@ static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
     }
     if (st != TSYS_OK) return st;
     double now = tsys_time_us();
-    if (ddp->nlaunched == 1) { ddp->t_first_us = now; ddp->gpu_timing = tsys__ddp_gpu_timing(ddp->d, ctx, ddp->dev); }
+    if (ddp->nlaunched == 1) { ddp->t_first_us = now; ddp->gpu_timing = tsys_dist__ddp_gpu_timing(ddp->d, ctx, ddp->dev); }
     b->t_launch_us = now;
-    bool side = b->wire && tsys__ddp_side_casts(ddp);
+    bool side = b->wire && tsys_dist__ddp_side_casts(ddp);
     if (ddp->gpu_timing || side) {   // the side stream waits for the gradients, then marks the start
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_COMPUTE, &b->ev_ready);
         tsys_event_wait(ctx, &b->ev_ready, TSYS_STREAM_SIDE);
         if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
     }
-    if (b->wire && (st = tsys__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
-    bool trusting = tsys__dist_trust(ddp->d, ddp->layout_agreed);
+    if (b->wire && (st = tsys_dist__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
+    bool trusting = tsys_dist__trust(ddp->d, ddp->layout_agreed);
     b->work = tsys_dist_all_reduce_async(ddp->d, b->wire ? b->wire : b->flat, TSYS_DIST_AVG);
-    tsys__dist_untrust(ddp->d, trusting);
+    tsys_dist__untrust(ddp->d, trusting);
     if (!b->work) return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
-    if (side) {   // widen right behind the collective on the side stream; tsys__ddp_wait waits for it
-        if ((st = tsys__ddp_cast(ddp, b->flat, b->wire, true)) != TSYS_OK) return st;
+    if (side) {   // widen right behind the collective on the side stream; tsys_dist__ddp_wait waits for it
+        if ((st = tsys_dist__ddp_cast(ddp, b->flat, b->wire, true)) != TSYS_OK) return st;
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_widened);
     }
     if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
     return tsys_ctx_status(ctx);
 }
 
-static tsys_status tsys__ddp_wait(tsys_ddp *ddp, int bi) {
-    tsys__ddp_bucket *b = &ddp->b[bi];
+static tsys_status tsys_dist__ddp_wait(tsys_ddp *ddp, int bi) {
+    tsys_dist__ddp_bucket *b = &ddp->b[bi];
     tsys_ctx *ctx = ddp->ctx;
     if (!b->work) return TSYS_OK;
     tsys_status st = tsys_dist_wait(b->work);
     b->work = NULL;
     if (st == TSYS_OK && b->wire)   // the average back into the fp32 gradients (already under way on the side stream)
-        st = tsys__ddp_side_casts(ddp) ? tsys_event_wait(ctx, &b->ev_widened, TSYS_STREAM_COMPUTE) : tsys__ddp_cast(ddp, b->flat, b->wire, false);
+        st = tsys_dist__ddp_side_casts(ddp) ? tsys_event_wait(ctx, &b->ev_widened, TSYS_STREAM_COMPUTE) : tsys_dist__ddp_cast(ddp, b->flat, b->wire, false);
     if (st == TSYS_OK && b->scratch) {
         tsys_tensor **p = ddp->tp + b->first;
         size_t off = 0;
@@ -3396,28 +3396,28 @@ static tsys_status tsys__ddp_wait(tsys_ddp *ddp, int bi) {
 
 // The gradient-ready hook: the bucket of this parameter goes once its last gradient is final.
 // No synchronization here (the launch is asynchronous), so a captured CUDA graph keeps working.
-static void tsys__ddp_grad_ready(tsys_ctx *ctx, tsys_tensor *param, void *user) {
+static void tsys_dist__ddp_grad_ready(tsys_ctx *ctx, tsys_tensor *param, void *user) {
     (void)ctx; (void)param;
-    tsys__ddp_hook *h = (tsys__ddp_hook *)user;
+    tsys_dist__ddp_hook *h = (tsys_dist__ddp_hook *)user;
     tsys_ddp *ddp = h->ddp;
     int bi = ddp->bucket_of[h->index];
-    tsys__ddp_bucket *b = &ddp->b[bi];
+    tsys_dist__ddp_bucket *b = &ddp->b[bi];
     if (b->launched || b->pending <= 0) return;   // a second backward before finish: finish sorts it out
     if (--b->pending == 0) {
-        tsys_status st = tsys__ddp_launch(ddp, bi);
+        tsys_status st = tsys_dist__ddp_launch(ddp, bi);
         if (st != TSYS_OK && ddp->launch_error == TSYS_OK) ddp->launch_error = st;
     }
 }
 
-static void tsys__ddp_reset(tsys_ddp *ddp) {
+static void tsys_dist__ddp_reset(tsys_ddp *ddp) {
     for (int i = 0; i < ddp->nb; i++) { ddp->b[i].pending = ddp->b[i].count; ddp->b[i].launched = false; }
     ddp->nlaunched = 0;
     ddp->launch_error = TSYS_OK;
 }
 
 // Adds a bucket over tp[first .. first + count).
-static bool tsys__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
-    tsys__ddp_bucket *b = &ddp->b[ddp->nb];
+static bool tsys_dist__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
+    tsys_dist__ddp_bucket *b = &ddp->b[ddp->nb];
     memset(b, 0, sizeof(*b));
     b->first = first; b->count = count;
     for (int i = first; i < first + count; i++) {
@@ -3429,7 +3429,7 @@ static bool tsys__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
     bool same_dtype = true;
     for (int i = 1; i < count; i++) same_dtype = same_dtype && p[i]->grad->dtype == p[0]->grad->dtype;
     if (count == 1) b->flat = tsys_tensor_retain(p[0]->grad);
-    else if (tsys__dist_contiguous(p, count, true)) b->flat = tsys__dist_run_view(ddp->ctx, p, count, true);
+    else if (tsys_dist__contiguous(p, count, true)) b->flat = tsys_dist__run_view(ddp->ctx, p, count, true);
     else if (same_dtype) {
         int tag = tsys_mem_set_tag(ddp->ctx, tsys_mem_tag(ddp->ctx, "ddp buckets"));
         b->flat = tsys_tensor_new(ddp->ctx, p[0]->grad->dtype, ddp->dev, 1, &b->numel);
@@ -3447,7 +3447,7 @@ static bool tsys__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
 
 // Gives trainable parameters without a gradient one: views of one arena when they share a dtype
 // and a device, else a tensor each. Filled with zeros and marked zero.
-static tsys_status tsys__ddp_make_grads(tsys_ddp *ddp) {
+static tsys_status tsys_dist__ddp_make_grads(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     int missing = 0;
     int64_t total = 0;
@@ -3486,7 +3486,7 @@ static tsys_status tsys__ddp_make_grads(tsys_ddp *ddp) {
 }
 
 // comm_bf16: a bf16 copy for every fp32 bucket, views of one arena.
-static tsys_status tsys__ddp_make_wires(tsys_ddp *ddp) {
+static tsys_status tsys_dist__ddp_make_wires(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     int64_t total = 0;
     for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].flat->dtype == TSYS_F32) total += ddp->b[i].numel;
@@ -3498,7 +3498,7 @@ static tsys_status tsys__ddp_make_wires(tsys_ddp *ddp) {
     tsys_tensor_set_name(ddp->wire_arena, "ddp bf16 buckets");
     size_t off = 0;
     for (int i = 0; i < ddp->nb; i++) {
-        tsys__ddp_bucket *b = &ddp->b[i];
+        tsys_dist__ddp_bucket *b = &ddp->b[i];
         if (b->flat->dtype != TSYS_F32) continue;
         b->wire = tsys_tensor_view_raw(ctx, ddp->wire_arena, off, TSYS_BF16, 1, &b->numel);
         if (!b->wire) return tsys_ctx_status(ctx);
@@ -3511,9 +3511,9 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     if (!ddp) return;
     for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].work) tsys_dist_wait(ddp->b[i].work);
     if (ddp->hooked)
-        for (int i = 0; i < ddp->ntp; i++) tsys_tensor_remove_grad_hook(ddp->tp[i], tsys__ddp_grad_ready, &ddp->hooks[i]);
+        for (int i = 0; i < ddp->ntp; i++) tsys_tensor_remove_grad_hook(ddp->tp[i], tsys_dist__ddp_grad_ready, &ddp->hooks[i]);
     for (int i = 0; i < ddp->nb; i++) {
-        tsys__ddp_bucket *b = &ddp->b[i];
+        tsys_dist__ddp_bucket *b = &ddp->b[i];
         tsys_tensor_release(b->flat); tsys_tensor_release(b->wire);
         tsys_event_release(ddp->ctx, &b->ev_ready); tsys_event_release(ddp->ctx, &b->ev_start); tsys_event_release(ddp->ctx, &b->ev_end);
         tsys_event_release(ddp->ctx, &b->ev_widened);
@@ -3522,9 +3522,9 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     tsys_event_release(ddp->ctx, &ddp->ev_bwd_end);
     for (int i = 0; i < ddp->n; i++) tsys_tensor_release(ddp->params[i]);
     tsys_tensor_release(ddp->grad_arena);
-    TSYS__DIST_RELEASE(ddp->params); TSYS__DIST_RELEASE(ddp->tp); TSYS__DIST_RELEASE(ddp->bucket_of);
-    TSYS__DIST_RELEASE(ddp->hooks); TSYS__DIST_RELEASE(ddp->b); TSYS__DIST_RELEASE(ddp->order);
-    TSYS__DIST_RELEASE(ddp);
+    TSYS_DIST__RELEASE(ddp->params); TSYS_DIST__RELEASE(ddp->tp); TSYS_DIST__RELEASE(ddp->bucket_of);
+    TSYS_DIST__RELEASE(ddp->hooks); TSYS_DIST__RELEASE(ddp->b); TSYS_DIST__RELEASE(ddp->order);
+    TSYS_DIST__RELEASE(ddp);
 }
 
 TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_ddp_desc *desc) {
@@ -3541,18 +3541,18 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameter %d is NULL", i); return NULL; }
         if (params[i]->device != params[0]->device) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameters '%s' and '%s' are on different devices", params[0]->name, params[i]->name); return NULL; }
     }
-    tsys_ddp *ddp = (tsys_ddp *)TSYS__DIST_ALLOC(sizeof(tsys_ddp));
+    tsys_ddp *ddp = (tsys_ddp *)TSYS_DIST__ALLOC(sizeof(tsys_ddp));
     if (!ddp) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: out of host memory"); return NULL; }
     memset(ddp, 0, sizeof(*ddp));
     ddp->d = d; ddp->ctx = ctx; ddp->desc = dd;
     ddp->dev = n ? params[0]->device : TSYS_CPU;
     size_t cnt = (size_t)(n ? n : 1);
-    ddp->params = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    ddp->tp = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    ddp->bucket_of = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    ddp->hooks = (tsys__ddp_hook *)TSYS__DIST_ALLOC(sizeof(tsys__ddp_hook) * cnt);
-    ddp->b = (tsys__ddp_bucket *)TSYS__DIST_ALLOC(sizeof(tsys__ddp_bucket) * cnt);
-    ddp->order = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
+    ddp->params = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    ddp->tp = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    ddp->bucket_of = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
+    ddp->hooks = (tsys_dist__ddp_hook *)TSYS_DIST__ALLOC(sizeof(tsys_dist__ddp_hook) * cnt);
+    ddp->b = (tsys_dist__ddp_bucket *)TSYS_DIST__ALLOC(sizeof(tsys_dist__ddp_bucket) * cnt);
+    ddp->order = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
     if (!ddp->params || !ddp->tp || !ddp->bucket_of || !ddp->hooks || !ddp->b || !ddp->order) {
         tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: out of host memory");
         tsys_ddp_free(ddp);
@@ -3566,11 +3566,11 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         if (params[i]->requires_grad) ddp->tp[ddp->ntp++] = params[i];
     }
     // every parameter from rank 0, trainable or not (back-to-back runs in one call)
-    tsys_status st = tsys__dist_broadcast_list(d, ddp->params, ddp->n, 0);
-    if (st == TSYS_OK) st = tsys__ddp_make_grads(ddp);
+    tsys_status st = tsys_dist__broadcast_list(d, ddp->params, ddp->n, 0);
+    if (st == TSYS_OK) st = tsys_dist__ddp_make_grads(ddp);
     // buckets in reverse parameter order
     if (st == TSYS_OK && ddp->ntp > 0) {
-        if (dd.strategy == TSYS_DDP_FLAT) { if (!tsys__ddp_add_bucket(ddp, 0, ddp->ntp)) st = TSYS_ERR_INVALID_ARGS; }
+        if (dd.strategy == TSYS_DDP_FLAT) { if (!tsys_dist__ddp_add_bucket(ddp, 0, ddp->ntp)) st = TSYS_ERR_INVALID_ARGS; }
         else if (dd.strategy == TSYS_DDP_BUCKETED) {
             double limit = dd.bucket_mb * 1048576.0;
             int end = ddp->ntp;   // the open bucket is tp[i + 1 .. end)
@@ -3578,33 +3578,33 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
             for (int i = ddp->ntp - 1; st == TSYS_OK && i >= 0; i--) {
                 double sz = (double)tsys_tensor_bytes(ddp->tp[i]);
                 if (end > i + 1 && limit > 0 && bytes + sz > limit) {
-                    if (!tsys__ddp_add_bucket(ddp, i + 1, end - i - 1)) st = TSYS_ERR_INVALID_ARGS;
+                    if (!tsys_dist__ddp_add_bucket(ddp, i + 1, end - i - 1)) st = TSYS_ERR_INVALID_ARGS;
                     end = i + 1; bytes = 0;
                 }
                 bytes += sz;
             }
-            if (st == TSYS_OK && !tsys__ddp_add_bucket(ddp, 0, end)) st = TSYS_ERR_INVALID_ARGS;
+            if (st == TSYS_OK && !tsys_dist__ddp_add_bucket(ddp, 0, end)) st = TSYS_ERR_INVALID_ARGS;
         } else {
             for (int i = ddp->ntp - 1; st == TSYS_OK && i >= 0; i--)
-                if (!tsys__ddp_add_bucket(ddp, i, 1)) st = TSYS_ERR_INVALID_ARGS;
+                if (!tsys_dist__ddp_add_bucket(ddp, i, 1)) st = TSYS_ERR_INVALID_ARGS;
         }
         if (st != TSYS_OK && tsys_ctx_status(ctx) != TSYS_OK) st = tsys_ctx_status(ctx);
     }
-    if (st == TSYS_OK && dd.comm_bf16) st = tsys__ddp_make_wires(ddp);
+    if (st == TSYS_OK && dd.comm_bf16) st = tsys_dist__ddp_make_wires(ddp);
     if (st == TSYS_OK) {
-        uint64_t h = tsys__dist_hash(0xcbf29ce484222325ull, dd.strategy);
+        uint64_t h = tsys_dist__hash(0xcbf29ce484222325ull, dd.strategy);
         for (int i = 0; i < ddp->nb; i++) {
             const tsys_tensor *sent = ddp->b[i].wire ? ddp->b[i].wire : ddp->b[i].flat;
-            h = tsys__dist_hash(tsys__dist_hash(h, ddp->b[i].numel), sent ? (int64_t)sent->dtype : -1);
+            h = tsys_dist__hash(tsys_dist__hash(h, ddp->b[i].numel), sent ? (int64_t)sent->dtype : -1);
         }
-        st = tsys__dist_agree_layout(d, h, "ddp");
+        st = tsys_dist__agree_layout(d, h, "ddp");
         ddp->layout_agreed = st == TSYS_OK;
     }
     if (st == TSYS_OK && (dd.strategy == TSYS_DDP_OVERLAP || dd.strategy == TSYS_DDP_BUCKETED)) {
         ddp->hooked = true;
         for (int i = 0; i < ddp->ntp; i++) {
             ddp->hooks[i].ddp = ddp; ddp->hooks[i].index = i;
-            tsys_tensor_add_grad_hook(ddp->tp[i], tsys__ddp_grad_ready, &ddp->hooks[i]);
+            tsys_tensor_add_grad_hook(ddp->tp[i], tsys_dist__ddp_grad_ready, &ddp->hooks[i]);
         }
     }
     if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
@@ -3625,10 +3625,10 @@ TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp) {
     if (!ddp) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = TSYS_OK;
     for (int k = 0; k < ddp->nlaunched; k++) {
-        tsys_status s = tsys__ddp_wait(ddp, ddp->order[k]);
+        tsys_status s = tsys_dist__ddp_wait(ddp, ddp->order[k]);
         if (st == TSYS_OK) st = s;
     }
-    tsys__ddp_reset(ddp);
+    tsys_dist__ddp_reset(ddp);
     return st;
 }
 
@@ -3637,17 +3637,17 @@ TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     tsys_status st = ddp->launch_error != TSYS_OK ? ddp->launch_error : tsys_ctx_status(ctx);
     ddp->t_bwd_end_us = tsys_time_us();
-    bool timing = tsys__ddp_gpu_timing(ddp->d, ctx, ddp->dev);
+    bool timing = tsys_dist__ddp_gpu_timing(ddp->d, ctx, ddp->dev);
     if (timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_COMPUTE, &ddp->ev_bwd_end);
     if (ddp->nlaunched == 0) ddp->gpu_timing = timing;
     bool blocking = ddp->desc.strategy == TSYS_DDP_NAIVE;   // one all-reduce at a time
     for (int i = 0; st == TSYS_OK && i < ddp->nb; i++) {
         if (ddp->b[i].launched) continue;
-        st = tsys__ddp_launch(ddp, i);
-        if (st == TSYS_OK && blocking) st = tsys__ddp_wait(ddp, i);
+        st = tsys_dist__ddp_launch(ddp, i);
+        if (st == TSYS_OK && blocking) st = tsys_dist__ddp_wait(ddp, i);
     }
     for (int k = 0; k < ddp->nlaunched; k++) {   // in launch order; after an error, still drain
-        tsys_status s = tsys__ddp_wait(ddp, ddp->order[k]);
+        tsys_status s = tsys_dist__ddp_wait(ddp, ddp->order[k]);
         if (st == TSYS_OK) st = s;
     }
     ddp->t_done_us = tsys_time_us();
@@ -3657,7 +3657,7 @@ TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp) {
         ddp->stats.exposed_ms = (ddp->t_done_us - start) * 1e-3;
     } else ddp->stats.comm_ms = ddp->stats.exposed_ms = 0;
     ddp->stats_launched = ddp->nlaunched;   // CUDA times are read from this step's events by stats_get
-    tsys__ddp_reset(ddp);
+    tsys_dist__ddp_reset(ddp);
     return st;
 }
 
@@ -3669,7 +3669,7 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp) {
     if (ddp->gpu_timing && ddp->stats_launched > 0) {   // side-stream busy time and what ran past backward
         double comm = 0, exposed = 0;
         for (int i = 0; i < ddp->nb; i++) {
-            const tsys__ddp_bucket *b = &ddp->b[i];
+            const tsys_dist__ddp_bucket *b = &ddp->b[i];
             if (!b->ev_start.handle || !b->ev_end.handle) continue;
             double ms = tsys_event_elapsed_ms(ddp->ctx, &b->ev_start, &b->ev_end);
             if (ms == ms) comm += ms;
@@ -3692,7 +3692,7 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp) {
 // through NCCL every owner sends at once. (A flat all-gather would need equal-sized shards: either
 // parameters split across ranks or padded copies; grouped broadcasts of runs send the same bytes.)
 
-#define TSYS__ZERO1_CHUNKS 4   // on 2 x H200 (xl): the optimizer phase 18.4 ms in one chunk, AdamW alone 14.0
+#define TSYS_DIST__ZERO1_CHUNKS 4   // on 2 x H200 (xl): the optimizer phase 18.4 ms in one chunk, AdamW alone 14.0
 struct tsys_zero1 {
     tsys_dist *d;
     tsys_ctx *ctx;
@@ -3702,19 +3702,19 @@ struct tsys_zero1 {
     int ntp;
     int *owner;                  // per trainable parameter
     int *chunk;                  // per trainable parameter: its chunk of its owner's run
-    tsys_optim *opt[TSYS__ZERO1_CHUNKS];   // AdamW over this rank's parameters of each chunk (NULL: none)
+    tsys_optim *opt[TSYS_DIST__ZERO1_CHUNKS];   // AdamW over this rank's parameters of each chunk (NULL: none)
     int64_t state_bytes;
-    bool layout_agreed;          // every rank has the same owners (tsys__dist_agree_layout)
+    bool layout_agreed;          // every rank has the same owners (tsys_dist__agree_layout)
     tsys_dist_work **works;      // a step's broadcasts in flight (at most one per trainable parameter)
 };
 
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z) {
     if (!z) return;
-    for (int c = 0; c < TSYS__ZERO1_CHUNKS; c++) tsys_optim_free(z->opt[c]);
+    for (int c = 0; c < TSYS_DIST__ZERO1_CHUNKS; c++) tsys_optim_free(z->opt[c]);
     for (int i = 0; i < z->n; i++) tsys_tensor_release(z->params[i]);
-    TSYS__DIST_RELEASE(z->params); TSYS__DIST_RELEASE(z->tp); TSYS__DIST_RELEASE(z->owner); TSYS__DIST_RELEASE(z->chunk);
-    TSYS__DIST_RELEASE(z->works);
-    TSYS__DIST_RELEASE(z);
+    TSYS_DIST__RELEASE(z->params); TSYS_DIST__RELEASE(z->tp); TSYS_DIST__RELEASE(z->owner); TSYS_DIST__RELEASE(z->chunk);
+    TSYS_DIST__RELEASE(z->works);
+    TSYS_DIST__RELEASE(z);
 }
 
 TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_optim_desc *desc) {
@@ -3724,17 +3724,17 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     if (n < 0 || (n > 0 && !params)) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
     for (int i = 0; i < n; i++)
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: parameter %d is NULL", i); return NULL; }
-    tsys_zero1 *z = (tsys_zero1 *)TSYS__DIST_ALLOC(sizeof(tsys_zero1));
+    tsys_zero1 *z = (tsys_zero1 *)TSYS_DIST__ALLOC(sizeof(tsys_zero1));
     if (!z) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory"); return NULL; }
     memset(z, 0, sizeof(*z));
     z->d = d; z->ctx = ctx;
     size_t cnt = (size_t)(n ? n : 1);
     int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
-    z->params = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    z->tp = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    z->owner = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    z->chunk = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    z->works = (tsys_dist_work **)TSYS__DIST_ALLOC(sizeof(tsys_dist_work *) * cnt);
+    z->params = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    z->tp = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    z->owner = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
+    z->chunk = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
+    z->works = (tsys_dist_work **)TSYS_DIST__ALLOC(sizeof(tsys_dist_work *) * cnt);
     if (!z->params || !z->tp || !z->owner || !z->chunk || !z->works) {
         tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory");
         tsys_zero1_free(z);
@@ -3768,24 +3768,24 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
         while (j < z->ntp && z->owner[j] == z->owner[i]) run += (double)tsys_tensor_bytes(z->tp[j++]);
         for (int k = i; k < j; k++) {
             double sz = (double)tsys_tensor_bytes(z->tp[k]);
-            int c = run > 0 ? (int)((at + 0.5 * sz) * TSYS__ZERO1_CHUNKS / run) : 0;
-            z->chunk[k] = c < TSYS__ZERO1_CHUNKS ? c : TSYS__ZERO1_CHUNKS - 1;
+            int c = run > 0 ? (int)((at + 0.5 * sz) * TSYS_DIST__ZERO1_CHUNKS / run) : 0;
+            z->chunk[k] = c < TSYS_DIST__ZERO1_CHUNKS ? c : TSYS_DIST__ZERO1_CHUNKS - 1;
             at += sz;
         }
         i = j;
     }
     uint64_t h = 0xcbf29ce484222325ull;
-    for (int i = 0; i < z->ntp; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, tsys_tensor_numel(z->tp[i])), z->tp[i]->dtype), z->owner[i]);
-    z->layout_agreed = tsys__dist_agree_layout(d, h, "zero1") == TSYS_OK;
-    tsys_tensor **sel = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);   // one chunk's, in order
+    for (int i = 0; i < z->ntp; i++) h = tsys_dist__hash(tsys_dist__hash(tsys_dist__hash(h, tsys_tensor_numel(z->tp[i])), z->tp[i]->dtype), z->owner[i]);
+    z->layout_agreed = tsys_dist__agree_layout(d, h, "zero1") == TSYS_OK;
+    tsys_tensor **sel = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);   // one chunk's, in order
     if (!sel) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory");
-    for (int c = 0; sel && c < TSYS__ZERO1_CHUNKS && tsys_ctx_status(ctx) == TSYS_OK; c++) {
+    for (int c = 0; sel && c < TSYS_DIST__ZERO1_CHUNKS && tsys_ctx_status(ctx) == TSYS_OK; c++) {
         int m = 0;
         for (int i = 0; i < z->ntp; i++)
             if (z->owner[i] == rank && z->chunk[i] == c) sel[m++] = z->tp[i];
         if (m > 0) z->opt[c] = tsys_adamw_new(ctx, sel, m, desc);
     }
-    TSYS__DIST_RELEASE(sel);
+    TSYS_DIST__RELEASE(sel);
     if (tsys_ctx_status(ctx) != TSYS_OK) { tsys_zero1_free(z); return NULL; }
     return z;
 }
@@ -3797,18 +3797,18 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
     // chunk by chunk: this rank's update of the chunk, then each run of back-to-back parameters of the
     // chunk with one owner broadcast from it, all in one group (through NCCL the owners send at the same
     // time, as an all-gather would; on the side stream, after the update, while the next chunk's runs)
-    bool trusting = tsys__dist_trust(z->d, z->layout_agreed);
+    bool trusting = tsys_dist__trust(z->d, z->layout_agreed);
     tsys_status st = TSYS_OK;
     int nw = 0;
-    for (int c = 0; st == TSYS_OK && c < TSYS__ZERO1_CHUNKS; c++) {
+    for (int c = 0; st == TSYS_OK && c < TSYS_DIST__ZERO1_CHUNKS; c++) {
         if (z->opt[c]) st = tsys_optim_step(z->opt[c]);
         if (st == TSYS_OK) st = tsys_dist_group_begin(z->d);
         bool open = st == TSYS_OK;
         for (int i = 0; st == TSYS_OK && i < z->ntp;) {
             if (z->chunk[i] != c) { i++; continue; }
             int j = i + 1;
-            while (j < z->ntp && z->owner[j] == z->owner[i] && z->chunk[j] == c && tsys__dist_contiguous(z->tp + i, j - i + 1, false)) j++;
-            tsys_tensor *v = tsys__dist_run_view(ctx, z->tp + i, j - i, false);
+            while (j < z->ntp && z->owner[j] == z->owner[i] && z->chunk[j] == c && tsys_dist__contiguous(z->tp + i, j - i + 1, false)) j++;
+            tsys_tensor *v = tsys_dist__run_view(ctx, z->tp + i, j - i, false);
             z->works[nw] = v ? tsys_dist_broadcast_async(z->d, v, z->owner[i]) : NULL;   // the parameters outlive the wait
             tsys_tensor_release(v);
             if (!z->works[nw]) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
@@ -3818,7 +3818,7 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
         if (open) { tsys_status e = tsys_dist_group_end(z->d); if (st == TSYS_OK) st = e; }
     }
     for (int k = 0; k < nw; k++) { tsys_status e = tsys_dist_wait(z->works[k]); if (st == TSYS_OK) st = e; }
-    tsys__dist_untrust(z->d, trusting);
+    tsys_dist__untrust(z->d, trusting);
     return st;
 }
 
@@ -3849,7 +3849,7 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 // far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
 // makes the compute stream wait for the gather (no host sync).
 
-typedef struct tsys_fsdp__unit {
+typedef struct tsys_dist__fsdp_unit {
     char name[TSYS_NAME_LEN];
     tsys_tensor **p;             // its parameters (retained), forward order
     int np;
@@ -3864,7 +3864,7 @@ typedef struct tsys_fsdp__unit {
     bool gathered;
     int ready;                   // gradients final in this backward
     int seen_fwd, seen_bwd;      // its ops met in this forward / backward
-} tsys_fsdp__unit;
+} tsys_dist__fsdp_unit;
 
 struct tsys_fsdp {
     tsys_dist *d;
@@ -3874,7 +3874,7 @@ struct tsys_fsdp {
     bool reshard;                // free a unit after its forward, gather it again for its backward
     bool direct;                 // a group of one without the collectives (desc.no_shortcut off)
     bool alias;                  // direct in fp32: `full` is a view of the master itself (nothing to gather)
-    tsys_fsdp__unit *u;
+    tsys_dist__fsdp_unit *u;
     int nu;
     tsys_tensor **rep;           // replicated trainable parameters (retained)
     int nrep;
@@ -3896,41 +3896,41 @@ struct tsys_fsdp {
     tsys_status err;
 };
 
-static size_t tsys_fsdp__es(const tsys_fsdp *f) { return tsys_dtype_size(f->cdt); }
+static size_t tsys_dist__fsdp_es(const tsys_fsdp *f) { return tsys_dtype_size(f->cdt); }
 
 // Errors inside hooks cannot be returned: the first one is kept (and set in the context, which
 // stops later kernels) and tsys_fsdp_finish returns it.
-static tsys_status tsys_fsdp__note(tsys_fsdp *f, tsys_status st) {
+static tsys_status tsys_dist__fsdp_note(tsys_fsdp *f, tsys_status st) {
     if (st != TSYS_OK && f->err == TSYS_OK) f->err = st;
     return st;
 }
 
 // A group of one: the shard is the whole unit (no padding), the all-gather of its cast a copy, so the
 // cast writes the weights themselves; done at once, on the compute stream.
-static tsys_status tsys_fsdp__gather_direct(tsys_fsdp *f, tsys_fsdp__unit *U) {
+static tsys_status tsys_dist__fsdp_gather_direct(tsys_fsdp *f, tsys_dist__fsdp_unit *U) {
     TSYS_ASSERT(f->direct && U->shard == U->numel);
     tsys_status st = tsys_tensor_cast_from(f->ctx, U->full, U->master);
     U->gathered = st == TSYS_OK;
     return st;
 }
 
-static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_gather_issue(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     if (U->gathered || U->ag) return TSYS_OK;
     tsys_ctx *ctx = f->ctx;
     int world = tsys_dist_size(f->d);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp gathered weights"));
-    tsys_status st = f->alias ? TSYS_OK : tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+    tsys_status st = f->alias ? TSYS_OK : tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_dist__fsdp_es(f));
     tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
     if (st == TSYS_OK && f->alias) U->gathered = true;   // the weights are the master's memory
-    else if (st == TSYS_OK && f->direct) st = tsys_fsdp__gather_direct(f, U);
+    else if (st == TSYS_OK && f->direct) st = tsys_dist__fsdp_gather_direct(f, U);
     else if (st == TSYS_OK) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
         tsys_no_grad_end(ctx);
-        bool trusting = tsys__dist_trust(f->d, f->agreed);   // every rank agreed on the units at construction
+        bool trusting = tsys_dist__trust(f->d, f->agreed);   // every rank agreed on the units at construction
         U->ag = U->src ? tsys_dist_all_gather_async(f->d, U->full, U->src) : NULL;
-        tsys__dist_untrust(f->d, trusting);
+        tsys_dist__untrust(f->d, trusting);
         if (!U->ag) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO;
     }
     tsys_mem_set_tag(ctx, tag);
@@ -3942,13 +3942,13 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
         tsys_tensor_release(U->src); U->src = NULL;
         if (!f->alias) tsys_storage_resize(ctx, U->full, 0);
     }
-    return tsys_fsdp__note(f, st);
+    return tsys_dist__fsdp_note(f, st);
 }
 
-static tsys_status tsys_fsdp__gather_wait(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_gather_wait(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     if (U->gathered) return TSYS_OK;
-    tsys_status st = tsys_fsdp__gather_issue(f, i);
+    tsys_status st = tsys_dist__fsdp_gather_issue(f, i);
     if (st != TSYS_OK || U->gathered) return st;   // gathered already: a group of one's direct cast
     double t0 = tsys_time_us();
     st = tsys_dist_wait(U->ag);
@@ -3956,12 +3956,12 @@ static tsys_status tsys_fsdp__gather_wait(tsys_fsdp *f, int i) {
     U->ag = NULL;
     tsys_tensor_release(U->src); U->src = NULL;
     U->gathered = st == TSYS_OK;
-    return tsys_fsdp__note(f, st);
+    return tsys_dist__fsdp_note(f, st);
 }
 
-static void tsys_fsdp__release(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
-    if (U->ag) { tsys_fsdp__note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
+static void tsys_dist__fsdp_release(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
+    if (U->ag) { tsys_dist__fsdp_note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
     if (!U->gathered) return;
     if (!f->alias) tsys_storage_resize(f->ctx, U->full, 0);   // an alias's memory is the master's
     U->gathered = false;
@@ -3969,28 +3969,28 @@ static void tsys_fsdp__release(tsys_fsdp *f, int i) {
 }
 
 // Unit i's gradients are in its shard gradient: the parameters' gradient windows and gfull go.
-static void tsys_fsdp__grads_end(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static void tsys_dist__fsdp_grads_end(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
     tsys_storage_resize(f->ctx, U->gfull, 0);
 }
 
 // A group of one: the reduce-scatter (AVG over 1) would be a copy of gfull, added to the fp32 shard
 // gradient after a cast to fp32 (stored when it counts as zero); one kernel does the same sum.
-static tsys_status tsys_fsdp__reduce_direct(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_reduce_direct(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     TSYS_ASSERT(f->direct && U->shard == U->numel && !U->rs);
     tsys_tensor *g = U->master->grad;
     tsys_status st = U->master->grad_zero ? tsys_tensor_cast_from(f->ctx, g, U->gfull) : tsys_tensor_accumulate(f->ctx, g, U->gfull);
     if (st == TSYS_OK) U->master->grad_zero = false;
-    tsys_fsdp__grads_end(f, i);
-    return tsys_fsdp__note(f, st);
+    tsys_dist__fsdp_grads_end(f, i);
+    return tsys_dist__fsdp_note(f, st);
 }
 
 // The reduce-scatter of unit i is done: its fp32 shard gradient += the result (or = when it counts as
 // zero), the full gradients are freed.
-static tsys_status tsys_fsdp__rs_complete(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_rs_complete(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     if (!U->rs) return TSYS_OK;
     tsys_ctx *ctx = f->ctx;
     double t0 = tsys_time_us();
@@ -4009,22 +4009,22 @@ static tsys_status tsys_fsdp__rs_complete(tsys_fsdp *f, int i) {
     if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
     if (U->rs_out != g) tsys_tensor_release(U->rs_out);
     U->rs_out = NULL;
-    tsys_fsdp__grads_end(f, i);
-    return tsys_fsdp__note(f, st);
+    tsys_dist__fsdp_grads_end(f, i);
+    return tsys_dist__fsdp_note(f, st);
 }
 
 // Unit i enters its backward: full gradients as windows of gfull, marked zero (the first write stores).
-static tsys_status tsys_fsdp__grads_begin(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_grads_begin(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     tsys_ctx *ctx = f->ctx;
-    if (U->rs) tsys_fsdp__rs_complete(f, i);   // a second backward before finish
+    if (U->rs) tsys_dist__fsdp_rs_complete(f, i);   // a second backward before finish
     if (U->p[0]->grad) return TSYS_OK;
     int world = tsys_dist_size(f->d);
-    size_t es = tsys_fsdp__es(f);
+    size_t es = tsys_dist__fsdp_es(f);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp full grads"));
     tsys_status st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * es);
     tsys_mem_set_tag(ctx, tag);
-    if (st != TSYS_OK) return tsys_fsdp__note(f, st);
+    if (st != TSYS_OK) return tsys_dist__fsdp_note(f, st);
     // the padding past U is reduced too: it must hold zeros
     if (world * U->shard > U->numel) {
         int64_t pad = world * U->shard - U->numel;
@@ -4040,62 +4040,62 @@ static tsys_status tsys_fsdp__grads_begin(tsys_fsdp *f, int i) {
         p->grad_zero = true;
     }
     U->ready = 0;
-    return tsys_fsdp__note(f, st);
+    return tsys_dist__fsdp_note(f, st);
 }
 
-static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w);
+static int tsys_dist__fsdp_unit_of(tsys_fsdp *f, const tsys_tensor *w);
 
-static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
+static void tsys_dist__fsdp_grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
-    int i = tsys_fsdp__unit_of(f, p);
-    tsys_fsdp__unit *U = i >= 0 ? &f->u[i] : NULL;
+    int i = tsys_dist__fsdp_unit_of(f, p);
+    tsys_dist__fsdp_unit *U = i >= 0 ? &f->u[i] : NULL;
     if (!U || ++U->ready < U->np) return;
     if (f->direct) {
         f->cur.reduce_scatters++;
         f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
-        tsys_fsdp__reduce_direct(f, i);
+        tsys_dist__fsdp_reduce_direct(f, i);
         return;
     }
     // one reduce-scatter in flight: the previous unit's completes first (bounds the full gradients alive)
-    if (f->rs_pending >= 0 && f->rs_pending != i) tsys_fsdp__rs_complete(f, f->rs_pending);
+    if (f->rs_pending >= 0 && f->rs_pending != i) tsys_dist__fsdp_rs_complete(f, f->rs_pending);
     f->rs_pending = -1;
     tsys_tensor *g = U->master->grad;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
     // fp32 into a gradient that counts as zero: straight into it; else a buffer, added when done
     U->rs_out = f->cdt == TSYS_F32 && U->master->grad_zero ? g : tsys_tensor_new(ctx, f->cdt, g->device, 1, &U->shard);
     tsys_mem_set_tag(ctx, tag);
-    bool trusting = tsys__dist_trust(f->d, f->agreed);
+    bool trusting = tsys_dist__trust(f->d, f->agreed);
     U->rs = U->rs_out ? tsys_dist_reduce_scatter_async(f->d, U->rs_out, U->gfull, TSYS_DIST_AVG) : NULL;
-    tsys__dist_untrust(f->d, trusting);
-    if (!U->rs) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
+    tsys_dist__untrust(f->d, trusting);
+    if (!U->rs) { tsys_dist__fsdp_note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->cur.reduce_scatters++;
     f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
     f->rs_pending = i;
 }
 
-static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
+static void tsys_dist__fsdp_rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (!p->grad) return;
     if (f->direct) { f->cur.all_reduces++; return; }   // the average over one rank: the gradient itself
     if (f->nrep_work >= f->nrep) {   // a second backward before finish: the first one's are done first
-        for (int i = 0; i < f->nrep_work; i++) tsys_fsdp__note(f, tsys_dist_wait(f->rep_work[i]));
+        for (int i = 0; i < f->nrep_work; i++) tsys_dist__fsdp_note(f, tsys_dist_wait(f->rep_work[i]));
         f->nrep_work = 0;
     }
-    bool trusting = tsys__dist_trust(f->d, f->agreed);
+    bool trusting = tsys_dist__trust(f->d, f->agreed);
     tsys_dist_work *w = tsys_dist_all_reduce_async(f->d, p->grad, TSYS_DIST_AVG);
-    tsys__dist_untrust(f->d, trusting);
-    if (!w) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
+    tsys_dist__untrust(f->d, trusting);
+    if (!w) { tsys_dist__fsdp_note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->rep_work[f->nrep_work++] = w;
     f->cur.all_reduces++;
 }
 
-static bool tsys_fsdp__counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
+static bool tsys_dist__fsdp_counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
 
 // The unit of a parameter (the weight the running linear/embedding uses, tsys_trace_weight, or one
 // whose gradient is ready); -1: not ours. Every op asks (forward and backward, begin and end), and
 // the model goes through its units in order, forward then back: the search starts at the unit found
 // last and widens on both sides (a few compares a call instead of a scan over all the parameters).
-static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w) {
+static int tsys_dist__fsdp_unit_of(tsys_fsdp *f, const tsys_tensor *w) {
     if (!w) return -1;
     for (int dist = 0; dist < f->nu; dist++)
         for (int side = 0; side < (dist ? 2 : 1); side++) {
@@ -4107,68 +4107,68 @@ static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w) {
     return -1;
 }
 
-static void tsys_fsdp__op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+static void tsys_dist__fsdp_op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (f->prev.op_begin) f->prev.op_begin(ctx, name, kind, f->prev.user);
     if (kind == TSYS_TRACE_REGION && !strcmp(name, "checkpoint recompute")) f->recompute++;
-    if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_fsdp__counted(name)) return;
-    int i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_dist__fsdp_counted(name)) return;
+    int i = tsys_dist__fsdp_unit_of(f, tsys_trace_weight(ctx));
     if (i < 0) return;
-    tsys_fsdp__unit *U = &f->u[i];
+    tsys_dist__fsdp_unit *U = &f->u[i];
     f->in_hook++;
     if (kind == TSYS_TRACE_FORWARD && f->recompute) {
         // a checkpointed region runs its forward again inside backward: the unit is gathered again
         // (its forward freed it) and stays so until its own backward ops are done
-        tsys_fsdp__gather_wait(f, i);
+        tsys_dist__fsdp_gather_wait(f, i);
     } else if (kind == TSYS_TRACE_FORWARD) {
         if (U->seen_fwd >= U->np) {   // a unit used again: a new forward (what the last one left goes)
             for (int j = 0; j < f->nu; j++) {
                 f->u[j].seen_fwd = f->u[j].seen_bwd = 0;
-                if (j != i) tsys_fsdp__release(f, j);
+                if (j != i) tsys_dist__fsdp_release(f, j);
             }
         }
         if (!strcmp(name, "linear")) U->has_linear = true;   // its backward will read the weights
         if (U->seen_fwd == 0) {
-            tsys_fsdp__gather_wait(f, i);
-            if (f->prefetch && i + 1 < f->nu) tsys_fsdp__gather_issue(f, i + 1);
+            tsys_dist__fsdp_gather_wait(f, i);
+            if (f->prefetch && i + 1 < f->nu) tsys_dist__fsdp_gather_issue(f, i + 1);
         }
     } else if (U->seen_bwd == 0) {
-        if (U->has_linear) tsys_fsdp__gather_wait(f, i);
-        tsys_fsdp__grads_begin(f, i);
-        if (f->prefetch && i > 0 && f->u[i - 1].has_linear && f->u[i - 1].seen_bwd == 0) tsys_fsdp__gather_issue(f, i - 1);
+        if (U->has_linear) tsys_dist__fsdp_gather_wait(f, i);
+        tsys_dist__fsdp_grads_begin(f, i);
+        if (f->prefetch && i > 0 && f->u[i - 1].has_linear && f->u[i - 1].seen_bwd == 0) tsys_dist__fsdp_gather_issue(f, i - 1);
     }
     f->in_hook--;
 }
 
-static void tsys_fsdp__op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+static void tsys_dist__fsdp_op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     int i = -1;
     if (kind == TSYS_TRACE_REGION && !strcmp(name, "checkpoint recompute") && f->recompute > 0) f->recompute--;
     bool counted = (kind == TSYS_TRACE_FORWARD && !f->recompute) || kind == TSYS_TRACE_BACKWARD;
-    if (!f->in_hook && counted && tsys_fsdp__counted(name)) i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (!f->in_hook && counted && tsys_dist__fsdp_counted(name)) i = tsys_dist__fsdp_unit_of(f, tsys_trace_weight(ctx));
     if (i >= 0) {
-        tsys_fsdp__unit *U = &f->u[i];
+        tsys_dist__fsdp_unit *U = &f->u[i];
         f->in_hook++;
         if (kind == TSYS_TRACE_FORWARD) {
             // the last unit serves backward next; without resharding every unit whose backward reads
             // its weights stays gathered for it (has_linear is known by its last forward op)
-            if (++U->seen_fwd == U->np && i != f->nu - 1 && (f->reshard || !U->has_linear)) tsys_fsdp__release(f, i);
-        } else if (++U->seen_bwd == U->np) tsys_fsdp__release(f, i);
+            if (++U->seen_fwd == U->np && i != f->nu - 1 && (f->reshard || !U->has_linear)) tsys_dist__fsdp_release(f, i);
+        } else if (++U->seen_bwd == U->np) tsys_dist__fsdp_release(f, i);
         f->in_hook--;
     }
     if (f->prev.op_end) f->prev.op_end(ctx, name, kind, f->prev.user);
 }
 // the other members pass through to the hooks that were there
-static void tsys_fsdp__kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel) f->prev.kernel(ctx, k, f->prev.user); }
-static void tsys_fsdp__kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel_begin) f->prev.kernel_begin(ctx, k, f->prev.user); }
-static void tsys_fsdp__mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.mem) f->prev.mem(ctx, e, f->prev.user); }
+static void tsys_dist__fsdp_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel) f->prev.kernel(ctx, k, f->prev.user); }
+static void tsys_dist__fsdp_kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel_begin) f->prev.kernel_begin(ctx, k, f->prev.user); }
+static void tsys_dist__fsdp_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.mem) f->prev.mem(ctx, e, f->prev.user); }
 
 TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
     if (!f) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = TSYS_OK;
     for (int i = 0; i < f->nu; i++) {
-        if (f->u[i].rs) { tsys_status s2 = tsys_fsdp__rs_complete(f, i); if (st == TSYS_OK) st = s2; }
-        tsys_fsdp__release(f, i);
+        if (f->u[i].rs) { tsys_status s2 = tsys_dist__fsdp_rs_complete(f, i); if (st == TSYS_OK) st = s2; }
+        tsys_dist__fsdp_release(f, i);
         for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k]->grad) { tsys_tensor_release(f->u[i].p[k]->grad); f->u[i].p[k]->grad = NULL; }
         tsys_storage_resize(f->ctx, f->u[i].gfull, 0);
     }
@@ -4196,38 +4196,38 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
         tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, NULL);
         if (now.user == f) tsys_ctx_set_trace_hooks(ctx, &f->prev); else tsys_ctx_set_trace_hooks(ctx, &now);
         tsys_fsdp_finish(f);
-        for (int i = 0; i < f->nrep; i++) tsys_tensor_remove_grad_hook(f->rep[i], tsys_fsdp__rep_ready, f);
+        for (int i = 0; i < f->nrep; i++) tsys_tensor_remove_grad_hook(f->rep[i], tsys_dist__fsdp_rep_ready, f);
         f->cdt = TSYS_F32;
         for (int i = 0; i < f->nu; i++) {
-            tsys_fsdp__unit *U = &f->u[i];
-            for (int k = 0; k < U->np; k++) tsys_tensor_remove_grad_hook(U->p[k], tsys_fsdp__grad_ready, f);
+            tsys_dist__fsdp_unit *U = &f->u[i];
+            for (int k = 0; k < U->np; k++) tsys_tensor_remove_grad_hook(U->p[k], tsys_dist__fsdp_grad_ready, f);
             if (!U->full) continue;
             U->full->dtype = TSYS_F32;
-            tsys_fsdp__gather_wait(f, i);
+            tsys_dist__fsdp_gather_wait(f, i);
             tsys_tensor *whole = U->gathered ? tsys_tensor_clone(ctx, U->full) : NULL;   // own storage, exactly the unit's size
             for (int k = 0; k < U->np; k++) {
                 U->p[k]->dtype = TSYS_F32;
                 if (whole) tsys_tensor_rebind(ctx, U->p[k], whole, (size_t)U->off[k] * 4);
             }
             tsys_tensor_release(whole);
-            tsys_fsdp__release(f, i);
+            tsys_dist__fsdp_release(f, i);
         }
     }
     for (int i = 0; f->u && i < f->nu; i++) {
-        tsys_fsdp__unit *U = &f->u[i];
+        tsys_dist__fsdp_unit *U = &f->u[i];
         for (int k = 0; k < U->np; k++) tsys_tensor_release(U->p[k]);
         tsys_tensor_release(U->full); tsys_tensor_release(U->gfull); tsys_tensor_release(U->master);
-        TSYS__DIST_RELEASE(U->p); TSYS__DIST_RELEASE(U->off);
+        TSYS_DIST__RELEASE(U->p); TSYS_DIST__RELEASE(U->off);
     }
     for (int i = 0; i < f->nrep; i++) tsys_tensor_release(f->rep[i]);
     for (int i = 0; i < f->nfrozen; i++) tsys_tensor_release(f->frozen[i]);
-    TSYS__DIST_RELEASE(f->u); TSYS__DIST_RELEASE(f->rep); TSYS__DIST_RELEASE(f->frozen); TSYS__DIST_RELEASE(f->local);
-    TSYS__DIST_RELEASE(f->rep_work);
-    TSYS__DIST_RELEASE(f);
+    TSYS_DIST__RELEASE(f->u); TSYS_DIST__RELEASE(f->rep); TSYS_DIST__RELEASE(f->frozen); TSYS_DIST__RELEASE(f->local);
+    TSYS_DIST__RELEASE(f->rep_work);
+    TSYS_DIST__RELEASE(f);
 }
 
 // "layers.3.attn.q_proj.weight" -> "layers.3." (the unit key); other names are a unit of their own.
-static size_t tsys_fsdp__unit_key(const char *name) {
+static size_t tsys_dist__fsdp_unit_key(const char *name) {
     if (strncmp(name, "layers.", 7) != 0) return 0;
     const char *q = name + 7;
     while (*q >= '0' && *q <= '9') q++;
@@ -4260,11 +4260,11 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     }
     tsys_trace_hooks there = tsys_ctx_set_trace_hooks(ctx, NULL);
     tsys_ctx_set_trace_hooks(ctx, &there);
-    if (there.op_begin == tsys_fsdp__op_begin) {
+    if (there.op_begin == tsys_dist__fsdp_op_begin) {
         tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: the context already has an FSDP wrapper (one per context)");
         return NULL;
     }
-    tsys_fsdp *f = (tsys_fsdp *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp));
+    tsys_fsdp *f = (tsys_fsdp *)TSYS_DIST__ALLOC(sizeof(tsys_fsdp));
     if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
     memset(f, 0, sizeof(*f));
     f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
@@ -4272,37 +4272,37 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     f->alias = f->direct && f->cdt == TSYS_F32;
     f->reshard = dd.reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd.reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
     size_t cnt = (size_t)n;
-    f->u = (tsys_fsdp__unit *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp__unit) * cnt);
-    f->rep = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    f->frozen = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    f->local = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    f->rep_work = (tsys_dist_work **)TSYS__DIST_ALLOC(sizeof(tsys_dist_work *) * cnt);
+    f->u = (tsys_dist__fsdp_unit *)TSYS_DIST__ALLOC(sizeof(tsys_dist__fsdp_unit) * cnt);
+    f->rep = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->frozen = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->local = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->rep_work = (tsys_dist_work **)TSYS_DIST__ALLOC(sizeof(tsys_dist_work *) * cnt);
     bool ok = f->u && f->rep && f->frozen && f->local && f->rep_work;
-    if (ok) memset(f->u, 0, sizeof(tsys_fsdp__unit) * cnt);
+    if (ok) memset(f->u, 0, sizeof(tsys_dist__fsdp_unit) * cnt);
     // rank 0's weights everywhere, trainable or not (as DDP)
-    tsys_status st = ok ? tsys__dist_broadcast_list(d, params, n, 0) : TSYS_ERR_OOM;
+    tsys_status st = ok ? tsys_dist__broadcast_list(d, params, n, 0) : TSYS_ERR_OOM;
     // units: 2-D trainable parameters grouped by "layers.N.", in order of first appearance
     for (int i = 0; st == TSYS_OK && i < n; i++) {
         tsys_tensor *p = params[i];
         if (!p->requires_grad) { f->frozen[f->nfrozen++] = tsys_tensor_retain(p); continue; }
         if (p->ndim != 2) { f->rep[f->nrep++] = tsys_tensor_retain(p); continue; }
-        size_t key = tsys_fsdp__unit_key(p->name);
+        size_t key = tsys_dist__fsdp_unit_key(p->name);
         int ui = -1;
         for (int j = 0; key && j < f->nu && ui < 0; j++)
-            if (f->u[j].np && !strncmp(f->u[j].p[0]->name, p->name, key) && tsys_fsdp__unit_key(f->u[j].p[0]->name) == key) ui = j;
+            if (f->u[j].np && !strncmp(f->u[j].p[0]->name, p->name, key) && tsys_dist__fsdp_unit_key(f->u[j].p[0]->name) == key) ui = j;
         if (ui >= 0 && ui != f->nu - 1) {
             st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' comes after another unit began; a block's parameters must be consecutive (units follow the forward order)", p->name);
             break;
         }
         if (ui < 0) {
             ui = f->nu++;
-            f->u[ui].p = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-            f->u[ui].off = (int64_t *)TSYS__DIST_ALLOC(sizeof(int64_t) * cnt);
+            f->u[ui].p = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+            f->u[ui].off = (int64_t *)TSYS_DIST__ALLOC(sizeof(int64_t) * cnt);
             if (!f->u[ui].p || !f->u[ui].off) { st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); break; }
             if (key) snprintf(f->u[ui].name, sizeof(f->u[ui].name), "%.*s", (int)(key - 1), p->name);
             else memcpy(f->u[ui].name, p->name, sizeof(f->u[ui].name));
         }
-        tsys_fsdp__unit *U = &f->u[ui];
+        tsys_dist__fsdp_unit *U = &f->u[ui];
         U->off[U->np] = U->numel;
         U->p[U->np++] = tsys_tensor_retain(p);
         U->numel += tsys_tensor_numel(p);
@@ -4311,14 +4311,14 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
     size_t es = tsys_dtype_size(f->cdt);
     // the old homes of the parameters and their gradients (the model's arenas): freed at the end
-    tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * 2 * cnt) : NULL;
+    tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * 2 * cnt) : NULL;
     int nold = 0;
     int64_t one = 1;
     if (st == TSYS_OK && !old) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
     for (int i = 0; st == TSYS_OK && i < f->nu; i++) {
-        tsys_fsdp__unit *U = &f->u[i];
+        tsys_dist__fsdp_unit *U = &f->u[i];
         U->shard = (U->numel + world - 1) / world;
         f->built = true;
         int64_t padded = world * U->shard;
@@ -4354,7 +4354,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
             if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
             p->dtype = f->cdt;
             st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
-            if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__grad_ready, f);
+            if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_dist__fsdp_grad_ready, f);
         }
         if (st == TSYS_OK && !f->alias) st = tsys_storage_resize(ctx, U->full, 0);
         if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
@@ -4372,7 +4372,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
         st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
         tsys_tensor_release(own);
-        if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__rep_ready, f);
+        if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_dist__fsdp_rep_ready, f);
         f->local[f->nlocal++] = p;
         f->stats.replicated_numel += tsys_tensor_numel(p);
         f->stats.local_numel += tsys_tensor_numel(p);
@@ -4389,13 +4389,13 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         if (old[i] && st == TSYS_OK) tsys_storage_resize(ctx, old[i], 0);
         tsys_tensor_release(old[i]);
     }
-    TSYS__DIST_RELEASE(old);
+    TSYS_DIST__RELEASE(old);
     f->stats.num_units = f->nu;
     if (st == TSYS_OK) {
         uint64_t h = 0xcbf29ce484222325ull;
-        for (int i = 0; i < f->nu; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, f->u[i].numel), f->u[i].np), f->cdt);
-        for (int i = 0; i < f->nrep; i++) h = tsys__dist_hash(h, tsys_tensor_numel(f->rep[i]));
-        st = tsys__dist_agree_layout(d, h, "fsdp");
+        for (int i = 0; i < f->nu; i++) h = tsys_dist__hash(tsys_dist__hash(tsys_dist__hash(h, f->u[i].numel), f->u[i].np), f->cdt);
+        for (int i = 0; i < f->nrep; i++) h = tsys_dist__hash(h, tsys_tensor_numel(f->rep[i]));
+        st = tsys_dist__agree_layout(d, h, "fsdp");
         f->agreed = st == TSYS_OK;
     }
     if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
@@ -4405,8 +4405,8 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     }
     tsys_trace_hooks mine;
     memset(&mine, 0, sizeof(mine));
-    mine.op_begin = tsys_fsdp__op_begin; mine.op_end = tsys_fsdp__op_end; mine.kernel = tsys_fsdp__kernel;
-    mine.kernel_begin = tsys_fsdp__kernel_begin; mine.mem = tsys_fsdp__mem; mine.user = f;
+    mine.op_begin = tsys_dist__fsdp_op_begin; mine.op_end = tsys_dist__fsdp_op_end; mine.kernel = tsys_dist__fsdp_kernel;
+    mine.kernel_begin = tsys_dist__fsdp_kernel_begin; mine.mem = tsys_dist__fsdp_mem; mine.user = f;
     f->prev = tsys_ctx_set_trace_hooks(ctx, &mine);
     return f;
 }
@@ -4434,12 +4434,12 @@ TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
         for (int j = 0; st == TSYS_OK && j < f->nu; j++) {
             int i = pass ? f->nu - 1 - j : j;
             if (pass && (i == f->nu - 1 || !f->u[i].has_linear || !f->reshard)) continue;
-            st = tsys_fsdp__gather_wait(f, i);
-            tsys_fsdp__release(f, i);
+            st = tsys_dist__fsdp_gather_wait(f, i);
+            tsys_dist__fsdp_release(f, i);
         }
     for (int i = f->nu - 1; st == TSYS_OK && i >= 0; i--) {
-        tsys_fsdp__unit *U = &f->u[i];
-        st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+        tsys_dist__fsdp_unit *U = &f->u[i];
+        st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * tsys_dist__fsdp_es(f));
         tsys_tensor *scratch = st == TSYS_OK ? tsys_tensor_new(ctx, f->cdt, dev, 1, &U->shard) : NULL;
         if (st == TSYS_OK) st = scratch ? tsys_dist_reduce_scatter(f->d, scratch, U->gfull, TSYS_DIST_AVG) : tsys_ctx_status(ctx);
         tsys_tensor_release(scratch);
@@ -4468,7 +4468,7 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
     int world = tsys_dist_size(f->d), m = 0;
     tsys_status st = TSYS_OK;
     for (int i = 0; st == TSYS_OK && i < f->nu; i++) {   // fp32: the masters themselves, not their compute-dtype copies
-        tsys_fsdp__unit *U = &f->u[i];
+        tsys_dist__fsdp_unit *U = &f->u[i];
         int64_t padded = world * U->shard;
         tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->master->device, 1, &padded);
         st = whole ? tsys_dist_all_gather(f->d, whole, U->master) : tsys_ctx_status(ctx);

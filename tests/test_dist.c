@@ -315,7 +315,7 @@ TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collecti
     }
 }
 
-// An agreed layout's collectives skip the descriptor check (tsys__dist_trust, as DDP, ZeRO-1 and FSDP
+// An agreed layout's collectives skip the descriptor check (tsys_dist__trust, as DDP, ZeRO-1 and FSDP
 // issue them); the decision travels with each queued collective. Were it read from the group when the
 // worker thread runs the collective, the ranks would post different MPI calls (check or not) as the
 // trust is released around them: wrong sums, MPI_ERR_TRUNCATE or a corrupt heap.
@@ -330,9 +330,9 @@ TSYS_TEST(async_trusted_collectives_keep_their_check) {
             for (int k = 0; k < K; k++) {
                 for (int64_t i = 0; i < n; i++) h[i] = (float)(val(TSYS_F32, g_rank, i) + k);
                 t[k] = mk(g_dev[p], TSYS_F32, n, h);
-                bool trusting = tsys__dist_trust(g_group[p], k % 2 == 0);
+                bool trusting = tsys_dist__trust(g_group[p], k % 2 == 0);
                 w[k] = t[k] ? tsys_dist_all_reduce_async(g_group[p], t[k], TSYS_DIST_SUM) : NULL;
-                tsys__dist_untrust(g_group[p], trusting);
+                tsys_dist__untrust(g_group[p], trusting);
             }
             for (int k = 0; k < K; k++) {
                 STATUS_OK(w[k] ? tsys_dist_wait(w[k]) : TSYS_ERR_INVALID_ARGS, "%s: round %d wait %d", g_name[p], round, k);
