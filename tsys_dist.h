@@ -64,22 +64,27 @@
       (rank 0 inherits the launcher's listening socket, so the port cannot be taken in between) and
       waits. A CUDA rank uses GPU = local rank mod the device count.
 
-   Options (environment, read by tsys_dist_init):
-      TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
+   Options: tsys_dist_desc fields (0 = default), each with an environment variable that overrides it
+   when set (read in one place, tsys_dist__options, by tsys_dist_init and tsys_dist_spawn_desc; a value
+   out of range is an error naming the variable or the field); tsys_dist_get_desc says what is in effect:
+      TSYS_DIST_TIMEOUT     desc.timeout_s: seconds without progress from a peer before a wait fails
+                            (default 300). The one exception to the rule: a desc.timeout_s > 0 wins
+      TSYS_DIST_SHM=0|1     desc.no_shm: no shared-memory path (host tensors through MPI or TCP)
+      TSYS_DIST_SHM_SLICE   desc.shm_slice: bytes per rank per pipeline slot of the shared segment (default
+                            8 MiB / ranks, within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
+      TSYS_DIST_BIND=0|1    desc.no_bind: tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
+                            own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
+      TSYS_DIST_NCCL_BLOCKING=0|1  desc.nccl_nonblocking: a non-blocking NCCL communicator (every NCCL call polled
+                            with the deadline; each collective ~50 us slower); default NCCL's blocking mode
+      TSYS_DIST_CHECK=0|1   desc.check: 1 (TSYS_DIST_CHECK_ALWAYS): every MPI/NCCL collective first checks that
+                            all ranks pass the same op, dtype and size; 0 (_NEVER): never; default (_AUTO): under
+                            TSYS_DEBUG, MPI at 64 KiB and up, NCCL at 64 MiB and up (a host round trip: ~4 us,
+                            13% of a 1 MB NCCL all-reduce); the shared-memory and tcp paths always check (it
+                            costs them nothing)
+   The rendezvous' own variables (environment only, see ON THE RENDEZVOUS):
       TSYS_DIST_RUN_ID      the job's identity in the TCP rendezvous (else TORCHELASTIC_RUN_ID)
       TSYS_DIST_SECRET      a shared secret every rank of the TCP rendezvous must prove it knows
       TSYS_DIST_LISTEN_ADDR where rank 0 listens (default: MASTER_ADDR's address)
-      TSYS_DIST_SHM=0       no shared-memory path (host tensors through MPI or TCP)
-      TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 8 MiB / ranks,
-                            within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
-      TSYS_DIST_BIND=0      tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
-                            own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
-      TSYS_DIST_NCCL_BLOCKING  0: a non-blocking NCCL communicator (every NCCL call polled with the
-                            deadline; each collective ~50 us slower); default 1, NCCL's blocking mode
-      TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
-                            dtype and size; 0: never; default: under TSYS_DEBUG, MPI at 64 KiB and up,
-                            NCCL at 64 MiB and up (a host round trip: ~4 us, 13% of a 1 MB NCCL
-                            all-reduce); the shared-memory and tcp paths always check (it costs them nothing)
 
    ON THE RENDEZVOUS (what rank 0's port trusts)
       - It listens where MASTER_ADDR points (loopback for tsys_dist_spawn's ranks), not on every
@@ -148,6 +153,8 @@
       - call exit(): errors come back as a status and the context's message
 
    Revision history:
+      0.3  every option is a tsys_dist_desc field (the environment over it), tsys_dist_get_desc,
+           tsys_dist_spawn_desc; one section and one function table per engine
       0.2  collectives carry their own check (the MPI path's race); MPI sums in rank order; a rendezvous
            that admits only its own job (run id, optional secret, bound to MASTER_ADDR); torchrun's agent
            store; tsys_dist_sync; tsys_dist_local_size
@@ -158,7 +165,7 @@
 #ifndef TSYS_DIST_H_INCLUDED
 #define TSYS_DIST_H_INCLUDED
 #define TSYS_DIST_VERSION_MAJOR 0
-#define TSYS_DIST_VERSION_MINOR 2
+#define TSYS_DIST_VERSION_MINOR 3
 #define TSYS_DIST_VERSION_PATCH 0
 
 #include "tsys.h"
@@ -187,13 +194,26 @@ typedef enum tsys_dist_op { TSYS_DIST_SUM, TSYS_DIST_AVG, TSYS_DIST_MAX } tsys_d
 //   cuda       this rank computes on a GPU: tsys_dist_init calls tsys_cuda_init(ctx, local rank mod
 //              the device count) unless the context already has a CUDA backend
 //   timeout_s  TSYS_DIST_TIMEOUT from the environment, else 300
+//   the tuning options below: each has an environment variable (the Options at the top of the file),
+//              which overrides the field when it is set; tsys_dist_get_desc says what is in effect
 // Collectives pick their path by the tensor's device: CUDA tensors go through NCCL when the group
 // has a communicator, else through the host engine with host staging (2 ranks may share one GPU that
 // way: engine mpi or tcp with cuda set gives no NCCL communicator).
+typedef enum tsys_dist_check {
+    TSYS_DIST_CHECK_AUTO = 0,    // debug builds: always; else MPI collectives from 64 KiB, NCCL ones from 64 MiB
+    TSYS_DIST_CHECK_ALWAYS,      // every MPI/NCCL collective first checks that all ranks pass the same op, dtype and size
+    TSYS_DIST_CHECK_NEVER        // (the shared-memory and tcp paths always check: it costs them nothing)
+} tsys_dist_check;
 typedef struct tsys_dist_desc {
     tsys_dist_engine engine;
     bool cuda;
     int timeout_s;
+    bool no_shm;                 // TSYS_DIST_SHM=0: host tensors through MPI or TCP even on one host
+    int64_t shm_slice;           // TSYS_DIST_SHM_SLICE: bytes per rank per pipeline slot of the shared segment,
+                                 // in [4096, 2^30] (0: 8 MiB / ranks within [256 KiB, 4 MiB])
+    bool no_bind;                // TSYS_DIST_BIND=0: tsys_dist_spawn_desc leaves its ranks unbound
+    bool nccl_nonblocking;       // TSYS_DIST_NCCL_BLOCKING=0: a non-blocking NCCL communicator
+    tsys_dist_check check;       // TSYS_DIST_CHECK (1: always, 0: never)
 } tsys_dist_desc;
 
 typedef struct tsys_dist tsys_dist;             // a process group
@@ -205,9 +225,16 @@ typedef struct tsys_dist_work tsys_dist_work;   // an asynchronous collective in
 // (or 0): the caller returns it. Otherwise returns false and the caller goes on as a rank.
 // A child that fails makes the launcher stop the others (after the group timeout at most).
 TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code);
+// The same with the launcher's options from a desc (timeout_s, no_bind; the environment still overrides
+// them). The ranks make their own groups: the desc does not travel to them.
+TSYSDEF bool tsys_dist_spawn_desc(int nproc, int argc, char **argv, const tsys_dist_desc *desc, int *exit_code);
 
 TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc);   // NULL + the context's error
 TSYSDEF void tsys_dist_free(tsys_dist *d);
+// The options in effect: the desc given to tsys_dist_init with the environment over it and the defaults
+// filled in (engine: tsys_dist_engine_of; shm_slice: the slot size the group uses, or would use; check:
+// ALWAYS in debug builds unless NEVER was asked for).
+TSYSDEF tsys_dist_desc tsys_dist_get_desc(const tsys_dist *d);
 TSYSDEF int tsys_dist_rank(const tsys_dist *d);
 TSYSDEF int tsys_dist_size(const tsys_dist *d);
 TSYSDEF int tsys_dist_local_rank(const tsys_dist *d);
@@ -523,7 +550,7 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 #endif
 #endif
 
-// Options: see the top of the file (TSYS_DIST_TIMEOUT, TSYS_DIST_SHM, TSYS_DIST_SHM_SLICE, TSYS_DIST_CHECK).
+// Options: see the top of the file and >>options (tsys_dist__options).
 #ifndef TSYS_DIST_TIMEOUT_DEFAULT
 #define TSYS_DIST_TIMEOUT_DEFAULT 300
 #endif
@@ -614,7 +641,8 @@ struct tsys_dist {
     int broken;                   // a peer died, stalled or an engine failed: every later call fails
     char broken_msg[384];
     bool cuda;
-    bool check_all, check_none;   // TSYS_DIST_CHECK=1 / =0: fixed at init
+    tsys_dist_desc opt;           // the options in effect (tsys_dist__options)
+    bool check_all, check_none;   // desc.check ALWAYS (or a debug build) / NEVER: fixed at init
     int trusted;                  // > 0 while an agreed layout issues its collectives (tsys_dist__trust);
                                   // only the issuing thread reads it, when it queues a collective
     char hostname[64];
@@ -697,7 +725,7 @@ static void tsys_dist__desc_of(const tsys_dist__coll *c, int64_t *desc) {
     desc[6] = desc[7] = 0;
 }
 // Whether a collective of this many bytes first checks that every rank issued the same one: always
-// under TSYS_DIST_CHECK=1 (and in debug builds), never under =0 or for an agreed layout's collectives
+// under desc.check ALWAYS (TSYS_DIST_CHECK=1, and in debug builds), never under NEVER (=0) or for an agreed layout's collectives
 // (tsys_dist__trust), else from `from` bytes. Called when the collective is queued.
 static bool tsys_dist__wants_check(const tsys_dist *d, int64_t bytes, int64_t from) {
     if (d->check_none || d->trusted > 0) return false;
@@ -739,7 +767,9 @@ static void tsys_dist__break(tsys_dist *d, const tsys_dist__err *e) {
     TSYS_DIST__STORE(&d->broken, 1);
 }
 
-// >>launch ----------------------------------------------------------------------------------------
+// >>options ---------------------------------------------------------------------------------------
+// The desc's options with the environment over them, checked: the one place that reads the option
+// variables (the launch and rendezvous variables are read where the group is formed).
 
 static const char *tsys_dist__env(const char *name) {
     const char *v = getenv(name);
@@ -756,6 +786,64 @@ static bool tsys_dist__env_long(const char *name, long lo, long hi, long *out, b
     *out = x;
     return true;
 }
+// A 0/1 variable: 1 or 0 when set, -1 when not, -2 (and the error) for any other value.
+static int tsys_dist__env_flag(const char *name, tsys_dist__err *e) {
+    long v = 0;
+    bool bad = false;
+    if (tsys_dist__env_long(name, 0, 1, &v, &bad)) return (int)v;
+    if (bad) { tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s='%s' is not 0 or 1", name, getenv(name)); return -2; }
+    return -1;
+}
+
+#define TSYS_DIST__SLICE_MIN ((int64_t)4096)
+#define TSYS_DIST__SLICE_MAX ((int64_t)1 << 30)
+
+// *out = desc (NULL: every field 0) checked, with the environment over it and the defaults that do not
+// depend on the group (timeout_s) filled in.
+static bool tsys_dist__options(const tsys_dist_desc *desc, tsys_dist_desc *out, tsys_dist__err *e) {
+    tsys_dist_desc o;
+    memset(&o, 0, sizeof o);
+    if (desc) o = *desc;
+    if ((unsigned)o.engine > (unsigned)TSYS_DIST_ENGINE_TCP) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "unknown engine %d", (int)o.engine);
+    if (o.timeout_s < 0) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "timeout_s %d is negative", o.timeout_s);
+    if (o.shm_slice != 0 && (o.shm_slice < TSYS_DIST__SLICE_MIN || o.shm_slice > TSYS_DIST__SLICE_MAX))
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "desc.shm_slice = %lld is not a byte count in [%lld, %lld] (or 0: the default)",
+                                 (long long)o.shm_slice, (long long)TSYS_DIST__SLICE_MIN, (long long)TSYS_DIST__SLICE_MAX);
+    if ((unsigned)o.check > (unsigned)TSYS_DIST_CHECK_NEVER)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "desc.check = %d is not a tsys_dist_check (0 auto, 1 always, 2 never)", (int)o.check);
+    long v = 0;
+    bool bad = false;
+    // a timeout in the desc wins (documented so since 0.1): the variable fills it in
+    if (o.timeout_s == 0 && tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &v, &bad)) o.timeout_s = (int)v;
+    if (bad) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_TIMEOUT='%s' is not a whole number of seconds >= 1", getenv("TSYS_DIST_TIMEOUT"));
+    if (o.timeout_s == 0) o.timeout_s = TSYS_DIST_TIMEOUT_DEFAULT;
+    const int shm = tsys_dist__env_flag("TSYS_DIST_SHM", e), bind = tsys_dist__env_flag("TSYS_DIST_BIND", e);
+    const int blocking = tsys_dist__env_flag("TSYS_DIST_NCCL_BLOCKING", e), check = tsys_dist__env_flag("TSYS_DIST_CHECK", e);
+    if (shm == -2 || bind == -2 || blocking == -2 || check == -2) return false;
+    if (shm >= 0) o.no_shm = shm == 0;
+    if (bind >= 0) o.no_bind = bind == 0;
+    if (blocking >= 0) o.nccl_nonblocking = blocking == 0;
+    if (check >= 0) o.check = check ? TSYS_DIST_CHECK_ALWAYS : TSYS_DIST_CHECK_NEVER;
+    if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", (long)TSYS_DIST__SLICE_MIN, (long)TSYS_DIST__SLICE_MAX, &v, &bad)) o.shm_slice = v;
+    if (bad) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_SHM_SLICE='%s' is not a byte count in [%lld, %lld]",
+                                      getenv("TSYS_DIST_SHM_SLICE"), (long long)TSYS_DIST__SLICE_MIN, (long long)TSYS_DIST__SLICE_MAX);
+    *out = o;
+    return true;
+}
+
+// The shared segment's slot size per rank for a group of n ranks: few large slices (each costs two
+// barriers, and a barrier is where a preempted peer costs time), whole pages, room for the
+// reduce-scatter's n blocks.
+static size_t tsys_dist__shm_slice_for(int n, int64_t asked) {
+    size_t slice = TSYS_DIST__SLICE_TOTAL / (size_t)n;
+    slice = slice < ((size_t)256 << 10) ? ((size_t)256 << 10) : slice > ((size_t)4 << 20) ? ((size_t)4 << 20) : slice;
+    if (asked) slice = (size_t)asked;
+    slice = (slice + 4095) / 4096 * 4096;
+    if (slice < (size_t)n * 64) slice = ((size_t)n * 64 + 4095) / 4096 * 4096;
+    return slice;
+}
+
+// >>launch ----------------------------------------------------------------------------------------
 
 // Started by mpirun/mpiexec (Open MPI, MPICH/Hydra, PMIx) or srun (a job step: SLURM_STEP_ID).
 static bool tsys_dist__launched_by_mpi(void) {
@@ -951,13 +1039,22 @@ static void tsys_dist__spawn_ident(char run_id[TSYS_DIST__RUN_ID_MAX], char secr
 // Built-in launcher: fork/exec nproc copies of this program with torchrun's variables set. Rank 0
 // inherits the listening socket (TSYS_DIST_LISTEN_FD), so the port cannot be taken in between.
 TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
+    return tsys_dist_spawn_desc(nproc, argc, argv, NULL, exit_code);
+}
+TSYSDEF bool tsys_dist_spawn_desc(int nproc, int argc, char **argv, const tsys_dist_desc *desc, int *exit_code) {
     (void)argc;
     if (exit_code) *exit_code = 0;
     if (nproc <= 1 || !argv || !argv[0] || tsys_dist__env("RANK") || tsys_dist__launched_by_mpi()) return false;
     int code = 0;
-    long tmo = TSYS_DIST_TIMEOUT_DEFAULT;
-    bool bad = false;
-    tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &tmo, &bad);
+    tsys_dist_desc opt;
+    tsys_dist__err oe;
+    memset(&oe, 0, sizeof oe);
+    if (!tsys_dist__options(desc, &opt, &oe)) {
+        fprintf(stderr, "tsys_dist_spawn: %s\n", oe.msg);
+        if (exit_code) *exit_code = 1;
+        return true;
+    }
+    const int tmo = opt.timeout_s;
     double grace_s = tmo < 5 ? (double)tmo : 5.0;   // time the others get to report the failure themselves
     int lfd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     if (lfd >= 0) setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);   // rank 0 listens there again for later groups
@@ -984,14 +1081,13 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
     pid_t me = getpid();
     // Like mpirun: each rank gets its own cores (ncpu / nproc of the launcher's), so ranks that
     // wait for each other never share a core and OpenMP sizes each rank's team to its share.
-    // More ranks than cores, or TSYS_DIST_BIND=0: no binding.
+    // More ranks than cores, or desc.no_bind (TSYS_DIST_BIND=0): no binding.
     int cpus[1024], ncpu = 0;
     bool bind = false;
 #ifdef __linux__
     {
         cpu_set_t set;
-        const char *b = tsys_dist__env("TSYS_DIST_BIND");
-        if (!(b && !strcmp(b, "0")) && sched_getaffinity(0, sizeof set, &set) == 0)
+        if (!opt.no_bind && sched_getaffinity(0, sizeof set, &set) == 0)
             for (int c = 0; c < CPU_SETSIZE && ncpu < 1024; c++) if (CPU_ISSET(c, &set)) cpus[ncpu++] = c;
         bind = ncpu >= nproc;
     }
@@ -2237,14 +2333,7 @@ static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int 
 // with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
 // goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
 static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
-    // few large slices: each costs two barriers, and a barrier is where a preempted peer costs time
-    size_t slice = TSYS_DIST__SLICE_TOTAL / (size_t)d->size;
-    slice = slice < ((size_t)256 << 10) ? ((size_t)256 << 10) : slice > ((size_t)4 << 20) ? ((size_t)4 << 20) : slice;
-    long v = 0;
-    bool bad = false;
-    if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", 4096, 1L << 30, &v, &bad)) slice = (size_t)v;
-    slice = (slice + 4095) / 4096 * 4096;
-    if (slice < (size_t)d->size * 64) slice = ((size_t)d->size * 64 + 4095) / 4096 * 4096;   // reduce-scatter puts size blocks in a slot
+    const size_t slice = tsys_dist__shm_slice_for(d->size, d->opt.shm_slice);
     size_t data_off = (TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->size + 4095) / 4096 * 4096;
     size_t bytes = data_off + 2 * (size_t)d->size * slice;
     struct { char name[96]; int32_t ok; char why[92]; } msg;
@@ -2373,8 +2462,8 @@ static void tsys_dist__warn_one_cpu(const tsys_dist *d) {
 // The communicator is blocking (NCCL's default, as torch's): a non-blocking one, whose every call is polled
 // with ncclCommGetAsyncError, made each collective ~50 us slower (2 x H200, 1 MB all-reduce: 80 us against
 // 31). Its creation, the step that waits for every peer, still cannot hang: it runs on a helper thread that
-// tsys_dist__nccl_setup waits for with the group's timeout. TSYS_DIST_NCCL_BLOCKING=0 asks for the
-// non-blocking communicator.
+// tsys_dist__nccl_setup waits for with the group's timeout. desc.nccl_nonblocking (TSYS_DIST_NCCL_BLOCKING=0)
+// asks for the non-blocking communicator.
 typedef struct tsys_dist__nccl_init {
     ncclUniqueId id;
     int size, rank, device, blocking;
@@ -2395,11 +2484,7 @@ static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
     if (!a) return tsys_dist__seterr(e, TSYS_ERR_OOM, "NCCL setup: out of host memory");
     if (d->rank == 0 && !tsys_dist__nccl_ok(d, ncclGetUniqueId(&a->id), "ncclGetUniqueId", e)) { free(a); return false; }
     if (d->size > 1 && !tsys_dist__setup_bcast(d, &a->id, (int64_t)sizeof a->id, 0, e)) { free(a); return false; }
-    long blocking = 1;
-    bool bad = false;
-    tsys_dist__env_long("TSYS_DIST_NCCL_BLOCKING", 0, 1, &blocking, &bad);
-    if (bad) { free(a); return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_NCCL_BLOCKING='%s' is not 0 or 1", getenv("TSYS_DIST_NCCL_BLOCKING")); }
-    a->size = d->size; a->rank = d->rank; a->blocking = (int)blocking;
+    a->size = d->size; a->rank = d->rank; a->blocking = d->opt.nccl_nonblocking ? 0 : 1;
     if (cudaGetDevice(&a->device) != cudaSuccess) { free(a); return tsys_dist__seterr(e, TSYS_ERR_CUDA, "NCCL setup: cudaGetDevice failed"); }
     pthread_t th;
     if (pthread_create(&th, NULL, tsys_dist__nccl_init_main, a) != 0) { free(a); return tsys_dist__seterr(e, TSYS_ERR_IO, "NCCL setup: pthread_create failed"); }
@@ -2583,9 +2668,6 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
 
 TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     if (!ctx) return NULL;
-    tsys_dist_desc dd;
-    memset(&dd, 0, sizeof dd);
-    if (desc) dd = *desc;
     tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
     if (!d) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_init: out of host memory"); return NULL; }
     d->ctx = ctx; d->size = 1; d->local_size = 1; d->spin_limit = 1024;
@@ -2594,19 +2676,13 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     memset(&e, 0, sizeof e);
     const char *what = "tsys_dist_init";
     long v = 0;
-    bool bad = false;
-    if ((unsigned)dd.engine > (unsigned)TSYS_DIST_ENGINE_TCP) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "unknown engine %d", (int)dd.engine); goto fail; }
-    if (dd.timeout_s < 0) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "timeout_s %d is negative", dd.timeout_s); goto fail; }
-    d->timeout_s = TSYS_DIST_TIMEOUT_DEFAULT;
-    if (dd.timeout_s > 0) d->timeout_s = dd.timeout_s;
-    else if (tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &v, &bad)) d->timeout_s = (double)v;
-    if (bad) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_TIMEOUT='%s' is not a whole number of seconds >= 1", getenv("TSYS_DIST_TIMEOUT")); goto fail; }
-    {
-        const char *chk = tsys_dist__env("TSYS_DIST_CHECK");
-        d->check_all = TSYS_DEBUG || (chk && !strcmp(chk, "1"));
-        d->check_none = chk && !strcmp(chk, "0");
-        if (d->check_none) d->check_all = false;
-    }
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    if (!tsys_dist__options(desc, &d->opt, &e)) goto fail;
+    dd = d->opt;
+    d->timeout_s = dd.timeout_s;
+    d->check_none = dd.check == TSYS_DIST_CHECK_NEVER;
+    d->check_all = !d->check_none && (TSYS_DEBUG || dd.check == TSYS_DIST_CHECK_ALWAYS);
     if (gethostname(d->hostname, sizeof d->hostname - 1) != 0) snprintf(d->hostname, sizeof d->hostname, "localhost");
     {
         bool by_mpi = tsys_dist__launched_by_mpi();
@@ -2702,8 +2778,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
 #endif
     }
     if (d->size > 1 && d->one_host && d->size <= 512) {
-        const char *shm = tsys_dist__env("TSYS_DIST_SHM");
-        if (shm && !strcmp(shm, "0")) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: TSYS_DIST_SHM=0");
+        if (dd.no_shm) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: TSYS_DIST_SHM=0 (desc.no_shm)");
         else if (!tsys_dist__shm_setup(d, &e)) goto fail;
     } else if (d->size > 1) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: the ranks are on %s", d->one_host ? "more than 512 ranks" : "several hosts");
 #ifdef TSYS_DIST_NCCL
@@ -2745,6 +2820,18 @@ TSYSDEF void tsys_dist_free(tsys_dist *d) {
     if (!d) return;
     tsys_dist__teardown(d, true);
     free(d);
+}
+
+TSYSDEF tsys_dist_desc tsys_dist_get_desc(const tsys_dist *d) {
+    tsys_dist_desc o;
+    memset(&o, 0, sizeof o);
+    if (!d) { o.engine = TSYS_DIST_ENGINE_SELF; return o; }
+    o = d->opt;
+    o.engine = d->engine;
+    o.cuda = d->cuda;
+    o.shm_slice = d->shm_base ? (int64_t)d->slice : (int64_t)tsys_dist__shm_slice_for(d->size, d->opt.shm_slice);
+    o.check = d->check_none ? TSYS_DIST_CHECK_NEVER : d->check_all ? TSYS_DIST_CHECK_ALWAYS : TSYS_DIST_CHECK_AUTO;
+    return o;
 }
 
 TSYSDEF int tsys_dist_rank(const tsys_dist *d) { return d ? d->rank : 0; }
