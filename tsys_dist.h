@@ -2,6 +2,31 @@
    collectives, DDP (naive, flat, overlap, bucketed), ZeRO-1, FSDP (ZeRO-3, `>>fsdp`), and
    memory/communication accounting
 
+   Where things are (search for the tag; one line per >>tag section, in file order):
+      >>public       defines: the API (tsys_dist_desc and its options, tsys_dist_init/_free/_get_desc,
+                     tsys_dist_spawn(_desc), collectives, tsys_ddp, tsys_zero1, tsys_fsdp, accounting)
+      >>config       defines: includes, tuning constants, struct tsys_dist and tsys_dist_work, the engine
+                     table tsys_dist__engine, tsys_dist__coll (one collective), errors, descriptor checks
+      >>options      defines: tsys_dist__options (desc + environment -> the options in effect), env readers,
+                     tsys_dist__shm_slice_for
+      >>launch       defines: tsys_dist_spawn(_desc) (the local launcher), the TCP rendezvous
+                     (tsys_dist__tcp_setup: hello, run id, HMAC secret, torchrun's agent store)
+      >>engines      defines: what the engines share: host reductions (tsys_dist__reduce), pid checks,
+                     setup collectives (tsys_dist__setup_bcast), the self engine (a group of one)
+      >>engine shm   defines: shared-memory collectives (tsys_dist__shm_coll), tsys_dist__shm_setup, tsys_dist__engine_shm
+      >>engine tcp   defines: collectives through rank 0's star of sockets (tsys_dist__tcp_coll), tsys_dist__engine_tcp
+      >>engine mpi   defines: MPI's non-blocking collectives (tsys_dist__mpi_coll), tsys_dist__mpi_setup, tsys_dist__engine_mpi
+      >>engine nccl  defines: NCCL collectives on the streams (tsys_dist__nccl_coll), tsys_dist__nccl_setup,
+                     tsys_dist__nccl_drain, symmetric windows, tsys_dist__engine_nccl
+      >>group        defines: engine dispatch (tsys_dist__host_exec), the worker thread, tsys_dist_init and
+                     its steps (join, engine_fits, shm_join, device_join), teardown, accessors
+      >>collectives  defines: tsys_dist_tensor_new, tsys_dist__issue (every collective's path), the
+                     public collectives, wait, groups, sync, barrier, all_reduce_host
+      >>ddp          defines: tsys_ddp (naive, flat, overlap, bucketed), agreed layouts (tsys_dist__agree_layout)
+      >>zero1        defines: tsys_zero1 (sharded AdamW)
+      >>fsdp         defines: tsys_fsdp (ZeRO-3: units, gathers, reduce-scatters through the trace hooks)
+      >>accounting   defines: tsys_dist_accounting, tsys_fsdp_accounting(_desc)
+
    Do this:
       #define TSYS_DIST_IMPLEMENTATION      (or TSYS_IMPL)
    before you include this file in *one* file, after tsys.h (and tsys_cuda.cuh for GPUs):
@@ -578,9 +603,8 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 enum { TSYS_DIST__F64 = TSYS_DTYPE_COUNT, TSYS_DIST__U8 };
 enum { TSYS_DIST__ALLREDUCE, TSYS_DIST__BCAST, TSYS_DIST__RS, TSYS_DIST__AG, TSYS_DIST__BARRIER };
 static const char *const tsys_dist__kind_names[] = { "all_reduce", "broadcast", "reduce_scatter", "all_gather", "barrier" };
-enum { TSYS_DIST__HOST_SELF, TSYS_DIST__HOST_MPI, TSYS_DIST__HOST_TCP };
 
-// One collective on host memory, as every path sees it.
+// One collective, as every engine sees it (host memory, or device memory for nccl).
 typedef struct tsys_dist__coll {
     int kind, type, op, root;
     int64_t count;      // all_reduce, broadcast: elements; reduce_scatter: elements of out (in holds size x);
@@ -590,6 +614,7 @@ typedef struct tsys_dist__coll {
     bool check_only;    // only the agreement on the descriptor (before an NCCL collective)
     bool check;         // MPI: agree on the descriptor before the data. Decided when the collective is
                         // queued, never read later from the group: the ranks must post the same MPI calls
+    tsys_event *done;   // nccl: recorded on the side stream after the collective (NULL: it runs on the compute stream)
 } tsys_dist__coll;
 
 typedef struct tsys_dist__err { tsys_status status; char msg[384]; } tsys_dist__err;
@@ -614,6 +639,23 @@ typedef struct tsys_dist__shm_hdr {
 #define TSYS_DIST__SHM_RANKS_OFF 512
 typedef char tsys_dist__shm_sizes_ok[(sizeof(tsys_dist__shm_rank) == 256 && sizeof(tsys_dist__shm_hdr) <= TSYS_DIST__SHM_RANKS_OFF) ? 1 : -1];
 
+// An engine: one way a group's collectives travel (>>engines, >>engine shm / mpi / tcp / nccl), as a
+// tsys_backend is one device for tsys. Setup is per engine (each needs its own things to start).
+typedef struct tsys_dist__engine {
+    const char *name;
+    tsys_dist_engine kind;   // what tsys_dist_engine_of says when it forms the group (shm never does: AUTO)
+    // One collective of the group as c describes it (a barrier has no data). Touches only the group's
+    // transport state, never the tsys context: the worker thread calls it too. false: the error is in e
+    bool (*collective)(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
+    // Every rank got here, after what this engine has issued so far (c: the barrier's descriptor)
+    bool (*barrier)(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
+    // The peers this rank can tell are gone without their help, named in buf; how many (NULL: cannot tell)
+    int (*dead_peers)(tsys_dist *d, char *buf, size_t n);
+    // Releases what the setup made, also after a setup that failed halfway. finalize: tsys_dist_free, not
+    // a failed tsys_dist_init; broken: the group was broken when the teardown began
+    void (*teardown)(tsys_dist *d, bool finalize, bool broken);
+} tsys_dist__engine;
+
 struct tsys_dist_work {
     tsys_dist *d;
     int path;                 // TSYS_DIST__WORK_*
@@ -634,7 +676,9 @@ struct tsys_dist {
     tsys_ctx *ctx;
     int rank, size, local_rank, local_size;
     tsys_dist_engine engine;      // what tsys_dist_engine_of reports
-    int host;                     // how host memory travels when not through shared memory
+    const tsys_dist__engine *launch, *host, *device;   // the group's engines (>>group says which is which)
+    const tsys_dist__engine *made[4];                  // the engines set up, in order: torn down in reverse
+    int nmade;
     bool one_host;
     double timeout_s;
     int64_t seq;                  // collectives issued so far (host and NCCL alike)
@@ -1462,7 +1506,7 @@ static int tsys_dist__join(tsys_dist *d, int fd, const char *addr, int port, con
     tsys_dist__err ce;
     memset(&ce, 0, sizeof ce);
     // a listener that closes under us (a previous group's) resets the connection: try again
-    if (!tsys_dist__sock_io(fd, &ch, sizeof ch, false, tsys_dist__hello_s(d), "rank 0", &ce)) { snprintf(why, nwhy, "%s", ce.msg); return 0; }
+    if (!tsys_dist__sock_io(fd, &ch, sizeof ch, false, tsys_dist__hello_s(d), "rank 0", &ce)) { tsys_dist__strcpy(why, nwhy, ce.msg); return 0; }
     ch.run_id[sizeof ch.run_id - 1] = 0;
     if (ch.magic != TSYS_DIST__MAGIC || ch.version != TSYS_DIST__PROTOCOL) { snprintf(why, nwhy, "%s:%d is not a tsys_dist rank 0 of rendezvous protocol %d", addr, port, TSYS_DIST__PROTOCOL); return 0; }
     if (strcmp(ch.run_id, id->run_id)) { snprintf(why, nwhy, "%s:%d is rank 0 of another job (run id '%s'; this rank's is '%s')", addr, port, ch.run_id, id->run_id); return 0; }
@@ -1472,7 +1516,7 @@ static int tsys_dist__join(tsys_dist *d, int fd, const char *addr, int port, con
     tsys_dist__sign(id, ch.nonce, &h, sizeof h, h.mac);
     tsys_dist__reply rep;
     if (!tsys_dist__sock_io(fd, &h, sizeof h, true, d->timeout_s, "rank 0", &ce) || !tsys_dist__sock_io(fd, &rep, sizeof rep, false, d->timeout_s, "rank 0", &ce)) {
-        snprintf(why, nwhy, "%s", ce.msg);
+        tsys_dist__strcpy(why, nwhy, ce.msg);
         return 0;
     }
     if (rep.magic != TSYS_DIST__MAGIC) { snprintf(why, nwhy, "bad reply from %s:%d", addr, port); return 0; }
@@ -1689,9 +1733,15 @@ static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_
     return ok;
 }
 
-// >>group -----------------------------------------------------------------------------------------
-// The host engines (shared memory, MPI, TCP) live here: setup uses them to agree on things.
-
+// >>engines ---------------------------------------------------------------------------------------
+// What the engines share: each fills a tsys_dist__engine (>>config) with its collective, barrier,
+// dead-peer watch and teardown, as a tsys_backend does for a device, and tsys_dist_init sets them up
+// by name (each needs its own things to start). The host reductions below serve shm and tcp, which
+// reduce on the CPU themselves, and MPI, whose sums run here in rank order.
+static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
+#if defined(TSYS_DIST_NCCL) || defined(TSYS_DIST_MPI)
+static int tsys_dist__dead_peers(tsys_dist *d, char *buf, size_t n);
+#endif
 
 // ---- reductions on host memory: dst = op over the sources, in fp32 for the 16-bit floats (rounded
 // once at the end), in int64 for the integers. Blocks of TSYS_DIST__BLK stay in L1.
@@ -1766,20 +1816,6 @@ static void tsys_dist__reduce(int type, int op, void *dst1, void *dst2, const vo
     }
 }
 
-
-// ---- shared memory (every rank on this host) ---------------------------------------------------
-// Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
-// a barrier, then each rank reads what it needs from the others' slots (all-reduce: each rank
-// reduces 1/size of the slice in place, a second barrier, everyone copies the reduced parts out).
-// Slots alternate by a counter kept across collectives, so a slot is rewritten only after a later
-// barrier has shown that every rank finished reading it. The descriptor of each collective sits in
-// the rank records and is compared after the first barrier: a mismatch costs nothing to detect and
-// every rank sees it at the same point.
-
-static tsys_dist__shm_hdr *tsys_dist__shm_h(tsys_dist *d) { return (tsys_dist__shm_hdr *)d->shm_base; }
-static tsys_dist__shm_rank *tsys_dist__shm_r(tsys_dist *d, int r) { return (tsys_dist__shm_rank *)(d->shm_base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)r); }
-static char *tsys_dist__shm_buf(tsys_dist *d, int slot, int r) { return d->shm_data + ((size_t)slot * (size_t)d->size + (size_t)r) * d->slice; }
-
 // A pid that is gone (or a zombie nobody reaped yet).
 static bool tsys_dist__pid_dead(int pid) {
     if (pid <= 0) return false;
@@ -1795,32 +1831,55 @@ static bool tsys_dist__pid_dead(int pid) {
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
-#if defined(TSYS_DIST_NCCL) || defined(TSYS_DIST_MPI)
-// The peers this rank can tell are gone without their help: by pid for ranks on this host (the shared
-// segment), by a closed socket in the TCP star (rank 0 sees every rank, the others rank 0). Names them
-// in buf ("rank 1 (pid 4242)"); returns how many.
-static int tsys_dist__dead_peers(tsys_dist *d, char *buf, size_t n) {
-    int dead = 0;
-    size_t l = 0;
-    buf[0] = 0;
-    for (int q = 0; q < d->size; q++) {
-        if (q == d->rank) continue;
-        int pid = 0;
-        bool gone = false;
-        if (d->shm_base) { pid = tsys_dist__shm_r(d, q)->pid; gone = tsys_dist__pid_dead(pid); }
-        else if (d->fds && (d->rank == 0 || q == 0)) {
-            const int fd = d->rank == 0 ? d->fds[q] : d->fds[0];
-            char c;
-            const ssize_t k = fd >= 0 ? recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : 1;
-            gone = k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-        }
-        if (!gone) continue;
-        dead++;
-        if (l + 40 < n) l += (size_t)snprintf(buf + l, n - l, pid ? "%srank %d (pid %d)" : "%srank %d", l ? ", " : "", q, pid);
-    }
-    return dead;
+// How long a wait spins before it yields the CPU adapts: a wait that ran out of spins (the peer was
+// not running: more ranks than cores, or a slow peer) halves it, a wait that ended while spinning
+// doubles it (one that did not wait at all changes nothing). Ranks on cores of their own keep spinning (sub-microsecond barriers); oversubscribed
+// ranks yield almost at once (spinning would only delay the peer they wait for).
+static void tsys_dist__spin_adapt(tsys_dist *d, long spins) {
+    if (spins >= d->spin_limit) d->spin_limit = d->spin_limit > 32 ? d->spin_limit / 2 : 16;
+    else if (spins > 0 && d->spin_limit < 4096) d->spin_limit *= 2;   // 0: the others were there already
 }
-#endif
+
+// A host collective during setup (before the worker runs): bytes from root, or an int32 reduction.
+static bool tsys_dist__setup_bcast(tsys_dist *d, void *buf, int64_t bytes, int root, tsys_dist__err *e) {
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__BCAST; c.type = TSYS_DIST__U8; c.root = root; c.count = bytes; c.in = c.out = buf; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, bytes, TSYS_DIST__CHECK_BYTES);
+    return tsys_dist__host_exec(d, &c, e);
+}
+static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int op, tsys_dist__err *e) {
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_I32; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, (int64_t)n * 4, TSYS_DIST__CHECK_BYTES);
+    return tsys_dist__host_exec(d, &c, e);
+}
+
+// ---- self: a group of one ------------------------------------------------------------------------
+// Collectives are the identity; reduce-scatter and all-gather copy in to out.
+static bool tsys_dist__self_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    (void)d; (void)e;
+    if ((c->kind == TSYS_DIST__RS || c->kind == TSYS_DIST__AG) && !c->check_only && c->in != c->out && c->count)
+        memmove(c->out, c->in, (size_t)c->count * tsys_dist__tsize(c->type));
+    return true;
+}
+static const tsys_dist__engine tsys_dist__engine_self = { "self", TSYS_DIST_ENGINE_SELF, tsys_dist__self_coll, tsys_dist__self_coll, NULL, NULL };
+
+// >>engine shm ------------------------------------------------------------------------------------
+// Every rank on this host, through a segment of shared memory (tsys_dist__shm_setup).
+// Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
+// a barrier, then each rank reads what it needs from the others' slots (all-reduce: each rank
+// reduces 1/size of the slice in place, a second barrier, everyone copies the reduced parts out).
+// Slots alternate by a counter kept across collectives, so a slot is rewritten only after a later
+// barrier has shown that every rank finished reading it. The descriptor of each collective sits in
+// the rank records and is compared after the first barrier: a mismatch costs nothing to detect and
+// every rank sees it at the same point.
+
+static tsys_dist__shm_hdr *tsys_dist__shm_h(tsys_dist *d) { return (tsys_dist__shm_hdr *)d->shm_base; }
+static tsys_dist__shm_rank *tsys_dist__shm_r(tsys_dist *d, int r) { return (tsys_dist__shm_rank *)(d->shm_base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)r); }
+static char *tsys_dist__shm_buf(tsys_dist *d, int slot, int r) { return d->shm_data + ((size_t)slot * (size_t)d->size + (size_t)r) * d->slice; }
+
 
 
 // Publishes a failure in the segment so every rank stops at once, naming the same cause.
@@ -1842,15 +1901,6 @@ static bool tsys_dist__shm_aborted(tsys_dist *d, const tsys_dist__coll *c, tsys_
     tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank %d gave up: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, h->abort_rank, h->abort_msg);
     tsys_dist__break(d, e);
     return false;
-}
-
-// How long a wait spins before it yields the CPU adapts: a wait that ran out of spins (the peer was
-// not running: more ranks than cores, or a slow peer) halves it, a wait that ended while spinning
-// doubles it (one that did not wait at all changes nothing). Ranks on cores of their own keep spinning (sub-microsecond barriers); oversubscribed
-// ranks yield almost at once (spinning would only delay the peer they wait for).
-static void tsys_dist__spin_adapt(tsys_dist *d, long spins) {
-    if (spins >= d->spin_limit) d->spin_limit = d->spin_limit > 32 ? d->spin_limit / 2 : 16;
-    else if (spins > 0 && d->spin_limit < 4096) d->spin_limit *= 2;   // 0: the others were there already
 }
 
 // Waits until every rank's step counter reaches target: spins briefly, then yields, then naps; checks
@@ -1895,7 +1945,8 @@ static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__
     return true;
 }
 
-static bool tsys_dist__shm_barrier(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+// Every rank passes the next step (the pipeline's fence; a collective's barrier is tsys_dist__shm_coll).
+static bool tsys_dist__shm_fence(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
     uint64_t target = ++d->shm_step;
     TSYS_DIST__STORE(&tsys_dist__shm_r(d, d->rank)->step, target);
     return tsys_dist__shm_wait(d, target, c, e);
@@ -1933,7 +1984,7 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
                 break;
             default: break;
         }
-        if (!tsys_dist__shm_barrier(d, c, e)) return false;
+        if (!tsys_dist__shm_fence(d, c, e)) return false;
         if (k == 0)
             for (int r = 0; r < n; r++) {
                 int64_t other[8];
@@ -1947,7 +1998,7 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
             // the result goes to the slot (for the others) and over this rank's input (block by block,
             // each read before it is written)
             if (b > a) tsys_dist__reduce(c->type, c->op, mybuf + (size_t)a * es, out + (size_t)(off + a) * es, srcs, n, b - a);
-            if (!tsys_dist__shm_barrier(d, c, e)) return false;
+            if (!tsys_dist__shm_fence(d, c, e)) return false;
             for (int r = 0; r < n; r++) {
                 if (r == me) continue;
                 int64_t ra = (int64_t)r * q_per < len ? (int64_t)r * q_per : len, rb = ra + q_per < len ? ra + q_per : len;
@@ -1975,7 +2026,247 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
     return true;
 }
 
-// ---- MPI -----------------------------------------------------------------------------------------
+// The shared segment: rank 0 creates it (reserving the pages, so a small /dev/shm fails here and not
+// with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
+// goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
+static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
+    const size_t slice = tsys_dist__shm_slice_for(d->size, d->opt.shm_slice);
+    size_t data_off = (TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->size + 4095) / 4096 * 4096;
+    size_t bytes = data_off + 2 * (size_t)d->size * slice;
+    struct { char name[96]; int32_t ok; char why[92]; } msg;
+    memset(&msg, 0, sizeof msg);
+    int fd = -1;
+    char *base = NULL;
+    if (d->rank == 0) {
+        snprintf(msg.name, sizeof msg.name, "/tsys_dist.%d.%llx", (int)getpid(), (unsigned long long)(tsys_time_us() * 1000) ^ (unsigned long long)(uintptr_t)d);
+        fd = shm_open(msg.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        int err = fd < 0 ? errno : 0;
+        if (fd >= 0 && ftruncate(fd, (off_t)bytes) != 0) err = errno;
+        if (fd >= 0 && !err) err = posix_fallocate(fd, 0, (off_t)bytes);
+        if (fd >= 0 && !err) { base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); if (base == MAP_FAILED) { base = NULL; err = errno; } }
+        if (err) snprintf(msg.why, sizeof msg.why, "%s (%zu bytes in /dev/shm)", strerror(err), bytes);
+        msg.ok = base != NULL;
+        if (base) {
+            tsys_dist__shm_hdr *h = (tsys_dist__shm_hdr *)base;
+            h->magic = 0x7473797364697374ull; h->size = d->size; h->slice = slice;
+        }
+    }
+    if (!tsys_dist__setup_bcast(d, &msg, (int64_t)sizeof msg, 0, e)) { if (base) munmap(base, bytes); if (fd >= 0) { close(fd); shm_unlink(msg.name); } return false; }
+    if (d->rank != 0 && msg.ok) {
+        fd = shm_open(msg.name, O_RDWR, 0600);
+        struct stat sb;
+        if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes) {
+            base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (base == MAP_FAILED) base = NULL;
+        }
+        if (!base) snprintf(msg.why, sizeof msg.why, "rank %d cannot map it: %s (another /dev/shm?)", d->rank, strerror(errno));
+    }
+    if (fd >= 0) close(fd);
+    if (base) {
+        tsys_dist__shm_rank *me = (tsys_dist__shm_rank *)(base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->rank);
+        me->pid = (int32_t)getpid();
+    }
+    int32_t failed = base != NULL ? 0 : 1;
+    bool agreed = tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, e);
+    if (d->rank == 0 && msg.ok) shm_unlink(msg.name);   // everyone mapped it, or gave up
+    if (!agreed) { if (base) munmap(base, bytes); return false; }
+    if (failed) {
+        if (base) munmap(base, bytes);
+        snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: %s", msg.why[0] ? msg.why : "a rank could not map the segment");
+        return true;
+    }
+    d->shm_base = base; d->shm_bytes = bytes; d->slice = slice;
+    d->shm_data = base + data_off;
+    return true;
+}
+
+// The ranks whose pid is gone (the segment has every rank's).
+static int tsys_dist__shm_dead_peers(tsys_dist *d, char *buf, size_t n) {
+    int dead = 0;
+    size_t l = 0;
+    buf[0] = 0;
+    for (int q = 0; q < d->size; q++) {
+        if (q == d->rank) continue;
+        const int pid = tsys_dist__shm_r(d, q)->pid;
+        if (!tsys_dist__pid_dead(pid)) continue;
+        dead++;
+        if (l + 40 < n) l += (size_t)snprintf(buf + l, n - l, "%srank %d (pid %d)", l ? ", " : "", q, pid);
+    }
+    return dead;
+}
+
+static void tsys_dist__shm_teardown(tsys_dist *d, bool finalize, bool broken) {
+    (void)finalize; (void)broken;
+    if (d->shm_base) munmap(d->shm_base, d->shm_bytes);
+    d->shm_base = NULL;
+}
+
+// A barrier is a collective without data here (the descriptors still agree).
+static const tsys_dist__engine tsys_dist__engine_shm = { "shm", TSYS_DIST_ENGINE_AUTO, tsys_dist__shm_coll, tsys_dist__shm_coll, tsys_dist__shm_dead_peers, tsys_dist__shm_teardown };
+
+// >>engine tcp ------------------------------------------------------------------------------------
+// A star around rank 0, formed by the TCP rendezvous (tsys_dist__tcp_setup, in >>launch).
+// Every collective starts with the descriptors: the ranks send theirs to rank 0, which compares
+// them and answers everyone (ok, or the mismatch). Data then flows through rank 0 in 1 MiB chunks.
+// Simple and deterministic (rank 0 reduces in rank order); for bandwidth across hosts use mpirun.
+
+typedef struct tsys_dist__tcp_msg { uint32_t magic; int32_t status; int64_t desc[8]; char text[320]; } tsys_dist__tcp_msg;
+
+static bool tsys_dist__tcp_io_t(tsys_dist *d, int peer, void *buf, size_t n, bool out, double timeout_s, const tsys_dist__coll *c, tsys_dist__err *e) {
+    char who[48];
+    snprintf(who, sizeof who, "rank %d", peer);
+    int fd = d->rank == 0 ? d->fds[peer] : d->fds[0];
+    if (tsys_dist__sock_io(fd, buf, n, out, timeout_s, who, e)) return true;
+    char tmp[sizeof e->msg + 64];
+    snprintf(tmp, sizeof tmp, "%s #%lld: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, e->msg);
+    tsys_dist__strcpy(e->msg, sizeof e->msg, tmp);
+    tsys_dist__break(d, e);
+    return false;
+}
+static bool tsys_dist__tcp_io(tsys_dist *d, int peer, void *buf, size_t n, bool out, const tsys_dist__coll *c, tsys_dist__err *e) {
+    return tsys_dist__tcp_io_t(d, peer, buf, n, out, d->timeout_s, c, e);
+}
+
+static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    const int n = d->size, me = d->rank;
+    const size_t es = tsys_dist__tsize(c->type);
+    tsys_dist__tcp_msg m;
+    memset(&m, 0, sizeof m);
+    m.magic = TSYS_DIST__MAGIC;
+    tsys_dist__desc_of(c, m.desc);
+    if (me == 0) {
+        tsys_dist__tcp_msg reply = m, got;
+        tsys_dist__err mis;
+        memset(&mis, 0, sizeof mis);
+        for (int r = 1; r < n; r++) {
+            if (!tsys_dist__tcp_io(d, r, &got, sizeof got, false, c, e)) {
+                // tell the ranks waiting for the answer why (they cannot see rank r); best effort
+                tsys_dist__tcp_msg bad = m;
+                tsys_dist__err ignore;
+                bad.status = 2;
+                tsys_dist__strcpy(bad.text, sizeof bad.text, e->msg);
+                for (int q = 1; q < n; q++) { memset(&ignore, 0, sizeof ignore); if (q != r) tsys_dist__sock_io(d->fds[q], &bad, sizeof bad, true, 1.0, "", &ignore); }
+                return false;
+            }
+            if (got.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank %d sent garbage", r);
+            if (reply.status == 0 && !tsys_dist__desc_agree(d, m.desc, got.desc, r, &mis)) { reply.status = 1; tsys_dist__strcpy(reply.text, sizeof reply.text, mis.msg); }
+        }
+        for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, &reply, sizeof reply, true, c, e)) return false;
+        if (reply.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", reply.text);
+    } else {
+        if (!tsys_dist__tcp_io(d, 0, &m, sizeof m, true, c, e)) return false;
+        // rank 0 answers once it heard from everyone: wait longer than it does, so that when a
+        // third rank is missing, rank 0's report (naming it) arrives before this rank gives up
+        if (!tsys_dist__tcp_io_t(d, 0, &m, sizeof m, false, d->timeout_s * 1.25 + 1, c, e)) return false;
+        if (m.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank 0 sent garbage");
+        m.text[sizeof m.text - 1] = 0;
+        if (m.status == 2) {   // rank 0 lost a rank: the group is done
+            tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank 0 reports: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, m.text);
+            tsys_dist__break(d, e);
+            return false;
+        }
+        if (m.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", m.text);
+    }
+    if (c->check_only || c->kind == TSYS_DIST__BARRIER) return true;
+    char *in = (char *)c->in, *out = (char *)c->out;
+    const size_t count = (size_t)c->count;
+    switch (c->kind) {
+    case TSYS_DIST__ALLREDUCE: {
+        const size_t per = TSYS_DIST__TCP_CHUNK / es;
+        char *scratch = NULL;
+        const void **srcs = NULL;
+        if (me == 0 && count) {
+            scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1));
+            srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+            if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory"); }
+        }
+        bool ok = true;
+        for (size_t off = 0; ok && off < count; off += per) {
+            size_t len = count - off < per ? count - off : per;
+            char *p = out + off * es;
+            if (me == 0) {
+                srcs[0] = p;
+                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
+                if (ok) tsys_dist__reduce(c->type, c->op, p, NULL, srcs, n, (int64_t)len);
+                for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, p, len * es, true, c, e);
+            } else {
+                ok = tsys_dist__tcp_io(d, 0, p, len * es, true, c, e) && tsys_dist__tcp_io(d, 0, p, len * es, false, c, e);
+            }
+        }
+        TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
+        return ok;
+    }
+    case TSYS_DIST__BCAST:
+        if (c->root != 0) {
+            if (me == c->root && !tsys_dist__tcp_io(d, 0, out, count * es, true, c, e)) return false;
+            if (me == 0 && !tsys_dist__tcp_io(d, c->root, out, count * es, false, c, e)) return false;
+        }
+        if (me == 0) { for (int r = 1; r < n; r++) if (r != c->root && !tsys_dist__tcp_io(d, r, out, count * es, true, c, e)) return false; }
+        else if (me != c->root && !tsys_dist__tcp_io(d, 0, out, count * es, false, c, e)) return false;
+        return true;
+    case TSYS_DIST__AG:
+        if (me == 0) {
+            if (out != in) memmove(out, in, count * es);
+            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out + (size_t)r * count * es, count * es, false, c, e)) return false;
+            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out, (size_t)n * count * es, true, c, e)) return false;
+            return true;
+        }
+        return tsys_dist__tcp_io(d, 0, in, count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, (size_t)n * count * es, false, c, e);
+    case TSYS_DIST__RS: {
+        if (me != 0) return tsys_dist__tcp_io(d, 0, in, (size_t)n * count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, count * es, false, c, e);
+        // rank 0 reads every rank's blocks in the order they were sent, reduces block q for rank q,
+        // and answers only once everything is in (a rank still sending cannot read yet)
+        const size_t per = TSYS_DIST__TCP_CHUNK / es;
+        char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1) + (size_t)(n - 1) * count * es + 1);
+        const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+        if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory"); }
+        char *res = scratch + TSYS_DIST__TCP_CHUNK * (size_t)(n - 1);
+        bool ok = true;
+        for (int q = 0; ok && q < n; q++)
+            for (size_t off = 0; ok && off < count; off += per) {
+                size_t len = count - off < per ? count - off : per;
+                srcs[0] = in + ((size_t)q * count + off) * es;
+                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
+                if (ok) tsys_dist__reduce(c->type, c->op, q == 0 ? out + off * es : res + ((size_t)(q - 1) * count + off) * es, NULL, srcs, n, (int64_t)len);
+            }
+        for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, res + (size_t)(r - 1) * count * es, count * es, true, c, e);
+        TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
+        return ok;
+    }
+    default: return true;
+    }
+}
+
+// Rank 0 sees every rank's socket, the others rank 0's: a closed one is a peer gone.
+static int tsys_dist__tcp_dead_peers(tsys_dist *d, char *buf, size_t n) {
+    int dead = 0;
+    size_t l = 0;
+    buf[0] = 0;
+    if (!d->fds) return 0;
+    for (int q = 0; q < d->size; q++) {
+        if (q == d->rank || (d->rank != 0 && q != 0)) continue;
+        const int fd = d->rank == 0 ? d->fds[q] : d->fds[0];
+        char c;
+        const ssize_t k = fd >= 0 ? recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : 1;
+        if (!(k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))) continue;
+        dead++;
+        if (l + 40 < n) l += (size_t)snprintf(buf + l, n - l, "%srank %d", l ? ", " : "", q);
+    }
+    return dead;
+}
+
+static void tsys_dist__tcp_teardown(tsys_dist *d, bool finalize, bool broken) {
+    (void)finalize; (void)broken;
+    if (d->fds) { for (int r = 0; r < d->size; r++) if (d->fds[r] >= 0) close(d->fds[r]); TSYS_FREE(d->fds); d->fds = NULL; }
+}
+
+// A barrier is a collective without data here (the descriptors still agree).
+static const tsys_dist__engine tsys_dist__engine_tcp = { "tcp", TSYS_DIST_ENGINE_TCP, tsys_dist__tcp_coll, tsys_dist__tcp_coll, tsys_dist__tcp_dead_peers, tsys_dist__tcp_teardown };
+
+// >>engine mpi ------------------------------------------------------------------------------------
+// Ranks started by mpirun / srun (tsys_dist__mpi_setup), on MPI_COMM_WORLD's duplicate.
 // Every call is non-blocking and its wait polls MPI_Test against the group's timeout (a blocking
 // MPI call cannot time out). Reductions happen here, in rank order (tsys_dist__mpi_allreduce).
 #ifdef TSYS_DIST_MPI
@@ -2156,234 +2447,22 @@ static bool tsys_dist__mpi_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         return tsys_dist__mpi_ok(d, MPI_Ibarrier(d->comm, &req), "MPI_Ibarrier", c, e) && tsys_dist__mpi_wait(d, &req, "MPI_Ibarrier", c, e);
     }
 }
-#endif
 
-// ---- TCP: a star around rank 0 -------------------------------------------------------------------
-// Every collective starts with the descriptors: the ranks send theirs to rank 0, which compares
-// them and answers everyone (ok, or the mismatch). Data then flows through rank 0 in 1 MiB chunks.
-// Simple and deterministic (rank 0 reduces in rank order); for bandwidth across hosts use mpirun.
-
-typedef struct tsys_dist__tcp_msg { uint32_t magic; int32_t status; int64_t desc[8]; char text[320]; } tsys_dist__tcp_msg;
-
-static bool tsys_dist__tcp_io_t(tsys_dist *d, int peer, void *buf, size_t n, bool out, double timeout_s, const tsys_dist__coll *c, tsys_dist__err *e) {
-    char who[48];
-    snprintf(who, sizeof who, "rank %d", peer);
-    int fd = d->rank == 0 ? d->fds[peer] : d->fds[0];
-    if (tsys_dist__sock_io(fd, buf, n, out, timeout_s, who, e)) return true;
-    char tmp[sizeof e->msg + 64];
-    snprintf(tmp, sizeof tmp, "%s #%lld: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, e->msg);
-    tsys_dist__strcpy(e->msg, sizeof e->msg, tmp);
-    tsys_dist__break(d, e);
-    return false;
-}
-static bool tsys_dist__tcp_io(tsys_dist *d, int peer, void *buf, size_t n, bool out, const tsys_dist__coll *c, tsys_dist__err *e) {
-    return tsys_dist__tcp_io_t(d, peer, buf, n, out, d->timeout_s, c, e);
+// A broken group leaves MPI alone: a posted request may never finish, so MPI_Finalize could hang.
+// The program is expected to exit with an error, which ends the job.
+static void tsys_dist__mpi_teardown(tsys_dist *d, bool finalize, bool broken) {
+    if (!broken) {
+        if (d->have_comm) MPI_Comm_free(&d->comm);
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (finalize && d->mpi_owner && !fin) MPI_Finalize();
+    }
+    d->have_comm = false;
 }
 
-static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
-    const int n = d->size, me = d->rank;
-    const size_t es = tsys_dist__tsize(c->type);
-    tsys_dist__tcp_msg m;
-    memset(&m, 0, sizeof m);
-    m.magic = TSYS_DIST__MAGIC;
-    tsys_dist__desc_of(c, m.desc);
-    if (me == 0) {
-        tsys_dist__tcp_msg reply = m, got;
-        tsys_dist__err mis;
-        memset(&mis, 0, sizeof mis);
-        for (int r = 1; r < n; r++) {
-            if (!tsys_dist__tcp_io(d, r, &got, sizeof got, false, c, e)) {
-                // tell the ranks waiting for the answer why (they cannot see rank r); best effort
-                tsys_dist__tcp_msg bad = m;
-                tsys_dist__err ignore;
-                bad.status = 2;
-                tsys_dist__strcpy(bad.text, sizeof bad.text, e->msg);
-                for (int q = 1; q < n; q++) { memset(&ignore, 0, sizeof ignore); if (q != r) tsys_dist__sock_io(d->fds[q], &bad, sizeof bad, true, 1.0, "", &ignore); }
-                return false;
-            }
-            if (got.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank %d sent garbage", r);
-            if (reply.status == 0 && !tsys_dist__desc_agree(d, m.desc, got.desc, r, &mis)) { reply.status = 1; tsys_dist__strcpy(reply.text, sizeof reply.text, mis.msg); }
-        }
-        for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, &reply, sizeof reply, true, c, e)) return false;
-        if (reply.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", reply.text);
-    } else {
-        if (!tsys_dist__tcp_io(d, 0, &m, sizeof m, true, c, e)) return false;
-        // rank 0 answers once it heard from everyone: wait longer than it does, so that when a
-        // third rank is missing, rank 0's report (naming it) arrives before this rank gives up
-        if (!tsys_dist__tcp_io_t(d, 0, &m, sizeof m, false, d->timeout_s * 1.25 + 1, c, e)) return false;
-        if (m.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank 0 sent garbage");
-        m.text[sizeof m.text - 1] = 0;
-        if (m.status == 2) {   // rank 0 lost a rank: the group is done
-            tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank 0 reports: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, m.text);
-            tsys_dist__break(d, e);
-            return false;
-        }
-        if (m.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", m.text);
-    }
-    if (c->check_only || c->kind == TSYS_DIST__BARRIER) return true;
-    char *in = (char *)c->in, *out = (char *)c->out;
-    const size_t count = (size_t)c->count;
-    switch (c->kind) {
-    case TSYS_DIST__ALLREDUCE: {
-        const size_t per = TSYS_DIST__TCP_CHUNK / es;
-        char *scratch = NULL;
-        const void **srcs = NULL;
-        if (me == 0 && count) {
-            scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1));
-            srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
-            if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory"); }
-        }
-        bool ok = true;
-        for (size_t off = 0; ok && off < count; off += per) {
-            size_t len = count - off < per ? count - off : per;
-            char *p = out + off * es;
-            if (me == 0) {
-                srcs[0] = p;
-                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
-                if (ok) tsys_dist__reduce(c->type, c->op, p, NULL, srcs, n, (int64_t)len);
-                for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, p, len * es, true, c, e);
-            } else {
-                ok = tsys_dist__tcp_io(d, 0, p, len * es, true, c, e) && tsys_dist__tcp_io(d, 0, p, len * es, false, c, e);
-            }
-        }
-        TSYS_FREE(scratch);
-        TSYS_FREE((void *)srcs);
-        return ok;
-    }
-    case TSYS_DIST__BCAST:
-        if (c->root != 0) {
-            if (me == c->root && !tsys_dist__tcp_io(d, 0, out, count * es, true, c, e)) return false;
-            if (me == 0 && !tsys_dist__tcp_io(d, c->root, out, count * es, false, c, e)) return false;
-        }
-        if (me == 0) { for (int r = 1; r < n; r++) if (r != c->root && !tsys_dist__tcp_io(d, r, out, count * es, true, c, e)) return false; }
-        else if (me != c->root && !tsys_dist__tcp_io(d, 0, out, count * es, false, c, e)) return false;
-        return true;
-    case TSYS_DIST__AG:
-        if (me == 0) {
-            if (out != in) memmove(out, in, count * es);
-            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out + (size_t)r * count * es, count * es, false, c, e)) return false;
-            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out, (size_t)n * count * es, true, c, e)) return false;
-            return true;
-        }
-        return tsys_dist__tcp_io(d, 0, in, count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, (size_t)n * count * es, false, c, e);
-    case TSYS_DIST__RS: {
-        if (me != 0) return tsys_dist__tcp_io(d, 0, in, (size_t)n * count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, count * es, false, c, e);
-        // rank 0 reads every rank's blocks in the order they were sent, reduces block q for rank q,
-        // and answers only once everything is in (a rank still sending cannot read yet)
-        const size_t per = TSYS_DIST__TCP_CHUNK / es;
-        char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1) + (size_t)(n - 1) * count * es + 1);
-        const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
-        if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory"); }
-        char *res = scratch + TSYS_DIST__TCP_CHUNK * (size_t)(n - 1);
-        bool ok = true;
-        for (int q = 0; ok && q < n; q++)
-            for (size_t off = 0; ok && off < count; off += per) {
-                size_t len = count - off < per ? count - off : per;
-                srcs[0] = in + ((size_t)q * count + off) * es;
-                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
-                if (ok) tsys_dist__reduce(c->type, c->op, q == 0 ? out + off * es : res + ((size_t)(q - 1) * count + off) * es, NULL, srcs, n, (int64_t)len);
-            }
-        for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, res + (size_t)(r - 1) * count * es, count * es, true, c, e);
-        TSYS_FREE(scratch);
-        TSYS_FREE((void *)srcs);
-        return ok;
-    }
-    default: return true;
-    }
-}
+// A barrier is a collective without data here (MPI_Ibarrier, after the descriptors when checked).
+static const tsys_dist__engine tsys_dist__engine_mpi = { "mpi", TSYS_DIST_ENGINE_MPI, tsys_dist__mpi_coll, tsys_dist__mpi_coll, NULL, tsys_dist__mpi_teardown };
 
-// Runs one host collective on whichever path the group has. Touches only the group's transport
-// state, never the tsys context: the worker thread calls it too.
-static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
-    if (TSYS_DIST__LOAD(&d->broken))
-        return tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: the group is broken since: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, d->broken_msg);
-    if (d->size == 1) {   // a group of one: identity (reduce-scatter and all-gather copy)
-        if ((c->kind == TSYS_DIST__RS || c->kind == TSYS_DIST__AG) && !c->check_only && c->in != c->out && c->count)
-            memmove(c->out, c->in, (size_t)c->count * tsys_dist__tsize(c->type));
-        return true;
-    }
-    if (d->shm_base) return tsys_dist__shm_coll(d, c, e);
-#ifdef TSYS_DIST_MPI
-    if (d->host == TSYS_DIST__HOST_MPI) return tsys_dist__mpi_coll(d, c, e);
-#endif
-    if (d->host == TSYS_DIST__HOST_TCP) return tsys_dist__tcp_coll(d, c, e);
-    return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "no engine for host collectives");
-}
-
-
-static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
-
-// A host collective during setup (before the worker runs): bytes from root, or an int32 reduction.
-static bool tsys_dist__setup_bcast(tsys_dist *d, void *buf, int64_t bytes, int root, tsys_dist__err *e) {
-    tsys_dist__coll c;
-    memset(&c, 0, sizeof c);
-    c.kind = TSYS_DIST__BCAST; c.type = TSYS_DIST__U8; c.root = root; c.count = bytes; c.in = c.out = buf; c.seq = d->seq++;
-    c.check = tsys_dist__wants_check(d, bytes, TSYS_DIST__CHECK_BYTES);
-    return tsys_dist__host_exec(d, &c, e);
-}
-static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int op, tsys_dist__err *e) {
-    tsys_dist__coll c;
-    memset(&c, 0, sizeof c);
-    c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_I32; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
-    c.check = tsys_dist__wants_check(d, (int64_t)n * 4, TSYS_DIST__CHECK_BYTES);
-    return tsys_dist__host_exec(d, &c, e);
-}
-
-// The shared segment: rank 0 creates it (reserving the pages, so a small /dev/shm fails here and not
-// with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
-// goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
-static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
-    const size_t slice = tsys_dist__shm_slice_for(d->size, d->opt.shm_slice);
-    size_t data_off = (TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->size + 4095) / 4096 * 4096;
-    size_t bytes = data_off + 2 * (size_t)d->size * slice;
-    struct { char name[96]; int32_t ok; char why[92]; } msg;
-    memset(&msg, 0, sizeof msg);
-    int fd = -1;
-    char *base = NULL;
-    if (d->rank == 0) {
-        snprintf(msg.name, sizeof msg.name, "/tsys_dist.%d.%llx", (int)getpid(), (unsigned long long)(tsys_time_us() * 1000) ^ (unsigned long long)(uintptr_t)d);
-        fd = shm_open(msg.name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        int err = fd < 0 ? errno : 0;
-        if (fd >= 0 && ftruncate(fd, (off_t)bytes) != 0) err = errno;
-        if (fd >= 0 && !err) err = posix_fallocate(fd, 0, (off_t)bytes);
-        if (fd >= 0 && !err) { base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); if (base == MAP_FAILED) { base = NULL; err = errno; } }
-        if (err) snprintf(msg.why, sizeof msg.why, "%s (%zu bytes in /dev/shm)", strerror(err), bytes);
-        msg.ok = base != NULL;
-        if (base) {
-            tsys_dist__shm_hdr *h = (tsys_dist__shm_hdr *)base;
-            h->magic = 0x7473797364697374ull; h->size = d->size; h->slice = slice;
-        }
-    }
-    if (!tsys_dist__setup_bcast(d, &msg, (int64_t)sizeof msg, 0, e)) { if (base) munmap(base, bytes); if (fd >= 0) { close(fd); shm_unlink(msg.name); } return false; }
-    if (d->rank != 0 && msg.ok) {
-        fd = shm_open(msg.name, O_RDWR, 0600);
-        struct stat sb;
-        if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes) {
-            base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (base == MAP_FAILED) base = NULL;
-        }
-        if (!base) snprintf(msg.why, sizeof msg.why, "rank %d cannot map it: %s (another /dev/shm?)", d->rank, strerror(errno));
-    }
-    if (fd >= 0) close(fd);
-    if (base) {
-        tsys_dist__shm_rank *me = (tsys_dist__shm_rank *)(base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->rank);
-        me->pid = (int32_t)getpid();
-    }
-    int32_t failed = base != NULL ? 0 : 1;
-    bool agreed = tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, e);
-    if (d->rank == 0 && msg.ok) shm_unlink(msg.name);   // everyone mapped it, or gave up
-    if (!agreed) { if (base) munmap(base, bytes); return false; }
-    if (failed) {
-        if (base) munmap(base, bytes);
-        snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: %s", msg.why[0] ? msg.why : "a rank could not map the segment");
-        return true;
-    }
-    d->shm_base = base; d->shm_bytes = bytes; d->slice = slice;
-    d->shm_data = base + data_off;
-    return true;
-}
-
-#ifdef TSYS_DIST_MPI
 static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
     int inited = 0, finalized = 0, prov = 0;
     MPI_Initialized(&inited);
@@ -2410,11 +2489,14 @@ static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
     MPI_Comm_free(&local);
     if (!ok) return false;
     d->one_host = d->local_size == d->size;
-    d->host = TSYS_DIST__HOST_MPI;
+    d->launch = &tsys_dist__engine_mpi;
     return true;
 }
 #endif
 
+// >>engine nccl -----------------------------------------------------------------------------------
+// CUDA tensors of a group whose ranks each have a GPU: NCCL on the compute and side streams. Host
+// tensors of the group still go the host engine's way.
 #ifdef TSYS_DIST_NCCL
 static bool tsys_dist__nccl_ok(tsys_dist *d, ncclResult_t r, const char *what, tsys_dist__err *e) {
     if (r == ncclSuccess || r == ncclInProgress) return true;
@@ -2423,7 +2505,6 @@ static bool tsys_dist__nccl_ok(tsys_dist *d, ncclResult_t r, const char *what, t
     tsys_dist__break(d, e);
     return false;
 }
-static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e);
 // A non-blocking communicator: waits (host side, bounded by the timeout) until the last call is
 // through; on timeout the communicator is aborted.
 static bool tsys_dist__nccl_settle(tsys_dist *d, const char *what, tsys_dist__err *e) {
@@ -2506,43 +2587,112 @@ static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
     if (!tsys_dist__nccl_ok(d, ncclGetVersion(&d->nccl_version), "ncclGetVersion", e)) return false;
     return r != ncclInProgress || tsys_dist__nccl_settle(d, "ncclCommInitRankConfig (the group did not form)", e);
 }
-#endif
 
-// ---- the worker: asynchronous host collectives run on it, in the order they were issued ----------
-static void *tsys_dist__worker_main(void *arg) {
-    tsys_dist *d = (tsys_dist *)arg;
-    pthread_mutex_lock(&d->mu);
-    for (;;) {
-        while (!d->q_head && !d->worker_stop) pthread_cond_wait(&d->cv, &d->mu);
-        if (!d->q_head) break;
-        tsys_dist_work *w = d->q_head;
-        d->q_head = w->next;
-        if (!d->q_head) d->q_tail = NULL;
-        d->worker_busy = true;
-        pthread_mutex_unlock(&d->mu);
-        tsys_dist__host_exec(d, &w->c, &w->err);
-        pthread_mutex_lock(&d->mu);
-        w->done = 1;
-        d->worker_busy = false;
-        pthread_cond_broadcast(&d->cv_done);
+// ---- NCCL collectives -----------------------------------------------------------------------------
+// On the side stream, after the compute stream's work so far (an event from the backend's pool);
+// the collective's end is another event, which tsys_dist_wait makes the compute stream wait for.
+// No host sync anywhere, so the whole sequence can be captured in a CUDA graph.
+static ncclDataType_t tsys_dist__nccl_type(int t) {
+    switch (t) {
+    case TSYS_F32: return ncclFloat32;
+    case TSYS_BF16: return ncclBfloat16;
+    case TSYS_F16: return ncclFloat16;
+    case TSYS_I32: return ncclInt32;
+    default: return ncclInt64;
     }
-    pthread_mutex_unlock(&d->mu);
-    return NULL;
+}
+// c->done == NULL: a blocking collective with no asynchronous one in flight goes on the compute stream itself
+// (the compute stream would wait for it at once; the two events of the side stream cost ~2.6 us, measured
+// on 2 x H200 by tools/nccl_latency.c). With asynchronous ones in flight it takes the side stream behind them:
+// collectives on one communicator must run in the order they were issued.
+static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    tsys_ctx *ctx = d->ctx;
+    tsys_event *done = c->done;
+    if (done && (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
+                 tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK))
+        return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+    cudaStream_t stream = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
+    ncclDataType_t dt = tsys_dist__nccl_type(c->type);
+    ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
+    ncclResult_t r;
+    const char *what;
+    switch (c->kind) {
+    case TSYS_DIST__ALLREDUCE: what = "ncclAllReduce"; r = ncclAllReduce(c->out, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
+    case TSYS_DIST__BCAST: what = "ncclBroadcast"; r = ncclBroadcast(c->out, c->out, (size_t)c->count, dt, c->root, d->nccl, stream); break;
+    case TSYS_DIST__RS: what = "ncclReduceScatter"; r = ncclReduceScatter(c->in, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
+    default: what = "ncclAllGather"; r = ncclAllGather(c->in, c->out, (size_t)c->count, dt, d->nccl, stream); break;
+    }
+    char buf[96];
+    snprintf(buf, sizeof buf, "%s (collective #%lld)", what, (long long)c->seq);
+    if (!tsys_dist__nccl_ok(d, r, buf, e)) return false;
+    if (d->group_open) return true;   // launched, settled and given its end event by tsys_dist_group_end
+    if (r == ncclInProgress && !tsys_dist__nccl_settle(d, buf, e)) return false;
+    if (done && tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+    return true;
 }
 
-// Waits until the worker has run everything queued (a blocking collective goes after them).
-static void tsys_dist__drain(tsys_dist *d) {
-    if (!d->worker_on) return;
-    pthread_mutex_lock(&d->mu);
-    while (d->q_head || d->worker_busy) pthread_cond_wait(&d->cv_done, &d->mu);
-    pthread_mutex_unlock(&d->mu);
+// Ends an NCCL group that cannot go on: aborting the communicator also ends its kernels still waiting
+// on the GPU for a peer that will never send (without it the process could not even exit).
+static bool tsys_dist__nccl_give_up(tsys_dist *d, tsys_dist__err *e) {
+    tsys_dist__break(d, e);
+    if (d->nccl) ncclCommAbort(d->nccl);
+    d->nccl = NULL;
+    return false;
+}
+
+// Waits (host side, bounded by the timeout) for the NCCL collectives issued so far on the side stream; a
+// peer that died or stalled ends it in an error and an aborted communicator. A peer that this rank can
+// see is gone (tsys_dist__dead_peers) is named within TSYS_DIST__DEAD_CHECK_US.
+static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e) {
+    tsys_event ev;
+    memset(&ev, 0, sizeof ev);
+    // the side stream's collectives, and the compute stream's (blocking ones go there): the side stream
+    // waits for the compute stream, and the host for the side stream
+    if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK || tsys_event_wait(d->ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK ||
+        tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
+        return tsys_dist__seterr(e, tsys_ctx_status(d->ctx), "%s: %s", what, tsys_ctx_last_error(d->ctx));
+    const double t0 = tsys_time_us();
+    double last_check = t0;
+    bool ok = true;
+    for (long spins = 0;; spins++) {
+        const cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
+        if (q == cudaSuccess) break;
+        char dead[160];
+        if (tsys_time_us() - last_check > TSYS_DIST__DEAD_CHECK_US) {
+            last_check = tsys_time_us();
+            if (tsys_dist__dead_peers(d, dead, sizeof dead) > 0) {
+                tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: %s exited, with NCCL collectives in flight; communicator aborted", what, dead);
+                ok = tsys_dist__nccl_give_up(d, e);
+                break;
+            }
+        }
+        ncclResult_t ae = ncclSuccess;
+        const ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
+        if (qr != ncclSuccess) ae = qr;
+        if (q != cudaErrorNotReady) { ok = tsys_dist__seterr(e, TSYS_ERR_CUDA, "%s: %s", what, cudaGetErrorString(q)); break; }
+        if (ae != ncclSuccess && ae != ncclInProgress) {
+            char buf[200];
+            const bool named = tsys_dist__dead_peers(d, dead, sizeof dead) > 0;
+            snprintf(buf, sizeof buf, named ? "%s: NCCL (%s exited)" : "%s: NCCL%s", what, dead);
+            tsys_dist__nccl_ok(d, ae, buf, e);
+            ok = tsys_dist__nccl_give_up(d, e);
+            break;
+        }
+        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
+            tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", what, d->timeout_s);
+            ok = tsys_dist__nccl_give_up(d, e);
+            break;
+        }
+        if (spins > 1000) tsys_dist__nap_us(50);
+    }
+    tsys_event_release(d->ctx, &ev);
+    return ok;
 }
 
 // ---- symmetric windows (tsys_dist_tensor_new) ----------------------------------------------------
 // A window outlives neither its group nor its memory: the tensor's last release deregisters it (while the
 // group lives) and frees the memory; tsys_dist_free deregisters the ones still alive and leaves them the
 // freeing (d = NULL).
-#ifdef TSYS_DIST_NCCL
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
 #define TSYS_DIST__WINDOWS 1
 typedef struct tsys_dist__window {
@@ -2614,24 +2764,16 @@ static void tsys_dist__windows_orphan(tsys_dist *d) {
     (void)d;
 #endif
 }
-#endif   // TSYS_DIST_NCCL
 
-static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
-    if (d->worker_on) {
-        tsys_dist__drain(d);
-        pthread_mutex_lock(&d->mu);
-        d->worker_stop = true;
-        pthread_cond_broadcast(&d->cv);
-        pthread_mutex_unlock(&d->mu);
-        pthread_join(d->worker, NULL);
-        pthread_mutex_destroy(&d->mu);
-        pthread_cond_destroy(&d->cv);
-        pthread_cond_destroy(&d->cv_done);
-        d->worker_on = false;
-    }
-    bool broken = TSYS_DIST__LOAD(&d->broken) != 0;
-    (void)broken; (void)finalize;
-#ifdef TSYS_DIST_NCCL
+// Waits (bounded) for the NCCL work issued so far. While a CUDA graph is being captured nothing runs,
+// so there is nothing to wait for; an aborted communicator has nothing left either (the group is broken).
+static bool tsys_dist__nccl_barrier(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    (void)c;
+    return !d->nccl || tsys_cuda_capturing(d->ctx) || tsys_dist__nccl_drain(d, "barrier", e);
+}
+
+static void tsys_dist__nccl_teardown(tsys_dist *d, bool finalize, bool broken) {
+    (void)finalize;
     if (d->nccl) {
         if (broken) { tsys_dist__windows_orphan(d); ncclCommAbort(d->nccl); }
         else {
@@ -2649,21 +2791,247 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
         d->nccl = NULL;
     }
     if (d->ev_ready.handle) tsys_event_release(d->ctx, &d->ev_ready);
+}
+
+// The peers NCCL waits for are watched through the host engine (tsys_dist__dead_peers).
+static const tsys_dist__engine tsys_dist__engine_nccl = { "nccl", TSYS_DIST_ENGINE_NCCL, tsys_dist__nccl_coll, tsys_dist__nccl_barrier, NULL, tsys_dist__nccl_teardown };
+#endif   // TSYS_DIST_NCCL
+
+// >>group -----------------------------------------------------------------------------------------
+// A group holds three engines (>>engines):
+//   launch  the one that formed it: mpi (mpirun / srun), tcp (tsys_dist_spawn, torchrun-style
+//           variables) or self (a group of one); what tsys_dist_engine_of reports without NCCL
+//   host    the one that runs host collectives: self in a group of one, shm when the segment is
+//           mapped, else launch
+//   device  nccl when the group has a communicator (CUDA tensors), else NULL (host staging)
+// tsys_dist_init sets them up in that order; tsys_dist__teardown undoes them in reverse.
+
+#if defined(TSYS_DIST_NCCL) || defined(TSYS_DIST_MPI)
+// The peers this rank can tell are gone without their help, as the host engine sees them (by pid on
+// one host, by a closed socket in the TCP star; MPI cannot tell). Names them in buf; returns how many.
+static int tsys_dist__dead_peers(tsys_dist *d, char *buf, size_t n) {
+    buf[0] = 0;
+    return d->host->dead_peers ? d->host->dead_peers(d, buf, n) : 0;
+}
 #endif
-    if (d->shm_base) munmap(d->shm_base, d->shm_bytes);
-    d->shm_base = NULL;
-    if (d->fds) { for (int r = 0; r < d->size; r++) if (d->fds[r] >= 0) close(d->fds[r]); TSYS_FREE(d->fds); d->fds = NULL; }
-#ifdef TSYS_DIST_MPI
-    // A broken group leaves MPI alone: a posted request may never finish, so MPI_Finalize could hang.
-    // The program is expected to exit with an error, which ends the job.
-    if (!broken) {
-        if (d->have_comm) MPI_Comm_free(&d->comm);
-        int fin = 0;
-        MPI_Finalized(&fin);
-        if (finalize && d->mpi_owner && !fin) MPI_Finalize();
+
+// Runs one host collective on the group's host engine. Touches only the group's transport state,
+// never the tsys context: the worker thread calls it too.
+static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    if (TSYS_DIST__LOAD(&d->broken))
+        return tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: the group is broken since: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, d->broken_msg);
+    return c->kind == TSYS_DIST__BARRIER ? d->host->barrier(d, c, e) : d->host->collective(d, c, e);
+}
+
+// ---- the worker: asynchronous host collectives run on it, in the order they were issued ----------
+static void *tsys_dist__worker_main(void *arg) {
+    tsys_dist *d = (tsys_dist *)arg;
+    pthread_mutex_lock(&d->mu);
+    for (;;) {
+        while (!d->q_head && !d->worker_stop) pthread_cond_wait(&d->cv, &d->mu);
+        if (!d->q_head) break;
+        tsys_dist_work *w = d->q_head;
+        d->q_head = w->next;
+        if (!d->q_head) d->q_tail = NULL;
+        d->worker_busy = true;
+        pthread_mutex_unlock(&d->mu);
+        tsys_dist__host_exec(d, &w->c, &w->err);
+        pthread_mutex_lock(&d->mu);
+        w->done = 1;
+        d->worker_busy = false;
+        pthread_cond_broadcast(&d->cv_done);
     }
-    d->have_comm = false;
+    pthread_mutex_unlock(&d->mu);
+    return NULL;
+}
+
+// Waits until the worker has run everything queued (a blocking collective goes after them).
+static void tsys_dist__drain(tsys_dist *d) {
+    if (!d->worker_on) return;
+    pthread_mutex_lock(&d->mu);
+    while (d->q_head || d->worker_busy) pthread_cond_wait(&d->cv_done, &d->mu);
+    pthread_mutex_unlock(&d->mu);
+}
+
+// Asynchronous host collectives get a worker thread, except in a group of one and on MPI without
+// MPI_THREAD_MULTIPLE (initialized so by the caller), where they run at launch.
+static void tsys_dist__worker_start(tsys_dist *d) {
+    bool threads_ok = d->launch != &tsys_dist__engine_self && d->size > 1;
+#ifdef TSYS_DIST_MPI
+    if (d->host == &tsys_dist__engine_mpi && !d->mpi_multiple) threads_ok = false;
 #endif
+    if (!threads_ok) return;
+    pthread_mutex_init(&d->mu, NULL);
+    pthread_cond_init(&d->cv, NULL);
+    pthread_cond_init(&d->cv_done, NULL);
+    if (pthread_create(&d->worker, NULL, tsys_dist__worker_main, d) == 0) d->worker_on = true;
+    else { pthread_mutex_destroy(&d->mu); pthread_cond_destroy(&d->cv); pthread_cond_destroy(&d->cv_done); }
+}
+// Runs what is queued, then stops the worker.
+static void tsys_dist__worker_stop(tsys_dist *d) {
+    if (!d->worker_on) return;
+    tsys_dist__drain(d);
+    pthread_mutex_lock(&d->mu);
+    d->worker_stop = true;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    pthread_join(d->worker, NULL);
+    pthread_mutex_destroy(&d->mu);
+    pthread_cond_destroy(&d->cv);
+    pthread_cond_destroy(&d->cv_done);
+    d->worker_on = false;
+}
+
+// ---- making and freeing a group -------------------------------------------------------------------
+
+// Records an engine about to be set up: its teardown runs even when the setup fails halfway.
+static void tsys_dist__made(tsys_dist *d, const tsys_dist__engine *eng) {
+    TSYS_ASSERT(d->nmade < (int)(sizeof d->made / sizeof d->made[0]));
+    d->made[d->nmade++] = eng;
+}
+
+static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
+    tsys_dist__worker_stop(d);
+    const bool broken = TSYS_DIST__LOAD(&d->broken) != 0;   // before the engines go: one view for all of them
+    for (int i = d->nmade - 1; i >= 0; i--)
+        if (d->made[i]->teardown) d->made[i]->teardown(d, finalize, broken);
+    d->nmade = 0;
+}
+
+// Under mpirun / srun, or with MPI initialized already: an MPI rank (*joined), set up by the MPI engine.
+static bool tsys_dist__join_mpi(tsys_dist *d, const char **what, bool *joined, tsys_dist__err *e) {
+    bool by_mpi = tsys_dist__launched_by_mpi();
+#ifdef TSYS_DIST_MPI
+    int inited = 0;
+    MPI_Initialized(&inited);
+    by_mpi = by_mpi || inited;
+    // an explicit MPI engine in a process started alone is an MPI singleton (a group of one)
+    if (!by_mpi && d->opt.engine == TSYS_DIST_ENGINE_MPI && !tsys_dist__env("RANK") && !tsys_dist__env("WORLD_SIZE")) by_mpi = true;
+    *joined = by_mpi;
+    if (!by_mpi) return true;
+    *what = "tsys_dist_init (MPI)";
+    tsys_dist__made(d, &tsys_dist__engine_mpi);
+    return tsys_dist__mpi_setup(d, e);
+#else
+    (void)d; (void)what;
+    *joined = false;
+    if (!by_mpi) return true;
+    const char *n = tsys_dist__env("OMPI_COMM_WORLD_SIZE");
+    if (!n) n = tsys_dist__env("PMI_SIZE");
+    if (!n) n = tsys_dist__env("SLURM_NTASKS");
+    if (n && strcmp(n, "1"))
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "started by mpirun/srun with %s ranks, but this program was built without TSYS_DIST_MPI: "
+                                 "rebuild it with -DTSYS_DIST_MPI and MPI's flags, or start it with --nproc / torchrun-style variables", n);
+    return true;   // an MPI job of one rank: a group of one
+#endif
+}
+
+// Torchrun-style variables (tsys_dist_spawn sets them too): the TCP rendezvous forms the group.
+static bool tsys_dist__join_tcp(tsys_dist *d, tsys_dist__err *e) {
+    long rank = -1, size = -1, port = 29500, v = 0;
+    bool b1 = false, b2 = false, b3 = false, b4 = false;
+    if (!tsys_dist__env_long("WORLD_SIZE", 1, 1 << 20, &size, &b1) || !tsys_dist__env_long("RANK", 0, size - 1, &rank, &b2))
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "RANK='%s' and WORLD_SIZE='%s' must both be set: 0 <= RANK < WORLD_SIZE",
+                                 getenv("RANK") ? getenv("RANK") : "", getenv("WORLD_SIZE") ? getenv("WORLD_SIZE") : "");
+    d->rank = (int)rank; d->size = (int)size;
+    if (tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &v, &b3)) d->local_rank = (int)v;
+    else d->local_rank = d->rank;
+    if (b3) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "LOCAL_RANK='%s' is not a rank", getenv("LOCAL_RANK"));
+    d->local_size = d->size; d->one_host = true;
+    if (d->size == 1) return true;
+    tsys_dist__env_long("MASTER_PORT", 1, 65535, &port, &b4);
+    if (b4) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "MASTER_PORT='%s' is not a port", getenv("MASTER_PORT"));
+    const char *addr = tsys_dist__env("MASTER_ADDR");
+    tsys_dist__made(d, &tsys_dist__engine_tcp);
+    if (!tsys_dist__tcp_setup(d, addr ? addr : "127.0.0.1", (int)port, e)) return false;
+    d->launch = &tsys_dist__engine_tcp;
+    return true;
+}
+
+// The launch engine, in the order of preference at the top of the file: MPI, the TCP rendezvous, alone.
+static bool tsys_dist__join_group(tsys_dist *d, const char **what, tsys_dist__err *e) {
+    bool by_mpi = false;
+    if (!tsys_dist__join_mpi(d, what, &by_mpi, e)) return false;
+    if (by_mpi || (!tsys_dist__env("RANK") && !tsys_dist__env("WORLD_SIZE"))) return true;
+    *what = "tsys_dist_init (TCP rendezvous)";
+    return tsys_dist__join_tcp(d, e);
+}
+
+// The engine asked for, against the way this process was started.
+static bool tsys_dist__engine_fits(const tsys_dist *d, tsys_dist__err *e) {
+    switch (d->opt.engine) {
+    case TSYS_DIST_ENGINE_SELF:
+        if (d->size > 1) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine self is a group of one, but this process is rank %d of %d", d->rank, d->size);
+        break;
+    case TSYS_DIST_ENGINE_MPI:
+#ifdef TSYS_DIST_MPI
+        if (d->launch != &tsys_dist__engine_mpi)
+            return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
+                                     "variables: ask for TSYS_DIST_ENGINE_TCP (the host engine of such ranks; no NCCL) or AUTO");
+#else
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "engine mpi: built without TSYS_DIST_MPI");
+#endif
+        break;
+    case TSYS_DIST_ENGINE_NCCL:
+#ifndef TSYS_DIST_NCCL
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "engine nccl: built without TSYS_DIST_NCCL");
+#endif
+        if (!d->opt.cuda) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine nccl needs desc.cuda (NCCL moves CUDA tensors)");
+        break;
+    case TSYS_DIST_ENGINE_TCP:
+        if (d->size > 1 && d->launch != &tsys_dist__engine_tcp)
+            return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine tcp needs ranks started by tsys_dist_spawn or torchrun-style variables, not mpirun");
+        break;
+    default: break;
+    }
+    return true;
+}
+
+// desc.cuda: this rank's GPU is local rank mod the device count, unless the context has a CUDA backend.
+static bool tsys_dist__cuda_setup(tsys_dist *d, tsys_dist__err *e) {
+#ifdef TSYS_CUDA_H_INCLUDED
+    tsys_ctx *ctx = d->ctx;
+    if (!tsys_ctx_backend(ctx, TSYS_CUDA) || !tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)) {
+        int count = tsys_cuda_device_count();
+        if (count <= 0) return tsys_dist__seterr(e, TSYS_ERR_CUDA, "desc.cuda: no CUDA device is visible");
+        if (tsys_cuda_init(ctx, d->local_rank % count) != TSYS_OK) return tsys_dist__seterr(e, TSYS_ERR_CUDA, "GPU %d: %s", d->local_rank % count, tsys_ctx_last_error(ctx));
+    }
+    d->cuda = true;
+    return true;
+#else
+    (void)d;
+    return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "desc.cuda: this program was built without CUDA (include tsys_cuda.cuh before tsys_dist.h)");
+#endif
+}
+
+// Ranks all on this host (at most 512: the segment's records) share a segment unless desc.no_shm; a
+// segment that cannot be made leaves the path off (shm_note says why), not the group.
+static bool tsys_dist__shm_join(tsys_dist *d, tsys_dist__err *e) {
+    if (d->size == 1) return true;
+    if (!d->one_host || d->size > 512) {
+        snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: the ranks are on %s", d->one_host ? "more than 512 ranks" : "several hosts");
+        return true;
+    }
+    if (d->opt.no_shm) { snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: TSYS_DIST_SHM=0 (desc.no_shm)"); return true; }
+    tsys_dist__made(d, &tsys_dist__engine_shm);
+    if (!tsys_dist__shm_setup(d, e)) return false;
+    if (d->shm_base) d->host = &tsys_dist__engine_shm;
+    return true;
+}
+
+// A CUDA group of several ranks (or one that asks for NCCL) gets a communicator, when built with NCCL.
+static bool tsys_dist__device_join(tsys_dist *d, const char **what, tsys_dist__err *e) {
+#ifdef TSYS_DIST_NCCL
+    if (!d->cuda || !(d->opt.engine == TSYS_DIST_ENGINE_NCCL || (d->opt.engine == TSYS_DIST_ENGINE_AUTO && d->size > 1))) return true;
+    *what = "tsys_dist_init (NCCL)";
+    tsys_dist__made(d, &tsys_dist__engine_nccl);
+    if (!tsys_dist__nccl_setup(d, e)) return false;
+    d->device = &tsys_dist__engine_nccl;
+    tsys_dist__warn_one_cpu(d);
+#else
+    (void)d; (void)what; (void)e;
+#endif
+    return true;
 }
 
 TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
@@ -2671,143 +3039,24 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
     if (!d) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_init: out of host memory"); return NULL; }
     d->ctx = ctx; d->size = 1; d->local_size = 1; d->spin_limit = 1024;
-    d->host = TSYS_DIST__HOST_SELF;
+    d->launch = d->host = &tsys_dist__engine_self;
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     const char *what = "tsys_dist_init";
-    long v = 0;
-    tsys_dist_desc dd;
-    memset(&dd, 0, sizeof dd);
     if (!tsys_dist__options(desc, &d->opt, &e)) goto fail;
-    dd = d->opt;
-    d->timeout_s = dd.timeout_s;
-    d->check_none = dd.check == TSYS_DIST_CHECK_NEVER;
-    d->check_all = !d->check_none && (TSYS_DEBUG || dd.check == TSYS_DIST_CHECK_ALWAYS);
+    d->timeout_s = d->opt.timeout_s;
+    d->check_none = d->opt.check == TSYS_DIST_CHECK_NEVER;
+    d->check_all = !d->check_none && (TSYS_DEBUG || d->opt.check == TSYS_DIST_CHECK_ALWAYS);
     if (gethostname(d->hostname, sizeof d->hostname - 1) != 0) snprintf(d->hostname, sizeof d->hostname, "localhost");
-    {
-        bool by_mpi = tsys_dist__launched_by_mpi();
-#ifdef TSYS_DIST_MPI
-        int inited = 0;
-        MPI_Initialized(&inited);
-        by_mpi = by_mpi || inited;
-        // an explicit MPI engine in a process started alone is an MPI singleton (a group of one)
-        if (!by_mpi && dd.engine == TSYS_DIST_ENGINE_MPI && !tsys_dist__env("RANK") && !tsys_dist__env("WORLD_SIZE")) by_mpi = true;
-        if (by_mpi) {
-            what = "tsys_dist_init (MPI)";
-            if (!tsys_dist__mpi_setup(d, &e)) goto fail;
-        }
-#else
-        if (by_mpi) {
-            const char *n = tsys_dist__env("OMPI_COMM_WORLD_SIZE");
-            if (!n) n = tsys_dist__env("PMI_SIZE");
-            if (!n) n = tsys_dist__env("SLURM_NTASKS");
-            if (n && strcmp(n, "1")) {
-                tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "started by mpirun/srun with %s ranks, but this program was built without TSYS_DIST_MPI: "
-                                  "rebuild it with -DTSYS_DIST_MPI and MPI's flags, or start it with --nproc / torchrun-style variables", n);
-                goto fail;
-            }
-            by_mpi = false;
-        }
-#endif
-        if (!by_mpi && (tsys_dist__env("RANK") || tsys_dist__env("WORLD_SIZE"))) {
-            what = "tsys_dist_init (TCP rendezvous)";
-            long rank = -1, size = -1, port = 29500;
-            bool b1 = false, b2 = false, b3 = false;
-            if (!tsys_dist__env_long("WORLD_SIZE", 1, 1 << 20, &size, &b1) || !tsys_dist__env_long("RANK", 0, size - 1, &rank, &b2)) {
-                tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "RANK='%s' and WORLD_SIZE='%s' must both be set: 0 <= RANK < WORLD_SIZE",
-                                  getenv("RANK") ? getenv("RANK") : "", getenv("WORLD_SIZE") ? getenv("WORLD_SIZE") : "");
-                goto fail;
-            }
-            d->rank = (int)rank; d->size = (int)size;
-            if (tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &v, &b3)) d->local_rank = (int)v;
-            else d->local_rank = d->rank;
-            if (b3) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "LOCAL_RANK='%s' is not a rank", getenv("LOCAL_RANK")); goto fail; }
-            d->local_size = d->size; d->one_host = true;
-            if (d->size > 1) {
-                bool b4 = false;
-                tsys_dist__env_long("MASTER_PORT", 1, 65535, &port, &b4);
-                if (b4) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "MASTER_PORT='%s' is not a port", getenv("MASTER_PORT")); goto fail; }
-                const char *addr = tsys_dist__env("MASTER_ADDR");
-                if (!tsys_dist__tcp_setup(d, addr ? addr : "127.0.0.1", (int)port, &e)) goto fail;
-                d->host = TSYS_DIST__HOST_TCP;
-            }
-        }
-    }
+    if (!tsys_dist__join_group(d, &what, &e)) goto fail;
     what = "tsys_dist_init";
-    // the engine asked for against the way this process was started
-    switch (dd.engine) {
-    case TSYS_DIST_ENGINE_SELF:
-        if (d->size > 1) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine self is a group of one, but this process is rank %d of %d", d->rank, d->size); goto fail; }
-        break;
-    case TSYS_DIST_ENGINE_MPI:
-#ifdef TSYS_DIST_MPI
-        if (d->host != TSYS_DIST__HOST_MPI) {
-            tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
-                              "variables: ask for TSYS_DIST_ENGINE_TCP (the host engine of such ranks; no NCCL) or AUTO");
-            goto fail;
-        }
-#else
-        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "engine mpi: built without TSYS_DIST_MPI");
-        goto fail;
-#endif
-        break;
-    case TSYS_DIST_ENGINE_NCCL:
-#ifndef TSYS_DIST_NCCL
-        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "engine nccl: built without TSYS_DIST_NCCL");
-        goto fail;
-#endif
-        if (!dd.cuda) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine nccl needs desc.cuda (NCCL moves CUDA tensors)"); goto fail; }
-        break;
-    case TSYS_DIST_ENGINE_TCP:
-        if (d->size > 1 && d->host != TSYS_DIST__HOST_TCP) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine tcp needs ranks started by tsys_dist_spawn or torchrun-style variables, not mpirun"); goto fail; }
-        break;
-    default: break;
-    }
-    if (d->size == 1 && dd.engine != TSYS_DIST_ENGINE_MPI) d->host = TSYS_DIST__HOST_SELF;
-    if (dd.cuda) {
-#ifdef TSYS_CUDA_H_INCLUDED
-        if (!tsys_ctx_backend(ctx, TSYS_CUDA) || !tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)) {
-            int count = tsys_cuda_device_count();
-            if (count <= 0) { tsys_dist__seterr(&e, TSYS_ERR_CUDA, "desc.cuda: no CUDA device is visible"); goto fail; }
-            if (tsys_cuda_init(ctx, d->local_rank % count) != TSYS_OK) { tsys_dist__seterr(&e, TSYS_ERR_CUDA, "GPU %d: %s", d->local_rank % count, tsys_ctx_last_error(ctx)); goto fail; }
-        }
-        d->cuda = true;
-#else
-        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "desc.cuda: this program was built without CUDA (include tsys_cuda.cuh before tsys_dist.h)");
-        goto fail;
-#endif
-    }
-    if (d->size > 1 && d->one_host && d->size <= 512) {
-        if (dd.no_shm) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: TSYS_DIST_SHM=0 (desc.no_shm)");
-        else if (!tsys_dist__shm_setup(d, &e)) goto fail;
-    } else if (d->size > 1) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: the ranks are on %s", d->one_host ? "more than 512 ranks" : "several hosts");
-#ifdef TSYS_DIST_NCCL
-    if (d->cuda && (dd.engine == TSYS_DIST_ENGINE_NCCL || (dd.engine == TSYS_DIST_ENGINE_AUTO && d->size > 1))) {
-        what = "tsys_dist_init (NCCL)";
-        if (!tsys_dist__nccl_setup(d, &e)) goto fail;
-        tsys_dist__warn_one_cpu(d);
-    }
-#endif
-    d->engine = TSYS_DIST_ENGINE_SELF;
-    if (d->host == TSYS_DIST__HOST_MPI) d->engine = TSYS_DIST_ENGINE_MPI;
-    if (d->host == TSYS_DIST__HOST_TCP) d->engine = TSYS_DIST_ENGINE_TCP;
-#ifdef TSYS_DIST_NCCL
-    if (d->nccl) d->engine = TSYS_DIST_ENGINE_NCCL;
-#endif
-    {
-        bool threads_ok = d->host != TSYS_DIST__HOST_SELF && d->size > 1;
-#ifdef TSYS_DIST_MPI
-        // MPI without MPI_THREAD_MULTIPLE (initialized so by the caller): asynchronous collectives run at launch
-        if (d->host == TSYS_DIST__HOST_MPI && !d->shm_base && !d->mpi_multiple) threads_ok = false;
-#endif
-        if (threads_ok) {
-            pthread_mutex_init(&d->mu, NULL);
-            pthread_cond_init(&d->cv, NULL);
-            pthread_cond_init(&d->cv_done, NULL);
-            if (pthread_create(&d->worker, NULL, tsys_dist__worker_main, d) == 0) d->worker_on = true;
-            else { pthread_mutex_destroy(&d->mu); pthread_cond_destroy(&d->cv); pthread_cond_destroy(&d->cv_done); }
-        }
-    }
+    if (!tsys_dist__engine_fits(d, &e)) goto fail;
+    if (d->size == 1 && d->opt.engine != TSYS_DIST_ENGINE_MPI) d->launch = &tsys_dist__engine_self;   // an MPI singleton stays mpi when asked
+    d->host = d->size > 1 ? d->launch : &tsys_dist__engine_self;
+    if (d->opt.cuda && !tsys_dist__cuda_setup(d, &e)) goto fail;
+    if (!tsys_dist__shm_join(d, &e) || !tsys_dist__device_join(d, &what, &e)) goto fail;
+    d->engine = d->device ? d->device->kind : d->launch->kind;
+    tsys_dist__worker_start(d);
     return d;
 fail:
     tsys_ctx_set_error(ctx, e.status ? e.status : TSYS_ERR_INVALID_ARGS, "%s: rank %d: %s", what, d->rank, e.msg);
@@ -2852,50 +3101,6 @@ TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e) {
 }
 
 // >>collectives -----------------------------------------------------------------------------------
-// ---- NCCL ----------------------------------------------------------------------------------------
-// On the side stream, after the compute stream's work so far (an event from the backend's pool);
-// the collective's end is another event, which tsys_dist_wait makes the compute stream wait for.
-// No host sync anywhere, so the whole sequence can be captured in a CUDA graph.
-#ifdef TSYS_DIST_NCCL
-static ncclDataType_t tsys_dist__nccl_type(int t) {
-    switch (t) {
-    case TSYS_F32: return ncclFloat32;
-    case TSYS_BF16: return ncclBfloat16;
-    case TSYS_F16: return ncclFloat16;
-    case TSYS_I32: return ncclInt32;
-    default: return ncclInt64;
-    }
-}
-// done == NULL: a blocking collective with no asynchronous one in flight goes on the compute stream itself
-// (the compute stream would wait for it at once; the two events of the side stream cost ~2.6 us, measured
-// on 2 x H200 by tools/nccl_latency.c). With asynchronous ones in flight it takes the side stream behind them:
-// collectives on one communicator must run in the order they were issued.
-static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_event *done, tsys_dist__err *e) {
-    tsys_ctx *ctx = d->ctx;
-    if (done && (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
-                 tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK))
-        return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
-    cudaStream_t stream = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
-    ncclDataType_t dt = tsys_dist__nccl_type(c->type);
-    ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
-    ncclResult_t r;
-    const char *what;
-    switch (c->kind) {
-    case TSYS_DIST__ALLREDUCE: what = "ncclAllReduce"; r = ncclAllReduce(c->out, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
-    case TSYS_DIST__BCAST: what = "ncclBroadcast"; r = ncclBroadcast(c->out, c->out, (size_t)c->count, dt, c->root, d->nccl, stream); break;
-    case TSYS_DIST__RS: what = "ncclReduceScatter"; r = ncclReduceScatter(c->in, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
-    default: what = "ncclAllGather"; r = ncclAllGather(c->in, c->out, (size_t)c->count, dt, d->nccl, stream); break;
-    }
-    char buf[96];
-    snprintf(buf, sizeof buf, "%s (collective #%lld)", what, (long long)c->seq);
-    if (!tsys_dist__nccl_ok(d, r, buf, e)) return false;
-    if (d->group_open) return true;   // launched, settled and given its end event by tsys_dist_group_end
-    if (r == ncclInProgress && !tsys_dist__nccl_settle(d, buf, e)) return false;
-    if (done && tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
-    return true;
-}
-#endif
-
 // ---- tensors for collectives ----------------------------------------------------------------------
 
 TSYSDEF tsys_tensor *tsys_dist_tensor_new(tsys_dist *d, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
@@ -3005,7 +3210,7 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
     c->check = tsys_dist__wants_check(d, (int64_t)(nout > nin ? nout : nin) * (int64_t)es, TSYS_DIST__CHECK_BYTES);
 
 #ifdef TSYS_DIST_NCCL
-    if (out->device == TSYS_CUDA && d->nccl) {
+    if (out->device == TSYS_CUDA && d->device) {
         if (!tsys_dist__window_ok(d, fn, in, out, c->count * (int64_t)es)) { tsys_dist__work_free(w); return NULL; }
         // sizes and dtypes agree? (host round trip; not while replaying a graph: checked at capture)
         if (d->size > 1 && tsys_dist__wants_check(d, (int64_t)(nout > nin ? nout : nin) * (int64_t)es, TSYS_DIST__NCCL_CHECK_BYTES)) {
@@ -3015,7 +3220,8 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
             if (!tsys_dist__host_exec(d, &chk, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
         }
         const bool direct = !async && !d->group_open && d->side_inflight == 0;
-        if (!tsys_dist__nccl_coll(d, c, direct ? NULL : &w->ev, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
+        c->done = direct ? NULL : &w->ev;
+        if (!d->device->collective(d, c, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
         if (direct) { tsys_dist__work_free(w); *st = TSYS_OK; return NULL; }
         w->path = TSYS_DIST__WORK_NCCL;
         if (async) { w->async = true; d->side_inflight++; }
@@ -3030,7 +3236,7 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
         return NULL;
     }
 #endif
-    if (d->host == TSYS_DIST__HOST_SELF && out->device != TSYS_CPU) {
+    if (d->launch == &tsys_dist__engine_self && out->device != TSYS_CPU) {
         // a group of one on a device: reduce-scatter and all-gather are copies on the current stream
         if ((kind == TSYS_DIST__RS || kind == TSYS_DIST__AG) && in != out && nout) *st = tsys_tensor_copy_from(ctx, out, in);
         else *st = TSYS_OK;
@@ -3164,66 +3370,6 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
     return TSYS_OK;
 }
 
-#ifdef TSYS_DIST_NCCL
-// Ends an NCCL group that cannot go on: aborting the communicator also ends its kernels still waiting
-// on the GPU for a peer that will never send (without it the process could not even exit).
-static bool tsys_dist__nccl_give_up(tsys_dist *d, tsys_dist__err *e) {
-    tsys_dist__break(d, e);
-    if (d->nccl) ncclCommAbort(d->nccl);
-    d->nccl = NULL;
-    return false;
-}
-
-// Waits (host side, bounded by the timeout) for the NCCL collectives issued so far on the side stream; a
-// peer that died or stalled ends it in an error and an aborted communicator. A peer that this rank can
-// see is gone (tsys_dist__dead_peers) is named within TSYS_DIST__DEAD_CHECK_US.
-static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e) {
-    tsys_event ev;
-    memset(&ev, 0, sizeof ev);
-    // the side stream's collectives, and the compute stream's (blocking ones go there): the side stream
-    // waits for the compute stream, and the host for the side stream
-    if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK || tsys_event_wait(d->ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK ||
-        tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
-        return tsys_dist__seterr(e, tsys_ctx_status(d->ctx), "%s: %s", what, tsys_ctx_last_error(d->ctx));
-    const double t0 = tsys_time_us();
-    double last_check = t0;
-    bool ok = true;
-    for (long spins = 0;; spins++) {
-        const cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
-        if (q == cudaSuccess) break;
-        char dead[160];
-        if (tsys_time_us() - last_check > TSYS_DIST__DEAD_CHECK_US) {
-            last_check = tsys_time_us();
-            if (tsys_dist__dead_peers(d, dead, sizeof dead) > 0) {
-                tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: %s exited, with NCCL collectives in flight; communicator aborted", what, dead);
-                ok = tsys_dist__nccl_give_up(d, e);
-                break;
-            }
-        }
-        ncclResult_t ae = ncclSuccess;
-        const ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
-        if (qr != ncclSuccess) ae = qr;
-        if (q != cudaErrorNotReady) { ok = tsys_dist__seterr(e, TSYS_ERR_CUDA, "%s: %s", what, cudaGetErrorString(q)); break; }
-        if (ae != ncclSuccess && ae != ncclInProgress) {
-            char buf[200];
-            const bool named = tsys_dist__dead_peers(d, dead, sizeof dead) > 0;
-            snprintf(buf, sizeof buf, named ? "%s: NCCL (%s exited)" : "%s: NCCL%s", what, dead);
-            tsys_dist__nccl_ok(d, ae, buf, e);
-            ok = tsys_dist__nccl_give_up(d, e);
-            break;
-        }
-        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
-            tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", what, d->timeout_s);
-            ok = tsys_dist__nccl_give_up(d, e);
-            break;
-        }
-        if (spins > 1000) tsys_dist__nap_us(50);
-    }
-    tsys_event_release(d->ctx, &ev);
-    return ok;
-}
-#endif
-
 TSYSDEF tsys_status tsys_dist_sync(tsys_dist *d) {
     if (!d) return TSYS_ERR_INVALID_ARGS;
     if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "sync: the group is broken since: %s", d->broken_msg);
@@ -3241,9 +3387,7 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
     if (!d) return TSYS_ERR_INVALID_ARGS;
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
-#ifdef TSYS_DIST_NCCL
-    if (d->nccl && !tsys_cuda_capturing(d->ctx) && !tsys_dist__nccl_drain(d, "barrier", &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
-#endif
+    if (d->device && !d->device->barrier(d, NULL, &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
     if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "barrier: the group is broken since: %s", d->broken_msg);
     tsys_dist__coll c;
     memset(&c, 0, sizeof c);
