@@ -4465,55 +4465,62 @@ static size_t tsys_dist__fsdp_unit_key(const char *name) {
     return (q > name + 7 && *q == '.') ? (size_t)(q + 1 - name) : 0;
 }
 
-TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_fsdp_desc *desc) {
-    if (!d) return NULL;
-    tsys_ctx *ctx = tsys_dist_ctx(d);
-    if (tsys_ctx_status(ctx) != TSYS_OK) return NULL;
-    tsys_fsdp_desc dd;
-    memset(&dd, 0, sizeof(dd));
-    if (desc) dd = *desc;
-    if (dd.compute_dtype != TSYS_F32 && dd.compute_dtype != TSYS_BF16 && dd.compute_dtype != TSYS_F16) {
-        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: compute_dtype %s is not fp32, bf16 or fp16", tsys_dtype_name(dd.compute_dtype));
-        return NULL;
+// The arguments of tsys_fsdp_new, checked (the error set when not); *there: the context's trace hooks,
+// which FSDP chains (one FSDP per context: its own hooks there are refused).
+static bool tsys_dist__fsdp_args_ok(tsys_ctx *ctx, tsys_tensor **params, int n, const tsys_fsdp_desc *dd, tsys_trace_hooks *there) {
+    if (dd->compute_dtype != TSYS_F32 && dd->compute_dtype != TSYS_BF16 && dd->compute_dtype != TSYS_F16) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: compute_dtype %s is not fp32, bf16 or fp16", tsys_dtype_name(dd->compute_dtype));
+        return false;
     }
-    if ((unsigned)dd.reshard_after_forward > (unsigned)TSYS_FSDP_RESHARD_NO) {
-        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: reshard_after_forward %d is not AUTO, YES or NO", (int)dd.reshard_after_forward);
-        return NULL;
+    if ((unsigned)dd->reshard_after_forward > (unsigned)TSYS_FSDP_RESHARD_NO) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: reshard_after_forward %d is not AUTO, YES or NO", (int)dd->reshard_after_forward);
+        return false;
     }
-    if (n < 1 || !params) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
+    if (n < 1 || !params) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: %d parameters and %s list", n, params ? "a" : "no"); return false; }
     for (int i = 0; i < n; i++) {
         tsys_tensor *p = params[i];
-        if (!p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter %d is NULL", i); return NULL; }
-        if (p->dtype != TSYS_F32) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter '%s' is %s; FSDP keeps fp32 masters and takes fp32 parameters", p->name, tsys_dtype_name(p->dtype)); return NULL; }
-        if (p->grad_fn) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' is the result of an op, not a parameter", p->name); return NULL; }
+        if (!p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter %d is NULL", i); return false; }
+        if (p->dtype != TSYS_F32) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter '%s' is %s; FSDP keeps fp32 masters and takes fp32 parameters", p->name, tsys_dtype_name(p->dtype)); return false; }
+        if (p->grad_fn) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' is the result of an op, not a parameter", p->name); return false; }
         for (int j = 0; j < i; j++)
-            if (params[j] == p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' appears twice (tied weights are not supported: each sharded weight is used once per forward)", p->name); return NULL; }
+            if (params[j] == p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' appears twice (tied weights are not supported: each sharded weight is used once per forward)", p->name); return false; }
     }
-    tsys_trace_hooks there = tsys_ctx_set_trace_hooks(ctx, NULL);
-    tsys_ctx_set_trace_hooks(ctx, &there);
-    if (there.op_begin == tsys_dist__fsdp_op_begin) {
+    *there = tsys_ctx_set_trace_hooks(ctx, NULL);
+    tsys_ctx_set_trace_hooks(ctx, there);
+    if (there->op_begin == tsys_dist__fsdp_op_begin) {
         tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: the context already has an FSDP wrapper (one per context)");
-        return NULL;
+        return false;
     }
+    return true;
+}
+
+// The wrapper with its lists for n parameters (check tsys_dist__fsdp_lists_ok); NULL (the error set)
+// when even the wrapper finds no memory.
+static tsys_fsdp *tsys_dist__fsdp_alloc(tsys_dist *d, const tsys_fsdp_desc *dd, size_t cnt) {
+    tsys_ctx *ctx = tsys_dist_ctx(d);
     tsys_fsdp *f = (tsys_fsdp *)TSYS_DIST__ALLOC(sizeof(tsys_fsdp));
     if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
     memset(f, 0, sizeof(*f));
-    f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
-    f->direct = tsys_dist_size(d) == 1 && !dd.no_shortcut;
+    f->d = d; f->ctx = ctx; f->cdt = dd->compute_dtype; f->prefetch = !dd->no_prefetch; f->rs_pending = -1;
+    f->direct = tsys_dist_size(d) == 1 && !dd->no_shortcut;
     f->alias = f->direct && f->cdt == TSYS_F32;
-    f->reshard = dd.reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd.reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
-    size_t cnt = (size_t)n;
+    f->reshard = dd->reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd->reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
     f->u = (tsys_dist__fsdp_unit *)TSYS_DIST__ALLOC(sizeof(tsys_dist__fsdp_unit) * cnt);
     f->rep = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
     f->frozen = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
     f->local = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
     f->rep_work = (tsys_dist_work **)TSYS_DIST__ALLOC(sizeof(tsys_dist_work *) * cnt);
-    bool ok = f->u && f->rep && f->frozen && f->local && f->rep_work;
-    if (ok) memset(f->u, 0, sizeof(tsys_dist__fsdp_unit) * cnt);
-    // rank 0's weights everywhere, trainable or not (as DDP)
-    tsys_status st = ok ? tsys_dist__broadcast_list(d, params, n, 0) : TSYS_ERR_OOM;
-    // units: 2-D trainable parameters grouped by "layers.N.", in order of first appearance
-    for (int i = 0; st == TSYS_OK && i < n; i++) {
+    if (f->u && f->rep && f->frozen && f->local && f->rep_work) memset(f->u, 0, sizeof(tsys_dist__fsdp_unit) * cnt);
+    return f;
+}
+static bool tsys_dist__fsdp_lists_ok(const tsys_fsdp *f) { return f->u && f->rep && f->frozen && f->local && f->rep_work; }
+
+// Units: the 2-D trainable parameters grouped by "layers.N.", in order of first appearance; the other
+// trainable ones are replicated, the rest frozen.
+static tsys_status tsys_dist__fsdp_make_units(tsys_fsdp *f, tsys_tensor **params, int n) {
+    tsys_ctx *ctx = f->ctx;
+    const size_t cnt = (size_t)n;
+    for (int i = 0; i < n; i++) {
         tsys_tensor *p = params[i];
         if (!p->requires_grad) { f->frozen[f->nfrozen++] = tsys_tensor_retain(p); continue; }
         if (p->ndim != 2) { f->rep[f->nrep++] = tsys_tensor_retain(p); continue; }
@@ -4522,14 +4529,13 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         for (int j = 0; key && j < f->nu && ui < 0; j++)
             if (f->u[j].np && !strncmp(f->u[j].p[0]->name, p->name, key) && tsys_dist__fsdp_unit_key(f->u[j].p[0]->name) == key) ui = j;
         if (ui >= 0 && ui != f->nu - 1) {
-            st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' comes after another unit began; a block's parameters must be consecutive (units follow the forward order)", p->name);
-            break;
+            return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' comes after another unit began; a block's parameters must be consecutive (units follow the forward order)", p->name);
         }
         if (ui < 0) {
             ui = f->nu++;
             f->u[ui].p = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
             f->u[ui].off = (int64_t *)TSYS_DIST__ALLOC(sizeof(int64_t) * cnt);
-            if (!f->u[ui].p || !f->u[ui].off) { st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); break; }
+            if (!f->u[ui].p || !f->u[ui].off) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
             if (key) snprintf(f->u[ui].name, sizeof(f->u[ui].name), "%.*s", (int)(key - 1), p->name);
             else memcpy(f->u[ui].name, p->name, sizeof(f->u[ui].name));
         }
@@ -4538,69 +4544,85 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
         U->p[U->np++] = tsys_tensor_retain(p);
         U->numel += tsys_tensor_numel(p);
     }
-    if (st == TSYS_OK && f->nu == 0) st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: no 2-D trainable parameter (Linear or Embedding weight) to shard");
-    int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
-    size_t es = tsys_dtype_size(f->cdt);
-    // the old homes of the parameters and their gradients (the model's arenas): freed at the end
-    tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * 2 * cnt) : NULL;
-    int nold = 0;
+    if (f->nu == 0) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: no 2-D trainable parameter (Linear or Embedding weight) to shard");
+    return TSYS_OK;
+}
+
+// One unit: its fp32 master (this rank's shard of the padded flat), the full weights and gradient in
+// the compute dtype (no memory until gathered), and its parameters rebound as windows of the full
+// weights. The parameters' old storage and gradients go to old[] (the caller frees them).
+static tsys_status tsys_dist__fsdp_shard_unit(tsys_fsdp *f, tsys_dist__fsdp_unit *U, tsys_tensor **old, int *nold) {
+    tsys_ctx *ctx = f->ctx;
+    const int world = tsys_dist_size(f->d), rank = tsys_dist_rank(f->d);
+    const size_t es = tsys_dtype_size(f->cdt);
     int64_t one = 1;
-    if (st == TSYS_OK && !old) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
+    U->shard = (U->numel + world - 1) / world;
+    f->built = true;
+    int64_t padded = world * U->shard;
+    tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+    tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit
+    U->master = whole ? tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard) : NULL;
+    // fp32 in a group of one: the weights are the master (one rank, no padding), viewed
+    U->full = !U->master ? NULL : f->alias ? tsys_tensor_view_raw(ctx, U->master, 0, TSYS_F32, 1, &padded) : tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded);
+    tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+    U->gfull = U->full ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
+    if (U->master) U->master->grad = tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard);
+    if (!U->gfull || !U->master->grad) { tsys_tensor_release(whole); return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; }
+    tsys_tensor_set_name(U->master, "%s.shard", U->name);
+    tsys_tensor_set_name(U->master->grad, "%s.shard.grad", U->name);
+    tsys_tensor_set_name(U->full, "%s.full", U->name);
+    tsys_tensor_set_name(U->gfull, "%s.full.grad", U->name);
+    U->master->requires_grad = true;
+    U->master->grad_zero = true;
+    tsys_status st = tsys_tensor_fill(ctx, whole, 0.0f);
+    for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+        tsys_tensor *dst = tsys_tensor_view_raw(ctx, whole, (size_t)U->off[k] * 4, TSYS_F32, U->p[k]->ndim, U->p[k]->shape);
+        st = dst ? tsys_tensor_copy_from(ctx, dst, U->p[k]) : tsys_ctx_status(ctx);
+        tsys_tensor_release(dst);
+    }
+    tsys_tensor *mine = st == TSYS_OK ? tsys_tensor_view_raw(ctx, whole, (size_t)(rank * U->shard) * 4, TSYS_F32, 1, &U->shard) : NULL;
+    if (st == TSYS_OK) st = mine ? tsys_tensor_copy_from(ctx, U->master, mine) : tsys_ctx_status(ctx);
+    tsys_tensor_release(mine);
+    tsys_tensor_release(whole);
+    // the parameters become windows of `full` in the compute dtype; their old storage and gradient go
+    for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+        tsys_tensor *p = U->p[k];
+        old[(*nold)++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);   // keeps the old storage to free it below
+        if (p->grad) { old[(*nold)++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
+        p->dtype = f->cdt;
+        st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
+        if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_dist__fsdp_grad_ready, f);
+    }
+    if (st == TSYS_OK && !f->alias) st = tsys_storage_resize(ctx, U->full, 0);
+    if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
+    f->local[f->nlocal++] = U->master;
+    f->stats.sharded_numel += U->numel;
+    f->stats.local_numel += U->shard;
+    return st;
+}
+static tsys_status tsys_dist__fsdp_shard_units(tsys_fsdp *f, tsys_tensor **old, int *nold) {
+    tsys_ctx *ctx = f->ctx;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
-    for (int i = 0; st == TSYS_OK && i < f->nu; i++) {
-        tsys_dist__fsdp_unit *U = &f->u[i];
-        U->shard = (U->numel + world - 1) / world;
-        f->built = true;
-        int64_t padded = world * U->shard;
-        tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
-        tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit
-        U->master = whole ? tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard) : NULL;
-        // fp32 in a group of one: the weights are the master (one rank, no padding), viewed
-        U->full = !U->master ? NULL : f->alias ? tsys_tensor_view_raw(ctx, U->master, 0, TSYS_F32, 1, &padded) : tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded);
-        tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
-        U->gfull = U->full ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
-        if (U->master) U->master->grad = tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard);
-        if (!U->gfull || !U->master->grad) { st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; tsys_tensor_release(whole); break; }
-        tsys_tensor_set_name(U->master, "%s.shard", U->name);
-        tsys_tensor_set_name(U->master->grad, "%s.shard.grad", U->name);
-        tsys_tensor_set_name(U->full, "%s.full", U->name);
-        tsys_tensor_set_name(U->gfull, "%s.full.grad", U->name);
-        U->master->requires_grad = true;
-        U->master->grad_zero = true;
-        st = tsys_tensor_fill(ctx, whole, 0.0f);
-        for (int k = 0; st == TSYS_OK && k < U->np; k++) {
-            tsys_tensor *dst = tsys_tensor_view_raw(ctx, whole, (size_t)U->off[k] * 4, TSYS_F32, U->p[k]->ndim, U->p[k]->shape);
-            st = dst ? tsys_tensor_copy_from(ctx, dst, U->p[k]) : tsys_ctx_status(ctx);
-            tsys_tensor_release(dst);
-        }
-        tsys_tensor *mine = st == TSYS_OK ? tsys_tensor_view_raw(ctx, whole, (size_t)(rank * U->shard) * 4, TSYS_F32, 1, &U->shard) : NULL;
-        if (st == TSYS_OK) st = mine ? tsys_tensor_copy_from(ctx, U->master, mine) : tsys_ctx_status(ctx);
-        tsys_tensor_release(mine);
-        tsys_tensor_release(whole);
-        // the parameters become windows of `full` in the compute dtype; their old storage and gradient go
-        for (int k = 0; st == TSYS_OK && k < U->np; k++) {
-            tsys_tensor *p = U->p[k];
-            old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);   // keeps the old storage to free it below
-            if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
-            p->dtype = f->cdt;
-            st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
-            if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_dist__fsdp_grad_ready, f);
-        }
-        if (st == TSYS_OK && !f->alias) st = tsys_storage_resize(ctx, U->full, 0);
-        if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
-        f->local[f->nlocal++] = U->master;
-        f->stats.sharded_numel += U->numel;
-        f->stats.local_numel += U->shard;
-    }
+    tsys_status st = TSYS_OK;
+    for (int i = 0; st == TSYS_OK && i < f->nu; i++) st = tsys_dist__fsdp_shard_unit(f, &f->u[i], old, nold);
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+// The replicated and frozen parameters leave the model's arena for storage of their own; their old
+// homes go to old[].
+static tsys_status tsys_dist__fsdp_move_rest(tsys_fsdp *f, tsys_tensor **old, int *nold) {
+    tsys_ctx *ctx = f->ctx;
+    int64_t one = 1;
     // replicated: their own storage (out of the model's arena), gradients all-reduced from their hooks
+    tsys_status st = TSYS_OK;
     for (int i = 0; st == TSYS_OK && i < f->nrep; i++) {
         tsys_tensor *p = f->rep[i];
         tsys_tensor *own = tsys_tensor_clone(ctx, p);
-        old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
-        if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
+        old[(*nold)++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
+        if (p->grad) { old[(*nold)++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
         st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
         tsys_tensor_release(own);
         if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_dist__fsdp_rep_ready, f);
@@ -4611,10 +4633,52 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     for (int i = 0; st == TSYS_OK && i < f->nfrozen; i++) {   // frozen ones move out of the arena too
         tsys_tensor *p = f->frozen[i];
         tsys_tensor *own = tsys_tensor_clone(ctx, p);
-        old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
+        old[(*nold)++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
         st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
         tsys_tensor_release(own);
     }
+    return st;
+}
+
+// Every rank built the same layout (units, their sizes, the compute dtype, the replicated sizes)?
+static tsys_status tsys_dist__fsdp_agree(tsys_fsdp *f) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int i = 0; i < f->nu; i++) h = tsys_dist__hash(tsys_dist__hash(tsys_dist__hash(h, f->u[i].numel), f->u[i].np), f->cdt);
+    for (int i = 0; i < f->nrep; i++) h = tsys_dist__hash(h, tsys_tensor_numel(f->rep[i]));
+    const tsys_status st = tsys_dist__agree_layout(f->d, h, "fsdp");
+    f->agreed = st == TSYS_OK;
+    return st;
+}
+
+// FSDP follows forward and backward through the trace hooks, chained after the ones installed before.
+static void tsys_dist__fsdp_hook_in(tsys_fsdp *f) {
+    tsys_trace_hooks mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.op_begin = tsys_dist__fsdp_op_begin; mine.op_end = tsys_dist__fsdp_op_end; mine.kernel = tsys_dist__fsdp_kernel;
+    mine.kernel_begin = tsys_dist__fsdp_kernel_begin; mine.mem = tsys_dist__fsdp_mem; mine.user = f;
+    f->prev = tsys_ctx_set_trace_hooks(f->ctx, &mine);
+}
+
+TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_fsdp_desc *desc) {
+    if (!d) return NULL;
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    if (tsys_ctx_status(ctx) != TSYS_OK) return NULL;
+    tsys_fsdp_desc dd;
+    memset(&dd, 0, sizeof(dd));
+    if (desc) dd = *desc;
+    tsys_trace_hooks there;
+    if (!tsys_dist__fsdp_args_ok(ctx, params, n, &dd, &there)) return NULL;
+    tsys_fsdp *f = tsys_dist__fsdp_alloc(d, &dd, (size_t)n);
+    if (!f) return NULL;
+    // rank 0's weights everywhere, trainable or not (as DDP)
+    tsys_status st = tsys_dist__fsdp_lists_ok(f) ? tsys_dist__broadcast_list(d, params, n, 0) : TSYS_ERR_OOM;
+    if (st == TSYS_OK) st = tsys_dist__fsdp_make_units(f, params, n);
+    // the old homes of the parameters and their gradients (the model's arenas): freed at the end
+    tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * 2 * (size_t)n) : NULL;
+    int nold = 0;
+    if (st == TSYS_OK && !old) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
+    if (st == TSYS_OK) st = tsys_dist__fsdp_shard_units(f, old, &nold);
+    if (st == TSYS_OK) st = tsys_dist__fsdp_move_rest(f, old, &nold);
     // the model's arenas now hold nothing anyone uses (the parameters were all moved): their memory goes
     for (int i = 0; i < nold; i++) {
         if (old[i] && st == TSYS_OK) tsys_storage_resize(ctx, old[i], 0);
@@ -4622,23 +4686,13 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     }
     TSYS_DIST__RELEASE(old);
     f->stats.num_units = f->nu;
-    if (st == TSYS_OK) {
-        uint64_t h = 0xcbf29ce484222325ull;
-        for (int i = 0; i < f->nu; i++) h = tsys_dist__hash(tsys_dist__hash(tsys_dist__hash(h, f->u[i].numel), f->u[i].np), f->cdt);
-        for (int i = 0; i < f->nrep; i++) h = tsys_dist__hash(h, tsys_tensor_numel(f->rep[i]));
-        st = tsys_dist__agree_layout(d, h, "fsdp");
-        f->agreed = st == TSYS_OK;
-    }
+    if (st == TSYS_OK) st = tsys_dist__fsdp_agree(f);
     if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
         f->prev = there;
         tsys_fsdp_free(f);   // gives back what moved where it can (the parameters may be left unusable)
         return NULL;
     }
-    tsys_trace_hooks mine;
-    memset(&mine, 0, sizeof(mine));
-    mine.op_begin = tsys_dist__fsdp_op_begin; mine.op_end = tsys_dist__fsdp_op_end; mine.kernel = tsys_dist__fsdp_kernel;
-    mine.kernel_begin = tsys_dist__fsdp_kernel_begin; mine.mem = tsys_dist__fsdp_mem; mine.user = f;
-    f->prev = tsys_ctx_set_trace_hooks(ctx, &mine);
+    tsys_dist__fsdp_hook_in(f);
     return f;
 }
 
