@@ -106,19 +106,18 @@
                             TSYS_DEBUG, MPI at 64 KiB and up, NCCL at 64 MiB and up (a host round trip: ~4 us,
                             13% of a 1 MB NCCL all-reduce); the shared-memory and tcp paths always check (it
                             costs them nothing)
-   The rendezvous' own variables (environment only, see ON THE RENDEZVOUS):
-      TSYS_DIST_RUN_ID      the job's identity in the TCP rendezvous (else TORCHELASTIC_RUN_ID)
-      TSYS_DIST_SECRET      a shared secret every rank of the TCP rendezvous must prove it knows
-      TSYS_DIST_LISTEN_ADDR where rank 0 listens (default: MASTER_ADDR's address)
+      TSYS_DIST_RUN_ID      desc.run_id: the job's identity in the TCP rendezvous (else TORCHELASTIC_RUN_ID)
+      TSYS_DIST_SECRET      desc.secret: a shared secret every rank of the TCP rendezvous must prove it knows
+      TSYS_DIST_LISTEN_ADDR desc.listen_addr: where rank 0 listens (default: MASTER_ADDR's address)
 
    ON THE RENDEZVOUS (what rank 0's port trusts)
       - It listens where MASTER_ADDR points (loopback for tsys_dist_spawn's ranks), not on every
-        interface; TSYS_DIST_LISTEN_ADDR=0.0.0.0 (or ::) widens it. A loopback MASTER_ADDR in a job
+        interface; TSYS_DIST_LISTEN_ADDR=0.0.0.0 (or ::, or desc.listen_addr) widens it. A loopback MASTER_ADDR in a job
         whose ranks are not all on this host (LOCAL_WORLD_SIZE < WORLD_SIZE) is refused at once.
-      - Every hello carries the job's run id (TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID):
+      - Every hello carries the job's run id (TSYS_DIST_RUN_ID or desc.run_id, else torchrun's TORCHELASTIC_RUN_ID):
         rank 0 admits only its own run's, and a rank joins only a rank 0 of its own run, so two jobs
         given one MASTER_PORT fail instead of forming one group. Rank 0 warns when there is no run id.
-      - With TSYS_DIST_SECRET set, both sides prove they know it (HMAC-SHA-256 over the other side's
+      - With TSYS_DIST_SECRET (or desc.secret) set, both sides prove they know it (HMAC-SHA-256 over the other side's
         fresh nonce: the secret never crosses the wire, an old hello cannot be replayed).
         tsys_dist_spawn gives its ranks a random run id and secret.
       - A connection that is not a rank of this job (garbage, another protocol or run, a wrong secret,
@@ -239,6 +238,10 @@ typedef struct tsys_dist_desc {
     bool no_bind;                // TSYS_DIST_BIND=0: tsys_dist_spawn_desc leaves its ranks unbound
     bool nccl_nonblocking;       // TSYS_DIST_NCCL_BLOCKING=0: a non-blocking NCCL communicator
     tsys_dist_check check;       // TSYS_DIST_CHECK (1: always, 0: never)
+    // the TCP rendezvous (see ON THE RENDEZVOUS); NULL or "": none
+    const char *run_id;          // TSYS_DIST_RUN_ID: the job's identity, at most 63 characters (none: TORCHELASTIC_RUN_ID)
+    const char *secret;          // TSYS_DIST_SECRET: what every rank proves it knows, at most 256 bytes
+    const char *listen_addr;     // TSYS_DIST_LISTEN_ADDR: where rank 0 listens (none: MASTER_ADDR's address)
 } tsys_dist_desc;
 
 typedef struct tsys_dist tsys_dist;             // a process group
@@ -251,7 +254,8 @@ typedef struct tsys_dist_work tsys_dist_work;   // an asynchronous collective in
 // A child that fails makes the launcher stop the others (after the group timeout at most).
 TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code);
 // The same with the launcher's options from a desc (timeout_s, no_bind; the environment still overrides
-// them). The ranks make their own groups: the desc does not travel to them.
+// them). The ranks make their own groups: of the desc only run_id and secret travel to them (as
+// TSYS_DIST_RUN_ID and TSYS_DIST_SECRET; a random one each where none is given).
 TSYSDEF bool tsys_dist_spawn_desc(int nproc, int argc, char **argv, const tsys_dist_desc *desc, int *exit_code);
 
 TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc);   // NULL + the context's error
@@ -585,6 +589,9 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 // was 13% of a 1 MB all-reduce's 30 us, and is under 2% of a collective this size
 #define TSYS_DIST__NCCL_CHECK_BYTES ((int64_t)64 << 20)
 #define TSYS_DIST__TCP_CHUNK ((size_t)1 << 20)
+#define TSYS_DIST__RUN_ID_MAX 64       // the run id's bytes, its terminating zero included
+#define TSYS_DIST__SECRET_MAX 256
+#define TSYS_DIST__ADDR_MAX 256
 #define TSYS_DIST__MAGIC 0x74737964u   // "tsyd"
 #define TSYS_DIST__DEAD_CHECK_US 50e3  // how often a long wait checks that the ranks it waits for are alive
 
@@ -685,7 +692,8 @@ struct tsys_dist {
     int broken;                   // a peer died, stalled or an engine failed: every later call fails
     char broken_msg[384];
     bool cuda;
-    tsys_dist_desc opt;           // the options in effect (tsys_dist__options)
+    tsys_dist_desc opt;           // the options in effect (tsys_dist__options); its strings point below
+    char run_id[TSYS_DIST__RUN_ID_MAX], secret[TSYS_DIST__SECRET_MAX + 1], listen_addr[TSYS_DIST__ADDR_MAX];
     bool check_all, check_none;   // desc.check ALWAYS (or a debug build) / NEVER: fixed at init
     int trusted;                  // > 0 while an agreed layout issues its collectives (tsys_dist__trust);
                                   // only the issuing thread reads it, when it queues a collective
@@ -839,6 +847,16 @@ static int tsys_dist__env_flag(const char *name, tsys_dist__err *e) {
     return -1;
 }
 
+// A string option: the variable over the field ("" counts as none: NULL), at most max bytes.
+static bool tsys_dist__option_str(const char **v, const char *var, const char *field, size_t max, tsys_dist__err *e) {
+    const char *env = tsys_dist__env(var);
+    if (env) *v = env;
+    if (*v && !**v) *v = NULL;
+    if (*v && strlen(*v) > max)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s is %zu bytes: at most %zu", env ? var : field, strlen(*v), max);
+    return true;
+}
+
 #define TSYS_DIST__SLICE_MIN ((int64_t)4096)
 #define TSYS_DIST__SLICE_MAX ((int64_t)1 << 30)
 
@@ -868,6 +886,9 @@ static bool tsys_dist__options(const tsys_dist_desc *desc, tsys_dist_desc *out, 
     if (bind >= 0) o.no_bind = bind == 0;
     if (blocking >= 0) o.nccl_nonblocking = blocking == 0;
     if (check >= 0) o.check = check ? TSYS_DIST_CHECK_ALWAYS : TSYS_DIST_CHECK_NEVER;
+    if (!tsys_dist__option_str(&o.run_id, "TSYS_DIST_RUN_ID", "desc.run_id", TSYS_DIST__RUN_ID_MAX - 1, e) ||
+        !tsys_dist__option_str(&o.secret, "TSYS_DIST_SECRET", "desc.secret", TSYS_DIST__SECRET_MAX, e) ||
+        !tsys_dist__option_str(&o.listen_addr, "TSYS_DIST_LISTEN_ADDR", "desc.listen_addr", TSYS_DIST__ADDR_MAX - 1, e)) return false;
     if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", (long)TSYS_DIST__SLICE_MIN, (long)TSYS_DIST__SLICE_MAX, &v, &bad)) o.shm_slice = v;
     if (bad) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_SHM_SLICE='%s' is not a byte count in [%lld, %lld]",
                                       getenv("TSYS_DIST_SHM_SLICE"), (long long)TSYS_DIST__SLICE_MIN, (long long)TSYS_DIST__SLICE_MAX);
@@ -939,14 +960,12 @@ static uint64_t tsys_dist__host_id(const char *hostname) {
 }
 
 // ---- who may join: the run id, the shared secret, HMAC-SHA-256 ----------------------------------
-// Every hello carries the job's run id (TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
+// Every hello carries the job's run id (desc.run_id / TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
 // tsys_dist_spawn makes one for its children): rank 0 admits only hellos of its own run, and a rank
-// joins only a rank 0 of its own run, so two jobs given one MASTER_PORT cannot form a group. With
-// TSYS_DIST_SECRET set (tsys_dist_spawn sets a random one), each side also proves it knows the secret:
+// joins only a rank 0 of its own run, so two jobs given one MASTER_PORT cannot form a group. With a
+// secret (desc.secret / TSYS_DIST_SECRET; tsys_dist_spawn sets a random one), each side also proves it knows the secret:
 // an HMAC-SHA-256 over the other side's fresh nonce and the message, so the secret never crosses the
 // wire and an old hello cannot be replayed. Without a secret the run id is an identity, not a password.
-#define TSYS_DIST__RUN_ID_MAX 64
-#define TSYS_DIST__SECRET_MAX 256
 #define TSYS_DIST__PROTOCOL 2
 
 typedef struct tsys_dist__sha256 { uint32_t h[8]; uint8_t buf[64]; uint64_t len; } tsys_dist__sha256;
@@ -1036,18 +1055,14 @@ typedef struct tsys_dist__ident {
     uint8_t secret[TSYS_DIST__SECRET_MAX];
     size_t secret_len;
 } tsys_dist__ident;
-static bool tsys_dist__ident_get(tsys_dist__ident *id, tsys_dist__err *e) {
+// The group's run id and secret (tsys_dist__options checked their sizes); torchrun's run id where none is given.
+static bool tsys_dist__ident_get(const tsys_dist *d, tsys_dist__ident *id, tsys_dist__err *e) {
     memset(id, 0, sizeof *id);
-    const char *run = tsys_dist__env("TSYS_DIST_RUN_ID");
-    const char *from = "TSYS_DIST_RUN_ID";
-    if (!run) { run = tsys_dist__env("TORCHELASTIC_RUN_ID"); from = "TORCHELASTIC_RUN_ID"; }
+    const char *run = d->opt.run_id ? d->opt.run_id : tsys_dist__env("TORCHELASTIC_RUN_ID");
     if (run && strlen(run) >= sizeof id->run_id)
-        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s is %zu characters: at most %d", from, strlen(run), TSYS_DIST__RUN_ID_MAX - 1);
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TORCHELASTIC_RUN_ID is %zu characters: at most %d", strlen(run), TSYS_DIST__RUN_ID_MAX - 1);
     if (run) memcpy(id->run_id, run, strlen(run) + 1);
-    const char *secret = tsys_dist__env("TSYS_DIST_SECRET");
-    if (secret && strlen(secret) > sizeof id->secret)
-        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_SECRET is %zu bytes: at most %d", strlen(secret), TSYS_DIST__SECRET_MAX);
-    if (secret) { id->secret_len = strlen(secret); memcpy(id->secret, secret, id->secret_len); }
+    if (d->opt.secret) { id->secret_len = strlen(d->opt.secret); memcpy(id->secret, d->opt.secret, id->secret_len); }
     return true;
 }
 // A message's MAC: over the other side's nonce and the message itself, its mac field zero.
@@ -1068,15 +1083,19 @@ static bool tsys_dist__signed_by(const tsys_dist__ident *id, const uint8_t nonce
     return tsys_dist__mac_equal(got, want);
 }
 
-// The identity the launcher gives its children where the caller gave none: a random run id and a
-// random secret (inherited through the environment, which only this user can read).
-static void tsys_dist__spawn_ident(char run_id[TSYS_DIST__RUN_ID_MAX], char secret[65]) {
+// The identity the launcher gives its children (through the environment, which only this user can
+// read): the run id and secret of its options, else a random run id (unless torchrun's is there) and
+// a random secret.
+static void tsys_dist__spawn_ident(const tsys_dist_desc *opt, char run_id[TSYS_DIST__RUN_ID_MAX], char secret[TSYS_DIST__SECRET_MAX + 1]) {
     uint8_t r[40];
     run_id[0] = secret[0] = 0;
+    if (opt->run_id) tsys_dist__strcpy(run_id, TSYS_DIST__RUN_ID_MAX, opt->run_id);
+    if (opt->secret) tsys_dist__strcpy(secret, TSYS_DIST__SECRET_MAX + 1, opt->secret);
+    if (opt->run_id && opt->secret) return;
     if (!tsys_dist__random(r, sizeof r)) { fprintf(stderr, "tsys_dist_spawn: no random bytes for the ranks' run id and secret: %s\n", strerror(errno)); return; }
-    if (!tsys_dist__env("TSYS_DIST_RUN_ID") && !tsys_dist__env("TORCHELASTIC_RUN_ID"))
+    if (!opt->run_id && !tsys_dist__env("TORCHELASTIC_RUN_ID"))
         snprintf(run_id, TSYS_DIST__RUN_ID_MAX, "tsys-%02x%02x%02x%02x%02x%02x%02x%02x", r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
-    if (!tsys_dist__env("TSYS_DIST_SECRET"))
+    if (!opt->secret)
         for (int i = 0; i < 32; i++) snprintf(secret + 2 * i, 3, "%02x", r[8 + i]);
 }
 
@@ -1115,8 +1134,8 @@ TSYSDEF bool tsys_dist_spawn_desc(int nproc, int argc, char **argv, const tsys_d
         return true;
     }
     int port = ntohs(a.sin_port);
-    char run_id[TSYS_DIST__RUN_ID_MAX], secret[65];
-    tsys_dist__spawn_ident(run_id, secret);
+    char run_id[TSYS_DIST__RUN_ID_MAX], secret[TSYS_DIST__SECRET_MAX + 1];
+    tsys_dist__spawn_ident(&opt, run_id, secret);
     char exe[4096];
     ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (el > 0) exe[el] = 0; else snprintf(exe, sizeof exe, "%s", argv[0]);
@@ -1299,7 +1318,7 @@ static int tsys_dist__listen(tsys_dist *d, const char *addr, int port, bool *loo
             return (int)inh;
         }
     }
-    const char *listen_addr = tsys_dist__env("TSYS_DIST_LISTEN_ADDR");
+    const char *listen_addr = d->opt.listen_addr;
     const char *host = listen_addr ? listen_addr : addr;
     struct addrinfo *res = NULL;
     int gai = tsys_dist__resolve(host, port, &res);
@@ -1677,7 +1696,7 @@ static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_
     const unsigned group = __atomic_fetch_add(&tsys_dist__tcp_groups, 1u, __ATOMIC_RELAXED);
     tsys_dist__ident id;
     long lws = 0;
-    if (!tsys_dist__ident_get(&id, e) || !tsys_dist__local_world_size(d, &lws, e)) return false;
+    if (!tsys_dist__ident_get(d, &id, e) || !tsys_dist__local_world_size(d, &lws, e)) return false;
     if (lws) d->local_size = (int)lws;   // until the table of ranks says which share this host
     const bool agent = tsys_dist__agent_store_on();
     tsys_dist__store store;
@@ -3034,6 +3053,13 @@ static bool tsys_dist__device_join(tsys_dist *d, const char **what, tsys_dist__e
     return true;
 }
 
+// The options' strings, copied into the group: the caller's and the environment's may change or go.
+static void tsys_dist__keep_strings(tsys_dist *d) {
+    if (d->opt.run_id) { tsys_dist__strcpy(d->run_id, sizeof d->run_id, d->opt.run_id); d->opt.run_id = d->run_id; }
+    if (d->opt.secret) { tsys_dist__strcpy(d->secret, sizeof d->secret, d->opt.secret); d->opt.secret = d->secret; }
+    if (d->opt.listen_addr) { tsys_dist__strcpy(d->listen_addr, sizeof d->listen_addr, d->opt.listen_addr); d->opt.listen_addr = d->listen_addr; }
+}
+
 TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     if (!ctx) return NULL;
     tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
@@ -3044,6 +3070,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     memset(&e, 0, sizeof e);
     const char *what = "tsys_dist_init";
     if (!tsys_dist__options(desc, &d->opt, &e)) goto fail;
+    tsys_dist__keep_strings(d);
     d->timeout_s = d->opt.timeout_s;
     d->check_none = d->opt.check == TSYS_DIST_CHECK_NEVER;
     d->check_all = !d->check_none && (TSYS_DEBUG || d->opt.check == TSYS_DIST_CHECK_ALWAYS);

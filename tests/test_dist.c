@@ -759,6 +759,36 @@ TSYS_TEST(env_over_desc) {   // each variable overrides its field
     env_restore(shm); env_restore(slice); env_restore(check);
 }
 
+TSYS_TEST(desc_run_id) {   // the rendezvous' run id and secret from the desc (copied: the caller's may go)
+    saved_env run = env_set("TSYS_DIST_RUN_ID", NULL), secret = env_set("TSYS_DIST_SECRET", NULL);
+    char run_id[32], key[32];
+    snprintf(run_id, sizeof run_id, "tsys-desc-run");
+    snprintf(key, sizeof key, "a secret of the desc");
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.run_id = run_id; dd.secret = key;
+    tsys_dist *d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "desc.run_id: %s", tsys_ctx_last_error(g_ctx));
+    memset(run_id, 0, sizeof run_id);
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(got.run_id && !strcmp(got.run_id, "tsys-desc-run") && got.secret && !strcmp(got.secret, key) && !got.listen_addr,
+                   "desc.run_id in effect: '%s'", got.run_id ? got.run_id : "(none)");
+        check_group(d, "desc.run_id");
+        tsys_dist_free(d);
+    }
+    setenv("TSYS_DIST_RUN_ID", "tsys-env-run", 1);
+    dd.run_id = "tsys-desc-run";
+    d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "TSYS_DIST_RUN_ID over desc.run_id: %s", tsys_ctx_last_error(g_ctx));
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(got.run_id && !strcmp(got.run_id, "tsys-env-run"), "TSYS_DIST_RUN_ID over desc.run_id: '%s'", got.run_id ? got.run_id : "(none)");
+        tsys_dist_free(d);
+    }
+    env_restore(run); env_restore(secret);
+}
+
 TSYS_TEST(bad_options) {   // refused before any collective, on every rank alike, naming the variable or field
     static const char *const vars[][2] = {
         { "TSYS_DIST_SHM", "yes" }, { "TSYS_DIST_SHM_SLICE", "12" }, { "TSYS_DIST_SHM_SLICE", "1MB" }, { "TSYS_DIST_BIND", "2" },
@@ -780,6 +810,18 @@ TSYS_TEST(bad_options) {   // refused before any collective, on every rank alike
     dd.shm_slice = 0; dd.check = (tsys_dist_check)9;
     TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "desc.check = 9"), "check 9: %s", tsys_ctx_last_error(g_ctx));
     tsys_ctx_clear_error(g_ctx);
+    char longer[300];
+    memset(longer, 'x', sizeof longer - 1);
+    longer[sizeof longer - 1] = 0;
+    dd.check = TSYS_DIST_CHECK_AUTO; dd.listen_addr = longer;
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "desc.listen_addr is 299 bytes"), "listen_addr of 299: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    dd.listen_addr = NULL;
+    longer[64] = 0;
+    saved_env run = env_set("TSYS_DIST_RUN_ID", longer);
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "TSYS_DIST_RUN_ID is 64 bytes"), "run id of 64: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    env_restore(run);
     check_all_reduce(0, TSYS_F32, TSYS_DIST_SUM, 1001, false);   // the groups that exist still work
 }
 
