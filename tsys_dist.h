@@ -2,6 +2,31 @@
    collectives, DDP (naive, flat, overlap, bucketed), ZeRO-1, FSDP (ZeRO-3, `>>fsdp`), and
    memory/communication accounting
 
+   Where things are (search for the tag; one line per >>tag section, in file order):
+      >>public       defines: the API (tsys_dist_desc and its options, tsys_dist_init/_free/_get_desc,
+                     tsys_dist_spawn(_desc), collectives, tsys_ddp, tsys_zero1, tsys_fsdp, accounting)
+      >>config       defines: includes, tuning constants, struct tsys_dist and tsys_dist_work, the engine
+                     table tsys_dist__engine, tsys_dist__coll (one collective), errors, descriptor checks
+      >>options      defines: tsys_dist__options (desc + environment -> the options in effect), env readers,
+                     tsys_dist__shm_slice_for
+      >>launch       defines: tsys_dist_spawn(_desc) (the local launcher), the TCP rendezvous
+                     (tsys_dist__tcp_setup: hello, run id, HMAC secret, torchrun's agent store)
+      >>engines      defines: what the engines share: host reductions (tsys_dist__reduce), pid checks,
+                     setup collectives (tsys_dist__setup_bcast), the self engine (a group of one)
+      >>engine shm   defines: shared-memory collectives (tsys_dist__shm_coll), tsys_dist__shm_setup, tsys_dist__engine_shm
+      >>engine tcp   defines: collectives through rank 0's star of sockets (tsys_dist__tcp_coll), tsys_dist__engine_tcp
+      >>engine mpi   defines: MPI's non-blocking collectives (tsys_dist__mpi_coll), tsys_dist__mpi_setup, tsys_dist__engine_mpi
+      >>engine nccl  defines: NCCL collectives on the streams (tsys_dist__nccl_coll), tsys_dist__nccl_setup,
+                     tsys_dist__nccl_drain, symmetric windows, tsys_dist__engine_nccl
+      >>group        defines: engine dispatch (tsys_dist__host_exec), the worker thread, tsys_dist_init and
+                     its steps (join, engine_fits, shm_join, device_join), teardown, accessors
+      >>collectives  defines: tsys_dist_tensor_new, tsys_dist__issue (every collective's path), the
+                     public collectives, wait, groups, sync, barrier, all_reduce_host
+      >>ddp          defines: tsys_ddp (naive, flat, overlap, bucketed), agreed layouts (tsys_dist__agree_layout)
+      >>zero1        defines: tsys_zero1 (sharded AdamW)
+      >>fsdp         defines: tsys_fsdp (ZeRO-3: units, gathers, reduce-scatters through the trace hooks)
+      >>accounting   defines: tsys_dist_accounting, tsys_fsdp_accounting(_desc)
+
    Do this:
       #define TSYS_DIST_IMPLEMENTATION      (or TSYS_IMPL)
    before you include this file in *one* file, after tsys.h (and tsys_cuda.cuh for GPUs):
@@ -64,31 +89,35 @@
       (rank 0 inherits the launcher's listening socket, so the port cannot be taken in between) and
       waits. A CUDA rank uses GPU = local rank mod the device count.
 
-   Options (environment, read by tsys_dist_init):
-      TSYS_DIST_TIMEOUT     seconds without progress from a peer before a wait fails (default 300)
-      TSYS_DIST_RUN_ID      the job's identity in the TCP rendezvous (else TORCHELASTIC_RUN_ID)
-      TSYS_DIST_SECRET      a shared secret every rank of the TCP rendezvous must prove it knows
-      TSYS_DIST_LISTEN_ADDR where rank 0 listens (default: MASTER_ADDR's address)
-      TSYS_DIST_SHM=0       no shared-memory path (host tensors through MPI or TCP)
-      TSYS_DIST_SHM_SLICE   bytes per rank per pipeline slot of the shared segment (default 8 MiB / ranks,
-                            within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
-      TSYS_DIST_BIND=0      tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
+   Options: tsys_dist_desc fields (0 = default), each with an environment variable that overrides it
+   when set (read in one place, tsys_dist__options, by tsys_dist_init and tsys_dist_spawn_desc; a value
+   out of range is an error naming the variable or the field); tsys_dist_get_desc says what is in effect:
+      TSYS_DIST_TIMEOUT     desc.timeout_s: seconds without progress from a peer before a wait fails
+                            (default 300). The one exception to the rule: a desc.timeout_s > 0 wins
+      TSYS_DIST_SHM=0|1     desc.no_shm: no shared-memory path (host tensors through MPI or TCP)
+      TSYS_DIST_SHM_SLICE   desc.shm_slice: bytes per rank per pipeline slot of the shared segment (default
+                            8 MiB / ranks, within [256 KiB, 4 MiB]: a 16 MiB segment, each slice's data in the L3 cache)
+      TSYS_DIST_BIND=0|1    desc.no_bind: tsys_dist_spawn leaves the ranks unbound (by default each rank gets its
                             own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
-      TSYS_DIST_NCCL_BLOCKING  0: a non-blocking NCCL communicator (every NCCL call polled with the
-                            deadline; each collective ~50 us slower); default 1, NCCL's blocking mode
-      TSYS_DIST_CHECK       1: every MPI/NCCL collective first checks that all ranks pass the same op,
-                            dtype and size; 0: never; default: under TSYS_DEBUG, MPI at 64 KiB and up,
-                            NCCL at 64 MiB and up (a host round trip: ~4 us, 13% of a 1 MB NCCL
-                            all-reduce); the shared-memory and tcp paths always check (it costs them nothing)
+      TSYS_DIST_NCCL_BLOCKING=0|1  desc.nccl_nonblocking: a non-blocking NCCL communicator (every NCCL call polled
+                            with the deadline; each collective ~50 us slower); default NCCL's blocking mode
+      TSYS_DIST_CHECK=0|1   desc.check: 1 (TSYS_DIST_CHECK_ALWAYS): every MPI/NCCL collective first checks that
+                            all ranks pass the same op, dtype and size; 0 (_NEVER): never; default (_AUTO): under
+                            TSYS_DEBUG, MPI at 64 KiB and up, NCCL at 64 MiB and up (a host round trip: ~4 us,
+                            13% of a 1 MB NCCL all-reduce); the shared-memory and tcp paths always check (it
+                            costs them nothing)
+      TSYS_DIST_RUN_ID      desc.run_id: the job's identity in the TCP rendezvous (else TORCHELASTIC_RUN_ID)
+      TSYS_DIST_SECRET      desc.secret: a shared secret every rank of the TCP rendezvous must prove it knows
+      TSYS_DIST_LISTEN_ADDR desc.listen_addr: where rank 0 listens (default: MASTER_ADDR's address)
 
    ON THE RENDEZVOUS (what rank 0's port trusts)
       - It listens where MASTER_ADDR points (loopback for tsys_dist_spawn's ranks), not on every
-        interface; TSYS_DIST_LISTEN_ADDR=0.0.0.0 (or ::) widens it. A loopback MASTER_ADDR in a job
+        interface; TSYS_DIST_LISTEN_ADDR=0.0.0.0 (or ::, or desc.listen_addr) widens it. A loopback MASTER_ADDR in a job
         whose ranks are not all on this host (LOCAL_WORLD_SIZE < WORLD_SIZE) is refused at once.
-      - Every hello carries the job's run id (TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID):
+      - Every hello carries the job's run id (TSYS_DIST_RUN_ID or desc.run_id, else torchrun's TORCHELASTIC_RUN_ID):
         rank 0 admits only its own run's, and a rank joins only a rank 0 of its own run, so two jobs
         given one MASTER_PORT fail instead of forming one group. Rank 0 warns when there is no run id.
-      - With TSYS_DIST_SECRET set, both sides prove they know it (HMAC-SHA-256 over the other side's
+      - With TSYS_DIST_SECRET (or desc.secret) set, both sides prove they know it (HMAC-SHA-256 over the other side's
         fresh nonce: the secret never crosses the wire, an old hello cannot be replayed).
         tsys_dist_spawn gives its ranks a random run id and secret.
       - A connection that is not a rank of this job (garbage, another protocol or run, a wrong secret,
@@ -148,6 +177,8 @@
       - call exit(): errors come back as a status and the context's message
 
    Revision history:
+      0.3  every option is a tsys_dist_desc field (the environment over it), tsys_dist_get_desc,
+           tsys_dist_spawn_desc; one section and one function table per engine
       0.2  collectives carry their own check (the MPI path's race); MPI sums in rank order; a rendezvous
            that admits only its own job (run id, optional secret, bound to MASTER_ADDR); torchrun's agent
            store; tsys_dist_sync; tsys_dist_local_size
@@ -158,7 +189,7 @@
 #ifndef TSYS_DIST_H_INCLUDED
 #define TSYS_DIST_H_INCLUDED
 #define TSYS_DIST_VERSION_MAJOR 0
-#define TSYS_DIST_VERSION_MINOR 2
+#define TSYS_DIST_VERSION_MINOR 3
 #define TSYS_DIST_VERSION_PATCH 0
 
 #include "tsys.h"
@@ -187,13 +218,30 @@ typedef enum tsys_dist_op { TSYS_DIST_SUM, TSYS_DIST_AVG, TSYS_DIST_MAX } tsys_d
 //   cuda       this rank computes on a GPU: tsys_dist_init calls tsys_cuda_init(ctx, local rank mod
 //              the device count) unless the context already has a CUDA backend
 //   timeout_s  TSYS_DIST_TIMEOUT from the environment, else 300
+//   the tuning options below: each has an environment variable (the Options at the top of the file),
+//              which overrides the field when it is set; tsys_dist_get_desc says what is in effect
 // Collectives pick their path by the tensor's device: CUDA tensors go through NCCL when the group
 // has a communicator, else through the host engine with host staging (2 ranks may share one GPU that
 // way: engine mpi or tcp with cuda set gives no NCCL communicator).
+typedef enum tsys_dist_check {
+    TSYS_DIST_CHECK_AUTO = 0,    // debug builds: always; else MPI collectives from 64 KiB, NCCL ones from 64 MiB
+    TSYS_DIST_CHECK_ALWAYS,      // every MPI/NCCL collective first checks that all ranks pass the same op, dtype and size
+    TSYS_DIST_CHECK_NEVER        // (the shared-memory and tcp paths always check: it costs them nothing)
+} tsys_dist_check;
 typedef struct tsys_dist_desc {
     tsys_dist_engine engine;
     bool cuda;
     int timeout_s;
+    bool no_shm;                 // TSYS_DIST_SHM=0: host tensors through MPI or TCP even on one host
+    int64_t shm_slice;           // TSYS_DIST_SHM_SLICE: bytes per rank per pipeline slot of the shared segment,
+                                 // in [4096, 2^30] (0: 8 MiB / ranks within [256 KiB, 4 MiB])
+    bool no_bind;                // TSYS_DIST_BIND=0: tsys_dist_spawn_desc leaves its ranks unbound
+    bool nccl_nonblocking;       // TSYS_DIST_NCCL_BLOCKING=0: a non-blocking NCCL communicator
+    tsys_dist_check check;       // TSYS_DIST_CHECK (1: always, 0: never)
+    // the TCP rendezvous (see ON THE RENDEZVOUS); NULL or "": none
+    const char *run_id;          // TSYS_DIST_RUN_ID: the job's identity, at most 63 characters (none: TORCHELASTIC_RUN_ID)
+    const char *secret;          // TSYS_DIST_SECRET: what every rank proves it knows, at most 256 bytes
+    const char *listen_addr;     // TSYS_DIST_LISTEN_ADDR: where rank 0 listens (none: MASTER_ADDR's address)
 } tsys_dist_desc;
 
 typedef struct tsys_dist tsys_dist;             // a process group
@@ -205,9 +253,17 @@ typedef struct tsys_dist_work tsys_dist_work;   // an asynchronous collective in
 // (or 0): the caller returns it. Otherwise returns false and the caller goes on as a rank.
 // A child that fails makes the launcher stop the others (after the group timeout at most).
 TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code);
+// The same with the launcher's options from a desc (timeout_s, no_bind; the environment still overrides
+// them). The ranks make their own groups: of the desc only run_id and secret travel to them (as
+// TSYS_DIST_RUN_ID and TSYS_DIST_SECRET; a random one each where none is given).
+TSYSDEF bool tsys_dist_spawn_desc(int nproc, int argc, char **argv, const tsys_dist_desc *desc, int *exit_code);
 
 TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc);   // NULL + the context's error
 TSYSDEF void tsys_dist_free(tsys_dist *d);
+// The options in effect: the desc given to tsys_dist_init with the environment over it and the defaults
+// filled in (engine: tsys_dist_engine_of; shm_slice: the slot size the group uses, or would use; check:
+// ALWAYS in debug builds unless NEVER was asked for).
+TSYSDEF tsys_dist_desc tsys_dist_get_desc(const tsys_dist *d);
 TSYSDEF int tsys_dist_rank(const tsys_dist *d);
 TSYSDEF int tsys_dist_size(const tsys_dist *d);
 TSYSDEF int tsys_dist_local_rank(const tsys_dist *d);
@@ -523,7 +579,7 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 #endif
 #endif
 
-// Options: see the top of the file (TSYS_DIST_TIMEOUT, TSYS_DIST_SHM, TSYS_DIST_SHM_SLICE, TSYS_DIST_CHECK).
+// Options: see the top of the file and >>options (tsys_dist__options).
 #ifndef TSYS_DIST_TIMEOUT_DEFAULT
 #define TSYS_DIST_TIMEOUT_DEFAULT 300
 #endif
@@ -533,6 +589,9 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 // was 13% of a 1 MB all-reduce's 30 us, and is under 2% of a collective this size
 #define TSYS_DIST__NCCL_CHECK_BYTES ((int64_t)64 << 20)
 #define TSYS_DIST__TCP_CHUNK ((size_t)1 << 20)
+#define TSYS_DIST__RUN_ID_MAX 64       // the run id's bytes, its terminating zero included
+#define TSYS_DIST__SECRET_MAX 256
+#define TSYS_DIST__ADDR_MAX 256
 #define TSYS_DIST__MAGIC 0x74737964u   // "tsyd"
 #define TSYS_DIST__DEAD_CHECK_US 50e3  // how often a long wait checks that the ranks it waits for are alive
 
@@ -551,9 +610,8 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 enum { TSYS_DIST__F64 = TSYS_DTYPE_COUNT, TSYS_DIST__U8 };
 enum { TSYS_DIST__ALLREDUCE, TSYS_DIST__BCAST, TSYS_DIST__RS, TSYS_DIST__AG, TSYS_DIST__BARRIER };
 static const char *const tsys_dist__kind_names[] = { "all_reduce", "broadcast", "reduce_scatter", "all_gather", "barrier" };
-enum { TSYS_DIST__HOST_SELF, TSYS_DIST__HOST_MPI, TSYS_DIST__HOST_TCP };
 
-// One collective on host memory, as every path sees it.
+// One collective, as every engine sees it (host memory, or device memory for nccl).
 typedef struct tsys_dist__coll {
     int kind, type, op, root;
     int64_t count;      // all_reduce, broadcast: elements; reduce_scatter: elements of out (in holds size x);
@@ -563,6 +621,7 @@ typedef struct tsys_dist__coll {
     bool check_only;    // only the agreement on the descriptor (before an NCCL collective)
     bool check;         // MPI: agree on the descriptor before the data. Decided when the collective is
                         // queued, never read later from the group: the ranks must post the same MPI calls
+    tsys_event *done;   // nccl: recorded on the side stream after the collective (NULL: it runs on the compute stream)
 } tsys_dist__coll;
 
 typedef struct tsys_dist__err { tsys_status status; char msg[384]; } tsys_dist__err;
@@ -587,6 +646,23 @@ typedef struct tsys_dist__shm_hdr {
 #define TSYS_DIST__SHM_RANKS_OFF 512
 typedef char tsys_dist__shm_sizes_ok[(sizeof(tsys_dist__shm_rank) == 256 && sizeof(tsys_dist__shm_hdr) <= TSYS_DIST__SHM_RANKS_OFF) ? 1 : -1];
 
+// An engine: one way a group's collectives travel (>>engines, >>engine shm / mpi / tcp / nccl), as a
+// tsys_backend is one device for tsys. Setup is per engine (each needs its own things to start).
+typedef struct tsys_dist__engine {
+    const char *name;
+    tsys_dist_engine kind;   // what tsys_dist_engine_of says when it forms the group (shm never does: AUTO)
+    // One collective of the group as c describes it (a barrier has no data). Touches only the group's
+    // transport state, never the tsys context: the worker thread calls it too. false: the error is in e
+    bool (*collective)(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
+    // Every rank got here, after what this engine has issued so far (c: the barrier's descriptor)
+    bool (*barrier)(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
+    // The peers this rank can tell are gone without their help, named in buf; how many (NULL: cannot tell)
+    int (*dead_peers)(tsys_dist *d, char *buf, size_t n);
+    // Releases what the setup made, also after a setup that failed halfway. finalize: tsys_dist_free, not
+    // a failed tsys_dist_init; broken: the group was broken when the teardown began
+    void (*teardown)(tsys_dist *d, bool finalize, bool broken);
+} tsys_dist__engine;
+
 struct tsys_dist_work {
     tsys_dist *d;
     int path;                 // TSYS_DIST__WORK_*
@@ -607,15 +683,19 @@ struct tsys_dist {
     tsys_ctx *ctx;
     int rank, size, local_rank, local_size;
     tsys_dist_engine engine;      // what tsys_dist_engine_of reports
-    int host;                     // how host memory travels when not through shared memory
+    const tsys_dist__engine *launch, *host, *device;   // the group's engines (>>group says which is which)
+    const tsys_dist__engine *made[4];                  // the engines set up, in order: torn down in reverse
+    int nmade;
     bool one_host;
     double timeout_s;
     int64_t seq;                  // collectives issued so far (host and NCCL alike)
     int broken;                   // a peer died, stalled or an engine failed: every later call fails
     char broken_msg[384];
     bool cuda;
-    bool check_all, check_none;   // TSYS_DIST_CHECK=1 / =0: fixed at init
-    int trusted;                  // > 0 while an agreed layout issues its collectives (tsys__dist_trust);
+    tsys_dist_desc opt;           // the options in effect (tsys_dist__options); its strings point below
+    char run_id[TSYS_DIST__RUN_ID_MAX], secret[TSYS_DIST__SECRET_MAX + 1], listen_addr[TSYS_DIST__ADDR_MAX];
+    bool check_all, check_none;   // desc.check ALWAYS (or a debug build) / NEVER: fixed at init
+    int trusted;                  // > 0 while an agreed layout issues its collectives (tsys_dist__trust);
                                   // only the issuing thread reads it, when it queues a collective
     char hostname[64];
     // TCP: a star around rank 0 (rank 0 holds fds[1..size-1], the others fds[0])
@@ -697,8 +777,8 @@ static void tsys_dist__desc_of(const tsys_dist__coll *c, int64_t *desc) {
     desc[6] = desc[7] = 0;
 }
 // Whether a collective of this many bytes first checks that every rank issued the same one: always
-// under TSYS_DIST_CHECK=1 (and in debug builds), never under =0 or for an agreed layout's collectives
-// (tsys__dist_trust), else from `from` bytes. Called when the collective is queued.
+// under desc.check ALWAYS (TSYS_DIST_CHECK=1, and in debug builds), never under NEVER (=0) or for an agreed layout's collectives
+// (tsys_dist__trust), else from `from` bytes. Called when the collective is queued.
 static bool tsys_dist__wants_check(const tsys_dist *d, int64_t bytes, int64_t from) {
     if (d->check_none || d->trusted > 0) return false;
     return d->check_all || bytes >= from;
@@ -739,7 +819,9 @@ static void tsys_dist__break(tsys_dist *d, const tsys_dist__err *e) {
     TSYS_DIST__STORE(&d->broken, 1);
 }
 
-// >>launch ----------------------------------------------------------------------------------------
+// >>options ---------------------------------------------------------------------------------------
+// The desc's options with the environment over them, checked: the one place that reads the option
+// variables (the launch and rendezvous variables are read where the group is formed).
 
 static const char *tsys_dist__env(const char *name) {
     const char *v = getenv(name);
@@ -756,6 +838,77 @@ static bool tsys_dist__env_long(const char *name, long lo, long hi, long *out, b
     *out = x;
     return true;
 }
+// A 0/1 variable: 1 or 0 when set, -1 when not, -2 (and the error) for any other value.
+static int tsys_dist__env_flag(const char *name, tsys_dist__err *e) {
+    long v = 0;
+    bool bad = false;
+    if (tsys_dist__env_long(name, 0, 1, &v, &bad)) return (int)v;
+    if (bad) { tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s='%s' is not 0 or 1", name, getenv(name)); return -2; }
+    return -1;
+}
+
+// A string option: the variable over the field ("" counts as none: NULL), at most max bytes.
+static bool tsys_dist__option_str(const char **v, const char *var, const char *field, size_t max, tsys_dist__err *e) {
+    const char *env = tsys_dist__env(var);
+    if (env) *v = env;
+    if (*v && !**v) *v = NULL;
+    if (*v && strlen(*v) > max)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s is %zu bytes: at most %zu", env ? var : field, strlen(*v), max);
+    return true;
+}
+
+#define TSYS_DIST__SLICE_MIN ((int64_t)4096)
+#define TSYS_DIST__SLICE_MAX ((int64_t)1 << 30)
+
+// *out = desc (NULL: every field 0) checked, with the environment over it and the defaults that do not
+// depend on the group (timeout_s) filled in.
+static bool tsys_dist__options(const tsys_dist_desc *desc, tsys_dist_desc *out, tsys_dist__err *e) {
+    tsys_dist_desc o;
+    memset(&o, 0, sizeof o);
+    if (desc) o = *desc;
+    if ((unsigned)o.engine > (unsigned)TSYS_DIST_ENGINE_TCP) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "unknown engine %d", (int)o.engine);
+    if (o.timeout_s < 0) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "timeout_s %d is negative", o.timeout_s);
+    if (o.shm_slice != 0 && (o.shm_slice < TSYS_DIST__SLICE_MIN || o.shm_slice > TSYS_DIST__SLICE_MAX))
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "desc.shm_slice = %lld is not a byte count in [%lld, %lld] (or 0: the default)",
+                                 (long long)o.shm_slice, (long long)TSYS_DIST__SLICE_MIN, (long long)TSYS_DIST__SLICE_MAX);
+    if ((unsigned)o.check > (unsigned)TSYS_DIST_CHECK_NEVER)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "desc.check = %d is not a tsys_dist_check (0 auto, 1 always, 2 never)", (int)o.check);
+    long v = 0;
+    bool bad = false;
+    // a timeout in the desc wins (documented so since 0.1): the variable fills it in
+    if (o.timeout_s == 0 && tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &v, &bad)) o.timeout_s = (int)v;
+    if (bad) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_TIMEOUT='%s' is not a whole number of seconds >= 1", getenv("TSYS_DIST_TIMEOUT"));
+    if (o.timeout_s == 0) o.timeout_s = TSYS_DIST_TIMEOUT_DEFAULT;
+    const int shm = tsys_dist__env_flag("TSYS_DIST_SHM", e), bind = tsys_dist__env_flag("TSYS_DIST_BIND", e);
+    const int blocking = tsys_dist__env_flag("TSYS_DIST_NCCL_BLOCKING", e), check = tsys_dist__env_flag("TSYS_DIST_CHECK", e);
+    if (shm == -2 || bind == -2 || blocking == -2 || check == -2) return false;
+    if (shm >= 0) o.no_shm = shm == 0;
+    if (bind >= 0) o.no_bind = bind == 0;
+    if (blocking >= 0) o.nccl_nonblocking = blocking == 0;
+    if (check >= 0) o.check = check ? TSYS_DIST_CHECK_ALWAYS : TSYS_DIST_CHECK_NEVER;
+    if (!tsys_dist__option_str(&o.run_id, "TSYS_DIST_RUN_ID", "desc.run_id", TSYS_DIST__RUN_ID_MAX - 1, e) ||
+        !tsys_dist__option_str(&o.secret, "TSYS_DIST_SECRET", "desc.secret", TSYS_DIST__SECRET_MAX, e) ||
+        !tsys_dist__option_str(&o.listen_addr, "TSYS_DIST_LISTEN_ADDR", "desc.listen_addr", TSYS_DIST__ADDR_MAX - 1, e)) return false;
+    if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", (long)TSYS_DIST__SLICE_MIN, (long)TSYS_DIST__SLICE_MAX, &v, &bad)) o.shm_slice = v;
+    if (bad) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_SHM_SLICE='%s' is not a byte count in [%lld, %lld]",
+                                      getenv("TSYS_DIST_SHM_SLICE"), (long long)TSYS_DIST__SLICE_MIN, (long long)TSYS_DIST__SLICE_MAX);
+    *out = o;
+    return true;
+}
+
+// The shared segment's slot size per rank for a group of n ranks: few large slices (each costs two
+// barriers, and a barrier is where a preempted peer costs time), whole pages, room for the
+// reduce-scatter's n blocks.
+static size_t tsys_dist__shm_slice_for(int n, int64_t asked) {
+    size_t slice = TSYS_DIST__SLICE_TOTAL / (size_t)n;
+    slice = slice < ((size_t)256 << 10) ? ((size_t)256 << 10) : slice > ((size_t)4 << 20) ? ((size_t)4 << 20) : slice;
+    if (asked) slice = (size_t)asked;
+    slice = (slice + 4095) / 4096 * 4096;
+    if (slice < (size_t)n * 64) slice = ((size_t)n * 64 + 4095) / 4096 * 4096;
+    return slice;
+}
+
+// >>launch ----------------------------------------------------------------------------------------
 
 // Started by mpirun/mpiexec (Open MPI, MPICH/Hydra, PMIx) or srun (a job step: SLURM_STEP_ID).
 static bool tsys_dist__launched_by_mpi(void) {
@@ -807,14 +960,12 @@ static uint64_t tsys_dist__host_id(const char *hostname) {
 }
 
 // ---- who may join: the run id, the shared secret, HMAC-SHA-256 ----------------------------------
-// Every hello carries the job's run id (TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
+// Every hello carries the job's run id (desc.run_id / TSYS_DIST_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID;
 // tsys_dist_spawn makes one for its children): rank 0 admits only hellos of its own run, and a rank
-// joins only a rank 0 of its own run, so two jobs given one MASTER_PORT cannot form a group. With
-// TSYS_DIST_SECRET set (tsys_dist_spawn sets a random one), each side also proves it knows the secret:
+// joins only a rank 0 of its own run, so two jobs given one MASTER_PORT cannot form a group. With a
+// secret (desc.secret / TSYS_DIST_SECRET; tsys_dist_spawn sets a random one), each side also proves it knows the secret:
 // an HMAC-SHA-256 over the other side's fresh nonce and the message, so the secret never crosses the
 // wire and an old hello cannot be replayed. Without a secret the run id is an identity, not a password.
-#define TSYS_DIST__RUN_ID_MAX 64
-#define TSYS_DIST__SECRET_MAX 256
 #define TSYS_DIST__PROTOCOL 2
 
 typedef struct tsys_dist__sha256 { uint32_t h[8]; uint8_t buf[64]; uint64_t len; } tsys_dist__sha256;
@@ -904,18 +1055,14 @@ typedef struct tsys_dist__ident {
     uint8_t secret[TSYS_DIST__SECRET_MAX];
     size_t secret_len;
 } tsys_dist__ident;
-static bool tsys_dist__ident_get(tsys_dist__ident *id, tsys_dist__err *e) {
+// The group's run id and secret (tsys_dist__options checked their sizes); torchrun's run id where none is given.
+static bool tsys_dist__ident_get(const tsys_dist *d, tsys_dist__ident *id, tsys_dist__err *e) {
     memset(id, 0, sizeof *id);
-    const char *run = tsys_dist__env("TSYS_DIST_RUN_ID");
-    const char *from = "TSYS_DIST_RUN_ID";
-    if (!run) { run = tsys_dist__env("TORCHELASTIC_RUN_ID"); from = "TORCHELASTIC_RUN_ID"; }
+    const char *run = d->opt.run_id ? d->opt.run_id : tsys_dist__env("TORCHELASTIC_RUN_ID");
     if (run && strlen(run) >= sizeof id->run_id)
-        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s is %zu characters: at most %d", from, strlen(run), TSYS_DIST__RUN_ID_MAX - 1);
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TORCHELASTIC_RUN_ID is %zu characters: at most %d", strlen(run), TSYS_DIST__RUN_ID_MAX - 1);
     if (run) memcpy(id->run_id, run, strlen(run) + 1);
-    const char *secret = tsys_dist__env("TSYS_DIST_SECRET");
-    if (secret && strlen(secret) > sizeof id->secret)
-        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_SECRET is %zu bytes: at most %d", strlen(secret), TSYS_DIST__SECRET_MAX);
-    if (secret) { id->secret_len = strlen(secret); memcpy(id->secret, secret, id->secret_len); }
+    if (d->opt.secret) { id->secret_len = strlen(d->opt.secret); memcpy(id->secret, d->opt.secret, id->secret_len); }
     return true;
 }
 // A message's MAC: over the other side's nonce and the message itself, its mac field zero.
@@ -936,28 +1083,41 @@ static bool tsys_dist__signed_by(const tsys_dist__ident *id, const uint8_t nonce
     return tsys_dist__mac_equal(got, want);
 }
 
-// The identity the launcher gives its children where the caller gave none: a random run id and a
-// random secret (inherited through the environment, which only this user can read).
-static void tsys_dist__spawn_ident(char run_id[TSYS_DIST__RUN_ID_MAX], char secret[65]) {
+// The identity the launcher gives its children (through the environment, which only this user can
+// read): the run id and secret of its options, else a random run id (unless torchrun's is there) and
+// a random secret.
+static void tsys_dist__spawn_ident(const tsys_dist_desc *opt, char run_id[TSYS_DIST__RUN_ID_MAX], char secret[TSYS_DIST__SECRET_MAX + 1]) {
     uint8_t r[40];
     run_id[0] = secret[0] = 0;
+    if (opt->run_id) tsys_dist__strcpy(run_id, TSYS_DIST__RUN_ID_MAX, opt->run_id);
+    if (opt->secret) tsys_dist__strcpy(secret, TSYS_DIST__SECRET_MAX + 1, opt->secret);
+    if (opt->run_id && opt->secret) return;
     if (!tsys_dist__random(r, sizeof r)) { fprintf(stderr, "tsys_dist_spawn: no random bytes for the ranks' run id and secret: %s\n", strerror(errno)); return; }
-    if (!tsys_dist__env("TSYS_DIST_RUN_ID") && !tsys_dist__env("TORCHELASTIC_RUN_ID"))
+    if (!opt->run_id && !tsys_dist__env("TORCHELASTIC_RUN_ID"))
         snprintf(run_id, TSYS_DIST__RUN_ID_MAX, "tsys-%02x%02x%02x%02x%02x%02x%02x%02x", r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
-    if (!tsys_dist__env("TSYS_DIST_SECRET"))
+    if (!opt->secret)
         for (int i = 0; i < 32; i++) snprintf(secret + 2 * i, 3, "%02x", r[8 + i]);
 }
 
 // Built-in launcher: fork/exec nproc copies of this program with torchrun's variables set. Rank 0
 // inherits the listening socket (TSYS_DIST_LISTEN_FD), so the port cannot be taken in between.
 TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
+    return tsys_dist_spawn_desc(nproc, argc, argv, NULL, exit_code);
+}
+TSYSDEF bool tsys_dist_spawn_desc(int nproc, int argc, char **argv, const tsys_dist_desc *desc, int *exit_code) {
     (void)argc;
     if (exit_code) *exit_code = 0;
     if (nproc <= 1 || !argv || !argv[0] || tsys_dist__env("RANK") || tsys_dist__launched_by_mpi()) return false;
     int code = 0;
-    long tmo = TSYS_DIST_TIMEOUT_DEFAULT;
-    bool bad = false;
-    tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &tmo, &bad);
+    tsys_dist_desc opt;
+    tsys_dist__err oe;
+    memset(&oe, 0, sizeof oe);
+    if (!tsys_dist__options(desc, &opt, &oe)) {
+        fprintf(stderr, "tsys_dist_spawn: %s\n", oe.msg);
+        if (exit_code) *exit_code = 1;
+        return true;
+    }
+    const int tmo = opt.timeout_s;
     double grace_s = tmo < 5 ? (double)tmo : 5.0;   // time the others get to report the failure themselves
     int lfd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     if (lfd >= 0) setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);   // rank 0 listens there again for later groups
@@ -974,8 +1134,8 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
         return true;
     }
     int port = ntohs(a.sin_port);
-    char run_id[TSYS_DIST__RUN_ID_MAX], secret[65];
-    tsys_dist__spawn_ident(run_id, secret);
+    char run_id[TSYS_DIST__RUN_ID_MAX], secret[TSYS_DIST__SECRET_MAX + 1];
+    tsys_dist__spawn_ident(&opt, run_id, secret);
     char exe[4096];
     ssize_t el = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (el > 0) exe[el] = 0; else snprintf(exe, sizeof exe, "%s", argv[0]);
@@ -984,14 +1144,13 @@ TSYSDEF bool tsys_dist_spawn(int nproc, int argc, char **argv, int *exit_code) {
     pid_t me = getpid();
     // Like mpirun: each rank gets its own cores (ncpu / nproc of the launcher's), so ranks that
     // wait for each other never share a core and OpenMP sizes each rank's team to its share.
-    // More ranks than cores, or TSYS_DIST_BIND=0: no binding.
+    // More ranks than cores, or desc.no_bind (TSYS_DIST_BIND=0): no binding.
     int cpus[1024], ncpu = 0;
     bool bind = false;
 #ifdef __linux__
     {
         cpu_set_t set;
-        const char *b = tsys_dist__env("TSYS_DIST_BIND");
-        if (!(b && !strcmp(b, "0")) && sched_getaffinity(0, sizeof set, &set) == 0)
+        if (!opt.no_bind && sched_getaffinity(0, sizeof set, &set) == 0)
             for (int c = 0; c < CPU_SETSIZE && ncpu < 1024; c++) if (CPU_ISSET(c, &set)) cpus[ncpu++] = c;
         bind = ncpu >= nproc;
     }
@@ -1159,7 +1318,7 @@ static int tsys_dist__listen(tsys_dist *d, const char *addr, int port, bool *loo
             return (int)inh;
         }
     }
-    const char *listen_addr = tsys_dist__env("TSYS_DIST_LISTEN_ADDR");
+    const char *listen_addr = d->opt.listen_addr;
     const char *host = listen_addr ? listen_addr : addr;
     struct addrinfo *res = NULL;
     int gai = tsys_dist__resolve(host, port, &res);
@@ -1366,7 +1525,7 @@ static int tsys_dist__join(tsys_dist *d, int fd, const char *addr, int port, con
     tsys_dist__err ce;
     memset(&ce, 0, sizeof ce);
     // a listener that closes under us (a previous group's) resets the connection: try again
-    if (!tsys_dist__sock_io(fd, &ch, sizeof ch, false, tsys_dist__hello_s(d), "rank 0", &ce)) { snprintf(why, nwhy, "%s", ce.msg); return 0; }
+    if (!tsys_dist__sock_io(fd, &ch, sizeof ch, false, tsys_dist__hello_s(d), "rank 0", &ce)) { tsys_dist__strcpy(why, nwhy, ce.msg); return 0; }
     ch.run_id[sizeof ch.run_id - 1] = 0;
     if (ch.magic != TSYS_DIST__MAGIC || ch.version != TSYS_DIST__PROTOCOL) { snprintf(why, nwhy, "%s:%d is not a tsys_dist rank 0 of rendezvous protocol %d", addr, port, TSYS_DIST__PROTOCOL); return 0; }
     if (strcmp(ch.run_id, id->run_id)) { snprintf(why, nwhy, "%s:%d is rank 0 of another job (run id '%s'; this rank's is '%s')", addr, port, ch.run_id, id->run_id); return 0; }
@@ -1376,7 +1535,7 @@ static int tsys_dist__join(tsys_dist *d, int fd, const char *addr, int port, con
     tsys_dist__sign(id, ch.nonce, &h, sizeof h, h.mac);
     tsys_dist__reply rep;
     if (!tsys_dist__sock_io(fd, &h, sizeof h, true, d->timeout_s, "rank 0", &ce) || !tsys_dist__sock_io(fd, &rep, sizeof rep, false, d->timeout_s, "rank 0", &ce)) {
-        snprintf(why, nwhy, "%s", ce.msg);
+        tsys_dist__strcpy(why, nwhy, ce.msg);
         return 0;
     }
     if (rep.magic != TSYS_DIST__MAGIC) { snprintf(why, nwhy, "bad reply from %s:%d", addr, port); return 0; }
@@ -1537,7 +1696,7 @@ static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_
     const unsigned group = __atomic_fetch_add(&tsys_dist__tcp_groups, 1u, __ATOMIC_RELAXED);
     tsys_dist__ident id;
     long lws = 0;
-    if (!tsys_dist__ident_get(&id, e) || !tsys_dist__local_world_size(d, &lws, e)) return false;
+    if (!tsys_dist__ident_get(d, &id, e) || !tsys_dist__local_world_size(d, &lws, e)) return false;
     if (lws) d->local_size = (int)lws;   // until the table of ranks says which share this host
     const bool agent = tsys_dist__agent_store_on();
     tsys_dist__store store;
@@ -1593,9 +1752,15 @@ static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_
     return ok;
 }
 
-// >>group -----------------------------------------------------------------------------------------
-// The host engines (shared memory, MPI, TCP) live here: setup uses them to agree on things.
-
+// >>engines ---------------------------------------------------------------------------------------
+// What the engines share: each fills a tsys_dist__engine (>>config) with its collective, barrier,
+// dead-peer watch and teardown, as a tsys_backend does for a device, and tsys_dist_init sets them up
+// by name (each needs its own things to start). The host reductions below serve shm and tcp, which
+// reduce on the CPU themselves, and MPI, whose sums run here in rank order.
+static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
+#if defined(TSYS_DIST_NCCL) || defined(TSYS_DIST_MPI)
+static int tsys_dist__dead_peers(tsys_dist *d, char *buf, size_t n);
+#endif
 
 // ---- reductions on host memory: dst = op over the sources, in fp32 for the 16-bit floats (rounded
 // once at the end), in int64 for the integers. Blocks of TSYS_DIST__BLK stay in L1.
@@ -1670,20 +1835,6 @@ static void tsys_dist__reduce(int type, int op, void *dst1, void *dst2, const vo
     }
 }
 
-
-// ---- shared memory (every rank on this host) ---------------------------------------------------
-// Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
-// a barrier, then each rank reads what it needs from the others' slots (all-reduce: each rank
-// reduces 1/size of the slice in place, a second barrier, everyone copies the reduced parts out).
-// Slots alternate by a counter kept across collectives, so a slot is rewritten only after a later
-// barrier has shown that every rank finished reading it. The descriptor of each collective sits in
-// the rank records and is compared after the first barrier: a mismatch costs nothing to detect and
-// every rank sees it at the same point.
-
-static tsys_dist__shm_hdr *tsys_dist__shm_h(tsys_dist *d) { return (tsys_dist__shm_hdr *)d->shm_base; }
-static tsys_dist__shm_rank *tsys_dist__shm_r(tsys_dist *d, int r) { return (tsys_dist__shm_rank *)(d->shm_base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)r); }
-static char *tsys_dist__shm_buf(tsys_dist *d, int slot, int r) { return d->shm_data + ((size_t)slot * (size_t)d->size + (size_t)r) * d->slice; }
-
 // A pid that is gone (or a zombie nobody reaped yet).
 static bool tsys_dist__pid_dead(int pid) {
     if (pid <= 0) return false;
@@ -1699,32 +1850,55 @@ static bool tsys_dist__pid_dead(int pid) {
     return p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
 }
 
-#if defined(TSYS_DIST_NCCL) || defined(TSYS_DIST_MPI)
-// The peers this rank can tell are gone without their help: by pid for ranks on this host (the shared
-// segment), by a closed socket in the TCP star (rank 0 sees every rank, the others rank 0). Names them
-// in buf ("rank 1 (pid 4242)"); returns how many.
-static int tsys_dist__dead_peers(tsys_dist *d, char *buf, size_t n) {
-    int dead = 0;
-    size_t l = 0;
-    buf[0] = 0;
-    for (int q = 0; q < d->size; q++) {
-        if (q == d->rank) continue;
-        int pid = 0;
-        bool gone = false;
-        if (d->shm_base) { pid = tsys_dist__shm_r(d, q)->pid; gone = tsys_dist__pid_dead(pid); }
-        else if (d->fds && (d->rank == 0 || q == 0)) {
-            const int fd = d->rank == 0 ? d->fds[q] : d->fds[0];
-            char c;
-            const ssize_t k = fd >= 0 ? recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : 1;
-            gone = k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-        }
-        if (!gone) continue;
-        dead++;
-        if (l + 40 < n) l += (size_t)snprintf(buf + l, n - l, pid ? "%srank %d (pid %d)" : "%srank %d", l ? ", " : "", q, pid);
-    }
-    return dead;
+// How long a wait spins before it yields the CPU adapts: a wait that ran out of spins (the peer was
+// not running: more ranks than cores, or a slow peer) halves it, a wait that ended while spinning
+// doubles it (one that did not wait at all changes nothing). Ranks on cores of their own keep spinning (sub-microsecond barriers); oversubscribed
+// ranks yield almost at once (spinning would only delay the peer they wait for).
+static void tsys_dist__spin_adapt(tsys_dist *d, long spins) {
+    if (spins >= d->spin_limit) d->spin_limit = d->spin_limit > 32 ? d->spin_limit / 2 : 16;
+    else if (spins > 0 && d->spin_limit < 4096) d->spin_limit *= 2;   // 0: the others were there already
 }
-#endif
+
+// A host collective during setup (before the worker runs): bytes from root, or an int32 reduction.
+static bool tsys_dist__setup_bcast(tsys_dist *d, void *buf, int64_t bytes, int root, tsys_dist__err *e) {
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__BCAST; c.type = TSYS_DIST__U8; c.root = root; c.count = bytes; c.in = c.out = buf; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, bytes, TSYS_DIST__CHECK_BYTES);
+    return tsys_dist__host_exec(d, &c, e);
+}
+static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int op, tsys_dist__err *e) {
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_I32; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, (int64_t)n * 4, TSYS_DIST__CHECK_BYTES);
+    return tsys_dist__host_exec(d, &c, e);
+}
+
+// ---- self: a group of one ------------------------------------------------------------------------
+// Collectives are the identity; reduce-scatter and all-gather copy in to out.
+static bool tsys_dist__self_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    (void)d; (void)e;
+    if ((c->kind == TSYS_DIST__RS || c->kind == TSYS_DIST__AG) && !c->check_only && c->in != c->out && c->count)
+        memmove(c->out, c->in, (size_t)c->count * tsys_dist__tsize(c->type));
+    return true;
+}
+static const tsys_dist__engine tsys_dist__engine_self = { "self", TSYS_DIST_ENGINE_SELF, tsys_dist__self_coll, tsys_dist__self_coll, NULL, NULL };
+
+// >>engine shm ------------------------------------------------------------------------------------
+// Every rank on this host, through a segment of shared memory (tsys_dist__shm_setup).
+// Two pipeline slots per rank. Each slice: every rank copies its part of the input into its slot,
+// a barrier, then each rank reads what it needs from the others' slots (all-reduce: each rank
+// reduces 1/size of the slice in place, a second barrier, everyone copies the reduced parts out).
+// Slots alternate by a counter kept across collectives, so a slot is rewritten only after a later
+// barrier has shown that every rank finished reading it. The descriptor of each collective sits in
+// the rank records and is compared after the first barrier: a mismatch costs nothing to detect and
+// every rank sees it at the same point.
+
+static tsys_dist__shm_hdr *tsys_dist__shm_h(tsys_dist *d) { return (tsys_dist__shm_hdr *)d->shm_base; }
+static tsys_dist__shm_rank *tsys_dist__shm_r(tsys_dist *d, int r) { return (tsys_dist__shm_rank *)(d->shm_base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)r); }
+static char *tsys_dist__shm_buf(tsys_dist *d, int slot, int r) { return d->shm_data + ((size_t)slot * (size_t)d->size + (size_t)r) * d->slice; }
+
 
 
 // Publishes a failure in the segment so every rank stops at once, naming the same cause.
@@ -1746,15 +1920,6 @@ static bool tsys_dist__shm_aborted(tsys_dist *d, const tsys_dist__coll *c, tsys_
     tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank %d gave up: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, h->abort_rank, h->abort_msg);
     tsys_dist__break(d, e);
     return false;
-}
-
-// How long a wait spins before it yields the CPU adapts: a wait that ran out of spins (the peer was
-// not running: more ranks than cores, or a slow peer) halves it, a wait that ended while spinning
-// doubles it (one that did not wait at all changes nothing). Ranks on cores of their own keep spinning (sub-microsecond barriers); oversubscribed
-// ranks yield almost at once (spinning would only delay the peer they wait for).
-static void tsys_dist__spin_adapt(tsys_dist *d, long spins) {
-    if (spins >= d->spin_limit) d->spin_limit = d->spin_limit > 32 ? d->spin_limit / 2 : 16;
-    else if (spins > 0 && d->spin_limit < 4096) d->spin_limit *= 2;   // 0: the others were there already
 }
 
 // Waits until every rank's step counter reaches target: spins briefly, then yields, then naps; checks
@@ -1799,7 +1964,8 @@ static bool tsys_dist__shm_wait(tsys_dist *d, uint64_t target, const tsys_dist__
     return true;
 }
 
-static bool tsys_dist__shm_barrier(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+// Every rank passes the next step (the pipeline's fence; a collective's barrier is tsys_dist__shm_coll).
+static bool tsys_dist__shm_fence(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
     uint64_t target = ++d->shm_step;
     TSYS_DIST__STORE(&tsys_dist__shm_r(d, d->rank)->step, target);
     return tsys_dist__shm_wait(d, target, c, e);
@@ -1837,7 +2003,7 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
                 break;
             default: break;
         }
-        if (!tsys_dist__shm_barrier(d, c, e)) return false;
+        if (!tsys_dist__shm_fence(d, c, e)) return false;
         if (k == 0)
             for (int r = 0; r < n; r++) {
                 int64_t other[8];
@@ -1851,7 +2017,7 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
             // the result goes to the slot (for the others) and over this rank's input (block by block,
             // each read before it is written)
             if (b > a) tsys_dist__reduce(c->type, c->op, mybuf + (size_t)a * es, out + (size_t)(off + a) * es, srcs, n, b - a);
-            if (!tsys_dist__shm_barrier(d, c, e)) return false;
+            if (!tsys_dist__shm_fence(d, c, e)) return false;
             for (int r = 0; r < n; r++) {
                 if (r == me) continue;
                 int64_t ra = (int64_t)r * q_per < len ? (int64_t)r * q_per : len, rb = ra + q_per < len ? ra + q_per : len;
@@ -1879,7 +2045,247 @@ static bool tsys_dist__shm_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
     return true;
 }
 
-// ---- MPI -----------------------------------------------------------------------------------------
+// The shared segment: rank 0 creates it (reserving the pages, so a small /dev/shm fails here and not
+// with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
+// goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
+static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
+    const size_t slice = tsys_dist__shm_slice_for(d->size, d->opt.shm_slice);
+    size_t data_off = (TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->size + 4095) / 4096 * 4096;
+    size_t bytes = data_off + 2 * (size_t)d->size * slice;
+    struct { char name[96]; int32_t ok; char why[92]; } msg;
+    memset(&msg, 0, sizeof msg);
+    int fd = -1;
+    char *base = NULL;
+    if (d->rank == 0) {
+        snprintf(msg.name, sizeof msg.name, "/tsys_dist.%d.%llx", (int)getpid(), (unsigned long long)(tsys_time_us() * 1000) ^ (unsigned long long)(uintptr_t)d);
+        fd = shm_open(msg.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        int err = fd < 0 ? errno : 0;
+        if (fd >= 0 && ftruncate(fd, (off_t)bytes) != 0) err = errno;
+        if (fd >= 0 && !err) err = posix_fallocate(fd, 0, (off_t)bytes);
+        if (fd >= 0 && !err) { base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); if (base == MAP_FAILED) { base = NULL; err = errno; } }
+        if (err) snprintf(msg.why, sizeof msg.why, "%s (%zu bytes in /dev/shm)", strerror(err), bytes);
+        msg.ok = base != NULL;
+        if (base) {
+            tsys_dist__shm_hdr *h = (tsys_dist__shm_hdr *)base;
+            h->magic = 0x7473797364697374ull; h->size = d->size; h->slice = slice;
+        }
+    }
+    if (!tsys_dist__setup_bcast(d, &msg, (int64_t)sizeof msg, 0, e)) { if (base) munmap(base, bytes); if (fd >= 0) { close(fd); shm_unlink(msg.name); } return false; }
+    if (d->rank != 0 && msg.ok) {
+        fd = shm_open(msg.name, O_RDWR, 0600);
+        struct stat sb;
+        if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes) {
+            base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (base == MAP_FAILED) base = NULL;
+        }
+        if (!base) snprintf(msg.why, sizeof msg.why, "rank %d cannot map it: %s (another /dev/shm?)", d->rank, strerror(errno));
+    }
+    if (fd >= 0) close(fd);
+    if (base) {
+        tsys_dist__shm_rank *me = (tsys_dist__shm_rank *)(base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->rank);
+        me->pid = (int32_t)getpid();
+    }
+    int32_t failed = base != NULL ? 0 : 1;
+    bool agreed = tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, e);
+    if (d->rank == 0 && msg.ok) shm_unlink(msg.name);   // everyone mapped it, or gave up
+    if (!agreed) { if (base) munmap(base, bytes); return false; }
+    if (failed) {
+        if (base) munmap(base, bytes);
+        snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: %s", msg.why[0] ? msg.why : "a rank could not map the segment");
+        return true;
+    }
+    d->shm_base = base; d->shm_bytes = bytes; d->slice = slice;
+    d->shm_data = base + data_off;
+    return true;
+}
+
+// The ranks whose pid is gone (the segment has every rank's).
+static int tsys_dist__shm_dead_peers(tsys_dist *d, char *buf, size_t n) {
+    int dead = 0;
+    size_t l = 0;
+    buf[0] = 0;
+    for (int q = 0; q < d->size; q++) {
+        if (q == d->rank) continue;
+        const int pid = tsys_dist__shm_r(d, q)->pid;
+        if (!tsys_dist__pid_dead(pid)) continue;
+        dead++;
+        if (l + 40 < n) l += (size_t)snprintf(buf + l, n - l, "%srank %d (pid %d)", l ? ", " : "", q, pid);
+    }
+    return dead;
+}
+
+static void tsys_dist__shm_teardown(tsys_dist *d, bool finalize, bool broken) {
+    (void)finalize; (void)broken;
+    if (d->shm_base) munmap(d->shm_base, d->shm_bytes);
+    d->shm_base = NULL;
+}
+
+// A barrier is a collective without data here (the descriptors still agree).
+static const tsys_dist__engine tsys_dist__engine_shm = { "shm", TSYS_DIST_ENGINE_AUTO, tsys_dist__shm_coll, tsys_dist__shm_coll, tsys_dist__shm_dead_peers, tsys_dist__shm_teardown };
+
+// >>engine tcp ------------------------------------------------------------------------------------
+// A star around rank 0, formed by the TCP rendezvous (tsys_dist__tcp_setup, in >>launch).
+// Every collective starts with the descriptors: the ranks send theirs to rank 0, which compares
+// them and answers everyone (ok, or the mismatch). Data then flows through rank 0 in 1 MiB chunks.
+// Simple and deterministic (rank 0 reduces in rank order); for bandwidth across hosts use mpirun.
+
+typedef struct tsys_dist__tcp_msg { uint32_t magic; int32_t status; int64_t desc[8]; char text[320]; } tsys_dist__tcp_msg;
+
+static bool tsys_dist__tcp_io_t(tsys_dist *d, int peer, void *buf, size_t n, bool out, double timeout_s, const tsys_dist__coll *c, tsys_dist__err *e) {
+    char who[48];
+    snprintf(who, sizeof who, "rank %d", peer);
+    int fd = d->rank == 0 ? d->fds[peer] : d->fds[0];
+    if (tsys_dist__sock_io(fd, buf, n, out, timeout_s, who, e)) return true;
+    char tmp[sizeof e->msg + 64];
+    snprintf(tmp, sizeof tmp, "%s #%lld: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, e->msg);
+    tsys_dist__strcpy(e->msg, sizeof e->msg, tmp);
+    tsys_dist__break(d, e);
+    return false;
+}
+static bool tsys_dist__tcp_io(tsys_dist *d, int peer, void *buf, size_t n, bool out, const tsys_dist__coll *c, tsys_dist__err *e) {
+    return tsys_dist__tcp_io_t(d, peer, buf, n, out, d->timeout_s, c, e);
+}
+
+static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    const int n = d->size, me = d->rank;
+    const size_t es = tsys_dist__tsize(c->type);
+    tsys_dist__tcp_msg m;
+    memset(&m, 0, sizeof m);
+    m.magic = TSYS_DIST__MAGIC;
+    tsys_dist__desc_of(c, m.desc);
+    if (me == 0) {
+        tsys_dist__tcp_msg reply = m, got;
+        tsys_dist__err mis;
+        memset(&mis, 0, sizeof mis);
+        for (int r = 1; r < n; r++) {
+            if (!tsys_dist__tcp_io(d, r, &got, sizeof got, false, c, e)) {
+                // tell the ranks waiting for the answer why (they cannot see rank r); best effort
+                tsys_dist__tcp_msg bad = m;
+                tsys_dist__err ignore;
+                bad.status = 2;
+                tsys_dist__strcpy(bad.text, sizeof bad.text, e->msg);
+                for (int q = 1; q < n; q++) { memset(&ignore, 0, sizeof ignore); if (q != r) tsys_dist__sock_io(d->fds[q], &bad, sizeof bad, true, 1.0, "", &ignore); }
+                return false;
+            }
+            if (got.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank %d sent garbage", r);
+            if (reply.status == 0 && !tsys_dist__desc_agree(d, m.desc, got.desc, r, &mis)) { reply.status = 1; tsys_dist__strcpy(reply.text, sizeof reply.text, mis.msg); }
+        }
+        for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, &reply, sizeof reply, true, c, e)) return false;
+        if (reply.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", reply.text);
+    } else {
+        if (!tsys_dist__tcp_io(d, 0, &m, sizeof m, true, c, e)) return false;
+        // rank 0 answers once it heard from everyone: wait longer than it does, so that when a
+        // third rank is missing, rank 0's report (naming it) arrives before this rank gives up
+        if (!tsys_dist__tcp_io_t(d, 0, &m, sizeof m, false, d->timeout_s * 1.25 + 1, c, e)) return false;
+        if (m.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank 0 sent garbage");
+        m.text[sizeof m.text - 1] = 0;
+        if (m.status == 2) {   // rank 0 lost a rank: the group is done
+            tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank 0 reports: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, m.text);
+            tsys_dist__break(d, e);
+            return false;
+        }
+        if (m.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", m.text);
+    }
+    if (c->check_only || c->kind == TSYS_DIST__BARRIER) return true;
+    char *in = (char *)c->in, *out = (char *)c->out;
+    const size_t count = (size_t)c->count;
+    switch (c->kind) {
+    case TSYS_DIST__ALLREDUCE: {
+        const size_t per = TSYS_DIST__TCP_CHUNK / es;
+        char *scratch = NULL;
+        const void **srcs = NULL;
+        if (me == 0 && count) {
+            scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1));
+            srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+            if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory"); }
+        }
+        bool ok = true;
+        for (size_t off = 0; ok && off < count; off += per) {
+            size_t len = count - off < per ? count - off : per;
+            char *p = out + off * es;
+            if (me == 0) {
+                srcs[0] = p;
+                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
+                if (ok) tsys_dist__reduce(c->type, c->op, p, NULL, srcs, n, (int64_t)len);
+                for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, p, len * es, true, c, e);
+            } else {
+                ok = tsys_dist__tcp_io(d, 0, p, len * es, true, c, e) && tsys_dist__tcp_io(d, 0, p, len * es, false, c, e);
+            }
+        }
+        TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
+        return ok;
+    }
+    case TSYS_DIST__BCAST:
+        if (c->root != 0) {
+            if (me == c->root && !tsys_dist__tcp_io(d, 0, out, count * es, true, c, e)) return false;
+            if (me == 0 && !tsys_dist__tcp_io(d, c->root, out, count * es, false, c, e)) return false;
+        }
+        if (me == 0) { for (int r = 1; r < n; r++) if (r != c->root && !tsys_dist__tcp_io(d, r, out, count * es, true, c, e)) return false; }
+        else if (me != c->root && !tsys_dist__tcp_io(d, 0, out, count * es, false, c, e)) return false;
+        return true;
+    case TSYS_DIST__AG:
+        if (me == 0) {
+            if (out != in) memmove(out, in, count * es);
+            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out + (size_t)r * count * es, count * es, false, c, e)) return false;
+            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out, (size_t)n * count * es, true, c, e)) return false;
+            return true;
+        }
+        return tsys_dist__tcp_io(d, 0, in, count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, (size_t)n * count * es, false, c, e);
+    case TSYS_DIST__RS: {
+        if (me != 0) return tsys_dist__tcp_io(d, 0, in, (size_t)n * count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, count * es, false, c, e);
+        // rank 0 reads every rank's blocks in the order they were sent, reduces block q for rank q,
+        // and answers only once everything is in (a rank still sending cannot read yet)
+        const size_t per = TSYS_DIST__TCP_CHUNK / es;
+        char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1) + (size_t)(n - 1) * count * es + 1);
+        const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
+        if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory"); }
+        char *res = scratch + TSYS_DIST__TCP_CHUNK * (size_t)(n - 1);
+        bool ok = true;
+        for (int q = 0; ok && q < n; q++)
+            for (size_t off = 0; ok && off < count; off += per) {
+                size_t len = count - off < per ? count - off : per;
+                srcs[0] = in + ((size_t)q * count + off) * es;
+                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
+                if (ok) tsys_dist__reduce(c->type, c->op, q == 0 ? out + off * es : res + ((size_t)(q - 1) * count + off) * es, NULL, srcs, n, (int64_t)len);
+            }
+        for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, res + (size_t)(r - 1) * count * es, count * es, true, c, e);
+        TSYS_FREE(scratch);
+        TSYS_FREE((void *)srcs);
+        return ok;
+    }
+    default: return true;
+    }
+}
+
+// Rank 0 sees every rank's socket, the others rank 0's: a closed one is a peer gone.
+static int tsys_dist__tcp_dead_peers(tsys_dist *d, char *buf, size_t n) {
+    int dead = 0;
+    size_t l = 0;
+    buf[0] = 0;
+    if (!d->fds) return 0;
+    for (int q = 0; q < d->size; q++) {
+        if (q == d->rank || (d->rank != 0 && q != 0)) continue;
+        const int fd = d->rank == 0 ? d->fds[q] : d->fds[0];
+        char c;
+        const ssize_t k = fd >= 0 ? recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : 1;
+        if (!(k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))) continue;
+        dead++;
+        if (l + 40 < n) l += (size_t)snprintf(buf + l, n - l, "%srank %d", l ? ", " : "", q);
+    }
+    return dead;
+}
+
+static void tsys_dist__tcp_teardown(tsys_dist *d, bool finalize, bool broken) {
+    (void)finalize; (void)broken;
+    if (d->fds) { for (int r = 0; r < d->size; r++) if (d->fds[r] >= 0) close(d->fds[r]); TSYS_FREE(d->fds); d->fds = NULL; }
+}
+
+// A barrier is a collective without data here (the descriptors still agree).
+static const tsys_dist__engine tsys_dist__engine_tcp = { "tcp", TSYS_DIST_ENGINE_TCP, tsys_dist__tcp_coll, tsys_dist__tcp_coll, tsys_dist__tcp_dead_peers, tsys_dist__tcp_teardown };
+
+// >>engine mpi ------------------------------------------------------------------------------------
+// Ranks started by mpirun / srun (tsys_dist__mpi_setup), on MPI_COMM_WORLD's duplicate.
 // Every call is non-blocking and its wait polls MPI_Test against the group's timeout (a blocking
 // MPI call cannot time out). Reductions happen here, in rank order (tsys_dist__mpi_allreduce).
 #ifdef TSYS_DIST_MPI
@@ -2060,241 +2466,22 @@ static bool tsys_dist__mpi_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dis
         return tsys_dist__mpi_ok(d, MPI_Ibarrier(d->comm, &req), "MPI_Ibarrier", c, e) && tsys_dist__mpi_wait(d, &req, "MPI_Ibarrier", c, e);
     }
 }
-#endif
 
-// ---- TCP: a star around rank 0 -------------------------------------------------------------------
-// Every collective starts with the descriptors: the ranks send theirs to rank 0, which compares
-// them and answers everyone (ok, or the mismatch). Data then flows through rank 0 in 1 MiB chunks.
-// Simple and deterministic (rank 0 reduces in rank order); for bandwidth across hosts use mpirun.
-
-typedef struct tsys_dist__tcp_msg { uint32_t magic; int32_t status; int64_t desc[8]; char text[320]; } tsys_dist__tcp_msg;
-
-static bool tsys_dist__tcp_io_t(tsys_dist *d, int peer, void *buf, size_t n, bool out, double timeout_s, const tsys_dist__coll *c, tsys_dist__err *e) {
-    char who[48];
-    snprintf(who, sizeof who, "rank %d", peer);
-    int fd = d->rank == 0 ? d->fds[peer] : d->fds[0];
-    if (tsys_dist__sock_io(fd, buf, n, out, timeout_s, who, e)) return true;
-    char tmp[sizeof e->msg + 64];
-    snprintf(tmp, sizeof tmp, "%s #%lld: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, e->msg);
-    tsys_dist__strcpy(e->msg, sizeof e->msg, tmp);
-    tsys_dist__break(d, e);
-    return false;
-}
-static bool tsys_dist__tcp_io(tsys_dist *d, int peer, void *buf, size_t n, bool out, const tsys_dist__coll *c, tsys_dist__err *e) {
-    return tsys_dist__tcp_io_t(d, peer, buf, n, out, d->timeout_s, c, e);
+// A broken group leaves MPI alone: a posted request may never finish, so MPI_Finalize could hang.
+// The program is expected to exit with an error, which ends the job.
+static void tsys_dist__mpi_teardown(tsys_dist *d, bool finalize, bool broken) {
+    if (!broken) {
+        if (d->have_comm) MPI_Comm_free(&d->comm);
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (finalize && d->mpi_owner && !fin) MPI_Finalize();
+    }
+    d->have_comm = false;
 }
 
-static bool tsys_dist__tcp_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
-    const int n = d->size, me = d->rank;
-    const size_t es = tsys_dist__tsize(c->type);
-    tsys_dist__tcp_msg m;
-    memset(&m, 0, sizeof m);
-    m.magic = TSYS_DIST__MAGIC;
-    tsys_dist__desc_of(c, m.desc);
-    if (me == 0) {
-        tsys_dist__tcp_msg reply = m, got;
-        tsys_dist__err mis;
-        memset(&mis, 0, sizeof mis);
-        for (int r = 1; r < n; r++) {
-            if (!tsys_dist__tcp_io(d, r, &got, sizeof got, false, c, e)) {
-                // tell the ranks waiting for the answer why (they cannot see rank r); best effort
-                tsys_dist__tcp_msg bad = m;
-                tsys_dist__err ignore;
-                bad.status = 2;
-                tsys_dist__strcpy(bad.text, sizeof bad.text, e->msg);
-                for (int q = 1; q < n; q++) { memset(&ignore, 0, sizeof ignore); if (q != r) tsys_dist__sock_io(d->fds[q], &bad, sizeof bad, true, 1.0, "", &ignore); }
-                return false;
-            }
-            if (got.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank %d sent garbage", r);
-            if (reply.status == 0 && !tsys_dist__desc_agree(d, m.desc, got.desc, r, &mis)) { reply.status = 1; tsys_dist__strcpy(reply.text, sizeof reply.text, mis.msg); }
-        }
-        for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, &reply, sizeof reply, true, c, e)) return false;
-        if (reply.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", reply.text);
-    } else {
-        if (!tsys_dist__tcp_io(d, 0, &m, sizeof m, true, c, e)) return false;
-        // rank 0 answers once it heard from everyone: wait longer than it does, so that when a
-        // third rank is missing, rank 0's report (naming it) arrives before this rank gives up
-        if (!tsys_dist__tcp_io_t(d, 0, &m, sizeof m, false, d->timeout_s * 1.25 + 1, c, e)) return false;
-        if (m.magic != TSYS_DIST__MAGIC) return tsys_dist__seterr(e, TSYS_ERR_IO, "rank 0 sent garbage");
-        m.text[sizeof m.text - 1] = 0;
-        if (m.status == 2) {   // rank 0 lost a rank: the group is done
-            tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: rank 0 reports: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, m.text);
-            tsys_dist__break(d, e);
-            return false;
-        }
-        if (m.status) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "%s", m.text);
-    }
-    if (c->check_only || c->kind == TSYS_DIST__BARRIER) return true;
-    char *in = (char *)c->in, *out = (char *)c->out;
-    const size_t count = (size_t)c->count;
-    switch (c->kind) {
-    case TSYS_DIST__ALLREDUCE: {
-        const size_t per = TSYS_DIST__TCP_CHUNK / es;
-        char *scratch = NULL;
-        const void **srcs = NULL;
-        if (me == 0 && count) {
-            scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1));
-            srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
-            if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "all_reduce: out of host memory"); }
-        }
-        bool ok = true;
-        for (size_t off = 0; ok && off < count; off += per) {
-            size_t len = count - off < per ? count - off : per;
-            char *p = out + off * es;
-            if (me == 0) {
-                srcs[0] = p;
-                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
-                if (ok) tsys_dist__reduce(c->type, c->op, p, NULL, srcs, n, (int64_t)len);
-                for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, p, len * es, true, c, e);
-            } else {
-                ok = tsys_dist__tcp_io(d, 0, p, len * es, true, c, e) && tsys_dist__tcp_io(d, 0, p, len * es, false, c, e);
-            }
-        }
-        TSYS_FREE(scratch);
-        TSYS_FREE((void *)srcs);
-        return ok;
-    }
-    case TSYS_DIST__BCAST:
-        if (c->root != 0) {
-            if (me == c->root && !tsys_dist__tcp_io(d, 0, out, count * es, true, c, e)) return false;
-            if (me == 0 && !tsys_dist__tcp_io(d, c->root, out, count * es, false, c, e)) return false;
-        }
-        if (me == 0) { for (int r = 1; r < n; r++) if (r != c->root && !tsys_dist__tcp_io(d, r, out, count * es, true, c, e)) return false; }
-        else if (me != c->root && !tsys_dist__tcp_io(d, 0, out, count * es, false, c, e)) return false;
-        return true;
-    case TSYS_DIST__AG:
-        if (me == 0) {
-            if (out != in) memmove(out, in, count * es);
-            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out + (size_t)r * count * es, count * es, false, c, e)) return false;
-            for (int r = 1; r < n; r++) if (!tsys_dist__tcp_io(d, r, out, (size_t)n * count * es, true, c, e)) return false;
-            return true;
-        }
-        return tsys_dist__tcp_io(d, 0, in, count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, (size_t)n * count * es, false, c, e);
-    case TSYS_DIST__RS: {
-        if (me != 0) return tsys_dist__tcp_io(d, 0, in, (size_t)n * count * es, true, c, e) && tsys_dist__tcp_io(d, 0, out, count * es, false, c, e);
-        // rank 0 reads every rank's blocks in the order they were sent, reduces block q for rank q,
-        // and answers only once everything is in (a rank still sending cannot read yet)
-        const size_t per = TSYS_DIST__TCP_CHUNK / es;
-        char *scratch = (char *)TSYS_MALLOC(TSYS_DIST__TCP_CHUNK * (size_t)(n - 1) + (size_t)(n - 1) * count * es + 1);
-        const void **srcs = (const void **)TSYS_MALLOC(sizeof(void *) * (size_t)n);
-        if (!scratch || !srcs) { TSYS_FREE(scratch); TSYS_FREE((void *)srcs); return tsys_dist__seterr(e, TSYS_ERR_OOM, "reduce_scatter: out of host memory"); }
-        char *res = scratch + TSYS_DIST__TCP_CHUNK * (size_t)(n - 1);
-        bool ok = true;
-        for (int q = 0; ok && q < n; q++)
-            for (size_t off = 0; ok && off < count; off += per) {
-                size_t len = count - off < per ? count - off : per;
-                srcs[0] = in + ((size_t)q * count + off) * es;
-                for (int r = 1; ok && r < n; r++) { srcs[r] = scratch + (size_t)(r - 1) * TSYS_DIST__TCP_CHUNK; ok = tsys_dist__tcp_io(d, r, (void *)srcs[r], len * es, false, c, e); }
-                if (ok) tsys_dist__reduce(c->type, c->op, q == 0 ? out + off * es : res + ((size_t)(q - 1) * count + off) * es, NULL, srcs, n, (int64_t)len);
-            }
-        for (int r = 1; ok && r < n; r++) ok = tsys_dist__tcp_io(d, r, res + (size_t)(r - 1) * count * es, count * es, true, c, e);
-        TSYS_FREE(scratch);
-        TSYS_FREE((void *)srcs);
-        return ok;
-    }
-    default: return true;
-    }
-}
+// A barrier is a collective without data here (MPI_Ibarrier, after the descriptors when checked).
+static const tsys_dist__engine tsys_dist__engine_mpi = { "mpi", TSYS_DIST_ENGINE_MPI, tsys_dist__mpi_coll, tsys_dist__mpi_coll, NULL, tsys_dist__mpi_teardown };
 
-// Runs one host collective on whichever path the group has. Touches only the group's transport
-// state, never the tsys context: the worker thread calls it too.
-static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
-    if (TSYS_DIST__LOAD(&d->broken))
-        return tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: the group is broken since: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, d->broken_msg);
-    if (d->size == 1) {   // a group of one: identity (reduce-scatter and all-gather copy)
-        if ((c->kind == TSYS_DIST__RS || c->kind == TSYS_DIST__AG) && !c->check_only && c->in != c->out && c->count)
-            memmove(c->out, c->in, (size_t)c->count * tsys_dist__tsize(c->type));
-        return true;
-    }
-    if (d->shm_base) return tsys_dist__shm_coll(d, c, e);
-#ifdef TSYS_DIST_MPI
-    if (d->host == TSYS_DIST__HOST_MPI) return tsys_dist__mpi_coll(d, c, e);
-#endif
-    if (d->host == TSYS_DIST__HOST_TCP) return tsys_dist__tcp_coll(d, c, e);
-    return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "no engine for host collectives");
-}
-
-
-static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e);
-
-// A host collective during setup (before the worker runs): bytes from root, or an int32 reduction.
-static bool tsys_dist__setup_bcast(tsys_dist *d, void *buf, int64_t bytes, int root, tsys_dist__err *e) {
-    tsys_dist__coll c;
-    memset(&c, 0, sizeof c);
-    c.kind = TSYS_DIST__BCAST; c.type = TSYS_DIST__U8; c.root = root; c.count = bytes; c.in = c.out = buf; c.seq = d->seq++;
-    c.check = tsys_dist__wants_check(d, bytes, TSYS_DIST__CHECK_BYTES);
-    return tsys_dist__host_exec(d, &c, e);
-}
-static bool tsys_dist__setup_allreduce_i32(tsys_dist *d, int32_t *v, int n, int op, tsys_dist__err *e) {
-    tsys_dist__coll c;
-    memset(&c, 0, sizeof c);
-    c.kind = TSYS_DIST__ALLREDUCE; c.type = TSYS_I32; c.op = op; c.count = n; c.in = c.out = v; c.seq = d->seq++;
-    c.check = tsys_dist__wants_check(d, (int64_t)n * 4, TSYS_DIST__CHECK_BYTES);
-    return tsys_dist__host_exec(d, &c, e);
-}
-
-// The shared segment: rank 0 creates it (reserving the pages, so a small /dev/shm fails here and not
-// with SIGBUS later), the others map it, all agree it worked, then the name is unlinked (the memory
-// goes away with the last rank, even after a crash). Any failure leaves the path off, not the group.
-static bool tsys_dist__shm_setup(tsys_dist *d, tsys_dist__err *e) {
-    // few large slices: each costs two barriers, and a barrier is where a preempted peer costs time
-    size_t slice = TSYS_DIST__SLICE_TOTAL / (size_t)d->size;
-    slice = slice < ((size_t)256 << 10) ? ((size_t)256 << 10) : slice > ((size_t)4 << 20) ? ((size_t)4 << 20) : slice;
-    long v = 0;
-    bool bad = false;
-    if (tsys_dist__env_long("TSYS_DIST_SHM_SLICE", 4096, 1L << 30, &v, &bad)) slice = (size_t)v;
-    slice = (slice + 4095) / 4096 * 4096;
-    if (slice < (size_t)d->size * 64) slice = ((size_t)d->size * 64 + 4095) / 4096 * 4096;   // reduce-scatter puts size blocks in a slot
-    size_t data_off = (TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->size + 4095) / 4096 * 4096;
-    size_t bytes = data_off + 2 * (size_t)d->size * slice;
-    struct { char name[96]; int32_t ok; char why[92]; } msg;
-    memset(&msg, 0, sizeof msg);
-    int fd = -1;
-    char *base = NULL;
-    if (d->rank == 0) {
-        snprintf(msg.name, sizeof msg.name, "/tsys_dist.%d.%llx", (int)getpid(), (unsigned long long)(tsys_time_us() * 1000) ^ (unsigned long long)(uintptr_t)d);
-        fd = shm_open(msg.name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        int err = fd < 0 ? errno : 0;
-        if (fd >= 0 && ftruncate(fd, (off_t)bytes) != 0) err = errno;
-        if (fd >= 0 && !err) err = posix_fallocate(fd, 0, (off_t)bytes);
-        if (fd >= 0 && !err) { base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); if (base == MAP_FAILED) { base = NULL; err = errno; } }
-        if (err) snprintf(msg.why, sizeof msg.why, "%s (%zu bytes in /dev/shm)", strerror(err), bytes);
-        msg.ok = base != NULL;
-        if (base) {
-            tsys_dist__shm_hdr *h = (tsys_dist__shm_hdr *)base;
-            h->magic = 0x7473797364697374ull; h->size = d->size; h->slice = slice;
-        }
-    }
-    if (!tsys_dist__setup_bcast(d, &msg, (int64_t)sizeof msg, 0, e)) { if (base) munmap(base, bytes); if (fd >= 0) { close(fd); shm_unlink(msg.name); } return false; }
-    if (d->rank != 0 && msg.ok) {
-        fd = shm_open(msg.name, O_RDWR, 0600);
-        struct stat sb;
-        if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == bytes) {
-            base = (char *)mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (base == MAP_FAILED) base = NULL;
-        }
-        if (!base) snprintf(msg.why, sizeof msg.why, "rank %d cannot map it: %s (another /dev/shm?)", d->rank, strerror(errno));
-    }
-    if (fd >= 0) close(fd);
-    if (base) {
-        tsys_dist__shm_rank *me = (tsys_dist__shm_rank *)(base + TSYS_DIST__SHM_RANKS_OFF + sizeof(tsys_dist__shm_rank) * (size_t)d->rank);
-        me->pid = (int32_t)getpid();
-    }
-    int32_t failed = base != NULL ? 0 : 1;
-    bool agreed = tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, e);
-    if (d->rank == 0 && msg.ok) shm_unlink(msg.name);   // everyone mapped it, or gave up
-    if (!agreed) { if (base) munmap(base, bytes); return false; }
-    if (failed) {
-        if (base) munmap(base, bytes);
-        snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: %s", msg.why[0] ? msg.why : "a rank could not map the segment");
-        return true;
-    }
-    d->shm_base = base; d->shm_bytes = bytes; d->slice = slice;
-    d->shm_data = base + data_off;
-    return true;
-}
-
-#ifdef TSYS_DIST_MPI
 static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
     int inited = 0, finalized = 0, prov = 0;
     MPI_Initialized(&inited);
@@ -2321,11 +2508,14 @@ static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
     MPI_Comm_free(&local);
     if (!ok) return false;
     d->one_host = d->local_size == d->size;
-    d->host = TSYS_DIST__HOST_MPI;
+    d->launch = &tsys_dist__engine_mpi;
     return true;
 }
 #endif
 
+// >>engine nccl -----------------------------------------------------------------------------------
+// CUDA tensors of a group whose ranks each have a GPU: NCCL on the compute and side streams. Host
+// tensors of the group still go the host engine's way.
 #ifdef TSYS_DIST_NCCL
 static bool tsys_dist__nccl_ok(tsys_dist *d, ncclResult_t r, const char *what, tsys_dist__err *e) {
     if (r == ncclSuccess || r == ncclInProgress) return true;
@@ -2334,7 +2524,6 @@ static bool tsys_dist__nccl_ok(tsys_dist *d, ncclResult_t r, const char *what, t
     tsys_dist__break(d, e);
     return false;
 }
-static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e);
 // A non-blocking communicator: waits (host side, bounded by the timeout) until the last call is
 // through; on timeout the communicator is aborted.
 static bool tsys_dist__nccl_settle(tsys_dist *d, const char *what, tsys_dist__err *e) {
@@ -2373,8 +2562,8 @@ static void tsys_dist__warn_one_cpu(const tsys_dist *d) {
 // The communicator is blocking (NCCL's default, as torch's): a non-blocking one, whose every call is polled
 // with ncclCommGetAsyncError, made each collective ~50 us slower (2 x H200, 1 MB all-reduce: 80 us against
 // 31). Its creation, the step that waits for every peer, still cannot hang: it runs on a helper thread that
-// tsys_dist__nccl_setup waits for with the group's timeout. TSYS_DIST_NCCL_BLOCKING=0 asks for the
-// non-blocking communicator.
+// tsys_dist__nccl_setup waits for with the group's timeout. desc.nccl_nonblocking (TSYS_DIST_NCCL_BLOCKING=0)
+// asks for the non-blocking communicator.
 typedef struct tsys_dist__nccl_init {
     ncclUniqueId id;
     int size, rank, device, blocking;
@@ -2395,11 +2584,7 @@ static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
     if (!a) return tsys_dist__seterr(e, TSYS_ERR_OOM, "NCCL setup: out of host memory");
     if (d->rank == 0 && !tsys_dist__nccl_ok(d, ncclGetUniqueId(&a->id), "ncclGetUniqueId", e)) { free(a); return false; }
     if (d->size > 1 && !tsys_dist__setup_bcast(d, &a->id, (int64_t)sizeof a->id, 0, e)) { free(a); return false; }
-    long blocking = 1;
-    bool bad = false;
-    tsys_dist__env_long("TSYS_DIST_NCCL_BLOCKING", 0, 1, &blocking, &bad);
-    if (bad) { free(a); return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_NCCL_BLOCKING='%s' is not 0 or 1", getenv("TSYS_DIST_NCCL_BLOCKING")); }
-    a->size = d->size; a->rank = d->rank; a->blocking = (int)blocking;
+    a->size = d->size; a->rank = d->rank; a->blocking = d->opt.nccl_nonblocking ? 0 : 1;
     if (cudaGetDevice(&a->device) != cudaSuccess) { free(a); return tsys_dist__seterr(e, TSYS_ERR_CUDA, "NCCL setup: cudaGetDevice failed"); }
     pthread_t th;
     if (pthread_create(&th, NULL, tsys_dist__nccl_init_main, a) != 0) { free(a); return tsys_dist__seterr(e, TSYS_ERR_IO, "NCCL setup: pthread_create failed"); }
@@ -2421,43 +2606,112 @@ static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
     if (!tsys_dist__nccl_ok(d, ncclGetVersion(&d->nccl_version), "ncclGetVersion", e)) return false;
     return r != ncclInProgress || tsys_dist__nccl_settle(d, "ncclCommInitRankConfig (the group did not form)", e);
 }
-#endif
 
-// ---- the worker: asynchronous host collectives run on it, in the order they were issued ----------
-static void *tsys_dist__worker_main(void *arg) {
-    tsys_dist *d = (tsys_dist *)arg;
-    pthread_mutex_lock(&d->mu);
-    for (;;) {
-        while (!d->q_head && !d->worker_stop) pthread_cond_wait(&d->cv, &d->mu);
-        if (!d->q_head) break;
-        tsys_dist_work *w = d->q_head;
-        d->q_head = w->next;
-        if (!d->q_head) d->q_tail = NULL;
-        d->worker_busy = true;
-        pthread_mutex_unlock(&d->mu);
-        tsys_dist__host_exec(d, &w->c, &w->err);
-        pthread_mutex_lock(&d->mu);
-        w->done = 1;
-        d->worker_busy = false;
-        pthread_cond_broadcast(&d->cv_done);
+// ---- NCCL collectives -----------------------------------------------------------------------------
+// On the side stream, after the compute stream's work so far (an event from the backend's pool);
+// the collective's end is another event, which tsys_dist_wait makes the compute stream wait for.
+// No host sync anywhere, so the whole sequence can be captured in a CUDA graph.
+static ncclDataType_t tsys_dist__nccl_type(int t) {
+    switch (t) {
+    case TSYS_F32: return ncclFloat32;
+    case TSYS_BF16: return ncclBfloat16;
+    case TSYS_F16: return ncclFloat16;
+    case TSYS_I32: return ncclInt32;
+    default: return ncclInt64;
     }
-    pthread_mutex_unlock(&d->mu);
-    return NULL;
+}
+// c->done == NULL: a blocking collective with no asynchronous one in flight goes on the compute stream itself
+// (the compute stream would wait for it at once; the two events of the side stream cost ~2.6 us, measured
+// on 2 x H200 by tools/nccl_latency.c). With asynchronous ones in flight it takes the side stream behind them:
+// collectives on one communicator must run in the order they were issued.
+static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    tsys_ctx *ctx = d->ctx;
+    tsys_event *done = c->done;
+    if (done && (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
+                 tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK))
+        return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+    cudaStream_t stream = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
+    ncclDataType_t dt = tsys_dist__nccl_type(c->type);
+    ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
+    ncclResult_t r;
+    const char *what;
+    switch (c->kind) {
+    case TSYS_DIST__ALLREDUCE: what = "ncclAllReduce"; r = ncclAllReduce(c->out, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
+    case TSYS_DIST__BCAST: what = "ncclBroadcast"; r = ncclBroadcast(c->out, c->out, (size_t)c->count, dt, c->root, d->nccl, stream); break;
+    case TSYS_DIST__RS: what = "ncclReduceScatter"; r = ncclReduceScatter(c->in, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
+    default: what = "ncclAllGather"; r = ncclAllGather(c->in, c->out, (size_t)c->count, dt, d->nccl, stream); break;
+    }
+    char buf[96];
+    snprintf(buf, sizeof buf, "%s (collective #%lld)", what, (long long)c->seq);
+    if (!tsys_dist__nccl_ok(d, r, buf, e)) return false;
+    if (d->group_open) return true;   // launched, settled and given its end event by tsys_dist_group_end
+    if (r == ncclInProgress && !tsys_dist__nccl_settle(d, buf, e)) return false;
+    if (done && tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+    return true;
 }
 
-// Waits until the worker has run everything queued (a blocking collective goes after them).
-static void tsys_dist__drain(tsys_dist *d) {
-    if (!d->worker_on) return;
-    pthread_mutex_lock(&d->mu);
-    while (d->q_head || d->worker_busy) pthread_cond_wait(&d->cv_done, &d->mu);
-    pthread_mutex_unlock(&d->mu);
+// Ends an NCCL group that cannot go on: aborting the communicator also ends its kernels still waiting
+// on the GPU for a peer that will never send (without it the process could not even exit).
+static bool tsys_dist__nccl_give_up(tsys_dist *d, tsys_dist__err *e) {
+    tsys_dist__break(d, e);
+    if (d->nccl) ncclCommAbort(d->nccl);
+    d->nccl = NULL;
+    return false;
+}
+
+// Waits (host side, bounded by the timeout) for the NCCL collectives issued so far on the side stream; a
+// peer that died or stalled ends it in an error and an aborted communicator. A peer that this rank can
+// see is gone (tsys_dist__dead_peers) is named within TSYS_DIST__DEAD_CHECK_US.
+static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e) {
+    tsys_event ev;
+    memset(&ev, 0, sizeof ev);
+    // the side stream's collectives, and the compute stream's (blocking ones go there): the side stream
+    // waits for the compute stream, and the host for the side stream
+    if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK || tsys_event_wait(d->ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK ||
+        tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
+        return tsys_dist__seterr(e, tsys_ctx_status(d->ctx), "%s: %s", what, tsys_ctx_last_error(d->ctx));
+    const double t0 = tsys_time_us();
+    double last_check = t0;
+    bool ok = true;
+    for (long spins = 0;; spins++) {
+        const cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
+        if (q == cudaSuccess) break;
+        char dead[160];
+        if (tsys_time_us() - last_check > TSYS_DIST__DEAD_CHECK_US) {
+            last_check = tsys_time_us();
+            if (tsys_dist__dead_peers(d, dead, sizeof dead) > 0) {
+                tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: %s exited, with NCCL collectives in flight; communicator aborted", what, dead);
+                ok = tsys_dist__nccl_give_up(d, e);
+                break;
+            }
+        }
+        ncclResult_t ae = ncclSuccess;
+        const ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
+        if (qr != ncclSuccess) ae = qr;
+        if (q != cudaErrorNotReady) { ok = tsys_dist__seterr(e, TSYS_ERR_CUDA, "%s: %s", what, cudaGetErrorString(q)); break; }
+        if (ae != ncclSuccess && ae != ncclInProgress) {
+            char buf[200];
+            const bool named = tsys_dist__dead_peers(d, dead, sizeof dead) > 0;
+            snprintf(buf, sizeof buf, named ? "%s: NCCL (%s exited)" : "%s: NCCL%s", what, dead);
+            tsys_dist__nccl_ok(d, ae, buf, e);
+            ok = tsys_dist__nccl_give_up(d, e);
+            break;
+        }
+        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
+            tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", what, d->timeout_s);
+            ok = tsys_dist__nccl_give_up(d, e);
+            break;
+        }
+        if (spins > 1000) tsys_dist__nap_us(50);
+    }
+    tsys_event_release(d->ctx, &ev);
+    return ok;
 }
 
 // ---- symmetric windows (tsys_dist_tensor_new) ----------------------------------------------------
 // A window outlives neither its group nor its memory: the tensor's last release deregisters it (while the
 // group lives) and frees the memory; tsys_dist_free deregisters the ones still alive and leaves them the
 // freeing (d = NULL).
-#ifdef TSYS_DIST_NCCL
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
 #define TSYS_DIST__WINDOWS 1
 typedef struct tsys_dist__window {
@@ -2529,24 +2783,16 @@ static void tsys_dist__windows_orphan(tsys_dist *d) {
     (void)d;
 #endif
 }
-#endif   // TSYS_DIST_NCCL
 
-static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
-    if (d->worker_on) {
-        tsys_dist__drain(d);
-        pthread_mutex_lock(&d->mu);
-        d->worker_stop = true;
-        pthread_cond_broadcast(&d->cv);
-        pthread_mutex_unlock(&d->mu);
-        pthread_join(d->worker, NULL);
-        pthread_mutex_destroy(&d->mu);
-        pthread_cond_destroy(&d->cv);
-        pthread_cond_destroy(&d->cv_done);
-        d->worker_on = false;
-    }
-    bool broken = TSYS_DIST__LOAD(&d->broken) != 0;
-    (void)broken; (void)finalize;
-#ifdef TSYS_DIST_NCCL
+// Waits (bounded) for the NCCL work issued so far. While a CUDA graph is being captured nothing runs,
+// so there is nothing to wait for; an aborted communicator has nothing left either (the group is broken).
+static bool tsys_dist__nccl_barrier(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    (void)c;
+    return !d->nccl || tsys_cuda_capturing(d->ctx) || tsys_dist__nccl_drain(d, "barrier", e);
+}
+
+static void tsys_dist__nccl_teardown(tsys_dist *d, bool finalize, bool broken) {
+    (void)finalize;
     if (d->nccl) {
         if (broken) { tsys_dist__windows_orphan(d); ncclCommAbort(d->nccl); }
         else {
@@ -2564,175 +2810,280 @@ static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
         d->nccl = NULL;
     }
     if (d->ev_ready.handle) tsys_event_release(d->ctx, &d->ev_ready);
+}
+
+// The peers NCCL waits for are watched through the host engine (tsys_dist__dead_peers).
+static const tsys_dist__engine tsys_dist__engine_nccl = { "nccl", TSYS_DIST_ENGINE_NCCL, tsys_dist__nccl_coll, tsys_dist__nccl_barrier, NULL, tsys_dist__nccl_teardown };
+#endif   // TSYS_DIST_NCCL
+
+// >>group -----------------------------------------------------------------------------------------
+// A group holds three engines (>>engines):
+//   launch  the one that formed it: mpi (mpirun / srun), tcp (tsys_dist_spawn, torchrun-style
+//           variables) or self (a group of one); what tsys_dist_engine_of reports without NCCL
+//   host    the one that runs host collectives: self in a group of one, shm when the segment is
+//           mapped, else launch
+//   device  nccl when the group has a communicator (CUDA tensors), else NULL (host staging)
+// tsys_dist_init sets them up in that order; tsys_dist__teardown undoes them in reverse.
+
+#if defined(TSYS_DIST_NCCL) || defined(TSYS_DIST_MPI)
+// The peers this rank can tell are gone without their help, as the host engine sees them (by pid on
+// one host, by a closed socket in the TCP star; MPI cannot tell). Names them in buf; returns how many.
+static int tsys_dist__dead_peers(tsys_dist *d, char *buf, size_t n) {
+    buf[0] = 0;
+    return d->host->dead_peers ? d->host->dead_peers(d, buf, n) : 0;
+}
 #endif
-    if (d->shm_base) munmap(d->shm_base, d->shm_bytes);
-    d->shm_base = NULL;
-    if (d->fds) { for (int r = 0; r < d->size; r++) if (d->fds[r] >= 0) close(d->fds[r]); TSYS_FREE(d->fds); d->fds = NULL; }
-#ifdef TSYS_DIST_MPI
-    // A broken group leaves MPI alone: a posted request may never finish, so MPI_Finalize could hang.
-    // The program is expected to exit with an error, which ends the job.
-    if (!broken) {
-        if (d->have_comm) MPI_Comm_free(&d->comm);
-        int fin = 0;
-        MPI_Finalized(&fin);
-        if (finalize && d->mpi_owner && !fin) MPI_Finalize();
+
+// Runs one host collective on the group's host engine. Touches only the group's transport state,
+// never the tsys context: the worker thread calls it too.
+static bool tsys_dist__host_exec(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
+    if (TSYS_DIST__LOAD(&d->broken))
+        return tsys_dist__seterr(e, TSYS_ERR_IO, "%s #%lld: the group is broken since: %s", tsys_dist__kind_names[c->kind], (long long)c->seq, d->broken_msg);
+    return c->kind == TSYS_DIST__BARRIER ? d->host->barrier(d, c, e) : d->host->collective(d, c, e);
+}
+
+// ---- the worker: asynchronous host collectives run on it, in the order they were issued ----------
+static void *tsys_dist__worker_main(void *arg) {
+    tsys_dist *d = (tsys_dist *)arg;
+    pthread_mutex_lock(&d->mu);
+    for (;;) {
+        while (!d->q_head && !d->worker_stop) pthread_cond_wait(&d->cv, &d->mu);
+        if (!d->q_head) break;
+        tsys_dist_work *w = d->q_head;
+        d->q_head = w->next;
+        if (!d->q_head) d->q_tail = NULL;
+        d->worker_busy = true;
+        pthread_mutex_unlock(&d->mu);
+        tsys_dist__host_exec(d, &w->c, &w->err);
+        pthread_mutex_lock(&d->mu);
+        w->done = 1;
+        d->worker_busy = false;
+        pthread_cond_broadcast(&d->cv_done);
     }
-    d->have_comm = false;
+    pthread_mutex_unlock(&d->mu);
+    return NULL;
+}
+
+// Waits until the worker has run everything queued (a blocking collective goes after them).
+static void tsys_dist__drain(tsys_dist *d) {
+    if (!d->worker_on) return;
+    pthread_mutex_lock(&d->mu);
+    while (d->q_head || d->worker_busy) pthread_cond_wait(&d->cv_done, &d->mu);
+    pthread_mutex_unlock(&d->mu);
+}
+
+// Asynchronous host collectives get a worker thread, except in a group of one and on MPI without
+// MPI_THREAD_MULTIPLE (initialized so by the caller), where they run at launch.
+static void tsys_dist__worker_start(tsys_dist *d) {
+    bool threads_ok = d->launch != &tsys_dist__engine_self && d->size > 1;
+#ifdef TSYS_DIST_MPI
+    if (d->host == &tsys_dist__engine_mpi && !d->mpi_multiple) threads_ok = false;
+#endif
+    if (!threads_ok) return;
+    pthread_mutex_init(&d->mu, NULL);
+    pthread_cond_init(&d->cv, NULL);
+    pthread_cond_init(&d->cv_done, NULL);
+    if (pthread_create(&d->worker, NULL, tsys_dist__worker_main, d) == 0) d->worker_on = true;
+    else { pthread_mutex_destroy(&d->mu); pthread_cond_destroy(&d->cv); pthread_cond_destroy(&d->cv_done); }
+}
+// Runs what is queued, then stops the worker.
+static void tsys_dist__worker_stop(tsys_dist *d) {
+    if (!d->worker_on) return;
+    tsys_dist__drain(d);
+    pthread_mutex_lock(&d->mu);
+    d->worker_stop = true;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    pthread_join(d->worker, NULL);
+    pthread_mutex_destroy(&d->mu);
+    pthread_cond_destroy(&d->cv);
+    pthread_cond_destroy(&d->cv_done);
+    d->worker_on = false;
+}
+
+// ---- making and freeing a group -------------------------------------------------------------------
+
+// Records an engine about to be set up: its teardown runs even when the setup fails halfway.
+static void tsys_dist__made(tsys_dist *d, const tsys_dist__engine *eng) {
+    TSYS_ASSERT(d->nmade < (int)(sizeof d->made / sizeof d->made[0]));
+    d->made[d->nmade++] = eng;
+}
+
+static void tsys_dist__teardown(tsys_dist *d, bool finalize) {
+    tsys_dist__worker_stop(d);
+    const bool broken = TSYS_DIST__LOAD(&d->broken) != 0;   // before the engines go: one view for all of them
+    for (int i = d->nmade - 1; i >= 0; i--)
+        if (d->made[i]->teardown) d->made[i]->teardown(d, finalize, broken);
+    d->nmade = 0;
+}
+
+// Under mpirun / srun, or with MPI initialized already: an MPI rank (*joined), set up by the MPI engine.
+static bool tsys_dist__join_mpi(tsys_dist *d, const char **what, bool *joined, tsys_dist__err *e) {
+    bool by_mpi = tsys_dist__launched_by_mpi();
+#ifdef TSYS_DIST_MPI
+    int inited = 0;
+    MPI_Initialized(&inited);
+    by_mpi = by_mpi || inited;
+    // an explicit MPI engine in a process started alone is an MPI singleton (a group of one)
+    if (!by_mpi && d->opt.engine == TSYS_DIST_ENGINE_MPI && !tsys_dist__env("RANK") && !tsys_dist__env("WORLD_SIZE")) by_mpi = true;
+    *joined = by_mpi;
+    if (!by_mpi) return true;
+    *what = "tsys_dist_init (MPI)";
+    tsys_dist__made(d, &tsys_dist__engine_mpi);
+    return tsys_dist__mpi_setup(d, e);
+#else
+    (void)d; (void)what;
+    *joined = false;
+    if (!by_mpi) return true;
+    const char *n = tsys_dist__env("OMPI_COMM_WORLD_SIZE");
+    if (!n) n = tsys_dist__env("PMI_SIZE");
+    if (!n) n = tsys_dist__env("SLURM_NTASKS");
+    if (n && strcmp(n, "1"))
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "started by mpirun/srun with %s ranks, but this program was built without TSYS_DIST_MPI: "
+                                 "rebuild it with -DTSYS_DIST_MPI and MPI's flags, or start it with --nproc / torchrun-style variables", n);
+    return true;   // an MPI job of one rank: a group of one
 #endif
 }
 
-TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
-    if (!ctx) return NULL;
-    tsys_dist_desc dd;
-    memset(&dd, 0, sizeof dd);
-    if (desc) dd = *desc;
-    tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
-    if (!d) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_init: out of host memory"); return NULL; }
-    d->ctx = ctx; d->size = 1; d->local_size = 1; d->spin_limit = 1024;
-    d->host = TSYS_DIST__HOST_SELF;
-    tsys_dist__err e;
-    memset(&e, 0, sizeof e);
-    const char *what = "tsys_dist_init";
-    long v = 0;
-    bool bad = false;
-    if ((unsigned)dd.engine > (unsigned)TSYS_DIST_ENGINE_TCP) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "unknown engine %d", (int)dd.engine); goto fail; }
-    if (dd.timeout_s < 0) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "timeout_s %d is negative", dd.timeout_s); goto fail; }
-    d->timeout_s = TSYS_DIST_TIMEOUT_DEFAULT;
-    if (dd.timeout_s > 0) d->timeout_s = dd.timeout_s;
-    else if (tsys_dist__env_long("TSYS_DIST_TIMEOUT", 1, 1L << 30, &v, &bad)) d->timeout_s = (double)v;
-    if (bad) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "TSYS_DIST_TIMEOUT='%s' is not a whole number of seconds >= 1", getenv("TSYS_DIST_TIMEOUT")); goto fail; }
-    {
-        const char *chk = tsys_dist__env("TSYS_DIST_CHECK");
-        d->check_all = TSYS_DEBUG || (chk && !strcmp(chk, "1"));
-        d->check_none = chk && !strcmp(chk, "0");
-        if (d->check_none) d->check_all = false;
-    }
-    if (gethostname(d->hostname, sizeof d->hostname - 1) != 0) snprintf(d->hostname, sizeof d->hostname, "localhost");
-    {
-        bool by_mpi = tsys_dist__launched_by_mpi();
-#ifdef TSYS_DIST_MPI
-        int inited = 0;
-        MPI_Initialized(&inited);
-        by_mpi = by_mpi || inited;
-        // an explicit MPI engine in a process started alone is an MPI singleton (a group of one)
-        if (!by_mpi && dd.engine == TSYS_DIST_ENGINE_MPI && !tsys_dist__env("RANK") && !tsys_dist__env("WORLD_SIZE")) by_mpi = true;
-        if (by_mpi) {
-            what = "tsys_dist_init (MPI)";
-            if (!tsys_dist__mpi_setup(d, &e)) goto fail;
-        }
-#else
-        if (by_mpi) {
-            const char *n = tsys_dist__env("OMPI_COMM_WORLD_SIZE");
-            if (!n) n = tsys_dist__env("PMI_SIZE");
-            if (!n) n = tsys_dist__env("SLURM_NTASKS");
-            if (n && strcmp(n, "1")) {
-                tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "started by mpirun/srun with %s ranks, but this program was built without TSYS_DIST_MPI: "
-                                  "rebuild it with -DTSYS_DIST_MPI and MPI's flags, or start it with --nproc / torchrun-style variables", n);
-                goto fail;
-            }
-            by_mpi = false;
-        }
-#endif
-        if (!by_mpi && (tsys_dist__env("RANK") || tsys_dist__env("WORLD_SIZE"))) {
-            what = "tsys_dist_init (TCP rendezvous)";
-            long rank = -1, size = -1, port = 29500;
-            bool b1 = false, b2 = false, b3 = false;
-            if (!tsys_dist__env_long("WORLD_SIZE", 1, 1 << 20, &size, &b1) || !tsys_dist__env_long("RANK", 0, size - 1, &rank, &b2)) {
-                tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "RANK='%s' and WORLD_SIZE='%s' must both be set: 0 <= RANK < WORLD_SIZE",
-                                  getenv("RANK") ? getenv("RANK") : "", getenv("WORLD_SIZE") ? getenv("WORLD_SIZE") : "");
-                goto fail;
-            }
-            d->rank = (int)rank; d->size = (int)size;
-            if (tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &v, &b3)) d->local_rank = (int)v;
-            else d->local_rank = d->rank;
-            if (b3) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "LOCAL_RANK='%s' is not a rank", getenv("LOCAL_RANK")); goto fail; }
-            d->local_size = d->size; d->one_host = true;
-            if (d->size > 1) {
-                bool b4 = false;
-                tsys_dist__env_long("MASTER_PORT", 1, 65535, &port, &b4);
-                if (b4) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "MASTER_PORT='%s' is not a port", getenv("MASTER_PORT")); goto fail; }
-                const char *addr = tsys_dist__env("MASTER_ADDR");
-                if (!tsys_dist__tcp_setup(d, addr ? addr : "127.0.0.1", (int)port, &e)) goto fail;
-                d->host = TSYS_DIST__HOST_TCP;
-            }
-        }
-    }
-    what = "tsys_dist_init";
-    // the engine asked for against the way this process was started
-    switch (dd.engine) {
+// Torchrun-style variables (tsys_dist_spawn sets them too): the TCP rendezvous forms the group.
+static bool tsys_dist__join_tcp(tsys_dist *d, tsys_dist__err *e) {
+    long rank = -1, size = -1, port = 29500, v = 0;
+    bool b1 = false, b2 = false, b3 = false, b4 = false;
+    if (!tsys_dist__env_long("WORLD_SIZE", 1, 1 << 20, &size, &b1) || !tsys_dist__env_long("RANK", 0, size - 1, &rank, &b2))
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "RANK='%s' and WORLD_SIZE='%s' must both be set: 0 <= RANK < WORLD_SIZE",
+                                 getenv("RANK") ? getenv("RANK") : "", getenv("WORLD_SIZE") ? getenv("WORLD_SIZE") : "");
+    d->rank = (int)rank; d->size = (int)size;
+    if (tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &v, &b3)) d->local_rank = (int)v;
+    else d->local_rank = d->rank;
+    if (b3) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "LOCAL_RANK='%s' is not a rank", getenv("LOCAL_RANK"));
+    d->local_size = d->size; d->one_host = true;
+    if (d->size == 1) return true;
+    tsys_dist__env_long("MASTER_PORT", 1, 65535, &port, &b4);
+    if (b4) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "MASTER_PORT='%s' is not a port", getenv("MASTER_PORT"));
+    const char *addr = tsys_dist__env("MASTER_ADDR");
+    tsys_dist__made(d, &tsys_dist__engine_tcp);
+    if (!tsys_dist__tcp_setup(d, addr ? addr : "127.0.0.1", (int)port, e)) return false;
+    d->launch = &tsys_dist__engine_tcp;
+    return true;
+}
+
+// The launch engine, in the order of preference at the top of the file: MPI, the TCP rendezvous, alone.
+static bool tsys_dist__join_group(tsys_dist *d, const char **what, tsys_dist__err *e) {
+    bool by_mpi = false;
+    if (!tsys_dist__join_mpi(d, what, &by_mpi, e)) return false;
+    if (by_mpi || (!tsys_dist__env("RANK") && !tsys_dist__env("WORLD_SIZE"))) return true;
+    *what = "tsys_dist_init (TCP rendezvous)";
+    return tsys_dist__join_tcp(d, e);
+}
+
+// The engine asked for, against the way this process was started.
+static bool tsys_dist__engine_fits(const tsys_dist *d, tsys_dist__err *e) {
+    switch (d->opt.engine) {
     case TSYS_DIST_ENGINE_SELF:
-        if (d->size > 1) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine self is a group of one, but this process is rank %d of %d", d->rank, d->size); goto fail; }
+        if (d->size > 1) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine self is a group of one, but this process is rank %d of %d", d->rank, d->size);
         break;
     case TSYS_DIST_ENGINE_MPI:
 #ifdef TSYS_DIST_MPI
-        if (d->host != TSYS_DIST__HOST_MPI) {
-            tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
-                              "variables: ask for TSYS_DIST_ENGINE_TCP (the host engine of such ranks; no NCCL) or AUTO");
-            goto fail;
-        }
+        if (d->launch != &tsys_dist__engine_mpi)
+            return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine mpi needs the ranks started by mpirun/srun; these were started by tsys_dist_spawn or torchrun-style "
+                                     "variables: ask for TSYS_DIST_ENGINE_TCP (the host engine of such ranks; no NCCL) or AUTO");
 #else
-        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "engine mpi: built without TSYS_DIST_MPI");
-        goto fail;
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "engine mpi: built without TSYS_DIST_MPI");
 #endif
         break;
     case TSYS_DIST_ENGINE_NCCL:
 #ifndef TSYS_DIST_NCCL
-        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "engine nccl: built without TSYS_DIST_NCCL");
-        goto fail;
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "engine nccl: built without TSYS_DIST_NCCL");
 #endif
-        if (!dd.cuda) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine nccl needs desc.cuda (NCCL moves CUDA tensors)"); goto fail; }
+        if (!d->opt.cuda) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine nccl needs desc.cuda (NCCL moves CUDA tensors)");
         break;
     case TSYS_DIST_ENGINE_TCP:
-        if (d->size > 1 && d->host != TSYS_DIST__HOST_TCP) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "engine tcp needs ranks started by tsys_dist_spawn or torchrun-style variables, not mpirun"); goto fail; }
+        if (d->size > 1 && d->launch != &tsys_dist__engine_tcp)
+            return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "engine tcp needs ranks started by tsys_dist_spawn or torchrun-style variables, not mpirun");
         break;
     default: break;
     }
-    if (d->size == 1 && dd.engine != TSYS_DIST_ENGINE_MPI) d->host = TSYS_DIST__HOST_SELF;
-    if (dd.cuda) {
+    return true;
+}
+
+// desc.cuda: this rank's GPU is local rank mod the device count, unless the context has a CUDA backend.
+static bool tsys_dist__cuda_setup(tsys_dist *d, tsys_dist__err *e) {
 #ifdef TSYS_CUDA_H_INCLUDED
-        if (!tsys_ctx_backend(ctx, TSYS_CUDA) || !tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)) {
-            int count = tsys_cuda_device_count();
-            if (count <= 0) { tsys_dist__seterr(&e, TSYS_ERR_CUDA, "desc.cuda: no CUDA device is visible"); goto fail; }
-            if (tsys_cuda_init(ctx, d->local_rank % count) != TSYS_OK) { tsys_dist__seterr(&e, TSYS_ERR_CUDA, "GPU %d: %s", d->local_rank % count, tsys_ctx_last_error(ctx)); goto fail; }
-        }
-        d->cuda = true;
+    tsys_ctx *ctx = d->ctx;
+    if (!tsys_ctx_backend(ctx, TSYS_CUDA) || !tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)) {
+        int count = tsys_cuda_device_count();
+        if (count <= 0) return tsys_dist__seterr(e, TSYS_ERR_CUDA, "desc.cuda: no CUDA device is visible");
+        if (tsys_cuda_init(ctx, d->local_rank % count) != TSYS_OK) return tsys_dist__seterr(e, TSYS_ERR_CUDA, "GPU %d: %s", d->local_rank % count, tsys_ctx_last_error(ctx));
+    }
+    d->cuda = true;
+    return true;
 #else
-        tsys_dist__seterr(&e, TSYS_ERR_UNSUPPORTED, "desc.cuda: this program was built without CUDA (include tsys_cuda.cuh before tsys_dist.h)");
-        goto fail;
+    (void)d;
+    return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "desc.cuda: this program was built without CUDA (include tsys_cuda.cuh before tsys_dist.h)");
 #endif
+}
+
+// Ranks all on this host (at most 512: the segment's records) share a segment unless desc.no_shm; a
+// segment that cannot be made leaves the path off (shm_note says why), not the group.
+static bool tsys_dist__shm_join(tsys_dist *d, tsys_dist__err *e) {
+    if (d->size == 1) return true;
+    if (!d->one_host || d->size > 512) {
+        snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: the ranks are on %s", d->one_host ? "more than 512 ranks" : "several hosts");
+        return true;
     }
-    if (d->size > 1 && d->one_host && d->size <= 512) {
-        const char *shm = tsys_dist__env("TSYS_DIST_SHM");
-        if (shm && !strcmp(shm, "0")) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: TSYS_DIST_SHM=0");
-        else if (!tsys_dist__shm_setup(d, &e)) goto fail;
-    } else if (d->size > 1) snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: the ranks are on %s", d->one_host ? "more than 512 ranks" : "several hosts");
+    if (d->opt.no_shm) { snprintf(d->shm_note, sizeof d->shm_note, "shared memory off: TSYS_DIST_SHM=0 (desc.no_shm)"); return true; }
+    tsys_dist__made(d, &tsys_dist__engine_shm);
+    if (!tsys_dist__shm_setup(d, e)) return false;
+    if (d->shm_base) d->host = &tsys_dist__engine_shm;
+    return true;
+}
+
+// A CUDA group of several ranks (or one that asks for NCCL) gets a communicator, when built with NCCL.
+static bool tsys_dist__device_join(tsys_dist *d, const char **what, tsys_dist__err *e) {
 #ifdef TSYS_DIST_NCCL
-    if (d->cuda && (dd.engine == TSYS_DIST_ENGINE_NCCL || (dd.engine == TSYS_DIST_ENGINE_AUTO && d->size > 1))) {
-        what = "tsys_dist_init (NCCL)";
-        if (!tsys_dist__nccl_setup(d, &e)) goto fail;
-        tsys_dist__warn_one_cpu(d);
-    }
+    if (!d->cuda || !(d->opt.engine == TSYS_DIST_ENGINE_NCCL || (d->opt.engine == TSYS_DIST_ENGINE_AUTO && d->size > 1))) return true;
+    *what = "tsys_dist_init (NCCL)";
+    tsys_dist__made(d, &tsys_dist__engine_nccl);
+    if (!tsys_dist__nccl_setup(d, e)) return false;
+    d->device = &tsys_dist__engine_nccl;
+    tsys_dist__warn_one_cpu(d);
+#else
+    (void)d; (void)what; (void)e;
 #endif
-    d->engine = TSYS_DIST_ENGINE_SELF;
-    if (d->host == TSYS_DIST__HOST_MPI) d->engine = TSYS_DIST_ENGINE_MPI;
-    if (d->host == TSYS_DIST__HOST_TCP) d->engine = TSYS_DIST_ENGINE_TCP;
-#ifdef TSYS_DIST_NCCL
-    if (d->nccl) d->engine = TSYS_DIST_ENGINE_NCCL;
-#endif
-    {
-        bool threads_ok = d->host != TSYS_DIST__HOST_SELF && d->size > 1;
-#ifdef TSYS_DIST_MPI
-        // MPI without MPI_THREAD_MULTIPLE (initialized so by the caller): asynchronous collectives run at launch
-        if (d->host == TSYS_DIST__HOST_MPI && !d->shm_base && !d->mpi_multiple) threads_ok = false;
-#endif
-        if (threads_ok) {
-            pthread_mutex_init(&d->mu, NULL);
-            pthread_cond_init(&d->cv, NULL);
-            pthread_cond_init(&d->cv_done, NULL);
-            if (pthread_create(&d->worker, NULL, tsys_dist__worker_main, d) == 0) d->worker_on = true;
-            else { pthread_mutex_destroy(&d->mu); pthread_cond_destroy(&d->cv); pthread_cond_destroy(&d->cv_done); }
-        }
-    }
+    return true;
+}
+
+// The options' strings, copied into the group: the caller's and the environment's may change or go.
+static void tsys_dist__keep_strings(tsys_dist *d) {
+    if (d->opt.run_id) { tsys_dist__strcpy(d->run_id, sizeof d->run_id, d->opt.run_id); d->opt.run_id = d->run_id; }
+    if (d->opt.secret) { tsys_dist__strcpy(d->secret, sizeof d->secret, d->opt.secret); d->opt.secret = d->secret; }
+    if (d->opt.listen_addr) { tsys_dist__strcpy(d->listen_addr, sizeof d->listen_addr, d->opt.listen_addr); d->opt.listen_addr = d->listen_addr; }
+}
+
+TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
+    if (!ctx) return NULL;
+    tsys_dist *d = (tsys_dist *)calloc(1, sizeof *d);
+    if (!d) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_init: out of host memory"); return NULL; }
+    d->ctx = ctx; d->size = 1; d->local_size = 1; d->spin_limit = 1024;
+    d->launch = d->host = &tsys_dist__engine_self;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    const char *what = "tsys_dist_init";
+    if (!tsys_dist__options(desc, &d->opt, &e)) goto fail;
+    tsys_dist__keep_strings(d);
+    d->timeout_s = d->opt.timeout_s;
+    d->check_none = d->opt.check == TSYS_DIST_CHECK_NEVER;
+    d->check_all = !d->check_none && (TSYS_DEBUG || d->opt.check == TSYS_DIST_CHECK_ALWAYS);
+    if (gethostname(d->hostname, sizeof d->hostname - 1) != 0) snprintf(d->hostname, sizeof d->hostname, "localhost");
+    if (!tsys_dist__join_group(d, &what, &e)) goto fail;
+    what = "tsys_dist_init";
+    if (!tsys_dist__engine_fits(d, &e)) goto fail;
+    if (d->size == 1 && d->opt.engine != TSYS_DIST_ENGINE_MPI) d->launch = &tsys_dist__engine_self;   // an MPI singleton stays mpi when asked
+    d->host = d->size > 1 ? d->launch : &tsys_dist__engine_self;
+    if (d->opt.cuda && !tsys_dist__cuda_setup(d, &e)) goto fail;
+    if (!tsys_dist__shm_join(d, &e) || !tsys_dist__device_join(d, &what, &e)) goto fail;
+    d->engine = d->device ? d->device->kind : d->launch->kind;
+    tsys_dist__worker_start(d);
     return d;
 fail:
     tsys_ctx_set_error(ctx, e.status ? e.status : TSYS_ERR_INVALID_ARGS, "%s: rank %d: %s", what, d->rank, e.msg);
@@ -2745,6 +3096,18 @@ TSYSDEF void tsys_dist_free(tsys_dist *d) {
     if (!d) return;
     tsys_dist__teardown(d, true);
     free(d);
+}
+
+TSYSDEF tsys_dist_desc tsys_dist_get_desc(const tsys_dist *d) {
+    tsys_dist_desc o;
+    memset(&o, 0, sizeof o);
+    if (!d) { o.engine = TSYS_DIST_ENGINE_SELF; return o; }
+    o = d->opt;
+    o.engine = d->engine;
+    o.cuda = d->cuda;
+    o.shm_slice = d->shm_base ? (int64_t)d->slice : (int64_t)tsys_dist__shm_slice_for(d->size, d->opt.shm_slice);
+    o.check = d->check_none ? TSYS_DIST_CHECK_NEVER : d->check_all ? TSYS_DIST_CHECK_ALWAYS : TSYS_DIST_CHECK_AUTO;
+    return o;
 }
 
 TSYSDEF int tsys_dist_rank(const tsys_dist *d) { return d ? d->rank : 0; }
@@ -2765,50 +3128,6 @@ TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e) {
 }
 
 // >>collectives -----------------------------------------------------------------------------------
-// ---- NCCL ----------------------------------------------------------------------------------------
-// On the side stream, after the compute stream's work so far (an event from the backend's pool);
-// the collective's end is another event, which tsys_dist_wait makes the compute stream wait for.
-// No host sync anywhere, so the whole sequence can be captured in a CUDA graph.
-#ifdef TSYS_DIST_NCCL
-static ncclDataType_t tsys_dist__nccl_type(int t) {
-    switch (t) {
-    case TSYS_F32: return ncclFloat32;
-    case TSYS_BF16: return ncclBfloat16;
-    case TSYS_F16: return ncclFloat16;
-    case TSYS_I32: return ncclInt32;
-    default: return ncclInt64;
-    }
-}
-// done == NULL: a blocking collective with no asynchronous one in flight goes on the compute stream itself
-// (the compute stream would wait for it at once; the two events of the side stream cost ~2.6 us, measured
-// on 2 x H200 by tools/nccl_latency.c). With asynchronous ones in flight it takes the side stream behind them:
-// collectives on one communicator must run in the order they were issued.
-static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_event *done, tsys_dist__err *e) {
-    tsys_ctx *ctx = d->ctx;
-    if (done && (tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK ||
-                 tsys_event_wait(ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK))
-        return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
-    cudaStream_t stream = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
-    ncclDataType_t dt = tsys_dist__nccl_type(c->type);
-    ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
-    ncclResult_t r;
-    const char *what;
-    switch (c->kind) {
-    case TSYS_DIST__ALLREDUCE: what = "ncclAllReduce"; r = ncclAllReduce(c->out, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
-    case TSYS_DIST__BCAST: what = "ncclBroadcast"; r = ncclBroadcast(c->out, c->out, (size_t)c->count, dt, c->root, d->nccl, stream); break;
-    case TSYS_DIST__RS: what = "ncclReduceScatter"; r = ncclReduceScatter(c->in, c->out, (size_t)c->count, dt, op, d->nccl, stream); break;
-    default: what = "ncclAllGather"; r = ncclAllGather(c->in, c->out, (size_t)c->count, dt, d->nccl, stream); break;
-    }
-    char buf[96];
-    snprintf(buf, sizeof buf, "%s (collective #%lld)", what, (long long)c->seq);
-    if (!tsys_dist__nccl_ok(d, r, buf, e)) return false;
-    if (d->group_open) return true;   // launched, settled and given its end event by tsys_dist_group_end
-    if (r == ncclInProgress && !tsys_dist__nccl_settle(d, buf, e)) return false;
-    if (done && tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
-    return true;
-}
-#endif
-
 // ---- tensors for collectives ----------------------------------------------------------------------
 
 TSYSDEF tsys_tensor *tsys_dist_tensor_new(tsys_dist *d, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape) {
@@ -2918,7 +3237,7 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
     c->check = tsys_dist__wants_check(d, (int64_t)(nout > nin ? nout : nin) * (int64_t)es, TSYS_DIST__CHECK_BYTES);
 
 #ifdef TSYS_DIST_NCCL
-    if (out->device == TSYS_CUDA && d->nccl) {
+    if (out->device == TSYS_CUDA && d->device) {
         if (!tsys_dist__window_ok(d, fn, in, out, c->count * (int64_t)es)) { tsys_dist__work_free(w); return NULL; }
         // sizes and dtypes agree? (host round trip; not while replaying a graph: checked at capture)
         if (d->size > 1 && tsys_dist__wants_check(d, (int64_t)(nout > nin ? nout : nin) * (int64_t)es, TSYS_DIST__NCCL_CHECK_BYTES)) {
@@ -2928,7 +3247,8 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
             if (!tsys_dist__host_exec(d, &chk, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
         }
         const bool direct = !async && !d->group_open && d->side_inflight == 0;
-        if (!tsys_dist__nccl_coll(d, c, direct ? NULL : &w->ev, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
+        c->done = direct ? NULL : &w->ev;
+        if (!d->device->collective(d, c, &w->err)) { *st = tsys_dist__fail(d, w->err.status, "%s", w->err.msg); tsys_dist__work_free(w); return NULL; }
         if (direct) { tsys_dist__work_free(w); *st = TSYS_OK; return NULL; }
         w->path = TSYS_DIST__WORK_NCCL;
         if (async) { w->async = true; d->side_inflight++; }
@@ -2943,7 +3263,7 @@ static tsys_dist_work *tsys_dist__issue(tsys_dist *d, const char *fn, int kind, 
         return NULL;
     }
 #endif
-    if (d->host == TSYS_DIST__HOST_SELF && out->device != TSYS_CPU) {
+    if (d->launch == &tsys_dist__engine_self && out->device != TSYS_CPU) {
         // a group of one on a device: reduce-scatter and all-gather are copies on the current stream
         if ((kind == TSYS_DIST__RS || kind == TSYS_DIST__AG) && in != out && nout) *st = tsys_tensor_copy_from(ctx, out, in);
         else *st = TSYS_OK;
@@ -3077,66 +3397,6 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
     return TSYS_OK;
 }
 
-#ifdef TSYS_DIST_NCCL
-// Ends an NCCL group that cannot go on: aborting the communicator also ends its kernels still waiting
-// on the GPU for a peer that will never send (without it the process could not even exit).
-static bool tsys_dist__nccl_give_up(tsys_dist *d, tsys_dist__err *e) {
-    tsys_dist__break(d, e);
-    if (d->nccl) ncclCommAbort(d->nccl);
-    d->nccl = NULL;
-    return false;
-}
-
-// Waits (host side, bounded by the timeout) for the NCCL collectives issued so far on the side stream; a
-// peer that died or stalled ends it in an error and an aborted communicator. A peer that this rank can
-// see is gone (tsys_dist__dead_peers) is named within TSYS_DIST__DEAD_CHECK_US.
-static bool tsys_dist__nccl_drain(tsys_dist *d, const char *what, tsys_dist__err *e) {
-    tsys_event ev;
-    memset(&ev, 0, sizeof ev);
-    // the side stream's collectives, and the compute stream's (blocking ones go there): the side stream
-    // waits for the compute stream, and the host for the side stream
-    if (tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_COMPUTE, &d->ev_ready) != TSYS_OK || tsys_event_wait(d->ctx, &d->ev_ready, TSYS_STREAM_SIDE) != TSYS_OK ||
-        tsys_event_record(d->ctx, TSYS_CUDA, TSYS_STREAM_SIDE, &ev) != TSYS_OK)
-        return tsys_dist__seterr(e, tsys_ctx_status(d->ctx), "%s: %s", what, tsys_ctx_last_error(d->ctx));
-    const double t0 = tsys_time_us();
-    double last_check = t0;
-    bool ok = true;
-    for (long spins = 0;; spins++) {
-        const cudaError_t q = cudaEventQuery((cudaEvent_t)ev.handle);
-        if (q == cudaSuccess) break;
-        char dead[160];
-        if (tsys_time_us() - last_check > TSYS_DIST__DEAD_CHECK_US) {
-            last_check = tsys_time_us();
-            if (tsys_dist__dead_peers(d, dead, sizeof dead) > 0) {
-                tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: %s exited, with NCCL collectives in flight; communicator aborted", what, dead);
-                ok = tsys_dist__nccl_give_up(d, e);
-                break;
-            }
-        }
-        ncclResult_t ae = ncclSuccess;
-        const ncclResult_t qr = ncclCommGetAsyncError(d->nccl, &ae);
-        if (qr != ncclSuccess) ae = qr;
-        if (q != cudaErrorNotReady) { ok = tsys_dist__seterr(e, TSYS_ERR_CUDA, "%s: %s", what, cudaGetErrorString(q)); break; }
-        if (ae != ncclSuccess && ae != ncclInProgress) {
-            char buf[200];
-            const bool named = tsys_dist__dead_peers(d, dead, sizeof dead) > 0;
-            snprintf(buf, sizeof buf, named ? "%s: NCCL (%s exited)" : "%s: NCCL%s", what, dead);
-            tsys_dist__nccl_ok(d, ae, buf, e);
-            ok = tsys_dist__nccl_give_up(d, e);
-            break;
-        }
-        if ((tsys_time_us() - t0) * 1e-6 > d->timeout_s) {
-            tsys_dist__seterr(e, TSYS_ERR_NCCL, "%s: the NCCL collectives in flight did not finish within %g s (a peer died or stalled); communicator aborted", what, d->timeout_s);
-            ok = tsys_dist__nccl_give_up(d, e);
-            break;
-        }
-        if (spins > 1000) tsys_dist__nap_us(50);
-    }
-    tsys_event_release(d->ctx, &ev);
-    return ok;
-}
-#endif
-
 TSYSDEF tsys_status tsys_dist_sync(tsys_dist *d) {
     if (!d) return TSYS_ERR_INVALID_ARGS;
     if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "sync: the group is broken since: %s", d->broken_msg);
@@ -3154,9 +3414,7 @@ TSYSDEF tsys_status tsys_dist_barrier(tsys_dist *d) {
     if (!d) return TSYS_ERR_INVALID_ARGS;
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
-#ifdef TSYS_DIST_NCCL
-    if (d->nccl && !tsys_cuda_capturing(d->ctx) && !tsys_dist__nccl_drain(d, "barrier", &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
-#endif
+    if (d->device && !d->device->barrier(d, NULL, &e)) return tsys_dist__fail(d, e.status, "%s", e.msg);
     if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "barrier: the group is broken since: %s", d->broken_msg);
     tsys_dist__coll c;
     memset(&c, 0, sizeof c);
@@ -3194,16 +3452,16 @@ TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, ts
 #include <stdio.h>
 #include <math.h>
 #if defined(TSYS_MALLOC) && defined(TSYS_FREE)
-#define TSYS__DIST_ALLOC(sz) TSYS_MALLOC(sz)
-#define TSYS__DIST_RELEASE(p) TSYS_FREE(p)
+#define TSYS_DIST__ALLOC(sz) TSYS_MALLOC(sz)
+#define TSYS_DIST__RELEASE(p) TSYS_FREE(p)
 #else
-#define TSYS__DIST_ALLOC(sz) malloc(sz)
-#define TSYS__DIST_RELEASE(p) free(p)
+#define TSYS_DIST__ALLOC(sz) malloc(sz)
+#define TSYS_DIST__RELEASE(p) free(p)
 #endif
 
 // Side-stream events are used for timing only when the group talks NCCL on CUDA tensors and no
 // graph is being captured (elapsed times cannot be read from captured events).
-static bool tsys__ddp_gpu_timing(tsys_dist *d, tsys_ctx *ctx, tsys_device dev) {
+static bool tsys_dist__ddp_gpu_timing(tsys_dist *d, tsys_ctx *ctx, tsys_device dev) {
     if (dev != TSYS_CUDA || tsys_dist_engine_of(d) != TSYS_DIST_ENGINE_NCCL) return false;
 #ifdef TSYS_CUDA_H_INCLUDED
     if (tsys_cuda_capturing(ctx)) return false;
@@ -3214,7 +3472,7 @@ static bool tsys__ddp_gpu_timing(tsys_dist *d, tsys_ctx *ctx, tsys_device dev) {
 }
 
 // Do the tensors' grads (or the tensors themselves) lie back to back in one storage, one dtype?
-static bool tsys__dist_contiguous(tsys_tensor *const *t, int n, bool grads) {
+static bool tsys_dist__contiguous(tsys_tensor *const *t, int n, bool grads) {
     for (int i = 1; i < n; i++) {
         const tsys_tensor *a = grads ? t[i - 1]->grad : t[i - 1], *b = grads ? t[i]->grad : t[i];
         if (!a || !b || a->storage != b->storage || a->dtype != b->dtype || b->offset != a->offset + tsys_tensor_bytes(a)) return false;
@@ -3224,7 +3482,7 @@ static bool tsys__dist_contiguous(tsys_tensor *const *t, int n, bool grads) {
 
 // A 1-D view over n back-to-back tensors (their grads when `grads`), starting at the first; for one
 // tensor, that tensor (retained). Release it either way.
-static tsys_tensor *tsys__dist_run_view(tsys_ctx *ctx, tsys_tensor *const *t, int n, bool grads) {
+static tsys_tensor *tsys_dist__run_view(tsys_ctx *ctx, tsys_tensor *const *t, int n, bool grads) {
     tsys_tensor *base = grads ? t[0]->grad : t[0];
     if (n == 1) return tsys_tensor_retain(base);
     int64_t numel = 0;
@@ -3233,12 +3491,12 @@ static tsys_tensor *tsys__dist_run_view(tsys_ctx *ctx, tsys_tensor *const *t, in
 }
 
 // Broadcasts tensors from root: each maximal run of back-to-back tensors goes as one call.
-static tsys_status tsys__dist_broadcast_list(tsys_dist *d, tsys_tensor *const *t, int n, int root) {
+static tsys_status tsys_dist__broadcast_list(tsys_dist *d, tsys_tensor *const *t, int n, int root) {
     tsys_ctx *ctx = tsys_dist_ctx(d);
     for (int i = 0; i < n;) {
         int j = i + 1;
-        while (j < n && tsys__dist_contiguous(t + i, j - i + 1, false)) j++;
-        tsys_tensor *v = tsys__dist_run_view(ctx, t + i, j - i, false);
+        while (j < n && tsys_dist__contiguous(t + i, j - i + 1, false)) j++;
+        tsys_tensor *v = tsys_dist__run_view(ctx, t + i, j - i, false);
         tsys_status st = v ? tsys_dist_broadcast(d, v, root) : tsys_ctx_status(ctx);
         tsys_tensor_release(v);
         if (st != TSYS_OK) return st;
@@ -3250,21 +3508,21 @@ static tsys_status tsys__dist_broadcast_list(tsys_dist *d, tsys_tensor *const *t
 // A layout (DDP's buckets, ZeRO-1's ownership) that every rank must share: its hash is compared once,
 // over the host path, and the collectives it then issues every step skip the per-call descriptor
 // check (a host round trip each, in front of every NCCL launch) because they cannot disagree.
-static uint64_t tsys__dist_hash(uint64_t h, int64_t v) { return (h ^ (uint64_t)v) * 0x100000001b3ull; }
-static tsys_status tsys__dist_agree_layout(tsys_dist *d, uint64_t hash, const char *what) {
+static uint64_t tsys_dist__hash(uint64_t h, int64_t v) { return (h ^ (uint64_t)v) * 0x100000001b3ull; }
+static tsys_status tsys_dist__agree_layout(tsys_dist *d, uint64_t hash, const char *what) {
     double v[2] = {(double)(hash >> 12), -(double)(hash >> 12)};   // 52 bits: exact in a double
     tsys_status st = tsys_dist_all_reduce_host(d, v, 2, TSYS_DIST_MAX);
     if (st == TSYS_OK && v[0] != -v[1])
         st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_INVALID_ARGS, "%s: the ranks have different layouts (were they given the same parameters?)", what);
     return st;
 }
-// Collectives issued between tsys__dist_trust(d, true) and tsys__dist_untrust belong to an agreed
+// Collectives issued between tsys_dist__trust(d, true) and tsys_dist__untrust belong to an agreed
 // layout and skip the per-call check. Each collective records the decision when it is queued, so
 // a worker thread running it later never sees this change.
-static bool tsys__dist_trust(tsys_dist *d, bool on) { if (on) d->trusted++; return on; }
-static void tsys__dist_untrust(tsys_dist *d, bool was_on) { if (was_on) d->trusted--; }
+static bool tsys_dist__trust(tsys_dist *d, bool on) { if (on) d->trusted++; return on; }
+static void tsys_dist__untrust(tsys_dist *d, bool was_on) { if (was_on) d->trusted--; }
 
-typedef struct tsys__ddp_bucket {
+typedef struct tsys_dist__ddp_bucket {
     int first, count;            // trainable parameters tp[first .. first + count)
     int64_t numel, bytes;
     int pending;                 // gradients of the bucket not final yet in this backward
@@ -3276,9 +3534,9 @@ typedef struct tsys__ddp_bucket {
     tsys_event ev_ready, ev_start, ev_end;   // CUDA timing: compute ready, side-stream start and end
     tsys_event ev_widened;       // comm_bf16 through NCCL: the average is back in flat (side stream)
     double t_launch_us;
-} tsys__ddp_bucket;
+} tsys_dist__ddp_bucket;
 
-typedef struct tsys__ddp_hook { struct tsys_ddp *ddp; int index; } tsys__ddp_hook;
+typedef struct tsys_dist__ddp_hook { struct tsys_ddp *ddp; int index; } tsys_dist__ddp_hook;
 
 struct tsys_ddp {
     tsys_dist *d;
@@ -3290,9 +3548,9 @@ struct tsys_ddp {
     tsys_tensor **tp;            // the trainable ones, in parameter order (borrowed from params)
     int ntp;
     int *bucket_of;              // tp index -> bucket
-    tsys__ddp_hook *hooks;       // one per trainable parameter (OVERLAP, BUCKETED)
+    tsys_dist__ddp_hook *hooks;       // one per trainable parameter (OVERLAP, BUCKETED)
     bool hooked;
-    tsys__ddp_bucket *b;
+    tsys_dist__ddp_bucket *b;
     int nb;
     int *order;                  // buckets in launch order this step
     int nlaunched;
@@ -3304,7 +3562,7 @@ struct tsys_ddp {
     tsys_ddp_stats stats;
     int stats_launched;          // buckets the last finished step launched
     tsys_status launch_error;    // a hook that failed to launch (reported by finish)
-    bool layout_agreed;          // every rank has the same buckets (tsys__dist_agree_layout)
+    bool layout_agreed;          // every rank has the same buckets (tsys_dist__agree_layout)
 };
 
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
@@ -3318,11 +3576,11 @@ TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
 }
 
 // comm_bf16's casts run on the side stream, beside the collective, where that is NCCL's stream.
-static bool tsys__ddp_side_casts(const tsys_ddp *ddp) {
+static bool tsys_dist__ddp_side_casts(const tsys_ddp *ddp) {
     return ddp->dev == TSYS_CUDA && tsys_dist_engine_of(ddp->d) == TSYS_DIST_ENGINE_NCCL;
 }
 // dst = src in dst's dtype, on the side stream when `side`.
-static tsys_status tsys__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const tsys_tensor *src, bool side) {
+static tsys_status tsys_dist__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const tsys_tensor *src, bool side) {
     tsys_stream prev = side ? tsys_set_stream(ddp->ctx, ddp->dev, TSYS_STREAM_SIDE) : TSYS_STREAM_COMPUTE;
     tsys_status st = tsys_tensor_cast_from(ddp->ctx, dst, src);
     if (side) tsys_set_stream(ddp->ctx, ddp->dev, prev);
@@ -3331,8 +3589,8 @@ static tsys_status tsys__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const tsys_te
 
 // Starts bucket bi's all-reduce: gradients that still count as zero get their zeros, a scratch
 // bucket copies its gradients in, then the asynchronous average (of the bf16 copy under comm_bf16).
-static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
-    tsys__ddp_bucket *b = &ddp->b[bi];
+static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
+    tsys_dist__ddp_bucket *b = &ddp->b[bi];
     tsys_ctx *ctx = ddp->ctx;
     tsys_tensor **p = ddp->tp + b->first;
     if (b->launched) return TSYS_OK;
@@ -3351,35 +3609,35 @@ static tsys_status tsys__ddp_launch(tsys_ddp *ddp, int bi) {
     }
     if (st != TSYS_OK) return st;
     double now = tsys_time_us();
-    if (ddp->nlaunched == 1) { ddp->t_first_us = now; ddp->gpu_timing = tsys__ddp_gpu_timing(ddp->d, ctx, ddp->dev); }
+    if (ddp->nlaunched == 1) { ddp->t_first_us = now; ddp->gpu_timing = tsys_dist__ddp_gpu_timing(ddp->d, ctx, ddp->dev); }
     b->t_launch_us = now;
-    bool side = b->wire && tsys__ddp_side_casts(ddp);
+    bool side = b->wire && tsys_dist__ddp_side_casts(ddp);
     if (ddp->gpu_timing || side) {   // the side stream waits for the gradients, then marks the start
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_COMPUTE, &b->ev_ready);
         tsys_event_wait(ctx, &b->ev_ready, TSYS_STREAM_SIDE);
         if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
     }
-    if (b->wire && (st = tsys__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
-    bool trusting = tsys__dist_trust(ddp->d, ddp->layout_agreed);
+    if (b->wire && (st = tsys_dist__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
+    bool trusting = tsys_dist__trust(ddp->d, ddp->layout_agreed);
     b->work = tsys_dist_all_reduce_async(ddp->d, b->wire ? b->wire : b->flat, TSYS_DIST_AVG);
-    tsys__dist_untrust(ddp->d, trusting);
+    tsys_dist__untrust(ddp->d, trusting);
     if (!b->work) return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
-    if (side) {   // widen right behind the collective on the side stream; tsys__ddp_wait waits for it
-        if ((st = tsys__ddp_cast(ddp, b->flat, b->wire, true)) != TSYS_OK) return st;
+    if (side) {   // widen right behind the collective on the side stream; tsys_dist__ddp_wait waits for it
+        if ((st = tsys_dist__ddp_cast(ddp, b->flat, b->wire, true)) != TSYS_OK) return st;
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_widened);
     }
     if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
     return tsys_ctx_status(ctx);
 }
 
-static tsys_status tsys__ddp_wait(tsys_ddp *ddp, int bi) {
-    tsys__ddp_bucket *b = &ddp->b[bi];
+static tsys_status tsys_dist__ddp_wait(tsys_ddp *ddp, int bi) {
+    tsys_dist__ddp_bucket *b = &ddp->b[bi];
     tsys_ctx *ctx = ddp->ctx;
     if (!b->work) return TSYS_OK;
     tsys_status st = tsys_dist_wait(b->work);
     b->work = NULL;
     if (st == TSYS_OK && b->wire)   // the average back into the fp32 gradients (already under way on the side stream)
-        st = tsys__ddp_side_casts(ddp) ? tsys_event_wait(ctx, &b->ev_widened, TSYS_STREAM_COMPUTE) : tsys__ddp_cast(ddp, b->flat, b->wire, false);
+        st = tsys_dist__ddp_side_casts(ddp) ? tsys_event_wait(ctx, &b->ev_widened, TSYS_STREAM_COMPUTE) : tsys_dist__ddp_cast(ddp, b->flat, b->wire, false);
     if (st == TSYS_OK && b->scratch) {
         tsys_tensor **p = ddp->tp + b->first;
         size_t off = 0;
@@ -3396,28 +3654,28 @@ static tsys_status tsys__ddp_wait(tsys_ddp *ddp, int bi) {
 
 // The gradient-ready hook: the bucket of this parameter goes once its last gradient is final.
 // No synchronization here (the launch is asynchronous), so a captured CUDA graph keeps working.
-static void tsys__ddp_grad_ready(tsys_ctx *ctx, tsys_tensor *param, void *user) {
+static void tsys_dist__ddp_grad_ready(tsys_ctx *ctx, tsys_tensor *param, void *user) {
     (void)ctx; (void)param;
-    tsys__ddp_hook *h = (tsys__ddp_hook *)user;
+    tsys_dist__ddp_hook *h = (tsys_dist__ddp_hook *)user;
     tsys_ddp *ddp = h->ddp;
     int bi = ddp->bucket_of[h->index];
-    tsys__ddp_bucket *b = &ddp->b[bi];
+    tsys_dist__ddp_bucket *b = &ddp->b[bi];
     if (b->launched || b->pending <= 0) return;   // a second backward before finish: finish sorts it out
     if (--b->pending == 0) {
-        tsys_status st = tsys__ddp_launch(ddp, bi);
+        tsys_status st = tsys_dist__ddp_launch(ddp, bi);
         if (st != TSYS_OK && ddp->launch_error == TSYS_OK) ddp->launch_error = st;
     }
 }
 
-static void tsys__ddp_reset(tsys_ddp *ddp) {
+static void tsys_dist__ddp_reset(tsys_ddp *ddp) {
     for (int i = 0; i < ddp->nb; i++) { ddp->b[i].pending = ddp->b[i].count; ddp->b[i].launched = false; }
     ddp->nlaunched = 0;
     ddp->launch_error = TSYS_OK;
 }
 
 // Adds a bucket over tp[first .. first + count).
-static bool tsys__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
-    tsys__ddp_bucket *b = &ddp->b[ddp->nb];
+static bool tsys_dist__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
+    tsys_dist__ddp_bucket *b = &ddp->b[ddp->nb];
     memset(b, 0, sizeof(*b));
     b->first = first; b->count = count;
     for (int i = first; i < first + count; i++) {
@@ -3429,7 +3687,7 @@ static bool tsys__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
     bool same_dtype = true;
     for (int i = 1; i < count; i++) same_dtype = same_dtype && p[i]->grad->dtype == p[0]->grad->dtype;
     if (count == 1) b->flat = tsys_tensor_retain(p[0]->grad);
-    else if (tsys__dist_contiguous(p, count, true)) b->flat = tsys__dist_run_view(ddp->ctx, p, count, true);
+    else if (tsys_dist__contiguous(p, count, true)) b->flat = tsys_dist__run_view(ddp->ctx, p, count, true);
     else if (same_dtype) {
         int tag = tsys_mem_set_tag(ddp->ctx, tsys_mem_tag(ddp->ctx, "ddp buckets"));
         b->flat = tsys_tensor_new(ddp->ctx, p[0]->grad->dtype, ddp->dev, 1, &b->numel);
@@ -3447,7 +3705,7 @@ static bool tsys__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
 
 // Gives trainable parameters without a gradient one: views of one arena when they share a dtype
 // and a device, else a tensor each. Filled with zeros and marked zero.
-static tsys_status tsys__ddp_make_grads(tsys_ddp *ddp) {
+static tsys_status tsys_dist__ddp_make_grads(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     int missing = 0;
     int64_t total = 0;
@@ -3486,7 +3744,7 @@ static tsys_status tsys__ddp_make_grads(tsys_ddp *ddp) {
 }
 
 // comm_bf16: a bf16 copy for every fp32 bucket, views of one arena.
-static tsys_status tsys__ddp_make_wires(tsys_ddp *ddp) {
+static tsys_status tsys_dist__ddp_make_wires(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     int64_t total = 0;
     for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].flat->dtype == TSYS_F32) total += ddp->b[i].numel;
@@ -3498,7 +3756,7 @@ static tsys_status tsys__ddp_make_wires(tsys_ddp *ddp) {
     tsys_tensor_set_name(ddp->wire_arena, "ddp bf16 buckets");
     size_t off = 0;
     for (int i = 0; i < ddp->nb; i++) {
-        tsys__ddp_bucket *b = &ddp->b[i];
+        tsys_dist__ddp_bucket *b = &ddp->b[i];
         if (b->flat->dtype != TSYS_F32) continue;
         b->wire = tsys_tensor_view_raw(ctx, ddp->wire_arena, off, TSYS_BF16, 1, &b->numel);
         if (!b->wire) return tsys_ctx_status(ctx);
@@ -3511,9 +3769,9 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     if (!ddp) return;
     for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].work) tsys_dist_wait(ddp->b[i].work);
     if (ddp->hooked)
-        for (int i = 0; i < ddp->ntp; i++) tsys_tensor_remove_grad_hook(ddp->tp[i], tsys__ddp_grad_ready, &ddp->hooks[i]);
+        for (int i = 0; i < ddp->ntp; i++) tsys_tensor_remove_grad_hook(ddp->tp[i], tsys_dist__ddp_grad_ready, &ddp->hooks[i]);
     for (int i = 0; i < ddp->nb; i++) {
-        tsys__ddp_bucket *b = &ddp->b[i];
+        tsys_dist__ddp_bucket *b = &ddp->b[i];
         tsys_tensor_release(b->flat); tsys_tensor_release(b->wire);
         tsys_event_release(ddp->ctx, &b->ev_ready); tsys_event_release(ddp->ctx, &b->ev_start); tsys_event_release(ddp->ctx, &b->ev_end);
         tsys_event_release(ddp->ctx, &b->ev_widened);
@@ -3522,9 +3780,9 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     tsys_event_release(ddp->ctx, &ddp->ev_bwd_end);
     for (int i = 0; i < ddp->n; i++) tsys_tensor_release(ddp->params[i]);
     tsys_tensor_release(ddp->grad_arena);
-    TSYS__DIST_RELEASE(ddp->params); TSYS__DIST_RELEASE(ddp->tp); TSYS__DIST_RELEASE(ddp->bucket_of);
-    TSYS__DIST_RELEASE(ddp->hooks); TSYS__DIST_RELEASE(ddp->b); TSYS__DIST_RELEASE(ddp->order);
-    TSYS__DIST_RELEASE(ddp);
+    TSYS_DIST__RELEASE(ddp->params); TSYS_DIST__RELEASE(ddp->tp); TSYS_DIST__RELEASE(ddp->bucket_of);
+    TSYS_DIST__RELEASE(ddp->hooks); TSYS_DIST__RELEASE(ddp->b); TSYS_DIST__RELEASE(ddp->order);
+    TSYS_DIST__RELEASE(ddp);
 }
 
 TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_ddp_desc *desc) {
@@ -3541,18 +3799,18 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameter %d is NULL", i); return NULL; }
         if (params[i]->device != params[0]->device) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameters '%s' and '%s' are on different devices", params[0]->name, params[i]->name); return NULL; }
     }
-    tsys_ddp *ddp = (tsys_ddp *)TSYS__DIST_ALLOC(sizeof(tsys_ddp));
+    tsys_ddp *ddp = (tsys_ddp *)TSYS_DIST__ALLOC(sizeof(tsys_ddp));
     if (!ddp) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: out of host memory"); return NULL; }
     memset(ddp, 0, sizeof(*ddp));
     ddp->d = d; ddp->ctx = ctx; ddp->desc = dd;
     ddp->dev = n ? params[0]->device : TSYS_CPU;
     size_t cnt = (size_t)(n ? n : 1);
-    ddp->params = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    ddp->tp = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    ddp->bucket_of = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    ddp->hooks = (tsys__ddp_hook *)TSYS__DIST_ALLOC(sizeof(tsys__ddp_hook) * cnt);
-    ddp->b = (tsys__ddp_bucket *)TSYS__DIST_ALLOC(sizeof(tsys__ddp_bucket) * cnt);
-    ddp->order = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
+    ddp->params = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    ddp->tp = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    ddp->bucket_of = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
+    ddp->hooks = (tsys_dist__ddp_hook *)TSYS_DIST__ALLOC(sizeof(tsys_dist__ddp_hook) * cnt);
+    ddp->b = (tsys_dist__ddp_bucket *)TSYS_DIST__ALLOC(sizeof(tsys_dist__ddp_bucket) * cnt);
+    ddp->order = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
     if (!ddp->params || !ddp->tp || !ddp->bucket_of || !ddp->hooks || !ddp->b || !ddp->order) {
         tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: out of host memory");
         tsys_ddp_free(ddp);
@@ -3566,11 +3824,11 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         if (params[i]->requires_grad) ddp->tp[ddp->ntp++] = params[i];
     }
     // every parameter from rank 0, trainable or not (back-to-back runs in one call)
-    tsys_status st = tsys__dist_broadcast_list(d, ddp->params, ddp->n, 0);
-    if (st == TSYS_OK) st = tsys__ddp_make_grads(ddp);
+    tsys_status st = tsys_dist__broadcast_list(d, ddp->params, ddp->n, 0);
+    if (st == TSYS_OK) st = tsys_dist__ddp_make_grads(ddp);
     // buckets in reverse parameter order
     if (st == TSYS_OK && ddp->ntp > 0) {
-        if (dd.strategy == TSYS_DDP_FLAT) { if (!tsys__ddp_add_bucket(ddp, 0, ddp->ntp)) st = TSYS_ERR_INVALID_ARGS; }
+        if (dd.strategy == TSYS_DDP_FLAT) { if (!tsys_dist__ddp_add_bucket(ddp, 0, ddp->ntp)) st = TSYS_ERR_INVALID_ARGS; }
         else if (dd.strategy == TSYS_DDP_BUCKETED) {
             double limit = dd.bucket_mb * 1048576.0;
             int end = ddp->ntp;   // the open bucket is tp[i + 1 .. end)
@@ -3578,33 +3836,33 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
             for (int i = ddp->ntp - 1; st == TSYS_OK && i >= 0; i--) {
                 double sz = (double)tsys_tensor_bytes(ddp->tp[i]);
                 if (end > i + 1 && limit > 0 && bytes + sz > limit) {
-                    if (!tsys__ddp_add_bucket(ddp, i + 1, end - i - 1)) st = TSYS_ERR_INVALID_ARGS;
+                    if (!tsys_dist__ddp_add_bucket(ddp, i + 1, end - i - 1)) st = TSYS_ERR_INVALID_ARGS;
                     end = i + 1; bytes = 0;
                 }
                 bytes += sz;
             }
-            if (st == TSYS_OK && !tsys__ddp_add_bucket(ddp, 0, end)) st = TSYS_ERR_INVALID_ARGS;
+            if (st == TSYS_OK && !tsys_dist__ddp_add_bucket(ddp, 0, end)) st = TSYS_ERR_INVALID_ARGS;
         } else {
             for (int i = ddp->ntp - 1; st == TSYS_OK && i >= 0; i--)
-                if (!tsys__ddp_add_bucket(ddp, i, 1)) st = TSYS_ERR_INVALID_ARGS;
+                if (!tsys_dist__ddp_add_bucket(ddp, i, 1)) st = TSYS_ERR_INVALID_ARGS;
         }
         if (st != TSYS_OK && tsys_ctx_status(ctx) != TSYS_OK) st = tsys_ctx_status(ctx);
     }
-    if (st == TSYS_OK && dd.comm_bf16) st = tsys__ddp_make_wires(ddp);
+    if (st == TSYS_OK && dd.comm_bf16) st = tsys_dist__ddp_make_wires(ddp);
     if (st == TSYS_OK) {
-        uint64_t h = tsys__dist_hash(0xcbf29ce484222325ull, dd.strategy);
+        uint64_t h = tsys_dist__hash(0xcbf29ce484222325ull, dd.strategy);
         for (int i = 0; i < ddp->nb; i++) {
             const tsys_tensor *sent = ddp->b[i].wire ? ddp->b[i].wire : ddp->b[i].flat;
-            h = tsys__dist_hash(tsys__dist_hash(h, ddp->b[i].numel), sent ? (int64_t)sent->dtype : -1);
+            h = tsys_dist__hash(tsys_dist__hash(h, ddp->b[i].numel), sent ? (int64_t)sent->dtype : -1);
         }
-        st = tsys__dist_agree_layout(d, h, "ddp");
+        st = tsys_dist__agree_layout(d, h, "ddp");
         ddp->layout_agreed = st == TSYS_OK;
     }
     if (st == TSYS_OK && (dd.strategy == TSYS_DDP_OVERLAP || dd.strategy == TSYS_DDP_BUCKETED)) {
         ddp->hooked = true;
         for (int i = 0; i < ddp->ntp; i++) {
             ddp->hooks[i].ddp = ddp; ddp->hooks[i].index = i;
-            tsys_tensor_add_grad_hook(ddp->tp[i], tsys__ddp_grad_ready, &ddp->hooks[i]);
+            tsys_tensor_add_grad_hook(ddp->tp[i], tsys_dist__ddp_grad_ready, &ddp->hooks[i]);
         }
     }
     if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
@@ -3625,10 +3883,10 @@ TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp) {
     if (!ddp) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = TSYS_OK;
     for (int k = 0; k < ddp->nlaunched; k++) {
-        tsys_status s = tsys__ddp_wait(ddp, ddp->order[k]);
+        tsys_status s = tsys_dist__ddp_wait(ddp, ddp->order[k]);
         if (st == TSYS_OK) st = s;
     }
-    tsys__ddp_reset(ddp);
+    tsys_dist__ddp_reset(ddp);
     return st;
 }
 
@@ -3637,17 +3895,17 @@ TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     tsys_status st = ddp->launch_error != TSYS_OK ? ddp->launch_error : tsys_ctx_status(ctx);
     ddp->t_bwd_end_us = tsys_time_us();
-    bool timing = tsys__ddp_gpu_timing(ddp->d, ctx, ddp->dev);
+    bool timing = tsys_dist__ddp_gpu_timing(ddp->d, ctx, ddp->dev);
     if (timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_COMPUTE, &ddp->ev_bwd_end);
     if (ddp->nlaunched == 0) ddp->gpu_timing = timing;
     bool blocking = ddp->desc.strategy == TSYS_DDP_NAIVE;   // one all-reduce at a time
     for (int i = 0; st == TSYS_OK && i < ddp->nb; i++) {
         if (ddp->b[i].launched) continue;
-        st = tsys__ddp_launch(ddp, i);
-        if (st == TSYS_OK && blocking) st = tsys__ddp_wait(ddp, i);
+        st = tsys_dist__ddp_launch(ddp, i);
+        if (st == TSYS_OK && blocking) st = tsys_dist__ddp_wait(ddp, i);
     }
     for (int k = 0; k < ddp->nlaunched; k++) {   // in launch order; after an error, still drain
-        tsys_status s = tsys__ddp_wait(ddp, ddp->order[k]);
+        tsys_status s = tsys_dist__ddp_wait(ddp, ddp->order[k]);
         if (st == TSYS_OK) st = s;
     }
     ddp->t_done_us = tsys_time_us();
@@ -3657,7 +3915,7 @@ TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp) {
         ddp->stats.exposed_ms = (ddp->t_done_us - start) * 1e-3;
     } else ddp->stats.comm_ms = ddp->stats.exposed_ms = 0;
     ddp->stats_launched = ddp->nlaunched;   // CUDA times are read from this step's events by stats_get
-    tsys__ddp_reset(ddp);
+    tsys_dist__ddp_reset(ddp);
     return st;
 }
 
@@ -3669,7 +3927,7 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp) {
     if (ddp->gpu_timing && ddp->stats_launched > 0) {   // side-stream busy time and what ran past backward
         double comm = 0, exposed = 0;
         for (int i = 0; i < ddp->nb; i++) {
-            const tsys__ddp_bucket *b = &ddp->b[i];
+            const tsys_dist__ddp_bucket *b = &ddp->b[i];
             if (!b->ev_start.handle || !b->ev_end.handle) continue;
             double ms = tsys_event_elapsed_ms(ddp->ctx, &b->ev_start, &b->ev_end);
             if (ms == ms) comm += ms;
@@ -3692,7 +3950,7 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp) {
 // through NCCL every owner sends at once. (A flat all-gather would need equal-sized shards: either
 // parameters split across ranks or padded copies; grouped broadcasts of runs send the same bytes.)
 
-#define TSYS__ZERO1_CHUNKS 4   // on 2 x H200 (xl): the optimizer phase 18.4 ms in one chunk, AdamW alone 14.0
+#define TSYS_DIST__ZERO1_CHUNKS 4   // on 2 x H200 (xl): the optimizer phase 18.4 ms in one chunk, AdamW alone 14.0
 struct tsys_zero1 {
     tsys_dist *d;
     tsys_ctx *ctx;
@@ -3702,19 +3960,19 @@ struct tsys_zero1 {
     int ntp;
     int *owner;                  // per trainable parameter
     int *chunk;                  // per trainable parameter: its chunk of its owner's run
-    tsys_optim *opt[TSYS__ZERO1_CHUNKS];   // AdamW over this rank's parameters of each chunk (NULL: none)
+    tsys_optim *opt[TSYS_DIST__ZERO1_CHUNKS];   // AdamW over this rank's parameters of each chunk (NULL: none)
     int64_t state_bytes;
-    bool layout_agreed;          // every rank has the same owners (tsys__dist_agree_layout)
+    bool layout_agreed;          // every rank has the same owners (tsys_dist__agree_layout)
     tsys_dist_work **works;      // a step's broadcasts in flight (at most one per trainable parameter)
 };
 
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z) {
     if (!z) return;
-    for (int c = 0; c < TSYS__ZERO1_CHUNKS; c++) tsys_optim_free(z->opt[c]);
+    for (int c = 0; c < TSYS_DIST__ZERO1_CHUNKS; c++) tsys_optim_free(z->opt[c]);
     for (int i = 0; i < z->n; i++) tsys_tensor_release(z->params[i]);
-    TSYS__DIST_RELEASE(z->params); TSYS__DIST_RELEASE(z->tp); TSYS__DIST_RELEASE(z->owner); TSYS__DIST_RELEASE(z->chunk);
-    TSYS__DIST_RELEASE(z->works);
-    TSYS__DIST_RELEASE(z);
+    TSYS_DIST__RELEASE(z->params); TSYS_DIST__RELEASE(z->tp); TSYS_DIST__RELEASE(z->owner); TSYS_DIST__RELEASE(z->chunk);
+    TSYS_DIST__RELEASE(z->works);
+    TSYS_DIST__RELEASE(z);
 }
 
 TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_optim_desc *desc) {
@@ -3724,17 +3982,17 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     if (n < 0 || (n > 0 && !params)) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
     for (int i = 0; i < n; i++)
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: parameter %d is NULL", i); return NULL; }
-    tsys_zero1 *z = (tsys_zero1 *)TSYS__DIST_ALLOC(sizeof(tsys_zero1));
+    tsys_zero1 *z = (tsys_zero1 *)TSYS_DIST__ALLOC(sizeof(tsys_zero1));
     if (!z) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory"); return NULL; }
     memset(z, 0, sizeof(*z));
     z->d = d; z->ctx = ctx;
     size_t cnt = (size_t)(n ? n : 1);
     int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
-    z->params = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    z->tp = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    z->owner = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    z->chunk = (int *)TSYS__DIST_ALLOC(sizeof(int) * cnt);
-    z->works = (tsys_dist_work **)TSYS__DIST_ALLOC(sizeof(tsys_dist_work *) * cnt);
+    z->params = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    z->tp = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    z->owner = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
+    z->chunk = (int *)TSYS_DIST__ALLOC(sizeof(int) * cnt);
+    z->works = (tsys_dist_work **)TSYS_DIST__ALLOC(sizeof(tsys_dist_work *) * cnt);
     if (!z->params || !z->tp || !z->owner || !z->chunk || !z->works) {
         tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory");
         tsys_zero1_free(z);
@@ -3768,24 +4026,24 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
         while (j < z->ntp && z->owner[j] == z->owner[i]) run += (double)tsys_tensor_bytes(z->tp[j++]);
         for (int k = i; k < j; k++) {
             double sz = (double)tsys_tensor_bytes(z->tp[k]);
-            int c = run > 0 ? (int)((at + 0.5 * sz) * TSYS__ZERO1_CHUNKS / run) : 0;
-            z->chunk[k] = c < TSYS__ZERO1_CHUNKS ? c : TSYS__ZERO1_CHUNKS - 1;
+            int c = run > 0 ? (int)((at + 0.5 * sz) * TSYS_DIST__ZERO1_CHUNKS / run) : 0;
+            z->chunk[k] = c < TSYS_DIST__ZERO1_CHUNKS ? c : TSYS_DIST__ZERO1_CHUNKS - 1;
             at += sz;
         }
         i = j;
     }
     uint64_t h = 0xcbf29ce484222325ull;
-    for (int i = 0; i < z->ntp; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, tsys_tensor_numel(z->tp[i])), z->tp[i]->dtype), z->owner[i]);
-    z->layout_agreed = tsys__dist_agree_layout(d, h, "zero1") == TSYS_OK;
-    tsys_tensor **sel = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);   // one chunk's, in order
+    for (int i = 0; i < z->ntp; i++) h = tsys_dist__hash(tsys_dist__hash(tsys_dist__hash(h, tsys_tensor_numel(z->tp[i])), z->tp[i]->dtype), z->owner[i]);
+    z->layout_agreed = tsys_dist__agree_layout(d, h, "zero1") == TSYS_OK;
+    tsys_tensor **sel = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);   // one chunk's, in order
     if (!sel) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory");
-    for (int c = 0; sel && c < TSYS__ZERO1_CHUNKS && tsys_ctx_status(ctx) == TSYS_OK; c++) {
+    for (int c = 0; sel && c < TSYS_DIST__ZERO1_CHUNKS && tsys_ctx_status(ctx) == TSYS_OK; c++) {
         int m = 0;
         for (int i = 0; i < z->ntp; i++)
             if (z->owner[i] == rank && z->chunk[i] == c) sel[m++] = z->tp[i];
         if (m > 0) z->opt[c] = tsys_adamw_new(ctx, sel, m, desc);
     }
-    TSYS__DIST_RELEASE(sel);
+    TSYS_DIST__RELEASE(sel);
     if (tsys_ctx_status(ctx) != TSYS_OK) { tsys_zero1_free(z); return NULL; }
     return z;
 }
@@ -3797,18 +4055,18 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
     // chunk by chunk: this rank's update of the chunk, then each run of back-to-back parameters of the
     // chunk with one owner broadcast from it, all in one group (through NCCL the owners send at the same
     // time, as an all-gather would; on the side stream, after the update, while the next chunk's runs)
-    bool trusting = tsys__dist_trust(z->d, z->layout_agreed);
+    bool trusting = tsys_dist__trust(z->d, z->layout_agreed);
     tsys_status st = TSYS_OK;
     int nw = 0;
-    for (int c = 0; st == TSYS_OK && c < TSYS__ZERO1_CHUNKS; c++) {
+    for (int c = 0; st == TSYS_OK && c < TSYS_DIST__ZERO1_CHUNKS; c++) {
         if (z->opt[c]) st = tsys_optim_step(z->opt[c]);
         if (st == TSYS_OK) st = tsys_dist_group_begin(z->d);
         bool open = st == TSYS_OK;
         for (int i = 0; st == TSYS_OK && i < z->ntp;) {
             if (z->chunk[i] != c) { i++; continue; }
             int j = i + 1;
-            while (j < z->ntp && z->owner[j] == z->owner[i] && z->chunk[j] == c && tsys__dist_contiguous(z->tp + i, j - i + 1, false)) j++;
-            tsys_tensor *v = tsys__dist_run_view(ctx, z->tp + i, j - i, false);
+            while (j < z->ntp && z->owner[j] == z->owner[i] && z->chunk[j] == c && tsys_dist__contiguous(z->tp + i, j - i + 1, false)) j++;
+            tsys_tensor *v = tsys_dist__run_view(ctx, z->tp + i, j - i, false);
             z->works[nw] = v ? tsys_dist_broadcast_async(z->d, v, z->owner[i]) : NULL;   // the parameters outlive the wait
             tsys_tensor_release(v);
             if (!z->works[nw]) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
@@ -3818,7 +4076,7 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
         if (open) { tsys_status e = tsys_dist_group_end(z->d); if (st == TSYS_OK) st = e; }
     }
     for (int k = 0; k < nw; k++) { tsys_status e = tsys_dist_wait(z->works[k]); if (st == TSYS_OK) st = e; }
-    tsys__dist_untrust(z->d, trusting);
+    tsys_dist__untrust(z->d, trusting);
     return st;
 }
 
@@ -3849,7 +4107,7 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z
 // far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
 // makes the compute stream wait for the gather (no host sync).
 
-typedef struct tsys_fsdp__unit {
+typedef struct tsys_dist__fsdp_unit {
     char name[TSYS_NAME_LEN];
     tsys_tensor **p;             // its parameters (retained), forward order
     int np;
@@ -3864,7 +4122,7 @@ typedef struct tsys_fsdp__unit {
     bool gathered;
     int ready;                   // gradients final in this backward
     int seen_fwd, seen_bwd;      // its ops met in this forward / backward
-} tsys_fsdp__unit;
+} tsys_dist__fsdp_unit;
 
 struct tsys_fsdp {
     tsys_dist *d;
@@ -3874,7 +4132,7 @@ struct tsys_fsdp {
     bool reshard;                // free a unit after its forward, gather it again for its backward
     bool direct;                 // a group of one without the collectives (desc.no_shortcut off)
     bool alias;                  // direct in fp32: `full` is a view of the master itself (nothing to gather)
-    tsys_fsdp__unit *u;
+    tsys_dist__fsdp_unit *u;
     int nu;
     tsys_tensor **rep;           // replicated trainable parameters (retained)
     int nrep;
@@ -3896,41 +4154,41 @@ struct tsys_fsdp {
     tsys_status err;
 };
 
-static size_t tsys_fsdp__es(const tsys_fsdp *f) { return tsys_dtype_size(f->cdt); }
+static size_t tsys_dist__fsdp_es(const tsys_fsdp *f) { return tsys_dtype_size(f->cdt); }
 
 // Errors inside hooks cannot be returned: the first one is kept (and set in the context, which
 // stops later kernels) and tsys_fsdp_finish returns it.
-static tsys_status tsys_fsdp__note(tsys_fsdp *f, tsys_status st) {
+static tsys_status tsys_dist__fsdp_note(tsys_fsdp *f, tsys_status st) {
     if (st != TSYS_OK && f->err == TSYS_OK) f->err = st;
     return st;
 }
 
 // A group of one: the shard is the whole unit (no padding), the all-gather of its cast a copy, so the
 // cast writes the weights themselves; done at once, on the compute stream.
-static tsys_status tsys_fsdp__gather_direct(tsys_fsdp *f, tsys_fsdp__unit *U) {
+static tsys_status tsys_dist__fsdp_gather_direct(tsys_fsdp *f, tsys_dist__fsdp_unit *U) {
     TSYS_ASSERT(f->direct && U->shard == U->numel);
     tsys_status st = tsys_tensor_cast_from(f->ctx, U->full, U->master);
     U->gathered = st == TSYS_OK;
     return st;
 }
 
-static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_gather_issue(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     if (U->gathered || U->ag) return TSYS_OK;
     tsys_ctx *ctx = f->ctx;
     int world = tsys_dist_size(f->d);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp gathered weights"));
-    tsys_status st = f->alias ? TSYS_OK : tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+    tsys_status st = f->alias ? TSYS_OK : tsys_storage_resize(ctx, U->full, (size_t)(world * U->shard) * tsys_dist__fsdp_es(f));
     tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
     if (st == TSYS_OK && f->alias) U->gathered = true;   // the weights are the master's memory
-    else if (st == TSYS_OK && f->direct) st = tsys_fsdp__gather_direct(f, U);
+    else if (st == TSYS_OK && f->direct) st = tsys_dist__fsdp_gather_direct(f, U);
     else if (st == TSYS_OK) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
         tsys_no_grad_end(ctx);
-        bool trusting = tsys__dist_trust(f->d, f->agreed);   // every rank agreed on the units at construction
+        bool trusting = tsys_dist__trust(f->d, f->agreed);   // every rank agreed on the units at construction
         U->ag = U->src ? tsys_dist_all_gather_async(f->d, U->full, U->src) : NULL;
-        tsys__dist_untrust(f->d, trusting);
+        tsys_dist__untrust(f->d, trusting);
         if (!U->ag) st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO;
     }
     tsys_mem_set_tag(ctx, tag);
@@ -3942,13 +4200,13 @@ static tsys_status tsys_fsdp__gather_issue(tsys_fsdp *f, int i) {
         tsys_tensor_release(U->src); U->src = NULL;
         if (!f->alias) tsys_storage_resize(ctx, U->full, 0);
     }
-    return tsys_fsdp__note(f, st);
+    return tsys_dist__fsdp_note(f, st);
 }
 
-static tsys_status tsys_fsdp__gather_wait(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_gather_wait(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     if (U->gathered) return TSYS_OK;
-    tsys_status st = tsys_fsdp__gather_issue(f, i);
+    tsys_status st = tsys_dist__fsdp_gather_issue(f, i);
     if (st != TSYS_OK || U->gathered) return st;   // gathered already: a group of one's direct cast
     double t0 = tsys_time_us();
     st = tsys_dist_wait(U->ag);
@@ -3956,12 +4214,12 @@ static tsys_status tsys_fsdp__gather_wait(tsys_fsdp *f, int i) {
     U->ag = NULL;
     tsys_tensor_release(U->src); U->src = NULL;
     U->gathered = st == TSYS_OK;
-    return tsys_fsdp__note(f, st);
+    return tsys_dist__fsdp_note(f, st);
 }
 
-static void tsys_fsdp__release(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
-    if (U->ag) { tsys_fsdp__note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
+static void tsys_dist__fsdp_release(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
+    if (U->ag) { tsys_dist__fsdp_note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
     if (!U->gathered) return;
     if (!f->alias) tsys_storage_resize(f->ctx, U->full, 0);   // an alias's memory is the master's
     U->gathered = false;
@@ -3969,28 +4227,28 @@ static void tsys_fsdp__release(tsys_fsdp *f, int i) {
 }
 
 // Unit i's gradients are in its shard gradient: the parameters' gradient windows and gfull go.
-static void tsys_fsdp__grads_end(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static void tsys_dist__fsdp_grads_end(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
     tsys_storage_resize(f->ctx, U->gfull, 0);
 }
 
 // A group of one: the reduce-scatter (AVG over 1) would be a copy of gfull, added to the fp32 shard
 // gradient after a cast to fp32 (stored when it counts as zero); one kernel does the same sum.
-static tsys_status tsys_fsdp__reduce_direct(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_reduce_direct(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     TSYS_ASSERT(f->direct && U->shard == U->numel && !U->rs);
     tsys_tensor *g = U->master->grad;
     tsys_status st = U->master->grad_zero ? tsys_tensor_cast_from(f->ctx, g, U->gfull) : tsys_tensor_accumulate(f->ctx, g, U->gfull);
     if (st == TSYS_OK) U->master->grad_zero = false;
-    tsys_fsdp__grads_end(f, i);
-    return tsys_fsdp__note(f, st);
+    tsys_dist__fsdp_grads_end(f, i);
+    return tsys_dist__fsdp_note(f, st);
 }
 
 // The reduce-scatter of unit i is done: its fp32 shard gradient += the result (or = when it counts as
 // zero), the full gradients are freed.
-static tsys_status tsys_fsdp__rs_complete(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_rs_complete(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     if (!U->rs) return TSYS_OK;
     tsys_ctx *ctx = f->ctx;
     double t0 = tsys_time_us();
@@ -4009,22 +4267,22 @@ static tsys_status tsys_fsdp__rs_complete(tsys_fsdp *f, int i) {
     if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
     if (U->rs_out != g) tsys_tensor_release(U->rs_out);
     U->rs_out = NULL;
-    tsys_fsdp__grads_end(f, i);
-    return tsys_fsdp__note(f, st);
+    tsys_dist__fsdp_grads_end(f, i);
+    return tsys_dist__fsdp_note(f, st);
 }
 
 // Unit i enters its backward: full gradients as windows of gfull, marked zero (the first write stores).
-static tsys_status tsys_fsdp__grads_begin(tsys_fsdp *f, int i) {
-    tsys_fsdp__unit *U = &f->u[i];
+static tsys_status tsys_dist__fsdp_grads_begin(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
     tsys_ctx *ctx = f->ctx;
-    if (U->rs) tsys_fsdp__rs_complete(f, i);   // a second backward before finish
+    if (U->rs) tsys_dist__fsdp_rs_complete(f, i);   // a second backward before finish
     if (U->p[0]->grad) return TSYS_OK;
     int world = tsys_dist_size(f->d);
-    size_t es = tsys_fsdp__es(f);
+    size_t es = tsys_dist__fsdp_es(f);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp full grads"));
     tsys_status st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * es);
     tsys_mem_set_tag(ctx, tag);
-    if (st != TSYS_OK) return tsys_fsdp__note(f, st);
+    if (st != TSYS_OK) return tsys_dist__fsdp_note(f, st);
     // the padding past U is reduced too: it must hold zeros
     if (world * U->shard > U->numel) {
         int64_t pad = world * U->shard - U->numel;
@@ -4040,62 +4298,62 @@ static tsys_status tsys_fsdp__grads_begin(tsys_fsdp *f, int i) {
         p->grad_zero = true;
     }
     U->ready = 0;
-    return tsys_fsdp__note(f, st);
+    return tsys_dist__fsdp_note(f, st);
 }
 
-static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w);
+static int tsys_dist__fsdp_unit_of(tsys_fsdp *f, const tsys_tensor *w);
 
-static void tsys_fsdp__grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
+static void tsys_dist__fsdp_grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
-    int i = tsys_fsdp__unit_of(f, p);
-    tsys_fsdp__unit *U = i >= 0 ? &f->u[i] : NULL;
+    int i = tsys_dist__fsdp_unit_of(f, p);
+    tsys_dist__fsdp_unit *U = i >= 0 ? &f->u[i] : NULL;
     if (!U || ++U->ready < U->np) return;
     if (f->direct) {
         f->cur.reduce_scatters++;
         f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
-        tsys_fsdp__reduce_direct(f, i);
+        tsys_dist__fsdp_reduce_direct(f, i);
         return;
     }
     // one reduce-scatter in flight: the previous unit's completes first (bounds the full gradients alive)
-    if (f->rs_pending >= 0 && f->rs_pending != i) tsys_fsdp__rs_complete(f, f->rs_pending);
+    if (f->rs_pending >= 0 && f->rs_pending != i) tsys_dist__fsdp_rs_complete(f, f->rs_pending);
     f->rs_pending = -1;
     tsys_tensor *g = U->master->grad;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp comm"));
     // fp32 into a gradient that counts as zero: straight into it; else a buffer, added when done
     U->rs_out = f->cdt == TSYS_F32 && U->master->grad_zero ? g : tsys_tensor_new(ctx, f->cdt, g->device, 1, &U->shard);
     tsys_mem_set_tag(ctx, tag);
-    bool trusting = tsys__dist_trust(f->d, f->agreed);
+    bool trusting = tsys_dist__trust(f->d, f->agreed);
     U->rs = U->rs_out ? tsys_dist_reduce_scatter_async(f->d, U->rs_out, U->gfull, TSYS_DIST_AVG) : NULL;
-    tsys__dist_untrust(f->d, trusting);
-    if (!U->rs) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
+    tsys_dist__untrust(f->d, trusting);
+    if (!U->rs) { tsys_dist__fsdp_note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->cur.reduce_scatters++;
     f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
     f->rs_pending = i;
 }
 
-static void tsys_fsdp__rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
+static void tsys_dist__fsdp_rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (!p->grad) return;
     if (f->direct) { f->cur.all_reduces++; return; }   // the average over one rank: the gradient itself
     if (f->nrep_work >= f->nrep) {   // a second backward before finish: the first one's are done first
-        for (int i = 0; i < f->nrep_work; i++) tsys_fsdp__note(f, tsys_dist_wait(f->rep_work[i]));
+        for (int i = 0; i < f->nrep_work; i++) tsys_dist__fsdp_note(f, tsys_dist_wait(f->rep_work[i]));
         f->nrep_work = 0;
     }
-    bool trusting = tsys__dist_trust(f->d, f->agreed);
+    bool trusting = tsys_dist__trust(f->d, f->agreed);
     tsys_dist_work *w = tsys_dist_all_reduce_async(f->d, p->grad, TSYS_DIST_AVG);
-    tsys__dist_untrust(f->d, trusting);
-    if (!w) { tsys_fsdp__note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
+    tsys_dist__untrust(f->d, trusting);
+    if (!w) { tsys_dist__fsdp_note(f, tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_IO); return; }
     f->rep_work[f->nrep_work++] = w;
     f->cur.all_reduces++;
 }
 
-static bool tsys_fsdp__counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
+static bool tsys_dist__fsdp_counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
 
 // The unit of a parameter (the weight the running linear/embedding uses, tsys_trace_weight, or one
 // whose gradient is ready); -1: not ours. Every op asks (forward and backward, begin and end), and
 // the model goes through its units in order, forward then back: the search starts at the unit found
 // last and widens on both sides (a few compares a call instead of a scan over all the parameters).
-static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w) {
+static int tsys_dist__fsdp_unit_of(tsys_fsdp *f, const tsys_tensor *w) {
     if (!w) return -1;
     for (int dist = 0; dist < f->nu; dist++)
         for (int side = 0; side < (dist ? 2 : 1); side++) {
@@ -4107,68 +4365,68 @@ static int tsys_fsdp__unit_of(tsys_fsdp *f, const tsys_tensor *w) {
     return -1;
 }
 
-static void tsys_fsdp__op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+static void tsys_dist__fsdp_op_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (f->prev.op_begin) f->prev.op_begin(ctx, name, kind, f->prev.user);
     if (kind == TSYS_TRACE_REGION && !strcmp(name, "checkpoint recompute")) f->recompute++;
-    if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_fsdp__counted(name)) return;
-    int i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (f->in_hook || (kind != TSYS_TRACE_FORWARD && kind != TSYS_TRACE_BACKWARD) || !tsys_dist__fsdp_counted(name)) return;
+    int i = tsys_dist__fsdp_unit_of(f, tsys_trace_weight(ctx));
     if (i < 0) return;
-    tsys_fsdp__unit *U = &f->u[i];
+    tsys_dist__fsdp_unit *U = &f->u[i];
     f->in_hook++;
     if (kind == TSYS_TRACE_FORWARD && f->recompute) {
         // a checkpointed region runs its forward again inside backward: the unit is gathered again
         // (its forward freed it) and stays so until its own backward ops are done
-        tsys_fsdp__gather_wait(f, i);
+        tsys_dist__fsdp_gather_wait(f, i);
     } else if (kind == TSYS_TRACE_FORWARD) {
         if (U->seen_fwd >= U->np) {   // a unit used again: a new forward (what the last one left goes)
             for (int j = 0; j < f->nu; j++) {
                 f->u[j].seen_fwd = f->u[j].seen_bwd = 0;
-                if (j != i) tsys_fsdp__release(f, j);
+                if (j != i) tsys_dist__fsdp_release(f, j);
             }
         }
         if (!strcmp(name, "linear")) U->has_linear = true;   // its backward will read the weights
         if (U->seen_fwd == 0) {
-            tsys_fsdp__gather_wait(f, i);
-            if (f->prefetch && i + 1 < f->nu) tsys_fsdp__gather_issue(f, i + 1);
+            tsys_dist__fsdp_gather_wait(f, i);
+            if (f->prefetch && i + 1 < f->nu) tsys_dist__fsdp_gather_issue(f, i + 1);
         }
     } else if (U->seen_bwd == 0) {
-        if (U->has_linear) tsys_fsdp__gather_wait(f, i);
-        tsys_fsdp__grads_begin(f, i);
-        if (f->prefetch && i > 0 && f->u[i - 1].has_linear && f->u[i - 1].seen_bwd == 0) tsys_fsdp__gather_issue(f, i - 1);
+        if (U->has_linear) tsys_dist__fsdp_gather_wait(f, i);
+        tsys_dist__fsdp_grads_begin(f, i);
+        if (f->prefetch && i > 0 && f->u[i - 1].has_linear && f->u[i - 1].seen_bwd == 0) tsys_dist__fsdp_gather_issue(f, i - 1);
     }
     f->in_hook--;
 }
 
-static void tsys_fsdp__op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+static void tsys_dist__fsdp_op_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
     tsys_fsdp *f = (tsys_fsdp *)user;
     int i = -1;
     if (kind == TSYS_TRACE_REGION && !strcmp(name, "checkpoint recompute") && f->recompute > 0) f->recompute--;
     bool counted = (kind == TSYS_TRACE_FORWARD && !f->recompute) || kind == TSYS_TRACE_BACKWARD;
-    if (!f->in_hook && counted && tsys_fsdp__counted(name)) i = tsys_fsdp__unit_of(f, tsys_trace_weight(ctx));
+    if (!f->in_hook && counted && tsys_dist__fsdp_counted(name)) i = tsys_dist__fsdp_unit_of(f, tsys_trace_weight(ctx));
     if (i >= 0) {
-        tsys_fsdp__unit *U = &f->u[i];
+        tsys_dist__fsdp_unit *U = &f->u[i];
         f->in_hook++;
         if (kind == TSYS_TRACE_FORWARD) {
             // the last unit serves backward next; without resharding every unit whose backward reads
             // its weights stays gathered for it (has_linear is known by its last forward op)
-            if (++U->seen_fwd == U->np && i != f->nu - 1 && (f->reshard || !U->has_linear)) tsys_fsdp__release(f, i);
-        } else if (++U->seen_bwd == U->np) tsys_fsdp__release(f, i);
+            if (++U->seen_fwd == U->np && i != f->nu - 1 && (f->reshard || !U->has_linear)) tsys_dist__fsdp_release(f, i);
+        } else if (++U->seen_bwd == U->np) tsys_dist__fsdp_release(f, i);
         f->in_hook--;
     }
     if (f->prev.op_end) f->prev.op_end(ctx, name, kind, f->prev.user);
 }
 // the other members pass through to the hooks that were there
-static void tsys_fsdp__kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel) f->prev.kernel(ctx, k, f->prev.user); }
-static void tsys_fsdp__kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel_begin) f->prev.kernel_begin(ctx, k, f->prev.user); }
-static void tsys_fsdp__mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.mem) f->prev.mem(ctx, e, f->prev.user); }
+static void tsys_dist__fsdp_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel) f->prev.kernel(ctx, k, f->prev.user); }
+static void tsys_dist__fsdp_kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.kernel_begin) f->prev.kernel_begin(ctx, k, f->prev.user); }
+static void tsys_dist__fsdp_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) { tsys_fsdp *f = (tsys_fsdp *)user; if (f->prev.mem) f->prev.mem(ctx, e, f->prev.user); }
 
 TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
     if (!f) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = TSYS_OK;
     for (int i = 0; i < f->nu; i++) {
-        if (f->u[i].rs) { tsys_status s2 = tsys_fsdp__rs_complete(f, i); if (st == TSYS_OK) st = s2; }
-        tsys_fsdp__release(f, i);
+        if (f->u[i].rs) { tsys_status s2 = tsys_dist__fsdp_rs_complete(f, i); if (st == TSYS_OK) st = s2; }
+        tsys_dist__fsdp_release(f, i);
         for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k]->grad) { tsys_tensor_release(f->u[i].p[k]->grad); f->u[i].p[k]->grad = NULL; }
         tsys_storage_resize(f->ctx, f->u[i].gfull, 0);
     }
@@ -4196,42 +4454,236 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
         tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, NULL);
         if (now.user == f) tsys_ctx_set_trace_hooks(ctx, &f->prev); else tsys_ctx_set_trace_hooks(ctx, &now);
         tsys_fsdp_finish(f);
-        for (int i = 0; i < f->nrep; i++) tsys_tensor_remove_grad_hook(f->rep[i], tsys_fsdp__rep_ready, f);
+        for (int i = 0; i < f->nrep; i++) tsys_tensor_remove_grad_hook(f->rep[i], tsys_dist__fsdp_rep_ready, f);
         f->cdt = TSYS_F32;
         for (int i = 0; i < f->nu; i++) {
-            tsys_fsdp__unit *U = &f->u[i];
-            for (int k = 0; k < U->np; k++) tsys_tensor_remove_grad_hook(U->p[k], tsys_fsdp__grad_ready, f);
+            tsys_dist__fsdp_unit *U = &f->u[i];
+            for (int k = 0; k < U->np; k++) tsys_tensor_remove_grad_hook(U->p[k], tsys_dist__fsdp_grad_ready, f);
             if (!U->full) continue;
             U->full->dtype = TSYS_F32;
-            tsys_fsdp__gather_wait(f, i);
+            tsys_dist__fsdp_gather_wait(f, i);
             tsys_tensor *whole = U->gathered ? tsys_tensor_clone(ctx, U->full) : NULL;   // own storage, exactly the unit's size
             for (int k = 0; k < U->np; k++) {
                 U->p[k]->dtype = TSYS_F32;
                 if (whole) tsys_tensor_rebind(ctx, U->p[k], whole, (size_t)U->off[k] * 4);
             }
             tsys_tensor_release(whole);
-            tsys_fsdp__release(f, i);
+            tsys_dist__fsdp_release(f, i);
         }
     }
     for (int i = 0; f->u && i < f->nu; i++) {
-        tsys_fsdp__unit *U = &f->u[i];
+        tsys_dist__fsdp_unit *U = &f->u[i];
         for (int k = 0; k < U->np; k++) tsys_tensor_release(U->p[k]);
         tsys_tensor_release(U->full); tsys_tensor_release(U->gfull); tsys_tensor_release(U->master);
-        TSYS__DIST_RELEASE(U->p); TSYS__DIST_RELEASE(U->off);
+        TSYS_DIST__RELEASE(U->p); TSYS_DIST__RELEASE(U->off);
     }
     for (int i = 0; i < f->nrep; i++) tsys_tensor_release(f->rep[i]);
     for (int i = 0; i < f->nfrozen; i++) tsys_tensor_release(f->frozen[i]);
-    TSYS__DIST_RELEASE(f->u); TSYS__DIST_RELEASE(f->rep); TSYS__DIST_RELEASE(f->frozen); TSYS__DIST_RELEASE(f->local);
-    TSYS__DIST_RELEASE(f->rep_work);
-    TSYS__DIST_RELEASE(f);
+    TSYS_DIST__RELEASE(f->u); TSYS_DIST__RELEASE(f->rep); TSYS_DIST__RELEASE(f->frozen); TSYS_DIST__RELEASE(f->local);
+    TSYS_DIST__RELEASE(f->rep_work);
+    TSYS_DIST__RELEASE(f);
 }
 
 // "layers.3.attn.q_proj.weight" -> "layers.3." (the unit key); other names are a unit of their own.
-static size_t tsys_fsdp__unit_key(const char *name) {
+static size_t tsys_dist__fsdp_unit_key(const char *name) {
     if (strncmp(name, "layers.", 7) != 0) return 0;
     const char *q = name + 7;
     while (*q >= '0' && *q <= '9') q++;
     return (q > name + 7 && *q == '.') ? (size_t)(q + 1 - name) : 0;
+}
+
+// The arguments of tsys_fsdp_new, checked (the error set when not); *there: the context's trace hooks,
+// which FSDP chains (one FSDP per context: its own hooks there are refused).
+static bool tsys_dist__fsdp_args_ok(tsys_ctx *ctx, tsys_tensor **params, int n, const tsys_fsdp_desc *dd, tsys_trace_hooks *there) {
+    if (dd->compute_dtype != TSYS_F32 && dd->compute_dtype != TSYS_BF16 && dd->compute_dtype != TSYS_F16) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: compute_dtype %s is not fp32, bf16 or fp16", tsys_dtype_name(dd->compute_dtype));
+        return false;
+    }
+    if ((unsigned)dd->reshard_after_forward > (unsigned)TSYS_FSDP_RESHARD_NO) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: reshard_after_forward %d is not AUTO, YES or NO", (int)dd->reshard_after_forward);
+        return false;
+    }
+    if (n < 1 || !params) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: %d parameters and %s list", n, params ? "a" : "no"); return false; }
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *p = params[i];
+        if (!p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter %d is NULL", i); return false; }
+        if (p->dtype != TSYS_F32) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter '%s' is %s; FSDP keeps fp32 masters and takes fp32 parameters", p->name, tsys_dtype_name(p->dtype)); return false; }
+        if (p->grad_fn) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' is the result of an op, not a parameter", p->name); return false; }
+        for (int j = 0; j < i; j++)
+            if (params[j] == p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' appears twice (tied weights are not supported: each sharded weight is used once per forward)", p->name); return false; }
+    }
+    *there = tsys_ctx_set_trace_hooks(ctx, NULL);
+    tsys_ctx_set_trace_hooks(ctx, there);
+    if (there->op_begin == tsys_dist__fsdp_op_begin) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: the context already has an FSDP wrapper (one per context)");
+        return false;
+    }
+    return true;
+}
+
+// The wrapper with its lists for n parameters (check tsys_dist__fsdp_lists_ok); NULL (the error set)
+// when even the wrapper finds no memory.
+static tsys_fsdp *tsys_dist__fsdp_alloc(tsys_dist *d, const tsys_fsdp_desc *dd, size_t cnt) {
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    tsys_fsdp *f = (tsys_fsdp *)TSYS_DIST__ALLOC(sizeof(tsys_fsdp));
+    if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
+    memset(f, 0, sizeof(*f));
+    f->d = d; f->ctx = ctx; f->cdt = dd->compute_dtype; f->prefetch = !dd->no_prefetch; f->rs_pending = -1;
+    f->direct = tsys_dist_size(d) == 1 && !dd->no_shortcut;
+    f->alias = f->direct && f->cdt == TSYS_F32;
+    f->reshard = dd->reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd->reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
+    f->u = (tsys_dist__fsdp_unit *)TSYS_DIST__ALLOC(sizeof(tsys_dist__fsdp_unit) * cnt);
+    f->rep = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->frozen = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->local = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+    f->rep_work = (tsys_dist_work **)TSYS_DIST__ALLOC(sizeof(tsys_dist_work *) * cnt);
+    if (f->u && f->rep && f->frozen && f->local && f->rep_work) memset(f->u, 0, sizeof(tsys_dist__fsdp_unit) * cnt);
+    return f;
+}
+static bool tsys_dist__fsdp_lists_ok(const tsys_fsdp *f) { return f->u && f->rep && f->frozen && f->local && f->rep_work; }
+
+// Units: the 2-D trainable parameters grouped by "layers.N.", in order of first appearance; the other
+// trainable ones are replicated, the rest frozen.
+static tsys_status tsys_dist__fsdp_make_units(tsys_fsdp *f, tsys_tensor **params, int n) {
+    tsys_ctx *ctx = f->ctx;
+    const size_t cnt = (size_t)n;
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *p = params[i];
+        if (!p->requires_grad) { f->frozen[f->nfrozen++] = tsys_tensor_retain(p); continue; }
+        if (p->ndim != 2) { f->rep[f->nrep++] = tsys_tensor_retain(p); continue; }
+        size_t key = tsys_dist__fsdp_unit_key(p->name);
+        int ui = -1;
+        for (int j = 0; key && j < f->nu && ui < 0; j++)
+            if (f->u[j].np && !strncmp(f->u[j].p[0]->name, p->name, key) && tsys_dist__fsdp_unit_key(f->u[j].p[0]->name) == key) ui = j;
+        if (ui >= 0 && ui != f->nu - 1) {
+            return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' comes after another unit began; a block's parameters must be consecutive (units follow the forward order)", p->name);
+        }
+        if (ui < 0) {
+            ui = f->nu++;
+            f->u[ui].p = (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * cnt);
+            f->u[ui].off = (int64_t *)TSYS_DIST__ALLOC(sizeof(int64_t) * cnt);
+            if (!f->u[ui].p || !f->u[ui].off) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
+            if (key) snprintf(f->u[ui].name, sizeof(f->u[ui].name), "%.*s", (int)(key - 1), p->name);
+            else memcpy(f->u[ui].name, p->name, sizeof(f->u[ui].name));
+        }
+        tsys_dist__fsdp_unit *U = &f->u[ui];
+        U->off[U->np] = U->numel;
+        U->p[U->np++] = tsys_tensor_retain(p);
+        U->numel += tsys_tensor_numel(p);
+    }
+    if (f->nu == 0) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: no 2-D trainable parameter (Linear or Embedding weight) to shard");
+    return TSYS_OK;
+}
+
+// One unit: its fp32 master (this rank's shard of the padded flat), the full weights and gradient in
+// the compute dtype (no memory until gathered), and its parameters rebound as windows of the full
+// weights. The parameters' old storage and gradients go to old[] (the caller frees them).
+static tsys_status tsys_dist__fsdp_shard_unit(tsys_fsdp *f, tsys_dist__fsdp_unit *U, tsys_tensor **old, int *nold) {
+    tsys_ctx *ctx = f->ctx;
+    const int world = tsys_dist_size(f->d), rank = tsys_dist_rank(f->d);
+    const size_t es = tsys_dtype_size(f->cdt);
+    int64_t one = 1;
+    U->shard = (U->numel + world - 1) / world;
+    f->built = true;
+    int64_t padded = world * U->shard;
+    tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+    tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit
+    U->master = whole ? tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard) : NULL;
+    // fp32 in a group of one: the weights are the master (one rank, no padding), viewed
+    U->full = !U->master ? NULL : f->alias ? tsys_tensor_view_raw(ctx, U->master, 0, TSYS_F32, 1, &padded) : tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded);
+    tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+    U->gfull = U->full ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
+    if (U->master) U->master->grad = tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard);
+    if (!U->gfull || !U->master->grad) { tsys_tensor_release(whole); return tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; }
+    tsys_tensor_set_name(U->master, "%s.shard", U->name);
+    tsys_tensor_set_name(U->master->grad, "%s.shard.grad", U->name);
+    tsys_tensor_set_name(U->full, "%s.full", U->name);
+    tsys_tensor_set_name(U->gfull, "%s.full.grad", U->name);
+    U->master->requires_grad = true;
+    U->master->grad_zero = true;
+    tsys_status st = tsys_tensor_fill(ctx, whole, 0.0f);
+    for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+        tsys_tensor *dst = tsys_tensor_view_raw(ctx, whole, (size_t)U->off[k] * 4, TSYS_F32, U->p[k]->ndim, U->p[k]->shape);
+        st = dst ? tsys_tensor_copy_from(ctx, dst, U->p[k]) : tsys_ctx_status(ctx);
+        tsys_tensor_release(dst);
+    }
+    tsys_tensor *mine = st == TSYS_OK ? tsys_tensor_view_raw(ctx, whole, (size_t)(rank * U->shard) * 4, TSYS_F32, 1, &U->shard) : NULL;
+    if (st == TSYS_OK) st = mine ? tsys_tensor_copy_from(ctx, U->master, mine) : tsys_ctx_status(ctx);
+    tsys_tensor_release(mine);
+    tsys_tensor_release(whole);
+    // the parameters become windows of `full` in the compute dtype; their old storage and gradient go
+    for (int k = 0; st == TSYS_OK && k < U->np; k++) {
+        tsys_tensor *p = U->p[k];
+        old[(*nold)++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);   // keeps the old storage to free it below
+        if (p->grad) { old[(*nold)++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
+        p->dtype = f->cdt;
+        st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
+        if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_dist__fsdp_grad_ready, f);
+    }
+    if (st == TSYS_OK && !f->alias) st = tsys_storage_resize(ctx, U->full, 0);
+    if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
+    f->local[f->nlocal++] = U->master;
+    f->stats.sharded_numel += U->numel;
+    f->stats.local_numel += U->shard;
+    return st;
+}
+static tsys_status tsys_dist__fsdp_shard_units(tsys_fsdp *f, tsys_tensor **old, int *nold) {
+    tsys_ctx *ctx = f->ctx;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+    tsys_status st = TSYS_OK;
+    for (int i = 0; st == TSYS_OK && i < f->nu; i++) st = tsys_dist__fsdp_shard_unit(f, &f->u[i], old, nold);
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    return st;
+}
+
+// The replicated and frozen parameters leave the model's arena for storage of their own; their old
+// homes go to old[].
+static tsys_status tsys_dist__fsdp_move_rest(tsys_fsdp *f, tsys_tensor **old, int *nold) {
+    tsys_ctx *ctx = f->ctx;
+    int64_t one = 1;
+    // replicated: their own storage (out of the model's arena), gradients all-reduced from their hooks
+    tsys_status st = TSYS_OK;
+    for (int i = 0; st == TSYS_OK && i < f->nrep; i++) {
+        tsys_tensor *p = f->rep[i];
+        tsys_tensor *own = tsys_tensor_clone(ctx, p);
+        old[(*nold)++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
+        if (p->grad) { old[(*nold)++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
+        st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
+        tsys_tensor_release(own);
+        if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_dist__fsdp_rep_ready, f);
+        f->local[f->nlocal++] = p;
+        f->stats.replicated_numel += tsys_tensor_numel(p);
+        f->stats.local_numel += tsys_tensor_numel(p);
+    }
+    for (int i = 0; st == TSYS_OK && i < f->nfrozen; i++) {   // frozen ones move out of the arena too
+        tsys_tensor *p = f->frozen[i];
+        tsys_tensor *own = tsys_tensor_clone(ctx, p);
+        old[(*nold)++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
+        st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
+        tsys_tensor_release(own);
+    }
+    return st;
+}
+
+// Every rank built the same layout (units, their sizes, the compute dtype, the replicated sizes)?
+static tsys_status tsys_dist__fsdp_agree(tsys_fsdp *f) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int i = 0; i < f->nu; i++) h = tsys_dist__hash(tsys_dist__hash(tsys_dist__hash(h, f->u[i].numel), f->u[i].np), f->cdt);
+    for (int i = 0; i < f->nrep; i++) h = tsys_dist__hash(h, tsys_tensor_numel(f->rep[i]));
+    const tsys_status st = tsys_dist__agree_layout(f->d, h, "fsdp");
+    f->agreed = st == TSYS_OK;
+    return st;
+}
+
+// FSDP follows forward and backward through the trace hooks, chained after the ones installed before.
+static void tsys_dist__fsdp_hook_in(tsys_fsdp *f) {
+    tsys_trace_hooks mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.op_begin = tsys_dist__fsdp_op_begin; mine.op_end = tsys_dist__fsdp_op_end; mine.kernel = tsys_dist__fsdp_kernel;
+    mine.kernel_begin = tsys_dist__fsdp_kernel_begin; mine.mem = tsys_dist__fsdp_mem; mine.user = f;
+    f->prev = tsys_ctx_set_trace_hooks(f->ctx, &mine);
 }
 
 TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_fsdp_desc *desc) {
@@ -4241,173 +4693,33 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     tsys_fsdp_desc dd;
     memset(&dd, 0, sizeof(dd));
     if (desc) dd = *desc;
-    if (dd.compute_dtype != TSYS_F32 && dd.compute_dtype != TSYS_BF16 && dd.compute_dtype != TSYS_F16) {
-        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: compute_dtype %s is not fp32, bf16 or fp16", tsys_dtype_name(dd.compute_dtype));
-        return NULL;
-    }
-    if ((unsigned)dd.reshard_after_forward > (unsigned)TSYS_FSDP_RESHARD_NO) {
-        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: reshard_after_forward %d is not AUTO, YES or NO", (int)dd.reshard_after_forward);
-        return NULL;
-    }
-    if (n < 1 || !params) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
-    for (int i = 0; i < n; i++) {
-        tsys_tensor *p = params[i];
-        if (!p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter %d is NULL", i); return NULL; }
-        if (p->dtype != TSYS_F32) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter '%s' is %s; FSDP keeps fp32 masters and takes fp32 parameters", p->name, tsys_dtype_name(p->dtype)); return NULL; }
-        if (p->grad_fn) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' is the result of an op, not a parameter", p->name); return NULL; }
-        for (int j = 0; j < i; j++)
-            if (params[j] == p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' appears twice (tied weights are not supported: each sharded weight is used once per forward)", p->name); return NULL; }
-    }
-    tsys_trace_hooks there = tsys_ctx_set_trace_hooks(ctx, NULL);
-    tsys_ctx_set_trace_hooks(ctx, &there);
-    if (there.op_begin == tsys_fsdp__op_begin) {
-        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: the context already has an FSDP wrapper (one per context)");
-        return NULL;
-    }
-    tsys_fsdp *f = (tsys_fsdp *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp));
-    if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
-    memset(f, 0, sizeof(*f));
-    f->d = d; f->ctx = ctx; f->cdt = dd.compute_dtype; f->prefetch = !dd.no_prefetch; f->rs_pending = -1;
-    f->direct = tsys_dist_size(d) == 1 && !dd.no_shortcut;
-    f->alias = f->direct && f->cdt == TSYS_F32;
-    f->reshard = dd.reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd.reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
-    size_t cnt = (size_t)n;
-    f->u = (tsys_fsdp__unit *)TSYS__DIST_ALLOC(sizeof(tsys_fsdp__unit) * cnt);
-    f->rep = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    f->frozen = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    f->local = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-    f->rep_work = (tsys_dist_work **)TSYS__DIST_ALLOC(sizeof(tsys_dist_work *) * cnt);
-    bool ok = f->u && f->rep && f->frozen && f->local && f->rep_work;
-    if (ok) memset(f->u, 0, sizeof(tsys_fsdp__unit) * cnt);
+    tsys_trace_hooks there;
+    if (!tsys_dist__fsdp_args_ok(ctx, params, n, &dd, &there)) return NULL;
+    tsys_fsdp *f = tsys_dist__fsdp_alloc(d, &dd, (size_t)n);
+    if (!f) return NULL;
     // rank 0's weights everywhere, trainable or not (as DDP)
-    tsys_status st = ok ? tsys__dist_broadcast_list(d, params, n, 0) : TSYS_ERR_OOM;
-    // units: 2-D trainable parameters grouped by "layers.N.", in order of first appearance
-    for (int i = 0; st == TSYS_OK && i < n; i++) {
-        tsys_tensor *p = params[i];
-        if (!p->requires_grad) { f->frozen[f->nfrozen++] = tsys_tensor_retain(p); continue; }
-        if (p->ndim != 2) { f->rep[f->nrep++] = tsys_tensor_retain(p); continue; }
-        size_t key = tsys_fsdp__unit_key(p->name);
-        int ui = -1;
-        for (int j = 0; key && j < f->nu && ui < 0; j++)
-            if (f->u[j].np && !strncmp(f->u[j].p[0]->name, p->name, key) && tsys_fsdp__unit_key(f->u[j].p[0]->name) == key) ui = j;
-        if (ui >= 0 && ui != f->nu - 1) {
-            st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' comes after another unit began; a block's parameters must be consecutive (units follow the forward order)", p->name);
-            break;
-        }
-        if (ui < 0) {
-            ui = f->nu++;
-            f->u[ui].p = (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * cnt);
-            f->u[ui].off = (int64_t *)TSYS__DIST_ALLOC(sizeof(int64_t) * cnt);
-            if (!f->u[ui].p || !f->u[ui].off) { st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); break; }
-            if (key) snprintf(f->u[ui].name, sizeof(f->u[ui].name), "%.*s", (int)(key - 1), p->name);
-            else memcpy(f->u[ui].name, p->name, sizeof(f->u[ui].name));
-        }
-        tsys_fsdp__unit *U = &f->u[ui];
-        U->off[U->np] = U->numel;
-        U->p[U->np++] = tsys_tensor_retain(p);
-        U->numel += tsys_tensor_numel(p);
-    }
-    if (st == TSYS_OK && f->nu == 0) st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: no 2-D trainable parameter (Linear or Embedding weight) to shard");
-    int world = tsys_dist_size(d), rank = tsys_dist_rank(d);
-    size_t es = tsys_dtype_size(f->cdt);
+    tsys_status st = tsys_dist__fsdp_lists_ok(f) ? tsys_dist__broadcast_list(d, params, n, 0) : TSYS_ERR_OOM;
+    if (st == TSYS_OK) st = tsys_dist__fsdp_make_units(f, params, n);
     // the old homes of the parameters and their gradients (the model's arenas): freed at the end
-    tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS__DIST_ALLOC(sizeof(tsys_tensor *) * 2 * cnt) : NULL;
+    tsys_tensor **old = st == TSYS_OK ? (tsys_tensor **)TSYS_DIST__ALLOC(sizeof(tsys_tensor *) * 2 * (size_t)n) : NULL;
     int nold = 0;
-    int64_t one = 1;
     if (st == TSYS_OK && !old) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory");
-    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "parameters"));
-    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
-    for (int i = 0; st == TSYS_OK && i < f->nu; i++) {
-        tsys_fsdp__unit *U = &f->u[i];
-        U->shard = (U->numel + world - 1) / world;
-        f->built = true;
-        int64_t padded = world * U->shard;
-        tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
-        tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->p[0]->device, 1, &padded);   // fp32 flat of the unit
-        U->master = whole ? tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard) : NULL;
-        // fp32 in a group of one: the weights are the master (one rank, no padding), viewed
-        U->full = !U->master ? NULL : f->alias ? tsys_tensor_view_raw(ctx, U->master, 0, TSYS_F32, 1, &padded) : tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded);
-        tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
-        U->gfull = U->full ? tsys_tensor_new(ctx, f->cdt, whole->device, 1, &padded) : NULL;
-        if (U->master) U->master->grad = tsys_tensor_new(ctx, TSYS_F32, whole->device, 1, &U->shard);
-        if (!U->gfull || !U->master->grad) { st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; tsys_tensor_release(whole); break; }
-        tsys_tensor_set_name(U->master, "%s.shard", U->name);
-        tsys_tensor_set_name(U->master->grad, "%s.shard.grad", U->name);
-        tsys_tensor_set_name(U->full, "%s.full", U->name);
-        tsys_tensor_set_name(U->gfull, "%s.full.grad", U->name);
-        U->master->requires_grad = true;
-        U->master->grad_zero = true;
-        st = tsys_tensor_fill(ctx, whole, 0.0f);
-        for (int k = 0; st == TSYS_OK && k < U->np; k++) {
-            tsys_tensor *dst = tsys_tensor_view_raw(ctx, whole, (size_t)U->off[k] * 4, TSYS_F32, U->p[k]->ndim, U->p[k]->shape);
-            st = dst ? tsys_tensor_copy_from(ctx, dst, U->p[k]) : tsys_ctx_status(ctx);
-            tsys_tensor_release(dst);
-        }
-        tsys_tensor *mine = st == TSYS_OK ? tsys_tensor_view_raw(ctx, whole, (size_t)(rank * U->shard) * 4, TSYS_F32, 1, &U->shard) : NULL;
-        if (st == TSYS_OK) st = mine ? tsys_tensor_copy_from(ctx, U->master, mine) : tsys_ctx_status(ctx);
-        tsys_tensor_release(mine);
-        tsys_tensor_release(whole);
-        // the parameters become windows of `full` in the compute dtype; their old storage and gradient go
-        for (int k = 0; st == TSYS_OK && k < U->np; k++) {
-            tsys_tensor *p = U->p[k];
-            old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);   // keeps the old storage to free it below
-            if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
-            p->dtype = f->cdt;
-            st = tsys_tensor_rebind(ctx, p, U->full, (size_t)U->off[k] * es);
-            if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__grad_ready, f);
-        }
-        if (st == TSYS_OK && !f->alias) st = tsys_storage_resize(ctx, U->full, 0);
-        if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, 0);
-        f->local[f->nlocal++] = U->master;
-        f->stats.sharded_numel += U->numel;
-        f->stats.local_numel += U->shard;
-    }
-    tsys_mem_set_category(ctx, cat);
-    tsys_mem_set_tag(ctx, tag);
-    // replicated: their own storage (out of the model's arena), gradients all-reduced from their hooks
-    for (int i = 0; st == TSYS_OK && i < f->nrep; i++) {
-        tsys_tensor *p = f->rep[i];
-        tsys_tensor *own = tsys_tensor_clone(ctx, p);
-        old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
-        if (p->grad) { old[nold++] = tsys_tensor_retain(p->grad); tsys_tensor_release(p->grad); p->grad = NULL; }
-        st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
-        tsys_tensor_release(own);
-        if (st == TSYS_OK) st = tsys_tensor_add_grad_hook(p, tsys_fsdp__rep_ready, f);
-        f->local[f->nlocal++] = p;
-        f->stats.replicated_numel += tsys_tensor_numel(p);
-        f->stats.local_numel += tsys_tensor_numel(p);
-    }
-    for (int i = 0; st == TSYS_OK && i < f->nfrozen; i++) {   // frozen ones move out of the arena too
-        tsys_tensor *p = f->frozen[i];
-        tsys_tensor *own = tsys_tensor_clone(ctx, p);
-        old[nold++] = tsys_tensor_view_raw(ctx, p, 0, p->dtype, 1, &one);
-        st = own ? tsys_tensor_rebind(ctx, p, own, 0) : tsys_ctx_status(ctx);
-        tsys_tensor_release(own);
-    }
+    if (st == TSYS_OK) st = tsys_dist__fsdp_shard_units(f, old, &nold);
+    if (st == TSYS_OK) st = tsys_dist__fsdp_move_rest(f, old, &nold);
     // the model's arenas now hold nothing anyone uses (the parameters were all moved): their memory goes
     for (int i = 0; i < nold; i++) {
         if (old[i] && st == TSYS_OK) tsys_storage_resize(ctx, old[i], 0);
         tsys_tensor_release(old[i]);
     }
-    TSYS__DIST_RELEASE(old);
+    TSYS_DIST__RELEASE(old);
     f->stats.num_units = f->nu;
-    if (st == TSYS_OK) {
-        uint64_t h = 0xcbf29ce484222325ull;
-        for (int i = 0; i < f->nu; i++) h = tsys__dist_hash(tsys__dist_hash(tsys__dist_hash(h, f->u[i].numel), f->u[i].np), f->cdt);
-        for (int i = 0; i < f->nrep; i++) h = tsys__dist_hash(h, tsys_tensor_numel(f->rep[i]));
-        st = tsys__dist_agree_layout(d, h, "fsdp");
-        f->agreed = st == TSYS_OK;
-    }
+    if (st == TSYS_OK) st = tsys_dist__fsdp_agree(f);
     if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
         f->prev = there;
         tsys_fsdp_free(f);   // gives back what moved where it can (the parameters may be left unusable)
         return NULL;
     }
-    tsys_trace_hooks mine;
-    memset(&mine, 0, sizeof(mine));
-    mine.op_begin = tsys_fsdp__op_begin; mine.op_end = tsys_fsdp__op_end; mine.kernel = tsys_fsdp__kernel;
-    mine.kernel_begin = tsys_fsdp__kernel_begin; mine.mem = tsys_fsdp__mem; mine.user = f;
-    f->prev = tsys_ctx_set_trace_hooks(ctx, &mine);
+    tsys_dist__fsdp_hook_in(f);
     return f;
 }
 
@@ -4434,12 +4746,12 @@ TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
         for (int j = 0; st == TSYS_OK && j < f->nu; j++) {
             int i = pass ? f->nu - 1 - j : j;
             if (pass && (i == f->nu - 1 || !f->u[i].has_linear || !f->reshard)) continue;
-            st = tsys_fsdp__gather_wait(f, i);
-            tsys_fsdp__release(f, i);
+            st = tsys_dist__fsdp_gather_wait(f, i);
+            tsys_dist__fsdp_release(f, i);
         }
     for (int i = f->nu - 1; st == TSYS_OK && i >= 0; i--) {
-        tsys_fsdp__unit *U = &f->u[i];
-        st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * tsys_fsdp__es(f));
+        tsys_dist__fsdp_unit *U = &f->u[i];
+        st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * tsys_dist__fsdp_es(f));
         tsys_tensor *scratch = st == TSYS_OK ? tsys_tensor_new(ctx, f->cdt, dev, 1, &U->shard) : NULL;
         if (st == TSYS_OK) st = scratch ? tsys_dist_reduce_scatter(f->d, scratch, U->gfull, TSYS_DIST_AVG) : tsys_ctx_status(ctx);
         tsys_tensor_release(scratch);
@@ -4468,7 +4780,7 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
     int world = tsys_dist_size(f->d), m = 0;
     tsys_status st = TSYS_OK;
     for (int i = 0; st == TSYS_OK && i < f->nu; i++) {   // fp32: the masters themselves, not their compute-dtype copies
-        tsys_fsdp__unit *U = &f->u[i];
+        tsys_dist__fsdp_unit *U = &f->u[i];
         int64_t padded = world * U->shard;
         tsys_tensor *whole = tsys_tensor_new(ctx, TSYS_F32, U->master->device, 1, &padded);
         st = whole ? tsys_dist_all_gather(f->d, whole, U->master) : tsys_ctx_status(ctx);

@@ -256,11 +256,11 @@ static int driver_main(int argc, char **argv) {
     if (!sizes.n || !ops.n || !dtypes.n) { fprintf(stderr, "allreduce: empty list\n"); usage(stderr); return 2; }
     int code = 0;
     if (tsys_dist_spawn(o.nproc, argc, argv, &code)) return code;
-    if (!strcmp(o.shm, "no")) setenv("TSYS_DIST_SHM", "0", 1);
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     tsys_dist_desc desc;
     memset(&desc, 0, sizeof desc);
     desc.timeout_s = o.timeout;
+    desc.no_shm = !strcmp(o.shm, "no");
     tsys_device dev = TSYS_CPU;
     if (!strcmp(o.backend, "nccl")) { desc.cuda = true; desc.engine = TSYS_DIST_ENGINE_NCCL; dev = TSYS_CUDA; }
     tsys_dist *d = tsys_dist_init(ctx, &desc);

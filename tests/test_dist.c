@@ -30,7 +30,7 @@
 static tsys_ctx *g_ctx;
 static int g_rank, g_size;
 // (group, device) pairs every collective test runs on
-#define MAXPATHS 4
+#define MAXPATHS 5   // the standing paths, and one slot for a group a test makes (check_group)
 static tsys_dist *g_group[MAXPATHS];
 static tsys_device g_dev[MAXPATHS];
 static const char *g_name[MAXPATHS];
@@ -315,7 +315,7 @@ TSYS_TEST(async_several_in_flight) {   // launched together, a blocking collecti
     }
 }
 
-// An agreed layout's collectives skip the descriptor check (tsys__dist_trust, as DDP, ZeRO-1 and FSDP
+// An agreed layout's collectives skip the descriptor check (tsys_dist__trust, as DDP, ZeRO-1 and FSDP
 // issue them); the decision travels with each queued collective. Were it read from the group when the
 // worker thread runs the collective, the ranks would post different MPI calls (check or not) as the
 // trust is released around them: wrong sums, MPI_ERR_TRUNCATE or a corrupt heap.
@@ -330,9 +330,9 @@ TSYS_TEST(async_trusted_collectives_keep_their_check) {
             for (int k = 0; k < K; k++) {
                 for (int64_t i = 0; i < n; i++) h[i] = (float)(val(TSYS_F32, g_rank, i) + k);
                 t[k] = mk(g_dev[p], TSYS_F32, n, h);
-                bool trusting = tsys__dist_trust(g_group[p], k % 2 == 0);
+                bool trusting = tsys_dist__trust(g_group[p], k % 2 == 0);
                 w[k] = t[k] ? tsys_dist_all_reduce_async(g_group[p], t[k], TSYS_DIST_SUM) : NULL;
-                tsys__dist_untrust(g_group[p], trusting);
+                tsys_dist__untrust(g_group[p], trusting);
             }
             for (int k = 0; k < K; k++) {
                 STATUS_OK(w[k] ? tsys_dist_wait(w[k]) : TSYS_ERR_INVALID_ARGS, "%s: round %d wait %d", g_name[p], round, k);
@@ -667,6 +667,161 @@ TSYS_TEST(init_errors) {   // every rank fails the same way, at the same point
     TEST_CHECK(tsys_dist_init(g_ctx, NULL) == NULL && strstr(tsys_ctx_last_error(g_ctx), "TSYS_DIST_TIMEOUT"), "TSYS_DIST_TIMEOUT=soon: %s", tsys_ctx_last_error(g_ctx));
     unsetenv("TSYS_DIST_TIMEOUT");
     tsys_ctx_clear_error(g_ctx);
+    check_all_reduce(0, TSYS_F32, TSYS_DIST_SUM, 1001, false);   // the groups that exist still work
+}
+
+// ---- options: the desc's fields, the environment over them -----------------------------------------
+
+// Sets an environment variable for a while; env_restore puts back what was there.
+typedef struct saved_env { const char *name; char *old; } saved_env;
+static saved_env env_set(const char *name, const char *v) {
+    saved_env s = { name, getenv(name) ? strdup(getenv(name)) : NULL };
+    if (v) setenv(name, v, 1); else unsetenv(name);
+    return s;
+}
+static void env_restore(saved_env s) {
+    if (s.old) { setenv(s.name, s.old, 1); free(s.old); }
+    else unsetenv(s.name);
+}
+
+// A few collectives on a group a test made, in the slot after the standing paths.
+static void check_group(tsys_dist *d, const char *name) {
+    const int p = g_npaths;
+    g_group[p] = d; g_dev[p] = TSYS_CPU; g_name[p] = name;
+    check_all_reduce(p, TSYS_F32, TSYS_DIST_SUM, 300001, false);   // several shared-memory slices
+    check_all_reduce(p, TSYS_BF16, TSYS_DIST_AVG, 1001, true);
+    check_reduce_scatter(p, TSYS_F32, TSYS_DIST_SUM, 4097, false);
+    g_group[p] = NULL;
+}
+
+TSYS_TEST(desc_options) {   // desc.no_shm is TSYS_DIST_SHM=0; every field shows in tsys_dist_get_desc
+    const tsys_dist_desc main_opt = tsys_dist_get_desc(g_main);
+    TEST_CHECK(main_opt.timeout_s > 0 && main_opt.shm_slice >= 4096 && main_opt.engine == tsys_dist_engine_of(g_main),
+               "defaults filled in: timeout %d s, slice %lld, engine %s", main_opt.timeout_s, (long long)main_opt.shm_slice, tsys_dist_engine_name(main_opt.engine));
+    // the variables of the runner (run_dist.sh sets TSYS_DIST_SHM=0) would override what this test asks for
+    saved_env shm = env_set("TSYS_DIST_SHM", NULL), slice = env_set("TSYS_DIST_SHM_SLICE", NULL), check = env_set("TSYS_DIST_CHECK", NULL);
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.no_shm = true; dd.check = TSYS_DIST_CHECK_NEVER; dd.timeout_s = 77;
+    tsys_dist *d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "desc.no_shm: %s", tsys_ctx_last_error(g_ctx));
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(got.no_shm && !d->shm_base && got.check == TSYS_DIST_CHECK_NEVER && got.timeout_s == 77 && got.engine == tsys_dist_engine_of(g_main),
+                   "desc.no_shm: no_shm %d, segment %s, check %d, timeout %d s, engine %s", (int)got.no_shm, d->shm_base ? "mapped" : "none", (int)got.check,
+                   got.timeout_s, tsys_dist_engine_name(got.engine));
+        TEST_CHECK(g_size == 1 || !d->one_host || strstr(d->shm_note, "no_shm"), "why shared memory is off: '%s'", d->shm_note);
+        check_group(d, "desc.no_shm");
+        tsys_dist_free(d);
+    }
+    memset(&dd, 0, sizeof dd);
+    dd.shm_slice = 3 * 4096 + 5;   // whole pages: 16 KiB
+    d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "desc.shm_slice: %s", tsys_ctx_last_error(g_ctx));
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(got.shm_slice == 16384 && (!d->shm_base || d->slice == 16384) && !got.no_shm && (d->shm_base || g_size == 1 || !d->one_host),
+                   "desc.shm_slice: %lld in effect, segment %s", (long long)got.shm_slice, d->shm_base ? "mapped" : "none");
+        check_group(d, "desc.shm_slice");
+        tsys_dist_free(d);
+    }
+    env_restore(shm); env_restore(slice); env_restore(check);
+}
+
+TSYS_TEST(env_over_desc) {   // each variable overrides its field
+    saved_env shm = env_set("TSYS_DIST_SHM", "0"), slice = env_set("TSYS_DIST_SHM_SLICE", "65536"), check = env_set("TSYS_DIST_CHECK", "1");
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.shm_slice = 131072; dd.check = TSYS_DIST_CHECK_NEVER;
+    tsys_dist *d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "TSYS_DIST_SHM=0: %s", tsys_ctx_last_error(g_ctx));
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(got.no_shm && !d->shm_base && got.check == TSYS_DIST_CHECK_ALWAYS && got.shm_slice == 65536,
+                   "TSYS_DIST_SHM=0, _CHECK=1, _SHM_SLICE=65536 over the desc: no_shm %d, segment %s, check %d, slice %lld",
+                   (int)got.no_shm, d->shm_base ? "mapped" : "none", (int)got.check, (long long)got.shm_slice);
+        check_group(d, "TSYS_DIST_SHM=0 over the desc");
+        tsys_dist_free(d);
+    }
+    setenv("TSYS_DIST_SHM", "1", 1);
+    setenv("TSYS_DIST_CHECK", "0", 1);
+    memset(&dd, 0, sizeof dd);
+    dd.no_shm = true;
+    d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "TSYS_DIST_SHM=1: %s", tsys_ctx_last_error(g_ctx));
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(!got.no_shm && got.check == TSYS_DIST_CHECK_NEVER && (g_size == 1 || !d->one_host || d->shm_base || !strstr(d->shm_note, "no_shm")),
+                   "TSYS_DIST_SHM=1 over desc.no_shm: no_shm %d, check %d, '%s'", (int)got.no_shm, (int)got.check, d->shm_note);
+        check_group(d, "TSYS_DIST_SHM=1 over desc.no_shm");
+        tsys_dist_free(d);
+    }
+    env_restore(shm); env_restore(slice); env_restore(check);
+}
+
+TSYS_TEST(desc_run_id) {   // the rendezvous' run id and secret from the desc (copied: the caller's may go)
+    saved_env run = env_set("TSYS_DIST_RUN_ID", NULL), secret = env_set("TSYS_DIST_SECRET", NULL);
+    char run_id[32], key[32];
+    snprintf(run_id, sizeof run_id, "tsys-desc-run");
+    snprintf(key, sizeof key, "a secret of the desc");
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.run_id = run_id; dd.secret = key;
+    tsys_dist *d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "desc.run_id: %s", tsys_ctx_last_error(g_ctx));
+    memset(run_id, 0, sizeof run_id);
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(got.run_id && !strcmp(got.run_id, "tsys-desc-run") && got.secret && !strcmp(got.secret, key) && !got.listen_addr,
+                   "desc.run_id in effect: '%s'", got.run_id ? got.run_id : "(none)");
+        check_group(d, "desc.run_id");
+        tsys_dist_free(d);
+    }
+    setenv("TSYS_DIST_RUN_ID", "tsys-env-run", 1);
+    dd.run_id = "tsys-desc-run";
+    d = tsys_dist_init(g_ctx, &dd);
+    TEST_CHECK(d != NULL, "TSYS_DIST_RUN_ID over desc.run_id: %s", tsys_ctx_last_error(g_ctx));
+    if (d) {
+        const tsys_dist_desc got = tsys_dist_get_desc(d);
+        TEST_CHECK(got.run_id && !strcmp(got.run_id, "tsys-env-run"), "TSYS_DIST_RUN_ID over desc.run_id: '%s'", got.run_id ? got.run_id : "(none)");
+        tsys_dist_free(d);
+    }
+    env_restore(run); env_restore(secret);
+}
+
+TSYS_TEST(bad_options) {   // refused before any collective, on every rank alike, naming the variable or field
+    static const char *const vars[][2] = {
+        { "TSYS_DIST_SHM", "yes" }, { "TSYS_DIST_SHM_SLICE", "12" }, { "TSYS_DIST_SHM_SLICE", "1MB" }, { "TSYS_DIST_BIND", "2" },
+        { "TSYS_DIST_NCCL_BLOCKING", "on" }, { "TSYS_DIST_CHECK", "always" }, { "TSYS_DIST_TIMEOUT", "0" } };
+    for (size_t k = 0; k < sizeof vars / sizeof vars[0]; k++) {
+        saved_env s = env_set(vars[k][0], vars[k][1]);
+        tsys_dist *d = tsys_dist_init(g_ctx, NULL);
+        const char *err = tsys_ctx_last_error(g_ctx);
+        TEST_CHECK(d == NULL && strstr(err, vars[k][0]) && strstr(err, vars[k][1]), "%s=%s: %s", vars[k][0], vars[k][1], d ? "accepted" : err);
+        if (d) tsys_dist_free(d);
+        tsys_ctx_clear_error(g_ctx);
+        env_restore(s);
+    }
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.shm_slice = 100;
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "desc.shm_slice = 100"), "shm_slice 100: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    dd.shm_slice = 0; dd.check = (tsys_dist_check)9;
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "desc.check = 9"), "check 9: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    char longer[300];
+    memset(longer, 'x', sizeof longer - 1);
+    longer[sizeof longer - 1] = 0;
+    dd.check = TSYS_DIST_CHECK_AUTO; dd.listen_addr = longer;
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "desc.listen_addr is 299 bytes"), "listen_addr of 299: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    dd.listen_addr = NULL;
+    longer[64] = 0;
+    saved_env run = env_set("TSYS_DIST_RUN_ID", longer);
+    TEST_CHECK(tsys_dist_init(g_ctx, &dd) == NULL && strstr(tsys_ctx_last_error(g_ctx), "TSYS_DIST_RUN_ID is 64 bytes"), "run id of 64: %s", tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    env_restore(run);
     check_all_reduce(0, TSYS_F32, TSYS_DIST_SUM, 1001, false);   // the groups that exist still work
 }
 
