@@ -214,10 +214,12 @@ typedef enum tsys_cuda_flash_impl {
 //   workspace_bytes  32 MiB      cuBLASLt workspace (TSYS_CUDA_WORKSPACE_BYTES)
 //   memory_limit     0 = none    cap on the caching allocator's reserved bytes (tsys_cuda_set_memory_limit)
 //   nvtx             false       NVTX ranges for every op, backward node and range (tsys_cuda_set_nvtx)
-//   flash_no_pdl     false       (tsys_cuda_set_flash_no_pdl) the warp-specialized backward launches its dK/dV kernel after the dQ kernel
-//                                instead of in its tail (programmatic dependent launch); the same bits
-//   flash_no_fused   false       (tsys_cuda_set_flash_no_fused) the warp-specialized backward never takes the fused (5-matmul) kernel (16-bit
-//                                d 128, large grids) but its two 7-matmul kernels; the same results to rounding
+//   flash_no_pdl     false       the warp-specialized backward launches its dK/dV kernel after the dQ kernel
+//                                instead of in its tail (programmatic dependent launch): the same bits, for
+//                                timing both (tsys_cuda_set_flash_no_pdl)
+//   flash_no_fused   false       the warp-specialized backward never takes the fused (5-matmul) kernel (16-bit
+//                                d 128, large grids) but its two 7-matmul kernels: the same results to rounding,
+//                                for timing both (tsys_cuda_set_flash_no_fused)
 //   no_cupti         false       profiles time kernels with CUDA events, not CUPTI (env TSYS_NO_CUPTI sets it)
 //   profiler_debug   false       profiles say on stderr how CUPTI's records mapped to launches (env
 //                                TSYS_PROFILER_DEBUG sets it)
