@@ -156,6 +156,7 @@ run-tests: header-check $(ALL_TESTS) $(if $(HAVE_NVCC),cuda-compile)
 
 # CUDA builds (nvcc compiles the same driver sources as CUDA C++).
 CUDA_DRIVERS = $(BUILD)/e2e_cuda $(BUILD)/attn_cuda $(BUILD)/memory_cuda
+# the kernel lab (dev/flash_lab.cu, public API only) is built beside the tests and its checks run with them
 CUDA_TESTS = $(BUILD)/test_cuda $(BUILD)/flash_lab
 # The drivers link one compiled copy of both implementations (the kernels take minutes to compile);
 # the test programs, which reach into the implementations, compile their own.
@@ -166,7 +167,7 @@ $(BUILD)/%_cuda.o: drivers/%.c $(HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
 $(BUILD)/%_cuda: $(BUILD)/%_cuda.o $(BUILD)/tsys_impl_cuda.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS)
-$(BUILD)/flash_lab: tests/flash_lab.cu $(HEADERS) tsys_cuda.cuh | $(BUILD)
+$(BUILD)/flash_lab: dev/flash_lab.cu $(HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $< -o $@ $(NVLIBS)
 $(BUILD)/test_cuda: tests/test_cuda.cu tests/harness.h tests/test_util.h $(HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $< -o $@ $(NVLIBS)
@@ -239,8 +240,8 @@ $(DIST_TESTS:%=%_cuda.o): $(BUILD)/%_cuda.o: tests/%.c tests/harness.h tests/tes
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
 $(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS) $(NCCL_LIBS) $(if $(HAVE_MPI),$(MPI_LINK))
-# the lab tool that times NCCL alone beside tsys_dist (tools/nccl_latency.c: MPI ranks, one GPU each)
-$(BUILD)/nccl_latency: tools/nccl_latency.c | $(BUILD)
+# the lab tool that times NCCL alone beside tsys_dist (dev/nccl_latency.c: MPI ranks, one GPU each)
+$(BUILD)/nccl_latency: dev/nccl_latency.c | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(MPI_COMPILE) -x cu $< -o $@ $(NCCL_LIBS) $(MPI_LINK)
 cuda: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency)
 cuda-compile: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency)

@@ -1,4 +1,4 @@
-/* tsys_cuda.cuh - v0.2 - the CUDA backend of tsys: kernels, cuBLASLt GEMMs, FlashAttention-2, caching
+/* tsys_cuda.cuh - v0.3 - the CUDA backend of tsys: kernels, cuBLASLt GEMMs, FlashAttention-2, caching
    allocator, CUDA graphs
 
    Do this:
@@ -24,11 +24,48 @@
       TSYS_CUDA_NO_NVTX           make tsys_cuda_range_push/pop do nothing
       TSYS_CUDA_NO_FLASH          leave the FlashAttention kernels out (>>flash: a third of the build time);
                                   TSYS_K_FLASH_FWD/BWD then fail with TSYS_ERR_UNSUPPORTED
+      TSYS_CUDA_NO_CUPTI          profiles time kernels with CUDA events only (no libcupti at run time)
       TSYS_MALLOC/TSYS_FREE/TSYS_REALLOC   host allocator, as in tsys.h (all three or none)
 
-   Environment (read once, by tsys_cuda_init, and only when desc.flash is AUTO):
-      TSYS_FLASH_NO_WS=1          FlashAttention without the warp-specialized TMA kernels (wgmma ones)
-      TSYS_FLASH_NO_WGMMA=1       FlashAttention on the mma.sync kernels
+   Environment (read in one place, tsys_cuda__env_apply, once by tsys_cuda_init_desc, over the desc):
+      TSYS_FLASH_NO_WS=1          desc.flash AUTO -> WGMMA: FlashAttention without the warp-specialized TMA
+                                  kernels (MMA where wgmma cannot run)
+      TSYS_FLASH_NO_WGMMA=1       desc.flash AUTO -> MMA: FlashAttention on the mma.sync kernels
+      TSYS_NO_CUPTI               (set at all) desc.no_cupti: profiles time kernels with CUDA events
+      TSYS_PROFILER_DEBUG         (set at all) desc.profiler_debug: profiles report CUPTI's record mapping
+
+   Sections (search for the tag, e.g. ">>flash launchers"); what each defines:
+      >>public                    the API: tsys_cuda_desc, init/shutdown, setters, memory info, graphs, profiler
+      >>checks                    TSYS_CUDA__CHECK and friends: a failing CUDA/cuBLASLt call -> context error
+      >>state                     tsys_cuda__state (one context's backend), the fault record, tsys_cuda__get
+      >>hash map                  tsys_cuda__map: open-addressing uint64 -> uint64 (allocator indexes)
+      >>memory                    the caching allocator: size classes, free lists, graph pools, scratch
+      >>device helpers            dtype loads/stores (fp32 <-> bf16/fp16), warp and block reductions
+      >>launch helpers            tsys_cuda__launch, grid sizes, the elementwise argument packs
+      >>elementwise               the generic elementwise kernels (fill, cast, add, mul, activations, ...)
+      >>reductions                SUM, SUMSQ, MSE and column sums: fixed-order two-stage reductions
+      >>norms                     RMSNorm / LayerNorm forward and backward, deterministic weight grads
+      >>rope                      rotary embeddings, forward and backward
+      >>softmax                   row softmax forward and backward, register and shared-memory variants
+      >>cross entropy             fused softmax + cross-entropy loss and its gradient; bad-id records
+      >>embedding                 embedding lookup and its deterministic backward
+      >>transpose                 (A, B, C, D) -> (A, C, B, D) copies
+      >>flash                     FlashAttention-2: overview, tile configurations, shared helpers
+      >>flash ptx                 inline PTX: mma.sync, ldmatrix, cp.async, mbarriers, TMA, wgmma
+      >>flash mma.sync            the mma.sync forward / backward kernels (any sm_80+), the row-sum pre-pass
+      >>flash fp32                the exact fp32 SIMT kernels (desc.flash_fp32_exact)
+      >>flash wgmma               the cp.async + wgmma kernels (sm_90a) and the templated wgmma wrapper
+      >>flash warp-specialized    the TMA + wgmma kernels (sm_90a): forward, dQ, dK/dV, fused backward
+      >>flash launchers           launchers, split and pad plans, scratch sizes, tsys_cuda__flash_fwd/_bwd
+      >>kernel entry points       tsys_cuda__kernel: every TSYS_K_* checked and launched
+      >>gemm                      cuBLASLt GEMMs with the per-shape plan cache
+      >>copy and sync             host/device copies, tsys_sync, bad-id faults surfaced
+      >>events                    the tsys_event pool (record, wait, elapsed)
+      >>init                      tsys_cuda_init_desc, the environment, get_desc, setters, shutdown
+      >>memory (public)           tsys_cuda_mem_info, memory limit, cache release
+      >>graphs                    tsys_cuda_graph_begin/end/launch/free
+      >>nvtx                      NVTX ranges through the trace hooks
+      >>profiler clock            device times for the profiler: CUPTI (the one process-wide static) or events
 
    tsys_cuda DOES NOT:
       - call cudaMalloc or cudaFree in the steady state: freed blocks go to size-class free lists of
@@ -101,6 +138,10 @@
       update, so the fp32 results are the same bits with the copy written or not.
 
    Revision history:
+      0.3  the kernel lab (dev/flash_lab.cu) uses the public API only: tsys_cuda_desc.flash_no_pdl and
+           flash_no_fused (with setters) replace the lab's static switches; TSYS_NO_CUPTI and
+           TSYS_PROFILER_DEBUG are desc fields (no_cupti, profiler_debug) that the environment sets, read
+           with the flash overrides in one place at init; the lab-only tile and turn variants are gone
       0.2  FlashAttention-2 as the >>flash section (mma.sync, fp32 SIMT, wgmma and warp-specialized TMA
            kernels; one templated wgmma wrapper; TSYS_CUDA_NO_FLASH); tsys_cuda_desc with
            tsys_cuda_init_desc / tsys_cuda_get_desc; the flash implementation is per context
@@ -114,7 +155,7 @@
 #ifndef TSYS_CUDA_H_INCLUDED
 #define TSYS_CUDA_H_INCLUDED
 #define TSYS_CUDA_VERSION_MAJOR 0
-#define TSYS_CUDA_VERSION_MINOR 2
+#define TSYS_CUDA_VERSION_MINOR 3
 #define TSYS_CUDA_VERSION_PATCH 0
 
 #include "tsys.h"
@@ -173,6 +214,15 @@ typedef enum tsys_cuda_flash_impl {
 //   workspace_bytes  32 MiB      cuBLASLt workspace (TSYS_CUDA_WORKSPACE_BYTES)
 //   memory_limit     0 = none    cap on the caching allocator's reserved bytes (tsys_cuda_set_memory_limit)
 //   nvtx             false       NVTX ranges for every op, backward node and range (tsys_cuda_set_nvtx)
+//   flash_no_pdl     false       the warp-specialized backward launches its dK/dV kernel after the dQ kernel
+//                                instead of in its tail (programmatic dependent launch): the same bits, for
+//                                timing both (tsys_cuda_set_flash_no_pdl)
+//   flash_no_fused   false       the warp-specialized backward never takes the fused (5-matmul) kernel (16-bit
+//                                d 128, large grids) but its two 7-matmul kernels: the same results to rounding,
+//                                for timing both (tsys_cuda_set_flash_no_fused)
+//   no_cupti         false       profiles time kernels with CUDA events, not CUPTI (env TSYS_NO_CUPTI sets it)
+//   profiler_debug   false       profiles say on stderr how CUPTI's records mapped to launches (env
+//                                TSYS_PROFILER_DEBUG sets it)
 typedef struct tsys_cuda_desc {
     int device;
     tsys_cuda_flash_impl flash;
@@ -181,6 +231,10 @@ typedef struct tsys_cuda_desc {
     size_t workspace_bytes;
     size_t memory_limit;
     bool nvtx;
+    bool flash_no_pdl;
+    bool flash_no_fused;
+    bool no_cupti;
+    bool profiler_debug;
 } tsys_cuda_desc;
 
 // Creates the backend state (stream, cuBLASLt handle, workspace, caching allocator) on desc->device
@@ -188,7 +242,7 @@ typedef struct tsys_cuda_desc {
 TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *desc);
 // Shorthand: tsys_cuda_init_desc with every field 0 but .device = device_id.
 TSYSDEF tsys_status tsys_cuda_init(tsys_ctx *ctx, int device_id);
-// The effective desc: defaults filled in, the environment's flash override applied, AUTO resolved to the
+// The effective desc: defaults filled in, the environment's overrides applied, AUTO resolved to the
 // implementation it runs, the setters' later changes included. All zero without a CUDA backend.
 TSYSDEF tsys_cuda_desc tsys_cuda_get_desc(tsys_ctx *ctx);
 // Switches the FlashAttention implementation at run time (tests sweep every one in one process). Error
@@ -203,7 +257,10 @@ TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx);            // the cudaStream_t la
 TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s);   // the compute or the side stream
 TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on);  // fp32 GEMMs on TF32 tensor cores (default off)
 TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx);
-TSYSDEF void tsys_cuda_set_flash_fp32_exact(tsys_ctx *ctx, bool on);   // fp32 flash attention off TF32 (default off)
+TSYSDEF void tsys_cuda_set_flash_fp32_exact(tsys_ctx *ctx, bool on);
+// desc.flash_no_pdl and desc.flash_no_fused at run time (flash_lab times the backward both ways in one process)
+TSYSDEF void tsys_cuda_set_flash_no_pdl(tsys_ctx *ctx, bool on);
+TSYSDEF void tsys_cuda_set_flash_no_fused(tsys_ctx *ctx, bool on);   // fp32 flash attention off TF32 (default off)
 
 // caching allocator
 TSYSDEF size_t tsys_cuda_mem_reserved(tsys_ctx *ctx);
@@ -376,6 +433,8 @@ typedef struct tsys_cuda__state {
     bool flash_wg_ok;                // the wgmma kernels are in the binary for this device (probe, at init)
     bool flash_ws_ok;                // and the driver can make TMA tensor maps
     bool flash_fp32_exact;           // fp32 on the SIMT kernels instead of TF32 tensor cores
+    bool flash_no_pdl, flash_no_fused;   // desc.flash_no_pdl, desc.flash_no_fused (the lab's comparisons)
+    bool no_cupti, profiler_debug;   // desc.no_cupti, desc.profiler_debug (>>profiler)
     float *partials;                 // TSYS_CUDA__MAX_PARTIALS floats for two-stage reductions
     // caching allocator
     tsys_cuda__block *blocks;
@@ -3200,10 +3259,10 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_round_q(float *qs, int wg) {
 // the key tiles (as the mma.sync forward's split).
 // CW consumer warpgroups: 3 (160 registers each), or 2 (240): TF32 at d 128 (three blocks of Q do not fit shared memory)
 // and 16-bit at d 128 (128-key tiles; faster than three consumers on 64-key tiles).
-// OVL: the softmax of tile j runs while tile j - 1's P V does (issued after tile j's S). PP (with OVL): the
-// consumers issue their tiles' wgmmas in turn (tsys_cuda__flash_turns), so that one's softmax runs while the next
-// one's matmuls do. Both: tsys_cuda__flash_ws_tiles::FWD_TURNS.
-template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3, bool OVL = false, bool PP = false>
+// TURNS (tsys_cuda__flash_ws_tiles::FWD_TURNS): the softmax of tile j runs while tile j - 1's P V does (issued
+// after tile j's S), and the consumers issue their tiles' wgmmas in turn (tsys_cuda__flash_turns), so that one's
+// softmax runs while the next one's matmuls do.
+template <typename T, int D, int BK, bool CAUSAL, int CW_ = 3, bool TURNS = false>
 __global__ void __launch_bounds__(tsys_cuda__flash_ws_layout<T, D, BK, CW_>::NT, 1)
 tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                           const __grid_constant__ CUtensorMap tv, T *__restrict__ o, float *__restrict__ lse, int n,
@@ -3211,8 +3270,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW_> L;
     constexpr int BQ = L::BQ, CW = L::CW, ST = TSYS_CUDA__FLASH_WG_STAGES;
-    static_assert(OVL || !PP, "the consumers' turns (PP) come with the overlap (OVL)");
-    typedef tsys_cuda__flash_turns<CW, PP> turns;
+    typedef tsys_cuda__flash_turns<CW, TURNS> turns;
     extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
     T *qs = (T *)tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
     T *ks = qs + BQ * D;        // [ST][BK * D]
@@ -3269,7 +3327,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
         tsys_cuda__flash_wg_rs<T, D, BK>(oacc, pa, vt);   // waited for in the next tile
         tsys_cuda__flash_wg_commit();
     };
-    // OVL: S of tile j, then P V of tile j - 1 (P still in pa); the softmax of tile j while that P V runs; O is
+    // TURNS: S of tile j, then P V of tile j - 1 (P still in pa); the softmax of tile j while that P V runs; O is
     // rescaled and pa repacked once it is done. Every tile commits two groups (the second empty for the first
     // tile), so that one unconditional wait<1> covers S.
     auto tile_ovl = [&](int j, auto masked) {
@@ -3298,7 +3356,7 @@ tsys_cuda__flash_fwd_ws_kernel(const __grid_constant__ CUtensorMap tq, const __g
             for (int e = 0; e < 4; e++) oacc[nb][e] *= alpha[e >> 1];
         tsys_cuda__flash_wg_pack<T, BK>(pa, sc);
     };
-    if constexpr (OVL) {
+    if constexpr (TURNS) {
         turns::open(wg);
         for (int j = j0; j < min(nfull, nkt); j++) tile_ovl(j, std::false_type());
         for (int j = max(j0, nfull); j < nkt; j++) tile_ovl(j, std::true_type());
@@ -3585,9 +3643,7 @@ __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqs
 // longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
 // later slices start their blocks one by one). nsplit must be 1.
 // AREG: each consumer keeps its 64 rows of K and V in registers (16-bit, d 64) and issues S^T and dP^T as RS wgmmas.
-// PP: the consumers issue each tile's S^T and dP^T wgmmas in turn (tsys_cuda__flash_turns), as the forward's FWD_TURNS
-// (a lab variant: slower in both the 4-matmul and the fused kernel, perf notes v17).
-template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false, bool AREG = false, bool PP = false>
+template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false, bool AREG = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
 tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg,
@@ -3597,7 +3653,6 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, FUSED> L;
     constexpr int BKV = L::BKV, ST = L::ST, SLOTS = L::SLOTS;
-    typedef tsys_cuda__flash_turns<CW, PP> turns;
     static_assert(!FUSED || (BQ == 64 && CW == 2), "the fused dQ: dS^T as one 64-column swizzled tile, two consumers");
     static_assert(!L::DQCOL || L::DQN == 64, "the fused dQ by columns: one 64-column block of K a consumer");
     static_assert(!AREG || (sizeof(T) == 2 && D == 64 && !FUSED), "K and V in registers: 16-bit, d 64, the 4-matmul kernel");
@@ -3689,7 +3744,6 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_load_a<BKV, D>(vr, vs, wg * 64);
     }
 
-    turns::open(wg);
     tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
         const int j = it - it0, s = j % ST, q0 = it * BQ;
@@ -3697,11 +3751,9 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         const T *qt = qs + s * BQ * D, *gt = gs + s * BQ * D;
         const float *lt = ls + s * BQ, *dt = ds + s * BQ;
         float st[BQ / 8][4], dpt[BQ / 8][4];
-        turns::take(wg);
         if constexpr (AREG) tsys_cuda__flash_wg_kv_scores_r<T, D, BQ>(st, dpt, kr, vr, qt, gt);
         else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, tsys_cuda__flash_fresh<FUSED>(ks, it), tsys_cuda__flash_fresh<FUSED>(vs, it),
                                                           wg, qt, gt);
-        turns::pass(wg);
         tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
         if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
@@ -3741,7 +3793,6 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
             tsys_cuda__flash_wg_commit();
         }
     });
-    turns::close(wg);
     tsys_cuda__flash_wg_wait<0>();
     tsys_cuda__flash_wg_fence_acc<D>(dka);
     tsys_cuda__flash_wg_fence_acc<D>(dva);
@@ -3856,7 +3907,7 @@ template <int D, bool CAUSAL> struct tsys_cuda__flash_cfg {
     static constexpr int DQ_MQ = 1, DQ_BK = D <= 64 ? 128 : 64, DQ_NW = D <= 64 ? 8 : 4;
 };
 // By element type. fp32 (TF32): 64-row tiles and 4 warps in all three kernels, the fastest of five variants
-// timed at batch 1 (flash_lab tf32variants, docs/perf-notes-flash.md): at batch 1 the grid is small, and
+// timed at batch 1 (the lab's former tf32variants, docs/perf-notes-flash.md): at batch 1 the grid is small, and
 // 64-row tiles give 2 to 3 blocks an SM (fp32 tiles take twice the shared memory: 203 KB at most, d = 128).
 template <typename T, int D, bool CAUSAL> struct tsys_cuda__flash_cfg_of : tsys_cuda__flash_cfg<D, CAUSAL> {};
 template <int D, bool CAUSAL> struct tsys_cuda__flash_cfg_of<float, D, CAUSAL> {
@@ -3871,11 +3922,10 @@ static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
 }
 
+// What the backward's flags turn off (tsys_cuda_desc.flash_no_pdl, flash_no_fused; 0: neither): the dK/dV kernel
+// launched in the dQ kernel's tail, and the fused backward. The same bits either way; flash_lab times both.
+enum { TSYS_CUDA__FLASH_NO_PDL = 1, TSYS_CUDA__FLASH_NO_FUSED = 2 };
 // Launches kernel on s; pdl: as a programmatic dependent of the kernel before it (see tsys_cuda__flash_grid_wait).
-// Off (tsys_cuda__flash_pdl_off), every launch is an ordinary one: the lab times both.
-static bool tsys_cuda__flash_pdl_off = false;
-// Off (tsys_cuda__flash_fused_off), the warp-specialized backward never takes the fused kernel: the lab times both.
-static bool tsys_cuda__flash_fused_off = false;
 template <typename... P, typename... A>
 static cudaError_t tsys_cuda__flash_launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl, A... args) {
     cudaLaunchAttribute attr[1];
@@ -3883,7 +3933,7 @@ static cudaError_t tsys_cuda__flash_launch_pdl(void (*kernel)(P...), dim3 grid, 
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid; cfg.blockDim = block; cfg.dynamicSmemBytes = smem; cfg.stream = s;
-    cfg.attrs = attr; cfg.numAttrs = pdl && !tsys_cuda__flash_pdl_off ? 1 : 0;
+    cfg.attrs = attr; cfg.numAttrs = pdl ? 1 : 0;
     return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
@@ -3936,8 +3986,9 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_split_of(int64_t bh, int64_t
     p.fused = false;
     return p;
 }
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+template <typename T, int D, bool CAUSAL>
 static tsys_cuda__flash_split_plan tsys_cuda__flash_tc_split(int64_t bh, int64_t n) {
+    typedef tsys_cuda__flash_cfg_of<T, D, CAUSAL> C;
     return tsys_cuda__flash_split_of(bh, n, D, C::DKDV_NW * C::DKDV_MK * 16, C::DQ_NW * C::DQ_MQ * 16);
 }
 
@@ -4011,14 +4062,15 @@ static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t
 
 // The forward's split (the same rule: a grid of fewer than 2 blocks an SM cuts each query tile's key tiles
 // into shares): how many shares, and the floats of scratch they need (0 when it does not split).
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+template <typename T, int D, bool CAUSAL>
 static int tsys_cuda__flash_fwd_shares(int64_t bh, int64_t n) {
+    typedef tsys_cuda__flash_cfg_of<T, D, CAUSAL> C;
     constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
     return tsys_cuda__flash_splits(bh * ((n + BQ - 1) / BQ), n, tsys_cuda__flash_sm_count());
 }
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+template <typename T, int D, bool CAUSAL>
 static size_t tsys_cuda__flash_fwd_split_floats(int64_t bh, int64_t n) {
-    const int sh = tsys_cuda__flash_fwd_shares<T, D, CAUSAL, C>(bh, n);
+    const int sh = tsys_cuda__flash_fwd_shares<T, D, CAUSAL>(bh, n);
     return sh > 1 ? (size_t)sh * (size_t)(bh * n) * (D + 1) : 0;
 }
 
@@ -4043,15 +4095,16 @@ __global__ void tsys_cuda__flash_split_combine(T *__restrict__ o, float *__restr
 }
 
 // scratch: at least tsys_cuda__flash_fwd_split_floats floats, or nullptr (then no split).
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s, float *scratch = nullptr) {
+    typedef tsys_cuda__flash_cfg_of<T, D, CAUSAL> C;
     constexpr int BQ = C::FWD_NW * C::FWD_MT * 16;
     const size_t smem = (size_t)(BQ + 4 * C::FWD_BK) * tsys_cuda__flash_smem<T, D>::SD * sizeof(T);
     auto kern = tsys_cuda__flash_fwd_kernel<T, D, C::FWD_MT, C::FWD_BK, C::FWD_NW, CAUSAL>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, smem);
     if (err != cudaSuccess) return err;
-    const int sh = scratch ? tsys_cuda__flash_fwd_shares<T, D, CAUSAL, C>(bh, n) : 1;
+    const int sh = scratch ? tsys_cuda__flash_fwd_shares<T, D, CAUSAL>(bh, n) : 1;
     if (sh > 1) {
         const int64_t rows = bh * n;
         kern<<<dim3((n + BQ - 1) / BQ, (unsigned)(bh * sh)), C::FWD_NW * 32, smem, s>>>(q, k, v, o, lse, n, scale * TSYS_CUDA__FLASH_LOG2E, sh, scratch);
@@ -4068,12 +4121,12 @@ static cudaError_t tsys_cuda__flash_fwd_tc(const T *q, const T *k, const T *v, T
     return cudaGetLastError();
 }
 
-template <typename T, int D, bool CAUSAL, typename C = tsys_cuda__flash_cfg_of<T, D, CAUSAL>>
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_tc(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
-                                      T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
-                                      int parts = 7 /* 1: D, 2: dK dV, 4: dQ (the lab times them apart) */) {
+                                      T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s) {
+    typedef tsys_cuda__flash_cfg_of<T, D, CAUSAL> C;
     const int64_t rows = bh * n;
-    if (parts & 1) tsys_cuda__flash_bwd_dot<T, D, sizeof(T) == 4>(dout, o, dvec, rows, s);
+    tsys_cuda__flash_bwd_dot<T, D, sizeof(T) == 4>(dout, o, dvec, rows, s);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     constexpr int BKV = C::DKDV_NW * C::DKDV_MK * 16, BQ = C::DQ_NW * C::DQ_MQ * 16;
@@ -4084,33 +4137,29 @@ static cudaError_t tsys_cuda__flash_bwd_tc(const T *dout, const T *q, const T *k
     auto kq = tsys_cuda__flash_bwd_dq_kernel<T, D, C::DQ_MQ, C::DQ_BK, C::DQ_NW, CAUSAL>;
     if ((err = tsys_cuda__flash_smem_attr(kkv, smem_kv)) != cudaSuccess) return err;
     if ((err = tsys_cuda__flash_smem_attr(kq, smem_q)) != cudaSuccess) return err;
-    const tsys_cuda__flash_split_plan sp = tsys_cuda__flash_tc_split<T, D, CAUSAL, C>(bh, n);
+    const tsys_cuda__flash_split_plan sp = tsys_cuda__flash_tc_split<T, D, CAUSAL>(bh, n);
     if (sp.kv > 1 || sp.q > 1) {   // small grid: one launch of each kernel over (bh x shares), then the sums
         const int64_t count = bh * n * D;
         float *pkv = dvec + sp.d_floats, *pq = pkv + (sp.kv > 1 ? 2 * sp.kv * count : 0);
         const unsigned sum_blocks = (unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);
-        if (parts & 2) {
-            kkv<<<dim3((n + BKV - 1) / BKV, (unsigned)(bh * sp.kv)), C::DKDV_NW * 32, smem_kv, s>>>(
-                q, k, v, dout, lse, dvec, dk, dv, n, scale, scale * TSYS_CUDA__FLASH_LOG2E, sp.kv, sp.kv > 1 ? pkv : nullptr);
-            if (sp.kv > 1) {
-                tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dk, pkv, sp.kv, count, scale);
-                tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dv, pkv + sp.kv * count, sp.kv, count, 1.0f);
-            }
+        kkv<<<dim3((n + BKV - 1) / BKV, (unsigned)(bh * sp.kv)), C::DKDV_NW * 32, smem_kv, s>>>(
+            q, k, v, dout, lse, dvec, dk, dv, n, scale, scale * TSYS_CUDA__FLASH_LOG2E, sp.kv, sp.kv > 1 ? pkv : nullptr);
+        if (sp.kv > 1) {
+            tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dk, pkv, sp.kv, count, scale);
+            tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dv, pkv + sp.kv * count, sp.kv, count, 1.0f);
         }
-        if (parts & 4) {
-            kq<<<dim3((n + BQ - 1) / BQ, (unsigned)(bh * sp.q)), C::DQ_NW * 32, smem_q, s>>>(
-                q, k, v, dout, lse, dvec, dq, n, scale, scale * TSYS_CUDA__FLASH_LOG2E, sp.q, sp.q > 1 ? pq : nullptr);
-            if (sp.q > 1) tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dq, pq, sp.q, count, scale);
-        }
+        kq<<<dim3((n + BQ - 1) / BQ, (unsigned)(bh * sp.q)), C::DQ_NW * 32, smem_q, s>>>(
+            q, k, v, dout, lse, dvec, dq, n, scale, scale * TSYS_CUDA__FLASH_LOG2E, sp.q, sp.q > 1 ? pq : nullptr);
+        if (sp.q > 1) tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dq, pq, sp.q, count, scale);
         return cudaGetLastError();
     }
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
         const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
         const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
-        if (parts & 2) kkv<<<dim3((n + BKV - 1) / BKV, nb), C::DKDV_NW * 32, smem_kv, s>>>(
+        kkv<<<dim3((n + BKV - 1) / BKV, nb), C::DKDV_NW * 32, smem_kv, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
             scale * TSYS_CUDA__FLASH_LOG2E, 1, nullptr);
-        if (parts & 4) kq<<<dim3((n + BQ - 1) / BQ, nb), C::DQ_NW * 32, smem_q, s>>>(
+        kq<<<dim3((n + BQ - 1) / BQ, nb), C::DQ_NW * 32, smem_q, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
             scale * TSYS_CUDA__FLASH_LOG2E, 1, nullptr);
     }
@@ -4187,13 +4236,11 @@ __global__ void tsys_cuda__flash_tf32_prep(const float *__restrict__ k, const fl
 // implementation is WGMMA, WS or AUTO (the caller has checked tsys_cuda__flash_wg_probe).
 // The warp-specialized forward; cudaErrorNotSupported when no tensor map can be made (AUTO falls back).
 // scratch: at least tsys_cuda__flash_ws_fwd_floats floats, or nullptr (then no split; fp32 needs it: the
-// rounded K and the V^T of tsys_cuda__flash_tf32_prep live there after the shares). BK, CW: the tiles' choice,
-// or a variant of the lab's (16-bit, no scratch).
-template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ / 64,
-          bool OVL = tsys_cuda__flash_ws_tiles<T, D>::FWD_TURNS, bool PP = tsys_cuda__flash_ws_tiles<T, D>::FWD_TURNS>
+// rounded K and the V^T of tsys_cuda__flash_tf32_prep live there after the shares). Tiles: tsys_cuda__flash_ws_tiles.
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s, float *scratch = nullptr) {
-    static_assert(BK == tsys_cuda__flash_ws_tiles<T, D>::FWD_BK || !(sizeof(T) == 4), "TF32: the pre-pass's key padding is the tiles' FWD_BK");
+    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::FWD_BK, CW = tsys_cuda__flash_ws_tiles<T, D>::FWD_BQ / 64;
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     const int sh = scratch ? tsys_cuda__flash_ws_fwd_shares<T, D>(bh, n) : 1;
     CUtensorMap tq, tk, tv;
@@ -4210,7 +4257,7 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
     } else if (!tsys_cuda__flash_tmap_rows(&tq, q, bh, n, D, L::BQ) || !tsys_cuda__flash_tmap_rows(&tk, k, bh, n, D, BK) ||
                !tsys_cuda__flash_tmap_rows(&tv, v, bh, n, D, BK))
         return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL, CW, OVL, PP>;
+    auto kern = tsys_cuda__flash_fwd_ws_kernel<T, D, BK, CAUSAL, CW, tsys_cuda__flash_ws_tiles<T, D>::FWD_TURNS>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::FWD_SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -4227,15 +4274,15 @@ static cudaError_t tsys_cuda__flash_fwd_ws(const T *q, const T *k, const T *v, T
 // The warp-specialized dQ kernel (BK keys per tile, CW consumer warpgroups); cudaErrorNotSupported when no
 // tensor map can be made.
 // nsplit > 1: each query tile's key tiles in nsplit shares, fp32 sums into part (see the kernel).
-template <typename T, int D, bool CAUSAL, int BK = tsys_cuda__flash_ws_tiles<T, D>::DQ_BK, int CW = tsys_cuda__flash_ws_tiles<T, D>::DQ_CW,
-          bool PP = tsys_cuda__flash_ws_tiles<T, D>::DQ_TURNS>
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
                                          const float *dvec, T *dq, int64_t bh, int n, float scale, cudaStream_t s,
                                          int nsplit = 1, float *part = nullptr) {
+    constexpr int BK = tsys_cuda__flash_ws_tiles<T, D>::DQ_BK, CW = tsys_cuda__flash_ws_tiles<T, D>::DQ_CW;
     typedef tsys_cuda__flash_ws_layout<T, D, BK, CW> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, L::BQ, BK)) return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL, PP>;
+    auto kern = tsys_cuda__flash_bwd_dq_ws_kernel<T, D, BK, CW, CAUSAL, tsys_cuda__flash_ws_tiles<T, D>::DQ_TURNS>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -4249,15 +4296,15 @@ static cudaError_t tsys_cuda__flash_bwd_dq_ws(const T *dout, const T *q, const T
 // cudaErrorNotSupported when no tensor map can be made.
 // nsplit > 1: each key block's query tiles in nsplit shares, fp32 sums into part (see the kernel).
 // after_dq: the kernel before it on s is the dQ kernel; it then starts in that kernel's tail (programmatic launch).
-template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW,
-          bool AREG = tsys_cuda__flash_ws_tiles<T, D>::KV_AREG, bool PP = false>
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse,
                                            const float *dvec, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s,
                                            int nsplit = 1, float *part = nullptr, bool after_dq = false) {
+    constexpr int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW;
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, BQ, L::BKV)) return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, false, AREG, PP>;
+    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, false, tsys_cuda__flash_ws_tiles<T, D>::KV_AREG>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
@@ -4273,16 +4320,16 @@ static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const
 // rounded from the accumulator. dqacc: bh x ceil(n / BQ) tiles of BQ x D floats, then one int a tile (the turn
 // counters, cleared here; tsys_cuda__flash_fused_floats). The entry points run it for 16-bit d 128 where the grid
 // needs no split (tsys_cuda__flash_ws_split); at d 64 it measured slower than the 7-matmul kernels (3.67 against
-// 3.29 ms, docs/perf-notes-flash.md v12 and v16). flash_lab's `fused` mode checks and times it.
-// cudaErrorNotSupported when no tensor map can be made.
-template <typename T, int D, bool CAUSAL, int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, int CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW,
-          bool PP = false>
+// 3.29 ms, docs/perf-notes-flash.md v12 and v16). flash_lab's `lbfused` mode times it against them
+// (tsys_cuda_desc.flash_no_fused). cudaErrorNotSupported when no tensor map can be made.
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_fused_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse, const float *dvec,
                                             T *dq, T *dk, T *dv, int64_t bh, int n, float scale, cudaStream_t s, float *dqacc) {
+    constexpr int BQ = tsys_cuda__flash_ws_tiles<T, D>::KV_BQ, CW = tsys_cuda__flash_ws_tiles<T, D>::KV_CW;
     typedef tsys_cuda__flash_ws_kv_layout<T, D, BQ, CW, true> L;
     CUtensorMap tq, tk, tv, tg;
     if (!tsys_cuda__flash_tmap_bwd(&tq, &tg, &tk, &tv, q, dout, k, v, bh, n, D, BQ, L::BKV)) return cudaErrorNotSupported;
-    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, true, false, PP>;
+    auto kern = tsys_cuda__flash_bwd_dkdv_ws_kernel<T, D, BQ, CW, CAUSAL, true, false>;
     cudaError_t err = tsys_cuda__flash_smem_attr(kern, L::SMEM);
     if (err != cudaSuccess) return err;
     const int nqt = (n + BQ - 1) / BQ, nkb = (n + L::BKV - 1) / L::BKV;
@@ -4300,9 +4347,10 @@ static cudaError_t tsys_cuda__flash_bwd_fused_ws(const T *dout, const T *q, cons
     return cudaGetLastError();
 }
 
-template <typename T, int D, bool CAUSAL, typename W = tsys_cuda__flash_wg_cfg<D, CAUSAL>>
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_wg(const T *q, const T *k, const T *v, T *o, float *lse, int64_t bh, int n,
                                       float scale, cudaStream_t s) {
+    typedef tsys_cuda__flash_wg_cfg<D, CAUSAL> W;
     constexpr int BQ = W::FWD_WG * 64;
     const size_t smem = (size_t)(BQ + 2 * TSYS_CUDA__FLASH_WG_STAGES * W::FWD_BK) * D * sizeof(T) + 1024;
     auto kern = tsys_cuda__flash_fwd_wg_kernel<T, D, W::FWD_BK, W::FWD_WG, W::FWD_MINB, CAUSAL>;
@@ -4318,13 +4366,14 @@ static cudaError_t tsys_cuda__flash_fwd_wg(const T *q, const T *k, const T *v, T
 }
 
 // dQ and dK/dV: the warp-specialized kernels for WS (cudaErrorNotSupported when they cannot run) and AUTO (the
-// cp.async ones when they cannot run), the cp.async wgmma kernels for WGMMA.
-template <typename T, int D, bool CAUSAL, typename W = tsys_cuda__flash_wg_cfg<D, CAUSAL>>
+// cp.async ones when they cannot run), the cp.async wgmma kernels for WGMMA. flags: TSYS_CUDA__FLASH_NO_PDL, _NO_FUSED.
+template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
                                       T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s,
-                                      int parts = 7, tsys_cuda_flash_impl impl = TSYS_CUDA_FLASH_AUTO) {
+                                      tsys_cuda_flash_impl impl, unsigned flags) {
+    typedef tsys_cuda__flash_wg_cfg<D, CAUSAL> W;
     const int64_t rows = bh * n;
-    if (parts & 1) tsys_cuda__flash_bwd_dot<T, D>(dout, o, dvec, rows, s);
+    tsys_cuda__flash_bwd_dot<T, D>(dout, o, dvec, rows, s);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     constexpr int BKV = W::DKDV_WG * 64, BQ = W::DQ_WG * 64;
@@ -4340,7 +4389,7 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
     };
     const tsys_cuda__flash_split_plan sp =
         impl != TSYS_CUDA_FLASH_WGMMA ? tsys_cuda__flash_ws_split<T, D>(bh, n) : tsys_cuda__flash_split_plan{ 1, 1, 0, 0, false };
-    if (sp.fused && (parts & 6) == 6 && !tsys_cuda__flash_fused_off) {
+    if (sp.fused && !(flags & TSYS_CUDA__FLASH_NO_FUSED)) {
         bool ran = false;
         if ((err = settle(tsys_cuda__flash_bwd_fused_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, dk, dv, bh, n, scale, s, dvec + sp.d_floats),
                           &ran)) != cudaSuccess || ran)
@@ -4349,13 +4398,13 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
     const int64_t count = bh * n * D;
     float *pkv = dvec + sp.d_floats, *pq = pkv + (sp.kv > 1 ? 2 * sp.kv * count : 0);
     const unsigned sum_blocks = (unsigned)((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);
-    if ((parts & 4) && impl != TSYS_CUDA_FLASH_WGMMA &&
+    if (impl != TSYS_CUDA_FLASH_WGMMA &&
         (err = settle(tsys_cuda__flash_bwd_dq_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dq, bh, n, scale, s, sp.q, sp.q > 1 ? pq : nullptr), &ws_dq)) != cudaSuccess)
         return err;
     if (ws_dq && sp.q > 1) tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dq, pq, sp.q, count, scale);
-    if ((parts & 2) && impl != TSYS_CUDA_FLASH_WGMMA &&
+    if (impl != TSYS_CUDA_FLASH_WGMMA &&
         (err = settle(tsys_cuda__flash_bwd_dkdv_ws<T, D, CAUSAL>(dout, q, k, v, lse, dvec, dk, dv, bh, n, scale, s, sp.kv, sp.kv > 1 ? pkv : nullptr,
-                                                                   (parts & 4) && ws_dq && sp.q == 1), &ws_kv)) != cudaSuccess)
+                                                                   ws_dq && sp.q == 1 && !(flags & TSYS_CUDA__FLASH_NO_PDL)), &ws_kv)) != cudaSuccess)
         return err;
     if (ws_kv && sp.kv > 1) {
         tsys_cuda__flash_split_sum<T><<<sum_blocks, 256, 0, s>>>(dk, pkv, sp.kv, count, scale);
@@ -4366,10 +4415,10 @@ static cudaError_t tsys_cuda__flash_bwd_wg(const T *dout, const T *q, const T *k
     for (int64_t b0 = 0; b0 < bh; b0 += 65535) {
         const size_t off = (size_t)b0 * n * D, loff = (size_t)b0 * n;
         const unsigned nb = (unsigned)(bh - b0 < 65535 ? bh - b0 : 65535);
-        if ((parts & 2) && !ws_kv) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
+        if (!ws_kv) kkv<<<dim3((n + BKV - 1) / BKV, nb), W::DKDV_WG * 128, smem_kv, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dk + off, dv + off, n, scale,
             scale * TSYS_CUDA__FLASH_LOG2E);
-        if ((parts & 4) && !ws_dq) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
+        if (!ws_dq) kq<<<dim3((n + BQ - 1) / BQ, nb), W::DQ_WG * 128, smem_q, s>>>(
             q + off, k + off, v + off, dout + off, lse + loff, dvec + loff, dq + off, n, scale,
             scale * TSYS_CUDA__FLASH_LOG2E);
     }
@@ -4409,10 +4458,10 @@ static cudaError_t tsys_cuda__flash_fwd_pick(const T *q, const T *k, const T *v,
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_pick(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
                                         T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale,
-                                        tsys_cuda_flash_impl impl, cudaStream_t s) {
+                                        tsys_cuda_flash_impl impl, cudaStream_t s, unsigned flags) {
     if constexpr (D == 64 || D == 128)
         if (impl != TSYS_CUDA_FLASH_MMA)
-            return tsys_cuda__flash_bwd_wg<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s, 7, impl);
+            return tsys_cuda__flash_bwd_wg<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s, impl, flags);
     return tsys_cuda__flash_bwd_tc<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
 }
 
@@ -4563,11 +4612,11 @@ static cudaError_t tsys_cuda__flash_fwd(const void *q, const void *k, const void
 
 // dQ, dK, dV (input dtype) from dO, Q, K, V, O and lse of the forward. scratch: fp32, at least
 // tsys_cuda__flash_bwd_scratch_bytes(bh, n, d, dtype, causal, impl) bytes (D = rowsum(dO o O), split shares).
-// impl: as for the forward.
+// impl: as for the forward. flags: TSYS_CUDA__FLASH_NO_PDL, TSYS_CUDA__FLASH_NO_FUSED (the context's desc).
 static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const void *k, const void *v, const void *o,
                                         const float *lse, void *dq, void *dk, void *dv, float *scratch, int dtype,
                                         int64_t bh, int64_t n, int64_t d, float scale, bool causal,
-                                        tsys_cuda_flash_impl impl, cudaStream_t s) {
+                                        tsys_cuda_flash_impl impl, cudaStream_t s, unsigned flags) {
     if (!tsys_cuda__flash_supported(dtype, d) || n < 1 || n > INT32_MAX / 2 || bh < 1) return cudaErrorInvalidValue;
     const void *bio[8] = { dout, q, k, v, o, dq, dk, dv };
     if (tsys_cuda__flash_pad(dtype, n, d, impl, false) && tsys_cuda__flash_aligned16(bio, 8)) {   // padded (see the forward)
@@ -4575,7 +4624,7 @@ static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const v
         unsigned char *p = (unsigned char *)scratch;
         tsys_cuda__flash_pad_launch({ { dout, q, k, v, o }, { p, p + b, p + 2 * b, p + 3 * b, p + 4 * b } }, 5, bh * n, (int)d, false, s);
         const cudaError_t e = tsys_cuda__flash_bwd(p, p + b, p + 2 * b, p + 3 * b, p + 4 * b, lse, p + 5 * b, p + 6 * b, p + 7 * b,
-                                                   (float *)(p + 8 * b), dtype, bh, n, tsys_cuda__flash_pad_width(d), scale, causal, impl, s);
+                                                   (float *)(p + 8 * b), dtype, bh, n, tsys_cuda__flash_pad_width(d), scale, causal, impl, s, flags);
         if (e != cudaSuccess) return e;
         tsys_cuda__flash_pad_launch({ { p + 5 * b, p + 6 * b, p + 7 * b }, { dq, dk, dv } }, 3, bh * n, (int)d, true, s);
         return cudaGetLastError();
@@ -4583,7 +4632,7 @@ static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const v
     const int ni = (int)n;
 #define TSYS_CUDA__FLASH_BWD_CALL(F, T, D_, C_) \
     return F<T, D_, C_>((const T *)dout, (const T *)q, (const T *)k, (const T *)v, (const T *)o, lse, (T *)dq, (T *)dk, \
-                        (T *)dv, scratch, bh, ni, scale, impl, s)
+                        (T *)dv, scratch, bh, ni, scale, impl, s, flags)
 #define TSYS_CUDA__FLASH_BWD_ONE \
     if (dtype == 0) { if (causal) return tsys_cuda__flash_bwd_f32<D_, true>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); \
                       else return tsys_cuda__flash_bwd_f32<D_, false>((const float *)dout, (const float *)q, (const float *)k, (const float *)v, (const float *)o, lse, (float *)dq, (float *)dk, (float *)dv, scratch, bh, ni, scale, s); } \
@@ -5154,7 +5203,8 @@ static tsys_status tsys_cuda__k_flash_bwd(tsys_cuda__state *st, const tsys_kargs
     cudaError_t e = tsys_cuda__flash_bwd(tsys_cuda__data(t[3]), tsys_cuda__data(t[4]), tsys_cuda__data(t[5]), tsys_cuda__data(t[6]),
                                          tsys_cuda__data(t[7]), (const float *)tsys_cuda__data(t[8]), tsys_cuda__data(t[0]),
                                          tsys_cuda__data(t[1]), tsys_cuda__data(t[2]), scratch, fdt, bh, n, d, a->f[0],
-                                         a->i[0] != 0, st->flash_run, st->stream);
+                                         a->i[0] != 0, st->flash_run, st->stream,
+                                         (st->flash_no_pdl ? TSYS_CUDA__FLASH_NO_PDL : 0u) | (st->flash_no_fused ? TSYS_CUDA__FLASH_NO_FUSED : 0u));
     tsys_cuda__scratch_free(st, scratch);
     if (e == cudaErrorNotSupported && st->flash_run == TSYS_CUDA_FLASH_WS) return tsys_cuda__flash_no_tma(st, "flash_bwd");
     TSYS_CUDA__CHECK(st->ctx, e);
@@ -5500,13 +5550,22 @@ TSYSDEF const char *tsys_cuda_flash_impl_name(tsys_cuda_flash_impl impl) {
     return "?";
 }
 
+// The environment, read here only (by tsys_cuda_init_desc, once), over the caller's desc: every variable is
+// listed at the top of this file. TSYS_FLASH_NO_WGMMA / TSYS_FLASH_NO_WS are on when set to anything but ""
+// or "0", and steer desc.flash only when it is AUTO (wg_ok: the wgmma kernels can run here);
+// TSYS_NO_CUPTI and TSYS_PROFILER_DEBUG are on when set at all.
+static void tsys_cuda__env_apply(tsys_cuda_desc *d, bool wg_ok) {
 #ifndef TSYS_CUDA_NO_FLASH
-// An environment switch is on when set to anything but "" or "0". Only init reads the environment.
-static bool tsys_cuda__env_on(const char *name) {
-    const char *v = getenv(name);
-    return v && *v && *v != '0';
-}
+    const char *v;
+    if (d->flash == TSYS_CUDA_FLASH_AUTO && (v = getenv("TSYS_FLASH_NO_WGMMA")) && *v && *v != '0') d->flash = TSYS_CUDA_FLASH_MMA;
+    else if (d->flash == TSYS_CUDA_FLASH_AUTO && (v = getenv("TSYS_FLASH_NO_WS")) && *v && *v != '0')
+        d->flash = wg_ok ? TSYS_CUDA_FLASH_WGMMA : TSYS_CUDA_FLASH_MMA;
+#else
+    (void)wg_ok;
 #endif
+    if (getenv("TSYS_NO_CUPTI")) d->no_cupti = true;
+    if (getenv("TSYS_PROFILER_DEBUG")) d->profiler_debug = true;
+}
 
 // Why this backend cannot run a flash implementation; NULL when it can.
 static const char *tsys_cuda__flash_why_not(const tsys_cuda__state *st, tsys_cuda_flash_impl impl) {
@@ -5562,6 +5621,7 @@ TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *des
     memset(st, 0, sizeof *st);
     st->ctx = ctx; st->device = d.device; st->free_slots = -1; st->next_pool = 1;
     st->tf32 = d.tf32; st->memory_limit = d.memory_limit; st->flash_fp32_exact = d.flash_fp32_exact;
+    st->flash_no_pdl = d.flash_no_pdl; st->flash_no_fused = d.flash_no_fused;
     tsys_status s = [&]() -> tsys_status {
         TSYS_CUDA__CHECK(ctx, cudaSetDevice(d.device));
         cudaDeviceProp prop;
@@ -5572,11 +5632,10 @@ TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *des
 #ifndef TSYS_CUDA_NO_FLASH
         st->flash_wg_ok = tsys_cuda__flash_wg_probe();
         st->flash_ws_ok = st->flash_wg_ok && tsys_cuda__flash_tmap_encoder() != NULL;
-        // the environment steers AUTO only (comparisons of one binary without rebuilding); read here, once
-        if (d.flash == TSYS_CUDA_FLASH_AUTO && tsys_cuda__env_on("TSYS_FLASH_NO_WGMMA")) d.flash = TSYS_CUDA_FLASH_MMA;
-        else if (d.flash == TSYS_CUDA_FLASH_AUTO && tsys_cuda__env_on("TSYS_FLASH_NO_WS"))
-            d.flash = st->flash_wg_ok ? TSYS_CUDA_FLASH_WGMMA : TSYS_CUDA_FLASH_MMA;
 #endif
+        // the environment (comparisons of one binary without rebuilding); read here, once
+        tsys_cuda__env_apply(&d, st->flash_wg_ok);
+        st->no_cupti = d.no_cupti; st->profiler_debug = d.profiler_debug;
         TSYS_CUDA__TRY(tsys_cuda__flash_check(st, "tsys_cuda_init", "desc.flash", d.flash));
         tsys_cuda__flash_use(st, d.flash);
         TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_COMPUTE], cudaStreamNonBlocking));
@@ -5638,6 +5697,10 @@ TSYSDEF tsys_cuda_desc tsys_cuda_get_desc(tsys_ctx *ctx) {
     d.workspace_bytes = st->workspace_bytes;
     d.memory_limit = st->memory_limit;
     d.nvtx = st->nvtx_on;
+    d.flash_no_pdl = st->flash_no_pdl;
+    d.flash_no_fused = st->flash_no_fused;
+    d.no_cupti = st->no_cupti;
+    d.profiler_debug = st->profiler_debug;
     return d;
 }
 
@@ -5689,6 +5752,16 @@ TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on) {
 TSYSDEF void tsys_cuda_set_flash_fp32_exact(tsys_ctx *ctx, bool on) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (st) st->flash_fp32_exact = on;   // read at each launch
+}
+
+TSYSDEF void tsys_cuda_set_flash_no_pdl(tsys_ctx *ctx, bool on) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (st) st->flash_no_pdl = on;
+}
+
+TSYSDEF void tsys_cuda_set_flash_no_fused(tsys_ctx *ctx, bool on) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    if (st) st->flash_no_fused = on;
 }
 
 TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx) {
@@ -5975,7 +6048,7 @@ static bool tsys_cuda__cupti_load(tsys_cuda__cupti_api *a) {
 }
 
 static bool tsys_cuda__cupti_start(tsys_cuda__clock *k) {
-    if (tsys_cuda__cupti_owner || getenv("TSYS_NO_CUPTI") || !tsys_cuda__cupti_load(&k->api)) return false;
+    if (tsys_cuda__cupti_owner || k->st->no_cupti || !tsys_cuda__cupti_load(&k->api)) return false;
     tsys_cuda__cupti_owner = k;
     uint64_t ts = 0;
     bool ok = k->api.register_callbacks(tsys_cuda__cupti_buffer_requested, tsys_cuda__cupti_buffer_completed) == CUPTI_SUCCESS &&
@@ -6048,7 +6121,7 @@ static tsys_status tsys_cuda__clock_collect(void *state, void (*put)(void *p, ui
             put(p, e[lo].seq, (double)k->recs[i].start * 1e-3 + k->host_minus_gpu_us, (double)(k->recs[i].end - k->recs[i].start) * 1e-3);
             mapped++;
         }
-        if (getenv("TSYS_PROFILER_DEBUG"))
+        if (k->st->profiler_debug)
             fprintf(stderr, "tsys profiler: cupti gave %zu kernel records and %zu external ids; %zu kernels mapped to launches\n", k->num_recs, n, mapped);
         return TSYS_OK;
     }

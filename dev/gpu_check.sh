@@ -1,8 +1,8 @@
 #!/bin/bash
-# gpu_check_cuda.sh - on the GPU machine: report what the machine has (GPU, CBLAS), build
+# gpu_check.sh - on the GPU machine: report what the machine has (GPU, CBLAS), build
 # build/test_cuda and run it. Logs go to $OUT when it is set (the device runner), else build/.
-#   tests/gpu_check_cuda.sh [test-name-filter]
-#   SANITIZE="cuda_norms cuda_losses" tests/gpu_check_cuda.sh   # also run those under compute-sanitizer
+#   dev/gpu_check.sh [test-name-filter]
+#   SANITIZE="cuda_norms cuda_losses" dev/gpu_check.sh   # also run those under compute-sanitizer
 set -o pipefail
 LOG=${OUT:-build}
 mkdir -p build "$LOG"

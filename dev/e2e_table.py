@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""table.py - e2e JSON lines (ours, and optionally PyTorch's torch_*.jsonl) as one compact table:
-   tools/table.py e2e.jsonl [torch_e2e.jsonl torch_compile.jsonl]
+"""e2e_table.py - e2e JSON lines (ours, and optionally PyTorch's torch_*.jsonl) as one compact table:
+   dev/e2e_table.py e2e.jsonl [torch_e2e.jsonl torch_compile.jsonl]
 With PyTorch rows, each of our rows gets the matching PyTorch time and the ratio ours/torch."""
 import json, sys
 

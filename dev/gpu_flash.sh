@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# flash_session.sh - one call on the GPU machine for the FlashAttention kernels: the lab's checks, tile
-# variants, the leaderboard rows, PyTorch SDPA at the same shapes (same call), and an ncu look at a kernel.
-#   tools/flash_session.sh build test wg lb torch ncu testcuda tf32 areg pad sweep
-# `test` checks every flash implementation the device can run (mma, wgmma, ws); `testcuda` runs build/test_cuda;
-# `areg` checks and times the dK/dV kernel with K and V in registers (d 64); `lb` and `torch` may repeat (each run
-# writes its own numbered log, so interleaved runs show the call-to-call spread);
-# `tf32` checks and times the TF32 forward; `pad` the zero-padded d 16 / 32 path; `sweep` is the flash_benchmarking
-# sweep beside PyTorch SDPA (build/attn_cuda and tests/ref/torch_fa_sweep.py, one table) for SWEEP_DTYPES
-# (default fp32) and SWEEP_DS (default 16,32,64,128); `lbnows` / `lbmma` time the
-# leaderboard rows on the cp.async wgmma / mma.sync kernels (build/flash_lab's second word picks one).
-# build/flash_lab may be built beforehand (nvcc ... -gencode arch=compute_90a,code=sm_90a) and carried;
-# `build` (re)builds it here. Logs go to $OUT; the lines that matter print as each part ends.
+# gpu_flash.sh - one call on the GPU machine for the FlashAttention kernels: the lab's checks and timings, PyTorch
+# SDPA at the same shapes (same call), the flash_benchmarking sweep beside SDPA, and an ncu look at a kernel.
+#   dev/gpu_flash.sh build test lb torch pad tf32 lbfused pdl sweep ncu testcuda
+# `test` checks every flash implementation the device can run (mma, wgmma, ws) and the backward's switches;
+# `testcuda` runs build/test_cuda; `lb` and `torch` may repeat (each run writes its own numbered log, so
+# interleaved runs show the call-to-call spread); `lbnows` / `lbmma` time the leaderboard rows on the cp.async
+# wgmma / mma.sync kernels (build/flash_lab's second word picks one); `perf` the lab's timing rows; `tf32` checks
+# and times the TF32 forward; `pad` the zero-padded d 16 / 32 / 80 / 96 path; `lbfused` the fused backward against
+# the 7-matmul kernels; `pdl` the tail-launched dK/dV kernel against ordinary launches; `sweep` is the
+# flash_benchmarking sweep beside PyTorch SDPA (build/attn_cuda and tests/ref/torch_fa_sweep.py, one table by
+# dev/flash_sweep_table.py) for SWEEP_DTYPES (default fp32) and SWEEP_DS (default 16,32,64,128).
+# build/flash_lab may be built beforehand (make build/flash_lab) and carried; `build` (re)builds it here.
+# Logs go to $OUT; the lines that matter print as each part ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
@@ -20,11 +21,9 @@ for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case "$part" in
   build) nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -DTSYS_WITH_CUDA -DTSYS_NO_CBLAS -I. \
-           tests/flash_lab.cu -o build/flash_lab -lcublasLt -lcublas -lgomp -Xcompiler -fopenmp > "$OUT/build.log" 2>&1 \
+           dev/flash_lab.cu -o build/flash_lab -lcublasLt -lcublas -lgomp -Xcompiler -fopenmp > "$OUT/build.log" 2>&1 \
            || { tail -30 "$OUT/build.log"; exit 1; } ;;
   test) timeout 300 build/flash_lab test > "$OUT/flash_test.log" 2>&1; grep -v "^  ok" "$OUT/flash_test.log" | tail -25 ;;
-  wg) timeout 400 build/flash_lab wgvariants > "$OUT/flash_wg.log" 2>&1; grep -E "^  wg |FAIL|passed" "$OUT/flash_wg.log" ;;
-  wsdq) timeout 200 build/flash_lab wsdq > "$OUT/flash_wsdq.log" 2>&1; cat "$OUT/flash_wsdq.log" ;;
   testcuda) timeout 400 build/test_cuda > "$OUT/test_cuda.log" 2>&1; grep -v " ok$" "$OUT/test_cuda.log" | grep -v "^    " | tail -20 ;;
   tf32) timeout 200 build/flash_lab tf32fwd ws > "$OUT/flash_tf32fwd.log" 2>&1; cat "$OUT/flash_tf32fwd.log" ;;
   sweep) dt=${SWEEP_DTYPES:-fp32}; ds=${SWEEP_DS:-16,32,64,128}; tag=${dt//,/_}_d${ds//,/_}
@@ -32,13 +31,14 @@ for part in "$@"; do
            > "$OUT/attn_sweep_$tag.csv" 2> "$OUT/attn_sweep_$tag.err"; grep -c ",ok$" "$OUT/attn_sweep_$tag.csv"
          timeout 400 python3 tests/ref/torch_fa_sweep.py 128,256,512,1024,2048,4096,8192,16384,32768,65536 "$ds" "$dt" \
            > "$OUT/torch_fa_sweep_$tag.jsonl" 2>&1; grep -c fwd_ms "$OUT/torch_fa_sweep_$tag.jsonl"
-         python3 tools/flash_sweep_table.py "$OUT/attn_sweep_$tag.csv" "$OUT/torch_fa_sweep_$tag.jsonl" "$OUT/sweep_${tag}_full.md" > "$OUT/sweep_${tag}_table.md"
+         python3 dev/flash_sweep_table.py "$OUT/attn_sweep_$tag.csv" "$OUT/torch_fa_sweep_$tag.jsonl" "$OUT/sweep_${tag}_full.md" > "$OUT/sweep_${tag}_table.md"
          cat "$OUT/sweep_${tag}_table.md" ;;
-  areg) timeout 200 build/flash_lab areg > "$OUT/flash_areg.log" 2>&1; cat "$OUT/flash_areg.log" ;;
   pad) timeout 200 build/flash_lab pad > "$OUT/flash_pad.log" 2>&1; cat "$OUT/flash_pad.log" ;;
   lb) lbn=$((${lbn:-0} + 1)); timeout 120 build/flash_lab lb > "$OUT/flash_lb_$lbn.log" 2>&1; cat "$OUT/flash_lb_$lbn.log" ;;
   lbnows) timeout 120 build/flash_lab lb wgmma > "$OUT/flash_lb_nows.log" 2>&1; cat "$OUT/flash_lb_nows.log" ;;
   lbmma) timeout 120 build/flash_lab lb mma > "$OUT/flash_lb_mma.log" 2>&1; cat "$OUT/flash_lb_mma.log" ;;
+  lbfused) timeout 300 build/flash_lab lbfused > "$OUT/flash_lbfused.log" 2>&1; cat "$OUT/flash_lbfused.log" ;;
+  pdl) timeout 300 build/flash_lab pdl > "$OUT/flash_pdl.log" 2>&1; cat "$OUT/flash_pdl.log" ;;
   perf) timeout 300 build/flash_lab perf > "$OUT/flash_perf.log" 2>&1; cat "$OUT/flash_perf.log" ;;
   torch) tn=$((${tn:-0} + 1)); timeout 300 python3 tests/ref/torch_fa_lb.py > "$OUT/torch_fa_lb_$tn.log" 2>&1; cat "$OUT/torch_fa_lb_$tn.log" ;;
   ncu) for k in ${NCU_KERNELS:-fwd_wg dkdv_wg dq_wg}; do

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# multigpu_session.sh - tsys_dist on a machine with several GPUs, ours and torch.distributed in the same
+# gpu_multi.sh - tsys_dist on a machine with several GPUs, ours and torch.distributed in the same
 # call. Binaries are built on the development machine and carried in gpu/dist (rebuilt here when one
 # does not start). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine's notes ask.
-#   tools/multigpu_session.sh topo tests allreduce ddp_ours ddp_torch fsdp ...
+#   dev/gpu_multi.sh topo tests allreduce ddp_ours ddp_torch fsdp ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
@@ -39,7 +39,7 @@ for part in "$@"; do
     echo "== torch.distributed, NCCL defaults"
     timeout 300 python3 tests/ref/allreduce_torch.py --backend nccl --nproc $NG --sizes 256KB,1MB,4MB,10MB,100MB,1GB --op all_reduce --iters 100 --format md > "$OUT/ar_torch.md" 2>&1
     grep "all_reduce" "$OUT/ar_torch.md" ;;
-  latency)  # where the small all-reduce's time goes: NCCL alone (tools/nccl_latency.c), then tsys_dist with and without
+  latency)  # where the small all-reduce's time goes: NCCL alone (dev/nccl_latency.c), then tsys_dist with and without
             # its descriptor check, plain buffers and windows, alternating
     timeout 200 mpirun --oversubscribe --bind-to none -np $NG $G/nccl_latency ${ITERS:-200} 2>&1 | grep "^|\|nccl_latency"
     for k in 1 2; do for b in plain window; do for c in default 0; do
@@ -47,7 +47,7 @@ for part in "$@"; do
       TSYS_DIST_CHECK=$([ $c = 0 ] && echo 0 || echo "") timeout 200 $G/allreduce_cuda --backend nccl --nproc $NG --buffers $b --sizes 256KB,1MB,4MB --iters ${ITERS:-200} --format md 2>&1 | grep "^| all_reduce"
     done; done; done ;;
   protocols)  # NCCL alone at 256 KB-4 MB under each protocol / algorithm NCCL offers without NVLS, on all GPUs and on
-              # two: is NCCL's default pick the small all-reduce's floor? (tools/nccl_latency.c, device time beside host time)
+              # two: is NCCL's default pick the small all-reduce's floor? (dev/nccl_latency.c, device time beside host time)
     for np in $NG 2; do for pa in default:default LL:default LL128:default Simple:default default:Ring default:Tree LL:Ring LL:Tree; do
       pr=${pa%%:*}; al=${pa##*:}
       env $([ $pr != default ] && echo NCCL_PROTO=$pr) $([ $al != default ] && echo NCCL_ALGO=$al) \
