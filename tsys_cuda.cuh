@@ -3887,14 +3887,14 @@ static bool tsys_cuda__flash_wg_probe() {
 
 // Hopper tile configurations (template parameters of the wg kernels): warpgroups per block, the streamed
 // tile, and the min-blocks-per-SM launch bound (which caps registers).
-// Picked per part from the variants timed on an H100 (docs/perf-notes-flash.md, v6 and v7).
+// Picked per part from the variants timed on an H100 (docs/design/flash.md).
 template <int D, bool CAUSAL> struct tsys_cuda__flash_wg_cfg {
     static constexpr int FWD_BK = D <= 64 ? 128 : 64, FWD_WG = 3, FWD_MINB = 1;
     static constexpr int DKDV_BQ = D <= 64 ? 128 : 64, DKDV_WG = 2, DKDV_MINB = 1;
     static constexpr int DQ_BK = D <= 64 ? 128 : 64, DQ_WG = 2, DQ_MINB = 1;   // when the ws dQ does not run
 };
 
-// Tile configurations, picked from the variants timed on an H100 (docs/perf-notes-flash.md, run 2).
+// Tile configurations, picked from the variants timed on an H100 (docs/design/flash.md).
 // Registers bound the choices: a warp holds MT*16 x D accumulators (O, dK+dV, dQ) plus MT*16 x B score
 // tiles (S, and dP in the backward); past ~255 registers the compiler spills.
 //   FWD:  MT m-tiles (16 query rows each) per warp, BK keys per tile, NW warps
@@ -3907,7 +3907,7 @@ template <int D, bool CAUSAL> struct tsys_cuda__flash_cfg {
     static constexpr int DQ_MQ = 1, DQ_BK = D <= 64 ? 128 : 64, DQ_NW = D <= 64 ? 8 : 4;
 };
 // By element type. fp32 (TF32): 64-row tiles and 4 warps in all three kernels, the fastest of five variants
-// timed at batch 1 (the lab's former tf32variants, docs/perf-notes-flash.md): at batch 1 the grid is small, and
+// timed at batch 1 (docs/design/flash.md): at batch 1 the grid is small, and
 // 64-row tiles give 2 to 3 blocks an SM (fp32 tiles take twice the shared memory: 203 KB at most, d = 128).
 template <typename T, int D, bool CAUSAL> struct tsys_cuda__flash_cfg_of : tsys_cuda__flash_cfg<D, CAUSAL> {};
 template <int D, bool CAUSAL> struct tsys_cuda__flash_cfg_of<float, D, CAUSAL> {
@@ -4048,7 +4048,7 @@ template <typename T, int D> static size_t tsys_cuda__flash_fused_floats(int64_t
 // The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles). 16-bit d 128 runs the
 // fused kernel instead on long sequences in grids of at least 2048 key blocks (H100, forward + backward against the
 // two kernels: level at 16 x 16384, 1.00-1.08x at 8 x 32768 and 32 x 16384; its backward alone slower at 1 x 65536,
-// 0.82-0.90x, where the longest key blocks start last and run alone, and at 64 x 2048, 0.88x; perf-notes-flash v16);
+// 0.82-0.90x, where the longest key blocks start last and run alone, and at 64 x 2048, 0.88x; docs/design/flash.md);
 // its accumulator follows the row sums.
 template <typename T, int D>
 static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t n) {
@@ -4320,7 +4320,7 @@ static cudaError_t tsys_cuda__flash_bwd_dkdv_ws(const T *dout, const T *q, const
 // rounded from the accumulator. dqacc: bh x ceil(n / BQ) tiles of BQ x D floats, then one int a tile (the turn
 // counters, cleared here; tsys_cuda__flash_fused_floats). The entry points run it for 16-bit d 128 where the grid
 // needs no split (tsys_cuda__flash_ws_split); at d 64 it measured slower than the 7-matmul kernels (3.67 against
-// 3.29 ms, docs/perf-notes-flash.md v12 and v16). flash_lab's `lbfused` mode times it against them
+// 3.29 ms, docs/design/flash.md). flash_lab's `lbfused` mode times it against them
 // (tsys_cuda_desc.flash_no_fused). cudaErrorNotSupported when no tensor map can be made.
 template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_fused_ws(const T *dout, const T *q, const T *k, const T *v, const float *lse, const float *dvec,
@@ -4477,7 +4477,7 @@ static bool tsys_cuda__flash_supported(int dtype, int64_t d) {
 // caller's scale, and the first d columns of the outputs are copied back. Zero columns add exact zeros to
 // every score and leave the padded outputs' extra columns zero, so the result is the d-column attention.
 // The copies cost a few microseconds. Where the padded Hopper kernels win (H100, bf16, causal; the lab's
-// `pad` mode, docs/perf-notes-flash.md v13): at 64 columns from 16384 rows in the forward (65536 rows, batch
+// `pad` mode, docs/design/flash.md): at 64 columns from 16384 rows in the forward (65536 rows, batch
 // 1: 1.20 against 1.82 ms) and in the backward at d 32 only (3.43 against 4.30; d 16: 3.40 against 3.14); at
 // 128 columns for d 80 from 8192 rows both ways (65536: 7.84 against 12.00 ms fwd + bwd). On short sequences
 // with many heads they lose (bh 128 x 256 rows, d 80: 0.26 against 0.09 ms), so AUTO pads only there (d 96 as

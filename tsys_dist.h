@@ -2622,7 +2622,7 @@ static ncclDataType_t tsys_dist__nccl_type(int t) {
 }
 // c->done == NULL: a blocking collective with no asynchronous one in flight goes on the compute stream itself
 // (the compute stream would wait for it at once; the two events of the side stream cost ~2.6 us, measured
-// on 2 x H200 by tools/nccl_latency.c). With asynchronous ones in flight it takes the side stream behind them:
+// on 2 x H200 by dev/nccl_latency.c). With asynchronous ones in flight it takes the side stream behind them:
 // collectives on one communicator must run in the order they were issued.
 static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_dist__err *e) {
     tsys_ctx *ctx = d->ctx;

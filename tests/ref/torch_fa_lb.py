@@ -1,6 +1,6 @@
 # The CS336 leaderboard shape (16 heads x 16384, bf16, causal) through PyTorch SDPA's flash and cuDNN
 # backends: same method as ../shared/reference/torch/torch_fa.py (triton do_bench, median), fewer rows,
-# so that it fits in the same device call as tests/flash_lab.cu. Prints one JSON line per row.
+# so that it fits in the same device call as dev/flash_lab.cu. Prints one JSON line per row.
 import json, torch
 import triton.testing as tt
 import torch.nn.functional as F
