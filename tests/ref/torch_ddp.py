@@ -2,7 +2,7 @@
 """torch_ddp.py - the PyTorch side of tsys's data-parallel comparisons, in one run on one machine.
 
 Measures, with the columns of tsys's `allreduce` and `ddp` drivers so that every comparison is a
-ratio of numbers taken in the same session:
+ratio of numbers taken in the same run:
   allreduce  torch.distributed.all_reduce (sum, float32, in place) on 1, 10, 100, 1000 MB, 5 warmups,
              then --iters timed calls after a barrier each; min/mean/max over iterations and ranks,
              algbw = bytes / time, busbw = algbw * 2(n-1)/n (the nccl-tests convention). Gloo on CPU
