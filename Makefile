@@ -60,6 +60,8 @@ FUZZERS = $(FUZZ)/fuzz_safetensors $(FUZZ)/fuzz_flags
 ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ)/run_fuzzers)
 # The README's tour, run as written (tests/test_tour.sh).
 TEST_RUNNERS += tests/test_tour.sh
+# CMake and pkg-config consumers of the headers (tests/test_packaging.sh).
+TEST_RUNNERS += tests/test_packaging.sh
 
 .PHONY: tsan header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)

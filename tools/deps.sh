@@ -4,6 +4,7 @@
 #   OpenBLAS (libopenblas-dev)   the CPU reference matmuls; without it: plain C loops (TSYS_NO_CBLAS, slow)
 #   clang + its libFuzzer runtime (clang, libclang-rt-dev)   make test's fuzzing stage; without it the
 #                                fuzzers are skipped (the rest of make test runs)
+#   cmake, pkg-config            tests/test_packaging.sh (consumer builds); without them its cases are skipped
 set -u
 can_install() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
 apt_install() {   # quiet; refreshes the package lists once if the first try fails
@@ -40,6 +41,18 @@ if ! fuzz_ok; then
     apt_install "${pkgs[@]}" || echo "deps: could not install ${pkgs[*]}; make test will skip the fuzzers" >&2
   else
     echo "deps: no clang with libFuzzer here (${pkgs[*]}); make test will skip the fuzzers" >&2
+  fi
+fi
+
+pkgs=()
+command -v cmake >/dev/null || pkgs+=(cmake)
+command -v pkg-config >/dev/null || pkgs+=(pkg-config)
+if [ ${#pkgs[@]} -gt 0 ]; then
+  if can_install; then
+    echo "deps: installing ${pkgs[*]} (for tests/test_packaging.sh)" >&2
+    apt_install "${pkgs[@]}" || echo "deps: could not install ${pkgs[*]}; test_packaging.sh will skip what needs them" >&2
+  else
+    echo "deps: no ${pkgs[*]} here; test_packaging.sh will skip what needs them" >&2
   fi
 fi
 exit 0
