@@ -877,16 +877,35 @@ TSYSDEF void tsys_grad_scaler_update(tsys_grad_scaler *s);
 
 // safetensors
 TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n);
+// With "__metadata__" strings besides "format": "pt": n_metadata pairs, metadata[2i] -> metadata[2i+1]
+// (a "format" pair replaces the default one).
+TSYSDEF tsys_status tsys_safetensors_save_ex(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n, const char *const *metadata, int n_metadata);
 // Loads every tensor of the file onto dev; *out is an array of *n new tensors (named), free with tsys_tensor_list_free.
 TSYSDEF tsys_status tsys_safetensors_load(tsys_ctx *ctx, const char *path, tsys_device dev, tsys_tensor ***out, int *n);
 TSYSDEF void tsys_tensor_list_free(tsys_tensor **list, int n);
 // Copies the named tensors of the file into the given tensors (names, shapes and dtypes must match;
 // F32 file data may fill BF16/F16 tensors and the other way round).
 TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n);
+// Saves the parameters, and the dimensions as "__metadata__" strings (vocab_size, context_length,
+// d_model, d_ff, num_layers, num_heads, rope_theta, eps) for tsys_model_desc_from_file.
 TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path);
+// The model desc a checkpoint was saved from: the dimensions tsys_model_save wrote into the file's
+// "__metadata__" (attn and checkpoint are left 0, the defaults). A Hugging Face Llama checkpoint (path
+// its directory or its model.safetensors) takes them from the config.json beside it: hidden_size,
+// intermediate_size, num_hidden_layers, num_attention_heads, vocab_size, max_position_embeddings
+// (default 2048), rope_theta (10000), rms_norm_eps (1e-6); what tsys cannot run is refused (grouped-
+// query attention, a head_dim other than hidden_size / heads, scaled RoPE, biases, an activation
+// other than silu). A file with neither is refused, and so is a missing or malformed key; err names
+// the file and the key.
+TSYSDEF tsys_status tsys_model_desc_from_file(const char *path, tsys_model_desc *out, char *err, size_t err_len);
 // Loads a model's parameters, strictly by default (PyTorch's load_state_dict(strict=True)): a
 // parameter the file lacks, or a tensor of the file the model lacks, is an error naming it, and no
 // parameter is written. tsys_model_load(m, path) is tsys_model_load_ex(m, path, NULL).
+// Names of other tools load too: leading "_orig_mod." and "module." prefixes are dropped, name by name,
+// and a Hugging Face LlamaForCausalLM checkpoint (model.embed_tokens.weight, model.layers.N...) is
+// mapped to tsys's names, its q/k rows permuted from rotate-half RoPE to interleaved pairs, lm_head
+// taken from the embedding when the file has none (tied). path may be a directory holding
+// model.safetensors (save_pretrained's layout). The map is in >>safetensors ("names of other tools").
 // tsys_model_load_desc, 0 = default (strict):
 //   allow_unexpected   tensors of the file that the model does not have are skipped
 //   allow_missing      parameters the file does not hold keep their values
@@ -6659,12 +6678,16 @@ typedef struct tsys__st_file {
     int n, cap;
     tsys__st_index names;                // entry names -> indices into entries
     bool has_metadata;
+    char **meta;                         // "__metadata__"'s string members: key, value, key, value, ...
+    int nmeta, meta_cap;                 // strings held (twice the members)
 } tsys__st_file;
 
 static void tsys__st_close(tsys__st_file *sf) {
     tsys__st_index_free(&sf->names);
     for (int i = 0; i < sf->n; i++) tsys__st_free(sf->entries[i].name);
     tsys__st_free(sf->entries);
+    for (int i = 0; i < sf->nmeta; i++) tsys__st_free(sf->meta[i]);
+    tsys__st_free(sf->meta);
     if (sf->f) fclose(sf->f);
     memset(sf, 0, sizeof *sf);
 }
@@ -6945,15 +6968,41 @@ static tsys_status tsys__st_tensor_info(tsys__st_parser *P, tsys__st_entry *e) {
     return TSYS_OK;
 }
 
-// "__metadata__": an object, validated and ignored; at most one.
+// The value of "__metadata__"'s member key, or NULL.
+static const char *tsys__st_meta_get(const tsys__st_file *sf, const char *key) {
+    for (int i = 0; i + 1 < sf->nmeta; i += 2) if (strcmp(sf->meta[i], key) == 0) return sf->meta[i + 1];
+    return NULL;
+}
+
+// "__metadata__": an object, at most one. The format makes it a string -> string map; its string
+// members are kept (tsys_model_desc_from_file reads them), anything else is validated and ignored.
 static tsys_status tsys__st_metadata(tsys__st_parser *P) {
+    tsys__st_file *sf = P->sf;
     tsys_status s;
-    if (P->sf->has_metadata) return tsys__st_fail(P->sf->ctx, TSYS_ERR_IO, P->sf->path, "'__metadata__' appears twice in the header");
-    P->sf->has_metadata = true;
+    if (sf->has_metadata) return tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "'__metadata__' appears twice in the header");
+    sf->has_metadata = true;
     if ((s = tsys__st_expect(P, ':')) != TSYS_OK) return s;
     tsys__st_ws(P);
     if (P->p >= P->end || *P->p != '{') return tsys__st_syntax(P, "__metadata__ must be an object");
-    return tsys__st_skip_value(P);
+    if ((s = tsys__st_expect(P, '{')) != TSYS_OK || tsys__st_accept(P, '}')) return s;
+    do {
+        char *key = NULL, *val = NULL;
+        if ((s = tsys__st_string(P, &key)) != TSYS_OK) return s;
+        if ((s = tsys__st_expect(P, ':')) == TSYS_OK) {
+            tsys__st_ws(P);
+            s = P->p < P->end && *P->p == '"' ? tsys__st_string(P, &val) : tsys__st_skip_value(P);
+        }
+        if (s == TSYS_OK && val && sf->nmeta + 2 > sf->meta_cap) {
+            int cap = sf->meta_cap ? 2 * sf->meta_cap : 16;
+            char **grown = (char **)tsys__st_realloc(sf->meta, (size_t)cap * sizeof *grown);
+            if (!grown) s = tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory parsing the header", sf->path);
+            else { sf->meta = grown; sf->meta_cap = cap; }
+        }
+        if (s == TSYS_OK && val) { sf->meta[sf->nmeta++] = key; sf->meta[sf->nmeta++] = val; key = val = NULL; }
+        tsys__st_free(key); tsys__st_free(val);
+        if (s != TSYS_OK) return s;
+    } while (tsys__st_accept(P, ','));
+    return tsys__st_expect(P, '}');
 }
 
 // One "name": {...} member of the top-level object; takes ownership of name.
@@ -7179,11 +7228,48 @@ static void tsys__st_convert(void *dst, tsys_dtype dd, const void *src, tsys_dty
     }
 }
 
+// A q or k projection's rows from Hugging Face's rotate-half RoPE layout to tsys's interleaved pairs,
+// in place. HF rotates the pair (i, i + d/2) of each head's d rows by angle t * theta^(-2i/d)
+// (rotate_half: q*cos + cat(-q2, q1)*sin); tsys rotates the pair (2i, 2i + 1) by the same angle. So per
+// head, tsys row 2i is HF row i and tsys row 2i + 1 is HF row i + d/2: q and k come out permuted alike,
+// and every q.k (the scores) is HF's. False when out of memory.
+static bool tsys__st_unrotate_half(void *data, int64_t rows, size_t row_bytes, int64_t heads) {
+    int64_t d = rows / heads;
+    char *tmp = (char *)tsys__st_malloc((size_t)d * row_bytes), *base = (char *)data;
+    if (!tmp) return false;
+    for (int64_t h = 0; h < heads; h++) {
+        char *head = base + (size_t)(h * d) * row_bytes;
+        memcpy(tmp, head, (size_t)d * row_bytes);
+        for (int64_t i = 0; i < d / 2; i++) {
+            memcpy(head + (size_t)(2 * i) * row_bytes, tmp + (size_t)i * row_bytes, row_bytes);
+            memcpy(head + (size_t)(2 * i + 1) * row_bytes, tmp + (size_t)(i + d / 2) * row_bytes, row_bytes);
+        }
+    }
+    tsys__st_free(tmp);
+    return true;
+}
+
 // Fills t from entry e, converting F32 <-> BF16/F16 when the dtypes differ. CPU tensors of the
 // file's dtype are read straight into their storage; everything else goes through staging.
-static tsys_status tsys__st_fill(tsys__st_file *sf, const tsys__st_entry *e, tsys_tensor *t) {
+// rope_heads > 0: t is a q or k projection of a Hugging Face checkpoint, its rows permuted on the way
+// (tsys__st_unrotate_half).
+static tsys_status tsys__st_fill_ex(tsys__st_file *sf, const tsys__st_entry *e, tsys_tensor *t, int64_t rope_heads);
+static tsys_status tsys__st_fill(tsys__st_file *sf, const tsys__st_entry *e, tsys_tensor *t) { return tsys__st_fill_ex(sf, e, t, 0); }
+static tsys_status tsys__st_permute_rows(tsys__st_file *sf, const tsys__st_entry *e, const tsys_tensor *t, void *host, int64_t rope_heads) {
+    if (rope_heads <= 0) return TSYS_OK;
+    int64_t rows = t->shape[0], d = rows / rope_heads;
+    if (t->ndim != 2 || rows % rope_heads || d % 2)
+        return tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "tensor '%s': %lld rows do not split into %lld heads of an even size", e->name, (long long)rows, (long long)rope_heads);
+    if (!tsys__st_unrotate_half(host, rows, (size_t)t->shape[1] * tsys_dtype_size(t->dtype), rope_heads))
+        return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': tensor '%s': out of memory permuting rows", sf->path, e->name);
+    return TSYS_OK;
+}
+static tsys_status tsys__st_fill_ex(tsys__st_file *sf, const tsys__st_entry *e, tsys_tensor *t, int64_t rope_heads) {
     tsys_tensor_mark_written(t);   // the direct read below bypasses the copy that would mark it
-    if (t->dtype == e->dtype && t->device == TSYS_CPU) return tsys__st_read(sf, e, tsys_tensor_data(t));
+    if (t->dtype == e->dtype && t->device == TSYS_CPU) {
+        tsys_status s0 = tsys__st_read(sf, e, tsys_tensor_data(t));
+        return s0 == TSYS_OK ? tsys__st_permute_rows(sf, e, t, tsys_tensor_data(t), rope_heads) : s0;
+    }
     size_t file_bytes = (size_t)(e->end - e->begin);
     size_t conv_bytes = t->dtype == e->dtype ? 0 : tsys_tensor_bytes(t);
     char *buf = (char *)tsys__st_malloc(file_bytes + conv_bytes);
@@ -7191,6 +7277,7 @@ static tsys_status tsys__st_fill(tsys__st_file *sf, const tsys__st_entry *e, tsy
                                         sf->path, e->name, (unsigned long long)(file_bytes + conv_bytes));
     tsys_status s = tsys__st_read(sf, e, buf);
     if (s == TSYS_OK && conv_bytes) tsys__st_convert(buf + file_bytes, t->dtype, buf, e->dtype, tsys_tensor_numel(t));
+    if (s == TSYS_OK) s = tsys__st_permute_rows(sf, e, t, buf + (conv_bytes ? file_bytes : 0), rope_heads);
     if (s == TSYS_OK) s = tsys__st_upload(sf->ctx, t, buf + (conv_bytes ? file_bytes : 0));
     tsys__st_free(buf);
     return s;
@@ -7241,7 +7328,118 @@ typedef struct tsys__st_rules {
     bool allow_missing;      // a tensor the file lacks keeps its values (else: an error naming it)
     bool refuse_unexpected;  // a file tensor no given tensor asks for is an error naming it (else: skipped)
     const char *owner;       // what the given tensors are, for messages: "the model"
+    bool rename;             // file names through tsys__st_names (a model's load: prefixes, HF Llama)
+    int rope_heads;          // with rename: the model's heads, for HF q/k rows
 } tsys__st_rules;
+
+// ---- names of other tools -----------------------------------------------------------------------------
+//
+// A model's load (tsys_model_load_ex) reads each file name as tsys would name the tensor:
+//  - leading "_orig_mod." (torch.compile) and "module." (DistributedDataParallel, FSDP) prefixes are
+//    dropped, name by name, any number of them in any order ("module._orig_mod.layers.0..." is
+//    "layers.0..."); two file names that come to the same name are an error naming both;
+//  - a Hugging Face LlamaForCausalLM checkpoint (one whose names, prefixes dropped, include
+//    "model.embed_tokens.weight" or start with "model.layers.") has its names mapped:
+//        model.embed_tokens.weight                       token_embeddings.weight
+//        model.layers.N.self_attn.{q,k,v}_proj.weight    layers.N.attn.{q,k,v}_proj.weight
+//        model.layers.N.self_attn.o_proj.weight          layers.N.attn.output_proj.weight
+//        model.layers.N.mlp.gate_proj.weight             layers.N.ffn.w1.weight   (silu(w1 x) * w3 x)
+//        model.layers.N.mlp.up_proj.weight               layers.N.ffn.w3.weight
+//        model.layers.N.mlp.down_proj.weight             layers.N.ffn.w2.weight
+//        model.layers.N.input_layernorm.weight           layers.N.ln1.weight
+//        model.layers.N.post_attention_layernorm.weight  layers.N.ln2.weight
+//        model.norm.weight                               ln_final.weight
+//        lm_head.weight                                  lm_head.weight (absent: tied, embed_tokens' copy)
+//    q_proj and k_proj rows go from HF's rotate-half RoPE layout to tsys's interleaved pairs
+//    (tsys__st_unrotate_half), and "rotary_emb.inv_freq" buffers of older files are skipped. Grouped-
+//    query attention (k_proj, v_proj with fewer rows than q_proj) is refused: tsys has one key/value
+//    head per query head.
+// Other names are kept; under the strict rules they are errors naming them.
+typedef struct tsys__st_names {
+    char **name;             // per file entry: its tsys name (NULL: skipped)
+    bool *rope;              // per file entry: an HF q/k projection
+    tsys__st_index index;    // tsys names -> entries
+    bool hf;
+} tsys__st_names;
+
+static const char *tsys__st_strip(const char *name) {
+    for (;;) {
+        if (strncmp(name, "_orig_mod.", 10) == 0) name += 10;
+        else if (strncmp(name, "module.", 7) == 0) name += 7;
+        else return name;
+    }
+}
+
+static const struct { const char *hf, *tsys; bool rope; } tsys__st_hf_layer[] = {
+    {"self_attn.q_proj.weight", "attn.q_proj.weight", true}, {"self_attn.k_proj.weight", "attn.k_proj.weight", true},
+    {"self_attn.v_proj.weight", "attn.v_proj.weight", false}, {"self_attn.o_proj.weight", "attn.output_proj.weight", false},
+    {"mlp.gate_proj.weight", "ffn.w1.weight", false}, {"mlp.up_proj.weight", "ffn.w3.weight", false},
+    {"mlp.down_proj.weight", "ffn.w2.weight", false}, {"input_layernorm.weight", "ln1.weight", false},
+    {"post_attention_layernorm.weight", "ln2.weight", false},
+};
+
+static bool tsys__st_is_hf_name(const char *n) {
+    return strcmp(n, "model.embed_tokens.weight") == 0 || strncmp(n, "model.layers.", 13) == 0;
+}
+
+// The tsys name of a file name (prefixes dropped; hf: mapped) into out (len bytes); *rope when it is an
+// HF q/k projection; false when the name is a buffer to skip.
+static bool tsys__st_tsys_name(const char *file_name, bool hf, char *out, size_t len, bool *rope) {
+    const char *n = tsys__st_strip(file_name);
+    *rope = false;
+    snprintf(out, len, "%s", n);
+    if (!hf) return true;
+    static const char buffer[] = ".rotary_emb.inv_freq";
+    size_t nl = strlen(n), bl = sizeof buffer - 1;
+    if (nl >= bl && strcmp(n + nl - bl, buffer) == 0) return false;
+    if (strcmp(n, "model.embed_tokens.weight") == 0) snprintf(out, len, "token_embeddings.weight");
+    else if (strcmp(n, "model.norm.weight") == 0) snprintf(out, len, "ln_final.weight");
+    else if (strncmp(n, "model.layers.", 13) == 0 && n[13] >= '0' && n[13] <= '9') {
+        const char *p = n + 13;
+        long layer = 0;
+        while (*p >= '0' && *p <= '9' && layer < 100000000) layer = 10 * layer + (*p++ - '0');
+        if (*p++ != '.') return true;
+        for (size_t i = 0; i < sizeof tsys__st_hf_layer / sizeof tsys__st_hf_layer[0]; i++)
+            if (strcmp(p, tsys__st_hf_layer[i].hf) == 0) {
+                snprintf(out, len, "layers.%ld.%s", layer, tsys__st_hf_layer[i].tsys);
+                *rope = tsys__st_hf_layer[i].rope;
+            }
+    }
+    return true;
+}
+
+static void tsys__st_names_free(tsys__st_names *nm, int n) {
+    for (int i = 0; nm->name && i < n; i++) tsys__st_free(nm->name[i]);
+    tsys__st_free(nm->name);
+    tsys__st_free(nm->rope);
+    tsys__st_index_free(&nm->index);
+    memset(nm, 0, sizeof *nm);
+}
+
+static tsys_status tsys__st_names_make(tsys__st_file *sf, tsys__st_names *nm) {
+    memset(nm, 0, sizeof *nm);
+    for (int i = 0; i < sf->n && !nm->hf; i++) nm->hf = tsys__st_is_hf_name(tsys__st_strip(sf->entries[i].name));
+    nm->name = (char **)tsys__st_malloc((size_t)sf->n * sizeof *nm->name);
+    nm->rope = (bool *)tsys__st_malloc((size_t)sf->n * sizeof *nm->rope);
+    if (!nm->name || !nm->rope) { tsys__st_names_free(nm, 0); return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", sf->path); }
+    memset(nm->name, 0, (size_t)sf->n * sizeof *nm->name);
+    for (int i = 0; i < sf->n; i++) {
+        size_t len = strlen(sf->entries[i].name) + 64;
+        char *buf = (char *)tsys__st_malloc(len);
+        int earlier = -1;
+        if (!buf) { tsys__st_names_free(nm, sf->n); return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", sf->path); }
+        if (!tsys__st_tsys_name(sf->entries[i].name, nm->hf, buf, len, &nm->rope[i])) { tsys__st_free(buf); continue; }
+        nm->name[i] = buf;
+        if (!tsys__st_index_add(&nm->index, buf, i, &earlier)) { tsys__st_names_free(nm, sf->n); return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", sf->path); }
+        if (earlier >= 0) {
+            tsys_status s = tsys__st_fail(sf->ctx, TSYS_ERR_IO, sf->path, "tensors '%s' and '%s' both load as '%s' (%s)", sf->entries[earlier].name,
+                                          sf->entries[i].name, buf, nm->hf ? "prefixes _orig_mod./module. dropped, Hugging Face names mapped" : "prefixes _orig_mod./module. dropped");
+            tsys__st_names_free(nm, sf->n);
+            return s;
+        }
+    }
+    return TSYS_OK;
+}
 
 // Whether entry e can fill t (same shape, a dtype it converts from); else an error naming t.
 static tsys_status tsys__st_check_match(tsys__st_file *sf, const tsys__st_entry *e, const tsys_tensor *t) {
@@ -7259,11 +7457,12 @@ static tsys_status tsys__st_check_match(tsys__st_file *sf, const tsys__st_entry 
 }
 
 // With refuse_unexpected: the first file tensor (in header order) that no given tensor matched is an
-// error naming it, with the count of such tensors.
-static tsys_status tsys__st_check_unexpected(tsys__st_file *sf, const int *match, int n, const tsys__st_rules *rules) {
+// error naming it, with the count of such tensors. Entries nm skips (NULL names) are not counted.
+static tsys_status tsys__st_check_unexpected(tsys__st_file *sf, const int *match, int n, const tsys__st_rules *rules, const tsys__st_names *nm) {
     bool *wanted = (bool *)tsys__st_malloc((size_t)sf->n * sizeof *wanted);
     if (!wanted) return tsys_ctx_set_error(sf->ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", sf->path);
     memset(wanted, 0, (size_t)sf->n * sizeof *wanted);
+    for (int k = 0; nm && nm->name && k < sf->n; k++) if (!nm->name[k]) wanted[k] = true;
     for (int i = 0; i < n; i++) if (match[i] >= 0) wanted[match[i]] = true;
     int first = -1, extra = 0;
     for (int k = 0; k < sf->n; k++) if (!wanted[k]) { extra++; if (first < 0) first = k; }
@@ -7280,20 +7479,32 @@ static tsys_status tsys__st_load_into(tsys_ctx *ctx, const char *path, tsys_tens
     tsys__st_file sf;
     tsys_status s = tsys__st_open(ctx, path, &sf);
     if (s != TSYS_OK) return s;
+    tsys__st_names nm;
+    memset(&nm, 0, sizeof nm);
+    if (rules->rename && (s = tsys__st_names_make(&sf, &nm)) != TSYS_OK) { tsys__st_close(&sf); return s; }
+    const tsys__st_index *index = rules->rename ? &nm.index : &sf.names;
     int *match = (int *)tsys__st_malloc((size_t)n * sizeof *match);
-    if (!match) { tsys__st_close(&sf); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", path); }
+    if (!match) { tsys__st_names_free(&nm, sf.n); tsys__st_close(&sf); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "safetensors '%s': out of memory", path); }
     for (int i = 0; s == TSYS_OK && i < n; i++) {
         tsys_tensor *t = tensors[i];
         if (!t) { s = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_load_into: tensors[%d] is NULL", i); break; }
-        int k = match[i] = tsys__st_index_find(&sf.names, t->name);
-        if (k >= 0) s = tsys__st_check_match(&sf, &sf.entries[k], t);
+        int k = match[i] = tsys__st_index_find(index, t->name);
+        if (k < 0 && nm.hf && strcmp(t->name, "lm_head.weight") == 0)   // tied to the embedding: save_pretrained leaves it out
+            k = match[i] = tsys__st_index_find(index, "token_embeddings.weight");
+        const tsys__st_entry *e = k >= 0 ? &sf.entries[k] : NULL;
+        if (e && nm.hf && e->ndim == 2 && t->ndim == 2 && e->shape[1] == t->shape[1] && e->shape[0] < t->shape[0] && (nm.rope[k] || strstr(t->name, ".attn.v_proj.")))
+            s = tsys__st_fail(ctx, TSYS_ERR_UNSUPPORTED, path, "tensor '%s': %lld rows for the model's %lld: grouped-query attention (num_key_value_heads < "
+                              "num_attention_heads) is not supported; tsys models have one key/value head per query head", e->name, (long long)e->shape[0], (long long)t->shape[0]);
+        else if (e) s = tsys__st_check_match(&sf, e, t);
         else if (!rules->allow_missing)
-            s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "tensor '%s' is missing from the file (it holds %d tensors)", t->name, sf.n);
+            s = tsys__st_fail(ctx, TSYS_ERR_IO, path, "tensor '%s' is missing from the file (it holds %d tensors%s)", t->name, sf.n,
+                              nm.hf ? "; read as a Hugging Face Llama checkpoint" : "");
     }
-    if (s == TSYS_OK && rules->refuse_unexpected) s = tsys__st_check_unexpected(&sf, match, n, rules);
+    if (s == TSYS_OK && rules->refuse_unexpected) s = tsys__st_check_unexpected(&sf, match, n, rules, &nm);
     for (int i = 0; s == TSYS_OK && i < n; i++)
-        if (match[i] >= 0) s = tsys__st_fill(&sf, &sf.entries[match[i]], tensors[i]);
+        if (match[i] >= 0) s = tsys__st_fill_ex(&sf, &sf.entries[match[i]], tensors[i], nm.hf && nm.rope[match[i]] ? rules->rope_heads : 0);
     tsys__st_free(match);
+    tsys__st_names_free(&nm, sf.n);
     tsys__st_close(&sf);
     return s;
 }
@@ -7301,7 +7512,7 @@ static tsys_status tsys__st_load_into(tsys_ctx *ctx, const char *path, tsys_tens
 // Each given tensor must be in the file; the file may hold more.
 TSYSDEF tsys_status tsys_safetensors_load_into(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) {
     if (!ctx || !path || (n > 0 && !tensors) || n < 0) return ctx ? tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_load_into: bad arguments") : TSYS_ERR_INVALID_ARGS;
-    const tsys__st_rules rules = { false, false, "the tensors asked for" };
+    const tsys__st_rules rules = { false, false, "the tensors asked for", false, 0 };
     return tsys__st_load_into(ctx, path, tensors, n, &rules);
 }
 
@@ -7363,13 +7574,28 @@ static tsys_status tsys__st_check_savable(tsys_ctx *ctx, const char *path, tsys_
     return TSYS_OK;
 }
 
-// The JSON header, padded with spaces so the data buffer starts 8-byte aligned.
-static tsys_status tsys__st_build_header(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n, tsys__st_buf *b) {
+// The JSON header, padded with spaces so the data buffer starts 8-byte aligned. "__metadata__" holds
+// "format": "pt" (unless meta gives "format") and meta's nmeta key/value pairs.
+static tsys_status tsys__st_build_header(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n, const char *const *meta, int nmeta, tsys__st_buf *b) {
     uint64_t at = 0;
-    static const char meta[] = "{\"__metadata__\":{\"format\":\"pt\"}";
+    bool own_format = false;
+    for (int i = 0; i < nmeta; i++) {
+        if (!meta[2 * i] || !meta[2 * i + 1]) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: metadata pair %d has a NULL string", i);
+        for (int j = 0; j < i; j++)
+            if (strcmp(meta[2 * i], meta[2 * j]) == 0) return tsys__st_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "cannot save: metadata key '%s' given twice", meta[2 * i]);
+        own_format |= strcmp(meta[2 * i], "format") == 0;
+    }
     tsys__st_index names;
     memset(&names, 0, sizeof names);
-    tsys__st_put(b, meta, sizeof meta - 1);
+    tsys__st_put(b, "{\"__metadata__\":{", 17);
+    if (!own_format) tsys__st_put(b, "\"format\":\"pt\"", 13);
+    for (int i = 0; i < nmeta; i++) {
+        if (i || !own_format) tsys__st_put(b, ",", 1);
+        tsys__st_put_json_string(b, meta[2 * i]);
+        tsys__st_put(b, ":", 1);
+        tsys__st_put_json_string(b, meta[2 * i + 1]);
+    }
+    tsys__st_put(b, "}", 1);
     for (int i = 0; i < n; i++) {
         const tsys_tensor *t = tensors[i];
         tsys_status s = tsys__st_check_savable(ctx, path, tensors, i, &names);
@@ -7418,12 +7644,17 @@ static tsys_status tsys__st_write(tsys_ctx *ctx, const char *path, FILE *f, cons
 // Through tsys_atomic_file: a failed save leaves the old file, concurrent saves each leave a whole
 // one, and nothing but the save's own temporary is ever written.
 TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n) {
-    if (!ctx || !path || n < 0 || (n > 0 && !tensors)) return ctx ? tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_save: bad arguments") : TSYS_ERR_INVALID_ARGS;
+    return tsys_safetensors_save_ex(ctx, path, tensors, n, NULL, 0);
+}
+
+TSYSDEF tsys_status tsys_safetensors_save_ex(tsys_ctx *ctx, const char *path, tsys_tensor **tensors, int n, const char *const *metadata, int n_metadata) {
+    if (!ctx || !path || n < 0 || (n > 0 && !tensors) || n_metadata < 0 || (n_metadata > 0 && !metadata))
+        return ctx ? tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_safetensors_save: bad arguments") : TSYS_ERR_INVALID_ARGS;
     if (!tsys__st_host_is_le()) return tsys__st_fail(ctx, TSYS_ERR_UNSUPPORTED, path, "big-endian hosts are not supported");
     tsys__st_buf hdr;
     memset(&hdr, 0, sizeof hdr);
     tsys_atomic_file af;
-    tsys_status s = tsys__st_build_header(ctx, path, tensors, n, &hdr);
+    tsys_status s = tsys__st_build_header(ctx, path, tensors, n, metadata, n_metadata, &hdr);
     if (s == TSYS_OK) s = tsys_atomic_file_open(ctx, "safetensors", path, &af);
     if (s == TSYS_OK) {
         s = tsys__st_write(ctx, path, af.f, &hdr, tensors, n);
@@ -7434,7 +7665,217 @@ TSYSDEF tsys_status tsys_safetensors_save(tsys_ctx *ctx, const char *path, tsys_
     return s;
 }
 
-TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path) { return m ? tsys_safetensors_save(m->ctx, path, m->params, m->num_tensors) : TSYS_ERR_INVALID_ARGS; }
+// A checkpoint path as given, or DIR/model.safetensors for a directory that holds one (Hugging Face's
+// save_pretrained layout).
+static const char *tsys__st_model_file(const char *path, char *buf, size_t len) {
+#ifdef TSYS__POSIX
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        int k = snprintf(buf, len, "%s/model.safetensors", path);
+        if (k > 0 && (size_t)k < len && stat(buf, &st) == 0 && S_ISREG(st.st_mode)) return buf;
+    }
+#else
+    (void)buf; (void)len;
+#endif
+    return path;
+}
+
+// The "__metadata__" keys of the model's dimensions, in the order tsys_model_save writes them.
+static const char *const tsys__st_dim_keys[] = {"vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads", "rope_theta", "eps"};
+#define TSYS__ST_NUM_DIMS 8
+#define TSYS__ST_NUM_INT_DIMS 6
+
+TSYSDEF tsys_status tsys_model_save(tsys_model *m, const char *path) {
+    if (!m) return TSYS_ERR_INVALID_ARGS;
+    const tsys_model_desc *d = &m->desc;
+    char vals[TSYS__ST_NUM_DIMS][32];
+    const char *meta[2 * TSYS__ST_NUM_DIMS];
+    const int ints[TSYS__ST_NUM_INT_DIMS] = {d->vocab_size, d->context_length, d->d_model, d->d_ff, d->num_layers, d->num_heads};
+    for (int i = 0; i < TSYS__ST_NUM_INT_DIMS; i++) snprintf(vals[i], sizeof vals[i], "%d", ints[i]);
+    snprintf(vals[6], sizeof vals[6], "%.9g", (double)d->rope_theta);   // 9 digits: the float back exactly
+    snprintf(vals[7], sizeof vals[7], "%.9g", (double)d->eps);
+    for (int i = 0; i < TSYS__ST_NUM_DIMS; i++) { meta[2 * i] = tsys__st_dim_keys[i]; meta[2 * i + 1] = vals[i]; }
+    return tsys_safetensors_save_ex(m->ctx, path, m->params, m->num_tensors, meta, TSYS__ST_NUM_DIMS);
+}
+
+// A metadata value as a positive int (ints) or a positive finite float; false if it is not one.
+static bool tsys__st_parse_dim(const char *v, bool integer, double *out) {
+    char *end = NULL;
+    errno = 0;
+    if (!v || !*v || *v == ' ') return false;
+    double x = integer ? (double)strtoll(v, &end, 10) : strtod(v, &end);
+    if (errno || *end || !(x > 0) || !isfinite(x) || (integer && x > INT_MAX)) return false;
+    *out = x;
+    return true;
+}
+
+// Dims from the "__metadata__" of an open file (tsys_model_save's keys); err names the file and key.
+static tsys_status tsys__st_desc_from_meta(const tsys__st_file *sf, tsys_model_desc *d, char *err, size_t err_len) {
+    double v[TSYS__ST_NUM_DIMS];
+    for (int i = 0; i < TSYS__ST_NUM_DIMS; i++) {
+        const char *s = tsys__st_meta_get(sf, tsys__st_dim_keys[i]);
+        if (!s) {
+            if (err) snprintf(err, err_len, "'%s': no model dimensions: __metadata__ lacks \"%s\" (tsys_model_save writes vocab_size, "
+                              "context_length, d_model, d_ff, num_layers, num_heads, rope_theta, eps)", sf->path, tsys__st_dim_keys[i]);
+            return TSYS_ERR_IO;
+        }
+        if (!tsys__st_parse_dim(s, i < TSYS__ST_NUM_INT_DIMS, &v[i])) {
+            if (err) snprintf(err, err_len, "'%s': __metadata__ \"%s\" is \"%.40s\", not a positive %s", sf->path, tsys__st_dim_keys[i], s,
+                              i < TSYS__ST_NUM_INT_DIMS ? "integer" : "number");
+            return TSYS_ERR_IO;
+        }
+    }
+    memset(d, 0, sizeof *d);
+    d->vocab_size = (int)v[0]; d->context_length = (int)v[1]; d->d_model = (int)v[2]; d->d_ff = (int)v[3];
+    d->num_layers = (int)v[4]; d->num_heads = (int)v[5]; d->rope_theta = (float)v[6]; d->eps = (float)v[7];
+    return TSYS_OK;
+}
+
+// ---- Hugging Face config.json ---------------------------------------------------------------------
+
+// The members of config.json that make a Llama model desc, or say it is one tsys cannot run.
+enum { TSYS__HF_HIDDEN, TSYS__HF_FF, TSYS__HF_LAYERS, TSYS__HF_HEADS, TSYS__HF_VOCAB, TSYS__HF_CONTEXT, TSYS__HF_THETA, TSYS__HF_EPS,
+       TSYS__HF_KV_HEADS, TSYS__HF_HEAD_DIM, TSYS__HF_ACT, TSYS__HF_ATTN_BIAS, TSYS__HF_MLP_BIAS, TSYS__HF_TYPE, TSYS__HF_ROPE_TYPE, TSYS__HF_KEYS };
+static const char *const tsys__hf_keys[TSYS__HF_KEYS] = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "max_position_embeddings", "rope_theta",
+    "rms_norm_eps", "num_key_value_heads", "head_dim", "hidden_act", "attention_bias", "mlp_bias", "model_type", "rope_type"};
+typedef struct tsys__hf_value { int kind; double num; char str[32]; } tsys__hf_value;   // kind: 0 absent, 1 number, 2 string, 3 bool, 4 other
+
+// One object's members into v (nested: rope_scaling / rope_parameters, whose rope_theta and
+// rope_type / type count as the top level's).
+static tsys_status tsys__hf_object(tsys__st_parser *P, tsys__hf_value *v, bool nested) {
+    tsys_status s = tsys__st_expect(P, '{');
+    if (s != TSYS_OK || tsys__st_accept(P, '}')) return s;
+    do {
+        char *key = NULL;
+        if ((s = tsys__st_string(P, &key)) != TSYS_OK) return s;
+        if ((s = tsys__st_expect(P, ':')) != TSYS_OK) { tsys__st_free(key); return s; }
+        tsys__st_ws(P);
+        int k = -1;
+        for (int i = 0; i < TSYS__HF_KEYS; i++) if (strcmp(key, tsys__hf_keys[i]) == 0) k = i;
+        if (nested && strcmp(key, "type") == 0) k = TSYS__HF_ROPE_TYPE;
+        if (nested && k != TSYS__HF_THETA && k != TSYS__HF_ROPE_TYPE) k = -1;
+        char c = P->p < P->end ? *P->p : 0;
+        if (!nested && c == '{' && (strcmp(key, "rope_scaling") == 0 || strcmp(key, "rope_parameters") == 0)) {
+            P->depth++;
+            s = P->depth > TSYS__ST_MAX_DEPTH ? tsys__st_syntax(P, "nested too deeply") : tsys__hf_object(P, v, true);
+            P->depth--;
+        } else if (k < 0) s = tsys__st_skip_value(P);
+        else if (c == '"') {
+            char *str = NULL;
+            if ((s = tsys__st_string(P, &str)) == TSYS_OK) { v[k].kind = 2; snprintf(v[k].str, sizeof v[k].str, "%s", str); }
+            tsys__st_free(str);
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            const char *at = P->p;
+            char num[64];
+            if ((s = tsys__st_skip_number(P)) == TSYS_OK) {
+                snprintf(num, sizeof num, "%.*s", (int)(P->p - at < 63 ? P->p - at : 63), at);
+                v[k].kind = 1; v[k].num = strtod(num, NULL);
+            }
+        } else if (c == 't' || c == 'f') {
+            v[k].kind = 3; v[k].num = c == 't';
+            s = tsys__st_skip_literal(P, c == 't' ? "true" : "false");
+        } else { v[k].kind = 4; s = tsys__st_skip_value(P); }
+        tsys__st_free(key);
+        if (s != TSYS_OK) return s;
+    } while (tsys__st_accept(P, ','));
+    return tsys__st_expect(P, '}');
+}
+
+#define TSYS__HF_FAIL(...) do { if (err) snprintf(err, err_len, __VA_ARGS__); return TSYS_ERR_IO; } while (0)
+
+// A Llama model desc from the config.json at cfg; err names the file and the key.
+static tsys_status tsys__hf_config(tsys_ctx *ctx, const char *cfg, tsys_model_desc *d, char *err, size_t err_len) {
+    FILE *f = fopen(cfg, "rb");
+    if (!f) TSYS__HF_FAIL("'%s': cannot open: %s (a Hugging Face checkpoint's dims are read from the config.json beside it)", cfg, strerror(errno));
+    size_t cap = 1 << 20, n;
+    char *text = (char *)tsys__st_malloc(cap);
+    n = text ? fread(text, 1, cap, f) : 0;
+    fclose(f);
+    if (!text) TSYS__HF_FAIL("'%s': out of memory", cfg);
+    if (n == cap) { tsys__st_free(text); TSYS__HF_FAIL("'%s': larger than 1 MiB; not a model config", cfg); }
+    tsys__st_file sf;
+    memset(&sf, 0, sizeof sf);
+    sf.ctx = ctx; sf.path = cfg;
+    tsys__st_parser P = { &sf, text, text, text + n, 0, NULL };
+    tsys__hf_value v[TSYS__HF_KEYS];
+    memset(v, 0, sizeof v);
+    tsys__st_ws(&P);
+    tsys_status s = tsys__hf_object(&P, v, false);
+    tsys__st_free(text);
+    if (s != TSYS_OK) TSYS__HF_FAIL("%s", tsys_ctx_last_error(ctx));
+    for (int k = 0; k < TSYS__HF_KEYS; k++) {
+        bool integer = k <= TSYS__HF_CONTEXT || k == TSYS__HF_KV_HEADS || k == TSYS__HF_HEAD_DIM, real = k == TSYS__HF_THETA || k == TSYS__HF_EPS;
+        bool flag = k == TSYS__HF_ATTN_BIAS || k == TSYS__HF_MLP_BIAS, text_key = k == TSYS__HF_ACT || k == TSYS__HF_TYPE || k == TSYS__HF_ROPE_TYPE;
+        if (!v[k].kind) {
+            if (k <= TSYS__HF_VOCAB) TSYS__HF_FAIL("'%s': no \"%s\"", cfg, tsys__hf_keys[k]);
+            continue;
+        }
+        if ((integer || real) && (v[k].kind != 1 || !(v[k].num > 0) || v[k].num > INT_MAX || (integer && v[k].num != floor(v[k].num))))
+            TSYS__HF_FAIL("'%s': \"%s\" is not a positive %s", cfg, tsys__hf_keys[k], integer ? "integer" : "number");
+        if (flag && v[k].kind != 3) TSYS__HF_FAIL("'%s': \"%s\" is not true or false", cfg, tsys__hf_keys[k]);
+        if (text_key && v[k].kind != 2) TSYS__HF_FAIL("'%s': \"%s\" is not a string", cfg, tsys__hf_keys[k]);
+    }
+    int hidden = (int)v[TSYS__HF_HIDDEN].num, heads = (int)v[TSYS__HF_HEADS].num;
+    if (v[TSYS__HF_TYPE].kind && strcmp(v[TSYS__HF_TYPE].str, "llama") != 0) TSYS__HF_FAIL("'%s': \"model_type\" is \"%s\"; tsys reads Llama checkpoints", cfg, v[TSYS__HF_TYPE].str);
+    if (v[TSYS__HF_KV_HEADS].kind && (int)v[TSYS__HF_KV_HEADS].num != heads)
+        TSYS__HF_FAIL("'%s': \"num_key_value_heads\" %d differs from \"num_attention_heads\" %d: grouped-query attention is not supported "
+                      "(tsys models have one key/value head per query head)", cfg, (int)v[TSYS__HF_KV_HEADS].num, heads);
+    if (v[TSYS__HF_HEAD_DIM].kind && (int)v[TSYS__HF_HEAD_DIM].num * heads != hidden)
+        TSYS__HF_FAIL("'%s': \"head_dim\" %d is not hidden_size / num_attention_heads (%d / %d); tsys heads split d_model", cfg, (int)v[TSYS__HF_HEAD_DIM].num, hidden, heads);
+    if (v[TSYS__HF_ACT].kind && strcmp(v[TSYS__HF_ACT].str, "silu") != 0) TSYS__HF_FAIL("'%s': \"hidden_act\" is \"%s\"; tsys's SwiGLU is silu", cfg, v[TSYS__HF_ACT].str);
+    if (v[TSYS__HF_ROPE_TYPE].kind && strcmp(v[TSYS__HF_ROPE_TYPE].str, "default") != 0)
+        TSYS__HF_FAIL("'%s': RoPE \"rope_type\" is \"%s\"; tsys has plain RoPE (\"default\") only", cfg, v[TSYS__HF_ROPE_TYPE].str);
+    for (int k = TSYS__HF_ATTN_BIAS; k <= TSYS__HF_MLP_BIAS; k++)
+        if (v[k].kind && v[k].num) TSYS__HF_FAIL("'%s': \"%s\" is true; tsys projections have no biases", cfg, tsys__hf_keys[k]);
+    memset(d, 0, sizeof *d);
+    d->d_model = hidden; d->d_ff = (int)v[TSYS__HF_FF].num; d->num_layers = (int)v[TSYS__HF_LAYERS].num; d->num_heads = heads;
+    d->vocab_size = (int)v[TSYS__HF_VOCAB].num;
+    d->context_length = v[TSYS__HF_CONTEXT].kind ? (int)v[TSYS__HF_CONTEXT].num : 2048;
+    d->rope_theta = v[TSYS__HF_THETA].kind ? (float)v[TSYS__HF_THETA].num : 10000.0f;
+    d->eps = v[TSYS__HF_EPS].kind ? (float)v[TSYS__HF_EPS].num : 1e-6f;
+    return TSYS_OK;
+}
+#undef TSYS__HF_FAIL
+
+// Whether the open file holds Hugging Face Llama names.
+static bool tsys__st_file_is_hf(const tsys__st_file *sf) {
+    for (int i = 0; i < sf->n; i++) if (tsys__st_is_hf_name(tsys__st_strip(sf->entries[i].name))) return true;
+    return false;
+}
+
+TSYSDEF tsys_status tsys_model_desc_from_file(const char *path, tsys_model_desc *out, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (!path || !out) { if (err) snprintf(err, err_len, "tsys_model_desc_from_file: NULL argument"); return TSYS_ERR_INVALID_ARGS; }
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    if (!ctx) { if (err) snprintf(err, err_len, "'%s': out of memory", path); return TSYS_ERR_OOM; }
+    char file[4096], cfg[4096];
+    const char *fpath = tsys__st_model_file(path, file, sizeof file);
+    tsys__st_file sf;
+    tsys_status s = tsys__st_open(ctx, fpath, &sf);
+    tsys_model_desc d;
+    if (s != TSYS_OK) { if (err) snprintf(err, err_len, "%s", tsys_ctx_last_error(ctx)); }
+    else {
+        bool hf = !tsys__st_meta_get(&sf, "d_model") && tsys__st_file_is_hf(&sf);
+        if (!hf) s = tsys__st_desc_from_meta(&sf, &d, err, err_len);
+        tsys__st_close(&sf);
+        if (hf) {   // config.json in the directory of the file
+            const char *slash = strrchr(fpath, '/');
+            int dir_len = slash ? (int)(slash - fpath) : 1;
+            snprintf(cfg, sizeof cfg, "%.*s/config.json", dir_len, slash ? fpath : ".");
+            tsys_ctx_clear_error(ctx);
+            s = tsys__hf_config(ctx, cfg, &d, err, err_len);
+        }
+    }
+    char why[256];
+    if (s == TSYS_OK && tsys_model_desc_validate(&d, why, sizeof why) != TSYS_OK) {
+        if (err) snprintf(err, err_len, "'%s': the dimensions in its __metadata__ make no model: %s", path, why);
+        s = TSYS_ERR_IO;
+    }
+    if (s == TSYS_OK) *out = d;
+    tsys_ctx_free(ctx);
+    return s;
+}
 TSYSDEF tsys_status tsys_model_load(tsys_model *m, const char *path) { return tsys_model_load_ex(m, path, NULL); }
 
 // Strict unless desc says otherwise (tsys_model_load_desc in >>public).
@@ -7443,8 +7884,9 @@ TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const ts
     tsys_model_load_desc d;
     memset(&d, 0, sizeof d);
     if (desc) d = *desc;
-    const tsys__st_rules rules = { d.allow_missing, !d.allow_unexpected, "the model" };
-    return tsys__st_load_into(m->ctx, path, m->params, m->num_tensors, &rules);
+    const tsys__st_rules rules = { d.allow_missing, !d.allow_unexpected, "the model", true, m->desc.num_heads };
+    char file[4096];
+    return tsys__st_load_into(m->ctx, tsys__st_model_file(path, file, sizeof file), m->params, m->num_tensors, &rules);
 }
 
 #endif // TSYS_IMPLEMENTATION

@@ -37,7 +37,8 @@ static void usage(FILE *f) {
     fprintf(f,
         "usage: e2e [flags]\n"
         "  --device cpu|cuda          where to run (default: cuda when a GPU is present, else cpu)\n"
-        "  --model LIST               presets (%s) or 'custom' with the dims below (default small)\n"
+        "  --model LIST               presets (%s), 'custom' with the dims below, or 'from-file': the dims\n"
+        "                             of the --load checkpoint (default small)\n"
         "  --d-model N --d-ff N --num-layers N --num-heads N --vocab-size N   explicit dims\n"
         "  --context-length LIST      sequence lengths (default 256)\n"
         "  --batch-size N             (default 4)\n"
@@ -66,7 +67,9 @@ static void usage(FILE *f) {
         "  --plan                     print each configuration's checkpointing accounting (bytes a block keeps with\n"
         "                             and without checkpointing, predicted peak, recomputed FLOPs) instead of measuring\n"
         "  --format md|csv|jsonl      output rows, each printed as soon as it is measured (default md)\n"
-        "  --load FILE.safetensors    weights to start from (PyTorch state names)\n"
+        "  --load FILE.safetensors    weights to start from: tsys's or PyTorch's state names (_orig_mod. and\n"
+        "                             module. prefixes dropped), or a Hugging Face Llama checkpoint (a directory\n"
+        "                             with model.safetensors and config.json, or the file)\n"
         "  --seed N                   weights and batch seed (default 0)\n"
         DU_MEM_LIMIT_HELP
         "  --oom-ok                   out-of-memory rows do not make the exit status 1 (sweeps that expect them)\n"
@@ -95,7 +98,7 @@ static bool ok_in_backward(const char *s) { return ok_compile(s) || !strcmp(s, "
 static bool ok_ckpt(const char *s) { tsys_checkpoint_policy p; return tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK; }
 static bool ok_model(const char *s) {
     tsys_model_desc d;
-    return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK;
+    return !strcmp(s, "custom") || !strcmp(s, "from-file") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK;
 }
 
 static void opts_free(e2e_opts *o) {
@@ -160,7 +163,7 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
     if (!strcmp(o->device, "cuda")) { fprintf(stderr, "e2e: this binary was built without CUDA; build it with 'make cuda'\n"); return DU_EXIT_USAGE; }
 #endif
     char rule[256];
-    snprintf(rule, sizeof(rule), "a preset (%s) or custom", tsys_model_preset_names());
+    snprintf(rule, sizeof(rule), "a preset (%s), custom or from-file", tsys_model_preset_names());
     if (!du_split_check(&o->models, "e2e", "--model", models, ok_model, rule)
         || !du_split_check(&o->contexts, "e2e", "--context-length", contexts, ok_context, "an integer from 1 to 1048576")
         || !du_split_check(&o->modes, "e2e", "--mode", modes, ok_mode, "forward, forward-backward or train")
@@ -173,6 +176,13 @@ static int parse_args(int argc, char **argv, e2e_opts *o) {
                            "none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn or auto:BYTES (K a positive integer, BYTES such as 60GiB)")) {
         opts_free(o);
         return DU_EXIT_USAGE;
+    }
+    for (int i = 0; i < o->models.n; i++) {
+        if (strcmp(o->models.item[i], "from-file")) continue;
+        const tsys_model_desc *x = &o->dims;
+        const char *why = !o->load ? "needs --load FILE (the checkpoint whose dims it takes)"
+                        : x->d_model || x->d_ff || x->num_layers || x->num_heads || x->vocab_size ? "takes its dims from the file: drop --d-model, --d-ff, --num-layers, --num-heads and --vocab-size" : NULL;
+        if (why) { fprintf(stderr, "e2e: --model from-file %s\n", why); opts_free(o); return DU_EXIT_USAGE; }
     }
     return 0;
 }
@@ -333,8 +343,15 @@ static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const ch
     du_row_set(row, "warmup", "%d", o->warmup);
 }
 
-// The model shape of a configuration: a preset (explicit dims override it) or 'custom'.
+// The model shape of a configuration: a preset (explicit dims override it), 'custom', or 'from-file'
+// (the --load checkpoint's dims; the context is the configuration's, as RoPE has no length limit).
 static bool config_desc(const e2e_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
+    if (!strcmp(model_name, "from-file")) {
+        if (tsys_model_desc_from_file(o->load, d, err, len) != TSYS_OK) return false;
+        d->context_length = T;
+        d->attn = attn;
+        return tsys_model_desc_validate(d, err, len) == TSYS_OK && du_model_sizes_ok(d, o->batch, T, err, len);
+    }
     return du_model_desc(&o->dims, model_name, T, attn, d, err, len) && du_model_sizes_ok(d, o->batch, T, err, len);
 }
 

@@ -1,10 +1,12 @@
 // test_model.c - the cs336 model against PyTorch fixtures (logits, loss, every gradient, AdamW),
 // model configuration checks, autocast rules, loss scaling, optimizers and schedules.
+#define _POSIX_C_SOURCE 200809L   // mkdtemp
 #define TSYS_IMPLEMENTATION
 #include "../tsys.h"
 #include "harness.h"
 #include "test_util.h"
 #include <unistd.h>
+#include <sys/stat.h>   // mkdir
 
 #ifndef TSYS_FIXTURES
 #define TSYS_FIXTURES "tests/fixtures"
@@ -682,4 +684,300 @@ TSYS_TEST(model_config_validation_and_sizes) {
     tsys_ctx_free(ctx);
 }
 
-int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
+// ---- Hugging Face Llama checkpoints ------------------------------------------------------------
+
+// The HF name of a tsys parameter and whether its rows are q/k (RoPE layout); NULL for lm_head when tied.
+static const char *hf_name(const char *n, char *buf, size_t len, bool *rope) {
+    static const char *const map[][2] = {
+        {"attn.q_proj.weight", "self_attn.q_proj.weight"}, {"attn.k_proj.weight", "self_attn.k_proj.weight"},
+        {"attn.v_proj.weight", "self_attn.v_proj.weight"}, {"attn.output_proj.weight", "self_attn.o_proj.weight"},
+        {"ffn.w1.weight", "mlp.gate_proj.weight"}, {"ffn.w3.weight", "mlp.up_proj.weight"}, {"ffn.w2.weight", "mlp.down_proj.weight"},
+        {"ln1.weight", "input_layernorm.weight"}, {"ln2.weight", "post_attention_layernorm.weight"},
+    };
+    int layer, at = 0;
+    *rope = false;
+    if (!strcmp(n, "token_embeddings.weight")) return "model.embed_tokens.weight";
+    if (!strcmp(n, "ln_final.weight")) return "model.norm.weight";
+    if (!strcmp(n, "lm_head.weight")) return "lm_head.weight";
+    if (sscanf(n, "layers.%d.%n", &layer, &at) != 1 || !at) return NULL;
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (!strcmp(n + at, map[i][0])) {
+            snprintf(buf, len, "model.layers.%d.%s", layer, map[i][1]);
+            *rope = i < 2;
+            return buf;
+        }
+    return NULL;
+}
+
+// Writes m as save_pretrained would, into dir (model.safetensors, config.json): HF names, q/k rows in
+// rotate-half order (HF row i of a head of d rows is tsys row 2i, HF row i + d/2 is tsys row 2i + 1),
+// lm_head left out when tied, an inv_freq buffer as older transformers saved. kv_rows < d_model writes
+// k/v projections of that many rows (grouped-query attention).
+static bool hf_save(tsys_ctx *ctx, tsys_model *m, const char *dir, bool tied, int kv_rows) {
+    const tsys_model_desc *d = tsys_model_get_desc(m);
+    int n = tsys_model_num_tensors(m), k = 0;
+    tsys_tensor **out = (tsys_tensor **)calloc((size_t)n + 1, sizeof *out);
+    int64_t H = d->num_heads, hd = d->d_model / H;
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *p = tsys_model_params(m)[i];
+        char buf[160];
+        bool rope;
+        const char *name = hf_name(p->name, buf, sizeof buf, &rope);
+        if (!name || (tied && !strcmp(name, "lm_head.weight"))) continue;
+        float *v = test_read(ctx, p), *w = (float *)malloc(tsys_tensor_bytes(p));
+        int64_t rows = p->ndim == 2 ? p->shape[0] : 1, cols = p->ndim == 2 ? p->shape[1] : p->shape[0];
+        memcpy(w, v, tsys_tensor_bytes(p));
+        if (rope)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t r = 0; r < hd; r++) {   // HF row r of the head from tsys row 2r or 2(r - d/2) + 1
+                    int64_t src = r < hd / 2 ? 2 * r : 2 * (r - hd / 2) + 1;
+                    memcpy(w + (h * hd + r) * cols, v + (h * hd + src) * cols, sizeof(float) * (size_t)cols);
+                }
+        int64_t shape[2] = {p->ndim == 2 ? rows : cols, cols};
+        if (kv_rows && (strstr(name, ".k_proj.") || strstr(name, ".v_proj."))) shape[0] = kv_rows;
+        out[k] = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, p->ndim, shape, w);
+        tsys_tensor_set_name(out[k++], "%s", name);
+        free(v); free(w);
+    }
+    float inv[4] = {1, 0.1f, 0.01f, 0.001f};
+    int64_t s4 = 4;
+    out[k] = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 1, &s4, inv);
+    tsys_tensor_set_name(out[k++], "model.layers.0.self_attn.rotary_emb.inv_freq");
+    char path[600];
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    bool ok = tsys_safetensors_save(ctx, path, out, k) == TSYS_OK;
+    for (int i = 0; i < k; i++) tsys_tensor_release(out[i]);
+    free(out);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    if (!f) return false;
+    fprintf(f, "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"attention_bias\": false,\n  \"hidden_act\": \"silu\",\n  \"hidden_size\": %d,\n"
+               "  \"intermediate_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"model_type\": \"llama\",\n  \"num_attention_heads\": %d,\n"
+               "  \"num_hidden_layers\": %d,\n  \"num_key_value_heads\": %d,\n  \"rms_norm_eps\": %.9g,\n  \"rope_scaling\": null,\n  \"rope_theta\": %.9g,\n"
+               "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"float32\",\n  \"vocab_size\": %d\n}\n",
+            d->d_model, d->d_ff, d->context_length, d->num_heads, d->num_layers, kv_rows ? kv_rows / (int)hd : d->num_heads, (double)d->eps,
+            (double)d->rope_theta, tied ? "true" : "false", d->vocab_size);
+    fclose(f);
+    return ok;
+}
+
+static char hf_tmp[64];
+static const char *hf_dir(const char *name) {
+    static char buf[4][300];
+    static int next;
+    if (!hf_tmp[0]) { strcpy(hf_tmp, "/tmp/tsys_hf_XXXXXX"); if (!mkdtemp(hf_tmp)) return NULL; }
+    char *p = buf[next++ % 4];
+    snprintf(p, 300, "%s/%s", hf_tmp, name);
+    return p;
+}
+
+static tsys_model_desc hf_test_desc(void) {
+    tsys_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.vocab_size = 96; d.context_length = 16; d.d_model = 32; d.num_layers = 2; d.num_heads = 4; d.d_ff = 48;
+    d.rope_theta = 10000.0f; d.eps = 1e-6f;
+    return d;
+}
+
+// An HF-layout checkpoint made from a tsys model loads back into the same weights and logits, bit for
+// bit: the names map, q/k rows permute back, a tied lm_head comes from the embedding, and the dims come
+// from config.json.
+TSYS_TEST(model_loads_hf_llama_checkpoint) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = hf_test_desc();
+    for (int tied = 0; tied < 2; tied++) {
+        tsys_model *src = tsys_model_new(ctx, &d, TSYS_CPU, 11);
+        if (tied) tsys_tensor_copy_from(ctx, tsys_model_param(src, "lm_head.weight"), tsys_model_param(src, "token_embeddings.weight"));
+        const char *dir = hf_dir(tied ? "tied" : "untied");
+        TEST_CHECK(src && dir && hf_save(ctx, src, dir, tied, 0), "hf_save: %s", tsys_ctx_last_error(ctx));
+        tsys_model_desc got;
+        char err[512], file[400];
+        TEST_CHECK(tsys_model_desc_from_file(dir, &got, err, sizeof err) == TSYS_OK, "desc from the directory: %s", err);
+        TEST_CHECK(got.vocab_size == 96 && got.context_length == 16 && got.d_model == 32 && got.num_layers == 2 && got.num_heads == 4 && got.d_ff == 48
+                   && got.rope_theta == 10000.0f && got.eps == 1e-6f, "dims from config.json");
+        snprintf(file, sizeof file, "%s/model.safetensors", dir);
+        tsys_model_desc got2;
+        TEST_CHECK(tsys_model_desc_from_file(file, &got2, err, sizeof err) == TSYS_OK && !memcmp(&got, &got2, sizeof got), "desc from the file: %s", err);
+        tsys_model *dst = tsys_model_new(ctx, &got, TSYS_CPU, 99);
+        TEST_CHECK(dst && tsys_model_load(dst, tied ? dir : file) == TSYS_OK, "load: %s", tsys_ctx_last_error(ctx));
+        tsys_ctx_clear_error(ctx);
+        for (int i = 0; dst && i < tsys_model_num_tensors(dst); i++) {
+            tsys_tensor *a = tsys_model_params(src)[i], *b = tsys_model_params(dst)[i];
+            TEST_CHECK(!memcmp(tsys_tensor_data(a), tsys_tensor_data(b), tsys_tensor_bytes(a)), "%s differs after the round trip", a->name);
+        }
+        int64_t sh[2] = {2, 16};
+        tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, sh);
+        tsys_tensor_randint(ctx, ids, d.vocab_size);
+        tsys_tensor *la = tsys_model_forward(src, ids), *lb = dst ? tsys_model_forward(dst, ids) : NULL;
+        TEST_CHECK(la && lb && !memcmp(tsys_tensor_data(la), tsys_tensor_data(lb), tsys_tensor_bytes(la)), "logits differ");
+        tsys_tensor_release(la); tsys_tensor_release(lb); tsys_tensor_release(ids);
+        tsys_model_free(dst);
+        tsys_model_free(src);
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_free(ctx);
+}
+
+// RoPE in HF's rotate-half convention, by hand, against tsys's RoPE on the rows the loader permutes:
+// each rotated coordinate lands where the permutation says, and every score q.k is the same.
+TSYS_TEST(model_hf_rope_permutation_matches_rotate_half) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.vocab_size = 8; d.context_length = 8; d.d_model = 8; d.num_layers = 1; d.num_heads = 2; d.d_ff = 8; d.rope_theta = 100.0f;
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 3);
+    // The checkpoint's q_proj and k_proj, in HF layout: W[r][c] = distinct small values.
+    float wq[64], wk[64], x[8] = {0.3f, -1.2f, 0.7f, 2.0f, -0.4f, 1.1f, 0.05f, -0.9f};
+    for (int i = 0; i < 64; i++) { wq[i] = (float)((i * 37) % 19 - 9) / 7.0f; wk[i] = (float)((i * 23) % 17 - 8) / 5.0f; }
+    // hf_save permutes tsys rows into HF order; give it the inverse, so the file holds wq, wk as they are
+    const int hd = 4, T = 6;
+    float tq[64], tk[64];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < hd; r++) {
+            int src = r < hd / 2 ? 2 * r : 2 * (r - hd / 2) + 1;   // HF row r is tsys row src
+            memcpy(tq + (h * hd + src) * 8, wq + (h * hd + r) * 8, sizeof(float) * 8);
+            memcpy(tk + (h * hd + src) * 8, wk + (h * hd + r) * 8, sizeof(float) * 8);
+        }
+    memcpy(tsys_tensor_data(tsys_model_param(m, "layers.0.attn.q_proj.weight")), tq, sizeof tq);
+    memcpy(tsys_tensor_data(tsys_model_param(m, "layers.0.attn.k_proj.weight")), tk, sizeof tk);
+    const char *dir = hf_dir("rope");
+    TEST_CHECK(hf_save(ctx, m, dir, false, 0), "hf_save: %s", tsys_ctx_last_error(ctx));
+    // the file holds wq as given
+    char file[400];
+    snprintf(file, sizeof file, "%s/model.safetensors", dir);
+    tsys_tensor **list = NULL;
+    int nl = 0;
+    TEST_CHECK(tsys_safetensors_load(ctx, file, TSYS_CPU, &list, &nl) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    for (int i = 0; i < nl; i++)
+        if (!strcmp(list[i]->name, "model.layers.0.self_attn.q_proj.weight")) TEST_CHECK(!memcmp(tsys_tensor_data(list[i]), wq, sizeof wq), "file q_proj is not wq");
+    tsys_tensor_list_free(list, nl);
+    tsys_model *l = tsys_model_new(ctx, &d, TSYS_CPU, 4);
+    TEST_CHECK(l && tsys_model_load(l, dir) == TSYS_OK, "load: %s", tsys_ctx_last_error(ctx));
+    const float *lq = (const float *)tsys_tensor_data(tsys_model_param(l, "layers.0.attn.q_proj.weight"));
+    const float *lk = (const float *)tsys_tensor_data(tsys_model_param(l, "layers.0.attn.k_proj.weight"));
+    double worst_elem = 0, worst_score = 0;
+    for (int h = 0; h < 2; h++) {
+        // HF: q = Wq x per head, rotate-half RoPE at positions 0..T-1 (freq_i = theta^(-2i/d), pair (i, i + d/2))
+        float hq[6][4], hk[6][4];
+        int64_t shape[2] = {T, hd};
+        float qin[6 * 4], kin[6 * 4];
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < hd; r++) {
+                double aq = 0, ak = 0, bq = 0, bk = 0;
+                for (int c = 0; c < 8; c++) {
+                    aq += wq[(h * hd + r) * 8 + c] * x[c]; ak += wk[(h * hd + r) * 8 + c] * x[c];
+                    bq += lq[(h * hd + r) * 8 + c] * x[c]; bk += lk[(h * hd + r) * 8 + c] * x[c];
+                }
+                hq[t][r] = (float)aq; hk[t][r] = (float)ak;
+                qin[t * hd + r] = (float)bq; kin[t * hd + r] = (float)bk;   // tsys's q, k from the loaded rows
+            }
+        for (int t = 0; t < T; t++) {
+            float q2[4], k2[4];
+            for (int i = 0; i < hd / 2; i++) {
+                double f = pow(100.0, -2.0 * i / hd), c = cos(t * f), s = sin(t * f);
+                q2[i] = (float)(hq[t][i] * c - hq[t][i + 2] * s); q2[i + 2] = (float)(hq[t][i + 2] * c + hq[t][i] * s);
+                k2[i] = (float)(hk[t][i] * c - hk[t][i + 2] * s); k2[i + 2] = (float)(hk[t][i + 2] * c + hk[t][i] * s);
+            }
+            memcpy(hq[t], q2, sizeof q2); memcpy(hk[t], k2, sizeof k2);
+        }
+        tsys_tensor *tq_in = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 2, shape, qin), *tk_in = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 2, shape, kin);
+        tsys_tensor *rq = tsys_rope(ctx, tq_in, 100.0f), *rk = tsys_rope(ctx, tk_in, 100.0f);
+        const float *yq = (const float *)tsys_tensor_data(rq), *yk = (const float *)tsys_tensor_data(rk);
+        for (int t = 0; t < T; t++) {
+            for (int i = 0; i < hd / 2; i++) {   // tsys pair (2i, 2i+1) is HF pair (i, i + d/2)
+                worst_elem = fmax(worst_elem, fabs(yq[t * hd + 2 * i] - hq[t][i]) + fabs(yq[t * hd + 2 * i + 1] - hq[t][i + 2]));
+                worst_elem = fmax(worst_elem, fabs(yk[t * hd + 2 * i] - hk[t][i]) + fabs(yk[t * hd + 2 * i + 1] - hk[t][i + 2]));
+            }
+            for (int u = 0; u < T; u++) {
+                double a = 0, b = 0;
+                for (int r = 0; r < hd; r++) { a += (double)hq[t][r] * hk[u][r]; b += (double)yq[t * hd + r] * yk[u * hd + r]; }
+                worst_score = fmax(worst_score, fabs(a - b) / (1 + fabs(a)));
+            }
+        }
+        tsys_tensor_release(tq_in); tsys_tensor_release(tk_in); tsys_tensor_release(rq); tsys_tensor_release(rk);
+    }
+    TEST_CHECK(worst_elem < 1e-5, "rotated coordinates differ by %.3g", worst_elem);
+    TEST_CHECK(worst_score < 1e-5, "scores differ by %.3g (relative)", worst_score);
+    tsys_model_free(l);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+// What tsys cannot run is refused by name: grouped-query attention (config and tensors), scaled RoPE.
+TSYS_TEST(model_hf_refuses_gqa_and_scaled_rope) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = hf_test_desc();
+    tsys_model *src = tsys_model_new(ctx, &d, TSYS_CPU, 11);
+    const char *dir = hf_dir("gqa");
+    TEST_CHECK(hf_save(ctx, src, dir, false, 16), "hf_save: %s", tsys_ctx_last_error(ctx));
+    tsys_model_desc got;
+    char err[512];
+    TEST_CHECK(tsys_model_desc_from_file(dir, &got, err, sizeof err) == TSYS_ERR_IO && strstr(err, "config.json") && strstr(err, "num_key_value_heads")
+               && strstr(err, "grouped-query"), "GQA config: %s", err);
+    tsys_model *dst = tsys_model_new(ctx, &d, TSYS_CPU, 2);
+    tsys_status s = tsys_model_load(dst, dir);
+    const char *msg = tsys_ctx_last_error(ctx);
+    TEST_CHECK(s == TSYS_ERR_UNSUPPORTED && strstr(msg, "model.layers.0.self_attn.k_proj.weight") && strstr(msg, "grouped-query"), "GQA load: %s", msg);
+    tsys_ctx_clear_error(ctx);
+    // scaled RoPE in config.json, and no config.json at all
+    dir = hf_dir("scaled");
+    TEST_CHECK(hf_save(ctx, src, dir, false, 0), "hf_save: %s", tsys_ctx_last_error(ctx));
+    char path[400];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    if (f) { fputs("{\"hidden_size\": 32, \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"vocab_size\": 96,"
+                   " \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}}", f); fclose(f); }
+    TEST_CHECK(tsys_model_desc_from_file(dir, &got, err, sizeof err) == TSYS_ERR_IO && strstr(err, "llama3"), "scaled RoPE: %s", err);
+    if ((f = fopen(path, "w"))) { fputs("{\"hidden_size\": 32, \"intermediate_size\": 48, \"num_hidden_layers\": 2, \"vocab_size\": 96}", f); fclose(f); }
+    TEST_CHECK(tsys_model_desc_from_file(dir, &got, err, sizeof err) == TSYS_ERR_IO && strstr(err, "config.json") && strstr(err, "\"num_attention_heads\""), "missing key: %s", err);
+    remove(path);
+    TEST_CHECK(tsys_model_desc_from_file(dir, &got, err, sizeof err) == TSYS_ERR_IO && strstr(err, "config.json") && strstr(err, "cannot open"), "no config: %s", err);
+    tsys_model_free(dst);
+    tsys_model_free(src);
+    tsys_ctx_free(ctx);
+}
+
+// With TSYS_HF_CHECK_DIR set (tests/ref/hf_llama_check.py sets it): the checkpoint there, saved by
+// transformers' save_pretrained, gives transformers' logits and loss (check.safetensors) within 1e-5.
+TSYS_TEST(model_matches_transformers_llama) {
+    const char *dir = getenv("TSYS_HF_CHECK_DIR");
+    if (!dir || !*dir) return;   // only when the reference has been made
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d;
+    char err[512], path[600];
+    TEST_CHECK(tsys_model_desc_from_file(dir, &d, err, sizeof err) == TSYS_OK, "desc: %s", err);
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 1);
+    TEST_CHECK(m && tsys_model_load(m, dir) == TSYS_OK, "load: %s", tsys_ctx_last_error(ctx));
+    snprintf(path, sizeof path, "%s/check.safetensors", dir);
+    tsys_tensor **list = NULL;
+    int n = 0;
+    TEST_CHECK(tsys_safetensors_load(ctx, path, TSYS_CPU, &list, &n) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor *ids = find(list, n, "input_ids"), *tgt = find(list, n, "targets"), *ref = find(list, n, "logits"), *ref_loss = find(list, n, "loss");
+    if (m && ids && tgt && ref && ref_loss) {
+        tsys_tensor *logits = tsys_model_forward(m, ids);
+        tsys_tensor *loss = logits ? tsys_cross_entropy(ctx, logits, tgt) : NULL;
+        float *a = logits ? test_read(ctx, logits) : NULL, *b = test_read(ctx, ref);
+        double worst = 0, scale = 0;
+        for (int64_t i = 0; a && b && i < tsys_tensor_numel(ref); i++) { worst = fmax(worst, fabs((double)a[i] - b[i])); scale = fmax(scale, fabs((double)b[i])); }
+        double rel = a && b && logits && tsys_tensor_numel(logits) == tsys_tensor_numel(ref) ? worst / scale : INFINITY;
+        double l = loss ? tsys_item(ctx, loss) : NAN, lr = tsys_item(ctx, ref_loss);
+        printf("\n    logits max |diff| / max |ref| %.3g, loss %.8f vs transformers %.8f (rel %.3g)\n  ", rel, l, lr, fabs(l - lr) / fabs(lr));
+        TEST_CHECK(rel <= 1e-5, "logits relative error %.3g", rel);
+        TEST_CHECK(fabs(l - lr) <= 1e-5 * fabs(lr), "loss %.8f vs %.8f", l, lr);
+        free(a); free(b);
+        tsys_tensor_release(logits); tsys_tensor_release(loss);
+    } else TEST_CHECK(0, "%s lacks input_ids, targets, logits or loss", path);
+    tsys_tensor_list_free(list, n);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+static void hf_cleanup(void) {
+    if (!hf_tmp[0]) return;
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", hf_tmp);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", hf_tmp);
+}
+
+int main(int argc, char **argv) { int rc = tsys_test_main(argc, argv); hf_cleanup(); return rc; }

@@ -1018,6 +1018,140 @@ TSYS_TEST(safetensors_model_load_refuses_unexpected) {
     tsys_ctx_free(ctx);
 }
 
+// tsys_model_save writes the dimensions into "__metadata__"; tsys_model_desc_from_file reads them
+// back, and a model made from them loads the file.
+TSYS_TEST(safetensors_model_desc_round_trip) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.vocab_size = 61; d.context_length = 12; d.d_model = 24; d.num_layers = 2; d.num_heads = 3; d.d_ff = 40;
+    d.rope_theta = 500000.0f; d.eps = 1e-6f;
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 5);
+    const char *path = st_path("dims.safetensors");
+    TEST_CHECK(m && tsys_model_save(m, path) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    tsys_model_desc got;
+    char err[512];
+    memset(&got, 0xff, sizeof got);
+    tsys_status s = tsys_model_desc_from_file(path, &got, err, sizeof err);
+    TEST_CHECK(s == TSYS_OK, "from_file: %s", err);
+    TEST_CHECK(got.vocab_size == 61 && got.context_length == 12 && got.d_model == 24 && got.num_layers == 2 && got.num_heads == 3 && got.d_ff == 40,
+               "dims %d %d %d %d %d %d", got.vocab_size, got.context_length, got.d_model, got.num_layers, got.num_heads, got.d_ff);
+    TEST_CHECK(got.rope_theta == 500000.0f && got.eps == 1e-6f, "rope_theta %.9g eps %.9g", (double)got.rope_theta, (double)got.eps);
+    TEST_CHECK(got.attn == NULL && got.checkpoint == NULL, "attn and checkpoint are left to the defaults");
+    tsys_model *back = s == TSYS_OK ? tsys_model_new(ctx, &got, TSYS_CPU, 9) : NULL;
+    TEST_CHECK(back && tsys_model_load(back, path) == TSYS_OK, "load into the model from the file's dims: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(back && m && st_model_equal(back, m), "the loaded parameters differ");
+    // the metadata is there for other readers too: "format" first, then the dims as strings
+    char buf[200];
+    FILE *f = fopen(path, "rb");
+    size_t got_n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[got_n] = 0;
+    TEST_CHECK(got_n > 8 && strstr(buf + 8, "{\"__metadata__\":{\"format\":\"pt\",\"vocab_size\":\"61\",\"context_length\":\"12\""), "header: %s", buf + 8);
+    tsys_model_free(back);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+// A file without the dimensions, or with a bad one, is refused naming the file and the key.
+TSYS_TEST(safetensors_model_desc_from_file_errors) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model *m = st_small_model(ctx, 1);
+    const char *plain = st_path("nodims.safetensors");
+    TEST_CHECK(m && tsys_safetensors_save(ctx, plain, tsys_model_params(m), tsys_model_num_tensors(m)) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    tsys_model_desc d;
+    char err[512];
+    TEST_CHECK(tsys_model_desc_from_file(plain, &d, err, sizeof err) == TSYS_ERR_IO && strstr(err, "nodims.safetensors") && strstr(err, "\"vocab_size\"")
+               && strstr(err, "tsys_model_save"), "no metadata: %s", err);
+    // one key missing, the others there
+    static const char *const keys[] = {"vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads", "rope_theta", "eps"};
+    const char *vals[8] = {"64", "8", "16", "32", "1", "2", "10000", "1e-05"};
+    const char *meta[16];
+    for (int i = 0; i < 8; i++) { meta[2 * i] = keys[i]; meta[2 * i + 1] = vals[i]; }
+    const char *p = st_path("lacks_heads.safetensors");
+    TEST_CHECK(tsys_safetensors_save_ex(ctx, p, tsys_model_params(m), tsys_model_num_tensors(m), meta, 5) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_model_desc_from_file(p, &d, err, sizeof err) == TSYS_ERR_IO && strstr(err, "lacks_heads.safetensors") && strstr(err, "\"num_heads\""), "missing key: %s", err);
+    // bad values: not a number, trailing junk, zero, negative, a float for an int, an overflow, a bad float
+    static const struct { int key; const char *val; } bad[] = {
+        {2, "abc"}, {2, "16x"}, {5, "0"}, {0, "-64"}, {4, "1.5"}, {0, "99999999999"}, {6, "nan"}, {7, "-1e-5"}, {3, ""},
+    };
+    for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+        const char *v2[8];
+        memcpy(v2, vals, sizeof v2);
+        v2[bad[b].key] = bad[b].val;
+        for (int i = 0; i < 8; i++) meta[2 * i + 1] = v2[i];
+        p = st_path("bad_dim.safetensors");
+        TEST_CHECK(tsys_safetensors_save_ex(ctx, p, tsys_model_params(m), tsys_model_num_tensors(m), meta, 8) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+        char key[40];
+        snprintf(key, sizeof key, "\"%s\"", keys[bad[b].key]);
+        tsys_status s = tsys_model_desc_from_file(p, &d, err, sizeof err);
+        TEST_CHECK(s == TSYS_ERR_IO && strstr(err, "bad_dim.safetensors") && strstr(err, key), "%s = '%s': status %d, %s", keys[bad[b].key], bad[b].val, (int)s, err);
+    }
+    // dims that parse but make no model (d_model not a multiple of num_heads)
+    for (int i = 0; i < 8; i++) meta[2 * i + 1] = vals[i];
+    meta[2 * 5 + 1] = "3";
+    p = st_path("no_model.safetensors");
+    TEST_CHECK(tsys_safetensors_save_ex(ctx, p, tsys_model_params(m), tsys_model_num_tensors(m), meta, 8) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_model_desc_from_file(p, &d, err, sizeof err) == TSYS_ERR_IO && strstr(err, "no_model.safetensors"), "no model: %s", err);
+    // a file that is not there, and non-string metadata values (skipped, as other readers do)
+    TEST_CHECK(tsys_model_desc_from_file(st_path("absent.safetensors"), &d, err, sizeof err) == TSYS_ERR_IO && strstr(err, "absent.safetensors"), "absent: %s", err);
+    const char *hdr = "{\"__metadata__\":{\"d_model\":16,\"format\":\"pt\"}}";
+    p = st_path("numeric_meta.safetensors");
+    st_write_file(p, hdr, NULL, 0);
+    TEST_CHECK(tsys_model_desc_from_file(p, &d, err, sizeof err) == TSYS_ERR_IO && strstr(err, "lacks"), "numeric metadata: %s", err);
+    // duplicate metadata keys are refused when saving
+    meta[2] = keys[0];
+    st_expect_error(ctx, tsys_safetensors_save_ex(ctx, st_path("dupmeta.safetensors"), tsys_model_params(m), 1, meta, 2), TSYS_ERR_INVALID_ARGS, "'vocab_size' given twice", NULL);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+// State dicts of torch.compile'd ("_orig_mod.") and DDP/FSDP-wrapped ("module.") models load: the
+// prefixes are dropped name by name, any number in any order; two names that collide are refused.
+TSYS_TEST(safetensors_model_load_drops_wrapper_prefixes) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model *src = st_small_model(ctx, 1), *dst = st_small_model(ctx, 2);
+    TEST_CHECK(src && dst, "model: %s", tsys_ctx_last_error(ctx));
+    if (!src || !dst) { tsys_model_free(src); tsys_model_free(dst); tsys_ctx_free(ctx); return; }
+    static const char *const prefixes[] = {"", "_orig_mod.", "module.", "module._orig_mod.", "_orig_mod.module.module."};
+    int np = tsys_model_num_tensors(src);
+    tsys_tensor **renamed = (tsys_tensor **)malloc((size_t)(np + 1) * sizeof *renamed);
+    for (int all = 0; all < 2; all++) {   // every name with one prefix, then a mix of all of them
+        for (int pi = all ? 0 : 1; pi < (all ? 1 : 5); pi++) {
+            for (int i = 0; i < np; i++) {
+                const tsys_tensor *t = tsys_model_params(src)[i];
+                renamed[i] = st_tensor(ctx, "", TSYS_F32, t->ndim, t->shape, tsys_tensor_data(t));
+                tsys_tensor_set_name(renamed[i], "%s%s", prefixes[all ? i % 5 : pi], t->name);
+            }
+            const char *path = st_path("prefixed.safetensors");
+            TEST_CHECK(tsys_safetensors_save(ctx, path, renamed, np) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+            tsys_model_free(dst);
+            dst = st_small_model(ctx, 2);
+            TEST_CHECK(tsys_model_load(dst, path) == TSYS_OK, "load with prefix '%s': %s", all ? "(mixed)" : prefixes[pi], tsys_ctx_last_error(ctx));
+            tsys_ctx_clear_error(ctx);
+            TEST_CHECK(st_model_equal(dst, src), "prefix '%s': the parameters are not the file's", all ? "(mixed)" : prefixes[pi]);
+            for (int i = 0; i < np; i++) tsys_tensor_release(renamed[i]);
+        }
+    }
+    // "module.ln_final.weight" and "ln_final.weight" both load as ln_final.weight
+    for (int i = 0; i < np; i++) {
+        const tsys_tensor *t = tsys_model_params(src)[i];
+        renamed[i] = st_tensor(ctx, t->name, TSYS_F32, t->ndim, t->shape, tsys_tensor_data(t));
+    }
+    const tsys_tensor *fin = tsys_model_param(src, "ln_final.weight");
+    renamed[np] = st_tensor(ctx, "module.ln_final.weight", TSYS_F32, fin->ndim, fin->shape, tsys_tensor_data(fin));
+    const char *path = st_path("collide.safetensors");
+    TEST_CHECK(tsys_safetensors_save(ctx, path, renamed, np + 1) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    st_expect_error(ctx, tsys_model_load(dst, path), TSYS_ERR_IO, "collide.safetensors", "'ln_final.weight' and 'module.ln_final.weight' both load as 'ln_final.weight'", NULL);
+    // load_into keeps exact names: prefixes are the model load's
+    st_expect_error(ctx, tsys_safetensors_load_into(ctx, st_path("prefixed.safetensors"), tsys_model_params(dst) + 1, 1), TSYS_ERR_IO, "missing", NULL);
+    for (int i = 0; i <= np; i++) tsys_tensor_release(renamed[i]);
+    free(renamed);
+    tsys_model_free(src);
+    tsys_model_free(dst);
+    tsys_ctx_free(ctx);
+}
+
 // The other whole-file writers go through the same tsys_atomic_file: a symlink at the final name is
 // replaced, never written through (here the profiler's trace); an aborted file leaves nothing.
 TSYS_TEST(safetensors_atomic_file_never_writes_through) {
