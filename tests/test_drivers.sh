@@ -247,6 +247,40 @@ t_load_directory_is_named() {
 
 # ---- columns ----------------------------------------------------------------------------------------
 
+# st_model FILE [META]: a checkpoint of the MODEL dims (zeros) whose __metadata__ holds META (by
+# default the dims, as tsys_model_save writes them).
+st_model() {
+  local meta=${2-'"vocab_size":"64","context_length":"8","d_model":"16","d_ff":"32","num_layers":"1","num_heads":"2","rope_theta":"10000","eps":"1e-05"'}
+  local hdr="{\"__metadata__\":{\"format\":\"pt\"${meta:+,$meta}}" at=0 n e
+  for e in token_embeddings.weight:64,16 layers.0.attn.q_proj.weight:16,16 layers.0.attn.k_proj.weight:16,16 \
+           layers.0.attn.v_proj.weight:16,16 layers.0.attn.output_proj.weight:16,16 layers.0.ffn.w1.weight:32,16 \
+           layers.0.ffn.w2.weight:16,32 layers.0.ffn.w3.weight:32,16 layers.0.ln1.weight:16 layers.0.ln2.weight:16 \
+           ln_final.weight:16 lm_head.weight:64,16; do
+    n=$(( $(echo "${e#*:}" | tr , '*') * 4 ))
+    hdr+=",\"${e%%:*}\":{\"dtype\":\"F32\",\"shape\":[${e#*:}],\"data_offsets\":[$at,$((at + n))]}"
+    at=$((at + n))
+  done
+  hdr+='}'
+  local len=${#hdr}
+  { printf "$(printf '\\x%02x' $((len & 255)) $(((len >> 8) & 255)) 0 0 0 0 0 0)"; printf '%s' "$hdr"; head -c $at /dev/zero; } >"$1"
+}
+
+t_model_from_file() {
+  st_model "$tmp/dims.safetensors"
+  run "$B/e2e" --model from-file --load "$tmp/dims.safetensors" --context-length 8 --batch-size 1 --warmup 0 --steps 1 --no-sgemm --format csv
+  expect_rc 0 "e2e --model from-file"
+  expect_in "$tmp/out" '^cpu,from-file,8,1,.*,ok$' "a row of the file's model"
+  run "$B/e2e" --model from-file --context-length 8 --dry-run
+  expect_rc 2 "--model from-file without --load"
+  expect_in "$tmp/err" 'needs --load' "the message says what from-file needs"
+  run "$B/e2e" --model from-file --load "$tmp/dims.safetensors" --d-model 32 --dry-run
+  expect_rc 2 "--model from-file with explicit dims"
+  st_model "$tmp/nodims.safetensors" ''
+  run "$B/e2e" --model from-file --load "$tmp/nodims.safetensors" --context-length 8 --batch-size 1 --warmup 0 --steps 1 --no-sgemm
+  expect_rc 1 "--model from-file on a file without dims"
+  expect_in "$tmp/out" 'nodims.safetensors.*lacks "vocab_size"' "the error names the file and the key"
+}
+
 t_cpu_e2e_has_mfu() {
   run "$B/e2e" "${MODEL[@]}" --context-length 8 --format csv
   expect_rc 0 "e2e with the sgemm measurement"
