@@ -33,6 +33,7 @@ typedef struct mem_opts {
     tsys_model_desc dims;
     bool oom_ok, dry_run;
     FILE *details;   // the per-configuration tables, printed after the results
+    struct memviz *mv;   // the memory_viz snapshot's tracker (--out)
 } mem_opts;
 
 static void usage(FILE *f) {
@@ -397,13 +398,18 @@ static bool write_json(const char *path, tsys_ctx *ctx, const timeline *tl, cons
     else fprintf(f, "null");
     fprintf(f, ",\n \"tags\": [");
     for (int t = 0; t < tl->num_tags; t++) fprintf(f, "%s\"%s\"", t ? ", " : "", tsys_mem_tag_name(ctx, t));
-    fprintf(f, "],\n \"columns\": [\"t\", \"delta\", \"live\", \"cached\", \"category\", \"tag\", \"id\", \"action\"],\n \"events\": [");
+    // dtype and shape: the tensor an allocation was made for (null for frees, moves and memory no tensor owns)
+    fprintf(f, "],\n \"columns\": [\"t\", \"delta\", \"live\", \"cached\", \"category\", \"tag\", \"id\", \"action\", \"dtype\", \"shape\"],\n \"events\": [");
     size_t k = 0;
     for (size_t i = 0; i < tl->n; i++) {
         const tsys_mem_event *e = &tl->ev[i];
         if (e->device != tl->dev) continue;
-        fprintf(f, "%s\n  [%.3f, %lld, %lld, %lld, %d, %d, %llu, %d]", k++ ? "," : "", e->t_us * 1e-3 - tl->t0, (long long)e->delta, (long long)e->live,
+        fprintf(f, "%s\n  [%.3f, %lld, %lld, %lld, %d, %d, %llu, %d, ", k++ ? "," : "", e->t_us * 1e-3 - tl->t0, (long long)e->delta, (long long)e->live,
                 (long long)e->cached, (int)e->category, e->tag, (unsigned long long)e->id, (int)e->action);
+        if (e->ndim < 0) { fprintf(f, "null, null]"); continue; }
+        fprintf(f, "\"%s\", [", tsys_dtype_name(e->dtype));
+        for (int d = 0; d < e->ndim; d++) fprintf(f, d ? ", %lld" : "%lld", (long long)e->shape[d]);
+        fprintf(f, "]]");
     }
     fprintf(f, "\n]}\n");
     return tsys_atomic_file_commit(ctx, &af) == TSYS_OK;
@@ -499,10 +505,14 @@ static bool write_svg(const char *path, tsys_ctx *ctx, const timeline *tl, const
                 SX(tl->t0 + t), SX(tl->t0 + t), PT + ph, PT + ph + 5, SX(tl->t0 + t), PT + ph + 18, t);
     fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">time (ms, host clock)</text>\n", PL + COLS / 2, SVG_H - 10);
     fprintf(f, "<text transform=\"translate(18 %d) rotate(-90)\" text-anchor=\"middle\">memory (%s)</text>\n", PT + ph / 2, unit);
-    // the peak
+    // the peak, its label inside the plot: left of the mark where it would run into the legend
+    char label[96];
+    int llen = snprintf(label, sizeof(label), "peak %.2f %s at %.1f ms", tl->peak.live * gib, unit, tl->peak.t - tl->t0);
+    double px = SX(tl->peak.t), lw = 7.0 * llen;   // 12px sans-serif: at most about 7px a character
+    bool left = px + 6 + lw > PL + COLS && px - 6 - lw >= PL;
     fprintf(f, "<g class=\"peak\"><circle cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"none\" stroke=\"#c0392b\" stroke-width=\"2\"/>"
-               "<text x=\"%.1f\" y=\"%.1f\" fill=\"#c0392b\">peak %.2f %s at %.1f ms</text></g>\n",
-            SX(tl->peak.t), SY(tl->peak.live), SX(tl->peak.t) + 6, SY(tl->peak.live) - 6 < PT + 12 ? PT + 28.0 : SY(tl->peak.live) - 6, tl->peak.live * gib, unit, tl->peak.t - tl->t0);
+               "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" fill=\"#c0392b\">%s</text></g>\n",
+            px, SY(tl->peak.live), left ? px - 6 : px + 6, SY(tl->peak.live) - 6 < PT + 12 ? PT + 28.0 : SY(tl->peak.live) - 6, left ? "end" : "start", label);
     if (oom) fprintf(f, "<g class=\"oom\"><line x1=\"%.1f\" x2=\"%.1f\" y1=\"%d\" y2=\"%d\" stroke=\"#c0392b\" stroke-width=\"2\"/><text x=\"%.1f\" y=\"%d\" fill=\"#c0392b\">out of memory here</text></g>\n",
                      SX(tl->t1), SX(tl->t1), PT, PT + ph, SX(tl->t1) - 4, PT + ph - 6);
     // legend, top layer first
@@ -518,6 +528,263 @@ static bool write_svg(const char *path, tsys_ctx *ctx, const timeline *tl, const
     fprintf(f, "</svg>\n");
 #undef SX
 #undef SY
+    return tsys_atomic_file_commit(ctx, &af) == TSYS_OK;
+}
+
+// ---- the memory_viz snapshot ----------------------------------------------------------------------
+//
+// With --out, DIR/<configuration>.pickle is the step as torch.cuda.memory._snapshot() would describe
+// it, for pytorch.org/memory_viz and python -m torch.cuda._memory_viz (trace_plot, segment_plot, stats):
+//   {'segments': [{'device', 'address', 'total_size', 'allocated_size', 'active_size', 'requested_size',
+//                  'stream', 'segment_type', 'is_expandable', 'frames',
+//                  'blocks': [{'address', 'size', 'requested_size', 'state', 'frames'}]}],
+//    'device_traces': [[{'action', 'addr', 'size', 'stream', 'time_us', 'frames'}]]}
+// Each allocation is its own segment (a caching allocator that never caches, expandable_segments off):
+// segment_alloc + alloc when it is made, free_requested + free_completed + segment_free when it goes.
+// The trace opens with what was live when the step began (the parameters, the optimizer state...), so
+// replaying it alone gives the tracker's peak, and the segments are what is live at its end.
+// Addresses are virtual: the tracker's events carry no pointer (and on the CPU there is no device
+// address space to speak of), so each live allocation gets one first-fit over the live set, aligned to
+// 512 bytes as the CUDA caching allocator's blocks are; live ones never overlap and a freed range is
+// used again, as a real allocator would. Sizes are the tracker's bytes, exact.
+// Frames, innermost first (memory_viz prints them as filename:line:name): the category and the op that
+// allocated with the tensor's shape and dtype ("temporaries:0:linear [2, 32, 128] f32"), then the
+// scopes open at the time: ops and backward ops, the model's regions ("layers.3"), and the phase.
+
+// A pickle, protocol 2, with only the opcodes both Python's unpickler and memory_viz's own read.
+static void pk_u32(FILE *f, uint32_t v) { for (int i = 0; i < 4; i++) fputc((int)(v >> (8 * i)) & 0xff, f); }
+static void pk_int(FILE *f, int64_t v) {
+    if (v >= INT32_MIN && v <= INT32_MAX) { fputc('J', f); pk_u32(f, (uint32_t)(int32_t)v); return; }   // BININT
+    fputc(0x8a, f); fputc(8, f);   // LONG1, 8 bytes little-endian two's complement
+    for (int i = 0; i < 8; i++) fputc((int)((uint64_t)v >> (8 * i)) & 0xff, f);
+}
+static void pk_str(FILE *f, const char *s, size_t n) { fputc('X', f); pk_u32(f, (uint32_t)n); fwrite(s, 1, n, f); }   // BINUNICODE
+static void pk_key(FILE *f, const char *s) { pk_str(f, s, strlen(s)); }
+static void pk_begin_dict(FILE *f) { fputc('}', f); fputc('(', f); }   // EMPTY_DICT MARK ... SETITEMS
+static void pk_begin_list(FILE *f) { fputc(']', f); fputc('(', f); }   // EMPTY_LIST MARK ... APPENDS
+static void pk_end_dict(FILE *f) { fputc('u', f); }
+static void pk_end_list(FILE *f) { fputc('e', f); }
+
+#define MV_DEPTH 32
+#define MV_BASE 0x7f0000000000ll   // where the virtual addresses start
+#define MV_ALIGN 512
+
+typedef struct mv_live { uint64_t id; int64_t addr, bytes; int frames; } mv_live;
+typedef struct mv_entry { bool alloc; int64_t addr, bytes; int frames; double t_us; } mv_entry;
+
+typedef struct memviz {
+    tsys_device dev;                          // the device whose allocations it follows
+    const char *scope[MV_DEPTH]; tsys_trace_kind kind[MV_DEPTH]; int depth;   // open scopes (trace hooks)
+    mv_live *live; size_t nlive, cap_live;    // sorted by address
+    mv_entry *tr; size_t ntr, cap_tr;         // the window: allocations and frees
+    char **keys; int nkeys; size_t cap_keys;  // frame stacks, interned (each the text of its frames)
+    int *slot; int nslots;                    // hash table over keys
+    bool broken;                              // out of host memory: no snapshot
+    long unmatched;                           // frees of allocations it never saw
+} memviz;
+
+static void *mv_grow(memviz *mv, void *p, size_t *cap, size_t need, size_t size) {
+    if (need <= *cap) return p;
+    size_t c = *cap ? *cap * 2 : 256;
+    while (c < need) c *= 2;
+    void *q = realloc(p, c * size);
+    if (!q) { mv->broken = true; return p; }
+    *cap = c;
+    return q;
+}
+
+static uint32_t mv_hash(const char *s) { uint32_t h = 2166136261u; for (; *s; s++) h = (h ^ (unsigned char)*s) * 16777619u; return h; }
+
+static int mv_intern(memviz *mv, const char *key) {
+    if (mv->nkeys * 2 >= mv->nslots) {   // keep the table at most half full
+        int n = mv->nslots ? mv->nslots * 2 : 1024, *s = (int *)malloc((size_t)n * sizeof(int));
+        if (!s) { mv->broken = true; return 0; }
+        for (int i = 0; i < n; i++) s[i] = -1;
+        for (int k = 0; k < mv->nkeys; k++) {
+            uint32_t h = mv_hash(mv->keys[k]) & (uint32_t)(n - 1);
+            while (s[h] >= 0) h = (h + 1) & (uint32_t)(n - 1);
+            s[h] = k;
+        }
+        free(mv->slot); mv->slot = s; mv->nslots = n;
+    }
+    uint32_t h = mv_hash(key) & (uint32_t)(mv->nslots - 1);
+    for (; mv->slot[h] >= 0; h = (h + 1) & (uint32_t)(mv->nslots - 1))
+        if (!strcmp(mv->keys[mv->slot[h]], key)) return mv->slot[h];
+    mv->keys = (char **)mv_grow(mv, mv->keys, &mv->cap_keys, (size_t)mv->nkeys + 1, sizeof(char *));
+    char *k = mv->broken ? NULL : strdup(key);
+    if (!k) { mv->broken = true; return 0; }
+    mv->keys[mv->nkeys] = k;
+    mv->slot[h] = mv->nkeys;
+    return mv->nkeys++;
+}
+
+static void mv_on_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    (void)ctx;
+    memviz *mv = (memviz *)user;
+    if (mv->depth < MV_DEPTH) { mv->scope[mv->depth] = name; mv->kind[mv->depth] = kind; }
+    mv->depth++;
+}
+static void mv_on_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    (void)ctx; (void)name; (void)kind;
+    memviz *mv = (memviz *)user;
+    if (mv->depth > 0) mv->depth--;
+}
+
+// The frames of an allocation, as text: a "filename\tname" line each, innermost first.
+static int mv_frames(memviz *mv, tsys_ctx *ctx, const tsys_mem_event *e) {
+    char key[2048];
+    const char *tag = tsys_mem_tag_name(ctx, e->tag);
+    size_t o = (size_t)snprintf(key, sizeof(key), "%s\t%s", tsys_mem_category_name(e->category), tag);
+    if (e->ndim >= 0) {
+        o += (size_t)snprintf(key + o, sizeof(key) - o, " [");
+        for (int i = 0; i < e->ndim && o < sizeof(key); i++) o += (size_t)snprintf(key + o, sizeof(key) - o, i ? ", %lld" : "%lld", (long long)e->shape[i]);
+        if (o < sizeof(key)) o += (size_t)snprintf(key + o, sizeof(key) - o, "] %s", tsys_dtype_name(e->dtype));
+    }
+    bool phase = false;
+    for (int i = (mv->depth < MV_DEPTH ? mv->depth : MV_DEPTH) - 1; i >= 0 && o < sizeof(key); i--) {
+        tsys_trace_kind k = mv->kind[i];
+        if (i == mv->depth - 1 && (k == TSYS_TRACE_FORWARD || k == TSYS_TRACE_BACKWARD) && !strcmp(mv->scope[i], tag)) continue;   // the op the first frame names
+        phase = phase || k == TSYS_TRACE_RANGE;
+        o += (size_t)snprintf(key + o, sizeof(key) - o, "\n%s\t%s", k == TSYS_TRACE_FORWARD ? "op" : k == TSYS_TRACE_BACKWARD ? "backward op" :
+                              k == TSYS_TRACE_RANGE ? "phase" : "region", mv->scope[i]);
+    }
+    if (!phase && o < sizeof(key)) snprintf(key + o, sizeof(key) - o, "\nphase\tsetup");   // before the step: the model, its inputs
+    return mv_intern(mv, key);
+}
+
+static void mv_push(memviz *mv, bool alloc, const mv_live *b, double t_us) {
+    mv->tr = (mv_entry *)mv_grow(mv, mv->tr, &mv->cap_tr, mv->ntr + 1, sizeof(mv_entry));
+    if (mv->broken) return;
+    mv_entry *x = &mv->tr[mv->ntr++];
+    x->alloc = alloc; x->addr = b->addr; x->bytes = b->bytes; x->frames = b->frames; x->t_us = t_us;
+}
+
+static void mv_on_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) {
+    memviz *mv = (memviz *)user;
+    if (e->device != mv->dev || e->action == TSYS_MEM_EV_MOVE || mv->broken) return;
+    if (e->action == TSYS_MEM_EV_ALLOC) {   // first fit over the live set (sorted by address)
+        int64_t addr = MV_BASE;
+        size_t i = 0;
+        for (; i < mv->nlive && mv->live[i].addr < addr + e->delta; i++) {
+            int64_t end = mv->live[i].addr + mv->live[i].bytes;
+            end = (end + MV_ALIGN - 1) / MV_ALIGN * MV_ALIGN;
+            if (end > addr) addr = end;
+        }
+        mv->live = (mv_live *)mv_grow(mv, mv->live, &mv->cap_live, mv->nlive + 1, sizeof(mv_live));
+        if (mv->broken) return;
+        memmove(mv->live + i + 1, mv->live + i, (mv->nlive - i) * sizeof(mv_live));
+        mv_live *b = &mv->live[i];
+        b->id = e->id; b->addr = addr; b->bytes = e->delta; b->frames = mv_frames(mv, ctx, e);
+        mv->nlive++;
+        mv_push(mv, true, b, e->t_us);
+        return;
+    }
+    // a free: the storage's allocation; memory a backend notes itself (id 0) pairs with the latest of its size
+    size_t i = mv->nlive;
+    for (size_t j = mv->nlive; j-- > 0;)
+        if (mv->live[j].id == e->id && (e->id || mv->live[j].bytes == -e->delta)) { i = j; break; }
+    if (i == mv->nlive) { mv->unmatched++; return; }
+    mv_push(mv, false, &mv->live[i], e->t_us);
+    memmove(mv->live + i, mv->live + i + 1, (mv->nlive - i - 1) * sizeof(mv_live));
+    mv->nlive--;
+}
+
+// The window opens: the trace starts again with what is live now.
+static void mv_window_begin(memviz *mv, tsys_ctx *ctx) {
+    mv->ntr = 0;
+    double t = tsys_ctx_time_us(ctx);
+    for (size_t i = 0; i < mv->nlive; i++) mv_push(mv, true, &mv->live[i], t);
+}
+
+static void mv_free(memviz *mv) {
+    for (int k = 0; k < mv->nkeys; k++) free(mv->keys[k]);
+    free(mv->keys); free(mv->slot); free(mv->live); free(mv->tr);
+    memset(mv, 0, sizeof(*mv));
+}
+
+// A frames list: written once, then fetched from the pickle's memo (LONG_BINPUT / LONG_BINGET).
+static void pk_frames(FILE *f, const memviz *mv, int k, int32_t *memo, uint32_t *next_memo) {
+    if (memo[k] >= 0) { fputc('j', f); pk_u32(f, (uint32_t)memo[k]); return; }
+    fputc(']', f);
+    fputc('r', f); pk_u32(f, *next_memo); memo[k] = (int32_t)(*next_memo)++;
+    fputc('(', f);
+    for (const char *s = mv->keys[k]; *s;) {
+        const char *tab = strchr(s, '\t'), *nl = strchr(tab, '\n');
+        size_t end = nl ? (size_t)(nl - tab - 1) : strlen(tab + 1);
+        pk_begin_dict(f);
+        pk_key(f, "filename"); pk_str(f, s, (size_t)(tab - s));
+        pk_key(f, "line"); pk_int(f, 0);
+        pk_key(f, "name"); pk_str(f, tab + 1, end);
+        pk_end_dict(f);
+        s = nl ? nl + 1 : tab + 1 + end;
+    }
+    pk_end_list(f);
+}
+
+static void pk_event(FILE *f, const char *action, const mv_entry *x, const memviz *mv, int32_t *memo, uint32_t *next_memo) {
+    pk_begin_dict(f);
+    pk_key(f, "action"); pk_key(f, action);
+    pk_key(f, "addr"); pk_int(f, x->addr);
+    pk_key(f, "size"); pk_int(f, x->bytes);
+    pk_key(f, "stream"); pk_int(f, 0);
+    pk_key(f, "time_us"); pk_int(f, (int64_t)x->t_us);
+    pk_key(f, "frames"); pk_frames(f, mv, x->frames, memo, next_memo);
+    pk_end_dict(f);
+}
+
+static bool write_pickle(const char *path, tsys_ctx *ctx, const memviz *mv) {
+    if (mv->broken) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "--out: out of host memory for the memory_viz snapshot of %s", path); return false; }
+    int32_t *memo = (int32_t *)malloc(((size_t)mv->nkeys + 1) * sizeof(int32_t));
+    if (!memo) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "--out: out of host memory writing %s", path); return false; }
+    for (int k = 0; k < mv->nkeys; k++) memo[k] = -1;
+    uint32_t next_memo = 0;
+    tsys_atomic_file af;
+    if (tsys_atomic_file_open(ctx, "--out", path, &af) != TSYS_OK) { free(memo); return false; }
+    FILE *f = af.f;
+    fputc(0x80, f); fputc(2, f);   // PROTO 2
+    pk_begin_dict(f);
+    pk_key(f, "segments");
+    pk_begin_list(f);
+    for (size_t i = 0; i < mv->nlive; i++) {   // what is live at the end, a segment each
+        const mv_live *b = &mv->live[i];
+        pk_begin_dict(f);
+        pk_key(f, "device"); pk_int(f, 0);
+        pk_key(f, "address"); pk_int(f, b->addr);
+        pk_key(f, "total_size"); pk_int(f, b->bytes);
+        pk_key(f, "allocated_size"); pk_int(f, b->bytes);
+        pk_key(f, "active_size"); pk_int(f, b->bytes);
+        pk_key(f, "requested_size"); pk_int(f, b->bytes);
+        pk_key(f, "stream"); pk_int(f, 0);
+        pk_key(f, "segment_type"); pk_key(f, "large");
+        pk_key(f, "is_expandable"); fputc(0x89, f);   // NEWFALSE
+        pk_key(f, "frames"); pk_frames(f, mv, b->frames, memo, &next_memo);
+        pk_key(f, "blocks");
+        pk_begin_list(f);
+        pk_begin_dict(f);
+        pk_key(f, "address"); pk_int(f, b->addr);
+        pk_key(f, "size"); pk_int(f, b->bytes);
+        pk_key(f, "requested_size"); pk_int(f, b->bytes);
+        pk_key(f, "state"); pk_key(f, "active_allocated");
+        pk_key(f, "frames"); pk_frames(f, mv, b->frames, memo, &next_memo);
+        pk_end_dict(f);
+        pk_end_list(f);
+        pk_end_dict(f);
+    }
+    pk_end_list(f);
+    pk_key(f, "device_traces");
+    pk_begin_list(f);
+    pk_begin_list(f);
+    for (size_t i = 0; i < mv->ntr; i++) {
+        const mv_entry *x = &mv->tr[i];
+        if (x->alloc) { pk_event(f, "segment_alloc", x, mv, memo, &next_memo); pk_event(f, "alloc", x, mv, memo, &next_memo); }
+        else { pk_event(f, "free_requested", x, mv, memo, &next_memo); pk_event(f, "free_completed", x, mv, memo, &next_memo); pk_event(f, "segment_free", x, mv, memo, &next_memo); }
+        if (i % 1000 == 999) { pk_end_list(f); fputc('(', f); }   // APPENDS in batches, as pickle does
+    }
+    pk_end_list(f);
+    pk_end_list(f);
+    pk_end_dict(f);
+    fputc('.', f);   // STOP
+    free(memo);
     return tsys_atomic_file_commit(ctx, &af) == TSYS_OK;
 }
 
@@ -601,11 +868,13 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     // window starts again with the measured step.
     du_progress("%s: setup and warmup step", name);
     bool opened = timeline_open(&tl, ctx, dev);
+    if (o->mv) mv_window_begin(o->mv, ctx);
     tsys_status st = opened ? du_lm_setup(&r.lm, &c->d, o->batch, c->T, o->seed, NULL) : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for the timeline");
     if (st == TSYS_OK) st = run_step(&r);
     if (st == TSYS_OK) {
         timeline_free(&tl);
         opened = timeline_open(&tl, ctx, dev);
+        if (o->mv) mv_window_begin(o->mv, ctx);
         tsys_mem_reset_peak(ctx, dev);
         du_progress("%s: recorded step", name);
         st = opened ? run_step(&r) : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for the timeline");
@@ -631,15 +900,19 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
             bool ok = write_json(path, ctx, &tl, title, oom);
             snprintf(path, sizeof(path), "%s/%s.svg", o->out, name);
             ok = write_svg(path, ctx, &tl, title, oom) && ok;
+            snprintf(path, sizeof(path), "%s/%s.pickle", o->out, name);
+            ok = ok && write_pickle(path, ctx, o->mv);
+            if (o->mv->unmatched) fprintf(stderr, "memory: %s: %ld frees of allocations the snapshot never saw\n", name, o->mv->unmatched);
             if (!ok) {   // a lost result fails the row, whatever the step did (an OOM row's plot too)
                 char why[600] = "a write failed", was[600] = "";
                 if (st == TSYS_OK) snprintf(why, sizeof(why), "%s", tsys_ctx_last_error(ctx));   // tsys_atomic_file's: the file and why
                 else snprintf(was, sizeof(was), " (and the step: %s: %s)", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
                 tsys_ctx_clear_error(ctx);
-                st = tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--out: cannot write %s/%s.{json,svg}: %s%s", o->out, name, why, was);
+                st = tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--out: cannot write %s/%s.{json,svg,pickle}: %s%s", o->out, name, why, was);
                 oom = NULL;
             }
-            else if (o->details) fprintf(o->details, "timeline: %s/%s.json, plot: %s/%s.svg\n\n", o->out, name, o->out, name);
+            else if (o->details) fprintf(o->details, "timeline: %s/%s.json, plot: %s/%s.svg\nmemory_viz snapshot: %s/%s.pickle (pytorch.org/memory_viz)\n\n",
+                                         o->out, name, o->out, name, o->out, name);
         }
     }
     if (st == TSYS_OK) du_row_set(row, "status", "ok");
@@ -672,9 +945,19 @@ static int driver_main(int argc, char **argv) {
     if (dev == TSYS_CPU) cd.cpu_memory_limit = o.mem_limit;
     tsys_ctx *ctx = tsys_ctx_new(&cd);
     if (!ctx) { fprintf(stderr, "memory: out of memory creating the context\n"); opts_free(&o); return DU_EXIT_FAILED; }
+    memviz mv;   // follows every allocation on the device from the start, so the snapshot knows what is live
+    memset(&mv, 0, sizeof(mv));
+    mv.dev = dev;
+    if (o.out) {
+        tsys_trace_hooks hooks;
+        memset(&hooks, 0, sizeof(hooks));
+        hooks.op_begin = mv_on_begin; hooks.op_end = mv_on_end; hooks.mem = mv_on_mem; hooks.user = &mv;
+        tsys_ctx_set_trace_hooks(ctx, &hooks);
+        o.mv = &mv;
+    }
 #ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA) {
-        if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "memory: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); opts_free(&o); return DU_EXIT_FAILED; }
+        if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "memory: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); mv_free(&mv); opts_free(&o); return DU_EXIT_FAILED; }
         if (o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
         fprintf(cfg, "cuda: %s\n", tsys_cuda_device_name(ctx));
     }
@@ -706,6 +989,7 @@ static int driver_main(int argc, char **argv) {
     du_table_free(&tab);
     opts_free(&o);
     tsys_ctx_free(ctx);
+    mv_free(&mv);
     return rc;
 }
 

@@ -432,6 +432,96 @@ for e in t['events']:
     live += e[1]; peak = max(peak, live)
     assert live == e[2], ('replayed live', live, 'event says', e[2])
 assert peak == t['peak']['bytes'] and sum(t['peak']['by_category']) == peak, (peak, t['peak'])
+cols = t['columns']
+assert cols[-2:] == ['dtype', 'shape'], cols
+allocs = [e for e in t['events'] if e[7] == 0]
+assert allocs and all(len(e) == len(cols) for e in t['events'])
+assert all(isinstance(e[8], str) and all(isinstance(n, int) for n in e[9]) for e in allocs if e[8] is not None)
+assert sum(e[8] is not None for e in allocs) > len(allocs) // 2, 'most allocations are tensors with a dtype and shape'
+# the peak's label stays inside the plot, clear of the legend (about 7px a character at 12px)
+ns = '{http://www.w3.org/2000/svg}'
+legend_x = min(float(r.get('x')) for g in root.iter(ns + 'g') if g.get('class') == 'legend' for r in g.iter(ns + 'rect'))
+label = next(g for g in root.iter(ns + 'g') if g.get('class') == 'peak').find(ns + 'text')
+x, w = float(label.get('x')), 7 * len(label.text)
+lo, hi = (x - w, x) if label.get('text-anchor') == 'end' else (x, x + w)
+assert hi < legend_x - 8 and lo > 0, ('peak label', lo, hi, 'legend at', legend_x)
+PY
+}
+
+# check_memviz PICKLE PEAK_MIB JSON: the memory_viz snapshot reads back with pickle (only opcodes that
+# memory_viz's own reader knows), has torch.cuda.memory._snapshot()'s structure, its trace pairs every
+# free with an alloc, live blocks never overlap, the segments are what is live at the end, and the
+# trace replays to the driver's peak: the JSON timeline's bytes exactly, the row's peak_MiB as printed.
+# A snapshot with one free dropped must fail the same check.
+check_memviz() {
+  [ -s "$1" ] || { note "missing $1"; return; }
+  if ! command -v python3 >/dev/null; then echo -n "(no python3: the snapshot is not read) "; return; fi
+  python3 - "$1" "$2" "$3" >"$tmp/py" 2>&1 <<'PY' || note "memory_viz snapshot: $(head -c 600 "$tmp/py")"
+import copy, json, pickle, pickletools, sys
+path, peak_mib, timeline = sys.argv[1], sys.argv[2], sys.argv[3]
+raw = open(path, 'rb').read()
+known = {'PROTO', 'EMPTY_DICT', 'EMPTY_LIST', 'MARK', 'SETITEMS', 'APPENDS', 'BININT', 'LONG1', 'BINUNICODE',
+         'NEWFALSE', 'LONG_BINPUT', 'LONG_BINGET', 'STOP'}
+ops = {op.name for op, _, _ in pickletools.genops(raw)}
+assert ops <= known, ('opcodes memory_viz cannot read', ops - known)
+snap = pickle.loads(raw)
+
+def check(d):
+    assert isinstance(d, dict) and {'segments', 'device_traces'} <= set(d), list(d)
+    assert isinstance(d['device_traces'], list) and len(d['device_traces']) == 1 and isinstance(d['device_traces'][0], list)
+    def frames_ok(fr):
+        return isinstance(fr, list) and fr and all(set(f) == {'filename', 'line', 'name'} and isinstance(f['name'], str) and isinstance(f['line'], int) for f in fr)
+    segs, live, cur, peak = {}, {}, 0, 0
+    for i, e in enumerate(d['device_traces'][0]):
+        assert {'action', 'addr', 'size', 'stream', 'time_us', 'frames'} <= set(e), e
+        a, addr, size = e['action'], e['addr'], e['size']
+        assert isinstance(addr, int) and isinstance(size, int) and size > 0 and frames_ok(e['frames']), e
+        if a == 'segment_alloc':
+            assert addr not in segs and addr % 512 == 0, ('segment twice', i, e)
+            segs[addr] = size
+        elif a == 'alloc':
+            assert segs.get(addr) == size and addr not in live, ('alloc outside its segment', i, e)
+            live[addr] = size; cur += size; peak = max(peak, cur)
+        elif a == 'free_requested':
+            assert live.get(addr) == size, ('free of no allocation', i, e)
+        elif a == 'free_completed':
+            assert live.pop(addr, None) == size, ('free of no allocation', i, e)
+            cur -= size
+        elif a == 'segment_free':
+            assert segs.pop(addr, None) == size and addr not in live, ('segment freed while in use', i, e)
+        else:
+            raise AssertionError(('action', a))
+    spans = sorted(live.items())
+    assert all(a + s <= b for (a, s), (b, _) in zip(spans, spans[1:])), 'live blocks overlap'
+    assert segs == live, 'segments at the end are not the live blocks'
+    end = {}
+    for s in d['segments']:
+        assert {'device', 'address', 'total_size', 'allocated_size', 'active_size', 'requested_size', 'stream', 'segment_type', 'blocks'} <= set(s), s
+        assert s['device'] == 0 and len(s['blocks']) == 1, s
+        b = s['blocks'][0]
+        assert b['state'] == 'active_allocated' and b['address'] == s['address'] and b['size'] == b['requested_size'] == s['total_size'] and frames_ok(b['frames']), s
+        end[s['address']] = s['total_size']
+    assert end == live, 'the segments list is not what the trace leaves live'
+    return peak
+
+peak = check(snap)
+want = json.load(open(timeline))['peak']['bytes']
+assert peak == want, ('trace peak', peak, 'timeline peak', want)
+assert '%.1f' % (peak / 1048576) == peak_mib, ('trace peak MiB', peak / 1048576, 'row', peak_mib)
+names = [f['name'] for e in snap['device_traces'][0] for f in e['frames'][:1]]
+assert any(n.endswith(' f32') or n.endswith(' bf16') for n in names), 'no shape and dtype in the frame names'
+phases = {f['name'] for e in snap['device_traces'][0] for f in e['frames'] if f['filename'] == 'phase'}
+assert phases & {'forward', 'backward', 'optimizer'}, phases
+tr = snap['device_traces'][0]
+i = next(i for i, e in enumerate(tr) if e['action'] == 'free_requested')
+bad = copy.deepcopy(snap)
+del bad['device_traces'][0][i:i + 3]   # one free dropped
+try:
+    check(bad)
+except AssertionError:
+    pass
+else:
+    raise SystemExit('a snapshot with a free dropped passed the check')
 PY
 }
 
@@ -450,6 +540,10 @@ t_memory_rows_plots_and_prediction() {
   expect_in "$tmp/err" '\| [0-9.]+ \| 1 \| [0-9.]+ \| \(2, 32, 128\) \| f32 \| linear \| activations \(saved for backward\)' "the logits, saved for the loss"
   check_plot "$tmp/mem/cpu_custom_ctx32_train_fp32_naive.svg" "$tmp/mem/cpu_custom_ctx32_train_fp32_naive.json" 3
   check_plot "$tmp/mem/cpu_custom_ctx32_forward_bf16_naive.svg" "$tmp/mem/cpu_custom_ctx32_forward_bf16_naive.json" 1
+  expect_in "$tmp/err" 'memory_viz snapshot: .*/cpu_custom_ctx32_train_fp32_naive.pickle' "the snapshot named after the rows"
+  check_memviz "$tmp/mem/cpu_custom_ctx32_train_fp32_naive.pickle" "$(csv_col "$tmp/out" 3 peak_MiB)" "$tmp/mem/cpu_custom_ctx32_train_fp32_naive.json"
+  check_memviz "$tmp/mem/cpu_custom_ctx32_train_bf16_naive.pickle" "$(csv_col "$tmp/out" 4 peak_MiB)" "$tmp/mem/cpu_custom_ctx32_train_bf16_naive.json"
+  check_memviz "$tmp/mem/cpu_custom_ctx32_forward_bf16_naive.pickle" "$(csv_col "$tmp/out" 2 peak_MiB)" "$tmp/mem/cpu_custom_ctx32_forward_bf16_naive.json"
 }
 
 t_memory_oom_is_a_row_and_the_plot_shows_it() {
@@ -575,22 +669,23 @@ check_no_partial() {
       *.json) if command -v python3 >/dev/null; then python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$f" 2>/dev/null || note "a partial file under its final name: $f ($(wc -c <"$f") bytes)"
               else tail -c 3 "$f" | grep -q '}' || note "a partial file: $f"; fi ;;
       *.svg) tail -c 8 "$f" | grep -q '</svg>' || note "a partial file under its final name: $f ($(wc -c <"$f") bytes)" ;;
+      *.pickle) tail -c 1 "$f" | grep -q '[.]' || note "a partial file under its final name: $f ($(wc -c <"$f") bytes)" ;;
     esac
   done
 }
 t_result_files_are_whole_or_absent() {
-  # memory --out: the JSON timeline (about 16 KB) fits under 20 KiB, the SVG plot (about 110 KB) does not
+  # memory --out: the JSON timeline (about 20 KB) fits under 40 KiB, the SVG plot (about 110 KB) does not
   local out=$tmp/mem_limited prof=$tmp/prof_limited name=cpu_custom_ctx32_train_fp32_naive
-  (trap '' XFSZ; ulimit -f 20; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
+  (trap '' XFSZ; ulimit -f 40; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
   rc=$?
   expect_rc 1 "memory --out past the file size limit"
-  expect_in "$tmp/out" "error: --out: cannot write .*$name.\\{json,svg\\}: .*File too large" "the error row"
+  expect_in "$tmp/out" "error: --out: cannot write .*$name.\\{json,svg,pickle\\}: .*File too large" "the error row"
   [ -s "$out/$name.json" ] || note "the timeline that fitted was not put in place"
   [ -e "$out/$name.svg" ] && note "a plot left under its final name"
   check_no_partial "$out"
   # a file already there keeps what it had when its replacement cannot be written
   echo '<svg>the previous plot</svg>' >"$out/$name.svg"
-  (trap '' XFSZ; ulimit -f 20; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
+  (trap '' XFSZ; ulimit -f 40; exec "$B/memory" --device cpu "${MEMTINY[@]}" --mode train --dtype fp32 --out "$out" --format csv >"$tmp/out" 2>"$tmp/err")
   rc=$?
   expect_rc 1 "memory --out past the file size limit, again"
   [ "$(cat "$out/$name.svg")" = '<svg>the previous plot</svg>' ] || note "the previous plot was overwritten: $(head -c 100 "$out/$name.svg")"
