@@ -523,6 +523,11 @@ TSYSDEF void tsys_trace_end(tsys_ctx *ctx);                       // closes the 
 // parameter itself, not an autocast copy), so a hook can tell which parameters an op is about to use
 // (FSDP gathers them); NULL in any other hook.
 TSYSDEF tsys_tensor *tsys_trace_weight(const tsys_ctx *ctx);
+// Inside the op_begin hook of an op (forward, or its backward node): how many inputs the op takes
+// (0 in any other hook, and for ranges and regions), and input i's dtype and shape; false for an
+// input the call left out (a linear without bias). A backward node tells its forward op's inputs.
+TSYSDEF int tsys_trace_num_inputs(const tsys_ctx *ctx);
+TSYSDEF bool tsys_trace_input(const tsys_ctx *ctx, int i, tsys_dtype *dtype, int *ndim, int64_t shape[TSYS_MAX_DIMS]);
 
 // dtypes
 TSYSDEF size_t tsys_dtype_size(tsys_dtype dt);
@@ -1183,6 +1188,9 @@ struct tsys_ctx {
     // instrumentation
     tsys_trace_hooks trace;
     tsys_tensor *trace_weight;   // the weight of the linear/embedding whose op_begin/op_end hooks run (tsys_trace_weight)
+    tsys_tensor *const *trace_ins;              // the inputs of the op whose op_begin hooks run (tsys_trace_input)
+    const tsys__slot *trace_slots;              // or those of the backward node whose op_begin hooks run
+    int trace_num_ins;
     uint64_t launch_seq;
     tsys_profiler_device_clock clocks[TSYS_DEVICE_COUNT];
     struct { const char *name; int tag; } ranges[TSYS__MAX_RANGES];
@@ -3148,28 +3156,58 @@ TSYSDEF tsys_trace_hooks tsys_ctx_set_trace_hooks(tsys_ctx *ctx, const tsys_trac
     return old;
 }
 
+// The op_begin hooks of every scope, with what tsys_trace_input reads: an op's inputs (ins, NULL
+// entries left out) or a backward node's slots; neither for a range or region. What was there is put
+// back after (a hook may run an op of its own).
+static void tsys__hooks_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, tsys_tensor *const *ins, const tsys__slot *slots, int n_in) {
+    if (!ctx->trace.op_begin) return;
+    tsys_tensor *const *old_ins = ctx->trace_ins;
+    const tsys__slot *old_slots = ctx->trace_slots;
+    int old_n = ctx->trace_num_ins;
+    ctx->trace_ins = ins; ctx->trace_slots = slots; ctx->trace_num_ins = ins || slots ? n_in : 0;
+    ctx->trace.op_begin(ctx, name, kind, ctx->trace.user);
+    ctx->trace_ins = old_ins; ctx->trace_slots = old_slots; ctx->trace_num_ins = old_n;
+}
+
 // Opens a scope for the hooks and the memory tracker: what it allocates carries `tag`. Returns the
 // tag to restore. With no hooks installed this costs a branch and a store.
-static int tsys__scope_begin(tsys_ctx *ctx, const char *name, int tag, tsys_trace_kind kind) {
+static int tsys__scope_begin(tsys_ctx *ctx, const char *name, int tag, tsys_trace_kind kind, tsys_tensor *const *ins, const tsys__slot *slots, int n_in) {
     int old = tsys_mem_set_tag(ctx, tag);
-    if (ctx->trace.op_begin) ctx->trace.op_begin(ctx, name, kind, ctx->trace.user);
+    tsys__hooks_begin(ctx, name, kind, ins, slots, n_in);
     return old;
 }
 static void tsys__scope_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, int old_tag) {
     if (ctx->trace.op_end) ctx->trace.op_end(ctx, name, kind, ctx->trace.user);
     tsys_mem_set_tag(ctx, old_tag);
 }
-static void tsys__region_begin(tsys_ctx *ctx, const char *name) { if (ctx->trace.op_begin) ctx->trace.op_begin(ctx, name, TSYS_TRACE_REGION, ctx->trace.user); }
+static void tsys__region_begin(tsys_ctx *ctx, const char *name) { tsys__hooks_begin(ctx, name, TSYS_TRACE_REGION, NULL, NULL, 0); }
 static void tsys__region_end(tsys_ctx *ctx, const char *name) { if (ctx->trace.op_end) ctx->trace.op_end(ctx, name, TSYS_TRACE_REGION, ctx->trace.user); }
-static int tsys__op_begin(tsys_ctx *ctx, tsys__op op) { return tsys__scope_begin(ctx, tsys__op_names[op], ctx->op_tags[op], TSYS_TRACE_FORWARD); }
+// An op's scope; its inputs (ins[i] NULL: left out) are there for the op_begin hooks to read.
+static int tsys__op_begin(tsys_ctx *ctx, tsys__op op, tsys_tensor *const *ins, int n_in) {
+    return tsys__scope_begin(ctx, tsys__op_names[op], ctx->op_tags[op], TSYS_TRACE_FORWARD, ins, NULL, n_in);
+}
 static void tsys__op_end(tsys_ctx *ctx, tsys__op op, int old_tag) { tsys__scope_end(ctx, tsys__op_names[op], TSYS_TRACE_FORWARD, old_tag); }
+
+TSYSDEF int tsys_trace_num_inputs(const tsys_ctx *ctx) { return ctx ? ctx->trace_num_ins : 0; }
+TSYSDEF bool tsys_trace_input(const tsys_ctx *ctx, int i, tsys_dtype *dtype, int *ndim, int64_t shape[TSYS_MAX_DIMS]) {
+    if (i < 0 || i >= tsys_trace_num_inputs(ctx)) return false;
+    const tsys_tensor *t = ctx->trace_ins ? ctx->trace_ins[i] : NULL;
+    const tsys__slot *s = ctx->trace_slots ? &ctx->trace_slots[i] : NULL;
+    // a node's slot of a left-out input stays zeroed (a 0-dim f32 that no gradient goes to)
+    if (!t && (!s || (!s->node && !s->leaf && !s->needs && s->ndim == 0))) return false;
+    int n = t ? t->ndim : s->ndim;
+    if (dtype) *dtype = t ? t->dtype : s->dtype;
+    if (ndim) *ndim = n;
+    if (shape) memcpy(shape, t ? t->shape : s->shape, sizeof(int64_t) * (size_t)n);
+    return true;
+}
 
 // Ranges nest; past TSYS__MAX_RANGES deep they are still reported but not tagged.
 TSYSDEF void tsys_trace_begin(tsys_ctx *ctx, const char *name) {
     if (!ctx) return;
     if (!name) name = "?";   // still a range, so the caller's tsys_trace_end closes this one
     int tag = tsys_mem_tag(ctx, name);
-    int old = tsys__scope_begin(ctx, name, tag, TSYS_TRACE_RANGE);
+    int old = tsys__scope_begin(ctx, name, tag, TSYS_TRACE_RANGE, NULL, NULL, 0);
     if (ctx->num_ranges < TSYS__MAX_RANGES) { ctx->ranges[ctx->num_ranges].name = name; ctx->ranges[ctx->num_ranges].tag = old; }
     ctx->num_ranges++;
 }
@@ -3627,7 +3665,7 @@ TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt) {
     if (!tsys__check_inputs(ctx, "cast", &x, 1)) return NULL;
     if (x->dtype == dt) return tsys_tensor_retain(x);
     TSYS__REQUIRE(ctx, tsys_dtype_is_float(dt) && tsys_dtype_is_float(x->dtype), "cast: '%s' %s -> %s is not a float conversion", x->name, tsys_dtype_name(x->dtype), tsys_dtype_name(dt));
-    int tag = tsys__op_begin(ctx, TSYS__OP_CAST);
+    int tag = tsys__op_begin(ctx, TSYS__OP_CAST, &x, 1);
     tsys_tensor *y = tsys__cast_raw(ctx, x, dt);
     tsys__record(ctx, TSYS__OP_CAST, y, &x, 1, NULL, 0);
     tsys__op_end(ctx, TSYS__OP_CAST, tag);
@@ -3641,7 +3679,7 @@ TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const in
     int64_t n = 1;
     for (int i = 0; i < ndim; i++) n *= shape[i];
     TSYS__REQUIRE(ctx, n == tsys_tensor_numel(t), "view: '%s' has %lld elements, the new shape %lld", t->name, (long long)tsys_tensor_numel(t), (long long)n);
-    int tag = tsys__op_begin(ctx, TSYS__OP_VIEW);
+    int tag = tsys__op_begin(ctx, TSYS__OP_VIEW, &t, 1);
     tsys_tensor *v = tsys_tensor_view_raw(ctx, t, 0, t->dtype, ndim, shape);
     if (v) memcpy(v->name, t->name, sizeof(v->name));
     tsys__record(ctx, TSYS__OP_VIEW, v, &t, 1, NULL, 0);
@@ -3659,7 +3697,7 @@ TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_ten
     memcpy(shape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
     shape[ids->ndim] = weight->shape[1];
     ctx->trace_weight = weight;
-    int tag = tsys__op_begin(ctx, TSYS__OP_EMBEDDING);
+    int tag = tsys__op_begin(ctx, TSYS__OP_EMBEDDING, ins, 2);
     ctx->trace_weight = NULL;
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys_tensor_new(ctx, weight->dtype, weight->device, ids->ndim + 1, shape);
@@ -3701,7 +3739,7 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
                   weight->name, (long long)weight->shape[0], (long long)(weight->ndim > 1 ? weight->shape[1] : -1));
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == weight->shape[0]), "linear: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)weight->shape[0]);
     ctx->trace_weight = weight;
-    int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR);
+    int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR, ins, 3);   // no bias: [] as its shape
     ctx->trace_weight = NULL;
     tsys_dtype dt = tsys__matmul_dtype(ctx, x, weight);
     tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false);
@@ -3747,7 +3785,7 @@ TSYSDEF tsys_tensor *tsys_matmul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b, 
     int64_t batch = tsys__batch(a), bb = tsys__batch(b);
     TSYS__REQUIRE(ctx, k == kb, "matmul: inner dims differ: '%s' has %lld, '%s' has %lld", a->name, (long long)k, b->name, (long long)kb);
     TSYS__REQUIRE(ctx, bb == batch || b->ndim == 2, "matmul: batch sizes differ: '%s' %lld vs '%s' %lld", a->name, (long long)batch, b->name, (long long)bb);
-    int tag = tsys__op_begin(ctx, TSYS__OP_MATMUL);
+    int tag = tsys__op_begin(ctx, TSYS__OP_MATMUL, ins, 2);
     tsys_dtype dt = tsys__matmul_dtype(ctx, a, b);
     tsys_tensor *al = tsys__matmul_input(ctx, a, dt, false);
     tsys_tensor *bl = al ? tsys__matmul_input(ctx, b, dt, false) : NULL;
@@ -3779,7 +3817,7 @@ static tsys_tensor *tsys__binary(tsys_ctx *ctx, tsys__op op, tsys_kernel k, tsys
     const char *name = tsys__op_names[op];
     if (!tsys__check_inputs(ctx, name, ins, 2)) return NULL;
     if (!tsys__check_float(ctx, name, a) || !tsys__check_float(ctx, name, b) || !tsys__check_same_shape(ctx, name, a, b)) return NULL;
-    int tag = tsys__op_begin(ctx, op);
+    int tag = tsys__op_begin(ctx, op, ins, 2);
     tsys_kargs args = tsys__kargs0();
     args.t[0] = tsys__new_like(ctx, a, tsys__promote(a->dtype, b->dtype));
     args.t[1] = a; args.t[2] = b;
@@ -3795,7 +3833,7 @@ TSYSDEF tsys_tensor *tsys_swiglu(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) 
 // Elementwise op of one input; the output keeps the input's dtype.
 static tsys_tensor *tsys__unary(tsys_ctx *ctx, tsys__op op, tsys_kernel k, tsys_tensor *x, float f0, bool save) {
     if (!tsys__check_inputs(ctx, tsys__op_names[op], &x, 1) || !tsys__check_float(ctx, tsys__op_names[op], x)) return NULL;
-    int tag = tsys__op_begin(ctx, op);
+    int tag = tsys__op_begin(ctx, op, &x, 1);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, x->dtype);
     a.t[1] = x; a.f[0] = f0;
@@ -3833,7 +3871,7 @@ static tsys_tensor *tsys__rmsnorm_to(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor 
     TSYS__REQUIRE(ctx, weight->ndim == 1 && weight->shape[0] == tsys__last_dim(x), "rmsnorm: weight '%s' must be (%lld) to match '%s'", weight->name, (long long)tsys__last_dim(x), x->name);
     TSYS__REQUIRE(ctx, out_dt == x->dtype || (x->dtype == TSYS_F32 && (out_dt == TSYS_BF16 || out_dt == TSYS_F16)), "rmsnorm: output %s from %s input '%s' (a low-precision output needs fp32 x)",
                   tsys_dtype_name(out_dt), tsys_dtype_name(x->dtype), x->name);
-    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM);
+    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM, ins, 2);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, out_dt);   // cs336: computed in fp32, cast back to the input dtype
     a.t[1] = a.t[0] ? tsys__row_stats(ctx, x) : NULL;
@@ -3861,10 +3899,11 @@ static tsys_tensor *tsys__add_rmsnorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor
     TSYS__REQUIRE(ctx, weight->ndim == 1 && weight->shape[0] == tsys__last_dim(x), "rmsnorm: weight '%s' must be (%lld) to match '%s'", weight->name, (long long)tsys__last_dim(x), x->name);
     // the add runs inside the norm's kernel; it is still an op to the hooks (a call of its own, around the
     // norm's, with the new residual stream under its tag), as it is a node on the tape
-    int add_tag = tsys__op_begin(ctx, TSYS__OP_ADD);
+    int add_tag = tsys__op_begin(ctx, TSYS__OP_ADD, ins, 2);
     tsys_kargs a = tsys__kargs0();
     a.t[5] = tsys__new_like(ctx, x, TSYS_F32);
-    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM);
+    tsys_tensor *norm_ins[2] = {a.t[5], weight};   // the norm reads the sum
+    int tag = tsys__op_begin(ctx, TSYS__OP_RMSNORM, norm_ins, 2);
     a.t[0] = a.t[5] ? tsys__new_like(ctx, x, out_dt) : NULL;
     a.t[1] = a.t[0] ? tsys__row_stats(ctx, x) : NULL;
     a.t[2] = x; a.t[3] = weight; a.t[4] = r; a.f[0] = eps;
@@ -3890,7 +3929,7 @@ TSYSDEF tsys_tensor *tsys_layernorm(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *
     int64_t d = tsys__last_dim(x);
     TSYS__REQUIRE(ctx, !weight || (weight->ndim == 1 && weight->shape[0] == d), "layernorm: weight '%s' must be (%lld)", weight ? weight->name : "", (long long)d);
     TSYS__REQUIRE(ctx, !bias || (bias->ndim == 1 && bias->shape[0] == d), "layernorm: bias '%s' must be (%lld)", bias ? bias->name : "", (long long)d);
-    int tag = tsys__op_begin(ctx, TSYS__OP_LAYERNORM);
+    int tag = tsys__op_begin(ctx, TSYS__OP_LAYERNORM, ins, 3);
     // autocast runs layer norm in fp32 and returns fp32 (torch's rule); outside it the input dtype
     tsys_dtype out_dt = ctx->autocast != TSYS_F32 ? TSYS_F32 : x->dtype;
     tsys_kargs a = tsys__kargs0();
@@ -3918,7 +3957,7 @@ static tsys_tensor *tsys__rope(tsys_ctx *ctx, tsys_tensor *x, float theta, bool 
     TSYS__REQUIRE(ctx, x->ndim >= 2 && tsys__last_dim(x) % 2 == 0, "rope: '%s' needs (.., T, D) with D even (RoPE rotates pairs), got D = %lld", x->name, (long long)tsys__last_dim(x));
     TSYS__REQUIRE(ctx, !heads || x->ndim == 4, "rope_heads: '%s' needs (B, T, H, D), has %d dims", x->name, x->ndim);
     if (!tsys__check_float(ctx, "rope", x)) return NULL;
-    int tag = tsys__op_begin(ctx, TSYS__OP_ROPE);
+    int tag = tsys__op_begin(ctx, TSYS__OP_ROPE, &x, 1);
     tsys_kargs a = tsys__kargs0();
     int64_t shape[TSYS_MAX_DIMS];
     memcpy(shape, x->shape, sizeof(shape));
@@ -3937,7 +3976,7 @@ TSYSDEF tsys_tensor *tsys_rope_heads(tsys_ctx *ctx, tsys_tensor *x, float theta)
 TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bool causal) {
     if (!tsys__check_inputs(ctx, "softmax", &x, 1) || !tsys__check_float(ctx, "softmax", x)) return NULL;
     TSYS__REQUIRE(ctx, !causal || (x->ndim >= 2 && x->shape[x->ndim - 1] == x->shape[x->ndim - 2]), "softmax: causal needs square (.., T, T) scores, '%s' is not", x->name);
-    int tag = tsys__op_begin(ctx, TSYS__OP_SOFTMAX);
+    int tag = tsys__op_begin(ctx, TSYS__OP_SOFTMAX, &x, 1);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__new_like(ctx, x, x->dtype);
     a.t[1] = x; a.f[0] = scale; a.i[0] = causal;
@@ -3951,7 +3990,7 @@ TSYSDEF tsys_tensor *tsys_softmax(tsys_ctx *ctx, tsys_tensor *x, float scale, bo
 TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x) {
     if (!tsys__check_inputs(ctx, "transpose12", &x, 1)) return NULL;
     TSYS__REQUIRE(ctx, x->ndim == 4, "transpose12: '%s' must be 4-D, has %d dims", x->name, x->ndim);
-    int tag = tsys__op_begin(ctx, TSYS__OP_TRANSPOSE12);
+    int tag = tsys__op_begin(ctx, TSYS__OP_TRANSPOSE12, &x, 1);
     int64_t shape[4] = {x->shape[0], x->shape[2], x->shape[1], x->shape[3]};
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys_tensor_new(ctx, x->dtype, x->device, 4, shape);
@@ -3988,7 +4027,7 @@ TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_te
     TSYS__REQUIRE(ctx, q->ndim >= 2 && k->ndim == q->ndim && v->ndim == q->ndim, "flash_attention: q, k, v must be (.., N, d) with the same number of dims");
     TSYS__REQUIRE(ctx, tsys__last_dim(k) == d && tsys__last_dim(v) == d && tsys_tensor_same_shape(k, v), "flash_attention: k '%s' and v '%s' must match q's head dim %lld", k->name, v->name, (long long)d);
     TSYS__REQUIRE(ctx, tsys_tensor_numel(q) / (q->shape[q->ndim - 2] * d) == tsys_tensor_numel(k) / (k->shape[k->ndim - 2] * d), "flash_attention: q and k have different batch*heads");
-    int tag = tsys__op_begin(ctx, TSYS__OP_FLASH_ATTN);
+    int tag = tsys__op_begin(ctx, TSYS__OP_FLASH_ATTN, ins, 3);
     tsys_dtype dt = ctx->autocast != TSYS_F32 ? ctx->autocast : q->dtype;
     tsys_tensor *ql = tsys__matmul_input(ctx, q, dt, false), *kl = tsys__matmul_input(ctx, k, dt, false), *vl = tsys__matmul_input(ctx, v, dt, false);
     tsys_kargs a = tsys__kargs0();
@@ -4027,7 +4066,7 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
     if (!tsys__check_inputs(ctx, "cross_entropy", ins, 2) || !tsys__check_float(ctx, "cross_entropy", logits)) return NULL;
     TSYS__REQUIRE(ctx, targets->dtype == TSYS_I32 || targets->dtype == TSYS_I64, "cross_entropy: targets '%s' must be i32 or i64", targets->name);
     TSYS__REQUIRE(ctx, tsys_tensor_numel(targets) == tsys__rows(logits), "cross_entropy: %lld targets for %lld rows of logits", (long long)tsys_tensor_numel(targets), (long long)tsys__rows(logits));
-    int tag = tsys__op_begin(ctx, TSYS__OP_CROSS_ENTROPY);
+    int tag = tsys__op_begin(ctx, TSYS__OP_CROSS_ENTROPY, ins, 2);
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__scalar(ctx, logits->device);
     a.t[1] = tsys__row_stats(ctx, logits);
@@ -4047,7 +4086,7 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
 TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) {
     tsys_tensor *ins[2] = {a, b};
     if (!tsys__check_inputs(ctx, "mse", ins, 2) || !tsys__check_same_shape(ctx, "mse", a, b)) return NULL;
-    int tag = tsys__op_begin(ctx, TSYS__OP_MSE);
+    int tag = tsys__op_begin(ctx, TSYS__OP_MSE, ins, 2);
     tsys_kargs k = tsys__kargs0();
     k.t[0] = tsys__scalar(ctx, a->device);
     k.t[1] = a; k.t[2] = b;
@@ -4059,7 +4098,7 @@ TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) {
 
 static tsys_tensor *tsys__sum_scaled(tsys_ctx *ctx, tsys_tensor *x, bool mean) {
     if (!tsys__check_inputs(ctx, mean ? "mean" : "sum", &x, 1) || !tsys__check_float(ctx, mean ? "mean" : "sum", x)) return NULL;
-    int tag = tsys__op_begin(ctx, TSYS__OP_SUM);
+    int tag = tsys__op_begin(ctx, TSYS__OP_SUM, &x, 1);
     float s = mean ? 1.0f / (float)tsys_tensor_numel(x) : 1.0f;
     tsys_kargs a = tsys__kargs0();
     a.t[0] = tsys__scalar(ctx, x->device);
@@ -4240,7 +4279,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     // the weight of a linear (its leaf, else the saved one) or an embedding, for the hooks
     tsys_tensor *weight = n->op == TSYS__OP_LINEAR ? (n->in[1].leaf ? n->in[1].leaf : n->saved[TSYS__SAVED_LINEAR_W]) : n->op == TSYS__OP_EMBEDDING ? n->in[0].leaf : NULL;
     ctx->trace_weight = weight;
-    int tag = tsys__scope_begin(ctx, tsys__op_names[n->op], ctx->op_tags[n->op], TSYS_TRACE_BACKWARD);
+    int tag = tsys__scope_begin(ctx, tsys__op_names[n->op], ctx->op_tags[n->op], TSYS_TRACE_BACKWARD, NULL, n->in, n->n_in);   // the forward op's inputs
     ctx->trace_weight = NULL;
     tsys_status st = TSYS_OK;
     switch (n->op) {
@@ -6157,7 +6196,9 @@ TSYSDEF tsys_status tsys_atomic_file_commit(tsys_ctx *ctx, tsys_atomic_file *af)
 #define TSYS__PROF_MAX_NAMES 512
 #define TSYS__PROF_MAX_PHASES 8
 
-typedef struct tsys__prof_span { int name; tsys_trace_kind kind; double t0, t1; int parent, phase; double self_us, total_us, flops; } tsys__prof_span;
+typedef struct tsys__prof_span { int name; tsys_trace_kind kind; double t0, t1; int parent, phase; double self_us, total_us, flops; size_t in_at; int n_in; } tsys__prof_span;
+// An op's input as its op_begin hook saw it (ndim -1: left out); a span's inputs lie back to back from in_at.
+typedef struct tsys__prof_input { int8_t dtype, ndim; int64_t shape[TSYS_MAX_DIMS]; } tsys__prof_input;
 typedef struct tsys__prof_kernel { uint64_t seq; int name; tsys_device dev; double t0, t1, dev_t0, dev_us, flops; int span, phase; bool gemm, timed; } tsys__prof_kernel;
 typedef struct tsys__prof_mem { double t; int64_t live[TSYS_DEVICE_COUNT], cached[TSYS_DEVICE_COUNT]; } tsys__prof_mem;
 
@@ -6174,6 +6215,7 @@ struct tsys_profiler {
     tsys__prof_span *spans; size_t num_spans, cap_spans;
     tsys__prof_kernel *kernels; size_t num_kernels, cap_kernels;
     tsys__prof_mem *mem; size_t num_mem, cap_mem;
+    tsys__prof_input *ins; size_t num_ins, cap_ins;
     int open[TSYS__PROF_MAX_DEPTH];
     int depth;
     void *clock_state[TSYS_DEVICE_COUNT];
@@ -6228,6 +6270,17 @@ static void tsys__prof_on_op_begin(tsys_ctx *ctx, const char *name, tsys_trace_k
         if (ph < p->num_phases) { p->phase = ph; p->phase_span = id; }
     }
     sp->phase = p->phase;
+    sp->in_at = p->num_ins;
+    for (int i = 0, n = tsys_trace_num_inputs(ctx); i < n && (kind == TSYS_TRACE_FORWARD || kind == TSYS_TRACE_BACKWARD); i++) {
+        if (!tsys__prof_grow(p, (void **)&p->ins, &p->cap_ins, p->num_ins, sizeof(tsys__prof_input))) break;
+        tsys__prof_input *in = &p->ins[p->num_ins++];
+        tsys_dtype dt = TSYS_F32;
+        int nd = -1;
+        memset(in, 0, sizeof(*in));
+        if (!tsys_trace_input(ctx, i, &dt, &nd, in->shape)) nd = -1;
+        in->dtype = (int8_t)dt; in->ndim = (int8_t)nd;
+        sp->n_in++;
+    }
     p->open[p->depth++] = id;
 }
 
@@ -6331,7 +6384,7 @@ TSYSDEF void tsys_profiler_free(tsys_profiler *p) {
     if (!p) return;
     if (!p->ended) tsys_profiler_end(p);
     for (int i = 0; i < p->num_names; i++) TSYS_FREE(p->names[i]);
-    TSYS_FREE(p->spans); TSYS_FREE(p->kernels); TSYS_FREE(p->mem);
+    TSYS_FREE(p->spans); TSYS_FREE(p->kernels); TSYS_FREE(p->mem); TSYS_FREE(p->ins);
     TSYS_FREE(p);
 }
 
@@ -6405,11 +6458,14 @@ TSYSDEF void tsys_profiler_print_ops(const tsys_profiler *p, FILE *f, int max_ro
         r->calls++; r->self_us += sp->self_us; r->total_us += sp->total_us; r->host_us += sp->t1 - sp->t0; r->flops += sp->flops;
     }
     qsort(rows, (size_t)n, sizeof(*rows), tsys__prof_row_cmp);
-    fprintf(f, "| name | calls | self device ms | self %% | total device ms | avg device ms | host ms | TFLOP/s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    // FLOP rates in TFLOP/s when a GPU ran the matmuls, in GFLOP/s when only the CPU did (where TFLOP/s reads 0.0)
+    bool tera = false;
+    for (size_t i = 0; i < p->num_kernels && !tera; i++) tera = p->kernels[i].flops > 0 && p->kernels[i].dev != TSYS_CPU;
+    fprintf(f, "| name | calls | self device ms | self %% | total device ms | avg device ms | host ms | %s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n", tera ? "TFLOP/s" : "GFLOP/s");
     for (int i = 0; i < n && (max_rows <= 0 || i < max_rows); i++) {
         const tsys__prof_row *r = &rows[i];
         char tf[32] = "";
-        if (r->flops > 0 && r->total_us > 0) snprintf(tf, sizeof(tf), "%.1f", r->flops / r->total_us * 1e-6);
+        if (r->flops > 0 && r->total_us > 0) snprintf(tf, sizeof(tf), "%.1f", r->flops / r->total_us * (tera ? 1e-6 : 1e-3));
         fprintf(f, "| %s%s | %d | %.3f | %.1f%% | %.3f | %.4f | %.3f | %s |\n", p->names[r->name], tsys__prof_kind_suffix(r->kind), r->calls,
                 r->self_us * 1e-3, all_us > 0 ? 100.0 * r->self_us / all_us : 0.0, r->total_us * 1e-3, r->total_us * 1e-3 / r->calls, r->host_us * 1e-3, tf);
     }
@@ -6462,8 +6518,11 @@ static void tsys__json_str(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-// Chrome trace event format: host spans on pid 1 (nested X events), kernels on pid 2 with one track
-// per device, live bytes as counters; timestamps in microseconds from tsys_profiler_begin.
+// Chrome trace event format: host spans on pid 1 (nested X events; an op's carry its inputs' shapes
+// and dtypes as args "Input Dims" and "Input type", PyTorch's names), kernels on pid 2 with one track
+// per device, a flow from each op to every kernel it launched (a "s" event on the op at the launch,
+// a "f" event binding to the enclosing kernel slice, sharing an id and the category "ac2g" as
+// Kineto's), live bytes as counters; timestamps in microseconds from tsys_profiler_begin.
 // The file is replaced whole (tsys_atomic_file), never written in place through whatever is there.
 TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char *path) {
     if (!p) return TSYS_ERR_INVALID_ARGS;
@@ -6479,8 +6538,21 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
         const tsys__prof_span *sp = &p->spans[i];
         fprintf(f, ",\n{\"name\": ");
         tsys__json_str(f, p->names[sp->name]);
-        fprintf(f, ", \"cat\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 1, \"tid\": 1}",
+        fprintf(f, ", \"cat\": \"%s\", \"ph\": \"X\", \"ts\": %.3f, \"dur\": %.3f, \"pid\": 1, \"tid\": 1",
                 sp->kind == TSYS_TRACE_RANGE ? "range" : sp->kind == TSYS_TRACE_REGION ? "region" : sp->kind == TSYS_TRACE_BACKWARD ? "backward" : "op", sp->t0, sp->t1 - sp->t0);
+        if (sp->n_in > 0) {   // a left-out input: [] and "" (as PyTorch writes an absent tensor)
+            const tsys__prof_input *in = &p->ins[sp->in_at];
+            fprintf(f, ", \"args\": {\"Input Dims\": [");
+            for (int j = 0; j < sp->n_in; j++) {
+                fprintf(f, "%s[", j ? ", " : "");
+                for (int d = 0; d < in[j].ndim; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)in[j].shape[d]);
+                fprintf(f, "]");
+            }
+            fprintf(f, "], \"Input type\": [");
+            for (int j = 0; j < sp->n_in; j++) fprintf(f, "%s\"%s\"", j ? ", " : "", in[j].ndim >= 0 ? tsys_dtype_name((tsys_dtype)in[j].dtype) : "");
+            fprintf(f, "]}");
+        }
+        fprintf(f, "}");
     }
     for (size_t i = 0; i < p->num_kernels; i++) {
         const tsys__prof_kernel *k = &p->kernels[i];
@@ -6491,6 +6563,11 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
         fprintf(f, ", \"phase\": ");
         tsys__json_str(f, k->phase >= 0 ? p->names[p->phases[k->phase]] : "");
         fprintf(f, ", \"seq\": %llu}}", (unsigned long long)k->seq);
+        if (k->span < 0) continue;
+        // the flow: starts on the op's slice when the launch began (inside the op), ends on the kernel's
+        fprintf(f, ",\n{\"name\": \"ac2g\", \"cat\": \"ac2g\", \"ph\": \"s\", \"id\": %llu, \"ts\": %.3f, \"pid\": 1, \"tid\": 1}", (unsigned long long)k->seq, k->t0);
+        fprintf(f, ",\n{\"name\": \"ac2g\", \"cat\": \"ac2g\", \"ph\": \"f\", \"bp\": \"e\", \"id\": %llu, \"ts\": %.3f, \"pid\": 2, \"tid\": %d}",
+                (unsigned long long)k->seq, k->dev_t0, (int)k->dev + 1);
     }
     for (size_t i = 0; i < p->num_mem; i++) {
         fprintf(f, ",\n{\"name\": \"live bytes\", \"ph\": \"C\", \"ts\": %.3f, \"pid\": 1, \"args\": {\"cpu\": %lld, \"cuda\": %lld}}", p->mem[i].t,

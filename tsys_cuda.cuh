@@ -64,7 +64,7 @@
       >>init                      tsys_cuda_init_desc, the environment, get_desc, setters, shutdown
       >>memory (public)           tsys_cuda_mem_info, memory limit, cache release
       >>graphs                    tsys_cuda_graph_begin/end/launch/free
-      >>nvtx                      NVTX ranges through the trace hooks
+      >>nvtx                      NVTX ranges through the trace hooks (domain "tsys", registered names)
       >>profiler clock            device times for the profiler: CUPTI (the one process-wide static) or events
 
    tsys_cuda DOES NOT:
@@ -276,8 +276,9 @@ TSYSDEF tsys_status tsys_cuda_graph_replay(tsys_ctx *ctx, tsys_cuda_graph *g);  
 TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g);
 TSYSDEF bool tsys_cuda_capturing(tsys_ctx *ctx);
 
-// NVTX ranges (nsys shows them on the CPU and CUDA timelines). tsys_cuda_set_nvtx(ctx, true) puts
-// every op, backward node and named range (tsys_trace_begin) in one, through the trace hooks.
+// NVTX ranges (nsys shows them on the CPU and CUDA timelines), in the NVTX domain "tsys" with
+// registered strings for names. tsys_cuda_set_nvtx(ctx, true) puts every op, backward node and named
+// range (tsys_trace_begin) in one, through the trace hooks.
 TSYSDEF void tsys_cuda_range_push(const char *name);
 TSYSDEF void tsys_cuda_range_pop(void);
 TSYSDEF tsys_status tsys_cuda_set_nvtx(tsys_ctx *ctx, bool on);
@@ -5888,10 +5889,51 @@ TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g) {
 // >>nvtx ------------------------------------------------------------------------------------------
 // NVTX ranges are a client of tsys.h's trace hooks: every op, backward node and named range becomes
 // a range nsys shows on the CPU and GPU timelines. The hooks chain to whatever was installed before.
+// The ranges live in an NVTX domain "tsys" (nsys groups them under it, apart from the user's own),
+// and their names are registered strings: a tool sees a handle per name instead of copying the text
+// on every push. Names are registered once per process, by content (a range's name may be a
+// temporary string); past TSYS_CUDA__NVTX_MAX_STRINGS names, the rest go as plain ASCII messages.
+
+#ifndef TSYS_CUDA_NO_NVTX
+#include <mutex>
+#define TSYS_CUDA__NVTX_MAX_STRINGS 1024
+typedef struct tsys_cuda__nvtx_string { char *text; nvtxStringHandle_t handle; } tsys_cuda__nvtx_string;
+static std::mutex tsys_cuda__nvtx_lock;
+static nvtxDomainHandle_t tsys_cuda__nvtx_dom;
+static tsys_cuda__nvtx_string tsys_cuda__nvtx_strings[TSYS_CUDA__NVTX_MAX_STRINGS];
+static int tsys_cuda__nvtx_num_strings;
+
+// The domain, and name's registered string (NULL when the table is full or out of memory).
+static nvtxStringHandle_t tsys_cuda__nvtx_string_for(const char *name, nvtxDomainHandle_t *dom) {
+    std::lock_guard<std::mutex> guard(tsys_cuda__nvtx_lock);
+    if (!tsys_cuda__nvtx_dom) tsys_cuda__nvtx_dom = nvtxDomainCreateA("tsys");
+    *dom = tsys_cuda__nvtx_dom;
+    for (int i = 0; i < tsys_cuda__nvtx_num_strings; i++)
+        if (strcmp(tsys_cuda__nvtx_strings[i].text, name) == 0) return tsys_cuda__nvtx_strings[i].handle;
+    if (tsys_cuda__nvtx_num_strings == TSYS_CUDA__NVTX_MAX_STRINGS) return NULL;
+    size_t n = strlen(name) + 1;
+    char *copy = (char *)TSYS_MALLOC(n);
+    if (!copy) return NULL;
+    memcpy(copy, name, n);
+    tsys_cuda__nvtx_string *e = &tsys_cuda__nvtx_strings[tsys_cuda__nvtx_num_strings++];
+    e->text = copy;
+    e->handle = nvtxDomainRegisterStringA(*dom, copy);
+    return e->handle;
+}
+#endif
 
 TSYSDEF void tsys_cuda_range_push(const char *name) {
 #ifndef TSYS_CUDA_NO_NVTX
-    nvtxRangePushA(name);
+    if (!name) name = "?";
+    nvtxDomainHandle_t dom = NULL;
+    nvtxStringHandle_t h = tsys_cuda__nvtx_string_for(name, &dom);
+    nvtxEventAttributes_t a;
+    memset(&a, 0, sizeof(a));
+    a.version = NVTX_VERSION;
+    a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+    if (h) { a.messageType = NVTX_MESSAGE_TYPE_REGISTERED; a.message.registered = h; }
+    else { a.messageType = NVTX_MESSAGE_TYPE_ASCII; a.message.ascii = name; }
+    nvtxDomainRangePushEx(dom, &a);
 #else
     (void)name;
 #endif
@@ -5899,7 +5941,13 @@ TSYSDEF void tsys_cuda_range_push(const char *name) {
 
 TSYSDEF void tsys_cuda_range_pop(void) {
 #ifndef TSYS_CUDA_NO_NVTX
-    nvtxRangePop();
+    nvtxDomainHandle_t dom;
+    {
+        std::lock_guard<std::mutex> guard(tsys_cuda__nvtx_lock);
+        if (!tsys_cuda__nvtx_dom) tsys_cuda__nvtx_dom = nvtxDomainCreateA("tsys");
+        dom = tsys_cuda__nvtx_dom;
+    }
+    nvtxDomainRangePop(dom);
 #endif
 }
 
@@ -5959,6 +6007,7 @@ typedef struct tsys_cuda__kernel_time { uint64_t seq; float ms; cudaEvent_t a, b
 
 #ifndef TSYS_CUDA_NO_CUPTI
 #include <dlfcn.h>
+#include <stddef.h>
 #include <cupti.h>
 
 typedef struct tsys_cuda__cupti_api {
@@ -5972,6 +6021,19 @@ typedef struct tsys_cuda__cupti_api {
     CUptiResult (*pop_ext)(CUpti_ExternalCorrelationKind, uint64_t *);
     CUptiResult (*timestamp)(uint64_t *);
 } tsys_cuda__cupti_api;
+
+// Kernel records: CUPTI fills the buffers with its newest layout (CUpti_ActivityKernel10 in CUDA 13,
+// 9 in 12.x, ...), whose names change from one CUDA to the next. Only kind, start, end and
+// correlationId are read, and they have sat at the same offsets since CUpti_ActivityKernel3 (CUDA
+// 6.5), the oldest layout that is read here; the asserts hold the header to those offsets. External
+// correlation ids need CUPTI from CUDA 9.0 (API version 10).
+#if !defined(CUPTI_API_VERSION) || CUPTI_API_VERSION < 10
+#error "tsys_cuda.cuh: the CUPTI kernel timer needs CUPTI from CUDA 9.0 or newer (or define TSYS_CUDA_NO_CUPTI)"
+#endif
+typedef CUpti_ActivityKernel3 tsys_cuda__cupti_kernel;
+static_assert(offsetof(tsys_cuda__cupti_kernel, kind) == 0 && offsetof(tsys_cuda__cupti_kernel, start) == 16 &&
+              offsetof(tsys_cuda__cupti_kernel, end) == 24 && offsetof(tsys_cuda__cupti_kernel, correlationId) == 92,
+              "CUpti_ActivityKernel3 no longer matches the offsets every newer kernel record keeps");
 
 typedef struct tsys_cuda__cupti_rec { uint32_t corr; uint64_t start, end; } tsys_cuda__cupti_rec;
 typedef struct tsys_cuda__cupti_ext { uint32_t corr; uint64_t seq; } tsys_cuda__cupti_ext;
@@ -6015,7 +6077,7 @@ static void CUPTIAPI tsys_cuda__cupti_buffer_completed(CUcontext c, uint32_t str
     CUpti_Activity *rec = NULL;
     while (k && k->api.next_record(buffer, valid, &rec) == CUPTI_SUCCESS) {
         if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
-            const CUpti_ActivityKernel10 *r = (const CUpti_ActivityKernel10 *)rec;
+            const tsys_cuda__cupti_kernel *r = (const tsys_cuda__cupti_kernel *)rec;
             if (tsys_cuda__grow((void **)&k->recs, &k->cap_recs, k->num_recs, sizeof(*k->recs))) {
                 tsys_cuda__cupti_rec *o = &k->recs[k->num_recs++];
                 o->corr = r->correlationId; o->start = r->start; o->end = r->end;

@@ -28,7 +28,7 @@ typedef struct e2e_opts {
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
     bool sgemm, tf32, oom_ok, dry_run, nvtx, plan;
     const char *profile;    // a folder: one profiled step per configuration (tables + Chrome trace)
-    FILE *profile_log;      // the tables of every profiled configuration, printed after the results
+    FILE *profile_log;      // where each profiled configuration's tables and trace went, printed after the results
     double cpu_gflops;      // measured CBLAS sgemm GFLOP/s on the CPU (0: not measured)
     double peak[3];         // measured GEMM TFLOP/s on the GPU, by autocast dtype (fp32, bf16, fp16)
 } e2e_opts;
@@ -79,8 +79,10 @@ static void usage(FILE *f) {
         "  --dry-run                  check the flags, print the configuration, measure nothing\n"
         "  --nvtx                     NVTX ranges for nsys (cuda): warmup, forward, backward, optimizer, each layer,\n"
         "                             each op, the parts of attention\n"
-        "  --profile DIR              after the timed steps, profile one more (eager) step of each configuration: the\n"
-        "                             op and kernel tables (printed after the results) and a Chrome trace, in DIR\n"
+        "  --profile DIR              after the timed steps, profile one more (eager) step of each configuration:\n"
+        "                             DIR/<config>.md holds the op and kernel tables, DIR/<config>.json a Chrome\n"
+        "                             trace (chrome://tracing, ui.perfetto.dev: ops with input shapes, flows to\n"
+        "                             their kernels), DIR/summary.csv a line each; the paths print after the results\n"
         "  --help\n"
         "Lists are comma-separated (at most %d values) and every combination is measured.\n"
         "Columns that do not apply to a mode read '-' (bwd in forward mode, opt without an optimizer step,\n"
@@ -588,7 +590,7 @@ static int driver_main(int argc, char **argv) {
                                                !strcmp(o.lowps.item[lp], "yes"), o.attns.item[at], o.ckpts.item[cp], &tab);
                                 du_table_emit(&tab);
                             }
-    if (o.profile_log) {   // the tables, after the results
+    if (o.profile_log) {   // the paths of the tables and traces, after the results
         rewind(o.profile_log);
         char line[512];
         fprintf(cfg, "\n");

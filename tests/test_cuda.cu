@@ -10,6 +10,7 @@
 #include "harness.h"
 #include "test_util.h"
 #include <stdlib.h>
+#include <unistd.h>
 
 // One context with both backends, made on first use (a test binary without a GPU fails each test).
 static tsys_ctx *tc_ctx(void) {
@@ -1094,7 +1095,36 @@ TSYS_TEST(cuda_profiler_device_times) {
             for (size_t i = 0; i < p->num_kernels; i++) n += p->kernels[i].phase >= 0 && !strcmp(p->names[p->phases[p->kernels[i].phase]], phases[ph]);
             counts[rep][ph] = n;
         }
-        if (rep == 2) { tsys_profiler_print_kernels(p, stdout, 6); }
+        if (rep == 2) {
+            tsys_profiler_print_kernels(p, stdout, 6);
+            // the trace: a flow from each op to each of its kernels on the CUDA track, the ops' input shapes
+            char path[] = "/tmp/tsys_cuda_trace_XXXXXX";
+            int fd = mkstemp(path);
+            if (fd >= 0) close(fd);
+            TEST_CHECK(fd >= 0 && tsys_profiler_write_trace(p, path) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+            FILE *f = fopen(path, "r");
+            char line[4096];
+            size_t starts = 0, finishes = 0, in_ops = 0, dims = 0, late = 0;
+            while (f && fgets(line, sizeof(line), f)) {
+                starts += strstr(line, "\"ph\": \"s\"") != NULL;
+                if (strstr(line, "\"ph\": \"f\"")) { finishes++; late += !strstr(line, "\"bp\": \"e\"") || !strstr(line, "\"pid\": 2, \"tid\": 2}"); }
+                dims += strstr(line, "\"name\": \"linear\", \"cat\": \"op\"") && strstr(line, "\"Input Dims\": [[2, ");
+            }
+            if (f) fclose(f);
+            remove(path);
+            for (size_t i = 0; i < p->num_kernels; i++) in_ops += p->kernels[i].span >= 0;
+            TEST_CHECK(starts == in_ops && finishes == in_ops && in_ops > 0 && late == 0, "%zu flow starts, %zu finishes (%zu not on the CUDA track), %zu kernels launched in ops",
+                       starts, finishes, late, in_ops);
+            TEST_CHECK(dims > 0, "no linear slice carries its input dims");
+            // every flow starts at its launch, inside the slice of the op that launched the kernel
+            for (size_t i = 0; i < p->num_kernels; i++) {
+                const tsys__prof_kernel *k = &p->kernels[i];
+                if (k->span < 0) continue;
+                const tsys__prof_span *sp = &p->spans[k->span];
+                TEST_CHECK(k->t0 >= sp->t0 && k->t0 <= sp->t1, "launch %llu at %.3f us outside its op [%.3f, %.3f]", (unsigned long long)k->seq, k->t0, sp->t0, sp->t1);
+                if (k->t0 < sp->t0 || k->t0 > sp->t1) break;
+            }
+        }
         tsys_profiler_free(p);
         tsys_tensor_release(logits); tsys_tensor_release(loss);
     }

@@ -1,11 +1,13 @@
 // test_profiler.c - the built-in profiler on the CPU: every op of a training step appears with its
 // call count, kernels are attributed to phases, hooks that were installed keep firing, the Chrome
-// trace is well-formed JSON with nested spans and counters, and profiling changes no result.
+// trace is well-formed JSON with nested spans and counters, a flow from each op to each kernel it
+// launched and the ops' input shapes, the CPU's FLOP rates read in GFLOP/s, and profiling changes no result.
 #define TSYS_IMPLEMENTATION
 #include "../tsys.h"
 #include "harness.h"
 #include "test_util.h"
 #include <unistd.h>
+#include <ctype.h>
 
 static tsys_model *tiny_model(tsys_ctx *ctx) {
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
@@ -128,6 +130,219 @@ TSYS_TEST(profiler_lists_every_op_and_phase) {
         if (sp->parent >= 0 && (sp->t0 < p->spans[sp->parent].t0 || sp->t1 > p->spans[sp->parent].t1)) bad++;
     }
     TEST_CHECK(bad == 0, "%d spans outside their parents", bad);
+    tsys_profiler_free(p);
+    tsys_tensor_release(ids);
+    tsys_optim_free(opt);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+// ---- the Chrome trace: strict JSON, flows from ops to kernels, input shapes -----------------------
+
+// A strict JSON parser (RFC 8259's grammar, no extensions): true when *s starts with one value.
+static void jskip(const char **s) { while (**s == ' ' || **s == '\n' || **s == '\t' || **s == '\r') (*s)++; }
+static bool jvalue(const char **s, int depth);
+static bool jstring(const char **s) {
+    if (**s != '"') return false;
+    for ((*s)++; **s != '"'; (*s)++) {
+        if ((unsigned char)**s < 0x20) return false;
+        if (**s != '\\') continue;
+        (*s)++;
+        if (**s == 'u') { for (int i = 1; i <= 4; i++) if (!isxdigit((unsigned char)(*s)[i])) return false; *s += 4; }
+        else if (!strchr("\"\\/bfnrt", **s) || !**s) return false;
+    }
+    (*s)++;
+    return true;
+}
+static bool jnumber(const char **s) {
+    const char *p = *s;
+    if (*p == '-') p++;
+    if (*p == '0') p++;
+    else if (isdigit((unsigned char)*p)) while (isdigit((unsigned char)*p)) p++;
+    else return false;
+    if (*p == '.') { p++; if (!isdigit((unsigned char)*p)) return false; while (isdigit((unsigned char)*p)) p++; }
+    if (*p == 'e' || *p == 'E') { p++; if (*p == '+' || *p == '-') p++; if (!isdigit((unsigned char)*p)) return false; while (isdigit((unsigned char)*p)) p++; }
+    *s = p;
+    return true;
+}
+static bool jvalue(const char **s, int depth) {
+    if (depth > 64) return false;
+    jskip(s);
+    char c = **s;
+    if (c == '{' || c == '[') {
+        char close = c == '{' ? '}' : ']';
+        (*s)++; jskip(s);
+        if (**s == close) { (*s)++; return true; }
+        for (;;) {
+            if (c == '{') { jskip(s); if (!jstring(s)) return false; jskip(s); if (*(*s)++ != ':') return false; }
+            if (!jvalue(s, depth + 1)) return false;
+            jskip(s);
+            if (**s == close) { (*s)++; return true; }
+            if (*(*s)++ != ',') return false;
+        }
+    }
+    if (c == '"') return jstring(s);
+    if (!strncmp(*s, "true", 4)) { *s += 4; return true; }
+    if (!strncmp(*s, "false", 5)) { *s += 5; return true; }
+    if (!strncmp(*s, "null", 4)) { *s += 4; return true; }
+    return jnumber(s);
+}
+static bool json_strict(const char *s) { if (!jvalue(&s, 0)) return false; jskip(&s); return *s == 0; }
+
+// A number field of one event (the writer puts one event on a line); false when it is not there.
+static bool ev_num(const char *line, const char *key, double *v) {
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\": ", key);
+    const char *at = strstr(line, pat);
+    if (!at) return false;
+    *v = strtod(at + strlen(pat), NULL);
+    return true;
+}
+
+static char *read_text(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = (char *)malloc((size_t)n + 1);
+    n = (long)fread(buf, 1, (size_t)n, f);
+    buf[n] = 0;
+    fclose(f);
+    return buf;
+}
+
+// Whether an event (a line) that contains `head` also contains `what`.
+static bool has_event(const char *json, const char *head, const char *what) {
+    for (const char *at = strstr(json, head); at; at = strstr(at + 1, head)) {
+        const char *w = strstr(at, what), *end = strchr(at, '\n');
+        if (w && (!end || w < end)) return true;
+    }
+    return false;
+}
+
+typedef struct trace_ev { char ph; double ts, dur, pid, tid, id, seq; bool bp_e, has_op; } trace_ev;
+
+// Every flow: an "s" inside an op's slice, its "f" (same id, binding to the enclosing slice) inside the
+// kernel slice of the launch; one flow per kernel launched inside an op. Returns the number of flows,
+// -1 when any is wrong (msg says which).
+static int check_flows(const char *json, char *msg, size_t msg_len) {
+    int cap = 1 << 16, n = 0;
+    trace_ev *ev = (trace_ev *)calloc((size_t)cap, sizeof(*ev));
+    for (const char *line = json; line && *line && n < cap; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        const char *ph = strstr(line, "\"ph\": \""), *end = strchr(line, '\n');
+        if (!ph || (end && ph > end)) continue;
+        trace_ev *e = &ev[n];
+        memset(e, 0, sizeof(*e));
+        e->ph = ph[7];
+        if (e->ph != 'X' && e->ph != 's' && e->ph != 'f') continue;
+        char one[1024];
+        size_t len = end ? (size_t)(end - line) : strlen(line);
+        if (len >= sizeof(one)) len = sizeof(one) - 1;
+        memcpy(one, line, len); one[len] = 0;
+        ev_num(one, "ts", &e->ts); ev_num(one, "dur", &e->dur); ev_num(one, "pid", &e->pid); ev_num(one, "tid", &e->tid);
+        ev_num(one, "id", &e->id); ev_num(one, "seq", &e->seq);
+        e->bp_e = strstr(one, "\"bp\": \"e\"") != NULL;
+        e->has_op = strstr(one, "\"op\": \"\"") == NULL && strstr(one, "\"op\": \"") != NULL;
+        if ((e->ph == 's' || e->ph == 'f') && (!strstr(one, "\"cat\": \"ac2g\"") || !strstr(one, "\"id\": "))) { snprintf(msg, msg_len, "flow event without cat ac2g or id: %.200s", one); free(ev); return -1; }
+        n++;
+    }
+    int flows = 0, kernels_in_ops = 0;
+    for (int i = 0; i < n; i++) {
+        if (ev[i].ph == 'X' && ev[i].pid == 2 && ev[i].has_op) kernels_in_ops++;
+        if (ev[i].ph != 's') continue;
+        // the start lies inside an op's slice on the same track
+        bool in_op = false;
+        for (int j = 0; j < n && !in_op; j++) in_op = ev[j].ph == 'X' && ev[j].pid == ev[i].pid && ev[j].tid == ev[i].tid && ev[j].ts <= ev[i].ts && ev[i].ts <= ev[j].ts + ev[j].dur;
+        int fin = -1, starts = 0;
+        for (int j = 0; j < n; j++) {
+            if (ev[j].ph == 'f' && ev[j].id == ev[i].id) fin = fin < 0 ? j : -2;
+            if (ev[j].ph == 's' && ev[j].id == ev[i].id) starts++;
+        }
+        if (!in_op || fin < 0 || starts != 1 || !ev[fin].bp_e) {
+            snprintf(msg, msg_len, "flow %.0f: start in an op %d, finishes %d, starts %d", ev[i].id, (int)in_op, fin, starts);
+            free(ev);
+            return -1;
+        }
+        bool in_kernel = false;
+        for (int j = 0; j < n && !in_kernel; j++)
+            in_kernel = ev[j].ph == 'X' && ev[j].pid == ev[fin].pid && ev[j].tid == ev[fin].tid && ev[j].seq == ev[i].id && ev[j].ts <= ev[fin].ts && ev[fin].ts <= ev[j].ts + ev[j].dur;
+        if (!in_kernel) { snprintf(msg, msg_len, "flow %.0f: the finish at %.3f lies in no slice of its kernel", ev[i].id, ev[fin].ts); free(ev); return -1; }
+        flows++;
+    }
+    int finishes = 0;
+    for (int i = 0; i < n; i++) finishes += ev[i].ph == 'f';
+    free(ev);
+    if (finishes != flows || flows != kernels_in_ops) { snprintf(msg, msg_len, "%d flows, %d finishes, %d kernels launched inside ops", flows, finishes, kernels_in_ops); return -1; }
+    return flows;
+}
+
+TSYS_TEST(trace_has_flows_input_shapes_and_readable_units) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model *m = tiny_model(ctx);
+    tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+    int64_t sid[2] = {2, 8}, sa[3] = {2, 32, 48}, sb[2] = {48, 40}, sx[2] = {6, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, sid);
+    tsys_tensor_randint(ctx, ids, 40);
+    tsys_tensor *a = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 3, sa), *b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sb);
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sx), *w = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, sx + 1);
+    tsys_tensor_randn(ctx, a, 1.0f); tsys_tensor_randn(ctx, b, 1.0f); tsys_tensor_randn(ctx, x, 1.0f); tsys_tensor_fill(ctx, w, 1.0f);
+    tsys_tensor_set_requires_grad(a, true);
+    tsys_profiler *p = tsys_profiler_begin(ctx);
+    TEST_CHECK(p != NULL, "%s", tsys_ctx_last_error(ctx));
+    step(ctx, m, opt, ids, NULL);
+    tsys_tensor *y = tsys_matmul(ctx, a, b, false);
+    tsys_tensor *l = tsys_sum(ctx, y);
+    TEST_CHECK(tsys_backward(ctx, l) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor *ln = tsys_layernorm(ctx, x, w, NULL, 1e-5f);   // a left-out bias
+    TEST_CHECK(tsys_profiler_end(p) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    char path[] = "/tmp/tsys_trace_XXXXXX";
+    int fd = mkstemp(path);
+    TEST_CHECK(fd >= 0, "mkstemp");
+    if (fd >= 0) close(fd);
+    TEST_CHECK(tsys_profiler_write_trace(p, path) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    char *json = read_text(path);
+    TEST_CHECK(json && json_strict(json) && strstr(json, "\"traceEvents\": ["), "the trace is not strict JSON with traceEvents");
+    char msg[512] = "";
+    int flows = json ? check_flows(json, msg, sizeof(msg)) : -1;
+    size_t in_ops = 0;
+    for (size_t i = 0; i < p->num_kernels; i++) in_ops += p->kernels[i].span >= 0;
+    TEST_CHECK(flows > 0 && (size_t)flows == in_ops, "flows: %d (%zu kernels launched inside ops): %s", flows, in_ops, msg);
+    // the ops carry their inputs' shapes and dtypes, PyTorch's way; the backward node its forward op's
+    const char *mm = "\"name\": \"matmul\", \"cat\": \"op\"", *mm_bwd = "\"name\": \"matmul\", \"cat\": \"backward\"";
+    const char *dims = "\"args\": {\"Input Dims\": [[2, 32, 48], [48, 40]], \"Input type\": [\"f32\", \"f32\"]}";
+    TEST_CHECK(json && has_event(json, mm, dims), "no matmul slice carries %s", dims);
+    TEST_CHECK(json && has_event(json, mm_bwd, dims), "no matmul backward slice carries %s", dims);
+    const char *ln_dims = "\"Input Dims\": [[6, 16], [16], []], \"Input type\": [\"f32\", \"f32\", \"\"]";
+    TEST_CHECK(json && strstr(json, ln_dims), "the layernorm's slice lacks %s", ln_dims);
+    const char *ce = json ? strstr(json, "\"name\": \"cross_entropy\", \"cat\": \"op\"") : NULL;
+    TEST_CHECK(ce && strstr(ce, "\"Input type\": [\"f32\", \"i32\"]") && strstr(ce, "\"Input type\"") < strchr(ce, '\n'), "cross_entropy's input dtypes");
+    const char *range = json ? strstr(json, "\"name\": \"forward\", \"cat\": \"range\"") : NULL;
+    TEST_CHECK(range && (!strstr(range, "Input Dims") || strstr(range, "Input Dims") > strchr(range, '\n')), "a range has no inputs");
+    // the checker catches a dropped flow
+    if (json) {
+        char *fin = strstr(json, "\"ph\": \"f\"");
+        if (fin) { fin[7] = 'i'; TEST_CHECK(check_flows(json, msg, sizeof(msg)) < 0, "a trace without one flow's finish passed the check"); }
+    }
+    free(json);
+    remove(path);
+    // the CPU's FLOP rates in GFLOP/s, the unit that reads as more than 0.0
+    FILE *tf = tmpfile();
+    tsys_profiler_print_ops(p, tf, 0);
+    long len = ftell(tf);
+    char *tab = (char *)calloc((size_t)len + 1, 1);
+    rewind(tf);
+    len = (long)fread(tab, 1, (size_t)len, tf);
+    fclose(tf);
+    TEST_CHECK(strstr(tab, "| host ms | GFLOP/s |") && !strstr(tab, "TFLOP/s"), "the op table's FLOP column on the CPU: %.200s", tab);
+    const char *row = strstr(tab, "| matmul | ");
+    double gflops = 0;
+    for (int col = 0; row && col < 7; col++) row = strchr(row + 1, '|');   // to the one before the FLOP rate
+    if (row) gflops = strtod(row + 1, NULL);
+    TEST_CHECK(gflops > 0.05, "the matmul row's GFLOP/s: %g", gflops);
+    free(tab);
+    tsys_tensor_release(ln); tsys_tensor_release(l); tsys_tensor_release(y);
+    tsys_tensor_release(a); tsys_tensor_release(b); tsys_tensor_release(x); tsys_tensor_release(w);
     tsys_profiler_free(p);
     tsys_tensor_release(ids);
     tsys_optim_free(opt);
