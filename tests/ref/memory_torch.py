@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_baseline import LM, SIZES, VOCAB  # noqa: E402
 
 
-def peak_mib(name, T, mode, dtype, B):
+def make_step(name, T, mode, dtype, B):
+    """The CS336 model NAME on the GPU and one step of MODE under DTYPE: (step, model, optimizer)."""
     d, dff, L, h = SIZES[name]
     torch.manual_seed(0)
     m = LM(d, dff, L, h, sdpa=dtype == "bf16").cuda()
@@ -38,6 +39,11 @@ def peak_mib(name, T, mode, dtype, B):
         else:
             m.zero_grad(set_to_none=True)
 
+    return step, m, opt
+
+
+def peak_mib(name, T, mode, dtype, B):
+    step, m, opt = make_step(name, T, mode, dtype, B)
     try:
         step()
         torch.cuda.synchronize()

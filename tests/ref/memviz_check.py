@@ -75,32 +75,9 @@ def run_tooling(snap, path, html_dir, label):
 def torch_snapshot(args):
     """PyTorch's own snapshot of the same model and step, and max_memory_allocated() for that step."""
     import torch
-    import torch.nn.functional as F
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from torch_baseline import LM, SIZES, VOCAB
-    d, dff, L, h = SIZES[args.torch]
-    B, T = args.batch_size, args.context_length
-    torch.manual_seed(0)
-    m = LM(d, dff, L, h, sdpa=args.dtype == 'bf16').cuda()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4) if args.mode == 'train' else None
-    x = torch.randint(0, VOCAB, (B, T), device='cuda')
-    y = torch.randint(0, VOCAB, (B, T), device='cuda')
-    ac = torch.autocast('cuda', dtype=torch.bfloat16) if args.dtype == 'bf16' else torch.autocast('cuda', enabled=False)
-
-    def step():
-        if args.mode == 'forward':
-            with torch.no_grad(), ac:
-                m(x)
-            return
-        with ac:
-            loss = F.cross_entropy(m(x).view(-1, VOCAB).float(), y.view(-1))
-        loss.backward()
-        if opt:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            m.zero_grad(set_to_none=True)
-
+    from memory_torch import make_step
+    step, _, _ = make_step(args.torch, args.context_length, args.mode, args.dtype, args.batch_size)
     step()   # the warmup: the optimizer state, the caches
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
