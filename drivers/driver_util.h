@@ -1,4 +1,4 @@
-// driver_util.h - what every driver shares: strict flag values, comma lists, result tables printed
+// driver_util.h - what every driver shares: the flag table (--help and parsing), strict flag values, comma lists, result tables printed
 // row by row as markdown, CSV or JSON lines, the exit code, progress on stderr, result files put in
 // place whole and stdout checked at exit, the memory budget of ranks that share a host. Included
 // after tsys.h by one driver.
@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <errno.h>
 #include <stdint.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -349,24 +350,320 @@ static inline tsys_status du_lm_step(du_lm *r, int *last) {
     return tsys_ctx_status(ctx);
 }
 
-// ---- progress on stderr (only when it is a terminal or TSYS_PROGRESS=1) -------------------------
+// ---- progress on stderr: --progress auto|on|off --------------------------------------------------
+//
+// "e2e: configuration 3 of 8 (small T=256 train), step 4 of 10, ETA 1m05s". On a terminal the line
+// is rewritten in place; elsewhere (--progress on into a log) a line is written when a configuration
+// starts and at most once every few seconds after. The ETA takes the remaining steps of this
+// configuration at its own rate, and each remaining configuration at the mean time of the finished
+// ones (of this one's projected total before any has finished).
 
-static inline bool du_progress_on(void) {
-    const char *e = getenv("TSYS_PROGRESS");
-    if (e) return strcmp(e, "0") != 0;
-    return isatty(2);
+typedef struct du_progress_state {
+    bool on, tty;
+    const char *prog;
+    int configs, config;           // N and k (1-based; 0 before the first)
+    char what[160];                // the configuration, in words
+    double t_start, t_config;      // seconds (monotonic): the first configuration, this one
+    double done_s;                 // time spent in finished configurations
+    double last_line;              // when a line was last written (non-terminal output)
+} du_progress_state;
+static du_progress_state du_prog;
+
+static inline double du_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static inline void du_progress(const char *fmt, ...) {
-    if (!du_progress_on()) return;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "\r\033[K");
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
+// --progress's value (checked by the flag table: auto, on or off).
+static inline void du_progress_setup(const char *prog, const char *mode) {
+    memset(&du_prog, 0, sizeof(du_prog));
+    du_prog.prog = prog;
+    du_prog.tty = isatty(2) != 0;
+    du_prog.on = !strcmp(mode, "on") || (!strcmp(mode, "auto") && du_prog.tty);
+}
+
+// The sweep will run `configs` configurations.
+static inline void du_progress_begin(int configs) {
+    du_prog.configs = configs;
+    du_prog.config = 0;
+    du_prog.done_s = 0;
+    du_prog.t_start = du_now_s();
+}
+
+static inline void du_eta_str(char *buf, size_t len, double s) {
+    if (!(s >= 0) || s > 359999) { snprintf(buf, len, "unknown"); return; }
+    long v = (long)(s + 0.5);
+    if (v >= 3600) snprintf(buf, len, "%ldh%02ldm", v / 3600, v / 60 % 60);
+    else if (v >= 60) snprintf(buf, len, "%ldm%02lds", v / 60, v % 60);
+    else snprintf(buf, len, "%lds", v);
+}
+
+static inline void du_progress_line(const char *line, bool force) {
+    if (!du_prog.on) return;
+    double now = du_now_s();
+    if (du_prog.tty) fprintf(stderr, "\r\033[K%s", line);
+    else if (force || now - du_prog.last_line >= 5.0) fprintf(stderr, "%s\n", line);
+    else return;
+    du_prog.last_line = now;
     fflush(stderr);
 }
-static inline void du_progress_done(void) { if (du_progress_on()) fprintf(stderr, "\r\033[K"); }
+
+// Configuration k (1-based) starts; what names it ("small T=256 train").
+static inline void du_progress_config(int k, const char *fmt, ...) {
+    double now = du_now_s();
+    if (du_prog.config > 0) du_prog.done_s += now - du_prog.t_config;
+    du_prog.config = k;
+    du_prog.t_config = now;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(du_prog.what, sizeof(du_prog.what), fmt, ap);
+    va_end(ap);
+    char line[320];
+    snprintf(line, sizeof(line), "%s: configuration %d of %d (%s)", du_prog.prog, k, du_prog.configs, du_prog.what);
+    du_progress_line(line, true);
+}
+
+// Step s (1-based) of S of the running configuration is done; phase says which ("warmup", "timed").
+static inline void du_progress_step(const char *phase, int s, int S) {
+    if (!du_prog.on || S <= 0) return;
+    double in_config = du_now_s() - du_prog.t_config;
+    double config_total = s > 0 ? in_config / s * S : 0;
+    int finished = du_prog.config - 1, left = du_prog.configs - du_prog.config;
+    double per_config = finished > 0 ? du_prog.done_s / finished : config_total;
+    char eta[32], line[400];
+    du_eta_str(eta, sizeof(eta), s > 0 ? (config_total - in_config) + left * per_config : -1);
+    snprintf(line, sizeof(line), "%s: configuration %d of %d (%s), %s step %d of %d, ETA %s", du_prog.prog, du_prog.config, du_prog.configs, du_prog.what,
+             phase, s, S, eta);
+    du_progress_line(line, s == S);
+}
+
+// The sweep is over: a terminal's line is cleared.
+static inline void du_progress_end(void) {
+    if (du_prog.on && du_prog.tty) fprintf(stderr, "\r\033[K");
+    if (du_prog.on) fflush(stderr);
+}
+
+// ---- the flag table: one table parses the command line and prints --help -----------------------
+//
+// Each driver lists its flags once: name, kind, where the value goes, the default as typed, and the
+// help. du_flags_parse takes "--flag value" and "--flag=value", checks every value (a message names
+// the flag, the value and the rule), and fills the destinations; du_flags_usage prints the same
+// table. Lists (DU_LIST) are comma-separated and owned by the destination du_list (du_flags_free).
+
+typedef enum {
+    DU_BOOL,     // bool *: present or not; takes no value
+    DU_INT,      // int *: an integer in [lo, hi]
+    DU_GIB,      // size_t *: GiB from 0 to DU_MAX_GIB, to bytes
+    DU_NUM,      // double *: a decimal number in [lo, hi]
+    DU_STR,      // const char **: any non-empty string, or one of `choices`, or one that `check` takes
+    DU_LIST      // du_list *: comma-separated items, each one of `choices` or taken by `check`
+} du_flag_kind;
+
+typedef struct du_flag {
+    const char *name;                 // without the dashes: "model" is --model
+    du_flag_kind kind;
+    void *dest;
+    const char *def;                  // the default as it would be typed (NULL: none, the driver decides)
+    const char *meta;                 // the value in the help: "N", "LIST", "DIR"
+    const char *help;                 // '\n' starts an indented continuation line
+    const char *choices;              // DU_STR, DU_LIST: "md|csv|jsonl" (NULL: any, or check)
+    bool (*check)(const char *item);  // DU_STR, DU_LIST: what an item must satisfy (NULL: choices or anything)
+    const char *rule;                 // the rule in words for check's errors ("an integer from 1 to 1048576")
+    double lo, hi;                    // DU_INT, DU_NUM
+} du_flag;
+
+// Table rows, in du_flag's order (no designated initializers: the drivers also compile as C++).
+#define DU_FLAG_BOOL(name, dest, help) {name, DU_BOOL, dest, NULL, NULL, help, NULL, NULL, NULL, 0, 0}
+#define DU_FLAG_INT(name, dest, def, lo, hi, help) {name, DU_INT, dest, def, "N", help, NULL, NULL, NULL, lo, hi}
+#define DU_FLAG_NUM(name, dest, def, lo, hi, meta, help) {name, DU_NUM, dest, def, meta, help, NULL, NULL, NULL, lo, hi}
+#define DU_FLAG_GIB(name, dest, help) {name, DU_GIB, dest, "0", "GIB", help, NULL, NULL, NULL, 0, DU_MAX_GIB}
+#define DU_FLAG_STR(name, dest, def, meta, help) {name, DU_STR, dest, def, meta, help, NULL, NULL, NULL, 0, 0}
+#define DU_FLAG_CHOICE(name, dest, def, choices, help) {name, DU_STR, dest, def, choices, help, choices, NULL, NULL, 0, 0}
+#define DU_FLAG_CHECKED(name, dest, def, meta, check, rule, help) {name, DU_STR, dest, def, meta, help, NULL, check, rule, 0, 0}
+#define DU_FLAG_LIST(name, dest, def, choices, help) {name, DU_LIST, dest, def, "LIST", help, choices, NULL, NULL, 0, 0}
+#define DU_FLAG_LIST_CHECKED(name, dest, def, check, rule, help) {name, DU_LIST, dest, def, "LIST", help, NULL, check, rule, 0, 0}
+
+// What every driver takes (DU_COMMON_FLAGS adds them to its table).
+typedef struct du_common {
+    const char *format;     // md, csv or jsonl
+    const char *progress;   // auto, on or off
+    size_t mem_limit;       // bytes; 0 = the default budget
+    bool dry_run, oom_ok;
+} du_common;
+
+#define DU_FORMAT_HELP "output rows, each printed as soon as it is measured; csv and jsonl keep stdout\n" \
+                       "for the rows (the configuration lines go to stderr) and write not-applicable\n" \
+                       "cells as empty (csv) or null (jsonl); md writes them as '-'"
+#define DU_PROGRESS_HELP "a progress line on stderr: 'configuration k of N, step s of S, ETA'; auto: when\n" \
+                         "stderr is a terminal"
+#define DU_COMMON_FLAGS(c, mem_help)                                                                              \
+    DU_FLAG_CHOICE("format", &(c)->format, "md", "md|csv|jsonl", DU_FORMAT_HELP),                                  \
+    DU_FLAG_CHOICE("progress", &(c)->progress, "auto", "auto|on|off", DU_PROGRESS_HELP),                           \
+    DU_FLAG_GIB("mem-limit", &(c)->mem_limit, mem_help),                                                           \
+    DU_FLAG_BOOL("oom-ok", &(c)->oom_ok, "out-of-memory rows do not make the exit status 1 (sweeps that expect them)"), \
+    DU_FLAG_BOOL("dry-run", &(c)->dry_run, "check the flags, print the configuration and how many configurations\nwould run; measure nothing")
+
+#define DU_MEM_LIMIT_TEXT \
+    "memory budget for the tensors of the device measured, so that running out is an\n" \
+    "OOM row, never a kill (cpu: default = the memory available on this machine,\n" \
+    "MemAvailable, or less: the room left in the memory cgroup of a container or a\n" \
+    "Slurm job; cuda: default = the whole device); 0 = the default; 0 to 1048576"
+#define DU_MEM_LIMIT_RANKS_TEXT DU_MEM_LIMIT_TEXT "\n" \
+    "(per rank: without it, the ranks on one host share the host's memory, each\n" \
+    "getting the available memory divided by the number of ranks on the host)"
+
+#define DU_HELP_COL 29   // where the help text starts
+
+static inline bool du_choice_ok(const char *choices, const char *v) {
+    size_t n = strlen(v);
+    for (const char *c = choices; *c;) {
+        const char *bar = strchr(c, '|');
+        size_t len = bar ? (size_t)(bar - c) : strlen(c);
+        if (len == n && !strncmp(c, v, n)) return true;
+        if (!bar) break;
+        c = bar + 1;
+    }
+    return false;
+}
+
+// "md, csv or jsonl" from "md|csv|jsonl"
+static inline const char *du_choices_words(char *buf, size_t len, const char *choices) {
+    size_t o = 0;
+    int n = 1;
+    for (const char *c = choices; *c; c++) n += *c == '|';
+    int k = 0;
+    buf[0] = 0;
+    for (const char *c = choices; *c && o + 8 < len; c++) {
+        if (*c != '|') { buf[o++] = *c; continue; }
+        k++;
+        const char *sep = k == n - 1 ? " or " : ", ";
+        for (const char *s = sep; *s && o + 1 < len; s++) buf[o++] = *s;
+    }
+    buf[o] = 0;
+    return buf;
+}
+
+static inline void du_flags_usage(FILE *f, const char *prog, const char *synopsis, const du_flag *flags, int n, const char *epilogue) {
+    fprintf(f, "usage: %s [flags]%s%s\n", prog, synopsis && *synopsis ? "\n" : "", synopsis ? synopsis : "");
+    for (int i = 0; i < n; i++) {
+        const du_flag *fl = &flags[i];
+        char head[96];
+        int w = snprintf(head, sizeof(head), "  --%s%s%s", fl->name, fl->meta ? " " : "", fl->meta ? fl->meta : "");
+        fprintf(f, "%s%*s", head, w < DU_HELP_COL ? DU_HELP_COL - w : 1, "");
+        if (w >= DU_HELP_COL) fprintf(f, "\n%*s", DU_HELP_COL, "");
+        for (const char *c = fl->help; *c; c++) {
+            fputc(*c, f);
+            if (*c == '\n') fprintf(f, "%*s", DU_HELP_COL, "");
+        }
+        if (fl->def && *fl->def && fl->kind != DU_BOOL && fl->kind != DU_GIB)   // --mem-limit says its default in words
+            fprintf(f, " (default %s)", fl->def);
+        fputc('\n', f);
+    }
+    fprintf(f, "  --help                     this text\n");
+    fprintf(f, "Flags take their value as '--flag value' or '--flag=value'; lists are comma-separated (at most %d values).\n", DU_LIST_MAX);
+    if (epilogue) fputs(epilogue, f);
+    fputs(DU_EXIT_HELP, f);
+}
+
+// One value into its destination; false after a message naming the flag, the value and the rule.
+static inline bool du_flag_set(const char *prog, const du_flag *fl, const char *v) {
+    char flag[80], words[200];
+    snprintf(flag, sizeof(flag), "--%s", fl->name);
+    switch (fl->kind) {
+    case DU_BOOL: *(bool *)fl->dest = true; return true;
+    case DU_INT:
+        if (du_parse_int(v, (long)fl->lo, (long)fl->hi, (int *)fl->dest)) return true;
+        fprintf(stderr, "%s: %s takes an integer from %.0f to %.0f, not '%s'\n", prog, flag, fl->lo, fl->hi, v);
+        return false;
+    case DU_NUM: {
+        double x;
+        if (du_parse_double(v, &x) && x >= fl->lo && x <= fl->hi) { *(double *)fl->dest = x; return true; }
+        fprintf(stderr, "%s: %s takes a number from %g to %g, not '%s'\n", prog, flag, fl->lo, fl->hi, v);
+        return false;
+    }
+    case DU_GIB: return du_parse_gib(prog, flag, v, (size_t *)fl->dest);
+    case DU_STR:
+        if (!*v) { fprintf(stderr, "%s: %s needs a non-empty value\n", prog, flag); return false; }
+        if (fl->choices && !du_choice_ok(fl->choices, v)) {
+            fprintf(stderr, "%s: %s takes %s, not '%s'\n", prog, flag, du_choices_words(words, sizeof(words), fl->choices), v);
+            return false;
+        }
+        if (fl->check && !fl->check(v)) { fprintf(stderr, "%s: %s takes %s, not '%s'\n", prog, flag, fl->rule, v); return false; }
+        *(const char **)fl->dest = v;
+        return true;
+    case DU_LIST: {
+        du_list *l = (du_list *)fl->dest;
+        du_list_free(l);
+        if (!du_split(l, prog, flag, v)) return false;
+        for (int i = 0; i < l->n; i++) {
+            bool ok = fl->choices ? du_choice_ok(fl->choices, l->item[i]) : fl->check ? fl->check(l->item[i]) : true;
+            if (ok) continue;
+            fprintf(stderr, "%s: bad value '%s' in %s (%s)\n", prog, l->item[i], flag, fl->choices ? du_choices_words(words, sizeof(words), fl->choices) : fl->rule);
+            du_list_free(l);
+            return false;
+        }
+        return true;
+    }
+    }
+    return false;
+}
+
+// Frees the lists the table's DU_LIST flags hold.
+static inline void du_flags_free(const du_flag *flags, int n) {
+    for (int i = 0; i < n; i++)
+        if (flags[i].kind == DU_LIST) du_list_free((du_list *)flags[i].dest);
+}
+
+// Parses argv against the table: 0 (every destination filled: the value given, else the default;
+// the lists then need du_flags_free), DU_HELP (the usage was printed on stdout), or DU_EXIT_USAGE
+// after a message on stderr (nothing to free). Never exits. A flag given twice takes the last value.
+static inline int du_flags_parse(const char *prog, const du_flag *flags, int n, int argc, char **argv, const char *synopsis, const char *epilogue) {
+    enum { MAXF = 96 };
+    const char *given[MAXF] = {0};
+    if (n > MAXF) { fprintf(stderr, "%s: too many flags in the table\n", prog); return DU_EXIT_USAGE; }
+    for (int i = 0; i < n; i++)
+        if (flags[i].kind == DU_LIST) memset(flags[i].dest, 0, sizeof(du_list));
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { du_flags_usage(stdout, prog, synopsis, flags, n, epilogue); return DU_HELP; }
+        if (strncmp(a, "--", 2) || !a[2]) {
+            fprintf(stderr, "%s: unexpected argument '%s': every value follows its flag ('%s --help' lists them)\n", prog, a, prog);
+            return DU_EXIT_USAGE;
+        }
+        const char *eq = strchr(a, '=');
+        size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        int k = -1;
+        for (int j = 0; j < n && k < 0; j++)
+            if (strlen(flags[j].name) == len && !strncmp(flags[j].name, a + 2, len)) k = j;
+        if (k < 0) {
+            fprintf(stderr, "%s: unknown flag '%.*s' ('%s --help' lists the flags)\n", prog, (int)(len + 2), a, prog);
+            return DU_EXIT_USAGE;
+        }
+        if (flags[k].kind == DU_BOOL) {
+            if (eq) { fprintf(stderr, "%s: --%s takes no value (given '%s')\n", prog, flags[k].name, eq + 1); return DU_EXIT_USAGE; }
+            given[k] = "";
+        } else if (eq) given[k] = eq + 1;
+        else if (i + 1 < argc) given[k] = argv[++i];
+        else { fprintf(stderr, "%s: --%s needs a value (%s)\n", prog, flags[k].name, flags[k].meta ? flags[k].meta : "see --help"); return DU_EXIT_USAGE; }
+    }
+    for (int i = 0; i < n; i++) {
+        const char *v = given[i] ? given[i] : flags[i].kind == DU_BOOL ? NULL : flags[i].def;
+        if (v && !du_flag_set(prog, &flags[i], v)) { du_flags_free(flags, n); return DU_EXIT_USAGE; }
+    }
+    return 0;
+}
+
+// Where the configuration lines go: stdout beside markdown rows, stderr when stdout holds csv or jsonl.
+static inline FILE *du_preamble(const du_common *c) { return strcmp(c->format, "md") ? stderr : stdout; }
+
+// --dry-run's last line: how many configurations a run would measure.
+static inline int du_dry_run_done(const du_common *c, const char *prog, int configs) {
+    FILE *f = du_preamble(c);
+    fprintf(f, "%s: dry run: %d configuration%s would run\n", prog, configs, configs == 1 ? "" : "s");
+    fflush(f);
+    return DU_EXIT_OK;
+}
 
 // ---- result tables ---------------------------------------------------------------------------
 //
@@ -427,9 +724,15 @@ static inline bool du_is_number(const char *s) {
     return *end == 0 && isfinite(v) && strchr("-0123456789", *s);   // what JSON calls a number
 }
 
+// A cell that does not apply ("-", or never set) is written as '-' in markdown, empty in csv and null
+// in jsonl, so a column of numbers stays numeric for pandas and jq.
+#define DU_NA "-"
+static inline bool du_is_na(const char *s) { return !*s || !strcmp(s, DU_NA); }
+
 static inline void du_print_row(const du_table *t, const du_row *r) {
     if (!strcmp(t->fmt, "csv")) {
         for (int i = 0; i < t->ncols; i++) {
+            if (du_is_na(r->cell[i])) { printf("%s", i ? "," : ""); continue; }
             bool quote = strchr(r->cell[i], ',') || strchr(r->cell[i], '"');
             printf("%s", i ? "," : "");
             if (!quote) { printf("%s", r->cell[i]); continue; }
@@ -442,7 +745,8 @@ static inline void du_print_row(const du_table *t, const du_row *r) {
         printf("{");
         for (int i = 0; i < t->ncols; i++) {
             printf("%s\"%s\": ", i ? ", " : "", t->cols[i]);
-            if (du_is_number(r->cell[i])) printf("%s", r->cell[i]);
+            if (du_is_na(r->cell[i])) printf("null");
+            else if (du_is_number(r->cell[i])) printf("%s", r->cell[i]);
             else {
                 printf("\"");
                 for (const char *c = r->cell[i]; *c; c++) {
@@ -456,7 +760,7 @@ static inline void du_print_row(const du_table *t, const du_row *r) {
         printf("}\n");
     } else {
         printf("|");
-        for (int i = 0; i < t->ncols; i++) printf(" %s |", r->cell[i]);
+        for (int i = 0; i < t->ncols; i++) printf(" %s |", du_is_na(r->cell[i]) ? DU_NA : r->cell[i]);
         printf("\n");
     }
 }
