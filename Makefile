@@ -205,6 +205,8 @@ DIST_TESTS = $(BUILD)/test_dist $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_
 # tests that start their own ranks (run once, alone)
 DIST_SOLO_TESTS = $(BUILD)/test_rendezvous
 TEST_RUNNERS += tests/run_dist.sh
+# every driver, the distributed ones too, through the same contract cases
+TEST_RUNNERS += tests/test_contract.sh
 
 $(DIST_DRIVERS): $(BUILD)/%: drivers/%.c $(HEADERS) $(DIST_HEADERS) | $(BUILD)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)

@@ -30,6 +30,15 @@
 # Out-of-memory rows are expected in these sweeps (2.7B, long sequences) and pass (--oom-ok); a
 # section with an error row fails, the others still run, and bench.sh then exits 1.
 set -euo pipefail
+# --help: the comment above, which is the reference; a section name that is not one is refused before
+# anything is built (exit 2, as the drivers' bad usage)
+known=" e2e warmup precision attn flash leaderboard allreduce memory profile ddp checkpoint "
+for a in "$@"; do
+  case "$a" in
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) [[ "$known" == *" $a "* ]] || { echo "bench.sh: unknown section '$a' (bench.sh --help lists them)" >&2; exit 2; } ;;
+  esac
+done
 cd "$(dirname "$0")"
 if [ -z "${DEVICE:-}" ]; then
   if command -v nvcc >/dev/null && nvidia-smi -L 2>/dev/null | grep -q GPU; then DEVICE=cuda; else DEVICE=cpu; fi
@@ -170,7 +179,6 @@ for s in "${sections[@]}"; do
       q '_train_' 'config fwd_matmul_pct step_matmul_pct step_top_kernel step_top_ms' '### (d) a training step: the matmuls'"'"' share in forward and in the whole step'
       q '_forward_' 'config softmax_ms attn_matmul_ms fwd_kernel_ms' '### (e) attention (forward): softmax vs its two matmuls (QK^T and PV). Matmul FLOPs / softmax FLOPs = 4 d_head / ~5 (~51 at d_head 64)'
     } | save profile.md ;;
-  *) echo "bench.sh: unknown section '$s' (e2e, warmup, precision, attn, flash, leaderboard, allreduce, ddp, memory, profile, checkpoint)" >&2; exit 2 ;;
   esac
   if [ $rc -ne 0 ]; then echo "bench.sh: section '$s' failed (exit $rc); going on" >&2; failed+=("$s"); fi
   echo
