@@ -8,18 +8,8 @@
 //
 // The same file builds with nvcc as test_ddp_cuda (TSYS_WITH_CUDA): the tensors live on the GPU;
 // 2 ranks share one GPU through MPI with host staging, world size 1 runs through NCCL.
-#ifndef TSYS_LINKED_IMPL
-#define TSYS_IMPLEMENTATION
-#endif
-#include "../tsys.h"
-#ifdef TSYS_WITH_CUDA
-#ifndef TSYS_LINKED_IMPL
-#define TSYS_CUDA_IMPLEMENTATION
-#endif
-#include "../tsys_cuda.cuh"
-#endif
-#define TSYS_DIST_IMPLEMENTATION
-#include "../tsys_dist.h"
+#define TSYS_PRELUDE_DIST
+#include "../drivers/prelude.h"
 #include "harness.h"
 #include "test_util.h"
 #include <unistd.h>

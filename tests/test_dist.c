@@ -12,18 +12,8 @@
 // values computed on one rank. Each collective runs on every path the group has: with shared memory
 // and without (MPI or TCP), on CPU tensors, and on CUDA tensors when built with CUDA (NCCL in a
 // group of one, host staging with several ranks on one GPU).
-#ifndef TSYS_LINKED_IMPL
-#define TSYS_IMPLEMENTATION
-#endif
-#include "../tsys.h"
-#ifdef TSYS_WITH_CUDA
-#ifndef TSYS_LINKED_IMPL
-#define TSYS_CUDA_IMPLEMENTATION
-#endif
-#include "../tsys_cuda.cuh"
-#endif
-#define TSYS_DIST_IMPLEMENTATION
-#include "../tsys_dist.h"
+#define TSYS_PRELUDE_DIST
+#include "../drivers/prelude.h"
 #include "harness.h"
 #include "harness_dist.h"
 

@@ -19,18 +19,8 @@
 //     in the same order (N a power of two makes the 1/N scaling exact), so fp32 FSDP must equal it
 //     bit for bit, which is the S26 test's torch.equal (where tsys_dist sums in rank order: its host
 //     paths, and any two ranks; NCCL over more ranks sums in its ring's order: allclose there).
-#ifndef TSYS_LINKED_IMPL
-#define TSYS_IMPLEMENTATION
-#endif
-#include "../tsys.h"
-#ifdef TSYS_WITH_CUDA
-#ifndef TSYS_LINKED_IMPL
-#define TSYS_CUDA_IMPLEMENTATION
-#endif
-#include "../tsys_cuda.cuh"
-#endif
-#define TSYS_DIST_IMPLEMENTATION
-#include "../tsys_dist.h"
+#define TSYS_PRELUDE_DIST
+#include "../drivers/prelude.h"
 #include "harness.h"
 #include "test_util.h"
 #include <unistd.h>
