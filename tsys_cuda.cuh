@@ -422,6 +422,7 @@ typedef struct tsys_cuda__state {
     int num_free_events, cap_free_events;
     tsys_trace_hooks nvtx_prev;                // the hooks the NVTX hooks chain to (desc.nvtx)
     bool nvtx_on;
+    struct tsys_cuda__nvtx_names *nvtx_names;  // registered range names (made when NVTX is turned on)
     cublasLtHandle_t lt;
     int cc_major, cc_minor;          // compute capability
     void *workspace;
@@ -5725,6 +5726,10 @@ TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st) return;
     tsys_cuda_set_nvtx(ctx, false);
+#ifndef TSYS_CUDA_NO_NVTX
+    tsys_cuda__nvtx_names_free(st->nvtx_names);
+    st->nvtx_names = NULL;
+#endif
     tsys_profiler_set_device_clock(ctx, TSYS_CUDA, NULL);
     tsys_mem_note_external(ctx, TSYS_CUDA, TSYS_MEM_WORKSPACE, -(int64_t)tsys_cuda__fixed_workspace(st));
     tsys_ctx_set_backend(ctx, TSYS_CUDA, &tsys_cuda__closed_backend);
@@ -5891,49 +5896,75 @@ TSYSDEF void tsys_cuda_graph_free(tsys_cuda_graph *g) {
 // a range nsys shows on the CPU and GPU timelines. The hooks chain to whatever was installed before.
 // The ranges live in an NVTX domain "tsys" (nsys groups them under it, apart from the user's own),
 // and their names are registered strings: a tool sees a handle per name instead of copying the text
-// on every push. Names are registered once per process, by content (a range's name may be a
-// temporary string); past TSYS_CUDA__NVTX_MAX_STRINGS names, the rest go as plain ASCII messages.
+// on every push. Each context registers a name once, by content (a range's name may be a temporary
+// string); past half of TSYS_CUDA__NVTX_SLOTS names, the rest go as plain ASCII messages.
 
 #ifndef TSYS_CUDA_NO_NVTX
-#include <mutex>
-#define TSYS_CUDA__NVTX_MAX_STRINGS 1024
-typedef struct tsys_cuda__nvtx_string { char *text; nvtxStringHandle_t handle; } tsys_cuda__nvtx_string;
-static std::mutex tsys_cuda__nvtx_lock;
-static nvtxDomainHandle_t tsys_cuda__nvtx_dom;
-static tsys_cuda__nvtx_string tsys_cuda__nvtx_strings[TSYS_CUDA__NVTX_MAX_STRINGS];
-static int tsys_cuda__nvtx_num_strings;
+// The "tsys" domain: created once per process (a C++ function-local static is initialized exactly
+// once, even from several threads) and never changed after.
+static nvtxDomainHandle_t tsys_cuda__nvtx_domain(void) {
+    static const nvtxDomainHandle_t dom = nvtxDomainCreateA("tsys");
+    return dom;
+}
 
-// The domain, and name's registered string (NULL when the table is full or out of memory).
-static nvtxStringHandle_t tsys_cuda__nvtx_string_for(const char *name, nvtxDomainHandle_t *dom) {
-    std::lock_guard<std::mutex> guard(tsys_cuda__nvtx_lock);
-    if (!tsys_cuda__nvtx_dom) tsys_cuda__nvtx_dom = nvtxDomainCreateA("tsys");
-    *dom = tsys_cuda__nvtx_dom;
-    for (int i = 0; i < tsys_cuda__nvtx_num_strings; i++)
-        if (strcmp(tsys_cuda__nvtx_strings[i].text, name) == 0) return tsys_cuda__nvtx_strings[i].handle;
-    if (tsys_cuda__nvtx_num_strings == TSYS_CUDA__NVTX_MAX_STRINGS) return NULL;
+// A context's registered names: open addressing on the name's FNV-1a hash, at most half full, so
+// a push costs one hash and a probe or two. Owned by the context's backend state (no lock: a context
+// is used by one thread at a time), freed at shutdown.
+#define TSYS_CUDA__NVTX_SLOTS 2048   // a power of two
+struct tsys_cuda__nvtx_names {
+    char *text[TSYS_CUDA__NVTX_SLOTS];
+    nvtxStringHandle_t handle[TSYS_CUDA__NVTX_SLOTS];
+    int used;
+};
+
+static uint32_t tsys_cuda__nvtx_hash(const char *s) {
+    uint32_t h = 2166136261u;
+    for (; *s; s++) h = (h ^ (unsigned char)*s) * 16777619u;
+    return h;
+}
+
+// name's registered string (NULL when the table is half full or out of memory: the caller then
+// sends the name as plain text).
+static nvtxStringHandle_t tsys_cuda__nvtx_string_for(tsys_cuda__nvtx_names *names, const char *name) {
+    if (!names) return NULL;
+    uint32_t i = tsys_cuda__nvtx_hash(name) & (TSYS_CUDA__NVTX_SLOTS - 1);
+    for (; names->text[i]; i = (i + 1) & (TSYS_CUDA__NVTX_SLOTS - 1))
+        if (strcmp(names->text[i], name) == 0) return names->handle[i];
+    if (2 * names->used >= TSYS_CUDA__NVTX_SLOTS) return NULL;
     size_t n = strlen(name) + 1;
     char *copy = (char *)TSYS_MALLOC(n);
     if (!copy) return NULL;
     memcpy(copy, name, n);
-    tsys_cuda__nvtx_string *e = &tsys_cuda__nvtx_strings[tsys_cuda__nvtx_num_strings++];
-    e->text = copy;
-    e->handle = nvtxDomainRegisterStringA(*dom, copy);
-    return e->handle;
+    names->text[i] = copy;
+    names->handle[i] = nvtxDomainRegisterStringA(tsys_cuda__nvtx_domain(), copy);
+    names->used++;
+    return names->handle[i];
 }
-#endif
 
-TSYSDEF void tsys_cuda_range_push(const char *name) {
-#ifndef TSYS_CUDA_NO_NVTX
+static void tsys_cuda__nvtx_names_free(tsys_cuda__nvtx_names *names) {
+    if (!names) return;
+    for (int i = 0; i < TSYS_CUDA__NVTX_SLOTS; i++) TSYS_FREE(names->text[i]);
+    TSYS_FREE(names);
+}
+
+// A range in the "tsys" domain named by a registered string when names has room, else by the text.
+static void tsys_cuda__nvtx_push(tsys_cuda__nvtx_names *names, const char *name) {
     if (!name) name = "?";
-    nvtxDomainHandle_t dom = NULL;
-    nvtxStringHandle_t h = tsys_cuda__nvtx_string_for(name, &dom);
+    nvtxStringHandle_t h = tsys_cuda__nvtx_string_for(names, name);
     nvtxEventAttributes_t a;
     memset(&a, 0, sizeof(a));
     a.version = NVTX_VERSION;
     a.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
     if (h) { a.messageType = NVTX_MESSAGE_TYPE_REGISTERED; a.message.registered = h; }
     else { a.messageType = NVTX_MESSAGE_TYPE_ASCII; a.message.ascii = name; }
-    nvtxDomainRangePushEx(dom, &a);
+    nvtxDomainRangePushEx(tsys_cuda__nvtx_domain(), &a);
+}
+#endif
+
+// The user's own ranges: no context, so the name goes as text (the ops' ranges are registered).
+TSYSDEF void tsys_cuda_range_push(const char *name) {
+#ifndef TSYS_CUDA_NO_NVTX
+    tsys_cuda__nvtx_push(NULL, name);
 #else
     (void)name;
 #endif
@@ -5941,13 +5972,7 @@ TSYSDEF void tsys_cuda_range_push(const char *name) {
 
 TSYSDEF void tsys_cuda_range_pop(void) {
 #ifndef TSYS_CUDA_NO_NVTX
-    nvtxDomainHandle_t dom;
-    {
-        std::lock_guard<std::mutex> guard(tsys_cuda__nvtx_lock);
-        if (!tsys_cuda__nvtx_dom) tsys_cuda__nvtx_dom = nvtxDomainCreateA("tsys");
-        dom = tsys_cuda__nvtx_dom;
-    }
-    nvtxDomainRangePop(dom);
+    nvtxDomainRangePop(tsys_cuda__nvtx_domain());
 #endif
 }
 
@@ -5955,7 +5980,9 @@ static void tsys_cuda__nvtx_begin(tsys_ctx *ctx, const char *name, tsys_trace_ki
     const tsys_trace_hooks *prev = &((tsys_cuda__state *)user)->nvtx_prev;
     char buf[96];
     if (kind == TSYS_TRACE_BACKWARD) snprintf(buf, sizeof buf, "%s (backward)", name);
-    tsys_cuda_range_push(kind == TSYS_TRACE_BACKWARD ? buf : name);
+#ifndef TSYS_CUDA_NO_NVTX
+    tsys_cuda__nvtx_push(((tsys_cuda__state *)user)->nvtx_names, kind == TSYS_TRACE_BACKWARD ? buf : name);
+#endif
     if (prev->op_begin) prev->op_begin(ctx, name, kind, prev->user);
 }
 static void tsys_cuda__nvtx_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
@@ -5981,6 +6008,11 @@ TSYSDEF tsys_status tsys_cuda_set_nvtx(tsys_ctx *ctx, bool on) {
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_set_nvtx: backend not initialized");
     if (on == st->nvtx_on) return TSYS_OK;
     if (on) {
+#ifndef TSYS_CUDA_NO_NVTX
+        // no room for the table: the ranges still come, named by text
+        if (!st->nvtx_names && (st->nvtx_names = (tsys_cuda__nvtx_names *)TSYS_MALLOC(sizeof(tsys_cuda__nvtx_names))))
+            memset(st->nvtx_names, 0, sizeof(tsys_cuda__nvtx_names));
+#endif
         tsys_trace_hooks h = { tsys_cuda__nvtx_begin, tsys_cuda__nvtx_end, tsys_cuda__nvtx_kernel, tsys_cuda__nvtx_mem, st, tsys_cuda__nvtx_kernel_begin };
         st->nvtx_prev = tsys_ctx_set_trace_hooks(ctx, &h);
     } else {
