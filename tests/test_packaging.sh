@@ -14,6 +14,10 @@
 #   dist-pc     the same program with $(pkg-config --cflags --libs tsys-dist)
 #   cuda-config where the CUDA toolkit is: find_package(tsys COMPONENTS cuda nccl) defines tsys::cuda
 #               with cuBLASLt and cuBLAS (configured only: no CUDA code is compiled)
+#   cuda-build  only with PACKAGING_CUDA_BUILD=1 (the kernels take minutes to compile): a CUDA C++
+#               consumer linked to tsys::nccl (else tsys::cuda) is built; on a machine with a GPU it
+#               runs: a matmul on the GPU equal to the CPU's, and a one-rank NCCL all-reduce. With
+#               PACKAGING_CUDA_OUT=DIR the binary is also copied there (to run on a GPU machine).
 # Without cmake or pkg-config (tools/deps.sh installs them) their cases are skipped, except under CI
 # (CI set), where they fail. Prints one "ok ..." / "FAIL ..." line per case and "N passed, N failed" last.
 #
@@ -25,7 +29,6 @@ tmp=$(mktemp -d /tmp/tsys_packaging_XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 # a clean build: nothing inherited from a make that runs this script (-j, its jobserver)
 unset MAKEFLAGS MFLAGS MAKELEVEL MAKEOVERRIDES
-export TSYS_PROGRESS=0
 pass=0; fail=0; skipped=0
 
 why=""
@@ -258,6 +261,80 @@ else
   echo "skip cuda-config (no nvcc here)"
 fi
 
+# ---- CUDA: a consumer compiled, linked and (with a GPU) run
+cat > "$tmp/src/app_cuda.cu" <<'EOF'
+#define TSYS_IMPLEMENTATION
+#include "tsys.h"
+#define TSYS_CUDA_IMPLEMENTATION
+#include "tsys_cuda.cuh"
+#ifdef TSYS_DIST_NCCL
+#define TSYS_DIST_IMPLEMENTATION
+#include "tsys_dist.h"
+#endif
+#include <stdio.h>
+
+int main(void) {
+    int gpus = 0;
+    if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) { printf("no gpu\n"); return 0; }
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "error: %s\n", tsys_ctx_last_error(ctx)); return 1; }
+    float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {7, 8, 9, 10, 11, 12}, c[4] = {0};
+    int64_t sa[2] = {2, 3}, sb[2] = {3, 2};
+    tsys_tensor *A = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CUDA, 2, sa, a);
+    tsys_tensor *B = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CUDA, 2, sb, b);
+    tsys_tensor *C = tsys_matmul(ctx, A, B, false);
+    tsys_tensor_to_f32(ctx, C, c);
+    printf("cuda matmul %g %g %g %g\n", c[0], c[1], c[2], c[3]);
+#ifdef TSYS_DIST_NCCL
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof(dd));
+    dd.cuda = true;
+    tsys_dist *d = tsys_dist_init(ctx, &dd);
+    float v = 3, sum = 0;
+    int64_t one[1] = {1};
+    tsys_tensor *t = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CUDA, 1, one, &v);
+    if (d) tsys_dist_all_reduce(d, t, TSYS_DIST_SUM);
+    tsys_tensor_to_f32(ctx, t, &sum);
+    printf("nccl allreduce %g size %d\n", sum, d ? tsys_dist_size(d) : 0);
+    tsys_tensor_release(t);
+    tsys_dist_free(d);
+#endif
+    int failed = tsys_ctx_status(ctx) != TSYS_OK;
+    if (failed) fprintf(stderr, "error: %s\n", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(A); tsys_tensor_release(B); tsys_tensor_release(C);
+    tsys_ctx_free(ctx);
+    return failed;
+}
+EOF
+if [ "${PACKAGING_CUDA_BUILD:-0}" = 1 ] && [ -n "$have_cmake" ] && command -v "${NVCC:-nvcc}" >/dev/null; then
+  cmake_app "$tmp/cudab" "enable_language(CXX)
+enable_language(CUDA)
+set(CMAKE_CUDA_ARCHITECTURES \"${CUDA_ARCHS:-90a}\")
+find_package(tsys CONFIG REQUIRED COMPONENTS cuda)
+add_executable(app_cuda \"$tmp/src/app_cuda.cu\")
+if(TARGET tsys::nccl)
+  target_link_libraries(app_cuda PRIVATE tsys::nccl)
+else()
+  target_link_libraries(app_cuda PRIVATE tsys::cuda)
+endif()"
+  cuda_root=$(dirname "$(dirname "$(command -v "${NVCC:-nvcc}")")")
+  out=""
+  if cmake_build "$tmp/cudab" -DCMAKE_PREFIX_PATH="$prefix" -DCUDAToolkit_ROOT="$cuda_root" -DCMAKE_CUDA_COMPILER="$(command -v "${NVCC:-nvcc}")"; then
+    [ -n "${PACKAGING_CUDA_OUT:-}" ] && cp "$tmp/cudab/build/app_cuda" "$PACKAGING_CUDA_OUT/"
+    out=$("$tmp/cudab/build/app_cuda" 2>&1)
+    if [ "$out" != "no gpu" ]; then
+      grep -qx 'cuda matmul 58 64 139 154' <<<"$out" || note "wrong GPU product (want 'cuda matmul 58 64 139 154'): $out"
+      if grep -rq TSYS_DIST_NCCL "$tmp/cudab/build/CMakeFiles/app_cuda.dir/" 2>/dev/null; then
+        grep -qx 'nccl allreduce 3 size 1' <<<"$out" || note "want 'nccl allreduce 3 size 1': $out"
+      fi
+    fi
+  fi
+  result "cuda-build: a CUDA consumer of tsys::cuda / tsys::nccl built${out:+, run: ${out//$'\n'/; }}"
+else
+  echo "skip cuda-build (PACKAGING_CUDA_BUILD=1 and nvcc turn it on)"
+fi
+
 [ $skipped -gt 0 ] && echo "($skipped skipped)"
+
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]
