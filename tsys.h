@@ -911,6 +911,9 @@ TSYSDEF tsys_status tsys_model_desc_from_file(const char *path, tsys_model_desc 
 // mapped to tsys's names, its q/k rows permuted from rotate-half RoPE to interleaved pairs, lm_head
 // taken from the embedding when the file has none (tied). path may be a directory holding
 // model.safetensors (save_pretrained's layout). The map is in >>safetensors ("names of other tools").
+// CS336's spring-2026 model (half-split RoPE output: the rotated pairs concatenated, not re-interleaved)
+// loads as it is: it pairs the same (2j, 2j + 1) columns and permutes q and k alike, so its weights,
+// Q K^T and logits are tsys's; only its intermediate q/k layout differs, which no file holds.
 // tsys_model_load_desc, 0 = default (strict):
 //   allow_unexpected   tensors of the file that the model does not have are skipped
 //   allow_missing      parameters the file does not hold keep their values
