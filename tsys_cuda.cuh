@@ -422,7 +422,7 @@ typedef struct tsys_cuda__state {
     int num_free_events, cap_free_events;
     tsys_trace_hooks nvtx_prev;                // the hooks the NVTX hooks chain to (desc.nvtx)
     bool nvtx_on;
-    struct tsys_cuda__nvtx_names *nvtx_names;  // registered range names (made when NVTX is turned on)
+    struct tsys_cuda__nvtx_names *nvtx_names;  // registered range names (made when NVTX is turned on; >>nvtx)
     cublasLtHandle_t lt;
     int cc_major, cc_minor;          // compute capability
     void *workspace;
@@ -454,6 +454,9 @@ typedef struct tsys_cuda__state {
     tsys_cuda__gemm_plan plans[TSYS_CUDA_GEMM_CACHE];
     tsys_backend backend;
 } tsys_cuda__state;
+#ifndef TSYS_CUDA_NO_NVTX
+static void tsys_cuda__nvtx_names_free(struct tsys_cuda__nvtx_names *names);   // >>nvtx
+#endif
 
 struct tsys_cuda_graph {
     tsys_cuda__state *st;
