@@ -432,7 +432,7 @@ static inline void du_progress_step(const char *phase, int s, int S) {
     int finished = du_prog.config - 1, left = du_prog.configs - du_prog.config;
     double per_config = finished > 0 ? du_prog.done_s / finished : config_total;
     char eta[32], line[400];
-    du_eta_str(eta, sizeof(eta), s > 0 ? (config_total - in_config) + left * per_config : -1);
+    du_eta_str(eta, sizeof(eta), s > 0 ? fmax(0.0, config_total - in_config) + left * per_config : -1);   // (rounding: never below 0)
     snprintf(line, sizeof(line), "%s: configuration %d of %d (%s), %s step %d of %d, ETA %s", du_prog.prog, du_prog.config, du_prog.configs, du_prog.what,
              phase, s, S, eta);
     du_progress_line(line, s == S);
