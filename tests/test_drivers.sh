@@ -218,7 +218,7 @@ t_error_exits_do_not_leak() {
   expect_rc 2 "attn --sweep nope"
   run "$B/attn" --flash-fp32 tf16
   expect_rc 2 "attn --flash-fp32 tf16"
-  expect_in "$tmp/err" "flash-fp32 must be tf32 or exact, not 'tf16'" "the message names --flash-fp32 and its values"
+  expect_in "$tmp/err" "flash-fp32 takes tf32 or exact, not 'tf16'" "the message names --flash-fp32 and its values"
   run "$B/attn" --flash-fp32 exact --dry-run
   expect_rc 0 "attn --flash-fp32 exact"
   expect_in "$tmp/out" "flash fp32 exact" "the configuration line says which fp32 flash kernel"
@@ -369,6 +369,25 @@ t_dry_run_measures_nothing() {
   expect_rc 0 "e2e --dry-run"
   expect_in "$tmp/out" '^e2e: device cpu; model 2.7B; context 128;' "the configuration line"
   expect_not_in "$tmp/out" '^\|' "no table"
+}
+
+# attn: a --sweep preset sets what the command line leaves unset, whichever side of --sweep the flags
+# are; --dry-run counts the rows a run would measure (--impl both: naive and flash, two a configuration).
+# Out of memory while the inputs are made (q fits, k does not) is an OOM row, never a crash.
+t_attn_sweep_presets_yield_to_flags() {
+  run "$B/attn" --d 128,64 --sweep leaderboard --reps=3 --dry-run
+  expect_rc 0 "attn --sweep leaderboard --dry-run"
+  expect_in "$tmp/out" 'sweep leaderboard; impl both; batch 1; heads 16; d 128,64; seq 16384; dtype bf16; causal 1; grad sum; .*warmup 10; reps 3;' \
+    "the preset under the flags given"
+  expect_in "$tmp/out" 'dry run: 4 configurations would run' "2 head dims, naive and flash"
+  run "$B/attn" --sweep flash_benchmarking --impl flash --format csv --dry-run
+  expect_rc 0 "attn --sweep flash_benchmarking --impl flash"
+  [ -s "$tmp/out" ] && note "csv: a dry run leaves stdout empty: $(head -c 200 "$tmp/out")"
+  expect_in "$tmp/err" 'dry run: 80 configurations would run' "10 seq x 4 d x 2 dtypes, flash only"
+  run "$B/attn" --seq 4096 --d 64 --batch 1 --warmup 0 --reps 1 --mem-limit 0.0015 --oom-ok --format csv --progress on
+  expect_rc 0 "attn: OOM on the inputs under --oom-ok"
+  [ "$(grep -c '^cpu,\(naive\|flash\),1,0,4096,64,fp32,0,,,,,,,,,,OOM: ' "$tmp/out")" = 2 ] || note "two OOM rows with empty numeric cells: $(cat "$tmp/out")"
+  expect_in "$tmp/err" 'configuration 2 of 2 \(flash fp32 d 64 seq 4096 causal 0\)' "progress on stderr"
 }
 
 # ---- activation checkpointing ----------------------------------------------------------------------
