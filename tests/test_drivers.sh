@@ -352,6 +352,23 @@ t_precision_prose_matches_its_table() {
   expect_not_in "$tmp/out" 'within ~1e-5' "the old claim"
 }
 
+# allreduce: --dry-run answers before any rank starts (one line, not one a rank) and counts op x dtype x size;
+# csv keeps stdout for the rows (the configuration line on stderr) and OOM rows have no numbers.
+t_allreduce_dry_run_and_csv_stdout() {
+  [ -x "$B/allreduce" ] || { echo -n "(no $B/allreduce: skipped) "; return; }
+  run "$B/allreduce" --nproc 2 --op all_reduce,all_gather --dtype fp32,bf16 --sizes 1KB,2KB,4KB --format csv --dry-run
+  expect_rc 0 "allreduce --dry-run"
+  [ -s "$tmp/out" ] && note "stdout of a csv dry run: $(head -c 200 "$tmp/out")"
+  [ "$(grep -c 'dry run: 12 configurations' "$tmp/err")" = 1 ] || note "not one '12 configurations' line: $(cat "$tmp/err")"
+  run "$B/allreduce" --nproc 2 --sizes 1KB --warmup 0 --iters 1 --format csv
+  expect_rc 0 "allreduce --format csv"
+  local cols=op,dtype,size,bytes,ranks,min_ms,mean_ms,max_ms,time_ms,algbw_GB/s,busbw_GB/s,check,status
+  [ "$(head -1 "$tmp/out")" = "$cols" ] || note "csv: $(head -c 200 "$tmp/out")"
+  expect_in "$tmp/err" '^allreduce: world 2, ' "the configuration line on stderr"
+  run "$B/allreduce" --sizes 1MB --warmup 0 --iters 1 --mem-limit 0.0001 --format jsonl
+  expect_in "$tmp/out" '"bytes": 1048576, "ranks": 1, "min_ms": null, .*"busbw_GB/s": null, "check": null, "status": "OOM: ' "jsonl: the OOM row"
+}
+
 # Sizes whose element counts would overflow the library's int64 shape products are refused before
 # any tensor is made (attn: a usage error; e2e: an error row), never wrapped into small allocations.
 t_sizes_past_2p62_elements_are_refused() {
