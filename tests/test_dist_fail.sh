@@ -48,8 +48,9 @@ case_ "rendezvous: bad RANK" 4 "RANK='5' and WORLD_SIZE='2'" env RANK=5 WORLD_SI
 # the allreduce driver's flags: a usage error (exit 2) naming the bad value, before any rank starts
 ar=$BUILD/allreduce
 if [ -x "$ar" ]; then
-  for bad in "--sizes 1XB:bad size '1XB'" "--op scatter:unknown op 'scatter'" "--dtype fp8:unknown dtype 'fp8'" "--nproc 0:bad value '0' for --nproc" \
-             "--bogus 1:unknown flag '--bogus'" "--format xml:--format must be" "--shm maybe:--shm must be yes or no" "--iters:needs a value"; do
+  for bad in "--sizes 1XB:bad value '1XB' in --sizes" "--op scatter:bad value 'scatter' in --op" "--dtype fp8:bad value 'fp8' in --dtype" \
+             "--nproc 0:--nproc takes an integer from 1 to 1024, not '0'" "--bogus 1:unknown flag '--bogus'" "--format xml:--format takes md, csv or jsonl" \
+             "--shm maybe:--shm takes yes or no, not 'maybe'" "--iters:--iters needs a value"; do
     args=${bad%%:*}; pat=${bad#*:}
     out=$("$ar" $args 2>&1); rc=$?
     if [ $rc -eq 2 ] && echo "$out" | grep -qF -- "$pat"; then printf '  %-44s ok\n' "allreduce $args"; pass=$((pass + 1))

@@ -352,6 +352,44 @@ t_precision_prose_matches_its_table() {
   expect_not_in "$tmp/out" 'within ~1e-5' "the old claim"
 }
 
+# precision: md keeps the tables and the prose; csv and jsonl print one table and nothing else on stdout;
+# --dry-run counts the rows; --oom-ok accepts a ToyModel run out of memory.
+t_precision_formats_dry_run_and_oom_ok() {
+  run "$B/precision" --format csv
+  expect_rc 0 "precision --format csv"
+  [ "$(head -1 "$tmp/out")" = experiment,accumulator,increment,result,error,autocast,tensor,dtype,status ] || note "csv header: $(head -1 "$tmp/out")"
+  [ "$(grep -c ',ok$' "$tmp/out")" = 28 ] && [ "$(wc -l <"$tmp/out")" = 29 ] || note "csv: not 28 ok rows and a header: $(head -c 300 "$tmp/out")"
+  expect_in "$tmp/out" '^accumulation,fp16,fp16,9[.][0-9]+,-[0-9.]+e-[0-9]+,,,,ok$' "csv: an accumulation row, numbers only"
+  expect_in "$tmp/out" '^toymodel,,,,,bf16,logits,bf16,ok$' "csv: a ToyModel row"
+  run "$B/precision" --format jsonl
+  [ "$(grep -c '^{"experiment": ' "$tmp/out")" = 28 ] && [ "$(wc -l <"$tmp/out")" = 28 ] || note "jsonl: not 28 rows alone: $(head -c 300 "$tmp/out")"
+  run "$B/precision" --dry-run
+  expect_rc 0 "precision --dry-run"
+  expect_in "$tmp/out" 'dry run: 28 ' "the rows a run prints"
+  run "$B/precision" --mem-limit 0.0000001 --format csv
+  expect_rc 1 "precision: the ToyModel out of memory"
+  expect_in "$tmp/out" '^toymodel,,,,,fp16,,,OOM: out of memory' "csv: the OOM row"
+  run "$B/precision" --mem-limit 0.0000001 --oom-ok
+  expect_rc 0 "precision --oom-ok"
+}
+
+# allreduce: --dry-run answers before any rank starts (one line, not one a rank) and counts op x dtype x size;
+# csv keeps stdout for the rows (the configuration line on stderr) and OOM rows have no numbers.
+t_allreduce_dry_run_and_csv_stdout() {
+  [ -x "$B/allreduce" ] || { echo -n "(no $B/allreduce: skipped) "; return; }
+  run "$B/allreduce" --nproc 2 --op all_reduce,all_gather --dtype fp32,bf16 --sizes 1KB,2KB,4KB --format csv --dry-run
+  expect_rc 0 "allreduce --dry-run"
+  [ -s "$tmp/out" ] && note "stdout of a csv dry run: $(head -c 200 "$tmp/out")"
+  [ "$(grep -c 'dry run: 12 configurations' "$tmp/err")" = 1 ] || note "not one '12 configurations' line: $(cat "$tmp/err")"
+  run "$B/allreduce" --nproc 2 --sizes 1KB --warmup 0 --iters 1 --format csv
+  expect_rc 0 "allreduce --format csv"
+  local cols=op,dtype,size,bytes,ranks,min_ms,mean_ms,max_ms,time_ms,algbw_GB/s,busbw_GB/s,check,status
+  [ "$(head -1 "$tmp/out")" = "$cols" ] || note "csv: $(head -c 200 "$tmp/out")"
+  expect_in "$tmp/err" '^allreduce: world 2, ' "the configuration line on stderr"
+  run "$B/allreduce" --sizes 1MB --warmup 0 --iters 1 --mem-limit 0.0001 --format jsonl
+  expect_in "$tmp/out" '"bytes": 1048576, "ranks": 1, "min_ms": null, .*"busbw_GB/s": null, "check": null, "status": "OOM: ' "jsonl: the OOM row"
+}
+
 # Sizes whose element counts would overflow the library's int64 shape products are refused before
 # any tensor is made (attn: a usage error; e2e: an error row), never wrapped into small allocations.
 t_sizes_past_2p62_elements_are_refused() {
