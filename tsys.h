@@ -110,7 +110,7 @@
                              tsys_kargs, tsys_gemm_args, tsys_backend, events, trace hooks
       >>public               every TSYSDEF declaration: context, tensors, autograd, checkpointing,
                              autocast, ops, model, checkpoint plans, optimizers, loss scaling, bench,
-                             atomic files, profiler, safetensors
+                             atomic files, profiler, memory snapshots, safetensors
       implementation (TSYS_IMPLEMENTATION)
       >>config               libc includes, TSYS_MALLOC/FREE/REALLOC, TSYS_ASSERT, TSYS__OMP,
                              TSYS_DEBUG, TSYS__FAIL / TSYS__REQUIRE / TSYS__CHECK_ARG
@@ -147,6 +147,8 @@
       >>bench                tsys_stats_of, tsys_cpu_sgemm_gflops
       >>atomic files         tsys_atomic_file: write to a temporary, fsync, rename
       >>profiler             tsys_profiler: per-op and per-kernel tables, Chrome trace
+      >>memory snapshot      tsys_mem_snapshot: the allocations as torch.cuda.memory._snapshot()'s
+                             pickle (pytorch.org/memory_viz), with op, region and phase frames
       >>safetensors          safetensors parser and writer, tsys_model_save/load
 
    Revision history:
@@ -972,6 +974,34 @@ typedef struct tsys_profiler_device_clock {
     void (*end)(void *state);
 } tsys_profiler_device_clock;
 TSYSDEF void tsys_profiler_set_device_clock(tsys_ctx *ctx, tsys_device dev, const tsys_profiler_device_clock *clock);
+
+// memory snapshot: the allocations of one device as torch.cuda.memory._snapshot() describes them, a
+// pickle that pytorch.org/memory_viz and `python -m torch.cuda._memory_viz` read, built on the trace
+// hooks (chaining the ones there). It follows every allocation and free on dev from begin on, each
+// with its frames: the op that allocated with the tensor's shape and dtype, then the ops, backward
+// ops, model regions and the phase (the named range) open at the time. Begin it before the
+// allocations it should see (the model, the optimizer): a free of memory allocated before begin is
+// only counted (stats.unmatched). The trace holds what happened since the last restart (or begin);
+// write puts it, and what is live at that moment, in path (replaced whole: tsys_atomic_file).
+//   tsys_mem_snapshot *s = tsys_mem_snapshot_begin(ctx, TSYS_CUDA);
+//   ... setup, warmup step ...
+//   tsys_mem_snapshot_restart(s);              // the trace starts again with what is live now
+//   ... the step to look at ...
+//   tsys_mem_snapshot_write(s, "step.pickle");
+//   tsys_mem_snapshot_free(s);                 // gives the hooks back (end them in reverse order of begin)
+typedef struct tsys_mem_snapshot tsys_mem_snapshot;
+typedef struct tsys_mem_snapshot_stats {
+    size_t allocs, frees;           // in the trace (a restart opens it with an allocation per live block)
+    int64_t live_bytes, peak_bytes; // what the trace replays to now, and its highest since the restart
+    long unmatched;                 // frees of allocations made before begin
+    bool complete;                  // false once the host ran out of memory for it (write then fails)
+} tsys_mem_snapshot_stats;
+TSYSDEF tsys_mem_snapshot *tsys_mem_snapshot_begin(tsys_ctx *ctx, tsys_device dev);   // NULL on bad args or no host memory
+TSYSDEF void tsys_mem_snapshot_restart(tsys_mem_snapshot *s);
+TSYSDEF tsys_mem_snapshot_stats tsys_mem_snapshot_stats_get(const tsys_mem_snapshot *s);
+TSYSDEF tsys_status tsys_mem_snapshot_write(const tsys_mem_snapshot *s, const char *path);
+TSYSDEF void tsys_mem_snapshot_end(tsys_mem_snapshot *s);    // gives the hooks back; the snapshot stays readable
+TSYSDEF void tsys_mem_snapshot_free(tsys_mem_snapshot *s);   // ends it first if needed
 
 // bench helpers
 typedef struct tsys_stats { double mean, std, median, min, max; int n; } tsys_stats;
@@ -6581,6 +6611,322 @@ TSYSDEF tsys_status tsys_profiler_write_trace(const tsys_profiler *p, const char
     }
     fprintf(f, "\n]}\n");
     return tsys_atomic_file_commit(p->ctx, &af);   // checks every write above (stdio's error flag)
+}
+
+// >>memory snapshot -------------------------------------------------------------------------------
+//
+// tsys_mem_snapshot (in >>public) writes the allocations as torch.cuda.memory._snapshot() would:
+//   {'segments': [{'device', 'address', 'total_size', 'allocated_size', 'active_size', 'requested_size',
+//                  'stream', 'segment_type', 'is_expandable', 'frames',
+//                  'blocks': [{'address', 'size', 'requested_size', 'state', 'frames'}]}],
+//    'device_traces': [[{'action', 'addr', 'size', 'stream', 'time_us', 'frames'}]]}
+// Each allocation is its own segment (a caching allocator that never caches, expandable_segments off):
+// segment_alloc + alloc when it is made, free_requested + free_completed + segment_free when it goes.
+// The trace opens with what was live when it (re)started (the parameters, the optimizer state...), so
+// replaying it alone gives the tracker's peak, and the segments are what is live at its end.
+// Addresses are virtual: the tracker's events carry no pointer (and on the CPU there is no device
+// address space to speak of), so each live allocation gets one first-fit over the live set, aligned to
+// 512 bytes as the CUDA caching allocator's blocks are; live ones never overlap and a freed range is
+// used again, as a real allocator would. Sizes are the tracker's bytes, exact.
+// Frames, innermost first (memory_viz prints them as filename:line:name): the category and the op that
+// allocated with the tensor's shape and dtype ("temporaries:0:linear [2, 32, 128] f32"), then the
+// scopes open at the time: ops and backward ops, the model's regions ("layers.3"), and the phase.
+// Identical frame stacks are interned (a hash table over their text) and written once to the pickle;
+// later uses fetch them from its memo.
+
+#define TSYS__MEMS_DEPTH 32
+#define TSYS__MEMS_BASE 0x7f0000000000ll   // where the virtual addresses start
+#define TSYS__MEMS_ALIGN 512
+
+typedef struct tsys__mems_live { uint64_t id; int64_t addr, bytes; int frames; } tsys__mems_live;
+typedef struct tsys__mems_entry { bool alloc; int64_t addr, bytes; int frames; double t_us; } tsys__mems_entry;
+
+struct tsys_mem_snapshot {
+    tsys_ctx *ctx;
+    tsys_trace_hooks prev;                    // the hooks it chains to
+    tsys_device dev;                          // the device whose allocations it follows
+    const char *scope[TSYS__MEMS_DEPTH]; tsys_trace_kind kind[TSYS__MEMS_DEPTH]; int depth;   // open scopes
+    tsys__mems_live *live; size_t num_live, cap_live;     // sorted by address
+    tsys__mems_entry *tr; size_t num_tr, cap_tr;          // the trace: allocations and frees
+    char **keys; int num_keys; size_t cap_keys;           // frame stacks, interned (each the text of its frames)
+    int *slot; int num_slots;                             // hash table over keys
+    size_t allocs, frees;
+    int64_t cur, peak;                        // live bytes the trace replays to; the highest since the restart
+    long unmatched;                           // frees of allocations it never saw
+    bool broken, ended;                       // broken: out of host memory, no snapshot
+};
+
+static void *tsys__mems_grow(tsys_mem_snapshot *s, void *p, size_t *cap, size_t need, size_t size) {
+    if (need <= *cap) return p;
+    size_t c = *cap ? *cap * 2 : 256;
+    while (c < need) c *= 2;
+    void *q = TSYS_REALLOC(p, c * size);
+    if (!q) { s->broken = true; return p; }
+    *cap = c;
+    return q;
+}
+
+static uint32_t tsys__mems_hash(const char *k) { uint32_t h = 2166136261u; for (; *k; k++) h = (h ^ (unsigned char)*k) * 16777619u; return h; }
+
+static int tsys__mems_intern(tsys_mem_snapshot *s, const char *key) {
+    if (s->num_keys * 2 >= s->num_slots) {   // keep the table at most half full
+        int n = s->num_slots ? s->num_slots * 2 : 1024, *slot = (int *)TSYS_MALLOC((size_t)n * sizeof(int));
+        if (!slot) { s->broken = true; return 0; }
+        for (int i = 0; i < n; i++) slot[i] = -1;
+        for (int k = 0; k < s->num_keys; k++) {
+            uint32_t h = tsys__mems_hash(s->keys[k]) & (uint32_t)(n - 1);
+            while (slot[h] >= 0) h = (h + 1) & (uint32_t)(n - 1);
+            slot[h] = k;
+        }
+        TSYS_FREE(s->slot); s->slot = slot; s->num_slots = n;
+    }
+    uint32_t h = tsys__mems_hash(key) & (uint32_t)(s->num_slots - 1);
+    for (; s->slot[h] >= 0; h = (h + 1) & (uint32_t)(s->num_slots - 1))
+        if (!strcmp(s->keys[s->slot[h]], key)) return s->slot[h];
+    s->keys = (char **)tsys__mems_grow(s, s->keys, &s->cap_keys, (size_t)s->num_keys + 1, sizeof(char *));
+    size_t n = strlen(key) + 1;
+    char *k = s->broken ? NULL : (char *)TSYS_MALLOC(n);
+    if (!k) { s->broken = true; return 0; }
+    memcpy(k, key, n);
+    s->keys[s->num_keys] = k;
+    s->slot[h] = s->num_keys;
+    return s->num_keys++;
+}
+
+static void tsys__mems_on_begin(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    tsys_mem_snapshot *s = (tsys_mem_snapshot *)user;
+    if (s->prev.op_begin) s->prev.op_begin(ctx, name, kind, s->prev.user);
+    if (s->depth < TSYS__MEMS_DEPTH) { s->scope[s->depth] = name; s->kind[s->depth] = kind; }
+    s->depth++;
+}
+static void tsys__mems_on_end(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    tsys_mem_snapshot *s = (tsys_mem_snapshot *)user;
+    if (s->prev.op_end) s->prev.op_end(ctx, name, kind, s->prev.user);
+    if (s->depth > 0) s->depth--;
+}
+static void tsys__mems_on_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    tsys_mem_snapshot *s = (tsys_mem_snapshot *)user;
+    if (s->prev.kernel) s->prev.kernel(ctx, k, s->prev.user);
+}
+static void tsys__mems_on_kernel_begin(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    tsys_mem_snapshot *s = (tsys_mem_snapshot *)user;
+    if (s->prev.kernel_begin) s->prev.kernel_begin(ctx, k, s->prev.user);
+}
+
+// The frames of an allocation, as text: a "filename\tname" line each, innermost first.
+static int tsys__mems_frames(tsys_mem_snapshot *s, tsys_ctx *ctx, const tsys_mem_event *e) {
+    char key[2048];
+    const char *tag = tsys_mem_tag_name(ctx, e->tag);
+    size_t o = (size_t)snprintf(key, sizeof(key), "%s\t%s", tsys_mem_category_name(e->category), tag);
+    if (e->ndim >= 0) {
+        o += (size_t)snprintf(key + o, sizeof(key) - o, " [");
+        for (int i = 0; i < e->ndim && o < sizeof(key); i++) o += (size_t)snprintf(key + o, sizeof(key) - o, i ? ", %lld" : "%lld", (long long)e->shape[i]);
+        if (o < sizeof(key)) o += (size_t)snprintf(key + o, sizeof(key) - o, "] %s", tsys_dtype_name(e->dtype));
+    }
+    bool phase = false;
+    for (int i = TSYS__MIN(s->depth, TSYS__MEMS_DEPTH) - 1; i >= 0 && o < sizeof(key); i--) {
+        tsys_trace_kind k = s->kind[i];
+        if (i == s->depth - 1 && (k == TSYS_TRACE_FORWARD || k == TSYS_TRACE_BACKWARD) && !strcmp(s->scope[i], tag)) continue;   // the op the first frame names
+        phase = phase || k == TSYS_TRACE_RANGE;
+        o += (size_t)snprintf(key + o, sizeof(key) - o, "\n%s\t%s", k == TSYS_TRACE_FORWARD ? "op" : k == TSYS_TRACE_BACKWARD ? "backward op" :
+                              k == TSYS_TRACE_RANGE ? "phase" : "region", s->scope[i]);
+    }
+    if (!phase && o < sizeof(key)) snprintf(key + o, sizeof(key) - o, "\nphase\tsetup");   // outside any range: the model, its inputs
+    return tsys__mems_intern(s, key);
+}
+
+static void tsys__mems_push(tsys_mem_snapshot *s, bool alloc, const tsys__mems_live *b, double t_us) {
+    s->tr = (tsys__mems_entry *)tsys__mems_grow(s, s->tr, &s->cap_tr, s->num_tr + 1, sizeof(tsys__mems_entry));
+    if (s->broken) return;
+    tsys__mems_entry *x = &s->tr[s->num_tr++];
+    x->alloc = alloc; x->addr = b->addr; x->bytes = b->bytes; x->frames = b->frames; x->t_us = t_us;
+    if (alloc) { s->allocs++; s->cur += b->bytes; s->peak = TSYS__MAX(s->peak, s->cur); }
+    else { s->frees++; s->cur -= b->bytes; }
+}
+
+static void tsys__mems_on_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *user) {
+    tsys_mem_snapshot *s = (tsys_mem_snapshot *)user;
+    if (s->prev.mem) s->prev.mem(ctx, e, s->prev.user);
+    if (e->device != s->dev || e->action == TSYS_MEM_EV_MOVE || s->broken) return;
+    if (e->action == TSYS_MEM_EV_ALLOC) {   // first fit over the live set (sorted by address)
+        int64_t addr = TSYS__MEMS_BASE;
+        size_t i = 0;
+        for (; i < s->num_live && s->live[i].addr < addr + e->delta; i++) {
+            int64_t end = s->live[i].addr + s->live[i].bytes;
+            end = (end + TSYS__MEMS_ALIGN - 1) / TSYS__MEMS_ALIGN * TSYS__MEMS_ALIGN;
+            if (end > addr) addr = end;
+        }
+        s->live = (tsys__mems_live *)tsys__mems_grow(s, s->live, &s->cap_live, s->num_live + 1, sizeof(tsys__mems_live));
+        if (s->broken) return;
+        memmove(s->live + i + 1, s->live + i, (s->num_live - i) * sizeof(tsys__mems_live));
+        tsys__mems_live *b = &s->live[i];
+        b->id = e->id; b->addr = addr; b->bytes = e->delta; b->frames = tsys__mems_frames(s, ctx, e);
+        s->num_live++;
+        tsys__mems_push(s, true, b, e->t_us);
+        return;
+    }
+    // a free: the storage's allocation; memory a backend notes itself (id 0) pairs with the latest of its size
+    size_t i = s->num_live;
+    for (size_t j = s->num_live; j-- > 0;)
+        if (s->live[j].id == e->id && (e->id || s->live[j].bytes == -e->delta)) { i = j; break; }
+    if (i == s->num_live) { s->unmatched++; return; }
+    tsys__mems_push(s, false, &s->live[i], e->t_us);
+    memmove(s->live + i, s->live + i + 1, (s->num_live - i - 1) * sizeof(tsys__mems_live));
+    s->num_live--;
+}
+
+TSYSDEF tsys_mem_snapshot *tsys_mem_snapshot_begin(tsys_ctx *ctx, tsys_device dev) {
+    if (!ctx || !tsys__device_ok(ctx, "tsys_mem_snapshot_begin", dev)) return NULL;
+    tsys_mem_snapshot *s = (tsys_mem_snapshot *)TSYS_MALLOC(sizeof(tsys_mem_snapshot));
+    if (!s) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the memory snapshot"); return NULL; }
+    memset(s, 0, sizeof(*s));
+    s->ctx = ctx; s->dev = dev;
+    tsys_trace_hooks h = {tsys__mems_on_begin, tsys__mems_on_end, tsys__mems_on_kernel, tsys__mems_on_mem, s, tsys__mems_on_kernel_begin};
+    s->prev = tsys_ctx_set_trace_hooks(ctx, &h);
+    return s;
+}
+
+TSYSDEF void tsys_mem_snapshot_restart(tsys_mem_snapshot *s) {
+    if (!s) return;
+    s->num_tr = 0; s->allocs = s->frees = 0; s->cur = s->peak = 0;
+    double t = tsys_ctx_time_us(s->ctx);
+    for (size_t i = 0; i < s->num_live; i++) tsys__mems_push(s, true, &s->live[i], t);
+}
+
+TSYSDEF tsys_mem_snapshot_stats tsys_mem_snapshot_stats_get(const tsys_mem_snapshot *s) {
+    tsys_mem_snapshot_stats st;
+    memset(&st, 0, sizeof(st));
+    if (!s) return st;
+    st.allocs = s->allocs; st.frees = s->frees; st.live_bytes = s->cur; st.peak_bytes = s->peak;
+    st.unmatched = s->unmatched; st.complete = !s->broken;
+    return st;
+}
+
+TSYSDEF void tsys_mem_snapshot_end(tsys_mem_snapshot *s) {
+    if (!s || s->ended) return;
+    s->ended = true;
+    tsys_ctx_set_trace_hooks(s->ctx, &s->prev);
+}
+
+TSYSDEF void tsys_mem_snapshot_free(tsys_mem_snapshot *s) {
+    if (!s) return;
+    tsys_mem_snapshot_end(s);
+    for (int k = 0; k < s->num_keys; k++) TSYS_FREE(s->keys[k]);
+    TSYS_FREE(s->keys); TSYS_FREE(s->slot); TSYS_FREE(s->live); TSYS_FREE(s->tr);
+    TSYS_FREE(s);
+}
+
+// A pickle, protocol 2, with only the opcodes both Python's unpickler and memory_viz's own read.
+static void tsys__pk_u32(FILE *f, uint32_t v) { for (int i = 0; i < 4; i++) fputc((int)(v >> (8 * i)) & 0xff, f); }
+static void tsys__pk_int(FILE *f, int64_t v) {
+    if (v >= INT32_MIN && v <= INT32_MAX) { fputc('J', f); tsys__pk_u32(f, (uint32_t)(int32_t)v); return; }   // BININT
+    fputc(0x8a, f); fputc(8, f);   // LONG1, 8 bytes little-endian two's complement
+    for (int i = 0; i < 8; i++) fputc((int)((uint64_t)v >> (8 * i)) & 0xff, f);
+}
+static void tsys__pk_str(FILE *f, const char *s, size_t n) { fputc('X', f); tsys__pk_u32(f, (uint32_t)n); fwrite(s, 1, n, f); }   // BINUNICODE
+static void tsys__pk_key(FILE *f, const char *s) { tsys__pk_str(f, s, strlen(s)); }
+static void tsys__pk_begin_dict(FILE *f) { fputc('}', f); fputc('(', f); }   // EMPTY_DICT MARK ... SETITEMS
+static void tsys__pk_begin_list(FILE *f) { fputc(']', f); fputc('(', f); }   // EMPTY_LIST MARK ... APPENDS
+static void tsys__pk_end_dict(FILE *f) { fputc('u', f); }
+static void tsys__pk_end_list(FILE *f) { fputc('e', f); }
+
+typedef struct tsys__pk_memo { int32_t *at; uint32_t next; } tsys__pk_memo;   // frame stack -> memo index (-1: not written yet)
+
+// A frames list: written once, then fetched from the pickle's memo (LONG_BINPUT / LONG_BINGET).
+static void tsys__pk_frames(FILE *f, const tsys_mem_snapshot *s, int k, tsys__pk_memo *memo) {
+    if (memo->at[k] >= 0) { fputc('j', f); tsys__pk_u32(f, (uint32_t)memo->at[k]); return; }
+    fputc(']', f);
+    fputc('r', f); tsys__pk_u32(f, memo->next); memo->at[k] = (int32_t)memo->next++;
+    fputc('(', f);
+    for (const char *c = s->keys[k]; *c;) {
+        const char *tab = strchr(c, '\t'), *nl = strchr(tab, '\n');
+        size_t end = nl ? (size_t)(nl - tab - 1) : strlen(tab + 1);
+        tsys__pk_begin_dict(f);
+        tsys__pk_key(f, "filename"); tsys__pk_str(f, c, (size_t)(tab - c));
+        tsys__pk_key(f, "line"); tsys__pk_int(f, 0);
+        tsys__pk_key(f, "name"); tsys__pk_str(f, tab + 1, end);
+        tsys__pk_end_dict(f);
+        c = nl ? nl + 1 : tab + 1 + end;
+    }
+    tsys__pk_end_list(f);
+}
+
+static void tsys__pk_event(FILE *f, const char *action, const tsys__mems_entry *x, const tsys_mem_snapshot *s, tsys__pk_memo *memo) {
+    tsys__pk_begin_dict(f);
+    tsys__pk_key(f, "action"); tsys__pk_key(f, action);
+    tsys__pk_key(f, "addr"); tsys__pk_int(f, x->addr);
+    tsys__pk_key(f, "size"); tsys__pk_int(f, x->bytes);
+    tsys__pk_key(f, "stream"); tsys__pk_int(f, 0);
+    tsys__pk_key(f, "time_us"); tsys__pk_int(f, (int64_t)x->t_us);
+    tsys__pk_key(f, "frames"); tsys__pk_frames(f, s, x->frames, memo);
+    tsys__pk_end_dict(f);
+}
+
+// What is live, a segment each, with its one block.
+static void tsys__pk_segments(FILE *f, const tsys_mem_snapshot *s, tsys__pk_memo *memo) {
+    tsys__pk_begin_list(f);
+    for (size_t i = 0; i < s->num_live; i++) {
+        const tsys__mems_live *b = &s->live[i];
+        tsys__pk_begin_dict(f);
+        tsys__pk_key(f, "device"); tsys__pk_int(f, 0);
+        tsys__pk_key(f, "address"); tsys__pk_int(f, b->addr);
+        tsys__pk_key(f, "total_size"); tsys__pk_int(f, b->bytes);
+        tsys__pk_key(f, "allocated_size"); tsys__pk_int(f, b->bytes);
+        tsys__pk_key(f, "active_size"); tsys__pk_int(f, b->bytes);
+        tsys__pk_key(f, "requested_size"); tsys__pk_int(f, b->bytes);
+        tsys__pk_key(f, "stream"); tsys__pk_int(f, 0);
+        tsys__pk_key(f, "segment_type"); tsys__pk_key(f, "large");
+        tsys__pk_key(f, "is_expandable"); fputc(0x89, f);   // NEWFALSE
+        tsys__pk_key(f, "frames"); tsys__pk_frames(f, s, b->frames, memo);
+        tsys__pk_key(f, "blocks");
+        tsys__pk_begin_list(f);
+        tsys__pk_begin_dict(f);
+        tsys__pk_key(f, "address"); tsys__pk_int(f, b->addr);
+        tsys__pk_key(f, "size"); tsys__pk_int(f, b->bytes);
+        tsys__pk_key(f, "requested_size"); tsys__pk_int(f, b->bytes);
+        tsys__pk_key(f, "state"); tsys__pk_key(f, "active_allocated");
+        tsys__pk_key(f, "frames"); tsys__pk_frames(f, s, b->frames, memo);
+        tsys__pk_end_dict(f);
+        tsys__pk_end_list(f);
+        tsys__pk_end_dict(f);
+    }
+    tsys__pk_end_list(f);
+}
+
+TSYSDEF tsys_status tsys_mem_snapshot_write(const tsys_mem_snapshot *s, const char *path) {
+    if (!s) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = s->ctx;
+    if (!path) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "memory snapshot: path is NULL");
+    if (s->broken) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "memory snapshot '%s': the host ran out of memory while recording", path);
+    tsys__pk_memo memo = {(int32_t *)TSYS_MALLOC(((size_t)s->num_keys + 1) * sizeof(int32_t)), 0};
+    if (!memo.at) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "memory snapshot '%s': out of host memory", path);
+    for (int k = 0; k < s->num_keys; k++) memo.at[k] = -1;
+    tsys_atomic_file af;
+    tsys_status st = tsys_atomic_file_open(ctx, "memory snapshot", path, &af);
+    if (st != TSYS_OK) { TSYS_FREE(memo.at); return st; }
+    FILE *f = af.f;
+    fputc(0x80, f); fputc(2, f);   // PROTO 2
+    tsys__pk_begin_dict(f);
+    tsys__pk_key(f, "segments");
+    tsys__pk_segments(f, s, &memo);
+    tsys__pk_key(f, "device_traces");
+    tsys__pk_begin_list(f);
+    tsys__pk_begin_list(f);
+    for (size_t i = 0; i < s->num_tr; i++) {
+        const tsys__mems_entry *x = &s->tr[i];
+        if (x->alloc) { tsys__pk_event(f, "segment_alloc", x, s, &memo); tsys__pk_event(f, "alloc", x, s, &memo); }
+        else {
+            tsys__pk_event(f, "free_requested", x, s, &memo); tsys__pk_event(f, "free_completed", x, s, &memo);
+            tsys__pk_event(f, "segment_free", x, s, &memo);
+        }
+        if (i % 1000 == 999) { tsys__pk_end_list(f); fputc('(', f); }   // APPENDS in batches, as pickle does
+    }
+    tsys__pk_end_list(f);
+    tsys__pk_end_list(f);
+    tsys__pk_end_dict(f);
+    fputc('.', f);   // STOP
+    TSYS_FREE(memo.at);
+    return tsys_atomic_file_commit(ctx, &af);   // checks every write above (stdio's error flag)
 }
 
 // >>safetensors -----------------------------------------------------------------------------------

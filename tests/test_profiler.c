@@ -2,6 +2,8 @@
 // call count, kernels are attributed to phases, hooks that were installed keep firing, the Chrome
 // trace is well-formed JSON with nested spans and counters, a flow from each op to each kernel it
 // launched and the ops' input shapes, the CPU's FLOP rates read in GFLOP/s, and profiling changes no result.
+// The memory snapshot (tsys_mem_snapshot, a client of the same hooks): its pickle parses and replays
+// to the tracker's peak.
 #define TSYS_IMPLEMENTATION
 #include "../tsys.h"
 #include "harness.h"
@@ -469,5 +471,157 @@ TSYS_TEST(predicted_peak_matches_the_tracker_kept_copies) {
 TSYS_TEST(predicted_peak_matches_the_tracker_train) { mem_prediction_case("naive", TSYS_F32, true, true); mem_prediction_case("naive", TSYS_BF16, true, true); }
 TSYS_TEST(predicted_peak_matches_the_tracker_forward_backward) { mem_prediction_case("naive", TSYS_F32, true, false); mem_prediction_case("flash", TSYS_F32, true, false); }
 TSYS_TEST(predicted_peak_matches_the_tracker_forward) { mem_prediction_case("naive", TSYS_F32, false, false); mem_prediction_case("naive", TSYS_BF16, false, false); }
+
+// ---- tsys_mem_snapshot: the memory_viz pickle ------------------------------------------------------
+
+// What a walk of a snapshot pickle found: the opcodes are those tsys_mem_snapshot writes (the ones
+// memory_viz's own reader knows), every SETITEMS closes a dict of key-value pairs with string keys,
+// every APPENDS a list, every memo fetch names a list put before, and STOP leaves one dict.
+typedef struct pk_walk { bool ok; int allocs, frees_completed, segments; const char *why; } pk_walk;
+
+static pk_walk pk_walk_check(const unsigned char *p, size_t n, int *stack, int *memo) {
+    enum { DICT = 1, LIST, STR, INT, MARK, BOOL_ };
+    pk_walk w = {false, 0, 0, 0, "truncated"};
+    int sp = 0, nmemo = 0;   // stack and memo: room for n entries (each takes an opcode byte at least)
+    const unsigned char *str = NULL; uint32_t slen = 0;   // the last string, for the counts
+    bool action_key = false, segments_key = false;
+    if (n < 2 || p[0] != 0x80 || p[1] != 2) { w.why = "no PROTO 2"; return w; }
+    for (size_t i = 2; i < n;) {
+        unsigned char op = p[i++];
+        uint32_t u = 0;
+        if (op == 'J' || op == 'X' || op == 'r' || op == 'j') {
+            if (i + 4 > n) return w;
+            u = (uint32_t)p[i] | (uint32_t)p[i + 1] << 8 | (uint32_t)p[i + 2] << 16 | (uint32_t)p[i + 3] << 24;
+            i += 4;
+        }
+        switch (op) {
+        case '}': stack[sp++] = DICT; break;
+        case ']': stack[sp++] = LIST; break;
+        case '(': stack[sp++] = MARK; break;
+        case 'J': stack[sp++] = INT; break;
+        case 0x89: stack[sp++] = BOOL_; break;
+        case 0x8a: if (i >= n || p[i] != 8 || i + 9 > n) { w.why = "LONG1 of other than 8 bytes"; return w; } i += 9; stack[sp++] = INT; break;
+        case 'X':
+            if (i + u > n) return w;
+            str = p + i; slen = u; i += u;
+            if (action_key && slen == 5 && !memcmp(str, "alloc", 5)) w.allocs++;
+            if (action_key && slen == 14 && !memcmp(str, "free_completed", 14)) w.frees_completed++;
+            action_key = slen == 6 && !memcmp(str, "action", 6);
+            stack[sp++] = STR;
+            break;
+        case 'r': if (sp == 0 || stack[sp - 1] != LIST || u != (uint32_t)nmemo) { w.why = "bad memo put"; return w; } memo[nmemo++] = LIST; break;
+        case 'j': if (u >= (uint32_t)nmemo) { w.why = "memo fetch of nothing"; return w; } stack[sp++] = memo[u]; break;
+        case 'u': case 'e': {
+            int m = sp - 1;
+            while (m >= 0 && stack[m] != MARK) m--;
+            int items = sp - 1 - m;
+            if (m < 1 || stack[m - 1] != (op == 'u' ? DICT : LIST) || (op == 'u' && items % 2)) { w.why = op == 'u' ? "bad SETITEMS" : "bad APPENDS"; return w; }
+            for (int k = m + 1; op == 'u' && k < sp; k += 2) if (stack[k] != STR) { w.why = "a key that is not a string"; return w; }
+            if (op == 'e' && segments_key && m == 4) { w.segments += items; segments_key = false; }   // the list under the top dict's key
+            sp = m;
+            break;
+        }
+        case '.':
+            if (i != n || sp != 1 || stack[0] != DICT) { w.why = "STOP with other than one dict, or bytes after it"; return w; }
+            w.ok = true; w.why = "";
+            return w;
+        default: w.why = "an opcode tsys_mem_snapshot does not write"; return w;
+        }
+        if (op == 'X' && slen == 8 && !memcmp(str, "segments", 8) && sp == 3) segments_key = true;   // the top dict's key
+    }
+    return w;
+}
+
+static pk_walk pk_walk_of(const unsigned char *p, size_t n) {
+    int *stack = (int *)malloc(n * sizeof(int)), *memo = (int *)malloc(n * sizeof(int));
+    pk_walk w = {false, 0, 0, 0, "out of memory"};
+    if (stack && memo) w = pk_walk_check(p, n, stack, memo);
+    free(stack); free(memo);
+    return w;
+}
+
+static unsigned char *read_whole(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *buf = len > 0 ? (unsigned char *)malloc((size_t)len) : NULL;
+    *n = buf ? fread(buf, 1, (size_t)len, f) : 0;
+    fclose(f);
+    return buf;
+}
+
+// A warmup step, a restart, the recorded step: the trace replays to the tracker's peak of that step,
+// its counts are the file's, what is live at the end is the tracker's live bytes and the segments, and
+// the hooks installed before keep firing and come back after.
+TSYS_TEST(mem_snapshot_of_a_training_step) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_trace_hooks mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.op_begin = user_op;
+    tsys_ctx_set_trace_hooks(ctx, &mine);
+    tsys_mem_snapshot *s = tsys_mem_snapshot_begin(ctx, TSYS_CPU);
+    TEST_CHECK(s != NULL, "%s", tsys_ctx_last_error(ctx));
+    tsys_model *m = tiny_model(ctx);
+    tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+    int64_t sid[2] = {2, 8};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, sid);
+    tsys_tensor_randint(ctx, ids, 40);
+    step(ctx, m, opt, ids, NULL);
+    tsys_mem_snapshot_restart(s);
+    tsys_mem_reset_peak(ctx, TSYS_CPU);
+    g_user_ops = 0;
+    step(ctx, m, opt, ids, NULL);
+    TEST_CHECK(g_user_ops > 0, "the hook installed before the snapshot stopped firing");
+    tsys_mem_snapshot_stats st = tsys_mem_snapshot_stats_get(s);
+    tsys_mem_stats t = tsys_mem_stats_get(ctx, TSYS_CPU);
+    TEST_CHECK(st.complete && st.unmatched == 0, "complete %d, unmatched frees %ld", st.complete, st.unmatched);
+    TEST_CHECK(st.peak_bytes == t.peak_bytes && st.live_bytes == t.live_bytes, "trace peak %lld live %lld, tracker peak %lld live %lld",
+               (long long)st.peak_bytes, (long long)st.live_bytes, (long long)t.peak_bytes, (long long)t.live_bytes);
+    TEST_CHECK(st.allocs > 20 && st.frees > 10 && st.peak_bytes > st.live_bytes, "allocs %zu, frees %zu, peak %lld", st.allocs, st.frees, (long long)st.peak_bytes);
+    char path[] = "/tmp/tsys_snapshot_XXXXXX";
+    int fd = mkstemp(path);
+    TEST_CHECK(fd >= 0, "mkstemp");
+    if (fd >= 0) close(fd);
+    TEST_CHECK(tsys_mem_snapshot_write(s, path) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    size_t n = 0;
+    unsigned char *buf = read_whole(path, &n);
+    pk_walk w = buf ? pk_walk_of(buf, n) : (pk_walk){false, 0, 0, 0, "unreadable"};
+    TEST_CHECK(w.ok, "the pickle does not parse: %s", w.why);
+    TEST_CHECK(w.allocs == (int)st.allocs && w.frees_completed == (int)st.frees, "the file has %d allocs and %d frees, the stats %zu and %zu",
+               w.allocs, w.frees_completed, st.allocs, st.frees);
+    TEST_CHECK(w.segments == (int)(st.allocs - st.frees), "%d segments, %zu blocks live", w.segments, st.allocs - st.frees);
+    free(buf);
+    remove(path);
+    tsys_mem_snapshot_free(s);
+    tsys_trace_hooks back = tsys_ctx_set_trace_hooks(ctx, NULL);
+    TEST_CHECK(back.op_begin == user_op && back.mem == NULL, "tsys_mem_snapshot_free did not give the hooks back");
+    tsys_tensor_release(ids);
+    tsys_optim_free(opt);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
+// Misuse and a path that cannot be written are errors naming what and where; nothing is left behind.
+TSYS_TEST(mem_snapshot_errors) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    TEST_CHECK(tsys_mem_snapshot_begin(NULL, TSYS_CPU) == NULL, "a NULL context");
+    TEST_CHECK(tsys_mem_snapshot_begin(ctx, (tsys_device)7) == NULL && strstr(tsys_ctx_last_error(ctx), "not a tsys_device"), "device 7: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_mem_snapshot *s = tsys_mem_snapshot_begin(ctx, TSYS_CPU);
+    TEST_CHECK(tsys_mem_snapshot_write(s, NULL) == TSYS_ERR_INVALID_ARGS, "a NULL path");
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_mem_snapshot_write(s, "/proc/no/such/dir/x.pickle") == TSYS_ERR_IO && strstr(tsys_ctx_last_error(ctx), "memory snapshot '/proc/no/such/dir/x.pickle'"),
+               "an unwritable path: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_mem_snapshot_write(NULL, "x.pickle") == TSYS_ERR_INVALID_ARGS, "a NULL snapshot");
+    tsys_mem_snapshot_stats none = tsys_mem_snapshot_stats_get(NULL);
+    TEST_CHECK(none.allocs == 0 && !none.complete, "the stats of no snapshot");
+    tsys_mem_snapshot_restart(NULL); tsys_mem_snapshot_end(NULL); tsys_mem_snapshot_free(NULL);
+    tsys_mem_snapshot_end(s); tsys_mem_snapshot_end(s);   // twice is once
+    tsys_mem_snapshot_free(s);
+    tsys_ctx_free(ctx);
+}
 
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
