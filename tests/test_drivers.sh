@@ -198,7 +198,7 @@ t_help_documents_exit_codes_and_memory() {
     expect_in "$tmp/out" 'available' "$d --help: the default budget"
     expect_in "$tmp/out" 'exit status: 0 .*, 1 ' "$d --help: exit codes 0 and 1"
     expect_in "$tmp/out" ', 2 bad usage' "$d --help: exit code 2"
-    [ "$d" = precision ] || expect_in "$tmp/out" '\-\-oom-ok' "$d --help: --oom-ok"
+    expect_in "$tmp/out" '\-\-oom-ok' "$d --help: --oom-ok"
   done
 }
 
