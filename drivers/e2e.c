@@ -8,7 +8,6 @@
 #include "prelude.h"
 #include "driver_util.h"
 #include "e2e_profile.h"
-#include <sys/stat.h>
 
 typedef struct e2e_opts {
     du_common common;
@@ -165,9 +164,9 @@ static tsys_status bench_step(bench *b, double *t) {
     return tsys_ctx_status(b->lm.ctx);
 }
 
+#ifdef TSYS_WITH_CUDA
 // Times `steps` replays of the step captured as a CUDA graph; per-step totals go to tot[].
 static tsys_status bench_compiled(bench *b, int steps, double *tot) {
-#ifdef TSYS_WITH_CUDA
     double t[3] = {0, 0, 0};
     tsys_cuda_graph *g = NULL;
     tsys_status st = tsys_cuda_graph_begin(b->lm.ctx);
@@ -188,11 +187,10 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
     }
     tsys_cuda_graph_free(g);
     return st;
-#else
-    (void)steps; (void)tot;
-    return tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_UNSUPPORTED, "--compile needs the CUDA build");
-#endif
 }
+#else   // not reached: --device cuda is refused without CUDA, and --compile is skipped on the CPU
+static tsys_status bench_compiled(bench *b, int steps, double *tot) { (void)steps; (void)tot; return tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_UNSUPPORTED, "--compile needs CUDA"); }
+#endif
 
 // One more step under the profiler; its files go under --profile DIR (e2e_profile.h).
 static tsys_status bench_profile(bench *b, const e2e_opts *o, const du_row *row) {
@@ -407,12 +405,8 @@ static int driver_main(int argc, char **argv) {
             o.compiles.src, o.overlaps.src, o.lowps.src, o.ckpts.src, o.warmup, o.steps, du_mem_limit_str(lim, sizeof(lim), o.common.mem_limit),
             o.load ? "; load " : "", o.load ? o.load : "");
     if (o.common.dry_run) { opts_free(&o); return du_dry_run_done(&o.common, "e2e", configs); }
-    if (o.profile && !o.plan) {
-        if (mkdir(o.profile, 0777) != 0 && errno != EEXIST) { fprintf(stderr, "e2e: --profile: cannot make folder '%s': %s\n", o.profile, strerror(errno)); opts_free(&o); return DU_EXIT_FAILED; }
-        if (!(o.profile_log = tmpfile())) { fprintf(stderr, "e2e: --profile: no temporary file: %s\n", strerror(errno)); opts_free(&o); return DU_EXIT_FAILED; }
-    }
-    tsys_ctx *ctx = o.plan ? NULL : make_ctx(&o, dev, cfg);   // --plan builds nothing
-    if (!o.plan && !ctx) { opts_free(&o); return DU_EXIT_FAILED; }
+    tsys_ctx *ctx = NULL;   // --plan builds nothing
+    if (!o.plan && ((o.profile && !e2e_profile_open(o.profile, &o.profile_log)) || !(ctx = make_ctx(&o, dev, cfg)))) { opts_free(&o); return DU_EXIT_FAILED; }
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
@@ -429,17 +423,9 @@ static int driver_main(int argc, char **argv) {
         du_table_emit(&tab);
     }
     du_progress_end();
-    bool log_bad = false;
-    if (o.profile_log) {   // the paths of the tables and traces, after the table
-        rewind(o.profile_log);
-        char line[1400];
-        fprintf(cfg, "\n");
-        while (fgets(line, sizeof(line), o.profile_log)) fputs(line, cfg);
-        log_bad = ferror(o.profile_log) != 0;
-        if (log_bad) fprintf(stderr, "e2e: --profile: the list of profiled files could not be written or read back\n");
-    }
+    bool listed = !o.profile_log || e2e_profile_list(o.profile_log, cfg);   // the paths of the tables and traces
     rc = du_table_exit_code(&tab, "e2e", o.common.oom_ok);
-    if (log_bad && rc == DU_EXIT_OK) rc = DU_EXIT_FAILED;
+    if (!listed && rc == DU_EXIT_OK) rc = DU_EXIT_FAILED;
     du_table_free(&tab);
     opts_free(&o);
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down

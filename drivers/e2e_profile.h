@@ -5,6 +5,28 @@
 #ifndef TSYS_E2E_PROFILE_H
 #define TSYS_E2E_PROFILE_H
 #include <ctype.h>
+#include <sys/stat.h>
+
+// --profile DIR before the sweep: the folder (made when missing) and *log, a temporary file that
+// collects the paths of the files each configuration writes until the table is done. False after a
+// message naming the flag.
+static inline bool e2e_profile_open(const char *dir, FILE **log) {
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST) { fprintf(stderr, "e2e: --profile: cannot make folder '%s': %s\n", dir, strerror(errno)); return false; }
+    if (!(*log = tmpfile())) { fprintf(stderr, "e2e: --profile: no temporary file: %s\n", strerror(errno)); return false; }
+    return true;
+}
+
+// After the table: the paths log collected, to out (after a blank line); false, after a message, when
+// they could not all be written or read back.
+static inline bool e2e_profile_list(FILE *log, FILE *out) {
+    char line[1400];
+    rewind(log);
+    fprintf(out, "\n");
+    while (fgets(line, sizeof(line), log)) fputs(line, out);
+    if (!ferror(log)) return true;
+    fprintf(stderr, "e2e: --profile: the list of profiled files could not be written or read back\n");
+    return false;
+}
 
 // The configuration of a row as a file name: "cpu_small_T128_train_fp32_naive", then "_compiled",
 // "_opt-in-bwd[-free]" and "_ckpt-<policy>" (a file name's characters) where they apply.
