@@ -30,8 +30,11 @@ static bool ok_ckpt(const char *s) { tsys_checkpoint_policy p; return tsys_check
 static bool ok_model(const char *s) { tsys_model_desc d; return !strcmp(s, "custom") || !strcmp(s, "from-file") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK; }
 static int dt_index(tsys_dtype dt) { return dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2; }
 
+// The lists a sweep combines, the one varying slowest first.
+#define E2E_LISTS(o) {&(o)->models, &(o)->contexts, &(o)->modes, &(o)->dtypes, &(o)->compiles, &(o)->overlaps, &(o)->lowps, &(o)->attns, &(o)->ckpts}
+
 static void opts_free(e2e_opts *o) {
-    du_list *l[9] = {&o->models, &o->contexts, &o->modes, &o->dtypes, &o->attns, &o->compiles, &o->overlaps, &o->lowps, &o->ckpts};
+    du_list *l[9] = E2E_LISTS(o);
     for (int i = 0; i < 9; i++) du_list_free(l[i]);
     if (o->profile_log) fclose(o->profile_log);
 }
@@ -104,6 +107,10 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         else if (x->d_model || x->d_ff || x->num_layers || x->num_heads || x->vocab_size)
             why = "--model from-file takes its dims from the file: drop --d-model, --d-ff, --num-layers, --num-heads and --vocab-size";
     }
+    const du_list *l[9] = E2E_LISTS(o);
+    double rows = 1;   // a sweep is numbered by int: 9 lists of 64 would overflow it
+    for (int i = 0; i < 9; i++) rows *= l[i]->n;
+    if (!why && rows > (1 << 20)) why = "the lists make more than 1048576 configurations together (their sizes multiply)";
     if (!why) return 0;
     fprintf(stderr, "e2e: %s\n", why);
     opts_free(o);
@@ -113,7 +120,7 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
 // Configuration k (0-based) into c; returns how many the sweep has. The last list (--checkpoint) varies
 // fastest, the first (--model) slowest; --plan sweeps only the lists that change the accounting.
 static int sweep_at(const e2e_opts *o, tsys_device dev, int k, config *c) {
-    const du_list *ax[9] = {&o->models, &o->contexts, &o->modes, &o->dtypes, &o->compiles, &o->overlaps, &o->lowps, &o->attns, &o->ckpts};
+    const du_list *ax[9] = E2E_LISTS(o);
     const char *v[9];
     int total = 1;
     for (int i = 8; i >= 0; i--) {

@@ -169,6 +169,11 @@ t_list_longer_than_64_is_an_error() {
   run "$B/e2e" --context-length "$(seq -s, 1 64)" --dry-run
   expect_rc 0 "64 context lengths are fine"
   expect_in "$tmp/out" "context 1,2,3,.*,63,64;" "all 64 in the configuration line"
+  local x64
+  x64=$(printf 'fp32%.0s,' $(seq 64)); x64=${x64%,}
+  run "$B/e2e" --context-length "$(seq -s, 1 64)" --dtype "$x64" --mode "${x64//fp32/forward}" --attn naive,naive,naive,naive,naive --dry-run
+  expect_rc 2 "64 x 64 x 64 x 5 configurations"
+  expect_in "$tmp/err" 'more than 1048576 configurations' "the sweep's size is bounded too"
 }
 
 t_mem_limit_is_strict() {
