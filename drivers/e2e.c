@@ -90,7 +90,7 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         DU_FLAG_BOOL("nvtx", &o->nvtx, "NVTX ranges for nsys (cuda): warmup, forward, backward, optimizer, each\nlayer, each op, the parts of attention"),
         DU_FLAG_STR("profile", &o->profile, NULL, "DIR", "after the timed steps, profile one more (eager) step of each configuration:\nDIR/<config>.md holds "
                     "the op and kernel tables, DIR/<config>.json a Chrome\ntrace (chrome://tracing, ui.perfetto.dev: ops with input shapes, flows to\ntheir kernels), "
-                    "DIR/summary.csv a line each (added to what it holds); after\nthe table, a line a configuration names its .md and .json (stdout under md,\nstderr under csv and jsonl)"),
+                    "DIR/summary.csv a line each (added to what it holds); after\nthe table, one line per profiled configuration names its .md and .json (on\nstdout under md, on stderr under csv and jsonl)"),
         DU_COMMON_FLAGS(&o->common, DU_MEM_LIMIT_TEXT),
     };
     int rc = du_flags_parse("e2e", flags, (int)(sizeof(flags) / sizeof(flags[0])), argc, argv, NULL, E2E_EPILOGUE);
