@@ -145,6 +145,7 @@
                              clip/release, cosine LR
       >>loss scaling         tsys_grad_scaler (fp16 dynamic loss scaling)
       >>bench                tsys_stats_of, tsys_cpu_sgemm_gflops
+      >>gemm rate            tsys_gemm_rate: the measured rate of the GEMM path, with its spread
       >>atomic files         tsys_atomic_file: write to a temporary, fsync, rename
       >>profiler             tsys_profiler: per-op and per-kernel tables, Chrome trace
       >>memory snapshot      tsys_mem_snapshot: the allocations as torch.cuda.memory._snapshot()'s
@@ -1007,6 +1008,12 @@ TSYSDEF void tsys_mem_snapshot_free(tsys_mem_snapshot *s);   // ends it first if
 typedef struct tsys_stats { double mean, std, median, min, max; int n; } tsys_stats;
 TSYSDEF tsys_stats tsys_stats_of(const double *x, int n);
 TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps);   // measured CBLAS sgemm rate on an n x n x n product
+
+// gemm rate: the rate of the GEMM path the ops take (tsys_matmul on dev, under the context's settings),
+// the ceiling an MFU is measured against. 2 untimed n x n x n products of random dt matrices, then
+// reps timed ones (each between two tsys_sync): the stats of their TFLOP/s (max: the peak; n = 0 when
+// the tensors could not be made, the context's error then cleared). Allocates 3 n x n tensors on dev.
+TSYSDEF tsys_stats tsys_gemm_rate(tsys_ctx *ctx, tsys_device dev, tsys_dtype dt, int n, int reps);
 
 #ifdef __cplusplus
 }
@@ -6081,6 +6088,33 @@ TSYSDEF double tsys_cpu_sgemm_gflops(int n, int reps) {
     }
     TSYS_FREE(a); TSYS_FREE(b); TSYS_FREE(c);
     return best;
+}
+
+// >>gemm rate -------------------------------------------------------------------------------------
+
+TSYSDEF tsys_stats tsys_gemm_rate(tsys_ctx *ctx, tsys_device dev, tsys_dtype dt, int n, int reps) {
+    enum { MAX_REPS = 64 };
+    double rate[MAX_REPS];
+    int timed = 0;
+    if (reps > MAX_REPS) reps = MAX_REPS;
+    int64_t shape[2] = {n, n};
+    tsys_tensor *a = ctx && n > 0 ? tsys_tensor_new(ctx, dt, dev, 2, shape) : NULL, *b = a ? tsys_tensor_new(ctx, dt, dev, 2, shape) : NULL;
+    if (b && tsys_tensor_randn(ctx, a, 1) == TSYS_OK && tsys_tensor_randn(ctx, b, 1) == TSYS_OK) {
+        tsys_no_grad_begin(ctx);
+        for (int r = 0; r < 2 + reps; r++) {   // the first two warm the library's handles and caches
+            tsys_sync(ctx, dev);
+            double t0 = tsys_time_us();
+            tsys_tensor *c = tsys_matmul(ctx, a, b, false);
+            tsys_sync(ctx, dev);
+            double s = (tsys_time_us() - t0) * 1e-6;
+            if (c && r >= 2 && s > 0) rate[timed++] = 2.0 * n * (double)n * n / s / 1e12;
+            tsys_tensor_release(c);
+        }
+        tsys_no_grad_end(ctx);
+    }
+    tsys_tensor_release(a); tsys_tensor_release(b);
+    if (ctx) tsys_ctx_clear_error(ctx);
+    return tsys_stats_of(rate, timed);
 }
 
 // >>atomic files ----------------------------------------------------------------------------------

@@ -169,6 +169,11 @@ t_list_longer_than_64_is_an_error() {
   run "$B/e2e" --context-length "$(seq -s, 1 64)" --dry-run
   expect_rc 0 "64 context lengths are fine"
   expect_in "$tmp/out" "context 1,2,3,.*,63,64;" "all 64 in the configuration line"
+  local x64
+  x64=$(printf 'fp32%.0s,' $(seq 64)); x64=${x64%,}
+  run "$B/e2e" --context-length "$(seq -s, 1 64)" --dtype "$x64" --mode "${x64//fp32/forward}" --attn naive,naive,naive,naive,naive --dry-run
+  expect_rc 2 "64 x 64 x 64 x 5 configurations"
+  expect_in "$tmp/err" 'more than 1048576 configurations' "the sweep's size is bounded too"
 }
 
 t_mem_limit_is_strict() {
@@ -284,11 +289,16 @@ t_model_from_file() {
 t_cpu_e2e_has_mfu() {
   run "$B/e2e" "${MODEL[@]}" --context-length 8 --format csv
   expect_rc 0 "e2e with the sgemm measurement"
-  expect_in "$tmp/out" '^device,.*,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,status$' "the CPU header has MFU"
-  expect_in "$tmp/err" 'CBLAS sgemm .* GFLOP/s' "the reference rate"
+  expect_in "$tmp/out" '^device,.*,GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status$' "the CPU header has MFU and its note"
+  expect_in "$tmp/err" 'CBLAS sgemm .* GFLOP/s \(1024\^3, best of 3, spread [0-9]+%\)' "the reference rate and its spread"
   local m
   m=$(csv_col "$tmp/out" 1 MFU)
-  [[ "$m" =~ ^[0-9]+\.[0-9]%$ ]] || note "MFU cell '$m', wanted a percentage"
+  [[ "$m" =~ ^[0-9]+\.[0-9]$ ]] || note "MFU cell '$m', wanted a number (percent)"
+  # the note is empty unless the MFU passes 100% or the reference's repetitions spread past 20%
+  local nt
+  nt=$(csv_col "$tmp/out" 1 note)
+  if awk -v m="$m" 'BEGIN { exit !(m > 100) }'; then [[ "$nt" == *"MFU above 100%"* ]] || note "MFU $m% without its note: '$nt'"
+  else [[ -z "$nt" || "$nt" == "reference GEMM spread "* ]] || note "note '$nt' for MFU $m%"; fi
   run "$B/e2e" "${TINY[@]}" --context-length 8 --format csv
   m=$(csv_col "$tmp/out" 1 MFU)
   [ -z "$m" ] || note "--no-sgemm: MFU '$m', wanted empty"
@@ -298,14 +308,19 @@ t_phases_a_mode_lacks_read_dash() {
   run "$B/e2e" "${TINY[@]}" --context-length 8 --mode forward,forward-backward,train --format csv
   expect_rc 0 "three modes"
   local c want
-  for c in "1 bwd_ms -" "1 bwd_std -" "1 opt_ms -" "2 opt_ms -" "3 opt_ms NUM" "2 bwd_ms NUM" "1 fwd_ms NUM"; do
+  for c in "1 bwd_ms NA" "1 bwd_std NA" "1 opt_ms NA" "2 opt_ms NA" "3 opt_ms NUM" "2 bwd_ms NUM" "1 fwd_ms NUM"; do
     set -- $c
     want=$3
     local v
     v=$(csv_col "$tmp/out" "$1" "$2")
     if [ "$want" = NUM ]; then [[ "$v" =~ ^[0-9]+\.[0-9]+$ ]] || note "row $1 $2 = '$v', wanted a number"
-    else [ "$v" = "$want" ] || note "row $1 $2 = '$v', wanted '$want'"; fi
+    else [ -z "$v" ] || note "row $1 $2 = '$v', wanted empty (not applicable)"; fi
   done
+  # not applicable is '-' in markdown and null in jsonl
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --mode forward
+  expect_in "$tmp/out" '^\| cpu \| custom \| 8 \| 1 \| forward \|.*\| [0-9.]+ \| [0-9.]+ \| - \| - \| - \| [0-9.]+ \|' "md: '-' for bwd_ms, bwd_std, opt_ms"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --mode forward --format jsonl
+  expect_in "$tmp/out" '"bwd_ms": null, "bwd_std": null, "opt_ms": null' "jsonl: null for bwd_ms, bwd_std, opt_ms"
 }
 
 # --lowp-copies is a sweep column: train mode under bf16/fp16 runs with the copies, fp32 is a

@@ -466,4 +466,16 @@ TSYS_TEST(cpu_kernel_table_has_every_kernel_in_order) {
     tsys_ctx_free(ctx);
 }
 
+// tsys_gemm_rate times the matmul path: reps positive rates whose max is the peak, and nothing (n = 0,
+// the context clean) when the tensors do not fit the budget.
+TSYS_TEST(gemm_rate_measures_the_matmul_path) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_stats s = tsys_gemm_rate(ctx, TSYS_CPU, TSYS_F32, 64, 5);
+    TEST_CHECK(s.n == 5 && s.min > 0 && s.max >= s.median && s.median >= s.min, "n %d, min %g, median %g, max %g", s.n, s.min, s.median, s.max);
+    tsys_ctx_set_cpu_memory_limit(ctx, 1024);
+    s = tsys_gemm_rate(ctx, TSYS_CPU, TSYS_F32, 64, 5);
+    TEST_CHECK(s.n == 0 && !(s.max > 0) && tsys_ctx_status(ctx) == TSYS_OK, "under a 1 KiB budget: n %d, status %d", s.n, (int)tsys_ctx_status(ctx));
+    tsys_ctx_free(ctx);
+}
+
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }

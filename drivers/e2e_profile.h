@@ -1,0 +1,105 @@
+// e2e_profile.h - what e2e --profile DIR writes for one profiled step: DIR/<config>.md (the profiled
+// step's phases, the op and kernel tables), DIR/<config>.json (the Chrome trace) and a line in
+// DIR/summary.csv; each file is replaced whole (tsys_atomic_file), never half written. Included
+// by e2e after driver_util.h.
+#ifndef TSYS_E2E_PROFILE_H
+#define TSYS_E2E_PROFILE_H
+#include <ctype.h>
+#include <sys/stat.h>
+
+// --profile DIR before the sweep: the folder (made when missing) and *log, a temporary file that
+// collects the paths of the files each configuration writes until the table is done. False after a
+// message naming the flag.
+static inline bool e2e_profile_open(const char *dir, FILE **log) {
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST) { fprintf(stderr, "e2e: --profile: cannot make folder '%s': %s\n", dir, strerror(errno)); return false; }
+    if (!(*log = tmpfile())) { fprintf(stderr, "e2e: --profile: no temporary file: %s\n", strerror(errno)); return false; }
+    return true;
+}
+
+// After the table: the paths log collected, to out (after a blank line); false, after a message, when
+// they could not all be written or read back.
+static inline bool e2e_profile_list(FILE *log, FILE *out) {
+    char line[1400];
+    rewind(log);
+    fprintf(out, "\n");
+    while (fgets(line, sizeof(line), log)) fputs(line, out);
+    if (!ferror(log)) return true;
+    fprintf(stderr, "e2e: --profile: the list of profiled files could not be written or read back\n");
+    return false;
+}
+
+// The configuration of a row as a file name: "cpu_small_T128_train_fp32_naive", then "_compiled",
+// "_opt-in-bwd[-free]" and "_ckpt-<policy>" (a file name's characters) where they apply.
+static inline void e2e_profile_name(char *name, size_t len, const du_row *row) {
+    char ckpt[64] = "";
+    const char *in_bwd = du_row_get(row, "opt_in_bwd");
+    if (strcmp(du_row_get(row, "ckpt"), "none")) {
+        snprintf(ckpt, sizeof(ckpt), "_ckpt-%s", du_row_get(row, "ckpt"));
+        for (char *c = ckpt + 6; *c; c++) if (!isalnum((unsigned char)*c)) *c = '-';
+    }
+    snprintf(name, len, "%s_%s_T%s_%s_%s_%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+             du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled",
+             !strcmp(in_bwd, "yes") ? "_opt-in-bwd" : !strcmp(in_bwd, "free") ? "_opt-in-bwd-free" : "", ckpt);
+}
+
+// One line per profiled configuration in DIR/summary.csv (the header when the file is new), the
+// numbers the report's nsys_profile questions ask for: the kernel that takes the most time in forward
+// and in the whole step, the matmuls' share, the largest non-matmul kernel, and attention's softmax
+// against its two matmuls (naive attention's regions). t: the step's forward, backward, optimizer ms.
+static inline tsys_status e2e_profile_summary(tsys_ctx *ctx, const tsys_profiler *p, const char *dir, const char *config, const double *t) {
+    char path[600];
+    snprintf(path, sizeof(path), "%s/summary.csv", dir);
+    tsys_atomic_file af;   // the lines so far and this one, put in place whole
+    tsys_status st = tsys_atomic_file_open(ctx, "--profile", path, &af);
+    if (st != TSYS_OK) return st;
+    FILE *f = af.f, *old = fopen(path, "r");
+    if (old) {   // the lines of earlier runs first
+        char buf[8192];
+        size_t n;
+        while ((n = fread(buf, 1, sizeof(buf), old)) > 0) fwrite(buf, 1, n, f);
+        bool bad = ferror(old) != 0;
+        fclose(old);
+        if (bad) { tsys_atomic_file_abort(&af); return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: cannot read '%s' to add a line", path); }
+    }
+    if (ftell(f) == 0)
+        fprintf(f, "config,step_ms,fwd_ms,bwd_ms,opt_ms,kernel_ms,fwd_kernel_ms,fwd_top_kernel,fwd_top_ms,fwd_top_calls,step_top_kernel,step_top_ms,"
+                   "step_top_calls,fwd_matmul_pct,step_matmul_pct,fwd_top_other,fwd_top_other_ms,softmax_ms,attn_matmul_ms\n");
+    double all = tsys_profiler_kernel_ms(p, NULL), fwd = tsys_profiler_kernel_ms(p, "forward"), fwd_top = 0, step_top = 0, other = 0;
+    int fwd_calls = 0, step_calls = 0;
+    const char *fk = tsys_profiler_top_kernel(p, "forward", -1, &fwd_top, &fwd_calls), *sk = tsys_profiler_top_kernel(p, NULL, -1, &step_top, &step_calls);
+    const char *ok = tsys_profiler_top_kernel(p, "forward", 0, &other, NULL);
+    fprintf(f, "%s,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%s,%.3f,%d,%s,%.3f,%d,%.1f,%.1f,%s,%.3f,%.3f,%.3f\n", config, t[0] + t[1] + t[2], t[0], t[1], t[2], all, fwd,
+            fk ? fk : "-", fwd_top, fwd_calls, sk ? sk : "-", step_top, step_calls, fwd > 0 ? 100.0 * tsys_profiler_matmul_ms(p, "forward") / fwd : 0.0,
+            all > 0 ? 100.0 * tsys_profiler_matmul_ms(p, NULL) / all : 0.0, ok ? ok : "-", other, tsys_profiler_span_ms(p, "computing softmax"),
+            tsys_profiler_span_ms(p, "computing attention scores") + tsys_profiler_span_ms(p, "final matmul"));
+    return tsys_atomic_file_commit(ctx, &af);   // a failed write of the copy or the line fails here
+}
+
+// The files of one profiled step (p ended; t: its forward, backward, optimizer ms) of the row's
+// configuration; their paths go to log as one line, "profile of <config>: <md>, <json>".
+static inline tsys_status e2e_profile_write(tsys_ctx *ctx, const tsys_profiler *p, const char *dir, const du_row *row, const double *t, FILE *log) {
+    char name[512], path[600];
+    e2e_profile_name(name, sizeof(name), row);
+    snprintf(path, sizeof(path), "%s/%s.json", dir, name);
+    tsys_status st = TSYS_OK;
+    if (tsys_profiler_write_trace(p, path) != TSYS_OK) {
+        char why[600];
+        snprintf(why, sizeof(why), "%s", tsys_ctx_last_error(ctx));
+        tsys_ctx_clear_error(ctx);
+        return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: write to '%s' failed (%s)", path, why);
+    }
+    snprintf(path, sizeof(path), "%s/%s.md", dir, name);
+    tsys_atomic_file af;
+    if ((st = tsys_atomic_file_open(ctx, "--profile", path, &af)) != TSYS_OK) return st;
+    fprintf(af.f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, "
+            "optimizer %.2f ms\n\n", name, t[0] + t[1] + t[2], t[0], t[1], t[2], tsys_profiler_kernel_ms(p, "forward"), tsys_profiler_kernel_ms(p, "backward"),
+            tsys_profiler_kernel_ms(p, "optimizer"));
+    tsys_profiler_print_ops(p, af.f, 40);
+    fprintf(af.f, "\n");
+    tsys_profiler_print_kernels(p, af.f, 40);
+    fprintf(af.f, "\n");
+    if ((st = tsys_atomic_file_commit(ctx, &af)) != TSYS_OK) return st;
+    fprintf(log, "profile of %s: %s/%s.md, %s/%s.json\n", name, dir, name, dir, name);
+    return e2e_profile_summary(ctx, p, dir, name, t);
+}
+#endif
