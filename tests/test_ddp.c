@@ -664,6 +664,23 @@ TSYS_TEST(accounting_vs_measured_fp32) { accounting_measured(TSYS_F32, "naive");
 TSYS_TEST(accounting_vs_measured_bf16) { accounting_measured(TSYS_BF16, "naive"); }
 TSYS_TEST(accounting_vs_measured_flash) { accounting_measured(TSYS_F32, "flash"); }
 
+// ---- the link model ------------------------------------------------------------------------------
+
+TSYS_TEST(link_model) {
+    const tsys_dist_link_model m = {0.01, 1e6}, none = {0, 0};   // 10 us a collective, 1 GB/s
+    TEST_CHECK(fabs(tsys_dist_link_time_ms(m, 100, 1e3) - 1.0) < 1e-12, "latency-bound: %g", tsys_dist_link_time_ms(m, 100, 1e3));
+    TEST_CHECK(fabs(tsys_dist_link_time_ms(m, 1, 5e6) - 5.0) < 1e-12, "bandwidth-bound: %g", tsys_dist_link_time_ms(m, 1, 5e6));
+    TEST_CHECK(isnan(tsys_dist_link_time_ms(none, 1, 1e6)), "no model, no prediction");
+    TEST_CHECK(tsys_dist_ring_sent(4, 100) == 150 && tsys_dist_ring_sent(1, 100) == 0, "ring bytes");
+    tsys_dist_link_model got = tsys_dist_calibrate_link(g_d, g_dev);
+    if (g_world < 2) TEST_CHECK(got.alpha_ms == 0 && got.beta_bytes_per_ms == 0, "a group of one has no link");
+    else TEST_CHECK(got.beta_bytes_per_ms > 0 && got.alpha_ms >= 0, "alpha %g ms, beta %g B/ms", got.alpha_ms, got.beta_bytes_per_ms);
+    double v[4] = {got.alpha_ms, -got.alpha_ms, got.beta_bytes_per_ms, -got.beta_bytes_per_ms};
+    tsys_dist_all_reduce_host(g_d, v, 4, TSYS_DIST_MAX);
+    TEST_CHECK(v[0] == -v[1] && v[2] == -v[3], "every rank has the same model");
+    TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "no error left: %s", tsys_ctx_last_error(g_ctx));
+}
+
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
 int main(int argc, char **argv) {
