@@ -1,16 +1,12 @@
-// ddp - data-parallel training of the cs336 Transformer LM: the CS336 naive_ddp_benchmarking,
-// minimal_ddp_flat_benchmarking, ddp_overlap_individual_parameters_benchmarking,
-// ddp_bucketed_benchmarking and optimizer_state_sharding_accounting measurements, and the S26 fsdp /
-// fsdp_accounting ones (--strategy fsdp), one row per configuration, with the accounting prediction
-// beside what was measured.
+// ddp - data-parallel training of the cs336 Transformer LM (tsys_dist_trainer): the CS336 naive, flat,
+// overlap and bucketed DDP benchmarks, ZeRO-1 and its accounting, and the S26 fsdp ones (--strategy fsdp),
+// a row per configuration with the accounting's prediction beside what was measured. Every rank trains on
+// its own batch; only rank 0 prints. Times are the slowest rank's, mean (and std) over the timed steps.
 //
 //   ddp --nproc 2 --model small --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb 1,10,100,1000
 //   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16
 //   ddp --account --model xl --nproc 2          (the prediction table only, nothing runs)
-//
-// Every rank trains on its own batch of --batch-size sequences (gradients averaged, AdamW); only
-// rank 0 prints. Times are the slowest rank's, mean (and std) over the timed steps.
-#define _POSIX_C_SOURCE 200809L   // setenv
+#define _POSIX_C_SOURCE 200809L   // clock_gettime, dup (driver_util.h)
 #define TSYS_PRELUDE_DIST
 #include "prelude.h"
 #include "driver_util.h"
@@ -32,8 +28,8 @@ static const double MiB = 1048576.0;
 typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double bucket_mb; bool comm_bf16; } config;
 
 // The rows in their order (models, contexts, dtypes, strategies, bucket sizes of bucketed and zero1,
-// --grad-comm but for fsdp) into out (NULL: only counted); how many.
-static long list_configs(const ddp_opts *o, config *out) {
+// --grad-comm but for fsdp): how many; the one numbered `want` (0-based) into *out.
+static long list_configs(const ddp_opts *o, long want, config *out) {
     long n = 0;
     for (int a = 0; a < o->models.n; a++)
         for (int c = 0; c < o->contexts.n; c++)
@@ -44,14 +40,11 @@ static long list_configs(const ddp_opts *o, config *out) {
                     const bool bucketed = s == S_BUCKETED || s == S_ZERO1;
                     for (int b = 0; b < (bucketed ? o->buckets.n : 1); b++)
                         for (int g = 0; g < (s == S_FSDP ? 1 : o->comms.n); g++, n++) {
-                            if (!out) continue;
-                            config *f = &out[n];
-                            memset(f, 0, sizeof(*f));
-                            f->model = o->models.item[a]; f->s = s;
-                            du_parse_int(o->contexts.item[c], 1, 1 << 20, &f->T);
-                            du_parse_dtype(o->dtypes.item[t], &f->dt);
+                            if (n != want) continue;
+                            config *f = out;
+                            f->model = o->models.item[a]; f->s = s; f->bucket_mb = 0; f->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
+                            du_parse_int(o->contexts.item[c], 1, 1 << 20, &f->T); du_parse_dtype(o->dtypes.item[t], &f->dt);
                             if (bucketed) du_parse_double(o->buckets.item[b], &f->bucket_mb);
-                            f->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
                         }
                 }
     return n;
@@ -75,8 +68,9 @@ static void set_num(du_row *r, const char *col, const char *fmt, double v) { if 
 
 // ---- --account: the prediction table ---------------------------------------------------------------
 
-static int print_account(const ddp_opts *o, du_table *tab) {
-    du_table_init(tab, "model,params,dtype,context,batch,ranks,scheme,param_MiB,grad_MiB,optim_MiB,act_MiB,total_MiB,sent_MB_per_step", o->common.format);
+static int print_account(const ddp_opts *o) {
+    du_table tab;
+    du_table_init(&tab, "model,params,dtype,context,batch,ranks,scheme,param_MiB,grad_MiB,optim_MiB,act_MiB,total_MiB,sent_MB_per_step", o->common.format);
     for (int a = 0; a < o->models.n; a++)
         for (int c = 0; c < o->contexts.n; c++)
             for (int t = 0; t < o->dtypes.n; t++)
@@ -86,11 +80,11 @@ static int print_account(const ddp_opts *o, du_table *tab) {
                     du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
                     tsys_model_desc d;
                     char err[256];
-                    if (!config_desc(o, o->models.item[a], T, dt, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); return DU_EXIT_USAGE; }
+                    if (!config_desc(o, o->models.item[a], T, dt, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); du_table_free(&tab); return 2; }
                     const bool fs = s > TSYS_SCHEME_ZERO3;
                     const tsys_fsdp_desc fd = fsdp_desc(o, dt);
                     tsys_dist_account acc = fs ? tsys_fsdp_accounting_desc(&d, &fd, o->batch, T, o->nproc) : tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
-                    du_row *r = du_table_row(tab);
+                    du_row *r = du_table_row(&tab);
                     du_row_set(r, "model", "%s", o->models.item[a]); du_row_set(r, "params", "%.3g", (double)tsys_model_desc_num_params(&d));
                     du_row_set(r, "dtype", "%s", o->dtypes.item[t]); du_row_set(r, "context", "%d", T);
                     du_row_set(r, "batch", "%d", o->batch); du_row_set(r, "ranks", "%d", o->nproc);
@@ -99,150 +93,67 @@ static int print_account(const ddp_opts *o, du_table *tab) {
                     du_row_set(r, "param_MiB", "%.1f", acc.param_bytes / MiB); du_row_set(r, "grad_MiB", "%.1f", acc.grad_bytes / MiB);
                     du_row_set(r, "optim_MiB", "%.1f", acc.optim_bytes / MiB); du_row_set(r, "act_MiB", "%.1f", acc.act_bytes / MiB);
                     du_row_set(r, "total_MiB", "%.1f", acc.total_bytes / MiB); du_row_set(r, "sent_MB_per_step", "%.1f", acc.sent_bytes / 1e6);
-                    du_table_emit(tab);
+                    du_table_emit(&tab);
                 }
+    du_table_free(&tab);
     return DU_EXIT_OK;
 }
 
 // ---- one configuration -------------------------------------------------------------------------------
 
-typedef struct run {
-    tsys_ctx *ctx;
-    tsys_dist *d;       // NULL: the plain step (no group)
-    tsys_device dev;
-    tsys_model *model;
-    tsys_ddp *ddp;
-    tsys_optim *opt;
-    tsys_zero1 *zero1;
-    tsys_fsdp *fsdp;
-    tsys_tensor *ids, *targets;
-    tsys_dtype dtype;
-    float loss_scale;   // 1: cross-entropy's mean; batch x context: its sum (--loss sum)
-} run;
+static void max_over_ranks(tsys_dist *d, double *v, int n) { tsys_dist_all_reduce_host(d, v, n, TSYS_DIST_MAX); }
 
-static void run_free(run *r) {
-    tsys_tape_clear(r->ctx);
-    tsys_ddp_free(r->ddp); tsys_zero1_free(r->zero1); tsys_optim_free(r->opt); tsys_fsdp_free(r->fsdp);
+// A model, its trainer and this rank's own batch.
+typedef struct run { tsys_model *model; tsys_dist_trainer *tr; tsys_tensor *ids, *targets; } run;
+
+static tsys_status run_new(run *r, tsys_ctx *ctx, tsys_dist *d, int rank, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc,
+                           const tsys_dist_trainer_desc *td) {
+    memset(r, 0, sizeof(*r));
+    int64_t shape[2] = {o->batch, desc->context_length};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
+    tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);   // each rank its own batch
+    if (ids && tgt) { tsys_tensor_randint(ctx, ids, desc->vocab_size); tsys_tensor_randint(ctx, tgt, desc->vocab_size); }
+    r->ids = tsys_tensor_to(ctx, ids, dev);
+    r->targets = tsys_tensor_to(ctx, tgt, dev);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    // every rank builds the model from the same seed; the broadcast makes them equal regardless
+    r->model = tsys_model_new(ctx, desc, dev, (uint64_t)o->seed + 1);
+    tsys_status st = r->model && r->ids && r->targets ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
+    // a rank that could not build the model (out of memory) must not leave the others in the broadcast
+    if (td->mode == TSYS_TRAIN_ALONE ? st == TSYS_OK : !tsys_dist_any_failed(d, st)) r->tr = tsys_dist_trainer_new(ctx, d, r->model, dev, td);
+    if (d) tsys_dist_sync(d);
+    return r->tr ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
+}
+
+static void run_free(run *r, tsys_ctx *ctx) {
+    tsys_tape_clear(ctx);
+    tsys_dist_trainer_free(r->tr);
     tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
     tsys_model_free(r->model);
-    tsys_ctx_clear_error(r->ctx);
+    tsys_ctx_clear_error(ctx);
 }
-
-static double peak_now(run *r) { return (double)tsys_mem_stats_get(r->ctx, r->dev).peak_bytes; }
-
-// This rank's own batch of the model's context, on the device.
-static void make_batch(run *r, const ddp_opts *o, const tsys_model_desc *desc, int rank) {
-    int64_t shape[2] = {o->batch, desc->context_length};
-    tsys_tensor *ids = tsys_tensor_new(r->ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(r->ctx, TSYS_I64, TSYS_CPU, 2, shape);
-    tsys_rng_seed(r->ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);
-    if (ids && tgt) { tsys_tensor_randint(r->ctx, ids, desc->vocab_size); tsys_tensor_randint(r->ctx, tgt, desc->vocab_size); }
-    r->ids = tsys_tensor_to(r->ctx, ids, r->dev);
-    r->targets = tsys_tensor_to(r->ctx, tgt, r->dev);
-    tsys_tensor_release(ids); tsys_tensor_release(tgt);
-}
-
-// One training step; t[0..3] = forward, backward + gradient synchronization, optimizer, whole (ms).
-// mem[0..1] (when not NULL) = the peak before and after the optimizer step.
-static tsys_status step(run *r, double *t, double *mem) {
-    tsys_ctx *ctx = r->ctx;
-    double t0 = tsys_time_us();
-    if (r->ddp) tsys_ddp_start_step(r->ddp);
-    if (r->zero1) tsys_zero1_zero_grad(r->zero1); else tsys_optim_zero_grad(r->opt);
-    bool ac = r->dtype != TSYS_F32 && !r->fsdp;   // FSDP computes in its compute_dtype itself
-    if (ac) tsys_autocast_begin(ctx, r->dtype);
-    tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
-    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, r->targets);
-    if (r->loss_scale != 1.0f) {   // --loss sum: the mean times the tokens
-        tsys_tensor *sum = tsys_scale(ctx, loss, r->loss_scale);
-        tsys_tensor_release(loss);
-        loss = sum;
-    }
-    if (ac) tsys_autocast_end(ctx);
-    tsys_tensor_release(logits);
-    tsys_dist_sync(r->d);   // bounded: a peer that dies mid-step is an error, not a hang
-    double t1 = tsys_time_us();
-    tsys_backward(ctx, loss);
-    tsys_tensor_release(loss);
-    if (r->ddp) tsys_ddp_finish(r->ddp);
-    if (r->fsdp) tsys_fsdp_finish(r->fsdp);
-    tsys_dist_sync(r->d);
-    double t2 = tsys_time_us();
-    if (mem) mem[0] = peak_now(r);
-    if (r->zero1) tsys_zero1_step(r->zero1); else tsys_optim_step(r->opt);
-    tsys_dist_sync(r->d);
-    double t3 = tsys_time_us();
-    if (mem) mem[1] = peak_now(r);
-    tsys_tape_clear(ctx);
-    t[0] = (t1 - t0) * 1e-3; t[1] = (t2 - t1) * 1e-3; t[2] = (t3 - t2) * 1e-3; t[3] = (t3 - t0) * 1e-3;
-    return tsys_ctx_status(ctx);
-}
-
-// Did any rank fail? (every rank calls this at the same points, so a failure stops all of them)
-static bool any_failed(tsys_dist *d, tsys_status st) {
-    double bad = st != TSYS_OK;
-    if (tsys_dist_all_reduce_host(d, &bad, 1, TSYS_DIST_MAX) != TSYS_OK) return true;
-    return bad != 0;
-}
-
-static void max_over_ranks(tsys_dist *d, double *v, int n) { tsys_dist_all_reduce_host(d, v, n, TSYS_DIST_MAX); }
 
 // The same local step with no sharding and no communication: a plain model and AdamW on this rank
 // (bf16 under autocast), mean ms over the timed steps (NAN when it fails, e.g. out of memory).
-static double plain_step_ms(const run *base, const ddp_opts *o, const tsys_model_desc *desc, int rank) {
+static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc, tsys_dist_trainer_desc td, int rank) {
     run r;
-    memset(&r, 0, sizeof(r));
-    r.ctx = base->ctx; r.dev = base->dev; r.dtype = base->dtype; r.loss_scale = base->loss_scale;
-    make_batch(&r, o, desc, rank);
-    r.model = tsys_model_new(r.ctx, desc, r.dev, (uint64_t)o->seed + 1);
-    r.opt = r.model ? tsys_adamw_new(r.ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL) : NULL;
+    td.mode = TSYS_TRAIN_ALONE;
+    tsys_status st = run_new(&r, ctx, NULL, rank, dev, o, desc, &td);
     double sum = 0;
-    tsys_status st = r.opt && r.ids && r.targets ? TSYS_OK : TSYS_ERR_OOM;
     for (int i = 0; st == TSYS_OK && i < o->warmup + o->steps; i++) {
-        double t[4];
-        st = step(&r, t, NULL);
-        if (i >= o->warmup) sum += t[3];
+        tsys_dist_step_times t;
+        st = tsys_dist_trainer_step(r.tr, r.ids, r.targets, &t);
+        if (i >= o->warmup) sum += t.step_ms;
     }
-    run_free(&r);
+    run_free(&r, ctx);
     return st == TSYS_OK ? sum / o->steps : NAN;
 }
 
-// Builds the configuration's model, its gradient synchronization (or FSDP) and optimizer, and batch.
-static tsys_status run_setup(run *r, const ddp_opts *o, const config *cf, const tsys_model_desc *desc) {
-    tsys_ctx *ctx = r->ctx;
-    const int rank = tsys_dist_rank(r->d);
-    const strat s = cf->s;
-    // every rank builds the model from the same seed; the broadcast makes them equal regardless
-    r->model = tsys_model_new(ctx, desc, r->dev, (uint64_t)o->seed + 1);
-    tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED || s == S_ZERO1 ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT,
-                        cf->bucket_mb, cf->comm_bf16};
-    // a rank that could not build the model (out of memory) must not leave the others in the broadcast
-    if (!any_failed(r->d, r->model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
-        tsys_tensor **params = tsys_model_params(r->model);
-        const int np = tsys_model_num_tensors(r->model);
-        if (s == S_FSDP) {
-            const tsys_fsdp_desc fd = fsdp_desc(o, cf->dt);
-            r->fsdp = tsys_fsdp_new(r->d, params, np, &fd);
-            if (r->fsdp) r->opt = tsys_adamw_new(ctx, tsys_fsdp_params(r->fsdp), tsys_fsdp_num_params(r->fsdp), NULL);
-        } else if ((r->ddp = tsys_ddp_new(r->d, params, np, &dd)) != NULL) {
-            if (s == S_ZERO1) r->zero1 = tsys_zero1_new(r->d, params, np, NULL);
-            else r->opt = tsys_adamw_new(ctx, params, np, NULL);
-        }
-    }
-    make_batch(r, o, desc, rank);
-    tsys_dist_sync(r->d);
-    return tsys_ctx_status(ctx);
-}
-
 // Runs one configuration on every rank and fills its row (rank 0 prints it).
-static void run_config(const run *base, const ddp_opts *o, const config *cf, tsys_dist_link_model link, du_row *row) {
-    run rs, *r = &rs;
-    memset(r, 0, sizeof(*r));
-    r->ctx = base->ctx; r->d = base->d; r->dev = base->dev;
-    tsys_ctx *ctx = r->ctx;
-    tsys_dist *d = r->d;
-    const int rank = tsys_dist_rank(d), world = tsys_dist_size(d), n = o->steps, total = o->warmup + o->steps;
+static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const config *cf, tsys_dist_link_model link, du_row *row) {
+    const int world = tsys_dist_size(d), n = o->steps, total = o->warmup + o->steps;
     const strat s = cf->s;
-    du_row_set(row, "device", "%s", r->dev == TSYS_CPU ? "cpu" : "cuda"); du_row_set(row, "model", "%s", cf->model);
+    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda"); du_row_set(row, "model", "%s", cf->model);
     du_row_set(row, "ranks", "%d", world);
     du_row_set(row, "strategy", "%s%s", strat_names[s], s != S_FSDP || !strcmp(o->reshard, "auto") ? "" : !strcmp(o->reshard, "yes") ? ":reshard" : ":keep");
     if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
@@ -252,69 +163,69 @@ static void run_config(const run *base, const ddp_opts *o, const config *cf, tsy
     tsys_model_desc desc;
     char err[256] = "";
     if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
-    r->dtype = cf->dt; r->loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof(td));
+    td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
+    td.ddp.strategy = s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED || s == S_ZERO1 ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT;
+    td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16;
+    td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
+    td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;
     double compute_ms = NAN;
     if (s == S_FSDP && !o->no_compute_ref) {   // the compute alone first (its memory is gone before the peaks are reset)
-        compute_ms = plain_step_ms(r, o, &desc, rank);
+        compute_ms = plain_step_ms(ctx, dev, o, &desc, td, tsys_dist_rank(d));
         max_over_ranks(d, &compute_ms, 1);
     }
-    tsys_mem_reset_peak(ctx, r->dev);
-    const double base_live = (double)tsys_mem_stats_get(ctx, r->dev).live_bytes;
+    tsys_mem_reset_peak(ctx, dev);
+    const double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
     double *tm = (double *)calloc((size_t)4 * n, sizeof(double));   // n each: step, backward + sync, optimizer, exposed
     double mem[4] = {0, 0, 0, 0};   // peak after init, before / after the first optimizer step, live after a step
-    tsys_status st = run_setup(r, o, cf, &desc);
-    mem[0] = peak_now(r);
-    if (r->fsdp) tsys_mem_reset_peak(ctx, r->dev);   // the whole model existed until it was sharded: the step's peak is what counts
-    bool failed = any_failed(d, st = tm ? st : TSYS_ERR_OOM);
+    run r;
+    tsys_status st = run_new(&r, ctx, d, tsys_dist_rank(d), dev, o, &desc, &td);
+    mem[0] = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
+    if (s == S_FSDP) tsys_mem_reset_peak(ctx, dev);   // the whole model existed until it was sharded: the step's peak is what counts
+    bool failed = tsys_dist_any_failed(d, st = tm ? st : TSYS_ERR_OOM);
     for (int i = 0; !failed && i < total; i++) {
-        double t[4], m2[2];
-        st = step(r, t, i == 0 ? m2 : NULL);
-        if (i == 0) { mem[1] = m2[0]; mem[2] = m2[1]; mem[3] = (double)tsys_mem_stats_get(ctx, r->dev).live_bytes - base_live; }
+        tsys_dist_step_times t;
+        st = tsys_dist_trainer_step(r.tr, r.ids, r.targets, &t);
+        if (i == 0) { mem[1] = t.peak_pre_optim; mem[2] = t.peak_post_optim; mem[3] = (double)tsys_mem_stats_get(ctx, dev).live_bytes - base_live; }
         const int j = i - o->warmup;
         if (j >= 0) {
-            tm[j] = t[3]; tm[n + j] = t[1]; tm[2 * n + j] = t[2];
-            tm[3 * n + j] = r->fsdp ? (isnan(compute_ms) ? NAN : fmax(0.0, t[3] - compute_ms)) : tsys_ddp_stats_get(r->ddp).exposed_ms;
+            tm[j] = t.step_ms; tm[n + j] = t.backward_ms; tm[2 * n + j] = t.optim_ms;
+            tm[3 * n + j] = s != S_FSDP ? t.exposed_ms : isnan(compute_ms) ? NAN : fmax(0.0, t.step_ms - compute_ms);
         }
         du_progress_step(j < 0 ? "warmup" : "timed", j < 0 ? i + 1 : j + 1, j < 0 ? o->warmup : n);
-        failed = any_failed(d, st);
+        failed = tsys_dist_any_failed(d, st);
     }
-    // the step's collectives alone: finish with no backward reduces every bucket at once
-    double alone = 0;
-    tsys_fsdp_stats fst;
+    tsys_fsdp_stats fst;   // the last step's, before the timing below
     memset(&fst, 0, sizeof(fst));
-    if (r->fsdp) fst = tsys_fsdp_stats_get(r->fsdp);   // the last step's, before the timing below
+    if (!failed && s == S_FSDP) fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));
+    double alone = 0;   // the step's collectives alone, mean of 3
     for (int k = 0; !failed && k < 3; k++) {
-        tsys_dist_barrier(d);
         double ms = 0;
-        if (r->fsdp) st = tsys_fsdp_time_collectives(r->fsdp, &ms);
-        else {
-            tsys_ddp_start_step(r->ddp);
-            st = tsys_ddp_finish(r->ddp);
-            tsys_dist_sync(d);
-            ms = tsys_ddp_stats_get(r->ddp).comm_ms;
-        }
+        tsys_dist_barrier(d);
+        st = tsys_dist_trainer_time_collectives(r.tr, &ms);
         alone += ms / 3;
-        failed = any_failed(d, st);
+        failed = tsys_dist_any_failed(d, st);
     }
     if (!failed) {
         max_over_ranks(d, tm, 4 * n); max_over_ranks(d, mem, 4); max_over_ranks(d, &alone, 1);
         tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
-        tsys_ddp_stats ds = tsys_ddp_stats_get(r->ddp);
+        tsys_ddp_stats ds = tsys_ddp_stats_get(tsys_dist_trainer_ddp(r.tr));
         const tsys_fsdp_desc fdesc = fsdp_desc(o, cf->dt);
         tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(&desc, &fdesc, o->batch, cf->T, world)
                                             : tsys_dist_accounting(&desc, cf->dt, o->batch, cf->T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
         set_num(row, "step_ms", "%.2f", ss.mean); set_num(row, "step_std", "%.2f", ss.std);
         set_num(row, "bwd_comm_ms", "%.2f", sb.mean); set_num(row, "opt_ms", "%.2f", so.mean); set_num(row, "comm_ms", "%.2f", alone);
-        if (!r->fsdp) set_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
+        if (s != S_FSDP) set_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
         set_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
         if (!isnan(se.mean)) {   // --no-compute-ref: nothing to compare with
             double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
             set_num(row, "exposed_ms", "%.2f", se.mean); set_num(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
         }
         set_num(row, "compute_ms", "%.2f", compute_ms);
-        du_row_set(row, "buckets", "%d", r->fsdp ? fst.num_units : ds.num_buckets);
-        if (!r->fsdp) du_row_set(row, "copied_buckets", "%d", ds.copied_buckets);
-        set_num(row, "MB_per_step", "%.1f", (r->fsdp ? (double)(fst.gathered_bytes + fst.reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
+        du_row_set(row, "buckets", "%d", s == S_FSDP ? fst.num_units : ds.num_buckets);
+        if (s != S_FSDP) du_row_set(row, "copied_buckets", "%d", ds.copied_buckets);
+        set_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(fst.gathered_bytes + fst.reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
         set_num(row, "mem_init_MiB", "%.1f", mem[0] / MiB); set_num(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
         set_num(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB); set_num(row, "state_MiB", "%.1f", mem[3] / MiB);
         // autocast's weight copies live only within a step (fsdp: its gathered working set)
@@ -329,73 +240,49 @@ static void run_config(const run *base, const ddp_opts *o, const config *cf, tsy
         tsys_dist_all_reduce_host(d, &e, 1, TSYS_DIST_MAX);
         du_row_set(row, "status", "%s: %s", e > 0 ? "OOM" : "error", st != TSYS_OK ? tsys_ctx_last_error(ctx) : "on another rank");
     }
-    run_free(r);
+    run_free(&r, ctx);
     free(tm);
 }
 
-// Ranks on one host share its cores: unless the user says otherwise, each gets cores / ranks threads.
-static void share_cores(int ranks) {
-    if (getenv("OMP_NUM_THREADS") || ranks <= 1) return;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int per = (int)(cores / ranks > 1 ? cores / ranks : 1);
-    char v[16];
-    snprintf(v, sizeof(v), "%d", per);
-    setenv("OMP_NUM_THREADS", v, 0);
-    setenv("OPENBLAS_NUM_THREADS", v, 0);
-#ifdef _OPENMP
-    omp_set_num_threads(per);
-#endif
-#ifdef OPENBLAS_VERSION
-    openblas_set_num_threads(per);
-#endif
-}
-
-// The configuration lines of rank 0 (the group is up: its size, engine and each rank's memory budget).
-static void print_preamble(const ddp_opts *o, tsys_ctx *ctx, tsys_dist *d, size_t cpu_budget, tsys_dist_link_model link) {
-    const bool cuda = !strcmp(o->device, "cuda");
-    FILE *f = du_preamble(&o->common);
-    char lim[160];
-    fprintf(f, "ddp: %d ranks (%s), %s", tsys_dist_size(d), tsys_dist_engine_name(tsys_dist_engine_of(d)), o->device);
-#ifdef TSYS_WITH_CUDA
-    if (cuda) fprintf(f, " (%s)", tsys_cuda_device_name(ctx));
-#endif
-    if (!cuda) fprintf(f, ", %d threads per rank", du_num_threads());
-    fprintf(f, ", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o->batch, o->warmup, o->steps,
-            du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d)));
-    if (cuda) fprintf(f, "; device memory %s", o->common.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o->common.mem_limit) : "the whole device");
-    fprintf(f, "\n");
-    if (link.beta_bytes_per_ms > 0)
-        fprintf(f, "link model (all-reduces of 64 KiB, 20 back to back, and of %d MiB): %.1f us a collective + bytes sent a rank at %.2f GB/s\n",
-                cuda ? 256 : 32, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
-    fprintf(f, "\n");
-    fflush(f);
-    (void)ctx;
-}
-
 // Starts the ranks (or is one), runs every configuration; the exit code, the same on every rank.
-static int run_sweep(const ddp_opts *o, const config *cfg, int nconfigs, int argc, char **argv) {
+static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
     const bool cuda = !strcmp(o->device, "cuda");
-    if (!cuda) share_cores(o->nproc);
-    int exit_code = 0;
-    if (tsys_dist_spawn(o->nproc, argc, argv, &exit_code)) return exit_code;   // this was the launcher
+    const tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
+    if (!cuda) tsys_dist_share_cores(o->nproc);   // the ranks the launcher starts inherit it
+    int code = 0;
+    if (tsys_dist_spawn(o->nproc, argc, argv, &code)) return code;   // this was the launcher
     tsys_ctx *ctx = tsys_ctx_new(NULL);
-    if (!ctx) { fprintf(stderr, "ddp: cannot create a context (out of memory)\n"); return DU_EXIT_FAILED; }
     tsys_dist_desc dd;
     memset(&dd, 0, sizeof(dd));
     dd.cuda = cuda;
-    tsys_dist *d = tsys_dist_init(ctx, &dd);
-    if (!d) { fprintf(stderr, "ddp: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); return DU_EXIT_FAILED; }
+    tsys_dist *d = ctx ? tsys_dist_init(ctx, &dd) : NULL;
+    if (!d) { fprintf(stderr, "ddp: %s\n", ctx ? tsys_ctx_last_error(ctx) : "out of memory"); tsys_ctx_free(ctx); return DU_EXIT_FAILED; }
     const int rank = tsys_dist_rank(d);
-    if (!cuda) share_cores(tsys_dist_size(d));
+    if (!cuda) tsys_dist_share_cores(tsys_dist_size(d));
     // the ranks on this host share its memory: each gets its part as its CPU budget (or --mem-limit);
     // on cuda, --mem-limit caps each rank's device instead
     size_t cpu_budget = du_rank_cpu_budget(ctx, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d));
+    FILE *f = du_preamble(&o->common);
+    char lim[160];
+    if (rank == 0) {
+        fprintf(f, "ddp: %d ranks (%s), %s", tsys_dist_size(d), tsys_dist_engine_name(tsys_dist_engine_of(d)), o->device);
+#ifdef TSYS_WITH_CUDA
+        if (cuda) fprintf(f, " (%s)", tsys_cuda_device_name(ctx));
+#endif
+        if (!cuda) fprintf(f, ", %d threads per rank", du_num_threads());
+        fprintf(f, ", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o->batch, o->warmup, o->steps,
+                du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d)));
+        if (cuda) fprintf(f, "; device memory %s", o->common.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o->common.mem_limit) : "the whole device");
+        fprintf(f, "\n");
+    }
 #ifdef TSYS_WITH_CUDA
     if (cuda && o->common.mem_limit) tsys_cuda_set_memory_limit(ctx, o->common.mem_limit);
 #endif
-    const run base = {ctx, d, cuda ? TSYS_CUDA : TSYS_CPU, NULL, NULL, NULL, NULL, NULL, NULL, NULL, TSYS_F32, 1.0f};
-    const tsys_dist_link_model link = tsys_dist_calibrate_link(d, base.dev);
-    if (rank == 0) print_preamble(o, ctx, d, cpu_budget, link);
+    const tsys_dist_link_model link = tsys_dist_calibrate_link(d, dev);
+    if (rank == 0 && link.beta_bytes_per_ms > 0)
+        fprintf(f, "link model (all-reduces of 64 KiB, 20 back to back, and of %d MiB): %.1f us a collective + bytes sent a rank at %.2f GB/s\n",
+                cuda ? 256 : 32, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
+    if (rank == 0) { fprintf(f, "\n"); fflush(f); }
     du_table tab;
     du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
                         "pred_comm_ms,comm_frac,exposed_ms,hidden,compute_ms,buckets,copied_buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,"
@@ -403,18 +290,19 @@ static int run_sweep(const ddp_opts *o, const config *cfg, int nconfigs, int arg
     du_progress_setup("ddp", rank == 0 ? o->common.progress : "off");   // only rank 0 reports
     du_progress_begin(nconfigs);
     for (int k = 0; k < nconfigs; k++) {
-        const config *cf = &cfg[k];
-        du_progress_config(k + 1, "%s T=%d %s %s", cf->model, cf->T, du_dtype_flag(cf->dt), strat_names[cf->s]);
-        run_config(&base, o, cf, link, du_table_row(&tab));
+        config cf;
+        list_configs(o, k, &cf);
+        du_progress_config(k + 1, "%s T=%d %s %s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s]);
+        run_config(ctx, d, dev, o, &cf, link, du_table_row(&tab));
         if (rank == 0) du_table_emit(&tab);
     }
     du_progress_end();
-    double code = rank == 0 ? du_table_exit_code(&tab, "ddp", o->common.oom_ok) : 0;
-    tsys_dist_all_reduce_host(d, &code, 1, TSYS_DIST_MAX);   // every rank exits as rank 0 does
+    double rc = rank == 0 ? du_table_exit_code(&tab, "ddp", o->common.oom_ok) : 0;
+    max_over_ranks(d, &rc, 1);   // every rank exits as rank 0 does
     du_table_free(&tab);
     tsys_dist_free(d);
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
-    return (int)code;
+    return (int)rc;
 }
 
 static bool model_ok(const char *s) { tsys_model_desc d; return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK; }
@@ -443,11 +331,12 @@ static int driver_main(int argc, char **argv) {
     ddp_opts o;
     memset(&o, 0, sizeof(o));
     o.device = du_has_cuda() ? "cuda" : "cpu";
-    char model_help[256];
+    char model_help[256], model_rule[160];
     snprintf(model_help, sizeof(model_help), "presets (%s) or 'custom' with the dims below\n(default: xl on cuda, small on cpu)", tsys_model_preset_names());
+    snprintf(model_rule, sizeof(model_rule), "a preset (%s) or 'custom'", tsys_model_preset_names());
     du_flag flags[] = {
         DU_FLAG_CHOICE("device", &o.device, NULL, "cpu|cuda", "where each rank computes (default: cuda when a GPU is present, else cpu)"),
-        DU_FLAG_LIST_CHECKED("model", &o.models, NULL, model_ok, "a preset or 'custom'", model_help),
+        DU_FLAG_LIST_CHECKED("model", &o.models, NULL, model_ok, model_rule, model_help),
         DU_FLAG_INT("d-model", &o.dims.d_model, NULL, 1, 1 << 20, "explicit dims over the preset's"),
         DU_FLAG_INT("d-ff", &o.dims.d_ff, NULL, 1, 1 << 22, ""), DU_FLAG_INT("num-layers", &o.dims.num_layers, NULL, 1, 1 << 12, ""),
         DU_FLAG_INT("num-heads", &o.dims.num_heads, NULL, 1, 1 << 12, ""), DU_FLAG_INT("vocab-size", &o.dims.vocab_size, NULL, 1, 1 << 24, ""),
@@ -483,25 +372,15 @@ static int driver_main(int argc, char **argv) {
     if (cuda) { fprintf(stderr, "ddp: --device cuda: this binary was built without CUDA; build it with nvcc (make cuda)\n"); du_flags_free(flags, nflags); return DU_EXIT_USAGE; }
 #endif
     if (!o.models.n && !du_split(&o.models, "ddp", "--model", cuda ? "xl" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
-    const long nconfigs = o.account ? 5L * o.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, NULL);
-    config *cfg = o.account || o.common.dry_run ? NULL : (config *)calloc((size_t)nconfigs, sizeof(config));
-    if (o.common.dry_run) {   // before any rank starts
-        FILE *f = du_preamble(&o.common);
-        fprintf(f, "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, %d steps, AdamW\n", o.nproc,
-                o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
+    const long nconfigs = o.account ? 5L * o.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
+    if (nconfigs > 1000000) {
+        fprintf(stderr, "ddp: the lists make %ld configurations; at most 1000000\n", nconfigs);
+        rc = DU_EXIT_USAGE;
+    } else if (o.common.dry_run) {   // before any rank starts
+        fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, %d steps, AdamW\n",
+                o.nproc, o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
         rc = du_dry_run_done(&o.common, "ddp", (int)nconfigs);
-    } else if (o.account) {
-        du_table tab;
-        rc = print_account(&o, &tab);
-        du_table_free(&tab);
-    } else if (!cfg) {
-        fprintf(stderr, "ddp: out of memory for %ld configurations\n", nconfigs);
-        rc = DU_EXIT_FAILED;
-    } else {
-        list_configs(&o, cfg);
-        rc = run_sweep(&o, cfg, (int)nconfigs, argc, argv);
-    }
-    free(cfg);
+    } else rc = o.account ? print_account(&o) : run_sweep(&o, (int)nconfigs, argc, argv);
     du_flags_free(flags, nflags);
     return rc;
 }
