@@ -10,6 +10,7 @@
 #define TSYS_PRELUDE_DIST
 #include "prelude.h"
 #include "driver_util.h"
+#include "account_table.h"
 
 typedef struct ddp_opts {
     du_common common;
@@ -22,6 +23,7 @@ typedef struct ddp_opts {
 
 typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1, S_FSDP } strat;
 static const char *const strat_names[] = {"naive", "flat", "overlap", "bucketed", "zero1", "fsdp"};
+static const tsys_ddp_strategy strat_ddp[] = {TSYS_DDP_NAIVE, TSYS_DDP_FLAT, TSYS_DDP_OVERLAP, TSYS_DDP_BUCKETED, TSYS_DDP_BUCKETED, TSYS_DDP_FLAT};
 static const double MiB = 1048576.0;
 
 // One row of the sweep.
@@ -51,8 +53,8 @@ static long list_configs(const ddp_opts *o, long want, config *out) {
 }
 
 static tsys_fsdp_desc fsdp_desc(const ddp_opts *o, tsys_dtype dt) {
-    tsys_fsdp_reshard rs = !strcmp(o->reshard, "yes") ? TSYS_FSDP_RESHARD_YES : !strcmp(o->reshard, "no") ? TSYS_FSDP_RESHARD_NO : TSYS_FSDP_RESHARD_AUTO;
-    tsys_fsdp_desc fd = {dt, false, rs, false};
+    tsys_fsdp_desc fd = {dt, false, !strcmp(o->reshard, "yes") ? TSYS_FSDP_RESHARD_YES : !strcmp(o->reshard, "no") ? TSYS_FSDP_RESHARD_NO
+                                                                                                       : TSYS_FSDP_RESHARD_AUTO, false};
     return fd;
 }
 
@@ -66,42 +68,28 @@ static bool config_desc(const ddp_opts *o, const char *model, int T, tsys_dtype 
 
 static void set_num(du_row *r, const char *col, const char *fmt, double v) { if (isfinite(v)) du_row_set(r, col, fmt, v); }   // else NA
 
-// ---- --account: the prediction table ---------------------------------------------------------------
-
+// --account: the prediction table, a row per scheme for every model, context and dtype.
 static int print_account(const ddp_opts *o) {
     du_table tab;
-    du_table_init(&tab, "model,params,dtype,context,batch,ranks,scheme,param_MiB,grad_MiB,optim_MiB,act_MiB,total_MiB,sent_MB_per_step", o->common.format);
-    for (int a = 0; a < o->models.n; a++)
+    du_table_init(&tab, ACCOUNT_TABLE_COLUMNS, o->common.format);
+    int rc = DU_EXIT_OK;
+    for (int a = 0; a < o->models.n && rc == DU_EXIT_OK; a++)
         for (int c = 0; c < o->contexts.n; c++)
-            for (int t = 0; t < o->dtypes.n; t++)
-                for (int s = TSYS_SCHEME_DDP; s <= TSYS_SCHEME_ZERO3 + 1; s++) {   // + 1: FSDP as tsys_fsdp does it
-                    tsys_dtype dt = TSYS_F32;
-                    int T = 0;
-                    du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
-                    tsys_model_desc d;
-                    char err[256];
-                    if (!config_desc(o, o->models.item[a], T, dt, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); du_table_free(&tab); return 2; }
-                    const bool fs = s > TSYS_SCHEME_ZERO3;
-                    const tsys_fsdp_desc fd = fsdp_desc(o, dt);
-                    tsys_dist_account acc = fs ? tsys_fsdp_accounting_desc(&d, &fd, o->batch, T, o->nproc) : tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
-                    du_row *r = du_table_row(&tab);
-                    du_row_set(r, "model", "%s", o->models.item[a]); du_row_set(r, "params", "%.3g", (double)tsys_model_desc_num_params(&d));
-                    du_row_set(r, "dtype", "%s", o->dtypes.item[t]); du_row_set(r, "context", "%d", T);
-                    du_row_set(r, "batch", "%d", o->batch); du_row_set(r, "ranks", "%d", o->nproc);
-                    if (fs) du_row_set(r, "scheme", "fsdp (tsys_fsdp)");
-                    else du_row_set(r, "scheme", "%s%s", tsys_dist_scheme_name((tsys_dist_scheme)s), s >= TSYS_SCHEME_ZERO2 ? " (paper)" : "");
-                    du_row_set(r, "param_MiB", "%.1f", acc.param_bytes / MiB); du_row_set(r, "grad_MiB", "%.1f", acc.grad_bytes / MiB);
-                    du_row_set(r, "optim_MiB", "%.1f", acc.optim_bytes / MiB); du_row_set(r, "act_MiB", "%.1f", acc.act_bytes / MiB);
-                    du_row_set(r, "total_MiB", "%.1f", acc.total_bytes / MiB); du_row_set(r, "sent_MB_per_step", "%.1f", acc.sent_bytes / 1e6);
-                    du_table_emit(&tab);
-                }
+            for (int t = 0; t < o->dtypes.n; t++) {
+                tsys_dtype dt = TSYS_F32;
+                int T = 0;
+                du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
+                tsys_model_desc d;
+                char err[256];
+                const tsys_fsdp_desc fd = fsdp_desc(o, dt);
+                if (!config_desc(o, o->models.item[a], T, dt, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); rc = DU_EXIT_USAGE; }
+                else account_table_rows(&tab, o->models.item[a], &d, dt, T, o->batch, o->nproc, &fd);
+            }
     du_table_free(&tab);
-    return DU_EXIT_OK;
+    return rc;
 }
 
 // ---- one configuration -------------------------------------------------------------------------------
-
-static void max_over_ranks(tsys_dist *d, double *v, int n) { tsys_dist_all_reduce_host(d, v, n, TSYS_DIST_MAX); }
 
 // A model, its trainer and this rank's own batch.
 typedef struct run { tsys_model *model; tsys_dist_trainer *tr; tsys_tensor *ids, *targets; } run;
@@ -116,10 +104,10 @@ static tsys_status run_new(run *r, tsys_ctx *ctx, tsys_dist *d, int rank, tsys_d
     r->ids = tsys_tensor_to(ctx, ids, dev);
     r->targets = tsys_tensor_to(ctx, tgt, dev);
     tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    // every rank builds the model from the same seed; the broadcast makes them equal regardless
+    // every rank builds the model from the same seed (the broadcast makes them equal regardless); one that
+    // could not (out of memory) must not leave the others in the broadcast
     r->model = tsys_model_new(ctx, desc, dev, (uint64_t)o->seed + 1);
     tsys_status st = r->model && r->ids && r->targets ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
-    // a rank that could not build the model (out of memory) must not leave the others in the broadcast
     if (td->mode == TSYS_TRAIN_ALONE ? st == TSYS_OK : !tsys_dist_any_failed(d, st)) r->tr = tsys_dist_trainer_new(ctx, d, r->model, dev, td);
     if (d) tsys_dist_sync(d);
     return r->tr ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
@@ -149,13 +137,63 @@ static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, c
     return st == TSYS_OK ? sum / o->steps : NAN;
 }
 
+// What a configuration trains: the trainer's settings.
+static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) {
+    const strat s = cf->s;
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof(td));
+    td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
+    td.ddp.strategy = strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16;
+    td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
+    td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
+    return td;
+}
+
+// The predictions and measurements of an ok row. tm: n each of step, backward + sync, optimizer and
+// exposed ms; mem: the peak after init, before and after the first optimizer step, the live bytes after it.
+static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, const tsys_model_desc *desc, int world, const tsys_dist_trainer *tr,
+                          const tsys_fsdp_stats *fst, const double *tm, const double *mem, double alone, double compute_ms,
+                          tsys_dist_link_model link) {
+    const int n = o->steps;
+    const strat s = cf->s;
+    tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
+    tsys_ddp_stats ds = tsys_ddp_stats_get(tsys_dist_trainer_ddp(tr));
+    const tsys_fsdp_desc fd = fsdp_desc(o, cf->dt);
+    const tsys_dist_scheme scheme = s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP;
+    tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(desc, &fd, o->batch, cf->T, world)
+                                        : tsys_dist_accounting(desc, cf->dt, o->batch, cf->T, world, scheme);
+    set_num(row, "step_ms", "%.2f", ss.mean); set_num(row, "step_std", "%.2f", ss.std);
+    set_num(row, "bwd_comm_ms", "%.2f", sb.mean); set_num(row, "opt_ms", "%.2f", so.mean); set_num(row, "comm_ms", "%.2f", alone);
+    if (s != S_FSDP)
+        set_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
+    set_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
+    if (!isnan(se.mean)) {   // --no-compute-ref: nothing to compare with
+        double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
+        set_num(row, "exposed_ms", "%.2f", se.mean); set_num(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
+    }
+    set_num(row, "compute_ms", "%.2f", compute_ms);
+    du_row_set(row, "buckets", "%d", s == S_FSDP ? fst->num_units : ds.num_buckets);
+    if (s != S_FSDP) du_row_set(row, "copied_buckets", "%d", ds.copied_buckets);
+    set_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(fst->gathered_bytes + fst->reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
+    set_num(row, "mem_init_MiB", "%.1f", mem[0] / MiB); set_num(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
+    set_num(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB); set_num(row, "state_MiB", "%.1f", mem[3] / MiB);
+    // autocast's weight copies live only within a step (fsdp: its gathered working set)
+    double transient = s == S_FSDP ? acc.work_bytes : cf->dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(desc) : 0;
+    set_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient) / MiB);
+    set_num(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
+    // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
+    set_num(row, "pred_sent_MB", "%.1f", acc.sent_bytes * (!cf->comm_bf16 ? 1.0 : s == S_ZERO1 ? 2.0 / 3.0 : 0.5) / 1e6);
+    du_row_set(row, "status", "ok");
+}
+
 // Runs one configuration on every rank and fills its row (rank 0 prints it).
 static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const config *cf, tsys_dist_link_model link, du_row *row) {
-    const int world = tsys_dist_size(d), n = o->steps, total = o->warmup + o->steps;
+    const int n = o->steps, total = o->warmup + o->steps;
     const strat s = cf->s;
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda"); du_row_set(row, "model", "%s", cf->model);
-    du_row_set(row, "ranks", "%d", world);
-    du_row_set(row, "strategy", "%s%s", strat_names[s], s != S_FSDP || !strcmp(o->reshard, "auto") ? "" : !strcmp(o->reshard, "yes") ? ":reshard" : ":keep");
+    du_row_set(row, "ranks", "%d", tsys_dist_size(d));
+    const char *reshard = s != S_FSDP || !strcmp(o->reshard, "auto") ? "" : !strcmp(o->reshard, "yes") ? ":reshard" : ":keep";
+    du_row_set(row, "strategy", "%s%s", strat_names[s], reshard);
     if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
     if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : "fp32");
     du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T);
@@ -163,22 +201,15 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     tsys_model_desc desc;
     char err[256] = "";
     if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
-    tsys_dist_trainer_desc td;
-    memset(&td, 0, sizeof(td));
-    td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
-    td.ddp.strategy = s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED || s == S_ZERO1 ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT;
-    td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16;
-    td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
-    td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;
+    const tsys_dist_trainer_desc td = trainer_desc(o, cf);
     double compute_ms = NAN;
     if (s == S_FSDP && !o->no_compute_ref) {   // the compute alone first (its memory is gone before the peaks are reset)
         compute_ms = plain_step_ms(ctx, dev, o, &desc, td, tsys_dist_rank(d));
-        max_over_ranks(d, &compute_ms, 1);
+        tsys_dist_all_reduce_host(d, &compute_ms, 1, TSYS_DIST_MAX);
     }
     tsys_mem_reset_peak(ctx, dev);
     const double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
-    double *tm = (double *)calloc((size_t)4 * n, sizeof(double));   // n each: step, backward + sync, optimizer, exposed
-    double mem[4] = {0, 0, 0, 0};   // peak after init, before / after the first optimizer step, live after a step
+    double *tm = (double *)calloc((size_t)4 * n, sizeof(double)), mem[4] = {0, 0, 0, 0}, alone = 0;   // as fill_measured takes them
     run r;
     tsys_status st = run_new(&r, ctx, d, tsys_dist_rank(d), dev, o, &desc, &td);
     mem[0] = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
@@ -196,11 +227,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         du_progress_step(j < 0 ? "warmup" : "timed", j < 0 ? i + 1 : j + 1, j < 0 ? o->warmup : n);
         failed = tsys_dist_any_failed(d, st);
     }
-    tsys_fsdp_stats fst;   // the last step's, before the timing below
-    memset(&fst, 0, sizeof(fst));
-    if (!failed && s == S_FSDP) fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));
-    double alone = 0;   // the step's collectives alone, mean of 3
-    for (int k = 0; !failed && k < 3; k++) {
+    const tsys_fsdp_stats fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));   // the last step's, before the timing below
+    for (int k = 0; !failed && k < 3; k++) {   // the step's collectives alone, mean of 3
         double ms = 0;
         tsys_dist_barrier(d);
         st = tsys_dist_trainer_time_collectives(r.tr, &ms);
@@ -208,33 +236,9 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         failed = tsys_dist_any_failed(d, st);
     }
     if (!failed) {
-        max_over_ranks(d, tm, 4 * n); max_over_ranks(d, mem, 4); max_over_ranks(d, &alone, 1);
-        tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
-        tsys_ddp_stats ds = tsys_ddp_stats_get(tsys_dist_trainer_ddp(r.tr));
-        const tsys_fsdp_desc fdesc = fsdp_desc(o, cf->dt);
-        tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(&desc, &fdesc, o->batch, cf->T, world)
-                                            : tsys_dist_accounting(&desc, cf->dt, o->batch, cf->T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
-        set_num(row, "step_ms", "%.2f", ss.mean); set_num(row, "step_std", "%.2f", ss.std);
-        set_num(row, "bwd_comm_ms", "%.2f", sb.mean); set_num(row, "opt_ms", "%.2f", so.mean); set_num(row, "comm_ms", "%.2f", alone);
-        if (s != S_FSDP) set_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
-        set_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
-        if (!isnan(se.mean)) {   // --no-compute-ref: nothing to compare with
-            double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
-            set_num(row, "exposed_ms", "%.2f", se.mean); set_num(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
-        }
-        set_num(row, "compute_ms", "%.2f", compute_ms);
-        du_row_set(row, "buckets", "%d", s == S_FSDP ? fst.num_units : ds.num_buckets);
-        if (s != S_FSDP) du_row_set(row, "copied_buckets", "%d", ds.copied_buckets);
-        set_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(fst.gathered_bytes + fst.reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
-        set_num(row, "mem_init_MiB", "%.1f", mem[0] / MiB); set_num(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
-        set_num(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB); set_num(row, "state_MiB", "%.1f", mem[3] / MiB);
-        // autocast's weight copies live only within a step (fsdp: its gathered working set)
-        double transient = s == S_FSDP ? acc.work_bytes : cf->dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(&desc) : 0;
-        set_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient) / MiB);
-        set_num(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
-        // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
-        set_num(row, "pred_sent_MB", "%.1f", acc.sent_bytes * (!cf->comm_bf16 ? 1.0 : s == S_ZERO1 ? 2.0 / 3.0 : 0.5) / 1e6);
-        du_row_set(row, "status", "ok");
+        tsys_dist_all_reduce_host(d, tm, 4 * n, TSYS_DIST_MAX); tsys_dist_all_reduce_host(d, mem, 4, TSYS_DIST_MAX);
+        tsys_dist_all_reduce_host(d, &alone, 1, TSYS_DIST_MAX);
+        fill_measured(row, o, cf, &desc, tsys_dist_size(d), r.tr, &fst, tm, mem, alone, compute_ms, link);
     } else {
         double e = st == TSYS_ERR_OOM ? 1 : 0;
         tsys_dist_all_reduce_host(d, &e, 1, TSYS_DIST_MAX);
@@ -272,7 +276,8 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
         if (!cuda) fprintf(f, ", %d threads per rank", du_num_threads());
         fprintf(f, ", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o->batch, o->warmup, o->steps,
                 du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d)));
-        if (cuda) fprintf(f, "; device memory %s", o->common.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o->common.mem_limit) : "the whole device");
+        if (cuda)
+            fprintf(f, "; device memory %s", o->common.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o->common.mem_limit) : "the whole device");
         fprintf(f, "\n");
     }
 #ifdef TSYS_WITH_CUDA
@@ -298,7 +303,7 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
     }
     du_progress_end();
     double rc = rank == 0 ? du_table_exit_code(&tab, "ddp", o->common.oom_ok) : 0;
-    max_over_ranks(d, &rc, 1);   // every rank exits as rank 0 does
+    tsys_dist_all_reduce_host(d, &rc, 1, TSYS_DIST_MAX);   // every rank exits as rank 0 does
     du_table_free(&tab);
     tsys_dist_free(d);
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
@@ -308,7 +313,10 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
 static bool model_ok(const char *s) { tsys_model_desc d; return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK; }
 static bool bucket_ok(const char *s) { double b; return du_parse_double(s, &b) && b >= 0 && b <= 1e9; }
 static bool context_ok(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
-static bool checkpoint_ok(const char *s) { tsys_checkpoint_policy p; return strncmp(s, "auto:", 5) && tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK; }
+static bool checkpoint_ok(const char *s) {
+    tsys_checkpoint_policy p;
+    return strncmp(s, "auto:", 5) && tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK;
+}
 
 #define SYNOPSIS "  data-parallel training of the cs336 LM, a row per model x context x dtype x strategy (x bucket size x gradient dtype)"
 #define EPILOGUE \
@@ -332,19 +340,25 @@ static int driver_main(int argc, char **argv) {
     memset(&o, 0, sizeof(o));
     o.device = du_has_cuda() ? "cuda" : "cpu";
     char model_help[256], model_rule[160];
-    snprintf(model_help, sizeof(model_help), "presets (%s) or 'custom' with the dims below\n(default: xl on cuda, small on cpu)", tsys_model_preset_names());
+    snprintf(model_help, sizeof(model_help), "presets (%s) or 'custom' with the dims below\n(default: xl on cuda, small on cpu)",
+             tsys_model_preset_names());
     snprintf(model_rule, sizeof(model_rule), "a preset (%s) or 'custom'", tsys_model_preset_names());
     du_flag flags[] = {
         DU_FLAG_CHOICE("device", &o.device, NULL, "cpu|cuda", "where each rank computes (default: cuda when a GPU is present, else cpu)"),
         DU_FLAG_LIST_CHECKED("model", &o.models, NULL, model_ok, model_rule, model_help),
-        DU_FLAG_INT("d-model", &o.dims.d_model, NULL, 1, 1 << 20, "explicit dims over the preset's"),
-        DU_FLAG_INT("d-ff", &o.dims.d_ff, NULL, 1, 1 << 22, ""), DU_FLAG_INT("num-layers", &o.dims.num_layers, NULL, 1, 1 << 12, ""),
-        DU_FLAG_INT("num-heads", &o.dims.num_heads, NULL, 1, 1 << 12, ""), DU_FLAG_INT("vocab-size", &o.dims.vocab_size, NULL, 1, 1 << 24, ""),
+        DU_FLAG_INT("d-model", &o.dims.d_model, NULL, 1, 1 << 20, "d_model over the preset's"),
+        DU_FLAG_INT("d-ff", &o.dims.d_ff, NULL, 1, 1 << 22, "d_ff over the preset's"),
+        DU_FLAG_INT("num-layers", &o.dims.num_layers, NULL, 1, 1 << 12, "layers over the preset's"),
+        DU_FLAG_INT("num-heads", &o.dims.num_heads, NULL, 1, 1 << 12, "heads over the preset's"),
+        DU_FLAG_INT("vocab-size", &o.dims.vocab_size, NULL, 1, 1 << 24, "vocabulary over the preset's"),
         DU_FLAG_LIST("strategy", &o.strategies, "naive,flat,overlap,bucketed,zero1", "naive|flat|overlap|bucketed|zero1|fsdp",
-                     "zero1 = bucketed gradient all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW;\n"
+                     "naive, flat, overlap, bucketed (DDP's), zero1 or fsdp; zero1 = bucketed gradient\n"
+                     "all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW;\n"
                      "fsdp = ZeRO-3 (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)"),
-        DU_FLAG_LIST_CHECKED("bucket-mb", &o.buckets, "1,10,100,1000", bucket_ok, "MB from 0 to 1e9", "bucket sizes of 'bucketed' and 'zero1' in MB (2^20 bytes)"),
-        DU_FLAG_LIST("grad-comm", &o.comms, "fp32", "fp32|bf16", "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes)"),
+        DU_FLAG_LIST_CHECKED("bucket-mb", &o.buckets, "1,10,100,1000", bucket_ok, "MB from 0 to 1e9",
+                             "bucket sizes of 'bucketed' and 'zero1' in MB (2^20 bytes)"),
+        DU_FLAG_LIST("grad-comm", &o.comms, "fp32", "fp32|bf16",
+                     "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes)"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),
         DU_FLAG_INT("batch-size", &o.batch, "4", 1, 1 << 20, "sequences per rank"),
         DU_FLAG_LIST_CHECKED("context-length", &o.contexts, "256", context_ok, "an integer from 1 to 1048576", "context lengths"),
@@ -369,16 +383,20 @@ static int driver_main(int argc, char **argv) {
     if (rc) return rc == DU_HELP ? DU_EXIT_OK : rc;
     const bool cuda = !strcmp(o.device, "cuda");
 #ifndef TSYS_WITH_CUDA
-    if (cuda) { fprintf(stderr, "ddp: --device cuda: this binary was built without CUDA; build it with nvcc (make cuda)\n"); du_flags_free(flags, nflags); return DU_EXIT_USAGE; }
+    if (cuda) {
+        fprintf(stderr, "ddp: --device cuda: this binary was built without CUDA; build it with nvcc (make cuda)\n");
+        du_flags_free(flags, nflags);
+        return DU_EXIT_USAGE;
+    }
 #endif
     if (!o.models.n && !du_split(&o.models, "ddp", "--model", cuda ? "xl" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
-    const long nconfigs = o.account ? 5L * o.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
+    const long nconfigs = o.account ? (long)ACCOUNT_TABLE_SCHEMES * o.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
     if (nconfigs > 1000000) {
         fprintf(stderr, "ddp: the lists make %ld configurations; at most 1000000\n", nconfigs);
         rc = DU_EXIT_USAGE;
     } else if (o.common.dry_run) {   // before any rank starts
-        fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, %d steps, AdamW\n",
-                o.nproc, o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
+        fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, "
+                "%d steps, AdamW\n", o.nproc, o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
         rc = du_dry_run_done(&o.common, "ddp", (int)nconfigs);
     } else rc = o.account ? print_account(&o) : run_sweep(&o, (int)nconfigs, argc, argv);
     du_flags_free(flags, nflags);
