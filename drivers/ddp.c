@@ -297,7 +297,9 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
     for (int k = 0; k < nconfigs; k++) {
         config cf;
         list_configs(o, k, &cf);
-        du_progress_config(k + 1, "%s T=%d %s %s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s]);
+        char mb[32] = "";
+        if (cf.s == S_BUCKETED || cf.s == S_ZERO1) snprintf(mb, sizeof(mb), " %g MB", cf.bucket_mb);
+        du_progress_config(k + 1, "%s T=%d %s %s%s%s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s], mb, cf.comm_bf16 ? " bf16 wire" : "");
         run_config(ctx, d, dev, o, &cf, link, du_table_row(&tab));
         if (rank == 0) du_table_emit(&tab);
     }
