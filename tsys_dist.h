@@ -26,6 +26,10 @@
       >>zero1        defines: tsys_zero1 (sharded AdamW)
       >>fsdp         defines: tsys_fsdp (ZeRO-3: units, gathers, reduce-scatters through the trace hooks)
       >>accounting   defines: tsys_dist_accounting, tsys_fsdp_accounting(_desc)
+      >>link model   defines: tsys_dist_calibrate_link (an alpha-beta model of the link, measured),
+                     tsys_dist_link_time_ms, tsys_dist_ring_sent
+      >>trainer      defines: tsys_dist_trainer (a model trained under DDP, ZeRO-1, FSDP or alone, a step at a
+                     time in timed phases), tsys_dist_any_failed, tsys_dist_share_cores
 
    Do this:
       #define TSYS_DIST_IMPLEMENTATION      (or TSYS_IMPL)
@@ -500,6 +504,57 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dt
 // The same for a desc's settings (compute_dtype, reshard_after_forward, no_shortcut); the one above
 // takes the defaults.
 TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, const tsys_fsdp_desc *desc, int batch, int context, int world);
+
+// The link as an alpha-beta model (>>link model), to predict the time of collectives from the bytes the
+// accounting says they send: alpha_ms the fixed cost of one collective, beta the bytes a rank sends per ms.
+typedef struct tsys_dist_link_model { double alpha_ms, beta_bytes_per_ms; } tsys_dist_link_model;
+// Measures the group's link with all-reduces of dev tensors: of 64 KiB (20 back to back, one wait at the
+// end, as DDP issues its buckets) and of 256 MiB (32 MiB on host ranks), each the slowest rank's mean of 5
+// after 2 warm-ups. Every rank calls it and gets the same model; zeros (no prediction) in a group of one or
+// when a probe fails (out of memory: the context's error is cleared).
+TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device dev);
+// n collectives issued back to back that send sent_bytes a rank: max(n alpha, sent / beta); NAN for the
+// zero model.
+TSYSDEF double tsys_dist_link_time_ms(tsys_dist_link_model m, int n, double sent_bytes);
+// The bytes a rank sends in a ring all-reduce of `bytes` among world ranks: 2(world-1)/world bytes.
+TSYSDEF double tsys_dist_ring_sent(int world, double bytes);
+
+// A tsys_model trained data-parallel with AdamW, one step at a time in timed phases (>>trainer): DDP (any
+// tsys_ddp strategy), ZeRO-1 (DDP's all-reduce + tsys_zero1's sharded AdamW), FSDP (tsys_fsdp, AdamW over
+// its shards), or ALONE: no group, no communication (the reference the others are compared with).
+typedef enum tsys_dist_train_mode { TSYS_TRAIN_DDP, TSYS_TRAIN_ZERO1, TSYS_TRAIN_FSDP, TSYS_TRAIN_ALONE } tsys_dist_train_mode;
+typedef struct tsys_dist_trainer_desc {
+    tsys_dist_train_mode mode;
+    tsys_ddp_desc ddp;     // DDP, ZERO1: how the gradients are all-reduced
+    tsys_fsdp_desc fsdp;   // FSDP (it computes in fsdp.compute_dtype)
+    tsys_dtype autocast;   // DDP, ZERO1, ALONE: the forward's autocast dtype (TSYS_F32: none)
+    float loss_scale;      // backward starts from cross-entropy's mean times this (0 or 1: the mean)
+} tsys_dist_trainer_desc;
+typedef struct tsys_dist_step_times {
+    double forward_ms, backward_ms, optim_ms, step_ms;   // host clock, every phase synchronized with the group;
+                                                         // backward_ms includes the gradients' synchronization
+    double exposed_ms;                                   // DDP, ZERO1: tsys_ddp_stats.exposed_ms of the step
+    double peak_pre_optim, peak_post_optim;              // the device's peak bytes before / after the optimizer
+} tsys_dist_step_times;
+typedef struct tsys_dist_trainer tsys_dist_trainer;
+// NULL + the context's error. The model (on dev) stays the caller's; d may be NULL for ALONE. Every rank
+// calls it (DDP's broadcast of the weights, FSDP's sharding).
+TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc);
+// One step on this rank's batch: zero the gradients, forward (autocast), cross-entropy, backward with the
+// gradients' synchronization, the optimizer step; times (optional) filled. The context's status.
+TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, tsys_dist_step_times *times);
+// A step's collectives alone, back to back with nothing to overlap (DDP, ZERO1: every bucket's
+// all-reduce; FSDP: tsys_fsdp_time_collectives): *ms. Every rank calls it, between steps.
+TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, double *ms);
+TSYSDEF tsys_ddp *tsys_dist_trainer_ddp(const tsys_dist_trainer *t);     // NULL unless DDP or ZERO1
+TSYSDEF tsys_fsdp *tsys_dist_trainer_fsdp(const tsys_dist_trainer *t);   // NULL unless FSDP
+TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t);
+// Every rank calls it at the same point: true on every rank when st is not TSYS_OK on any (or the group
+// fails), so that all stop together and none is left waiting in a collective.
+TSYSDEF bool tsys_dist_any_failed(tsys_dist *d, tsys_status st);
+// Ranks on one host share its cores: unless OMP_NUM_THREADS is set, each of `ranks` gets cores / ranks
+// threads (OpenMP and OpenBLAS, and OMP_NUM_THREADS for the ranks a launcher starts after the call).
+TSYSDEF void tsys_dist_share_cores(int ranks);
 
 #ifdef __cplusplus
 }
@@ -4934,6 +4989,172 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
     case TSYS_SCHEME_ZERO3: a.sent_bytes = 3 * ring * G; break;
     }
     return a;
+}
+
+// >>link model ------------------------------------------------------------------------------------
+// n collectives issued back to back: one's launch and sync overlap another's transfer, so the time is
+// bounded below by both n alpha and sent / beta, and lies near the larger (2 x H100, xl, bf16: DDP naive's
+// 435 all-reduces 39.9 ms measured, 39.8 predicted; flat 23.3 / 28.0, bucketed 100 MB 30.2 / 28.0: beta
+// from one 256 MiB probe moved between 286 and 357 GB/s from call to call).
+TSYSDEF double tsys_dist_link_time_ms(tsys_dist_link_model m, int n, double sent_bytes) {
+    if (!(m.beta_bytes_per_ms > 0)) return NAN;
+    return fmax(n * m.alpha_ms, sent_bytes / m.beta_bytes_per_ms);
+}
+
+TSYSDEF double tsys_dist_ring_sent(int world, double bytes) { return world > 0 ? 2.0 * (world - 1) / world * bytes : 0; }
+
+// The mean ms of one all-reduce of x over 5 rounds of reps back to back (after 2 rounds of warm-up).
+static tsys_status tsys_dist__probe_all_reduce(tsys_dist *d, tsys_tensor *x, int reps, double *ms) {
+    tsys_status st = TSYS_OK;
+    double sum = 0;
+    for (int it = 0; st == TSYS_OK && it < 7; it++) {
+        if ((st = tsys_dist_barrier(d)) != TSYS_OK) break;
+        double t0 = tsys_time_us();
+        for (int r = 0; st == TSYS_OK && r < reps; r++) st = tsys_dist_all_reduce(d, x, TSYS_DIST_SUM);
+        if (st == TSYS_OK) st = tsys_dist_sync(d);
+        if (it >= 2) sum += (tsys_time_us() - t0) * 1e-3 / reps;
+    }
+    *ms = sum / 5;
+    return st;
+}
+
+TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device dev) {
+    tsys_dist_link_model m = {0, 0};
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    const int world = tsys_dist_size(d);
+    if (!ctx || world < 2) return m;
+    const int64_t floats[2] = {16384, dev == TSYS_CUDA ? (int64_t)64 << 20 : (int64_t)8 << 20};
+    double t[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &floats[k]);
+        // every rank learns whether any could not allocate (or probe), so all stop at the same point
+        bool bad = tsys_dist_any_failed(d, x && tsys_tensor_fill(ctx, x, 1.0f) == TSYS_OK ? TSYS_OK : TSYS_ERR_OOM);
+        if (!bad) bad = tsys_dist_any_failed(d, tsys_dist__probe_all_reduce(d, x, k == 0 ? 20 : 1, &t[k]));
+        tsys_tensor_release(x);
+        if (bad) { tsys_ctx_clear_error(ctx); return m; }
+    }
+    if (tsys_dist_all_reduce_host(d, t, 2, TSYS_DIST_MAX) != TSYS_OK || !(t[1] > t[0])) return m;
+    const double s0 = tsys_dist_ring_sent(world, 4.0 * (double)floats[0]), s1 = tsys_dist_ring_sent(world, 4.0 * (double)floats[1]);
+    m.beta_bytes_per_ms = (s1 - s0) / (t[1] - t[0]);
+    m.alpha_ms = fmax(0.0, t[0] - s0 / m.beta_bytes_per_ms);
+    return m;
+}
+
+// >>trainer ---------------------------------------------------------------------------------------
+struct tsys_dist_trainer {
+    tsys_ctx *ctx;
+    tsys_dist *d;
+    tsys_model *model;
+    tsys_device dev;
+    tsys_dist_trainer_desc desc;
+    tsys_ddp *ddp;
+    tsys_zero1 *zero1;
+    tsys_fsdp *fsdp;
+    tsys_optim *opt;
+};
+
+TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc) {
+    if (!ctx || !model || !desc || (!d && desc->mode != TSYS_TRAIN_ALONE)) {
+        if (ctx) tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_new: %s", !model ? "no model" : !desc ? "no desc" : "no group");
+        return NULL;
+    }
+    tsys_dist_trainer *t = (tsys_dist_trainer *)calloc(1, sizeof(*t));
+    if (!t) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_trainer_new: out of memory"); return NULL; }
+    t->ctx = ctx; t->d = d; t->model = model; t->dev = dev; t->desc = *desc;
+    tsys_tensor **params = tsys_model_params(model);
+    const int np = tsys_model_num_tensors(model);
+    if (desc->mode == TSYS_TRAIN_FSDP) {
+        t->fsdp = tsys_fsdp_new(d, params, np, &desc->fsdp);
+        if (t->fsdp) t->opt = tsys_adamw_new(ctx, tsys_fsdp_params(t->fsdp), tsys_fsdp_num_params(t->fsdp), NULL);
+    } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_ddp_new(d, params, np, &desc->ddp)) != NULL) {
+        if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
+        else t->opt = tsys_adamw_new(ctx, params, np, NULL);
+    }
+    if (t->opt || t->zero1) return t;
+    if (tsys_ctx_status(ctx) == TSYS_OK) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_trainer_new: out of memory");
+    tsys_dist_trainer_free(t);
+    return NULL;
+}
+
+static double tsys_dist__peak(const tsys_dist_trainer *t) { return (double)tsys_mem_stats_get(t->ctx, t->dev).peak_bytes; }
+
+TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, tsys_dist_step_times *times) {
+    tsys_ctx *ctx = t->ctx;
+    tsys_dist_step_times tm;
+    memset(&tm, 0, sizeof(tm));
+    double t0 = tsys_time_us();
+    if (t->ddp) tsys_ddp_start_step(t->ddp);
+    if (t->zero1) tsys_zero1_zero_grad(t->zero1); else tsys_optim_zero_grad(t->opt);
+    const bool ac = t->desc.autocast != TSYS_F32 && !t->fsdp;   // FSDP computes in its compute_dtype itself
+    if (ac) tsys_autocast_begin(ctx, t->desc.autocast);
+    tsys_tensor *logits = tsys_model_forward(t->model, ids);
+    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, targets);
+    if (t->desc.loss_scale != 0.0f && t->desc.loss_scale != 1.0f) {
+        tsys_tensor *scaled = tsys_scale(ctx, loss, t->desc.loss_scale);
+        tsys_tensor_release(loss);
+        loss = scaled;
+    }
+    if (ac) tsys_autocast_end(ctx);
+    tsys_tensor_release(logits);
+    if (t->d) tsys_dist_sync(t->d);   // bounded: a peer that dies mid-step is an error, not a hang
+    double t1 = tsys_time_us();
+    tsys_backward(ctx, loss);
+    tsys_tensor_release(loss);
+    if (t->ddp) tsys_ddp_finish(t->ddp);
+    if (t->fsdp) tsys_fsdp_finish(t->fsdp);
+    if (t->d) tsys_dist_sync(t->d);
+    double t2 = tsys_time_us();
+    tm.peak_pre_optim = tsys_dist__peak(t);
+    if (t->zero1) tsys_zero1_step(t->zero1); else tsys_optim_step(t->opt);
+    if (t->d) tsys_dist_sync(t->d);
+    double t3 = tsys_time_us();
+    tm.peak_post_optim = tsys_dist__peak(t);
+    tsys_tape_clear(ctx);
+    tm.forward_ms = (t1 - t0) * 1e-3; tm.backward_ms = (t2 - t1) * 1e-3; tm.optim_ms = (t3 - t2) * 1e-3; tm.step_ms = (t3 - t0) * 1e-3;
+    if (t->ddp) tm.exposed_ms = tsys_ddp_stats_get(t->ddp).exposed_ms;
+    if (times) *times = tm;
+    return tsys_ctx_status(ctx);
+}
+
+TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, double *ms) {
+    *ms = 0;
+    if (t->fsdp) return tsys_fsdp_time_collectives(t->fsdp, ms);
+    if (!t->ddp) return TSYS_OK;
+    tsys_ddp_start_step(t->ddp);   // finish with no backward in between reduces every bucket at once
+    tsys_status st = tsys_ddp_finish(t->ddp);
+    if (st == TSYS_OK) st = tsys_dist_sync(t->d);
+    *ms = tsys_ddp_stats_get(t->ddp).comm_ms;
+    return st;
+}
+
+TSYSDEF tsys_ddp *tsys_dist_trainer_ddp(const tsys_dist_trainer *t) { return t ? t->ddp : NULL; }
+TSYSDEF tsys_fsdp *tsys_dist_trainer_fsdp(const tsys_dist_trainer *t) { return t ? t->fsdp : NULL; }
+
+TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t) {
+    if (!t) return;
+    tsys_ddp_free(t->ddp); tsys_zero1_free(t->zero1); tsys_optim_free(t->opt); tsys_fsdp_free(t->fsdp);
+    free(t);
+}
+
+TSYSDEF bool tsys_dist_any_failed(tsys_dist *d, tsys_status st) {
+    double bad = st != TSYS_OK;
+    return tsys_dist_all_reduce_host(d, &bad, 1, TSYS_DIST_MAX) != TSYS_OK || bad != 0;
+}
+
+TSYSDEF void tsys_dist_share_cores(int ranks) {
+    if (getenv("OMP_NUM_THREADS") || ranks <= 1) return;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int per = (int)(cores / ranks > 1 ? cores / ranks : 1);
+    char v[16];
+    snprintf(v, sizeof(v), "%d", per);
+    setenv("OMP_NUM_THREADS", v, 0);
+    setenv("OPENBLAS_NUM_THREADS", v, 0);
+#ifdef _OPENMP
+    omp_set_num_threads(per);
+#endif
+#ifdef OPENBLAS_VERSION
+    openblas_set_num_threads(per);
+#endif
 }
 
 #endif // TSYS_DIST_IMPLEMENTATION

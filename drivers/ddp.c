@@ -1,628 +1,408 @@
-// ddp - data-parallel training of the cs336 Transformer LM: the CS336 naive_ddp_benchmarking,
-// minimal_ddp_flat_benchmarking, ddp_overlap_individual_parameters_benchmarking,
-// ddp_bucketed_benchmarking and optimizer_state_sharding_accounting measurements, and the S26 fsdp /
-// fsdp_accounting ones (--strategy fsdp), one row per configuration, with the accounting prediction
-// beside what was measured.
+// ddp - data-parallel training of the cs336 Transformer LM (tsys_dist_trainer): the CS336 naive, flat,
+// overlap and bucketed DDP benchmarks, ZeRO-1 and its accounting, and the S26 fsdp ones (--strategy fsdp),
+// a row per configuration with the accounting's prediction beside what was measured. Every rank trains on
+// its own batch; only rank 0 prints. Times are the slowest rank's, mean (and std) over the timed steps.
 //
 //   ddp --nproc 2 --model small --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb 1,10,100,1000
 //   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16
 //   ddp --account --model xl --nproc 2          (the prediction table only, nothing runs)
-//
-// Every rank trains on its own batch of --batch-size sequences (gradients averaged, AdamW); only
-// rank 0 prints. Times are the slowest rank's, mean (and std) over the timed steps.
-#define _POSIX_C_SOURCE 200809L   // setenv
-#ifndef TSYS_LINKED_IMPL   // the Makefile's CUDA build compiles the implementations once and links them
-#define TSYS_IMPLEMENTATION
-#endif
-#include "../tsys.h"
-#ifdef TSYS_WITH_CUDA
-#ifndef TSYS_LINKED_IMPL
-#define TSYS_CUDA_IMPLEMENTATION
-#endif
-#include "../tsys_cuda.cuh"
-#endif
-#ifndef TSYS_DIST_LINKED_IMPL
-#define TSYS_DIST_IMPLEMENTATION
-#endif
-#include "../tsys_dist.h"
+#define _POSIX_C_SOURCE 200809L   // clock_gettime, dup (driver_util.h)
+#define TSYS_PRELUDE_DIST
+#include "prelude.h"
 #include "driver_util.h"
+#include "account_table.h"
 
 typedef struct ddp_opts {
-    const char *device, *models, *strategies, *buckets, *dtypes, *contexts, *format, *attn, *checkpoint, *comms;
+    du_common common;
+    const char *device, *attn, *checkpoint, *loss, *reshard;
+    du_list models, strategies, buckets, comms, dtypes, contexts;
     int batch, warmup, steps, nproc, seed;
-    size_t mem_limit;       // --mem-limit, bytes a rank (0: the host's available memory over its ranks)
-    bool account, loss_sum, compute_ref;
-    tsys_fsdp_reshard fsdp_reshard;
+    bool account, no_compute_ref;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
 } ddp_opts;
 
-// FSDP as the flags ask: compute in dt, prefetching, the reshard choice, the group-of-one shortcut.
+typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1, S_FSDP } strat;
+static const char *const strat_names[] = {"naive", "flat", "overlap", "bucketed", "zero1", "fsdp"};
+static const tsys_ddp_strategy strat_ddp[] = {TSYS_DDP_NAIVE, TSYS_DDP_FLAT, TSYS_DDP_OVERLAP, TSYS_DDP_BUCKETED, TSYS_DDP_BUCKETED, TSYS_DDP_FLAT};
+static const double MiB = 1048576.0;
+
+// One row of the sweep.
+typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double bucket_mb; bool comm_bf16; } config;
+
+// The rows in their order (models, contexts, dtypes, strategies, bucket sizes of bucketed and zero1,
+// --grad-comm but for fsdp): how many; the one numbered `want` (0-based) into *out.
+static long list_configs(const ddp_opts *o, long want, config *out) {
+    long n = 0;
+    for (int a = 0; a < o->models.n; a++)
+        for (int c = 0; c < o->contexts.n; c++)
+            for (int t = 0; t < o->dtypes.n; t++)
+                for (int k = 0; k < o->strategies.n; k++) {
+                    strat s = S_NAIVE;
+                    while (strcmp(strat_names[s], o->strategies.item[k])) s = (strat)(s + 1);   // the table checked it
+                    const bool bucketed = s == S_BUCKETED || s == S_ZERO1;
+                    for (int b = 0; b < (bucketed ? o->buckets.n : 1); b++)
+                        for (int g = 0; g < (s == S_FSDP ? 1 : o->comms.n); g++, n++) {
+                            if (n != want) continue;
+                            config *f = out;
+                            f->model = o->models.item[a]; f->s = s; f->bucket_mb = 0; f->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
+                            du_parse_int(o->contexts.item[c], 1, 1 << 20, &f->T); du_parse_dtype(o->dtypes.item[t], &f->dt);
+                            if (bucketed) du_parse_double(o->buckets.item[b], &f->bucket_mb);
+                        }
+                }
+    return n;
+}
+
 static tsys_fsdp_desc fsdp_desc(const ddp_opts *o, tsys_dtype dt) {
-    tsys_fsdp_desc fd = {dt, false, o->fsdp_reshard, false};
+    tsys_fsdp_desc fd = {dt, false, !strcmp(o->reshard, "yes") ? TSYS_FSDP_RESHARD_YES : !strcmp(o->reshard, "no") ? TSYS_FSDP_RESHARD_NO
+                                                                                                       : TSYS_FSDP_RESHARD_AUTO, false};
     return fd;
 }
 
-static void usage(FILE *f) {
-    fprintf(f,
-        "usage: ddp [flags]\n"
-        "  --device cpu|cuda          where each rank computes (default: cuda when a GPU is present, else cpu)\n"
-        "  --model LIST               presets (%s) or 'custom' with the dims below\n"
-        "                             (default: xl on cuda, small on cpu)\n"
-        "  --d-model N --d-ff N --num-layers N --num-heads N --vocab-size N   explicit dims\n"
-        "  --strategy LIST            naive | flat | overlap | bucketed | zero1 | fsdp (default: the first five)\n"
-        "                             zero1 = bucketed gradient all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW;\n"
-        "                             fsdp = ZeRO-3\n"
-        "                             (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)\n"
-        "  --bucket-mb LIST           bucket sizes of 'bucketed' in MB (2^20 bytes; default 1,10,100,1000)\n"
-        "  --grad-comm LIST           fp32 | bf16: how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\n"
-        "                             torch's bf16_compress_hook; half the bytes) (default fp32)\n"
-        "  --dtype LIST               fp32 | bf16 autocast (fsdp: bf16 weights and gradients on the wire,\n"
-        "                             bf16 compute, fp32 masters) (default fp32)\n"
-        "  --batch-size N             sequences per rank (default 4)\n"
-        "  --context-length LIST      (default 256)\n"
-        "  --attn naive|flash|auto    attention (default auto: flash on cuda under bf16, else naive)\n"
-        "  --checkpoint POLICY        activation checkpointing of the model (none, blocks:K, sqrt, nested[:K], selective,\n"
-        "                             P+selective; see e2e --help; default none)\n"
-        "  --loss mean|sum            cross-entropy's mean over the tokens, or its sum (the S26 leaderboard's) (default mean)\n"
-        "  --fsdp-reshard auto|yes|no fsdp: free each unit's gathered weights after its forward and gather them again\n"
-        "                             for its backward (yes), or keep them through the backward (no: one all-gather per\n"
-        "                             unit and step, ZeRO-2's traffic); auto: yes with several ranks (default auto)\n"
-        "  --no-compute-ref           fsdp: skip the same step without sharding (compute_ms; exposed_ms and hidden read '-'),\n"
-        "                             for models that do not fit one device unsharded\n"
-        "  --warmup N                 untimed steps first (default 5)\n"
-        "  --steps N                  timed steps (default 10)\n"
-        "  --nproc N                  start N local ranks (built-in launcher); not needed under mpirun/torchrun\n"
-        "  --account                  print the accounting prediction (DDP, ZeRO-1/2/3) for --nproc ranks; run nothing\n"
-        "  --format md|csv|jsonl      output rows (default md)\n"
-        "  --seed N                   weights and batch seed (default 0)\n"
-        DU_MEM_LIMIT_HELP
-        DU_MEM_LIMIT_RANKS_HELP
-        "  --help\n"
-        "exit status: 0 every row ok, 1 some row failed (error or OOM), the run could not start or the results\n"
-        "             could not be written, 2 bad usage\n"
-        "columns: step_ms the slowest rank's step (mean, std over steps); bwd_comm_ms backward + gradient\n"
-        "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n"
-        "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n"
-        "  the step waited for communication after backward (it includes waiting for a slower rank);\n"
-        "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; pred_comm_ms the same all-reduces predicted from\n"
-        "  the accounting's bytes and a link model measured at start (max of n alpha and bytes / beta); fsdp: comm_ms its all-gathers, reduce-scatters\n"
-        "  and all-reduces alone, exposed_ms step_ms - compute_ms, compute_ms the same local step without\n"
-        "  sharding or communication (a plain model on each rank; bf16 under autocast); mem_* the peak\n"
-        "  bytes per rank (largest rank) after init, before the first optimizer step, after it; state_MiB live\n"
-        "  bytes after a step (parameters, gradients, optimizer state) against pred_state_MiB; pred_peak_MiB\n"
-        "  adds the predicted activations; pred_sent_MB bytes each rank sends per step (ring algorithms).\n",
-        tsys_model_preset_names());
-}
-
-static int parse_args(int argc, char **argv, ddp_opts *o) {
-    memset(o, 0, sizeof(*o));
-    o->device = du_has_cuda() ? "cuda" : "cpu";
-    o->models = NULL; o->strategies = "naive,flat,overlap,bucketed,zero1"; o->buckets = "1,10,100,1000";
-    o->dtypes = "fp32"; o->contexts = "256"; o->comms = "fp32"; o->format = "md"; o->attn = "auto";
-    o->batch = 4; o->warmup = 5; o->steps = 10; o->nproc = 1; o->checkpoint = "none"; o->compute_ref = true;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) return DU_HELP;
-        if (!strcmp(a, "--account")) { o->account = true; continue; }
-        if (!strcmp(a, "--no-compute-ref")) { o->compute_ref = false; continue; }
-        if (i + 1 >= argc) { fprintf(stderr, "ddp: flag %s needs a value\n", a); usage(stderr); return 2; }
-        const char *v = argv[++i];
-        bool ok = true;
-        if (!strcmp(a, "--device")) o->device = v;
-        else if (!strcmp(a, "--model")) o->models = v;
-        else if (!strcmp(a, "--strategy")) o->strategies = v;
-        else if (!strcmp(a, "--bucket-mb")) o->buckets = v;
-        else if (!strcmp(a, "--grad-comm")) o->comms = v;
-        else if (!strcmp(a, "--dtype")) o->dtypes = v;
-        else if (!strcmp(a, "--context-length")) o->contexts = v;
-        else if (!strcmp(a, "--attn")) o->attn = v;
-        else if (!strcmp(a, "--checkpoint")) { tsys_checkpoint_policy p; o->checkpoint = v; ok = tsys_checkpoint_policy_parse(v, 1 << 20, &p, NULL, 0) == TSYS_OK && strncmp(v, "auto:", 5); }
-        else if (!strcmp(a, "--fsdp-reshard")) {
-            ok = !strcmp(v, "auto") || !strcmp(v, "yes") || !strcmp(v, "no");
-            o->fsdp_reshard = !strcmp(v, "yes") ? TSYS_FSDP_RESHARD_YES : !strcmp(v, "no") ? TSYS_FSDP_RESHARD_NO : TSYS_FSDP_RESHARD_AUTO;
-        }
-        else if (!strcmp(a, "--loss")) { ok = !strcmp(v, "mean") || !strcmp(v, "sum"); o->loss_sum = !strcmp(v, "sum"); }
-        else if (!strcmp(a, "--format")) o->format = v;
-        else if (!strcmp(a, "--mem-limit")) { if (!du_parse_gib("ddp", a, v, &o->mem_limit)) return 2; }
-        else if (!strcmp(a, "--batch-size")) ok = du_parse_int(v, 1, 1 << 20, &o->batch);
-        else if (!strcmp(a, "--warmup")) ok = du_parse_int(v, 0, 1 << 20, &o->warmup);
-        else if (!strcmp(a, "--steps")) ok = du_parse_int(v, 1, 1 << 20, &o->steps);
-        else if (!strcmp(a, "--nproc")) ok = du_parse_int(v, 1, 1024, &o->nproc);
-        else if (!strcmp(a, "--seed")) ok = du_parse_int(v, 0, 1 << 30, &o->seed);
-        else if (!strcmp(a, "--d-model")) ok = du_parse_int(v, 1, 1 << 20, &o->dims.d_model);
-        else if (!strcmp(a, "--d-ff")) ok = du_parse_int(v, 1, 1 << 22, &o->dims.d_ff);
-        else if (!strcmp(a, "--num-layers")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_layers);
-        else if (!strcmp(a, "--num-heads")) ok = du_parse_int(v, 1, 1 << 12, &o->dims.num_heads);
-        else if (!strcmp(a, "--vocab-size")) ok = du_parse_int(v, 1, 1 << 24, &o->dims.vocab_size);
-        else { fprintf(stderr, "ddp: unknown flag '%s'\n", a); usage(stderr); return 2; }
-        if (!ok) { fprintf(stderr, "ddp: bad value '%s' for %s\n", v, a); usage(stderr); return 2; }
-    }
-    if (strcmp(o->device, "cpu") && strcmp(o->device, "cuda")) { fprintf(stderr, "ddp: --device must be cpu or cuda, not '%s'\n", o->device); usage(stderr); return 2; }
-    if (!du_format_ok(o->format)) { fprintf(stderr, "ddp: --format must be md, csv or jsonl, not '%s'\n", o->format); usage(stderr); return 2; }
-    if (strcmp(o->attn, "naive") && strcmp(o->attn, "flash") && strcmp(o->attn, "auto")) { fprintf(stderr, "ddp: --attn takes naive, flash or auto, not '%s'\n", o->attn); usage(stderr); return 2; }
-    if (!o->models) o->models = strcmp(o->device, "cuda") ? "small" : "xl";
-#ifndef TSYS_WITH_CUDA
-    if (!strcmp(o->device, "cuda")) { fprintf(stderr, "ddp: this binary was built without CUDA; build it with nvcc (make cuda)\n"); return 2; }
-#endif
-    return 0;
-}
-
-typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1, S_FSDP } strat;
-static const char *strat_names[] = {"naive", "flat", "overlap", "bucketed", "zero1", "fsdp"};
-
-static bool parse_strategy(const char *s, strat *out) {
-    for (int i = 0; i < 6; i++) if (!strcmp(s, strat_names[i])) { *out = (strat)i; return true; }
-    return false;
-}
-static bool parse_dtype(const char *s, tsys_dtype *d) {
-    if (!strcmp(s, "fp32")) *d = TSYS_F32;
-    else if (!strcmp(s, "bf16")) *d = TSYS_BF16;
-    else return false;
-    return true;
-}
-
-static bool config_desc(const ddp_opts *o, const char *model_name, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
-    if (!du_model_desc(&o->dims, model_name, T, attn, d, err, len)) return false;
+static bool config_desc(const ddp_opts *o, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, char *err, size_t len) {
+    const char *attn = strcmp(o->attn, "auto") ? o->attn : (!strcmp(o->device, "cuda") && dt != TSYS_F32) ? "flash" : "naive";
+    if (!du_model_desc(&o->dims, model, T, attn, d, err, len)) return false;
     d->checkpoint = o->checkpoint;
     tsys_checkpoint_policy p;
     return tsys_checkpoint_policy_parse(o->checkpoint, d->num_layers, &p, err, len) == TSYS_OK;
 }
 
-static const double MiB = 1048576.0;
+static void set_num(du_row *r, const char *col, const char *fmt, double v) { if (isfinite(v)) du_row_set(r, col, fmt, v); }   // else NA
 
-// ---- --account: the prediction table ---------------------------------------------------------------
-
-static int print_account(const ddp_opts *o, du_list *models, du_list *dtypes, du_list *ctxs) {
+// --account: the prediction table, a row per scheme for every model, context and dtype.
+static int print_account(const ddp_opts *o) {
     du_table tab;
-    du_table_init(&tab, "model,params,dtype,context,batch,ranks,scheme,param_MiB,grad_MiB,optim_MiB,act_MiB,total_MiB,sent_MB_per_step", o->format);
-    for (int a = 0; a < models->n; a++)
-        for (int c = 0; c < ctxs->n; c++)
-            for (int t = 0; t < dtypes->n; t++) {
+    du_table_init(&tab, ACCOUNT_TABLE_COLUMNS, o->common.format);
+    int rc = DU_EXIT_OK;
+    for (int a = 0; a < o->models.n && rc == DU_EXIT_OK; a++)
+        for (int c = 0; c < o->contexts.n; c++)
+            for (int t = 0; t < o->dtypes.n; t++) {
                 tsys_dtype dt = TSYS_F32;
                 int T = 0;
-                parse_dtype(dtypes->item[t], &dt);
-                du_parse_int(ctxs->item[c], 1, 1 << 20, &T);
-                const char *attn = strcmp(o->attn, "auto") ? o->attn : (!strcmp(o->device, "cuda") && dt != TSYS_F32) ? "flash" : "naive";
+                du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
                 tsys_model_desc d;
                 char err[256];
-                if (!config_desc(o, models->item[a], T, attn, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); du_table_free(&tab); return 2; }
-                for (int s = TSYS_SCHEME_DDP; s <= TSYS_SCHEME_ZERO3 + 1; s++) {   // + 1: FSDP as tsys_fsdp does it
-                    bool fs = s > TSYS_SCHEME_ZERO3;
-                    const tsys_fsdp_desc fd = fsdp_desc(o, dt);
-                    tsys_dist_account acc = fs ? tsys_fsdp_accounting_desc(&d, &fd, o->batch, T, o->nproc) : tsys_dist_accounting(&d, dt, o->batch, T, o->nproc, (tsys_dist_scheme)s);
-                    du_row *r = du_table_row(&tab);
-                    du_row_set(r, "model", "%s", models->item[a]);
-                    du_row_set(r, "params", "%.3g", (double)tsys_model_desc_num_params(&d));
-                    du_row_set(r, "dtype", "%s", dtypes->item[t]);
-                    du_row_set(r, "context", "%d", T);
-                    du_row_set(r, "batch", "%d", o->batch);
-                    du_row_set(r, "ranks", "%d", o->nproc);
-                    if (fs) du_row_set(r, "scheme", "fsdp (tsys_fsdp)");
-                    else du_row_set(r, "scheme", "%s%s", tsys_dist_scheme_name((tsys_dist_scheme)s), s >= TSYS_SCHEME_ZERO2 ? " (paper)" : "");
-                    du_row_set(r, "param_MiB", "%.1f", acc.param_bytes / MiB);
-                    du_row_set(r, "grad_MiB", "%.1f", acc.grad_bytes / MiB);
-                    du_row_set(r, "optim_MiB", "%.1f", acc.optim_bytes / MiB);
-                    du_row_set(r, "act_MiB", "%.1f", acc.act_bytes / MiB);
-                    du_row_set(r, "total_MiB", "%.1f", acc.total_bytes / MiB);
-                    du_row_set(r, "sent_MB_per_step", "%.1f", acc.sent_bytes / 1e6);
-                    du_table_emit(&tab);
-                }
+                const tsys_fsdp_desc fd = fsdp_desc(o, dt);
+                if (!config_desc(o, o->models.item[a], T, dt, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); rc = DU_EXIT_USAGE; }
+                else account_table_rows(&tab, o->models.item[a], &d, dt, T, o->batch, o->nproc, &fd);
             }
     du_table_free(&tab);
-    return 0;
+    return rc;
 }
 
 // ---- one configuration -------------------------------------------------------------------------------
 
-typedef struct run {
-    tsys_ctx *ctx;
-    tsys_dist *d;
-    tsys_device dev;
-    tsys_model *model;
-    tsys_ddp *ddp;
-    tsys_optim *opt;
-    tsys_zero1 *zero1;
-    tsys_fsdp *fsdp;
-    tsys_tensor *ids, *targets;
-    tsys_dtype dtype;
-    float loss_scale;   // 1: cross-entropy's mean; batch x context: its sum (--loss sum)
-} run;
+// A model, its trainer and this rank's own batch.
+typedef struct run { tsys_model *model; tsys_dist_trainer *tr; tsys_tensor *ids, *targets; } run;
 
-static void run_free(run *r) {
-    tsys_ddp_free(r->ddp); tsys_zero1_free(r->zero1); tsys_optim_free(r->opt); tsys_fsdp_free(r->fsdp);
+static tsys_status run_new(run *r, tsys_ctx *ctx, tsys_dist *d, int rank, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc,
+                           const tsys_dist_trainer_desc *td) {
+    memset(r, 0, sizeof(*r));
+    int64_t shape[2] = {o->batch, desc->context_length};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
+    tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);   // each rank its own batch
+    if (ids && tgt) { tsys_tensor_randint(ctx, ids, desc->vocab_size); tsys_tensor_randint(ctx, tgt, desc->vocab_size); }
+    r->ids = tsys_tensor_to(ctx, ids, dev);
+    r->targets = tsys_tensor_to(ctx, tgt, dev);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    // every rank builds the model from the same seed (the broadcast makes them equal regardless); one that
+    // could not (out of memory) must not leave the others in the broadcast
+    r->model = tsys_model_new(ctx, desc, dev, (uint64_t)o->seed + 1);
+    tsys_status st = r->model && r->ids && r->targets ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
+    if (td->mode == TSYS_TRAIN_ALONE ? st == TSYS_OK : !tsys_dist_any_failed(d, st)) r->tr = tsys_dist_trainer_new(ctx, d, r->model, dev, td);
+    if (d) tsys_dist_sync(d);
+    return r->tr ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
+}
+
+static void run_free(run *r, tsys_ctx *ctx) {
+    tsys_tape_clear(ctx);
+    tsys_dist_trainer_free(r->tr);
     tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
     tsys_model_free(r->model);
-    r->ddp = NULL; r->zero1 = NULL; r->opt = NULL; r->fsdp = NULL; r->ids = r->targets = NULL; r->model = NULL;
-}
-
-static double peak_now(run *r) { return (double)tsys_mem_stats_get(r->ctx, r->dev).peak_bytes; }
-
-// One training step; t[0..3] = forward, backward + gradient synchronization, optimizer, whole (ms).
-// mem[0..1] (when not NULL) = the peak before and after the optimizer step.
-static tsys_status step(run *r, double *t, double *mem) {
-    tsys_ctx *ctx = r->ctx;
-    double t0 = tsys_time_us();
-    if (r->ddp) tsys_ddp_start_step(r->ddp);
-    if (r->zero1) tsys_zero1_zero_grad(r->zero1); else tsys_optim_zero_grad(r->opt);
-    bool ac = r->dtype != TSYS_F32 && !r->fsdp;   // FSDP computes in its compute_dtype itself
-    if (ac) tsys_autocast_begin(ctx, r->dtype);
-    tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
-    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, r->targets);
-    if (r->loss_scale != 1.0f) {   // --loss sum: the mean times the tokens
-        tsys_tensor *sum = tsys_scale(ctx, loss, r->loss_scale);
-        tsys_tensor_release(loss);
-        loss = sum;
-    }
-    if (ac) tsys_autocast_end(ctx);
-    tsys_tensor_release(logits);
-    tsys_dist_sync(r->d);   // bounded: a peer that dies mid-step is an error, not a hang
-    double t1 = tsys_time_us();
-    tsys_backward(ctx, loss);
-    tsys_tensor_release(loss);
-    if (r->ddp) tsys_ddp_finish(r->ddp);
-    if (r->fsdp) tsys_fsdp_finish(r->fsdp);
-    tsys_dist_sync(r->d);
-    double t2 = tsys_time_us();
-    if (mem) mem[0] = peak_now(r);
-    if (r->zero1) tsys_zero1_step(r->zero1); else tsys_optim_step(r->opt);
-    tsys_dist_sync(r->d);
-    double t3 = tsys_time_us();
-    if (mem) mem[1] = peak_now(r);
-    tsys_tape_clear(ctx);
-    t[0] = (t1 - t0) * 1e-3; t[1] = (t2 - t1) * 1e-3; t[2] = (t3 - t2) * 1e-3; t[3] = (t3 - t0) * 1e-3;
-    return tsys_ctx_status(ctx);
-}
-
-// Did any rank fail? (every rank calls this at the same points, so a failure stops all of them)
-static bool any_failed(tsys_dist *d, tsys_status st) {
-    double bad = st != TSYS_OK;
-    if (tsys_dist_all_reduce_host(d, &bad, 1, TSYS_DIST_MAX) != TSYS_OK) return true;
-    return bad != 0;
-}
-
-static void max_over_ranks(tsys_dist *d, double *v, int n) { tsys_dist_all_reduce_host(d, v, n, TSYS_DIST_MAX); }
-
-// The link as an alpha-beta model, for the predicted communication time: all-reduces of 64 KiB (20 back to
-// back, one wait at the end, as DDP issues its buckets) and of 256 MiB (32 MiB on CPU ranks), each the
-// slowest rank's mean of 5 after 2 warm-ups; alpha is the fixed cost of one collective, beta the bytes a
-// rank sends per ms (a ring all-reduce sends 2(n-1)/n of the tensor). Zeros (no prediction) in a group of
-// one or when the probes fail.
-typedef struct link_model { double alpha_ms, beta_bytes_per_ms; } link_model;
-// n collectives issued back to back sending `sent` bytes a rank: one's launch and sync overlap another's
-// transfer, so the time is bounded below by both n alpha and sent / beta, and lies near the larger
-// (2 x H100, xl, bf16: naive's 435 all-reduces 39.9 ms measured, 39.8 predicted; flat 23.3 / 28.0, bucketed
-// 100 MB 30.2 / 28.0: beta from one 256 MiB probe moved between 286 and 357 GB/s from call to call).
-static double link_time_ms(link_model m, int n, double sent) { return fmax(n * m.alpha_ms, sent / m.beta_bytes_per_ms); }
-static double ring_sent(int world, double bytes) { return 2.0 * (world - 1) / world * bytes; }
-static link_model calibrate_link(tsys_ctx *ctx, tsys_dist *d, tsys_device dev) {
-    link_model m = {0, 0};
-    const int world = tsys_dist_size(d);
-    if (world < 2) return m;
-    const int64_t floats[2] = {16384, dev == TSYS_CUDA ? (int64_t)64 << 20 : (int64_t)8 << 20};
-    double t[2];
-    tsys_status st = TSYS_OK;
-    for (int k = 0; k < 2; k++) {
-        tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &floats[k]);
-        if (!x || tsys_tensor_fill(ctx, x, 1.0f) != TSYS_OK) st = TSYS_ERR_OOM;
-        double sum = 0;
-        for (int it = 0; st == TSYS_OK && it < 7; it++) {
-            if ((st = tsys_dist_barrier(d)) != TSYS_OK) break;
-            const int reps = k == 0 ? 20 : 1;
-            double t0 = tsys_time_us();
-            for (int r = 0; st == TSYS_OK && r < reps; r++) st = tsys_dist_all_reduce(d, x, TSYS_DIST_SUM);
-            if (st == TSYS_OK) st = tsys_dist_sync(d);
-            if (it >= 2) sum += (tsys_time_us() - t0) * 1e-3 / reps;
-        }
-        tsys_tensor_release(x);
-        t[k] = sum / 5;
-    }
-    if (any_failed(d, st)) { tsys_ctx_clear_error(ctx); return m; }
-    max_over_ranks(d, t, 2);
-    const double s0 = ring_sent(world, 4.0 * floats[0]), s1 = ring_sent(world, 4.0 * floats[1]);
-    if (!(t[1] > t[0])) return m;
-    m.beta_bytes_per_ms = (s1 - s0) / (t[1] - t[0]);
-    m.alpha_ms = fmax(0.0, t[0] - s0 / m.beta_bytes_per_ms);
-    return m;
+    tsys_ctx_clear_error(ctx);
 }
 
 // The same local step with no sharding and no communication: a plain model and AdamW on this rank
 // (bf16 under autocast), mean ms over the timed steps (NAN when it fails, e.g. out of memory).
-static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc, tsys_dtype dt, tsys_tensor *ids, tsys_tensor *tgt) {
+static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc, tsys_dist_trainer_desc td, int rank) {
     run r;
-    memset(&r, 0, sizeof(r));
-    r.ctx = ctx; r.dev = dev; r.dtype = dt; r.loss_scale = o->loss_sum ? (float)((double)o->batch * desc->context_length) : 1.0f;
-    r.model = tsys_model_new(ctx, desc, dev, (uint64_t)o->seed + 1);
-    r.opt = r.model ? tsys_adamw_new(ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL) : NULL;
-    r.ids = tsys_tensor_retain(ids); r.targets = tsys_tensor_retain(tgt);
+    td.mode = TSYS_TRAIN_ALONE;
+    tsys_status st = run_new(&r, ctx, NULL, rank, dev, o, desc, &td);
     double sum = 0;
-    tsys_status st = r.opt ? TSYS_OK : TSYS_ERR_OOM;
     for (int i = 0; st == TSYS_OK && i < o->warmup + o->steps; i++) {
-        double t[4];
-        st = step(&r, t, NULL);
-        if (i >= o->warmup) sum += t[3];
+        tsys_dist_step_times t;
+        st = tsys_dist_trainer_step(r.tr, r.ids, r.targets, &t);
+        if (i >= o->warmup) sum += t.step_ms;
     }
-    tsys_tape_clear(ctx);
-    run_free(&r);
-    tsys_ctx_clear_error(ctx);
+    run_free(&r, ctx);
     return st == TSYS_OK ? sum / o->steps : NAN;
 }
 
-static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const char *model_name, int T, strat s, double bucket_mb,
-                       bool comm_bf16, tsys_dtype dt, link_model link, du_table *tab) {
-    int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
-    char err[256] = "";
-    const char *attn = strcmp(o->attn, "auto") ? o->attn : (dev == TSYS_CUDA && dt != TSYS_F32) ? "flash" : "naive";
-    du_row *row = du_table_row(tab);
-    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
-    du_row_set(row, "model", "%s", model_name);
-    du_row_set(row, "ranks", "%d", world);
-    du_row_set(row, "strategy", "%s%s", strat_names[s], s != S_FSDP || o->fsdp_reshard == TSYS_FSDP_RESHARD_AUTO ? ""
-                                                     : o->fsdp_reshard == TSYS_FSDP_RESHARD_YES ? ":reshard" : ":keep");
-    du_row_set(row, "bucket_mb", s == S_BUCKETED || s == S_ZERO1 ? "%g" : "-", bucket_mb);
-    du_row_set(row, "grad_comm", "%s", s == S_FSDP ? "-" : comm_bf16 ? "bf16" : "fp32");
-    du_row_set(row, "dtype", "%s", dt == TSYS_F32 ? "fp32" : "bf16");
-    du_row_set(row, "context", "%d", T);
-    du_row_set(row, "batch", "%d", o->batch);
-    du_row_set(row, "ckpt", "%s", o->checkpoint);
-    du_row_set(row, "loss", "%s", o->loss_sum ? "sum" : "mean");
+// What a configuration trains: the trainer's settings.
+static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) {
+    const strat s = cf->s;
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof(td));
+    td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
+    td.ddp.strategy = strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16;
+    td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
+    td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
+    return td;
+}
+
+// The predictions and measurements of an ok row. tm: n each of step, backward + sync, optimizer and
+// exposed ms; mem: the peak after init, before and after the first optimizer step, the live bytes after it.
+static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, const tsys_model_desc *desc, int world, const tsys_dist_trainer *tr,
+                          const tsys_fsdp_stats *fst, const double *tm, const double *mem, double alone, double compute_ms,
+                          tsys_dist_link_model link) {
+    const int n = o->steps;
+    const strat s = cf->s;
+    tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
+    tsys_ddp_stats ds = tsys_ddp_stats_get(tsys_dist_trainer_ddp(tr));
+    const tsys_fsdp_desc fd = fsdp_desc(o, cf->dt);
+    const tsys_dist_scheme scheme = s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP;
+    tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(desc, &fd, o->batch, cf->T, world)
+                                        : tsys_dist_accounting(desc, cf->dt, o->batch, cf->T, world, scheme);
+    set_num(row, "step_ms", "%.2f", ss.mean); set_num(row, "step_std", "%.2f", ss.std);
+    set_num(row, "bwd_comm_ms", "%.2f", sb.mean); set_num(row, "opt_ms", "%.2f", so.mean); set_num(row, "comm_ms", "%.2f", alone);
+    if (s != S_FSDP)
+        set_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
+    set_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
+    if (!isnan(se.mean)) {   // --no-compute-ref: nothing to compare with
+        double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
+        set_num(row, "exposed_ms", "%.2f", se.mean); set_num(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
+    }
+    set_num(row, "compute_ms", "%.2f", compute_ms);
+    du_row_set(row, "buckets", "%d", s == S_FSDP ? fst->num_units : ds.num_buckets);
+    if (s != S_FSDP) du_row_set(row, "copied_buckets", "%d", ds.copied_buckets);
+    set_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(fst->gathered_bytes + fst->reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
+    set_num(row, "mem_init_MiB", "%.1f", mem[0] / MiB); set_num(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
+    set_num(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB); set_num(row, "state_MiB", "%.1f", mem[3] / MiB);
+    // autocast's weight copies live only within a step (fsdp: its gathered working set)
+    double transient = s == S_FSDP ? acc.work_bytes : cf->dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(desc) : 0;
+    set_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient) / MiB);
+    set_num(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
+    // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
+    set_num(row, "pred_sent_MB", "%.1f", acc.sent_bytes * (!cf->comm_bf16 ? 1.0 : s == S_ZERO1 ? 2.0 / 3.0 : 0.5) / 1e6);
+    du_row_set(row, "status", "ok");
+}
+
+// Runs one configuration on every rank and fills its row (rank 0 prints it).
+static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const config *cf, tsys_dist_link_model link, du_row *row) {
+    const int n = o->steps, total = o->warmup + o->steps;
+    const strat s = cf->s;
+    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda"); du_row_set(row, "model", "%s", cf->model);
+    du_row_set(row, "ranks", "%d", tsys_dist_size(d));
+    const char *reshard = s != S_FSDP || !strcmp(o->reshard, "auto") ? "" : !strcmp(o->reshard, "yes") ? ":reshard" : ":keep";
+    du_row_set(row, "strategy", "%s%s", strat_names[s], reshard);
+    if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
+    if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : "fp32");
+    du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T);
+    du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
     tsys_model_desc desc;
-    if (!config_desc(o, model_name, T, attn, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
-    run r;
-    memset(&r, 0, sizeof(r));
-    r.ctx = ctx; r.d = d; r.dev = dev; r.dtype = dt; r.loss_scale = o->loss_sum ? (float)((double)o->batch * T) : 1.0f;
+    char err[256] = "";
+    if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    const tsys_dist_trainer_desc td = trainer_desc(o, cf);
     double compute_ms = NAN;
-    if (s == S_FSDP && o->compute_ref) {   // the compute alone first (its memory is gone before the peaks are reset)
-        int64_t sh[2] = {o->batch, T};
-        tsys_tensor *hi = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, sh), *ht = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, sh);
-        tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);
-        if (hi && ht) { tsys_tensor_randint(ctx, hi, desc.vocab_size); tsys_tensor_randint(ctx, ht, desc.vocab_size); }
-        tsys_tensor *di = tsys_tensor_to(ctx, hi, dev), *dtg = tsys_tensor_to(ctx, ht, dev);
-        if (rank == 0) du_progress("%s fsdp T=%d: the compute alone", model_name, T);
-        compute_ms = (di && dtg) ? plain_step_ms(ctx, dev, o, &desc, dt, di, dtg) : NAN;
-        tsys_tensor_release(hi); tsys_tensor_release(ht); tsys_tensor_release(di); tsys_tensor_release(dtg);
-        max_over_ranks(d, &compute_ms, 1);
+    if (s == S_FSDP && !o->no_compute_ref) {   // the compute alone first (its memory is gone before the peaks are reset)
+        compute_ms = plain_step_ms(ctx, dev, o, &desc, td, tsys_dist_rank(d));
+        tsys_dist_all_reduce_host(d, &compute_ms, 1, TSYS_DIST_MAX);
     }
     tsys_mem_reset_peak(ctx, dev);
-    double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
-    int n = o->steps, total = o->warmup + n;
-    double *tstep = (double *)calloc((size_t)n, sizeof(double)), *tbwd = (double *)calloc((size_t)n, sizeof(double));
-    double *topt = (double *)calloc((size_t)n, sizeof(double)), *texp = (double *)calloc((size_t)n, sizeof(double));
-    double mem[4] = {0, 0, 0, 0};   // peak after init, before / after the first optimizer step, live after a step
-    // every rank builds the model from the same seed; the broadcast makes them equal regardless
-    r.model = tsys_model_new(ctx, &desc, dev, (uint64_t)o->seed + 1);
-    tsys_ddp_desc dd = {s == S_NAIVE ? TSYS_DDP_NAIVE : s == S_OVERLAP ? TSYS_DDP_OVERLAP : s == S_BUCKETED || s == S_ZERO1 ? TSYS_DDP_BUCKETED : TSYS_DDP_FLAT,
-                        bucket_mb, comm_bf16};
-    // a rank that could not build the model (out of memory) must not leave the others in the broadcast
-    if (!any_failed(d, r.model ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM)) {
-        if (s == S_FSDP) {
-            const tsys_fsdp_desc fd = fsdp_desc(o, dt);
-            r.fsdp = tsys_fsdp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &fd);
-            if (r.fsdp) r.opt = tsys_adamw_new(ctx, tsys_fsdp_params(r.fsdp), tsys_fsdp_num_params(r.fsdp), NULL);
-        } else r.ddp = tsys_ddp_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), &dd);
-    }
-    if (r.fsdp) {
-    } else if (r.ddp && s == S_ZERO1) r.zero1 = tsys_zero1_new(d, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
-    else if (r.ddp) r.opt = tsys_adamw_new(ctx, tsys_model_params(r.model), tsys_model_num_tensors(r.model), NULL);
-    int64_t shape[2] = {o->batch, T};
-    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
-    tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);   // each rank its own batch
-    if (ids && tgt) { tsys_tensor_randint(ctx, ids, desc.vocab_size); tsys_tensor_randint(ctx, tgt, desc.vocab_size); }
-    r.ids = tsys_tensor_to(ctx, ids, dev);
-    r.targets = tsys_tensor_to(ctx, tgt, dev);
-    tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    tsys_dist_sync(d);
-    mem[0] = peak_now(&r);
-    if (r.fsdp) tsys_mem_reset_peak(ctx, dev);   // the whole model existed until it was sharded: the step's peak is what counts
-    tsys_status st = tsys_ctx_status(ctx);
-    bool failed = any_failed(d, st);
+    const double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
+    double *tm = (double *)calloc((size_t)4 * n, sizeof(double)), mem[4] = {0, 0, 0, 0}, alone = 0;   // as fill_measured takes them
+    run r;
+    tsys_status st = run_new(&r, ctx, d, tsys_dist_rank(d), dev, o, &desc, &td);
+    mem[0] = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
+    if (s == S_FSDP) tsys_mem_reset_peak(ctx, dev);   // the whole model existed until it was sharded: the step's peak is what counts
+    bool failed = tsys_dist_any_failed(d, st = tm ? st : TSYS_ERR_OOM);
     for (int i = 0; !failed && i < total; i++) {
-        double t[4];
-        double m2[2];
-        st = step(&r, t, i == 0 ? m2 : NULL);
-        if (i == 0) { mem[1] = m2[0]; mem[2] = m2[1]; mem[3] = (double)tsys_mem_stats_get(ctx, dev).live_bytes - base_live; }
-        int j = i - o->warmup;
+        tsys_dist_step_times t;
+        st = tsys_dist_trainer_step(r.tr, r.ids, r.targets, &t);
+        if (i == 0) { mem[1] = t.peak_pre_optim; mem[2] = t.peak_post_optim; mem[3] = (double)tsys_mem_stats_get(ctx, dev).live_bytes - base_live; }
+        const int j = i - o->warmup;
         if (j >= 0) {
-            tstep[j] = t[3]; tbwd[j] = t[1]; topt[j] = t[2];
-            texp[j] = r.fsdp ? (isnan(compute_ms) ? NAN : fmax(0.0, t[3] - compute_ms)) : tsys_ddp_stats_get(r.ddp).exposed_ms;
+            tm[j] = t.step_ms; tm[n + j] = t.backward_ms; tm[2 * n + j] = t.optim_ms;
+            tm[3 * n + j] = s != S_FSDP ? t.exposed_ms : isnan(compute_ms) ? NAN : fmax(0.0, t.step_ms - compute_ms);
         }
-        if (rank == 0) du_progress("%s %s%s T=%d: step %d/%d (%.1f ms)", model_name, strat_names[s], s == S_BUCKETED ? " bucketed" : "", T, i + 1, total, t[3]);
-        failed = any_failed(d, st);
+        du_progress_step(j < 0 ? "warmup" : "timed", j < 0 ? i + 1 : j + 1, j < 0 ? o->warmup : n);
+        failed = tsys_dist_any_failed(d, st);
     }
-    // the step's all-reduces alone: finish with no backward reduces every bucket at once
-    double alone = 0;
-    tsys_fsdp_stats fst;
-    memset(&fst, 0, sizeof(fst));
-    if (r.fsdp) fst = tsys_fsdp_stats_get(r.fsdp);   // the last step's, before the timing below
-    for (int k = 0; !failed && k < 3; k++) {
+    const tsys_fsdp_stats fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));   // the last step's, before the timing below
+    for (int k = 0; !failed && k < 3; k++) {   // the step's collectives alone, mean of 3
+        double ms = 0;
         tsys_dist_barrier(d);
-        if (r.fsdp) {
-            double ms = 0;
-            st = tsys_fsdp_time_collectives(r.fsdp, &ms);
-            alone += ms / 3;
-        } else {
-            tsys_ddp_start_step(r.ddp);
-            st = tsys_ddp_finish(r.ddp);
-            tsys_dist_sync(d);
-            alone += tsys_ddp_stats_get(r.ddp).comm_ms / 3;
-        }
-        failed = any_failed(d, st);
+        st = tsys_dist_trainer_time_collectives(r.tr, &ms);
+        alone += ms / 3;
+        failed = tsys_dist_any_failed(d, st);
     }
-    if (rank == 0) du_progress_done();
     if (!failed) {
-        max_over_ranks(d, tstep, n); max_over_ranks(d, tbwd, n); max_over_ranks(d, topt, n); max_over_ranks(d, texp, n);
-        max_over_ranks(d, mem, 4); max_over_ranks(d, &alone, 1);
-        tsys_stats ss = tsys_stats_of(tstep, n), sb = tsys_stats_of(tbwd, n), so = tsys_stats_of(topt, n), se = tsys_stats_of(texp, n);
-        tsys_ddp_stats ds = tsys_ddp_stats_get(r.ddp);
-        const tsys_fsdp_desc fdesc = fsdp_desc(o, dt);
-        tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(&desc, &fdesc, o->batch, T, world)
-                                            : tsys_dist_accounting(&desc, dt, o->batch, T, world, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP);
-        du_row_set(row, "step_ms", "%.2f", ss.mean); du_row_set(row, "step_std", "%.2f", ss.std);
-        du_row_set(row, "bwd_comm_ms", "%.2f", sb.mean);
-        du_row_set(row, "opt_ms", "%.2f", so.mean);
-        du_row_set(row, "comm_ms", "%.2f", alone);
-        if (r.fsdp || link.beta_bytes_per_ms <= 0) du_row_set(row, "pred_comm_ms", "-");
-        else du_row_set(row, "pred_comm_ms", "%.2f", link_time_ms(link, ds.num_buckets, ring_sent(world, (double)ds.bytes_per_step)));
-        du_row_set(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
-        double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
-        if (isnan(se.mean)) { du_row_set(row, "exposed_ms", "-"); du_row_set(row, "hidden", "-"); }   // --no-compute-ref: nothing to compare with
-        else { du_row_set(row, "exposed_ms", "%.2f", se.mean); du_row_set(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden); }
-        if (r.fsdp) {
-            du_row_set(row, "buckets", "%d units", fst.num_units);
-            du_row_set(row, "MB_per_step", "%.1f", (double)(fst.gathered_bytes + fst.reduced_bytes) / 1e6);
-            if (isnan(compute_ms)) du_row_set(row, "compute_ms", "-");
-            else du_row_set(row, "compute_ms", "%.2f", compute_ms);
-        } else {
-            du_row_set(row, "buckets", "%d%s", ds.num_buckets, ds.copied_buckets ? " (copied)" : "");
-            du_row_set(row, "MB_per_step", "%.1f", (double)ds.bytes_per_step / 1e6);
-            du_row_set(row, "compute_ms", "-");
-        }
-        du_row_set(row, "mem_init_MiB", "%.1f", mem[0] / MiB);
-        du_row_set(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
-        du_row_set(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB);
-        du_row_set(row, "state_MiB", "%.1f", mem[3] / MiB);
-        if (s == S_FSDP) du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - acc.work_bytes) / MiB);
-        else du_row_set(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - (dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(&desc) : 0)) / MiB);
-        du_row_set(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
-        // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
-        double sent = acc.sent_bytes * (!comm_bf16 || s == S_FSDP ? 1.0 : s == S_ZERO1 ? 2.0 / 3.0 : 0.5);
-        du_row_set(row, "pred_sent_MB", "%.1f", sent / 1e6);
-        du_row_set(row, "status", "ok");
+        tsys_dist_all_reduce_host(d, tm, 4 * n, TSYS_DIST_MAX); tsys_dist_all_reduce_host(d, mem, 4, TSYS_DIST_MAX);
+        tsys_dist_all_reduce_host(d, &alone, 1, TSYS_DIST_MAX);
+        fill_measured(row, o, cf, &desc, tsys_dist_size(d), r.tr, &fst, tm, mem, alone, compute_ms, link);
     } else {
         double e = st == TSYS_ERR_OOM ? 1 : 0;
         tsys_dist_all_reduce_host(d, &e, 1, TSYS_DIST_MAX);
         du_row_set(row, "status", "%s: %s", e > 0 ? "OOM" : "error", st != TSYS_OK ? tsys_ctx_last_error(ctx) : "on another rank");
     }
-    tsys_tape_clear(ctx);
-    run_free(&r);
-    tsys_ctx_clear_error(ctx);
-    free(tstep); free(tbwd); free(topt); free(texp);
+    run_free(&r, ctx);
+    free(tm);
 }
 
-// Ranks on one host share its cores: unless the user says otherwise, each gets cores / ranks threads.
-static void share_cores(int ranks) {
-    if (getenv("OMP_NUM_THREADS") || ranks <= 1) return;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    int per = (int)(cores / ranks > 1 ? cores / ranks : 1);
-    char v[16];
-    snprintf(v, sizeof(v), "%d", per);
-    setenv("OMP_NUM_THREADS", v, 0);
-    setenv("OPENBLAS_NUM_THREADS", v, 0);
-#ifdef _OPENMP
-    omp_set_num_threads(per);
-#endif
-#ifdef OPENBLAS_VERSION
-    openblas_set_num_threads(per);
-#endif
-}
-
-static int driver_main(int argc, char **argv) {
-    ddp_opts o;
-    int rc = parse_args(argc, argv, &o);
-    if (rc == DU_HELP) { usage(stdout); return 0; }
-    if (rc) return rc;
-    du_list models, strategies, buckets, dtypes, ctxs;
-    memset(&strategies, 0, sizeof(du_list)); memset(&buckets, 0, sizeof(du_list)); memset(&dtypes, 0, sizeof(du_list)); memset(&ctxs, 0, sizeof(du_list));
-    if (!du_split(&models, "ddp", "--model", o.models) || !du_split(&strategies, "ddp", "--strategy", o.strategies) ||
-        !du_split(&buckets, "ddp", "--bucket-mb", o.buckets) || !du_split(&dtypes, "ddp", "--dtype", o.dtypes) ||
-        !du_split(&ctxs, "ddp", "--context-length", o.contexts)) {
-        du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
-        return 2;
-    }
-    bool comm_bf16[2];   // --grad-comm, in the order given
-    int ncomm = 0;
-    du_list comms;
-    if (!du_split(&comms, "ddp", "--grad-comm", o.comms)) return 2;
-    for (int i = 0; i < comms.n; i++) {
-        bool fp32 = !strcmp(comms.item[i], "fp32"), bf16 = !strcmp(comms.item[i], "bf16");
-        if ((!fp32 && !bf16) || ncomm == 2) { fprintf(stderr, "ddp: --grad-comm takes fp32 and/or bf16, not '%s'\n", o.comms); du_list_free(&comms); usage(stderr); return 2; }
-        comm_bf16[ncomm++] = bf16;
-    }
-    du_list_free(&comms);
-    if (ncomm == 0) { fprintf(stderr, "ddp: an empty --grad-comm\n"); usage(stderr); return 2; }
-    for (int i = 0; i < strategies.n; i++) { strat s; if (!parse_strategy(strategies.item[i], &s)) { fprintf(stderr, "ddp: unknown strategy '%s' (naive, flat, overlap, bucketed, zero1, fsdp)\n", strategies.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < buckets.n; i++) { double b; if (!du_parse_double(buckets.item[i], &b) || !(b >= 0) || b > 1e9) { fprintf(stderr, "ddp: bad bucket size '%s' (MB, >= 0)\n", buckets.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < dtypes.n; i++) { tsys_dtype t; if (!parse_dtype(dtypes.item[i], &t)) { fprintf(stderr, "ddp: unknown dtype '%s' (fp32, bf16)\n", dtypes.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < ctxs.n; i++) { int t; if (!du_parse_int(ctxs.item[i], 1, 1 << 20, &t)) { fprintf(stderr, "ddp: bad context length '%s'\n", ctxs.item[i]); usage(stderr); return 2; } }
-    for (int i = 0; i < models.n; i++) {
-        tsys_model_desc d;
-        char err[256];
-        if (strcmp(models.item[i], "custom") && tsys_model_desc_preset(models.item[i], &d, err, sizeof(err)) != TSYS_OK) { fprintf(stderr, "ddp: %s\n", err); usage(stderr); return 2; }
-    }
-    if (models.n == 0 || strategies.n == 0 || buckets.n == 0 || dtypes.n == 0 || ctxs.n == 0) { fprintf(stderr, "ddp: an empty list\n"); usage(stderr); return 2; }
-    if (o.account) {
-        rc = print_account(&o, &models, &dtypes, &ctxs);
-        du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
-        return rc;
-    }
-    bool cuda = !strcmp(o.device, "cuda");
-    if (!cuda) share_cores(o.nproc);
-    int exit_code = 0;
-    if (tsys_dist_spawn(o.nproc, argc, argv, &exit_code)) return exit_code;   // this was the launcher
+// Starts the ranks (or is one), runs every configuration; the exit code, the same on every rank.
+static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
+    const bool cuda = !strcmp(o->device, "cuda");
+    const tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
+    if (!cuda) tsys_dist_share_cores(o->nproc);   // the ranks the launcher starts inherit it
+    int code = 0;
+    if (tsys_dist_spawn(o->nproc, argc, argv, &code)) return code;   // this was the launcher
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     tsys_dist_desc dd;
     memset(&dd, 0, sizeof(dd));
     dd.cuda = cuda;
-    tsys_dist *d = tsys_dist_init(ctx, &dd);
-    if (!d) { fprintf(stderr, "ddp: %s\n", tsys_ctx_last_error(ctx)); tsys_ctx_free(ctx); return 1; }
-    int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
-    if (!cuda) share_cores(world);
-    tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
+    tsys_dist *d = ctx ? tsys_dist_init(ctx, &dd) : NULL;
+    if (!d) { fprintf(stderr, "ddp: %s\n", ctx ? tsys_ctx_last_error(ctx) : "out of memory"); tsys_ctx_free(ctx); return DU_EXIT_FAILED; }
+    const int rank = tsys_dist_rank(d);
+    if (!cuda) tsys_dist_share_cores(tsys_dist_size(d));
     // the ranks on this host share its memory: each gets its part as its CPU budget (or --mem-limit);
     // on cuda, --mem-limit caps each rank's device instead
-    const int local = tsys_dist_local_size(d);
-    size_t cpu_budget = du_rank_cpu_budget(ctx, cuda ? 0 : o.mem_limit, local);
-#ifdef TSYS_WITH_CUDA
-    if (cuda && o.mem_limit) tsys_cuda_set_memory_limit(ctx, o.mem_limit);
-#endif
+    size_t cpu_budget = du_rank_cpu_budget(ctx, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d));
+    FILE *f = du_preamble(&o->common);
     char lim[160];
     if (rank == 0) {
-        printf("ddp: %d ranks (%s), %s", world, tsys_dist_engine_name(tsys_dist_engine_of(d)), cuda ? "cuda" : "cpu");
+        fprintf(f, "ddp: %d ranks (%s), %s", tsys_dist_size(d), tsys_dist_engine_name(tsys_dist_engine_of(d)), o->device);
 #ifdef TSYS_WITH_CUDA
-        if (cuda) printf(" (%s)", tsys_cuda_device_name(ctx));
+        if (cuda) fprintf(f, " (%s)", tsys_cuda_device_name(ctx));
 #endif
-        if (!cuda) printf(", %d threads per rank", du_num_threads());
-        printf(", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o.batch, o.warmup, o.steps,
-               du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o.mem_limit, local));
-        if (cuda) printf("; device memory %s", o.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o.mem_limit) : "the whole device");
-        printf("\n");
-        fflush(stdout);
+        if (!cuda) fprintf(f, ", %d threads per rank", du_num_threads());
+        fprintf(f, ", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o->batch, o->warmup, o->steps,
+                du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d)));
+        if (cuda)
+            fprintf(f, "; device memory %s", o->common.mem_limit ? du_mem_limit_str(lim, sizeof(lim), o->common.mem_limit) : "the whole device");
+        fprintf(f, "\n");
     }
-    const link_model link = calibrate_link(ctx, d, dev);
-    if (rank == 0) {
-        if (link.beta_bytes_per_ms > 0)
-            printf("link model (all-reduces of 64 KiB, 20 back to back, and of %d MiB): %.1f us a collective + bytes sent a rank at %.2f GB/s\n", cuda ? 256 : 32,
-                   link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
-        printf("\n");
-        fflush(stdout);
-    }
+#ifdef TSYS_WITH_CUDA
+    if (cuda && o->common.mem_limit) tsys_cuda_set_memory_limit(ctx, o->common.mem_limit);
+#endif
+    const tsys_dist_link_model link = tsys_dist_calibrate_link(d, dev);
+    if (rank == 0 && link.beta_bytes_per_ms > 0)
+        fprintf(f, "link model (all-reduces of 64 KiB, 20 back to back, and of %d MiB): %.1f us a collective + bytes sent a rank at %.2f GB/s\n",
+                cuda ? 256 : 32, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
+    if (rank == 0) { fprintf(f, "\n"); fflush(f); }
     du_table tab;
-    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,pred_comm_ms,comm_frac,exposed_ms,hidden,compute_ms,"
-                        "buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o.format);
-    int failures = 0;
-    for (int a = 0; a < models.n; a++)
-        for (int c = 0; c < ctxs.n; c++)
-            for (int t = 0; t < dtypes.n; t++)
-                for (int k = 0; k < strategies.n; k++) {
-                    strat s = S_NAIVE;
-                    tsys_dtype dt = TSYS_F32;
-                    int T = 0;
-                    parse_strategy(strategies.item[k], &s); parse_dtype(dtypes.item[t], &dt); du_parse_int(ctxs.item[c], 1, 1 << 20, &T);
-                    const bool bucketed = s == S_BUCKETED || s == S_ZERO1;
-                    for (int b = 0; b < (bucketed ? buckets.n : 1); b++) {
-                        double mb = 0;
-                        if (bucketed) du_parse_double(buckets.item[b], &mb);
-                        for (int g = 0; g < (s == S_FSDP ? 1 : ncomm); g++) {
-                            run_config(ctx, d, dev, &o, models.item[a], T, s, mb, comm_bf16[g], dt, link, &tab);
-                            if (strcmp(du_row_get(&tab.row, "status"), "ok")) failures++;
-                            if (rank == 0) du_table_emit(&tab);
-                        }
-                    }
-                }
+    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
+                        "pred_comm_ms,comm_frac,exposed_ms,hidden,compute_ms,buckets,copied_buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,"
+                        "mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o->common.format);
+    du_progress_setup("ddp", rank == 0 ? o->common.progress : "off");   // only rank 0 reports
+    du_progress_begin(nconfigs);
+    for (int k = 0; k < nconfigs; k++) {
+        config cf;
+        list_configs(o, k, &cf);
+        char mb[32] = "";
+        if (cf.s == S_BUCKETED || cf.s == S_ZERO1) snprintf(mb, sizeof(mb), " %g MB", cf.bucket_mb);
+        du_progress_config(k + 1, "%s T=%d %s %s%s%s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s], mb, cf.comm_bf16 ? " bf16 wire" : "");
+        run_config(ctx, d, dev, o, &cf, link, du_table_row(&tab));
+        if (rank == 0) du_table_emit(&tab);
+    }
+    du_progress_end();
+    double rc = rank == 0 ? du_table_exit_code(&tab, "ddp", o->common.oom_ok) : 0;
+    tsys_dist_all_reduce_host(d, &rc, 1, TSYS_DIST_MAX);   // every rank exits as rank 0 does
     du_table_free(&tab);
-    du_list_free(&models); du_list_free(&strategies); du_list_free(&buckets); du_list_free(&dtypes); du_list_free(&ctxs);
     tsys_dist_free(d);
     tsys_ctx_free(ctx);   // also shuts the CUDA backend down
-    return failures ? 1 : 0;
+    return (int)rc;
+}
+
+static bool model_ok(const char *s) { tsys_model_desc d; return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK; }
+static bool bucket_ok(const char *s) { double b; return du_parse_double(s, &b) && b >= 0 && b <= 1e9; }
+static bool context_ok(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
+static bool checkpoint_ok(const char *s) {
+    tsys_checkpoint_policy p;
+    return strncmp(s, "auto:", 5) && tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK;
+}
+
+#define SYNOPSIS "  data-parallel training of the cs336 LM, a row per model x context x dtype x strategy (x bucket size x gradient dtype)"
+#define EPILOGUE \
+    "columns: step_ms the slowest rank's step (mean, step_std over steps); bwd_comm_ms backward + gradient\n" \
+    "  synchronization; opt_ms the optimizer step (ZeRO-1: its update and broadcasts); comm_ms the step's\n" \
+    "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n" \
+    "  the step waited for communication after backward (it includes waiting for a slower rank);\n" \
+    "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; pred_comm_ms the same all-reduces predicted from\n" \
+    "  the accounting's bytes and a link model measured at start (max of n alpha and bytes / beta);\n" \
+    "  buckets DDP's gradient buckets (fsdp: its units), copied_buckets those not a view of the gradients;\n" \
+    "  fsdp: comm_ms its all-gathers, reduce-scatters and all-reduces alone, exposed_ms step_ms - compute_ms,\n" \
+    "  compute_ms the same local step without sharding or communication (a plain model on each rank; bf16\n" \
+    "  under autocast); mem_* the peak bytes per rank (largest rank) after init, before the first optimizer\n" \
+    "  step, after it; state_MiB live bytes after a step (parameters, gradients, optimizer state) against\n" \
+    "  pred_state_MiB; pred_peak_MiB adds the predicted activations; pred_sent_MB bytes each rank sends per\n" \
+    "  step (ring algorithms). --account prints the prediction table (DDP, ZeRO-1/2/3, FSDP) for --nproc\n" \
+    "  ranks instead; under mpirun or torchrun the ranks come from the launcher (no --nproc).\n"
+
+static int driver_main(int argc, char **argv) {
+    ddp_opts o;
+    memset(&o, 0, sizeof(o));
+    o.device = du_has_cuda() ? "cuda" : "cpu";
+    char model_help[256], model_rule[160];
+    snprintf(model_help, sizeof(model_help), "presets (%s) or 'custom' with the dims below\n(default: xl on cuda, small on cpu)",
+             tsys_model_preset_names());
+    snprintf(model_rule, sizeof(model_rule), "a preset (%s) or 'custom'", tsys_model_preset_names());
+    du_flag flags[] = {
+        DU_FLAG_CHOICE("device", &o.device, NULL, "cpu|cuda", "where each rank computes (default: cuda when a GPU is present, else cpu)"),
+        DU_FLAG_LIST_CHECKED("model", &o.models, NULL, model_ok, model_rule, model_help),
+        DU_FLAG_INT("d-model", &o.dims.d_model, NULL, 1, 1 << 20, "d_model over the preset's"),
+        DU_FLAG_INT("d-ff", &o.dims.d_ff, NULL, 1, 1 << 22, "d_ff over the preset's"),
+        DU_FLAG_INT("num-layers", &o.dims.num_layers, NULL, 1, 1 << 12, "layers over the preset's"),
+        DU_FLAG_INT("num-heads", &o.dims.num_heads, NULL, 1, 1 << 12, "heads over the preset's"),
+        DU_FLAG_INT("vocab-size", &o.dims.vocab_size, NULL, 1, 1 << 24, "vocabulary over the preset's"),
+        DU_FLAG_LIST("strategy", &o.strategies, "naive,flat,overlap,bucketed,zero1", "naive|flat|overlap|bucketed|zero1|fsdp",
+                     "naive, flat, overlap, bucketed (DDP's), zero1 or fsdp; zero1 = bucketed gradient\n"
+                     "all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW;\n"
+                     "fsdp = ZeRO-3 (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)"),
+        DU_FLAG_LIST_CHECKED("bucket-mb", &o.buckets, "1,10,100,1000", bucket_ok, "MB from 0 to 1e9",
+                             "bucket sizes of 'bucketed' and 'zero1' in MB (2^20 bytes)"),
+        DU_FLAG_LIST("grad-comm", &o.comms, "fp32", "fp32|bf16",
+                     "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes)"),
+        DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),
+        DU_FLAG_INT("batch-size", &o.batch, "4", 1, 1 << 20, "sequences per rank"),
+        DU_FLAG_LIST_CHECKED("context-length", &o.contexts, "256", context_ok, "an integer from 1 to 1048576", "context lengths"),
+        DU_FLAG_CHOICE("attn", &o.attn, "auto", "naive|flash|auto", "attention (auto: flash on cuda under bf16, else naive)"),
+        DU_FLAG_CHECKED("checkpoint", &o.checkpoint, "none", "POLICY", checkpoint_ok, "none, blocks:K, sqrt, nested[:K], selective or P+selective",
+                        "activation checkpointing of the model (none, blocks:K, sqrt, nested[:K], selective,\nP+selective; see e2e --help)"),
+        DU_FLAG_CHOICE("loss", &o.loss, "mean", "mean|sum", "cross-entropy's mean over the tokens, or its sum (the S26 leaderboard's)"),
+        DU_FLAG_CHOICE("fsdp-reshard", &o.reshard, "auto", "auto|yes|no",
+                       "fsdp: free each unit's gathered weights after its forward and gather them again\nfor its backward (yes), or keep them "
+                       "through the backward (no: one all-gather per\nunit and step, ZeRO-2's traffic); auto: yes with several ranks"),
+        DU_FLAG_BOOL("no-compute-ref", &o.no_compute_ref, "fsdp: skip the same step without sharding (compute_ms; exposed_ms and hidden\n"
+                     "are then empty), for models that do not fit one device unsharded"),
+        DU_FLAG_INT("warmup", &o.warmup, "5", 0, 1 << 20, "untimed steps first"),
+        DU_FLAG_INT("steps", &o.steps, "10", 1, 1 << 20, "timed steps"),
+        DU_FLAG_INT("nproc", &o.nproc, "1", 1, 1024, "start N local ranks (built-in launcher); not needed under mpirun/torchrun"),
+        DU_FLAG_BOOL("account", &o.account, "print the accounting prediction (DDP, ZeRO-1/2/3, FSDP) for --nproc ranks; run nothing"),
+        DU_FLAG_INT("seed", &o.seed, "0", 0, 1 << 30, "weights and batch seed"),
+        DU_COMMON_FLAGS(&o.common, DU_MEM_LIMIT_RANKS_TEXT),
+    };
+    const int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
+    int rc = du_flags_parse("ddp", flags, nflags, argc, argv, SYNOPSIS, EPILOGUE);
+    if (rc) return rc == DU_HELP ? DU_EXIT_OK : rc;
+    const bool cuda = !strcmp(o.device, "cuda");
+#ifndef TSYS_WITH_CUDA
+    if (cuda) {
+        fprintf(stderr, "ddp: --device cuda: this binary was built without CUDA; build it with nvcc (make cuda)\n");
+        du_flags_free(flags, nflags);
+        return DU_EXIT_USAGE;
+    }
+#endif
+    if (!o.models.n && !du_split(&o.models, "ddp", "--model", cuda ? "xl" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
+    const long nconfigs = o.account ? (long)ACCOUNT_TABLE_SCHEMES * o.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
+    if (nconfigs > 1000000) {
+        fprintf(stderr, "ddp: the lists make %ld configurations; at most 1000000\n", nconfigs);
+        rc = DU_EXIT_USAGE;
+    } else if (o.common.dry_run) {   // before any rank starts
+        fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, "
+                "%d steps, AdamW\n", o.nproc, o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
+        rc = du_dry_run_done(&o.common, "ddp", (int)nconfigs);
+    } else rc = o.account ? print_account(&o) : run_sweep(&o, (int)nconfigs, argc, argv);
+    du_flags_free(flags, nflags);
+    return rc;
 }
 
 int main(int argc, char **argv) { return du_exit("ddp", driver_main(argc, argv)); }

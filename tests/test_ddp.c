@@ -654,6 +654,68 @@ TSYS_TEST(accounting_vs_measured_fp32) { accounting_measured(TSYS_F32, "naive");
 TSYS_TEST(accounting_vs_measured_bf16) { accounting_measured(TSYS_BF16, "naive"); }
 TSYS_TEST(accounting_vs_measured_flash) { accounting_measured(TSYS_F32, "flash"); }
 
+// ---- the link model ------------------------------------------------------------------------------
+
+TSYS_TEST(link_model) {
+    const tsys_dist_link_model m = {0.01, 1e6}, none = {0, 0};   // 10 us a collective, 1 GB/s
+    TEST_CHECK(fabs(tsys_dist_link_time_ms(m, 100, 1e3) - 1.0) < 1e-12, "latency-bound: %g", tsys_dist_link_time_ms(m, 100, 1e3));
+    TEST_CHECK(fabs(tsys_dist_link_time_ms(m, 1, 5e6) - 5.0) < 1e-12, "bandwidth-bound: %g", tsys_dist_link_time_ms(m, 1, 5e6));
+    TEST_CHECK(isnan(tsys_dist_link_time_ms(none, 1, 1e6)), "no model, no prediction");
+    TEST_CHECK(tsys_dist_ring_sent(4, 100) == 150 && tsys_dist_ring_sent(1, 100) == 0, "ring bytes");
+    tsys_dist_link_model got = tsys_dist_calibrate_link(g_d, g_dev);
+    if (g_world < 2) TEST_CHECK(got.alpha_ms == 0 && got.beta_bytes_per_ms == 0, "a group of one has no link");
+    else TEST_CHECK(got.beta_bytes_per_ms > 0 && got.alpha_ms >= 0, "alpha %g ms, beta %g B/ms", got.alpha_ms, got.beta_bytes_per_ms);
+    double v[4] = {got.alpha_ms, -got.alpha_ms, got.beta_bytes_per_ms, -got.beta_bytes_per_ms};
+    tsys_dist_all_reduce_host(g_d, v, 4, TSYS_DIST_MAX);
+    TEST_CHECK(v[0] == -v[1] && v[2] == -v[3], "every rank has the same model");
+    TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "no error left: %s", tsys_ctx_last_error(g_ctx));
+}
+
+// ---- the trainer ---------------------------------------------------------------------------------
+
+// Two steps of the tiny model through tsys_dist_trainer on per-rank batches of 2 equal the ALONE trainer
+// on the combined batch (fp32: parameters allclose), under DDP, ZeRO-1 and FSDP (its full weights gathered).
+static void trainer_vs_alone(tsys_dist_train_mode mode) {
+    tsys_model_desc d = tiny_desc();
+    tsys_model *ref = tsys_model_new(g_ctx, &d, g_dev, 7), *m = tsys_model_new(g_ctx, &d, g_dev, 7);
+    tsys_dist_trainer_desc td, rd;
+    memset(&td, 0, sizeof(td));
+    td.mode = mode; td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = TSYS_F32;
+    rd = td; rd.mode = TSYS_TRAIN_ALONE;
+    tsys_dist_trainer *t = tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td), *r = tsys_dist_trainer_new(g_ctx, NULL, ref, g_dev, &rd);
+    TEST_CHECK(t && r, "tsys_dist_trainer_new: %s", tsys_ctx_last_error(g_ctx));
+    TEST_CHECK(!t || (tsys_dist_trainer_ddp(t) != NULL) == (mode != TSYS_TRAIN_FSDP) && (tsys_dist_trainer_fsdp(t) != NULL) == (mode == TSYS_TRAIN_FSDP), "accessors");
+    for (int it = 0; t && r && it < 2; it++) {
+        tsys_tensor *ai, *at, *bi, *bt;
+        lm_batch(900 + (uint64_t)it, 2 * g_world, 16, d.vocab_size, 0, 2 * g_world, &ai, &at);
+        lm_batch(900 + (uint64_t)it, 2 * g_world, 16, d.vocab_size, 2 * g_rank, 2 * (g_rank + 1), &bi, &bt);
+        tsys_dist_step_times tm;
+        TEST_CHECK(tsys_dist_trainer_step(r, ai, at, NULL) == TSYS_OK && tsys_dist_trainer_step(t, bi, bt, &tm) == TSYS_OK, "step: %s", tsys_ctx_last_error(g_ctx));
+        TEST_CHECK(tm.step_ms > 0 && tm.step_ms >= tm.backward_ms && tm.peak_post_optim > 0, "times: step %g ms, backward %g ms", tm.step_ms, tm.backward_ms);
+        tsys_tensor_release(ai); tsys_tensor_release(at); tsys_tensor_release(bi); tsys_tensor_release(bt);
+    }
+    double ms = -1;
+    TEST_CHECK(t && tsys_dist_trainer_time_collectives(t, &ms) == TSYS_OK && ms >= 0, "collectives alone: %s", tsys_ctx_last_error(g_ctx));
+    tsys_tensor **full = tsys_model_params(m);
+    int n = tsys_model_num_tensors(m);
+    if (t && mode == TSYS_TRAIN_FSDP) TEST_CHECK(tsys_fsdp_gather_full_params(tsys_dist_trainer_fsdp(t), &full, &n) == TSYS_OK, "gather");
+    double worst = 0;
+    int matched = 0;
+    for (int i = 0; full && i < n; i++)   // by name: FSDP gathers in its own order
+        for (int j = 0; j < tsys_model_num_tensors(ref); j++)
+            if (!strcmp(full[i]->name, tsys_model_params(ref)[j]->name)) { worst = fmax(worst, close_ratio(full[i], tsys_model_params(ref)[j], 1e-4, 1e-6)); matched++; }
+    TEST_CHECK(matched == tsys_model_num_tensors(ref) && worst <= 1.0, "rank %d: %d parameters of %d compared; they differ from one process on "
+               "the combined batch (allclose ratio %g)", g_rank, matched, tsys_model_num_tensors(ref), worst);
+    if (mode == TSYS_TRAIN_FSDP && full) { for (int i = 0; i < n; i++) tsys_tensor_release(full[i]); TSYS_FREE(full); }
+    tsys_dist_trainer_free(t); tsys_dist_trainer_free(r);
+    tsys_model_free(m); tsys_model_free(ref);
+    tsys_tape_clear(g_ctx);
+    TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+}
+TSYS_TEST(trainer_ddp) { trainer_vs_alone(TSYS_TRAIN_DDP); }
+TSYS_TEST(trainer_zero1) { trainer_vs_alone(TSYS_TRAIN_ZERO1); }
+TSYS_TEST(trainer_fsdp) { trainer_vs_alone(TSYS_TRAIN_FSDP); }
+
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
 int main(int argc, char **argv) {
@@ -686,17 +748,7 @@ int main(int argc, char **argv) {
     }
     g_rank = tsys_dist_rank(g_d);
     g_world = tsys_dist_size(g_d);
-    if (!getenv("OMP_NUM_THREADS")) {   // ranks share the host's cores (OpenMP spinning on oversubscribed cores is slow)
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        int per = (int)(cores / g_world > 1 ? cores / g_world : 1);
-#ifdef _OPENMP
-        omp_set_num_threads(per);
-#endif
-#ifdef OPENBLAS_VERSION
-        openblas_set_num_threads(per);
-#endif
-        (void)per;
-    }
+    tsys_dist_share_cores(g_world);   // OpenMP spinning on oversubscribed cores is slow
     if (g_world > TOY_MAX_ROWS) {
         if (g_rank == 0) printf("test_ddp: at most %d ranks\n0 passed, 1 failed\n", TOY_MAX_ROWS);
         tsys_dist_free(g_d);

@@ -685,7 +685,7 @@ t_dist_drivers_mem_limit_and_shared_budget() {
     expect_in "$tmp/out" '^cpu,custom,1,flat,.*,ok$' "ddp: one rank's row"
     TSYS_CGROUP_ROOT="$tmp/cg" run "$B/ddp" --nproc 2 "${DDPTINY[@]}"
     expect_rc 1 "ddp: two ranks sharing 768 KiB"
-    expect_in "$tmp/out" '^ddp: .*cpu memory budget 0.0003662 GiB a rank \(the host.s available memory over 2 local ranks\)' "ddp: the budget a rank"
+    expect_in "$tmp/err" '^ddp: .*cpu memory budget 0.0003662 GiB a rank \(the host.s available memory over 2 local ranks\)' "ddp: the budget a rank (csv: on stderr)"
     expect_in "$tmp/out" '^cpu,custom,2,flat,.*,OOM: out of memory' "ddp: the OOM row of two ranks"
     TSYS_CGROUP_ROOT="$tmp/cg" run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --mem-limit 0.01
     expect_rc 0 "ddp: --mem-limit instead of the shared budget"
