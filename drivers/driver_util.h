@@ -33,17 +33,6 @@ enum { DU_EXIT_OK = 0, DU_EXIT_FAILED = 1, DU_EXIT_USAGE = 2 };
     "             (error, or OOM without --oom-ok), the run could not start or a result could not be\n" \
     "             written (stdout, an output file), 2 bad usage\n"
 
-// The --mem-limit paragraph (e2e, attn, precision, memory; ddp and allreduce add DU_MEM_LIMIT_RANKS_HELP).
-#define DU_MEM_LIMIT_HELP \
-    "  --mem-limit GIB            memory budget in GiB for the tensors of the device measured, so that running\n" \
-    "                             out is an OOM row, never a kill (cpu: default = the memory available on this\n" \
-    "                             machine, MemAvailable, or less: the room left in the memory cgroup of a\n" \
-    "                             container or a Slurm job; cuda: default = the whole device); 0 = the default;\n" \
-    "                             a number from 0 to 1048576\n"
-#define DU_MEM_LIMIT_RANKS_HELP \
-    "                             (per rank: without it, the ranks on one host share the host's memory, each\n" \
-    "                             getting the available memory divided by the number of ranks on the host)\n"
-
 static char *du_strdup(const char *s) {
     size_t n = strlen(s) + 1;
     char *d = (char *)malloc(n);
@@ -108,8 +97,6 @@ static inline bool du_parse_dtype(const char *s, tsys_dtype *d) {
     return true;
 }
 
-static inline bool du_format_ok(const char *f) { return !strcmp(f, "md") || !strcmp(f, "csv") || !strcmp(f, "jsonl"); }
-
 #define DU_LIST_MAX 64
 
 typedef struct du_list { const char *src; char *buf; char *item[DU_LIST_MAX]; int n; } du_list;   // src: the flag's value as given
@@ -138,17 +125,6 @@ static inline bool du_split(du_list *l, const char *prog, const char *flag, cons
         l->item[l->n++] = p;
         if (!comma) break;
         p = comma + 1;
-    }
-    return true;
-}
-// Checks every item with ok (NULL: any); names the flag and the first bad item.
-static inline bool du_split_check(du_list *l, const char *prog, const char *flag, const char *s, bool (*ok)(const char *), const char *rule) {
-    if (!du_split(l, prog, flag, s)) return false;
-    for (int i = 0; ok && i < l->n; i++) {
-        if (ok(l->item[i])) continue;
-        fprintf(stderr, "%s: bad value '%s' in %s (%s)\n", prog, l->item[i], flag, rule);
-        free(l->buf); memset(l, 0, sizeof(*l));
-        return false;
     }
     return true;
 }
