@@ -674,7 +674,11 @@ TSYS_TEST(link_model) {
 // ---- the trainer ---------------------------------------------------------------------------------
 
 // Two steps of the tiny model through tsys_dist_trainer on per-rank batches of 2 equal the ALONE trainer
-// on the combined batch (fp32: parameters allclose), under DDP, ZeRO-1 and FSDP (its full weights gathered).
+// on the combined batch, under DDP, ZeRO-1 and FSDP (its full weights gathered). AdamW divides each
+// gradient by its own magnitude, so a scale error would not show in the weights, and an element whose
+// gradient is near zero moves by a different fraction of lr when the sum order changes (4 ranks: 2e-5
+// in a weight of 0.14 at lr 1e-3): DDP's and ZeRO-1's averaged gradients are compared as the lm test
+// does (rtol 1e-4, atol 1e-5 max|g|), the weights within 0.1 lr.
 static void trainer_vs_alone(tsys_dist_train_mode mode) {
     tsys_model_desc d = tiny_desc();
     tsys_model *ref = tsys_model_new(g_ctx, &d, g_dev, 7), *m = tsys_model_new(g_ctx, &d, g_dev, 7);
@@ -703,7 +707,18 @@ static void trainer_vs_alone(tsys_dist_train_mode mode) {
     int matched = 0;
     for (int i = 0; full && i < n; i++)   // by name: FSDP gathers in its own order
         for (int j = 0; j < tsys_model_num_tensors(ref); j++)
-            if (!strcmp(full[i]->name, tsys_model_params(ref)[j]->name)) { worst = fmax(worst, close_ratio(full[i], tsys_model_params(ref)[j], 1e-4, 1e-6)); matched++; }
+            if (!strcmp(full[i]->name, tsys_model_params(ref)[j]->name)) { worst = fmax(worst, close_ratio(full[i], tsys_model_params(ref)[j], 1e-4, 1e-4)); matched++; }
+    double gworst = 0;
+    for (int i = 0; mode != TSYS_TRAIN_FSDP && i < tsys_model_num_tensors(m); i++) {   // the same names, in the same order
+        tsys_tensor *gm = tsys_model_params(m)[i]->grad, *gr = tsys_model_params(ref)[i]->grad;
+        float *a = gm ? test_read(g_ctx, gm) : NULL, *b = gr ? test_read(g_ctx, gr) : NULL;
+        long ne = (long)tsys_tensor_numel(tsys_model_params(ref)[i]);
+        double mx = 0;
+        for (long k = 0; b && k < ne; k++) mx = fmax(mx, fabs(b[k]));
+        gworst = fmax(gworst, a && b ? tsys_test_close_ratio(a, b, ne, 1e-4, 1e-5 * mx + 1e-12) : INFINITY);
+        free(a); free(b);
+    }
+    TEST_CHECK(gworst <= 1.0, "rank %d: the averaged gradients differ from the combined batch's (allclose ratio %g)", g_rank, gworst);
     TEST_CHECK(matched == tsys_model_num_tensors(ref) && worst <= 1.0, "rank %d: %d parameters of %d compared; they differ from one process on "
                "the combined batch (allclose ratio %g)", g_rank, matched, tsys_model_num_tensors(ref), worst);
     if (mode == TSYS_TRAIN_FSDP && full) { for (int i = 0; i < n; i++) tsys_tensor_release(full[i]); TSYS_FREE(full); }
