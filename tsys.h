@@ -8188,12 +8188,24 @@ static void tsys__state_host(char *buf, size_t len) {
     for (char *c = buf; *c; c++) if (*c == '-' || *c == '/' || *c == '@') *c = '_';
 }
 
-// dir/.tmp-<pid>@<host>-XXXXXX (the X's left for mkdtemp or tsys__atomic_fill_name).
+// dir/.tmp-<pid>@<host>-XXXXXX (the X's filled by tsys__atomic_fill_name).
 static bool tsys__state_tmp_name(char *buf, size_t len, const char *dir) {
     char host[64];
     tsys__state_host(host, sizeof host);
     int k = snprintf(buf, len, "%s/" TSYS__STATE_TMP "%ld@%s-XXXXXX", dir, (long)getpid(), host);
     return k > 0 && (size_t)k < len;
+}
+
+// Makes the temporary directory tmp (its XXXXXX filled), 0755 less the umask as the snapshot's files
+// are 0644 less it (mkdtemp would make it 0700); false with errno set.
+static bool tsys__state_mkdir_tmp(char *tmp) {
+    uint64_t seed = tsys__atomic_seed(tmp);
+    for (int attempt = 0; attempt < TSYS__ATOMIC_TRIES; attempt++) {
+        tsys__atomic_fill_name(tmp, &seed);
+        if (mkdir(tmp, 0755) == 0) return true;
+        if (errno != EEXIST) return false;
+    }
+    return false;
 }
 
 // Whether the temporary called name (in DIR) belongs to a process of this host that is gone.
@@ -8685,7 +8697,7 @@ TSYSDEF tsys_status tsys_state_save(tsys_ctx *ctx, const char *dir, const tsys_s
     int64_t serial = n ? list[n - 1].serial + 1 : 1;
     TSYS_FREE(list);
     if (s == TSYS_OK && !tsys__state_tmp_name(tmp, sizeof tmp, dir)) s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "path too long");
-    if (s == TSYS_OK && !mkdtemp(tmp)) s = tsys__state_fail(ctx, TSYS_ERR_IO, dir, "cannot make a temporary directory in it: %s", strerror(errno));
+    if (s == TSYS_OK && !tsys__state_mkdir_tmp(tmp)) s = tsys__state_fail(ctx, TSYS_ERR_IO, dir, "cannot make a temporary directory in it: %s", strerror(errno));
     else if (s == TSYS_OK) {
         s = tsys__state_write_files(ctx, crc, tmp, desc, &parts, serial);
         if (s == TSYS_OK) s = tsys__state_install(ctx, crc, dir, tmp, name);
