@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# test_state_fault.sh [BUILD] (default $BUILD or build) - training-state snapshots under kill -9. A writer (test_state
-# --fault-writer) resumes from the newest snapshot of a directory and saves snapshots of known content
-# (every value a function of the step) in a loop; it is killed with SIGKILL after a random delay of 0
-# to 120 ms, so kills land anywhere in a save: writing a file, fsyncing, renaming into place, removing
-# the oldest (keep_last 3). After each kill a checker (test_state --fault-check) loads the newest
-# snapshot, checksums verified, and compares every value, the RNG and the user record with what that
-# step saved, and checks that no step was lost (the newest step never goes back). Rounds go on until
-# 200 kills and 200 saves are done. A last writer run to completion must leave no temporary behind.
-# Prints "N passed, N failed" last (a check per round).
+# test_state_fault.sh [BUILD] - training-state snapshots under kill -9 (BUILD: default $BUILD or build).
+# A writer (test_state --fault-writer) resumes from the newest snapshot of a directory and saves
+# snapshots of known content (every value a function of the step) in a loop; it is killed with SIGKILL
+# after a random delay of 0 to 120 ms, so kills land anywhere in a save: writing a file, fsyncing,
+# renaming into place, removing the oldest (keep_last 3). After each kill a checker (test_state
+# --fault-check) loads the newest snapshot, checksums verified, and compares every value, the RNG and
+# the user record with what that step saved, and checks that no step was lost (the newest step never
+# goes back). Rounds go on until 200 kills and 200 saves are done. A last writer run to completion must
+# leave no temporary behind. Prints "N passed, N failed" last (a check per round).
 BUILD=${1:-${BUILD:-build}}
 BIN=$BUILD/test_state
 KILLS=200
