@@ -17,8 +17,11 @@
 #include <stdint.h>
 #include <unistd.h>
 #include <dirent.h>
+#include <signal.h>
+#include <errno.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <sys/resource.h>   // RLIMIT_FSIZE
 
 // ---- helpers ----------------------------------------------------------------------------------------
 
@@ -503,6 +506,55 @@ TSYS_TEST(state_newest_is_the_last_saved_and_names_are_replaced) {
     TEST_CHECK(tsys_state_latest(ctx, dir, latest, sizeof latest) == TSYS_OK && strstr(latest, "/final"), "latest '%s'", latest);
     char small[8];
     TEST_CHECK(ts_expect_error(ctx, tsys_state_latest(ctx, dir, small, sizeof small), "does not fit", NULL) && !small[0], "a short buffer");
+    tsys_ctx_free(ctx);
+}
+
+// A save that fails half way (the file size limit, as a full disk would) leaves the earlier snapshot
+// the newest, whole, and no temporary. In a child, so the limit does not outlive the test; the child
+// launches no kernel (its tensor comes from host data), so no OpenMP pool runs after the fork.
+TSYS_TEST(state_failed_save_leaves_the_previous_one) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *dir = ts_dir("full_disk");
+    char latest[1024];
+    int64_t step = -1;
+    TEST_CHECK(ts_save_value(ctx, dir, 1, 1.0f, 1, NULL) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    fflush(stdout);
+    pid_t kid = fork();
+    if (kid == 0) {
+        struct rlimit lim = { 64 * 1024, 64 * 1024 };
+        signal(SIGXFSZ, SIG_IGN);   // write() then fails with EFBIG instead of killing the process
+        tsys_ctx *c = tsys_ctx_new(NULL);
+        int64_t shape[1] = {1 << 20};
+        float *host = (float *)calloc((size_t)shape[0], sizeof(float));
+        tsys_tensor *t = c && host ? tsys_tensor_from_data(c, TSYS_F32, TSYS_CPU, 1, shape, host) : NULL;
+        tsys_tensor_set_name(t, "w");
+        tsys_state_desc d;
+        memset(&d, 0, sizeof d);
+        d.tensors = &t; d.n_tensors = 1; d.step = 2; d.keep_last = 1;
+        bool ok = t && setrlimit(RLIMIT_FSIZE, &lim) == 0;
+        tsys_status s = ok ? tsys_state_save(c, dir, &d) : TSYS_OK;
+        const char *msg = c ? tsys_ctx_last_error(c) : "";
+        bool named = strstr(msg, "model.safetensors") != NULL;
+        if (ok && (s != TSYS_ERR_IO || !named)) fprintf(stderr, "    child: status %d, message %s\n", (int)s, msg);
+        _exit(!ok ? 2 : s == TSYS_ERR_IO && named ? 0 : 1);
+    }
+    int status = -1;
+    if (kid > 0) while (waitpid(kid, &status, 0) < 0 && errno == EINTR) { }
+    TEST_CHECK(kid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "a save past the file size limit fails naming the file (status %d)", status);
+    TEST_CHECK(ts_count(dir, ".") == 0 && !ts_exists(dir, "step-000002"), "no temporary, no new snapshot");
+    TEST_CHECK(tsys_state_latest(ctx, dir, latest, sizeof latest) == TSYS_OK && strstr(latest, "step-000001"), "latest '%s'", latest);
+    TEST_CHECK(ts_load_value(ctx, latest, &step) == 1.0f && step == 1, "the earlier snapshot is whole");
+    // no such snapshot, a file for a directory, a directory that cannot be made
+    char path[1200];
+    snprintf(path, sizeof path, "%s/step-000009", dir);
+    tsys_state_desc d;
+    memset(&d, 0, sizeof d);
+    TEST_CHECK(ts_expect_error(ctx, tsys_state_load(ctx, path, &d, NULL), "step-000009", "no readable MANIFEST"), "no snapshot");
+    snprintf(path, sizeof path, "%s/step-000001/MANIFEST", dir);
+    TEST_CHECK(ts_expect_error(ctx, tsys_state_latest(ctx, path, latest, sizeof latest), "MANIFEST", "cannot list"), "a file for a directory");
+    TEST_CHECK(ts_expect_error(ctx, ts_save_value(ctx, path, 3, 3.0f, 0, NULL), "MANIFEST", NULL), "save into a file");
+    snprintf(path, sizeof path, "%s/no/such/dir", dir);
+    TEST_CHECK(ts_expect_error(ctx, ts_save_value(ctx, path, 3, 3.0f, 0, NULL), "no/such/dir", "cannot make the directory"), "a missing parent");
     tsys_ctx_free(ctx);
 }
 
