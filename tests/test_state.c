@@ -8,6 +8,8 @@
 //                                           known content (a function of the step) until killed
 //   test_state --fault-check DIR MINSTEP    loads DIR's newest snapshot and checks it whole: prints
 //                                           "step N", exits 1 on any error
+// and one tests/ref/state_resume_torch.py reads (PyTorch continues the run from a tsys snapshot):
+//   test_state --export-torch DIR           DIR/step-000003 and what the next step saw (expect.safetensors)
 #define _POSIX_C_SOURCE 200809L   // mkdtemp, truncate, fork
 #include "../drivers/prelude.h"
 #include "harness.h"
@@ -679,9 +681,56 @@ static int ts_fault_check(const char *dir, long min_step) {
     return ok ? 0 : 1;
 }
 
+// ---- a snapshot for PyTorch (tests/ref/state_resume_torch.py) -------------------------------------------
+
+// Trains the test model 3 AdamW steps (lr 1e-2, no clipping: what torch.optim.AdamW does alone),
+// saves DIR/step-000003, then takes one more step on the next batch and writes what it saw to
+// DIR/expect.safetensors: input_ids, targets (int64), loss, and after.<name> for every parameter.
+static int ts_export_torch(const char *dir) {
+    ts_run r = ts_run_new(2024, false, false, 32);
+    int64_t shape[2] = {2, 8};
+    tsys_optim_set_lr(r.opt, 1e-2f);
+    tsys_tensor *ids = tsys_tensor_new(r.ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(r.ctx, TSYS_I64, TSYS_CPU, 2, shape);
+    tsys_tensor *loss = NULL;
+    for (int it = 0; it < 4; it++) {
+        if (it == 3) {
+            tsys_state_desc d = ts_desc(&r, 3);
+            if (tsys_state_save(r.ctx, dir, &d) != TSYS_OK) break;
+        }
+        tsys_tensor_randint(r.ctx, ids, 37);
+        tsys_tensor_randint(r.ctx, tgt, 37);
+        tsys_tensor *logits = tsys_model_forward(r.m, ids);
+        tsys_tensor_release(loss);
+        loss = tsys_cross_entropy(r.ctx, logits, tgt);
+        tsys_backward(r.ctx, loss);
+        tsys_optim_step(r.opt);
+        tsys_optim_zero_grad(r.opt);
+        tsys_tensor_release(logits);
+    }
+    int np = tsys_model_num_tensors(r.m);
+    tsys_tensor **out = (tsys_tensor **)calloc((size_t)np + 3, sizeof *out);
+    tsys_tensor_set_name(ids, "input_ids"); tsys_tensor_set_name(tgt, "targets"); tsys_tensor_set_name(loss, "loss");
+    out[0] = tsys_tensor_retain(ids); out[1] = tsys_tensor_retain(tgt); out[2] = tsys_tensor_retain(loss);
+    for (int i = 0; i < np; i++) {
+        out[3 + i] = tsys_tensor_clone(r.ctx, tsys_model_params(r.m)[i]);
+        tsys_tensor_set_name(out[3 + i], "after.%s", tsys_model_params(r.m)[i]->name);
+    }
+    char path[1024];
+    snprintf(path, sizeof path, "%s/expect.safetensors", dir);
+    tsys_status s = tsys_ctx_status(r.ctx) == TSYS_OK ? tsys_safetensors_save(r.ctx, path, out, np + 3) : tsys_ctx_status(r.ctx);
+    if (s != TSYS_OK) printf("export: %s\n", tsys_ctx_last_error(r.ctx));
+    else printf("wrote %s/step-000003 and %s (the loss of the step after the snapshot: %.9g)\n", dir, path, (double)tsys_item(r.ctx, loss));
+    for (int i = 0; i < np + 3; i++) tsys_tensor_release(out[i]);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt); tsys_tensor_release(loss);
+    free(out);
+    ts_run_free(&r);
+    return s == TSYS_OK ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 3 && strcmp(argv[1], "--fault-writer") == 0) return ts_fault_writer(argv[2], argc > 3 ? atol(argv[3]) : 0);
     if (argc >= 4 && strcmp(argv[1], "--fault-check") == 0) return ts_fault_check(argv[2], atol(argv[3]));
+    if (argc >= 3 && strcmp(argv[1], "--export-torch") == 0) return ts_export_torch(argv[2]);
     int rc = tsys_test_main(argc, argv);
     if (ts_root[0]) ts_rm_rf(ts_root);
     return rc;
