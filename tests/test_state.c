@@ -635,7 +635,9 @@ static tsys_state_desc ts_fault_desc(ts_fault *f, int64_t step, const char **use
     return d;
 }
 
-// Resumes from the newest snapshot (loading it, checksums and all), then saves step after step.
+// Resumes from the newest snapshot (loading it, checksums and all), then saves step after step; the
+// second of every three saves is of the same step again, so kills land in replacements too (the old
+// snapshot moved aside, the new one renamed in, the old one removed).
 static int ts_fault_writer(const char *dir, long saves) {
     ts_fault f = ts_fault_new();
     char latest[1024], pos[32];
@@ -648,7 +650,7 @@ static int ts_fault_writer(const char *dir, long saves) {
         step = info.step;
     }
     for (long k = 0; saves <= 0 || k < saves; k++) {
-        step++;
+        if (k % 3 != 1) step++;
         ts_fault_fill(&f, step, false);
         tsys_rng_seed(f.ctx, (uint64_t)step);
         tsys_state_desc d = ts_fault_desc(&f, step, user, pos);

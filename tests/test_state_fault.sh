@@ -3,7 +3,8 @@
 # A writer (test_state --fault-writer) resumes from the newest snapshot of a directory and saves
 # snapshots of known content (every value a function of the step) in a loop; it is killed with SIGKILL
 # after a random delay of 0 to 120 ms, so kills land anywhere in a save: writing a file, fsyncing,
-# renaming into place, removing the oldest (keep_last 3). After each kill a checker (test_state
+# renaming into place, replacing a snapshot of the same name (every third save), removing the oldest
+# (keep_last 3). After each kill a checker (test_state
 # --fault-check) loads the newest snapshot, checksums verified, and compares every value, the RNG and
 # the user record with what that step saved, and checks that no step was lost (the newest step never
 # goes back). Rounds go on until 200 kills and 200 saves are done. A last writer run to completion must
@@ -50,6 +51,6 @@ left=$(ls -A "$SNAPS" | grep -c '^\.tmp-')
 if [ $ok -eq 0 ] && [ "$left" -eq 0 ] && echo "$out" | grep -q "^step $((step + 1))$"; then pass=$((pass + 1))
 else echo "FAIL: after a finished save: $out; $left temporaries left"; cat "$DIR/writer.log"; fail=$((fail + 1)); fi
 
-echo "$kills kills in $round rounds, $midsave of them inside a save; step $step reached (a save each)"
+echo "$kills kills in $round rounds, $midsave of them inside a save; step $step reached"
 echo "$pass passed, $fail failed"
 [ $fail -eq 0 ]
