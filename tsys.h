@@ -8189,7 +8189,7 @@ static tsys_status tsys__state_sync_dir(tsys_ctx *ctx, const char *dir) {
     return TSYS_OK;
 }
 
-// This host's name, for temporaries: the writer of one is known by host and pid. '-' and '/' are
+// This host's name, for temporaries: the writer of one is known by host and pid. '-', '/' and '@' are
 // replaced: the name is parsed back up to its last '-'.
 static void tsys__state_host(char *buf, size_t len) {
     if (gethostname(buf, len) != 0) snprintf(buf, len, "host");
@@ -8542,6 +8542,14 @@ static tsys_status tsys__state_optim_step(tsys_ctx *ctx, tsys_optim *o, int64_t 
     return o->adamw && o->step_t ? tsys_tensor_to_host(ctx, o->step_t, step) : TSYS_OK;
 }
 
+// A value the safetensors header can hold: valid UTF-8 (the loader, and PyTorch's, refuse anything else).
+static bool tsys__state_utf8_ok(const char *v) {
+    const unsigned char *c = (const unsigned char *)v, *end = c + strlen(v);
+    for (int k; c < end; c += k)
+        if (!(k = tsys__st_utf8_len(c, end))) return false;
+    return true;
+}
+
 static bool tsys__state_key_ok(const char *k) {
     if (!k[0] || strlen(k) >= TSYS_STATE_KEY_LEN) return false;
     for (; *k; k++) if (!((*k >= 'a' && *k <= 'z') || (*k >= 'A' && *k <= 'Z') || (*k >= '0' && *k <= '9') || *k == '_' || *k == '.' || *k == '-')) return false;
@@ -8559,6 +8567,7 @@ static tsys_status tsys__state_meta_make(tsys_ctx *ctx, const char *where, const
         if (!tsys__state_key_ok(k))
             return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, where, "user key '%.80s' must be 1 to %d letters, digits, '_', '.' or '-'", k, TSYS_STATE_KEY_LEN - 1);
         if (strlen(v) >= TSYS_STATE_VALUE_LEN) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, where, "user value of '%s' is %zu bytes (at most %d)", k, strlen(v), TSYS_STATE_VALUE_LEN - 1);
+        if (!tsys__state_utf8_ok(v)) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, where, "user value of '%s' is not valid UTF-8", k);
         for (int j = 0; j < i; j++) if (strcmp(k, d->user[2 * j]) == 0) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, where, "user key '%s' given twice", k);
     }
     tsys__state_meta_add(m, "tsys_state_version", "%d", TSYS__STATE_VERSION);

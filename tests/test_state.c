@@ -404,6 +404,17 @@ TSYS_TEST(state_missing_or_mismatched_tensor_named) {
     TEST_CHECK(ts_expect_error(r.ctx, tsys_state_save(r.ctx, dir, &d), "user key 'has space'", NULL), "key");
     d.user = dup; d.n_user = 2;
     TEST_CHECK(ts_expect_error(r.ctx, tsys_state_save(r.ctx, dir, &d), "'k' given twice", NULL), "duplicate");
+    const char *not_utf8[2] = {"note", "caf\xe9"}, *utf8[2] = {"note", "caf\xc3\xa9 \"quoted\"\n"};
+    d.user = not_utf8; d.n_user = 1;
+    TEST_CHECK(ts_expect_error(r.ctx, tsys_state_save(r.ctx, dir, &d), "'note'", "UTF-8"), "a value that is not UTF-8");
+    d.user = utf8;   // UTF-8, quotes and control characters are fine (escaped in the JSON header)
+    TEST_CHECK(tsys_state_save(r.ctx, dir, &d) == TSYS_OK, "%s", tsys_ctx_last_error(r.ctx));
+    tsys_state_info info;
+    snprintf(snap2, sizeof snap2, "%s/step-000004", dir);
+    d.user = NULL; d.n_user = 0;
+    TEST_CHECK(tsys_state_load(r.ctx, snap2, &d, &info) == TSYS_OK && tsys_state_info_get(&info, "note") &&
+               strcmp(tsys_state_info_get(&info, "note"), utf8[1]) == 0, "the value comes back byte for byte: %s", tsys_ctx_last_error(r.ctx));
+    d.step = 5;
     d.user = NULL; d.n_user = 0; d.name = "a/b";
     TEST_CHECK(ts_expect_error(r.ctx, tsys_state_save(r.ctx, dir, &d), "'a/b'", NULL), "name");
     d.name = ".hidden";
