@@ -62,7 +62,7 @@ ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS)
 TEST_RUNNERS += tests/test_tour.sh
 # CMake and pkg-config consumers of the headers (tests/test_packaging.sh).
 TEST_RUNNERS += tests/test_packaging.sh
-# Training-state snapshots under kill -9 at random moments (tests/test_state_fault.sh, ~25 s).
+# Training-state snapshots under kill -9 at random moments (tests/test_state_fault.sh, ~20 s).
 TEST_RUNNERS += tests/test_state_fault.sh
 
 .PHONY: tsan header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
