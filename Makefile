@@ -29,7 +29,7 @@ NVLIBS  = -lcublasLt -lcublas $(BLAS_LIB) -lgomp
 
 HEADERS = tsys.h $(wildcard drivers/*.h)
 CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn $(BUILD)/memory
-CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_checkpoint $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention $(BUILD)/test_hooks $(BUILD)/test_guards $(BUILD)/test_profiler
+CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_checkpoint $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention $(BUILD)/test_hooks $(BUILD)/test_guards $(BUILD)/test_profiler $(BUILD)/test_state
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 
 # Sanitizer stage: the CPU tests and drivers again with ASan + UBSan (gcc's; OpenMP stays on).
@@ -62,6 +62,8 @@ ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS)
 TEST_RUNNERS += tests/test_tour.sh
 # CMake and pkg-config consumers of the headers (tests/test_packaging.sh).
 TEST_RUNNERS += tests/test_packaging.sh
+# Training-state snapshots under kill -9 at random moments (tests/test_state_fault.sh, ~20 s).
+TEST_RUNNERS += tests/test_state_fault.sh
 
 .PHONY: tsan header-check dist-header-check all test run-tests test-cuda test-dist-cuda cuda cuda-compile bench e2e deps clean asan fuzz fuzz-build fuzz-seeds
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)

@@ -585,6 +585,90 @@ TSYS_TEST(zero1_lm_bitwise) {
 
 // ---- accounting ----------------------------------------------------------------------------------
 
+// Replicated training state under DDP: rank 0 saves a snapshot (tsys_state_save: the model and
+// AdamW, every rank holds the same), every rank loads it into a fresh model and optimizer (other
+// weights, other hyper-parameters) and trains on: the parameters and moments equal the run that went
+// on without stopping, bit for bit, on every rank. The snapshot directory is named after rank 0's pid.
+static void state_values(tsys_model *m, tsys_optim *o, float **out, int64_t *n) {
+    int np = tsys_model_num_tensors(m);
+    int64_t total = 0;
+    for (int i = 0; i < np; i++) total += tsys_tensor_numel(tsys_model_params(m)[i]);
+    float *v = (float *)malloc(sizeof(float) * (size_t)total * 3);
+    int64_t at = 0;
+    for (int which = -1; v && which < 2; which++)
+        for (int i = 0; i < np; i++) {
+            tsys_tensor *t = which < 0 ? tsys_tensor_retain(tsys_model_params(m)[i]) : tsys_optim_state(o, i, which);
+            if (t && tsys_tensor_to_f32(g_ctx, t, v + at) == TSYS_OK) at += tsys_tensor_numel(t);
+            tsys_tensor_release(t);
+        }
+    *out = v; *n = at;
+}
+
+static void state_train(tsys_model *m, tsys_ddp *ddp, tsys_optim *o, int from, int to) {
+    for (int it = from; it < to; it++) {
+        tsys_tensor *ids, *tgt;
+        lm_batch(700 + (uint64_t)it, 2 * g_world, 16, tsys_model_get_desc(m)->vocab_size, 2 * g_rank, 2 * (g_rank + 1), &ids, &tgt);
+        tsys_ddp_start_step(ddp);
+        tsys_optim_zero_grad(o);
+        lm_step_backward(m, ids, tgt, TSYS_F32);
+        tsys_ddp_finish(ddp);
+        tsys_optim_step(o);
+        tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    }
+}
+
+TSYS_TEST(ddp_state_rank0_saves_every_rank_resumes) {
+    tsys_model_desc d = tiny_desc();
+    tsys_optim_desc od = {2e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, false}, other = {0.5f, 0.5f, 0.5f, 1e-3f, 0.5f, false};
+    tsys_ddp_desc dd = {TSYS_DDP_FLAT, 0, false};
+    double pid = g_rank == 0 ? (double)getpid() : 0;   // rank 0's pid names the directory
+    tsys_dist_all_reduce_host(g_d, &pid, 1, TSYS_DIST_SUM);
+    char dir[256], snap[512];
+    snprintf(dir, sizeof dir, "%s/tsys_ddp_state_%.0f", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", pid);
+    snprintf(snap, sizeof snap, "%s/step-000002", dir);
+
+    tsys_model *a = tsys_model_new(g_ctx, &d, g_dev, 7 + (uint64_t)g_rank);   // rank 0's weights arrive by broadcast
+    tsys_ddp *da = tsys_ddp_new(g_d, tsys_model_params(a), tsys_model_num_tensors(a), &dd);
+    tsys_optim *oa = tsys_adamw_new(g_ctx, tsys_model_params(a), tsys_model_num_tensors(a), &od);
+    TEST_CHECK(da && oa, "setup: %s", tsys_ctx_last_error(g_ctx));
+    if (!da || !oa) return;
+    state_train(a, da, oa, 0, 2);
+    tsys_state_desc sd;
+    memset(&sd, 0, sizeof sd);
+    sd.model = a; sd.optim = oa; sd.step = 2; sd.no_rng = true;   // each rank's RNG is its own
+    tsys_status s = g_rank == 0 ? tsys_state_save(g_ctx, dir, &sd) : TSYS_OK;
+    TEST_CHECK(s == TSYS_OK, "rank 0 save: %s", tsys_ctx_last_error(g_ctx));
+    tsys_dist_barrier(g_d);   // the snapshot is in place before anyone reads it
+    state_train(a, da, oa, 2, 4);
+
+    tsys_model *b = tsys_model_new(g_ctx, &d, g_dev, 99 + (uint64_t)g_rank);
+    tsys_ddp *db = tsys_ddp_new(g_d, tsys_model_params(b), tsys_model_num_tensors(b), &dd);
+    tsys_optim *ob = tsys_adamw_new(g_ctx, tsys_model_params(b), tsys_model_num_tensors(b), &other);
+    tsys_state_info info;
+    sd.model = b; sd.optim = ob;
+    s = tsys_state_load(g_ctx, snap, &sd, &info);
+    TEST_CHECK(s == TSYS_OK && info.step == 2, "rank %d load: %s", g_rank, tsys_ctx_last_error(g_ctx));
+    if (db && ob && s == TSYS_OK) state_train(b, db, ob, (int)info.step, 4);
+    float *va, *vb;
+    int64_t na, nb;
+    state_values(a, oa, &va, &na);
+    state_values(b, ob, &vb, &nb);
+    TEST_CHECK(na == nb && va && vb && memcmp(va, vb, sizeof(float) * (size_t)na) == 0, "rank %d: the resumed run differs from the uninterrupted one", g_rank);
+    TEST_CHECK(same_on_all_ranks(tsys_model_params(b)[0]) && tsys_optim_steps(ob) == 4, "ranks drifted apart, or step count %lld", (long long)tsys_optim_steps(ob));
+    free(va); free(vb);
+    tsys_dist_barrier(g_d);
+    if (g_rank == 0) {
+        char cmd[300];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+        TEST_CHECK(system(cmd) == 0, "cannot remove %s", dir);
+    }
+    tsys_ddp_free(da); tsys_ddp_free(db);
+    tsys_optim_free(oa); tsys_optim_free(ob);
+    tsys_model_free(a); tsys_model_free(b);
+    tsys_tape_clear(g_ctx);
+    TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+}
+
 TSYS_TEST(accounting_formulas) {
     tsys_model_desc d;
     tsys_model_desc_preset("xl", &d, NULL, 0);
