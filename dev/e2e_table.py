@@ -28,9 +28,13 @@ def peer(r):
 
 print("| model | mode | dtype | compiled | ours ms | TFLOP/s | MFU | peak MiB | torch ms | torch peak GiB | ours/torch | status |")
 print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+def cell(r, key, unit=""):   # null (not applicable) prints '-'
+    v = r.get(key)
+    return "-" if v is None else f"{v}{unit}"
+
 for r in ours:
     t = peer(r)
     tm = t["ms"] if t else None
     ratio = f"{r['total_ms'] / tm:.2f}" if t and tm == tm and isinstance(r.get("total_ms"), (int, float)) else ""
-    print(f"| {r['model']} | {r['mode']} | {r['dtype']} | {r.get('compiled','')} | {r.get('total_ms','')} | {r.get('TFLOP/s','')} | {r.get('MFU','')} | "
-          f"{r.get('peak_MiB','')} | {tm if t else ''} | {t['peak_GiB'] if t else ''} | {ratio} | {r['status'][:40]} |")
+    print(f"| {r['model']} | {r['mode']} | {r['dtype']} | {cell(r, 'compiled')} | {cell(r, 'total_ms')} | {cell(r, 'TFLOP/s')} | {cell(r, 'MFU', '%')} | "
+          f"{cell(r, 'peak_MiB')} | {tm if t else ''} | {t['peak_GiB'] if t else ''} | {ratio} | {r['status'][:40]} |")
