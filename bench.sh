@@ -151,7 +151,7 @@ for s in "${sections[@]}"; do
     awk -F, 'FNR == 1 { for (i = 1; i <= NF; i++) col[FILENAME, $i] = i; next }
              FILENAME ~ /torch/ { torch[$1 "," $2 "," $3 "," $4] = $(col[FILENAME, "torch_peak_MiB"]); next }
              { k = $2 "," $3 "," $5 "," $6; rows[++n] = $0; key[n] = k }
-             END { printf "| model | context | mode | dtype | peak MiB | predicted MiB | diff | params | grads | optimizer | activations | temporaries | workspace | cached | fwd peak | bwd peak | opt peak | peak in | residual MiB | torch MiB | tsys / torch | status |\n"
+             END { printf "| model | context | mode | dtype | peak MiB | predicted MiB | diff % | params | grads | optimizer | activations | temporaries | workspace | cached | fwd peak | bwd peak | opt peak | peak in | residual MiB | torch MiB | tsys / torch | status |\n"
                    printf "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|\n"
                    for (r = 1; r <= n; r++) { split(rows[r], c, ","); t = (key[r] in torch) ? torch[key[r]] : "";
                      ratio = (t != "" && t + 0 > 0 && c[8] + 0 > 0) ? sprintf("%.3f", c[8] / t) : "-"
