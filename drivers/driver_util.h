@@ -348,13 +348,39 @@ static inline tsys_status du_lm_step(du_lm *r, int *last) {
 // A snapshot holds the model, AdamW (moments, step count, hyper-parameters), the fp16 loss scaler when
 // the step uses it, the context's RNG and r->record; it is named after r->step ("step-000012"), the
 // number of training steps taken since the run that first started from fresh weights. Every step
-// counts, warmup ones too (they train): a snapshot's step is then its AdamW step count.
+// counts, warmup ones too (they train): a snapshot's step is then its AdamW step count (less the
+// steps the fp16 loss scaler skipped on an overflow).
 //
 // Under a captured CUDA graph (e2e --compile yes) this relies on three things: tsys_state_load writes
 // into the live parameters, moments and AdamW's device step counter in place (the addresses stay), so
 // a load before the capture is what the graph's kernels read; a replay advances only that device
 // counter, which tsys_state_save reads (not the host's); and a save after tsys_sync sees every write
-// of the replays before it, while reading tensors launches nothing into the graph.
+// of the replays before it (its copies to the host run outside any capture, between replays).
+
+// The snapshot flags of a training driver (e2e; ddp can take them the same way): the table's rows and
+// the rules between them (du_snapshot_flags_why), for du_lm_snapshots.
+typedef struct du_snapshot_flags { const char *save_dir, *resume; int save_every, keep_last; } du_snapshot_flags;
+#define DU_SNAPSHOT_FLAGS(s)                                                                                                           \
+    DU_FLAG_INT("save-every", &(s)->save_every, NULL, 1, 1 << 30, "train mode: a snapshot of the training state (model, AdamW, fp16 loss\nscaler, "  \
+                "RNG) into --save-dir after every step whose number is a\nmultiple of N, and after the last; steps count from the start of the\n"    \
+                "first run, warmup ones included (docs/design/state.md)"),                                                            \
+    DU_FLAG_STR("save-dir", &(s)->save_dir, NULL, "DIR", "where --save-every writes: DIR/step-NNNNNN, DIR/<configuration>/step-NNNNNN\n" \
+                "in a sweep of several"),                                                                                              \
+    DU_FLAG_INT("keep-last", &(s)->keep_last, "3", 0, 1 << 20, "snapshots kept in each directory (0: all)"),                           \
+    DU_FLAG_STR("resume", &(s)->resume, NULL, "DIR", "train mode: start from the newest snapshot in DIR (DIR/<configuration>\nin a "     \
+                "sweep), continuing its step count; an error row when there is\nnone or it does not load")
+
+// Why the snapshot flags given cannot run (NULL: they can): modes (NULL when the driver only trains)
+// holds another mode than train, or --save-every and --save-dir come one without the other.
+static inline const char *du_snapshot_flags_why(const du_snapshot_flags *s, const du_list *modes, char *buf, size_t len) {
+    char given[48];
+    snprintf(given, sizeof(given), "%s%s%s", s->save_every ? " --save-every" : "", s->save_dir ? " --save-dir" : "", s->resume ? " --resume" : "");
+    for (int i = 0; modes && *given && i < modes->n; i++) {
+        if (strcmp(modes->item[i], "train")) { snprintf(buf, len, "%s: train mode only, and --mode holds '%s'", given + 1, modes->item[i]); return buf; }
+    }
+    if (!s->save_every != !s->save_dir) return s->save_dir ? "--save-dir needs --save-every N" : "--save-every needs --save-dir DIR";
+    return NULL;
+}
 
 // Writes r's snapshot of step r->step into r->save_dir (made when missing; its parent must exist),
 // keeping the newest r->keep_last (0: all). The device is synchronized first, outside the time taken.
@@ -405,19 +431,18 @@ static inline tsys_status du_lm_resume(du_lm *r, const char *dir, int n_match, c
     return st;
 }
 
-// Sets r's snapshots up before the first step: into save_dir (NULL: none) every `every` steps keeping
-// keep_last, and a load from resume (NULL: none; du_lm_resume, n_match and path as there); both in
-// their subdirectory sub unless sub is "" (a sweep's configuration: save_dir is then made if missing).
-static inline tsys_status du_lm_snapshots(du_lm *r, const char *save_dir, int every, int keep_last, const char *resume, const char *sub, int n_match,
-                                          char *path, size_t len) {
+// Sets r's snapshots up before the first step as the flags say: into --save-dir, and a load from
+// --resume (du_lm_resume: n_match and path as there); both in their subdirectory sub unless sub is ""
+// (a sweep's configuration: --save-dir is then made if missing).
+static inline tsys_status du_lm_snapshots(du_lm *r, const du_snapshot_flags *f, const char *sub, int n_match, char *path, size_t len) {
     tsys_ctx *ctx = r->ctx;
-    const char *slash = *sub ? "/" : "";
+    const char *slash = *sub ? "/" : "", *save_dir = f->save_dir, *resume = f->resume;
     char dir[640];
     if (save_dir) {
         if (*sub && mkdir(save_dir, 0777) != 0 && errno != EEXIST) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--save-dir '%s': cannot make it: %s", save_dir, strerror(errno));
         if (snprintf(r->save_dir, sizeof(r->save_dir), "%s%s%s", save_dir, slash, sub) >= (int)sizeof(r->save_dir))
             return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--save-dir '%s': the path is too long", save_dir);
-        r->save_every = every; r->keep_last = keep_last;
+        r->save_every = f->save_every; r->keep_last = f->keep_last;
     }
     if (!resume) return TSYS_OK;
     if (snprintf(dir, sizeof(dir), "%s%s%s", resume, slash, sub) >= (int)sizeof(dir)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': the path is too long", resume);

@@ -11,9 +11,10 @@
 
 typedef struct e2e_opts {
     du_common common;
-    const char *device, *load, *profile, *save_dir, *resume;
+    const char *device, *load, *profile;
     du_list models, contexts, modes, dtypes, attns, compiles, overlaps, lowps, ckpts;
-    int batch, warmup, steps, seed, save_every, keep_last, configs;
+    int batch, warmup, steps, seed, configs;
+    du_snapshot_flags snap;   // --save-every, --save-dir, --keep-last, --resume
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
     bool no_sgemm, tf32, nvtx, plan;
     FILE *profile_log;      // the paths of each profiled configuration's files, printed after the table
@@ -91,13 +92,7 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         DU_FLAG_STR("profile", &o->profile, NULL, "DIR", "after the timed steps, profile one more (eager) step of each configuration:\nDIR/<config>.md holds "
                     "the op and kernel tables, DIR/<config>.json a Chrome\ntrace (chrome://tracing, ui.perfetto.dev: ops with input shapes, flows to\ntheir kernels), "
                     "DIR/summary.csv a line each (added to what it holds); after\nthe table, one line per profiled configuration names its .md and .json (on\nstdout under md, on stderr under csv and jsonl)"),
-        DU_FLAG_INT("save-every", &o->save_every, NULL, 1, 1 << 30, "train mode: a snapshot of the training state (model, AdamW, fp16 loss\nscaler, RNG) "
-                    "into --save-dir after every step whose number is a\nmultiple of N, and after the last; steps count from the start of the\nfirst run, "
-                    "warmup ones included (docs/design/state.md)"),
-        DU_FLAG_STR("save-dir", &o->save_dir, NULL, "DIR", "where --save-every writes: DIR/step-NNNNNN, DIR/<configuration>/step-NNNNNN\nin a sweep of several"),
-        DU_FLAG_INT("keep-last", &o->keep_last, "3", 0, 1 << 20, "snapshots kept in each directory (0: all)"),
-        DU_FLAG_STR("resume", &o->resume, NULL, "DIR", "train mode: start from the newest snapshot in DIR (DIR/<configuration>\nin a sweep), "
-                    "continuing its step count; an error row when there is\nnone or it does not load"),
+        DU_SNAPSHOT_FLAGS(&o->snap),
         DU_COMMON_FLAGS(&o->common, DU_MEM_LIMIT_TEXT),
     };
     int rc = du_flags_parse("e2e", flags, (int)(sizeof(flags) / sizeof(flags[0])), argc, argv, NULL, E2E_EPILOGUE);
@@ -114,12 +109,9 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         else if (x->d_model || x->d_ff || x->num_layers || x->num_heads || x->vocab_size)
             why = "--model from-file takes its dims from the file: drop --d-model, --d-ff, --num-layers, --num-heads and --vocab-size";
     }
-    char buf[200], given[48];   // the snapshot flags given, for their rules
-    snprintf(given, sizeof(given), "%s%s%s", o->save_every ? " --save-every" : "", o->save_dir ? " --save-dir" : "", o->resume ? " --resume" : "");
-    for (int i = 0; i < o->modes.n && !why && *given; i++)
-        if (strcmp(o->modes.item[i], "train")) { snprintf(buf, sizeof(buf), "%s: train mode only, and --mode holds '%s'", given + 1, o->modes.item[i]); why = buf; }
-    if (!why && o->plan && *given) { snprintf(buf, sizeof(buf), "%s: --plan trains nothing", given + 1); why = buf; }
-    if (!why && !o->save_every != !o->save_dir) why = o->save_dir ? "--save-dir needs --save-every N" : "--save-every needs --save-dir DIR";
+    char buf[200];
+    if (!why) why = du_snapshot_flags_why(&o->snap, &o->modes, buf, sizeof(buf));
+    if (!why && o->plan && (o->snap.save_every || o->snap.resume)) why = "--plan trains nothing: drop --save-every, --save-dir and --resume";
     const du_list *l[9] = E2E_LISTS(o);
     double rows = 1;   // a sweep is numbered by int: 9 lists of 64 would overflow it
     for (int i = 0; i < 9; i++) rows *= l[i]->n;
@@ -224,8 +216,8 @@ static tsys_status bench_snapshots(bench *b, const e2e_opts *o, const config *c,
     snprintf(v[0], 300, "%d", o->batch); snprintf(v[1], 300, "%d", c->T); snprintf(v[2], 300, "%d", o->seed); e2e_profile_name(v[3], 300, row);
     for (int i = 0; i < 4; i++) { b->record[2 * i] = keys[i]; b->record[2 * i + 1] = v[i]; }
     b->lm.record = b->record; b->lm.n_record = 4;
-    tsys_status st = du_lm_snapshots(&b->lm, o->save_dir, o->save_every, o->keep_last, o->resume, o->configs > 1 ? v[3] : "", 3, path, sizeof(path));
-    if (st == TSYS_OK && o->resume) fprintf(stderr, "e2e: resumed from %s: step %lld\n", path, (long long)b->lm.step);
+    tsys_status st = du_lm_snapshots(&b->lm, &o->snap, o->configs > 1 ? v[3] : "", 3, path, sizeof(path));
+    if (st == TSYS_OK && o->snap.resume) fprintf(stderr, "e2e: resumed from %s: step %lld\n", path, (long long)b->lm.step);
     return st;
 }
 
@@ -427,7 +419,7 @@ static tsys_ctx *make_ctx(e2e_opts *o, tsys_device dev, FILE *cfg) {
     return ctx;
 }
 
-#define E2E_COLS "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,lowp_copies,ckpt,warmup,save_ms,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,"
+#define E2E_COLS "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,lowp_copies,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,"
 #define E2E_PLAN_COLS "model,context,batch,mode,dtype,attn,ckpt,block_MiB,kept_block_MiB,kept_blocks_MiB,kept_MiB,pred_peak_MiB,recompute_pct,fits,status"
 
 static int driver_main(int argc, char **argv) {
@@ -444,16 +436,17 @@ static int driver_main(int argc, char **argv) {
             "warmup %d; steps %d; memory limit %s%s%s", o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src,
             o.compiles.src, o.overlaps.src, o.lowps.src, o.ckpts.src, o.warmup, o.steps, du_mem_limit_str(lim, sizeof(lim), o.common.mem_limit),
             o.load ? "; load " : "", o.load ? o.load : "");
-    if (o.save_dir) fprintf(cfg, "; a snapshot every %d steps into %s (keep %d)", o.save_every, o.save_dir, o.keep_last);
-    fprintf(cfg, "%s%s\n", o.resume ? "; resume " : "", o.resume ? o.resume : "");
+    if (o.snap.save_dir) fprintf(cfg, "; a snapshot every %d steps into %s (keep %d)", o.snap.save_every, o.snap.save_dir, o.snap.keep_last);
+    fprintf(cfg, "%s%s\n", o.snap.resume ? "; resume " : "", o.snap.resume ? o.snap.resume : "");
     if (o.common.dry_run) { opts_free(&o); return du_dry_run_done(&o.common, "e2e", configs); }
     tsys_ctx *ctx = NULL;   // --plan builds nothing
     if (!o.plan && ((o.profile && !e2e_profile_open(o.profile, &o.profile_log)) || !(ctx = make_ctx(&o, dev, cfg)))) { opts_free(&o); return DU_EXIT_FAILED; }
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
-    du_table_init(&tab, o.plan ? E2E_PLAN_COLS : dev == TSYS_CPU ? E2E_COLS "GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status"
-                                                               : E2E_COLS "TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.common.format);
+    char cols[400];   // save_ms only when saving: the tables without snapshots stay as they were
+    snprintf(cols, sizeof(cols), E2E_COLS "%s%s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.snap.save_dir ? "save_ms," : "", dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s");
+    du_table_init(&tab, o.plan ? E2E_PLAN_COLS : cols, o.common.format);
     du_progress_begin(configs);
     for (int k = 0; k < configs; k++) {
         sweep_at(&o, dev, k, &c);

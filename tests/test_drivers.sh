@@ -751,7 +751,9 @@ t_save_resume_is_bitwise() {
   [ "$(ls "$tmp/twice" | tr '\n' ' ')" = "step-000003 step-000006 " ] || note "twice: $(ls "$tmp/twice")"
   snapshot_diff "$tmp/once/step-000006" "$tmp/twice/step-000006" >"$tmp/py" 2>&1 || note "the step-6 snapshots differ: $(head -c 600 "$tmp/py")"
   run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 2
-  [ -z "$(csv_col "$tmp/out" 1 save_ms)" ] || note "save_ms without saving: '$(csv_col "$tmp/out" 1 save_ms)', wanted empty"
+  [ "$(csv_col "$tmp/out" 1 save_ms)" = NO-COLUMN ] || note "a save_ms column without saving"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 1 --compile no,yes --save-every 1 --save-dir "$tmp/skip"
+  [ -z "$(csv_col "$tmp/out" 2 save_ms)" ] || note "save_ms of a skipped row: '$(csv_col "$tmp/out" 2 save_ms)', wanted empty"
 }
 
 # Warmup steps count: 2 warmup and 3 timed steps with --save-every 2 save after steps 2, 4 and 5 (the
