@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <time.h>
+#include <sys/stat.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -231,6 +232,13 @@ static inline bool du_model_sizes_ok(const tsys_model_desc *d, int batch, int T,
 // The --dtype spelling of an autocast dtype (fp32, bf16, fp16).
 static inline const char *du_dtype_flag(tsys_dtype d) { return d == TSYS_F32 ? "fp32" : d == TSYS_BF16 ? "bf16" : "fp16"; }
 
+// Seconds on the monotonic clock (progress, snapshot times).
+static inline double du_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 // ---- one step of the cs336 LM, in the report's phases (e2e and memory) ---------------------------
 
 typedef enum { DU_FORWARD, DU_FORWARD_BACKWARD, DU_TRAIN } du_mode;
@@ -257,6 +265,15 @@ typedef struct du_lm {
     bool lowp_copies;                      // AdamW keeps the autocast dtype's weight copies (tsys_optim_keep_lowp; train, bf16/fp16)
     void (*mark)(void *user, int boundary);
     void *mark_user;
+    // Snapshots of the training state (train mode): du_lm_snapshots before the first step, du_lm_step_done
+    // after each. Zeroed: none, and the steps are only counted.
+    char save_dir[640];                    // "": no snapshots
+    int save_every, keep_last;             // a snapshot after each step whose number is a multiple of save_every
+    const char *const *record;             // the user record of each snapshot (tsys_state_desc.user): the
+    int n_record;                          // configuration, for du_lm_resume to check
+    int64_t step;                          // training steps taken, those of the snapshot resumed from included
+    int saves;                             // snapshots written and their time in ms, the device sync before
+    double save_ms;                        // each excluded (the step's own work)
 } du_lm;
 
 static inline tsys_status du_lm_setup(du_lm *r, const tsys_model_desc *d, int batch, int T, uint64_t seed, const char *load) {
@@ -326,6 +343,112 @@ static inline tsys_status du_lm_step(du_lm *r, int *last) {
     return tsys_ctx_status(ctx);
 }
 
+// ---- training-state snapshots of a du_lm (tsys_state_*, docs/design/state.md) ------------------
+//
+// A snapshot holds the model, AdamW (moments, step count, hyper-parameters), the fp16 loss scaler when
+// the step uses it, the context's RNG and r->record; it is named after r->step ("step-000012"), the
+// number of training steps taken since the run that first started from fresh weights. Every step
+// counts, warmup ones too (they train): a snapshot's step is then its AdamW step count (less the
+// steps the fp16 loss scaler skipped on an overflow).
+//
+// Under a captured CUDA graph (e2e --compile yes) this relies on three things: tsys_state_load writes
+// into the live parameters, moments and AdamW's device step counter in place (the addresses stay), so
+// a load before the capture is what the graph's kernels read; a replay advances only that device
+// counter, which tsys_state_save reads (not the host's); and a save after tsys_sync sees every write
+// of the replays before it (its copies to the host run outside any capture, between replays).
+
+// The snapshot flags of a training driver (e2e; ddp can take them the same way): the table's rows and
+// the rules between them (du_snapshot_flags_why), for du_lm_snapshots.
+typedef struct du_snapshot_flags { const char *save_dir, *resume; int save_every, keep_last; } du_snapshot_flags;
+#define DU_SNAPSHOT_FLAGS(s)                                                                                                           \
+    DU_FLAG_INT("save-every", &(s)->save_every, NULL, 1, 1 << 30, "train mode: a snapshot of the training state (model, AdamW, fp16 loss\nscaler, "  \
+                "RNG) into --save-dir after every step whose number is a\nmultiple of N, and after the last; steps count from the start of the\n"    \
+                "first run, warmup ones included (docs/design/state.md)"),                                                            \
+    DU_FLAG_STR("save-dir", &(s)->save_dir, NULL, "DIR", "where --save-every writes: DIR/step-NNNNNN, DIR/<configuration>/step-NNNNNN\n" \
+                "in a sweep of several"),                                                                                              \
+    DU_FLAG_INT("keep-last", &(s)->keep_last, "3", 0, 1 << 20, "snapshots kept in each directory (0: all)"),                           \
+    DU_FLAG_STR("resume", &(s)->resume, NULL, "DIR", "train mode: start from the newest snapshot in DIR (DIR/<configuration>\nin a "     \
+                "sweep), continuing its step count; an error row when there is\nnone or it does not load")
+
+// Why the snapshot flags given cannot run (NULL: they can): modes (NULL when the driver only trains)
+// holds another mode than train, or --save-every and --save-dir come one without the other.
+static inline const char *du_snapshot_flags_why(const du_snapshot_flags *s, const du_list *modes, char *buf, size_t len) {
+    char given[48];
+    snprintf(given, sizeof(given), "%s%s%s", s->save_every ? " --save-every" : "", s->save_dir ? " --save-dir" : "", s->resume ? " --resume" : "");
+    for (int i = 0; modes && *given && i < modes->n; i++) {
+        if (strcmp(modes->item[i], "train")) { snprintf(buf, len, "%s: train mode only, and --mode holds '%s'", given + 1, modes->item[i]); return buf; }
+    }
+    if (!s->save_every != !s->save_dir) return s->save_dir ? "--save-dir needs --save-every N" : "--save-every needs --save-dir DIR";
+    return NULL;
+}
+
+// Writes r's snapshot of step r->step into r->save_dir (made when missing; its parent must exist),
+// keeping the newest r->keep_last (0: all). The device is synchronized first, outside the time taken.
+static inline tsys_status du_lm_save(du_lm *r) {
+    tsys_status st = tsys_sync(r->ctx, r->dev);
+    if (st != TSYS_OK) return st;
+    tsys_state_desc d;
+    memset(&d, 0, sizeof(d));
+    d.model = r->model; d.optim = r->opt; d.scaler = r->dtype == TSYS_F16 ? &r->scaler : NULL;
+    d.user = r->record; d.n_user = r->n_record; d.step = r->step; d.keep_last = r->keep_last;
+    double t0 = du_now_s();
+    st = tsys_state_save(r->ctx, r->save_dir, &d);
+    r->save_ms += 1e3 * (du_now_s() - t0);
+    r->saves++;
+    return st;
+}
+
+// After a training step: counts it and saves a snapshot when its number is a multiple of save_every,
+// or when it is the run's last (last: so a finished run can be continued from its end).
+static inline tsys_status du_lm_step_done(du_lm *r, bool last) {
+    if (r->mode != DU_TRAIN) return TSYS_OK;
+    r->step++;
+    return r->save_dir[0] && (r->step % r->save_every == 0 || last) ? du_lm_save(r) : TSYS_OK;
+}
+
+// Loads the newest snapshot of dir (tsys_state_latest) into r and continues from its step (r->step);
+// before the first step. The first n_match pairs of r->record must be the snapshot's too (what makes
+// it the same run: the data); the rest may differ. path gets the snapshot's path. An error names dir or
+// the snapshot and what is wrong (none there, a damaged file, another configuration); r is then only
+// fit to be freed (a mismatch is found after the load wrote).
+static inline tsys_status du_lm_resume(du_lm *r, const char *dir, int n_match, char *path, size_t len) {
+    tsys_ctx *ctx = r->ctx;
+    if (tsys_state_latest(ctx, dir, path, len) != TSYS_OK) return tsys_ctx_status(ctx);
+    if (!*path) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': no complete snapshot there (a step-NNNNNN directory with its MANIFEST)", dir);
+    tsys_state_desc d;
+    tsys_state_info *info = (tsys_state_info *)malloc(sizeof(*info));   // 10 KB of user record: not on the stack
+    memset(&d, 0, sizeof(d));
+    d.model = r->model; d.optim = r->opt; d.scaler = r->dtype == TSYS_F16 ? &r->scaler : NULL;
+    if (!info) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "--resume '%s': out of host memory", path);
+    tsys_status st = tsys_state_load(ctx, path, &d, info);
+    for (int i = 0; st == TSYS_OK && i < n_match && i < r->n_record; i++) {
+        const char *key = r->record[2 * i], *want = r->record[2 * i + 1], *got = tsys_state_info_get(info, key);
+        if (!got || strcmp(got, want))
+            st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': saved with %s %s, this run has %s %s", path, key, got ? got : "(none)", key, want);
+    }
+    if (st == TSYS_OK) r->step = info->step;
+    free(info);
+    return st;
+}
+
+// Sets r's snapshots up before the first step as the flags say: into --save-dir, and a load from
+// --resume (du_lm_resume: n_match and path as there); both in their subdirectory sub unless sub is ""
+// (a sweep's configuration: --save-dir is then made if missing).
+static inline tsys_status du_lm_snapshots(du_lm *r, const du_snapshot_flags *f, const char *sub, int n_match, char *path, size_t len) {
+    tsys_ctx *ctx = r->ctx;
+    const char *slash = *sub ? "/" : "", *save_dir = f->save_dir, *resume = f->resume;
+    char dir[640];
+    if (save_dir) {
+        if (*sub && mkdir(save_dir, 0777) != 0 && errno != EEXIST) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--save-dir '%s': cannot make it: %s", save_dir, strerror(errno));
+        if (snprintf(r->save_dir, sizeof(r->save_dir), "%s%s%s", save_dir, slash, sub) >= (int)sizeof(r->save_dir))
+            return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--save-dir '%s': the path is too long", save_dir);
+        r->save_every = f->save_every; r->keep_last = f->keep_last;
+    }
+    if (!resume) return TSYS_OK;
+    if (snprintf(dir, sizeof(dir), "%s%s%s", resume, slash, sub) >= (int)sizeof(dir)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': the path is too long", resume);
+    return du_lm_resume(r, dir, n_match, path, len);
+}
+
 // ---- progress on stderr: --progress auto|on|off --------------------------------------------------
 //
 // "e2e: configuration 3 of 8 (small T=256 train), step 4 of 10, ETA 1m05s". On a terminal the line
@@ -344,12 +467,6 @@ typedef struct du_progress_state {
     double last_line;              // when a line was last written (non-terminal output)
 } du_progress_state;
 static du_progress_state du_prog;
-
-static inline double du_now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 // --progress's value (checked by the flag table: auto, on or off).
 static inline void du_progress_setup(const char *prog, const char *mode) {

@@ -13,7 +13,8 @@ typedef struct e2e_opts {
     du_common common;
     const char *device, *load, *profile;
     du_list models, contexts, modes, dtypes, attns, compiles, overlaps, lowps, ckpts;
-    int batch, warmup, steps, seed;
+    int batch, warmup, steps, seed, configs;
+    du_snapshot_flags snap;   // --save-every, --save-dir, --keep-last, --resume
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
     bool no_sgemm, tf32, nvtx, plan;
     FILE *profile_log;      // the paths of each profiled configuration's files, printed after the table
@@ -91,6 +92,7 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         DU_FLAG_STR("profile", &o->profile, NULL, "DIR", "after the timed steps, profile one more (eager) step of each configuration:\nDIR/<config>.md holds "
                     "the op and kernel tables, DIR/<config>.json a Chrome\ntrace (chrome://tracing, ui.perfetto.dev: ops with input shapes, flows to\ntheir kernels), "
                     "DIR/summary.csv a line each (added to what it holds); after\nthe table, one line per profiled configuration names its .md and .json (on\nstdout under md, on stderr under csv and jsonl)"),
+        DU_SNAPSHOT_FLAGS(&o->snap),
         DU_COMMON_FLAGS(&o->common, DU_MEM_LIMIT_TEXT),
     };
     int rc = du_flags_parse("e2e", flags, (int)(sizeof(flags) / sizeof(flags[0])), argc, argv, NULL, E2E_EPILOGUE);
@@ -107,6 +109,9 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         else if (x->d_model || x->d_ff || x->num_layers || x->num_heads || x->vocab_size)
             why = "--model from-file takes its dims from the file: drop --d-model, --d-ff, --num-layers, --num-heads and --vocab-size";
     }
+    char buf[200];
+    if (!why) why = du_snapshot_flags_why(&o->snap, &o->modes, buf, sizeof(buf));
+    if (!why && o->plan && (o->snap.save_every || o->snap.resume)) why = "--plan trains nothing: drop --save-every, --save-dir and --resume";
     const du_list *l[9] = E2E_LISTS(o);
     double rows = 1;   // a sweep is numbered by int: 9 lists of 64 would overflow it
     for (int i = 0; i < 9; i++) rows *= l[i]->n;
@@ -139,7 +144,9 @@ static int sweep_at(const e2e_opts *o, tsys_device dev, int k, config *c) {
 
 // Everything one configuration needs, built once, released by bench_free.
 typedef struct bench {
-    du_lm lm;         // the model, its optimizer, the batch, the step
+    du_lm lm;         // the model, its optimizer, the batch, the step, the snapshots
+    char record_value[4][300];
+    const char *record[8];   // what each snapshot records (lm.record)
     bool capturing;   // inside CUDA graph capture: no host synchronization allowed
     int64_t saved;    // bytes the forward kept for backward (the tracker's activations after it)
     tsys_event ev[4]; // the phase boundaries of a step: start, forward done, backward done, optimizer done
@@ -190,6 +197,7 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
         bench_mark(b, 3);
         tot[i] = tsys_event_elapsed_ms(b->lm.ctx, &b->ev[0], &b->ev[3]);
         if (st == TSYS_OK) st = tsys_ctx_status(b->lm.ctx);
+        if (st == TSYS_OK) st = du_lm_step_done(&b->lm, i == steps - 1);   // between replays (du_lm_save says why it may)
         du_progress_step("timed", i + 1, steps);
     }
     tsys_cuda_graph_free(g);
@@ -198,6 +206,20 @@ static tsys_status bench_compiled(bench *b, int steps, double *tot) {
 #else   // not reached: --device cuda is refused without CUDA, and --compile is skipped on the CPU
 static tsys_status bench_compiled(bench *b, int steps, double *tot) { (void)steps; (void)tot; return tsys_ctx_set_error(b->lm.ctx, TSYS_ERR_UNSUPPORTED, "--compile needs CUDA"); }
 #endif
+
+// --save-dir and --resume of one configuration: DIR, or DIR/<configuration> in a sweep of several. Each
+// snapshot records the batch, context and seed (a resumed run must train on the same batch: checked)
+// and the configuration's name.
+static tsys_status bench_snapshots(bench *b, const e2e_opts *o, const config *c, const du_row *row) {
+    static const char *const keys[4] = {"batch", "context", "seed", "config"};
+    char (*v)[300] = b->record_value, path[700];
+    snprintf(v[0], 300, "%d", o->batch); snprintf(v[1], 300, "%d", c->T); snprintf(v[2], 300, "%d", o->seed); e2e_profile_name(v[3], 300, row);
+    for (int i = 0; i < 4; i++) { b->record[2 * i] = keys[i]; b->record[2 * i + 1] = v[i]; }
+    b->lm.record = b->record; b->lm.n_record = 4;
+    tsys_status st = du_lm_snapshots(&b->lm, &o->snap, o->configs > 1 ? v[3] : "", 3, path, sizeof(path));
+    if (st == TSYS_OK && o->snap.resume) fprintf(stderr, "e2e: resumed from %s: step %lld\n", path, (long long)b->lm.step);
+    return st;
+}
 
 // One more step under the profiler; its files go under --profile DIR (e2e_profile.h).
 static tsys_status bench_profile(bench *b, const e2e_opts *o, const du_row *row) {
@@ -323,12 +345,14 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     double *tm = (double *)calloc(4 * (size_t)n, sizeof(double));   // forward, backward, optimizer, total: n each
     tsys_status st = tm ? du_lm_setup(&b.lm, &d, o->batch, c->T, (uint64_t)o->seed, o->load)
                         : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "out of host memory for %d step timings", n);
+    if (st == TSYS_OK) st = bench_snapshots(&b, o, c, row);   // a load before any capture: the graph's tensors stay where they are
     bool in_warmup = warm > 0;
     if (in_warmup) tsys_trace_begin(ctx, "warmup");   // nsys can skip it
     for (int i = 0; st == TSYS_OK && i < eager; i++) {
         double t[3] = {0, 0, 0};
         if (i == warm && in_warmup) { tsys_trace_end(ctx); in_warmup = false; }
         st = bench_step(&b, t);
+        if (st == TSYS_OK) st = du_lm_step_done(&b.lm, i == eager - 1 && !c->compiled);   // after the step's timing: a save is not in it
         if (i < warm) { du_progress_step("warmup", i + 1, warm); continue; }
         du_progress_step("timed", i - warm + 1, n);
         for (int k = 0; k < 3; k++) tm[k * n + i - warm] = t[k];
@@ -343,6 +367,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
             du_row_set(row, "saved_MiB", "%.0f", (double)b.saved / 1048576.0); du_row_set(row, "pred_MiB", "%.0f", plan.peak_bytes / 1048576.0);
         }
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
+        if (b.lm.saves) du_row_set(row, "save_ms", "%.1f", b.lm.save_ms / b.lm.saves);
         du_row_set(row, "status", "ok");
     } else {
         du_row_set(row, "status", "%s: %s", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
@@ -406,19 +431,22 @@ static int driver_main(int argc, char **argv) {
     FILE *cfg = du_preamble(&o.common);
     char lim[64];
     config c;
-    int configs = sweep_at(&o, dev, 0, &c);
+    int configs = o.configs = sweep_at(&o, dev, 0, &c);
     fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; lowp-copies %s; checkpoint %s; "
-            "warmup %d; steps %d; memory limit %s%s%s\n", o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src,
+            "warmup %d; steps %d; memory limit %s%s%s", o.device, o.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src,
             o.compiles.src, o.overlaps.src, o.lowps.src, o.ckpts.src, o.warmup, o.steps, du_mem_limit_str(lim, sizeof(lim), o.common.mem_limit),
             o.load ? "; load " : "", o.load ? o.load : "");
+    if (o.snap.save_dir) fprintf(cfg, "; a snapshot every %d steps into %s (keep %d)", o.snap.save_every, o.snap.save_dir, o.snap.keep_last);
+    fprintf(cfg, "%s%s\n", o.snap.resume ? "; resume " : "", o.snap.resume ? o.snap.resume : "");
     if (o.common.dry_run) { opts_free(&o); return du_dry_run_done(&o.common, "e2e", configs); }
     tsys_ctx *ctx = NULL;   // --plan builds nothing
     if (!o.plan && ((o.profile && !e2e_profile_open(o.profile, &o.profile_log)) || !(ctx = make_ctx(&o, dev, cfg)))) { opts_free(&o); return DU_EXIT_FAILED; }
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
-    du_table_init(&tab, o.plan ? E2E_PLAN_COLS : dev == TSYS_CPU ? E2E_COLS "GFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status"
-                                                               : E2E_COLS "TFLOP/s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.common.format);
+    char cols[400];   // save_ms only when saving: the tables without snapshots stay as they were
+    snprintf(cols, sizeof(cols), E2E_COLS "%s%s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.snap.save_dir ? "save_ms," : "", dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s");
+    du_table_init(&tab, o.plan ? E2E_PLAN_COLS : cols, o.common.format);
     du_progress_begin(configs);
     for (int k = 0; k < configs; k++) {
         sweep_at(&o, dev, k, &c);

@@ -29,7 +29,8 @@ static inline bool e2e_profile_list(FILE *log, FILE *out) {
 }
 
 // The configuration of a row as a file name: "cpu_small_T128_train_fp32_naive", then "_compiled",
-// "_opt-in-bwd[-free]" and "_ckpt-<policy>" (a file name's characters) where they apply.
+// "_opt-in-bwd[-free]", "_lowp-copies" and "_ckpt-<policy>" (a file name's characters) where they
+// apply: every list of the sweep, so no two configurations share a name (--save-dir's directories).
 static inline void e2e_profile_name(char *name, size_t len, const du_row *row) {
     char ckpt[64] = "";
     const char *in_bwd = du_row_get(row, "opt_in_bwd");
@@ -37,9 +38,10 @@ static inline void e2e_profile_name(char *name, size_t len, const du_row *row) {
         snprintf(ckpt, sizeof(ckpt), "_ckpt-%s", du_row_get(row, "ckpt"));
         for (char *c = ckpt + 6; *c; c++) if (!isalnum((unsigned char)*c)) *c = '-';
     }
-    snprintf(name, len, "%s_%s_T%s_%s_%s_%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+    snprintf(name, len, "%s_%s_T%s_%s_%s_%s%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
              du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled",
-             !strcmp(in_bwd, "yes") ? "_opt-in-bwd" : !strcmp(in_bwd, "free") ? "_opt-in-bwd-free" : "", ckpt);
+             !strcmp(in_bwd, "yes") ? "_opt-in-bwd" : !strcmp(in_bwd, "free") ? "_opt-in-bwd-free" : "",
+             strcmp(du_row_get(row, "lowp_copies"), "yes") ? "" : "_lowp-copies", ckpt);
 }
 
 // One line per profiled configuration in DIR/summary.csv (the header when the file is new), the

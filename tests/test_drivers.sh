@@ -705,6 +705,117 @@ t_dist_drivers_mem_limit_and_shared_budget() {
   fi
 }
 
+# ---- training-state snapshots: --save-every, --save-dir, --resume ------------------------------------
+
+SNAP=(--context-length 8 --mode train --warmup 0 --format csv)
+
+# snapshot_diff A B: the tensors of snapshots A and B (two directories) bitwise equal, and their
+# metadata too but for timing fields (none today: any key holding "time" or ending in _ms or _s).
+snapshot_diff() {
+  python3 - "$1" "$2" <<'PY'
+import json, os, struct, sys
+def read(path):
+    with open(path, "rb") as f: b = f.read()
+    n = struct.unpack("<Q", b[:8])[0]
+    head = json.loads(b[8:8 + n]); data = b[8 + n:]
+    meta = head.pop("__metadata__", {})
+    return meta, {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]]) for k, v in head.items()}
+timing = lambda k: "time" in k or k.endswith("_ms") or k.endswith("_s")
+bad = []
+for name in ("model.safetensors", "train_state.safetensors"):
+    (ma, ta), (mb, tb) = (read(os.path.join(d, name)) for d in sys.argv[1:3])
+    if not ta: bad.append(f"{name}: no tensors")
+    if ta.keys() != tb.keys(): bad.append(f"{name}: tensors {sorted(ta.keys() ^ tb.keys())} in one only")
+    bad += [f"{name}: tensor {k} differs" for k in ta if k in tb and ta[k] != tb[k]]
+    bad += [f"{name}: metadata {k}: {ma.get(k)!r} and {mb.get(k)!r}" for k in sorted(ma.keys() | mb.keys()) if not timing(k) and ma.get(k) != mb.get(k)]
+    if name.startswith("train") and not any(k.endswith(".exp_avg_sq") for k in ta): bad.append("no AdamW moments")
+    if name.startswith("train") and (ma.get("step"), ma.get("optim.step")) != ("6", "6"): bad.append(f"step {ma.get('step')}, AdamW's {ma.get('optim.step')}: wanted 6")
+print("\n".join(bad[:8]))
+sys.exit(1 if bad else 0)
+PY
+}
+
+# 6 steps in one run, and 3 then 3 more resumed from the first 3's snapshot, reach the same step-6
+# snapshot: the model, AdamW's moments and step, the RNG bitwise equal. The steps counted are all the
+# training steps (warmup ones too: none here).
+t_save_resume_is_bitwise() {
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 6 --save-every 6 --save-dir "$tmp/once"
+  expect_rc 0 "6 steps, a snapshot at 6"
+  [[ "$(csv_col "$tmp/out" 1 save_ms)" =~ ^[0-9]+\.[0-9]$ ]] || note "save_ms '$(csv_col "$tmp/out" 1 save_ms)', wanted a number"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 3 --save-every 3 --save-dir "$tmp/twice"
+  expect_rc 0 "3 steps, a snapshot at 3"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 3 --save-every 3 --save-dir "$tmp/twice" --resume "$tmp/twice"
+  expect_rc 0 "3 more steps resumed, a snapshot at 6"
+  expect_in "$tmp/err" "resumed from $tmp/twice/step-000003: step 3" "the snapshot resumed from"
+  [ "$(ls "$tmp/once")" = step-000006 ] || note "once: $(ls "$tmp/once")"
+  [ "$(ls "$tmp/twice" | tr '\n' ' ')" = "step-000003 step-000006 " ] || note "twice: $(ls "$tmp/twice")"
+  snapshot_diff "$tmp/once/step-000006" "$tmp/twice/step-000006" >"$tmp/py" 2>&1 || note "the step-6 snapshots differ: $(head -c 600 "$tmp/py")"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 2
+  [ "$(csv_col "$tmp/out" 1 save_ms)" = NO-COLUMN ] || note "a save_ms column without saving"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 1 --compile no,yes --save-every 1 --save-dir "$tmp/skip"
+  [ -z "$(csv_col "$tmp/out" 2 save_ms)" ] || note "save_ms of a skipped row: '$(csv_col "$tmp/out" 2 save_ms)', wanted empty"
+}
+
+# Warmup steps count: 2 warmup and 3 timed steps with --save-every 2 save after steps 2, 4 and 5 (the
+# last), and --keep-last 2 keeps 4 and 5. A sweep saves each configuration in its own directory.
+t_save_every_counts_warmup_keeps_last_sweeps() {
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --warmup 2 --steps 3 --save-every 2 --keep-last 2 --save-dir "$tmp/warm"
+  expect_rc 0 "warmup 2, steps 3"
+  [ "$(ls "$tmp/warm" | tr '\n' ' ')" = "step-000004 step-000005 " ] || note "warm: $(ls -a "$tmp/warm" | tr '\n' ' ')"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --context-length 8,16 --steps 2 --save-every 2 --save-dir "$tmp/sweep/runs"
+  expect_rc 1 "a sweep into a directory whose parent is missing"
+  expect_in "$tmp/out" "error: .*--save-dir '$tmp/sweep/runs': cannot make it" "the error row names --save-dir"
+  mkdir "$tmp/sweep"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --context-length 8,16 --steps 2 --save-every 2 --save-dir "$tmp/sweep/runs"
+  expect_rc 0 "a sweep of two"
+  local c
+  for c in cpu_custom_T8_train_fp32_naive cpu_custom_T16_train_fp32_naive; do
+    [ -f "$tmp/sweep/runs/$c/step-000002/MANIFEST" ] || note "no $c/step-000002: $(ls -R "$tmp/sweep")"
+  done
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --context-length 8,16 --steps 1 --resume "$tmp/sweep/runs"
+  expect_rc 0 "the sweep resumed"
+  [ "$(grep -c "resumed from $tmp/sweep/runs/cpu_custom_T[0-9]*_train_fp32_naive/step-000002: step 2" "$tmp/err")" = 2 ] || note "resumed: $(cat "$tmp/err")"
+}
+
+# The flags are train mode's: any other mode in the list, --plan, or one flag without its partner is
+# bad usage (2) naming them; a --resume that finds nothing to load, a damaged snapshot, or another
+# run's data (batch, context, seed) is an error row (1) naming the directory and the cause.
+t_save_resume_usage_and_errors() {
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --mode forward --save-every 2 --save-dir "$tmp/fwd"
+  expect_rc 2 "--save-every in forward mode"
+  expect_in "$tmp/err" "^e2e: --save-every --save-dir: train mode only, and --mode holds 'forward'" "names the flags and the mode"
+  [ -e "$tmp/fwd" ] && note "forward mode made $tmp/fwd"
+  run "$B/e2e" "${TINY[@]}" --context-length 8 --mode train,forward-backward --resume "$tmp/fwd"
+  expect_rc 2 "--resume with a mode list holding forward-backward"
+  expect_in "$tmp/err" "^e2e: --resume: train mode only, and --mode holds 'forward-backward'" "names --resume"
+  run "$B/e2e" "${TINY[@]}" --mode train --plan --resume "$tmp/fwd"
+  expect_rc 2 "--resume with --plan"
+  run "$B/e2e" "${TINY[@]}" --mode train --save-every 2
+  expect_rc 2 "--save-every alone"
+  expect_in "$tmp/err" "--save-every needs --save-dir DIR" "the missing partner"
+  run "$B/e2e" "${TINY[@]}" --mode train --save-dir "$tmp/fwd"
+  expect_rc 2 "--save-dir alone"
+  run "$B/e2e" "${TINY[@]}" --mode train --save-every 0 --save-dir "$tmp/fwd"
+  expect_rc 2 "--save-every 0"
+  mkdir -p "$tmp/empty"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --resume "$tmp/empty"
+  expect_rc 1 "--resume of an empty directory"
+  expect_in "$tmp/out" "error: --resume '$tmp/empty': no complete snapshot there" "the error row"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --resume "$tmp/no_such"
+  expect_rc 1 "--resume of a missing directory"
+  expect_in "$tmp/out" "error: --resume '$tmp/no_such': no complete snapshot there" "the error row"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 1 --save-every 1 --save-dir "$tmp/bad"
+  python3 -c "import sys; f = open(sys.argv[1], 'r+b'); f.seek(-9, 2); b = f.read(1); f.seek(-9, 2); f.write(bytes([b[0] ^ 0x10]))" \
+    "$tmp/bad/step-000001/model.safetensors"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --resume "$tmp/bad"
+  expect_rc 1 "--resume of a damaged snapshot"
+  expect_in "$tmp/out" "error: .*step-000001.*'model.safetensors' is altered: its CRC-32C is [0-9a-f]+, the manifest records [0-9a-f]+" "names the file"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 1 --save-every 1 --save-dir "$tmp/b1"
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --batch-size 2 --resume "$tmp/b1"
+  expect_rc 1 "--resume of another batch size"
+  expect_in "$tmp/out" "error: --resume '$tmp/b1/step-000001': saved with batch 1, this run has batch 2" "names the difference"
+}
+
 # ---- results that cannot be written ---------------------------------------------------------------------
 
 # Every driver, every format: stdout on a full disk (/dev/full) is an error on stderr and exit status 1,
