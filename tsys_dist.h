@@ -601,6 +601,11 @@ TSYSDEF void tsys_dist_share_cores(int ranks);
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
+// tsys_dist_share_cores sets OpenMP's thread count; tsys.h includes omp.h only in its implementation,
+// which may be compiled elsewhere (TSYS_LINKED_IMPL)
+#if defined(_OPENMP) && !defined(TSYS_NO_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN2K8)
 #error "tsys_dist.h: the implementation needs POSIX 2008 declarations: compile with -D_GNU_SOURCE"
 #endif
@@ -5149,7 +5154,7 @@ TSYSDEF void tsys_dist_share_cores(int ranks) {
     snprintf(v, sizeof(v), "%d", per);
     setenv("OMP_NUM_THREADS", v, 0);
     setenv("OPENBLAS_NUM_THREADS", v, 0);
-#ifdef _OPENMP
+#if defined(_OPENMP) && !defined(TSYS_NO_OPENMP)
     omp_set_num_threads(per);
 #endif
 #ifdef OPENBLAS_VERSION
