@@ -3,7 +3,7 @@
 # through the driver contract, the memory_viz snapshot through torch's own tooling beside PyTorch's
 # snapshot, a profiler trace through Perfetto's trace processor, a CUDA consumer of the CMake package,
 # and test_cuda.
-#   dev/gpu_contract.sh link contract memviz perfetto consumer test
+#   dev/gpu_contract.sh link contract memviz perfetto resume consumer test
 # Parts:
 #   link      $BIN/{e2e,attn,memory}_cuda from $BIN/<driver>_cuda.o and $BIN/tsys_impl_cuda.o (objects built
 #             elsewhere: the kernels take minutes to compile) when the programs are not there yet
@@ -11,6 +11,8 @@
 #   memviz    memory_cuda --out on the small model (bf16 train), then tests/ref/memviz_check.py --torch small
 #   perfetto  e2e_cuda --profile, then tests/ref/perfetto_check.py on the trace (needs the perfetto package
 #             and trace_processor_shell: TRACE_PROCESSOR_BIN, or found on the machine)
+#   resume    e2e_cuda (small, bf16, eager and compiled): 6 train steps in one run, and 3 then 3 more resumed
+#             from the first 3's snapshot; the two step-6 snapshots' files byte for byte (cmp)
 #   consumer  $BIN/app_cuda (tests/test_packaging.sh's cuda-build consumer, built with PACKAGING_CUDA_OUT)
 #   test      $BIN/test_cuda
 # Logs go to $OUT (default /tmp/tsys_out); a line per part says how it went.
@@ -54,8 +56,21 @@ for part in "$@"; do
     for t in "$OUT"/prof/*.json; do
       TRACE_PROCESSOR_BIN=$tp timeout 120 python3 tests/ref/perfetto_check.py "$t" 2>&1 | tail -4; echo "perfetto_check exit ${PIPESTATUS[0]}"
     done ;;
+  resume)
+    for c in no yes; do
+      r="$OUT/resume_$c"; rm -rf "$r"; mkdir -p "$r"
+      a=("$BIN/e2e_cuda" --model small --context-length 256 --batch-size 4 --mode train --dtype bf16 --compile "$c" --warmup 0 --no-sgemm --format csv)
+      "${a[@]}" --steps 6 --save-every 6 --save-dir "$r/once" > "$r/once.csv" 2>&1
+      "${a[@]}" --steps 3 --save-every 3 --save-dir "$r/twice" > "$r/twice1.csv" 2>&1
+      "${a[@]}" --steps 3 --save-every 3 --save-dir "$r/twice" --resume "$r/twice" > "$r/twice2.csv" 2>&1
+      for f in model.safetensors train_state.safetensors; do
+        cmp -s "$r/once/step-000006/$f" "$r/twice/step-000006/$f" && echo "compile $c: $f equal byte for byte" || echo "compile $c: $f DIFFERS"
+      done
+      grep -h "save_ms\|^cuda" "$r/once.csv" | head -2
+      rm -rf "$r"/once/step-* "$r"/twice/step-*   # 1.5 GB each
+    done ;;
   consumer) "$BIN/app_cuda"; echo "app_cuda exit $?" ;;
   test) timeout 400 "$BIN/test_cuda" > "$OUT/test_cuda.log" 2>&1; grep -v " ok$" "$OUT/test_cuda.log" | tail -12 ;;
-  *) echo "gpu_contract.sh: unknown part '$part' (link contract memviz perfetto consumer test)" >&2; exit 2 ;;
+  *) echo "gpu_contract.sh: unknown part '$part' (link contract memviz perfetto resume consumer test)" >&2; exit 2 ;;
   esac
 done
