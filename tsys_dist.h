@@ -549,6 +549,9 @@ typedef struct tsys_dist_trainer_desc {
     tsys_fsdp_desc fsdp;   // FSDP (it computes in fsdp.compute_dtype)
     tsys_dtype autocast;   // DDP, ZERO1, ALONE: the forward's autocast dtype (TSYS_F32: none)
     float loss_scale;      // backward starts from cross-entropy's mean times this (0 or 1: the mean)
+    const char *save_dir;  // with save_every > 0: a snapshot of the state (tsys_dist_trainer_state_save) into
+    int save_every;        //   save_dir after every save_every-th step, named "step-%06lld" by the step count
+    int keep_last;         //   (tsys_dist_trainer_resume sets it); keep_last as tsys_state_desc's
 } tsys_dist_trainer_desc;
 typedef struct tsys_dist_step_times {
     double forward_ms, backward_ms, optim_ms, step_ms;   // host clock, every phase synchronized with the group;
@@ -574,6 +577,10 @@ TSYSDEF tsys_ddp *tsys_dist_trainer_ddp(const tsys_dist_trainer *t);     // NULL
 // plain), DDP and ALONE a plain one (tsys_state_consolidate makes one of a sharded snapshot).
 TSYSDEF tsys_status tsys_dist_trainer_state_save(tsys_dist_trainer *t, const char *dir, const tsys_state_desc *desc);
 TSYSDEF tsys_status tsys_dist_trainer_state_load(tsys_dist_trainer *t, const char *path, const tsys_state_desc *desc, tsys_state_info *info);
+// Resumes from path: a snapshot, or a directory of them (its newest: tsys_state_latest; rank 0's view decides).
+// The trainer's step count becomes the snapshot's step (*step, may be NULL). Every rank calls it.
+TSYSDEF tsys_status tsys_dist_trainer_resume(tsys_dist_trainer *t, const char *path, int64_t *step);
+TSYSDEF int64_t tsys_dist_trainer_steps(const tsys_dist_trainer *t);   // steps taken (from the resumed step on)
 TSYSDEF tsys_fsdp *tsys_dist_trainer_fsdp(const tsys_dist_trainer *t);   // NULL unless FSDP
 TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t);
 // Every rank calls it at the same point: true on every rank when st is not TSYS_OK on any (or the group
@@ -5218,9 +5225,9 @@ static bool tsys_dist__state_agree(tsys_dist *d, tsys_status *st, const char *pa
     return *st == TSYS_OK;
 }
 
-// Rank 0's temporary (the snapshot it began) to every rank, in the all-reduce that agrees the status
-// of beginning (its last element: the ranks that failed).
-static tsys_status tsys_dist__state_share_tmp(tsys_dist *d, tsys_status st, char *tmp, size_t len, const char *dir) {
+// Rank 0's path (the temporary it began, the snapshot to resume from) to every rank, in the all-reduce
+// that agrees the status (its last element: the ranks that failed).
+static tsys_status tsys_dist__state_share_path(tsys_dist *d, tsys_status st, char *tmp, size_t len, const char *dir) {
     const int rank = tsys_dist_rank(d);
     double *v = (double *)calloc(len + 1, sizeof(double));
     if (!v) return tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_OOM, "state '%s': out of memory", dir);   // it would not reach the all-reduce either
@@ -5230,7 +5237,7 @@ static tsys_status tsys_dist__state_share_tmp(tsys_dist *d, tsys_status st, char
     if (st == TSYS_OK) st = e;
     for (size_t i = 0; st == TSYS_OK && i < len; i++) tmp[i] = (char)v[i];
     tmp[len - 1] = 0;
-    if (st == TSYS_OK && v[len] > 0) st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_IO, "state '%s': rank 0 could not begin the snapshot", dir);
+    if (st == TSYS_OK && v[len] > 0) st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_IO, "state '%s': rank 0 failed (its message says why)", dir);
     free(v);
     return st;
 }
@@ -5277,7 +5284,7 @@ static tsys_status tsys_dist__state_save(tsys_dist *d, const char *dir, const ts
     tsys_status st = p->oom ? tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory planning the snapshot", dir) : tsys_ctx_status(ctx);
     if (world > TSYS_STATE_MAX_PARTS && st == TSYS_OK) st = tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "state '%s': %d ranks; a snapshot has at most %d parts", dir, world, TSYS_STATE_MAX_PARTS);
     if (rank == 0 && st == TSYS_OK) st = tsys_state_begin(ctx, dir, tmp, sizeof(tmp));
-    st = tsys_dist__state_share_tmp(d, st, tmp, sizeof(tmp), dir);
+    st = tsys_dist__state_share_path(d, st, tmp, sizeof(tmp), dir);
     if (st != TSYS_OK) { if (rank == 0) tsys_state_abort(tmp); return st; }
     tsys_state_part *parts = (tsys_state_part *)calloc((size_t)world, sizeof(*parts));
     st = parts ? tsys_dist__state_write_part(d, tmp, p, desc, parts) : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", dir);
@@ -5417,6 +5424,7 @@ struct tsys_dist_trainer {
     tsys_zero1 *zero1;
     tsys_fsdp *fsdp;
     tsys_optim *opt;
+    int64_t step;          // steps taken, counted from the step a resume restored
 };
 
 TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc) {
@@ -5443,6 +5451,8 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
 }
 
 static double tsys_dist__peak(const tsys_dist_trainer *t) { return (double)tsys_mem_stats_get(t->ctx, t->dev).peak_bytes; }
+
+static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t);
 
 TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, tsys_dist_step_times *times) {
     tsys_ctx *ctx = t->ctx;
@@ -5479,7 +5489,9 @@ TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *id
     tm.forward_ms = (t1 - t0) * 1e-3; tm.backward_ms = (t2 - t1) * 1e-3; tm.optim_ms = (t3 - t2) * 1e-3; tm.step_ms = (t3 - t0) * 1e-3;
     if (t->ddp) tm.exposed_ms = tsys_ddp_stats_get(t->ddp).exposed_ms;
     if (times) *times = tm;
-    return tsys_ctx_status(ctx);
+    if (tsys_ctx_status(ctx) != TSYS_OK) return tsys_ctx_status(ctx);
+    t->step++;
+    return tsys_dist__trainer_autosave(t);
 }
 
 TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, double *ms) {
@@ -5515,6 +5527,38 @@ TSYSDEF tsys_status tsys_dist_trainer_state_load(tsys_dist_trainer *t, const cha
     if (t->d) tsys_dist__state_agree(t->d, &st, path, "loading the snapshot");
     return st;
 }
+
+// After a step: the snapshot desc.save_every asks for (outside the step's times).
+static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t) {
+    if (t->desc.save_every <= 0 || !t->desc.save_dir || t->step % t->desc.save_every) return TSYS_OK;
+    tsys_state_desc sd;
+    memset(&sd, 0, sizeof(sd));
+    sd.step = t->step; sd.keep_last = t->desc.keep_last;
+    return tsys_dist_trainer_state_save(t, t->desc.save_dir, &sd);
+}
+
+TSYSDEF tsys_status tsys_dist_trainer_resume(tsys_dist_trainer *t, const char *path, int64_t *step) {
+    if (!t || !path) return t ? tsys_ctx_set_error(t->ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_resume: NULL path") : TSYS_ERR_INVALID_ARGS;
+    char snap[4096] = "", manifest[4200];
+    tsys_status st = tsys_ctx_status(t->ctx);
+    if (!t->d || tsys_dist_rank(t->d) == 0) {
+        struct stat sb;
+        snprintf(manifest, sizeof(manifest), "%s/MANIFEST", path);
+        if (stat(manifest, &sb) == 0) snprintf(snap, sizeof(snap), "%s", path);
+        else if (st == TSYS_OK && (st = tsys_state_latest(t->ctx, path, snap, sizeof(snap))) == TSYS_OK && !snap[0])
+            st = tsys_ctx_set_error(t->ctx, TSYS_ERR_IO, "resume '%s': neither a snapshot nor a directory holding one", path);
+    }
+    if (t->d) st = tsys_dist__state_share_path(t->d, st, snap, sizeof(snap), path);
+    tsys_state_desc sd;
+    memset(&sd, 0, sizeof(sd));
+    tsys_state_info info;
+    if (st == TSYS_OK) st = tsys_dist_trainer_state_load(t, snap, &sd, &info);
+    if (st == TSYS_OK) t->step = info.step;
+    if (step) *step = st == TSYS_OK ? info.step : -1;
+    return st;
+}
+
+TSYSDEF int64_t tsys_dist_trainer_steps(const tsys_dist_trainer *t) { return t ? t->step : 0; }
 
 TSYSDEF tsys_ddp *tsys_dist_trainer_ddp(const tsys_dist_trainer *t) { return t ? t->ddp : NULL; }
 TSYSDEF tsys_fsdp *tsys_dist_trainer_fsdp(const tsys_dist_trainer *t) { return t ? t->fsdp : NULL; }

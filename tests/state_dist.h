@@ -127,7 +127,7 @@ static bool state_same(tsys_ctx *ctx, const char *dir, const char *a, const char
             bool moment = strncmp(x[i]->name, "optim.state.", 12) == 0;
             double mx = 0;
             for (long k = 0; k < n; k++) mx = fmax(mx, fabs(q[k]));
-            bool same = !strcmp(x[i]->name, y[i]->name) && n == (long)tsys_tensor_numel(y[i]) &&
+            bool same = !strncmp(x[i]->name, y[i]->name, sizeof(x[i]->name)) && n == (long)tsys_tensor_numel(y[i]) &&
                         (rtol < 0 ? memcmp(p, q, sizeof(float) * (size_t)n) == 0
                                   : tsys_test_close_ratio(p, q, n, moment ? 1e-4 : rtol, moment ? 1e-5 * mx + 1e-30 : 2e-5) <= 1.0);
             TEST_CHECK(same, "%s: tensor '%s' of %s differs from %s's (%s)", what, x[i]->name, b, a, rtol < 0 ? "bitwise" : "allclose");
