@@ -83,6 +83,8 @@
       moments and step count, the loss scaler, the context's RNG, a user record) as a directory of
       safetensors files and a checksummed MANIFEST, written so that a crash leaves the previous
       snapshot or the new one whole (>>state; docs/design/state.md). Not activation checkpointing.
+      Sharded snapshots (tsys_dist.h's ZeRO-1 and FSDP) are made of chunks of global tensors, one part
+      per process, and read back by ranges on any world size; tsys_state_consolidate makes one plain.
 
    ON INSTRUMENTATION
       One place sees everything: tsys_ctx_set_trace_hooks installs {op_begin, op_end, kernel, mem}
@@ -158,7 +160,8 @@
                              pickle (pytorch.org/memory_viz), with op, region and phase frames
       >>safetensors          safetensors parser and writer, tsys_model_save/load
       >>state                training-state snapshots: CRC-32C, manifest, atomic snapshot
-                             directories, tsys_state_save/load/latest
+                             directories, tsys_state_save/load/latest; sharded snapshots' building
+                             blocks (chunks, parts, commit, range reads), tsys_state_consolidate
 
    Revision history:
       0.4  the CPU backend has one entry point per kernel (tsys__cpu_k_<name>, found through
@@ -9651,11 +9654,13 @@ static tsys_status tsys__state_index_file(tsys_state_reader *r, int f) {
         memset(c, 0, sizeof *c);
         c->fqn = e->name; c->file = f; c->entry = k; c->dtype = e->dtype;
         c->numel = tsys_dtype_size(e->dtype) ? (int64_t)((e->end - e->begin) / tsys_dtype_size(e->dtype)) : 0;
-        char key[TSYS_NAME_LEN + 16];
-        snprintf(key, sizeof key, "chunk.%s", e->name);
+        char *key = tsys__state_strf("chunk.%s", e->name);   // fqns may be longer than tensor names
+        if (!key) return tsys_ctx_set_error(r->ctx, TSYS_ERR_OOM, "state '%s': out of memory", r->path);
         const char *place = tsys__st_meta_get(sf, key);
-        if (place && !tsys__state_parse_place(place, c))
-            return tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "%s: \"%s\" is '%.60s', not \"<offset> <shape>\"", r->m.file[f], key, place);
+        bool ok = !place || tsys__state_parse_place(place, c);
+        if (!ok) tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "%s: \"%.200s\" is '%.60s', not \"<offset> <shape>\"", r->m.file[f], key, place);
+        TSYS_FREE(key);
+        if (!ok) return TSYS_ERR_IO;
         if (!place) {
             if (e->ndim > TSYS_MAX_DIMS) return tsys__state_fail(r->ctx, TSYS_ERR_UNSUPPORTED, r->path, "%s: tensor '%s' has %d dims", r->m.file[f], e->name, e->ndim);
             c->ndim = e->ndim;
@@ -9895,9 +9900,11 @@ TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const
     if (!r) return ctx->status;
     int n = r->ntensors, nmodel = 0, ntrain = 0;
     tsys_tensor **all = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(2 * n + 1));
+    const char **names = (const char **)TSYS_MALLOC(sizeof(char *) * (size_t)(2 * n + 1));   // fqns: longer than a tensor's name may be
     const char **pairs = (const char **)TSYS_MALLOC(sizeof(char *) * 4 * (TSYS__STATE_META + TSYS__ST_NUM_DIMS + 2));
-    tsys_status s = all && pairs ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", src);
+    tsys_status s = all && names && pairs ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", src);
     tsys_tensor **model = all, **train = all ? all + n : NULL;
+    const char **model_names = names, **train_names = names ? names + n : NULL;
     for (int i = 0; s == TSYS_OK && i < n; i++) {   // every tensor whole, on the host
         tsys_dtype dt;
         int ndim;
@@ -9906,7 +9913,8 @@ TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const
         tsys_tensor *t = tsys_tensor_new(ctx, dt, TSYS_CPU, ndim, shape);
         if (!t) { s = ctx->status != TSYS_OK ? ctx->status : TSYS_ERR_OOM; break; }
         tsys_tensor_set_name(t, "%s", fqn);
-        if (!strncmp(fqn, "optim.state.", 12)) train[ntrain++] = t; else model[nmodel++] = t;
+        if (!strncmp(fqn, "optim.state.", 12)) { train_names[ntrain] = fqn; train[ntrain++] = t; }
+        else { model_names[nmodel] = fqn; model[nmodel++] = t; }
         s = tsys_state_read(r, fqn, 0, t);
     }
     const char *base = strrchr(src, '/');
@@ -9923,7 +9931,7 @@ TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const
         tsys__st_sum sum = { &r->crc, 0, 0 };
         snprintf(parts[f].file, sizeof parts[f].file, "%s", f ? TSYS__STATE_TRAIN : TSYS__STATE_MODEL);
         if (!tsys__state_join(path, sizeof path, tmp, parts[f].file)) { s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, tmp, "path too long"); break; }
-        s = tsys__st_save(ctx, path, f ? train : model, NULL, f ? ntrain : nmodel, meta, nmeta, &sum);
+        s = tsys__st_save(ctx, path, f ? train : model, f ? train_names : model_names, f ? ntrain : nmodel, meta, nmeta, &sum);
         parts[f].bytes = sum.bytes; parts[f].crc32c = sum.value;
     }
     if (s == TSYS_OK) {
@@ -9934,7 +9942,7 @@ TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const
     } else tsys_state_abort(tmp);
     for (int i = 0; i < nmodel; i++) tsys_tensor_release(model[i]);
     for (int i = 0; i < ntrain; i++) tsys_tensor_release(train[i]);
-    TSYS_FREE(all); TSYS_FREE(pairs);
+    TSYS_FREE(all); TSYS_FREE(names); TSYS_FREE(pairs);
     tsys_state_close(r);
     return s;
 }
