@@ -11,7 +11,8 @@
 //   other world sizes (TSYS_TEST_STATE_DIR: a directory that runs at several world sizes share, as
 //     tests/run_dist.sh sets it): each run leaves its step-2 snapshot there and resumes from those of
 //     the other world sizes found (2 -> 4, 4 -> 2...);
-//   the consolidated model.safetensors loads with tsys_model_load.
+//   the consolidated model.safetensors loads with tsys_model_load;
+//   a byte altered in one part fails the load on every rank, with nothing written; a failed save too.
 // Across world sizes the gradient of the (fixed) global batch is summed in another order (per-rank means
 // averaged over ranks, against one GEMM over all rows), so those states are equal within fp32 noise, with
 // the tolerance of the FSDP tests' whole-batch comparison (parameters rtol 1e-5, atol 2e-5: after AdamW's
@@ -213,6 +214,43 @@ static void state_other_worlds(tsys_ctx *ctx, tsys_dist_train_mode mode, const c
     }
 }
 
+// Failures are every rank's: a byte altered in one part (the last rank's, read by some ranks only) fails
+// the load on all of them, none having written anything (a rank's first parameter is checked untouched);
+// a save whose directory rank 0 cannot make fails on all of them too.
+static void state_failures(tsys_ctx *ctx, tsys_dist_train_mode mode, const char *dir) {
+    char part[700];
+    snprintf(part, sizeof(part), "%s/a/rank-%05d.safetensors", dir, g_world - 1);
+    struct stat st;
+    if (stat(part, &st) != 0) snprintf(part, sizeof(part), "%s/a/train_state.safetensors", dir);   // DDP: a plain snapshot
+    if (g_rank == 0 && stat(part, &st) == 0) {
+        FILE *f = fopen(part, "r+b");
+        int c = EOF;
+        if (f && fseek(f, (long)st.st_size - 5, SEEK_SET) == 0) c = fgetc(f);
+        if (c != EOF && fseek(f, (long)st.st_size - 5, SEEK_SET) == 0) fputc(c ^ 0x10, f);
+        if (f) fclose(f);
+        TEST_CHECK(c != EOF, "cannot alter %s", part);
+    }
+    tsys_dist_barrier(g_d);
+    tsys_model *m;
+    tsys_dist_trainer *t = state_trainer(ctx, mode, 99, &m);
+    tsys_tensor *first = mode == TSYS_TRAIN_FSDP ? tsys_fsdp_params(tsys_dist_trainer_fsdp(t))[0] : tsys_model_params(m)[0];
+    float *before = test_read(ctx, first);
+    int64_t step = 0;
+    tsys_status s = t ? state_load(t, dir, "a", &step) : TSYS_ERR_INVALID_ARGS;
+    bool named = strstr(tsys_ctx_last_error(ctx), "altered") || strstr(tsys_ctx_last_error(ctx), "failed on");
+    TEST_CHECK(s != TSYS_OK && named, "rank %d: the load of an altered snapshot: %s", g_rank, s == TSYS_OK ? "succeeded" : tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    float *after = test_read(ctx, first);
+    TEST_CHECK(before && after && memcmp(before, after, tsys_tensor_bytes(first)) == 0, "rank %d: a failed load wrote parameters", g_rank);
+    free(before); free(after);
+    char bad[700];
+    snprintf(bad, sizeof(bad), "%s/a/MANIFEST/x", dir);   // under a file: rank 0 cannot make it
+    s = t ? state_save(t, bad, "x", 2) : TSYS_ERR_INVALID_ARGS;
+    TEST_CHECK(s != TSYS_OK, "rank %d: a save into %s succeeded", g_rank, bad);
+    tsys_ctx_clear_error(ctx);
+    state_drop(t, m);
+}
+
 // The whole procedure for a mode; alone_ctx: the one-process references' context.
 static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_mode mode, const char *tag) {
     if (STATE_ROWS % g_world) { if (g_rank == 0) printf("(skipped: %d ranks do not divide %d rows) ", g_world, STATE_ROWS); return; }
@@ -242,6 +280,7 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
         if (state_resume(ctx, mode, dir, "alone-3", dir, "c-4")) state_same(ctx, dir, "a-4", "c-4", 1e-5, "resharded from one process");
     }
     state_other_worlds(ctx, mode, tag, dir);
+    state_failures(ctx, mode, dir);
     tsys_dist_barrier(g_d);
     if (g_rank == 0) {
         char cmd[600];
