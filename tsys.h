@@ -8533,6 +8533,12 @@ TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const ts
 //
 // Which snapshot is newest: the serial number, one more than the highest in DIR at save time. Step
 // numbers can go back (a run restarted from an earlier snapshot), the order of saves cannot.
+//
+// Sharded snapshots (ZeRO-1, FSDP: tsys_dist.h >>state sharded) are made of the same pieces, public:
+// tsys_state_begin makes the temporary, every process writes its part into it (tsys_state_part_write:
+// chunks of global tensors, each chunk's place in the metadata), one commits (tsys_state_commit: the
+// MANIFEST with world= and layout=, the rename, keep_last). The reader serves element ranges of global
+// tensors from whatever chunks hold them, plain snapshots' whole tensors included.
 
 #ifdef TSYS__POSIX
 #include <dirent.h>
