@@ -212,7 +212,7 @@ TEST_RUNNERS += tests/test_contract.sh
 
 $(DIST_DRIVERS): $(BUILD)/%: drivers/%.c $(HEADERS) $(DIST_HEADERS) | $(BUILD)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
-$(DIST_TESTS) $(DIST_SOLO_TESTS): $(BUILD)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(BUILD)
+$(DIST_TESTS) $(DIST_SOLO_TESTS): $(BUILD)/%: tests/%.c tests/harness.h tests/test_util.h tests/state_dist.h $(HEADERS) $(DIST_HEADERS) | $(BUILD)
 	$(CC) $(CPPFLAGS) $(CFLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
 all: $(DIST_DRIVERS)
 # tsys_dist.h alone, warning-free as C11 (with and without MPI) and as C++
@@ -226,7 +226,7 @@ dist-header-check: | $(BUILD)
 TSAN = $(BUILD)/tsan
 TSAN_FLAGS = -O1 -g -fsanitize=thread -fno-omit-frame-pointer
 DIST_TSAN_TESTS = $(DIST_TESTS:$(BUILD)/%=$(TSAN)/%)
-$(DIST_TSAN_TESTS): $(TSAN)/%: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) | $(TSAN)
+$(DIST_TSAN_TESTS): $(TSAN)/%: tests/%.c tests/harness.h tests/test_util.h tests/state_dist.h $(HEADERS) $(DIST_HEADERS) | $(TSAN)
 	$(CC) $(CPPFLAGS) $(TSAN_FLAGS) $(DIST_CFLAGS) $< -o $@ $(DIST_LIBS) $(LDLIBS)
 $(TSAN):
 	mkdir -p $@
@@ -242,7 +242,7 @@ DIST_NVFLAGS = -DTSYS_DIST_NCCL -D_GNU_SOURCE $(if $(HAVE_MPI),-DTSYS_DIST_MPI $
 DIST_CUDA = $(DIST_DRIVERS:%=%_cuda) $(DIST_TESTS:%=%_cuda)
 $(DIST_DRIVERS:%=%_cuda.o): $(BUILD)/%_cuda.o: drivers/%.c $(HEADERS) $(DIST_HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
-$(DIST_TESTS:%=%_cuda.o): $(BUILD)/%_cuda.o: tests/%.c tests/harness.h tests/test_util.h $(HEADERS) $(DIST_HEADERS) tsys_cuda.cuh | $(BUILD)
+$(DIST_TESTS:%=%_cuda.o): $(BUILD)/%_cuda.o: tests/%.c tests/harness.h tests/test_util.h tests/state_dist.h $(HEADERS) $(DIST_HEADERS) tsys_cuda.cuh | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(CPPFLAGS) $(DIST_NVFLAGS) -DTSYS_LINKED_IMPL -x cu -c $< -o $@
 $(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
 	$(NVCC) $(NVFLAGS) $^ -o $@ $(NVLIBS) $(NCCL_LIBS) $(if $(HAVE_MPI),$(MPI_LINK))

@@ -83,6 +83,8 @@
       moments and step count, the loss scaler, the context's RNG, a user record) as a directory of
       safetensors files and a checksummed MANIFEST, written so that a crash leaves the previous
       snapshot or the new one whole (>>state; docs/design/state.md). Not activation checkpointing.
+      Sharded snapshots (tsys_dist.h's ZeRO-1 and FSDP) are made of chunks of global tensors, one part
+      per process, and read back by ranges on any world size; tsys_state_consolidate makes one plain.
 
    ON INSTRUMENTATION
       One place sees everything: tsys_ctx_set_trace_hooks installs {op_begin, op_end, kernel, mem}
@@ -158,7 +160,8 @@
                              pickle (pytorch.org/memory_viz), with op, region and phase frames
       >>safetensors          safetensors parser and writer, tsys_model_save/load
       >>state                training-state snapshots: CRC-32C, manifest, atomic snapshot
-                             directories, tsys_state_save/load/latest
+                             directories, tsys_state_save/load/latest; sharded snapshots' building
+                             blocks (chunks, parts, commit, range reads), tsys_state_consolidate
 
    Revision history:
       0.4  the CPU backend has one entry point per kernel (tsys__cpu_k_<name>, found through
@@ -990,6 +993,74 @@ TSYSDEF tsys_status tsys_state_load(tsys_ctx *ctx, const char *path, const tsys_
 // so are directories whose MANIFEST is missing or damaged, or whose files have other sizes.
 TSYSDEF tsys_status tsys_state_latest(tsys_ctx *ctx, const char *dir, char *buf, size_t len);
 TSYSDEF const char *tsys_state_info_get(const tsys_state_info *info, const char *key);   // NULL when absent
+
+// Sharded snapshots, the building blocks (tsys_dist.h's ZeRO-1 and FSDP snapshots are made of them; the
+// format in docs/design/state.md). Every saved tensor is a chunk of a global tensor: its fqn (the
+// parameter's name, or "optim.state.<name>.exp_avg"/".exp_avg_sq"), the global shape, and the flat
+// element range [offset, offset + numel(t)) of the row-major global tensor that t holds. Any sharding
+// loads into any other: a reader finds each range asked for among the chunks, whoever saved them.
+typedef struct tsys_state_chunk {
+    const char *fqn;
+    tsys_tensor *t;                  // contiguous; its dtype is the saved one
+    int ndim;
+    int64_t shape[TSYS_MAX_DIMS];    // the global tensor's
+    int64_t offset;                  // elements of the global tensor before t's first
+} tsys_state_chunk;
+// A written part: its file name in the snapshot, size and CRC-32C (what the MANIFEST records).
+typedef struct tsys_state_part {
+    char file[64];
+    uint64_t bytes;
+    uint32_t crc32c;
+} tsys_state_part;
+// The steps of a sharded save: begin (one process: makes DIR if missing, removes the temporaries of dead
+// writers, makes a temporary DIR/.tmp-* and returns its path in tmp), then each process writes its part
+// into tmp (on a file system they all see), then commit (one process, after every part is written).
+TSYSDEF tsys_status tsys_state_begin(tsys_ctx *ctx, const char *dir, char *tmp, size_t len);
+// tmp/file: a safetensors of the chunks, under their fqns (a whole chunk in its global shape, a part of
+// one 1-D), "chunk.<fqn>" = "<offset> <d0>,<d1>..." in "__metadata__", and what desc gives (may be
+// NULL): the model's dims, the optimizer's hyper-parameters and step count, the scaler, the RNG (unless
+// no_rng), step and user record. desc's tensors are not saved (pass them as chunks). out: size, CRC.
+TSYSDEF tsys_status tsys_state_part_write(tsys_ctx *ctx, const char *tmp, const char *file, const tsys_state_chunk *chunks, int n,
+                                          const tsys_state_desc *desc, tsys_state_part *out);
+typedef struct tsys_state_commit_desc {
+    const char *name;                // the snapshot's name (as tsys_state_desc.name; NULL: "step-%06lld")
+    int64_t step;
+    int world;                       // the processes that wrote parts (the MANIFEST's world line), 0: a plain snapshot
+    const char *layout;              // how they split the state ("zero1", "fsdp"...: letters, digits, '_'), or NULL
+    const tsys_state_part *parts;
+    int n_parts;                     // at most TSYS_STATE_MAX_PARTS
+    int keep_last;
+} tsys_state_commit_desc;
+#define TSYS_STATE_MAX_PARTS 256
+// Writes tmp/MANIFEST (the parts' sizes and checksums, the next serial), renames tmp to DIR/<name> (a
+// snapshot of that name is replaced as tsys_state_save does) and applies keep_last.
+TSYSDEF tsys_status tsys_state_commit(tsys_ctx *ctx, const char *dir, const char *tmp, const tsys_state_commit_desc *c);
+TSYSDEF void tsys_state_abort(const char *tmp);   // removes a temporary that will not be committed
+// Reading any snapshot, sharded or plain (whose tensors are whole chunks), by ranges. Opening reads
+// and checks the MANIFEST and every file's header; a file's checksum is verified the first time a range
+// is checked or read from it.
+typedef struct tsys_state_reader tsys_state_reader;
+TSYSDEF tsys_state_reader *tsys_state_open(tsys_ctx *ctx, const char *path);   // NULL + the error
+TSYSDEF int tsys_state_reader_world(const tsys_state_reader *r);               // 0: a plain snapshot
+TSYSDEF int64_t tsys_state_reader_step(const tsys_state_reader *r);
+// The global tensors, in name order: i from 0 to count - 1 (the shape into shape[TSYS_MAX_DIMS]).
+TSYSDEF int tsys_state_reader_count(const tsys_state_reader *r);
+TSYSDEF const char *tsys_state_reader_tensor(const tsys_state_reader *r, int i, tsys_dtype *dtype, int *ndim, int64_t *shape);
+// Whether elements [offset, offset + numel) of fqn, a global tensor of that shape and dtype, are all
+// saved (an error naming the fqn and the first element missing), and the files holding them verified.
+TSYSDEF tsys_status tsys_state_check_range(tsys_state_reader *r, const char *fqn, int ndim, const int64_t *shape, tsys_dtype dt,
+                                           int64_t offset, int64_t numel);
+// Reads elements [offset, offset + numel(dst)) of fqn into dst (of the saved dtype), reading only the
+// overlapping bytes of each chunk.
+TSYSDEF tsys_status tsys_state_read(tsys_state_reader *r, const char *fqn, int64_t offset, tsys_tensor *dst);
+// What a load sets besides tensors, from part `part`'s metadata (a plain snapshot's train_state; a
+// part without an optimizer's state: the first that has it): desc's optimizer (hyper-parameters, step
+// count), scaler, RNG (unless no_rng), info (may be NULL). apply false: only checked.
+TSYSDEF tsys_status tsys_state_read_host(tsys_state_reader *r, int part, const tsys_state_desc *desc, tsys_state_info *info, bool apply);
+TSYSDEF void tsys_state_close(tsys_state_reader *r);
+// Writes the snapshot at src (sharded or not) as a plain one into DIR dst, under src's name: every
+// tensor whole, model.safetensors loadable by tsys_model_load and safetensors.torch. One process.
+TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const char *dst);
 
 // Replacing a file whole (safetensors, traces, the drivers' reports): the content is written to a
 // temporary beside path, "<path>.tmp.XXXXXX", created exclusively (0644 less the umask; never through
@@ -8462,6 +8533,12 @@ TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const ts
 //
 // Which snapshot is newest: the serial number, one more than the highest in DIR at save time. Step
 // numbers can go back (a run restarted from an earlier snapshot), the order of saves cannot.
+//
+// Sharded snapshots (ZeRO-1, FSDP: tsys_dist.h >>state sharded) are made of the same pieces, public:
+// tsys_state_begin makes the temporary, every process writes its part into it (tsys_state_part_write:
+// chunks of global tensors, each chunk's place in the metadata), one commits (tsys_state_commit: the
+// MANIFEST with world= and layout=, the rename, keep_last). The reader serves element ranges of global
+// tensors from whatever chunks hold them, plain snapshots' whole tensors included.
 
 #ifdef TSYS__POSIX
 #include <dirent.h>
@@ -8469,6 +8546,7 @@ TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const ts
 #endif
 
 #define TSYS__STATE_VERSION   1
+#define TSYS__STATE_VERSION_STR "1"   // the same, as a metadata value
 #define TSYS__STATE_MODEL     "model.safetensors"
 #define TSYS__STATE_TRAIN     "train_state.safetensors"
 #define TSYS__STATE_MANIFEST  "MANIFEST"
@@ -8476,7 +8554,7 @@ TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const ts
 #define TSYS__STATE_OLD       ".old-"      // a snapshot moved aside by a new one of its name
 #define TSYS__STATE_PATH      4096
 #define TSYS__STATE_NAME      256         // bytes of a snapshot's name, NUL included (as dirent's d_name)
-#define TSYS__STATE_MAX_FILES 8
+#define TSYS__STATE_MAX_FILES TSYS_STATE_MAX_PARTS
 #define TSYS__STATE_MANIFEST_MAX 65536
 #define TSYS__STATE_META      (2 * TSYS_STATE_MAX_USER + 24)   // metadata pairs of train_state.safetensors
 
@@ -8657,9 +8735,13 @@ static tsys_status tsys__state_remove(tsys_ctx *ctx, const char *dir, const char
 //   file=model.safetensors bytes=123456 crc32c=1a2b3c4d
 //   file=train_state.safetensors bytes=2345 crc32c=deadbeef
 //   manifest_crc32c=0badf00d          (of every byte above this line)
+//
+// A sharded snapshot adds "world=N" and "layout=NAME" after step, and lists rank-00000.safetensors...
 
 typedef struct tsys__state_manifest {
     int64_t serial, step;
+    int world;                  // 0: a plain snapshot
+    char layout[32];
     int nfiles;
     char file[TSYS__STATE_MAX_FILES][64];
     uint64_t bytes[TSYS__STATE_MAX_FILES];
@@ -8667,17 +8749,23 @@ typedef struct tsys__state_manifest {
 } tsys__state_manifest;
 
 static tsys_status tsys__state_write_manifest(tsys_ctx *ctx, const tsys__crc32c *crc, const char *tmp, const tsys__state_manifest *m) {
-    char path[TSYS__STATE_PATH], text[2048];
+    char path[TSYS__STATE_PATH];
     if (!tsys__state_join(path, sizeof path, tmp, TSYS__STATE_MANIFEST)) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, tmp, "path too long");
-    int k = snprintf(text, sizeof text, "format=tsys-state\nversion=%d\nserial=%lld\nstep=%lld\n", TSYS__STATE_VERSION, (long long)m->serial, (long long)m->step);
+    const size_t cap = 256 + (size_t)m->nfiles * 128;   // a file line is at most ~110 bytes
+    char *text = (char *)TSYS_MALLOC(cap);
+    if (!text) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", tmp);
+    int k = snprintf(text, cap, "format=tsys-state\nversion=%d\nserial=%lld\nstep=%lld\n", TSYS__STATE_VERSION, (long long)m->serial, (long long)m->step);
+    if (m->world > 0) k += snprintf(text + k, cap - (size_t)k, "world=%d\n", m->world);
+    if (m->layout[0]) k += snprintf(text + k, cap - (size_t)k, "layout=%s\n", m->layout);
     for (int i = 0; i < m->nfiles; i++)
-        k += snprintf(text + k, sizeof text - (size_t)k, "file=%s bytes=%llu crc32c=%08x\n", m->file[i], (unsigned long long)m->bytes[i], (unsigned)m->crc[i]);
-    k += snprintf(text + k, sizeof text - (size_t)k, "manifest_crc32c=%08x\n", (unsigned)tsys__crc32c_update(crc, 0, text, (size_t)k));
+        k += snprintf(text + k, cap - (size_t)k, "file=%s bytes=%llu crc32c=%08x\n", m->file[i], (unsigned long long)m->bytes[i], (unsigned)m->crc[i]);
+    k += snprintf(text + k, cap - (size_t)k, "manifest_crc32c=%08x\n", (unsigned)tsys__crc32c_update(crc, 0, text, (size_t)k));
     tsys_atomic_file af;
     tsys_status s = tsys_atomic_file_open(ctx, "state manifest", path, &af);
-    if (s != TSYS_OK) return s;
-    if (fwrite(text, 1, (size_t)k, af.f) != (size_t)k) { tsys_atomic_file_abort(&af); return tsys__state_fail(ctx, TSYS_ERR_IO, path, "write failed: %s", strerror(errno)); }
-    return tsys_atomic_file_commit(ctx, &af);
+    if (s == TSYS_OK && fwrite(text, 1, (size_t)k, af.f) != (size_t)k) { tsys_atomic_file_abort(&af); s = tsys__state_fail(ctx, TSYS_ERR_IO, path, "write failed: %s", strerror(errno)); }
+    else if (s == TSYS_OK) s = tsys_atomic_file_commit(ctx, &af);
+    TSYS_FREE(text);
+    return s;
 }
 
 // One "key=value" line of the manifest into m; false when it is not one the format has.
@@ -8691,6 +8779,8 @@ static bool tsys__state_manifest_line(const char *line, tsys__state_manifest *m,
     if (sscanf(line, "version=%lld%n", &v, &used) == 1 && !line[used]) { *seen |= 2; return v == TSYS__STATE_VERSION; }
     if (sscanf(line, "serial=%lld%n", &v, &used) == 1 && !line[used]) { *seen |= 4; m->serial = v; return v > 0; }
     if (sscanf(line, "step=%lld%n", &v, &used) == 1 && !line[used]) { *seen |= 8; m->step = v; return v >= 0; }
+    if (sscanf(line, "world=%lld%n", &v, &used) == 1 && !line[used] && !m->world) { m->world = (int)v; return v > 0 && v <= TSYS_STATE_MAX_PARTS; }
+    if (sscanf(line, "layout=%31s%n", m->layout, &used) == 1 && !line[used]) return true;
     if (sscanf(line, "file=%63s bytes=%llu crc32c=%8x%n", name, &bytes, &crc, &used) == 3 && !line[used] && m->nfiles < TSYS__STATE_MAX_FILES) {
         for (int i = 0; i < m->nfiles; i++) if (strcmp(m->file[i], name) == 0) return false;
         if (strchr(name, '/') || name[0] == '.') return false;
@@ -9253,6 +9343,9 @@ static tsys_status tsys__state_load(tsys_ctx *ctx, const tsys__crc32c *crc, cons
     char mpath[TSYS__STATE_PATH], tpath[TSYS__STATE_PATH];
     if (s == TSYS_OK && (!tsys__state_join(mpath, sizeof mpath, snap, TSYS__STATE_MODEL) || !tsys__state_join(tpath, sizeof tpath, snap, TSYS__STATE_TRAIN)))
         s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, snap, "path too long");
+    if (s == TSYS_OK && m.world > 0)
+        return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, snap, "is a sharded snapshot of %d processes (layout %s): load it with tsys_zero1_state_load or "
+                                "tsys_fsdp_state_load (tsys_dist.h), or make it a plain one with tsys_state_consolidate", m.world, m.layout[0] ? m.layout : "unnamed");
     bool listed[2] = {false, false};
     for (int i = 0; i < m.nfiles; i++) { listed[0] |= strcmp(m.file[i], TSYS__STATE_MODEL) == 0; listed[1] |= strcmp(m.file[i], TSYS__STATE_TRAIN) == 0; }
     if (s == TSYS_OK && (!listed[0] || !listed[1])) s = tsys__state_fail(ctx, TSYS_ERR_IO, snap, "MANIFEST does not list %s", listed[0] ? TSYS__STATE_TRAIN : TSYS__STATE_MODEL);
@@ -9306,6 +9399,560 @@ TSYSDEF tsys_status tsys_state_load(tsys_ctx *ctx, const char *path, const tsys_
     return s;
 }
 
+// ---- sharded snapshots: parts, commit, range reads --------------------------------------------------
+//
+// A part is a safetensors of chunks of global tensors (under their fqns; a file holds at most one chunk
+// of a tensor), each chunk's place in "__metadata__" as "chunk.<fqn>" = "<offset> <d0>,<d1>...". A
+// tensor without such a key (a plain snapshot's) is a whole chunk. A reader sorts every chunk of every
+// file by (fqn, offset) and serves a range from the chunks that overlap it: any sharding reads back
+// into any other, and a plain snapshot is a sharded one of whole chunks.
+
+TSYSDEF tsys_status tsys_state_begin(tsys_ctx *ctx, const char *dir, char *tmp, size_t len) {
+    TSYS__CHECK_ARG(ctx, ctx && dir && dir[0] && tmp && len, TSYS_ERR_INVALID_ARGS, "tsys_state_begin: NULL argument or empty buffer");
+    tmp[0] = 0;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return tsys__state_fail(ctx, TSYS_ERR_IO, dir, "cannot make the directory: %s", strerror(errno));
+    if (!tsys__state_is_dir(dir)) return tsys__state_fail(ctx, TSYS_ERR_IO, dir, "is not a directory");
+    tsys__crc32c *crc = (tsys__crc32c *)TSYS_MALLOC(sizeof *crc);
+    if (!crc) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", dir);
+    tsys__crc32c_init(crc);
+    tsys__state_entry *list;
+    int n;
+    tsys_status s = tsys__state_scan(ctx, crc, dir, true, &list, &n);   // removes dead writers' temporaries
+    TSYS_FREE(list);
+    TSYS_FREE(crc);
+    if (s == TSYS_OK && !tsys__state_tmp_name(tmp, len, dir)) s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "path too long");
+    if (s == TSYS_OK && !tsys__state_mkdir_tmp(tmp)) s = tsys__state_fail(ctx, TSYS_ERR_IO, dir, "cannot make a temporary directory in it: %s", strerror(errno));
+    if (s != TSYS_OK) tmp[0] = 0;
+    return s;
+}
+
+TSYSDEF void tsys_state_abort(const char *tmp) {
+    if (tmp && tmp[0] && tsys__state_is_dir(tmp)) tsys__state_rmdir_files(NULL, tmp);
+}
+
+static int64_t tsys__state_numel(int ndim, const int64_t *shape) {
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) n *= shape[d];
+    return n;
+}
+
+// A chunk the part writer can save: a tensor of this context inside its global tensor.
+static tsys_status tsys__state_chunk_ok(tsys_ctx *ctx, const char *path, const tsys_state_chunk *c, int i) {
+    if (!c->fqn || !c->fqn[0] || !c->t) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "chunk %d has no fqn or no tensor", i);
+    if (!tsys__owned(ctx, "tsys_state_part_write", c->t)) return TSYS_ERR_INVALID_ARGS;
+    bool shape_ok = c->ndim >= 0 && c->ndim <= TSYS_MAX_DIMS;
+    for (int d = 0; shape_ok && d < c->ndim; d++) shape_ok = c->shape[d] >= 0;
+    int64_t n = tsys_tensor_numel(c->t);
+    if (!shape_ok || c->offset < 0 || c->offset + n > tsys__state_numel(c->ndim, c->shape))
+        return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "chunk '%s': elements [%lld, %lld) are not inside its global tensor of %lld", c->fqn,
+                                (long long)c->offset, (long long)(c->offset + n), shape_ok ? (long long)tsys__state_numel(c->ndim, c->shape) : -1LL);
+    return TSYS_OK;
+}
+
+// The views a part saves: a whole chunk in its global shape, a part of one flat.
+static tsys_status tsys__state_chunk_views(tsys_ctx *ctx, const char *path, const tsys_state_chunk *chunks, int n, tsys_tensor **views) {
+    for (int i = 0; i < n; i++) {
+        const tsys_state_chunk *c = &chunks[i];
+        tsys_status s = tsys__state_chunk_ok(ctx, path, c, i);
+        if (s != TSYS_OK) return s;
+        int64_t numel = tsys_tensor_numel(c->t);
+        bool whole = c->offset == 0 && numel == tsys__state_numel(c->ndim, c->shape);
+        views[i] = whole ? tsys_tensor_view_raw(ctx, c->t, 0, c->t->dtype, c->ndim, c->shape) : tsys_tensor_view_raw(ctx, c->t, 0, c->t->dtype, 1, &numel);
+        if (!views[i]) return ctx->status != TSYS_OK ? ctx->status : TSYS_ERR_OOM;
+    }
+    return TSYS_OK;
+}
+
+// "__metadata__" of a part: the format version, desc's (train state and model dims), each chunk's place.
+typedef struct tsys__state_part_meta {
+    tsys__state_meta train;
+    char dims[1 + TSYS__ST_NUM_DIMS][32];
+    const char **pairs;       // 2 x n
+    char **owned;             // the chunk keys and values
+    int n, n_owned;
+} tsys__state_part_meta;
+
+static void tsys__state_part_meta_free(tsys__state_part_meta *pm) {
+    for (int i = 0; i < pm->n_owned; i++) TSYS_FREE(pm->owned[i]);
+    TSYS_FREE(pm->owned); TSYS_FREE(pm->pairs);
+}
+
+static char *tsys__state_strf(const char *fmt, ...) {
+    char small[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (k < 0) return NULL;
+    char *p = (char *)TSYS_MALLOC((size_t)k + 1);
+    if (!p) return NULL;
+    if ((size_t)k < sizeof small) { memcpy(p, small, (size_t)k + 1); return p; }
+    va_start(ap, fmt);
+    vsnprintf(p, (size_t)k + 1, fmt, ap);
+    va_end(ap);
+    return p;
+}
+
+static tsys_status tsys__state_part_meta_make(tsys_ctx *ctx, const char *path, const tsys_state_chunk *chunks, int n, const tsys_state_desc *d,
+                                              tsys__state_part_meta *pm) {
+    const char *dims[2 * (1 + TSYS__ST_NUM_DIMS)];
+    int nd = tsys__state_model_meta(d ? d->model : NULL, pm->dims, dims);
+    tsys_status s = TSYS_OK;
+    if (d) s = tsys__state_meta_make(ctx, path, d, &pm->train);
+    if (s != TSYS_OK) return s;
+    int nt = d ? pm->train.n - 1 : 0;   // its first pair is the version, which dims already holds
+    pm->pairs = (const char **)TSYS_MALLOC(sizeof(char *) * (size_t)(2 * (nd + nt + n) + 1));
+    pm->owned = (char **)TSYS_MALLOC(sizeof(char *) * (size_t)(2 * n + 1));
+    if (!pm->pairs || !pm->owned) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", path);
+    for (int i = 0; i < 2 * nd; i++) pm->pairs[2 * pm->n + i] = dims[i];
+    pm->n = nd;
+    for (int i = 1; i <= nt; i++, pm->n++) { pm->pairs[2 * pm->n] = pm->train.pairs[2 * i]; pm->pairs[2 * pm->n + 1] = pm->train.pairs[2 * i + 1]; }
+    for (int i = 0; i < n; i++, pm->n++) {
+        const tsys_state_chunk *c = &chunks[i];
+        char shape[TSYS_MAX_DIMS * 24 + 1] = "";
+        for (int k = 0, at = 0; k < c->ndim; k++) at += snprintf(shape + at, sizeof shape - (size_t)at, k ? ",%lld" : "%lld", (long long)c->shape[k]);
+        char *key = tsys__state_strf("chunk.%s", c->fqn), *value = tsys__state_strf("%lld %s", (long long)c->offset, shape);
+        if (key) pm->owned[pm->n_owned++] = key;
+        if (value) pm->owned[pm->n_owned++] = value;
+        if (!key || !value) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", path);
+        pm->pairs[2 * pm->n] = key; pm->pairs[2 * pm->n + 1] = value;
+    }
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_state_part_write(tsys_ctx *ctx, const char *tmp, const char *file, const tsys_state_chunk *chunks, int n,
+                                          const tsys_state_desc *desc, tsys_state_part *out) {
+    TSYS__CHECK_ARG(ctx, ctx && tmp && file && out && n >= 0 && (!n || chunks), TSYS_ERR_INVALID_ARGS, "tsys_state_part_write: NULL argument");
+    memset(out, 0, sizeof *out);
+    if (ctx->status != TSYS_OK) return ctx->status;
+    char path[TSYS__STATE_PATH];
+    if (strlen(file) >= sizeof out->file || !tsys__state_name_ok(file) || !tsys__state_join(path, sizeof path, tmp, file))
+        return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, tmp, "part file name '%.80s' must be 1 to %d bytes, hold no '/' and not start with '.'", file, (int)sizeof out->file - 1);
+    tsys_tensor **views = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(n + 1));
+    const char **names = (const char **)TSYS_MALLOC(sizeof(char *) * (size_t)(n + 1));
+    tsys__state_part_meta *pm = (tsys__state_part_meta *)TSYS_MALLOC(sizeof *pm);
+    tsys_status s = views && names && pm ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", path);
+    if (views) memset(views, 0, sizeof(tsys_tensor *) * (size_t)(n + 1));
+    if (pm) memset(pm, 0, sizeof *pm);
+    for (int i = 0; s == TSYS_OK && i < n; i++) names[i] = chunks[i].fqn;
+    if (s == TSYS_OK) s = tsys__state_chunk_views(ctx, path, chunks, n, views);
+    if (s == TSYS_OK) s = tsys__state_part_meta_make(ctx, path, chunks, n, desc, pm);
+    tsys__crc32c *crc = s == TSYS_OK ? (tsys__crc32c *)TSYS_MALLOC(sizeof *crc) : NULL;
+    if (s == TSYS_OK && !crc) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", path);
+    if (s == TSYS_OK) {
+        tsys__crc32c_init(crc);
+        tsys__st_sum sum = { crc, 0, 0 };
+        s = tsys__st_save(ctx, path, views, names, n, pm->pairs, pm->n, &sum);
+        snprintf(out->file, sizeof out->file, "%s", file);
+        out->bytes = sum.bytes; out->crc32c = sum.value;
+    }
+    for (int i = 0; views && i < n; i++) tsys_tensor_release(views[i]);
+    if (pm) tsys__state_part_meta_free(pm);
+    TSYS_FREE(crc); TSYS_FREE(pm); TSYS_FREE(names); TSYS_FREE(views);
+    return s;
+}
+
+static bool tsys__state_layout_ok(const char *l) {
+    if (strlen(l) >= 32) return false;
+    for (; *l; l++) if (!((*l >= 'a' && *l <= 'z') || (*l >= 'A' && *l <= 'Z') || (*l >= '0' && *l <= '9') || *l == '_')) return false;
+    return true;
+}
+
+TSYSDEF tsys_status tsys_state_commit(tsys_ctx *ctx, const char *dir, const char *tmp, const tsys_state_commit_desc *c) {
+    TSYS__CHECK_ARG(ctx, ctx && dir && tmp && c && (c->n_parts == 0 || c->parts), TSYS_ERR_INVALID_ARGS, "tsys_state_commit: NULL argument");
+    if (ctx->status != TSYS_OK) return ctx->status;
+    char name[TSYS__STATE_NAME];
+    snprintf(name, sizeof name, "step-%06lld", (long long)c->step);
+    if (c->name) snprintf(name, sizeof name, "%s", c->name);
+    if (c->step < 0 || c->keep_last < 0 || c->world < 0 || c->n_parts < 0 || c->n_parts > TSYS__STATE_MAX_FILES || (c->name && !tsys__state_name_ok(c->name)) ||
+        (c->layout && !tsys__state_layout_ok(c->layout)))
+        return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "commit: step %lld, keep_last %d, world %d, %d parts (at most %d), name '%.80s', layout '%.40s': "
+                                "one of them is out of range", (long long)c->step, c->keep_last, c->world, c->n_parts, TSYS__STATE_MAX_FILES, name, c->layout ? c->layout : "");
+    tsys__state_manifest *m = (tsys__state_manifest *)TSYS_MALLOC(sizeof *m);
+    tsys__crc32c *crc = (tsys__crc32c *)TSYS_MALLOC(sizeof *crc);
+    tsys_status s = m && crc ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", dir);
+    tsys__state_entry *list = NULL;
+    int n = 0;
+    if (s == TSYS_OK) {
+        tsys__crc32c_init(crc);
+        memset(m, 0, sizeof *m);
+        s = tsys__state_scan(ctx, crc, dir, false, &list, &n);
+        m->serial = n ? list[n - 1].serial + 1 : 1;
+        m->step = c->step; m->world = c->world; m->nfiles = c->n_parts;
+        if (c->layout) snprintf(m->layout, sizeof m->layout, "%s", c->layout);
+    }
+    for (int i = 0; s == TSYS_OK && i < c->n_parts; i++) {
+        snprintf(m->file[i], sizeof m->file[i], "%s", c->parts[i].file);
+        m->bytes[i] = c->parts[i].bytes; m->crc[i] = c->parts[i].crc32c;
+        for (int j = 0; j < i; j++)
+            if (!strcmp(m->file[j], m->file[i])) s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "commit: part '%s' listed twice", m->file[i]);
+    }
+    if (s == TSYS_OK) s = tsys__state_write_manifest(ctx, crc, tmp, m);
+    if (s == TSYS_OK) s = tsys__state_install(ctx, crc, dir, tmp, name);
+    if (s != TSYS_OK) tsys_state_abort(tmp);
+    if (s == TSYS_OK && c->keep_last > 0) s = tsys__state_keep_last(ctx, crc, dir, c->keep_last);
+    TSYS_FREE(list); TSYS_FREE(m); TSYS_FREE(crc);
+    return s;
+}
+
+// ---- the reader ---------------------------------------------------------------------------------------
+
+typedef struct tsys__state_chunk_at {
+    const char *fqn;          // the entry's name (its file owns it)
+    int file, entry;
+    int64_t offset, numel;
+    int ndim;
+    int64_t shape[TSYS_MAX_DIMS];
+    tsys_dtype dtype;
+} tsys__state_chunk_at;
+
+struct tsys_state_reader {
+    tsys_ctx *ctx;
+    char path[TSYS__STATE_PATH];
+    tsys__crc32c crc;
+    tsys__state_manifest m;
+    tsys__st_file *files;     // m.nfiles, opened
+    char (*paths)[TSYS__STATE_PATH];
+    bool *verified;
+    tsys__state_chunk_at *chunks;   // sorted by (fqn, offset)
+    int nchunks;
+    int *first;               // index into chunks of each global tensor's first chunk
+    int ntensors;
+};
+
+static int tsys__state_cmp_chunk(const void *a, const void *b) {
+    const tsys__state_chunk_at *x = (const tsys__state_chunk_at *)a, *y = (const tsys__state_chunk_at *)b;
+    int c = strcmp(x->fqn, y->fqn);
+    return c ? c : x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+TSYSDEF void tsys_state_close(tsys_state_reader *r) {
+    if (!r) return;
+    for (int i = 0; r->files && i < r->m.nfiles; i++) tsys__st_close(&r->files[i]);
+    TSYS_FREE(r->files); TSYS_FREE(r->paths); TSYS_FREE(r->verified); TSYS_FREE(r->chunks); TSYS_FREE(r->first);
+    TSYS_FREE(r);
+}
+
+// "<offset> <d0>,<d1>..." into a chunk; false when malformed.
+static bool tsys__state_parse_place(const char *v, tsys__state_chunk_at *c) {
+    char *end = NULL;
+    errno = 0;
+    long long off = strtoll(v, &end, 10);
+    if (errno || end == v || *end != ' ' || off < 0) return false;
+    c->offset = off; c->ndim = 0;
+    for (const char *p = end + 1; *p; ) {
+        if (c->ndim == TSYS_MAX_DIMS) return false;
+        long long d = strtoll(p, &end, 10);
+        if (errno || end == p || d < 0 || (*end && *end != ',')) return false;
+        c->shape[c->ndim++] = d;
+        p = *end ? end + 1 : end;
+    }
+    return true;
+}
+
+// Every chunk of file f into r->chunks, its place from "chunk.<fqn>" or, absent, the whole tensor.
+static tsys_status tsys__state_index_file(tsys_state_reader *r, int f) {
+    tsys__st_file *sf = &r->files[f];
+    for (int k = 0; k < sf->n; k++) {
+        const tsys__st_entry *e = &sf->entries[k];
+        tsys__state_chunk_at *c = &r->chunks[r->nchunks];
+        memset(c, 0, sizeof *c);
+        c->fqn = e->name; c->file = f; c->entry = k; c->dtype = e->dtype;
+        c->numel = tsys_dtype_size(e->dtype) ? (int64_t)((e->end - e->begin) / tsys_dtype_size(e->dtype)) : 0;
+        char *key = tsys__state_strf("chunk.%s", e->name);   // fqns may be longer than tensor names
+        if (!key) return tsys_ctx_set_error(r->ctx, TSYS_ERR_OOM, "state '%s': out of memory", r->path);
+        const char *place = tsys__st_meta_get(sf, key);
+        bool ok = !place || tsys__state_parse_place(place, c);
+        if (!ok) tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "%s: \"%.200s\" is '%.60s', not \"<offset> <shape>\"", r->m.file[f], key, place);
+        TSYS_FREE(key);
+        if (!ok) return TSYS_ERR_IO;
+        if (!place) {
+            if (e->ndim > TSYS_MAX_DIMS) return tsys__state_fail(r->ctx, TSYS_ERR_UNSUPPORTED, r->path, "%s: tensor '%s' has %d dims", r->m.file[f], e->name, e->ndim);
+            c->ndim = e->ndim;
+            memcpy(c->shape, e->shape, sizeof(int64_t) * (size_t)e->ndim);
+        }
+        if (c->offset + c->numel > tsys__state_numel(c->ndim, c->shape))
+            return tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "%s: chunk '%s' [%lld, %lld) runs past its global tensor", r->m.file[f], e->name,
+                                    (long long)c->offset, (long long)(c->offset + c->numel));
+        r->nchunks++;
+    }
+    return TSYS_OK;
+}
+
+// After sorting: the chunks of one fqn agree on shape and dtype and do not overlap.
+static tsys_status tsys__state_index_check(tsys_state_reader *r) {
+    for (int i = 0; i < r->nchunks; i++) {
+        const tsys__state_chunk_at *c = &r->chunks[i], *p = i ? &r->chunks[i - 1] : NULL;
+        if (!p || strcmp(p->fqn, c->fqn) != 0) { r->first[r->ntensors++] = i; continue; }
+        bool same = p->ndim == c->ndim && p->dtype == c->dtype && !memcmp(p->shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
+        if (!same) return tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "tensor '%s': %s and %s give it different shapes or dtypes", c->fqn, r->m.file[p->file], r->m.file[c->file]);
+        if (p->offset + p->numel > c->offset)
+            return tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "tensor '%s': chunks of %s and %s overlap at element %lld", c->fqn, r->m.file[p->file], r->m.file[c->file], (long long)c->offset);
+    }
+    return TSYS_OK;
+}
+
+static tsys_status tsys__state_reader_fill(tsys_state_reader *r) {
+    tsys_ctx *ctx = r->ctx;
+    tsys_status s = tsys__state_read_manifest(ctx, &r->crc, r->path, &r->m);
+    int nf = r->m.nfiles;
+    if (s != TSYS_OK) return s;
+    r->files = (tsys__st_file *)TSYS_MALLOC(sizeof(tsys__st_file) * (size_t)(nf + 1));
+    r->paths = (char (*)[TSYS__STATE_PATH])TSYS_MALLOC(sizeof(*r->paths) * (size_t)(nf + 1));
+    r->verified = (bool *)TSYS_MALLOC(sizeof(bool) * (size_t)(nf + 1));
+    if (!r->files || !r->paths || !r->verified) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", r->path);
+    memset(r->files, 0, sizeof(tsys__st_file) * (size_t)(nf + 1));
+    memset(r->verified, 0, sizeof(bool) * (size_t)(nf + 1));
+    int total = 0;
+    for (int f = 0; f < nf; f++) {
+        if (!tsys__state_join(r->paths[f], sizeof r->paths[f], r->path, r->m.file[f])) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, r->path, "path too long");
+        if ((s = tsys__st_open(ctx, r->paths[f], &r->files[f])) != TSYS_OK) return s;
+        if (r->files[f].file_bytes != r->m.bytes[f])
+            return tsys__state_fail(ctx, TSYS_ERR_IO, r->path, "'%s' is %llu bytes, the manifest records %llu", r->m.file[f], (unsigned long long)r->files[f].file_bytes, (unsigned long long)r->m.bytes[f]);
+        total += r->files[f].n;
+    }
+    r->chunks = (tsys__state_chunk_at *)TSYS_MALLOC(sizeof(tsys__state_chunk_at) * (size_t)(total + 1));
+    r->first = (int *)TSYS_MALLOC(sizeof(int) * (size_t)(total + 1));
+    if (!r->chunks || !r->first) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", r->path);
+    for (int f = 0; s == TSYS_OK && f < nf; f++) s = tsys__state_index_file(r, f);
+    if (s != TSYS_OK) return s;
+    if (r->nchunks) qsort(r->chunks, (size_t)r->nchunks, sizeof *r->chunks, tsys__state_cmp_chunk);
+    return tsys__state_index_check(r);
+}
+
+TSYSDEF tsys_state_reader *tsys_state_open(tsys_ctx *ctx, const char *path) {
+    if (!ctx) return NULL;
+    if (!path) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_state_open: NULL path"); return NULL; }
+    if (ctx->status != TSYS_OK) return NULL;
+    tsys_state_reader *r = (tsys_state_reader *)TSYS_MALLOC(sizeof *r);
+    if (!r) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", path); return NULL; }
+    memset(r, 0, sizeof *r);
+    r->ctx = ctx;
+    tsys__crc32c_init(&r->crc);
+    if (snprintf(r->path, sizeof r->path, "%s", path) >= (int)sizeof r->path) { tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, path, "path too long"); TSYS_FREE(r); return NULL; }
+    if (tsys__state_reader_fill(r) != TSYS_OK) { tsys_state_close(r); return NULL; }
+    return r;
+}
+
+TSYSDEF int tsys_state_reader_world(const tsys_state_reader *r) { return r ? r->m.world : 0; }
+TSYSDEF int64_t tsys_state_reader_step(const tsys_state_reader *r) { return r ? r->m.step : 0; }
+TSYSDEF int tsys_state_reader_count(const tsys_state_reader *r) { return r ? r->ntensors : 0; }
+TSYSDEF const char *tsys_state_reader_tensor(const tsys_state_reader *r, int i, tsys_dtype *dtype, int *ndim, int64_t *shape) {
+    if (!r || i < 0 || i >= r->ntensors) return NULL;
+    const tsys__state_chunk_at *c = &r->chunks[r->first[i]];
+    if (dtype) *dtype = c->dtype;
+    if (ndim) *ndim = c->ndim;
+    if (shape) memcpy(shape, c->shape, sizeof(int64_t) * (size_t)c->ndim);
+    return c->fqn;
+}
+
+// The first chunk of fqn (binary search over the sorted chunks), or -1.
+static int tsys__state_find(const tsys_state_reader *r, const char *fqn) {
+    int lo = 0, hi = r->ntensors - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2, c = strcmp(r->chunks[r->first[mid]].fqn, fqn);
+        if (!c) return r->first[mid];
+        if (c < 0) lo = mid + 1; else hi = mid - 1;
+    }
+    return -1;
+}
+
+static tsys_status tsys__state_verify_file(tsys_state_reader *r, int f) {
+    if (r->verified[f]) return TSYS_OK;
+    tsys__state_manifest one = r->m;   // tsys__state_verify checks a manifest's files: this one's only
+    snprintf(one.file[0], sizeof one.file[0], "%s", r->m.file[f]);
+    one.bytes[0] = r->m.bytes[f]; one.crc[0] = r->m.crc[f]; one.nfiles = 1;
+    tsys_status s = tsys__state_verify(r->ctx, &r->crc, r->path, &one);
+    r->verified[f] = s == TSYS_OK;
+    return s;
+}
+
+// Walks the chunks covering [offset, offset + numel) of fqn: verifies their files and, with dst (host
+// bytes), reads the overlapping bytes into it.
+static tsys_status tsys__state_range(tsys_state_reader *r, const char *fqn, int ndim, const int64_t *shape, tsys_dtype dt, int64_t offset, int64_t numel, char *dst) {
+    int i = tsys__state_find(r, fqn);
+    if (i < 0) return tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "holds no tensor '%s'", fqn);
+    const tsys__state_chunk_at *c = &r->chunks[i];
+    bool same = c->ndim == ndim && c->dtype == dt && !memcmp(c->shape, shape, sizeof(int64_t) * (size_t)ndim);
+    char a[160], b[160];
+    if (!same)
+        return tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "tensor '%s': the snapshot holds %s %s, the load asks for %s %s", fqn, tsys_dtype_name(c->dtype),
+                                tsys__st_shape_str(a, sizeof a, c->ndim, c->shape), tsys_dtype_name(dt), tsys__st_shape_str(b, sizeof b, ndim, shape));
+    size_t es = tsys_dtype_size(dt);
+    int64_t at = offset, end = offset + numel;
+    for (; at < end && i < r->nchunks && !strcmp(r->chunks[i].fqn, fqn); i++) {
+        c = &r->chunks[i];
+        if (c->offset + c->numel <= at) continue;
+        if (c->offset > at) break;   // a gap
+        int64_t upto = c->offset + c->numel < end ? c->offset + c->numel : end;
+        tsys_status s = tsys__state_verify_file(r, c->file);
+        if (s != TSYS_OK) return s;
+        if (dst) {
+            tsys__st_file *sf = &r->files[c->file];
+            tsys__st_entry part = sf->entries[c->entry];
+            part.begin += (uint64_t)(at - c->offset) * es;
+            part.end = part.begin + (uint64_t)(upto - at) * es;
+            if ((s = tsys__st_read(sf, &part, dst + (size_t)(at - offset) * es)) != TSYS_OK) return s;
+        }
+        at = upto;
+    }
+    if (at < end) return tsys__state_fail(r->ctx, TSYS_ERR_IO, r->path, "tensor '%s': element %lld (of the range [%lld, %lld) asked for) is in no part of the snapshot",
+                                          fqn, (long long)at, (long long)offset, (long long)end);
+    return TSYS_OK;
+}
+
+TSYSDEF tsys_status tsys_state_check_range(tsys_state_reader *r, const char *fqn, int ndim, const int64_t *shape, tsys_dtype dt, int64_t offset, int64_t numel) {
+    if (!r) return TSYS_ERR_INVALID_ARGS;
+    TSYS__CHECK_ARG(r->ctx, fqn && shape && ndim >= 0 && ndim <= TSYS_MAX_DIMS && offset >= 0 && numel >= 0, TSYS_ERR_INVALID_ARGS, "tsys_state_check_range: bad arguments");
+    if (offset + numel > tsys__state_numel(ndim, shape))
+        return tsys__state_fail(r->ctx, TSYS_ERR_INVALID_ARGS, r->path, "tensor '%s': the range [%lld, %lld) is past its %lld elements", fqn, (long long)offset,
+                                (long long)(offset + numel), (long long)tsys__state_numel(ndim, shape));
+    return tsys__state_range(r, fqn, ndim, shape, dt, offset, numel, NULL);
+}
+
+TSYSDEF tsys_status tsys_state_read(tsys_state_reader *r, const char *fqn, int64_t offset, tsys_tensor *dst) {
+    if (!r) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = r->ctx;
+    TSYS__CHECK_ARG(ctx, fqn && dst && offset >= 0, TSYS_ERR_INVALID_ARGS, "tsys_state_read: bad arguments");
+    if (!tsys__owned(ctx, "tsys_state_read", dst)) return TSYS_ERR_INVALID_ARGS;
+    int i = tsys__state_find(r, fqn);
+    if (i < 0) return tsys__state_fail(ctx, TSYS_ERR_IO, r->path, "holds no tensor '%s'", fqn);
+    const tsys__state_chunk_at *c = &r->chunks[i];
+    int64_t n = tsys_tensor_numel(dst);
+    if (offset + n > tsys__state_numel(c->ndim, c->shape))
+        return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, r->path, "tensor '%s': the range [%lld, %lld) is past its %lld elements", fqn, (long long)offset,
+                                (long long)(offset + n), (long long)tsys__state_numel(c->ndim, c->shape));
+    bool direct = dst->device == TSYS_CPU;
+    char *host = direct ? (char *)tsys_tensor_data(dst) : (char *)TSYS_MALLOC(tsys_tensor_bytes(dst) + 1);
+    if (!host) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory staging '%s'", r->path, fqn);
+    tsys_status s = tsys__state_range(r, fqn, c->ndim, c->shape, dst->dtype, offset, n, host);
+    if (direct) tsys_tensor_mark_written(dst);
+    else { if (s == TSYS_OK) s = tsys__st_upload(ctx, dst, host); TSYS_FREE(host); }
+    return s;
+}
+
+// The file whose metadata a load's host state comes from (see tsys_state_read_host).
+static int tsys__state_meta_file(const tsys_state_reader *r, int part, bool want_optim) {
+    int pick = -1;
+    char name[64];
+    snprintf(name, sizeof name, "rank-%05d.safetensors", part);
+    for (int f = 0; f < r->m.nfiles && pick < 0; f++)
+        if (r->m.world > 0 ? !strcmp(r->m.file[f], name) : !strcmp(r->m.file[f], TSYS__STATE_TRAIN)) pick = f;
+    if (pick >= 0 && (!want_optim || tsys__st_meta_get(&r->files[pick], "optim.step"))) return pick;
+    for (int f = 0; f < r->m.nfiles; f++)
+        if (tsys__st_meta_get(&r->files[f], want_optim ? "optim.step" : "step")) return f;
+    return pick;
+}
+
+TSYSDEF tsys_status tsys_state_read_host(tsys_state_reader *r, int part, const tsys_state_desc *d, tsys_state_info *info, bool apply) {
+    if (!r) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = r->ctx;
+    TSYS__CHECK_ARG(ctx, d, TSYS_ERR_INVALID_ARGS, "tsys_state_read_host: NULL desc");
+    if (d->optim && d->optim->ctx != ctx) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, r->path, "desc.optim belongs to another context");
+    int f = tsys__state_meta_file(r, part < 0 ? 0 : part, d->optim != NULL);
+    if (f < 0) return tsys__state_fail(ctx, TSYS_ERR_IO, r->path, "no file holds the training state's metadata (step, optimizer)");
+    tsys__st_file *sf = &r->files[f];
+    const char *version = tsys__st_meta_get(sf, "tsys_state_version");
+    if (!version || atoi(version) != TSYS__STATE_VERSION)
+        return tsys__state_fail(ctx, TSYS_ERR_UNSUPPORTED, r->path, "format version %s; this tsys reads version %d", version ? version : "(missing)", TSYS__STATE_VERSION);
+    tsys__state_host_part h;
+    memset(&h, 0, sizeof h);
+    tsys_status s = tsys__state_verify_file(r, f);
+    if (s == TSYS_OK && d->optim) s = tsys__state_read_optim(ctx, r->path, sf, d->optim, &h);
+    if (s == TSYS_OK && d->scaler) s = tsys__state_read_scaler(ctx, r->path, sf, &h.scaler);
+    if (s == TSYS_OK && !d->no_rng) s = tsys__state_read_rng(ctx, r->path, sf, h.rng);
+    if (s == TSYS_OK && info) s = tsys__state_read_info(ctx, r->path, sf, &r->m, info);
+    if (s != TSYS_OK || !apply) return s;
+    if (d->optim) {
+        tsys_optim *o = d->optim;
+        if (o->adamw) s = tsys__st_upload(ctx, o->step_t, &h.optim_step);
+        o->step = h.optim_step;
+        o->desc = h.hyper;
+    }
+    if (s == TSYS_OK && d->scaler) *d->scaler = h.scaler;
+    if (s == TSYS_OK && !d->no_rng) memcpy(ctx->rng, h.rng, sizeof h.rng);
+    return s;
+}
+
+// ---- consolidation --------------------------------------------------------------------------------------
+
+static bool tsys__state_is_dim_key(const char *k) {
+    for (int i = 0; i < TSYS__ST_NUM_DIMS; i++) if (!strcmp(k, tsys__st_dim_keys[i])) return true;
+    return false;
+}
+
+// The metadata of a consolidated file, from the reader's files: model.safetensors the version and the
+// model's dims (the first file holding d_model), train_state the rest of the training state's (the
+// file tsys_state_read_host would use for part 0), chunk places dropped.
+static int tsys__state_plain_meta(const tsys_state_reader *r, bool model, const char **pairs, int cap) {
+    int f = -1, n = 0;
+    for (int i = 0; model && i < r->m.nfiles && f < 0; i++) if (tsys__st_meta_get(&r->files[i], "d_model")) f = i;
+    if (!model) f = tsys__state_meta_file(r, 0, true);
+    if (model) { pairs[0] = "tsys_state_version"; pairs[1] = TSYS__STATE_VERSION_STR; n = 1; }
+    const tsys__st_file *sf = f >= 0 ? &r->files[f] : NULL;
+    for (int i = 0; sf && i + 1 < sf->nmeta && n < cap; i += 2) {
+        const char *k = sf->meta[i];
+        bool keep = model ? tsys__state_is_dim_key(k) : strncmp(k, "chunk.", 6) != 0 && !tsys__state_is_dim_key(k) && strcmp(k, "format") != 0;
+        if (keep) { pairs[2 * n] = k; pairs[2 * n + 1] = sf->meta[i + 1]; n++; }
+    }
+    return n;
+}
+
+TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const char *dst) {
+    TSYS__CHECK_ARG(ctx, ctx && src && dst, TSYS_ERR_INVALID_ARGS, "tsys_state_consolidate: NULL argument");
+    if (ctx->status != TSYS_OK) return ctx->status;
+    tsys_state_reader *r = tsys_state_open(ctx, src);
+    if (!r) return ctx->status;
+    int n = r->ntensors, nmodel = 0, ntrain = 0;
+    tsys_tensor **all = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(2 * n + 1));
+    const char **names = (const char **)TSYS_MALLOC(sizeof(char *) * (size_t)(2 * n + 1));   // fqns: longer than a tensor's name may be
+    const char **pairs = (const char **)TSYS_MALLOC(sizeof(char *) * 4 * (TSYS__STATE_META + TSYS__ST_NUM_DIMS + 2));
+    tsys_status s = all && names && pairs ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", src);
+    tsys_tensor **model = all, **train = all ? all + n : NULL;
+    const char **model_names = names, **train_names = names ? names + n : NULL;
+    for (int i = 0; s == TSYS_OK && i < n; i++) {   // every tensor whole, on the host
+        tsys_dtype dt;
+        int ndim;
+        int64_t shape[TSYS_MAX_DIMS];
+        const char *fqn = tsys_state_reader_tensor(r, i, &dt, &ndim, shape);
+        tsys_tensor *t = tsys_tensor_new(ctx, dt, TSYS_CPU, ndim, shape);
+        if (!t) { s = ctx->status != TSYS_OK ? ctx->status : TSYS_ERR_OOM; break; }
+        tsys_tensor_set_name(t, "%s", fqn);
+        if (!strncmp(fqn, "optim.state.", 12)) { train_names[ntrain] = fqn; train[ntrain++] = t; }
+        else { model_names[nmodel] = fqn; model[nmodel++] = t; }
+        s = tsys_state_read(r, fqn, 0, t);
+    }
+    const char *base = strrchr(src, '/');
+    base = base && base[1] ? base + 1 : src;
+    char tmp[TSYS__STATE_PATH];
+    tmp[0] = 0;
+    if (s == TSYS_OK) s = tsys_state_begin(ctx, dst, tmp, sizeof tmp);
+    tsys_state_part parts[2];
+    memset(parts, 0, sizeof parts);
+    for (int f = 0; s == TSYS_OK && f < 2; f++) {
+        char path[TSYS__STATE_PATH];
+        const char **meta = pairs + (f ? 2 * (TSYS__STATE_META + TSYS__ST_NUM_DIMS + 2) : 0);
+        int nmeta = tsys__state_plain_meta(r, f == 0, meta, TSYS__STATE_META + TSYS__ST_NUM_DIMS + 1);
+        tsys__st_sum sum = { &r->crc, 0, 0 };
+        snprintf(parts[f].file, sizeof parts[f].file, "%s", f ? TSYS__STATE_TRAIN : TSYS__STATE_MODEL);
+        if (!tsys__state_join(path, sizeof path, tmp, parts[f].file)) { s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, tmp, "path too long"); break; }
+        s = tsys__st_save(ctx, path, f ? train : model, f ? train_names : model_names, f ? ntrain : nmodel, meta, nmeta, &sum);
+        parts[f].bytes = sum.bytes; parts[f].crc32c = sum.value;
+    }
+    if (s == TSYS_OK) {
+        tsys_state_commit_desc c;
+        memset(&c, 0, sizeof c);
+        c.name = base; c.step = r->m.step; c.parts = parts; c.n_parts = 2;
+        s = tsys_state_commit(ctx, dst, tmp, &c);
+    } else tsys_state_abort(tmp);
+    for (int i = 0; i < nmodel; i++) tsys_tensor_release(model[i]);
+    for (int i = 0; i < ntrain; i++) tsys_tensor_release(train[i]);
+    TSYS_FREE(all); TSYS_FREE(names); TSYS_FREE(pairs);
+    tsys_state_close(r);
+    return s;
+}
+
 #else   // no POSIX file system calls: snapshots are not available
 
 TSYSDEF tsys_status tsys_state_save(tsys_ctx *ctx, const char *dir, const tsys_state_desc *desc) {
@@ -9325,6 +9972,40 @@ TSYSDEF const char *tsys_state_info_get(const tsys_state_info *info, const char 
     for (int i = 0; info && key && i < info->n_user; i++) if (strcmp(info->key[i], key) == 0) return info->value[i];
     return NULL;
 }
+#define TSYS__STATE_NO_POSIX(what) tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, what ": needs a POSIX system")
+TSYSDEF tsys_status tsys_state_begin(tsys_ctx *ctx, const char *dir, char *tmp, size_t len) {
+    (void)dir; if (tmp && len) tmp[0] = 0;
+    return TSYS__STATE_NO_POSIX("tsys_state_begin");
+}
+TSYSDEF tsys_status tsys_state_part_write(tsys_ctx *ctx, const char *tmp, const char *file, const tsys_state_chunk *chunks, int n,
+                                          const tsys_state_desc *desc, tsys_state_part *out) {
+    (void)tmp; (void)file; (void)chunks; (void)n; (void)desc; (void)out;
+    return TSYS__STATE_NO_POSIX("tsys_state_part_write");
+}
+TSYSDEF tsys_status tsys_state_commit(tsys_ctx *ctx, const char *dir, const char *tmp, const tsys_state_commit_desc *c) {
+    (void)dir; (void)tmp; (void)c;
+    return TSYS__STATE_NO_POSIX("tsys_state_commit");
+}
+TSYSDEF void tsys_state_abort(const char *tmp) { (void)tmp; }
+TSYSDEF tsys_state_reader *tsys_state_open(tsys_ctx *ctx, const char *path) { (void)path; TSYS__STATE_NO_POSIX("tsys_state_open"); return NULL; }
+TSYSDEF int tsys_state_reader_world(const tsys_state_reader *r) { (void)r; return 0; }
+TSYSDEF int64_t tsys_state_reader_step(const tsys_state_reader *r) { (void)r; return 0; }
+TSYSDEF int tsys_state_reader_count(const tsys_state_reader *r) { (void)r; return 0; }
+TSYSDEF const char *tsys_state_reader_tensor(const tsys_state_reader *r, int i, tsys_dtype *dtype, int *ndim, int64_t *shape) {
+    (void)r; (void)i; (void)dtype; (void)ndim; (void)shape;
+    return NULL;
+}
+TSYSDEF tsys_status tsys_state_check_range(tsys_state_reader *r, const char *fqn, int ndim, const int64_t *shape, tsys_dtype dt, int64_t offset, int64_t numel) {
+    (void)r; (void)fqn; (void)ndim; (void)shape; (void)dt; (void)offset; (void)numel;
+    return TSYS_ERR_UNSUPPORTED;
+}
+TSYSDEF tsys_status tsys_state_read(tsys_state_reader *r, const char *fqn, int64_t offset, tsys_tensor *dst) { (void)r; (void)fqn; (void)offset; (void)dst; return TSYS_ERR_UNSUPPORTED; }
+TSYSDEF tsys_status tsys_state_read_host(tsys_state_reader *r, int part, const tsys_state_desc *desc, tsys_state_info *info, bool apply) {
+    (void)r; (void)part; (void)desc; (void)info; (void)apply;
+    return TSYS_ERR_UNSUPPORTED;
+}
+TSYSDEF void tsys_state_close(tsys_state_reader *r) { (void)r; }
+TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const char *dst) { (void)src; (void)dst; return TSYS__STATE_NO_POSIX("tsys_state_consolidate"); }
 
 #endif // TSYS__POSIX
 

@@ -28,6 +28,8 @@
       >>accounting   defines: tsys_dist_accounting, tsys_fsdp_accounting(_desc)
       >>link model   defines: tsys_dist_calibrate_link (an alpha-beta model of the link, measured),
                      tsys_dist_link_time_ms, tsys_dist_ring_sent
+      >>state sharded defines: tsys_zero1_state_save/_load, tsys_fsdp_state_save/_load (sharded snapshots: a plan of
+                     chunks per rank, parts written in parallel, rank 0's MANIFEST, statuses agreed; any world loads)
       >>trainer      defines: tsys_dist_trainer (a model trained under DDP, ZeRO-1, FSDP or alone, a step at a
                      time in timed phases), tsys_dist_any_failed, tsys_dist_share_cores
 
@@ -484,6 +486,24 @@ TSYSDEF tsys_fsdp_stats tsys_fsdp_stats_get(const tsys_fsdp *f);
 TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms);
 TSYSDEF void tsys_fsdp_free(tsys_fsdp *f);
 
+// Sharded snapshots (tsys.h's tsys_state_*; docs/design/state.md): every rank writes its part of the state
+// in parallel, rank-%05d.safetensors in the snapshot's temporary (a directory every rank sees), rank 0 the
+// MANIFEST (the world size, the layout) once all parts are written, and renames it into place; each step's
+// status is agreed by all ranks, so that all return the error when any fails. desc as tsys_state_save's:
+// model (its dims, for the consolidated model.safetensors; its parameters are the wrapper's), step, name,
+// keep_last, user, scaler, no_rng (each rank saves its own RNG; a load on the same world size restores each
+// rank's, on another world size rank 0's). desc.tensors is not supported (NULL).
+//   ZeRO-1: rank 0 saves the (replicated) parameters, each rank the AdamW moments of those it owns.
+//   FSDP: desc.optim is the AdamW over tsys_fsdp_params; each rank saves its shard's part of every
+//   parameter and moment (not the padding), rank 0 the replicated and frozen parameters.
+// A load takes a snapshot of any world size and layout (ZeRO-1's, FSDP's, a plain one of tsys_state_save)
+// holding the same tensors, every rank reading only the ranges it needs; strict as tsys_state_load, and
+// nothing is written unless every rank's checks passed. tsys_state_consolidate makes a plain snapshot.
+TSYSDEF tsys_status tsys_zero1_state_save(tsys_zero1 *z, const char *dir, const tsys_state_desc *desc);
+TSYSDEF tsys_status tsys_zero1_state_load(tsys_zero1 *z, const char *path, const tsys_state_desc *desc, tsys_state_info *info);
+TSYSDEF tsys_status tsys_fsdp_state_save(tsys_fsdp *f, const char *dir, const tsys_state_desc *desc);
+TSYSDEF tsys_status tsys_fsdp_state_load(tsys_fsdp *f, const char *path, const tsys_state_desc *desc, tsys_state_info *info);
+
 // Accounting: predicted bytes per rank and bytes sent per rank per step, for a model trained with
 // batch x context tokens per rank, world ranks, a dtype (autocast) and a strategy. DDP and ZeRO-1
 // as tsys implements them (ZeRO-1 = DDP's all-reduce + ZeRO-1's broadcasts); ZeRO-2/3 on paper.
@@ -529,6 +549,9 @@ typedef struct tsys_dist_trainer_desc {
     tsys_fsdp_desc fsdp;   // FSDP (it computes in fsdp.compute_dtype)
     tsys_dtype autocast;   // DDP, ZERO1, ALONE: the forward's autocast dtype (TSYS_F32: none)
     float loss_scale;      // backward starts from cross-entropy's mean times this (0 or 1: the mean)
+    const char *save_dir;  // with save_every > 0: a snapshot of the state (tsys_dist_trainer_state_save) into
+    int save_every;        //   save_dir after every save_every-th step, named "step-%06lld" by the step count
+    int keep_last;         //   (tsys_dist_trainer_resume sets it); keep_last as tsys_state_desc's
 } tsys_dist_trainer_desc;
 typedef struct tsys_dist_step_times {
     double forward_ms, backward_ms, optim_ms, step_ms;   // host clock, every phase synchronized with the group;
@@ -547,6 +570,17 @@ TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *id
 // all-reduce; FSDP: tsys_fsdp_time_collectives): *ms. Every rank calls it, between steps.
 TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, double *ms);
 TSYSDEF tsys_ddp *tsys_dist_trainer_ddp(const tsys_dist_trainer *t);     // NULL unless DDP or ZERO1
+// The trainer's state (its model, AdamW, and what desc adds: step, name, keep_last, user, no_rng; desc's
+// model and optim are the trainer's): DDP and ALONE a plain snapshot written by rank 0 (every rank loads
+// it), ZeRO-1 and FSDP a sharded one (tsys_zero1_state_save, tsys_fsdp_state_save). Every rank calls them;
+// the status is the same on every rank. ZeRO-1 and FSDP load any snapshot of any world size (sharded or
+// plain), DDP and ALONE a plain one (tsys_state_consolidate makes one of a sharded snapshot).
+TSYSDEF tsys_status tsys_dist_trainer_state_save(tsys_dist_trainer *t, const char *dir, const tsys_state_desc *desc);
+TSYSDEF tsys_status tsys_dist_trainer_state_load(tsys_dist_trainer *t, const char *path, const tsys_state_desc *desc, tsys_state_info *info);
+// Resumes from path: a snapshot, or a directory of them (its newest: tsys_state_latest; rank 0's view decides).
+// The trainer's step count becomes the snapshot's step (*step, may be NULL). Every rank calls it.
+TSYSDEF tsys_status tsys_dist_trainer_resume(tsys_dist_trainer *t, const char *path, int64_t *step);
+TSYSDEF int64_t tsys_dist_trainer_steps(const tsys_dist_trainer *t);   // steps taken (from the resumed step on)
 TSYSDEF tsys_fsdp *tsys_dist_trainer_fsdp(const tsys_dist_trainer *t);   // NULL unless FSDP
 TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t);
 // Every rank calls it at the same point: true on every rank when st is not TSYS_OK on any (or the group
@@ -5045,6 +5079,345 @@ TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device 
     return m;
 }
 
+// >>state sharded ---------------------------------------------------------------------------------
+// Sharded snapshots of ZeRO-1 and FSDP (and the trainer's, plain for DDP), out of tsys.h's building
+// blocks (tsys_state_begin, _part_write, _commit, the reader; docs/design/state.md). A layout is a plan:
+// one item per chunk this rank holds of a global tensor (a parameter, or a moment
+// "optim.state.<name>.exp_avg"/".exp_avg_sq"), whether it saves it and whether it loads it, and the
+// global tensors every rank's plans cover together (the strict check of a load: the snapshot holds
+// exactly those). ZeRO-1: the replicated parameters whole from rank 0, each owner the moments of its
+// parameters whole. FSDP: each rank the intersections of its master shard [rS, rS + S) with the
+// parameters' ranges of their unit (the padding is not saved), and of its moment shards; rank 0 the
+// replicated and frozen parameters and the replicated moments, whole. A load reads each item's range
+// from whatever chunks hold it: any world size loads any other's snapshot.
+//
+// A save: rank 0 begins (the temporary's path to every rank), every rank writes its part, the sizes and
+// checksums go to rank 0 in the all-reduce that agrees the status, rank 0 commits, the status of that
+// is agreed too. A load: every rank checks everything it will read (names, shapes, coverage, the
+// checksums of the files it reads from, the metadata), the status is agreed, then every rank writes.
+// No rank goes on after a failure anywhere: all return the error.
+
+typedef struct tsys_dist__state_item {
+    char fqn[TSYS_NAME_LEN + 32];
+    tsys_tensor *t;              // this rank's chunk (a view; owned)
+    int ndim;
+    int64_t shape[TSYS_MAX_DIMS];
+    int64_t offset;
+    bool save, load;
+} tsys_dist__state_item;
+
+typedef struct tsys_dist__state_global { char fqn[TSYS_NAME_LEN + 32]; int ndim; int64_t shape[TSYS_MAX_DIMS]; } tsys_dist__state_global;
+
+typedef struct tsys_dist__state_plan {
+    tsys_dist__state_item *items;
+    int n, cap;
+    tsys_dist__state_global *globals;
+    int ng, gcap;
+    bool oom;
+} tsys_dist__state_plan;
+
+static void tsys_dist__state_plan_free(tsys_dist__state_plan *p) {
+    for (int i = 0; i < p->n; i++) tsys_tensor_release(p->items[i].t);
+    free(p->items); free(p->globals);   // grown with realloc
+    memset(p, 0, sizeof(*p));
+}
+
+static bool tsys_dist__state_grow(void **arr, int *cap, int n, size_t each) {
+    if (n < *cap) return true;
+    int ncap = *cap ? 2 * *cap : 32;
+    void *g = realloc(*arr, each * (size_t)ncap);
+    if (!g) return false;
+    *arr = g; *cap = ncap;
+    return true;
+}
+
+// "name" (which 0) or "optim.state.name.exp_avg" (1) / ".exp_avg_sq" (2): the names tsys_state_save uses.
+static void tsys_dist__state_fqn(char *buf, size_t len, const char *name, int which) {
+    if (which == 0) snprintf(buf, len, "%s", name);
+    else snprintf(buf, len, "optim.state.%s.%s", name, which == 1 ? "exp_avg" : "exp_avg_sq");
+}
+
+static void tsys_dist__state_global_add(tsys_dist__state_plan *p, const tsys_tensor *param, int which) {
+    if (!tsys_dist__state_grow((void **)&p->globals, &p->gcap, p->ng, sizeof(*p->globals))) { p->oom = true; return; }
+    tsys_dist__state_global *g = &p->globals[p->ng++];
+    tsys_dist__state_fqn(g->fqn, sizeof(g->fqn), param->name, which);
+    g->ndim = param->ndim;
+    memcpy(g->shape, param->shape, sizeof(g->shape));
+}
+
+// An item: elements [offset, offset + numel(view)) of the global tensor `param` (which: its values or a
+// moment), held by view (the plan takes the reference).
+static void tsys_dist__state_item_add(tsys_dist__state_plan *p, const tsys_tensor *param, int which, tsys_tensor *view, int64_t offset, bool save, bool load) {
+    if (!view || !tsys_dist__state_grow((void **)&p->items, &p->cap, p->n, sizeof(*p->items))) { tsys_tensor_release(view); p->oom = true; return; }
+    tsys_dist__state_item *it = &p->items[p->n++];
+    memset(it, 0, sizeof(*it));
+    tsys_dist__state_fqn(it->fqn, sizeof(it->fqn), param->name, which);
+    it->t = view; it->ndim = param->ndim; it->offset = offset; it->save = save; it->load = load;
+    memcpy(it->shape, param->shape, sizeof(it->shape));
+}
+
+// A whole tensor of the plan: a parameter's values, or a moment tensor of its shape (views in its shape).
+static void tsys_dist__state_whole(tsys_ctx *ctx, tsys_dist__state_plan *p, const tsys_tensor *param, int which, tsys_tensor *values, bool save) {
+    tsys_tensor *v = values ? tsys_tensor_view_raw(ctx, values, 0, values->dtype, param->ndim, param->shape) : NULL;
+    tsys_dist__state_item_add(p, param, which, v, 0, save, true);
+}
+
+// ZeRO-1: every parameter whole, saved by rank 0 (they are replicated), loaded by all; each owner the
+// moments of its parameters (its AdamW of the parameter's chunk, in the order it was built over).
+static void tsys_dist__zero1_plan(tsys_zero1 *z, tsys_dist__state_plan *p) {
+    tsys_ctx *ctx = z->ctx;
+    const int rank = tsys_dist_rank(z->d);
+    for (int i = 0; i < z->n; i++) {
+        tsys_dist__state_global_add(p, z->params[i], 0);
+        tsys_dist__state_whole(ctx, p, z->params[i], 0, z->params[i], rank == 0);
+    }
+    int index[TSYS_DIST__ZERO1_CHUNKS] = {0};
+    for (int i = 0; i < z->ntp; i++) {
+        for (int which = 1; which <= 2; which++) tsys_dist__state_global_add(p, z->tp[i], which);
+        if (z->owner[i] != rank) continue;
+        int c = z->chunk[i], k = index[c]++;
+        for (int which = 1; which <= 2; which++) {
+            tsys_tensor *m = tsys_optim_state(z->opt[c], k, which - 1);
+            tsys_dist__state_whole(ctx, p, z->tp[i], which, m, true);
+            tsys_tensor_release(m);
+        }
+    }
+}
+
+// FSDP: a unit's parameter k covers [off_k, off_k + n_k) of the unit's flat run, this rank's shard
+// [rS, rS + S): their intersection is this rank's chunk of the parameter, and of its moments.
+static void tsys_dist__fsdp_plan(tsys_fsdp *f, tsys_optim *opt, tsys_dist__state_plan *p) {
+    tsys_ctx *ctx = f->ctx;
+    const int rank = tsys_dist_rank(f->d);
+    for (int i = 0; i < f->nu; i++) {
+        tsys_dist__fsdp_unit *U = &f->u[i];
+        tsys_tensor *src[3] = {tsys_tensor_retain(U->master), opt ? tsys_optim_state(opt, i, 0) : NULL, opt ? tsys_optim_state(opt, i, 1) : NULL};
+        const int64_t s0 = rank * U->shard, s1 = s0 + U->shard;
+        for (int k = 0; k < U->np; k++) {
+            const int64_t a = U->off[k], b = a + tsys_tensor_numel(U->p[k]);
+            const int64_t lo = a > s0 ? a : s0, hi = b < s1 ? b : s1;
+            for (int which = 0; which < 3; which++) {
+                if (which == 0 || opt) tsys_dist__state_global_add(p, U->p[k], which);
+                if (lo >= hi || (which && !opt)) continue;
+                int64_t n = hi - lo;
+                tsys_tensor *v = src[which] ? tsys_tensor_view_raw(ctx, src[which], (size_t)(lo - s0) * 4, TSYS_F32, 1, &n) : NULL;
+                tsys_dist__state_item_add(p, U->p[k], which, v, lo - a, true, true);
+            }
+        }
+        for (int which = 0; which < 3; which++) tsys_tensor_release(src[which]);
+    }
+    for (int j = 0; j < f->nrep; j++)
+        for (int which = 0; which < (opt ? 3 : 1); which++) {
+            tsys_tensor *m = which == 0 ? tsys_tensor_retain(f->rep[j]) : tsys_optim_state(opt, f->nu + j, which - 1);
+            tsys_dist__state_global_add(p, f->rep[j], which);
+            tsys_dist__state_whole(ctx, p, f->rep[j], which, m, rank == 0);
+            tsys_tensor_release(m);
+        }
+    for (int j = 0; j < f->nfrozen; j++) {
+        tsys_dist__state_global_add(p, f->frozen[j], 0);
+        tsys_dist__state_whole(ctx, p, f->frozen[j], 0, f->frozen[j], rank == 0);
+    }
+}
+
+// Every rank's status agreed (the one all-reduce of a step): true when all are TSYS_OK. A rank that
+// failed has its own message; the others get one saying what failed elsewhere.
+static bool tsys_dist__state_agree(tsys_dist *d, tsys_status *st, const char *path, const char *step) {
+    double bad = *st != TSYS_OK;
+    tsys_status e = tsys_dist_all_reduce_host(d, &bad, 1, TSYS_DIST_SUM);
+    if (e != TSYS_OK && *st == TSYS_OK) *st = e;
+    if (*st == TSYS_OK && bad > 0)
+        *st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_IO, "state '%s': %s failed on %.0f other rank(s) (their messages say why)", path, step, bad);
+    return *st == TSYS_OK;
+}
+
+// Rank 0's path (the temporary it began, the snapshot to resume from) to every rank, in the all-reduce
+// that agrees the status (its last element: the ranks that failed).
+static tsys_status tsys_dist__state_share_path(tsys_dist *d, tsys_status st, char *tmp, size_t len, const char *dir) {
+    const int rank = tsys_dist_rank(d);
+    double *v = (double *)calloc(len + 1, sizeof(double));
+    if (!v) return tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_OOM, "state '%s': out of memory", dir);   // it would not reach the all-reduce either
+    for (size_t i = 0; rank == 0 && st == TSYS_OK && i < len && tmp[i]; i++) v[i] = (unsigned char)tmp[i];
+    v[len] = st != TSYS_OK;
+    tsys_status e = tsys_dist_all_reduce_host(d, v, (int)len + 1, TSYS_DIST_SUM);
+    if (st == TSYS_OK) st = e;
+    for (size_t i = 0; st == TSYS_OK && i < len; i++) tmp[i] = (char)v[i];
+    tmp[len - 1] = 0;
+    if (st == TSYS_OK && v[len] > 0) st = tsys_ctx_set_error(tsys_dist_ctx(d), TSYS_ERR_IO, "state '%s': rank 0 failed (its message says why)", dir);
+    free(v);
+    return st;
+}
+
+// This rank's part; every part's size and checksum go to rank 0 in the all-reduce that agrees the
+// status (the status in the last element).
+static tsys_status tsys_dist__state_write_part(tsys_dist *d, const char *tmp, const tsys_dist__state_plan *p, const tsys_state_desc *desc, tsys_state_part *parts) {
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    const int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
+    tsys_state_chunk *chunks = (tsys_state_chunk *)calloc((size_t)p->n + 1, sizeof(*chunks));
+    double *v = (double *)calloc(2 * (size_t)world + 1, sizeof(double));
+    if (!v) { free(chunks); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", tmp); }
+    tsys_status st = chunks ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", tmp);
+    int n = 0;
+    for (int i = 0; st == TSYS_OK && i < p->n; i++) {
+        const tsys_dist__state_item *it = &p->items[i];
+        if (!it->save) continue;
+        tsys_state_chunk *c = &chunks[n++];
+        c->fqn = it->fqn; c->t = it->t; c->ndim = it->ndim; c->offset = it->offset;
+        memcpy(c->shape, it->shape, sizeof(c->shape));
+    }
+    char file[64];
+    snprintf(file, sizeof(file), "rank-%05d.safetensors", rank);
+    tsys_state_part mine;
+    memset(&mine, 0, sizeof(mine));
+    if (st == TSYS_OK) st = tsys_state_part_write(ctx, tmp, file, chunks, n, desc, &mine);
+    if (st == TSYS_OK) { v[2 * rank] = (double)mine.bytes; v[2 * rank + 1] = (double)mine.crc32c; }   // exact: below 2^53
+    v[2 * world] = st != TSYS_OK;
+    tsys_status e = tsys_dist_all_reduce_host(d, v, 2 * world + 1, TSYS_DIST_SUM);
+    if (st == TSYS_OK) st = e;
+    if (st == TSYS_OK && v[2 * world] > 0) st = tsys_ctx_set_error(ctx, TSYS_ERR_IO, "state '%s': writing a part failed on %.0f other rank(s) (their messages say why)", tmp, v[2 * world]);
+    for (int r = 0; st == TSYS_OK && r < world; r++) {
+        snprintf(parts[r].file, sizeof(parts[r].file), "rank-%05d.safetensors", r);
+        parts[r].bytes = (uint64_t)v[2 * r]; parts[r].crc32c = (uint32_t)v[2 * r + 1];
+    }
+    free(chunks); free(v);
+    return st;
+}
+
+static tsys_status tsys_dist__state_save(tsys_dist *d, const char *dir, const tsys_state_desc *desc, const tsys_dist__state_plan *p, const char *layout) {
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    const int rank = tsys_dist_rank(d), world = tsys_dist_size(d);
+    char tmp[4096] = "";
+    tsys_status st = p->oom ? tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory planning the snapshot", dir) : tsys_ctx_status(ctx);
+    if (world > TSYS_STATE_MAX_PARTS && st == TSYS_OK) st = tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "state '%s': %d ranks; a snapshot has at most %d parts", dir, world, TSYS_STATE_MAX_PARTS);
+    if (rank == 0 && st == TSYS_OK) st = tsys_state_begin(ctx, dir, tmp, sizeof(tmp));
+    st = tsys_dist__state_share_path(d, st, tmp, sizeof(tmp), dir);
+    if (st != TSYS_OK) { if (rank == 0) tsys_state_abort(tmp); return st; }
+    tsys_state_part *parts = (tsys_state_part *)calloc((size_t)world, sizeof(*parts));
+    st = parts ? tsys_dist__state_write_part(d, tmp, p, desc, parts) : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", dir);
+    if (rank == 0 && st == TSYS_OK) {
+        tsys_state_commit_desc c;
+        memset(&c, 0, sizeof(c));
+        c.name = desc->name; c.step = desc->step; c.world = world; c.layout = layout; c.parts = parts; c.n_parts = world; c.keep_last = desc->keep_last;
+        st = tsys_state_commit(ctx, dir, tmp, &c);   // removes tmp when it fails
+    } else if (rank == 0) tsys_state_abort(tmp);
+    free(parts);
+    tsys_dist__state_agree(d, &st, dir, "committing the snapshot");
+    return st;
+}
+
+// The snapshot holds exactly the plan's global tensors, with their shapes (dtypes: tsys_state_check_range).
+static tsys_status tsys_dist__state_strict(tsys_ctx *ctx, tsys_state_reader *r, const char *path, const tsys_dist__state_plan *p) {
+    int n = tsys_state_reader_count(r);
+    for (int i = 0; i < n; i++) {
+        int ndim;
+        int64_t shape[TSYS_MAX_DIMS];
+        const char *fqn = tsys_state_reader_tensor(r, i, NULL, &ndim, shape);
+        int g = 0;
+        while (g < p->ng && strcmp(p->globals[g].fqn, fqn)) g++;
+        if (g == p->ng) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "state '%s': holds tensor '%s', which the load does not list (it is strict: the same tensors as saved)", path, fqn);
+        if (p->globals[g].ndim != ndim || memcmp(p->globals[g].shape, shape, sizeof(int64_t) * (size_t)ndim))
+            return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "state '%s': tensor '%s' has another shape in the snapshot than in the model", path, fqn);
+    }
+    if (n != p->ng) return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "state '%s': holds %d tensors, the load lists %d (it is strict: the same tensors as saved)", path, n, p->ng);
+    return TSYS_OK;
+}
+
+// Loads the plan's items, and the host state into each of opts (one pass without an optimizer when none).
+static tsys_status tsys_dist__state_load(tsys_dist *d, const char *path, const tsys_state_desc *desc, const tsys_dist__state_plan *p,
+                                         tsys_optim *const *opts, int nopts, tsys_state_info *info) {
+    tsys_ctx *ctx = tsys_dist_ctx(d);
+    tsys_status st = p->oom ? tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory planning the load", path) : tsys_ctx_status(ctx);
+    tsys_state_reader *r = st == TSYS_OK ? tsys_state_open(ctx, path) : NULL;
+    if (st == TSYS_OK && !r) st = tsys_ctx_status(ctx);
+    // the RNG and the user record of this rank's part when the world size is the same, else rank 0's
+    const int part = r && tsys_state_reader_world(r) == tsys_dist_size(d) ? tsys_dist_rank(d) : 0;
+    if (st == TSYS_OK) st = tsys_dist__state_strict(ctx, r, path, p);
+    for (int i = 0; st == TSYS_OK && i < p->n; i++) {
+        const tsys_dist__state_item *it = &p->items[i];
+        if (it->load) st = tsys_state_check_range(r, it->fqn, it->ndim, it->shape, it->t->dtype, it->offset, tsys_tensor_numel(it->t));
+    }
+    tsys_state_desc one = *desc;
+    for (int k = 0; st == TSYS_OK && k < (nopts ? nopts : 1); k++) {
+        one.optim = nopts ? opts[k] : NULL;
+        st = tsys_state_read_host(r, part, &one, info, false);
+    }
+    if (tsys_dist__state_agree(d, &st, path, "checking the snapshot")) {   // checked everywhere: from here on only writes
+        for (int i = 0; st == TSYS_OK && i < p->n; i++)
+            if (p->items[i].load) st = tsys_state_read(r, p->items[i].fqn, p->items[i].offset, p->items[i].t);
+        for (int k = 0; st == TSYS_OK && k < (nopts ? nopts : 1); k++) {
+            one.optim = nopts ? opts[k] : NULL;
+            st = tsys_state_read_host(r, part, &one, info, true);
+        }
+        tsys_dist__state_agree(d, &st, path, "reading the snapshot");
+    }
+    tsys_state_close(r);
+    return st;
+}
+
+static bool tsys_dist__state_args_ok(tsys_ctx *ctx, const void *what, const char *path, const tsys_state_desc *desc, const char *fn) {
+    if (what && path && desc) return true;
+    if (ctx) tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "%s: NULL %s", fn, !path ? "path" : "desc");
+    return false;
+}
+
+// ZeRO-1's optimizers on this rank (its chunks'); they share one desc and step count.
+static int tsys_dist__zero1_opts(const tsys_zero1 *z, tsys_optim **opts) {
+    int n = 0;
+    for (int c = 0; c < TSYS_DIST__ZERO1_CHUNKS; c++) if (z->opt[c]) opts[n++] = z->opt[c];
+    return n;
+}
+
+TSYSDEF tsys_status tsys_zero1_state_save(tsys_zero1 *z, const char *dir, const tsys_state_desc *desc) {
+    if (!tsys_dist__state_args_ok(z ? z->ctx : NULL, z, dir, desc, "tsys_zero1_state_save")) return TSYS_ERR_INVALID_ARGS;
+    tsys_dist__state_plan p;
+    memset(&p, 0, sizeof(p));
+    tsys_dist__zero1_plan(z, &p);
+    tsys_optim *opts[TSYS_DIST__ZERO1_CHUNKS];
+    tsys_state_desc mine = *desc;
+    mine.optim = tsys_dist__zero1_opts(z, opts) ? opts[0] : NULL;
+    mine.tensors = NULL; mine.n_tensors = 0;
+    tsys_status st = tsys_dist__state_save(z->d, dir, &mine, &p, "zero1");
+    tsys_dist__state_plan_free(&p);
+    return st;
+}
+
+TSYSDEF tsys_status tsys_zero1_state_load(tsys_zero1 *z, const char *path, const tsys_state_desc *desc, tsys_state_info *info) {
+    if (!tsys_dist__state_args_ok(z ? z->ctx : NULL, z, path, desc, "tsys_zero1_state_load")) return TSYS_ERR_INVALID_ARGS;
+    tsys_dist__state_plan p;
+    memset(&p, 0, sizeof(p));
+    tsys_dist__zero1_plan(z, &p);
+    tsys_optim *opts[TSYS_DIST__ZERO1_CHUNKS];
+    tsys_state_desc mine = *desc;
+    mine.tensors = NULL; mine.n_tensors = 0;
+    tsys_status st = tsys_dist__state_load(z->d, path, &mine, &p, opts, tsys_dist__zero1_opts(z, opts), info);
+    tsys_dist__state_plan_free(&p);
+    return st;
+}
+
+TSYSDEF tsys_status tsys_fsdp_state_save(tsys_fsdp *f, const char *dir, const tsys_state_desc *desc) {
+    if (!tsys_dist__state_args_ok(f ? f->ctx : NULL, f, dir, desc, "tsys_fsdp_state_save")) return TSYS_ERR_INVALID_ARGS;
+    tsys_dist__state_plan p;
+    memset(&p, 0, sizeof(p));
+    tsys_dist__fsdp_plan(f, desc->optim, &p);
+    tsys_state_desc mine = *desc;
+    mine.tensors = NULL; mine.n_tensors = 0;
+    tsys_status st = tsys_dist__state_save(f->d, dir, &mine, &p, "fsdp");
+    tsys_dist__state_plan_free(&p);
+    return st;
+}
+
+TSYSDEF tsys_status tsys_fsdp_state_load(tsys_fsdp *f, const char *path, const tsys_state_desc *desc, tsys_state_info *info) {
+    if (!tsys_dist__state_args_ok(f ? f->ctx : NULL, f, path, desc, "tsys_fsdp_state_load")) return TSYS_ERR_INVALID_ARGS;
+    tsys_dist__state_plan p;
+    memset(&p, 0, sizeof(p));
+    tsys_dist__fsdp_plan(f, desc->optim, &p);
+    tsys_optim *opt = desc->optim;
+    tsys_state_desc mine = *desc;
+    mine.tensors = NULL; mine.n_tensors = 0;
+    tsys_status st = tsys_dist__state_load(f->d, path, &mine, &p, &opt, opt ? 1 : 0, info);
+    tsys_dist__state_plan_free(&p);
+    return st;
+}
+
 // >>trainer ---------------------------------------------------------------------------------------
 struct tsys_dist_trainer {
     tsys_ctx *ctx;
@@ -5056,6 +5429,7 @@ struct tsys_dist_trainer {
     tsys_zero1 *zero1;
     tsys_fsdp *fsdp;
     tsys_optim *opt;
+    int64_t step;          // steps taken, counted from the step a resume restored
 };
 
 TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc) {
@@ -5082,6 +5456,8 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
 }
 
 static double tsys_dist__peak(const tsys_dist_trainer *t) { return (double)tsys_mem_stats_get(t->ctx, t->dev).peak_bytes; }
+
+static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t);
 
 TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, tsys_dist_step_times *times) {
     tsys_ctx *ctx = t->ctx;
@@ -5118,7 +5494,9 @@ TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *id
     tm.forward_ms = (t1 - t0) * 1e-3; tm.backward_ms = (t2 - t1) * 1e-3; tm.optim_ms = (t3 - t2) * 1e-3; tm.step_ms = (t3 - t0) * 1e-3;
     if (t->ddp) tm.exposed_ms = tsys_ddp_stats_get(t->ddp).exposed_ms;
     if (times) *times = tm;
-    return tsys_ctx_status(ctx);
+    if (tsys_ctx_status(ctx) != TSYS_OK) return tsys_ctx_status(ctx);
+    t->step++;
+    return tsys_dist__trainer_autosave(t);
 }
 
 TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, double *ms) {
@@ -5131,6 +5509,61 @@ TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, dou
     *ms = tsys_ddp_stats_get(t->ddp).comm_ms;
     return st;
 }
+
+// DDP, ALONE: the state is replicated: rank 0 writes a plain snapshot (every rank can read it).
+TSYSDEF tsys_status tsys_dist_trainer_state_save(tsys_dist_trainer *t, const char *dir, const tsys_state_desc *desc) {
+    if (!t || !dir || !desc) return t ? tsys_ctx_set_error(t->ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_state_save: NULL directory or desc") : TSYS_ERR_INVALID_ARGS;
+    tsys_state_desc mine = *desc;
+    mine.model = t->model; mine.optim = t->opt; mine.tensors = NULL; mine.n_tensors = 0;
+    if (t->zero1) { mine.optim = NULL; return tsys_zero1_state_save(t->zero1, dir, &mine); }
+    if (t->fsdp) return tsys_fsdp_state_save(t->fsdp, dir, &mine);
+    tsys_status st = !t->d || tsys_dist_rank(t->d) == 0 ? tsys_state_save(t->ctx, dir, &mine) : TSYS_OK;
+    if (t->d) tsys_dist__state_agree(t->d, &st, dir, "rank 0's save");
+    return st;
+}
+
+TSYSDEF tsys_status tsys_dist_trainer_state_load(tsys_dist_trainer *t, const char *path, const tsys_state_desc *desc, tsys_state_info *info) {
+    if (!t || !path || !desc) return t ? tsys_ctx_set_error(t->ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_state_load: NULL path or desc") : TSYS_ERR_INVALID_ARGS;
+    tsys_state_desc mine = *desc;
+    mine.model = t->model; mine.optim = t->opt; mine.tensors = NULL; mine.n_tensors = 0;
+    if (t->zero1) { mine.optim = NULL; return tsys_zero1_state_load(t->zero1, path, &mine, info); }
+    if (t->fsdp) return tsys_fsdp_state_load(t->fsdp, path, &mine, info);
+    tsys_status st = tsys_state_load(t->ctx, path, &mine, info);   // a sharded snapshot: tsys_state_consolidate it first
+    if (t->d) tsys_dist__state_agree(t->d, &st, path, "loading the snapshot");
+    return st;
+}
+
+// After a step: the snapshot desc.save_every asks for (outside the step's times).
+static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t) {
+    if (t->desc.save_every <= 0 || !t->desc.save_dir || t->step % t->desc.save_every) return TSYS_OK;
+    tsys_state_desc sd;
+    memset(&sd, 0, sizeof(sd));
+    sd.step = t->step; sd.keep_last = t->desc.keep_last;
+    return tsys_dist_trainer_state_save(t, t->desc.save_dir, &sd);
+}
+
+TSYSDEF tsys_status tsys_dist_trainer_resume(tsys_dist_trainer *t, const char *path, int64_t *step) {
+    if (!t || !path) return t ? tsys_ctx_set_error(t->ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_resume: NULL path") : TSYS_ERR_INVALID_ARGS;
+    char snap[4096] = "", manifest[4200];
+    tsys_status st = tsys_ctx_status(t->ctx);
+    if (!t->d || tsys_dist_rank(t->d) == 0) {
+        struct stat sb;
+        snprintf(manifest, sizeof(manifest), "%s/MANIFEST", path);
+        if (stat(manifest, &sb) == 0) snprintf(snap, sizeof(snap), "%s", path);
+        else if (st == TSYS_OK && (st = tsys_state_latest(t->ctx, path, snap, sizeof(snap))) == TSYS_OK && !snap[0])
+            st = tsys_ctx_set_error(t->ctx, TSYS_ERR_IO, "resume '%s': neither a snapshot nor a directory holding one", path);
+    }
+    if (t->d) st = tsys_dist__state_share_path(t->d, st, snap, sizeof(snap), path);
+    tsys_state_desc sd;
+    memset(&sd, 0, sizeof(sd));
+    tsys_state_info info;
+    if (st == TSYS_OK) st = tsys_dist_trainer_state_load(t, snap, &sd, &info);
+    if (st == TSYS_OK) t->step = info.step;
+    if (step) *step = st == TSYS_OK ? info.step : -1;
+    return st;
+}
+
+TSYSDEF int64_t tsys_dist_trainer_steps(const tsys_dist_trainer *t) { return t ? t->step : 0; }
 
 TSYSDEF tsys_ddp *tsys_dist_trainer_ddp(const tsys_dist_trainer *t) { return t ? t->ddp : NULL; }
 TSYSDEF tsys_fsdp *tsys_dist_trainer_fsdp(const tsys_dist_trainer *t) { return t ? t->fsdp : NULL; }

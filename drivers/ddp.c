@@ -14,9 +14,9 @@
 
 typedef struct ddp_opts {
     du_common common;
-    const char *device, *attn, *checkpoint, *loss, *reshard;
+    const char *device, *attn, *checkpoint, *loss, *reshard, *save_dir, *resume;
     du_list models, strategies, buckets, comms, dtypes, contexts;
-    int batch, warmup, steps, nproc, seed;
+    int batch, warmup, steps, nproc, seed, save_every;
     bool account, no_compute_ref;
     tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
 } ddp_opts;
@@ -125,7 +125,7 @@ static void run_free(run *r, tsys_ctx *ctx) {
 // (bf16 under autocast), mean ms over the timed steps (NAN when it fails, e.g. out of memory).
 static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc, tsys_dist_trainer_desc td, int rank) {
     run r;
-    td.mode = TSYS_TRAIN_ALONE;
+    td.mode = TSYS_TRAIN_ALONE; td.save_every = 0;   // a reference: it saves nothing
     tsys_status st = run_new(&r, ctx, NULL, rank, dev, o, desc, &td);
     double sum = 0;
     for (int i = 0; st == TSYS_OK && i < o->warmup + o->steps; i++) {
@@ -146,6 +146,7 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
     td.ddp.strategy = strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16;
     td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
     td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
+    td.save_dir = o->save_dir; td.save_every = o->save_every;
     return td;
 }
 
@@ -212,6 +213,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     double *tm = (double *)calloc((size_t)4 * n, sizeof(double)), mem[4] = {0, 0, 0, 0}, alone = 0;   // as fill_measured takes them
     run r;
     tsys_status st = run_new(&r, ctx, d, tsys_dist_rank(d), dev, o, &desc, &td);
+    if (o->resume && !tsys_dist_any_failed(d, st)) st = tsys_dist_trainer_resume(r.tr, o->resume, NULL);   // every rank, or none
     mem[0] = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
     if (s == S_FSDP) tsys_mem_reset_peak(ctx, dev);   // the whole model existed until it was sharded: the step's peak is what counts
     bool failed = tsys_dist_any_failed(d, st = tm ? st : TSYS_ERR_OOM);
@@ -378,6 +380,10 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_INT("nproc", &o.nproc, "1", 1, 1024, "start N local ranks (built-in launcher); not needed under mpirun/torchrun"),
         DU_FLAG_BOOL("account", &o.account, "print the accounting prediction (DDP, ZeRO-1/2/3, FSDP) for --nproc ranks; run nothing"),
         DU_FLAG_INT("seed", &o.seed, "0", 0, 1 << 30, "weights and batch seed"),
+        DU_FLAG_INT("save-every", &o.save_every, "0", 0, 1 << 30, "a snapshot of the training state into --save-dir every N steps (DDP:\n"
+                    "rank 0's; zero1, fsdp: sharded; one configuration)"),
+        DU_FLAG_STR("save-dir", &o.save_dir, NULL, "DIR", "where --save-every's snapshots go (DIR/step-000123)"),
+        DU_FLAG_STR("resume", &o.resume, NULL, "DIR", "resume from the snapshot DIR, or DIR's newest (the step count goes on from it)"),
         DU_COMMON_FLAGS(&o.common, DU_MEM_LIMIT_RANKS_TEXT),
     };
     const int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
@@ -395,6 +401,9 @@ static int driver_main(int argc, char **argv) {
     const long nconfigs = o.account ? (long)ACCOUNT_TABLE_SCHEMES * o.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
     if (nconfigs > 1000000) {
         fprintf(stderr, "ddp: the lists make %ld configurations; at most 1000000\n", nconfigs);
+        rc = DU_EXIT_USAGE;
+    } else if ((o.save_every && !o.save_dir) || ((o.save_dir || o.resume) && nconfigs != 1)) {
+        fprintf(stderr, "ddp: --save-every needs --save-dir, and snapshots one configuration (the lists make %ld)\n", nconfigs);
         rc = DU_EXIT_USAGE;
     } else if (o.common.dry_run) {   // before any rank starts
         fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, "

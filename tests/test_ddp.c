@@ -815,6 +815,11 @@ TSYS_TEST(trainer_ddp) { trainer_vs_alone(TSYS_TRAIN_DDP); }
 TSYS_TEST(trainer_zero1) { trainer_vs_alone(TSYS_TRAIN_ZERO1); }
 TSYS_TEST(trainer_fsdp) { trainer_vs_alone(TSYS_TRAIN_FSDP); }
 
+#include "state_dist.h"
+// Sharded snapshots under the trainer (tests/state_dist.h): ZeRO-1's parts, DDP's plain snapshot.
+TSYS_TEST(zero1_state_sharded_resume) { state_procedure(g_ctx, g_ctx, TSYS_TRAIN_ZERO1, "zero1"); }
+TSYS_TEST(ddp_state_trainer_resume) { state_procedure(g_ctx, g_ctx, TSYS_TRAIN_DDP, "ddp"); }
+
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
 int main(int argc, char **argv) {

@@ -889,6 +889,46 @@ t_result_files_are_whole_or_absent() {
   check_no_partial "$prof"
 }
 
+# ddp --save-every/--save-dir/--resume, each strategy at 2 ranks: 4 steps saving at step 4, against 2 steps
+# saving at 2 and a resumed run of 2 more saving at 4: the two step-4 snapshots hold the same tensors, byte
+# for byte (DDP: rank 0's plain snapshot; zero1, fsdp: every rank's part).
+same_snapshot_tensors() {   # dir dir
+  python3 - "$1" "$2" <<'PY'
+import json, os, struct, sys
+def tensors(d):
+    out = {}
+    for f in sorted(os.listdir(d)):
+        if not f.endswith('.safetensors'): continue
+        with open(os.path.join(d, f), 'rb') as h:
+            n = struct.unpack('<Q', h.read(8))[0]; head = json.loads(h.read(n)); data = h.read()
+        for k, v in head.items():
+            if k != '__metadata__': out[f + ':' + k] = data[v['data_offsets'][0]:v['data_offsets'][1]]
+    return out
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+bad = [k for k in a if a[k] != b.get(k)]
+if not a or a.keys() != b.keys() or bad: sys.exit('%d tensors against %d, differing: %s' % (len(a), len(b), bad[:3]))
+PY
+}
+t_dist_ddp_save_resume_bitwise() {
+  [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
+  command -v python3 >/dev/null || { echo -n "(no python3: skipped) "; return; }
+  local s base=(--nproc 2 --device cpu --model custom --d-model 32 --num-layers 2 --num-heads 2 --d-ff 64 --vocab-size 97 --batch-size 1
+                --context-length 16 --warmup 0 --bucket-mb 1 --format csv)
+  for s in flat zero1 fsdp; do
+    run "$B/ddp" "${base[@]}" --strategy $s --steps 4 --save-every 4 --save-dir "$tmp/$s-a"
+    expect_rc 0 "ddp --strategy $s: 4 steps saving at 4"
+    run "$B/ddp" "${base[@]}" --strategy $s --steps 2 --save-every 2 --save-dir "$tmp/$s-b"
+    expect_rc 0 "ddp --strategy $s: 2 steps saving at 2"
+    run "$B/ddp" "${base[@]}" --strategy $s --steps 2 --save-every 2 --save-dir "$tmp/$s-b" --resume "$tmp/$s-b"
+    expect_rc 0 "ddp --strategy $s: resumed for 2 more"
+    [ -f "$tmp/$s-b/step-000004/MANIFEST" ] || note "$s: the resumed run saved no step-000004: $(ls "$tmp/$s-b" 2>&1)"
+    same_snapshot_tensors "$tmp/$s-a/step-000004" "$tmp/$s-b/step-000004" 2>"$tmp/cmp" || note "$s: the step-4 snapshots differ: $(cat "$tmp/cmp")"
+  done
+  [ "$s" = fsdp ] && grep -q '^world=2$' "$tmp/fsdp-a/step-000004/MANIFEST" || note "fsdp: no world=2 in the MANIFEST"
+  run "$B/ddp" "${base[@]}" --strategy flat,zero1 --steps 1 --save-dir "$tmp/x"
+  expect_rc 2 "--save-dir over two configurations"
+}
+
 # ---- runner -------------------------------------------------------------------------------------------
 
 pass=0; fail=0

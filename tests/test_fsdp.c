@@ -821,6 +821,10 @@ static int fsdp_peer_dies(int die) {
     _exit(st == TSYS_OK ? 0 : 1);   // the group is broken: no orderly teardown
 }
 
+#include "state_dist.h"
+// Sharded snapshots under the trainer (tests/state_dist.h); the one-process references in g_ref.
+TSYS_TEST(fsdp_state_sharded_resume) { state_procedure(g_ctx, g_ref, TSYS_TRAIN_FSDP, "fsdp"); }
+
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
 int main(int argc, char **argv) {

@@ -740,6 +740,97 @@ static int ts_export_torch(const char *dir) {
     return s == TSYS_OK ? 0 : 1;
 }
 
+// ---- sharded snapshots: the building blocks ----------------------------------------------------------
+
+// A snapshot of two parts: x (3, 4) = 0..11 split at element `cut` (part 1 from `from`: a gap or an
+// overlap when it differs from cut), y (2) whole in part 0.
+static tsys_status ts_sharded(tsys_ctx *ctx, const char *dir, const char *name, int cut, int from) {
+    float xv[12], yv[2] = {-1.0f, -2.0f};
+    for (int i = 0; i < 12; i++) xv[i] = (float)i;
+    int64_t n0 = cut, n1 = 12 - from, two = 2;
+    tsys_tensor *a = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 1, &n0, xv), *b = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 1, &n1, xv + from);
+    tsys_tensor *y = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 1, &two, yv);
+    tsys_state_chunk c0[2] = {{"x", a, 2, {3, 4}, 0}, {"y", y, 1, {2}, 0}}, c1[1] = {{"x", b, 2, {3, 4}, from}};
+    tsys_state_part parts[2];
+    char tmp[1024];
+    tsys_state_desc sd;
+    memset(&sd, 0, sizeof sd);
+    sd.step = 5; sd.no_rng = true;
+    tsys_status s = tsys_state_begin(ctx, dir, tmp, sizeof tmp);
+    if (s == TSYS_OK) s = tsys_state_part_write(ctx, tmp, "rank-00000.safetensors", c0, 2, &sd, &parts[0]);
+    if (s == TSYS_OK) s = tsys_state_part_write(ctx, tmp, "rank-00001.safetensors", c1, 1, NULL, &parts[1]);
+    tsys_state_commit_desc c = {name, 5, 2, "test", parts, 2, 0};
+    if (s == TSYS_OK) s = tsys_state_commit(ctx, dir, tmp, &c);
+    else tsys_state_abort(tmp);
+    tsys_tensor_release(a); tsys_tensor_release(b); tsys_tensor_release(y);
+    return s;
+}
+
+TSYS_TEST(state_sharded_parts_ranges_consolidate) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *dir = ts_dir("sharded"), *plain = ts_dir("sharded_plain");
+    char snap[1024], path[1100];
+    TEST_CHECK(ts_sharded(ctx, dir, "s", 5, 5) == TSYS_OK, "sharded save: %s", tsys_ctx_last_error(ctx));
+    snprintf(snap, sizeof snap, "%s/s", dir);
+    char latest[1024];
+    TEST_CHECK(tsys_state_latest(ctx, dir, latest, sizeof latest) == TSYS_OK && !strcmp(latest, snap), "latest: '%s'", latest);
+    snprintf(path, sizeof path, "%s/MANIFEST", snap);
+    FILE *f = fopen(path, "rb");
+    char text[2048] = "";
+    if (f) { text[fread(text, 1, sizeof text - 1, f)] = 0; fclose(f); }
+    TEST_CHECK(strstr(text, "\nworld=2\nlayout=test\nfile=rank-00000.safetensors ") != NULL, "MANIFEST: %s", text);
+    tsys_state_desc none;
+    memset(&none, 0, sizeof none);
+    none.no_rng = true;
+    TEST_CHECK(ts_expect_error(ctx, tsys_state_load(ctx, snap, &none, NULL), "sharded snapshot of 2 processes", "tsys_state_consolidate"), "plain load refuses it");
+    tsys_state_reader *r = tsys_state_open(ctx, snap);
+    TEST_CHECK(r && tsys_state_reader_world(r) == 2 && tsys_state_reader_step(r) == 5 && tsys_state_reader_count(r) == 2, "reader: %s", tsys_ctx_last_error(ctx));
+    int64_t six = 6, shape[2] = {3, 4};
+    tsys_tensor *mid = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &six);
+    TEST_CHECK(r && tsys_state_read(r, "x", 3, mid) == TSYS_OK, "a range across both parts: %s", tsys_ctx_last_error(ctx));
+    const float *m = (const float *)tsys_tensor_data(mid);
+    for (int i = 0; r && i < 6; i++) TEST_CHECK(m[i] == (float)(3 + i), "x[%d] = %g", 3 + i, m[i]);
+    TEST_CHECK(r && ts_expect_error(ctx, tsys_state_check_range(r, "x", 2, shape, TSYS_F32, 8, 6), "past its 12 elements", NULL), "a range past the end");
+    TEST_CHECK(r && ts_expect_error(ctx, tsys_state_check_range(r, "z", 2, shape, TSYS_F32, 0, 1), "holds no tensor 'z'", NULL), "a missing tensor");
+    int64_t other[2] = {4, 3};
+    TEST_CHECK(r && ts_expect_error(ctx, tsys_state_check_range(r, "x", 2, other, TSYS_F32, 0, 1), "holds f32 (3, 4), the load asks for f32 (4, 3)", NULL), "another shape");
+    tsys_state_close(r);
+    // a gap at element 5 is named; the ranges around it still read; overlapping chunks are refused
+    TEST_CHECK(ts_sharded(ctx, dir, "gap", 5, 6) == TSYS_OK && ts_sharded(ctx, dir, "overlap", 6, 5) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    snprintf(snap, sizeof snap, "%s/gap", dir);
+    r = tsys_state_open(ctx, snap);
+    TEST_CHECK(r && ts_expect_error(ctx, tsys_state_check_range(r, "x", 2, shape, TSYS_F32, 0, 12), "element 5 (of the range [0, 12) asked for) is in no part", NULL), "the gap");
+    TEST_CHECK(r && tsys_state_check_range(r, "x", 2, shape, TSYS_F32, 6, 6) == TSYS_OK, "after the gap: %s", tsys_ctx_last_error(ctx));
+    tsys_state_close(r);
+    snprintf(snap, sizeof snap, "%s/overlap", dir);
+    TEST_CHECK(!tsys_state_open(ctx, snap) && ts_expect_error(ctx, TSYS_ERR_IO, "chunks of rank-00000.safetensors and rank-00001.safetensors overlap at element 5", NULL), "overlap");
+    // consolidated: a plain snapshot (x whole in its shape), then a byte of part 1 altered is found by the
+    // reads that use part 1 only
+    snprintf(snap, sizeof snap, "%s/s", dir);
+    TEST_CHECK(tsys_state_consolidate(ctx, snap, plain) == TSYS_OK, "consolidate: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor **list = NULL;
+    int n = 0;
+    snprintf(path, sizeof path, "%s/s/model.safetensors", plain);
+    TEST_CHECK(tsys_safetensors_load(ctx, path, TSYS_CPU, &list, &n) == TSYS_OK && n == 2 && list[0]->ndim == 2 && list[0]->shape[1] == 4 &&
+               ((const float *)tsys_tensor_data(list[0]))[11] == 11.0f, "consolidated x: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_list_free(list, n);
+    snprintf(path, sizeof path, "%s/s", plain);
+    tsys_state_reader *pr = tsys_state_open(ctx, path);
+    TEST_CHECK(pr && tsys_state_reader_world(pr) == 0 && tsys_state_read(pr, "x", 4, mid) == TSYS_OK && ((const float *)tsys_tensor_data(mid))[0] == 4.0f,
+               "a plain snapshot reads by ranges too: %s", tsys_ctx_last_error(ctx));
+    tsys_state_close(pr);
+    snprintf(path, sizeof path, "%s/rank-00001.safetensors", snap);
+    ts_flip(path, ts_size(path) - 3);
+    r = tsys_state_open(ctx, snap);
+    int64_t four = 4;
+    tsys_tensor *head = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &four);
+    TEST_CHECK(r && tsys_state_read(r, "x", 0, head) == TSYS_OK, "part 0 alone: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(r && ts_expect_error(ctx, tsys_state_read(r, "x", 3, mid), "'rank-00001.safetensors' is altered", NULL), "the altered part");
+    tsys_state_close(r);
+    tsys_tensor_release(mid); tsys_tensor_release(head);
+    tsys_ctx_free(ctx);
+}
+
 int main(int argc, char **argv) {
     if (argc >= 3 && strcmp(argv[1], "--fault-writer") == 0) return ts_fault_writer(argv[2], argc > 3 ? atol(argv[3]) : 0);
     if (argc >= 4 && strcmp(argv[1], "--fault-check") == 0) return ts_fault_check(argv[2], atol(argv[3]));
