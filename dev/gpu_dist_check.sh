@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
 G=build/gpu
-export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TSYS_PROGRESS=0
+export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 NET="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
 summary=()
 note() { summary+=("$*"); echo "$*"; }
@@ -40,12 +40,12 @@ for part in "$@"; do
     KB=${KILL_BIN:-ddp}   # ddp_oldsync: the driver as it was, waiting with tsys_sync
     for tr in ${TRANSPORTS:-net default}; do
       port=$((20000 + RANDOM % 20000))
-      common="WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port TSYS_DIST_RUN_ID=killtest TSYS_DIST_TIMEOUT=60 TSYS_PROGRESS=1"
-      env $([ $tr = net ] && echo $NET) $common RANK=1 LOCAL_RANK=1 $G/${KB}_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 > "$OUT/kill_${KB}_${tr}_r1.log" 2>&1 &
+      common="WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port TSYS_DIST_RUN_ID=killtest TSYS_DIST_TIMEOUT=60"
+      env $([ $tr = net ] && echo $NET) $common RANK=1 LOCAL_RANK=1 $G/${KB}_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 --progress on > "$OUT/kill_${KB}_${tr}_r1.log" 2>&1 &
       p1=$!
-      env $([ $tr = net ] && echo $NET) $common RANK=0 LOCAL_RANK=0 timeout ${KILL_LIMIT:-300} $G/${KB}_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 > "$OUT/kill_${KB}_${tr}_r0.log" 2>&1 &
+      env $([ $tr = net ] && echo $NET) $common RANK=0 LOCAL_RANK=0 timeout ${KILL_LIMIT:-300} $G/${KB}_cuda --device cuda --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --warmup 2 --steps 3000 --progress on > "$OUT/kill_${KB}_${tr}_r0.log" 2>&1 &
       p0=$!
-      for i in $(seq 1 120); do grep -q "step [1-9][0-9]*/" "$OUT/kill_${KB}_${tr}_r0.log" 2>/dev/null && break; sleep 1; done
+      for i in $(seq 1 120); do grep -q "step [1-9][0-9]* of" "$OUT/kill_${KB}_${tr}_r0.log" 2>/dev/null && break; sleep 1; done
       sleep 5
       kill -9 $p1; t0=$(date +%s.%N)
       wait $p0; rc=$?; t1=$(date +%s.%N)

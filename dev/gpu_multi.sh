@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TSYS_DIST_TIMEOUT=${TSYS_DIST_TIMEOUT:-120} TSYS_PROGRESS=0 PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TSYS_DIST_TIMEOUT=${TSYS_DIST_TIMEOUT:-120} PYTHONUNBUFFERED=1
 G=gpu/dist
 NG=$(nvidia-smi -L | grep -c GPU)
 MODEL=${MODEL:-xl}; DTYPES=${DTYPES:-bf16}; STEPS=${STEPS:-5}; WARMUP=${WARMUP:-3}   # GRAD_COMM: fp32,bf16 (ddp --grad-comm)
@@ -64,6 +64,20 @@ for part in "$@"; do
     timeout 300 torchrun --nproc_per_node 1 tests/ref/torch_ddp.py --part ddp --device cuda --model $MODEL --dtype $DTYPES --strategy flat --warmup $WARMUP --steps $STEPS > "$OUT/ddp_torch_1gpu.md" 2>&1; tail -n 8 "$OUT/ddp_torch_1gpu.md"
     timeout 500 torchrun --nproc_per_node $NG tests/ref/torch_ddp.py --part ddp --device cuda --model $MODEL --dtype $DTYPES --strategy ${TSTRATS:-naive,flat,bucketed,zero1} --bucket-mb ${TBUCKETS:-25,100} \
       --warmup $WARMUP --steps $STEPS > "$OUT/ddp_torch_${NG}gpu.md" 2>&1; tail -n 16 "$OUT/ddp_torch_${NG}gpu.md" ;;
+  resume)  # the ddp driver's snapshots through NCCL (DDP plain, ZeRO-1 and FSDP sharded): 4 steps saving at 4 against
+            # 2 saving at 2 and 2 more resumed; every file of the two step-4 snapshots byte for byte (the MANIFEST
+            # aside: its serial counts the directory's saves)
+    for s in flat zero1 fsdp; do
+      r="$OUT/resume_$s"; rm -rf "$r"; mkdir -p "$r"
+      a=($G/ddp_cuda --device cuda --nproc $NG --model "${RESUME_MODEL:-small}" --dtype bf16 --strategy $s --bucket-mb 25 --warmup 0 --format csv)
+      "${a[@]}" --steps 4 --save-every 4 --save-dir "$r/once" > "$r/once.csv" 2>&1 || tail -3 "$r/once.csv"
+      "${a[@]}" --steps 2 --save-every 2 --save-dir "$r/twice" > "$r/twice1.csv" 2>&1 || tail -3 "$r/twice1.csv"
+      "${a[@]}" --steps 2 --save-every 2 --save-dir "$r/twice" --resume "$r/twice" > "$r/twice2.csv" 2>&1 || tail -3 "$r/twice2.csv"
+      for f in $(ls "$r/once/step-000004" | grep -v MANIFEST); do
+        cmp -s "$r/once/step-000004/$f" "$r/twice/step-000004/$f" && echo "$s: $f equal byte for byte" || echo "$s: $f DIFFERS"
+      done
+      rm -rf "$r"/once/step-* "$r"/twice/step-*
+    done ;;
   account) $G/ddp_cuda --account --device cuda --nproc $NG --model $MODEL --dtype $DTYPES ;;
   fsdp)  # FSDP (ZeRO-3): its tests through NCCL, with 2 ranks on one GPU (staging) and alone; then the xl rows
          # (batch 4 per GPU, context 256) beside DDP's best (bucketed 1000 MB, overlap) and the 1-GPU overhead;

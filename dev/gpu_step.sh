@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
 BIN=${BIN:-build}; BASE=${BASE:-gpu/base}
-export TSYS_PROGRESS=0 RESULTS_DIR="$OUT" PYTHONUNBUFFERED=1
+export RESULTS_DIR="$OUT" PYTHONUNBUFFERED=1
 MODELS=${MODELS:-small,medium,large,xl,2.7B}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 ms() { grep -o "\"$1\": [0-9.]*" | head -1 | awk '{print $2}'; }   # the first value of a key in JSON lines
