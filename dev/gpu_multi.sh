@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TSYS_DIST_TIMEOUT=${TSYS_DIST_TIMEOUT:-120} PYTHONUNBUFFERED=1
-G=gpu/dist
+G=${G:-gpu/dist}   # where the binaries are
 NG=$(nvidia-smi -L | grep -c GPU)
 MODEL=${MODEL:-xl}; DTYPES=${DTYPES:-bf16}; STEPS=${STEPS:-5}; WARMUP=${WARMUP:-3}   # GRAD_COMM: fp32,bf16 (ddp --grad-comm)
 for part in "$@"; do
