@@ -9259,6 +9259,21 @@ typedef struct tsys__state_host_part {
     uint64_t rng[4];
 } tsys__state_host_part;
 
+// The host part of a snapshot into the live objects desc names: AdamW's step count (also its device
+// copy, which the kernels read) and hyper-parameters, the scaler, the RNG. Called once everything is checked.
+static tsys_status tsys__state_apply_host(tsys_ctx *ctx, const tsys_state_desc *d, const tsys__state_host_part *h) {
+    tsys_status s = TSYS_OK;
+    if (d->optim) {
+        tsys_optim *o = d->optim;
+        if (o->adamw) s = tsys__st_upload(ctx, o->step_t, &h->optim_step);
+        o->step = h->optim_step;
+        o->desc = h->hyper;
+    }
+    if (s == TSYS_OK && d->scaler) *d->scaler = h->scaler;
+    if (s == TSYS_OK && !d->no_rng) memcpy(ctx->rng, h->rng, sizeof h->rng);
+    return s;
+}
+
 static tsys_status tsys__state_read_optim(tsys_ctx *ctx, const char *snap, const tsys__st_file *sf, const tsys_optim *o, tsys__state_host_part *h) {
     const char *kind = tsys__st_meta_get(sf, "optimizer"), *want = o->adamw ? "adamw" : "sgd";
     if (!kind || strcmp(kind, want) != 0)
@@ -9370,14 +9385,7 @@ static tsys_status tsys__state_load(tsys_ctx *ctx, const tsys__crc32c *crc, cons
     // checked: from here on only writes
     for (int i = 0; s == TSYS_OK && i < p.n_model; i++) s = tsys__st_fill(mf, &mf->entries[match[i]], p.model[i]);
     for (int i = 0; s == TSYS_OK && d->optim && i < p.n_train; i++) s = tsys__st_fill(tf, &tf->entries[match[p.n_model + i]], p.train[i]);
-    if (s == TSYS_OK && d->optim) {
-        tsys_optim *o = d->optim;
-        if (o->adamw) s = tsys__st_upload(ctx, o->step_t, &h.optim_step);
-        o->step = h.optim_step;
-        o->desc = h.hyper;
-    }
-    if (s == TSYS_OK && d->scaler) *d->scaler = h.scaler;
-    if (s == TSYS_OK && !d->no_rng) memcpy(ctx->rng, h.rng, sizeof h.rng);
+    if (s == TSYS_OK) s = tsys__state_apply_host(ctx, d, &h);
     TSYS_FREE(match);
     tsys__state_parts_free(&p);
     return s;
@@ -9864,15 +9872,7 @@ TSYSDEF tsys_status tsys_state_read_host(tsys_state_reader *r, int part, const t
     if (s == TSYS_OK && !d->no_rng) s = tsys__state_read_rng(ctx, r->path, sf, h.rng);
     if (s == TSYS_OK && info) s = tsys__state_read_info(ctx, r->path, sf, &r->m, info);
     if (s != TSYS_OK || !apply) return s;
-    if (d->optim) {
-        tsys_optim *o = d->optim;
-        if (o->adamw) s = tsys__st_upload(ctx, o->step_t, &h.optim_step);
-        o->step = h.optim_step;
-        o->desc = h.hyper;
-    }
-    if (s == TSYS_OK && d->scaler) *d->scaler = h.scaler;
-    if (s == TSYS_OK && !d->no_rng) memcpy(ctx->rng, h.rng, sizeof h.rng);
-    return s;
+    return tsys__state_apply_host(ctx, d, &h);
 }
 
 // ---- consolidation --------------------------------------------------------------------------------------
