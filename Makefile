@@ -56,8 +56,15 @@ HAVE_FUZZ := $(shell printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned 
                $(CLANG) -fsanitize=fuzzer -x c - -o /dev/null >/dev/null 2>&1 && echo yes)
 FUZZERS = $(FUZZ)/fuzz_safetensors $(FUZZ)/fuzz_flags
 
+# The asynchronous saver's writer thread under ThreadSanitizer: test_state's state_save_async tests, on
+# one OpenMP thread (libgomp is not built with TSan: its team's synchronisation would be invisible).
+STATE_TSAN = $(BUILD)/tsan-state/test_state
+$(STATE_TSAN): tests/test_state.c tests/harness.h tests/test_util.h $(HEADERS) | $(BUILD)
+	mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(TSYS_CFLAGS) -O1 -g -fsanitize=thread -fno-omit-frame-pointer -DTS_ONLY='"state_save_async"' $< -o $@ $(LDLIBS)
+
 # Everything run-tests runs; each prints "N passed, N failed" last.
-ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(if $(HAVE_FUZZ),$(FUZZ)/run_fuzzers)
+ALL_TESTS = $(CPU_TESTS) $(BUILD)/test_drivers $(BUILD)/test_build $(ASAN_TESTS) $(ASAN)/test_drivers $(STATE_TSAN) $(if $(HAVE_FUZZ),$(FUZZ)/run_fuzzers)
 # The README's tour, run as written (tests/test_tour.sh).
 TEST_RUNNERS += tests/test_tour.sh
 # CMake and pkg-config consumers of the headers (tests/test_packaging.sh).

@@ -431,6 +431,7 @@ typedef struct tsys_gemm_args {
 typedef enum tsys_stream {
     TSYS_STREAM_COMPUTE = 0,   // where ops run by default
     TSYS_STREAM_SIDE = 1,      // a second stream: communication, work overlapped with the compute stream
+    TSYS_STREAM_COPY = 2,      // device-to-host copies that overlap both (asynchronous snapshots)
     TSYS_STREAM_COUNT
 } tsys_stream;
 
@@ -459,6 +460,16 @@ typedef struct tsys_backend {
     void (*event_release)(tsys_ctx *ctx, tsys_event *e);
     tsys_stream (*set_stream)(tsys_ctx *ctx, tsys_stream s);    // where later kernels and GEMMs go; returns the previous
     int64_t (*cached_bytes)(tsys_ctx *ctx);   // optional: bytes reserved from the device but not in use (a caching allocator's free blocks)
+    // optional, for copies that overlap the work of the streams (asynchronous snapshots; without them
+    // the context uses malloc and copy): page-locked host memory, NULL when there is none
+    void *(*host_alloc)(tsys_ctx *ctx, size_t bytes);
+    void (*host_free)(tsys_ctx *ctx, void *ptr);
+    // queues the copy on stream s and returns at once (the bytes are there once s gets that far)
+    tsys_status (*copy_async)(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes, tsys_stream s);
+    // the compute stream waits for the copies queued on TSYS_STREAM_COPY so far (nothing if none is pending)
+    tsys_status (*copies_fence)(tsys_ctx *ctx);
+    // the calling thread waits for e. Any thread may call it: it sets no error in the context (err gets the message)
+    tsys_status (*event_host_wait)(const struct tsys_backend *b, const tsys_event *e, char *err, size_t err_len);
 } tsys_backend;
 
 // ---- trace hooks: every forward op, every backward node, named ranges, kernel and GEMM launches,
@@ -993,6 +1004,34 @@ TSYSDEF tsys_status tsys_state_load(tsys_ctx *ctx, const char *path, const tsys_
 // so are directories whose MANIFEST is missing or damaged, or whose files have other sizes.
 TSYSDEF tsys_status tsys_state_latest(tsys_ctx *ctx, const char *dir, char *buf, size_t len);
 TSYSDEF const char *tsys_state_info_get(const tsys_state_info *info, const char *key);   // NULL when absent
+
+// Asynchronous snapshots: tsys_state_save in two halves, so that training goes on while the files are
+// written. tsys_state_save_async checks desc as tsys_state_save does, takes the host part at once (the
+// step, the optimizer's count and hyper-parameters, the scaler, the RNG, the user record) and copies the
+// tensors into host memory the saver keeps: CPU tensors at once, device tensors on TSYS_STREAM_COPY
+// into page-locked memory, after the work queued so far, without waiting. A thread of the saver waits
+// for the copies and writes the snapshot exactly as tsys_state_save would (files, rename, keep_last).
+// Until the copies are done, the library's own writes of what desc lists wait for them on the device
+// (tsys_optim_step, the optimizer in backward, CUDA graph capture and replay, loads); anything else
+// that writes those tensors calls tsys_state_saver_copied first. One snapshot is in flight per saver:
+// a save while one is being written waits for it, and fails with its error if it failed. The staging
+// memory (the snapshot's tensor bytes, pinned on CUDA) is kept for the next save; the saver must be
+// freed before the tensors it copies. Without POSIX threads the files are written before it returns.
+typedef struct tsys_state_saver tsys_state_saver;
+typedef struct tsys_state_saver_stats {
+    int64_t saves;        // snapshots written whole
+    int64_t bytes;        // tensor bytes of the last one
+    double stage_ms;      // the last one's time in tsys_state_save_async (what holds the caller up)
+    double copy_ms;       // from that call until its copies were done
+    double write_ms;      // from then until it was durable in place (keep_last included)
+} tsys_state_saver_stats;
+TSYSDEF tsys_state_saver *tsys_state_saver_new(tsys_ctx *ctx);   // NULL + the context's error
+TSYSDEF tsys_status tsys_state_save_async(tsys_state_saver *sv, const char *dir, const tsys_state_desc *desc);
+TSYSDEF tsys_status tsys_state_saver_copied(tsys_state_saver *sv);   // the host waits for the copies in flight
+TSYSDEF tsys_status tsys_state_saver_wait(tsys_state_saver *sv);     // ... and for the snapshot: in place, or its error
+TSYSDEF bool tsys_state_saver_busy(const tsys_state_saver *sv);      // a snapshot is still being written
+TSYSDEF tsys_state_saver_stats tsys_state_saver_stats_get(const tsys_state_saver *sv);
+TSYSDEF void tsys_state_saver_free(tsys_state_saver *sv);            // waits (an error is lost: wait first); NULL: nothing
 
 // Sharded snapshots, the building blocks (tsys_dist.h's ZeRO-1 and FSDP snapshots are made of them; the
 // format in docs/design/state.md). Every saved tensor is a chunk of a global tensor: its fqn (the
@@ -2994,6 +3033,7 @@ static const tsys_backend tsys__cpu_backend = {
     "cpu", tsys__cpu_alloc, tsys__cpu_free, tsys__cpu_copy, tsys__cpu_gemm, tsys__cpu_kernel, tsys__cpu_sync, NULL, NULL,
     tsys__cpu_event_record, tsys__cpu_event_wait, tsys__cpu_event_elapsed, tsys__cpu_event_release, tsys__cpu_set_stream,
     NULL,   // no cache: malloc gives memory back at free
+    NULL, NULL, NULL, NULL, NULL,   // copies run as they are issued: nothing to overlap, nothing to fence
 };
 
 // >>launch ----------------------------------------------------------------------------------------
@@ -5778,6 +5818,8 @@ TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which)
     return tsys_tensor_view_raw(o->ctx, which ? o->v : o->m, off, TSYS_F32, p->ndim, p->shape);
 }
 
+static tsys_status tsys__copies_fence(tsys_ctx *ctx);   // >>state
+
 // ---- kept low-precision copies ----
 // The params' copies are windows of one block in parameter order, so a run of parameters that one
 // AdamW launch updates has its copies back to back too (where each copy's size keeps the next one
@@ -5876,6 +5918,7 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
     if (ctx->status != TSYS_OK) return ctx->status;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys__grads_settle(ctx, o->params, o->n);
+    if (st == TSYS_OK) st = tsys__copies_fence(ctx);   // an asynchronous snapshot may still be reading them
     if (st == TSYS_OK) st = tsys__optim_count_step(o);
     if (st == TSYS_OK) st = tsys__optim_update_range(o, 0, o->n, 0);
     tsys_mem_set_tag(ctx, tag);
@@ -5999,7 +6042,8 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     ov->free_grads = (flags & TSYS_OPTIM_FREE_GRADS) != 0;
     ov->active = true;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
-    tsys_status st = tsys__optim_count_step(o);   // on the compute stream, before every update
+    tsys_status st = tsys__copies_fence(ctx);   // every update is ordered after it (the side stream's through events)
+    if (st == TSYS_OK) st = tsys__optim_count_step(o);   // on the compute stream, before every update
     tsys_mem_set_tag(ctx, tag);
     return st;
 }
@@ -8543,6 +8587,7 @@ TSYSDEF tsys_status tsys_model_load_ex(tsys_model *m, const char *path, const ts
 #ifdef TSYS__POSIX
 #include <dirent.h>
 #include <signal.h>
+#include <pthread.h>
 #endif
 
 #define TSYS__STATE_VERSION   1
@@ -9101,28 +9146,73 @@ static bool tsys__state_name_ok(const char *name) {
     return name[0] && name[0] != '.' && !strchr(name, '/') && strlen(name) < TSYS__STATE_NAME - 1;
 }
 
+// One snapshot's files, ready to write: the tensors and the names they are saved under, both files'
+// metadata, the directory and the snapshot's name, all taken from the live objects on the calling
+// thread. tsys_state_save writes it at once; a saver's thread writes it over host copies of the tensors.
+typedef struct tsys__state_job {
+    char dir[TSYS__STATE_PATH], name[TSYS__STATE_NAME];
+    int64_t step;
+    int keep_last;
+    tsys__state_parts parts;
+    tsys__state_meta meta;                                   // train_state.safetensors'
+    char model_vals[1 + TSYS__ST_NUM_DIMS][32];
+    const char *model_meta[2 * (1 + TSYS__ST_NUM_DIMS)];     // model.safetensors'
+    int n_model_meta;
+    tsys_tensor **copies;   // a saver's: the host copies parts.model points at, and their names
+    char **copy_names;
+    int n_copies;
+} tsys__state_job;
+
+static void tsys__state_job_free(tsys__state_job *j) {
+    if (!j) return;
+    for (int i = 0; i < j->n_copies; i++) { tsys_tensor_release(j->copies[i]); TSYS_FREE(j->copy_names[i]); }
+    TSYS_FREE(j->copies); TSYS_FREE(j->copy_names);
+    tsys__state_parts_free(&j->parts);
+    TSYS_FREE(j);
+}
+
+// Checks desc and dir (made if missing) as tsys_state_save promises, and takes the job; NULL + the error.
+static tsys__state_job *tsys__state_job_make(tsys_ctx *ctx, const char *dir, const tsys_state_desc *desc) {
+    if (desc->step < 0) { tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "desc.step is %lld (it must be >= 0)", (long long)desc->step); return NULL; }
+    if (desc->keep_last < 0) { tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "desc.keep_last is %d (0 keeps every snapshot)", desc->keep_last); return NULL; }
+    if (desc->name && !tsys__state_name_ok(desc->name)) {
+        tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "snapshot name '%.80s' must be 1 to %d bytes, hold no '/' and not start with '.'", desc->name, TSYS__STATE_NAME - 2);
+        return NULL;
+    }
+    if (strlen(dir) >= TSYS__STATE_PATH) { tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "path too long"); return NULL; }
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) { tsys__state_fail(ctx, TSYS_ERR_IO, dir, "cannot make the directory: %s", strerror(errno)); return NULL; }
+    if (!tsys__state_is_dir(dir)) { tsys__state_fail(ctx, TSYS_ERR_IO, dir, "is not a directory"); return NULL; }
+    tsys__state_job *j = (tsys__state_job *)TSYS_MALLOC(sizeof *j);
+    if (!j) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", dir); return NULL; }
+    memset(j, 0, sizeof *j);
+    snprintf(j->dir, sizeof j->dir, "%s", dir);
+    snprintf(j->name, sizeof j->name, "step-%06lld", (long long)desc->step);
+    if (desc->name) snprintf(j->name, sizeof j->name, "%s", desc->name);
+    j->step = desc->step; j->keep_last = desc->keep_last;
+    tsys_status s = tsys__state_parts_make(ctx, dir, desc, &j->parts);
+    if (s == TSYS_OK) s = tsys__state_meta_make(ctx, dir, desc, &j->meta);
+    if (s != TSYS_OK) { tsys__state_job_free(j); return NULL; }
+    j->n_model_meta = tsys__state_model_meta(desc->model, j->model_vals, j->model_meta);
+    return j;
+}
+
 // The files of a snapshot into tmp (an empty directory), the manifest last.
-static tsys_status tsys__state_write_files(tsys_ctx *ctx, const tsys__crc32c *crc, const char *tmp, const tsys_state_desc *d,
-                                           const tsys__state_parts *p, int64_t serial) {
-    tsys__state_meta *meta = (tsys__state_meta *)TSYS_MALLOC(sizeof *meta);
-    if (!meta) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", tmp);
-    tsys_status s = tsys__state_meta_make(ctx, tmp, d, meta);
+static tsys_status tsys__state_write_files(tsys_ctx *ctx, const tsys__crc32c *crc, const char *tmp, const tsys__state_job *j, int64_t serial) {
     tsys__state_manifest m;
     memset(&m, 0, sizeof m);
-    m.serial = serial; m.step = d->step;
-    char path[TSYS__STATE_PATH], vals[1 + TSYS__ST_NUM_DIMS][32];
-    const char *model_meta[2 * (1 + TSYS__ST_NUM_DIMS)];
-    int n_model_meta = tsys__state_model_meta(d->model, vals, model_meta);
+    m.serial = serial; m.step = j->step;
+    char path[TSYS__STATE_PATH];
+    const tsys__state_parts *p = &j->parts;
+    tsys_status s = TSYS_OK;
     for (int f = 0; s == TSYS_OK && f < 2; f++) {
         const char *file = f ? TSYS__STATE_TRAIN : TSYS__STATE_MODEL;
         tsys__st_sum sum = { crc, 0, 0 };
         if (!tsys__state_join(path, sizeof path, tmp, file)) { s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, tmp, "path too long"); break; }
-        s = f ? tsys__st_save(ctx, path, p->train, (const char *const *)p->train_names, p->n_train, meta->pairs, meta->n, &sum)
-              : tsys__st_save(ctx, path, p->model, p->model_names, p->n_model, model_meta, n_model_meta, &sum);
+        s = f ? tsys__st_save(ctx, path, p->train, (const char *const *)p->train_names, p->n_train, j->meta.pairs, j->meta.n, &sum)
+              : tsys__st_save(ctx, path, p->model, p->model_names, p->n_model, j->model_meta, j->n_model_meta, &sum);
         snprintf(m.file[f], sizeof m.file[f], "%s", file);
         m.bytes[f] = sum.bytes; m.crc[f] = sum.value; m.nfiles = f + 1;
     }
-    TSYS_FREE(meta);
     return s == TSYS_OK ? tsys__state_write_manifest(ctx, crc, tmp, &m) : s;
 }
 
@@ -9163,41 +9253,254 @@ static tsys_status tsys__state_keep_last(tsys_ctx *ctx, const tsys__crc32c *crc,
     return s;
 }
 
-TSYSDEF tsys_status tsys_state_save(tsys_ctx *ctx, const char *dir, const tsys_state_desc *desc) {
-    TSYS__CHECK_ARG(ctx, ctx && dir && dir[0] && desc, TSYS_ERR_INVALID_ARGS, "tsys_state_save: NULL context, directory or desc");
-    if (ctx->status != TSYS_OK) return ctx->status;
-    char name[TSYS__STATE_NAME];
-    snprintf(name, sizeof name, "step-%06lld", (long long)desc->step);
-    if (desc->name) snprintf(name, sizeof name, "%s", desc->name);
-    if (desc->step < 0) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "desc.step is %lld (it must be >= 0)", (long long)desc->step);
-    if (desc->keep_last < 0) return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "desc.keep_last is %d (0 keeps every snapshot)", desc->keep_last);
-    if (desc->name && !tsys__state_name_ok(desc->name))
-        return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "snapshot name '%.80s' must be 1 to %d bytes, hold no '/' and not start with '.'", desc->name, TSYS__STATE_NAME - 2);
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return tsys__state_fail(ctx, TSYS_ERR_IO, dir, "cannot make the directory: %s", strerror(errno));
-    if (!tsys__state_is_dir(dir)) return tsys__state_fail(ctx, TSYS_ERR_IO, dir, "is not a directory");
-    tsys__state_parts parts;
-    tsys_status s = tsys__state_parts_make(ctx, dir, desc, &parts);
-    if (s != TSYS_OK) return s;
-    tsys__crc32c *crc = (tsys__crc32c *)TSYS_MALLOC(sizeof *crc);
-    if (!crc) { tsys__state_parts_free(&parts); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", dir); }
-    tsys__crc32c_init(crc);
+// Writes the job: a temporary in its directory, the files, the rename, keep_last.
+static tsys_status tsys__state_job_run(tsys_ctx *ctx, const tsys__crc32c *crc, const tsys__state_job *j) {
     tsys__state_entry *list;
     int n;
     char tmp[TSYS__STATE_PATH];
-    s = tsys__state_scan(ctx, crc, dir, true, &list, &n);
+    tsys_status s = tsys__state_scan(ctx, crc, j->dir, true, &list, &n);
     int64_t serial = n ? list[n - 1].serial + 1 : 1;
     TSYS_FREE(list);
-    if (s == TSYS_OK && !tsys__state_tmp_name(tmp, sizeof tmp, dir)) s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, dir, "path too long");
-    if (s == TSYS_OK && !tsys__state_mkdir_tmp(tmp)) s = tsys__state_fail(ctx, TSYS_ERR_IO, dir, "cannot make a temporary directory in it: %s", strerror(errno));
+    if (s == TSYS_OK && !tsys__state_tmp_name(tmp, sizeof tmp, j->dir)) s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, j->dir, "path too long");
+    if (s == TSYS_OK && !tsys__state_mkdir_tmp(tmp)) s = tsys__state_fail(ctx, TSYS_ERR_IO, j->dir, "cannot make a temporary directory in it: %s", strerror(errno));
     else if (s == TSYS_OK) {
-        s = tsys__state_write_files(ctx, crc, tmp, desc, &parts, serial);
-        if (s == TSYS_OK) s = tsys__state_install(ctx, crc, dir, tmp, name);
+        s = tsys__state_write_files(ctx, crc, tmp, j, serial);
+        if (s == TSYS_OK) s = tsys__state_install(ctx, crc, j->dir, tmp, j->name);
         if (s != TSYS_OK && tsys__state_is_dir(tmp)) tsys__state_rmdir_files(NULL, tmp);   // the error above is the one to report
     }
-    if (s == TSYS_OK && desc->keep_last > 0) s = tsys__state_keep_last(ctx, crc, dir, desc->keep_last);
-    TSYS_FREE(crc);
-    tsys__state_parts_free(&parts);
+    if (s == TSYS_OK && j->keep_last > 0) s = tsys__state_keep_last(ctx, crc, j->dir, j->keep_last);
     return s;
+}
+
+TSYSDEF tsys_status tsys_state_save(tsys_ctx *ctx, const char *dir, const tsys_state_desc *desc) {
+    TSYS__CHECK_ARG(ctx, ctx && dir && dir[0] && desc, TSYS_ERR_INVALID_ARGS, "tsys_state_save: NULL context, directory or desc");
+    if (ctx->status != TSYS_OK) return ctx->status;
+    tsys__state_job *j = tsys__state_job_make(ctx, dir, desc);
+    if (!j) return ctx->status;
+    tsys__crc32c *crc = (tsys__crc32c *)TSYS_MALLOC(sizeof *crc);
+    tsys_status s = crc ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory", dir);
+    if (crc) { tsys__crc32c_init(crc); s = tsys__state_job_run(ctx, crc, j); }
+    TSYS_FREE(crc);
+    tsys__state_job_free(j);
+    return s;
+}
+
+// ---- asynchronous saving ----------------------------------------------------------------------------
+// The saver's thread touches only its own context (wctx: its errors, the tensors over the staging
+// memory), the job and the result fields; the caller's thread touches them only while no thread runs.
+
+struct tsys_state_saver {
+    tsys_ctx *ctx;                 // the training's
+    tsys_ctx *wctx;                // the writer's
+    tsys__crc32c *crc;
+    unsigned char *stage;          // host copies of the tensors, each at a 64-byte boundary
+    size_t stage_bytes;
+    const tsys_backend *stage_owner;   // whose host_alloc made stage (NULL: malloc)
+    const tsys_backend *copier;    // the backend whose copies are in flight (NULL: none)
+    tsys_device copy_dev;
+    tsys_event copied;             // recorded on its TSYS_STREAM_COPY after the last copy
+    tsys__state_job *job;          // the snapshot in flight, or NULL
+    pthread_t thread;
+    bool running;                  // a thread was started and not joined
+    int done;                      // the thread finished (atomic)
+    double t_call_us;
+    tsys_status result;            // the thread's
+    char error[512];
+    tsys_state_saver_stats stats, pending;
+};
+
+// The compute streams wait for the copies queued on TSYS_STREAM_COPY: called before the library writes
+// what an asynchronous snapshot may still be reading.
+static tsys_status tsys__copies_fence(tsys_ctx *ctx) {
+    for (int d = 0; d < TSYS_DEVICE_COUNT; d++) {
+        const tsys_backend *be = ctx->backends[d];
+        tsys_status s = be && be->copies_fence ? be->copies_fence(ctx) : TSYS_OK;
+        if (s != TSYS_OK) return s;
+    }
+    return TSYS_OK;
+}
+
+static void *tsys__saver_main(void *arg) {
+    tsys_state_saver *sv = (tsys_state_saver *)arg;
+    tsys_status s = TSYS_OK;
+    if (sv->copier) s = sv->copier->event_host_wait(sv->copier, &sv->copied, sv->error, sizeof sv->error);
+    double t_copied = tsys_time_us();
+    sv->pending.copy_ms = (t_copied - sv->t_call_us) / 1000.0;
+    if (s == TSYS_OK && (s = tsys__state_job_run(sv->wctx, sv->crc, sv->job)) != TSYS_OK) snprintf(sv->error, sizeof sv->error, "%s", tsys_ctx_last_error(sv->wctx));
+    sv->pending.write_ms = (tsys_time_us() - t_copied) / 1000.0;
+    sv->result = s;
+    __atomic_store_n(&sv->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+TSYSDEF tsys_state_saver *tsys_state_saver_new(tsys_ctx *ctx) {
+    TSYS__CHECK_ARG(ctx, ctx, NULL, "tsys_state_saver_new: NULL context");
+    tsys_ctx_desc wd;
+    memset(&wd, 0, sizeof wd);
+    wd.cpu_memory_limit = SIZE_MAX;   // it only wraps the staging memory, allocated by the saver
+    tsys_state_saver *sv = (tsys_state_saver *)TSYS_MALLOC(sizeof *sv);
+    if (sv) { memset(sv, 0, sizeof *sv); sv->ctx = ctx; sv->wctx = tsys_ctx_new(&wd); sv->crc = (tsys__crc32c *)TSYS_MALLOC(sizeof *sv->crc); }
+    if (!sv || !sv->wctx || !sv->crc) {
+        if (sv) { tsys_ctx_free(sv->wctx); TSYS_FREE(sv->crc); TSYS_FREE(sv); }
+        tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_saver_new: out of host memory");
+        return NULL;
+    }
+    tsys__crc32c_init(sv->crc);
+    return sv;
+}
+
+// The snapshot in flight is over (the thread joined, or it ran here): its stats, or its error in the
+// caller's context.
+static tsys_status tsys__saver_finish(tsys_state_saver *sv, int join_error) {
+    if (sv->copier) tsys_event_release(sv->ctx, &sv->copied);
+    sv->copier = NULL;
+    tsys__state_job_free(sv->job);
+    sv->job = NULL;
+    tsys_ctx_clear_error(sv->wctx);
+    if (join_error) return tsys_ctx_set_error(sv->ctx, TSYS_ERR_IO, "tsys_state_saver: cannot join the writer thread: %s", strerror(join_error));
+    if (sv->result != TSYS_OK) return tsys_ctx_set_error(sv->ctx, sv->result, "%s", sv->error);
+    sv->stats = sv->pending;
+    sv->stats.saves = sv->pending.saves + 1;
+    return TSYS_OK;
+}
+
+static tsys_status tsys__saver_join(tsys_state_saver *sv) {
+    if (!sv->running) return TSYS_OK;
+    int e = pthread_join(sv->thread, NULL);
+    sv->running = false;
+    return tsys__saver_finish(sv, e);
+}
+
+// Host memory for n bytes of copies: the backend's page-locked memory where it has some; kept.
+static tsys_status tsys__saver_stage(tsys_state_saver *sv, const tsys_backend *be, size_t n) {
+    const tsys_backend *owner = be && be->host_alloc && be->host_free ? be : NULL;
+    if (sv->stage && sv->stage_bytes >= n && sv->stage_owner == owner) return TSYS_OK;
+    if (sv->stage && sv->stage_owner) sv->stage_owner->host_free(sv->ctx, sv->stage);
+    else TSYS_FREE(sv->stage);
+    sv->stage_bytes = 0; sv->stage_owner = owner;
+    sv->stage = (unsigned char *)(owner ? owner->host_alloc(sv->ctx, n) : TSYS_MALLOC(n));
+    if (!sv->stage) return tsys_ctx_set_error(sv->ctx, TSYS_ERR_OOM, "tsys_state_save_async: no host memory for a %.1f MiB copy of the snapshot's tensors", (double)n / 1048576.0);
+    sv->stage_bytes = n;
+    return TSYS_OK;
+}
+
+// Part i of the job (model parts first, then the optimizer's), and where its copy goes.
+static tsys_tensor **tsys__saver_part(tsys__state_job *j, int i) { return i < j->parts.n_model ? &j->parts.model[i] : &j->parts.train[i - j->parts.n_model]; }
+
+// The device of the job's device tensors (TSYS_CPU: none); an error for two.
+static tsys_status tsys__saver_device(tsys_ctx *ctx, tsys__state_job *j, tsys_device *dev, size_t *need) {
+    *dev = TSYS_CPU; *need = 64;
+    for (int i = 0; i < j->parts.n_model + j->parts.n_train; i++) {
+        const tsys_tensor *t = *tsys__saver_part(j, i);
+        *need += (tsys_tensor_bytes(t) + 63) & ~(size_t)63;
+        if (t->device != TSYS_CPU && *dev != TSYS_CPU && t->device != *dev)
+            return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_state_save_async: the tensors are on two devices (%s and %s)", tsys__device_name(*dev), tsys__device_name(t->device));
+        if (t->device != TSYS_CPU) *dev = t->device;
+    }
+    return TSYS_OK;
+}
+
+// Copies the job's tensors into the staging memory (device ones queued on TSYS_STREAM_COPY after the
+// compute stream's work so far) and points the job at the copies: tensors of the writer's context.
+static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
+    tsys_ctx *ctx = sv->ctx;
+    int n = j->parts.n_model + j->parts.n_train;
+    tsys_device dev;
+    size_t need;
+    tsys_status s = tsys__saver_device(ctx, j, &dev, &need);
+    const tsys_backend *be = dev != TSYS_CPU ? ctx->backends[dev] : NULL;
+    bool async = be && be->copy_async && be->event_host_wait && be->copies_fence;
+    j->copies = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(j->parts.n_model + 1));
+    j->copy_names = (char **)TSYS_MALLOC(sizeof(char *) * (size_t)(j->parts.n_model + 1));
+    if (s == TSYS_OK && (!j->copies || !j->copy_names)) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: out of host memory");
+    if (s == TSYS_OK) s = tsys__saver_stage(sv, async ? be : NULL, need);
+    tsys_event ready;
+    memset(&ready, 0, sizeof ready);
+    if (s == TSYS_OK && async && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ready)) == TSYS_OK) s = tsys_event_wait(ctx, &ready, TSYS_STREAM_COPY);
+    if (async) sv->copy_dev = dev;
+    size_t off = 0;
+    for (int i = 0; s == TSYS_OK && i < n; i++) {
+        tsys_tensor **slot = tsys__saver_part(j, i), *t = *slot;
+        size_t bytes = tsys_tensor_bytes(t);
+        if (t->device == TSYS_CPU) memcpy(sv->stage + off, tsys_tensor_data(t), bytes);
+        else if (async) s = be->copy_async(ctx, sv->stage + off, TSYS_CPU, tsys_tensor_data(t), dev, bytes, TSYS_STREAM_COPY);
+        else s = tsys_tensor_to_host(ctx, t, sv->stage + off);
+        tsys_tensor *w = s == TSYS_OK ? tsys_tensor_wrap(sv->wctx, t->dtype, TSYS_CPU, t->ndim, t->shape, sv->stage + off, NULL, NULL) : NULL;
+        if (s == TSYS_OK && !w) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: %s", tsys_ctx_last_error(sv->wctx));
+        if (s == TSYS_OK && i < j->parts.n_model) {   // a borrowed live tensor: the copy and its name are the job's
+            size_t len = strlen(j->parts.model_names[i]) + 1;
+            char *name = (char *)TSYS_MALLOC(len);
+            j->copies[j->n_copies] = w; j->copy_names[j->n_copies++] = name;
+            if (!name) { s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: out of host memory"); break; }
+            memcpy(name, j->parts.model_names[i], len);
+            j->parts.model_names[i] = name;
+        } else if (s == TSYS_OK) tsys_tensor_release(t);   // the optimizer state's view, the job's own
+        if (s == TSYS_OK) *slot = w;
+        off += (bytes + 63) & ~(size_t)63;
+    }
+    if (s == TSYS_OK && async && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COPY, &sv->copied)) == TSYS_OK) sv->copier = be;
+    if (ready.handle) tsys_event_release(ctx, &ready);   // the wait is queued: the event may go back to the pool
+    return s;
+}
+
+TSYSDEF tsys_status tsys_state_save_async(tsys_state_saver *sv, const char *dir, const tsys_state_desc *desc) {
+    if (!sv) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = sv->ctx;
+    TSYS__CHECK_ARG(ctx, dir && dir[0] && desc, TSYS_ERR_INVALID_ARGS, "tsys_state_save_async: NULL directory or desc");
+    if (ctx->status != TSYS_OK) return ctx->status;
+    tsys_status s = tsys__saver_join(sv);
+    if (s != TSYS_OK) return s;
+    double t0 = tsys_time_us();
+    tsys__state_job *j = tsys__state_job_make(ctx, dir, desc);
+    if (!j) return ctx->status;
+    if ((s = tsys__saver_copy(sv, j)) != TSYS_OK) {
+        // copies already queued still write the staging memory: they end before it can be reused
+        if (sv->copy_dev != TSYS_CPU) (void)tsys_sync(ctx, sv->copy_dev);
+        if (sv->copier) tsys_event_release(ctx, &sv->copied);
+        sv->copier = NULL;
+        tsys__state_job_free(j);
+        return s;
+    }
+    int64_t saves = sv->stats.saves;
+    memset(&sv->pending, 0, sizeof sv->pending);
+    sv->pending.saves = saves;
+    for (int i = 0; i < j->parts.n_model + j->parts.n_train; i++) sv->pending.bytes += (int64_t)tsys_tensor_bytes(*tsys__saver_part(j, i));
+    sv->job = j; sv->result = TSYS_OK; sv->error[0] = 0; sv->t_call_us = t0; sv->done = 0;
+    sv->pending.stage_ms = (tsys_time_us() - t0) / 1000.0;
+    if (pthread_create(&sv->thread, NULL, tsys__saver_main, sv) == 0) { sv->running = true; return TSYS_OK; }
+    tsys__saver_main(sv);   // no thread to be had: the snapshot is written here, before returning
+    return tsys__saver_finish(sv, 0);
+}
+
+TSYSDEF tsys_status tsys_state_saver_copied(tsys_state_saver *sv) {
+    if (!sv) return TSYS_ERR_INVALID_ARGS;
+    if (!sv->running || !sv->copier) return TSYS_OK;
+    char err[256];
+    tsys_status s = sv->copier->event_host_wait(sv->copier, &sv->copied, err, sizeof err);
+    return s == TSYS_OK ? TSYS_OK : tsys_ctx_set_error(sv->ctx, s, "tsys_state_saver_copied: %s", err);
+}
+
+TSYSDEF tsys_status tsys_state_saver_wait(tsys_state_saver *sv) { return sv ? tsys__saver_join(sv) : TSYS_ERR_INVALID_ARGS; }
+TSYSDEF bool tsys_state_saver_busy(const tsys_state_saver *sv) { return sv && sv->running && !__atomic_load_n(&sv->done, __ATOMIC_ACQUIRE); }
+TSYSDEF tsys_state_saver_stats tsys_state_saver_stats_get(const tsys_state_saver *sv) {
+    tsys_state_saver_stats z;
+    memset(&z, 0, sizeof z);
+    return sv ? sv->stats : z;
+}
+
+TSYSDEF void tsys_state_saver_free(tsys_state_saver *sv) {
+    if (!sv) return;
+    tsys_status keep = sv->ctx->status;   // a failure of the snapshot in flight is not the caller's error now
+    char msg[sizeof sv->ctx->error];
+    memcpy(msg, sv->ctx->error, sizeof msg);
+    (void)tsys__saver_join(sv);
+    sv->ctx->status = keep;
+    memcpy(sv->ctx->error, msg, sizeof msg);
+    if (sv->stage && sv->stage_owner) sv->stage_owner->host_free(sv->ctx, sv->stage);
+    else TSYS_FREE(sv->stage);
+    tsys_ctx_free(sv->wctx);
+    TSYS_FREE(sv->crc);
+    TSYS_FREE(sv);
 }
 
 // ---- loading ----------------------------------------------------------------------------------------
@@ -9382,7 +9685,8 @@ static tsys_status tsys__state_load(tsys_ctx *ctx, const tsys__crc32c *crc, cons
     if (s == TSYS_OK && d->scaler) s = tsys__state_read_scaler(ctx, snap, tf, &h.scaler);
     if (s == TSYS_OK && !d->no_rng) s = tsys__state_read_rng(ctx, snap, tf, h.rng);
     if (s == TSYS_OK && info) s = tsys__state_read_info(ctx, snap, tf, &m, info);
-    // checked: from here on only writes
+    // checked: from here on only writes, after any asynchronous snapshot's copies of the tensors
+    if (s == TSYS_OK) s = tsys__copies_fence(ctx);
     for (int i = 0; s == TSYS_OK && i < p.n_model; i++) s = tsys__st_fill(mf, &mf->entries[match[i]], p.model[i]);
     for (int i = 0; s == TSYS_OK && d->optim && i < p.n_train; i++) s = tsys__st_fill(tf, &tf->entries[match[p.n_model + i]], p.train[i]);
     if (s == TSYS_OK) s = tsys__state_apply_host(ctx, d, &h);
@@ -9831,6 +10135,7 @@ TSYSDEF tsys_status tsys_state_read(tsys_state_reader *r, const char *fqn, int64
     if (offset + n > tsys__state_numel(c->ndim, c->shape))
         return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, r->path, "tensor '%s': the range [%lld, %lld) is past its %lld elements", fqn, (long long)offset,
                                 (long long)(offset + n), (long long)tsys__state_numel(c->ndim, c->shape));
+    if (tsys__copies_fence(ctx) != TSYS_OK) return ctx->status;
     bool direct = dst->device == TSYS_CPU;
     char *host = direct ? (char *)tsys_tensor_data(dst) : (char *)TSYS_MALLOC(tsys_tensor_bytes(dst) + 1);
     if (!host) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "state '%s': out of memory staging '%s'", r->path, fqn);
@@ -10006,6 +10311,14 @@ TSYSDEF tsys_status tsys_state_read_host(tsys_state_reader *r, int part, const t
 }
 TSYSDEF void tsys_state_close(tsys_state_reader *r) { (void)r; }
 TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const char *dst) { (void)src; (void)dst; return TSYS__STATE_NO_POSIX("tsys_state_consolidate"); }
+TSYSDEF tsys_state_saver *tsys_state_saver_new(tsys_ctx *ctx) { TSYS__STATE_NO_POSIX("tsys_state_saver_new"); return NULL; }
+TSYSDEF tsys_status tsys_state_save_async(tsys_state_saver *sv, const char *dir, const tsys_state_desc *desc) { (void)sv; (void)dir; (void)desc; return TSYS_ERR_UNSUPPORTED; }
+TSYSDEF tsys_status tsys_state_saver_copied(tsys_state_saver *sv) { (void)sv; return TSYS_ERR_UNSUPPORTED; }
+TSYSDEF tsys_status tsys_state_saver_wait(tsys_state_saver *sv) { (void)sv; return TSYS_ERR_UNSUPPORTED; }
+TSYSDEF bool tsys_state_saver_busy(const tsys_state_saver *sv) { (void)sv; return false; }
+TSYSDEF tsys_state_saver_stats tsys_state_saver_stats_get(const tsys_state_saver *sv) { tsys_state_saver_stats z; (void)sv; memset(&z, 0, sizeof z); return z; }
+TSYSDEF void tsys_state_saver_free(tsys_state_saver *sv) { (void)sv; }
+static tsys_status tsys__copies_fence(tsys_ctx *ctx) { (void)ctx; return TSYS_OK; }
 
 #endif // TSYS__POSIX
 

@@ -254,7 +254,7 @@ TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx);
 TSYSDEF int tsys_cuda_device_count(void);                 // 0 when there is no GPU or no driver
 TSYSDEF const char *tsys_cuda_device_name(tsys_ctx *ctx); // "NVIDIA H100 80GB HBM3", ...
 TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx);            // the cudaStream_t launches go to now (tsys_set_stream)
-TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s);   // the compute or the side stream
+TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s);   // the compute, side or copy stream
 TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on);  // fp32 GEMMs on TF32 tensor cores (default off)
 TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx);
 TSYSDEF void tsys_cuda_set_flash_fp32_exact(tsys_ctx *ctx, bool on);
@@ -416,8 +416,10 @@ typedef struct tsys_cuda__state {
     int num_sms;
     char device_name[256];
     cudaStream_t stream;                       // where launches go now: one of streams[]
-    cudaStream_t streams[TSYS_STREAM_COUNT];   // compute (made first) and side
+    cudaStream_t streams[TSYS_STREAM_COUNT];   // compute (made first), side, copy
     tsys_stream cur_stream;
+    bool copies_pending;                       // copies were queued on streams[TSYS_STREAM_COPY] since the last fence
+    cudaEvent_t copies_done;                   // the fence's (made at the first one)
     cudaEvent_t *free_events;                  // pool behind tsys_event handles
     int num_free_events, cap_free_events;
     tsys_trace_hooks nvtx_prev;                // the hooks the NVTX hooks chain to (desc.nvtx)
@@ -5427,6 +5429,68 @@ static tsys_status tsys_cuda__copy(tsys_ctx *ctx, void *dst, tsys_device dst_dev
     return TSYS_OK;
 }
 
+// ---- copies that overlap the streams' work (asynchronous snapshots) ----
+// Page-locked host memory lets a device-to-host copy run on the copy engine while kernels run; the
+// copies go on their own stream, so neither the compute nor the side stream (communication) queues
+// behind them until a fence makes the compute stream wait (before the library writes what they read).
+
+static void *tsys_cuda__host_alloc(tsys_ctx *ctx, size_t bytes) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    void *p = NULL;
+    if (!st || cudaSetDevice(st->device) != cudaSuccess || cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void tsys_cuda__host_free(tsys_ctx *ctx, void *p) {
+    (void)ctx;
+    if (p && cudaFreeHost(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
+static tsys_status tsys_cuda__copy_async(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes, tsys_stream s) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    (void)dst_dev; (void)src_dev;
+    if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda copy: backend not initialized");
+    if (st->capturing) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda copy: an asynchronous host copy cannot be made while capturing a CUDA graph");
+    if ((unsigned)s >= TSYS_STREAM_COUNT) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda copy: no stream %d", (int)s);
+    if (bytes == 0) return TSYS_OK;
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    TSYS_CUDA__CHECK(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st->streams[s]));
+    if (s == TSYS_STREAM_COPY) st->copies_pending = true;
+    return TSYS_OK;
+}
+
+// The compute stream waits for the copy stream's work so far. Inside a capture nothing is pending:
+// tsys_cuda_graph_begin fenced, and no copy can be queued while capturing.
+static tsys_status tsys_cuda__copies_fence_st(tsys_cuda__state *st) {
+    if (!st->copies_pending || st->capturing) return TSYS_OK;
+    tsys_ctx *ctx = st->ctx;
+    TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    if (!st->copies_done) TSYS_CUDA__CHECK(ctx, cudaEventCreateWithFlags(&st->copies_done, cudaEventDisableTiming));
+    TSYS_CUDA__CHECK(ctx, cudaEventRecord(st->copies_done, st->streams[TSYS_STREAM_COPY]));
+    TSYS_CUDA__CHECK(ctx, cudaStreamWaitEvent(st->streams[TSYS_STREAM_COMPUTE], st->copies_done, 0));
+    st->copies_pending = false;
+    return TSYS_OK;
+}
+
+static tsys_status tsys_cuda__copies_fence(tsys_ctx *ctx) {
+    tsys_cuda__state *st = tsys_cuda__get(ctx);
+    return st ? tsys_cuda__copies_fence_st(st) : TSYS_OK;
+}
+
+// Any thread: it touches no context, only the event and the device number.
+static tsys_status tsys_cuda__event_host_wait(const tsys_backend *b, const tsys_event *e, char *err, size_t err_len) {
+    const tsys_cuda__state *st = (const tsys_cuda__state *)b->state;
+    cudaError_t c = e->handle ? cudaSetDevice(st->device) : cudaErrorInvalidResourceHandle;
+    if (c == cudaSuccess) c = cudaEventSynchronize((cudaEvent_t)e->handle);
+    if (c == cudaSuccess) return TSYS_OK;
+    (void)cudaGetLastError();
+    snprintf(err, err_len, "CUDA device %d: waiting for the copies to the host: %s", st->device, cudaGetErrorString(c));
+    return TSYS_ERR_CUDA;
+}
+
 static tsys_status tsys_cuda__sync(tsys_ctx *ctx) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda sync: backend not initialized");
@@ -5534,6 +5598,7 @@ static void tsys_cuda__state_free(tsys_cuda__state *st) {
     for (int i = 0; i < st->num_free_events; i++) cudaEventDestroy(st->free_events[i]);
     TSYS_FREE(st->free_events);
     if (st->fault) cudaFreeHost(st->fault);
+    if (st->copies_done) cudaEventDestroy(st->copies_done);
     for (int s = 0; s < TSYS_STREAM_COUNT; s++)
         if (st->streams[s]) cudaStreamDestroy(st->streams[s]);
     TSYS_FREE(st);
@@ -5645,6 +5710,7 @@ TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *des
         tsys_cuda__flash_use(st, d.flash);
         TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_COMPUTE], cudaStreamNonBlocking));
         TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_SIDE], cudaStreamNonBlocking));
+        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_COPY], cudaStreamNonBlocking));
         st->stream = st->streams[TSYS_STREAM_COMPUTE];
         TSYS_CUDA__CHECK(ctx, cudaHostAlloc((void **)&st->fault, sizeof(tsys_cuda__fault), cudaHostAllocMapped));
         memset(st->fault, 0, sizeof(tsys_cuda__fault));
@@ -5672,6 +5738,11 @@ TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *des
     b->event_release = tsys_cuda__event_release;
     b->set_stream = tsys_cuda__set_stream;
     b->cached_bytes = tsys_cuda__cached_bytes;
+    b->host_alloc = tsys_cuda__host_alloc;
+    b->host_free = tsys_cuda__host_free;
+    b->copy_async = tsys_cuda__copy_async;
+    b->copies_fence = tsys_cuda__copies_fence;
+    b->event_host_wait = tsys_cuda__event_host_wait;
     tsys_ctx_set_backend(ctx, TSYS_CUDA, b);
     tsys_profiler_device_clock clock = { tsys_cuda__clock_begin, tsys_cuda__clock_launch, tsys_cuda__clock_collect, tsys_cuda__clock_end };
     tsys_profiler_set_device_clock(ctx, TSYS_CUDA, &clock);
@@ -5831,6 +5902,7 @@ TSYSDEF tsys_status tsys_cuda_graph_begin(tsys_ctx *ctx) {
     // silently breaking the capture; other threads are unaffected
     if (st->cur_stream != TSYS_STREAM_COMPUTE)
         return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_begin: capture starts on the compute stream (the side stream joins through events)");
+    TSYS_CUDA__TRY(tsys_cuda__copies_fence_st(st));   // the captured step may write what pending copies read
     TSYS_CUDA__CHECK(ctx, cudaStreamBeginCapture(st->stream, cudaStreamCaptureModeThreadLocal));
     st->capturing = true;
     st->capture_pool = st->next_pool++;
@@ -5867,6 +5939,7 @@ TSYSDEF tsys_status tsys_cuda_graph_replay(tsys_ctx *ctx, tsys_cuda_graph *g) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st || !g || g->st != st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_cuda_graph_replay: no graph, or a graph of another context");
     TSYS_CUDA__TRY(tsys_cuda__enter(st));
+    TSYS_CUDA__TRY(tsys_cuda__copies_fence_st(st));   // the replay may write what pending copies read
     TSYS_CUDA__CHECK(ctx, cudaGraphLaunch(g->exec, st->streams[TSYS_STREAM_COMPUTE]));
     return TSYS_OK;
 }

@@ -2,7 +2,7 @@
 # (add_subdirectory: INTERFACE targets tsys, tsys_dist, ... with tsys:: aliases) and so does the
 # installed tsysConfig.cmake (TSYS__IMPORTED: imported targets). Dependencies are looked up here, on
 # the machine that builds the consumer, and what is found decides what is defined:
-#   tsys::tsys  tsys.h: C11, OpenMP, OpenBLAS's CBLAS (else TSYS_NO_CBLAS: plain C loops), libm
+#   tsys::tsys  tsys.h: C11, OpenMP, Threads, OpenBLAS's CBLAS (else TSYS_NO_CBLAS: plain C loops), libm
 #   tsys::dist  tsys_dist.h: tsys::tsys, _GNU_SOURCE, Threads; MPI and TSYS_DIST_MPI when MPI is found
 #   tsys::cuda  tsys_cuda.cuh: tsys::tsys, CUDA C++17, cuBLASLt, cuBLAS; when the CUDA toolkit is found
 #   tsys::nccl  tsys::dist + tsys::cuda, TSYS_DIST_NCCL, NCCL; when NCCL is found too
@@ -76,10 +76,14 @@ endif()
 if(UNIX)
   target_link_libraries(${_tsys_tsys} INTERFACE m)
 endif()
-
-# ---- tsys::dist
+# the asynchronous snapshot writer (tsys_state_save_async) is a POSIX thread
 set(THREADS_PREFER_PTHREAD_FLAG ON)
 find_package(Threads QUIET)
+if(Threads_FOUND)
+  target_link_libraries(${_tsys_tsys} INTERFACE Threads::Threads)
+endif()
+
+# ---- tsys::dist
 if(Threads_FOUND)
   _tsys_add(dist)
   target_compile_definitions(${_tsys_dist} INTERFACE _GNU_SOURCE)

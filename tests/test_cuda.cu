@@ -639,6 +639,90 @@ TSYS_TEST(cuda_graph_train_step) {
     tsys_ctx_clear_error(ctx);
 }
 
+// ---- asynchronous snapshots ------------------------------------------------------------------------
+
+static bool tc_same_file(const char *a, const char *b, const char *file) {
+    char pa[512], pb[512];
+    snprintf(pa, sizeof pa, "%s/%s", a, file);
+    snprintf(pb, sizeof pb, "%s/%s", b, file);
+    FILE *fa = fopen(pa, "rb"), *fb = fopen(pb, "rb");
+    bool same = fa && fb;
+    for (int x = 0, y = 0; same && (x != EOF || y != EOF);) { x = fgetc(fa); y = fgetc(fb); same = x == y; }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    if (!same) printf("    %s differs between %s and %s\n", file, a, b);
+    return same;
+}
+
+static void CUDART_CB tc_hold_300ms(void *) { usleep(300000); }
+
+// Saves the state of (m, o) at step as tsys_state_save does into sync_dir and through the saver into
+// async_dir, with the copy stream held back 300 ms (a host function queued on it first); then
+// `writes` writes the tensors (eager steps or graph replays) before the saver is waited for. The
+// library's fences must order those writes after the copies: both snapshots are the same bytes.
+static void tc_async_case(tsys_ctx *ctx, tsys_state_saver *sv, tsys_model *m, tsys_optim *o, int64_t step, const char *root, void (*writes)(void *), void *user) {
+    char sync_dir[256], async_dir[256], a[300], b[300];
+    snprintf(sync_dir, sizeof sync_dir, "%s/sync", root);
+    snprintf(async_dir, sizeof async_dir, "%s/async", root);
+    tsys_state_desc d;
+    memset(&d, 0, sizeof d);
+    d.model = m; d.optim = o; d.step = step;
+    TEST_CHECK(tsys_state_save(ctx, sync_dir, &d) == TSYS_OK, "save: %s", tsys_ctx_last_error(ctx));
+    cudaStream_t copy = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COPY);
+    TEST_CHECK(copy && cudaLaunchHostFunc(copy, tc_hold_300ms, NULL) == cudaSuccess, "hold the copy stream");
+    double t0 = tsys_time_us();
+    TEST_CHECK(tsys_state_save_async(sv, async_dir, &d) == TSYS_OK, "save_async: %s", tsys_ctx_last_error(ctx));
+    double call_ms = (tsys_time_us() - t0) / 1000.0;
+    TEST_CHECK(call_ms < 250, "save_async returned after %.0f ms: it waited for the copies", call_ms);
+    writes(user);
+    TEST_CHECK(tsys_state_saver_wait(sv) == TSYS_OK, "wait: %s", tsys_ctx_last_error(ctx));
+    snprintf(a, sizeof a, "%s/step-%06lld", sync_dir, (long long)step);
+    snprintf(b, sizeof b, "%s/step-%06lld", async_dir, (long long)step);
+    TEST_CHECK(tc_same_file(a, b, "model.safetensors") && tc_same_file(a, b, "train_state.safetensors"), "step %lld: the asynchronous snapshot is not the state at the call", (long long)step);
+    TEST_CHECK(tsys_state_saver_stats_get(sv).copy_ms >= 250, "the copies took %.0f ms, yet the stream was held 300 ms", tsys_state_saver_stats_get(sv).copy_ms);
+}
+
+typedef struct tc_async_run { tsys_ctx *ctx; tsys_model *m; tsys_optim *o; tsys_tensor *ids, *tg, *loss; tsys_cuda_graph *g; } tc_async_run;
+static void tc_async_eager(void *p) { tc_async_run *r = (tc_async_run *)p; for (int i = 0; i < 2; i++) tc_train_step_ex(r->ctx, r->m, r->o, r->ids, r->tg, NULL, true); }
+static void tc_async_replay(void *p) { tc_async_run *r = (tc_async_run *)p; for (int i = 0; i < 2; i++) tsys_cuda_graph_replay(r->ctx, r->g); }
+
+TSYS_TEST(cuda_state_save_async_fenced) {
+    TC_CTX(ctx);
+    char root[] = "/tmp/tsys_cuda_async_XXXXXX";
+    TEST_CHECK(mkdtemp(root) != NULL, "mkdtemp");
+    tsys_model_desc d = tc_model_desc();
+    tc_async_run r;
+    memset(&r, 0, sizeof r);
+    r.ctx = ctx;
+    r.m = tsys_model_new(ctx, &d, TSYS_CUDA, 9);
+    tsys_optim_desc od;
+    memset(&od, 0, sizeof od);
+    od.lr = 1e-3f;
+    r.o = r.m ? tsys_adamw_new(ctx, tsys_model_params(r.m), tsys_model_num_tensors(r.m), &od) : NULL;
+    r.ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 3); r.tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 4);
+    tsys_state_saver *sv = tsys_state_saver_new(ctx);
+    TEST_CHECK(r.o && sv, "setup: %s", tsys_ctx_last_error(ctx));
+    if (!r.o || !sv) return;
+    tc_async_eager(&r);
+    char sub[300];
+    snprintf(sub, sizeof sub, "%s/eager", root);
+    tc_async_case(ctx, sv, r.m, r.o, 2, sub, tc_async_eager, &r);   // eager steps: tsys_optim_step fences
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tc_train_step_ex(ctx, r.m, r.o, r.ids, r.tg, &r.loss, true);
+    TEST_CHECK(tsys_cuda_graph_end(ctx, &r.g) == TSYS_OK && r.g, "capture: %s", tsys_ctx_last_error(ctx));
+    snprintf(sub, sizeof sub, "%s/graph", root);
+    if (r.g) tc_async_case(ctx, sv, r.m, r.o, 5, sub, tc_async_replay, &r);   // replays: the launch fences
+    tsys_state_saver_free(sv);
+    tsys_cuda_graph_free(r.g);
+    tsys_tensor_release(r.loss); tsys_tensor_release(r.ids); tsys_tensor_release(r.tg);
+    tsys_optim_free(r.o);
+    tsys_model_free(r.m);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    if (system(cmd) != 0) printf("    (could not remove %s)\n", root);
+    tsys_ctx_clear_error(ctx);
+}
+
 // ---- activation checkpointing --------------------------------------------------------------------
 
 // One forward + backward of the small model on CUDA under `policy`: the loss, every gradient (host

@@ -222,6 +222,111 @@ TSYS_TEST(state_resume_adamw_bit_exact) { ts_resume(false, false); }
 TSYS_TEST(state_resume_sgd_bit_exact) { ts_resume(true, false); }
 TSYS_TEST(state_resume_fp16_scaler_kept_copies_bit_exact) { ts_resume(false, true); }
 
+// ---- asynchronous saving ------------------------------------------------------------------------------
+
+// The bytes of dir/snap/file (malloc'd), *n their count; NULL when unreadable.
+static unsigned char *ts_file(const char *snap, const char *file, size_t *n) {
+    char p[1024];
+    snprintf(p, sizeof p, "%s/%s", snap, file);
+    FILE *f = fopen(p, "rb");
+    unsigned char *b = NULL;
+    long len = -1;
+    if (f && fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0 && (b = (unsigned char *)malloc((size_t)len + 1)))
+        if (fread(b, 1, (size_t)len, f) != (size_t)len) { free(b); b = NULL; }
+    if (f) fclose(f);
+    *n = b ? (size_t)len : 0;
+    return b;
+}
+
+static bool ts_same_file(const char *a, const char *b, const char *file) {
+    size_t na, nb;
+    unsigned char *x = ts_file(a, file, &na), *y = ts_file(b, file, &nb);
+    bool same = x && y && na == nb && memcmp(x, y, na) == 0;
+    if (!same) printf("    %s differs: %zu bytes in %s, %zu in %s\n", file, na, a, nb, b);
+    free(x); free(y);
+    return same;
+}
+
+// An asynchronous snapshot is the state at the call: the run trains on before the files are written,
+// and they are byte for byte those tsys_state_save writes at the same point; a run resumed from it
+// continues bit for bit. Two saves in a row (the second waits for the first), keep_last, the stats.
+TSYS_TEST(state_save_async_is_the_state_at_the_call) {
+    const char *sync_dir = ts_dir("async_sync"), *async_dir = ts_dir("async");
+    ts_run a = ts_run_new(21, false, true, 32);   // fp16: the scaler and the kept copies too
+    for (int it = 0; it < 3; it++) ts_step(&a, it);
+    tsys_state_saver *sv = tsys_state_saver_new(a.ctx);
+    TEST_CHECK(sv != NULL, "saver: %s", tsys_ctx_last_error(a.ctx));
+    tsys_state_desc d = ts_desc(&a, 3);
+    d.keep_last = 2;
+    TEST_CHECK(tsys_state_save(a.ctx, sync_dir, &d) == TSYS_OK, "save: %s", tsys_ctx_last_error(a.ctx));
+    TEST_CHECK(tsys_state_save_async(sv, async_dir, &d) == TSYS_OK, "save_async: %s", tsys_ctx_last_error(a.ctx));
+    float loss_a[3], loss_b[3];
+    for (int it = 3; it < 6; it++) loss_a[it - 3] = ts_step(&a, it);   // writes what the snapshot copied
+    TEST_CHECK(tsys_state_saver_wait(sv) == TSYS_OK, "wait: %s", tsys_ctx_last_error(a.ctx));
+    char s1[1024], s2[1024];
+    snprintf(s1, sizeof s1, "%s/step-000003", sync_dir);
+    snprintf(s2, sizeof s2, "%s/step-000003", async_dir);
+    TEST_CHECK(ts_same_file(s1, s2, "model.safetensors") && ts_same_file(s1, s2, "train_state.safetensors"), "async and sync snapshots differ");
+    tsys_state_saver_stats st = tsys_state_saver_stats_get(sv);
+    size_t nv;
+    unsigned char *v = ts_values(&a, &nv);
+    TEST_CHECK(st.saves == 1 && st.bytes == (int64_t)nv && st.stage_ms >= 0 && st.write_ms >= 0 && !tsys_state_saver_busy(sv),
+               "stats: saves %lld bytes %lld (tensors %zu)", (long long)st.saves, (long long)st.bytes, nv);
+    free(v);
+
+    ts_run b = ts_run_new(77, false, true, 32);
+    tsys_state_desc ld = ts_desc(&b, 0);
+    TEST_CHECK(tsys_state_load(b.ctx, s2, &ld, NULL) == TSYS_OK, "load: %s", tsys_ctx_last_error(b.ctx));
+    for (int it = 3; it < 6; it++) loss_b[it - 3] = ts_step(&b, it);
+    size_t na, nb;
+    unsigned char *va = ts_values(&a, &na), *vb = ts_values(&b, &nb);
+    TEST_CHECK(na == nb && memcmp(va, vb, na) == 0 && memcmp(loss_a, loss_b, sizeof loss_a) == 0, "resumed from the asynchronous snapshot, the run differs");
+    free(va); free(vb);
+
+    // three more, back to back: each waits for the one before; keep_last 2 leaves the newest two
+    for (int k = 0; k < 3; k++) {
+        ts_step(&a, 6 + k);
+        d.step = 7 + k;
+        TEST_CHECK(tsys_state_save_async(sv, async_dir, &d) == TSYS_OK, "save_async %d: %s", k, tsys_ctx_last_error(a.ctx));
+    }
+    TEST_CHECK(tsys_state_saver_wait(sv) == TSYS_OK && tsys_state_saver_stats_get(sv).saves == 4, "wait: %s", tsys_ctx_last_error(a.ctx));
+    TEST_CHECK(ts_count(async_dir, "step-") == 2 && ts_exists(async_dir, "step-000008") && ts_exists(async_dir, "step-000009") && ts_count(async_dir, ".") == 0,
+               "keep_last 2: %d snapshots, %d temporaries", ts_count(async_dir, "step-"), ts_count(async_dir, "."));
+    tsys_state_saver_free(sv);
+    ts_run_free(&a); ts_run_free(&b);
+}
+
+// The writer's failure reaches the caller: at the next wait (or save) as the context's error, naming
+// the path; a bad desc fails at the call, nothing started; freeing a saver with a snapshot in flight
+// finishes it.
+TSYS_TEST(state_save_async_errors_and_free) {
+    const char *dir = ts_dir("async_err");
+    ts_run a = ts_run_new(3, false, false, 32);
+    ts_step(&a, 0);
+    tsys_state_saver *sv = tsys_state_saver_new(a.ctx);
+    TEST_CHECK(mkdir(dir, 0755) == 0, "mkdir %s", dir);
+    char blocker[1024];
+    snprintf(blocker, sizeof blocker, "%s/step-000001", dir);
+    FILE *f = fopen(blocker, "w");   // a file where the snapshot goes: the writer's rename fails
+    TEST_CHECK(f != NULL, "make %s", blocker);
+    if (f) fclose(f);
+    tsys_state_desc d = ts_desc(&a, 1);
+    TEST_CHECK(tsys_state_save_async(sv, dir, &d) == TSYS_OK, "the call itself succeeds: %s", tsys_ctx_last_error(a.ctx));
+    TEST_CHECK(ts_expect_error(a.ctx, tsys_state_saver_wait(sv), "step-000001", "not a snapshot"), "the writer's error at wait");
+    TEST_CHECK(ts_count(dir, ".") == 0, "the failed snapshot's temporary is gone");
+    d.step = -1;
+    TEST_CHECK(ts_expect_error(a.ctx, tsys_state_save_async(sv, dir, &d), "desc.step", NULL), "a bad step fails at the call");
+    d.step = 2;
+    TEST_CHECK(tsys_state_save_async(sv, dir, &d) == TSYS_OK, "save_async: %s", tsys_ctx_last_error(a.ctx));
+    tsys_state_saver_free(sv);   // waits: the snapshot is complete
+    ts_run b = ts_run_new(4, false, false, 32);
+    char snap[1024];
+    snprintf(snap, sizeof snap, "%s/step-000002", dir);
+    tsys_state_desc ld = ts_desc(&b, 0);
+    TEST_CHECK(tsys_state_load(b.ctx, snap, &ld, NULL) == TSYS_OK, "load after free: %s", tsys_ctx_last_error(b.ctx));
+    ts_run_free(&a); ts_run_free(&b);
+}
+
 // ---- the checksum -----------------------------------------------------------------------------------
 
 #ifdef TSYS_IMPLEMENTATION
@@ -835,6 +940,10 @@ int main(int argc, char **argv) {
     if (argc >= 3 && strcmp(argv[1], "--fault-writer") == 0) return ts_fault_writer(argv[2], argc > 3 ? atol(argv[3]) : 0);
     if (argc >= 4 && strcmp(argv[1], "--fault-check") == 0) return ts_fault_check(argv[2], atol(argv[3]));
     if (argc >= 3 && strcmp(argv[1], "--export-torch") == 0) return ts_export_torch(argv[2]);
+#ifdef TS_ONLY   // the ThreadSanitizer build (Makefile): these tests alone, on one OpenMP thread
+    char *only[] = {argv[0], (char *)TS_ONLY, NULL};
+    if (argc == 1) { omp_set_num_threads(1); argc = 2; argv = only; }
+#endif
     int rc = tsys_test_main(argc, argv);
     if (ts_root[0]) ts_rm_rf(ts_root);
     return rc;
