@@ -1,7 +1,9 @@
 // driver_util.h - what every driver shares: the flag table (--help and parsing), strict flag values, comma lists, result tables printed
 // row by row as markdown, CSV or JSON lines, the exit code, progress on stderr, result files put in
-// place whole and stdout checked at exit, the memory budget of ranks that share a host. Included
-// after tsys.h by one driver.
+// place whole and stdout checked at exit, the memory budget of ranks that share a host; and what the
+// drivers of the cs336 LM share (e2e, memory, ddp): the model flags, a step in the report's phases,
+// its snapshots, its timing (phase events, warmup, a captured CUDA graph), MFU against a reference
+// GEMM rate, the context of the measured device. Included after tsys.h by one driver.
 //
 // Exit codes (every driver, documented in each --help and the README):
 //   0  every row was measured (or skipped by design); with --oom-ok, out-of-memory rows count too
@@ -949,12 +951,13 @@ static inline bool du_ok_model_or_file(const char *s) { return !strcmp(s, "from-
 
 // The table's rows: --model (default def, each item taken by check: du_ok_model, or du_ok_model_or_file
 // where 'from-file' is one) and the explicit dims.
-#define DU_MODEL_FLAGS(m, def, check)                                                                                   \
-    DU_FLAG_LIST_CHECKED("model", &(m)->models, def, check, (m)->rule, (m)->help),                                    \
-    DU_FLAG_INT("d-model", &(m)->dims.d_model, NULL, 1, 1 << 20, "d_model: explicit dims override the preset's ('custom': the defaults')"), \
-    DU_FLAG_INT("d-ff", &(m)->dims.d_ff, NULL, 1, 1 << 22, "d_ff, the feed-forward width (explicit dims)"),                \
-    DU_FLAG_INT("num-layers", &(m)->dims.num_layers, NULL, 1, 1 << 12, "Transformer blocks (explicit dims)"),           \
-    DU_FLAG_INT("num-heads", &(m)->dims.num_heads, NULL, 1, 1 << 12, "attention heads (explicit dims)"),                \
+#define DU_MODEL_FLAGS(m, def, check)                                                                                  \
+    DU_FLAG_LIST_CHECKED("model", &(m)->models, def, check, (m)->rule, (m)->help),                                     \
+    DU_FLAG_INT("d-model", &(m)->dims.d_model, NULL, 1, 1 << 20,                                                       \
+                "d_model: explicit dims override the preset's ('custom': the defaults')"),                             \
+    DU_FLAG_INT("d-ff", &(m)->dims.d_ff, NULL, 1, 1 << 22, "d_ff, the feed-forward width (explicit dims)"),            \
+    DU_FLAG_INT("num-layers", &(m)->dims.num_layers, NULL, 1, 1 << 12, "Transformer blocks (explicit dims)"),          \
+    DU_FLAG_INT("num-heads", &(m)->dims.num_heads, NULL, 1, 1 << 12, "attention heads (explicit dims)"),               \
     DU_FLAG_INT("vocab-size", &(m)->dims.vocab_size, NULL, 1, 1 << 24, "vocabulary size (explicit dims)")
 #define DU_CONTEXT_FLAG(list, def, help) \
     DU_FLAG_LIST_CHECKED("context-length", list, def, du_ok_context, "an integer from 1 to 1048576", help)
