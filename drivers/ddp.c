@@ -44,7 +44,8 @@ static long list_configs(const ddp_opts *o, long want, config *out) {
                     for (int b = 0; b < (bucketed ? o->buckets.n : 1); b++)
                         for (int g = 0; g < (s == S_FSDP ? 1 : o->comms.n); g++, n++) {
                             if (n != want) continue;
-                            out->model = o->mf.models.item[a]; out->s = s; out->bucket_mb = 0; out->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
+                            out->model = o->mf.models.item[a]; out->s = s; out->bucket_mb = 0;
+                            out->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
                             du_parse_int(o->contexts.item[c], 1, 1 << 20, &out->T); du_parse_dtype(o->dtypes.item[t], &out->dt);
                             if (bucketed) du_parse_double(o->buckets.item[b], &out->bucket_mb);
                         }
@@ -58,19 +59,16 @@ static tsys_fsdp_desc fsdp_desc(const ddp_opts *o, tsys_dtype dt) {
     return fd;
 }
 
-static bool config_desc(const ddp_opts *o, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, char *err, size_t len) {
+// The model and FSDP's settings of one model, context and dtype; false after err (the account_desc_fn of
+// --account's account_table_print too).
+static bool config_desc(const void *user, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, tsys_fsdp_desc *fd, char *err, size_t len) {
+    const ddp_opts *o = (const ddp_opts *)user;
+    *fd = fsdp_desc(o, dt);
     const char *attn = du_attn_resolve(o->attn, strcmp(o->device, "cuda") ? TSYS_CPU : TSYS_CUDA, dt);
     if (!du_model_config(&o->mf, model, T, attn, d, err, len)) return false;
     d->checkpoint = o->checkpoint;
     tsys_checkpoint_policy p;
     return tsys_checkpoint_policy_parse(o->checkpoint, d->num_layers, &p, err, len) == TSYS_OK;
-}
-
-// --account's model and FSDP settings of one model, context and dtype (account_table_print).
-static bool account_desc(const void *user, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, tsys_fsdp_desc *fd, char *err, size_t len) {
-    const ddp_opts *o = (const ddp_opts *)user;
-    *fd = fsdp_desc(o, dt);
-    return config_desc(o, model, T, dt, d, err, len);
 }
 
 // ---- one configuration -------------------------------------------------------------------------------
@@ -88,30 +86,30 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
     return td;
 }
 
-// The predictions and measurements (ddp_measure's) of an ok row.
-static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, const tsys_model_desc *desc, int world, const ddp_measured *m, double compute_ms,
-                          tsys_dist_link_model link) {
+// The predictions and measurements (ddp_measure's) of an ok row: the model desc, FSDP's settings fd.
+static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, const tsys_model_desc *desc, const tsys_fsdp_desc *fd, int world,
+                          const ddp_measured *m, double compute_ms, tsys_dist_link_model link) {
     const int n = o->steps;
     const strat s = cf->s;
     const double *tm = m->tm, alone = m->alone;
+    const tsys_ddp_stats ds = m->ds;
     tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
     du_row_num(row, "step_ms", "%.2f", ss.mean); du_row_num(row, "step_std", "%.2f", ss.std);
     du_row_num(row, "bwd_comm_ms", "%.2f", sb.mean); du_row_num(row, "opt_ms", "%.2f", so.mean); du_row_num(row, "comm_ms", "%.2f", alone);
     if (s != S_FSDP)
-        du_row_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, m->ds.num_buckets, tsys_dist_ring_sent(world, (double)m->ds.bytes_per_step)));
+        du_row_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
     du_row_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
     if (!isnan(se.mean)) {   // --no-compute-ref: nothing to compare with
         double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
         du_row_num(row, "exposed_ms", "%.2f", se.mean); du_row_num(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
     }
     du_row_num(row, "compute_ms", "%.2f", compute_ms);
-    du_row_set(row, "buckets", "%d", s == S_FSDP ? m->fst.num_units : m->ds.num_buckets);
-    if (s != S_FSDP) du_row_set(row, "copied_buckets", "%d", m->ds.copied_buckets);
-    du_row_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(m->fst.gathered_bytes + m->fst.reduced_bytes) : (double)m->ds.bytes_per_step) / 1e6);
+    du_row_set(row, "buckets", "%d", s == S_FSDP ? m->fst.num_units : ds.num_buckets);
+    if (s != S_FSDP) du_row_set(row, "copied_buckets", "%d", ds.copied_buckets);
+    du_row_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(m->fst.gathered_bytes + m->fst.reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
     du_row_num(row, "mem_init_MiB", "%.1f", m->mem[0] / MiB); du_row_num(row, "mem_pre_opt_MiB", "%.1f", m->mem[1] / MiB);
     du_row_num(row, "mem_post_opt_MiB", "%.1f", m->mem[2] / MiB); du_row_num(row, "state_MiB", "%.1f", m->mem[3] / MiB);
-    const tsys_fsdp_desc fd = fsdp_desc(o, cf->dt);
-    account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, &fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16);
+    account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16);
     du_row_set(row, "status", "ok");
 }
 
@@ -127,17 +125,17 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T);
     du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
     tsys_model_desc desc;
+    tsys_fsdp_desc fd;
     char err[256] = "";
-    if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, &fd, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     const tsys_dist_trainer_desc td = trainer_desc(o, cf);
     const ddp_steps steps = {o->batch, o->seed, o->warmup, o->steps, o->resume};
     double compute_ms = NAN;
-    if (s == S_FSDP && !o->no_compute_ref) {   // the compute alone first (its memory is gone before the peaks are reset)
-        compute_ms = ddp_plain_step_ms(ctx, dev, &steps, &desc, td, tsys_dist_rank(d));
-        tsys_dist_all_reduce_host(d, &compute_ms, 1, TSYS_DIST_MAX);
-    }
+    if (s == S_FSDP && !o->no_compute_ref)   // the compute alone first (its memory is gone before the peaks are reset)
+        compute_ms = ddp_plain_step_ms(ctx, d, dev, &steps, &desc, td);
     ddp_measured m;
-    if (ddp_measure(&m, ctx, d, dev, &steps, &desc, &td, s == S_FSDP, compute_ms)) fill_measured(row, o, cf, &desc, tsys_dist_size(d), &m, compute_ms, link);
+    if (ddp_measure(&m, ctx, d, dev, &steps, &desc, &td, s == S_FSDP, compute_ms))
+        fill_measured(row, o, cf, &desc, &fd, tsys_dist_size(d), &m, compute_ms, link);
     else du_row_set(row, "status", "%s", m.why);
     free(m.tm);
 }
@@ -291,7 +289,7 @@ static int driver_main(int argc, char **argv) {
         fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, "
                 "%d steps, AdamW\n", o.nproc, o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
         rc = du_dry_run_done(&o.common, "ddp", (int)nconfigs);
-    } else rc = o.account ? account_table_print("ddp", o.common.format, &o.mf.models, &o.contexts, &o.dtypes, o.batch, o.nproc, account_desc, &o)
+    } else rc = o.account ? account_table_print("ddp", o.common.format, &o.mf.models, &o.contexts, &o.dtypes, o.batch, o.nproc, config_desc, &o)
                           : run_sweep(&o, (int)nconfigs, argc, argv);
     du_flags_free(flags, nflags);
     return rc;

@@ -40,12 +40,14 @@ static inline void ddp_run_free(ddp_run *r, tsys_ctx *ctx) {
     tsys_ctx_clear_error(ctx);
 }
 
-// The same local step with no sharding and no communication: a plain model and AdamW on this rank
-// (bf16 under autocast), mean ms over the timed steps (NAN when it fails, e.g. out of memory).
-static inline double ddp_plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_steps *p, const tsys_model_desc *desc, tsys_dist_trainer_desc td, int rank) {
+// The same local step with no sharding and no communication: a plain model and AdamW on each rank of d
+// (bf16 under autocast), mean ms over the timed steps, the slowest rank's (NAN when it fails, e.g. out
+// of memory).
+static inline double ddp_plain_step_ms(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_steps *p, const tsys_model_desc *desc,
+                                       tsys_dist_trainer_desc td) {
     ddp_run r;
     td.mode = TSYS_TRAIN_ALONE; td.save_every = 0;   // a reference: it saves nothing
-    tsys_status st = ddp_run_new(&r, ctx, NULL, rank, dev, p, desc, &td);
+    tsys_status st = ddp_run_new(&r, ctx, NULL, tsys_dist_rank(d), dev, p, desc, &td);
     double sum = 0;
     for (int i = 0; st == TSYS_OK && i < p->warmup + p->steps; i++) {
         tsys_dist_step_times t;
@@ -53,7 +55,9 @@ static inline double ddp_plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp
         if (i >= p->warmup) sum += t.step_ms;
     }
     ddp_run_free(&r, ctx);
-    return st == TSYS_OK ? sum / p->steps : NAN;
+    double ms = st == TSYS_OK ? sum / p->steps : NAN;
+    tsys_dist_all_reduce_host(d, &ms, 1, TSYS_DIST_MAX);
+    return ms;
 }
 
 // What the steps of one configuration measured: the slowest rank's numbers (max over the ranks).
