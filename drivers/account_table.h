@@ -1,7 +1,8 @@
-// account_table.h - ddp --account: the accounting's prediction as a table, a row per scheme (DDP,
-// ZeRO-1, ZeRO-2 and ZeRO-3 on paper, FSDP as tsys_fsdp does it) for a model, dtype and context: the
-// bytes per rank at the peak of a step and the bytes each rank sends per step. Included after
-// driver_util.h and tsys_dist.h by the ddp driver.
+// account_table.h - ddp's accounting predictions (tsys_dist_accounting, tsys_fsdp_accounting_desc):
+// --account's table, a row per scheme (DDP, ZeRO-1, ZeRO-2 and ZeRO-3 on paper, FSDP as tsys_fsdp does
+// it) for a model, dtype and context: the bytes per rank at the peak of a step and the bytes each rank
+// sends per step; and the predicted columns beside a measured row. Included after driver_util.h and
+// tsys_dist.h by the ddp driver.
 #ifndef TSYS_ACCOUNT_TABLE_H
 #define TSYS_ACCOUNT_TABLE_H
 
@@ -33,6 +34,50 @@ static inline void account_table_rows(du_table *tab, const char *model, const ts
         du_row_set(r, "sent_MB_per_step", "%.1f", acc.sent_bytes / 1e6);
         du_table_emit(tab);
     }
+}
+
+// Gives the model and FSDP's settings of one model, context and dtype of --account; false after a
+// message in err (an invalid model). user: the driver's.
+typedef bool (*account_desc_fn)(const void *user, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, tsys_fsdp_desc *fd, char *err, size_t len);
+
+// --account: the rows of every model x context x dtype of the lists (in that order), batch sequences a
+// rank on ranks ranks, in format fmt. An invalid model is said on stderr ("<prog>: <err>") for each of
+// its contexts and dtypes and ends the table after it: DU_EXIT_USAGE; else DU_EXIT_OK.
+static inline int account_table_print(const char *prog, const char *fmt, const du_list *models, const du_list *contexts, const du_list *dtypes, int batch,
+                                      int ranks, account_desc_fn desc, const void *user) {
+    du_table tab;
+    du_table_init(&tab, ACCOUNT_TABLE_COLUMNS, fmt);
+    int rc = DU_EXIT_OK;
+    for (int a = 0; a < models->n && rc == DU_EXIT_OK; a++)
+        for (int c = 0; c < contexts->n; c++)
+            for (int t = 0; t < dtypes->n; t++) {
+                tsys_dtype dt = TSYS_F32;
+                int T = 0;
+                du_parse_dtype(dtypes->item[t], &dt); du_parse_int(contexts->item[c], 1, 1 << 20, &T);
+                tsys_model_desc d;
+                tsys_fsdp_desc fd;
+                char err[256];
+                if (!desc(user, models->item[a], T, dt, &d, &fd, err, sizeof(err))) { fprintf(stderr, "%s: %s\n", prog, err); rc = DU_EXIT_USAGE; }
+                else account_table_rows(&tab, models->item[a], &d, dt, T, batch, ranks, &fd);
+            }
+    du_table_free(&tab);
+    return rc;
+}
+
+// The predicted columns of a measured row: the model d trained in dtype dt at context T, batch sequences
+// a rank, on ranks ranks, under FSDP (fsdp, with fd) or else DDP's or ZeRO-1's scheme; comm_bf16: the
+// gradients travel as bf16. pred_state_MiB what a rank keeps between steps, pred_peak_MiB the peak,
+// pred_sent_MB the bytes a rank sends per step.
+static inline void account_predicted(du_row *row, const tsys_model_desc *d, tsys_dtype dt, int T, int batch, int ranks, bool fsdp, const tsys_fsdp_desc *fd,
+                                     tsys_dist_scheme scheme, bool comm_bf16) {
+    const double MiB = 1048576.0;
+    tsys_dist_account acc = fsdp ? tsys_fsdp_accounting_desc(d, fd, batch, T, ranks) : tsys_dist_accounting(d, dt, batch, T, ranks, scheme);
+    // autocast's weight copies live only within a step (fsdp: its gathered working set)
+    double transient = fsdp ? acc.work_bytes : dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(d) : 0;
+    du_row_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient) / MiB);
+    du_row_num(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
+    // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
+    du_row_num(row, "pred_sent_MB", "%.1f", acc.sent_bytes * (!comm_bf16 ? 1.0 : scheme == TSYS_SCHEME_ZERO1 ? 2.0 / 3.0 : 0.5) / 1e6);
 }
 
 #endif

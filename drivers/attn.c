@@ -247,22 +247,18 @@ static int driver_main(int argc, char **argv) {
     const bool both = !strcmp(o.impl, "both");
     const int rows = o.dtype.n * o.causal.n * o.d.n * o.seq.n * (both ? 2 : 1);
     // the budget applies to the device measured; the other keeps its default
-    tsys_ctx_desc cd; memset(&cd, 0, sizeof(cd));
-    cd.cpu_memory_limit = dev == TSYS_CPU ? cm->mem_limit : 0;
-    tsys_ctx *ctx = cm->dry_run ? NULL : tsys_ctx_new(&cd);
-    if (!cm->dry_run && !ctx) { fprintf(stderr, "attn: out of memory creating the context\n"); opts_free(&o); return DU_EXIT_FAILED; }
+    tsys_ctx *ctx = cm->dry_run ? NULL : du_ctx_new("attn", dev, cm->mem_limit);
+    if (!cm->dry_run && !ctx) { opts_free(&o); return DU_EXIT_FAILED; }
     char where[160], lim[64];
     snprintf(where, sizeof(where), "%s, %d threads", o.device, du_num_threads());
 #ifdef TSYS_WITH_CUDA
     if (dev == TSYS_CUDA && ctx) {
-        if (tsys_cuda_init(ctx, 0) != TSYS_OK) {
-            fprintf(stderr, "attn: %s\n", tsys_ctx_last_error(ctx));
+        if (!du_ctx_cuda("attn", ctx, dev, cm->mem_limit)) {
             tsys_ctx_free(ctx); opts_free(&o);
             return DU_EXIT_FAILED;
         }
         tsys_cuda_set_tf32(ctx, o.tf32);
         tsys_cuda_set_flash_fp32_exact(ctx, !strcmp(o.flash_fp32, "exact"));
-        if (cm->mem_limit) tsys_cuda_set_memory_limit(ctx, cm->mem_limit);
         snprintf(where, sizeof(where), "cuda, %.120s", tsys_cuda_device_name(ctx));
     }
 #endif

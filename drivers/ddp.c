@@ -11,14 +11,15 @@
 #include "prelude.h"
 #include "driver_util.h"
 #include "account_table.h"
+#include "ddp_measure.h"
 
 typedef struct ddp_opts {
     du_common common;
     const char *device, *attn, *checkpoint, *loss, *reshard, *save_dir, *resume;
-    du_list models, strategies, buckets, comms, dtypes, contexts;
+    du_model_flags mf;      // --model and the explicit dims (over the preset's)
+    du_list strategies, buckets, comms, dtypes, contexts;
     int batch, warmup, steps, nproc, seed, save_every;
     bool account, no_compute_ref;
-    tsys_model_desc dims;   // explicit dims (--d-model ...) override the preset's
 } ddp_opts;
 
 typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1, S_FSDP } strat;
@@ -33,7 +34,7 @@ typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double
 // --grad-comm but for fsdp): how many; the one numbered `want` (0-based) into *out.
 static long list_configs(const ddp_opts *o, long want, config *out) {
     long n = 0;
-    for (int a = 0; a < o->models.n; a++)
+    for (int a = 0; a < o->mf.models.n; a++)
         for (int c = 0; c < o->contexts.n; c++)
             for (int t = 0; t < o->dtypes.n; t++)
                 for (int k = 0; k < o->strategies.n; k++) {
@@ -43,10 +44,10 @@ static long list_configs(const ddp_opts *o, long want, config *out) {
                     for (int b = 0; b < (bucketed ? o->buckets.n : 1); b++)
                         for (int g = 0; g < (s == S_FSDP ? 1 : o->comms.n); g++, n++) {
                             if (n != want) continue;
-                            config *f = out;
-                            f->model = o->models.item[a]; f->s = s; f->bucket_mb = 0; f->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
-                            du_parse_int(o->contexts.item[c], 1, 1 << 20, &f->T); du_parse_dtype(o->dtypes.item[t], &f->dt);
-                            if (bucketed) du_parse_double(o->buckets.item[b], &f->bucket_mb);
+                            out->model = o->mf.models.item[a]; out->s = s; out->bucket_mb = 0;
+                            out->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
+                            du_parse_int(o->contexts.item[c], 1, 1 << 20, &out->T); du_parse_dtype(o->dtypes.item[t], &out->dt);
+                            if (bucketed) du_parse_double(o->buckets.item[b], &out->bucket_mb);
                         }
                 }
     return n;
@@ -58,84 +59,19 @@ static tsys_fsdp_desc fsdp_desc(const ddp_opts *o, tsys_dtype dt) {
     return fd;
 }
 
-static bool config_desc(const ddp_opts *o, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, char *err, size_t len) {
-    const char *attn = strcmp(o->attn, "auto") ? o->attn : (!strcmp(o->device, "cuda") && dt != TSYS_F32) ? "flash" : "naive";
-    if (!du_model_desc(&o->dims, model, T, attn, d, err, len)) return false;
+// The model and FSDP's settings of one model, context and dtype; false after err (the account_desc_fn of
+// --account's account_table_print too).
+static bool config_desc(const void *user, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, tsys_fsdp_desc *fd, char *err, size_t len) {
+    const ddp_opts *o = (const ddp_opts *)user;
+    *fd = fsdp_desc(o, dt);
+    const char *attn = du_attn_resolve(o->attn, strcmp(o->device, "cuda") ? TSYS_CPU : TSYS_CUDA, dt);
+    if (!du_model_config(&o->mf, model, T, attn, d, err, len)) return false;
     d->checkpoint = o->checkpoint;
     tsys_checkpoint_policy p;
     return tsys_checkpoint_policy_parse(o->checkpoint, d->num_layers, &p, err, len) == TSYS_OK;
 }
 
-static void set_num(du_row *r, const char *col, const char *fmt, double v) { if (isfinite(v)) du_row_set(r, col, fmt, v); }   // else NA
-
-// --account: the prediction table, a row per scheme for every model, context and dtype.
-static int print_account(const ddp_opts *o) {
-    du_table tab;
-    du_table_init(&tab, ACCOUNT_TABLE_COLUMNS, o->common.format);
-    int rc = DU_EXIT_OK;
-    for (int a = 0; a < o->models.n && rc == DU_EXIT_OK; a++)
-        for (int c = 0; c < o->contexts.n; c++)
-            for (int t = 0; t < o->dtypes.n; t++) {
-                tsys_dtype dt = TSYS_F32;
-                int T = 0;
-                du_parse_dtype(o->dtypes.item[t], &dt); du_parse_int(o->contexts.item[c], 1, 1 << 20, &T);
-                tsys_model_desc d;
-                char err[256];
-                const tsys_fsdp_desc fd = fsdp_desc(o, dt);
-                if (!config_desc(o, o->models.item[a], T, dt, &d, err, sizeof(err))) { fprintf(stderr, "ddp: %s\n", err); rc = DU_EXIT_USAGE; }
-                else account_table_rows(&tab, o->models.item[a], &d, dt, T, o->batch, o->nproc, &fd);
-            }
-    du_table_free(&tab);
-    return rc;
-}
-
 // ---- one configuration -------------------------------------------------------------------------------
-
-// A model, its trainer and this rank's own batch.
-typedef struct run { tsys_model *model; tsys_dist_trainer *tr; tsys_tensor *ids, *targets; } run;
-
-static tsys_status run_new(run *r, tsys_ctx *ctx, tsys_dist *d, int rank, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc,
-                           const tsys_dist_trainer_desc *td) {
-    memset(r, 0, sizeof(*r));
-    int64_t shape[2] = {o->batch, desc->context_length};
-    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
-    tsys_rng_seed(ctx, (uint64_t)o->seed * 1000003u + 7u + (uint64_t)rank);   // each rank its own batch
-    if (ids && tgt) { tsys_tensor_randint(ctx, ids, desc->vocab_size); tsys_tensor_randint(ctx, tgt, desc->vocab_size); }
-    r->ids = tsys_tensor_to(ctx, ids, dev);
-    r->targets = tsys_tensor_to(ctx, tgt, dev);
-    tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    // every rank builds the model from the same seed (the broadcast makes them equal regardless); one that
-    // could not (out of memory) must not leave the others in the broadcast
-    r->model = tsys_model_new(ctx, desc, dev, (uint64_t)o->seed + 1);
-    tsys_status st = r->model && r->ids && r->targets ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
-    if (td->mode == TSYS_TRAIN_ALONE ? st == TSYS_OK : !tsys_dist_any_failed(d, st)) r->tr = tsys_dist_trainer_new(ctx, d, r->model, dev, td);
-    if (d) tsys_dist_sync(d);
-    return r->tr ? TSYS_OK : tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM;
-}
-
-static void run_free(run *r, tsys_ctx *ctx) {
-    tsys_tape_clear(ctx);
-    tsys_dist_trainer_free(r->tr);
-    tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
-    tsys_model_free(r->model);
-    tsys_ctx_clear_error(ctx);
-}
-
-// The same local step with no sharding and no communication: a plain model and AdamW on this rank
-// (bf16 under autocast), mean ms over the timed steps (NAN when it fails, e.g. out of memory).
-static double plain_step_ms(tsys_ctx *ctx, tsys_device dev, const ddp_opts *o, const tsys_model_desc *desc, tsys_dist_trainer_desc td, int rank) {
-    run r;
-    td.mode = TSYS_TRAIN_ALONE; td.save_every = 0;   // a reference: it saves nothing
-    tsys_status st = run_new(&r, ctx, NULL, rank, dev, o, desc, &td);
-    double sum = 0;
-    for (int i = 0; st == TSYS_OK && i < o->warmup + o->steps; i++) {
-        tsys_dist_step_times t;
-        st = tsys_dist_trainer_step(r.tr, r.ids, r.targets, &t);
-        if (i >= o->warmup) sum += t.step_ms;
-    }
-    run_free(&r, ctx);
-    return st == TSYS_OK ? sum / o->steps : NAN;
-}
 
 // What a configuration trains: the trainer's settings.
 static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) {
@@ -150,46 +86,35 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
     return td;
 }
 
-// The predictions and measurements of an ok row. tm: n each of step, backward + sync, optimizer and
-// exposed ms; mem: the peak after init, before and after the first optimizer step, the live bytes after it.
-static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, const tsys_model_desc *desc, int world, const tsys_dist_trainer *tr,
-                          const tsys_fsdp_stats *fst, const double *tm, const double *mem, double alone, double compute_ms,
-                          tsys_dist_link_model link) {
+// The predictions and measurements (ddp_measure's) of an ok row: the model desc, FSDP's settings fd.
+static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, const tsys_model_desc *desc, const tsys_fsdp_desc *fd, int world,
+                          const ddp_measured *m, double compute_ms, tsys_dist_link_model link) {
     const int n = o->steps;
     const strat s = cf->s;
+    const double *tm = m->tm, alone = m->alone;
+    const tsys_ddp_stats ds = m->ds;
     tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
-    tsys_ddp_stats ds = tsys_ddp_stats_get(tsys_dist_trainer_ddp(tr));
-    const tsys_fsdp_desc fd = fsdp_desc(o, cf->dt);
-    const tsys_dist_scheme scheme = s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP;
-    tsys_dist_account acc = s == S_FSDP ? tsys_fsdp_accounting_desc(desc, &fd, o->batch, cf->T, world)
-                                        : tsys_dist_accounting(desc, cf->dt, o->batch, cf->T, world, scheme);
-    set_num(row, "step_ms", "%.2f", ss.mean); set_num(row, "step_std", "%.2f", ss.std);
-    set_num(row, "bwd_comm_ms", "%.2f", sb.mean); set_num(row, "opt_ms", "%.2f", so.mean); set_num(row, "comm_ms", "%.2f", alone);
+    du_row_num(row, "step_ms", "%.2f", ss.mean); du_row_num(row, "step_std", "%.2f", ss.std);
+    du_row_num(row, "bwd_comm_ms", "%.2f", sb.mean); du_row_num(row, "opt_ms", "%.2f", so.mean); du_row_num(row, "comm_ms", "%.2f", alone);
     if (s != S_FSDP)
-        set_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
-    set_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
+        du_row_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
+    du_row_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
     if (!isnan(se.mean)) {   // --no-compute-ref: nothing to compare with
         double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
-        set_num(row, "exposed_ms", "%.2f", se.mean); set_num(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
+        du_row_num(row, "exposed_ms", "%.2f", se.mean); du_row_num(row, "hidden", "%.2f", hidden < 0 ? 0 : hidden > 1 ? 1 : hidden);
     }
-    set_num(row, "compute_ms", "%.2f", compute_ms);
-    du_row_set(row, "buckets", "%d", s == S_FSDP ? fst->num_units : ds.num_buckets);
+    du_row_num(row, "compute_ms", "%.2f", compute_ms);
+    du_row_set(row, "buckets", "%d", s == S_FSDP ? m->fst.num_units : ds.num_buckets);
     if (s != S_FSDP) du_row_set(row, "copied_buckets", "%d", ds.copied_buckets);
-    set_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(fst->gathered_bytes + fst->reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
-    set_num(row, "mem_init_MiB", "%.1f", mem[0] / MiB); set_num(row, "mem_pre_opt_MiB", "%.1f", mem[1] / MiB);
-    set_num(row, "mem_post_opt_MiB", "%.1f", mem[2] / MiB); set_num(row, "state_MiB", "%.1f", mem[3] / MiB);
-    // autocast's weight copies live only within a step (fsdp: its gathered working set)
-    double transient = s == S_FSDP ? acc.work_bytes : cf->dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(desc) : 0;
-    set_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient) / MiB);
-    set_num(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
-    // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
-    set_num(row, "pred_sent_MB", "%.1f", acc.sent_bytes * (!cf->comm_bf16 ? 1.0 : s == S_ZERO1 ? 2.0 / 3.0 : 0.5) / 1e6);
+    du_row_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(m->fst.gathered_bytes + m->fst.reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
+    du_row_num(row, "mem_init_MiB", "%.1f", m->mem[0] / MiB); du_row_num(row, "mem_pre_opt_MiB", "%.1f", m->mem[1] / MiB);
+    du_row_num(row, "mem_post_opt_MiB", "%.1f", m->mem[2] / MiB); du_row_num(row, "state_MiB", "%.1f", m->mem[3] / MiB);
+    account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16);
     du_row_set(row, "status", "ok");
 }
 
 // Runs one configuration on every rank and fills its row (rank 0 prints it).
 static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const config *cf, tsys_dist_link_model link, du_row *row) {
-    const int n = o->steps, total = o->warmup + o->steps;
     const strat s = cf->s;
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda"); du_row_set(row, "model", "%s", cf->model);
     du_row_set(row, "ranks", "%d", tsys_dist_size(d));
@@ -200,54 +125,19 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T);
     du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
     tsys_model_desc desc;
+    tsys_fsdp_desc fd;
     char err[256] = "";
-    if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, &fd, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     const tsys_dist_trainer_desc td = trainer_desc(o, cf);
+    const ddp_steps steps = {o->batch, o->seed, o->warmup, o->steps, o->resume};
     double compute_ms = NAN;
-    if (s == S_FSDP && !o->no_compute_ref) {   // the compute alone first (its memory is gone before the peaks are reset)
-        compute_ms = plain_step_ms(ctx, dev, o, &desc, td, tsys_dist_rank(d));
-        tsys_dist_all_reduce_host(d, &compute_ms, 1, TSYS_DIST_MAX);
-    }
-    tsys_mem_reset_peak(ctx, dev);
-    const double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
-    double *tm = (double *)calloc((size_t)4 * n, sizeof(double)), mem[4] = {0, 0, 0, 0}, alone = 0;   // as fill_measured takes them
-    run r;
-    tsys_status st = run_new(&r, ctx, d, tsys_dist_rank(d), dev, o, &desc, &td);
-    if (o->resume && !tsys_dist_any_failed(d, st)) st = tsys_dist_trainer_resume(r.tr, o->resume, NULL);   // every rank, or none
-    mem[0] = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
-    if (s == S_FSDP) tsys_mem_reset_peak(ctx, dev);   // the whole model existed until it was sharded: the step's peak is what counts
-    bool failed = tsys_dist_any_failed(d, st = tm ? st : TSYS_ERR_OOM);
-    for (int i = 0; !failed && i < total; i++) {
-        tsys_dist_step_times t;
-        st = tsys_dist_trainer_step(r.tr, r.ids, r.targets, &t);
-        if (i == 0) { mem[1] = t.peak_pre_optim; mem[2] = t.peak_post_optim; mem[3] = (double)tsys_mem_stats_get(ctx, dev).live_bytes - base_live; }
-        const int j = i - o->warmup;
-        if (j >= 0) {
-            tm[j] = t.step_ms; tm[n + j] = t.backward_ms; tm[2 * n + j] = t.optim_ms;
-            tm[3 * n + j] = s != S_FSDP ? t.exposed_ms : isnan(compute_ms) ? NAN : fmax(0.0, t.step_ms - compute_ms);
-        }
-        du_progress_step(j < 0 ? "warmup" : "timed", j < 0 ? i + 1 : j + 1, j < 0 ? o->warmup : n);
-        failed = tsys_dist_any_failed(d, st);
-    }
-    const tsys_fsdp_stats fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));   // the last step's, before the timing below
-    for (int k = 0; !failed && k < 3; k++) {   // the step's collectives alone, mean of 3
-        double ms = 0;
-        tsys_dist_barrier(d);
-        st = tsys_dist_trainer_time_collectives(r.tr, &ms);
-        alone += ms / 3;
-        failed = tsys_dist_any_failed(d, st);
-    }
-    if (!failed) {
-        tsys_dist_all_reduce_host(d, tm, 4 * n, TSYS_DIST_MAX); tsys_dist_all_reduce_host(d, mem, 4, TSYS_DIST_MAX);
-        tsys_dist_all_reduce_host(d, &alone, 1, TSYS_DIST_MAX);
-        fill_measured(row, o, cf, &desc, tsys_dist_size(d), r.tr, &fst, tm, mem, alone, compute_ms, link);
-    } else {
-        double e = st == TSYS_ERR_OOM ? 1 : 0;
-        tsys_dist_all_reduce_host(d, &e, 1, TSYS_DIST_MAX);
-        du_row_set(row, "status", "%s: %s", e > 0 ? "OOM" : "error", st != TSYS_OK ? tsys_ctx_last_error(ctx) : "on another rank");
-    }
-    run_free(&r, ctx);
-    free(tm);
+    if (s == S_FSDP && !o->no_compute_ref)   // the compute alone first (its memory is gone before the peaks are reset)
+        compute_ms = ddp_plain_step_ms(ctx, d, dev, &steps, &desc, td);
+    ddp_measured m;
+    if (ddp_measure(&m, ctx, d, dev, &steps, &desc, &td, s == S_FSDP, compute_ms))
+        fill_measured(row, o, cf, &desc, &fd, tsys_dist_size(d), &m, compute_ms, link);
+    else du_row_set(row, "status", "%s", m.why);
+    free(m.tm);
 }
 
 // Starts the ranks (or is one), runs every configuration; the exit code, the same on every rank.
@@ -314,9 +204,7 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
     return (int)rc;
 }
 
-static bool model_ok(const char *s) { tsys_model_desc d; return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK; }
 static bool bucket_ok(const char *s) { double b; return du_parse_double(s, &b) && b >= 0 && b <= 1e9; }
-static bool context_ok(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
 static bool checkpoint_ok(const char *s) {
     tsys_checkpoint_policy p;
     return strncmp(s, "auto:", 5) && tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK;
@@ -343,18 +231,10 @@ static int driver_main(int argc, char **argv) {
     ddp_opts o;
     memset(&o, 0, sizeof(o));
     o.device = du_has_cuda() ? "cuda" : "cpu";
-    char model_help[256], model_rule[160];
-    snprintf(model_help, sizeof(model_help), "presets (%s) or 'custom' with the dims below\n(default: xl on cuda, small on cpu)",
-             tsys_model_preset_names());
-    snprintf(model_rule, sizeof(model_rule), "a preset (%s) or 'custom'", tsys_model_preset_names());
+    du_model_flags_texts(&o.mf, "presets (%s) or 'custom' with the dims below\n(default: xl on cuda, small on cpu)", "a preset (%s) or 'custom'");
     du_flag flags[] = {
         DU_FLAG_CHOICE("device", &o.device, NULL, "cpu|cuda", "where each rank computes (default: cuda when a GPU is present, else cpu)"),
-        DU_FLAG_LIST_CHECKED("model", &o.models, NULL, model_ok, model_rule, model_help),
-        DU_FLAG_INT("d-model", &o.dims.d_model, NULL, 1, 1 << 20, "d_model over the preset's"),
-        DU_FLAG_INT("d-ff", &o.dims.d_ff, NULL, 1, 1 << 22, "d_ff over the preset's"),
-        DU_FLAG_INT("num-layers", &o.dims.num_layers, NULL, 1, 1 << 12, "layers over the preset's"),
-        DU_FLAG_INT("num-heads", &o.dims.num_heads, NULL, 1, 1 << 12, "heads over the preset's"),
-        DU_FLAG_INT("vocab-size", &o.dims.vocab_size, NULL, 1, 1 << 24, "vocabulary over the preset's"),
+        DU_MODEL_FLAGS(&o.mf, NULL, du_ok_model),
         DU_FLAG_LIST("strategy", &o.strategies, "naive,flat,overlap,bucketed,zero1", "naive|flat|overlap|bucketed|zero1|fsdp",
                      "naive, flat, overlap, bucketed (DDP's), zero1 or fsdp; zero1 = bucketed gradient\n"
                      "all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW;\n"
@@ -365,7 +245,7 @@ static int driver_main(int argc, char **argv) {
                      "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes)"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),
         DU_FLAG_INT("batch-size", &o.batch, "4", 1, 1 << 20, "sequences per rank"),
-        DU_FLAG_LIST_CHECKED("context-length", &o.contexts, "256", context_ok, "an integer from 1 to 1048576", "context lengths"),
+        DU_CONTEXT_FLAG(&o.contexts, "256", "context lengths"),
         DU_FLAG_CHOICE("attn", &o.attn, "auto", "naive|flash|auto", "attention (auto: flash on cuda under bf16, else naive)"),
         DU_FLAG_CHECKED("checkpoint", &o.checkpoint, "none", "POLICY", checkpoint_ok, "none, blocks:K, sqrt, nested[:K], selective or P+selective",
                         "activation checkpointing of the model (none, blocks:K, sqrt, nested[:K], selective,\nP+selective; see e2e --help)"),
@@ -397,8 +277,8 @@ static int driver_main(int argc, char **argv) {
         return DU_EXIT_USAGE;
     }
 #endif
-    if (!o.models.n && !du_split(&o.models, "ddp", "--model", cuda ? "xl" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
-    const long nconfigs = o.account ? (long)ACCOUNT_TABLE_SCHEMES * o.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
+    if (!o.mf.models.n && !du_split(&o.mf.models, "ddp", "--model", cuda ? "xl" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
+    const long nconfigs = o.account ? (long)ACCOUNT_TABLE_SCHEMES * o.mf.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
     if (nconfigs > 1000000) {
         fprintf(stderr, "ddp: the lists make %ld configurations; at most 1000000\n", nconfigs);
         rc = DU_EXIT_USAGE;
@@ -409,7 +289,8 @@ static int driver_main(int argc, char **argv) {
         fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, "
                 "%d steps, AdamW\n", o.nproc, o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
         rc = du_dry_run_done(&o.common, "ddp", (int)nconfigs);
-    } else rc = o.account ? print_account(&o) : run_sweep(&o, (int)nconfigs, argc, argv);
+    } else rc = o.account ? account_table_print("ddp", o.common.format, &o.mf.models, &o.contexts, &o.dtypes, o.batch, o.nproc, config_desc, &o)
+                          : run_sweep(&o, (int)nconfigs, argc, argv);
     du_flags_free(flags, nflags);
     return rc;
 }

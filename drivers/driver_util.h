@@ -1,7 +1,9 @@
 // driver_util.h - what every driver shares: the flag table (--help and parsing), strict flag values, comma lists, result tables printed
 // row by row as markdown, CSV or JSON lines, the exit code, progress on stderr, result files put in
-// place whole and stdout checked at exit, the memory budget of ranks that share a host. Included
-// after tsys.h by one driver.
+// place whole and stdout checked at exit, the memory budget of ranks that share a host; and what the
+// drivers of the cs336 LM share (e2e, memory, ddp): the model flags, a step in the report's phases,
+// its snapshots, its timing (phase events, warmup, a captured CUDA graph), MFU against a reference
+// GEMM rate, the context of the measured device. Included after tsys.h by one driver.
 //
 // Exit codes (every driver, documented in each --help and the README):
 //   0  every row was measured (or skipped by design); with --oom-ok, out-of-memory rows count too
@@ -148,6 +150,15 @@ static inline bool du_has_cuda(void) {
 #endif
 }
 
+// Why --device cannot run in this binary (NULL: it can): cuda needs a build with nvcc.
+static inline const char *du_device_why(const char *device) {
+#ifndef TSYS_WITH_CUDA
+    if (!strcmp(device, "cuda")) return "--device cuda: this binary was built without CUDA; build it with 'make cuda'";
+#endif
+    (void)device;
+    return NULL;
+}
+
 // "8.00 GiB" or "default (available memory)", for the one-line configuration.
 static inline const char *du_mem_limit_str(char *buf, size_t len, size_t bytes) {
     if (!bytes) snprintf(buf, len, "default (available memory)");
@@ -275,6 +286,12 @@ typedef struct du_lm {
     int saves;                             // snapshots written and their time in ms, the device sync before
     double save_ms;                        // each excluded (the step's own work)
 } du_lm;
+
+// r zeroed, then set to run steps of mode in autocast dtype on dev (the other fields: their defaults).
+static inline void du_lm_init(du_lm *r, tsys_ctx *ctx, tsys_device dev, du_mode mode, tsys_dtype dtype) {
+    memset(r, 0, sizeof(*r));
+    r->ctx = ctx; r->dev = dev; r->mode = mode; r->dtype = dtype;
+}
 
 static inline tsys_status du_lm_setup(du_lm *r, const tsys_model_desc *d, int batch, int T, uint64_t seed, const char *load) {
     tsys_ctx *ctx = r->ctx;
@@ -447,6 +464,18 @@ static inline tsys_status du_lm_snapshots(du_lm *r, const du_snapshot_flags *f, 
     if (!resume) return TSYS_OK;
     if (snprintf(dir, sizeof(dir), "%s%s%s", resume, slash, sub) >= (int)sizeof(dir)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': the path is too long", resume);
     return du_lm_resume(r, dir, n_match, path, len);
+}
+
+// The record of a training driver's snapshots (r->record): the batch, the context and the seed (what a
+// resumed run must share: du_lm_resume with n_match 3 checks them), then the configuration's name.
+// rec keeps the strings while r runs.
+typedef struct du_lm_record { char value[4][300]; const char *pairs[8]; } du_lm_record;
+static inline void du_lm_record_set(du_lm *r, du_lm_record *rec, int batch, int T, int seed, const char *config) {
+    static const char *const keys[4] = {"batch", "context", "seed", "config"};
+    snprintf(rec->value[0], 300, "%d", batch); snprintf(rec->value[1], 300, "%d", T); snprintf(rec->value[2], 300, "%d", seed);
+    snprintf(rec->value[3], 300, "%s", config);
+    for (int i = 0; i < 4; i++) { rec->pairs[2 * i] = keys[i]; rec->pairs[2 * i + 1] = rec->value[i]; }
+    r->record = rec->pairs; r->n_record = 4;
 }
 
 // ---- progress on stderr: --progress auto|on|off --------------------------------------------------
@@ -894,5 +923,248 @@ static inline int du_table_exit_code(const du_table *t, const char *prog, bool o
 }
 
 static inline void du_table_free(du_table *t) { free(t->colbuf); memset(t, 0, sizeof(*t)); }
+
+// ---- the model flags of the LM drivers: --model, the explicit dims, --context-length --------------
+//
+// e2e, memory and ddp name the model the same way: --model lists presets, 'custom' (the explicit dims
+// over the defaults) and, where the driver loads weights (e2e --load), 'from-file' (the checkpoint's
+// dims); --d-model, --d-ff, --num-layers, --num-heads and --vocab-size override the preset's. The
+// driver fills the texts of --model (du_model_flags_texts), puts DU_MODEL_FLAGS in its table and takes
+// each configuration's model from du_model_config.
+
+typedef struct du_model_flags {
+    du_list models;              // --model
+    tsys_model_desc dims;        // the explicit dims: the non-zero fields override the preset's
+    const char *load;            // the checkpoint whose dims 'from-file' takes (NULL: none)
+    char help[320], rule[256];   // --model's help and its rule in words
+} du_model_flags;
+
+// --model's help and rule: formats with one %s, the names of the presets.
+static inline void du_model_flags_texts(du_model_flags *m, const char *help_fmt, const char *rule_fmt) {
+    snprintf(m->help, sizeof(m->help), help_fmt, tsys_model_preset_names());
+    snprintf(m->rule, sizeof(m->rule), rule_fmt, tsys_model_preset_names());
+}
+
+static inline bool du_ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
+static inline bool du_ok_model(const char *s) { tsys_model_desc d; return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK; }
+static inline bool du_ok_model_or_file(const char *s) { return !strcmp(s, "from-file") || du_ok_model(s); }
+
+// The table's rows: --model (default def, each item taken by check: du_ok_model, or du_ok_model_or_file
+// where 'from-file' is one) and the explicit dims.
+#define DU_MODEL_FLAGS(m, def, check)                                                                                  \
+    DU_FLAG_LIST_CHECKED("model", &(m)->models, def, check, (m)->rule, (m)->help),                                     \
+    DU_FLAG_INT("d-model", &(m)->dims.d_model, NULL, 1, 1 << 20,                                                       \
+                "d_model: explicit dims override the preset's ('custom': the defaults')"),                             \
+    DU_FLAG_INT("d-ff", &(m)->dims.d_ff, NULL, 1, 1 << 22, "d_ff, the feed-forward width (explicit dims)"),            \
+    DU_FLAG_INT("num-layers", &(m)->dims.num_layers, NULL, 1, 1 << 12, "Transformer blocks (explicit dims)"),          \
+    DU_FLAG_INT("num-heads", &(m)->dims.num_heads, NULL, 1, 1 << 12, "attention heads (explicit dims)"),               \
+    DU_FLAG_INT("vocab-size", &(m)->dims.vocab_size, NULL, 1, 1 << 24, "vocabulary size (explicit dims)")
+#define DU_CONTEXT_FLAG(list, def, help) \
+    DU_FLAG_LIST_CHECKED("context-length", list, def, du_ok_context, "an integer from 1 to 1048576", help)
+
+// Why the model flags cannot run (NULL: they can): 'from-file' without m->load, or with explicit dims.
+static inline const char *du_model_flags_why(const du_model_flags *m) {
+    const tsys_model_desc *x = &m->dims;
+    for (int i = 0; i < m->models.n; i++) {
+        if (strcmp(m->models.item[i], "from-file")) continue;
+        if (!m->load) return "--model from-file needs --load FILE (the checkpoint whose dims it takes)";
+        if (x->d_model || x->d_ff || x->num_layers || x->num_heads || x->vocab_size)
+            return "--model from-file takes its dims from the file: drop --d-model, --d-ff, --num-layers, --num-heads and --vocab-size";
+    }
+    return NULL;
+}
+
+// The model of a configuration: a preset or 'custom' (du_model_desc), or 'from-file' (m->load's dims;
+// the context is the configuration's, as RoPE has no length limit). False (err filled) when invalid.
+static inline bool du_model_config(const du_model_flags *m, const char *model, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
+    if (strcmp(model, "from-file")) return du_model_desc(&m->dims, model, T, attn, d, err, len);
+    if (tsys_model_desc_from_file(m->load, d, err, len) != TSYS_OK) return false;
+    d->context_length = T;
+    d->attn = attn;
+    return tsys_model_desc_validate(d, err, len) == TSYS_OK;
+}
+
+// --attn auto: flash on cuda under bf16/fp16 autocast, naive otherwise (the fp32 flash kernel has no
+// tensor cores and loses to naive).
+static inline const char *du_attn_resolve(const char *attn, tsys_device dev, tsys_dtype dt) {
+    return strcmp(attn, "auto") ? attn : dev == TSYS_CUDA && dt != TSYS_F32 ? "flash" : "naive";
+}
+
+// The columns that name a step's configuration (a table lacking one ignores it).
+static inline void du_row_lm_config(du_row *row, tsys_device dev, const char *model, int T, int batch, du_mode mode, tsys_dtype dt, const char *attn) {
+    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
+    du_row_set(row, "model", "%s", model); du_row_set(row, "context", "%d", T); du_row_set(row, "batch", "%d", batch);
+    du_row_set(row, "mode", "%s", du_mode_names[mode]); du_row_set(row, "dtype", "%s", du_dtype_flag(dt)); du_row_set(row, "attn", "%s", attn);
+}
+
+// A number, or not applicable (NAN, inf) when it is not finite.
+static inline void du_row_num(du_row *r, const char *col, const char *fmt, double v) { if (isfinite(v)) du_row_set(r, col, fmt, v); }
+
+// ---- timing a training step of a du_lm: the phases by events, warmup, a captured CUDA graph -------
+//
+// du_timed's mark records an event on the compute stream at each phase boundary of a step (cudaEvents
+// on the GPU, the host clock on the CPU), so the host waits only at the end of a step; the phase times
+// come from the events after it. A step captured as a CUDA graph is replayed and timed whole.
+
+typedef struct du_timed {
+    du_lm lm;          // the model, its optimizer, the batch, the step, the snapshots
+    bool capturing;    // inside CUDA graph capture: no host synchronization allowed
+    int64_t saved;     // bytes the forward kept for backward (the tracker's activations after it)
+    tsys_event ev[4];  // the phase boundaries of a step: start, forward done, backward done, optimizer done
+} du_timed;
+
+// The du_lm mark of a du_timed (user): an event at the phase boundary i (nothing while capturing: a
+// graph is timed whole). At the end of forward it also takes the bytes the forward kept (the batch is
+// the caller's: the embedding and the loss keep it too).
+static inline void du_timed_mark(void *user, int i) {
+    du_timed *t = (du_timed *)user;
+    du_lm *lm = &t->lm;
+    if (i == 1 && lm->mode != DU_FORWARD)
+        t->saved = tsys_mem_stats_get(lm->ctx, lm->dev).category_bytes[TSYS_MEM_ACTIVATIONS] - (int64_t)(tsys_tensor_bytes(lm->ids) + tsys_tensor_bytes(lm->targets));
+    if (!t->capturing) tsys_event_record(lm->ctx, lm->dev, TSYS_STREAM_COMPUTE, &t->ev[i]);
+}
+
+// t zeroed, its du_lm set up as du_lm_init does, with du_timed_mark as its mark.
+static inline void du_timed_init(du_timed *t, tsys_ctx *ctx, tsys_device dev, du_mode mode, tsys_dtype dtype) {
+    memset(t, 0, sizeof(*t));
+    du_lm_init(&t->lm, ctx, dev, mode, dtype);
+    t->lm.mark = du_timed_mark; t->lm.mark_user = t;
+}
+
+static inline void du_timed_free(du_timed *t) {
+    for (int i = 0; i < 4; i++) tsys_event_release(t->lm.ctx, &t->ev[i]);
+    du_lm_free(&t->lm);
+}
+
+// One step (du_lm_step); adds the phase times (ms) to ms[0..2]: forward, backward, optimizer.
+static inline tsys_status du_timed_step(du_timed *t, double *ms) {
+    int last;
+    tsys_status st = du_lm_step(&t->lm, &last);
+    if (!t->capturing && st == TSYS_OK)
+        for (int i = 0; i < last; i++) ms[i] += tsys_event_elapsed_ms(t->lm.ctx, &t->ev[i], &t->ev[i + 1]);
+    return tsys_ctx_status(t->lm.ctx);
+}
+
+#ifdef TSYS_WITH_CUDA
+// Times `steps` replays of the step captured as a CUDA graph; per-step totals go to tot[].
+static inline tsys_status du_timed_compiled(du_timed *t, int steps, double *tot) {
+    double ms[3] = {0, 0, 0};
+    tsys_cuda_graph *g = NULL;
+    tsys_status st = tsys_cuda_graph_begin(t->lm.ctx);
+    if (st == TSYS_OK) {
+        t->capturing = true;
+        tsys_status step_st = du_timed_step(t, ms);
+        t->capturing = false;
+        st = tsys_cuda_graph_end(t->lm.ctx, &g);
+        if (step_st != TSYS_OK) st = step_st;
+    }
+    for (int i = 0; st == TSYS_OK && i < steps; i++) {
+        du_timed_mark(t, 0);
+        st = tsys_cuda_graph_replay(t->lm.ctx, g);
+        du_timed_mark(t, 3);
+        tot[i] = tsys_event_elapsed_ms(t->lm.ctx, &t->ev[0], &t->ev[3]);
+        if (st == TSYS_OK) st = tsys_ctx_status(t->lm.ctx);
+        if (st == TSYS_OK) st = du_lm_step_done(&t->lm, i == steps - 1);   // between replays (du_lm_save says why it may)
+        du_progress_step("timed", i + 1, steps);
+    }
+    tsys_cuda_graph_free(g);
+    return st;
+}
+#else   // not reached by the drivers: --device cuda is refused without CUDA, and a compiled step is skipped on the CPU
+static inline tsys_status du_timed_compiled(du_timed *t, int steps, double *tot) {
+    (void)steps; (void)tot;
+    return tsys_ctx_set_error(t->lm.ctx, TSYS_ERR_UNSUPPORTED, "--compile needs CUDA");
+}
+#endif
+
+// warmup untimed steps (in the trace range "warmup", which nsys can skip; at least one before a
+// capture), then `steps` timed ones: eager, or replays of the step captured as a CUDA graph (compiled).
+// tm holds `steps` each of forward, backward, optimizer and total ms (a compiled step: the total only).
+// Each step is counted by du_lm_step_done after its timing: a snapshot's save is not in it.
+static inline tsys_status du_timed_run(du_timed *t, int warmup, int steps, bool compiled, double *tm) {
+    tsys_ctx *ctx = t->lm.ctx;
+    const int n = steps, warm = compiled && warmup < 1 ? 1 : warmup, eager = warm + (compiled ? 0 : n);
+    tsys_status st = TSYS_OK;
+    bool in_warmup = warm > 0;
+    if (in_warmup) tsys_trace_begin(ctx, "warmup");
+    for (int i = 0; st == TSYS_OK && i < eager; i++) {
+        double ms[3] = {0, 0, 0};
+        if (i == warm && in_warmup) { tsys_trace_end(ctx); in_warmup = false; }
+        st = du_timed_step(t, ms);
+        if (st == TSYS_OK) st = du_lm_step_done(&t->lm, i == eager - 1 && !compiled);
+        if (i < warm) { du_progress_step("warmup", i + 1, warm); continue; }
+        du_progress_step("timed", i - warm + 1, n);
+        for (int k = 0; k < 3; k++) tm[k * n + i - warm] = ms[k];
+        tm[3 * n + i - warm] = ms[0] + ms[1] + ms[2];
+    }
+    if (in_warmup) tsys_trace_end(ctx);
+    if (st == TSYS_OK && compiled) st = du_timed_compiled(t, n, tm + 3 * n);
+    return st;
+}
+
+// ---- MFU: the reference GEMM rates a step's FLOP rate is measured against -------------------------
+//
+// Measured at the start: CBLAS sgemm on cpu (1024^3, best of 3, GFLOP/s; the same for every autocast
+// dtype), the GEMM peak of each dtype on cuda (8192^3, random data, best of 6, TFLOP/s). ref[3] is
+// indexed by du_dtype_index (fp32, bf16, fp16); its max is what MFU divides by.
+
+static inline int du_dtype_index(tsys_dtype dt) { return dt == TSYS_F32 ? 0 : dt == TSYS_BF16 ? 1 : 2; }
+static inline double du_spread_pct(const tsys_stats *s) { return s->median > 0 ? 100.0 * (s->max - s->min) / s->median : 0; }
+
+// Measures ref[3] on dev and says it in the configuration lines (cfg); tf32: fp32 GEMMs on TF32 cores.
+static inline void du_mfu_reference(tsys_ctx *ctx, tsys_device dev, bool tf32, tsys_stats *ref, FILE *cfg) {
+    if (dev == TSYS_CPU) {
+        double r[3];
+        for (int i = 0; i < 3; i++) r[i] = tsys_cpu_sgemm_gflops(1024, 1);   // each after an untimed product
+        ref[0] = ref[1] = ref[2] = tsys_stats_of(r, 3);
+        fprintf(cfg, "cpu: CBLAS sgemm %.1f GFLOP/s (1024^3, best of 3, spread %.0f%%), %d threads; MFU is measured against it\n", ref[0].max,
+                du_spread_pct(&ref[0]), du_num_threads());
+        return;
+    }
+#ifdef TSYS_WITH_CUDA
+    for (int i = 0; i < 3; i++) ref[i] = tsys_gemm_rate(ctx, dev, i == 0 ? TSYS_F32 : i == 1 ? TSYS_BF16 : TSYS_F16, 8192, 6);
+    fprintf(cfg, "cuda: %s; measured GEMM peaks (8192^3, random data, best of 6): %s %.1f, bf16 %.1f, fp16 %.1f TFLOP/s (spread %.0f%%, %.0f%%, "
+            "%.0f%%); MFU is measured against them\n", tsys_cuda_device_name(ctx), tf32 ? "tf32" : "fp32", ref[0].max, ref[1].max, ref[2].max,
+            du_spread_pct(&ref[0]), du_spread_pct(&ref[1]), du_spread_pct(&ref[2]));
+#else
+    (void)ctx; (void)tf32;
+#endif
+}
+
+// The MFU cell of a row whose step ran at rate (in the reference's unit) against ref (nothing when
+// there is none: max 0), and its note when MFU is above 100% or the reference's repetitions spread
+// more than 20% ((max - min) / median).
+static inline void du_row_mfu(du_row *row, double rate, const tsys_stats *ref) {
+    if (!(ref->max > 0)) return;
+    double mfu = 100.0 * rate / ref->max, spread = ref->median > 0 ? (ref->max - ref->min) / ref->median : 0;
+    char note[200] = "";
+    du_row_set(row, "MFU", "%.1f", mfu);
+    if (mfu > 100) snprintf(note, sizeof(note), "MFU above 100%%: the reference GEMM ran slower than the step's GEMMs (a loaded machine?)");
+    if (spread > 0.2) snprintf(note + strlen(note), sizeof(note) - strlen(note), "%sreference GEMM spread %.0f%%", *note ? "; " : "", 100 * spread);
+    if (*note) du_row_set(row, "note", "%s", note);
+}
+
+// ---- the context of the measured device ------------------------------------------------------------
+
+// A context whose CPU budget is mem_limit (bytes; 0: the default) when the CPU is measured (a measured
+// GPU leaves the CPU its default); NULL after a message.
+static inline tsys_ctx *du_ctx_new(const char *prog, tsys_device dev, size_t mem_limit) {
+    tsys_ctx_desc cd;
+    memset(&cd, 0, sizeof(cd));
+    if (dev == TSYS_CPU) cd.cpu_memory_limit = mem_limit;
+    tsys_ctx *ctx = tsys_ctx_new(&cd);
+    if (!ctx) fprintf(stderr, "%s: out of memory creating the context\n", prog);
+    return ctx;
+}
+
+#ifdef TSYS_WITH_CUDA
+// CUDA on ctx when dev is it, mem_limit (0: the whole device) its budget; false after a message.
+static inline bool du_ctx_cuda(const char *prog, tsys_ctx *ctx, tsys_device dev, size_t mem_limit) {
+    if (dev != TSYS_CUDA) return true;
+    if (tsys_cuda_init(ctx, 0) != TSYS_OK) { fprintf(stderr, "%s: %s\n", prog, tsys_ctx_last_error(ctx)); return false; }
+    if (mem_limit) tsys_cuda_set_memory_limit(ctx, mem_limit);
+    return true;
+}
+#endif
 
 #endif

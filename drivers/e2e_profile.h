@@ -104,4 +104,16 @@ static inline tsys_status e2e_profile_write(tsys_ctx *ctx, const tsys_profiler *
     fprintf(log, "profile of %s: %s/%s.md, %s/%s.json\n", name, dir, name, dir, name);
     return e2e_profile_summary(ctx, p, dir, name, t);
 }
+
+// One more step of t under the profiler (it has taken its timed steps); its files go under dir as
+// e2e_profile_write says.
+static inline tsys_status e2e_profile_step(du_timed *t, const char *dir, const du_row *row, FILE *log) {
+    tsys_profiler *p = tsys_profiler_begin(t->lm.ctx);
+    double ms[3] = {0, 0, 0};
+    tsys_status st = p ? du_timed_step(t, ms) : tsys_ctx_status(t->lm.ctx);
+    if (p && tsys_profiler_end(p) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(t->lm.ctx);
+    if (st == TSYS_OK) st = e2e_profile_write(t->lm.ctx, p, dir, row, ms, log);
+    tsys_profiler_free(p);
+    return st;
+}
 #endif

@@ -16,9 +16,9 @@
 
 typedef struct mem_opts {
     const char *device, *out;
-    du_list models, contexts, modes, dtypes, attns;
+    du_model_flags mf;         // --model and the explicit dims (over the preset's)
+    du_list contexts, modes, dtypes, attns;
     int batch, top, seed;
-    tsys_model_desc dims;      // explicit dims (--d-model ...) override the preset's
     du_common c;
     FILE *details;             // the per-configuration tables, printed after the results
     tsys_mem_snapshot *snap;   // the memory_viz snapshot (--out)
@@ -34,30 +34,19 @@ static const char *const epilogue =
     "residual_MiB (one fp32 residual stream: batch x context x d_model). After the table, for each\n"
     "configuration: the prediction term by term, each phase's peak, the largest allocations.\n";
 
-static bool ok_context(const char *s) { int t; return du_parse_int(s, 1, 1 << 20, &t); }
-static bool ok_model(const char *s) { tsys_model_desc d; return !strcmp(s, "custom") || tsys_model_desc_preset(s, &d, NULL, 0) == TSYS_OK; }
-
 static void opts_free(mem_opts *o) {
-    du_list_free(&o->models); du_list_free(&o->contexts); du_list_free(&o->modes); du_list_free(&o->dtypes); du_list_free(&o->attns);
+    du_list_free(&o->mf.models); du_list_free(&o->contexts); du_list_free(&o->modes); du_list_free(&o->dtypes); du_list_free(&o->attns);
 }
 
 // Returns 0 (o owns the lists), DU_HELP (the usage is printed) or DU_EXIT_USAGE after a message naming the flag.
 static int parse_args(int argc, char **argv, mem_opts *o) {
     memset(o, 0, sizeof(*o));
     o->device = du_has_cuda() ? "cuda" : "cpu";
-    char model_help[320], model_rule[256];
-    snprintf(model_help, sizeof(model_help), "presets (%s) or 'custom' with the dims below\n(default 2.7B on cuda, small on cpu)",
-             tsys_model_preset_names());
-    snprintf(model_rule, sizeof(model_rule), "a preset (%s) or custom", tsys_model_preset_names());
+    du_model_flags_texts(&o->mf, "presets (%s) or 'custom' with the dims below\n(default 2.7B on cuda, small on cpu)", "a preset (%s) or custom");
     du_flag flags[] = {
         DU_FLAG_CHOICE("device", &o->device, NULL, "cpu|cuda", "where to run (default: cuda when a GPU is present, else cpu)"),
-        DU_FLAG_LIST_CHECKED("model", &o->models, NULL, ok_model, model_rule, model_help),
-        DU_FLAG_INT("d-model", &o->dims.d_model, NULL, 1, 1 << 20, "explicit dims, over the preset's ('custom': over the defaults)"),
-        DU_FLAG_INT("d-ff", &o->dims.d_ff, NULL, 1, 1 << 22, "feed-forward width"),
-        DU_FLAG_INT("num-layers", &o->dims.num_layers, NULL, 1, 1 << 12, "Transformer blocks"),
-        DU_FLAG_INT("num-heads", &o->dims.num_heads, NULL, 1, 1 << 12, "attention heads"),
-        DU_FLAG_INT("vocab-size", &o->dims.vocab_size, NULL, 1, 1 << 24, "vocabulary"),
-        DU_FLAG_LIST_CHECKED("context-length", &o->contexts, "128,256,512", ok_context, "an integer from 1 to 1048576", "sequence lengths"),
+        DU_MODEL_FLAGS(&o->mf, NULL, du_ok_model),
+        DU_CONTEXT_FLAG(&o->contexts, "128,256,512", "sequence lengths"),
         DU_FLAG_INT("batch-size", &o->batch, "4", 1, 1 << 20, "sequences a step"),
         DU_FLAG_LIST("mode", &o->modes, "forward,train", "forward|forward-backward|train", "forward (no grad), forward-backward, train"),
         DU_FLAG_LIST("dtype", &o->dtypes, "fp32,bf16", "fp32|bf16|fp16", "autocast dtype; fp32 = no autocast"),
@@ -70,14 +59,9 @@ static int parse_args(int argc, char **argv, mem_opts *o) {
     };
     int rc = du_flags_parse("memory", flags, (int)(sizeof(flags) / sizeof(flags[0])), argc, argv, NULL, epilogue);
     if (rc) return rc;
-#ifndef TSYS_WITH_CUDA
-    if (!strcmp(o->device, "cuda")) {
-        fprintf(stderr, "memory: --device cuda: this binary was built without CUDA; build it with 'make cuda'\n");
-        opts_free(o);
-        return DU_EXIT_USAGE;
-    }
-#endif
-    if (o->models.n || du_split(&o->models, "memory", "--model", strcmp(o->device, "cuda") ? "small" : "2.7B")) return 0;
+    const char *why = du_device_why(o->device);
+    if (why) fprintf(stderr, "memory: %s\n", why);
+    else if (o->mf.models.n || du_split(&o->mf.models, "memory", "--model", strcmp(o->device, "cuda") ? "small" : "2.7B")) return 0;
     opts_free(o);
     return DU_EXIT_USAGE;
 }
@@ -135,11 +119,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     static const char *const no_room = "out of host memory for the timeline";
     char err[256] = "", name[192];
     du_row *row = du_table_row(tab);
-    du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda");
-    du_row_set(row, "model", "%s", c->model); du_row_set(row, "context", "%d", c->T); du_row_set(row, "batch", "%d", o->batch);
-    du_row_set(row, "mode", "%s", du_mode_names[c->mode]); du_row_set(row, "dtype", "%s", du_dtype_flag(c->dt));
-    du_row_set(row, "attn", "%s", c->attn);
-    if (!du_model_desc(&o->dims, c->model, c->T, c->attn, &c->d, err, sizeof(err)) || !du_model_sizes_ok(&c->d, o->batch, c->T, err, sizeof(err))) {
+    du_row_lm_config(row, dev, c->model, c->T, o->batch, c->mode, c->dt, c->attn);
+    if (!du_model_config(&o->mf, c->model, c->T, c->attn, &c->d, err, sizeof(err)) || !du_model_sizes_ok(&c->d, o->batch, c->T, err, sizeof(err))) {
         du_row_set(row, "status", "error: %s", err);
         return;
     }
@@ -147,8 +128,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
     mt_timeline tl;
     memset(&tl, 0, sizeof(tl));
     du_lm lm;
-    memset(&lm, 0, sizeof(lm));
-    lm.ctx = ctx; lm.dev = dev; lm.mode = c->mode; lm.dtype = c->dt; lm.mark = mt_mark; lm.mark_user = &tl;
+    du_lm_init(&lm, ctx, dev, c->mode, c->dt);
+    lm.mark = mt_mark; lm.mark_user = &tl;
     // Setup and the warmup step are recorded too: when they fail, that timeline shows where. When
     // they succeed (the optimizer state, the autocast copies and the caches are made), the recorded
     // window starts again with the measured step.
@@ -203,27 +184,20 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const mem_opts *o, config
 // The context, with its budget, the snapshot's hooks (from the start, so that it knows what is live)
 // and CUDA; NULL after a message.
 static tsys_ctx *open_ctx(mem_opts *o, tsys_device dev) {
-    tsys_ctx_desc cd;
-    memset(&cd, 0, sizeof(cd));
-    if (dev == TSYS_CPU) cd.cpu_memory_limit = o->c.mem_limit;
-    tsys_ctx *ctx = tsys_ctx_new(&cd);
-    if (!ctx) { fprintf(stderr, "memory: out of memory creating the context\n"); return NULL; }
+    tsys_ctx *ctx = du_ctx_new("memory", dev, o->c.mem_limit);
+    if (!ctx) return NULL;
     if (o->out && !(o->snap = tsys_mem_snapshot_begin(ctx, dev))) {
         fprintf(stderr, "memory: %s\n", tsys_ctx_last_error(ctx));
         tsys_ctx_free(ctx);
         return NULL;
     }
 #ifdef TSYS_WITH_CUDA
-    if (dev == TSYS_CUDA) {
-        if (tsys_cuda_init(ctx, 0) != TSYS_OK) {
-            fprintf(stderr, "memory: %s\n", tsys_ctx_last_error(ctx));
-            tsys_mem_snapshot_free(o->snap); o->snap = NULL;
-            tsys_ctx_free(ctx);
-            return NULL;
-        }
-        if (o->c.mem_limit) tsys_cuda_set_memory_limit(ctx, o->c.mem_limit);
-        fprintf(du_preamble(&o->c), "cuda: %s\n", tsys_cuda_device_name(ctx));
+    if (!du_ctx_cuda("memory", ctx, dev, o->c.mem_limit)) {
+        tsys_mem_snapshot_free(o->snap); o->snap = NULL;
+        tsys_ctx_free(ctx);
+        return NULL;
     }
+    if (dev == TSYS_CUDA) fprintf(du_preamble(&o->c), "cuda: %s\n", tsys_cuda_device_name(ctx));
 #endif
     return ctx;
 }
@@ -237,10 +211,10 @@ static int driver_main(int argc, char **argv) {
     tsys_device dev = strcmp(o.device, "cuda") ? TSYS_CPU : TSYS_CUDA;
     char lim[64];
     FILE *cfg = du_preamble(&o.c);
-    fprintf(cfg, "memory: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; memory limit %s%s%s\n", o.device, o.models.src,
+    fprintf(cfg, "memory: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; memory limit %s%s%s\n", o.device, o.mf.models.src,
             o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src, du_mem_limit_str(lim, sizeof(lim), o.c.mem_limit), o.out ? "; out " : "",
             o.out ? o.out : "");
-    int configs = o.models.n * o.contexts.n * o.modes.n * o.dtypes.n * o.attns.n;
+    int configs = o.mf.models.n * o.contexts.n * o.modes.n * o.dtypes.n * o.attns.n;
     if (o.c.dry_run) { opts_free(&o); return du_dry_run_done(&o.c, "memory", configs); }
     if (o.out && mkdir(o.out, 0777) != 0 && errno != EEXIST) {
         fprintf(stderr, "memory: --out: cannot make folder '%s': %s\n", o.out, strerror(errno));
@@ -265,8 +239,8 @@ static int driver_main(int argc, char **argv) {
         du_parse_dtype(o.dtypes.item[i % o.dtypes.n], &cf.dt); i /= o.dtypes.n;
         du_parse_mode(o.modes.item[i % o.modes.n], &cf.mode); i /= o.modes.n;
         du_parse_int(o.contexts.item[i % o.contexts.n], 1, 1 << 20, &cf.T); i /= o.contexts.n;
-        cf.model = o.models.item[i];
-        cf.attn = strcmp(attn, "auto") ? attn : (dev == TSYS_CUDA && cf.dt != TSYS_F32) ? "flash" : "naive";
+        cf.model = o.mf.models.item[i];
+        cf.attn = du_attn_resolve(attn, dev, cf.dt);
         du_progress_config(k + 1, "%s T=%d %s %s %s", cf.model, cf.T, du_mode_names[cf.mode], du_dtype_flag(cf.dt), cf.attn);
         run_config(ctx, dev, &o, &cf, &tab);
         du_table_emit(&tab);
