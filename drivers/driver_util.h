@@ -283,8 +283,10 @@ typedef struct du_lm {
     const char *const *record;             // the user record of each snapshot (tsys_state_desc.user): the
     int n_record;                          // configuration, for du_lm_resume to check
     int64_t step;                          // training steps taken, those of the snapshot resumed from included
-    int saves;                             // snapshots written and their time in ms, the device sync before
-    double save_ms;                        // each excluded (the step's own work)
+    int saves;                             // snapshots written and the time the training thread spent in
+    double save_ms;                        // them (the device sync before a synchronous one excluded)
+    bool save_async;                       // through a tsys_state_saver: the files written beside training
+    tsys_state_saver *saver;               // (made at the first save)
 } du_lm;
 
 // r zeroed, then set to run steps of mode in autocast dtype on dev (the other fields: their defaults).
@@ -311,6 +313,8 @@ static inline tsys_status du_lm_setup(du_lm *r, const tsys_model_desc *d, int ba
 }
 
 static inline void du_lm_free(du_lm *r) {
+    tsys_state_saver_free(r->saver);   // before the tensors it may still copy
+    r->saver = NULL;
     tsys_tensor_release(r->ids); tsys_tensor_release(r->targets);
     tsys_optim_free(r->opt);
     tsys_model_free(r->model);
@@ -371,12 +375,14 @@ static inline tsys_status du_lm_step(du_lm *r, int *last) {
 // Under a captured CUDA graph (e2e --compile yes) this relies on three things: tsys_state_load writes
 // into the live parameters, moments and AdamW's device step counter in place (the addresses stay), so
 // a load before the capture is what the graph's kernels read; a replay advances only that device
-// counter, which tsys_state_save reads (not the host's); and a save after tsys_sync sees every write
-// of the replays before it (its copies to the host run outside any capture, between replays).
+// counter, which tsys_state_save reads (not the host's); and a save sees every write of the replays
+// before it (its copies to the host run outside any capture, between replays: a synchronous save after
+// tsys_sync, an asynchronous one's copies after an event of the compute stream, and the next replay
+// waits for them).
 
 // The snapshot flags of a training driver (e2e; ddp can take them the same way): the table's rows and
 // the rules between them (du_snapshot_flags_why), for du_lm_snapshots.
-typedef struct du_snapshot_flags { const char *save_dir, *resume; int save_every, keep_last; } du_snapshot_flags;
+typedef struct du_snapshot_flags { const char *save_dir, *resume, *save_async; int save_every, keep_last; } du_snapshot_flags;
 #define DU_SNAPSHOT_FLAGS(s)                                                                                                           \
     DU_FLAG_INT("save-every", &(s)->save_every, NULL, 1, 1 << 30, "train mode: a snapshot of the training state (model, AdamW, fp16 loss\nscaler, "  \
                 "RNG) into --save-dir after every step whose number is a\nmultiple of N, and after the last; steps count from the start of the\n"    \
@@ -384,6 +390,8 @@ typedef struct du_snapshot_flags { const char *save_dir, *resume; int save_every
     DU_FLAG_STR("save-dir", &(s)->save_dir, NULL, "DIR", "where --save-every writes: DIR/step-NNNNNN, DIR/<configuration>/step-NNNNNN\n" \
                 "in a sweep of several"),                                                                                              \
     DU_FLAG_INT("keep-last", &(s)->keep_last, "3", 0, 1 << 20, "snapshots kept in each directory (0: all)"),                           \
+    DU_FLAG_CHOICE("save-async", &(s)->save_async, "yes", "yes|no", "yes: the tensors are copied (cuda: on a copy stream) and the files\n"   \
+                   "written by a thread while training goes on; no: the step waits"),                                                  \
     DU_FLAG_STR("resume", &(s)->resume, NULL, "DIR", "train mode: start from the newest snapshot in DIR (DIR/<configuration>\nin a "     \
                 "sweep), continuing its step count; an error row when there is\nnone or it does not load")
 
@@ -400,20 +408,26 @@ static inline const char *du_snapshot_flags_why(const du_snapshot_flags *s, cons
 }
 
 // Writes r's snapshot of step r->step into r->save_dir (made when missing; its parent must exist),
-// keeping the newest r->keep_last (0: all). The device is synchronized first, outside the time taken.
+// keeping the newest r->keep_last (0: all). Synchronous: the device is synchronized first, outside the
+// time taken. Asynchronous: the call queues the copies and returns (it waits only for a previous
+// snapshot still being written, and that wait is in the time taken); du_lm_saves_wait collects it.
 static inline tsys_status du_lm_save(du_lm *r) {
-    tsys_status st = tsys_sync(r->ctx, r->dev);
+    tsys_status st = r->save_async ? TSYS_OK : tsys_sync(r->ctx, r->dev);
+    if (st == TSYS_OK && r->save_async && !r->saver && !(r->saver = tsys_state_saver_new(r->ctx))) st = tsys_ctx_status(r->ctx);
     if (st != TSYS_OK) return st;
     tsys_state_desc d;
     memset(&d, 0, sizeof(d));
     d.model = r->model; d.optim = r->opt; d.scaler = r->dtype == TSYS_F16 ? &r->scaler : NULL;
     d.user = r->record; d.n_user = r->n_record; d.step = r->step; d.keep_last = r->keep_last;
     double t0 = du_now_s();
-    st = tsys_state_save(r->ctx, r->save_dir, &d);
+    st = r->save_async ? tsys_state_save_async(r->saver, r->save_dir, &d) : tsys_state_save(r->ctx, r->save_dir, &d);
     r->save_ms += 1e3 * (du_now_s() - t0);
     r->saves++;
     return st;
 }
+
+// The last asynchronous snapshot durable in place (or its error); nothing to do for synchronous ones.
+static inline tsys_status du_lm_saves_wait(du_lm *r) { return r->saver ? tsys_state_saver_wait(r->saver) : TSYS_OK; }
 
 // After a training step: counts it and saves a snapshot when its number is a multiple of save_every,
 // or when it is the run's last (last: so a finished run can be continued from its end).
@@ -460,6 +474,7 @@ static inline tsys_status du_lm_snapshots(du_lm *r, const du_snapshot_flags *f, 
         if (snprintf(r->save_dir, sizeof(r->save_dir), "%s%s%s", save_dir, slash, sub) >= (int)sizeof(r->save_dir))
             return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--save-dir '%s': the path is too long", save_dir);
         r->save_every = f->save_every; r->keep_last = f->keep_last;
+        r->save_async = !f->save_async || strcmp(f->save_async, "no") != 0;
     }
     if (!resume) return TSYS_OK;
     if (snprintf(dir, sizeof(dir), "%s%s%s", resume, slash, sub) >= (int)sizeof(dir)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': the path is too long", resume);
@@ -1099,6 +1114,7 @@ static inline tsys_status du_timed_run(du_timed *t, int warmup, int steps, bool 
     }
     if (in_warmup) tsys_trace_end(ctx);
     if (st == TSYS_OK && compiled) st = du_timed_compiled(t, n, tm + 3 * n);
+    if (st == TSYS_OK) st = du_lm_saves_wait(&t->lm);   // the last snapshot in place, or its error in the row
     return st;
 }
 

@@ -221,6 +221,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         }
         du_row_set(row, "peak_MiB", "%.0f", (double)tsys_mem_stats_get(ctx, dev).peak_bytes / 1048576.0);
         if (lm->saves) du_row_set(row, "save_ms", "%.1f", lm->save_ms / lm->saves);
+        tsys_state_saver_stats ss = tsys_state_saver_stats_get(lm->saver);   // the last snapshot's copy and write
+        if (ss.saves) du_row_set(row, "save_GBps", "%.2f", (double)ss.bytes / 1e6 / (ss.copy_ms + ss.write_ms));
         du_row_set(row, "status", "ok");
     } else {
         du_row_set(row, "status", "%s: %s", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
@@ -261,7 +263,8 @@ static int driver_main(int argc, char **argv) {
             "warmup %d; steps %d; memory limit %s%s%s", o.device, o.mf.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src,
             o.compiles.src, o.overlaps.src, o.lowps.src, o.ckpts.src, o.warmup, o.steps, du_mem_limit_str(lim, sizeof(lim), o.common.mem_limit),
             o.mf.load ? "; load " : "", o.mf.load ? o.mf.load : "");
-    if (o.snap.save_dir) fprintf(cfg, "; a snapshot every %d steps into %s (keep %d)", o.snap.save_every, o.snap.save_dir, o.snap.keep_last);
+    if (o.snap.save_dir) fprintf(cfg, "; a snapshot every %d steps into %s (keep %d, %s)", o.snap.save_every, o.snap.save_dir, o.snap.keep_last,
+                                 strcmp(o.snap.save_async, "no") ? "written beside training" : "synchronous");
     fprintf(cfg, "%s%s\n", o.snap.resume ? "; resume " : "", o.snap.resume ? o.snap.resume : "");
     if (o.common.dry_run) { opts_free(&o); return du_dry_run_done(&o.common, "e2e", configs); }
     tsys_ctx *ctx = NULL;   // --plan builds nothing
@@ -270,7 +273,7 @@ static int driver_main(int argc, char **argv) {
     fflush(stdout);
     du_table tab;
     char cols[400];   // save_ms only when saving: the tables without snapshots stay as they were
-    snprintf(cols, sizeof(cols), E2E_COLS "%s%s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.snap.save_dir ? "save_ms," : "", dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s");
+    snprintf(cols, sizeof(cols), E2E_COLS "%s%s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.snap.save_dir ? "save_ms,save_GBps," : "", dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s");
     du_table_init(&tab, o.plan ? E2E_PLAN_COLS : cols, o.common.format);
     du_progress_begin(configs);
     for (int k = 0; k < configs; k++) {

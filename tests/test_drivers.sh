@@ -750,6 +750,15 @@ t_save_resume_is_bitwise() {
   [ "$(ls "$tmp/once")" = step-000006 ] || note "once: $(ls "$tmp/once")"
   [ "$(ls "$tmp/twice" | tr '\n' ' ')" = "step-000003 step-000006 " ] || note "twice: $(ls "$tmp/twice")"
   snapshot_diff "$tmp/once/step-000006" "$tmp/twice/step-000006" >"$tmp/py" 2>&1 || note "the step-6 snapshots differ: $(head -c 600 "$tmp/py")"
+  [[ "$(csv_col "$tmp/out" 1 save_GBps)" =~ ^[0-9]+\.[0-9]+$ ]] || note "save_GBps '$(csv_col "$tmp/out" 1 save_GBps)', wanted a number"
+  # the synchronous save (the step waits) writes the same files as the default, asynchronous one
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 6 --save-every 6 --save-dir "$tmp/sync" --save-async no
+  expect_rc 0 "6 steps, a synchronous snapshot at 6"
+  expect_in "$tmp/err" "synchronous" "the configuration line says the save is synchronous"
+  [ -z "$(csv_col "$tmp/out" 1 save_GBps)" ] || note "save_GBps of a synchronous save: '$(csv_col "$tmp/out" 1 save_GBps)', wanted empty"
+  cmp -s "$tmp/once/step-000006/model.safetensors" "$tmp/sync/step-000006/model.safetensors" &&
+    cmp -s "$tmp/once/step-000006/train_state.safetensors" "$tmp/sync/step-000006/train_state.safetensors" ||
+    note "the asynchronous and synchronous step-6 snapshots differ"
   run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 2
   [ "$(csv_col "$tmp/out" 1 save_ms)" = NO-COLUMN ] || note "a save_ms column without saving"
   run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 1 --compile no,yes --save-every 1 --save-dir "$tmp/skip"
