@@ -1027,6 +1027,9 @@ typedef struct tsys_state_saver_stats {
 } tsys_state_saver_stats;
 TSYSDEF tsys_state_saver *tsys_state_saver_new(tsys_ctx *ctx);   // NULL + the context's error
 TSYSDEF tsys_status tsys_state_save_async(tsys_state_saver *sv, const char *dir, const tsys_state_desc *desc);
+// Allocates now the staging memory a save of desc needs, so that the first save does not pay for it
+// (page-locked memory is slow to get: about a second for a few GB). Optional.
+TSYSDEF tsys_status tsys_state_saver_reserve(tsys_state_saver *sv, const tsys_state_desc *desc);
 TSYSDEF tsys_status tsys_state_saver_copied(tsys_state_saver *sv);   // the host waits for the copies in flight
 TSYSDEF tsys_status tsys_state_saver_wait(tsys_state_saver *sv);     // ... and for the snapshot: in place, or its error
 TSYSDEF bool tsys_state_saver_busy(const tsys_state_saver *sv);      // a snapshot is still being written
@@ -9400,6 +9403,29 @@ static tsys_status tsys__saver_device(tsys_ctx *ctx, tsys__state_job *j, tsys_de
     return TSYS_OK;
 }
 
+// The backend that copies dev's tensors beside the streams' work (NULL: the CPU, or one that cannot).
+static const tsys_backend *tsys__saver_copier(tsys_ctx *ctx, tsys_device dev) {
+    const tsys_backend *be = dev != TSYS_CPU ? ctx->backends[dev] : NULL;
+    return be && be->copy_async && be->event_host_wait && be->copies_fence ? be : NULL;
+}
+
+TSYSDEF tsys_status tsys_state_saver_reserve(tsys_state_saver *sv, const tsys_state_desc *desc) {
+    if (!sv) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = sv->ctx;
+    TSYS__CHECK_ARG(ctx, desc, TSYS_ERR_INVALID_ARGS, "tsys_state_saver_reserve: NULL desc");
+    tsys_status s = tsys__saver_join(sv);   // the staging memory may be in use
+    tsys__state_job *j = s == TSYS_OK ? (tsys__state_job *)TSYS_MALLOC(sizeof *j) : NULL;
+    if (s == TSYS_OK && !j) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_saver_reserve: out of host memory");
+    if (j) memset(j, 0, sizeof *j);
+    if (j && (s = tsys__state_parts_make(ctx, "tsys_state_saver_reserve", desc, &j->parts)) == TSYS_OK) {
+        tsys_device dev;
+        size_t need;
+        if ((s = tsys__saver_device(ctx, j, &dev, &need)) == TSYS_OK) s = tsys__saver_stage(sv, tsys__saver_copier(ctx, dev), need);
+    }
+    tsys__state_job_free(j);
+    return s;
+}
+
 // Copies the job's tensors into the staging memory (device ones queued on TSYS_STREAM_COPY after the
 // compute stream's work so far) and points the job at the copies: tensors of the writer's context.
 static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
@@ -9408,8 +9434,8 @@ static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
     tsys_device dev;
     size_t need;
     tsys_status s = tsys__saver_device(ctx, j, &dev, &need);
-    const tsys_backend *be = dev != TSYS_CPU ? ctx->backends[dev] : NULL;
-    bool async = be && be->copy_async && be->event_host_wait && be->copies_fence;
+    const tsys_backend *be = tsys__saver_copier(ctx, dev);
+    bool async = be != NULL;
     j->copies = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(j->parts.n_model + 1));
     j->copy_names = (char **)TSYS_MALLOC(sizeof(char *) * (size_t)(j->parts.n_model + 1));
     if (s == TSYS_OK && (!j->copies || !j->copy_names)) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: out of host memory");
@@ -9419,12 +9445,18 @@ static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
     if (s == TSYS_OK && async && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ready)) == TSYS_OK) s = tsys_event_wait(ctx, &ready, TSYS_STREAM_COPY);
     if (async) sv->copy_dev = dev;
     size_t off = 0;
+    const char *run_src = NULL;   // device copies that continue each other in both places go as one:
+    size_t run_at = 0, run_bytes = 0;   // a model has hundreds of tensors, and a stream queues only so many
     for (int i = 0; s == TSYS_OK && i < n; i++) {
         tsys_tensor **slot = tsys__saver_part(j, i), *t = *slot;
         size_t bytes = tsys_tensor_bytes(t);
-        if (t->device == TSYS_CPU) memcpy(sv->stage + off, tsys_tensor_data(t), bytes);
-        else if (async) s = be->copy_async(ctx, sv->stage + off, TSYS_CPU, tsys_tensor_data(t), dev, bytes, TSYS_STREAM_COPY);
-        else s = tsys_tensor_to_host(ctx, t, sv->stage + off);
+        const char *src = (const char *)tsys_tensor_data(t);
+        if (t->device == TSYS_CPU) memcpy(sv->stage + off, src, bytes);
+        else if (async && run_bytes && src == run_src + run_bytes && off == run_at + run_bytes) run_bytes += bytes;
+        else if (async) {
+            if (run_bytes) s = be->copy_async(ctx, sv->stage + run_at, TSYS_CPU, run_src, dev, run_bytes, TSYS_STREAM_COPY);
+            run_src = src; run_at = off; run_bytes = bytes;
+        } else s = tsys_tensor_to_host(ctx, t, sv->stage + off);
         tsys_tensor *w = s == TSYS_OK ? tsys_tensor_wrap(sv->wctx, t->dtype, TSYS_CPU, t->ndim, t->shape, sv->stage + off, NULL, NULL) : NULL;
         if (s == TSYS_OK && !w) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: %s", tsys_ctx_last_error(sv->wctx));
         if (s == TSYS_OK && i < j->parts.n_model) {   // a borrowed live tensor: the copy and its name are the job's
@@ -9438,6 +9470,7 @@ static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
         if (s == TSYS_OK) *slot = w;
         off += (bytes + 63) & ~(size_t)63;
     }
+    if (s == TSYS_OK && run_bytes) s = be->copy_async(ctx, sv->stage + run_at, TSYS_CPU, run_src, dev, run_bytes, TSYS_STREAM_COPY);
     if (s == TSYS_OK && async && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COPY, &sv->copied)) == TSYS_OK) sv->copier = be;
     if (ready.handle) tsys_event_release(ctx, &ready);   // the wait is queued: the event may go back to the pool
     return s;
@@ -10314,6 +10347,7 @@ TSYSDEF tsys_status tsys_state_consolidate(tsys_ctx *ctx, const char *src, const
 TSYSDEF tsys_state_saver *tsys_state_saver_new(tsys_ctx *ctx) { TSYS__STATE_NO_POSIX("tsys_state_saver_new"); return NULL; }
 TSYSDEF tsys_status tsys_state_save_async(tsys_state_saver *sv, const char *dir, const tsys_state_desc *desc) { (void)sv; (void)dir; (void)desc; return TSYS_ERR_UNSUPPORTED; }
 TSYSDEF tsys_status tsys_state_saver_copied(tsys_state_saver *sv) { (void)sv; return TSYS_ERR_UNSUPPORTED; }
+TSYSDEF tsys_status tsys_state_saver_reserve(tsys_state_saver *sv, const tsys_state_desc *desc) { (void)sv; (void)desc; return TSYS_ERR_UNSUPPORTED; }
 TSYSDEF tsys_status tsys_state_saver_wait(tsys_state_saver *sv) { (void)sv; return TSYS_ERR_UNSUPPORTED; }
 TSYSDEF bool tsys_state_saver_busy(const tsys_state_saver *sv) { (void)sv; return false; }
 TSYSDEF tsys_state_saver_stats tsys_state_saver_stats_get(const tsys_state_saver *sv) { tsys_state_saver_stats z; (void)sv; memset(&z, 0, sizeof z); return z; }

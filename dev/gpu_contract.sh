@@ -3,7 +3,7 @@
 # through the driver contract, the memory_viz snapshot through torch's own tooling beside PyTorch's
 # snapshot, a profiler trace through Perfetto's trace processor, a CUDA consumer of the CMake package,
 # and test_cuda.
-#   dev/gpu_contract.sh link contract memviz perfetto resume consumer test
+#   dev/gpu_contract.sh link contract memviz perfetto resume savecost consumer test
 # Parts:
 #   link      $BIN/{e2e,attn,memory}_cuda from $BIN/<driver>_cuda.o and $BIN/tsys_impl_cuda.o (objects built
 #             elsewhere: the kernels take minutes to compile) when the programs are not there yet
@@ -12,7 +12,10 @@
 #   perfetto  e2e_cuda --profile, then tests/ref/perfetto_check.py on the trace (needs the perfetto package
 #             and trace_processor_shell: TRACE_PROCESSOR_BIN, or found on the machine)
 #   resume    e2e_cuda (small, bf16, eager and compiled): 6 train steps in one run, and 3 then 3 more resumed
-#             from the first 3's snapshot; the two step-6 snapshots' files byte for byte (cmp)
+#             from the first 3's snapshot; the two step-6 snapshots' files byte for byte (cmp), and against
+#             the same 6 steps saved synchronously (--save-async no)
+#   savecost  dd's rate on the save disk; e2e_cuda 2.7B and xl with snapshots every 10 steps (asynchronous,
+#             synchronous; xl), at the end only, and none; dev/torch_save_rate.py (torch.save, DCP), small state
 #   consumer  $BIN/app_cuda (tests/test_packaging.sh's cuda-build consumer, built with PACKAGING_CUDA_OUT)
 #   test      $BIN/test_cuda
 # Logs go to $OUT (default /tmp/tsys_out); a line per part says how it went.
@@ -61,16 +64,48 @@ for part in "$@"; do
       r="$OUT/resume_$c"; rm -rf "$r"; mkdir -p "$r"
       a=("$BIN/e2e_cuda" --model small --context-length 256 --batch-size 4 --mode train --dtype bf16 --compile "$c" --warmup 0 --no-sgemm --format csv)
       "${a[@]}" --steps 6 --save-every 6 --save-dir "$r/once" > "$r/once.csv" 2>&1
+      "${a[@]}" --steps 6 --save-every 6 --save-dir "$r/sync" --save-async no > "$r/sync.csv" 2>&1
       "${a[@]}" --steps 3 --save-every 3 --save-dir "$r/twice" > "$r/twice1.csv" 2>&1
       "${a[@]}" --steps 3 --save-every 3 --save-dir "$r/twice" --resume "$r/twice" > "$r/twice2.csv" 2>&1
       for f in model.safetensors train_state.safetensors; do
         cmp -s "$r/once/step-000006/$f" "$r/twice/step-000006/$f" && echo "compile $c: $f equal byte for byte" || echo "compile $c: $f DIFFERS"
+        cmp -s "$r/once/step-000006/$f" "$r/sync/step-000006/$f" && echo "compile $c: $f asynchronous = synchronous" || echo "compile $c: $f async/sync DIFFER"
       done
-      grep -h "save_ms\|^cuda" "$r/once.csv" | head -2
-      rm -rf "$r"/once/step-* "$r"/twice/step-*   # 1.5 GB each
+      grep -h "save_ms\|^cuda" "$r/once.csv" "$r/sync.csv" | head -3
+      rm -rf "$r"/once/step-* "$r"/twice/step-* "$r"/sync/step-*   # 1.5 GB each
     done ;;
+  savecost)
+    # The disk's own rate, then e2e_cuda's compiled bf16 step (context 256, batch 4, 20 steps) with and
+    # without snapshots (12 bytes a parameter): on 2.7B one at the end only (what one costs the caller, the
+    # write rate); on xl one every 10 steps (two: they must both fit the disk), asynchronous and
+    # synchronous, and one at the end. Then dev/torch_save_rate.py on the small model's state.
+    S=${SAVE_DIR:-/tmp/tsys_save}; rm -rf "$S"; mkdir -p "$S"
+    df -h "$S" | tail -1
+    dd if=/dev/zero of="$S/dd" bs=1M count=4096 conv=fsync 2>&1 | tail -1; rm -f "$S/dd"
+    run() {
+      local m=$1 tag=$2; shift 2
+      "$BIN/e2e_cuda" --model "$m" --context-length 256 --batch-size 4 --mode train --dtype bf16 --compile yes --lowp-copies yes \
+        --warmup 1 --steps 19 --no-sgemm --format csv "$@" > "$OUT/save_${m}_$tag.csv" 2> "$OUT/save_${m}_$tag.err"
+      echo "$m $tag exit $?"; rm -rf "$S"/snap
+    }
+    run 2.7B none
+    run 2.7B end_async --save-every 20 --save-dir "$S/snap" --keep-last 1
+    run xl none
+    run xl every10_async --save-every 10 --save-dir "$S/snap" --keep-last 1
+    run xl every10_sync --save-every 10 --save-dir "$S/snap" --keep-last 1 --save-async no
+    run xl end_async --save-every 20 --save-dir "$S/snap" --keep-last 1
+    python3 - "$OUT" <<'PY'
+import csv, glob, os, sys
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "save_*.csv"))):
+    r = list(csv.DictReader(open(p))) if os.path.getsize(p) else []
+    r = r[0] if r else {}
+    print(f"{os.path.basename(p)[5:-4]:18s} total_ms {r.get('total_ms')} std {r.get('total_std')} save_ms {r.get('save_ms', '-')} "
+          f"save_GBps {r.get('save_GBps', '-')} {r.get('status', 'no row')[:80]}")
+PY
+    timeout 300 python3 dev/torch_save_rate.py --model small --dir "$S/torch" > "$OUT/torch_save.md" 2> "$OUT/torch_save.err"; tail -5 "$OUT/torch_save.md"
+    rm -rf "$S" ;;
   consumer) "$BIN/app_cuda"; echo "app_cuda exit $?" ;;
   test) timeout 400 "$BIN/test_cuda" > "$OUT/test_cuda.log" 2>&1; grep -v " ok$" "$OUT/test_cuda.log" | tail -12 ;;
-  *) echo "gpu_contract.sh: unknown part '$part' (link contract memviz perfetto resume consumer test)" >&2; exit 2 ;;
+  *) echo "gpu_contract.sh: unknown part '$part' (link contract memviz perfetto resume savecost consumer test)" >&2; exit 2 ;;
   esac
 done

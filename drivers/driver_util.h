@@ -286,7 +286,8 @@ typedef struct du_lm {
     int saves;                             // snapshots written and the time the training thread spent in
     double save_ms;                        // them (the device sync before a synchronous one excluded)
     bool save_async;                       // through a tsys_state_saver: the files written beside training
-    tsys_state_saver *saver;               // (made at the first save)
+    tsys_state_saver *saver;               // (made with the snapshots' directory)
+    int64_t saved_step, reported;          // the step of the last asynchronous snapshot; snapshots reported
 } du_lm;
 
 // r zeroed, then set to run steps of mode in autocast dtype on dev (the other fields: their defaults).
@@ -411,23 +412,45 @@ static inline const char *du_snapshot_flags_why(const du_snapshot_flags *s, cons
 // keeping the newest r->keep_last (0: all). Synchronous: the device is synchronized first, outside the
 // time taken. Asynchronous: the call queues the copies and returns (it waits only for a previous
 // snapshot still being written, and that wait is in the time taken); du_lm_saves_wait collects it.
-static inline tsys_status du_lm_save(du_lm *r) {
-    tsys_status st = r->save_async ? TSYS_OK : tsys_sync(r->ctx, r->dev);
-    if (st == TSYS_OK && r->save_async && !r->saver && !(r->saver = tsys_state_saver_new(r->ctx))) st = tsys_ctx_status(r->ctx);
-    if (st != TSYS_OK) return st;
+// A line on stderr for an asynchronous snapshot (of step) written since the last one: where its time went.
+static inline void du_lm_saves_report(du_lm *r, int64_t step) {
+    tsys_state_saver_stats s = tsys_state_saver_stats_get(r->saver);
+    if (s.saves == r->reported) return;
+    r->reported = s.saves;
+    fprintf(stderr, "snapshot step-%06lld: %.2f GB, %.1f ms in the call, copied %.0f ms after it, written %.1f s later (%.2f GB/s)\n", (long long)step,
+            (double)s.bytes / 1e9, s.stage_ms, s.copy_ms, s.write_ms / 1e3, (double)s.bytes / 1e6 / (s.copy_ms + s.write_ms));
+}
+
+static inline tsys_state_desc du_lm_state_desc(du_lm *r) {
     tsys_state_desc d;
     memset(&d, 0, sizeof(d));
     d.model = r->model; d.optim = r->opt; d.scaler = r->dtype == TSYS_F16 ? &r->scaler : NULL;
     d.user = r->record; d.n_user = r->n_record; d.step = r->step; d.keep_last = r->keep_last;
+    return d;
+}
+
+static inline tsys_status du_lm_save(du_lm *r) {
+    tsys_status st = r->save_async ? TSYS_OK : tsys_sync(r->ctx, r->dev);
+    if (st != TSYS_OK) return st;
+    tsys_state_desc d = du_lm_state_desc(r);
     double t0 = du_now_s();
+    int64_t prev = r->saved_step;
     st = r->save_async ? tsys_state_save_async(r->saver, r->save_dir, &d) : tsys_state_save(r->ctx, r->save_dir, &d);
-    r->save_ms += 1e3 * (du_now_s() - t0);
+    double ms = 1e3 * (du_now_s() - t0);
+    r->save_ms += ms;
     r->saves++;
+    r->saved_step = r->step;
+    if (r->save_async) du_lm_saves_report(r, prev);   // the one before: the call waited for it
+    else fprintf(stderr, "snapshot step-%06lld: %.0f ms (the step waited)\n", (long long)r->step, ms);
     return st;
 }
 
 // The last asynchronous snapshot durable in place (or its error); nothing to do for synchronous ones.
-static inline tsys_status du_lm_saves_wait(du_lm *r) { return r->saver ? tsys_state_saver_wait(r->saver) : TSYS_OK; }
+static inline tsys_status du_lm_saves_wait(du_lm *r) {
+    tsys_status st = r->saver ? tsys_state_saver_wait(r->saver) : TSYS_OK;
+    if (r->saver) du_lm_saves_report(r, r->saved_step);
+    return st;
+}
 
 // After a training step: counts it and saves a snapshot when its number is a multiple of save_every,
 // or when it is the run's last (last: so a finished run can be continued from its end).
@@ -475,6 +498,8 @@ static inline tsys_status du_lm_snapshots(du_lm *r, const du_snapshot_flags *f, 
             return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--save-dir '%s': the path is too long", save_dir);
         r->save_every = f->save_every; r->keep_last = f->keep_last;
         r->save_async = !f->save_async || strcmp(f->save_async, "no") != 0;
+        tsys_state_desc d = du_lm_state_desc(r);   // the saver's staging memory now, not at the first save
+        if (r->save_async && (!(r->saver = tsys_state_saver_new(ctx)) || tsys_state_saver_reserve(r->saver, &d) != TSYS_OK)) return tsys_ctx_status(ctx);
     }
     if (!resume) return TSYS_OK;
     if (snprintf(dir, sizeof(dir), "%s%s%s", resume, slash, sub) >= (int)sizeof(dir)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': the path is too long", resume);

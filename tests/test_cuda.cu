@@ -11,6 +11,7 @@
 #include "test_util.h"
 #include <stdlib.h>
 #include <unistd.h>
+#include <sys/stat.h>
 
 // One context with both backends, made on first use (a test binary without a GPU fails each test).
 static tsys_ctx *tc_ctx(void) {
@@ -662,6 +663,7 @@ static void CUDART_CB tc_hold_300ms(void *) { usleep(300000); }
 // library's fences must order those writes after the copies: both snapshots are the same bytes.
 static void tc_async_case(tsys_ctx *ctx, tsys_state_saver *sv, tsys_model *m, tsys_optim *o, int64_t step, const char *root, void (*writes)(void *), void *user) {
     char sync_dir[256], async_dir[256], a[300], b[300];
+    TEST_CHECK(mkdir(root, 0755) == 0, "mkdir %s", root);
     snprintf(sync_dir, sizeof sync_dir, "%s/sync", root);
     snprintf(async_dir, sizeof async_dir, "%s/async", root);
     tsys_state_desc d;

@@ -259,6 +259,7 @@ TSYS_TEST(state_save_async_is_the_state_at_the_call) {
     tsys_state_desc d = ts_desc(&a, 3);
     d.keep_last = 2;
     TEST_CHECK(tsys_state_save(a.ctx, sync_dir, &d) == TSYS_OK, "save: %s", tsys_ctx_last_error(a.ctx));
+    TEST_CHECK(tsys_state_saver_reserve(sv, &d) == TSYS_OK, "reserve: %s", tsys_ctx_last_error(a.ctx));
     TEST_CHECK(tsys_state_save_async(sv, async_dir, &d) == TSYS_OK, "save_async: %s", tsys_ctx_last_error(a.ctx));
     float loss_a[3], loss_b[3];
     for (int it = 3; it < 6; it++) loss_a[it - 3] = ts_step(&a, it);   // writes what the snapshot copied
