@@ -1051,6 +1051,7 @@ typedef struct du_timed {
     bool capturing;    // inside CUDA graph capture: no host synchronization allowed
     int64_t saved;     // bytes the forward kept for backward (the tracker's activations after it)
     tsys_event ev[4];  // the phase boundaries of a step: start, forward done, backward done, optimizer done
+    double wall_ms;    // host clock over the timed steps, their snapshots' calls included (a wait anywhere counts)
 } du_timed;
 
 // The du_lm mark of a du_timed (user): an event at the phase boundary i (nothing while capturing: a
@@ -1099,12 +1100,14 @@ static inline tsys_status du_timed_compiled(du_timed *t, int steps, double *tot)
         if (step_st != TSYS_OK) st = step_st;
     }
     for (int i = 0; st == TSYS_OK && i < steps; i++) {
+        double t0 = du_now_s();
         du_timed_mark(t, 0);
         st = tsys_cuda_graph_replay(t->lm.ctx, g);
         du_timed_mark(t, 3);
         tot[i] = tsys_event_elapsed_ms(t->lm.ctx, &t->ev[0], &t->ev[3]);
         if (st == TSYS_OK) st = tsys_ctx_status(t->lm.ctx);
         if (st == TSYS_OK) st = du_lm_step_done(&t->lm, i == steps - 1);   // between replays (du_lm_save says why it may)
+        t->wall_ms += 1e3 * (du_now_s() - t0);
         du_progress_step("timed", i + 1, steps);
     }
     tsys_cuda_graph_free(g);
@@ -1130,9 +1133,11 @@ static inline tsys_status du_timed_run(du_timed *t, int warmup, int steps, bool 
     for (int i = 0; st == TSYS_OK && i < eager; i++) {
         double ms[3] = {0, 0, 0};
         if (i == warm && in_warmup) { tsys_trace_end(ctx); in_warmup = false; }
+        double t0 = du_now_s();
         st = du_timed_step(t, ms);
         if (st == TSYS_OK) st = du_lm_step_done(&t->lm, i == eager - 1 && !compiled);
         if (i < warm) { du_progress_step("warmup", i + 1, warm); continue; }
+        t->wall_ms += 1e3 * (du_now_s() - t0);
         du_progress_step("timed", i - warm + 1, n);
         for (int k = 0; k < 3; k++) tm[k * n + i - warm] = ms[k];
         tm[3 * n + i - warm] = ms[0] + ms[1] + ms[2];

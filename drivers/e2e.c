@@ -223,6 +223,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
         if (lm->saves) du_row_set(row, "save_ms", "%.1f", lm->save_ms / lm->saves);
         tsys_state_saver_stats ss = tsys_state_saver_stats_get(lm->saver);   // the last snapshot's copy and write
         if (ss.saves) du_row_set(row, "save_GBps", "%.2f", (double)ss.bytes / 1e6 / (ss.copy_ms + ss.write_ms));
+        du_row_set(row, "wall_ms", "%.2f", t.wall_ms / n);   // the host's clock per timed step, snapshots included
         du_row_set(row, "status", "ok");
     } else {
         du_row_set(row, "status", "%s: %s", st == TSYS_ERR_OOM ? "OOM" : "error", tsys_ctx_last_error(ctx));
@@ -273,7 +274,7 @@ static int driver_main(int argc, char **argv) {
     fflush(stdout);
     du_table tab;
     char cols[400];   // save_ms only when saving: the tables without snapshots stay as they were
-    snprintf(cols, sizeof(cols), E2E_COLS "%s%s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.snap.save_dir ? "save_ms,save_GBps," : "", dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s");
+    snprintf(cols, sizeof(cols), E2E_COLS "%s%s,MFU,saved_MiB,pred_MiB,peak_MiB,note,status", o.snap.save_dir ? "save_ms,save_GBps,wall_ms," : "", dev == TSYS_CPU ? "GFLOP/s" : "TFLOP/s");
     du_table_init(&tab, o.plan ? E2E_PLAN_COLS : cols, o.common.format);
     du_progress_begin(configs);
     for (int k = 0; k < configs; k++) {
