@@ -28,7 +28,7 @@ NVFLAGS ?= -O2 -std=c++17 $(CUDA_ARCH) -Xcompiler -fopenmp,-Wall -DTSYS_WITH_CUD
 NVLIBS  = -lcublasLt -lcublas $(BLAS_LIB) -lgomp
 
 HEADERS = tsys.h $(wildcard drivers/*.h)
-CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn $(BUILD)/memory
+CPU_DRIVERS = $(BUILD)/e2e $(BUILD)/precision $(BUILD)/attn $(BUILD)/memory $(BUILD)/snapshot
 CPU_TESTS = $(BUILD)/test_ops $(BUILD)/test_model $(BUILD)/test_checkpoint $(BUILD)/test_safetensors $(BUILD)/test_flash_cpu $(BUILD)/test_attention $(BUILD)/test_hooks $(BUILD)/test_guards $(BUILD)/test_profiler $(BUILD)/test_state
 HAVE_NVCC := $(shell command -v $(NVCC) 2>/dev/null)
 

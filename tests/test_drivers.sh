@@ -936,6 +936,69 @@ t_dist_ddp_save_resume_bitwise() {
   [ "$s" = fsdp ] && grep -q '^world=2$' "$tmp/fsdp-a/step-000004/MANIFEST" || note "fsdp: no world=2 in the MANIFEST"
   run "$B/ddp" "${base[@]}" --strategy flat,zero1 --steps 1 --save-dir "$tmp/x"
   expect_rc 2 "--save-dir over two configurations"
+  snapshot_tool "$tmp"
+}
+
+# assemble_check PARTS PLAIN: the tensors of the sharded snapshot PARTS (rank-*.safetensors, each chunk's
+# place in "chunk.<fqn>" = "<offset> <global shape>") put together here, independently of tsys, equal
+# those of the plain snapshot PLAIN byte for byte, and cover them.
+assemble_check() {
+  python3 - "$1" "$2" <<'PY'
+import glob, json, os, struct, sys
+def read(path):
+    with open(path, "rb") as f: b = f.read()
+    n = struct.unpack("<Q", b[:8])[0]
+    head = json.loads(b[8:8 + n]); meta = head.pop("__metadata__", {})
+    return meta, {k: (v["dtype"], v["shape"], b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]) for k, v in head.items()}
+whole, bad = {}, []
+for part in sorted(glob.glob(os.path.join(sys.argv[1], "rank-*.safetensors"))):
+    meta, tensors = read(part)
+    for k, (dt, shape, data) in tensors.items():
+        at, glob_shape = meta.get("chunk." + k, "0 " + ",".join(map(str, shape))).split(" ")
+        glob_shape = [int(x) for x in glob_shape.split(",") if x]
+        size = 4 if dt == "F32" else 2
+        numel = 1
+        for d in glob_shape: numel *= d
+        buf = whole.setdefault(k, (dt, glob_shape, bytearray(numel * size), []))
+        buf[2][int(at) * size:int(at) * size + len(data)] = data; buf[3].append((int(at), len(data) // size))
+plain = {}
+for f in ("model.safetensors", "train_state.safetensors"): plain.update(read(os.path.join(sys.argv[2], f))[1])
+if set(plain) != set(whole): bad.append(f"tensors in one only: {sorted(set(plain) ^ set(whole))[:4]}")
+for k, (dt, shape, data, chunks) in whole.items():
+    covered = sum(n for _, n in chunks) * (4 if dt == "F32" else 2)
+    if covered != len(data): bad.append(f"{k}: the parts cover {covered} of {len(data)} bytes")
+    elif k in plain and (plain[k][0], plain[k][1], plain[k][2]) != (dt, shape, bytes(data)): bad.append(f"{k}: differs")
+if not whole: bad.append("no parts")
+print("\n".join(bad[:6])); sys.exit(1 if bad else 0)
+PY
+}
+
+# The snapshot tool (build/snapshot) on the sharded snapshots ddp wrote into DIR: info lists them with
+# their world size and marks the newest; consolidate makes each a plain one whose tensors are the
+# parts put together (checked by assemble_check), which info then reads as world 0; an altered byte in
+# a part fails consolidate with exit 1 naming the file; usage errors exit 2.
+snapshot_tool() {
+  local d=$1 s
+  [ -x "$B/snapshot" ] || { note "no $B/snapshot"; return; }
+  run "$B/snapshot" info "$d/zero1-b"
+  expect_rc 0 "snapshot info on a directory"
+  grep -q '^| step-000002 | 2 | 2 | ' "$tmp/out" && grep -q '^| step-000004 | 4 | 2 | .* | ok, newest |$' "$tmp/out" || note "info: $(cat "$tmp/out")"
+  for s in zero1 fsdp; do
+    run "$B/snapshot" consolidate "$d/$s-a/step-000004" "$d/$s-plain"
+    expect_rc 0 "snapshot consolidate $s"
+    assemble_check "$d/$s-a/step-000004" "$d/$s-plain/step-000004" > "$tmp/py" 2>&1 || note "$s consolidated: $(head -c 400 "$tmp/py")"
+    run "$B/snapshot" info "$d/$s-plain/step-000004"
+    grep -q '| 4 | 0 | ' "$tmp/out" || note "$s consolidated, info: $(cat "$tmp/out")"
+  done
+  cp -r "$d/fsdp-a/step-000004" "$d/damaged"
+  printf '\x55' | dd of="$d/damaged/rank-00001.safetensors" bs=1 seek=300 conv=notrunc 2>/dev/null
+  run "$B/snapshot" consolidate "$d/damaged" "$d/damaged-plain"
+  expect_rc 1 "consolidate of an altered part"
+  expect_in "$tmp/err" "rank-00001.safetensors" "the altered part named"
+  run "$B/snapshot" consolidate "$d/damaged"
+  expect_rc 2 "consolidate without DIR"
+  run "$B/snapshot" bogus x
+  expect_rc 2 "an unknown command"
 }
 
 # ---- runner -------------------------------------------------------------------------------------------
