@@ -951,7 +951,7 @@ struct tsys_cuda__op_sgd { float lr; __device__ void operator()(const float *x, 
 
 // AdamW, torch.optim.AdamW order of operations (decoupled decay first, bias-corrected step);
 // inputs (p, g, m, v) -> (p, m, v). The step count is read on the device (so a captured graph replays
-// the right bias corrections); each thread recomputes 1 - beta^t, cheap next to the 28 bytes it moves.
+// the right bias corrections); each thread computes 1 - beta^t once, cheap next to the bytes it moves.
 struct tsys_cuda__op_adamw {
     float lr, beta1, beta2, eps, wd;
     const void *step; int step_dt;     // one-element I32/I64 device tensor, already incremented
@@ -962,8 +962,10 @@ struct tsys_cuda__op_adamw {
     // are instruction sequences: at 3.4 G parameters the update was close to issue-bound).
     struct shared { float decay, one_m_b1, one_m_b2, sqrt_bc2, step_size; };
     __device__ shared prep() const {
-        float t = (float)tsys_cuda__ld_id(step, step_dt, 0);
-        float l = lr_dev ? *lr_dev : lr, bc1 = 1.0f - powf(beta1, t), bc2 = 1.0f - powf(beta2, t);
+        // 1 - beta^t in double, rounded once, as the CPU path and torch's AdamW (host scalars in double):
+        // powf's last-bit error is amplified by the cancellation (beta2 = 0.999: 1e3 times at step 1)
+        double t = (double)tsys_cuda__ld_id(step, step_dt, 0);
+        float l = lr_dev ? *lr_dev : lr, bc1 = (float)(1.0 - pow((double)beta1, t)), bc2 = (float)(1.0 - pow((double)beta2, t));
         return { __fsub_rn(1.0f, __fmul_rn(l, wd)), __fsub_rn(1.0f, beta1), __fsub_rn(1.0f, beta2), __fsqrt_rn(bc2), __fdiv_rn(l, bc1) };
     }
     // Every rounding is spelled out (the _rn intrinsics are never contracted), so each kernel that
