@@ -766,13 +766,20 @@ static int ts_fault_writer(const char *dir, long saves) {
         if (tsys_state_load(f.ctx, latest, &d, &info) != TSYS_OK) { printf("resume: %s\n", tsys_ctx_last_error(f.ctx)); return 1; }
         step = info.step;
     }
-    for (long k = 0; saves <= 0 || k < saves; k++) {
+    // every other save goes through the asynchronous saver (its thread writes while the next step's
+    // values are filled in); one writer per directory: a synchronous save waits for it first
+    tsys_state_saver *sv = tsys_state_saver_new(f.ctx);
+    for (long k = 0; sv && (saves <= 0 || k < saves); k++) {
         if (k % 3 != 1) step++;
         ts_fault_fill(&f, step, false);
         tsys_rng_seed(f.ctx, (uint64_t)step);
         tsys_state_desc d = ts_fault_desc(&f, step, user, pos);
-        if (tsys_state_save(f.ctx, dir, &d) != TSYS_OK) { printf("save: %s\n", tsys_ctx_last_error(f.ctx)); return 1; }
+        tsys_status s = k % 2 ? tsys_state_save_async(sv, dir, &d) : tsys_state_saver_wait(sv);
+        if (s == TSYS_OK && k % 2 == 0) s = tsys_state_save(f.ctx, dir, &d);
+        if (s != TSYS_OK) { printf("save: %s\n", tsys_ctx_last_error(f.ctx)); return 1; }
     }
+    if (!sv || tsys_state_saver_wait(sv) != TSYS_OK) { printf("saver: %s\n", tsys_ctx_last_error(f.ctx)); return 1; }
+    tsys_state_saver_free(sv);
     ts_fault_free(&f);
     return 0;
 }

@@ -4,7 +4,8 @@
 # snapshots of known content (every value a function of the step) in a loop; it is killed with
 # SIGKILL after a random delay of 0 to two saves' time (measured first), so kills land anywhere in a
 # save: writing a file, fsyncing, renaming into place, replacing a snapshot of the same name (every
-# third save), removing the oldest (keep_last 3). After each kill a checker (test_state --fault-check)
+# third save), removing the oldest (keep_last 3); every other save goes through the asynchronous saver
+# (tsys_state_save_async: its thread writes). After each kill a checker (test_state --fault-check)
 # loads the newest snapshot, checksums verified, compares every value, the RNG and the user record
 # with what that step saved, and checks that no step was lost (the newest step never goes back).
 # Rounds go on until 200 kills and step 200 (100 s at most; fewer than 200 kills fails). A last
