@@ -464,9 +464,10 @@ typedef struct tsys_backend {
     // the context uses malloc and copy): page-locked host memory, NULL when there is none
     void *(*host_alloc)(tsys_ctx *ctx, size_t bytes);
     void (*host_free)(tsys_ctx *ctx, void *ptr);
-    // queues the copy on stream s and returns at once (the bytes are there once s gets that far)
-    tsys_status (*copy_async)(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes, tsys_stream s);
-    // the compute stream waits for the copies queued on TSYS_STREAM_COPY so far (nothing if none is pending)
+    // queues the copy on stream s and returns at once (the bytes are there once s gets that far). fenced:
+    // src is memory the library writes later (a parameter, optimizer state), so copies_fence waits for it
+    tsys_status (*copy_async)(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes, tsys_stream s, bool fenced);
+    // the compute stream waits for the fenced copies queued on TSYS_STREAM_COPY so far (nothing if none is pending)
     tsys_status (*copies_fence)(tsys_ctx *ctx);
     // the calling thread waits for e. Any thread may call it: it sets no error in the context (err gets the message)
     tsys_status (*event_host_wait)(const struct tsys_backend *b, const tsys_event *e, char *err, size_t err_len);
@@ -1030,6 +1031,11 @@ TSYSDEF tsys_status tsys_state_save_async(tsys_state_saver *sv, const char *dir,
 // Allocates now the staging memory a save of desc needs, so that the first save does not pay for it
 // (page-locked memory is slow to get: about a second for a few GB). Optional.
 TSYSDEF tsys_status tsys_state_saver_reserve(tsys_state_saver *sv, const tsys_state_desc *desc);
+// Stages the device tensors in device memory first (default: off). A save then holds the next update of
+// those tensors only for a device-to-device copy (twice the bytes at the device's memory bandwidth:
+// milliseconds) instead of for the copy to the host (PCIe: 0.2 s for 12 GB); the price is a second copy
+// of the tensors in device memory, kept for the next save. Takes effect at the next save or reserve.
+TSYSDEF tsys_status tsys_state_saver_stage_on_device(tsys_state_saver *sv, bool on);
 TSYSDEF tsys_status tsys_state_saver_copied(tsys_state_saver *sv);   // the host waits for the copies in flight
 TSYSDEF tsys_status tsys_state_saver_wait(tsys_state_saver *sv);     // ... and for the snapshot: in place, or its error
 TSYSDEF bool tsys_state_saver_busy(const tsys_state_saver *sv);      // a snapshot is still being written
@@ -9299,6 +9305,8 @@ struct tsys_state_saver {
     unsigned char *stage;          // host copies of the tensors, each at a 64-byte boundary
     size_t stage_bytes;
     const tsys_backend *stage_owner;   // whose host_alloc made stage (NULL: malloc)
+    bool on_device;                // device tensors go through dstage (tsys_state_saver_stage_on_device)
+    tsys_tensor *dstage;           // their device copies, laid out as in stage (NULL: none yet)
     const tsys_backend *copier;    // the backend whose copies are in flight (NULL: none)
     tsys_device copy_dev;
     tsys_event copied;             // recorded on its TSYS_STREAM_COPY after the last copy
@@ -9387,6 +9395,12 @@ static tsys_status tsys__saver_stage(tsys_state_saver *sv, const tsys_backend *b
     return TSYS_OK;
 }
 
+TSYSDEF tsys_status tsys_state_saver_stage_on_device(tsys_state_saver *sv, bool on) {
+    if (!sv) return TSYS_ERR_INVALID_ARGS;
+    sv->on_device = on;
+    return TSYS_OK;
+}
+
 // Part i of the job (model parts first, then the optimizer's), and where its copy goes.
 static tsys_tensor **tsys__saver_part(tsys__state_job *j, int i) { return i < j->parts.n_model ? &j->parts.model[i] : &j->parts.train[i - j->parts.n_model]; }
 
@@ -9409,6 +9423,27 @@ static const tsys_backend *tsys__saver_copier(tsys_ctx *ctx, tsys_device dev) {
     return be && be->copy_async && be->event_host_wait && be->copies_fence ? be : NULL;
 }
 
+// Device memory for the n bytes of copies (laid out as the host stage) on dev when the saver stages
+// there; none otherwise. Kept, as the host stage is.
+static tsys_status tsys__saver_dstage(tsys_state_saver *sv, tsys_device dev, size_t n) {
+    const bool want = sv->on_device && dev != TSYS_CPU && tsys__saver_copier(sv->ctx, dev);
+    if (sv->dstage && (!want || sv->dstage->device != dev || tsys_tensor_bytes(sv->dstage) < n)) {
+        tsys_tensor_release(sv->dstage);
+        sv->dstage = NULL;
+    }
+    if (!want || sv->dstage) return TSYS_OK;
+    const int64_t words = (int64_t)(n / 4);   // n is a multiple of 64
+    tsys_mem_category was = tsys_mem_set_category(sv->ctx, TSYS_MEM_WORKSPACE);
+    sv->dstage = tsys_tensor_new(sv->ctx, TSYS_F32, dev, 1, &words);
+    tsys_mem_set_category(sv->ctx, was);
+    if (sv->dstage) return TSYS_OK;
+    char why[sizeof sv->ctx->error];
+    memcpy(why, sv->ctx->error, sizeof why);
+    tsys_ctx_clear_error(sv->ctx);
+    return tsys_ctx_set_error(sv->ctx, TSYS_ERR_OOM, "tsys_state_save_async: no %s memory for a %.1f MiB copy of the snapshot's tensors (%s); stage them on the host "
+                              "instead (tsys_state_saver_stage_on_device off)", tsys__device_name(dev), (double)n / 1048576.0, why);
+}
+
 TSYSDEF tsys_status tsys_state_saver_reserve(tsys_state_saver *sv, const tsys_state_desc *desc) {
     if (!sv) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = sv->ctx;
@@ -9421,16 +9456,39 @@ TSYSDEF tsys_status tsys_state_saver_reserve(tsys_state_saver *sv, const tsys_st
         tsys_device dev;
         size_t need;
         if ((s = tsys__saver_device(ctx, j, &dev, &need)) == TSYS_OK) s = tsys__saver_stage(sv, tsys__saver_copier(ctx, dev), need);
+        if (s == TSYS_OK) s = tsys__saver_dstage(sv, dev, need);
     }
     tsys__state_job_free(j);
     return s;
 }
 
-// Copies the job's tensors into the staging memory (device ones queued on TSYS_STREAM_COPY after the
-// compute stream's work so far) and points the job at the copies: tensors of the writer's context.
+// Device bytes to copy: src's run of bytes goes to offset at of the stage (and of the device stage).
+typedef struct tsys__copy_run { const char *src; size_t at, bytes; } tsys__copy_run;
+
+// Queues the runs' copies to the host stage after the compute stream's work so far: straight from the
+// live tensors on TSYS_STREAM_COPY (fenced: the next update waits for them), or, staging on the device,
+// first into the device stage on the compute stream itself (ordered before the next update by the stream,
+// and fast) and from there to the host on TSYS_STREAM_COPY, which no update waits for.
+static tsys_status tsys__saver_queue(tsys_state_saver *sv, const tsys_backend *be, tsys_device dev, const tsys__copy_run *runs, int n) {
+    tsys_ctx *ctx = sv->ctx;
+    char *dbase = sv->dstage ? (char *)tsys_tensor_data(sv->dstage) : NULL;
+    tsys_status s = TSYS_OK;
+    for (int i = 0; dbase && s == TSYS_OK && i < n; i++) s = be->copy_async(ctx, dbase + runs[i].at, dev, runs[i].src, dev, runs[i].bytes, TSYS_STREAM_COMPUTE, false);
+    tsys_event ready;
+    memset(&ready, 0, sizeof ready);
+    if (s == TSYS_OK && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ready)) == TSYS_OK) s = tsys_event_wait(ctx, &ready, TSYS_STREAM_COPY);
+    for (int i = 0; s == TSYS_OK && i < n; i++)
+        s = be->copy_async(ctx, sv->stage + runs[i].at, TSYS_CPU, dbase ? dbase + runs[i].at : runs[i].src, dev, runs[i].bytes, TSYS_STREAM_COPY, !dbase);
+    if (s == TSYS_OK && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COPY, &sv->copied)) == TSYS_OK) sv->copier = be;
+    if (ready.handle) tsys_event_release(ctx, &ready);   // the wait is queued: the event may go back to the pool
+    return s;
+}
+
+// Copies the job's tensors into the staging memory (device ones queued, tsys__saver_queue) and points
+// the job at the copies: tensors of the writer's context.
 static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
     tsys_ctx *ctx = sv->ctx;
-    int n = j->parts.n_model + j->parts.n_train;
+    int n = j->parts.n_model + j->parts.n_train, n_runs = 0;
     tsys_device dev;
     size_t need;
     tsys_status s = tsys__saver_device(ctx, j, &dev, &need);
@@ -9438,25 +9496,20 @@ static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
     bool async = be != NULL;
     j->copies = (tsys_tensor **)TSYS_MALLOC(sizeof(tsys_tensor *) * (size_t)(j->parts.n_model + 1));
     j->copy_names = (char **)TSYS_MALLOC(sizeof(char *) * (size_t)(j->parts.n_model + 1));
-    if (s == TSYS_OK && (!j->copies || !j->copy_names)) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: out of host memory");
+    tsys__copy_run *runs = (tsys__copy_run *)TSYS_MALLOC(sizeof *runs * (size_t)(n + 1));
+    if (s == TSYS_OK && (!j->copies || !j->copy_names || !runs)) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: out of host memory");
     if (s == TSYS_OK) s = tsys__saver_stage(sv, async ? be : NULL, need);
-    tsys_event ready;
-    memset(&ready, 0, sizeof ready);
-    if (s == TSYS_OK && async && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ready)) == TSYS_OK) s = tsys_event_wait(ctx, &ready, TSYS_STREAM_COPY);
-    if (async) sv->copy_dev = dev;
+    if (s == TSYS_OK) s = tsys__saver_dstage(sv, async ? dev : TSYS_CPU, need);
     size_t off = 0;
-    const char *run_src = NULL;   // device copies that continue each other in both places go as one:
-    size_t run_at = 0, run_bytes = 0;   // a model has hundreds of tensors, and a stream queues only so many
     for (int i = 0; s == TSYS_OK && i < n; i++) {
         tsys_tensor **slot = tsys__saver_part(j, i), *t = *slot;
         size_t bytes = tsys_tensor_bytes(t);
         const char *src = (const char *)tsys_tensor_data(t);
-        if (t->device == TSYS_CPU) memcpy(sv->stage + off, src, bytes);
-        else if (async && run_bytes && src == run_src + run_bytes && off == run_at + run_bytes) run_bytes += bytes;
-        else if (async) {
-            if (run_bytes) s = be->copy_async(ctx, sv->stage + run_at, TSYS_CPU, run_src, dev, run_bytes, TSYS_STREAM_COPY);
-            run_src = src; run_at = off; run_bytes = bytes;
-        } else s = tsys_tensor_to_host(ctx, t, sv->stage + off);
+        tsys__copy_run *last = n_runs ? &runs[n_runs - 1] : NULL;   // a model has hundreds of tensors, and a stream
+        if (t->device == TSYS_CPU) memcpy(sv->stage + off, src, bytes);   // queues only so many: runs that continue
+        else if (async && last && src == last->src + last->bytes && off == last->at + last->bytes) last->bytes += bytes;   // each other go as one
+        else if (async) { runs[n_runs].src = src; runs[n_runs].at = off; runs[n_runs++].bytes = bytes; }
+        else s = tsys_tensor_to_host(ctx, t, sv->stage + off);
         tsys_tensor *w = s == TSYS_OK ? tsys_tensor_wrap(sv->wctx, t->dtype, TSYS_CPU, t->ndim, t->shape, sv->stage + off, NULL, NULL) : NULL;
         if (s == TSYS_OK && !w) s = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_state_save_async: %s", tsys_ctx_last_error(sv->wctx));
         if (s == TSYS_OK && i < j->parts.n_model) {   // a borrowed live tensor: the copy and its name are the job's
@@ -9470,9 +9523,9 @@ static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
         if (s == TSYS_OK) *slot = w;
         off += (bytes + 63) & ~(size_t)63;
     }
-    if (s == TSYS_OK && run_bytes) s = be->copy_async(ctx, sv->stage + run_at, TSYS_CPU, run_src, dev, run_bytes, TSYS_STREAM_COPY);
-    if (s == TSYS_OK && async && (s = tsys_event_record(ctx, dev, TSYS_STREAM_COPY, &sv->copied)) == TSYS_OK) sv->copier = be;
-    if (ready.handle) tsys_event_release(ctx, &ready);   // the wait is queued: the event may go back to the pool
+    if (async) sv->copy_dev = dev;
+    if (s == TSYS_OK && async) s = tsys__saver_queue(sv, be, dev, runs, n_runs);
+    TSYS_FREE(runs);
     return s;
 }
 
@@ -9531,6 +9584,7 @@ TSYSDEF void tsys_state_saver_free(tsys_state_saver *sv) {
     memcpy(sv->ctx->error, msg, sizeof msg);
     if (sv->stage && sv->stage_owner) sv->stage_owner->host_free(sv->ctx, sv->stage);
     else TSYS_FREE(sv->stage);
+    tsys_tensor_release(sv->dstage);
     tsys_ctx_free(sv->wctx);
     TSYS_FREE(sv->crc);
     TSYS_FREE(sv);

@@ -5451,7 +5451,7 @@ static void tsys_cuda__host_free(tsys_ctx *ctx, void *p) {
     if (p && cudaFreeHost(p) != cudaSuccess) (void)cudaGetLastError();
 }
 
-static tsys_status tsys_cuda__copy_async(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes, tsys_stream s) {
+static tsys_status tsys_cuda__copy_async(tsys_ctx *ctx, void *dst, tsys_device dst_dev, const void *src, tsys_device src_dev, size_t bytes, tsys_stream s, bool fenced) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     (void)dst_dev; (void)src_dev;
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda copy: backend not initialized");
@@ -5460,11 +5460,12 @@ static tsys_status tsys_cuda__copy_async(tsys_ctx *ctx, void *dst, tsys_device d
     if (bytes == 0) return TSYS_OK;
     TSYS_CUDA__TRY(tsys_cuda__enter(st));
     TSYS_CUDA__CHECK(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st->streams[s]));
-    if (s == TSYS_STREAM_COPY) st->copies_pending = true;
+    if (s == TSYS_STREAM_COPY && fenced) st->copies_pending = true;
     return TSYS_OK;
 }
 
-// The compute stream waits for the copy stream's work so far. Inside a capture nothing is pending:
+// The compute stream waits for the copy stream's work so far (when a fenced copy is there: one that reads
+// what the library writes later). Inside a capture nothing is pending:
 // tsys_cuda_graph_begin fenced, and no copy can be queued while capturing.
 static tsys_status tsys_cuda__copies_fence_st(tsys_cuda__state *st) {
     if (!st->copies_pending || st->capturing) return TSYS_OK;

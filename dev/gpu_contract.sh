@@ -3,7 +3,7 @@
 # through the driver contract, the memory_viz snapshot through torch's own tooling beside PyTorch's
 # snapshot, a profiler trace through Perfetto's trace processor, a CUDA consumer of the CMake package,
 # and test_cuda.
-#   dev/gpu_contract.sh link contract memviz perfetto resume savecost consumer test
+#   dev/gpu_contract.sh link contract memviz perfetto resume savecost savehold consumer test
 # Parts:
 #   link      $BIN/{e2e,attn,memory}_cuda from $BIN/<driver>_cuda.o and $BIN/tsys_impl_cuda.o (objects built
 #             elsewhere: the kernels take minutes to compile) when the programs are not there yet
@@ -16,6 +16,8 @@
 #             the same 6 steps saved synchronously (--save-async no)
 #   savecost  dd's rate on the save disk; e2e_cuda 2.7B and xl with snapshots every 10 steps (asynchronous,
 #             synchronous; xl), at the end only, and none; dev/torch_save_rate.py (torch.save, DCP), small state
+#   savehold  e2e_cuda large, eager and compiled: the host clock's hold of a snapshot staged on the host
+#             and on the device, against none; then the load time of the snapshot (HOLD_BIG=1: 2.7B too)
 #   consumer  $BIN/app_cuda (tests/test_packaging.sh's cuda-build consumer, built with PACKAGING_CUDA_OUT)
 #   test      $BIN/test_cuda
 # Logs go to $OUT (default /tmp/tsys_out); a line per part says how it went.
@@ -104,8 +106,59 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "save_*.csv"))):
 PY
     timeout 300 python3 dev/torch_save_rate.py --model small --dir "$S/torch" > "$OUT/torch_save.md" 2> "$OUT/torch_save.err"; tail -5 "$OUT/torch_save.md"
     rm -rf "$S" ;;
+  savehold)
+    # What a snapshot holds training up: e2e_cuda large (bf16, context 256, batch 4; eager and compiled),
+    # 19 timed steps with a snapshot at step 10 (and, as always, after the last) staged on the host
+    # (--save-async yes) or on the device (device), against none (a snapshot after the last step only).
+    # The hold is the host clock's excess over none, the save calls aside (two snapshots against one):
+    # 19 x (wall_ms - wall_ms(none)) - (2 x save_ms - save_ms(none)). Then the load: --resume from
+    # the last snapshot (page cache dropped first where the machine allows), large and (HOLD_BIG) 2.7B.
+    S=${SAVE_DIR:-/tmp/tsys_save}; rm -rf "$S"; mkdir -p "$S"
+    hold() {
+      local m=$1 c=$2 tag=$3; shift 3
+      "$BIN/e2e_cuda" --model "$m" --context-length 256 --batch-size 4 --mode train --dtype bf16 --compile "$c" --lowp-copies yes \
+        --warmup 1 --steps 19 --no-sgemm --format csv "$@" > "$OUT/hold_${m}_${c}_$tag.csv" 2> "$OUT/hold_${m}_${c}_$tag.err"
+      echo "$m $c $tag exit $?"
+    }
+    load() {
+      local m=$1
+      sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" || echo "page cache NOT dropped"
+      "$BIN/e2e_cuda" --model "$m" --context-length 256 --batch-size 4 --mode train --dtype bf16 --lowp-copies yes --warmup 0 --steps 1 \
+        --no-sgemm --format csv --resume "$S/snap_$m" > "$OUT/load_$m.csv" 2> "$OUT/load_$m.err"
+      echo "load $m exit $?: $(grep resumed "$OUT/load_$m.err" | head -1)"; rm -rf "$S/snap_$m"
+    }
+    for c in no yes; do
+      hold large "$c" none --save-every 1000 --save-dir "$S/none" --keep-last 1
+      for a in yes device; do hold large "$c" "$a" --save-every 10 --save-dir "$S/snap_large" --keep-last 1 --save-async "$a"; done
+    done
+    f=$(ls "$S"/snap_large/step-*/train_state.safetensors | head -1)   # the disk's rate for our own bytes (dd's zeros may be cheaper)
+    echo "dd of a snapshot file ($f): $(dd if="$f" of="$S/ddcopy" bs=1M conv=fsync 2>&1 | tail -1)"; rm -f "$S/ddcopy"
+    echo "dd of zeros: $(dd if=/dev/zero of="$S/ddzero" bs=1M count=4096 conv=fsync 2>&1 | tail -1)"; rm -f "$S/ddzero"
+    load large
+    if [ -n "${HOLD_BIG:-}" ]; then
+      hold 2.7B yes none --save-every 1000 --save-dir "$S/none" --keep-last 1
+      hold 2.7B yes device --save-every 10 --save-dir "$S/snap_2.7B" --keep-last 1 --save-async device
+      load 2.7B
+    fi
+    python3 - "$OUT" <<'PY'
+import csv, glob, os, sys
+rows = {}
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "hold_*.csv"))):
+    r = list(csv.DictReader(open(p))) if os.path.getsize(p) else []
+    rows[os.path.basename(p)[5:-4]] = r[0] if r else {}
+for k, r in rows.items():
+    none = rows.get(k.rsplit("_", 1)[0] + "_none", {}) if not k.endswith("_none") else {}
+    try:
+        hold = 19 * (float(r["wall_ms"]) - float(none["wall_ms"])) - (2 * float(r["save_ms"]) - float(none["save_ms"]))
+        extra = f"wall_ms {r['wall_ms']} save_ms {r['save_ms']} hold {hold:.0f} ms"
+    except (KeyError, ValueError):
+        extra = f"wall_ms {r.get('wall_ms', '-')}"
+    print(f"{k:22s} total_ms {r.get('total_ms')} {extra} {r.get('status', 'no row')[:60]}")
+PY
+    grep -h "snapshot step" "$OUT"/hold_*.err | head -12
+    rm -rf "$S" ;;
   consumer) "$BIN/app_cuda"; echo "app_cuda exit $?" ;;
   test) timeout 400 "$BIN/test_cuda" > "$OUT/test_cuda.log" 2>&1; grep -v " ok$" "$OUT/test_cuda.log" | tail -12 ;;
-  *) echo "gpu_contract.sh: unknown part '$part' (link contract memviz perfetto resume savecost consumer test)" >&2; exit 2 ;;
+  *) echo "gpu_contract.sh: unknown part '$part' (link contract memviz perfetto resume savecost savehold consumer test)" >&2; exit 2 ;;
   esac
 done

@@ -391,8 +391,9 @@ typedef struct du_snapshot_flags { const char *save_dir, *resume, *save_async; i
     DU_FLAG_STR("save-dir", &(s)->save_dir, NULL, "DIR", "where --save-every writes: DIR/step-NNNNNN, DIR/<configuration>/step-NNNNNN\n" \
                 "in a sweep of several"),                                                                                              \
     DU_FLAG_INT("keep-last", &(s)->keep_last, "3", 0, 1 << 20, "snapshots kept in each directory (0: all)"),                           \
-    DU_FLAG_CHOICE("save-async", &(s)->save_async, "yes", "yes|no", "yes: the tensors are copied (cuda: on a copy stream) and the files\n"   \
-                   "written by a thread while training goes on; no: the step waits"),                                                  \
+    DU_FLAG_CHOICE("save-async", &(s)->save_async, "yes", "yes|device|no", "yes: the tensors are copied (cuda: on a copy stream) and the files\n" \
+                   "written by a thread while training goes on; device: the same, staged\nin a second copy in device memory first (the "      \
+                   "next step waits\nmilliseconds, not the copy to the host); no: the step waits"),                                        \
     DU_FLAG_STR("resume", &(s)->resume, NULL, "DIR", "train mode: start from the newest snapshot in DIR (DIR/<configuration>\nin a "     \
                 "sweep), continuing its step count; an error row when there is\nnone or it does not load")
 
@@ -460,6 +461,18 @@ static inline tsys_status du_lm_step_done(du_lm *r, bool last) {
     return r->save_dir[0] && (r->step % r->save_every == 0 || last) ? du_lm_save(r) : TSYS_OK;
 }
 
+// A line on stderr for a snapshot loaded (from the files read until the tensors were in place).
+static inline void du_lm_load_report(const char *path, double seconds) {
+    static const char *const files[2] = {"model.safetensors", "train_state.safetensors"};
+    double bytes = 0;
+    for (int i = 0; i < 2; i++) {
+        char f[1024];
+        struct stat sb;
+        if (snprintf(f, sizeof(f), "%s/%s", path, files[i]) < (int)sizeof(f) && stat(f, &sb) == 0) bytes += (double)sb.st_size;
+    }
+    fprintf(stderr, "resumed from %s: %.2f GB loaded in %.2f s (%.2f GB/s)\n", path, bytes / 1e9, seconds, seconds > 0 ? bytes / 1e9 / seconds : 0.0);
+}
+
 // Loads the newest snapshot of dir (tsys_state_latest) into r and continues from its step (r->step);
 // before the first step. The first n_match pairs of r->record must be the snapshot's too (what makes
 // it the same run: the data); the rest may differ. path gets the snapshot's path. An error names dir or
@@ -474,7 +487,10 @@ static inline tsys_status du_lm_resume(du_lm *r, const char *dir, int n_match, c
     memset(&d, 0, sizeof(d));
     d.model = r->model; d.optim = r->opt; d.scaler = r->dtype == TSYS_F16 ? &r->scaler : NULL;
     if (!info) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "--resume '%s': out of host memory", path);
+    double t0 = du_now_s();
     tsys_status st = tsys_state_load(ctx, path, &d, info);
+    if (st == TSYS_OK) st = tsys_sync(ctx, r->dev);
+    if (st == TSYS_OK) du_lm_load_report(path, du_now_s() - t0);
     for (int i = 0; st == TSYS_OK && i < n_match && i < r->n_record; i++) {
         const char *key = r->record[2 * i], *want = r->record[2 * i + 1], *got = tsys_state_info_get(info, key);
         if (!got || strcmp(got, want))
@@ -499,7 +515,9 @@ static inline tsys_status du_lm_snapshots(du_lm *r, const du_snapshot_flags *f, 
         r->save_every = f->save_every; r->keep_last = f->keep_last;
         r->save_async = !f->save_async || strcmp(f->save_async, "no") != 0;
         tsys_state_desc d = du_lm_state_desc(r);   // the saver's staging memory now, not at the first save
-        if (r->save_async && (!(r->saver = tsys_state_saver_new(ctx)) || tsys_state_saver_reserve(r->saver, &d) != TSYS_OK)) return tsys_ctx_status(ctx);
+        if (r->save_async && !(r->saver = tsys_state_saver_new(ctx))) return tsys_ctx_status(ctx);
+        if (r->saver && f->save_async && !strcmp(f->save_async, "device")) tsys_state_saver_stage_on_device(r->saver, true);
+        if (r->saver && tsys_state_saver_reserve(r->saver, &d) != TSYS_OK) return tsys_ctx_status(ctx);
     }
     if (!resume) return TSYS_OK;
     if (snprintf(dir, sizeof(dir), "%s%s%s", resume, slash, sub) >= (int)sizeof(dir)) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "--resume '%s': the path is too long", resume);

@@ -265,7 +265,7 @@ static int driver_main(int argc, char **argv) {
             o.compiles.src, o.overlaps.src, o.lowps.src, o.ckpts.src, o.warmup, o.steps, du_mem_limit_str(lim, sizeof(lim), o.common.mem_limit),
             o.mf.load ? "; load " : "", o.mf.load ? o.mf.load : "");
     if (o.snap.save_dir) fprintf(cfg, "; a snapshot every %d steps into %s (keep %d, %s)", o.snap.save_every, o.snap.save_dir, o.snap.keep_last,
-                                 strcmp(o.snap.save_async, "no") ? "written beside training" : "synchronous");
+                                 !strcmp(o.snap.save_async, "no") ? "synchronous" : !strcmp(o.snap.save_async, "device") ? "staged on the device, written beside training" : "written beside training");
     fprintf(cfg, "%s%s\n", o.snap.resume ? "; resume " : "", o.snap.resume ? o.snap.resume : "");
     if (o.common.dry_run) { opts_free(&o); return du_dry_run_done(&o.common, "e2e", configs); }
     tsys_ctx *ctx = NULL;   // --plan builds nothing

@@ -702,8 +702,10 @@ static void CUDART_CB tc_hold_300ms(void *) { usleep(300000); }
 // Saves the state of (m, o) at step as tsys_state_save does into sync_dir and through the saver into
 // async_dir, with the copy stream held back 300 ms (a host function queued on it first); then
 // `writes` writes the tensors (eager steps or graph replays) before the saver is waited for. The
-// library's fences must order those writes after the copies: both snapshots are the same bytes.
-static void tc_async_case(tsys_ctx *ctx, tsys_state_saver *sv, tsys_model *m, tsys_optim *o, int64_t step, const char *root, void (*writes)(void *), void *user) {
+// library's fences must order those writes after the copies: both snapshots are the same bytes. The
+// writes wait for the held copies, unless the saver stages on the device: then they must not.
+static void tc_async_case(tsys_ctx *ctx, tsys_state_saver *sv, tsys_model *m, tsys_optim *o, int64_t step, const char *root, void (*writes)(void *), void *user,
+                          bool staged) {
     char sync_dir[256], async_dir[256], a[300], b[300];
     TEST_CHECK(mkdir(root, 0755) == 0, "mkdir %s", root);
     snprintf(sync_dir, sizeof sync_dir, "%s/sync", root);
@@ -719,6 +721,10 @@ static void tc_async_case(tsys_ctx *ctx, tsys_state_saver *sv, tsys_model *m, ts
     double call_ms = (tsys_time_us() - t0) / 1000.0;
     TEST_CHECK(call_ms < 250, "save_async returned after %.0f ms: it waited for the copies", call_ms);
     writes(user);
+    TEST_CHECK(tsys_sync(ctx, TSYS_CUDA) == TSYS_OK, "sync: %s", tsys_ctx_last_error(ctx));
+    double writes_ms = (tsys_time_us() - t0) / 1000.0;
+    if (staged) TEST_CHECK(writes_ms < 250, "staged on the device, the writes still waited for the copy to the host (%.0f ms)", writes_ms);
+    else TEST_CHECK(writes_ms >= 250, "the writes were done after %.0f ms, before the held copies could have read the tensors", writes_ms);
     TEST_CHECK(tsys_state_saver_wait(sv) == TSYS_OK, "wait: %s", tsys_ctx_last_error(ctx));
     snprintf(a, sizeof a, "%s/step-%06lld", sync_dir, (long long)step);
     snprintf(b, sizeof b, "%s/step-%06lld", async_dir, (long long)step);
@@ -750,12 +756,17 @@ TSYS_TEST(cuda_state_save_async_fenced) {
     tc_async_eager(&r);
     char sub[300];
     snprintf(sub, sizeof sub, "%s/eager", root);
-    tc_async_case(ctx, sv, r.m, r.o, 2, sub, tc_async_eager, &r);   // eager steps: tsys_optim_step fences
+    tc_async_case(ctx, sv, r.m, r.o, 2, sub, tc_async_eager, &r, false);   // eager steps: tsys_optim_step fences
     TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
     tc_train_step_ex(ctx, r.m, r.o, r.ids, r.tg, &r.loss, true);
     TEST_CHECK(tsys_cuda_graph_end(ctx, &r.g) == TSYS_OK && r.g, "capture: %s", tsys_ctx_last_error(ctx));
     snprintf(sub, sizeof sub, "%s/graph", root);
-    if (r.g) tc_async_case(ctx, sv, r.m, r.o, 5, sub, tc_async_replay, &r);   // replays: the launch fences
+    if (r.g) tc_async_case(ctx, sv, r.m, r.o, 5, sub, tc_async_replay, &r, false);   // replays: the launch fences
+    TEST_CHECK(tsys_state_saver_stage_on_device(sv, true) == TSYS_OK, "stage on the device");
+    snprintf(sub, sizeof sub, "%s/graph-staged", root);
+    if (r.g) tc_async_case(ctx, sv, r.m, r.o, 8, sub, tc_async_replay, &r, true);
+    snprintf(sub, sizeof sub, "%s/eager-staged", root);
+    tc_async_case(ctx, sv, r.m, r.o, 11, sub, tc_async_eager, &r, true);
     tsys_state_saver_free(sv);
     tsys_cuda_graph_free(r.g);
     tsys_tensor_release(r.loss); tsys_tensor_release(r.ids); tsys_tensor_release(r.tg);

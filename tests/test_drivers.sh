@@ -747,6 +747,7 @@ t_save_resume_is_bitwise() {
   run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 3 --save-every 3 --save-dir "$tmp/twice" --resume "$tmp/twice"
   expect_rc 0 "3 more steps resumed, a snapshot at 6"
   expect_in "$tmp/err" "resumed from $tmp/twice/step-000003: step 3" "the snapshot resumed from"
+  expect_in "$tmp/err" "resumed from $tmp/twice/step-000003: 0\.[0-9]+ GB loaded in [0-9.]+ s \([0-9.]+ GB/s\)" "the load's time and rate"
   [ "$(ls "$tmp/once")" = step-000006 ] || note "once: $(ls "$tmp/once")"
   [ "$(ls "$tmp/twice" | tr '\n' ' ')" = "step-000003 step-000006 " ] || note "twice: $(ls "$tmp/twice")"
   snapshot_diff "$tmp/once/step-000006" "$tmp/twice/step-000006" >"$tmp/py" 2>&1 || note "the step-6 snapshots differ: $(head -c 600 "$tmp/py")"
@@ -759,6 +760,11 @@ t_save_resume_is_bitwise() {
   cmp -s "$tmp/once/step-000006/model.safetensors" "$tmp/sync/step-000006/model.safetensors" &&
     cmp -s "$tmp/once/step-000006/train_state.safetensors" "$tmp/sync/step-000006/train_state.safetensors" ||
     note "the asynchronous and synchronous step-6 snapshots differ"
+  # staged on the device where there is one (on the CPU: the same as yes), the same files again
+  run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 6 --save-every 6 --save-dir "$tmp/staged" --save-async device
+  expect_rc 0 "6 steps, a snapshot at 6 staged on the device"
+  expect_in "$tmp/err" "staged on the device" "the configuration line says where the snapshot is staged"
+  cmp -s "$tmp/once/step-000006/train_state.safetensors" "$tmp/staged/step-000006/train_state.safetensors" || note "the staged step-6 snapshot differs"
   run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 2
   [ "$(csv_col "$tmp/out" 1 save_ms)" = NO-COLUMN ] || note "a save_ms column without saving"
   run "$B/e2e" "${TINY[@]}" "${SNAP[@]}" --steps 1 --compile no,yes --save-every 1 --save-dir "$tmp/skip"
