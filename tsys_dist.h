@@ -576,7 +576,8 @@ TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *id
 // already captured. The graph reads its batch from these ids and targets (CUDA tensors): copy each new
 // batch into them before a replay (tsys_tensor_copy_from), and keep them alive until uncapture. While a
 // step is captured the trainer steps by replay only: tsys_dist_trainer_step and _time_collectives are
-// refused until tsys_dist_trainer_uncapture (the graph holds buffers they would move).
+// refused until tsys_dist_trainer_uncapture (the graph holds buffers they would move). Uncapture before a
+// state load or resume too, then an eager step and a new capture (the graph baked in the step it recorded).
 TSYSDEF tsys_status tsys_dist_trainer_capture(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets);
 // One step: the captured graph replayed, then a bounded synchronization with the group (a peer that died
 // is an error within the group's timeout, after the replay), the step counted and desc's snapshot taken.
