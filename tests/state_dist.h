@@ -299,7 +299,7 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
 // AdamW's moments (both final states saved and consolidated) bitwise equal, and the step counts (the
 // trainer's, and the optimizer's that the snapshot records: AdamW counts on the device inside a replay).
 // While captured, an eager step and the collectives' timing are refused; a capture before any eager step
-// and a second capture too. Where the step cannot be captured (the CPU; ranks sharing a GPU through host
+// and a second capture too; after uncapture an eager step runs again. Where the step cannot be captured (the CPU; ranks sharing a GPU through host
 // staging) the capture is refused on every rank, naming why, and the other trainer goes on eagerly: the
 // refusal must leave it as it was (the same comparison).
 
@@ -405,6 +405,8 @@ static void compiled_run(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_stra
     TEST_CHECK(state_save(t, dir, name, (int)*steps) == TSYS_OK, "rank %d: save %s: %s", g_rank, name, tsys_ctx_last_error(ctx));
     tsys_dist_trainer_uncapture(t);
     TEST_CHECK(!tsys_dist_trainer_captured(t), "rank %d: still captured after uncapture", g_rank);
+    TEST_CHECK(tsys_dist_trainer_step(t, ids, tgt, NULL) == TSYS_OK && tsys_dist_trainer_steps(t) == *steps + 1, "rank %d: an eager step after "
+               "uncapture: %s", g_rank, tsys_ctx_last_error(ctx));   // the graph's memory back in general use
     tsys_tensor_release(ids); tsys_tensor_release(tgt);
     state_drop(t, m);
 }
