@@ -31,7 +31,8 @@
       >>state sharded defines: tsys_zero1_state_save/_load, tsys_fsdp_state_save/_load (sharded snapshots: a plan of
                      chunks per rank, parts written in parallel, rank 0's MANIFEST, statuses agreed; any world loads)
       >>trainer      defines: tsys_dist_trainer (a model trained under DDP, ZeRO-1, FSDP or alone, a step at a
-                     time in timed phases), tsys_dist_any_failed, tsys_dist_share_cores
+                     time in timed phases, or captured as one CUDA graph and replayed: tsys_dist_trainer_capture,
+                     _replay, _uncapture), tsys_dist_any_failed, tsys_dist_share_cores
 
    Do this:
       #define TSYS_DIST_IMPLEMENTATION      (or TSYS_IMPL)
@@ -564,10 +565,30 @@ typedef struct tsys_dist_trainer tsys_dist_trainer;
 // calls it (DDP's broadcast of the weights, FSDP's sharding).
 TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc);
 // One step on this rank's batch: zero the gradients, forward (autocast), cross-entropy, backward with the
-// gradients' synchronization, the optimizer step; times (optional) filled. The context's status.
+// gradients' synchronization, the optimizer step; times (optional) filled. The context's status. Refused
+// while a step is captured (tsys_dist_trainer_capture).
 TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, tsys_dist_step_times *times);
+// The whole step (tsys_dist_trainer_step's work, without its host clocks and syncs) captured as one CUDA
+// graph on the trainer's device, run by tsys_dist_trainer_replay. Every rank calls it after at least one
+// eager step (NCCL connects and FSDP makes its buffers in the first); the status is the same on every rank.
+// Refused (TSYS_ERR_UNSUPPORTED, the reason in the context's error) on the CPU device, on a group whose
+// CUDA collectives are staged through host memory (no NCCL), before an eager step, and when a step is
+// already captured. The graph reads its batch from these ids and targets (CUDA tensors): copy each new
+// batch into them before a replay (tsys_tensor_copy_from), and keep them alive until uncapture. While a
+// step is captured the trainer steps by replay only: tsys_dist_trainer_step and _time_collectives are
+// refused until tsys_dist_trainer_uncapture (the graph holds buffers they would move). Uncapture before a
+// state load or resume too, then an eager step and a new capture (the graph baked in the step it recorded).
+TSYSDEF tsys_status tsys_dist_trainer_capture(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets);
+// One step: the captured graph replayed, then a bounded synchronization with the group (a peer that died
+// is an error within the group's timeout, after the replay), the step counted and desc's snapshot taken.
+// times (optional): step_ms from device events around the replay; the per-phase times, exposed_ms and the
+// peaks, which only the host sees during an eager step, are NAN. Every rank calls it.
+TSYSDEF tsys_status tsys_dist_trainer_replay(tsys_dist_trainer *t, tsys_dist_step_times *times);
+TSYSDEF void tsys_dist_trainer_uncapture(tsys_dist_trainer *t);   // frees the graph (none: nothing); eager steps again
+TSYSDEF bool tsys_dist_trainer_captured(const tsys_dist_trainer *t);
 // A step's collectives alone, back to back with nothing to overlap (DDP, ZERO1: every bucket's
-// all-reduce; FSDP: tsys_fsdp_time_collectives): *ms. Every rank calls it, between steps.
+// all-reduce; FSDP: tsys_fsdp_time_collectives): *ms. Every rank calls it, between steps (not while a
+// step is captured).
 TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, double *ms);
 TSYSDEF tsys_ddp *tsys_dist_trainer_ddp(const tsys_dist_trainer *t);     // NULL unless DDP or ZERO1
 // The trainer's state (its model, AdamW, and what desc adds: step, name, keep_last, user, no_rng; desc's
@@ -3494,10 +3515,14 @@ TSYSDEF tsys_status tsys_dist_group_end(tsys_dist *d) {
 TSYSDEF tsys_status tsys_dist_sync(tsys_dist *d) {
     if (!d) return TSYS_ERR_INVALID_ARGS;
     if (TSYS_DIST__LOAD(&d->broken)) return tsys_dist__fail(d, TSYS_ERR_IO, "sync: the group is broken since: %s", d->broken_msg);
+#ifdef TSYS_CUDA_H_INCLUDED
+    // while a CUDA graph is captured nothing runs: there is nothing to wait for (and a sync would break the capture)
+    if (tsys_cuda_capturing(d->ctx)) return TSYS_OK;
+#endif
 #ifdef TSYS_DIST_NCCL
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
-    if (d->nccl && !tsys_cuda_capturing(d->ctx)) return tsys_dist__nccl_drain(d, "sync", &e) ? TSYS_OK : tsys_dist__fail(d, e.status, "%s", e.msg);
+    if (d->nccl) return tsys_dist__nccl_drain(d, "sync", &e) ? TSYS_OK : tsys_dist__fail(d, e.status, "%s", e.msg);
 #endif
     return d->cuda ? tsys_sync(d->ctx, TSYS_CUDA) : TSYS_OK;
 }
@@ -5430,6 +5455,9 @@ struct tsys_dist_trainer {
     tsys_fsdp *fsdp;
     tsys_optim *opt;
     int64_t step;          // steps taken, counted from the step a resume restored
+    int64_t eager_steps;   // eager steps this trainer took (a capture needs one: NCCL connects, FSDP's buffers appear)
+    struct tsys_cuda_graph *graph;   // the captured step (tsys_dist_trainer_capture); NULL when none
+    tsys_event replay_ev[2];         // a replay's start and end on the compute stream (its step_ms)
 };
 
 TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc) {
@@ -5459,11 +5487,19 @@ static double tsys_dist__peak(const tsys_dist_trainer *t) { return (double)tsys_
 
 static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t);
 
-TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, tsys_dist_step_times *times) {
+// The host clock at the end of an eager step's phase, every rank synchronized first (bounded: a peer
+// that dies mid-step is an error, not a hang).
+static double tsys_dist__trainer_clock(tsys_dist_trainer *t) {
+    if (t->d) tsys_dist_sync(t->d);
+    return tsys_time_us();
+}
+
+// What a step does on the devices, in order: zero the gradients, forward (autocast), cross-entropy,
+// backward with the gradients' synchronization, the optimizer step, the tape cleared. Eager (tm given):
+// the host clock after each phase into clk[1..3] and the device's peaks into tm. Captured (tm NULL):
+// nothing the host would wait for, so that all of it becomes one CUDA graph.
+static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, double *clk, tsys_dist_step_times *tm) {
     tsys_ctx *ctx = t->ctx;
-    tsys_dist_step_times tm;
-    memset(&tm, 0, sizeof(tm));
-    double t0 = tsys_time_us();
     if (t->ddp) tsys_ddp_start_step(t->ddp);
     if (t->zero1) tsys_zero1_zero_grad(t->zero1); else tsys_optim_zero_grad(t->opt);
     const bool ac = t->desc.autocast != TSYS_F32 && !t->fsdp;   // FSDP computes in its compute_dtype itself
@@ -5477,30 +5513,150 @@ TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *id
     }
     if (ac) tsys_autocast_end(ctx);
     tsys_tensor_release(logits);
-    if (t->d) tsys_dist_sync(t->d);   // bounded: a peer that dies mid-step is an error, not a hang
-    double t1 = tsys_time_us();
+    if (tm) clk[1] = tsys_dist__trainer_clock(t);
     tsys_backward(ctx, loss);
     tsys_tensor_release(loss);
     if (t->ddp) tsys_ddp_finish(t->ddp);
     if (t->fsdp) tsys_fsdp_finish(t->fsdp);
-    if (t->d) tsys_dist_sync(t->d);
-    double t2 = tsys_time_us();
-    tm.peak_pre_optim = tsys_dist__peak(t);
+    if (tm) { clk[2] = tsys_dist__trainer_clock(t); tm->peak_pre_optim = tsys_dist__peak(t); }
     if (t->zero1) tsys_zero1_step(t->zero1); else tsys_optim_step(t->opt);
-    if (t->d) tsys_dist_sync(t->d);
-    double t3 = tsys_time_us();
-    tm.peak_post_optim = tsys_dist__peak(t);
+    if (tm) { clk[3] = tsys_dist__trainer_clock(t); tm->peak_post_optim = tsys_dist__peak(t); }
     tsys_tape_clear(ctx);
-    tm.forward_ms = (t1 - t0) * 1e-3; tm.backward_ms = (t2 - t1) * 1e-3; tm.optim_ms = (t3 - t2) * 1e-3; tm.step_ms = (t3 - t0) * 1e-3;
+}
+
+TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, tsys_dist_step_times *times) {
+    tsys_ctx *ctx = t->ctx;
+    if (t->graph)
+        return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_step: a step is captured (the trainer steps by tsys_dist_trainer_replay; "
+                                  "tsys_dist_trainer_uncapture to step eagerly)");
+    tsys_dist_step_times tm;
+    memset(&tm, 0, sizeof(tm));
+    double clk[4];
+    clk[0] = tsys_time_us();
+    tsys_dist__trainer_body(t, ids, targets, clk, &tm);
+    tm.forward_ms = (clk[1] - clk[0]) * 1e-3; tm.backward_ms = (clk[2] - clk[1]) * 1e-3; tm.optim_ms = (clk[3] - clk[2]) * 1e-3; tm.step_ms = (clk[3] - clk[0]) * 1e-3;
     if (t->ddp) tm.exposed_ms = tsys_ddp_stats_get(t->ddp).exposed_ms;
     if (times) *times = tm;
     if (tsys_ctx_status(ctx) != TSYS_OK) return tsys_ctx_status(ctx);
+    t->step++; t->eager_steps++;
+    return tsys_dist__trainer_autosave(t);
+}
+
+// ---- a captured step ----
+// The step's device work, recorded once as a CUDA graph and replayed: no host clock, sync or host round
+// trip may sit inside it, so the body runs without them (tm NULL), and what needs the host (the wait for
+// the group, the step count, the snapshot) follows each replay.
+
+// Do d's collectives on CUDA tensors stay on the device (NCCL, or copies in a group of one)? Host
+// staging copies through host memory and waits for it, which a CUDA graph cannot hold.
+static bool tsys_dist__device_collectives(const tsys_dist *d) {
+    return d->launch == &tsys_dist__engine_self || (d->device && d->engine == TSYS_DIST_ENGINE_NCCL);
+}
+
+// Why t's step cannot be captured with these tensors, into why (false: it can). The same answer on every
+// rank but for the tensors' device, which the caller chose.
+static bool tsys_dist__trainer_uncapturable(const tsys_dist_trainer *t, const tsys_tensor *ids, const tsys_tensor *targets, char *why, size_t len) {
+    if (t->dev != TSYS_CUDA) snprintf(why, len, "the trainer's device is the CPU (a CUDA graph holds CUDA work only)");
+    else if (t->d && !tsys_dist__device_collectives(t->d))
+        snprintf(why, len, "engine %s stages CUDA collectives through host memory (a CUDA graph cannot hold that; NCCL can, with a GPU per rank)",
+                 tsys_dist_engine_name(tsys_dist_engine_of(t->d)));
+    else if (t->graph) snprintf(why, len, "a step is already captured (tsys_dist_trainer_uncapture first)");
+    else if (t->eager_steps < 1) snprintf(why, len, "no eager step has run yet (NCCL connects and FSDP makes its buffers in the first one)");
+    else if (ids->device != TSYS_CUDA || targets->device != TSYS_CUDA) snprintf(why, len, "ids and targets must be CUDA tensors (the graph reads them in place)");
+    else return false;
+    return true;
+}
+
+// Every rank agrees on st: an error of another rank becomes this rank's too (code), naming what failed.
+static tsys_status tsys_dist__trainer_agree(tsys_dist_trainer *t, tsys_status st, tsys_status code, const char *what) {
+    if (!t->d) return st;
+    double bad = st != TSYS_OK;
+    tsys_status e = tsys_dist_all_reduce_host(t->d, &bad, 1, TSYS_DIST_SUM);
+    if (st != TSYS_OK) return st;
+    if (e != TSYS_OK) return e;
+    if (bad > 0) return tsys_ctx_set_error(t->ctx, code, "tsys_dist_trainer_capture: %s on %.0f other rank(s) (their messages say why)", what, bad);
+    return TSYS_OK;
+}
+
+#ifdef TSYS_CUDA_H_INCLUDED
+// The capture on this rank: begun and ended on every path (an error inside still ends it), the graph kept
+// only when the whole step was recorded and every collective joined the compute stream.
+static tsys_status tsys_dist__trainer_record(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets) {
+    tsys_ctx *ctx = t->ctx;
+    tsys_status st = tsys_cuda_graph_begin(ctx);
+    if (st != TSYS_OK) return st;
+    tsys_dist__trainer_body(t, ids, targets, NULL, NULL);
+    st = tsys_ctx_status(ctx);
+    if (st == TSYS_OK && t->d && t->d->side_inflight > 0)
+        st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_capture: %d collective(s) still in flight on the side stream at the end of "
+                                "the step (a CUDA graph must join them: tsys_dist_wait each)", t->d->side_inflight);
+    tsys_cuda_graph *g = NULL;
+    tsys_status end = tsys_cuda_graph_end(ctx, &g);
+    if (st == TSYS_OK) st = end;
+    if (st != TSYS_OK) { tsys_cuda_graph_free(g); return st; }
+    t->graph = g;
+    return TSYS_OK;
+}
+#endif
+
+TSYSDEF tsys_status tsys_dist_trainer_capture(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets) {
+    if (!t) return TSYS_ERR_INVALID_ARGS;
+    char why[200];
+    tsys_status st = tsys_ctx_status(t->ctx);
+    if (st == TSYS_OK && (!ids || !targets)) st = tsys_ctx_set_error(t->ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_capture: NULL ids or targets");
+    if (st == TSYS_OK && tsys_dist__trainer_uncapturable(t, ids, targets, why, sizeof why))
+        st = tsys_ctx_set_error(t->ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_capture: %s", why);
+    // agreed before anything is recorded: a rank capturing alone would wait in its collectives' host checks
+    st = tsys_dist__trainer_agree(t, st, TSYS_ERR_UNSUPPORTED, "the step cannot be captured");
+    if (st != TSYS_OK) return st;
+#ifdef TSYS_CUDA_H_INCLUDED
+    st = tsys_dist__trainer_record(t, ids, targets);
+#else
+    st = tsys_ctx_set_error(t->ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_capture: built without CUDA (tsys_cuda.cuh)");
+#endif
+    st = tsys_dist__trainer_agree(t, st, TSYS_ERR_CUDA, "the capture failed");
+    if (st != TSYS_OK) tsys_dist_trainer_uncapture(t);   // the graph this rank made while another's capture failed
+    return st;
+}
+
+TSYSDEF tsys_status tsys_dist_trainer_replay(tsys_dist_trainer *t, tsys_dist_step_times *times) {
+    if (!t) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = t->ctx;
+    tsys_dist_step_times tm;
+    tm.forward_ms = tm.backward_ms = tm.optim_ms = tm.step_ms = tm.exposed_ms = NAN;
+    tm.peak_pre_optim = tm.peak_post_optim = NAN;
+    if (times) *times = tm;
+    if (!t->graph) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_replay: no step is captured (tsys_dist_trainer_capture first)");
+    tsys_status st = tsys_ctx_status(ctx);
+#ifdef TSYS_CUDA_H_INCLUDED
+    if (st == TSYS_OK) st = tsys_event_record(ctx, t->dev, TSYS_STREAM_COMPUTE, &t->replay_ev[0]);
+    if (st == TSYS_OK) st = tsys_cuda_graph_replay(ctx, t->graph);
+    if (st == TSYS_OK) st = tsys_event_record(ctx, t->dev, TSYS_STREAM_COMPUTE, &t->replay_ev[1]);
+    // bounded on a group: a dead peer is an error within its timeout here, not a hang in the event below
+    if (st == TSYS_OK) st = t->d ? tsys_dist_sync(t->d) : tsys_sync(ctx, t->dev);
+    if (st == TSYS_OK) tm.step_ms = tsys_event_elapsed_ms(ctx, &t->replay_ev[0], &t->replay_ev[1]);
+#endif
+    if (times) *times = tm;
+    if (st == TSYS_OK) st = tsys_ctx_status(ctx);
+    if (st != TSYS_OK) return st;
     t->step++;
     return tsys_dist__trainer_autosave(t);
 }
 
+TSYSDEF void tsys_dist_trainer_uncapture(tsys_dist_trainer *t) {
+    if (!t) return;
+#ifdef TSYS_CUDA_H_INCLUDED
+    tsys_cuda_graph_free(t->graph);   // it waits for a replay still running
+#endif
+    t->graph = NULL;
+}
+
+TSYSDEF bool tsys_dist_trainer_captured(const tsys_dist_trainer *t) { return t && t->graph; }
+
 TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, double *ms) {
     *ms = 0;
+    if (t->graph)   // FSDP's gathered buffers and DDP's buckets are the graph's: timing them would move or overwrite them
+        return tsys_ctx_set_error(t->ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_time_collectives: a step is captured (tsys_dist_trainer_uncapture first)");
     if (t->fsdp) return tsys_fsdp_time_collectives(t->fsdp, ms);
     if (!t->ddp) return TSYS_OK;
     tsys_ddp_start_step(t->ddp);   // finish with no backward in between reduces every bucket at once
@@ -5570,6 +5726,8 @@ TSYSDEF tsys_fsdp *tsys_dist_trainer_fsdp(const tsys_dist_trainer *t) { return t
 
 TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t) {
     if (!t) return;
+    tsys_dist_trainer_uncapture(t);   // first: the graph may still be replaying into what follows
+    for (int i = 0; i < 2; i++) tsys_event_release(t->ctx, &t->replay_ev[i]);
     tsys_ddp_free(t->ddp); tsys_zero1_free(t->zero1); tsys_optim_free(t->opt); tsys_fsdp_free(t->fsdp);
     free(t);
 }

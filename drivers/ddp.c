@@ -4,7 +4,7 @@
 // its own batch; only rank 0 prints. Times are the slowest rank's, mean (and std) over the timed steps.
 //
 //   ddp --nproc 2 --model small --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb 1,10,100,1000
-//   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16
+//   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16 --compile no,yes
 //   ddp --account --model xl --nproc 2          (the prediction table only, nothing runs)
 #define _POSIX_C_SOURCE 200809L   // clock_gettime, dup (driver_util.h)
 #define TSYS_PRELUDE_DIST
@@ -17,7 +17,7 @@ typedef struct ddp_opts {
     du_common common;
     const char *device, *attn, *checkpoint, *loss, *reshard, *save_dir, *resume;
     du_model_flags mf;      // --model and the explicit dims (over the preset's)
-    du_list strategies, buckets, comms, dtypes, contexts;
+    du_list strategies, buckets, comms, dtypes, contexts, compiles;
     int batch, warmup, steps, nproc, seed, save_every;
     bool account, no_compute_ref;
 } ddp_opts;
@@ -28,10 +28,10 @@ static const tsys_ddp_strategy strat_ddp[] = {TSYS_DDP_NAIVE, TSYS_DDP_FLAT, TSY
 static const double MiB = 1048576.0;
 
 // One row of the sweep.
-typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double bucket_mb; bool comm_bf16; } config;
+typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double bucket_mb; bool comm_bf16, compiled; } config;
 
 // The rows in their order (models, contexts, dtypes, strategies, bucket sizes of bucketed and zero1,
-// --grad-comm but for fsdp): how many; the one numbered `want` (0-based) into *out.
+// --grad-comm but for fsdp, --compile): how many; the one numbered `want` (0-based) into *out.
 static long list_configs(const ddp_opts *o, long want, config *out) {
     long n = 0;
     for (int a = 0; a < o->mf.models.n; a++)
@@ -42,10 +42,10 @@ static long list_configs(const ddp_opts *o, long want, config *out) {
                     while (strcmp(strat_names[s], o->strategies.item[k])) s = (strat)(s + 1);   // the table checked it
                     const bool bucketed = s == S_BUCKETED || s == S_ZERO1;
                     for (int b = 0; b < (bucketed ? o->buckets.n : 1); b++)
-                        for (int g = 0; g < (s == S_FSDP ? 1 : o->comms.n); g++, n++) {
+                        for (int g = 0; g < (s == S_FSDP ? 1 : o->comms.n) * o->compiles.n; g++, n++) {   // each --grad-comm with each --compile
                             if (n != want) continue;
-                            out->model = o->mf.models.item[a]; out->s = s; out->bucket_mb = 0;
-                            out->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g], "bf16");
+                            out->model = o->mf.models.item[a]; out->s = s; out->bucket_mb = 0; out->compiled = !strcmp(o->compiles.item[g % o->compiles.n], "yes");
+                            out->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g / o->compiles.n], "bf16");
                             du_parse_int(o->contexts.item[c], 1, 1 << 20, &out->T); du_parse_dtype(o->dtypes.item[t], &out->dt);
                             if (bucketed) du_parse_double(o->buckets.item[b], &out->bucket_mb);
                         }
@@ -122,14 +122,15 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "strategy", "%s%s", strat_names[s], reshard);
     if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
     if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : "fp32");
-    du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T);
+    du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T); du_row_set(row, "compiled", "%s", cf->compiled ? "yes" : "no");
     du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
+    if (cf->compiled && ddp_compile_skip(d, dev)) { du_row_set(row, "status", "skipped: %s", ddp_compile_skip(d, dev)); return; }
     tsys_model_desc desc;
     tsys_fsdp_desc fd;
     char err[256] = "";
     if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, &fd, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     const tsys_dist_trainer_desc td = trainer_desc(o, cf);
-    const ddp_steps steps = {o->batch, o->seed, o->warmup, o->steps, o->resume};
+    const ddp_steps steps = {o->batch, o->seed, o->warmup, o->steps, o->resume, cf->compiled};
     double compute_ms = NAN;
     if (s == S_FSDP && !o->no_compute_ref)   // the compute alone first (its memory is gone before the peaks are reset)
         compute_ms = ddp_plain_step_ms(ctx, d, dev, &steps, &desc, td);
@@ -181,7 +182,7 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
                 cuda ? 256 : 32, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
     if (rank == 0) { fprintf(f, "\n"); fflush(f); }
     du_table tab;
-    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
+    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
                         "pred_comm_ms,comm_frac,exposed_ms,hidden,compute_ms,buckets,copied_buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,"
                         "mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o->common.format);
     du_progress_setup("ddp", rank == 0 ? o->common.progress : "off");   // only rank 0 reports
@@ -191,7 +192,8 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
         list_configs(o, k, &cf);
         char mb[32] = "";
         if (cf.s == S_BUCKETED || cf.s == S_ZERO1) snprintf(mb, sizeof(mb), " %g MB", cf.bucket_mb);
-        du_progress_config(k + 1, "%s T=%d %s %s%s%s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s], mb, cf.comm_bf16 ? " bf16 wire" : "");
+        du_progress_config(k + 1, "%s T=%d %s %s%s%s%s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s], mb, cf.comm_bf16 ? " bf16 wire" : "",
+                           cf.compiled ? " compiled" : "");
         run_config(ctx, d, dev, o, &cf, link, du_table_row(&tab));
         if (rank == 0) du_table_emit(&tab);
     }
@@ -225,7 +227,8 @@ static bool checkpoint_ok(const char *s) {
     "  step, after it; state_MiB live bytes after a step (parameters, gradients, optimizer state) against\n" \
     "  pred_state_MiB; pred_peak_MiB adds the predicted activations; pred_sent_MB bytes each rank sends per\n" \
     "  step (ring algorithms). --account prints the prediction table (DDP, ZeRO-1/2/3, FSDP) for --nproc\n" \
-    "  ranks instead; under mpirun or torchrun the ranks come from the launcher (no --nproc).\n"
+    "  ranks instead; under mpirun or torchrun the ranks come from the launcher (no --nproc). compiled yes:\n" \
+    "  step_ms times replays of the step captured as one CUDA graph (device events; no phase columns).\n"
 
 static int driver_main(int argc, char **argv) {
     ddp_opts o;
@@ -243,6 +246,8 @@ static int driver_main(int argc, char **argv) {
                              "bucket sizes of 'bucketed' and 'zero1' in MB (2^20 bytes)"),
         DU_FLAG_LIST("grad-comm", &o.comms, "fp32", "fp32|bf16",
                      "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes)"),
+        DU_FLAG_LIST("compile", &o.compiles, "no", "no|yes", "yes: capture the whole step as one CUDA graph after warmup (at least one\n"
+                     "step) and time its replays (cuda with NCCL only)"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),
         DU_FLAG_INT("batch-size", &o.batch, "4", 1, 1 << 20, "sequences per rank"),
         DU_CONTEXT_FLAG(&o.contexts, "256", "context lengths"),

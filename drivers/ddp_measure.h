@@ -1,14 +1,16 @@
 // ddp_measure.h - how ddp measures one configuration on every rank: the model, its tsys_dist_trainer
-// and this rank's own batch (ddp_run); the warmup and timed steps with the memory peaks, then the
-// step's collectives timed alone, the slowest rank's numbers (ddp_measure); and the same step without
+// and this rank's own batch (ddp_run); the warmup and timed steps with the memory peaks (eager, or the
+// step captured as one CUDA graph after warmup and replayed: --compile), then the step's collectives
+// timed alone, the slowest rank's numbers (ddp_measure); and the same step without
 // sharding or communication (ddp_plain_step_ms, fsdp's compute reference). Included by ddp after
 // driver_util.h and tsys_dist.h.
 #ifndef TSYS_DDP_MEASURE_H
 #define TSYS_DDP_MEASURE_H
 
 // What the steps of a configuration take from the flags: batch sequences a rank, the seed of the
-// weights and batches, the untimed and timed steps, the snapshot to resume from (NULL: none).
-typedef struct ddp_steps { int batch, seed, warmup, steps; const char *resume; } ddp_steps;
+// weights and batches, the untimed and timed steps, the snapshot to resume from (NULL: none), and
+// whether the timed steps are replays of the step captured as a CUDA graph (compiled).
+typedef struct ddp_steps { int batch, seed, warmup, steps; const char *resume; bool compiled; } ddp_steps;
 
 // A model, its trainer and this rank's own batch.
 typedef struct ddp_run { tsys_model *model; tsys_dist_trainer *tr; tsys_tensor *ids, *targets; } ddp_run;
@@ -60,6 +62,24 @@ static inline double ddp_plain_step_ms(tsys_ctx *ctx, tsys_dist *d, tsys_device 
     return ms;
 }
 
+// Why a compiled configuration is not run here (NULL: it is): a CUDA graph holds CUDA work only, and
+// only collectives that stay on the device (NCCL, or a group of one); host staging copies through host
+// memory and waits for it.
+static inline const char *ddp_compile_skip(const tsys_dist *d, tsys_device dev) {
+    const tsys_dist_engine e = tsys_dist_engine_of(d);
+    if (dev != TSYS_CUDA) return "--compile needs --device cuda";
+    if (e != TSYS_DIST_ENGINE_NCCL && e != TSYS_DIST_ENGINE_SELF) return "--compile needs NCCL (this engine stages CUDA collectives through host memory)";
+    return NULL;
+}
+
+// Timed step j of a configuration (j < 0: warmup): eager, or compiled from the first timed one on, a
+// replay of the step captured just before it (the capture's status is the same on every rank).
+static inline tsys_status ddp_step(ddp_run *r, const ddp_steps *p, int j, tsys_dist_step_times *t) {
+    if (!p->compiled || j < 0) return tsys_dist_trainer_step(r->tr, r->ids, r->targets, t);
+    tsys_status st = j == 0 ? tsys_dist_trainer_capture(r->tr, r->ids, r->targets) : TSYS_OK;
+    return st == TSYS_OK ? tsys_dist_trainer_replay(r->tr, t) : st;
+}
+
 // What the steps of one configuration measured: the slowest rank's numbers (max over the ranks).
 typedef struct ddp_measured {
     double *tm;             // steps each of step, backward + sync, optimizer and exposed ms (the caller frees it)
@@ -72,11 +92,13 @@ typedef struct ddp_measured {
 
 // The steps of one configuration on every rank, its run made and freed here. fsdp: the peak is reset
 // after init (the whole model existed until it was sharded: the step's peak is what counts), and its
-// exposed time is step_ms - compute_ms (NAN: no compute reference). True when every rank succeeded;
-// else m->why says what failed (an error on another rank, or out of memory on any).
+// exposed time is step_ms - compute_ms (NAN: no compute reference). Compiled: at least one warmup step,
+// then the replays, timed whole by device events (the phases and exposed time NAN: a host clock cannot
+// see inside a replay); the graph is freed before the collectives are timed alone. True when every rank
+// succeeded; else m->why says what failed (an error on another rank, or out of memory on any).
 static inline bool ddp_measure(ddp_measured *m, tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_steps *p, const tsys_model_desc *desc,
                                const tsys_dist_trainer_desc *td, bool fsdp, double compute_ms) {
-    const int n = p->steps, total = p->warmup + p->steps;
+    const int n = p->steps, warm = p->compiled && p->warmup < 1 ? 1 : p->warmup, total = warm + n;
     memset(m, 0, sizeof(*m));
     tsys_mem_reset_peak(ctx, dev);
     const double base_live = (double)tsys_mem_stats_get(ctx, dev).live_bytes;
@@ -89,17 +111,19 @@ static inline bool ddp_measure(ddp_measured *m, tsys_ctx *ctx, tsys_dist *d, tsy
     bool failed = tsys_dist_any_failed(d, st = tm ? st : TSYS_ERR_OOM);
     for (int i = 0; !failed && i < total; i++) {
         tsys_dist_step_times t;
-        st = tsys_dist_trainer_step(r.tr, r.ids, r.targets, &t);
+        memset(&t, 0, sizeof(t));   // a failed capture leaves it
+        const int j = i - warm;
+        st = ddp_step(&r, p, j, &t);
         if (i == 0) { mem[1] = t.peak_pre_optim; mem[2] = t.peak_post_optim; mem[3] = (double)tsys_mem_stats_get(ctx, dev).live_bytes - base_live; }
-        const int j = i - p->warmup;
         if (j >= 0) {
             tm[j] = t.step_ms; tm[n + j] = t.backward_ms; tm[2 * n + j] = t.optim_ms;
-            tm[3 * n + j] = !fsdp ? t.exposed_ms : isnan(compute_ms) ? NAN : fmax(0.0, t.step_ms - compute_ms);
+            tm[3 * n + j] = !fsdp ? t.exposed_ms : isnan(compute_ms) || p->compiled ? NAN : fmax(0.0, t.step_ms - compute_ms);
         }
-        du_progress_step(j < 0 ? "warmup" : "timed", j < 0 ? i + 1 : j + 1, j < 0 ? p->warmup : n);
+        du_progress_step(j < 0 ? "warmup" : "timed", j < 0 ? i + 1 : j + 1, j < 0 ? warm : n);
         failed = tsys_dist_any_failed(d, st);
     }
     m->fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));   // the last step's, before the timing below
+    tsys_dist_trainer_uncapture(r.tr);   // the collectives' timing would move the graph's buffers
     for (int k = 0; !failed && k < 3; k++) {   // the step's collectives alone, mean of 3
         double ms = 0;
         tsys_dist_barrier(d);

@@ -852,7 +852,7 @@ static inline int du_dry_run_done(const du_common *c, const char *prog, int conf
 // the rows by their status cell ("ok", "skipped: ...", "OOM: ...", anything else is a failure),
 // which gives the exit code.
 
-#define DU_MAX_COLS 32
+#define DU_MAX_COLS 40   // ddp has 33; a column past the last would be dropped
 #define DU_CELL 320
 
 typedef struct du_row { char cell[DU_MAX_COLS][DU_CELL]; const char *const *cols; int ncols; } du_row;

@@ -1,5 +1,6 @@
 // state_dist.h - the sharded-snapshot tests that tests/test_ddp.c (ZeRO-1, DDP) and tests/test_fsdp.c
-// (FSDP) share: they run under a tsys_dist_trainer of the given mode, on every rank. Needs the including
+// (FSDP) share, and the captured-step test that compares through those snapshots (compiled_procedure, at
+// the end): they run under a tsys_dist_trainer of the given mode, on every rank. Needs the including
 // file's g_ctx, g_d, g_rank, g_world, g_dev, and a context for one-process references (alone_ctx).
 //
 //   resume at the same world size: 2 steps, save, 2 more; a fresh trainer (other weights) loads the
@@ -281,6 +282,154 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
     }
     state_other_worlds(ctx, mode, tag, dir);
     state_failures(ctx, mode, dir);
+    tsys_dist_barrier(g_d);
+    if (g_rank == 0) {
+        char cmd[600];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+        TEST_CHECK(system(cmd) == 0, "cannot remove %s", dir);
+    }
+    tsys_tape_clear(ctx);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+}
+
+// ---- a captured step (tsys_dist_trainer_capture) --------------------------------------------------
+//
+// Four eager steps of a trainer against one eager step, a capture and three replays of another from the
+// same weights, each replay's batch copied into the device tensors given at capture: the parameters and
+// AdamW's moments (both final states saved and consolidated) bitwise equal, and the step counts (the
+// trainer's, and the optimizer's that the snapshot records: AdamW counts on the device inside a replay).
+// While captured, an eager step and the collectives' timing are refused; a capture before any eager step
+// and a second capture too; after uncapture an eager step runs again. Where the step cannot be captured (the CPU; ranks sharing a GPU through host
+// staging) the capture is refused on every rank, naming why, and the other trainer goes on eagerly: the
+// refusal must leave it as it was (the same comparison).
+
+static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m) {
+    tsys_model_desc d = state_model_desc();
+    *m = tsys_model_new(ctx, &d, g_dev, 21);
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof(td));
+    td.mode = mode; td.ddp.strategy = strategy; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = TSYS_F32;
+    return *m ? tsys_dist_trainer_new(ctx, g_d, *m, g_dev, &td) : NULL;
+}
+
+// The optimizer's step count in the metadata of dir/plain/name's train_state.safetensors (state_same
+// consolidated it there on rank 0); -1 when it cannot be read.
+static long long compiled_optim_step(const char *dir, const char *name) {
+    char path[700];
+    snprintf(path, sizeof(path), "%s/plain/%s/train_state.safetensors", dir, name);
+    FILE *f = fopen(path, "rb");
+    unsigned char len8[8];
+    long long step = -1;
+    if (f && fread(len8, 1, 8, f) == 8) {
+        uint64_t n = 0;
+        for (int i = 7; i >= 0; i--) n = n << 8 | len8[i];
+        char *json = n < (1u << 24) ? (char *)calloc((size_t)n + 1, 1) : NULL;
+        const char *at = json && fread(json, 1, (size_t)n, f) == (size_t)n ? strstr(json, "\"optim.step\"") : NULL;
+        if (at) {
+            at += strlen("\"optim.step\"");
+            while (*at && (*at < '0' || *at > '9')) at++;
+            if (*at) step = strtoll(at, NULL, 10);
+        }
+        free(json);
+    }
+    if (f) fclose(f);
+    return step;
+}
+
+// Expected where the step can be captured: the trainer's device is CUDA and its collectives stay there.
+static bool compiled_capturable(void) {
+    tsys_dist_engine e = tsys_dist_engine_of(g_d);
+    return g_dev == TSYS_CUDA && (e == TSYS_DIST_ENGINE_NCCL || e == TSYS_DIST_ENGINE_SELF);
+}
+
+// What a refused capture must say: the reason, on every rank.
+static void compiled_refused(tsys_ctx *ctx, tsys_status s, const char *why, const char *when) {
+    TEST_CHECK(s == TSYS_ERR_UNSUPPORTED && strstr(tsys_ctx_last_error(ctx), why), "rank %d: capture %s: %s (wanted a refusal naming '%s')", g_rank, when,
+               s == TSYS_OK ? "succeeded" : tsys_ctx_last_error(ctx), why);
+    tsys_ctx_clear_error(ctx);
+}
+
+// Steps 1..3 of the second trainer: each batch copied into ids/tgt, then a replay (or, where the capture
+// was refused, an eager step on them).
+static void compiled_replays(tsys_ctx *ctx, tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *tgt, int r0, int r1, bool captured) {
+    for (int it = 1; it < 4; it++) {
+        tsys_tensor *bi, *bt;
+        state_batch(ctx, it, r0, r1, &bi, &bt);
+        tsys_status s = bi && bt ? tsys_tensor_copy_from(ctx, ids, bi) : tsys_ctx_status(ctx);
+        if (s == TSYS_OK) s = tsys_tensor_copy_from(ctx, tgt, bt);
+        tsys_tensor_release(bi); tsys_tensor_release(bt);
+        tsys_dist_step_times tm;
+        memset(&tm, 0, sizeof(tm));
+        if (s == TSYS_OK) s = captured ? tsys_dist_trainer_replay(t, &tm) : tsys_dist_trainer_step(t, ids, tgt, &tm);
+        TEST_CHECK(s == TSYS_OK, "rank %d: %s %d: %s", g_rank, captured ? "replay" : "eager step", it, tsys_ctx_last_error(ctx));
+        if (captured)
+            TEST_CHECK(tm.step_ms > 0 && isnan(tm.forward_ms) && isnan(tm.exposed_ms) && isnan(tm.peak_pre_optim), "rank %d: replay %d's times: step %g ms, "
+                       "forward %g ms, exposed %g ms (wanted a positive step time, the host-clock ones NAN)", g_rank, it, tm.step_ms, tm.forward_ms, tm.exposed_ms);
+    }
+}
+
+// The captured trainer's own checks while it holds its graph: what it must refuse.
+static void compiled_refusals_held(tsys_ctx *ctx, tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *tgt) {
+    compiled_refused(ctx, tsys_dist_trainer_capture(t, ids, tgt), "already captured", "a second time");
+    tsys_status s = tsys_dist_trainer_step(t, ids, tgt, NULL);
+    TEST_CHECK(s != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "captured"), "rank %d: an eager step while captured: %s", g_rank,
+               s == TSYS_OK ? "ran" : tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    double ms = 0;
+    s = tsys_dist_trainer_time_collectives(t, &ms);
+    TEST_CHECK(s != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "uncapture"), "rank %d: timing the collectives while captured: %s", g_rank,
+               s == TSYS_OK ? "ran" : tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+}
+
+// The second trainer: one eager step, the capture (or its refusal), three replays; saved as dir/name.
+static void compiled_run(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, const char *dir, const char *name, int64_t *steps) {
+    const int r0 = STATE_ROWS * g_rank / g_world, r1 = STATE_ROWS * (g_rank + 1) / g_world;
+    const bool can = compiled_capturable();
+    tsys_model *m;
+    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m);
+    tsys_tensor *ids = NULL, *tgt = NULL;
+    state_batch(ctx, 0, r0, r1, &ids, &tgt);
+    TEST_CHECK(t && ids && tgt, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(ctx));
+    if (!state_all(t && ids && tgt)) { tsys_tensor_release(ids); tsys_tensor_release(tgt); state_drop(t, m); return; }
+    if (can) compiled_refused(ctx, tsys_dist_trainer_capture(t, ids, tgt), "no eager step", "before an eager step");
+    TEST_CHECK(tsys_dist_trainer_step(t, ids, tgt, NULL) == TSYS_OK, "rank %d: eager step 0: %s", g_rank, tsys_ctx_last_error(ctx));
+    tsys_status s = tsys_dist_trainer_capture(t, ids, tgt);
+    if (can) TEST_CHECK(s == TSYS_OK && tsys_dist_trainer_captured(t), "rank %d: capture: %s", g_rank, tsys_ctx_last_error(ctx));
+    else compiled_refused(ctx, s, g_dev == TSYS_CPU ? "the CPU" : "host memory", "where it cannot be");
+    const bool captured = s == TSYS_OK;
+    if (!state_all(captured == can)) { tsys_tensor_release(ids); tsys_tensor_release(tgt); state_drop(t, m); return; }
+    if (captured) compiled_refusals_held(ctx, t, ids, tgt);
+    compiled_replays(ctx, t, ids, tgt, r0, r1, captured);
+    *steps = tsys_dist_trainer_steps(t);
+    TEST_CHECK(state_save(t, dir, name, (int)*steps) == TSYS_OK, "rank %d: save %s: %s", g_rank, name, tsys_ctx_last_error(ctx));
+    tsys_dist_trainer_uncapture(t);
+    TEST_CHECK(!tsys_dist_trainer_captured(t), "rank %d: still captured after uncapture", g_rank);
+    TEST_CHECK(tsys_dist_trainer_step(t, ids, tgt, NULL) == TSYS_OK && tsys_dist_trainer_steps(t) == *steps + 1, "rank %d: an eager step after "
+               "uncapture: %s", g_rank, tsys_ctx_last_error(ctx));   // the graph's memory back in general use
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    state_drop(t, m);
+}
+
+static void compiled_procedure(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, const char *tag) {
+    if (STATE_ROWS % g_world) { if (g_rank == 0) printf("(skipped: %d ranks do not divide %d rows) ", g_world, STATE_ROWS); return; }
+    char dir[512];
+    state_dir(dir, sizeof(dir), tag);
+    tsys_model *m;
+    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m);   // the eager reference: steps 0..3
+    TEST_CHECK(t, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(ctx));
+    state_steps(ctx, t, false, 0, 4);
+    const int64_t eager_steps = tsys_dist_trainer_steps(t);
+    TEST_CHECK(t && state_save(t, dir, "eager", (int)eager_steps) == TSYS_OK, "rank %d: save: %s", g_rank, tsys_ctx_last_error(ctx));
+    state_drop(t, m);   // one FSDP per context: the next trainer's
+    int64_t replayed_steps = -1;
+    compiled_run(ctx, mode, strategy, dir, "replayed", &replayed_steps);
+    TEST_CHECK(eager_steps == 4 && replayed_steps == 4, "rank %d: the trainers count %lld and %lld steps (wanted 4)", g_rank, (long long)eager_steps,
+               (long long)replayed_steps);
+    if (state_all(tsys_ctx_status(ctx) == TSYS_OK) && state_same(ctx, dir, "eager", "replayed", -1, "replayed against eager") && g_rank == 0) {
+        long long a = compiled_optim_step(dir, "eager"), b = compiled_optim_step(dir, "replayed");
+        TEST_CHECK(a == 4 && b == 4, "the optimizer's step counts: %lld eager, %lld replayed (wanted 4)", a, b);
+    }
     tsys_dist_barrier(g_d);
     if (g_rank == 0) {
         char cmd[600];

@@ -828,6 +828,11 @@ TSYS_TEST(trainer_fsdp) { trainer_vs_alone(TSYS_TRAIN_FSDP); }
 // Sharded snapshots under the trainer (tests/state_dist.h): ZeRO-1's parts, DDP's plain snapshot.
 TSYS_TEST(zero1_state_sharded_resume) { state_procedure(g_ctx, g_ctx, TSYS_TRAIN_ZERO1, "zero1"); }
 TSYS_TEST(ddp_state_trainer_resume) { state_procedure(g_ctx, g_ctx, TSYS_TRAIN_DDP, "ddp"); }
+// A step captured as one CUDA graph and replayed against eager steps (tests/state_dist.h): DDP's flat and
+// bucketed all-reduces, ZeRO-1; where it cannot be captured (the CPU, host staging), the refusal.
+TSYS_TEST(trainer_compiled_ddp_flat) { compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_FLAT, "compiled_flat"); }
+TSYS_TEST(trainer_compiled_ddp_bucketed) { compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "compiled_bucketed"); }
+TSYS_TEST(trainer_compiled_zero1) { compiled_procedure(g_ctx, TSYS_TRAIN_ZERO1, TSYS_DDP_BUCKETED, "compiled_zero1"); }
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 

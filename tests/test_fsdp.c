@@ -824,6 +824,9 @@ static int fsdp_peer_dies(int die) {
 #include "state_dist.h"
 // Sharded snapshots under the trainer (tests/state_dist.h); the one-process references in g_ref.
 TSYS_TEST(fsdp_state_sharded_resume) { state_procedure(g_ctx, g_ref, TSYS_TRAIN_FSDP, "fsdp"); }
+// FSDP's step captured as one CUDA graph and replayed against eager steps (tests/state_dist.h); where it
+// cannot be captured (the CPU, host staging), the refusal.
+TSYS_TEST(trainer_compiled_fsdp) { compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "compiled_fsdp"); }
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
