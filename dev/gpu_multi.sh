@@ -2,7 +2,7 @@
 # gpu_multi.sh - tsys_dist on a machine with several GPUs, ours and torch.distributed in the same
 # call. Binaries are built on the development machine and carried in gpu/dist (rebuilt here when one
 # does not start). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine's notes ask.
-#   dev/gpu_multi.sh topo tests allreduce ddp_ours ddp_torch fsdp ...
+#   dev/gpu_multi.sh topo tests allreduce ddp_ours ddp_torch fsdp captured scaling ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
@@ -78,6 +78,31 @@ for part in "$@"; do
       done
       rm -rf "$r"/once/step-* "$r"/twice/step-*
     done ;;
+  captured)  # the captured steps' tests (DDP flat and bucketed, ZeRO-1, FSDP: eager against captured + replayed, bitwise)
+             # at 2 ranks and at every GPU, then the whole DDP and FSDP suites at every GPU
+    for np in 2 $NG; do for t in ddp fsdp; do
+      timeout 200 mpirun --oversubscribe -np $np $G/test_${t}_cuda trainer_compiled > "$OUT/captured_${t}_${np}.log" 2>&1
+      echo "test_${t}_cuda trainer_compiled, $np ranks: $(tail -n 1 "$OUT/captured_${t}_${np}.log")"
+    done; done
+    for t in ddp fsdp; do
+      timeout 300 mpirun --oversubscribe -np $NG $G/test_${t}_cuda > "$OUT/suite_${t}_${NG}.log" 2>&1; echo "test_${t}_cuda, $NG ranks: $(tail -n 1 "$OUT/suite_${t}_${NG}.log")"
+    done
+    grep -h "FAIL" "$OUT"/captured_*.log "$OUT"/suite_*.log | head -20 ;;
+  scaling)  # SCALE_MODELS (default xl) on 1, 2 and every GPU: DDP bucketed (100 MB), ZeRO-1, FSDP, eager and captured
+            # (bf16, context 256, batch 4 a GPU); the columns that matter printed last
+    for np in 1 2 $NG; do
+      timeout 500 $G/ddp_cuda --device cuda --nproc $np --model ${SCALE_MODELS:-xl} --dtype bf16 --strategy bucketed,zero1,fsdp --bucket-mb 100 \
+        --compile no,yes --batch-size 4 --context-length 256 --warmup $WARMUP --steps $STEPS --no-compute-ref --format csv \
+        > "$OUT/scaling_${np}gpu.csv" 2> "$OUT/scaling_${np}gpu.err"; echo "$np GPU(s): exit $?"
+    done
+    python3 - "$OUT" <<'PY'
+import csv, glob, os, sys
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "scaling_*gpu.csv"))):
+    for r in csv.DictReader(open(p)):
+        print(f"{r['model']:5s} {r['ranks']:>2s} {r['strategy']:9s} compiled {r['compiled']:3s} step_ms {r['step_ms']:>9s} std {r['step_std']:>7s} "
+              f"comm_ms {r['comm_ms']:>8s} pred {r['pred_comm_ms']:>8s} peak {r['mem_post_opt_MiB']:>7s} pred {r['pred_peak_MiB']:>7s} {r['status'][:50]}")
+PY
+    ;;
   account) $G/ddp_cuda --account --device cuda --nproc $NG --model $MODEL --dtype $DTYPES ;;
   fsdp)  # FSDP (ZeRO-3): its tests through NCCL, with 2 ranks on one GPU (staging) and alone; then the xl rows
          # (batch 4 per GPU, context 256) beside DDP's best (bucketed 1000 MB, overlap) and the 1-GPU overhead;
