@@ -559,6 +559,7 @@ typedef struct tsys_dist_step_times {
                                                          // backward_ms includes the gradients' synchronization
     double exposed_ms;                                   // DDP, ZERO1: tsys_ddp_stats.exposed_ms of the step
     double peak_pre_optim, peak_post_optim;              // the device's peak bytes before / after the optimizer
+    double save_ms;                                      // the snapshot after the step (desc.save_every; 0: none), not in step_ms
 } tsys_dist_step_times;
 typedef struct tsys_dist_trainer tsys_dist_trainer;
 // NULL + the context's error. The model (on dev) stays the caller's; d may be NULL for ALONE. Every rank
@@ -5485,7 +5486,7 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
 
 static double tsys_dist__peak(const tsys_dist_trainer *t) { return (double)tsys_mem_stats_get(t->ctx, t->dev).peak_bytes; }
 
-static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t);
+static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t, tsys_dist_step_times *times);
 
 // The host clock at the end of an eager step's phase, every rank synchronized first (bounded: a peer
 // that dies mid-step is an error, not a hang).
@@ -5539,7 +5540,7 @@ TSYSDEF tsys_status tsys_dist_trainer_step(tsys_dist_trainer *t, tsys_tensor *id
     if (times) *times = tm;
     if (tsys_ctx_status(ctx) != TSYS_OK) return tsys_ctx_status(ctx);
     t->step++; t->eager_steps++;
-    return tsys_dist__trainer_autosave(t);
+    return tsys_dist__trainer_autosave(t, times);
 }
 
 // ---- a captured step ----
@@ -5625,6 +5626,7 @@ TSYSDEF tsys_status tsys_dist_trainer_replay(tsys_dist_trainer *t, tsys_dist_ste
     tsys_dist_step_times tm;
     tm.forward_ms = tm.backward_ms = tm.optim_ms = tm.step_ms = tm.exposed_ms = NAN;
     tm.peak_pre_optim = tm.peak_post_optim = NAN;
+    tm.save_ms = 0;
     if (times) *times = tm;
     if (!t->graph) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_replay: no step is captured (tsys_dist_trainer_capture first)");
     tsys_status st = tsys_ctx_status(ctx);
@@ -5640,7 +5642,7 @@ TSYSDEF tsys_status tsys_dist_trainer_replay(tsys_dist_trainer *t, tsys_dist_ste
     if (st == TSYS_OK) st = tsys_ctx_status(ctx);
     if (st != TSYS_OK) return st;
     t->step++;
-    return tsys_dist__trainer_autosave(t);
+    return tsys_dist__trainer_autosave(t, times);
 }
 
 TSYSDEF void tsys_dist_trainer_uncapture(tsys_dist_trainer *t) {
@@ -5690,12 +5692,15 @@ TSYSDEF tsys_status tsys_dist_trainer_state_load(tsys_dist_trainer *t, const cha
 }
 
 // After a step: the snapshot desc.save_every asks for (outside the step's times).
-static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t) {
+static tsys_status tsys_dist__trainer_autosave(tsys_dist_trainer *t, tsys_dist_step_times *times) {
     if (t->desc.save_every <= 0 || !t->desc.save_dir || t->step % t->desc.save_every) return TSYS_OK;
     tsys_state_desc sd;
     memset(&sd, 0, sizeof(sd));
     sd.step = t->step; sd.keep_last = t->desc.keep_last;
-    return tsys_dist_trainer_state_save(t, t->desc.save_dir, &sd);
+    double t0 = tsys_time_us();
+    tsys_status st = tsys_dist_trainer_state_save(t, t->desc.save_dir, &sd);
+    if (times) times->save_ms = (tsys_time_us() - t0) * 1e-3;
+    return st;
 }
 
 TSYSDEF tsys_status tsys_dist_trainer_resume(tsys_dist_trainer *t, const char *path, int64_t *step) {

@@ -103,6 +103,23 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "scaling_*gpu.csv"))):
               f"comm_ms {r['comm_ms']:>8s} pred {r['pred_comm_ms']:>8s} peak {r['mem_post_opt_MiB']:>7s} pred {r['pred_peak_MiB']:>7s} {r['status'][:50]}")
 PY
     ;;
+  scaling_torch)  # the same rows in PyTorch (tests/ref/torch_ddp.py): DDP bucketed (100 MB) and FSDP2, SDPA attention,
+                  # eager and torch.compile, on 2 and every GPU (TORCH_NPS); the columns that matter printed last
+    for np in ${TORCH_NPS:-2 $NG}; do
+      timeout 560 torchrun --nproc_per_node $np tests/ref/torch_ddp.py --part ddp --device cuda --model ${SCALE_MODELS:-xl} --dtype bf16 \
+        --context-length 256 --batch-size 4 --strategy ${TORCH_STRATS:-bucketed,fsdp2} --bucket-mb 100 --attn sdpa --compile no,yes \
+        --warmup $WARMUP --steps $STEPS --format csv > "$OUT/scaling_torch_${np}gpu.csv" 2> "$OUT/scaling_torch_${np}gpu.err"; echo "torch, $np GPUs: exit $?"
+    done
+    python3 - "$OUT" <<'PY'
+import csv, glob, os, sys
+for p in sorted(glob.glob(os.path.join(sys.argv[1], "scaling_torch_*gpu.csv"))):
+    lines = open(p).read().splitlines()
+    head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))   # after torch's version line
+    for r in csv.DictReader(l for l in lines[head:] if l.strip()):
+        print(f"torch {r.get('model', ''):5s} {r.get('ranks', ''):>2s} {r.get('strategy', ''):9s} {r.get('attn', '')} compiled {r.get('compiled', ''):3s} "
+              f"step_ms {r.get('step_ms', ''):>9s} std {r.get('step_std', ''):>7s} comm_ms {r.get('comm_ms', '')} {r.get('status', '')[:60]}")
+PY
+    ;;
   account) $G/ddp_cuda --account --device cuda --nproc $NG --model $MODEL --dtype $DTYPES ;;
   fsdp)  # FSDP (ZeRO-3): its tests through NCCL, with 2 ranks on one GPU (staging) and alone; then the xl rows
          # (batch 4 per GPU, context 256) beside DDP's best (bucketed 1000 MB, overlap) and the 1-GPU overhead;
@@ -127,6 +144,17 @@ PY
   fsdp_ckpt)  # FSDP's checkpointing tests through NCCL (needs build/test_fsdp_cuda in gpu/dist)
     timeout 300 mpirun --oversubscribe -np $NG $G/test_fsdp_cuda > "$OUT/test_fsdp_cuda_nccl.log" 2>&1; echo "test_fsdp_cuda, $NG ranks: $(tail -n 1 "$OUT/test_fsdp_cuda_nccl.log")"
     grep -h "FAIL\|checkpoint" "$OUT"/test_fsdp_cuda_nccl.log | head -20 ;;
+  lbsave)  # the S26 leaderboard model's snapshot under FSDP on 2 GPUs (LB_NP): one step at context LB_T (default 256:
+           # the snapshot is the same 12 bytes a parameter at any context), a sharded snapshot after it, its size, then
+           # a run resumed from it (LB_DROP=1: the page cache dropped first, where the machine allows)
+    S=${SAVE_DIR:-/tmp/tsys_lbsave}; rm -rf "$S"; df -h /tmp | tail -1
+    lb=($G/ddp_cuda --device cuda --nproc ${LB_NP:-2} --model custom --d-model 4096 --d-ff 11008 --num-layers 34 --num-heads 32 --vocab-size 151936
+        --context-length ${LB_T:-256} --batch-size 1 --dtype bf16 --attn flash --strategy fsdp --loss sum --no-compute-ref --warmup 0 --format csv)
+    timeout 400 "${lb[@]}" --steps 1 --save-every 1 --save-dir "$S" > "$OUT/lbsave.csv" 2> "$OUT/lbsave.err"; echo "save: exit $?"
+    grep "snapshot step" "$OUT/lbsave.err"; du -sb "$S"/step-* 2>/dev/null; ls -la "$S"/step-* 2>/dev/null | head -8
+    if [ -n "${LB_DROP:-}" ]; then sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null && echo "page cache dropped" || echo "page cache NOT dropped"; else echo "page cache kept (LB_DROP=1 drops it)"; fi
+    timeout 400 "${lb[@]}" --steps 1 --resume "$S" > "$OUT/lbload.csv" 2> "$OUT/lbload.err"; echo "load: exit $?"
+    grep "resumed" "$OUT/lbload.err"; grep -h "error\|OOM" "$OUT"/lbsave.* "$OUT"/lbload.* | head -5; rm -rf "$S" ;;
   leaderboard)  # the S26 leaderboard step: 8.1 B parameters (d 4096, d_ff 11008, 34 layers, 32 heads, vocab 151936),
                 # context 32768, batch 2 in all, bf16, causal flash attention, cross_entropy(...).sum(), forward +
                 # backward + AdamW, under FSDP with activation checkpointing (LB_CKPT, default blocks:1)

@@ -105,7 +105,11 @@ static inline bool ddp_measure(ddp_measured *m, tsys_ctx *ctx, tsys_dist *d, tsy
     double *tm = m->tm = (double *)calloc((size_t)4 * n, sizeof(double)), *mem = m->mem;
     ddp_run r;
     tsys_status st = ddp_run_new(&r, ctx, d, tsys_dist_rank(d), dev, p, desc, td);
-    if (p->resume && !tsys_dist_any_failed(d, st)) st = tsys_dist_trainer_resume(r.tr, p->resume, NULL);   // every rank, or none
+    if (p->resume && !tsys_dist_any_failed(d, st)) {   // every rank, or none
+        double t0 = du_now_s();
+        st = tsys_dist_trainer_resume(r.tr, p->resume, NULL);
+        if (st == TSYS_OK && tsys_dist_rank(d) == 0) fprintf(stderr, "resumed from %s in %.2f s (rank 0; every rank reads its part)\n", p->resume, du_now_s() - t0);
+    }
     mem[0] = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
     if (fsdp) tsys_mem_reset_peak(ctx, dev);
     bool failed = tsys_dist_any_failed(d, st = tm ? st : TSYS_ERR_OOM);
@@ -120,6 +124,8 @@ static inline bool ddp_measure(ddp_measured *m, tsys_ctx *ctx, tsys_dist *d, tsy
             tm[3 * n + j] = !fsdp ? t.exposed_ms : isnan(compute_ms) || p->compiled ? NAN : fmax(0.0, t.step_ms - compute_ms);
         }
         du_progress_step(j < 0 ? "warmup" : "timed", j < 0 ? i + 1 : j + 1, j < 0 ? warm : n);
+        if (st == TSYS_OK && t.save_ms > 0 && tsys_dist_rank(d) == 0)
+            fprintf(stderr, "snapshot step-%06lld: %.2f s (rank 0; the step waited, every rank writes its part)\n", (long long)tsys_dist_trainer_steps(r.tr), t.save_ms / 1e3);
         failed = tsys_dist_any_failed(d, st);
     }
     m->fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));   // the last step's, before the timing below
