@@ -4979,6 +4979,24 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
 //                backward needs no weight, and the lm_head, kept from its forward): (N-1)/N · c(2Ψs -
 //                2Vd), without resharding only the forward's (N-1)/N · cΨs; reduce-scatters (N-1)/N · cΨs;
 //                all-reduce of the replicated gradients 2(N-1)/N · 4Ψr
+//   under a checkpoint policy (the desc's checkpoint) the activations are the planner's instead (below)
+
+// The activations of a step under m's checkpointing policy (< 0: none, or one the planner refuses): the
+// planner's predicted single-device peak (tsys_checkpoint_plan_make, which knows what each policy keeps
+// and what backward's recomputation holds) less what it counts that the schemes count themselves: the
+// parameters and AdamW's state (fixed_bytes) and, under autocast, the weights' low-precision casts. The
+// formulas above do not know the policies: the S26 leaderboard row (8.13 B, context 32768, FSDP on 2
+// GPUs, blocks:1+keep-attn) measured 100263 MiB a rank against their 232845.
+static double tsys_dist__ckpt_act_bytes(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context) {
+    if (!m->checkpoint || !m->checkpoint[0] || !strcmp(m->checkpoint, "none")) return -1;
+    tsys_checkpoint_plan p;
+    if (tsys_checkpoint_plan_make(m, m->checkpoint, batch, context, dtype, true, &p, NULL, 0) != TSYS_OK) return -1;
+    tsys_model_desc d = tsys_model_desc_defaults(m);
+    const bool lowp = dtype == TSYS_BF16 || dtype == TSYS_F16;
+    const double matmul_params = d.num_layers * (4.0 * d.d_model * d.d_model + 3.0 * d.d_model * d.d_ff) + (double)d.vocab_size * d.d_model;
+    return p.peak_bytes - p.fixed_bytes - (lowp ? 2.0 * matmul_params : 0);
+}
+
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world) {
     tsys_fsdp_desc fd;
     memset(&fd, 0, sizeof(fd));
@@ -5003,7 +5021,8 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
     a.grad_bytes = 4 * (shards + Pr) + work_g;
     a.optim_bytes = 8 * (shards + Pr);
     a.work_bytes = work_p + work_g;
-    a.act_bytes *= c / 4.0;
+    const double ckpt = tsys_dist__ckpt_act_bytes(m, compute_dtype, batch, context);
+    a.act_bytes = ckpt >= 0 ? ckpt : a.act_bytes * c / 4.0;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
     double ring = (N - 1) / N, Ps = 2 * Ue + L * Ul;
     a.sent_bytes = ring * c * (reshard ? 2 * Ps - 2 * Ue : Ps) + ring * c * Ps + 2 * ring * 4 * Pr;
@@ -5045,6 +5064,8 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
                  + (ac ? 2 * c : 4) * E * dm                                     // w1, w3 input
                  + 3 * c * E * f;                                                // a, b, s
     a.act_bytes = L * layer + (4 * E * dm + 4 * E) + (ac ? c : 4) * E * dm + c * E * V + 4 * E + c * E * V;
+    const double ckpt = tsys_dist__ckpt_act_bytes(m, dtype, batch, context);
+    if (ckpt >= 0) a.act_bytes = ckpt;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
     double ring = (N - 1) / N, G = 4 * P;
     switch (scheme) {
