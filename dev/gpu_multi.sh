@@ -103,6 +103,20 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "scaling_*gpu.csv"))):
               f"comm_ms {r['comm_ms']:>8s} pred {r['pred_comm_ms']:>8s} peak {r['mem_post_opt_MiB']:>7s} pred {r['pred_peak_MiB']:>7s} {r['status'][:50]}")
 PY
     ;;
+  channels)  # does NCCL's SM share slow backward down? DDP bucketed (100 MB) xl captured step on 2 and every GPU with
+             # NCCL_MAX_NCHANNELS (CTAs an all-reduce takes) at NCCL's default and at 2, 4, 8
+    for np in 2 $NG; do for ch in default 2 4 8; do
+      env $([ $ch != default ] && echo NCCL_MAX_NCHANNELS=$ch) timeout 120 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed \
+        --bucket-mb 100 --compile no,yes --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/channels_${np}_$ch.csv" 2>&1
+      python3 - "$OUT/channels_${np}_$ch.csv" "$np" "$ch" <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).read().splitlines()
+head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))
+for r in csv.DictReader(lines[head:]):
+    print(f"{sys.argv[2]} GPUs, NCCL_MAX_NCHANNELS {sys.argv[3]:7s} compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
+          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
+PY
+    done; done ;;
   scaling_torch)  # the same rows in PyTorch (tests/ref/torch_ddp.py): DDP bucketed (100 MB) and FSDP2, SDPA attention,
                   # eager and torch.compile, on 2 and every GPU (TORCH_NPS); the columns that matter printed last
     for np in ${TORCH_NPS:-2 $NG}; do
