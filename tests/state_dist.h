@@ -83,7 +83,7 @@ static tsys_status state_save(tsys_dist_trainer *t, const char *dir, const char 
 }
 
 static tsys_status state_load(tsys_dist_trainer *t, const char *dir, const char *name, int64_t *step) {
-    char path[600];
+    char path[1024];
     snprintf(path, sizeof(path), "%s/%s", dir, name);
     tsys_state_desc sd;
     memset(&sd, 0, sizeof(sd));
@@ -252,6 +252,18 @@ static void state_failures(tsys_ctx *ctx, tsys_dist_train_mode mode, const char 
     state_drop(t, m);
 }
 
+// The end of a procedure: every rank done with dir, rank 0 removes it; the context's status is checked.
+static void state_procedure_end(tsys_ctx *ctx, const char *dir) {
+    tsys_dist_barrier(g_d);
+    if (g_rank == 0) {
+        char cmd[600];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+        TEST_CHECK(system(cmd) == 0, "cannot remove %s", dir);
+    }
+    tsys_tape_clear(ctx);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+}
+
 // The whole procedure for a mode; alone_ctx: the one-process references' context.
 static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_mode mode, const char *tag) {
     if (STATE_ROWS % g_world) { if (g_rank == 0) printf("(skipped: %d ranks do not divide %d rows) ", g_world, STATE_ROWS); return; }
@@ -282,14 +294,7 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
     }
     state_other_worlds(ctx, mode, tag, dir);
     state_failures(ctx, mode, dir);
-    tsys_dist_barrier(g_d);
-    if (g_rank == 0) {
-        char cmd[600];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-        TEST_CHECK(system(cmd) == 0, "cannot remove %s", dir);
-    }
-    tsys_tape_clear(ctx);
-    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    state_procedure_end(ctx, dir);
 }
 
 // ---- a captured step (tsys_dist_trainer_capture) --------------------------------------------------
@@ -299,9 +304,9 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
 // AdamW's moments (both final states saved and consolidated) bitwise equal, and the step counts (the
 // trainer's, and the optimizer's that the snapshot records: AdamW counts on the device inside a replay).
 // While captured, an eager step and the collectives' timing are refused; a capture before any eager step
-// and a second capture too; after uncapture an eager step runs again. Where the step cannot be captured (the CPU; ranks sharing a GPU through host
-// staging) the capture is refused on every rank, naming why, and the other trainer goes on eagerly: the
-// refusal must leave it as it was (the same comparison).
+// and a second capture too; after uncapture an eager step runs again. Where the step cannot be captured
+// (the CPU; ranks sharing a GPU through host staging) the capture is refused on every rank, naming why,
+// and the other trainer goes on eagerly: the refusal must leave it as it was (the same comparison).
 
 static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m) {
     tsys_model_desc d = state_model_desc();
@@ -430,12 +435,5 @@ static void compiled_procedure(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_dd
         long long a = compiled_optim_step(dir, "eager"), b = compiled_optim_step(dir, "replayed");
         TEST_CHECK(a == 4 && b == 4, "the optimizer's step counts: %lld eager, %lld replayed (wanted 4)", a, b);
     }
-    tsys_dist_barrier(g_d);
-    if (g_rank == 0) {
-        char cmd[600];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-        TEST_CHECK(system(cmd) == 0, "cannot remove %s", dir);
-    }
-    tsys_tape_clear(ctx);
-    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    state_procedure_end(ctx, dir);
 }
