@@ -5517,7 +5517,8 @@ static double tsys_dist__trainer_clock(tsys_dist_trainer *t) {
 }
 
 // What a step does on the devices, in order: zero the gradients, forward (autocast), cross-entropy,
-// backward with the gradients' synchronization, the optimizer step, the tape cleared. Eager (tm given):
+// backward with the gradients' synchronization, the optimizer step (each phase a named range: NVTX
+// and the profiler see them), the tape cleared. Eager (tm given):
 // the host clock after each phase into clk[1..3] and the device's peaks into tm. Captured (tm NULL):
 // nothing the host would wait for, so that all of it becomes one CUDA graph.
 static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys_tensor *targets, double *clk, tsys_dist_step_times *tm) {
@@ -5525,6 +5526,7 @@ static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys
     if (t->ddp) tsys_ddp_start_step(t->ddp);
     if (t->zero1) tsys_zero1_zero_grad(t->zero1); else tsys_optim_zero_grad(t->opt);
     const bool ac = t->desc.autocast != TSYS_F32 && !t->fsdp;   // FSDP computes in its compute_dtype itself
+    tsys_trace_begin(ctx, "forward");
     if (ac) tsys_autocast_begin(ctx, t->desc.autocast);
     tsys_tensor *logits = tsys_model_forward(t->model, ids);
     tsys_tensor *loss = tsys_cross_entropy(ctx, logits, targets);
@@ -5535,13 +5537,18 @@ static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys
     }
     if (ac) tsys_autocast_end(ctx);
     tsys_tensor_release(logits);
+    tsys_trace_end(ctx);
     if (tm) clk[1] = tsys_dist__trainer_clock(t);
+    tsys_trace_begin(ctx, "backward");
     tsys_backward(ctx, loss);
     tsys_tensor_release(loss);
     if (t->ddp) tsys_ddp_finish(t->ddp);
     if (t->fsdp) tsys_fsdp_finish(t->fsdp);
+    tsys_trace_end(ctx);
     if (tm) { clk[2] = tsys_dist__trainer_clock(t); tm->peak_pre_optim = tsys_dist__peak(t); }
+    tsys_trace_begin(ctx, "optimizer");
     if (t->zero1) tsys_zero1_step(t->zero1); else tsys_optim_step(t->opt);
+    tsys_trace_end(ctx);
     if (tm) { clk[3] = tsys_dist__trainer_clock(t); tm->peak_post_optim = tsys_dist__peak(t); }
     tsys_tape_clear(ctx);
 }

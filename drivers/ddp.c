@@ -7,19 +7,22 @@
 //   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16 --compile no,yes
 //   ddp --account --model xl --nproc 2          (the prediction table only, nothing runs)
 #define _POSIX_C_SOURCE 200809L   // clock_gettime, dup (driver_util.h)
+#include <ctype.h>
 #define TSYS_PRELUDE_DIST
 #include "prelude.h"
 #include "driver_util.h"
 #include "account_table.h"
+#include "profile_files.h"
 #include "ddp_measure.h"
 
 typedef struct ddp_opts {
     du_common common;
-    const char *device, *attn, *checkpoint, *loss, *reshard, *save_dir, *resume;
+    const char *device, *attn, *checkpoint, *loss, *reshard, *save_dir, *resume, *profile;
     du_model_flags mf;      // --model and the explicit dims (over the preset's)
     du_list strategies, buckets, comms, dtypes, contexts, compiles;
     int batch, warmup, steps, nproc, seed, save_every;
     bool account, no_compute_ref;
+    FILE *profile_log;      // the paths of each profiled configuration's files, printed after the table (rank 0)
 } ddp_opts;
 
 typedef enum { S_NAIVE, S_FLAT, S_OVERLAP, S_BUCKETED, S_ZERO1, S_FSDP } strat;
@@ -113,6 +116,18 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
     du_row_set(row, "status", "ok");
 }
 
+// The configuration of a row as a file name (--profile's): "cuda_xl_T256_bf16_fsdp_2ranks", then
+// "_bucket-<MB>", "_grad-bf16", "_compiled", "_ckpt-<policy>" where they apply.
+static void profile_name(char *name, size_t len, const du_row *row, int world) {
+    char ckpt[64] = "", bucket[48] = "";
+    if (strcmp(du_row_get(row, "ckpt"), "none")) snprintf(ckpt, sizeof(ckpt), "_ckpt-%s", du_row_get(row, "ckpt"));
+    if (*du_row_get(row, "bucket_mb")) snprintf(bucket, sizeof(bucket), "_bucket-%s", du_row_get(row, "bucket_mb"));
+    snprintf(name, len, "%s_%s_T%s_%s_%s_%dranks%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+             du_row_get(row, "dtype"), du_row_get(row, "strategy"), world, bucket, !strcmp(du_row_get(row, "grad_comm"), "bf16") ? "_grad-bf16" : "",
+             strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled", ckpt);
+    for (char *c = name; *c; c++) if (!isalnum((unsigned char)*c) && *c != '_' && *c != '-' && *c != '.') *c = '-';
+}
+
 // Runs one configuration on every rank and fills its row (rank 0 prints it).
 static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const config *cf, tsys_dist_link_model link, du_row *row) {
     const strat s = cf->s;
@@ -130,7 +145,9 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     char err[256] = "";
     if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, &fd, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
     const tsys_dist_trainer_desc td = trainer_desc(o, cf);
-    const ddp_steps steps = {o->batch, o->seed, o->warmup, o->steps, o->resume, cf->compiled};
+    char name[256];
+    profile_name(name, sizeof(name), row, tsys_dist_size(d));
+    const ddp_steps steps = {o->batch, o->seed, o->warmup, o->steps, o->resume, cf->compiled, o->profile, name, o->profile_log};
     double compute_ms = NAN;
     if (s == S_FSDP && !o->no_compute_ref)   // the compute alone first (its memory is gone before the peaks are reset)
         compute_ms = ddp_plain_step_ms(ctx, d, dev, &steps, &desc, td);
@@ -142,7 +159,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
 }
 
 // Starts the ranks (or is one), runs every configuration; the exit code, the same on every rank.
-static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
+static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
     const bool cuda = !strcmp(o->device, "cuda");
     const tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
     if (!cuda) tsys_dist_share_cores(o->nproc);   // the ranks the launcher starts inherit it
@@ -155,6 +172,9 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
     tsys_dist *d = ctx ? tsys_dist_init(ctx, &dd) : NULL;
     if (!d) { fprintf(stderr, "ddp: %s\n", ctx ? tsys_ctx_last_error(ctx) : "out of memory"); tsys_ctx_free(ctx); return DU_EXIT_FAILED; }
     const int rank = tsys_dist_rank(d);
+    double no_profile = rank == 0 && o->profile && !du_profile_open("ddp", o->profile, &o->profile_log);
+    tsys_dist_all_reduce_host(d, &no_profile, 1, TSYS_DIST_MAX);   // every rank stops when rank 0 cannot profile
+    if (no_profile > 0) { tsys_dist_free(d); tsys_ctx_free(ctx); return DU_EXIT_FAILED; }
     if (!cuda) tsys_dist_share_cores(tsys_dist_size(d));
     // the ranks on this host share its memory: each gets its part as its CPU budget (or --mem-limit);
     // on cuda, --mem-limit caps each rank's device instead
@@ -199,6 +219,10 @@ static int run_sweep(const ddp_opts *o, int nconfigs, int argc, char **argv) {
     }
     du_progress_end();
     double rc = rank == 0 ? du_table_exit_code(&tab, "ddp", o->common.oom_ok) : 0;
+    if (o->profile_log) {   // the paths of the profiles after the table (stdout under md, stderr under csv and jsonl)
+        if (!du_profile_list("ddp", o->profile_log, f) && rc == 0) rc = DU_EXIT_FAILED;
+        fclose(o->profile_log);
+    }
     tsys_dist_all_reduce_host(d, &rc, 1, TSYS_DIST_MAX);   // every rank exits as rank 0 does
     du_table_free(&tab);
     tsys_dist_free(d);
@@ -269,6 +293,10 @@ static int driver_main(int argc, char **argv) {
                     "rank 0's; zero1, fsdp: sharded; one configuration)"),
         DU_FLAG_STR("save-dir", &o.save_dir, NULL, "DIR", "where --save-every's snapshots go (DIR/step-000123)"),
         DU_FLAG_STR("resume", &o.resume, NULL, "DIR", "resume from the snapshot DIR, or DIR's newest (the step count goes on from it)"),
+        DU_FLAG_STR("profile", &o.profile, NULL, "DIR", "after the timed steps, one more eager step of each configuration, rank 0's\n"
+                    "under the profiler: DIR/<config>.md holds its phases, op and kernel tables,\n"
+                    "DIR/<config>.json the Chrome trace (Perfetto); after the table, one line per\n"
+                    "profiled configuration names them (stdout under md, stderr under csv and jsonl)"),
         DU_COMMON_FLAGS(&o.common, DU_MEM_LIMIT_RANKS_TEXT),
     };
     const int nflags = (int)(sizeof(flags) / sizeof(flags[0]));

@@ -1,16 +1,24 @@
 // ddp_measure.h - how ddp measures one configuration on every rank: the model, its tsys_dist_trainer
 // and this rank's own batch (ddp_run); the warmup and timed steps with the memory peaks (eager, or the
 // step captured as one CUDA graph after warmup and replayed: --compile), then the step's collectives
-// timed alone, the slowest rank's numbers (ddp_measure); and the same step without
-// sharding or communication (ddp_plain_step_ms, fsdp's compute reference). Included by ddp after
-// driver_util.h and tsys_dist.h.
+// timed alone, the slowest rank's numbers, rank 0's profile of one more step (ddp_measure); and the
+// same step without sharding or communication (ddp_plain_step_ms, fsdp's compute reference). Included by ddp after
+// driver_util.h, profile_files.h and tsys_dist.h.
 #ifndef TSYS_DDP_MEASURE_H
 #define TSYS_DDP_MEASURE_H
 
 // What the steps of a configuration take from the flags: batch sequences a rank, the seed of the
-// weights and batches, the untimed and timed steps, the snapshot to resume from (NULL: none), and
-// whether the timed steps are replays of the step captured as a CUDA graph (compiled).
-typedef struct ddp_steps { int batch, seed, warmup, steps; const char *resume; bool compiled; } ddp_steps;
+// weights and batches, the untimed and timed steps, the snapshot to resume from (NULL: none), whether
+// the timed steps are replays of the step captured as a CUDA graph (compiled), and where rank 0's
+// profile of one more eager step goes (profile_dir NULL: none; profile_files.h's files under
+// profile_name, their paths to profile_log).
+typedef struct ddp_steps {
+    int batch, seed, warmup, steps;
+    const char *resume;
+    bool compiled;
+    const char *profile_dir, *profile_name;
+    FILE *profile_log;
+} ddp_steps;
 
 // A model, its trainer and this rank's own batch.
 typedef struct ddp_run { tsys_model *model; tsys_dist_trainer *tr; tsys_tensor *ids, *targets; } ddp_run;
@@ -80,6 +88,22 @@ static inline tsys_status ddp_step(ddp_run *r, const ddp_steps *p, int j, tsys_d
     return st == TSYS_OK ? tsys_dist_trainer_replay(r->tr, t) : st;
 }
 
+// One more eager step on every rank, rank 0's under the profiler, its files written as p says. The
+// ranks agree that the profiler started before any steps (a rank alone in a collective would hang).
+static inline tsys_status ddp_profile_step(ddp_run *r, tsys_ctx *ctx, tsys_dist *d, const ddp_steps *p) {
+    tsys_profiler *prof = tsys_dist_rank(d) == 0 ? tsys_profiler_begin(ctx) : NULL;
+    tsys_status st = tsys_dist_rank(d) == 0 && !prof ? tsys_ctx_status(ctx) : TSYS_OK;
+    if (tsys_dist_any_failed(d, st)) { tsys_profiler_free(prof); return st != TSYS_OK ? st : TSYS_ERR_INVALID_ARGS; }
+    tsys_dist_step_times t;
+    memset(&t, 0, sizeof(t));
+    st = tsys_dist_trainer_step(r->tr, r->ids, r->targets, &t);
+    if (prof && tsys_profiler_end(prof) != TSYS_OK && st == TSYS_OK) st = tsys_ctx_status(ctx);
+    const double ms[3] = {t.forward_ms, t.backward_ms, t.optim_ms};
+    if (prof && st == TSYS_OK) st = du_profile_write(ctx, prof, p->profile_dir, p->profile_name, ms, p->profile_log);
+    tsys_profiler_free(prof);
+    return st;
+}
+
 // What the steps of one configuration measured: the slowest rank's numbers (max over the ranks).
 typedef struct ddp_measured {
     double *tm;             // steps each of step, backward + sync, optimizer and exposed ms (the caller frees it)
@@ -129,7 +153,8 @@ static inline bool ddp_measure(ddp_measured *m, tsys_ctx *ctx, tsys_dist *d, tsy
         failed = tsys_dist_any_failed(d, st);
     }
     m->fst = tsys_fsdp_stats_get(tsys_dist_trainer_fsdp(r.tr));   // the last step's, before the timing below
-    tsys_dist_trainer_uncapture(r.tr);   // the collectives' timing would move the graph's buffers
+    tsys_dist_trainer_uncapture(r.tr);   // the collectives' timing would move the graph's buffers; the profile steps eagerly
+    if (!failed && p->profile_dir) failed = tsys_dist_any_failed(d, st = ddp_profile_step(&r, ctx, d, p));
     for (int k = 0; !failed && k < 3; k++) {   // the step's collectives alone, mean of 3
         double ms = 0;
         tsys_dist_barrier(d);

@@ -269,7 +269,7 @@ static int driver_main(int argc, char **argv) {
     fprintf(cfg, "%s%s\n", o.snap.resume ? "; resume " : "", o.snap.resume ? o.snap.resume : "");
     if (o.common.dry_run) { opts_free(&o); return du_dry_run_done(&o.common, "e2e", configs); }
     tsys_ctx *ctx = NULL;   // --plan builds nothing
-    if (!o.plan && ((o.profile && !e2e_profile_open(o.profile, &o.profile_log)) || !(ctx = make_ctx(&o, dev, cfg)))) { opts_free(&o); return DU_EXIT_FAILED; }
+    if (!o.plan && ((o.profile && !du_profile_open("e2e", o.profile, &o.profile_log)) || !(ctx = make_ctx(&o, dev, cfg)))) { opts_free(&o); return DU_EXIT_FAILED; }
     if (cfg == stdout) printf("\n");   // markdown: a blank line before the table
     fflush(stdout);
     du_table tab;
@@ -287,7 +287,7 @@ static int driver_main(int argc, char **argv) {
         du_table_emit(&tab);
     }
     du_progress_end();
-    bool listed = !o.profile_log || e2e_profile_list(o.profile_log, cfg);   // the paths of the tables and traces
+    bool listed = !o.profile_log || du_profile_list("e2e", o.profile_log, cfg);   // the paths of the tables and traces
     rc = du_table_exit_code(&tab, "e2e", o.common.oom_ok);
     if (!listed && rc == DU_EXIT_OK) rc = DU_EXIT_FAILED;
     du_table_free(&tab);

@@ -1,32 +1,10 @@
-// e2e_profile.h - what e2e --profile DIR writes for one profiled step: DIR/<config>.md (the profiled
-// step's phases, the op and kernel tables), DIR/<config>.json (the Chrome trace) and a line in
-// DIR/summary.csv; each file is replaced whole (tsys_atomic_file), never half written. Included
-// by e2e after driver_util.h.
+// e2e_profile.h - what e2e --profile DIR writes for one profiled step: profile_files.h's
+// DIR/<config>.md and DIR/<config>.json under the configuration's name, and a line in
+// DIR/summary.csv (replaced whole: tsys_atomic_file). Included by e2e after driver_util.h.
 #ifndef TSYS_E2E_PROFILE_H
 #define TSYS_E2E_PROFILE_H
 #include <ctype.h>
-#include <sys/stat.h>
-
-// --profile DIR before the sweep: the folder (made when missing) and *log, a temporary file that
-// collects the paths of the files each configuration writes until the table is done. False after a
-// message naming the flag.
-static inline bool e2e_profile_open(const char *dir, FILE **log) {
-    if (mkdir(dir, 0777) != 0 && errno != EEXIST) { fprintf(stderr, "e2e: --profile: cannot make folder '%s': %s\n", dir, strerror(errno)); return false; }
-    if (!(*log = tmpfile())) { fprintf(stderr, "e2e: --profile: no temporary file: %s\n", strerror(errno)); return false; }
-    return true;
-}
-
-// After the table: the paths log collected, to out (after a blank line); false, after a message, when
-// they could not all be written or read back.
-static inline bool e2e_profile_list(FILE *log, FILE *out) {
-    char line[1400];
-    rewind(log);
-    fprintf(out, "\n");
-    while (fgets(line, sizeof(line), log)) fputs(line, out);
-    if (!ferror(log)) return true;
-    fprintf(stderr, "e2e: --profile: the list of profiled files could not be written or read back\n");
-    return false;
-}
+#include "profile_files.h"
 
 // The configuration of a row as a file name: "cpu_small_T128_train_fp32_naive", then "_compiled",
 // "_opt-in-bwd[-free]", "_lowp-copies" and "_ckpt-<policy>" (a file name's characters) where they
@@ -78,31 +56,12 @@ static inline tsys_status e2e_profile_summary(tsys_ctx *ctx, const tsys_profiler
 }
 
 // The files of one profiled step (p ended; t: its forward, backward, optimizer ms) of the row's
-// configuration; their paths go to log as one line, "profile of <config>: <md>, <json>".
+// configuration (du_profile_write's), and its line in DIR/summary.csv.
 static inline tsys_status e2e_profile_write(tsys_ctx *ctx, const tsys_profiler *p, const char *dir, const du_row *row, const double *t, FILE *log) {
-    char name[512], path[600];
+    char name[512];
     e2e_profile_name(name, sizeof(name), row);
-    snprintf(path, sizeof(path), "%s/%s.json", dir, name);
-    tsys_status st = TSYS_OK;
-    if (tsys_profiler_write_trace(p, path) != TSYS_OK) {
-        char why[600];
-        snprintf(why, sizeof(why), "%s", tsys_ctx_last_error(ctx));
-        tsys_ctx_clear_error(ctx);
-        return tsys_ctx_set_error(ctx, TSYS_ERR_IO, "--profile: write to '%s' failed (%s)", path, why);
-    }
-    snprintf(path, sizeof(path), "%s/%s.md", dir, name);
-    tsys_atomic_file af;
-    if ((st = tsys_atomic_file_open(ctx, "--profile", path, &af)) != TSYS_OK) return st;
-    fprintf(af.f, "### %s\n\nprofiled step: %.2f ms (forward %.2f, backward %.2f, optimizer %.2f); kernel time by phase: forward %.2f, backward %.2f, "
-            "optimizer %.2f ms\n\n", name, t[0] + t[1] + t[2], t[0], t[1], t[2], tsys_profiler_kernel_ms(p, "forward"), tsys_profiler_kernel_ms(p, "backward"),
-            tsys_profiler_kernel_ms(p, "optimizer"));
-    tsys_profiler_print_ops(p, af.f, 40);
-    fprintf(af.f, "\n");
-    tsys_profiler_print_kernels(p, af.f, 40);
-    fprintf(af.f, "\n");
-    if ((st = tsys_atomic_file_commit(ctx, &af)) != TSYS_OK) return st;
-    fprintf(log, "profile of %s: %s/%s.md, %s/%s.json\n", name, dir, name, dir, name);
-    return e2e_profile_summary(ctx, p, dir, name, t);
+    tsys_status st = du_profile_write(ctx, p, dir, name, t, log);
+    return st == TSYS_OK ? e2e_profile_summary(ctx, p, dir, name, t) : st;
 }
 
 // One more step of t under the profiler (it has taken its timed steps); its files go under dir as

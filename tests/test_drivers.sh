@@ -904,6 +904,28 @@ t_result_files_are_whole_or_absent() {
   check_no_partial "$prof"
 }
 
+# ddp --profile: rank 0's profile of one more eager step of each configuration, its phases as the
+# trainer names them (forward, backward, optimizer: a table with none is a profile of nothing), a trace
+# JSON can read, the files listed after the table; a folder that cannot be made stops every rank.
+t_dist_ddp_profile_files() {
+  [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
+  local prof="$tmp/prof" n
+  run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy fsdp,bucketed --bucket-mb 1 --profile "$prof"
+  expect_rc 0 "ddp --profile"
+  for n in cpu_custom_T16_fp32_fsdp_2ranks cpu_custom_T16_fp32_bucketed_2ranks_bucket-1; do
+    expect_in "$tmp/err" "^profile of $n: $prof/$n.md, $prof/$n.json\$" "ddp --profile lists $n (csv: on stderr)"
+    grep -Eq 'kernel time by phase: forward [0-9.]*[1-9][0-9.]*, backward [0-9.]*[1-9][0-9.]*, optimizer [0-9.]*[1-9][0-9.]* ms' "$prof/$n.md" 2>/dev/null ||
+      note "$n.md: a phase without kernel time: $(grep 'kernel time' "$prof/$n.md" 2>&1)"
+    python3 -c 'import json, sys; t = json.load(open(sys.argv[1])); ev = t["traceEvents"] if isinstance(t, dict) else t
+names = {e.get("name") for e in ev}
+sys.exit(0 if {"forward", "backward", "optimizer"} <= names else "phases missing from the trace")' "$prof/$n.json" || note "$n.json"
+  done
+  check_no_partial "$prof"
+  run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --profile /proc/no/such/dir
+  expect_rc 1 "ddp --profile into a folder that cannot be made"
+  expect_in "$tmp/err" "^ddp: --profile: cannot make folder '/proc/no/such/dir'" "the message names the folder"
+}
+
 # ddp --save-every/--save-dir/--resume, each strategy at 2 ranks: 4 steps saving at step 4, against 2 steps
 # saving at 2 and a resumed run of 2 more saving at 4: the two step-4 snapshots hold the same tensors, byte
 # for byte (DDP: rank 0's plain snapshot; zero1, fsdp: every rank's part).
