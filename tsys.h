@@ -755,8 +755,11 @@ TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int6
 //   P+keep-attn    P's regions, where flash attention keeps its output and log-sum-exp (one bf16
 //                  activation a block) so the recompute does not run the attention forward again:
 //                  for long contexts (TSYS_CHECKPOINT_KEEP_ATTENTION; no effect with naive attention)
-//   auto:BYTES     the planner (tsys_checkpoint_plan_make) picks the policy with the least
-//                  recomputation whose predicted peak fits BYTES (suffixes K, M, G, T, with or without
+//   P+first:N      (P a policy of block regions, with its suffixes) P's regions over the first N
+//                  blocks only; the blocks above keep everything (Megatron's recompute-num-layers):
+//                  memory that is left over buys back their recomputation, block by block
+//   auto:BYTES     the planner (tsys_checkpoint_plan_make) picks the policy (+first:N included) with
+//                  the least recomputation whose predicted peak fits BYTES (suffixes K, M, G, T, with or without
 //                  "iB"/"B", are powers of 1024); the model plans for a training step with AdamW
 // Which policy a model runs is fixed at tsys_model_new; auto plans again when (batch, context,
 // autocast) change.
@@ -765,6 +768,7 @@ typedef struct tsys_checkpoint_policy {
     int inner;         // blocks per region nested in each segment (0 = none, 1 = every block)
     bool selective;    // the per-block regions of `selective`
     bool keep_attention;   // flash attention keeps its output in the block regions (+keep-attn)
+    int first;         // the regions cover blocks [0, first) only (+first:N; 0 = every block)
     double budget;     // auto: bytes the step's peak must fit in (0 = not auto)
 } tsys_checkpoint_policy;
 TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, tsys_checkpoint_policy *out, char *err, size_t err_len);
@@ -5346,16 +5350,18 @@ static tsys_tensor *tsys__model_blocks_fused(tsys_model *m, tsys_tensor *x, int6
 // nested in each, the selective regions inside every block.
 static tsys_tensor *tsys__model_blocks(tsys_model *m, tsys_tensor *x, const tsys_checkpoint_policy *p, int64_t B, int64_t T) {
     tsys_ctx *ctx = m->ctx;
-    int n = m->desc.num_layers, seg = p->segment, inner = p->inner;
+    int n = m->desc.num_layers, covered = p->first ? p->first : n;   // +first:N: the blocks above N have no regions
     for (int l = 0; l < n; l++) {
+        int seg = l < covered ? p->segment : 0, inner = l < covered ? p->inner : 0;
+        bool sel = l < covered && p->selective;
         int in_seg = seg ? l % seg : l;   // position in the segment
-        bool seg_last = seg && ((l + 1) % seg == 0 || l + 1 == n);
+        bool seg_last = seg && ((l + 1) % seg == 0 || l + 1 == covered);
         unsigned flags = p->keep_attention ? TSYS_CHECKPOINT_KEEP_ATTENTION : 0;
         if (seg && in_seg == 0) tsys_checkpoint_begin_ex(ctx, flags);
         if (inner && in_seg % inner == 0) tsys_checkpoint_begin_ex(ctx, flags);
         tsys__region_begin(ctx, m->layer_names[l]);
-        x = tsys__residual(m, &m->layers[l], x, true, B, T, p->selective);
-        x = tsys__residual(m, &m->layers[l], x, false, B, T, p->selective);
+        x = tsys__residual(m, &m->layers[l], x, true, B, T, sel);
+        x = tsys__residual(m, &m->layers[l], x, false, B, T, sel);
         tsys__region_end(ctx, m->layer_names[l]);
         if (inner && ((in_seg + 1) % inner == 0 || seg_last)) tsys_checkpoint_end(ctx);
         if (seg_last) tsys_checkpoint_end(ctx);
@@ -5447,6 +5453,14 @@ TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, 
     if (n >= sizeof(buf)) snprintf(why, sizeof(why), "longer than %d characters", (int)sizeof(buf) - 1);
     else {
         memcpy(buf, s, n + 1);
+        char *first = strstr(buf, "+first:");
+        if (first && first != buf) {
+            const char *num = first + 7;
+            int f = (*num && strspn(num, "0123456789") == strlen(num) && strlen(num) < 8) ? atoi(num) : 0;
+            if (f < 1 || f > L) snprintf(why, sizeof(why), "+first:N needs N from 1 to num_layers (%d)", L);
+            out->first = f == L ? 0 : f;   // every block: the policy without it
+            *first = 0;
+        }
         char *keep = strstr(buf, "+keep-attn");
         if (keep && keep[10] == 0 && keep != buf) { out->keep_attention = true; *keep = 0; }
         char *plus = strstr(buf, "+selective");
@@ -5470,9 +5484,11 @@ TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, 
         } else snprintf(why, sizeof(why), "unknown policy");
         if (!why[0] && out->keep_attention && (!out->segment || out->selective || out->budget > 0))
             snprintf(why, sizeof(why), "+keep-attn goes with block regions alone (blocks:K, sqrt, nested[:K])");
+        if (!why[0] && first && !out->segment)
+            snprintf(why, sizeof(why), "+first:N goes with block regions (blocks:K, sqrt, nested[:K], with +selective or +keep-attn)");
     }
     if (!why[0]) return TSYS_OK;
-    if (err) snprintf(err, err_len, "checkpoint policy '%s': %s (policies: none, blocks:K, sqrt, nested[:K], selective, blocks:K+selective, sqrt+selective, nested[:K]+selective, P+keep-attn, auto:BYTES)", s, why);
+    if (err) snprintf(err, err_len, "checkpoint policy '%s': %s (policies: none, blocks:K, sqrt, nested[:K], selective, blocks:K+selective, sqrt+selective, nested[:K]+selective, P+keep-attn, P+first:N, auto:BYTES)", s, why);
     memset(out, 0, sizeof(*out));
     return TSYS_ERR_INVALID_ARGS;
 }
@@ -5481,9 +5497,11 @@ TSYSDEF void tsys_checkpoint_policy_name(const tsys_checkpoint_policy *p, char *
     if (!buf || !len) return;
     if (!p) snprintf(buf, len, "none");
     else if (p->budget > 0) snprintf(buf, len, "auto:%.4gGiB", p->budget / 1073741824.0);
-    else if (p->inner) snprintf(buf, len, "nested:%d%s", p->segment, p->selective ? "+selective" : p->keep_attention ? "+keep-attn" : "");
-    else if (p->segment) snprintf(buf, len, "blocks:%d%s", p->segment, p->selective ? "+selective" : p->keep_attention ? "+keep-attn" : "");
-    else snprintf(buf, len, "%s", p->selective ? "selective" : "none");
+    else if (p->segment) {
+        char first[24] = "";
+        if (p->first) snprintf(first, sizeof(first), "+first:%d", p->first);
+        snprintf(buf, len, "%s:%d%s%s", p->inner ? "nested" : "blocks", p->segment, p->selective ? "+selective" : p->keep_attention ? "+keep-attn" : "", first);
+    } else snprintf(buf, len, "%s", p->selective ? "selective" : "none");
 }
 
 // The sizes of one step and what a block keeps, part by part (the table above).
@@ -5556,24 +5574,26 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     bool kept = (how & TSYS_PLAN_KEPT_COPIES) && opt && a.ac;   // autocast reads the optimizer's copies: no weight is cast in the step
     if (kept) a.ac_block = a.ac_head = 0;
     double P = (double)tsys_model_desc_num_params(d), L = a.L, E = a.E;
-    int seg = p->segment, nseg = seg ? (d->num_layers + seg - 1) / seg : 0;
+    // +first:N: the regions cover F blocks, the U above them keep everything
+    int seg = p->segment, cover = seg && p->first ? p->first : d->num_layers, nseg = seg ? (cover + seg - 1) / seg : 0;
+    double F = cover, U = L - F;
     memset(out, 0, sizeof(*out));
     out->policy = *p;
     tsys_checkpoint_policy_name(p, out->name, sizeof(out->name));
     out->batch = B; out->context = T; out->dtype = dt; out->optimizer = opt;
     out->block_bytes = a.full;
-    bool keep_attn = p->keep_attention && a.flash && seg;   // every block's O and LSE stay
-    double kept_attn = keep_attn ? L * a.attn_big : 0;
-    double kept_blocks = seg ? nseg * a.x + kept_attn : L * (p->selective ? a.sel : a.full);
+    bool keep_attn = p->keep_attention && a.flash && seg;   // every covered block's O and LSE stay
+    double kept_attn = keep_attn ? F * a.attn_big : 0;
+    double kept_blocks = seg ? nseg * a.x + kept_attn + U * a.full : L * (p->selective ? a.sel : a.full);
     out->kept_block_bytes = kept_blocks / L;
     out->kept_bytes = kept_blocks + a.head;
     out->fixed_bytes = 4 * P + (opt ? 8 * P : 0) + 16 * E + (kept ? tsys__kept_copies_bytes(d, (int64_t)a.c) : 0);
     // gradients are made by group as backward reaches it (lm_head and the final norm first, then each
     // layer from the top; tsys__grad_home) and all live at its end and in the optimizer step
     double head_grads = 4 * (a.V * a.d + a.d), layer_grads = 4 * (4 * a.d * a.d + 3 * a.d * a.f + 2 * a.d);
-    // autocast copies still held after the forward: lm_head's, and without block regions every
-    // block's (selective's regions keep theirs: TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES)
-    double ac_held = a.ac_head + (seg ? 0 : L * a.ac_block);
+    // autocast copies still held after the forward: lm_head's, and every block's outside block regions
+    // (selective's regions keep theirs: TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES)
+    double ac_held = a.ac_head + (seg ? U : L) * a.ac_block;
     double attn_fwd = a.flash ? 0 : a.c * a.B * a.H * a.T * a.T * ((seg || p->selective) ? 2 : 1);
     double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head, attn_fwd);
     double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V + head_grads;
@@ -5586,9 +5606,13 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     if (!seg) {
         blocks = (L - 1) * kept_one + peak_one + head_grads + layer_grads;
         blocks_free = blocks - head_grads;
+    } else if (U > 0) {   // the top block of those without regions, the covered ones' inputs (and O, L) below
+        double below = nseg * a.x + kept_attn + (U - 1) * a.full + tsys__acct_block_peak(&a, false);
+        blocks = below + head_grads + layer_grads;
+        blocks_free = below + layer_grads;
     }
     for (int s = 0; s < nseg; s++) {   // s segments below; the gradients of the layers above and of this block are made
-        double k = TSYS__MIN(seg, d->num_layers - s * seg);
+        double k = TSYS__MIN(seg, cover - s * seg);
         double before = (k - 1) * (p->inner ? a.x : kept_one + (a.ac ? a.ac_block : 0));
         double grads = head_grads + (L - s * seg - k + 1) * layer_grads;
         blocks = TSYS__MAX(blocks, s * a.x + kept_attn + before + peak_one + grads);
@@ -5606,9 +5630,10 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double elem_blk = norms + 3 * a.s + (a.flash ? 0 : 2 * a.attn_big) + 6 * a.c * E * a.d;
     double elem_sel = norms + 3 * a.s + (a.flash ? 2 * a.o : 2 * a.attn_big);
     double flops = 0, bytes = 0, attn = keep_attn ? 0 : 2 * qk;   // +keep-attn: the attention forward is not rerun
-    if (seg) { flops += L * (gemm - w2 + attn) + (L - nseg) * w2; bytes += L * elem_blk; }   // a segment's last w2 is not rerun
-    if (p->inner) { flops += (L - nseg) * (gemm - w2 + attn); bytes += (L - nseg) * elem_blk; }   // nested: blocks but the last run once more
-    if (p->selective) { flops += L * (a.flash ? 2 * qk : qk); bytes += L * elem_sel; }
+    double R = seg ? F : L;   // the blocks with regions
+    if (seg) { flops += F * (gemm - w2 + attn) + (F - nseg) * w2; bytes += F * elem_blk; }   // a segment's last w2 is not rerun
+    if (p->inner) { flops += (F - nseg) * (gemm - w2 + attn); bytes += (F - nseg) * elem_blk; }   // nested: blocks but the last run once more
+    if (p->selective) { flops += R * (a.flash ? 2 * qk : qk); bytes += R * elem_sel; }
     out->step_flops = tsys_model_flops(d, B, T, true);
     out->recompute_flops = flops;
     out->recompute_bytes = bytes;
@@ -5620,25 +5645,27 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
 static double tsys__plan_cost(const tsys_checkpoint_plan *p) { return tsys_checkpoint_plan_extra_ms(p, 400.0, 2000.0); }
 
 // auto: every policy, the cheapest that fits (ties: the smaller peak); when none fits, the smallest peak.
+// Block policies come with every +first:N too (first 0: all blocks), segments no longer than N.
 static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out) {
     tsys_checkpoint_plan best, cand;
     bool have = false;
     int L = d->num_layers;
     for (int kind = 0; kind < 3; kind++)
-        for (int k = kind == 0 ? 0 : kind == 1 ? 1 : 2; k <= (kind == 0 ? 0 : L); k++)
-            for (int sel = 0; sel < 3; sel++) {   // none, +selective, +keep-attn (block regions, flash)
-                if (sel == 2 && (kind == 0 || strcmp(d->attn, "flash"))) continue;
-                tsys_checkpoint_policy p;
-                memset(&p, 0, sizeof(p));
-                p.segment = k; p.inner = kind == 2 ? 1 : 0; p.selective = sel == 1; p.keep_attention = sel == 2;
-                tsys__plan_fill(d, &p, B, T, dt, how, &cand);
-                cand.fits = cand.peak_bytes <= budget;
-                bool better = !have || (cand.fits && !best.fits) ||
-                              (cand.fits == best.fits && (cand.fits ? (tsys__plan_cost(&cand) < tsys__plan_cost(&best) ||
-                                                                       (tsys__plan_cost(&cand) == tsys__plan_cost(&best) && cand.peak_bytes < best.peak_bytes))
-                                                                    : cand.peak_bytes < best.peak_bytes));
-                if (better) { best = cand; have = true; }
-            }
+        for (int first = 0; first < (kind == 0 ? 1 : L); first++)
+            for (int k = kind == 0 ? 0 : kind == 1 ? 1 : 2; k <= (kind == 0 ? 0 : first ? first : L); k++)
+                for (int sel = 0; sel < 3; sel++) {   // none, +selective, +keep-attn (block regions, flash)
+                    if (sel == 2 && (kind == 0 || strcmp(d->attn, "flash"))) continue;
+                    tsys_checkpoint_policy p;
+                    memset(&p, 0, sizeof(p));
+                    p.segment = k; p.inner = kind == 2 ? 1 : 0; p.selective = sel == 1; p.keep_attention = sel == 2; p.first = first;
+                    tsys__plan_fill(d, &p, B, T, dt, how, &cand);
+                    cand.fits = cand.peak_bytes <= budget;
+                    bool better = !have || (cand.fits && !best.fits) ||
+                                  (cand.fits == best.fits && (cand.fits ? (tsys__plan_cost(&cand) < tsys__plan_cost(&best) ||
+                                                                           (tsys__plan_cost(&cand) == tsys__plan_cost(&best) && cand.peak_bytes < best.peak_bytes))
+                                                                        : cand.peak_bytes < best.peak_bytes));
+                    if (better) { best = cand; have = true; }
+                }
     *out = best;
     out->budget = budget;
 }
@@ -5692,7 +5719,8 @@ TSYSDEF void tsys_checkpoint_plan_print(const tsys_checkpoint_plan *p, FILE *f, 
             p->budget > 0 ? (p->fits ? " fits the budget" : " -- nothing fits the budget; this is the smallest peak") : "");
     const tsys_checkpoint_policy *q = &p->policy;
     fprintf(f, "  kept for backward: %.1f MiB per block (%.1f MiB without checkpointing), %.1f MiB in all\n", p->kept_block_bytes / MiB, p->block_bytes / MiB, p->kept_bytes / MiB);
-    if (q->segment) fprintf(f, "  recomputed: every %d blocks from their input%s\n", q->segment, q->inner ? ", then each block again from its own" : "");
+    if (q->segment) fprintf(f, "  recomputed: every %d blocks from their input%s%s\n", q->segment, q->inner ? ", then each block again from its own" : "",
+                            q->first ? " (the first blocks only: those above keep everything)" : "");
     if (q->selective) fprintf(f, "  recomputed in every block: the norms and their projections' inputs, the attention core, SwiGLU\n");
     if (!q->segment && !q->selective) fprintf(f, "  recomputed: nothing\n");
     fprintf(f, "  predicted peak %.1f MiB (fixed %.1f MiB%s%.1f MiB); recomputation %.3g GFLOP (+%.1f%% of the step's matmuls)",

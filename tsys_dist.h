@@ -4987,14 +4987,18 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
 // parameters and AdamW's state (fixed_bytes) and, under autocast, the weights' low-precision casts. The
 // formulas above do not know the policies: the S26 leaderboard row (8.13 B, context 32768, FSDP on 2
 // GPUs, blocks:1+keep-attn) measured 100263 MiB a rank against their 232845.
+// The parameters that matmuls read (every block's projections and the LM head): what autocast casts.
+static double tsys_dist__matmul_params(const tsys_model_desc *m) {
+    tsys_model_desc d = tsys_model_desc_defaults(m);
+    return d.num_layers * (4.0 * d.d_model * d.d_model + 3.0 * d.d_model * d.d_ff) + (double)d.vocab_size * d.d_model;
+}
+
 static double tsys_dist__ckpt_act_bytes(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context) {
     if (!m->checkpoint || !m->checkpoint[0] || !strcmp(m->checkpoint, "none")) return -1;
     tsys_checkpoint_plan p;
     if (tsys_checkpoint_plan_make(m, m->checkpoint, batch, context, dtype, true, &p, NULL, 0) != TSYS_OK) return -1;
-    tsys_model_desc d = tsys_model_desc_defaults(m);
     const bool lowp = dtype == TSYS_BF16 || dtype == TSYS_F16;
-    const double matmul_params = d.num_layers * (4.0 * d.d_model * d.d_model + 3.0 * d.d_model * d.d_ff) + (double)d.vocab_size * d.d_model;
-    return p.peak_bytes - p.fixed_bytes - (lowp ? 2.0 * matmul_params : 0);
+    return p.peak_bytes - p.fixed_bytes - (lowp ? 2.0 * tsys_dist__matmul_params(m) : 0);
 }
 
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world) {
@@ -5049,8 +5053,7 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
     double B = batch > 0 ? batch : 0, T = context > 0 ? context : 0, E = B * T;
     bool ac = dtype == TSYS_BF16 || dtype == TSYS_F16;
     double c = ac ? 2.0 : 4.0;
-    double Pmm = L * (4 * dm * dm + 3 * dm * f) + V * dm;
-    a.param_bytes = 4 * P + (ac ? c * Pmm : 0);
+    a.param_bytes = 4 * P + (ac ? c * tsys_dist__matmul_params(&d) : 0);
     a.grad_bytes = 4 * P;
     a.optim_bytes = 8 * P;
     if (scheme >= TSYS_SCHEME_ZERO1) a.optim_bytes /= N;

@@ -171,10 +171,16 @@ PY
     grep "resumed" "$OUT/lbload.err"; grep -h "error\|OOM" "$OUT"/lbsave.* "$OUT"/lbload.* | head -5; rm -rf "$S" ;;
   leaderboard)  # the S26 leaderboard step: 8.1 B parameters (d 4096, d_ff 11008, 34 layers, 32 heads, vocab 151936),
                 # context 32768, batch 2 in all, bf16, causal flash attention, cross_entropy(...).sum(), forward +
-                # backward + AdamW, under FSDP with activation checkpointing (LB_CKPT, default blocks:1)
-    timeout 560 $G/ddp_cuda --device cuda --nproc $NG --model custom --d-model 4096 --d-ff 11008 --num-layers 34 --num-heads 32 --vocab-size 151936 \
-      --context-length 32768 --batch-size $((2 / NG)) --dtype bf16 --attn flash --strategy fsdp --checkpoint ${LB_CKPT:-blocks:1} --loss sum \
-      --no-compute-ref --warmup ${LB_WARMUP:-1} --steps ${LB_STEPS:-2} --format md > "$OUT/leaderboard_${NG}gpu.md" 2>&1; cat "$OUT/leaderboard_${NG}gpu.md" ;;
+                # backward + AdamW, under FSDP with activation checkpointing: each policy of LB_CKPT (comma list,
+                # default blocks:1+keep-attn); LB_PROFILE=1: rank 0's profile of one more step of the first one
+    IFS=, read -ra pols <<< "${LB_CKPT:-blocks:1+keep-attn}"; prof=(--profile "$OUT/lbprof")
+    for pol in "${pols[@]}"; do
+      f="$OUT/leaderboard_${NG}gpu_${pol//[^a-z0-9]/-}.md"
+      timeout 560 $G/ddp_cuda --device cuda --nproc $NG --model custom --d-model 4096 --d-ff 11008 --num-layers 34 --num-heads 32 --vocab-size 151936 \
+        --context-length 32768 --batch-size $((2 / NG)) --dtype bf16 --attn flash --strategy fsdp --checkpoint "$pol" --loss sum \
+        --no-compute-ref --warmup ${LB_WARMUP:-1} --steps ${LB_STEPS:-2} --format md ${LB_PROFILE:+"${prof[@]}"} > "$f" 2>&1; echo "$pol: exit $?"
+      grep "^| cuda\|error\|profile of" "$f"; prof=()
+    done ;;
   *) echo "unknown part $part" ;;
   esac
 done

@@ -276,8 +276,8 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_INT("batch-size", &o.batch, "4", 1, 1 << 20, "sequences per rank"),
         DU_CONTEXT_FLAG(&o.contexts, "256", "context lengths"),
         DU_FLAG_CHOICE("attn", &o.attn, "auto", "naive|flash|auto", "attention (auto: flash on cuda under bf16, else naive)"),
-        DU_FLAG_CHECKED("checkpoint", &o.checkpoint, "none", "POLICY", checkpoint_ok, "none, blocks:K, sqrt, nested[:K], selective or P+selective",
-                        "activation checkpointing of the model (none, blocks:K, sqrt, nested[:K], selective,\nP+selective; see e2e --help)"),
+        DU_FLAG_CHECKED("checkpoint", &o.checkpoint, "none", "POLICY", checkpoint_ok, "none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn or P+first:N",
+                        "activation checkpointing of the model (none, blocks:K, sqrt, nested[:K], selective,\nP+selective, P+keep-attn, P+first:N; see e2e --help)"),
         DU_FLAG_CHOICE("loss", &o.loss, "mean", "mean|sum", "cross-entropy's mean over the tokens, or its sum (the S26 leaderboard's)"),
         DU_FLAG_CHOICE("fsdp-reshard", &o.reshard, "auto", "auto|yes|no",
                        "fsdp: free each unit's gathered weights after its forward and gather them again\nfor its backward (yes), or keep them "

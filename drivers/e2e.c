@@ -46,7 +46,7 @@ static void opts_free(e2e_opts *o) {
     "repetitions spread more than 20% ((max - min) / median). saved_MiB: what forward kept for backward;\n" \
     "pred_MiB: the checkpointing plan's predicted peak; peak_MiB: the measured peak.\n"
 
-#define CKPT_RULE "none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn or auto:BYTES (K a positive integer, BYTES such as 60GiB)"
+#define CKPT_RULE "none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn, P+first:N or auto:BYTES (K, N positive integers, BYTES such as 60GiB)"
 
 // Parses the flags into o; 0 (o owns its lists: opts_free), DU_HELP, or DU_EXIT_USAGE after a message.
 static int parse_flags(int argc, char **argv, e2e_opts *o) {
@@ -70,7 +70,8 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
                      "kernel (tsys_optim_keep_lowp) so autocast casts no weight each step; 2 bytes\na parameter more, bitwise the same training (train mode under bf16/fp16)"),
         DU_FLAG_LIST("compile", &o->compiles, "no", "no|yes", "no or yes: yes captures the whole step as a CUDA graph after warmup and\nreplays it (cuda only)"),
         DU_FLAG_LIST_CHECKED("checkpoint", &o->ckpts, "none", ok_ckpt, CKPT_RULE, "activation checkpointing: none | blocks:K | sqrt | nested[:K] |\nselective | "
-                             "P+selective (P one of the four before) | P+keep-attn (flash\nattention keeps its output: no attention forward in the recompute) |\nauto:BYTES "
+                             "P+selective (P one of the four before) | P+keep-attn (flash\nattention keeps its output: no attention forward in the recompute) |\n"
+                             "P+first:N (P's regions over the first N blocks; those above keep all) |\nauto:BYTES "
                              "(the planner picks the cheapest policy whose predicted peak fits\nBYTES, e.g. auto:60GiB, and prints its plan on stderr)"),
         DU_FLAG_BOOL("plan", &o->plan, "print each configuration's checkpointing accounting (bytes a block keeps\nwith and without checkpointing, "
                      "predicted peak, recomputed FLOPs in percent\nof the step's) instead of measuring"),

@@ -74,7 +74,8 @@ static bool run_step(const char *attn, const char *policy, tsys_dtype autocast, 
 }
 
 static const char *const policies[] = {"blocks:1", "blocks:2", "blocks:3", "sqrt", "nested", "nested:3", "selective",
-                                       "blocks:2+selective", "nested:2+selective", "blocks:4+selective", "blocks:1+keep-attn", "nested:2+keep-attn"};
+                                       "blocks:2+selective", "nested:2+selective", "blocks:4+selective", "blocks:1+keep-attn", "nested:2+keep-attn",
+                                       "blocks:1+first:2", "blocks:1+keep-attn+first:3", "nested:2+selective+first:3", "blocks:2+first:1"};
 #define NUM_POLICIES ((int)(sizeof(policies) / sizeof(policies[0])))
 
 static void bitwise_every_policy(const char *attn, tsys_dtype autocast) {
@@ -328,13 +329,14 @@ TSYS_TEST(hooks_see_the_final_gradient_once_per_backward) {
 // ---- memory: the tracker against the accounting --------------------------------------------------------
 
 TSYS_TEST(saved_bytes_match_the_accounting) {
-    const char *const pols[8] = {"none", "selective", "blocks:1", "blocks:3", "nested:2", "nested:2+selective", "blocks:1+keep-attn", "nested:2+keep-attn"};
+    const char *const pols[11] = {"none", "selective", "blocks:1", "blocks:3", "nested:2", "nested:2+selective", "blocks:1+keep-attn", "nested:2+keep-attn",
+                                  "blocks:1+first:2", "blocks:1+keep-attn+first:3", "nested:2+selective+first:3"};
     const char *const attns[2] = {"naive", "flash"};
     const tsys_dtype dts[2] = {TSYS_F32, TSYS_BF16};
     step_result r;
     for (int a = 0; a < 2; a++)
         for (int t = 0; t < 2; t++)
-            for (int i = 0; i < 8; i++) {
+            for (int i = 0; i < 11; i++) {
                 if (a == 1 && t == 1) continue;   // the CPU flash kernel is fp32
                 if (!run_step(attns[a], pols[i], dts[t], &r)) { TEST_CHECK(false, "%s failed", pols[i]); continue; }
                 tsys_model_desc d = small_desc(attns[a], pols[i]);
@@ -397,9 +399,10 @@ static int64_t measured_train_peak(const char *policy, tsys_dtype ac, int64_t *b
 }
 
 TSYS_TEST(predicted_peak_within_10_percent_of_measured) {
-    const char *const pols[8] = {"none", "selective", "blocks:1", "blocks:2", "sqrt", "nested:2", "nested:3+selective", "blocks:2+selective"};
+    const char *const pols[11] = {"none", "selective", "blocks:1", "blocks:2", "sqrt", "nested:2", "nested:3+selective", "blocks:2+selective",
+                                  "blocks:1+first:4", "blocks:2+first:2", "nested:2+selective+first:4"};
     for (int t = 0; t < 2; t++)
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < 11; i++) {
             tsys_dtype ac = t ? TSYS_BF16 : TSYS_F32;
             int64_t predicted = 0, measured = measured_train_peak(pols[i], ac, &predicted);
             TEST_CHECK(measured > 0, "%s failed", pols[i]);
@@ -428,6 +431,24 @@ TSYS_TEST(auto_picks_the_cheapest_policy_that_fits) {
     int64_t predicted = 0, measured = measured_train_peak(spec, TSYS_F32, &predicted);
     TEST_CHECK(measured > 0 && (double)measured <= budget, "the model under %s peaked at %lld bytes (budget %.0f, predicted %lld)", spec, (long long)measured, budget, (long long)predicted);
     TEST_CHECK(measured_train_peak("none", TSYS_F32, NULL) > budget, "the budget must be one that needs checkpointing");
+    // the budget that blocks:1 fits with a quarter of the difference to none left over buys back the
+    // recomputation of the blocks above (+first:N): less than every policy over all blocks that fits
+    double tight = b1.peak_bytes + (none.peak_bytes - b1.peak_bytes) / 4;
+    tsys_checkpoint_plan t;
+    snprintf(spec, sizeof(spec), "auto:%.0f", tight);
+    TEST_CHECK(tsys_checkpoint_plan_make(&d, spec, 2, 64, TSYS_F32, true, &t, err, sizeof(err)) == TSYS_OK && t.fits && t.policy.first > 0 &&
+               t.recompute_flops < b1.recompute_flops, "budget %.0f: '%s' (first %d) recomputes %.3g FLOPs against blocks:1's %.3g", tight, t.name,
+               t.policy.first, t.recompute_flops, b1.recompute_flops);
+    const char *const whole[3] = {"blocks:2", "blocks:3", "sqrt"};
+    for (int i = 0; i < 3; i++) {
+        tsys_checkpoint_plan w;
+        tsys_checkpoint_plan_make(&d, whole[i], 2, 64, TSYS_F32, true, &w, NULL, 0);
+        TEST_CHECK(w.peak_bytes > tight || w.recompute_flops >= t.recompute_flops, "%s fits %.0f and recomputes %.3g, less than '%s' (%.3g)", whole[i],
+                   tight, w.recompute_flops, t.name, t.recompute_flops);
+    }
+    measured = measured_train_peak(spec, TSYS_F32, &predicted);
+    TEST_CHECK(measured > 0 && (double)measured <= tight * 1.05, "the model under %s ('%s') peaked at %lld bytes (predicted %lld)", spec, t.name,
+               (long long)measured, (long long)predicted);
     // nothing fits: the least peak, marked as not fitting
     TEST_CHECK(tsys_checkpoint_plan_make(&d, "auto:1K", 2, 64, TSYS_F32, true, &got, err, sizeof(err)) == TSYS_OK, "%s", err);
     TEST_CHECK(!got.fits && got.peak_bytes <= b1.peak_bytes, "auto:1K: '%s' fits %d, peak %.0f", got.name, got.fits, got.peak_bytes);
@@ -465,7 +486,9 @@ TSYS_TEST(misuse_is_reported_with_the_rule) {
         {"nested:1", "K from 2 to num_layers"}, {"nested:9", "K from 2"}, {"auto:", "positive size"}, {"auto:-5G", "positive size"},
         {"auto:12Q", "positive size"}, {"auto:nan", "positive size"}, {"selective+selective", "unknown policy"}, {"+selective", "unknown policy"},
         {"auto:1G+selective", "unknown policy"}, {"everything", "unknown policy"}, {"selective+keep-attn", "block regions alone"},
-        {"blocks:2+selective+keep-attn", "block regions alone"}, {"none+keep-attn", "unknown policy"}};
+        {"blocks:2+selective+keep-attn", "block regions alone"}, {"none+keep-attn", "unknown policy"}, {"blocks:1+first:0", "N from 1 to num_layers (4)"},
+        {"blocks:1+first:5", "N from 1 to num_layers (4)"}, {"blocks:1+first:", "N from 1"}, {"selective+first:2", "+first:N goes with block regions"},
+        {"first:2", "unknown policy"}, {"blocks:1+first:2+keep-attn", "N from 1"}};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         tsys_checkpoint_policy p;
         char err[512] = "";
@@ -482,6 +505,13 @@ TSYS_TEST(misuse_is_reported_with_the_rule) {
         TEST_CHECK(st == TSYS_OK && p.segment == good[i].seg && p.inner == good[i].inner && p.selective == good[i].sel && p.budget == good[i].budget,
                    "'%s': %s; segment %d inner %d selective %d budget %g", good[i].s, err, p.segment, p.inner, p.selective, p.budget);
     }
+    tsys_checkpoint_policy fp;
+    char name[48];
+    TEST_CHECK(tsys_checkpoint_policy_parse("blocks:1+keep-attn+first:3", 4, &fp, NULL, 0) == TSYS_OK && fp.segment == 1 && fp.keep_attention && fp.first == 3,
+               "blocks:1+keep-attn+first:3: segment %d keep %d first %d", fp.segment, fp.keep_attention, fp.first);
+    tsys_checkpoint_policy_name(&fp, name, sizeof(name));
+    TEST_CHECK(!strcmp(name, "blocks:1+keep-attn+first:3"), "its name reads '%s'", name);
+    TEST_CHECK(tsys_checkpoint_policy_parse("nested:2+first:4", 4, &fp, NULL, 0) == TSYS_OK && fp.first == 0, "+first:N of every block is the policy alone");
     tsys_model_desc d = small_desc("naive", "blocks:7");
     TEST_CHECK(tsys_model_new(ctx, &d, TSYS_CPU, 1) == NULL && strstr(tsys_ctx_last_error(ctx), "blocks:7"), "model with blocks:7 of 4: '%s'", tsys_ctx_last_error(ctx));
     tsys_ctx_free(ctx);

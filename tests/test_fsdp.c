@@ -526,6 +526,8 @@ TSYS_TEST(fsdp_lm_adamw_fp32) { fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_AUTO); }
 // were freed after the forward) and the unit's backward frees it; bit for bit as without it.
 TSYS_TEST(fsdp_lm_checkpoint_blocks_fp32) { fsdp_lm_adamw("blocks:1", TSYS_FSDP_RESHARD_AUTO); }
 TSYS_TEST(fsdp_lm_checkpoint_nested_selective_fp32) { fsdp_lm_adamw("nested:2+selective", TSYS_FSDP_RESHARD_AUTO); }
+// regions over the lower blocks only (the S26 step's use of spare memory): units with and without a recompute
+TSYS_TEST(fsdp_lm_checkpoint_first_blocks_fp32) { fsdp_lm_adamw("blocks:1+first:1", TSYS_FSDP_RESHARD_AUTO); }
 // reshard_after_forward set either way at every world size: the same bits, a unit gathered once a
 // step when kept (a recompute finds it still gathered)
 TSYS_TEST(fsdp_lm_keep_gathered_fp32) { fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_NO); }
