@@ -134,6 +134,15 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "scaling_torch_*gpu.csv"))):
               f"step_ms {r.get('step_ms', ''):>9s} std {r.get('step_std', ''):>7s} comm_ms {r.get('comm_ms', '')} {r.get('status', '')[:60]}")
 PY
     ;;
+  ddpprof)  # rank 0's profile of one eager DDP step (bucketed 100 MB, MODEL, bf16, context 256, batch 4) alone and
+            # beside 1 and NG-1 peers: which kernels slow down while NCCL runs (kernel tables by phase)
+    for np in 1 2 $NG; do
+      timeout 300 $G/ddp_cuda --device cuda --nproc $np --model $MODEL --dtype bf16 --strategy bucketed --bucket-mb 100 --batch-size 4 \
+        --context-length 256 --warmup $WARMUP --steps $STEPS --no-compute-ref --profile "$OUT/ddpprof" --format md > "$OUT/ddpprof_${np}.md" 2>&1; echo "$np GPU(s): exit $?"
+      grep "^| cuda" "$OUT/ddpprof_${np}.md" | cut -d'|' -f5,14-17
+      f=$(ls "$OUT"/ddpprof/*_${np}ranks_bucket-100.md 2>/dev/null | head -1)
+      [ -n "$f" ] && { grep "profiled step" "$f"; grep "^| [a-z_0-9]* | cuda" "$f" | head -12 | cut -d'|' -f2,5,6,11-13; }
+    done ;;
   account) $G/ddp_cuda --account --device cuda --nproc $NG --model $MODEL --dtype $DTYPES ;;
   fsdp)  # FSDP (ZeRO-3): its tests through NCCL, with 2 ranks on one GPU (staging) and alone; then the xl rows
          # (batch 4 per GPU, context 256) beside DDP's best (bucketed 1000 MB, overlap) and the 1-GPU overhead;
