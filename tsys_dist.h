@@ -529,9 +529,9 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
 // The link as an alpha-beta model (>>link model), to predict the time of collectives from the bytes the
 // accounting says they send: alpha_ms the fixed cost of one collective, beta the bytes a rank sends per ms.
 typedef struct tsys_dist_link_model { double alpha_ms, beta_bytes_per_ms; } tsys_dist_link_model;
-// Measures the group's link with all-reduces of dev tensors: of 64 KiB (20 back to back, one wait at the
-// end, as DDP issues its buckets) and of 256 MiB (32 MiB on host ranks), each the slowest rank's mean of 5
-// after 2 warm-ups. Every rank calls it and gets the same model; zeros (no prediction) in a group of one or
+// Measures the group's link with all-reduces of dev tensors issued back to back with one wait at the end,
+// as DDP issues its buckets: 20 of 64 KiB, 4 of 64 MiB (8 MiB on host ranks), each the slowest rank's
+// median of 7 rounds after 2 warm-ups. Every rank calls it and gets the same model; zeros (no prediction) in a group of one or
 // when a probe fails (out of memory: the context's error is cleared).
 TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device dev);
 // n collectives issued back to back that send sent_bytes a rank: max(n alpha, sent / beta); NAN for the
@@ -5083,8 +5083,7 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
 // >>link model ------------------------------------------------------------------------------------
 // n collectives issued back to back: one's launch and sync overlap another's transfer, so the time is
 // bounded below by both n alpha and sent / beta, and lies near the larger (2 x H100, xl, bf16: DDP naive's
-// 435 all-reduces 39.9 ms measured, 39.8 predicted; flat 23.3 / 28.0, bucketed 100 MB 30.2 / 28.0: beta
-// from one 256 MiB probe moved between 286 and 357 GB/s from call to call).
+// 435 all-reduces 39.9 ms measured, 39.8 predicted; flat 23.3 / 28.0, bucketed 100 MB 30.2 / 28.0).
 TSYSDEF double tsys_dist_link_time_ms(tsys_dist_link_model m, int n, double sent_bytes) {
     if (!(m.beta_bytes_per_ms > 0)) return NAN;
     return fmax(n * m.alpha_ms, sent_bytes / m.beta_bytes_per_ms);
@@ -5092,19 +5091,29 @@ TSYSDEF double tsys_dist_link_time_ms(tsys_dist_link_model m, int n, double sent
 
 TSYSDEF double tsys_dist_ring_sent(int world, double bytes) { return world > 0 ? 2.0 * (world - 1) / world * bytes : 0; }
 
-// The mean ms of one all-reduce of x over 5 rounds of reps back to back (after 2 rounds of warm-up).
+static int tsys_dist__cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+// The ms of one all-reduce of x, from reps issued back to back and one wait (as DDP issues its
+// buckets): the median of 7 rounds after 2 of warm-up. The median, since a round the host or a peer
+// was late for would move a mean by tens of percent (one 256 MiB all-reduce a round moved the
+// 2-GPU prediction from 29.5 to 51.3 ms between two calls).
 static tsys_status tsys_dist__probe_all_reduce(tsys_dist *d, tsys_tensor *x, int reps, double *ms) {
     tsys_status st = TSYS_OK;
-    double sum = 0;
-    for (int it = 0; st == TSYS_OK && it < 7; it++) {
+    double round[7];
+    for (int it = 0; st == TSYS_OK && it < 9; it++) {
         if ((st = tsys_dist_barrier(d)) != TSYS_OK) break;
         double t0 = tsys_time_us();
         for (int r = 0; st == TSYS_OK && r < reps; r++) st = tsys_dist_all_reduce(d, x, TSYS_DIST_SUM);
         if (st == TSYS_OK) st = tsys_dist_sync(d);
-        if (it >= 2) sum += (tsys_time_us() - t0) * 1e-3 / reps;
+        if (it >= 2) round[it - 2] = (tsys_time_us() - t0) * 1e-3 / reps;
     }
-    *ms = sum / 5;
-    return st;
+    if (st != TSYS_OK) return st;
+    qsort(round, 7, sizeof(double), tsys_dist__cmp_double);
+    *ms = round[3];
+    return TSYS_OK;
 }
 
 TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device dev) {
@@ -5112,13 +5121,13 @@ TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device 
     tsys_ctx *ctx = tsys_dist_ctx(d);
     const int world = tsys_dist_size(d);
     if (!ctx || world < 2) return m;
-    const int64_t floats[2] = {16384, dev == TSYS_CUDA ? (int64_t)64 << 20 : (int64_t)8 << 20};
+    const int64_t floats[2] = {16384, dev == TSYS_CUDA ? (int64_t)16 << 20 : (int64_t)2 << 20};
     double t[2] = {0, 0};
     for (int k = 0; k < 2; k++) {
         tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &floats[k]);
         // every rank learns whether any could not allocate (or probe), so all stop at the same point
         bool bad = tsys_dist_any_failed(d, x && tsys_tensor_fill(ctx, x, 1.0f) == TSYS_OK ? TSYS_OK : TSYS_ERR_OOM);
-        if (!bad) bad = tsys_dist_any_failed(d, tsys_dist__probe_all_reduce(d, x, k == 0 ? 20 : 1, &t[k]));
+        if (!bad) bad = tsys_dist_any_failed(d, tsys_dist__probe_all_reduce(d, x, k == 0 ? 20 : 4, &t[k]));
         tsys_tensor_release(x);
         if (bad) { tsys_ctx_clear_error(ctx); return m; }
     }

@@ -198,8 +198,8 @@ static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
 #endif
     const tsys_dist_link_model link = tsys_dist_calibrate_link(d, dev);
     if (rank == 0 && link.beta_bytes_per_ms > 0)
-        fprintf(f, "link model (all-reduces of 64 KiB, 20 back to back, and of %d MiB): %.1f us a collective + bytes sent a rank at %.2f GB/s\n",
-                cuda ? 256 : 32, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
+        fprintf(f, "link model (all-reduces back to back, 20 of 64 KiB and 4 of %d MiB, medians): %.1f us a collective + bytes sent a rank at %.2f GB/s\n",
+                cuda ? 64 : 8, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
     if (rank == 0) { fprintf(f, "\n"); fflush(f); }
     du_table tab;
     du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
