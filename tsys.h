@@ -808,6 +808,8 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, co
                                                  unsigned flags, tsys_checkpoint_plan *out, char *err, size_t err_len);
 // Extra step time of the recomputation at the given rates (TFLOP/s for matmuls, GB/s for elementwise).
 TSYSDEF double tsys_checkpoint_plan_extra_ms(const tsys_checkpoint_plan *p, double tflops, double gbps);
+// What auto ranks policies by: the extra ms on a nominal machine (400 TFLOP/s, 2 TB/s).
+TSYSDEF double tsys_checkpoint_plan_cost(const tsys_checkpoint_plan *p);
 // The plan in a few lines: policy, what is kept and what is recomputed, predicted peak, extra time.
 TSYSDEF void tsys_checkpoint_plan_print(const tsys_checkpoint_plan *p, FILE *f, double tflops, double gbps);
 TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model *m);   // the last forward's (NULL before / none)
@@ -5642,7 +5644,7 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
 }
 
 // The nominal machine the planner ranks policies on: recomputation costs FLOPs / 400 TFLOP/s + bytes / 2 TB/s.
-static double tsys__plan_cost(const tsys_checkpoint_plan *p) { return tsys_checkpoint_plan_extra_ms(p, 400.0, 2000.0); }
+TSYSDEF double tsys_checkpoint_plan_cost(const tsys_checkpoint_plan *p) { return tsys_checkpoint_plan_extra_ms(p, 400.0, 2000.0); }
 
 // auto: every policy, the cheapest that fits (ties: the smaller peak); when none fits, the smallest peak.
 // Block policies come with every +first:N too (first 0: all blocks), segments no longer than N.
@@ -5661,8 +5663,8 @@ static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, 
                     tsys__plan_fill(d, &p, B, T, dt, how, &cand);
                     cand.fits = cand.peak_bytes <= budget;
                     bool better = !have || (cand.fits && !best.fits) ||
-                                  (cand.fits == best.fits && (cand.fits ? (tsys__plan_cost(&cand) < tsys__plan_cost(&best) ||
-                                                                           (tsys__plan_cost(&cand) == tsys__plan_cost(&best) && cand.peak_bytes < best.peak_bytes))
+                                  (cand.fits == best.fits && (cand.fits ? (tsys_checkpoint_plan_cost(&cand) < tsys_checkpoint_plan_cost(&best) ||
+                                                                           (tsys_checkpoint_plan_cost(&cand) == tsys_checkpoint_plan_cost(&best) && cand.peak_bytes < best.peak_bytes))
                                                                         : cand.peak_bytes < best.peak_bytes));
                     if (better) { best = cand; have = true; }
                 }

@@ -926,6 +926,25 @@ sys.exit(0 if {"forward", "backward", "optimizer"} <= names else "phases missing
   expect_in "$tmp/err" "^ddp: --profile: cannot make folder '/proc/no/such/dir'" "the message names the folder"
 }
 
+# ddp --checkpoint auto:BYTES: each row's policy is chosen for its strategy and ranks and named in the row;
+# a budget nothing fits runs the least peak and says so; --account has no strategy to choose for.
+t_dist_ddp_checkpoint_auto() {
+  [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
+  local base=(--nproc 2 --device cpu --model custom --d-model 64 --num-layers 4 --num-heads 2 --d-ff 128 --vocab-size 97 --batch-size 2
+              --context-length 64 --warmup 0 --steps 1 --bucket-mb 1 --format csv)
+  run "$B/ddp" "${base[@]}" --strategy bucketed,fsdp --checkpoint auto:4MiB
+  expect_rc 0 "ddp --checkpoint auto:4MiB"
+  expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,fp32,64,2,[a-z]+:[0-9]+[+a-z:0-9-]* \(auto\),.*,ok$' "bucketed: a checkpointed policy, named"
+  expect_in "$tmp/out" '^cpu,custom,2,fsdp,,,fp32,64,2,none \(auto\),.*,ok$' "fsdp: its shards leave room for none"
+  run "$B/ddp" "${base[@]}" --strategy fsdp --checkpoint auto:1MiB
+  expect_rc 0 "ddp --checkpoint auto:1MiB"
+  expect_in "$tmp/err" '^ddp: auto:1MiB: no policy fits; [a-z0-9:+-]+ has the least predicted peak \([0-9.]+ MiB a rank\)$' "nothing fits: said once"
+  [ "$(grep -c 'no policy fits' "$tmp/err")" = 1 ] || note "said $(grep -c 'no policy fits' "$tmp/err") times"
+  run "$B/ddp" --account --checkpoint auto:1GiB
+  expect_rc 2 "ddp --account --checkpoint auto:1GiB"
+  expect_in "$tmp/err" 'auto:BYTES is chosen per strategy' "--account says why"
+}
+
 # ddp --save-every/--save-dir/--resume, each strategy at 2 ranks: 4 steps saving at step 4, against 2 steps
 # saving at 2 and a resumed run of 2 more saving at 4: the two step-4 snapshots hold the same tensors, byte
 # for byte (DDP: rank 0's plain snapshot; zero1, fsdp: every rank's part).

@@ -816,6 +816,47 @@ TSYS_TEST(fsdp_accounting_follows_checkpointing) {
                plain.act_bytes);
 }
 
+// auto:BYTES for a rank: the S26 leaderboard model under FSDP on 2 GPUs with a 140 GiB budget a rank (an
+// H200's, less room to spare) must fit and recompute no more than blocks:1+keep-attn+first:26, the best
+// hand-picked policy measured (131113 MiB, docs/BENCHMARKS.md section 11); room for everything picks none;
+// a budget nothing fits is out of memory, naming the policy of the least peak.
+TSYS_TEST(fsdp_checkpoint_auto_for_a_budget) {
+    tsys_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.d_model = 4096; d.d_ff = 11008; d.num_layers = 34; d.num_heads = 32; d.vocab_size = 151936; d.context_length = 32768; d.attn = "flash";
+    tsys_fsdp_desc fd;
+    memset(&fd, 0, sizeof fd);
+    fd.compute_dtype = TSYS_BF16;
+    const double GiB = 1073741824.0, budget = 140 * GiB;
+    char pol[64];
+    double peak = 0;
+    TEST_CHECK(tsys_dist_checkpoint_auto(&d, &fd, TSYS_SCHEME_ZERO3, TSYS_BF16, 1, 32768, 2, budget, pol, sizeof pol, &peak) == TSYS_OK && peak <= budget,
+               "140 GiB: '%s', peak %.1f GiB", pol, peak / GiB);
+    tsys_model_desc a = d, h = d;
+    a.checkpoint = pol; h.checkpoint = "blocks:1+keep-attn+first:26";
+    tsys_checkpoint_plan pa, ph;
+    tsys_checkpoint_plan_make(&a, pol, 1, 32768, TSYS_BF16, true, &pa, NULL, 0);
+    tsys_checkpoint_plan_make(&h, h.checkpoint, 1, 32768, TSYS_BF16, true, &ph, NULL, 0);
+    TEST_CHECK(tsys_fsdp_accounting_desc(&a, &fd, 1, 32768, 2).total_bytes == peak, "the peak given is the accounting's");
+    TEST_CHECK(tsys_checkpoint_plan_cost(&pa) <= tsys_checkpoint_plan_cost(&ph), "'%s' costs %.1f ms, more than %s (%.1f)", pol, tsys_checkpoint_plan_cost(&pa),
+               h.checkpoint, tsys_checkpoint_plan_cost(&ph));
+    TEST_CHECK(tsys_dist_checkpoint_auto(&d, &fd, TSYS_SCHEME_ZERO3, TSYS_BF16, 1, 32768, 2, 1e15, pol, sizeof pol, &peak) == TSYS_OK && !strcmp(pol, "none"),
+               "room for everything: '%s'", pol);
+    TEST_CHECK(tsys_dist_checkpoint_auto(&d, &fd, TSYS_SCHEME_ZERO3, TSYS_BF16, 1, 32768, 2, 10 * GiB, pol, sizeof pol, &peak) == TSYS_ERR_OOM && peak > 10 * GiB,
+               "10 GiB: '%s', peak %.1f GiB", pol, peak / GiB);
+    h.checkpoint = "blocks:1";
+    TEST_CHECK(peak <= tsys_fsdp_accounting_desc(&h, &fd, 1, 32768, 2).total_bytes, "out of room, '%s' (%.1f GiB) is no smaller than blocks:1", pol, peak / GiB);
+    // DDP's accounting when no FSDP desc is given: xl on 2 ranks, bf16, a budget between blocks:1 and none
+    tsys_model_desc x;
+    tsys_model_desc_preset("xl", &x, NULL, 0);
+    x.attn = "flash"; x.checkpoint = "none";
+    const double none_peak = tsys_dist_accounting(&x, TSYS_BF16, 8, 1024, 2, TSYS_SCHEME_DDP).total_bytes;
+    x.checkpoint = "blocks:1";
+    const double b1_peak = tsys_dist_accounting(&x, TSYS_BF16, 8, 1024, 2, TSYS_SCHEME_DDP).total_bytes, mid = (none_peak + b1_peak) / 2;
+    TEST_CHECK(tsys_dist_checkpoint_auto(&x, NULL, TSYS_SCHEME_DDP, TSYS_BF16, 8, 1024, 2, mid, pol, sizeof pol, &peak) == TSYS_OK && peak <= mid &&
+               strcmp(pol, "none") && strstr(pol, "+first:"), "DDP, xl, %.1f GiB: '%s' (%.1f GiB)", mid / GiB, pol, peak / GiB);
+}
+
 TSYS_TEST(fsdp_bad_input) {
     toy m;
     toy_init(&m, 1);
