@@ -117,10 +117,11 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
 }
 
 // The configuration of a row as a file name (--profile's): "cuda_xl_T256_bf16_fsdp_2ranks", then
-// "_bucket-<MB>", "_grad-bf16", "_compiled", "_ckpt-<policy>" where they apply.
+// "_bucket-<MB>", "_grad-bf16", "_compiled", "_ckpt-<policy>[-auto]" where they apply.
 static void profile_name(char *name, size_t len, const du_row *row, int world) {
-    char ckpt[64] = "", bucket[48] = "";
-    if (strcmp(du_row_get(row, "ckpt"), "none")) snprintf(ckpt, sizeof(ckpt), "_ckpt-%s", du_row_get(row, "ckpt"));
+    char ckpt[80] = "", bucket[48] = "";
+    const char *policy = du_row_get(row, "ckpt"), *chosen = strstr(policy, " (auto)");   // auto's choice: "<policy>-auto"
+    if (strcmp(policy, "none")) snprintf(ckpt, sizeof(ckpt), "_ckpt-%.*s%s", chosen ? (int)(chosen - policy) : (int)strlen(policy), policy, chosen ? "-auto" : "");
     if (*du_row_get(row, "bucket_mb")) snprintf(bucket, sizeof(bucket), "_bucket-%s", du_row_get(row, "bucket_mb"));
     snprintf(name, len, "%s_%s_T%s_%s_%s_%dranks%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
              du_row_get(row, "dtype"), du_row_get(row, "strategy"), world, bucket, !strcmp(du_row_get(row, "grad_comm"), "bf16") ? "_grad-bf16" : "",
