@@ -61,8 +61,9 @@ fi
 # activation checkpointing, the summed loss, no unsharded reference) runs and says what it ran
 dd=$BUILD/ddp
 if [ -x "$dd" ]; then
-  for bad in "--checkpoint blocks:x|--checkpoint takes none, blocks:K, sqrt, nested[:K], selective or P+selective, not 'blocks:x'" \
-             "--checkpoint auto:1G|--checkpoint takes none, blocks:K" "--loss max|--loss takes mean or sum, not 'max'" \
+  for bad in "--checkpoint blocks:x|--checkpoint takes none, blocks:K, sqrt, nested[:K], selective, P+selective, P+keep-attn, P+first:N or auto:BYTES, not 'blocks:x'" \
+             "--checkpoint auto:1Q|--checkpoint takes none, blocks:K" "--checkpoint blocks:1+first:0|not 'blocks:1+first:0'" \
+             "--loss max|--loss takes mean or sum, not 'max'" \
              "--fsdp-reshard maybe|--fsdp-reshard takes auto, yes or no, not 'maybe'"; do
     args=${bad%%|*}; pat=${bad#*|}
     out=$("$dd" $args 2>&1); rc=$?
