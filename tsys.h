@@ -773,6 +773,13 @@ typedef struct tsys_checkpoint_policy {
 } tsys_checkpoint_policy;
 TSYSDEF tsys_status tsys_checkpoint_policy_parse(const char *s, int num_layers, tsys_checkpoint_policy *out, char *err, size_t err_len);
 TSYSDEF void tsys_checkpoint_policy_name(const tsys_checkpoint_policy *p, char *buf, size_t len);   // canonical: "blocks:4+selective"
+// Every policy auto chooses from, in the order it tries them: none, selective, then blocks and nested with every
+// region size, suffix (+keep-attn only for flash attention) and +first:N (segments no longer than N).
+typedef void (*tsys_checkpoint_policy_fn)(const tsys_checkpoint_policy *p, void *user);
+TSYSDEF void tsys_checkpoint_policy_each(const tsys_model_desc *desc, tsys_checkpoint_policy_fn fn, void *user);
+// auto's ranking: a candidate that fits beats one that does not; among those that fit the least cost
+// (tsys_checkpoint_plan_cost), then the smaller peak; among those that do not, the smaller peak.
+TSYSDEF bool tsys_checkpoint_candidate_better(bool fits, double cost, double peak, bool best_fits, double best_cost, double best_peak);
 
 // What a policy costs, from the accounting of what each op keeps for backward and the FLOPs of the
 // recomputed ops (formulas at >>checkpoint planner). Bytes are what the memory tracker counts.
@@ -5646,29 +5653,55 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
 // The nominal machine the planner ranks policies on: recomputation costs FLOPs / 400 TFLOP/s + bytes / 2 TB/s.
 TSYSDEF double tsys_checkpoint_plan_cost(const tsys_checkpoint_plan *p) { return tsys_checkpoint_plan_extra_ms(p, 400.0, 2000.0); }
 
-// auto: every policy, the cheapest that fits (ties: the smaller peak); when none fits, the smallest peak.
-// Block policies come with every +first:N too (first 0: all blocks), segments no longer than N.
-static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out) {
-    tsys_checkpoint_plan best, cand;
-    bool have = false;
-    int L = d->num_layers;
-    for (int kind = 0; kind < 3; kind++)
+TSYSDEF void tsys_checkpoint_policy_each(const tsys_model_desc *desc, tsys_checkpoint_policy_fn fn, void *user) {
+    const tsys_model_desc d = tsys_model_desc_defaults(desc);
+    const int L = d.num_layers;
+    const bool flash = d.attn && !strcmp(d.attn, "flash");
+    for (int kind = 0; kind < 3; kind++)   // no block regions, blocks, nested
         for (int first = 0; first < (kind == 0 ? 1 : L); first++)
-            for (int k = kind == 0 ? 0 : kind == 1 ? 1 : 2; k <= (kind == 0 ? 0 : first ? first : L); k++)
+            for (int k = kind; k <= (kind == 0 ? 0 : first ? first : L); k++)
                 for (int sel = 0; sel < 3; sel++) {   // none, +selective, +keep-attn (block regions, flash)
-                    if (sel == 2 && (kind == 0 || strcmp(d->attn, "flash"))) continue;
+                    if (sel == 2 && (kind == 0 || !flash)) continue;
                     tsys_checkpoint_policy p;
                     memset(&p, 0, sizeof(p));
-                    p.segment = k; p.inner = kind == 2 ? 1 : 0; p.selective = sel == 1; p.keep_attention = sel == 2; p.first = first;
-                    tsys__plan_fill(d, &p, B, T, dt, how, &cand);
-                    cand.fits = cand.peak_bytes <= budget;
-                    bool better = !have || (cand.fits && !best.fits) ||
-                                  (cand.fits == best.fits && (cand.fits ? (tsys_checkpoint_plan_cost(&cand) < tsys_checkpoint_plan_cost(&best) ||
-                                                                           (tsys_checkpoint_plan_cost(&cand) == tsys_checkpoint_plan_cost(&best) && cand.peak_bytes < best.peak_bytes))
-                                                                        : cand.peak_bytes < best.peak_bytes));
-                    if (better) { best = cand; have = true; }
+                    p.segment = k; p.inner = kind == 2; p.selective = sel == 1; p.keep_attention = sel == 2; p.first = first;
+                    fn(&p, user);
                 }
-    *out = best;
+}
+
+TSYSDEF bool tsys_checkpoint_candidate_better(bool fits, double cost, double peak, bool best_fits, double best_cost, double best_peak) {
+    if (fits != best_fits) return fits;
+    if (!fits) return peak < best_peak;
+    return cost < best_cost || (cost == best_cost && peak < best_peak);
+}
+
+// auto: tsys_checkpoint_policy_each's policies ranked by tsys_checkpoint_candidate_better on the plan's peak.
+typedef struct tsys__auto_search {
+    const tsys_model_desc *d;
+    double budget;
+    int64_t B, T;
+    tsys_dtype dt;
+    unsigned how;
+    bool have;
+    tsys_checkpoint_plan best;
+} tsys__auto_search;
+
+static void tsys__auto_try(const tsys_checkpoint_policy *p, void *user) {
+    tsys__auto_search *s = (tsys__auto_search *)user;
+    tsys_checkpoint_plan cand;
+    tsys__plan_fill(s->d, p, s->B, s->T, s->dt, s->how, &cand);
+    cand.fits = cand.peak_bytes <= s->budget;
+    if (!s->have || tsys_checkpoint_candidate_better(cand.fits, tsys_checkpoint_plan_cost(&cand), cand.peak_bytes, s->best.fits,
+                                                     tsys_checkpoint_plan_cost(&s->best), s->best.peak_bytes))
+        s->best = cand, s->have = true;
+}
+
+static void tsys__plan_auto(const tsys_model_desc *d, double budget, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out) {
+    tsys__auto_search s;
+    memset(&s, 0, sizeof(s));
+    s.d = d; s.budget = budget; s.B = B; s.T = T; s.dt = dt; s.how = how;
+    tsys_checkpoint_policy_each(d, tsys__auto_try, &s);
+    *out = s.best;
     out->budget = budget;
 }
 

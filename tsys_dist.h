@@ -525,10 +525,9 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dt
 // The same for a desc's settings (compute_dtype, reshard_after_forward, no_shortcut); the one above
 // takes the defaults.
 TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, const tsys_fsdp_desc *desc, int batch, int context, int world);
-// auto:BYTES for a data-parallel rank: of none and every policy of block regions (blocks:K, nested:K, each
-// alone, +selective, +keep-attn with flash, and each with every +first:N), the one with the least
-// recomputation (tsys_checkpoint_plan_cost) whose predicted peak a rank (the accounting's total_bytes:
-// fsdp's with fd given, else scheme's under autocast dtype) fits in budget bytes; ties: the smaller peak.
+// auto:BYTES for a data-parallel rank: of the policies of tsys_checkpoint_policy_each, the best by
+// tsys_checkpoint_candidate_better on the peak a rank is predicted to reach (the accounting's total_bytes:
+// fsdp's with fd given, else scheme's under autocast dtype) against budget bytes.
 // Its name goes to policy and its peak to *peak. TSYS_ERR_OOM when none fits (policy: the least peak).
 TSYSDEF tsys_status tsys_dist_checkpoint_auto(const tsys_model_desc *m, const tsys_fsdp_desc *fd, tsys_dist_scheme scheme, tsys_dtype dtype, int batch,
                                               int context, int world, double budget, char *policy, size_t len, double *peak);
@@ -5040,46 +5039,47 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
     return a;
 }
 
-// One candidate of tsys_dist_checkpoint_auto: its peak a rank and the planner's cost.
-static void tsys_dist__auto_eval(const tsys_model_desc *m, const tsys_fsdp_desc *fd, tsys_dist_scheme scheme, tsys_dtype dtype, int batch, int context,
-                                 int world, const char *pol, double *peak, double *cost) {
-    tsys_model_desc d = *m;
-    d.checkpoint = pol;
-    *peak = (fd ? tsys_fsdp_accounting_desc(&d, fd, batch, context, world) : tsys_dist_accounting(&d, dtype, batch, context, world, scheme)).total_bytes;
+// tsys_dist_checkpoint_auto's search: each policy of tsys_checkpoint_policy_each against a rank's accounting.
+typedef struct tsys_dist__auto_search {
+    const tsys_model_desc *m;
+    const tsys_fsdp_desc *fd;
+    tsys_dist_scheme scheme;
+    tsys_dtype dtype;
+    int batch, context, world;
+    double budget;
+    bool have, best_fits;
+    double best_peak, best_cost;
+    char best[64];
+} tsys_dist__auto_search;
+
+static void tsys_dist__auto_try(const tsys_checkpoint_policy *pol, void *user) {
+    tsys_dist__auto_search *s = (tsys_dist__auto_search *)user;
+    char name[64];
+    tsys_checkpoint_policy_name(pol, name, sizeof name);
+    tsys_model_desc d = *s->m;
+    d.checkpoint = name;
+    const double peak = (s->fd ? tsys_fsdp_accounting_desc(&d, s->fd, s->batch, s->context, s->world)
+                               : tsys_dist_accounting(&d, s->dtype, s->batch, s->context, s->world, s->scheme)).total_bytes;
     tsys_checkpoint_plan p;
-    const tsys_dtype ac = fd ? fd->compute_dtype : dtype;
-    *cost = tsys_checkpoint_plan_make(&d, pol, batch, context, ac, true, &p, NULL, 0) == TSYS_OK ? tsys_checkpoint_plan_cost(&p) : INFINITY;
+    const tsys_dtype ac = s->fd ? s->fd->compute_dtype : s->dtype;
+    const double cost = tsys_checkpoint_plan_make(&d, name, s->batch, s->context, ac, true, &p, NULL, 0) == TSYS_OK ? tsys_checkpoint_plan_cost(&p) : INFINITY;
+    const bool fits = peak <= s->budget;
+    if (s->have && !tsys_checkpoint_candidate_better(fits, cost, peak, s->best_fits, s->best_cost, s->best_peak)) return;
+    snprintf(s->best, sizeof s->best, "%s", name);
+    s->best_peak = peak; s->best_cost = cost; s->best_fits = fits; s->have = true;
 }
 
 TSYSDEF tsys_status tsys_dist_checkpoint_auto(const tsys_model_desc *m, const tsys_fsdp_desc *fd, tsys_dist_scheme scheme, tsys_dtype dtype, int batch,
                                               int context, int world, double budget, char *policy, size_t len, double *peak) {
     if (!m || !policy || !len || batch < 1 || context < 1 || world < 1) return TSYS_ERR_INVALID_ARGS;
     const tsys_model_desc d = tsys_model_desc_defaults(m);
-    const int L = d.num_layers;
-    const bool flash = d.attn && !strcmp(d.attn, "flash");
-    static const char *const kinds[2] = {"blocks", "nested"}, *const sufs[3] = {"", "+selective", "+keep-attn"};
-    char best[64] = "none", cand[64];
-    double best_peak, best_cost, pk, cost;
-    tsys_dist__auto_eval(&d, fd, scheme, dtype, batch, context, world, "none", &best_peak, &best_cost);
-    bool best_fits = best_peak <= budget;
-    for (int kind = 0; kind < 2; kind++)
-        for (int first = 0; first < L; first++)
-            for (int k = kind + 1; k <= (first ? first : L); k++)
-                for (int sf = 0; sf < 3; sf++) {
-                    if (sf == 2 && !flash) continue;
-                    if (first) snprintf(cand, sizeof cand, "%s:%d%s+first:%d", kinds[kind], k, sufs[sf], first);
-                    else snprintf(cand, sizeof cand, "%s:%d%s", kinds[kind], k, sufs[sf]);
-                    tsys_dist__auto_eval(&d, fd, scheme, dtype, batch, context, world, cand, &pk, &cost);
-                    const bool fits = pk <= budget;
-                    const bool better = (fits && !best_fits) ||
-                                        (fits == best_fits && (fits ? cost < best_cost || (cost == best_cost && pk < best_peak) : pk < best_peak));
-                    if (!better) continue;
-                    snprintf(best, sizeof best, "%s", cand);
-                    best_peak = pk; best_cost = cost; best_fits = fits;
-                }
-    snprintf(policy, len, "%s", best);
-    if (peak) *peak = best_peak;
-    return best_fits ? TSYS_OK : TSYS_ERR_OOM;
+    tsys_dist__auto_search s;
+    memset(&s, 0, sizeof(s));
+    s.m = &d; s.fd = fd; s.scheme = scheme; s.dtype = dtype; s.batch = batch; s.context = context; s.world = world; s.budget = budget;
+    tsys_checkpoint_policy_each(&d, tsys_dist__auto_try, &s);
+    snprintf(policy, len, "%s", s.best);
+    if (peak) *peak = s.best_peak;
+    return s.best_fits ? TSYS_OK : TSYS_ERR_OOM;
 }
 
 TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s) {

@@ -454,6 +454,41 @@ TSYS_TEST(auto_picks_the_cheapest_policy_that_fits) {
     TEST_CHECK(!got.fits && got.peak_bytes <= b1.peak_bytes, "auto:1K: '%s' fits %d, peak %.0f", got.name, got.fits, got.peak_bytes);
 }
 
+// The policies auto chooses from: each named once, each name parsing back to the same policy, as many as the
+// loops promise for L blocks (blocks:K for K <= N under +first:N or K <= L, nested from K = 2; three suffixes
+// with flash, two without) and none and selective; and the ranking's four cases.
+typedef struct { int count, bad; char names[512][48]; int L; } each_seen;
+static void each_record(const tsys_checkpoint_policy *p, void *user) {
+    each_seen *s = (each_seen *)user;
+    char name[48];
+    tsys_checkpoint_policy_name(p, name, sizeof name);
+    tsys_checkpoint_policy back;
+    if (tsys_checkpoint_policy_parse(name, s->L, &back, NULL, 0) != TSYS_OK || memcmp(&back, p, sizeof back)) s->bad++;
+    for (int i = 0; i < s->count && i < 512; i++)
+        if (!strcmp(s->names[i], name)) s->bad++;
+    if (s->count < 512) snprintf(s->names[s->count], sizeof s->names[0], "%s", name);
+    s->count++;
+}
+TSYS_TEST(auto_candidates_and_ranking) {
+    for (int flash = 0; flash < 2; flash++) {
+        tsys_model_desc d = small_desc(flash ? "flash" : "naive", NULL);
+        d.num_layers = 5;
+        static each_seen s;
+        memset(&s, 0, sizeof s);
+        s.L = 5;
+        tsys_checkpoint_policy_each(&d, each_record, &s);
+        const int L = 5, blocks = L + L * (L - 1) / 2, nested = (L - 1) + (L - 1) * (L - 2) / 2;
+        const int want = 2 + (flash ? 3 : 2) * (blocks + nested);
+        TEST_CHECK(s.count == want && s.bad == 0, "%s: %d policies (want %d), %d named twice or not parsing back", d.attn, s.count, want, s.bad);
+        TEST_CHECK(!strcmp(s.names[0], "none") && !strcmp(s.names[1], "selective"), "first two: '%s', '%s'", s.names[0], s.names[1]);
+    }
+    TEST_CHECK(tsys_checkpoint_candidate_better(true, 9, 9, false, 1, 1), "fitting beats not fitting");
+    TEST_CHECK(!tsys_checkpoint_candidate_better(false, 1, 1, true, 9, 9), "not fitting loses to fitting");
+    TEST_CHECK(tsys_checkpoint_candidate_better(true, 1, 9, true, 2, 1) && !tsys_checkpoint_candidate_better(true, 2, 1, true, 1, 9), "fitting: the cheaper");
+    TEST_CHECK(tsys_checkpoint_candidate_better(true, 1, 1, true, 1, 2) && !tsys_checkpoint_candidate_better(true, 1, 2, true, 1, 2), "fitting, same cost: the smaller peak");
+    TEST_CHECK(tsys_checkpoint_candidate_better(false, 9, 1, false, 1, 2) && !tsys_checkpoint_candidate_better(false, 1, 2, false, 9, 2), "not fitting: the smaller peak");
+}
+
 // ---- errors -------------------------------------------------------------------------------------------
 
 static void begin_in_hook(tsys_ctx *ctx, tsys_tensor *p, void *u) { (void)p; *(tsys_status *)u = tsys_checkpoint_begin(ctx); }
