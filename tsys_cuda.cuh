@@ -2558,6 +2558,11 @@ template <typename T, int N> struct tsys_cuda__flash_wgmma {
         if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", 16, "1, 1, 1, 1"); }
         else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", 16, "1, 1, 1, 1"); }
     }
+    // A K-major, B MN-major (stored K rows x N columns)
+    static __device__ __forceinline__ void ss_kmn(float *d, uint64_t da, uint64_t db, int acc) {
+        if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_SS_N("bf16", 16, "1, 1, 0, 1"); }
+        else { TSYS_CUDA__FLASH_WGMMA_SS_N("f16", 16, "1, 1, 0, 1"); }
+    }
     static __device__ __forceinline__ void rs(float *d, const uint32_t *a, uint64_t db) {   // B MN-major, accumulate
         constexpr int acc = 1;
         if constexpr (BF16) { TSYS_CUDA__FLASH_WGMMA_RS_N("bf16", 16, "1, 1, 1"); }
@@ -2737,6 +2742,17 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_ss_mn(float (*acc)[4], const
         const uint64_t da = tsys_cuda__flash_wg_desc_mn<KD>(a, kk), db = tsys_cuda__flash_wg_desc_mn<RB>(b, kk);
         tsys_cuda__flash_wgmma<T, N>::ss_mn(&acc[0][0], da, db, kk > 0);
     }
+#endif
+}
+
+// acc (m64 x N) += A B: A K-major in shared memory (rows r0..r0 + 63 of an RA-row tile, KD columns), B MN-major (KD
+// rows of N columns, the layout tsys_cuda__flash_wg_rs reads).
+template <typename T, int N, int RA, int KD>
+__device__ __forceinline__ void tsys_cuda__flash_wg_ss_kmn(float (*acc)[4], const T *a, int r0, const T *b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; kk++)
+        tsys_cuda__flash_wgmma<T, N>::ss_kmn(&acc[0][0], tsys_cuda__flash_wg_desc_k<RA>(a, r0, kk), tsys_cuda__flash_wg_desc_mn<KD>(b, kk), 1);
 #endif
 }
 
@@ -3503,7 +3519,10 @@ template <typename T, int D, int BQ, int CW, bool FUSED = false> struct tsys_cud
     static constexpr int DQN = DQCOL ? D / CW : D;       // the columns of a consumer's dQ part
     static constexpr int SLOTS = FUSED ? 2 : 0;           // dQ staging buffers (the finishing consumer alternates)
     static constexpr size_t KV_BYTES = (size_t)BKV * D * sizeof(T), QT_BYTES = (size_t)BQ * D * sizeof(T);
-    static constexpr size_t DS_BYTES = FUSED ? (size_t)(DQCOL ? 2 : 1) * BKV * BQ * sizeof(T) : 0;       // dS^T
+    // dS^T in shared memory: the fused dQ reads it; past d 64 the dK wgmma reads it there too, which leaves the
+    // registers that ptxas needs to keep the wgmmas in flight (with dS^T as register A operands it serialized them)
+    static constexpr bool DS_SMEM = FUSED || (sizeof(T) == 2 && D > 64);
+    static constexpr size_t DS_BYTES = DS_SMEM ? (size_t)(DQCOL ? 2 : 1) * BKV * BQ * sizeof(T) : 0;       // dS^T
     static constexpr size_t STAGE_BYTES = (size_t)BQ * D * sizeof(float);             // one tile's dQ part
     // K, V; the Q and dO rings; dS^T; the dQ staging; the lse and D rings; the mbarriers; alignment slack
     static constexpr size_t SMEM = 2 * KV_BYTES + ST * 2 * QT_BYTES + DS_BYTES + SLOTS * STAGE_BYTES + ST * 2 * BQ * sizeof(float) +
@@ -3670,7 +3689,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     T *vs = ks + BKV * D;
     T *qs = vs + BKV * D;         // [ST][BQ * D]
     T *gs = qs + ST * BQ * D;     // [ST][BQ * D]
-    T *dst_s = gs + ST * BQ * D;  // [BKV * BQ] (FUSED)
+    T *dst_s = gs + ST * BQ * D;  // [BKV * BQ] (DS_SMEM)
     float *stage = (float *)((unsigned char *)dst_s + L::DS_BYTES);   // [SLOTS][BQ * D] (FUSED)
     float *ls = (float *)((unsigned char *)stage + SLOTS * L::STAGE_BYTES), *ds = ls + ST * BQ;   // [ST][BQ] each
     uint64_t *kvfull = (uint64_t *)(ds + ST * BQ), *full = kvfull + 1, *empty = full + ST;
@@ -3761,7 +3780,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         const float *lt = ls + s * BQ, *dt = ds + s * BQ;
         float st[BQ / 8][4], dpt[BQ / 8][4];
         if constexpr (AREG) tsys_cuda__flash_wg_kv_scores_r<T, D, BQ>(st, dpt, kr, vr, qt, gt);
-        else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, tsys_cuda__flash_fresh<FUSED>(ks, it), tsys_cuda__flash_fresh<FUSED>(vs, it),
+        else tsys_cuda__flash_wg_kv_scores<T, D, BQ, BKV>(st, dpt, tsys_cuda__flash_fresh<L::DS_SMEM>(ks, it), tsys_cuda__flash_fresh<L::DS_SMEM>(vs, it),
                                                           wg, qt, gt);
         tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
@@ -3790,12 +3809,20 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
             else   // dQ part = dS_w K_w
                 tsys_cuda__flash_wg_ss_mn<T, D, 64, BKV>(dqa, dsb + wg * 64 * BQ, ks + wg * 64 * 64);
             tsys_cuda__flash_wg_commit();
-            tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
+            tsys_cuda__flash_wg_ss_kmn<T, D, BKV, BQ>(dka, dsb, wg * 64, qt);   // dK += dS^T Q, waited for in the next tile
             tsys_cuda__flash_wg_commit();
             tsys_cuda__flash_wg_wait<1>();   // dQ
             tsys_cuda__flash_wg_fence_acc<L::DQN>(dqa);
             if constexpr (L::DQCOL) tsys_cuda__flash_ws_stage_dq_col<L::DQN, CW>(stage, sfull, sempty, dqa, j, wg);
             else tsys_cuda__flash_ws_stage_dq<D>(stage, ready, sfull, sempty, dqa, j, wg);
+        } else if constexpr (L::DS_SMEM) {
+            // this consumer's rows of dS^T; their last reader, the previous tile's dK wgmma, was waited for above
+            tsys_cuda__flash_ws_put_ds<BQ>(dst_s, dsa, wk0 + (lane >> 2), lane);
+            tsys_cuda__flash_fence_proxy_async();
+            tsys_cuda__flash_named_sync(1 + wg, 128);
+            tsys_cuda__flash_wg_fence();
+            tsys_cuda__flash_wg_ss_kmn<T, D, BKV, BQ>(dka, dst_s, wg * 64, qt);   // dK += dS^T Q, waited for in the next tile
+            tsys_cuda__flash_wg_commit();
         } else {
             tsys_cuda__flash_wg_fence();
             tsys_cuda__flash_wg_rs<T, D, BQ>(dka, dsa, qt);             // dK += dS^T Q, waited for in the next tile
