@@ -3,21 +3,23 @@
 // same kernels of the CPU backend), the CPU reference against naive attention in double, determinism of the
 // backward, then timings of the CS336 leaderboard shape and the comparisons behind the kernels' choices.
 //
-//   make build/flash_lab && build/flash_lab [test|perf|all|lb|tf32fwd|pad|lbfused|pdl] [auto|ws|wgmma|mma]
+//   make build/flash_lab && build/flash_lab [test|perf|all|lb|tf32fwd|pad|lbfused|pdl|nondet] [auto|ws|wgmma|mma]
 //   (compute_90a/sm_90a compiles the wgmma kernels; with compute_90/sm_90 only the mma.sync ones exist.)
 //   The second word picks the FlashAttention implementation for bf16/fp16 at d = 64, 128 (tsys_cuda_desc.flash:
 //   asking for one this binary or device cannot run is an error). Without it, `test` checks every implementation
 //   the device can run, one after the other, and the timings use auto.
 //
 //   test     CUDA vs CPU reference for fp32 (exact), bf16, fp16 at every head dim, causal and not, odd lengths;
-//            the backward run twice for the same bytes; the fused backward and the tail-launched dK/dV kernel
-//            against the backward without them (tsys_cuda_desc.flash_no_fused, flash_no_pdl)
+//            the backward run twice for the same bytes; the fused backward, its dQ in arrival order and the
+//            tail-launched dK/dV kernel against the backward without them (tsys_cuda_desc.flash_no_fused,
+//            flash_nondeterministic, flash_no_pdl)
 //   perf     forward, backward, forward + backward at the leaderboard and a few other shapes; `lb`: the two
 //            leaderboard rows only
 //   tf32fwd  the TF32 forward (fp32 inputs) against the CPU reference and mma.sync, then timed at batch 1
 //   pad      d 16 / 32 / 80 / 96 zero-padded onto the Hopper kernels (ws) against mma.sync
 //   lbfused  forward + backward with the fused backward and with the two 7-matmul kernels, alternating
 //   pdl      the backward with the dK/dV kernel launched in the dQ kernel's tail and without, alternating
+//   nondet   the fused backward's dQ added in a fixed order and in arrival order (desc.flash_nondeterministic)
 //
 // Every check draws fresh random inputs (never zeros) and poisons the outputs with NaN bytes first, so an
 // unwritten element fails. Timings: CUDA events on the context's stream, median of many repetitions after
@@ -327,6 +329,7 @@ static void run_tests(const char *impl_arg) {
     if ((!impl_arg || !strcmp(impl_arg, "ws")) && lab_use(TSYS_CUDA_FLASH_WS)) {
         printf("== the warp-specialized backward with and without the fused kernel and the tail launch\n");
         check_switch("fused backward (desc.flash_no_fused)", tsys_cuda_set_flash_no_fused, 128, false);
+        check_switch("fused backward's dQ in order (desc.flash_nondeterministic)", tsys_cuda_set_flash_nondeterministic, 128, false);
         check_switch("tail-launched dK/dV (desc.flash_no_pdl)", tsys_cuda_set_flash_no_pdl, 64, true);
         check_switch("tail-launched dK/dV (desc.flash_no_pdl)", tsys_cuda_set_flash_no_pdl, 128, true);
     }
@@ -497,6 +500,14 @@ static void run_lb_fused() {
     for (auto &sh : shapes) ab_switch("fused", tsys_cuda_set_flash_no_fused, sh[0], sh[1], 128, sh[2] != 0, true);
 }
 
+// The fused backward with its dQ parts added in a fixed order (the default) and in arrival order
+// (desc.flash_nondeterministic), at the leaderboard's d 128 shape and the S26 step's.
+static void run_nondet() {
+    printf("== bwd, bf16, d 128, causal: the fused backward's dQ in a fixed order / in arrival order (ms)\n");
+    const long shapes[][2] = { { 16, 16384 }, { 32, 32768 } };
+    for (auto &sh : shapes) ab_switch("ordered", tsys_cuda_set_flash_nondeterministic, sh[0], sh[1], 128, true, false);
+}
+
 // The backward, and forward + backward, with the dK/dV kernel launched in the dQ kernel's tail (programmatic
 // dependent launch) and with ordinary launches (desc.flash_no_pdl), at the leaderboard shapes.
 static void run_pdl() {
@@ -529,10 +540,10 @@ int main(int argc, char **argv) {
         if (i == 4) { fprintf(stderr, "flash_lab: unknown implementation '%s' (auto, ws, wgmma, mma)\n", impl_arg); return 2; }
         cd.flash = (tsys_cuda_flash_impl)i;
     }
-    static const char *const modes[] = { "test", "perf", "all", "lb", "tf32fwd", "pad", "lbfused", "pdl" };
+    static const char *const modes[] = { "test", "perf", "all", "lb", "tf32fwd", "pad", "lbfused", "pdl", "nondet" };
     bool known = false;
     for (const char *m : modes) known = known || !strcmp(mode, m);
-    if (!known) { fprintf(stderr, "flash_lab: unknown mode '%s' (test, perf, all, lb, tf32fwd, pad, lbfused, pdl)\n", mode); return 2; }
+    if (!known) { fprintf(stderr, "flash_lab: unknown mode '%s' (test, perf, all, lb, tf32fwd, pad, lbfused, pdl, nondet)\n", mode); return 2; }
     lab_ctx = tsys_ctx_new(NULL);
     if (tsys_cuda_init_desc(lab_ctx, &cd) != TSYS_OK) { fprintf(stderr, "flash_lab: %s\n", tsys_ctx_last_error(lab_ctx)); return 1; }
     lab_stream = (cudaStream_t)tsys_cuda_stream(lab_ctx);
@@ -551,6 +562,7 @@ int main(int argc, char **argv) {
     if (!strcmp(mode, "perf") || !strcmp(mode, "all")) run_perf();
     if (ws_mode(mode, "lbfused")) run_lb_fused();
     if (ws_mode(mode, "pdl")) run_pdl();
+    if (ws_mode(mode, "nondet")) run_nondet();
     if (!strcmp(mode, "lb")) bench(LAB_BF16, 16, 16384, 64, true), bench(LAB_BF16, 16, 16384, 128, true);   // leaderboard rows only
     tsys_cuda_shutdown(lab_ctx);
     tsys_ctx_free(lab_ctx);

@@ -7,7 +7,8 @@
 # interleaved runs show the call-to-call spread); `lbnows` / `lbmma` time the leaderboard rows on the cp.async
 # wgmma / mma.sync kernels (build/flash_lab's second word picks one); `perf` the lab's timing rows; `tf32` checks
 # and times the TF32 forward; `pad` the zero-padded d 16 / 32 / 80 / 96 path; `lbfused` the fused backward against
-# the 7-matmul kernels; `pdl` the tail-launched dK/dV kernel against ordinary launches; `sweep` is the
+# the 7-matmul kernels; `pdl` the tail-launched dK/dV kernel against ordinary launches; `nondet` the fused backward's
+# dQ in a fixed order against arrival order; `sweep` is the
 # flash_benchmarking sweep beside PyTorch SDPA (build/attn_cuda and tests/ref/torch_fa_sweep.py, one table by
 # dev/flash_sweep_table.py) for SWEEP_DTYPES (default fp32) and SWEEP_DS (default 16,32,64,128).
 # build/flash_lab may be built beforehand (make build/flash_lab) and carried; `build` (re)builds it here. LAB names
@@ -17,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
-LAB=${LAB:-build/flash_lab}; LAB_B=${LAB_B:-}
+LAB=${LAB:-build/flash_lab}; LAB_B=${LAB_B:-}; ATTN=${ATTN:-build/attn_cuda}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 for part in "$@"; do
@@ -30,7 +31,7 @@ for part in "$@"; do
   testcuda) timeout 400 build/test_cuda > "$OUT/test_cuda.log" 2>&1; grep -v " ok$" "$OUT/test_cuda.log" | grep -v "^    " | tail -20 ;;
   tf32) timeout 200 $LAB tf32fwd ws > "$OUT/flash_tf32fwd.log" 2>&1; cat "$OUT/flash_tf32fwd.log" ;;
   sweep) dt=${SWEEP_DTYPES:-fp32}; ds=${SWEEP_DS:-16,32,64,128}; tag=${dt//,/_}_d${ds//,/_}
-         timeout 300 build/attn_cuda --device cuda --sweep flash_benchmarking --dtype "$dt" --d "$ds" --grad sum --oom-ok --format csv \
+         timeout 300 $ATTN --device cuda --sweep flash_benchmarking --dtype "$dt" --d "$ds" --grad sum --oom-ok --format csv \
            > "$OUT/attn_sweep_$tag.csv" 2> "$OUT/attn_sweep_$tag.err"; grep -c ",ok$" "$OUT/attn_sweep_$tag.csv"
          timeout 400 python3 tests/ref/torch_fa_sweep.py 128,256,512,1024,2048,4096,8192,16384,32768,65536 "$ds" "$dt" \
            > "$OUT/torch_fa_sweep_$tag.jsonl" 2>&1; grep -c fwd_ms "$OUT/torch_fa_sweep_$tag.jsonl"
@@ -44,6 +45,7 @@ for part in "$@"; do
   lbfused) timeout 300 $LAB lbfused > "$OUT/flash_lbfused.log" 2>&1; cat "$OUT/flash_lbfused.log" ;;
   lbfusedB) timeout 300 $LAB_B lbfused > "$OUT/flash_lbfusedB.log" 2>&1; cat "$OUT/flash_lbfusedB.log" ;;
   pdl) timeout 300 $LAB pdl > "$OUT/flash_pdl.log" 2>&1; cat "$OUT/flash_pdl.log" ;;
+  nondet) timeout 300 $LAB nondet > "$OUT/flash_nondet.log" 2>&1; cat "$OUT/flash_nondet.log" ;;
   perf) timeout 300 $LAB perf > "$OUT/flash_perf.log" 2>&1; cat "$OUT/flash_perf.log" ;;
   torch) tn=$((${tn:-0} + 1)); timeout 300 python3 tests/ref/torch_fa_lb.py > "$OUT/torch_fa_lb_$tn.log" 2>&1; cat "$OUT/torch_fa_lb_$tn.log" ;;
   ncu) for k in ${NCU_KERNELS:-fwd_wg dkdv_wg dq_wg}; do

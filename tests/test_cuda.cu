@@ -1772,11 +1772,11 @@ TSYS_TEST(cuda_init_desc) {
     // every field set
     memset(&d, 0, sizeof d);
     d.flash = TSYS_CUDA_FLASH_MMA; d.tf32 = true; d.workspace_bytes = (size_t)4 << 20; d.memory_limit = (size_t)1 << 30; d.nvtx = true;
-    d.flash_fp32_exact = true;
+    d.flash_fp32_exact = true; d.flash_nondeterministic = true;
     TEST_CHECK(tsys_cuda_init_desc(c2, &d) == TSYS_OK, "init_desc: %s", tsys_ctx_last_error(c2));
     tsys_cuda_desc e = tsys_cuda_get_desc(c2);
     TEST_CHECK(e.device == 0 && e.flash == TSYS_CUDA_FLASH_MMA && e.tf32 && e.workspace_bytes == ((size_t)4 << 20) &&
-               e.memory_limit == ((size_t)1 << 30) && e.nvtx && e.flash_fp32_exact,
+               e.memory_limit == ((size_t)1 << 30) && e.nvtx && e.flash_fp32_exact && e.flash_nondeterministic,
                "effective desc: device %d flash %s tf32 %d workspace %zu limit %zu nvtx %d", e.device, tsys_cuda_flash_impl_name(e.flash),
                (int)e.tf32, e.workspace_bytes, e.memory_limit, (int)e.nvtx);
     TEST_CHECK(tsys_cuda_tf32(c2), "tsys_cuda_tf32 after desc.tf32");
@@ -1785,6 +1785,8 @@ TSYS_TEST(cuda_init_desc) {
     tsys_cuda_set_memory_limit(c2, 0);
     tsys_cuda_set_flash_fp32_exact(c2, false);
     TEST_CHECK(!tsys_cuda_get_desc(c2).flash_fp32_exact, "set_flash_fp32_exact(false) not in the desc");
+    tsys_cuda_set_flash_nondeterministic(c2, false);
+    TEST_CHECK(!tsys_cuda_get_desc(c2).flash_nondeterministic, "set_flash_nondeterministic(false) not in the desc");
     TEST_CHECK(tsys_cuda_set_flash_impl(c2, TSYS_CUDA_FLASH_AUTO) == TSYS_OK, "set auto: %s", tsys_ctx_last_error(c2));
     e = tsys_cuda_get_desc(c2);
     const tsys_cuda_flash_impl want = hopper ? TSYS_CUDA_FLASH_WS : TSYS_CUDA_FLASH_MMA;
@@ -1806,7 +1808,7 @@ TSYS_TEST(cuda_init_desc) {
         TEST_CHECK((k ? tsys_cuda_init(c2, 0) : tsys_cuda_init_desc(c2, NULL)) == TSYS_OK, "init (%d): %s", k, tsys_ctx_last_error(c2));
         e = tsys_cuda_get_desc(c2);
         TEST_CHECK(e.device == 0 && !e.tf32 && e.workspace_bytes == TSYS_CUDA_WORKSPACE_BYTES && e.memory_limit == 0 && !e.nvtx &&
-                   e.flash != TSYS_CUDA_FLASH_AUTO,
+                   e.flash != TSYS_CUDA_FLASH_AUTO && !e.flash_nondeterministic,
                    "defaults (%d): device %d tf32 %d workspace %zu limit %zu nvtx %d flash %s", k, e.device, (int)e.tf32, e.workspace_bytes,
                    e.memory_limit, (int)e.nvtx, tsys_cuda_flash_impl_name(e.flash));
         tsys_cuda_shutdown(c2);
