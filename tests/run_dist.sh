@@ -52,6 +52,9 @@ for t in ${TSYS_DIST_TSAN_TESTS:-}; do engines "$t"; done
 unset TSAN_OPTIONS
 run "$BUILD/test_dist"
 run "$BUILD/test_dist" --nproc 3
+# a world size that is not a power of two: FSDP's fp32 steps bit for bit against the micro-batch average
+case " $tests " in *"/test_fsdp "*)
+  if uses_mpi "$BUILD/test_fsdp"; then run mpirun --oversubscribe -np 3 "$BUILD/test_fsdp" _fp32; else run "$BUILD/test_fsdp" --nproc 3 _fp32; fi ;; esac
 run "$BUILD/test_rendezvous"        # who may join a TCP rendezvous (it starts its own ranks)
 # FSDP in a group of one takes its own path (casts and sums in place of collectives, units kept from
 # forward to backward): alone too

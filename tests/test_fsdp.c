@@ -14,11 +14,12 @@
 // equals FSDP up to the order of the floating-point sums: the gradient of 20 rows is one GEMM over 20
 // rows in one process, two GEMMs of 10 and an addition across ranks under FSDP. So:
 //   - "whole batch": one process, all rows, mean loss: allclose (fp32 rtol 1e-5; fp16 1e-4 as S26);
-//   - "micro-batches": one process, no tsys_dist at all, the rows cut as the ranks cut them, each
-//     micro-batch's loss scaled by 1/N, the micro-batch gradients summed in rank order: the same sums
-//     in the same order (N a power of two makes the 1/N scaling exact), so fp32 FSDP must equal it
-//     bit for bit, which is the S26 test's torch.equal (where tsys_dist sums in rank order: its host
-//     paths, and any two ranks; NCCL over more ranks sums in its ring's order: allclose there).
+//   - "micro-batches": one process, no tsys_dist at all, the rows cut as the ranks cut them, the
+//     micro-batch gradients summed in rank order and the sum divided by N: the average tsys_dist
+//     computes, in the same order, so fp32 FSDP must equal it bit for bit at any N, which is the S26
+//     test's torch.equal (where tsys_dist sums in rank order: its host paths, and any two ranks; NCCL
+//     over more ranks sums in its ring's order: allclose there). (Scaling each micro-batch's loss by
+//     1/N instead is the same bits only where N is a power of two.)
 #define TSYS_PRELUDE_DIST
 #include "../drivers/prelude.h"
 #include "harness.h"
@@ -221,8 +222,9 @@ static void toy_backward(toy *m, tsys_tensor *ids, tsys_tensor *labels, float sc
     for (int i = 0; i < 6; i++) tsys_tensor_release(w[i]);
 }
 
-// A reference SGD step from micro-batches: each micro-batch's gradient (loss scaled 1/N), summed in
-// rank order into host buffers, written into the gradients, then the optimizer.
+// A reference step from micro-batches: each micro-batch's gradient, summed in rank order into host buffers
+// and divided by N (tsys_dist's average: sum, then one division), written into the gradients, then the
+// optimizer.
 static void micro_batch_step(tsys_tensor **p, int np, tsys_optim *opt, void (*one)(int r, void *), void *user) {
     float **acc = (float **)calloc((size_t)np, sizeof(float *));
     for (int r = 0; r < g_world; r++) {
@@ -239,6 +241,7 @@ static void micro_batch_step(tsys_tensor **p, int np, tsys_optim *opt, void (*on
     }
     for (int i = 0; i < np; i++) {
         if (!acc[i]) continue;
+        for (long k = 0, ne = (long)tsys_tensor_numel(p[i]); k < ne; k++) acc[i][k] /= (float)g_world;
         tsys_tensor *g = dev_from(TSYS_F32, p[i]->ndim, p[i]->shape, acc[i]);
         tsys_tensor_copy_from(C, p[i]->grad, g);
         tsys_tensor_release(g);
@@ -253,7 +256,7 @@ static void toy_one(int r, void *user) {
     toy_mb *c = (toy_mb *)user;
     tsys_tensor *bi, *bl;
     toy_batch(c->ids, c->labels, c->perm, r * c->per, (r + 1) * c->per, &bi, &bl);
-    toy_backward(c->m, bi, bl, 1.0f / (float)g_world, c->half);
+    toy_backward(c->m, bi, bl, 1.0f, c->half);
     tsys_tensor_release(bi); tsys_tensor_release(bl);
 }
 
@@ -453,7 +456,7 @@ static void lm_one(int r, void *user) {
     lm_mb *c = (lm_mb *)user;
     tsys_tensor *ids, *tgt;
     lm_batch(c->seed, c->B * g_world, c->T, c->vocab, c->B * r, c->B * (r + 1), &ids, &tgt);
-    lm_backward(c->m, ids, tgt, 1.0f / (float)g_world);
+    lm_backward(c->m, ids, tgt, 1.0f);
     tsys_tensor_release(ids); tsys_tensor_release(tgt);
 }
 
