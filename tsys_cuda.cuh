@@ -2879,16 +2879,17 @@ __device__ __forceinline__ void tsys_cuda__flash_wg_kv_scores_r(float (*st)[4], 
     tsys_cuda__flash_wg_commit();
 }
 // dK/dV kernels, one query tile for a warp's 16 keys (from key0) of S^T = K Q^T (done): P^T = 2^(s * scale_log2 -
-// lse) in place, masked when MASK (queries >= n and, when causal, queries before the key); lt: the tile's lse.
+// lse) in place, masked when MASK (queries >= n and, when causal, queries before the key); lt: the tile's lse, or
+// with LSE_LOG2 already -lse log2(e) (the same product, made once a row by whoever fills lt, not once an element).
 // (Loading a thread's two columns of lt or dt as one float2 measured 1-2% slower.)
-template <int BQ, bool MASK, bool CAUSAL>
+template <int BQ, bool MASK, bool CAUSAL, bool LSE_LOG2 = false>
 __device__ __forceinline__ void tsys_cuda__flash_wg_kv_p(float (*st)[4], const float *lt, int key0, int q0, int n, int lane, float scale_log2) {
 #pragma unroll
     for (int nb = 0; nb < BQ / 8; nb++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int qi = nb * 8 + (lane & 3) * 2 + (e & 1);
-            float p = tsys_cuda__flash_ex2(fmaf(st[nb][e], scale_log2, -lt[qi] * TSYS_CUDA__FLASH_LOG2E));
+            float p = tsys_cuda__flash_ex2(fmaf(st[nb][e], scale_log2, LSE_LOG2 ? lt[qi] : -lt[qi] * TSYS_CUDA__FLASH_LOG2E));
             if (MASK) {
                 const int key = key0 + (lane >> 2) + (e >> 1) * 8, query = q0 + qi;
                 if (query >= n || (CAUSAL && key > query)) p = 0.0f;
@@ -3745,16 +3746,16 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
                     tsys_cuda__flash_tma_load(gs + s * BQ * D + cb * BQ * 64, &tg, full + s, cb * 64, it * BQ, b);
                 }
             }
-        } else if (warp == CW * 4 + 1) {
+        } else if (warp == CW * 4 + 1) {   // the rows' -lse log2(e) and D (stores, then an arrival: release)
             for (int it = it0; it < nqt; it++) {
                 const int j = it - it0, s = j % ST;
                 if (j >= ST) tsys_cuda__flash_mbar_wait(empty + s, (j / ST - 1) & 1);
                 for (int i = lane; i < BQ; i += 32) {
                     const int row = it * BQ + i;
-                    tsys_cuda__flash_cp_async4(ls + s * BQ + i, lse + (row < n ? row : 0), row < n);
-                    tsys_cuda__flash_cp_async4(ds + s * BQ + i, dvec + (row < n ? row : 0), row < n);
+                    ls[s * BQ + i] = row < n ? -lse[row] * TSYS_CUDA__FLASH_LOG2E : 0.0f;
+                    ds[s * BQ + i] = row < n ? dvec[row] : 0.0f;
                 }
-                tsys_cuda__flash_cp_async_mbar_arrive(full + s);
+                tsys_cuda__flash_mbar_arrive(full + s);
             }
         } else if constexpr (FUSED) {
             if (warp == CW * 4 + 2 && lane == 0)
@@ -3793,7 +3794,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_wait<1>();   // the previous tile's dV and dK, and S^T
         tsys_cuda__flash_wg_fence_acc<BQ>(st);
         if (j > 0 && lane == 0) tsys_cuda__flash_mbar_arrive(empty + (j - 1) % ST);   // this warp is done with tile j - 1
-        tsys_cuda__flash_wg_kv_p<BQ, MASK, CAUSAL>(st, lt, k0 + wk0, q0, n, lane, scale_log2);
+        tsys_cuda__flash_wg_kv_p<BQ, MASK, CAUSAL, true>(st, lt, k0 + wk0, q0, n, lane, scale_log2);
         tsys_cuda__flash_wg_pack<T, BQ>(pa, st);
         tsys_cuda__flash_wg_fence();
         tsys_cuda__flash_wg_rs<T, D, BQ>(dva, pa, gt);                  // dV += P^T dO
