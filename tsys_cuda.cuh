@@ -3545,10 +3545,6 @@ template <bool FRESH, typename T> __device__ __forceinline__ const T *tsys_cuda_
     return FRESH ? p + ((it >> 30) << 10) : p;
 }
 
-__device__ __forceinline__ void tsys_cuda__flash_cp_async_mbar_arrive(uint64_t *bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(tsys_cuda__flash_smem_addr(bar)) : "memory");
-}
-
 // The fused backward's consumers: dS^T (packed as the dK wgmma's A registers, rows r0 and r0 + 8 of the block's
 // keys) into a BQ = 64 column 128B-swizzled tile, the layout the dQ wgmma reads MN-major.
 template <int BQ>
@@ -3967,8 +3963,9 @@ static cudaError_t tsys_cuda__flash_smem_attr(K kernel, size_t smem) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
 }
 
-// What the backward's flags turn off (tsys_cuda_desc.flash_no_pdl, flash_no_fused; 0: neither): the dK/dV kernel
-// launched in the dQ kernel's tail, and the fused backward. The same bits either way; flash_lab times both.
+// What the backward's flags turn off (tsys_cuda_desc.flash_no_pdl, flash_no_fused, flash_nondeterministic; 0: none):
+// the dK/dV kernel launched in the dQ kernel's tail, the fused backward (the same bits either way; flash_lab times
+// both), and the fused backward's fixed order of dQ adds (dQ's last bits then vary run to run).
 enum { TSYS_CUDA__FLASH_NO_PDL = 1, TSYS_CUDA__FLASH_NO_FUSED = 2, TSYS_CUDA__FLASH_NONDET = 4 };
 // Launches kernel on s; pdl: as a programmatic dependent of the kernel before it (see tsys_cuda__flash_grid_wait).
 template <typename... P, typename... A>
