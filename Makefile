@@ -210,7 +210,7 @@ DIST_CFLAGS = -D_GNU_SOURCE -pthread $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMP
 DIST_LIBS = -pthread $(if $(HAVE_MPI),$(MPI_LINK))
 DIST_HEADERS = tsys_dist.h tests/harness_dist.h
 DIST_DRIVERS = $(BUILD)/allreduce $(if $(wildcard drivers/ddp.c),$(BUILD)/ddp)
-DIST_TESTS = $(BUILD)/test_dist $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp) $(if $(wildcard tests/test_fsdp.c),$(BUILD)/test_fsdp)
+DIST_TESTS = $(BUILD)/test_dist $(BUILD)/test_mesh $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp) $(if $(wildcard tests/test_fsdp.c),$(BUILD)/test_fsdp)
 # tests that start their own ranks (run once, alone)
 DIST_SOLO_TESTS = $(BUILD)/test_rendezvous
 TEST_RUNNERS += tests/run_dist.sh

@@ -20,6 +20,8 @@
                      tsys_dist__nccl_drain, symmetric windows, tsys_dist__engine_nccl
       >>group        defines: engine dispatch (tsys_dist__host_exec), the worker thread, tsys_dist_init and
                      its steps (join, engine_fits, shm_join, device_join), teardown, accessors
+      >>subgroups    defines: tsys_dist_split (a group of some ranks on the parent's engines: MPI_Comm_split, a
+                     TCP star of its own, shared memory, NCCL), the device mesh (tsys_dist_mesh_*)
       >>collectives  defines: tsys_dist_tensor_new, tsys_dist__issue (every collective's path), the
                      public collectives, wait, groups, sync, barrier, all_reduce_host
       >>ddp          defines: tsys_ddp (naive, flat, overlap, bucketed), agreed layouts (tsys_dist__agree_layout)
@@ -322,6 +324,31 @@ TSYSDEF tsys_status tsys_dist_all_reduce_host(tsys_dist *d, double *v, int n, ts
 // same order, while the group lives (tsys_dist_free deregisters what is left; the memory itself goes with
 // the last reference).
 TSYSDEF tsys_tensor *tsys_dist_tensor_new(tsys_dist *d, tsys_dtype dt, tsys_device dev, int ndim, const int64_t *shape);
+
+// Sub-groups. Collective over d (after d's queued work): the ranks that pass the same color (>= 0) form
+// a new group, ranked by key, ties broken by rank in d (MPI_Comm_split's rule). It travels the way d
+// does: an MPI communicator split from d's (mpirun), or a TCP star of its own whose first rank admits
+// only members (run id and secret derived from d's secret and a one-time token sent over d); shared
+// memory among ranks of one host; its own NCCL communicator when d is a CUDA group. name (at most 31
+// characters; NULL: "split") labels the group's errors. Every rank returns a group, or every rank NULL
+// with the context's error (a negative color or a long name on any rank, or a group that could not
+// form: the ranks agree on the outcome). The group is independent of d (its own collective sequence,
+// worker and timeout); free it with tsys_dist_free before d.
+TSYSDEF tsys_dist *tsys_dist_split(tsys_dist *d, int color, int key, const char *name);
+
+// A device mesh (torch's init_device_mesh): the ranks of d as an ndim-dimensional array in row-major
+// order (the last dimension varies fastest: rank = sum of coord[i] x stride[i]), with one sub-group per
+// dimension holding the ranks that differ only in that coordinate, ranked by it. shape's product must be
+// d's size; names are distinct, 1-31 characters of [A-Za-z0-9_]. Collective over d; every rank passes the
+// same shape and names (checked). The mesh owns its groups; free it before d.
+#define TSYS_DIST_MESH_MAX_DIMS 4
+typedef struct tsys_dist_mesh tsys_dist_mesh;
+TSYSDEF tsys_dist_mesh *tsys_dist_mesh_new(tsys_dist *d, int ndim, const int *shape, const char *const *names);   // NULL + the context's error
+TSYSDEF tsys_dist *tsys_dist_mesh_group(const tsys_dist_mesh *m, const char *dim);   // NULL (and the context's error): no such dimension
+TSYSDEF int tsys_dist_mesh_coord(const tsys_dist_mesh *m, const char *dim);          // this rank's coordinate; -1: no such dimension
+TSYSDEF int tsys_dist_mesh_dim_size(const tsys_dist_mesh *m, const char *dim);       // -1: no such dimension
+TSYSDEF int tsys_dist_mesh_ndim(const tsys_dist_mesh *m);
+TSYSDEF void tsys_dist_mesh_free(tsys_dist_mesh *m);
 
 // DDP: wraps a set of parameters (the cs336 model's, a toy model's; tied weights appear once).
 // Construction broadcasts every parameter, trainable or not, from rank 0. After backward,
@@ -804,6 +831,8 @@ enum { TSYS_DIST__WORK_DONE, TSYS_DIST__WORK_HOST, TSYS_DIST__WORK_NCCL };
 struct tsys_dist {
     tsys_ctx *ctx;
     int rank, size, local_rank, local_size;
+    char label[32];               // a sub-group's name in errors (tsys_dist_split; "" for a group of tsys_dist_init)
+    int parent_rank;              // a sub-group: this rank's rank in the group it was split from
     tsys_dist_engine engine;      // what tsys_dist_engine_of reports
     const tsys_dist__engine *launch, *host, *device;   // the group's engines (>>group says which is which)
     const tsys_dist__engine *made[4];                  // the engines set up, in order: torn down in reverse
@@ -865,6 +894,7 @@ static tsys_status tsys_dist__fail(tsys_dist *d, tsys_status s, const char *fmt,
     va_start(ap, fmt);
     vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
+    if (d->label[0]) return tsys_ctx_set_error(d->ctx, s, "tsys_dist group '%s' rank %d (rank %d of its parent): %s", d->label, d->rank, d->parent_rank, buf);
     return tsys_ctx_set_error(d->ctx, s, "tsys_dist rank %d: %s", d->rank, buf);
 }
 
@@ -1812,6 +1842,26 @@ static bool tsys_dist__store_lookup(tsys_dist__store *s, const char *key, int *p
 }
 
 // ---- the TCP rendezvous, with or without the agent's store ---------------------------------------
+// The star's sockets (none yet) and this rank's entry of the table of ranks, before the rendezvous.
+static void tsys_dist__tcp_hello_mine(tsys_dist *d, tsys_dist__hello *table) {
+    for (int r = 0; r < d->size; r++) d->fds[r] = -1;
+    tsys_dist__hello *mine = &table[d->rank];
+    mine->magic = TSYS_DIST__MAGIC; mine->version = TSYS_DIST__PROTOCOL; mine->rank = d->rank; mine->size = d->size; mine->pid = (int32_t)getpid();
+    mine->local_rank = d->local_rank;
+    snprintf(mine->host, sizeof mine->host, "%s", d->hostname);
+    mine->host_id = tsys_dist__host_id(d->hostname);
+}
+
+// After the rendezvous: the ranks on this host (one_host, local_size) from the table; this rank's place among them.
+static int tsys_dist__tcp_locals(tsys_dist *d, const tsys_dist__hello *table) {
+    int lr = 0, ls = 0;
+    for (int r = 0; r < d->size; r++)
+        if (table[r].host_id == table[d->rank].host_id) { ls++; if (r < d->rank) lr++; }
+    d->one_host = ls == d->size;
+    d->local_size = ls;
+    return lr;
+}
+
 // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT -> the star, the local ranks, one_host.
 static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_dist__err *e) {
     const double t0 = tsys_time_us();
@@ -1834,12 +1884,7 @@ static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_
     d->fds = (int *)TSYS_MALLOC(sizeof(int) * (size_t)d->size);
     tsys_dist__hello *table = (tsys_dist__hello *)calloc((size_t)d->size, sizeof(tsys_dist__hello));
     if (!d->fds || !table) { free(table); if (store.fd >= 0) close(store.fd); return tsys_dist__seterr(e, TSYS_ERR_OOM, "rendezvous: out of memory"); }
-    for (int r = 0; r < d->size; r++) d->fds[r] = -1;
-    tsys_dist__hello *mine = &table[d->rank];
-    mine->magic = TSYS_DIST__MAGIC; mine->version = TSYS_DIST__PROTOCOL; mine->rank = d->rank; mine->size = d->size; mine->pid = (int32_t)getpid();
-    mine->local_rank = d->local_rank;
-    snprintf(mine->host, sizeof mine->host, "%s", d->hostname);
-    mine->host_id = tsys_dist__host_id(d->hostname);
+    tsys_dist__tcp_hello_mine(d, table);
     bool ok;
     if (d->rank == 0) {
         bool loopback = false;
@@ -1861,11 +1906,7 @@ static bool tsys_dist__tcp_setup(tsys_dist *d, const char *addr, int port, tsys_
         ok = ok && tsys_dist__tcp_peer(d, addr, port, t0, &id, table, e);
     }
     if (ok) {
-        int lr = 0, ls = 0;
-        for (int r = 0; r < d->size; r++)
-            if (table[r].host_id == table[d->rank].host_id) { ls++; if (r < d->rank) lr++; }
-        d->one_host = ls == d->size;
-        d->local_size = ls;
+        const int lr = tsys_dist__tcp_locals(d, table);
         long env_lr = 0;
         bool bad = false;
         if (!tsys_dist__env_long("LOCAL_RANK", 0, 1L << 20, &env_lr, &bad)) d->local_rank = lr;   // torchrun's LOCAL_RANK wins
@@ -3247,6 +3288,304 @@ TSYSDEF const char *tsys_dist_engine_name(tsys_dist_engine e) {
     case TSYS_DIST_ENGINE_TCP: return "tcp";
     }
     return "?";
+}
+
+// >>subgroups -------------------------------------------------------------------------------------
+// tsys_dist_split: a group of some of a group's ranks. Two exchanges over the parent d (the host
+// engine's all-gather, from the calling thread after d's queued work): first every rank's color and
+// key, from which each computes its group; then, on TCP, where each group's first rank listens and
+// the group's one-time token. The group then forms as tsys_dist_init forms one (its launch engine,
+// shared memory on one host, NCCL for CUDA), and the ranks agree over d on whether every group formed.
+
+// What each rank tells the others (all-gathered over the parent, twice).
+typedef struct tsys_dist__split_rec {
+    int32_t color, key;
+    int32_t name_len;              // the name's length: checked on every rank alike
+    int32_t port;                  // TCP: where the group's first rank listens (0: it does not)
+    char addr[64];                 // TCP: its address, numeric
+    uint8_t token[16];             // TCP: the group's one-time identity
+} tsys_dist__split_rec;
+
+static bool tsys_dist__setup_all_gather(tsys_dist *d, const void *mine, void *all, int64_t bytes, tsys_dist__err *e) {
+    tsys_dist__coll c;
+    memset(&c, 0, sizeof c);
+    c.kind = TSYS_DIST__AG; c.type = TSYS_DIST__U8; c.count = bytes; c.in = (void *)mine; c.out = all; c.seq = d->seq++;
+    c.check = tsys_dist__wants_check(d, bytes * d->size, TSYS_DIST__CHECK_BYTES);
+    return tsys_dist__host_exec(d, &c, e);
+}
+
+// The members of this rank's group (ranks of d, in the group's order); how many; this rank's place.
+static int tsys_dist__split_members(const tsys_dist *d, const tsys_dist__split_rec *recs, int *members, int *me) {
+    int n = 0;
+    for (int r = 0; r < d->size; r++) {
+        if (recs[r].color != recs[d->rank].color) continue;
+        int at = n++;   // insertion by (key, rank): ranks come in rank order, so ties keep it
+        while (at > 0 && recs[members[at - 1]].key > recs[r].key) { members[at] = members[at - 1]; at--; }
+        members[at] = r;
+    }
+    for (int i = 0; i < n; i++) if (members[i] == d->rank) *me = i;
+    return n;
+}
+
+// A group of d's options, context and checks, not formed yet (a group of one until its engines are set up).
+static tsys_dist *tsys_dist__sub_new(const tsys_dist *d, int rank, int size, const char *name) {
+    tsys_dist *s = (tsys_dist *)calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->ctx = d->ctx; s->rank = rank; s->size = size; s->local_rank = 0; s->local_size = 1; s->one_host = true;
+    s->spin_limit = 1024;
+    s->opt = d->opt;
+    tsys_dist__keep_strings(s);
+    s->timeout_s = d->timeout_s;
+    s->check_all = d->check_all; s->check_none = d->check_none;
+    memcpy(s->hostname, d->hostname, sizeof s->hostname);
+    tsys_dist__strcpy(s->label, sizeof s->label, name && *name ? name : "split");
+    s->parent_rank = d->rank;
+    s->launch = s->host = &tsys_dist__engine_self;
+    return s;
+}
+
+#ifdef TSYS_DIST_MPI
+// MPI_Comm_split has no non-blocking form: the all-gather just before it showed every rank alive.
+static bool tsys_dist__split_mpi(tsys_dist *s, tsys_dist *d, int color, int key, tsys_dist__err *e) {
+    tsys_dist__made(s, &tsys_dist__engine_mpi);
+    if (!tsys_dist__mpi_ok(s, MPI_Comm_split(d->comm, color, key, &s->comm), "MPI_Comm_split", NULL, e)) return false;
+    s->have_comm = true;
+    s->mpi_multiple = d->mpi_multiple;
+    MPI_Comm local;
+    int rank = -1;
+    if (!tsys_dist__mpi_ok(s, MPI_Comm_set_errhandler(s->comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", NULL, e) ||
+        !tsys_dist__mpi_ok(s, MPI_Comm_rank(s->comm, &rank), "MPI_Comm_rank", NULL, e) ||
+        !tsys_dist__mpi_ok(s, MPI_Comm_split_type(s->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local), "MPI_Comm_split_type", NULL, e)) return false;
+    bool ok = tsys_dist__mpi_ok(s, MPI_Comm_rank(local, &s->local_rank), "MPI_Comm_rank", NULL, e) &&
+              tsys_dist__mpi_ok(s, MPI_Comm_size(local, &s->local_size), "MPI_Comm_size", NULL, e);
+    MPI_Comm_free(&local);
+    if (!ok) return false;
+    if (rank != s->rank) return tsys_dist__seterr(e, TSYS_ERR_IO, "MPI_Comm_split ranked this rank %d, the split's rule %d", rank, s->rank);
+    s->one_host = s->local_size == s->size;
+    s->launch = &tsys_dist__engine_mpi;
+    return true;
+}
+#endif
+
+// The group's first rank listens where d's star reaches it (the local address of its connection to
+// d's first rank, or from it), on a port the system picks.
+static int tsys_dist__split_listen(const tsys_dist *d, tsys_dist__split_rec *rec, bool *loopback, tsys_dist__err *e) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    const int via = d->fds[d->rank == 0 ? 1 : 0];
+    if (getsockname(via, (struct sockaddr *)&ss, &sl) != 0) { tsys_dist__seterr(e, TSYS_ERR_IO, "split: getsockname: %s", strerror(errno)); return -1; }
+    if (ss.ss_family == AF_INET) ((struct sockaddr_in *)&ss)->sin_port = 0;
+    else if (ss.ss_family == AF_INET6) ((struct sockaddr_in6 *)&ss)->sin6_port = 0;
+    else { tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "split: the group's sockets are of address family %d, not IPv4 or IPv6", (int)ss.ss_family); return -1; }
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&ss, sl) != 0 || listen(fd, TSYS_DIST__PENDING) != 0 || getsockname(fd, (struct sockaddr *)&ss, &sl) != 0) {
+        tsys_dist__seterr(e, TSYS_ERR_IO, "split: cannot listen for the group: %s", strerror(errno));
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    char where[96];
+    tsys_dist__addr_str((struct sockaddr *)&ss, where, sizeof where);
+    *strrchr(where, ':') = 0;
+    tsys_dist__strcpy(rec->addr, sizeof rec->addr, where);
+    rec->port = ss.ss_family == AF_INET ? ntohs(((struct sockaddr_in *)&ss)->sin_port) : ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+    *loopback = tsys_dist__is_loopback((struct sockaddr *)&ss);
+    return fd;
+}
+
+// The group's identity: a run id from the token, and a secret only d's ranks can compute (an HMAC of the
+// token under d's secret; the token alone where d has none, as d's own run id was then its only identity).
+static void tsys_dist__split_ident(const tsys_dist *d, const uint8_t token[16], tsys_dist__ident *id) {
+    memset(id, 0, sizeof *id);
+    int l = snprintf(id->run_id, sizeof id->run_id, "split-");
+    for (int i = 0; i < 16; i++) l += snprintf(id->run_id + l, sizeof id->run_id - (size_t)l, "%02x", token[i]);
+    if (d->opt.secret) {
+        tsys_dist__hmac((const uint8_t *)d->opt.secret, strlen(d->opt.secret), token, 16, "tsys_dist_split", 15, id->secret);
+        id->secret_len = 32;
+    } else {
+        memcpy(id->secret, token, 16);
+        id->secret_len = 16;
+    }
+}
+
+// The group's TCP star around its first rank (lfd: its listener, else -1), from the second exchange.
+static bool tsys_dist__split_tcp(tsys_dist *s, const tsys_dist *d, const tsys_dist__split_rec *root, int lfd, bool loopback, tsys_dist__err *e) {
+    tsys_dist__made(s, &tsys_dist__engine_tcp);
+    s->fds = (int *)TSYS_MALLOC(sizeof(int) * (size_t)s->size);
+    tsys_dist__hello *table = (tsys_dist__hello *)calloc((size_t)s->size, sizeof(tsys_dist__hello));
+    if (!s->fds || !table) { free(table); if (lfd >= 0) close(lfd); return tsys_dist__seterr(e, TSYS_ERR_OOM, "split: out of host memory"); }
+    tsys_dist__tcp_hello_mine(s, table);
+    tsys_dist__ident id;
+    tsys_dist__split_ident(d, root->token, &id);
+    const bool ok = s->rank == 0 ? tsys_dist__tcp_rank0(s, lfd, loopback, root->addr, root->port, &id, table, e)
+                                 : tsys_dist__tcp_peer(s, root->addr, root->port, tsys_time_us(), &id, table, e);
+    if (ok) s->local_rank = tsys_dist__tcp_locals(s, table);
+    free(table);
+    if (ok) s->launch = &tsys_dist__engine_tcp;
+    return ok;
+}
+
+// This rank's group after the exchanges: its launch engine, then shared memory and NCCL as tsys_dist_init.
+static bool tsys_dist__split_form(tsys_dist *s, tsys_dist *d, const tsys_dist__split_rec *recs, const int *members, int lfd, bool loopback, tsys_dist__err *e) {
+    const char *what = "split";
+#ifdef TSYS_DIST_MPI
+    if (d->launch == &tsys_dist__engine_mpi) {   // collective over d: groups of one split too
+        if (!tsys_dist__split_mpi(s, d, recs[d->rank].color, recs[d->rank].key, e)) return false;
+    } else
+#endif
+    if (s->size > 1 && !tsys_dist__split_tcp(s, d, &recs[members[0]], lfd, loopback, e)) return false;
+    if (s->size == 1) s->launch = &tsys_dist__engine_self;
+    s->host = s->launch;
+    s->cuda = d->cuda;
+    if (!tsys_dist__shm_join(s, e) || !tsys_dist__device_join(s, &what, e)) return false;
+    s->engine = s->device ? s->device->kind : s->launch->kind;
+    tsys_dist__worker_start(s);
+    return true;
+}
+
+TSYSDEF tsys_dist *tsys_dist_split(tsys_dist *d, int color, int key, const char *name) {
+    if (!d) return NULL;
+    if (TSYS_DIST__LOAD(&d->broken)) { tsys_dist__fail(d, TSYS_ERR_IO, "tsys_dist_split: the group is broken since: %s", d->broken_msg); return NULL; }
+    if (d->group_open) { tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_split: not between tsys_dist_group_begin and _end"); return NULL; }
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    tsys_dist__split_rec mine, *recs = (tsys_dist__split_rec *)calloc((size_t)d->size, sizeof *recs);
+    int *members = (int *)calloc((size_t)d->size, sizeof(int));
+    if (!recs || !members) { free(recs); free(members); tsys_dist__fail(d, TSYS_ERR_OOM, "tsys_dist_split: out of host memory"); return NULL; }
+    memset(&mine, 0, sizeof mine);
+    mine.color = color; mine.key = key; mine.name_len = name ? (int32_t)strlen(name) : 0;
+    tsys_dist *s = NULL;
+    int lfd = -1, me = 0, n = 0;
+    bool loopback = false;
+    tsys_dist__drain(d);
+    if (!tsys_dist__setup_all_gather(d, &mine, recs, (int64_t)sizeof mine, &e)) goto fail_all;
+    for (int r = 0; r < d->size; r++) {   // every rank finds the same first offender
+        if (recs[r].color < 0) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "rank %d passed color %d: colors are >= 0 (every rank joins a group)", r, (int)recs[r].color); goto fail_all; }
+        if (recs[r].name_len >= (int32_t)sizeof s->label) { tsys_dist__seterr(&e, TSYS_ERR_INVALID_ARGS, "rank %d passed a name of %d characters: at most %d", r, (int)recs[r].name_len, (int)sizeof s->label - 1); goto fail_all; }
+    }
+    n = tsys_dist__split_members(d, recs, members, &me);
+    s = tsys_dist__sub_new(d, me, n, name);
+    if (!s) { tsys_dist__seterr(&e, TSYS_ERR_OOM, "out of host memory"); goto agree; }
+    if (d->launch == &tsys_dist__engine_tcp) {   // where each group of several ranks will meet
+        memset(&mine, 0, sizeof mine);
+        if (me == 0 && n > 1) {
+            lfd = tsys_dist__split_listen(d, &mine, &loopback, &e);
+            if (lfd >= 0 && !tsys_dist__random(mine.token, sizeof mine.token)) tsys_dist__seterr(&e, TSYS_ERR_IO, "no random bytes (/dev/urandom): %s", strerror(errno));
+        }
+        if (!tsys_dist__setup_all_gather(d, &mine, recs, (int64_t)sizeof mine, &e)) goto fail_all;
+        if (recs[members[0]].port == 0 && n > 1) tsys_dist__seterr(&e, TSYS_ERR_IO, "rank %d, the group's first, could not listen for it", members[0]);
+    }
+    if (e.status == TSYS_OK) tsys_dist__split_form(s, d, recs, members, lfd, loopback, &e);
+    else if (lfd >= 0) close(lfd);
+agree:;
+    {   // every rank learns whether every group formed (the first failing rank of d is named)
+        int32_t failed = e.status != TSYS_OK ? d->size - d->rank : 0;
+        tsys_dist__err ae;
+        memset(&ae, 0, sizeof ae);
+        if (!tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, &ae)) { if (e.status == TSYS_OK) e = ae; goto fail_all; }
+        if (failed && e.status == TSYS_OK) tsys_dist__seterr(&e, TSYS_ERR_IO, "rank %d could not form its group (its own error says why)", d->size - failed);
+    }
+    if (e.status != TSYS_OK) goto fail_all;
+    free(recs); free(members);
+    return s;
+fail_all:
+    if (s) { tsys_dist__teardown(s, false); free(s); }
+    free(recs); free(members);
+    tsys_dist__fail(d, e.status ? e.status : TSYS_ERR_IO, "tsys_dist_split: %s", e.msg);
+    return NULL;
+}
+
+// ---- the device mesh -----------------------------------------------------------------------------
+
+struct tsys_dist_mesh {
+    tsys_dist *d;
+    int ndim, shape[TSYS_DIST_MESH_MAX_DIMS], coord[TSYS_DIST_MESH_MAX_DIMS];
+    char names[TSYS_DIST_MESH_MAX_DIMS][32];
+    tsys_dist *groups[TSYS_DIST_MESH_MAX_DIMS];
+};
+
+// Why shape and names do not make a mesh of d's ranks (the message names the input), or NULL.
+static const char *tsys_dist__mesh_fault(const tsys_dist *d, int ndim, const int *shape, const char *const *names, char *why, size_t n) {
+    if (ndim < 1 || ndim > TSYS_DIST_MESH_MAX_DIMS) { snprintf(why, n, "ndim %d: a mesh has 1 to %d dimensions", ndim, TSYS_DIST_MESH_MAX_DIMS); return why; }
+    if (!shape || !names) { snprintf(why, n, "shape and names must not be NULL"); return why; }
+    int64_t ranks = 1;
+    for (int i = 0; i < ndim; i++) {
+        const char *nm = names[i];
+        if (shape[i] < 1) { snprintf(why, n, "shape[%d] = %d: every dimension has at least one rank", i, shape[i]); return why; }
+        ranks *= shape[i];
+        if (ranks > d->size) break;
+        size_t l = nm ? strlen(nm) : 0;
+        if (l == 0 || l > 31 || strspn(nm, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_") != l) {
+            snprintf(why, n, "names[%d] '%s': a dimension's name is 1-31 characters of [A-Za-z0-9_]", i, nm ? nm : "(null)");
+            return why;
+        }
+        for (int j = 0; j < i; j++) if (!strcmp(names[j], nm)) { snprintf(why, n, "names[%d] and names[%d] are both '%s'", j, i, nm); return why; }
+    }
+    if (ranks != d->size) {
+        int l = snprintf(why, n, "shape ");
+        for (int i = 0; i < ndim && l < (int)n; i++) l += snprintf(why + l, n - (size_t)l, "%s%d", i ? " x " : "", shape[i]);
+        if (l < (int)n) snprintf(why + l, n - (size_t)l, " is not the group's %d ranks", d->size);
+        return why;
+    }
+    return NULL;
+}
+
+// A fingerprint of the mesh's shape and names: every rank must pass the same.
+static double tsys_dist__mesh_hash(int ndim, const int *shape, const char *const *names) {
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < ndim; i++) {
+        h = (h ^ (uint64_t)(uint32_t)shape[i]) * 1099511628211ull;
+        for (const char *c = names[i]; *c; c++) h = (h ^ (unsigned char)*c) * 1099511628211ull;
+        h = (h ^ 0xffu) * 1099511628211ull;
+    }
+    return (double)(h >> 12);   // exact in a double
+}
+
+TSYSDEF tsys_dist_mesh *tsys_dist_mesh_new(tsys_dist *d, int ndim, const int *shape, const char *const *names) {
+    if (!d) return NULL;
+    char why[200];
+    const char *fault = tsys_dist__mesh_fault(d, ndim, shape, names, why, sizeof why);
+    // the ranks agree first: on whether every rank's arguments are good, then on the arguments themselves
+    double v[3] = { fault ? 1.0 : 0.0, fault ? 0.0 : tsys_dist__mesh_hash(ndim, shape, names), 0.0 };
+    v[2] = -v[1];
+    if (tsys_dist_all_reduce_host(d, v, 3, TSYS_DIST_MAX) != TSYS_OK) return NULL;
+    if (fault) { tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_mesh_new: %s", fault); return NULL; }
+    if (v[0] > 0) { tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_mesh_new: another rank's shape or names are bad (its error says why)"); return NULL; }
+    if (v[1] != -v[2]) { tsys_dist__fail(d, TSYS_ERR_INVALID_ARGS, "tsys_dist_mesh_new: the ranks passed different shapes or names"); return NULL; }
+    tsys_dist_mesh *m = (tsys_dist_mesh *)calloc(1, sizeof *m);
+    if (!m) { tsys_dist__fail(d, TSYS_ERR_OOM, "tsys_dist_mesh_new: out of host memory"); return NULL; }
+    m->d = d; m->ndim = ndim;
+    int stride = d->size;
+    for (int i = 0; i < ndim; i++) {
+        stride /= shape[i];
+        m->shape[i] = shape[i];
+        m->coord[i] = d->rank / stride % shape[i];
+        tsys_dist__strcpy(m->names[i], sizeof m->names[i], names[i]);
+    }
+    for (int i = 0; i < ndim; i++) {   // dimension i's group: the ranks with the other coordinates of this one
+        int color = 0;
+        for (int j = 0; j < ndim; j++) color = color * shape[j] + (j == i ? 0 : m->coord[j]);
+        m->groups[i] = tsys_dist_split(d, color, m->coord[i], names[i]);
+        if (!m->groups[i]) { tsys_dist_mesh_free(m); return NULL; }   // every rank fails at the same dimension
+    }
+    return m;
+}
+
+static int tsys_dist__mesh_dim(const tsys_dist_mesh *m, const char *dim) {
+    for (int i = 0; m && dim && i < m->ndim; i++) if (!strcmp(m->names[i], dim)) return i;
+    return -1;
+}
+TSYSDEF tsys_dist *tsys_dist_mesh_group(const tsys_dist_mesh *m, const char *dim) {
+    int i = tsys_dist__mesh_dim(m, dim);
+    if (i < 0 && m) tsys_dist__fail(m->d, TSYS_ERR_INVALID_ARGS, "tsys_dist_mesh_group: the mesh has no dimension '%s'", dim ? dim : "(null)");
+    return i < 0 ? NULL : m->groups[i];
+}
+TSYSDEF int tsys_dist_mesh_coord(const tsys_dist_mesh *m, const char *dim) { int i = tsys_dist__mesh_dim(m, dim); return i < 0 ? -1 : m->coord[i]; }
+TSYSDEF int tsys_dist_mesh_dim_size(const tsys_dist_mesh *m, const char *dim) { int i = tsys_dist__mesh_dim(m, dim); return i < 0 ? -1 : m->shape[i]; }
+TSYSDEF int tsys_dist_mesh_ndim(const tsys_dist_mesh *m) { return m ? m->ndim : 0; }
+TSYSDEF void tsys_dist_mesh_free(tsys_dist_mesh *m) {
+    if (!m) return;
+    for (int i = m->ndim - 1; i >= 0; i--) tsys_dist_free(m->groups[i]);
+    free(m);
 }
 
 // >>collectives -----------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ for t in ${TSYS_DIST_TSAN_TESTS:-}; do engines "$t"; done
 unset TSAN_OPTIONS
 run "$BUILD/test_dist"
 run "$BUILD/test_dist" --nproc 3
+# sub-groups and meshes of an odd world (3 x 1, groups of one and two), alone and at 3 ranks
+case " $tests " in *"/test_mesh "*) run "$BUILD/test_mesh"; run "$BUILD/test_mesh" --nproc 3; run env TSYS_DIST_SHM=0 "$BUILD/test_mesh" --nproc 3 ;; esac
 # a world size that is not a power of two: FSDP's fp32 steps bit for bit against the micro-batch average
 case " $tests " in *"/test_fsdp "*)
   if uses_mpi "$BUILD/test_fsdp"; then run mpirun --oversubscribe -np 3 "$BUILD/test_fsdp" _fp32; else run "$BUILD/test_fsdp" --nproc 3 _fp32; fi ;; esac

@@ -10,14 +10,14 @@
 #     as `test_netns.sh --agent HOST CMD...`) that enters host B's namespaces in place of ssh;
 #     --mca btl tcp,self (every message over TCP, within a host too), both TCP components on the
 #     veth subnet only;
-#   - test_dist, test_ddp and test_fsdp at 2 ranks (one per host) and 4 (two per host) on each;
+#   - test_dist, test_mesh, test_ddp and test_fsdp at 2 ranks (one per host) and 4 (two per host) on each;
 #     test_dist must report its ranks on 2 hosts;
 #   - a rank on host B that exits or stalls: the ranks on host A must fail naming it (mpirun names a
 #     rank that exits; a stalled one is "no reply from the group" through MPI) within the timeout.
 # Usage: tests/test_netns.sh [BUILD]   (the binaries are BUILD/test_dist etc.; default $BUILD or build)
 # Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN), iproute2 and util-linux' unshare; without them it prints
 # a skip line and "0 passed, 0 failed", unless CI_REQUIRE_NETNS=1 makes that a failure.
-# TSYS_NETNS_TESTS picks the programs (default "test_dist test_ddp test_fsdp").
+# TSYS_NETNS_TESTS picks the programs (default "test_dist test_mesh test_ddp test_fsdp").
 # Prints each run's output and, last, the sum of their "N passed, N failed" lines.
 set -u
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
@@ -232,7 +232,7 @@ mpi_fail() {   # mpi_fail die|stall PATTERN
   fail_verdict "mpi: rank 3 on $HOST_B --$mode, the job stops" $ok "$el"
 }
 
-tests=${TSYS_NETNS_TESTS:-test_dist test_ddp test_fsdp}
+tests=${TSYS_NETNS_TESTS:-test_dist test_mesh test_ddp test_fsdp}
 for t in $tests; do
   [ -x "$BUILD/$t" ] || { echo "== $BUILD/$t: missing (make $BUILD/$t)"; fail=$((fail + 1)); }
 done

@@ -1,0 +1,268 @@
+// test_mesh.c - sub-groups (tsys_dist_split) and the device mesh of tsys_dist.h. Run as many ranks as
+// you like, on any engine:
+//   build/test_mesh                      a group of one
+//   mpirun -np 4 build/test_mesh         MPI ranks (sub-groups: MPI_Comm_split, shared memory on one host)
+//   build/test_mesh --nproc 4            the built-in launcher (sub-groups: TCP stars, shared memory)
+//   TSYS_DIST_SHM=0 ...                  the same without shared memory
+//   build/test_mesh [--nproc N] [filter]
+// Every check compares a sub-group's collective with the value computed from the ranks' known inputs:
+// each rank of the world contributes a function of its world rank, so a result that mixed in a rank of
+// another group, or missed one of its own, differs.
+#define TSYS_PRELUDE_DIST
+#include "../drivers/prelude.h"
+#include "harness.h"
+#include "harness_dist.h"
+
+static tsys_ctx *g_ctx;
+static tsys_dist *g_world;
+static int g_rank, g_size;
+
+// the value world rank r puts at element i
+static float val(int r, int64_t i) { return (float)((r + 1) * 10 + (int)(i % 7)); }
+
+static tsys_tensor *filled(int64_t n, int r) {
+    int64_t shape[1] = { n };
+    tsys_tensor *t = tsys_tensor_new(g_ctx, TSYS_F32, TSYS_CPU, 1, shape);
+    float *p = (float *)tsys_tensor_data(t);
+    for (int64_t i = 0; i < n; i++) p[i] = val(r, i);
+    return t;
+}
+
+// Whether the context's error mentions what; clears it (errors are sticky: the next check starts clean).
+static bool error_says(const char *what) {
+    bool yes = strstr(tsys_ctx_last_error(g_ctx), what) != NULL;
+    if (!yes) printf("    rank %d: the error is '%s', not one that says '%s'\n", g_rank, tsys_ctx_last_error(g_ctx), what);
+    tsys_ctx_clear_error(g_ctx);
+    return yes;
+}
+
+// The world ranks of the group this rank joins with (color, key) when every world rank r passes
+// (color_of(r), key_of(r)): ordered by key, then world rank. Returns the count; *me = this rank's place.
+typedef int (*rank_fn)(int r);
+static int members_of(rank_fn color_of, rank_fn key_of, int *members, int *me) {
+    int n = 0;
+    for (int r = 0; r < g_size; r++)
+        if (color_of(r) == color_of(g_rank)) members[n++] = r;
+    for (int i = 1; i < n; i++)   // insertion sort by key; equal keys keep world order
+        for (int j = i; j > 0 && key_of(members[j - 1]) > key_of(members[j]); j--) { int t = members[j]; members[j] = members[j - 1]; members[j - 1] = t; }
+    for (int i = 0; i < n; i++) if (members[i] == g_rank) *me = i;
+    return n;
+}
+
+// Every collective of group s against its members' inputs.
+static void check_collectives(tsys_dist *s, const int *members, int n, const char *what) {
+    const int64_t count = 1001;
+    // all-reduce: the sum over the members, in their order (small integers: exact)
+    tsys_tensor *t = filled(count, g_rank);
+    TEST_CHECK(tsys_dist_all_reduce(s, t, TSYS_DIST_SUM) == TSYS_OK, "%s: all_reduce: %s", what, tsys_ctx_last_error(g_ctx));
+    int bad = 0;
+    for (int64_t i = 0; i < count; i++) {
+        float want = 0;
+        for (int k = 0; k < n; k++) want += val(members[k], i);
+        bad += ((float *)tsys_tensor_data(t))[i] != want;
+    }
+    TEST_CHECK(bad == 0, "%s: all_reduce: %d of %lld elements differ from the members' sum", what, bad, (long long)count);
+    tsys_tensor_release(t);
+    // all-gather: the members' blocks in the group's order
+    tsys_tensor *in = filled(count, g_rank);
+    int64_t oshape[1] = { count * n };
+    tsys_tensor *out = tsys_tensor_new(g_ctx, TSYS_F32, TSYS_CPU, 1, oshape);
+    TEST_CHECK(tsys_dist_all_gather(s, out, in) == TSYS_OK, "%s: all_gather: %s", what, tsys_ctx_last_error(g_ctx));
+    bad = 0;
+    for (int k = 0; k < n; k++)
+        for (int64_t i = 0; i < count; i++) bad += ((float *)tsys_tensor_data(out))[k * count + i] != val(members[k], i);
+    TEST_CHECK(bad == 0, "%s: all_gather: %d elements out of place", what, bad);
+    // reduce-scatter: block k of the sum on the group's rank k
+    tsys_tensor *rs_in = filled(count * n, g_rank), *rs_out = filled(count, g_rank);
+    TEST_CHECK(tsys_dist_reduce_scatter(s, rs_out, rs_in, TSYS_DIST_SUM) == TSYS_OK, "%s: reduce_scatter: %s", what, tsys_ctx_last_error(g_ctx));
+    bad = 0;
+    const int me = tsys_dist_rank(s);
+    for (int64_t i = 0; i < count; i++) {
+        float want = 0;
+        for (int k = 0; k < n; k++) want += val(members[k], me * count + i);
+        bad += ((float *)tsys_tensor_data(rs_out))[i] != want;
+    }
+    TEST_CHECK(bad == 0, "%s: reduce_scatter: %d elements differ", what, bad);
+    // broadcast from the group's last rank
+    tsys_tensor *b = filled(count, g_rank);
+    TEST_CHECK(tsys_dist_broadcast(s, b, n - 1) == TSYS_OK, "%s: broadcast: %s", what, tsys_ctx_last_error(g_ctx));
+    bad = 0;
+    for (int64_t i = 0; i < count; i++) bad += ((float *)tsys_tensor_data(b))[i] != val(members[n - 1], i);
+    TEST_CHECK(bad == 0, "%s: broadcast from the group's rank %d (world rank %d): %d elements differ", what, n - 1, members[n - 1], bad);
+    TEST_CHECK(tsys_dist_barrier(s) == TSYS_OK, "%s: barrier: %s", what, tsys_ctx_last_error(g_ctx));
+    double h[2] = { (double)g_rank, 1.0 }, want_h = 0;
+    for (int k = 0; k < n; k++) want_h += members[k];
+    TEST_CHECK(tsys_dist_all_reduce_host(s, h, 2, TSYS_DIST_SUM) == TSYS_OK && h[0] == want_h && h[1] == n, "%s: all_reduce_host %g %g, want %g %d", what, h[0], h[1], want_h, n);
+    tsys_tensor_release(in); tsys_tensor_release(out); tsys_tensor_release(rs_in); tsys_tensor_release(rs_out); tsys_tensor_release(b);
+}
+
+// Splits the world by (color_of, key_of) and checks the group's shape and collectives.
+static void check_split(rank_fn color_of, rank_fn key_of, const char *what) {
+    int members[64], me = -1;
+    const int n = members_of(color_of, key_of, members, &me);
+    tsys_dist *s = tsys_dist_split(g_world, color_of(g_rank), key_of(g_rank), what);
+    TEST_CHECK(s != NULL, "%s: %s", what, tsys_ctx_last_error(g_ctx));
+    if (!s) return;
+    TEST_CHECK(tsys_dist_size(s) == n && tsys_dist_rank(s) == me, "%s: rank %d of %d, want %d of %d", what, tsys_dist_rank(s), tsys_dist_size(s), me, n);
+    TEST_CHECK(tsys_dist_local_size(s) >= 1 && tsys_dist_local_size(s) <= n && tsys_dist_local_rank(s) < tsys_dist_local_size(s), "%s: local rank %d of %d",
+               what, tsys_dist_local_rank(s), tsys_dist_local_size(s));
+    TEST_CHECK(n > 1 ? tsys_dist_engine_of(s) == tsys_dist_engine_of(g_world) : tsys_dist_engine_of(s) == TSYS_DIST_ENGINE_SELF || tsys_dist_engine_of(s) == TSYS_DIST_ENGINE_MPI,
+               "%s: engine %s (the world's: %s)", what, tsys_dist_engine_name(tsys_dist_engine_of(s)), tsys_dist_engine_name(tsys_dist_engine_of(g_world)));
+    if (tsys_dist_rank(s) == tsys_dist_size(s) - 1) TEST_CHECK(members[n - 1] == g_rank, "%s: last member", what);
+    check_collectives(s, members, n, what);
+    tsys_dist_free(s);
+}
+
+static int parity(int r) { return r % 2; }
+static int reversed(int r) { return g_size - r; }
+static int zero(int r) { (void)r; return 0; }
+static int itself(int r) { return r; }
+static int halves(int r) { return r < g_size / 2; }
+static int same_key(int r) { (void)r; return 5; }
+
+// ---- tests ---------------------------------------------------------------------------------------
+
+TSYS_TEST(split_by_parity_reversed) { check_split(parity, reversed, "parity"); }
+TSYS_TEST(split_one_group_keeps_order) { check_split(zero, itself, "all"); }
+TSYS_TEST(split_equal_keys_keep_world_order) { check_split(halves, same_key, "halves"); }
+TSYS_TEST(split_groups_of_one) { check_split(itself, zero, "self"); }
+
+TSYS_TEST(split_then_split_again) {   // a group of a group: the halves, then parity within each
+    int members[64], me = -1;
+    tsys_dist *h = tsys_dist_split(g_world, halves(g_rank), g_rank, "half");
+    TEST_CHECK(h != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (!h) return;
+    tsys_dist *q = tsys_dist_split(h, tsys_dist_rank(h) % 2, 0, "quarter");
+    TEST_CHECK(q != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (q) {   // the world ranks of this rank's half with the same parity of rank in the half
+        int hm[64], hn = members_of(halves, itself, hm, &me), n = 0;
+        for (int k = 0; k < hn; k++) if (k % 2 == tsys_dist_rank(h) % 2) members[n++] = hm[k];
+        TEST_CHECK(tsys_dist_size(q) == n, "size %d, want %d", tsys_dist_size(q), n);
+        check_collectives(q, members, n, "quarter");
+        tsys_dist_free(q);
+    }
+    tsys_dist_free(h);
+}
+
+TSYS_TEST(groups_are_independent) {   // a group's collectives in flight while the world runs its own
+    int members[64], me = -1;
+    const int n = members_of(parity, itself, members, &me);
+    tsys_dist *s = tsys_dist_split(g_world, parity(g_rank), g_rank, "async");
+    TEST_CHECK(s != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (!s) return;
+    tsys_tensor *a = filled(70000, g_rank), *w = filled(5000, g_rank);
+    tsys_dist_work *wk = tsys_dist_all_reduce_async(s, a, TSYS_DIST_SUM);
+    TEST_CHECK(wk != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    TEST_CHECK(tsys_dist_all_reduce(g_world, w, TSYS_DIST_SUM) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+    if (wk) TEST_CHECK(tsys_dist_wait(wk) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+    int bad = 0;
+    for (int64_t i = 0; i < 70000; i++) { float want = 0; for (int k = 0; k < n; k++) want += val(members[k], i); bad += ((float *)tsys_tensor_data(a))[i] != want; }
+    for (int64_t i = 0; i < 5000; i++) { float want = 0; for (int r = 0; r < g_size; r++) want += val(r, i); bad += ((float *)tsys_tensor_data(w))[i] != want; }
+    TEST_CHECK(bad == 0, "%d elements differ", bad);
+    tsys_tensor_release(a); tsys_tensor_release(w);
+    tsys_dist_free(s);
+}
+
+TSYS_TEST(split_refuses_bad_input_on_every_rank) {
+    // the last rank passes a negative color: every rank gets NULL, naming it, and the world stays in step
+    tsys_dist *s = tsys_dist_split(g_world, g_rank == g_size - 1 ? -1 : 0, 0, NULL);
+    TEST_CHECK(s == NULL, "a negative color was accepted");
+    char want[64];
+    snprintf(want, sizeof want, "rank %d passed color -1", g_size - 1);
+    TEST_CHECK(error_says(want), "negative color");
+    tsys_dist_free(s);
+    s = tsys_dist_split(g_world, 0, 0, g_rank == 0 ? "a_name_that_is_longer_than_31_characters" : "ok");
+    TEST_CHECK(s == NULL && error_says("rank 0 passed a name of 40 characters"), "long name");
+    tsys_dist_free(s);
+    TEST_CHECK(tsys_dist_barrier(g_world) == TSYS_OK, "the world after refused splits: %s", tsys_ctx_last_error(g_ctx));
+}
+
+TSYS_TEST(split_errors_carry_the_group_name) {   // a sub-group's own errors say which group
+    tsys_dist *s = tsys_dist_split(g_world, 0, 0, "tp");
+    TEST_CHECK(s != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (!s) return;
+    TEST_CHECK(tsys_dist_broadcast(s, NULL, 0) != TSYS_OK && error_says("group 'tp' rank"), "a sub-group's error");
+    tsys_dist_free(s);
+}
+
+// The mesh that fits this many ranks: 2 x size/2 when even (dp x tp), else size x 1.
+static void mesh_shape(int *shape) { shape[0] = g_size % 2 == 0 ? g_size / 2 : g_size; shape[1] = g_size % 2 == 0 ? 2 : 1; }
+
+TSYS_TEST(mesh_2d_groups) {
+    int shape[2];
+    mesh_shape(shape);
+    const char *names[2] = { "dp", "tp" };
+    tsys_dist_mesh *m = tsys_dist_mesh_new(g_world, 2, shape, names);
+    TEST_CHECK(m != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (!m) return;
+    const int dp = g_rank / shape[1], tp = g_rank % shape[1];   // row-major: the last dimension fastest
+    TEST_CHECK(tsys_dist_mesh_ndim(m) == 2 && tsys_dist_mesh_coord(m, "dp") == dp && tsys_dist_mesh_coord(m, "tp") == tp, "coords %d %d, want %d %d",
+               tsys_dist_mesh_coord(m, "dp"), tsys_dist_mesh_coord(m, "tp"), dp, tp);
+    TEST_CHECK(tsys_dist_mesh_dim_size(m, "dp") == shape[0] && tsys_dist_mesh_dim_size(m, "tp") == shape[1] && tsys_dist_mesh_dim_size(m, "pp") == -1, "dim sizes");
+    TEST_CHECK(tsys_dist_mesh_coord(m, "pp") == -1 && tsys_dist_mesh_group(m, "pp") == NULL && error_says("no dimension 'pp'"), "unknown dimension");
+    tsys_dist *gt = tsys_dist_mesh_group(m, "tp"), *gd = tsys_dist_mesh_group(m, "dp");
+    TEST_CHECK(gt && gd && tsys_dist_rank(gt) == tp && tsys_dist_size(gt) == shape[1] && tsys_dist_rank(gd) == dp && tsys_dist_size(gd) == shape[0], "group ranks");
+    int mt[64], md[64];
+    for (int k = 0; k < shape[1]; k++) mt[k] = dp * shape[1] + k;   // my row
+    for (int k = 0; k < shape[0]; k++) md[k] = k * shape[1] + tp;   // my column
+    if (gt) check_collectives(gt, mt, shape[1], "mesh tp");
+    if (gd) check_collectives(gd, md, shape[0], "mesh dp");
+    tsys_dist_mesh_free(m);
+}
+
+TSYS_TEST(mesh_3d_of_ones) {   // dimensions of size 1 are groups of one
+    int shape[3] = { 1, g_size, 1 };
+    const char *names[3] = { "pp", "dp", "tp" };
+    tsys_dist_mesh *m = tsys_dist_mesh_new(g_world, 3, shape, names);
+    TEST_CHECK(m != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (!m) return;
+    TEST_CHECK(tsys_dist_size(tsys_dist_mesh_group(m, "pp")) == 1 && tsys_dist_size(tsys_dist_mesh_group(m, "tp")) == 1 &&
+               tsys_dist_size(tsys_dist_mesh_group(m, "dp")) == g_size && tsys_dist_rank(tsys_dist_mesh_group(m, "dp")) == g_rank, "sizes");
+    int all[64];
+    for (int r = 0; r < g_size; r++) all[r] = r;
+    check_collectives(tsys_dist_mesh_group(m, "dp"), all, g_size, "mesh 1 x n x 1");
+    tsys_dist_mesh_free(m);
+}
+
+TSYS_TEST(mesh_refuses_bad_shapes) {   // on every rank alike, naming the input
+    const char *names[2] = { "dp", "tp" }, *same[2] = { "dp", "dp" }, *bad[2] = { "dp", "t-p" };
+    int over[2] = { g_size, 2 }, shape[2], zero_dim[2] = { g_size, 0 };
+    mesh_shape(shape);
+    struct { int ndim; const int *shape; const char *const *names; const char *says; } cases[] = {
+        { 2, over, names, "is not the group's" }, { 0, shape, names, "ndim 0" }, { 5, shape, names, "ndim 5" }, { 2, shape, same, "are both 'dp'" },
+        { 2, shape, bad, "names[1] 't-p'" }, { 2, zero_dim, names, "shape[1] = 0" }, { 2, NULL, names, "must not be NULL" },
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tsys_dist_mesh *m = tsys_dist_mesh_new(g_world, cases[i].ndim, cases[i].shape, cases[i].names);
+        TEST_CHECK(m == NULL && error_says(cases[i].says), "case %zu %s", i, m ? "accepted" : "refused");
+        tsys_dist_mesh_free(m);
+    }
+    // ranks that disagree on the names: every rank refuses
+    const char *mine[2] = { "dp", g_rank == 0 ? "tp" : "mp" };
+    tsys_dist_mesh *m = tsys_dist_mesh_new(g_world, 2, shape, mine);
+    TEST_CHECK(g_size == 1 ? m != NULL : m == NULL && error_says("different shapes or names"), "ranks that disagree: %s", m ? "accepted" : "refused");
+    tsys_dist_mesh_free(m);
+    TEST_CHECK(tsys_dist_barrier(g_world) == TSYS_OK, "the world after refused meshes: %s", tsys_ctx_last_error(g_ctx));
+}
+
+int main(int argc, char **argv) {
+    int nproc = 1;
+    const char *filter = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = atoi(argv[++i]);
+        else if (argv[i][0] == '-') { fprintf(stderr, "usage: test_mesh [--nproc N] [filter]\n"); return 2; }
+        else filter = argv[i];
+    }
+    int code = 0;
+    if (tsys_dist_spawn(nproc, argc, argv, &code)) return code;
+    g_ctx = tsys_ctx_new(NULL);
+    g_world = tsys_dist_init(g_ctx, NULL);
+    if (!g_world) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
+    g_rank = tsys_dist_rank(g_world); g_size = tsys_dist_size(g_world);
+    if (g_size > 64) { if (g_rank == 0) fprintf(stderr, "test_mesh: at most 64 ranks\n"); return 2; }
+    if (g_rank == 0) printf("test_mesh: %d rank(s), engine %s%s\n", g_size, tsys_dist_engine_name(tsys_dist_engine_of(g_world)), tsys_dist_get_desc(g_world).no_shm ? ", no shared memory" : "");
+    int rc = tsys_test_main_dist(filter, g_world);
+    tsys_dist_free(g_world);
+    tsys_ctx_free(g_ctx);
+    return rc;
+}
