@@ -706,6 +706,22 @@ TSYSDEF tsys_tensor *tsys_sum(tsys_ctx *ctx, tsys_tensor *x);
 TSYSDEF tsys_tensor *tsys_mean(tsys_ctx *ctx, tsys_tensor *x);
 TSYSDEF float tsys_item(tsys_ctx *ctx, const tsys_tensor *scalar);                     // NAN on error
 
+// Custom ops, as torch.autograd.Function. forward makes out (a new tensor; a view of an input is fine) from
+// 1-4 inputs; the ops it calls are not recorded; it may keep one tensor it computed for backward (*saved, a
+// new reference). backward gives every input j with needs[j] its gradient (grads[j], a new tensor of input
+// j's element count, any float dtype), from grad_out, the inputs it keeps (bit j of saves; the others come
+// as NULL) and the saved tensor. Inside a checkpointed region forward runs again during backward on the same
+// inputs, as every op does there. The descriptor must outlive the tape that records it.
+typedef struct tsys_custom_op {
+    const char *name;
+    tsys_tensor *(*forward)(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user);
+    tsys_status (*backward)(tsys_ctx *ctx, tsys_tensor *grad_out, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs,
+                            tsys_tensor **grads, void *user);
+    unsigned saves;   // bit j: backward reads input j
+    void *user;
+} tsys_custom_op;
+TSYSDEF tsys_tensor *tsys_custom(tsys_ctx *ctx, const tsys_custom_op *op, tsys_tensor *const *ins, int n);
+
 // the cs336 Transformer LM
 // Model shape. All fields 0 = default (tsys_model_desc_defaults fills them):
 //   vocab_size 10000 | context_length 256 | d_model 768 | num_layers 12 | num_heads 12 | d_ff 4*d_model
@@ -1297,12 +1313,12 @@ typedef enum tsys__op {
     TSYS__OP_CAST, TSYS__OP_EMBEDDING, TSYS__OP_LINEAR, TSYS__OP_MATMUL, TSYS__OP_ADD, TSYS__OP_MUL,
     TSYS__OP_SCALE, TSYS__OP_RELU, TSYS__OP_SILU, TSYS__OP_SWIGLU, TSYS__OP_RMSNORM, TSYS__OP_LAYERNORM,
     TSYS__OP_ROPE, TSYS__OP_SOFTMAX, TSYS__OP_TRANSPOSE12, TSYS__OP_VIEW, TSYS__OP_CROSS_ENTROPY,
-    TSYS__OP_MSE, TSYS__OP_SUM, TSYS__OP_FLASH_ATTN, TSYS__OP_COUNT
+    TSYS__OP_MSE, TSYS__OP_SUM, TSYS__OP_FLASH_ATTN, TSYS__OP_CUSTOM, TSYS__OP_COUNT
 } tsys__op;
 
 static const char *tsys__op_names[] = {
     "cast", "embedding", "linear", "matmul", "add", "mul", "scale", "relu", "silu", "swiglu", "rmsnorm",
-    "layernorm", "rope", "softmax", "transpose12", "view", "cross_entropy", "mse", "sum", "flash_attention",
+    "layernorm", "rope", "softmax", "transpose12", "view", "cross_entropy", "mse", "sum", "flash_attention", "custom",
 };
 typedef char tsys__op_names_match[(sizeof(tsys__op_names) / sizeof(tsys__op_names[0]) == TSYS__OP_COUNT) ? 1 : -1];
 
@@ -1371,6 +1387,7 @@ struct tsys__node {
     unsigned rc_reads;                     // bit j: input j counted in its producer's rc_need
     bool rc_run;                           // the recompute runs this node's op (else it only re-links inputs)
     unsigned in_mask;                      // bit j: input j was given (not NULL)
+    const tsys_custom_op *custom;          // TSYS__OP_CUSTOM: the op (i[k]: the input saved in slot k, -1 its own value)
 };
 
 // A checkpointed region: a contiguous range of the tape whose nodes dropped their saved tensors.
@@ -4349,6 +4366,71 @@ static tsys_tensor *tsys__sum_scaled(tsys_ctx *ctx, tsys_tensor *x, bool mean) {
 TSYSDEF tsys_tensor *tsys_sum(tsys_ctx *ctx, tsys_tensor *x) { return tsys__sum_scaled(ctx, x, false); }
 TSYSDEF tsys_tensor *tsys_mean(tsys_ctx *ctx, tsys_tensor *x) { return tsys__sum_scaled(ctx, x, true); }
 
+// ---- custom ops ----
+TSYSDEF tsys_tensor *tsys_custom(tsys_ctx *ctx, const tsys_custom_op *op, tsys_tensor *const *ins, int n) {
+    if (!ctx) return NULL;
+    const char *name = op && op->name ? op->name : "custom op";
+    TSYS__REQUIRE(ctx, op && op->forward && op->backward, "%s: forward and backward must both be given", name);
+    TSYS__REQUIRE(ctx, ins && n >= 1 && n <= TSYS__NODE_IN, "%s: %d inputs, it takes 1 to %d", name, n, TSYS__NODE_IN);
+    if (!tsys__check_inputs(ctx, name, ins, n)) return NULL;
+    // forward's own ops are not recorded, also while this node is recomputed (their records would land on it)
+    tsys__node *replay = ctx->replay;
+    const bool keep = ctx->replay_keep, done = ctx->replay_done;
+    ctx->replay = NULL;
+    tsys_no_grad_begin(ctx);
+    tsys_tensor *extra = NULL, *y = op->forward(ctx, ins, n, &extra, op->user);
+    tsys_no_grad_end(ctx);
+    ctx->replay = replay; ctx->replay_keep = keep; ctx->replay_done = done;
+    for (int j = 0; y && j < n; j++)
+        if (y == ins[j]) { tsys_tensor_release(y); y = NULL; TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: forward returned its input %d: it must make a new tensor (a view is fine)", name, j); }
+    if (!y) {
+        tsys_tensor_release(extra);
+        if (ctx->status == TSYS_OK) TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: forward made no output", name);
+        return NULL;
+    }
+    tsys_tensor *saved[TSYS__NODE_SAVED];
+    int64_t slot_of[TSYS__NODE_SAVED];
+    int ns = 0;
+    for (int j = 0; j < n; j++)
+        if (op->saves >> j & 1u) { saved[ns] = ins[j]; slot_of[ns++] = j; }
+    if (extra) { saved[ns] = extra; slot_of[ns++] = -1; }
+    tsys__node *node = tsys__record(ctx, TSYS__OP_CUSTOM, y, ins, n, saved, ns);
+    if (node) {
+        node->custom = op;
+        for (int k = 0; k < ns && k < 4; k++) node->i[k] = slot_of[k];
+    }
+    tsys_tensor_release(extra);   // the node holds it
+    return y;
+}
+
+static int tsys__saved_input(const tsys__node *n, int k);
+static tsys_status tsys__custom_backward(tsys_ctx *ctx, tsys__node *n, tsys_tensor *g) {
+    const tsys_custom_op *op = n->custom;
+    tsys_tensor *ins[TSYS__NODE_IN] = {NULL}, *extra = NULL, *grads[TSYS__NODE_IN] = {NULL};
+    bool needs[TSYS__NODE_IN] = {false};
+    for (int k = 0; k < n->n_saved; k++) {
+        int j = tsys__saved_input(n, k);
+        if (j >= 0) ins[j] = n->saved[k]; else extra = n->saved[k];
+    }
+    for (int j = 0; j < n->n_in; j++) needs[j] = n->in[j].needs;
+    tsys_no_grad_begin(ctx);   // the ops backward calls are not recorded either
+    tsys_status st = op->backward(ctx, g, ins, n->n_in, extra, needs, grads, op->user);
+    tsys_no_grad_end(ctx);
+    if (st == TSYS_OK && ctx->status != TSYS_OK) st = ctx->status;
+    for (int j = 0; j < n->n_in; j++) {
+        if (st != TSYS_OK || !needs[j]) { tsys_tensor_release(grads[j]); continue; }
+        int64_t want = 1;
+        for (int d = 0; d < n->in[j].ndim; d++) want *= n->in[j].shape[d];
+        if (!grads[j]) st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: backward gave no gradient for input %d", op->name ? op->name : "custom op", j);
+        else if (tsys_tensor_numel(grads[j]) != want || !tsys_dtype_is_float(grads[j]->dtype)) {
+            st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: backward's gradient for input %d has %lld %s elements, the input %lld", op->name ? op->name : "custom op", j,
+                            (long long)tsys_tensor_numel(grads[j]), tsys_dtype_name(grads[j]->dtype), (long long)want);
+            tsys_tensor_release(grads[j]);
+        } else st = tsys__grad_add(ctx, &n->in[j], grads[j]);   // takes the reference
+    }
+    return st;
+}
+
 TSYSDEF float tsys_item(tsys_ctx *ctx, const tsys_tensor *scalar) {
     float v = NAN;
     if (!ctx || !scalar) return v;
@@ -4590,6 +4672,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
         }
         break;
     }
+    case TSYS__OP_CUSTOM: st = tsys__custom_backward(ctx, n, g); break;
     case TSYS__OP_COUNT: st = TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: bad op");
     }
     ctx->trace_weight = weight;
@@ -4719,6 +4802,7 @@ static int tsys__saved_input(const tsys__node *n, int k) {
     case TSYS__OP_RELU: case TSYS__OP_SILU: return 0;
     case TSYS__OP_EMBEDDING: return 1;   // the ids
     case TSYS__OP_FLASH_ATTN: return k <= TSYS__SAVED_FLASH_V ? k : -1;   // q, k, v (O and LSE it computes)
+    case TSYS__OP_CUSTOM: return k < 4 ? (int)n->i[k] : -1;               // the inputs it keeps, then its own value
     default: return -1;
     }
 }
@@ -4773,6 +4857,7 @@ static tsys_tensor *tsys__replay_op(tsys_ctx *ctx, tsys__node *n, tsys_tensor *c
     case TSYS__OP_MSE: y = tsys_mse(ctx, v[0], v[1]); break;
     case TSYS__OP_SUM: y = tsys__sum_scaled(ctx, v[0], n->i[0] != 0); break;
     case TSYS__OP_FLASH_ATTN: y = tsys_flash_attention(ctx, v[0], v[1], v[2], n->i[0] != 0, NULL); break;
+    case TSYS__OP_CUSTOM: y = tsys_custom(ctx, n->custom, v, n->n_in); break;
     case TSYS__OP_COUNT: break;
     }
     ctx->autocast = ac;

@@ -199,3 +199,114 @@ TSYS_TEST(grad_hooks_compose_in_order_once_per_backward) {
 }
 
 int main(int argc, char **argv) { return tsys_test_main(argc, argv); }
+
+// ---- custom ops ---------------------------------------------------------------------------------
+
+// cube: y = x^3, keeping x^2 for backward (its own value); double_it: y = 2x, keeping nothing.
+static int g_cube_forwards;
+static tsys_tensor *cube_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
+    (void)n; (void)user;
+    g_cube_forwards++;
+    *saved = tsys_mul(ctx, ins[0], ins[0]);
+    return tsys_mul(ctx, *saved, ins[0]);
+}
+static tsys_status cube_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)ins; (void)n; (void)user;
+    if (!needs[0]) return TSYS_OK;
+    tsys_tensor *t = tsys_mul(ctx, g, saved);
+    grads[0] = tsys_scale(ctx, t, 3.0f);
+    tsys_tensor_release(t);
+    return ctx ? tsys_ctx_status(ctx) : TSYS_ERR_INVALID_ARGS;
+}
+static const tsys_custom_op cube_op = { "cube", cube_fwd, cube_bwd, 0, NULL };
+static tsys_tensor *double_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) { (void)n; (void)saved; (void)user; return tsys_scale(ctx, ins[0], 2.0f); }
+static tsys_status double_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)ins; (void)n; (void)saved; (void)user;
+    if (needs[0]) grads[0] = tsys_scale(ctx, g, 2.0f);
+    return TSYS_OK;
+}
+static const tsys_custom_op double_op = { "double", double_fwd, double_bwd, 0, NULL };
+// product: y = a * b, keeping both inputs
+static tsys_tensor *prod_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) { (void)n; (void)saved; (void)user; return tsys_mul(ctx, ins[0], ins[1]); }
+static tsys_status prod_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)n; (void)saved; (void)user;
+    if (needs[0]) grads[0] = tsys_mul(ctx, g, ins[1]);
+    if (needs[1]) grads[1] = tsys_mul(ctx, g, ins[0]);
+    return TSYS_OK;
+}
+static const tsys_custom_op prod_op = { "product", prod_fwd, prod_bwd, 3u, NULL };
+
+// sum(double(cube(x)) * product(x, w)), its gradients by x and w
+static void custom_grads(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *w, bool region, float *gx, float *gw, float *loss) {
+    tsys_tensor *xw0[2] = { x, w };
+    tsys_zero_grads(ctx, xw0, 2);
+    if (region) tsys_checkpoint_begin(ctx);
+    tsys_tensor *c = tsys_custom(ctx, &cube_op, &x, 1), *d = tsys_custom(ctx, &double_op, &c, 1);
+    tsys_tensor *xw[2] = { x, w }, *p = tsys_custom(ctx, &prod_op, xw, 2), *m = tsys_mul(ctx, d, p);
+    if (region) tsys_checkpoint_end(ctx);
+    tsys_tensor *l = tsys_sum(ctx, m);
+    *loss = tsys_item(ctx, l);
+    tsys_backward(ctx, l);
+    tsys_tensor_to_f32(ctx, x->grad, gx);
+    tsys_tensor_to_f32(ctx, w->grad, gw);
+    tsys_tensor_release(c); tsys_tensor_release(d); tsys_tensor_release(p); tsys_tensor_release(m); tsys_tensor_release(l);
+}
+
+TSYS_TEST(custom_ops_against_the_chain_rule_and_under_checkpointing) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t n = 37;
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n), *w = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    tsys_tensor_randn(ctx, x, 1.0f); tsys_tensor_randn(ctx, w, 1.0f);
+    tsys_tensor_set_requires_grad(x, true); tsys_tensor_set_requires_grad(w, true);
+    float xs[37], ws[37], gx[37], gw[37], gx2[37], gw2[37], loss, loss2;
+    tsys_tensor_to_f32(ctx, x, xs); tsys_tensor_to_f32(ctx, w, ws);
+    g_cube_forwards = 0;
+    custom_grads(ctx, x, w, false, gx, gw, &loss);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK && g_cube_forwards == 1, "%s (forwards %d)", tsys_ctx_last_error(ctx), g_cube_forwards);
+    // loss = sum 2 x^4 w: d/dx = 8 x^3 w, d/dw = 2 x^4 (in double)
+    double want = 0, ex = 0, ew = 0;
+    for (int i = 0; i < 37; i++) {
+        double a = xs[i], b = ws[i];
+        want += 2 * a * a * a * a * b;
+        ex = fmax(ex, fabs(gx[i] - 8 * a * a * a * b) / (1 + fabs(8 * a * a * a * b)));
+        ew = fmax(ew, fabs(gw[i] - 2 * a * a * a * a) / (1 + fabs(2 * a * a * a * a)));
+    }
+    TEST_CHECK(fabs(loss - want) < 1e-5 * (1 + fabs(want)) && ex < 1e-5 && ew < 1e-5, "loss %g want %g; grad errors %g %g", loss, want, ex, ew);
+    // in a checkpointed region the forward runs again in backward, and the gradients are the same bits
+    g_cube_forwards = 0;
+    custom_grads(ctx, x, w, true, gx2, gw2, &loss2);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK && g_cube_forwards == 2, "%s (forwards %d, want 2)", tsys_ctx_last_error(ctx), g_cube_forwards);
+    TEST_CHECK(loss2 == loss && !memcmp(gx, gx2, sizeof gx) && !memcmp(gw, gw2, sizeof gw), "checkpointed: loss %g vs %g, gradients differ", loss2, loss);
+    tsys_tensor_release(x); tsys_tensor_release(w);
+    tsys_ctx_free(ctx);
+}
+
+// forward returning its input; backward giving the wrong size
+static tsys_tensor *same_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) { (void)ctx; (void)n; (void)saved; (void)user; return tsys_tensor_retain(ins[0]); }
+static tsys_status short_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)g; (void)ins; (void)n; (void)saved; (void)needs; (void)user;
+    int64_t k = 3;
+    grads[0] = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &k);
+    return TSYS_OK;
+}
+
+TSYS_TEST(custom_ops_refuse_bad_contracts) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t n = 5;
+    tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    tsys_tensor_fill(ctx, x, 1.0f);
+    tsys_tensor_set_requires_grad(x, true);
+    const tsys_custom_op same = { "same", same_fwd, double_bwd, 0, NULL }, short_grad = { "short", double_fwd, short_bwd, 0, NULL }, none = { "none", NULL, NULL, 0, NULL };
+    tsys_tensor *y = tsys_custom(ctx, &same, &x, 1);
+    TEST_CHECK(!y && strstr(tsys_ctx_last_error(ctx), "same: forward returned its input 0"), "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(!tsys_custom(ctx, &none, &x, 1) && strstr(tsys_ctx_last_error(ctx), "none: forward and backward must both be given"), "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(!tsys_custom(ctx, &double_op, &x, 0) && strstr(tsys_ctx_last_error(ctx), "double: 0 inputs, it takes 1 to 4"), "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    y = tsys_custom(ctx, &short_grad, &x, 1);
+    tsys_tensor *l = tsys_sum(ctx, y);
+    TEST_CHECK(tsys_backward(ctx, l) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "short: backward's gradient for input 0 has 3 f32 elements, the input 5"), "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(y); tsys_tensor_release(l); tsys_tensor_release(x);
+    tsys_ctx_free(ctx);
+}
