@@ -27,6 +27,8 @@
       >>ddp          defines: tsys_ddp (naive, flat, overlap, bucketed), agreed layouts (tsys_dist__agree_layout)
       >>zero1        defines: tsys_zero1 (sharded AdamW)
       >>fsdp         defines: tsys_fsdp (ZeRO-3: units, gathers, reduce-scatters through the trace hooks)
+      >>tp           defines: tsys_tp_model (Megatron tensor parallelism of the cs336 model: column- and row-
+                     parallel linears, the all-reduces as custom autograd ops, vocabulary-parallel cross-entropy)
       >>accounting   defines: tsys_dist_accounting, tsys_fsdp_accounting(_desc)
       >>link model   defines: tsys_dist_calibrate_link (an alpha-beta model of the link, measured),
                      tsys_dist_link_time_ms, tsys_dist_ring_sent
@@ -349,6 +351,24 @@ TSYSDEF int tsys_dist_mesh_coord(const tsys_dist_mesh *m, const char *dim);     
 TSYSDEF int tsys_dist_mesh_dim_size(const tsys_dist_mesh *m, const char *dim);       // -1: no such dimension
 TSYSDEF int tsys_dist_mesh_ndim(const tsys_dist_mesh *m);
 TSYSDEF void tsys_dist_mesh_free(tsys_dist_mesh *m);
+
+// Tensor parallelism (Megatron-LM's split of the cs336 model over a group tp): this rank's share of every
+// parameter of `full` (copied: free full afterwards if you like): q, k, v, w1, w3 and the LM head by rows
+// (heads, d_ff and the vocabulary split over tp), the output projection and w2 by columns; the embedding and
+// the norms whole. num_heads, d_ff and vocab_size must be multiples of tp's size. Every rank of tp passes
+// the same batch: tsys_tp_model_loss runs the forward with one all-reduce per attention and per SwiGLU in
+// forward and in backward, and a vocabulary-parallel cross-entropy (mean over tokens, the same on every
+// rank) that never forms the full logits. Train with any optimizer over tsys_tp_model_params (the same step
+// on every rank keeps the replicated parameters equal). tsys_tp_model_gather writes the full parameters
+// back into a model of the same shape (collective over tp). Not yet: checkpointing policies, a vocabulary-
+// parallel embedding, sequence parallelism; the cross-entropy runs on the host.
+typedef struct tsys_tp_model tsys_tp_model;
+TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full);      // NULL + the context's error
+TSYSDEF tsys_tensor **tsys_tp_model_params(tsys_tp_model *m);                     // the full model's parameters() order
+TSYSDEF int tsys_tp_model_num_tensors(const tsys_tp_model *m);
+TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys_tensor *targets);
+TSYSDEF tsys_status tsys_tp_model_gather(tsys_tp_model *m, tsys_model *full);
+TSYSDEF void tsys_tp_model_free(tsys_tp_model *m);
 
 // DDP: wraps a set of parameters (the cs336 model's, a toy model's; tied weights appear once).
 // Construction broadcasts every parameter, trainable or not, from rank 0. After backward,
@@ -5274,6 +5294,342 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
     }
     *out = list; *n = m;
     return TSYS_OK;
+}
+
+// >>tp --------------------------------------------------------------------------------------------
+// Tensor parallelism of the cs336 model, as Megatron-LM splits it. Per block: q, k, v and w1, w3 are
+// column-parallel (this rank's heads and d_ff slice: rows of the weights), the output projection and w2
+// row-parallel (the matching columns); the block's input enters through `copy` (identity forward, the
+// gradient all-reduced in backward: each rank's heads add a part) and each branch leaves through `reduce`
+// (its partial sums all-reduced in forward, the gradient passed through): one all-reduce per branch each
+// way. The LM head is vocabulary-parallel (rows of this rank's vocabulary slice) and its cross-entropy
+// combines the ranks' row maxima, exp-sums and target logits (three host all-reduces of E numbers), so
+// the full logits never exist anywhere. The embedding and the norms are replicated: their gradients are
+// the same on every rank (each sees the full activations after the all-reduces), so the same AdamW step
+// keeps them equal.
+
+struct tsys_tp_model {
+    tsys_ctx *ctx;
+    tsys_dist *tp;
+    tsys_model_desc desc;
+    tsys_device device;
+    int64_t heads, dff, vocab, vocab_lo;     // this rank's share
+    tsys_tensor **params;                    // parameters() order of the full model, each this rank's part
+    int n;
+    tsys_custom_op copy_op, reduce_op, ce_op;
+};
+
+// ---- the collectives as autograd ops ----
+
+static tsys_tensor *tsys_tp__alias(tsys_ctx *ctx, tsys_tensor *x) { return tsys_tensor_view_raw(ctx, x, 0, x->dtype, x->ndim, x->shape); }
+
+static tsys_tensor *tsys_tp__summed(tsys_ctx *ctx, tsys_dist *tp, tsys_tensor *x) {
+    tsys_tensor *y = tsys_tensor_clone(ctx, x);
+    if (y && tsys_dist_all_reduce(tp, y, TSYS_DIST_SUM) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
+    return y;
+}
+static tsys_tensor *tsys_tp__copy_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
+    (void)n; (void)saved; (void)user;
+    return tsys_tp__alias(ctx, ins[0]);
+}
+static tsys_status tsys_tp__copy_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)ins; (void)n; (void)saved;
+    if (needs[0]) grads[0] = tsys_tp__summed(ctx, (tsys_dist *)user, g);
+    return needs[0] && !grads[0] ? tsys_ctx_status(ctx) : TSYS_OK;
+}
+static tsys_tensor *tsys_tp__reduce_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
+    (void)n; (void)saved;
+    return tsys_tp__summed(ctx, (tsys_dist *)user, ins[0]);
+}
+static tsys_status tsys_tp__reduce_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)ins; (void)n; (void)saved; (void)user;
+    if (needs[0]) grads[0] = tsys_tp__alias(ctx, g);
+    return TSYS_OK;
+}
+
+// ---- the vocabulary-parallel cross-entropy ----
+// Mean over rows of log(sum over the whole vocabulary of exp(logit)) - logit[target]. Every rank holds the
+// logits of its vocabulary slice; the three per-row quantities are all-reduced on the host in double. Saves
+// the rows' log-sum-exp for backward: d logit = (softmax - onehot) / rows.
+
+static int64_t tsys_tp__target(const void *t, tsys_dtype dt, int64_t i) { return dt == TSYS_I64 ? ((const int64_t *)t)[i] : ((const int32_t *)t)[i]; }
+
+// The rows' log-sum-exp over the whole vocabulary (lse) and the mean loss, from this rank's logits l (E x V).
+static bool tsys_tp__ce_rows(tsys_tp_model *m, const float *l, const void *tg, tsys_dtype tdt, int64_t E, int64_t V, float *lse, double *loss) {
+    double *mx = (double *)calloc((size_t)(3 * E + 1), sizeof(double)), *st = mx + E;   // maxima, then exp-sums and target logits
+    if (!mx) { tsys_ctx_set_error(m->ctx, TSYS_ERR_OOM, "tp cross_entropy: out of host memory"); return false; }
+    for (int64_t e = 0; e < E; e++) {
+        double best = -INFINITY;
+        for (int64_t v = 0; v < V; v++) best = l[e * V + v] > best ? l[e * V + v] : best;
+        mx[e] = best;
+    }
+    bool ok = tsys_dist_all_reduce_host(m->tp, mx, (int)E, TSYS_DIST_MAX) == TSYS_OK;
+    for (int64_t e = 0; ok && e < E; e++) {
+        double s = 0;
+        for (int64_t v = 0; v < V; v++) s += exp((double)l[e * V + v] - mx[e]);
+        const int64_t t = tsys_tp__target(tg, tdt, e) - m->vocab_lo;
+        st[e] = s;
+        st[E + e] = t >= 0 && t < V ? (double)l[e * V + t] : 0.0;
+    }
+    ok = ok && tsys_dist_all_reduce_host(m->tp, st, (int)(2 * E), TSYS_DIST_SUM) == TSYS_OK;
+    double total = 0;
+    for (int64_t e = 0; ok && e < E; e++) {
+        const double row_lse = mx[e] + log(st[e]);
+        lse[e] = (float)row_lse;
+        total += row_lse - st[E + e];
+    }
+    *loss = total / (double)E;
+    free(mx);
+    return ok;
+}
+
+static tsys_tensor *tsys_tp__ce_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
+    (void)n;
+    tsys_tp_model *m = (tsys_tp_model *)user;
+    tsys_tensor *logits = ins[0], *targets = ins[1];
+    const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
+    float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(E * V) + 1), *lse = (float *)TSYS_MALLOC(sizeof(float) * (size_t)E + 1);
+    void *tg = TSYS_MALLOC(tsys_tensor_bytes(targets) + 1);
+    tsys_tensor *loss = NULL;
+    double mean = 0;
+    if (!l || !lse || !tg) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp cross_entropy: out of host memory for %lld x %lld logits", (long long)E, (long long)V);
+    else if (tsys_tensor_to_f32(ctx, logits, l) == TSYS_OK && tsys_tensor_to_host(ctx, targets, tg) == TSYS_OK && tsys_tp__ce_rows(m, l, tg, targets->dtype, E, V, lse, &mean)) {
+        const float mean_f = (float)mean;
+        int64_t one = 1;
+        loss = tsys_tensor_from_data(ctx, TSYS_F32, logits->device, 1, &one, &mean_f);
+        *saved = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 1, &E, lse);
+        if (loss) tsys_tensor_set_name(loss, "loss");
+    }
+    TSYS_FREE(l); TSYS_FREE(lse); TSYS_FREE(tg);
+    return loss;
+}
+
+static tsys_status tsys_tp__ce_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)n;
+    if (!needs[0]) return TSYS_OK;
+    tsys_tp_model *m = (tsys_tp_model *)user;
+    tsys_tensor *logits = ins[0], *targets = ins[1];
+    const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
+    float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(E * V) + 1), gl = 0;
+    void *tg = TSYS_MALLOC(tsys_tensor_bytes(targets) + 1);
+    tsys_status st = TSYS_OK;
+    if (!l || !tg) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp cross_entropy: out of host memory for the gradient of %lld x %lld logits", (long long)E, (long long)V);
+    if (st == TSYS_OK) st = tsys_tensor_to_f32(ctx, logits, l);
+    if (st == TSYS_OK) st = tsys_tensor_to_host(ctx, targets, tg);
+    if (st == TSYS_OK) st = tsys_tensor_to_f32(ctx, g, &gl);
+    if (st == TSYS_OK) {
+        const float *lse = (const float *)tsys_tensor_data(saved), scale = gl / (float)E;
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t t = tsys_tp__target(tg, targets->dtype, e) - m->vocab_lo;
+            for (int64_t v = 0; v < V; v++) l[e * V + v] = (expf(l[e * V + v] - lse[e]) - (v == t ? 1.0f : 0.0f)) * scale;
+        }
+        grads[0] = tsys_tensor_from_data(ctx, TSYS_F32, logits->device, logits->ndim, logits->shape, l);
+        if (!grads[0]) st = tsys_ctx_status(ctx);
+    }
+    TSYS_FREE(l); TSYS_FREE(tg);
+    return st;
+}
+
+// ---- the sharded parameters ----
+
+// Rows [lo, lo + rows) of a (R, C) parameter, or columns [lo, lo + cols) when by_cols: a new leaf on dev.
+static tsys_tensor *tsys_tp__slice(tsys_ctx *ctx, tsys_tensor *full, bool by_cols, int64_t lo, int64_t count, tsys_device dev) {
+    const int64_t R = full->shape[0], C = full->ndim > 1 ? full->shape[1] : 1, n = tsys_tensor_numel(full);
+    float *all = (float *)TSYS_MALLOC(sizeof(float) * (size_t)n + 1), *part = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(by_cols ? R * count : count * C) + 1);
+    tsys_tensor *t = NULL;
+    if (all && part && tsys_tensor_to_f32(ctx, full, all) == TSYS_OK) {
+        if (by_cols) { for (int64_t r = 0; r < R; r++) memcpy(part + r * count, all + r * C + lo, sizeof(float) * (size_t)count); }
+        else memcpy(part, all + lo * C, sizeof(float) * (size_t)(count * C));
+        int64_t shape[2] = { by_cols ? R : count, by_cols ? count : C };
+        t = tsys_tensor_from_data(ctx, TSYS_F32, dev, full->ndim, shape, part);
+    } else if (!all || !part) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp: out of host memory slicing '%s'", full->name);
+    TSYS_FREE(all); TSYS_FREE(part);
+    if (t) { tsys_tensor_set_name(t, "%s", full->name); tsys_tensor_set_requires_grad(t, true); }
+    return t;
+}
+
+// How parameter `name` of the full model is split: 0 replicated, 1 by rows, 2 by columns; its split size.
+static int tsys_tp__split_of(const tsys_tp_model *m, const char *name, int64_t *full_dim) {
+    const char *rows[] = { "q_proj.weight", "k_proj.weight", "v_proj.weight", "ffn.w1.weight", "ffn.w3.weight", "lm_head.weight" };
+    const char *cols[] = { "output_proj.weight", "ffn.w2.weight" };
+    const size_t l = strlen(name);
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        const size_t k = strlen(rows[i]);
+        if (l >= k && !strcmp(name + l - k, rows[i])) { *full_dim = !strcmp(rows[i], "lm_head.weight") ? m->desc.vocab_size : strstr(rows[i], "ffn") ? m->desc.d_ff : m->desc.d_model; return 1; }
+    }
+    for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++) {
+        const size_t k = strlen(cols[i]);
+        if (l >= k && !strcmp(name + l - k, cols[i])) { *full_dim = strstr(cols[i], "ffn") ? m->desc.d_ff : m->desc.d_model; return 2; }
+    }
+    return 0;
+}
+
+static bool tsys_tp__fits(tsys_tp_model *m, const tsys_model_desc *d, int n) {
+    const char *what = d->num_heads % n ? "num_heads" : d->d_ff % n ? "d_ff" : d->vocab_size % n ? "vocab_size" : NULL;
+    if (!what) return true;
+    const int v = d->num_heads % n ? d->num_heads : d->d_ff % n ? d->d_ff : d->vocab_size;
+    tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_new: %s = %d is not a multiple of the tensor-parallel size %d", what, v, n);
+    return false;
+}
+
+TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full) {
+    if (!tp) return NULL;
+    tsys_ctx *ctx = tsys_dist_ctx(tp);
+    if (!full) { tsys_dist__fail(tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_new: full model is NULL"); return NULL; }
+    tsys_tp_model *m = (tsys_tp_model *)calloc(1, sizeof *m);
+    if (!m) { tsys_dist__fail(tp, TSYS_ERR_OOM, "tsys_tp_model_new: out of host memory"); return NULL; }
+    const int n = tsys_dist_size(tp), r = tsys_dist_rank(tp);
+    m->ctx = ctx; m->tp = tp; m->desc = *tsys_model_get_desc(full);
+    tsys_tensor **fp = tsys_model_params(full);
+    m->device = fp[0]->device;
+    if (!tsys_tp__fits(m, &m->desc, n)) { free(m); return NULL; }
+    m->heads = m->desc.num_heads / n; m->dff = m->desc.d_ff / n; m->vocab = m->desc.vocab_size / n; m->vocab_lo = r * m->vocab;
+    m->n = tsys_model_num_tensors(full);
+    m->params = (tsys_tensor **)calloc((size_t)m->n, sizeof *m->params);
+    bool ok = m->params != NULL;
+    for (int i = 0; ok && i < m->n; i++) {
+        int64_t dim = 0;
+        const int how = tsys_tp__split_of(m, fp[i]->name, &dim);
+        m->params[i] = how ? tsys_tp__slice(ctx, fp[i], how == 2, r * (dim / n), dim / n, m->device) : tsys_tp__slice(ctx, fp[i], false, 0, fp[i]->shape[0], m->device);
+        ok = m->params[i] != NULL;
+    }
+    if (!ok) { if (ctx->status == TSYS_OK) tsys_dist__fail(tp, TSYS_ERR_OOM, "tsys_tp_model_new: out of memory"); tsys_tp_model_free(m); return NULL; }
+    const tsys_custom_op copy = { "tp copy", tsys_tp__copy_fwd, tsys_tp__copy_bwd, 0, tp }, reduce = { "tp reduce", tsys_tp__reduce_fwd, tsys_tp__reduce_bwd, 0, tp },
+                         ce = { "tp cross_entropy", tsys_tp__ce_fwd, tsys_tp__ce_bwd, 3u, m };
+    m->copy_op = copy; m->reduce_op = reduce; m->ce_op = ce;
+    return m;
+}
+
+TSYSDEF tsys_tensor **tsys_tp_model_params(tsys_tp_model *m) { return m ? m->params : NULL; }
+TSYSDEF int tsys_tp_model_num_tensors(const tsys_tp_model *m) { return m ? m->n : 0; }
+
+TSYSDEF void tsys_tp_model_free(tsys_tp_model *m) {
+    if (!m) return;
+    for (int i = 0; m->params && i < m->n; i++) tsys_tensor_release(m->params[i]);
+    free(m->params);
+    free(m);
+}
+
+// ---- forward ----
+
+static tsys_tensor *tsys_tp__param(tsys_tp_model *m, int i) { return m->params[i]; }
+// parameters() order: the embedding, then per layer q, k, v, o, w1, w2, w3, ln1, ln2, then ln_final, lm_head
+enum { TSYS_TP__Q, TSYS_TP__K, TSYS_TP__V, TSYS_TP__O, TSYS_TP__W1, TSYS_TP__W2, TSYS_TP__W3, TSYS_TP__LN1, TSYS_TP__LN2, TSYS_TP__PER_LAYER };
+static tsys_tensor *tsys_tp__layer_param(tsys_tp_model *m, int l, int which) { return tsys_tp__param(m, 1 + l * TSYS_TP__PER_LAYER + which); }
+
+static tsys_tensor *tsys_tp__op1(tsys_tp_model *m, const tsys_custom_op *op, tsys_tensor *x) { return tsys_custom(m->ctx, op, &x, 1); }
+
+// Attention over this rank's heads: the block's input through `copy`, the output projection's partial sums through `reduce`.
+static tsys_tensor *tsys_tp__attention(tsys_tp_model *m, int l, tsys_tensor *h, int64_t B, int64_t T) {
+    tsys_ctx *ctx = m->ctx;
+    const int64_t dh = m->desc.d_model / m->desc.num_heads, H = m->heads;
+    int64_t split[4] = { B, T, H, dh }, merged[3] = { B, T, H * dh };
+    tsys_tensor *hc = tsys_tp__op1(m, &m->copy_op, h), *heads[3] = { NULL, NULL, NULL };
+    for (int j = 0; j < 3; j++) {
+        tsys_tensor *p = tsys_linear(ctx, hc, tsys_tp__layer_param(m, l, TSYS_TP__Q + j), NULL), *pv = tsys_view(ctx, p, 4, split);
+        tsys_tensor_release(p);
+        heads[j] = j < 2 ? tsys_rope_heads(ctx, pv, m->desc.rope_theta) : tsys_transpose12(ctx, pv);
+        tsys_tensor_release(pv);
+    }
+    tsys_tensor_release(hc);
+    const bool flash = m->desc.attn && !strcmp(m->desc.attn, "flash");
+    tsys_tensor *a = flash ? tsys_flash_attention(ctx, heads[0], heads[1], heads[2], true, NULL) : tsys_attention_naive(ctx, heads[0], heads[1], heads[2], true);
+    for (int j = 0; j < 3; j++) tsys_tensor_release(heads[j]);
+    tsys_tensor *at = tsys_transpose12(ctx, a), *av = tsys_view(ctx, at, 3, merged);
+    tsys_tensor_release(a); tsys_tensor_release(at);
+    tsys_tensor *part = tsys_linear(ctx, av, tsys_tp__layer_param(m, l, TSYS_TP__O), NULL);
+    tsys_tensor_release(av);
+    tsys_tensor *o = tsys_tp__op1(m, &m->reduce_op, part);
+    tsys_tensor_release(part);
+    return o;
+}
+
+// SwiGLU over this rank's d_ff slice.
+static tsys_tensor *tsys_tp__ffn(tsys_tp_model *m, int l, tsys_tensor *h) {
+    tsys_ctx *ctx = m->ctx;
+    tsys_tensor *hc = tsys_tp__op1(m, &m->copy_op, h);
+    tsys_tensor *a = tsys_linear(ctx, hc, tsys_tp__layer_param(m, l, TSYS_TP__W1), NULL), *b = tsys_linear(ctx, hc, tsys_tp__layer_param(m, l, TSYS_TP__W3), NULL);
+    tsys_tensor_release(hc);
+    tsys_tensor *s = tsys_swiglu(ctx, a, b);
+    tsys_tensor_release(a); tsys_tensor_release(b);
+    tsys_tensor *part = tsys_linear(ctx, s, tsys_tp__layer_param(m, l, TSYS_TP__W2), NULL);
+    tsys_tensor_release(s);
+    tsys_tensor *y = tsys_tp__op1(m, &m->reduce_op, part);
+    tsys_tensor_release(part);
+    return y;
+}
+
+// x + branch(norm(x)); consumes x.
+static tsys_tensor *tsys_tp__residual(tsys_tp_model *m, int l, tsys_tensor *x, bool attn, int64_t B, int64_t T) {
+    tsys_ctx *ctx = m->ctx;
+    tsys_tensor *h = tsys_rmsnorm(ctx, x, tsys_tp__layer_param(m, l, attn ? TSYS_TP__LN1 : TSYS_TP__LN2), m->desc.eps);
+    tsys_tensor *f = attn ? tsys_tp__attention(m, l, h, B, T) : tsys_tp__ffn(m, l, h);
+    tsys_tensor_release(h);
+    tsys_tensor *y = tsys_add(ctx, x, f);
+    tsys_tensor_release(x); tsys_tensor_release(f);
+    return y;
+}
+
+TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys_tensor *targets) {
+    if (!m) return NULL;
+    tsys_ctx *ctx = m->ctx;
+    if (!ids || !targets || ids->ndim != 2 || tsys_tensor_numel(targets) != tsys_tensor_numel(ids)) {
+        tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_loss: ids must be (batch, seq) and targets hold as many ids");
+        return NULL;
+    }
+    if (ids->shape[1] > m->desc.context_length) {
+        tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_loss: sequence length %lld is longer than context_length %d", (long long)ids->shape[1], m->desc.context_length);
+        return NULL;
+    }
+    const int64_t B = ids->shape[0], T = ids->shape[1];
+    tsys_tensor *x = tsys_embedding(ctx, tsys_tp__param(m, 0), ids);
+    for (int l = 0; x && l < m->desc.num_layers; l++) {
+        x = tsys_tp__residual(m, l, x, true, B, T);
+        x = tsys_tp__residual(m, l, x, false, B, T);
+    }
+    tsys_tensor *h = tsys_rmsnorm(ctx, x, tsys_tp__param(m, m->n - 2), m->desc.eps);
+    tsys_tensor_release(x);
+    tsys_tensor *hc = tsys_tp__op1(m, &m->copy_op, h);
+    tsys_tensor_release(h);
+    tsys_tensor *logits = tsys_linear(ctx, hc, tsys_tp__param(m, m->n - 1), NULL);   // (B, T, this rank's vocabulary)
+    tsys_tensor_release(hc);
+    tsys_tensor *ins[2] = { logits, targets };
+    tsys_tensor *loss = logits ? tsys_custom(ctx, &m->ce_op, ins, 2) : NULL;
+    tsys_tensor_release(logits);
+    return loss;
+}
+
+// ---- the full parameters back ----
+
+TSYSDEF tsys_status tsys_tp_model_gather(tsys_tp_model *m, tsys_model *full) {
+    if (!m || !full) return m ? tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_gather: full model is NULL") : TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = m->ctx;
+    tsys_tensor **fp = tsys_model_params(full);
+    const int n = tsys_dist_size(m->tp);
+    tsys_status st = TSYS_OK;
+    for (int i = 0; st == TSYS_OK && i < m->n; i++) {
+        int64_t dim = 0;
+        const int how = tsys_tp__split_of(m, fp[i]->name, &dim);
+        const int64_t part = tsys_tensor_numel(m->params[i]);
+        int64_t all_n = how ? part * n : part;
+        tsys_tensor *mine = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &part), *all = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &all_n);
+        float *whole = (float *)TSYS_MALLOC(sizeof(float) * (size_t)tsys_tensor_numel(fp[i]) + 1);
+        st = mine && all && whole ? tsys_tensor_to_f32(ctx, m->params[i], (float *)tsys_tensor_data(mine)) : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp gather: out of memory");
+        if (st == TSYS_OK && how) st = tsys_dist_all_gather(m->tp, all, mine);
+        if (st == TSYS_OK) {
+            const float *src = (const float *)tsys_tensor_data(how ? all : mine);
+            if (how == 2) {   // rank k's block holds columns [k cols, (k + 1) cols) of every row
+                const int64_t R = fp[i]->shape[0], cols = dim / n;
+                for (int k = 0; k < n; k++)
+                    for (int64_t r = 0; r < R; r++) memcpy(whole + r * dim + k * cols, src + k * part + r * cols, sizeof(float) * (size_t)cols);
+            } else memcpy(whole, src, sizeof(float) * (size_t)tsys_tensor_numel(fp[i]));
+            tsys_tensor *w = tsys_tensor_from_data(ctx, TSYS_F32, fp[i]->device, fp[i]->ndim, fp[i]->shape, whole);
+            st = w ? tsys_tensor_copy_from(ctx, fp[i], w) : tsys_ctx_status(ctx);
+            tsys_tensor_release(w);
+        }
+        TSYS_FREE(whole); tsys_tensor_release(mine); tsys_tensor_release(all);
+    }
+    return st;
 }
 
 // >>accounting ------------------------------------------------------------------------------------
