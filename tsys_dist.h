@@ -593,6 +593,28 @@ TSYSDEF double tsys_dist_link_time_ms(tsys_dist_link_model m, int n, double sent
 // The bytes a rank sends in a ring all-reduce of `bytes` among world ranks: 2(world-1)/world bytes.
 TSYSDEF double tsys_dist_ring_sent(int world, double bytes);
 
+// The CS336 S26 section 8 cost model of one training step of a cs336 model under a parallel layout, per rank:
+// the matmul FLOPs of its share (tsys_model_flops: batch is per dp replica, tp ranks split every matmul) at C
+// FLOP/s, and the bytes it sends in ring collectives at W bytes/s of egress (an all-gather or reduce-scatter of
+// S bytes sends (N-1)/N S, an all-reduce 2(N-1)/N S), elem_bytes an element on the wire:
+//   DP       the gradients all-reduced over dp
+//   FSDP     the weights all-gathered in forward and again in backward, the gradients reduce-scattered, over dp
+//   TP       per block two all-reduces of the (batch, context, d_model) activations in forward and two in
+//            backward, and one for the LM head's input in backward, over tp (tsys_tp_model)
+//   DP_TP, FSDP_TP  the parameters a tp rank holds go over dp as in DP / FSDP, beside TP's traffic over tp
+// weight_bytes: the fp32 weights, gradients and AdamW moments a rank holds (16 bytes a parameter; FSDP shards
+// them over dp; tsys_tp_model keeps the embedding and the norms whole).
+typedef enum tsys_dist_layout { TSYS_LAYOUT_DP, TSYS_LAYOUT_FSDP, TSYS_LAYOUT_TP, TSYS_LAYOUT_DP_TP, TSYS_LAYOUT_FSDP_TP, TSYS_LAYOUT_COUNT } tsys_dist_layout;
+typedef struct tsys_dist_plan {
+    double flops, compute_ms;              // per rank per step
+    double dp_sent_bytes, tp_sent_bytes;   // per rank per step, over each group
+    double dp_comm_ms, tp_comm_ms, comm_ms;
+    double weight_bytes;
+} tsys_dist_plan;
+TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, int elem_bytes,
+                                           double flops_per_s, double bytes_per_s);
+TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l);   // "dp", "fsdp", "tp", "dp_tp", "fsdp_tp"
+
 // A tsys_model trained data-parallel with AdamW, one step at a time in timed phases (>>trainer): DDP (any
 // tsys_ddp strategy), ZeRO-1 (DDP's all-reduce + tsys_zero1's sharded AdamW), FSDP (tsys_fsdp, AdamW over
 // its shards), or ALONE: no group, no communication (the reference the others are compared with).
@@ -5493,7 +5515,7 @@ TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full) {
         m->params[i] = how ? tsys_tp__slice(ctx, fp[i], how == 2, r * (dim / n), dim / n, m->device) : tsys_tp__slice(ctx, fp[i], false, 0, fp[i]->shape[0], m->device);
         ok = m->params[i] != NULL;
     }
-    if (!ok) { if (ctx->status == TSYS_OK) tsys_dist__fail(tp, TSYS_ERR_OOM, "tsys_tp_model_new: out of memory"); tsys_tp_model_free(m); return NULL; }
+    if (!ok) { if (tsys_ctx_status(ctx) == TSYS_OK) tsys_dist__fail(tp, TSYS_ERR_OOM, "tsys_tp_model_new: out of memory"); tsys_tp_model_free(m); return NULL; }
     const tsys_custom_op copy = { "tp copy", tsys_tp__copy_fwd, tsys_tp__copy_bwd, 0, tp }, reduce = { "tp reduce", tsys_tp__reduce_fwd, tsys_tp__reduce_bwd, 0, tp },
                          ce = { "tp cross_entropy", tsys_tp__ce_fwd, tsys_tp__ce_bwd, 3u, m };
     m->copy_op = copy; m->reduce_op = reduce; m->ce_op = ce;
@@ -5834,6 +5856,37 @@ TSYSDEF double tsys_dist_link_time_ms(tsys_dist_link_model m, int n, double sent
 }
 
 TSYSDEF double tsys_dist_ring_sent(int world, double bytes) { return world > 0 ? 2.0 * (world - 1) / world * bytes : 0; }
+
+TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l) {
+    static const char *const names[TSYS_LAYOUT_COUNT] = { "dp", "fsdp", "tp", "dp_tp", "fsdp_tp" };
+    return (unsigned)l < (unsigned)TSYS_LAYOUT_COUNT ? names[l] : "?";
+}
+
+TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, int elem_bytes,
+                                           double flops_per_s, double bytes_per_s) {
+    tsys_dist_plan p;
+    memset(&p, 0, sizeof p);
+    const tsys_model_desc d = tsys_model_desc_defaults(m);
+    const bool has_tp = layout == TSYS_LAYOUT_TP || layout == TSYS_LAYOUT_DP_TP || layout == TSYS_LAYOUT_FSDP_TP;
+    if (!has_tp) tp = 1;
+    if (layout == TSYS_LAYOUT_TP) dp = 1;
+    if (dp < 1 || tp < 1 || batch < 1 || context < 1 || elem_bytes < 1 || !(flops_per_s > 0) || !(bytes_per_s > 0)) return p;
+    // what a tp rank holds: its share of the blocks' matmuls and of the LM head; the embedding and the norms whole
+    const double dm = d.d_model, split = (double)d.num_layers * (4 * dm * dm + 3 * dm * d.d_ff) + (double)d.vocab_size * dm;
+    const double whole = (double)d.vocab_size * dm + (2.0 * d.num_layers + 1) * dm, held = split / tp + whole;
+    p.flops = tsys_model_flops(&d, batch, context, true) / tp;
+    p.compute_ms = p.flops / flops_per_s * 1e3;
+    const double shard = (dp - 1.0) / dp * held * elem_bytes;   // one all-gather or reduce-scatter of what a tp rank holds
+    if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_DP_TP) p.dp_sent_bytes = 2 * shard;
+    if (layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP) p.dp_sent_bytes = 3 * shard;
+    if (has_tp) p.tp_sent_bytes = (4.0 * d.num_layers + 1) * tsys_dist_ring_sent(tp, (double)batch * context * dm * elem_bytes);
+    p.dp_comm_ms = p.dp_sent_bytes / bytes_per_s * 1e3;
+    p.tp_comm_ms = p.tp_sent_bytes / bytes_per_s * 1e3;
+    p.comm_ms = p.dp_comm_ms + p.tp_comm_ms;
+    const bool sharded = layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP;
+    p.weight_bytes = 16.0 * (sharded ? held / dp : held);
+    return p;
+}
 
 static int tsys_dist__cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

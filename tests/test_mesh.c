@@ -15,6 +15,7 @@
 
 static tsys_ctx *g_ctx;
 static tsys_dist *g_world;
+static tsys_dist *g_cuda_world;   // CUDA builds with a GPU for every rank: the same ranks through NCCL
 static int g_rank, g_size;
 
 // the value world rank r puts at element i
@@ -257,14 +258,14 @@ static tsys_model_desc tiny_desc(void) {
 enum { TP_STEPS = 5, TP_B = 2, TP_T = 16 };
 
 // Batch `which` of the run (every rank makes the same ones).
-static void tp_batch(int which, tsys_tensor **ids, tsys_tensor **targets, int b) {
+static void tp_batch(int which, tsys_tensor **ids, tsys_tensor **targets, int b, tsys_device dev) {
     int64_t shape[2] = { b, TP_T };
     int32_t v[2][64 * TP_T];
     uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(which + 1);
     for (int i = 0; i < b * TP_T; i++)
         for (int k = 0; k < 2; k++) { x ^= x << 13; x ^= x >> 7; x ^= x << 17; v[k][i] = (int32_t)(x % 96); }
-    *ids = tsys_tensor_from_data(g_ctx, TSYS_I32, TSYS_CPU, 2, shape, v[0]);
-    *targets = tsys_tensor_from_data(g_ctx, TSYS_I32, TSYS_CPU, 2, shape, v[1]);
+    *ids = tsys_tensor_from_data(g_ctx, TSYS_I32, dev, 2, shape, v[0]);
+    *targets = tsys_tensor_from_data(g_ctx, TSYS_I32, dev, 2, shape, v[1]);
 }
 
 // One process: TP_STEPS AdamW steps of the full model on the whole batch of each step (dp replicas' micro-batches
@@ -272,13 +273,13 @@ static void tp_batch(int which, tsys_tensor **ids, tsys_tensor **targets, int b)
 // AdamW (lr 1e-3) or SGD (lr 0.1): SGD's update is linear in the gradient, AdamW divides each by its own size
 static tsys_optim *make_optim(tsys_tensor **params, int n, bool sgd) { return sgd ? tsys_sgd_new(g_ctx, params, n, 0.1f) : tsys_adamw_new(g_ctx, params, n, NULL); }
 
-static tsys_model *reference_run(int dp, bool sgd, float *losses) {
+static tsys_model *reference_run(int dp, bool sgd, tsys_device dev, float *losses) {
     tsys_model_desc d = tiny_desc();
-    tsys_model *m = tsys_model_new(g_ctx, &d, TSYS_CPU, 7);
+    tsys_model *m = tsys_model_new(g_ctx, &d, dev, 7);
     tsys_optim *opt = make_optim(tsys_model_params(m), tsys_model_num_tensors(m), sgd);
     for (int s = 0; s < TP_STEPS; s++) {
         tsys_tensor *ids, *targets;
-        tp_batch(s, &ids, &targets, TP_B * dp);
+        tp_batch(s, &ids, &targets, TP_B * dp, dev);
         tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(g_ctx, logits, targets);
         losses[s] = tsys_item(g_ctx, loss);
         tsys_backward(g_ctx, loss);
@@ -314,12 +315,12 @@ static double model_rel_diff(tsys_model *a, tsys_model *b, double *worst, const 
 // each gradient by its own size, so an element whose gradient nearly cancels carries the reduction-order noise
 // of the split matmuls up to lr x its relative size (measured: 2-6e-6 on one tensor, layers.0's w2, at 2-4 ranks;
 // 4e-8 on every other). SGD, linear in the gradient, is held to 1e-6 per tensor.
-static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, const char *what) {
+static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, const char *what) {
     const int ndp = dp ? tsys_dist_size(dp) : 1, rdp = dp ? tsys_dist_rank(dp) : 0;
     float want[TP_STEPS], got[TP_STEPS];
-    tsys_model *ref = reference_run(ndp, sgd, want);
+    tsys_model *ref = reference_run(ndp, sgd, dev, want);
     tsys_model_desc d = tiny_desc();
-    tsys_model *full = tsys_model_new(g_ctx, &d, TSYS_CPU, 7);
+    tsys_model *full = tsys_model_new(g_ctx, &d, dev, 7);
     tsys_tp_model *m = tsys_tp_model_new(tp, full);
     TEST_CHECK(m != NULL, "%s: %s", what, tsys_ctx_last_error(g_ctx));
     if (!m) { tsys_model_free(ref); tsys_model_free(full); return; }
@@ -330,7 +331,7 @@ static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, const char *what) {
     tsys_optim *opt = make_optim(tsys_tp_model_params(m), tsys_tp_model_num_tensors(m), sgd);
     for (int s = 0; s < TP_STEPS; s++) {
         tsys_tensor *ids, *targets, *mids, *mtargets;
-        tp_batch(s, &ids, &targets, TP_B * ndp);   // this replica's rows of the combined batch
+        tp_batch(s, &ids, &targets, TP_B * ndp, dev);   // this replica's rows of the combined batch
         int64_t shape[2] = { TP_B, TP_T };
         mids = tsys_tensor_view_raw(g_ctx, ids, (size_t)rdp * TP_B * TP_T * 4, TSYS_I32, 2, shape);
         mtargets = tsys_tensor_view_raw(g_ctx, targets, (size_t)rdp * TP_B * TP_T * 4, TSYS_I32, 2, shape);
@@ -360,19 +361,52 @@ static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, const char *what) {
     tsys_model_free(full); tsys_model_free(ref);
 }
 
-TSYS_TEST(tp_adamw_steps_equal_one_process) { check_tp(g_world, NULL, false, "tp over the world"); }
-TSYS_TEST(tp_sgd_steps_equal_one_process) { check_tp(g_world, NULL, true, "tp over the world"); }
+TSYS_TEST(tp_adamw_steps_equal_one_process) { check_tp(g_world, NULL, false, TSYS_CPU, "tp over the world"); }
+TSYS_TEST(tp_sgd_steps_equal_one_process) { check_tp(g_world, NULL, true, TSYS_CPU, "tp over the world"); }
 
-TSYS_TEST(tp_inside_dp_mesh_equals_one_process) {   // dp x tp: DDP over dp of tensor-parallel replicas
+// dp x tp: DDP over dp of tensor-parallel replicas
+static void check_dp_tp(tsys_dist *world, tsys_device dev, const char *what) {
     int shape[2];
     mesh_shape(shape);
     const char *names[2] = { "dp", "tp" };
-    tsys_dist_mesh *mesh = tsys_dist_mesh_new(g_world, 2, shape, names);
+    tsys_dist_mesh *mesh = tsys_dist_mesh_new(world, 2, shape, names);
     TEST_CHECK(mesh != NULL, "%s", tsys_ctx_last_error(g_ctx));
     if (!mesh) return;
-    check_tp(tsys_dist_mesh_group(mesh, "tp"), tsys_dist_mesh_group(mesh, "dp"), false, "dp x tp");
+    check_tp(tsys_dist_mesh_group(mesh, "tp"), tsys_dist_mesh_group(mesh, "dp"), false, dev, what);
     tsys_dist_mesh_free(mesh);
 }
+TSYS_TEST(tp_inside_dp_mesh_equals_one_process) { check_dp_tp(g_world, TSYS_CPU, "dp x tp"); }
+
+#ifdef TSYS_WITH_CUDA
+// The same through NCCL, CUDA tensors, one GPU a rank, against one GPU.
+TSYS_TEST(tp_nccl_equals_one_gpu) {
+    TEST_CHECK(g_cuda_world != NULL, "no GPU for every rank (test_mesh_cuda runs on a GPU machine)");
+    if (!g_cuda_world) return;
+    TEST_CHECK(tsys_dist_engine_of(g_cuda_world) == TSYS_DIST_ENGINE_NCCL || g_size == 1, "engine %s", tsys_dist_engine_name(tsys_dist_engine_of(g_cuda_world)));
+    check_tp(g_cuda_world, NULL, false, TSYS_CUDA, "tp through NCCL");
+    check_tp(g_cuda_world, NULL, true, TSYS_CUDA, "tp through NCCL, SGD");
+    check_dp_tp(g_cuda_world, TSYS_CUDA, "dp x tp through NCCL");
+}
+
+TSYS_TEST(split_nccl_groups_reduce_their_members) {   // CUDA tensors through the sub-groups' own communicators
+    TEST_CHECK(g_cuda_world != NULL, "no GPU for every rank");
+    if (!g_cuda_world) return;
+    int members[64], me = -1;
+    const int n = members_of(parity, reversed, members, &me);
+    tsys_dist *s = tsys_dist_split(g_cuda_world, parity(g_rank), reversed(g_rank), "gpu parity");
+    TEST_CHECK(s != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (!s) return;
+    TEST_CHECK(tsys_dist_engine_of(s) == (n > 1 ? TSYS_DIST_ENGINE_NCCL : TSYS_DIST_ENGINE_SELF), "engine %s", tsys_dist_engine_name(tsys_dist_engine_of(s)));
+    tsys_tensor *h = filled(100000, g_rank), *t = tsys_tensor_to(g_ctx, h, TSYS_CUDA);
+    TEST_CHECK(tsys_dist_all_reduce(s, t, TSYS_DIST_SUM) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+    TEST_CHECK(tsys_tensor_to_f32(g_ctx, t, (float *)tsys_tensor_data(h)) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+    int bad = 0;
+    for (int64_t i = 0; i < 100000; i++) { float want = 0; for (int k = 0; k < n; k++) want += val(members[k], i); bad += ((float *)tsys_tensor_data(h))[i] != want; }
+    TEST_CHECK(bad == 0, "%d elements differ from the members' sum", bad);
+    tsys_tensor_release(h); tsys_tensor_release(t);
+    tsys_dist_free(s);
+}
+#endif
 
 TSYS_TEST(tp_refuses_shapes_it_cannot_split) {
     if (g_size == 1) return;   // everything splits over one rank
@@ -383,6 +417,31 @@ TSYS_TEST(tp_refuses_shapes_it_cannot_split) {
     TEST_CHECK(m == NULL && error_says("is not a multiple of the tensor-parallel size"), "%s", m ? "accepted" : "refused");
     tsys_tp_model_free(m);
     tsys_model_free(full);
+}
+
+// ---- the cost model ------------------------------------------------------------------------------
+
+TSYS_TEST(plan_matches_hand_computed_section_8_numbers) {   // the small model: 128,625,408 parameters
+    tsys_model_desc d;
+    tsys_model_desc_preset("small", &d, NULL, 0);
+    const double P = 128625408.0, W = 1e11, C = 1e14;
+    tsys_dist_plan a = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, 4, 1, 4, 256, 4, C, W);
+    TEST_CHECK(a.dp_sent_bytes == 771752448.0 && fabs(a.dp_comm_ms - 7.71752448) < 1e-9 && a.tp_sent_bytes == 0 && a.weight_bytes == 16 * P,
+               "dp: sent %.0f (all-reduce 2 x 3/4 x 4P = 771752448), %.6f ms, weights %.0f", a.dp_sent_bytes, a.dp_comm_ms, a.weight_bytes);
+    a = tsys_dist_plan_step(&d, TSYS_LAYOUT_FSDP, 4, 1, 4, 256, 2, C, W);
+    TEST_CHECK(a.dp_sent_bytes == 578814336.0 && a.weight_bytes == 4 * P, "fsdp: sent %.0f (3 x 3/4 x 2P = 578814336), weights %.0f (16P/4)", a.dp_sent_bytes, a.weight_bytes);
+    // tp 2: 4 all-reduces a block and the head's, each of 4 x 256 x 768 bf16 = 1572864 bytes, of which a rank sends all
+    a = tsys_dist_plan_step(&d, TSYS_LAYOUT_TP, 1, 2, 4, 256, 2, C, W);
+    TEST_CHECK(a.tp_sent_bytes == 49 * 1572864.0 && a.dp_sent_bytes == 0 && a.weight_bytes == 16 * 68162304.0,
+               "tp: sent %.0f (49 x 1572864), weights %.0f (16 x (120926208 / 2 + 7699200))", a.tp_sent_bytes, a.weight_bytes);
+    TEST_CHECK(fabs(a.flops - tsys_model_flops(&d, 4, 256, true) / 2) < 1 && fabs(a.compute_ms - a.flops / C * 1e3) < 1e-9, "tp flops %.0f", a.flops);
+    // fsdp 2 x tp 2: what a tp rank holds (68162304 parameters) over dp, beside tp's traffic
+    a = tsys_dist_plan_step(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, 2, C, W);
+    TEST_CHECK(a.dp_sent_bytes == 3 * 0.5 * 68162304.0 * 2 && a.tp_sent_bytes == 49 * 1572864.0 && fabs(a.comm_ms - (a.dp_sent_bytes + a.tp_sent_bytes) / W * 1e3) < 1e-9,
+               "fsdp_tp: dp %.0f tp %.0f", a.dp_sent_bytes, a.tp_sent_bytes);
+    a = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, 0, 1, 4, 256, 4, C, W);
+    TEST_CHECK(a.flops == 0 && a.comm_ms == 0, "a plan for 0 ranks is all zeros");
+    TEST_CHECK(!strcmp(tsys_dist_layout_name(TSYS_LAYOUT_FSDP_TP), "fsdp_tp") && !strcmp(tsys_dist_layout_name((tsys_dist_layout)99), "?"), "names");
 }
 
 int main(int argc, char **argv) {
@@ -400,8 +459,23 @@ int main(int argc, char **argv) {
     if (!g_world) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
     g_rank = tsys_dist_rank(g_world); g_size = tsys_dist_size(g_world);
     if (g_size > 64) { if (g_rank == 0) fprintf(stderr, "test_mesh: at most 64 ranks\n"); return 2; }
+#ifdef TSYS_WITH_CUDA
+    {   // a GPU for every rank: the same ranks again, through NCCL
+        int gpus = tsys_cuda_device_count();
+        double short_of_gpus = gpus > 0 && gpus >= tsys_dist_local_size(g_world) ? 0 : 1;
+        tsys_dist_all_reduce_host(g_world, &short_of_gpus, 1, TSYS_DIST_MAX);
+        if (short_of_gpus == 0) {
+            tsys_dist_desc cd;
+            memset(&cd, 0, sizeof cd);
+            cd.cuda = true;
+            g_cuda_world = tsys_dist_init(g_ctx, &cd);
+            if (!g_cuda_world) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
+        }
+    }
+#endif
     if (g_rank == 0) printf("test_mesh: %d rank(s), engine %s%s\n", g_size, tsys_dist_engine_name(tsys_dist_engine_of(g_world)), tsys_dist_get_desc(g_world).no_shm ? ", no shared memory" : "");
     int rc = tsys_test_main_dist(filter, g_world);
+    tsys_dist_free(g_cuda_world);
     tsys_dist_free(g_world);
     tsys_ctx_free(g_ctx);
     return rc;
