@@ -315,7 +315,10 @@ static double model_rel_diff(tsys_model *a, tsys_model *b, double *worst, const 
 // each gradient by its own size, so an element whose gradient nearly cancels carries the reduction-order noise
 // of the split matmuls up to lr x its relative size (measured: 2-6e-6 on one tensor, layers.0's w2, at 2-4 ranks;
 // 4e-8 on every other). SGD, linear in the gradient, is held to 1e-6 per tensor.
-static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, const char *what) {
+static void check_tp_ex(tsys_dist *tp, tsys_dist *dp, bool fsdp, bool sgd, tsys_device dev, const char *what);
+static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, const char *what) { check_tp_ex(tp, dp, false, sgd, dev, what); }
+// dp (DDP, or FSDP with fsdp) over tensor-parallel replicas
+static void check_tp_ex(tsys_dist *tp, tsys_dist *dp, bool fsdp, bool sgd, tsys_device dev, const char *what) {
     const int ndp = dp ? tsys_dist_size(dp) : 1, rdp = dp ? tsys_dist_rank(dp) : 0;
     float want[TP_STEPS], got[TP_STEPS];
     tsys_model *ref = reference_run(ndp, sgd, dev, want);
@@ -327,8 +330,10 @@ static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, co
     tsys_ddp_desc dd;
     memset(&dd, 0, sizeof dd);
     dd.strategy = TSYS_DDP_BUCKETED;
-    tsys_ddp *ddp = dp ? tsys_ddp_new(dp, tsys_tp_model_params(m), tsys_tp_model_num_tensors(m), &dd) : NULL;
-    tsys_optim *opt = make_optim(tsys_tp_model_params(m), tsys_tp_model_num_tensors(m), sgd);
+    tsys_ddp *ddp = dp && !fsdp ? tsys_ddp_new(dp, tsys_tp_model_params(m), tsys_tp_model_num_tensors(m), &dd) : NULL;
+    tsys_fsdp *fs = dp && fsdp ? tsys_fsdp_new(dp, tsys_tp_model_params(m), tsys_tp_model_num_tensors(m), NULL) : NULL;
+    TEST_CHECK(!dp || ddp || fs, "%s: %s", what, tsys_ctx_last_error(g_ctx));
+    tsys_optim *opt = fs ? make_optim(tsys_fsdp_params(fs), tsys_fsdp_num_params(fs), sgd) : make_optim(tsys_tp_model_params(m), tsys_tp_model_num_tensors(m), sgd);
     for (int s = 0; s < TP_STEPS; s++) {
         tsys_tensor *ids, *targets, *mids, *mtargets;
         tp_batch(s, &ids, &targets, TP_B * ndp, dev);   // this replica's rows of the combined batch
@@ -342,6 +347,7 @@ static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, co
         got[s] = (float)l;
         tsys_backward(g_ctx, loss);
         if (ddp) tsys_ddp_finish(ddp);
+        if (fs) tsys_fsdp_finish(fs);
         tsys_optim_step(opt);
         tsys_optim_zero_grad(opt);
         tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(targets); tsys_tensor_release(mids); tsys_tensor_release(mtargets);
@@ -349,13 +355,14 @@ static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, co
     TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "%s: %s", what, tsys_ctx_last_error(g_ctx));
     for (int s = 0; s < TP_STEPS; s++)
         TEST_CHECK(fabs(got[s] - want[s]) <= 1e-6 * fabs(want[s]), "%s: step %d loss %.9g, one process %.9g (relative %.2e)", what, s, got[s], want[s], fabs(got[s] - want[s]) / fabs(want[s]));
+    tsys_optim_free(opt);
+    tsys_fsdp_free(fs);   // the tensor-parallel parameters whole again
     TEST_CHECK(tsys_tp_model_gather(m, full) == TSYS_OK, "%s: gather: %s", what, tsys_ctx_last_error(g_ctx));
     double worst = 0;
     const char *which = "";
     double diff = model_rel_diff(full, ref, &worst, &which);
     TEST_CHECK(diff <= 1e-6 && worst <= (sgd ? 1e-6 : 1e-5), "%s: parameters after %d %s steps differ from one process's by %.2e over the model, %.2e in %s (relative)",
                what, TP_STEPS, sgd ? "SGD" : "AdamW", diff, worst, which);
-    tsys_optim_free(opt);
     tsys_ddp_free(ddp);
     tsys_tp_model_free(m);
     tsys_model_free(full); tsys_model_free(ref);
@@ -364,18 +371,20 @@ static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, co
 TSYS_TEST(tp_adamw_steps_equal_one_process) { check_tp(g_world, NULL, false, TSYS_CPU, "tp over the world"); }
 TSYS_TEST(tp_sgd_steps_equal_one_process) { check_tp(g_world, NULL, true, TSYS_CPU, "tp over the world"); }
 
-// dp x tp: DDP over dp of tensor-parallel replicas
-static void check_dp_tp(tsys_dist *world, tsys_device dev, const char *what) {
+// dp x tp: DDP (or FSDP) over dp of tensor-parallel replicas
+static void check_dp_tp_ex(tsys_dist *world, bool fsdp, tsys_device dev, const char *what) {
     int shape[2];
     mesh_shape(shape);
     const char *names[2] = { "dp", "tp" };
     tsys_dist_mesh *mesh = tsys_dist_mesh_new(world, 2, shape, names);
     TEST_CHECK(mesh != NULL, "%s", tsys_ctx_last_error(g_ctx));
     if (!mesh) return;
-    check_tp(tsys_dist_mesh_group(mesh, "tp"), tsys_dist_mesh_group(mesh, "dp"), false, dev, what);
+    check_tp_ex(tsys_dist_mesh_group(mesh, "tp"), tsys_dist_mesh_group(mesh, "dp"), fsdp, false, dev, what);
     tsys_dist_mesh_free(mesh);
 }
+static void check_dp_tp(tsys_dist *world, tsys_device dev, const char *what) { check_dp_tp_ex(world, false, dev, what); }
 TSYS_TEST(tp_inside_dp_mesh_equals_one_process) { check_dp_tp(g_world, TSYS_CPU, "dp x tp"); }
+TSYS_TEST(tp_inside_fsdp_mesh_equals_one_process) { check_dp_tp_ex(g_world, true, TSYS_CPU, "fsdp x tp"); }
 
 #ifdef TSYS_WITH_CUDA
 // The same through NCCL, CUDA tensors, one GPU a rank, against one GPU.
@@ -417,6 +426,58 @@ TSYS_TEST(tp_refuses_shapes_it_cannot_split) {
     TEST_CHECK(m == NULL && error_says("is not a multiple of the tensor-parallel size"), "%s", m ? "accepted" : "refused");
     tsys_tp_model_free(m);
     tsys_model_free(full);
+}
+
+// HSDP: FSDP inside each "shard" group, its shards' gradients averaged over the "replicate" groups by DDP;
+// every rank its own micro-batch, against one process on all of them.
+TSYS_TEST(hsdp_equals_one_process) {
+    int shape[2];
+    mesh_shape(shape);
+    const char *names[2] = { "replicate", "shard" };
+    tsys_dist_mesh *mesh = tsys_dist_mesh_new(g_world, 2, shape, names);
+    TEST_CHECK(mesh != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    if (!mesh) return;
+    float want[TP_STEPS], got[TP_STEPS];
+    tsys_model *ref = reference_run(g_size, false, TSYS_CPU, want);
+    tsys_model_desc d = tiny_desc();
+    tsys_model *m = tsys_model_new(g_ctx, &d, TSYS_CPU, 7);
+    tsys_fsdp *fs = tsys_fsdp_new(tsys_dist_mesh_group(mesh, "shard"), tsys_model_params(m), tsys_model_num_tensors(m), NULL);
+    tsys_ddp_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.strategy = TSYS_DDP_FLAT;
+    tsys_ddp *ddp = fs ? tsys_ddp_new(tsys_dist_mesh_group(mesh, "replicate"), tsys_fsdp_params(fs), tsys_fsdp_num_params(fs), &dd) : NULL;
+    TEST_CHECK(fs && ddp, "%s", tsys_ctx_last_error(g_ctx));
+    tsys_optim *opt = ddp ? make_optim(tsys_fsdp_params(fs), tsys_fsdp_num_params(fs), false) : NULL;
+    for (int s = 0; opt && s < TP_STEPS; s++) {
+        tsys_tensor *ids, *targets;
+        tp_batch(s, &ids, &targets, TP_B * g_size, TSYS_CPU);
+        int64_t sh[2] = { TP_B, TP_T };
+        tsys_tensor *mids = tsys_tensor_view_raw(g_ctx, ids, (size_t)g_rank * TP_B * TP_T * 4, TSYS_I32, 2, sh);
+        tsys_tensor *mtargets = tsys_tensor_view_raw(g_ctx, targets, (size_t)g_rank * TP_B * TP_T * 4, TSYS_I32, 2, sh);
+        tsys_ddp_start_step(ddp);
+        tsys_tensor *logits = tsys_model_forward(m, mids), *loss = tsys_cross_entropy(g_ctx, logits, mtargets);
+        double l = loss ? tsys_item(g_ctx, loss) : NAN;
+        tsys_dist_all_reduce_host(g_world, &l, 1, TSYS_DIST_AVG);
+        got[s] = (float)l;
+        tsys_backward(g_ctx, loss);
+        tsys_fsdp_finish(fs);
+        tsys_ddp_finish(ddp);
+        tsys_optim_step(opt);
+        tsys_optim_zero_grad(opt);
+        tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(targets); tsys_tensor_release(mids); tsys_tensor_release(mtargets);
+    }
+    TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+    for (int s = 0; opt && s < TP_STEPS; s++)
+        TEST_CHECK(fabs(got[s] - want[s]) <= 1e-6 * fabs(want[s]), "step %d loss %.9g, one process %.9g", s, got[s], want[s]);
+    tsys_optim_free(opt);
+    tsys_ddp_free(ddp);
+    tsys_fsdp_free(fs);   // the model whole again
+    double worst = 0;
+    const char *which = "";
+    double diff = model_rel_diff(m, ref, &worst, &which);
+    TEST_CHECK(diff <= 1e-6 && worst <= 1e-5, "parameters differ from one process's by %.2e over the model, %.2e in %s", diff, worst, which);
+    tsys_model_free(m); tsys_model_free(ref);
+    tsys_dist_mesh_free(mesh);
 }
 
 // ---- the cost model ------------------------------------------------------------------------------
