@@ -64,6 +64,63 @@ static inline int account_table_print(const char *prog, const char *fmt, const d
     return rc;
 }
 
+// --plan: the S26 section 8 cost model (tsys_dist_plan_step) of every layout of `ranks` ranks: dp and fsdp over
+// all of them, tp over all of them, and dp x tp, fsdp x tp for each tp that divides the ranks (and the model's
+// heads, d_ff and vocabulary); batch sequences a dp replica, C FLOP/s, W bytes/s a rank.
+#define PLAN_TABLE_COLUMNS "model,dtype,context,batch,ranks,layout,dp,tp,compute_ms,dp_comm_ms,tp_comm_ms,comm_ms,comm_per_compute,dp_sent_MB,tp_sent_MB,weights_MiB"
+
+static inline void plan_table_rows(du_table *tab, const char *model, const tsys_model_desc *d, tsys_dtype dt, int T, int batch, int ranks, double C, double W) {
+    for (int tp = 1; tp <= ranks; tp++) {
+        if (ranks % tp || d->num_heads % tp || d->d_ff % tp || d->vocab_size % tp) continue;
+        const int dp = ranks / tp;
+        for (int l = 0; l < TSYS_LAYOUT_COUNT; l++) {
+            const tsys_dist_layout lay = (tsys_dist_layout)l;
+            const bool fits = tp == 1 ? lay == TSYS_LAYOUT_DP || lay == TSYS_LAYOUT_FSDP : dp == 1 ? lay == TSYS_LAYOUT_TP : lay == TSYS_LAYOUT_DP_TP || lay == TSYS_LAYOUT_FSDP_TP;
+            if (!fits) continue;
+            tsys_dist_plan p = tsys_dist_plan_step(d, lay, dp, tp, batch, T, (int)tsys_dtype_size(dt), C, W);
+            du_row *r = du_table_row(tab);
+            du_row_set(r, "model", "%s", model);
+            du_row_set(r, "dtype", "%s", du_dtype_flag(dt));
+            du_row_set(r, "context", "%d", T);
+            du_row_set(r, "batch", "%d", batch);
+            du_row_set(r, "ranks", "%d", ranks);
+            du_row_set(r, "layout", "%s", tsys_dist_layout_name(lay));
+            du_row_set(r, "dp", "%d", dp);
+            du_row_set(r, "tp", "%d", tp);
+            du_row_set(r, "compute_ms", "%.2f", p.compute_ms);
+            du_row_set(r, "dp_comm_ms", "%.2f", p.dp_comm_ms);
+            du_row_set(r, "tp_comm_ms", "%.2f", p.tp_comm_ms);
+            du_row_set(r, "comm_ms", "%.2f", p.comm_ms);
+            du_row_set(r, "comm_per_compute", "%.3f", p.comm_ms / p.compute_ms);
+            du_row_set(r, "dp_sent_MB", "%.1f", p.dp_sent_bytes / 1e6);
+            du_row_set(r, "tp_sent_MB", "%.1f", p.tp_sent_bytes / 1e6);
+            du_row_set(r, "weights_MiB", "%.1f", p.weight_bytes / 1048576.0);
+            du_table_emit(tab);
+        }
+    }
+}
+
+static inline int plan_table_print(const char *prog, const char *fmt, const du_list *models, const du_list *contexts, const du_list *dtypes, int batch, int ranks,
+                                   double C, double W, account_desc_fn desc, const void *user) {
+    du_table tab;
+    du_table_init(&tab, PLAN_TABLE_COLUMNS, fmt);
+    int rc = DU_EXIT_OK;
+    for (int a = 0; a < models->n && rc == DU_EXIT_OK; a++)
+        for (int c = 0; c < contexts->n && rc == DU_EXIT_OK; c++)
+            for (int t = 0; t < dtypes->n && rc == DU_EXIT_OK; t++) {
+                tsys_dtype dt = TSYS_F32;
+                int T = 0;
+                du_parse_dtype(dtypes->item[t], &dt); du_parse_int(contexts->item[c], 1, 1 << 20, &T);
+                tsys_model_desc d;
+                tsys_fsdp_desc fd;
+                char err[256];
+                if (!desc(user, models->item[a], T, dt, &d, &fd, err, sizeof(err))) { fprintf(stderr, "%s: %s\n", prog, err); rc = DU_EXIT_USAGE; }
+                else plan_table_rows(&tab, models->item[a], &d, dt, T, batch, ranks, C, W);
+            }
+    du_table_free(&tab);
+    return rc;
+}
+
 // The predicted columns of a measured row: the model d trained in dtype dt at context T, batch sequences
 // a rank, on ranks ranks, under FSDP (fsdp, with fd) or else DDP's or ZeRO-1's scheme; comm_bf16: the
 // gradients travel as bf16. pred_state_MiB what a rank keeps between steps, pred_peak_MiB the peak,

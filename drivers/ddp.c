@@ -6,6 +6,7 @@
 //   ddp --nproc 2 --model small --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb 1,10,100,1000
 //   mpirun -np 2 ddp --device cuda --model xl --dtype fp32,bf16 --compile no,yes
 //   ddp --account --model xl --nproc 2          (the prediction table only, nothing runs)
+//   ddp --plan --model xl --nproc 4 --dtype bf16  (the S26 section 8 cost model of dp, fsdp, tp and 2-D layouts)
 #define _POSIX_C_SOURCE 200809L   // clock_gettime, dup (driver_util.h)
 #include <ctype.h>
 #define TSYS_PRELUDE_DIST
@@ -21,7 +22,8 @@ typedef struct ddp_opts {
     du_model_flags mf;      // --model and the explicit dims (over the preset's)
     du_list strategies, buckets, comms, dtypes, contexts, compiles;
     int batch, warmup, steps, nproc, seed, save_every;
-    bool account, no_compute_ref;
+    bool account, plan, no_compute_ref;
+    double plan_tflops, plan_gbps;
     FILE *profile_log;      // the paths of each profiled configuration's files, printed after the table (rank 0)
 } ddp_opts;
 
@@ -311,6 +313,10 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_INT("steps", &o.steps, "10", 1, 1 << 20, "timed steps"),
         DU_FLAG_INT("nproc", &o.nproc, "1", 1, 1024, "start N local ranks (built-in launcher); not needed under mpirun/torchrun"),
         DU_FLAG_BOOL("account", &o.account, "print the accounting prediction (DDP, ZeRO-1/2/3, FSDP) for --nproc ranks; run nothing"),
+        DU_FLAG_BOOL("plan", &o.plan, "print the S26 section 8 cost model for --nproc ranks: compute and communication per step\n"
+                     "of dp, fsdp, tp, dp x tp and fsdp x tp (each tp dividing the ranks); run nothing"),
+        DU_FLAG_NUM("plan-tflops", &o.plan_tflops, "650", 1e-3, 1e6, "C", "--plan's compute rate C in TFLOP/s (650: bf16 GEMMs measured on an H100)"),
+        DU_FLAG_NUM("plan-gbps", &o.plan_gbps, "340", 1e-3, 1e6, "W", "--plan's link rate W in GB/s a rank sends (340: NCCL's 1 GB all-reduce busbw\nmeasured on 4 H100s)"),
         DU_FLAG_INT("seed", &o.seed, "0", 0, 1 << 30, "weights and batch seed"),
         DU_FLAG_INT("save-every", &o.save_every, "0", 0, 1 << 30, "a snapshot of the training state into --save-dir every N steps (DDP:\n"
                     "rank 0's; zero1, fsdp: sharded; one configuration)"),
@@ -334,9 +340,12 @@ static int driver_main(int argc, char **argv) {
     }
 #endif
     if (!o.mf.models.n && !du_split(&o.mf.models, "ddp", "--model", cuda ? "xl" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
-    const long nconfigs = o.account ? (long)ACCOUNT_TABLE_SCHEMES * o.mf.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
+    const long nconfigs = o.account || o.plan ? (long)ACCOUNT_TABLE_SCHEMES * o.mf.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
     if (nconfigs > 1000000) {
         fprintf(stderr, "ddp: the lists make %ld configurations; at most 1000000\n", nconfigs);
+        rc = DU_EXIT_USAGE;
+    } else if (o.account && o.plan) {
+        fprintf(stderr, "ddp: --account and --plan print different tables: ask for one\n");
         rc = DU_EXIT_USAGE;
     } else if (o.account && !strncmp(o.checkpoint, "auto:", 5)) {
         fprintf(stderr, "ddp: --account predicts for a given --checkpoint policy; auto:BYTES is chosen per strategy when the rows run\n");
@@ -348,8 +357,10 @@ static int driver_main(int argc, char **argv) {
         fprintf(du_preamble(&o.common), "ddp: %d rank%s (--nproc; mpirun's or torchrun's under them), %s, batch %d per rank, warmup %d, "
                 "%d steps, AdamW\n", o.nproc, o.nproc == 1 ? "" : "s", o.device, o.batch, o.warmup, o.steps);
         rc = du_dry_run_done(&o.common, "ddp", (int)nconfigs);
-    } else rc = o.account ? account_table_print("ddp", o.common.format, &o.mf.models, &o.contexts, &o.dtypes, o.batch, o.nproc, config_desc, &o)
-                          : run_sweep(&o, (int)nconfigs, argc, argv);
+    } else if (o.plan) rc = plan_table_print("ddp", o.common.format, &o.mf.models, &o.contexts, &o.dtypes, o.batch, o.nproc, o.plan_tflops * 1e12, o.plan_gbps * 1e9,
+                                          config_desc, &o);
+    else rc = o.account ? account_table_print("ddp", o.common.format, &o.mf.models, &o.contexts, &o.dtypes, o.batch, o.nproc, config_desc, &o)
+                        : run_sweep(&o, (int)nconfigs, argc, argv);
     du_flags_free(flags, nflags);
     return rc;
 }

@@ -842,6 +842,7 @@ t_full_stdout_is_a_failure() {
     "e2e --dry-run" "e2e --help" "attn --seq 16 --d 16 --batch 1 --warmup 0 --reps 1 --impl naive" "attn --dry-run" "precision"
     "memory --device cpu ${MEMTINY[*]} --mode forward --format jsonl" "memory --help"
     "ddp --account --device cpu --model custom --d-model 16 --num-layers 1 --num-heads 2 --d-ff 32 --vocab-size 64" "ddp --help"
+    "ddp --plan --device cpu --model small --nproc 4"
     "allreduce --sizes 1KB --warmup 0 --iters 1" "allreduce --nproc 2 --sizes 1KB --warmup 0 --iters 1 --format csv" "allreduce --help")
   for c in "${cmds[@]}"; do
     set -- $c
@@ -943,6 +944,20 @@ t_dist_ddp_checkpoint_auto() {
   run "$B/ddp" --account --checkpoint auto:1GiB
   expect_rc 2 "ddp --account --checkpoint auto:1GiB"
   expect_in "$tmp/err" 'auto:BYTES is chosen per strategy' "--account says why"
+}
+
+# ddp --plan: the S26 section 8 cost model, one row per layout of the ranks (tp over the divisors of 4);
+# the small model's dp row sends 2 x 3/4 x its 128,625,408 bf16 parameters = 385.9 MB a rank.
+t_dist_ddp_plan() {
+  [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
+  run "$B/ddp" --plan --model small --nproc 4 --dtype bf16 --format csv
+  expect_rc 0 "ddp --plan"
+  expect_in "$tmp/out" '^small,bf16,256,4,4,dp,4,1,[0-9.]+,[0-9.]+,0\.00,[0-9.]+,[0-9.]+,385\.9,0\.0,' "the dp row's bytes"
+  for l in fsdp,4,1 dp_tp,2,2 fsdp_tp,2,2 tp,1,4; do expect_in "$tmp/out" "^small,bf16,256,4,4,$l," "a $l row"; done
+  [ "$(grep -c '^small,' "$tmp/out")" = 5 ] || note "$(grep -c '^small,' "$tmp/out") rows, wanted 5"
+  run "$B/ddp" --plan --account
+  expect_rc 2 "ddp --plan --account"
+  expect_in "$tmp/err" 'print different tables' "says why"
 }
 
 # ddp --save-every/--save-dir/--resume, each strategy at 2 ranks: 4 steps saving at step 4, against 2 steps
