@@ -361,7 +361,7 @@ TSYSDEF void tsys_dist_mesh_free(tsys_dist_mesh *m);
 // rank) that never forms the full logits. Train with any optimizer over tsys_tp_model_params (the same step
 // on every rank keeps the replicated parameters equal). tsys_tp_model_gather writes the full parameters
 // back into a model of the same shape (collective over tp). Not yet: checkpointing policies, a vocabulary-
-// parallel embedding, sequence parallelism; the cross-entropy runs on the host.
+// parallel embedding, sequence parallelism.
 typedef struct tsys_tp_model tsys_tp_model;
 TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full);      // NULL + the context's error
 TSYSDEF tsys_tensor **tsys_tp_model_params(tsys_tp_model *m);                     // the full model's parameters() order
@@ -751,6 +751,8 @@ TSYSDEF void tsys_dist_share_cores(int ranks);
 #error "tsys_dist.h: TSYS_DIST_NCCL needs tsys_cuda.cuh included before tsys_dist.h"
 #endif
 #include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <nccl.h>
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
 #error "tsys_dist.h: NCCL 2.14 or newer is needed (ncclAvg, ncclCommInitRankConfig, non-blocking communicators)"
@@ -5325,7 +5327,7 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
 // gradient all-reduced in backward: each rank's heads add a part) and each branch leaves through `reduce`
 // (its partial sums all-reduced in forward, the gradient passed through): one all-reduce per branch each
 // way. The LM head is vocabulary-parallel (rows of this rank's vocabulary slice) and its cross-entropy
-// combines the ranks' row maxima, exp-sums and target logits (three host all-reduces of E numbers), so
+// combines the ranks' row maxima, exp-sums and target logits (all-reduces of E and 2E numbers), so
 // the full logits never exist anywhere. The embedding and the norms are replicated: their gradients are
 // the same on every rank (each sees the full activations after the all-reduces), so the same AdamW step
 // keeps them equal.
@@ -5371,8 +5373,9 @@ static tsys_status tsys_tp__reduce_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tenso
 
 // ---- the vocabulary-parallel cross-entropy ----
 // Mean over rows of log(sum over the whole vocabulary of exp(logit)) - logit[target]. Every rank holds the
-// logits of its vocabulary slice; the three per-row quantities are all-reduced on the host in double. Saves
-// the rows' log-sum-exp for backward: d logit = (softmax - onehot) / rows.
+// logits of its vocabulary slice; the three per-row quantities are all-reduced over tp (host tensors: on
+// the CPU in double; CUDA tensors: kernels and NCCL, below). Saves the rows' log-sum-exp for backward:
+// d logit = (softmax - onehot) / rows.
 
 static int64_t tsys_tp__target(const void *t, tsys_dtype dt, int64_t i) { return dt == TSYS_I64 ? ((const int64_t *)t)[i] : ((const int32_t *)t)[i]; }
 
@@ -5405,21 +5408,142 @@ static bool tsys_tp__ce_rows(tsys_tp_model *m, const float *l, const void *tg, t
     return ok;
 }
 
+#ifdef TSYS_DIST_NCCL
+// ---- the same on the GPU: a block a row, the logits read in their dtype, sums in fp32 ----
+static __device__ float tsys_tp__f(float x) { return x; }
+static __device__ float tsys_tp__f(__nv_bfloat16 x) { return __bfloat162float(x); }
+static __device__ float tsys_tp__f(__half x) { return __half2float(x); }
+static __device__ int64_t tsys_tp__tgt(const void *tg, bool t64, int64_t e) { return t64 ? ((const int64_t *)tg)[e] : (int64_t)((const int32_t *)tg)[e]; }
+
+// The block's max (is_max) or sum of v, in every thread.
+static __device__ float tsys_tp__block_reduce(float v, bool is_max) {
+    __shared__ float part[32];
+    for (int o = 16; o; o >>= 1) { const float w = __shfl_xor_sync(0xffffffffu, v, o); v = is_max ? fmaxf(v, w) : v + w; }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = lane < warps ? part[lane] : is_max ? -INFINITY : 0.0f;
+    for (int o = 16; o; o >>= 1) { const float w = __shfl_xor_sync(0xffffffffu, v, o); v = is_max ? fmaxf(v, w) : v + w; }
+    __syncthreads();   // part is free for the next call
+    return v;
+}
+
+// pass 0: mx[e] = the row's max; pass 1 (mx the max over the ranks): st[e] = sum exp(l - mx), st[E + e] = the
+// target's logit when this rank holds it, else 0.
+template <typename T>
+static __global__ void tsys_tp__ce_stats_kernel(const T *l, const void *tg, bool t64, int64_t V, int64_t lo, int64_t E, float *mx, float *st, int pass) {
+    const int64_t e = blockIdx.x;
+    const T *row = l + e * V;
+    if (pass == 0) {
+        float m = -INFINITY;
+        for (int64_t v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, tsys_tp__f(row[v]));
+        m = tsys_tp__block_reduce(m, true);
+        if (threadIdx.x == 0) mx[e] = m;
+        return;
+    }
+    const float m = mx[e];
+    float s = 0;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) s += expf(tsys_tp__f(row[v]) - m);
+    s = tsys_tp__block_reduce(s, false);
+    if (threadIdx.x == 0) {
+        const int64_t t = tsys_tp__tgt(tg, t64, e) - lo;
+        st[e] = s;
+        st[E + e] = t >= 0 && t < V ? tsys_tp__f(row[t]) : 0.0f;
+    }
+}
+
+// d logit = (exp(logit - lse) - [the target]) x scale
+template <typename T>
+static __global__ void tsys_tp__ce_grad_kernel(const T *l, const void *tg, bool t64, int64_t V, int64_t lo, const float *lse, float scale, float *g) {
+    const int64_t e = blockIdx.x, t = tsys_tp__tgt(tg, t64, e) - lo;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) g[e * V + v] = (expf(tsys_tp__f(l[e * V + v]) - lse[e]) - (v == t ? 1.0f : 0.0f)) * scale;
+}
+
+static bool tsys_tp__launched(tsys_ctx *ctx, const char *what) {
+    const cudaError_t err = cudaGetLastError();
+    if (err == cudaSuccess) return true;
+    tsys_ctx_set_error(ctx, TSYS_ERR_CUDA, "tp cross_entropy: %s: %s", what, cudaGetErrorString(err));
+    return false;
+}
+
+static bool tsys_tp__ce_stats_cuda(tsys_ctx *ctx, tsys_tensor *logits, tsys_tensor *targets, int64_t V, int64_t lo, int64_t E, float *mx, float *st, int pass) {
+    cudaStream_t s = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE);
+    const void *l = tsys_tensor_data(logits), *tg = tsys_tensor_data(targets);
+    const bool t64 = targets->dtype == TSYS_I64;
+    if (logits->dtype == TSYS_BF16) tsys_tp__ce_stats_kernel<<<(unsigned)E, 256, 0, s>>>((const __nv_bfloat16 *)l, tg, t64, V, lo, E, mx, st, pass);
+    else if (logits->dtype == TSYS_F16) tsys_tp__ce_stats_kernel<<<(unsigned)E, 256, 0, s>>>((const __half *)l, tg, t64, V, lo, E, mx, st, pass);
+    else tsys_tp__ce_stats_kernel<<<(unsigned)E, 256, 0, s>>>((const float *)l, tg, t64, V, lo, E, mx, st, pass);
+    return tsys_tp__launched(ctx, "the row statistics kernel");
+}
+
+// The forward on CUDA tensors: two kernels and two NCCL all-reduces of E and 2E numbers; the loss and the rows'
+// log-sum-exp are finished on the host (2E + E numbers).
+static bool tsys_tp__ce_cuda(tsys_tp_model *m, tsys_tensor *logits, tsys_tensor *targets, int64_t E, int64_t V, float *lse, double *loss) {
+    tsys_ctx *ctx = m->ctx;
+    int64_t n1 = E, n2 = 2 * E;
+    tsys_tensor *mx = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n1), *st = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n2);
+    float *h = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(3 * E) + 1);
+    bool ok = mx && st && h && E <= INT32_MAX;
+    if (!h) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp cross_entropy: out of host memory");
+    ok = ok && tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, (float *)tsys_tensor_data(mx), (float *)tsys_tensor_data(st), 0) &&
+         tsys_dist_all_reduce(m->tp, mx, TSYS_DIST_MAX) == TSYS_OK &&
+         tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, (float *)tsys_tensor_data(mx), (float *)tsys_tensor_data(st), 1) &&
+         tsys_dist_all_reduce(m->tp, st, TSYS_DIST_SUM) == TSYS_OK && tsys_tensor_to_f32(ctx, mx, h) == TSYS_OK && tsys_tensor_to_f32(ctx, st, h + E) == TSYS_OK;
+    double total = 0;
+    for (int64_t e = 0; ok && e < E; e++) {
+        const double row_lse = (double)h[e] + log((double)h[E + e]);
+        lse[e] = (float)row_lse;
+        total += row_lse - h[2 * E + e];
+    }
+    *loss = total / (double)E;
+    tsys_tensor_release(mx); tsys_tensor_release(st);
+    TSYS_FREE(h);
+    return ok;
+}
+
+static tsys_tensor *tsys_tp__ce_grad_cuda(tsys_tp_model *m, tsys_tensor *logits, tsys_tensor *targets, tsys_tensor *lse, float scale) {
+    tsys_ctx *ctx = m->ctx;
+    const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
+    tsys_tensor *g = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, logits->ndim, logits->shape);
+    if (!g) return NULL;
+    cudaStream_t s = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE);
+    const void *l = tsys_tensor_data(logits), *tg = tsys_tensor_data(targets);
+    const float *ls = (const float *)tsys_tensor_data(lse);
+    const bool t64 = targets->dtype == TSYS_I64;
+    float *gp = (float *)tsys_tensor_data(g);
+    if (logits->dtype == TSYS_BF16) tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const __nv_bfloat16 *)l, tg, t64, V, m->vocab_lo, ls, scale, gp);
+    else if (logits->dtype == TSYS_F16) tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const __half *)l, tg, t64, V, m->vocab_lo, ls, scale, gp);
+    else tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const float *)l, tg, t64, V, m->vocab_lo, ls, scale, gp);
+    if (!tsys_tp__launched(ctx, "the gradient kernel")) { tsys_tensor_release(g); return NULL; }
+    return g;
+}
+#endif
+
 static tsys_tensor *tsys_tp__ce_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
     (void)n;
     tsys_tp_model *m = (tsys_tp_model *)user;
     tsys_tensor *logits = ins[0], *targets = ins[1];
     const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
-    float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(E * V) + 1), *lse = (float *)TSYS_MALLOC(sizeof(float) * (size_t)E + 1);
+#ifdef TSYS_DIST_NCCL
+    const bool on_gpu = logits->device == TSYS_CUDA;   // reads only 3E numbers back
+#else
+    const bool on_gpu = false;
+#endif
+    float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(on_gpu ? 0 : E * V) + 1), *lse = (float *)TSYS_MALLOC(sizeof(float) * (size_t)E + 1);
     void *tg = TSYS_MALLOC(tsys_tensor_bytes(targets) + 1);
     tsys_tensor *loss = NULL;
     double mean = 0;
+    bool ok = false;
     if (!l || !lse || !tg) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp cross_entropy: out of host memory for %lld x %lld logits", (long long)E, (long long)V);
-    else if (tsys_tensor_to_f32(ctx, logits, l) == TSYS_OK && tsys_tensor_to_host(ctx, targets, tg) == TSYS_OK && tsys_tp__ce_rows(m, l, tg, targets->dtype, E, V, lse, &mean)) {
+#ifdef TSYS_DIST_NCCL
+    else if (on_gpu) ok = tsys_tp__ce_cuda(m, logits, targets, E, V, lse, &mean);
+#endif
+    else ok = tsys_tensor_to_f32(ctx, logits, l) == TSYS_OK && tsys_tensor_to_host(ctx, targets, tg) == TSYS_OK && tsys_tp__ce_rows(m, l, tg, targets->dtype, E, V, lse, &mean);
+    if (ok) {
         const float mean_f = (float)mean;
         int64_t one = 1;
         loss = tsys_tensor_from_data(ctx, TSYS_F32, logits->device, 1, &one, &mean_f);
-        *saved = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 1, &E, lse);
+        *saved = tsys_tensor_from_data(ctx, TSYS_F32, on_gpu ? TSYS_CUDA : TSYS_CPU, 1, &E, lse);
         if (loss) tsys_tensor_set_name(loss, "loss");
     }
     TSYS_FREE(l); TSYS_FREE(lse); TSYS_FREE(tg);
@@ -5432,6 +5556,14 @@ static tsys_status tsys_tp__ce_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *c
     tsys_tp_model *m = (tsys_tp_model *)user;
     tsys_tensor *logits = ins[0], *targets = ins[1];
     const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
+#ifdef TSYS_DIST_NCCL
+    if (logits->device == TSYS_CUDA) {
+        float gl = 0;
+        tsys_status gs = tsys_tensor_to_f32(ctx, g, &gl);
+        if (gs == TSYS_OK && !(grads[0] = tsys_tp__ce_grad_cuda(m, logits, targets, saved, gl / (float)E))) gs = tsys_ctx_status(ctx);
+        return gs;
+    }
+#endif
     float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(E * V) + 1), gl = 0;
     void *tg = TSYS_MALLOC(tsys_tensor_bytes(targets) + 1);
     tsys_status st = TSYS_OK;

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# 4 GPUs, one call: test_mesh_cuda through NCCL at 4 and 2 ranks, then mesh_lab rows (2.7B) as a table.
+# G holds the binaries, built here (no GPU needed):
+#   make BUILD=$G CUDA_ARCH="-gencode arch=compute_90a,code=sm_90a" $G/test_mesh_cuda
+#   nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -DTSYS_WITH_CUDA -I. -DTSYS_DIST_NCCL -D_GNU_SOURCE \
+#        -DTSYS_DIST_MPI $(mpicc --showme:compile) -DTSYS_LINKED_IMPL -x cu -c dev/mesh_lab.c -o $G/mesh_lab.o
+#   nvcc -gencode arch=compute_90a,code=sm_90a $G/mesh_lab.o $G/tsys_impl_cuda.o -o $G/mesh_lab -lcublasLt -lcublas -lopenblas -lgomp \
+#        -lnccl $(mpicc --showme:link)
+# Logs go to $OUT (default /tmp/tsys_out).
+export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_base_warn_component_unused=0 TSYS_DIST_TIMEOUT=180
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
+G=${G:-build/g8}
+mp="mpirun --oversubscribe --bind-to none"
+{ timeout 300 $mp -np 4 $G/test_mesh_cuda; timeout 200 $mp -np 2 $G/test_mesh_cuda tp; } > $OUT/test_mesh_cuda.log 2>&1
+grep -E "rank\(s\)|passed, |FAIL" $OUT/test_mesh_cuda.log | head -20
+echo "| layout | dp | tp | model | context | batch | step_ms | peak_MiB | plan compute_ms | plan comm_ms |"
+echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+for cfg in "tp 4 2.7B 1024 4" "dp_tp 2 2.7B 1024 4" "fsdp_tp 2 2.7B 1024 4" "hsdp 2 2.7B 1024 4" "fsdp 1 2.7B 1024 4" \
+           "tp 4 2.7B 4096 1" "fsdp_tp 2 2.7B 4096 1" "fsdp 1 2.7B 4096 1"; do
+  timeout 150 $mp -np 4 $G/mesh_lab $cfg 5 > $OUT/lab.out 2> $OUT/lab.err || echo "| $cfg: failed: $(grep -m1 -E 'mesh_lab|error' $OUT/lab.err | head -c 200) |"
+  grep '^|' $OUT/lab.out; cat $OUT/lab.out >> $OUT/mesh_lab.log; cat $OUT/lab.err >> $OUT/mesh_lab.err
+done

@@ -1,0 +1,143 @@
+// mesh_lab.c - first timings of the 2-D layouts on GPUs: one training step (forward, loss, backward, AdamW)
+// of a cs336 model under tensor parallelism, dp x tp (DDP), fsdp x tp, HSDP or plain FSDP / DDP, beside the
+// cost model's prediction (tsys_dist_plan_step). A lab tool (public API only), not a driver: one row a run.
+//
+//   build: the nvcc lines at the top of dev/gpu_mesh.sh (against the one compiled tsys_impl_cuda.o)
+//   mpirun -np 4 build/g8/mesh_lab LAYOUT TP MODEL CONTEXT BATCH [STEPS]
+//     LAYOUT  tp | dp_tp | fsdp_tp | hsdp | fsdp | dp      (hsdp: TP is the shard group's size)
+//     bf16: autocast for tp, dp_tp, hsdp's DDP side and dp; FSDP's compute dtype for fsdp, fsdp_tp, hsdp
+#define TSYS_PRELUDE_DIST
+#include "../drivers/prelude.h"
+#include <time.h>
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static void die(tsys_ctx *ctx, const char *what) {
+    fprintf(stderr, "mesh_lab: %s: %s\n", what, tsys_ctx_last_error(ctx));
+    exit(1);
+}
+
+typedef struct run {
+    tsys_ctx *ctx;
+    tsys_dist *world;
+    tsys_dist_mesh *mesh;
+    tsys_model *model;
+    tsys_tp_model *tpm;
+    tsys_ddp *ddp;
+    tsys_fsdp *fsdp;
+    tsys_optim *opt;
+    bool autocast;
+} run;
+
+static tsys_tensor *step_loss(run *r, tsys_tensor *ids, tsys_tensor *targets) {
+    if (r->tpm) return tsys_tp_model_loss(r->tpm, ids, targets);
+    tsys_tensor *logits = tsys_model_forward(r->model, ids), *loss = tsys_cross_entropy(r->ctx, logits, targets);
+    tsys_tensor_release(logits);
+    return loss;
+}
+
+static void step(run *r, tsys_tensor *ids, tsys_tensor *targets) {
+    if (r->ddp) tsys_ddp_start_step(r->ddp);
+    if (r->autocast) tsys_autocast_begin(r->ctx, TSYS_BF16);
+    tsys_tensor *loss = step_loss(r, ids, targets);
+    if (r->autocast) tsys_autocast_end(r->ctx);
+    if (!loss || tsys_backward(r->ctx, loss) != TSYS_OK) die(r->ctx, "step");
+    tsys_tensor_release(loss);
+    if (r->fsdp && tsys_fsdp_finish(r->fsdp) != TSYS_OK) die(r->ctx, "fsdp finish");
+    if (r->ddp && tsys_ddp_finish(r->ddp) != TSYS_OK) die(r->ctx, "ddp finish");
+    if (tsys_optim_step(r->opt) != TSYS_OK) die(r->ctx, "optimizer");
+    tsys_optim_release_grads(r->opt);
+}
+
+static tsys_dist_layout layout_of(const char *s) {
+    return !strcmp(s, "tp") ? TSYS_LAYOUT_TP : !strcmp(s, "dp_tp") ? TSYS_LAYOUT_DP_TP : !strcmp(s, "fsdp_tp") ? TSYS_LAYOUT_FSDP_TP
+         : !strcmp(s, "fsdp") || !strcmp(s, "hsdp") ? TSYS_LAYOUT_FSDP : TSYS_LAYOUT_DP;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) { fprintf(stderr, "usage: mesh_lab tp|dp_tp|fsdp_tp|hsdp|fsdp|dp TP MODEL CONTEXT BATCH [STEPS]\n"); return 2; }
+    const char *layout = argv[1], *model = argv[3];
+    const int tp = atoi(argv[2]), T = atoi(argv[4]), B = atoi(argv[5]), steps = argc > 6 ? atoi(argv[6]) : 5;
+    run r;
+    memset(&r, 0, sizeof r);
+    r.ctx = tsys_ctx_new(NULL);
+    tsys_dist_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.cuda = true;
+    r.world = tsys_dist_init(r.ctx, &dd);
+    if (!r.world) die(r.ctx, "group");
+    const int n = tsys_dist_size(r.world), rank = tsys_dist_rank(r.world);
+    if (tp < 1 || n % tp || T < 1 || B < 1 || steps < 1) { fprintf(stderr, "mesh_lab: TP %d must divide the %d ranks; CONTEXT, BATCH, STEPS >= 1\n", tp, n); return 2; }
+    int shape[2] = { n / tp, tp };
+    const char *names[2] = { "dp", "tp" };
+    r.mesh = tsys_dist_mesh_new(r.world, 2, shape, names);
+    if (!r.mesh) die(r.ctx, "mesh");
+    tsys_dist *g_dp = tsys_dist_mesh_group(r.mesh, "dp"), *g_tp = tsys_dist_mesh_group(r.mesh, "tp");
+    tsys_model_desc d;
+    char err[200];
+    if (tsys_model_desc_preset(model, &d, err, sizeof err) != TSYS_OK) { fprintf(stderr, "mesh_lab: %s\n", err); return 2; }
+    d.context_length = T;
+    d.attn = "flash";
+    r.model = tsys_model_new(r.ctx, &d, TSYS_CUDA, 1);
+    if (!r.model) die(r.ctx, "model");
+    tsys_fsdp_desc fd;
+    memset(&fd, 0, sizeof fd);
+    fd.compute_dtype = TSYS_BF16;
+    tsys_ddp_desc ddp;
+    memset(&ddp, 0, sizeof ddp);
+    ddp.strategy = TSYS_DDP_BUCKETED;
+    ddp.bucket_mb = 100;
+    tsys_tensor **params = tsys_model_params(r.model);
+    int np = tsys_model_num_tensors(r.model);
+    const bool with_tp = !strcmp(layout, "tp") || !strcmp(layout, "dp_tp") || !strcmp(layout, "fsdp_tp");
+    if (with_tp) {
+        r.tpm = tsys_tp_model_new(g_tp, r.model);
+        if (!r.tpm) die(r.ctx, "tp model");
+        tsys_model_free(r.model);   // the shards are copies
+        r.model = NULL;
+        params = tsys_tp_model_params(r.tpm);
+        np = tsys_tp_model_num_tensors(r.tpm);
+    }
+    if (!strcmp(layout, "fsdp_tp") || !strcmp(layout, "fsdp")) r.fsdp = tsys_fsdp_new(!strcmp(layout, "fsdp") ? r.world : g_dp, params, np, &fd);
+    else if (!strcmp(layout, "hsdp")) r.fsdp = tsys_fsdp_new(g_tp, params, np, &fd);   // the shard group; DDP over the replicas below
+    if ((r.fsdp == NULL) != (strcmp(layout, "fsdp_tp") && strcmp(layout, "fsdp") && strcmp(layout, "hsdp"))) die(r.ctx, "fsdp");
+    if (r.fsdp) { params = tsys_fsdp_params(r.fsdp); np = tsys_fsdp_num_params(r.fsdp); }
+    if (!strcmp(layout, "dp_tp") || !strcmp(layout, "dp") || !strcmp(layout, "hsdp")) {
+        ddp.strategy = !strcmp(layout, "hsdp") ? TSYS_DDP_FLAT : TSYS_DDP_BUCKETED;
+        r.ddp = tsys_ddp_new(!strcmp(layout, "dp") ? r.world : g_dp, params, np, &ddp);
+        if (!r.ddp) die(r.ctx, "ddp");
+    }
+    r.autocast = !r.fsdp;
+    r.opt = tsys_adamw_new(r.ctx, params, np, NULL);
+    if (!r.opt) die(r.ctx, "optimizer");
+    int64_t bt[2] = { B, T };
+    tsys_tensor *ids = tsys_tensor_new(r.ctx, TSYS_I32, TSYS_CUDA, 2, bt), *targets = tsys_tensor_new(r.ctx, TSYS_I32, TSYS_CUDA, 2, bt);
+    tsys_tensor_randint(r.ctx, ids, d.vocab_size);
+    tsys_tensor_randint(r.ctx, targets, d.vocab_size);
+    for (int s = 0; s < 2; s++) step(&r, ids, targets);
+    if (tsys_dist_sync(r.world) != TSYS_OK || tsys_dist_barrier(r.world) != TSYS_OK) die(r.ctx, "warmup");
+    double t0 = now_ms();
+    for (int s = 0; s < steps; s++) step(&r, ids, targets);
+    if (tsys_dist_sync(r.world) != TSYS_OK) die(r.ctx, "sync");
+    double ms[2] = { (now_ms() - t0) / steps, (double)tsys_mem_stats_get(r.ctx, TSYS_CUDA).peak_bytes };
+    tsys_dist_all_reduce_host(r.world, ms, 2, TSYS_DIST_MAX);
+    const int ndp = with_tp || !strcmp(layout, "hsdp") ? n / tp : n, ntp = with_tp ? tp : 1;
+    tsys_dist_plan p = tsys_dist_plan_step(&d, layout_of(layout), !strcmp(layout, "hsdp") ? tp : ndp, ntp, B, T, 2, 650e12, 340e9);
+    if (rank == 0)
+        printf("| %s | %d | %d | %s | %d | %d | %.1f | %.0f | %.1f | %.1f |\n", layout, !strcmp(layout, "hsdp") ? n / tp : ndp, !strcmp(layout, "hsdp") ? tp : ntp, model, T, B, ms[0],
+               ms[1] / 1048576.0, p.compute_ms, p.comm_ms);
+    tsys_tensor_release(ids); tsys_tensor_release(targets);
+    tsys_optim_free(r.opt);
+    tsys_ddp_free(r.ddp);
+    tsys_fsdp_free(r.fsdp);
+    tsys_tp_model_free(r.tpm);
+    tsys_model_free(r.model);
+    tsys_dist_mesh_free(r.mesh);
+    tsys_dist_free(r.world);
+    tsys_ctx_free(r.ctx);
+    return 0;
+}
