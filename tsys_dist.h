@@ -368,6 +368,10 @@ TSYSDEF tsys_tensor **tsys_tp_model_params(tsys_tp_model *m);                   
 TSYSDEF int tsys_tp_model_num_tensors(const tsys_tp_model *m);
 TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys_tensor *targets);
 TSYSDEF tsys_status tsys_tp_model_gather(tsys_tp_model *m, tsys_model *full);
+// One step's collectives over tp alone, back to back (the 4 x num_layers + 1 all-reduces of a (batch, context,
+// d_model) tensor in dtype, the compute dtype, and the cross-entropy's two): *ms, host clock, synchronized.
+// Every rank of tp calls it, between steps.
+TSYSDEF tsys_status tsys_tp_model_time_collectives(tsys_tp_model *m, int batch, int context, tsys_dtype dtype, double *ms);
 TSYSDEF void tsys_tp_model_free(tsys_tp_model *m);
 
 // DDP: wraps a set of parameters (the cs336 model's, a toy model's; tied weights appear once).
@@ -596,7 +600,8 @@ TSYSDEF double tsys_dist_ring_sent(int world, double bytes);
 // The CS336 S26 section 8 cost model of one training step of a cs336 model under a parallel layout, per rank:
 // the matmul FLOPs of its share (tsys_model_flops: batch is per dp replica, tp ranks split every matmul) at C
 // FLOP/s, and the bytes it sends in ring collectives at W bytes/s of egress (an all-gather or reduce-scatter of
-// S bytes sends (N-1)/N S, an all-reduce 2(N-1)/N S), elem_bytes an element on the wire:
+// S bytes sends (N-1)/N S, an all-reduce 2(N-1)/N S), each element as tsys sends it for the compute dtype:
+// DDP's gradients in fp32, FSDP's weights and gradients and TP's activations in dtype.
 //   DP       the gradients all-reduced over dp
 //   FSDP     the weights all-gathered in forward and again in backward, the gradients reduce-scattered, over dp
 //   TP       per block two all-reduces of the (batch, context, d_model) activations in forward and two in
@@ -611,7 +616,7 @@ typedef struct tsys_dist_plan {
     double dp_comm_ms, tp_comm_ms, comm_ms;
     double weight_bytes;
 } tsys_dist_plan;
-TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, int elem_bytes,
+TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
                                            double flops_per_s, double bytes_per_s);
 TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l);   // "dp", "fsdp", "tp", "dp_tp", "fsdp_tp"
 
@@ -5347,10 +5352,11 @@ struct tsys_tp_model {
 
 static tsys_tensor *tsys_tp__alias(tsys_ctx *ctx, tsys_tensor *x) { return tsys_tensor_view_raw(ctx, x, 0, x->dtype, x->ndim, x->shape); }
 
+// x summed over tp in place, as a new tensor on x's storage. In place is safe for both ops: `reduce` sums a
+// row-parallel linear's output, which nothing else reads (a linear's backward needs its inputs only), and
+// `copy` the gradient its node owns and gives away.
 static tsys_tensor *tsys_tp__summed(tsys_ctx *ctx, tsys_dist *tp, tsys_tensor *x) {
-    tsys_tensor *y = tsys_tensor_clone(ctx, x);
-    if (y && tsys_dist_all_reduce(tp, y, TSYS_DIST_SUM) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
-    return y;
+    return tsys_dist_all_reduce(tp, x, TSYS_DIST_SUM) == TSYS_OK ? tsys_tp__alias(ctx, x) : NULL;
 }
 static tsys_tensor *tsys_tp__copy_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
     (void)n; (void)saved; (void)user;
@@ -5673,12 +5679,22 @@ static tsys_tensor *tsys_tp__layer_param(tsys_tp_model *m, int l, int which) { r
 
 static tsys_tensor *tsys_tp__op1(tsys_tp_model *m, const tsys_custom_op *op, tsys_tensor *x) { return tsys_custom(m->ctx, op, &x, 1); }
 
+// A block's normed input entering the column-parallel linears: under autocast cast once to the compute dtype
+// (the projections would each cast it; and its gradient, all-reduced by `copy`, then travels in it too).
+static tsys_tensor *tsys_tp__enter(tsys_tp_model *m, tsys_tensor *h) {
+    const tsys_dtype ac = tsys_autocast_dtype(m->ctx);
+    if (ac == TSYS_F32 || h->dtype == ac) return tsys_tp__op1(m, &m->copy_op, h);
+    tsys_tensor *c = tsys_cast(m->ctx, h, ac), *hc = c ? tsys_tp__op1(m, &m->copy_op, c) : NULL;
+    tsys_tensor_release(c);
+    return hc;
+}
+
 // Attention over this rank's heads: the block's input through `copy`, the output projection's partial sums through `reduce`.
 static tsys_tensor *tsys_tp__attention(tsys_tp_model *m, int l, tsys_tensor *h, int64_t B, int64_t T) {
     tsys_ctx *ctx = m->ctx;
     const int64_t dh = m->desc.d_model / m->desc.num_heads, H = m->heads;
     int64_t split[4] = { B, T, H, dh }, merged[3] = { B, T, H * dh };
-    tsys_tensor *hc = tsys_tp__op1(m, &m->copy_op, h), *heads[3] = { NULL, NULL, NULL };
+    tsys_tensor *hc = tsys_tp__enter(m, h), *heads[3] = { NULL, NULL, NULL };
     for (int j = 0; j < 3; j++) {
         tsys_tensor *p = tsys_linear(ctx, hc, tsys_tp__layer_param(m, l, TSYS_TP__Q + j), NULL), *pv = tsys_view(ctx, p, 4, split);
         tsys_tensor_release(p);
@@ -5701,7 +5717,7 @@ static tsys_tensor *tsys_tp__attention(tsys_tp_model *m, int l, tsys_tensor *h, 
 // SwiGLU over this rank's d_ff slice.
 static tsys_tensor *tsys_tp__ffn(tsys_tp_model *m, int l, tsys_tensor *h) {
     tsys_ctx *ctx = m->ctx;
-    tsys_tensor *hc = tsys_tp__op1(m, &m->copy_op, h);
+    tsys_tensor *hc = tsys_tp__enter(m, h);
     tsys_tensor *a = tsys_linear(ctx, hc, tsys_tp__layer_param(m, l, TSYS_TP__W1), NULL), *b = tsys_linear(ctx, hc, tsys_tp__layer_param(m, l, TSYS_TP__W3), NULL);
     tsys_tensor_release(hc);
     tsys_tensor *s = tsys_swiglu(ctx, a, b);
@@ -5743,7 +5759,7 @@ TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys
     }
     tsys_tensor *h = tsys_rmsnorm(ctx, x, tsys_tp__param(m, m->n - 2), m->desc.eps);
     tsys_tensor_release(x);
-    tsys_tensor *hc = tsys_tp__op1(m, &m->copy_op, h);
+    tsys_tensor *hc = tsys_tp__enter(m, h);
     tsys_tensor_release(h);
     tsys_tensor *logits = tsys_linear(ctx, hc, tsys_tp__param(m, m->n - 1), NULL);   // (B, T, this rank's vocabulary)
     tsys_tensor_release(hc);
@@ -5751,6 +5767,26 @@ TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys
     tsys_tensor *loss = logits ? tsys_custom(ctx, &m->ce_op, ins, 2) : NULL;
     tsys_tensor_release(logits);
     return loss;
+}
+
+TSYSDEF tsys_status tsys_tp_model_time_collectives(tsys_tp_model *m, int batch, int context, tsys_dtype dtype, double *ms) {
+    if (!m || !ms || batch < 1 || context < 1) return m ? tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_time_collectives: batch and context must be >= 1") : TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = m->ctx;
+    int64_t act[3] = { batch, context, m->desc.d_model }, rows = (int64_t)batch * context, rows2 = 2 * rows;
+    tsys_tensor *a = tsys_tensor_new(ctx, dtype, m->device, 3, act), *r1 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows), *r2 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows2);
+    tsys_status st = a && r1 && r2 ? tsys_tensor_fill(ctx, a, 0.0f) : tsys_ctx_status(ctx);
+    if (st == TSYS_OK) st = tsys_tensor_fill(ctx, r1, 0.0f);
+    if (st == TSYS_OK) st = tsys_tensor_fill(ctx, r2, 0.0f);
+    if (st == TSYS_OK) st = tsys_dist_sync(m->tp);
+    if (st == TSYS_OK) st = tsys_dist_barrier(m->tp);
+    const double t0 = tsys_time_us();
+    for (int i = 0; st == TSYS_OK && i < 4 * m->desc.num_layers + 1; i++) st = tsys_dist_all_reduce(m->tp, a, TSYS_DIST_SUM);
+    if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, r1, TSYS_DIST_MAX);
+    if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, r2, TSYS_DIST_SUM);
+    if (st == TSYS_OK) st = tsys_dist_sync(m->tp);
+    *ms = (tsys_time_us() - t0) * 1e-3;
+    tsys_tensor_release(a); tsys_tensor_release(r1); tsys_tensor_release(r2);
+    return st;
 }
 
 // ---- the full parameters back ----
@@ -5994,23 +6030,24 @@ TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l) {
     return (unsigned)l < (unsigned)TSYS_LAYOUT_COUNT ? names[l] : "?";
 }
 
-TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, int elem_bytes,
+TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
                                            double flops_per_s, double bytes_per_s) {
+    const int elem_bytes = (int)tsys_dtype_size(dtype);
     tsys_dist_plan p;
     memset(&p, 0, sizeof p);
     const tsys_model_desc d = tsys_model_desc_defaults(m);
     const bool has_tp = layout == TSYS_LAYOUT_TP || layout == TSYS_LAYOUT_DP_TP || layout == TSYS_LAYOUT_FSDP_TP;
     if (!has_tp) tp = 1;
     if (layout == TSYS_LAYOUT_TP) dp = 1;
-    if (dp < 1 || tp < 1 || batch < 1 || context < 1 || elem_bytes < 1 || !(flops_per_s > 0) || !(bytes_per_s > 0)) return p;
+    if (dp < 1 || tp < 1 || batch < 1 || context < 1 || !tsys_dtype_is_float(dtype) || !(flops_per_s > 0) || !(bytes_per_s > 0)) return p;
     // what a tp rank holds: its share of the blocks' matmuls and of the LM head; the embedding and the norms whole
     const double dm = d.d_model, split = (double)d.num_layers * (4 * dm * dm + 3 * dm * d.d_ff) + (double)d.vocab_size * dm;
     const double whole = (double)d.vocab_size * dm + (2.0 * d.num_layers + 1) * dm, held = split / tp + whole;
     p.flops = tsys_model_flops(&d, batch, context, true) / tp;
     p.compute_ms = p.flops / flops_per_s * 1e3;
-    const double shard = (dp - 1.0) / dp * held * elem_bytes;   // one all-gather or reduce-scatter of what a tp rank holds
-    if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_DP_TP) p.dp_sent_bytes = 2 * shard;
-    if (layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP) p.dp_sent_bytes = 3 * shard;
+    const double shard = (dp - 1.0) / dp * held;   // elements of one all-gather or reduce-scatter of what a tp rank holds
+    if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_DP_TP) p.dp_sent_bytes = 2 * shard * 4;   // fp32 gradients
+    if (layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP) p.dp_sent_bytes = 3 * shard * elem_bytes;
     if (has_tp) p.tp_sent_bytes = (4.0 * d.num_layers + 1) * tsys_dist_ring_sent(tp, (double)batch * context * dm * elem_bytes);
     p.dp_comm_ms = p.dp_sent_bytes / bytes_per_s * 1e3;
     p.tp_comm_ms = p.tp_sent_bytes / bytes_per_s * 1e3;

@@ -53,6 +53,24 @@ static void step(run *r, tsys_tensor *ids, tsys_tensor *targets) {
     tsys_optim_release_grads(r->opt);
 }
 
+// DDP's all-reduces alone: the fp32 gradients of n parameters (their element count) over g in 100 MB buckets.
+static double time_ddp_comm(tsys_ctx *ctx, tsys_dist *g, tsys_tensor **params, int n) {
+    int64_t total = 0, bucket = 25 * 1000 * 1000;
+    for (int i = 0; i < n; i++) total += tsys_tensor_numel(params[i]);
+    tsys_tensor *b = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &bucket);
+    if (!b || tsys_tensor_fill(ctx, b, 0.0f) != TSYS_OK || tsys_dist_sync(g) != TSYS_OK || tsys_dist_barrier(g) != TSYS_OK) die(ctx, "ddp comm");
+    double t0 = now_ms();
+    for (int64_t done = 0; done < total; done += bucket) {
+        int64_t k = total - done < bucket ? total - done : bucket;
+        tsys_tensor *v = tsys_tensor_view_raw(ctx, b, 0, TSYS_F32, 1, &k);
+        if (!v || tsys_dist_all_reduce(g, v, TSYS_DIST_AVG) != TSYS_OK) die(ctx, "ddp comm");
+        tsys_tensor_release(v);
+    }
+    if (tsys_dist_sync(g) != TSYS_OK) die(ctx, "ddp comm");
+    tsys_tensor_release(b);
+    return now_ms() - t0;
+}
+
 static tsys_dist_layout layout_of(const char *s) {
     return !strcmp(s, "tp") ? TSYS_LAYOUT_TP : !strcmp(s, "dp_tp") ? TSYS_LAYOUT_DP_TP : !strcmp(s, "fsdp_tp") ? TSYS_LAYOUT_FSDP_TP
          : !strcmp(s, "fsdp") || !strcmp(s, "hsdp") ? TSYS_LAYOUT_FSDP : TSYS_LAYOUT_DP;
@@ -123,13 +141,22 @@ int main(int argc, char **argv) {
     double t0 = now_ms();
     for (int s = 0; s < steps; s++) step(&r, ids, targets);
     if (tsys_dist_sync(r.world) != TSYS_OK) die(r.ctx, "sync");
-    double ms[2] = { (now_ms() - t0) / steps, (double)tsys_mem_stats_get(r.ctx, TSYS_CUDA).peak_bytes };
-    tsys_dist_all_reduce_host(r.world, ms, 2, TSYS_DIST_MAX);
+    double ms[4] = { (now_ms() - t0) / steps, (double)tsys_mem_stats_get(r.ctx, TSYS_CUDA).peak_bytes, 0, 0 };
+    // the communication alone: over tp (its all-reduces), over dp (FSDP's collectives, or DDP's all-reduces)
+    if (r.tpm && tsys_tp_model_time_collectives(r.tpm, B, T, TSYS_BF16, &ms[2]) != TSYS_OK) die(r.ctx, "tp comm");
+    if (r.fsdp && tsys_fsdp_time_collectives(r.fsdp, &ms[3]) != TSYS_OK) die(r.ctx, "fsdp comm");
+    if (r.ddp) ms[3] += time_ddp_comm(r.ctx, !strcmp(layout, "dp") ? r.world : g_dp, params, np);
+    tsys_dist_all_reduce_host(r.world, ms, 4, TSYS_DIST_MAX);
     const int ndp = with_tp || !strcmp(layout, "hsdp") ? n / tp : n, ntp = with_tp ? tp : 1;
-    tsys_dist_plan p = tsys_dist_plan_step(&d, layout_of(layout), !strcmp(layout, "hsdp") ? tp : ndp, ntp, B, T, 2, 650e12, 340e9);
+    tsys_dist_plan p = tsys_dist_plan_step(&d, layout_of(layout), !strcmp(layout, "hsdp") ? tp : ndp, ntp, B, T, TSYS_BF16, 650e12, 340e9);
+    if (!strcmp(layout, "hsdp")) {   // + DDP's all-reduce of the shards over the replicas
+        tsys_dist_plan q = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, n / tp, 1, B, T, TSYS_BF16, 650e12, 340e9);
+        p.dp_comm_ms += q.dp_comm_ms / tp;
+        p.comm_ms = p.dp_comm_ms;
+    }
     if (rank == 0)
-        printf("| %s | %d | %d | %s | %d | %d | %.1f | %.0f | %.1f | %.1f |\n", layout, !strcmp(layout, "hsdp") ? n / tp : ndp, !strcmp(layout, "hsdp") ? tp : ntp, model, T, B, ms[0],
-               ms[1] / 1048576.0, p.compute_ms, p.comm_ms);
+        printf("| %s | %d | %d | %s | %d | %d | %.1f | %.0f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", layout, !strcmp(layout, "hsdp") ? n / tp : ndp, !strcmp(layout, "hsdp") ? tp : ntp, model, T, B,
+               ms[0], ms[1] / 1048576.0, p.compute_ms, p.tp_comm_ms, ms[2], p.dp_comm_ms, ms[3]);
     tsys_tensor_release(ids); tsys_tensor_release(targets);
     tsys_optim_free(r.opt);
     tsys_ddp_free(r.ddp);

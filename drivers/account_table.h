@@ -77,7 +77,7 @@ static inline void plan_table_rows(du_table *tab, const char *model, const tsys_
             const tsys_dist_layout lay = (tsys_dist_layout)l;
             const bool fits = tp == 1 ? lay == TSYS_LAYOUT_DP || lay == TSYS_LAYOUT_FSDP : dp == 1 ? lay == TSYS_LAYOUT_TP : lay == TSYS_LAYOUT_DP_TP || lay == TSYS_LAYOUT_FSDP_TP;
             if (!fits) continue;
-            tsys_dist_plan p = tsys_dist_plan_step(d, lay, dp, tp, batch, T, (int)tsys_dtype_size(dt), C, W);
+            tsys_dist_plan p = tsys_dist_plan_step(d, lay, dp, tp, batch, T, dt, C, W);
             du_row *r = du_table_row(tab);
             du_row_set(r, "model", "%s", model);
             du_row_set(r, "dtype", "%s", du_dtype_flag(dt));

@@ -947,12 +947,12 @@ t_dist_ddp_checkpoint_auto() {
 }
 
 # ddp --plan: the S26 section 8 cost model, one row per layout of the ranks (tp over the divisors of 4);
-# the small model's dp row sends 2 x 3/4 x its 128,625,408 bf16 parameters = 385.9 MB a rank.
+# the small model's dp row sends 2 x 3/4 x its 128,625,408 fp32 gradients = 771.8 MB a rank.
 t_dist_ddp_plan() {
   [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
   run "$B/ddp" --plan --model small --nproc 4 --dtype bf16 --format csv
   expect_rc 0 "ddp --plan"
-  expect_in "$tmp/out" '^small,bf16,256,4,4,dp,4,1,[0-9.]+,[0-9.]+,0\.00,[0-9.]+,[0-9.]+,385\.9,0\.0,' "the dp row's bytes"
+  expect_in "$tmp/out" '^small,bf16,256,4,4,dp,4,1,[0-9.]+,[0-9.]+,0\.00,[0-9.]+,[0-9.]+,771\.8,0\.0,' "the dp row's bytes"
   for l in fsdp,4,1 dp_tp,2,2 fsdp_tp,2,2 tp,1,4; do expect_in "$tmp/out" "^small,bf16,256,4,4,$l," "a $l row"; done
   [ "$(grep -c '^small,' "$tmp/out")" = 5 ] || note "$(grep -c '^small,' "$tmp/out") rows, wanted 5"
   run "$B/ddp" --plan --account
