@@ -5689,6 +5689,15 @@ static tsys_tensor *tsys_tp__enter(tsys_tp_model *m, tsys_tensor *h) {
     return hc;
 }
 
+// A row-parallel linear leaving the tensor-parallel region: this rank's partial x W^T, summed by `reduce`. Consumes x.
+static tsys_tensor *tsys_tp__row_parallel(tsys_tp_model *m, tsys_tensor *x, tsys_tensor *w) {
+    tsys_tensor *part = tsys_linear(m->ctx, x, w, NULL);
+    tsys_tensor_release(x);
+    tsys_tensor *y = part ? tsys_tp__op1(m, &m->reduce_op, part) : NULL;
+    tsys_tensor_release(part);
+    return y;
+}
+
 // Attention over this rank's heads: the block's input through `copy`, the output projection's partial sums through `reduce`.
 static tsys_tensor *tsys_tp__attention(tsys_tp_model *m, int l, tsys_tensor *h, int64_t B, int64_t T) {
     tsys_ctx *ctx = m->ctx;
@@ -5707,11 +5716,7 @@ static tsys_tensor *tsys_tp__attention(tsys_tp_model *m, int l, tsys_tensor *h, 
     for (int j = 0; j < 3; j++) tsys_tensor_release(heads[j]);
     tsys_tensor *at = tsys_transpose12(ctx, a), *av = tsys_view(ctx, at, 3, merged);
     tsys_tensor_release(a); tsys_tensor_release(at);
-    tsys_tensor *part = tsys_linear(ctx, av, tsys_tp__layer_param(m, l, TSYS_TP__O), NULL);
-    tsys_tensor_release(av);
-    tsys_tensor *o = tsys_tp__op1(m, &m->reduce_op, part);
-    tsys_tensor_release(part);
-    return o;
+    return tsys_tp__row_parallel(m, av, tsys_tp__layer_param(m, l, TSYS_TP__O));
 }
 
 // SwiGLU over this rank's d_ff slice.
@@ -5722,11 +5727,7 @@ static tsys_tensor *tsys_tp__ffn(tsys_tp_model *m, int l, tsys_tensor *h) {
     tsys_tensor_release(hc);
     tsys_tensor *s = tsys_swiglu(ctx, a, b);
     tsys_tensor_release(a); tsys_tensor_release(b);
-    tsys_tensor *part = tsys_linear(ctx, s, tsys_tp__layer_param(m, l, TSYS_TP__W2), NULL);
-    tsys_tensor_release(s);
-    tsys_tensor *y = tsys_tp__op1(m, &m->reduce_op, part);
-    tsys_tensor_release(part);
-    return y;
+    return tsys_tp__row_parallel(m, s, tsys_tp__layer_param(m, l, TSYS_TP__W2));
 }
 
 // x + branch(norm(x)); consumes x.

@@ -40,13 +40,14 @@ static inline void account_table_rows(du_table *tab, const char *model, const ts
 // message in err (an invalid model). user: the driver's.
 typedef bool (*account_desc_fn)(const void *user, const char *model, int T, tsys_dtype dt, tsys_model_desc *d, tsys_fsdp_desc *fd, char *err, size_t len);
 
-// --account: the rows of every model x context x dtype of the lists (in that order), batch sequences a
-// rank on ranks ranks, in format fmt. An invalid model is said on stderr ("<prog>: <err>") for each of
-// its contexts and dtypes and ends the table after it: DU_EXIT_USAGE; else DU_EXIT_OK.
-static inline int account_table_print(const char *prog, const char *fmt, const du_list *models, const du_list *contexts, const du_list *dtypes, int batch,
-                                      int ranks, account_desc_fn desc, const void *user) {
+// One table, in format fmt, of rows for every model x context x dtype of the lists (in that order), each made
+// by rows_of: an invalid model is said on stderr ("<prog>: <err>") for each of its contexts and dtypes and ends
+// the table after it: DU_EXIT_USAGE; else DU_EXIT_OK.
+typedef void (*account_rows_fn)(du_table *tab, const char *model, const tsys_model_desc *d, const tsys_fsdp_desc *fd, tsys_dtype dt, int T, const void *how);
+static inline int account_tables_print(const char *prog, const char *fmt, const char *columns, const du_list *models, const du_list *contexts, const du_list *dtypes,
+                                       account_desc_fn desc, const void *user, account_rows_fn rows_of, const void *how) {
     du_table tab;
-    du_table_init(&tab, ACCOUNT_TABLE_COLUMNS, fmt);
+    du_table_init(&tab, columns, fmt);
     int rc = DU_EXIT_OK;
     for (int a = 0; a < models->n && rc == DU_EXIT_OK; a++)
         for (int c = 0; c < contexts->n; c++)
@@ -58,10 +59,23 @@ static inline int account_table_print(const char *prog, const char *fmt, const d
                 tsys_fsdp_desc fd;
                 char err[256];
                 if (!desc(user, models->item[a], T, dt, &d, &fd, err, sizeof(err))) { fprintf(stderr, "%s: %s\n", prog, err); rc = DU_EXIT_USAGE; }
-                else account_table_rows(&tab, models->item[a], &d, dt, T, batch, ranks, &fd);
+                else rows_of(&tab, models->item[a], &d, &fd, dt, T, how);
             }
     du_table_free(&tab);
     return rc;
+}
+
+typedef struct account_how { int batch, ranks; double C, W; } account_how;
+static inline void account_rows_of(du_table *tab, const char *model, const tsys_model_desc *d, const tsys_fsdp_desc *fd, tsys_dtype dt, int T, const void *how) {
+    const account_how *h = (const account_how *)how;
+    account_table_rows(tab, model, d, dt, T, h->batch, h->ranks, fd);
+}
+
+// --account: the rows of every model x context x dtype of the lists, batch sequences a rank on ranks ranks.
+static inline int account_table_print(const char *prog, const char *fmt, const du_list *models, const du_list *contexts, const du_list *dtypes, int batch,
+                                      int ranks, account_desc_fn desc, const void *user) {
+    const account_how how = { batch, ranks, 0, 0 };
+    return account_tables_print(prog, fmt, ACCOUNT_TABLE_COLUMNS, models, contexts, dtypes, desc, user, account_rows_of, &how);
 }
 
 // --plan: the S26 section 8 cost model (tsys_dist_plan_step) of every layout of `ranks` ranks: dp and fsdp over
@@ -100,25 +114,16 @@ static inline void plan_table_rows(du_table *tab, const char *model, const tsys_
     }
 }
 
+static inline void plan_rows_of(du_table *tab, const char *model, const tsys_model_desc *d, const tsys_fsdp_desc *fd, tsys_dtype dt, int T, const void *how) {
+    (void)fd;
+    const account_how *h = (const account_how *)how;
+    plan_table_rows(tab, model, d, dt, T, h->batch, h->ranks, h->C, h->W);
+}
+
 static inline int plan_table_print(const char *prog, const char *fmt, const du_list *models, const du_list *contexts, const du_list *dtypes, int batch, int ranks,
                                    double C, double W, account_desc_fn desc, const void *user) {
-    du_table tab;
-    du_table_init(&tab, PLAN_TABLE_COLUMNS, fmt);
-    int rc = DU_EXIT_OK;
-    for (int a = 0; a < models->n && rc == DU_EXIT_OK; a++)
-        for (int c = 0; c < contexts->n && rc == DU_EXIT_OK; c++)
-            for (int t = 0; t < dtypes->n && rc == DU_EXIT_OK; t++) {
-                tsys_dtype dt = TSYS_F32;
-                int T = 0;
-                du_parse_dtype(dtypes->item[t], &dt); du_parse_int(contexts->item[c], 1, 1 << 20, &T);
-                tsys_model_desc d;
-                tsys_fsdp_desc fd;
-                char err[256];
-                if (!desc(user, models->item[a], T, dt, &d, &fd, err, sizeof(err))) { fprintf(stderr, "%s: %s\n", prog, err); rc = DU_EXIT_USAGE; }
-                else plan_table_rows(&tab, models->item[a], &d, dt, T, batch, ranks, C, W);
-            }
-    du_table_free(&tab);
-    return rc;
+    const account_how how = { batch, ranks, C, W };
+    return account_tables_print(prog, fmt, PLAN_TABLE_COLUMNS, models, contexts, dtypes, desc, user, plan_rows_of, &how);
 }
 
 // The predicted columns of a measured row: the model d trained in dtype dt at context T, batch sequences
