@@ -618,6 +618,11 @@ typedef struct tsys_dist_plan {
 } tsys_dist_plan;
 TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
                                            double flops_per_s, double bytes_per_s);
+// The same with each group's link as an alpha-beta model (tsys_dist_calibrate_link on the dp and the tp group:
+// tsys_dist_link_time_ms of the layout's collectives on each): DDP's in 100 MiB buckets; FSDP's a unit's all-gather
+// in forward and again in backward, its reduce-scatter, and the norm gains' all-reduces; TP's 4 x num_layers + 3.
+TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
+                                                 double flops_per_s, tsys_dist_link_model dp_link, tsys_dist_link_model tp_link);
 TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l);   // "dp", "fsdp", "tp", "dp_tp", "fsdp_tp"
 
 // A tsys_model trained data-parallel with AdamW, one step at a time in timed phases (>>trainer): DDP (any
@@ -6031,31 +6036,47 @@ TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l) {
     return (unsigned)l < (unsigned)TSYS_LAYOUT_COUNT ? names[l] : "?";
 }
 
-TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
-                                           double flops_per_s, double bytes_per_s) {
-    const int elem_bytes = (int)tsys_dtype_size(dtype);
+TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
+                                                 double flops_per_s, tsys_dist_link_model dp_link, tsys_dist_link_model tp_link) {
     tsys_dist_plan p;
     memset(&p, 0, sizeof p);
     const tsys_model_desc d = tsys_model_desc_defaults(m);
     const bool has_tp = layout == TSYS_LAYOUT_TP || layout == TSYS_LAYOUT_DP_TP || layout == TSYS_LAYOUT_FSDP_TP;
     if (!has_tp) tp = 1;
     if (layout == TSYS_LAYOUT_TP) dp = 1;
-    if (dp < 1 || tp < 1 || batch < 1 || context < 1 || !tsys_dtype_is_float(dtype) || !(flops_per_s > 0) || !(bytes_per_s > 0)) return p;
+    if (dp < 1 || tp < 1 || batch < 1 || context < 1 || !tsys_dtype_is_float(dtype) || !(flops_per_s > 0)) return p;
+    const int elem_bytes = (int)tsys_dtype_size(dtype);
     // what a tp rank holds: its share of the blocks' matmuls and of the LM head; the embedding and the norms whole
     const double dm = d.d_model, split = (double)d.num_layers * (4 * dm * dm + 3 * dm * d.d_ff) + (double)d.vocab_size * dm;
     const double whole = (double)d.vocab_size * dm + (2.0 * d.num_layers + 1) * dm, held = split / tp + whole;
     p.flops = tsys_model_flops(&d, batch, context, true) / tp;
     p.compute_ms = p.flops / flops_per_s * 1e3;
     const double shard = (dp - 1.0) / dp * held;   // elements of one all-gather or reduce-scatter of what a tp rank holds
-    if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_DP_TP) p.dp_sent_bytes = 2 * shard * 4;   // fp32 gradients
-    if (layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP) p.dp_sent_bytes = 3 * shard * elem_bytes;
+    int n_dp = 0;
+    if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_DP_TP) {   // fp32 gradients, 100 MiB buckets
+        p.dp_sent_bytes = 2 * shard * 4;
+        n_dp = (int)ceil(held * 4 / (100.0 * 1048576.0));
+    }
+    if (layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP) {   // units: the blocks, the embedding, the LM head
+        p.dp_sent_bytes = 3 * shard * elem_bytes;
+        n_dp = 3 * (d.num_layers + 2) + 2 * d.num_layers + 1;
+    }
     if (has_tp) p.tp_sent_bytes = (4.0 * d.num_layers + 1) * tsys_dist_ring_sent(tp, (double)batch * context * dm * elem_bytes);
-    p.dp_comm_ms = p.dp_sent_bytes / bytes_per_s * 1e3;
-    p.tp_comm_ms = p.tp_sent_bytes / bytes_per_s * 1e3;
+    p.dp_comm_ms = dp > 1 ? tsys_dist_link_time_ms(dp_link, n_dp, p.dp_sent_bytes) : 0;
+    p.tp_comm_ms = has_tp ? tsys_dist_link_time_ms(tp_link, 4 * d.num_layers + 3, p.tp_sent_bytes) : 0;
     p.comm_ms = p.dp_comm_ms + p.tp_comm_ms;
     const bool sharded = layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP;
     p.weight_bytes = 16.0 * (sharded ? held / dp : held);
     return p;
+}
+
+TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
+                                           double flops_per_s, double bytes_per_s) {
+    tsys_dist_plan p;
+    memset(&p, 0, sizeof p);
+    if (!(bytes_per_s > 0)) return p;
+    const tsys_dist_link_model w = { 0.0, bytes_per_s * 1e-3 };
+    return tsys_dist_plan_step_links(m, layout, dp, tp, batch, context, dtype, flops_per_s, w, w);
 }
 
 static int tsys_dist__cmp_double(const void *a, const void *b) {

@@ -14,8 +14,8 @@ G=${G:-build/g8}
 mp="mpirun --oversubscribe --bind-to none"
 { timeout 300 $mp -np 4 $G/test_mesh_cuda; timeout 200 $mp -np 2 $G/test_mesh_cuda tp; } > $OUT/test_mesh_cuda.log 2>&1
 grep -E "rank\(s\)|passed, |FAIL" $OUT/test_mesh_cuda.log | head -20
-echo "| layout | dp | tp | model | context | batch | step_ms | peak_MiB | plan compute_ms | plan tp_comm_ms | tp_comm_ms alone | plan dp_comm_ms | dp_comm_ms alone |"
-echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| layout | dp | tp | model | context | batch | step_ms | peak_MiB | plan compute_ms | tp comm ms: plan 340 GB/s / plan fitted / alone | dp comm ms: the same | links fitted (alpha ms + beta GB/s): dp / tp |"
+echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|"
 if [ -n "${MESH_CFGS:-}" ]; then IFS=';' read -ra cfgs <<< "$MESH_CFGS"   # "tp 4 2.7B 1024 4;fsdp 1 2.7B 1024 4"
 else cfgs=("tp 4 2.7B 1024 4" "tp 2 2.7B 1024 4" "dp_tp 2 2.7B 1024 4" "fsdp_tp 2 2.7B 1024 4" "hsdp 2 2.7B 1024 4" "fsdp 1 2.7B 1024 4"
            "tp 4 2.7B 4096 1" "fsdp_tp 2 2.7B 4096 1" "fsdp 1 2.7B 4096 1"); fi

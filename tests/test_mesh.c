@@ -515,6 +515,12 @@ TSYS_TEST(plan_matches_hand_computed_section_8_numbers) {   // the small model: 
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, W);
     TEST_CHECK(a.dp_sent_bytes == 3 * 0.5 * 68162304.0 * 2 && a.tp_sent_bytes == 49 * 1572864.0 && fabs(a.comm_ms - (a.dp_sent_bytes + a.tp_sent_bytes) / W * 1e3) < 1e-9,
                "fsdp_tp: dp %.0f tp %.0f", a.dp_sent_bytes, a.tp_sent_bytes);
+    // latency-bound links (1 ms a collective, bandwidth without limit): the layouts' collective counts
+    const tsys_dist_link_model slow = { 1.0, 1e30 };
+    a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_DP, 4, 1, 4, 256, TSYS_F32, C, slow, slow);
+    TEST_CHECK(a.dp_comm_ms == 5.0, "dp: %g ms, want 5 (514501632 gradient bytes in 100 MiB buckets)", a.dp_comm_ms);
+    a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, slow, slow);
+    TEST_CHECK(a.dp_comm_ms == 67.0 && a.tp_comm_ms == 51.0, "fsdp_tp: %g + %g ms, want 67 (3 x 14 units + 25 norm gains) + 51 (4 x 12 + 3)", a.dp_comm_ms, a.tp_comm_ms);
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, 0, 1, 4, 256, TSYS_F32, C, W);
     TEST_CHECK(a.flops == 0 && a.comm_ms == 0, "a plan for 0 ranks is all zeros");
     TEST_CHECK(!strcmp(tsys_dist_layout_name(TSYS_LAYOUT_FSDP_TP), "fsdp_tp") && !strcmp(tsys_dist_layout_name((tsys_dist_layout)99), "?"), "names");
