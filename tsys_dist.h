@@ -3496,6 +3496,16 @@ static bool tsys_dist__split_form(tsys_dist *s, tsys_dist *d, const tsys_dist__s
     return true;
 }
 
+// Whether every rank of d is fine so far (else e names the first failing rank of d, unless it is this one).
+static bool tsys_dist__split_agree(tsys_dist *d, tsys_dist__err *e) {
+    int32_t failed = e->status != TSYS_OK ? d->size - d->rank : 0;
+    tsys_dist__err ae;
+    memset(&ae, 0, sizeof ae);
+    if (!tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, &ae)) { if (e->status == TSYS_OK) *e = ae; return false; }
+    if (failed && e->status == TSYS_OK) tsys_dist__seterr(e, TSYS_ERR_IO, "rank %d could not form its group (its own error says why)", d->size - failed);
+    return !failed;
+}
+
 TSYSDEF tsys_dist *tsys_dist_split(tsys_dist *d, int color, int key, const char *name) {
     if (!d) return NULL;
     if (TSYS_DIST__LOAD(&d->broken)) { tsys_dist__fail(d, TSYS_ERR_IO, "tsys_dist_split: the group is broken since: %s", d->broken_msg); return NULL; }
@@ -3518,27 +3528,21 @@ TSYSDEF tsys_dist *tsys_dist_split(tsys_dist *d, int color, int key, const char 
     }
     n = tsys_dist__split_members(d, recs, members, &me);
     s = tsys_dist__sub_new(d, me, n, name);
-    if (!s) { tsys_dist__seterr(&e, TSYS_ERR_OOM, "out of host memory"); goto agree; }
-    if (d->launch == &tsys_dist__engine_tcp) {   // where each group of several ranks will meet
+    if (!s) tsys_dist__seterr(&e, TSYS_ERR_OOM, "out of host memory");
+    if (d->launch == &tsys_dist__engine_tcp) {   // where each group of several ranks will meet (every rank takes part)
         memset(&mine, 0, sizeof mine);
-        if (me == 0 && n > 1) {
+        if (s && me == 0 && n > 1) {
             lfd = tsys_dist__split_listen(d, &mine, &loopback, &e);
             if (lfd >= 0 && !tsys_dist__random(mine.token, sizeof mine.token)) tsys_dist__seterr(&e, TSYS_ERR_IO, "no random bytes (/dev/urandom): %s", strerror(errno));
         }
         if (!tsys_dist__setup_all_gather(d, &mine, recs, (int64_t)sizeof mine, &e)) goto fail_all;
         if (recs[members[0]].port == 0 && n > 1) tsys_dist__seterr(&e, TSYS_ERR_IO, "rank %d, the group's first, could not listen for it", members[0]);
     }
-    if (e.status == TSYS_OK) tsys_dist__split_form(s, d, recs, members, lfd, loopback, &e);
+    // the groups form only if every rank got this far (MPI_Comm_split would wait for a missing rank for ever),
+    // and every rank learns whether every group formed
+    if (tsys_dist__split_agree(d, &e)) tsys_dist__split_form(s, d, recs, members, lfd, loopback, &e);
     else if (lfd >= 0) close(lfd);
-agree:;
-    {   // every rank learns whether every group formed (the first failing rank of d is named)
-        int32_t failed = e.status != TSYS_OK ? d->size - d->rank : 0;
-        tsys_dist__err ae;
-        memset(&ae, 0, sizeof ae);
-        if (!tsys_dist__setup_allreduce_i32(d, &failed, 1, TSYS_DIST_MAX, &ae)) { if (e.status == TSYS_OK) e = ae; goto fail_all; }
-        if (failed && e.status == TSYS_OK) tsys_dist__seterr(&e, TSYS_ERR_IO, "rank %d could not form its group (its own error says why)", d->size - failed);
-    }
-    if (e.status != TSYS_OK) goto fail_all;
+    if (!tsys_dist__split_agree(d, &e)) goto fail_all;
     free(recs); free(members);
     return s;
 fail_all:
