@@ -396,6 +396,7 @@ static void check_dp_tp_ex(tsys_dist *world, bool fsdp, tsys_device dev, const c
     tsys_dist_mesh_free(mesh);
 }
 static void check_dp_tp(tsys_dist *world, tsys_device dev, const char *what) { check_dp_tp_ex(world, false, dev, what); }
+static void check_hsdp(tsys_dist *world, tsys_device dev);   // below, with its test
 TSYS_TEST(tp_inside_dp_mesh_equals_one_process) { check_dp_tp(g_world, TSYS_CPU, "dp x tp"); }
 TSYS_TEST(tp_inside_fsdp_mesh_equals_one_process) { check_dp_tp_ex(g_world, true, TSYS_CPU, "fsdp x tp"); }
 
@@ -408,6 +409,8 @@ TSYS_TEST(tp_nccl_equals_one_gpu) {
     check_tp(g_cuda_world, NULL, false, TSYS_CUDA, "tp through NCCL");
     check_tp(g_cuda_world, NULL, true, TSYS_CUDA, "tp through NCCL, SGD");
     check_dp_tp(g_cuda_world, TSYS_CUDA, "dp x tp through NCCL");
+    check_dp_tp_ex(g_cuda_world, true, TSYS_CUDA, "fsdp x tp through NCCL");
+    check_hsdp(g_cuda_world, TSYS_CUDA);
 }
 
 TSYS_TEST(split_nccl_groups_reduce_their_members) {   // CUDA tensors through the sub-groups' own communicators
@@ -443,17 +446,18 @@ TSYS_TEST(tp_refuses_shapes_it_cannot_split) {
 
 // HSDP: FSDP inside each "shard" group, its shards' gradients averaged over the "replicate" groups by DDP;
 // every rank its own micro-batch, against one process on all of them.
-TSYS_TEST(hsdp_equals_one_process) {
+TSYS_TEST(hsdp_equals_one_process) { check_hsdp(g_world, TSYS_CPU); }
+static void check_hsdp(tsys_dist *world, tsys_device dev) {
     int shape[2];
     mesh_shape(shape);
     const char *names[2] = { "replicate", "shard" };
-    tsys_dist_mesh *mesh = tsys_dist_mesh_new(g_world, 2, shape, names);
+    tsys_dist_mesh *mesh = tsys_dist_mesh_new(world, 2, shape, names);
     TEST_CHECK(mesh != NULL, "%s", tsys_ctx_last_error(g_ctx));
     if (!mesh) return;
     float want[TP_STEPS], got[TP_STEPS];
-    tsys_model *ref = reference_run(g_size, false, TSYS_CPU, want);
+    tsys_model *ref = reference_run(g_size, false, dev, want);
     tsys_model_desc d = tiny_desc();
-    tsys_model *m = tsys_model_new(g_ctx, &d, TSYS_CPU, 7);
+    tsys_model *m = tsys_model_new(g_ctx, &d, dev, 7);
     tsys_fsdp *fs = tsys_fsdp_new(tsys_dist_mesh_group(mesh, "shard"), tsys_model_params(m), tsys_model_num_tensors(m), NULL);
     tsys_ddp_desc dd;
     memset(&dd, 0, sizeof dd);
@@ -463,14 +467,14 @@ TSYS_TEST(hsdp_equals_one_process) {
     tsys_optim *opt = ddp ? make_optim(tsys_fsdp_params(fs), tsys_fsdp_num_params(fs), false) : NULL;
     for (int s = 0; opt && s < TP_STEPS; s++) {
         tsys_tensor *ids, *targets;
-        tp_batch(s, &ids, &targets, TP_B * g_size, TSYS_CPU);
+        tp_batch(s, &ids, &targets, TP_B * g_size, dev);
         int64_t sh[2] = { TP_B, TP_T };
         tsys_tensor *mids = tsys_tensor_view_raw(g_ctx, ids, (size_t)g_rank * TP_B * TP_T * 4, TSYS_I32, 2, sh);
         tsys_tensor *mtargets = tsys_tensor_view_raw(g_ctx, targets, (size_t)g_rank * TP_B * TP_T * 4, TSYS_I32, 2, sh);
         tsys_ddp_start_step(ddp);
         tsys_tensor *logits = tsys_model_forward(m, mids), *loss = tsys_cross_entropy(g_ctx, logits, mtargets);
         double l = loss ? tsys_item(g_ctx, loss) : NAN;
-        tsys_dist_all_reduce_host(g_world, &l, 1, TSYS_DIST_AVG);
+        tsys_dist_all_reduce_host(world, &l, 1, TSYS_DIST_AVG);
         got[s] = (float)l;
         tsys_backward(g_ctx, loss);
         tsys_fsdp_finish(fs);
