@@ -124,7 +124,9 @@ def build(args, layout, split, world, dev):
 
 def run(args, layout, split, rank, world, dev):
     model, dp, tp, mesh = build(args, layout, split, world, dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # tp alone leaves the embedding and the norms plain tensors beside the DTensor shards: torch 2.11's foreach
+    # AdamW refuses the mix, so that layout steps parameter by parameter
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False if layout == "tp" else None)
     autocast = args.dtype == "bf16" and layout == "tp"
     # every rank of a tp group the same batch; each dp replica its own
     g = torch.Generator().manual_seed(1 + (rank // tp if layout in ("tp", "fsdp_tp") else rank))
