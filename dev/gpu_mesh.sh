@@ -23,3 +23,9 @@ for cfg in "${cfgs[@]}"; do
   timeout 150 $mp -np ${NP:-4} $G/mesh_lab $cfg 5 > $OUT/lab.out 2> $OUT/lab.err || echo "| $cfg: failed: $(grep -m1 -E 'mesh_lab|error' $OUT/lab.err | head -c 200) |"
   grep '^|' $OUT/lab.out; cat $OUT/lab.out >> $OUT/mesh_lab.log; cat $OUT/lab.err >> $OUT/mesh_lab.err
 done
+# PyTorch's rows in the same call (torchtitan-style: tests/ref/torch_tp.py), when torch is there; TORCH=0 skips them
+if [ "${TORCH:-1}" = 1 ] && command -v torchrun > /dev/null; then
+  timeout 400 torchrun --nproc_per_node ${NP:-4} tests/ref/torch_tp.py --device cuda --model 2.7B --context-length 1024 --batch-size 4 \
+    --layout ${TORCH_LAYOUTS:-tp:4,fsdp_tp:2,fsdp:1,hsdp:2} > $OUT/torch_tp.log 2>&1
+  grep -E '^\| torch|Error' $OUT/torch_tp.log | head -12
+fi
