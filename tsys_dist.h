@@ -609,12 +609,17 @@ TSYSDEF double tsys_dist_ring_sent(int world, double bytes);
 //   DP_TP, FSDP_TP  the parameters a tp rank holds go over dp as in DP / FSDP, beside TP's traffic over tp
 // weight_bytes: the fp32 weights, gradients and AdamW moments a rank holds (16 bytes a parameter; FSDP shards
 // them over dp; tsys_tp_model keeps the embedding and the norms whole).
+// act_bytes, peak_bytes: the activations a rank keeps for backward and its predicted peak memory, as tsys
+// implements the layout: DP and FSDP by the accounting (tsys_dist_accounting, tsys_fsdp_accounting); with tp,
+// tsys_tp_model's activations (heads, d_ff and the vocabulary split over tp; the normed inputs whole, cast
+// once under autocast; the logits' fp32 gradient) beside the weights above, the autocast copies of the matmul
+// weights a rank holds, and under FSDP x TP the gathered unit and the embedding's gradient.
 typedef enum tsys_dist_layout { TSYS_LAYOUT_DP, TSYS_LAYOUT_FSDP, TSYS_LAYOUT_TP, TSYS_LAYOUT_DP_TP, TSYS_LAYOUT_FSDP_TP, TSYS_LAYOUT_COUNT } tsys_dist_layout;
 typedef struct tsys_dist_plan {
     double flops, compute_ms;              // per rank per step
     double dp_sent_bytes, tp_sent_bytes;   // per rank per step, over each group
     double dp_comm_ms, tp_comm_ms, comm_ms;
-    double weight_bytes;
+    double weight_bytes, act_bytes, peak_bytes;
 } tsys_dist_plan;
 TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
                                            double flops_per_s, double bytes_per_s);
@@ -5467,10 +5472,11 @@ static __global__ void tsys_tp__ce_stats_kernel(const T *l, const void *tg, bool
     }
 }
 
-// d logit = (exp(logit - lse) - [the target]) x scale
+// d logit = (exp(logit - lse) - [the target]) x scale, scale = d loss / E read on the device (no host sync)
 template <typename T>
-static __global__ void tsys_tp__ce_grad_kernel(const T *l, const void *tg, bool t64, int64_t V, int64_t lo, const float *lse, float scale, float *g) {
+static __global__ void tsys_tp__ce_grad_kernel(const T *l, const void *tg, bool t64, int64_t V, int64_t lo, const float *lse, const float *dloss, float E, float *g) {
     const int64_t e = blockIdx.x, t = tsys_tp__tgt(tg, t64, e) - lo;
+    const float scale = __fdiv_rn(*dloss, E);
     for (int64_t v = threadIdx.x; v < V; v += blockDim.x) g[e * V + v] = (expf(tsys_tp__f(l[e * V + v]) - lse[e]) - (v == t ? 1.0f : 0.0f)) * scale;
 }
 
@@ -5491,44 +5497,60 @@ static bool tsys_tp__ce_stats_cuda(tsys_ctx *ctx, tsys_tensor *logits, tsys_tens
     return tsys_tp__launched(ctx, "the row statistics kernel");
 }
 
-// The forward on CUDA tensors: two kernels and two NCCL all-reduces of E and 2E numbers; the loss and the rows'
-// log-sum-exp are finished on the host (2E + E numbers).
-static bool tsys_tp__ce_cuda(tsys_tp_model *m, tsys_tensor *logits, tsys_tensor *targets, int64_t E, int64_t V, float *lse, double *loss) {
-    tsys_ctx *ctx = m->ctx;
-    int64_t n1 = E, n2 = 2 * E;
-    tsys_tensor *mx = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n1), *st = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n2);
-    float *h = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(3 * E) + 1);
-    bool ok = mx && st && h && E <= INT32_MAX;
-    if (!h) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp cross_entropy: out of host memory");
-    ok = ok && tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, (float *)tsys_tensor_data(mx), (float *)tsys_tensor_data(st), 0) &&
-         tsys_dist_all_reduce(m->tp, mx, TSYS_DIST_MAX) == TSYS_OK &&
-         tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, (float *)tsys_tensor_data(mx), (float *)tsys_tensor_data(st), 1) &&
-         tsys_dist_all_reduce(m->tp, st, TSYS_DIST_SUM) == TSYS_OK && tsys_tensor_to_f32(ctx, mx, h) == TSYS_OK && tsys_tensor_to_f32(ctx, st, h + E) == TSYS_OK;
-    double total = 0;
-    for (int64_t e = 0; ok && e < E; e++) {
-        const double row_lse = (double)h[e] + log((double)h[E + e]);
-        lse[e] = (float)row_lse;
-        total += row_lse - h[2 * E + e];
+// lse[e] = mx[e] + log(st[e]) and the loss, the mean of lse - the target's logit; one block in a fixed order, so
+// the loss is the same bits run to run and stays on the device (no host sync in the step).
+static __global__ void tsys_tp__ce_finish_kernel(const float *mx, const float *st, int64_t E, float *lse, float *loss) {
+    __shared__ double part[256];
+    double acc = 0;
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+        const double row = (double)mx[e] + log((double)st[e]);
+        lse[e] = (float)row;
+        acc += row - (double)st[E + e];
     }
-    *loss = total / (double)E;
-    tsys_tensor_release(mx); tsys_tensor_release(st);
-    TSYS_FREE(h);
-    return ok;
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half; half >>= 1) {
+        if ((int)threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *loss = (float)(part[0] / (double)E);
 }
 
-static tsys_tensor *tsys_tp__ce_grad_cuda(tsys_tp_model *m, tsys_tensor *logits, tsys_tensor *targets, tsys_tensor *lse, float scale) {
+// The forward on CUDA tensors: three kernels and two NCCL all-reduces of E and 2E numbers; nothing comes back to
+// the host. *lse_out (E numbers) is kept for the backward.
+static tsys_tensor *tsys_tp__ce_cuda(tsys_tp_model *m, tsys_tensor *logits, tsys_tensor *targets, int64_t E, int64_t V, tsys_tensor **lse_out) {
+    tsys_ctx *ctx = m->ctx;
+    int64_t one = 1, n2 = 2 * E;
+    tsys_tensor *mx = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &E), *st = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n2),
+                *lse = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &E), *loss = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &one);
+    bool ok = mx && st && lse && loss;
+    if (ok && E > INT32_MAX) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tp cross_entropy: %lld rows exceed the grid's limit", (long long)E); ok = false; }
+    float *mxp = ok ? (float *)tsys_tensor_data(mx) : NULL, *stp = ok ? (float *)tsys_tensor_data(st) : NULL;
+    ok = ok && tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, mxp, stp, 0) && tsys_dist_all_reduce(m->tp, mx, TSYS_DIST_MAX) == TSYS_OK &&
+         tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, mxp, stp, 1) && tsys_dist_all_reduce(m->tp, st, TSYS_DIST_SUM) == TSYS_OK;
+    if (ok) {
+        tsys_tp__ce_finish_kernel<<<1, 256, 0, (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)>>>(mxp, stp, E, (float *)tsys_tensor_data(lse), (float *)tsys_tensor_data(loss));
+        ok = tsys_tp__launched(ctx, "the loss kernel");
+    }
+    tsys_tensor_release(mx); tsys_tensor_release(st);
+    if (!ok) { tsys_tensor_release(lse); tsys_tensor_release(loss); return NULL; }
+    *lse_out = lse;
+    return loss;
+}
+
+static tsys_tensor *tsys_tp__ce_grad_cuda(tsys_tp_model *m, tsys_tensor *logits, tsys_tensor *targets, tsys_tensor *lse, tsys_tensor *dloss) {
     tsys_ctx *ctx = m->ctx;
     const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
     tsys_tensor *g = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, logits->ndim, logits->shape);
     if (!g) return NULL;
     cudaStream_t s = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE);
     const void *l = tsys_tensor_data(logits), *tg = tsys_tensor_data(targets);
-    const float *ls = (const float *)tsys_tensor_data(lse);
+    const float *ls = (const float *)tsys_tensor_data(lse), *dl = (const float *)tsys_tensor_data(dloss), fE = (float)E;
     const bool t64 = targets->dtype == TSYS_I64;
     float *gp = (float *)tsys_tensor_data(g);
-    if (logits->dtype == TSYS_BF16) tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const __nv_bfloat16 *)l, tg, t64, V, m->vocab_lo, ls, scale, gp);
-    else if (logits->dtype == TSYS_F16) tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const __half *)l, tg, t64, V, m->vocab_lo, ls, scale, gp);
-    else tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const float *)l, tg, t64, V, m->vocab_lo, ls, scale, gp);
+    if (logits->dtype == TSYS_BF16) tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const __nv_bfloat16 *)l, tg, t64, V, m->vocab_lo, ls, dl, fE, gp);
+    else if (logits->dtype == TSYS_F16) tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const __half *)l, tg, t64, V, m->vocab_lo, ls, dl, fE, gp);
+    else tsys_tp__ce_grad_kernel<<<(unsigned)E, 256, 0, s>>>((const float *)l, tg, t64, V, m->vocab_lo, ls, dl, fE, gp);
     if (!tsys_tp__launched(ctx, "the gradient kernel")) { tsys_tensor_release(g); return NULL; }
     return g;
 }
@@ -5540,25 +5562,24 @@ static tsys_tensor *tsys_tp__ce_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int 
     tsys_tensor *logits = ins[0], *targets = ins[1];
     const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
 #ifdef TSYS_DIST_NCCL
-    const bool on_gpu = logits->device == TSYS_CUDA;   // reads only 3E numbers back
-#else
-    const bool on_gpu = false;
+    if (logits->device == TSYS_CUDA) {
+        tsys_tensor *loss = tsys_tp__ce_cuda(m, logits, targets, E, V, saved);
+        if (loss) tsys_tensor_set_name(loss, "loss");
+        return loss;
+    }
 #endif
-    float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(on_gpu ? 0 : E * V) + 1), *lse = (float *)TSYS_MALLOC(sizeof(float) * (size_t)E + 1);
+    float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(E * V) + 1), *lse = (float *)TSYS_MALLOC(sizeof(float) * (size_t)E + 1);
     void *tg = TSYS_MALLOC(tsys_tensor_bytes(targets) + 1);
     tsys_tensor *loss = NULL;
     double mean = 0;
     bool ok = false;
     if (!l || !lse || !tg) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp cross_entropy: out of host memory for %lld x %lld logits", (long long)E, (long long)V);
-#ifdef TSYS_DIST_NCCL
-    else if (on_gpu) ok = tsys_tp__ce_cuda(m, logits, targets, E, V, lse, &mean);
-#endif
     else ok = tsys_tensor_to_f32(ctx, logits, l) == TSYS_OK && tsys_tensor_to_host(ctx, targets, tg) == TSYS_OK && tsys_tp__ce_rows(m, l, tg, targets->dtype, E, V, lse, &mean);
     if (ok) {
         const float mean_f = (float)mean;
         int64_t one = 1;
         loss = tsys_tensor_from_data(ctx, TSYS_F32, logits->device, 1, &one, &mean_f);
-        *saved = tsys_tensor_from_data(ctx, TSYS_F32, on_gpu ? TSYS_CUDA : TSYS_CPU, 1, &E, lse);
+        *saved = tsys_tensor_from_data(ctx, TSYS_F32, TSYS_CPU, 1, &E, lse);
         if (loss) tsys_tensor_set_name(loss, "loss");
     }
     TSYS_FREE(l); TSYS_FREE(lse); TSYS_FREE(tg);
@@ -5573,10 +5594,9 @@ static tsys_status tsys_tp__ce_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *c
     const int64_t V = logits->shape[logits->ndim - 1], E = tsys_tensor_numel(logits) / V;
 #ifdef TSYS_DIST_NCCL
     if (logits->device == TSYS_CUDA) {
-        float gl = 0;
-        tsys_status gs = tsys_tensor_to_f32(ctx, g, &gl);
-        if (gs == TSYS_OK && !(grads[0] = tsys_tp__ce_grad_cuda(m, logits, targets, saved, gl / (float)E))) gs = tsys_ctx_status(ctx);
-        return gs;
+        if (g->device != TSYS_CUDA || g->dtype != TSYS_F32 || tsys_tensor_numel(g) != 1)
+            return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tp cross_entropy: the loss's gradient must be one f32 number on the GPU, as the loss is");
+        return (grads[0] = tsys_tp__ce_grad_cuda(m, logits, targets, saved, g)) ? TSYS_OK : tsys_ctx_status(ctx);
     }
 #endif
     float *l = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(E * V) + 1), gl = 0;
@@ -6040,6 +6060,42 @@ TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l) {
     return (unsigned)l < (unsigned)TSYS_LAYOUT_COUNT ? names[l] : "?";
 }
 
+// What one rank of tsys_tp_model keeps for backward (batch x context tokens, tp ranks): tsys_dist_accounting's
+// terms of a layer with the attention's heads, the output projection's input and the SwiGLU's d_ff split over
+// tp; the norms' outputs whole, cast once under autocast before the copy op (one low-precision copy feeds q, k
+// and v, one w1 and w3); outside the blocks the final norm, the LM head's input, the rank's slice of the
+// logits, the rows' log-sum-exp and the slice's fp32 gradient (tsys_tp's cross-entropy). pure: the model
+// computes in dtype throughout (FSDP's gathered weights, no autocast), so the norms' inputs are kept in dtype too.
+static double tsys_dist__tp_act_bytes(const tsys_model_desc *d, tsys_dtype dtype, int batch, int context, int tp, bool pure) {
+    const bool ac = dtype == TSYS_BF16 || dtype == TSYS_F16, flash = d->attn && !strcmp(d->attn, "flash");
+    const double c = ac ? 2.0 : 4.0, r = pure ? c : 4.0, t = tp, dm = d->d_model, H = d->num_heads / t, V = d->vocab_size / t;
+    const double B = batch, T = context, E = B * T, norm = r * E * dm + 4 * E;
+    const double layer = 2 * norm + c * E * dm
+                       + (flash ? 4 * c * E * dm / t + 4 * B * H * T : 3 * c * E * dm / t + c * B * H * T * T)
+                       + c * E * dm / t + c * E * dm + 3 * c * E * d->d_ff / t;
+    return d->num_layers * layer + norm + c * E * dm + c * E * V + 4 * E + 4 * E * V;
+}
+
+// act_bytes and peak_bytes of p (weight_bytes set) for the layout; held: the parameters a tp rank holds, split:
+// of them the matmul weights (autocast's copies).
+static void tsys_dist__plan_memory(tsys_dist_plan *p, const tsys_model_desc *d, tsys_dist_layout layout, int dp, int tp, int batch, int context,
+                                   tsys_dtype dtype, double split) {
+    const bool ac = dtype == TSYS_BF16 || dtype == TSYS_F16;
+    const double c = ac ? 2.0 : 4.0;
+    if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_FSDP) {
+        const tsys_dist_account a = layout == TSYS_LAYOUT_DP ? tsys_dist_accounting(d, dtype, batch, context, dp, TSYS_SCHEME_DDP)
+                                                             : tsys_fsdp_accounting(d, dtype, batch, context, dp);
+        p->act_bytes = a.act_bytes;
+        p->peak_bytes = a.total_bytes;
+        return;
+    }
+    p->act_bytes = tsys_dist__tp_act_bytes(d, dtype, batch, context, tp, layout == TSYS_LAYOUT_FSDP_TP && dp > 1);
+    const double unit = (4.0 * d->d_model * d->d_model + 3.0 * d->d_model * d->d_ff) / tp, embed = (double)d->vocab_size * d->d_model;
+    const double working = layout == TSYS_LAYOUT_FSDP_TP && dp > 1 ? c * (embed + unit) + c * embed   // a gathered block and the embedding, its gradient
+                         : ac ? c * split : 0;                                                         // autocast's copies
+    p->peak_bytes = p->weight_bytes + working + p->act_bytes;
+}
+
 TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
                                                  double flops_per_s, tsys_dist_link_model dp_link, tsys_dist_link_model tp_link) {
     tsys_dist_plan p;
@@ -6071,6 +6127,7 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_
     p.comm_ms = p.dp_comm_ms + p.tp_comm_ms;
     const bool sharded = layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP;
     p.weight_bytes = 16.0 * (sharded ? held / dp : held);
+    tsys_dist__plan_memory(&p, &d, layout, dp, tp, batch, context, dtype, split / tp);
     return p;
 }
 

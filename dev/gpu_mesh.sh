@@ -14,18 +14,23 @@ G=${G:-build/g8}
 mp="mpirun --oversubscribe --bind-to none"
 { timeout 300 $mp -np 4 $G/test_mesh_cuda; timeout 200 $mp -np 2 $G/test_mesh_cuda tp; } > $OUT/test_mesh_cuda.log 2>&1
 grep -E "rank\(s\)|passed, |FAIL" $OUT/test_mesh_cuda.log | head -20
-echo "| layout | dp | tp | model | context | batch | step_ms | peak_MiB | plan compute_ms | tp comm ms: plan 340 GB/s / plan fitted / alone | dp comm ms: the same | links fitted (alpha ms + beta GB/s): dp / tp |"
-echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|"
+echo "| layout | dp | tp | model | context | batch | step_ms | peak_MiB | plan peak_MiB | plan compute_ms | tp comm ms: plan 340 GB/s / plan fitted / alone | dp comm ms: the same | links fitted (alpha ms + beta GB/s): dp / tp |"
+echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|"
 if [ -n "${MESH_CFGS:-}" ]; then IFS=';' read -ra cfgs <<< "$MESH_CFGS"   # "tp 4 2.7B 1024 4;fsdp 1 2.7B 1024 4"
 else cfgs=("tp 4 2.7B 1024 4" "tp 2 2.7B 1024 4" "dp_tp 2 2.7B 1024 4" "fsdp_tp 2 2.7B 1024 4" "hsdp 2 2.7B 1024 4" "fsdp 1 2.7B 1024 4"
-           "tp 4 2.7B 4096 1" "fsdp_tp 2 2.7B 4096 1" "fsdp 1 2.7B 4096 1"); fi
+           "tp 4 2.7B 4096 1" "fsdp_tp 2 2.7B 4096 1" "hsdp 2 2.7B 4096 1" "fsdp 1 2.7B 4096 1"); fi
 for cfg in "${cfgs[@]}"; do
   timeout 150 $mp -np ${NP:-4} $G/mesh_lab $cfg 5 > $OUT/lab.out 2> $OUT/lab.err || echo "| $cfg: failed: $(grep -m1 -E 'mesh_lab|error' $OUT/lab.err | head -c 200) |"
   grep '^|' $OUT/lab.out; cat $OUT/lab.out >> $OUT/mesh_lab.log; cat $OUT/lab.err >> $OUT/mesh_lab.err
 done
-# PyTorch's rows in the same call (torchtitan-style: tests/ref/torch_tp.py), when torch is there; TORCH=0 skips them
+# PyTorch's rows in the same call (torchtitan-style: tests/ref/torch_tp.py), when torch is there; TORCH=0 skips them.
+# TORCH_CFGS: "MODEL CONTEXT BATCH LAYOUTS;..." (LAYOUTS as torch_tp.py's --layout)
 if [ "${TORCH:-1}" = 1 ] && command -v torchrun > /dev/null; then
-  timeout 400 torchrun --nproc_per_node ${NP:-4} tests/ref/torch_tp.py --device cuda --model 2.7B --context-length 1024 --batch-size 4 \
-    --layout ${TORCH_LAYOUTS:-tp:4,fsdp_tp:2,fsdp:1,hsdp:2} > $OUT/torch_tp.log 2>&1
-  grep -E '^\| torch|Error' $OUT/torch_tp.log | head -12
+  IFS=';' read -ra tcfgs <<< "${TORCH_CFGS:-2.7B 1024 4 tp:4,fsdp_tp:2,fsdp:1,hsdp:2;2.7B 4096 1 tp:4,fsdp_tp:2,fsdp:1,hsdp:2}"
+  for tc in "${tcfgs[@]}"; do
+    read -r tm tt tb tl <<< "$tc"
+    timeout 400 torchrun --nproc_per_node ${NP:-4} tests/ref/torch_tp.py --device cuda --model $tm --context-length $tt --batch-size $tb \
+      --layout $tl > $OUT/torch_tp.out 2>&1
+    grep -E '^\| torch|Error' $OUT/torch_tp.out | head -12; cat $OUT/torch_tp.out >> $OUT/torch_tp.log
+  done
 fi

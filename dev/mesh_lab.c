@@ -155,15 +155,16 @@ int main(int argc, char **argv) {
     const int plan_dp = !strcmp(layout, "hsdp") ? tp : ndp;
     tsys_dist_plan p = tsys_dist_plan_step(&d, layout_of(layout), plan_dp, ntp, B, T, TSYS_BF16, 650e12, 340e9);
     tsys_dist_plan f = tsys_dist_plan_step_links(&d, layout_of(layout), plan_dp, ntp, B, T, TSYS_BF16, 650e12, !strcmp(layout, "hsdp") ? l_tp : l_dp, l_tp);
-    if (!strcmp(layout, "hsdp")) {
+    if (!strcmp(layout, "hsdp")) {   // + DDP's all-reduce of the shards over the replicas, and its fp32 gradient arena
         tsys_dist_plan q = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, n / tp, 1, B, T, TSYS_BF16, 650e12, 340e9), qf = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_DP, n / tp, 1, B, T, TSYS_BF16, 650e12, l_dp, l_dp);
         p.dp_comm_ms += q.dp_comm_ms / tp;
         f.dp_comm_ms += qf.dp_comm_ms / tp;
         f.tp_comm_ms = p.tp_comm_ms = 0;
+        p.peak_bytes += 4.0 * (double)tsys_model_desc_num_params(&d) / tp;
     }
     if (rank == 0)
-        printf("| %s | %d | %d | %s | %d | %d | %.1f | %.0f | %.1f | %.1f / %.1f / %.1f | %.1f / %.1f / %.1f | %.3f+%.0f / %.3f+%.0f |\n", layout, !strcmp(layout, "hsdp") ? n / tp : ndp,
-               !strcmp(layout, "hsdp") ? tp : ntp, model, T, B, ms[0], ms[1] / 1048576.0, p.compute_ms, p.tp_comm_ms, f.tp_comm_ms, ms[2], p.dp_comm_ms, f.dp_comm_ms, ms[3],
+        printf("| %s | %d | %d | %s | %d | %d | %.1f | %.0f | %.0f | %.1f | %.1f / %.1f / %.1f | %.1f / %.1f / %.1f | %.3f+%.0f / %.3f+%.0f |\n", layout, !strcmp(layout, "hsdp") ? n / tp : ndp,
+               !strcmp(layout, "hsdp") ? tp : ntp, model, T, B, ms[0], ms[1] / 1048576.0, p.peak_bytes / 1048576.0, p.compute_ms, p.tp_comm_ms, f.tp_comm_ms, ms[2], p.dp_comm_ms, f.dp_comm_ms, ms[3],
                l_dp.alpha_ms, l_dp.beta_bytes_per_ms * 1e-6, l_tp.alpha_ms, l_tp.beta_bytes_per_ms * 1e-6);
     tsys_tensor_release(ids); tsys_tensor_release(targets);
     tsys_optim_free(r.opt);

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
-SIZES = {"tiny": (48, 96, 2, 12), "small": (768, 3072, 12, 12), "2.7B": (2560, 10240, 32, 32)}
+SIZES = {"tiny": (48, 96, 2, 12), "small": (768, 3072, 12, 12), "xl": (1600, 6400, 48, 25), "2.7B": (2560, 10240, 32, 32)}
 VOCAB = 10000
 
 
