@@ -81,7 +81,7 @@ static inline int account_table_print(const char *prog, const char *fmt, const d
 // --plan: the S26 section 8 cost model (tsys_dist_plan_step) of every layout of `ranks` ranks: dp and fsdp over
 // all of them, tp over all of them, and dp x tp, fsdp x tp for each tp that divides the ranks (and the model's
 // heads, d_ff and vocabulary); batch sequences a dp replica, C FLOP/s, W bytes/s a rank.
-#define PLAN_TABLE_COLUMNS "model,dtype,context,batch,ranks,layout,dp,tp,compute_ms,dp_comm_ms,tp_comm_ms,comm_ms,comm_per_compute,dp_sent_MB,tp_sent_MB,weights_MiB"
+#define PLAN_TABLE_COLUMNS "model,dtype,context,batch,ranks,layout,dp,tp,compute_ms,dp_comm_ms,tp_comm_ms,comm_ms,comm_per_compute,dp_sent_MB,tp_sent_MB,weights_MiB,peak_MiB"
 
 static inline void plan_table_rows(du_table *tab, const char *model, const tsys_model_desc *d, tsys_dtype dt, int T, int batch, int ranks, double C, double W) {
     for (int tp = 1; tp <= ranks; tp++) {
@@ -109,6 +109,7 @@ static inline void plan_table_rows(du_table *tab, const char *model, const tsys_
             du_row_set(r, "dp_sent_MB", "%.1f", p.dp_sent_bytes / 1e6);
             du_row_set(r, "tp_sent_MB", "%.1f", p.tp_sent_bytes / 1e6);
             du_row_set(r, "weights_MiB", "%.1f", p.weight_bytes / 1048576.0);
+            du_row_set(r, "peak_MiB", "%.1f", p.peak_bytes / 1048576.0);
             du_table_emit(tab);
         }
     }

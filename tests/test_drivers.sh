@@ -955,6 +955,13 @@ t_dist_ddp_plan() {
   expect_in "$tmp/out" '^small,bf16,256,4,4,dp,4,1,[0-9.]+,[0-9.]+,0\.00,[0-9.]+,[0-9.]+,771\.8,0\.0,' "the dp row's bytes"
   for l in fsdp,4,1 dp_tp,2,2 fsdp_tp,2,2 tp,1,4; do expect_in "$tmp/out" "^small,bf16,256,4,4,$l," "a $l row"; done
   [ "$(grep -c '^small,' "$tmp/out")" = 5 ] || note "$(grep -c '^small,' "$tmp/out") rows, wanted 5"
+  # the dp row's peak is DDP's accounting (--account's ddp total), tp's below it
+  local dp_peak tp_peak acct
+  dp_peak=$(awk -F, '$6 == "dp" { print $17 }' "$tmp/out"); tp_peak=$(awk -F, '$6 == "tp" { print $17 }' "$tmp/out")
+  run "$B/ddp" --account --model small --nproc 4 --dtype bf16 --format csv
+  acct=$(awk -F, '$7 == "ddp" { print $12 }' "$tmp/out")
+  [ -n "$dp_peak" ] && [ "$dp_peak" = "$acct" ] || note "dp row's peak_MiB '$dp_peak', --account's ddp total '$acct'"
+  awk -v t="$tp_peak" -v d="$dp_peak" 'BEGIN { exit !(t > 0 && t < d) }' || note "tp row's peak_MiB '$tp_peak' not below dp's '$dp_peak'"
   run "$B/ddp" --plan --account
   expect_rc 2 "ddp --plan --account"
   expect_in "$tmp/err" 'print different tables' "says why"
