@@ -209,7 +209,7 @@ HAVE_MPI := $(if $(MPI_COMPILE),yes)
 DIST_CFLAGS = -D_GNU_SOURCE -pthread $(if $(HAVE_MPI),-DTSYS_DIST_MPI $(MPI_COMPILE))
 DIST_LIBS = -pthread $(if $(HAVE_MPI),$(MPI_LINK))
 DIST_HEADERS = tsys_dist.h tests/harness_dist.h
-DIST_DRIVERS = $(BUILD)/allreduce $(if $(wildcard drivers/ddp.c),$(BUILD)/ddp)
+DIST_DRIVERS = $(BUILD)/allreduce $(if $(wildcard drivers/ddp.c),$(BUILD)/ddp) $(if $(wildcard drivers/mesh.c),$(BUILD)/mesh)
 DIST_TESTS = $(BUILD)/test_dist $(BUILD)/test_mesh $(if $(wildcard tests/test_ddp.c),$(BUILD)/test_ddp) $(if $(wildcard tests/test_fsdp.c),$(BUILD)/test_fsdp)
 # tests that start their own ranks (run once, alone)
 DIST_SOLO_TESTS = $(BUILD)/test_rendezvous

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_contract.sh BINDIR - every driver (e2e, attn, precision, memory, ddp, allreduce) through the
+# test_contract.sh BINDIR - every driver (e2e, attn, precision, memory, ddp, mesh, allreduce) through the
 # same contract cases, the README's promises: --help (every shared flag and the exit codes),
 # --dry-run (the configuration count, which a real run then matches), bad flags and values (exit 2,
 # the flag named), --flag=value, csv and jsonl that Python's csv and json read from stdout alone with
@@ -12,7 +12,7 @@ set -u
 B=${1:-${BUILD:-build}}
 filter=${2:-}
 # TSYS_CONTRACT_DRIVERS="e2e attn": a subset (a GPU machine runs the CUDA builds of some)
-read -r -a DRIVERS <<<"${TSYS_CONTRACT_DRIVERS:-e2e attn precision memory ddp allreduce}"
+read -r -a DRIVERS <<<"${TSYS_CONTRACT_DRIVERS:-e2e attn precision memory ddp mesh allreduce}"
 for d in "${DRIVERS[@]}"; do
   [ -x "$B/$d" ] || { echo "test_contract: $B/$d is missing (make $B/$d)"; echo "0 passed, 1 failed"; exit 1; }
 done
@@ -31,6 +31,7 @@ args_of() {
   precision) echo "" ;;
   memory) echo "${MODEL[*]} --context-length 8,16 --mode train" ;;
   ddp) echo "--nproc 2 ${MODEL[*]} --strategy naive,flat --context-length 8 --warmup 0 --steps 1" ;;
+  mesh) echo "--nproc 2 ${MODEL[*]} --layout tp:2,fsdp --context-length 8 --warmup 0 --steps 1" ;;
   allreduce) echo "--nproc 2 --sizes 1KB,4KB --warmup 0 --iters 2" ;;
   esac
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test_drivers.sh BINDIR - the drivers (BINDIR/e2e, attn, precision, memory; ddp and allreduce where
+# test_drivers.sh BINDIR - the drivers (BINDIR/e2e, attn, precision, memory; ddp, mesh and allreduce where
 # built) as a user, and a hostile one, runs them: rows printed as they are measured (markdown too), exit
 # codes (0 ok, 1 a row failed, 2 bad usage), --oom-ok, --mem-limit on every driver, the budget under a
 # cgroup and shared by the ranks of a host, strict flags and lists, --load on a FIFO or a directory, the
@@ -842,7 +842,7 @@ t_full_stdout_is_a_failure() {
     "e2e --dry-run" "e2e --help" "attn --seq 16 --d 16 --batch 1 --warmup 0 --reps 1 --impl naive" "attn --dry-run" "precision"
     "memory --device cpu ${MEMTINY[*]} --mode forward --format jsonl" "memory --help"
     "ddp --account --device cpu --model custom --d-model 16 --num-layers 1 --num-heads 2 --d-ff 32 --vocab-size 64" "ddp --help"
-    "ddp --plan --device cpu --model small --nproc 4"
+    "ddp --plan --device cpu --model small --nproc 4" "mesh --help" "mesh --dry-run --nproc 2"
     "allreduce --sizes 1KB --warmup 0 --iters 1" "allreduce --nproc 2 --sizes 1KB --warmup 0 --iters 1 --format csv" "allreduce --help")
   for c in "${cmds[@]}"; do
     set -- $c
@@ -944,6 +944,42 @@ t_dist_ddp_checkpoint_auto() {
   run "$B/ddp" --account --checkpoint auto:1GiB
   expect_rc 2 "ddp --account --checkpoint auto:1GiB"
   expect_in "$tmp/err" 'auto:BYTES is chosen per strategy' "--account says why"
+}
+
+# mesh: the layouts against each other and the plan. Two dp replicas (batches 0 and 1) trained four ways, fp32:
+# tensor parallelism under DDP and under FSDP on 4 ranks, plain DDP and FSDP on 2: the first and last step's losses
+# agree to 1e-5 (the paths share nothing but the weights' seed); each row's peak within 10% of the plan's.
+MESHTINY=(--device cpu --model custom --d-model 64 --num-layers 2 --num-heads 4 --d-ff 128 --vocab-size 256 --context-length 64
+          --batch-size 8 --warmup 1 --steps 3 --format csv)
+t_mesh_layouts_agree() {
+  [ -x "$B/mesh" ] || { echo -n "(no $B/mesh: skipped) "; return; }
+  run "$B/mesh" --nproc 4 "${MESHTINY[@]}" --layout dp_tp:2,fsdp_tp:2
+  expect_rc 0 "mesh at 4 ranks"
+  cp "$tmp/out" "$tmp/four"
+  run "$B/mesh" --nproc 2 "${MESHTINY[@]}" --layout dp,fsdp,hsdp:2
+  expect_rc 0 "mesh at 2 ranks"
+  cat "$tmp/four" >> "$tmp/out"
+  [ "$(grep -c ',ok$' "$tmp/out")" = 5 ] || note "$(grep -c ',ok$' "$tmp/out") ok rows, wanted 5: $(cat "$tmp/out")"
+  local bad
+  bad=$(awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next } $1 == "device" { next }
+    { f = $c["loss_first"]; l = $c["loss_last"]; pk = $c["peak_MiB"]; pp = $c["pred_peak_MiB"]
+      if (!n++) { f0 = f; l0 = l }
+      if ((f - f0)^2 > (1e-5 * f0)^2 || (l - l0)^2 > (1e-5 * l0)^2) print $c["layout"] " at " $c["ranks"] " ranks: losses " f ", " l " against " f0 ", " l0
+      if ((pp - pk)^2 > (0.1 * pk)^2) print $c["layout"] ": peak " pk " MiB, plan " pp }' "$tmp/out")
+  [ -z "$bad" ] || note "$bad"
+}
+
+# mesh's refusals: a layout the parser does not know is a usage error naming the flag; a split that does not
+# divide the ranks is the row's error (exit status 1), the other rows still run.
+t_mesh_bad_layouts() {
+  [ -x "$B/mesh" ] || { echo -n "(no $B/mesh: skipped) "; return; }
+  run "$B/mesh" "${MESHTINY[@]}" --layout tp
+  expect_rc 2 "mesh --layout tp"
+  expect_in "$tmp/err" "--layout" "names the flag"
+  run "$B/mesh" --nproc 2 "${MESHTINY[@]}" --layout tp:3,tp:2
+  expect_rc 1 "mesh --layout tp:3 at 2 ranks"
+  expect_in "$tmp/out" 'tp:3,.*error: --layout tp:3: 3 does not divide the 2 ranks' "the row says why"
+  expect_in "$tmp/out" 'tp:2,.*,ok$' "the next row runs"
 }
 
 # ddp --plan: the S26 section 8 cost model, one row per layout of the ranks (tp over the divisors of 4);

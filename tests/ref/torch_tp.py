@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""torch_tp.py - the PyTorch side of tsys's 2-D layouts (dev/mesh_lab.c's rows), torchtitan-style.
+"""torch_tp.py - the PyTorch side of tsys's 2-D layouts (the mesh driver's rows), torchtitan-style.
 
 The cs336 LM with q, k, v as separate Linears (as torchtitan's Llama), on a DeviceMesh ("dp", "tp"):
   tp       parallelize_module: q, k, v, w1, w3 ColwiseParallel, o and w2 RowwiseParallel, the LM head
@@ -9,7 +9,7 @@ The cs336 LM with q, k, v as separate Linears (as torchtitan's Llama), on a Devi
   hsdp     fully_shard on a ("replicate", "shard") mesh: sharded over "shard", replicated over "replicate"
 bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under FSDP, autocast for tp alone. AdamW,
 batch --batch-size per dp replica, the slowest rank's mean step over --steps after --warmup. One row per layout,
-columns matching mesh_lab's: layout, dp, tp, model, context, batch, step_ms, peak_MiB.
+columns: layout, dp, tp, model, context, batch, step_ms, peak_MiB (as the mesh driver's).
 
 Usage (CPU ranks work anywhere torch is installed, through gloo):
     torchrun --nproc_per_node 4 tests/ref/torch_tp.py --device cuda --model 2.7B --context-length 1024 --layout tp:4,fsdp_tp:2,fsdp:1,hsdp:2
