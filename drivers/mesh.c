@@ -262,9 +262,11 @@ static void fill_row(du_row *row, const mesh_opts *o, const layout *l, const tsy
     const bool has_tp = !whole && l->split > 1, has_dp = whole ? world > 1 : l->kind != L_TP && world / l->split > 1;
     if (has_tp) {
         du_row_num(row, "tp_comm_ms", "%.2f", m->tp_comm); du_row_num(row, "pred_tp_comm_ms", "%.2f", p.tp_comm_ms); du_row_num(row, "fit_tp_comm_ms", "%.2f", f.tp_comm_ms);
+        du_row_num(row, "tp_alpha_ms", "%.4f", m->l_tp.alpha_ms); du_row_num(row, "tp_beta_GBps", "%.1f", m->l_tp.beta_bytes_per_ms * 1e-6);
     }
     if (has_dp) {
         du_row_num(row, "dp_comm_ms", "%.2f", m->dp_comm); du_row_num(row, "pred_dp_comm_ms", "%.2f", p.dp_comm_ms); du_row_num(row, "fit_dp_comm_ms", "%.2f", f.dp_comm_ms);
+        du_row_num(row, "dp_alpha_ms", "%.4f", m->l_dp.alpha_ms); du_row_num(row, "dp_beta_GBps", "%.1f", m->l_dp.beta_bytes_per_ms * 1e-6);
     }
     du_row_num(row, "loss_first", "%.6f", m->loss_first); du_row_num(row, "loss_last", "%.6f", m->loss_last);
     du_row_set(row, "status", "ok");
@@ -319,7 +321,8 @@ static int run_sweep(mesh_opts *o, int argc, char **argv) {
     }
     du_table tab;
     du_table_init(&tab, "device,model,ranks,layout,dp,tp,replicate,shard,dtype,context,batch,tokens,step_ms,step_std,tokens_per_s,peak_MiB,pred_peak_MiB,"
-                        "pred_compute_ms,tp_comm_ms,pred_tp_comm_ms,fit_tp_comm_ms,dp_comm_ms,pred_dp_comm_ms,fit_dp_comm_ms,loss_first,loss_last,status", o->common.format);
+                        "pred_compute_ms,tp_comm_ms,pred_tp_comm_ms,fit_tp_comm_ms,dp_comm_ms,pred_dp_comm_ms,fit_dp_comm_ms,tp_alpha_ms,tp_beta_GBps,dp_alpha_ms,dp_beta_GBps,"
+                        "loss_first,loss_last,status", o->common.format);
     const int nconfigs = o->mf.models.n * o->contexts.n * o->dtypes.n * o->layouts.n;
     du_progress_setup("mesh", rank == 0 ? o->common.progress : "off");
     du_progress_begin(nconfigs);
@@ -355,7 +358,8 @@ static int run_sweep(mesh_opts *o, int argc, char **argv) {
     "  largest rank's peak during the steps, pred_peak_MiB the plan's (tsys_dist_plan.peak_bytes);\n" \
     "  pred_compute_ms the plan's matmul FLOPs at --plan-tflops; *_comm_ms the step's collectives over tp\n" \
     "  (hsdp: FSDP's over its shard group) and over dp timed alone, pred_* the section 8 form at --plan-gbps,\n" \
-    "  fit_* the same collectives priced on each group's fitted link (tsys_dist_calibrate_link);\n" \
+    "  fit_* the same collectives priced on each group's fitted link (tsys_dist_calibrate_link: *_alpha_ms a\n" \
+    "  collective, *_beta_GBps the bytes a rank sends; n alpha + bytes / beta);\n" \
     "  loss_first, loss_last the first and last step's loss averaged over the replicas.\n"
 
 static int driver_main(int argc, char **argv) {

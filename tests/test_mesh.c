@@ -549,6 +549,11 @@ TSYS_TEST(plan_matches_hand_computed_section_8_numbers) {   // the small model: 
     TEST_CHECK(a.dp_comm_ms == 5.0, "dp: %g ms, want 5 (514501632 gradient bytes in 100 MiB buckets)", a.dp_comm_ms);
     a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, slow, slow);
     TEST_CHECK(a.dp_comm_ms == 67.0 && a.tp_comm_ms == 51.0, "fsdp_tp: %g + %g ms, want 67 (3 x 14 units + 25 norm gains) + 51 (4 x 12 + 3)", a.dp_comm_ms, a.tp_comm_ms);
+    // a finite link: each collective its alpha plus its bytes (0.5 ms, 1e8 bytes a ms)
+    const tsys_dist_link_model mid = { 0.5, 1e8 };
+    a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, mid, mid);
+    TEST_CHECK(fabs(a.tp_comm_ms - (51 * 0.5 + 49 * 1572864.0 / 1e8)) < 1e-9 && fabs(a.dp_comm_ms - (67 * 0.5 + 3 * 0.5 * 68162304.0 * 2 / 1e8)) < 1e-9,
+               "fsdp_tp on a 0.5 ms + 100 GB/s link: %.6f + %.6f ms, want 51 x 0.5 + 77070336 / 1e8 and 67 x 0.5 + 204486912 / 1e8", a.tp_comm_ms, a.dp_comm_ms);
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, 0, 1, 4, 256, TSYS_F32, C, W);
     TEST_CHECK(a.flops == 0 && a.comm_ms == 0, "a plan for 0 ranks is all zeros");
     TEST_CHECK(!strcmp(tsys_dist_layout_name(TSYS_LAYOUT_FSDP_TP), "fsdp_tp") && !strcmp(tsys_dist_layout_name((tsys_dist_layout)99), "?"), "names");
