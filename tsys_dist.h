@@ -354,14 +354,14 @@ TSYSDEF void tsys_dist_mesh_free(tsys_dist_mesh *m);
 
 // Tensor parallelism (Megatron-LM's split of the cs336 model over a group tp): this rank's share of every
 // parameter of `full` (copied: free full afterwards if you like): q, k, v, w1, w3 and the LM head by rows
-// (heads, d_ff and the vocabulary split over tp), the output projection and w2 by columns; the embedding and
-// the norms whole. num_heads, d_ff and vocab_size must be multiples of tp's size. Every rank of tp passes
+// (heads, d_ff and the vocabulary split over tp), the output projection and w2 by columns, the embedding by
+// rows (vocabulary-parallel: each rank looks up the ids it holds, the ranks' rows summed); the norms whole. num_heads, d_ff and vocab_size must be multiples of tp's size. Every rank of tp passes
 // the same batch: tsys_tp_model_loss runs the forward with one all-reduce per attention and per SwiGLU in
 // forward and in backward, and a vocabulary-parallel cross-entropy (mean over tokens, the same on every
 // rank) that never forms the full logits. Train with any optimizer over tsys_tp_model_params (the same step
 // on every rank keeps the replicated parameters equal). tsys_tp_model_gather writes the full parameters
-// back into a model of the same shape (collective over tp). Not yet: checkpointing policies, a vocabulary-
-// parallel embedding, sequence parallelism.
+// back into a model of the same shape (collective over tp). Not yet: checkpointing policies, sequence
+// parallelism.
 typedef struct tsys_tp_model tsys_tp_model;
 TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full);      // NULL + the context's error
 TSYSDEF tsys_tensor **tsys_tp_model_params(tsys_tp_model *m);                     // the full model's parameters() order
@@ -608,7 +608,7 @@ TSYSDEF double tsys_dist_ring_sent(int world, double bytes);
 //            backward, and one for the LM head's input in backward, over tp (tsys_tp_model)
 //   DP_TP, FSDP_TP  the parameters a tp rank holds go over dp as in DP / FSDP, beside TP's traffic over tp
 // weight_bytes: the fp32 weights, gradients and AdamW moments a rank holds (16 bytes a parameter; FSDP shards
-// them over dp; tsys_tp_model keeps the embedding and the norms whole).
+// them over dp; tsys_tp_model keeps the norms whole).
 // act_bytes, peak_bytes: the activations a rank keeps for backward and its predicted peak memory, as tsys
 // implements the layout: DP and FSDP by the accounting (tsys_dist_accounting, tsys_fsdp_accounting); with tp,
 // tsys_tp_model's activations (heads, d_ff and the vocabulary split over tp; the normed inputs whole, cast
@@ -625,7 +625,7 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_l
                                            double flops_per_s, double bytes_per_s);
 // The same with each group's link as an alpha-beta model (tsys_dist_calibrate_link on the dp and the tp group): the
 // layout's collectives on each, DDP's in 100 MiB buckets; FSDP's a unit's all-gather in forward and again in
-// backward, its reduce-scatter, and the norm gains' all-reduces; TP's 4 x num_layers + 3; each paying its alpha
+// backward, its reduce-scatter, and the norm gains' all-reduces; TP's 4 x num_layers + 4; each paying its alpha
 // and its bytes, n alpha + sent / beta: these collectives are megabytes each and wait for one another on the
 // stream (on 4 H100s the max form of tsys_dist_link_time_ms left tp over pairs 16-18% short, this form within 4%).
 TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
@@ -5349,9 +5349,9 @@ TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***ou
 // (its partial sums all-reduced in forward, the gradient passed through): one all-reduce per branch each
 // way. The LM head is vocabulary-parallel (rows of this rank's vocabulary slice) and its cross-entropy
 // combines the ranks' row maxima, exp-sums and target logits (all-reduces of E and 2E numbers), so
-// the full logits never exist anywhere. The embedding and the norms are replicated: their gradients are
-// the same on every rank (each sees the full activations after the all-reduces), so the same AdamW step
-// keeps them equal.
+// the full logits never exist anywhere. The embedding is vocabulary-parallel too (below). The norms are
+// replicated: their gradients are the same on every rank (each sees the full activations after the
+// all-reduces), so the same AdamW step keeps them equal.
 
 struct tsys_tp_model {
     tsys_ctx *ctx;
@@ -5361,7 +5361,7 @@ struct tsys_tp_model {
     int64_t heads, dff, vocab, vocab_lo;     // this rank's share
     tsys_tensor **params;                    // parameters() order of the full model, each this rank's part
     int n;
-    tsys_custom_op copy_op, reduce_op, ce_op;
+    tsys_custom_op copy_op, reduce_op, ce_op, mask_op;
 };
 
 // ---- the collectives as autograd ops ----
@@ -5621,6 +5621,109 @@ static tsys_status tsys_tp__ce_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *c
     return st;
 }
 
+// ---- the vocabulary-parallel embedding ----
+// This rank's rows [vocab_lo, vocab_lo + vocab) of the table look up the ids they hold; the other ids are
+// clamped into the slice and their rows masked to zero (`mask`, whose backward zeroes the same rows of the
+// gradient before the embedding's own deterministic backward adds them), and `reduce` sums the ranks' rows.
+
+#ifdef TSYS_DIST_NCCL
+static __global__ void tsys_tp__local_ids_kernel(const void *ids, bool i64, int64_t E, int64_t lo, int64_t V, int32_t *local, float *keep) {
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < E; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t t = tsys_tp__tgt(ids, i64, e) - lo;
+        const bool mine = t >= 0 && t < V;
+        local[e] = (int32_t)(mine ? t : e % V);   // spread: one row taking every other rank's ids would be one long serial sum in the embedding's backward
+        keep[e] = mine ? 1.0f : 0.0f;
+    }
+}
+static __global__ void tsys_tp__mask_rows_kernel(const float *x, const float *keep, int64_t n, int64_t D, float *y) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = x[i] * keep[i / D];
+}
+static unsigned tsys_tp__blocks(int64_t n) { return (unsigned)(n / 256 + 1 < 65536 ? n / 256 + 1 : 65536); }
+#endif
+
+// The ids as this rank's rows (*local, I32; where another rank holds the id, row e mod the slice's rows, so
+// that the masked rows spread over the slice) and *keep (F32, 1 where this rank holds the id), on the ids' device.
+static bool tsys_tp__local_ids(tsys_tp_model *m, tsys_tensor *ids, tsys_tensor **local, tsys_tensor **keep) {
+    tsys_ctx *ctx = m->ctx;
+    const int64_t E = tsys_tensor_numel(ids);
+    *local = *keep = NULL;
+    bool ok = false;
+#ifdef TSYS_DIST_NCCL
+    if (ids->device == TSYS_CUDA) {
+        *local = tsys_tensor_new(ctx, TSYS_I32, ids->device, ids->ndim, ids->shape);
+        *keep = tsys_tensor_new(ctx, TSYS_F32, ids->device, 1, &E);
+        ok = *local && *keep;
+        if (ok) tsys_tp__local_ids_kernel<<<tsys_tp__blocks(E), 256, 0, (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)>>>(
+            tsys_tensor_data(ids), ids->dtype == TSYS_I64, E, m->vocab_lo, m->vocab, (int32_t *)tsys_tensor_data(*local), (float *)tsys_tensor_data(*keep));
+        ok = ok && tsys_tp__launched(ctx, "the embedding's ids kernel");
+    } else
+#endif
+    {
+        void *h = TSYS_MALLOC(tsys_tensor_bytes(ids) + 1);
+        int32_t *l = (int32_t *)TSYS_MALLOC(sizeof(int32_t) * (size_t)E + 1);
+        float *k = (float *)TSYS_MALLOC(sizeof(float) * (size_t)E + 1);
+        ok = h && l && k && tsys_tensor_to_host(ctx, ids, h) == TSYS_OK;
+        if (!h || !l || !k) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tp embedding: out of host memory for %lld ids", (long long)E);
+        for (int64_t e = 0; ok && e < E; e++) {
+            const int64_t t = tsys_tp__target(h, ids->dtype, e) - m->vocab_lo;
+            const bool mine = t >= 0 && t < m->vocab;
+            l[e] = (int32_t)(mine ? t : e % m->vocab);
+            k[e] = mine ? 1.0f : 0.0f;
+        }
+        if (ok) {
+            *local = tsys_tensor_from_data(ctx, TSYS_I32, ids->device, ids->ndim, ids->shape, l);
+            *keep = tsys_tensor_from_data(ctx, TSYS_F32, ids->device, 1, &E, k);
+            ok = *local && *keep;
+        }
+        TSYS_FREE(h); TSYS_FREE(l); TSYS_FREE(k);
+    }
+    if (!ok) { tsys_tensor_release(*local); tsys_tensor_release(*keep); *local = *keep = NULL; }
+    return ok;
+}
+
+// x (f32, rows of D) times keep[row], a new tensor.
+static tsys_tensor *tsys_tp__mask_rows(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *keep) {
+    if (x->dtype != TSYS_F32 || keep->dtype != TSYS_F32 || x->device != keep->device || tsys_tensor_numel(x) % tsys_tensor_numel(keep)) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tp embedding mask: f32 rows and one f32 factor a row on one device are expected");
+        return NULL;
+    }
+    const int64_t n = tsys_tensor_numel(x), D = n / (tsys_tensor_numel(keep) ? tsys_tensor_numel(keep) : 1);
+    tsys_tensor *y = tsys_tensor_new(ctx, TSYS_F32, x->device, x->ndim, x->shape);
+    if (!y) return NULL;
+#ifdef TSYS_DIST_NCCL
+    if (x->device == TSYS_CUDA) {
+        tsys_tp__mask_rows_kernel<<<tsys_tp__blocks(n), 256, 0, (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)>>>(
+            (const float *)tsys_tensor_data(x), (const float *)tsys_tensor_data(keep), n, D, (float *)tsys_tensor_data(y));
+        if (!tsys_tp__launched(ctx, "the embedding's mask kernel")) { tsys_tensor_release(y); return NULL; }
+        return y;
+    }
+#endif
+    const float *xp = (const float *)tsys_tensor_data(x), *kp = (const float *)tsys_tensor_data(keep);
+    float *yp = (float *)tsys_tensor_data(y);
+    for (int64_t i = 0; i < n; i++) yp[i] = xp[i] * kp[i / D];
+    return y;
+}
+static tsys_tensor *tsys_tp__mask_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
+    (void)n; (void)saved; (void)user;
+    return tsys_tp__mask_rows(ctx, ins[0], ins[1]);
+}
+static tsys_status tsys_tp__mask_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)n; (void)saved; (void)user;
+    if (needs[0] && !(grads[0] = tsys_tp__mask_rows(ctx, g, ins[1]))) return tsys_ctx_status(ctx);
+    return TSYS_OK;
+}
+
+static tsys_tensor *tsys_tp__embed(tsys_tp_model *m, tsys_tensor *ids) {
+    tsys_tensor *local = NULL, *keep = NULL;
+    if (!tsys_tp__local_ids(m, ids, &local, &keep)) return NULL;
+    tsys_tensor *rows = tsys_embedding(m->ctx, m->params[0], local), *ins[2] = { rows, keep };
+    tsys_tensor *masked = rows ? tsys_custom(m->ctx, &m->mask_op, ins, 2) : NULL;
+    tsys_tensor_release(rows); tsys_tensor_release(local); tsys_tensor_release(keep);
+    tsys_tensor *x = masked ? tsys_custom(m->ctx, &m->reduce_op, &masked, 1) : NULL;   // in place: masked is this op's own
+    tsys_tensor_release(masked);
+    return x;
+}
+
 // ---- the sharded parameters ----
 
 // Rows [lo, lo + rows) of a (R, C) parameter, or columns [lo, lo + cols) when by_cols: a new leaf on dev.
@@ -5641,12 +5744,15 @@ static tsys_tensor *tsys_tp__slice(tsys_ctx *ctx, tsys_tensor *full, bool by_col
 
 // How parameter `name` of the full model is split: 0 replicated, 1 by rows, 2 by columns; its split size.
 static int tsys_tp__split_of(const tsys_tp_model *m, const char *name, int64_t *full_dim) {
-    const char *rows[] = { "q_proj.weight", "k_proj.weight", "v_proj.weight", "ffn.w1.weight", "ffn.w3.weight", "lm_head.weight" };
+    const char *rows[] = { "q_proj.weight", "k_proj.weight", "v_proj.weight", "ffn.w1.weight", "ffn.w3.weight", "lm_head.weight", "token_embeddings.weight" };
     const char *cols[] = { "output_proj.weight", "ffn.w2.weight" };
     const size_t l = strlen(name);
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         const size_t k = strlen(rows[i]);
-        if (l >= k && !strcmp(name + l - k, rows[i])) { *full_dim = !strcmp(rows[i], "lm_head.weight") ? m->desc.vocab_size : strstr(rows[i], "ffn") ? m->desc.d_ff : m->desc.d_model; return 1; }
+        if (l >= k && !strcmp(name + l - k, rows[i])) {
+            *full_dim = strstr(rows[i], "lm_head") || strstr(rows[i], "embeddings") ? m->desc.vocab_size : strstr(rows[i], "ffn") ? m->desc.d_ff : m->desc.d_model;
+            return 1;
+        }
     }
     for (size_t i = 0; i < sizeof cols / sizeof cols[0]; i++) {
         const size_t k = strlen(cols[i]);
@@ -5686,8 +5792,8 @@ TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full) {
     }
     if (!ok) { if (tsys_ctx_status(ctx) == TSYS_OK) tsys_dist__fail(tp, TSYS_ERR_OOM, "tsys_tp_model_new: out of memory"); tsys_tp_model_free(m); return NULL; }
     const tsys_custom_op copy = { "tp copy", tsys_tp__copy_fwd, tsys_tp__copy_bwd, 0, tp }, reduce = { "tp reduce", tsys_tp__reduce_fwd, tsys_tp__reduce_bwd, 0, tp },
-                         ce = { "tp cross_entropy", tsys_tp__ce_fwd, tsys_tp__ce_bwd, 3u, m };
-    m->copy_op = copy; m->reduce_op = reduce; m->ce_op = ce;
+                         ce = { "tp cross_entropy", tsys_tp__ce_fwd, tsys_tp__ce_bwd, 3u, m }, mask = { "tp embedding mask", tsys_tp__mask_fwd, tsys_tp__mask_bwd, 2u, m };
+    m->copy_op = copy; m->reduce_op = reduce; m->ce_op = ce; m->mask_op = mask;
     return m;
 }
 
@@ -5784,7 +5890,7 @@ TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys
         return NULL;
     }
     const int64_t B = ids->shape[0], T = ids->shape[1];
-    tsys_tensor *x = tsys_embedding(ctx, tsys_tp__param(m, 0), ids);
+    tsys_tensor *x = tsys_tp__embed(m, ids);
     for (int l = 0; x && l < m->desc.num_layers; l++) {
         x = tsys_tp__residual(m, l, x, true, B, T);
         x = tsys_tp__residual(m, l, x, false, B, T);
@@ -5805,19 +5911,22 @@ TSYSDEF tsys_status tsys_tp_model_time_collectives(tsys_tp_model *m, int batch, 
     if (!m || !ms || batch < 1 || context < 1) return m ? tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_time_collectives: batch and context must be >= 1") : TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = m->ctx;
     int64_t act[3] = { batch, context, m->desc.d_model }, rows = (int64_t)batch * context, rows2 = 2 * rows;
-    tsys_tensor *a = tsys_tensor_new(ctx, dtype, m->device, 3, act), *r1 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows), *r2 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows2);
-    tsys_status st = a && r1 && r2 ? tsys_tensor_fill(ctx, a, 0.0f) : tsys_ctx_status(ctx);
+    tsys_tensor *a = tsys_tensor_new(ctx, dtype, m->device, 3, act), *r1 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows), *r2 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows2),
+                *emb = tsys_tensor_new(ctx, TSYS_F32, m->device, 3, act);
+    tsys_status st = a && r1 && r2 && emb ? tsys_tensor_fill(ctx, a, 0.0f) : tsys_ctx_status(ctx);
+    if (st == TSYS_OK) st = tsys_tensor_fill(ctx, emb, 0.0f);
     if (st == TSYS_OK) st = tsys_tensor_fill(ctx, r1, 0.0f);
     if (st == TSYS_OK) st = tsys_tensor_fill(ctx, r2, 0.0f);
     if (st == TSYS_OK) st = tsys_dist_sync(m->tp);
     if (st == TSYS_OK) st = tsys_dist_barrier(m->tp);
     const double t0 = tsys_time_us();
+    if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, emb, TSYS_DIST_SUM);   // the embedding's rows (fp32)
     for (int i = 0; st == TSYS_OK && i < 4 * m->desc.num_layers + 1; i++) st = tsys_dist_all_reduce(m->tp, a, TSYS_DIST_SUM);
     if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, r1, TSYS_DIST_MAX);
     if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, r2, TSYS_DIST_SUM);
     if (st == TSYS_OK) st = tsys_dist_sync(m->tp);
     *ms = (tsys_time_us() - t0) * 1e-3;
-    tsys_tensor_release(a); tsys_tensor_release(r1); tsys_tensor_release(r2);
+    tsys_tensor_release(a); tsys_tensor_release(r1); tsys_tensor_release(r2); tsys_tensor_release(emb);
     return st;
 }
 
@@ -6081,7 +6190,7 @@ static double tsys_dist__tp_act_bytes(const tsys_model_desc *d, tsys_dtype dtype
     const double layer = 2 * norm + c * E * dm
                        + (flash ? 4 * c * E * dm / t + 4 * B * H * T : 3 * c * E * dm / t + c * B * H * T * T)
                        + c * E * dm / t + c * E * dm + 3 * c * E * d->d_ff / t;
-    return d->num_layers * layer + norm + c * E * dm + c * E * V + 4 * E + 4 * E * V;
+    return d->num_layers * layer + norm + c * E * dm + c * E * V + 4 * E + 4 * E * V + 8 * E;   // + the embedding's local ids and row mask
 }
 
 // act_bytes and peak_bytes of p (weight_bytes set) for the layout; held: the parameters a tp rank holds, split:
@@ -6098,7 +6207,7 @@ static void tsys_dist__plan_memory(tsys_dist_plan *p, const tsys_model_desc *d, 
         return;
     }
     p->act_bytes = tsys_dist__tp_act_bytes(d, dtype, batch, context, tp, layout == TSYS_LAYOUT_FSDP_TP && dp > 1);
-    const double unit = (4.0 * d->d_model * d->d_model + 3.0 * d->d_model * d->d_ff) / tp, embed = (double)d->vocab_size * d->d_model;
+    const double unit = (4.0 * d->d_model * d->d_model + 3.0 * d->d_model * d->d_ff) / tp, embed = (double)d->vocab_size * d->d_model / tp;
     const double working = layout == TSYS_LAYOUT_FSDP_TP && dp > 1 ? c * (embed + unit) + c * embed   // a gathered block and the embedding, its gradient
                          : ac ? c * split : 0;                                                         // autocast's copies
     p->peak_bytes = p->weight_bytes + working + p->act_bytes;
@@ -6114,9 +6223,10 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_
     if (layout == TSYS_LAYOUT_TP) dp = 1;
     if (dp < 1 || tp < 1 || batch < 1 || context < 1 || !tsys_dtype_is_float(dtype) || !(flops_per_s > 0)) return p;
     const int elem_bytes = (int)tsys_dtype_size(dtype);
-    // what a tp rank holds: its share of the blocks' matmuls and of the LM head; the embedding and the norms whole
+    // what a tp rank holds: its share of the blocks' matmuls, of the LM head (split: the weights autocast casts)
+    // and of the embedding's rows; the norms whole
     const double dm = d.d_model, split = (double)d.num_layers * (4 * dm * dm + 3 * dm * d.d_ff) + (double)d.vocab_size * dm;
-    const double whole = (double)d.vocab_size * dm + (2.0 * d.num_layers + 1) * dm, held = split / tp + whole;
+    const double whole = (2.0 * d.num_layers + 1) * dm, held = (split + (double)d.vocab_size * dm) / tp + whole;
     p.flops = tsys_model_flops(&d, batch, context, true) / tp;
     p.compute_ms = p.flops / flops_per_s * 1e3;
     const double shard = (dp - 1.0) / dp * held;   // elements of one all-gather or reduce-scatter of what a tp rank holds
@@ -6129,9 +6239,10 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_
         p.dp_sent_bytes = 3 * shard * elem_bytes;
         n_dp = 3 * (d.num_layers + 2) + 2 * d.num_layers + 1;
     }
-    if (has_tp) p.tp_sent_bytes = (4.0 * d.num_layers + 1) * tsys_dist_ring_sent(tp, (double)batch * context * dm * elem_bytes);
+    if (has_tp)   // per block 4 all-reduces of the activations, the LM head's input, and the embedding's fp32 rows
+        p.tp_sent_bytes = (4.0 * d.num_layers + 1) * tsys_dist_ring_sent(tp, (double)batch * context * dm * elem_bytes) + tsys_dist_ring_sent(tp, (double)batch * context * dm * 4);
     p.dp_comm_ms = dp > 1 ? tsys_dist__link_serial_ms(dp_link, n_dp, p.dp_sent_bytes) : 0;
-    p.tp_comm_ms = has_tp ? tsys_dist__link_serial_ms(tp_link, 4 * d.num_layers + 3, p.tp_sent_bytes) : 0;
+    p.tp_comm_ms = has_tp ? tsys_dist__link_serial_ms(tp_link, 4 * d.num_layers + 4, p.tp_sent_bytes) : 0;
     p.comm_ms = p.dp_comm_ms + p.tp_comm_ms;
     const bool sharded = layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP;
     p.weight_bytes = 16.0 * (sharded ? held / dp : held);

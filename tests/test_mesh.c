@@ -534,26 +534,28 @@ TSYS_TEST(plan_matches_hand_computed_section_8_numbers) {   // the small model: 
     TEST_CHECK(a.dp_sent_bytes == 771752448.0, "dp under bf16: sent %.0f, DDP all-reduces fp32 gradients", a.dp_sent_bytes);
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_FSDP, 4, 1, 4, 256, TSYS_BF16, C, W);
     TEST_CHECK(a.dp_sent_bytes == 578814336.0 && a.weight_bytes == 4 * P, "fsdp: sent %.0f (3 x 3/4 x 2P = 578814336), weights %.0f (16P/4)", a.dp_sent_bytes, a.weight_bytes);
-    // tp 2: 4 all-reduces a block and the head's, each of 4 x 256 x 768 bf16 = 1572864 bytes, of which a rank sends all
+    // tp 2: 4 all-reduces a block and the head's, each of 4 x 256 x 768 bf16 = 1572864 bytes, of which a rank sends
+    // all, and the embedding's fp32 rows (twice that); a rank holds half of the matmuls and of the embedding
+    // ((120926208 + 7680000) / 2) and the 25 norms' 768 gains
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_TP, 1, 2, 4, 256, TSYS_BF16, C, W);
-    TEST_CHECK(a.tp_sent_bytes == 49 * 1572864.0 && a.dp_sent_bytes == 0 && a.weight_bytes == 16 * 68162304.0,
-               "tp: sent %.0f (49 x 1572864), weights %.0f (16 x (120926208 / 2 + 7699200))", a.tp_sent_bytes, a.weight_bytes);
+    TEST_CHECK(a.tp_sent_bytes == 51 * 1572864.0 && a.dp_sent_bytes == 0 && a.weight_bytes == 16 * 64322304.0,
+               "tp: sent %.0f (51 x 1572864), weights %.0f (16 x (128606208 / 2 + 19200))", a.tp_sent_bytes, a.weight_bytes);
     TEST_CHECK(fabs(a.flops - tsys_model_flops(&d, 4, 256, true) / 2) < 1 && fabs(a.compute_ms - a.flops / C * 1e3) < 1e-9, "tp flops %.0f", a.flops);
-    // fsdp 2 x tp 2: what a tp rank holds (68162304 parameters) over dp, beside tp's traffic
+    // fsdp 2 x tp 2: what a tp rank holds (64322304 parameters) over dp, beside tp's traffic
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, W);
-    TEST_CHECK(a.dp_sent_bytes == 3 * 0.5 * 68162304.0 * 2 && a.tp_sent_bytes == 49 * 1572864.0 && fabs(a.comm_ms - (a.dp_sent_bytes + a.tp_sent_bytes) / W * 1e3) < 1e-9,
+    TEST_CHECK(a.dp_sent_bytes == 3 * 0.5 * 64322304.0 * 2 && a.tp_sent_bytes == 51 * 1572864.0 && fabs(a.comm_ms - (a.dp_sent_bytes + a.tp_sent_bytes) / W * 1e3) < 1e-9,
                "fsdp_tp: dp %.0f tp %.0f", a.dp_sent_bytes, a.tp_sent_bytes);
     // latency-bound links (1 ms a collective, bandwidth without limit): the layouts' collective counts
     const tsys_dist_link_model slow = { 1.0, 1e30 };
     a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_DP, 4, 1, 4, 256, TSYS_F32, C, slow, slow);
     TEST_CHECK(a.dp_comm_ms == 5.0, "dp: %g ms, want 5 (514501632 gradient bytes in 100 MiB buckets)", a.dp_comm_ms);
     a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, slow, slow);
-    TEST_CHECK(a.dp_comm_ms == 67.0 && a.tp_comm_ms == 51.0, "fsdp_tp: %g + %g ms, want 67 (3 x 14 units + 25 norm gains) + 51 (4 x 12 + 3)", a.dp_comm_ms, a.tp_comm_ms);
+    TEST_CHECK(a.dp_comm_ms == 67.0 && a.tp_comm_ms == 52.0, "fsdp_tp: %g + %g ms, want 67 (3 x 14 units + 25 norm gains) + 52 (4 x 12 + 4)", a.dp_comm_ms, a.tp_comm_ms);
     // a finite link: each collective its alpha plus its bytes (0.5 ms, 1e8 bytes a ms)
     const tsys_dist_link_model mid = { 0.5, 1e8 };
     a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, mid, mid);
-    TEST_CHECK(fabs(a.tp_comm_ms - (51 * 0.5 + 49 * 1572864.0 / 1e8)) < 1e-9 && fabs(a.dp_comm_ms - (67 * 0.5 + 3 * 0.5 * 68162304.0 * 2 / 1e8)) < 1e-9,
-               "fsdp_tp on a 0.5 ms + 100 GB/s link: %.6f + %.6f ms, want 51 x 0.5 + 77070336 / 1e8 and 67 x 0.5 + 204486912 / 1e8", a.tp_comm_ms, a.dp_comm_ms);
+    TEST_CHECK(fabs(a.tp_comm_ms - (52 * 0.5 + 51 * 1572864.0 / 1e8)) < 1e-9 && fabs(a.dp_comm_ms - (67 * 0.5 + 3 * 0.5 * 64322304.0 * 2 / 1e8)) < 1e-9,
+               "fsdp_tp on a 0.5 ms + 100 GB/s link: %.6f + %.6f ms, want 52 x 0.5 + 80216064 / 1e8 and 67 x 0.5 + 192966912 / 1e8", a.tp_comm_ms, a.dp_comm_ms);
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, 0, 1, 4, 256, TSYS_F32, C, W);
     TEST_CHECK(a.flops == 0 && a.comm_ms == 0, "a plan for 0 ranks is all zeros");
     TEST_CHECK(!strcmp(tsys_dist_layout_name(TSYS_LAYOUT_FSDP_TP), "fsdp_tp") && !strcmp(tsys_dist_layout_name((tsys_dist_layout)99), "?"), "names");
