@@ -315,8 +315,7 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_BOOL("account", &o.account, "print the accounting prediction (DDP, ZeRO-1/2/3, FSDP) for --nproc ranks; run nothing"),
         DU_FLAG_BOOL("plan", &o.plan, "print the S26 section 8 cost model for --nproc ranks: compute and communication per step\n"
                      "of dp, fsdp, tp, dp x tp and fsdp x tp (each tp dividing the ranks); run nothing"),
-        DU_FLAG_NUM("plan-tflops", &o.plan_tflops, "650", 1e-3, 1e6, "C", "--plan's compute rate C in TFLOP/s (650: bf16 GEMMs measured on an H100)"),
-        DU_FLAG_NUM("plan-gbps", &o.plan_gbps, "340", 1e-3, 1e6, "W", "--plan's link rate W in GB/s a rank sends (340: NCCL's 1 GB all-reduce busbw\nmeasured on 4 H100s)"),
+        DU_PLAN_RATE_FLAGS(&o.plan_tflops, &o.plan_gbps, "--plan's"),
         DU_FLAG_INT("seed", &o.seed, "0", 0, 1 << 30, "weights and batch seed"),
         DU_FLAG_INT("save-every", &o.save_every, "0", 0, 1 << 30, "a snapshot of the training state into --save-dir every N steps (DDP:\n"
                     "rank 0's; zero1, fsdp: sharded; one configuration)"),
@@ -332,13 +331,11 @@ static int driver_main(int argc, char **argv) {
     int rc = du_flags_parse("ddp", flags, nflags, argc, argv, SYNOPSIS, EPILOGUE);
     if (rc) return rc == DU_HELP ? DU_EXIT_OK : rc;
     const bool cuda = !strcmp(o.device, "cuda");
-#ifndef TSYS_WITH_CUDA
-    if (cuda) {
-        fprintf(stderr, "ddp: --device cuda: this binary was built without CUDA; build it with nvcc (make cuda)\n");
+    if (du_device_why(o.device)) {
+        fprintf(stderr, "ddp: %s\n", du_device_why(o.device));
         du_flags_free(flags, nflags);
         return DU_EXIT_USAGE;
     }
-#endif
     if (!o.mf.models.n && !du_split(&o.mf.models, "ddp", "--model", cuda ? "xl" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
     const long nconfigs = o.account || o.plan ? (long)ACCOUNT_TABLE_SCHEMES * o.mf.models.n * o.contexts.n * o.dtypes.n : list_configs(&o, -1, NULL);
     if (nconfigs > 1000000) {

@@ -684,6 +684,11 @@ typedef struct du_common {
     DU_FLAG_BOOL("oom-ok", &(c)->oom_ok, "out-of-memory rows do not make the exit status 1 (sweeps that expect them)"), \
     DU_FLAG_BOOL("dry-run", &(c)->dry_run, "check the flags, print the configuration and how many configurations\nwould run; measure nothing")
 
+// The S26 section 8 plan's rates (ddp --plan, mesh), whose: how the help names the plan.
+#define DU_PLAN_RATE_FLAGS(tflops, gbps, whose)                                                                      \
+    DU_FLAG_NUM("plan-tflops", tflops, "650", 1e-3, 1e6, "C", whose " compute rate C in TFLOP/s (650: bf16 GEMMs measured on an H100)"), \
+    DU_FLAG_NUM("plan-gbps", gbps, "340", 1e-3, 1e6, "W", whose " link rate W in GB/s a rank sends (340: NCCL's 1 GB all-reduce\nbusbw measured on 4 H100s)")
+
 #define DU_MEM_LIMIT_TEXT \
     "memory budget for the tensors of the device measured, so that running out is an\n" \
     "OOM row, never a kill (cpu: default = the memory available on this machine,\n" \

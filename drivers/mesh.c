@@ -379,8 +379,7 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_INT("warmup", &o.warmup, "2", 0, 1 << 20, "untimed steps first"),
         DU_FLAG_INT("steps", &o.steps, "5", 1, 1 << 20, "timed steps"),
         DU_FLAG_INT("nproc", &o.nproc, "1", 1, 1024, "start N local ranks (built-in launcher); not needed under mpirun/torchrun"),
-        DU_FLAG_NUM("plan-tflops", &o.plan_tflops, "650", 1e-3, 1e6, "C", "the plan's compute rate C in TFLOP/s (650: bf16 GEMMs measured on an H100)"),
-        DU_FLAG_NUM("plan-gbps", &o.plan_gbps, "340", 1e-3, 1e6, "W", "the plan's link rate W in GB/s a rank sends (340: NCCL's 1 GB all-reduce busbw\nmeasured on 4 H100s)"),
+        DU_PLAN_RATE_FLAGS(&o.plan_tflops, &o.plan_gbps, "the plan's"),
         DU_FLAG_INT("seed", &o.seed, "0", 0, 1 << 30, "weights and batch seed"),
         DU_COMMON_FLAGS(&o.common, DU_MEM_LIMIT_RANKS_TEXT),
     };
@@ -388,13 +387,11 @@ static int driver_main(int argc, char **argv) {
     int rc = du_flags_parse("mesh", flags, nflags, argc, argv, SYNOPSIS, EPILOGUE);
     if (rc) return rc == DU_HELP ? DU_EXIT_OK : rc;
     const bool cuda = !strcmp(o.device, "cuda");
-#ifndef TSYS_WITH_CUDA
-    if (cuda) {
-        fprintf(stderr, "mesh: --device cuda: this binary was built without CUDA; build it with nvcc (make cuda)\n");
+    if (du_device_why(o.device)) {
+        fprintf(stderr, "mesh: %s\n", du_device_why(o.device));
         du_flags_free(flags, nflags);
         return DU_EXIT_USAGE;
     }
-#endif
     if (!o.mf.models.n && !du_split(&o.mf.models, "mesh", "--model", cuda ? "2.7B" : "small")) { du_flags_free(flags, nflags); return DU_EXIT_FAILED; }
     const long nconfigs = (long)o.mf.models.n * o.contexts.n * o.dtypes.n * o.layouts.n;
     if (nconfigs > 1000000) {

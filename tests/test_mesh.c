@@ -408,13 +408,19 @@ TSYS_TEST(tp_bf16_autocast_follows_one_process) {
     g_autocast = TSYS_F32;
 }
 
-// dp x tp: DDP (or FSDP) over dp of tensor-parallel replicas
-static void check_dp_tp_ex(tsys_dist *world, bool fsdp, tsys_device dev, const char *what) {
+// The dp x tp mesh of mesh_shape over world (NULL after a failed check).
+static tsys_dist_mesh *dp_tp_mesh(tsys_dist *world) {
     int shape[2];
     mesh_shape(shape);
     const char *names[2] = { "dp", "tp" };
     tsys_dist_mesh *mesh = tsys_dist_mesh_new(world, 2, shape, names);
-    TEST_CHECK(mesh != NULL, "%s", tsys_ctx_last_error(g_ctx));
+    TEST_CHECK(mesh != NULL, "dp x tp mesh: %s", tsys_ctx_last_error(g_ctx));
+    return mesh;
+}
+
+// dp x tp: DDP (or FSDP) over dp of tensor-parallel replicas
+static void check_dp_tp_ex(tsys_dist *world, bool fsdp, tsys_device dev, const char *what) {
+    tsys_dist_mesh *mesh = dp_tp_mesh(world);
     if (!mesh) return;
     check_tp_ex(tsys_dist_mesh_group(mesh, "tp"), tsys_dist_mesh_group(mesh, "dp"), fsdp, false, dev, what);
     tsys_dist_mesh_free(mesh);
@@ -608,11 +614,7 @@ static void check_plan_memory(tsys_dist *tp, tsys_dist *dp, const char *what) {
 // The plan's memory against the tracker: two fp32 AdamW steps, CPU tensors, the second's peak.
 TSYS_TEST(plan_memory_matches_the_tracked_peak_tp) { check_plan_memory(g_world, NULL, "tp over the world"); }
 TSYS_TEST(plan_memory_matches_the_tracked_peak_fsdp_tp) {
-    int shape[2];
-    mesh_shape(shape);
-    const char *names[2] = { "dp", "tp" };
-    tsys_dist_mesh *mesh = tsys_dist_mesh_new(g_world, 2, shape, names);
-    TEST_CHECK(mesh != NULL, "mesh: %s", tsys_ctx_last_error(g_ctx));
+    tsys_dist_mesh *mesh = dp_tp_mesh(g_world);
     if (!mesh) return;
     check_plan_memory(tsys_dist_mesh_group(mesh, "tp"), tsys_dist_mesh_group(mesh, "dp"), "fsdp x tp");
     tsys_dist_mesh_free(mesh);
