@@ -28,7 +28,8 @@
       >>zero1        defines: tsys_zero1 (sharded AdamW)
       >>fsdp         defines: tsys_fsdp (ZeRO-3: units, gathers, reduce-scatters through the trace hooks)
       >>tp           defines: tsys_tp_model (Megatron tensor parallelism of the cs336 model: column- and row-
-                     parallel linears, the all-reduces as custom autograd ops, vocabulary-parallel cross-entropy)
+                     parallel linears, the all-reduces as custom autograd ops, vocabulary-parallel embedding and
+                     cross-entropy, sequence parallelism)
       >>accounting   defines: tsys_dist_accounting, tsys_fsdp_accounting(_desc)
       >>link model   defines: tsys_dist_calibrate_link (an alpha-beta model of the link, measured),
                      tsys_dist_link_time_ms, tsys_dist_ring_sent
@@ -360,13 +361,17 @@ TSYSDEF void tsys_dist_mesh_free(tsys_dist_mesh *m);
 // forward and in backward, and a vocabulary-parallel cross-entropy (mean over tokens, the same on every
 // rank) that never forms the full logits. Train with any optimizer over tsys_tp_model_params (the same step
 // on every rank keeps the replicated parameters equal). tsys_tp_model_gather writes the full parameters
-// back into a model of the same shape (collective over tp). Not yet: checkpointing policies, sequence
-// parallelism.
+// back into a model of the same shape (collective over tp). Not yet: checkpointing policies.
 typedef struct tsys_tp_model tsys_tp_model;
 TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full);      // NULL + the context's error
 TSYSDEF tsys_tensor **tsys_tp_model_params(tsys_tp_model *m);                     // the full model's parameters() order
 TSYSDEF int tsys_tp_model_num_tensors(const tsys_tp_model *m);
 TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys_tensor *targets);
+// Sequence parallelism (Megatron-LM's, over the batch's tokens): between the tensor-parallel regions each rank
+// keeps 1/tp of the tokens' rows, so the norms and residual adds run on and keep 1/tp of them; the rows are
+// all-gathered entering a region and the partial sums reduce-scattered leaving it (the all-reduces' bytes in
+// two halves). Every rank of tp sets the same; batch x sequence must then be a multiple of tp's size.
+TSYSDEF tsys_status tsys_tp_model_set_sequence_parallel(tsys_tp_model *m, bool on);
 TSYSDEF tsys_status tsys_tp_model_gather(tsys_tp_model *m, tsys_model *full);
 // One step's collectives over tp alone, back to back (the 4 x num_layers + 1 all-reduces of a (batch, context,
 // d_model) tensor in dtype, the compute dtype, and the cross-entropy's two): *ms, host clock, synchronized.
@@ -5361,7 +5366,8 @@ struct tsys_tp_model {
     int64_t heads, dff, vocab, vocab_lo;     // this rank's share
     tsys_tensor **params;                    // parameters() order of the full model, each this rank's part
     int n;
-    tsys_custom_op copy_op, reduce_op, ce_op, mask_op;
+    tsys_custom_op copy_op, reduce_op, ce_op, mask_op, gather_op, scatter_op;
+    bool sequence_parallel;                  // tsys_tp_model_set_sequence_parallel
 };
 
 // ---- the collectives as autograd ops ----
@@ -5390,6 +5396,46 @@ static tsys_tensor *tsys_tp__reduce_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, 
 static tsys_status tsys_tp__reduce_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
     (void)ins; (void)n; (void)saved; (void)user;
     if (needs[0]) grads[0] = tsys_tp__alias(ctx, g);
+    return TSYS_OK;
+}
+
+// ---- sequence parallelism ----
+// With it the residual stream between the tensor-parallel regions is split by rows (the batch's tokens in
+// order: rank r holds rows [r E / tp, (r + 1) E / tp)), so the norms and the residual adds run on 1/tp of the
+// tokens and keep 1/tp of their activations. Entering a region the rows are all-gathered (`gather`: its
+// backward reduce-scatters the gradient); leaving it the partial sums are reduce-scattered (`scatter`: its
+// backward all-gathers the gradient): the bytes of the all-reduces they replace, in two halves.
+
+// (R, d) rows of every rank -> (R x tp, d), rank order.
+static tsys_tensor *tsys_tp__all_rows(tsys_ctx *ctx, tsys_dist *tp, tsys_tensor *x) {
+    const int64_t d = x->shape[x->ndim - 1], shape[2] = { tsys_tensor_numel(x) / d * tsys_dist_size(tp), d };
+    tsys_tensor *y = tsys_tensor_new(ctx, x->dtype, x->device, 2, shape);
+    if (y && tsys_dist_all_gather(tp, y, x) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
+    return y;
+}
+// (R, d) partial sums -> this rank's (R / tp, d) rows of their sum over tp.
+static tsys_tensor *tsys_tp__my_rows(tsys_ctx *ctx, tsys_dist *tp, tsys_tensor *x) {
+    const int64_t d = x->shape[x->ndim - 1], shape[2] = { tsys_tensor_numel(x) / d / tsys_dist_size(tp), d };
+    tsys_tensor *y = tsys_tensor_new(ctx, x->dtype, x->device, 2, shape);
+    if (y && tsys_dist_reduce_scatter(tp, y, x, TSYS_DIST_SUM) != TSYS_OK) { tsys_tensor_release(y); y = NULL; }
+    return y;
+}
+static tsys_tensor *tsys_tp__gather_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
+    (void)n; (void)saved;
+    return tsys_tp__all_rows(ctx, (tsys_dist *)user, ins[0]);
+}
+static tsys_status tsys_tp__gather_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)ins; (void)n; (void)saved;
+    if (needs[0] && !(grads[0] = tsys_tp__my_rows(ctx, (tsys_dist *)user, g))) return tsys_ctx_status(ctx);
+    return TSYS_OK;
+}
+static tsys_tensor *tsys_tp__scatter_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {
+    (void)n; (void)saved;
+    return tsys_tp__my_rows(ctx, (tsys_dist *)user, ins[0]);
+}
+static tsys_status tsys_tp__scatter_bwd(tsys_ctx *ctx, tsys_tensor *g, tsys_tensor *const *ins, int n, tsys_tensor *saved, const bool *needs, tsys_tensor **grads, void *user) {
+    (void)ins; (void)n; (void)saved;
+    if (needs[0] && !(grads[0] = tsys_tp__all_rows(ctx, (tsys_dist *)user, g))) return tsys_ctx_status(ctx);
     return TSYS_OK;
 }
 
@@ -5719,7 +5765,7 @@ static tsys_tensor *tsys_tp__embed(tsys_tp_model *m, tsys_tensor *ids) {
     tsys_tensor *rows = tsys_embedding(m->ctx, m->params[0], local), *ins[2] = { rows, keep };
     tsys_tensor *masked = rows ? tsys_custom(m->ctx, &m->mask_op, ins, 2) : NULL;
     tsys_tensor_release(rows); tsys_tensor_release(local); tsys_tensor_release(keep);
-    tsys_tensor *x = masked ? tsys_custom(m->ctx, &m->reduce_op, &masked, 1) : NULL;   // in place: masked is this op's own
+    tsys_tensor *x = masked ? tsys_custom(m->ctx, m->sequence_parallel ? &m->scatter_op : &m->reduce_op, &masked, 1) : NULL;   // reduce: in place, masked is this op's own
     tsys_tensor_release(masked);
     return x;
 }
@@ -5793,12 +5839,18 @@ TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full) {
     if (!ok) { if (tsys_ctx_status(ctx) == TSYS_OK) tsys_dist__fail(tp, TSYS_ERR_OOM, "tsys_tp_model_new: out of memory"); tsys_tp_model_free(m); return NULL; }
     const tsys_custom_op copy = { "tp copy", tsys_tp__copy_fwd, tsys_tp__copy_bwd, 0, tp }, reduce = { "tp reduce", tsys_tp__reduce_fwd, tsys_tp__reduce_bwd, 0, tp },
                          ce = { "tp cross_entropy", tsys_tp__ce_fwd, tsys_tp__ce_bwd, 3u, m }, mask = { "tp embedding mask", tsys_tp__mask_fwd, tsys_tp__mask_bwd, 2u, m };
-    m->copy_op = copy; m->reduce_op = reduce; m->ce_op = ce; m->mask_op = mask;
+    const tsys_custom_op gather = { "tp gather rows", tsys_tp__gather_fwd, tsys_tp__gather_bwd, 0, tp }, scatter = { "tp scatter rows", tsys_tp__scatter_fwd, tsys_tp__scatter_bwd, 0, tp };
+    m->copy_op = copy; m->reduce_op = reduce; m->ce_op = ce; m->mask_op = mask; m->gather_op = gather; m->scatter_op = scatter;
     return m;
 }
 
 TSYSDEF tsys_tensor **tsys_tp_model_params(tsys_tp_model *m) { return m ? m->params : NULL; }
 TSYSDEF int tsys_tp_model_num_tensors(const tsys_tp_model *m) { return m ? m->n : 0; }
+TSYSDEF tsys_status tsys_tp_model_set_sequence_parallel(tsys_tp_model *m, bool on) {
+    if (!m) return TSYS_ERR_INVALID_ARGS;
+    m->sequence_parallel = on;
+    return TSYS_OK;
+}
 
 TSYSDEF void tsys_tp_model_free(tsys_tp_model *m) {
     if (!m) return;
@@ -5820,8 +5872,9 @@ static tsys_tensor *tsys_tp__op1(tsys_tp_model *m, const tsys_custom_op *op, tsy
 // (the projections would each cast it; and its gradient, all-reduced by `copy`, then travels in it too).
 static tsys_tensor *tsys_tp__enter(tsys_tp_model *m, tsys_tensor *h) {
     const tsys_dtype ac = tsys_autocast_dtype(m->ctx);
-    if (ac == TSYS_F32 || h->dtype == ac) return tsys_tp__op1(m, &m->copy_op, h);
-    tsys_tensor *c = tsys_cast(m->ctx, h, ac), *hc = c ? tsys_tp__op1(m, &m->copy_op, c) : NULL;
+    const tsys_custom_op *op = m->sequence_parallel ? &m->gather_op : &m->copy_op;   // sequence parallel: the rows of every rank
+    if (ac == TSYS_F32 || h->dtype == ac) return tsys_tp__op1(m, op, h);
+    tsys_tensor *c = tsys_cast(m->ctx, h, ac), *hc = c ? tsys_tp__op1(m, op, c) : NULL;
     tsys_tensor_release(c);
     return hc;
 }
@@ -5830,7 +5883,7 @@ static tsys_tensor *tsys_tp__enter(tsys_tp_model *m, tsys_tensor *h) {
 static tsys_tensor *tsys_tp__row_parallel(tsys_tp_model *m, tsys_tensor *x, tsys_tensor *w) {
     tsys_tensor *part = tsys_linear(m->ctx, x, w, NULL);
     tsys_tensor_release(x);
-    tsys_tensor *y = part ? tsys_tp__op1(m, &m->reduce_op, part) : NULL;
+    tsys_tensor *y = part ? tsys_tp__op1(m, m->sequence_parallel ? &m->scatter_op : &m->reduce_op, part) : NULL;
     tsys_tensor_release(part);
     return y;
 }
@@ -5867,10 +5920,19 @@ static tsys_tensor *tsys_tp__ffn(tsys_tp_model *m, int l, tsys_tensor *h) {
     return tsys_tp__row_parallel(m, s, tsys_tp__layer_param(m, l, TSYS_TP__W2));
 }
 
+// rmsnorm(x) with gain w. Under sequence parallelism each rank's rows give only their part of w's gradient:
+// w enters through `copy`, whose backward all-reduces it (one all-reduce of d_model numbers a norm).
+static tsys_tensor *tsys_tp__norm(tsys_tp_model *m, tsys_tensor *x, tsys_tensor *w) {
+    if (!m->sequence_parallel) return tsys_rmsnorm(m->ctx, x, w, m->desc.eps);
+    tsys_tensor *ws = tsys_tp__op1(m, &m->copy_op, w), *h = ws ? tsys_rmsnorm(m->ctx, x, ws, m->desc.eps) : NULL;
+    tsys_tensor_release(ws);
+    return h;
+}
+
 // x + branch(norm(x)); consumes x.
 static tsys_tensor *tsys_tp__residual(tsys_tp_model *m, int l, tsys_tensor *x, bool attn, int64_t B, int64_t T) {
     tsys_ctx *ctx = m->ctx;
-    tsys_tensor *h = tsys_rmsnorm(ctx, x, tsys_tp__layer_param(m, l, attn ? TSYS_TP__LN1 : TSYS_TP__LN2), m->desc.eps);
+    tsys_tensor *h = tsys_tp__norm(m, x, tsys_tp__layer_param(m, l, attn ? TSYS_TP__LN1 : TSYS_TP__LN2));
     tsys_tensor *f = attn ? tsys_tp__attention(m, l, h, B, T) : tsys_tp__ffn(m, l, h);
     tsys_tensor_release(h);
     tsys_tensor *y = tsys_add(ctx, x, f);
@@ -5890,12 +5952,17 @@ TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys
         return NULL;
     }
     const int64_t B = ids->shape[0], T = ids->shape[1];
+    if (m->sequence_parallel && (B * T) % tsys_dist_size(m->tp)) {
+        tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_loss: sequence parallelism splits the %lld tokens (batch %lld x sequence %lld) over %d ranks: "
+                        "they must be a multiple of it", (long long)(B * T), (long long)B, (long long)T, tsys_dist_size(m->tp));
+        return NULL;
+    }
     tsys_tensor *x = tsys_tp__embed(m, ids);
     for (int l = 0; x && l < m->desc.num_layers; l++) {
         x = tsys_tp__residual(m, l, x, true, B, T);
         x = tsys_tp__residual(m, l, x, false, B, T);
     }
-    tsys_tensor *h = tsys_rmsnorm(ctx, x, tsys_tp__param(m, m->n - 2), m->desc.eps);
+    tsys_tensor *h = tsys_tp__norm(m, x, tsys_tp__param(m, m->n - 2));
     tsys_tensor_release(x);
     tsys_tensor *hc = tsys_tp__enter(m, h);
     tsys_tensor_release(h);

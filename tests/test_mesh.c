@@ -257,6 +257,7 @@ static tsys_model_desc tiny_desc(void) {
 }
 enum { TP_STEPS = 5, TP_B = 2, TP_T = 16 };
 static tsys_dtype g_autocast = TSYS_F32;   // the runs below under bf16 autocast when set
+static bool g_sequence_parallel;           // and with sequence parallelism when set
 
 // Batch `which` of the run (every rank makes the same ones).
 static void tp_batch(int which, tsys_tensor **ids, tsys_tensor **targets, int b, tsys_device dev) {
@@ -345,6 +346,7 @@ static void check_tp_ex(tsys_dist *tp, tsys_dist *dp, bool fsdp, bool sgd, tsys_
     tsys_tp_model *m = tsys_tp_model_new(tp, full);
     TEST_CHECK(m != NULL, "%s: %s", what, tsys_ctx_last_error(g_ctx));
     if (!m) { tsys_model_free(ref); tsys_model_free(full); return; }
+    tsys_tp_model_set_sequence_parallel(m, g_sequence_parallel);
     tsys_ddp_desc dd;
     memset(&dd, 0, sizeof dd);
     dd.strategy = TSYS_DDP_BUCKETED;
@@ -408,6 +410,36 @@ TSYS_TEST(tp_bf16_autocast_follows_one_process) {
     g_autocast = TSYS_F32;
 }
 
+// Sequence parallelism: the norms and residual adds on each rank's rows of the batch, all-gathered into the
+// tensor-parallel regions and reduce-scattered out of them; the same steps as the all-reduces' within fp32 noise.
+// With tokens (2 x 16) that do not split over the ranks (3) the loss is refused on every rank, naming them.
+static void check_tp_sp(tsys_dist *world, bool sgd, tsys_device dev, const char *what) {
+    if ((TP_B * TP_T) % tsys_dist_size(world)) {
+        tsys_model_desc d = tiny_desc();
+        tsys_model *full = tsys_model_new(g_ctx, &d, dev, 7);
+        tsys_tp_model *m = full ? tsys_tp_model_new(world, full) : NULL;
+        tsys_tensor *ids, *targets;
+        tp_batch(0, &ids, &targets, TP_B, dev);
+        tsys_tp_model_set_sequence_parallel(m, true);
+        tsys_tensor *loss = m ? tsys_tp_model_loss(m, ids, targets) : NULL;
+        TEST_CHECK(m && !loss && error_says("sequence parallelism splits the 32 tokens (batch 2 x sequence 16) over 3 ranks"), "%s: %s", what, tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(targets);
+        tsys_tp_model_free(m); tsys_model_free(full);
+        return;
+    }
+    g_sequence_parallel = true;
+    check_tp(world, NULL, sgd, dev, what);
+    g_sequence_parallel = false;
+}
+TSYS_TEST(tp_sequence_parallel_adamw_equals_one_process) { check_tp_sp(g_world, false, TSYS_CPU, "tp + sequence parallelism"); }
+TSYS_TEST(tp_sequence_parallel_sgd_equals_one_process) { check_tp_sp(g_world, true, TSYS_CPU, "tp + sequence parallelism, SGD"); }
+TSYS_TEST(tp_sequence_parallel_bf16_follows_one_process) {
+    g_autocast = TSYS_BF16;
+    check_tp_sp(g_world, false, TSYS_CPU, "tp + sequence parallelism under bf16 autocast");
+    g_autocast = TSYS_F32;
+}
+
 // The dp x tp mesh of mesh_shape over world (NULL after a failed check).
 static tsys_dist_mesh *dp_tp_mesh(tsys_dist *world) {
     int shape[2];
@@ -429,6 +461,11 @@ static void check_dp_tp(tsys_dist *world, tsys_device dev, const char *what) { c
 static void check_hsdp(tsys_dist *world, tsys_device dev);   // below, with its test
 TSYS_TEST(tp_inside_dp_mesh_equals_one_process) { check_dp_tp(g_world, TSYS_CPU, "dp x tp"); }
 TSYS_TEST(tp_inside_fsdp_mesh_equals_one_process) { check_dp_tp_ex(g_world, true, TSYS_CPU, "fsdp x tp"); }
+TSYS_TEST(tp_sequence_parallel_inside_fsdp_mesh_equals_one_process) {
+    g_sequence_parallel = true;
+    check_dp_tp_ex(g_world, true, TSYS_CPU, "fsdp x (tp + sequence parallelism)");
+    g_sequence_parallel = false;
+}
 
 #ifdef TSYS_WITH_CUDA
 // The same through NCCL, CUDA tensors, one GPU a rank, against one GPU.
@@ -441,6 +478,10 @@ TSYS_TEST(tp_nccl_equals_one_gpu) {
     check_dp_tp(g_cuda_world, TSYS_CUDA, "dp x tp through NCCL");
     check_dp_tp_ex(g_cuda_world, true, TSYS_CUDA, "fsdp x tp through NCCL");
     check_hsdp(g_cuda_world, TSYS_CUDA);
+    check_tp_sp(g_cuda_world, false, TSYS_CUDA, "tp + sequence parallelism through NCCL");
+    g_autocast = TSYS_BF16;
+    check_tp_sp(g_cuda_world, false, TSYS_CUDA, "tp + sequence parallelism through NCCL under bf16 autocast");
+    g_autocast = TSYS_F32;
 }
 
 TSYS_TEST(split_nccl_groups_reduce_their_members) {   // CUDA tensors through the sub-groups' own communicators
