@@ -32,7 +32,8 @@
                      cross-entropy, sequence parallelism)
       >>accounting   defines: tsys_dist_accounting, tsys_fsdp_accounting(_desc)
       >>link model   defines: tsys_dist_calibrate_link (an alpha-beta model of the link, measured),
-                     tsys_dist_link_time_ms, tsys_dist_ring_sent
+                     tsys_dist_link_time_ms, tsys_dist_ring_sent, and the S26 section 8 plan: tsys_dist_plan_step,
+                     _step_links, tsys_dist_plan_of
       >>state sharded defines: tsys_zero1_state_save/_load, tsys_fsdp_state_save/_load (sharded snapshots: a plan of
                      chunks per rank, parts written in parallel, rank 0's MANIFEST, statuses agreed; any world loads)
       >>trainer      defines: tsys_dist_trainer (a model trained under DDP, ZeRO-1, FSDP or alone, a step at a
@@ -373,9 +374,10 @@ TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys
 // two halves). Every rank of tp sets the same; batch x sequence must then be a multiple of tp's size.
 TSYSDEF tsys_status tsys_tp_model_set_sequence_parallel(tsys_tp_model *m, bool on);
 TSYSDEF tsys_status tsys_tp_model_gather(tsys_tp_model *m, tsys_model *full);
-// One step's collectives over tp alone, back to back (the 4 x num_layers + 1 all-reduces of a (batch, context,
-// d_model) tensor in dtype, the compute dtype, and the cross-entropy's two): *ms, host clock, synchronized.
-// Every rank of tp calls it, between steps.
+// One step's collectives over tp alone, back to back (the embedding's all-reduce of a (batch, context, d_model)
+// fp32 tensor, the 4 x num_layers + 1 of one in dtype, the compute dtype, and the cross-entropy's two; under
+// sequence parallelism each of the first an all-gather and a reduce-scatter, and the norms' gains all-reduced):
+// *ms, host clock, synchronized. Every rank of tp calls it, between steps.
 TSYSDEF tsys_status tsys_tp_model_time_collectives(tsys_tp_model *m, int batch, int context, tsys_dtype dtype, double *ms);
 TSYSDEF void tsys_tp_model_free(tsys_tp_model *m);
 
@@ -635,6 +637,19 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_l
 // stream (on 4 H100s the max form of tsys_dist_link_time_ms left tp over pairs 16-18% short, this form within 4%).
 TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
                                                  double flops_per_s, tsys_dist_link_model dp_link, tsys_dist_link_model tp_link);
+// The same from one description, with what the two above cannot say: sequence_parallel (the tp layouts under
+// tsys_tp_model_set_sequence_parallel: the norms' activations / tp; each all-reduce an all-gather and a
+// reduce-scatter, and the norms' gains all-reduced).
+typedef struct tsys_dist_plan_in {
+    const tsys_model_desc *model;
+    tsys_dist_layout layout;
+    int dp, tp, batch, context;   // batch: sequences a dp replica
+    tsys_dtype dtype;
+    double flops_per_s;
+    tsys_dist_link_model dp_link, tp_link;
+    bool sequence_parallel;
+} tsys_dist_plan_in;
+TSYSDEF tsys_dist_plan tsys_dist_plan_of(const tsys_dist_plan_in *in);
 TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l);   // "dp", "fsdp", "tp", "dp_tp", "fsdp_tp"
 
 // A tsys_model trained data-parallel with AdamW, one step at a time in timed phases (>>trainer): DDP (any
@@ -5974,26 +5989,41 @@ TSYSDEF tsys_tensor *tsys_tp_model_loss(tsys_tp_model *m, tsys_tensor *ids, tsys
     return loss;
 }
 
+// One of the step's activation all-reduces of x over tp: as such, or under sequence parallelism the all-gather of
+// this rank's rows (rows, x's first 1/tp) and the reduce-scatter of the gathered rows back into them.
+static tsys_status tsys_tp__time_one(tsys_tp_model *m, tsys_tensor *x, tsys_tensor *rows) {
+    if (!m->sequence_parallel) return tsys_dist_all_reduce(m->tp, x, TSYS_DIST_SUM);
+    tsys_status st = tsys_dist_all_gather(m->tp, x, rows);
+    return st == TSYS_OK ? tsys_dist_reduce_scatter(m->tp, rows, x, TSYS_DIST_SUM) : st;
+}
+
 TSYSDEF tsys_status tsys_tp_model_time_collectives(tsys_tp_model *m, int batch, int context, tsys_dtype dtype, double *ms) {
     if (!m || !ms || batch < 1 || context < 1) return m ? tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_time_collectives: batch and context must be >= 1") : TSYS_ERR_INVALID_ARGS;
+    const int n = tsys_dist_size(m->tp);
+    if (m->sequence_parallel && ((int64_t)batch * context) % n)
+        return tsys_dist__fail(m->tp, TSYS_ERR_INVALID_ARGS, "tsys_tp_model_time_collectives: sequence parallelism splits the %lld tokens over %d ranks: "
+                               "they must be a multiple of it", (long long)batch * context, n);
     tsys_ctx *ctx = m->ctx;
-    int64_t act[3] = { batch, context, m->desc.d_model }, rows = (int64_t)batch * context, rows2 = 2 * rows;
-    tsys_tensor *a = tsys_tensor_new(ctx, dtype, m->device, 3, act), *r1 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows), *r2 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows2),
-                *emb = tsys_tensor_new(ctx, TSYS_F32, m->device, 3, act);
-    tsys_status st = a && r1 && r2 && emb ? tsys_tensor_fill(ctx, a, 0.0f) : tsys_ctx_status(ctx);
-    if (st == TSYS_OK) st = tsys_tensor_fill(ctx, emb, 0.0f);
-    if (st == TSYS_OK) st = tsys_tensor_fill(ctx, r1, 0.0f);
-    if (st == TSYS_OK) st = tsys_tensor_fill(ctx, r2, 0.0f);
+    const int64_t E = (int64_t)batch * context, dm = m->desc.d_model;
+    int64_t act[2] = { E, dm }, mine[2] = { E / n, dm }, rows2 = 2 * E;
+    tsys_tensor *a = tsys_tensor_new(ctx, dtype, m->device, 2, act), *a_rows = tsys_tensor_new(ctx, dtype, m->device, 2, mine),
+                *emb = tsys_tensor_new(ctx, TSYS_F32, m->device, 2, act), *emb_rows = tsys_tensor_new(ctx, TSYS_F32, m->device, 2, mine),
+                *r1 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &E), *r2 = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &rows2),
+                *gain = tsys_tensor_new(ctx, TSYS_F32, m->device, 1, &dm);
+    tsys_tensor *all[7] = { a, a_rows, emb, emb_rows, r1, r2, gain };
+    tsys_status st = TSYS_OK;
+    for (int i = 0; i < 7 && st == TSYS_OK; i++) st = all[i] ? tsys_tensor_fill(ctx, all[i], 0.0f) : tsys_ctx_status(ctx);
     if (st == TSYS_OK) st = tsys_dist_sync(m->tp);
     if (st == TSYS_OK) st = tsys_dist_barrier(m->tp);
     const double t0 = tsys_time_us();
-    if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, emb, TSYS_DIST_SUM);   // the embedding's rows (fp32)
-    for (int i = 0; st == TSYS_OK && i < 4 * m->desc.num_layers + 1; i++) st = tsys_dist_all_reduce(m->tp, a, TSYS_DIST_SUM);
+    if (st == TSYS_OK) st = tsys_tp__time_one(m, emb, emb_rows);   // the embedding's rows (fp32)
+    for (int i = 0; st == TSYS_OK && i < 4 * m->desc.num_layers + 1; i++) st = tsys_tp__time_one(m, a, a_rows);
+    for (int i = 0; st == TSYS_OK && m->sequence_parallel && i < 2 * m->desc.num_layers + 1; i++) st = tsys_dist_all_reduce(m->tp, gain, TSYS_DIST_SUM);
     if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, r1, TSYS_DIST_MAX);
     if (st == TSYS_OK) st = tsys_dist_all_reduce(m->tp, r2, TSYS_DIST_SUM);
     if (st == TSYS_OK) st = tsys_dist_sync(m->tp);
     *ms = (tsys_time_us() - t0) * 1e-3;
-    tsys_tensor_release(a); tsys_tensor_release(r1); tsys_tensor_release(r2); tsys_tensor_release(emb);
+    for (int i = 0; i < 7; i++) tsys_tensor_release(all[i]);
     return st;
 }
 
@@ -6249,11 +6279,12 @@ TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l) {
 // tp; the norms' outputs whole, cast once under autocast before the copy op (one low-precision copy feeds q, k
 // and v, one w1 and w3); outside the blocks the final norm, the LM head's input, the rank's slice of the
 // logits, the rows' log-sum-exp and the slice's fp32 gradient (tsys_tp's cross-entropy). pure: the model
-// computes in dtype throughout (FSDP's gathered weights, no autocast), so the norms' inputs are kept in dtype too.
-static double tsys_dist__tp_act_bytes(const tsys_model_desc *d, tsys_dtype dtype, int batch, int context, int tp, bool pure) {
+// computes in dtype throughout (FSDP's gathered weights, no autocast), so the norms' inputs are kept in dtype too;
+// sp: sequence parallelism, the norms' inputs and statistics of this rank's rows only.
+static double tsys_dist__tp_act_bytes(const tsys_model_desc *d, tsys_dtype dtype, int batch, int context, int tp, bool pure, bool sp) {
     const bool ac = dtype == TSYS_BF16 || dtype == TSYS_F16, flash = d->attn && !strcmp(d->attn, "flash");
     const double c = ac ? 2.0 : 4.0, r = pure ? c : 4.0, t = tp, dm = d->d_model, H = d->num_heads / t, V = d->vocab_size / t;
-    const double B = batch, T = context, E = B * T, norm = r * E * dm + 4 * E;
+    const double B = batch, T = context, E = B * T, norm = (r * E * dm + 4 * E) / (sp ? t : 1);   // sp: each rank normalizes its rows
     const double layer = 2 * norm + c * E * dm
                        + (flash ? 4 * c * E * dm / t + 4 * B * H * T : 3 * c * E * dm / t + c * B * H * T * T)
                        + c * E * dm / t + c * E * dm + 3 * c * E * d->d_ff / t;
@@ -6263,7 +6294,7 @@ static double tsys_dist__tp_act_bytes(const tsys_model_desc *d, tsys_dtype dtype
 // act_bytes and peak_bytes of p (weight_bytes set) for the layout; held: the parameters a tp rank holds, split:
 // of them the matmul weights (autocast's copies).
 static void tsys_dist__plan_memory(tsys_dist_plan *p, const tsys_model_desc *d, tsys_dist_layout layout, int dp, int tp, int batch, int context,
-                                   tsys_dtype dtype, double split) {
+                                   tsys_dtype dtype, double split, bool sp) {
     const bool ac = dtype == TSYS_BF16 || dtype == TSYS_F16;
     const double c = ac ? 2.0 : 4.0;
     if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_FSDP) {
@@ -6273,31 +6304,31 @@ static void tsys_dist__plan_memory(tsys_dist_plan *p, const tsys_model_desc *d, 
         p->peak_bytes = a.total_bytes;
         return;
     }
-    p->act_bytes = tsys_dist__tp_act_bytes(d, dtype, batch, context, tp, layout == TSYS_LAYOUT_FSDP_TP && dp > 1);
+    p->act_bytes = tsys_dist__tp_act_bytes(d, dtype, batch, context, tp, layout == TSYS_LAYOUT_FSDP_TP && dp > 1, sp);
     const double unit = (4.0 * d->d_model * d->d_model + 3.0 * d->d_model * d->d_ff) / tp, embed = (double)d->vocab_size * d->d_model / tp;
     const double working = layout == TSYS_LAYOUT_FSDP_TP && dp > 1 ? c * (embed + unit) + c * embed   // a gathered block and the embedding, its gradient
                          : ac ? c * split : 0;                                                         // autocast's copies
     p->peak_bytes = p->weight_bytes + working + p->act_bytes;
 }
 
-TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
-                                                 double flops_per_s, tsys_dist_link_model dp_link, tsys_dist_link_model tp_link) {
+TSYSDEF tsys_dist_plan tsys_dist_plan_of(const tsys_dist_plan_in *in) {
     tsys_dist_plan p;
     memset(&p, 0, sizeof p);
-    const tsys_model_desc d = tsys_model_desc_defaults(m);
-    const bool has_tp = layout == TSYS_LAYOUT_TP || layout == TSYS_LAYOUT_DP_TP || layout == TSYS_LAYOUT_FSDP_TP;
-    if (!has_tp) tp = 1;
-    if (layout == TSYS_LAYOUT_TP) dp = 1;
-    if (dp < 1 || tp < 1 || batch < 1 || context < 1 || !tsys_dtype_is_float(dtype) || !(flops_per_s > 0)) return p;
-    const int elem_bytes = (int)tsys_dtype_size(dtype);
+    if (!in || !in->model) return p;
+    const tsys_model_desc d = tsys_model_desc_defaults(in->model);
+    const tsys_dist_layout layout = in->layout;
+    const bool has_tp = layout == TSYS_LAYOUT_TP || layout == TSYS_LAYOUT_DP_TP || layout == TSYS_LAYOUT_FSDP_TP, sp = has_tp && in->sequence_parallel;
+    const int tp = has_tp ? in->tp : 1, dp = layout == TSYS_LAYOUT_TP ? 1 : in->dp, batch = in->batch, context = in->context;
+    if (dp < 1 || tp < 1 || batch < 1 || context < 1 || !tsys_dtype_is_float(in->dtype) || !(in->flops_per_s > 0)) return p;
+    const int elem_bytes = (int)tsys_dtype_size(in->dtype);
     // what a tp rank holds: its share of the blocks' matmuls, of the LM head (split: the weights autocast casts)
     // and of the embedding's rows; the norms whole
-    const double dm = d.d_model, split = (double)d.num_layers * (4 * dm * dm + 3 * dm * d.d_ff) + (double)d.vocab_size * dm;
-    const double whole = (2.0 * d.num_layers + 1) * dm, held = (split + (double)d.vocab_size * dm) / tp + whole;
+    const double dm = d.d_model, L = d.num_layers, split = L * (4 * dm * dm + 3 * dm * d.d_ff) + (double)d.vocab_size * dm;
+    const double whole = (2.0 * L + 1) * dm, held = (split + (double)d.vocab_size * dm) / tp + whole;
     p.flops = tsys_model_flops(&d, batch, context, true) / tp;
-    p.compute_ms = p.flops / flops_per_s * 1e3;
+    p.compute_ms = p.flops / in->flops_per_s * 1e3;
     const double shard = (dp - 1.0) / dp * held;   // elements of one all-gather or reduce-scatter of what a tp rank holds
-    int n_dp = 0;
+    int n_dp = 0, n_tp = 0;
     if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_DP_TP) {   // fp32 gradients, 100 MiB buckets
         p.dp_sent_bytes = 2 * shard * 4;
         n_dp = (int)ceil(held * 4 / (100.0 * 1048576.0));
@@ -6306,15 +6337,31 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_
         p.dp_sent_bytes = 3 * shard * elem_bytes;
         n_dp = 3 * (d.num_layers + 2) + 2 * d.num_layers + 1;
     }
-    if (has_tp)   // per block 4 all-reduces of the activations, the LM head's input, and the embedding's fp32 rows
-        p.tp_sent_bytes = (4.0 * d.num_layers + 1) * tsys_dist_ring_sent(tp, (double)batch * context * dm * elem_bytes) + tsys_dist_ring_sent(tp, (double)batch * context * dm * 4);
-    p.dp_comm_ms = dp > 1 ? tsys_dist__link_serial_ms(dp_link, n_dp, p.dp_sent_bytes) : 0;
-    p.tp_comm_ms = has_tp ? tsys_dist__link_serial_ms(tp_link, 4 * d.num_layers + 4, p.tp_sent_bytes) : 0;
+    if (has_tp) {   // per block 4 all-reduces of the activations, the LM head's input, the embedding's fp32 rows, the loss's 2
+        const double act = (double)batch * context * dm;
+        p.tp_sent_bytes = (4 * L + 1) * tsys_dist_ring_sent(tp, act * elem_bytes) + tsys_dist_ring_sent(tp, act * 4);
+        n_tp = 4 * d.num_layers + 4;
+        if (sp) {   // each all-reduce an all-gather and a reduce-scatter (the same bytes), and the norms' gains all-reduced
+            p.tp_sent_bytes += (2 * L + 1) * tsys_dist_ring_sent(tp, dm * 4);
+            n_tp = 2 * (4 * d.num_layers + 2) + 2 * d.num_layers + 1 + 2;
+        }
+    }
+    p.dp_comm_ms = dp > 1 ? tsys_dist__link_serial_ms(in->dp_link, n_dp, p.dp_sent_bytes) : 0;
+    p.tp_comm_ms = has_tp ? tsys_dist__link_serial_ms(in->tp_link, n_tp, p.tp_sent_bytes) : 0;
     p.comm_ms = p.dp_comm_ms + p.tp_comm_ms;
     const bool sharded = layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP;
     p.weight_bytes = 16.0 * (sharded ? held / dp : held);
-    tsys_dist__plan_memory(&p, &d, layout, dp, tp, batch, context, dtype, split / tp);
+    tsys_dist__plan_memory(&p, &d, layout, dp, tp, batch, context, in->dtype, split / tp, sp);
     return p;
+}
+
+TSYSDEF tsys_dist_plan tsys_dist_plan_step_links(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,
+                                                 double flops_per_s, tsys_dist_link_model dp_link, tsys_dist_link_model tp_link) {
+    tsys_dist_plan_in in;
+    memset(&in, 0, sizeof in);
+    in.model = m; in.layout = layout; in.dp = dp; in.tp = tp; in.batch = batch; in.context = context; in.dtype = dtype;
+    in.flops_per_s = flops_per_s; in.dp_link = dp_link; in.tp_link = tp_link;
+    return tsys_dist_plan_of(&in);
 }
 
 TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_layout layout, int dp, int tp, int batch, int context, tsys_dtype dtype,

@@ -4,7 +4,7 @@
 // collectives priced on each group's fitted link). Every rank of a tp group trains on the same batch, each dp
 // replica on its own; only rank 0 prints. Times are the slowest rank's, mean (and std) over the timed steps.
 //
-//   mesh --nproc 4 --model small --layout tp:4,fsdp_tp:2,hsdp:2,fsdp
+//   mesh --nproc 4 --model small --layout tp:4,tp_sp:4,fsdp_tp:2,hsdp:2,fsdp
 //   mpirun -np 4 mesh --device cuda --model 2.7B --context-length 1024,4096 --dtype bf16
 #define _POSIX_C_SOURCE 200809L   // clock_gettime, dup (driver_util.h)
 #define TSYS_PRELUDE_DIST
@@ -20,18 +20,22 @@ typedef struct mesh_opts {
     double plan_tflops, plan_gbps;
 } mesh_opts;
 
-// A layout of the list: "tp:4", "dp_tp:2", "fsdp_tp:2", "hsdp:2" (the shard group's size), "fsdp", "dp".
+// A layout of the list: "tp:4", "dp_tp:2", "fsdp_tp:2" (each with "_sp" for sequence parallelism: "tp_sp:4"),
+// "hsdp:2" (the shard group's size), "fsdp", "dp".
 typedef enum { L_TP, L_DP_TP, L_FSDP_TP, L_HSDP, L_FSDP, L_DP, L_COUNT } layout_kind;
 static const char *const layout_names[L_COUNT] = {"tp", "dp_tp", "fsdp_tp", "hsdp", "fsdp", "dp"};
-typedef struct layout { layout_kind kind; int split; } layout;   // split: tp's size, or hsdp's shard group's (1 for fsdp, dp)
+typedef struct layout { layout_kind kind; int split; bool sp; } layout;   // split: tp's size, or hsdp's shard group's (1 for fsdp, dp)
 
 static bool layout_parse(const char *s, layout *out) {
     const char *colon = strchr(s, ':');
-    const size_t n = colon ? (size_t)(colon - s) : strlen(s);
+    size_t n = colon ? (size_t)(colon - s) : strlen(s);
+    out->sp = n > 3 && !strncmp(s + n - 3, "_sp", 3);
+    if (out->sp) n -= 3;
     for (int k = 0; k < L_COUNT; k++) {
         if (strlen(layout_names[k]) != n || strncmp(s, layout_names[k], n)) continue;
         out->kind = (layout_kind)k;
         out->split = 1;
+        if (out->sp && k != L_TP && k != L_DP_TP && k != L_FSDP_TP) return false;   // sequence parallelism is tensor parallelism's
         if (k == L_FSDP || k == L_DP) return !colon;
         return colon && du_parse_int(colon + 1, 1, 1 << 20, &out->split);
     }
@@ -87,6 +91,7 @@ static tsys_status mesh_run_new(mesh_run *r, tsys_ctx *ctx, tsys_dist *world, ts
     int np = tsys_model_num_tensors(r->model);
     if (with_tp) {
         if (!(r->tpm = tsys_tp_model_new(inner, r->model))) return tsys_ctx_status(ctx);
+        tsys_tp_model_set_sequence_parallel(r->tpm, l->sp);
         tsys_model_free(r->model);   // the shards are copies
         r->model = NULL;
         params = tsys_tp_model_params(r->tpm);
@@ -234,9 +239,15 @@ static bool mesh_measure(mesh_measured *m, tsys_ctx *ctx, tsys_dist *world, tsys
 static void mesh_plan(const mesh_opts *o, const layout *l, const tsys_model_desc *d, tsys_dtype dt, int world, const mesh_measured *m, tsys_dist_plan *p, tsys_dist_plan *f) {
     static const tsys_dist_layout of[L_COUNT] = { TSYS_LAYOUT_TP, TSYS_LAYOUT_DP_TP, TSYS_LAYOUT_FSDP_TP, TSYS_LAYOUT_FSDP, TSYS_LAYOUT_FSDP, TSYS_LAYOUT_DP };
     const double C = o->plan_tflops * 1e12, W = o->plan_gbps * 1e9;
-    const int T = d->context_length, dp = l->kind == L_HSDP ? l->split : world / l->split, tp = l->kind == L_HSDP ? 1 : l->split;
-    *p = tsys_dist_plan_step(d, of[l->kind], dp, tp, o->batch, T, dt, C, W);
-    *f = tsys_dist_plan_step_links(d, of[l->kind], dp, tp, o->batch, T, dt, C, l->kind == L_HSDP ? m->l_tp : m->l_dp, m->l_tp);
+    const int T = d->context_length;
+    tsys_dist_plan_in in;
+    memset(&in, 0, sizeof(in));
+    in.model = d; in.layout = of[l->kind]; in.dp = l->kind == L_HSDP ? l->split : world / l->split; in.tp = l->kind == L_HSDP ? 1 : l->split;
+    in.batch = o->batch; in.context = T; in.dtype = dt; in.flops_per_s = C; in.sequence_parallel = l->sp;
+    in.dp_link = in.tp_link = (tsys_dist_link_model){ 0.0, W * 1e-3 };   // section 8's form: every byte at W
+    *p = tsys_dist_plan_of(&in);
+    in.dp_link = l->kind == L_HSDP ? m->l_tp : m->l_dp; in.tp_link = m->l_tp;
+    *f = tsys_dist_plan_of(&in);
     if (l->kind != L_HSDP) return;
     const int replicas = world / l->split;
     const tsys_dist_plan q = tsys_dist_plan_step(d, TSYS_LAYOUT_DP, replicas, 1, o->batch, T, dt, C, W),
@@ -277,7 +288,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *world, tsys_device dev, const m
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda"); du_row_set(row, "model", "%s", model);
     du_row_set(row, "ranks", "%d", n);
     if (l->kind == L_FSDP || l->kind == L_DP) du_row_set(row, "layout", "%s", layout_names[l->kind]);
-    else du_row_set(row, "layout", "%s:%d", layout_names[l->kind], l->split);
+    else du_row_set(row, "layout", "%s%s:%d", layout_names[l->kind], l->sp ? "_sp" : "", l->split);
     const bool hsdp = l->kind == L_HSDP;
     if (n % l->split == 0) du_row_set(row, hsdp ? "replicate" : "dp", "%d", n / l->split);
     du_row_set(row, hsdp ? "shard" : "tp", "%d", l->split);
@@ -352,7 +363,8 @@ static int run_sweep(mesh_opts *o, int argc, char **argv) {
 #define EPILOGUE \
     "layouts: tp:N tensor parallelism over groups of N ranks (Megatron: heads, d_ff and the vocabulary split;\n" \
     "  every rank of a group on the same batch; several groups train independently); dp_tp:N the same with\n" \
-    "  DDP over the groups; fsdp_tp:N FSDP over the groups; hsdp:N FSDP inside groups of N ranks and DDP of\n" \
+    "  DDP over the groups; fsdp_tp:N FSDP over the groups; tp_sp:N, dp_tp_sp:N, fsdp_tp_sp:N the same with\n" \
+    "  sequence parallelism (the norms on 1/N of the tokens each); hsdp:N FSDP inside groups of N ranks and DDP of\n" \
     "  the shards across them; fsdp, dp over every rank. bf16: autocast (tp, dp_tp, dp) or FSDP's compute dtype.\n" \
     "columns: tokens a step over all replicas; step_ms the slowest rank's (mean, step_std); peak_MiB the\n" \
     "  largest rank's peak during the steps, pred_peak_MiB the plan's (tsys_dist_plan.peak_bytes);\n" \
@@ -370,7 +382,7 @@ static int driver_main(int argc, char **argv) {
     du_flag flags[] = {
         DU_FLAG_CHOICE("device", &o.device, NULL, "cpu|cuda", "where each rank computes (default: cuda when a GPU is present, else cpu)"),
         DU_MODEL_FLAGS(&o.mf, NULL, du_ok_model),
-        DU_FLAG_LIST_CHECKED("layout", &o.layouts, "tp:2,fsdp", layout_ok, "tp:N, dp_tp:N, fsdp_tp:N, hsdp:N (N from 1), fsdp or dp",
+        DU_FLAG_LIST_CHECKED("layout", &o.layouts, "tp:2,fsdp", layout_ok, "tp:N, dp_tp:N, fsdp_tp:N (each also _sp: tp_sp:N), hsdp:N (N from 1), fsdp or dp",
                              "the layouts (see below); N must divide the ranks"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast, or FSDP's compute dtype"),
         DU_FLAG_INT("batch-size", &o.batch, "4", 1, 1 << 20, "sequences per dp replica"),

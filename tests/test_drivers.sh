@@ -946,20 +946,21 @@ t_dist_ddp_checkpoint_auto() {
   expect_in "$tmp/err" 'auto:BYTES is chosen per strategy' "--account says why"
 }
 
-# mesh: the layouts against each other and the plan. Two dp replicas (batches 0 and 1) trained four ways, fp32:
-# tensor parallelism under DDP and under FSDP on 4 ranks, plain DDP and FSDP on 2: the first and last step's losses
-# agree to 1e-5 (the paths share nothing but the weights' seed); each row's peak within 10% of the plan's.
+# mesh: the layouts against each other and the plan. Two dp replicas (batches 0 and 1) trained seven ways, fp32:
+# tensor parallelism (with and without sequence parallelism) under DDP and under FSDP on 4 ranks, plain DDP, FSDP
+# and HSDP on 2: the first and last step's losses agree to 1e-5 (the paths share nothing but the weights' seed);
+# each row's peak within 10% of the plan's.
 MESHTINY=(--device cpu --model custom --d-model 64 --num-layers 2 --num-heads 4 --d-ff 128 --vocab-size 256 --context-length 64
           --batch-size 8 --warmup 1 --steps 3 --format csv)
 t_mesh_layouts_agree() {
   [ -x "$B/mesh" ] || { echo -n "(no $B/mesh: skipped) "; return; }
-  run "$B/mesh" --nproc 4 "${MESHTINY[@]}" --layout dp_tp:2,fsdp_tp:2
+  run "$B/mesh" --nproc 4 "${MESHTINY[@]}" --layout dp_tp:2,fsdp_tp:2,dp_tp_sp:2,fsdp_tp_sp:2
   expect_rc 0 "mesh at 4 ranks"
   cp "$tmp/out" "$tmp/four"
   run "$B/mesh" --nproc 2 "${MESHTINY[@]}" --layout dp,fsdp,hsdp:2
   expect_rc 0 "mesh at 2 ranks"
   cat "$tmp/four" >> "$tmp/out"
-  [ "$(grep -c ',ok$' "$tmp/out")" = 5 ] || note "$(grep -c ',ok$' "$tmp/out") ok rows, wanted 5: $(cat "$tmp/out")"
+  [ "$(grep -c ',ok$' "$tmp/out")" = 7 ] || note "$(grep -c ',ok$' "$tmp/out") ok rows, wanted 7: $(cat "$tmp/out")"
   local bad
   bad=$(awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next } $1 == "device" { next }
     { f = $c["loss_first"]; l = $c["loss_last"]; pk = $c["peak_MiB"]; pp = $c["pred_peak_MiB"]
@@ -976,6 +977,8 @@ t_mesh_bad_layouts() {
   run "$B/mesh" "${MESHTINY[@]}" --layout tp
   expect_rc 2 "mesh --layout tp"
   expect_in "$tmp/err" "--layout" "names the flag"
+  run "$B/mesh" "${MESHTINY[@]}" --layout fsdp_sp
+  expect_rc 2 "mesh --layout fsdp_sp (sequence parallelism without tensor parallelism)"
   run "$B/mesh" --nproc 2 "${MESHTINY[@]}" --layout tp:3,tp:2
   expect_rc 1 "mesh --layout tp:3 at 2 ranks"
   expect_in "$tmp/out" 'tp:3,.*error: --layout tp:3: 3 does not divide the 2 ranks' "the row says why"
