@@ -15,7 +15,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   { timeout 300 $mp -np $NP $G/test_mesh_cuda; timeout 200 $mp -np 2 $G/test_mesh_cuda tp; } > $OUT/test_mesh_cuda.log 2>&1
   grep -E "rank\(s\)|passed, |FAIL" $OUT/test_mesh_cuda.log | head -20
 fi
-IFS=';' read -ra rows <<< "${MESH_ROWS:-2.7B 1024 4 tp:4,tp:2,dp_tp:2,fsdp_tp:2,hsdp:2,fsdp;2.7B 4096 1 tp:4,fsdp_tp:2,hsdp:2,fsdp;xl 1024 4 fsdp,hsdp:2}"
+IFS=';' read -ra rows <<< "${MESH_ROWS:-2.7B 1024 4 tp:4,tp_sp:4,tp:2,dp_tp:2,fsdp_tp:2,fsdp_tp_sp:2,hsdp:2,fsdp;2.7B 4096 1 tp:4,fsdp_tp:2,hsdp:2,fsdp;xl 1024 4 fsdp,hsdp:2;xl 4096 1 fsdp,hsdp:2}"
 for r in "${rows[@]}"; do
   read -r m t b l <<< "$r"
   timeout 500 $mp -np $NP $G/mesh_cuda --device cuda --model $m --context-length $t --batch-size $b --dtype bf16 --layout $l \
@@ -26,7 +26,7 @@ done
   print "| " $c["model"] " | " $c["layout"] " | " $c["context"] "x" $c["batch"] " | " $c["step_ms"] " | " $c["peak_MiB"] " / " $c["pred_peak_MiB"] " | " \
         $c["tp_comm_ms"] " / " $c["pred_tp_comm_ms"] " / " $c["fit_tp_comm_ms"] " | " $c["dp_comm_ms"] " / " $c["pred_dp_comm_ms"] " / " $c["fit_dp_comm_ms"] " | " $c["status"] " |" }' $OUT/mesh.csv
 if [ "${TORCH:-1}" = 1 ] && command -v torchrun > /dev/null; then
-  IFS=';' read -ra tcfgs <<< "${TORCH_ROWS:-2.7B 1024 4 tp:4,fsdp_tp:2,fsdp:1,hsdp:2;2.7B 4096 1 tp:4,fsdp_tp:2,fsdp:1,hsdp:2;xl 1024 4 fsdp:1,hsdp:2}"
+  IFS=';' read -ra tcfgs <<< "${TORCH_ROWS:-2.7B 1024 4 tp:4,fsdp_tp:2,fsdp:1,hsdp:2;2.7B 4096 1 tp:4,fsdp_tp:2,fsdp:1,hsdp:2;xl 1024 4 fsdp:1,hsdp:2;xl 4096 1 fsdp:1,hsdp:2}"
   for tc in "${tcfgs[@]}"; do
     read -r tm tt tb tl <<< "$tc"
     timeout 400 torchrun --nproc_per_node $NP tests/ref/torch_tp.py --device cuda --model $tm --context-length $tt --batch-size $tb \
