@@ -357,8 +357,8 @@ TSYSDEF void tsys_dist_mesh_free(tsys_dist_mesh *m);
 // Tensor parallelism (Megatron-LM's split of the cs336 model over a group tp): this rank's share of every
 // parameter of `full` (copied: free full afterwards if you like): q, k, v, w1, w3 and the LM head by rows
 // (heads, d_ff and the vocabulary split over tp), the output projection and w2 by columns, the embedding by
-// rows (vocabulary-parallel: each rank looks up the ids it holds, the ranks' rows summed); the norms whole. num_heads, d_ff and vocab_size must be multiples of tp's size. Every rank of tp passes
-// the same batch: tsys_tp_model_loss runs the forward with one all-reduce per attention and per SwiGLU in
+// rows (vocabulary-parallel: each rank looks up the ids it holds, the ranks' rows summed); the norms whole.
+// num_heads, d_ff and vocab_size must be multiples of tp's size. Every rank of tp passes the same batch: tsys_tp_model_loss runs the forward with one all-reduce per attention and per SwiGLU in
 // forward and in backward, and a vocabulary-parallel cross-entropy (mean over tokens, the same on every
 // rank) that never forms the full logits. Train with any optimizer over tsys_tp_model_params (the same step
 // on every rank keeps the replicated parameters equal). tsys_tp_model_gather writes the full parameters
@@ -5587,12 +5587,16 @@ static tsys_tensor *tsys_tp__ce_cuda(tsys_tp_model *m, tsys_tensor *logits, tsys
     tsys_tensor *mx = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &E), *st = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &n2),
                 *lse = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &E), *loss = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &one);
     bool ok = mx && st && lse && loss;
-    if (ok && E > INT32_MAX) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tp cross_entropy: %lld rows exceed the grid's limit", (long long)E); ok = false; }
+    if (ok && E > INT32_MAX) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tp cross_entropy: %lld rows exceed the grid's limit", (long long)E);
+        ok = false;
+    }
     float *mxp = ok ? (float *)tsys_tensor_data(mx) : NULL, *stp = ok ? (float *)tsys_tensor_data(st) : NULL;
     ok = ok && tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, mxp, stp, 0) && tsys_dist_all_reduce(m->tp, mx, TSYS_DIST_MAX) == TSYS_OK &&
          tsys_tp__ce_stats_cuda(ctx, logits, targets, V, m->vocab_lo, E, mxp, stp, 1) && tsys_dist_all_reduce(m->tp, st, TSYS_DIST_SUM) == TSYS_OK;
     if (ok) {
-        tsys_tp__ce_finish_kernel<<<1, 256, 0, (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)>>>(mxp, stp, E, (float *)tsys_tensor_data(lse), (float *)tsys_tensor_data(loss));
+        cudaStream_t s = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE);
+        tsys_tp__ce_finish_kernel<<<1, 256, 0, s>>>(mxp, stp, E, (float *)tsys_tensor_data(lse), (float *)tsys_tensor_data(loss));
         ok = tsys_tp__launched(ctx, "the loss kernel");
     }
     tsys_tensor_release(mx); tsys_tensor_release(st);
@@ -5780,7 +5784,8 @@ static tsys_tensor *tsys_tp__embed(tsys_tp_model *m, tsys_tensor *ids) {
     tsys_tensor *rows = tsys_embedding(m->ctx, m->params[0], local), *ins[2] = { rows, keep };
     tsys_tensor *masked = rows ? tsys_custom(m->ctx, &m->mask_op, ins, 2) : NULL;
     tsys_tensor_release(rows); tsys_tensor_release(local); tsys_tensor_release(keep);
-    tsys_tensor *x = masked ? tsys_custom(m->ctx, m->sequence_parallel ? &m->scatter_op : &m->reduce_op, &masked, 1) : NULL;   // reduce: in place, masked is this op's own
+    const tsys_custom_op *sum = m->sequence_parallel ? &m->scatter_op : &m->reduce_op;   // reduce: in place, masked is this op's own
+    tsys_tensor *x = masked ? tsys_custom(m->ctx, sum, &masked, 1) : NULL;
     tsys_tensor_release(masked);
     return x;
 }
@@ -5811,7 +5816,8 @@ static int tsys_tp__split_of(const tsys_tp_model *m, const char *name, int64_t *
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         const size_t k = strlen(rows[i]);
         if (l >= k && !strcmp(name + l - k, rows[i])) {
-            *full_dim = strstr(rows[i], "lm_head") || strstr(rows[i], "embeddings") ? m->desc.vocab_size : strstr(rows[i], "ffn") ? m->desc.d_ff : m->desc.d_model;
+            const bool vocab = strstr(rows[i], "lm_head") || strstr(rows[i], "embeddings");
+            *full_dim = vocab ? m->desc.vocab_size : strstr(rows[i], "ffn") ? m->desc.d_ff : m->desc.d_model;
             return 1;
         }
     }
@@ -5853,7 +5859,8 @@ TSYSDEF tsys_tp_model *tsys_tp_model_new(tsys_dist *tp, tsys_model *full) {
     }
     if (!ok) { if (tsys_ctx_status(ctx) == TSYS_OK) tsys_dist__fail(tp, TSYS_ERR_OOM, "tsys_tp_model_new: out of memory"); tsys_tp_model_free(m); return NULL; }
     const tsys_custom_op copy = { "tp copy", tsys_tp__copy_fwd, tsys_tp__copy_bwd, 0, tp }, reduce = { "tp reduce", tsys_tp__reduce_fwd, tsys_tp__reduce_bwd, 0, tp },
-                         ce = { "tp cross_entropy", tsys_tp__ce_fwd, tsys_tp__ce_bwd, 3u, m }, mask = { "tp embedding mask", tsys_tp__mask_fwd, tsys_tp__mask_bwd, 2u, m };
+                         ce = { "tp cross_entropy", tsys_tp__ce_fwd, tsys_tp__ce_bwd, 3u, m },
+                         mask = { "tp embedding mask", tsys_tp__mask_fwd, tsys_tp__mask_bwd, 2u, m };
     const tsys_custom_op gather = { "tp gather rows", tsys_tp__gather_fwd, tsys_tp__gather_bwd, 0, tp }, scatter = { "tp scatter rows", tsys_tp__scatter_fwd, tsys_tp__scatter_bwd, 0, tp };
     m->copy_op = copy; m->reduce_op = reduce; m->ce_op = ce; m->mask_op = mask; m->gather_op = gather; m->scatter_op = scatter;
     return m;
