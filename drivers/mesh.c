@@ -152,28 +152,6 @@ static tsys_status mesh_step(mesh_run *r, double *loss) {
     return st == TSYS_OK ? tsys_ctx_status(ctx) : st;
 }
 
-// DDP's all-reduces alone: the fp32 gradients of params over g in 100 MB buckets, as the step issues them.
-static tsys_status ddp_comm_ms(tsys_ctx *ctx, tsys_dist *g, tsys_tensor **params, int n, tsys_device dev, double *ms) {
-    int64_t total = 0, bucket = 25 * 1000 * 1000;
-    for (int i = 0; i < n; i++) total += tsys_tensor_numel(params[i]);
-    if (bucket > total) bucket = total;
-    tsys_tensor *b = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &bucket);
-    tsys_status st = b ? tsys_tensor_fill(ctx, b, 0.0f) : tsys_ctx_status(ctx);
-    if (st == TSYS_OK) st = tsys_dist_sync(g);
-    if (st == TSYS_OK) st = tsys_dist_barrier(g);
-    const double t0 = du_now_s();
-    for (int64_t done = 0; st == TSYS_OK && done < total; done += bucket) {
-        int64_t k = total - done < bucket ? total - done : bucket;
-        tsys_tensor *v = tsys_tensor_view_raw(ctx, b, 0, TSYS_F32, 1, &k);
-        st = v ? tsys_dist_all_reduce(g, v, TSYS_DIST_AVG) : tsys_ctx_status(ctx);
-        tsys_tensor_release(v);
-    }
-    if (st == TSYS_OK) st = tsys_dist_sync(g);
-    *ms = 1e3 * (du_now_s() - t0);
-    tsys_tensor_release(b);
-    return st;
-}
-
 // The row's measurements: per step (slowest rank's), the peak, the first and last step's loss, the collectives
 // alone over tp (tensor parallelism's, or HSDP's FSDP) and over dp.
 typedef struct mesh_measured {
@@ -206,11 +184,12 @@ static bool mesh_measure(mesh_measured *m, tsys_ctx *ctx, tsys_dist *world, tsys
     m->peak = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
     if (!failed && r.tpm) failed = tsys_dist_any_failed(world, st = tsys_tp_model_time_collectives(r.tpm, o->batch, desc->context_length, dt, &m->tp_comm));
     if (!failed && r.fsdp) failed = tsys_dist_any_failed(world, st = tsys_fsdp_time_collectives(r.fsdp, l->kind == L_HSDP ? &m->tp_comm : &m->dp_comm));
-    if (!failed && r.ddp) {
-        double ms = 0;
-        failed = tsys_dist_any_failed(world, st = ddp_comm_ms(ctx, r.dp, r.fsdp ? tsys_fsdp_params(r.fsdp) : r.tpm ? tsys_tp_model_params(r.tpm) : tsys_model_params(r.model),
-                                                              r.fsdp ? tsys_fsdp_num_params(r.fsdp) : r.tpm ? tsys_tp_model_num_tensors(r.tpm) : tsys_model_num_tensors(r.model), dev, &ms));
-        m->dp_comm += ms;
+    if (!failed && r.ddp) {   // DDP's own buckets, all at once (a finish with no backward before it), as tsys_dist_trainer times them
+        tsys_ddp_start_step(r.ddp);
+        st = tsys_ddp_finish(r.ddp);
+        if (st == TSYS_OK) st = tsys_dist_sync(r.dp);
+        m->dp_comm += tsys_ddp_stats_get(r.ddp).comm_ms;
+        failed = tsys_dist_any_failed(world, st);
     }
     if (!failed) {   // each group's link, fitted (every rank calls both: the groups calibrate side by side)
         m->l_dp = r.dp ? tsys_dist_calibrate_link(r.dp, dev) : (tsys_dist_link_model){ 0, 0 };
