@@ -5700,8 +5700,9 @@ static __global__ void tsys_tp__local_ids_kernel(const void *ids, bool i64, int6
         keep[e] = mine ? 1.0f : 0.0f;
     }
 }
-static __global__ void tsys_tp__mask_rows_kernel(const float *x, const float *keep, int64_t n, int64_t D, float *y) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = x[i] * keep[i / D];
+// T: the rows' element as bits (float or a 16-bit float's uint16_t); a masked row is zeros (+0 in every dtype).
+template <typename T> static __global__ void tsys_tp__mask_rows_kernel(const T *x, const float *keep, int64_t n, int64_t D, T *y) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) y[i] = keep[i / D] != 0.0f ? x[i] : T();
 }
 static unsigned tsys_tp__blocks(int64_t n) { return (unsigned)(n / 256 + 1 < 65536 ? n / 256 + 1 : 65536); }
 #endif
@@ -5746,26 +5747,37 @@ static bool tsys_tp__local_ids(tsys_tp_model *m, tsys_tensor *ids, tsys_tensor *
     return ok;
 }
 
-// x (f32, rows of D) times keep[row], a new tensor.
+// x's rows where keep[row] is 1, zeros where it is 0: a new tensor of x's dtype (f32, or bf16 / f16 where FSDP
+// gathers the embedding in low precision). A select rather than a product, so that a masked row is 0 even where
+// another rank's row of x is not finite.
 static tsys_tensor *tsys_tp__mask_rows(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *keep) {
-    if (x->dtype != TSYS_F32 || keep->dtype != TSYS_F32 || x->device != keep->device || tsys_tensor_numel(x) % tsys_tensor_numel(keep)) {
-        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tp embedding mask: f32 rows and one f32 factor a row on one device are expected");
+    const bool rows_ok = x->dtype == TSYS_F32 || x->dtype == TSYS_BF16 || x->dtype == TSYS_F16;
+    if (!rows_ok || keep->dtype != TSYS_F32 || x->device != keep->device || tsys_tensor_numel(x) % tsys_tensor_numel(keep)) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tp embedding mask: rows of f32, bf16 or f16 (got %s) and one f32 factor a row (got %s) on one device are expected",
+                           tsys_dtype_name(x->dtype), tsys_dtype_name(keep->dtype));
         return NULL;
     }
     const int64_t n = tsys_tensor_numel(x), D = n / (tsys_tensor_numel(keep) ? tsys_tensor_numel(keep) : 1);
-    tsys_tensor *y = tsys_tensor_new(ctx, TSYS_F32, x->device, x->ndim, x->shape);
+    tsys_tensor *y = tsys_tensor_new(ctx, x->dtype, x->device, x->ndim, x->shape);
     if (!y) return NULL;
 #ifdef TSYS_DIST_NCCL
     if (x->device == TSYS_CUDA) {
-        tsys_tp__mask_rows_kernel<<<tsys_tp__blocks(n), 256, 0, (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE)>>>(
-            (const float *)tsys_tensor_data(x), (const float *)tsys_tensor_data(keep), n, D, (float *)tsys_tensor_data(y));
+        cudaStream_t s = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE);
+        const float *k = (const float *)tsys_tensor_data(keep);
+        if (x->dtype == TSYS_F32) tsys_tp__mask_rows_kernel<<<tsys_tp__blocks(n), 256, 0, s>>>((const float *)tsys_tensor_data(x), k, n, D, (float *)tsys_tensor_data(y));
+        else tsys_tp__mask_rows_kernel<<<tsys_tp__blocks(n), 256, 0, s>>>((const uint16_t *)tsys_tensor_data(x), k, n, D, (uint16_t *)tsys_tensor_data(y));
         if (!tsys_tp__launched(ctx, "the embedding's mask kernel")) { tsys_tensor_release(y); return NULL; }
         return y;
     }
 #endif
-    const float *xp = (const float *)tsys_tensor_data(x), *kp = (const float *)tsys_tensor_data(keep);
-    float *yp = (float *)tsys_tensor_data(y);
-    for (int64_t i = 0; i < n; i++) yp[i] = xp[i] * kp[i / D];
+    const size_t row = (size_t)D * tsys_dtype_size(x->dtype);
+    const char *xp = (const char *)tsys_tensor_data(x);
+    const float *kp = (const float *)tsys_tensor_data(keep);
+    char *yp = (char *)tsys_tensor_data(y);
+    for (int64_t r = 0; r < n / (D ? D : 1); r++) {
+        if (kp[r] != 0.0f) memcpy(yp + (size_t)r * row, xp + (size_t)r * row, row);
+        else memset(yp + (size_t)r * row, 0, row);
+    }
     return y;
 }
 static tsys_tensor *tsys_tp__mask_fwd(tsys_ctx *ctx, tsys_tensor *const *ins, int n, tsys_tensor **saved, void *user) {

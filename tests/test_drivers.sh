@@ -970,6 +970,21 @@ t_mesh_layouts_agree() {
   [ -z "$bad" ] || note "$bad"
 }
 
+# mesh in bf16: FSDP gathers the vocabulary-parallel embedding's rows in bf16, which its mask must take (it
+# refused everything but f32 once); the FSDP x TP rows, with and without sequence parallelism, follow dp x tp's
+# losses (the same batches, bf16 rounding apart).
+t_mesh_bf16_fsdp_tp() {
+  [ -x "$B/mesh" ] || { echo -n "(no $B/mesh: skipped) "; return; }
+  run "$B/mesh" --nproc 4 "${MESHTINY[@]}" --dtype bf16 --layout dp_tp:2,fsdp_tp:2,fsdp_tp_sp:2
+  expect_rc 0 "mesh --dtype bf16 at 4 ranks"
+  [ "$(grep -c ',ok$' "$tmp/out")" = 3 ] || note "$(grep -c ',ok$' "$tmp/out") ok rows, wanted 3: $(cat "$tmp/out")"
+  local bad
+  bad=$(awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next } $1 == "device" { next }
+    { f = $c["loss_first"]; l = $c["loss_last"]; if (!n++) { f0 = f; l0 = l }
+      if ((f - f0)^2 > (1e-3 * f0)^2 || (l - l0)^2 > (1e-3 * l0)^2) print $c["layout"] ": losses " f ", " l " against dp_tp " f0 ", " l0 }' "$tmp/out")
+  [ -z "$bad" ] || note "$bad"
+}
+
 # mesh's refusals: a layout the parser does not know is a usage error naming the flag; a split that does not
 # divide the ranks is the row's error (exit status 1), the other rows still run.
 t_mesh_bad_layouts() {
