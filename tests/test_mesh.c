@@ -331,9 +331,9 @@ static double model_rel_diff(tsys_model *a, tsys_model *b, double *worst, const 
 // SGD, linear in the gradient, is held to 1e-6 per tensor (measured 3e-8: the gradients agree). AdamW divides each
 // gradient by its own running size, so an element whose gradients nearly cancel across steps carries the
 // reduction-order noise of the split matmuls up to lr x its relative size: held to 3e-6 over the model and 3e-5
-// per tensor. Measured at 2-4 ranks on the 2 x 48-wide model: 1.2e-6 over the model and 1.1e-5 in one tensor
-// (layers.0's w2) with OpenBLAS on 2 threads, under 1e-6 and 6e-6 single-threaded; the one process against
-// itself with its batch summed row by row (the message's floor) moves the same tensor by 2e-6.
+// per tensor. Measured on the 2 x 48-wide model: tp over 2 and 4 ranks 1.2e-6 over the model and 1.1e-5 in one
+// tensor (layers.0's w2), on 1 and 2 OpenBLAS threads alike; dp x tp and fsdp x tp (2 x 2, twice the batch)
+// 1.3e-8 and 5.8e-8; the one process against itself with its batch summed row by row (the message's floor) 2.1e-7.
 static void check_tp_ex(tsys_dist *tp, tsys_dist *dp, bool fsdp, bool sgd, tsys_device dev, const char *what);
 static void check_tp(tsys_dist *tp, tsys_dist *dp, bool sgd, tsys_device dev, const char *what) { check_tp_ex(tp, dp, false, sgd, dev, what); }
 // dp (DDP, or FSDP with fsdp) over tensor-parallel replicas
