@@ -144,6 +144,11 @@
       - Not protected: the traffic after the rendezvous (collectives, the NCCL id) is neither encrypted
         nor authenticated; run jobs on networks you trust, as with torchrun and NCCL.
 
+   ON CORES
+      tsys_dist_init gives each rank on a host cores / ranks OpenMP and OpenBLAS threads (and sets
+      OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to it), as torchrun does, unless OMP_NUM_THREADS is
+      already set: ranks that each start a thread per core spin in each other's way.
+
    ON ASYNCHRONOUS COLLECTIVES
       CUDA tensors through NCCL: launched on the side stream after the compute stream's work so far
       (a blocking one goes on the compute stream itself when no asynchronous one is in flight);
@@ -722,6 +727,8 @@ TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t);
 TSYSDEF bool tsys_dist_any_failed(tsys_dist *d, tsys_status st);
 // Ranks on one host share its cores: unless OMP_NUM_THREADS is set, each of `ranks` gets cores / ranks
 // threads (OpenMP and OpenBLAS, and OMP_NUM_THREADS for the ranks a launcher starts after the call).
+// tsys_dist_init calls it with the ranks on this host (torchrun sets OMP_NUM_THREADS likewise): 4 ranks of
+// 64 threads each on a 64-core host spin in OpenMP's barriers for minutes where 16 each take seconds.
 TSYSDEF void tsys_dist_share_cores(int ranks);
 
 #ifdef __cplusplus
@@ -3327,6 +3334,7 @@ TSYSDEF tsys_dist *tsys_dist_init(tsys_ctx *ctx, const tsys_dist_desc *desc) {
     if (d->opt.cuda && !tsys_dist__cuda_setup(d, &e)) goto fail;
     if (!tsys_dist__shm_join(d, &e) || !tsys_dist__device_join(d, &what, &e)) goto fail;
     d->engine = d->device ? d->device->kind : d->launch->kind;
+    tsys_dist_share_cores(d->local_size);   // as torchrun does: unless OMP_NUM_THREADS is set
     tsys_dist__worker_start(d);
     return d;
 fail:

@@ -26,6 +26,7 @@ static tsys_device g_dev[MAXPATHS];
 static const char *g_name[MAXPATHS];
 static int g_npaths;
 static tsys_dist *g_main;
+static char g_threads_given[32];   // OMP_NUM_THREADS as the rank was started with ("": unset)
 
 static const int g_types[] = { TSYS_F32, TSYS_BF16, TSYS_F16, TSYS_I32, TSYS_I64 };
 
@@ -183,6 +184,22 @@ TSYS_TEST(group_info) {
     char *argv[] = { (char *)"x", NULL };
     TEST_CHECK(g_size == 1 || !tsys_dist_spawn(4, 1, argv, &code), "spawn inside a rank");
     TEST_CHECK(!tsys_dist_spawn(1, 1, argv, &code) && code == 0, "spawn of one");
+}
+
+// tsys_dist_init shares the host's cores among its ranks (cores / ranks threads each, at least one), unless the
+// launcher set OMP_NUM_THREADS; a group of one keeps the host whole.
+TSYS_TEST(init_shares_the_hosts_cores) {
+    const char *now = getenv("OMP_NUM_THREADS");
+    const int local = tsys_dist_local_size(g_main);
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    char want[32] = "";
+    if (g_threads_given[0]) snprintf(want, sizeof want, "%s", g_threads_given);
+    else if (local > 1) snprintf(want, sizeof want, "%ld", cores / local > 1 ? cores / local : 1);
+    TEST_CHECK(!strcmp(now ? now : "", want), "OMP_NUM_THREADS '%s' with %d ranks on %ld cores (started with '%s'), want '%s'",
+               now ? now : "", local, cores, g_threads_given, want);
+#if defined(_OPENMP) && !defined(TSYS_NO_OPENMP)
+    if (want[0]) TEST_CHECK(omp_get_max_threads() == atoi(want), "OpenMP runs %d threads, want %s", omp_get_max_threads(), want);
+#endif
 }
 
 static void all_reduce_dtype(int type) {
@@ -913,6 +930,8 @@ int main(int argc, char **argv) {
     }
     int code = 0;
     if (tsys_dist_spawn(nproc, argc, argv, &code)) return code;
+    const char *threads = getenv("OMP_NUM_THREADS");
+    if (threads) snprintf(g_threads_given, sizeof g_threads_given, "%s", threads);
     g_ctx = tsys_ctx_new(NULL);
     // small shared-memory slots, so that the few-MB tensors below take many pipeline slices
     bool slice_set = getenv("TSYS_DIST_SHM_SLICE") != NULL;
