@@ -393,7 +393,8 @@ typedef struct tsys_mem_stats {
     X(SUMSQ,         "sumsq",         "SF",        0x001, "t0 (scalar) += sum(t1^2)") \
     X(NONFINITE,     "nonfinite",     "SF",        0x001, "t0 (scalar) = 1 if any element of t1 is inf or nan (else unchanged)") \
     X(FLASH_FWD,     "flash_fwd",     "FSFFF",     0x003, "O t0, L t1 (BH, N, f32) from Q t2, K t3, V t4; i0 = causal, f0 = scale") \
-    X(FLASH_BWD,     "flash_bwd",     "FFFFFFFFS", 0x007, "dQ t0, dK t1, dV t2 from dO t3, Q t4, K t5, V t6, O t7, L t8; i0 = causal, f0 = scale")
+    X(FLASH_BWD,     "flash_bwd",     "FFFFFFFFS", 0x007, "dQ t0, dK t1, dV t2 from dO t3, Q t4, K t5, V t6, O t7, L t8; i0 = causal, f0 = scale") \
+    X(SCALE_BY,      "scale_by",      "FFS",       0x001, "t0 = t1 * t2[0] (t2 one f32 element, read where it lives: no host sync)")
 
 typedef enum tsys_kernel {
 #define TSYS__X(e, name, slots, written, doc) TSYS_K_##e,
@@ -701,6 +702,13 @@ TSYSDEF tsys_tensor *tsys_transpose12(tsys_ctx *ctx, tsys_tensor *x);           
 TSYSDEF tsys_tensor *tsys_attention_naive(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal);  // (.., T, D)
 TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal, tsys_tensor **lse_out);
 TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys_tensor *targets);   // mean over rows
+// tsys_cross_entropy(tsys_linear(x, w), targets) without the (rows, V) logits: forward takes chunk_rows rows
+// at a time (0: about as many logits as x has elements, a power of two), and for each makes the logits, the
+// loss and its gradient, then the chunk's d x and its share of d w; backward only scales them by the loss's
+// gradient. It keeps x's and w's gradient sizes from forward on instead of the logits (S26: 0.5 + 2.5 GB for
+// 10 GB of bf16 logits and as much again for their gradient). One chunk gives linear + cross_entropy's bits;
+// more sum d w and the loss chunk by chunk (fp32 rounding apart). Not inside a checkpoint region.
+TSYSDEF tsys_tensor *tsys_linear_cross_entropy(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *w, tsys_tensor *targets, int64_t chunk_rows);
 TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);
 TSYSDEF tsys_tensor *tsys_sum(tsys_ctx *ctx, tsys_tensor *x);
 TSYSDEF tsys_tensor *tsys_mean(tsys_ctx *ctx, tsys_tensor *x);
@@ -733,6 +741,7 @@ typedef struct tsys_model_desc {
     float rope_theta, eps;
     const char *attn;
     const char *checkpoint;
+    bool fused_loss;   // tsys_model_loss runs the LM head and the loss fused (tsys_linear_cross_entropy): no logits
 } tsys_model_desc;
 
 typedef struct tsys_model tsys_model;
@@ -750,6 +759,9 @@ TSYSDEF int tsys_model_num_tensors(const tsys_model *m);
 TSYSDEF int64_t tsys_model_num_params(const tsys_model *m);
 TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name);
 TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids);   // (B, T) ids -> (B, T, V) logits
+// The mean cross-entropy of the next-token logits against targets (B, T): tsys_cross_entropy of
+// tsys_model_forward, or with desc.fused_loss the head and the loss fused, the logits never made.
+TSYSDEF tsys_tensor *tsys_model_loss(tsys_model *m, tsys_tensor *ids, tsys_tensor *targets);
 TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, int vocab_size, int context_length);
 TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int64_t T, bool backward);  // matmul FLOPs
 
@@ -1313,12 +1325,13 @@ typedef enum tsys__op {
     TSYS__OP_CAST, TSYS__OP_EMBEDDING, TSYS__OP_LINEAR, TSYS__OP_MATMUL, TSYS__OP_ADD, TSYS__OP_MUL,
     TSYS__OP_SCALE, TSYS__OP_RELU, TSYS__OP_SILU, TSYS__OP_SWIGLU, TSYS__OP_RMSNORM, TSYS__OP_LAYERNORM,
     TSYS__OP_ROPE, TSYS__OP_SOFTMAX, TSYS__OP_TRANSPOSE12, TSYS__OP_VIEW, TSYS__OP_CROSS_ENTROPY,
-    TSYS__OP_MSE, TSYS__OP_SUM, TSYS__OP_FLASH_ATTN, TSYS__OP_CUSTOM, TSYS__OP_COUNT
+    TSYS__OP_MSE, TSYS__OP_SUM, TSYS__OP_FLASH_ATTN, TSYS__OP_CUSTOM, TSYS__OP_LINEAR_CE, TSYS__OP_COUNT
 } tsys__op;
 
 static const char *tsys__op_names[] = {
     "cast", "embedding", "linear", "matmul", "add", "mul", "scale", "relu", "silu", "swiglu", "rmsnorm",
     "layernorm", "rope", "softmax", "transpose12", "view", "cross_entropy", "mse", "sum", "flash_attention", "custom",
+    "linear_cross_entropy",
 };
 typedef char tsys__op_names_match[(sizeof(tsys__op_names) / sizeof(tsys__op_names[0]) == TSYS__OP_COUNT) ? 1 : -1];
 
@@ -1328,6 +1341,7 @@ typedef char tsys__op_names_match[(sizeof(tsys__op_names) / sizeof(tsys__op_name
 // What each op keeps for its backward: the index of each value in node->saved, named per op.
 enum {
     TSYS__SAVED_LINEAR_X = 0, TSYS__SAVED_LINEAR_W, TSYS__SAVED_LINEAR_COUNT,                 // the compute-dtype copies
+    TSYS__SAVED_LCE_DX = 0, TSYS__SAVED_LCE_DW, TSYS__SAVED_LCE_COUNT,                        // the gradients, made in forward
     TSYS__SAVED_MATMUL_A = 0, TSYS__SAVED_MATMUL_B, TSYS__SAVED_MATMUL_COUNT,
     TSYS__SAVED_EMBED_IDS = 0, TSYS__SAVED_EMBED_COUNT,
     TSYS__SAVED_BINARY_A = 0, TSYS__SAVED_BINARY_B, TSYS__SAVED_BINARY_COUNT,                 // mul, swiglu, mse
@@ -2672,6 +2686,13 @@ static tsys_status tsys__cpu_k_scale(tsys__cpu_launch *L) {
     return TSYS_OK;
 }
 
+static tsys_status tsys__cpu_k_scale_by(tsys__cpu_launch *L) {
+    float *y = OUT(0, false); const float *x = IN(1), *s = IN(2);
+    const float c = s[0];
+    for (int64_t i = 0; i < L->n; i++) y[i] = x[i] * c;
+    return TSYS_OK;
+}
+
 static tsys_status tsys__cpu_k_add_bias(tsys__cpu_launch *L) {
     float *y = OUT(0, true); const float *bias = IN(1);
     int64_t d = tsys_tensor_numel(L->t[1]);
@@ -2990,6 +3011,7 @@ static const struct { tsys_kernel id; tsys__cpu_kfn fn; } tsys__cpu_kernels[] = 
     {TSYS_K_NONFINITE, tsys__cpu_k_nonfinite},
     {TSYS_K_FLASH_FWD, tsys__cpu_k_flash_fwd},
     {TSYS_K_FLASH_BWD, tsys__cpu_k_flash_bwd},
+    {TSYS_K_SCALE_BY, tsys__cpu_k_scale_by},
 };
 typedef char tsys__cpu_kernels_complete[(sizeof(tsys__cpu_kernels) / sizeof(tsys__cpu_kernels[0]) == TSYS_K_COUNT) ? 1 : -1];
 
@@ -4337,6 +4359,115 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
     return loss;
 }
 
+// ---- linear + cross-entropy, a chunk of rows at a time ----
+// Liger-Kernel's idea: with the loss as the graph's end, d loss / d logits is known in forward, so the
+// logits never need to outlive their chunk. Each chunk runs the kernels linear + cross_entropy would run on
+// it: the logits GEMM in the compute dtype, CE_FWD, CE_BWD in place (g = 1, 1 / rows), d x = dlogits w in
+// x's compute dtype, d w += dlogits^T x in fp32.
+
+// Rows a chunk: about as many logits as x has elements (N d / V rows), rounded up to a power of two.
+static int64_t tsys__lce_chunk(int64_t rows, int64_t V, int64_t d) {
+    const int64_t want = (rows * d + V - 1) / V;
+    int64_t c = 1;
+    while (c < want && c < rows) c *= 2;
+    return c < rows ? c : rows;
+}
+
+// One chunk [r0, r0 + rc): the loss's share into *loss; with dx, its rows of d x and d w (+= unless first).
+static tsys_status tsys__lce_chunk_run(tsys_ctx *ctx, tsys_tensor *xl, tsys_tensor *wl, tsys_tensor *targets, int64_t r0, int64_t rc,
+                                       int64_t rows, tsys_tensor *loss, tsys_tensor *one, tsys_tensor *dx, tsys_tensor *dw) {
+    const int64_t V = wl->shape[0], d = wl->shape[1];
+    const int64_t xs[2] = {rc, d}, ts[1] = {rc}, ls[2] = {rc, V};
+    tsys_tensor *xc = tsys_tensor_view_raw(ctx, xl, (size_t)(r0 * d) * tsys_dtype_size(xl->dtype), xl->dtype, 2, xs);
+    tsys_tensor *tc = tsys_tensor_view_raw(ctx, targets, (size_t)r0 * tsys_dtype_size(targets->dtype), targets->dtype, 1, ts);
+    tsys_tensor *logits = tsys_tensor_new(ctx, xl->dtype, xl->device, 2, ls), *lse = tsys__row_stats(ctx, logits ? logits : xl);
+    tsys_tensor *part = tsys__scalar(ctx, xl->device);
+    tsys_status st = xc && tc && logits && lse && part ? TSYS_OK : ctx->status ? ctx->status : TSYS_ERR_OOM;
+    if (st == TSYS_OK) { tsys_gemm_args g = tsys__gemm_args(xc, wl, logits, false, true, rc, V, d); st = tsys__gemm(ctx, &g); }
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = part; a.t[1] = lse; a.t[2] = logits; a.t[3] = tc;
+    if (st == TSYS_OK) st = tsys__kernel(ctx, xl->device, TSYS_K_CE_FWD, &a);
+    a = tsys__kargs0();
+    a.t[0] = loss; a.t[1] = part; a.f[0] = (float)((double)rc / (double)rows);   // the chunk's mean, weighted by its rows
+    if (st == TSYS_OK) st = tsys__kernel(ctx, xl->device, TSYS_K_ACCUM, &a);
+    if (st == TSYS_OK && dx) {
+        a = tsys__kargs0();
+        a.t[0] = logits; a.t[1] = logits; a.t[2] = lse; a.t[3] = tc; a.t[4] = one; a.f[0] = 1.0f / (float)rows;
+        st = tsys__kernel(ctx, xl->device, TSYS_K_CE_BWD, &a);   // in place: the logits' gradient
+        tsys_tensor *dxc = st == TSYS_OK ? tsys_tensor_view_raw(ctx, dx, (size_t)(r0 * d) * tsys_dtype_size(dx->dtype), dx->dtype, 2, xs) : NULL;
+        if (st == TSYS_OK) st = dxc ? TSYS_OK : ctx->status;
+        if (st == TSYS_OK) { tsys_gemm_args g = tsys__gemm_args(logits, wl, dxc, false, false, rc, d, V); st = tsys__gemm(ctx, &g); }
+        if (st == TSYS_OK) {
+            tsys_gemm_args g = tsys__gemm_args(logits, xc, dw, true, false, V, d, rc);
+            g.beta = r0 > 0 ? 1.0f : 0.0f;
+            st = tsys__gemm(ctx, &g);
+        }
+        tsys_tensor_release(dxc);
+    }
+    tsys_tensor *tmp[5] = {xc, tc, logits, lse, part};
+    for (int i = 0; i < 5; i++) tsys_tensor_release(tmp[i]);
+    return st;
+}
+
+TSYSDEF tsys_tensor *tsys_linear_cross_entropy(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *w, tsys_tensor *targets, int64_t chunk_rows) {
+    tsys_tensor *ins[3] = {x, w, targets};
+    const char *op = "linear_cross_entropy";
+    if (!tsys__check_inputs(ctx, op, ins, 3) || !tsys__check_float(ctx, op, x) || !tsys__check_float(ctx, op, w)) return NULL;
+    TSYS__REQUIRE(ctx, w->ndim == 2 && x->ndim >= 1 && tsys__last_dim(x) == w->shape[1], "%s: input '%s' last dim %lld does not match weight '%s' (%lld, %lld) [V, d]",
+                  op, x->name, (long long)tsys__last_dim(x), w->name, (long long)w->shape[0], (long long)(w->ndim > 1 ? w->shape[1] : -1));
+    TSYS__REQUIRE(ctx, targets->dtype == TSYS_I32 || targets->dtype == TSYS_I64, "%s: targets '%s' must be i32 or i64", op, targets->name);
+    TSYS__REQUIRE(ctx, tsys_tensor_numel(targets) == tsys__rows(x), "%s: %lld targets for %lld rows of '%s'", op, (long long)tsys_tensor_numel(targets), (long long)tsys__rows(x), x->name);
+    TSYS__REQUIRE(ctx, chunk_rows >= 0, "%s: chunk_rows %lld must be >= 0 (0: chosen from the shapes)", op, (long long)chunk_rows);
+    TSYS__REQUIRE(ctx, ctx->open_region < 0, "%s: not inside a checkpoint region (it keeps gradients, not inputs, for backward)", op);
+    const int64_t rows = tsys__rows(x), V = w->shape[0], d = w->shape[1];
+    TSYS__REQUIRE(ctx, rows > 0, "%s: '%s' has no rows", op, x->name);
+    const int64_t chunk = chunk_rows > 0 ? (chunk_rows < rows ? chunk_rows : rows) : tsys__lce_chunk(rows, V, d);
+    ctx->trace_weight = w;
+    int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR_CE, ins, 3);
+    ctx->trace_weight = NULL;
+    const tsys_dtype dt = tsys__matmul_dtype(ctx, x, w);
+    tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false), *wl = xl ? tsys__matmul_input(ctx, w, dt, true) : NULL;
+    const bool grads = tsys__recording(ctx, ins, 2);
+    const int64_t xs[2] = {rows, d};
+    tsys_tensor *x2 = wl ? tsys_tensor_view_raw(ctx, xl, 0, xl->dtype, 2, xs) : NULL;   // (rows, d)
+    tsys_tensor *loss = x2 ? tsys__scalar(ctx, x->device) : NULL, *one = loss ? tsys__scalar(ctx, x->device) : NULL;
+    tsys_tensor *dx = grads && one ? tsys__new_like(ctx, xl, xl->dtype) : NULL, *dw = dx ? tsys__new_like(ctx, w, TSYS_F32) : NULL;
+    tsys_status st = one && (!grads || dw) ? TSYS_OK : ctx->status ? ctx->status : TSYS_ERR_OOM;
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = loss; a.f[0] = 0.0f;
+    if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_FILL, &a);
+    a.t[0] = one; a.f[0] = 1.0f;
+    if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_FILL, &a);
+    for (int64_t r0 = 0; st == TSYS_OK && r0 < rows; r0 += chunk)
+        st = tsys__lce_chunk_run(ctx, x2, wl, targets, r0, rows - r0 < chunk ? rows - r0 : chunk, rows, loss, one, dx, dw);
+    if (st != TSYS_OK) { tsys_tensor_release(loss); loss = NULL; }
+    // Slots as linear's: the compute-dtype x (its cast node routes to x), the fp32 weight itself.
+    tsys_tensor *slots[3] = {xl, w->grad_fn ? wl : w, targets}, *saved[TSYS__SAVED_LCE_COUNT] = {dx, dw};
+    tsys__node *node = loss ? tsys__record(ctx, TSYS__OP_LINEAR_CE, loss, slots, 3, saved, TSYS__SAVED_LCE_COUNT) : NULL;
+    if (node) node->i[0] = chunk;
+    tsys_tensor *tmp[6] = {xl, wl, x2, one, dx, dw};
+    for (int i = 0; i < 6; i++) tsys_tensor_release(tmp[i]);
+    if (loss) tsys_tensor_set_name(loss, "loss");
+    ctx->trace_weight = w;
+    tsys__op_end(ctx, TSYS__OP_LINEAR_CE, tag);
+    ctx->trace_weight = NULL;
+    return loss;
+}
+
+// Backward: the gradients made in forward times the loss's gradient (in place: the node's own tensors).
+static tsys_status tsys__bwd_linear_ce(tsys_ctx *ctx, tsys__node *n) {
+    tsys_status st = TSYS_OK;
+    for (int j = 0; st == TSYS_OK && j < 2; j++) {
+        tsys_tensor *t = n->saved[j == 0 ? TSYS__SAVED_LCE_DX : TSYS__SAVED_LCE_DW];
+        if (!n->in[j].needs || !t) continue;
+        tsys_kargs a = tsys__kargs0();
+        a.t[0] = t; a.t[1] = t; a.t[2] = n->gout;
+        st = tsys__kernel(ctx, t->device, TSYS_K_SCALE_BY, &a);
+        if (st == TSYS_OK) st = tsys__grad_add(ctx, &n->in[j], tsys_tensor_retain(t));
+    }
+    return st;
+}
+
 TSYSDEF tsys_tensor *tsys_mse(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b) {
     tsys_tensor *ins[2] = {a, b};
     if (!tsys__check_inputs(ctx, "mse", ins, 2) || !tsys__check_same_shape(ctx, "mse", a, b)) return NULL;
@@ -4596,7 +4727,8 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
     tsys_tensor *g = n->gout;
     tsys_kargs a = tsys__kargs0();
     // the weight of a linear (its leaf, else the saved one) or an embedding, for the hooks
-    tsys_tensor *weight = n->op == TSYS__OP_LINEAR ? (n->in[1].leaf ? n->in[1].leaf : n->saved[TSYS__SAVED_LINEAR_W]) : n->op == TSYS__OP_EMBEDDING ? n->in[0].leaf : NULL;
+    tsys_tensor *weight = n->op == TSYS__OP_LINEAR ? (n->in[1].leaf ? n->in[1].leaf : n->saved[TSYS__SAVED_LINEAR_W])
+                        : n->op == TSYS__OP_LINEAR_CE ? n->in[1].leaf : n->op == TSYS__OP_EMBEDDING ? n->in[0].leaf : NULL;
     ctx->trace_weight = weight;
     int tag = tsys__scope_begin(ctx, tsys__op_names[n->op], ctx->op_tags[n->op], TSYS_TRACE_BACKWARD, NULL, n->in, n->n_in);   // the forward op's inputs
     ctx->trace_weight = NULL;
@@ -4619,6 +4751,7 @@ static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *n) {
         break;
     }
     case TSYS__OP_LINEAR: st = tsys__bwd_linear(ctx, n); break;
+    case TSYS__OP_LINEAR_CE: st = tsys__bwd_linear_ce(ctx, n); break;
     case TSYS__OP_MATMUL: st = tsys__bwd_matmul(ctx, n); break;
     case TSYS__OP_MUL:
         a.t[1] = g; a.t[2] = n->saved[TSYS__SAVED_BINARY_B];
@@ -4858,7 +4991,7 @@ static tsys_tensor *tsys__replay_op(tsys_ctx *ctx, tsys__node *n, tsys_tensor *c
     case TSYS__OP_SUM: y = tsys__sum_scaled(ctx, v[0], n->i[0] != 0); break;
     case TSYS__OP_FLASH_ATTN: y = tsys_flash_attention(ctx, v[0], v[1], v[2], n->i[0] != 0, NULL); break;
     case TSYS__OP_CUSTOM: y = tsys_custom(ctx, n->custom, v, n->n_in); break;
-    case TSYS__OP_COUNT: break;
+    case TSYS__OP_LINEAR_CE: case TSYS__OP_COUNT: break;   // never inside a region: nothing to recompute
     }
     ctx->autocast = ac;
     ctx->replay = NULL;
@@ -5126,7 +5259,9 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
     e.optimizer = optimizer ? 8 * P + 8 : 0;   // m, v and the step count
     int64_t norm_outs = 2 * N * D * (autocast ? c : 4);   // each norm's output, in the dtype its matmuls read (tsys__rmsnorm_to)
     e.saved_per_layer = 2 * N * D * 4 + 2 * N * 4 + norm_outs + 4 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : scores) + 3 * N * F * c;
-    e.saved_outside = N * D * 4 + N * 4 + N * D * (autocast ? c : 4) + N * V * c + N * 4;
+    // fused_loss: the head keeps d x (in place of its input) and d w (fp32), never the logits
+    const bool fused = d.fused_loss && backward;
+    e.saved_outside = N * D * 4 + N * 4 + N * D * (autocast ? c : 4) + (fused ? 4 * V * D : N * V * c + N * 4);
     int64_t act = e.saved_per_layer * L + e.saved_outside;
     if (backward) {
         // Gradients are made by group as backward reaches it (the head, then each layer) and given
@@ -5137,7 +5272,8 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
         // its naive softmax backward (the FFN's tensors gone too; dP and dS); the end of backward
         // (every gradient; autocast's weight copies gone with their nodes).
         int64_t ch = autocast ? c : 4, head_grads = 4 * (V * D + D), layer_grads = 4 * (4 * D * D + 3 * D * F + 2 * D);
-        int64_t head_saved = N * V * c + N * D * ch + N * D * 4 + N * 4, ffn_saved = 3 * N * F * c + N * D * 4 + N * D * (autocast ? c : 4) + N * 4;
+        int64_t head_saved = (fused ? 4 * V * D : N * V * c + N * 4) + N * D * ch + N * D * 4 + N * 4;
+        int64_t ffn_saved = 3 * N * F * c + N * D * 4 + N * D * (autocast ? c : 4) + N * 4;
         struct { int64_t act, grads, temp, params; const char *what; } cand[5] = {
             {act, 0, N * V * c, e.params, "the loss's backward: every activation and the logits' gradient"},
             {act - N * V * c, head_grads, N * V * c + N * D * c, e.params, "lm_head's backward: the logits' gradient, the head's gradients"},
@@ -5145,6 +5281,10 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
             {act - head_saved - ffn_saved, head_grads + layer_grads, N * D * 4 + 2 * scores, e.params, "the last block's softmax backward: dP and dS"},
             {0, e.grads, N * D * 4, kept ? e.params : 4 * P, "the end of backward: every gradient, and the residual stream's"},
         };
+        if (fused) {   // the head's backward scales what forward made and gives it to lm_head's gradient
+            cand[0].temp = cand[1].temp = 0; cand[1].act = act; cand[1].grads = 4 * V * D;
+            cand[1].what = "the fused head's backward: every activation and lm_head's gradient";
+        }
         int best = 0;
         for (int k = 1; k < 5; k++) {
             if (k == 3 && flash) continue;
@@ -5463,7 +5603,8 @@ static tsys_tensor *tsys__model_blocks(tsys_model *m, tsys_tensor *x, const tsys
     return x;
 }
 
-TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
+// The final norm's output (B, T, d): the trunk, in the dtype lm_head reads.
+static tsys_tensor *tsys__model_hidden(tsys_model *m, tsys_tensor *ids) {
     if (!m) return NULL;
     tsys_ctx *ctx = m->ctx;
     if (!tsys__check_inputs(ctx, "model", &ids, 1)) return NULL;
@@ -5479,10 +5620,29 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
         h = tsys__rmsnorm_to(ctx, x, m->ln_final, m->desc.eps, tsys__model_norm_dtype(ctx, x));
         tsys_tensor_release(x);
     }
-    tsys_tensor *logits = tsys_linear(ctx, h, m->lm_head, NULL);
+    return h;
+}
+
+TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids) {
+    tsys_tensor *h = tsys__model_hidden(m, ids);
+    tsys_tensor *logits = h ? tsys_linear(m->ctx, h, m->lm_head, NULL) : NULL;
     tsys_tensor_release(h);
     if (logits) tsys_tensor_set_name(logits, "logits");
     return logits;
+}
+
+TSYSDEF tsys_tensor *tsys_model_loss(tsys_model *m, tsys_tensor *ids, tsys_tensor *targets) {
+    if (!m) return NULL;
+    if (!m->desc.fused_loss) {
+        tsys_tensor *logits = tsys_model_forward(m, ids);
+        tsys_tensor *loss = logits ? tsys_cross_entropy(m->ctx, logits, targets) : NULL;
+        tsys_tensor_release(logits);
+        return loss;
+    }
+    tsys_tensor *h = tsys__model_hidden(m, ids);
+    tsys_tensor *loss = h ? tsys_linear_cross_entropy(m->ctx, h, m->lm_head, targets, 0) : NULL;
+    tsys_tensor_release(h);
+    return loss;
 }
 
 TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model *m) { return m && m->has_plan ? &m->plan : NULL; }
@@ -5601,9 +5761,9 @@ TSYSDEF void tsys_checkpoint_policy_name(const tsys_checkpoint_policy *p, char *
 // The sizes of one step and what a block keeps, part by part (the table above).
 typedef struct tsys__acct {
     double E, B, T, d, f, H, V, L, c;
-    bool ac, flash;
+    bool ac, flash, fused;             // fused: desc.fused_loss (the head keeps d x and d w, no logits)
     double x, st, qkv, attn_in, attn_big, o, ffn, ab, s;   // attn_in: q, k, v; attn_big: P (naive) or O + L (flash)
-    double full, sel, head;
+    double full, sel, head, head_fwd, logits_grad;   // head_fwd: the head's most at once in forward
     double ac_block, ac_head;          // autocast copies of a block's matmul weights, of lm_head's
 } tsys__acct;
 
@@ -5625,7 +5785,15 @@ static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T
     a.ab = 2 * c * E * a.f; a.s = c * E * a.f;
     a.full = 2 * (a.x + a.st) + a.qkv + a.attn_in + a.attn_big + a.o + a.ffn + a.ab + a.s;
     a.sel = 2 * a.x + a.attn_in + (a.flash ? 0 : a.o) + a.ab;
-    a.head = a.x + a.st + (a.ac ? c * E * a.d : a.x) + c * E * a.V + 4 * E;
+    a.fused = d->fused_loss;
+    const double head_in = a.ac ? c * E * a.d : a.x;   // lm_head's input, or (fused) the d x of the same size
+    if (!a.fused) { a.head = a.x + a.st + head_in + c * E * a.V + 4 * E; a.head_fwd = a.head; a.logits_grad = c * E * a.V; }
+    else {   // d w (fp32) kept; in forward a chunk's logits and their log-sum-exp at a time
+        const double rows = (double)tsys__lce_chunk((int64_t)E, (int64_t)a.V, (int64_t)a.d);
+        a.head = a.x + a.st + head_in + 4 * a.V * a.d;
+        a.head_fwd = a.head + rows * (c * a.V + 4);
+        a.logits_grad = 0;
+    }
     a.ac_block = a.ac ? c * (4 * a.d * a.d + 3 * a.d * a.f) : 0;
     a.ac_head = a.ac ? c * a.V * a.d : 0;
     return a;
@@ -5687,10 +5855,10 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     double head_grads = 4 * (a.V * a.d + a.d), layer_grads = 4 * (4 * a.d * a.d + 3 * a.d * a.f + 2 * a.d);
     // autocast copies still held after the forward: lm_head's, and every block's outside block regions
     // (selective's regions keep theirs: TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES)
-    double ac_held = a.ac_head + (seg ? U : L) * a.ac_block;
+    double ac_held = (a.fused ? 0 : a.ac_head) + (seg ? U : L) * a.ac_block;   // the fused op casts lm_head for its forward alone
     double attn_fwd = a.flash ? 0 : a.c * a.B * a.H * a.T * a.T * ((seg || p->selective) ? 2 : 1);
-    double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head, attn_fwd);
-    double start_bwd = ac_held + out->kept_bytes + a.c * E * a.V + head_grads;
+    double end_fwd = L * a.ac_block + a.ac_head + kept_blocks + TSYS__MAX(a.head_fwd, attn_fwd);
+    double start_bwd = ac_held + out->kept_bytes + a.logits_grad + head_grads;
     // a segment's turn: the earlier segments keep their input; in the segment, the blocks before the
     // one backward is in are recomputed (all they keep; nested: only their inputs) and that one peaks
     // Freeing gradients in backward: a layer's are given back when backward leaves it, so a block

@@ -4714,7 +4714,7 @@ static tsys_status tsys_cuda__k_elementwise(tsys_cuda__state *st, tsys_kernel k,
     int last_in = (k == TSYS_K_ACCUM || k == TSYS_K_ADD_BIAS) ? 1 : nin;   // these read t[0] and t[1]
     for (int i = 1; i <= last_in; i++) {
         TSYS_CUDA__REQUIRE(ctx, t[i] != NULL, "%s: input t[%d] is NULL", tsys_kernel_name(k), i);
-        if (k == TSYS_K_BROADCAST || k == TSYS_K_ADD_BIAS) continue;
+        if (k == TSYS_K_BROADCAST || k == TSYS_K_ADD_BIAS || (k == TSYS_K_SCALE_BY && i == 2)) continue;
         TSYS_CUDA__REQUIRE(ctx, tsys_tensor_numel(t[i]) == n, "%s: t[%d] has %lld elements, t[0] has %lld",
                            tsys_kernel_name(k), i, (long long)tsys_tensor_numel(t[i]), (long long)n);
     }
@@ -4735,6 +4735,10 @@ static tsys_status tsys_cuda__k_elementwise(tsys_cuda__state *st, tsys_kernel k,
     case TSYS_K_SILU_FWD: return tsys_cuda__ew<1, 1>(st, tsys_cuda__op_silu{}, e);
     case TSYS_K_ADD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_add{}, e);
     case TSYS_K_MUL: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_mul{}, e);
+    case TSYS_K_SCALE_BY:
+        TSYS_CUDA__REQUIRE(ctx, tsys_tensor_numel(t[2]) == 1 && t[2]->dtype == TSYS_F32, "scale_by: t[2] must be one f32 element");
+        e.in_mod[1] = 1;   // every element reads the one factor
+        return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_mul{}, e);
     case TSYS_K_RELU_BWD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_relu_bwd{}, e);
     case TSYS_K_SILU_BWD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_silu_bwd{}, e);
     case TSYS_K_SWIGLU_FWD: return tsys_cuda__ew<2, 1>(st, tsys_cuda__op_swiglu{}, e);
@@ -5272,7 +5276,7 @@ static tsys_status tsys_cuda__kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_ka
     switch (k) {
     case TSYS_K_FILL: case TSYS_K_CAST: case TSYS_K_ACCUM: case TSYS_K_ADD: case TSYS_K_MUL: case TSYS_K_SCALE:
     case TSYS_K_ADD_BIAS: case TSYS_K_RELU_FWD: case TSYS_K_RELU_BWD: case TSYS_K_SILU_FWD: case TSYS_K_SILU_BWD:
-    case TSYS_K_SWIGLU_FWD: case TSYS_K_BROADCAST:
+    case TSYS_K_SWIGLU_FWD: case TSYS_K_BROADCAST: case TSYS_K_SCALE_BY:
         return tsys_cuda__k_elementwise(st, k, a);
     case TSYS_K_SWIGLU_BWD: return tsys_cuda__k_swiglu_bwd(st, a);
     case TSYS_K_BIAS_GRAD: return tsys_cuda__k_bias_grad(st, a);

@@ -4905,7 +4905,11 @@ static void tsys_dist__fsdp_rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user)
     f->cur.all_reduces++;
 }
 
-static bool tsys_dist__fsdp_counted(const char *name) { return !strcmp(name, "linear") || !strcmp(name, "embedding"); }
+// the ops that use a unit's weights (tsys_trace_weight names the weight); the fused head + loss's backward
+// does not read its weight (it made the gradients in forward): its unit is not gathered again for it
+static bool tsys_dist__fsdp_counted(const char *name) {
+    return !strcmp(name, "linear") || !strcmp(name, "embedding") || !strcmp(name, "linear_cross_entropy");
+}
 
 // The unit of a parameter (the weight the running linear/embedding uses, tsys_trace_weight, or one
 // whose gradient is ready); -1: not ours. Every op asks (forward and backward, begin and end), and
@@ -6252,7 +6256,8 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
     double B = batch > 0 ? batch : 0, T = context > 0 ? context : 0, E = B * T;
     bool ac = dtype == TSYS_BF16 || dtype == TSYS_F16;
     double c = ac ? 2.0 : 4.0;
-    a.param_bytes = 4 * P + (ac ? c * tsys_dist__matmul_params(&d) : 0);
+    // autocast's copies of the matmul weights (fused_loss: lm_head's lives only inside the fused op's forward)
+    a.param_bytes = 4 * P + (ac ? c * (tsys_dist__matmul_params(&d) - (d.fused_loss ? V * dm : 0)) : 0);
     a.grad_bytes = 4 * P;
     a.optim_bytes = 8 * P;
     if (scheme >= TSYS_SCHEME_ZERO1) a.optim_bytes /= N;
@@ -6265,7 +6270,9 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
                  + c * E * dm                                                    // output projection input
                  + (ac ? 2 * c : 4) * E * dm                                     // w1, w3 input
                  + 3 * c * E * f;                                                // a, b, s
-    a.act_bytes = L * layer + (4 * E * dm + 4 * E) + (ac ? c : 4) * E * dm + c * E * V + 4 * E + c * E * V;
+    // fused: d w, and lm_head's gradient made beside it in the head's backward; else the logits, their lse and their gradient
+    const double head = d.fused_loss ? 8 * V * dm : c * E * V + 4 * E + c * E * V;
+    a.act_bytes = L * layer + (4 * E * dm + 4 * E) + (ac ? c : 4) * E * dm + head;
     const double ckpt = tsys_dist__ckpt_act_bytes(m, dtype, batch, context);
     if (ckpt >= 0) a.act_bytes = ckpt;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
@@ -6849,15 +6856,13 @@ static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys
     const bool ac = t->desc.autocast != TSYS_F32 && !t->fsdp;   // FSDP computes in its compute_dtype itself
     tsys_trace_begin(ctx, "forward");
     if (ac) tsys_autocast_begin(ctx, t->desc.autocast);
-    tsys_tensor *logits = tsys_model_forward(t->model, ids);
-    tsys_tensor *loss = tsys_cross_entropy(ctx, logits, targets);
+    tsys_tensor *loss = tsys_model_loss(t->model, ids, targets);   // fused with the head when the model's desc says
     if (t->desc.loss_scale != 0.0f && t->desc.loss_scale != 1.0f) {
         tsys_tensor *scaled = tsys_scale(ctx, loss, t->desc.loss_scale);
         tsys_tensor_release(loss);
         loss = scaled;
     }
     if (ac) tsys_autocast_end(ctx);
-    tsys_tensor_release(logits);
     tsys_trace_end(ctx);
     if (tm) clk[1] = tsys_dist__trainer_clock(t);
     tsys_trace_begin(ctx, "backward");

@@ -335,8 +335,8 @@ static inline tsys_status du_lm_step(du_lm *r, int *last) {
     tsys_trace_begin(ctx, "forward");
     if (r->mode == DU_FORWARD) tsys_no_grad_begin(ctx);
     if (r->dtype != TSYS_F32) tsys_autocast_begin(ctx, r->dtype);
-    tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
-    tsys_tensor *loss = r->mode == DU_FORWARD ? NULL : tsys_cross_entropy(ctx, logits, r->targets);
+    tsys_tensor *logits = r->mode == DU_FORWARD ? tsys_model_forward(r->model, r->ids) : NULL;
+    tsys_tensor *loss = r->mode == DU_FORWARD ? NULL : tsys_model_loss(r->model, r->ids, r->targets);
     if (r->dtype != TSYS_F32) tsys_autocast_end(ctx);
     if (r->mode == DU_FORWARD) tsys_no_grad_end(ctx);
     tsys_tensor_release(logits);
@@ -999,6 +999,7 @@ typedef struct du_model_flags {
     du_list models;              // --model
     tsys_model_desc dims;        // the explicit dims: the non-zero fields override the preset's
     const char *load;            // the checkpoint whose dims 'from-file' takes (NULL: none)
+    bool fused_loss;             // --fused-loss: tsys_model_desc.fused_loss
     char help[320], rule[256];   // --model's help and its rule in words
 } du_model_flags;
 
@@ -1021,7 +1022,10 @@ static inline bool du_ok_model_or_file(const char *s) { return !strcmp(s, "from-
     DU_FLAG_INT("d-ff", &(m)->dims.d_ff, NULL, 1, 1 << 22, "d_ff, the feed-forward width (explicit dims)"),            \
     DU_FLAG_INT("num-layers", &(m)->dims.num_layers, NULL, 1, 1 << 12, "Transformer blocks (explicit dims)"),          \
     DU_FLAG_INT("num-heads", &(m)->dims.num_heads, NULL, 1, 1 << 12, "attention heads (explicit dims)"),               \
-    DU_FLAG_INT("vocab-size", &(m)->dims.vocab_size, NULL, 1, 1 << 24, "vocabulary size (explicit dims)")
+    DU_FLAG_INT("vocab-size", &(m)->dims.vocab_size, NULL, 1, 1 << 24, "vocabulary size (explicit dims)"),            \
+    DU_FLAG_BOOL("fused-loss", &(m)->fused_loss, "the LM head and the cross-entropy fused (tsys_linear_cross_entropy): the\n"  \
+                 "logits are made a chunk of rows at a time, never whole (the same training up to fp32\n"                   \
+                 "rounding; tensor-parallel layouts have their own vocabulary-parallel loss)")
 #define DU_CONTEXT_FLAG(list, def, help) \
     DU_FLAG_LIST_CHECKED("context-length", list, def, du_ok_context, "an integer from 1 to 1048576", help)
 
@@ -1040,10 +1044,15 @@ static inline const char *du_model_flags_why(const du_model_flags *m) {
 // The model of a configuration: a preset or 'custom' (du_model_desc), or 'from-file' (m->load's dims;
 // the context is the configuration's, as RoPE has no length limit). False (err filled) when invalid.
 static inline bool du_model_config(const du_model_flags *m, const char *model, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
-    if (strcmp(model, "from-file")) return du_model_desc(&m->dims, model, T, attn, d, err, len);
+    if (strcmp(model, "from-file")) {
+        if (!du_model_desc(&m->dims, model, T, attn, d, err, len)) return false;
+        d->fused_loss = m->fused_loss;
+        return true;
+    }
     if (tsys_model_desc_from_file(m->load, d, err, len) != TSYS_OK) return false;
     d->context_length = T;
     d->attn = attn;
+    d->fused_loss = m->fused_loss;
     return tsys_model_desc_validate(d, err, len) == TSYS_OK;
 }
 

@@ -136,11 +136,7 @@ static tsys_status mesh_step(mesh_run *r, double *loss) {
     if (r->autocast != TSYS_F32) tsys_autocast_begin(ctx, r->autocast);
     tsys_tensor *l = NULL;
     if (r->tpm) l = tsys_tp_model_loss(r->tpm, r->ids, r->targets);
-    else {
-        tsys_tensor *logits = tsys_model_forward(r->model, r->ids);
-        l = logits ? tsys_cross_entropy(ctx, logits, r->targets) : NULL;
-        tsys_tensor_release(logits);
-    }
+    else l = tsys_model_loss(r->model, r->ids, r->targets);
     if (r->autocast != TSYS_F32) tsys_autocast_end(ctx);
     tsys_status st = l ? tsys_backward(ctx, l) : tsys_ctx_status(ctx);
     if (st == TSYS_OK && loss) *loss = tsys_item(ctx, l);

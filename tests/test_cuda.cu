@@ -131,6 +131,7 @@ TSYS_TEST(cuda_elementwise) {
             { "add mixed", TSYS_K_ADD, { A1(R_OUT, TSYS_F32, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1), A1(R_IN, TSYS_F32, m, I_RANDN, 1) } },
             { "mul", TSYS_K_MUL, { A1(R_OUT, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1) } },
             { "scale", TSYS_K_SCALE, { A1(R_OUT, T, n, I_RANDN, 1), A1(R_IN, T, n, I_RANDN, 1) }, { 0.37f } },
+            { "scale_by", TSYS_K_SCALE_BY, { A1(R_OUT, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1), A1(R_IN, TSYS_F32, 1, I_RANDN, 1) } },
             { "add_bias", TSYS_K_ADD_BIAS, { A2(R_INOUT, T, 33, 96, I_RANDN, 1), A1(R_IN, T, 96, I_RANDN, 1) } },
             { "bias_grad", TSYS_K_BIAS_GRAD, { A1(R_INOUT, TSYS_F32, 96, I_RANDN, 1), A2(R_IN, T, 333, 96, I_RANDN, 1) } },
             { "relu_fwd", TSYS_K_RELU_FWD, { A1(R_OUT, T, m, I_RANDN, 1), A1(R_IN, T, m, I_RANDN, 1) } },
@@ -1064,6 +1065,50 @@ TSYS_TEST(cuda_two_contexts) {
 }
 
 // ---- the kernel contract, bad ids, events -------------------------------------------------------
+
+// The fused linear + cross-entropy on the GPU against linear + cross_entropy on the GPU (the ops the CPU tests
+// hold to finite differences and to the fused op there): one chunk runs the same kernels on the same values,
+// so the same bits; chunks of 48 of 300 rows sum the loss and d w chunk by chunk.
+static void tc_lce_case(tsys_dtype autocast, int64_t chunk, bool bitwise, double tol) {
+    TC_CTX(ctx);
+    const int64_t R = 300, d = 64, V = 1000;
+    int64_t sx[2] = {R, d}, sw[2] = {V, d}, st[1] = {R};
+    tsys_tensor *xh = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sx), *wh = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 2, sw), *th = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st);
+    tsys_tensor_randn(ctx, xh, 1.0f); tsys_tensor_randn(ctx, wh, 0.2f); tsys_tensor_randint(ctx, th, V);
+    tsys_tensor *x = tsys_tensor_to(ctx, xh, TSYS_CUDA), *w = tsys_tensor_to(ctx, wh, TSYS_CUDA), *t = tsys_tensor_to(ctx, th, TSYS_CUDA);
+    tsys_tensor_set_requires_grad(x, true); tsys_tensor_set_requires_grad(w, true);
+    float *got[3] = {NULL}, *want[3] = {NULL};
+    for (int fused = 0; fused < 2; fused++) {
+        if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
+        tsys_tensor *logits = fused ? NULL : tsys_linear(ctx, x, w, NULL);
+        tsys_tensor *loss = fused ? tsys_linear_cross_entropy(ctx, x, w, t, chunk) : tsys_cross_entropy(ctx, logits, t);
+        if (autocast != TSYS_F32) tsys_autocast_end(ctx);
+        TEST_CHECK(loss && tsys_backward(ctx, loss) == TSYS_OK, "%s: %s", fused ? "fused" : "unfused", tsys_ctx_last_error(ctx));
+        float **out = fused ? got : want;
+        out[0] = test_read(ctx, loss); out[1] = x->grad ? test_read(ctx, x->grad) : NULL; out[2] = w->grad ? test_read(ctx, w->grad) : NULL;
+        tsys_tensor_release(logits); tsys_tensor_release(loss);
+        tsys_tensor_release(x->grad); x->grad = NULL; tsys_tensor_release(w->grad); w->grad = NULL;
+    }
+    const char *names[3] = {"loss", "d x", "d w"};
+    const int64_t n[3] = {1, R * d, V * d};
+    for (int k = 0; k < 3; k++) {
+        TEST_CHECK(got[k] && want[k], "%s missing: %s", names[k], tsys_ctx_last_error(ctx));
+        if (!got[k] || !want[k]) continue;
+        double num = 0, den = 0;
+        for (int64_t i = 0; i < n[k]; i++) { num = fmax(num, fabs((double)got[k][i] - want[k][i])); den = fmax(den, fabs((double)want[k][i])); }
+        if (bitwise) TEST_CHECK(!memcmp(got[k], want[k], sizeof(float) * (size_t)n[k]), "%s (%s, one chunk): not the unfused bits (%.2e)", names[k], tsys_dtype_name(autocast), num / (den + 1e-30));
+        else TEST_CHECK(num <= tol * den, "%s (%s, chunk %lld): %.2e from the unfused, tolerance %.0e", names[k], tsys_dtype_name(autocast), (long long)chunk, num / (den + 1e-30), tol);
+    }
+    for (int k = 0; k < 3; k++) { free(got[k]); free(want[k]); }
+    tsys_tensor *all[6] = {xh, wh, th, x, w, t};
+    for (int i = 0; i < 6; i++) tsys_tensor_release(all[i]);
+}
+TSYS_TEST(cuda_linear_cross_entropy) {
+    tc_lce_case(TSYS_F32, 300, true, 0);
+    tc_lce_case(TSYS_BF16, 300, true, 0);
+    tc_lce_case(TSYS_F32, 48, false, 1e-5);
+    tc_lce_case(TSYS_BF16, 48, false, 2e-2);
+}
 
 // Every kernel of the TSYS_KERNELS table has a CUDA case that runs (the cases above compare them
 // with the CPU): a kernel added to the table without one fails here.

@@ -441,6 +441,13 @@ static void lm_batch(uint64_t seed, int rows, int T, int vocab, int r0, int r1, 
 }
 
 static float lm_backward(tsys_model *m, tsys_tensor *ids, tsys_tensor *tgt, float scale) {
+    if (tsys_model_get_desc(m)->fused_loss) {   // the head and the loss fused: no logits to cast
+        tsys_tensor *loss = tsys_model_loss(m, ids, tgt), *l = scale != 1.0f ? tsys_scale(C, loss, scale) : tsys_tensor_retain(loss);
+        float v = loss ? tsys_item(C, loss) : NAN;
+        tsys_backward(C, l);
+        tsys_tensor_release(loss); tsys_tensor_release(l);
+        return v;
+    }
     tsys_tensor *logits = tsys_model_forward(m, ids);
     tsys_tensor *l32 = logits && logits->dtype != TSYS_F32 ? tsys_cast(C, logits, TSYS_F32) : tsys_tensor_retain(logits);
     tsys_tensor *loss = tsys_cross_entropy(C, l32, tgt);
@@ -464,17 +471,21 @@ static void lm_one(int r, void *user) {
 // bit over the same micro-batches, allclose (rtol 1e-5) on the whole batch; losses agree. Alone (a
 // group of one) the micro-batch reference is the plain model trained in fp32: FSDP's direct path
 // (no collectives) must equal it bit for bit.
+static bool g_fused_loss;   // the FSDP model runs its head and loss fused (the references never do)
 static void fsdp_lm_adamw(const char *policy, tsys_fsdp_reshard rs) {
     tsys_model_desc d = tiny_desc();
     int B = 2, T = 16;
     tsys_optim_desc od = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, false};
+    tsys_model_desc dmicro = d;
+    dmicro.fused_loss = g_fused_loss;   // the micro-batch reference runs the same loss op: bit for bit still
     ref_begin();
-    tsys_model *whole = tsys_model_new(C, &d, g_dev, 7), *micro = tsys_model_new(C, &d, g_dev, 7);
+    tsys_model *whole = tsys_model_new(C, &d, g_dev, 7), *micro = tsys_model_new(C, &dmicro, g_dev, 7);
     int np = tsys_model_num_tensors(whole);
     tsys_optim *o_whole = tsys_adamw_new(C, tsys_model_params(whole), np, &od), *o_micro = tsys_adamw_new(C, tsys_model_params(micro), np, &od);
     ref_end();
     tsys_model_desc dm = d;
     dm.checkpoint = policy;   // the references keep every activation
+    dm.fused_loss = g_fused_loss;
     tsys_model *m = tsys_model_new(C, &dm, g_dev, 7 + (uint64_t)g_rank);
     tsys_fsdp_desc fd = {TSYS_F32, false, rs, false};
     bool reshard = rs == TSYS_FSDP_RESHARD_YES || (rs == TSYS_FSDP_RESHARD_AUTO && reshards());
@@ -536,6 +547,15 @@ TSYS_TEST(fsdp_lm_checkpoint_first_blocks_fp32) { fsdp_lm_adamw("blocks:1+first:
 TSYS_TEST(fsdp_lm_keep_gathered_fp32) { fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_NO); }
 TSYS_TEST(fsdp_lm_keep_gathered_checkpoint_fp32) { fsdp_lm_adamw("blocks:1", TSYS_FSDP_RESHARD_NO); }
 TSYS_TEST(fsdp_lm_reshard_fp32) { fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_YES); }
+// The head and the loss fused (tsys_model_loss with desc.fused_loss): lm_head's unit gathered and its
+// gradient reduce-scattered as for the plain linear; bit for bit against the micro-batches run fused in one
+// process, within the tolerances above against the whole batch run with the logits; with and without resharding.
+TSYS_TEST(fsdp_lm_fused_loss_fp32) {
+    g_fused_loss = true;
+    fsdp_lm_adamw(NULL, TSYS_FSDP_RESHARD_AUTO);
+    fsdp_lm_adamw("blocks:1", TSYS_FSDP_RESHARD_NO);
+    g_fused_loss = false;
+}
 
 // bf16 compute: weights all-gathered in bf16 (half the bytes), gradients reduce-scattered in bf16; the
 // loss follows fp32 FSDP within bf16 precision over 3 AdamW steps, the masters stay fp32 and finite.

@@ -352,6 +352,60 @@ TSYS_TEST(release_grads_trains_like_zero_grad) {
     tsys_ctx_free(ctx);
 }
 
+// desc.fused_loss: tsys_model_loss fuses the LM head and the loss. 3 AdamW steps from the same weights as the
+// logits path (tsys_model_forward + tsys_cross_entropy): the losses within 1e-6, the parameters within 1e-5 of
+// their size (the fused op sums d w chunk by chunk); and the step's peak lower by at least the (N, V) logits plus
+// what the fused op keeps instead (d x and d w, fp32): no (N, V) tensor is ever made whole.
+TSYS_TEST(model_fused_loss_trains_like_the_logits) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 512; d.context_length = 32; d.d_model = 16; d.num_layers = 2; d.num_heads = 2; d.d_ff = 40;
+    tsys_model_desc fd = d;
+    fd.fused_loss = true;
+    tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 5), tsys_model_new(ctx, &fd, TSYS_CPU, 5)};
+    tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), tsys_model_num_tensors(m[0]), NULL),
+                        tsys_adamw_new(ctx, tsys_model_params(m[1]), tsys_model_num_tensors(m[1]), NULL)};
+    const int64_t B = 4, T = 32, N = B * T;
+    int64_t shape[2] = {B, T};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size); tsys_tensor_randint(ctx, tgt, d.vocab_size);
+    int64_t peak[2] = {0, 0};
+    for (int step = 0; step < 3; step++) {
+        float loss_of[2] = {0, 0};
+        for (int k = 0; k < 2; k++) {
+            int64_t before = tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes;
+            tsys_mem_reset_peak(ctx, TSYS_CPU);
+            tsys_tensor *loss = k ? tsys_model_loss(m[k], ids, tgt) : NULL, *logits = k ? NULL : tsys_model_forward(m[k], ids);
+            if (!k) loss = tsys_cross_entropy(ctx, logits, tgt);
+            tsys_tensor_release(logits);
+            loss_of[k] = tsys_item(ctx, loss);
+            tsys_backward(ctx, loss);
+            tsys_tensor_release(loss);
+            tsys_optim_step(o[k]);
+            tsys_optim_release_grads(o[k]);
+            peak[k] = tsys_mem_stats_get(ctx, TSYS_CPU).peak_bytes - before;
+        }
+        TEST_CHECK(fabsf(loss_of[1] - loss_of[0]) <= 1e-6f * fabsf(loss_of[0]), "step %d: fused loss %.9g, logits %.9g", step, loss_of[1], loss_of[0]);
+    }
+    double worst = 0;
+    const char *which = "";
+    for (int i = 0; i < tsys_model_num_tensors(m[0]); i++) {
+        tsys_tensor *a = tsys_model_params(m[0])[i], *b = tsys_model_params(m[1])[i];
+        const float *pa = (const float *)tsys_tensor_data(a), *pb = (const float *)tsys_tensor_data(b);
+        double num = 0, den = 0;
+        for (int64_t j = 0; j < tsys_tensor_numel(a); j++) { num = fmax(num, fabs((double)pa[j] - pb[j])); den = fmax(den, fabs((double)pa[j])); }
+        if (num / (den + 1e-30) > worst) { worst = num / (den + 1e-30); which = a->name; }
+    }
+    TEST_CHECK(worst <= 1e-5, "parameters after 3 steps: %.2e in %s", worst, which);
+    const int64_t V = d.vocab_size, D = d.d_model, saved = N * V * 4 + (N * D + V * D) * 4;   // measured: 2 N V 4 - 35520
+    TEST_CHECK(peak[0] - peak[1] >= saved, "peak %lld with the logits, %lld fused: %lld less, want at least %lld", (long long)peak[0], (long long)peak[1],
+               (long long)(peak[0] - peak[1]), (long long)saved);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    for (int k = 0; k < 2; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    tsys_ctx_free(ctx);
+}
+
 // The optimizer inside backward (each layer's update launched from its gradients' hooks) gives the
 // parameters of the ordinary step bit for bit, AdamW and SGD, with gradients released or kept. With
 // TSYS_OPTIM_FREE_GRADS each layer's gradients are given back after its update: one layer's gradients

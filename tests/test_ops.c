@@ -292,6 +292,114 @@ TSYS_TEST(grad_losses_embedding) {
     tsys_ctx_free(ctx);
 }
 
+// ---- linear + cross-entropy, chunked ----------------------------------------------------------
+
+static tsys_tensor *f_lce(tsys_ctx *c, tsys_tensor **in, void *u) { return tsys_linear_cross_entropy(c, in[0], in[1], in[2], *(int64_t *)u); }
+
+TSYS_TEST(grad_linear_cross_entropy) {   // against finite differences: one chunk, uneven chunks, a 3-D x
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[2] = {5, 4}, sx3[3] = {2, 3, 4}, sw[2] = {7, 4}, st[1] = {5}, st6[1] = {6};
+    tsys_tensor *x = leaf(ctx, 2, sx, 1), *x3 = leaf(ctx, 3, sx3, 1), *w = leaf(ctx, 2, sw, 0.7f);
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 1, st), *t6 = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st6);
+    tsys_tensor_randint(ctx, t, 7); tsys_tensor_randint(ctx, t6, 7);
+    int64_t chunks[3] = {0, 2, 5};
+    for (int i = 0; i < 3; i++) {
+        tsys_tensor *in[3] = {x, w, t};
+        fd_check(chunks[i] == 2 ? "linear_cross_entropy, chunks of 2 rows" : "linear_cross_entropy, one chunk", f_lce, in, 3, &chunks[i], 1e-2, 2e-3);
+    }
+    int64_t four = 4;
+    tsys_tensor *in3[3] = {x3, w, t6};
+    fd_check("linear_cross_entropy, (2, 3, d) x in chunks of 4 rows", f_lce, in3, 3, &four, 1e-2, 2e-3);
+    tsys_tensor *all[5] = {x, x3, w, t, t6};
+    for (int i = 0; i < 5; i++) tsys_tensor_release(all[i]);
+    tsys_ctx_free(ctx);
+}
+
+// The fused op against the two ops it replaces, on the same leaves: loss, d x and d w. One chunk runs the same
+// kernels on the same values, so it gives the same bits (f32, and under bf16 autocast); more chunks sum the
+// loss and d w chunk by chunk. scale: the loss's gradient (the summed loss multiplies it by the tokens).
+static double max_rel(const float *a, const float *b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) { num = fmax(num, fabs((double)a[i] - b[i])); den = fmax(den, fabs((double)b[i])); }
+    return num / (den + 1e-30);
+}
+static void lce_against_unfused(tsys_dtype autocast, int64_t chunk, float scale, bool bitwise, double tol) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const int64_t R = 37, d = 24, V = 61;
+    int64_t sx[2] = {R, d}, sw[2] = {V, d}, st[1] = {R};
+    tsys_tensor *x = leaf(ctx, 2, sx, 1), *w = leaf(ctx, 2, sw, 0.3f), *t = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st);
+    tsys_tensor_randint(ctx, t, V);
+    float *got[3] = {NULL}, *want[3] = {NULL};
+    for (int fused = 0; fused < 2; fused++) {
+        if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
+        tsys_tensor *logits = fused ? NULL : tsys_linear(ctx, x, w, NULL);
+        tsys_tensor *loss = fused ? tsys_linear_cross_entropy(ctx, x, w, t, chunk) : tsys_cross_entropy(ctx, logits, t);
+        if (autocast != TSYS_F32) tsys_autocast_end(ctx);
+        tsys_tensor *scaled = scale != 1.0f ? tsys_scale(ctx, loss, scale) : tsys_tensor_retain(loss);
+        TEST_CHECK(scaled && tsys_backward(ctx, scaled) == TSYS_OK, "%s backward: %s", fused ? "fused" : "unfused", tsys_ctx_last_error(ctx));
+        float **out = fused ? got : want;
+        out[0] = test_read(ctx, loss); out[1] = x->grad ? test_read(ctx, x->grad) : NULL; out[2] = w->grad ? test_read(ctx, w->grad) : NULL;
+        tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(scaled);
+        tsys_tensor_release(x->grad); x->grad = NULL; tsys_tensor_release(w->grad); w->grad = NULL;
+    }
+    const char *names[3] = {"loss", "d x", "d w"};
+    const int64_t n[3] = {1, R * d, V * d};
+    for (int k = 0; k < 3; k++) {
+        TEST_CHECK(got[k] && want[k], "%s missing", names[k]);
+        if (!got[k] || !want[k]) continue;
+        if (bitwise) TEST_CHECK(!memcmp(got[k], want[k], sizeof(float) * (size_t)n[k]), "%s (%s, chunk %lld, x %g): not the unfused bits (max relative %.2e)",
+                                names[k], tsys_dtype_name(autocast), (long long)chunk, scale, max_rel(got[k], want[k], n[k]));
+        else TEST_CHECK(max_rel(got[k], want[k], n[k]) <= tol, "%s (%s, chunk %lld, x %g): %.2e from the unfused, tolerance %.0e",
+                        names[k], tsys_dtype_name(autocast), (long long)chunk, scale, max_rel(got[k], want[k], n[k]), tol);
+    }
+    for (int k = 0; k < 3; k++) { free(got[k]); free(want[k]); }
+    tsys_tensor_release(x); tsys_tensor_release(w); tsys_tensor_release(t);
+    tsys_ctx_free(ctx);
+}
+TSYS_TEST(linear_cross_entropy_matches_linear_then_cross_entropy) {
+    lce_against_unfused(TSYS_F32, 37, 1.0f, true, 0);     // one chunk: the same bits
+    lce_against_unfused(TSYS_F32, 0, 1.0f, false, 1e-6);  // the default: 37 x 24 / 61 -> chunks of 16 rows
+    lce_against_unfused(TSYS_BF16, 37, 1.0f, true, 0);
+    lce_against_unfused(TSYS_F32, 37, 4.0f, true, 0);     // a power of two scales exactly
+    lce_against_unfused(TSYS_F32, 8, 1.0f, false, 1e-6);  // 5 chunks, the last of 5 rows
+    lce_against_unfused(TSYS_F32, 1, 3.0f, false, 1e-6);
+    lce_against_unfused(TSYS_BF16, 10, 1.0f, false, 1e-2);   // bf16 logits: d w's chunk sums round differently
+}
+
+TSYS_TEST(linear_cross_entropy_refuses_bad_input) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[2] = {4, 3}, sw[2] = {5, 3}, sw2[2] = {5, 2}, st[1] = {4}, st3[1] = {3};
+    tsys_tensor *x = leaf(ctx, 2, sx, 1), *w = leaf(ctx, 2, sw, 1), *w2 = leaf(ctx, 2, sw2, 1);
+    tsys_tensor *t = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st), *t3 = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st3), *tf = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, st);
+    tsys_tensor_set_name(x, "hidden"); tsys_tensor_set_name(w2, "head"); tsys_tensor_set_name(tf, "labels");
+    tsys_tensor_fill(ctx, t, 1.0f); tsys_tensor_fill(ctx, t3, 1.0f);
+    struct { tsys_tensor *w, *t; int64_t chunk; const char *says; } bad[] = {
+        {w2, t, 0, "input 'hidden' last dim 3 does not match weight 'head' (5, 2)"},
+        {w, t3, 0, "3 targets for 4 rows of 'hidden'"},
+        {w, tf, 0, "targets 'labels' must be i32 or i64"},
+        {w, t, -2, "chunk_rows -2 must be >= 0"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        tsys_tensor *y = tsys_linear_cross_entropy(ctx, x, bad[i].w, bad[i].t, bad[i].chunk);
+        TEST_CHECK(!y && strstr(tsys_ctx_last_error(ctx), bad[i].says), "case %zu: %s", i, tsys_ctx_last_error(ctx));
+        tsys_tensor_release(y);
+        tsys_ctx_clear_error(ctx);
+    }
+    tsys_checkpoint_begin(ctx);
+    tsys_tensor *y = tsys_linear_cross_entropy(ctx, x, w, t, 0);
+    TEST_CHECK(!y && strstr(tsys_ctx_last_error(ctx), "not inside a checkpoint region"), "in a region: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_checkpoint_end(ctx);
+    tsys_no_grad_begin(ctx);   // no gradients wanted: the loss alone, nothing recorded
+    y = tsys_linear_cross_entropy(ctx, x, w, t, 2);
+    tsys_no_grad_end(ctx);
+    TEST_CHECK(y && !y->grad_fn, "no_grad: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(y);
+    tsys_tensor *all[6] = {x, w, w2, t, t3, tf};
+    for (int i = 0; i < 6; i++) tsys_tensor_release(all[i]);
+    tsys_ctx_free(ctx);
+}
+
 // ---- autograd mechanics ----------------------------------------------------------------------
 
 typedef struct { int order[16]; int n; int calls[16]; } hook_log;

@@ -443,6 +443,26 @@ static void mem_prediction_case(const char *attn, tsys_dtype dt, bool backward, 
     TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after the model is freed");
     tsys_ctx_free(ctx);
 }
+// The head and the loss fused (desc.fused_loss), a vocabulary of 16384 so that the logits matter (16 MiB of fp32
+// logits and as much for their gradient): the prediction follows the fused head (within 10 % of the tracker,
+// in the peak and in what the tape keeps) and differs from the logits path's prediction by more than that.
+static void mem_prediction_fused_case(tsys_dtype dt) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    test_mem_result r;
+    tsys_status st = test_mem_step_ex(ctx, TSYS_CPU, "naive", dt, true, true, false, true, 16384, &r);
+    TEST_CHECK(st == TSYS_OK, "%s: %s", tsys_dtype_name(dt), tsys_ctx_last_error(ctx));
+    const int64_t kept = r.predicted.saved_per_layer * r.predicted.num_layers + r.predicted.saved_outside;
+    TEST_CHECK(r.workspace == 0 && test_rel_diff(r.peak, r.predicted.peak) <= 0.10, "fused %s: peak %lld, predicted %lld", tsys_dtype_name(dt), (long long)r.peak, (long long)r.predicted.peak);
+    TEST_CHECK(test_rel_diff(r.saved, kept) <= 0.10, "fused %s: the tape kept at most %lld bytes, predicted %lld", tsys_dtype_name(dt), (long long)r.saved, (long long)kept);
+    tsys_model_desc d = tsys_model_desc_defaults(NULL);
+    d.vocab_size = 16384; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192;   // test_mem_step_ex's model
+    tsys_model_mem_estimate plain = tsys_model_mem_predict(&d, 2, 128, dt, true, true);
+    TEST_CHECK(test_rel_diff(plain.peak, r.predicted.peak) > 0.20, "fused %s: predicted %lld, with the logits %lld: the prediction does not see the fusion",
+               tsys_dtype_name(dt), (long long)r.predicted.peak, (long long)plain.peak);
+    tsys_ctx_free(ctx);
+}
+TSYS_TEST(predicted_peak_matches_the_tracker_fused_loss) { mem_prediction_fused_case(TSYS_F32); mem_prediction_fused_case(TSYS_BF16); }
+
 // AdamW keeping the bf16 weight copies (tsys_optim_keep_lowp): the peak within 10 % as above, and the
 // parameters at the peak exactly the fp32 weights and an aligned copy of each (held all along, in place of
 // the step's copies of the matrices, which the prediction without kept copies counts).

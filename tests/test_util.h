@@ -63,7 +63,7 @@ static inline tsys_status test_run_every_kernel(tsys_ctx *ctx, tsys_device dev, 
         tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(scaled);
     }
     // the ops the model does not use: layernorm with bias, linear with bias, relu, silu, mul, mse,
-    // mean, flash attention; x is used twice so its gradients accumulate (ACCUM)
+    // mean, flash attention, the fused linear + cross-entropy; x is used twice so its gradients accumulate (ACCUM)
     int64_t sx[2] = {6, 16}, sw[2] = {16, 16}, sb[1] = {16}, sq[3] = {2, 5, 16};
     tsys_tensor *x = test_param(ctx, dev, 2, sx, 1), *w = test_param(ctx, dev, 2, sw, 0.3f), *b = test_param(ctx, dev, 1, sb, 0.1f);
     tsys_tensor *q = test_param(ctx, dev, 3, sq, 1), *k = test_param(ctx, dev, 3, sq, 1), *v = test_param(ctx, dev, 3, sq, 1);
@@ -72,6 +72,12 @@ static inline tsys_status test_run_every_kernel(tsys_ctx *ctx, tsys_device dev, 
     tsys_tensor *e = tsys_mse(ctx, p, x), *o = tsys_flash_attention(ctx, q, k, v, true, NULL);
     tsys_tensor *om = tsys_mean(ctx, o), *total = tsys_add(ctx, e, om);
     tsys_backward(ctx, total);
+    int64_t sy[1] = {6};   // linear + cross-entropy fused: its backward scales by the loss's gradient (SCALE_BY)
+    tsys_tensor *y = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, sy), *yd = NULL, *lce = NULL;
+    if (y) { tsys_tensor_fill(ctx, y, 3.0f); yd = tsys_tensor_to(ctx, y, dev); }
+    lce = yd ? tsys_linear_cross_entropy(ctx, x, w, yd, 4) : NULL;
+    if (lce) tsys_backward(ctx, lce);
+    tsys_tensor_release(lce); tsys_tensor_release(yd); tsys_tensor_release(y);
     tsys_tensor *params[3] = {x, w, b};
     tsys_optim *sgd = tsys_sgd_new(ctx, params, 3, 0.1f);
     tsys_optim_step(sgd);
@@ -102,10 +108,12 @@ typedef struct test_mem_result {
 // A model whose activations outweigh its parameters (so the prediction's activation terms are what
 // is tested), a warmup step, then one recorded step: forward (under no_grad when !backward),
 // backward, AdamW when optimizer (keeping the dt weight copies when kept: tsys_optim_keep_lowp).
-static inline tsys_status test_mem_step_kept(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, bool kept, test_mem_result *r) {
+// vocab: the model's vocabulary (test_mem_step: 512); fused: desc.fused_loss (the loss through tsys_model_loss).
+static inline tsys_status test_mem_step_ex(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, bool kept,
+                                           bool fused, int vocab, test_mem_result *r) {
     memset(r, 0, sizeof(*r));
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
-    d.vocab_size = 512; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192; d.attn = attn;
+    d.vocab_size = vocab; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192; d.attn = attn; d.fused_loss = fused;
     int64_t B = 2, T = 128, shape[2] = {B, T};
     tsys_model *m = tsys_model_new(ctx, &d, dev, 5);
     tsys_optim *opt = m && optimizer ? tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL) : NULL;
@@ -116,8 +124,8 @@ static inline tsys_status test_mem_step_kept(tsys_ctx *ctx, tsys_device dev, con
         if (step == 1) { tsys_sync(ctx, dev); tsys_mem_clear_events(ctx); tsys_mem_record_events(ctx, true); tsys_mem_reset_peak(ctx, dev); }
         if (!backward) tsys_no_grad_begin(ctx);
         if (dt != TSYS_F32) tsys_autocast_begin(ctx, dt);
-        tsys_tensor *logits = tsys_model_forward(m, ids);
-        tsys_tensor *loss = backward ? tsys_cross_entropy(ctx, logits, ids) : NULL;
+        tsys_tensor *logits = backward ? NULL : tsys_model_forward(m, ids);
+        tsys_tensor *loss = backward ? tsys_model_loss(m, ids, ids) : NULL;
         if (dt != TSYS_F32) tsys_autocast_end(ctx);
         if (!backward) tsys_no_grad_end(ctx);
         tsys_tensor_release(logits);
@@ -165,6 +173,9 @@ static inline tsys_status test_mem_step_kept(tsys_ctx *ctx, tsys_device dev, con
     tsys_optim_free(opt);
     tsys_model_free(m);
     return tsys_ctx_status(ctx);
+}
+static inline tsys_status test_mem_step_kept(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, bool kept, test_mem_result *r) {
+    return test_mem_step_ex(ctx, dev, attn, dt, backward, optimizer, kept, false, 512, r);
 }
 static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const char *attn, tsys_dtype dt, bool backward, bool optimizer, test_mem_result *r) {
     return test_mem_step_kept(ctx, dev, attn, dt, backward, optimizer, false, r);
