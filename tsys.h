@@ -703,7 +703,7 @@ TSYSDEF tsys_tensor *tsys_attention_naive(tsys_ctx *ctx, tsys_tensor *q, tsys_te
 TSYSDEF tsys_tensor *tsys_flash_attention(tsys_ctx *ctx, tsys_tensor *q, tsys_tensor *k, tsys_tensor *v, bool causal, tsys_tensor **lse_out);
 TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys_tensor *targets);   // mean over rows
 // tsys_cross_entropy(tsys_linear(x, w), targets) without the (rows, V) logits: forward takes chunk_rows rows
-// at a time (0: about as many logits as x has elements, a power of two), and for each makes the logits, the
+// at a time (0: a power of two, at least 2048 and about as many logits as x has elements), and for each makes the logits, the
 // loss and its gradient, then the chunk's d x and its share of d w; backward only scales them by the loss's
 // gradient. It keeps x's and w's gradient sizes from forward on instead of the logits (S26: 0.5 + 2.5 GB for
 // 10 GB of bf16 logits and as much again for their gradient). One chunk gives linear + cross_entropy's bits;
@@ -741,7 +741,8 @@ typedef struct tsys_model_desc {
     float rope_theta, eps;
     const char *attn;
     const char *checkpoint;
-    bool fused_loss;   // tsys_model_loss runs the LM head and the loss fused (tsys_linear_cross_entropy): no logits
+    bool fused_loss;        // tsys_model_loss runs the LM head and the loss fused (tsys_linear_cross_entropy): no logits
+    int fused_loss_chunk;   // its rows a chunk (0: the op's default; fewer rows, less memory and more passes over d w)
 } tsys_model_desc;
 
 typedef struct tsys_model tsys_model;
@@ -4365,11 +4366,18 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
 // it: the logits GEMM in the compute dtype, CE_FWD, CE_BWD in place (g = 1, 1 / rows), d x = dlogits w in
 // x's compute dtype, d w += dlogits^T x in fp32.
 
-// Rows a chunk: about as many logits as x has elements (N d / V rows), rounded up to a power of two.
+// Rows a chunk: a power of two, at least 2048 (each chunk reads and writes d w in fp32, 8 V d bytes for its
+// 2 rows V d FLOPs: at 2048 rows that traffic hides under the GEMM on a GPU) and at least about as many logits
+// as x has elements (N d / V rows); all the rows when fewer.
 static int64_t tsys__lce_chunk(int64_t rows, int64_t V, int64_t d) {
     const int64_t want = (rows * d + V - 1) / V;
-    int64_t c = 1;
+    int64_t c = 2048;
     while (c < want && c < rows) c *= 2;
+    return c < rows ? c : rows;
+}
+// The model's: desc.fused_loss_chunk when given.
+static int64_t tsys__lce_rows(const tsys_model_desc *d, int64_t rows) {
+    const int64_t c = d->fused_loss_chunk > 0 ? d->fused_loss_chunk : tsys__lce_chunk(rows, d->vocab_size, d->d_model);
     return c < rows ? c : rows;
 }
 
@@ -5198,7 +5206,10 @@ TSYSDEF tsys_status tsys_model_desc_validate(const tsys_model_desc *desc, char *
         snprintf(buf, sizeof(buf), "head dim d_model/num_heads = %d is odd; RoPE rotates pairs and needs it even", d.d_model / d.num_heads);
         why = buf;
     } else if (!(d.rope_theta > 0) || !(d.eps > 0)) why = "rope_theta and eps must be positive";
-    else if (strcmp(d.attn, "naive") != 0 && strcmp(d.attn, "flash") != 0) {
+    else if (d.fused_loss_chunk < 0) {
+        snprintf(buf, sizeof(buf), "fused_loss_chunk %d must be >= 0 (0: the op's default)", d.fused_loss_chunk);
+        why = buf;
+    } else if (strcmp(d.attn, "naive") != 0 && strcmp(d.attn, "flash") != 0) {
         snprintf(buf, sizeof(buf), "attention '%s' is neither 'naive' nor 'flash'", d.attn);
         why = buf;
     } else {
@@ -5274,19 +5285,24 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
         int64_t ch = autocast ? c : 4, head_grads = 4 * (V * D + D), layer_grads = 4 * (4 * D * D + 3 * D * F + 2 * D);
         int64_t head_saved = (fused ? 4 * V * D : N * V * c + N * 4) + N * D * ch + N * D * 4 + N * 4;
         int64_t ffn_saved = 3 * N * F * c + N * D * 4 + N * D * (autocast ? c : 4) + N * 4;
-        struct { int64_t act, grads, temp, params; const char *what; } cand[5] = {
+        struct { int64_t act, grads, temp, params; const char *what; } cand[6] = {
             {act, 0, N * V * c, e.params, "the loss's backward: every activation and the logits' gradient"},
             {act - N * V * c, head_grads, N * V * c + N * D * c, e.params, "lm_head's backward: the logits' gradient, the head's gradients"},
             {act - head_saved, head_grads + layer_grads, N * D * 4 + 3 * N * F * c, e.params, "the last block's FFN backward: its gradients, the residual stream's, dS, da, db"},
             {act - head_saved - ffn_saved, head_grads + layer_grads, N * D * 4 + 2 * scores, e.params, "the last block's softmax backward: dP and dS"},
             {0, e.grads, N * D * 4, kept ? e.params : 4 * P, "the end of backward: every gradient, and the residual stream's"},
+            {0, 0, 0, 0, ""},
         };
+        int ncand = 5;
         if (fused) {   // the head's backward scales what forward made and gives it to lm_head's gradient
+            const int64_t rows = tsys__lce_rows(&d, N);
             cand[0].temp = cand[1].temp = 0; cand[1].act = act; cand[1].grads = 4 * V * D;
             cand[1].what = "the fused head's backward: every activation and lm_head's gradient";
+            cand[5].act = act; cand[5].temp = rows * (V * c + 4); cand[5].params = e.params; ncand = 6;
+            cand[5].what = "the fused head's forward: every activation and a chunk's logits";
         }
         int best = 0;
-        for (int k = 1; k < 5; k++) {
+        for (int k = 1; k < ncand; k++) {
             if (k == 3 && flash) continue;
             if (cand[k].act + cand[k].grads + cand[k].temp + cand[k].params > cand[best].act + cand[best].grads + cand[best].temp + cand[best].params) best = k;
         }
@@ -5640,7 +5656,7 @@ TSYSDEF tsys_tensor *tsys_model_loss(tsys_model *m, tsys_tensor *ids, tsys_tenso
         return loss;
     }
     tsys_tensor *h = tsys__model_hidden(m, ids);
-    tsys_tensor *loss = h ? tsys_linear_cross_entropy(m->ctx, h, m->lm_head, targets, 0) : NULL;
+    tsys_tensor *loss = h ? tsys_linear_cross_entropy(m->ctx, h, m->lm_head, targets, m->desc.fused_loss_chunk) : NULL;
     tsys_tensor_release(h);
     return loss;
 }
@@ -5789,7 +5805,7 @@ static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T
     const double head_in = a.ac ? c * E * a.d : a.x;   // lm_head's input, or (fused) the d x of the same size
     if (!a.fused) { a.head = a.x + a.st + head_in + c * E * a.V + 4 * E; a.head_fwd = a.head; a.logits_grad = c * E * a.V; }
     else {   // d w (fp32) kept; in forward a chunk's logits and their log-sum-exp at a time
-        const double rows = (double)tsys__lce_chunk((int64_t)E, (int64_t)a.V, (int64_t)a.d);
+        const double rows = (double)tsys__lce_rows(d, (int64_t)E);
         a.head = a.x + a.st + head_in + 4 * a.V * a.d;
         a.head_fwd = a.head + rows * (c * a.V + 4);
         a.logits_grad = 0;

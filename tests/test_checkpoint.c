@@ -13,7 +13,7 @@ static bool g_fused_loss;   // the models below run the head and the loss fused 
 static tsys_model_desc small_desc(const char *attn, const char *policy) {
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
     d.vocab_size = 61; d.context_length = 16; d.d_model = 32; d.num_layers = 4; d.num_heads = 4; d.d_ff = 80;
-    d.attn = attn; d.checkpoint = policy; d.fused_loss = g_fused_loss;
+    d.attn = attn; d.checkpoint = policy; d.fused_loss = g_fused_loss; d.fused_loss_chunk = g_fused_loss ? 16 : 0;   // several chunks
     return d;
 }
 

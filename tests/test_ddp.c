@@ -702,7 +702,7 @@ TSYS_TEST(accounting_formulas) {
 static void accounting_measured_ex(tsys_dtype dt, const char *attn, bool fused) {
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
     d.vocab_size = fused ? 8192 : 512; d.context_length = 64; d.d_model = 64; d.num_layers = 2; d.num_heads = 4; d.d_ff = 192; d.attn = attn;
-    d.fused_loss = fused;
+    d.fused_loss = fused; d.fused_loss_chunk = fused ? 64 : 0;   // 4 chunks of the 256 rows
     int B = 4, T = 64;
     tsys_ctx *ctx = g_ctx;
     tsys_tape_clear(ctx);

@@ -478,6 +478,7 @@ static void fsdp_lm_adamw(const char *policy, tsys_fsdp_reshard rs) {
     tsys_optim_desc od = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, false};
     tsys_model_desc dmicro = d;
     dmicro.fused_loss = g_fused_loss;   // the micro-batch reference runs the same loss op: bit for bit still
+    dmicro.fused_loss_chunk = g_fused_loss ? 8 : 0;   // 4 chunks of a rank's 32 rows
     ref_begin();
     tsys_model *whole = tsys_model_new(C, &d, g_dev, 7), *micro = tsys_model_new(C, &dmicro, g_dev, 7);
     int np = tsys_model_num_tensors(whole);
@@ -485,7 +486,7 @@ static void fsdp_lm_adamw(const char *policy, tsys_fsdp_reshard rs) {
     ref_end();
     tsys_model_desc dm = d;
     dm.checkpoint = policy;   // the references keep every activation
-    dm.fused_loss = g_fused_loss;
+    dm.fused_loss = g_fused_loss; dm.fused_loss_chunk = dmicro.fused_loss_chunk;
     tsys_model *m = tsys_model_new(C, &dm, g_dev, 7 + (uint64_t)g_rank);
     tsys_fsdp_desc fd = {TSYS_F32, false, rs, false};
     bool reshard = rs == TSYS_FSDP_RESHARD_YES || (rs == TSYS_FSDP_RESHARD_AUTO && reshards());

@@ -352,7 +352,7 @@ TSYS_TEST(release_grads_trains_like_zero_grad) {
     tsys_ctx_free(ctx);
 }
 
-// desc.fused_loss: tsys_model_loss fuses the LM head and the loss. 3 AdamW steps from the same weights as the
+// desc.fused_loss: tsys_model_loss fuses the LM head and the loss (chunks of 32 rows). 3 AdamW steps from the same weights as the
 // logits path (tsys_model_forward + tsys_cross_entropy): the losses within 1e-6, the parameters within 1e-5 of
 // their size (the fused op sums d w chunk by chunk); and the step's peak lower by at least the (N, V) logits plus
 // what the fused op keeps instead (d x and d w, fp32): no (N, V) tensor is ever made whole.
@@ -361,7 +361,7 @@ TSYS_TEST(model_fused_loss_trains_like_the_logits) {
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
     d.vocab_size = 512; d.context_length = 32; d.d_model = 16; d.num_layers = 2; d.num_heads = 2; d.d_ff = 40;
     tsys_model_desc fd = d;
-    fd.fused_loss = true;
+    fd.fused_loss = true; fd.fused_loss_chunk = 32;   // 4 chunks of the 128 rows
     tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 5), tsys_model_new(ctx, &fd, TSYS_CPU, 5)};
     tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), tsys_model_num_tensors(m[0]), NULL),
                         tsys_adamw_new(ctx, tsys_model_params(m[1]), tsys_model_num_tensors(m[1]), NULL)};
@@ -716,6 +716,8 @@ TSYS_TEST(model_config_validation_and_sizes) {
     TEST_CHECK(tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK && strstr(err, "d_model 32 is not divisible by num_heads 5"), "%s", err);
     d = fixture_desc(); d.d_model = 36; d.num_heads = 4;
     TEST_CHECK(tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK && strstr(err, "head dim") && strstr(err, "odd"), "%s", err);
+    d = fixture_desc(); d.fused_loss = true; d.fused_loss_chunk = -3;
+    TEST_CHECK(tsys_model_desc_validate(&d, err, sizeof(err)) != TSYS_OK && strstr(err, "fused_loss_chunk -3 must be >= 0"), "%s", err);
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     d = fixture_desc();
     tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 3);

@@ -456,6 +456,7 @@ static void mem_prediction_fused_case(tsys_dtype dt) {
     TEST_CHECK(test_rel_diff(r.saved, kept) <= 0.10, "fused %s: the tape kept at most %lld bytes, predicted %lld", tsys_dtype_name(dt), (long long)r.saved, (long long)kept);
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
     d.vocab_size = 16384; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192;   // test_mem_step_ex's model
+    // (its fused steps take chunks of 64 of the 256 rows)
     tsys_model_mem_estimate plain = tsys_model_mem_predict(&d, 2, 128, dt, true, true);
     TEST_CHECK(test_rel_diff(plain.peak, r.predicted.peak) > 0.20, "fused %s: predicted %lld, with the logits %lld: the prediction does not see the fusion",
                tsys_dtype_name(dt), (long long)r.predicted.peak, (long long)plain.peak);

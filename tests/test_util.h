@@ -113,7 +113,7 @@ static inline tsys_status test_mem_step_ex(tsys_ctx *ctx, tsys_device dev, const
                                            bool fused, int vocab, test_mem_result *r) {
     memset(r, 0, sizeof(*r));
     tsys_model_desc d = tsys_model_desc_defaults(NULL);
-    d.vocab_size = vocab; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192; d.attn = attn; d.fused_loss = fused;
+    d.vocab_size = vocab; d.context_length = 128; d.d_model = 64; d.num_layers = 3; d.num_heads = 4; d.d_ff = 192; d.attn = attn; d.fused_loss = fused; d.fused_loss_chunk = fused ? 64 : 0;
     int64_t B = 2, T = 128, shape[2] = {B, T};
     tsys_model *m = tsys_model_new(ctx, &d, dev, 5);
     tsys_optim *opt = m && optimizer ? tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL) : NULL;
