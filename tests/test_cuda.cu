@@ -1077,29 +1077,20 @@ static void tc_lce_case(tsys_dtype autocast, int64_t chunk, bool bitwise, double
     tsys_tensor_randn(ctx, xh, 1.0f); tsys_tensor_randn(ctx, wh, 0.2f); tsys_tensor_randint(ctx, th, V);
     tsys_tensor *x = tsys_tensor_to(ctx, xh, TSYS_CUDA), *w = tsys_tensor_to(ctx, wh, TSYS_CUDA), *t = tsys_tensor_to(ctx, th, TSYS_CUDA);
     tsys_tensor_set_requires_grad(x, true); tsys_tensor_set_requires_grad(w, true);
-    float *got[3] = {NULL}, *want[3] = {NULL};
-    for (int fused = 0; fused < 2; fused++) {
-        if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
-        tsys_tensor *logits = fused ? NULL : tsys_linear(ctx, x, w, NULL);
-        tsys_tensor *loss = fused ? tsys_linear_cross_entropy(ctx, x, w, t, chunk) : tsys_cross_entropy(ctx, logits, t);
-        if (autocast != TSYS_F32) tsys_autocast_end(ctx);
-        TEST_CHECK(loss && tsys_backward(ctx, loss) == TSYS_OK, "%s: %s", fused ? "fused" : "unfused", tsys_ctx_last_error(ctx));
-        float **out = fused ? got : want;
-        out[0] = test_read(ctx, loss); out[1] = x->grad ? test_read(ctx, x->grad) : NULL; out[2] = w->grad ? test_read(ctx, w->grad) : NULL;
-        tsys_tensor_release(logits); tsys_tensor_release(loss);
-        tsys_tensor_release(x->grad); x->grad = NULL; tsys_tensor_release(w->grad); w->grad = NULL;
-    }
+    float *out[2][3];
+    test_lce_paths(ctx, x, w, t, autocast, chunk, 1.0f, out);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
     const char *names[3] = {"loss", "d x", "d w"};
     const int64_t n[3] = {1, R * d, V * d};
     for (int k = 0; k < 3; k++) {
-        TEST_CHECK(got[k] && want[k], "%s missing: %s", names[k], tsys_ctx_last_error(ctx));
-        if (!got[k] || !want[k]) continue;
-        double num = 0, den = 0;
-        for (int64_t i = 0; i < n[k]; i++) { num = fmax(num, fabs((double)got[k][i] - want[k][i])); den = fmax(den, fabs((double)want[k][i])); }
-        if (bitwise) TEST_CHECK(!memcmp(got[k], want[k], sizeof(float) * (size_t)n[k]), "%s (%s, one chunk): not the unfused bits (%.2e)", names[k], tsys_dtype_name(autocast), num / (den + 1e-30));
-        else TEST_CHECK(num <= tol * den, "%s (%s, chunk %lld): %.2e from the unfused, tolerance %.0e", names[k], tsys_dtype_name(autocast), (long long)chunk, num / (den + 1e-30), tol);
+        float *got = out[1][k], *want = out[0][k];
+        TEST_CHECK(got && want, "%s missing: %s", names[k], tsys_ctx_last_error(ctx));
+        if (!got || !want) continue;
+        const double rel = test_max_rel(got, want, n[k]);
+        if (bitwise) TEST_CHECK(!memcmp(got, want, sizeof(float) * (size_t)n[k]), "%s (%s, one chunk): not the unfused bits (%.2e)", names[k], tsys_dtype_name(autocast), rel);
+        else TEST_CHECK(rel <= tol, "%s (%s, chunk %lld): %.2e from the unfused, tolerance %.0e", names[k], tsys_dtype_name(autocast), (long long)chunk, rel, tol);
     }
-    for (int k = 0; k < 3; k++) { free(got[k]); free(want[k]); }
+    for (int k = 0; k < 6; k++) free(out[k / 3][k % 3]);
     tsys_tensor *all[6] = {xh, wh, th, x, w, t};
     for (int i = 0; i < 6; i++) tsys_tensor_release(all[i]);
 }

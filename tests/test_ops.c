@@ -318,41 +318,27 @@ TSYS_TEST(grad_linear_cross_entropy) {   // against finite differences: one chun
 // The fused op against the two ops it replaces, on the same leaves: loss, d x and d w. One chunk runs the same
 // kernels on the same values, so it gives the same bits (f32, and under bf16 autocast); more chunks sum the
 // loss and d w chunk by chunk. scale: the loss's gradient (the summed loss multiplies it by the tokens).
-static double max_rel(const float *a, const float *b, int64_t n) {
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; i++) { num = fmax(num, fabs((double)a[i] - b[i])); den = fmax(den, fabs((double)b[i])); }
-    return num / (den + 1e-30);
-}
 static void lce_against_unfused(tsys_dtype autocast, int64_t chunk, float scale, bool bitwise, double tol) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     const int64_t R = 37, d = 24, V = 61;
     int64_t sx[2] = {R, d}, sw[2] = {V, d}, st[1] = {R};
     tsys_tensor *x = leaf(ctx, 2, sx, 1), *w = leaf(ctx, 2, sw, 0.3f), *t = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st);
     tsys_tensor_randint(ctx, t, V);
-    float *got[3] = {NULL}, *want[3] = {NULL};
-    for (int fused = 0; fused < 2; fused++) {
-        if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
-        tsys_tensor *logits = fused ? NULL : tsys_linear(ctx, x, w, NULL);
-        tsys_tensor *loss = fused ? tsys_linear_cross_entropy(ctx, x, w, t, chunk) : tsys_cross_entropy(ctx, logits, t);
-        if (autocast != TSYS_F32) tsys_autocast_end(ctx);
-        tsys_tensor *scaled = scale != 1.0f ? tsys_scale(ctx, loss, scale) : tsys_tensor_retain(loss);
-        TEST_CHECK(scaled && tsys_backward(ctx, scaled) == TSYS_OK, "%s backward: %s", fused ? "fused" : "unfused", tsys_ctx_last_error(ctx));
-        float **out = fused ? got : want;
-        out[0] = test_read(ctx, loss); out[1] = x->grad ? test_read(ctx, x->grad) : NULL; out[2] = w->grad ? test_read(ctx, w->grad) : NULL;
-        tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(scaled);
-        tsys_tensor_release(x->grad); x->grad = NULL; tsys_tensor_release(w->grad); w->grad = NULL;
-    }
+    float *out[2][3];
+    test_lce_paths(ctx, x, w, t, autocast, chunk, scale, out);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
     const char *names[3] = {"loss", "d x", "d w"};
     const int64_t n[3] = {1, R * d, V * d};
     for (int k = 0; k < 3; k++) {
-        TEST_CHECK(got[k] && want[k], "%s missing", names[k]);
-        if (!got[k] || !want[k]) continue;
-        if (bitwise) TEST_CHECK(!memcmp(got[k], want[k], sizeof(float) * (size_t)n[k]), "%s (%s, chunk %lld, x %g): not the unfused bits (max relative %.2e)",
-                                names[k], tsys_dtype_name(autocast), (long long)chunk, scale, max_rel(got[k], want[k], n[k]));
-        else TEST_CHECK(max_rel(got[k], want[k], n[k]) <= tol, "%s (%s, chunk %lld, x %g): %.2e from the unfused, tolerance %.0e",
-                        names[k], tsys_dtype_name(autocast), (long long)chunk, scale, max_rel(got[k], want[k], n[k]), tol);
+        float *got = out[1][k], *want = out[0][k];
+        TEST_CHECK(got && want, "%s missing", names[k]);
+        if (!got || !want) continue;
+        if (bitwise) TEST_CHECK(!memcmp(got, want, sizeof(float) * (size_t)n[k]), "%s (%s, chunk %lld, x %g): not the unfused bits (max relative %.2e)",
+                                names[k], tsys_dtype_name(autocast), (long long)chunk, scale, test_max_rel(got, want, n[k]));
+        else TEST_CHECK(test_max_rel(got, want, n[k]) <= tol, "%s (%s, chunk %lld, x %g): %.2e from the unfused, tolerance %.0e",
+                        names[k], tsys_dtype_name(autocast), (long long)chunk, scale, test_max_rel(got, want, n[k]), tol);
     }
-    for (int k = 0; k < 3; k++) { free(got[k]); free(want[k]); }
+    for (int k = 0; k < 6; k++) free(out[k / 3][k % 3]);
     tsys_tensor_release(x); tsys_tensor_release(w); tsys_tensor_release(t);
     tsys_ctx_free(ctx);
 }

@@ -92,6 +92,34 @@ static inline tsys_status test_run_every_kernel(tsys_ctx *ctx, tsys_device dev, 
     tsys_ctx_set_trace_hooks(ctx, &h);
     return tsys_ctx_status(ctx);
 }
+// ---- the fused head + loss against linear + cross_entropy -----------------------------------------
+
+// The loss, d x and d w of tsys_linear_cross_entropy (out[1]) and of tsys_linear + tsys_cross_entropy
+// (out[0]) on the same leaves x and w, under autocast (TSYS_F32: none), the loss scaled by scale before
+// backward; each read to the host (free them). The leaves' gradients are cleared after each path.
+static inline void test_lce_paths(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *w, tsys_tensor *t, tsys_dtype autocast, int64_t chunk, float scale,
+                                  float *out[2][3]) {
+    for (int fused = 0; fused < 2; fused++) {
+        if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
+        tsys_tensor *logits = fused ? NULL : tsys_linear(ctx, x, w, NULL);
+        tsys_tensor *loss = fused ? tsys_linear_cross_entropy(ctx, x, w, t, chunk) : tsys_cross_entropy(ctx, logits, t);
+        if (autocast != TSYS_F32) tsys_autocast_end(ctx);
+        tsys_tensor *scaled = !loss ? NULL : scale != 1.0f ? tsys_scale(ctx, loss, scale) : tsys_tensor_retain(loss);
+        if (scaled) tsys_backward(ctx, scaled);
+        out[fused][0] = loss ? test_read(ctx, loss) : NULL;
+        out[fused][1] = x->grad ? test_read(ctx, x->grad) : NULL;
+        out[fused][2] = w->grad ? test_read(ctx, w->grad) : NULL;
+        tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(scaled);
+        tsys_tensor_release(x->grad); x->grad = NULL; tsys_tensor_release(w->grad); w->grad = NULL;
+    }
+}
+// max |a - b| over max |b|
+static inline double test_max_rel(const float *a, const float *b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) { num = fmax(num, fabs((double)a[i] - b[i])); den = fmax(den, fabs((double)b[i])); }
+    return num / (den + 1e-30);
+}
+
 // ---- memory: one recorded training step against the first-principles prediction ----------------
 
 // What test_mem_step measured: the tracker's peak and its activations, the prediction, and the
