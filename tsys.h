@@ -33,8 +33,8 @@
       tsys_optim *opt = tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL);
       tsys_tensor *ids = ..., *targets = ...;                    // (B, T) I32/I64 tensors
       tsys_tensor *logits = tsys_model_forward(m, ids);
-      tsys_tensor *loss = tsys_cross_entropy(ctx, logits, targets);
-      tsys_backward(ctx, loss);
+      tsys_tensor *loss = tsys_cross_entropy(ctx, logits, targets);   // or tsys_model_loss(m, ids, targets):
+      tsys_backward(ctx, loss);                                       // d.fused_loss = true never makes the logits
       tsys_optim_step(opt);  tsys_optim_zero_grad(opt);
       tsys_tensor_release(logits); tsys_tensor_release(loss);
       if (tsys_ctx_status(ctx) != TSYS_OK) puts(tsys_ctx_last_error(ctx));
