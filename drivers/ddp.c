@@ -186,7 +186,6 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
 static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
     const bool cuda = !strcmp(o->device, "cuda");
     const tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
-    if (!cuda) tsys_dist_share_cores(o->nproc);   // the ranks the launcher starts inherit it
     int code = 0;
     if (tsys_dist_spawn(o->nproc, argc, argv, &code)) return code;   // this was the launcher
     tsys_ctx *ctx = tsys_ctx_new(NULL);
@@ -199,7 +198,6 @@ static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
     double no_profile = rank == 0 && o->profile && !du_profile_open("ddp", o->profile, &o->profile_log);
     tsys_dist_all_reduce_host(d, &no_profile, 1, TSYS_DIST_MAX);   // every rank stops when rank 0 cannot profile
     if (no_profile > 0) { tsys_dist_free(d); tsys_ctx_free(ctx); return DU_EXIT_FAILED; }
-    if (!cuda) tsys_dist_share_cores(tsys_dist_size(d));
     // the ranks on this host share its memory: each gets its part as its CPU budget (or --mem-limit);
     // on cuda, --mem-limit caps each rank's device instead
     size_t cpu_budget = du_rank_cpu_budget(ctx, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d));

@@ -281,7 +281,6 @@ static void run_config(tsys_ctx *ctx, tsys_dist *world, tsys_device dev, const m
 static int run_sweep(mesh_opts *o, int argc, char **argv) {
     const bool cuda = !strcmp(o->device, "cuda");
     const tsys_device dev = cuda ? TSYS_CUDA : TSYS_CPU;
-    if (!cuda) tsys_dist_share_cores(o->nproc);
     int code = 0;
     if (tsys_dist_spawn(o->nproc, argc, argv, &code)) return code;   // this was the launcher
     tsys_ctx *ctx = tsys_ctx_new(NULL);
@@ -291,7 +290,6 @@ static int run_sweep(mesh_opts *o, int argc, char **argv) {
     tsys_dist *world = ctx ? tsys_dist_init(ctx, &dd) : NULL;
     if (!world) { fprintf(stderr, "mesh: %s\n", ctx ? tsys_ctx_last_error(ctx) : "out of memory"); tsys_ctx_free(ctx); return DU_EXIT_FAILED; }
     const int rank = tsys_dist_rank(world);
-    if (!cuda) tsys_dist_share_cores(tsys_dist_size(world));
     du_rank_cpu_budget(ctx, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(world));
 #ifdef TSYS_WITH_CUDA
     if (cuda && o->common.mem_limit) tsys_cuda_set_memory_limit(ctx, o->common.mem_limit);

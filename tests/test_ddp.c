@@ -876,7 +876,6 @@ int main(int argc, char **argv) {
     }
     g_rank = tsys_dist_rank(g_d);
     g_world = tsys_dist_size(g_d);
-    tsys_dist_share_cores(g_world);   // OpenMP spinning on oversubscribed cores is slow
     if (g_world > TOY_MAX_ROWS) {
         if (g_rank == 0) printf("test_ddp: at most %d ranks\n0 passed, 1 failed\n", TOY_MAX_ROWS);
         tsys_dist_free(g_d);

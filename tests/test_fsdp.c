@@ -954,7 +954,6 @@ int main(int argc, char **argv) {
     if (!g_d) { printf("tsys_dist_init: %s\n0 passed, 1 failed\n", tsys_ctx_last_error(g_ctx)); return 1; }
     g_rank = tsys_dist_rank(g_d);
     g_world = tsys_dist_size(g_d);
-    tsys_dist_share_cores(tsys_dist_local_size(g_d));   // OpenMP spinning on oversubscribed cores is slow
 #ifdef TSYS_WITH_CUDA
     int cur = 0;
     if (cudaGetDevice(&cur) != cudaSuccess) cur = 0;

@@ -686,9 +686,6 @@ int main(int argc, char **argv) {
     g_world = tsys_dist_init(g_ctx, NULL);
     if (!g_world) { fprintf(stderr, "%s\n", tsys_ctx_last_error(g_ctx)); return 1; }
     g_rank = tsys_dist_rank(g_world); g_size = tsys_dist_size(g_world);
-    // the ranks on this host share its cores: 4 ranks of 64 OpenMP and OpenBLAS threads each on a 64-core host
-    // spun so long that a CPU test at 4 ranks ran past minutes
-    tsys_dist_share_cores(tsys_dist_local_size(g_world));
     if (g_size > 64) { if (g_rank == 0) fprintf(stderr, "test_mesh: at most 64 ranks\n"); return 2; }
 #ifdef TSYS_WITH_CUDA
     {   // a GPU for every rank: the same ranks again, through NCCL
