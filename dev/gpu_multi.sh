@@ -181,13 +181,16 @@ PY
   leaderboard)  # the S26 leaderboard step: 8.1 B parameters (d 4096, d_ff 11008, 34 layers, 32 heads, vocab 151936),
                 # context 32768, batch 2 in all, bf16, causal flash attention, cross_entropy(...).sum(), forward +
                 # backward + AdamW, under FSDP with activation checkpointing: each policy of LB_CKPT (comma list,
-                # default blocks:1+keep-attn); LB_PROFILE=1: rank 0's profile of one more step of the first one
+                # default blocks:1+keep-attn); LB_PROFILE=1: rank 0's profile of one more step of the first one;
+                # LB_FUSED=1: the LM head and the loss fused (--fused-loss)
     IFS=, read -ra pols <<< "${LB_CKPT:-blocks:1+keep-attn}"; prof=(--profile "$OUT/lbprof")
+    fused=(); [ "${LB_FUSED:-0}" = 1 ] && fused=(--fused-loss)
     for pol in "${pols[@]}"; do
-      f="$OUT/leaderboard_${NG}gpu_${pol//[^a-z0-9]/-}.md"
+      f="$OUT/leaderboard_${NG}gpu_${pol//[^a-z0-9]/-}${fused:+_fused}.md"
       timeout 560 $G/ddp_cuda --device cuda --nproc $NG --model custom --d-model 4096 --d-ff 11008 --num-layers 34 --num-heads 32 --vocab-size 151936 \
         --context-length 32768 --batch-size $((2 / NG)) --dtype bf16 --attn flash --strategy fsdp --checkpoint "$pol" --loss sum \
-        --no-compute-ref --warmup ${LB_WARMUP:-1} --steps ${LB_STEPS:-2} --format md ${LB_PROFILE:+"${prof[@]}"} > "$f" 2>&1; echo "$pol: exit $?"
+        --no-compute-ref --warmup ${LB_WARMUP:-1} --steps ${LB_STEPS:-2} --format md ${LB_PROFILE:+"${prof[@]}"} "${fused[@]}" > "$f" 2>&1
+      echo "$pol${fused:+ (fused loss)}: exit $?"
       grep "^| cuda\|error\|profile of" "$f"; prof=()
     done ;;
   *) echo "unknown part $part" ;;
