@@ -4381,14 +4381,15 @@ static int64_t tsys__lce_rows(const tsys_model_desc *d, int64_t rows) {
     return c < rows ? c : rows;
 }
 
-// One chunk [r0, r0 + rc): the loss's share into *loss; with dx, its rows of d x and d w (+= unless first).
+// One chunk [r0, r0 + rc): the loss's share into *loss; its rows of d x (dx given) and its share of d w (dw given:
+// written by the first chunk, added to by the others).
 static tsys_status tsys__lce_chunk_run(tsys_ctx *ctx, tsys_tensor *xl, tsys_tensor *wl, tsys_tensor *targets, int64_t r0, int64_t rc,
                                        int64_t rows, tsys_tensor *loss, tsys_tensor *one, tsys_tensor *dx, tsys_tensor *dw) {
     const int64_t V = wl->shape[0], d = wl->shape[1];
     const int64_t xs[2] = {rc, d}, ts[1] = {rc}, ls[2] = {rc, V};
     tsys_tensor *xc = tsys_tensor_view_raw(ctx, xl, (size_t)(r0 * d) * tsys_dtype_size(xl->dtype), xl->dtype, 2, xs);
     tsys_tensor *tc = tsys_tensor_view_raw(ctx, targets, (size_t)r0 * tsys_dtype_size(targets->dtype), targets->dtype, 1, ts);
-    tsys_tensor *logits = tsys_tensor_new(ctx, xl->dtype, xl->device, 2, ls), *lse = tsys__row_stats(ctx, logits ? logits : xl);
+    tsys_tensor *logits = tsys_tensor_new(ctx, xl->dtype, xl->device, 2, ls), *lse = logits ? tsys__row_stats(ctx, logits) : NULL;
     tsys_tensor *part = tsys__scalar(ctx, xl->device);
     tsys_status st = xc && tc && logits && lse && part ? TSYS_OK : ctx->status ? ctx->status : TSYS_ERR_OOM;
     if (st == TSYS_OK) { tsys_gemm_args g = tsys__gemm_args(xc, wl, logits, false, true, rc, V, d); st = tsys__gemm(ctx, &g); }
@@ -4398,14 +4399,14 @@ static tsys_status tsys__lce_chunk_run(tsys_ctx *ctx, tsys_tensor *xl, tsys_tens
     a = tsys__kargs0();
     a.t[0] = loss; a.t[1] = part; a.f[0] = (float)((double)rc / (double)rows);   // the chunk's mean, weighted by its rows
     if (st == TSYS_OK) st = tsys__kernel(ctx, xl->device, TSYS_K_ACCUM, &a);
-    if (st == TSYS_OK && dx) {
+    if (st == TSYS_OK && (dx || dw)) {
         a = tsys__kargs0();
         a.t[0] = logits; a.t[1] = logits; a.t[2] = lse; a.t[3] = tc; a.t[4] = one; a.f[0] = 1.0f / (float)rows;
         st = tsys__kernel(ctx, xl->device, TSYS_K_CE_BWD, &a);   // in place: the logits' gradient
-        tsys_tensor *dxc = st == TSYS_OK ? tsys_tensor_view_raw(ctx, dx, (size_t)(r0 * d) * tsys_dtype_size(dx->dtype), dx->dtype, 2, xs) : NULL;
-        if (st == TSYS_OK) st = dxc ? TSYS_OK : ctx->status;
-        if (st == TSYS_OK) { tsys_gemm_args g = tsys__gemm_args(logits, wl, dxc, false, false, rc, d, V); st = tsys__gemm(ctx, &g); }
-        if (st == TSYS_OK) {
+        tsys_tensor *dxc = st == TSYS_OK && dx ? tsys_tensor_view_raw(ctx, dx, (size_t)(r0 * d) * tsys_dtype_size(dx->dtype), dx->dtype, 2, xs) : NULL;
+        if (st == TSYS_OK && dx) st = dxc ? TSYS_OK : ctx->status;
+        if (st == TSYS_OK && dx) { tsys_gemm_args g = tsys__gemm_args(logits, wl, dxc, false, false, rc, d, V); st = tsys__gemm(ctx, &g); }
+        if (st == TSYS_OK && dw) {
             tsys_gemm_args g = tsys__gemm_args(logits, xc, dw, true, false, V, d, rc);
             g.beta = r0 > 0 ? 1.0f : 0.0f;
             st = tsys__gemm(ctx, &g);
@@ -4435,12 +4436,13 @@ TSYSDEF tsys_tensor *tsys_linear_cross_entropy(tsys_ctx *ctx, tsys_tensor *x, ts
     ctx->trace_weight = NULL;
     const tsys_dtype dt = tsys__matmul_dtype(ctx, x, w);
     tsys_tensor *xl = tsys__matmul_input(ctx, x, dt, false), *wl = xl ? tsys__matmul_input(ctx, w, dt, true) : NULL;
-    const bool grads = tsys__recording(ctx, ins, 2);
+    const bool grads = tsys__recording(ctx, ins, 2);   // then each gradient its input needs
     const int64_t xs[2] = {rows, d};
     tsys_tensor *x2 = wl ? tsys_tensor_view_raw(ctx, xl, 0, xl->dtype, 2, xs) : NULL;   // (rows, d)
     tsys_tensor *loss = x2 ? tsys__scalar(ctx, x->device) : NULL, *one = loss ? tsys__scalar(ctx, x->device) : NULL;
-    tsys_tensor *dx = grads && one ? tsys__new_like(ctx, xl, xl->dtype) : NULL, *dw = dx ? tsys__new_like(ctx, w, TSYS_F32) : NULL;
-    tsys_status st = one && (!grads || dw) ? TSYS_OK : ctx->status ? ctx->status : TSYS_ERR_OOM;
+    const bool want_dx = grads && x->requires_grad, want_dw = grads && w->requires_grad;
+    tsys_tensor *dx = want_dx && one ? tsys__new_like(ctx, xl, xl->dtype) : NULL, *dw = want_dw && one ? tsys__new_like(ctx, w, TSYS_F32) : NULL;
+    tsys_status st = one && (dx || !want_dx) && (dw || !want_dw) ? TSYS_OK : ctx->status ? ctx->status : TSYS_ERR_OOM;
     tsys_kargs a = tsys__kargs0();
     a.t[0] = loss; a.f[0] = 0.0f;
     if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_FILL, &a);

@@ -352,6 +352,28 @@ TSYS_TEST(linear_cross_entropy_matches_linear_then_cross_entropy) {
     lce_against_unfused(TSYS_BF16, 10, 1.0f, false, 1e-2);   // bf16 logits: d w's chunk sums round differently
 }
 
+// Only one input needs a gradient: the op makes that one alone (the other stays NULL), equal to the unfused one's.
+TSYS_TEST(linear_cross_entropy_one_input_needs_grad) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[2] = {9, 6}, sw[2] = {13, 6}, st[1] = {9};
+    tsys_tensor *x = leaf(ctx, 2, sx, 1), *w = leaf(ctx, 2, sw, 0.5f), *t = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 1, st);
+    tsys_tensor_randint(ctx, t, 13);
+    for (int frozen = 0; frozen < 2; frozen++) {   // 0: x frozen, 1: w frozen
+        tsys_tensor_set_requires_grad(x, frozen != 0); tsys_tensor_set_requires_grad(w, frozen == 0);
+        float *out[2][3];
+        test_lce_paths(ctx, x, w, t, TSYS_F32, 4, 1.0f, out);
+        const int k = frozen ? 1 : 2;   // the gradient that exists
+        const int64_t n = frozen ? 9 * 6 : 13 * 6;
+        TEST_CHECK(out[1][3 - k] == NULL && out[0][3 - k] == NULL, "%s frozen: it has a gradient", frozen ? "w" : "x");
+        TEST_CHECK(out[1][k] && out[0][k] && test_max_rel(out[1][k], out[0][k], n) <= 1e-6, "%s frozen: the other's gradient %.2e from the unfused",
+                   frozen ? "w" : "x", out[1][k] && out[0][k] ? test_max_rel(out[1][k], out[0][k], n) : -1.0);
+        for (int i = 0; i < 6; i++) free(out[i / 3][i % 3]);
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(x); tsys_tensor_release(w); tsys_tensor_release(t);
+    tsys_ctx_free(ctx);
+}
+
 TSYS_TEST(linear_cross_entropy_refuses_bad_input) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     int64_t sx[2] = {4, 3}, sw[2] = {5, 3}, sw2[2] = {5, 2}, st[1] = {4}, st3[1] = {3};
