@@ -763,6 +763,9 @@ TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids);   // (
 // The mean cross-entropy of the next-token logits against targets (B, T): tsys_cross_entropy of
 // tsys_model_forward, or with desc.fused_loss the head and the loss fused, the logits never made.
 TSYSDEF tsys_tensor *tsys_model_loss(tsys_model *m, tsys_tensor *ids, tsys_tensor *targets);
+// The rows a chunk of the fused loss takes for `rows` tokens of this model (desc.fused_loss_chunk, else the op's
+// default), as the memory accounting counts its logits.
+TSYSDEF int64_t tsys_model_fused_loss_chunk(const tsys_model_desc *desc, int64_t rows);
 TSYSDEF tsys_status tsys_check_token_ids(tsys_ctx *ctx, const tsys_tensor *ids, int vocab_size, int context_length);
 TSYSDEF double tsys_model_flops(const tsys_model_desc *desc, int64_t batch, int64_t T, bool backward);  // matmul FLOPs
 
@@ -4375,9 +4378,9 @@ static int64_t tsys__lce_chunk(int64_t rows, int64_t V, int64_t d) {
     while (c < want && c < rows) c *= 2;
     return c < rows ? c : rows;
 }
-// The model's: desc.fused_loss_chunk when given.
-static int64_t tsys__lce_rows(const tsys_model_desc *d, int64_t rows) {
-    const int64_t c = d->fused_loss_chunk > 0 ? d->fused_loss_chunk : tsys__lce_chunk(rows, d->vocab_size, d->d_model);
+TSYSDEF int64_t tsys_model_fused_loss_chunk(const tsys_model_desc *desc, int64_t rows) {
+    const tsys_model_desc d = tsys_model_desc_defaults(desc);
+    const int64_t c = d.fused_loss_chunk > 0 ? d.fused_loss_chunk : tsys__lce_chunk(rows, d.vocab_size, d.d_model);
     return c < rows ? c : rows;
 }
 
@@ -5297,7 +5300,7 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
         };
         int ncand = 5;
         if (fused) {   // the head's backward scales what forward made and gives it to lm_head's gradient
-            const int64_t rows = tsys__lce_rows(&d, N);
+            const int64_t rows = tsys_model_fused_loss_chunk(&d, N);
             cand[0].temp = cand[1].temp = 0; cand[1].act = act; cand[1].grads = 4 * V * D;
             cand[1].what = "the fused head's backward: every activation and lm_head's gradient";
             cand[5].act = act; cand[5].temp = rows * (V * c + 4); cand[5].params = e.params; ncand = 6;
@@ -5807,7 +5810,7 @@ static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T
     const double head_in = a.ac ? c * E * a.d : a.x;   // lm_head's input, or (fused) the d x of the same size
     if (!a.fused) { a.head = a.x + a.st + head_in + c * E * a.V + 4 * E; a.head_fwd = a.head; a.logits_grad = c * E * a.V; }
     else {   // d w (fp32) kept; in forward a chunk's logits and their log-sum-exp at a time
-        const double rows = (double)tsys__lce_rows(d, (int64_t)E);
+        const double rows = (double)tsys_model_fused_loss_chunk(d, (int64_t)E);
         a.head = a.x + a.st + head_in + 4 * a.V * a.d;
         a.head_fwd = a.head + rows * (c * a.V + 4);
         a.logits_grad = 0;

@@ -6272,7 +6272,7 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
                  + 3 * c * E * f;                                                // a, b, s
     // fused: d w, and beside it a chunk's logits and log-sum-exp in forward or lm_head's gradient in backward;
     // else the logits, their lse and their gradient
-    const double rows = (double)tsys__lce_rows(&d, (int64_t)E);
+    const double rows = (double)tsys_model_fused_loss_chunk(&d, (int64_t)E);
     const double head = d.fused_loss ? 4 * V * dm + fmax(4 * V * dm, rows * (c * V + 4)) : c * E * V + 4 * E + c * E * V;
     a.act_bytes = L * layer + (4 * E * dm + 4 * E) + (ac ? c : 4) * E * dm + head;
     const double ckpt = tsys_dist__ckpt_act_bytes(m, dtype, batch, context);
