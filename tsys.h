@@ -4372,16 +4372,19 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
 // Rows a chunk: a power of two, at least 2048 (each chunk reads and writes d w in fp32, 8 V d bytes for its
 // 2 rows V d FLOPs: at 2048 rows that traffic hides under the GEMM on a GPU) and at least about as many logits
 // as x has elements (N d / V rows); all the rows when fewer.
-static int64_t tsys__lce_chunk(int64_t rows, int64_t V, int64_t d) {
-    const int64_t want = (rows * d + V - 1) / V;
-    int64_t c = 2048;
-    while (c < want && c < rows) c *= 2;
+// The rows of a chunk: the caller's chunk_rows (> 0), else a power of two >= 2048 and >= rows x d / V (the
+// logits of a chunk no larger than the input); never more than rows.
+static int64_t tsys__lce_rows(int64_t chunk_rows, int64_t rows, int64_t V, int64_t d) {
+    int64_t c = chunk_rows;
+    if (c <= 0) {
+        const int64_t want = (rows * d + V - 1) / V;
+        for (c = 2048; c < want && c < rows;) c *= 2;
+    }
     return c < rows ? c : rows;
 }
 TSYSDEF int64_t tsys_model_fused_loss_chunk(const tsys_model_desc *desc, int64_t rows) {
     const tsys_model_desc d = tsys_model_desc_defaults(desc);
-    const int64_t c = d.fused_loss_chunk > 0 ? d.fused_loss_chunk : tsys__lce_chunk(rows, d.vocab_size, d.d_model);
-    return c < rows ? c : rows;
+    return tsys__lce_rows(d.fused_loss_chunk, rows, d.vocab_size, d.d_model);
 }
 
 // One chunk [r0, r0 + rc): the loss's share into *loss; its rows of d x (dx given) and its share of d w (dw given:
@@ -4433,7 +4436,7 @@ TSYSDEF tsys_tensor *tsys_linear_cross_entropy(tsys_ctx *ctx, tsys_tensor *x, ts
     TSYS__REQUIRE(ctx, ctx->open_region < 0, "%s: not inside a checkpoint region (it keeps gradients, not inputs, for backward)", op);
     const int64_t rows = tsys__rows(x), V = w->shape[0], d = w->shape[1];
     TSYS__REQUIRE(ctx, rows > 0, "%s: '%s' has no rows", op, x->name);
-    const int64_t chunk = chunk_rows > 0 ? (chunk_rows < rows ? chunk_rows : rows) : tsys__lce_chunk(rows, V, d);
+    const int64_t chunk = tsys__lce_rows(chunk_rows, rows, V, d);
     ctx->trace_weight = w;
     int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR_CE, ins, 3);
     ctx->trace_weight = NULL;
@@ -4456,8 +4459,7 @@ TSYSDEF tsys_tensor *tsys_linear_cross_entropy(tsys_ctx *ctx, tsys_tensor *x, ts
     if (st != TSYS_OK) { tsys_tensor_release(loss); loss = NULL; }
     // Slots as linear's: the compute-dtype x (its cast node routes to x), the fp32 weight itself.
     tsys_tensor *slots[3] = {xl, w->grad_fn ? wl : w, targets}, *saved[TSYS__SAVED_LCE_COUNT] = {dx, dw};
-    tsys__node *node = loss ? tsys__record(ctx, TSYS__OP_LINEAR_CE, loss, slots, 3, saved, TSYS__SAVED_LCE_COUNT) : NULL;
-    if (node) node->i[0] = chunk;
+    if (loss) tsys__record(ctx, TSYS__OP_LINEAR_CE, loss, slots, 3, saved, TSYS__SAVED_LCE_COUNT);
     tsys_tensor *tmp[6] = {xl, wl, x2, one, dx, dw};
     for (int i = 0; i < 6; i++) tsys_tensor_release(tmp[i]);
     if (loss) tsys_tensor_set_name(loss, "loss");

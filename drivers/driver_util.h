@@ -1046,14 +1046,14 @@ static inline const char *du_model_flags_why(const du_model_flags *m) {
 static inline bool du_model_config(const du_model_flags *m, const char *model, int T, const char *attn, tsys_model_desc *d, char *err, size_t len) {
     if (strcmp(model, "from-file")) {
         if (!du_model_desc(&m->dims, model, T, attn, d, err, len)) return false;
-        d->fused_loss = m->fused_loss;
-        return true;
+    } else {
+        if (tsys_model_desc_from_file(m->load, d, err, len) != TSYS_OK) return false;
+        d->context_length = T;
+        d->attn = attn;
+        if (tsys_model_desc_validate(d, err, len) != TSYS_OK) return false;
     }
-    if (tsys_model_desc_from_file(m->load, d, err, len) != TSYS_OK) return false;
-    d->context_length = T;
-    d->attn = attn;
     d->fused_loss = m->fused_loss;
-    return tsys_model_desc_validate(d, err, len) == TSYS_OK;
+    return true;
 }
 
 // --attn auto: flash on cuda under bf16/fp16 autocast, naive otherwise (the fp32 flash kernel has no
