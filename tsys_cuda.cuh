@@ -222,8 +222,8 @@ typedef enum tsys_cuda_flash_impl {
 //                                d 128, large grids) but its two 7-matmul kernels: the same results to rounding,
 //                                for timing both (tsys_cuda_set_flash_no_fused)
 //   flash_nondeterministic false the fused backward adds each key block's dQ part as soon as it is ready
-//                                instead of in a fixed order: a 2-11% faster backward (H100, d 128, 16 x 16384
-//                                and 32 x 32768), but dQ's last bits vary from run to run (tsys_cuda_set_flash_nondeterministic;
+//                                instead of in a fixed order: a 1-5% faster backward (H200, d 128, 32 x 32768
+//                                and 16 x 16384), but dQ's last bits vary from run to run (tsys_cuda_set_flash_nondeterministic;
 //                                env TSYS_FLASH_NONDETERMINISTIC=1)
 //   no_cupti         false       profiles time kernels with CUDA events, not CUPTI (env TSYS_NO_CUPTI sets it)
 //   profiler_debug   false       profiles say on stderr how CUPTI's records mapped to launches (env
@@ -2985,13 +2985,20 @@ tsys_cuda__flash_fwd_wg_kernel(const T *__restrict__ q, const T *__restrict__ k,
 #endif
 }
 
-// Visits tiles [lo, hi) with the masked body at the two ends and the mask-free body in [free_lo, free_hi).
-template <typename F>
+// Visits tiles [lo, hi) with the masked body at the two ends and the mask-free body in [free_lo, free_hi);
+// DOWN: from hi - 1 down to lo.
+template <bool DOWN = false, typename F>
 __device__ __forceinline__ void tsys_cuda__flash_wg_tiles(int lo, int hi, int free_lo, int free_hi, F &&tile) {
     const int a = min(max(free_lo, lo), hi), b = max(a, min(free_hi, hi));
-    for (int i = lo; i < a; i++) tile(i, std::true_type());
-    for (int i = a; i < b; i++) tile(i, std::false_type());
-    for (int i = b; i < hi; i++) tile(i, std::true_type());
+    if constexpr (DOWN) {
+        for (int i = hi - 1; i >= b; i--) tile(i, std::true_type());
+        for (int i = b - 1; i >= a; i--) tile(i, std::false_type());
+        for (int i = a - 1; i >= lo; i--) tile(i, std::true_type());
+    } else {
+        for (int i = lo; i < a; i++) tile(i, std::true_type());
+        for (int i = a; i < b; i++) tile(i, std::false_type());
+        for (int i = b; i < hi; i++) tile(i, std::true_type());
+    }
 }
 
 // dK, dV: WG warpgroups x 64 keys = BKV; query tiles of BQ rows (Q, dO, lse, D) double-buffered: tile it + 1
@@ -3603,10 +3610,11 @@ __device__ __forceinline__ void tsys_cuda__flash_ws_stage_dq_col(float *stage, u
 
 // The fused backward's dQ: each key block adds its fp32 part of every query tile into a global accumulator
 // with the bulk-copy engine, in a fixed order per tile (deterministic): a counter per (slice, query tile)
-// says how many key blocks have added; key block kb adds when it reads its turn, the number of blocks above
-// it that reach the tile (the highest adds first: causal, it reaches the tile two tiles before the next one
-// down). The first writes instead of adding, so the accumulator needs no clearing. A turn that never comes
-// (a broken order) traps after 10 s instead of hanging. Without counters (dqsem NULL: the opt-in
+// says how many key blocks have added; key block kb adds when the counter reaches kb (every block below it
+// reaches the tile too, causal or not), so the lowest block, the longest and the first launched, adds first
+// and writes instead of adding (the accumulator needs no clearing). Every block walks its query tiles from
+// the last down, so a block meets each tile after the blocks below it, which started no later. A turn that
+// never comes (a broken order) traps after 10 s instead of hanging. Without counters (dqsem NULL: the opt-in
 // non-deterministic backward) every block adds as soon as its part is staged, into a cleared accumulator:
 // the sum's order, so its last bits, then vary from run to run.
 __device__ __forceinline__ void tsys_cuda__flash_turn_wait(const int *sem, int turn) {
@@ -3639,31 +3647,27 @@ template <int N> __device__ __forceinline__ void tsys_cuda__flash_bulk_wait() {
 __device__ __forceinline__ void tsys_cuda__flash_bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
-// The query tiles [it0, nqt) of key block kb, at most `nkb` of which reach a tile: add each tile's staged sum
-// (buffer j % SLOTS) into the tile's accumulator ([tiles][BQ x D]) in turn; a tile's counter is passed on once its
-// add is complete, which is checked after the next tile's add is issued.
-template <int BQ, int BKV, int D, int SLOTS, bool CAUSAL>
+// The query tiles [it0, nqt) of key block kb, from the last down (the j-th is tile nqt - 1 - j, staged in buffer
+// j % SLOTS): add each into the tile's accumulator ([tiles][BQ x D]) in turn, and pass the tile's counter on as
+// soon as the add is complete (the next block's turn on this tile waits for nothing else).
+template <int BQ, int D, int SLOTS>
 __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqsem, const float *stage, uint64_t *sfull, uint64_t *sempty,
-                                               int b, int kb, int nkb, int it0, int nqt_all, int nqt) {
+                                               int b, int kb, int it0, int nqt_all, int nqt) {
     constexpr int PART = BQ * D;
-    int *prev = nullptr;
-    for (int it = it0; it < nqt; it++) {
-        const int j = it - it0, slot = j % SLOTS;
+    for (int j = 0; j < nqt - it0; j++) {
+        const int it = nqt - 1 - j, slot = j % SLOTS;
         tsys_cuda__flash_mbar_wait(sfull + slot, (j / SLOTS) & 1);
-        const int top = CAUSAL ? min(nkb - 1, (it * BQ + BQ - 1) / BKV) : nkb - 1;
         int *sem = dqsem ? dqsem + (size_t)b * nqt_all + it : nullptr;
-        if (sem) tsys_cuda__flash_turn_wait(sem, top - kb);
-        tsys_cuda__flash_bulk_out(dqacc + ((size_t)b * nqt_all + it) * PART, stage + (size_t)slot * PART, PART * sizeof(float), !sem || kb < top);
+        if (sem) tsys_cuda__flash_turn_wait(sem, kb);
+        tsys_cuda__flash_bulk_out(dqacc + ((size_t)b * nqt_all + it) * PART, stage + (size_t)slot * PART, PART * sizeof(float), !sem || kb > 0);
         tsys_cuda__flash_bulk_wait_read();
         tsys_cuda__flash_mbar_arrive(sempty + slot);
-        if (prev) {
-            tsys_cuda__flash_bulk_wait<1>();   // the previous tile's add (this tile's may still run)
-            tsys_cuda__flash_turn_pass(prev);
+        if (sem) {
+            tsys_cuda__flash_bulk_wait<0>();
+            tsys_cuda__flash_turn_pass(sem);
         }
-        prev = sem;
     }
     tsys_cuda__flash_bulk_wait<0>();
-    if (prev) tsys_cuda__flash_turn_pass(prev);
 }
 
 // FUSED: the 5-matmul backward. The kernel also makes dQ: each consumer puts its 64 rows of dS^T (bf16) into
@@ -3672,9 +3676,9 @@ __device__ __forceinline__ void tsys_cuda__flash_dq_adder(float *dqacc, int *dqs
 // are in (a barrier between them); the parts meet in a staging buffer (tsys_cuda__flash_ws_stage_dq, _stage_dq_col),
 // and the producer warpgroup's warp 2 adds their sum into the tile's accumulator in turn (tsys_cuda__flash_dq_adder),
 // in the consumers' register order ([column block of 8][thread][4]); tsys_cuda__flash_dq_finish rounds it into dq.
-// Key blocks run from the last (blockIdx.x 0) down: a block waits only for the blocks above it, which started before it (the
-// longest-first order, safe only while every key block of a slice is resident at once, measured 2.3x slower:
-// later slices start their blocks one by one). nsplit must be 1.
+// Key blocks run in grid order, slice by slice, the longest (key block 0) first, and walk their query tiles from
+// the last down: a block waits only for the blocks below it, launched before it, which meet each tile before it
+// does. nsplit must be 1.
 // AREG: each consumer keeps its 64 rows of K and V in registers (16-bit, d 64) and issues S^T and dP^T as RS wgmmas.
 template <typename T, int D, int BQ, int CW, bool CAUSAL, bool FUSED = false, bool AREG = false>
 __global__ void __launch_bounds__((CW + 1) * 128, 1)
@@ -3701,15 +3705,16 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
     uint64_t *ready = empty + ST, *sfull = ready + SLOTS, *sempty = sfull + SLOTS;   // [SLOTS] each (FUSED)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    // causal: key block 0 is the longest (tsys_cuda__flash_block_of); FUSED: the last key block first, in grid order,
-    // slice by slice (each key block of every slice in turn measured 1.8x slower causal: the slices' dQ accumulators
-    // and inputs no longer share the L2)
+    // causal: key block 0 is the longest (tsys_cuda__flash_block_of); FUSED: in grid order, slice by slice (each key
+    // block of every slice in turn measured 1.8x slower causal: the slices' dQ accumulators and inputs no longer
+    // share the L2), and the query tiles from the last down (tile_at)
     const tsys_cuda__flash_block o = FUSED ? tsys_cuda__flash_block{ (int)blockIdx.x, (int)blockIdx.y } : tsys_cuda__flash_block_of();
-    const int bhi = o.ys / nsplit, split = o.ys % nsplit, nkb = (n + BKV - 1) / BKV;
-    const int kb = FUSED ? nkb - 1 - o.tile : o.tile;
+    const int bhi = o.ys / nsplit, split = o.ys % nsplit;
+    const int kb = o.tile;
     const int k0 = kb * BKV, b = b0 + bhi;
-    int it0, nqt;   // this block's query tiles [it0, nqt)
+    int it0, nqt;   // this block's query tiles [it0, nqt), the j-th of them visited tile_at(j)
     tsys_cuda__flash_share(CAUSAL ? k0 / BQ : 0, (n + BQ - 1) / BQ, nsplit, split, &it0, &nqt);
+    const auto tile_at = [&](int j) { return FUSED ? nqt - 1 - j : it0 + j; };
     // query tiles in [free_lo, free_hi) need no mask: all rows < n and, when causal, >= the block's last key
     const int free_lo = CAUSAL ? (k0 + BKV - 1 + BQ - 1) / BQ : 0, free_hi = n / BQ;
     lse += (size_t)b * n; dvec += (size_t)b * n;
@@ -3733,8 +3738,8 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
                 tsys_cuda__flash_tma_load(ks + cb * BKV * 64, &tk, kvfull, cb * 64, k0, b);
                 tsys_cuda__flash_tma_load(vs + cb * BKV * 64, &tv, kvfull, cb * 64, k0, b);
             }
-            for (int it = it0; it < nqt; it++) {
-                const int j = it - it0, s = j % ST;
+            for (int j = 0; j < nqt - it0; j++) {
+                const int it = tile_at(j), s = j % ST;
                 if (j >= ST) tsys_cuda__flash_mbar_wait(empty + s, (j / ST - 1) & 1);
                 tsys_cuda__flash_mbar_expect_tx(full + s, (uint32_t)(2 * L::QT_BYTES));
                 for (int cb = 0; cb < D / 64; cb++) {
@@ -3743,8 +3748,8 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
                 }
             }
         } else if (warp == CW * 4 + 1) {   // the rows' -lse log2(e) and D (stores, then an arrival: release)
-            for (int it = it0; it < nqt; it++) {
-                const int j = it - it0, s = j % ST;
+            for (int j = 0; j < nqt - it0; j++) {
+                const int it = tile_at(j), s = j % ST;
                 if (j >= ST) tsys_cuda__flash_mbar_wait(empty + s, (j / ST - 1) & 1);
                 for (int i = lane; i < BQ; i += 32) {
                     const int row = it * BQ + i;
@@ -3755,8 +3760,7 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
             }
         } else if constexpr (FUSED) {
             if (warp == CW * 4 + 2 && lane == 0)
-                tsys_cuda__flash_dq_adder<BQ, BKV, D, SLOTS, CAUSAL>(dqacc, dqsem, stage, sfull, sempty, b, kb, nkb, it0,
-                                                                         (n + BQ - 1) / BQ, nqt);
+                tsys_cuda__flash_dq_adder<BQ, D, SLOTS>(dqacc, dqsem, stage, sfull, sempty, b, kb, it0, (n + BQ - 1) / BQ, nqt);
         }
         // Launched as a programmatic dependent of the dQ kernel (which it does not read), it must still not
         // complete before that kernel does, so that what follows in the stream sees dQ.
@@ -3777,9 +3781,9 @@ tsys_cuda__flash_bwd_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tq, cons
         tsys_cuda__flash_wg_load_a<BKV, D>(vr, vs, wg * 64);
     }
 
-    tsys_cuda__flash_wg_tiles(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
+    tsys_cuda__flash_wg_tiles<FUSED>(it0, nqt, free_lo, free_hi, [&](int it, auto masked) {
         constexpr bool MASK = decltype(masked)::value;
-        const int j = it - it0, s = j % ST, q0 = it * BQ;
+        const int j = FUSED ? nqt - 1 - it : it - it0, s = j % ST, q0 = it * BQ;
         tsys_cuda__flash_mbar_wait(full + s, (j / ST) & 1);
         const T *qt = qs + s * BQ * D, *gt = gs + s * BQ * D;
         const float *lt = ls + s * BQ, *dt = ds + s * BQ;
@@ -4088,17 +4092,19 @@ template <typename T, int D> static size_t tsys_cuda__flash_fused_floats(int64_t
     return tiles * BQ * D + tiles;
 }
 // The warp-specialized backward splits by the same rule (its dQ and dK/dV kernels' tiles). 16-bit d 128 runs the
-// fused kernel instead on long sequences in grids of at least 2048 key blocks (H100, forward + backward against the
-// two kernels: level at 16 x 16384, 1.00-1.08x at 8 x 32768 and 32 x 16384; its backward alone slower at 1 x 65536,
-// 0.82-0.90x, where the longest key blocks start last and run alone, and at 64 x 2048, 0.88x; docs/design/flash.md);
-// its accumulator follows the row sums.
+// fused kernel instead on long sequences (from 16384 rows) whose grid fills the GPU with key blocks (one an SM at
+// least; it never splits). H200, forward + backward against the two kernels (flash_lab lbfused): 1.11x at 16 x 16384,
+// 1.14x at 8 x 32768, 1.13x at 32 x 16384 and non-causal, 1.16x at 32 x 32768, 1.05x at 1 x 32768 and 1.13x at
+// 1 x 65536; at 1 x 16384 (128 key blocks) 0.82x. Its accumulator follows the row sums.
 template <typename T, int D>
 static tsys_cuda__flash_split_plan tsys_cuda__flash_ws_split(int64_t bh, int64_t n) {
     tsys_cuda__flash_split_plan p =
         tsys_cuda__flash_split_of(bh, n, D, tsys_cuda__flash_ws_tiles<T, D>::KV_BKV, tsys_cuda__flash_ws_tiles<T, D>::DQ_BQ);
-    p.fused = sizeof(T) == 2 && D == 128 && p.kv == 1 && p.q == 1 && n >= 16384 &&
-              bh * ((n + tsys_cuda__flash_ws_tiles<T, D>::KV_BKV - 1) / tsys_cuda__flash_ws_tiles<T, D>::KV_BKV) >= 2048;
-    if (p.fused) p.floats = p.d_floats + tsys_cuda__flash_fused_floats<T, D>(bh, n);
+    p.fused = sizeof(T) == 2 && D == 128 && n >= 16384 &&
+              bh * ((n + tsys_cuda__flash_ws_tiles<T, D>::KV_BKV - 1) / tsys_cuda__flash_ws_tiles<T, D>::KV_BKV) >= tsys_cuda__flash_sm_count();
+    // the scratch also holds the split kernels' parts (desc.flash_no_fused runs them)
+    const size_t fused_floats = p.d_floats + tsys_cuda__flash_fused_floats<T, D>(bh, n);
+    if (p.fused && fused_floats > p.floats) p.floats = fused_floats;
     return p;
 }
 

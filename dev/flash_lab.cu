@@ -277,12 +277,11 @@ static void run_cuda_tests() {
 }
 
 // The backward with and without one of its choices (set(ctx, true) turns it off): the fused backward (16-bit
-// d 128 on a grid of 2048 key blocks, 16 x 16384, where the rule takes it) against the 7-matmul kernels, and the
-// dK/dV kernel launched in the dQ kernel's tail against an ordinary launch (d 64 and 128), causal and not, outputs
-// poisoned before each run; `same`: the two must give the same bits (else the same results to 1e-2); then the
-// same bits from a second run.
-static void check_switch(const char *what, void (*set)(tsys_ctx *, bool), long d, bool same_bits) {
-    const long bh = 16, n = 16384;
+// d 128 from 16384 rows, where the rule takes it; at batch 1 the kernels it replaces split) against the 7-matmul
+// kernels, and the dK/dV kernel launched in the dQ kernel's tail against an ordinary launch (d 64 and 128), causal
+// and not, outputs poisoned before each run; `same`: the two must give the same bits (else the same results to
+// 1e-2); then the same bits from a second run.
+static void check_switch(const char *what, void (*set)(tsys_ctx *, bool), long bh, long n, long d, bool same_bits) {
     const size_t N = bh * n * d;
     for (int c = 0; c < 2; c++) {
         const bool causal = c == 0;
@@ -301,11 +300,11 @@ static void check_switch(const char *what, void (*set)(tsys_ctx *, bool), long d
         bwd(false, dq, dk, dv);
         const double eq = rel_err(dq.h.data(), dq2.h.data(), N), ek = rel_err(dk.h.data(), dk2.h.data(), N), ev = rel_err(dv.h.data(), dv2.h.data(), N);
         const bool bits = dq.raw == dq2.raw && dk.raw == dk2.raw && dv.raw == dv2.raw;
-        report(same_bits ? bits : eq < 1e-2 && ek < 1e-2 && ev < 1e-2, "%s bf16 16 x 16384 d=%ld causal=%d, on against off: dQ %.1e dK %.1e dV %.1e (same bits: %s)",
-               what, d, causal, eq, ek, ev, bits ? "yes" : "no");
+        report(same_bits ? bits : eq < 1e-2 && ek < 1e-2 && ev < 1e-2, "%s bf16 %ld x %ld d=%ld causal=%d, on against off: dQ %.1e dK %.1e dV %.1e (same bits: %s)",
+               what, bh, n, d, causal, eq, ek, ev, bits ? "yes" : "no");
         const std::vector<unsigned char> rq = dq.raw, rk = dk.raw, rv = dv.raw;
         bwd(false, dq, dk, dv);
-        report(dq.raw == rq && dk.raw == rk && dv.raw == rv, "%s bf16 16 x 16384 d=%ld causal=%d: the same bits from two runs", what, d, causal);
+        report(dq.raw == rq && dk.raw == rk && dv.raw == rv, "%s bf16 %ld x %ld d=%ld causal=%d: the same bits from two runs", what, bh, n, d, causal);
     }
     set(lab_ctx, false);
 }
@@ -328,10 +327,11 @@ static void run_tests(const char *impl_arg) {
     }
     if ((!impl_arg || !strcmp(impl_arg, "ws")) && lab_use(TSYS_CUDA_FLASH_WS)) {
         printf("== the warp-specialized backward with and without the fused kernel and the tail launch\n");
-        check_switch("fused backward (desc.flash_no_fused)", tsys_cuda_set_flash_no_fused, 128, false);
-        check_switch("fused backward's dQ in order (desc.flash_nondeterministic)", tsys_cuda_set_flash_nondeterministic, 128, false);
-        check_switch("tail-launched dK/dV (desc.flash_no_pdl)", tsys_cuda_set_flash_no_pdl, 64, true);
-        check_switch("tail-launched dK/dV (desc.flash_no_pdl)", tsys_cuda_set_flash_no_pdl, 128, true);
+        check_switch("fused backward (desc.flash_no_fused)", tsys_cuda_set_flash_no_fused, 16, 16384, 128, false);
+        check_switch("fused backward (desc.flash_no_fused)", tsys_cuda_set_flash_no_fused, 1, 32768, 128, false);
+        check_switch("fused backward's dQ in order (desc.flash_nondeterministic)", tsys_cuda_set_flash_nondeterministic, 16, 16384, 128, false);
+        check_switch("tail-launched dK/dV (desc.flash_no_pdl)", tsys_cuda_set_flash_no_pdl, 16, 16384, 64, true);
+        check_switch("tail-launched dK/dV (desc.flash_no_pdl)", tsys_cuda_set_flash_no_pdl, 16, 16384, 128, true);
     }
 }
 
@@ -496,7 +496,8 @@ static void ab_switch(const char *what, void (*set)(tsys_ctx *, bool), long bh, 
 // (desc.flash_no_fused), at d 128 shapes where the entry points take the fused kernel.
 static void run_lb_fused() {
     printf("== fwd + bwd, bf16, d 128: fused backward / 7-matmul kernels (ms)\n");
-    const long shapes[][3] = { { 16, 16384, 1 }, { 8, 32768, 1 }, { 32, 16384, 1 }, { 16, 16384, 0 }, { 32, 32768, 1 } };   // last: S26's
+    const long shapes[][3] = { { 1, 16384, 1 }, { 1, 32768, 1 }, { 1, 65536, 1 }, { 16, 16384, 1 }, { 8, 32768, 1 },
+                               { 32, 16384, 1 }, { 16, 16384, 0 }, { 32, 32768, 1 } };   // last: S26's
     for (auto &sh : shapes) ab_switch("fused", tsys_cuda_set_flash_no_fused, sh[0], sh[1], 128, sh[2] != 0, true);
 }
 
