@@ -839,10 +839,13 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const
 // The same for a step described by flags: the optimizer's state in the peak (OPTIMIZER), AdamW's kept
 // low-precision weights in place of the step's casts (KEPT_COPIES, tsys_optim_keep_lowp; with an
 // optimizer under autocast), the optimizer in backward giving each layer's gradients back
-// (FREE_GRADS, TSYS_OPTIM_FREE_GRADS). tsys_checkpoint_plan_make is OPTIMIZER or nothing.
+// (FREE_GRADS, TSYS_OPTIM_FREE_GRADS), a model that computes in dtype throughout instead of under
+// autocast (PURE, as FSDP's gathered compute-dtype weights make it: the residual stream and the norms'
+// inputs are kept in dtype, no weight is cast). tsys_checkpoint_plan_make is OPTIMIZER or nothing.
 #define TSYS_PLAN_OPTIMIZER 1u
 #define TSYS_PLAN_KEPT_COPIES 2u
 #define TSYS_PLAN_FREE_GRADS 4u
+#define TSYS_PLAN_PURE 8u
 TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
                                                  unsigned flags, tsys_checkpoint_plan *out, char *err, size_t err_len);
 // Extra step time of the recomputation at the given rates (TFLOP/s for matmuls, GB/s for elementwise).
@@ -5685,7 +5688,8 @@ TSYSDEF const tsys_checkpoint_plan *tsys_model_checkpoint_plan(const tsys_model 
 // 3648 MiB against torch's 3651). A region keeps its inputs: a block or segment of blocks one x;
 // selective keeps x + 3cEd + (naive: o) + x + ab (the norms' outputs and casts, the softmax output or
 // flash's O and o, and s go). The rest of the model keeps the final norm's x and rstd, the lm_head
-// input (4Ed or cEd), the logits c E V and the loss's logsumexp 4E.
+// input (4Ed or cEd), the logits c E V and the loss's logsumexp 4E. A model computing in the 16-bit dtype
+// throughout (TSYS_PLAN_PURE: FSDP's compute dtype) keeps x in cEd and casts no weight.
 // Peak: the fixed part (parameters 4P, gradients 4P, AdamW 8P, the (B, T) i64 ids and targets) plus
 // the largest of three moments:
 //   end of forward     autocast weight copies (c x matmul weights), all kept bytes, and the last
@@ -5790,7 +5794,8 @@ typedef struct tsys__acct {
     double ac_block, ac_head;          // autocast copies of a block's matmul weights, of lm_head's
 } tsys__acct;
 
-static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T, tsys_dtype dt) {
+// pure: the model computes in dt throughout (TSYS_PLAN_PURE): the residual stream in dt, no weight cast.
+static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T, tsys_dtype dt, bool pure) {
     tsys__acct a;
     memset(&a, 0, sizeof(a));
     a.B = (double)B; a.T = (double)T; a.E = a.B * a.T;
@@ -5799,7 +5804,7 @@ static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T
     a.c = a.ac ? 2.0 : 4.0;
     a.flash = strcmp(d->attn, "flash") == 0;
     double E = a.E, c = a.c;
-    a.x = 4 * E * a.d; a.st = 4 * E;
+    a.x = (pure ? c : 4) * E * a.d; a.st = 4 * E;
     a.qkv = a.ac ? c * E * a.d : a.x;   // the norm's output, once for q, k and v (tsys__rmsnorm_to)
     a.attn_in = 3 * c * E * a.d;
     a.attn_big = a.flash ? c * E * a.d + 4 * a.B * a.H * a.T : c * a.B * a.H * a.T * a.T;
@@ -5817,8 +5822,8 @@ static tsys__acct tsys__acct_make(const tsys_model_desc *d, int64_t B, int64_t T
         a.head_fwd = a.head + rows * (c * a.V + 4);
         a.logits_grad = 0;
     }
-    a.ac_block = a.ac ? c * (4 * a.d * a.d + 3 * a.d * a.f) : 0;
-    a.ac_head = a.ac ? c * a.V * a.d : 0;
+    a.ac_block = a.ac && !pure ? c * (4 * a.d * a.d + 3 * a.d * a.f) : 0;
+    a.ac_head = a.ac && !pure ? c * a.V * a.d : 0;
     return a;
 }
 
@@ -5855,7 +5860,7 @@ static double tsys__kept_copies_bytes(const tsys_model_desc *d, int64_t c) {
 
 static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_policy *p, int64_t B, int64_t T, tsys_dtype dt, unsigned how, tsys_checkpoint_plan *out) {
     bool opt = (how & TSYS_PLAN_OPTIMIZER) != 0, free_grads = (how & TSYS_PLAN_FREE_GRADS) != 0;
-    tsys__acct a = tsys__acct_make(d, B, T, dt);
+    tsys__acct a = tsys__acct_make(d, B, T, dt, (how & TSYS_PLAN_PURE) != 0);
     bool kept = (how & TSYS_PLAN_KEPT_COPIES) && opt && a.ac;   // autocast reads the optimizer's copies: no weight is cast in the step
     if (kept) a.ac_block = a.ac_head = 0;
     double P = (double)tsys_model_desc_num_params(d), L = a.L, E = a.E;
@@ -6007,8 +6012,9 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, co
         if (err) snprintf(err, err_len, "checkpoint plan: batch %lld and context %lld must be positive", (long long)batch, (long long)context);
         return TSYS_ERR_INVALID_ARGS;
     }
-    if (flags & ~(TSYS_PLAN_OPTIMIZER | TSYS_PLAN_KEPT_COPIES | TSYS_PLAN_FREE_GRADS)) {
-        if (err) snprintf(err, err_len, "checkpoint plan: unknown flags 0x%x", flags & ~(TSYS_PLAN_OPTIMIZER | TSYS_PLAN_KEPT_COPIES | TSYS_PLAN_FREE_GRADS));
+    const unsigned known = TSYS_PLAN_OPTIMIZER | TSYS_PLAN_KEPT_COPIES | TSYS_PLAN_FREE_GRADS | TSYS_PLAN_PURE;
+    if (flags & ~known) {
+        if (err) snprintf(err, err_len, "checkpoint plan: unknown flags 0x%x", flags & ~known);
         return TSYS_ERR_INVALID_ARGS;
     }
     return tsys__checkpoint_plan(&d, &p, batch, context, dtype, flags, out);

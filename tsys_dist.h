@@ -6141,24 +6141,29 @@ TSYSDEF tsys_status tsys_tp_model_gather(tsys_tp_model *m, tsys_model *full) {
 //                all-reduce of the replicated gradients 2(N-1)/N · 4Ψr
 //   under a checkpoint policy (the desc's checkpoint) the activations are the planner's instead (below)
 
-// The activations of a step under m's checkpointing policy (< 0: none, or one the planner refuses): the
-// planner's predicted single-device peak (tsys_checkpoint_plan_make, which knows what each policy keeps
-// and what backward's recomputation holds) less what it counts that the schemes count themselves: the
-// parameters and AdamW's state (fixed_bytes) and, under autocast, the weights' low-precision casts. The
-// formulas above do not know the policies: the S26 leaderboard row (8.13 B, context 32768, FSDP on 2
-// GPUs, blocks:1+keep-attn) measured 100263 MiB a rank against their 232845.
 // The parameters that matmuls read (every block's projections and the LM head): what autocast casts.
 static double tsys_dist__matmul_params(const tsys_model_desc *m) {
     tsys_model_desc d = tsys_model_desc_defaults(m);
     return d.num_layers * (4.0 * d.d_model * d.d_model + 3.0 * d.d_model * d.d_ff) + (double)d.vocab_size * d.d_model;
 }
 
-static double tsys_dist__ckpt_act_bytes(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context) {
+// The activations of a step under m's checkpointing policy (< 0: none, or one the planner refuses): the
+// planner's predicted single-device peak (tsys_checkpoint_plan_make, which knows what each policy keeps
+// and what backward's recomputation holds) less what it counts that the schemes count themselves: the
+// parameters and AdamW's state (fixed_bytes) and, under autocast, the weights' low-precision casts. The
+// formulas above do not know the policies: the S26 leaderboard row (8.13 B, context 32768, FSDP on 2
+// GPUs, blocks:1+keep-attn) measured 100263 MiB a rank against their 232845.
+// fsdp: the model as FSDP runs it, in the compute dtype throughout (the residual stream in that dtype, no
+// cast to subtract) with each unit's gradients given back once reduce-scattered (TSYS_PLAN_PURE,
+// TSYS_PLAN_FREE_GRADS). Without them the S26 step with the LM head and the loss fused, whose peak is in the
+// blocks rather than at the logits' gradient, was predicted 9.6% over its measured peak.
+static double tsys_dist__ckpt_act_bytes(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context, bool fsdp) {
     if (!m->checkpoint || !m->checkpoint[0] || !strcmp(m->checkpoint, "none")) return -1;
     tsys_checkpoint_plan p;
-    if (tsys_checkpoint_plan_make(m, m->checkpoint, batch, context, dtype, true, &p, NULL, 0) != TSYS_OK) return -1;
-    const bool lowp = dtype == TSYS_BF16 || dtype == TSYS_F16;
-    return p.peak_bytes - p.fixed_bytes - (lowp ? 2.0 * tsys_dist__matmul_params(m) : 0);
+    const unsigned how = TSYS_PLAN_OPTIMIZER | (fsdp ? TSYS_PLAN_PURE | TSYS_PLAN_FREE_GRADS : 0u);
+    if (tsys_checkpoint_plan_make_ex(m, m->checkpoint, batch, context, dtype, how, &p, NULL, 0) != TSYS_OK) return -1;
+    const bool casts = !fsdp && (dtype == TSYS_BF16 || dtype == TSYS_F16);
+    return p.peak_bytes - p.fixed_bytes - (casts ? 2.0 * tsys_dist__matmul_params(m) : 0);
 }
 
 TSYSDEF tsys_dist_account tsys_fsdp_accounting(const tsys_model_desc *m, tsys_dtype compute_dtype, int batch, int context, int world) {
@@ -6185,7 +6190,7 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
     a.grad_bytes = 4 * (shards + Pr) + work_g;
     a.optim_bytes = 8 * (shards + Pr);
     a.work_bytes = work_p + work_g;
-    const double ckpt = tsys_dist__ckpt_act_bytes(m, compute_dtype, batch, context);
+    const double ckpt = tsys_dist__ckpt_act_bytes(m, compute_dtype, batch, context, true);
     a.act_bytes = ckpt >= 0 ? ckpt : a.act_bytes * c / 4.0;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
     double ring = (N - 1) / N, Ps = 2 * Ue + L * Ul;
@@ -6275,7 +6280,7 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
     const double rows = (double)tsys_model_fused_loss_chunk(&d, (int64_t)E);
     const double head = d.fused_loss ? 4 * V * dm + fmax(4 * V * dm, rows * (c * V + 4)) : c * E * V + 4 * E + c * E * V;
     a.act_bytes = L * layer + (4 * E * dm + 4 * E) + (ac ? c : 4) * E * dm + head;
-    const double ckpt = tsys_dist__ckpt_act_bytes(m, dtype, batch, context);
+    const double ckpt = tsys_dist__ckpt_act_bytes(m, dtype, batch, context, false);
     if (ckpt >= 0) a.act_bytes = ckpt;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
     double ring = (N - 1) / N, G = 4 * P;
