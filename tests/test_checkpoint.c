@@ -362,6 +362,26 @@ static void saved_bytes_case(void) {
     TEST_CHECK(none.kept_block_bytes == none.block_bytes && none.block_bytes > 10 * b1.kept_block_bytes, "a block keeps %.0f bytes", none.block_bytes);
 }
 
+// TSYS_PLAN_PURE (a model computing in its 16-bit dtype throughout, as under FSDP): each region's input and the
+// final norm's, the residual stream, kept in 2 bytes instead of fp32's 4, and no weight cast at the end of forward;
+// fp32 unchanged; an unknown flag is refused, named.
+TSYS_TEST(plan_pure_keeps_the_residual_in_dtype) {
+    tsys_model_desc d = small_desc("naive", "blocks:1");
+    tsys_checkpoint_plan ac, pure, f32, f32p;
+    char err[256];
+    TEST_CHECK(tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_BF16, TSYS_PLAN_OPTIMIZER, &ac, err, sizeof err) == TSYS_OK, "%s", err);
+    TEST_CHECK(tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_BF16, TSYS_PLAN_OPTIMIZER | TSYS_PLAN_PURE, &pure, err, sizeof err) == TSYS_OK, "%s", err);
+    const double E = 3 * 16, residual = (d.num_layers + 1) * E * d.d_model;   // one region input a block, the final norm's input
+    TEST_CHECK(ac.kept_bytes - pure.kept_bytes == 2 * residual, "kept %.0f under autocast, %.0f pure: not 2 bytes less a residual element",
+               ac.kept_bytes, pure.kept_bytes);
+    TEST_CHECK(pure.peak_bytes < ac.peak_bytes, "pure peak %.0f not below autocast's %.0f", pure.peak_bytes, ac.peak_bytes);
+    tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_F32, TSYS_PLAN_OPTIMIZER, &f32, NULL, 0);
+    tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_F32, TSYS_PLAN_OPTIMIZER | TSYS_PLAN_PURE, &f32p, NULL, 0);
+    TEST_CHECK(f32.kept_bytes == f32p.kept_bytes && f32.peak_bytes == f32p.peak_bytes, "fp32: pure changed the plan");
+    TEST_CHECK(tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_BF16, 16u, &pure, err, sizeof err) == TSYS_ERR_INVALID_ARGS &&
+                   strstr(err, "unknown flags 0x10"), "flag 16: '%s'", err);
+}
+
 // The CS336 (S26) numbers: the xl block (2560 wide, 10240 FFN, 32 heads) at context 2048, batch 4,
 // fp32, naive attention keeps 3651.31 MiB in torch; four blocks 14605.25 MiB; two checkpointed pairs 160.
 TSYS_TEST(accounting_of_the_cs336_xl_block) {
