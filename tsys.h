@@ -4372,11 +4372,9 @@ TSYSDEF tsys_tensor *tsys_cross_entropy(tsys_ctx *ctx, tsys_tensor *logits, tsys
 // it: the logits GEMM in the compute dtype, CE_FWD, CE_BWD in place (g = 1, 1 / rows), d x = dlogits w in
 // x's compute dtype, d w += dlogits^T x in fp32.
 
-// Rows a chunk: a power of two, at least 2048 (each chunk reads and writes d w in fp32, 8 V d bytes for its
-// 2 rows V d FLOPs: at 2048 rows that traffic hides under the GEMM on a GPU) and at least about as many logits
-// as x has elements (N d / V rows); all the rows when fewer.
-// The rows of a chunk: the caller's chunk_rows (> 0), else a power of two >= 2048 and >= rows x d / V (the
-// logits of a chunk no larger than the input); never more than rows.
+// The rows of a chunk: the caller's chunk_rows (> 0), else a power of two, at least 2048 (each chunk reads and
+// writes d w in fp32, 8 V d bytes for its 2 rows V d FLOPs: at 2048 rows that traffic hides under the GEMM on a
+// GPU) and at least about as many logits as x has elements (rows d / V); never more than rows.
 static int64_t tsys__lce_rows(int64_t chunk_rows, int64_t rows, int64_t V, int64_t d) {
     int64_t c = chunk_rows;
     if (c <= 0) {
@@ -4412,15 +4410,17 @@ static tsys_status tsys__lce_chunk_run(tsys_ctx *ctx, tsys_tensor *xl, tsys_tens
         a = tsys__kargs0();
         a.t[0] = logits; a.t[1] = logits; a.t[2] = lse; a.t[3] = tc; a.t[4] = one; a.f[0] = 1.0f / (float)rows;
         st = tsys__kernel(ctx, xl->device, TSYS_K_CE_BWD, &a);   // in place: the logits' gradient
-        tsys_tensor *dxc = st == TSYS_OK && dx ? tsys_tensor_view_raw(ctx, dx, (size_t)(r0 * d) * tsys_dtype_size(dx->dtype), dx->dtype, 2, xs) : NULL;
-        if (st == TSYS_OK && dx) st = dxc ? TSYS_OK : ctx->status;
-        if (st == TSYS_OK && dx) { tsys_gemm_args g = tsys__gemm_args(logits, wl, dxc, false, false, rc, d, V); st = tsys__gemm(ctx, &g); }
+        if (st == TSYS_OK && dx) {   // this chunk's rows of d x
+            tsys_tensor *dxc = tsys_tensor_view_raw(ctx, dx, (size_t)(r0 * d) * tsys_dtype_size(dx->dtype), dx->dtype, 2, xs);
+            tsys_gemm_args g = tsys__gemm_args(logits, wl, dxc, false, false, rc, d, V);
+            st = dxc ? tsys__gemm(ctx, &g) : ctx->status;
+            tsys_tensor_release(dxc);
+        }
         if (st == TSYS_OK && dw) {
             tsys_gemm_args g = tsys__gemm_args(logits, xc, dw, true, false, V, d, rc);
             g.beta = r0 > 0 ? 1.0f : 0.0f;
             st = tsys__gemm(ctx, &g);
         }
-        tsys_tensor_release(dxc);
     }
     tsys_tensor *tmp[5] = {xc, tc, logits, lse, part};
     for (int i = 0; i < 5; i++) tsys_tensor_release(tmp[i]);
