@@ -256,8 +256,11 @@ $(DIST_CUDA): %: %.o $(BUILD)/tsys_impl_cuda.o
 # the lab tool that times NCCL alone beside tsys_dist (dev/nccl_latency.c: MPI ranks, one GPU each)
 $(BUILD)/nccl_latency: dev/nccl_latency.c | $(BUILD)
 	$(NVCC) $(NVFLAGS) $(MPI_COMPILE) -x cu $< -o $@ $(NCCL_LIBS) $(MPI_LINK)
-cuda: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency)
-cuda-compile: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency)
+# the lab tool that all-reduces on the copy engines between MPI ranks (dev/ce_lab.cu), beside NCCL
+$(BUILD)/ce_lab: dev/ce_lab.cu | $(BUILD)
+	$(NVCC) $(NVFLAGS) $(MPI_COMPILE) $< -o $@ -lcublas $(NCCL_LIBS) $(MPI_LINK)
+cuda: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency $(BUILD)/ce_lab)
+cuda-compile: $(DIST_CUDA) $(if $(HAVE_MPI),$(BUILD)/nccl_latency $(BUILD)/ce_lab)
 # On the GPU machine: NCCL in a group of one, then two ranks sharing the GPU through host staging.
 test-cuda: test-dist-cuda
 test-dist-cuda: $(BUILD)/test_dist_cuda

@@ -7,15 +7,11 @@
 //          backward would run them.
 //   nccl:  backward's GEMMs (xl shapes) on every visible GPU beside DDP's gradient all-reduces (fp32, 100 MB
 //          buckets, NCCL in this process), the pair that makes the data-parallel step slower than one GPU.
-//   ce:    the same GEMMs beside the same all-reduces done by the copy engines instead of NCCL's kernels: each
-//          bucket's chunks pushed to their owners (cudaMemcpyPeerAsync), summed there in rank order by a short
-//          kernel, and the sums pushed back to every GPU; no SM waits on a peer.
 //
 //   nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a dev/green_lab.cu -o build/green_lab \
 //        -lcuda -lcublas -lnccl
 //   build/green_lab adamw [sms...]     (default 8 16 24 32: the SMs given to the memory pass)
 //   build/green_lab nccl [sms...]      (the SMs given to NCCL)
-//   build/green_lab ce [streams...]    (the copy streams a GPU pushes on; default 1 2)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -188,28 +184,22 @@ static void sync_all(int ngpu) {
 
 static void stream_sync(cudaStream_t s) { CK_CU(cuStreamSynchronize((CUstream)s)); }
 
-// x_done (may be NULL): when x's work finished in the best run
-static double timed_pair(int ngpu, job *x, job *y, double *x_done) {
+static double timed(int ngpu, job *x, job *y) {
     double best = 1e30;
     for (int r = 0; r < REPS + 1; r++) {   // the first run warms up
         sync_all(ngpu);
         double t0 = now_ms();
         if (x) x->issue(x->work, -1, NULL);
         if (y) y->issue(y->work, -1, NULL);
-        if (x)
-            for (int d = 0; d < ngpu; d++) stream_sync(x->stream[d]);
-        const double tx = now_ms() - t0;
-        if (y)
-            for (int d = 0; d < ngpu; d++) stream_sync(y->stream[d]);
-        double t = now_ms() - t0;
-        if (r > 0 && t < best) {
-            best = t;
-            if (x_done) *x_done = tx;
+        for (int d = 0; d < ngpu; d++) {
+            if (x) stream_sync(x->stream[d]);
+            if (y) stream_sync(y->stream[d]);
         }
+        double t = now_ms() - t0;
+        if (r > 0 && t < best) best = t;
     }
     return best;
 }
-static double timed(int ngpu, job *x, job *y) { return timed_pair(ngpu, x, y, NULL); }
 
 // ---- adamw: one GPU ---------------------------------------------------------------------------------------
 
@@ -306,11 +296,7 @@ static void lab_nccl(int *sms, int nsms) {
     printf("| what | ms | / (GEMMs + all-reduce alone, whole GPU) |\n|---|---:|---:|\n");
     row("GEMMs alone, whole GPU", tg, tg + tc);
     row("all-reduces alone, whole GPU", tc, tg + tc);
-    double gemms_done = 0;
-    const double both = timed_pair(m.ngpu, &G, &C, &gemms_done);
-    char what0[160];
-    snprintf(what0, sizeof what0, "both, two streams, whole GPU (GEMMs done at %.2f ms)", gemms_done);
-    row(what0, both, tg + tc);
+    row("both, two streams, whole GPU", timed(m.ngpu, &G, &C), tg + tc);
     for (int i = 0; i < nsms; i++) {
         partition p[MAX_GPUS];
         char what[160];
@@ -328,196 +314,17 @@ static void lab_nccl(int *sms, int nsms) {
     for (int d = 0; d < m.ngpu; d++) CK_NCCL(ncclCommDestroy(m.comm[d]));
 }
 
-// ---- ce: the all-reduces on the copy engines, every visible GPU, one process --------------------------------
-//
-// GPUs order each other with events (one process); a library would need CUDA IPC and flags between processes.
-
-enum { MAX_COPY = 8 };
-typedef struct ce_gpus {
-    int ngpu, ncopy;
-    gemms g[MAX_GPUS];
-    float *grad[MAX_GPUS], *scratch[MAX_GPUS];   // scratch: [rank][chunk] of the bucket in flight
-    size_t bytes, bucket;
-    cudaStream_t gs[MAX_GPUS], cs[MAX_GPUS], ks[MAX_GPUS][MAX_COPY];   // GEMMs; sums; pushes
-    cudaEvent_t pushed[MAX_GPUS][MAX_COPY], summed[MAX_GPUS];
-} ce_gpus;
-
-// own[i] = sum over ranks r in rank order of (r == me ? own : chunk r)[i]: the same bits on every rank
-__global__ void ce_sum_kernel(float4 *own, const float4 *scratch, int ngpu, int me, size_t n4) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4; i += (size_t)gridDim.x * blockDim.x) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int r = 0; r < ngpu; r++) {
-            const float4 x = r == me ? own[i] : scratch[r * n4 + i];
-            acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
-        }
-        own[i] = acc;
-    }
-}
-
-// bytes from src (on GPU s) to dst (on GPU d), cut over GPU s's copy streams
-static void ce_push(ce_gpus *m, int s, float *dst, int d, const float *src, size_t bytes) {
-    const size_t part = (bytes / m->ncopy + 15) / 16 * 16;
-    for (int k = 0; k < m->ncopy; k++) {
-        const size_t lo = k * part, n = lo >= bytes ? 0 : (bytes - lo < part ? bytes - lo : part);
-        if (n) CK_CUDA(cudaMemcpyPeerAsync((char *)dst + lo, d, (const char *)src + lo, s, n, m->ks[s][k]));
-    }
-}
-
-// every copy stream of GPU s waits for ev; `after` waits for every copy stream of GPU s
-static void ce_fork(ce_gpus *m, int s, cudaEvent_t ev) {
-    for (int k = 0; k < m->ncopy; k++) CK_CUDA(cudaStreamWaitEvent(m->ks[s][k], ev, 0));
-}
-static void ce_join(ce_gpus *m, int s, cudaStream_t after) {
-    for (int k = 0; k < m->ncopy; k++) { CK_CUDA(cudaEventRecord(m->pushed[s][k], m->ks[s][k])); CK_CUDA(cudaStreamWaitEvent(after, m->pushed[s][k], 0)); }
-}
-
-static void issue_ce_allreduces(void *w, int gpu, cudaStream_t s) {
-    (void)gpu; (void)s;
-    ce_gpus *m = (ce_gpus *)w;
-    const int n = m->ngpu;
-    for (size_t off = 0; off < m->bytes; off += m->bucket) {
-        const size_t bb = m->bytes - off < m->bucket ? m->bytes - off : m->bucket, chunk = bb / n;   // bytes; n divides the bucket
-        // scatter: GPU src pushes its chunk d into GPU d's scratch row src, once every GPU has summed the last bucket
-        for (int src = 0; src < n; src++) {
-            CK_CUDA(cudaSetDevice(src));
-            for (int d = 0; d < n; d++) CK_CUDA(cudaStreamWaitEvent(m->ks[src][0], m->summed[d], 0));
-            CK_CUDA(cudaEventRecord(m->summed[src], m->ks[src][0]));
-            ce_fork(m, src, m->summed[src]);
-            for (int d = 0; d < n; d++)
-                if (d != src) ce_push(m, src, m->scratch[d] + (size_t)src * chunk / 4, d, m->grad[src] + (off + d * chunk) / 4, chunk);
-        }
-        for (int d = 0; d < n; d++) {
-            CK_CUDA(cudaSetDevice(d));
-            for (int src = 0; src < n; src++)
-                if (src != d) ce_join(m, src, m->cs[d]);
-            ce_sum_kernel<<<132 * 4, 256, 0, m->cs[d]>>>((float4 *)(m->grad[d] + (off + d * chunk) / 4), (const float4 *)m->scratch[d], n, d, chunk / 16);
-            CK_CUDA(cudaGetLastError());
-            CK_CUDA(cudaEventRecord(m->summed[d], m->cs[d]));
-        }
-        // gather: GPU d pushes its sum to every other GPU
-        for (int d = 0; d < n; d++) {
-            CK_CUDA(cudaSetDevice(d));
-            ce_fork(m, d, m->summed[d]);
-            for (int r = 0; r < n; r++)
-                if (r != d) ce_push(m, d, m->grad[r] + (off + d * chunk) / 4, r, m->grad[d] + (off + d * chunk) / 4, chunk);
-        }
-    }
-    for (int d = 0; d < n; d++) { CK_CUDA(cudaSetDevice(d)); ce_join(m, d, m->cs[d]); }
-    for (int d = 0; d < n; d++) { CK_CUDA(cudaSetDevice(d)); CK_CUDA(cudaEventRecord(m->summed[d], m->cs[d])); }
-}
-
-static void issue_ce_gemms(void *w, int gpu, cudaStream_t s) {
-    (void)gpu; (void)s;
-    ce_gpus *m = (ce_gpus *)w;
-    for (int d = 0; d < m->ngpu; d++) { CK_CUDA(cudaSetDevice(d)); gemms_issue(&m->g[d], m->gs[d]); }
-}
-
-// the sums against the host's: every GPU's gradients after one all-reduce of GPU-dependent values
-static bool ce_check(ce_gpus *m) {
-    const size_t n = m->bytes / 4;
-    float *h = (float *)malloc(m->bytes), *want = (float *)malloc(m->bytes);
-    if (!h || !want) { fprintf(stderr, "green_lab ce: out of host memory\n"); exit(1); }
-    for (size_t i = 0; i < n; i++) want[i] = 0.0f;
-    for (int d = 0; d < m->ngpu; d++) {
-        for (size_t i = 0; i < n; i++) h[i] = (float)((i * 7 + d * 13) % 1000) * 0.001f - 0.5f;
-        for (size_t i = 0; i < n; i++) want[i] += h[i];
-        CK_CUDA(cudaSetDevice(d));
-        CK_CUDA(cudaMemcpy(m->grad[d], h, m->bytes, cudaMemcpyHostToDevice));
-    }
-    sync_all(m->ngpu);
-    issue_ce_allreduces(m, -1, NULL);
-    sync_all(m->ngpu);
-    bool ok = true;
-    for (int d = 0; d < m->ngpu && ok; d++) {
-        CK_CUDA(cudaSetDevice(d));
-        CK_CUDA(cudaMemcpy(h, m->grad[d], m->bytes, cudaMemcpyDeviceToHost));
-        ok = !memcmp(h, want, m->bytes);
-    }
-    free(h); free(want);
-    return ok;
-}
-
-// the sums' streams at the device's greatest priority (urgent: they pass the GEMMs' blocks) or the default one
-static void ce_sum_streams(ce_gpus *m, bool urgent) {
-    for (int d = 0; d < m->ngpu; d++) {
-        int least, greatest;
-        CK_CUDA(cudaSetDevice(d));
-        CK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-        CK_CUDA(cudaStreamSynchronize(m->cs[d]));
-        CK_CUDA(cudaStreamDestroy(m->cs[d]));
-        CK_CUDA(cudaStreamCreateWithPriority(&m->cs[d], cudaStreamNonBlocking, urgent ? greatest : 0));
-        CK_CUDA(cudaEventRecord(m->summed[d], m->cs[d]));
-    }
-}
-
-static void lab_ce(int *copies, int ncopies) {
-    ce_gpus m;
-    memset(&m, 0, sizeof m);
-    CK_CUDA(cudaGetDeviceCount(&m.ngpu));
-    if (m.ngpu < 2) { fprintf(stderr, "green_lab ce: needs at least 2 GPUs, found %d\n", m.ngpu); exit(2); }
-    if (m.ngpu > MAX_GPUS) m.ngpu = MAX_GPUS;
-    m.bytes = (size_t)1968 * 1000 * 1000 * 4;   // xl's gradients, fp32
-    m.bucket = (size_t)100 * 1000 * 1000;
-    for (int d = 0; d < m.ngpu; d++) {
-        CK_CUDA(cudaSetDevice(d));
-        for (int p = 0; p < m.ngpu; p++)
-            if (p != d) CK_CUDA(cudaDeviceEnablePeerAccess(p, 0));
-        CK_CUDA(cudaStreamCreateWithFlags(&m.gs[d], cudaStreamNonBlocking));
-        CK_CUDA(cudaStreamCreateWithFlags(&m.cs[d], cudaStreamNonBlocking));
-        for (int k = 0; k < MAX_COPY; k++) {
-            CK_CUDA(cudaStreamCreateWithFlags(&m.ks[d][k], cudaStreamNonBlocking));
-            CK_CUDA(cudaEventCreateWithFlags(&m.pushed[d][k], cudaEventDisableTiming));
-        }
-        CK_CUDA(cudaEventCreateWithFlags(&m.summed[d], cudaEventDisableTiming));
-        CK_CUDA(cudaEventRecord(m.summed[d], m.cs[d]));
-        gemms_make(&m.g[d], 1600, 6400, 48);
-        CK_CUDA(cudaMalloc(&m.grad[d], m.bytes));
-        CK_CUDA(cudaMalloc(&m.scratch[d], m.bucket));
-        CK_CUDA(cudaMemset(m.grad[d], 0, m.bytes));
-    }
-    m.ncopy = 1;
-    const bool exact = ce_check(&m);
-    printf("ce lab: %d GPUs; xl backward GEMMs %.2f TFLOP a GPU; all-reduce %.2f GB in %zu MB buckets; sums %s the host's\n\n", m.ngpu,
-           m.g[0].tflop, m.bytes / 1e9, m.bucket / 1000000, exact ? "equal to" : "DIFFER from");
-    job G = {issue_ce_gemms, &m, {0}}, C = {issue_ce_allreduces, &m, {0}};
-    memcpy(G.stream, m.gs, sizeof m.gs);
-    memcpy(C.stream, m.cs, sizeof m.cs);
-    const double tg = timed(m.ngpu, &G, NULL);
-    printf("| what | ms | / (GEMMs + all-reduce alone) |\n|---|---:|---:|\n");
-    for (int i = 0; i < ncopies; i++) {
-        char what[160];
-        m.ncopy = copies[i];
-        const double tc = timed(m.ngpu, &C, NULL);
-        if (i == 0) row("GEMMs alone", tg, tg + tc);
-        snprintf(what, sizeof what, "copy-engine all-reduces alone, %d copy streams (%.0f GB/s bus)", m.ncopy,
-                 m.bytes * 2.0 * (m.ngpu - 1) / m.ngpu / (tc * 1e6));
-        row(what, tc, tg + tc);
-        for (int urgent = 0; urgent < 2; urgent++) {
-            double gemms_done = 0;
-            const double both = timed_pair(m.ngpu, &G, &C, &gemms_done);
-            snprintf(what, sizeof what, "both, %d copy streams%s (GEMMs done at %.2f ms)", m.ncopy, urgent ? ", sums first" : "", gemms_done);
-            row(what, both, tg + tc);
-            ce_sum_streams(&m, !urgent);
-            memcpy(C.stream, m.cs, sizeof m.cs);
-        }
-    }
-}
-
 int main(int argc, char **argv) {
     int sms[16] = {8, 16, 24, 32}, nsms = 4;
-    if (argc < 2 || (strcmp(argv[1], "adamw") && strcmp(argv[1], "nccl") && strcmp(argv[1], "ce"))) {
-        fprintf(stderr, "usage: %s adamw|nccl [sms...] | ce [streams...]  (the SMs given to the memory pass or to NCCL, default 8 16 24 32;\n"
-                        "       the copy streams a GPU pushes on, 1-%d, default 1 2)\n", argv[0], (int)MAX_COPY);
+    if (argc < 2 || (strcmp(argv[1], "adamw") && strcmp(argv[1], "nccl"))) {
+        fprintf(stderr, "usage: %s adamw|nccl [sms...]  (the SMs given to the memory pass or to NCCL; default 8 16 24 32)\n", argv[0]);
         return 2;
     }
-    const bool ce = !strcmp(argv[1], "ce");
-    if (ce) sms[0] = 1, sms[1] = 2, nsms = 2;
     if (argc > 2) {
         nsms = 0;
         for (int i = 2; i < argc && nsms < 16; i++) {
             char *end;
             long v = strtol(argv[i], &end, 10);
-            if (ce && (*end || v < 1 || v > MAX_COPY)) { fprintf(stderr, "%s: streams '%s' must be a whole number, 1-%d\n", argv[0], argv[i], (int)MAX_COPY); return 2; }
             if (*end || v < 1 || v > 1024) { fprintf(stderr, "%s: sms '%s' must be a whole number of SMs, 1-1024\n", argv[0], argv[i]); return 2; }
             sms[nsms++] = (int)v;
         }
@@ -527,7 +334,6 @@ int main(int argc, char **argv) {
     CK_CUDA(cudaSetDevice(0));
     CK_CUDA(cudaFree(0));   // the primary context first: green contexts retain it
     if (!strcmp(argv[1], "adamw")) lab_adamw(sms, nsms);
-    else if (ce) lab_ce(sms, nsms);
     else lab_nccl(sms, nsms);
     return 0;
 }
