@@ -8,6 +8,9 @@
 //   sum      rank p waits for every ready flag (a one-warp kernel on its sum stream), sums the rows into its own
 //            chunk in rank order (the same bits on every rank), then raises its peers' `space` flags;
 //   gather   rank p pushes its sum into every peer's gradients and raises their `gathered` flag for the bucket.
+// With bf16 on the wire the pushes carry bf16 (rounded by a kernel before the scatter push), the owner sums the
+// rows in fp32 and rounds the sum (every rank then holds the same bf16-rounded gradients), and a receiver widens
+// the pushed sums back into its fp32 gradients.
 // A flag lives with the rank that waits on it; the waiting kernel clears it (a one-bit semaphore), so a step leaves
 // every flag as it found it and the same work captured as a CUDA graph replays. A wait that passes 10 s traps (a
 // dead peer is an error, not a hang). Ranks may share a GPU (IPC within a device). NCCL's all-reduce of the same
@@ -75,12 +78,35 @@ __global__ void rows_sum(float4 *own, const float4 *rows, size_t row4, int nrank
     }
 }
 
+// bf16 on the wire: a chunk rounded for its push; the owner's sum of rows rounded once more (its own chunk rounded
+// first, like the peers'), into both its fp32 gradients and their bf16 mirror; a pushed sum widened by its receiver
+__global__ void round16(__nv_bfloat162 *dst, const float2 *src, size_t n2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n2; i += (size_t)gridDim.x * blockDim.x) dst[i] = __float22bfloat162_rn(src[i]);
+}
+__global__ void rows_sum16(float2 *own, __nv_bfloat162 *own16, const __nv_bfloat162 *rows, size_t row2, int nranks, int me, size_t n2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n2; i += (size_t)gridDim.x * blockDim.x) {
+        float2 acc = make_float2(0.f, 0.f);
+        for (int r = 0; r < nranks; r++) {
+            const float2 x = __bfloat1622float2(r == me ? __float22bfloat162_rn(own[i]) : rows[r * row2 + i]);
+            acc.x += x.x; acc.y += x.y;
+        }
+        const __nv_bfloat162 h = __float22bfloat162_rn(acc);
+        own16[i] = h;
+        own[i] = __bfloat1622float2(h);
+    }
+}
+__global__ void widen16(float2 *dst, const __nv_bfloat162 *src, size_t n2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n2; i += (size_t)gridDim.x * blockDim.x) dst[i] = __bfloat1622float2(src[i]);
+}
+
 // ---- one rank -------------------------------------------------------------------------------------------------
 
 typedef struct rank_state {
     int rank, nranks, nbuckets;
     size_t bytes, bucket, row;   // row: bytes of a scratch row (bucket / nranks)
     float *grad[MAX_RANKS], *scratch[MAX_RANKS];   // mine at [rank], the peers' opened through IPC
+    __nv_bfloat16 *grad16[MAX_RANKS];              // wire16: the gradients' bf16 mirror (pushes and sums)
+    bool wire16;                                   // bf16 on the wire
     flags *fl[MAX_RANKS];
     cudaStream_t cs, rs, ag, gs;                   // sums and waits; scatter pushes; gather pushes; GEMMs
     cudaEvent_t fork, summed, rs_done, ag_done;
@@ -107,18 +133,28 @@ static void allreduce_issue(rank_state *m) {
     for (size_t off = 0; off < m->bytes; off += m->bucket, k++) {
         const size_t bb = m->bytes - off < m->bucket ? m->bytes - off : m->bucket, chunk = bb / n;
         const int slot = k % SLOTS;
+        const size_t e0 = off / 4, wire = m->wire16 ? chunk / 2 : chunk;   // first element; bytes a chunk on the wire
         for (int p = 0; p < n; p++) {   // scatter
             if (p == me) continue;
             take(m->rs, &m->fl[me]->space[p][slot], 1, 1);
-            CK_CUDA(cudaMemcpyAsync((char *)m->scratch[p] + (slot * n + me) * m->row, (char *)m->grad[me] + off + p * chunk, chunk,
-                                    cudaMemcpyDeviceToDevice, m->rs));
+            const void *src = (char *)m->grad[me] + off + p * chunk;
+            if (m->wire16) {
+                src = m->grad16[me] + e0 + p * chunk / 4;
+                round16<<<132 * 2, 256, 0, m->rs>>>((__nv_bfloat162 *)src, (const float2 *)((char *)m->grad[me] + off + p * chunk), chunk / 8);
+                CK_CUDA(cudaGetLastError());
+            }
+            CK_CUDA(cudaMemcpyAsync((char *)m->scratch[p] + (slot * n + me) * m->row, src, wire, cudaMemcpyDeviceToDevice, m->rs));
             raise_flag(m, m->rs, &m->fl[p]->ready[me][slot]);
         }
-        // sum: every peer's row is in (ready[s][slot] for s != me: a strided run with my own entry skipped)
+        // sum: every peer's row is in
         for (int s = 0; s < n; s++)
             if (s != me) take(m->cs, &m->fl[me]->ready[s][slot], 1, 1);
-        rows_sum<<<132 * 4, 256, 0, m->cs>>>((float4 *)((char *)m->grad[me] + off + me * chunk),
-                                             (const float4 *)((char *)m->scratch[me] + slot * n * m->row), m->row / 16, n, me, chunk / 16);
+        if (m->wire16)
+            rows_sum16<<<132 * 4, 256, 0, m->cs>>>((float2 *)((char *)m->grad[me] + off + me * chunk), (__nv_bfloat162 *)(m->grad16[me] + e0 + me * chunk / 4),
+                                                   (const __nv_bfloat162 *)((char *)m->scratch[me] + slot * n * m->row), m->row / 4, n, me, chunk / 8);
+        else
+            rows_sum<<<132 * 4, 256, 0, m->cs>>>((float4 *)((char *)m->grad[me] + off + me * chunk),
+                                                 (const float4 *)((char *)m->scratch[me] + slot * n * m->row), m->row / 16, n, me, chunk / 16);
         CK_CUDA(cudaGetLastError());
         for (int s = 0; s < n; s++)
             if (s != me) raise_flag(m, m->cs, &m->fl[s]->space[me][slot]);
@@ -126,14 +162,23 @@ static void allreduce_issue(rank_state *m) {
         CK_CUDA(cudaStreamWaitEvent(m->ag, m->summed, 0));
         for (int r = 0; r < n; r++) {   // gather
             if (r == me) continue;
-            CK_CUDA(cudaMemcpyAsync((char *)m->grad[r] + off + me * chunk, (char *)m->grad[me] + off + me * chunk, chunk,
-                                    cudaMemcpyDeviceToDevice, m->ag));
+            if (m->wire16)
+                CK_CUDA(cudaMemcpyAsync(m->grad16[r] + e0 + me * chunk / 4, m->grad16[me] + e0 + me * chunk / 4, wire, cudaMemcpyDeviceToDevice, m->ag));
+            else
+                CK_CUDA(cudaMemcpyAsync((char *)m->grad[r] + off + me * chunk, (char *)m->grad[me] + off + me * chunk, chunk, cudaMemcpyDeviceToDevice, m->ag));
             raise_flag(m, m->ag, &m->fl[r]->gathered[k][me]);
         }
     }
-    for (int b = 0; b < m->nbuckets; b++)   // every peer's sums are in
-        for (int s = 0; s < n; s++)
-            if (s != me) take(m->cs, &m->fl[me]->gathered[b][s], 1, 1);
+    k = 0;
+    for (size_t off = 0; off < m->bytes; off += m->bucket, k++)   // every peer's sums are in (widened when bf16)
+        for (int s = 0; s < n; s++) {
+            if (s == me) continue;
+            take(m->cs, &m->fl[me]->gathered[k][s], 1, 1);
+            if (!m->wire16) continue;
+            const size_t chunk = (m->bytes - off < m->bucket ? m->bytes - off : m->bucket) / n, e = off / 4 + s * chunk / 4;
+            widen16<<<132 * 2, 256, 0, m->cs>>>((float2 *)(m->grad[me] + e), (const __nv_bfloat162 *)(m->grad16[me] + e), chunk / 8);
+            CK_CUDA(cudaGetLastError());
+        }
     CK_CUDA(cudaEventRecord(m->rs_done, m->rs));
     CK_CUDA(cudaEventRecord(m->ag_done, m->ag));
     CK_CUDA(cudaStreamWaitEvent(m->cs, m->rs_done, 0));
@@ -193,6 +238,13 @@ static void gemms_issue(gemms *g, cudaStream_t s) {
 // ---- checks and timings ----------------------------------------------------------------------------------------
 
 static float value_of(size_t i, int rank) { return (float)((i * 7 + rank * 13) % 1000) * 0.001f - 0.5f; }
+static float round16_host(float x) {   // to the nearest bf16, ties to even (finite x)
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
 
 // every rank's gradients after one all-reduce against the host's rank-ordered sum; true on every rank when all agree
 static bool check(rank_state *m) {
@@ -210,8 +262,8 @@ static bool check(rank_state *m) {
     int ok = 1;
     for (size_t i = 0; i < n && ok; i++) {
         float want = 0.0f;
-        for (int r = 0; r < m->nranks; r++) want += value_of(i, r);
-        ok = h[i] == want;
+        for (int r = 0; r < m->nranks; r++) want += m->wire16 && !m->nccl ? round16_host(value_of(i, r)) : value_of(i, r);
+        ok = h[i] == (m->wire16 && !m->nccl ? round16_host(want) : want);
     }
     free(h);
     int all = 0;
@@ -280,7 +332,7 @@ int main(int argc, char **argv) {
     CK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &m.nranks));
     if (m.nranks < 2 || m.nranks > MAX_RANKS) { fprintf(stderr, "ce_lab: 2-%d ranks, not %d\n", MAX_RANKS, m.nranks); MPI_Abort(MPI_COMM_WORLD, 2); }
     m.bytes = mb_arg(argc, argv, 1, 7872), m.bucket = mb_arg(argc, argv, 2, 100);
-    if (m.bucket % (16 * m.nranks) || m.bytes % (16 * m.nranks)) { fprintf(stderr, "ce_lab: sizes must split into 16-byte rank chunks\n"); MPI_Abort(MPI_COMM_WORLD, 2); }
+    if (m.bucket % (32 * m.nranks) || m.bytes % (32 * m.nranks)) { fprintf(stderr, "ce_lab: sizes must split into 16-byte rank chunks\n"); MPI_Abort(MPI_COMM_WORLD, 2); }
     m.nbuckets = (int)((m.bytes + m.bucket - 1) / m.bucket);
     if (m.nbuckets > MAX_BUCKETS) { fprintf(stderr, "ce_lab: %d buckets, at most %d\n", m.nbuckets, (int)MAX_BUCKETS); MPI_Abort(MPI_COMM_WORLD, 2); }
     m.row = m.bucket / m.nranks;
@@ -300,6 +352,8 @@ int main(int argc, char **argv) {
     share(&m, m.grad[m.rank], (void **)m.grad);
     share(&m, m.scratch[m.rank], (void **)m.scratch);
     share(&m, m.fl[m.rank], (void **)m.fl);
+    CK_CUDA(cudaMalloc(&m.grad16[m.rank], m.bytes / 2));
+    share(&m, m.grad16[m.rank], (void **)m.grad16);
     cudaStream_t *ss[4] = {&m.cs, &m.rs, &m.ag, &m.gs};
     for (cudaStream_t *s : ss) CK_CUDA(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
     cudaEvent_t *es[4] = {&m.fork, &m.summed, &m.rs_done, &m.ag_done};
@@ -314,6 +368,13 @@ int main(int argc, char **argv) {
     rows(&m, &g, "copy engines, issued", tg);
     capture(&m);
     rows(&m, &g, "copy engines, captured", tg);
+    m.wire16 = true;
+    CK_CUDA(cudaGraphExecDestroy(m.graph));
+    m.graph = NULL;
+    rows(&m, &g, "copy engines, bf16 on the wire, issued", tg);
+    capture(&m);
+    rows(&m, &g, "copy engines, bf16 on the wire, captured", tg);
+    m.wire16 = false;
     ncclUniqueId id;
     if (!m.rank) CK_NCCL(ncclGetUniqueId(&id));
     CK_MPI(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
