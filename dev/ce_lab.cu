@@ -304,6 +304,18 @@ static void rows(rank_state *m, gemms *g, const char *how, double tg) {
     printf("| both, %s (GEMMs done at %.2f ms, alone %.2f) | %.2f | |\n", how, done, tg, both);
 }
 
+// the rows issued, then captured as one graph and replayed
+static void both_ways(rank_state *m, gemms *g, const char *what, double tg) {
+    char how[96];
+    if (m->graph) CK_CUDA(cudaGraphExecDestroy(m->graph));
+    m->graph = NULL;
+    snprintf(how, sizeof how, "%s, issued", what);
+    rows(m, g, how, tg);
+    capture(m);
+    snprintf(how, sizeof how, "%s, captured", what);
+    rows(m, g, how, tg);
+}
+
 // ---- setup ------------------------------------------------------------------------------------------------------
 
 static size_t mb_arg(int argc, char **argv, int i, size_t dflt) {
@@ -365,26 +377,16 @@ int main(int argc, char **argv) {
     if (!m.rank)
         printf("ce_lab: %d ranks on %d GPUs; all-reduce %.2f GB in %zu MB buckets; xl backward GEMMs beside it\n\n| what | ms | bus GB/s |\n|---|---:|---:|\n"
                "| GEMMs alone | %.2f | |\n", m.nranks, ngpu < m.nranks ? ngpu : m.nranks, m.bytes / 1e9, m.bucket / 1000000, tg);
-    rows(&m, &g, "copy engines, issued", tg);
-    capture(&m);
-    rows(&m, &g, "copy engines, captured", tg);
+    both_ways(&m, &g, "copy engines", tg);
     m.wire16 = true;
-    CK_CUDA(cudaGraphExecDestroy(m.graph));
-    m.graph = NULL;
-    rows(&m, &g, "copy engines, bf16 on the wire, issued", tg);
-    capture(&m);
-    rows(&m, &g, "copy engines, bf16 on the wire, captured", tg);
+    both_ways(&m, &g, "copy engines, bf16 on the wire", tg);
     m.wire16 = false;
     ncclUniqueId id;
     if (!m.rank) CK_NCCL(ncclGetUniqueId(&id));
     CK_MPI(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
     CK_NCCL(ncclCommInitRank(&m.comm, m.nranks, id, m.rank));
     m.nccl = true;
-    CK_CUDA(cudaGraphExecDestroy(m.graph));
-    m.graph = NULL;
-    rows(&m, &g, "NCCL, issued", tg);
-    capture(&m);
-    rows(&m, &g, "NCCL, captured", tg);
+    both_ways(&m, &g, "NCCL", tg);
     CK_CUDA(cudaGraphExecDestroy(m.graph));
     CK_NCCL(ncclCommDestroy(m.comm));
     CK_MPI(MPI_Barrier(MPI_COMM_WORLD));
