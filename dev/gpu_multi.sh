@@ -2,7 +2,7 @@
 # gpu_multi.sh - tsys_dist on a machine with several GPUs, ours and torch.distributed in the same
 # call. Binaries are built on the development machine and carried in gpu/dist (rebuilt here when one
 # does not start). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machine's notes ask.
-#   dev/gpu_multi.sh topo tests allreduce ddp_ours ddp_torch fsdp captured scaling ...
+#   dev/gpu_multi.sh topo tests allreduce ddp_ours ddp_torch fsdp captured scaling ce ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tsys_out}; mkdir -p "$OUT"
@@ -134,6 +134,22 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "scaling_torch_*gpu.csv"))):
               f"step_ms {r.get('step_ms', ''):>9s} std {r.get('step_std', ''):>7s} comm_ms {r.get('comm_ms', '')} {r.get('status', '')[:60]}")
 PY
     ;;
+  ce)  # DDP's gradient all-reduce on the copy engines against NCCL beside xl's backward GEMMs (dev/ce_lab.cu, one rank a
+       # GPU, twice), then the xl DDP bucketed step it would serve on 1 and every GPU (raw: docs/runs/ce_h200x2)
+    for r in 1 2; do timeout 200 mpirun --oversubscribe --bind-to none -np $NG $G/ce_lab 2>&1 | grep -v "^$" | tail -16; done
+    for np in 1 $NG; do
+      timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --compile no,yes \
+        --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/ce_ddp_${np}.csv" 2>&1
+      python3 - "$OUT/ce_ddp_${np}.csv" "$np" <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).read().splitlines()
+head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))
+if head == len(lines): print("\n".join(lines[-5:]))
+for r in csv.DictReader(lines[head:]):
+    print(f"{sys.argv[2]} GPU(s) bucketed compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
+          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
+PY
+    done ;;
   ddpprof)  # rank 0's profile of one eager DDP step (bucketed 100 MB, MODEL, bf16, context 256, batch 4) alone and
             # beside 1 and NG-1 peers: which kernels slow down while NCCL runs (kernel tables by phase)
     for np in 1 2 $NG; do
