@@ -9597,7 +9597,9 @@ static tsys_status tsys__state_install(tsys_ctx *ctx, const tsys__crc32c *crc, c
     return s;
 }
 
-// All but the newest keep snapshots of dir, oldest first, once the new one is durable.
+// All but the newest keep snapshots of dir, oldest first: once the new one is durable, and also before it is
+// written, so that leftovers of writers that died between an install and its keep_last go first (else each such
+// crash would leave one snapshot more; with them gone, a crash at that point leaves keep + 1 at most).
 static tsys_status tsys__state_keep_last(tsys_ctx *ctx, const tsys__crc32c *crc, const char *dir, int keep) {
     tsys__state_entry *list;
     int n;
@@ -9615,6 +9617,7 @@ static tsys_status tsys__state_job_run(tsys_ctx *ctx, const tsys__crc32c *crc, c
     tsys_status s = tsys__state_scan(ctx, crc, j->dir, true, &list, &n);
     int64_t serial = n ? list[n - 1].serial + 1 : 1;
     TSYS_FREE(list);
+    if (s == TSYS_OK && j->keep_last > 0) s = tsys__state_keep_last(ctx, crc, j->dir, j->keep_last);
     if (s == TSYS_OK && !tsys__state_tmp_name(tmp, sizeof tmp, j->dir)) s = tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, j->dir, "path too long");
     if (s == TSYS_OK && !tsys__state_mkdir_tmp(tmp)) s = tsys__state_fail(ctx, TSYS_ERR_IO, j->dir, "cannot make a temporary directory in it: %s", strerror(errno));
     else if (s == TSYS_OK) {
@@ -10325,6 +10328,7 @@ TSYSDEF tsys_status tsys_state_commit(tsys_ctx *ctx, const char *dir, const char
         m->serial = n ? list[n - 1].serial + 1 : 1;
         m->step = c->step; m->world = c->world; m->nfiles = c->n_parts;
         if (c->layout) snprintf(m->layout, sizeof m->layout, "%s", c->layout);
+        if (s == TSYS_OK && c->keep_last > 0) s = tsys__state_keep_last(ctx, crc, dir, c->keep_last);
     }
     for (int i = 0; s == TSYS_OK && i < c->n_parts; i++) {
         snprintf(m->file[i], sizeof m->file[i], "%s", c->parts[i].file);

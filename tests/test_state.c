@@ -562,6 +562,29 @@ static float ts_load_value(tsys_ctx *ctx, const char *snap, int64_t *step) {
     return v[0] == v[2] ? v[0] : NAN;
 }
 
+// Snapshots beyond keep_last left by writers that died between an install and its keep_last are removed before
+// the next save writes, so that the next crash at that point leaves keep + 1 at most (tests/test_state_fault.sh
+// once found 5 with keep 3). Here the save fails at its install: a file holds the new snapshot's name.
+TSYS_TEST(state_keep_last_prunes_before_writing) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const char *dir = ts_dir("keep_before");
+    char path[1200];
+    for (int step = 10; step <= 50; step += 10)
+        TEST_CHECK(ts_save_value(ctx, dir, step, (float)step, 0, NULL) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    snprintf(path, sizeof path, "%s/step-000060", dir);
+    FILE *f = fopen(path, "wb");
+    if (f) { fputs("not a snapshot", f); fclose(f); }
+    TEST_CHECK(ts_save_value(ctx, dir, 60, 60.0f, 2, NULL) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "not a snapshot"),
+               "the save into a taken name: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(!ts_exists(dir, "step-000010") && !ts_exists(dir, "step-000020") && !ts_exists(dir, "step-000030") &&
+                   ts_exists(dir, "step-000040") && ts_exists(dir, "step-000050"),
+               "the failed save kept the newest 2 of 5 (10: %d, 30: %d, 40: %d)", ts_exists(dir, "step-000010"), ts_exists(dir, "step-000030"),
+               ts_exists(dir, "step-000040"));
+    TEST_CHECK(ts_count(dir, ".") == 0, "no temporaries left");
+    tsys_ctx_free(ctx);
+}
+
 TSYS_TEST(state_keep_last_removes_the_oldest) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     const char *dir = ts_dir("keep");
