@@ -51,10 +51,9 @@ typedef struct flags {
     uint32_t one;                               // the constant a raise copies
 } flags;
 
-// wait until every f[i * stride] (i < count) is 1, clearing each; trap after 10 s
-__global__ void flags_take(uint32_t *f, int count, int stride) {
-    if (threadIdx.x >= (unsigned)count) return;   // one thread a flag (count <= 32)
-    volatile uint32_t *x = f + (size_t)threadIdx.x * stride;
+// wait until *f is 1, then clear it; trap after 10 s
+__global__ void flag_take(uint32_t *f) {
+    volatile uint32_t *x = f;
     uint64_t t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
     while (*x != 1) {
@@ -115,8 +114,8 @@ typedef struct rank_state {
     bool nccl;
 } rank_state;
 
-static void take(cudaStream_t s, uint32_t *f, int count, int stride) {
-    flags_take<<<1, 32, 0, s>>>(f, count, stride);
+static void take(cudaStream_t s, uint32_t *f) {
+    flag_take<<<1, 1, 0, s>>>(f);
     CK_CUDA(cudaGetLastError());
 }
 static void raise_flag(rank_state *m, cudaStream_t s, uint32_t *peer_flag) {
@@ -136,7 +135,7 @@ static void allreduce_issue(rank_state *m) {
         const size_t e0 = off / 4, wire = m->wire16 ? chunk / 2 : chunk;   // first element; bytes a chunk on the wire
         for (int p = 0; p < n; p++) {   // scatter
             if (p == me) continue;
-            take(m->rs, &m->fl[me]->space[p][slot], 1, 1);
+            take(m->rs, &m->fl[me]->space[p][slot]);
             const void *src = (char *)m->grad[me] + off + p * chunk;
             if (m->wire16) {
                 src = m->grad16[me] + e0 + p * chunk / 4;
@@ -148,7 +147,7 @@ static void allreduce_issue(rank_state *m) {
         }
         // sum: every peer's row is in
         for (int s = 0; s < n; s++)
-            if (s != me) take(m->cs, &m->fl[me]->ready[s][slot], 1, 1);
+            if (s != me) take(m->cs, &m->fl[me]->ready[s][slot]);
         if (m->wire16)
             rows_sum16<<<132 * 4, 256, 0, m->cs>>>((float2 *)((char *)m->grad[me] + off + me * chunk), (__nv_bfloat162 *)(m->grad16[me] + e0 + me * chunk / 4),
                                                    (const __nv_bfloat162 *)((char *)m->scratch[me] + slot * n * m->row), m->row / 4, n, me, chunk / 8);
@@ -173,7 +172,7 @@ static void allreduce_issue(rank_state *m) {
     for (size_t off = 0; off < m->bytes; off += m->bucket, k++)   // every peer's sums are in (widened when bf16)
         for (int s = 0; s < n; s++) {
             if (s == me) continue;
-            take(m->cs, &m->fl[me]->gathered[k][s], 1, 1);
+            take(m->cs, &m->fl[me]->gathered[k][s]);
             if (!m->wire16) continue;
             const size_t chunk = (m->bytes - off < m->bucket ? m->bytes - off : m->bucket) / n, e = off / 4 + s * chunk / 4;
             widen16<<<132 * 2, 256, 0, m->cs>>>((float2 *)(m->grad[me] + e), (const __nv_bfloat162 *)(m->grad16[me] + e), chunk / 8);
