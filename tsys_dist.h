@@ -114,6 +114,9 @@
                             own ncpu/nproc cores, as mpirun binds ranks; never when ranks > cores)
       TSYS_DIST_NCCL_BLOCKING=0|1  desc.nccl_nonblocking: a non-blocking NCCL communicator (every NCCL call polled
                             with the deadline; each collective ~50 us slower); default NCCL's blocking mode
+      TSYS_DIST_CE=0|1      desc.ce_allreduce: fp32 sums and averages of CUDA tensors of 1 MiB and more go through the copy
+                            engines (ranks on one host, one GPU each) instead of NCCL's kernels, which slow the
+                            compute beside them; summed in rank order. Default off
       TSYS_DIST_CHECK=0|1   desc.check: 1 (TSYS_DIST_CHECK_ALWAYS): every MPI/NCCL collective first checks that
                             all ranks pass the same op, dtype and size; 0 (_NEVER): never; default (_AUTO): under
                             TSYS_DEBUG, MPI at 64 KiB and up, NCCL at 64 MiB and up (a host round trip: ~4 us,
@@ -255,6 +258,7 @@ typedef struct tsys_dist_desc {
                                  // in [4096, 2^30] (0: 8 MiB / ranks within [256 KiB, 4 MiB])
     bool no_bind;                // TSYS_DIST_BIND=0: tsys_dist_spawn_desc leaves its ranks unbound
     bool nccl_nonblocking;       // TSYS_DIST_NCCL_BLOCKING=0: a non-blocking NCCL communicator
+    bool ce_allreduce;           // TSYS_DIST_CE=1: fp32 sums of CUDA tensors on the copy engines (one host)
     tsys_dist_check check;       // TSYS_DIST_CHECK (1: always, 0: never)
     // the TCP rendezvous (see ON THE RENDEZVOUS); NULL or "": none
     const char *run_id;          // TSYS_DIST_RUN_ID: the job's identity, at most 63 characters (none: TORCHELASTIC_RUN_ID)
@@ -963,6 +967,7 @@ struct tsys_dist {
     struct tsys_dist__window *windows;         // symmetric windows still registered (tsys_dist_tensor_new)
     int side_inflight;                         // asynchronous NCCL works not yet waited for (their side-stream work)
     int nccl_version;                          // the library's at run time (ncclGetVersion)
+    struct tsys_dist__ce *ce;                  // desc.ce_allreduce: the copy engines' scratch and flags
 #endif
 };
 
@@ -1121,7 +1126,9 @@ static bool tsys_dist__options(const tsys_dist_desc *desc, tsys_dist_desc *out, 
     if (o.timeout_s == 0) o.timeout_s = TSYS_DIST_TIMEOUT_DEFAULT;
     const int shm = tsys_dist__env_flag("TSYS_DIST_SHM", e), bind = tsys_dist__env_flag("TSYS_DIST_BIND", e);
     const int blocking = tsys_dist__env_flag("TSYS_DIST_NCCL_BLOCKING", e), check = tsys_dist__env_flag("TSYS_DIST_CHECK", e);
-    if (shm == -2 || bind == -2 || blocking == -2 || check == -2) return false;
+    const int ce = tsys_dist__env_flag("TSYS_DIST_CE", e);
+    if (shm == -2 || bind == -2 || blocking == -2 || check == -2 || ce == -2) return false;
+    if (ce >= 0) o.ce_allreduce = ce == 1;
     if (shm >= 0) o.no_shm = shm == 0;
     if (bind >= 0) o.no_bind = bind == 0;
     if (blocking >= 0) o.nccl_nonblocking = blocking == 0;
@@ -2858,6 +2865,206 @@ static bool tsys_dist__nccl_setup(tsys_dist *d, tsys_dist__err *e) {
     return r != ncclInProgress || tsys_dist__nccl_settle(d, "ncclCommInitRankConfig (the group did not form)", e);
 }
 
+// ---- all-reduces on the copy engines (desc.ce_allreduce) -------------------------------------------
+// An fp32 sum (or average) of a CUDA tensor among ranks on one host, moved by the copy engines instead of NCCL's kernels:
+// those take SMs for as long as they run, and backward's GEMMs beside them ran ~1.9x their time alone against
+// ~1.35x beside these copies (dev/ce_lab.cu, 2 x H200). The tensor goes in pieces of at most size x
+// TSYS_DIST__CE_ROW bytes, one chunk a rank; piece k uses slot k % 2 of every rank's scratch, laid out
+// [slot][in, out][rank] rows:
+//   scatter  I push my copy of chunk q into rank q's in-row [slot][me]
+//   sum      I add the in-rows to my chunk, in rank order: the same bits on every rank, however many
+//   return   I push my summed chunk into every rank r's out-row [slot][me]
+//   collect  I copy rank q's sum from my out-row [slot][q] into my chunk q
+// Ranks order each other through flags. Each lives in the memory of the rank that waits on it, is raised by a
+// 4-byte copy behind the data in the raiser's stream, and is cleared by the kernel that waited for it
+// (tsys_dist__ce_take), so a collective leaves every flag as it found it and the sequence can be captured.
+// A wait longer than the group's timeout traps: the context reports a launch failure at its next sync.
+#define TSYS_DIST__CE_ROW ((int64_t)16 << 20)
+#define TSYS_DIST__CE_MIN ((int64_t)1 << 20)   // smaller all-reduces stay with NCCL, whose latency is lower
+enum { TSYS_DIST__CE_SLOTS = 2, TSYS_DIST__CE_RANKS = 8 };
+typedef struct tsys_dist__ce_flags {                          // one rank's, in its memory: [peer][slot]
+    uint32_t in_ready[TSYS_DIST__CE_RANKS][TSYS_DIST__CE_SLOTS];   // the peer pushed its chunk into my in-row
+    uint32_t in_space[TSYS_DIST__CE_RANKS][TSYS_DIST__CE_SLOTS];   // the peer summed: my in-row there is free
+    uint32_t out_ready[TSYS_DIST__CE_RANKS][TSYS_DIST__CE_SLOTS];  // the peer pushed its sum into my out-row
+    uint32_t out_space[TSYS_DIST__CE_RANKS][TSYS_DIST__CE_SLOTS];  // the peer collected my sum: my out-row there is free
+    uint32_t one;                                             // what a raise copies
+} tsys_dist__ce_flags;
+typedef struct tsys_dist__ce {
+    char *scratch[TSYS_DIST__CE_RANKS];           // every rank's: mine at [rank], the peers' opened through IPC
+    tsys_dist__ce_flags *flags[TSYS_DIST__CE_RANKS];
+    cudaStream_t push, back;                       // scatter and return pushes, forked from the collective's stream
+    cudaEvent_t fork, summed, push_done, back_done;
+    int64_t pieces;                                // pieces issued so far: the next one's slot
+} tsys_dist__ce;
+typedef struct tsys_dist__ce_handles { cudaIpcMemHandle_t scratch, flags; } tsys_dist__ce_handles;
+
+// Waits until the count flags f[i * stride] (i != skip) are 1, clearing each.
+__global__ void tsys_dist__ce_take_kernel(uint32_t *f, int count, int stride, int skip, unsigned long long timeout_ns) {
+    const int i = (int)threadIdx.x;
+    if (i >= count || i == skip) return;
+    volatile uint32_t *x = f + (size_t)i * stride;
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+    while (*x != 1u) {
+        __nanosleep(500);
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+        if (t - t0 > timeout_ns) __trap();
+    }
+    *x = 0u;
+}
+// own[i] = the sum over ranks r, in rank order, of (r == me ? own : row r)[i], divided by n when avg (as the
+// host paths do it)
+__global__ void tsys_dist__ce_sum_kernel(float *own, const float *rows, int64_t row_elems, int n, int me, int64_t count, bool avg) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int r = 0; r < n; r++) acc += r == me ? own[i] : rows[r * row_elems + i];
+        own[i] = avg ? __fdiv_rn(acc, (float)n) : acc;
+    }
+}
+
+static bool tsys_dist__ce_cuda(cudaError_t r, const char *what, tsys_dist__err *e) {
+    return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine all-reduce: %s: %s", what, cudaGetErrorString(r));
+}
+// Byte offset of row [slot][dir][rank] in a scratch (dir 0: in, 1: out).
+static int64_t tsys_dist__ce_row(const tsys_dist *d, int64_t slot, int dir, int rank) {
+    return ((slot * 2 + dir) * d->size + rank) * TSYS_DIST__CE_ROW;
+}
+
+// Made with the communicator when desc.ce_allreduce is set: every rank's scratch and flags opened by every other.
+static bool tsys_dist__ce_setup(tsys_dist *d, tsys_dist__err *e) {
+    if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "desc.ce_allreduce (TSYS_DIST_CE=1): the ranks are on several hosts; the copy engines reach only this host's GPUs");
+    if (d->size > TSYS_DIST__CE_RANKS)
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "desc.ce_allreduce (TSYS_DIST_CE=1): %d ranks, at most %d", d->size, (int)TSYS_DIST__CE_RANKS);
+    tsys_dist__ce *ce = (tsys_dist__ce *)calloc(1, sizeof *ce);
+    if (!ce) return tsys_dist__seterr(e, TSYS_ERR_OOM, "copy-engine all-reduce: out of host memory");
+    d->ce = ce;
+    const size_t bytes = (size_t)tsys_dist__ce_row(d, TSYS_DIST__CE_SLOTS, 0, 0);
+    tsys_dist__ce_flags init;
+    memset(&init, 0, sizeof init);
+    for (int p = 0; p < TSYS_DIST__CE_RANKS; p++)
+        for (int k = 0; k < TSYS_DIST__CE_SLOTS; k++) init.in_space[p][k] = init.out_space[p][k] = 1;   // every row starts free
+    init.one = 1;
+    tsys_dist__ce_handles mine, theirs;
+    if (!tsys_dist__ce_cuda(cudaMalloc((void **)&ce->scratch[d->rank], bytes), "cudaMalloc (scratch)", e) ||
+        !tsys_dist__ce_cuda(cudaMalloc((void **)&ce->flags[d->rank], sizeof init), "cudaMalloc (flags)", e) ||
+        !tsys_dist__ce_cuda(cudaMemcpy(ce->flags[d->rank], &init, sizeof init, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) ||
+        !tsys_dist__ce_cuda(cudaIpcGetMemHandle(&mine.scratch, ce->scratch[d->rank]), "cudaIpcGetMemHandle (scratch)", e) ||
+        !tsys_dist__ce_cuda(cudaIpcGetMemHandle(&mine.flags, ce->flags[d->rank]), "cudaIpcGetMemHandle (flags)", e))
+        return false;
+    for (int r = 0; r < d->size; r++) {
+        memset(&theirs, 0, sizeof theirs);
+        if (r == d->rank) theirs = mine;
+        if (!tsys_dist__setup_bcast(d, &theirs, (int64_t)sizeof theirs, r, e)) return false;
+        if (r == d->rank) continue;
+        if (!tsys_dist__ce_cuda(cudaIpcOpenMemHandle((void **)&ce->scratch[r], theirs.scratch, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's scratch)", e) ||
+            !tsys_dist__ce_cuda(cudaIpcOpenMemHandle((void **)&ce->flags[r], theirs.flags, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e))
+            return false;
+    }
+    cudaEvent_t *evs[4] = {&ce->fork, &ce->summed, &ce->push_done, &ce->back_done};
+    for (int i = 0; i < 4; i++)
+        if (!tsys_dist__ce_cuda(cudaEventCreateWithFlags(evs[i], cudaEventDisableTiming), "cudaEventCreateWithFlags", e)) return false;
+    return tsys_dist__ce_cuda(cudaStreamCreateWithFlags(&ce->push, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e) &&
+           tsys_dist__ce_cuda(cudaStreamCreateWithFlags(&ce->back, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e);
+}
+
+// After every rank drained its collectives (a peer may still raise a flag of mine until then): the peers'
+// memory closed, mine freed. Errors go nowhere: the group is going.
+static void tsys_dist__ce_teardown(tsys_dist *d) {
+    tsys_dist__ce *ce = d->ce;
+    if (!ce) return;
+    for (int r = 0; r < d->size; r++) {
+        if (r == d->rank) continue;
+        if (ce->scratch[r]) cudaIpcCloseMemHandle(ce->scratch[r]);
+        if (ce->flags[r]) cudaIpcCloseMemHandle(ce->flags[r]);
+    }
+    if (ce->scratch[d->rank]) cudaFree(ce->scratch[d->rank]);
+    if (ce->flags[d->rank]) cudaFree(ce->flags[d->rank]);
+    cudaEvent_t evs[4] = {ce->fork, ce->summed, ce->push_done, ce->back_done};
+    for (int i = 0; i < 4; i++) if (evs[i]) cudaEventDestroy(evs[i]);
+    if (ce->push) cudaStreamDestroy(ce->push);
+    if (ce->back) cudaStreamDestroy(ce->back);
+    free(ce);
+    d->ce = NULL;
+}
+
+static bool tsys_dist__ce_take(tsys_dist *d, cudaStream_t s, uint32_t *f, int count, int stride, int skip, tsys_dist__err *e) {
+    tsys_dist__ce_take_kernel<<<1, 32, 0, s>>>(f, count, stride, skip, (unsigned long long)(d->timeout_s * 1e9));
+    return tsys_dist__ce_cuda(cudaGetLastError(), "the flag wait's launch", e);
+}
+static bool tsys_dist__ce_raise(tsys_dist *d, cudaStream_t s, uint32_t *peer_flag, tsys_dist__err *e) {
+    return tsys_dist__ce_cuda(cudaMemcpyAsync(peer_flag, &d->ce->flags[d->rank]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e);
+}
+static bool tsys_dist__ce_copy(void *dst, const void *src, int64_t bytes, cudaStream_t s, tsys_dist__err *e) {
+    return bytes == 0 || tsys_dist__ce_cuda(cudaMemcpyAsync(dst, src, (size_t)bytes, cudaMemcpyDeviceToDevice, s), "a chunk's copy", e);
+}
+
+// One piece of n elements at x: chunk q is [q c, min((q + 1) c, n)), c = ceil(n / size); an empty chunk has
+// no pushes and no flags on any rank.
+static bool tsys_dist__ce_piece(tsys_dist *d, float *x, int64_t n, bool avg, cudaStream_t s, tsys_dist__err *e) {
+    tsys_dist__ce *ce = d->ce;
+    const int me = d->rank, size = d->size;
+    const int64_t slot = ce->pieces++ % TSYS_DIST__CE_SLOTS, c = (n + size - 1) / size;
+#define TSYS_DIST__CE_LEN(q) ((q) * c >= n ? 0 : ((q) + 1) * c > n ? n - (q) * c : c)
+    for (int q = 0; q < size; q++) {   // scatter
+        if (q == me || TSYS_DIST__CE_LEN(q) == 0) continue;
+        if (!tsys_dist__ce_take(d, ce->push, &ce->flags[me]->in_space[q][slot], 1, 1, -1, e) ||
+            !tsys_dist__ce_copy(ce->scratch[q] + tsys_dist__ce_row(d, slot, 0, me), x + q * c, TSYS_DIST__CE_LEN(q) * 4, ce->push, e) ||
+            !tsys_dist__ce_raise(d, ce->push, &ce->flags[q]->in_ready[me][slot], e))
+            return false;
+    }
+    const int64_t mine = TSYS_DIST__CE_LEN(me);
+    if (mine > 0) {   // sum
+        if (!tsys_dist__ce_take(d, s, &ce->flags[me]->in_ready[0][slot], size, TSYS_DIST__CE_SLOTS, me, e)) return false;
+        const int64_t blocks = (mine + 255) / 256 < 1024 ? (mine + 255) / 256 : 1024;
+        tsys_dist__ce_sum_kernel<<<(unsigned)blocks, 256, 0, s>>>(x + me * c, (const float *)(ce->scratch[me] + tsys_dist__ce_row(d, slot, 0, 0)),
+                                                                   TSYS_DIST__CE_ROW / 4, size, me, mine, avg);
+        if (!tsys_dist__ce_cuda(cudaGetLastError(), "the sum's launch", e)) return false;
+        for (int q = 0; q < size; q++)
+            if (q != me && !tsys_dist__ce_raise(d, s, &ce->flags[q]->in_space[me][slot], e)) return false;
+    }
+    if (!tsys_dist__ce_cuda(cudaEventRecord(ce->summed, s), "cudaEventRecord", e) ||
+        !tsys_dist__ce_cuda(cudaStreamWaitEvent(ce->back, ce->summed, 0), "cudaStreamWaitEvent", e))
+        return false;
+    for (int r = 0; r < size && mine > 0; r++) {   // return
+        if (r == me) continue;
+        if (!tsys_dist__ce_take(d, ce->back, &ce->flags[me]->out_space[r][slot], 1, 1, -1, e) ||
+            !tsys_dist__ce_copy(ce->scratch[r] + tsys_dist__ce_row(d, slot, 1, me), x + me * c, mine * 4, ce->back, e) ||
+            !tsys_dist__ce_raise(d, ce->back, &ce->flags[r]->out_ready[me][slot], e))
+            return false;
+    }
+    for (int q = 0; q < size; q++) {   // collect
+        if (q == me || TSYS_DIST__CE_LEN(q) == 0) continue;
+        if (!tsys_dist__ce_take(d, s, &ce->flags[me]->out_ready[q][slot], 1, 1, -1, e) ||
+            !tsys_dist__ce_copy(x + q * c, ce->scratch[me] + tsys_dist__ce_row(d, slot, 1, q), TSYS_DIST__CE_LEN(q) * 4, s, e) ||
+            !tsys_dist__ce_raise(d, s, &ce->flags[q]->out_space[me][slot], e))
+            return false;
+    }
+#undef TSYS_DIST__CE_LEN
+    return true;
+}
+
+// The whole all-reduce on s: pieces in order, the push streams forked from s before and joined to it after.
+static bool tsys_dist__ce_allreduce(tsys_dist *d, float *x, int64_t count, bool avg, cudaStream_t s, tsys_dist__err *e) {
+    tsys_dist__ce *ce = d->ce;
+    const int64_t piece = TSYS_DIST__CE_ROW / 4 * d->size;
+    if (!tsys_dist__ce_cuda(cudaEventRecord(ce->fork, s), "cudaEventRecord", e) ||
+        !tsys_dist__ce_cuda(cudaStreamWaitEvent(ce->push, ce->fork, 0), "cudaStreamWaitEvent", e) ||
+        !tsys_dist__ce_cuda(cudaStreamWaitEvent(ce->back, ce->fork, 0), "cudaStreamWaitEvent", e))
+        return false;
+    for (int64_t at = 0; at < count; at += piece)
+        if (!tsys_dist__ce_piece(d, x + at, count - at < piece ? count - at : piece, avg, s, e)) return false;
+    return tsys_dist__ce_cuda(cudaEventRecord(ce->push_done, ce->push), "cudaEventRecord", e) &&
+           tsys_dist__ce_cuda(cudaEventRecord(ce->back_done, ce->back), "cudaEventRecord", e) &&
+           tsys_dist__ce_cuda(cudaStreamWaitEvent(s, ce->push_done, 0), "cudaStreamWaitEvent", e) &&
+           tsys_dist__ce_cuda(cudaStreamWaitEvent(s, ce->back_done, 0), "cudaStreamWaitEvent", e);
+}
+// Whether c goes to the copy engines: an fp32 sum or average of at least TSYS_DIST__CE_MIN bytes, outside an
+// NCCL group.
+static bool tsys_dist__ce_takes(const tsys_dist *d, const tsys_dist__coll *c) {
+    return d->ce && c->kind == TSYS_DIST__ALLREDUCE && c->type == TSYS_F32 && (c->op == TSYS_DIST_SUM || c->op == TSYS_DIST_AVG) &&
+           c->count * 4 >= TSYS_DIST__CE_MIN && !d->group_open;
+}
+
 // ---- NCCL collectives -----------------------------------------------------------------------------
 // On the side stream, after the compute stream's work so far (an event from the backend's pool);
 // the collective's end is another event, which tsys_dist_wait makes the compute stream wait for.
@@ -2884,6 +3091,14 @@ static bool tsys_dist__nccl_coll(tsys_dist *d, const tsys_dist__coll *c, tsys_di
     cudaStream_t stream = (cudaStream_t)tsys_cuda_stream_of(ctx, done ? TSYS_STREAM_SIDE : TSYS_STREAM_COMPUTE);
     ncclDataType_t dt = tsys_dist__nccl_type(c->type);
     ncclRedOp_t op = c->op == TSYS_DIST_AVG ? ncclAvg : c->op == TSYS_DIST_MAX ? ncclMax : ncclSum;
+    if (tsys_dist__ce_takes(d, c)) {
+        if (!tsys_dist__ce_allreduce(d, (float *)c->out, c->count, c->op == TSYS_DIST_AVG, stream, e)) {   // the peers would wait for this rank's part
+            tsys_dist__break(d, e);
+            return false;
+        }
+        if (done && tsys_event_record(ctx, TSYS_CUDA, TSYS_STREAM_SIDE, done) != TSYS_OK) return tsys_dist__seterr(e, tsys_ctx_status(ctx), "%s", tsys_ctx_last_error(ctx));
+        return true;
+    }
     ncclResult_t r;
     const char *what;
     switch (c->kind) {
@@ -3044,6 +3259,13 @@ static bool tsys_dist__nccl_barrier(tsys_dist *d, const tsys_dist__coll *c, tsys
 
 static void tsys_dist__nccl_teardown(tsys_dist *d, bool finalize, bool broken) {
     (void)finalize;
+    if (d->ce) {   // every rank's collectives end before any rank frees what its peers write into
+        tsys_dist__err e;
+        memset(&e, 0, sizeof e);
+        int32_t one = 1;
+        if (!broken && d->nccl && tsys_dist__nccl_drain(d, "tsys_dist_free", &e)) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+        tsys_dist__ce_teardown(d);
+    }
     if (d->nccl) {
         if (broken) { tsys_dist__windows_orphan(d); ncclCommAbort(d->nccl); }
         else {
@@ -3296,6 +3518,7 @@ static bool tsys_dist__device_join(tsys_dist *d, const char **what, tsys_dist__e
     *what = "tsys_dist_init (NCCL)";
     tsys_dist__made(d, &tsys_dist__engine_nccl);
     if (!tsys_dist__nccl_setup(d, e)) return false;
+    if (d->opt.ce_allreduce && !tsys_dist__ce_setup(d, e)) return false;
     d->device = &tsys_dist__engine_nccl;
     tsys_dist__warn_one_cpu(d);
 #else

@@ -135,18 +135,22 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "scaling_torch_*gpu.csv"))):
 PY
     ;;
   ce)  # DDP's gradient all-reduce on the copy engines against NCCL beside xl's backward GEMMs (dev/ce_lab.cu, one rank a
-       # GPU, twice), then the xl DDP bucketed step it would serve on 1 and every GPU (raw: docs/runs/ce_h200x2)
+       # GPU, twice); the library's copy-engine all-reduce's test; the xl DDP bucketed step on 1 GPU and on every GPU
+       # with NCCL's all-reduce and with the copy engines' (TSYS_DIST_CE=1)
     for r in 1 2; do timeout 200 mpirun --oversubscribe --bind-to none -np $NG $G/ce_lab 2>&1 | grep -v "^$" | tail -16; done
-    for np in 1 $NG; do
-      timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --compile no,yes \
-        --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/ce_ddp_${np}.csv" 2>&1
-      python3 - "$OUT/ce_ddp_${np}.csv" "$np" <<'PY'
+    timeout 300 mpirun --oversubscribe --bind-to none -np $NG $G/test_dist_cuda ce_allreduce > "$OUT/ce_test.log" 2>&1
+    echo "test_dist_cuda ce_allreduce, $NG ranks: $(tail -n 1 "$OUT/ce_test.log")"
+    for run in 1:0 $NG:0 $NG:1; do   # GPUs:TSYS_DIST_CE
+      np=${run%:*}; ce=${run#*:}
+      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --compile no,yes \
+        --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/ce_ddp_${np}_$ce.csv" 2>&1
+      python3 - "$OUT/ce_ddp_${np}_$ce.csv" "$np GPU(s), TSYS_DIST_CE=$ce," <<'PY'
 import csv, sys
 lines = open(sys.argv[1]).read().splitlines()
 head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))
 if head == len(lines): print("\n".join(lines[-5:]))
 for r in csv.DictReader(lines[head:]):
-    print(f"{sys.argv[2]} GPU(s) bucketed compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
+    print(f"{sys.argv[2]} bucketed compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
           f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
 PY
     done ;;

@@ -737,6 +737,7 @@ TSYS_TEST(desc_options) {   // desc.no_shm is TSYS_DIST_SHM=0; every field shows
 
 TSYS_TEST(env_over_desc) {   // each variable overrides its field
     saved_env shm = env_set("TSYS_DIST_SHM", "0"), slice = env_set("TSYS_DIST_SHM_SLICE", "65536"), check = env_set("TSYS_DIST_CHECK", "1");
+    saved_env ce = env_set("TSYS_DIST_CE", "1");   // host tensors: in effect in the desc, no path of its own
     tsys_dist_desc dd;
     memset(&dd, 0, sizeof dd);
     dd.shm_slice = 131072; dd.check = TSYS_DIST_CHECK_NEVER;
@@ -744,26 +745,29 @@ TSYS_TEST(env_over_desc) {   // each variable overrides its field
     TEST_CHECK(d != NULL, "TSYS_DIST_SHM=0: %s", tsys_ctx_last_error(g_ctx));
     if (d) {
         const tsys_dist_desc got = tsys_dist_get_desc(d);
-        TEST_CHECK(got.no_shm && !d->shm_base && got.check == TSYS_DIST_CHECK_ALWAYS && got.shm_slice == 65536,
-                   "TSYS_DIST_SHM=0, _CHECK=1, _SHM_SLICE=65536 over the desc: no_shm %d, segment %s, check %d, slice %lld",
-                   (int)got.no_shm, d->shm_base ? "mapped" : "none", (int)got.check, (long long)got.shm_slice);
+        TEST_CHECK(got.no_shm && !d->shm_base && got.check == TSYS_DIST_CHECK_ALWAYS && got.shm_slice == 65536 && got.ce_allreduce,
+                   "TSYS_DIST_SHM=0, _CHECK=1, _SHM_SLICE=65536, _CE=1 over the desc: no_shm %d, segment %s, check %d, slice %lld, ce %d",
+                   (int)got.no_shm, d->shm_base ? "mapped" : "none", (int)got.check, (long long)got.shm_slice, (int)got.ce_allreduce);
         check_group(d, "TSYS_DIST_SHM=0 over the desc");
         tsys_dist_free(d);
     }
     setenv("TSYS_DIST_SHM", "1", 1);
     setenv("TSYS_DIST_CHECK", "0", 1);
+    setenv("TSYS_DIST_CE", "0", 1);
     memset(&dd, 0, sizeof dd);
-    dd.no_shm = true;
+    dd.no_shm = true; dd.ce_allreduce = true;
     d = tsys_dist_init(g_ctx, &dd);
     TEST_CHECK(d != NULL, "TSYS_DIST_SHM=1: %s", tsys_ctx_last_error(g_ctx));
     if (d) {
         const tsys_dist_desc got = tsys_dist_get_desc(d);
-        TEST_CHECK(!got.no_shm && got.check == TSYS_DIST_CHECK_NEVER && (g_size == 1 || !d->one_host || d->shm_base || !strstr(d->shm_note, "no_shm")),
-                   "TSYS_DIST_SHM=1 over desc.no_shm: no_shm %d, check %d, '%s'", (int)got.no_shm, (int)got.check, d->shm_note);
+        TEST_CHECK(!got.no_shm && got.check == TSYS_DIST_CHECK_NEVER && !got.ce_allreduce &&
+                       (g_size == 1 || !d->one_host || d->shm_base || !strstr(d->shm_note, "no_shm")),
+                   "TSYS_DIST_SHM=1, _CE=0 over desc.no_shm, .ce_allreduce: no_shm %d, check %d, ce %d, '%s'", (int)got.no_shm, (int)got.check,
+                   (int)got.ce_allreduce, d->shm_note);
         check_group(d, "TSYS_DIST_SHM=1 over desc.no_shm");
         tsys_dist_free(d);
     }
-    env_restore(shm); env_restore(slice); env_restore(check);
+    env_restore(shm); env_restore(slice); env_restore(check); env_restore(ce);
 }
 
 TSYS_TEST(desc_run_id) {   // the rendezvous' run id and secret from the desc (copied: the caller's may go)
@@ -799,7 +803,7 @@ TSYS_TEST(desc_run_id) {   // the rendezvous' run id and secret from the desc (c
 TSYS_TEST(bad_options) {   // refused before any collective, on every rank alike, naming the variable or field
     static const char *const vars[][2] = {
         { "TSYS_DIST_SHM", "yes" }, { "TSYS_DIST_SHM_SLICE", "12" }, { "TSYS_DIST_SHM_SLICE", "1MB" }, { "TSYS_DIST_BIND", "2" },
-        { "TSYS_DIST_NCCL_BLOCKING", "on" }, { "TSYS_DIST_CHECK", "always" }, { "TSYS_DIST_TIMEOUT", "0" } };
+        { "TSYS_DIST_NCCL_BLOCKING", "on" }, { "TSYS_DIST_CHECK", "always" }, { "TSYS_DIST_TIMEOUT", "0" }, { "TSYS_DIST_CE", "nccl" } };
     for (size_t k = 0; k < sizeof vars / sizeof vars[0]; k++) {
         saved_env s = env_set(vars[k][0], vars[k][1]);
         tsys_dist *d = tsys_dist_init(g_ctx, NULL);
@@ -881,6 +885,62 @@ static void cuda_graph_capture_on(tsys_dist *d, bool nccl) {
     }
     tsys_tensor_release(t); tsys_tensor_release(o);
     free(h);
+}
+#endif
+
+#ifdef TSYS_WITH_CUDA
+// fp32 sums on the copy engines (desc.ce_allreduce), in a second group over the same ranks: in rank order like
+// the host paths (NCCL's ring gives other bits past 2 ranks), at 1 MiB (one piece), at two pieces and a short
+// third, then captured once and replayed on new values; below 1 MiB the sum stays with NCCL.
+static void ce_fill(tsys_tensor *t, float *h, int64_t n, int shift) {
+    for (int64_t i = 0; i < n; i++) h[i] = ragged(g_rank, i + shift);
+    tsys_tensor *src = tsys_tensor_from_data(g_ctx, TSYS_F32, TSYS_CUDA, 1, &n, h);
+    STATUS_OK(src ? tsys_tensor_copy_from(g_ctx, t, src) : TSYS_ERR_OOM, "fill");
+    tsys_tensor_release(src);
+}
+TSYS_TEST(ce_allreduce_sums_in_rank_order) {
+    bool nccl = false;
+    for (int p = 0; p < g_npaths; p++) nccl = nccl || (g_dev[p] == TSYS_CUDA && tsys_dist_engine_of(g_group[p]) == TSYS_DIST_ENGINE_NCCL);
+    if (!nccl) return;   // ranks sharing a GPU: no communicator
+    tsys_dist_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.cuda = true; cd.engine = TSYS_DIST_ENGINE_NCCL; cd.ce_allreduce = true;
+    tsys_dist *ce = tsys_dist_init(g_ctx, &cd);
+    TEST_CHECK(ce != NULL, "group with desc.ce_allreduce: %s", tsys_ctx_last_error(g_ctx));
+    if (!ce) return;
+    TEST_CHECK(tsys_dist_get_desc(ce).ce_allreduce, "desc.ce_allreduce in effect");
+    const int64_t piece = ((int64_t)16 << 20) / 4 * g_size, sizes[] = { 1 << 18, 2 * piece + 12345 };
+    float *h = (float *)hbuf(TSYS_F32, sizes[1]);
+    for (int k = 0; k < 2; k++) {
+        const int64_t n = sizes[k];
+        tsys_tensor *t = mk(TSYS_CUDA, TSYS_F32, n, NULL);
+        ce_fill(t, h, n, 0);
+        STATUS_OK(tsys_dist_all_reduce(ce, t, TSYS_DIST_SUM), "copy-engine all_reduce of %lld", (long long)n);
+        tsys_tensor_to_host(g_ctx, t, h);
+        CHECK_VALUES(n, (double)h[i], ragged_sum(i), "copy-engine all_reduce of %lld sums in rank order", (long long)n);
+        ce_fill(t, h, n, 0);
+        STATUS_OK(tsys_dist_all_reduce(ce, t, TSYS_DIST_AVG), "copy-engine average of %lld", (long long)n);
+        tsys_tensor_to_host(g_ctx, t, h);
+        CHECK_VALUES(n, (double)h[i], (double)((float)ragged_sum(i) / (float)g_size), "copy-engine average of %lld: the sum / ranks", (long long)n);
+        tsys_tensor_release(t);
+    }
+    tsys_tensor *t = mk(TSYS_CUDA, TSYS_F32, sizes[1], NULL);
+    ce_fill(t, h, sizes[1], 0);
+    STATUS_OK(tsys_cuda_graph_begin(g_ctx), "graph begin");
+    STATUS_OK(tsys_dist_all_reduce(ce, t, TSYS_DIST_SUM), "all_reduce while capturing");
+    tsys_cuda_graph *g = NULL;
+    STATUS_OK(tsys_cuda_graph_end(g_ctx, &g), "graph end");
+    for (int k = 1; k <= 2 && g; k++) {
+        ce_fill(t, h, sizes[1], k);
+        STATUS_OK(tsys_cuda_graph_replay(g_ctx, g), "replay %d", k);
+        tsys_tensor_to_host(g_ctx, t, h);
+        CHECK_VALUES(sizes[1], (double)h[i], ragged_sum(i + k), "replay %d sums in rank order", k);
+    }
+    tsys_cuda_graph_free(g);
+    tsys_tensor_release(t);
+    free(h);
+    tsys_dist_free(ce);
+    TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "after the group's end: %s", tsys_ctx_last_error(g_ctx));
 }
 #endif
 
