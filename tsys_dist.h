@@ -2967,9 +2967,9 @@ static bool tsys_dist__ce_setup(tsys_dist *d, tsys_dist__err *e) {
            tsys_dist__ce_cuda(cudaStreamCreateWithFlags(&ce->back, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e);
 }
 
-// After every rank drained its collectives (a peer may still raise a flag of mine until then): the peers'
-// memory closed, mine freed. Errors go nowhere: the group is going.
-static void tsys_dist__ce_teardown(tsys_dist *d) {
+// synced: every rank drained its collectives (a peer may raise a flag of mine until then), and a barrier then
+// separates the closing of the peers' memory from the freeing of mine. Errors go nowhere: the group is going.
+static void tsys_dist__ce_teardown(tsys_dist *d, bool synced) {
     tsys_dist__ce *ce = d->ce;
     if (!ce) return;
     for (int r = 0; r < d->size; r++) {
@@ -2977,6 +2977,10 @@ static void tsys_dist__ce_teardown(tsys_dist *d) {
         if (ce->scratch[r]) cudaIpcCloseMemHandle(ce->scratch[r]);
         if (ce->flags[r]) cudaIpcCloseMemHandle(ce->flags[r]);
     }
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    int32_t one = 1;
+    if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
     if (ce->scratch[d->rank]) cudaFree(ce->scratch[d->rank]);
     if (ce->flags[d->rank]) cudaFree(ce->flags[d->rank]);
     cudaEvent_t evs[4] = {ce->fork, ce->summed, ce->push_done, ce->back_done};
@@ -3263,8 +3267,9 @@ static void tsys_dist__nccl_teardown(tsys_dist *d, bool finalize, bool broken) {
         tsys_dist__err e;
         memset(&e, 0, sizeof e);
         int32_t one = 1;
-        if (!broken && d->nccl && tsys_dist__nccl_drain(d, "tsys_dist_free", &e)) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
-        tsys_dist__ce_teardown(d);
+        const bool synced = !broken && d->nccl && tsys_dist__nccl_drain(d, "tsys_dist_free", &e) &&
+                            tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+        tsys_dist__ce_teardown(d, synced);
     }
     if (d->nccl) {
         if (broken) { tsys_dist__windows_orphan(d); ncclCommAbort(d->nccl); }
