@@ -140,11 +140,11 @@ PY
     for r in 1 2; do timeout 200 mpirun --oversubscribe --bind-to none -np $NG $G/ce_lab 2>&1 | grep -v "^$" | tail -16; done
     timeout 300 mpirun --oversubscribe --bind-to none -np $NG $G/test_dist_cuda ce_allreduce > "$OUT/ce_test.log" 2>&1
     echo "test_dist_cuda ce_allreduce, $NG ranks: $(tail -n 1 "$OUT/ce_test.log")"
-    for run in 1:0 $NG:0 $NG:1; do   # GPUs:TSYS_DIST_CE
-      np=${run%:*}; ce=${run#*:}
-      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb 100 --compile no,yes \
-        --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/ce_ddp_${np}_$ce.csv" 2>&1
-      python3 - "$OUT/ce_ddp_${np}_$ce.csv" "$np GPU(s), TSYS_DIST_CE=$ce," <<'PY'
+    for run in 1:0:100 $NG:0:100 $NG:1:100 $NG:1:200; do   # GPUs:TSYS_DIST_CE:bucket MB
+      IFS=: read -r np ce mb <<< "$run"
+      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb $mb --compile no,yes \
+        --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/ce_ddp_${np}_${ce}_$mb.csv" 2>&1
+      python3 - "$OUT/ce_ddp_${np}_${ce}_$mb.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $mb MB," <<'PY'
 import csv, sys
 lines = open(sys.argv[1]).read().splitlines()
 head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))

@@ -208,6 +208,8 @@ static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
 #ifdef TSYS_WITH_CUDA
         if (cuda) fprintf(f, " (%s)", tsys_cuda_device_name(ctx));
 #endif
+        if (tsys_dist_get_desc(d).ce_allreduce)   // not in mem_* nor pred_*: the group's own, like NCCL's buffers
+            fprintf(f, ", fp32 all-reduces on the copy engines (%.0f MiB of scratch a rank)", (double)tsys_dist_device_bytes(d) / 1048576.0);
         if (!cuda) fprintf(f, ", %d threads per rank", du_num_threads());
         fprintf(f, ", batch %d per rank, warmup %d, %d steps, AdamW; cpu memory budget %s", o->batch, o->warmup, o->steps,
                 du_rank_budget_str(lim, sizeof(lim), cpu_budget, cuda ? 0 : o->common.mem_limit, tsys_dist_local_size(d)));

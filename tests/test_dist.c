@@ -909,7 +909,13 @@ TSYS_TEST(ce_allreduce_sums_in_rank_order) {
     TEST_CHECK(ce != NULL, "group with desc.ce_allreduce: %s", tsys_ctx_last_error(g_ctx));
     if (!ce) return;
     TEST_CHECK(tsys_dist_get_desc(ce).ce_allreduce, "desc.ce_allreduce in effect");
-    const int64_t piece = ((int64_t)16 << 20) / 4 * g_size, sizes[] = { 1 << 18, 2 * piece + 12345 };
+    const int64_t scratch = 2 * (g_size + 1) * (((int64_t)128 << 20) / g_size / 256 * 256);   // 2 slots of a row per rank and an out-row
+    TEST_CHECK(tsys_dist_device_bytes(ce) > scratch && tsys_dist_device_bytes(ce) < scratch + 4096,
+               "device bytes: %lld with the copy engines (scratch %lld and a page of flags at most)", (long long)tsys_dist_device_bytes(ce), (long long)scratch);
+    for (int p = 0; p < g_npaths; p++)
+        TEST_CHECK(tsys_dist_get_desc(g_group[p]).ce_allreduce || tsys_dist_device_bytes(g_group[p]) == 0, "%s: device bytes %lld without the copy engines",
+                   g_name[p], (long long)tsys_dist_device_bytes(g_group[p]));
+    const int64_t piece = tsys_dist__ce_row_bytes(g_size) / 4 * g_size, sizes[] = { 1 << 18, 2 * piece + 12345 };
     float *h = (float *)hbuf(TSYS_F32, sizes[1]);
     for (int k = 0; k < 2; k++) {
         const int64_t n = sizes[k];
