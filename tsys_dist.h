@@ -118,7 +118,7 @@
                             engines (ranks on one host, one GPU each) instead of NCCL's kernels, which slow the
                             compute beside them; summed in rank order; 256-384 MiB of scratch a rank
                             (tsys_dist_device_bytes). DDP's xl step on 2 x H200: 1.20-1.22x one GPU's against
-                            NCCL's 1.27x, with buckets of 100-200 MB. Default off
+                            NCCL's 1.27x, with buckets of 100-200 MB; on 4 GPUs slower than NCCL. Default off
       TSYS_DIST_CHECK=0|1   desc.check: 1 (TSYS_DIST_CHECK_ALWAYS): every MPI/NCCL collective first checks that
                             all ranks pass the same op, dtype and size; 0 (_NEVER): never; default (_AUTO): under
                             TSYS_DEBUG, MPI at 64 KiB and up, NCCL at 64 MiB and up (a host round trip: ~4 us,
@@ -2902,8 +2902,8 @@ typedef struct tsys_dist__ce_raises { uint32_t *flag[2 * TSYS_DIST__CE_RANKS]; i
 typedef struct tsys_dist__ce {
     char *scratch[TSYS_DIST__CE_RANKS];           // every rank's: mine at [rank], the peers' opened through IPC
     tsys_dist__ce_flags *flags[TSYS_DIST__CE_RANKS];
-    cudaStream_t lane[2];                          // scatters and collects: forked from the collective's stream
-    cudaEvent_t fork, lane_done[2];
+    cudaStream_t lane[2 * TSYS_DIST__CE_RANKS];    // [2 q]: scatters to rank q, [2 q + 1]: collects from it (a copy engine
+    cudaEvent_t fork, lane_done[2 * TSYS_DIST__CE_RANKS];   // each at a time); forked from the collective's stream
     int64_t pieces;                                // pieces issued so far: the next one's slot
 } tsys_dist__ce;
 typedef struct tsys_dist__ce_handles { cudaIpcMemHandle_t scratch, flags; } tsys_dist__ce_handles;
@@ -2983,11 +2983,11 @@ static bool tsys_dist__ce_setup(tsys_dist *d, tsys_dist__err *e) {
             !tsys_dist__ce_cuda(cudaIpcOpenMemHandle((void **)&ce->flags[r], theirs.flags, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e))
             return false;
     }
-    cudaEvent_t *evs[3] = {&ce->fork, &ce->lane_done[0], &ce->lane_done[1]};
-    for (int i = 0; i < 3; i++)
-        if (!tsys_dist__ce_cuda(cudaEventCreateWithFlags(evs[i], cudaEventDisableTiming), "cudaEventCreateWithFlags", e)) return false;
-    for (int i = 0; i < 2; i++)
-        if (!tsys_dist__ce_cuda(cudaStreamCreateWithFlags(&ce->lane[i], cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e)) return false;
+    if (!tsys_dist__ce_cuda(cudaEventCreateWithFlags(&ce->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e)) return false;
+    for (int i = 0; i < 2 * d->size; i++)
+        if (!tsys_dist__ce_cuda(cudaEventCreateWithFlags(&ce->lane_done[i], cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
+            !tsys_dist__ce_cuda(cudaStreamCreateWithFlags(&ce->lane[i], cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e))
+            return false;
     return true;
 }
 
@@ -3007,9 +3007,11 @@ static void tsys_dist__ce_teardown(tsys_dist *d, bool synced) {
     if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
     if (ce->scratch[d->rank]) cudaFree(ce->scratch[d->rank]);
     if (ce->flags[d->rank]) cudaFree(ce->flags[d->rank]);
-    cudaEvent_t evs[3] = {ce->fork, ce->lane_done[0], ce->lane_done[1]};
-    for (int i = 0; i < 3; i++) if (evs[i]) cudaEventDestroy(evs[i]);
-    for (int i = 0; i < 2; i++) if (ce->lane[i]) cudaStreamDestroy(ce->lane[i]);
+    if (ce->fork) cudaEventDestroy(ce->fork);
+    for (int i = 0; i < 2 * TSYS_DIST__CE_RANKS; i++) {
+        if (ce->lane_done[i]) cudaEventDestroy(ce->lane_done[i]);
+        if (ce->lane[i]) cudaStreamDestroy(ce->lane[i]);
+    }
     free(ce);
     d->ce = NULL;
 }
@@ -3030,16 +3032,17 @@ static bool tsys_dist__ce_copy(void *dst, const void *src, int64_t bytes, cudaSt
 }
 
 // One piece of n elements at x: chunk q is [q c, min((q + 1) c, n)), c = ceil(n / size); an empty chunk has
-// no pushes and no flags on any rank. Scatters and collects have lanes (streams) of their own and the sums run on
+// no pushes and no flags on any rank. Scatters and collects have lanes (streams) of their own, one a peer (copies
+// on one stream run one after another: 4 ranks took twice NCCL's time so), and the sums run on
 // s, so a piece's sum waits for its scatters only, not for the previous piece's collects.
 static bool tsys_dist__ce_piece(tsys_dist *d, float *x, int64_t n, bool avg, cudaStream_t s, tsys_dist__err *e) {
     tsys_dist__ce *ce = d->ce;
-    cudaStream_t scatter = ce->lane[0], collect = ce->lane[1];
     const int me = d->rank, size = d->size;
     const int64_t slot = ce->pieces++ % TSYS_DIST__CE_SLOTS, c = (n + size - 1) / size;
 #define TSYS_DIST__CE_LEN(q) ((q) * c >= n ? 0 : ((q) + 1) * c > n ? n - (q) * c : c)
     for (int q = 0; q < size; q++) {
         if (q == me || TSYS_DIST__CE_LEN(q) == 0) continue;
+        cudaStream_t scatter = ce->lane[2 * q];
         if (!tsys_dist__ce_take(d, scatter, &ce->flags[me]->in_space[q][slot], 1, 1, -1, e) ||
             !tsys_dist__ce_copy(ce->scratch[q] + tsys_dist__ce_in_row(d, slot, me), x + q * c, TSYS_DIST__CE_LEN(q) * 4, scatter, e) ||
             !tsys_dist__ce_raise(d, scatter, &ce->flags[q]->in_ready[me][slot], e))
@@ -3065,6 +3068,7 @@ static bool tsys_dist__ce_piece(tsys_dist *d, float *x, int64_t n, bool avg, cud
     // a pull overwrites chunk q after my scatter read it: q summed after my push arrived
     for (int q = 0; q < size; q++) {
         if (q == me || TSYS_DIST__CE_LEN(q) == 0) continue;
+        cudaStream_t collect = ce->lane[2 * q + 1];
         if (!tsys_dist__ce_take(d, collect, &ce->flags[me]->out_ready[q][slot], 1, 1, -1, e) ||
             !tsys_dist__ce_copy(x + q * c, ce->scratch[q] + tsys_dist__ce_out_row(d, slot), TSYS_DIST__CE_LEN(q) * 4, collect, e) ||
             !tsys_dist__ce_raise(d, collect, &ce->flags[q]->out_space[me][slot], e))
@@ -3079,8 +3083,8 @@ static bool tsys_dist__ce_allreduce(tsys_dist *d, float *x, int64_t count, bool 
     tsys_dist__ce *ce = d->ce;
     const int64_t full = tsys_dist__ce_row_bytes(d->size) / 4 * d->size;
     if (!tsys_dist__ce_cuda(cudaEventRecord(ce->fork, s), "cudaEventRecord", e)) return false;
-    for (int i = 0; i < 2; i++)
-        if (!tsys_dist__ce_cuda(cudaStreamWaitEvent(ce->lane[i], ce->fork, 0), "cudaStreamWaitEvent", e)) return false;
+    for (int i = 0; i < 2 * d->size; i++)
+        if (i / 2 != d->rank && !tsys_dist__ce_cuda(cudaStreamWaitEvent(ce->lane[i], ce->fork, 0), "cudaStreamWaitEvent", e)) return false;
     // equal pieces, two at least: the first's scatter and the last's collect overlap nothing (one piece a 100 MB
     // bucket: 69.9 ms a step against 61.8 for two, xl on 2 x H200)
     const int64_t pieces = (count + full - 1) / full < 2 ? 2 : (count + full - 1) / full, each = (count + pieces - 1) / pieces;
@@ -3088,9 +3092,9 @@ static bool tsys_dist__ce_allreduce(tsys_dist *d, float *x, int64_t count, bool 
         len = count - at < each ? count - at : each;
         if (!tsys_dist__ce_piece(d, x + at, len, avg, s, e)) return false;
     }
-    for (int i = 0; i < 2; i++)
-        if (!tsys_dist__ce_cuda(cudaEventRecord(ce->lane_done[i], ce->lane[i]), "cudaEventRecord", e) ||
-            !tsys_dist__ce_cuda(cudaStreamWaitEvent(s, ce->lane_done[i], 0), "cudaStreamWaitEvent", e))
+    for (int i = 0; i < 2 * d->size; i++)
+        if (i / 2 != d->rank && (!tsys_dist__ce_cuda(cudaEventRecord(ce->lane_done[i], ce->lane[i]), "cudaEventRecord", e) ||
+            !tsys_dist__ce_cuda(cudaStreamWaitEvent(s, ce->lane_done[i], 0), "cudaStreamWaitEvent", e)))
             return false;
     return true;
 }
