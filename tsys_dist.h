@@ -2958,6 +2958,7 @@ static bool tsys_dist__ce_setup(tsys_dist *d, tsys_dist__err *e) {
     if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "desc.ce_allreduce (TSYS_DIST_CE=1): the ranks are on several hosts; the copy engines reach only this host's GPUs");
     if (d->size > TSYS_DIST__CE_RANKS)
         return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "desc.ce_allreduce (TSYS_DIST_CE=1): %d ranks, at most %d", d->size, (int)TSYS_DIST__CE_RANKS);
+    if (d->size == 1) return true;   // nothing to move: NCCL's all-reduce of one rank is a copy at most
     tsys_dist__ce *ce = (tsys_dist__ce *)calloc(1, sizeof *ce);
     if (!ce) return tsys_dist__seterr(e, TSYS_ERR_OOM, "copy-engine all-reduce: out of host memory");
     d->ce = ce;
