@@ -3017,12 +3017,9 @@ static void tsys_dist__ce_teardown(tsys_dist *d, bool synced) {
     d->ce = NULL;
 }
 
-static bool tsys_dist__ce_take2(tsys_dist *d, cudaStream_t s, uint32_t *f, uint32_t *g, int count, int stride, int skip, tsys_dist__err *e) {
-    tsys_dist__ce_take_kernel<<<1, 64, 0, s>>>(f, g, count, stride, skip, (unsigned long long)(d->timeout_s * 1e9));
-    return tsys_dist__ce_cuda(cudaGetLastError(), "the flag wait's launch", e);
-}
-static bool tsys_dist__ce_take(tsys_dist *d, cudaStream_t s, uint32_t *f, int count, int stride, int skip, tsys_dist__err *e) {
-    tsys_dist__ce_take_kernel<<<1, 32, 0, s>>>(f, NULL, count, stride, skip, (unsigned long long)(d->timeout_s * 1e9));
+// Waits on s for the flags f[i * stride] and, when g, g[i * stride] (i < count, i != skip), clearing them.
+static bool tsys_dist__ce_take(tsys_dist *d, cudaStream_t s, uint32_t *f, uint32_t *g, int count, int stride, int skip, tsys_dist__err *e) {
+    tsys_dist__ce_take_kernel<<<1, g ? 64 : 32, 0, s>>>(f, g, count, stride, skip, (unsigned long long)(d->timeout_s * 1e9));
     return tsys_dist__ce_cuda(cudaGetLastError(), "the flag wait's launch", e);
 }
 static bool tsys_dist__ce_raise(tsys_dist *d, cudaStream_t s, uint32_t *peer_flag, tsys_dist__err *e) {
@@ -3044,14 +3041,14 @@ static bool tsys_dist__ce_piece(tsys_dist *d, float *x, int64_t n, bool avg, cud
     for (int q = 0; q < size; q++) {
         if (q == me || TSYS_DIST__CE_LEN(q) == 0) continue;
         cudaStream_t scatter = ce->lane[2 * q];
-        if (!tsys_dist__ce_take(d, scatter, &ce->flags[me]->in_space[q][slot], 1, 1, -1, e) ||
+        if (!tsys_dist__ce_take(d, scatter, &ce->flags[me]->in_space[q][slot], NULL, 1, 1, -1, e) ||
             !tsys_dist__ce_copy(ce->scratch[q] + tsys_dist__ce_in_row(d, slot, me), x + q * c, TSYS_DIST__CE_LEN(q) * 4, scatter, e) ||
             !tsys_dist__ce_raise(d, scatter, &ce->flags[q]->in_ready[me][slot], e))
             return false;
     }
     const int64_t mine = TSYS_DIST__CE_LEN(me);
     if (mine > 0) {   // every peer's chunk is in and every peer pulled my previous sum from this slot
-        if (!tsys_dist__ce_take2(d, s, &ce->flags[me]->in_ready[0][slot], &ce->flags[me]->out_space[0][slot], size, TSYS_DIST__CE_SLOTS, me, e))
+        if (!tsys_dist__ce_take(d, s, &ce->flags[me]->in_ready[0][slot], &ce->flags[me]->out_space[0][slot], size, TSYS_DIST__CE_SLOTS, me, e))
             return false;
         tsys_dist__ce_raises raises;
         memset(&raises, 0, sizeof raises);
@@ -3070,7 +3067,7 @@ static bool tsys_dist__ce_piece(tsys_dist *d, float *x, int64_t n, bool avg, cud
     for (int q = 0; q < size; q++) {
         if (q == me || TSYS_DIST__CE_LEN(q) == 0) continue;
         cudaStream_t collect = ce->lane[2 * q + 1];
-        if (!tsys_dist__ce_take(d, collect, &ce->flags[me]->out_ready[q][slot], 1, 1, -1, e) ||
+        if (!tsys_dist__ce_take(d, collect, &ce->flags[me]->out_ready[q][slot], NULL, 1, 1, -1, e) ||
             !tsys_dist__ce_copy(x + q * c, ce->scratch[q] + tsys_dist__ce_out_row(d, slot), TSYS_DIST__CE_LEN(q) * 4, collect, e) ||
             !tsys_dist__ce_raise(d, collect, &ce->flags[q]->out_space[me][slot], e))
             return false;
