@@ -386,7 +386,7 @@ typedef struct tsys_mem_stats {
     X(EMBED_FWD,     "embed_fwd",     "AAI",       0x001, "t0 (N, D) = rows t2 (N ids, each in [0, V)) of t1 (V, D)") \
     X(EMBED_BWD,     "embed_bwd",     "SFI",       0x001, "t0 (V, D, f32) += scatter of t1 (N, D) to rows t2 (N ids, each in [0, V))") \
     X(TRANSPOSE12,   "transpose12",   "AA",        0x001, "t0 (A, C, B, D) = t1 (A, B, C, D) with dims 1 and 2 swapped") \
-    X(ADAMW,         "adamw",         "SSSSLsf",   0x04d, "p t0, g t1, m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd") \
+    X(ADAMW,         "adamw",         "SSSSLsfs",  0x04d, "p t0, g t1, m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd; t7 (optional): the other ranks' gradients, slots i0 elements apart, i1 ranks, this one i2: g is the rank-ordered sum / i1") \
     X(STEP_INC,      "step_inc",      "L",         0x001, "t0 += 1") \
     X(RANDN,         "randn",         "F",         0x001, "t0 = f0 N(0, 1) from a counter-based hash of (seed i0, element index), redrawn into [f1, f2] when f1 < f2") \
     X(SGD,           "sgd",           "FF",        0x001, "p t0 -= f0 * g t1") \
@@ -903,6 +903,13 @@ TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads 
 // bucket is reduced). For those, tsys_optim_step after backward (after tsys_ddp_finish).
 TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *opt);
 TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
+// Gradients summed over ranks as AdamW reads them (tsys_ddp's desc.ce_gather: the peers' gradients are copied
+// in, not all-reduced). Each parameter's gradient becomes the sum over ranks r = 0 .. nranks - 1, in rank order,
+// of rank `self`'s p->grad and the other ranks' terms, divided by nranks: the copy-engine all-reduce's average,
+// bit for bit. terms: fp32 on the parameters' device, (nranks - 1) slots of S elements, S = every parameter's
+// elements in the optimizer's order (its state's layout); rank r's slot is r - (r > self). AdamW only, not with
+// the optimizer in backward; tsys_optim_step reads terms as they are then. terms NULL: plain gradients again.
+TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, int nranks, int self);
 // Flags of overlap_begin_ex. FREE_GRADS: each group is updated on the compute stream (in order, so no
 // event is needed) and a model's gradients of that group are given back right after its update, as
 // tsys_release_grads would after the step: the peak holds the parameters, the optimizer state, the
@@ -2914,14 +2921,34 @@ static tsys_status tsys__cpu_k_transpose12(tsys__cpu_launch *L) {
     return TSYS_OK;
 }
 
+// g = the rank-ordered sum of g (rank self's) and the other ranks' terms (slots `stride` apart), / ranks
+static float *tsys__cpu_rank_mean(const float *g, const float *terms, int64_t stride, int ranks, int self, int64_t n) {
+    float *out = (float *)TSYS_MALLOC(sizeof(float) * (size_t)(n ? n : 1));
+    if (!out) return NULL;
+    TSYS__OMP(omp parallel for if (n > 16384))
+    for (int64_t i = 0; i < n; i++) {
+        float acc = 0.0f;
+        for (int r = 0; r < ranks; r++) acc += r == self ? g[i] : terms[(int64_t)(r - (r > self)) * stride + i];
+        out[i] = acc / (float)ranks;
+    }
+    return out;
+}
+
 static tsys_status tsys__cpu_k_adamw(tsys__cpu_launch *L) {
     tsys_tensor *const *t = L->t;
     const float *f = L->f;
+    const int64_t *iv = L->a->i;
     if (t[6] && (tsys_tensor_numel(t[6]) != L->n || t[6]->dtype == TSYS_F32))
         return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "adamw: the copy t[6] '%s' must be bf16/f16 of p's size", t[6]->name);
+    if (t[7] && (iv[1] < 2 || iv[2] < 0 || iv[2] >= iv[1] || iv[0] < L->n || tsys_tensor_numel(t[7]) < (iv[1] - 2) * iv[0] + L->n))
+        return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "adamw: the terms t[7] '%s' (%lld elements) do not hold %lld ranks' slots %lld apart, %lld each", t[7]->name,
+                          (long long)tsys_tensor_numel(t[7]), (long long)iv[1] - 1, (long long)iv[0], (long long)L->n);
     float hyper[5] = {t[5] ? ((const float *)tsys_tensor_data(t[5]))[0] : f[0], f[1], f[2], f[3], f[4]};   // t5: lr on the device
-    tsys__cpu_adamw(OUT(0, true), IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, L->n, hyper,
+    float *mean = t[7] ? tsys__cpu_rank_mean(IN(1), (const float *)tsys_tensor_data(t[7]), iv[0], (int)iv[1], (int)iv[2], L->n) : NULL;
+    if (t[7] && !mean) return TSYS__FAIL(L->ctx, TSYS_ERR_OOM, "adamw: out of host memory for the ranks' gradient sum");
+    tsys__cpu_adamw(OUT(0, true), mean ? mean : IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, L->n, hyper,
                     tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
+    TSYS_FREE(mean);
     return TSYS_OK;
 }
 
@@ -6060,6 +6087,9 @@ struct tsys_optim {
     tsys_tensor *lowp;              // kept low-precision copies (tsys_optim_keep_lowp), one block in parameter order, or NULL
     int64_t step;
     struct tsys__overlap *ov;       // the optimizer in backward (tsys_optim_overlap_begin), made on first use
+    tsys_tensor *terms;             // tsys_optim_sum_grads: the other ranks' gradients, or NULL
+    int terms_ranks, terms_self;
+    int64_t terms_stride;           // elements a slot: every parameter's
 };
 
 // The end of the run of parameters that starts at i: they and their gradients lie back to back,
@@ -6152,7 +6182,7 @@ TSYSDEF void tsys_optim_free(tsys_optim *o) {
     tsys__overlap_free(o);
     tsys__lowp_drop(o);
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
-    tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t);
+    tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t); tsys_tensor_release(o->terms);
     TSYS_FREE(o->params);
     tsys_ctx *ctx = o->ctx;
     TSYS_FREE(o);
@@ -6220,11 +6250,13 @@ static void tsys__lowp_after_update(tsys_optim *o, int first, int end, uint64_t 
 }
 
 // One update of parameters [p, g, m, v] (m, v NULL for SGD); low: their kept copies, or NULL.
-static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor *g, tsys_tensor *m, tsys_tensor *v, tsys_tensor *low) {
+// terms: the other ranks' gradients from this run's place (tsys_optim_sum_grads), or NULL.
+static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor *g, tsys_tensor *m, tsys_tensor *v, tsys_tensor *low, tsys_tensor *terms) {
     tsys_kargs a = tsys__kargs0();
     a.t[0] = p; a.t[1] = g;
     if (!o->adamw) { a.f[0] = o->desc.lr; return tsys__kernel(o->ctx, p->device, TSYS_K_SGD, &a); }
-    a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t; a.t[6] = low;
+    a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t; a.t[6] = low; a.t[7] = terms;
+    a.i[0] = o->terms_stride; a.i[1] = o->terms_ranks; a.i[2] = o->terms_self;
     a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
 }
@@ -6247,10 +6279,16 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
             tsys_tensor *m = NULL, *v = NULL, *low = NULL;
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
             if (copies) low = tsys_tensor_view_raw(ctx, o->lowp, p0->lowp->offset - o->lowp->offset, o->lowp->dtype, 1, &n);
+            tsys_tensor *terms = NULL;
+            if (o->terms) {   // slot 0 from this run's place through the last slot's
+                int64_t span = (int64_t)(o->terms_ranks - 2) * o->terms_stride + n;
+                terms = tsys_tensor_view_raw(ctx, o->terms, off, TSYS_F32, 1, &span);
+            }
             uint64_t before = p0->storage->version;
-            st = p && g && (!o->adamw || (m && v)) && (!copies || low) ? tsys__optim_update(o, p, g, m, v, low) : ctx->status;
+            st = p && g && (!o->adamw || (m && v)) && (!copies || low) && (!o->terms || terms) ? tsys__optim_update(o, p, g, m, v, low, terms) : ctx->status;
             if (st == TSYS_OK && low) tsys__lowp_after_update(o, i, j, before);
             tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v); tsys_tensor_release(low);
+            tsys_tensor_release(terms);
         }
         for (int k = i; k < j; k++) off += (size_t)tsys_tensor_numel(o->params[k]) * 4;
     }
@@ -6294,6 +6332,29 @@ typedef struct tsys__overlap {
     bool active, launched;
     bool free_grads;        // TSYS_OPTIM_FREE_GRADS: updates on the compute stream, each group's gradients given back after it
 } tsys__overlap;
+
+TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    if (!terms) { tsys_tensor_release(o->terms); o->terms = NULL; return TSYS_OK; }
+    int64_t stride = 0;
+    for (int i = 0; i < o->n; i++) stride += tsys_tensor_numel(o->params[i]);
+    if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: only AdamW sums ranks' gradients");
+    if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: the optimizer runs inside backward (tsys_optim_overlap_begin)");
+    if (nranks < 2 || self < 0 || self >= nranks)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: nranks %d and self %d (it must be 2 or more ranks, self one of them)", nranks, self);
+    if (terms->dtype != TSYS_F32 || (o->n && terms->device != o->params[0]->device) || tsys_tensor_numel(terms) != (int64_t)(nranks - 1) * stride)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: terms '%s' must be fp32 on the parameters' device with %lld elements "
+                          "(%d ranks - 1 slots of the %lld parameter elements), not %s with %lld", terms->name, (long long)(nranks - 1) * stride, nranks,
+                          (long long)stride, tsys_dtype_name(terms->dtype), (long long)tsys_tensor_numel(terms));
+    for (int i = 0; i < o->n; i++)
+        if (o->params[i]->dtype != TSYS_F32) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: parameter '%s' is %s (fp32 only)", o->params[i]->name, tsys_dtype_name(o->params[i]->dtype));
+    tsys_tensor_release(o->terms);
+    o->terms = tsys_tensor_retain(terms);
+    o->terms_ranks = nranks; o->terms_self = self; o->terms_stride = stride;
+    return TSYS_OK;
+}
 
 static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user);
 static void tsys__overlap_free(tsys_optim *o) {
@@ -6387,6 +6448,8 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
+    if (o->terms)   // a layer's update would read the peers' gradients before they are all in
+        return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_overlap_begin: the optimizer sums ranks' gradients (tsys_optim_sum_grads); step it after backward");
     if (flags & ~TSYS_OPTIM_FREE_GRADS) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin_ex: unknown flags 0x%x", flags & ~TSYS_OPTIM_FREE_GRADS);
     if (!o->ov && tsys__overlap_setup(o) != TSYS_OK) return ctx->status;
     tsys__overlap *ov = o->ov;

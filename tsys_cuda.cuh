@@ -5089,11 +5089,29 @@ static tsys_status tsys_cuda__k_transpose12(tsys_cuda__state *st, const tsys_kar
 template <int DT> __device__ __forceinline__ uint16_t tsys_cuda__lowp_bits(float x) {
     return DT == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
+// The ranks' gradients of one element as AdamW reads them under tsys_optim_sum_grads: the sum in rank order of
+// g (rank `self`'s) and the other ranks' terms (slots `stride` apart), divided by the ranks, spelled as the
+// copy-engine all-reduce's average (tsys_dist.h) spells it, so the two give the same bits.
+struct tsys_cuda__rank_terms { const float *terms; int64_t stride; int ranks, self; };
+__device__ __forceinline__ float tsys_cuda__rank_mean(const tsys_cuda__rank_terms &rt, float g, int64_t i) {
+    float acc = 0.0f;
+    for (int r = 0; r < rt.ranks; r++) acc += r == rt.self ? g : rt.terms[(int64_t)(r - (r > rt.self)) * rt.stride + i];
+    return __fdiv_rn(acc, (float)rt.ranks);
+}
+__device__ __forceinline__ float4 tsys_cuda__rank_mean4(const tsys_cuda__rank_terms &rt, float4 g, int64_t i4) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int r = 0; r < rt.ranks; r++) {
+        const float4 x = r == rt.self ? g : ((const float4 *)(rt.terms + (int64_t)(r - (r > rt.self)) * rt.stride))[i4];
+        acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+    }
+    const float n = (float)rt.ranks;
+    return make_float4(__fdiv_rn(acc.x, n), __fdiv_rn(acc.y, n), __fdiv_rn(acc.z, n), __fdiv_rn(acc.w, n));
+}
 // LOW (the copies' dtype, 0 for none) and VEC are template parameters so the launch without copies
 // (or unaligned) carries none of the other's code (registers, branches: the generic version ran ~9%
 // slower on the H100).
-template <int LOW, bool VEC, int GS>
-__global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *g, float *m, float *v, uint16_t *low, int64_t n) {
+template <int LOW, bool VEC, int GS, bool SUM>
+__global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *g, float *m, float *v, uint16_t *low, int64_t n, tsys_cuda__rank_terms rt) {
     constexpr int NV = GS / 4;   // float4s of each array in a group
     int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
     bool low_vec = ((uintptr_t)low & (2 * GS - 1)) == 0;   // the group's copies in one 8- or 16-byte store
@@ -5107,6 +5125,7 @@ __global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *
 #pragma unroll
             for (int u = 0; u < NV; u++) {
                 float4 P = ((const float4 *)p)[q * NV + u], G = ((const float4 *)g)[q * NV + u], M = ((const float4 *)m)[q * NV + u], V = ((const float4 *)v)[q * NV + u];
+                if (SUM) G = tsys_cuda__rank_mean4(rt, G, q * NV + u);
                 float *x0 = xs[4 * u], *x1 = xs[4 * u + 1], *x2 = xs[4 * u + 2], *x3 = xs[4 * u + 3];
                 x0[0] = P.x; x1[0] = P.y; x2[0] = P.z; x3[0] = P.w;
                 x0[1] = G.x; x1[1] = G.y; x2[1] = G.z; x3[1] = G.w;
@@ -5117,7 +5136,7 @@ __global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *
 #pragma unroll
             for (int e = 0; e < GS; e++) {
                 bool in = e < k;
-                xs[e][0] = in ? p[i0 + e] : 0.0f; xs[e][1] = in ? g[i0 + e] : 0.0f;
+                xs[e][0] = in ? p[i0 + e] : 0.0f; xs[e][1] = in ? (SUM ? tsys_cuda__rank_mean(rt, g[i0 + e], i0 + e) : g[i0 + e]) : 0.0f;
                 xs[e][2] = in ? m[i0 + e] : 0.0f; xs[e][3] = in ? v[i0 + e] : 1.0f;
             }
         }
@@ -5151,7 +5170,7 @@ __global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *
 }
 
 static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a) {
-    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5], *low = a->t[6];
+    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5], *low = a->t[6], *terms = a->t[7];
     TSYS_CUDA__REQUIRE(st->ctx, p && g && m && v && step, "adamw: p, g, m, v and the device step must be given");
     int64_t n = tsys_tensor_numel(p);
     TSYS_CUDA__REQUIRE(st->ctx, tsys_tensor_numel(g) == n && tsys_tensor_numel(m) == n && tsys_tensor_numel(v) == n, "adamw: p, g, m, v differ in size");
@@ -5159,22 +5178,28 @@ static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a)
     tsys_cuda__op_adamw op = { a->f[0], a->f[1], a->f[2], a->f[3], a->f[4], tsys_cuda__data(step), (int)step->dtype,
                                (const float *)tsys_cuda__data(lr) };
     TSYS_CUDA__REQUIRE(st->ctx, !low || ((low->dtype == TSYS_BF16 || low->dtype == TSYS_F16) && tsys_tensor_numel(low) == n), "adamw: the copy t[6] must be bf16/f16 of p's size");
+    TSYS_CUDA__REQUIRE(st->ctx, !terms || (a->i[1] >= 2 && a->i[2] >= 0 && a->i[2] < a->i[1] && a->i[0] >= n && tsys_tensor_numel(terms) >= (a->i[1] - 2) * a->i[0] + n),
+                       "adamw: the terms t[7] do not hold i1 - 1 ranks' slots i0 apart, p's size each");
     if (n <= 0) return TSYS_OK;
     float *pp = (float *)tsys_cuda__data(p), *pm = (float *)tsys_cuda__data(m), *pv = (float *)tsys_cuda__data(v);
     const float *pg = (const float *)tsys_cuda__data(g);
-    bool vec = tsys_cuda__aligned16(pp) && tsys_cuda__aligned16(pg) && tsys_cuda__aligned16(pm) && tsys_cuda__aligned16(pv);
+    tsys_cuda__rank_terms rt = { (const float *)tsys_cuda__data(terms), terms ? a->i[0] : 0, terms ? (int)a->i[1] : 1, terms ? (int)a->i[2] : 0 };
+    bool vec = tsys_cuda__aligned16(pp) && tsys_cuda__aligned16(pg) && tsys_cuda__aligned16(pm) && tsys_cuda__aligned16(pv) &&
+               (!terms || (tsys_cuda__aligned16(rt.terms) && rt.stride % 4 == 0));
     uint16_t *pl = (uint16_t *)tsys_cuda__data(low);
     int ldt = low ? (int)low->dtype : 0;
     // groups of 4 (groups of 8 measured slower: 68 registers, 2095 GB/s against 2584 with copies on
     // the H100; what costs most is local memory, which the kernel must not touch: ptxas -v shows none)
-#define TSYS_CUDA__ADAMW_LAUNCH(L) \
+#define TSYS_CUDA__ADAMW_LAUNCH2(L, S) \
     { constexpr int GS = 4; unsigned grid = tsys_cuda__grid(st, (n + GS - 1) / GS, 256); \
-      if (vec) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, true, GS>), grid, 256, 0, op, pp, pg, pm, pv, pl, n); \
-      else TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, false, GS>), grid, 256, 0, op, pp, pg, pm, pv, pl, n); }
+      if (vec) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, true, GS, S>), grid, 256, 0, op, pp, pg, pm, pv, pl, n, rt); \
+      else TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, false, GS, S>), grid, 256, 0, op, pp, pg, pm, pv, pl, n, rt); }
+#define TSYS_CUDA__ADAMW_LAUNCH(L) { if (terms) TSYS_CUDA__ADAMW_LAUNCH2(L, true) else TSYS_CUDA__ADAMW_LAUNCH2(L, false) }
     if (ldt == TSYS_BF16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_BF16) }
     else if (ldt == TSYS_F16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_F16) }
     else { TSYS_CUDA__ADAMW_LAUNCH(0) }
 #undef TSYS_CUDA__ADAMW_LAUNCH
+#undef TSYS_CUDA__ADAMW_LAUNCH2
     return TSYS_OK;
 }
 

@@ -421,10 +421,20 @@ typedef enum tsys_ddp_strategy {
 // widened back into the fp32 gradients: about 3 significant digits, where fp32 keeps 7. Costs a bf16 copy
 // of the fp32 gradients (one arena). CUDA through NCCL: both casts run on the side stream, beside the
 // collective, so backward does not wait for them. 16-bit gradients go as they are.
+// ce_gather (BUCKETED, fp32 CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
+// are copied whole into every peer by the copy engines as soon as backward finishes the bucket, so no kernel
+// takes SMs from backward's GEMMs; the optimizer attached by tsys_ddp_attach_optimizer then adds the ranks'
+// gradients in rank order and divides by the ranks as it reads them: the same bits as the copy-engine
+// all-reduce's average (desc.ce_allreduce). Each rank moves (ranks - 1) x the gradients' bytes and receives as
+// much ((ranks - 1) slots of the gradients, in tsys_ddp_device_bytes): at 2 ranks the all-reduce's bytes, at
+// more ranks more, so 2 ranks is where it pays. After tsys_ddp_finish, .grad still holds this rank's own
+// gradients: what reads them before the optimizer (clipping, a loss scaler) sees the local ones, so those are
+// not for this mode. Every parameter must be trainable, with fp32 gradients DDP made (one arena).
 typedef struct tsys_ddp_desc {
     tsys_ddp_strategy strategy;
     double bucket_mb;            // BUCKETED: at most this many MB of parameters per bucket (0 = one bucket)
     bool comm_bf16;              // all-reduce fp32 gradients as bf16
+    bool ce_gather;              // copy the gradients to every peer; the optimizer sums them (above)
 } tsys_ddp_desc;
 
 // What the last tsys_ddp_finish saw. Times are per step, in ms:
@@ -457,6 +467,12 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
 TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp);    // before forward (bucketed: resets the buckets)
 TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp);        // after backward, before the optimizer
 TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp);
+// desc.ce_gather: opt (AdamW over the DDP's parameters, in the same order) sums the ranks' gradients from the
+// DDP's receive buffer (tsys_optim_sum_grads). Free opt, or give its sums back (tsys_optim_sum_grads(opt, NULL,
+// 0, 0)), before tsys_ddp_free frees that buffer. Refused without ce_gather.
+TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt);
+// Device memory the DDP holds outside the tensors' allocator: ce_gather's receive buffer and flags (else 0).
+TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp);
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s);
 TSYSDEF void tsys_ddp_free(tsys_ddp *ddp);
 
@@ -3096,6 +3112,132 @@ static bool tsys_dist__ce_allreduce(tsys_dist *d, float *x, int64_t count, bool 
             return false;
     return true;
 }
+// ---- gradients gathered on the copy engines (tsys_ddp's desc.ce_gather) ------------------------------
+// Every rank's gradients copied whole into every peer's receive buffer, a bucket as soon as backward finishes
+// it, and nothing else beside backward: no sum kernel takes SMs from its GEMMs (2 x H200, xl's 7.87 GB: the
+// GEMMs 13.1 ms alone, 14.1-14.6 beside these copies, 17.1-19.0 beside the copy-engine all-reduce, 24.7-25.5
+// beside NCCL's; dev/ce_lab.cu). The optimizer sums the ranks' gradients as it reads them
+// (tsys_optim_sum_grads). The receive buffer holds a slot per peer laid out as the sender's gradients; q's
+// slot at me is q - (q > me). Two flags a peer, each in the memory of the rank that waits on it:
+//   space[q]  q raised it at its step's start (its optimizer has read my previous gradients): I may push
+//   done[q]   q's pushes of this step are in my slot for it
+// Raised by a 4-byte copy behind the data, cleared by the kernel that waited (tsys_dist__ce_take): a step
+// leaves them as it found them, so it can be captured.
+typedef struct tsys_dist__ceg_flags { uint32_t space[TSYS_DIST__CE_RANKS], done[TSYS_DIST__CE_RANKS], one; } tsys_dist__ceg_flags;
+typedef struct tsys_dist__ceg {
+    char *recv[TSYS_DIST__CE_RANKS];               // every rank's receive buffer: mine at [rank], the peers' through IPC
+    tsys_dist__ceg_flags *flags[TSYS_DIST__CE_RANKS];
+    int64_t bytes;                                 // one slot: the gradients' bytes
+    cudaStream_t lane[TSYS_DIST__CE_RANKS];        // pushes to rank q (its own copy engine queue)
+    cudaEvent_t fork, lane_done[TSYS_DIST__CE_RANKS], pushed;
+    bool took_space[TSYS_DIST__CE_RANKS];          // this step waited for q's space flag already
+} tsys_dist__ceg;
+typedef struct tsys_dist__ceg_handles { cudaIpcMemHandle_t recv, flags; } tsys_dist__ceg_handles;
+
+static bool tsys_dist__ceg_cuda(cudaError_t r, const char *what, tsys_dist__err *e) {
+    return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine gradient gather: %s: %s", what, cudaGetErrorString(r));
+}
+
+// Every rank's receive buffer ((size - 1) slots of `bytes`) and flags, opened by every other. Collective.
+static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, int64_t bytes, tsys_dist__err *e) {
+    if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: the ranks are on several hosts; the copy engines reach only this host's GPUs");
+    if (d->size < 2 || d->size > TSYS_DIST__CE_RANKS)
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: %d ranks (it takes 2 to %d)", d->size, (int)TSYS_DIST__CE_RANKS);
+    g->bytes = bytes;
+    tsys_dist__ceg_flags init;
+    memset(&init, 0, sizeof init);
+    init.one = 1;
+    tsys_dist__ceg_handles mine, theirs;
+    memset(&mine, 0, sizeof mine);
+    if (!tsys_dist__ceg_cuda(cudaMalloc((void **)&g->recv[d->rank], (size_t)bytes * (size_t)(d->size - 1)), "cudaMalloc (the receive buffer)", e) ||
+        !tsys_dist__ceg_cuda(cudaMalloc((void **)&g->flags[d->rank], sizeof init), "cudaMalloc (flags)", e) ||
+        !tsys_dist__ceg_cuda(cudaMemcpy(g->flags[d->rank], &init, sizeof init, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) ||
+        !tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.recv, g->recv[d->rank]), "cudaIpcGetMemHandle (receive buffer)", e) ||
+        !tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.flags, g->flags[d->rank]), "cudaIpcGetMemHandle (flags)", e))
+        return false;
+    for (int r = 0; r < d->size; r++) {
+        memset(&theirs, 0, sizeof theirs);
+        if (r == d->rank) theirs = mine;
+        if (!tsys_dist__setup_bcast(d, &theirs, (int64_t)sizeof theirs, r, e)) return false;
+        if (r == d->rank) continue;
+        if (!tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->recv[r], theirs.recv, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's receive buffer)", e) ||
+            !tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->flags[r], theirs.flags, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e))
+            return false;
+    }
+    if (!tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
+        !tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->pushed, cudaEventDisableTiming), "cudaEventCreateWithFlags", e))
+        return false;
+    for (int q = 0; q < d->size; q++)
+        if (q != d->rank && (!tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->lane_done[q], cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
+                             !tsys_dist__ceg_cuda(cudaStreamCreateWithFlags(&g->lane[q], cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e)))
+            return false;
+    return true;
+}
+
+// Collective unless the group is broken: every rank's pushes end (a drained device) before any rank frees what
+// its peers write into. Errors go nowhere.
+static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    int32_t one = 1;
+    const bool synced = !TSYS_DIST__LOAD(&d->broken) && cudaDeviceSynchronize() == cudaSuccess && tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    for (int r = 0; r < d->size && r < TSYS_DIST__CE_RANKS; r++) {
+        if (r == d->rank) continue;
+        if (g->recv[r]) cudaIpcCloseMemHandle(g->recv[r]);
+        if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
+        if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
+        if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
+    }
+    if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    if (g->recv[d->rank]) cudaFree(g->recv[d->rank]);
+    if (g->flags[d->rank]) cudaFree(g->flags[d->rank]);
+    if (g->fork) cudaEventDestroy(g->fork);
+    if (g->pushed) cudaEventDestroy(g->pushed);
+    memset(g, 0, sizeof *g);
+}
+
+// A step opens on s (after my optimizer read the previous step's slots): every peer may push again.
+static bool tsys_dist__ceg_open(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s, tsys_dist__err *e) {
+    for (int q = 0; q < d->size; q++) {
+        g->took_space[q] = false;
+        if (q != d->rank && !tsys_dist__ceg_cuda(cudaMemcpyAsync(&g->flags[q]->space[d->rank], &g->flags[d->rank]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e))
+            return false;
+    }
+    return true;
+}
+
+// bytes at src (my gradients from byte `off`) into every peer's slot for me, after s's work so far; s waits for them.
+static bool tsys_dist__ceg_push(tsys_dist *d, tsys_dist__ceg *g, int64_t off, const void *src, int64_t bytes, cudaStream_t s, tsys_dist__err *e) {
+    const int me = d->rank;
+    if (off < 0 || bytes < 0 || off + bytes > g->bytes) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "ddp desc.ce_gather: bytes [%lld, %lld) outside the %lld gathered",
+                                                                               (long long)off, (long long)(off + bytes), (long long)g->bytes);
+    if (!tsys_dist__ceg_cuda(cudaEventRecord(g->fork, s), "cudaEventRecord", e)) return false;
+    for (int q = 0; q < d->size; q++) {
+        if (q == me) continue;
+        cudaStream_t lane = g->lane[q];
+        if (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(lane, g->fork, 0), "cudaStreamWaitEvent", e)) return false;
+        if (!g->took_space[q] && !tsys_dist__ce_take(d, lane, &g->flags[me]->space[q], NULL, 1, 1, -1, e)) return false;
+        g->took_space[q] = true;
+        if (!tsys_dist__ce_copy(g->recv[q] + (int64_t)(me - (me > q)) * g->bytes + off, src, bytes, lane, e) ||
+            !tsys_dist__ceg_cuda(cudaEventRecord(g->lane_done[q], lane), "cudaEventRecord", e) ||
+            !tsys_dist__ceg_cuda(cudaStreamWaitEvent(s, g->lane_done[q], 0), "cudaStreamWaitEvent", e))
+            return false;
+    }
+    return true;
+}
+
+// The step's pushes are all issued on side (each joined into it): tell every peer, then make compute wait until
+// every peer's pushes into my slots are in.
+static bool tsys_dist__ceg_close(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t side, cudaStream_t compute, tsys_dist__err *e) {
+    const int me = d->rank;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && !tsys_dist__ceg_cuda(cudaMemcpyAsync(&g->flags[q]->done[me], &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, side), "a flag's raise", e))
+            return false;
+    return tsys_dist__ceg_cuda(cudaEventRecord(g->pushed, side), "cudaEventRecord", e) &&
+           tsys_dist__ceg_cuda(cudaStreamWaitEvent(compute, g->pushed, 0), "cudaStreamWaitEvent", e) &&
+           tsys_dist__ce_take(d, compute, g->flags[me]->done, NULL, d->size, 1, me, e);
+}
+
 // Whether c goes to the copy engines: an fp32 sum or average of at least TSYS_DIST__CE_MIN bytes, outside an
 // NCCL group.
 static bool tsys_dist__ce_takes(const tsys_dist *d, const tsys_dist__coll *c) {
@@ -4391,6 +4533,8 @@ struct tsys_ddp {
     int stats_launched;          // buckets the last finished step launched
     tsys_status launch_error;    // a hook that failed to launch (reported by finish)
     bool layout_agreed;          // every rank has the same buckets (tsys_dist__agree_layout)
+    void *ceg;                   // desc.ce_gather: the copy engines' receive buffers and flags (tsys_dist__ceg)
+    tsys_tensor *terms;          // desc.ce_gather: my receive buffer, as the optimizer's terms
 };
 
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
@@ -4417,6 +4561,93 @@ static tsys_status tsys_dist__ddp_cast(tsys_ddp *ddp, tsys_tensor *dst, const ts
 
 // Starts bucket bi's all-reduce: gradients that still count as zero get their zeros, a scratch
 // bucket copies its gradients in, then the asynchronous average (of the bf16 copy under comm_bf16).
+// ---- desc.ce_gather: the copy engines' gradient gather (tsys_dist__ceg in >>engine nccl) ----
+#ifdef TSYS_DIST_NCCL
+static tsys_status tsys_dist__ddp_gather_err(tsys_ddp *ddp, const tsys_dist__err *e) {
+    return tsys_ctx_set_error(ddp->ctx, e->status != TSYS_OK ? e->status : TSYS_ERR_CUDA, "%s", e->msg);
+}
+#endif
+// What ce_gather needs, then every rank's receive buffer opened by the others. Collective.
+static tsys_status tsys_dist__ddp_gather_setup(tsys_ddp *ddp) {
+    tsys_ctx *ctx = ddp->ctx;
+    const tsys_tensor *arena = ddp->grad_arena;
+    const char *no = ddp->desc.strategy != TSYS_DDP_BUCKETED ? "the strategy must be bucketed"
+                     : ddp->desc.comm_bf16 ? "comm_bf16 is another way to send the gradients"
+                     : ddp->dev != TSYS_CUDA || tsys_dist_engine_of(ddp->d) != TSYS_DIST_ENGINE_NCCL ? "it needs CUDA tensors and NCCL ranks"
+                     : ddp->ntp != ddp->n ? "every parameter must be trainable (the optimizer's layout is the gradients')"
+                     : !arena || arena->dtype != TSYS_F32 ? "the gradients must be fp32 and made by DDP (the parameters had none)" : NULL;
+    size_t at = arena ? arena->offset : 0;
+    for (int i = 0; !no && i < ddp->ntp; i++) {   // one arena, in parameter order
+        const tsys_tensor *g = ddp->tp[i]->grad;
+        if (!g || g->storage != arena->storage || g->offset != at) no = "the gradients must be fp32 and made by DDP (the parameters had none)";
+        else at += tsys_tensor_bytes(g);
+    }
+    if (no) return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: %s", no);
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__ceg *g = (tsys_dist__ceg *)calloc(1, sizeof *g);
+    if (!g) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: desc.ce_gather: out of host memory");
+    ddp->ceg = g;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    tsys_dist__drain(ddp->d);
+    if (!tsys_dist__ceg_setup(ddp->d, g, (int64_t)tsys_tensor_bytes(arena), &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    int64_t numel = tsys_tensor_numel(arena) * (tsys_dist_size(ddp->d) - 1);
+    ddp->terms = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CUDA, 1, &numel, g->recv[ddp->d->rank], NULL, NULL);
+    if (!ddp->terms) return tsys_ctx_status(ctx);
+    tsys_tensor_set_name(ddp->terms, "ddp peers' gradients");
+    return TSYS_OK;
+#else
+    return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL (TSYS_DIST_NCCL)");
+#endif
+}
+
+// Bucket b's gradients into every peer, on the side stream (which waited for them).
+static tsys_status tsys_dist__ddp_gather_push(tsys_ddp *ddp, const tsys_dist__ddp_bucket *b) {
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    cudaStream_t side = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_SIDE);
+    int64_t off = (int64_t)(b->flat->offset - ddp->grad_arena->offset);
+    if (!tsys_dist__ceg_push(ddp->d, (tsys_dist__ceg *)ddp->ceg, off, tsys_tensor_data(b->flat), b->bytes, side, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    return TSYS_OK;
+#else
+    (void)b;
+    return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
+#endif
+}
+
+// open: at the step's start, on the compute stream (behind the previous optimizer step); else the step's end:
+// the compute stream waits for every peer's gradients.
+static tsys_status tsys_dist__ddp_gather_edge(tsys_ddp *ddp, bool open) {
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    tsys_dist__ceg *g = (tsys_dist__ceg *)ddp->ceg;
+    cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_COMPUTE), side = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_SIDE);
+    bool ok = open ? tsys_dist__ceg_open(ddp->d, g, compute, &e) : tsys_dist__ceg_close(ddp->d, g, side, compute, &e);
+    return ok ? TSYS_OK : tsys_dist__ddp_gather_err(ddp, &e);
+#else
+    (void)open;
+    return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
+#endif
+}
+
+TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt) {
+    if (!ddp || !opt) return TSYS_ERR_INVALID_ARGS;
+    if (!ddp->terms) return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "tsys_ddp_attach_optimizer: the DDP was made without desc.ce_gather (its gradients are averaged in place)");
+    return tsys_optim_sum_grads(opt, ddp->terms, tsys_dist_size(ddp->d), tsys_dist_rank(ddp->d));
+}
+
+TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp) {
+#ifdef TSYS_DIST_NCCL
+    const tsys_dist__ceg *g = ddp ? (const tsys_dist__ceg *)ddp->ceg : NULL;
+    return g ? g->bytes * (tsys_dist_size(ddp->d) - 1) + (int64_t)sizeof(tsys_dist__ceg_flags) : 0;
+#else
+    (void)ddp;
+    return 0;
+#endif
+}
+
 static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
     tsys_dist__ddp_bucket *b = &ddp->b[bi];
     tsys_ctx *ctx = ddp->ctx;
@@ -4439,13 +4670,18 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
     double now = tsys_time_us();
     if (ddp->nlaunched == 1) { ddp->t_first_us = now; ddp->gpu_timing = tsys_dist__ddp_gpu_timing(ddp->d, ctx, ddp->dev); }
     b->t_launch_us = now;
-    bool side = b->wire && tsys_dist__ddp_side_casts(ddp);
+    bool side = (b->wire && tsys_dist__ddp_side_casts(ddp)) || ddp->ceg;
     if (ddp->gpu_timing || side) {   // the side stream waits for the gradients, then marks the start
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_COMPUTE, &b->ev_ready);
         tsys_event_wait(ctx, &b->ev_ready, TSYS_STREAM_SIDE);
         if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
     }
     if (b->wire && (st = tsys_dist__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
+    if (ddp->ceg) {
+        st = tsys_dist__ddp_gather_push(ddp, b);
+        if (st == TSYS_OK && ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
+        return st != TSYS_OK ? st : tsys_ctx_status(ctx);
+    }
     bool trusting = tsys_dist__trust(ddp->d, ddp->layout_agreed);
     b->work = tsys_dist_all_reduce_async(ddp->d, b->wire ? b->wire : b->flat, TSYS_DIST_AVG);
     tsys_dist__untrust(ddp->d, trusting);
@@ -4605,6 +4841,10 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
         tsys_event_release(ddp->ctx, &b->ev_widened);
     }
     tsys_tensor_release(ddp->wire_arena);
+    tsys_tensor_release(ddp->terms);
+#ifdef TSYS_DIST_NCCL
+    if (ddp->ceg) { tsys_dist__ceg_teardown(ddp->d, (tsys_dist__ceg *)ddp->ceg); free(ddp->ceg); }
+#endif
     tsys_event_release(ddp->ctx, &ddp->ev_bwd_end);
     for (int i = 0; i < ddp->n; i++) tsys_tensor_release(ddp->params[i]);
     tsys_tensor_release(ddp->grad_arena);
@@ -4677,8 +4917,9 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         if (st != TSYS_OK && tsys_ctx_status(ctx) != TSYS_OK) st = tsys_ctx_status(ctx);
     }
     if (st == TSYS_OK && dd.comm_bf16) st = tsys_dist__ddp_make_wires(ddp);
+    if (st == TSYS_OK && dd.ce_gather) st = tsys_dist__ddp_gather_setup(ddp);
     if (st == TSYS_OK) {
-        uint64_t h = tsys_dist__hash(0xcbf29ce484222325ull, dd.strategy);
+        uint64_t h = tsys_dist__hash(tsys_dist__hash(0xcbf29ce484222325ull, dd.strategy), dd.ce_gather);
         for (int i = 0; i < ddp->nb; i++) {
             const tsys_tensor *sent = ddp->b[i].wire ? ddp->b[i].wire : ddp->b[i].flat;
             h = tsys_dist__hash(tsys_dist__hash(h, ddp->b[i].numel), sent ? (int64_t)sent->dtype : -1);
@@ -4715,6 +4956,7 @@ TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp) {
         if (st == TSYS_OK) st = s;
     }
     tsys_dist__ddp_reset(ddp);
+    if (st == TSYS_OK && ddp->ceg) st = tsys_dist__ddp_gather_edge(ddp, true);
     return st;
 }
 
@@ -4736,6 +4978,7 @@ TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp) {
         tsys_status s = tsys_dist__ddp_wait(ddp, ddp->order[k]);
         if (st == TSYS_OK) st = s;
     }
+    if (st == TSYS_OK && ddp->ceg) st = tsys_dist__ddp_gather_edge(ddp, false);
     ddp->t_done_us = tsys_time_us();
     if (ddp->nlaunched > 0) {
         double start = ddp->t_bwd_end_us > ddp->t_first_us ? ddp->t_bwd_end_us : ddp->t_first_us;
@@ -7101,8 +7344,11 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
         t->fsdp = tsys_fsdp_new(d, params, np, &desc->fsdp);
         if (t->fsdp) t->opt = tsys_adamw_new(ctx, tsys_fsdp_params(t->fsdp), tsys_fsdp_num_params(t->fsdp), NULL);
     } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_ddp_new(d, params, np, &desc->ddp)) != NULL) {
-        if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
+        if (desc->mode == TSYS_TRAIN_ZERO1 && desc->ddp.ce_gather)
+            tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: ZeRO-1 needs the gradients averaged in place (not desc.ddp.ce_gather)");
+        else if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
         else t->opt = tsys_adamw_new(ctx, params, np, NULL);
+        if (t->opt && t->ddp && desc->ddp.ce_gather && tsys_ddp_attach_optimizer(t->ddp, t->opt) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
     }
     if (t->opt || t->zero1) return t;
     if (tsys_ctx_status(ctx) == TSYS_OK) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_trainer_new: out of memory");
@@ -7364,7 +7610,8 @@ TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t) {
     if (!t) return;
     tsys_dist_trainer_uncapture(t);   // first: the graph may still be replaying into what follows
     for (int i = 0; i < 2; i++) tsys_event_release(t->ctx, &t->replay_ev[i]);
-    tsys_ddp_free(t->ddp); tsys_zero1_free(t->zero1); tsys_optim_free(t->opt); tsys_fsdp_free(t->fsdp);
+    tsys_optim_free(t->opt);   // before the DDP: under ce_gather it reads the DDP's receive buffer
+    tsys_ddp_free(t->ddp); tsys_zero1_free(t->zero1); tsys_fsdp_free(t->fsdp);
     free(t);
 }
 

@@ -8,6 +8,9 @@
 //   sum      rank p waits for every ready flag (a one-warp kernel on its sum stream), sums the rows into its own
 //            chunk in rank order (the same bits on every rank), then raises its peers' `space` flags;
 //   gather   rank p pushes its sum into every peer's gradients and raises their `gathered` flag for the bucket.
+// Pull mode (the gather a DDP step could use instead): every rank copies every peer's whole bucket into its own
+// receive buffer behind the peer's `gathered` flag, and no kernel but the flag waits runs; the sum would then be
+// read by the optimizer. Timed with fp32 and with bf16 gradients (the bytes a bf16 weight gradient would carry).
 // With bf16 on the wire the pushes carry bf16 (rounded by a kernel before the scatter push), the owner sums the
 // rows in fp32 and rounds the sum (every rank then holds the same bf16-rounded gradients), and a receiver widens
 // the pushed sums back into its fp32 gradients.
@@ -112,6 +115,9 @@ typedef struct rank_state {
     cudaGraphExec_t graph;
     ncclComm_t comm;   // the comparison: NCCL's all-reduce of the same buckets on cs
     bool nccl;
+    int pull;                        // 0: all-reduce; 4 or 2: pull every peer's gradients of that many bytes an element
+    char *recv;                      // pull: (nranks - 1) gradients' worth, peer q's at slot q - (q > rank)
+    cudaStream_t ps[MAX_RANKS];      // pull: one stream a peer
 } rank_state;
 
 static void take(cudaStream_t s, uint32_t *f) {
@@ -184,6 +190,32 @@ static void allreduce_issue(rank_state *m) {
     CK_CUDA(cudaStreamWaitEvent(m->cs, m->ag_done, 0));
 }
 
+// pull mode: my flags for every bucket raised in my peers (my gradients are ready), then every peer's buckets
+// copied in behind theirs, one stream a peer
+static void pull_issue(rank_state *m) {
+    const int me = m->rank, n = m->nranks;
+    const size_t bytes = m->bytes / 4 * m->pull, bucket = m->bucket / 4 * m->pull;
+    CK_CUDA(cudaEventRecord(m->fork, m->cs));
+    for (int q = 0; q < n; q++)
+        if (q != me) CK_CUDA(cudaStreamWaitEvent(m->ps[q], m->fork, 0));
+    int k = 0;
+    for (size_t off = 0; off < bytes; off += bucket, k++) {
+        const size_t bb = bytes - off < bucket ? bytes - off : bucket;
+        for (int q = 0; q < n; q++) {
+            if (q == me) continue;
+            raise_flag(m, m->ps[q], &m->fl[q]->gathered[k][me]);
+            take(m->ps[q], &m->fl[me]->gathered[k][q]);
+            const char *src = m->pull == 4 ? (const char *)m->grad[q] : (const char *)m->grad16[q];
+            CK_CUDA(cudaMemcpyAsync(m->recv + (size_t)(q - (q > me)) * bytes + off, src + off, bb, cudaMemcpyDeviceToDevice, m->ps[q]));
+        }
+    }
+    for (int q = 0; q < n; q++) {
+        if (q == me) continue;
+        CK_CUDA(cudaEventRecord(m->ag_done, m->ps[q]));
+        CK_CUDA(cudaStreamWaitEvent(m->cs, m->ag_done, 0));
+    }
+}
+
 static void nccl_issue(rank_state *m) {
     for (size_t off = 0; off < m->bytes; off += m->bucket) {
         const size_t bb = m->bytes - off < m->bucket ? m->bytes - off : m->bucket;
@@ -195,6 +227,7 @@ static void nccl_issue(rank_state *m) {
 static void allreduce(rank_state *m) {
     if (m->graph) CK_CUDA(cudaGraphLaunch(m->graph, m->cs));
     else if (m->nccl) nccl_issue(m);
+    else if (m->pull) pull_issue(m);
     else allreduce_issue(m);
 }
 
@@ -204,6 +237,7 @@ static void capture(rank_state *m) {
     m->graph = NULL;
     CK_CUDA(cudaStreamBeginCapture(m->cs, cudaStreamCaptureModeThreadLocal));
     if (m->nccl) nccl_issue(m);
+    else if (m->pull) pull_issue(m);
     else allreduce_issue(m);
     CK_CUDA(cudaStreamEndCapture(m->cs, &graph));
     CK_CUDA(cudaGraphInstantiate(&m->graph, graph, 0));
@@ -245,8 +279,49 @@ static float round16_host(float x) {   // to the nearest bf16, ties to even (fin
     return x;
 }
 
+// pull: every peer's gradients (or their bf16 rounding) in my receive buffer, bit for bit
+static bool check_pull(rank_state *m) {
+    const size_t n = m->bytes / 4;
+    float *h = (float *)malloc(m->bytes);
+    uint16_t *h16 = (uint16_t *)malloc(m->bytes / 2);
+    if (!h || !h16) { fprintf(stderr, "ce_lab: out of host memory\n"); MPI_Abort(MPI_COMM_WORLD, 1); }
+    for (size_t i = 0; i < n; i++) {
+        h[i] = value_of(i, m->rank);
+        const float r = round16_host(h[i]);
+        uint32_t u;
+        memcpy(&u, &r, 4);
+        h16[i] = (uint16_t)(u >> 16);
+    }
+    CK_CUDA(cudaMemcpy(m->grad[m->rank], h, m->bytes, cudaMemcpyHostToDevice));
+    CK_CUDA(cudaMemcpy(m->grad16[m->rank], h16, m->bytes / 2, cudaMemcpyHostToDevice));
+    CK_CUDA(cudaDeviceSynchronize());
+    CK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+    allreduce(m);
+    CK_CUDA(cudaStreamSynchronize(m->cs));
+    int ok = 1;
+    for (int q = 0; q < m->nranks && ok; q++) {
+        if (q == m->rank) continue;
+        const char *slot = m->recv + (size_t)(q - (q > m->rank)) * (m->bytes / 4 * m->pull);
+        if (m->pull == 4) CK_CUDA(cudaMemcpy(h, slot, m->bytes, cudaMemcpyDeviceToHost));
+        else CK_CUDA(cudaMemcpy(h16, slot, m->bytes / 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n && ok; i++) {
+            const float want = value_of(i, q);
+            if (m->pull == 4) { ok = h[i] == want; continue; }
+            uint32_t u = (uint32_t)h16[i] << 16;
+            float got;
+            memcpy(&got, &u, 4);
+            ok = got == round16_host(want);
+        }
+    }
+    free(h); free(h16);
+    int all = 0;
+    CK_MPI(MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+    return all == 1;
+}
+
 // every rank's gradients after one all-reduce against the host's rank-ordered sum; true on every rank when all agree
 static bool check(rank_state *m) {
+    if (m->pull) return check_pull(m);
     const size_t n = m->bytes / 4;
     float *h = (float *)malloc(m->bytes);
     if (!h) { fprintf(stderr, "ce_lab: out of host memory\n"); MPI_Abort(MPI_COMM_WORLD, 1); }
@@ -299,7 +374,7 @@ static void rows(rank_state *m, gemms *g, const char *how, double tg) {
     const double both = timed(m, g, true, true, &done);
     if (m->rank) return;
     printf("| all-reduce alone, %s (sums %s the host's) | %.2f | %.0f |\n", how, exact ? "equal to" : "differ from", tc,
-           m->bytes * 2.0 * (m->nranks - 1) / m->nranks / (tc * 1e6));
+           (m->pull ? m->bytes / 4.0 * m->pull * (m->nranks - 1) : m->bytes * 2.0 * (m->nranks - 1) / m->nranks) / (tc * 1e6));
     printf("| both, %s (GEMMs done at %.2f ms, alone %.2f) | %.2f | |\n", how, done, tg, both);
 }
 
@@ -380,6 +455,13 @@ int main(int argc, char **argv) {
     m.wire16 = true;
     both_ways(&m, &g, "copy engines, bf16 on the wire", tg);
     m.wire16 = false;
+    CK_CUDA(cudaMalloc(&m.recv, (size_t)(m.nranks - 1) * m.bytes));
+    for (int q = 0; q < m.nranks; q++) CK_CUDA(cudaStreamCreateWithFlags(&m.ps[q], cudaStreamNonBlocking));
+    m.pull = 4;
+    both_ways(&m, &g, "pull every peer's fp32 gradients", tg);
+    m.pull = 2;
+    both_ways(&m, &g, "pull every peer's bf16 gradients", tg);
+    m.pull = 0;
     ncclUniqueId id;
     if (!m.rank) CK_NCCL(ncclGetUniqueId(&id));
     CK_MPI(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));

@@ -154,6 +154,25 @@ for r in csv.DictReader(lines[head:]):
           f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
 PY
     done ;;
+  gather)  # tsys_ddp_desc.ce_gather: AdamW's rank sums on GPU 0, the DDP tests at 2 ranks (captured against NCCL, bitwise),
+            # then the xl DDP bucketed step on 1 GPU and on 2: NCCL, the copy-engine all-reduce, the gather (GATHER_MB)
+    timeout 200 $G/test_cuda adamw_sums > "$OUT/gather_test_cuda.log" 2>&1; echo "test_cuda adamw_sums: $(tail -n 1 "$OUT/gather_test_cuda.log")"
+    timeout 400 mpirun --oversubscribe --bind-to none -np 2 $G/test_ddp_cuda ${GATHER_TESTS:-} > "$OUT/gather_test_ddp.log" 2>&1; echo "test_ddp_cuda, 2 ranks: $(tail -n 1 "$OUT/gather_test_ddp.log")"
+    grep -h "FAIL" "$OUT"/gather_test_*.log | head -10
+    for run in 1:0:fp32:100 2:0:fp32:100 2:1:fp32:200 ${GATHER_RUNS:-2:0:gather:100 2:0:gather:200}; do   # GPUs:TSYS_DIST_CE:--grad-comm:bucket MB
+      IFS=: read -r np ce gc mb <<< "$run"
+      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb $mb --grad-comm $gc \
+        --compile no,yes --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/gather_ddp_${np}_${ce}_${gc}_$mb.csv" 2>&1
+      python3 - "$OUT/gather_ddp_${np}_${ce}_${gc}_$mb.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $gc, $mb MB," <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).read().splitlines()
+head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))
+if head == len(lines): print("\n".join(lines[-5:]))
+for r in csv.DictReader(lines[head:]):
+    print(f"{sys.argv[2]} compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
+          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
+PY
+    done ;;
   ddpprof)  # rank 0's profile of one eager DDP step (bucketed 100 MB, MODEL, bf16, context 256, batch 4) alone and
             # beside 1 and NG-1 peers: which kernels slow down while NCCL runs (kernel tables by phase)
     for np in 1 2 $NG; do

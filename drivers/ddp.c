@@ -33,7 +33,7 @@ static const tsys_ddp_strategy strat_ddp[] = {TSYS_DDP_NAIVE, TSYS_DDP_FLAT, TSY
 static const double MiB = 1048576.0;
 
 // One row of the sweep.
-typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double bucket_mb; bool comm_bf16, compiled; } config;
+typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double bucket_mb; bool comm_bf16, gather, compiled; } config;
 
 // The rows in their order (models, contexts, dtypes, strategies, bucket sizes of bucketed and zero1,
 // --grad-comm but for fsdp, --compile): how many; the one numbered `want` (0-based) into *out.
@@ -51,6 +51,7 @@ static long list_configs(const ddp_opts *o, long want, config *out) {
                             if (n != want) continue;
                             out->model = o->mf.models.item[a]; out->s = s; out->bucket_mb = 0; out->compiled = !strcmp(o->compiles.item[g % o->compiles.n], "yes");
                             out->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g / o->compiles.n], "bf16");
+                            out->gather = s != S_FSDP && !strcmp(o->comms.item[g / o->compiles.n], "gather");
                             du_parse_int(o->contexts.item[c], 1, 1 << 20, &out->T); du_parse_dtype(o->dtypes.item[t], &out->dt);
                             if (bucketed) du_parse_double(o->buckets.item[b], &out->bucket_mb);
                         }
@@ -84,7 +85,7 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof(td));
     td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
-    td.ddp.strategy = strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16;
+    td.ddp.strategy = strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16; td.ddp.ce_gather = cf->gather;
     td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
     td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
     td.save_dir = o->save_dir; td.save_every = o->save_every;
@@ -158,7 +159,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     const char *reshard = s != S_FSDP || !strcmp(o->reshard, "auto") ? "" : !strcmp(o->reshard, "yes") ? ":reshard" : ":keep";
     du_row_set(row, "strategy", "%s%s", strat_names[s], reshard);
     if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
-    if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : "fp32");
+    if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : cf->gather ? "gather" : "fp32");
     du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T); du_row_set(row, "compiled", "%s", cf->compiled ? "yes" : "no");
     du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
     if (cf->compiled && ddp_compile_skip(d, dev)) { du_row_set(row, "status", "skipped: %s", ddp_compile_skip(d, dev)); return; }
@@ -236,7 +237,7 @@ static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
         list_configs(o, k, &cf);
         char mb[32] = "";
         if (cf.s == S_BUCKETED || cf.s == S_ZERO1) snprintf(mb, sizeof(mb), " %g MB", cf.bucket_mb);
-        du_progress_config(k + 1, "%s T=%d %s %s%s%s%s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s], mb, cf.comm_bf16 ? " bf16 wire" : "",
+        du_progress_config(k + 1, "%s T=%d %s %s%s%s%s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s], mb, cf.comm_bf16 ? " bf16 wire" : cf.gather ? " gathered" : "",
                            cf.compiled ? " compiled" : "");
         run_config(ctx, d, dev, o, &cf, link, du_table_row(&tab));
         if (rank == 0) du_table_emit(&tab);
@@ -292,8 +293,9 @@ static int driver_main(int argc, char **argv) {
                      "fsdp = ZeRO-3 (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)"),
         DU_FLAG_LIST_CHECKED("bucket-mb", &o.buckets, "1,10,100,1000", bucket_ok, "MB from 0 to 1e9",
                              "bucket sizes of 'bucketed' and 'zero1' in MB (2^20 bytes)"),
-        DU_FLAG_LIST("grad-comm", &o.comms, "fp32", "fp32|bf16",
-                     "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes)"),
+        DU_FLAG_LIST("grad-comm", &o.comms, "fp32", "fp32|bf16|gather",
+                     "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes; gather: "
+                     "tsys_ddp_desc.ce_gather,\ncopied to every peer by the copy engines and summed by AdamW; bucketed,\nCUDA, one host)"),
         DU_FLAG_LIST("compile", &o.compiles, "no", "no|yes", "yes: capture the whole step as one CUDA graph after warmup (at least one\n"
                      "step) and time its replays (cuda with NCCL only)"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),

@@ -308,12 +308,15 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
 // (the CPU; ranks sharing a GPU through host staging) the capture is refused on every rank, naming why,
 // and the other trainer goes on eagerly: the refusal must leave it as it was (the same comparison).
 
-static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m) {
+// compiled_gather: the captured run's DDP copies its gradients to the peers and AdamW sums them (desc.ce_gather);
+// the eager reference all-reduces them.
+static bool compiled_gather = false;
+static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m, bool gather) {
     tsys_model_desc d = state_model_desc();
     *m = tsys_model_new(ctx, &d, g_dev, 21);
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof(td));
-    td.mode = mode; td.ddp.strategy = strategy; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = TSYS_F32;
+    td.mode = mode; td.ddp.strategy = strategy; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = TSYS_F32; td.ddp.ce_gather = gather;
     return *m ? tsys_dist_trainer_new(ctx, g_d, *m, g_dev, &td) : NULL;
 }
 
@@ -392,7 +395,7 @@ static void compiled_run(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_stra
     const int r0 = STATE_ROWS * g_rank / g_world, r1 = STATE_ROWS * (g_rank + 1) / g_world;
     const bool can = compiled_capturable();
     tsys_model *m;
-    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m);
+    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m, compiled_gather);
     tsys_tensor *ids = NULL, *tgt = NULL;
     state_batch(ctx, 0, r0, r1, &ids, &tgt);
     TEST_CHECK(t && ids && tgt, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(ctx));
@@ -421,7 +424,7 @@ static void compiled_procedure(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_dd
     char dir[512];
     state_dir(dir, sizeof(dir), tag);
     tsys_model *m;
-    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m);   // the eager reference: steps 0..3
+    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m, false);   // the eager reference: steps 0..3
     TEST_CHECK(t, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(ctx));
     state_steps(ctx, t, false, 0, 4);
     const int64_t eager_steps = tsys_dist_trainer_steps(t);

@@ -212,4 +212,59 @@ static inline tsys_status test_mem_step(tsys_ctx *ctx, tsys_device dev, const ch
 // |measured - predicted| / predicted
 static inline double test_rel_diff(int64_t measured, int64_t predicted) { return predicted ? fabs((double)(measured - predicted) / (double)predicted) : 1.0; }
 
+// ---- tsys_optim_sum_grads against its definition ----------------------------------------------------
+
+// Parameters of `sizes` trained two AdamW steps on dev twice: once summing rank `self`'s gradients with the
+// other ranks' terms (tsys_optim_sum_grads), once on gradients the host made as that rank-ordered sum / ranks.
+// Returns the elements that differ (-1 when a call failed: the context's error says which).
+static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n) {
+    enum { MAXP = 4 };
+    int64_t stride = 0, diff = 0;
+    for (int i = 0; i < n; i++) stride += sizes[i];
+    float *terms_h = (float *)malloc(sizeof(float) * (size_t)(stride * (ranks - 1))), *mean = (float *)malloc(sizeof(float) * (size_t)stride);
+    float *mine = (float *)malloc(sizeof(float) * (size_t)stride);
+    tsys_tensor *pa[MAXP], *pb[MAXP], *ca[MAXP], *cb[MAXP];
+    for (int64_t i = 0; i < stride * (ranks - 1); i++) terms_h[i] = (float)((i * 37 % 1001) - 500) * 1e-3f;
+    for (int64_t i = 0; i < stride; i++) {   // the host's sum, in rank order
+        mine[i] = (float)((i * 53 % 997) - 498) * 1e-3f;
+        float acc = 0.0f;
+        for (int r = 0; r < ranks; r++) acc += r == self ? mine[i] : terms_h[(int64_t)(r - (r > self)) * stride + i];
+        mean[i] = acc / (float)ranks;
+    }
+    int64_t tn = stride * (ranks - 1), at = 0;
+    tsys_tensor *terms = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &tn, terms_h);
+    for (int i = 0; i < n; i++) {
+        pa[i] = test_param(ctx, dev, 1, &sizes[i], 1.0f);
+        pb[i] = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &sizes[i]);
+        if (pa[i] && pb[i]) tsys_tensor_copy_from(ctx, pb[i], pa[i]);
+        tsys_tensor_set_requires_grad(pb[i], true);
+        ca[i] = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &sizes[i], mine + at);   // d sum(p * c) / dp = c, exactly
+        cb[i] = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &sizes[i], mean + at);
+        at += sizes[i];
+    }
+    tsys_optim *oa = tsys_adamw_new(ctx, pa, n, NULL), *ob = tsys_adamw_new(ctx, pb, n, NULL);
+    if (oa && terms) tsys_optim_sum_grads(oa, terms, ranks, self);
+    for (int step = 0; step < 2 && tsys_ctx_status(ctx) == TSYS_OK; step++) {
+        for (int side = 0; side < 2; side++)
+            for (int i = 0; i < n; i++) {
+                tsys_tensor *pc = tsys_mul(ctx, side ? pb[i] : pa[i], side ? cb[i] : ca[i]), *l = tsys_sum(ctx, pc);
+                tsys_backward(ctx, l);
+                tsys_tensor_release(pc); tsys_tensor_release(l);
+            }
+        tsys_optim_step(oa); tsys_optim_step(ob);
+        tsys_optim_zero_grad(oa); tsys_optim_zero_grad(ob);
+    }
+    for (int i = 0; i < n && tsys_ctx_status(ctx) == TSYS_OK; i++) {
+        float *a = test_read(ctx, pa[i]), *b = test_read(ctx, pb[i]);
+        for (int64_t k = 0; a && b && k < sizes[i]; k++) diff += memcmp(&a[k], &b[k], 4) != 0;
+        free(a); free(b);
+    }
+    if (tsys_ctx_status(ctx) != TSYS_OK) diff = -1;
+    tsys_optim_free(oa); tsys_optim_free(ob);
+    for (int i = 0; i < n; i++) { tsys_tensor_release(pa[i]); tsys_tensor_release(pb[i]); tsys_tensor_release(ca[i]); tsys_tensor_release(cb[i]); }
+    tsys_tensor_release(terms);
+    free(terms_h); free(mean); free(mine);
+    return diff;
+}
+
 #endif
