@@ -3117,55 +3117,64 @@ static bool tsys_dist__ce_allreduce(tsys_dist *d, float *x, int64_t count, bool 
 // it, and nothing else beside backward: no sum kernel takes SMs from its GEMMs (2 x H200, xl's 7.87 GB: the
 // GEMMs 13.1 ms alone, 14.1-14.6 beside these copies, 17.1-19.0 beside the copy-engine all-reduce, 24.7-25.5
 // beside NCCL's; dev/ce_lab.cu). The optimizer sums the ranks' gradients as it reads them
-// (tsys_optim_sum_grads). The receive buffer holds a slot per peer laid out as the sender's gradients; q's
-// slot at me is q - (q > me). Two flags a peer, each in the memory of the rank that waits on it:
-//   space[q]  q raised it at its step's start (its optimizer has read my previous gradients): I may push
-//   done[q]   q's pushes of this step are in my slot for it
-// Raised by a 4-byte copy behind the data, cleared by the kernel that waited (tsys_dist__ce_take): a step
-// leaves them as it found them, so it can be captured.
-typedef struct tsys_dist__ceg_flags { uint32_t space[TSYS_DIST__CE_RANKS], done[TSYS_DIST__CE_RANKS], one; } tsys_dist__ceg_flags;
+// (tsys_optim_sum_grads). Each rank pulls: its copy engines read a peer's gradients (opened through IPC) into
+// its own receive buffer, which holds a slot per peer laid out as that peer's gradients (q's slot at me:
+// q - (q > me)). Pulls went at ~350 GB/s where pushes of the same bytes went at ~280 (2 x H200). Flags, each in
+// the memory of the rank that waits on it:
+//   ready[k][q]  q's bucket k is final: I may pull it
+//   done[q]      q pulled all of my gradients this step: my next backward may overwrite them
+// Raised by a 4-byte copy behind the data, cleared by the kernel that waited (tsys_dist__ce_take): a step leaves
+// them as it found them, so it can be captured. My receive buffer is reused safely without a flag: my pulls
+// follow my own optimizer step on my streams.
+typedef struct tsys_dist__ceg_flags {
+    uint32_t done[TSYS_DIST__CE_RANKS], one;
+    uint32_t ready[];                              // [bucket][rank]
+} tsys_dist__ceg_flags;
 typedef struct tsys_dist__ceg {
-    char *recv[TSYS_DIST__CE_RANKS];               // every rank's receive buffer: mine at [rank], the peers' through IPC
+    char *recv;                                    // my receive buffer
+    char *grads[TSYS_DIST__CE_RANKS];              // every rank's gradients: mine at [rank], the peers' through IPC
     tsys_dist__ceg_flags *flags[TSYS_DIST__CE_RANKS];
-    int64_t bytes;                                 // one slot: the gradients' bytes
-    cudaStream_t lane[TSYS_DIST__CE_RANKS];        // pushes to rank q (its own copy engine queue)
-    cudaEvent_t fork, lane_done[TSYS_DIST__CE_RANKS], pushed;
-    bool took_space[TSYS_DIST__CE_RANKS];          // this step waited for q's space flag already
+    int64_t bytes, flag_bytes;                     // one slot (the gradients' bytes); the flags'
+    int buckets;
+    cudaStream_t lane[TSYS_DIST__CE_RANKS];        // pulls from rank q (a copy engine queue of its own)
+    cudaEvent_t fork, lane_done[TSYS_DIST__CE_RANKS], pulled;
 } tsys_dist__ceg;
-typedef struct tsys_dist__ceg_handles { cudaIpcMemHandle_t recv, flags; } tsys_dist__ceg_handles;
+typedef struct tsys_dist__ceg_handles { cudaIpcMemHandle_t grads, flags; } tsys_dist__ceg_handles;
 
 static bool tsys_dist__ceg_cuda(cudaError_t r, const char *what, tsys_dist__err *e) {
     return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine gradient gather: %s: %s", what, cudaGetErrorString(r));
 }
 
-// Every rank's receive buffer ((size - 1) slots of `bytes`) and flags, opened by every other. Collective.
-static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, int64_t bytes, tsys_dist__err *e) {
+// My receive buffer ((size - 1) slots of `bytes`) and flags; every rank's gradients (grads: mine, `bytes` at the
+// base of a cudaMalloc allocation, as the CUDA backend's blocks are) and flags opened by every other. Collective.
+static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, int64_t bytes, int buckets, tsys_dist__err *e) {
     if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: the ranks are on several hosts; the copy engines reach only this host's GPUs");
     if (d->size < 2 || d->size > TSYS_DIST__CE_RANKS)
         return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: %d ranks (it takes 2 to %d)", d->size, (int)TSYS_DIST__CE_RANKS);
-    g->bytes = bytes;
-    tsys_dist__ceg_flags init;
-    memset(&init, 0, sizeof init);
-    init.one = 1;
+    g->bytes = bytes; g->buckets = buckets;
+    g->flag_bytes = (int64_t)sizeof(tsys_dist__ceg_flags) + (int64_t)buckets * TSYS_DIST__CE_RANKS * 4;
+    tsys_dist__ceg_flags *init = (tsys_dist__ceg_flags *)calloc(1, (size_t)g->flag_bytes);
+    if (!init) return tsys_dist__seterr(e, TSYS_ERR_OOM, "ddp desc.ce_gather: out of host memory");
+    init->one = 1;
     tsys_dist__ceg_handles mine, theirs;
     memset(&mine, 0, sizeof mine);
-    if (!tsys_dist__ceg_cuda(cudaMalloc((void **)&g->recv[d->rank], (size_t)bytes * (size_t)(d->size - 1)), "cudaMalloc (the receive buffer)", e) ||
-        !tsys_dist__ceg_cuda(cudaMalloc((void **)&g->flags[d->rank], sizeof init), "cudaMalloc (flags)", e) ||
-        !tsys_dist__ceg_cuda(cudaMemcpy(g->flags[d->rank], &init, sizeof init, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) ||
-        !tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.recv, g->recv[d->rank]), "cudaIpcGetMemHandle (receive buffer)", e) ||
-        !tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.flags, g->flags[d->rank]), "cudaIpcGetMemHandle (flags)", e))
-        return false;
-    for (int r = 0; r < d->size; r++) {
+    g->grads[d->rank] = (char *)grads;
+    bool ok = tsys_dist__ceg_cuda(cudaMalloc((void **)&g->recv, (size_t)bytes * (size_t)(d->size - 1)), "cudaMalloc (the receive buffer)", e) &&
+              tsys_dist__ceg_cuda(cudaMalloc((void **)&g->flags[d->rank], (size_t)g->flag_bytes), "cudaMalloc (flags)", e) &&
+              tsys_dist__ceg_cuda(cudaMemcpy(g->flags[d->rank], init, (size_t)g->flag_bytes, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) &&
+              tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.grads, grads), "cudaIpcGetMemHandle (the gradients)", e) &&
+              tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.flags, g->flags[d->rank]), "cudaIpcGetMemHandle (flags)", e);
+    free(init);
+    for (int r = 0; ok && r < d->size; r++) {
         memset(&theirs, 0, sizeof theirs);
         if (r == d->rank) theirs = mine;
         if (!tsys_dist__setup_bcast(d, &theirs, (int64_t)sizeof theirs, r, e)) return false;
         if (r == d->rank) continue;
-        if (!tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->recv[r], theirs.recv, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's receive buffer)", e) ||
-            !tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->flags[r], theirs.flags, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e))
-            return false;
+        ok = tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->grads[r], theirs.grads, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's gradients)", e) &&
+             tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->flags[r], theirs.flags, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e);
     }
-    if (!tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
-        !tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->pushed, cudaEventDisableTiming), "cudaEventCreateWithFlags", e))
+    if (!ok || !tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
+        !tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->pulled, cudaEventDisableTiming), "cudaEventCreateWithFlags", e))
         return false;
     for (int q = 0; q < d->size; q++)
         if (q != d->rank && (!tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->lane_done[q], cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
@@ -3174,8 +3183,8 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, int64_t bytes,
     return true;
 }
 
-// Collective unless the group is broken: every rank's pushes end (a drained device) before any rank frees what
-// its peers write into. Errors go nowhere.
+// Collective unless the group is broken: every rank's copies end (a drained device, a barrier) before any rank
+// closes what it opened, and those close before any rank frees what its peers opened. Errors go nowhere.
 static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
@@ -3183,42 +3192,38 @@ static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
     const bool synced = !TSYS_DIST__LOAD(&d->broken) && cudaDeviceSynchronize() == cudaSuccess && tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
     for (int r = 0; r < d->size && r < TSYS_DIST__CE_RANKS; r++) {
         if (r == d->rank) continue;
-        if (g->recv[r]) cudaIpcCloseMemHandle(g->recv[r]);
+        if (g->grads[r]) cudaIpcCloseMemHandle(g->grads[r]);
         if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
         if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
         if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
     }
     if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
-    if (g->recv[d->rank]) cudaFree(g->recv[d->rank]);
+    if (g->recv) cudaFree(g->recv);
     if (g->flags[d->rank]) cudaFree(g->flags[d->rank]);
     if (g->fork) cudaEventDestroy(g->fork);
-    if (g->pushed) cudaEventDestroy(g->pushed);
+    if (g->pulled) cudaEventDestroy(g->pulled);
     memset(g, 0, sizeof *g);
 }
 
-// A step opens on s (after my optimizer read the previous step's slots): every peer may push again.
-static bool tsys_dist__ceg_open(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s, tsys_dist__err *e) {
-    for (int q = 0; q < d->size; q++) {
-        g->took_space[q] = false;
-        if (q != d->rank && !tsys_dist__ceg_cuda(cudaMemcpyAsync(&g->flags[q]->space[d->rank], &g->flags[d->rank]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e))
-            return false;
-    }
-    return true;
-}
+static uint32_t *tsys_dist__ceg_ready(const tsys_dist__ceg *g, int owner, int bucket, int from) { return &g->flags[owner]->ready[bucket * TSYS_DIST__CE_RANKS + from]; }
 
-// bytes at src (my gradients from byte `off`) into every peer's slot for me, after s's work so far; s waits for them.
-static bool tsys_dist__ceg_push(tsys_dist *d, tsys_dist__ceg *g, int64_t off, const void *src, int64_t bytes, cudaStream_t s, tsys_dist__err *e) {
+// My bucket k (bytes [off, off + bytes) of my gradients) is final as of s: tell every peer; then pull every peer's
+// bucket k into my slot for it once that peer says it is final; s waits for the pulls.
+static bool tsys_dist__ceg_bucket(tsys_dist *d, tsys_dist__ceg *g, int k, int64_t off, int64_t bytes, cudaStream_t s, tsys_dist__err *e) {
     const int me = d->rank;
-    if (off < 0 || bytes < 0 || off + bytes > g->bytes) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "ddp desc.ce_gather: bytes [%lld, %lld) outside the %lld gathered",
-                                                                               (long long)off, (long long)(off + bytes), (long long)g->bytes);
+    if (k < 0 || k >= g->buckets || off < 0 || bytes < 0 || off + bytes > g->bytes)
+        return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "ddp desc.ce_gather: bucket %d, bytes [%lld, %lld), outside the %d buckets of %lld bytes", k, (long long)off,
+                                 (long long)(off + bytes), g->buckets, (long long)g->bytes);
+    for (int q = 0; q < d->size; q++)
+        if (q != me && !tsys_dist__ceg_cuda(cudaMemcpyAsync(tsys_dist__ceg_ready(g, q, k, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e))
+            return false;
     if (!tsys_dist__ceg_cuda(cudaEventRecord(g->fork, s), "cudaEventRecord", e)) return false;
     for (int q = 0; q < d->size; q++) {
         if (q == me) continue;
         cudaStream_t lane = g->lane[q];
-        if (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(lane, g->fork, 0), "cudaStreamWaitEvent", e)) return false;
-        if (!g->took_space[q] && !tsys_dist__ce_take(d, lane, &g->flags[me]->space[q], NULL, 1, 1, -1, e)) return false;
-        g->took_space[q] = true;
-        if (!tsys_dist__ce_copy(g->recv[q] + (int64_t)(me - (me > q)) * g->bytes + off, src, bytes, lane, e) ||
+        if (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(lane, g->fork, 0), "cudaStreamWaitEvent", e) ||
+            !tsys_dist__ce_take(d, lane, tsys_dist__ceg_ready(g, me, k, q), NULL, 1, 1, -1, e) ||
+            !tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * g->bytes + off, g->grads[q] + off, bytes, lane, e) ||
             !tsys_dist__ceg_cuda(cudaEventRecord(g->lane_done[q], lane), "cudaEventRecord", e) ||
             !tsys_dist__ceg_cuda(cudaStreamWaitEvent(s, g->lane_done[q], 0), "cudaStreamWaitEvent", e))
             return false;
@@ -3226,15 +3231,15 @@ static bool tsys_dist__ceg_push(tsys_dist *d, tsys_dist__ceg *g, int64_t off, co
     return true;
 }
 
-// The step's pushes are all issued on side (each joined into it): tell every peer, then make compute wait until
-// every peer's pushes into my slots are in.
+// Every bucket's pulls are issued on side (each joined into it): tell every peer I read its gradients, then make
+// compute wait for my pulls and until every peer read mine (its next backward overwrites them).
 static bool tsys_dist__ceg_close(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t side, cudaStream_t compute, tsys_dist__err *e) {
     const int me = d->rank;
     for (int q = 0; q < d->size; q++)
         if (q != me && !tsys_dist__ceg_cuda(cudaMemcpyAsync(&g->flags[q]->done[me], &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, side), "a flag's raise", e))
             return false;
-    return tsys_dist__ceg_cuda(cudaEventRecord(g->pushed, side), "cudaEventRecord", e) &&
-           tsys_dist__ceg_cuda(cudaStreamWaitEvent(compute, g->pushed, 0), "cudaStreamWaitEvent", e) &&
+    return tsys_dist__ceg_cuda(cudaEventRecord(g->pulled, side), "cudaEventRecord", e) &&
+           tsys_dist__ceg_cuda(cudaStreamWaitEvent(compute, g->pulled, 0), "cudaStreamWaitEvent", e) &&
            tsys_dist__ce_take(d, compute, g->flags[me]->done, NULL, d->size, 1, me, e);
 }
 
@@ -4575,7 +4580,8 @@ static tsys_status tsys_dist__ddp_gather_setup(tsys_ddp *ddp) {
                      : ddp->desc.comm_bf16 ? "comm_bf16 is another way to send the gradients"
                      : ddp->dev != TSYS_CUDA || tsys_dist_engine_of(ddp->d) != TSYS_DIST_ENGINE_NCCL ? "it needs CUDA tensors and NCCL ranks"
                      : ddp->ntp != ddp->n ? "every parameter must be trainable (the optimizer's layout is the gradients')"
-                     : !arena || arena->dtype != TSYS_F32 ? "the gradients must be fp32 and made by DDP (the parameters had none)" : NULL;
+                     : !arena || arena->dtype != TSYS_F32 ? "the gradients must be fp32 and made by DDP (the parameters had none)"
+                     : arena->offset != 0 ? "the gradient arena must start its allocation (the peers open it through CUDA IPC)" : NULL;
     size_t at = arena ? arena->offset : 0;
     for (int i = 0; !no && i < ddp->ntp; i++) {   // one arena, in parameter order
         const tsys_tensor *g = ddp->tp[i]->grad;
@@ -4590,9 +4596,9 @@ static tsys_status tsys_dist__ddp_gather_setup(tsys_ddp *ddp) {
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     tsys_dist__drain(ddp->d);
-    if (!tsys_dist__ceg_setup(ddp->d, g, (int64_t)tsys_tensor_bytes(arena), &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    if (!tsys_dist__ceg_setup(ddp->d, g, tsys_tensor_data(arena), (int64_t)tsys_tensor_bytes(arena), ddp->nb, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
     int64_t numel = tsys_tensor_numel(arena) * (tsys_dist_size(ddp->d) - 1);
-    ddp->terms = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CUDA, 1, &numel, g->recv[ddp->d->rank], NULL, NULL);
+    ddp->terms = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CUDA, 1, &numel, g->recv, NULL, NULL);
     if (!ddp->terms) return tsys_ctx_status(ctx);
     tsys_tensor_set_name(ddp->terms, "ddp peers' gradients");
     return TSYS_OK;
@@ -4601,33 +4607,30 @@ static tsys_status tsys_dist__ddp_gather_setup(tsys_ddp *ddp) {
 #endif
 }
 
-// Bucket b's gradients into every peer, on the side stream (which waited for them).
-static tsys_status tsys_dist__ddp_gather_push(tsys_ddp *ddp, const tsys_dist__ddp_bucket *b) {
+// Bucket bi is final (the side stream waited for it): my peers learn it, and theirs come in, on the side stream.
+static tsys_status tsys_dist__ddp_gather_bucket(tsys_ddp *ddp, int bi) {
 #ifdef TSYS_DIST_NCCL
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
+    const tsys_dist__ddp_bucket *b = &ddp->b[bi];
     cudaStream_t side = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_SIDE);
     int64_t off = (int64_t)(b->flat->offset - ddp->grad_arena->offset);
-    if (!tsys_dist__ceg_push(ddp->d, (tsys_dist__ceg *)ddp->ceg, off, tsys_tensor_data(b->flat), b->bytes, side, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    if (!tsys_dist__ceg_bucket(ddp->d, (tsys_dist__ceg *)ddp->ceg, bi, off, b->bytes, side, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
     return TSYS_OK;
 #else
-    (void)b;
+    (void)bi;
     return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
 #endif
 }
 
-// open: at the step's start, on the compute stream (behind the previous optimizer step); else the step's end:
-// the compute stream waits for every peer's gradients.
-static tsys_status tsys_dist__ddp_gather_edge(tsys_ddp *ddp, bool open) {
+// The step's end: the compute stream waits for every peer's gradients, and for every peer to have read mine.
+static tsys_status tsys_dist__ddp_gather_close(tsys_ddp *ddp) {
 #ifdef TSYS_DIST_NCCL
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
-    tsys_dist__ceg *g = (tsys_dist__ceg *)ddp->ceg;
     cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_COMPUTE), side = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_SIDE);
-    bool ok = open ? tsys_dist__ceg_open(ddp->d, g, compute, &e) : tsys_dist__ceg_close(ddp->d, g, side, compute, &e);
-    return ok ? TSYS_OK : tsys_dist__ddp_gather_err(ddp, &e);
+    return tsys_dist__ceg_close(ddp->d, (tsys_dist__ceg *)ddp->ceg, side, compute, &e) ? TSYS_OK : tsys_dist__ddp_gather_err(ddp, &e);
 #else
-    (void)open;
     return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
 #endif
 }
@@ -4641,7 +4644,7 @@ TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt) {
 TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp) {
 #ifdef TSYS_DIST_NCCL
     const tsys_dist__ceg *g = ddp ? (const tsys_dist__ceg *)ddp->ceg : NULL;
-    return g ? g->bytes * (tsys_dist_size(ddp->d) - 1) + (int64_t)sizeof(tsys_dist__ceg_flags) : 0;
+    return g ? g->bytes * (tsys_dist_size(ddp->d) - 1) + g->flag_bytes : 0;
 #else
     (void)ddp;
     return 0;
@@ -4678,7 +4681,7 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
     }
     if (b->wire && (st = tsys_dist__ddp_cast(ddp, b->wire, b->flat, side)) != TSYS_OK) return st;   // narrow
     if (ddp->ceg) {
-        st = tsys_dist__ddp_gather_push(ddp, b);
+        st = tsys_dist__ddp_gather_bucket(ddp, bi);
         if (st == TSYS_OK && ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
         return st != TSYS_OK ? st : tsys_ctx_status(ctx);
     }
@@ -4956,7 +4959,6 @@ TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp) {
         if (st == TSYS_OK) st = s;
     }
     tsys_dist__ddp_reset(ddp);
-    if (st == TSYS_OK && ddp->ceg) st = tsys_dist__ddp_gather_edge(ddp, true);
     return st;
 }
 
@@ -4978,7 +4980,7 @@ TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp) {
         tsys_status s = tsys_dist__ddp_wait(ddp, ddp->order[k]);
         if (st == TSYS_OK) st = s;
     }
-    if (st == TSYS_OK && ddp->ceg) st = tsys_dist__ddp_gather_edge(ddp, false);
+    if (st == TSYS_OK && ddp->ceg) st = tsys_dist__ddp_gather_close(ddp);
     ddp->t_done_us = tsys_time_us();
     if (ddp->nlaunched > 0) {
         double start = ddp->t_bwd_end_us > ddp->t_first_us ? ddp->t_bwd_end_us : ddp->t_first_us;
