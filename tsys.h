@@ -906,10 +906,11 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 // Gradients summed over ranks as AdamW reads them (tsys_ddp's desc.ce_gather: the peers' gradients are copied
 // in, not all-reduced). Each parameter's gradient becomes the sum over ranks r = 0 .. nranks - 1, in rank order,
 // of rank `self`'s p->grad and the other ranks' terms, divided by nranks: the copy-engine all-reduce's average,
-// bit for bit. terms: fp32 on the parameters' device, (nranks - 1) slots of S elements, S = every parameter's
-// elements in the optimizer's order (its state's layout); rank r's slot is r - (r > self). AdamW only, not with
-// the optimizer in backward; tsys_optim_step reads terms as they are then. terms NULL: plain gradients again.
-TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, int nranks, int self);
+// bit for bit. terms: fp32 on the parameters' device, nranks - 1 slots `stride` elements apart (0: S), each
+// starting with S elements, S = every parameter's elements in the optimizer's order (its state's layout); rank
+// r's slot is r - (r > self); it holds at least (nranks - 2) x stride + S elements. AdamW only, not with the
+// optimizer in backward; tsys_optim_step reads terms as they are then. terms NULL: plain gradients again.
+TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, int nranks, int self, int64_t stride);
 // Flags of overlap_begin_ex. FREE_GRADS: each group is updated on the compute stream (in order, so no
 // event is needed) and a model's gradients of that group are given back right after its update, as
 // tsys_release_grads would after the step: the peak holds the parameters, the optimizer state, the
@@ -6333,21 +6334,23 @@ typedef struct tsys__overlap {
     bool free_grads;        // TSYS_OPTIM_FREE_GRADS: updates on the compute stream, each group's gradients given back after it
 } tsys__overlap;
 
-TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self) {
+TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride) {
     if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
     if (!terms) { tsys_tensor_release(o->terms); o->terms = NULL; return TSYS_OK; }
-    int64_t stride = 0;
-    for (int i = 0; i < o->n; i++) stride += tsys_tensor_numel(o->params[i]);
+    int64_t S = 0;
+    for (int i = 0; i < o->n; i++) S += tsys_tensor_numel(o->params[i]);
+    if (stride == 0) stride = S;
     if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: only AdamW sums ranks' gradients");
     if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: the optimizer runs inside backward (tsys_optim_overlap_begin)");
     if (nranks < 2 || self < 0 || self >= nranks)
         return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: nranks %d and self %d (it must be 2 or more ranks, self one of them)", nranks, self);
-    if (terms->dtype != TSYS_F32 || (o->n && terms->device != o->params[0]->device) || tsys_tensor_numel(terms) != (int64_t)(nranks - 1) * stride)
-        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: terms '%s' must be fp32 on the parameters' device with %lld elements "
-                          "(%d ranks - 1 slots of the %lld parameter elements), not %s with %lld", terms->name, (long long)(nranks - 1) * stride, nranks,
-                          (long long)stride, tsys_dtype_name(terms->dtype), (long long)tsys_tensor_numel(terms));
+    if (stride < S) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: stride %lld is less than the %lld parameter elements", (long long)stride, (long long)S);
+    if (terms->dtype != TSYS_F32 || (o->n && terms->device != o->params[0]->device) || tsys_tensor_numel(terms) < (int64_t)(nranks - 2) * stride + S)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: terms '%s' must be fp32 on the parameters' device with at least %lld elements "
+                          "(%d ranks - 1 slots %lld apart of the %lld parameter elements), not %s with %lld", terms->name, (long long)(nranks - 2) * stride + S, nranks,
+                          (long long)stride, (long long)S, tsys_dtype_name(terms->dtype), (long long)tsys_tensor_numel(terms));
     for (int i = 0; i < o->n; i++)
         if (o->params[i]->dtype != TSYS_F32) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: parameter '%s' is %s (fp32 only)", o->params[i]->name, tsys_dtype_name(o->params[i]->dtype));
     tsys_tensor_release(o->terms);

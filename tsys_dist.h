@@ -423,7 +423,8 @@ typedef enum tsys_ddp_strategy {
 // collective, so backward does not wait for them. 16-bit gradients go as they are.
 // ce_gather (BUCKETED, fp32 CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
 // are copied whole into every peer by the copy engines as soon as backward finishes the bucket, so no kernel
-// takes SMs from backward's GEMMs; the optimizer attached by tsys_ddp_attach_optimizer then adds the ranks'
+// takes SMs from backward's GEMMs; the optimizer attached by tsys_ddp_attach_optimizer (or ZeRO-1's, by
+// tsys_ddp_attach_zero1: each rank then receives its parameters' part only) then adds the ranks'
 // gradients in rank order and divides by the ranks as it reads them: the same bits as the copy-engine
 // all-reduce's average (desc.ce_allreduce). Each rank moves (ranks - 1) x the gradients' bytes and receives as
 // much ((ranks - 1) slots of the gradients, in tsys_ddp_device_bytes): at 2 ranks the all-reduce's bytes, at
@@ -468,8 +469,9 @@ TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp);    // before forward (bu
 TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp);        // after backward, before the optimizer
 TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp);
 // desc.ce_gather: opt (AdamW over the DDP's parameters, in the same order) sums the ranks' gradients from the
-// DDP's receive buffer (tsys_optim_sum_grads). Free opt, or give its sums back (tsys_optim_sum_grads(opt, NULL,
-// 0, 0)), before tsys_ddp_free frees that buffer. Refused without ce_gather.
+// DDP's receive buffer (tsys_optim_sum_grads), which this makes: every rank calls it, once, before the first step
+// (or tsys_ddp_attach_zero1 instead). Free opt, or give its sums back (tsys_optim_sum_grads(opt, NULL, 0, 0, 0)),
+// before tsys_ddp_free frees that buffer. Refused without ce_gather.
 TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt);
 // Device memory the DDP holds outside the tensors' allocator: ce_gather's receive buffer and flags (else 0).
 TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp);
@@ -491,6 +493,10 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z);
 TSYSDEF void tsys_zero1_zero_grad(tsys_zero1 *z);
 TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z);   // optimizer state this rank holds
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
+// DDP's desc.ce_gather under ZeRO-1 (z over the DDP's parameters, in the same order): each rank receives only the
+// peers' gradients of the parameters it owns, and z's AdamW sums them (the gradients are then not averaged in
+// place: z alone reads them). Free z before the DDP. Every rank calls it, once, before the first step.
+TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z);
 
 // FSDP (ZeRO-3, the S26 `fsdp` problem): Linear and Embedding weights (the 2-D parameters) are
 // sharded over the ranks, flat per unit (a unit = the 2-D parameters of one "layers.N." block, or one
@@ -3134,7 +3140,7 @@ typedef struct tsys_dist__ceg {
     char *recv;                                    // my receive buffer
     char *grads[TSYS_DIST__CE_RANKS];              // every rank's gradients: mine at [rank], the peers' through IPC
     tsys_dist__ceg_flags *flags[TSYS_DIST__CE_RANKS];
-    int64_t bytes, flag_bytes;                     // one slot (the gradients' bytes); the flags'
+    int64_t bytes, lo, hi, flag_bytes;             // the gradients' bytes; the part [lo, hi) I receive (a slot); the flags'
     int buckets;
     cudaStream_t lane[TSYS_DIST__CE_RANKS];        // pulls from rank q (a copy engine queue of its own)
     cudaEvent_t fork, lane_done[TSYS_DIST__CE_RANKS], pulled;
@@ -3145,13 +3151,16 @@ static bool tsys_dist__ceg_cuda(cudaError_t r, const char *what, tsys_dist__err 
     return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine gradient gather: %s: %s", what, cudaGetErrorString(r));
 }
 
-// My receive buffer ((size - 1) slots of `bytes`) and flags; every rank's gradients (grads: mine, `bytes` at the
-// base of a cudaMalloc allocation, as the CUDA backend's blocks are) and flags opened by every other. Collective.
-static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, int64_t bytes, int buckets, tsys_dist__err *e) {
+// My receive buffer ((size - 1) slots of bytes [lo, hi) of the gradients) and flags; every rank's gradients
+// (grads: mine, `bytes` at the base of a cudaMalloc allocation, as the CUDA backend's blocks are) and flags opened
+// by every other. Collective.
+static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, int64_t bytes, int64_t lo, int64_t hi, int buckets, tsys_dist__err *e) {
     if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: the ranks are on several hosts; the copy engines reach only this host's GPUs");
     if (d->size < 2 || d->size > TSYS_DIST__CE_RANKS)
         return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: %d ranks (it takes 2 to %d)", d->size, (int)TSYS_DIST__CE_RANKS);
-    g->bytes = bytes; g->buckets = buckets;
+    if (lo < 0 || hi < lo || hi > bytes) return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "ddp desc.ce_gather: bytes [%lld, %lld) outside the %lld of the gradients",
+                                                                  (long long)lo, (long long)hi, (long long)bytes);
+    g->bytes = bytes; g->lo = lo; g->hi = hi; g->buckets = buckets;
     g->flag_bytes = (int64_t)sizeof(tsys_dist__ceg_flags) + (int64_t)buckets * TSYS_DIST__CE_RANKS * 4;
     tsys_dist__ceg_flags *init = (tsys_dist__ceg_flags *)calloc(1, (size_t)g->flag_bytes);
     if (!init) return tsys_dist__seterr(e, TSYS_ERR_OOM, "ddp desc.ce_gather: out of host memory");
@@ -3159,7 +3168,8 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, i
     tsys_dist__ceg_handles mine, theirs;
     memset(&mine, 0, sizeof mine);
     g->grads[d->rank] = (char *)grads;
-    bool ok = tsys_dist__ceg_cuda(cudaMalloc((void **)&g->recv, (size_t)bytes * (size_t)(d->size - 1)), "cudaMalloc (the receive buffer)", e) &&
+    const size_t recv = (size_t)(hi - lo) * (size_t)(d->size - 1);
+    bool ok = tsys_dist__ceg_cuda(cudaMalloc((void **)&g->recv, recv ? recv : 256), "cudaMalloc (the receive buffer)", e) &&
               tsys_dist__ceg_cuda(cudaMalloc((void **)&g->flags[d->rank], (size_t)g->flag_bytes), "cudaMalloc (flags)", e) &&
               tsys_dist__ceg_cuda(cudaMemcpy(g->flags[d->rank], init, (size_t)g->flag_bytes, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) &&
               tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.grads, grads), "cudaIpcGetMemHandle (the gradients)", e) &&
@@ -3207,8 +3217,9 @@ static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
 
 static uint32_t *tsys_dist__ceg_ready(const tsys_dist__ceg *g, int owner, int bucket, int from) { return &g->flags[owner]->ready[bucket * TSYS_DIST__CE_RANKS + from]; }
 
-// My bucket k (bytes [off, off + bytes) of my gradients) is final as of s: tell every peer; then pull every peer's
-// bucket k into my slot for it once that peer says it is final; s waits for the pulls.
+// My bucket k (bytes [off, off + bytes) of my gradients) is final as of s: tell every peer; then pull the part in
+// [lo, hi) of every peer's bucket k into my slot for it once that peer says it is final (the flag is taken even
+// when no byte is mine, so that none is left raised into the next step); s waits for the pulls.
 static bool tsys_dist__ceg_bucket(tsys_dist *d, tsys_dist__ceg *g, int k, int64_t off, int64_t bytes, cudaStream_t s, tsys_dist__err *e) {
     const int me = d->rank;
     if (k < 0 || k >= g->buckets || off < 0 || bytes < 0 || off + bytes > g->bytes)
@@ -3218,12 +3229,13 @@ static bool tsys_dist__ceg_bucket(tsys_dist *d, tsys_dist__ceg *g, int k, int64_
         if (q != me && !tsys_dist__ceg_cuda(cudaMemcpyAsync(tsys_dist__ceg_ready(g, q, k, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e))
             return false;
     if (!tsys_dist__ceg_cuda(cudaEventRecord(g->fork, s), "cudaEventRecord", e)) return false;
+    const int64_t a = off > g->lo ? off : g->lo, b = off + bytes < g->hi ? off + bytes : g->hi;
     for (int q = 0; q < d->size; q++) {
         if (q == me) continue;
         cudaStream_t lane = g->lane[q];
         if (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(lane, g->fork, 0), "cudaStreamWaitEvent", e) ||
             !tsys_dist__ce_take(d, lane, tsys_dist__ceg_ready(g, me, k, q), NULL, 1, 1, -1, e) ||
-            !tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * g->bytes + off, g->grads[q] + off, bytes, lane, e) ||
+            (a < b && !tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * (g->hi - g->lo) + (a - g->lo), g->grads[q] + a, b - a, lane, e)) ||
             !tsys_dist__ceg_cuda(cudaEventRecord(g->lane_done[q], lane), "cudaEventRecord", e) ||
             !tsys_dist__ceg_cuda(cudaStreamWaitEvent(s, g->lane_done[q], 0), "cudaStreamWaitEvent", e))
             return false;
@@ -4538,8 +4550,8 @@ struct tsys_ddp {
     int stats_launched;          // buckets the last finished step launched
     tsys_status launch_error;    // a hook that failed to launch (reported by finish)
     bool layout_agreed;          // every rank has the same buckets (tsys_dist__agree_layout)
-    void *ceg;                   // desc.ce_gather: the copy engines' receive buffers and flags (tsys_dist__ceg)
-    tsys_tensor *terms;          // desc.ce_gather: my receive buffer, as the optimizer's terms
+    void *ceg;                   // desc.ce_gather: the copy engines' receive buffers and flags (tsys_dist__ceg), once attached
+    tsys_tensor *terms;          // desc.ce_gather: my receive buffer, as the optimizers' terms
 };
 
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
@@ -4572,8 +4584,8 @@ static tsys_status tsys_dist__ddp_gather_err(tsys_ddp *ddp, const tsys_dist__err
     return tsys_ctx_set_error(ddp->ctx, e->status != TSYS_OK ? e->status : TSYS_ERR_CUDA, "%s", e->msg);
 }
 #endif
-// What ce_gather needs, then every rank's receive buffer opened by the others. Collective.
-static tsys_status tsys_dist__ddp_gather_setup(tsys_ddp *ddp) {
+// What ce_gather needs of the DDP (checked when it is made, the same on every rank).
+static tsys_status tsys_dist__ddp_gather_check(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     const tsys_tensor *arena = ddp->grad_arena;
     const char *no = ddp->desc.strategy != TSYS_DDP_BUCKETED ? "the strategy must be bucketed"
@@ -4589,6 +4601,19 @@ static tsys_status tsys_dist__ddp_gather_setup(tsys_ddp *ddp) {
         else at += tsys_tensor_bytes(g);
     }
     if (no) return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: %s", no);
+#ifndef TSYS_DIST_NCCL
+    return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL (TSYS_DIST_NCCL)");
+#endif
+    return TSYS_OK;
+}
+
+// Every rank's receive buffer, for bytes [lo, hi) of the gradients (what this rank's optimizer reads), opened by
+// the others; ddp->terms wraps mine. Collective.
+static tsys_status tsys_dist__ddp_gather_open(tsys_ddp *ddp, int64_t lo, int64_t hi) {
+    tsys_ctx *ctx = ddp->ctx;
+    if (!ddp->desc.ce_gather) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: attaching an optimizer: the DDP was made without desc.ce_gather (its gradients are averaged in place)");
+    if (ddp->ceg) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.ce_gather: an optimizer is attached already");
+    const tsys_tensor *arena = ddp->grad_arena;
 #ifdef TSYS_DIST_NCCL
     tsys_dist__ceg *g = (tsys_dist__ceg *)calloc(1, sizeof *g);
     if (!g) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: desc.ce_gather: out of host memory");
@@ -4596,13 +4621,14 @@ static tsys_status tsys_dist__ddp_gather_setup(tsys_ddp *ddp) {
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     tsys_dist__drain(ddp->d);
-    if (!tsys_dist__ceg_setup(ddp->d, g, tsys_tensor_data(arena), (int64_t)tsys_tensor_bytes(arena), ddp->nb, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
-    int64_t numel = tsys_tensor_numel(arena) * (tsys_dist_size(ddp->d) - 1);
+    if (!tsys_dist__ceg_setup(ddp->d, g, tsys_tensor_data(arena), (int64_t)tsys_tensor_bytes(arena), lo, hi, ddp->nb, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    int64_t numel = (hi - lo) / 4 * (tsys_dist_size(ddp->d) - 1);
     ddp->terms = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CUDA, 1, &numel, g->recv, NULL, NULL);
     if (!ddp->terms) return tsys_ctx_status(ctx);
     tsys_tensor_set_name(ddp->terms, "ddp peers' gradients");
     return TSYS_OK;
 #else
+    (void)lo; (void)hi; (void)arena;
     return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL (TSYS_DIST_NCCL)");
 #endif
 }
@@ -4637,14 +4663,14 @@ static tsys_status tsys_dist__ddp_gather_close(tsys_ddp *ddp) {
 
 TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt) {
     if (!ddp || !opt) return TSYS_ERR_INVALID_ARGS;
-    if (!ddp->terms) return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "tsys_ddp_attach_optimizer: the DDP was made without desc.ce_gather (its gradients are averaged in place)");
-    return tsys_optim_sum_grads(opt, ddp->terms, tsys_dist_size(ddp->d), tsys_dist_rank(ddp->d));
+    tsys_status st = tsys_dist__ddp_gather_open(ddp, 0, ddp->grad_arena ? (int64_t)tsys_tensor_bytes(ddp->grad_arena) : 0);
+    return st != TSYS_OK ? st : tsys_optim_sum_grads(opt, ddp->terms, tsys_dist_size(ddp->d), tsys_dist_rank(ddp->d), 0);
 }
 
 TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp) {
 #ifdef TSYS_DIST_NCCL
     const tsys_dist__ceg *g = ddp ? (const tsys_dist__ceg *)ddp->ceg : NULL;
-    return g ? g->bytes * (tsys_dist_size(ddp->d) - 1) + g->flag_bytes : 0;
+    return g ? (g->hi - g->lo) * (tsys_dist_size(ddp->d) - 1) + g->flag_bytes : 0;
 #else
     (void)ddp;
     return 0;
@@ -4656,6 +4682,8 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
     tsys_ctx *ctx = ddp->ctx;
     tsys_tensor **p = ddp->tp + b->first;
     if (b->launched) return TSYS_OK;
+    if (ddp->desc.ce_gather && !ddp->ceg)
+        return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.ce_gather: no optimizer is attached to sum the gradients (tsys_ddp_attach_optimizer or tsys_ddp_attach_zero1)");
     b->launched = true;
     ddp->order[ddp->nlaunched++] = bi;
     tsys_status st = tsys_grads_settle(ctx, p, b->count);
@@ -4920,7 +4948,7 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         if (st != TSYS_OK && tsys_ctx_status(ctx) != TSYS_OK) st = tsys_ctx_status(ctx);
     }
     if (st == TSYS_OK && dd.comm_bf16) st = tsys_dist__ddp_make_wires(ddp);
-    if (st == TSYS_OK && dd.ce_gather) st = tsys_dist__ddp_gather_setup(ddp);
+    if (st == TSYS_OK && dd.ce_gather) st = tsys_dist__ddp_gather_check(ddp);
     if (st == TSYS_OK) {
         uint64_t h = tsys_dist__hash(tsys_dist__hash(0xcbf29ce484222325ull, dd.strategy), dd.ce_gather);
         for (int i = 0; i < ddp->nb; i++) {
@@ -5155,6 +5183,34 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
 
 TSYSDEF void tsys_zero1_zero_grad(tsys_zero1 *z) { if (z) tsys_zero_grads(z->ctx, z->params, z->n); }
 TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z->state_bytes : 0; }
+
+// The DDP receives the bytes of the parameters this rank owns (one run of its arena); each chunk's AdamW reads its
+// part of every slot.
+TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z) {
+    if (!ddp || !z) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = ddp->ctx;
+    bool same = z->ntp == ddp->ntp;
+    for (int i = 0; same && i < z->ntp; i++) same = z->tp[i] == ddp->tp[i];
+    if (!same) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_ddp_attach_zero1: ZeRO-1's parameters are not the DDP's (the same list, in the same order)");
+    const int me = tsys_dist_rank(ddp->d), size = tsys_dist_size(ddp->d);
+    int first = -1, last = -1;
+    for (int i = 0; i < z->ntp; i++)
+        if (z->owner[i] == me) { if (first < 0) first = i; last = i; }
+    const size_t base = ddp->grad_arena ? ddp->grad_arena->offset : 0;
+    const int64_t lo = first < 0 ? 0 : (int64_t)(z->tp[first]->grad->offset - base),
+                  hi = first < 0 ? 0 : (int64_t)(z->tp[last]->grad->offset - base + tsys_tensor_bytes(z->tp[last]->grad));
+    tsys_status st = tsys_dist__ddp_gather_open(ddp, lo, hi);
+    for (int c = 0; st == TSYS_OK && c < TSYS_DIST__ZERO1_CHUNKS; c++) {
+        if (!z->opt[c]) continue;
+        int i = 0;
+        while (z->owner[i] != me || z->chunk[i] != c) i++;   // the chunk's first parameter: its place in my slots
+        const int64_t at = (int64_t)(z->tp[i]->grad->offset - base) - lo, numel = tsys_tensor_numel(ddp->terms) - at / 4;
+        tsys_tensor *view = tsys_tensor_view_raw(ctx, ddp->terms, (size_t)at, TSYS_F32, 1, &numel);
+        st = view ? tsys_optim_sum_grads(z->opt[c], view, size, me, (hi - lo) / 4) : tsys_ctx_status(ctx);
+        tsys_tensor_release(view);
+    }
+    return st;
+}
 
 // >>fsdp ------------------------------------------------------------------------------------------
 // Layout: a unit's 2-D parameters, in order, make a flat run of U elements, padded to N·S (S =
@@ -7346,11 +7402,10 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
         t->fsdp = tsys_fsdp_new(d, params, np, &desc->fsdp);
         if (t->fsdp) t->opt = tsys_adamw_new(ctx, tsys_fsdp_params(t->fsdp), tsys_fsdp_num_params(t->fsdp), NULL);
     } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_ddp_new(d, params, np, &desc->ddp)) != NULL) {
-        if (desc->mode == TSYS_TRAIN_ZERO1 && desc->ddp.ce_gather)
-            tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: ZeRO-1 needs the gradients averaged in place (not desc.ddp.ce_gather)");
-        else if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
+        if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
         else t->opt = tsys_adamw_new(ctx, params, np, NULL);
         if (t->opt && t->ddp && desc->ddp.ce_gather && tsys_ddp_attach_optimizer(t->ddp, t->opt) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
+        if (t->zero1 && desc->ddp.ce_gather && tsys_ddp_attach_zero1(t->ddp, t->zero1) != TSYS_OK) { tsys_zero1_free(t->zero1); t->zero1 = NULL; }
     }
     if (t->opt || t->zero1) return t;
     if (tsys_ctx_status(ctx) == TSYS_OK) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_trainer_new: out of memory");
@@ -7612,8 +7667,8 @@ TSYSDEF void tsys_dist_trainer_free(tsys_dist_trainer *t) {
     if (!t) return;
     tsys_dist_trainer_uncapture(t);   // first: the graph may still be replaying into what follows
     for (int i = 0; i < 2; i++) tsys_event_release(t->ctx, &t->replay_ev[i]);
-    tsys_optim_free(t->opt);   // before the DDP: under ce_gather it reads the DDP's receive buffer
-    tsys_ddp_free(t->ddp); tsys_zero1_free(t->zero1); tsys_fsdp_free(t->fsdp);
+    tsys_optim_free(t->opt); tsys_zero1_free(t->zero1);   // before the DDP: under ce_gather they read its receive buffer
+    tsys_ddp_free(t->ddp); tsys_fsdp_free(t->fsdp);
     free(t);
 }
 

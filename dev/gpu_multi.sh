@@ -159,11 +159,11 @@ PY
     timeout 200 $G/test_cuda adamw_sums > "$OUT/gather_test_cuda.log" 2>&1; echo "test_cuda adamw_sums: $(tail -n 1 "$OUT/gather_test_cuda.log")"
     timeout 400 mpirun --oversubscribe --bind-to none -np 2 $G/test_ddp_cuda ${GATHER_TESTS:-} > "$OUT/gather_test_ddp.log" 2>&1; echo "test_ddp_cuda, 2 ranks: $(tail -n 1 "$OUT/gather_test_ddp.log")"
     grep -h "FAIL" "$OUT"/gather_test_*.log | head -10
-    for run in 1:0:fp32:100 2:0:fp32:100 2:1:fp32:200 ${GATHER_RUNS:-2:0:gather:100 2:0:gather:200}; do   # GPUs:TSYS_DIST_CE:--grad-comm:bucket MB
-      IFS=: read -r np ce gc mb <<< "$run"
-      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb $mb --grad-comm $gc \
-        --compile no,yes --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/gather_ddp_${np}_${ce}_${gc}_$mb.csv" 2>&1
-      python3 - "$OUT/gather_ddp_${np}_${ce}_${gc}_$mb.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $gc, $mb MB," <<'PY'
+    for run in 1:0:fp32:100 2:0:fp32:100 2:1:fp32:200 ${GATHER_RUNS:-2:0:gather:100 2:0:gather:200}; do   # GPUs:TSYS_DIST_CE:--grad-comm:bucket MB[:strategy]
+      IFS=: read -r np ce gc mb st <<< "$run"; st=${st:-bucketed}
+      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy $st --bucket-mb $mb --grad-comm $gc \
+        --compile no,yes --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/gather_ddp_${np}_${ce}_${gc}_${mb}_$st.csv" 2>&1
+      python3 - "$OUT/gather_ddp_${np}_${ce}_${gc}_${mb}_$st.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $st, $gc, $mb MB," <<'PY'
 import csv, sys
 lines = open(sys.argv[1]).read().splitlines()
 head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))

@@ -129,18 +129,23 @@ static inline int plan_table_print(const char *prog, const char *fmt, const du_l
 
 // The predicted columns of a measured row: the model d trained in dtype dt at context T, batch sequences
 // a rank, on ranks ranks, under FSDP (fsdp, with fd) or else DDP's or ZeRO-1's scheme; comm_bf16: the
-// gradients travel as bf16. pred_state_MiB what a rank keeps between steps, pred_peak_MiB the peak,
-// pred_sent_MB the bytes a rank sends per step.
+// gradients travel as bf16; gather: they are gathered (tsys_ddp_desc.ce_gather), into a receive buffer of the
+// other ranks' fp32 gradients (under ZeRO-1 their part this rank owns). pred_state_MiB what a rank keeps between
+// steps, pred_peak_MiB the peak, pred_sent_MB the bytes a rank sends per step.
 static inline void account_predicted(du_row *row, const tsys_model_desc *d, tsys_dtype dt, int T, int batch, int ranks, bool fsdp, const tsys_fsdp_desc *fd,
-                                     tsys_dist_scheme scheme, bool comm_bf16) {
+                                     tsys_dist_scheme scheme, bool comm_bf16, bool gather) {
     const double MiB = 1048576.0;
     tsys_dist_account acc = fsdp ? tsys_fsdp_accounting_desc(d, fd, batch, T, ranks) : tsys_dist_accounting(d, dt, batch, T, ranks, scheme);
     // autocast's weight copies live only within a step (fsdp: its gathered working set)
     double transient = fsdp ? acc.work_bytes : dt != TSYS_F32 ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(d) : 0;
-    du_row_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient) / MiB);
-    du_row_num(row, "pred_peak_MiB", "%.1f", acc.total_bytes / MiB);
+    const double recv = gather ? 4.0 * (double)tsys_model_desc_num_params(d) * (ranks - 1) / (scheme == TSYS_SCHEME_ZERO1 ? ranks : 1) : 0;
+    du_row_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient + recv) / MiB);
+    du_row_num(row, "pred_peak_MiB", "%.1f", (acc.total_bytes + recv) / MiB);
     // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)
-    du_row_num(row, "pred_sent_MB", "%.1f", acc.sent_bytes * (!comm_bf16 ? 1.0 : scheme == TSYS_SCHEME_ZERO1 ? 2.0 / 3.0 : 0.5) / 1e6);
+    double sent = acc.sent_bytes * (!comm_bf16 ? 1.0 : scheme == TSYS_SCHEME_ZERO1 ? 2.0 / 3.0 : 0.5);
+    if (gather)   // every peer pulls its part of my gradients (all of them under DDP); ZeRO-1's broadcast as before
+        sent = recv + (scheme == TSYS_SCHEME_ZERO1 ? acc.sent_bytes / 3.0 : 0.0);
+    du_row_num(row, "pred_sent_MB", "%.1f", sent / 1e6);
 }
 
 #endif

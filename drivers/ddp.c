@@ -115,7 +115,7 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
     du_row_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(m->fst.gathered_bytes + m->fst.reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
     du_row_num(row, "mem_init_MiB", "%.1f", m->mem[0] / MiB); du_row_num(row, "mem_pre_opt_MiB", "%.1f", m->mem[1] / MiB);
     du_row_num(row, "mem_post_opt_MiB", "%.1f", m->mem[2] / MiB); du_row_num(row, "state_MiB", "%.1f", m->mem[3] / MiB);
-    account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16);
+    account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16, cf->gather);
     du_row_set(row, "status", "ok");
 }
 

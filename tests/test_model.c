@@ -251,24 +251,26 @@ TSYS_TEST(adamw_matches_reference_math) {
 TSYS_TEST(adamw_sums_ranks_gradients) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     const int64_t vec[3] = {1024, 1004, 36}, odd[3] = {1024, 1003, 37};
-    const int64_t d2 = test_sum_grads_case(ctx, TSYS_CPU, 2, 1, vec, 3), d3 = test_sum_grads_case(ctx, TSYS_CPU, 3, 1, odd, 3),
-                  d4 = test_sum_grads_case(ctx, TSYS_CPU, 4, 0, odd, 2);
+    const int64_t d2 = test_sum_grads_case(ctx, TSYS_CPU, 2, 1, vec, 3, 0), d3 = test_sum_grads_case(ctx, TSYS_CPU, 3, 1, odd, 3, 8),
+                  d4 = test_sum_grads_case(ctx, TSYS_CPU, 4, 0, odd, 2, 3);
     TEST_CHECK(d2 == 0 && d3 == 0 && d4 == 0, "elements apart from AdamW on the host's sum: %lld (2 ranks), %lld (3), %lld (4): %s", (long long)d2, (long long)d3,
                (long long)d4, tsys_ctx_last_error(ctx));
     int64_t n = 8, two = 16, three = 24;
     tsys_tensor *p = test_param(ctx, TSYS_CPU, 1, &n, 1.0f), *t2 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &two), *t3 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &three);
     tsys_optim *adam = tsys_adamw_new(ctx, &p, 1, NULL), *sgd = tsys_sgd_new(ctx, &p, 1, 0.1f);
-    struct { tsys_optim *o; tsys_tensor *t; int ranks, self; const char *says; } bad[] = {
-        {sgd, t2, 3, 0, "only AdamW"}, {adam, t2, 1, 0, "2 or more ranks"}, {adam, t2, 3, 3, "self one of them"}, {adam, t2, 2, 0, "with 8 elements (2 ranks - 1 slots"}};
+    struct { tsys_optim *o; tsys_tensor *t; int ranks, self; int64_t stride; const char *says; } bad[] = {
+        {sgd, t2, 3, 0, 0, "only AdamW"}, {adam, t2, 1, 0, 0, "2 or more ranks"}, {adam, t2, 3, 3, 0, "self one of them"},
+        {adam, t2, 4, 0, 0, "at least 24 elements (4 ranks - 1 slots 8 apart"}, {adam, t2, 3, 0, 9, "at least 17 elements"}, {adam, t2, 2, 0, 7, "stride 7 is less"}};
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        tsys_status st = tsys_optim_sum_grads(bad[k].o, bad[k].t, bad[k].ranks, bad[k].self);
+        tsys_status st = tsys_optim_sum_grads(bad[k].o, bad[k].t, bad[k].ranks, bad[k].self, bad[k].stride);
         TEST_CHECK(st != TSYS_OK && strstr(tsys_ctx_last_error(ctx), bad[k].says), "case %zu: status %d, '%s'", k, (int)st, tsys_ctx_last_error(ctx));
         tsys_ctx_clear_error(ctx);
     }
-    TEST_CHECK(tsys_optim_sum_grads(adam, t3, 4, 3) == TSYS_OK, "4 ranks: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_optim_sum_grads(adam, t3, 4, 3, 0) == TSYS_OK && tsys_optim_sum_grads(adam, t2, 2, 0, 16) == TSYS_OK, "4 ranks, 2 ranks with a stride: %s",
+               tsys_ctx_last_error(ctx));
     TEST_CHECK(tsys_optim_overlap_begin(adam) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "sums ranks' gradients"), "overlap allowed: '%s'", tsys_ctx_last_error(ctx));
     tsys_ctx_clear_error(ctx);
-    TEST_CHECK(tsys_optim_sum_grads(adam, NULL, 0, 0) == TSYS_OK && tsys_optim_overlap_begin(adam) == TSYS_OK && tsys_optim_overlap_end(adam) == TSYS_OK,
+    TEST_CHECK(tsys_optim_sum_grads(adam, NULL, 0, 0, 0) == TSYS_OK && tsys_optim_overlap_begin(adam) == TSYS_OK && tsys_optim_overlap_end(adam) == TSYS_OK,
                "plain gradients again: %s", tsys_ctx_last_error(ctx));
     tsys_optim_free(adam); tsys_optim_free(sgd);
     tsys_tensor_release(p); tsys_tensor_release(t2); tsys_tensor_release(t3);

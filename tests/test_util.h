@@ -215,17 +215,19 @@ static inline double test_rel_diff(int64_t measured, int64_t predicted) { return
 // ---- tsys_optim_sum_grads against its definition ----------------------------------------------------
 
 // Parameters of `sizes` trained two AdamW steps on dev twice: once summing rank `self`'s gradients with the
-// other ranks' terms (tsys_optim_sum_grads), once on gradients the host made as that rank-ordered sum / ranks.
-// Returns the elements that differ (-1 when a call failed: the context's error says which).
-static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n) {
+// other ranks' terms (tsys_optim_sum_grads; slots `pad` elements longer than the parameters), once on gradients
+// the host made as that rank-ordered sum / ranks. Returns the elements that differ (-1 when a call failed: the
+// context's error says which).
+static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n, int64_t pad) {
     enum { MAXP = 4 };
-    int64_t stride = 0, diff = 0;
-    for (int i = 0; i < n; i++) stride += sizes[i];
-    float *terms_h = (float *)malloc(sizeof(float) * (size_t)(stride * (ranks - 1))), *mean = (float *)malloc(sizeof(float) * (size_t)stride);
-    float *mine = (float *)malloc(sizeof(float) * (size_t)stride);
+    int64_t S = 0, diff = 0;
+    for (int i = 0; i < n; i++) S += sizes[i];
+    const int64_t stride = S + pad;
+    float *terms_h = (float *)malloc(sizeof(float) * (size_t)(stride * (ranks - 1))), *mean = (float *)malloc(sizeof(float) * (size_t)S);
+    float *mine = (float *)malloc(sizeof(float) * (size_t)S);
     tsys_tensor *pa[MAXP], *pb[MAXP], *ca[MAXP], *cb[MAXP];
     for (int64_t i = 0; i < stride * (ranks - 1); i++) terms_h[i] = (float)((i * 37 % 1001) - 500) * 1e-3f;
-    for (int64_t i = 0; i < stride; i++) {   // the host's sum, in rank order
+    for (int64_t i = 0; i < S; i++) {   // the host's sum, in rank order
         mine[i] = (float)((i * 53 % 997) - 498) * 1e-3f;
         float acc = 0.0f;
         for (int r = 0; r < ranks; r++) acc += r == self ? mine[i] : terms_h[(int64_t)(r - (r > self)) * stride + i];
@@ -243,7 +245,7 @@ static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ra
         at += sizes[i];
     }
     tsys_optim *oa = tsys_adamw_new(ctx, pa, n, NULL), *ob = tsys_adamw_new(ctx, pb, n, NULL);
-    if (oa && terms) tsys_optim_sum_grads(oa, terms, ranks, self);
+    if (oa && terms) tsys_optim_sum_grads(oa, terms, ranks, self, pad ? stride : 0);
     for (int step = 0; step < 2 && tsys_ctx_status(ctx) == TSYS_OK; step++) {
         for (int side = 0; side < 2; side++)
             for (int i = 0; i < n; i++) {
