@@ -495,7 +495,9 @@ TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z);   // optimize
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z);
 // DDP's desc.ce_gather under ZeRO-1 (z over the DDP's parameters, in the same order): each rank receives only the
 // peers' gradients of the parameters it owns, and z's AdamW sums them (the gradients are then not averaged in
-// place: z alone reads them). Free z before the DDP. Every rank calls it, once, before the first step.
+// place: z alone reads them); the owners' new parameters then come back by the copy engines too, chunk by chunk,
+// instead of NCCL's broadcasts. The parameters must lie in one storage (a model's). Free z before the DDP. Every
+// rank calls it, once, before the first step.
 TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z);
 
 // FSDP (ZeRO-3, the S26 `fsdp` problem): Linear and Embedding weights (the 2-D parameters) are
@@ -3132,13 +3134,16 @@ static bool tsys_dist__ce_allreduce(tsys_dist *d, float *x, int64_t count, bool 
 // Raised by a 4-byte copy behind the data, cleared by the kernel that waited (tsys_dist__ce_take): a step leaves
 // them as it found them, so it can be captured. My receive buffer is reused safely without a flag: my pulls
 // follow my own optimizer step on my streams.
+enum { TSYS_DIST__CEG_CHUNKS = 4 };   // ZeRO-1's chunks (TSYS_DIST__ZERO1_CHUNKS)
 typedef struct tsys_dist__ceg_flags {
     uint32_t done[TSYS_DIST__CE_RANKS], one;
+    uint32_t updated[TSYS_DIST__CEG_CHUNKS][TSYS_DIST__CE_RANKS];   // ZeRO-1: the rank updated its parameters of the chunk
     uint32_t ready[];                              // [bucket][rank]
 } tsys_dist__ceg_flags;
 typedef struct tsys_dist__ceg {
     char *recv;                                    // my receive buffer
     char *grads[TSYS_DIST__CE_RANKS];              // every rank's gradients: mine at [rank], the peers' through IPC
+    char *params[TSYS_DIST__CE_RANKS];             // ZeRO-1: every rank's parameters' storage, the same way (NULL: none)
     tsys_dist__ceg_flags *flags[TSYS_DIST__CE_RANKS];
     int64_t bytes, lo, hi, flag_bytes;             // the gradients' bytes; the part [lo, hi) I receive (a slot); the flags'
     int buckets;
@@ -3203,6 +3208,7 @@ static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
     for (int r = 0; r < d->size && r < TSYS_DIST__CE_RANKS; r++) {
         if (r == d->rank) continue;
         if (g->grads[r]) cudaIpcCloseMemHandle(g->grads[r]);
+        if (g->params[r]) cudaIpcCloseMemHandle(g->params[r]);
         if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
         if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
         if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
@@ -3240,6 +3246,49 @@ static bool tsys_dist__ceg_bucket(tsys_dist *d, tsys_dist__ceg *g, int k, int64_
             !tsys_dist__ceg_cuda(cudaStreamWaitEvent(s, g->lane_done[q], 0), "cudaStreamWaitEvent", e))
             return false;
     }
+    return true;
+}
+
+// ZeRO-1: my parameters' storage (params: the base of a cudaMalloc allocation, laid out as every rank's) opened by
+// every peer. Collective.
+static bool tsys_dist__ceg_share_params(tsys_dist *d, tsys_dist__ceg *g, void *params, tsys_dist__err *e) {
+    cudaIpcMemHandle_t mine, theirs;
+    memset(&mine, 0, sizeof mine);
+    if (!tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine, params), "cudaIpcGetMemHandle (the parameters)", e)) return false;
+    g->params[d->rank] = (char *)params;
+    for (int r = 0; r < d->size; r++) {
+        theirs = mine;
+        if (!tsys_dist__setup_bcast(d, &theirs, (int64_t)sizeof theirs, r, e)) return false;
+        if (r != d->rank && !tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->params[r], theirs, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's parameters)", e))
+            return false;
+    }
+    return true;
+}
+
+// ZeRO-1: I updated my parameters of chunk c (as of s): tell every peer; then pull every peer's part of the chunk
+// (bytes [off[q], off[q] + len[q]) of its parameters, where mine lie too) once it says so. The pulls stay on the
+// lanes: tsys_dist__ceg_join makes s wait for them.
+static bool tsys_dist__ceg_params_chunk(tsys_dist *d, tsys_dist__ceg *g, int c, const int64_t *off, const int64_t *len, cudaStream_t s, tsys_dist__err *e) {
+    const int me = d->rank;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && !tsys_dist__ceg_cuda(cudaMemcpyAsync(&g->flags[q]->updated[c][me], &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e))
+            return false;
+    if (!tsys_dist__ceg_cuda(cudaEventRecord(g->fork, s), "cudaEventRecord", e)) return false;
+    for (int q = 0; q < d->size; q++) {
+        if (q == me) continue;
+        cudaStream_t lane = g->lane[q];
+        if (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(lane, g->fork, 0), "cudaStreamWaitEvent", e) ||
+            !tsys_dist__ce_take(d, lane, &g->flags[me]->updated[c][q], NULL, 1, 1, -1, e) ||
+            !tsys_dist__ce_copy(g->params[me] + off[q], g->params[q] + off[q], len[q], lane, e))
+            return false;
+    }
+    return true;
+}
+static bool tsys_dist__ceg_join(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s, tsys_dist__err *e) {
+    for (int q = 0; q < d->size; q++)
+        if (q != d->rank && (!tsys_dist__ceg_cuda(cudaEventRecord(g->lane_done[q], g->lane[q]), "cudaEventRecord", e) ||
+                             !tsys_dist__ceg_cuda(cudaStreamWaitEvent(s, g->lane_done[q], 0), "cudaStreamWaitEvent", e)))
+            return false;
     return true;
 }
 
@@ -5052,6 +5101,7 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp) {
 // parameters split across ranks or padded copies; grouped broadcasts of runs send the same bytes.)
 
 #define TSYS_DIST__ZERO1_CHUNKS 4   // on 2 x H200 (xl): the optimizer phase 18.4 ms in one chunk, AdamW alone 14.0
+enum { TSYS_DIST__ZERO1_GATHER_RANKS = 8 };   // ranks of desc.ce_gather (the copy engines' TSYS_DIST__CE_RANKS)
 struct tsys_zero1 {
     tsys_dist *d;
     tsys_ctx *ctx;
@@ -5065,6 +5115,9 @@ struct tsys_zero1 {
     int64_t state_bytes;
     bool layout_agreed;          // every rank has the same owners (tsys_dist__agree_layout)
     tsys_dist_work **works;      // a step's broadcasts in flight (at most one per trainable parameter)
+    tsys_ddp *gather;            // tsys_ddp_attach_zero1: the DDP whose copy engines also bring the owners' new parameters
+    int64_t part_off[TSYS_DIST__ZERO1_CHUNKS][TSYS_DIST__ZERO1_GATHER_RANKS];   // then: each owner's part of each chunk,
+    int64_t part_len[TSYS_DIST__ZERO1_CHUNKS][TSYS_DIST__ZERO1_GATHER_RANKS];   // bytes in the parameters' storage
 };
 
 TSYSDEF void tsys_zero1_free(tsys_zero1 *z) {
@@ -5149,10 +5202,37 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     return z;
 }
 
+// Under tsys_ddp_attach_zero1: chunk by chunk, my update, then every owner's new parameters of the chunk pulled
+// by the copy engines (no NCCL kernel beside the next chunk's update); the compute stream waits for the pulls.
+static tsys_status tsys_dist__zero1_step_gather(tsys_zero1 *z) {
+    tsys_ctx *ctx = z->ctx;
+    tsys_status st = TSYS_OK;
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__ceg *g = (tsys_dist__ceg *)z->gather->ceg;
+    cudaStream_t s = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE);
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    bool ok = true;
+    for (int c = 0; ok && st == TSYS_OK && c < TSYS_DIST__ZERO1_CHUNKS; c++) {
+        if (z->opt[c]) st = tsys_optim_step(z->opt[c]);
+        ok = st == TSYS_OK && tsys_dist__ceg_params_chunk(z->d, g, c, z->part_off[c], z->part_len[c], s, &e);
+    }
+    ok = ok && st == TSYS_OK && tsys_dist__ceg_join(z->d, g, s, &e);
+    if (st == TSYS_OK && !ok) st = tsys_ctx_set_error(ctx, e.status != TSYS_OK ? e.status : TSYS_ERR_CUDA, "%s", e.msg);
+    const int me = tsys_dist_rank(z->d);
+    for (int i = 0; st == TSYS_OK && i < z->ntp; i++)
+        if (z->owner[i] != me) tsys_tensor_mark_written(z->tp[i]);   // a kept low-precision copy is made again
+#else
+    st = tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "zero1: the copy engines' parameter pulls need NCCL");
+#endif
+    return st;
+}
+
 TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
     if (!z) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = z->ctx;
     if (tsys_ctx_status(ctx) != TSYS_OK) return tsys_ctx_status(ctx);
+    if (z->gather) return tsys_dist__zero1_step_gather(z);
     // chunk by chunk: this rank's update of the chunk, then each run of back-to-back parameters of the
     // chunk with one owner broadcast from it, all in one group (through NCCL the owners send at the same
     // time, as an all-gather would; on the side stream, after the update, while the next chunk's runs)
@@ -5184,6 +5264,33 @@ TSYSDEF tsys_status tsys_zero1_step(tsys_zero1 *z) {
 TSYSDEF void tsys_zero1_zero_grad(tsys_zero1 *z) { if (z) tsys_zero_grads(z->ctx, z->params, z->n); }
 TSYSDEF int64_t tsys_zero1_local_state_bytes(const tsys_zero1 *z) { return z ? z->state_bytes : 0; }
 
+// The owners' new parameters come back by the copy engines too: every rank's parameter storage opened by the
+// others (one storage, laid out alike on every rank, its allocation's start), and each owner's part of each chunk.
+static tsys_status tsys_dist__zero1_share_params(tsys_zero1 *z, tsys_ddp *ddp) {
+    tsys_ctx *ctx = z->ctx;
+    const tsys_storage *store = z->ntp ? z->tp[0]->storage : NULL;
+    uint64_t h = 0xcbf29ce484222325ull;
+    bool one = store && tsys_dist_size(z->d) <= TSYS_DIST__ZERO1_GATHER_RANKS;
+    for (int i = 0; one && i < z->ntp; i++) { one = z->tp[i]->storage == store; h = tsys_dist__hash(h, (int64_t)z->tp[i]->offset); }
+    if (!one) return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_ddp_attach_zero1: the parameters must lie in one storage (a model's), with at most %d ranks",
+                                        (int)TSYS_DIST__ZERO1_GATHER_RANKS);
+    tsys_status st = tsys_dist__agree_layout(z->d, h, "tsys_ddp_attach_zero1 (the parameters' places in their storage)");
+    memset(z->part_off, 0, sizeof z->part_off);
+    memset(z->part_len, 0, sizeof z->part_len);
+    for (int i = 0; i < z->ntp; i++) {
+        int c = z->chunk[i], q = z->owner[i];
+        if (z->part_len[c][q] == 0) z->part_off[c][q] = (int64_t)z->tp[i]->offset;
+        z->part_len[c][q] = (int64_t)z->tp[i]->offset + (int64_t)tsys_tensor_bytes(z->tp[i]) - z->part_off[c][q];
+    }
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    if (st == TSYS_OK && !tsys_dist__ceg_share_params(z->d, (tsys_dist__ceg *)ddp->ceg, store->data, &e)) st = tsys_ctx_set_error(ctx, e.status, "%s", e.msg);
+#endif
+    if (st == TSYS_OK) z->gather = ddp;
+    return st;
+}
+
 // The DDP receives the bytes of the parameters this rank owns (one run of its arena); each chunk's AdamW reads its
 // part of every slot.
 TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z) {
@@ -5200,6 +5307,7 @@ TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z) {
     const int64_t lo = first < 0 ? 0 : (int64_t)(z->tp[first]->grad->offset - base),
                   hi = first < 0 ? 0 : (int64_t)(z->tp[last]->grad->offset - base + tsys_tensor_bytes(z->tp[last]->grad));
     tsys_status st = tsys_dist__ddp_gather_open(ddp, lo, hi);
+    if (st == TSYS_OK) st = tsys_dist__zero1_share_params(z, ddp);
     for (int c = 0; st == TSYS_OK && c < TSYS_DIST__ZERO1_CHUNKS; c++) {
         if (!z->opt[c]) continue;
         int i = 0;
