@@ -11,6 +11,18 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TSYS_DIST_TIMEO
 G=${G:-gpu/dist}   # where the binaries are
 NG=$(nvidia-smi -L | grep -c GPU)
 MODEL=${MODEL:-xl}; DTYPES=${DTYPES:-bf16}; STEPS=${STEPS:-5}; WARMUP=${WARMUP:-3}   # GRAD_COMM: fp32,bf16 (ddp --grad-comm)
+# ddp_rows FILE LABEL: a ddp_cuda csv's rows, a line each after LABEL (the file's last lines when it has no table)
+ddp_rows() {
+  python3 - "$1" "$2" <<'PY'
+import csv, sys
+lines = open(sys.argv[1]).read().splitlines()
+head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))
+if head == len(lines): print("\n".join(lines[-5:]))
+for r in csv.DictReader(lines[head:]):
+    print(f"{sys.argv[2]} compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
+          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
+PY
+}
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case "$part" in
@@ -144,18 +156,10 @@ PY
       IFS=: read -r np ce mb <<< "$run"
       TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy bucketed --bucket-mb $mb --compile no,yes \
         --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/ce_ddp_${np}_${ce}_$mb.csv" 2>&1
-      python3 - "$OUT/ce_ddp_${np}_${ce}_$mb.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $mb MB," <<'PY'
-import csv, sys
-lines = open(sys.argv[1]).read().splitlines()
-head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))
-if head == len(lines): print("\n".join(lines[-5:]))
-for r in csv.DictReader(lines[head:]):
-    print(f"{sys.argv[2]} bucketed compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
-          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
-PY
+      ddp_rows "$OUT/ce_ddp_${np}_${ce}_$mb.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $mb MB, bucketed"
     done ;;
   gather)  # tsys_ddp_desc.ce_gather: AdamW's rank sums on GPU 0, the DDP tests at 2 ranks (captured against NCCL, bitwise),
-            # then the xl DDP bucketed step on 1 GPU and on 2: NCCL, the copy-engine all-reduce, the gather (GATHER_MB)
+            # then the xl step on 1 GPU and on 2: DDP through NCCL and the copy-engine all-reduce, then GATHER_RUNS
     timeout 200 $G/test_cuda adamw_sums > "$OUT/gather_test_cuda.log" 2>&1; echo "test_cuda adamw_sums: $(tail -n 1 "$OUT/gather_test_cuda.log")"
     timeout 400 mpirun --oversubscribe --bind-to none -np 2 $G/test_ddp_cuda ${GATHER_TESTS:-} > "$OUT/gather_test_ddp.log" 2>&1; echo "test_ddp_cuda, 2 ranks: $(tail -n 1 "$OUT/gather_test_ddp.log")"
     grep -h "FAIL" "$OUT"/gather_test_*.log | head -10
@@ -163,15 +167,7 @@ PY
       IFS=: read -r np ce gc mb st <<< "$run"; st=${st:-bucketed}
       TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy $st --bucket-mb $mb --grad-comm $gc \
         --compile no,yes --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/gather_ddp_${np}_${ce}_${gc}_${mb}_$st.csv" 2>&1
-      python3 - "$OUT/gather_ddp_${np}_${ce}_${gc}_${mb}_$st.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $st, $gc, $mb MB," <<'PY'
-import csv, sys
-lines = open(sys.argv[1]).read().splitlines()
-head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lines))
-if head == len(lines): print("\n".join(lines[-5:]))
-for r in csv.DictReader(lines[head:]):
-    print(f"{sys.argv[2]} compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
-          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
-PY
+      ddp_rows "$OUT/gather_ddp_${np}_${ce}_${gc}_${mb}_$st.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $st, $gc, $mb MB,"
     done ;;
   ddpprof)  # rank 0's profile of one eager DDP step (bucketed 100 MB, MODEL, bf16, context 256, batch 4) alone and
             # beside 1 and NG-1 peers: which kernels slow down while NCCL runs (kernel tables by phase)
