@@ -3121,8 +3121,8 @@ static bool tsys_dist__ce_allreduce(tsys_dist *d, float *x, int64_t count, bool 
     return true;
 }
 // ---- gradients gathered on the copy engines (tsys_ddp's desc.ce_gather) ------------------------------
-// Every rank's gradients copied whole into every peer's receive buffer, a bucket as soon as backward finishes
-// it, and nothing else beside backward: no sum kernel takes SMs from its GEMMs (2 x H200, xl's 7.87 GB: the
+// Every rank's gradients copied into every peer's receive buffer (whole, or under ZeRO-1 the part the peer owns),
+// a bucket as soon as backward finishes it, and nothing else beside backward: no sum kernel takes SMs from its GEMMs (2 x H200, xl's 7.87 GB: the
 // GEMMs 13.1 ms alone, 14.1-14.6 beside these copies, 17.1-19.0 beside the copy-engine all-reduce, 24.7-25.5
 // beside NCCL's; dev/ce_lab.cu). The optimizer sums the ranks' gradients as it reads them
 // (tsys_optim_sum_grads). Each rank pulls: its copy engines read a peer's gradients (opened through IPC) into
