@@ -473,7 +473,8 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp);
 // (or tsys_ddp_attach_zero1 instead). Free opt, or give its sums back (tsys_optim_sum_grads(opt, NULL, 0, 0, 0)),
 // before tsys_ddp_free frees that buffer. Refused without ce_gather.
 TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt);
-// Device memory the DDP holds outside the tensors' allocator: ce_gather's receive buffer and flags (else 0).
+// Device memory the DDP holds outside the tensors' allocator: ce_gather's receive buffer and flags (else 0). The
+// memory tracker counts the receive buffer (a tensor wraps it, "gradients", tag "ddp peers' gradients").
 TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp);
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s);
 TSYSDEF void tsys_ddp_free(tsys_ddp *ddp);
@@ -4672,7 +4673,11 @@ static tsys_status tsys_dist__ddp_gather_open(tsys_ddp *ddp, int64_t lo, int64_t
     tsys_dist__drain(ddp->d);
     if (!tsys_dist__ceg_setup(ddp->d, g, tsys_tensor_data(arena), (int64_t)tsys_tensor_bytes(arena), lo, hi, ddp->nb, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
     int64_t numel = (hi - lo) / 4 * (tsys_dist_size(ddp->d) - 1);
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "ddp peers' gradients"));   // the tracker sees it as gradients
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
     ddp->terms = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CUDA, 1, &numel, g->recv, NULL, NULL);
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
     if (!ddp->terms) return tsys_ctx_status(ctx);
     tsys_tensor_set_name(ddp->terms, "ddp peers' gradients");
     return TSYS_OK;
