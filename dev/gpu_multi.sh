@@ -159,15 +159,15 @@ PY
       ddp_rows "$OUT/ce_ddp_${np}_${ce}_$mb.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $mb MB, bucketed"
     done ;;
   gather)  # tsys_ddp_desc.ce_gather: AdamW's rank sums on GPU 0, the DDP tests at 2 ranks (captured against NCCL, bitwise),
-            # then the xl step on 1 GPU and on 2: DDP through NCCL and the copy-engine all-reduce, then GATHER_RUNS
+            # then MODEL's step on 1 GPU and on 2 (GATHER_BASE: DDP through NCCL and the copy-engine all-reduce), then GATHER_RUNS
     timeout 200 $G/test_cuda adamw_sums > "$OUT/gather_test_cuda.log" 2>&1; echo "test_cuda adamw_sums: $(tail -n 1 "$OUT/gather_test_cuda.log")"
     timeout 400 mpirun --oversubscribe --bind-to none -np 2 $G/test_ddp_cuda ${GATHER_TESTS:-} > "$OUT/gather_test_ddp.log" 2>&1; echo "test_ddp_cuda, 2 ranks: $(tail -n 1 "$OUT/gather_test_ddp.log")"
     grep -h "FAIL" "$OUT"/gather_test_*.log | head -10
-    for run in 1:0:fp32:100 2:0:fp32:100 2:1:fp32:200 ${GATHER_RUNS:-2:0:gather:100 2:0:gather:200}; do   # GPUs:TSYS_DIST_CE:--grad-comm:bucket MB[:strategy]
+    for run in ${GATHER_BASE:-1:0:fp32:100 2:0:fp32:100 2:1:fp32:200} ${GATHER_RUNS:-2:0:gather:100 2:0:gather:200}; do   # GPUs:TSYS_DIST_CE:--grad-comm:bucket MB[:strategy]
       IFS=: read -r np ce gc mb st <<< "$run"; st=${st:-bucketed}
-      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model xl --dtype bf16 --strategy $st --bucket-mb $mb --grad-comm $gc \
-        --compile no,yes --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/gather_ddp_${np}_${ce}_${gc}_${mb}_$st.csv" 2>&1
-      ddp_rows "$OUT/gather_ddp_${np}_${ce}_${gc}_${mb}_$st.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $st, $gc, $mb MB,"
+      TSYS_DIST_CE=$ce timeout 300 $G/ddp_cuda --device cuda --nproc $np --model $MODEL --dtype bf16 --strategy $st --bucket-mb $mb --grad-comm $gc \
+        --compile no,yes --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/gather_ddp_${MODEL}_${np}_${ce}_${gc}_${mb}_$st.csv" 2>&1
+      ddp_rows "$OUT/gather_ddp_${MODEL}_${np}_${ce}_${gc}_${mb}_$st.csv" "$MODEL, $np GPU(s), TSYS_DIST_CE=$ce, $st, $gc, $mb MB,"
     done ;;
   ddpprof)  # rank 0's profile of one eager DDP step (bucketed 100 MB, MODEL, bf16, context 256, batch 4) alone and
             # beside 1 and NG-1 peers: which kernels slow down while NCCL runs (kernel tables by phase)
