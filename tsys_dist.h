@@ -828,6 +828,7 @@ TSYSDEF void tsys_dist_share_cores(int ranks);
 #ifndef TSYS_CUDA_H_INCLUDED
 #error "tsys_dist.h: TSYS_DIST_NCCL needs tsys_cuda.cuh included before tsys_dist.h"
 #endif
+#include <cuda.h>   // cuPointerGetAttribute's types (the function is fetched at run time: no link against libcuda)
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -3157,6 +3158,22 @@ static bool tsys_dist__ceg_cuda(cudaError_t r, const char *what, tsys_dist__err 
     return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine gradient gather: %s: %s", what, cudaGetErrorString(r));
 }
 
+// CUDA IPC maps whole allocations: a peer opening p's handle gets the start of p's allocation, so p must be that
+// start (the driver's cuPointerGetAttribute says, fetched through the runtime: no link against libcuda).
+static bool tsys_dist__ceg_allocation_start(const void *p, const char *what, tsys_dist__err *e) {
+    typedef CUresult (*attr_fn)(void *, CUpointer_attribute, CUdeviceptr);
+    void *fn = NULL;
+    cudaDriverEntryPointQueryResult q;
+    CUdeviceptr start = 0;
+    const bool found = cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000, cudaEnableDefault, &q) == cudaSuccess && q == cudaDriverEntryPointSuccess && fn;
+    cudaGetLastError();
+    if (!found || ((attr_fn)fn)(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, (CUdeviceptr)(uintptr_t)p) != CUDA_SUCCESS)
+        return tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine gradient gather: cannot ask the driver where %s's allocation starts", what);
+    return start == (CUdeviceptr)(uintptr_t)p ||
+           tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: %s does not start its allocation (%llu bytes in), and CUDA IPC maps whole allocations",
+                             what, (unsigned long long)((CUdeviceptr)(uintptr_t)p - start));
+}
+
 // My receive buffer ((size - 1) slots of bytes [lo, hi) of the gradients) and flags; every rank's gradients
 // (grads: mine, `bytes` at the base of a cudaMalloc allocation, as the CUDA backend's blocks are) and flags opened
 // by every other. Collective.
@@ -3178,6 +3195,7 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, i
     bool ok = tsys_dist__ceg_cuda(cudaMalloc((void **)&g->recv, recv ? recv : 256), "cudaMalloc (the receive buffer)", e) &&
               tsys_dist__ceg_cuda(cudaMalloc((void **)&g->flags[d->rank], (size_t)g->flag_bytes), "cudaMalloc (flags)", e) &&
               tsys_dist__ceg_cuda(cudaMemcpy(g->flags[d->rank], init, (size_t)g->flag_bytes, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) &&
+              tsys_dist__ceg_allocation_start(grads, "the gradient arena", e) &&
               tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.grads, grads), "cudaIpcGetMemHandle (the gradients)", e) &&
               tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine.flags, g->flags[d->rank]), "cudaIpcGetMemHandle (flags)", e);
     free(init);
@@ -3255,7 +3273,9 @@ static bool tsys_dist__ceg_bucket(tsys_dist *d, tsys_dist__ceg *g, int k, int64_
 static bool tsys_dist__ceg_share_params(tsys_dist *d, tsys_dist__ceg *g, void *params, tsys_dist__err *e) {
     cudaIpcMemHandle_t mine, theirs;
     memset(&mine, 0, sizeof mine);
-    if (!tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine, params), "cudaIpcGetMemHandle (the parameters)", e)) return false;
+    if (!tsys_dist__ceg_allocation_start(params, "the parameters' storage", e) ||
+        !tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine, params), "cudaIpcGetMemHandle (the parameters)", e))
+        return false;
     g->params[d->rank] = (char *)params;
     for (int r = 0; r < d->size; r++) {
         theirs = mine;
