@@ -283,6 +283,7 @@ struct tsys_tensor {
     int refcount;
     bool requires_grad;          // leaf that wants .grad, or result of a recorded op
     tsys_tensor *grad;           // leaves only (parameters); same shape, fp32 for fp32 params
+    tsys_dtype grad_lowp;        // leaves: bf16/f16 when .grad is kept in it (tsys_tensor_set_grad_dtype); F32: the leaf's dtype
     tsys__node *grad_fn;         // the tape node that produced this tensor (weak)
     int tape_uses;               // leaves: uses on the tape not yet processed by backward
     bool grad_touched;           // leaves: received a gradient in the backward now running
@@ -386,7 +387,7 @@ typedef struct tsys_mem_stats {
     X(EMBED_FWD,     "embed_fwd",     "AAI",       0x001, "t0 (N, D) = rows t2 (N ids, each in [0, V)) of t1 (V, D)") \
     X(EMBED_BWD,     "embed_bwd",     "SFI",       0x001, "t0 (V, D, f32) += scatter of t1 (N, D) to rows t2 (N ids, each in [0, V))") \
     X(TRANSPOSE12,   "transpose12",   "AA",        0x001, "t0 (A, C, B, D) = t1 (A, B, C, D) with dims 1 and 2 swapped") \
-    X(ADAMW,         "adamw",         "SSSSLsfs",  0x04d, "p t0, g t1, m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd; t7 (optional): the other ranks' gradients, slots i0 elements apart, i1 ranks, this one i2: g is the rank-ordered sum / i1") \
+    X(ADAMW,         "adamw",         "SFSSLsff",  0x04d, "p t0, g t1 (f32, or bf16/f16 read as f32), m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd; t7 (optional): the other ranks' gradients, slots i0 elements apart, i1 ranks, this one i2, in g's dtype: g is the rank-ordered sum / i1") \
     X(STEP_INC,      "step_inc",      "L",         0x001, "t0 += 1") \
     X(RANDN,         "randn",         "F",         0x001, "t0 = f0 N(0, 1) from a counter-based hash of (seed i0, element index), redrawn into [f1, f2] when f1 < f2") \
     X(SGD,           "sgd",           "FF",        0x001, "p t0 -= f0 * g t1") \
@@ -615,6 +616,16 @@ TSYSDEF tsys_status tsys_tensor_randint(tsys_ctx *ctx, tsys_tensor *t, int64_t h
 TSYSDEF tsys_tensor *tsys_view(tsys_ctx *ctx, tsys_tensor *t, int ndim, const int64_t *shape);   // reshape, shares storage, recorded
 TSYSDEF tsys_tensor *tsys_tensor_view_raw(tsys_ctx *ctx, tsys_tensor *t, size_t byte_offset, tsys_dtype dt, int ndim, const int64_t *shape);  // no autograd
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on);
+// The dtype backward makes a leaf's .grad in: TSYS_BF16 or TSYS_F16 for an fp32 leaf, TSYS_F32 back to the
+// leaf's own. What torch's autocast gives a weight: its matmul writes the gradient in the compute dtype and
+// .grad holds those rounded values; kept in that dtype, the optimizer reads half the bytes (and a linear
+// layer's weight-gradient matmul under autocast of dt writes it directly). A low-precision gradient takes one
+// gradient a backward, rounded to nearest even once: a second one (a weight used twice, or gradients
+// accumulated over micro-batches without zero_grad) is an error, since fp32 gradients would add the two in
+// fp32. Set it while t holds no gradient (before backward, or after tsys_release_grads). AdamW and SGD read
+// it; clipping, the fp16 loss scaler, DDP, ZeRO-1 and FSDP refuse it.
+TSYSDEF tsys_status tsys_tensor_set_grad_dtype(tsys_ctx *ctx, tsys_tensor *t, tsys_dtype dt);
+TSYSDEF tsys_dtype tsys_tensor_grad_dtype(const tsys_tensor *t);   // what backward makes t's .grad in
 // Writes through tsys_tensor_data's pointer (or by any means tsys does not launch) must be followed by
 // this: it bumps the storage's version, so a kept low-precision copy of t (tsys_optim_keep_lowp) is
 // made again at its next use instead of serving the old values.
@@ -759,6 +770,10 @@ TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m);     // PyTorch parameter
 TSYSDEF int tsys_model_num_tensors(const tsys_model *m);
 TSYSDEF int64_t tsys_model_num_params(const tsys_model *m);
 TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name);
+// The linear layers' weight gradients (every 2-D parameter but the embedding: attention and FFN
+// projections, lm_head) kept in dt: TSYS_BF16 / TSYS_F16 as autocast of dt writes them, TSYS_F32 back
+// (tsys_tensor_set_grad_dtype on each, with its rules; the norms' and the embedding's stay fp32).
+TSYSDEF tsys_status tsys_model_set_grad_dtype(tsys_model *m, tsys_dtype dt);
 TSYSDEF tsys_tensor *tsys_model_forward(tsys_model *m, tsys_tensor *ids);   // (B, T) ids -> (B, T, V) logits
 // The mean cross-entropy of the next-token logits against targets (B, T): tsys_cross_entropy of
 // tsys_model_forward, or with desc.fused_loss the head and the loss fused, the logits never made.
@@ -841,11 +856,13 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make(const tsys_model_desc *desc, const
 // optimizer under autocast), the optimizer in backward giving each layer's gradients back
 // (FREE_GRADS, TSYS_OPTIM_FREE_GRADS), a model that computes in dtype throughout instead of under
 // autocast (PURE, as FSDP's gathered compute-dtype weights make it: the residual stream and the norms'
-// inputs are kept in dtype, no weight is cast). tsys_checkpoint_plan_make is OPTIMIZER or nothing.
+// inputs are kept in dtype, no weight is cast), the linear weights' gradients kept in the autocast
+// dtype (LOWP_GRADS, tsys_model_set_grad_dtype). tsys_checkpoint_plan_make is OPTIMIZER or nothing.
 #define TSYS_PLAN_OPTIMIZER 1u
 #define TSYS_PLAN_KEPT_COPIES 2u
 #define TSYS_PLAN_FREE_GRADS 4u
 #define TSYS_PLAN_PURE 8u
+#define TSYS_PLAN_LOWP_GRADS 16u
 TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, const char *policy, int64_t batch, int64_t context, tsys_dtype dtype,
                                                  unsigned flags, tsys_checkpoint_plan *out, char *err, size_t err_len);
 // Extra step time of the recomputation at the given rates (TFLOP/s for matmuls, GB/s for elementwise).
@@ -2945,7 +2962,8 @@ static tsys_status tsys__cpu_k_adamw(tsys__cpu_launch *L) {
         return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "adamw: the terms t[7] '%s' (%lld elements) do not hold %lld ranks' slots %lld apart, %lld each", t[7]->name,
                           (long long)tsys_tensor_numel(t[7]), (long long)iv[1] - 1, (long long)iv[0], (long long)L->n);
     float hyper[5] = {t[5] ? ((const float *)tsys_tensor_data(t[5]))[0] : f[0], f[1], f[2], f[3], f[4]};   // t5: lr on the device
-    float *mean = t[7] ? tsys__cpu_rank_mean(IN(1), (const float *)tsys_tensor_data(t[7]), iv[0], (int)iv[1], (int)iv[2], L->n) : NULL;
+    if (t[7] && t[7]->dtype != t[1]->dtype) return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "adamw: the terms t[7] '%s' must have g's dtype", t[7]->name);
+    float *mean = t[7] ? tsys__cpu_rank_mean(IN(1), IN(7), iv[0], (int)iv[1], (int)iv[2], L->n) : NULL;
     if (t[7] && !mean) return TSYS__FAIL(L->ctx, TSYS_ERR_OOM, "adamw: out of host memory for the ranks' gradient sum");
     tsys__cpu_adamw(OUT(0, true), mean ? mean : IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, L->n, hyper,
                     tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
@@ -3537,6 +3555,19 @@ TSYSDEF bool tsys_grad_enabled(const tsys_ctx *ctx) { return ctx && ctx->no_grad
 TSYSDEF size_t tsys_tape_size(const tsys_ctx *ctx) { return ctx ? ctx->tape_len : 0; }
 TSYSDEF void tsys_tensor_set_requires_grad(tsys_tensor *t, bool on) { if (t && !t->grad_fn) t->requires_grad = on; }
 
+TSYSDEF tsys_dtype tsys_tensor_grad_dtype(const tsys_tensor *t) { return !t ? TSYS_F32 : t->grad_lowp != TSYS_F32 ? t->grad_lowp : t->dtype; }
+TSYSDEF tsys_status tsys_tensor_set_grad_dtype(tsys_ctx *ctx, tsys_tensor *t, tsys_dtype dt) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
+    TSYS__CHECK_ARG(ctx, t, TSYS_ERR_INVALID_ARGS, "tsys_tensor_set_grad_dtype: NULL tensor");
+    TSYS__CHECK_ARG(ctx, !t->grad_fn && t->dtype == TSYS_F32, TSYS_ERR_INVALID_ARGS, "tsys_tensor_set_grad_dtype: '%s' must be an fp32 leaf (it is %s%s)", t->name,
+                  tsys_dtype_name(t->dtype), t->grad_fn ? ", made by a recorded op" : "");
+    TSYS__CHECK_ARG(ctx, dt == TSYS_F32 || dt == TSYS_BF16 || dt == TSYS_F16, TSYS_ERR_INVALID_ARGS, "tsys_tensor_set_grad_dtype: %s for '%s' is not bf16, f16 or f32", tsys_dtype_name(dt), t->name);
+    if (dt == tsys_tensor_grad_dtype(t)) return TSYS_OK;
+    TSYS__CHECK_ARG(ctx, !t->grad, TSYS_ERR_INVALID_ARGS, "tsys_tensor_set_grad_dtype: '%s' holds a gradient; set its dtype before backward makes one, or after tsys_release_grads", t->name);
+    t->grad_lowp = dt;
+    return TSYS_OK;
+}
+
 TSYSDEF tsys_status tsys_tensor_add_grad_hook(tsys_tensor *t, tsys_grad_hook_fn fn, void *user) {
     if (!t || !fn) return TSYS_ERR_INVALID_ARGS;
     struct tsys__grad_hook *h = (struct tsys__grad_hook *)TSYS_MALLOC(sizeof(*h)), **tail = &t->hooks;
@@ -3695,10 +3726,18 @@ struct tsys__grad_home {
     int n;
     tsys_tensor *block;     // NULL until made
 };
+// Where gradient i starts in the block, the ones before it ending at `end`: laid out like the parameters
+// (back to back) while their dtypes agree; where a low-precision gradient (tsys_tensor_set_grad_dtype)
+// meets one of another dtype, at the next 256 bytes, so that each run of one dtype starts aligned.
+static size_t tsys__grad_home_place(const tsys__grad_home *h, int i, size_t end) {
+    if (i == 0 || tsys_tensor_grad_dtype(h->params[i]) == tsys_tensor_grad_dtype(h->params[i - 1])) return end;
+    return (end + 255) & ~(size_t)255;
+}
 static tsys_status tsys__grad_home_make(tsys_ctx *ctx, tsys__grad_home *h) {
     if (h->block) return TSYS_OK;
-    int64_t numel = 0;
-    for (int i = 0; i < h->n; i++) numel += tsys_tensor_numel(h->params[i]);
+    size_t bytes = 0;
+    for (int i = 0; i < h->n; i++) bytes = tsys__grad_home_place(h, i, bytes) + (size_t)tsys_tensor_numel(h->params[i]) * tsys_dtype_size(tsys_tensor_grad_dtype(h->params[i]));
+    int64_t numel = (int64_t)((bytes + 3) / 4);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
     h->block = tsys_tensor_new(ctx, TSYS_F32, h->params[0]->device, 1, &numel);
@@ -3706,10 +3745,15 @@ static tsys_status tsys__grad_home_make(tsys_ctx *ctx, tsys__grad_home *h) {
     tsys_mem_set_tag(ctx, tag);
     if (!h->block) return ctx->status;
     tsys_tensor_set_name(h->block, "%s.grads", h->params[0]->name);
+    size_t off = 0;
     for (int i = 0; i < h->n; i++) {
         tsys_tensor *p = h->params[i];
+        tsys_dtype dt = tsys_tensor_grad_dtype(p);
+        off = tsys__grad_home_place(h, i, off);
+        size_t at = off;
+        off += (size_t)tsys_tensor_numel(p) * tsys_dtype_size(dt);
         if (p->grad) continue;   // one a user set on their own stays theirs
-        p->grad = tsys_tensor_view_raw(ctx, h->block, p->offset - h->params[0]->offset, TSYS_F32, p->ndim, p->shape);
+        p->grad = tsys_tensor_view_raw(ctx, h->block, at, dt, p->ndim, p->shape);
         if (!p->grad) return ctx->status;
         tsys_tensor_set_name(p->grad, "%s.grad", p->name);
         p->grad_zero = true;   // counts as zero: the first gradient is stored, not added
@@ -3737,12 +3781,17 @@ static tsys_tensor *tsys__leaf_grad_for_write(tsys_ctx *ctx, tsys_tensor *leaf, 
     if (!leaf->grad) {
         int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
         tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
-        leaf->grad = tsys__new_like(ctx, leaf, leaf->dtype);
+        leaf->grad = tsys__new_like(ctx, leaf, tsys_tensor_grad_dtype(leaf));
         tsys_mem_set_category(ctx, cat);
         tsys_mem_set_tag(ctx, tag);
         if (!leaf->grad) return NULL;
         tsys_tensor_set_name(leaf->grad, "%s.grad", leaf->name);
         leaf->grad_zero = true;
+    }
+    if (leaf->grad_lowp != TSYS_F32 && !leaf->grad_zero) {   // adding in bf16 / f16 would round each sum
+        TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: '%s' keeps its gradient in %s (tsys_tensor_set_grad_dtype), which takes one gradient a backward; "
+                   "this is a second (a weight used twice, or gradients accumulated without zero_grad): keep it in fp32 for that", leaf->name, tsys_dtype_name(leaf->grad_lowp));
+        return NULL;
     }
     *overwrite = leaf->grad_zero;
     leaf->grad_zero = false;
@@ -4640,13 +4689,14 @@ static tsys_status tsys__bwd_pass(tsys_ctx *ctx, tsys__node *n, int j, tsys_tens
     return tsys__grad_add(ctx, &n->in[j], gi);
 }
 
-// Gradient destination for a weight-like slot: the leaf's own fp32 grad (accumulate in place), or
-// a fresh zeroed tensor handed over afterwards. *fresh tells which.
+// Gradient destination for a weight-like slot: the leaf's own grad when it has dtype `want` (accumulate
+// in place; a low-precision one only for a caller that stores), or a fresh zeroed tensor handed over
+// afterwards (rounded into a low-precision gradient then). *fresh tells which.
 // With `overwrite` non-NULL the caller can store instead of add: *overwrite tells it to.
 static tsys_tensor *tsys__grad_dest(tsys_ctx *ctx, tsys__node *n, int j, tsys_dtype want, bool *fresh, bool *overwrite) {
     tsys__slot *s = &n->in[j];
     if (overwrite) *overwrite = false;
-    if (s->leaf && s->leaf->dtype == want) {
+    if (s->leaf && tsys_tensor_grad_dtype(s->leaf) == want && (s->leaf->grad_lowp == TSYS_F32 || overwrite)) {
         *fresh = false;
         return overwrite ? tsys__leaf_grad_for_write(ctx, s->leaf, overwrite) : tsys__leaf_grad(ctx, s->leaf);
     }
@@ -4675,8 +4725,10 @@ static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
         else tsys_tensor_release(dx);
     }
     if (st == TSYS_OK && n->in[1].needs) {   // dW += g^T x, accumulated in fp32 when W is the fp32 leaf
-        bool fresh, overwrite;
-        tsys_tensor *dw = tsys__grad_dest(ctx, n, 1, n->in[1].dtype, &fresh, &overwrite);
+        bool fresh, overwrite;   // a low-precision gradient of x's dtype: the GEMM writes it (torch's autocast rounding)
+        const tsys_tensor *leaf = n->in[1].leaf;
+        tsys_dtype want = leaf && leaf->grad_lowp == x->dtype ? x->dtype : n->in[1].dtype;
+        tsys_tensor *dw = tsys__grad_dest(ctx, n, 1, want, &fresh, &overwrite);
         tsys_gemm_args ga = tsys__gemm_args(gl, x, dw, true, false, d_out, d_in, rows);
         ga.beta = overwrite ? 0.0f : 1.0f;
         st = dw ? tsys__gemm(ctx, &ga) : ctx->status;
@@ -5376,6 +5428,13 @@ TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name) {
     return NULL;
 }
 
+TSYSDEF tsys_status tsys_model_set_grad_dtype(tsys_model *m, tsys_dtype dt) {
+    if (!m) return TSYS_ERR_INVALID_ARGS;
+    for (int i = 0; i < m->num_tensors; i++)
+        if (m->params[i]->ndim == 2 && m->params[i] != m->emb && tsys_tensor_set_grad_dtype(m->ctx, m->params[i], dt) != TSYS_OK) return m->ctx->status;
+    return TSYS_OK;
+}
+
 // Carves the next parameter (and its grad) out of the flat blocks, in parameters() order.
 static tsys_tensor *tsys__model_param(tsys_model *m, size_t *offset, int ndim, int64_t d0, int64_t d1, const char *fmt, int layer) {
     int64_t shape[2] = {d0, d1};
@@ -5908,7 +5967,8 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     out->fixed_bytes = 4 * P + (opt ? 8 * P : 0) + 16 * E + (kept ? tsys__kept_copies_bytes(d, (int64_t)a.c) : 0);
     // gradients are made by group as backward reaches it (lm_head and the final norm first, then each
     // layer from the top; tsys__grad_home) and all live at its end and in the optimizer step
-    double head_grads = 4 * (a.V * a.d + a.d), layer_grads = 4 * (4 * a.d * a.d + 3 * a.d * a.f + 2 * a.d);
+    double gw = (how & TSYS_PLAN_LOWP_GRADS) && a.ac ? a.c : 4;   // bytes of a linear weight's gradient element
+    double head_grads = gw * a.V * a.d + 4 * a.d, layer_grads = gw * (4 * a.d * a.d + 3 * a.d * a.f) + 4 * 2 * a.d;
     // autocast copies still held after the forward: lm_head's, and every block's outside block regions
     // (selective's regions keep theirs: TSYS_CHECKPOINT_KEEP_WEIGHT_COPIES)
     double ac_held = (a.fused ? 0 : a.ac_head) + (seg ? U : L) * a.ac_block;   // the fused op casts lm_head for its forward alone
@@ -5938,7 +5998,7 @@ static void tsys__plan_fill(const tsys_model_desc *d, const tsys_checkpoint_poli
     }
     blocks += ac_held - a.ac_head;
     blocks_free += ac_held - a.ac_head;
-    double end_bwd = 4 * P + a.x;   // every gradient, and the residual stream's
+    double end_bwd = 4 * P - (4 - gw) * (a.V * a.d + L * (4 * a.d * a.d + 3 * a.d * a.f)) + a.x;   // every gradient, and the residual stream's
     double end_bwd_free = 4 * (a.V * a.d) + a.x;   // the embedding's gradients, the last made
     out->peak_bytes = out->fixed_bytes + (free_grads ? TSYS__MAX(TSYS__MAX(end_fwd, end_bwd_free), TSYS__MAX(start_bwd, blocks_free))
                                                      : TSYS__MAX(TSYS__MAX(end_fwd, end_bwd), TSYS__MAX(start_bwd, blocks)));
@@ -6040,7 +6100,7 @@ TSYSDEF tsys_status tsys_checkpoint_plan_make_ex(const tsys_model_desc *desc, co
         if (err) snprintf(err, err_len, "checkpoint plan: batch %lld and context %lld must be positive", (long long)batch, (long long)context);
         return TSYS_ERR_INVALID_ARGS;
     }
-    const unsigned known = TSYS_PLAN_OPTIMIZER | TSYS_PLAN_KEPT_COPIES | TSYS_PLAN_FREE_GRADS | TSYS_PLAN_PURE;
+    const unsigned known = TSYS_PLAN_OPTIMIZER | TSYS_PLAN_KEPT_COPIES | TSYS_PLAN_FREE_GRADS | TSYS_PLAN_PURE | TSYS_PLAN_LOWP_GRADS;
     if (flags & ~known) {
         if (err) snprintf(err, err_len, "checkpoint plan: unknown flags 0x%x", flags & ~known);
         return TSYS_ERR_INVALID_ARGS;
@@ -6102,8 +6162,8 @@ static int tsys__optim_run_end(const tsys_optim *o, int i, int64_t *numel) {
     int j = i + 1;
     for (; p[i]->grad && j < o->n; j++) {
         const tsys_tensor *g = p[j]->grad;
-        if (!g || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != TSYS_F32) break;
-        if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * 4) break;
+        if (!g || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != p[i]->grad->dtype) break;
+        if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * tsys_dtype_size(g->dtype)) break;
         *numel += tsys_tensor_numel(p[j]);
     }
     return j;
@@ -6276,7 +6336,7 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
         if (p0->grad) {   // parameters without a gradient are skipped, as in torch
             bool one = j == i + 1;
             tsys_tensor *p = one ? tsys_tensor_retain(p0) : tsys_tensor_view_raw(ctx, p0, 0, TSYS_F32, 1, &n);
-            tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, TSYS_F32, 1, &n);
+            tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, p0->grad->dtype, 1, &n);
             tsys_tensor *m = NULL, *v = NULL, *low = NULL;
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
             if (copies) low = tsys_tensor_view_raw(ctx, o->lowp, p0->lowp->offset - o->lowp->offset, o->lowp->dtype, 1, &n);
@@ -6588,8 +6648,19 @@ static void tsys__grads_scale(tsys_ctx *ctx, tsys_tensor **params, int n, float 
     }
 }
 
+// What rescales gradients in place needs them in fp32: kept in bf16 / f16, each would be rounded again.
+static bool tsys__grads_fp32(tsys_ctx *ctx, const char *what, tsys_tensor *const *params, int n) {
+    for (int i = 0; i < n; i++)
+        if (params[i]->grad_lowp != TSYS_F32) {
+            TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' keeps its gradient in %s (tsys_tensor_set_grad_dtype), which rescaling in place would round again; "
+                       "keep it in fp32 for this", what, params[i]->name, tsys_dtype_name(params[i]->grad_lowp));
+            return false;
+        }
+    return true;
+}
+
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm) {
-    if (!ctx || !tsys__params_ok(ctx, "tsys_clip_grad_norm", params, n)) return NAN;
+    if (!ctx || !tsys__params_ok(ctx, "tsys_clip_grad_norm", params, n) || !tsys__grads_fp32(ctx, "tsys_clip_grad_norm", params, n)) return NAN;
     double norm = sqrt(tsys__grads_reduce(ctx, params, n, TSYS_K_SUMSQ));
     double coef = max_norm / (norm + 1e-6);
     tsys__grads_scale(ctx, params, n, (float)(coef < 1.0 ? coef : 1.0));   // cs336: applied even when 1
@@ -6621,7 +6692,7 @@ TSYSDEF tsys_tensor *tsys_grad_scaler_scale(tsys_ctx *ctx, tsys_grad_scaler *s, 
 
 TSYSDEF tsys_status tsys_grad_scaler_unscale(tsys_ctx *ctx, tsys_grad_scaler *s, tsys_tensor **params, int n) {
     TSYS__CHECK_ARG(ctx, ctx && s, TSYS_ERR_INVALID_ARGS, "tsys_grad_scaler_unscale: the scaler is NULL");
-    if (!tsys__params_ok(ctx, "tsys_grad_scaler_unscale", params, n)) return TSYS_ERR_INVALID_ARGS;
+    if (!tsys__params_ok(ctx, "tsys_grad_scaler_unscale", params, n) || !tsys__grads_fp32(ctx, "tsys_grad_scaler_unscale", params, n)) return TSYS_ERR_INVALID_ARGS;
     double bad = tsys__grads_reduce(ctx, params, n, TSYS_K_NONFINITE);
     s->found_inf = bad != 0.0;
     if (!s->found_inf) tsys__grads_scale(ctx, params, n, 1.0f / s->scale);

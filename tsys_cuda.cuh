@@ -5092,16 +5092,32 @@ template <int DT> __device__ __forceinline__ uint16_t tsys_cuda__lowp_bits(float
 // The ranks' gradients of one element as AdamW reads them under tsys_optim_sum_grads: the sum in rank order of
 // g (rank `self`'s) and the other ranks' terms (slots `stride` apart), divided by the ranks, spelled as the
 // copy-engine all-reduce's average (tsys_dist.h) spells it, so the two give the same bits.
-struct tsys_cuda__rank_terms { const float *terms; int64_t stride; int ranks, self; };
-__device__ __forceinline__ float tsys_cuda__rank_mean(const tsys_cuda__rank_terms &rt, float g, int64_t i) {
+// Gradients are read in the dtype they were kept in (GT: float, or bf16 / f16 under tsys_tensor_set_grad_dtype),
+// as fp32; one element, or the four of group i4 (one 16- or 8-byte load: the caller checked the alignment).
+__device__ __forceinline__ float tsys_cuda__gval(float x) { return x; }
+__device__ __forceinline__ float tsys_cuda__gval(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float tsys_cuda__gval(__half x) { return __half2float(x); }
+__device__ __forceinline__ float4 tsys_cuda__g4(const float *g, int64_t i4) { return ((const float4 *)g)[i4]; }
+__device__ __forceinline__ float4 tsys_cuda__g4(const __nv_bfloat16 *g, int64_t i4) {
+    const uint2 u = ((const uint2 *)g)[i4];
+    const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x), b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float4 tsys_cuda__g4(const __half *g, int64_t i4) {
+    const uint2 u = ((const uint2 *)g)[i4];
+    const float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+template <typename GT> struct tsys_cuda__rank_terms { const GT *terms; int64_t stride; int ranks, self; };
+template <typename GT> __device__ __forceinline__ float tsys_cuda__rank_mean(const tsys_cuda__rank_terms<GT> &rt, float g, int64_t i) {
     float acc = 0.0f;
-    for (int r = 0; r < rt.ranks; r++) acc += r == rt.self ? g : rt.terms[(int64_t)(r - (r > rt.self)) * rt.stride + i];
+    for (int r = 0; r < rt.ranks; r++) acc += r == rt.self ? g : tsys_cuda__gval(rt.terms[(int64_t)(r - (r > rt.self)) * rt.stride + i]);
     return __fdiv_rn(acc, (float)rt.ranks);
 }
-__device__ __forceinline__ float4 tsys_cuda__rank_mean4(const tsys_cuda__rank_terms &rt, float4 g, int64_t i4) {
+template <typename GT> __device__ __forceinline__ float4 tsys_cuda__rank_mean4(const tsys_cuda__rank_terms<GT> &rt, float4 g, int64_t i4) {
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int r = 0; r < rt.ranks; r++) {
-        const float4 x = r == rt.self ? g : ((const float4 *)(rt.terms + (int64_t)(r - (r > rt.self)) * rt.stride))[i4];
+        const float4 x = r == rt.self ? g : tsys_cuda__g4(rt.terms + (int64_t)(r - (r > rt.self)) * rt.stride, i4);
         acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
     }
     const float n = (float)rt.ranks;
@@ -5110,8 +5126,8 @@ __device__ __forceinline__ float4 tsys_cuda__rank_mean4(const tsys_cuda__rank_te
 // LOW (the copies' dtype, 0 for none) and VEC are template parameters so the launch without copies
 // (or unaligned) carries none of the other's code (registers, branches: the generic version ran ~9%
 // slower on the H100).
-template <int LOW, bool VEC, int GS, bool SUM>
-__global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *g, float *m, float *v, uint16_t *low, int64_t n, tsys_cuda__rank_terms rt) {
+template <int LOW, bool VEC, int GS, bool SUM, typename GT>
+__global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const GT *g, float *m, float *v, uint16_t *low, int64_t n, tsys_cuda__rank_terms<GT> rt) {
     constexpr int NV = GS / 4;   // float4s of each array in a group
     int64_t tid = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
     bool low_vec = ((uintptr_t)low & (2 * GS - 1)) == 0;   // the group's copies in one 8- or 16-byte store
@@ -5124,7 +5140,7 @@ __global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *
         if (whole) {
 #pragma unroll
             for (int u = 0; u < NV; u++) {
-                float4 P = ((const float4 *)p)[q * NV + u], G = ((const float4 *)g)[q * NV + u], M = ((const float4 *)m)[q * NV + u], V = ((const float4 *)v)[q * NV + u];
+                float4 P = ((const float4 *)p)[q * NV + u], G = tsys_cuda__g4(g, q * NV + u), M = ((const float4 *)m)[q * NV + u], V = ((const float4 *)v)[q * NV + u];
                 if (SUM) G = tsys_cuda__rank_mean4(rt, G, q * NV + u);
                 float *x0 = xs[4 * u], *x1 = xs[4 * u + 1], *x2 = xs[4 * u + 2], *x3 = xs[4 * u + 3];
                 x0[0] = P.x; x1[0] = P.y; x2[0] = P.z; x3[0] = P.w;
@@ -5136,7 +5152,8 @@ __global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *
 #pragma unroll
             for (int e = 0; e < GS; e++) {
                 bool in = e < k;
-                xs[e][0] = in ? p[i0 + e] : 0.0f; xs[e][1] = in ? (SUM ? tsys_cuda__rank_mean(rt, g[i0 + e], i0 + e) : g[i0 + e]) : 0.0f;
+                const float ge = in ? tsys_cuda__gval(g[i0 + e]) : 0.0f;
+                xs[e][0] = in ? p[i0 + e] : 0.0f; xs[e][1] = in ? (SUM ? tsys_cuda__rank_mean(rt, ge, i0 + e) : ge) : 0.0f;
                 xs[e][2] = in ? m[i0 + e] : 0.0f; xs[e][3] = in ? v[i0 + e] : 1.0f;
             }
         }
@@ -5169,6 +5186,32 @@ __global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const float *
     }
 }
 
+// One launch over n elements with gradients (and the ranks' terms) of type GT.
+template <typename GT> static tsys_status tsys_cuda__adamw_launch(tsys_cuda__state *st, const tsys_kargs *a, const tsys_cuda__op_adamw &op, int64_t n) {
+    tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *low = a->t[6], *terms = a->t[7];
+    float *pp = (float *)tsys_cuda__data(p), *pm = (float *)tsys_cuda__data(m), *pv = (float *)tsys_cuda__data(v);
+    const GT *pg = (const GT *)tsys_cuda__data(g);
+    tsys_cuda__rank_terms<GT> rt = { (const GT *)tsys_cuda__data(terms), terms ? a->i[0] : 0, terms ? (int)a->i[1] : 1, terms ? (int)a->i[2] : 0 };
+    const uintptr_t galign = 4 * sizeof(GT) - 1;   // a group's four gradients in one load
+    bool vec = tsys_cuda__aligned16(pp) && ((uintptr_t)pg & galign) == 0 && tsys_cuda__aligned16(pm) && tsys_cuda__aligned16(pv) &&
+               (!terms || (((uintptr_t)rt.terms & galign) == 0 && rt.stride % 4 == 0));
+    uint16_t *pl = (uint16_t *)tsys_cuda__data(low);
+    int ldt = low ? (int)low->dtype : 0;
+    // groups of 4 (groups of 8 measured slower: 68 registers, 2095 GB/s against 2584 with copies on
+    // the H100; what costs most is local memory, which the kernel must not touch: ptxas -v shows none)
+#define TSYS_CUDA__ADAMW_LAUNCH2(L, S) \
+    { constexpr int GS = 4; unsigned grid = tsys_cuda__grid(st, (n + GS - 1) / GS, 256); \
+      if (vec) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, true, GS, S, GT>), grid, 256, 0, op, pp, pg, pm, pv, pl, n, rt); \
+      else TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, false, GS, S, GT>), grid, 256, 0, op, pp, pg, pm, pv, pl, n, rt); }
+#define TSYS_CUDA__ADAMW_LAUNCH(L) { if (terms) TSYS_CUDA__ADAMW_LAUNCH2(L, true) else TSYS_CUDA__ADAMW_LAUNCH2(L, false) }
+    if (ldt == TSYS_BF16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_BF16) }
+    else if (ldt == TSYS_F16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_F16) }
+    else { TSYS_CUDA__ADAMW_LAUNCH(0) }
+#undef TSYS_CUDA__ADAMW_LAUNCH
+#undef TSYS_CUDA__ADAMW_LAUNCH2
+    return TSYS_OK;
+}
+
 static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a) {
     tsys_tensor *p = a->t[0], *g = a->t[1], *m = a->t[2], *v = a->t[3], *step = a->t[4], *lr = a->t[5], *low = a->t[6], *terms = a->t[7];
     TSYS_CUDA__REQUIRE(st->ctx, p && g && m && v && step, "adamw: p, g, m, v and the device step must be given");
@@ -5180,27 +5223,12 @@ static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a)
     TSYS_CUDA__REQUIRE(st->ctx, !low || ((low->dtype == TSYS_BF16 || low->dtype == TSYS_F16) && tsys_tensor_numel(low) == n), "adamw: the copy t[6] must be bf16/f16 of p's size");
     TSYS_CUDA__REQUIRE(st->ctx, !terms || (a->i[1] >= 2 && a->i[2] >= 0 && a->i[2] < a->i[1] && a->i[0] >= n && tsys_tensor_numel(terms) >= (a->i[1] - 2) * a->i[0] + n),
                        "adamw: the terms t[7] do not hold i1 - 1 ranks' slots i0 apart, p's size each");
+    TSYS_CUDA__REQUIRE(st->ctx, g->dtype == TSYS_F32 || g->dtype == TSYS_BF16 || g->dtype == TSYS_F16, "adamw: g t[1] must be f32, bf16 or f16");
+    TSYS_CUDA__REQUIRE(st->ctx, !terms || terms->dtype == g->dtype, "adamw: the terms t[7] must have g's dtype");
     if (n <= 0) return TSYS_OK;
-    float *pp = (float *)tsys_cuda__data(p), *pm = (float *)tsys_cuda__data(m), *pv = (float *)tsys_cuda__data(v);
-    const float *pg = (const float *)tsys_cuda__data(g);
-    tsys_cuda__rank_terms rt = { (const float *)tsys_cuda__data(terms), terms ? a->i[0] : 0, terms ? (int)a->i[1] : 1, terms ? (int)a->i[2] : 0 };
-    bool vec = tsys_cuda__aligned16(pp) && tsys_cuda__aligned16(pg) && tsys_cuda__aligned16(pm) && tsys_cuda__aligned16(pv) &&
-               (!terms || (tsys_cuda__aligned16(rt.terms) && rt.stride % 4 == 0));
-    uint16_t *pl = (uint16_t *)tsys_cuda__data(low);
-    int ldt = low ? (int)low->dtype : 0;
-    // groups of 4 (groups of 8 measured slower: 68 registers, 2095 GB/s against 2584 with copies on
-    // the H100; what costs most is local memory, which the kernel must not touch: ptxas -v shows none)
-#define TSYS_CUDA__ADAMW_LAUNCH2(L, S) \
-    { constexpr int GS = 4; unsigned grid = tsys_cuda__grid(st, (n + GS - 1) / GS, 256); \
-      if (vec) TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, true, GS, S>), grid, 256, 0, op, pp, pg, pm, pv, pl, n, rt); \
-      else TSYS_CUDA__LAUNCH(st, (tsys_cuda__adamw<L, false, GS, S>), grid, 256, 0, op, pp, pg, pm, pv, pl, n, rt); }
-#define TSYS_CUDA__ADAMW_LAUNCH(L) { if (terms) TSYS_CUDA__ADAMW_LAUNCH2(L, true) else TSYS_CUDA__ADAMW_LAUNCH2(L, false) }
-    if (ldt == TSYS_BF16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_BF16) }
-    else if (ldt == TSYS_F16) { TSYS_CUDA__ADAMW_LAUNCH(TSYS_F16) }
-    else { TSYS_CUDA__ADAMW_LAUNCH(0) }
-#undef TSYS_CUDA__ADAMW_LAUNCH
-#undef TSYS_CUDA__ADAMW_LAUNCH2
-    return TSYS_OK;
+    if (g->dtype == TSYS_BF16) return tsys_cuda__adamw_launch<__nv_bfloat16>(st, a, op, n);
+    if (g->dtype == TSYS_F16) return tsys_cuda__adamw_launch<__half>(st, a, op, n);
+    return tsys_cuda__adamw_launch<float>(st, a, op, n);
 }
 
 static tsys_status tsys_cuda__k_step_inc(tsys_cuda__state *st, const tsys_kargs *a) {

@@ -4958,6 +4958,14 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     TSYS_DIST__RELEASE(ddp);
 }
 
+// Data parallelism reduces fp32 gradients: one kept in bf16 / f16 (tsys_tensor_set_grad_dtype) is refused by name.
+static bool tsys_dist__grads_fp32(tsys_ctx *ctx, const char *who, const tsys_tensor *p) {
+    if (tsys_tensor_grad_dtype(p) == p->dtype) return true;
+    tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' keeps its gradient in %s (tsys_tensor_set_grad_dtype); %s reduces fp32 gradients",
+                       who, p->name, tsys_dtype_name(tsys_tensor_grad_dtype(p)), who);
+    return false;
+}
+
 TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_ddp_desc *desc) {
     if (!d) return NULL;
     tsys_ctx *ctx = tsys_dist_ctx(d);
@@ -4971,6 +4979,7 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
     for (int i = 0; i < n; i++) {
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameter %d is NULL", i); return NULL; }
         if (params[i]->device != params[0]->device) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameters '%s' and '%s' are on different devices", params[0]->name, params[i]->name); return NULL; }
+        if (!tsys_dist__grads_fp32(ctx, "ddp", params[i])) return NULL;
     }
     tsys_ddp *ddp = (tsys_ddp *)TSYS_DIST__ALLOC(sizeof(tsys_ddp));
     if (!ddp) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: out of host memory"); return NULL; }
@@ -5159,8 +5168,10 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     tsys_ctx *ctx = tsys_dist_ctx(d);
     if (tsys_ctx_status(ctx) != TSYS_OK) return NULL;
     if (n < 0 || (n > 0 && !params)) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: parameter %d is NULL", i); return NULL; }
+        if (!tsys_dist__grads_fp32(ctx, "zero1", params[i])) return NULL;
+    }
     tsys_zero1 *z = (tsys_zero1 *)TSYS_DIST__ALLOC(sizeof(tsys_zero1));
     if (!z) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory"); return NULL; }
     memset(z, 0, sizeof(*z));
@@ -5775,6 +5786,7 @@ static bool tsys_dist__fsdp_args_ok(tsys_ctx *ctx, tsys_tensor **params, int n, 
         if (!p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter %d is NULL", i); return false; }
         if (p->dtype != TSYS_F32) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: parameter '%s' is %s; FSDP keeps fp32 masters and takes fp32 parameters", p->name, tsys_dtype_name(p->dtype)); return false; }
         if (p->grad_fn) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' is the result of an op, not a parameter", p->name); return false; }
+        if (!tsys_dist__grads_fp32(ctx, "fsdp", p)) return false;
         for (int j = 0; j < i; j++)
             if (params[j] == p) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: '%s' appears twice (tied weights are not supported: each sharded weight is used once per forward)", p->name); return false; }
     }

@@ -274,6 +274,7 @@ typedef struct du_lm {
     bool overlap;                          // the optimizer inside backward (tsys_optim_overlap_begin/end)
     bool free_grads;                       // ... on the compute stream, each layer's gradients given back after its update
     bool lowp_copies;                      // AdamW keeps the autocast dtype's weight copies (tsys_optim_keep_lowp; train, bf16/fp16)
+    bool lowp_grads;                       // the linear weights' gradients in the autocast dtype (tsys_model_set_grad_dtype)
     void (*mark)(void *user, int boundary);
     void *mark_user;
     // Snapshots of the training state (train mode): du_lm_snapshots before the first step, du_lm_step_done
@@ -302,6 +303,7 @@ static inline tsys_status du_lm_setup(du_lm *r, const tsys_model_desc *d, int ba
     if (r->model && load) tsys_model_load(r->model, load);
     if (r->model && r->mode == DU_TRAIN) r->opt = tsys_adamw_new(ctx, tsys_model_params(r->model), tsys_model_num_tensors(r->model), NULL);
     if (r->opt && r->lowp_copies && r->dtype != TSYS_F32) tsys_optim_keep_lowp(r->opt, r->dtype);
+    if (r->model && r->lowp_grads && r->dtype != TSYS_F32) tsys_model_set_grad_dtype(r->model, r->dtype);
     int64_t shape[2] = {batch, T};
     tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape), *tgt = tsys_tensor_new(ctx, TSYS_I64, TSYS_CPU, 2, shape);
     tsys_rng_seed(ctx, seed + 7);

@@ -14,7 +14,7 @@ typedef struct e2e_opts {
     du_common common;
     const char *device, *profile;
     du_model_flags mf;        // --model, the explicit dims (over the preset's), --load
-    du_list contexts, modes, dtypes, attns, compiles, overlaps, lowps, ckpts;
+    du_list contexts, modes, dtypes, attns, compiles, overlaps, lowps, lowp_grads, ckpts;
     int batch, warmup, steps, seed, configs;
     du_snapshot_flags snap;   // --save-every, --save-dir, --keep-last, --resume
     bool no_sgemm, tf32, nvtx, plan;
@@ -23,16 +23,16 @@ typedef struct e2e_opts {
 } e2e_opts;
 
 // One configuration of the sweep (attn: auto resolved).
-typedef struct config { const char *model, *attn, *in_backward, *ckpt; int T; du_mode mode; tsys_dtype dt; bool compiled, lowp; } config;
+typedef struct config { const char *model, *attn, *in_backward, *ckpt; int T; du_mode mode; tsys_dtype dt; bool compiled, lowp, lowp_grads; } config;
 
 // the syntax only: whether K fits a model's layers is checked per configuration (an error row)
 static bool ok_ckpt(const char *s) { tsys_checkpoint_policy p; return tsys_checkpoint_policy_parse(s, 1 << 20, &p, NULL, 0) == TSYS_OK; }
 
 // The lists a sweep combines, the one varying slowest first.
-#define E2E_LISTS(o) {&(o)->mf.models, &(o)->contexts, &(o)->modes, &(o)->dtypes, &(o)->compiles, &(o)->overlaps, &(o)->lowps, &(o)->attns, &(o)->ckpts}
+#define E2E_LISTS(o) {&(o)->mf.models, &(o)->contexts, &(o)->modes, &(o)->dtypes, &(o)->compiles, &(o)->overlaps, &(o)->lowps, &(o)->lowp_grads, &(o)->attns, &(o)->ckpts}
 
 static void opts_free(e2e_opts *o) {
-    du_list *l[9] = E2E_LISTS(o);
+    du_list *l[10] = E2E_LISTS(o);
     for (int i = 0; i < 9; i++) du_list_free(l[i]);
     if (o->profile_log) fclose(o->profile_log);
 }
@@ -68,6 +68,8 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
                      "(the peak holds one layer's gradients, not all) (train mode; not with fp16,\nwhose loss scaler needs every gradient first)"),
         DU_FLAG_LIST("lowp-copies", &o->lowps, "no", "no|yes", "no or yes: yes has AdamW write each weight's bf16/fp16 copy in its update\n"
                      "kernel (tsys_optim_keep_lowp) so autocast casts no weight each step; 2 bytes\na parameter more, bitwise the same training (train mode under bf16/fp16)"),
+        DU_FLAG_LIST("lowp-grads", &o->lowp_grads, "no", "no|yes", "no or yes: yes keeps the linear weights' gradients in the autocast dtype\n"
+                     "(tsys_model_set_grad_dtype), as the weight-gradient matmul writes them and\ntorch's autocast rounds them; AdamW reads half the gradient bytes (backward\nunder bf16/fp16; not with fp16 training's loss scaler)"),
         DU_FLAG_LIST("compile", &o->compiles, "no", "no|yes", "no or yes: yes captures the whole step as a CUDA graph after warmup and\nreplays it (cuda only)"),
         DU_FLAG_LIST_CHECKED("checkpoint", &o->ckpts, "none", ok_ckpt, CKPT_RULE, "activation checkpointing: none | blocks:K | sqrt | nested[:K] |\nselective | "
                              "P+selective (P one of the four before) | P+keep-attn (flash\nattention keeps its output: no attention forward in the recompute) |\n"
@@ -95,9 +97,9 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
     char buf[200];
     if (!why) why = du_snapshot_flags_why(&o->snap, &o->modes, buf, sizeof(buf));
     if (!why && o->plan && (o->snap.save_every || o->snap.resume)) why = "--plan trains nothing: drop --save-every, --save-dir and --resume";
-    const du_list *l[9] = E2E_LISTS(o);
-    double rows = 1;   // a sweep is numbered by int: 9 lists of 64 would overflow it
-    for (int i = 0; i < 9; i++) rows *= l[i]->n;
+    const du_list *l[10] = E2E_LISTS(o);
+    double rows = 1;   // a sweep is numbered by int: 10 lists of 64 would overflow it
+    for (int i = 0; i < 10; i++) rows *= l[i]->n;
     if (!why && rows > (1 << 20)) why = "the lists make more than 1048576 configurations together (their sizes multiply)";
     if (!why) return 0;
     fprintf(stderr, "e2e: %s\n", why);
@@ -108,20 +110,20 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
 // Configuration k (0-based) into c; returns how many the sweep has. The last list (--checkpoint) varies
 // fastest, the first (--model) slowest; --plan sweeps only the lists that change the accounting.
 static int sweep_at(const e2e_opts *o, tsys_device dev, int k, config *c) {
-    const du_list *ax[9] = E2E_LISTS(o);
-    const char *v[9];
+    const du_list *ax[10] = E2E_LISTS(o);
+    const char *v[10];
     int total = 1;
-    for (int i = 8; i >= 0; i--) {
+    for (int i = 9; i >= 0; i--) {
         int n = o->plan && i >= 4 && i <= 6 ? 1 : ax[i]->n;
         v[i] = ax[i]->item[k % n];
         k /= n;
         total *= n;
     }
     memset(c, 0, sizeof(*c));
-    c->model = v[0]; c->in_backward = v[5]; c->ckpt = v[8];
+    c->model = v[0]; c->in_backward = v[5]; c->ckpt = v[9];
     du_parse_int(v[1], 1, 1 << 20, &c->T); du_parse_mode(v[2], &c->mode); du_parse_dtype(v[3], &c->dt);
-    c->compiled = !strcmp(v[4], "yes"); c->lowp = !strcmp(v[6], "yes");
-    c->attn = du_attn_resolve(v[7], dev, c->dt);
+    c->compiled = !strcmp(v[4], "yes"); c->lowp = !strcmp(v[6], "yes"); c->lowp_grads = !strcmp(v[7], "yes");
+    c->attn = du_attn_resolve(v[8], dev, c->dt);
     return total;
 }
 
@@ -141,7 +143,8 @@ static tsys_status config_snapshots(du_lm *lm, du_lm_record *rec, const e2e_opts
 static void row_header(du_row *row, tsys_device dev, const e2e_opts *o, const config *c) {
     du_row_lm_config(row, dev, c->model, c->T, o->batch, c->mode, c->dt, c->attn);
     du_row_set(row, "compiled", "%s", c->compiled ? "yes" : "no"); du_row_set(row, "opt_in_bwd", "%s", c->in_backward);
-    du_row_set(row, "lowp_copies", "%s", c->lowp ? "yes" : "no"); du_row_set(row, "ckpt", "%s", c->ckpt); du_row_set(row, "warmup", "%d", o->warmup);
+    du_row_set(row, "lowp_copies", "%s", c->lowp ? "yes" : "no"); du_row_set(row, "lowp_grads", "%s", c->lowp_grads ? "yes" : "no");
+    du_row_set(row, "ckpt", "%s", c->ckpt); du_row_set(row, "warmup", "%d", o->warmup);
 }
 
 // The model shape of a configuration (du_model_config), its tensors within reach.
@@ -167,6 +170,8 @@ static const char *skip_reason(tsys_device dev, const config *c) {
     if (overlap && c->mode != DU_TRAIN) return "--opt-in-backward applies to train mode";
     if (overlap && c->dt == TSYS_F16) return "fp16 loss scaling needs every gradient before any update";
     if (c->lowp && (c->mode != DU_TRAIN || c->dt == TSYS_F32)) return "--lowp-copies applies to train mode under bf16/fp16";
+    if (c->lowp_grads && (c->mode == DU_FORWARD || c->dt == TSYS_F32)) return "--lowp-grads applies to backward under bf16/fp16";
+    if (c->lowp_grads && c->dt == TSYS_F16 && c->mode == DU_TRAIN) return "fp16 loss scaling unscales the gradients in place: they stay fp32";
     return NULL;
 }
 
@@ -192,7 +197,8 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     tsys_model_desc d;
     tsys_checkpoint_plan plan;
     bool free_grads = !strcmp(c->in_backward, "free");   // the plan counts what the step holds
-    unsigned step_flags = (c->lowp && c->dt != TSYS_F32 ? TSYS_PLAN_KEPT_COPIES : 0u) | (free_grads ? TSYS_PLAN_FREE_GRADS : 0u);
+    unsigned step_flags = (c->lowp && c->dt != TSYS_F32 ? TSYS_PLAN_KEPT_COPIES : 0u) | (free_grads ? TSYS_PLAN_FREE_GRADS : 0u)
+                        | (c->lowp_grads && c->dt != TSYS_F32 ? TSYS_PLAN_LOWP_GRADS : 0u);
     if (!config_desc(o, c, &d, err, sizeof(err))
         || !e2e_plan_make(&d, c->ckpt, c->mode, o->batch, c->T, c->dt, step_flags, &plan, ckpt_name, sizeof(ckpt_name), err, sizeof(err))) {
         du_row_set(row, "status", "error: %s", err);
@@ -206,7 +212,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     du_lm_record rec;
     du_timed_init(&t, ctx, dev, c->mode, c->dt);
     du_lm *lm = &t.lm;
-    lm->overlap = strcmp(c->in_backward, "no") != 0; lm->free_grads = free_grads; lm->lowp_copies = c->lowp;
+    lm->overlap = strcmp(c->in_backward, "no") != 0; lm->free_grads = free_grads; lm->lowp_copies = c->lowp; lm->lowp_grads = c->lowp_grads;
     tsys_mem_reset_peak(ctx, dev);
     const int n = o->steps;
     double *tm = (double *)calloc(4 * (size_t)n, sizeof(double));   // forward, backward, optimizer, total: n each
@@ -249,7 +255,7 @@ static tsys_ctx *make_ctx(e2e_opts *o, tsys_device dev, FILE *cfg) {
     return ctx;
 }
 
-#define E2E_COLS "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,lowp_copies,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,"
+#define E2E_COLS "device,model,context,batch,mode,dtype,attn,compiled,opt_in_bwd,lowp_copies,lowp_grads,ckpt,warmup,fwd_ms,fwd_std,bwd_ms,bwd_std,opt_ms,total_ms,total_std,"
 
 static int driver_main(int argc, char **argv) {
     e2e_opts o;
@@ -261,9 +267,9 @@ static int driver_main(int argc, char **argv) {
     char lim[64];
     config c;
     int configs = o.configs = sweep_at(&o, dev, 0, &c);
-    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; lowp-copies %s; checkpoint %s; "
+    fprintf(cfg, "e2e: device %s; model %s; context %s; batch %d; mode %s; dtype %s; attn %s; compile %s; opt-in-backward %s; lowp-copies %s; lowp-grads %s; checkpoint %s; "
             "warmup %d; steps %d; memory limit %s%s%s", o.device, o.mf.models.src, o.contexts.src, o.batch, o.modes.src, o.dtypes.src, o.attns.src,
-            o.compiles.src, o.overlaps.src, o.lowps.src, o.ckpts.src, o.warmup, o.steps, du_mem_limit_str(lim, sizeof(lim), o.common.mem_limit),
+            o.compiles.src, o.overlaps.src, o.lowps.src, o.lowp_grads.src, o.ckpts.src, o.warmup, o.steps, du_mem_limit_str(lim, sizeof(lim), o.common.mem_limit),
             o.mf.load ? "; load " : "", o.mf.load ? o.mf.load : "");
     if (o.snap.save_dir) fprintf(cfg, "; a snapshot every %d steps into %s (keep %d, %s)", o.snap.save_every, o.snap.save_dir, o.snap.keep_last,
                                  !strcmp(o.snap.save_async, "no") ? "synchronous" : !strcmp(o.snap.save_async, "device") ? "staged on the device, written beside training" : "written beside training");

@@ -7,7 +7,7 @@
 #include "profile_files.h"
 
 // The configuration of a row as a file name: "cpu_small_T128_train_fp32_naive", then "_compiled",
-// "_opt-in-bwd[-free]", "_lowp-copies" and "_ckpt-<policy>" (a file name's characters) where they
+// "_opt-in-bwd[-free]", "_lowp-copies", "_lowp-grads" and "_ckpt-<policy>" (a file name's characters) where they
 // apply: every list of the sweep, so no two configurations share a name (--save-dir's directories).
 static inline void e2e_profile_name(char *name, size_t len, const du_row *row) {
     char ckpt[64] = "";
@@ -16,10 +16,10 @@ static inline void e2e_profile_name(char *name, size_t len, const du_row *row) {
         snprintf(ckpt, sizeof(ckpt), "_ckpt-%s", du_row_get(row, "ckpt"));
         for (char *c = ckpt + 6; *c; c++) if (!isalnum((unsigned char)*c)) *c = '-';
     }
-    snprintf(name, len, "%s_%s_T%s_%s_%s_%s%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+    snprintf(name, len, "%s_%s_T%s_%s_%s_%s%s%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
              du_row_get(row, "mode"), du_row_get(row, "dtype"), du_row_get(row, "attn"), strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled",
              !strcmp(in_bwd, "yes") ? "_opt-in-bwd" : !strcmp(in_bwd, "free") ? "_opt-in-bwd-free" : "",
-             strcmp(du_row_get(row, "lowp_copies"), "yes") ? "" : "_lowp-copies", ckpt);
+             strcmp(du_row_get(row, "lowp_copies"), "yes") ? "" : "_lowp-copies", strcmp(du_row_get(row, "lowp_grads"), "yes") ? "" : "_lowp-grads", ckpt);
 }
 
 // One line per profiled configuration in DIR/summary.csv (the header when the file is new), the

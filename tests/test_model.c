@@ -715,6 +715,139 @@ TSYS_TEST(kept_lowp_copies_options_and_memory) {
     tsys_ctx_free(ctx);
 }
 
+// ---- gradients kept in the autocast dtype (tsys_model_set_grad_dtype) ----
+
+static bool lowpg_linear(tsys_model *m, int i) { return tsys_model_params(m)[i]->ndim == 2 && i > 0; }   // params[0]: the embedding
+
+// fp32 gradients rounded to dt in place: the values a low-precision gradient holds.
+static void lowpg_round(tsys_ctx *ctx, tsys_model *m, tsys_dtype dt) {
+    for (int i = 0; i < tsys_model_num_tensors(m); i++) {
+        tsys_tensor *g = tsys_model_params(m)[i]->grad;
+        if (!lowpg_linear(m, i) || !g) continue;
+        tsys_tensor *r = tsys_tensor_new(ctx, dt, TSYS_CPU, g->ndim, g->shape);
+        tsys_tensor_cast_from(ctx, r, g);
+        tsys_tensor_cast_from(ctx, g, r);
+        tsys_tensor_release(r);
+    }
+}
+
+// One AdamW step under autocast of dt (the fp32 model's gradients rounded first when `round`); the loss.
+static float lowpg_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_dtype dt, bool round, bool overlap) {
+    tsys_autocast_begin(ctx, dt);
+    tsys_tensor *loss = tsys_model_loss(m, ids, ids);
+    tsys_autocast_end(ctx);
+    float v = tsys_item(ctx, loss);
+    if (overlap) tsys_optim_overlap_begin(o);
+    tsys_backward(ctx, loss);
+    if (round) lowpg_round(ctx, m, dt);
+    if (overlap) tsys_optim_overlap_end(o); else tsys_optim_step(o);
+    tsys_optim_release_grads(o);
+    tsys_tensor_release(loss);
+    return v;
+}
+
+// Five steps with the linear weights' gradients kept in dt against five with fp32 gradients rounded to
+// dt after backward: the weight-gradient GEMM rounds its fp32 sum once either way and AdamW reads the
+// same values, so the losses and every parameter agree bit for bit; the kept gradients have dt, the
+// embedding's and the norms' stay fp32, and the gradient memory shrinks by what the dtype saves.
+// fused: lm_head's gradient comes from the fused head + loss (made in fp32 and rounded into its place).
+static void lowpg_train_case(tsys_dtype dt, bool fused, bool overlap) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = lowp_desc();
+    d.fused_loss = fused;
+    tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), n, NULL), tsys_adamw_new(ctx, tsys_model_params(m[1]), n, NULL)};
+    TEST_CHECK(tsys_model_set_grad_dtype(m[1], dt) == TSYS_OK, "set_grad_dtype: %s", tsys_ctx_last_error(ctx));
+    int64_t shape[2] = {2, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    const char *what = fused ? (overlap ? "fused loss, in backward" : "fused loss") : overlap ? "in backward" : "step";
+    int64_t linear = 0, other = 0;
+    for (int i = 0; i < n; i++) *(lowpg_linear(m[1], i) ? &linear : &other) += tsys_tensor_numel(tsys_model_params(m[1])[i]);
+    for (int step = 0; step < 5; step++) {
+        float ref = lowpg_step(ctx, m[0], o[0], ids, dt, true, false);   // the optimizer in backward: the same bits as after it
+        if (step == 0) {   // the gradients of the model whose linear weights keep them in dt, before its step
+            tsys_autocast_begin(ctx, dt);
+            tsys_tensor *loss = tsys_model_loss(m[1], ids, ids);
+            tsys_autocast_end(ctx);
+            tsys_backward(ctx, loss);
+            int wrong = 0;
+            for (int i = 0; i < n; i++) {
+                tsys_tensor *g = tsys_model_params(m[1])[i]->grad;
+                wrong += !g || g->dtype != (lowpg_linear(m[1], i) ? dt : TSYS_F32) || tsys_tensor_grad_dtype(tsys_model_params(m[1])[i]) != g->dtype;
+            }
+            TEST_CHECK(wrong == 0, "%s %s: %d gradients are not in the dtype asked for", tsys_dtype_name(dt), what, wrong);
+            int64_t bytes = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_GRADIENTS], want = 2 * linear + 4 * other;
+            TEST_CHECK(bytes >= want && bytes <= want + 256 * 4 * (d.num_layers + 2), "%s %s: gradients hold %lld bytes, expected %lld and the alignment",
+                       tsys_dtype_name(dt), what, (long long)bytes, (long long)want);
+            tsys_release_grads(ctx, tsys_model_params(m[1]), n);
+            tsys_tensor_release(loss);
+        }
+        float got = lowpg_step(ctx, m[1], o[1], ids, dt, false, overlap);
+        TEST_CHECK(got == ref, "%s %s step %d: loss %.9g with %s gradients, %.9g with rounded fp32 ones", tsys_dtype_name(dt), what, step, got, tsys_dtype_name(dt), ref);
+    }
+    TEST_CHECK(lowp_params_differ(m[0], m[1]) == 0, "%s %s: %d parameter tensors differ after 5 steps", tsys_dtype_name(dt), what, lowp_params_differ(m[0], m[1]));
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(ids);
+    for (int k = 0; k < 2; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    tsys_ctx_free(ctx);
+}
+TSYS_TEST(lowp_grads_train_as_rounded_fp32_grads) {
+    lowpg_train_case(TSYS_BF16, false, false); lowpg_train_case(TSYS_F16, false, false);
+    lowpg_train_case(TSYS_BF16, true, false); lowpg_train_case(TSYS_BF16, false, true);
+}
+
+// A low-precision gradient takes one gradient a backward; a second, a rescale in place or a new dtype
+// while it is held is refused by name. Without autocast the fp32 GEMM's gradient is rounded into it.
+TSYS_TEST(lowp_grads_rules) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = lowp_desc();
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 9), *ref = tsys_model_new(ctx, &d, TSYS_CPU, 9);
+    int n = tsys_model_num_tensors(m);
+    tsys_tensor **p = tsys_model_params(m);
+    TEST_CHECK(tsys_model_set_grad_dtype(m, TSYS_BF16) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    int64_t shape[2] = {2, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    // fp32 compute: each kept gradient is the fp32 one rounded once
+    tsys_tensor *loss = tsys_model_loss(m, ids, ids);
+    tsys_backward(ctx, loss);
+    tsys_tensor *loss_ref = tsys_model_loss(ref, ids, ids);
+    tsys_backward(ctx, loss_ref);
+    lowpg_round(ctx, ref, TSYS_BF16);
+    int differ = 0;
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *g = p[i]->grad, *r = tsys_tensor_new(ctx, g->dtype, TSYS_CPU, g->ndim, g->shape);
+        tsys_tensor_cast_from(ctx, r, tsys_model_params(ref)[i]->grad);
+        differ += memcmp(tsys_tensor_data(r), tsys_tensor_data(g), tsys_tensor_bytes(g)) != 0;
+        tsys_tensor_release(r);
+    }
+    TEST_CHECK(differ == 0, "fp32 compute: %d kept gradients differ from the rounded fp32 ones", differ);
+    TEST_CHECK(tsys_tensor_set_grad_dtype(ctx, p[1], TSYS_F32) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "holds a gradient"), "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(isnan(tsys_clip_grad_norm(ctx, p, n, 1.0)) && strstr(tsys_ctx_last_error(ctx), "keeps its gradient in bf16"), "clip: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor_release(loss);
+    // a second gradient without zero_grad (accumulation) is an error naming the weight
+    loss = tsys_model_loss(m, ids, ids);
+    TEST_CHECK(tsys_backward(ctx, loss) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "which takes one gradient a backward"), "accumulated: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_tape_clear(ctx);
+    tsys_tensor_release(loss);
+    tsys_release_grads(ctx, p, n);
+    TEST_CHECK(tsys_tensor_set_grad_dtype(ctx, p[1], TSYS_I32) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "is not bf16, f16 or f32"), "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_tensor_set_grad_dtype(ctx, ids, TSYS_BF16) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "must be an fp32 leaf"), "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_model_set_grad_dtype(m, TSYS_F32) == TSYS_OK && tsys_tensor_grad_dtype(p[1]) == TSYS_F32, "back to fp32: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(loss_ref);
+    tsys_tensor_release(ids);
+    tsys_model_free(m); tsys_model_free(ref);
+    TEST_CHECK(tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes == 0, "live bytes after everything is freed: %lld", (long long)tsys_mem_stats_get(ctx, TSYS_CPU).live_bytes);
+    tsys_ctx_free(ctx);
+}
+
 TSYS_TEST(clip_and_cosine_schedule) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     int64_t s[1] = {2};
