@@ -6412,7 +6412,9 @@ TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int 
                           "(%d ranks - 1 slots %lld apart of the %lld parameter elements), not %s with %lld", terms->name, (long long)(nranks - 2) * stride + S, nranks,
                           (long long)stride, (long long)S, tsys_dtype_name(terms->dtype), (long long)tsys_tensor_numel(terms));
     for (int i = 0; i < o->n; i++)
-        if (o->params[i]->dtype != TSYS_F32) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: parameter '%s' is %s (fp32 only)", o->params[i]->name, tsys_dtype_name(o->params[i]->dtype));
+        if (o->params[i]->dtype != TSYS_F32 || o->params[i]->grad_lowp != TSYS_F32)
+            return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: parameter '%s' is %s with %s gradients (fp32 only)", o->params[i]->name,
+                              tsys_dtype_name(o->params[i]->dtype), tsys_dtype_name(tsys_tensor_grad_dtype(o->params[i])));
     tsys_tensor_release(o->terms);
     o->terms = tsys_tensor_retain(terms);
     o->terms_ranks = nranks; o->terms_self = self; o->terms_stride = stride;

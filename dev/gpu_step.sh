@@ -9,7 +9,9 @@
 #   torch, compile, torch_bf16   the PyTorch eager / torch.compile / bf16 baselines (tests/ref/torch_baseline.py)
 #   table       our rows beside PyTorch's of this call (dev/e2e_table.py)
 #   memory      the memory sweep ($MEM_MODELS, $MEM_CONTEXT) beside PyTorch's peaks
-#   profile     a profiled training step ($PROF_MODELS): the kernel tables
+#   profile     a profiled training step ($PROF_MODELS; more e2e flags in $PROF_ARGS): the kernel tables
+#   grads       the compiled bf16 training step ($MODELS, kept copies) with fp32 and bf16 weight gradients
+#               (--lowp-grads no,yes), alternating, $ROUNDS times (default 2)
 #   ab          before/after in one call: the binaries of the previous tree in $BASE (default gpu/base) against
 #               $BIN's, alternating, twice (2.7B and small bf16 compiled train, flash leaderboard fwd+bwd)
 # Binaries come from $BIN (default build); logs and JSON lines go to $OUT; a short summary prints as each part ends.
@@ -47,9 +49,19 @@ for part in "$@"; do
     (cd "$OUT/mem" && tar czf "$OUT/memory_plots.tgz" *.svg 2>/dev/null); rm -rf "$OUT/mem" ;;
   profile)
     mkdir -p "$OUT/prof"
-    timeout 300 $BIN/e2e_cuda --model ${PROF_MODELS:-2.7B} --context-length 256 --dtype bf16 --mode train --warmup 2 --steps 3 --no-sgemm \
+    timeout 300 $BIN/e2e_cuda --model ${PROF_MODELS:-2.7B} --context-length 256 --dtype bf16 --mode train --warmup 2 --steps 3 --no-sgemm ${PROF_ARGS:-} \
       --format csv --profile "$OUT/prof" > "$OUT/prof_rows.csv" 2> "$OUT/prof.log"; rm -f "$OUT"/prof/*.json
     for f in "$OUT"/prof/*.md; do sed -n '/^| kernel |/,/^$/p' "$f" | head -24; done ;;
+  grads)
+    for round in $(seq ${ROUNDS:-2}); do
+      for g in no yes; do
+        timeout 300 $BIN/e2e_cuda --model "$MODELS" --context-length 256 --mode train --dtype bf16 --compile yes --lowp-copies yes --lowp-grads $g \
+          --warmup 3 --steps ${STEPS:-10} --no-sgemm --format jsonl 2>> "$OUT/grads.log" | tee -a "$OUT/grads.jsonl" \
+          | python3 -c 'import json,sys
+for l in sys.stdin:
+    r = json.loads(l); print("round '$round' lowp-grads %-3s %-6s %s ms  peak %s MiB (predicted %s)" % (r["lowp_grads"], r["model"], r["total_ms"], r["peak_MiB"], r["pred_MiB"]))'
+      done
+    done ;;
   ab)
     E="--context-length 256 --mode train --dtype bf16 --compile yes --warmup 3 --steps 10 --no-sgemm --format jsonl"
     for round in 1 2; do

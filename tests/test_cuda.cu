@@ -1060,6 +1060,133 @@ static void tc_lowp_case(tsys_dtype dt, bool overlap) {
 TSYS_TEST(cuda_kept_lowp_copies) { tc_lowp_case(TSYS_BF16, false); tc_lowp_case(TSYS_F16, false); }
 TSYS_TEST(cuda_kept_lowp_copies_in_backward) { tc_lowp_case(TSYS_BF16, true); tc_lowp_case(TSYS_F16, true); }
 
+// AdamW reading bf16 / f16 gradients (tsys_tensor_set_grad_dtype) against the same values in fp32: the same
+// bits, on the vector path (aligned, whole groups), the element path (a tail of 3; a gradient 2 bytes off its
+// alignment) and with the kept copies written beside.
+static void tc_adamw_lowp_grad_case(tsys_dtype gdt, bool copies) {
+    TC_CTX(ctx);
+    const int64_t sizes[3] = {4099, 7, 1000};
+    tsys_tensor *p[2][3], *big = NULL;
+    for (int k = 0; k < 2; k++)
+        for (int j = 0; j < 3; j++) {
+            p[k][j] = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &sizes[j]);
+            tsys_rng_seed(ctx, 40 + j);
+            tsys_tensor_randn(ctx, p[k][j], 1.0f);
+            tsys_tensor_set_requires_grad(p[k][j], true);
+        }
+    int64_t bign = sizes[2] + 1;
+    big = tsys_tensor_new(ctx, gdt, TSYS_CUDA, 1, &bign);
+    tsys_rng_seed(ctx, 50);
+    tsys_tensor_randn(ctx, big, 0.5f);
+    for (int j = 0; j < 3; j++) {   // the low-precision gradients, then the same values in fp32
+        tsys_tensor *g = j == 2 ? tsys_tensor_view_raw(ctx, big, 2, gdt, 1, &sizes[j]) : tsys_tensor_new(ctx, gdt, TSYS_CUDA, 1, &sizes[j]);
+        if (j < 2) { tsys_rng_seed(ctx, 60 + j); tsys_tensor_randn(ctx, g, 0.5f); }
+        p[1][j]->grad = g;
+        p[0][j]->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &sizes[j]);
+        tsys_tensor_cast_from(ctx, p[0][j]->grad, g);
+    }
+    tsys_optim *o[2];
+    for (int k = 0; k < 2; k++) {
+        o[k] = tsys_adamw_new(ctx, p[k], 3, NULL);
+        if (copies) tsys_optim_keep_lowp(o[k], TSYS_BF16);
+        for (int s = 0; s < 3; s++) tsys_optim_step(o[k]);
+    }
+    int differ = 0;
+    for (int j = 0; j < 3; j++)
+        for (int w = 0; w < 3; w++) {
+            tsys_tensor *a = w == 2 ? p[0][j] : tsys_optim_state(o[0], j, w), *b = w == 2 ? p[1][j] : tsys_optim_state(o[1], j, w);
+            float *va = test_read(ctx, a), *vb = test_read(ctx, b);
+            differ += !va || !vb || memcmp(va, vb, sizeof(float) * (size_t)sizes[j]) != 0;
+            free(va); free(vb);
+            if (w < 2) { tsys_tensor_release(a); tsys_tensor_release(b); }
+        }
+    TEST_CHECK(differ == 0, "%s gradients%s: %d of p, m, v differ from AdamW on the same values in fp32", tsys_dtype_name(gdt), copies ? ", copies" : "", differ);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    for (int k = 0; k < 2; k++) { tsys_optim_free(o[k]); for (int j = 0; j < 3; j++) tsys_tensor_release(p[k][j]); }
+    tsys_tensor_release(big);
+}
+TSYS_TEST(cuda_adamw_reads_lowp_grads) {
+    tc_adamw_lowp_grad_case(TSYS_BF16, false); tc_adamw_lowp_grad_case(TSYS_F16, false); tc_adamw_lowp_grad_case(TSYS_BF16, true);
+}
+
+// The model with bf16 linear-weight gradients on the GPU (and the kept copies, as the benchmarks run it): each
+// kept gradient is the fp32 one rounded, within one bf16 step (cuBLASLt may sum a bf16-output GEMM in another
+// order); the rest stay fp32; four steps train as with fp32 gradients (losses within 1e-3), and the captured
+// step replays the eager one bit for bit.
+static bool tc_within_bf16_step(float a, float b) {
+    float m = fabsf(a) > fabsf(b) ? fabsf(a) : fabsf(b);
+    int e;
+    frexpf(m, &e);
+    return fabsf(a - b) <= ldexpf(1.0f, e - 8);
+}
+TSYS_TEST(cuda_lowp_grads_train) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *m[3];
+    m[0] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
+    if (!m[0] || !m[1] || !m[2]) return;
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[3];
+    for (int k = 0; k < 3; k++) {
+        o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
+        tsys_optim_keep_lowp(o[k], TSYS_BF16);
+        if (k) TEST_CHECK(tsys_model_set_grad_dtype(m[k], TSYS_BF16) == TSYS_OK, "set_grad_dtype: %s", tsys_ctx_last_error(ctx));
+    }
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    for (int k = 0; k < 2; k++) {   // the gradients alone first
+        tsys_autocast_begin(ctx, TSYS_BF16);
+        tsys_tensor *logits = tsys_model_forward(m[k], ids), *loss = tsys_cross_entropy(ctx, logits, tg);
+        tsys_autocast_end(ctx);
+        tsys_backward(ctx, loss);
+        tsys_tensor_release(logits); tsys_tensor_release(loss);
+    }
+    int wrong_dtype = 0, outside = 0, inexact = 0;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        tsys_tensor *p0 = tsys_model_params(m[0])[i], *p1 = tsys_model_params(m[1])[i];
+        bool linear = p0->ndim == 2 && i > 0;
+        wrong_dtype += !p1->grad || p1->grad->dtype != (linear ? TSYS_BF16 : TSYS_F32);
+        if (!p0->grad || !p1->grad) continue;
+        tsys_tensor *r = tsys_tensor_new(ctx, p1->grad->dtype, TSYS_CUDA, p0->ndim, p0->shape);
+        tsys_tensor_cast_from(ctx, r, p0->grad);
+        float *a = test_read(ctx, r), *b = test_read(ctx, p1->grad);
+        for (int64_t e = 0; a && b && e < tsys_tensor_numel(r); e++) { outside += !tc_within_bf16_step(a[e], b[e]); inexact += a[e] != b[e]; }
+        total += tsys_tensor_numel(r);
+        free(a); free(b);
+        tsys_tensor_release(r);
+    }
+    TEST_CHECK(wrong_dtype == 0, "%d gradients are not in the dtype asked for", wrong_dtype);
+    TEST_CHECK(outside == 0, "%d of %lld gradient elements are more than one bf16 step from the rounded fp32 gradient (%d not equal)", outside, (long long)total, inexact);
+    for (int k = 0; k < 2; k++) tsys_optim_release_grads(o[k]);
+    float ref[4], eager[4], graph[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; i++) ref[i] = tc_lowp_loss(ctx, tc_lowp_step(ctx, m[0], o[0], ids, tg, TSYS_BF16, false));
+    for (int i = 0; i < 4; i++) eager[i] = tc_lowp_loss(ctx, tc_lowp_step(ctx, m[1], o[1], ids, tg, TSYS_BF16, false));
+    graph[0] = tc_lowp_loss(ctx, tc_lowp_step(ctx, m[2], o[2], ids, tg, TSYS_BF16, false));
+    tsys_cuda_graph *gr = NULL;
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor *loss = tc_lowp_step(ctx, m[2], o[2], ids, tg, TSYS_BF16, false);
+    TEST_CHECK(tsys_cuda_graph_end(ctx, &gr) == TSYS_OK && gr && loss, "capture: %s", tsys_ctx_last_error(ctx));
+    for (int i = 1; i < 4 && gr && loss; i++) { tsys_cuda_graph_replay(ctx, gr); graph[i] = tsys_item(ctx, loss); }
+    tsys_sync(ctx, TSYS_CUDA);
+    for (int i = 0; i < 4; i++)
+        TEST_CHECK(fabsf(eager[i] - ref[i]) <= 1e-3f * fabsf(ref[i]) && graph[i] == eager[i], "step %d: loss %.9g with fp32 gradients, %.9g with bf16 ones eager, %.9g captured",
+                   i, ref[i], eager[i], graph[i]);
+    int differ = 0;
+    for (int i = 0; i < n; i++) {
+        float *a = test_read(ctx, tsys_model_params(m[1])[i]), *b = test_read(ctx, tsys_model_params(m[2])[i]);
+        differ += !a || !b || memcmp(a, b, sizeof(float) * (size_t)tsys_tensor_numel(tsys_model_params(m[1])[i])) != 0;
+        free(a); free(b);
+    }
+    TEST_CHECK(differ == 0, "%d parameter tensors of the captured run differ from the eager one", differ);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_cuda_graph_free(gr);
+    tsys_tensor_release(loss); tsys_tensor_release(ids); tsys_tensor_release(tg);
+    for (int k = 0; k < 3; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+}
+
 // Two contexts, each with its own backend state, used side by side.
 TSYS_TEST(cuda_two_contexts) {
     TC_CTX(ctx);
