@@ -378,8 +378,8 @@ TSYS_TEST(plan_pure_keeps_the_residual_in_dtype) {
     tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_F32, TSYS_PLAN_OPTIMIZER, &f32, NULL, 0);
     tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_F32, TSYS_PLAN_OPTIMIZER | TSYS_PLAN_PURE, &f32p, NULL, 0);
     TEST_CHECK(f32.kept_bytes == f32p.kept_bytes && f32.peak_bytes == f32p.peak_bytes, "fp32: pure changed the plan");
-    TEST_CHECK(tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_BF16, 16u, &pure, err, sizeof err) == TSYS_ERR_INVALID_ARGS &&
-                   strstr(err, "unknown flags 0x10"), "flag 16: '%s'", err);
+    TEST_CHECK(tsys_checkpoint_plan_make_ex(&d, "blocks:1", 3, 16, TSYS_BF16, 32u, &pure, err, sizeof err) == TSYS_ERR_INVALID_ARGS &&
+                   strstr(err, "unknown flags 0x20"), "flag 32: '%s'", err);
 }
 
 // The CS336 (S26) numbers: the xl block (2560 wide, 10240 FFN, 32 heads) at context 2048, batch 4,
