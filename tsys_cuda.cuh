@@ -830,8 +830,9 @@ static int64_t tsys_cuda__rows(const tsys_tensor *t) {
 // >>elementwise -----------------------------------------------------------------------------------
 // One kernel template serves every elementwise tsys kernel: an Op maps up to 4 fp32 inputs to up
 // to 3 fp32 outputs. Inputs may broadcast (in_mod: index i reads element i % mod; 1 = element 0).
-// Two variants:
+// Three variants:
 //   ew_any: any mix of dtypes and broadcasts, one element per thread-iteration, grid-stride.
+//   ew_mix: float dtypes mixed, no broadcast, aligned: four elements a thread-iteration (below).
 //   ew_vec: every operand the same float dtype T, no broadcast, 16-byte aligned, n a multiple of
 //           16/sizeof(T): 16-byte loads and stores (8 bf16 or 4 fp32 per thread-iteration).
 
@@ -885,6 +886,49 @@ __global__ void tsys_cuda__ew_vec(Op op, tsys_cuda__ew_args a) {
     }
 }
 
+// ew_mix: float operands of mixed dtypes (fp32 beside bf16 / f16: casts, fp32 gradients gathering bf16
+// ones), no broadcast, each aligned to four of its elements, n a multiple of 4: four elements a
+// thread-iteration, one 16-byte (fp32) or 8-byte (16-bit) access an operand (the element-wise loop
+// ran these at about half the HBM's rate). Each element is rounded as tsys_cuda__st rounds it.
+__device__ __forceinline__ void tsys_cuda__ld4(const void *p, int dt, int64_t q, float *x) {
+    if (dt == TSYS_F32) { const float4 v = ((const float4 *)p)[q]; x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w; return; }
+    const uint2 u = ((const uint2 *)p)[q];
+    const float2 a = dt == TSYS_BF16 ? __bfloat1622float2(*(const __nv_bfloat162 *)&u.x) : __half22float2(*(const __half2 *)&u.x);
+    const float2 b = dt == TSYS_BF16 ? __bfloat1622float2(*(const __nv_bfloat162 *)&u.y) : __half22float2(*(const __half2 *)&u.y);
+    x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+}
+__device__ __forceinline__ uint32_t tsys_cuda__pack2(int dt, float lo, float hi) {
+    const uint16_t l = dt == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(lo)) : __half_as_ushort(__float2half_rn(lo));
+    const uint16_t h = dt == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(hi)) : __half_as_ushort(__float2half_rn(hi));
+    return (uint32_t)l | ((uint32_t)h << 16);
+}
+__device__ __forceinline__ void tsys_cuda__st4(void *p, int dt, int64_t q, const float *y) {
+    if (dt == TSYS_F32) ((float4 *)p)[q] = make_float4(y[0], y[1], y[2], y[3]);
+    else ((uint2 *)p)[q] = make_uint2(tsys_cuda__pack2(dt, y[0], y[1]), tsys_cuda__pack2(dt, y[2], y[3]));
+}
+template <int NIN, int NOUT, class Op>
+__global__ void tsys_cuda__ew_mix(Op op, tsys_cuda__ew_args a) {
+    for (int64_t q = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; q < a.n / 4; q += (int64_t)gridDim.x * blockDim.x) {
+        float x[NIN > 0 ? NIN : 1][4], y[NOUT][4];
+#pragma unroll
+        for (int k = 0; k < NIN; k++) tsys_cuda__ld4(a.in[k], a.in_dt[k], q, x[k]);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float xe[NIN > 0 ? NIN : 1], ye[NOUT];
+#pragma unroll
+            for (int k = 0; k < NIN; k++) xe[k] = x[k][e];
+            op(xe, ye);
+#pragma unroll
+            for (int k = 0; k < NOUT; k++) y[k][e] = ye[k];
+        }
+#pragma unroll
+        for (int k = 0; k < NOUT; k++) tsys_cuda__st4(a.out[k], a.out_dt[k], q, y[k]);
+    }
+}
+static bool tsys_cuda__mix_ok(const void *p, int dt) {
+    return (dt == TSYS_F32 || dt == TSYS_BF16 || dt == TSYS_F16) && ((uintptr_t)p & (4 * tsys_dtype_size((tsys_dtype)dt) - 1)) == 0;
+}
+
 // Picks the vectorized variant when it applies, else the general one.
 template <int NIN, int NOUT, class Op>
 static tsys_status tsys_cuda__ew(tsys_cuda__state *st, Op op, tsys_cuda__ew_args a) {
@@ -901,6 +945,13 @@ static tsys_status tsys_cuda__ew(tsys_cuda__state *st, Op op, tsys_cuda__ew_args
         if (dt == TSYS_F32) TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_vec<float, NIN, NOUT, Op>), grid, threads, 0, op, a);
         else if (dt == TSYS_BF16) TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_vec<__nv_bfloat16, NIN, NOUT, Op>), grid, threads, 0, op, a);
         else TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_vec<__half, NIN, NOUT, Op>), grid, threads, 0, op, a);
+        return TSYS_OK;
+    }
+    bool mix = a.n % 4 == 0;
+    for (int k = 0; k < NIN && mix; k++) mix = a.in_mod[k] == 0 && tsys_cuda__mix_ok(a.in[k], a.in_dt[k]);
+    for (int k = 0; k < NOUT && mix; k++) mix = a.out[k] && tsys_cuda__mix_ok(a.out[k], a.out_dt[k]);
+    if (mix) {
+        TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_mix<NIN, NOUT, Op>), tsys_cuda__grid(st, a.n / 4, threads), threads, 0, op, a);
         return TSYS_OK;
     }
     TSYS_CUDA__LAUNCH(st, (tsys_cuda__ew_any<NIN, NOUT, Op>), tsys_cuda__grid(st, a.n, threads), threads, 0, op, a);
@@ -1302,24 +1353,26 @@ static int tsys_cuda__norm_bwd_blocks(const tsys_cuda__state *st, int64_t rows) 
 // attention's layout, the transpose in the same pass); 2 x (B, H, T, D) -> y (B, T, H, D). A thread
 // takes E elements of one output row (E/2 pairs): a 16-byte pack when rows are whole packs and
 // aligned, else one pair. Output-ordered, so writes are coalesced; a source row is contiguous too.
-__device__ __forceinline__ int64_t tsys_cuda__rope_src(int64_t o, int64_t H, int64_t T, int mode, int64_t *t) {
-    if (mode == 2) { int64_t b = o / (T * H), tt = (o / H) % T, h = o % H; *t = tt; return (b * H + h) * T + tt; }
-    int64_t b = o / (H * T), h = (o / T) % H, tt = o % T;
+// I: the index type, 32-bit unsigned where every element's index fits (64-bit division and remainder are
+// instruction sequences: they were most of the kernel's time at the training shapes).
+template <class I> __device__ __forceinline__ I tsys_cuda__rope_src(I o, I H, I T, int mode, I *t) {
+    if (mode == 2) { I b = o / (T * H), tt = (o / H) % T, h = o % H; *t = tt; return (b * H + h) * T + tt; }
+    I b = o / (H * T), h = (o / T) % H, tt = o % T;
     *t = tt;
     return mode == 1 ? (b * T + tt) * H + h : o;
 }
-template <class T, int E>
-__global__ void tsys_cuda__rope(T *y, const T *x, int64_t rows, int64_t H, int64_t T_len, int64_t D, float theta, float dir, int mode) {
-    int64_t per_row = D / E, n = rows * per_row;
-    for (int64_t q = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; q < n; q += (int64_t)gridDim.x * blockDim.x) {
-        int64_t o = q / per_row, c = (q % per_row) * E, t;
-        int64_t src = tsys_cuda__rope_src(o, H, T_len, mode, &t);
+template <class T, int E, class I>
+__global__ void tsys_cuda__rope(T *y, const T *x, I rows, I H, I T_len, I D, float theta, float dir, int mode) {
+    I per_row = D / E, n = rows * per_row;
+    for (I q = blockIdx.x * (I)blockDim.x + threadIdx.x; q < n; q += (I)gridDim.x * blockDim.x) {
+        I o = q / per_row, c = (q % per_row) * E, t;
+        I src = tsys_cuda__rope_src<I>(o, H, T_len, mode, &t);
         tsys_cuda__pack<T> in, out;   // E <= a pack's elements
         if (E * sizeof(T) == 16) in = *(const tsys_cuda__pack<T> *)(x + src * D + c);
         else for (int e = 0; e < E; e++) in.v[e] = x[src * D + c + e];
 #pragma unroll
         for (int e = 0; e < E; e += 2) {
-            int64_t j = (c + e) / 2;
+            I j = (c + e) / 2;
             float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
             float sn, cs;
             sincosf((float)t * inv_freq, &sn, &cs);
@@ -1557,14 +1610,23 @@ __global__ void tsys_cuda__embed_bwd_runs(float *dw, const void *dy, int dydt, c
 // >>transpose -------------------------------------------------------------------------------------
 // (A, B, C, D) -> (A, C, B, D): each output row of D elements is one contiguous input row, so the
 // copy moves whole rows in units U (16 bytes when the row allows it, else the element size).
-template <class U>
-__global__ void tsys_cuda__transpose12(U *out, const U *in, int64_t A, int64_t B, int64_t C, int64_t Du) {
-    int64_t n = A * B * C * Du;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t e = i % Du, o = i / Du;        // o = (a, c, b) output row
-        int64_t b = o % B, t = o / B, c = t % C, a = t / C;
+// I: the index type (as RoPE's: 32-bit where every index fits).
+template <class U, class I>
+__global__ void tsys_cuda__transpose12(U *out, const U *in, I A, I B, I C, I Du) {
+    I n = A * B * C * Du;
+    for (I i = blockIdx.x * (I)blockDim.x + threadIdx.x; i < n; i += (I)gridDim.x * blockDim.x) {
+        I e = i % Du, o = i / Du;        // o = (a, c, b) output row
+        I b = o % B, t = o / B, c = t % C, a = t / C;
         out[i] = in[((a * B + b) * C + c) * Du + e];
     }
+}
+template <class U>
+static tsys_status tsys_cuda__transpose12_launch(tsys_cuda__state *st, void *out, const void *in, int64_t A, int64_t B, int64_t C, int64_t Du) {
+    const int64_t n = A * B * C * Du;
+    if (n < ((int64_t)1 << 31))   // and the grid-stride step past the last index does not wrap
+        TSYS_CUDA__LAUNCH(st, (tsys_cuda__transpose12<U, uint32_t>), tsys_cuda__grid(st, n, 256), 256, 0, (U *)out, (const U *)in, (uint32_t)A, (uint32_t)B, (uint32_t)C, (uint32_t)Du);
+    else TSYS_CUDA__LAUNCH(st, (tsys_cuda__transpose12<U, int64_t>), tsys_cuda__grid(st, n, 256), 256, 0, (U *)out, (const U *)in, A, B, C, Du);
+    return TSYS_OK;
 }
 
 // >>flash -----------------------------------------------------------------------------------------
@@ -4910,8 +4972,12 @@ static tsys_status tsys_cuda__k_rope(tsys_cuda__state *st, const tsys_kargs *a) 
         constexpr int P = (int)(16 / sizeof(T));
         T *yp = (T *)tsys_cuda__data(y); const T *xp = (const T *)tsys_cuda__data(x);
         bool packs = D % P == 0 && tsys_cuda__aligned16(yp) && tsys_cuda__aligned16(xp);
-        if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode);
-        else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode));
+        const bool narrow = tsys_tensor_numel(x) < ((int64_t)1 << 31);   // every index, and the grid-stride step past the last, fits 32 bits
+        const uint32_t r32 = (uint32_t)rows, h32 = (uint32_t)H, t32 = (uint32_t)T_len, d32 = (uint32_t)D;
+        if (packs && narrow) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P, uint32_t>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, r32, h32, t32, d32, a->f[0], dir, mode);
+        else if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P, int64_t>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode);
+        else if (narrow) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2, uint32_t>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, r32, h32, t32, d32, a->f[0], dir, mode);
+        else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2, int64_t>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode));
     return TSYS_OK;
 }
 
@@ -5062,21 +5128,10 @@ static tsys_status tsys_cuda__k_transpose12(tsys_cuda__state *st, const tsys_kar
     size_t es = tsys_dtype_size(in->dtype), row = (size_t)D * es;
     void *o = tsys_cuda__data(out);
     const void *i = tsys_cuda__data(in);
-    int64_t n;
-    if (row % 16 == 0 && tsys_cuda__aligned16(o) && tsys_cuda__aligned16(i)) {
-        n = A * B * C * (int64_t)(row / 16);
-        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint4>, tsys_cuda__grid(st, n, 256), 256, 0, (uint4 *)o, (const uint4 *)i, A, B, C, (int64_t)(row / 16));
-    } else if (es == 2) {
-        n = A * B * C * D;
-        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint16_t>, tsys_cuda__grid(st, n, 256), 256, 0, (uint16_t *)o, (const uint16_t *)i, A, B, C, D);
-    } else if (es == 4) {
-        n = A * B * C * D;
-        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint32_t>, tsys_cuda__grid(st, n, 256), 256, 0, (uint32_t *)o, (const uint32_t *)i, A, B, C, D);
-    } else {
-        n = A * B * C * D;
-        TSYS_CUDA__LAUNCH(st, tsys_cuda__transpose12<uint64_t>, tsys_cuda__grid(st, n, 256), 256, 0, (uint64_t *)o, (const uint64_t *)i, A, B, C, D);
-    }
-    return TSYS_OK;
+    if (row % 16 == 0 && tsys_cuda__aligned16(o) && tsys_cuda__aligned16(i)) return tsys_cuda__transpose12_launch<uint4>(st, o, i, A, B, C, (int64_t)(row / 16));
+    if (es == 2) return tsys_cuda__transpose12_launch<uint16_t>(st, o, i, A, B, C, D);
+    if (es == 4) return tsys_cuda__transpose12_launch<uint32_t>(st, o, i, A, B, C, D);
+    return tsys_cuda__transpose12_launch<uint64_t>(st, o, i, A, B, C, D);
 }
 
 // AdamW, with or without the kept low-precision copy of the new p (t[6], tsys_optim_keep_lowp;

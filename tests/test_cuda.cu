@@ -150,6 +150,40 @@ TSYS_TEST(cuda_elementwise) {
     tc_run_case(&ids);
 }
 
+// Casts and accumulations between fp32 and bf16 / f16 take four elements a thread where every operand is
+// aligned (ew_mix) and one where one is not (ew_any): the same bits either way.
+static tsys_tensor *tc_shifted_copy(tsys_ctx *ctx, tsys_tensor *src, tsys_tensor **hold) {   // src's values one element off alignment
+    int64_t n = tsys_tensor_numel(src), n1 = n + 1;
+    *hold = tsys_tensor_new(ctx, src->dtype, TSYS_CUDA, 1, &n1);
+    tsys_tensor *v = *hold ? tsys_tensor_view_raw(ctx, *hold, tsys_dtype_size(src->dtype), src->dtype, 1, &n) : NULL;
+    if (v) tsys_tensor_copy_from(ctx, v, src);
+    return v;
+}
+TSYS_TEST(cuda_mixed_dtype_paths_agree) {
+    TC_CTX(ctx);
+    const int64_t n = 4100;
+    for (int di = 1; di < 3; di++) {
+        tsys_dtype T = tc_floats[di];
+        int differ = 0;
+        for (int c = 0; c < 3; c++) {   // cast T -> f32, cast f32 -> T, f32 += T
+            tsys_tensor *dst = tsys_tensor_new(ctx, c == 1 ? T : TSYS_F32, TSYS_CUDA, 1, &n), *src = tsys_tensor_new(ctx, c == 1 ? TSYS_F32 : T, TSYS_CUDA, 1, &n);
+            tsys_rng_seed(ctx, 70 + c); tsys_tensor_randn(ctx, dst, 1.0f); tsys_tensor_randn(ctx, src, 3.0f);
+            tsys_tensor *h0 = NULL, *h1 = NULL, *dst2 = tc_shifted_copy(ctx, dst, &h0), *src2 = tc_shifted_copy(ctx, src, &h1);
+            for (int k = 0; k < 2; k++) {
+                tsys_tensor *d = k ? dst2 : dst, *s = k ? src2 : src;
+                if (c < 2) tsys_tensor_cast_from(ctx, d, s); else tsys_tensor_accumulate(ctx, d, s);
+            }
+            float *a = test_read(ctx, dst), *b = dst2 ? test_read(ctx, dst2) : NULL;
+            differ += !a || !b || memcmp(a, b, sizeof(float) * (size_t)n) != 0;
+            free(a); free(b);
+            tsys_tensor *all[6] = {dst, src, dst2, src2, h0, h1};
+            for (int i = 0; i < 6; i++) tsys_tensor_release(all[i]);
+        }
+        TEST_CHECK(differ == 0, "%s: %d of 3 mixed casts / accumulations differ between the aligned and the element-wise path", tsys_dtype_name(T), differ);
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+}
+
 TSYS_TEST(cuda_norms) {
     const int64_t dims[3] = { 768, 100, 2560 };
     for (int di = 0; di < 3; di++)
