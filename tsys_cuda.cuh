@@ -1353,8 +1353,8 @@ static int tsys_cuda__norm_bwd_blocks(const tsys_cuda__state *st, int64_t rows) 
 // attention's layout, the transpose in the same pass); 2 x (B, H, T, D) -> y (B, T, H, D). A thread
 // takes E elements of one output row (E/2 pairs): a 16-byte pack when rows are whole packs and
 // aligned, else one pair. Output-ordered, so writes are coalesced; a source row is contiguous too.
-// I: the index type, 32-bit unsigned where every element's index fits (64-bit division and remainder are
-// instruction sequences: they were most of the kernel's time at the training shapes).
+// I: the index type (tsys_cuda__rope_pos below runs 32-bit indices: 64-bit division and remainder are
+// instruction sequences, a large part of this kernel's time at the training shapes).
 template <class I> __device__ __forceinline__ I tsys_cuda__rope_src(I o, I H, I T, int mode, I *t) {
     if (mode == 2) { I b = o / (T * H), tt = (o / H) % T, h = o % H; *t = tt; return (b * H + h) * T + tt; }
     I b = o / (H * T), h = (o / T) % H, tt = o % T;
@@ -1377,6 +1377,45 @@ __global__ void tsys_cuda__rope(T *y, const T *x, I rows, I H, I T_len, I D, flo
             float sn, cs;
             sincosf((float)t * inv_freq, &sn, &cs);
             sn *= dir;
+            float x0 = tsys_cuda__tof(in.v[e]), x1 = tsys_cuda__tof(in.v[e + 1]);
+            out.v[e] = tsys_cuda__fromf<T>(x0 * cs - x1 * sn);
+            out.v[e + 1] = tsys_cuda__fromf<T>(x0 * sn + x1 * cs);
+        }
+        if (E * sizeof(T) == 16) *(tsys_cuda__pack<T> *)(y + o * D + c) = out;
+        else for (int e = 0; e < E; e++) y[o * D + c + e] = out.v[e];
+    }
+}
+
+// The same with the angles computed once a position: block (t, g) takes the rows at position t of
+// batch g (layouts 1 and 2: H rows) or of chunk g (layout 0: rows t + k T, k in [g kb, g kb + kb)).
+// Its threads put the position's D/2 cosines and sines into shared memory (the expressions above),
+// then rotate the rows E elements a thread: powf and sincosf were most of the kernel's work when each
+// thread computed its own.
+template <class T, int E, class I>
+__global__ void tsys_cuda__rope_pos(T *y, const T *x, I rows, I H, I T_len, I D, I kb, float theta, float dir, int mode) {
+    extern __shared__ float tsys_cuda__rope_angles[];   // cosines, then sines (dir applied)
+    float *cs_t = tsys_cuda__rope_angles, *sn_t = cs_t + D / 2;
+    const I t = blockIdx.x % T_len, g = blockIdx.x / T_len;
+    for (I j = threadIdx.x; j < D / 2; j += blockDim.x) {
+        float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
+        float sn, cs;
+        sincosf((float)t * inv_freq, &sn, &cs);
+        cs_t[j] = cs; sn_t[j] = sn * dir;
+    }
+    __syncthreads();
+    const I per_row = D / E, members = mode == 0 ? kb : H, K = rows / T_len;
+    for (I q = threadIdx.x; q < members * per_row; q += blockDim.x) {
+        const I m = q / per_row, c = (q % per_row) * E;
+        I src, o;
+        if (mode == 0) { I k = g * kb + m; if (k >= K) break; src = o = t + k * T_len; }   // members ascend with q: the rest are past K too
+        else if (mode == 1) { src = (g * T_len + t) * H + m; o = (g * H + m) * T_len + t; }
+        else { src = (g * H + m) * T_len + t; o = (g * T_len + t) * H + m; }
+        tsys_cuda__pack<T> in, out;   // E <= a pack's elements
+        if (E * sizeof(T) == 16) in = *(const tsys_cuda__pack<T> *)(x + src * D + c);
+        else for (int e = 0; e < E; e++) in.v[e] = x[src * D + c + e];
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            const float cs = cs_t[(c + e) / 2], sn = sn_t[(c + e) / 2];
             float x0 = tsys_cuda__tof(in.v[e]), x1 = tsys_cuda__tof(in.v[e + 1]);
             out.v[e] = tsys_cuda__fromf<T>(x0 * cs - x1 * sn);
             out.v[e + 1] = tsys_cuda__fromf<T>(x0 * sn + x1 * cs);
@@ -4967,16 +5006,25 @@ static tsys_status tsys_cuda__k_rope(tsys_cuda__state *st, const tsys_kargs *a) 
     else { T_len = mode == 1 ? x->shape[1] : x->shape[2]; H = mode == 1 ? x->shape[2] : x->shape[1]; }
     TSYS_CUDA__REQUIRE(st->ctx, D % 2 == 0, "rope: head dim %lld is odd", (long long)D);
     int64_t rows = D ? tsys_tensor_numel(x) / D : 0;
+    if (rows == 0) return TSYS_OK;
     float dir = a->f[1] < 0 ? -1.0f : 1.0f;
     TSYS_CUDA__FLOAT_SWITCH(st->ctx, x->dtype, T,
         constexpr int P = (int)(16 / sizeof(T));
         T *yp = (T *)tsys_cuda__data(y); const T *xp = (const T *)tsys_cuda__data(x);
         bool packs = D % P == 0 && tsys_cuda__aligned16(yp) && tsys_cuda__aligned16(xp);
-        const bool narrow = tsys_tensor_numel(x) < ((int64_t)1 << 31);   // every index, and the grid-stride step past the last, fits 32 bits
+        const bool narrow = tsys_tensor_numel(x) < ((int64_t)1 << 31);   // every index fits 32 bits
         const uint32_t r32 = (uint32_t)rows, h32 = (uint32_t)H, t32 = (uint32_t)T_len, d32 = (uint32_t)D;
-        if (packs && narrow) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P, uint32_t>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, r32, h32, t32, d32, a->f[0], dir, mode);
+        // by position (the angles once a block) where the rows are 32-bit indexable and the angles fit shared memory
+        const int64_t groups = T_len ? (mode == 0 ? rows / T_len : rows / (H * T_len)) : 0, kb = 16;
+        const int64_t blocks = T_len * (mode == 0 ? (groups + kb - 1) / kb : groups), members = mode == 0 ? kb : H;
+        if (narrow && D <= 4096 && blocks > 0 && blocks < ((int64_t)1 << 31)) {
+            const int64_t items = members * (D / (packs ? P : 2));
+            const int threads = items >= 256 ? 256 : (int)((items + 31) / 32 * 32);
+            const size_t smem = (size_t)D * sizeof(float);
+            if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope_pos<T, P, uint32_t>), (unsigned)blocks, threads, smem, yp, xp, r32, h32, t32, d32, (uint32_t)kb, a->f[0], dir, mode);
+            else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope_pos<T, 2, uint32_t>), (unsigned)blocks, threads, smem, yp, xp, r32, h32, t32, d32, (uint32_t)kb, a->f[0], dir, mode);
+        }
         else if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P, int64_t>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode);
-        else if (narrow) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2, uint32_t>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, r32, h32, t32, d32, a->f[0], dir, mode);
         else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2, int64_t>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode));
     return TSYS_OK;
 }

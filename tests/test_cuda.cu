@@ -231,6 +231,8 @@ TSYS_TEST(cuda_rope_softmax) {
             { "rope inv", TSYS_K_ROPE, { A4(R_OUT, T, 2, 3, 40, 16, I_RANDN, 1), A4(R_IN, T, 2, 3, 40, 16, I_RANDN, 1) }, { 10000.0f, -1.0f } },
             { "rope to heads", TSYS_K_ROPE, { A4(R_OUT, T, 2, 5, 40, 64, I_RANDN, 1), A4(R_IN, T, 2, 40, 5, 64, I_RANDN, 1) }, { 10000.0f, 1.0f }, { 1 } },
             { "rope from heads inv", TSYS_K_ROPE, { A4(R_OUT, T, 2, 40, 5, 64, I_RANDN, 1), A4(R_IN, T, 2, 5, 40, 64, I_RANDN, 1) }, { 10000.0f, -1.0f }, { 2 } },
+            { "rope to heads d80", TSYS_K_ROPE, { A4(R_OUT, T, 2, 6, 24, 80, I_RANDN, 1), A4(R_IN, T, 2, 24, 6, 80, I_RANDN, 1) }, { 10000.0f, 1.0f }, { 1 } },
+            { "rope rows, 40 a position (3 chunks of 16)", TSYS_K_ROPE, { A4(R_OUT, T, 5, 8, 12, 32, I_RANDN, 1), A4(R_IN, T, 5, 8, 12, 32, I_RANDN, 1) }, { 10000.0f, -1.0f } },
             { "rope to heads d6", TSYS_K_ROPE, { A4(R_OUT, T, 3, 4, 33, 6, I_RANDN, 1), A4(R_IN, T, 3, 33, 4, 6, I_RANDN, 1) }, { 500.0f, 1.0f }, { 1 } },
             { "softmax", TSYS_K_SOFTMAX_FWD, { A2(R_OUT, T, 37, 300, I_RANDN, 1), A2(R_IN, T, 37, 300, I_RANDN, 3) }, { 0.7f } },
             { "softmax causal", TSYS_K_SOFTMAX_FWD, { A4(R_OUT, T, 2, 3, 64, 64, I_RANDN, 1), A4(R_IN, T, 2, 3, 64, 64, I_RANDN, 3) }, { 0.125f }, { 1 } },
