@@ -33,7 +33,7 @@ static bool ok_ckpt(const char *s) { tsys_checkpoint_policy p; return tsys_check
 
 static void opts_free(e2e_opts *o) {
     du_list *l[10] = E2E_LISTS(o);
-    for (int i = 0; i < 9; i++) du_list_free(l[i]);
+    for (int i = 0; i < 10; i++) du_list_free(l[i]);
     if (o->profile_log) fclose(o->profile_log);
 }
 
