@@ -372,7 +372,7 @@ typedef struct tsys_mem_stats {
     X(SWIGLU_FWD,    "swiglu_fwd",    "FFF",       0x001, "t0 = silu(t1) * t2") \
     X(SWIGLU_BWD,    "swiglu_bwd",    "FFFFF",     0x003, "da t0, db t1 from dy t2, a t3, b t4") \
     X(RMSNORM_FWD,   "rmsnorm_fwd",   "FSFFfs",    0x023, "y t0 (x's dtype, or bf16/f16 from f32 x), rstd t1 (rows, f32) from x t2, w t3; f0 = eps; with r t4: s = x + r (f32 x) written to t5, y = norm(s)") \
-    X(RMSNORM_BWD,   "rmsnorm_bwd",   "FSFFFS",    0x003, "dx t0 (i0 = 1: added to), dw t1 (f32, accumulated) from dy t2, x t3, w t4, rstd t5") \
+    X(RMSNORM_BWD,   "rmsnorm_bwd",   "FSFFFS",    0x003, "dx t0 (i0 = 1: added to), dw t1 (f32, accumulated; i1 = 1: stored) from dy t2, x t3, w t4, rstd t5") \
     X(LAYERNORM_FWD, "layernorm_fwd", "FSSFff",    0x007, "y t0, mean t1, rstd t2 from x t3, w t4, b t5; f0 = eps") \
     X(LAYERNORM_BWD, "layernorm_bwd", "FssFFfSS",  0x007, "dx t0, dw t1, db t2 (f32, accumulated) from dy t3, x t4, w t5, mean t6, rstd t7") \
     X(ROPE,          "rope",          "FF",        0x001, "t0 = rope(t1) over (.., T, D), positions 0..T-1; f0 = theta, f1 = +1 forward or -1 inverse; i0 = 1: t1 (B, T, H, D) -> t0 (B, H, T, D), 2: the way back") \
@@ -2802,9 +2802,11 @@ static tsys_status tsys__cpu_k_rmsnorm_fwd(tsys__cpu_launch *L) {
 }
 
 static tsys_status tsys__cpu_k_rmsnorm_bwd(tsys__cpu_launch *L) {
-    bool add = L->a->i[0] != 0;
+    bool add = L->a->i[0] != 0, store_w = L->a->i[1] != 0;
     int64_t d = tsys__last_dim(L->t[3]);
-    tsys__cpu_rmsnorm_bwd(OUT(0, add), add, OUT(1, true), IN(2), IN(3), IN(4), IN(5), tsys__rows(L->t[3]), d);
+    float *dw = OUT(1, !store_w);
+    if (store_w) memset(dw, 0, sizeof(float) * (size_t)d);   // the sums start from 0, as a filled dw's would
+    tsys__cpu_rmsnorm_bwd(OUT(0, add), add, dw, IN(2), IN(3), IN(4), IN(5), tsys__rows(L->t[3]), d);
     return TSYS_OK;
 }
 
@@ -4791,15 +4793,16 @@ static tsys_tensor *tsys__grad_sink(tsys__node *n, int j, tsys_dtype dt) {
 static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
     tsys_tensor *g = n->gout, *x = n->saved[TSYS__SAVED_RMSNORM_X], *w = n->saved[TSYS__SAVED_RMSNORM_W];
     tsys_kargs a = tsys__kargs0();
-    bool fresh_w = false, fresh_b = false;
+    bool fresh_w = false, fresh_b = false, store_w = false;   // store_w: RMSNorm's dw counts as zero, the kernel stores it (no fill)
     tsys_tensor *sink = layer ? NULL : tsys__grad_sink(n, 0, x->dtype);
     tsys_tensor *dx = sink ? tsys_tensor_retain(sink) : tsys__new_like(ctx, x, x->dtype);
-    tsys_tensor *dw = (w && n->in[1].needs) ? tsys__grad_dest(ctx, n, 1, TSYS_F32, &fresh_w, NULL) : NULL;
+    tsys_tensor *dw = (w && n->in[1].needs) ? tsys__grad_dest(ctx, n, 1, TSYS_F32, &fresh_w, layer ? NULL : &store_w) : NULL;
     tsys_tensor *db = (layer && n->in[2].needs) ? tsys__grad_dest(ctx, n, 2, TSYS_F32, &fresh_b, NULL) : NULL;
     // kernels always write dw/db: give them scratch when the input wants no gradient
     tsys_tensor *scratch_w = (w && !dw) ? tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &w->shape[0]) : NULL;
     tsys_status st = dx ? TSYS_OK : ctx->status;
-    if (scratch_w) tsys_tensor_fill(ctx, scratch_w, 0.0f);
+    if (scratch_w && layer) tsys_tensor_fill(ctx, scratch_w, 0.0f);
+    if (scratch_w && !layer) store_w = true;
     if (layer) {
         tsys_tensor *bias = n->saved[TSYS__SAVED_LAYERNORM_B];
         tsys_tensor *scratch_b = (bias && !db) ? tsys_tensor_new(ctx, TSYS_F32, x->device, 1, &bias->shape[0]) : NULL;
@@ -4810,7 +4813,7 @@ static tsys_status tsys__bwd_norm(tsys_ctx *ctx, tsys__node *n, bool layer) {
         tsys_tensor_release(scratch_b);
     } else {
         a.t[0] = dx; a.t[1] = dw ? dw : scratch_w; a.t[2] = g; a.t[3] = x; a.t[4] = w; a.t[5] = n->saved[TSYS__SAVED_RMSNORM_RSTD];
-        a.i[0] = sink != NULL;
+        a.i[0] = sink != NULL; a.i[1] = store_w;
         if (st == TSYS_OK) st = tsys__kernel(ctx, x->device, TSYS_K_RMSNORM_BWD, &a);
     }
     tsys_tensor_release(scratch_w);

@@ -1138,7 +1138,7 @@ __global__ void tsys_cuda__nonfinite(const void *x, int dt, int64_t n, float *fl
 // Column sums: out[c] += sum over rows of in[r, c]. Block (32, 8): threadIdx.x picks the column (so a
 // warp reads 32 consecutive elements of a row), threadIdx.y strides over rows; the 8 partials of a
 // column are added in a fixed order. Used for bias grads and to fold per-block weight-grad partials.
-__global__ void tsys_cuda__colsum(void *out, int out_dt, const void *in, int in_dt, int64_t rows, int64_t cols, int64_t ld) {
+__global__ void tsys_cuda__colsum(void *out, int out_dt, const void *in, int in_dt, int64_t rows, int64_t cols, int64_t ld, bool add) {
     __shared__ float sh[8][33];
     int64_t c = blockIdx.x * 32 + threadIdx.x;
     float acc = 0.0f;
@@ -1149,13 +1149,14 @@ __global__ void tsys_cuda__colsum(void *out, int out_dt, const void *in, int in_
     if (threadIdx.y == 0 && c < cols) {
         float s = 0.0f;
         for (int k = 0; k < 8; k++) s += sh[k][threadIdx.x];
-        tsys_cuda__st(out, out_dt, c, tsys_cuda__ld(out, out_dt, c) + s);
+        tsys_cuda__st(out, out_dt, c, (add ? tsys_cuda__ld(out, out_dt, c) : 0.0f) + s);   // stored: as if out were 0 (its -0 sums too)
     }
 }
 
 // ld: elements between consecutive rows of `in` (>= cols)
-static tsys_status tsys_cuda__colsum_launch(tsys_cuda__state *st, void *out, int out_dt, const void *in, int in_dt, int64_t rows, int64_t cols, int64_t ld) {
-    TSYS_CUDA__LAUNCH(st, tsys_cuda__colsum, (unsigned)((cols + 31) / 32), dim3(32, 8), 0, out, out_dt, in, in_dt, rows, cols, ld);
+static tsys_status tsys_cuda__colsum_launch(tsys_cuda__state *st, void *out, int out_dt, const void *in, int in_dt, int64_t rows, int64_t cols, int64_t ld,
+                                           bool add = true) {
+    TSYS_CUDA__LAUNCH(st, tsys_cuda__colsum, (unsigned)((cols + 31) / 32), dim3(32, 8), 0, out, out_dt, in, in_dt, rows, cols, ld, add);
     return TSYS_OK;
 }
 
@@ -4947,7 +4948,7 @@ static tsys_status tsys_cuda__k_rmsnorm_bwd(tsys_cuda__state *st, const tsys_kar
             TSYS_CUDA__LAUNCH(st, (tsys_cuda__rmsnorm_bwd<T, W>), (unsigned)G, threads, (size_t)D * sizeof(float),
                               (T *)tsys_cuda__data(dx), a->i[0] != 0, part, (const T *)tsys_cuda__data(dy), (const T *)tsys_cuda__data(x),
                               (const W *)tsys_cuda__data(w), (const float *)tsys_cuda__data(rstd), rows, D)));
-        if (dw) return tsys_cuda__colsum_launch(st, tsys_cuda__data(dw), dw->dtype, part, TSYS_F32, G, D, D);
+        if (dw) return tsys_cuda__colsum_launch(st, tsys_cuda__data(dw), dw->dtype, part, TSYS_F32, G, D, D, a->i[1] == 0);   // i1: stored
         return TSYS_OK;
     }();
     if (part) tsys_cuda__scratch_free(st, part);

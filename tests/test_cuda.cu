@@ -196,6 +196,9 @@ TSYS_TEST(cuda_norms) {
                 { "rmsnorm_bwd", TSYS_K_RMSNORM_BWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1),
                                                        A2(R_IN, T, R, D, I_RANDN, 1), A2(R_IN, T, R, D, I_RANDN, 1),
                                                        A1(R_IN, TSYS_F32, D, I_RANDN, 1), A1(R_IN, TSYS_F32, R, I_POS, 1) } },
+                { "rmsnorm_bwd, dw stored", TSYS_K_RMSNORM_BWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1),
+                                                       A2(R_IN, T, R, D, I_RANDN, 1), A2(R_IN, T, R, D, I_RANDN, 1),
+                                                       A1(R_IN, TSYS_F32, D, I_RANDN, 1), A1(R_IN, TSYS_F32, R, I_POS, 1) }, { 0.0f }, { 0, 1 } },
                 { "layernorm_fwd", TSYS_K_LAYERNORM_FWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
                                                            A2(R_IN, T, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1), A1(R_IN, TSYS_F32, D, I_RANDN, 1) }, { 1e-5f } },
                 { "layernorm_bwd", TSYS_K_LAYERNORM_BWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1), A1(R_INOUT, TSYS_F32, D, I_RANDN, 1),
@@ -1036,16 +1039,20 @@ static void tc_count_weight_casts(tsys_ctx *, const tsys_trace_kernel *k, void *
     if (k->kernel != TSYS_K_CAST || !k->args) return;
     for (int i = 0; i < c->n; i++) c->casts += k->args->t[1] == c->params[i];
 }
+// Three equal models of tc_model_desc on the GPU; false (and a failed check) when one could not be made.
+static bool tc_three_models(tsys_ctx *ctx, const tsys_model_desc *d, tsys_model *m[3]) {
+    m[0] = tsys_model_new(ctx, d, TSYS_CUDA, 5);
+    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
+    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
+    return m[0] && m[1] && m[2];
+}
 static void tc_lowp_case(tsys_dtype dt, bool overlap) {
     TC_CTX(ctx);
     const char *what = overlap ? "in backward" : "step";
     tsys_model_desc d = tc_model_desc();
     tsys_model *m[3];
-    m[0] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
-    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
-    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
-    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
-    if (!m[0] || !m[1] || !m[2]) return;
+    if (!tc_three_models(ctx, &d, m)) return;
     int n = tsys_model_num_tensors(m[0]);
     tsys_optim *o[3];
     for (int k = 0; k < 3; k++) o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
@@ -1159,11 +1166,7 @@ TSYS_TEST(cuda_lowp_grads_train) {
     TC_CTX(ctx);
     tsys_model_desc d = tc_model_desc();
     tsys_model *m[3];
-    m[0] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
-    m[1] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
-    m[2] = m[0] ? tc_model_copy(ctx, m[0], TSYS_CUDA) : NULL;
-    TEST_CHECK(m[0] && m[1] && m[2], "setup: %s", tsys_ctx_last_error(ctx));
-    if (!m[0] || !m[1] || !m[2]) return;
+    if (!tc_three_models(ctx, &d, m)) return;
     int n = tsys_model_num_tensors(m[0]);
     tsys_optim *o[3];
     for (int k = 0; k < 3; k++) {

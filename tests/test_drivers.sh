@@ -50,6 +50,16 @@ csv_col() {
   awk -F, -v row="$2" -v col="$3" 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == col) c = i; next }
                                     NR - 1 == row { print (c ? $c : "NO-COLUMN") }' "$1"
 }
+# expect_cells FILE "ROW COLUMN VALUE" ...: each cell of the csv holds its value
+expect_cells() {
+  local f=$1 c v
+  shift
+  for c in "$@"; do
+    set -- $c
+    v=$(csv_col "$f" "$1" "$2")
+    [ "$v" = "$3" ] || note "row $1 $2 = '$v', wanted '$3'"
+  done
+}
 
 # ---- rows and exit codes -------------------------------------------------------------------------
 
@@ -328,12 +338,7 @@ t_phases_a_mode_lacks_read_dash() {
 t_lowp_copies_column() {
   run "$B/e2e" "${TINY[@]}" --context-length 8 --mode train --dtype fp32,bf16 --lowp-copies no,yes --format csv
   expect_rc 0 "four rows"
-  local c v
-  for c in "1 lowp_copies no" "2 lowp_copies yes" "3 lowp_copies no" "4 lowp_copies yes" "1 status ok" "3 status ok" "4 status ok"; do
-    set -- $c
-    v=$(csv_col "$tmp/out" "$1" "$2")
-    [ "$v" = "$3" ] || note "row $1 $2 = '$v', wanted '$3'"
-  done
+  expect_cells "$tmp/out" "1 lowp_copies no" "2 lowp_copies yes" "3 lowp_copies no" "4 lowp_copies yes" "1 status ok" "3 status ok" "4 status ok"
   expect_in "$tmp/out" 'skipped: --lowp-copies applies to train mode under bf16/fp16' "the fp32 row with copies"
   expect_in "$tmp/err" 'lowp-copies no,yes' "the configuration line"
 }
@@ -364,12 +369,8 @@ t_lowp_grads_column() {
   run "$B/e2e" --model custom --d-model 256 --num-layers 8 --num-heads 2 --d-ff 1024 --vocab-size 64 --batch-size 2 --warmup 0 --steps 1 --no-sgemm \
       --context-length 16 --mode train --dtype fp32,bf16,fp16 --lowp-grads no,yes --format csv
   expect_rc 0 "six rows"
-  local c v i p m
-  for c in "1 lowp_grads no" "4 lowp_grads yes" "3 status ok" "4 status ok"; do
-    set -- $c
-    v=$(csv_col "$tmp/out" "$1" "$2")
-    [ "$v" = "$3" ] || note "row $1 $2 = '$v', wanted '$3'"
-  done
+  local i p m
+  expect_cells "$tmp/out" "1 lowp_grads no" "4 lowp_grads yes" "3 status ok" "4 status ok"
   expect_in "$tmp/out" 'skipped: --lowp-grads applies to backward under bf16/fp16' "the fp32 row"
   expect_in "$tmp/out" 'skipped: fp16 loss scaling unscales the gradients in place' "the fp16 training row"
   for i in 3 4; do
