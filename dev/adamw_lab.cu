@@ -3,7 +3,8 @@
 // tsys's AdamW moves with bf16 weight gradients and kept copies. The variants differ only in how each thread
 // walks the arrays (groups of 4 elements a thread-iteration, as tsys's kernel, or two groups at once; a capped
 // grid-stride loop or one group a thread; plain or streaming loads and stores); the update is AdamW's, with
-// the kernel's spelled-out roundings, so the instruction mix is the real one.
+// the kernel's spelled-out roundings and each thread's bias corrections (two pows in double, which a
+// grid-stride loop spreads over its groups), so the instruction mix is the real one.
 //
 //   nvcc -O2 -std=c++17 -gencode arch=compute_90a,code=sm_90a dev/adamw_lab.cu -o build/adamw_lab
 //   build/adamw_lab [elements]        (default 105 M: one 2.7B layer's parameters)
@@ -15,16 +16,22 @@
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
-struct arrays { float *p, *m, *v; const __nv_bfloat16 *g; __nv_bfloat16 *low; long n; };
+struct arrays { float *p, *m, *v; const __nv_bfloat16 *g; __nv_bfloat16 *low; long n; const long *t; };
 
-__device__ __forceinline__ void update(float &p, float g, float &m, float &v) {
-    const float lr = 1e-3f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, decay = 1.0f - 1e-5f, sqrt_bc2 = 0.0316f, step = 1e-2f;
+// The step's shared scalars, as tsys's kernel computes them once a thread (1 - beta^t in double).
+struct scalars { float decay, sqrt_bc2, step; };
+__device__ __forceinline__ scalars prep(const long *t_dev) {
+    double t = (double)*t_dev;
+    float bc1 = (float)(1.0 - pow(0.9, t)), bc2 = (float)(1.0 - pow(0.999, t));
+    return { __fsub_rn(1.0f, __fmul_rn(1e-3f, 0.01f)), __fsqrt_rn(bc2), __fdiv_rn(1e-3f, bc1) };
+}
+__device__ __forceinline__ void update(const scalars &k, float &p, float g, float &m, float &v) {
+    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, decay = k.decay, sqrt_bc2 = k.sqrt_bc2, step = k.step;
     p = __fmul_rn(p, decay);
     m = __fmaf_rn(b1, m, __fmul_rn(1.0f - b1, g));
     v = __fmaf_rn(b2, v, __fmul_rn(__fmul_rn(1.0f - b2, g), g));
     float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), sqrt_bc2), eps);
     p = __fsub_rn(p, __fmul_rn(step, __fdiv_rn(m, denom)));
-    (void)lr;
 }
 
 template <bool STREAM> __device__ __forceinline__ float4 ld4(const float *a, long q) {
@@ -44,6 +51,7 @@ template <bool STREAM> __device__ __forceinline__ void st2(__nv_bfloat16 *a, lon
 template <int U, bool STREAM>
 __global__ void pass(arrays a) {
     const long groups = a.n / 4, stride = (long)gridDim.x * blockDim.x * U;
+    const scalars k = prep(a.t);
     for (long q0 = (long)blockIdx.x * blockDim.x * U + threadIdx.x; q0 < groups; q0 += stride) {
         float4 P[U], M[U], V[U];
         uint2 G[U];
@@ -59,8 +67,8 @@ __global__ void pass(arrays a) {
             if (!in[u]) continue;
             long q = q0 + (long)u * blockDim.x;
             float2 g01 = __bfloat1622float2(*(const __nv_bfloat162 *)&G[u].x), g23 = __bfloat1622float2(*(const __nv_bfloat162 *)&G[u].y);
-            update(P[u].x, g01.x, M[u].x, V[u].x); update(P[u].y, g01.y, M[u].y, V[u].y);
-            update(P[u].z, g23.x, M[u].z, V[u].z); update(P[u].w, g23.y, M[u].w, V[u].w);
+            update(k, P[u].x, g01.x, M[u].x, V[u].x); update(k, P[u].y, g01.y, M[u].y, V[u].y);
+            update(k, P[u].z, g23.x, M[u].z, V[u].z); update(k, P[u].w, g23.y, M[u].w, V[u].w);
             st4<STREAM>(a.p, q, P[u]); st4<STREAM>(a.m, q, M[u]); st4<STREAM>(a.v, q, V[u]);
             __nv_bfloat162 l01 = __floats2bfloat162_rn(P[u].x, P[u].y), l23 = __floats2bfloat162_rn(P[u].z, P[u].w);
             st2<STREAM>(a.low, q, make_uint2(*(uint32_t *)&l01, *(uint32_t *)&l23));
@@ -81,6 +89,9 @@ int main(int argc, char **argv) {
     CK(cudaMalloc((void **)&a.g, n * 2)); CK(cudaMalloc(&a.low, n * 2));
     CK(cudaMemset(a.p, 0, n * 4)); CK(cudaMemset(a.m, 0, n * 4)); CK(cudaMemset(a.v, 0, n * 4)); CK(cudaMemset((void *)a.g, 0, n * 2));
     a.n = n;
+    long one = 7, *t_dev;
+    CK(cudaMalloc(&t_dev, sizeof(long))); CK(cudaMemcpy(t_dev, &one, sizeof(long), cudaMemcpyHostToDevice));
+    a.t = t_dev;
     const variant vs[] = {
         {"groups of 4, 256 threads, grid 32 a SM (tsys)", pass<1, false>, 256, 32, 1},
         {"the same, streaming loads/stores", pass<1, true>, 256, 32, 1},
@@ -90,6 +101,9 @@ int main(int argc, char **argv) {
         {"one group a thread, streaming", pass<1, true>, 256, 0, 1},
         {"groups of 4, 512 threads, 16 a SM", pass<1, false>, 512, 16, 1},
         {"four groups an iteration, streaming", pass<4, true>, 256, 32, 4},
+        {"groups of 4, grid 128 a SM", pass<1, false>, 256, 128, 1},
+        {"groups of 4, grid 256 a SM", pass<1, false>, 256, 256, 1},
+        {"groups of 4, grid 512 a SM", pass<1, false>, 256, 512, 1},
     };
     const int nv = sizeof vs / sizeof *vs, reps = 20;
     cudaEvent_t e0, e1;
