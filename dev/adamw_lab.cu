@@ -47,11 +47,15 @@ template <bool STREAM> __device__ __forceinline__ void st2(__nv_bfloat16 *a, lon
     if (STREAM) __stcs((uint2 *)a + q, x); else ((uint2 *)a)[q] = x;
 }
 
-// U groups of 4 a thread-iteration, all loads first
-template <int U, bool STREAM>
+// U groups of 4 a thread-iteration, all loads first. BLOCK_PREP: the scalars once a block (thread 0, through
+// shared memory) instead of once a thread.
+template <int U, bool STREAM, bool BLOCK_PREP = false>
 __global__ void pass(arrays a) {
     const long groups = a.n / 4, stride = (long)gridDim.x * blockDim.x * U;
-    const scalars k = prep(a.t);
+    __shared__ scalars kb;
+    if (BLOCK_PREP && threadIdx.x == 0) kb = prep(a.t);
+    if (BLOCK_PREP) __syncthreads();
+    const scalars k = BLOCK_PREP ? kb : prep(a.t);
     for (long q0 = (long)blockIdx.x * blockDim.x * U + threadIdx.x; q0 < groups; q0 += stride) {
         float4 P[U], M[U], V[U];
         uint2 G[U];
@@ -101,6 +105,8 @@ int main(int argc, char **argv) {
         {"one group a thread, streaming", pass<1, true>, 256, 0, 1},
         {"groups of 4, 512 threads, 16 a SM", pass<1, false>, 512, 16, 1},
         {"four groups an iteration, streaming", pass<4, true>, 256, 32, 4},
+        {"one group a thread, scalars once a block", pass<1, false, true>, 256, 0, 1},
+        {"the same, streaming", pass<1, true, true>, 256, 0, 1},
         {"groups of 4, grid 128 a SM", pass<1, false>, 256, 128, 1},
         {"groups of 4, grid 256 a SM", pass<1, false>, 256, 256, 1},
         {"groups of 4, grid 512 a SM", pass<1, false>, 256, 512, 1},
