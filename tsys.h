@@ -103,7 +103,9 @@
       tsys_autocast_begin(ctx, TSYS_BF16 or TSYS_F16) makes matmul-class ops (linear, matmul/bmm,
       attention matmuls) round their inputs to the low precision, accumulate in fp32 and round the
       output; norms, softmax, losses and reductions compute in fp32. Parameters and gradients stay
-      fp32. tsys_grad_scaler gives fp16 dynamic loss scaling with torch GradScaler semantics.
+      fp32; tsys_model_set_grad_dtype(m, TSYS_BF16) keeps the linear weights' gradients in bf16, as
+      the weight-gradient matmul writes them and torch's autocast rounds them (AdamW reads them; one
+      gradient a backward). tsys_grad_scaler gives fp16 dynamic loss scaling with torch GradScaler semantics.
       A weight is cast once per autocast region; tsys_optim_keep_lowp(opt, TSYS_BF16) instead has
       AdamW write each parameter's bf16 (or fp16) copy in its update kernel, kept across steps, so a
       training step casts no weight (2 bytes a parameter; bitwise the same training). A copy counts
