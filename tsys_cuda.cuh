@@ -890,17 +890,30 @@ __global__ void tsys_cuda__ew_vec(Op op, tsys_cuda__ew_args a) {
 // ones), no broadcast, each aligned to four of its elements, n a multiple of 4: four elements a
 // thread-iteration, one 16-byte (fp32) or 8-byte (16-bit) access an operand (the element-wise loop
 // ran these at about half the HBM's rate). Each element is rounded as tsys_cuda__st rounds it.
+// Four consecutive elements (group i4) as fp32, in one 16-byte (fp32) or 8-byte (16-bit) load; typed, and
+// through a run-time dtype. The 16-bit value of x rounded to nearest even, as tsys_cuda__st rounds.
+__device__ __forceinline__ float4 tsys_cuda__g4(const float *g, int64_t i4) { return ((const float4 *)g)[i4]; }
+__device__ __forceinline__ float4 tsys_cuda__g4(const __nv_bfloat16 *g, int64_t i4) {
+    const uint2 u = ((const uint2 *)g)[i4];
+    const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x), b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float4 tsys_cuda__g4(const __half *g, int64_t i4) {
+    const uint2 u = ((const uint2 *)g)[i4];
+    const float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
 __device__ __forceinline__ void tsys_cuda__ld4(const void *p, int dt, int64_t q, float *x) {
-    if (dt == TSYS_F32) { const float4 v = ((const float4 *)p)[q]; x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w; return; }
-    const uint2 u = ((const uint2 *)p)[q];
-    const float2 a = dt == TSYS_BF16 ? __bfloat1622float2(*(const __nv_bfloat162 *)&u.x) : __half22float2(*(const __half2 *)&u.x);
-    const float2 b = dt == TSYS_BF16 ? __bfloat1622float2(*(const __nv_bfloat162 *)&u.y) : __half22float2(*(const __half2 *)&u.y);
-    x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+    const float4 v = dt == TSYS_F32 ? tsys_cuda__g4((const float *)p, q)
+                   : dt == TSYS_BF16 ? tsys_cuda__g4((const __nv_bfloat16 *)p, q) : tsys_cuda__g4((const __half *)p, q);
+    x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+}
+template <int DT> __device__ __forceinline__ uint16_t tsys_cuda__lowp_bits(float x) {
+    return DT == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
 __device__ __forceinline__ uint32_t tsys_cuda__pack2(int dt, float lo, float hi) {
-    const uint16_t l = dt == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(lo)) : __half_as_ushort(__float2half_rn(lo));
-    const uint16_t h = dt == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(hi)) : __half_as_ushort(__float2half_rn(hi));
-    return (uint32_t)l | ((uint32_t)h << 16);
+    return dt == TSYS_BF16 ? (uint32_t)tsys_cuda__lowp_bits<TSYS_BF16>(lo) | ((uint32_t)tsys_cuda__lowp_bits<TSYS_BF16>(hi) << 16)
+                           : (uint32_t)tsys_cuda__lowp_bits<TSYS_F16>(lo) | ((uint32_t)tsys_cuda__lowp_bits<TSYS_F16>(hi) << 16);
 }
 __device__ __forceinline__ void tsys_cuda__st4(void *p, int dt, int64_t q, const float *y) {
     if (dt == TSYS_F32) ((float4 *)p)[q] = make_float4(y[0], y[1], y[2], y[3]);
@@ -1354,30 +1367,31 @@ static int tsys_cuda__norm_bwd_blocks(const tsys_cuda__state *st, int64_t rows) 
 // attention's layout, the transpose in the same pass); 2 x (B, H, T, D) -> y (B, T, H, D). A thread
 // takes E elements of one output row (E/2 pairs): a 16-byte pack when rows are whole packs and
 // aligned, else one pair. Output-ordered, so writes are coalesced; a source row is contiguous too.
-// I: the index type (tsys_cuda__rope_pos below runs 32-bit indices: 64-bit division and remainder are
-// instruction sequences, a large part of this kernel's time at the training shapes).
-template <class I> __device__ __forceinline__ I tsys_cuda__rope_src(I o, I H, I T, int mode, I *t) {
-    if (mode == 2) { I b = o / (T * H), tt = (o / H) % T, h = o % H; *t = tt; return (b * H + h) * T + tt; }
-    I b = o / (H * T), h = (o / T) % H, tt = o % T;
+__device__ __forceinline__ int64_t tsys_cuda__rope_src(int64_t o, int64_t H, int64_t T, int mode, int64_t *t) {
+    if (mode == 2) { int64_t b = o / (T * H), tt = (o / H) % T, h = o % H; *t = tt; return (b * H + h) * T + tt; }
+    int64_t b = o / (H * T), h = (o / T) % H, tt = o % T;
     *t = tt;
     return mode == 1 ? (b * T + tt) * H + h : o;
 }
-template <class T, int E, class I>
-__global__ void tsys_cuda__rope(T *y, const T *x, I rows, I H, I T_len, I D, float theta, float dir, int mode) {
-    I per_row = D / E, n = rows * per_row;
-    for (I q = blockIdx.x * (I)blockDim.x + threadIdx.x; q < n; q += (I)gridDim.x * blockDim.x) {
-        I o = q / per_row, c = (q % per_row) * E, t;
-        I src = tsys_cuda__rope_src<I>(o, H, T_len, mode, &t);
+// The angle of pair j at position t: sine (times dir) and cosine, in fp32 as torch computes them.
+__device__ __forceinline__ void tsys_cuda__rope_angle(float theta, int64_t j, int64_t D, int64_t t, float dir, float *sn, float *cs) {
+    float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
+    sincosf((float)t * inv_freq, sn, cs);
+    *sn *= dir;
+}
+template <class T, int E>
+__global__ void tsys_cuda__rope(T *y, const T *x, int64_t rows, int64_t H, int64_t T_len, int64_t D, float theta, float dir, int mode) {
+    int64_t per_row = D / E, n = rows * per_row;
+    for (int64_t q = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; q < n; q += (int64_t)gridDim.x * blockDim.x) {
+        int64_t o = q / per_row, c = (q % per_row) * E, t;
+        int64_t src = tsys_cuda__rope_src(o, H, T_len, mode, &t);
         tsys_cuda__pack<T> in, out;   // E <= a pack's elements
         if (E * sizeof(T) == 16) in = *(const tsys_cuda__pack<T> *)(x + src * D + c);
         else for (int e = 0; e < E; e++) in.v[e] = x[src * D + c + e];
 #pragma unroll
         for (int e = 0; e < E; e += 2) {
-            I j = (c + e) / 2;
-            float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
             float sn, cs;
-            sincosf((float)t * inv_freq, &sn, &cs);
-            sn *= dir;
+            tsys_cuda__rope_angle(theta, (c + e) / 2, D, t, dir, &sn, &cs);
             float x0 = tsys_cuda__tof(in.v[e]), x1 = tsys_cuda__tof(in.v[e + 1]);
             out.v[e] = tsys_cuda__fromf<T>(x0 * cs - x1 * sn);
             out.v[e + 1] = tsys_cuda__fromf<T>(x0 * sn + x1 * cs);
@@ -1387,7 +1401,8 @@ __global__ void tsys_cuda__rope(T *y, const T *x, I rows, I H, I T_len, I D, flo
     }
 }
 
-// The same with the angles computed once a position: block (t, g) takes the rows at position t of
+// The same with the angles computed once a position, 32-bit indices (64-bit division and remainder are
+// instruction sequences, a large part of the row kernel's time at the training shapes): block (t, g) takes the rows at position t of
 // batch g (layouts 1 and 2: H rows) or of chunk g (layout 0: rows t + k T, k in [g kb, g kb + kb)).
 // Its threads put the position's D/2 cosines and sines into shared memory (the expressions above),
 // then rotate the rows E elements a thread: powf and sincosf were most of the kernel's work when each
@@ -1397,12 +1412,7 @@ __global__ void tsys_cuda__rope_pos(T *y, const T *x, I rows, I H, I T_len, I D,
     extern __shared__ float tsys_cuda__rope_angles[];   // cosines, then sines (dir applied)
     float *cs_t = tsys_cuda__rope_angles, *sn_t = cs_t + D / 2;
     const I t = blockIdx.x % T_len, g = blockIdx.x / T_len;
-    for (I j = threadIdx.x; j < D / 2; j += blockDim.x) {
-        float inv_freq = 1.0f / powf(theta, (float)(2 * j) / (float)D);
-        float sn, cs;
-        sincosf((float)t * inv_freq, &sn, &cs);
-        cs_t[j] = cs; sn_t[j] = sn * dir;
-    }
+    for (I j = threadIdx.x; j < D / 2; j += blockDim.x) tsys_cuda__rope_angle(theta, j, D, t, dir, &sn_t[j], &cs_t[j]);
     __syncthreads();
     const I per_row = D / E, members = mode == 0 ? kb : H, K = rows / T_len;
     for (I q = threadIdx.x; q < members * per_row; q += blockDim.x) {
@@ -1650,7 +1660,7 @@ __global__ void tsys_cuda__embed_bwd_runs(float *dw, const void *dy, int dydt, c
 // >>transpose -------------------------------------------------------------------------------------
 // (A, B, C, D) -> (A, C, B, D): each output row of D elements is one contiguous input row, so the
 // copy moves whole rows in units U (16 bytes when the row allows it, else the element size).
-// I: the index type (as RoPE's: 32-bit where every index fits).
+// I: the index type (32-bit where every index fits: 64-bit division was a large part of its time).
 template <class U, class I>
 __global__ void tsys_cuda__transpose12(U *out, const U *in, I A, I B, I C, I Du) {
     I n = A * B * C * Du;
@@ -5025,8 +5035,8 @@ static tsys_status tsys_cuda__k_rope(tsys_cuda__state *st, const tsys_kargs *a) 
             if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope_pos<T, P, uint32_t>), (unsigned)blocks, threads, smem, yp, xp, r32, h32, t32, d32, (uint32_t)kb, a->f[0], dir, mode);
             else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope_pos<T, 2, uint32_t>), (unsigned)blocks, threads, smem, yp, xp, r32, h32, t32, d32, (uint32_t)kb, a->f[0], dir, mode);
         }
-        else if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P, int64_t>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode);
-        else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2, int64_t>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode));
+        else if (packs) TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, P>), tsys_cuda__grid(st, rows * (D / P), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode);
+        else TSYS_CUDA__LAUNCH(st, (tsys_cuda__rope<T, 2>), tsys_cuda__grid(st, rows * (D / 2), 256), 256, 0, yp, xp, rows, H, T_len, D, a->f[0], dir, mode));
     return TSYS_OK;
 }
 
@@ -5190,32 +5200,15 @@ static tsys_status tsys_cuda__k_transpose12(tsys_cuda__state *st, const tsys_kar
 // the copies on, a run of parameters can be cut into more launches: tsys__lowp_run_end). Each thread
 // takes groups of four elements: float4 loads and stores when p, g, m, v are 16-byte aligned and the
 // group is whole, one 8-byte store of the copies when that is aligned too; else element by element.
-template <int DT> __device__ __forceinline__ uint16_t tsys_cuda__lowp_bits(float x) {
-    return DT == TSYS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
-}
 // The ranks' gradients of one element as AdamW reads them under tsys_optim_sum_grads: the sum in rank order of
 // g (rank `self`'s) and the other ranks' terms (slots `stride` apart), divided by the ranks, spelled as the
 // copy-engine all-reduce's average (tsys_dist.h) spells it, so the two give the same bits.
 // Gradients are read in the dtype they were kept in (GT: float, or bf16 / f16 under tsys_tensor_set_grad_dtype),
-// as fp32; one element, or the four of group i4 (one 16- or 8-byte load: the caller checked the alignment).
-__device__ __forceinline__ float tsys_cuda__gval(float x) { return x; }
-__device__ __forceinline__ float tsys_cuda__gval(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float tsys_cuda__gval(__half x) { return __half2float(x); }
-__device__ __forceinline__ float4 tsys_cuda__g4(const float *g, int64_t i4) { return ((const float4 *)g)[i4]; }
-__device__ __forceinline__ float4 tsys_cuda__g4(const __nv_bfloat16 *g, int64_t i4) {
-    const uint2 u = ((const uint2 *)g)[i4];
-    const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&u.x), b = __bfloat1622float2(*(const __nv_bfloat162 *)&u.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
-__device__ __forceinline__ float4 tsys_cuda__g4(const __half *g, int64_t i4) {
-    const uint2 u = ((const uint2 *)g)[i4];
-    const float2 a = __half22float2(*(const __half2 *)&u.x), b = __half22float2(*(const __half2 *)&u.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-}
+// as fp32: one element (tsys_cuda__tof), or the four of a group (tsys_cuda__g4; the caller checked the alignment).
 template <typename GT> struct tsys_cuda__rank_terms { const GT *terms; int64_t stride; int ranks, self; };
 template <typename GT> __device__ __forceinline__ float tsys_cuda__rank_mean(const tsys_cuda__rank_terms<GT> &rt, float g, int64_t i) {
     float acc = 0.0f;
-    for (int r = 0; r < rt.ranks; r++) acc += r == rt.self ? g : tsys_cuda__gval(rt.terms[(int64_t)(r - (r > rt.self)) * rt.stride + i]);
+    for (int r = 0; r < rt.ranks; r++) acc += r == rt.self ? g : tsys_cuda__tof(rt.terms[(int64_t)(r - (r > rt.self)) * rt.stride + i]);
     return __fdiv_rn(acc, (float)rt.ranks);
 }
 template <typename GT> __device__ __forceinline__ float4 tsys_cuda__rank_mean4(const tsys_cuda__rank_terms<GT> &rt, float4 g, int64_t i4) {
@@ -5256,7 +5249,7 @@ __global__ void tsys_cuda__adamw(tsys_cuda__op_adamw op, float *p, const GT *g, 
 #pragma unroll
             for (int e = 0; e < GS; e++) {
                 bool in = e < k;
-                const float ge = in ? tsys_cuda__gval(g[i0 + e]) : 0.0f;
+                const float ge = in ? tsys_cuda__tof(g[i0 + e]) : 0.0f;
                 xs[e][0] = in ? p[i0 + e] : 0.0f; xs[e][1] = in ? (SUM ? tsys_cuda__rank_mean(rt, ge, i0 + e) : ge) : 0.0f;
                 xs[e][2] = in ? m[i0 + e] : 0.0f; xs[e][3] = in ? v[i0 + e] : 1.0f;
             }

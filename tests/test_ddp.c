@@ -298,6 +298,23 @@ TSYS_TEST(ddp_unused_parameter) {   // a trainable parameter without a gradient 
     }
 }
 
+// A parameter keeping its gradient in bf16 (tsys_tensor_set_grad_dtype) is refused by DDP, ZeRO-1 and FSDP,
+// named, before anything is exchanged: they reduce fp32 gradients.
+TSYS_TEST(dp_refuses_lowp_grads) {
+    toy m;
+    toy_init(&m, false, 0, false);
+    TEST_CHECK(tsys_tensor_set_grad_dtype(g_ctx, m.p[1], TSYS_BF16) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
+    const char *who[3] = {"ddp", "zero1", "fsdp"};
+    for (int k = 0; k < 3; k++) {
+        void *made = k == 0 ? (void *)tsys_ddp_new(g_d, m.p, m.n, NULL) : k == 1 ? (void *)tsys_zero1_new(g_d, m.p, m.n, NULL) : (void *)tsys_fsdp_new(g_d, m.p, m.n, NULL);
+        const char *e = tsys_ctx_last_error(g_ctx);
+        TEST_CHECK(!made && strstr(e, who[k]) && strstr(e, "keeps its gradient in bf16") && strstr(e, m.p[1]->name), "rank %d, %s: '%s'", g_rank, who[k], e);
+        tsys_ctx_clear_error(g_ctx);
+    }
+    tsys_tensor_set_grad_dtype(g_ctx, m.p[1], TSYS_F32);
+    toy_free(&m);
+}
+
 TSYS_TEST(ddp_bad_desc) {
     toy m;
     toy_init(&m, false, 0, false);
