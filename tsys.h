@@ -389,8 +389,8 @@ typedef struct tsys_mem_stats {
     X(EMBED_FWD,     "embed_fwd",     "AAI",       0x001, "t0 (N, D) = rows t2 (N ids, each in [0, V)) of t1 (V, D)") \
     X(EMBED_BWD,     "embed_bwd",     "SFI",       0x001, "t0 (V, D, f32) += scatter of t1 (N, D) to rows t2 (N ids, each in [0, V))") \
     X(TRANSPOSE12,   "transpose12",   "AA",        0x001, "t0 (A, C, B, D) = t1 (A, B, C, D) with dims 1 and 2 swapped") \
-    X(ADAMW,         "adamw",         "SFSSLsff",  0x04d, "p t0, g t1 (f32, or bf16/f16 read as f32), m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd; t7 (optional): the other ranks' gradients, slots i0 elements apart, i1 ranks, this one i2, in g's dtype: g is the rank-ordered sum / i1") \
-    X(STEP_INC,      "step_inc",      "L",         0x001, "t0 += 1") \
+    X(ADAMW,         "adamw",         "SFSSLsffs", 0x04d, "p t0, g t1 (f32, or bf16/f16 read as f32), m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd; t7 (optional): the other ranks' gradients, slots i0 elements apart, i1 ranks, this one i2, in g's dtype: g is the rank-ordered sum / i1; t8 (optional, 2 elements): the step's bias corrections as STEP_INC wrote them, read instead of computed from t4") \
+    X(STEP_INC,      "step_inc",      "Ls",        0x003, "t0 += 1; with t1 (2 elements): t1 = 1 - f0^t0, 1 - f1^t0 (AdamW's bias corrections for betas f0, f1: the powers in double, rounded once)") \
     X(RANDN,         "randn",         "F",         0x001, "t0 = f0 N(0, 1) from a counter-based hash of (seed i0, element index), redrawn into [f1, f2] when f1 < f2") \
     X(SGD,           "sgd",           "FF",        0x001, "p t0 -= f0 * g t1") \
     X(SUMSQ,         "sumsq",         "SF",        0x001, "t0 (scalar) += sum(t1^2)") \
@@ -2373,9 +2373,14 @@ static void tsys__cpu_ce_bwd(float *dl, const float *logits, const float *lse, c
 }
 
 // low (optional, dtype ldt): the new p rounded as the cast rounds it, the kept copy autocast reads.
-static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, void *low, tsys_dtype ldt, int64_t n, const float *f, int64_t t) {
+// 1 - beta^t, AdamW's bias correction: the power in double, rounded once (torch's AdamW computes it from host
+// scalars in double; a float pow's last-bit error is amplified by the cancellation, 1e3 times at beta 0.999).
+static float tsys__bias_correction(float beta, int64_t t) { return (float)(1.0 - pow((double)beta, (double)t)); }
+
+// bc: the step's bias corrections 1 - beta1^t, 1 - beta2^t (tsys__bias_correction)
+static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, void *low, tsys_dtype ldt, int64_t n, const float *f, const float bc[2]) {
     float lr = f[0], b1 = f[1], b2 = f[2], eps = f[3], wd = f[4];
-    float bc1 = (float)(1.0 - pow(b1, (double)t)), bc2 = (float)(1.0 - pow(b2, (double)t));
+    float bc1 = bc[0], bc2 = bc[1];
     float step = lr / bc1, bc2_sqrt = sqrtf(bc2);
     TSYS__OMP(omp parallel for if (n > 16384))
     for (int64_t i = 0; i < n; i++) {
@@ -2967,16 +2972,24 @@ static tsys_status tsys__cpu_k_adamw(tsys__cpu_launch *L) {
                           (long long)tsys_tensor_numel(t[7]), (long long)iv[1] - 1, (long long)iv[0], (long long)L->n);
     float hyper[5] = {t[5] ? ((const float *)tsys_tensor_data(t[5]))[0] : f[0], f[1], f[2], f[3], f[4]};   // t5: lr on the device
     if (t[7] && t[7]->dtype != t[1]->dtype) return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "adamw: the terms t[7] '%s' must have g's dtype", t[7]->name);
+    if (t[8] && tsys_tensor_numel(t[8]) != 2) return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "adamw: the bias corrections t[8] '%s' must be 2 elements", t[8]->name);
     float *mean = t[7] ? tsys__cpu_rank_mean(IN(1), IN(7), iv[0], (int)iv[1], (int)iv[2], L->n) : NULL;
     if (t[7] && !mean) return TSYS__FAIL(L->ctx, TSYS_ERR_OOM, "adamw: out of host memory for the ranks' gradient sum");
-    tsys__cpu_adamw(OUT(0, true), mean ? mean : IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, L->n, hyper,
-                    tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0));
+    int64_t step = tsys__load_id(tsys_tensor_data(t[4]), t[4]->dtype, 0);
+    float bc[2] = {tsys__bias_correction(f[1], step), tsys__bias_correction(f[2], step)};
+    if (t[8]) memcpy(bc, IN(8), sizeof bc);   // as STEP_INC wrote them
+    tsys__cpu_adamw(OUT(0, true), mean ? mean : IN(1), OUT(2, true), OUT(3, true), t[6] ? tsys_tensor_data(t[6]) : NULL, t[6] ? t[6]->dtype : TSYS_F32, L->n, hyper, bc);
     TSYS_FREE(mean);
     return TSYS_OK;
 }
 
 static tsys_status tsys__cpu_k_step_inc(tsys__cpu_launch *L) {
-    ((int64_t *)tsys_tensor_data(L->t[0]))[0] += 1;
+    int64_t t = ++((int64_t *)tsys_tensor_data(L->t[0]))[0];
+    if (L->t[1]) {
+        if (L->t[1]->dtype != TSYS_F32 || tsys_tensor_numel(L->t[1]) != 2) return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "step_inc: t[1] '%s' must be 2 fp32 elements", L->t[1]->name);
+        float *bc = (float *)tsys_tensor_data(L->t[1]);
+        bc[0] = tsys__bias_correction(L->f[0], t); bc[1] = tsys__bias_correction(L->f[1], t);
+    }
     return TSYS_OK;
 }
 
@@ -5362,7 +5375,7 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
     e.num_layers = d.num_layers;
     e.params = 4 * P + copies;
     e.grads = backward ? 4 * P : 0;
-    e.optimizer = optimizer ? 8 * P + 8 : 0;   // m, v and the step count
+    e.optimizer = optimizer ? 8 * P + 16 : 0;   // m, v, the step count and its two bias corrections
     int64_t norm_outs = 2 * N * D * (autocast ? c : 4);   // each norm's output, in the dtype its matmuls read (tsys__rmsnorm_to)
     e.saved_per_layer = 2 * N * D * 4 + 2 * N * 4 + norm_outs + 4 * N * D * c + (flash ? N * D * c + batch * H * T * 4 : scores) + 3 * N * F * c;
     // fused_loss: the head keeps d x (in place of its input) and d w (fp32), never the logits
@@ -6150,6 +6163,7 @@ struct tsys_optim {
     int n;
     tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
     tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
+    tsys_tensor *bias_t;            // beside it: the step's bias corrections (STEP_INC writes, AdamW reads; 2 x f32)
     tsys_tensor *lowp;              // kept low-precision copies (tsys_optim_keep_lowp), one block in parameter order, or NULL
     int64_t step;
     struct tsys__overlap *ov;       // the optimizer in backward (tsys_optim_overlap_begin), made on first use
@@ -6226,11 +6240,16 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
     tsys_device dev = n ? params[0]->device : TSYS_CPU;
     o->m = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
     o->v = o->m ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total) : NULL;
-    int64_t one = 1, zero = 0;
-    o->step_t = o->v ? tsys_tensor_from_data(ctx, TSYS_I64, dev, 1, &one, &zero) : NULL;
+    // the step count and its bias corrections in one 16-byte block: counted once a step by one kernel, and
+    // AdamW's launches read the corrections instead of each thread computing two powers in double
+    int64_t one = 1, two = 2, zeros[2] = {0, 0};
+    tsys_tensor *counter = o->v ? tsys_tensor_from_data(ctx, TSYS_I64, dev, 1, &two, zeros) : NULL;
+    o->step_t = counter ? tsys_tensor_view_raw(ctx, counter, 0, TSYS_I64, 1, &one) : NULL;
+    o->bias_t = counter ? tsys_tensor_view_raw(ctx, counter, 8, TSYS_F32, 1, &two) : NULL;
+    tsys_tensor_release(counter);
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
-    if (!o->step_t || tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK) { tsys_optim_free(o); return NULL; }
+    if (!o->step_t || !o->bias_t || tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK) { tsys_optim_free(o); return NULL; }
     return o;
 }
 
@@ -6248,7 +6267,8 @@ TSYSDEF void tsys_optim_free(tsys_optim *o) {
     tsys__overlap_free(o);
     tsys__lowp_drop(o);
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
-    tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t); tsys_tensor_release(o->terms);
+    tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t); tsys_tensor_release(o->bias_t);
+    tsys_tensor_release(o->terms);
     TSYS_FREE(o->params);
     tsys_ctx *ctx = o->ctx;
     TSYS_FREE(o);
@@ -6321,7 +6341,7 @@ static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor
     tsys_kargs a = tsys__kargs0();
     a.t[0] = p; a.t[1] = g;
     if (!o->adamw) { a.f[0] = o->desc.lr; return tsys__kernel(o->ctx, p->device, TSYS_K_SGD, &a); }
-    a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t; a.t[6] = low; a.t[7] = terms;
+    a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t; a.t[6] = low; a.t[7] = terms; a.t[8] = o->bias_t;
     a.i[0] = o->terms_stride; a.i[1] = o->terms_ranks; a.i[2] = o->terms_self;
     a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
@@ -6361,12 +6381,13 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
     return st;
 }
 
-// The step count first (the AdamW kernel reads it on the device).
+// The step count first, and its bias corrections (the AdamW kernel reads both on the device).
 static tsys_status tsys__optim_count_step(tsys_optim *o) {
     o->step++;
     if (!o->adamw) return TSYS_OK;
     tsys_kargs inc = tsys__kargs0();
-    inc.t[0] = o->step_t;
+    inc.t[0] = o->step_t; inc.t[1] = o->bias_t;
+    inc.f[0] = o->desc.beta1; inc.f[1] = o->desc.beta2;
     return tsys__kernel(o->ctx, o->step_t->device, TSYS_K_STEP_INC, &inc);
 }
 

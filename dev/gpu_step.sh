@@ -13,7 +13,8 @@
 #   grads       the compiled bf16 training step ($MODELS, kept copies) with fp32 and bf16 weight gradients
 #               (--lowp-grads no,yes), alternating, $ROUNDS times (default 2)
 #   ab          before/after in one call: the binaries of the previous tree in $BASE (default gpu/base) against
-#               $BIN's, alternating, twice (2.7B and small bf16 compiled train, flash leaderboard fwd+bwd)
+#               $BIN's, alternating, $ROUNDS times: the bf16 compiled training step of $AB_MODELS (default 2.7B,small;
+#               more e2e flags in $AB_ARGS) and, where attn_cuda was carried, the flash leaderboard fwd+bwd
 # Binaries come from $BIN (default build); logs and JSON lines go to $OUT; a short summary prints as each part ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,14 +64,14 @@ for l in sys.stdin:
       done
     done ;;
   ab)
-    E="--context-length 256 --mode train --dtype bf16 --compile yes --warmup 3 --steps 10 --no-sgemm --format jsonl"
-    for round in 1 2; do
+    E="--context-length 256 --mode train --dtype bf16 --compile yes --warmup 3 --steps 10 --no-sgemm --format jsonl ${AB_ARGS:-}"
+    for round in $(seq ${ROUNDS:-2}); do
       for v in base new; do
         d=$BASE; [ $v = new ] && d=$BIN
-        a=$(timeout 200 $d/e2e_cuda --model 2.7B $E 2>/dev/null | ms total_ms)
-        s=$(timeout 100 $d/e2e_cuda --model small $E 2>/dev/null | ms total_ms)
-        l=$(timeout 100 $d/attn_cuda --sweep leaderboard --format jsonl 2>/dev/null | grep "\"impl\": \"flash\"" | ms fwd+bwd_ms)
-        echo "round $round $v: 2.7B bf16 compiled train ${a:-?} ms | small bf16 compiled train ${s:-?} ms | flash leaderboard fwd+bwd ${l:-?} ms" | tee -a "$OUT/ab.log"
+        rows=$(timeout 400 $d/e2e_cuda --model "${AB_MODELS:-2.7B,small}" $E 2>> "$OUT/ab.err" | tee -a "$OUT/ab_$v.jsonl" \
+               | python3 -c 'import json,sys; print("  ".join("%s %s" % (r["model"], r["total_ms"]) for r in map(json.loads, sys.stdin)))')
+        l=""; [ -x $d/attn_cuda ] && l=" | flash leaderboard fwd+bwd $(timeout 100 $d/attn_cuda --sweep leaderboard --format jsonl 2>/dev/null | grep "\"impl\": \"flash\"" | ms fwd+bwd_ms) ms"
+        echo "round $round $v: bf16 compiled train ms: ${rows:-?}$l" | tee -a "$OUT/ab.log"
       done
     done ;;
   *) echo "unknown part $part" ;;

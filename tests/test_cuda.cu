@@ -68,6 +68,13 @@ static tsys_tensor *tc_make(tsys_ctx *ctx, const tc_arg *a, tsys_device dev, con
     return t;
 }
 
+// A CUDA tensor of N(0, scale^2) values from the context's RNG.
+static tsys_tensor *tc_rand(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_t *shape, float scale) {
+    tsys_tensor *t = tsys_tensor_new(ctx, dt, TSYS_CUDA, ndim, shape);
+    if (t) tsys_tensor_randn(ctx, t, scale);
+    return t;
+}
+
 static void tc_run_case(const tc_case *c) {
     TC_CTX(ctx);
     tsys_kargs kc, kg;
@@ -184,12 +191,14 @@ TSYS_TEST(cuda_mixed_dtype_paths_agree) {
     TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
 }
 
+// Widths: whole groups of four (the row-in-registers kernels), 102 (the element loops); 1100 rows at
+// d 768: the weight gradient's partials fold through colsum's four-rows-in-flight loop, not only its tail.
 TSYS_TEST(cuda_norms) {
-    const int64_t dims[3] = { 768, 100, 2560 };
+    const int64_t dims[4] = { 768, 100, 2560, 102 };
     for (int di = 0; di < 3; di++)
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < 4; k++) {
             tsys_dtype T = tc_floats[di];
-            int64_t R = 70, D = dims[k];
+            int64_t R = k == 0 ? 1100 : 70, D = dims[k];
             tc_case cs[] = {
                 { "rmsnorm_fwd", TSYS_K_RMSNORM_FWD, { A2(R_OUT, T, R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
                                                        A2(R_IN, T, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1) }, { 1e-5f } },
@@ -210,8 +219,8 @@ TSYS_TEST(cuda_norms) {
     // the norm feeding autocast's matmuls: fp32 x, bf16/f16 y; backward adding dx into a gradient
     // already there (the residual stream's), fp32
     for (int di = 1; di < 3; di++)
-        for (int k = 0; k < 3; k++) {
-            int64_t R = 70, D = dims[k];
+        for (int k = 0; k < 4; k++) {
+            int64_t R = k == 0 ? 1100 : 70, D = dims[k];
             tc_case cs[] = {
                 { "rmsnorm_fwd f32 -> low", TSYS_K_RMSNORM_FWD, { A2(R_OUT, tc_floats[di], R, D, I_RANDN, 1), A1(R_OUT, TSYS_F32, R, I_RANDN, 1),
                                                                   A2(R_IN, TSYS_F32, R, D, I_RANDN, 2), A1(R_IN, TSYS_F32, D, I_RANDN, 1) }, { 1e-5f } },
@@ -333,6 +342,12 @@ TSYS_TEST(cuda_embedding_transpose_adamw) {
     }
     tc_case inc = { "step_inc", TSYS_K_STEP_INC, { A1(R_INOUT, TSYS_I64, 1, I_ONE, 41) } };
     tc_run_case(&inc);
+    tc_case incb = { "step_inc + corrections", TSYS_K_STEP_INC, { A1(R_INOUT, TSYS_I64, 1, I_ONE, 41), A1(R_OUT, TSYS_F32, 2, I_RANDN, 1) }, { 0.9f, 0.95f } };
+    tc_run_case(&incb);
+    tc_case adamb = adam;   // the corrections given (any values: CPU and CUDA read the same ones)
+    adamb.name = "adamw, corrections given";
+    adamb.t[8] = A1(R_IN, TSYS_F32, 2, I_POS, 0.1f);
+    tc_run_case(&adamb);
 }
 
 // NONFINITE must notice one inf or nan anywhere; a clean tensor leaves the flag alone.
@@ -1152,6 +1167,72 @@ TSYS_TEST(cuda_adamw_reads_lowp_grads) {
     tc_adamw_lowp_grad_case(TSYS_BF16, false); tc_adamw_lowp_grad_case(TSYS_F16, false); tc_adamw_lowp_grad_case(TSYS_BF16, true);
 }
 
+// The step's bias corrections written once by STEP_INC (t[1]) and read by AdamW (t[8]) against each thread
+// computing them from the step count: the same bits of p, m, v and the copy, at steps 1 to 1000, on a size past
+// the capped grid's reach (so one group a thread runs a grid of its own shape), a ragged tail, and fp32 / bf16
+// gradients; and the corrections themselves equal 1 - beta^t as the CPU computes them.
+static tsys_tensor *tc_adamw_clone(tsys_ctx *ctx, tsys_tensor *t) {
+    tsys_tensor *c = t ? tsys_tensor_new(ctx, t->dtype, TSYS_CUDA, t->ndim, t->shape) : NULL;
+    if (c) tsys_tensor_copy_from(ctx, c, t);
+    return c;
+}
+static void tc_adamw_corrections_case(int64_t n, tsys_dtype gdt, bool copies) {
+    TC_CTX(ctx);
+    const tsys_backend *gpu = tsys_ctx_backend(ctx, TSYS_CUDA), *cpu = tsys_ctx_backend(ctx, TSYS_CPU);
+    int64_t one = 1, two = 2, zero = 0;
+    tsys_tensor *x[2][5];   // p, g, m, v, copy: [0] corrections given, [1] computed by each thread
+    x[0][0] = tc_rand(ctx, TSYS_F32, 1, &n, 1); x[0][1] = tc_rand(ctx, gdt, 1, &n, 0.5f);
+    x[0][2] = tc_rand(ctx, TSYS_F32, 1, &n, 0.1f); x[0][3] = tc_rand(ctx, TSYS_F32, 1, &n, 0.1f);
+    x[0][4] = copies ? tsys_tensor_new(ctx, TSYS_BF16, TSYS_CUDA, 1, &n) : NULL;
+    tsys_kargs sq; memset(&sq, 0, sizeof sq); sq.t[0] = sq.t[1] = sq.t[2] = x[0][3];   // v >= 0
+    gpu->kernel(ctx, TSYS_K_MUL, &sq);
+    for (int j = 0; j < 5; j++) x[1][j] = tc_adamw_clone(ctx, x[0][j]);
+    tsys_tensor *step[2] = {tsys_tensor_from_data(ctx, TSYS_I64, TSYS_CUDA, 1, &one, &zero), tsys_tensor_from_data(ctx, TSYS_I64, TSYS_CUDA, 1, &one, &zero)};
+    tsys_tensor *bias = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &two);
+    int differ = 0, wrong_bias = 0;
+    for (int t = 1; t <= 1000; t++) {
+        for (int k = 0; k < 2; k++) {
+            tsys_kargs inc; memset(&inc, 0, sizeof inc);
+            inc.t[0] = step[k]; inc.t[1] = k ? NULL : bias; inc.f[0] = 0.9f; inc.f[1] = 0.999f;
+            gpu->kernel(ctx, TSYS_K_STEP_INC, &inc);
+            if (t != 1 && t != 2 && t != 10 && t != 1000) continue;
+            tsys_kargs a; memset(&a, 0, sizeof a);
+            a.t[0] = x[k][0]; a.t[1] = x[k][1]; a.t[2] = x[k][2]; a.t[3] = x[k][3]; a.t[4] = step[k]; a.t[6] = x[k][4]; a.t[8] = k ? NULL : bias;
+            a.f[0] = 1e-3f; a.f[1] = 0.9f; a.f[2] = 0.999f; a.f[3] = 1e-8f; a.f[4] = 0.01f;
+            TEST_CHECK(gpu->kernel(ctx, TSYS_K_ADAMW, &a) == TSYS_OK, "adamw: %s", tsys_ctx_last_error(ctx));
+        }
+        if (t != 1 && t != 2 && t != 10 && t != 1000) continue;
+        float *b = test_read(ctx, bias), want[2];   // the CPU's corrections for this step
+        tsys_tensor *hs = tsys_tensor_from_data(ctx, TSYS_I64, TSYS_CPU, 1, &one, &zero), *hb = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &two);
+        ((int64_t *)tsys_tensor_data(hs))[0] = t - 1;
+        tsys_kargs inc; memset(&inc, 0, sizeof inc);
+        inc.t[0] = hs; inc.t[1] = hb; inc.f[0] = 0.9f; inc.f[1] = 0.999f;
+        cpu->kernel(ctx, TSYS_K_STEP_INC, &inc);
+        memcpy(want, tsys_tensor_data(hb), sizeof want);
+        wrong_bias += !b || b[0] != want[0] || b[1] != want[1];
+        free(b); tsys_tensor_release(hs); tsys_tensor_release(hb);
+        for (int j = 0; j < 5; j++) {
+            if (!x[0][j] || j == 1) continue;
+            size_t bytes = tsys_tensor_bytes(x[0][j]);
+            char *va = (char *)malloc(bytes), *vb = (char *)malloc(bytes);
+            differ += tsys_tensor_to_host(ctx, x[0][j], va) != TSYS_OK || tsys_tensor_to_host(ctx, x[1][j], vb) != TSYS_OK || memcmp(va, vb, bytes) != 0;
+            free(va); free(vb);
+        }
+    }
+    TEST_CHECK(wrong_bias == 0, "n %lld: %d steps' corrections differ from the CPU's", (long long)n, wrong_bias);
+    TEST_CHECK(differ == 0, "n %lld, %s gradients%s: %d of p, m, v (and copies) differ with the corrections given", (long long)n, tsys_dtype_name(gdt), copies ? ", copies" : "", differ);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    for (int k = 0; k < 2; k++) { for (int j = 0; j < 5; j++) tsys_tensor_release(x[k][j]); tsys_tensor_release(step[k]); }
+    tsys_tensor_release(bias);
+    tsys_ctx_clear_error(ctx);
+}
+TSYS_TEST(cuda_adamw_step_corrections) {
+    tc_adamw_corrections_case((int64_t)1200 * 4096 + 4, TSYS_F32, false);
+    tc_adamw_corrections_case((int64_t)1200 * 4096 + 4, TSYS_BF16, true);
+    tc_adamw_corrections_case(10007, TSYS_F32, true);
+    tc_adamw_corrections_case(10007, TSYS_BF16, false);
+}
+
 // The model with bf16 linear-weight gradients on the GPU (and the kept copies, as the benchmarks run it): each
 // kept gradient is the fp32 one rounded, within one bf16 step (cuBLASLt may sum a bf16-output GEMM in another
 // order); the rest stay fp32; four steps train as with fp32 gradients (losses within 1e-3), and the captured
@@ -1392,12 +1473,6 @@ TSYS_TEST(cuda_nvtx_through_the_trace_hooks) {
 
 // ---- speed (not a correctness check: prints what the memory-bound kernels reach) ---------------
 // GB/s = the fewest bytes each kernel must move / median time; compare with the D2D copy line.
-
-static tsys_tensor *tc_rand(tsys_ctx *ctx, tsys_dtype dt, int ndim, const int64_t *shape, float scale) {
-    tsys_tensor *t = tsys_tensor_new(ctx, dt, TSYS_CUDA, ndim, shape);
-    if (t) tsys_tensor_randn(ctx, t, scale);
-    return t;
-}
 
 // Median of 5 timings of `iters` launches of one kernel (or GEMM when g != NULL), in microseconds.
 static double tc_time(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a, const tsys_gemm_args *g, int iters) {

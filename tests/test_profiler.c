@@ -408,10 +408,10 @@ TSYS_TEST(memory_categories_add_up_and_return_to_the_model_state) {
     TEST_CHECK(g_cat_events > 50 && g_cat_mismatch == 0, "%d of %d events where categories do not add up to live bytes", g_cat_mismatch, g_cat_events);
     TEST_CHECK(st.category_bytes[TSYS_MEM_PARAMETERS] == pbytes && st.category_bytes[TSYS_MEM_GRADIENTS] == pbytes,
                "parameters %lld, gradients %lld, expected %lld each", (long long)st.category_bytes[TSYS_MEM_PARAMETERS], (long long)st.category_bytes[TSYS_MEM_GRADIENTS], (long long)pbytes);
-    TEST_CHECK(st.category_bytes[TSYS_MEM_OPTIMIZER] == 2 * pbytes + 8, "optimizer state %lld, expected m, v and the step count", (long long)st.category_bytes[TSYS_MEM_OPTIMIZER]);
+    TEST_CHECK(st.category_bytes[TSYS_MEM_OPTIMIZER] == 2 * pbytes + 16, "optimizer state %lld, expected m, v, the step count and its two bias corrections", (long long)st.category_bytes[TSYS_MEM_OPTIMIZER]);
     int64_t ids_bytes = 2 * 8 * 4;
-    TEST_CHECK(st.live_bytes == 4 * pbytes + 8 + ids_bytes, "after the step live %lld, expected params + grads + optimizer state + ids = %lld",
-               (long long)st.live_bytes, (long long)(4 * pbytes + 8 + ids_bytes));
+    TEST_CHECK(st.live_bytes == 4 * pbytes + 16 + ids_bytes, "after the step live %lld, expected params + grads + optimizer state + ids = %lld",
+               (long long)st.live_bytes, (long long)(4 * pbytes + 16 + ids_bytes));
     TEST_CHECK(st.category_bytes[TSYS_MEM_ACTIVATIONS] == 0, "activations left after backward: %lld", (long long)st.category_bytes[TSYS_MEM_ACTIVATIONS]);
     TEST_CHECK(st.peak_category_bytes[TSYS_MEM_ACTIVATIONS] > 0, "no activations at the peak");
     int64_t peak_sum = 0;
