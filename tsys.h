@@ -3863,8 +3863,19 @@ static tsys_status tsys__grad_add(tsys_ctx *ctx, tsys__slot *s, tsys_tensor *g) 
         tsys__node *n = s->node;
         if (!n->gout) {
             // Take g as the gradient when it has the output's dtype; copy it on a later accumulation if shared.
-            n->gout = g->dtype == n->grad_dtype ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, n->grad_dtype);
+            // A narrower one (a matmul's bf16 dx where a norm gathers fp32) waits as it is: the next gradient
+            // is added to it into fp32 in one pass, and a lone one is widened when backward reaches n
+            // (tsys__gout_settle). The same bits as widening it first.
+            bool wait = n->grad_dtype == TSYS_F32 && (g->dtype == TSYS_BF16 || g->dtype == TSYS_F16);
+            n->gout = g->dtype == n->grad_dtype || wait ? tsys_tensor_retain(g) : tsys__cast_raw(ctx, g, n->grad_dtype);
             if (!n->gout) st = ctx->status ? ctx->status : TSYS_ERR_OOM;
+        } else if (n->gout->dtype != n->grad_dtype) {   // the waiting gradient and g, summed into a new fp32 one
+            tsys_kargs a = tsys__kargs0();
+            a.t[0] = tsys__new_like(ctx, n->gout, n->grad_dtype); a.t[1] = n->gout; a.t[2] = g;
+            st = a.t[0] ? tsys__kernel(ctx, g->device, TSYS_K_ADD, &a) : ctx->status;
+            tsys_tensor_release(n->gout);
+            n->gout = st == TSYS_OK ? a.t[0] : NULL;
+            if (st != TSYS_OK) tsys_tensor_release(a.t[0]);
         } else {
             if (n->gout->refcount > 1 || n->gout->storage->refcount > 1) {   // copy on write
                 tsys_tensor *own = tsys_tensor_clone(ctx, n->gout);
@@ -3880,6 +3891,15 @@ static tsys_status tsys__grad_add(tsys_ctx *ctx, tsys__slot *s, tsys_tensor *g) 
 
 static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *node);
 static tsys_status tsys__checkpoint_materialize(tsys_ctx *ctx, tsys__node *node);
+
+// A gradient that waited in a narrower dtype (tsys__grad_add) widened to the node's, before its backward reads it.
+static tsys_status tsys__gout_settle(tsys_ctx *ctx, tsys__node *n) {
+    if (n->gout->dtype == n->grad_dtype) return TSYS_OK;
+    tsys_tensor *wide = tsys__cast_raw(ctx, n->gout, n->grad_dtype);
+    tsys_tensor_release(n->gout);
+    n->gout = wide;
+    return wide ? TSYS_OK : ctx->status ? ctx->status : TSYS_ERR_OOM;
+}
 
 TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_tensor *grad_out) {
     TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
@@ -3898,6 +3918,7 @@ TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_ten
     ctx->in_backward = true;
     for (size_t i = ctx->tape_len; i-- > 0;) {
         tsys__node *node = ctx->tape[i];
+        if (st == TSYS_OK && node->gout) st = tsys__gout_settle(ctx, node);
         if (st == TSYS_OK && node->gout && node->region >= 0) st = tsys__checkpoint_materialize(ctx, node);
         if (st == TSYS_OK && node->gout) st = tsys__node_backward(ctx, node);
         tsys__node_free(ctx, node);
