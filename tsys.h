@@ -2372,12 +2372,12 @@ static void tsys__cpu_ce_bwd(float *dl, const float *logits, const float *lse, c
     }
 }
 
-// low (optional, dtype ldt): the new p rounded as the cast rounds it, the kept copy autocast reads.
 // 1 - beta^t, AdamW's bias correction: the power in double, rounded once (torch's AdamW computes it from host
 // scalars in double; a float pow's last-bit error is amplified by the cancellation, 1e3 times at beta 0.999).
 static float tsys__bias_correction(float beta, int64_t t) { return (float)(1.0 - pow((double)beta, (double)t)); }
 
-// bc: the step's bias corrections 1 - beta1^t, 1 - beta2^t (tsys__bias_correction)
+// low (optional, dtype ldt): the new p rounded as the cast rounds it, the kept copy autocast reads.
+// bc: the step's bias corrections 1 - beta1^t, 1 - beta2^t (tsys__bias_correction).
 static void tsys__cpu_adamw(float *p, const float *g, float *m, float *v, void *low, tsys_dtype ldt, int64_t n, const float *f, const float bc[2]) {
     float lr = f[0], b1 = f[1], b2 = f[2], eps = f[3], wd = f[4];
     float bc1 = bc[0], bc2 = bc[1];
