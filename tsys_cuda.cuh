@@ -1193,6 +1193,8 @@ __global__ void __launch_bounds__(32 * TSYS_CUDA__COLSUM_LANES) tsys_cuda__colsu
         tsys_cuda__st(out, out_dt, c, (add ? tsys_cuda__ld(out, out_dt, c) : 0.0f) + s);   // stored: as if out were 0 (its -0 sums too)
     }
 }
+
+// ld: elements between consecutive rows of `in` (>= cols)
 static tsys_status tsys_cuda__colsum_launch(tsys_cuda__state *st, void *out, int out_dt, const void *in, int in_dt, int64_t rows, int64_t cols, int64_t ld,
                                            bool add = true) {
     TSYS_CUDA__LAUNCH(st, tsys_cuda__colsum, (unsigned)((cols + 31) / 32), dim3(32, TSYS_CUDA__COLSUM_LANES), 0, out, out_dt, in, in_dt, rows, cols, ld, add);
