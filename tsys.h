@@ -436,6 +436,8 @@ typedef enum tsys_stream {
     TSYS_STREAM_COMPUTE = 0,   // where ops run by default
     TSYS_STREAM_SIDE = 1,      // a second stream: communication, work overlapped with the compute stream
     TSYS_STREAM_COPY = 2,      // device-to-host copies that overlap both (asynchronous snapshots)
+    TSYS_STREAM_BACKGROUND = 3,   // work that takes only what the others leave (the optimizer inside backward):
+                                  // CUDA gives it the least priority and the compute and side streams the greatest
     TSYS_STREAM_COUNT
 } tsys_stream;
 
@@ -912,10 +914,11 @@ TSYSDEF void tsys_optim_zero_grad(tsys_optim *opt);
 TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads on its parameters
 // The optimizer inside backward: between overlap_begin (before tsys_backward) and overlap_end (after
 // it, instead of tsys_optim_step), each group of parameters whose gradients are made together (a
-// model's layer; any other tensor alone) is updated on the side stream as soon as its gradients are
-// final, after them by an event: AdamW's memory traffic overlaps backward's GEMMs. The same kernels
-// in the same order per parameter as tsys_optim_step, so the result is bitwise the same. overlap_end
-// joins the side stream into the compute stream and updates what backward did not reach. Works
+// model's layer; any other tensor alone) is updated on TSYS_STREAM_BACKGROUND as soon as its gradients
+// are final, after them by an event: its blocks take the SMs backward's kernels leave (a GEMM's last
+// wave), never those backward is waiting for. The same kernels in the same order per parameter as
+// tsys_optim_step, so the result is bitwise the same. overlap_end joins the background stream into
+// the compute stream and updates what backward did not reach. Works
 // inside a captured CUDA graph (the event pairs become the graph's fork and join). What needs every
 // gradient before any update does not fit this mode: clip by global norm and the fp16 loss scaler's
 // inf check; and DDP, whose buckets do not follow the groups (a group could be updated before its
@@ -3149,7 +3152,7 @@ static tsys_status tsys__cpu_copy(tsys_ctx *ctx, void *dst, tsys_device dd, cons
 static tsys_status tsys__cpu_sync(tsys_ctx *ctx) { (void)ctx; return TSYS_OK; }
 
 // The CPU runs work as it is issued, on one stream: an event is the host clock at its record
-// (tsys_event_record stamps it), waiting is free, and the side stream is the compute stream.
+// (tsys_event_record stamps it), waiting is free, and every stream is the compute stream.
 static tsys_status tsys__cpu_event_record(tsys_ctx *ctx, tsys_event *e, tsys_stream s) { (void)ctx; (void)e; (void)s; return TSYS_OK; }
 static tsys_status tsys__cpu_event_wait(tsys_ctx *ctx, const tsys_event *e, tsys_stream s) { (void)ctx; (void)e; (void)s; return TSYS_OK; }
 static tsys_status tsys__cpu_event_elapsed(tsys_ctx *ctx, const tsys_event *a, const tsys_event *b, double *ms) {
@@ -6436,7 +6439,7 @@ typedef struct tsys__overlap {
     int *pending;           // per group: gradients not final yet in this backward
     bool *done;             // per group: updated in this step
     tsys_event *ready;      // per group: its gradients are final (recorded on the compute stream)
-    tsys_event join;        // the side stream's last update
+    tsys_event join;        // the background stream's last update
     bool active, launched;
     bool free_grads;        // TSYS_OPTIM_FREE_GRADS: updates on the compute stream, each group's gradients given back after it
 } tsys__overlap;
@@ -6481,7 +6484,7 @@ static void tsys__overlap_free(tsys_optim *o) {
     o->ov = NULL;
 }
 
-// Group g's gradients are final: its update goes on the side stream after them.
+// Group g's gradients are final: its update goes on the background stream after them.
 // FREE_GRADS: the group's update is queued on the compute stream, so the stream's order keeps its
 // gradients' memory from being handed to a later kernel before the update has read them.
 static tsys_status tsys__overlap_update_inline(tsys_optim *o, int g) {
@@ -6503,8 +6506,8 @@ static tsys_status tsys__overlap_launch(tsys_optim *o, int g) {
     tsys_device dev = o->params[ov->first[g]]->device;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ov->ready[g]);
-    tsys_stream prev = tsys_set_stream(ctx, dev, TSYS_STREAM_SIDE);
-    if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[g], TSYS_STREAM_SIDE);
+    tsys_stream prev = tsys_set_stream(ctx, dev, TSYS_STREAM_BACKGROUND);
+    if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[g], TSYS_STREAM_BACKGROUND);
     if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
     tsys_set_stream(ctx, dev, prev);
     tsys_mem_set_tag(ctx, tag);
@@ -6571,7 +6574,7 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     ov->free_grads = (flags & TSYS_OPTIM_FREE_GRADS) != 0;
     ov->active = true;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
-    tsys_status st = tsys__copies_fence(ctx);   // every update is ordered after it (the side stream's through events)
+    tsys_status st = tsys__copies_fence(ctx);   // every update is ordered after it (the background stream's through events)
     if (st == TSYS_OK) st = tsys__optim_count_step(o);   // on the compute stream, before every update
     tsys_mem_set_tag(ctx, tag);
     return st;
@@ -6584,9 +6587,9 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
     if (!ov || !ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_end without tsys_optim_overlap_begin");
     ov->active = false;
     tsys_status st = ctx->status;
-    if (st == TSYS_OK && ov->launched && o->n) {   // the compute stream waits for the side stream's updates
+    if (st == TSYS_OK && ov->launched && o->n) {   // the compute stream waits for the background stream's updates
         tsys_device dev = o->params[0]->device;
-        st = tsys_event_record(ctx, dev, TSYS_STREAM_SIDE, &ov->join);
+        st = tsys_event_record(ctx, dev, TSYS_STREAM_BACKGROUND, &ov->join);
         if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->join, TSYS_STREAM_COMPUTE);
     }
     // groups backward did not finish (a parameter it did not reach): as tsys_optim_step would

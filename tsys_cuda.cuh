@@ -262,7 +262,7 @@ TSYSDEF void tsys_cuda_shutdown(tsys_ctx *ctx);
 TSYSDEF int tsys_cuda_device_count(void);                 // 0 when there is no GPU or no driver
 TSYSDEF const char *tsys_cuda_device_name(tsys_ctx *ctx); // "NVIDIA H100 80GB HBM3", ...
 TSYSDEF void *tsys_cuda_stream(tsys_ctx *ctx);            // the cudaStream_t launches go to now (tsys_set_stream)
-TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s);   // the compute, side or copy stream
+TSYSDEF void *tsys_cuda_stream_of(tsys_ctx *ctx, tsys_stream s);   // the compute, side, copy or background stream
 TSYSDEF void tsys_cuda_set_tf32(tsys_ctx *ctx, bool on);  // fp32 GEMMs on TF32 tensor cores (default off)
 TSYSDEF bool tsys_cuda_tf32(tsys_ctx *ctx);
 TSYSDEF void tsys_cuda_set_flash_fp32_exact(tsys_ctx *ctx, bool on);
@@ -425,7 +425,7 @@ typedef struct tsys_cuda__state {
     int num_sms;
     char device_name[256];
     cudaStream_t stream;                       // where launches go now: one of streams[]
-    cudaStream_t streams[TSYS_STREAM_COUNT];   // compute (made first), side, copy
+    cudaStream_t streams[TSYS_STREAM_COUNT];   // compute (made first), side, copy, background (tsys_cuda__streams_make)
     tsys_stream cur_stream;
     bool copies_pending;                       // copies were queued on streams[TSYS_STREAM_COPY] since the last fence
     cudaEvent_t copies_done;                   // the fence's (made at the first one)
@@ -5853,6 +5853,20 @@ static tsys_stream tsys_cuda__set_stream(tsys_ctx *ctx, tsys_stream s) {
 
 // >>init ------------------------------------------------------------------------------------------
 
+// The streams, by priority: a block of the background stream (the optimizer inside backward) is
+// scheduled only where no block of the compute or side stream is waiting, so it fills the SMs a GEMM's
+// last wave leaves instead of holding SMs the next backward kernel needs. Copies run on the copy
+// engines; their stream's priority does not matter.
+static tsys_status tsys_cuda__streams_make(tsys_ctx *ctx, tsys_cuda__state *st) {
+    int least = 0, greatest = 0;
+    TSYS_CUDA__CHECK(ctx, cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithPriority(&st->streams[TSYS_STREAM_COMPUTE], cudaStreamNonBlocking, greatest));
+    TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithPriority(&st->streams[TSYS_STREAM_SIDE], cudaStreamNonBlocking, greatest));
+    TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithPriority(&st->streams[TSYS_STREAM_COPY], cudaStreamNonBlocking, least));
+    TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithPriority(&st->streams[TSYS_STREAM_BACKGROUND], cudaStreamNonBlocking, least));
+    return TSYS_OK;
+}
+
 // What the backend holds for its whole life outside the allocator: the cuBLASLt workspace and the
 // reduction partials (counted as workspace in the memory tracker).
 // The caching allocator's free blocks: reserved from the device, not handed out (the memory tracker's
@@ -5997,9 +6011,7 @@ TSYSDEF tsys_status tsys_cuda_init_desc(tsys_ctx *ctx, const tsys_cuda_desc *des
         st->no_cupti = d.no_cupti; st->profiler_debug = d.profiler_debug;
         TSYS_CUDA__TRY(tsys_cuda__flash_check(st, "tsys_cuda_init", "desc.flash", d.flash));
         tsys_cuda__flash_use(st, d.flash);
-        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_COMPUTE], cudaStreamNonBlocking));
-        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_SIDE], cudaStreamNonBlocking));
-        TSYS_CUDA__CHECK(ctx, cudaStreamCreateWithFlags(&st->streams[TSYS_STREAM_COPY], cudaStreamNonBlocking));
+        TSYS_CUDA__TRY(tsys_cuda__streams_make(ctx, st));
         st->stream = st->streams[TSYS_STREAM_COMPUTE];
         TSYS_CUDA__CHECK(ctx, cudaHostAlloc((void **)&st->fault, sizeof(tsys_cuda__fault), cudaHostAllocMapped));
         memset(st->fault, 0, sizeof(tsys_cuda__fault));
@@ -6220,7 +6232,8 @@ TSYSDEF tsys_status tsys_cuda_graph_end(tsys_ctx *ctx, tsys_cuda_graph **out) {
     if (!g) { cudaGraphDestroy(graph); return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_cuda_graph_end: no host memory"); }
     memset(g, 0, sizeof *g);
     g->st = st; g->graph = graph; g->pool = st->capture_pool;
-    e = cudaGraphInstantiate(&g->exec, graph, 0);
+    // the captured kernels keep their streams' priorities: the background stream's stay below the others'
+    e = cudaGraphInstantiate(&g->exec, graph, cudaGraphInstantiateFlagUseNodePriority);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         cudaGraphDestroy(graph); TSYS_FREE(g);

@@ -2973,6 +2973,13 @@ __global__ void tsys_dist__ce_sum_kernel(float *own, float *out, const float *ro
 static bool tsys_dist__ce_cuda(cudaError_t r, const char *what, tsys_dist__err *e) {
     return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine all-reduce: %s: %s", what, cudaGetErrorString(r));
 }
+// A lane of the copy-engine collectives: at the compute stream's priority (the greatest), so that its
+// flag-waiting kernels are not held back behind backward's kernels.
+static cudaError_t tsys_dist__lane_make(cudaStream_t *lane) {
+    int least = 0, greatest = 0;
+    cudaError_t r = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    return r != cudaSuccess ? r : cudaStreamCreateWithPriority(lane, cudaStreamNonBlocking, greatest);
+}
 // A row's bytes: a piece's share for one rank, a multiple of 256.
 static int64_t tsys_dist__ce_row_bytes(int ranks) { return ((int64_t)TSYS_DIST__CE_PIECE_MB << 20) / ranks / 256 * 256; }
 // Byte offsets in a scratch of the in-row [slot][rank] and of the out-row [slot]; its size is in_row(SLOTS, 0).
@@ -3013,7 +3020,7 @@ static bool tsys_dist__ce_setup(tsys_dist *d, tsys_dist__err *e) {
     if (!tsys_dist__ce_cuda(cudaEventCreateWithFlags(&ce->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e)) return false;
     for (int i = 0; i < 2 * d->size; i++)
         if (!tsys_dist__ce_cuda(cudaEventCreateWithFlags(&ce->lane_done[i], cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
-            !tsys_dist__ce_cuda(cudaStreamCreateWithFlags(&ce->lane[i], cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e))
+            !tsys_dist__ce_cuda(tsys_dist__lane_make(&ce->lane[i]), "cudaStreamCreateWithPriority", e))
             return false;
     return true;
 }
@@ -3212,7 +3219,7 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, i
         return false;
     for (int q = 0; q < d->size; q++)
         if (q != d->rank && (!tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->lane_done[q], cudaEventDisableTiming), "cudaEventCreateWithFlags", e) ||
-                             !tsys_dist__ceg_cuda(cudaStreamCreateWithFlags(&g->lane[q], cudaStreamNonBlocking), "cudaStreamCreateWithFlags", e)))
+                             !tsys_dist__ceg_cuda(tsys_dist__lane_make(&g->lane[q]), "cudaStreamCreateWithPriority", e)))
             return false;
     return true;
 }

@@ -349,7 +349,7 @@ static inline tsys_status du_lm_step(du_lm *r, int *last) {
         tsys_tensor *scaled = r->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &r->scaler, loss) : tsys_tensor_retain(loss);
         if (r->overlap) tsys_optim_overlap_begin_ex(r->opt, r->free_grads ? TSYS_OPTIM_FREE_GRADS : 0);
         tsys_backward(ctx, scaled);
-        if (r->overlap) tsys_optim_overlap_end(r->opt);   // joins the side stream: the updates count in backward
+        if (r->overlap) tsys_optim_overlap_end(r->opt);   // joins the background stream: the updates count in backward
         tsys_tensor_release(scaled);
         tsys_trace_end(ctx);
         du_lm_mark(r, 2);

@@ -63,9 +63,10 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         DU_FLAG_LIST("mode", &o->modes, "forward-backward", "forward|forward-backward|train", "forward, forward-backward or train"),
         DU_FLAG_LIST("dtype", &o->dtypes, "fp32", "fp32|bf16|fp16", "fp32, bf16 or fp16 autocast"),
         DU_FLAG_LIST("attn", &o->attns, "auto", "naive|flash|auto", "naive, flash or auto: flash on cuda under bf16/fp16 autocast, naive\notherwise (the fp32 flash kernel has no tensor cores and loses to naive)"),
-        DU_FLAG_LIST("opt-in-backward", &o->overlaps, "no", "no|yes|free", "no, yes or free: yes runs each layer's AdamW update on the side stream as\nsoon as its "
-                     "gradients are final, overlapped with the rest of backward;\nfree runs it on the compute stream and gives the layer's gradients back after\nit "
-                     "(the peak holds one layer's gradients, not all) (train mode; not with fp16,\nwhose loss scaler needs every gradient first)"),
+        DU_FLAG_LIST("opt-in-backward", &o->overlaps, "no", "no|yes|free", "no, yes or free: yes runs each layer's AdamW update on the background stream\n"
+                     "(least priority) as soon as its gradients are final, overlapped with the rest\nof backward; free runs it on the compute stream "
+                     "and gives the layer's gradients\nback after it (the peak holds one layer's gradients, not all) (train mode; not\nwith fp16, "
+                     "whose loss scaler needs every gradient first)"),
         DU_FLAG_LIST("lowp-copies", &o->lowps, "no", "no|yes", "no or yes: yes has AdamW write each weight's bf16/fp16 copy in its update\n"
                      "kernel (tsys_optim_keep_lowp) so autocast casts no weight each step; 2 bytes\na parameter more, bitwise the same training (train mode under bf16/fp16)"),
         DU_FLAG_LIST("lowp-grads", &o->lowp_grads, "no", "no|yes", "no or yes: yes keeps the linear weights' gradients in the autocast dtype\n"

@@ -966,7 +966,7 @@ TSYS_TEST(cuda_checkpoint_in_a_captured_graph) {
     tc_ckpt_graph("nested:2+selective", TSYS_F32);
     tc_ckpt_graph("blocks:1", TSYS_BF16);
 }
-// The optimizer inside backward on the GPU: each layer's AdamW on the side stream from its gradients'
+// The optimizer inside backward on the GPU: each layer's AdamW on the background stream from its gradients'
 // hooks gives the ordinary step's parameters bit for bit, eagerly and replayed from a captured graph
 // (the events become the graph's fork and join); so does TSYS_OPTIM_FREE_GRADS (updates on the
 // compute stream, each layer's gradients given back after its update), eagerly and captured.
@@ -979,6 +979,51 @@ static void tc_overlap_step_ex(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys
     tsys_tensor_release(logits); tsys_tensor_release(loss);
 }
 static void tc_overlap_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg) { tc_overlap_step_ex(ctx, m, o, ids, tg, 0); }
+// Where the AdamW launches went: the background stream, or another.
+typedef struct { int background, elsewhere; } tc_adamw_streams;
+static void tc_count_adamw_streams(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    tc_adamw_streams *c = (tc_adamw_streams *)user;
+    if (k->kernel != TSYS_K_ADAMW) return;
+    if (tsys_cuda_stream(ctx) == tsys_cuda_stream_of(ctx, TSYS_STREAM_BACKGROUND)) c->background++; else c->elsewhere++;
+}
+static int tc_stream_priority(tsys_ctx *ctx, tsys_stream s) {
+    int p = 0;
+    TEST_CHECK(cudaStreamGetPriority((cudaStream_t)tsys_cuda_stream_of(ctx, s), &p) == cudaSuccess, "cudaStreamGetPriority of stream %d", (int)s);
+    return p;
+}
+// The updates inside backward go on the background stream, whose blocks the GPU schedules only where
+// the compute and side streams' blocks are not waiting (a lower priority; ordinary steps' AdamW stays
+// on the compute stream).
+TSYS_TEST(cuda_optimizer_in_backward_streams) {
+    TC_CTX(ctx);
+    int least = 0, greatest = 0;
+    TEST_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest) == cudaSuccess && greatest < least, "the device offers no stream priorities (%d .. %d)", least, greatest);
+    int compute = tc_stream_priority(ctx, TSYS_STREAM_COMPUTE), side = tc_stream_priority(ctx, TSYS_STREAM_SIDE), bg = tc_stream_priority(ctx, TSYS_STREAM_BACKGROUND);
+    TEST_CHECK(compute == greatest && side == greatest && bg == least, "priorities: compute %d, side %d, background %d (greatest %d, least %d)", compute, side, bg, greatest, least);
+    tsys_model_desc d = tc_model_desc();
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+    tsys_optim *o = m ? tsys_adamw_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), NULL) : NULL;
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 2, 32, d.vocab_size, 2);
+    TEST_CHECK(m && o && ids && tg, "setup: %s", tsys_ctx_last_error(ctx));
+    if (!m || !o || !ids || !tg) return;
+    tc_adamw_streams in_backward = {0, 0}, after = {0, 0};
+    tsys_trace_hooks h;
+    memset(&h, 0, sizeof h);
+    h.kernel = tc_count_adamw_streams; h.user = &in_backward;
+    tsys_trace_hooks prev = tsys_ctx_set_trace_hooks(ctx, &h);
+    tc_overlap_step(ctx, m, o, ids, tg);
+    h.user = &after;
+    tsys_ctx_set_trace_hooks(ctx, &h);
+    tc_train_step_ex(ctx, m, o, ids, tg, NULL, true);
+    tsys_ctx_set_trace_hooks(ctx, &prev);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "steps: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(in_backward.background > 0 && in_backward.elsewhere == 0, "in backward: %d AdamW launches on the background stream, %d elsewhere", in_backward.background,
+               in_backward.elsewhere);
+    TEST_CHECK(after.background == 0 && after.elsewhere > 0, "ordinary step: %d AdamW launches on the background stream, %d elsewhere", after.background, after.elsewhere);
+    tsys_tensor_release(ids); tsys_tensor_release(tg);
+    tsys_optim_free(o); tsys_model_free(m);
+    tsys_ctx_clear_error(ctx);
+}
 TSYS_TEST(cuda_optimizer_in_backward) {
     TC_CTX(ctx);
     tsys_model_desc d = tc_model_desc();
