@@ -11,7 +11,8 @@
 #   memory      the memory sweep ($MEM_MODELS, $MEM_CONTEXT) beside PyTorch's peaks
 #   profile     a profiled training step ($PROF_MODELS; more e2e flags in $PROF_ARGS): the kernel tables
 #   grads       the compiled bf16 training step ($MODELS, kept copies) with fp32 and bf16 weight gradients
-#               (--lowp-grads no,yes), alternating, $ROUNDS times (default 2)
+#               (--lowp-grads no,yes) and the optimizer after or inside backward (--opt-in-backward $IN_BACKWARD,
+#               default no), alternating, $ROUNDS times (default 2)
 #   ab          before/after in one call: the binaries of the previous tree in $BASE (default gpu/base) against
 #               $BIN's, alternating, $ROUNDS times: the bf16 compiled training step of $AB_MODELS (default 2.7B,small;
 #               more e2e flags in $AB_ARGS) and, where attn_cuda was carried, the flash leaderboard fwd+bwd
@@ -57,10 +58,10 @@ for part in "$@"; do
     for round in $(seq ${ROUNDS:-2}); do
       for g in no yes; do
         timeout 300 $BIN/e2e_cuda --model "$MODELS" --context-length 256 --mode train --dtype bf16 --compile yes --lowp-copies yes --lowp-grads $g \
-          --warmup 3 --steps ${STEPS:-10} --no-sgemm --format jsonl 2>> "$OUT/grads.log" | tee -a "$OUT/grads.jsonl" \
+          --opt-in-backward ${IN_BACKWARD:-no} --warmup 3 --steps ${STEPS:-10} --no-sgemm --format jsonl 2>> "$OUT/grads.log" | tee -a "$OUT/grads.jsonl" \
           | python3 -c 'import json,sys
 for l in sys.stdin:
-    r = json.loads(l); print("round '$round' lowp-grads %-3s %-6s %s ms  peak %s MiB (predicted %s)" % (r["lowp_grads"], r["model"], r["total_ms"], r["peak_MiB"], r["pred_MiB"]))'
+    r = json.loads(l); print("round '$round' lowp-grads %-3s opt-in-backward %-3s %-6s %s ms  peak %s MiB (predicted %s)" % (r["lowp_grads"], r["opt_in_bwd"], r["model"], r["total_ms"], r["peak_MiB"], r["pred_MiB"]))'
       done
     done ;;
   ab)
