@@ -416,7 +416,8 @@ typedef struct tsys_kargs {
 // Batched row-major GEMM: for each b < batch, C_b = alpha * op(A_b) op(B_b) + beta * C_b,
 // op(A_b) is m x k, op(B_b) is k x n, C_b is m x n. Elements of batch b start at
 // offset_x + b * stride_x; stride 0 broadcasts. A and B share one dtype; C is F32 or that dtype.
-// Accumulation is always fp32.
+// Accumulation is always fp32. as_items: each item gives the bits it would as a GEMM of its own (batch 1);
+// otherwise a backend may pick another algorithm for the batch (other rounding of the same sums).
 typedef struct tsys_gemm_args {
     const tsys_tensor *a, *b;
     tsys_tensor *c;
@@ -424,6 +425,7 @@ typedef struct tsys_gemm_args {
     int64_t m, n, k, batch;
     int64_t stride_a, stride_b, stride_c;
     float alpha, beta;
+    bool as_items;
 } tsys_gemm_args;
 
 // A point on one of a device's streams. Zero-initialize, record, read, release:
@@ -701,6 +703,16 @@ TSYSDEF tsys_dtype tsys_autocast_dtype(const tsys_ctx *ctx);         // TSYS_F32
 TSYSDEF tsys_tensor *tsys_cast(tsys_ctx *ctx, tsys_tensor *x, tsys_dtype dt);
 TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_tensor *ids);
 TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias);  // x W^T (+ b)
+// out[i] = tsys_linear(x, weights[i], NULL) for n (<= TSYS_LINEARS_MAX) weights of one shape that read one
+// input (a block's q, k, v; w1, w3): the same values and gradients as n tsys_linear calls, in that order.
+// Where the weights (or the low-precision copies autocast reads) lie back to back in one storage and each
+// product is small (rows x d_out <= TSYS_LINEARS_GROUP_MAX), the forward is one strided-batched GEMM and
+// backward runs the group's dX and dW products as one each, once every output's gradient is in (their
+// kernels show in the first forward and the last backward linear of the group). On failure every out[i]
+// is NULL and the context's error says why.
+#define TSYS_LINEARS_MAX 4
+#define TSYS_LINEARS_GROUP_MAX ((int64_t)1 << 23)
+TSYSDEF tsys_status tsys_linears(tsys_ctx *ctx, tsys_tensor *x, int n, tsys_tensor *const *weights, tsys_tensor **out);
 TSYSDEF tsys_tensor *tsys_matmul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b, bool trans_b);           // (.., m, k) x (.., k, n) (or (.., n, k)^T)
 TSYSDEF tsys_tensor *tsys_add(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);
 TSYSDEF tsys_tensor *tsys_mul(tsys_ctx *ctx, tsys_tensor *a, tsys_tensor *b);
@@ -1439,7 +1451,21 @@ struct tsys__node {
     bool rc_run;                           // the recompute runs this node's op (else it only re-links inputs)
     unsigned in_mask;                      // bit j: input j was given (not NULL)
     const tsys_custom_op *custom;          // TSYS__OP_CUSTOM: the op (i[k]: the input saved in slot k, -1 its own value)
+    struct tsys__lgroup *group;            // a linear of a group computed together (tsys_linears), or NULL
+    int group_at;                          // its place in the group
+    bool group_done;                       // its backward ran with its group's
 };
+
+// Linears of one input whose products run batched (tsys_linears): their outputs lie back to back in one
+// block, and so, where backward's kernels write them into `home` (tsys__slot_tensor), do their gradients.
+typedef struct tsys__lgroup {
+    int refs;              // member nodes alive
+    int n;                 // members, in tape order
+    int64_t per;           // elements of one output
+    tsys_dtype dtype;      // the outputs' (and their gradients') dtype
+    tsys_tensor *home;     // n x per gradient elements, made when backward first writes one; NULL after
+    unsigned taken;        // bit i: member i's part of home was handed out
+} tsys__lgroup;
 
 // A checkpointed region: a contiguous range of the tape whose nodes dropped their saved tensors.
 // Regions nest; a child lies inside its parent's range.
@@ -3715,6 +3741,10 @@ static void tsys__node_free(tsys_ctx *ctx, tsys__node *node) {
     tsys__node_drop_inputs(ctx, node);
     tsys_tensor_release(node->rc_out);
     tsys_tensor_release(node->gout);
+    if (node->group && --node->group->refs == 0) {
+        tsys_tensor_release(node->group->home);
+        TSYS_FREE(node->group);
+    }
     if (node->out) { node->out->grad_fn = NULL; node->out->requires_grad = false; }
     for (int i = 0; i < node->n_in; i++) {
         tsys_tensor *leaf = node->in[i].leaf;
@@ -3894,6 +3924,8 @@ static tsys_status tsys__grad_add(tsys_ctx *ctx, tsys__slot *s, tsys_tensor *g) 
 
 static tsys_status tsys__node_backward(tsys_ctx *ctx, tsys__node *node);
 static tsys_status tsys__checkpoint_materialize(tsys_ctx *ctx, tsys__node *node);
+static bool tsys__linears_ready(const tsys_ctx *ctx, size_t i);
+static tsys_status tsys__bwd_linears(tsys_ctx *ctx, size_t i);
 
 // A gradient that waited in a narrower dtype (tsys__grad_add) widened to the node's, before its backward reads it.
 static tsys_status tsys__gout_settle(tsys_ctx *ctx, tsys__node *n) {
@@ -3923,7 +3955,8 @@ TSYSDEF tsys_status tsys_backward_with(tsys_ctx *ctx, tsys_tensor *out, tsys_ten
         tsys__node *node = ctx->tape[i];
         if (st == TSYS_OK && node->gout) st = tsys__gout_settle(ctx, node);
         if (st == TSYS_OK && node->gout && node->region >= 0) st = tsys__checkpoint_materialize(ctx, node);
-        if (st == TSYS_OK && node->gout) st = tsys__node_backward(ctx, node);
+        if (st == TSYS_OK && node->gout && !node->group_done)
+            st = node->group && tsys__linears_ready(ctx, i) ? tsys__bwd_linears(ctx, i) : tsys__node_backward(ctx, node);
         tsys__node_free(ctx, node);
         ctx->tape_len = i;
     }
@@ -3978,6 +4011,54 @@ static tsys_tensor *tsys__autocast_kept(tsys_ctx *ctx, tsys_tensor *w, tsys_dtyp
     return tsys_tensor_retain(w->lowp);
 }
 
+// Room in the autocast cache for n more copies.
+static bool tsys__ac_room(tsys_ctx *ctx, int n) {
+    if (ctx->ac_len + n <= ctx->ac_cap) return true;
+    int cap = ctx->ac_cap ? ctx->ac_cap * 2 : 64;
+    while (cap < ctx->ac_len + n) cap *= 2;
+    tsys_tensor **s = (tsys_tensor **)TSYS_REALLOC(ctx->ac_src, (size_t)cap * sizeof(*s));
+    if (s) ctx->ac_src = s;
+    tsys_tensor **l = (tsys_tensor **)TSYS_REALLOC(ctx->ac_low, (size_t)cap * sizeof(*l));
+    if (l) ctx->ac_low = l;
+    if (!s || !l) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the autocast cache"); return false; }
+    ctx->ac_cap = cap;
+    return true;
+}
+
+// The copies of a linear group's weights (tsys_linears) when autocast makes them this region: side by side
+// in one block, so that the group's products batch. False (nothing made) where any of them is kept, already
+// made, or no parameter: the caller then takes them one by one.
+static bool tsys__autocast_weights(tsys_ctx *ctx, tsys_tensor *const *w, int n, tsys_dtype dt, tsys_tensor **out) {
+    if (ctx->replay) return false;
+    for (int j = 0; j < n; j++) {
+        if (w[j]->dtype == dt || w[j]->grad_fn || w[j]->lowp) return false;
+        for (int i = 0; i < ctx->ac_len; i++)
+            if (ctx->ac_src[i] == w[j]) return false;
+    }
+    if (!tsys__ac_room(ctx, n)) return false;
+    int64_t shape[3] = {n, w[0]->shape[0], w[0]->shape[1]};
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "autocast weights"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);
+    tsys_tensor *block = tsys_tensor_new(ctx, dt, w[0]->device, 3, shape);
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    bool ok = block != NULL;
+    for (int j = 0; ok && j < n; j++) {
+        tsys_tensor *low = tsys_tensor_view_raw(ctx, block, (size_t)j * (size_t)tsys_tensor_numel(w[0]) * tsys_dtype_size(dt), dt, 2, w[j]->shape);
+        tsys_kargs a = tsys__kargs0();
+        a.t[0] = low; a.t[1] = w[j];
+        ok = low && tsys__kernel(ctx, w[j]->device, TSYS_K_CAST, &a) == TSYS_OK;
+        if (!ok) { tsys_tensor_release(low); break; }
+        tsys_tensor_set_name(low, "%s.%s", w[j]->name, tsys_dtype_name(dt));
+        ctx->ac_src[ctx->ac_len] = tsys_tensor_retain(w[j]);
+        ctx->ac_low[ctx->ac_len++] = low;
+        out[j] = tsys_tensor_retain(low);
+    }
+    tsys_tensor_release(block);
+    for (int j = 0; !ok && j < n; j++) { tsys_tensor_release(out[j]); out[j] = NULL; }   // the cache keeps what was made
+    return ok;
+}
+
 // Low-precision copy of a parameter: the kept one when there is one, else made once per autocast
 // region (weights do not change inside it).
 static tsys_tensor *tsys__autocast_weight(tsys_ctx *ctx, tsys_tensor *w, tsys_dtype dt) {
@@ -3993,15 +4074,7 @@ static tsys_tensor *tsys__autocast_weight(tsys_ctx *ctx, tsys_tensor *w, tsys_dt
         tsys_mem_set_tag(ctx, rtag);
         return copy;
     }
-    if (ctx->ac_len == ctx->ac_cap) {
-        int cap = ctx->ac_cap ? ctx->ac_cap * 2 : 64;
-        tsys_tensor **s = (tsys_tensor **)TSYS_REALLOC(ctx->ac_src, (size_t)cap * sizeof(*s));
-        if (s) ctx->ac_src = s;
-        tsys_tensor **l = (tsys_tensor **)TSYS_REALLOC(ctx->ac_low, (size_t)cap * sizeof(*l));
-        if (l) ctx->ac_low = l;
-        if (!s || !l) { TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the autocast cache"); return NULL; }
-        ctx->ac_cap = cap;
-    }
+    if (!tsys__ac_room(ctx, 1)) return NULL;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "autocast weights"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_PARAMETERS);   // low-precision copies of them, for the step
     tsys_tensor *low = tsys__cast_raw(ctx, w, dt);
@@ -4171,6 +4244,127 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
     tsys__op_end(ctx, TSYS__OP_LINEAR, tag);
     ctx->trace_weight = NULL;
     return y;
+}
+
+// >>linear groups: tsys_linears ---------------------------------------------------------------------
+// n linears of one input whose weights lie a constant stride apart run as one strided-batched GEMM each
+// way (forward, dX, dW): what n separate products of a small model's shapes leave of the GPU idle (a
+// 1024 x 768 output fills a third of an H200's SMs). Measured with dev/qkv_lab.cu (H200, 1024 rows, bf16,
+// us a block): small q, k, v 46 -> 30, w1, w3 59 -> 50; xl q, k, v 98 -> 80, w1, w3 209 -> 190; 2.7B
+// q, k, v 224 -> 196; 2.7B's w1, w3 (10.5 M outputs each) ran slower batched: products past
+// TSYS_LINEARS_GROUP_MAX outputs stay apart.
+
+// A view of w[0 .. n) (one shape and dtype) as blocks of w[0]'s size, when they lie in one storage at a
+// constant stride of *stride blocks (1: back to back); NULL otherwise. The view spans what lies between.
+static tsys_tensor *tsys__linears_stack(tsys_ctx *ctx, tsys_tensor *const *w, int n, int64_t *stride) {
+    size_t bytes = tsys_tensor_bytes(w[0]);
+    if (n < 2 || bytes == 0 || w[1]->storage != w[0]->storage || w[1]->offset <= w[0]->offset || (w[1]->offset - w[0]->offset) % bytes) return NULL;
+    size_t step = w[1]->offset - w[0]->offset;
+    for (int i = 1; i < n; i++)
+        if (w[i]->storage != w[0]->storage || w[i]->dtype != w[0]->dtype || w[i]->ndim != 2 || w[i]->shape[0] != w[0]->shape[0] ||
+            w[i]->shape[1] != w[0]->shape[1] || w[i]->offset != w[0]->offset + (size_t)i * step)
+            return NULL;
+    *stride = (int64_t)(step / bytes);
+    int64_t shape[3] = {(n - 1) * *stride + 1, w[0]->shape[0], w[0]->shape[1]};
+    if (w[0]->offset + (size_t)shape[0] * bytes > w[0]->storage->bytes) return NULL;
+    return tsys_tensor_view_raw(ctx, w[0], 0, w[0]->dtype, 3, shape);
+}
+
+// Whether tsys_linears can batch: no recompute or checkpointed region (whose nodes rerun one by one), x already
+// in the compute dtype (a cast of x for each linear is torch's: their gradients then add in x's dtype),
+// weights of one storage at a constant stride, small products.
+static bool tsys__linears_batchable(tsys_ctx *ctx, const tsys_tensor *x, tsys_tensor *const *w, int n) {
+    if (n < 2 || ctx->replay || ctx->open_region >= 0 || x->ndim < 1 || x->dtype != tsys__matmul_dtype(ctx, x, w[0])) return false;
+    if (tsys__rows(x) * w[0]->shape[0] > TSYS_LINEARS_GROUP_MAX) return false;
+    size_t bytes = tsys_tensor_bytes(w[0]);
+    if (bytes == 0 || w[1]->storage != w[0]->storage || w[1]->offset <= w[0]->offset || (w[1]->offset - w[0]->offset) % bytes) return false;
+    for (int i = 1; i < n; i++)
+        if (w[i]->storage != w[0]->storage || w[i]->dtype != w[0]->dtype || w[i]->offset != w[0]->offset + (size_t)i * (w[1]->offset - w[0]->offset))
+            return false;
+    return true;
+}
+
+static tsys_status tsys__linears_fail(tsys_ctx *ctx, tsys_tensor **out, int n) {
+    for (int i = 0; i < n; i++) { tsys_tensor_release(out[i]); out[i] = NULL; }
+    return ctx->status != TSYS_OK ? ctx->status : TSYS_ERR_INVALID_ARGS;
+}
+
+TSYSDEF tsys_status tsys_linears(tsys_ctx *ctx, tsys_tensor *x, int n, tsys_tensor *const *weights, tsys_tensor **out) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
+    TSYS__CHECK_ARG(ctx, out && weights, TSYS_ERR_INVALID_ARGS, "linears: weights and out must be given");
+    TSYS__CHECK_ARG(ctx, n >= 1 && n <= TSYS_LINEARS_MAX, TSYS_ERR_INVALID_ARGS, "linears: n is %d, must be 1 to %d (TSYS_LINEARS_MAX)", n, TSYS_LINEARS_MAX);
+    for (int i = 0; i < n; i++) out[i] = NULL;
+    for (int i = 0; i < n; i++) {
+        TSYS__CHECK_ARG(ctx, weights[i], TSYS_ERR_INVALID_ARGS, "linears: weights[%d] is NULL", i);
+        TSYS__CHECK_ARG(ctx, weights[i]->ndim == 2 && weights[0]->ndim == 2 && weights[i]->shape[0] == weights[0]->shape[0] &&
+                                 weights[i]->shape[1] == weights[0]->shape[1], TSYS_ERR_INVALID_ARGS,
+                        "linears: weights[%d] '%s' must have the shape of weights[0] '%s' (2-D, %lld x %lld)", i, weights[i]->name, weights[0]->name,
+                        (long long)weights[0]->shape[0], (long long)(weights[0]->ndim > 1 ? weights[0]->shape[1] : -1));
+    }
+    if (!x || !tsys__linears_batchable(ctx, x, weights, n) || ctx->status != TSYS_OK) {
+        for (int i = 0; i < n; i++)
+            if (!(out[i] = tsys_linear(ctx, x, weights[i], NULL))) return tsys__linears_fail(ctx, out, n);
+        return TSYS_OK;
+    }
+    tsys_tensor *ins0[2] = {x, weights[0]};
+    if (!tsys__check_inputs(ctx, "linears", ins0, 2) || !tsys__check_float(ctx, "linears", x) || !tsys__check_float(ctx, "linears", weights[0]))
+        return tsys__linears_fail(ctx, out, n);
+    TSYS__CHECK_ARG(ctx, tsys__last_dim(x) == weights[0]->shape[1], TSYS_ERR_INVALID_ARGS, "linears: input '%s' last dim %lld does not match the weights (%lld, %lld) [d_out, d_in]",
+                    x->name, (long long)tsys__last_dim(x), (long long)weights[0]->shape[0], (long long)weights[0]->shape[1]);
+    const int64_t rows = tsys__rows(x), d_out = weights[0]->shape[0], d_in = weights[0]->shape[1];
+    const tsys_dtype dt = x->dtype;
+    tsys_tensor *wl[TSYS_LINEARS_MAX] = {NULL}, *ys = NULL;
+    tsys__lgroup *grp = NULL;
+    bool batched = false, ok = true;
+    for (int i = 0; ok && i < n; i++) {
+        tsys_tensor *ins[3] = {x, weights[i], NULL};
+        ctx->trace_weight = weights[i];
+        int tag = tsys__op_begin(ctx, TSYS__OP_LINEAR, ins, 3);
+        ctx->trace_weight = NULL;
+        if (i == 0) {   // every weight's copy and the batched product, in the first linear's scope
+            if (!tsys__autocast_weights(ctx, weights, n, dt, wl))   // side by side where autocast makes them now
+                for (int j = 0; ok && j < n; j++) ok = (wl[j] = tsys__matmul_input(ctx, weights[j], dt, true)) != NULL;
+            ok = ok && ctx->status == TSYS_OK;
+            int64_t stride = 0, total = n * rows * d_out;
+            tsys_tensor *ws = ok ? tsys__linears_stack(ctx, wl, n, &stride) : NULL;
+            if (ws && (ys = tsys_tensor_new(ctx, dt, x->device, 1, &total))) {
+                tsys_gemm_args g = tsys__gemm_args(x, ws, ys, false, true, rows, d_out, d_in);
+                g.batch = n; g.stride_a = 0; g.stride_b = stride * d_out * d_in; g.stride_c = rows * d_out;
+                g.as_items = true;   // the bits of separate linears (checkpointed regions run them so)
+                batched = tsys__gemm(ctx, &g) == TSYS_OK;
+                ok = batched;
+            }
+            tsys_tensor_release(ws);
+            ok = ok && ctx->status == TSYS_OK;
+        }
+        int64_t shape[TSYS_MAX_DIMS];
+        memcpy(shape, x->shape, sizeof(shape));
+        shape[x->ndim - 1] = d_out;
+        if (ok && batched) ok = (out[i] = tsys_tensor_view_raw(ctx, ys, (size_t)i * (size_t)(rows * d_out) * tsys_dtype_size(dt), dt, x->ndim, shape)) != NULL;
+        else if (ok) {
+            ok = (out[i] = tsys_tensor_new(ctx, dt, x->device, x->ndim, shape)) != NULL;
+            tsys_gemm_args g = tsys__gemm_args(x, wl[i], out[i], false, true, rows, d_out, d_in);
+            ok = ok && tsys__gemm(ctx, &g) == TSYS_OK;
+        }
+        if (ok) {   // slots and saved values as tsys_linear's
+            tsys_tensor *slots[3] = {x, weights[i]->grad_fn ? wl[i] : weights[i], NULL};
+            tsys_tensor *saved[TSYS__SAVED_LINEAR_COUNT];
+            saved[TSYS__SAVED_LINEAR_X] = x; saved[TSYS__SAVED_LINEAR_W] = wl[i];
+            tsys__node *node = tsys__record(ctx, TSYS__OP_LINEAR, out[i], slots, 3, saved, TSYS__SAVED_LINEAR_COUNT);
+            if (node && batched && !grp && (grp = (tsys__lgroup *)TSYS_MALLOC(sizeof(*grp)))) {
+                memset(grp, 0, sizeof(*grp));
+                grp->n = n; grp->per = rows * d_out; grp->dtype = dt;
+            }
+            if (node && grp) { node->group = grp; node->group_at = i; grp->refs++; }
+            ok = ctx->status == TSYS_OK;
+        }
+        ctx->trace_weight = weights[i];
+        tsys__op_end(ctx, TSYS__OP_LINEAR, tag);
+        ctx->trace_weight = NULL;
+    }
+    for (int j = 0; j < n; j++) tsys_tensor_release(wl[j]);
+    tsys_tensor_release(ys);
+    return ok ? TSYS_OK : tsys__linears_fail(ctx, out, n);
 }
 
 // Batch count of a (.., r, c) tensor: product of the leading dims.
@@ -4710,8 +4904,24 @@ TSYSDEF float tsys_item(tsys_ctx *ctx, const tsys_tensor *scalar) {
 // One case per op: read node->gout (the output's gradient) and the saved values, hand each input
 // that wants one its gradient through tsys__grad_add.
 
+// A new tensor for slot s's gradient; where s leads (through views) to a member of a linear group that has
+// no gradient yet, that member's part of the group's home, so that the members' gradients arrive back to
+// back for the group's batched products (tsys__bwd_linears).
 static tsys_tensor *tsys__slot_tensor(tsys_ctx *ctx, const tsys__slot *s, tsys_device dev) {
-    return tsys_tensor_new(ctx, s->dtype, dev, s->ndim, s->shape);
+    tsys__node *n = s->node;
+    while (n && n->op == TSYS__OP_VIEW && !n->gout) n = n->in[0].node;
+    tsys__lgroup *g = n && n->op == TSYS__OP_LINEAR && !n->gout ? n->group : NULL;
+    int64_t numel = 1;
+    for (int d = 0; d < s->ndim; d++) numel *= s->shape[d];
+    if (!g || (g->taken >> n->group_at & 1u) || s->dtype != g->dtype || n->grad_dtype != g->dtype || numel != g->per)
+        return tsys_tensor_new(ctx, s->dtype, dev, s->ndim, s->shape);
+    if (!g->home) {
+        int64_t total = g->n * g->per;
+        if (!(g->home = tsys_tensor_new(ctx, g->dtype, dev, 1, &total))) return NULL;
+    }
+    if (g->home->device != dev) return tsys_tensor_new(ctx, s->dtype, dev, s->ndim, s->shape);
+    g->taken |= 1u << n->group_at;
+    return tsys_tensor_view_raw(ctx, g->home, (size_t)n->group_at * (size_t)g->per * tsys_dtype_size(g->dtype), s->dtype, s->ndim, s->shape);
 }
 
 // Gradient for slot j from kernel k run with g as t[1] and extra inputs in t[2..].
@@ -4784,6 +4994,107 @@ static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
         st = tsys__grad_dest_done(ctx, n, 2, db, fresh, st);
     }
     tsys_tensor_release(gl);
+    return st;
+}
+
+// Whether tape[i], the last member of a linear group, can run the group's backward: the members lie at
+// tape[i - n + 1 .. i], read one x (of their gradients' dtype: no cast) and hold their gradients, unwidened,
+// in their parts of the group's home. Otherwise each runs its own backward (as it would alone).
+static bool tsys__linears_ready(const tsys_ctx *ctx, size_t i) {
+    const tsys__node *last = ctx->tape[i];
+    const tsys__lgroup *g = last->group;
+    if (!g || last->group_at != g->n - 1 || i + 1 < (size_t)g->n || !g->home) return false;
+    const tsys_tensor *x = last->saved[TSYS__SAVED_LINEAR_X];
+    size_t es = tsys_dtype_size(g->dtype);
+    for (int j = 0; j < g->n; j++) {
+        const tsys__node *m = ctx->tape[i + 1 - (size_t)g->n + (size_t)j];
+        const tsys_tensor *go = m->gout;
+        if (m->group != g || m->group_at != j || m->region >= 0 || !go || !x || m->saved[TSYS__SAVED_LINEAR_X] != x || !m->saved[TSYS__SAVED_LINEAR_W] ||
+            x->dtype != g->dtype || go->dtype != g->dtype || go->storage != g->home->storage ||
+            go->offset != g->home->offset + (size_t)j * (size_t)g->per * es || tsys_tensor_numel(go) != g->per ||
+            m->in[0].needs != last->in[0].needs || m->in[1].needs != last->in[1].needs || m->in[2].needs)
+            return false;
+    }
+    return true;
+}
+
+// The group's dW: one batched product into the members' gradients where they lie back to back and take
+// the same store-or-add, else one product each.
+static tsys_status tsys__bwd_linears_dw(tsys_ctx *ctx, tsys__node **m, int n, tsys_tensor *home, tsys_tensor *x) {
+    tsys_tensor *dw[TSYS_LINEARS_MAX] = {NULL};
+    bool fresh[TSYS_LINEARS_MAX] = {false}, ow[TSYS_LINEARS_MAX] = {false}, stack = true;
+    const tsys_tensor *w = m[0]->saved[TSYS__SAVED_LINEAR_W];
+    int64_t rows = tsys__rows(x), d_out = w->shape[0], d_in = w->shape[1];
+    tsys_status st = TSYS_OK;
+    for (int j = 0; j < n && st == TSYS_OK; j++) {   // a low-precision gradient of x's dtype: the GEMM writes it (as tsys__bwd_linear)
+        const tsys_tensor *leaf = m[j]->in[1].leaf;
+        tsys_dtype want = leaf && leaf->grad_lowp == x->dtype ? x->dtype : m[j]->in[1].dtype;
+        dw[j] = tsys__grad_dest(ctx, m[j], 1, want, &fresh[j], &ow[j]);
+        if (!dw[j]) st = ctx->status ? ctx->status : TSYS_ERR_OOM;
+        stack = stack && dw[j] && !fresh[j] && ow[j] == ow[0];
+    }
+    int64_t stride = 0;
+    tsys_tensor *ds = st == TSYS_OK && stack ? tsys__linears_stack(ctx, dw, n, &stride) : NULL;
+    if (ds && stride == 1) {   // one block: no gradient of another weight lies in between
+        tsys_gemm_args ga = tsys__gemm_args(home, x, ds, true, false, d_out, d_in, rows);
+        ga.batch = n; ga.stride_a = rows * d_out; ga.stride_b = 0; ga.stride_c = d_out * d_in; ga.as_items = true;
+        ga.beta = ow[0] ? 0.0f : 1.0f;
+        st = tsys__gemm(ctx, &ga);
+    } else {
+        for (int j = 0; j < n && st == TSYS_OK; j++) {
+            tsys_gemm_args ga = tsys__gemm_args(m[j]->gout, x, dw[j], true, false, d_out, d_in, rows);
+            ga.beta = ow[j] ? 0.0f : 1.0f;
+            st = tsys__gemm(ctx, &ga);
+        }
+    }
+    tsys_tensor_release(ds);
+    for (int j = 0; j < n; j++)
+        if (dw[j]) st = tsys__grad_dest_done(ctx, m[j], 1, dw[j], fresh[j], st);
+    return st;
+}
+
+// The backward of a group of linears (tsys__linears_ready), reached at its last member: dX as one batched
+// product handed to x in the order the members would have (last first), then dW; the kernels run in the
+// last member's scope and the others' scopes follow, empty, so that hooks counting linears see them all.
+static tsys_status tsys__bwd_linears(tsys_ctx *ctx, size_t i) {
+    tsys__node *last = ctx->tape[i], *m[TSYS_LINEARS_MAX];
+    tsys__lgroup *g = last->group;
+    const int n = g->n;
+    for (int j = 0; j < n; j++) m[j] = ctx->tape[i + 1 - (size_t)n + (size_t)j];
+    tsys_tensor *x = last->saved[TSYS__SAVED_LINEAR_X], *w[TSYS_LINEARS_MAX];
+    for (int j = 0; j < n; j++) w[j] = m[j]->saved[TSYS__SAVED_LINEAR_W];
+    const int64_t rows = tsys__rows(x), d_out = w[0]->shape[0], d_in = w[0]->shape[1];
+    tsys_status st = TSYS_OK;
+    for (int j = n - 1; j >= 0; j--) {
+        tsys_tensor *weight = m[j]->in[1].leaf ? m[j]->in[1].leaf : w[j];
+        ctx->trace_weight = weight;
+        int tag = tsys__scope_begin(ctx, tsys__op_names[TSYS__OP_LINEAR], ctx->op_tags[TSYS__OP_LINEAR], TSYS_TRACE_BACKWARD, NULL, m[j]->in, m[j]->n_in);
+        ctx->trace_weight = NULL;
+        if (j == n - 1 && last->in[0].needs) {
+            int64_t stride = 0, total = n * rows * d_in;
+            tsys_tensor *ws = tsys__linears_stack(ctx, w, n, &stride), *dx = ws ? tsys_tensor_new(ctx, x->dtype, x->device, 1, &total) : NULL;
+            if (dx) {
+                tsys_gemm_args ga = tsys__gemm_args(g->home, ws, dx, false, false, rows, d_in, d_out);
+                ga.batch = n; ga.stride_a = rows * d_out; ga.stride_b = stride * d_out * d_in; ga.stride_c = rows * d_in; ga.as_items = true;
+                st = tsys__gemm(ctx, &ga);
+            } else {
+                st = ctx->status != TSYS_OK ? ctx->status : TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "backward: linear group of '%s': its weight copies moved", weight->name);
+            }
+            for (int k = n - 1; k >= 0 && st == TSYS_OK; k--) {
+                tsys_tensor *part = tsys_tensor_view_raw(ctx, dx, (size_t)k * (size_t)(rows * d_in) * tsys_dtype_size(x->dtype), x->dtype, x->ndim, x->shape);
+                st = part ? tsys__grad_add(ctx, &m[k]->in[0], part) : ctx->status;
+            }
+            tsys_tensor_release(dx);
+            tsys_tensor_release(ws);
+        }
+        if (j == n - 1 && st == TSYS_OK && last->in[1].needs) st = tsys__bwd_linears_dw(ctx, m, n, g->home, x);
+        ctx->trace_weight = weight;
+        tsys__scope_end(ctx, tsys__op_names[TSYS__OP_LINEAR], TSYS_TRACE_BACKWARD, tag);
+        ctx->trace_weight = NULL;
+        m[j]->group_done = true;
+    }
+    tsys_tensor_release(g->home);   // the members' gradients keep it until they are freed
+    g->home = NULL;
     return st;
 }
 
@@ -5626,11 +5937,11 @@ static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, t
     tsys_ctx *ctx = m->ctx;
     int64_t H = m->desc.num_heads, dh = m->desc.d_model / H;
     int64_t split[4] = {B, T, H, dh}, merged[3] = {B, T, m->desc.d_model};
-    tsys_tensor *proj[3] = {L->q, L->k, L->v}, *heads[3] = {NULL, NULL, NULL};
+    tsys_tensor *proj[3] = {L->q, L->k, L->v}, *p[3], *heads[3] = {NULL, NULL, NULL};
+    tsys_linears(ctx, h, 3, proj, p);   // a failure leaves p NULL, and the ops below pass it on
     for (int j = 0; j < 3; j++) {
-        tsys_tensor *p = tsys_linear(ctx, h, proj[j], NULL);
-        tsys_tensor *pv = tsys_view(ctx, p, 4, split);
-        tsys_tensor_release(p);
+        tsys_tensor *pv = tsys_view(ctx, p[j], 4, split);
+        tsys_tensor_release(p[j]);
         // (B, H, T, dh); q and k rotated in the same pass
         heads[j] = j < 2 ? tsys_rope_heads(ctx, pv, m->desc.rope_theta) : tsys_transpose12(ctx, pv);
         tsys_tensor_release(pv);
@@ -5658,11 +5969,12 @@ static tsys_tensor *tsys__model_attention(tsys_model *m, const tsys__layer *L, t
 // (SwiGLU's output is recomputed from the kept w1, w3 outputs; w2 is not rerun).
 static tsys_tensor *tsys__model_ffn(tsys_model *m, const tsys__layer *L, tsys_tensor *h, bool sel) {
     tsys_ctx *ctx = m->ctx;
-    tsys_tensor *a = tsys_linear(ctx, h, L->w1, NULL), *b = tsys_linear(ctx, h, L->w3, NULL);
+    tsys_tensor *w13[2] = {L->w1, L->w3}, *ab[2];
+    tsys_linears(ctx, h, 2, w13, ab);   // a failure leaves ab NULL, and swiglu passes it on
     tsys__sel_end(ctx, sel);
     tsys__sel_begin(ctx, sel);
-    tsys_tensor *s = tsys_swiglu(ctx, a, b);
-    tsys_tensor_release(a); tsys_tensor_release(b);
+    tsys_tensor *s = tsys_swiglu(ctx, ab[0], ab[1]);
+    tsys_tensor_release(ab[0]); tsys_tensor_release(ab[1]);
     tsys_tensor *y = tsys_linear(ctx, s, L->w2, NULL);
     tsys__sel_end(ctx, sel);
     tsys_tensor_release(s);

@@ -396,7 +396,7 @@ typedef struct tsys_cuda__map {
 } tsys_cuda__map;
 
 typedef struct tsys_cuda__gemm_key {
-    int32_t ab_dt, c_dt, trans_a, trans_b, tf32, align_a, align_b, align_c;
+    int32_t ab_dt, c_dt, trans_a, trans_b, tf32, align_a, align_b, align_c, as_items, pad;
     int64_t m, n, k, batch, stride_a, stride_b, stride_c;
 } tsys_cuda__gemm_key;
 
@@ -404,6 +404,7 @@ typedef struct tsys_cuda__gemm_key {
 typedef struct tsys_cuda__gemm_plan {
     tsys_cuda__gemm_key key;
     bool used;
+    bool by_item;   // as_items, but the item's algorithm cannot run the batch: one product an item
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;
     cublasLtMatmulAlgo_t algo;
@@ -5606,6 +5607,34 @@ static tsys_status tsys_cuda__layout(tsys_ctx *ctx, cublasLtMatrixLayout_t *l, c
     return TSYS_OK;
 }
 
+// as_items: the algorithm cuBLASLt picks for one item alone (batch 1), where it runs the batch too: each item
+// then gets a single GEMM's bits (the heuristic may pick another tiling for the batch, whose sums can round
+// differently). Its status: not SUCCESS (or *found 0) when the batch needs an algorithm of its own.
+static cublasStatus_t tsys_cuda__item_algo(tsys_cuda__state *st, const tsys_cuda__gemm_plan *p, const tsys_cuda__gemm_key *key,
+                                           cublasLtMatmulPreference_t pref, cublasLtMatmulHeuristicResult_t *res, int *found) {
+    cudaDataType_t ab = tsys_cuda__blas_type((tsys_dtype)key->ab_dt), c = tsys_cuda__blas_type((tsys_dtype)key->c_dt);
+    int64_t m = key->m, n = key->n, k = key->k;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+    cublasStatus_t s = cublasLtMatrixLayoutCreate(&la, ab, key->trans_b ? k : n, key->trans_b ? n : k, key->trans_b ? k : n);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&lb, ab, key->trans_a ? m : k, key->trans_a ? k : m, key->trans_a ? m : k);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&lc, c, n, m, n);
+    if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulAlgoGetHeuristic(st->lt, p->op, la, lb, lc, lc, pref, 1, res, found);
+    // 16-bit operands on tensor cores only, without split-K: these gave the single products' bits in a batch
+    // (test_cuda cuda_linears_bits_as_separate); the fp32 kernels did not
+    uint32_t splits = 1;
+    size_t got = 0;
+    if (s == CUBLAS_STATUS_SUCCESS && *found)
+        s = cublasLtMatmulAlgoConfigGetAttribute(&res->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof splits, &got);
+    if (s == CUBLAS_STATUS_SUCCESS && *found && (key->ab_dt == TSYS_F32 || splits > 1)) s = CUBLAS_STATUS_NOT_SUPPORTED;
+    cublasLtMatmulHeuristicResult_t check;
+    if (s == CUBLAS_STATUS_SUCCESS && *found) s = cublasLtMatmulAlgoCheck(st->lt, p->op, p->la, p->lb, p->lc, p->lc, &res->algo, &check);
+    if (s == CUBLAS_STATUS_SUCCESS && *found && check.workspaceSize > st->workspace_bytes) s = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    return s;
+}
+
 static tsys_status tsys_cuda__plan_build(tsys_cuda__state *st, tsys_cuda__gemm_plan *p, const tsys_cuda__gemm_key *key) {
     tsys_ctx *ctx = st->ctx;
     memset(p, 0, sizeof *p);
@@ -5635,7 +5664,17 @@ static tsys_status tsys_cuda__plan_build(tsys_cuda__state *st, tsys_cuda__gemm_p
     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
     cublasLtMatmulHeuristicResult_t res;
     int found = 0;
-    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(st->lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &found);
+    cublasStatus_t hs = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (key->as_items && key->batch > 1) {
+        hs = tsys_cuda__item_algo(st, p, key, pref, &res, &found);
+        if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
+            cublasLtMatmulPreferenceDestroy(pref);
+            p->by_item = true;
+            return TSYS_OK;
+        }
+    } else {
+        hs = cublasLtMatmulAlgoGetHeuristic(st->lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &found);
+    }
     cublasLtMatmulPreferenceDestroy(pref);
     if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
         return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "cuda gemm: cuBLASLt has no algorithm for %s x %s -> %s, m=%lld n=%lld k=%lld batch=%lld (status %d)",
@@ -5666,6 +5705,35 @@ static tsys_status tsys_cuda__plan_get(tsys_cuda__state *st, const tsys_cuda__ge
     return TSYS_OK;
 }
 
+// g's product on batch items from A, B, C (g's strides apart). as_items where the item's own algorithm cannot
+// run the batch (tsys_cuda__item_algo): one product an item, each as a GEMM of its own.
+static tsys_status tsys_cuda__gemm_launch(tsys_cuda__state *st, const tsys_gemm_args *g, const void *A, const void *B, void *C, int64_t batch) {
+    tsys_ctx *ctx = st->ctx;
+    size_t es = tsys_dtype_size(g->a->dtype), esc = tsys_dtype_size(g->c->dtype);
+    tsys_cuda__gemm_key key;
+    memset(&key, 0, sizeof key);   // padding takes part in the hash
+    key.ab_dt = g->a->dtype; key.c_dt = g->c->dtype;
+    key.trans_a = g->trans_a; key.trans_b = g->trans_b;
+    key.tf32 = st->tf32 && g->a->dtype == TSYS_F32;
+    key.m = g->m; key.n = g->n; key.k = g->k; key.batch = batch;
+    if (batch > 1) { key.stride_a = g->stride_a; key.stride_b = g->stride_b; key.stride_c = g->stride_c; key.as_items = g->as_items; }
+    key.align_a = tsys_cuda__gemm_align(A, g->stride_a, batch, es);
+    key.align_b = tsys_cuda__gemm_align(B, g->stride_b, batch, es);
+    key.align_c = tsys_cuda__gemm_align(C, g->stride_c, batch, esc);
+    tsys_cuda__gemm_plan *p;
+    TSYS_CUDA__TRY(tsys_cuda__plan_get(st, &key, &p));
+    if (p->by_item) {
+        for (int64_t i = 0; i < batch; i++)
+            TSYS_CUDA__TRY(tsys_cuda__gemm_launch(st, g, (const char *)A + (size_t)(i * g->stride_a) * es, (const char *)B + (size_t)(i * g->stride_b) * es,
+                                                  (char *)C + (size_t)(i * g->stride_c) * esc, 1));
+        return TSYS_OK;
+    }
+    float alpha = g->alpha, beta = g->beta;
+    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatmul(st->lt, p->op, &alpha, B, p->la, A, p->lb, &beta, C, p->lc, C, p->lc,
+                                              &p->algo, st->workspace, st->workspace_bytes, st->stream));
+    return TSYS_OK;
+}
+
 static tsys_status tsys_cuda__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
     tsys_cuda__state *st = tsys_cuda__get(ctx);
     if (!st) return tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "cuda gemm: backend not initialized");
@@ -5683,25 +5751,7 @@ static tsys_status tsys_cuda__gemm(tsys_ctx *ctx, const tsys_gemm_args *g) {
         a.t[0] = g->c; a.t[1] = g->c; a.f[0] = g->beta;
         return tsys_cuda__k_elementwise(st, g->beta == 0.0f ? TSYS_K_FILL : TSYS_K_SCALE, &a);
     }
-    const void *A = tsys_tensor_data(g->a), *B = tsys_tensor_data(g->b);
-    void *C = tsys_tensor_data(g->c);
-    size_t es = tsys_dtype_size(g->a->dtype), esc = tsys_dtype_size(g->c->dtype);
-    tsys_cuda__gemm_key key;
-    memset(&key, 0, sizeof key);   // padding takes part in the hash
-    key.ab_dt = g->a->dtype; key.c_dt = g->c->dtype;
-    key.trans_a = g->trans_a; key.trans_b = g->trans_b;
-    key.tf32 = st->tf32 && g->a->dtype == TSYS_F32;
-    key.m = g->m; key.n = g->n; key.k = g->k; key.batch = g->batch;
-    if (g->batch > 1) { key.stride_a = g->stride_a; key.stride_b = g->stride_b; key.stride_c = g->stride_c; }
-    key.align_a = tsys_cuda__gemm_align(A, g->stride_a, g->batch, es);
-    key.align_b = tsys_cuda__gemm_align(B, g->stride_b, g->batch, es);
-    key.align_c = tsys_cuda__gemm_align(C, g->stride_c, g->batch, esc);
-    tsys_cuda__gemm_plan *p;
-    TSYS_CUDA__TRY(tsys_cuda__plan_get(st, &key, &p));
-    float alpha = g->alpha, beta = g->beta;
-    TSYS_CUDA__CHECK_BLAS(ctx, cublasLtMatmul(st->lt, p->op, &alpha, B, p->la, A, p->lb, &beta, C, p->lc, C, p->lc,
-                                              &p->algo, st->workspace, st->workspace_bytes, st->stream));
-    return TSYS_OK;
+    return tsys_cuda__gemm_launch(st, g, tsys_tensor_data(g->a), tsys_tensor_data(g->b), tsys_tensor_data(g->c), g->batch);
 }
 
 // >>copy and sync ---------------------------------------------------------------------------------

@@ -5,9 +5,11 @@
 // projections that read one input (q, k, v: G = 3, width d; w1, w3: G = 2, width d_ff) and each of a
 // linear's three GEMMs:
 //   forward  y_i = x W_i^T            G products of N = width  | one of N = G x width (W stacked)
+//                                      | one strided-batched product (x repeated G times)
 //   dX       dx = sum_i dy_i W_i      G products + G - 1 adds  | one of K = G x width (not torch's sum
 //                                      order: a bound) | one strided-batched product of G + G - 1 adds
 //   dW       dW_i = dy_i^T x          G products of M = width  | one of M = G x width
+//                                      | one strided-batched product (x repeated G times)
 // Prints microseconds a replay of each variant (median of 5 timings of 50 replays).
 //
 //   make build/tsys_impl_cuda.o
@@ -58,11 +60,12 @@ static double time_us(variant_fn f, void *user) {
 enum { MAXG = 3 };
 typedef struct group {
     int G;
-    tsys_tensor *x, *w[MAXG], *w_all, *dy[MAXG], *dy_all, *dy_b, *w_b, *dyt[MAXG], *dyt_all;
+    tsys_tensor *x, *w[MAXG], *w_all, *dy[MAXG], *dy_all, *dy_b, *w_b, *dyt[MAXG], *dyt_all, *x_b, *dyt_b;
 } group;
 static void run(tsys_tensor *y) { check(y != NULL, "matmul"); tsys_tensor_release(y); }
 static void fwd_apart(void *u) { group *g = (group *)u; for (int i = 0; i < g->G; i++) run(tsys_matmul(g_ctx, g->x, g->w[i], true)); }
 static void fwd_merged(void *u) { group *g = (group *)u; run(tsys_matmul(g_ctx, g->x, g->w_all, true)); }
+static void fwd_batched(void *u) { group *g = (group *)u; run(tsys_matmul(g_ctx, g->x_b, g->w_b, true)); }
 static void sum_into(tsys_tensor **parts, int G) {
     tsys_tensor *s = tsys_add(g_ctx, parts[0], parts[1]);
     for (int i = 2; i < G; i++) { tsys_tensor *t = tsys_add(g_ctx, s, parts[i]); tsys_tensor_release(s); s = t; }
@@ -92,6 +95,7 @@ static void dx_batched(void *u) {
 }
 static void dw_apart(void *u) { group *g = (group *)u; for (int i = 0; i < g->G; i++) run(tsys_matmul(g_ctx, g->dyt[i], g->x, false)); }
 static void dw_merged(void *u) { group *g = (group *)u; run(tsys_matmul(g_ctx, g->dyt_all, g->x, false)); }
+static void dw_batched(void *u) { group *g = (group *)u; run(tsys_matmul(g_ctx, g->dyt_b, g->x_b, false)); }
 
 static void measure(const char *model, const char *name, int G, int64_t tokens, int64_t d, int64_t width) {
     group g;
@@ -101,12 +105,13 @@ static void measure(const char *model, const char *name, int G, int64_t tokens, 
     for (int i = 0; i < G; i++) { g.w[i] = rand_bf16(2, width, d, 0); g.dy[i] = rand_bf16(2, tokens, width, 0); g.dyt[i] = rand_bf16(2, width, tokens, 0); }
     g.w_all = rand_bf16(2, G * width, d, 0); g.dy_all = rand_bf16(2, tokens, G * width, 0); g.dyt_all = rand_bf16(2, G * width, tokens, 0);
     g.dy_b = rand_bf16(3, G, tokens, width); g.w_b = rand_bf16(3, G, width, d);
-    double f0 = time_us(fwd_apart, &g), f1 = time_us(fwd_merged, &g);
+    g.x_b = rand_bf16(3, G, tokens, d); g.dyt_b = rand_bf16(3, G, width, tokens);
+    double f0 = time_us(fwd_apart, &g), f1 = time_us(fwd_merged, &g), f2 = time_us(fwd_batched, &g);
     double x0 = time_us(dx_apart, &g), x1 = time_us(dx_merged, &g), x2 = time_us(dx_batched, &g);
-    double w0 = time_us(dw_apart, &g), w1 = time_us(dw_merged, &g);
-    printf("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", model, name, f0, f1, x0, x1, x2, w0, w1,
-           (f0 + x0 + w0) - (f1 + x2 + w1));
-    tsys_tensor *all[] = { g.x, g.w_all, g.dy_all, g.dyt_all, g.dy_b, g.w_b };
+    double w0 = time_us(dw_apart, &g), w1 = time_us(dw_merged, &g), w2 = time_us(dw_batched, &g);
+    printf("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n", model, name, f0, f1, f2, x0, x1,
+           x2, w0, w1, w2, (f0 + x0 + w0) - (f1 + x2 + w1), (f0 + x0 + w0) - (f2 + x2 + w2));
+    tsys_tensor *all[] = { g.x, g.w_all, g.dy_all, g.dyt_all, g.dy_b, g.w_b, g.x_b, g.dyt_b };
     for (tsys_tensor *t : all) tsys_tensor_release(t);
     for (int i = 0; i < G; i++) { tsys_tensor_release(g.w[i]); tsys_tensor_release(g.dy[i]); tsys_tensor_release(g.dyt[i]); }
 }
@@ -116,8 +121,8 @@ int main(void) {
     check(g_ctx && tsys_cuda_init(g_ctx, 0) == TSYS_OK, "tsys_cuda_init");
     tsys_no_grad_begin(g_ctx);
     printf("%s, 1024 tokens, bf16, us a replay (apart | merged; dX also strided-batched + adds)\n\n", tsys_cuda_device_name(g_ctx));
-    printf("| model | group | fwd apart | fwd merged | dX apart | dX one K | dX batched | dW apart | dW merged | saved (fwd + dX batched + dW) |\n");
-    printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    printf("| model | group | fwd apart | fwd merged | fwd batched | dX apart | dX one K | dX batched | dW apart | dW merged | dW batched | saved (merged fwd, dW) | saved (all batched) |\n");
+    printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     struct { const char *name; int64_t d, ff; } models[] = { { "small", 768, 3072 }, { "xl", 1600, 6400 }, { "2.7B", 2560, 10240 } };
     for (auto &m : models) {
         measure(m.name, "q, k, v", 3, 1024, m.d, m.d);

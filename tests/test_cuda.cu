@@ -428,6 +428,74 @@ TSYS_TEST(cuda_gemm) {
     tsys_cuda_set_tf32(ctx, false);
 }
 
+// tsys_linears on the GPU against separate tsys_linear calls at the CS336 small model's shapes (1024 rows):
+// the same bits forward and backward while its products run batched (each item with the algorithm it gets
+// alone: gemm as_items); q, k, v back to back, w1, w3 two blocks apart; bf16 and fp32.
+static void tc_lin_kernel(tsys_ctx *, const tsys_trace_kernel *k, void *user) { if (k->gemm && k->gemm->batch > 1) ++*(int *)user; }
+static void tc_linears_case(tsys_ctx *ctx, tsys_dtype dt, int n, int64_t d_out, int stride, int want_batched) {
+    const int64_t K = 768, blocks = (n - 1) * stride + 1;
+    int64_t sx[3] = {4, 256, K}, sb[3] = {blocks, d_out, K}, sw[2] = {d_out, K}, sy[3] = {4, 256, d_out};
+    const size_t bytes = (size_t)(d_out * K) * tsys_dtype_size(dt);
+    tsys_tensor *x = tsys_tensor_new(ctx, dt, TSYS_CUDA, 3, sx), *block = tsys_tensor_new(ctx, dt, TSYS_CUDA, 3, sb), *w[3], *r[3];
+    tsys_tensor_randn(ctx, x, 1.0f);
+    tsys_tensor_randn(ctx, block, 0.02f);
+    tsys_tensor_set_requires_grad(x, true);
+    for (int i = 0; i < n; i++) {
+        w[i] = tsys_tensor_view_raw(ctx, block, (size_t)(i * stride) * bytes, dt, 2, sw);
+        tsys_tensor_set_requires_grad(w[i], true);
+        r[i] = tsys_tensor_new(ctx, dt, TSYS_CUDA, 3, sy);
+        tsys_tensor_randn(ctx, r[i], 1.0f);
+    }
+    float *got[2][5] = {{NULL}};
+    for (int grouped = 0; grouped < 2; grouped++) {
+        tsys_tensor *gblock = tsys_tensor_new(ctx, dt, TSYS_CUDA, 3, sb);
+        tsys_tensor_fill(ctx, gblock, 0.0f);
+        for (int i = 0; i < n; i++) { tsys_tensor_release(w[i]->grad); w[i]->grad = tsys_tensor_view_raw(ctx, gblock, (size_t)(i * stride) * bytes, dt, 2, sw); }
+        tsys_tensor_release(gblock);
+        tsys_tensor_release(x->grad); x->grad = NULL;
+        int batched = 0;
+        tsys_trace_hooks h;
+        memset(&h, 0, sizeof h);
+        h.kernel = tc_lin_kernel; h.user = &batched;
+        tsys_ctx_set_trace_hooks(ctx, &h);
+        tsys_tensor *out[3] = {NULL, NULL, NULL}, *loss = NULL;
+        if (grouped) tsys_linears(ctx, x, n, w, out);
+        else for (int i = 0; i < n; i++) out[i] = tsys_linear(ctx, x, w[i], NULL);
+        for (int i = 0; i < n; i++) {
+            tsys_tensor *p = tsys_mul(ctx, out[i], r[i]), *s = tsys_sum(ctx, p), *l = loss ? tsys_add(ctx, loss, s) : tsys_tensor_retain(s);
+            tsys_tensor_release(p); tsys_tensor_release(s); tsys_tensor_release(loss);
+            loss = l;
+        }
+        tsys_tensor *lf = tsys_cast(ctx, loss, TSYS_F32);
+        TEST_CHECK(tsys_backward(ctx, lf) == TSYS_OK, "%s n %d: %s", tsys_dtype_name(dt), n, tsys_ctx_last_error(ctx));
+        tsys_ctx_set_trace_hooks(ctx, NULL);
+        got[grouped][0] = test_read(ctx, out[0]);
+        got[grouped][1] = test_read(ctx, x->grad);
+        for (int i = 0; i < n; i++) got[grouped][2 + i] = test_read(ctx, w[i]->grad);
+        for (int i = 0; i < n; i++) tsys_tensor_release(out[i]);
+        tsys_tensor_release(loss); tsys_tensor_release(lf);
+        tsys_tape_clear(ctx);
+        TEST_CHECK(batched == (grouped ? want_batched : 0), "%s n %d: %d batched GEMMs, expected %d", tsys_dtype_name(dt), n, batched, grouped ? want_batched : 0);
+    }
+    const char *what[5] = {"the first output", "dX", "dW 0", "dW 1", "dW 2"};
+    for (int j = 0; j < 2 + n; j++) {
+        size_t count = j == 0 ? 1024 * (size_t)d_out : j == 1 ? 1024 * (size_t)K : (size_t)(d_out * K);
+        TEST_CHECK(got[0][j] && got[1][j] && memcmp(got[0][j], got[1][j], count * sizeof(float)) == 0, "%s n %d (%lld x %lld): %s differs from separate linears'",
+                   tsys_dtype_name(dt), n, (long long)d_out, (long long)K, what[j]);
+        free(got[0][j]); free(got[1][j]);
+    }
+    for (int i = 0; i < n; i++) { tsys_tensor_release(w[i]->grad); w[i]->grad = NULL; tsys_tensor_release(w[i]); tsys_tensor_release(r[i]); }
+    tsys_tensor_release(x); tsys_tensor_release(block);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+}
+TSYS_TEST(cuda_linears_bits_as_separate) {
+    TC_CTX(ctx);
+    for (tsys_dtype dt : {TSYS_BF16, TSYS_F32}) {
+        tc_linears_case(ctx, dt, 3, 768, 1, 3);    // q, k, v: forward, dX, dW
+        tc_linears_case(ctx, dt, 2, 3072, 2, 2);   // w1, w3: forward, dX (their gradients lie apart)
+    }
+}
+
 // ---- the whole model ----------------------------------------------------------------------------
 
 static tsys_model_desc tc_model_desc(void) {

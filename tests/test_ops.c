@@ -227,6 +227,144 @@ TSYS_TEST(fused_norm_matches_casts_bitwise) {
     tsys_ctx_free(ctx);
 }
 
+// tsys_linears against separate tsys_linear calls on the CPU: the same loss and gradients, bit for bit, in
+// every layout: weights back to back (q, k, v: one product each way), a stride of two blocks apart (w1, w3: dW
+// one product each), apart in memory (separate products), bf16, an output read twice (its gradient then
+// sums apart from the group's block: each member's own backward), and under a checkpointed region (no batching).
+// The batched products show as GEMMs of batch n; hooks see n linears forward and n backward either way.
+typedef struct lin_count { int gemms, batched, fwd, bwd; } lin_count;
+static void lin_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    (void)ctx;
+    lin_count *c = (lin_count *)user;
+    if (!k->gemm) return;
+    c->gemms++;
+    c->batched += k->gemm->batch > 1;
+}
+static void lin_op(tsys_ctx *ctx, const char *name, tsys_trace_kind kind, void *user) {
+    lin_count *c = (lin_count *)user;
+    if (strcmp(name, "linear") || !tsys_trace_weight(ctx)) return;
+    c->fwd += kind == TSYS_TRACE_FORWARD;
+    c->bwd += kind == TSYS_TRACE_BACKWARD;
+}
+enum { LIN_BLOCKS = 5, LIN_N = 12, LIN_K = 8 };
+typedef struct lin_case { const char *what; int n, at[3]; bool apart, bf16, twice, region, autocast; int gemms, batched; } lin_case;
+// loss = sum_i sum(view(out_i) * r_i) (+ sum(out_0 * r_0) again when twice); x = x0 * 1 (a node)
+static float lin_step(tsys_ctx *ctx, const lin_case *c, bool grouped, tsys_tensor *x0, tsys_tensor **w, tsys_tensor **r, lin_count *cnt) {
+    tsys_trace_hooks h;
+    memset(&h, 0, sizeof(h));
+    h.kernel = lin_kernel; h.op_begin = lin_op; h.user = cnt;
+    tsys_ctx_set_trace_hooks(ctx, &h);
+    if (c->region) tsys_checkpoint_begin(ctx);
+    if (c->autocast) tsys_autocast_begin(ctx, TSYS_BF16);
+    tsys_tensor *x0s = tsys_scale(ctx, x0, 1.0f), *x = c->autocast ? tsys_cast(ctx, x0s, TSYS_BF16) : tsys_tensor_retain(x0s), *out[3] = {NULL, NULL, NULL};
+    tsys_tensor_release(x0s);
+    if (grouped) TEST_CHECK(tsys_linears(ctx, x, c->n, w, out) == TSYS_OK, "%s: %s", c->what, tsys_ctx_last_error(ctx));
+    else for (int i = 0; i < c->n; i++) out[i] = tsys_linear(ctx, x, w[i], NULL);
+    if (c->autocast) tsys_autocast_end(ctx);
+    if (c->region) tsys_checkpoint_end(ctx);
+    tsys_tensor *loss = NULL;
+    for (int i = 0; i < c->n + (c->twice ? 1 : 0); i++) {
+        int64_t flat[2] = {10, LIN_N};
+        tsys_tensor *v = tsys_view(ctx, out[i % c->n], 2, flat), *p = tsys_mul(ctx, v, r[i % c->n]), *s = tsys_sum(ctx, p);
+        tsys_tensor *l = loss ? tsys_add(ctx, loss, s) : tsys_tensor_retain(s);
+        tsys_tensor_release(v); tsys_tensor_release(p); tsys_tensor_release(s); tsys_tensor_release(loss);
+        loss = l;
+    }
+    for (int i = 0; i < c->n; i++) tsys_tensor_release(out[i]);
+    tsys_tensor *lf = tsys_cast(ctx, loss, TSYS_F32);
+    float v = tsys_item(ctx, lf);
+    tsys_backward(ctx, lf);
+    tsys_ctx_set_trace_hooks(ctx, NULL);
+    tsys_tensor_release(x); tsys_tensor_release(loss); tsys_tensor_release(lf);
+    tsys_tape_clear(ctx);
+    return v;
+}
+TSYS_TEST(linears_match_separate_linears) {
+    const lin_case cases[] = {
+        {"back to back", 3, {0, 1, 2}, false, false, false, false, false, 2 + 1, 3},   // forward, dX, dW batched
+        {"two blocks apart", 2, {2, 4, 0}, false, false, false, false, false, 2 + 2, 2},   // dW one each
+        {"apart in memory", 3, {0, 1, 2}, true, false, false, false, false, 9, 0},
+        {"bf16", 3, {0, 1, 2}, false, true, false, false, false, 3, 3},
+        {"an output read twice", 3, {0, 1, 2}, false, false, true, false, false, 1 + 6, 1},   // batched forward only
+        {"inside a checkpointed region", 3, {0, 1, 2}, false, false, false, true, false, 9, 0},   // (the recompute reruns x only)
+        {"bf16 autocast of fp32 weights", 3, {0, 1, 2}, false, false, false, false, true, 3, 3},   // their copies made side by side
+        {"bf16 autocast, two blocks apart", 2, {2, 4, 0}, false, false, false, false, true, 2 + 2, 2},
+    };
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        const lin_case *c = &cases[ci];
+        tsys_ctx *ctx = tsys_ctx_new(NULL);
+        tsys_dtype dt = c->bf16 ? TSYS_BF16 : TSYS_F32;
+        int64_t sx[3] = {2, 5, LIN_K}, sb[3] = {LIN_BLOCKS, LIN_N, LIN_K}, sw[2] = {LIN_N, LIN_K}, sr[2] = {10, LIN_N};
+        tsys_tensor *x0 = tsys_tensor_new(ctx, dt, TSYS_CPU, 3, sx), *block = tsys_tensor_new(ctx, dt, TSYS_CPU, 3, sb), *w[3] = {NULL, NULL, NULL}, *r[3];
+        tsys_tensor_randn(ctx, x0, 1.0f);
+        tsys_tensor_randn(ctx, block, 0.3f);
+        tsys_tensor_set_requires_grad(x0, true);
+        for (int i = 0; i < c->n; i++) {
+            size_t at = (size_t)c->at[i] * LIN_N * LIN_K * tsys_dtype_size(dt);
+            tsys_tensor *view = tsys_tensor_view_raw(ctx, block, at, dt, 2, sw);
+            w[i] = c->apart ? tsys_tensor_clone(ctx, view) : tsys_tensor_retain(view);
+            tsys_tensor_release(view);
+            tsys_tensor_set_requires_grad(w[i], true);
+            r[i] = tsys_tensor_new(ctx, c->autocast ? TSYS_BF16 : dt, TSYS_CPU, 2, sr);
+            tsys_tensor_randn(ctx, r[i], 1.0f);
+        }
+        float *ref[4] = {NULL}, loss_ref = 0;
+        for (int grouped = 0; grouped < 2; grouped++) {
+            lin_count cnt = {0, 0, 0, 0};
+            tsys_tensor_release(x0->grad); x0->grad = NULL;
+            tsys_tensor *gblock = tsys_tensor_new(ctx, dt, TSYS_CPU, 3, sb);   // the weights' gradients laid out like them
+            tsys_tensor_fill(ctx, gblock, 0.0f);
+            for (int i = 0; i < c->n; i++) {
+                tsys_tensor_release(w[i]->grad);
+                w[i]->grad = tsys_tensor_view_raw(ctx, gblock, (size_t)c->at[i] * LIN_N * LIN_K * tsys_dtype_size(dt), dt, 2, sw);
+            }
+            tsys_tensor_release(gblock);
+            float loss = lin_step(ctx, c, grouped, x0, w, r, &cnt);
+            TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s: %s", c->what, tsys_ctx_last_error(ctx));
+            TEST_CHECK(cnt.fwd == c->n && cnt.bwd == c->n, "%s: hooks saw %d linears forward, %d backward", c->what, cnt.fwd, cnt.bwd);
+            if (!grouped) { loss_ref = loss; TEST_CHECK(cnt.batched == 0, "%s: separate linears batched", c->what); }
+            else {
+                TEST_CHECK(loss == loss_ref, "%s: loss %.9g, separate linears %.9g", c->what, loss, loss_ref);
+                TEST_CHECK(cnt.gemms == c->gemms && cnt.batched == c->batched, "%s: %d GEMMs (%d batched), expected %d (%d)", c->what, cnt.gemms, cnt.batched,
+                           c->gemms, c->batched);
+            }
+            for (int i = 0; i <= c->n; i++) {
+                tsys_tensor *g = i < c->n ? w[i]->grad : x0->grad;
+                float *v = g ? test_read(ctx, g) : NULL;
+                TEST_CHECK(v != NULL, "%s: input %d has no gradient", c->what, i);
+                size_t bytes = sizeof(float) * (size_t)(i < c->n ? LIN_N * LIN_K : 10 * LIN_K);
+                if (!grouped) ref[i] = v;
+                else { TEST_CHECK(v && ref[i] && memcmp(v, ref[i], bytes) == 0, "%s: gradient of input %d differs from separate linears'", c->what, i); free(v); }
+            }
+        }
+        for (int i = 0; i <= c->n; i++) free(ref[i]);
+        for (int i = 0; i < c->n; i++) { tsys_tensor_release(w[i]->grad); w[i]->grad = NULL; tsys_tensor_release(w[i]); tsys_tensor_release(r[i]); }
+        tsys_tensor_release(x0); tsys_tensor_release(block);
+        tsys_ctx_free(ctx);
+    }
+}
+TSYS_TEST(linears_refuse_bad_input) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t sx[2] = {4, 8}, sw[2] = {6, 8}, sv[2] = {6, 7};
+    tsys_tensor *x = leaf(ctx, 2, sx, 1), *w = leaf(ctx, 2, sw, 1), *v = leaf(ctx, 2, sv, 1), *out[5];
+    tsys_tensor *five[5] = {w, w, w, w, w}, *mixed[2] = {w, v}, *holes[2] = {w, NULL};
+    const struct { int n; tsys_tensor **ws; const char *msg; } bad[] = {
+        {0, five, "linears: n is 0, must be 1 to 4"}, {5, five, "linears: n is 5, must be 1 to 4"},
+        {2, mixed, "linears: weights[1] '' must have the shape of weights[0] '' (2-D, 6 x 8)"}, {2, holes, "linears: weights[1] is NULL"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        tsys_ctx_clear_error(ctx);
+        tsys_status st = tsys_linears(ctx, x, bad[i].n, bad[i].ws, out);
+        TEST_CHECK(st == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), bad[i].msg), "case %zu: status %d, %s", i, (int)st, tsys_ctx_last_error(ctx));
+    }
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor *wide[2] = {v, v};   // in features 7 against x's 8: tsys_linear's own error, every out NULL
+    TEST_CHECK(tsys_linears(ctx, x, 2, wide, out) != TSYS_OK && !out[0] && !out[1] && strstr(tsys_ctx_last_error(ctx), "does not match weight"),
+               "a mismatched input: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(x); tsys_tensor_release(w); tsys_tensor_release(v);
+    tsys_ctx_free(ctx);
+}
+
 TSYS_TEST(grad_rope_softmax_transpose) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     int64_t s[4] = {2, 3, 5, 8}, ss[3] = {2, 6, 6};
