@@ -2475,6 +2475,112 @@ tsys_cuda__flash_bwd_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
     tsys_cuda__flash_store<T, MQ, D>(dq, dqa, q0 + wr0, n, scale, lane);
 }
 
+// ------------------------------------------------------------------------------------------------
+// Backward of a short sequence (n <= TSYS_CUDA__FLASH_SHORT_N, bf16/fp16, d <= 96): one block a slice keeps the
+// slice's Q, K, V, dO, lse and D in shared memory and makes dK and dV, then dQ, in one launch. At training's
+// context (256) the split kernels above run 2-4 blocks a slice, each loading its tiles for a loop of 1-4 steps.
+// Warp w takes the 16-row tiles w and 2 NW - 1 - w, first of keys (dK, dV over 64-query chunks, as
+// tsys_cuda__flash_bwd_dkdv_kernel), then of queries (dQ over 64-key chunks, as tsys_cuda__flash_bwd_dq_kernel):
+// under the causal mask each warp's pair of tiles meets the same number of chunks. A grid of two blocks a slice
+// (gridDim.y 2, for grids of fewer slices than half the SMs) gives dK, dV to one and dQ to the other.
+// Shared memory: 4 N SD sizeof(T) + 2 N 4 (N = TSYS_CUDA__FLASH_SHORT_N).
+#define TSYS_CUDA__FLASH_SHORT_N 256
+template <typename T, int D> struct tsys_cuda__flash_short {
+    static constexpr int N = TSYS_CUDA__FLASH_SHORT_N, NW = 8, C = 64, SD = tsys_cuda__flash_smem<T, D>::SD;
+    static constexpr size_t SMEM = (size_t)4 * N * SD * sizeof(T) + 2 * N * sizeof(float);
+    static_assert(N == 2 * NW * 16, "a pair of 16-row tiles a warp");
+};
+template <typename T, int D, bool CAUSAL>
+__global__ void __launch_bounds__(tsys_cuda__flash_short<T, D>::NW * 32)
+tsys_cuda__flash_bwd_short_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                  const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ dvec,
+                                  T *__restrict__ dq, T *__restrict__ dk, T *__restrict__ dv, int n, float scale, float scale_log2) {
+    typedef tsys_cuda__flash_short<T, D> S;
+    constexpr int N = S::N, NW = S::NW, C = S::C, SD = S::SD, NT = NW * 32;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    T *qs = (T *)tsys_cuda__flash_smem_raw, *ks = qs + N * SD, *vs = ks + N * SD, *gs = vs + N * SD;
+    float *ls = (float *)(gs + N * SD), *ds = ls + N;   // lse log2(e), D
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t base = (size_t)blockIdx.x * n * D;
+    q += base; k += base; v += base; dout += base; dq += base; dk += base; dv += base;
+    lse += (size_t)blockIdx.x * n; dvec += (size_t)blockIdx.x * n;
+    tsys_cuda__flash_load_tile<N, D, NT>(qs, q, 0, n);   // rows >= n: zeros
+    tsys_cuda__flash_load_tile<N, D, NT>(ks, k, 0, n);
+    tsys_cuda__flash_load_tile<N, D, NT>(vs, v, 0, n);
+    tsys_cuda__flash_load_tile<N, D, NT>(gs, dout, 0, n);
+    tsys_cuda__flash_cp_async_commit();
+    for (int i = threadIdx.x; i < N; i += NT) {
+        ls[i] = i < n ? lse[i] * TSYS_CUDA__FLASH_LOG2E : 0.0f;
+        ds[i] = i < n ? dvec[i] : 0.0f;
+    }
+    tsys_cuda__flash_cp_async_wait<0>();
+    __syncthreads();
+    const int tiles = (n + 15) / 16;
+    const bool kv = gridDim.y == 1 || blockIdx.y == 0, dqs = gridDim.y == 1 || blockIdx.y == 1;
+    for (int pass = 0; kv && pass < 2; pass++) {   // dK, dV of keys [k0, k0 + 16)
+        const int t = pass ? 2 * NW - 1 - warp : warp, k0 = t * 16;
+        if (t >= tiles) continue;
+        float dka[1][D / 8][4], dva[1][D / 8][4];
+        tsys_cuda__flash_zero<1, D>(dka);
+        tsys_cuda__flash_zero<1, D>(dva);
+        for (int q0 = CAUSAL ? k0 / C * C : 0; q0 < n; q0 += C) {
+            const T *qt = qs + q0 * SD, *gt = gs + q0 * SD;
+            float st[1][C / 8][4], dpt[1][C / 8][4];
+            tsys_cuda__flash_zero<1, C>(st);
+            tsys_cuda__flash_gemm_nt<T, SD, 1, C, D>(st, ks, k0, qt, lane);   // S^T = K Q^T
+            const bool need_mask = q0 + C > n || (CAUSAL && k0 + 15 > q0);
+#pragma unroll
+            for (int nb = 0; nb < C / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int qi = q0 + nb * 8 + (lane & 3) * 2 + (e & 1), key = k0 + (lane >> 2) + (e >> 1) * 8;
+                    float p = tsys_cuda__flash_ex2(st[0][nb][e] * scale_log2 - ls[qi]);
+                    if (need_mask && (qi >= n || (CAUSAL && key > qi))) p = 0.0f;
+                    st[0][nb][e] = p;
+                }
+            tsys_cuda__flash_gemm_pn<T, SD, 1, C, D>(dva, st, gt, lane);   // dV += P^T dO
+            tsys_cuda__flash_zero<1, C>(dpt);
+            tsys_cuda__flash_gemm_nt<T, SD, 1, C, D>(dpt, vs, k0, gt, lane);   // dP^T = V dO^T
+#pragma unroll
+            for (int nb = 0; nb < C / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) dpt[0][nb][e] = st[0][nb][e] * (dpt[0][nb][e] - ds[q0 + nb * 8 + (lane & 3) * 2 + (e & 1)]);   // dS^T
+            tsys_cuda__flash_gemm_pn<T, SD, 1, C, D>(dka, dpt, qt, lane);   // dK += dS^T Q
+        }
+        tsys_cuda__flash_store<T, 1, D>(dk, dka, k0, n, scale, lane);
+        tsys_cuda__flash_store<T, 1, D>(dv, dva, k0, n, 1.0f, lane);
+    }
+    for (int pass = 0; dqs && pass < 2; pass++) {   // dQ of queries [r0, r0 + 16)
+        const int t = pass ? 2 * NW - 1 - warp : warp, r0 = t * 16;
+        if (t >= tiles) continue;
+        float lrow[2], drow[2], dqa[1][D / 8][4];
+#pragma unroll
+        for (int h = 0; h < 2; h++) lrow[h] = ls[r0 + (lane >> 2) + h * 8], drow[h] = ds[r0 + (lane >> 2) + h * 8];
+        tsys_cuda__flash_zero<1, D>(dqa);
+        const int kend = CAUSAL ? min(n, r0 + 16) : n;
+        for (int k0 = 0; k0 < kend; k0 += C) {
+            const T *kt = ks + k0 * SD, *vt = vs + k0 * SD;
+            float sc[1][C / 8][4], dp[1][C / 8][4];
+            tsys_cuda__flash_zero<1, C>(sc);
+            tsys_cuda__flash_gemm_nt<T, SD, 1, C, D>(sc, qs, r0, kt, lane);   // S = Q K^T
+            tsys_cuda__flash_zero<1, C>(dp);
+            tsys_cuda__flash_gemm_nt<T, SD, 1, C, D>(dp, gs, r0, vt, lane);   // dP = dO V^T
+            const bool need_mask = k0 + C > n || (CAUSAL && k0 + C - 1 > r0);
+#pragma unroll
+            for (int nb = 0; nb < C / 8; nb++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1, key = k0 + nb * 8 + (lane & 3) * 2 + (e & 1), row = r0 + (lane >> 2) + h * 8;
+                    float p = tsys_cuda__flash_ex2(sc[0][nb][e] * scale_log2 - lrow[h]);
+                    if (need_mask && (key >= n || (CAUSAL && key > row))) p = 0.0f;
+                    sc[0][nb][e] = p * (dp[0][nb][e] - drow[h]);   // dS
+                }
+            tsys_cuda__flash_gemm_pn<T, SD, 1, C, D>(dqa, sc, kt, lane);   // dQ += dS K
+        }
+        tsys_cuda__flash_store<T, 1, D>(dq, dqa, r0, n, scale, lane);
+    }
+}
+
 // >>flash fp32 ------------------------------------------------------------------------------------
 // fp32 (SIMT). Correct and simple rather than fast: fp32 attention is a reference path here (bf16/fp16
 // are what training uses). One thread owns one row (a query for fwd and dQ, a key for dK/dV); its own
@@ -4393,6 +4499,29 @@ static cudaError_t tsys_cuda__flash_bwd_tc(const T *dout, const T *q, const T *k
     return cudaGetLastError();
 }
 
+// The short-sequence backward (tsys_cuda__flash_bwd_short_kernel): the row sums D, then one block a slice.
+template <typename T, int D, bool CAUSAL>
+static cudaError_t tsys_cuda__flash_bwd_short(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
+                                         T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale, cudaStream_t s) {
+    tsys_cuda__flash_bwd_dot<T, D, false>(dout, o, dvec, bh * n, s);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    auto kern = tsys_cuda__flash_bwd_short_kernel<T, D, CAUSAL>;
+    if ((err = tsys_cuda__flash_smem_attr(kern, tsys_cuda__flash_short<T, D>::SMEM)) != cudaSuccess) return err;
+    // two blocks a slice where one a slice would leave most SMs idle. H200, batch 4 x 256, causal, bf16, backward ms
+    // against the split kernels: small's 12 heads (d 64) 0.028-0.029 against 0.028 (one block a slice: 0.034), xl's
+    // 25 0.037 against 0.041-0.042, 2.7B's 32 at d 80 0.051 against 0.076
+    const unsigned parts = 2 * bh <= tsys_cuda__flash_sm_count() ? 2 : 1;
+    for (int64_t b0 = 0; b0 < bh; b0 += INT32_MAX) {
+        const size_t off = (size_t)b0 * n * D;
+        const unsigned nb = (unsigned)(bh - b0 < INT32_MAX ? bh - b0 : INT32_MAX);
+        kern<<<dim3(nb, parts), tsys_cuda__flash_short<T, D>::NW * 32, tsys_cuda__flash_short<T, D>::SMEM, s>>>(
+            q + off, k + off, v + off, dout + off, lse + (size_t)b0 * n, dvec + (size_t)b0 * n, dq + off, dk + off, dv + off, n, scale,
+            scale * TSYS_CUDA__FLASH_LOG2E);
+    }
+    return cudaGetLastError();
+}
+
 template <int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_fwd_f32(const float *q, const float *k, const float *v, float *o, float *lse, int64_t bh,
                                        int n, float scale, cudaStream_t s) {
@@ -4689,6 +4818,9 @@ template <typename T, int D, bool CAUSAL>
 static cudaError_t tsys_cuda__flash_bwd_pick(const T *dout, const T *q, const T *k, const T *v, const T *o, const float *lse,
                                         T *dq, T *dk, T *dv, float *dvec, int64_t bh, int n, float scale,
                                         tsys_cuda_flash_impl impl, cudaStream_t s, unsigned flags) {
+    if constexpr (sizeof(T) == 2 && D <= 96)
+        if (n <= TSYS_CUDA__FLASH_SHORT_N && (impl == TSYS_CUDA_FLASH_AUTO || impl == TSYS_CUDA_FLASH_MMA))
+            return tsys_cuda__flash_bwd_short<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s);
     if constexpr (D == 64 || D == 128)
         if (impl != TSYS_CUDA_FLASH_MMA)
             return tsys_cuda__flash_bwd_wg<T, D, CAUSAL>(dout, q, k, v, o, lse, dq, dk, dv, dvec, bh, n, scale, s, impl, flags);

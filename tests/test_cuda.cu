@@ -2028,6 +2028,20 @@ TSYS_TEST(cuda_flash_head_dims) {   // 80: the 2.7B model's head dim, 5 tensor-c
     });
 }
 
+// Training's short sequences (<= 256): the one-launch backward, one block a slice (128 slices: 2.7B's 32 heads x 4
+// at d 80) and two (48: small's 12 x 4; odd lengths, every head dim it takes), bit-identical run to run.
+TSYS_TEST(cuda_flash_short_sequences) {
+    tc_fa_sweep([](tsys_ctx *) {
+        for (int di = 1; di < 3; di++)
+            for (int c = 0; c < 2; c++) {
+                int64_t a[4] = { 4, 32, 256, 80 }; tc_fa_case(tc_floats[di], 4, a, c == 1, true);
+                int64_t b[4] = { 4, 12, 256, 64 }; tc_fa_case(tc_floats[di], 4, b, c == 1, true);
+                int64_t e[3] = { 140, 200, 64 }; tc_fa_case(tc_floats[di], 3, e, c == 1, true);
+                for (int64_t d : { 16, 32, 96 }) { int64_t f[3] = { 3, 129, d }; tc_fa_case(tc_floats[di], 3, f, c == 1, true); }
+            }
+    });
+}
+
 // (batch, heads, seq, d) inputs, and the backward bit-identical from run to run at a size with many tiles.
 TSYS_TEST(cuda_flash_4d_deterministic) {
     tc_fa_sweep([](tsys_ctx *) {
