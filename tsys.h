@@ -705,8 +705,8 @@ TSYSDEF tsys_tensor *tsys_embedding(tsys_ctx *ctx, tsys_tensor *weight, tsys_ten
 TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *weight, tsys_tensor *bias);  // x W^T (+ b)
 // out[i] = tsys_linear(x, weights[i], NULL) for n (<= TSYS_LINEARS_MAX) weights of one shape that read one
 // input (a block's q, k, v; w1, w3): the same values and gradients as n tsys_linear calls, in that order.
-// Where the weights (or the low-precision copies autocast reads) lie back to back in one storage and each
-// product is small (rows x d_out <= TSYS_LINEARS_GROUP_MAX), the forward is one strided-batched GEMM and
+// Where the weights (or the low-precision copies autocast reads) lie a constant stride apart in one storage
+// and each product is small (rows x d_out <= TSYS_LINEARS_GROUP_MAX), the forward is one strided-batched GEMM and
 // backward runs the group's dX and dW products as one each, once every output's gradient is in (their
 // kernels show in the first forward and the last backward linear of the group). On failure every out[i]
 // is NULL and the context's error says why.
@@ -4026,8 +4026,8 @@ static bool tsys__ac_room(tsys_ctx *ctx, int n) {
 }
 
 // The copies of a linear group's weights (tsys_linears) when autocast makes them this region: side by side
-// in one block, so that the group's products batch. False (nothing made) where any of them is kept, already
-// made, or no parameter: the caller then takes them one by one.
+// in one block, so that the group's products batch. False where any of them is kept, already made or no
+// parameter (nothing made), or where making them failed: the caller then takes them one by one.
 static bool tsys__autocast_weights(tsys_ctx *ctx, tsys_tensor *const *w, int n, tsys_dtype dt, tsys_tensor **out) {
     if (ctx->replay) return false;
     for (int j = 0; j < n; j++) {
