@@ -4254,19 +4254,25 @@ TSYSDEF tsys_tensor *tsys_linear(tsys_ctx *ctx, tsys_tensor *x, tsys_tensor *wei
 // q, k, v 224 -> 196; 2.7B's w1, w3 (10.5 M outputs each) ran slower batched: products past
 // TSYS_LINEARS_GROUP_MAX outputs stay apart.
 
-// A view of w[0 .. n) (one shape and dtype) as blocks of w[0]'s size, when they lie in one storage at a
-// constant stride of *stride blocks (1: back to back); NULL otherwise. The view spans what lies between.
-static tsys_tensor *tsys__linears_stack(tsys_ctx *ctx, tsys_tensor *const *w, int n, int64_t *stride) {
+// The stride, in blocks of w[0]'s size, at which w[0 .. n) (n >= 2, one dtype) lie in one storage (1: back to
+// back); 0 when they do not.
+static int64_t tsys__linears_stride(tsys_tensor *const *w, int n) {
     size_t bytes = tsys_tensor_bytes(w[0]);
-    if (n < 2 || bytes == 0 || w[1]->storage != w[0]->storage || w[1]->offset <= w[0]->offset || (w[1]->offset - w[0]->offset) % bytes) return NULL;
+    if (bytes == 0 || w[1]->storage != w[0]->storage || w[1]->offset <= w[0]->offset || (w[1]->offset - w[0]->offset) % bytes) return 0;
     size_t step = w[1]->offset - w[0]->offset;
     for (int i = 1; i < n; i++)
-        if (w[i]->storage != w[0]->storage || w[i]->dtype != w[0]->dtype || w[i]->ndim != 2 || w[i]->shape[0] != w[0]->shape[0] ||
-            w[i]->shape[1] != w[0]->shape[1] || w[i]->offset != w[0]->offset + (size_t)i * step)
-            return NULL;
-    *stride = (int64_t)(step / bytes);
+        if (w[i]->storage != w[0]->storage || w[i]->dtype != w[0]->dtype || w[i]->offset != w[0]->offset + (size_t)i * step) return 0;
+    return (int64_t)(step / bytes);
+}
+
+// A view of w[0 .. n) (one 2-D shape) as blocks of w[0]'s size, spanning what lies between them, with their
+// stride in *stride; NULL when they are not a constant stride apart.
+static tsys_tensor *tsys__linears_stack(tsys_ctx *ctx, tsys_tensor *const *w, int n, int64_t *stride) {
+    for (int i = 1; i < n; i++)
+        if (w[i]->ndim != 2 || w[i]->shape[0] != w[0]->shape[0] || w[i]->shape[1] != w[0]->shape[1]) return NULL;
+    if (n < 2 || !(*stride = tsys__linears_stride(w, n))) return NULL;
     int64_t shape[3] = {(n - 1) * *stride + 1, w[0]->shape[0], w[0]->shape[1]};
-    if (w[0]->offset + (size_t)shape[0] * bytes > w[0]->storage->bytes) return NULL;
+    if (w[0]->offset + (size_t)shape[0] * tsys_tensor_bytes(w[0]) > w[0]->storage->bytes) return NULL;
     return tsys_tensor_view_raw(ctx, w[0], 0, w[0]->dtype, 3, shape);
 }
 
@@ -4275,13 +4281,7 @@ static tsys_tensor *tsys__linears_stack(tsys_ctx *ctx, tsys_tensor *const *w, in
 // weights of one storage at a constant stride, small products.
 static bool tsys__linears_batchable(tsys_ctx *ctx, const tsys_tensor *x, tsys_tensor *const *w, int n) {
     if (n < 2 || ctx->replay || ctx->open_region >= 0 || x->ndim < 1 || x->dtype != tsys__matmul_dtype(ctx, x, w[0])) return false;
-    if (tsys__rows(x) * w[0]->shape[0] > TSYS_LINEARS_GROUP_MAX) return false;
-    size_t bytes = tsys_tensor_bytes(w[0]);
-    if (bytes == 0 || w[1]->storage != w[0]->storage || w[1]->offset <= w[0]->offset || (w[1]->offset - w[0]->offset) % bytes) return false;
-    for (int i = 1; i < n; i++)
-        if (w[i]->storage != w[0]->storage || w[i]->dtype != w[0]->dtype || w[i]->offset != w[0]->offset + (size_t)i * (w[1]->offset - w[0]->offset))
-            return false;
-    return true;
+    return tsys__rows(x) * w[0]->shape[0] <= TSYS_LINEARS_GROUP_MAX && tsys__linears_stride(w, n) > 0;
 }
 
 static tsys_status tsys__linears_fail(tsys_ctx *ctx, tsys_tensor **out, int n) {
@@ -4913,13 +4913,11 @@ static tsys_tensor *tsys__slot_tensor(tsys_ctx *ctx, const tsys__slot *s, tsys_d
     tsys__lgroup *g = n && n->op == TSYS__OP_LINEAR && !n->gout ? n->group : NULL;
     int64_t numel = 1;
     for (int d = 0; d < s->ndim; d++) numel *= s->shape[d];
-    if (!g || (g->taken >> n->group_at & 1u) || s->dtype != g->dtype || n->grad_dtype != g->dtype || numel != g->per)
+    if (!g || (g->taken >> n->group_at & 1u) || s->dtype != g->dtype || n->grad_dtype != g->dtype || numel != g->per ||
+        (g->home && g->home->device != dev))
         return tsys_tensor_new(ctx, s->dtype, dev, s->ndim, s->shape);
-    if (!g->home) {
-        int64_t total = g->n * g->per;
-        if (!(g->home = tsys_tensor_new(ctx, g->dtype, dev, 1, &total))) return NULL;
-    }
-    if (g->home->device != dev) return tsys_tensor_new(ctx, s->dtype, dev, s->ndim, s->shape);
+    int64_t total = g->n * g->per;
+    if (!g->home && !(g->home = tsys_tensor_new(ctx, g->dtype, dev, 1, &total))) return NULL;
     g->taken |= 1u << n->group_at;
     return tsys_tensor_view_raw(ctx, g->home, (size_t)n->group_at * (size_t)g->per * tsys_dtype_size(g->dtype), s->dtype, s->ndim, s->shape);
 }

@@ -5744,6 +5744,9 @@ static tsys_status tsys_cuda__layout(tsys_ctx *ctx, cublasLtMatrixLayout_t *l, c
 // differently). Its status: not SUCCESS (or *found 0) when the batch needs an algorithm of its own.
 static cublasStatus_t tsys_cuda__item_algo(tsys_cuda__state *st, const tsys_cuda__gemm_plan *p, const tsys_cuda__gemm_key *key,
                                            cublasLtMatmulPreference_t pref, cublasLtMatmulHeuristicResult_t *res, int *found) {
+    // 16-bit operands on tensor cores only, without split-K: these gave the single products' bits in a batch
+    // (test_cuda cuda_linears_bits_as_separate); the fp32 kernels did not
+    if (key->ab_dt == TSYS_F32) return CUBLAS_STATUS_NOT_SUPPORTED;
     cudaDataType_t ab = tsys_cuda__blas_type((tsys_dtype)key->ab_dt), c = tsys_cuda__blas_type((tsys_dtype)key->c_dt);
     int64_t m = key->m, n = key->n, k = key->k;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
@@ -5751,13 +5754,11 @@ static cublasStatus_t tsys_cuda__item_algo(tsys_cuda__state *st, const tsys_cuda
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&lb, ab, key->trans_a ? m : k, key->trans_a ? k : m, key->trans_a ? m : k);
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatrixLayoutCreate(&lc, c, n, m, n);
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulAlgoGetHeuristic(st->lt, p->op, la, lb, lc, lc, pref, 1, res, found);
-    // 16-bit operands on tensor cores only, without split-K: these gave the single products' bits in a batch
-    // (test_cuda cuda_linears_bits_as_separate); the fp32 kernels did not
     uint32_t splits = 1;
     size_t got = 0;
     if (s == CUBLAS_STATUS_SUCCESS && *found)
         s = cublasLtMatmulAlgoConfigGetAttribute(&res->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof splits, &got);
-    if (s == CUBLAS_STATUS_SUCCESS && *found && (key->ab_dt == TSYS_F32 || splits > 1)) s = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (s == CUBLAS_STATUS_SUCCESS && *found && splits > 1) s = CUBLAS_STATUS_NOT_SUPPORTED;
     cublasLtMatmulHeuristicResult_t check;
     if (s == CUBLAS_STATUS_SUCCESS && *found) s = cublasLtMatmulAlgoCheck(st->lt, p->op, p->la, p->lb, p->lc, p->lc, &res->algo, &check);
     if (s == CUBLAS_STATUS_SUCCESS && *found && check.workspaceSize > st->workspace_bytes) s = CUBLAS_STATUS_NOT_SUPPORTED;
