@@ -390,6 +390,7 @@ typedef struct tsys_mem_stats {
     X(EMBED_BWD,     "embed_bwd",     "SFI",       0x001, "t0 (V, D, f32) += scatter of t1 (N, D) to rows t2 (N ids, each in [0, V))") \
     X(TRANSPOSE12,   "transpose12",   "AA",        0x001, "t0 (A, C, B, D) = t1 (A, B, C, D) with dims 1 and 2 swapped") \
     X(ADAMW,         "adamw",         "SFSSLsffs", 0x04d, "p t0, g t1 (f32, or bf16/f16 read as f32), m t2, v t3, step t4 (already counted), lr t5 (overrides f0 when given), t6 (bf16/f16, optional) = the new p rounded to nearest even; f = lr, beta1, beta2, eps, wd; t7 (optional): the other ranks' gradients, slots i0 elements apart, i1 ranks, this one i2, in g's dtype: g is the rank-ordered sum / i1; t8 (optional, 2 elements): the step's bias corrections as STEP_INC wrote them, read instead of computed from t4") \
+    X(LINEAR_ADAMW,  "linear_adamw",  "SSSfFFLss", 0x00f, "AdamW of a linear weight inside its gradient product: g = t4^T t5 (dy (rows, O), x (rows, I), one dtype), rounded to dtype i0 (f32 or x's), updates p t0 (O, I), m t1, v t2 and the copy t3 (bf16/f16, optional) as ADAMW would from that gradient; step t6, lr t7, bias corrections t8 and f as ADAMW's t4, t5, t8 and f") \
     X(STEP_INC,      "step_inc",      "Ls",        0x003, "t0 += 1; with t1 (2 elements): t1 = 1 - f0^t0, 1 - f1^t0 (AdamW's bias corrections for betas f0, f1: the powers in double, rounded once)") \
     X(RANDN,         "randn",         "F",         0x001, "t0 = f0 N(0, 1) from a counter-based hash of (seed i0, element index), redrawn into [f1, f2] when f1 < f2") \
     X(SGD,           "sgd",           "FF",        0x001, "p t0 -= f0 * g t1") \
@@ -952,6 +953,15 @@ TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, in
 // "optimizer step fused into backward"). The same bits as the ordinary step; after overlap_end the
 // model holds no gradients.
 #define TSYS_OPTIM_FREE_GRADS 1u
+// FUSE_UPDATE (AdamW): a linear weight whose whole gradient one weight-gradient product makes (its one use on
+// the tape, no gradient before it) is updated inside that product, on the compute stream: the update reads
+// the product's result where it lies (CUDA on sm_90a: AdamW in the GEMM's epilogue, the update's memory
+// traffic beside other tiles' matmuls), and the gradient is never written (its .grad, if any, counts as zero
+// after backward). Values: the update's bits from the gradient the product gives; that gradient is the
+// ordinary one on the CPU (bitwise the same training) and within the GEMM's rounding of cuBLASLt's on CUDA
+// (another order of the sums). The other parameters are updated as without the flag. On the H200 the fused
+// kernel is not yet faster than cuBLASLt's product and AdamW's kernel (docs/design/step.md).
+#define TSYS_OPTIM_FUSE_UPDATE 2u
 TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *opt, unsigned flags);
 // Kept low-precision weights (AdamW only; opt-in): the optimizer holds a dt (TSYS_BF16 or TSYS_F16)
 // copy of every parameter, one block in parameter order ("parameters" memory, tag "kept weight
@@ -3012,6 +3022,40 @@ static tsys_status tsys__cpu_k_adamw(tsys__cpu_launch *L) {
     return TSYS_OK;
 }
 
+static tsys_status tsys__cpu_gemm(tsys_ctx *ctx, const tsys_gemm_args *g);
+// The gradient made as the weight-gradient product makes it (tsys__cpu_gemm into a tensor of dtype i0, so the
+// same rounding), then ADAMW's update: the same bits as the two launches.
+static tsys_status tsys__cpu_k_linear_adamw(tsys__cpu_launch *L) {
+    tsys_tensor *const *t = L->t;
+    const tsys_tensor *dy = t[4], *x = t[5];
+    const tsys_dtype gdt = (tsys_dtype)L->a->i[0];
+    const int64_t d_out = tsys__last_dim(dy), d_in = tsys__last_dim(x), rows = d_out ? tsys_tensor_numel(dy) / d_out : 0;
+    if (dy->dtype != x->dtype || d_out * d_in != L->n || rows * d_in != tsys_tensor_numel(x))
+        return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "linear_adamw: dy t4 '%s' (%s, %lld elements) and x t5 '%s' (%s, %lld) must be one dtype, (rows, O) and (rows, I) with p t0 (O, I) of %lld elements",
+                          dy->name, tsys_dtype_name(dy->dtype), (long long)tsys_tensor_numel(dy), x->name, tsys_dtype_name(x->dtype), (long long)tsys_tensor_numel(x), (long long)L->n);
+    if (gdt != TSYS_F32 && gdt != x->dtype)
+        return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "linear_adamw: the gradient's dtype i0 = %d must be f32 or x's (%s)", (int)gdt, tsys_dtype_name(x->dtype));
+    if (tsys_tensor_numel(t[1]) != L->n || tsys_tensor_numel(t[2]) != L->n || (t[3] && (tsys_tensor_numel(t[3]) != L->n || t[3]->dtype == TSYS_F32)))
+        return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "linear_adamw: m t1, v t2 (and the copy t3, bf16/f16) must have p's %lld elements", (long long)L->n);
+    int64_t shape[2] = {d_out, d_in};
+    tsys_tensor *g = tsys_tensor_new(L->ctx, gdt, TSYS_CPU, 2, shape);
+    if (!g) return L->ctx->status;
+    tsys_gemm_args ga = {dy, x, g, true, false, d_out, d_in, rows, 1, 0, 0, 0, 1.0f, 0.0f, false};
+    tsys_status st = tsys__cpu_gemm(L->ctx, &ga);
+    if (st == TSYS_OK) {
+        tsys__fbuf gb = tsys__fin(g);
+        float hyper[5] = {t[7] ? ((const float *)tsys_tensor_data(t[7]))[0] : L->f[0], L->f[1], L->f[2], L->f[3], L->f[4]};
+        int64_t step = tsys__load_id(tsys_tensor_data(t[6]), t[6]->dtype, 0);
+        float bc[2] = {tsys__bias_correction(L->f[1], step), tsys__bias_correction(L->f[2], step)};
+        if (t[8]) memcpy(bc, IN(8), sizeof bc);
+        if (!gb.p) st = TSYS__FAIL(L->ctx, TSYS_ERR_OOM, "linear_adamw: out of host memory for the fp32 gradient");
+        else tsys__cpu_adamw(OUT(0, true), gb.p, OUT(1, true), OUT(2, true), t[3] ? tsys_tensor_data(t[3]) : NULL, t[3] ? t[3]->dtype : TSYS_F32, L->n, hyper, bc);
+        tsys__fdone(&gb, NULL);
+    }
+    tsys_tensor_release(g);
+    return st;
+}
+
 static tsys_status tsys__cpu_k_step_inc(tsys__cpu_launch *L) {
     int64_t t = ++((int64_t *)tsys_tensor_data(L->t[0]))[0];
     if (L->t[1]) {
@@ -3103,6 +3147,7 @@ static const struct { tsys_kernel id; tsys__cpu_kfn fn; } tsys__cpu_kernels[] = 
     {TSYS_K_EMBED_BWD, tsys__cpu_k_embed_bwd},
     {TSYS_K_TRANSPOSE12, tsys__cpu_k_transpose12},
     {TSYS_K_ADAMW, tsys__cpu_k_adamw},
+    {TSYS_K_LINEAR_ADAMW, tsys__cpu_k_linear_adamw},
     {TSYS_K_STEP_INC, tsys__cpu_k_step_inc},
     {TSYS_K_RANDN, tsys__cpu_k_randn},
     {TSYS_K_SGD, tsys__cpu_k_sgd},
@@ -4960,6 +5005,7 @@ static tsys_status tsys__grad_dest_done(tsys_ctx *ctx, tsys__node *n, int j, tsy
     return tsys__grad_add(ctx, &n->in[j], t);
 }
 
+static bool tsys__linear_update_fused(tsys_ctx *ctx, tsys__node *n, tsys_tensor *gy, tsys_tensor *x, tsys_status *st);   // >>optimizer
 static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
     tsys_tensor *g = n->gout, *x = n->saved[TSYS__SAVED_LINEAR_X], *w = n->saved[TSYS__SAVED_LINEAR_W];
     int64_t rows = tsys__rows(x), d_out = w->shape[0], d_in = w->shape[1];
@@ -4973,7 +5019,7 @@ static tsys_status tsys__bwd_linear(tsys_ctx *ctx, tsys__node *n) {
         if (st == TSYS_OK) st = tsys__grad_add(ctx, &n->in[0], dx);
         else tsys_tensor_release(dx);
     }
-    if (st == TSYS_OK && n->in[1].needs) {   // dW += g^T x, accumulated in fp32 when W is the fp32 leaf
+    if (st == TSYS_OK && n->in[1].needs && !tsys__linear_update_fused(ctx, n, gl, x, &st)) {   // dW += g^T x, accumulated in fp32 when W is the fp32 leaf
         bool fresh, overwrite;   // a low-precision gradient of x's dtype: the GEMM writes it (torch's autocast rounding)
         const tsys_tensor *leaf = n->in[1].leaf;
         tsys_dtype want = leaf && leaf->grad_lowp == x->dtype ? x->dtype : n->in[1].dtype;
@@ -5018,12 +5064,17 @@ static bool tsys__linears_ready(const tsys_ctx *ctx, size_t i) {
 
 // The group's dW: one batched product into the members' gradients where they lie back to back and take
 // the same store-or-add, else one product each.
-static tsys_status tsys__bwd_linears_dw(tsys_ctx *ctx, tsys__node **m, int n, tsys_tensor *home, tsys_tensor *x) {
+static tsys_status tsys__bwd_linears_dw(tsys_ctx *ctx, tsys__node **all, int n_all, tsys_tensor *home, tsys_tensor *x) {
+    tsys__node *m[TSYS_LINEARS_MAX];
+    int n = 0;
+    tsys_status st = TSYS_OK;
+    for (int j = 0; j < n_all && st == TSYS_OK; j++)   // members whose weights are updated in their products first
+        if (!tsys__linear_update_fused(ctx, all[j], all[j]->gout, x, &st)) m[n++] = all[j];
+    if (st != TSYS_OK || n == 0) return st;
     tsys_tensor *dw[TSYS_LINEARS_MAX] = {NULL};
-    bool fresh[TSYS_LINEARS_MAX] = {false}, ow[TSYS_LINEARS_MAX] = {false}, stack = true;
+    bool fresh[TSYS_LINEARS_MAX] = {false}, ow[TSYS_LINEARS_MAX] = {false}, stack = n == n_all;
     const tsys_tensor *w = m[0]->saved[TSYS__SAVED_LINEAR_W];
     int64_t rows = tsys__rows(x), d_out = w->shape[0], d_in = w->shape[1];
-    tsys_status st = TSYS_OK;
     for (int j = 0; j < n && st == TSYS_OK; j++) {   // a low-precision gradient of x's dtype: the GEMM writes it (as tsys__bwd_linear)
         const tsys_tensor *leaf = m[j]->in[1].leaf;
         tsys_dtype want = leaf && leaf->grad_lowp == x->dtype ? x->dtype : m[j]->in[1].dtype;
@@ -6509,13 +6560,14 @@ struct tsys_optim {
 // The end of the run of parameters that starts at i: they and their gradients lie back to back,
 // each in one storage (a model's parameters; its gradients by layer, or whole), so one kernel launch
 // updates the run. Found at each step: a model's gradients are made (and given back) as it trains.
+static bool tsys__optim_fused(const tsys_optim *o, int i);
 static int tsys__optim_run_end(const tsys_optim *o, int i, int64_t *numel) {
     tsys_tensor *const *p = o->params;
     *numel = tsys_tensor_numel(p[i]);
     int j = i + 1;
     for (; p[i]->grad && j < o->n; j++) {
         const tsys_tensor *g = p[j]->grad;
-        if (!g || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != p[i]->grad->dtype) break;
+        if (!g || tsys__optim_fused(o, j) || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != p[i]->grad->dtype) break;
         if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * tsys_dtype_size(g->dtype)) break;
         *numel += tsys_tensor_numel(p[j]);
     }
@@ -6692,7 +6744,8 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
         bool copies = o->lowp && o->params[i]->lowp && o->params[i]->lowp->storage == o->lowp->storage;
         if (copies) j = tsys__lowp_run_end(o, i, j, &n);   // one launch: its copies back to back as well
         tsys_tensor *p0 = o->params[i];
-        if (p0->grad) {   // parameters without a gradient are skipped, as in torch
+        if (tsys__optim_fused(o, i)) j = i + 1;   // updated in its gradient's product (TSYS_OPTIM_FUSE_UPDATE)
+        else if (p0->grad) {   // parameters without a gradient are skipped, as in torch
             bool one = j == i + 1;
             tsys_tensor *p = one ? tsys_tensor_retain(p0) : tsys_tensor_view_raw(ctx, p0, 0, TSYS_F32, 1, &n);
             tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, p0->grad->dtype, 1, &n);
@@ -6752,7 +6805,12 @@ typedef struct tsys__overlap {
     tsys_event join;        // the background stream's last update
     bool active, launched;
     bool free_grads;        // TSYS_OPTIM_FREE_GRADS: updates on the compute stream, each group's gradients given back after it
+    bool fuse;              // TSYS_OPTIM_FUSE_UPDATE: linear weights updated inside their gradients' products
+    bool *fused;            // per parameter: updated so in this step (its gradient was never written)
+    size_t *pos;            // per parameter: byte offset in m and v
 } tsys__overlap;
+
+static bool tsys__optim_fused(const tsys_optim *o, int i) { return o->ov && o->ov->fused && o->ov->fused[i]; }
 
 TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride) {
     if (!o) return TSYS_ERR_INVALID_ARGS;
@@ -6789,7 +6847,7 @@ static void tsys__overlap_free(tsys_optim *o) {
     for (int g = 0; g < ov->ngroups; g++) tsys_event_release(o->ctx, &ov->ready[g]);
     tsys_event_release(o->ctx, &ov->join);
     TSYS_FREE(ov->group_of); TSYS_FREE(ov->first); TSYS_FREE(ov->end); TSYS_FREE(ov->off);
-    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready);
+    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready); TSYS_FREE(ov->fused); TSYS_FREE(ov->pos);
     TSYS_FREE(ov);
     o->ov = NULL;
 }
@@ -6849,11 +6907,13 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
     ov->group_of = (int *)TSYS_MALLOC(np * sizeof(int)); ov->first = (int *)TSYS_MALLOC(np * sizeof(int)); ov->end = (int *)TSYS_MALLOC(np * sizeof(int));
     ov->off = (size_t *)TSYS_MALLOC(np * sizeof(size_t)); ov->pending = (int *)TSYS_MALLOC(np * sizeof(int)); ov->done = (bool *)TSYS_MALLOC(np * sizeof(bool));
     ov->ready = (tsys_event *)TSYS_MALLOC(np * sizeof(tsys_event));
-    if (!ov->group_of || !ov->first || !ov->end || !ov->off || !ov->pending || !ov->done || !ov->ready) {
+    ov->fused = (bool *)TSYS_MALLOC(np * sizeof(bool)); ov->pos = (size_t *)TSYS_MALLOC(np * sizeof(size_t));
+    if (!ov->group_of || !ov->first || !ov->end || !ov->off || !ov->pending || !ov->done || !ov->ready || !ov->fused || !ov->pos) {
         tsys__overlap_free(o);
         return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
     }
     memset(ov->ready, 0, np * sizeof(tsys_event));
+    memset(ov->fused, 0, np * sizeof(bool));
     memset(&ov->join, 0, sizeof(ov->join));
     size_t off = 0;
     for (int i = 0; i < o->n; i++) {
@@ -6862,6 +6922,7 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
         if (!joins) { ov->first[ov->ngroups] = i; ov->off[ov->ngroups] = off; ov->ngroups++; }
         ov->group_of[i] = ov->ngroups - 1;
         ov->end[ov->ngroups - 1] = i + 1;
+        ov->pos[i] = off;
         off += tsys_tensor_bytes(p);
         if (tsys_tensor_add_grad_hook(p, tsys__overlap_hook, o) != TSYS_OK) { tsys__overlap_free(o); return ctx->status; }
     }
@@ -6875,13 +6936,18 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     if (ctx->status != TSYS_OK) return ctx->status;
     if (o->terms)   // a layer's update would read the peers' gradients before they are all in
         return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_overlap_begin: the optimizer sums ranks' gradients (tsys_optim_sum_grads); step it after backward");
-    if (flags & ~TSYS_OPTIM_FREE_GRADS) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin_ex: unknown flags 0x%x", flags & ~TSYS_OPTIM_FREE_GRADS);
+    const unsigned known = TSYS_OPTIM_FREE_GRADS | TSYS_OPTIM_FUSE_UPDATE;
+    if (flags & ~known) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin_ex: unknown flags 0x%x", flags & ~known);
+    if ((flags & TSYS_OPTIM_FUSE_UPDATE) && !o->adamw)
+        return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_overlap_begin_ex: TSYS_OPTIM_FUSE_UPDATE updates with AdamW; this optimizer is SGD");
     if (!o->ov && tsys__overlap_setup(o) != TSYS_OK) return ctx->status;
     tsys__overlap *ov = o->ov;
     if (ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin: the previous overlap_begin was not ended");
     for (int g = 0; g < ov->ngroups; g++) { ov->pending[g] = ov->end[g] - ov->first[g]; ov->done[g] = false; }
     ov->launched = false;
     ov->free_grads = (flags & TSYS_OPTIM_FREE_GRADS) != 0;
+    ov->fuse = (flags & TSYS_OPTIM_FUSE_UPDATE) != 0;
+    memset(ov->fused, 0, (size_t)o->n * sizeof(bool));
     ov->active = true;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys__copies_fence(ctx);   // every update is ordered after it (the background stream's through events)
@@ -6910,7 +6976,51 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
         if (st == TSYS_OK) st = ov->free_grads ? tsys__overlap_update_inline(o, g) : tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
     }
     tsys_mem_set_tag(ctx, tag);
+    memset(ov->fused, 0, (size_t)o->n * sizeof(bool));   // a later tsys_optim_step updates every parameter
     return st;
+}
+
+// ---- AdamW inside the weight-gradient product (TSYS_OPTIM_FUSE_UPDATE) ----
+
+// The optimizer (in backward, with the flag) that updates `leaf`, and the leaf's index in it; NULL if none.
+static tsys_optim *tsys__fusing_optim(const tsys_tensor *leaf, int *index) {
+    for (const struct tsys__grad_hook *h = leaf->hooks; h; h = h->next) {
+        tsys_optim *o = h->fn == tsys__overlap_hook ? (tsys_optim *)h->user : NULL;
+        if (!o || !o->ov || !o->ov->active || !o->ov->fuse) continue;
+        for (int i = 0; i < o->n; i++)
+            if (o->params[i] == leaf) { *index = i; return o; }
+    }
+    return NULL;
+}
+
+// Linear node n's weight gradient, gy^T x (gy (rows, O) and x (rows, I) of one dtype), as its weight's AdamW
+// update, when an optimizer fuses them: this is the weight's last use on the tape and it has no gradient yet
+// (so the product makes the whole of it), the weight is fp32 and its gradient f32 or x's dtype. True when the
+// update was launched (*st: its status); its group's hook then counts it as a final gradient.
+static bool tsys__linear_update_fused(tsys_ctx *ctx, tsys__node *n, tsys_tensor *gy, tsys_tensor *x, tsys_status *st) {
+    tsys_tensor *leaf = n->in[1].leaf;
+    int i = 0;
+    tsys_optim *o = leaf && leaf->hooks && leaf->tape_uses == 1 && (!leaf->grad || leaf->grad_zero) && leaf->dtype == TSYS_F32 && gy && x &&
+                    gy->dtype == x->dtype ? tsys__fusing_optim(leaf, &i) : NULL;
+    const tsys_dtype gdt = leaf ? tsys_tensor_grad_dtype(leaf) : TSYS_F32;
+    if (!o || (gdt != TSYS_F32 && gdt != x->dtype) || tsys_tensor_numel(leaf) != tsys__last_dim(gy) * tsys__last_dim(x)) return false;
+    int64_t numel = tsys_tensor_numel(leaf);
+    const bool copies = o->lowp && leaf->lowp && leaf->lowp->storage == o->lowp->storage;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_kargs a = tsys__kargs0();
+    a.t[0] = leaf; a.t[3] = copies ? leaf->lowp : NULL; a.t[4] = gy; a.t[5] = x; a.t[6] = o->step_t; a.t[8] = o->bias_t;
+    a.t[1] = tsys_tensor_view_raw(ctx, o->m, o->ov->pos[i], TSYS_F32, 1, &numel);
+    a.t[2] = tsys_tensor_view_raw(ctx, o->v, o->ov->pos[i], TSYS_F32, 1, &numel);
+    a.i[0] = gdt;
+    a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
+    const uint64_t before = leaf->storage->version;
+    *st = a.t[1] && a.t[2] ? tsys__kernel(ctx, leaf->device, TSYS_K_LINEAR_ADAMW, &a) : ctx->status;
+    if (*st == TSYS_OK && copies) tsys__lowp_after_update(o, i, i + 1, before);
+    tsys_tensor_release(a.t[1]); tsys_tensor_release(a.t[2]);
+    tsys_mem_set_tag(ctx, tag);
+    o->ov->fused[i] = *st == TSYS_OK;
+    leaf->grad_touched = true;   // final: node_free fires its hooks (the group's count) at its last use
+    return true;
 }
 
 // ---- kept low-precision copies: turning them on and off ----

@@ -58,6 +58,7 @@
       >>flash wgmma               the cp.async + wgmma kernels (sm_90a) and the templated wgmma wrapper
       >>flash warp-specialized    the TMA + wgmma kernels (sm_90a): forward, dQ, dK/dV, fused backward
       >>flash launchers           launchers, split and pad plans, scratch sizes, tsys_cuda__flash_fwd/_bwd
+      >>fused update              AdamW in the epilogue of a weight-gradient GEMM (TMA + wgmma, sm_90a): TSYS_K_LINEAR_ADAMW
       >>kernel entry points       tsys_cuda__kernel: every TSYS_K_* checked and launched
       >>gemm                      cuBLASLt GEMMs with the per-shape plan cache
       >>copy and sync             host/device copies, tsys_sync, bad-id faults surfaced
@@ -139,6 +140,11 @@
       copies that the captured AdamW of the replay before wrote, and no weight is cast in the graph.
       AdamW has a kernel of its own (not the generic elementwise one), with one site computing the
       update, so the fp32 results are the same bits with the copy written or not.
+      TSYS_K_LINEAR_ADAMW (tsys_optim_overlap_begin_ex's TSYS_OPTIM_FUSE_UPDATE) runs that update in the
+      epilogue of the weight-gradient product on sm_90a (>>fused update: tiles of 128 x 128, the update of
+      one tile beside the product of the next); elsewhere, and for shapes under a tile, the product into a
+      gradient and TSYS_K_ADAMW on it. The update's bits follow from the gradient the product gives, which
+      sums in another order than cuBLASLt's.
 
    Revision history:
       0.3  the kernel lab (dev/flash_lab.cu) uses the public API only: tsys_cuda_desc.flash_no_pdl and
@@ -1046,7 +1052,7 @@ struct tsys_cuda__op_adamw {
     // and the loop is left one square root and two divisions an element (the IEEE-exact _rn forms
     // are instruction sequences: at 3.4 G parameters the update was close to issue-bound).
     struct shared { float decay, one_m_b1, one_m_b2, sqrt_bc2, step_size; };
-    __device__ shared prep() const {
+    __device__ __forceinline__ shared prep() const {
         float l = lr_dev ? *lr_dev : lr, bc1, bc2;
         if (bias) { bc1 = bias[0]; bc2 = bias[1]; }
         else {
@@ -1058,7 +1064,7 @@ struct tsys_cuda__op_adamw {
     // Every rounding is spelled out (the _rn intrinsics are never contracted), so each kernel that
     // inlines this computes the same bits: left to the compiler, the launches with and without the
     // kept copies contracted the multiply-adds differently (measured: losses apart from step 1).
-    __device__ void apply(const shared &k, const float *x, float *y) const {
+    __device__ __forceinline__ void apply(const shared &k, const float *x, float *y) const {
         float p = __fmul_rn(x[0], k.decay), g = x[1];
         float m = __fmaf_rn(beta1, x[2], __fmul_rn(k.one_m_b1, g));
         float v = __fmaf_rn(beta2, x[3], __fmul_rn(__fmul_rn(k.one_m_b2, g), g));
@@ -5029,6 +5035,176 @@ static cudaError_t tsys_cuda__flash_bwd(const void *dout, const void *q, const v
 }
 #endif // TSYS_CUDA_NO_FLASH
 
+// >>fused update ----------------------------------------------------------------------------------
+// AdamW in the epilogue of a linear weight's gradient product (TSYS_K_LINEAR_ADAMW, sm_90a): g = dy^T x is
+// made tile by tile in registers, rounded to the gradient's dtype GT and handed to AdamW's update of p, m, v
+// (and p's kept copy), so the gradient is never written nor read back (4 of AdamW's 28 bytes a parameter
+// with bf16 gradients) and the update's memory traffic runs beside the next tile's product. One block an SM
+// walks the tiles (128 outputs, rows of W, x 128 inputs): warpgroups 0 and 1 make a tile's product (64
+// output rows each; the positions, rows of dy and x, 64 a stage through a 3-stage TMA ring that thread 0
+// keeps filled across tiles), hand it over as a shared-memory tile and go on to the next tile, while
+// warpgroups 2 and 3 update p, m, v from it, four elements a thread, a warp a row's 512 bytes, as AdamW's
+// kernel reads them. Both operands are MN-major tiles (a position's outputs, or inputs, are contiguous),
+// the layout the flash kernels' dS^T dO products read.
+#define TSYS_CUDA__LADAMW_ST 3
+#define TSYS_CUDA__LADAMW_THREADS 512
+struct tsys_cuda__ladamw_layout {
+    static constexpr int BM = 128, BN = 128, BK = 64, ST = TSYS_CUDA__LADAMW_ST, PITCH = BN + 4;   // gradient rows 4 banks apart
+    static constexpr int HALF = 64 * BK * 2;            // one 64-column box of 16-bit elements
+    static constexpr int STAGE = 4 * HALF;               // dy's two boxes, then x's two
+    static constexpr int GRAD = BM * PITCH * 4;          // the handed-over gradient tile (fp32)
+    static constexpr int SMEM = 1024 + ST * STAGE + GRAD + (2 * ST + 3) * 8;   // swizzle alignment, ring, tile, barriers
+};
+
+#ifndef TSYS_CUDA_NO_FLASH
+// Stage k's copies (positions k * 64 ..): dy's 128 output columns, then x's 128 input columns.
+__device__ __forceinline__ void tsys_cuda__ladamw_fill(unsigned char *st, uint64_t *full, const CUtensorMap *tdy, const CUtensorMap *tx, int o0, int i0, int k) {
+    typedef tsys_cuda__ladamw_layout L;
+    tsys_cuda__flash_mbar_expect_tx(full, (uint32_t)L::STAGE);
+    tsys_cuda__flash_tma_load(st, tdy, full, o0, k * L::BK, 0);
+    tsys_cuda__flash_tma_load(st + L::HALF, tdy, full, o0 + 64, k * L::BK, 0);
+    tsys_cuda__flash_tma_load(st + 2 * L::HALF, tx, full, i0, k * L::BK, 0);
+    tsys_cuda__flash_tma_load(st + 3 * L::HALF, tx, full, i0 + 64, k * L::BK, 0);
+}
+// The ring's g-th fill of this block (its tile g / nk, stage g % nk); false past its last tile.
+__device__ __forceinline__ bool tsys_cuda__ladamw_fill_nth(unsigned char *ring, uint64_t *full, const CUtensorMap *tdy, const CUtensorMap *tx,
+                                                           int g, int nk, int ntiles, int ntn) {
+    typedef tsys_cuda__ladamw_layout L;
+    const int tile = blockIdx.x + (g / nk) * gridDim.x, s = g % L::ST;
+    if (tile >= ntiles) return false;
+    tsys_cuda__ladamw_fill(ring + s * L::STAGE, full + s, tdy, tx, (tile / ntn) * L::BM, (tile % ntn) * L::BN, g % nk);
+    return true;
+}
+template <int LOW, typename T, typename GT>
+__global__ void __launch_bounds__(TSYS_CUDA__LADAMW_THREADS, 1)
+tsys_cuda__linear_adamw_kernel(const __grid_constant__ CUtensorMap tdy, const __grid_constant__ CUtensorMap tx, tsys_cuda__op_adamw op,
+                               float *__restrict__ p, float *__restrict__ m, float *__restrict__ v, uint16_t *__restrict__ low,
+                               int d_out, int d_in, int rows) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    typedef tsys_cuda__ladamw_layout L;
+    extern __shared__ __align__(16) unsigned char tsys_cuda__flash_smem_raw[];
+    unsigned char *ring = tsys_cuda__flash_wg_smem_base(tsys_cuda__flash_smem_raw);
+    float *grad = (float *)(ring + L::ST * L::STAGE);
+    uint64_t *unused = (uint64_t *)(ring + L::ST * L::STAGE + L::GRAD), *full = unused + 1, *empty = full + L::ST;
+    uint64_t *gfull = empty + L::ST, *gfree = gfull + 1;   // the gradient tile written (256 arrivals) / read (256)
+    const int nk = (rows + L::BK - 1) / L::BK, ntn = (d_in + L::BN - 1) / L::BN, ntiles = ((d_out + L::BM - 1) / L::BM) * ntn;
+    const int warp = threadIdx.x >> 5, wg = warp >> 2, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) { tsys_cuda__flash_mbar_init(gfull, 256); tsys_cuda__flash_mbar_init(gfree, 256); }
+    tsys_cuda__flash_ws_init(unused, full, empty, 2, 1, L::ST);
+    if (wg < 2) {   // the product: acc (this warpgroup's 64 outputs x 128 inputs) = dy^T x over the tile's positions
+        if (threadIdx.x == 0)   // positions past `rows` read as zeros
+            for (int g = 0; g < L::ST && tsys_cuda__ladamw_fill_nth(ring, full, &tdy, &tx, g, nk, ntiles, ntn); g++) {}
+        int it = 0;   // this block's stages so far, over its tiles
+        for (int c = 0; blockIdx.x + c * gridDim.x < ntiles; c++) {
+            float acc[16][4];
+#pragma unroll
+            for (int j = 0; j < 16; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+            for (int k = 0; k < nk; k++, it++) {
+                const int s = it % L::ST;
+                tsys_cuda__flash_mbar_wait(full + s, (it / L::ST) & 1);
+                const unsigned char *st = ring + s * L::STAGE;
+                tsys_cuda__flash_wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < L::BK / 16; kk++)
+                    tsys_cuda__flash_wgmma<T, 128>::ss_mn(&acc[0][0], tsys_cuda__flash_wg_desc_mn<L::BK>(st + wg * L::HALF, kk),
+                                                          tsys_cuda__flash_wg_desc_mn<L::BK>(st + 2 * L::HALF, kk), 1);
+                tsys_cuda__flash_wg_commit();
+                tsys_cuda__flash_wg_wait<1>();   // the stage before this one is read: give it back, and refill it
+                if (it > 0) {
+                    const int sp = (it - 1) % L::ST;
+                    if ((threadIdx.x & 127) == 0) tsys_cuda__flash_mbar_arrive(empty + sp);
+                    if (threadIdx.x == 0) {
+                        tsys_cuda__flash_mbar_wait(empty + sp, ((it - 1) / L::ST) & 1);
+                        tsys_cuda__ladamw_fill_nth(ring, full, &tdy, &tx, it - 1 + L::ST, nk, ntiles, ntn);
+                    }
+                }
+            }
+            tsys_cuda__flash_wg_wait<0>();
+            tsys_cuda__flash_wg_fence_acc<128>(acc);
+            if (c > 0) tsys_cuda__flash_mbar_wait(gfree, (c - 1) & 1);   // the update has read the last tile
+            const int r = wg * 64 + (warp & 3) * 16 + (lane >> 2), cc = 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    *(float2 *)(grad + (r + 8 * h) * L::PITCH + cc + 8 * j) =
+                        make_float2(tsys_cuda__tof((GT)acc[j][2 * h]), tsys_cuda__tof((GT)acc[j][2 * h + 1]));
+            tsys_cuda__flash_mbar_arrive(gfull);
+        }
+        return;
+    }
+    // The update, one tile behind the product.
+    const tsys_cuda__op_adamw::shared sk = op.prep();
+    const int ut = threadIdx.x - 256;
+    constexpr int U = 4, GROUPS = L::BM * L::BN / 4;   // groups of four elements; U of them in flight a thread
+    for (int c = 0; blockIdx.x + c * gridDim.x < ntiles; c++) {
+        const int tile = blockIdx.x + c * gridDim.x, o0 = (tile / ntn) * L::BM, i0 = (tile % ntn) * L::BN;
+        const int cols = min(L::BN, d_in - i0), rows_here = min(L::BM, d_out - o0);
+        tsys_cuda__flash_mbar_wait(gfull, c & 1);
+#pragma unroll 1
+        for (int q0 = ut; q0 < GROUPS; q0 += U * 256) {
+            float4 P[U], M[U], V[U];
+            bool in[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int q = q0 + u * 256, r = q / (L::BN / 4), c4 = 4 * (q % (L::BN / 4));
+                in[u] = r < rows_here && c4 < cols;
+                if (in[u]) {
+                    const size_t e = (size_t)(o0 + r) * d_in + i0 + c4;
+                    P[u] = *(const float4 *)(p + e); M[u] = *(const float4 *)(m + e); V[u] = *(const float4 *)(v + e);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (!in[u]) continue;
+                const int q = q0 + u * 256, r = q / (L::BN / 4), c4 = 4 * (q % (L::BN / 4));
+                const float4 G = *(const float4 *)(grad + r * L::PITCH + c4);
+                float x[4][4] = { { P[u].x, G.x, M[u].x, V[u].x }, { P[u].y, G.y, M[u].y, V[u].y }, { P[u].z, G.z, M[u].z, V[u].z }, { P[u].w, G.w, M[u].w, V[u].w } }, y[4][3];
+#pragma unroll
+                for (int e = 0; e < 4; e++) op.apply(sk, x[e], y[e]);
+                const size_t e = (size_t)(o0 + r) * d_in + i0 + c4;
+                *(float4 *)(p + e) = make_float4(y[0][0], y[1][0], y[2][0], y[3][0]);
+                *(float4 *)(m + e) = make_float4(y[0][1], y[1][1], y[2][1], y[3][1]);
+                *(float4 *)(v + e) = make_float4(y[0][2], y[1][2], y[2][2], y[3][2]);
+                if (LOW) *(uint2 *)(low + e) = make_uint2((uint32_t)tsys_cuda__lowp_bits<LOW>(y[0][0]) | ((uint32_t)tsys_cuda__lowp_bits<LOW>(y[1][0]) << 16),
+                                                          (uint32_t)tsys_cuda__lowp_bits<LOW>(y[2][0]) | ((uint32_t)tsys_cuda__lowp_bits<LOW>(y[3][0]) << 16));
+            }
+        }
+        tsys_cuda__flash_mbar_arrive(gfree);
+    }
+#endif
+}
+
+// Runs the fused kernel where it can: an sm_90a build on Hopper with TMA, 16-bit operands, dimensions that TMA
+// boxes and 16-byte accesses fit (O and I multiples of 8 and at least 128, 64 positions or more), p, m, v
+// 16-byte aligned and the copy 8-byte aligned. False when it cannot (the caller makes the gradient and runs ADAMW instead).
+template <typename T>
+static bool tsys_cuda__linear_adamw_fused(tsys_cuda__state *st, const tsys_cuda__op_adamw &op, const T *dy, const T *x, float *p, float *m,
+                                          float *v, uint16_t *low, int ldt, tsys_dtype gdt, int64_t d_out, int64_t d_in, int64_t rows, tsys_status *ret) {
+    typedef tsys_cuda__ladamw_layout L;
+    if (!st->flash_ws_ok || d_out % 8 || d_in % 8 || d_out < L::BM || d_in < L::BN || rows < L::BK || d_out > INT32_MAX / 2 || d_in > INT32_MAX / 2 ||
+        (d_out / L::BM + 1) * (d_in / L::BN + 1) > INT32_MAX ||
+        rows > INT32_MAX / 2 || !tsys_cuda__aligned16(p) || !tsys_cuda__aligned16(m) || !tsys_cuda__aligned16(v) || ((uintptr_t)low & 7))
+        return false;
+    CUtensorMap tdy, tx;
+    if (!tsys_cuda__flash_tmap_rows(&tdy, dy, 1, (int)rows, (int)d_out, L::BK) || !tsys_cuda__flash_tmap_rows(&tx, x, 1, (int)rows, (int)d_in, L::BK)) return false;
+    const int64_t tiles = ((d_in + L::BN - 1) / L::BN) * ((d_out + L::BM - 1) / L::BM);
+    const dim3 grid((unsigned)(tiles < st->num_sms ? tiles : st->num_sms));   // one block an SM walks the tiles
+    const bool g32 = gdt == TSYS_F32;
+#define TSYS_CUDA__LADAMW_GO(LW, GT_) { \
+        auto kern = tsys_cuda__linear_adamw_kernel<LW, T, GT_>; \
+        cudaError_t e = tsys_cuda__flash_smem_attr(kern, L::SMEM); \
+        if (e != cudaSuccess) { *ret = tsys_ctx_set_error(st->ctx, TSYS_ERR_CUDA, "linear_adamw: shared memory of %d bytes: %s", L::SMEM, cudaGetErrorString(e)); return true; } \
+        *ret = tsys_cuda__launch(st, __FILE__, __LINE__, "tsys_cuda__linear_adamw_kernel", kern, grid, dim3(TSYS_CUDA__LADAMW_THREADS), (size_t)L::SMEM, tdy, tx, op, \
+                                 p, m, v, low, (int)d_out, (int)d_in, (int)rows); \
+        return true; }
+    if (ldt == TSYS_BF16) { if (g32) TSYS_CUDA__LADAMW_GO(TSYS_BF16, float) else TSYS_CUDA__LADAMW_GO(TSYS_BF16, T) }
+    if (ldt == TSYS_F16) { if (g32) TSYS_CUDA__LADAMW_GO(TSYS_F16, float) else TSYS_CUDA__LADAMW_GO(TSYS_F16, T) }
+    if (g32) TSYS_CUDA__LADAMW_GO(0, float) else TSYS_CUDA__LADAMW_GO(0, T)
+#undef TSYS_CUDA__LADAMW_GO
+}
+#endif // TSYS_CUDA_NO_FLASH
+
 // >>kernel entry points ---------------------------------------------------------------------------
 // Each takes the context, the state and the kernel args; checks what the kernel assumes
 // (dtypes, shapes); launches. Semantics: the comments of tsys_kernel in tsys.h.
@@ -5568,6 +5744,52 @@ static tsys_status tsys_cuda__k_adamw(tsys_cuda__state *st, const tsys_kargs *a)
     return tsys_cuda__adamw_launch<float>(st, a, op, n);
 }
 
+// TSYS_K_LINEAR_ADAMW: the fused kernel (>>fused update) where it runs; elsewhere the two launches it replaces,
+// the gradient's product into a tensor of dtype i0 and ADAMW on it.
+static tsys_status tsys_cuda__gemm(tsys_ctx *ctx, const tsys_gemm_args *g);
+static tsys_status tsys_cuda__k_linear_adamw(tsys_cuda__state *st, const tsys_kargs *a) {
+    tsys_tensor *p = a->t[0], *m = a->t[1], *v = a->t[2], *low = a->t[3], *dy = a->t[4], *x = a->t[5], *step = a->t[6], *lr = a->t[7], *bias = a->t[8];
+    TSYS_CUDA__REQUIRE(st->ctx, p && m && v && dy && x && step, "linear_adamw: p, m, v, dy, x and the device step must be given");
+    const int64_t n = tsys_tensor_numel(p), d_out = dy->ndim ? dy->shape[dy->ndim - 1] : 1, d_in = x->ndim ? x->shape[x->ndim - 1] : 1;
+    const int64_t rows = d_out ? tsys_tensor_numel(dy) / d_out : 0;
+    const tsys_dtype gdt = (tsys_dtype)a->i[0];
+    TSYS_CUDA__REQUIRE(st->ctx, dy->dtype == x->dtype && tsys_cuda__is_float(x->dtype), "linear_adamw: dy t4 (%s) and x t5 (%s) must share a float dtype",
+                       tsys_dtype_name(dy->dtype), tsys_dtype_name(x->dtype));
+    TSYS_CUDA__REQUIRE(st->ctx, d_out * d_in == n && rows * d_in == tsys_tensor_numel(x) && tsys_tensor_numel(m) == n && tsys_tensor_numel(v) == n,
+                       "linear_adamw: dy (rows, %lld) and x (rows, %lld) do not make p's %lld elements, or m, v differ", (long long)d_out, (long long)d_in, (long long)n);
+    TSYS_CUDA__REQUIRE(st->ctx, gdt == TSYS_F32 || gdt == x->dtype, "linear_adamw: the gradient's dtype i0 = %d must be f32 or x's", (int)gdt);
+    TSYS_CUDA__REQUIRE(st->ctx, !low || ((low->dtype == TSYS_BF16 || low->dtype == TSYS_F16) && tsys_tensor_numel(low) == n), "linear_adamw: the copy t3 must be bf16/f16 of p's size");
+    TSYS_CUDA__REQUIRE(st->ctx, tsys_cuda__is_id(step->dtype) && (!lr || lr->dtype == TSYS_F32) && (!bias || (bias->dtype == TSYS_F32 && tsys_tensor_numel(bias) == 2)),
+                       "linear_adamw: step t6 must be I32/I64, lr t7 fp32, the bias corrections t8 2 fp32 elements");
+    if (n == 0) return TSYS_OK;
+#ifndef TSYS_CUDA_NO_FLASH
+    const tsys_cuda__op_adamw op = { a->f[0], a->f[1], a->f[2], a->f[3], a->f[4], tsys_cuda__data(step), (int)step->dtype,
+                                     (const float *)tsys_cuda__data(lr), (const float *)tsys_cuda__data(bias) };
+    float *pp = (float *)tsys_cuda__data(p), *pm = (float *)tsys_cuda__data(m), *pv = (float *)tsys_cuda__data(v);
+    uint16_t *pl = (uint16_t *)tsys_cuda__data(low);
+    const int ldt = low ? (int)low->dtype : 0;
+    tsys_status ret = TSYS_OK;
+    if (x->dtype == TSYS_BF16 && tsys_cuda__linear_adamw_fused(st, op, (const __nv_bfloat16 *)tsys_cuda__data(dy), (const __nv_bfloat16 *)tsys_cuda__data(x),
+                                                               pp, pm, pv, pl, ldt, gdt, d_out, d_in, rows, &ret)) return ret;
+    if (x->dtype == TSYS_F16 && tsys_cuda__linear_adamw_fused(st, op, (const __half *)tsys_cuda__data(dy), (const __half *)tsys_cuda__data(x),
+                                                              pp, pm, pv, pl, ldt, gdt, d_out, d_in, rows, &ret)) return ret;
+#endif
+    int64_t shape[2] = { d_out, d_in };
+    tsys_tensor *g = tsys_tensor_new(st->ctx, gdt, TSYS_CUDA, 2, shape);
+    if (!g) return st->ctx->status != TSYS_OK ? st->ctx->status : TSYS_ERR_OOM;
+    tsys_gemm_args ga = { dy, x, g, true, false, d_out, d_in, rows, 1, 0, 0, 0, 1.0f, 0.0f, false };
+    tsys_status r = tsys_cuda__gemm(st->ctx, &ga);
+    if (r == TSYS_OK) {
+        tsys_kargs b;
+        memset(&b, 0, sizeof b);
+        b.t[0] = p; b.t[1] = g; b.t[2] = m; b.t[3] = v; b.t[4] = step; b.t[5] = lr; b.t[6] = low; b.t[8] = bias;
+        for (int f = 0; f < 5; f++) b.f[f] = a->f[f];
+        r = tsys_cuda__k_adamw(st, &b);
+    }
+    tsys_tensor_release(g);
+    return r;
+}
+
 static tsys_status tsys_cuda__k_step_inc(tsys_cuda__state *st, const tsys_kargs *a) {
     tsys_tensor *t = a->t[0], *bias = a->t[1];
     TSYS_CUDA__REQUIRE(st->ctx, t && tsys_cuda__is_id(t->dtype), "step_inc: an I32/I64 scalar must be given");
@@ -5695,6 +5917,7 @@ static tsys_status tsys_cuda__kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_ka
     case TSYS_K_EMBED_BWD: return tsys_cuda__k_embed_bwd(st, a);
     case TSYS_K_TRANSPOSE12: return tsys_cuda__k_transpose12(st, a);
     case TSYS_K_ADAMW: return tsys_cuda__k_adamw(st, a);
+    case TSYS_K_LINEAR_ADAMW: return tsys_cuda__k_linear_adamw(st, a);
     case TSYS_K_STEP_INC: return tsys_cuda__k_step_inc(st, a);
     case TSYS_K_RANDN: return tsys_cuda__k_randn(st, a);
     case TSYS_K_SGD: return tsys_cuda__k_sgd(st, a);

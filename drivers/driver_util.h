@@ -273,6 +273,7 @@ typedef struct du_lm {
     tsys_grad_scaler scaler;
     bool overlap;                          // the optimizer inside backward (tsys_optim_overlap_begin/end)
     bool free_grads;                       // ... on the compute stream, each layer's gradients given back after its update
+    bool fuse_update;                      // ... with each linear weight updated inside its gradient's product (TSYS_OPTIM_FUSE_UPDATE)
     bool lowp_copies;                      // AdamW keeps the autocast dtype's weight copies (tsys_optim_keep_lowp; train, bf16/fp16)
     bool lowp_grads;                       // the linear weights' gradients in the autocast dtype (tsys_model_set_grad_dtype)
     void (*mark)(void *user, int boundary);
@@ -347,7 +348,7 @@ static inline tsys_status du_lm_step(du_lm *r, int *last) {
     if (r->mode != DU_FORWARD && tsys_ctx_status(ctx) == TSYS_OK) {
         tsys_trace_begin(ctx, "backward");
         tsys_tensor *scaled = r->dtype == TSYS_F16 ? tsys_grad_scaler_scale(ctx, &r->scaler, loss) : tsys_tensor_retain(loss);
-        if (r->overlap) tsys_optim_overlap_begin_ex(r->opt, r->free_grads ? TSYS_OPTIM_FREE_GRADS : 0);
+        if (r->overlap) tsys_optim_overlap_begin_ex(r->opt, (r->free_grads ? TSYS_OPTIM_FREE_GRADS : 0u) | (r->fuse_update ? TSYS_OPTIM_FUSE_UPDATE : 0u));
         tsys_backward(ctx, scaled);
         if (r->overlap) tsys_optim_overlap_end(r->opt);   // joins the background stream: the updates count in backward
         tsys_tensor_release(scaled);

@@ -63,10 +63,11 @@ static int parse_flags(int argc, char **argv, e2e_opts *o) {
         DU_FLAG_LIST("mode", &o->modes, "forward-backward", "forward|forward-backward|train", "forward, forward-backward or train"),
         DU_FLAG_LIST("dtype", &o->dtypes, "fp32", "fp32|bf16|fp16", "fp32, bf16 or fp16 autocast"),
         DU_FLAG_LIST("attn", &o->attns, "auto", "naive|flash|auto", "naive, flash or auto: flash on cuda under bf16/fp16 autocast, naive\notherwise (the fp32 flash kernel has no tensor cores and loses to naive)"),
-        DU_FLAG_LIST("opt-in-backward", &o->overlaps, "no", "no|yes|free", "no, yes or free: yes runs each layer's AdamW update on the background stream\n"
+        DU_FLAG_LIST("opt-in-backward", &o->overlaps, "no", "no|yes|free|fused", "no, yes, free or fused: yes runs each layer's AdamW update on the background stream\n"
                      "(least priority) as soon as its gradients are final, overlapped with the rest\nof backward; free runs it on the compute stream "
-                     "and gives the layer's gradients\nback after it (the peak holds one layer's gradients, not all) (train mode; not\nwith fp16, "
-                     "whose loss scaler needs every gradient first)"),
+                     "and gives the layer's gradients\nback after it (the peak holds one layer's gradients, not all); fused is yes\nwith each linear "
+                     "weight updated inside its gradient's GEMM (TSYS_OPTIM_FUSE_UPDATE:\nthe gradient is never written; other sums' order than cuBLASLt's;\nslower than yes on the H200 so far) "
+                     "(train mode; not\nwith fp16, whose loss scaler needs every gradient first)"),
         DU_FLAG_LIST("lowp-copies", &o->lowps, "no", "no|yes", "no or yes: yes has AdamW write each weight's bf16/fp16 copy in its update\n"
                      "kernel (tsys_optim_keep_lowp) so autocast casts no weight each step; 2 bytes\na parameter more, bitwise the same training (train mode under bf16/fp16)"),
         DU_FLAG_LIST("lowp-grads", &o->lowp_grads, "no", "no|yes", "no or yes: yes keeps the linear weights' gradients in the autocast dtype\n"
@@ -213,7 +214,7 @@ static void run_config(tsys_ctx *ctx, tsys_device dev, const e2e_opts *o, const 
     du_lm_record rec;
     du_timed_init(&t, ctx, dev, c->mode, c->dt);
     du_lm *lm = &t.lm;
-    lm->overlap = strcmp(c->in_backward, "no") != 0; lm->free_grads = free_grads; lm->lowp_copies = c->lowp; lm->lowp_grads = c->lowp_grads;
+    lm->overlap = strcmp(c->in_backward, "no") != 0; lm->free_grads = free_grads; lm->fuse_update = !strcmp(c->in_backward, "fused"); lm->lowp_copies = c->lowp; lm->lowp_grads = c->lowp_grads;
     tsys_mem_reset_peak(ctx, dev);
     const int n = o->steps;
     double *tm = (double *)calloc(4 * (size_t)n, sizeof(double));   // forward, backward, optimizer, total: n each

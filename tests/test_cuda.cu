@@ -1473,6 +1473,136 @@ TSYS_TEST(cuda_linear_cross_entropy) {
     tc_lce_case(TSYS_BF16, 48, false, 2e-2);
 }
 
+// AdamW inside the weight-gradient product (TSYS_K_LINEAR_ADAMW) against the CPU's (the product, then ADAMW):
+// p, m, v and the copy after the update, for shapes the fused Hopper kernel takes (whole tiles, ragged tiles
+// and positions) and one it leaves to the two-launch path (dimensions under a tile), with f32 and 16-bit
+// gradients; which path ran is read off the allocator (the two-launch path makes the gradient, the fused
+// kernel allocates nothing); run twice, the fused kernel gives the same bits.
+static void tc_linear_adamw_case(int64_t rows, int64_t d_out, int64_t d_in, tsys_dtype dt, tsys_dtype gdt, bool copies, bool fused) {
+    TC_CTX(ctx);
+    const tsys_backend *gpu = tsys_ctx_backend(ctx, TSYS_CUDA), *cpu = tsys_ctx_backend(ctx, TSYS_CPU);
+    int64_t sdy[2] = {rows, d_out}, sx[2] = {rows, d_in}, sp[2] = {d_out, d_in}, one = 1, five = 5;
+    tsys_tensor *dy = tc_rand(ctx, dt, 2, sdy, 0.5f), *x = tc_rand(ctx, dt, 2, sx, 1.0f);
+    tsys_tensor *p0 = tc_rand(ctx, TSYS_F32, 2, sp, 1.0f), *m0 = tc_rand(ctx, TSYS_F32, 2, sp, 0.5f), *v0 = tc_rand(ctx, TSYS_F32, 2, sp, 1.0f);
+    tsys_kargs sq; memset(&sq, 0, sizeof sq); sq.t[0] = sq.t[1] = sq.t[2] = v0;   // v >= 0
+    gpu->kernel(ctx, TSYS_K_MUL, &sq);
+    tsys_tensor *step = tsys_tensor_from_data(ctx, TSYS_I64, TSYS_CUDA, 1, &one, &five);
+    tsys_tensor *dev[3][4], *host[4];   // p, m, v, copy: two GPU runs, the CPU's
+    for (int r = 0; r < 2; r++) {
+        dev[r][0] = tc_adamw_clone(ctx, p0); dev[r][1] = tc_adamw_clone(ctx, m0); dev[r][2] = tc_adamw_clone(ctx, v0);
+        dev[r][3] = copies ? tsys_tensor_new(ctx, TSYS_BF16, TSYS_CUDA, 2, sp) : NULL;
+    }
+    tsys_tensor *hdy = tsys_tensor_to(ctx, dy, TSYS_CPU), *hx = tsys_tensor_to(ctx, x, TSYS_CPU), *hstep = tsys_tensor_to(ctx, step, TSYS_CPU);
+    host[0] = tsys_tensor_to(ctx, p0, TSYS_CPU); host[1] = tsys_tensor_to(ctx, m0, TSYS_CPU); host[2] = tsys_tensor_to(ctx, v0, TSYS_CPU);
+    host[3] = copies ? tsys_tensor_new(ctx, TSYS_BF16, TSYS_CPU, 2, sp) : NULL;
+    char what[128];
+    snprintf(what, sizeof what, "%lld x %lld x %lld, %s, %s gradient%s", (long long)rows, (long long)d_out, (long long)d_in, tsys_dtype_name(dt), tsys_dtype_name(gdt),
+             copies ? ", copies" : "");
+    for (int r = 0; r < 3; r++) {
+        tsys_kargs a; memset(&a, 0, sizeof a);
+        tsys_tensor **t = r < 2 ? dev[r] : host;
+        a.t[0] = t[0]; a.t[1] = t[1]; a.t[2] = t[2]; a.t[3] = t[3];
+        a.t[4] = r < 2 ? dy : hdy; a.t[5] = r < 2 ? x : hx; a.t[6] = r < 2 ? step : hstep;
+        a.i[0] = gdt; a.f[0] = 1e-2f; a.f[1] = 0.9f; a.f[2] = 0.999f; a.f[3] = 1e-8f; a.f[4] = 0.01f;
+        tsys_sync(ctx, TSYS_CUDA);
+        int64_t allocs = tsys_mem_stats_get(ctx, TSYS_CUDA).num_allocs;
+        TEST_CHECK((r < 2 ? gpu : cpu)->kernel(ctx, TSYS_K_LINEAR_ADAMW, &a) == TSYS_OK, "%s: run %d: %s", what, r, tsys_ctx_last_error(ctx));
+        if (r == 0) {
+            int64_t made = tsys_mem_stats_get(ctx, TSYS_CUDA).num_allocs - allocs;
+            TEST_CHECK(fused ? made == 0 : made == 1, "%s: %lld allocations: the %s path was expected", what, (long long)made, fused ? "fused" : "two-launch");
+        }
+    }
+    const char *names[4] = {"p", "m", "v", "copy"};
+    const double tol[4] = {1e-5, gdt == TSYS_F32 ? 1e-5 : 2e-3, gdt == TSYS_F32 ? 1e-5 : 2e-3, 8e-3};
+    for (int j = 0; j < 4; j++) {
+        if (!host[j]) continue;
+        float *g0 = test_read(ctx, dev[0][j]), *g1 = test_read(ctx, dev[1][j]), *want = test_read(ctx, host[j]);
+        float *start = j < 3 ? test_read(ctx, j == 0 ? p0 : j == 1 ? m0 : v0) : NULL;
+        const int64_t n = d_out * d_in;
+        TEST_CHECK(g0 && g1 && want, "%s: read back %s", what, names[j]);
+        if (g0 && g1 && want) {
+            double rel = test_max_rel(g0, want, n);
+            TEST_CHECK(rel <= tol[j], "%s: %s %.2e from the CPU's, tolerance %.0e", what, names[j], rel, tol[j]);
+            TEST_CHECK(memcmp(g0, g1, sizeof(float) * (size_t)n) == 0, "%s: %s differs between two runs", what, names[j]);
+            const double moved = start ? test_max_rel(start, want, n) : 1.0;   // the update is far larger than the GPU's distance to the CPU
+            TEST_CHECK(moved > 0 && moved > 10 * rel, "%s: the update moved %s by %.2e, the GPU is %.2e from the CPU", what, names[j], moved, rel);
+        }
+        free(g0); free(g1); free(want); free(start);
+    }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s: %s", what, tsys_ctx_last_error(ctx));
+    tsys_tensor *all[] = {dy, x, p0, m0, v0, step, hdy, hx, hstep};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tsys_tensor_release(all[i]);
+    for (int j = 0; j < 4; j++) { tsys_tensor_release(dev[0][j]); tsys_tensor_release(dev[1][j]); tsys_tensor_release(host[j]); }
+    tsys_ctx_clear_error(ctx);
+}
+TSYS_TEST(cuda_linear_adamw_matches_cpu) {
+    tc_linear_adamw_case(256, 256, 384, TSYS_BF16, TSYS_BF16, true, true);
+    tc_linear_adamw_case(256, 256, 384, TSYS_BF16, TSYS_F32, false, true);
+    tc_linear_adamw_case(100, 200, 136, TSYS_BF16, TSYS_BF16, true, true);   // ragged tiles and positions
+    tc_linear_adamw_case(1024, 640, 256, TSYS_F16, TSYS_F16, false, true);
+    tc_linear_adamw_case(64, 48, 40, TSYS_BF16, TSYS_BF16, true, false);     // under a tile: two launches
+    tc_linear_adamw_case(32, 24, 16, TSYS_F32, TSYS_F32, false, false);
+}
+
+// Training with AdamW in the weight-gradient products (TSYS_OPTIM_FUSE_UPDATE) against the ordinary step,
+// bf16 autocast with kept copies and bf16 gradients: the losses stay within the rounding of the products'
+// other order of sums, the model trains, and one eager step then a captured one replayed three times give
+// the eager fused steps' parameters bit for bit.
+static float tc_fused_step(tsys_ctx *ctx, tsys_model *m, tsys_optim *o, tsys_tensor *ids, tsys_tensor *tg, bool fused) {
+    tsys_autocast_begin(ctx, TSYS_BF16);
+    tsys_tensor *logits = tsys_model_forward(m, ids), *l = tsys_cross_entropy(ctx, logits, tg);
+    tsys_autocast_end(ctx);
+    if (fused) tsys_optim_overlap_begin_ex(o, TSYS_OPTIM_FUSE_UPDATE);
+    tsys_backward(ctx, l);
+    if (fused) tsys_optim_overlap_end(o); else tsys_optim_step(o);
+    tsys_optim_release_grads(o);
+    float v = tsys_cuda_capturing(ctx) ? 0.0f : tsys_item(ctx, l);
+    tsys_tensor_release(logits); tsys_tensor_release(l);
+    return v;
+}
+TSYS_TEST(cuda_fused_update_trains_as_the_step) {
+    TC_CTX(ctx);
+    tsys_model_desc d = tc_model_desc();
+    d.d_model = 128; d.d_ff = 384; d.num_heads = 2; d.context_length = 64;
+    tsys_model *m[3];
+    tsys_optim *o[3];
+    bool made = true;
+    for (int k = 0; k < 3; k++) {
+        m[k] = tsys_model_new(ctx, &d, TSYS_CUDA, 5);
+        o[k] = m[k] ? tsys_adamw_new(ctx, tsys_model_params(m[k]), tsys_model_num_tensors(m[k]), NULL) : NULL;
+        made = made && o[k] && tsys_optim_keep_lowp(o[k], TSYS_BF16) == TSYS_OK && tsys_model_set_grad_dtype(m[k], TSYS_BF16) == TSYS_OK;
+    }
+    tsys_tensor *ids = tc_ids(ctx, TSYS_CUDA, 4, 64, d.vocab_size, 1), *tg = tc_ids(ctx, TSYS_CUDA, 4, 64, d.vocab_size, 2);
+    TEST_CHECK(made && ids && tg, "setup: %s", tsys_ctx_last_error(ctx));
+    if (!made || !ids || !tg) return;
+    float loss[2][4];
+    for (int step = 0; step < 4; step++) {
+        loss[0][step] = tc_fused_step(ctx, m[0], o[0], ids, tg, false);
+        loss[1][step] = tc_fused_step(ctx, m[1], o[1], ids, tg, true);
+        TEST_CHECK(fabsf(loss[0][step] - loss[1][step]) <= 2e-3f * fabsf(loss[0][step]), "step %d: loss %.6f fused, %.6f ordinary", step, loss[1][step], loss[0][step]);
+    }
+    TEST_CHECK(loss[1][3] < loss[1][0] - 0.01f, "the fused steps did not train: loss %.6f -> %.6f", loss[1][0], loss[1][3]);
+    tc_fused_step(ctx, m[2], o[2], ids, tg, true);
+    tsys_cuda_graph *gr = NULL;
+    TEST_CHECK(tsys_cuda_graph_begin(ctx) == TSYS_OK, "begin: %s", tsys_ctx_last_error(ctx));
+    tc_fused_step(ctx, m[2], o[2], ids, tg, true);
+    TEST_CHECK(tsys_cuda_graph_end(ctx, &gr) == TSYS_OK && gr, "capture: %s", tsys_ctx_last_error(ctx));
+    for (int i = 0; gr && i < 3; i++) tsys_cuda_graph_replay(ctx, gr);
+    tsys_sync(ctx, TSYS_CUDA);
+    int differ = 0;
+    for (int i = 0; i < tsys_model_num_tensors(m[1]); i++) {
+        float *a = test_read(ctx, tsys_model_params(m[1])[i]), *b = test_read(ctx, tsys_model_params(m[2])[i]);
+        differ += !a || !b || memcmp(a, b, sizeof(float) * (size_t)tsys_tensor_numel(tsys_model_params(m[1])[i])) != 0;
+        free(a); free(b);
+    }
+    TEST_CHECK(differ == 0, "%d parameter tensors differ between the eager and the captured fused steps", differ);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_cuda_graph_free(gr);
+    tsys_tensor_release(ids); tsys_tensor_release(tg);
+    for (int k = 0; k < 3; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    tsys_ctx_clear_error(ctx);
+}
+
 // Every kernel of the TSYS_KERNELS table has a CUDA case that runs (the cases above compare them
 // with the CPU): a kernel added to the table without one fails here.
 TSYS_TEST(cuda_every_kernel_runs) {

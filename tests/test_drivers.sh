@@ -345,13 +345,16 @@ t_lowp_copies_column() {
 
 # --opt-in-backward free: the same step with each layer's gradients given back after its update; its
 # peak is below the ordinary step's by about the gradients, and the plan predicts both within 10%.
+# fused (the linear weights updated inside their gradients' products) runs and is predicted as well.
 t_opt_in_backward_free_grads() {
   run "$B/e2e" --model custom --d-model 128 --num-layers 8 --num-heads 2 --d-ff 512 --vocab-size 64 --batch-size 2 --warmup 0 --steps 1 --no-sgemm \
-      --context-length 16 --mode train --opt-in-backward no,free --format csv
-  expect_rc 0 "e2e --opt-in-backward no,free"
+      --context-length 16 --mode train --opt-in-backward no,free,fused --format csv
+  expect_rc 0 "e2e --opt-in-backward no,free,fused"
   [ "$(csv_col "$tmp/out" 2 opt_in_bwd)" = "free" ] || note "row 2 opt_in_bwd '$(csv_col "$tmp/out" 2 opt_in_bwd)', wanted free"
+  [ "$(csv_col "$tmp/out" 3 opt_in_bwd)" = "fused" ] || note "row 3 opt_in_bwd '$(csv_col "$tmp/out" 3 opt_in_bwd)', wanted fused"
+  [ "$(csv_col "$tmp/out" 3 status)" = "ok" ] || note "row 3 status '$(csv_col "$tmp/out" 3 status)'"
   local i p m no free
-  for i in 1 2; do
+  for i in 1 2 3; do
     p=$(csv_col "$tmp/out" $i pred_MiB); m=$(csv_col "$tmp/out" $i peak_MiB)
     awk -v p="$p" -v m="$m" 'BEGIN { exit !(p > 0.9 * m && p < 1.1 * m) }' || note "row $i: predicted peak $p MiB, measured $m"
   done
@@ -359,7 +362,7 @@ t_opt_in_backward_free_grads() {
   awk -v a="$free" -v b="$no" 'BEGIN { exit !(a < 0.9 * b) }' || note "peak with gradients freed in backward $free MiB, ordinary $no"
   run "$B/e2e" "${TINY[@]}" --context-length 8 --opt-in-backward sometimes
   expect_rc 2 "a bad --opt-in-backward"
-  expect_in "$tmp/err" 'no, yes or free' "the rule"
+  expect_in "$tmp/err" 'no, yes, free or fused' "the rule"
 }
 
 # --lowp-grads keeps the linear weights' gradients in the autocast dtype: under bf16 the peak is below

@@ -715,6 +715,100 @@ TSYS_TEST(kept_lowp_copies_options_and_memory) {
     tsys_ctx_free(ctx);
 }
 
+// ---- AdamW inside the weight-gradient products (TSYS_OPTIM_FUSE_UPDATE) ----
+// On the CPU the fused launch makes the gradient as the product would and runs AdamW's update on it, so
+// training with the flag must give the ordinary step's parameters (and kept copies) bit for bit, while every
+// linear weight (7 a layer and the head) is updated in its product and none of them gets a written gradient.
+typedef struct fused_count { int fused, adamw_linear; tsys_tensor **params; int n; } fused_count;
+static void fused_count_kernel(tsys_ctx *ctx, const tsys_trace_kernel *k, void *user) {
+    (void)ctx;
+    fused_count *c = (fused_count *)user;
+    if (k->kernel == TSYS_K_LINEAR_ADAMW) c->fused++;
+    if (k->kernel != TSYS_K_ADAMW || !k->args) return;
+    for (int i = 0; i < c->n; i++)   // an ordinary launch that starts at a matrix (a linear weight) updates it again
+        c->adamw_linear += k->args->t[0]->storage == c->params[i]->storage && k->args->t[0]->offset == c->params[i]->offset && c->params[i]->ndim == 2 &&
+                           strstr(c->params[i]->name, "embed") == NULL;
+}
+static void fused_update_case(tsys_dtype autocast, bool copies, tsys_dtype grad_dt, unsigned flags) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = lowp_desc();
+    tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
+    int n = tsys_model_num_tensors(m[0]);
+    tsys_optim *o[2];
+    for (int k = 0; k < 2; k++) {
+        o[k] = tsys_adamw_new(ctx, tsys_model_params(m[k]), n, NULL);
+        if (copies) tsys_optim_keep_lowp(o[k], autocast);
+        if (grad_dt != TSYS_F32) tsys_model_set_grad_dtype(m[k], grad_dt);
+    }
+    int64_t shape[2] = {2, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    fused_count fc = {0, 0, tsys_model_params(m[1]), n};
+    tsys_trace_hooks h;
+    memset(&h, 0, sizeof(h));
+    h.kernel = fused_count_kernel; h.user = &fc;
+    char what[96];
+    snprintf(what, sizeof what, "autocast %s, copies %d, gradients %s, flags %u", tsys_dtype_name(autocast), copies, tsys_dtype_name(grad_dt), flags);
+    for (int step = 0; step < 3; step++)
+        for (int k = 0; k < 2; k++) {
+            if (autocast != TSYS_F32) tsys_autocast_begin(ctx, autocast);
+            tsys_tensor *logits = tsys_model_forward(m[k], ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+            if (autocast != TSYS_F32) tsys_autocast_end(ctx);
+            if (k == 1) {
+                TEST_CHECK(tsys_optim_overlap_begin_ex(o[1], flags) == TSYS_OK, "%s: overlap_begin: %s", what, tsys_ctx_last_error(ctx));
+                tsys_ctx_set_trace_hooks(ctx, &h);
+            }
+            tsys_backward(ctx, loss);
+            if (k == 0) tsys_optim_step(o[0]);
+            else TEST_CHECK(tsys_optim_overlap_end(o[1]) == TSYS_OK, "%s: overlap_end: %s", what, tsys_ctx_last_error(ctx));
+            tsys_ctx_set_trace_hooks(ctx, NULL);
+            tsys_optim_release_grads(o[k]);
+            tsys_tensor_release(logits); tsys_tensor_release(loss);
+        }
+    TEST_CHECK(fc.fused == 3 * (7 * d.num_layers + 1), "%s: %d updates in products over 3 steps, expected %d", what, fc.fused, 3 * (7 * d.num_layers + 1));
+    TEST_CHECK(fc.adamw_linear == 0, "%s: %d ordinary AdamW launches started at a linear weight", what, fc.adamw_linear);
+    TEST_CHECK(lowp_params_differ(m[0], m[1]) == 0, "%s: %d parameter tensors differ from the ordinary step", what, lowp_params_differ(m[0], m[1]));
+    int bad = 0;
+    for (int i = 0; copies && i < n; i++) {
+        tsys_tensor *a = tsys_model_params(m[0])[i]->lowp, *b = tsys_model_params(m[1])[i]->lowp;
+        bad += !a || !b || memcmp(tsys_tensor_data(a), tsys_tensor_data(b), tsys_tensor_bytes(a)) != 0;
+    }
+    TEST_CHECK(bad == 0, "%s: %d kept copies differ from the ordinary step's", what, bad);
+    TEST_CHECK(tsys_optim_steps(o[1]) == 3 && tsys_ctx_status(ctx) == TSYS_OK, "%s: steps %lld, %s", what, (long long)tsys_optim_steps(o[1]), tsys_ctx_last_error(ctx));
+    // after a fused step the ordinary step updates every parameter again (nothing stays marked)
+    tsys_tensor *logits = tsys_model_forward(m[1], ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+    tsys_backward(ctx, loss);
+    tsys_tensor *w = NULL;
+    for (int i = 0; i < n && !w; i++) if (tsys_model_params(m[1])[i]->ndim == 2 && !strstr(tsys_model_params(m[1])[i]->name, "embed")) w = tsys_model_params(m[1])[i];
+    float *before = w ? (float *)malloc(tsys_tensor_bytes(w)) : NULL;
+    if (before) memcpy(before, tsys_tensor_data(w), tsys_tensor_bytes(w));
+    tsys_optim_step(o[1]);
+    TEST_CHECK(w && before && memcmp(before, tsys_tensor_data(w), tsys_tensor_bytes(w)) != 0, "%s: the ordinary step after a fused one left '%s' as it was", what, w ? w->name : "?");
+    free(before);
+    tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(ids);
+    for (int k = 0; k < 2; k++) { tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+    tsys_ctx_free(ctx);
+}
+TSYS_TEST(fused_update_matches_the_step) {
+    fused_update_case(TSYS_F32, false, TSYS_F32, TSYS_OPTIM_FUSE_UPDATE);
+    fused_update_case(TSYS_BF16, true, TSYS_BF16, TSYS_OPTIM_FUSE_UPDATE);
+    fused_update_case(TSYS_BF16, true, TSYS_F32, TSYS_OPTIM_FUSE_UPDATE | TSYS_OPTIM_FREE_GRADS);
+    fused_update_case(TSYS_F16, false, TSYS_F16, TSYS_OPTIM_FUSE_UPDATE | TSYS_OPTIM_FREE_GRADS);
+}
+TSYS_TEST(fused_update_rules) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = lowp_desc();
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 9);
+    tsys_optim *sgd = tsys_sgd_new(ctx, tsys_model_params(m), tsys_model_num_tensors(m), 0.1f);
+    TEST_CHECK(tsys_optim_overlap_begin_ex(sgd, TSYS_OPTIM_FUSE_UPDATE) == TSYS_ERR_UNSUPPORTED && strstr(tsys_ctx_last_error(ctx), "AdamW"), "SGD: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_optim_overlap_begin_ex(sgd, 8u) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(ctx), "unknown flags 0x8"), "flag 8: %s", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_optim_free(sgd);
+    tsys_model_free(m);
+    tsys_ctx_free(ctx);
+}
+
 // ---- gradients kept in the autocast dtype (tsys_model_set_grad_dtype) ----
 
 static bool lowpg_linear(tsys_model *m, int i) { return tsys_model_params(m)[i]->ndim == 2 && i > 0; }   // params[0]: the embedding

@@ -62,6 +62,17 @@ static inline tsys_status test_run_every_kernel(tsys_ctx *ctx, tsys_device dev, 
         tsys_optim_zero_grad(opt);
         tsys_tensor_release(logits); tsys_tensor_release(loss); tsys_tensor_release(scaled);
     }
+    // AdamW inside the weight-gradient products (LINEAR_ADAMW)
+    if (m && opt && ids) {
+        tsys_autocast_begin(ctx, TSYS_BF16);
+        tsys_tensor *logits = tsys_model_forward(m, ids), *loss = tsys_cross_entropy(ctx, logits, ids);
+        tsys_autocast_end(ctx);
+        tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_FUSE_UPDATE);
+        tsys_backward(ctx, loss);
+        tsys_optim_overlap_end(opt);
+        tsys_optim_release_grads(opt);
+        tsys_tensor_release(logits); tsys_tensor_release(loss);
+    }
     // the ops the model does not use: layernorm with bias, linear with bias, relu, silu, mul, mse,
     // mean, flash attention, the fused linear + cross-entropy; x is used twice so its gradients accumulate (ACCUM)
     int64_t sx[2] = {6, 16}, sw[2] = {16, 16}, sb[1] = {16}, sq[3] = {2, 5, 16};
