@@ -3023,8 +3023,9 @@ static tsys_status tsys__cpu_k_adamw(tsys__cpu_launch *L) {
 }
 
 static tsys_status tsys__cpu_gemm(tsys_ctx *ctx, const tsys_gemm_args *g);
-// The gradient made as the weight-gradient product makes it (tsys__cpu_gemm into a tensor of dtype i0, so the
-// same rounding), then ADAMW's update: the same bits as the two launches.
+static tsys_status tsys__cpu_kernel(tsys_ctx *ctx, tsys_kernel k, const tsys_kargs *a);
+// The two launches it stands for: the weight-gradient product into a gradient of dtype i0 (the same rounding),
+// then ADAMW on it.
 static tsys_status tsys__cpu_k_linear_adamw(tsys__cpu_launch *L) {
     tsys_tensor *const *t = L->t;
     const tsys_tensor *dy = t[4], *x = t[5];
@@ -3035,22 +3036,19 @@ static tsys_status tsys__cpu_k_linear_adamw(tsys__cpu_launch *L) {
                           dy->name, tsys_dtype_name(dy->dtype), (long long)tsys_tensor_numel(dy), x->name, tsys_dtype_name(x->dtype), (long long)tsys_tensor_numel(x), (long long)L->n);
     if (gdt != TSYS_F32 && gdt != x->dtype)
         return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "linear_adamw: the gradient's dtype i0 = %d must be f32 or x's (%s)", (int)gdt, tsys_dtype_name(x->dtype));
-    if (tsys_tensor_numel(t[1]) != L->n || tsys_tensor_numel(t[2]) != L->n || (t[3] && (tsys_tensor_numel(t[3]) != L->n || t[3]->dtype == TSYS_F32)))
-        return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "linear_adamw: m t1, v t2 (and the copy t3, bf16/f16) must have p's %lld elements", (long long)L->n);
+    if (tsys_tensor_numel(t[1]) != L->n || tsys_tensor_numel(t[2]) != L->n)
+        return TSYS__FAIL(L->ctx, TSYS_ERR_INVALID_ARGS, "linear_adamw: m t1 '%s' and v t2 '%s' must have p's %lld elements", t[1]->name, t[2]->name, (long long)L->n);
     int64_t shape[2] = {d_out, d_in};
     tsys_tensor *g = tsys_tensor_new(L->ctx, gdt, TSYS_CPU, 2, shape);
     if (!g) return L->ctx->status;
     tsys_gemm_args ga = {dy, x, g, true, false, d_out, d_in, rows, 1, 0, 0, 0, 1.0f, 0.0f, false};
     tsys_status st = tsys__cpu_gemm(L->ctx, &ga);
     if (st == TSYS_OK) {
-        tsys__fbuf gb = tsys__fin(g);
-        float hyper[5] = {t[7] ? ((const float *)tsys_tensor_data(t[7]))[0] : L->f[0], L->f[1], L->f[2], L->f[3], L->f[4]};
-        int64_t step = tsys__load_id(tsys_tensor_data(t[6]), t[6]->dtype, 0);
-        float bc[2] = {tsys__bias_correction(L->f[1], step), tsys__bias_correction(L->f[2], step)};
-        if (t[8]) memcpy(bc, IN(8), sizeof bc);
-        if (!gb.p) st = TSYS__FAIL(L->ctx, TSYS_ERR_OOM, "linear_adamw: out of host memory for the fp32 gradient");
-        else tsys__cpu_adamw(OUT(0, true), gb.p, OUT(1, true), OUT(2, true), t[3] ? tsys_tensor_data(t[3]) : NULL, t[3] ? t[3]->dtype : TSYS_F32, L->n, hyper, bc);
-        tsys__fdone(&gb, NULL);
+        tsys_kargs b;
+        memset(&b, 0, sizeof b);
+        b.t[0] = t[0]; b.t[1] = g; b.t[2] = t[1]; b.t[3] = t[2]; b.t[4] = t[6]; b.t[5] = t[7]; b.t[6] = t[3]; b.t[8] = t[8];
+        memcpy(b.f, L->f, 5 * sizeof(float));
+        st = tsys__cpu_kernel(L->ctx, TSYS_K_ADAMW, &b);
     }
     tsys_tensor_release(g);
     return st;
@@ -6721,6 +6719,11 @@ static void tsys__lowp_after_update(tsys_optim *o, int first, int end, uint64_t 
     }
 }
 
+// AdamW's scalars as its kernels take them: f = lr, beta1, beta2, eps, weight decay.
+static void tsys__adamw_hyper(const tsys_optim *o, tsys_kargs *a) {
+    a->f[0] = o->desc.lr; a->f[1] = o->desc.beta1; a->f[2] = o->desc.beta2; a->f[3] = o->desc.eps; a->f[4] = o->desc.weight_decay;
+}
+
 // One update of parameters [p, g, m, v] (m, v NULL for SGD); low: their kept copies, or NULL.
 // terms: the other ranks' gradients from this run's place (tsys_optim_sum_grads), or NULL.
 static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor *g, tsys_tensor *m, tsys_tensor *v, tsys_tensor *low, tsys_tensor *terms) {
@@ -6729,7 +6732,7 @@ static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor
     if (!o->adamw) { a.f[0] = o->desc.lr; return tsys__kernel(o->ctx, p->device, TSYS_K_SGD, &a); }
     a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t; a.t[6] = low; a.t[7] = terms; a.t[8] = o->bias_t;
     a.i[0] = o->terms_stride; a.i[1] = o->terms_ranks; a.i[2] = o->terms_self;
-    a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
+    tsys__adamw_hyper(o, &a);
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
 }
 
@@ -6798,7 +6801,6 @@ typedef struct tsys__overlap {
     int ngroups;
     int *group_of;          // per parameter
     int *first, *end;       // per group: parameters [first, end)
-    size_t *off;            // per group: byte offset in m and v
     int *pending;           // per group: gradients not final yet in this backward
     bool *done;             // per group: updated in this step
     tsys_event *ready;      // per group: its gradients are final (recorded on the compute stream)
@@ -6807,7 +6809,7 @@ typedef struct tsys__overlap {
     bool free_grads;        // TSYS_OPTIM_FREE_GRADS: updates on the compute stream, each group's gradients given back after it
     bool fuse;              // TSYS_OPTIM_FUSE_UPDATE: linear weights updated inside their gradients' products
     bool *fused;            // per parameter: updated so in this step (its gradient was never written)
-    size_t *pos;            // per parameter: byte offset in m and v
+    size_t *pos;            // per parameter: byte offset in m and v (a group's: its first parameter's)
 } tsys__overlap;
 
 static bool tsys__optim_fused(const tsys_optim *o, int i) { return o->ov && o->ov->fused && o->ov->fused[i]; }
@@ -6846,7 +6848,7 @@ static void tsys__overlap_free(tsys_optim *o) {
     for (int i = 0; i < o->n; i++) tsys_tensor_remove_grad_hook(o->params[i], tsys__overlap_hook, o);
     for (int g = 0; g < ov->ngroups; g++) tsys_event_release(o->ctx, &ov->ready[g]);
     tsys_event_release(o->ctx, &ov->join);
-    TSYS_FREE(ov->group_of); TSYS_FREE(ov->first); TSYS_FREE(ov->end); TSYS_FREE(ov->off);
+    TSYS_FREE(ov->group_of); TSYS_FREE(ov->first); TSYS_FREE(ov->end);
     TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready); TSYS_FREE(ov->fused); TSYS_FREE(ov->pos);
     TSYS_FREE(ov);
     o->ov = NULL;
@@ -6859,7 +6861,7 @@ static tsys_status tsys__overlap_update_inline(tsys_optim *o, int g) {
     tsys__overlap *ov = o->ov;
     tsys_ctx *ctx = o->ctx;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
-    tsys_status st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
+    tsys_status st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->pos[ov->first[g]]);
     tsys__grad_home *home = o->params[ov->first[g]]->grad_home;   // a group is one home's run of parameters, or a tensor alone
     if (st == TSYS_OK && home) tsys__grad_home_release(home);
     tsys_mem_set_tag(ctx, tag);
@@ -6876,7 +6878,7 @@ static tsys_status tsys__overlap_launch(tsys_optim *o, int g) {
     tsys_status st = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ov->ready[g]);
     tsys_stream prev = tsys_set_stream(ctx, dev, TSYS_STREAM_BACKGROUND);
     if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[g], TSYS_STREAM_BACKGROUND);
-    if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->pos[ov->first[g]]);
     tsys_set_stream(ctx, dev, prev);
     tsys_mem_set_tag(ctx, tag);
     ov->done[g] = true;
@@ -6905,10 +6907,10 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
     o->ov = ov;
     size_t np = (size_t)(o->n ? o->n : 1);
     ov->group_of = (int *)TSYS_MALLOC(np * sizeof(int)); ov->first = (int *)TSYS_MALLOC(np * sizeof(int)); ov->end = (int *)TSYS_MALLOC(np * sizeof(int));
-    ov->off = (size_t *)TSYS_MALLOC(np * sizeof(size_t)); ov->pending = (int *)TSYS_MALLOC(np * sizeof(int)); ov->done = (bool *)TSYS_MALLOC(np * sizeof(bool));
+    ov->pending = (int *)TSYS_MALLOC(np * sizeof(int)); ov->done = (bool *)TSYS_MALLOC(np * sizeof(bool));
     ov->ready = (tsys_event *)TSYS_MALLOC(np * sizeof(tsys_event));
     ov->fused = (bool *)TSYS_MALLOC(np * sizeof(bool)); ov->pos = (size_t *)TSYS_MALLOC(np * sizeof(size_t));
-    if (!ov->group_of || !ov->first || !ov->end || !ov->off || !ov->pending || !ov->done || !ov->ready || !ov->fused || !ov->pos) {
+    if (!ov->group_of || !ov->first || !ov->end || !ov->pending || !ov->done || !ov->ready || !ov->fused || !ov->pos) {
         tsys__overlap_free(o);
         return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
     }
@@ -6919,7 +6921,7 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
     for (int i = 0; i < o->n; i++) {
         tsys_tensor *p = o->params[i];
         bool joins = i > 0 && p->grad_home && p->grad_home == o->params[i - 1]->grad_home;
-        if (!joins) { ov->first[ov->ngroups] = i; ov->off[ov->ngroups] = off; ov->ngroups++; }
+        if (!joins) ov->first[ov->ngroups++] = i;
         ov->group_of[i] = ov->ngroups - 1;
         ov->end[ov->ngroups - 1] = i + 1;
         ov->pos[i] = off;
@@ -6946,8 +6948,7 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     for (int g = 0; g < ov->ngroups; g++) { ov->pending[g] = ov->end[g] - ov->first[g]; ov->done[g] = false; }
     ov->launched = false;
     ov->free_grads = (flags & TSYS_OPTIM_FREE_GRADS) != 0;
-    ov->fuse = (flags & TSYS_OPTIM_FUSE_UPDATE) != 0;
-    memset(ov->fused, 0, (size_t)o->n * sizeof(bool));
+    ov->fuse = (flags & TSYS_OPTIM_FUSE_UPDATE) != 0;   // fused[] is all false here: overlap_end clears it
     ov->active = true;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys__copies_fence(ctx);   // every update is ordered after it (the background stream's through events)
@@ -6973,7 +6974,7 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
     for (int g = 0; st == TSYS_OK && g < ov->ngroups; g++) {
         if (ov->done[g]) continue;
         st = tsys__grads_settle(ctx, o->params + ov->first[g], ov->end[g] - ov->first[g]);
-        if (st == TSYS_OK) st = ov->free_grads ? tsys__overlap_update_inline(o, g) : tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->off[g]);
+        if (st == TSYS_OK) st = ov->free_grads ? tsys__overlap_update_inline(o, g) : tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->pos[ov->first[g]]);
     }
     tsys_mem_set_tag(ctx, tag);
     memset(ov->fused, 0, (size_t)o->n * sizeof(bool));   // a later tsys_optim_step updates every parameter
@@ -7012,7 +7013,7 @@ static bool tsys__linear_update_fused(tsys_ctx *ctx, tsys__node *n, tsys_tensor 
     a.t[1] = tsys_tensor_view_raw(ctx, o->m, o->ov->pos[i], TSYS_F32, 1, &numel);
     a.t[2] = tsys_tensor_view_raw(ctx, o->v, o->ov->pos[i], TSYS_F32, 1, &numel);
     a.i[0] = gdt;
-    a.f[0] = o->desc.lr; a.f[1] = o->desc.beta1; a.f[2] = o->desc.beta2; a.f[3] = o->desc.eps; a.f[4] = o->desc.weight_decay;
+    tsys__adamw_hyper(o, &a);
     const uint64_t before = leaf->storage->version;
     *st = a.t[1] && a.t[2] ? tsys__kernel(ctx, leaf->device, TSYS_K_LINEAR_ADAMW, &a) : ctx->status;
     if (*st == TSYS_OK && copies) tsys__lowp_after_update(o, i, i + 1, before);

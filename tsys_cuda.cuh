@@ -5166,8 +5166,7 @@ tsys_cuda__linear_adamw_kernel(const __grid_constant__ CUtensorMap tdy, const __
                 *(float4 *)(p + e) = make_float4(y[0][0], y[1][0], y[2][0], y[3][0]);
                 *(float4 *)(m + e) = make_float4(y[0][1], y[1][1], y[2][1], y[3][1]);
                 *(float4 *)(v + e) = make_float4(y[0][2], y[1][2], y[2][2], y[3][2]);
-                if (LOW) *(uint2 *)(low + e) = make_uint2((uint32_t)tsys_cuda__lowp_bits<LOW>(y[0][0]) | ((uint32_t)tsys_cuda__lowp_bits<LOW>(y[1][0]) << 16),
-                                                          (uint32_t)tsys_cuda__lowp_bits<LOW>(y[2][0]) | ((uint32_t)tsys_cuda__lowp_bits<LOW>(y[3][0]) << 16));
+                if (LOW) *(uint2 *)(low + e) = make_uint2(tsys_cuda__pack2(LOW, y[0][0], y[1][0]), tsys_cuda__pack2(LOW, y[2][0], y[3][0]));
             }
         }
         tsys_cuda__flash_mbar_arrive(gfree);
