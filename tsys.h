@@ -940,12 +940,15 @@ TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *opt);
 TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 // Gradients summed over ranks as AdamW reads them (tsys_ddp's desc.ce_gather: the peers' gradients are copied
 // in, not all-reduced). Each parameter's gradient becomes the sum over ranks r = 0 .. nranks - 1, in rank order,
-// of rank `self`'s p->grad and the other ranks' terms, divided by nranks: the copy-engine all-reduce's average,
-// bit for bit. terms: fp32 on the parameters' device, nranks - 1 slots `stride` elements apart (0: S), each
-// starting with S elements, S = every parameter's elements in the optimizer's order (its state's layout); rank
-// r's slot is r - (r > self); it holds at least (nranks - 2) x stride + S elements. AdamW only, not with the
-// optimizer in backward; tsys_optim_step reads terms as they are then. terms NULL: plain gradients again.
-TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, int nranks, int self, int64_t stride);
+// of rank `self`'s p->grad and the other ranks' terms, widened to fp32 and divided by nranks: the copy-engine
+// all-reduce's average, bit for bit. terms: bytes on the parameters' device (any dtype), nranks - 1 slots
+// `stride_bytes` apart (0: G), each starting with the G bytes of every parameter's gradient back to back in the
+// optimizer's order, each in its gradient dtype (tsys_tensor_grad_dtype: fp32, or bf16 / f16 where it is kept
+// so), as DDP lays out the gradients it makes; rank r's slot is r - (r > self); it holds at least
+// (nranks - 2) x stride_bytes + G bytes. Every gradient must start at a multiple of its element size in each
+// slot. AdamW over fp32 parameters only, not with the optimizer in backward; tsys_optim_step reads terms as they
+// are then. terms NULL: plain gradients again.
+TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes);
 // Flags of overlap_begin_ex. FREE_GRADS: each group is updated on the compute stream (in order, so no
 // event is needed) and a model's gradients of that group are given back right after its update, as
 // tsys_release_grads would after the step: the peak holds the parameters, the optimizer state, the
@@ -6552,7 +6555,8 @@ struct tsys_optim {
     struct tsys__overlap *ov;       // the optimizer in backward (tsys_optim_overlap_begin), made on first use
     tsys_tensor *terms;             // tsys_optim_sum_grads: the other ranks' gradients, or NULL
     int terms_ranks, terms_self;
-    int64_t terms_stride;           // elements a slot: every parameter's
+    int64_t terms_stride;           // bytes a slot: at least every parameter's gradient
+    int64_t *terms_at;              // per parameter: its gradient's byte offset in a slot
 };
 
 // The end of the run of parameters that starts at i: they and their gradients lie back to back,
@@ -6653,6 +6657,7 @@ TSYSDEF void tsys_optim_free(tsys_optim *o) {
     for (int i = 0; i < o->n; i++) tsys_tensor_release(o->params[i]);
     tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t); tsys_tensor_release(o->bias_t);
     tsys_tensor_release(o->terms);
+    TSYS_FREE(o->terms_at);
     TSYS_FREE(o->params);
     tsys_ctx *ctx = o->ctx;
     TSYS_FREE(o);
@@ -6731,7 +6736,7 @@ static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor
     a.t[0] = p; a.t[1] = g;
     if (!o->adamw) { a.f[0] = o->desc.lr; return tsys__kernel(o->ctx, p->device, TSYS_K_SGD, &a); }
     a.t[2] = m; a.t[3] = v; a.t[4] = o->step_t; a.t[6] = low; a.t[7] = terms; a.t[8] = o->bias_t;
-    a.i[0] = o->terms_stride; a.i[1] = o->terms_ranks; a.i[2] = o->terms_self;
+    a.i[0] = terms ? o->terms_stride / (int64_t)tsys_dtype_size(g->dtype) : 0; a.i[1] = o->terms_ranks; a.i[2] = o->terms_self;
     tsys__adamw_hyper(o, &a);
     return tsys__kernel(o->ctx, p->device, TSYS_K_ADAMW, &a);
 }
@@ -6749,6 +6754,9 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
         tsys_tensor *p0 = o->params[i];
         if (tsys__optim_fused(o, i)) j = i + 1;   // updated in its gradient's product (TSYS_OPTIM_FUSE_UPDATE)
         else if (p0->grad) {   // parameters without a gradient are skipped, as in torch
+            if (o->terms && p0->grad->dtype != tsys_tensor_grad_dtype(p0))
+                return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_step: '%s' has a %s gradient where the ranks' terms (tsys_optim_sum_grads) were laid out for %s",
+                                  p0->name, tsys_dtype_name(p0->grad->dtype), tsys_dtype_name(tsys_tensor_grad_dtype(p0)));
             bool one = j == i + 1;
             tsys_tensor *p = one ? tsys_tensor_retain(p0) : tsys_tensor_view_raw(ctx, p0, 0, TSYS_F32, 1, &n);
             tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, p0->grad->dtype, 1, &n);
@@ -6756,9 +6764,9 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
             if (copies) low = tsys_tensor_view_raw(ctx, o->lowp, p0->lowp->offset - o->lowp->offset, o->lowp->dtype, 1, &n);
             tsys_tensor *terms = NULL;
-            if (o->terms) {   // slot 0 from this run's place through the last slot's
-                int64_t span = (int64_t)(o->terms_ranks - 2) * o->terms_stride + n;
-                terms = tsys_tensor_view_raw(ctx, o->terms, off, TSYS_F32, 1, &span);
+            if (o->terms) {   // slot 0 from this run's place through the last slot's, in its gradients' dtype
+                int64_t span = (int64_t)(o->terms_ranks - 2) * (o->terms_stride / (int64_t)tsys_dtype_size(g->dtype)) + n;
+                terms = tsys_tensor_view_raw(ctx, o->terms, (size_t)o->terms_at[i], p0->grad->dtype, 1, &span);
             }
             uint64_t before = p0->storage->version;
             st = p && g && (!o->adamw || (m && v)) && (!copies || low) && (!o->terms || terms) ? tsys__optim_update(o, p, g, m, v, low, terms) : ctx->status;
@@ -6814,30 +6822,49 @@ typedef struct tsys__overlap {
 
 static bool tsys__optim_fused(const tsys_optim *o, int i) { return o->ov && o->ov->fused && o->ov->fused[i]; }
 
-TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride) {
+static void tsys__optim_terms_drop(tsys_optim *o) {
+    tsys_tensor_release(o->terms);
+    TSYS_FREE(o->terms_at);
+    o->terms = NULL; o->terms_at = NULL;
+}
+
+TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes) {
     if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
-    if (!terms) { tsys_tensor_release(o->terms); o->terms = NULL; return TSYS_OK; }
-    int64_t S = 0;
-    for (int i = 0; i < o->n; i++) S += tsys_tensor_numel(o->params[i]);
-    if (stride == 0) stride = S;
+    if (!terms) { tsys__optim_terms_drop(o); return TSYS_OK; }
     if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: only AdamW sums ranks' gradients");
     if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: the optimizer runs inside backward (tsys_optim_overlap_begin)");
     if (nranks < 2 || self < 0 || self >= nranks)
         return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: nranks %d and self %d (it must be 2 or more ranks, self one of them)", nranks, self);
-    if (stride < S) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: stride %lld is less than the %lld parameter elements", (long long)stride, (long long)S);
-    if (terms->dtype != TSYS_F32 || (o->n && terms->device != o->params[0]->device) || tsys_tensor_numel(terms) < (int64_t)(nranks - 2) * stride + S)
-        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: terms '%s' must be fp32 on the parameters' device with at least %lld elements "
-                          "(%d ranks - 1 slots %lld apart of the %lld parameter elements), not %s with %lld", terms->name, (long long)(nranks - 2) * stride + S, nranks,
-                          (long long)stride, (long long)S, tsys_dtype_name(terms->dtype), (long long)tsys_tensor_numel(terms));
-    for (int i = 0; i < o->n; i++)
-        if (o->params[i]->dtype != TSYS_F32 || o->params[i]->grad_lowp != TSYS_F32)
-            return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: parameter '%s' is %s with %s gradients (fp32 only)", o->params[i]->name,
-                              tsys_dtype_name(o->params[i]->dtype), tsys_dtype_name(tsys_tensor_grad_dtype(o->params[i])));
-    tsys_tensor_release(o->terms);
+    int64_t *at = (int64_t *)TSYS_MALLOC(sizeof(int64_t) * (size_t)(o->n ? o->n : 1)), G = 0;
+    if (!at) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "tsys_optim_sum_grads: out of host memory");
+    for (int i = 0; i < o->n; i++) {
+        const tsys_tensor *p = o->params[i];
+        const int64_t es = (int64_t)tsys_dtype_size(tsys_tensor_grad_dtype(p));
+        const char *bad = p->dtype != TSYS_F32 ? "is not fp32"
+                          : G % es || (nranks > 2 && stride_bytes % es) ? "would start its gradient's terms off its element size in a slot" : NULL;
+        if (bad) {
+            TSYS_FREE(at);
+            return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: parameter '%s' (%s, %s gradients, at byte %lld of a slot %lld bytes apart) %s", p->name,
+                              tsys_dtype_name(p->dtype), tsys_dtype_name(tsys_tensor_grad_dtype(p)), (long long)G, (long long)stride_bytes, bad);
+        }
+        at[i] = G;
+        G += tsys_tensor_numel(p) * es;
+    }
+    if (stride_bytes == 0) stride_bytes = G;
+    const char *bad = stride_bytes < G ? "is less than the gradients' bytes"
+                      : o->n && terms->device != o->params[0]->device ? "is on another device than the parameters"
+                      : (int64_t)tsys_tensor_bytes(terms) < (int64_t)(nranks - 2) * stride_bytes + G ? "holds fewer bytes than the slots" : NULL;
+    if (bad) {
+        TSYS_FREE(at);
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: terms '%s' (%lld bytes on %s; %d ranks - 1 slots %lld bytes apart of the %lld gradient bytes) %s", terms->name,
+                          (long long)tsys_tensor_bytes(terms), tsys__device_name(terms->device), nranks, (long long)stride_bytes, (long long)G, bad);
+    }
+    tsys__optim_terms_drop(o);
     o->terms = tsys_tensor_retain(terms);
-    o->terms_ranks = nranks; o->terms_self = self; o->terms_stride = stride;
+    o->terms_at = at;
+    o->terms_ranks = nranks; o->terms_self = self; o->terms_stride = stride_bytes;
     return TSYS_OK;
 }
 

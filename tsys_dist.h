@@ -421,7 +421,7 @@ typedef enum tsys_ddp_strategy {
 // widened back into the fp32 gradients: about 3 significant digits, where fp32 keeps 7. Costs a bf16 copy
 // of the fp32 gradients (one arena). CUDA through NCCL: both casts run on the side stream, beside the
 // collective, so backward does not wait for them. 16-bit gradients go as they are.
-// ce_gather (BUCKETED, fp32 CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
+// ce_gather (BUCKETED, CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
 // are copied whole into every peer by the copy engines as soon as backward finishes the bucket, so no kernel
 // takes SMs from backward's GEMMs; the optimizer attached by tsys_ddp_attach_optimizer (or ZeRO-1's, by
 // tsys_ddp_attach_zero1: each rank then receives its parameters' part only) then adds the ranks'
@@ -430,7 +430,10 @@ typedef enum tsys_ddp_strategy {
 // much ((ranks - 1) slots of the gradients, in tsys_ddp_device_bytes): at 2 ranks the all-reduce's bytes, at
 // more ranks more, so 2 ranks is where it pays. After tsys_ddp_finish, .grad still holds this rank's own
 // gradients: what reads them before the optimizer (clipping, a loss scaler) sees the local ones, so those are
-// not for this mode. Every parameter must be trainable, with fp32 gradients DDP made (one arena).
+// not for this mode. Every parameter must be trainable, with gradients DDP made (one arena). This is the mode
+// for gradients kept in bf16 / f16 (tsys_tensor_set_grad_dtype, tsys_model_set_grad_dtype): they travel in
+// their dtype, half the bytes, and the optimizer widens them and sums in fp32, as torch's fp32 all-reduce of
+// autocast's bf16-rounded gradients; the other strategies refuse them (ZeRO-1's too).
 typedef struct tsys_ddp_desc {
     tsys_ddp_strategy strategy;
     double bucket_mb;            // BUCKETED: at most this many MB of parameters per bucket (0 = one bucket)
@@ -615,6 +618,10 @@ typedef struct tsys_dist_account {
                                                                           // gathered units and full gradients alive at the peak
 } tsys_dist_account;
 TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context, int world, tsys_dist_scheme scheme);
+// The same with the step's options as the checkpoint planner's flags: TSYS_PLAN_LOWP_GRADS (under autocast the
+// linear weights' gradients in its dtype: fewer gradient bytes, kept and sent); TSYS_PLAN_KEPT_COPIES changes no
+// byte (the copies are the casts', kept across steps). Other flags are refused: zeros.
+TSYSDEF tsys_dist_account tsys_dist_accounting_ex(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context, int world, tsys_dist_scheme scheme, unsigned plan_flags);
 TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s);
 // ZeRO-3 as tsys_fsdp implements it (the >>accounting section has the formulas): per-unit padded shards,
 // replicated norms, the gathered working set, weights and gradients communicated in compute_dtype.
@@ -701,6 +708,10 @@ typedef struct tsys_dist_trainer_desc {
     tsys_fsdp_desc fsdp;   // FSDP (it computes in fsdp.compute_dtype)
     tsys_dtype autocast;   // DDP, ZERO1, ALONE: the forward's autocast dtype (TSYS_F32: none)
     float loss_scale;      // backward starts from cross-entropy's mean times this (0 or 1: the mean)
+    bool lowp_copies;      // DDP, ALONE under autocast: AdamW keeps the weights' autocast-dtype copies, which
+                           //   forward reads instead of casting (tsys_optim_keep_lowp)
+    bool lowp_grads;       // DDP with ddp.ce_gather, ALONE, under autocast: the linear weights' gradients in
+                           //   the autocast dtype (tsys_model_set_grad_dtype; the model holds no gradient yet)
     const char *save_dir;  // with save_every > 0: a snapshot of the state (tsys_dist_trainer_state_save) into
     int save_every;        //   save_dir after every save_every-th step, named "step-%06lld" by the step count
     int keep_last;         //   (tsys_dist_trainer_resume sets it); keep_last as tsys_state_desc's
@@ -4592,7 +4603,9 @@ typedef struct tsys_dist__ddp_bucket {
     int pending;                 // gradients of the bucket not final yet in this backward
     bool launched;
     bool scratch;                // flat is a copy buffer (the grads are not one run of one arena)
-    tsys_tensor *flat;           // the bucket's gradients: a view of the gradient arena, or the scratch
+    size_t at;                   // the first gradient's byte offset in its storage
+    tsys_tensor *flat;           // the bucket's gradients: a view of the gradient arena, or the scratch (NULL:
+                                 // desc.ce_gather's run of gradients of several dtypes, copied as bytes)
     tsys_tensor *wire;           // comm_bf16: the bf16 copy that is all-reduced (a view of ddp->wire_arena)
     tsys_dist_work *work;
     tsys_event ev_ready, ev_start, ev_end;   // CUDA timing: compute ready, side-stream start and end
@@ -4669,12 +4682,12 @@ static tsys_status tsys_dist__ddp_gather_check(tsys_ddp *ddp) {
                      : ddp->desc.comm_bf16 ? "comm_bf16 is another way to send the gradients"
                      : ddp->dev != TSYS_CUDA || tsys_dist_engine_of(ddp->d) != TSYS_DIST_ENGINE_NCCL ? "it needs CUDA tensors and NCCL ranks"
                      : ddp->ntp != ddp->n ? "every parameter must be trainable (the optimizer's layout is the gradients')"
-                     : !arena || arena->dtype != TSYS_F32 ? "the gradients must be fp32 and made by DDP (the parameters had none)"
+                     : !arena ? "the gradients must be made by DDP (the parameters had none)"
                      : arena->offset != 0 ? "the gradient arena must start its allocation (the peers open it through CUDA IPC)" : NULL;
     size_t at = arena ? arena->offset : 0;
     for (int i = 0; !no && i < ddp->ntp; i++) {   // one arena, in parameter order
         const tsys_tensor *g = ddp->tp[i]->grad;
-        if (!g || g->storage != arena->storage || g->offset != at) no = "the gradients must be fp32 and made by DDP (the parameters had none)";
+        if (!g || g->storage != arena->storage || g->offset != at) no = "the gradients must be made by DDP (the parameters had none)";
         else at += tsys_tensor_bytes(g);
     }
     if (no) return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: %s", no);
@@ -4721,7 +4734,7 @@ static tsys_status tsys_dist__ddp_gather_bucket(tsys_ddp *ddp, int bi) {
     memset(&e, 0, sizeof e);
     const tsys_dist__ddp_bucket *b = &ddp->b[bi];
     cudaStream_t side = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_SIDE);
-    int64_t off = (int64_t)(b->flat->offset - ddp->grad_arena->offset);
+    int64_t off = (int64_t)(b->at - ddp->grad_arena->offset);
     if (!tsys_dist__ceg_bucket(ddp->d, (tsys_dist__ceg *)ddp->ceg, bi, off, b->bytes, side, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
     return TSYS_OK;
 #else
@@ -4860,8 +4873,13 @@ static bool tsys_dist__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
         b->bytes += (int64_t)tsys_tensor_bytes(ddp->tp[i]->grad);
     }
     tsys_tensor **p = ddp->tp + first;
-    bool same_dtype = true;
-    for (int i = 1; i < count; i++) same_dtype = same_dtype && p[i]->grad->dtype == p[0]->grad->dtype;
+    bool same_dtype = true, run = true;   // run: back to back in one storage, whatever their dtypes
+    for (int i = 1; i < count; i++) {
+        same_dtype = same_dtype && p[i]->grad->dtype == p[0]->grad->dtype;
+        run = run && p[i]->grad->storage == p[0]->grad->storage && p[i]->grad->offset == p[i - 1]->grad->offset + tsys_tensor_bytes(p[i - 1]->grad);
+    }
+    b->at = p[0]->grad->offset;
+    if (!same_dtype && run && ddp->desc.ce_gather) { b->pending = count; ddp->nb++; return true; }   // no flat: the copies take bytes
     if (count == 1) b->flat = tsys_tensor_retain(p[0]->grad);
     else if (tsys_dist__contiguous(p, count, true)) b->flat = tsys_dist__run_view(ddp->ctx, p, count, true);
     else if (same_dtype) {
@@ -4879,26 +4897,31 @@ static bool tsys_dist__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
     return true;
 }
 
-// Gives trainable parameters without a gradient one: views of one arena when they share a dtype
-// and a device, else a tensor each. Filled with zeros and marked zero.
+// Gives trainable parameters without a gradient one, in its gradient dtype (tsys_tensor_grad_dtype): views of
+// one arena back to back when they share a dtype and a device, or under desc.ce_gather (whose peers copy it as
+// bytes) whatever their dtypes, else a tensor each. Filled with zeros and marked zero.
 static tsys_status tsys_dist__ddp_make_grads(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     int missing = 0;
-    int64_t total = 0;
+    int64_t bytes = 0;
     bool one_dtype = true;
     tsys_dtype dt = TSYS_F32;
     for (int i = 0; i < ddp->ntp; i++) {
         if (ddp->tp[i]->grad) continue;
-        if (missing == 0) dt = ddp->tp[i]->dtype;
-        one_dtype = one_dtype && ddp->tp[i]->dtype == dt;
+        tsys_dtype gdt = tsys_tensor_grad_dtype(ddp->tp[i]);
+        if (missing == 0) dt = gdt;
+        one_dtype = one_dtype && gdt == dt;
         missing++;
-        total += tsys_tensor_numel(ddp->tp[i]);
+        bytes += tsys_tensor_numel(ddp->tp[i]) * (int64_t)tsys_dtype_size(gdt);
     }
     if (missing == 0) return TSYS_OK;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
     tsys_status st = TSYS_OK;
-    if (one_dtype) {
-        ddp->grad_arena = tsys_tensor_new(ctx, dt, ddp->dev, 1, &total);
+    const bool arena = one_dtype || ddp->desc.ce_gather;
+    if (arena) {   // ce_gather: an fp32 arena of the bytes rounded up, views of any dtype in it
+        const tsys_dtype adt = ddp->desc.ce_gather ? TSYS_F32 : dt;
+        int64_t numel = (bytes + (int64_t)tsys_dtype_size(adt) - 1) / (int64_t)tsys_dtype_size(adt);
+        ddp->grad_arena = tsys_tensor_new(ctx, adt, ddp->dev, 1, &numel);
         if (ddp->grad_arena) { tsys_tensor_set_name(ddp->grad_arena, "ddp gradients"); st = tsys_tensor_fill(ctx, ddp->grad_arena, 0.0f); }
         else st = tsys_ctx_status(ctx);
     }
@@ -4906,9 +4929,10 @@ static tsys_status tsys_dist__ddp_make_grads(tsys_ddp *ddp) {
     for (int i = 0; st == TSYS_OK && i < ddp->ntp; i++) {
         tsys_tensor *p = ddp->tp[i];
         if (p->grad) continue;
-        tsys_tensor *g = one_dtype ? tsys_tensor_view_raw(ctx, ddp->grad_arena, off, p->dtype, p->ndim, p->shape)
-                                   : tsys_tensor_new(ctx, p->dtype, p->device, p->ndim, p->shape);
-        if (g && !one_dtype) st = tsys_tensor_fill(ctx, g, 0.0f);
+        tsys_dtype gdt = tsys_tensor_grad_dtype(p);
+        tsys_tensor *g = arena ? tsys_tensor_view_raw(ctx, ddp->grad_arena, off, gdt, p->ndim, p->shape)
+                               : tsys_tensor_new(ctx, gdt, p->device, p->ndim, p->shape);
+        if (g && !arena) st = tsys_tensor_fill(ctx, g, 0.0f);
         if (!g) { st = tsys_ctx_status(ctx); break; }
         tsys_tensor_set_name(g, "%s.grad", p->name);
         p->grad = g;
@@ -4923,7 +4947,7 @@ static tsys_status tsys_dist__ddp_make_grads(tsys_ddp *ddp) {
 static tsys_status tsys_dist__ddp_make_wires(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     int64_t total = 0;
-    for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].flat->dtype == TSYS_F32) total += ddp->b[i].numel;
+    for (int i = 0; i < ddp->nb; i++) if (ddp->b[i].flat && ddp->b[i].flat->dtype == TSYS_F32) total += ddp->b[i].numel;
     if (total == 0) return TSYS_OK;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "ddp buckets"));
     ddp->wire_arena = tsys_tensor_new(ctx, TSYS_BF16, ddp->dev, 1, &total);
@@ -4933,7 +4957,7 @@ static tsys_status tsys_dist__ddp_make_wires(tsys_ddp *ddp) {
     size_t off = 0;
     for (int i = 0; i < ddp->nb; i++) {
         tsys_dist__ddp_bucket *b = &ddp->b[i];
-        if (b->flat->dtype != TSYS_F32) continue;
+        if (!b->flat || b->flat->dtype != TSYS_F32) continue;
         b->wire = tsys_tensor_view_raw(ctx, ddp->wire_arena, off, TSYS_BF16, 1, &b->numel);
         if (!b->wire) return tsys_ctx_status(ctx);
         off += (size_t)b->numel * 2;
@@ -4986,7 +5010,7 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
     for (int i = 0; i < n; i++) {
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameter %d is NULL", i); return NULL; }
         if (params[i]->device != params[0]->device) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameters '%s' and '%s' are on different devices", params[0]->name, params[i]->name); return NULL; }
-        if (!tsys_dist__grads_fp32(ctx, "ddp", params[i])) return NULL;
+        if (!dd.ce_gather && !tsys_dist__grads_fp32(ctx, "ddp (without desc.ce_gather, whose optimizer sums them in fp32)", params[i])) return NULL;
     }
     tsys_ddp *ddp = (tsys_ddp *)TSYS_DIST__ALLOC(sizeof(tsys_ddp));
     if (!ddp) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: out of host memory"); return NULL; }
@@ -5357,7 +5381,7 @@ TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z) {
         while (z->owner[i] != me || z->chunk[i] != c) i++;   // the chunk's first parameter: its place in my slots
         const int64_t at = (int64_t)(z->tp[i]->grad->offset - base) - lo, numel = tsys_tensor_numel(ddp->terms) - at / 4;
         tsys_tensor *view = tsys_tensor_view_raw(ctx, ddp->terms, (size_t)at, TSYS_F32, 1, &numel);
-        st = view ? tsys_optim_sum_grads(z->opt[c], view, size, me, (hi - lo) / 4) : tsys_ctx_status(ctx);
+        st = view ? tsys_optim_sum_grads(z->opt[c], view, size, me, hi - lo) : tsys_ctx_status(ctx);
         tsys_tensor_release(view);
     }
     return st;
@@ -6975,8 +6999,13 @@ TSYSDEF const char *tsys_dist_scheme_name(tsys_dist_scheme s) {
 }
 
 TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context, int world, tsys_dist_scheme scheme) {
+    return tsys_dist_accounting_ex(m, dtype, batch, context, world, scheme, 0u);
+}
+
+TSYSDEF tsys_dist_account tsys_dist_accounting_ex(const tsys_model_desc *m, tsys_dtype dtype, int batch, int context, int world, tsys_dist_scheme scheme, unsigned plan_flags) {
     tsys_dist_account a;
     memset(&a, 0, sizeof(a));
+    if (plan_flags & ~(TSYS_PLAN_LOWP_GRADS | TSYS_PLAN_KEPT_COPIES)) return a;
     tsys_model_desc d = tsys_model_desc_defaults(m);
     double N = world > 0 ? world : 1;
     double P = (double)tsys_model_desc_num_params(&d);
@@ -6986,7 +7015,8 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
     double c = ac ? 2.0 : 4.0;
     // autocast's copies of the matmul weights (fused_loss: lm_head's lives only inside the fused op's forward)
     a.param_bytes = 4 * P + (ac ? c * (tsys_dist__matmul_params(&d) - (d.fused_loss ? V * dm : 0)) : 0);
-    a.grad_bytes = 4 * P;
+    a.grad_bytes = 4 * P - (ac && (plan_flags & TSYS_PLAN_LOWP_GRADS) ? (4 - c) * tsys_dist__matmul_params(&d) : 0);
+    const double G = a.grad_bytes;   // every gradient's bytes, as sent
     a.optim_bytes = 8 * P;
     if (scheme >= TSYS_SCHEME_ZERO1) a.optim_bytes /= N;
     if (scheme >= TSYS_SCHEME_ZERO2) a.grad_bytes /= N;
@@ -7006,7 +7036,7 @@ TSYSDEF tsys_dist_account tsys_dist_accounting(const tsys_model_desc *m, tsys_dt
     const double ckpt = tsys_dist__ckpt_act_bytes(m, dtype, batch, context, false);
     if (ckpt >= 0) a.act_bytes = ckpt;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
-    double ring = (N - 1) / N, G = 4 * P;
+    double ring = (N - 1) / N;
     switch (scheme) {
     case TSYS_SCHEME_DDP: a.sent_bytes = 2 * ring * G; break;
     case TSYS_SCHEME_ZERO1: a.sent_bytes = 3 * ring * G; break;
@@ -7540,6 +7570,18 @@ struct tsys_dist_trainer {
     tsys_event replay_ev[2];         // a replay's start and end on the compute stream (its step_ms)
 };
 
+// desc.lowp_copies and lowp_grads: under autocast, and where the strategy keeps them (the message names the rule).
+static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_desc *desc) {
+    const char *what = desc->lowp_copies ? "lowp_copies" : "lowp_grads";
+    const char *no = !desc->lowp_copies && !desc->lowp_grads ? NULL
+                     : desc->autocast != TSYS_BF16 && desc->autocast != TSYS_F16 ? "needs bf16 or f16 autocast (desc.autocast)"
+                     : desc->mode == TSYS_TRAIN_FSDP ? "is FSDP's own (its units gather in fsdp.compute_dtype and reduce-scatter in it)"
+                     : desc->mode == TSYS_TRAIN_ZERO1 ? "is not for ZERO1 (its owners update and send fp32 parameters from fp32 gradients)"
+                     : NULL;
+    if (no) tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.%s %s", what, no);
+    return !no;
+}
+
 TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc) {
     if (!ctx || !model || !desc || (!d && desc->mode != TSYS_TRAIN_ALONE)) {
         if (ctx) tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_new: %s", !model ? "no model" : !desc ? "no desc" : "no group");
@@ -7548,14 +7590,18 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
     tsys_dist_trainer *t = (tsys_dist_trainer *)calloc(1, sizeof(*t));
     if (!t) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_trainer_new: out of memory"); return NULL; }
     t->ctx = ctx; t->d = d; t->model = model; t->dev = dev; t->desc = *desc;
+    if (!tsys_dist__trainer_lowp_ok(ctx, desc)) { tsys_dist_trainer_free(t); return NULL; }
     tsys_tensor **params = tsys_model_params(model);
     const int np = tsys_model_num_tensors(model);
     if (desc->mode == TSYS_TRAIN_FSDP) {
         t->fsdp = tsys_fsdp_new(d, params, np, &desc->fsdp);
         if (t->fsdp) t->opt = tsys_adamw_new(ctx, tsys_fsdp_params(t->fsdp), tsys_fsdp_num_params(t->fsdp), NULL);
+    } else if (desc->lowp_grads && tsys_model_set_grad_dtype(model, desc->autocast) != TSYS_OK) {
+        // the context's error names the tensor
     } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_ddp_new(d, params, np, &desc->ddp)) != NULL) {
         if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
         else t->opt = tsys_adamw_new(ctx, params, np, NULL);
+        if (t->opt && desc->lowp_copies && tsys_optim_keep_lowp(t->opt, desc->autocast) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
         if (t->opt && t->ddp && desc->ddp.ce_gather && tsys_ddp_attach_optimizer(t->ddp, t->opt) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
         if (t->zero1 && desc->ddp.ce_gather && tsys_ddp_attach_zero1(t->ddp, t->zero1) != TSYS_OK) { tsys_zero1_free(t->zero1); t->zero1 = NULL; }
     }

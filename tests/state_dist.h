@@ -311,12 +311,16 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
 // compiled_gather: the captured run's DDP copies its gradients to the peers and AdamW sums them (desc.ce_gather);
 // the eager reference all-reduces them.
 static bool compiled_gather = false;
+// compiled_lowp: both runs under bf16 autocast with the linear weights' gradients in bf16 and AdamW's kept
+// copies (desc.lowp_grads, lowp_copies), both gathering (the mode that takes bf16 gradients).
+static bool compiled_lowp = false;
 static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m, bool gather) {
     tsys_model_desc d = state_model_desc();
     *m = tsys_model_new(ctx, &d, g_dev, 21);
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof(td));
-    td.mode = mode; td.ddp.strategy = strategy; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = TSYS_F32; td.ddp.ce_gather = gather;
+    td.mode = mode; td.ddp.strategy = strategy; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = compiled_lowp ? TSYS_BF16 : TSYS_F32;
+    td.ddp.ce_gather = gather || compiled_lowp; td.lowp_copies = td.lowp_grads = compiled_lowp;
     return *m ? tsys_dist_trainer_new(ctx, g_d, *m, g_dev, &td) : NULL;
 }
 

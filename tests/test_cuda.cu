@@ -288,15 +288,17 @@ TSYS_TEST(cuda_losses) {
 }
 
 // tsys_optim_sum_grads on the GPU: the AdamW kernel summing the ranks' gradients (float4 loads with 2 and 3 ranks,
-// the element path for a run 4 bytes off 16 and for 4 ranks' slots 3 elements longer than the parameters) gives
-// the bits of the same kernel on the host's sum.
+// the element path for a run 4 bytes off 16 and for 4 ranks' slots 3 elements longer than the parameters; bf16
+// gradients among fp32 ones, as DDP lays them out) gives the bits of the same kernel on the host's sum.
 TSYS_TEST(cuda_adamw_sums_ranks_gradients) {
     TC_CTX(ctx);
     const int64_t vec[3] = {1024, 1004, 36}, odd[3] = {1024, 1003, 37};
-    const int64_t d2 = test_sum_grads_case(ctx, TSYS_CUDA, 2, 1, vec, 3, 0), d3 = test_sum_grads_case(ctx, TSYS_CUDA, 3, 1, odd, 3, 8),
-                  d4 = test_sum_grads_case(ctx, TSYS_CUDA, 4, 0, odd, 2, 3);
+    const int64_t d2 = test_sum_grads_case(ctx, TSYS_CUDA, 2, 1, vec, 3, 0, 0u), d3 = test_sum_grads_case(ctx, TSYS_CUDA, 3, 1, odd, 3, 32, 0u),
+                  d4 = test_sum_grads_case(ctx, TSYS_CUDA, 4, 0, odd, 2, 12, 0u);
     TEST_CHECK(d2 == 0 && d3 == 0 && d4 == 0, "elements apart from AdamW on the host's sum: %lld (2 ranks), %lld (3), %lld (4): %s", (long long)d2, (long long)d3,
                (long long)d4, tsys_ctx_last_error(ctx));
+    const int64_t b2 = test_sum_grads_case(ctx, TSYS_CUDA, 2, 0, vec, 3, 0, 3u), b3 = test_sum_grads_case(ctx, TSYS_CUDA, 3, 2, vec, 3, 8, 5u);
+    TEST_CHECK(b2 == 0 && b3 == 0, "bf16 gradients among fp32 ones: %lld (2 ranks), %lld (3) elements apart: %s", (long long)b2, (long long)b3, tsys_ctx_last_error(ctx));
 }
 
 TSYS_TEST(cuda_embedding_transpose_adamw) {

@@ -703,6 +703,14 @@ TSYS_TEST(accounting_formulas) {
     TEST_CHECK(one.sent_bytes == 0, "a group of one sends nothing");
     tsys_dist_account bf = tsys_dist_accounting(&d, TSYS_BF16, 4, 256, 2, TSYS_SCHEME_DDP);
     TEST_CHECK(bf.param_bytes > ddp.param_bytes && bf.param_bytes < 6 * P && bf.act_bytes < ddp.act_bytes, "bf16: weight copies added, activations smaller");
+    // bf16 gradients of the linear weights (every 2-D parameter but the embedding): 2 bytes less each, kept and sent;
+    // kept copies are the casts' bytes; fp32 training keeps fp32 gradients; a flag it does not know gives zeros
+    const double linear = d.num_layers * (4.0 * d.d_model * d.d_model + 3.0 * d.d_model * d.d_ff) + (double)d.vocab_size * d.d_model;
+    tsys_dist_account lg = tsys_dist_accounting_ex(&d, TSYS_BF16, 4, 256, 2, TSYS_SCHEME_DDP, TSYS_PLAN_LOWP_GRADS | TSYS_PLAN_KEPT_COPIES);
+    TEST_CHECK(lg.grad_bytes == 4 * P - 2 * linear && lg.sent_bytes == lg.grad_bytes && lg.param_bytes == bf.param_bytes && lg.act_bytes == bf.act_bytes,
+               "bf16 gradients: %.0f gradient bytes (wanted %.0f), %.0f sent", lg.grad_bytes, 4 * P - 2 * linear, lg.sent_bytes);
+    TEST_CHECK(tsys_dist_accounting_ex(&d, TSYS_F32, 4, 256, 2, TSYS_SCHEME_DDP, TSYS_PLAN_LOWP_GRADS).grad_bytes == 4 * P &&
+               tsys_dist_accounting_ex(&d, TSYS_BF16, 4, 256, 2, TSYS_SCHEME_DDP, TSYS_PLAN_FREE_GRADS).total_bytes == 0, "fp32 gradients; an unknown flag");
     d.attn = "flash";
     tsys_dist_account fl = tsys_dist_accounting(&d, TSYS_F32, 4, 256, 2, TSYS_SCHEME_DDP);
     TEST_CHECK(fl.act_bytes < ddp.act_bytes, "flash keeps no T x T scores");
@@ -890,6 +898,78 @@ static void ce_gather_case(tsys_dist_train_mode mode) {
     compiled_gather = false;
 }
 TSYS_TEST(trainer_ddp_ce_gather) { ce_gather_case(TSYS_TRAIN_DDP); }
+
+// A trainer under bf16 autocast with desc.lowp_grads and lowp_copies (mode, ddp.ce_gather): NULL and the
+// context's error, the model freed, when it is refused.
+static tsys_dist_trainer *lowp_trainer(tsys_dist_train_mode mode, bool gather, tsys_dtype autocast, bool grads, bool copies, tsys_model **m) {
+    tsys_model_desc d = state_model_desc();
+    *m = tsys_model_new(g_ctx, &d, g_dev, 21);
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof(td));
+    td.mode = mode; td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 0.01; td.ddp.ce_gather = gather; td.fsdp.compute_dtype = TSYS_BF16;
+    td.autocast = autocast; td.lowp_grads = grads; td.lowp_copies = copies;
+    tsys_dist_trainer *t = *m ? tsys_dist_trainer_new(g_ctx, mode == TSYS_TRAIN_ALONE ? NULL : g_d, *m, g_dev, &td) : NULL;
+    if (!t) { tsys_model_free(*m); *m = NULL; }
+    return t;
+}
+
+// desc.lowp_grads (the linear weights' gradients in bf16) and lowp_copies under DDP. Refused, naming the rule,
+// without autocast, without ce_gather (NCCL would average bf16), under ZeRO-1 and FSDP. With ce_gather at 2
+// ranks through NCCL: (1) both ranks on the same rows: the average of two equal bf16 gradients widened to fp32
+// is the gradient itself, so 3 steps (one eager, a capture, 2 replays) give the bits of one process training
+// those rows with the same options, which catches a term read from a wrong place, in a wrong dtype or never
+// copied; the linear weights' gradients are bf16 and the receive buffer holds fewer bytes than fp32 ones;
+// (2) each rank on its own rows: one eager step, a capture and 3 replays give the bits of 4 eager steps.
+TSYS_TEST(trainer_ddp_ce_gather_lowp) {
+    const bool gpus = g_dev == TSYS_CUDA && tsys_dist_engine_of(g_d) == TSYS_DIST_ENGINE_NCCL;
+    struct { tsys_dist_train_mode mode; bool gather; tsys_dtype ac; bool grads, copies; const char *says; } bad[] = {
+        {TSYS_TRAIN_DDP, true, TSYS_F32, true, false, "desc.lowp_grads needs bf16 or f16 autocast"},
+        {TSYS_TRAIN_DDP, false, TSYS_BF16, true, false, "ddp (without desc.ce_gather, whose optimizer sums them in fp32): 'layers.0.attn.q_proj.weight' keeps its gradient in bf16"},
+        {TSYS_TRAIN_ZERO1, true, TSYS_BF16, false, true, "desc.lowp_copies is not for ZERO1"},
+        {TSYS_TRAIN_FSDP, false, TSYS_BF16, true, false, "desc.lowp_grads is FSDP's own"}};
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        tsys_model *m;
+        tsys_dist_trainer *t = lowp_trainer(bad[k].mode, bad[k].gather, bad[k].ac, bad[k].grads, bad[k].copies, &m);
+        TEST_CHECK(!t && strstr(tsys_ctx_last_error(g_ctx), bad[k].says), "rank %d, case %zu: %s (wanted a refusal naming '%s')", g_rank, k,
+                   t ? "made" : tsys_ctx_last_error(g_ctx), bad[k].says);
+        tsys_ctx_clear_error(g_ctx);
+        state_drop(t, m);
+    }
+    if (!gpus || g_world != 2) { if (g_rank == 0) printf("(the bits at 2 GPU ranks through NCCL only) "); return; }
+    tsys_model *m, *ref;
+    tsys_dist_trainer *t = lowp_trainer(TSYS_TRAIN_DDP, true, TSYS_BF16, true, true, &m), *r = lowp_trainer(TSYS_TRAIN_ALONE, false, TSYS_BF16, true, true, &ref);
+    TEST_CHECK(t && r, "rank %d: trainers: %s", g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_tensor *ids = NULL, *tgt = NULL;
+    state_batch(g_ctx, 0, 0, STATE_ROWS, &ids, &tgt);
+    for (int it = 0; t && r && ids && tgt && it < 3; it++) {
+        tsys_tensor *bi, *bt;
+        state_batch(g_ctx, it, 0, STATE_ROWS, &bi, &bt);
+        tsys_tensor_copy_from(g_ctx, ids, bi); tsys_tensor_copy_from(g_ctx, tgt, bt);
+        tsys_status s = tsys_dist_trainer_step(r, bi, bt, NULL);
+        if (s == TSYS_OK) s = it == 0 ? tsys_dist_trainer_step(t, ids, tgt, NULL) : tsys_dist_trainer_replay(t, NULL);
+        if (s == TSYS_OK && it == 0) s = tsys_dist_trainer_capture(t, ids, tgt);
+        TEST_CHECK(s == TSYS_OK, "rank %d: step %d: %s", g_rank, it, tsys_ctx_last_error(g_ctx));
+        tsys_tensor_release(bi); tsys_tensor_release(bt);
+    }
+    int64_t differ = 0, fp32_bytes = 0, bf16 = 0;
+    for (int i = 0; t && r && i < tsys_model_num_tensors(m); i++) {
+        tsys_tensor *p = tsys_model_params(m)[i];
+        float *a = test_read(g_ctx, p), *b = test_read(g_ctx, tsys_model_params(ref)[i]);
+        for (int64_t k = 0; a && b && k < tsys_tensor_numel(p); k++) differ += memcmp(&a[k], &b[k], 4) != 0;
+        free(a); free(b);
+        fp32_bytes += (int64_t)tsys_tensor_bytes(p);
+        bf16 += p->grad && p->grad->dtype == TSYS_BF16;
+    }
+    const int64_t held = tsys_ddp_device_bytes(t ? tsys_dist_trainer_ddp(t) : NULL);
+    TEST_CHECK(differ == 0, "rank %d: %lld parameter elements apart from one process on the same rows", g_rank, (long long)differ);
+    TEST_CHECK(bf16 == 2 * 7 + 1 && held > 0 && held < fp32_bytes * 3 / 4, "rank %d: %lld bf16 gradients (wanted the 15 linear weights'), %lld bytes received "
+               "for %lld bytes of fp32 gradients", g_rank, (long long)bf16, (long long)held, (long long)fp32_bytes);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    state_drop(t, m); state_drop(r, ref);
+    compiled_lowp = true;
+    compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "ce_gather_lowp");
+    compiled_lowp = false;
+}
 TSYS_TEST(trainer_zero1_ce_gather) { ce_gather_case(TSYS_TRAIN_ZERO1); }
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------

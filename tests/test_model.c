@@ -247,33 +247,40 @@ TSYS_TEST(adamw_matches_reference_math) {
 }
 
 // tsys_optim_sum_grads (DDP's ce_gather): AdamW reading the ranks' gradients summed in rank order gives the
-// bits of AdamW on the host's sum; and what it refuses, each with a message naming the rule.
+// bits of AdamW on the host's sum, fp32 gradients or some kept in bf16 among fp32 ones; and what it refuses,
+// each with a message naming the rule.
 TSYS_TEST(adamw_sums_ranks_gradients) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     const int64_t vec[3] = {1024, 1004, 36}, odd[3] = {1024, 1003, 37};
-    const int64_t d2 = test_sum_grads_case(ctx, TSYS_CPU, 2, 1, vec, 3, 0), d3 = test_sum_grads_case(ctx, TSYS_CPU, 3, 1, odd, 3, 8),
-                  d4 = test_sum_grads_case(ctx, TSYS_CPU, 4, 0, odd, 2, 3);
+    const int64_t d2 = test_sum_grads_case(ctx, TSYS_CPU, 2, 1, vec, 3, 0, 0u), d3 = test_sum_grads_case(ctx, TSYS_CPU, 3, 1, odd, 3, 32, 0u),
+                  d4 = test_sum_grads_case(ctx, TSYS_CPU, 4, 0, odd, 2, 12, 0u);
     TEST_CHECK(d2 == 0 && d3 == 0 && d4 == 0, "elements apart from AdamW on the host's sum: %lld (2 ranks), %lld (3), %lld (4): %s", (long long)d2, (long long)d3,
                (long long)d4, tsys_ctx_last_error(ctx));
-    int64_t n = 8, two = 16, three = 24;
+    const int64_t b2 = test_sum_grads_case(ctx, TSYS_CPU, 2, 0, vec, 3, 0, 3u), b3 = test_sum_grads_case(ctx, TSYS_CPU, 3, 2, vec, 3, 8, 5u);
+    TEST_CHECK(b2 == 0 && b3 == 0, "bf16 gradients among fp32 ones: %lld (2 ranks), %lld (3) elements apart: %s", (long long)b2, (long long)b3, tsys_ctx_last_error(ctx));
+    int64_t n = 8, seven = 7, two = 16, three = 24;
     tsys_tensor *p = test_param(ctx, TSYS_CPU, 1, &n, 1.0f), *t2 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &two), *t3 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &three);
-    tsys_optim *adam = tsys_adamw_new(ctx, &p, 1, NULL), *sgd = tsys_sgd_new(ctx, &p, 1, 0.1f);
+    tsys_tensor *odd_bf16[2] = {test_param(ctx, TSYS_CPU, 1, &seven, 1.0f), test_param(ctx, TSYS_CPU, 1, &n, 1.0f)};
+    tsys_tensor_set_grad_dtype(ctx, odd_bf16[0], TSYS_BF16);   // 14 bytes: the fp32 gradient after it would start 2 bytes off
+    tsys_optim *adam = tsys_adamw_new(ctx, &p, 1, NULL), *sgd = tsys_sgd_new(ctx, &p, 1, 0.1f), *skew = tsys_adamw_new(ctx, odd_bf16, 2, NULL);
     struct { tsys_optim *o; tsys_tensor *t; int ranks, self; int64_t stride; const char *says; } bad[] = {
         {sgd, t2, 3, 0, 0, "only AdamW"}, {adam, t2, 1, 0, 0, "2 or more ranks"}, {adam, t2, 3, 3, 0, "self one of them"},
-        {adam, t2, 4, 0, 0, "at least 24 elements (4 ranks - 1 slots 8 apart"}, {adam, t2, 3, 0, 9, "at least 17 elements"}, {adam, t2, 2, 0, 7, "stride 7 is less"}};
+        {adam, t2, 4, 0, 0, "(64 bytes on cpu; 4 ranks - 1 slots 32 bytes apart of the 32 gradient bytes) holds fewer bytes"},
+        {adam, t2, 3, 0, 36, "holds fewer bytes than the slots"}, {adam, t2, 2, 0, 28, "28 bytes apart of the 32 gradient bytes) is less than"},
+        {skew, t3, 2, 0, 0, "at byte 14 of a slot 0 bytes apart) would start its gradient's terms off its element size"}};
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         tsys_status st = tsys_optim_sum_grads(bad[k].o, bad[k].t, bad[k].ranks, bad[k].self, bad[k].stride);
         TEST_CHECK(st != TSYS_OK && strstr(tsys_ctx_last_error(ctx), bad[k].says), "case %zu: status %d, '%s'", k, (int)st, tsys_ctx_last_error(ctx));
         tsys_ctx_clear_error(ctx);
     }
-    TEST_CHECK(tsys_optim_sum_grads(adam, t3, 4, 3, 0) == TSYS_OK && tsys_optim_sum_grads(adam, t2, 2, 0, 16) == TSYS_OK, "4 ranks, 2 ranks with a stride: %s",
+    TEST_CHECK(tsys_optim_sum_grads(adam, t3, 4, 3, 0) == TSYS_OK && tsys_optim_sum_grads(adam, t2, 2, 0, 64) == TSYS_OK, "4 ranks, 2 ranks with a stride: %s",
                tsys_ctx_last_error(ctx));
     TEST_CHECK(tsys_optim_overlap_begin(adam) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "sums ranks' gradients"), "overlap allowed: '%s'", tsys_ctx_last_error(ctx));
     tsys_ctx_clear_error(ctx);
     TEST_CHECK(tsys_optim_sum_grads(adam, NULL, 0, 0, 0) == TSYS_OK && tsys_optim_overlap_begin(adam) == TSYS_OK && tsys_optim_overlap_end(adam) == TSYS_OK,
                "plain gradients again: %s", tsys_ctx_last_error(ctx));
-    tsys_optim_free(adam); tsys_optim_free(sgd);
-    tsys_tensor_release(p); tsys_tensor_release(t2); tsys_tensor_release(t3);
+    tsys_optim_free(adam); tsys_optim_free(sgd); tsys_optim_free(skew);
+    tsys_tensor_release(p); tsys_tensor_release(t2); tsys_tensor_release(t3); tsys_tensor_release(odd_bf16[0]); tsys_tensor_release(odd_bf16[1]);
     tsys_ctx_free(ctx);
 }
 

@@ -226,34 +226,44 @@ static inline double test_rel_diff(int64_t measured, int64_t predicted) { return
 // ---- tsys_optim_sum_grads against its definition ----------------------------------------------------
 
 // Parameters of `sizes` trained two AdamW steps on dev twice: once summing rank `self`'s gradients with the
-// other ranks' terms (tsys_optim_sum_grads; slots `pad` elements longer than the parameters), once on gradients
-// the host made as that rank-ordered sum / ranks. Returns the elements that differ (-1 when a call failed: the
-// context's error says which).
-static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n, int64_t pad) {
+// other ranks' terms (tsys_optim_sum_grads; slots `pad` bytes longer than the gradients, which parameter i keeps
+// in bf16 where bit i of `bf16` is set, in fp32 otherwise, laid out as DDP lays them), once on fp32 gradients the
+// host made as that rank-ordered sum / ranks. The values are bf16's, so the bf16 gradients hold them exactly.
+// Returns the elements that differ (-1 when a call failed: the context's error says which).
+static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n, int64_t pad, unsigned bf16) {
     enum { MAXP = 4 };
-    int64_t S = 0, diff = 0;
-    for (int i = 0; i < n; i++) S += sizes[i];
-    const int64_t stride = S + pad;
-    float *terms_h = (float *)malloc(sizeof(float) * (size_t)(stride * (ranks - 1))), *mean = (float *)malloc(sizeof(float) * (size_t)S);
-    float *mine = (float *)malloc(sizeof(float) * (size_t)S);
+    int64_t S = 0, G = 0, diff = 0, at[MAXP];
+    for (int i = 0; i < n; i++) { at[i] = G; S += sizes[i]; G += sizes[i] * ((bf16 >> i & 1u) ? 2 : 4); }
+    const int64_t stride = G + pad, tbytes = (stride * (ranks - 1) + 3) / 4 * 4;
+    unsigned char *terms_h = (unsigned char *)calloc((size_t)tbytes, 1);
+    float *mean = (float *)malloc(sizeof(float) * (size_t)S), *mine = (float *)malloc(sizeof(float) * (size_t)S);
     tsys_tensor *pa[MAXP], *pb[MAXP], *ca[MAXP], *cb[MAXP];
-    for (int64_t i = 0; i < stride * (ranks - 1); i++) terms_h[i] = (float)((i * 37 % 1001) - 500) * 1e-3f;
-    for (int64_t i = 0; i < S; i++) {   // the host's sum, in rank order
-        mine[i] = (float)((i * 53 % 997) - 498) * 1e-3f;
-        float acc = 0.0f;
-        for (int r = 0; r < ranks; r++) acc += r == self ? mine[i] : terms_h[(int64_t)(r - (r > self)) * stride + i];
-        mean[i] = acc / (float)ranks;
-    }
-    int64_t tn = stride * (ranks - 1), at = 0;
+    for (int i = 0, e = 0; i < n; e += (int)sizes[i], i++)
+        for (int64_t k = 0; k < sizes[i]; k++) {   // the host's sum, in rank order
+            const int64_t x = e + k;
+            mine[x] = tsys_bf16_to_f32(tsys_f32_to_bf16((float)((x * 53 % 997) - 498) * 1e-3f));
+            float acc = 0.0f;
+            for (int r = 0; r < ranks; r++) {
+                if (r == self) { acc += mine[x]; continue; }
+                const float t = tsys_bf16_to_f32(tsys_f32_to_bf16((float)(((x + 7 * r) * 37 % 1001) - 500) * 1e-3f));
+                unsigned char *slot = terms_h + (int64_t)(r - (r > self)) * stride + at[i];
+                if (bf16 >> i & 1u) { const uint16_t h = tsys_f32_to_bf16(t); memcpy(slot + 2 * k, &h, 2); }
+                else memcpy(slot + 4 * k, &t, 4);
+                acc += t;
+            }
+            mean[x] = acc / (float)ranks;
+        }
+    int64_t tn = tbytes / 4, e = 0;
     tsys_tensor *terms = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &tn, terms_h);
     for (int i = 0; i < n; i++) {
         pa[i] = test_param(ctx, dev, 1, &sizes[i], 1.0f);
         pb[i] = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &sizes[i]);
         if (pa[i] && pb[i]) tsys_tensor_copy_from(ctx, pb[i], pa[i]);
+        if (pa[i] && (bf16 >> i & 1u)) tsys_tensor_set_grad_dtype(ctx, pa[i], TSYS_BF16);
         tsys_tensor_set_requires_grad(pb[i], true);
-        ca[i] = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &sizes[i], mine + at);   // d sum(p * c) / dp = c, exactly
-        cb[i] = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &sizes[i], mean + at);
-        at += sizes[i];
+        ca[i] = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &sizes[i], mine + e);   // d sum(p * c) / dp = c, exactly
+        cb[i] = tsys_tensor_from_data(ctx, TSYS_F32, dev, 1, &sizes[i], mean + e);
+        e += sizes[i];
     }
     tsys_optim *oa = tsys_adamw_new(ctx, pa, n, NULL), *ob = tsys_adamw_new(ctx, pb, n, NULL);
     if (oa && terms) tsys_optim_sum_grads(oa, terms, ranks, self, pad ? stride : 0);
