@@ -965,7 +965,16 @@ TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, in
 // (another order of the sums). The other parameters are updated as without the flag. On the H200 the fused
 // kernel is not yet faster than cuBLASLt's product and AdamW's kernel (docs/design/step.md).
 #define TSYS_OPTIM_FUSE_UPDATE 2u
+// CALLER_READY: the gradient hooks launch nothing; the caller says when parameters' gradients are final with
+// tsys_optim_overlap_ready, for gradients a hook cannot see finished: DDP's, once a bucket's all-reduce or its
+// peers' copies are in (tsys_ddp_optim_in_backward). Allowed with the ranks' terms (tsys_optim_sum_grads).
+// overlap_end updates what was not said. Not with FREE_GRADS or FUSE_UPDATE.
+#define TSYS_OPTIM_CALLER_READY 4u
 TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *opt, unsigned flags);
+// Under CALLER_READY: the n parameters' gradients (and terms) are final as of the work queued so far on
+// stream `after` of their device: they are updated on the background stream after it, once a step each (a
+// parameter said twice is updated once). Every one must be this optimizer's.
+TSYSDEF tsys_status tsys_optim_overlap_ready(tsys_optim *opt, tsys_tensor *const *params, int n, tsys_stream after);
 // Kept low-precision weights (AdamW only; opt-in): the optimizer holds a dt (TSYS_BF16 or TSYS_F16)
 // copy of every parameter, one block in parameter order ("parameters" memory, tag "kept weight
 // copies", 2 bytes a parameter), and its update kernel writes the new copy beside the new fp32 value,
@@ -6563,11 +6572,11 @@ struct tsys_optim {
 // each in one storage (a model's parameters; its gradients by layer, or whole), so one kernel launch
 // updates the run. Found at each step: a model's gradients are made (and given back) as it trains.
 static bool tsys__optim_fused(const tsys_optim *o, int i);
-static int tsys__optim_run_end(const tsys_optim *o, int i, int64_t *numel) {
+static int tsys__optim_run_end(const tsys_optim *o, int i, int end, int64_t *numel) {
     tsys_tensor *const *p = o->params;
     *numel = tsys_tensor_numel(p[i]);
     int j = i + 1;
-    for (; p[i]->grad && j < o->n; j++) {
+    for (; p[i]->grad && j < end; j++) {
         const tsys_tensor *g = p[j]->grad;
         if (!g || tsys__optim_fused(o, j) || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != p[i]->grad->dtype) break;
         if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * tsys_dtype_size(g->dtype)) break;
@@ -6748,7 +6757,7 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
     tsys_status st = ctx->status;
     for (int i = first, j; st == TSYS_OK && i < end; i = j) {
         int64_t n;
-        j = tsys__optim_run_end(o, i, &n);
+        j = tsys__optim_run_end(o, i, end, &n);   // within [first, end): a caller's range may cut a run (tsys_optim_overlap_ready)
         bool copies = o->lowp && o->params[i]->lowp && o->params[i]->lowp->storage == o->lowp->storage;
         if (copies) j = tsys__lowp_run_end(o, i, j, &n);   // one launch: its copies back to back as well
         tsys_tensor *p0 = o->params[i];
@@ -6816,6 +6825,8 @@ typedef struct tsys__overlap {
     bool active, launched;
     bool free_grads;        // TSYS_OPTIM_FREE_GRADS: updates on the compute stream, each group's gradients given back after it
     bool fuse;              // TSYS_OPTIM_FUSE_UPDATE: linear weights updated inside their gradients' products
+    bool caller_ready;      // TSYS_OPTIM_CALLER_READY: updates launched by tsys_optim_overlap_ready only
+    bool *said;             // per parameter, CALLER_READY: updated in this step
     bool *fused;            // per parameter: updated so in this step (its gradient was never written)
     size_t *pos;            // per parameter: byte offset in m and v (a group's: its first parameter's)
 } tsys__overlap;
@@ -6876,7 +6887,7 @@ static void tsys__overlap_free(tsys_optim *o) {
     for (int g = 0; g < ov->ngroups; g++) tsys_event_release(o->ctx, &ov->ready[g]);
     tsys_event_release(o->ctx, &ov->join);
     TSYS_FREE(ov->group_of); TSYS_FREE(ov->first); TSYS_FREE(ov->end);
-    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready); TSYS_FREE(ov->fused); TSYS_FREE(ov->pos);
+    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready); TSYS_FREE(ov->fused); TSYS_FREE(ov->pos); TSYS_FREE(ov->said);
     TSYS_FREE(ov);
     o->ov = NULL;
 }
@@ -6917,7 +6928,7 @@ static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user) {
     (void)ctx;
     tsys_optim *o = (tsys_optim *)user;
     tsys__overlap *ov = o->ov;
-    if (!ov || !ov->active) return;
+    if (!ov || !ov->active || ov->caller_ready) return;
     for (int i = 0; i < o->n; i++) {
         if (o->params[i] != param) continue;
         int g = ov->group_of[i];
@@ -6936,13 +6947,14 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
     ov->group_of = (int *)TSYS_MALLOC(np * sizeof(int)); ov->first = (int *)TSYS_MALLOC(np * sizeof(int)); ov->end = (int *)TSYS_MALLOC(np * sizeof(int));
     ov->pending = (int *)TSYS_MALLOC(np * sizeof(int)); ov->done = (bool *)TSYS_MALLOC(np * sizeof(bool));
     ov->ready = (tsys_event *)TSYS_MALLOC(np * sizeof(tsys_event));
-    ov->fused = (bool *)TSYS_MALLOC(np * sizeof(bool)); ov->pos = (size_t *)TSYS_MALLOC(np * sizeof(size_t));
-    if (!ov->group_of || !ov->first || !ov->end || !ov->pending || !ov->done || !ov->ready || !ov->fused || !ov->pos) {
+    ov->fused = (bool *)TSYS_MALLOC(np * sizeof(bool)); ov->pos = (size_t *)TSYS_MALLOC(np * sizeof(size_t)); ov->said = (bool *)TSYS_MALLOC(np * sizeof(bool));
+    if (!ov->group_of || !ov->first || !ov->end || !ov->pending || !ov->done || !ov->ready || !ov->fused || !ov->pos || !ov->said) {
         tsys__overlap_free(o);
         return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
     }
     memset(ov->ready, 0, np * sizeof(tsys_event));
     memset(ov->fused, 0, np * sizeof(bool));
+    memset(ov->said, 0, np * sizeof(bool));
     memset(&ov->join, 0, sizeof(ov->join));
     size_t off = 0;
     for (int i = 0; i < o->n; i++) {
@@ -6963,10 +6975,14 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
-    if (o->terms)   // a layer's update would read the peers' gradients before they are all in
-        return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_overlap_begin: the optimizer sums ranks' gradients (tsys_optim_sum_grads); step it after backward");
-    const unsigned known = TSYS_OPTIM_FREE_GRADS | TSYS_OPTIM_FUSE_UPDATE;
+    const bool caller = (flags & TSYS_OPTIM_CALLER_READY) != 0;
+    if (o->terms && !caller)   // a layer's update would read the peers' gradients before they are all in
+        return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_overlap_begin: the optimizer sums ranks' gradients (tsys_optim_sum_grads); step it after "
+                          "backward, or say when they are in (TSYS_OPTIM_CALLER_READY)");
+    const unsigned known = TSYS_OPTIM_FREE_GRADS | TSYS_OPTIM_FUSE_UPDATE | TSYS_OPTIM_CALLER_READY;
     if (flags & ~known) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin_ex: unknown flags 0x%x", flags & ~known);
+    if (caller && (flags & (TSYS_OPTIM_FREE_GRADS | TSYS_OPTIM_FUSE_UPDATE)))
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_begin_ex: TSYS_OPTIM_CALLER_READY goes with neither FREE_GRADS nor FUSE_UPDATE");
     if ((flags & TSYS_OPTIM_FUSE_UPDATE) && !o->adamw)
         return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_overlap_begin_ex: TSYS_OPTIM_FUSE_UPDATE updates with AdamW; this optimizer is SGD");
     if (!o->ov && tsys__overlap_setup(o) != TSYS_OK) return ctx->status;
@@ -6976,6 +6992,8 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *o, unsigned flags) {
     ov->launched = false;
     ov->free_grads = (flags & TSYS_OPTIM_FREE_GRADS) != 0;
     ov->fuse = (flags & TSYS_OPTIM_FUSE_UPDATE) != 0;   // fused[] is all false here: overlap_end clears it
+    ov->caller_ready = caller;
+    memset(ov->said, 0, (size_t)o->n * sizeof(bool));
     ov->active = true;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys__copies_fence(ctx);   // every update is ordered after it (the background stream's through events)
@@ -7001,10 +7019,57 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
     for (int g = 0; st == TSYS_OK && g < ov->ngroups; g++) {
         if (ov->done[g]) continue;
         st = tsys__grads_settle(ctx, o->params + ov->first[g], ov->end[g] - ov->first[g]);
-        if (st == TSYS_OK) st = ov->free_grads ? tsys__overlap_update_inline(o, g) : tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->pos[ov->first[g]]);
+        if (st == TSYS_OK && ov->free_grads) st = tsys__overlap_update_inline(o, g);
+        for (int i = ov->first[g], j; st == TSYS_OK && !ov->free_grads && i < ov->end[g]; i = j) {   // runs not said (CALLER_READY)
+            for (j = i + 1; j < ov->end[g] && ov->said[j] == ov->said[i]; j++) {}
+            if (!ov->said[i]) st = tsys__optim_update_range(o, i, j, ov->pos[i]);
+        }
     }
     tsys_mem_set_tag(ctx, tag);
     memset(ov->fused, 0, (size_t)o->n * sizeof(bool));   // a later tsys_optim_step updates every parameter
+    return st;
+}
+
+// Parameters [i, j) of o, not yet updated this step, on the background stream after `after`'s work so far.
+static tsys_status tsys__overlap_update_said(tsys_optim *o, int i, int j, tsys_stream after) {
+    tsys__overlap *ov = o->ov;
+    tsys_ctx *ctx = o->ctx;
+    const tsys_device dev = o->params[i]->device;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
+    tsys_stream prev = tsys_set_stream(ctx, dev, after);
+    tsys_status st = tsys__grads_settle(ctx, o->params + i, j - i);   // one that counts as zero gets its zeros first, on `after`
+    if (st == TSYS_OK) st = tsys_event_record(ctx, dev, after, &ov->ready[i]);
+    tsys_set_stream(ctx, dev, TSYS_STREAM_BACKGROUND);
+    if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[i], TSYS_STREAM_BACKGROUND);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, i, j, ov->pos[i]);
+    tsys_set_stream(ctx, dev, prev);
+    tsys_mem_set_tag(ctx, tag);
+    for (int k = i; k < j; k++) ov->said[k] = true;
+    ov->launched = true;
+    return st;
+}
+
+TSYSDEF tsys_status tsys_optim_overlap_ready(tsys_optim *o, tsys_tensor *const *params, int n, tsys_stream after) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    tsys__overlap *ov = o->ov;
+    if (!ov || !ov->active || !ov->caller_ready)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_ready: outside tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_CALLER_READY) ... overlap_end");
+    TSYS__CHECK_ARG(ctx, n >= 0 && (n == 0 || params), TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_ready: %d parameters and %s list", n, params ? "a" : "no");
+    tsys_status st = TSYS_OK;
+    for (int k = 0, i = -1, first = -1; st == TSYS_OK && k <= n; k++) {   // runs of consecutive indices, each one launch group
+        int at = -1;
+        for (int c = 0; k < n && at < 0 && c < o->n; c++) {   // most lists are in the optimizer's order: look after the last one first
+            const int idx = (i + 1 + c) % o->n;
+            if (o->params[idx] == params[k]) at = idx;
+        }
+        if (k < n && at < 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_ready: '%s' is not this optimizer's parameter", params[k] ? params[k]->name : "NULL");
+        const bool extends = first >= 0 && at == i + 1 && !ov->said[at];
+        if (first >= 0 && !extends) st = tsys__overlap_update_said(o, first, i + 1, after);
+        if (k < n && !extends) first = ov->said[at] ? -1 : at;
+        i = at;
+    }
     return st;
 }
 

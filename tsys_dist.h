@@ -433,7 +433,7 @@ typedef enum tsys_ddp_strategy {
 // not for this mode. Every parameter must be trainable, with gradients DDP made (one arena). This is the mode
 // for gradients kept in bf16 / f16 (tsys_tensor_set_grad_dtype, tsys_model_set_grad_dtype): they travel in
 // their dtype, half the bytes, and the optimizer widens them and sums in fp32, as torch's fp32 all-reduce of
-// autocast's bf16-rounded gradients; the other strategies refuse them (ZeRO-1's too).
+// autocast's bf16-rounded gradients (under ZeRO-1 too, tsys_ddp_attach_zero1); without it DDP refuses them.
 typedef struct tsys_ddp_desc {
     tsys_ddp_strategy strategy;
     double bucket_mb;            // BUCKETED: at most this many MB of parameters per bucket (0 = one bucket)
@@ -476,6 +476,14 @@ TSYSDEF tsys_ddp_stats tsys_ddp_stats_get(const tsys_ddp *ddp);
 // (or tsys_ddp_attach_zero1 instead). Free opt, or give its sums back (tsys_optim_sum_grads(opt, NULL, 0, 0, 0)),
 // before tsys_ddp_free frees that buffer. Refused without ce_gather.
 TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt);
+// The optimizer inside backward under DDP: each bucket's parameters are handed to opt
+// (tsys_optim_overlap_ready) as soon as their gradients are final on every rank: the bucket's all-reduce (NCCL,
+// on the side stream) or, under desc.ce_gather, its peers' copies are in; opt's updates then run on the
+// background stream beside the rest of backward. Every step must then run backward and tsys_ddp_finish between
+// tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_CALLER_READY) and tsys_optim_overlap_end (instead of
+// tsys_optim_step). Needs CUDA tensors on NCCL ranks (or a group of one), BUCKETED or OVERLAP, no bucket copied through scratch; opt
+// holds every trainable parameter (under ce_gather: the attached optimizer). NULL turns it off.
+TSYSDEF tsys_status tsys_ddp_optim_in_backward(tsys_ddp *ddp, tsys_optim *opt);
 // Device memory the DDP holds outside the tensors' allocator: ce_gather's receive buffer and flags (else 0). The
 // memory tracker counts the receive buffer (a tensor wraps it, "gradients", tag "ddp peers' gradients").
 TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp);
@@ -708,10 +716,13 @@ typedef struct tsys_dist_trainer_desc {
     tsys_fsdp_desc fsdp;   // FSDP (it computes in fsdp.compute_dtype)
     tsys_dtype autocast;   // DDP, ZERO1, ALONE: the forward's autocast dtype (TSYS_F32: none)
     float loss_scale;      // backward starts from cross-entropy's mean times this (0 or 1: the mean)
-    bool lowp_copies;      // DDP, ALONE under autocast: AdamW keeps the weights' autocast-dtype copies, which
+    bool lowp_copies;      // DDP, ALONE under autocast (not ZERO1): AdamW keeps the weights' autocast-dtype copies, which
                            //   forward reads instead of casting (tsys_optim_keep_lowp)
-    bool lowp_grads;       // DDP with ddp.ce_gather, ALONE, under autocast: the linear weights' gradients in
+    bool lowp_grads;       // DDP and ZERO1 with ddp.ce_gather, ALONE, under autocast: the linear weights' gradients in
                            //   the autocast dtype (tsys_model_set_grad_dtype; the model holds no gradient yet)
+    bool opt_in_backward;  // DDP (as tsys_ddp_optim_in_backward needs: NCCL, bucketed), ALONE: AdamW inside
+                           //   backward, each bucket's (ALONE: layer's) update on the background stream once its
+                           //   gradients are in (tsys_optim_overlap_begin_ex); the same bits as after backward
     const char *save_dir;  // with save_every > 0: a snapshot of the state (tsys_dist_trainer_state_save) into
     int save_every;        //   save_dir after every save_every-th step, named "step-%06lld" by the step count
     int keep_last;         //   (tsys_dist_trainer_resume sets it); keep_last as tsys_state_desc's
@@ -4641,6 +4652,7 @@ struct tsys_ddp {
     tsys_status launch_error;    // a hook that failed to launch (reported by finish)
     bool layout_agreed;          // every rank has the same buckets (tsys_dist__agree_layout)
     void *ceg;                   // desc.ce_gather: the copy engines' receive buffers and flags (tsys_dist__ceg), once attached
+    tsys_optim *ib_opt;          // tsys_ddp_optim_in_backward: told when each bucket's gradients are in, or NULL
     tsys_tensor *terms;          // desc.ce_gather: my receive buffer, as the optimizers' terms
 };
 
@@ -4761,6 +4773,18 @@ TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt) {
     return st != TSYS_OK ? st : tsys_optim_sum_grads(opt, ddp->terms, tsys_dist_size(ddp->d), tsys_dist_rank(ddp->d), 0);
 }
 
+TSYSDEF tsys_status tsys_ddp_optim_in_backward(tsys_ddp *ddp, tsys_optim *opt) {
+    if (!ddp) return TSYS_ERR_INVALID_ARGS;
+    const char *no = !opt ? NULL
+                     : ddp->dev != TSYS_CUDA || (tsys_dist_engine_of(ddp->d) != TSYS_DIST_ENGINE_NCCL && tsys_dist_size(ddp->d) > 1)
+                     ? "it needs CUDA tensors on NCCL ranks (the gradients are in as of the side stream)"
+                     : ddp->desc.strategy != TSYS_DDP_BUCKETED && ddp->desc.strategy != TSYS_DDP_OVERLAP ? "the strategy must send gradients during backward (bucketed or overlap)"
+                     : ddp->stats.copied_buckets > 0 ? "a bucket is copied through scratch memory (its average comes back only in tsys_ddp_finish)" : NULL;
+    if (no) return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "tsys_ddp_optim_in_backward: %s", no);
+    ddp->ib_opt = opt;
+    return TSYS_OK;
+}
+
 TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp) {
 #ifdef TSYS_DIST_NCCL
     const tsys_dist__ceg *g = ddp ? (const tsys_dist__ceg *)ddp->ceg : NULL;
@@ -4796,7 +4820,7 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
     if (ddp->nlaunched == 1) { ddp->t_first_us = now; ddp->gpu_timing = tsys_dist__ddp_gpu_timing(ddp->d, ctx, ddp->dev); }
     b->t_launch_us = now;
     bool side = (b->wire && tsys_dist__ddp_side_casts(ddp)) || ddp->ceg;
-    if (ddp->gpu_timing || side) {   // the side stream waits for the gradients, then marks the start
+    if (ddp->gpu_timing || side || ddp->ib_opt) {   // the side stream waits for the gradients (ib_opt's updates wait on it), then marks the start
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_COMPUTE, &b->ev_ready);
         tsys_event_wait(ctx, &b->ev_ready, TSYS_STREAM_SIDE);
         if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_start);
@@ -4805,6 +4829,7 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
     if (ddp->ceg) {
         st = tsys_dist__ddp_gather_bucket(ddp, bi);
         if (st == TSYS_OK && ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
+        if (st == TSYS_OK && ddp->ib_opt) st = tsys_optim_overlap_ready(ddp->ib_opt, p, b->count, TSYS_STREAM_SIDE);   // the peers' copies are in
         return st != TSYS_OK ? st : tsys_ctx_status(ctx);
     }
     bool trusting = tsys_dist__trust(ddp->d, ddp->layout_agreed);
@@ -4816,6 +4841,7 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
         tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_widened);
     }
     if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
+    if (ddp->ib_opt && (st = tsys_optim_overlap_ready(ddp->ib_opt, p, b->count, TSYS_STREAM_SIDE)) != TSYS_OK) return st;   // averaged in place
     return tsys_ctx_status(ctx);
 }
 
@@ -5201,7 +5227,6 @@ TSYSDEF tsys_zero1 *tsys_zero1_new(tsys_dist *d, tsys_tensor **params, int n, co
     if (n < 0 || (n > 0 && !params)) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: %d parameters and %s list", n, params ? "a" : "no"); return NULL; }
     for (int i = 0; i < n; i++) {
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "zero1: parameter %d is NULL", i); return NULL; }
-        if (!tsys_dist__grads_fp32(ctx, "zero1", params[i])) return NULL;
     }
     tsys_zero1 *z = (tsys_zero1 *)TSYS_DIST__ALLOC(sizeof(tsys_zero1));
     if (!z) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "zero1: out of host memory"); return NULL; }
@@ -5371,16 +5396,20 @@ TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z) {
     for (int i = 0; i < z->ntp; i++)
         if (z->owner[i] == me) { if (first < 0) first = i; last = i; }
     const size_t base = ddp->grad_arena ? ddp->grad_arena->offset : 0;
-    const int64_t lo = first < 0 ? 0 : (int64_t)(z->tp[first]->grad->offset - base),
-                  hi = first < 0 ? 0 : (int64_t)(z->tp[last]->grad->offset - base + tsys_tensor_bytes(z->tp[last]->grad));
+    // whole words of the arena (bf16 gradients may end a part mid-word): a slot's offsets keep the arena's alignment
+    const int64_t arena = ddp->grad_arena ? (int64_t)tsys_tensor_bytes(ddp->grad_arena) : 0;
+    const int64_t lo = first < 0 ? 0 : (int64_t)(z->tp[first]->grad->offset - base) / 4 * 4,
+                  end = first < 0 ? 0 : (int64_t)(z->tp[last]->grad->offset - base + tsys_tensor_bytes(z->tp[last]->grad)),
+                  hi = (end + 3) / 4 * 4 < arena ? (end + 3) / 4 * 4 : arena;
     tsys_status st = tsys_dist__ddp_gather_open(ddp, lo, hi);
     if (st == TSYS_OK) st = tsys_dist__zero1_share_params(z, ddp);
     for (int c = 0; st == TSYS_OK && c < TSYS_DIST__ZERO1_CHUNKS; c++) {
         if (!z->opt[c]) continue;
         int i = 0;
         while (z->owner[i] != me || z->chunk[i] != c) i++;   // the chunk's first parameter: its place in my slots
-        const int64_t at = (int64_t)(z->tp[i]->grad->offset - base) - lo, numel = tsys_tensor_numel(ddp->terms) - at / 4;
-        tsys_tensor *view = tsys_tensor_view_raw(ctx, ddp->terms, (size_t)at, TSYS_F32, 1, &numel);
+        const tsys_dtype gdt = z->tp[i]->grad->dtype;   // a view of the rest of the slots from there, in elements it starts on
+        const int64_t at = (int64_t)(z->tp[i]->grad->offset - base) - lo, numel = ((int64_t)tsys_tensor_bytes(ddp->terms) - at) / (int64_t)tsys_dtype_size(gdt);
+        tsys_tensor *view = tsys_tensor_view_raw(ctx, ddp->terms, (size_t)at, gdt, 1, &numel);
         st = view ? tsys_optim_sum_grads(z->opt[c], view, size, me, hi - lo) : tsys_ctx_status(ctx);
         tsys_tensor_release(view);
     }
@@ -7572,11 +7601,16 @@ struct tsys_dist_trainer {
 
 // desc.lowp_copies and lowp_grads: under autocast, and where the strategy keeps them (the message names the rule).
 static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_desc *desc) {
+    if (desc->opt_in_backward && (desc->mode == TSYS_TRAIN_ZERO1 || desc->mode == TSYS_TRAIN_FSDP)) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.opt_in_backward is for DDP and ALONE (%s updates its own shards after backward)",
+                           desc->mode == TSYS_TRAIN_ZERO1 ? "ZERO1" : "FSDP");
+        return false;
+    }
     const char *what = desc->lowp_copies ? "lowp_copies" : "lowp_grads";
     const char *no = !desc->lowp_copies && !desc->lowp_grads ? NULL
                      : desc->autocast != TSYS_BF16 && desc->autocast != TSYS_F16 ? "needs bf16 or f16 autocast (desc.autocast)"
                      : desc->mode == TSYS_TRAIN_FSDP ? "is FSDP's own (its units gather in fsdp.compute_dtype and reduce-scatter in it)"
-                     : desc->mode == TSYS_TRAIN_ZERO1 ? "is not for ZERO1 (its owners update and send fp32 parameters from fp32 gradients)"
+                     : desc->mode == TSYS_TRAIN_ZERO1 && desc->lowp_copies ? "is not for ZERO1 (its owners update and send fp32 parameters; the peers' copies would go stale)"
                      : NULL;
     if (no) tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.%s %s", what, no);
     return !no;
@@ -7604,6 +7638,7 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
         if (t->opt && desc->lowp_copies && tsys_optim_keep_lowp(t->opt, desc->autocast) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
         if (t->opt && t->ddp && desc->ddp.ce_gather && tsys_ddp_attach_optimizer(t->ddp, t->opt) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
         if (t->zero1 && desc->ddp.ce_gather && tsys_ddp_attach_zero1(t->ddp, t->zero1) != TSYS_OK) { tsys_zero1_free(t->zero1); t->zero1 = NULL; }
+        if (t->opt && t->ddp && desc->opt_in_backward && tsys_ddp_optim_in_backward(t->ddp, t->opt) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
     }
     if (t->opt || t->zero1) return t;
     if (tsys_ctx_status(ctx) == TSYS_OK) tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "tsys_dist_trainer_new: out of memory");
@@ -7644,6 +7679,7 @@ static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys
     tsys_trace_end(ctx);
     if (tm) clk[1] = tsys_dist__trainer_clock(t);
     tsys_trace_begin(ctx, "backward");
+    if (t->desc.opt_in_backward) tsys_optim_overlap_begin_ex(t->opt, t->ddp ? TSYS_OPTIM_CALLER_READY : 0u);
     tsys_backward(ctx, loss);
     tsys_tensor_release(loss);
     if (t->ddp) tsys_ddp_finish(t->ddp);
@@ -7651,7 +7687,9 @@ static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys
     tsys_trace_end(ctx);
     if (tm) { clk[2] = tsys_dist__trainer_clock(t); tm->peak_pre_optim = tsys_dist__peak(t); }
     tsys_trace_begin(ctx, "optimizer");
-    if (t->zero1) tsys_zero1_step(t->zero1); else tsys_optim_step(t->opt);
+    if (t->zero1) tsys_zero1_step(t->zero1);
+    else if (t->desc.opt_in_backward) tsys_optim_overlap_end(t->opt);   // joins the updates, and makes those backward did not reach
+    else tsys_optim_step(t->opt);
     tsys_trace_end(ctx);
     if (tm) { clk[3] = tsys_dist__trainer_clock(t); tm->peak_post_optim = tsys_dist__peak(t); }
     tsys_tape_clear(ctx);
@@ -7793,8 +7831,11 @@ TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, dou
         return tsys_ctx_set_error(t->ctx, TSYS_ERR_INVALID_ARGS, "tsys_dist_trainer_time_collectives: a step is captured (tsys_dist_trainer_uncapture first)");
     if (t->fsdp) return tsys_fsdp_time_collectives(t->fsdp, ms);
     if (!t->ddp) return TSYS_OK;
+    tsys_optim *ib = t->ddp->ib_opt;   // no optimizer step here: nothing to tell it
+    t->ddp->ib_opt = NULL;
     tsys_ddp_start_step(t->ddp);   // finish with no backward in between reduces every bucket at once
     tsys_status st = tsys_ddp_finish(t->ddp);
+    t->ddp->ib_opt = ib;
     if (st == TSYS_OK) st = tsys_dist_sync(t->d);
     *ms = tsys_ddp_stats_get(t->ddp).comm_ms;
     return st;

@@ -18,7 +18,7 @@
 
 typedef struct ddp_opts {
     du_common common;
-    const char *device, *attn, *checkpoint, *loss, *reshard, *save_dir, *resume, *profile, *lowp_copies, *lowp_grads;
+    const char *device, *attn, *checkpoint, *loss, *reshard, *save_dir, *resume, *profile, *lowp_copies, *lowp_grads, *in_backward;
     du_model_flags mf;      // --model and the explicit dims (over the preset's)
     du_list strategies, buckets, comms, dtypes, contexts, compiles;
     int batch, warmup, steps, nproc, seed, save_every;
@@ -89,7 +89,7 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
     td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
     td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
     td.save_dir = o->save_dir; td.save_every = o->save_every;
-    td.lowp_copies = !strcmp(o->lowp_copies, "yes"); td.lowp_grads = !strcmp(o->lowp_grads, "yes");
+    td.lowp_copies = !strcmp(o->lowp_copies, "yes"); td.lowp_grads = !strcmp(o->lowp_grads, "yes"); td.opt_in_backward = !strcmp(o->in_backward, "yes");
     return td;
 }
 
@@ -121,26 +121,33 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
     du_row_set(row, "status", "ok");
 }
 
-// Why --lowp-copies / --lowp-grads do not apply to a configuration (NULL: they do, or are off).
-static const char *lowp_skip(const ddp_opts *o, const config *cf) {
+// Why --lowp-copies / --lowp-grads / --opt-in-backward do not apply to a configuration (NULL: they do, or are off).
+static const char *lowp_skip(const ddp_opts *o, const config *cf, const tsys_dist *d, tsys_device dev) {
+    if (!strcmp(o->in_backward, "yes")) {
+        if (cf->s == S_ZERO1 || cf->s == S_FSDP) return "--opt-in-backward is for the DDP strategies";
+        if (cf->s != S_BUCKETED && cf->s != S_OVERLAP) return "--opt-in-backward needs a strategy that sends gradients during backward (bucketed, overlap)";
+        if (dev != TSYS_CUDA || (tsys_dist_engine_of(d) != TSYS_DIST_ENGINE_NCCL && tsys_dist_size(d) > 1)) return "--opt-in-backward needs --device cuda with NCCL";
+    }
     const bool copies = !strcmp(o->lowp_copies, "yes"), grads = !strcmp(o->lowp_grads, "yes");
     if (!copies && !grads) return NULL;
     if (cf->dt == TSYS_F32) return "--lowp-copies and --lowp-grads apply under --dtype bf16";
-    if (cf->s == S_ZERO1 || cf->s == S_FSDP) return "--lowp-copies and --lowp-grads are for the DDP strategies";
+    if (cf->s == S_FSDP) return "--lowp-copies and --lowp-grads are for the DDP strategies and ZeRO-1";
+    if (copies && cf->s == S_ZERO1) return "--lowp-copies is for the DDP strategies (ZeRO-1's peers' copies would go stale)";
     if (grads && !cf->gather) return "--lowp-grads needs --grad-comm gather (AdamW sums the ranks' bf16 gradients in fp32)";
     return NULL;
 }
 
 // The configuration of a row as a file name (--profile's): "cuda_xl_T256_bf16_fsdp_2ranks", then
-// "_bucket-<MB>", "_grad-bf16", "_lowp-copies", "_lowp-grads", "_compiled", "_ckpt-<policy>[-auto]" where they apply.
+// "_bucket-<MB>", "_grad-bf16", "_lowp-copies", "_lowp-grads", "_opt-in-bwd", "_compiled", "_ckpt-<policy>[-auto]" where they apply.
 static void profile_name(char *name, size_t len, const du_row *row, int world) {
     char ckpt[80] = "", bucket[48] = "";
     const char *policy = du_row_get(row, "ckpt"), *chosen = strstr(policy, " (auto)");   // auto's choice: "<policy>-auto"
     if (strcmp(policy, "none")) snprintf(ckpt, sizeof(ckpt), "_ckpt-%.*s%s", chosen ? (int)(chosen - policy) : (int)strlen(policy), policy, chosen ? "-auto" : "");
     if (*du_row_get(row, "bucket_mb")) snprintf(bucket, sizeof(bucket), "_bucket-%s", du_row_get(row, "bucket_mb"));
-    snprintf(name, len, "%s_%s_T%s_%s_%s_%dranks%s%s%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
+    snprintf(name, len, "%s_%s_T%s_%s_%s_%dranks%s%s%s%s%s%s%s", du_row_get(row, "device"), du_row_get(row, "model"), du_row_get(row, "context"),
              du_row_get(row, "dtype"), du_row_get(row, "strategy"), world, bucket, !strcmp(du_row_get(row, "grad_comm"), "bf16") ? "_grad-bf16" : "",
              strcmp(du_row_get(row, "lowp_copies"), "yes") ? "" : "_lowp-copies", strcmp(du_row_get(row, "lowp_grads"), "yes") ? "" : "_lowp-grads",
+             strcmp(du_row_get(row, "opt_in_bwd"), "yes") ? "" : "_opt-in-bwd",
              strcmp(du_row_get(row, "compiled"), "yes") ? "" : "_compiled", ckpt);
     for (char *c = name; *c; c++) if (!isalnum((unsigned char)*c) && *c != '_' && *c != '-' && *c != '.') *c = '-';
 }
@@ -177,7 +184,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
     du_row_set(row, "lowp_copies", "%s", o->lowp_copies); du_row_set(row, "lowp_grads", "%s", o->lowp_grads);
     if (cf->compiled && ddp_compile_skip(d, dev)) { du_row_set(row, "status", "skipped: %s", ddp_compile_skip(d, dev)); return; }
-    if (lowp_skip(o, cf)) { du_row_set(row, "status", "skipped: %s", lowp_skip(o, cf)); return; }
+    du_row_set(row, "opt_in_bwd", "%s", o->in_backward);
+    if (lowp_skip(o, cf, d, dev)) { du_row_set(row, "status", "skipped: %s", lowp_skip(o, cf, d, dev)); return; }
     tsys_model_desc desc;
     tsys_fsdp_desc fd;
     char err[256] = "";
@@ -242,7 +250,7 @@ static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
                 cuda ? 64 : 8, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
     if (rank == 0) { fprintf(f, "\n"); fflush(f); }
     du_table tab;
-    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,lowp_copies,lowp_grads,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
+    du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,lowp_copies,lowp_grads,opt_in_bwd,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
                         "pred_comm_ms,comm_frac,exposed_ms,hidden,compute_ms,buckets,copied_buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,"
                         "mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o->common.format);
     du_progress_setup("ddp", rank == 0 ? o->common.progress : "off");   // only rank 0 reports
@@ -316,6 +324,9 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_CHOICE("lowp-grads", &o.lowp_grads, "no", "no|yes", "yes: the linear weights' gradients in bf16, as autocast's matmul writes them\n"
                        "(tsys_dist_trainer_desc.lowp_grads): half the bytes to send and for AdamW to read;\n"
                        "with --grad-comm gather only, whose AdamW widens and sums them in fp32"),
+        DU_FLAG_CHOICE("opt-in-backward", &o.in_backward, "no", "no|yes", "yes: each bucket's AdamW update on a background stream as soon as its\n"
+                       "gradients are in on every rank, beside the rest of backward (tsys_dist_trainer_desc\n"
+                       ".opt_in_backward; bucketed or overlap, cuda with NCCL); the same bits"),
         DU_FLAG_LIST("compile", &o.compiles, "no", "no|yes", "yes: capture the whole step as one CUDA graph after warmup (at least one\n"
                      "step) and time its replays (cuda with NCCL only)"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),

@@ -311,16 +311,20 @@ static void state_procedure(tsys_ctx *ctx, tsys_ctx *alone_ctx, tsys_dist_train_
 // compiled_gather: the captured run's DDP copies its gradients to the peers and AdamW sums them (desc.ce_gather);
 // the eager reference all-reduces them.
 static bool compiled_gather = false;
-// compiled_lowp: both runs under bf16 autocast with the linear weights' gradients in bf16 and AdamW's kept
-// copies (desc.lowp_grads, lowp_copies), both gathering (the mode that takes bf16 gradients).
+// compiled_lowp: both runs under bf16 autocast with the linear weights' gradients in bf16 and (but ZeRO-1)
+// AdamW's kept copies (desc.lowp_grads, lowp_copies), both gathering (the mode that takes bf16 gradients).
 static bool compiled_lowp = false;
-static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m, bool gather) {
+// compiled_in_backward: the captured run's AdamW runs inside backward (desc.opt_in_backward); the eager
+// reference's after it.
+static bool compiled_in_backward = false;
+static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m, bool gather, bool in_backward) {
     tsys_model_desc d = state_model_desc();
     *m = tsys_model_new(ctx, &d, g_dev, 21);
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof(td));
     td.mode = mode; td.ddp.strategy = strategy; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = compiled_lowp ? TSYS_BF16 : TSYS_F32;
-    td.ddp.ce_gather = gather || compiled_lowp; td.lowp_copies = td.lowp_grads = compiled_lowp;
+    td.ddp.ce_gather = gather || compiled_lowp; td.lowp_grads = compiled_lowp; td.opt_in_backward = in_backward;
+    td.lowp_copies = compiled_lowp && mode != TSYS_TRAIN_ZERO1;   // ZeRO-1 keeps none
     return *m ? tsys_dist_trainer_new(ctx, g_d, *m, g_dev, &td) : NULL;
 }
 
@@ -399,7 +403,7 @@ static void compiled_run(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_stra
     const int r0 = STATE_ROWS * g_rank / g_world, r1 = STATE_ROWS * (g_rank + 1) / g_world;
     const bool can = compiled_capturable();
     tsys_model *m;
-    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m, compiled_gather);
+    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m, compiled_gather, compiled_in_backward);
     tsys_tensor *ids = NULL, *tgt = NULL;
     state_batch(ctx, 0, r0, r1, &ids, &tgt);
     TEST_CHECK(t && ids && tgt, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(ctx));
@@ -428,7 +432,7 @@ static void compiled_procedure(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_dd
     char dir[512];
     state_dir(dir, sizeof(dir), tag);
     tsys_model *m;
-    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m, false);   // the eager reference: steps 0..3
+    tsys_dist_trainer *t = compiled_trainer(ctx, mode, strategy, &m, false, false);   // the eager reference: steps 0..3
     TEST_CHECK(t, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(ctx));
     state_steps(ctx, t, false, 0, 4);
     const int64_t eager_steps = tsys_dist_trainer_steps(t);

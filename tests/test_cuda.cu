@@ -301,6 +301,14 @@ TSYS_TEST(cuda_adamw_sums_ranks_gradients) {
     TEST_CHECK(b2 == 0 && b3 == 0, "bf16 gradients among fp32 ones: %lld (2 ranks), %lld (3) elements apart: %s", (long long)b2, (long long)b3, tsys_ctx_last_error(ctx));
 }
 
+// TSYS_OPTIM_CALLER_READY on the GPU: updates on the background stream after the side or the compute stream's
+// work, as the caller says, give the bits of the step after backward (with and without the ranks' terms).
+TSYS_TEST(cuda_overlap_ready_updates_what_it_is_told) {
+    TC_CTX(ctx);
+    const int64_t plain = test_caller_ready_case(ctx, TSYS_CUDA, false), summed = test_caller_ready_case(ctx, TSYS_CUDA, true);
+    TEST_CHECK(plain == 0 && summed == 0, "elements apart from the step after backward: %lld, %lld with terms: %s", (long long)plain, (long long)summed, tsys_ctx_last_error(ctx));
+}
+
 TSYS_TEST(cuda_embedding_transpose_adamw) {
     for (int di = 0; di < 3; di++)
         for (int idt = 0; idt < 2; idt++) {

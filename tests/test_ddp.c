@@ -298,19 +298,23 @@ TSYS_TEST(ddp_unused_parameter) {   // a trainable parameter without a gradient 
     }
 }
 
-// A parameter keeping its gradient in bf16 (tsys_tensor_set_grad_dtype) is refused by DDP, ZeRO-1 and FSDP,
-// named, before anything is exchanged: they reduce fp32 gradients.
+// A parameter keeping its gradient in bf16 (tsys_tensor_set_grad_dtype) is refused by DDP without ce_gather
+// and by FSDP, named, before anything is exchanged: they reduce fp32 gradients. ZeRO-1 takes it: its AdamW reads
+// the gradients as they are (averaged bf16 ones come gathered, tsys_ddp_attach_zero1).
 TSYS_TEST(dp_refuses_lowp_grads) {
     toy m;
     toy_init(&m, false, 0, false);
     TEST_CHECK(tsys_tensor_set_grad_dtype(g_ctx, m.p[1], TSYS_BF16) == TSYS_OK, "%s", tsys_ctx_last_error(g_ctx));
-    const char *who[3] = {"ddp", "zero1", "fsdp"};
-    for (int k = 0; k < 3; k++) {
-        void *made = k == 0 ? (void *)tsys_ddp_new(g_d, m.p, m.n, NULL) : k == 1 ? (void *)tsys_zero1_new(g_d, m.p, m.n, NULL) : (void *)tsys_fsdp_new(g_d, m.p, m.n, NULL);
+    const char *who[2] = {"ddp (without desc.ce_gather", "fsdp"};
+    for (int k = 0; k < 2; k++) {
+        void *made = k == 0 ? (void *)tsys_ddp_new(g_d, m.p, m.n, NULL) : (void *)tsys_fsdp_new(g_d, m.p, m.n, NULL);
         const char *e = tsys_ctx_last_error(g_ctx);
         TEST_CHECK(!made && strstr(e, who[k]) && strstr(e, "keeps its gradient in bf16") && strstr(e, m.p[1]->name), "rank %d, %s: '%s'", g_rank, who[k], e);
         tsys_ctx_clear_error(g_ctx);
     }
+    tsys_zero1 *z = tsys_zero1_new(g_d, m.p, m.n, NULL);
+    TEST_CHECK(z != NULL, "rank %d: zero1 refused a bf16 gradient: %s", g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_zero1_free(z);
     tsys_tensor_set_grad_dtype(g_ctx, m.p[1], TSYS_F32);
     toy_free(&m);
 }
@@ -876,7 +880,7 @@ TSYS_TEST(trainer_compiled_zero1) { compiled_procedure(g_ctx, TSYS_TRAIN_ZERO1, 
 static void ce_gather_case(tsys_dist_train_mode mode) {
     const bool gpus = g_dev == TSYS_CUDA && tsys_dist_engine_of(g_d) == TSYS_DIST_ENGINE_NCCL;
     tsys_model *m;
-    tsys_dist_trainer *t = compiled_trainer(g_ctx, mode, TSYS_DDP_BUCKETED, &m, true);
+    tsys_dist_trainer *t = compiled_trainer(g_ctx, mode, TSYS_DDP_BUCKETED, &m, true, false);
     if (!gpus) {
         TEST_CHECK(!t && strstr(tsys_ctx_last_error(g_ctx), "desc.ce_gather: it needs CUDA tensors and NCCL ranks"), "rank %d: not refused: '%s'", g_rank,
                    tsys_ctx_last_error(g_ctx));
@@ -913,9 +917,45 @@ static tsys_dist_trainer *lowp_trainer(tsys_dist_train_mode mode, bool gather, t
     return t;
 }
 
-// desc.lowp_grads (the linear weights' gradients in bf16) and lowp_copies under DDP. Refused, naming the rule,
-// without autocast, without ce_gather (NCCL would average bf16), under ZeRO-1 and FSDP. With ce_gather at 2
-// ranks through NCCL: (1) both ranks on the same rows: the average of two equal bf16 gradients widened to fp32
+// Part (1) of the test below under mode (DDP with kept copies, ZeRO-1 without).
+static void lowp_same_rows(tsys_dist_train_mode mode) {
+    const bool copies = mode != TSYS_TRAIN_ZERO1;
+    tsys_model *m, *ref;
+    tsys_dist_trainer *t = lowp_trainer(mode, true, TSYS_BF16, true, copies, &m), *r = lowp_trainer(TSYS_TRAIN_ALONE, false, TSYS_BF16, true, copies, &ref);
+    TEST_CHECK(t && r, "rank %d, mode %d: trainers: %s", g_rank, (int)mode, tsys_ctx_last_error(g_ctx));
+    tsys_tensor *ids = NULL, *tgt = NULL;
+    state_batch(g_ctx, 0, 0, STATE_ROWS, &ids, &tgt);
+    for (int it = 0; t && r && ids && tgt && it < 3; it++) {
+        tsys_tensor *bi, *bt;
+        state_batch(g_ctx, it, 0, STATE_ROWS, &bi, &bt);
+        tsys_tensor_copy_from(g_ctx, ids, bi); tsys_tensor_copy_from(g_ctx, tgt, bt);
+        tsys_status s = tsys_dist_trainer_step(r, bi, bt, NULL);
+        if (s == TSYS_OK) s = it == 0 ? tsys_dist_trainer_step(t, ids, tgt, NULL) : tsys_dist_trainer_replay(t, NULL);
+        if (s == TSYS_OK && it == 0) s = tsys_dist_trainer_capture(t, ids, tgt);
+        TEST_CHECK(s == TSYS_OK, "rank %d, mode %d: step %d: %s", g_rank, (int)mode, it, tsys_ctx_last_error(g_ctx));
+        tsys_tensor_release(bi); tsys_tensor_release(bt);
+    }
+    int64_t differ = 0, fp32_bytes = 0, bf16 = 0;
+    for (int i = 0; t && r && i < tsys_model_num_tensors(m); i++) {
+        tsys_tensor *p = tsys_model_params(m)[i];
+        float *a = test_read(g_ctx, p), *b = test_read(g_ctx, tsys_model_params(ref)[i]);
+        for (int64_t k = 0; a && b && k < tsys_tensor_numel(p); k++) differ += memcmp(&a[k], &b[k], 4) != 0;
+        free(a); free(b);
+        fp32_bytes += (int64_t)tsys_tensor_bytes(p);
+        bf16 += p->grad && p->grad->dtype == TSYS_BF16;
+    }
+    const int64_t held = tsys_ddp_device_bytes(t ? tsys_dist_trainer_ddp(t) : NULL);
+    TEST_CHECK(differ == 0, "rank %d, mode %d: %lld parameter elements apart from one process on the same rows", g_rank, (int)mode, (long long)differ);
+    TEST_CHECK(bf16 == 2 * 7 + 1 && held > 0 && held < fp32_bytes * 3 / 4, "rank %d, mode %d: %lld bf16 gradients (wanted the 15 linear weights'), %lld bytes "
+               "received for %lld bytes of fp32 gradients", g_rank, (int)mode, (long long)bf16, (long long)held, (long long)fp32_bytes);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    state_drop(t, m); state_drop(r, ref);
+}
+
+// desc.lowp_grads (the linear weights' gradients in bf16) and lowp_copies under DDP and (gradients only) ZeRO-1.
+// Refused, naming the rule, without autocast, without ce_gather (NCCL would average bf16), copies under ZeRO-1,
+// and under FSDP. With ce_gather at 2 ranks through NCCL, DDP and ZeRO-1: (1) both ranks on the same rows: the
+// average of two equal bf16 gradients widened to fp32
 // is the gradient itself, so 3 steps (one eager, a capture, 2 replays) give the bits of one process training
 // those rows with the same options, which catches a term read from a wrong place, in a wrong dtype or never
 // copied; the linear weights' gradients are bf16 and the receive buffer holds fewer bytes than fp32 ones;
@@ -936,41 +976,45 @@ TSYS_TEST(trainer_ddp_ce_gather_lowp) {
         state_drop(t, m);
     }
     if (!gpus || g_world != 2) { if (g_rank == 0) printf("(the bits at 2 GPU ranks through NCCL only) "); return; }
-    tsys_model *m, *ref;
-    tsys_dist_trainer *t = lowp_trainer(TSYS_TRAIN_DDP, true, TSYS_BF16, true, true, &m), *r = lowp_trainer(TSYS_TRAIN_ALONE, false, TSYS_BF16, true, true, &ref);
-    TEST_CHECK(t && r, "rank %d: trainers: %s", g_rank, tsys_ctx_last_error(g_ctx));
-    tsys_tensor *ids = NULL, *tgt = NULL;
-    state_batch(g_ctx, 0, 0, STATE_ROWS, &ids, &tgt);
-    for (int it = 0; t && r && ids && tgt && it < 3; it++) {
-        tsys_tensor *bi, *bt;
-        state_batch(g_ctx, it, 0, STATE_ROWS, &bi, &bt);
-        tsys_tensor_copy_from(g_ctx, ids, bi); tsys_tensor_copy_from(g_ctx, tgt, bt);
-        tsys_status s = tsys_dist_trainer_step(r, bi, bt, NULL);
-        if (s == TSYS_OK) s = it == 0 ? tsys_dist_trainer_step(t, ids, tgt, NULL) : tsys_dist_trainer_replay(t, NULL);
-        if (s == TSYS_OK && it == 0) s = tsys_dist_trainer_capture(t, ids, tgt);
-        TEST_CHECK(s == TSYS_OK, "rank %d: step %d: %s", g_rank, it, tsys_ctx_last_error(g_ctx));
-        tsys_tensor_release(bi); tsys_tensor_release(bt);
-    }
-    int64_t differ = 0, fp32_bytes = 0, bf16 = 0;
-    for (int i = 0; t && r && i < tsys_model_num_tensors(m); i++) {
-        tsys_tensor *p = tsys_model_params(m)[i];
-        float *a = test_read(g_ctx, p), *b = test_read(g_ctx, tsys_model_params(ref)[i]);
-        for (int64_t k = 0; a && b && k < tsys_tensor_numel(p); k++) differ += memcmp(&a[k], &b[k], 4) != 0;
-        free(a); free(b);
-        fp32_bytes += (int64_t)tsys_tensor_bytes(p);
-        bf16 += p->grad && p->grad->dtype == TSYS_BF16;
-    }
-    const int64_t held = tsys_ddp_device_bytes(t ? tsys_dist_trainer_ddp(t) : NULL);
-    TEST_CHECK(differ == 0, "rank %d: %lld parameter elements apart from one process on the same rows", g_rank, (long long)differ);
-    TEST_CHECK(bf16 == 2 * 7 + 1 && held > 0 && held < fp32_bytes * 3 / 4, "rank %d: %lld bf16 gradients (wanted the 15 linear weights'), %lld bytes received "
-               "for %lld bytes of fp32 gradients", g_rank, (long long)bf16, (long long)held, (long long)fp32_bytes);
-    tsys_tensor_release(ids); tsys_tensor_release(tgt);
-    state_drop(t, m); state_drop(r, ref);
+    for (int z = 0; z < 2; z++) lowp_same_rows(z ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP);
     compiled_lowp = true;
     compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "ce_gather_lowp");
+    compiled_procedure(g_ctx, TSYS_TRAIN_ZERO1, TSYS_DDP_BUCKETED, "ce_gather_lowp_zero1");
     compiled_lowp = false;
 }
 TSYS_TEST(trainer_zero1_ce_gather) { ce_gather_case(TSYS_TRAIN_ZERO1); }
+
+// desc.opt_in_backward under DDP: each bucket's AdamW update on the background stream once its gradients are
+// in on every rank. Through NCCL: 1 eager step, a capture and 3 replays with the updates inside backward give
+// the bits of 4 eager steps with AdamW after it, for buckets all-reduced and (2 ranks) for gathered bf16
+// gradients with kept copies. Refused under ZeRO-1, and where the gradients are not in as of a stream (the
+// CPU, host staging), naming the rule.
+TSYS_TEST(trainer_ddp_opt_in_backward) {
+    const bool nccl = g_dev == TSYS_CUDA && (tsys_dist_engine_of(g_d) == TSYS_DIST_ENGINE_NCCL || g_world == 1);
+    tsys_model_desc d = state_model_desc();
+    for (int k = 0; k < 2; k++) {
+        tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 21);
+        tsys_dist_trainer_desc td;
+        memset(&td, 0, sizeof(td));
+        td.mode = k ? TSYS_TRAIN_DDP : TSYS_TRAIN_ZERO1; td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 0.01; td.autocast = TSYS_F32; td.opt_in_backward = true;
+        tsys_dist_trainer *t = m ? tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td) : NULL;
+        const char *says = k ? "tsys_ddp_optim_in_backward: it needs CUDA tensors on NCCL ranks" : "desc.opt_in_backward is for DDP and ALONE";
+        if (k == 0 || !nccl) {
+            TEST_CHECK(!t && strstr(tsys_ctx_last_error(g_ctx), says), "rank %d: %s (wanted a refusal naming '%s')", g_rank, t ? "made" : tsys_ctx_last_error(g_ctx), says);
+            tsys_ctx_clear_error(g_ctx);
+        } else TEST_CHECK(t != NULL, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        state_drop(t, m);
+    }
+    if (!nccl) return;
+    compiled_in_backward = true;
+    compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_bucketed");
+    if (g_world == 2) {
+        compiled_lowp = true;
+        compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp");
+        compiled_lowp = false;
+    }
+    compiled_in_backward = false;
+}
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 

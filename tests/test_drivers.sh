@@ -935,20 +935,24 @@ t_result_files_are_whole_or_absent() {
   check_no_partial "$prof"
 }
 
-# ddp --lowp-copies / --lowp-grads: two columns of every row; kept copies train under bf16 on the CPU;
-# where an option does not apply (fp32, ZeRO-1, --lowp-grads without --grad-comm gather, which needs GPUs)
-# the row is skipped with the rule, and the run goes on.
+# ddp --lowp-copies / --lowp-grads / --opt-in-backward: three columns of every row; kept copies train under
+# bf16 on the CPU; where an option does not apply (fp32, kept copies under ZeRO-1, --lowp-grads without --grad-comm gather,
+# which needs GPUs; AdamW in backward with flat, or on the CPU) the row is skipped with the rule.
 t_dist_ddp_lowp() {
   [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --dtype fp32,bf16 --strategy bucketed,zero1 --bucket-mb 1 --lowp-copies yes
   expect_rc 0 "ddp --lowp-copies yes"
-  expect_in "$tmp/out" '^device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,lowp_copies,lowp_grads,step_ms,' "the columns"
-  expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,bf16,16,1,none,mean,no,yes,no,[0-9.]+,.*,ok$' "kept copies under bf16: a measured row"
+  expect_in "$tmp/out" '^device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,lowp_copies,lowp_grads,opt_in_bwd,step_ms,' "the columns"
+  expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,bf16,16,1,none,mean,no,yes,no,no,[0-9.]+,.*,ok$' "kept copies under bf16: a measured row"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,fp32,.*,skipped: --lowp-copies and --lowp-grads apply under --dtype bf16$' "fp32: skipped"
-  expect_in "$tmp/out" '^cpu,custom,2,zero1,1,fp32,bf16,.*,skipped: --lowp-copies and --lowp-grads are for the DDP strategies$' "zero1: skipped"
+  expect_in "$tmp/out" '^cpu,custom,2,zero1,1,fp32,bf16,.*,skipped: --lowp-copies is for the DDP strategies \(ZeRO-1.s peers. copies would go stale\)$' "zero1: skipped"
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --dtype bf16 --strategy bucketed --lowp-grads yes
   expect_rc 0 "ddp --lowp-grads yes without gather"
-  expect_in "$tmp/out" '^cpu,custom,2,bucketed,.*,no,yes,.*skipped: --lowp-grads needs --grad-comm gather' "the rule of --lowp-grads"
+  expect_in "$tmp/out" '^cpu,custom,2,bucketed,.*,no,yes,no,.*skipped: --lowp-grads needs --grad-comm gather' "the rule of --lowp-grads"
+  run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy flat,bucketed --opt-in-backward yes
+  expect_rc 0 "ddp --opt-in-backward yes on the CPU"
+  expect_in "$tmp/out" '^cpu,custom,2,flat,.*skipped: --opt-in-backward needs a strategy that sends gradients during backward' "flat: skipped"
+  expect_in "$tmp/out" '^cpu,custom,2,bucketed,.*,no,no,yes,.*skipped: --opt-in-backward needs --device cuda with NCCL' "the CPU: skipped"
 }
 
 # ddp --profile: rank 0's profile of one more eager step of each configuration, its phases as the

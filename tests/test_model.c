@@ -284,6 +284,32 @@ TSYS_TEST(adamw_sums_ranks_gradients) {
     tsys_ctx_free(ctx);
 }
 
+// TSYS_OPTIM_CALLER_READY: parameters updated inside backward when the caller says their gradients are in
+// (a run of one gradient arena cut by the caller's range, one told twice, one never) give the bits of the step
+// after backward, with and without the ranks' terms; what tsys_optim_overlap_ready refuses, naming the rule.
+TSYS_TEST(overlap_ready_updates_what_it_is_told) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    const int64_t plain = test_caller_ready_case(ctx, TSYS_CPU, false), summed = test_caller_ready_case(ctx, TSYS_CPU, true);
+    TEST_CHECK(plain == 0 && summed == 0, "elements apart from the step after backward: %lld, %lld with terms: %s", (long long)plain, (long long)summed, tsys_ctx_last_error(ctx));
+    int64_t n = 8;
+    tsys_tensor *p = test_param(ctx, TSYS_CPU, 1, &n, 1.0f), *q = test_param(ctx, TSYS_CPU, 1, &n, 1.0f);
+    tsys_optim *adam = tsys_adamw_new(ctx, &p, 1, NULL);
+    TEST_CHECK(tsys_optim_overlap_ready(adam, &p, 1, TSYS_STREAM_COMPUTE) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "outside tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_CALLER_READY)"),
+               "told outside: '%s'", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_optim_overlap_begin_ex(adam, TSYS_OPTIM_CALLER_READY | TSYS_OPTIM_FREE_GRADS) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "goes with neither"),
+               "with FREE_GRADS: '%s'", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_optim_overlap_begin_ex(adam, TSYS_OPTIM_CALLER_READY) == TSYS_OK && tsys_optim_overlap_ready(adam, &q, 1, TSYS_STREAM_COMPUTE) != TSYS_OK &&
+               strstr(tsys_ctx_last_error(ctx), "is not this optimizer's parameter"), "another tensor: '%s'", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    tsys_optim_overlap_end(adam);
+    tsys_ctx_clear_error(ctx);
+    tsys_optim_free(adam);
+    tsys_tensor_release(p); tsys_tensor_release(q);
+    tsys_ctx_free(ctx);
+}
+
 // zero_grad only marks gradients as zero: the next backward must overwrite them, and a parameter
 // the backward never reaches must still see zeros in the optimizer, not last step's values.
 TSYS_TEST(lazy_zero_grad_overwrites_and_settles) {

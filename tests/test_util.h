@@ -290,4 +290,68 @@ static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ra
     return diff;
 }
 
+// ---- the optimizer told when gradients are in (TSYS_OPTIM_CALLER_READY) ------------------------------
+
+// Four parameters and their gradients back to back in one storage each (a model's, and DDP's arena), trained two AdamW steps
+// twice from the same values: once inside backward, told by tsys_optim_overlap_ready (the middle two as of
+// the side stream, a run the arena would continue, the first as of the compute stream, one of them told
+// twice, the last never: overlap_end updates it), once by tsys_optim_step after backward. terms: both also
+// sum a second rank's gradients (tsys_optim_sum_grads). Returns the elements that differ (-1 when a call
+// failed: the context's error says which).
+static inline int64_t test_caller_ready_case(tsys_ctx *ctx, tsys_device dev, bool terms) {
+    enum { NP = 4 };
+    const int64_t sizes[NP] = {64, 40, 24, 8};
+    int64_t total = 0, diff = 0;
+    for (int i = 0; i < NP; i++) total += sizes[i];
+    tsys_tensor *p[2][NP], *c[NP], *arena[2], *flat[2], *t = NULL;
+    tsys_optim *o[2];
+    for (int side = 0; side < 2; side++) {
+        arena[side] = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
+        flat[side] = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
+        if (flat[side] && side == 0) tsys_tensor_randn(ctx, flat[0], 1.0f);
+        if (flat[side] && side == 1 && flat[0]) tsys_tensor_copy_from(ctx, flat[1], flat[0]);
+        for (int i = 0, at = 0; i < NP; at += (int)sizes[i], i++) {
+            p[side][i] = flat[side] ? tsys_tensor_view_raw(ctx, flat[side], (size_t)at * 4, TSYS_F32, 1, &sizes[i]) : NULL;
+            tsys_tensor_set_requires_grad(p[side][i], true);
+            if (p[side][i] && arena[side]) { p[side][i]->grad = tsys_tensor_view_raw(ctx, arena[side], (size_t)at * 4, TSYS_F32, 1, &sizes[i]); p[side][i]->grad_zero = true; }
+        }
+        o[side] = tsys_adamw_new(ctx, p[side], NP, NULL);
+    }
+    for (int i = 0; i < NP; i++) { c[i] = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &sizes[i]); tsys_tensor_randn(ctx, c[i], 1.0f); }
+    if (terms) {
+        t = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
+        tsys_tensor_randn(ctx, t, 1.0f);
+        for (int side = 0; side < 2; side++) tsys_optim_sum_grads(o[side], t, 2, side, 0);   // rank 0 and rank 1 of the same two
+    }
+    for (int step = 0; step < 2 && tsys_ctx_status(ctx) == TSYS_OK; step++)
+        for (int side = 0; side < 2; side++) {
+            tsys_optim_zero_grad(o[side]);
+            if (side == 0) tsys_optim_overlap_begin_ex(o[0], TSYS_OPTIM_CALLER_READY);
+            for (int i = 0; i < NP; i++) {
+                tsys_tensor *pc = tsys_mul(ctx, p[side][i], c[i]), *l = tsys_sum(ctx, pc);
+                tsys_backward(ctx, l);
+                tsys_tensor_release(pc); tsys_tensor_release(l);
+            }
+            if (side == 1) { tsys_optim_step(o[1]); continue; }
+            tsys_tensor *middle[2] = {p[0][1], p[0][2]}, *again[2] = {p[0][2], p[0][0]};
+            tsys_optim_overlap_ready(o[0], middle, 2, TSYS_STREAM_SIDE);
+            tsys_optim_overlap_ready(o[0], again, 2, TSYS_STREAM_COMPUTE);
+            tsys_optim_overlap_end(o[0]);
+        }
+    for (int i = 0; i < NP && tsys_ctx_status(ctx) == TSYS_OK; i++) {
+        float *a = test_read(ctx, p[0][i]), *b = test_read(ctx, p[1][i]);
+        for (int64_t k = 0; a && b && k < sizes[i]; k++) diff += memcmp(&a[k], &b[k], 4) != 0;
+        free(a); free(b);
+    }
+    if (tsys_ctx_status(ctx) != TSYS_OK) diff = -1;
+    for (int side = 0; side < 2; side++) {
+        tsys_optim_free(o[side]);
+        for (int i = 0; i < NP; i++) tsys_tensor_release(p[side][i]);
+        tsys_tensor_release(arena[side]); tsys_tensor_release(flat[side]);
+    }
+    for (int i = 0; i < NP; i++) tsys_tensor_release(c[i]);
+    tsys_tensor_release(t);
+    return diff;
+}
+
 #endif
