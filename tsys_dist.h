@@ -433,7 +433,8 @@ typedef enum tsys_ddp_strategy {
 // not for this mode. Every parameter must be trainable, with gradients DDP made (one arena). This is the mode
 // for gradients kept in bf16 / f16 (tsys_tensor_set_grad_dtype, tsys_model_set_grad_dtype): they travel in
 // their dtype, half the bytes, and the optimizer widens them and sums in fp32, as torch's fp32 all-reduce of
-// autocast's bf16-rounded gradients (under ZeRO-1 too, tsys_ddp_attach_zero1); without it DDP refuses them.
+// autocast's bf16-rounded gradients (under ZeRO-1 too, tsys_ddp_attach_zero1); without it DDP refuses them, but in
+// a group of one (which averages nothing).
 typedef struct tsys_ddp_desc {
     tsys_ddp_strategy strategy;
     double bucket_mb;            // BUCKETED: at most this many MB of parameters per bucket (0 = one bucket)
@@ -718,7 +719,7 @@ typedef struct tsys_dist_trainer_desc {
     float loss_scale;      // backward starts from cross-entropy's mean times this (0 or 1: the mean)
     bool lowp_copies;      // DDP, ALONE under autocast (not ZERO1): AdamW keeps the weights' autocast-dtype copies, which
                            //   forward reads instead of casting (tsys_optim_keep_lowp)
-    bool lowp_grads;       // DDP and ZERO1 with ddp.ce_gather, ALONE, under autocast: the linear weights' gradients in
+    bool lowp_grads;       // DDP and ZERO1 with ddp.ce_gather (or one rank), ALONE, under autocast: the linear weights' gradients in
                            //   the autocast dtype (tsys_model_set_grad_dtype; the model holds no gradient yet)
     bool opt_in_backward;  // DDP (as tsys_ddp_optim_in_backward needs: NCCL, bucketed), ALONE: AdamW inside
                            //   backward, each bucket's (ALONE: layer's) update on the background stream once its
@@ -4615,8 +4616,9 @@ typedef struct tsys_dist__ddp_bucket {
     bool launched;
     bool scratch;                // flat is a copy buffer (the grads are not one run of one arena)
     size_t at;                   // the first gradient's byte offset in its storage
-    tsys_tensor *flat;           // the bucket's gradients: a view of the gradient arena, or the scratch (NULL:
-                                 // desc.ce_gather's run of gradients of several dtypes, copied as bytes)
+    tsys_tensor *flat;           // the bucket's gradients: a view of the gradient arena, or the scratch (NULL: a
+                                 // run of gradients of several dtypes, which ce_gather copies as bytes, or a group
+                                 // of one leaves as they are)
     tsys_tensor *wire;           // comm_bf16: the bf16 copy that is all-reduced (a view of ddp->wire_arena)
     tsys_dist_work *work;
     tsys_event ev_ready, ev_start, ev_end;   // CUDA timing: compute ready, side-stream start and end
@@ -4832,6 +4834,10 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
         if (st == TSYS_OK && ddp->ib_opt) st = tsys_optim_overlap_ready(ddp->ib_opt, p, b->count, TSYS_STREAM_SIDE);   // the peers' copies are in
         return st != TSYS_OK ? st : tsys_ctx_status(ctx);
     }
+    if (!b->flat) {   // gradients of several dtypes in a group of one: the average is themselves
+        if (ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
+        return ddp->ib_opt ? tsys_optim_overlap_ready(ddp->ib_opt, p, b->count, TSYS_STREAM_SIDE) : tsys_ctx_status(ctx);
+    }
     bool trusting = tsys_dist__trust(ddp->d, ddp->layout_agreed);
     b->work = tsys_dist_all_reduce_async(ddp->d, b->wire ? b->wire : b->flat, TSYS_DIST_AVG);
     tsys_dist__untrust(ddp->d, trusting);
@@ -4905,7 +4911,7 @@ static bool tsys_dist__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
         run = run && p[i]->grad->storage == p[0]->grad->storage && p[i]->grad->offset == p[i - 1]->grad->offset + tsys_tensor_bytes(p[i - 1]->grad);
     }
     b->at = p[0]->grad->offset;
-    if (!same_dtype && run && ddp->desc.ce_gather) { b->pending = count; ddp->nb++; return true; }   // no flat: the copies take bytes
+    if (!same_dtype && run && (ddp->desc.ce_gather || tsys_dist_size(ddp->d) == 1)) { b->pending = count; ddp->nb++; return true; }   // no flat: copied as bytes, or nothing to average
     if (count == 1) b->flat = tsys_tensor_retain(p[0]->grad);
     else if (tsys_dist__contiguous(p, count, true)) b->flat = tsys_dist__run_view(ddp->ctx, p, count, true);
     else if (same_dtype) {
@@ -4924,8 +4930,9 @@ static bool tsys_dist__ddp_add_bucket(tsys_ddp *ddp, int first, int count) {
 }
 
 // Gives trainable parameters without a gradient one, in its gradient dtype (tsys_tensor_grad_dtype): views of
-// one arena back to back when they share a dtype and a device, or under desc.ce_gather (whose peers copy it as
-// bytes) whatever their dtypes, else a tensor each. Filled with zeros and marked zero.
+// one arena back to back when they share a dtype and a device, or whatever their dtypes under desc.ce_gather
+// (whose peers copy it as bytes) and in a group of one (nothing to average), else a tensor each. Filled with
+// zeros and marked zero.
 static tsys_status tsys_dist__ddp_make_grads(tsys_ddp *ddp) {
     tsys_ctx *ctx = ddp->ctx;
     int missing = 0;
@@ -4943,9 +4950,9 @@ static tsys_status tsys_dist__ddp_make_grads(tsys_ddp *ddp) {
     if (missing == 0) return TSYS_OK;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "grad"));
     tsys_status st = TSYS_OK;
-    const bool arena = one_dtype || ddp->desc.ce_gather;
-    if (arena) {   // ce_gather: an fp32 arena of the bytes rounded up, views of any dtype in it
-        const tsys_dtype adt = ddp->desc.ce_gather ? TSYS_F32 : dt;
+    const bool arena = one_dtype || ddp->desc.ce_gather || tsys_dist_size(ddp->d) == 1;
+    if (arena) {   // ce_gather: an fp32 arena of the bytes rounded up (mixed dtypes too), views of any dtype in it
+        const tsys_dtype adt = ddp->desc.ce_gather || !one_dtype ? TSYS_F32 : dt;
         int64_t numel = (bytes + (int64_t)tsys_dtype_size(adt) - 1) / (int64_t)tsys_dtype_size(adt);
         ddp->grad_arena = tsys_tensor_new(ctx, adt, ddp->dev, 1, &numel);
         if (ddp->grad_arena) { tsys_tensor_set_name(ddp->grad_arena, "ddp gradients"); st = tsys_tensor_fill(ctx, ddp->grad_arena, 0.0f); }
@@ -5036,7 +5043,7 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
     for (int i = 0; i < n; i++) {
         if (!params[i]) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameter %d is NULL", i); return NULL; }
         if (params[i]->device != params[0]->device) { tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: parameters '%s' and '%s' are on different devices", params[0]->name, params[i]->name); return NULL; }
-        if (!dd.ce_gather && !tsys_dist__grads_fp32(ctx, "ddp (without desc.ce_gather, whose optimizer sums them in fp32)", params[i])) return NULL;
+        if (!dd.ce_gather && d->size > 1 && !tsys_dist__grads_fp32(ctx, "ddp (without desc.ce_gather, whose optimizer sums them in fp32)", params[i])) return NULL;
     }
     tsys_ddp *ddp = (tsys_ddp *)TSYS_DIST__ALLOC(sizeof(tsys_ddp));
     if (!ddp) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: out of host memory"); return NULL; }

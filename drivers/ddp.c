@@ -133,7 +133,7 @@ static const char *lowp_skip(const ddp_opts *o, const config *cf, const tsys_dis
     if (cf->dt == TSYS_F32) return "--lowp-copies and --lowp-grads apply under --dtype bf16";
     if (cf->s == S_FSDP) return "--lowp-copies and --lowp-grads are for the DDP strategies and ZeRO-1";
     if (copies && cf->s == S_ZERO1) return "--lowp-copies is for the DDP strategies (ZeRO-1's peers' copies would go stale)";
-    if (grads && !cf->gather) return "--lowp-grads needs --grad-comm gather (AdamW sums the ranks' bf16 gradients in fp32)";
+    if (grads && !cf->gather && tsys_dist_size(d) > 1) return "--lowp-grads needs --grad-comm gather (AdamW sums the ranks' bf16 gradients in fp32)";
     return NULL;
 }
 
@@ -323,7 +323,7 @@ static int driver_main(int argc, char **argv) {
                        "casting (tsys_dist_trainer_desc.lowp_copies; DDP strategies under --dtype bf16)"),
         DU_FLAG_CHOICE("lowp-grads", &o.lowp_grads, "no", "no|yes", "yes: the linear weights' gradients in bf16, as autocast's matmul writes them\n"
                        "(tsys_dist_trainer_desc.lowp_grads): half the bytes to send and for AdamW to read;\n"
-                       "with --grad-comm gather only, whose AdamW widens and sums them in fp32"),
+                       "with --grad-comm gather (whose AdamW widens and sums them in fp32) or one rank"),
         DU_FLAG_CHOICE("opt-in-backward", &o.in_backward, "no", "no|yes", "yes: each bucket's AdamW update on a background stream as soon as its\n"
                        "gradients are in on every rank, beside the rest of backward (tsys_dist_trainer_desc\n"
                        ".opt_in_backward; bucketed or overlap, cuda with NCCL); the same bits"),

@@ -949,6 +949,9 @@ t_dist_ddp_lowp() {
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --dtype bf16 --strategy bucketed --lowp-grads yes
   expect_rc 0 "ddp --lowp-grads yes without gather"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,.*,no,yes,no,.*skipped: --lowp-grads needs --grad-comm gather' "the rule of --lowp-grads"
+  run "$B/ddp" --nproc 1 "${DDPTINY[@]}" --dtype bf16 --strategy bucketed --lowp-grads yes
+  expect_rc 0 "ddp --lowp-grads yes on one rank"
+  expect_in "$tmp/out" '^cpu,custom,1,bucketed,.*,no,yes,no,[0-9.]+,.*,ok$' "one rank averages nothing: a measured row"
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy flat,bucketed --opt-in-backward yes
   expect_rc 0 "ddp --opt-in-backward yes on the CPU"
   expect_in "$tmp/out" '^cpu,custom,2,flat,.*skipped: --opt-in-backward needs a strategy that sends gradients during backward' "flat: skipped"
