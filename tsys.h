@@ -935,7 +935,8 @@ TSYSDEF void tsys_optim_release_grads(tsys_optim *opt);   // tsys_release_grads 
 // inside a captured CUDA graph (the event pairs become the graph's fork and join). What needs every
 // gradient before any update does not fit this mode: clip by global norm and the fp16 loss scaler's
 // inf check; and DDP, whose buckets do not follow the groups (a group could be updated before its
-// bucket is reduced). For those, tsys_optim_step after backward (after tsys_ddp_finish).
+// bucket is reduced): there DDP says when (TSYS_OPTIM_CALLER_READY, tsys_ddp_optim_in_backward). For the
+// others, tsys_optim_step after backward.
 TSYSDEF tsys_status tsys_optim_overlap_begin(tsys_optim *opt);
 TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 // Gradients summed over ranks as AdamW reads them (tsys_ddp's desc.ce_gather: the peers' gradients are copied
@@ -946,8 +947,8 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 // optimizer's order, each in its gradient dtype (tsys_tensor_grad_dtype: fp32, or bf16 / f16 where it is kept
 // so), as DDP lays out the gradients it makes; rank r's slot is r - (r > self); it holds at least
 // (nranks - 2) x stride_bytes + G bytes. Every gradient must start at a multiple of its element size in each
-// slot. AdamW over fp32 parameters only, not with the optimizer in backward; tsys_optim_step reads terms as they
-// are then. terms NULL: plain gradients again.
+// slot. AdamW over fp32 parameters only; in backward only as the caller says (TSYS_OPTIM_CALLER_READY), each
+// update reading its terms as they are then. terms NULL: plain gradients again.
 TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes);
 // Flags of overlap_begin_ex. FREE_GRADS: each group is updated on the compute stream (in order, so no
 // event is needed) and a model's gradients of that group are given back right after its update, as
