@@ -7617,7 +7617,7 @@ static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_de
     const char *no = !desc->lowp_copies && !desc->lowp_grads ? NULL
                      : desc->autocast != TSYS_BF16 && desc->autocast != TSYS_F16 ? "needs bf16 or f16 autocast (desc.autocast)"
                      : desc->mode == TSYS_TRAIN_FSDP ? "is FSDP's own (its units gather in fsdp.compute_dtype and reduce-scatter in it)"
-                     : desc->mode == TSYS_TRAIN_ZERO1 && desc->lowp_copies ? "is not for ZERO1 (its owners update and send fp32 parameters; the peers' copies would go stale)"
+                     : desc->mode == TSYS_TRAIN_ZERO1 && desc->lowp_copies ? "is not for ZERO1 (each rank's AdamW holds only the parameters it owns, the others would still be cast every step)"
                      : NULL;
     if (no) tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.%s %s", what, no);
     return !no;

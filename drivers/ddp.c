@@ -132,7 +132,7 @@ static const char *lowp_skip(const ddp_opts *o, const config *cf, const tsys_dis
     if (!copies && !grads) return NULL;
     if (cf->dt == TSYS_F32) return "--lowp-copies and --lowp-grads apply under --dtype bf16";
     if (cf->s == S_FSDP) return "--lowp-copies and --lowp-grads are for the DDP strategies and ZeRO-1";
-    if (copies && cf->s == S_ZERO1) return "--lowp-copies is for the DDP strategies (ZeRO-1's peers' copies would go stale)";
+    if (copies && cf->s == S_ZERO1) return "--lowp-copies is for the DDP strategies (ZeRO-1's AdamW holds only its own parameters)";
     if (grads && !cf->gather && tsys_dist_size(d) > 1) return "--lowp-grads needs --grad-comm gather (AdamW sums the ranks' bf16 gradients in fp32)";
     return NULL;
 }

@@ -945,7 +945,7 @@ t_dist_ddp_lowp() {
   expect_in "$tmp/out" '^device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,lowp_copies,lowp_grads,opt_in_bwd,step_ms,' "the columns"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,bf16,16,1,none,mean,no,yes,no,no,[0-9.]+,.*,ok$' "kept copies under bf16: a measured row"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,fp32,.*,skipped: --lowp-copies and --lowp-grads apply under --dtype bf16$' "fp32: skipped"
-  expect_in "$tmp/out" '^cpu,custom,2,zero1,1,fp32,bf16,.*,skipped: --lowp-copies is for the DDP strategies \(ZeRO-1.s peers. copies would go stale\)$' "zero1: skipped"
+  expect_in "$tmp/out" '^cpu,custom,2,zero1,1,fp32,bf16,.*,skipped: --lowp-copies is for the DDP strategies \(ZeRO-1.s AdamW holds only its own parameters\)$' "zero1: skipped"
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --dtype bf16 --strategy bucketed --lowp-grads yes
   expect_rc 0 "ddp --lowp-grads yes without gather"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,.*,no,yes,no,.*skipped: --lowp-grads needs --grad-comm gather' "the rule of --lowp-grads"
