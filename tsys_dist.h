@@ -586,6 +586,13 @@ TSYSDEF tsys_tensor **tsys_fsdp_params(tsys_fsdp *f);     // what the optimizer 
 TSYSDEF int tsys_fsdp_num_params(const tsys_fsdp *f);
 TSYSDEF bool tsys_fsdp_param_is_shard(const tsys_fsdp *f, int i);
 TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f);       // after backward (finish_gradient_synchronization)
+// AdamW inside backward (opt over tsys_fsdp_params(f), in that order; NULL turns it off): each unit's shard is
+// updated on the background stream as soon as its reduce-scatter is summed into the shard gradient, beside the
+// rest of backward (the unit's backward is over by then: its gathered weights are not read again). While opt is
+// attached, every step wraps its one backward and tsys_fsdp_finish in tsys_optim_overlap_begin_ex(opt,
+// TSYS_OPTIM_CALLER_READY) ... tsys_optim_overlap_end, which updates the replicated parameters. The same bits as
+// tsys_optim_step after tsys_fsdp_finish.
+TSYSDEF tsys_status tsys_fsdp_optim_in_backward(tsys_fsdp *f, tsys_optim *opt);
 // Full fp32 weights (every parameter, by its name: the unprefixed names of the model) as new tensors
 // the caller releases (then TSYS_FREE(*out)); every rank gets them (all ranks must call it).
 TSYSDEF tsys_status tsys_fsdp_gather_full_params(tsys_fsdp *f, tsys_tensor ***out, int *n);
@@ -721,9 +728,10 @@ typedef struct tsys_dist_trainer_desc {
                            //   forward reads instead of casting (tsys_optim_keep_lowp)
     bool lowp_grads;       // DDP and ZERO1 with ddp.ce_gather (or one rank), ALONE, under autocast: the linear weights' gradients in
                            //   the autocast dtype (tsys_model_set_grad_dtype; the model holds no gradient yet)
-    bool opt_in_backward;  // DDP (as tsys_ddp_optim_in_backward needs: NCCL, bucketed), ALONE: AdamW inside
-                           //   backward, each bucket's (ALONE: layer's) update on the background stream once its
-                           //   gradients are in (tsys_optim_overlap_begin_ex); the same bits as after backward
+    bool opt_in_backward;  // DDP (as tsys_ddp_optim_in_backward needs: NCCL, bucketed), FSDP, ALONE: AdamW inside
+                           //   backward, each bucket's (FSDP: unit shard's, ALONE: layer's) update on the background
+                           //   stream once its gradients are in (tsys_optim_overlap_begin_ex, tsys_fsdp_optim_in_backward);
+                           //   the same bits as after backward
     const char *save_dir;  // with save_every > 0: a snapshot of the state (tsys_dist_trainer_state_save) into
     int save_every;        //   save_dir after every save_every-th step, named "step-%06lld" by the step count
     int keep_last;         //   (tsys_dist_trainer_resume sets it); keep_last as tsys_state_desc's
@@ -5490,6 +5498,7 @@ struct tsys_fsdp {
     int recompute;               // inside an activation-checkpoint recompute (its forward ops are backward's)
     int ngathered;
     int near;                    // the unit found last: where the next search starts
+    tsys_optim *ib_opt;          // tsys_fsdp_optim_in_backward: told when each shard's gradient is final, or NULL
     tsys_fsdp_stats stats, cur;
     tsys_status err;
 };
@@ -5581,6 +5590,7 @@ static tsys_status tsys_dist__fsdp_reduce_direct(tsys_fsdp *f, int i) {
     tsys_tensor *g = U->master->grad;
     tsys_status st = U->master->grad_zero ? tsys_tensor_cast_from(f->ctx, g, U->gfull) : tsys_tensor_accumulate(f->ctx, g, U->gfull);
     if (st == TSYS_OK) U->master->grad_zero = false;
+    if (st == TSYS_OK && f->ib_opt) st = tsys_optim_overlap_ready(f->ib_opt, &U->master, 1, TSYS_STREAM_COMPUTE);
     tsys_dist__fsdp_grads_end(f, i);
     return tsys_dist__fsdp_note(f, st);
 }
@@ -5605,6 +5615,7 @@ static tsys_status tsys_dist__fsdp_rs_complete(tsys_fsdp *f, int i) {
         tsys_tensor_release(r32); tsys_tensor_release(sum);
     }
     if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
+    if (st == TSYS_OK && f->ib_opt) st = tsys_optim_overlap_ready(f->ib_opt, &U->master, 1, TSYS_STREAM_COMPUTE);   // the sum is on the compute stream
     if (U->rs_out != g) tsys_tensor_release(U->rs_out);
     U->rs_out = NULL;
     tsys_dist__fsdp_grads_end(f, i);
@@ -5794,6 +5805,7 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
 TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     if (!f) return;
     tsys_ctx *ctx = f->ctx;
+    f->ib_opt = NULL;   // what is in flight settles without an optimizer step
     if (f->built) {   // unhook, settle what is in flight, give the parameters back whole in fp32
         tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, NULL);
         if (now.user == f) tsys_ctx_set_trace_hooks(ctx, &f->prev); else tsys_ctx_set_trace_hooks(ctx, &now);
@@ -6077,11 +6089,19 @@ TSYSDEF tsys_fsdp_stats tsys_fsdp_stats_get(const tsys_fsdp *f) {
     return f ? f->stats : s;
 }
 
+TSYSDEF tsys_status tsys_fsdp_optim_in_backward(tsys_fsdp *f, tsys_optim *opt) {
+    if (!f) return TSYS_ERR_INVALID_ARGS;
+    f->ib_opt = opt;
+    return TSYS_OK;
+}
+
 TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
     if (!f || !ms) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = f->ctx;
     tsys_device dev = f->u[0].master->device;
     *ms = 0;
+    tsys_optim *ib = f->ib_opt;   // no optimizer step here: nothing to tell it
+    f->ib_opt = NULL;
     tsys_status st = tsys_fsdp_finish(f);
     if (st == TSYS_OK) st = tsys_sync(ctx, dev);
     if (st == TSYS_OK) st = tsys_dist_barrier(f->d);
@@ -6111,6 +6131,7 @@ TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
     *ms = (tsys_time_us() - t0) * 1e-3;
     memset(&f->cur, 0, sizeof(f->cur));
     f->ngathered = 0;
+    f->ib_opt = ib;
     return st;
 }
 
@@ -7608,9 +7629,8 @@ struct tsys_dist_trainer {
 
 // desc.lowp_copies and lowp_grads: under autocast, and where the strategy keeps them (the message names the rule).
 static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_desc *desc) {
-    if (desc->opt_in_backward && (desc->mode == TSYS_TRAIN_ZERO1 || desc->mode == TSYS_TRAIN_FSDP)) {
-        tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.opt_in_backward is for DDP and ALONE (%s updates its own shards after backward)",
-                           desc->mode == TSYS_TRAIN_ZERO1 ? "ZERO1" : "FSDP");
+    if (desc->opt_in_backward && desc->mode == TSYS_TRAIN_ZERO1) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.opt_in_backward is for DDP, FSDP and ALONE (ZERO1 updates its own shards after backward)");
         return false;
     }
     const char *what = desc->lowp_copies ? "lowp_copies" : "lowp_grads";
@@ -7637,6 +7657,7 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
     if (desc->mode == TSYS_TRAIN_FSDP) {
         t->fsdp = tsys_fsdp_new(d, params, np, &desc->fsdp);
         if (t->fsdp) t->opt = tsys_adamw_new(ctx, tsys_fsdp_params(t->fsdp), tsys_fsdp_num_params(t->fsdp), NULL);
+        if (t->opt && desc->opt_in_backward) tsys_fsdp_optim_in_backward(t->fsdp, t->opt);
     } else if (desc->lowp_grads && tsys_model_set_grad_dtype(model, desc->autocast) != TSYS_OK) {
         // the context's error names the tensor
     } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_ddp_new(d, params, np, &desc->ddp)) != NULL) {
@@ -7686,7 +7707,7 @@ static void tsys_dist__trainer_body(tsys_dist_trainer *t, tsys_tensor *ids, tsys
     tsys_trace_end(ctx);
     if (tm) clk[1] = tsys_dist__trainer_clock(t);
     tsys_trace_begin(ctx, "backward");
-    if (t->desc.opt_in_backward) tsys_optim_overlap_begin_ex(t->opt, t->ddp ? TSYS_OPTIM_CALLER_READY : 0u);
+    if (t->desc.opt_in_backward) tsys_optim_overlap_begin_ex(t->opt, t->ddp || t->fsdp ? TSYS_OPTIM_CALLER_READY : 0u);   // they say when
     tsys_backward(ctx, loss);
     tsys_tensor_release(loss);
     if (t->ddp) tsys_ddp_finish(t->ddp);

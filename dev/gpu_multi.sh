@@ -158,22 +158,30 @@ PY
         --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv > "$OUT/ce_ddp_${np}_${ce}_$mb.csv" 2>&1
       ddp_rows "$OUT/ce_ddp_${np}_${ce}_$mb.csv" "$np GPU(s), TSYS_DIST_CE=$ce, $mb MB, bucketed"
     done ;;
-  options)  # the 1-GPU step's options on every rank (docs/BENCHMARKS.md section 14's 2 x H200 table): for each of
-             # SCALE_MODELS (default xl), e2e's best 1-GPU step, ddp on 1 rank and gathered on 2 with bf16 gradients, kept
-             # copies and AdamW in backward, ZeRO-1 gathered with bf16 gradients, FSDP; torch DDP / FSDP2 when TORCH=1
+  options)  # the 1-GPU step's options on every rank (docs/BENCHMARKS.md section 14's tables): for each of SCALE_MODELS
+             # (default xl), e2e's best 1-GPU step, ddp on 1 rank, then on each of NPS ranks (default 2): DDP gathered and
+             # DDP through NCCL with kept copies and AdamW in backward (bf16 gradients where gathered), ZeRO-1 gathered
+             # with bf16 gradients, FSDP; torch DDP / FSDP2 eager and compiled when TORCH=1
     D="--device cuda --dtype bf16 --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv"
     O="--lowp-copies yes --lowp-grads yes --opt-in-backward yes"
     for M in $(echo "${SCALE_MODELS:-xl}" | tr , ' '); do
       timeout 200 $G/e2e_cuda --device cuda --mode train --model $M --dtype bf16 --compile yes $O --batch-size 4 --context-length 256 --warmup 3 --steps 10 --no-sgemm --format csv > "$OUT/options_${M}_e2e.csv" 2>&1
-      timeout 200 $G/ddp_cuda $D --nproc 1 --model $M --strategy bucketed --bucket-mb 200 $O --compile no,yes > "$OUT/options_${M}_ddp1.csv" 2>&1
-      timeout 200 $G/ddp_cuda $D --nproc 2 --model $M --strategy bucketed --bucket-mb 200 --grad-comm gather $O --compile no,yes > "$OUT/options_${M}_ddp2.csv" 2>&1
-      timeout 200 $G/ddp_cuda $D --nproc 2 --model $M --strategy zero1 --bucket-mb 200 --grad-comm gather --lowp-grads yes --compile no,yes > "$OUT/options_${M}_zero1.csv" 2>&1
-      timeout 200 $G/ddp_cuda $D --nproc 2 --model $M --strategy fsdp --compile no,yes > "$OUT/options_${M}_fsdp.csv" 2>&1
-      [ -n "${TORCH:-}" ] && timeout 400 torchrun --nproc_per_node 2 tests/ref/torch_ddp.py --part ddp --device cuda --model $M --dtype bf16 --context-length 256 \
-        --batch-size 4 --strategy bucketed,fsdp2 --bucket-mb 100 --attn sdpa --compile no,yes --warmup 3 --steps 5 --format csv > "$OUT/options_${M}_torch.csv" 2>/dev/null
+      timeout 200 $G/ddp_cuda $D --nproc 1 --model $M --strategy bucketed --bucket-mb 200 $O --compile no,yes > "$OUT/options_${M}_1_ddp.csv" 2>&1
       python3 -c 'import csv, sys; L = open(sys.argv[1]).read().splitlines(); h = next((i for i, l in enumerate(L) if l.startswith("device,")), len(L))
 [print(sys.argv[2], "e2e total_ms", r["total_ms"], r["status"]) for r in csv.DictReader(L[h:])]' "$OUT/options_${M}_e2e.csv" "$M"
-      for k in ddp1 ddp2 zero1 fsdp; do ddp_rows "$OUT/options_${M}_$k.csv" "$M $k"; done
+      ddp_rows "$OUT/options_${M}_1_ddp.csv" "$M 1 ddp"
+      for np in ${NPS:-2}; do
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy bucketed --bucket-mb 200 --grad-comm gather $O --compile no,yes > "$OUT/options_${M}_${np}_ddp.csv" 2>&1
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy bucketed --bucket-mb 100 --lowp-copies yes --opt-in-backward yes --compile no,yes > "$OUT/options_${M}_${np}_nccl.csv" 2>&1
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy zero1 --bucket-mb 200 --grad-comm gather --lowp-grads yes --compile no,yes > "$OUT/options_${M}_${np}_zero1.csv" 2>&1
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --compile no,yes > "$OUT/options_${M}_${np}_fsdp.csv" 2>&1
+        for k in ddp nccl zero1 fsdp; do ddp_rows "$OUT/options_${M}_${np}_$k.csv" "$M $np $k"; done
+        [ -n "${TORCH:-}" ] || continue
+        timeout 500 torchrun --nproc_per_node $np tests/ref/torch_ddp.py --part ddp --device cuda --model $M --dtype bf16 --context-length 256 \
+          --batch-size 4 --strategy bucketed,fsdp2 --bucket-mb 100 --attn sdpa --compile no,yes --warmup 3 --steps 5 --format csv > "$OUT/options_${M}_${np}_torch.csv" 2>/dev/null
+        python3 -c 'import csv, sys; L = open(sys.argv[1]).read().splitlines(); h = next((i for i, l in enumerate(L) if l.startswith("device,")), len(L))
+[print(sys.argv[2], "torch", r.get("strategy", ""), "compiled", r.get("compiled", ""), "step_ms", r.get("step_ms", ""), r.get("status", "")[:60]) for r in csv.DictReader(l for l in L[h:] if l.strip())]' "$OUT/options_${M}_${np}_torch.csv" "$M $np"
+      done
     done ;;
   gather)  # tsys_ddp_desc.ce_gather: AdamW's rank sums on GPU 0, the DDP tests at 2 ranks (captured against NCCL, bitwise),
             # then MODEL's step on 1 GPU and on 2 (GATHER_BASE: DDP through NCCL and the copy-engine all-reduce), then GATHER_RUNS

@@ -123,8 +123,8 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
 
 // Why --lowp-copies / --lowp-grads / --opt-in-backward do not apply to a configuration (NULL: they do, or are off).
 static const char *lowp_skip(const ddp_opts *o, const config *cf, const tsys_dist *d, tsys_device dev) {
-    if (!strcmp(o->in_backward, "yes")) {
-        if (cf->s == S_ZERO1 || cf->s == S_FSDP) return "--opt-in-backward is for the DDP strategies";
+    if (!strcmp(o->in_backward, "yes") && cf->s != S_FSDP) {   // FSDP's units are summed on the compute stream: any device, any engine
+        if (cf->s == S_ZERO1) return "--opt-in-backward is for the DDP strategies and FSDP";
         if (cf->s != S_BUCKETED && cf->s != S_OVERLAP) return "--opt-in-backward needs a strategy that sends gradients during backward (bucketed, overlap)";
         if (dev != TSYS_CUDA || (tsys_dist_engine_of(d) != TSYS_DIST_ENGINE_NCCL && tsys_dist_size(d) > 1)) return "--opt-in-backward needs --device cuda with NCCL";
     }
@@ -324,9 +324,10 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_CHOICE("lowp-grads", &o.lowp_grads, "no", "no|yes", "yes: the linear weights' gradients in bf16, as autocast's matmul writes them\n"
                        "(tsys_dist_trainer_desc.lowp_grads): half the bytes to send and for AdamW to read;\n"
                        "with --grad-comm gather (whose AdamW widens and sums them in fp32) or one rank"),
-        DU_FLAG_CHOICE("opt-in-backward", &o.in_backward, "no", "no|yes", "yes: each bucket's AdamW update on a background stream as soon as its\n"
-                       "gradients are in on every rank, beside the rest of backward (tsys_dist_trainer_desc\n"
-                       ".opt_in_backward; bucketed or overlap, cuda with NCCL); the same bits"),
+        DU_FLAG_CHOICE("opt-in-backward", &o.in_backward, "no", "no|yes", "yes: each bucket's (fsdp: unit's) AdamW update on a background stream as\n"
+                       "soon as its gradients are in on every rank, beside the rest of backward\n"
+                       "(tsys_dist_trainer_desc.opt_in_backward; bucketed or overlap on cuda with NCCL,\n"
+                       "or fsdp); the same bits"),
         DU_FLAG_LIST("compile", &o.compiles, "no", "no|yes", "yes: capture the whole step as one CUDA graph after warmup (at least one\n"
                      "step) and time its replays (cuda with NCCL only)"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),

@@ -1012,7 +1012,7 @@ TSYS_TEST(trainer_ddp_opt_in_backward) {
         memset(&td, 0, sizeof(td));
         td.mode = k ? TSYS_TRAIN_DDP : TSYS_TRAIN_ZERO1; td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 0.01; td.autocast = TSYS_F32; td.opt_in_backward = true;
         tsys_dist_trainer *t = m ? tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td) : NULL;
-        const char *says = k ? "tsys_ddp_optim_in_backward: it needs CUDA tensors on NCCL ranks" : "desc.opt_in_backward is for DDP and ALONE";
+        const char *says = k ? "tsys_ddp_optim_in_backward: it needs CUDA tensors on NCCL ranks" : "desc.opt_in_backward is for DDP, FSDP and ALONE";
         if (k == 0 || !nccl) {
             TEST_CHECK(!t && strstr(tsys_ctx_last_error(g_ctx), says), "rank %d: %s (wanted a refusal naming '%s')", g_rank, t ? "made" : tsys_ctx_last_error(g_ctx), says);
             tsys_ctx_clear_error(g_ctx);

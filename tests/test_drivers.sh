@@ -937,7 +937,7 @@ t_result_files_are_whole_or_absent() {
 
 # ddp --lowp-copies / --lowp-grads / --opt-in-backward: three columns of every row; kept copies train under
 # bf16 on the CPU; where an option does not apply (fp32, kept copies under ZeRO-1, --lowp-grads without --grad-comm gather,
-# which needs GPUs; AdamW in backward with flat, or on the CPU) the row is skipped with the rule.
+# which needs GPUs; AdamW in backward with flat, on the CPU but under FSDP, or under ZeRO-1) the row is skipped with the rule.
 t_dist_ddp_lowp() {
   [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --dtype fp32,bf16 --strategy bucketed,zero1 --bucket-mb 1 --lowp-copies yes
@@ -956,6 +956,10 @@ t_dist_ddp_lowp() {
   expect_rc 0 "ddp --opt-in-backward yes on the CPU"
   expect_in "$tmp/out" '^cpu,custom,2,flat,.*skipped: --opt-in-backward needs a strategy that sends gradients during backward' "flat: skipped"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,.*,no,no,yes,.*skipped: --opt-in-backward needs --device cuda with NCCL' "the CPU: skipped"
+  run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy fsdp,zero1 --opt-in-backward yes
+  expect_rc 0 "ddp --opt-in-backward yes under FSDP and ZeRO-1"
+  expect_in "$tmp/out" '^cpu,custom,2,fsdp,.*,no,no,yes,[0-9.]+,.*,ok$' "fsdp: a measured row on the CPU"
+  expect_in "$tmp/out" '^cpu,custom,2,zero1,.*skipped: --opt-in-backward is for the DDP strategies and FSDP$' "zero1: skipped"
 }
 
 # ddp --profile: rank 0's profile of one more eager step of each configuration, its phases as the

@@ -617,6 +617,26 @@ TSYS_TEST(fsdp_lm_bf16) {
 // The tiny cs336 model trained `steps` AdamW steps under FSDP with desc *fd (batch 2 per rank, the
 // same batches every call): each step's loss on this rank, the full fp32 parameters after the last
 // (host copies, *n of them, ne[i] elements each) and the last step's stats.
+// g_in_backward: AdamW inside backward (tsys_fsdp_optim_in_backward), each step checked: when backward and finish
+// are done, before overlap_end, every unit's shard holds new values and every replicated parameter its old ones.
+static bool g_in_backward;
+static float **fsdp_lm_snapshot(tsys_fsdp *f) {
+    float **v = (float **)calloc((size_t)tsys_fsdp_num_params(f), sizeof(float *));
+    for (int i = 0; v && i < tsys_fsdp_num_params(f); i++) v[i] = test_read(C, tsys_fsdp_params(f)[i]);
+    return v;
+}
+static void fsdp_lm_in_backward_check(tsys_fsdp *f, float **before, int step) {
+    tsys_sync(C, g_dev);
+    for (int i = 0; before && i < tsys_fsdp_num_params(f); i++) {
+        tsys_tensor *p = tsys_fsdp_params(f)[i];
+        float *now = test_read(C, p);
+        const bool changed = now && before[i] && !same_bits_host(now, before[i], (long)tsys_tensor_numel(p));
+        TEST_CHECK(changed == tsys_fsdp_param_is_shard(f, i), "step %d, %s %s: %s before overlap_end", step, tsys_fsdp_param_is_shard(f, i) ? "shard" : "replicated",
+                   p->name, changed ? "updated" : "not updated");
+        free(now); free(before[i]);
+    }
+    free(before);
+}
 static float **fsdp_lm_run(const tsys_fsdp_desc *fd, const char *policy, int steps, float *loss, int *n, long *ne, tsys_fsdp_stats *last) {
     tsys_model_desc d = tiny_desc();
     d.checkpoint = policy;
@@ -627,13 +647,18 @@ static float **fsdp_lm_run(const tsys_fsdp_desc *fd, const char *policy, int ste
     tsys_fsdp *f = tsys_fsdp_new(g_d, tsys_model_params(m), np, fd);
     TEST_CHECK(f != NULL, "tsys_fsdp_new: %s", tsys_ctx_last_error(C));
     tsys_optim *opt = f ? tsys_adamw_new(C, tsys_fsdp_params(f), tsys_fsdp_num_params(f), &od) : NULL;
+    if (opt && g_in_backward) TEST_CHECK(tsys_fsdp_optim_in_backward(f, opt) == TSYS_OK, "tsys_fsdp_optim_in_backward: %s", tsys_ctx_last_error(C));
     for (int it = 0; f && it < steps; it++) {
         tsys_tensor *ids, *tgt;
         lm_batch(900 + (uint64_t)it, B * g_world, T, d.vocab_size, B * g_rank, B * (g_rank + 1), &ids, &tgt);
         tsys_optim_zero_grad(opt);
+        float **before = g_in_backward ? fsdp_lm_snapshot(f) : NULL;
+        if (g_in_backward) TEST_CHECK(tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_CALLER_READY) == TSYS_OK, "overlap_begin: %s", tsys_ctx_last_error(C));
         loss[it] = lm_backward(m, ids, tgt, 1.0f);
         TEST_CHECK(tsys_fsdp_finish(f) == TSYS_OK, "finish: %s", tsys_ctx_last_error(C));
-        tsys_optim_step(opt);
+        if (g_in_backward) fsdp_lm_in_backward_check(f, before, it);
+        if (g_in_backward) TEST_CHECK(tsys_optim_overlap_end(opt) == TSYS_OK, "overlap_end: %s", tsys_ctx_last_error(C));
+        else tsys_optim_step(opt);
         tsys_tensor_release(ids); tsys_tensor_release(tgt);
     }
     float **host = NULL;
@@ -681,6 +706,33 @@ static void fsdp_paths_agree(tsys_dtype cdt, const char *policy) {
 }
 
 TSYS_TEST(fsdp_paths_agree_fp32) { fsdp_paths_agree(TSYS_F32, NULL); }
+// AdamW inside backward (tsys_fsdp_optim_in_backward) against the step after it, 4 steps, bit for bit: each unit's
+// shard updated before overlap_end (the replicated parameters by it), for units gathered again for their backward
+// and kept from their forward (in a group of one the direct path, in fp32 the weights the master itself).
+static void fsdp_in_backward(tsys_dtype cdt) {
+    enum { STEPS = 4 };
+    for (int k = 0; k < 2; k++) {
+        float la[STEPS], lb[STEPS];
+        int na = 0, nb = 0;
+        long nea[64], neb[64];
+        tsys_fsdp_stats sa, sb;
+        tsys_fsdp_desc fd = {cdt, false, k ? TSYS_FSDP_RESHARD_NO : TSYS_FSDP_RESHARD_YES, false};
+        float **a = fsdp_lm_run(&fd, NULL, STEPS, la, &na, nea, &sa);
+        g_in_backward = true;
+        float **b = fsdp_lm_run(&fd, NULL, STEPS, lb, &nb, neb, &sb);
+        g_in_backward = false;
+        TEST_CHECK(a && b && na == nb && na > 0 && na <= 64, "runs: %d and %d parameters", na, nb);
+        TEST_CHECK(memcmp(la, lb, sizeof(la)) == 0, "%s: losses after backward %.9g %.9g %.9g %.9g, in it %.9g %.9g %.9g %.9g", k ? "kept" : "resharded",
+                   la[0], la[1], la[2], la[3], lb[0], lb[1], lb[2], lb[3]);
+        for (int i = 0; a && b && i < na && i < nb && i < 64; i++)
+            TEST_CHECK(nea[i] == neb[i] && same_bits_host(a[i], b[i], nea[i]), "%s: parameter %d (%ld elements) differs after %d steps", k ? "kept" : "resharded", i, nea[i], STEPS);
+        for (int i = 0; a && b && i < na && i < nb; i++) free(a[i]), free(b[i]);
+        free(a); free(b);
+    }
+    TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
+}
+TSYS_TEST(fsdp_optim_in_backward_fp32) { fsdp_in_backward(TSYS_F32); }
+TSYS_TEST(fsdp_optim_in_backward_bf16) { fsdp_in_backward(TSYS_BF16); }
 TSYS_TEST(fsdp_paths_agree_bf16) { fsdp_paths_agree(TSYS_BF16, NULL); }
 TSYS_TEST(fsdp_paths_agree_bf16_checkpoint) { fsdp_paths_agree(TSYS_BF16, "blocks:1"); }
 
@@ -927,6 +979,13 @@ TSYS_TEST(fsdp_state_sharded_resume) { state_procedure(g_ctx, g_ref, TSYS_TRAIN_
 // FSDP's step captured as one CUDA graph and replayed against eager steps (tests/state_dist.h); where it
 // cannot be captured (the CPU, host staging), the refusal.
 TSYS_TEST(trainer_compiled_fsdp) { compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "compiled_fsdp"); }
+// The same with AdamW inside backward in the captured (or, where it cannot be captured, the second eager) run:
+// its replays against eager steps with AdamW after backward.
+TSYS_TEST(trainer_fsdp_opt_in_backward) {
+    compiled_in_backward = true;
+    compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "fsdp_in_backward");
+    compiled_in_backward = false;
+}
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
