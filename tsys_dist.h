@@ -5454,6 +5454,12 @@ TSYSDEF tsys_status tsys_ddp_attach_zero1(tsys_ddp *ddp, tsys_zero1 *z) {
 // Ordering on GPUs: an NCCL collective starts on the side stream after the compute stream's work so
 // far, so a unit's reallocated memory is never written while an earlier op still reads it; the wait
 // makes the compute stream wait for the gather (no host sync).
+// Units kept from forward through backward, with AdamW inside backward (tsys_fsdp_optim_in_backward):
+// once a unit's backward is over and its shard updated, its new weights are gathered for the next
+// forward beside the rest of backward (the cast on the background stream behind the update, the
+// all-gather on the side stream behind the cast), so the next forward gathers nothing. Its weights keep
+// their memory from step to step (the all-gather writes over them): a captured step replays at the
+// addresses it recorded. tsys_fsdp_finish waits for those gathers.
 
 typedef struct tsys_dist__fsdp_unit {
     char name[TSYS_NAME_LEN];
@@ -5468,6 +5474,7 @@ typedef struct tsys_dist__fsdp_unit {
     tsys_tensor *rs_out;         // reduce-scatter output (compute dtype S) while in flight
     tsys_dist_work *ag, *rs;
     bool gathered;
+    bool next;                   // being gathered in this backward for the next forward (tsys_dist__fsdp_gather_next)
     int ready;                   // gradients final in this backward
     int seen_fwd, seen_bwd;      // its ops met in this forward / backward
 } tsys_dist__fsdp_unit;
@@ -5493,12 +5500,14 @@ struct tsys_fsdp {
     bool built;                  // the parameters were moved in (free gives them back)
     bool agreed;                 // every rank has the same units: the collectives skip their per-call check
     int rs_pending;              // unit whose reduce-scatter is in flight (-1 none)
+    int next_pending;            // unit updated whose gather for the next forward waits for the next reduce-scatter's issue (-1 none)
     tsys_trace_hooks prev;       // hooks installed before ours (chained)
     int in_hook;
     int recompute;               // inside an activation-checkpoint recompute (its forward ops are backward's)
     int ngathered;
     int near;                    // the unit found last: where the next search starts
     tsys_optim *ib_opt;          // tsys_fsdp_optim_in_backward: told when each shard's gradient is final, or NULL
+    tsys_event updated;          // the background stream's update and cast, which a next-forward gather waits for
     tsys_fsdp_stats stats, cur;
     tsys_status err;
 };
@@ -5521,7 +5530,9 @@ static tsys_status tsys_dist__fsdp_gather_direct(tsys_fsdp *f, tsys_dist__fsdp_u
     return st;
 }
 
-static tsys_status tsys_dist__fsdp_gather_issue(tsys_fsdp *f, int i) {
+// behind: the cast runs on the current stream (the background one, after the unit's update) and the
+// all-gather waits for it there too (tsys_dist__fsdp_gather_next).
+static tsys_status tsys_dist__fsdp_gather_start(tsys_fsdp *f, int i, bool behind) {
     tsys_dist__fsdp_unit *U = &f->u[i];
     if (U->gathered || U->ag) return TSYS_OK;
     tsys_ctx *ctx = f->ctx;
@@ -5535,6 +5546,10 @@ static tsys_status tsys_dist__fsdp_gather_issue(tsys_fsdp *f, int i) {
         tsys_no_grad_begin(ctx);
         U->src = tsys_cast(ctx, U->master, f->cdt);   // before communication: half the bytes in bf16/fp16
         tsys_no_grad_end(ctx);
+        if (behind && U->src && (tsys_event_record(ctx, U->master->device, TSYS_STREAM_BACKGROUND, &f->updated) != TSYS_OK ||
+                                 tsys_event_wait(ctx, &f->updated, TSYS_STREAM_SIDE) != TSYS_OK)) {
+            tsys_tensor_release(U->src); U->src = NULL;
+        }
         bool trusting = tsys_dist__trust(f->d, f->agreed);   // every rank agreed on the units at construction
         U->ag = U->src ? tsys_dist_all_gather_async(f->d, U->full, U->src) : NULL;
         tsys_dist__untrust(f->d, trusting);
@@ -5550,6 +5565,31 @@ static tsys_status tsys_dist__fsdp_gather_issue(tsys_fsdp *f, int i) {
         if (!f->alias) tsys_storage_resize(ctx, U->full, 0);
     }
     return tsys_dist__fsdp_note(f, st);
+}
+static tsys_status tsys_dist__fsdp_gather_issue(tsys_fsdp *f, int i) { return tsys_dist__fsdp_gather_start(f, i, false); }
+
+// Whether units are gathered for the next forward in backward (above): kept units, AdamW inside backward,
+// collectives (a group of one casts on the compute stream: nothing to hide).
+static bool tsys_dist__fsdp_gathers_next(const tsys_fsdp *f) { return f->ib_opt && !f->reshard && !f->direct; }
+
+// Unit i's shard was handed to the optimizer (its backward is over): its new weights, gathered into the
+// memory they keep, behind the update. Issued after the next unit's reduce-scatter, not before it: the
+// compute stream waits for that one, and the side stream runs its collectives in order.
+static tsys_status tsys_dist__fsdp_gather_next(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
+    if (!tsys_dist__fsdp_gathers_next(f) || U->ag) return TSYS_OK;
+    if (U->gathered) { U->gathered = false; f->ngathered--; }   // the old weights: read by nothing from here on
+    const tsys_device dev = U->master->device;
+    tsys_stream prev = tsys_set_stream(f->ctx, dev, TSYS_STREAM_BACKGROUND);
+    tsys_status st = tsys_dist__fsdp_gather_start(f, i, true);
+    tsys_set_stream(f->ctx, dev, prev);
+    U->next = st == TSYS_OK;
+    return st;
+}
+static tsys_status tsys_dist__fsdp_next_flush(tsys_fsdp *f) {
+    const int i = f->next_pending;
+    f->next_pending = -1;
+    return i >= 0 ? tsys_dist__fsdp_gather_next(f, i) : TSYS_OK;
 }
 
 static tsys_status tsys_dist__fsdp_gather_wait(tsys_fsdp *f, int i) {
@@ -5616,6 +5656,7 @@ static tsys_status tsys_dist__fsdp_rs_complete(tsys_fsdp *f, int i) {
     }
     if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
     if (st == TSYS_OK && f->ib_opt) st = tsys_optim_overlap_ready(f->ib_opt, &U->master, 1, TSYS_STREAM_COMPUTE);   // the sum is on the compute stream
+    if (st == TSYS_OK && tsys_dist__fsdp_gathers_next(f)) f->next_pending = i;
     if (U->rs_out != g) tsys_tensor_release(U->rs_out);
     U->rs_out = NULL;
     tsys_dist__fsdp_grads_end(f, i);
@@ -5680,6 +5721,7 @@ static void tsys_dist__fsdp_grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user
     f->cur.reduce_scatters++;
     f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
     f->rs_pending = i;
+    tsys_dist__fsdp_note(f, tsys_dist__fsdp_next_flush(f));
 }
 
 static void tsys_dist__fsdp_rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user) {
@@ -5765,8 +5807,10 @@ static void tsys_dist__fsdp_op_end(tsys_ctx *ctx, const char *name, tsys_trace_k
         if (kind == TSYS_TRACE_FORWARD) {
             // the last unit serves backward next; without resharding every unit whose backward reads
             // its weights stays gathered for it (has_linear is known by its last forward op)
-            if (++U->seen_fwd == U->np && i != f->nu - 1 && (f->reshard || !U->has_linear)) tsys_dist__fsdp_release(f, i);
-        } else if (++U->seen_bwd == U->np) tsys_dist__fsdp_release(f, i);
+            // (gathered for the next forward in backward, a unit keeps its memory: the embedding too)
+            const bool drop = f->reshard || (!U->has_linear && !tsys_dist__fsdp_gathers_next(f));
+            if (++U->seen_fwd == U->np && i != f->nu - 1 && drop) tsys_dist__fsdp_release(f, i);
+        } else if (++U->seen_bwd == U->np && !tsys_dist__fsdp_gathers_next(f)) tsys_dist__fsdp_release(f, i);
         f->in_hook--;
     }
     if (f->prev.op_end) f->prev.op_end(ctx, name, kind, f->prev.user);
@@ -5779,11 +5823,19 @@ static void tsys_dist__fsdp_mem(tsys_ctx *ctx, const tsys_mem_event *e, void *us
 TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
     if (!f) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = TSYS_OK;
-    for (int i = 0; i < f->nu; i++) {
+    for (int i = 0; i < f->nu; i++)
         if (f->u[i].rs) { tsys_status s2 = tsys_dist__fsdp_rs_complete(f, i); if (st == TSYS_OK) st = s2; }
-        tsys_dist__fsdp_release(f, i);
-        for (int k = 0; k < f->u[i].np; k++) if (f->u[i].p[k]->grad) { tsys_tensor_release(f->u[i].p[k]->grad); f->u[i].p[k]->grad = NULL; }
-        tsys_storage_resize(f->ctx, f->u[i].gfull, 0);
+    tsys_status s1 = tsys_dist__fsdp_next_flush(f);
+    if (st == TSYS_OK) st = s1;
+    int gathered = 0;
+    for (int i = 0; i < f->nu; i++) {   // what is gathered for the next forward stays (the wait is the compute stream's); the rest goes
+        tsys_dist__fsdp_unit *U = &f->u[i];
+        if (U->next) { tsys_status s2 = tsys_dist__fsdp_gather_wait(f, i); if (st == TSYS_OK) st = s2; }
+        else tsys_dist__fsdp_release(f, i);
+        U->next = false;
+        gathered += U->gathered;
+        for (int k = 0; k < U->np; k++) if (U->p[k]->grad) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
+        tsys_storage_resize(f->ctx, U->gfull, 0);
     }
     f->rs_pending = -1;
     double t0 = tsys_time_us();
@@ -5791,7 +5843,7 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
     f->cur.wait_ms += (tsys_time_us() - t0) * 1e-3;
     f->nrep_work = 0;
     for (int i = 0; i < f->nu; i++) f->u[i].seen_fwd = f->u[i].seen_bwd = 0;
-    f->ngathered = 0;
+    f->ngathered = gathered;
     tsys_fsdp_stats keep = f->stats;
     f->stats = f->cur;
     f->stats.num_units = keep.num_units; f->stats.sharded_numel = keep.sharded_numel;
@@ -5810,6 +5862,7 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
         tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, NULL);
         if (now.user == f) tsys_ctx_set_trace_hooks(ctx, &f->prev); else tsys_ctx_set_trace_hooks(ctx, &now);
         tsys_fsdp_finish(f);
+        for (int i = 0; i < f->nu; i++) tsys_dist__fsdp_release(f, i);   // compute-dtype weights gathered for a next forward
         for (int i = 0; i < f->nrep; i++) tsys_tensor_remove_grad_hook(f->rep[i], tsys_dist__fsdp_rep_ready, f);
         f->cdt = TSYS_F32;
         for (int i = 0; i < f->nu; i++) {
@@ -5835,6 +5888,7 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     }
     for (int i = 0; i < f->nrep; i++) tsys_tensor_release(f->rep[i]);
     for (int i = 0; i < f->nfrozen; i++) tsys_tensor_release(f->frozen[i]);
+    if (f->updated.handle) tsys_event_release(ctx, &f->updated);
     TSYS_DIST__RELEASE(f->u); TSYS_DIST__RELEASE(f->rep); TSYS_DIST__RELEASE(f->frozen); TSYS_DIST__RELEASE(f->local);
     TSYS_DIST__RELEASE(f->rep_work);
     TSYS_DIST__RELEASE(f);
@@ -5885,7 +5939,7 @@ static tsys_fsdp *tsys_dist__fsdp_alloc(tsys_dist *d, const tsys_fsdp_desc *dd, 
     tsys_fsdp *f = (tsys_fsdp *)TSYS_DIST__ALLOC(sizeof(tsys_fsdp));
     if (!f) { tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: out of host memory"); return NULL; }
     memset(f, 0, sizeof(*f));
-    f->d = d; f->ctx = ctx; f->cdt = dd->compute_dtype; f->prefetch = !dd->no_prefetch; f->rs_pending = -1;
+    f->d = d; f->ctx = ctx; f->cdt = dd->compute_dtype; f->prefetch = !dd->no_prefetch; f->rs_pending = -1; f->next_pending = -1;
     f->direct = tsys_dist_size(d) == 1 && !dd->no_shortcut;
     f->alias = f->direct && f->cdt == TSYS_F32;
     f->reshard = dd->reshard_after_forward == TSYS_FSDP_RESHARD_YES || (dd->reshard_after_forward == TSYS_FSDP_RESHARD_AUTO && tsys_dist_size(d) > 1);
@@ -7599,6 +7653,7 @@ TSYSDEF tsys_status tsys_fsdp_state_save(tsys_fsdp *f, const char *dir, const ts
 
 TSYSDEF tsys_status tsys_fsdp_state_load(tsys_fsdp *f, const char *path, const tsys_state_desc *desc, tsys_state_info *info) {
     if (!tsys_dist__state_args_ok(f ? f->ctx : NULL, f, path, desc, "tsys_fsdp_state_load")) return TSYS_ERR_INVALID_ARGS;
+    for (int i = 0; i < f->nu; i++) tsys_dist__fsdp_release(f, i);   // weights gathered for a next forward: the masters change
     tsys_dist__state_plan p;
     memset(&p, 0, sizeof(p));
     tsys_dist__fsdp_plan(f, desc->optim, &p);

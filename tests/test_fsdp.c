@@ -728,6 +728,13 @@ static void fsdp_in_backward(tsys_dtype cdt) {
             TEST_CHECK(nea[i] == neb[i] && same_bits_host(a[i], b[i], nea[i]), "%s: parameter %d (%ld elements) differs after %d steps", k ? "kept" : "resharded", i, nea[i], STEPS);
         for (int i = 0; a && b && i < na && i < nb; i++) free(a[i]), free(b[i]);
         free(a); free(b);
+        // kept units with collectives: each gathered once a step, in backward for the next forward, and all of
+        // them gathered when the step ends
+        const bool next = k && g_world > 1;
+        TEST_CHECK(sb.all_gathers == sa.all_gathers && sb.reduce_scatters == sa.reduce_scatters, "%s: %d all-gathers and %d reduce-scatters in a step, "
+                   "%d and %d after backward", k ? "kept" : "resharded", sb.all_gathers, sb.reduce_scatters, sa.all_gathers, sa.reduce_scatters);
+        TEST_CHECK(sb.max_units_gathered == (next ? sb.num_units : sa.max_units_gathered), "%s: at most %d units gathered at once (after backward %d, %d units)",
+                   k ? "kept" : "resharded", sb.max_units_gathered, sa.max_units_gathered, sb.num_units);
     }
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
@@ -980,10 +987,14 @@ TSYS_TEST(fsdp_state_sharded_resume) { state_procedure(g_ctx, g_ref, TSYS_TRAIN_
 // cannot be captured (the CPU, host staging), the refusal.
 TSYS_TEST(trainer_compiled_fsdp) { compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "compiled_fsdp"); }
 // The same with AdamW inside backward in the captured (or, where it cannot be captured, the second eager) run:
-// its replays against eager steps with AdamW after backward.
+// its replays against eager steps with AdamW after backward; units resharded, and kept (gathered for the next
+// forward inside backward).
 TSYS_TEST(trainer_fsdp_opt_in_backward) {
     compiled_in_backward = true;
     compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "fsdp_in_backward");
+    compiled_fsdp_keep = true;   // units gathered for the next forward inside backward
+    compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "fsdp_in_backward_kept");
+    compiled_fsdp_keep = false;
     compiled_in_backward = false;
 }
 
