@@ -17,9 +17,9 @@
 #                  profiled by the built-in profiler (tables + Chrome traces in $OUT/profile or ./profile), then
 #                  one summary table per question of the report
 #     ddp          CS336 naive/flat/overlap/bucketed DDP and ZeRO-1 (problems 14-19, 22) on DDP_NPROC ranks
-#                  (default: 2 CPU ranks, or one rank per GPU; the built-in launcher); on 2 GPUs the captured step with the
-#                  1-GPU options (bf16 gradients gathered, kept copies, AdamW in backward) on 1 and 2 ranks; then the
-#                  accounting prediction (problem 22, DDP vs ZeRO-1/2/3)
+#                  (default: 2 CPU ranks, or one rank per GPU; the built-in launcher); on GPUs the fastest captured step
+#                  on 1 rank and on DDP_NPROC (2: DDP with bf16 gradients gathered, kept copies, AdamW in backward; more:
+#                  FSDP with units kept and AdamW in backward); then the accounting prediction (problem 22, DDP vs ZeRO-1/2/3)
 #     checkpoint   CS336 (S26) gradient_checkpointing: the xl block's accounting at context 2048, batch 4, fp32 per policy
 #                  (the reference's 3651 / 14605 / 160 MiB), then step time, bytes kept and peak per policy (CKPT_POLICIES;
 #                  cuda: xl fp32 context 2048 and 2.7B bf16 context 1024; cpu: the first model of MODELS at CONTEXT)
@@ -121,14 +121,18 @@ for s in "${sections[@]}"; do
     echo "## DDP: naive, flat, overlap, bucketed ($DDP_BUCKETS MB), ZeRO-1 ($DEVICE, $DDP_NPROC ranks, $DDP_MODELS, batch 4 per rank, context $DDP_CONTEXT, warmup $DDP_WARMUP, $DDP_STEPS steps)"
     $DDP --device "$DEVICE" --nproc "$DDP_NPROC" --model "$DDP_MODELS" --strategy naive,flat,overlap,bucketed,zero1 --bucket-mb "$DDP_BUCKETS" \
          --dtype "$DDP_DTYPES" --context-length "$DDP_CONTEXT" --warmup "$DDP_WARMUP" --steps "$DDP_STEPS" --format "$FORMAT" | save ddp.$FORMAT || rc=$?
-    if [ "$DEVICE" = cuda ] && [ "$DDP_NPROC" -eq 2 ]; then   # the gather is for 2 ranks (it moves (ranks - 1) x the gradients)
+    if [ "$DEVICE" = cuda ] && [ "$DDP_NPROC" -ge 2 ]; then   # the fastest captured step of 1 GPU and of DDP_NPROC (BENCHMARKS section 14)
+      O=(--model "$DDP_MODELS" --dtype bf16 --compile yes --context-length "$DDP_CONTEXT" --warmup "$DDP_WARMUP" --steps "$DDP_STEPS" --format "$FORMAT")
+      K=(--lowp-copies yes --lowp-grads yes --opt-in-backward yes)
       echo
-      echo "## DDP with the 1-GPU step's options (bf16 gradients gathered, kept copies, AdamW in backward), captured: 1 and 2 ranks"
-      for np in 1 2; do
-        $DDP --device cuda --nproc $np --model "$DDP_MODELS" --strategy bucketed --bucket-mb 200 --grad-comm "$([ $np -eq 2 ] && echo gather || echo fp32)" \
-             --dtype bf16 --lowp-copies yes --lowp-grads yes --opt-in-backward yes --compile yes --context-length "$DDP_CONTEXT" \
-             --warmup "$DDP_WARMUP" --steps "$DDP_STEPS" --format "$FORMAT" | save ddp_options_${np}.$FORMAT || rc=$?
-      done
+      echo "## The fastest captured step: 1 rank with the 1-GPU step's options (kept copies, bf16 gradients, AdamW in backward); $DDP_NPROC ranks:" \
+           "$([ "$DDP_NPROC" -eq 2 ] && echo "DDP, gradients gathered" || echo "FSDP, units kept, AdamW in backward")"
+      $DDP --device cuda --nproc 1 --strategy bucketed --bucket-mb 200 "${K[@]}" "${O[@]}" | save ddp_fastest_1.$FORMAT || rc=$?
+      if [ "$DDP_NPROC" -eq 2 ]; then   # the gather moves (ranks - 1) x the gradients a rank: for 2 ranks
+        $DDP --device cuda --nproc 2 --strategy bucketed --bucket-mb 200 --grad-comm gather "${K[@]}" "${O[@]}"
+      else
+        $DDP --device cuda --nproc "$DDP_NPROC" --strategy fsdp --fsdp-reshard no --opt-in-backward yes "${O[@]}"
+      fi | save ddp_fastest_$DDP_NPROC.$FORMAT || rc=$?
     fi
     echo
     echo "## Accounting: bytes per rank and sent per step, DDP vs ZeRO-1 (ZeRO-2/3 on paper), $DDP_NPROC ranks"
