@@ -998,6 +998,35 @@ TSYS_TEST(trainer_fsdp_opt_in_backward) {
     compiled_in_backward = false;
 }
 
+// A snapshot loaded into a trainer whose units are gathered for its next forward (units kept, AdamW inside
+// backward) must be what that forward reads: trainer A takes steps 0-2, saves at 2, takes step 2 (its units now
+// hold step 3's weights), loads the step-2 snapshot and takes steps 2-3; a fresh trainer B loads the same
+// snapshot and takes steps 2-3. Both final states bitwise equal.
+TSYS_TEST(trainer_fsdp_load_drops_next_gathers) {
+    if (STATE_ROWS % g_world) { if (g_rank == 0) printf("(skipped: %d ranks do not divide %d rows) ", g_world, STATE_ROWS); return; }
+    char dir[512];
+    state_dir(dir, sizeof(dir), "fsdp_load_next");
+    compiled_fsdp_keep = true;
+    for (int k = 0; k < 2; k++) {   // one FSDP per context: A, then B
+        tsys_model *m;
+        tsys_dist_trainer *t = compiled_trainer(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, &m, false, true);
+        TEST_CHECK(t != NULL, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        if (k == 0) {
+            state_steps(g_ctx, t, false, 0, 2);
+            TEST_CHECK(t && state_save(t, dir, "s2", 2) == TSYS_OK, "rank %d: save: %s", g_rank, tsys_ctx_last_error(g_ctx));
+            state_steps(g_ctx, t, false, 2, 3);
+        }
+        int64_t step = -1;
+        TEST_CHECK(t && state_load(t, dir, "s2", &step) == TSYS_OK && step == 2, "rank %d: load: step %lld, %s", g_rank, (long long)step, tsys_ctx_last_error(g_ctx));
+        state_steps(g_ctx, t, false, 2, 4);
+        TEST_CHECK(t && state_save(t, dir, k ? "b4" : "a4", 4) == TSYS_OK, "rank %d: save: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        state_drop(t, m);
+    }
+    compiled_fsdp_keep = false;
+    if (state_all(tsys_ctx_status(g_ctx) == TSYS_OK)) state_same(g_ctx, dir, "a4", "b4", -1, "loaded over gathered weights against a fresh load");
+    state_procedure_end(g_ctx, dir);
+}
+
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------
 
 int main(int argc, char **argv) {
