@@ -5475,6 +5475,7 @@ typedef struct tsys_dist__fsdp_unit {
     tsys_dist_work *ag, *rs;
     bool gathered;
     bool next;                   // being gathered in this backward for the next forward (tsys_dist__fsdp_gather_next)
+    bool said;                   // its shard handed to the optimizer in this step (tsys_fsdp_optim_in_backward)
     int ready;                   // gradients final in this backward
     int seen_fwd, seen_bwd;      // its ops met in this forward / backward
 } tsys_dist__fsdp_unit;
@@ -5631,6 +5632,7 @@ static tsys_status tsys_dist__fsdp_reduce_direct(tsys_fsdp *f, int i) {
     tsys_status st = U->master->grad_zero ? tsys_tensor_cast_from(f->ctx, g, U->gfull) : tsys_tensor_accumulate(f->ctx, g, U->gfull);
     if (st == TSYS_OK) U->master->grad_zero = false;
     if (st == TSYS_OK && f->ib_opt) st = tsys_optim_overlap_ready(f->ib_opt, &U->master, 1, TSYS_STREAM_COMPUTE);
+    U->said = f->ib_opt && st == TSYS_OK;
     tsys_dist__fsdp_grads_end(f, i);
     return tsys_dist__fsdp_note(f, st);
 }
@@ -5656,6 +5658,7 @@ static tsys_status tsys_dist__fsdp_rs_complete(tsys_fsdp *f, int i) {
     }
     if (st == TSYS_OK) U->master->grad_zero = false;   // the flag is the leaf's: its .grad holds values now
     if (st == TSYS_OK && f->ib_opt) st = tsys_optim_overlap_ready(f->ib_opt, &U->master, 1, TSYS_STREAM_COMPUTE);   // the sum is on the compute stream
+    U->said = f->ib_opt && st == TSYS_OK;
     if (st == TSYS_OK && tsys_dist__fsdp_gathers_next(f)) f->next_pending = i;
     if (U->rs_out != g) tsys_tensor_release(U->rs_out);
     U->rs_out = NULL;
@@ -5700,6 +5703,11 @@ static void tsys_dist__fsdp_grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user
     int i = tsys_dist__fsdp_unit_of(f, p);
     tsys_dist__fsdp_unit *U = i >= 0 ? &f->u[i] : NULL;
     if (!U || ++U->ready < U->np) return;
+    if (U->said) {   // the optimizer updated the shard from the first backward's gradients: these would be lost
+        tsys_dist__fsdp_note(f, tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: unit '%s' has gradients again before tsys_fsdp_finish, and its AdamW "
+                                                   "step ran inside the first backward (tsys_fsdp_optim_in_backward): one backward a step", U->name));
+        return;
+    }
     if (f->direct) {
         f->cur.reduce_scatters++;
         f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
@@ -5832,7 +5840,7 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
         tsys_dist__fsdp_unit *U = &f->u[i];
         if (U->next) { tsys_status s2 = tsys_dist__fsdp_gather_wait(f, i); if (st == TSYS_OK) st = s2; }
         else tsys_dist__fsdp_release(f, i);
-        U->next = false;
+        U->next = U->said = false;
         gathered += U->gathered;
         for (int k = 0; k < U->np; k++) if (U->p[k]->grad) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
         tsys_storage_resize(f->ctx, U->gfull, 0);

@@ -738,6 +738,32 @@ static void fsdp_in_backward(tsys_dtype cdt) {
     }
     TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
 }
+// One backward a step while AdamW runs inside backward: a second one before tsys_fsdp_finish would find the
+// shards updated from the first one's gradients alone; its gradients are refused, naming the rule, on every rank.
+TSYS_TEST(fsdp_in_backward_refuses_a_second_backward) {
+    tsys_model_desc d = tiny_desc();
+    tsys_model *m = tsys_model_new(C, &d, g_dev, 11);
+    tsys_fsdp_desc fd = {TSYS_F32, false, TSYS_FSDP_RESHARD_AUTO, false};
+    tsys_fsdp *f = m ? tsys_fsdp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &fd) : NULL;
+    tsys_optim *opt = f ? tsys_adamw_new(C, tsys_fsdp_params(f), tsys_fsdp_num_params(f), NULL) : NULL;
+    TEST_CHECK(opt && tsys_fsdp_optim_in_backward(f, opt) == TSYS_OK && tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_CALLER_READY) == TSYS_OK, "setup: %s",
+               tsys_ctx_last_error(C));
+    tsys_tensor *ids, *tgt;
+    lm_batch(900, 2 * g_world, 16, d.vocab_size, 2 * g_rank, 2 * (g_rank + 1), &ids, &tgt);
+    lm_backward(m, ids, tgt, 1.0f);
+    TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "the first backward: %s", tsys_ctx_last_error(C));
+    lm_backward(m, ids, tgt, 1.0f);
+    tsys_status st = tsys_fsdp_finish(f);
+    TEST_CHECK(st == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(C), "one backward a step"), "rank %d: a second backward: %s", g_rank,
+               st == TSYS_OK ? "taken" : tsys_ctx_last_error(C));
+    tsys_ctx_clear_error(C);
+    tsys_optim_overlap_end(opt);
+    tsys_ctx_clear_error(C);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    tsys_optim_free(opt); tsys_fsdp_free(f); tsys_model_free(m);
+    tsys_tape_clear(C);
+    tsys_ctx_clear_error(C);
+}
 TSYS_TEST(fsdp_optim_in_backward_fp32) { fsdp_in_backward(TSYS_F32); }
 TSYS_TEST(fsdp_optim_in_backward_bf16) { fsdp_in_backward(TSYS_BF16); }
 TSYS_TEST(fsdp_paths_agree_bf16) { fsdp_paths_agree(TSYS_BF16, NULL); }
