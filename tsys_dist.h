@@ -660,11 +660,38 @@ typedef struct tsys_dist_link_model { double alpha_ms, beta_bytes_per_ms; } tsys
 // median of 7 rounds after 2 warm-ups. Every rank calls it and gets the same model; zeros (no prediction) in a group of one or
 // when a probe fails (out of memory: the context's error is cleared).
 TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device dev);
+// The same for one kind of collective, beta the bytes a rank sends: (world - 1) / world of an all-gather's output or
+// a reduce-scatter's input (of the same 64 KiB and 64 MiB), 2 (world - 1) / world of an all-reduce's. On 2 H200s
+// NCCL's all-gathers and reduce-scatters of 100 MB send at ~200 GB/s where its all-reduce sends at ~260.
+typedef enum tsys_dist_collective { TSYS_DIST_ALL_REDUCE, TSYS_DIST_ALL_GATHER, TSYS_DIST_REDUCE_SCATTER } tsys_dist_collective;
+TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link_of(tsys_dist *d, tsys_device dev, tsys_dist_collective kind);
 // n collectives issued back to back that send sent_bytes a rank: max(n alpha, sent / beta); NAN for the
 // zero model.
 TSYSDEF double tsys_dist_link_time_ms(tsys_dist_link_model m, int n, double sent_bytes);
 // The bytes a rank sends in a ring all-reduce of `bytes` among world ranks: 2(world-1)/world bytes.
 TSYSDEF double tsys_dist_ring_sent(int world, double bytes);
+// FSDP's collectives of a step (s: tsys_fsdp_stats_get's), one after another as its streams issue them, each kind
+// on its own link (tsys_dist_calibrate_link_of): n alpha + sent / beta, a rank sending (world - 1) / world of each
+// all-gather's output and reduce-scatter's input and 2 (world - 1) / world of the replicated parameters' fp32
+// gradients. NAN where a link is the zero model.
+typedef struct tsys_fsdp_links { tsys_dist_link_model all_gather, reduce_scatter, all_reduce; } tsys_fsdp_links;
+TSYSDEF double tsys_fsdp_link_time_ms(const tsys_fsdp_stats *s, int world, tsys_fsdp_links m);
+// The copy engines' pulls (DDP's desc.ce_gather) as two links, beta the bytes a rank receives per ms: `all`, every
+// rank pulling from every peer at once (DDP's buckets: each GPU's links carry its pulls and its peers' at once),
+// and `one`, one rank pulling while its peers only serve (a ZeRO-1 bucket inside one owner's part).
+typedef struct tsys_dist_pull_links { tsys_dist_link_model all, one; } tsys_dist_pull_links;
+// A step's pulls, bucket after bucket (a bucket's pulls join its stream before the next bucket's flags go): bucket k,
+// bytes [off[k], off[k] + bytes[k]) of the gradients, costs alpha + the most any rank r receives of it ((world - 1)
+// x its bytes inside r's part [lo[r], hi[r])) / beta, on `one` when a single rank receives, else on `all`. NAN for
+// a zero link.
+TSYSDEF double tsys_dist_pull_time_ms(tsys_dist_pull_links m, int world, int n, const int64_t *off, const int64_t *bytes, const int64_t *lo, const int64_t *hi);
+// DDP's desc.ce_gather with an optimizer attached: the pulls' links (tsys_dist_pull_links), measured between steps on this
+// DDP's own buffers (the receive buffer is overwritten, the gradients only read). Collective. Zeros (no prediction)
+// without ce_gather, for parts too small to measure, or when a probe fails (the context's error says why).
+TSYSDEF tsys_dist_pull_links tsys_ddp_calibrate_pulls(tsys_ddp *ddp);
+// The pulls of one of its steps on m: tsys_dist_pull_time_ms over its buckets and every rank's part. NAN without
+// ce_gather and an attached optimizer.
+TSYSDEF double tsys_ddp_pull_time_ms(const tsys_ddp *ddp, tsys_dist_pull_links m);
 
 // The CS336 S26 section 8 cost model of one training step of a cs336 model under a parallel layout, per rank:
 // the matmul FLOPs of its share (tsys_model_flops: batch is per dp replica, tp ranks split every matmul) at C
@@ -2833,6 +2860,12 @@ static bool tsys_dist__mpi_setup(tsys_dist *d, tsys_dist__err *e) {
 }
 #endif
 
+// ascending doubles (qsort): the probes' medians
+static int tsys_dist__cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 // >>engine nccl -----------------------------------------------------------------------------------
 // CUDA tensors of a group whose ranks each have a GPU: NCCL on the compute and side streams. Host
 // tensors of the group still go the host engine's way.
@@ -3186,11 +3219,12 @@ typedef struct tsys_dist__ceg {
     char *params[TSYS_DIST__CE_RANKS];             // ZeRO-1: every rank's parameters' storage, the same way (NULL: none)
     tsys_dist__ceg_flags *flags[TSYS_DIST__CE_RANKS];
     int64_t bytes, lo, hi, flag_bytes;             // the gradients' bytes; the part [lo, hi) I receive (a slot); the flags'
+    int64_t lo_of[TSYS_DIST__CE_RANKS], hi_of[TSYS_DIST__CE_RANKS];   // every rank's part (the pulls' prediction)
     int buckets;
     cudaStream_t lane[TSYS_DIST__CE_RANKS];        // pulls from rank q (a copy engine queue of its own)
     cudaEvent_t fork, lane_done[TSYS_DIST__CE_RANKS], pulled;
 } tsys_dist__ceg;
-typedef struct tsys_dist__ceg_handles { cudaIpcMemHandle_t grads, flags; } tsys_dist__ceg_handles;
+typedef struct tsys_dist__ceg_handles { cudaIpcMemHandle_t grads, flags; int64_t lo, hi; } tsys_dist__ceg_handles;
 
 static bool tsys_dist__ceg_cuda(cudaError_t r, const char *what, tsys_dist__err *e) {
     return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine gradient gather: %s: %s", what, cudaGetErrorString(r));
@@ -3228,6 +3262,7 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, i
     init->one = 1;
     tsys_dist__ceg_handles mine, theirs;
     memset(&mine, 0, sizeof mine);
+    mine.lo = lo; mine.hi = hi;
     g->grads[d->rank] = (char *)grads;
     const size_t recv = (size_t)(hi - lo) * (size_t)(d->size - 1);
     bool ok = tsys_dist__ceg_cuda(cudaMalloc((void **)&g->recv, recv ? recv : 256), "cudaMalloc (the receive buffer)", e) &&
@@ -3241,6 +3276,7 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, i
         memset(&theirs, 0, sizeof theirs);
         if (r == d->rank) theirs = mine;
         if (!tsys_dist__setup_bcast(d, &theirs, (int64_t)sizeof theirs, r, e)) return false;
+        g->lo_of[r] = theirs.lo; g->hi_of[r] = theirs.hi;
         if (r == d->rank) continue;
         ok = tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->grads[r], theirs.grads, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's gradients)", e) &&
              tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->flags[r], theirs.flags, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e);
@@ -3348,6 +3384,53 @@ static bool tsys_dist__ceg_join(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s,
         if (q != d->rank && (!tsys_dist__ceg_cuda(cudaEventRecord(g->lane_done[q], g->lane[q]), "cudaEventRecord", e) ||
                              !tsys_dist__ceg_cuda(cudaStreamWaitEvent(s, g->lane_done[q], 0), "cudaStreamWaitEvent", e)))
             return false;
+    return true;
+}
+
+// One round of the pulls' probe: every rank (all), or rank 0 alone, pulls `bytes` of the part it receives from every
+// peer's gradients into its slot for that peer, on the peers' lanes; *ms its time from the first issue to the last
+// pull's end (0 for a rank that pulls nothing). No flags: the caller has every rank between steps.
+static bool tsys_dist__ceg_probe_round(tsys_dist *d, tsys_dist__ceg *g, int64_t bytes, bool all, double *ms, tsys_dist__err *e) {
+    const int me = d->rank;
+    *ms = 0;
+    if (!all && me != 0) return true;
+    const double t0 = tsys_time_us();
+    for (int q = 0; q < d->size; q++)
+        if (q != me && !tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * (g->hi - g->lo), g->grads[q] + g->lo, bytes, g->lane[q], e)) return false;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && !tsys_dist__ceg_cuda(cudaStreamSynchronize(g->lane[q]), "cudaStreamSynchronize (a probe's pull)", e)) return false;
+    *ms = (tsys_time_us() - t0) * 1e-3;
+    return true;
+}
+
+// The pulls' links: of each pattern, pulls of 64 KiB and of min(64 MiB, the least part a rank receives) from every
+// peer, each the slowest rank's median of 7 rounds after 2, every round started together (the status agreed first).
+// Collective. False with e set, or with nothing set where the parts are too small to tell the sizes apart.
+static bool tsys_dist__ceg_calibrate(tsys_dist *d, tsys_dist__ceg *g, tsys_dist_pull_links *out, tsys_dist__err *e) {
+    int64_t least = g->hi_of[0] - g->lo_of[0];
+    for (int r = 1; r < d->size; r++) least = g->hi_of[r] - g->lo_of[r] < least ? g->hi_of[r] - g->lo_of[r] : least;
+    const int64_t small = 64 << 10, big = (least < (64 << 20) ? least : (64 << 20)) / 256 * 256;
+    if (big < 4 * small) return false;
+    const int64_t size[2] = {small, big};
+    for (int pattern = 0; pattern < 2; pattern++) {
+        double t[2];
+        for (int k = 0; k < 2; k++) {
+            double round[9];
+            if (tsys_dist_any_failed(d, TSYS_OK)) return tsys_dist__seterr(e, TSYS_ERR_IO, "copy-engine pulls' probe: the group failed");
+            for (int it = 0; it < 9; it++) {   // the agreement after a round starts the next together
+                const bool ok = tsys_dist__ceg_probe_round(d, g, size[k], pattern == 0, &round[it], e);
+                if (tsys_dist_any_failed(d, ok ? TSYS_OK : TSYS_ERR_CUDA)) return !ok ? false : tsys_dist__seterr(e, TSYS_ERR_CUDA, "copy-engine pulls' probe: failed on another rank");
+            }
+            qsort(round + 2, 7, sizeof(double), tsys_dist__cmp_double);
+            t[k] = round[5];
+        }
+        if (tsys_dist_all_reduce_host(d, t, 2, TSYS_DIST_MAX) != TSYS_OK) return tsys_dist__seterr(e, TSYS_ERR_IO, "copy-engine pulls' probe: the ranks' times");
+        if (!(t[1] > t[0])) return false;
+        tsys_dist_link_model *m = pattern == 0 ? &out->all : &out->one;
+        const double peers = d->size - 1.0;
+        m->beta_bytes_per_ms = peers * (double)(big - small) / (t[1] - t[0]);
+        m->alpha_ms = fmax(0.0, t[0] - peers * (double)small / m->beta_bytes_per_ms);
+    }
     return true;
 }
 
@@ -4802,6 +4885,42 @@ TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp) {
 #else
     (void)ddp;
     return 0;
+#endif
+}
+
+TSYSDEF tsys_dist_pull_links tsys_ddp_calibrate_pulls(tsys_ddp *ddp) {
+    tsys_dist_pull_links m;
+    memset(&m, 0, sizeof m);
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__ceg *g = ddp ? (tsys_dist__ceg *)ddp->ceg : NULL;
+    if (!g) return m;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    if (tsys_dist_sync(ddp->d) != TSYS_OK) return m;   // no step's copies in flight on this rank (the probe agrees the rest)
+    if (!tsys_dist__ceg_calibrate(ddp->d, g, &m, &e)) {
+        if (e.status != TSYS_OK) tsys_ctx_set_error(ddp->ctx, e.status, "tsys_ddp_calibrate_pulls: %s", e.msg);
+        memset(&m, 0, sizeof m);
+    }
+#else
+    (void)ddp;
+#endif
+    return m;
+}
+
+TSYSDEF double tsys_ddp_pull_time_ms(const tsys_ddp *ddp, tsys_dist_pull_links m) {
+#ifdef TSYS_DIST_NCCL
+    const tsys_dist__ceg *g = ddp ? (const tsys_dist__ceg *)ddp->ceg : NULL;
+    if (!g || ddp->nb < 1) return NAN;
+    int64_t *off = (int64_t *)malloc(2 * (size_t)ddp->nb * sizeof(int64_t));
+    if (!off) return NAN;
+    int64_t *bytes = off + ddp->nb;
+    for (int k = 0; k < ddp->nb; k++) { off[k] = (int64_t)(ddp->b[k].at - ddp->grad_arena->offset); bytes[k] = ddp->b[k].bytes; }
+    const double ms = tsys_dist_pull_time_ms(m, tsys_dist_size(ddp->d), ddp->nb, off, bytes, g->lo_of, g->hi_of);
+    free(off);
+    return ms;
+#else
+    (void)ddp; (void)m;
+    return NAN;
 #endif
 }
 
@@ -7182,6 +7301,33 @@ static double tsys_dist__link_serial_ms(tsys_dist_link_model m, int n, double se
     return n * m.alpha_ms + sent_bytes / m.beta_bytes_per_ms;
 }
 
+TSYSDEF double tsys_fsdp_link_time_ms(const tsys_fsdp_stats *s, int world, tsys_fsdp_links m) {
+    if (!s || world < 1) return NAN;
+    const double part = (world - 1.0) / world;
+    const double ag = tsys_dist__link_serial_ms(m.all_gather, s->all_gathers, part * (double)s->gathered_bytes);
+    const double rs = tsys_dist__link_serial_ms(m.reduce_scatter, s->reduce_scatters, part * (double)s->reduced_bytes);
+    const double ar = tsys_dist__link_serial_ms(m.all_reduce, s->all_reduces, tsys_dist_ring_sent(world, 4.0 * (double)s->replicated_numel));
+    return ag + rs + (s->all_reduces > 0 ? ar : 0);   // a model without replicated parameters needs no all-reduce link
+}
+
+TSYSDEF double tsys_dist_pull_time_ms(tsys_dist_pull_links m, int world, int n, const int64_t *off, const int64_t *bytes, const int64_t *lo, const int64_t *hi) {
+    if (!(m.all.beta_bytes_per_ms > 0) || !(m.one.beta_bytes_per_ms > 0) || world < 2 || n < 0 || (n > 0 && (!off || !bytes || !lo || !hi))) return NAN;
+    double ms = 0;
+    for (int k = 0; k < n; k++) {
+        double most = 0;
+        int receivers = 0;
+        for (int r = 0; r < world; r++) {
+            const int64_t a = off[k] > lo[r] ? off[k] : lo[r], b = off[k] + bytes[k] < hi[r] ? off[k] + bytes[k] : hi[r];
+            if (b <= a) continue;
+            receivers++;
+            most = fmax(most, (world - 1.0) * (double)(b - a));
+        }
+        const tsys_dist_link_model l = receivers == 1 ? m.one : m.all;
+        ms += l.alpha_ms + most / l.beta_bytes_per_ms;
+    }
+    return ms;
+}
+
 TSYSDEF const char *tsys_dist_layout_name(tsys_dist_layout l) {
     static const char *const names[TSYS_LAYOUT_COUNT] = { "dp", "fsdp", "tp", "dp_tp", "fsdp_tp" };
     return (unsigned)l < (unsigned)TSYS_LAYOUT_COUNT ? names[l] : "?";
@@ -7286,22 +7432,21 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_step(const tsys_model_desc *m, tsys_dist_l
     return tsys_dist_plan_step_links(m, layout, dp, tp, batch, context, dtype, flops_per_s, w, w);
 }
 
-static int tsys_dist__cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-// The ms of one all-reduce of x, from reps issued back to back and one wait (as DDP issues its
-// buckets): the median of 7 rounds after 2 of warm-up. The median, since a round the host or a peer
-// was late for would move a mean by tens of percent (one 256 MiB all-reduce a round moved the
-// 2-GPU prediction from 29.5 to 51.3 ms between two calls).
-static tsys_status tsys_dist__probe_all_reduce(tsys_dist *d, tsys_tensor *x, int reps, double *ms) {
+// The ms of one collective of `kind` over x (the full tensor: an all-reduce's, an all-gather's output, a
+// reduce-scatter's input; part is x's 1/N share), from reps issued back to back and one wait (as DDP issues its
+// buckets): the median of 7 rounds after 2 of warm-up. The median, since a round the host or a peer was late for
+// would move a mean by tens of percent (one 256 MiB all-reduce a round moved the 2-GPU prediction from 29.5 to
+// 51.3 ms between two calls).
+static tsys_status tsys_dist__probe(tsys_dist *d, tsys_dist_collective kind, tsys_tensor *x, tsys_tensor *part, int reps, double *ms) {
     tsys_status st = TSYS_OK;
     double round[7];
     for (int it = 0; st == TSYS_OK && it < 9; it++) {
         if ((st = tsys_dist_barrier(d)) != TSYS_OK) break;
         double t0 = tsys_time_us();
-        for (int r = 0; st == TSYS_OK && r < reps; r++) st = tsys_dist_all_reduce(d, x, TSYS_DIST_SUM);
+        for (int r = 0; st == TSYS_OK && r < reps; r++)
+            st = kind == TSYS_DIST_ALL_GATHER ? tsys_dist_all_gather(d, x, part)
+               : kind == TSYS_DIST_REDUCE_SCATTER ? tsys_dist_reduce_scatter(d, part, x, TSYS_DIST_SUM)
+               : tsys_dist_all_reduce(d, x, TSYS_DIST_SUM);
         if (st == TSYS_OK) st = tsys_dist_sync(d);
         if (it >= 2) round[it - 2] = (tsys_time_us() - t0) * 1e-3 / reps;
     }
@@ -7311,27 +7456,39 @@ static tsys_status tsys_dist__probe_all_reduce(tsys_dist *d, tsys_tensor *x, int
     return TSYS_OK;
 }
 
-TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device dev) {
+// The bytes a rank sends in one collective of `kind` over `bytes` (ring algorithms).
+static double tsys_dist__sent(tsys_dist_collective kind, int world, double bytes) {
+    return kind == TSYS_DIST_ALL_REDUCE ? tsys_dist_ring_sent(world, bytes) : (world - 1.0) / world * bytes;
+}
+
+TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link_of(tsys_dist *d, tsys_device dev, tsys_dist_collective kind) {
     tsys_dist_link_model m = {0, 0};
     tsys_ctx *ctx = tsys_dist_ctx(d);
     const int world = tsys_dist_size(d);
-    if (!ctx || world < 2) return m;
-    const int64_t floats[2] = {16384, dev == TSYS_CUDA ? (int64_t)16 << 20 : (int64_t)2 << 20};
+    if (!ctx || world < 2 || (unsigned)kind > (unsigned)TSYS_DIST_REDUCE_SCATTER) return m;
+    const int64_t want[2] = {16384, dev == TSYS_CUDA ? (int64_t)16 << 20 : (int64_t)2 << 20};
+    int64_t floats[2];
     double t[2] = {0, 0};
     for (int k = 0; k < 2; k++) {
+        floats[k] = want[k] / world * world;   // a whole share a rank
+        const int64_t share = floats[k] / world;
         tsys_tensor *x = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &floats[k]);
+        tsys_tensor *part = kind == TSYS_DIST_ALL_REDUCE ? NULL : tsys_tensor_new(ctx, TSYS_F32, dev, 1, &share);
+        const bool made = x && tsys_tensor_fill(ctx, x, 1.0f) == TSYS_OK && (kind == TSYS_DIST_ALL_REDUCE || (part && tsys_tensor_fill(ctx, part, 1.0f) == TSYS_OK));
         // every rank learns whether any could not allocate (or probe), so all stop at the same point
-        bool bad = tsys_dist_any_failed(d, x && tsys_tensor_fill(ctx, x, 1.0f) == TSYS_OK ? TSYS_OK : TSYS_ERR_OOM);
-        if (!bad) bad = tsys_dist_any_failed(d, tsys_dist__probe_all_reduce(d, x, k == 0 ? 20 : 4, &t[k]));
-        tsys_tensor_release(x);
+        bool bad = tsys_dist_any_failed(d, made ? TSYS_OK : TSYS_ERR_OOM);
+        if (!bad) bad = tsys_dist_any_failed(d, tsys_dist__probe(d, kind, x, part, k == 0 ? 20 : 4, &t[k]));
+        tsys_tensor_release(x); tsys_tensor_release(part);
         if (bad) { tsys_ctx_clear_error(ctx); return m; }
     }
     if (tsys_dist_all_reduce_host(d, t, 2, TSYS_DIST_MAX) != TSYS_OK || !(t[1] > t[0])) return m;
-    const double s0 = tsys_dist_ring_sent(world, 4.0 * (double)floats[0]), s1 = tsys_dist_ring_sent(world, 4.0 * (double)floats[1]);
+    const double s0 = tsys_dist__sent(kind, world, 4.0 * (double)floats[0]), s1 = tsys_dist__sent(kind, world, 4.0 * (double)floats[1]);
     m.beta_bytes_per_ms = (s1 - s0) / (t[1] - t[0]);
     m.alpha_ms = fmax(0.0, t[0] - s0 / m.beta_bytes_per_ms);
     return m;
 }
+
+TSYSDEF tsys_dist_link_model tsys_dist_calibrate_link(tsys_dist *d, tsys_device dev) { return tsys_dist_calibrate_link_of(d, dev, TSYS_DIST_ALL_REDUCE); }
 
 // >>state sharded ---------------------------------------------------------------------------------
 // Sharded snapshots of ZeRO-1 and FSDP (and the trainer's, plain for DDP), out of tsys.h's building

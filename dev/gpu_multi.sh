@@ -20,7 +20,7 @@ head = next((i for i, l in enumerate(lines) if l.startswith("device,")), len(lin
 if head == len(lines): print("\n".join(lines[-5:]))
 for r in csv.DictReader(lines[head:]):
     print(f"{sys.argv[2]} compiled {r['compiled']:3s} step_ms {r['step_ms']:>8s} bwd_comm_ms {r['bwd_comm_ms']:>7s} "
-          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} {r['status'][:40]}")
+          f"comm_ms {r['comm_ms']:>7s} exposed {r['exposed_ms']:>6s} pred {r.get('pred_comm_ms', ''):>7s} {r['status'][:40]}")
 PY
 }
 for part in "$@"; do

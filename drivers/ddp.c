@@ -95,7 +95,7 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
 
 // The predictions and measurements (ddp_measure's) of an ok row: the model desc, FSDP's settings fd.
 static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, const tsys_model_desc *desc, const tsys_fsdp_desc *fd, int world,
-                          const ddp_measured *m, double compute_ms, tsys_dist_link_model link) {
+                          const ddp_measured *m, double compute_ms, tsys_dist_link_model link, tsys_fsdp_links fsdp_links) {
     const int n = o->steps;
     const strat s = cf->s;
     const double *tm = m->tm, alone = m->alone;
@@ -103,8 +103,14 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
     tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
     du_row_num(row, "step_ms", "%.2f", ss.mean); du_row_num(row, "step_std", "%.2f", ss.std);
     du_row_num(row, "bwd_comm_ms", "%.2f", sb.mean); du_row_num(row, "opt_ms", "%.2f", so.mean); du_row_num(row, "comm_ms", "%.2f", alone);
-    if (s != S_FSDP)
-        du_row_num(row, "pred_comm_ms", "%.2f", tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step)));
+    const double pred = s == S_FSDP ? tsys_fsdp_link_time_ms(&m->fst, world, fsdp_links)
+                        : cf->gather ? m->pred_pull_ms
+                        : tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step));
+    du_row_num(row, "pred_comm_ms", "%.2f", pred);
+    if (cf->gather && m->pulls.all.beta_bytes_per_ms > 0) {   // the links the pulls were predicted on
+        du_row_num(row, "pull_us", "%.1f", m->pulls.all.alpha_ms * 1e3); du_row_num(row, "pull_GBps", "%.1f", m->pulls.all.beta_bytes_per_ms * 1e-6);
+        du_row_num(row, "pull_one_GBps", "%.1f", m->pulls.one.beta_bytes_per_ms * 1e-6);
+    }
     du_row_num(row, "comm_frac", "%.3f", ss.mean > 0 ? alone / ss.mean : 0);
     if (!isnan(se.mean)) {   // --no-compute-ref: nothing to compare with
         double hidden = alone > 0 ? 1.0 - se.mean / alone : 0;
@@ -172,7 +178,8 @@ static bool resolve_auto(const ddp_opts *o, const config *cf, const tsys_dist *d
 }
 
 // Runs one configuration on every rank and fills its row (rank 0 prints it).
-static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const config *cf, tsys_dist_link_model link, du_row *row) {
+static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_opts *o, const config *cf, tsys_dist_link_model link, tsys_fsdp_links fsdp_links,
+                       du_row *row) {
     const strat s = cf->s;
     du_row_set(row, "device", "%s", dev == TSYS_CPU ? "cpu" : "cuda"); du_row_set(row, "model", "%s", cf->model);
     du_row_set(row, "ranks", "%d", tsys_dist_size(d));
@@ -201,7 +208,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
         compute_ms = ddp_plain_step_ms(ctx, d, dev, &steps, &desc, td);
     ddp_measured m;
     if (ddp_measure(&m, ctx, d, dev, &steps, &desc, &td, s == S_FSDP, compute_ms))
-        fill_measured(row, o, cf, &desc, &fd, tsys_dist_size(d), &m, compute_ms, link);
+        fill_measured(row, o, cf, &desc, &fd, tsys_dist_size(d), &m, compute_ms, link, fsdp_links);
     else du_row_set(row, "status", "%s", m.why);
     free(m.tm);
 }
@@ -248,10 +255,19 @@ static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
     if (rank == 0 && link.beta_bytes_per_ms > 0)
         fprintf(f, "link model (all-reduces back to back, 20 of 64 KiB and 4 of %d MiB, medians): %.1f us a collective + bytes sent a rank at %.2f GB/s\n",
                 cuda ? 64 : 8, link.alpha_ms * 1e3, link.beta_bytes_per_ms * 1e-6);
+    tsys_fsdp_links fsdp_links = {link, link, link};
+    if (du_list_has(&o->strategies, "fsdp")) {   // FSDP's collectives, each kind on its own link
+        fsdp_links.all_gather = tsys_dist_calibrate_link_of(d, dev, TSYS_DIST_ALL_GATHER);
+        fsdp_links.reduce_scatter = tsys_dist_calibrate_link_of(d, dev, TSYS_DIST_REDUCE_SCATTER);
+        if (rank == 0 && fsdp_links.all_gather.beta_bytes_per_ms > 0 && fsdp_links.reduce_scatter.beta_bytes_per_ms > 0)
+            fprintf(f, "fsdp's links (the same sizes, bytes sent a rank): all-gathers %.1f us + %.2f GB/s, reduce-scatters %.1f us + %.2f GB/s\n",
+                    fsdp_links.all_gather.alpha_ms * 1e3, fsdp_links.all_gather.beta_bytes_per_ms * 1e-6, fsdp_links.reduce_scatter.alpha_ms * 1e3,
+                    fsdp_links.reduce_scatter.beta_bytes_per_ms * 1e-6);
+    }
     if (rank == 0) { fprintf(f, "\n"); fflush(f); }
     du_table tab;
     du_table_init(&tab, "device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,lowp_copies,lowp_grads,opt_in_bwd,step_ms,step_std,bwd_comm_ms,opt_ms,comm_ms,"
-                        "pred_comm_ms,comm_frac,exposed_ms,hidden,compute_ms,buckets,copied_buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,"
+                        "pred_comm_ms,pull_us,pull_GBps,pull_one_GBps,comm_frac,exposed_ms,hidden,compute_ms,buckets,copied_buckets,MB_per_step,mem_init_MiB,mem_pre_opt_MiB,"
                         "mem_post_opt_MiB,state_MiB,pred_state_MiB,pred_peak_MiB,pred_sent_MB,status", o->common.format);
     du_progress_setup("ddp", rank == 0 ? o->common.progress : "off");   // only rank 0 reports
     du_progress_begin(nconfigs);
@@ -262,7 +278,7 @@ static int run_sweep(ddp_opts *o, int nconfigs, int argc, char **argv) {
         if (cf.s == S_BUCKETED || cf.s == S_ZERO1) snprintf(mb, sizeof(mb), " %g MB", cf.bucket_mb);
         du_progress_config(k + 1, "%s T=%d %s %s%s%s%s", cf.model, cf.T, du_dtype_flag(cf.dt), strat_names[cf.s], mb, cf.comm_bf16 ? " bf16 wire" : cf.gather ? " gathered" : "",
                            cf.compiled ? " compiled" : "");
-        run_config(ctx, d, dev, o, &cf, link, du_table_row(&tab));
+        run_config(ctx, d, dev, o, &cf, link, fsdp_links, du_table_row(&tab));
         if (rank == 0) du_table_emit(&tab);
     }
     du_progress_end();
@@ -291,7 +307,12 @@ static bool checkpoint_ok(const char *s) {
     "  gradient all-reduces timed alone (nothing to overlap); comm_frac comm_ms / step_ms; exposed_ms what\n" \
     "  the step waited for communication after backward (it includes waiting for a slower rank);\n" \
     "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; pred_comm_ms the same all-reduces predicted from\n" \
-    "  the accounting's bytes and a link model measured at start (max of n alpha and bytes / beta);\n" \
+    "  the accounting's bytes and a link model measured at start (max of n alpha and bytes / beta); fsdp:\n" \
+    "  its collectives one after another, each kind on its own link (all-gathers and reduce-scatters\n" \
+    "  measured at start too; n alpha + bytes / beta); --grad-comm gather: the\n" \
+    "  pulls bucket after bucket on the copy engines' links, measured after the row's steps on its own\n" \
+    "  buffers (pull_us a bucket, pull_GBps the bytes a rank receives with every rank pulling,\n" \
+    "  pull_one_GBps with one rank pulling: a ZeRO-1 bucket inside one rank's part);\n" \
     "  buckets DDP's gradient buckets (fsdp: its units), copied_buckets those not a view of the gradients;\n" \
     "  fsdp: comm_ms its all-gathers, reduce-scatters and all-reduces alone, exposed_ms step_ms - compute_ms,\n" \
     "  compute_ms the same local step without sharding or communication (a plain model on each rank; bf16\n" \

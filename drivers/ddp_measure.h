@@ -111,6 +111,8 @@ typedef struct ddp_measured {
     double alone;           // the step's collectives timed alone (nothing to overlap), ms, mean of 3
     tsys_fsdp_stats fst;    // fsdp's, of the last step
     tsys_ddp_stats ds;      // DDP's buckets and bytes
+    tsys_dist_pull_links pulls;   // desc.ce_gather: the copy engines' pulls measured on the DDP's buffers (zeros: none)
+    double pred_pull_ms;    // the step's pulls predicted on them (NAN: none)
     char why[DU_CELL];      // what failed, as the row's status says it: "OOM: ...", "error: ..."
 } ddp_measured;
 
@@ -161,6 +163,16 @@ static inline bool ddp_measure(ddp_measured *m, tsys_ctx *ctx, tsys_dist *d, tsy
         st = tsys_dist_trainer_time_collectives(r.tr, &ms);
         m->alone += ms / 3;
         failed = tsys_dist_any_failed(d, st);
+    }
+    m->pred_pull_ms = NAN;
+    tsys_ddp *ddp = tsys_dist_trainer_ddp(r.tr);
+    if (!failed && td->ddp.ce_gather && ddp && tsys_dist_size(d) > 1) {   // the same on every rank: all probe, or none
+        m->pulls = tsys_ddp_calibrate_pulls(ddp);
+        m->pred_pull_ms = tsys_ddp_pull_time_ms(ddp, m->pulls);
+        if (tsys_ctx_status(ctx) != TSYS_OK) {   // no prediction, the row still stands
+            if (tsys_dist_rank(d) == 0) fprintf(stderr, "ddp: the copy engines' pulls were not measured: %s\n", tsys_ctx_last_error(ctx));
+            tsys_ctx_clear_error(ctx);
+        }
     }
     if (!failed) {
         tsys_dist_all_reduce_host(d, tm, 4 * n, TSYS_DIST_MAX); tsys_dist_all_reduce_host(d, mem, 4, TSYS_DIST_MAX);

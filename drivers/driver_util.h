@@ -132,6 +132,11 @@ static inline bool du_split(du_list *l, const char *prog, const char *flag, cons
     return true;
 }
 static inline void du_list_free(du_list *l) { free(l->buf); l->buf = NULL; l->n = 0; }
+static inline bool du_list_has(const du_list *l, const char *item) {
+    for (int i = 0; i < l->n; i++)
+        if (!strcmp(l->item[i], item)) return true;
+    return false;
+}
 
 static inline int du_num_threads(void) {
 #ifdef _OPENMP

@@ -797,8 +797,122 @@ TSYS_TEST(link_model) {
     double v[4] = {got.alpha_ms, -got.alpha_ms, got.beta_bytes_per_ms, -got.beta_bytes_per_ms};
     tsys_dist_all_reduce_host(g_d, v, 4, TSYS_DIST_MAX);
     TEST_CHECK(v[0] == -v[1] && v[2] == -v[3], "every rank has the same model");
+    for (int kind = TSYS_DIST_ALL_GATHER; kind <= TSYS_DIST_REDUCE_SCATTER; kind++) {   // FSDP's kinds, each its own
+        tsys_dist_link_model k = tsys_dist_calibrate_link_of(g_d, g_dev, (tsys_dist_collective)kind);
+        if (g_world < 2) TEST_CHECK(k.alpha_ms == 0 && k.beta_bytes_per_ms == 0, "a group of one has no link");
+        else TEST_CHECK(k.beta_bytes_per_ms > 0 && k.alpha_ms >= 0, "kind %d: alpha %g ms, beta %g B/ms", kind, k.alpha_ms, k.beta_bytes_per_ms);
+        double w[2] = {k.beta_bytes_per_ms, -k.beta_bytes_per_ms};
+        tsys_dist_all_reduce_host(g_d, w, 2, TSYS_DIST_MAX);
+        TEST_CHECK(w[0] == -w[1], "kind %d: every rank has the same model", kind);
+    }
     TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "no error left: %s", tsys_ctx_last_error(g_ctx));
 }
+
+// The copy engines' pulls, bucket after bucket (all: every rank pulls; one: a single rank does): each bucket its
+// alpha and the most a rank receives of it over its link, worked out by hand.
+TSYS_TEST(pull_time_model) {
+    const tsys_dist_pull_links m = {{0.02, 1e6}, {0.01, 2e6}}, none = {{0, 0}, {0, 0}};
+    const int64_t off[3] = {0, 1000000, 3000000}, bytes[3] = {1000000, 2000000, 0};
+    const int64_t whole_lo[4] = {0, 0, 0, 0}, whole_hi[4] = {3000000, 3000000, 3000000, 3000000};
+    // DDP: every rank receives (world - 1) x every bucket; the empty bucket costs its alpha
+    double got = tsys_dist_pull_time_ms(m, 2, 3, off, bytes, whole_lo, whole_hi);
+    TEST_CHECK(fabs(got - (3 * 0.02 + 3.0)) < 1e-9, "2 ranks: %g ms (wanted 3.06)", got);
+    got = tsys_dist_pull_time_ms(m, 4, 3, off, bytes, whole_lo, whole_hi);
+    TEST_CHECK(fabs(got - (3 * 0.02 + 9.0)) < 1e-9, "4 ranks: %g ms (wanted 9.06)", got);
+    // ZeRO-1, 4 parts of 1 MB: [0, 0.5 MB) is rank 0's alone (one: 0.01 + 3 x 0.5 / 2), [0.5, 1.5) two ranks' halves
+    // (all: 0.02 + 3 x 0.5), [1.5, 4) ranks 1-3 (the most is 1 MB: 0.02 + 3 x 1)
+    const int64_t zoff[3] = {0, 500000, 1500000}, zbytes[3] = {500000, 1000000, 2500000};
+    const int64_t lo[4] = {0, 1000000, 2000000, 3000000}, hi[4] = {1000000, 2000000, 3000000, 4000000};
+    got = tsys_dist_pull_time_ms(m, 4, 3, zoff, zbytes, lo, hi);
+    TEST_CHECK(fabs(got - (0.76 + 1.52 + 3.02)) < 1e-9, "ZeRO-1 parts: %g ms (wanted 5.30)", got);
+    TEST_CHECK(isnan(tsys_dist_pull_time_ms(none, 2, 3, off, bytes, whole_lo, whole_hi)) && isnan(tsys_dist_pull_time_ms(m, 1, 3, off, bytes, whole_lo, whole_hi)),
+               "no link or no peer: no prediction");
+    TEST_CHECK(isnan(tsys_ddp_pull_time_ms(NULL, m)), "no DDP: no prediction");
+}
+
+// FSDP's collectives one after another: n alpha + (world - 1) / world of the gathered and reduced bytes + a ring
+// all-reduce of the replicated fp32 gradients, by hand.
+TSYS_TEST(fsdp_link_model) {
+    tsys_fsdp_stats s;
+    memset(&s, 0, sizeof s);
+    s.all_gathers = 10; s.reduce_scatters = 5; s.all_reduces = 3; s.gathered_bytes = 8000000; s.reduced_bytes = 4000000; s.replicated_numel = 1000;
+    const tsys_dist_link_model ag = {0.01, 1e6}, rs = {0.02, 2e6}, ar = {0.03, 1e6}, none = {0, 0};
+    const tsys_fsdp_links m = {ag, rs, ar};
+    double got = tsys_fsdp_link_time_ms(&s, 4, m);   // 10 x 0.01 + 0.75 x 8e6 / 1e6, 5 x 0.02 + 0.75 x 4e6 / 2e6, 3 x 0.03 + 1.5 x 4000 / 1e6
+    TEST_CHECK(fabs(got - (6.1 + 1.6 + 0.096)) < 1e-9, "4 ranks: %g ms (wanted 7.796)", got);
+    got = tsys_fsdp_link_time_ms(&s, 2, m);          // 0.1 + 4, 0.1 + 1, 0.09 + 0.004
+    TEST_CHECK(fabs(got - 5.294) < 1e-9, "2 ranks: %g ms (wanted 5.294)", got);
+    const tsys_fsdp_links no_rs = {ag, none, ar};
+    TEST_CHECK(isnan(tsys_fsdp_link_time_ms(&s, 4, no_rs)) && isnan(tsys_fsdp_link_time_ms(NULL, 4, m)), "no link or no stats: no prediction");
+    s.all_reduces = 0; s.replicated_numel = 0;
+    const tsys_fsdp_links no_ar = {ag, rs, none};
+    got = tsys_fsdp_link_time_ms(&s, 4, no_ar);
+    TEST_CHECK(fabs(got - 7.7) < 1e-9, "nothing replicated needs no all-reduce link: %g ms (wanted 7.7)", got);
+}
+
+// tsys_ddp_calibrate_pulls between steps, DDP and ZeRO-1 with desc.ce_gather (GPUs through NCCL), a model of 1.6 M
+// parameters in 1 MB buckets: both links measured and the same on every rank, the step's pulls predicted, and the
+// training untouched: 2 steps, the probe, 2 more give the bits of 4 steps. Elsewhere (no copy engines): zeros.
+static float *pulls_run(tsys_dist_train_mode mode, bool probe, tsys_dist_pull_links *links, double *pred, int64_t *numel) {
+    tsys_model_desc d = tiny_desc();
+    d.vocab_size = 4096; d.d_model = 128; d.d_ff = 512;
+    tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 5);
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof td);
+    td.mode = mode; td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 1; td.ddp.ce_gather = true; td.fsdp.compute_dtype = TSYS_F32; td.autocast = TSYS_F32;
+    tsys_dist_trainer *t = m ? tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td) : NULL;
+    TEST_CHECK(t != NULL, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_tensor *ids = NULL, *tgt = NULL;
+    lm_batch(11, 2 * g_world, 16, d.vocab_size, 2 * g_rank, 2 * g_rank + 2, &ids, &tgt);
+    for (int i = 0; t && i < 4; i++) {
+        tsys_dist_step_times st;
+        if (i == 2 && probe) {
+            *links = tsys_ddp_calibrate_pulls(tsys_dist_trainer_ddp(t));
+            *pred = tsys_ddp_pull_time_ms(tsys_dist_trainer_ddp(t), *links);
+        }
+        TEST_CHECK(tsys_dist_trainer_step(t, ids, tgt, &st) == TSYS_OK, "rank %d: step %d: %s", g_rank, i, tsys_ctx_last_error(g_ctx));
+    }
+    *numel = 0;
+    for (int i = 0; m && i < tsys_model_num_tensors(m); i++) *numel += tsys_tensor_numel(tsys_model_params(m)[i]);
+    float *all = (float *)malloc((size_t)*numel * sizeof(float));
+    for (int64_t i = 0, at = 0; m && all && i < tsys_model_num_tensors(m); i++) {
+        float *p = test_read(g_ctx, tsys_model_params(m)[i]);
+        const int64_t n = tsys_tensor_numel(tsys_model_params(m)[i]);
+        if (p) memcpy(all + at, p, (size_t)n * sizeof(float));
+        at += n;
+        free(p);
+    }
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    tsys_dist_trainer_free(t);
+    tsys_model_free(m);
+    return all;
+}
+
+static void pulls_case(tsys_dist_train_mode mode) {
+    const tsys_dist_pull_links zero = tsys_ddp_calibrate_pulls(NULL);
+    TEST_CHECK(zero.all.beta_bytes_per_ms == 0 && zero.one.beta_bytes_per_ms == 0, "no DDP: no links");
+    if (g_dev != TSYS_CUDA || tsys_dist_engine_of(g_d) != TSYS_DIST_ENGINE_NCCL || g_world < 2) {
+        if (g_rank == 0) printf("(the copy engines' pulls need GPUs through NCCL) ");
+        return;
+    }
+    tsys_dist_pull_links links, unused;
+    memset(&links, 0, sizeof links);
+    double pred = NAN, unused_pred = NAN;
+    int64_t n = 0, n_ref = 0;
+    float *probed = pulls_run(mode, true, &links, &pred, &n), *ref = pulls_run(mode, false, &unused, &unused_pred, &n_ref);
+    TEST_CHECK(links.all.beta_bytes_per_ms > 0 && links.one.beta_bytes_per_ms > 0 && links.all.alpha_ms >= 0 && links.one.alpha_ms >= 0,
+               "rank %d: links all %g ms + %g B/ms, one %g ms + %g B/ms", g_rank, links.all.alpha_ms, links.all.beta_bytes_per_ms, links.one.alpha_ms, links.one.beta_bytes_per_ms);
+    double v[4] = {links.all.beta_bytes_per_ms, -links.all.beta_bytes_per_ms, links.one.alpha_ms, -links.one.alpha_ms};
+    tsys_dist_all_reduce_host(g_d, v, 4, TSYS_DIST_MAX);
+    TEST_CHECK(v[0] == -v[1] && v[2] == -v[3], "every rank has the same links");
+    TEST_CHECK(isfinite(pred) && pred > 0, "rank %d: the pulls predicted %g ms", g_rank, pred);
+    TEST_CHECK(probed && ref && n == n_ref && n > 1000000 && !memcmp(probed, ref, (size_t)n * sizeof(float)), "rank %d: the probe changed the training (%lld parameters)", g_rank,
+               (long long)n);
+    TEST_CHECK(tsys_ctx_status(g_ctx) == TSYS_OK, "no error left: %s", tsys_ctx_last_error(g_ctx));
+    free(probed); free(ref);
+}
+TSYS_TEST(ddp_ce_gather_pulls_probe) { pulls_case(TSYS_TRAIN_DDP); }
+TSYS_TEST(zero1_ce_gather_pulls_probe) { pulls_case(TSYS_TRAIN_ZERO1); }
 
 // ---- the trainer ---------------------------------------------------------------------------------
 
