@@ -736,6 +736,9 @@ typedef struct tsys_dist_plan_in {
     tsys_dtype dtype;
     double flops_per_s;
     tsys_dist_link_model dp_link, tp_link;
+    // each group's all-gathers and reduce-scatters on links of their own where given (beta > 0:
+    // tsys_dist_calibrate_link_of), else on the group's link: FSDP's units over dp, sequence parallelism's over tp
+    tsys_dist_link_model dp_gather, dp_scatter, tp_gather, tp_scatter;
     bool sequence_parallel;
 } tsys_dist_plan_in;
 TSYSDEF tsys_dist_plan tsys_dist_plan_of(const tsys_dist_plan_in *in);
@@ -7387,26 +7390,34 @@ TSYSDEF tsys_dist_plan tsys_dist_plan_of(const tsys_dist_plan_in *in) {
     p.flops = tsys_model_flops(&d, batch, context, true) / tp;
     p.compute_ms = p.flops / in->flops_per_s * 1e3;
     const double shard = (dp - 1.0) / dp * held;   // elements of one all-gather or reduce-scatter of what a tp rank holds
-    int n_dp = 0, n_tp = 0;
+    const tsys_dist_link_model dp_ag = in->dp_gather.beta_bytes_per_ms > 0 ? in->dp_gather : in->dp_link,
+                               dp_rs = in->dp_scatter.beta_bytes_per_ms > 0 ? in->dp_scatter : in->dp_link,
+                               tp_ag = in->tp_gather.beta_bytes_per_ms > 0 ? in->tp_gather : in->tp_link,
+                               tp_rs = in->tp_scatter.beta_bytes_per_ms > 0 ? in->tp_scatter : in->tp_link;
+    double dp_ms = 0, tp_ms = 0;
     if (layout == TSYS_LAYOUT_DP || layout == TSYS_LAYOUT_DP_TP) {   // fp32 gradients, 100 MiB buckets
         p.dp_sent_bytes = 2 * shard * 4;
-        n_dp = (int)ceil(held * 4 / (100.0 * 1048576.0));
+        dp_ms = tsys_dist__link_serial_ms(in->dp_link, (int)ceil(held * 4 / (100.0 * 1048576.0)), p.dp_sent_bytes);
     }
     if (layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP) {   // units: the blocks, the embedding, the LM head
+        const int units = d.num_layers + 2;   // each gathered in forward and again in backward, reduce-scattered; the norms' gains all-reduced
         p.dp_sent_bytes = 3 * shard * elem_bytes;
-        n_dp = 3 * (d.num_layers + 2) + 2 * d.num_layers + 1;
+        dp_ms = tsys_dist__link_serial_ms(dp_ag, 2 * units, 2 * shard * elem_bytes) + tsys_dist__link_serial_ms(dp_rs, units, shard * elem_bytes) +
+                tsys_dist__link_serial_ms(in->dp_link, 2 * d.num_layers + 1, 0);
     }
     if (has_tp) {   // per block 4 all-reduces of the activations, the LM head's input, the embedding's fp32 rows, the loss's 2
         const double act = (double)batch * context * dm;
         p.tp_sent_bytes = (4 * L + 1) * tsys_dist_ring_sent(tp, act * elem_bytes) + tsys_dist_ring_sent(tp, act * 4);
-        n_tp = 4 * d.num_layers + 4;
-        if (sp) {   // each all-reduce an all-gather and a reduce-scatter (the same bytes), and the norms' gains all-reduced
-            p.tp_sent_bytes += (2 * L + 1) * tsys_dist_ring_sent(tp, dm * 4);
-            n_tp = 2 * (4 * d.num_layers + 2) + 2 * d.num_layers + 1 + 2;
+        if (!sp) tp_ms = tsys_dist__link_serial_ms(in->tp_link, 4 * d.num_layers + 4, p.tp_sent_bytes);
+        else {   // each all-reduce an all-gather and a reduce-scatter (half its bytes each), and the norms' gains all-reduced
+            const double half = p.tp_sent_bytes / 2, gains = (2 * L + 1) * tsys_dist_ring_sent(tp, dm * 4);
+            p.tp_sent_bytes += gains;
+            tp_ms = tsys_dist__link_serial_ms(tp_ag, 4 * d.num_layers + 2, half) + tsys_dist__link_serial_ms(tp_rs, 4 * d.num_layers + 2, half) +
+                    tsys_dist__link_serial_ms(in->tp_link, 2 * d.num_layers + 1 + 2, gains);
         }
     }
-    p.dp_comm_ms = dp > 1 ? tsys_dist__link_serial_ms(in->dp_link, n_dp, p.dp_sent_bytes) : 0;
-    p.tp_comm_ms = has_tp ? tsys_dist__link_serial_ms(in->tp_link, n_tp, p.tp_sent_bytes) : 0;
+    p.dp_comm_ms = dp > 1 ? dp_ms : 0;
+    p.tp_comm_ms = has_tp ? tp_ms : 0;
     p.comm_ms = p.dp_comm_ms + p.tp_comm_ms;
     const bool sharded = layout == TSYS_LAYOUT_FSDP || layout == TSYS_LAYOUT_FSDP_TP;
     p.weight_bytes = 16.0 * (sharded ? held / dp : held);

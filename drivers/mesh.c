@@ -153,6 +153,7 @@ static tsys_status mesh_step(mesh_run *r, double *loss) {
 typedef struct mesh_measured {
     double *tm, peak, loss_first, loss_last, tp_comm, dp_comm;
     tsys_dist_link_model l_dp, l_tp;
+    tsys_dist_link_model l_dp_ag, l_dp_rs, l_tp_ag, l_tp_rs;   // the all-gathers' and reduce-scatters' own, where the layout has them
     char why[DU_CELL];
 } mesh_measured;
 
@@ -190,6 +191,13 @@ static bool mesh_measure(mesh_measured *m, tsys_ctx *ctx, tsys_dist *world, tsys
     if (!failed) {   // each group's link, fitted (every rank calls both: the groups calibrate side by side)
         m->l_dp = r.dp ? tsys_dist_calibrate_link(r.dp, dev) : (tsys_dist_link_model){ 0, 0 };
         m->l_tp = r.tp ? tsys_dist_calibrate_link(r.tp, dev) : (tsys_dist_link_model){ 0, 0 };
+        // FSDP's gathers and reduce-scatters (over its shard group: tp for hsdp), sequence parallelism's over tp
+        tsys_dist *shards = l->kind == L_HSDP ? r.tp : l->kind == L_FSDP || l->kind == L_FSDP_TP ? r.dp : NULL, *sp = l->sp ? r.tp : NULL;
+        if (shards) {
+            tsys_dist_link_model *ag = shards == r.tp ? &m->l_tp_ag : &m->l_dp_ag, *rs = shards == r.tp ? &m->l_tp_rs : &m->l_dp_rs;
+            *ag = tsys_dist_calibrate_link_of(shards, dev, TSYS_DIST_ALL_GATHER); *rs = tsys_dist_calibrate_link_of(shards, dev, TSYS_DIST_REDUCE_SCATTER);
+        }
+        if (sp && sp != shards) { m->l_tp_ag = tsys_dist_calibrate_link_of(sp, dev, TSYS_DIST_ALL_GATHER); m->l_tp_rs = tsys_dist_calibrate_link_of(sp, dev, TSYS_DIST_REDUCE_SCATTER); }
     }
     if (!failed) {
         double v[4] = { m->peak, m->tp_comm, m->dp_comm, 0 };
@@ -222,6 +230,8 @@ static void mesh_plan(const mesh_opts *o, const layout *l, const tsys_model_desc
     in.dp_link = in.tp_link = (tsys_dist_link_model){ 0.0, W * 1e-3 };   // section 8's form: every byte at W
     *p = tsys_dist_plan_of(&in);
     in.dp_link = l->kind == L_HSDP ? m->l_tp : m->l_dp; in.tp_link = m->l_tp;
+    in.dp_gather = l->kind == L_HSDP ? m->l_tp_ag : m->l_dp_ag; in.dp_scatter = l->kind == L_HSDP ? m->l_tp_rs : m->l_dp_rs;
+    in.tp_gather = m->l_tp_ag; in.tp_scatter = m->l_tp_rs;
     *f = tsys_dist_plan_of(&in);
     if (l->kind != L_HSDP) return;
     const int replicas = world / l->split;
@@ -344,7 +354,8 @@ static int run_sweep(mesh_opts *o, int argc, char **argv) {
     "  pred_compute_ms the plan's matmul FLOPs at --plan-tflops; *_comm_ms the step's collectives over tp\n" \
     "  (hsdp: FSDP's over its shard group) and over dp timed alone, pred_* the section 8 form at --plan-gbps,\n" \
     "  fit_* the same collectives priced on each group's fitted link (tsys_dist_calibrate_link: *_alpha_ms a\n" \
-    "  collective, *_beta_GBps the bytes a rank sends; n alpha + bytes / beta);\n" \
+    "  collective, *_beta_GBps the bytes a rank sends; n alpha + bytes / beta), FSDP's and sequence\n" \
+    "  parallelism's all-gathers and reduce-scatters on links of their own (tsys_dist_calibrate_link_of);\n" \
     "  loss_first, loss_last the first and last step's loss averaged over the replicas.\n"
 
 static int driver_main(int argc, char **argv) {

@@ -603,6 +603,26 @@ TSYS_TEST(plan_matches_hand_computed_section_8_numbers) {   // the small model: 
     a = tsys_dist_plan_step_links(&d, TSYS_LAYOUT_FSDP_TP, 2, 2, 4, 256, TSYS_BF16, C, mid, mid);
     TEST_CHECK(fabs(a.tp_comm_ms - (52 * 0.5 + 51 * 1572864.0 / 1e8)) < 1e-9 && fabs(a.dp_comm_ms - (67 * 0.5 + 3 * 0.5 * 64322304.0 * 2 / 1e8)) < 1e-9,
                "fsdp_tp on a 0.5 ms + 100 GB/s link: %.6f + %.6f ms, want 52 x 0.5 + 80216064 / 1e8 and 67 x 0.5 + 192966912 / 1e8", a.tp_comm_ms, a.dp_comm_ms);
+    // FSDP's gathers and reduce-scatters on links of their own: 28 all-gathers of 2 x 1/2 x 64322304 x 2 bytes in
+    // all at 0.25 ms + 5e7 bytes a ms, 14 reduce-scatters of half that at 0.125 ms + 2.5e7, the 25 gains' all-reduces
+    // on the group's link (0.5 ms each)
+    tsys_dist_plan_in in;
+    memset(&in, 0, sizeof in);
+    in.model = &d; in.layout = TSYS_LAYOUT_FSDP_TP; in.dp = 2; in.tp = 2; in.batch = 4; in.context = 256; in.dtype = TSYS_BF16; in.flops_per_s = C;
+    in.dp_link = in.tp_link = mid;
+    in.dp_gather = (tsys_dist_link_model){ 0.25, 5e7 }; in.dp_scatter = (tsys_dist_link_model){ 0.125, 2.5e7 };
+    a = tsys_dist_plan_of(&in);
+    const double unit = 0.5 * 64322304.0 * 2;
+    TEST_CHECK(fabs(a.dp_comm_ms - (28 * 0.25 + 2 * unit / 5e7 + 14 * 0.125 + unit / 2.5e7 + 25 * 0.5)) < 1e-9 && a.dp_sent_bytes == 3 * unit,
+               "fsdp_tp with its own gather and scatter links: %.6f ms", a.dp_comm_ms);
+    // sequence parallelism's over tp: 50 all-gathers and 50 reduce-scatters of half of the 51 all-reduces' bytes (and
+    // the head's fp32 rows'), 27 all-reduces (the 25 gains, the loss's 2) on the group's link
+    in.layout = TSYS_LAYOUT_TP; in.dp = 1; in.sequence_parallel = true; in.dp_gather = in.dp_scatter = (tsys_dist_link_model){ 0, 0 };
+    in.tp_gather = (tsys_dist_link_model){ 0.25, 5e7 }; in.tp_scatter = (tsys_dist_link_model){ 0.125, 2.5e7 };
+    a = tsys_dist_plan_of(&in);
+    const double half = (51 * 1572864.0) / 2, gains = 25 * 768 * 4.0;
+    TEST_CHECK(fabs(a.tp_comm_ms - (50 * 0.25 + half / 5e7 + 50 * 0.125 + half / 2.5e7 + 27 * 0.5 + gains / 1e8)) < 1e-9,
+               "tp_sp with its own gather and scatter links: %.6f ms", a.tp_comm_ms);
     a = tsys_dist_plan_step(&d, TSYS_LAYOUT_DP, 0, 1, 4, 256, TSYS_F32, C, W);
     TEST_CHECK(a.flops == 0 && a.comm_ms == 0, "a plan for 0 ranks is all zeros");
     TEST_CHECK(!strcmp(tsys_dist_layout_name(TSYS_LAYOUT_FSDP_TP), "fsdp_tp") && !strcmp(tsys_dist_layout_name((tsys_dist_layout)99), "?"), "names");
