@@ -976,6 +976,10 @@ TSYSDEF tsys_status tsys_optim_overlap_begin_ex(tsys_optim *opt, unsigned flags)
 // stream `after` of their device: they are updated on the background stream after it, once a step each (a
 // parameter said twice is updated once). Every one must be this optimizer's.
 TSYSDEF tsys_status tsys_optim_overlap_ready(tsys_optim *opt, tsys_tensor *const *params, int n, tsys_stream after);
+// CALLER_READY: parameters this step leaves alone, their update made elsewhere (tsys_ddp's desc.shard_updates: the
+// rank that owns them updates them and sends the result): overlap_end does not update them, nothing reads their
+// gradients. Their AdamW moments here stay as they were.
+TSYSDEF tsys_status tsys_optim_overlap_skip(tsys_optim *opt, tsys_tensor *const *params, int n);
 // Kept low-precision weights (AdamW only; opt-in): the optimizer holds a dt (TSYS_BF16 or TSYS_F16)
 // copy of every parameter, one block in parameter order ("parameters" memory, tag "kept weight
 // copies", 2 bytes a parameter), and its update kernel writes the new copy beside the new fp32 value,
@@ -7072,6 +7076,28 @@ TSYSDEF tsys_status tsys_optim_overlap_ready(tsys_optim *o, tsys_tensor *const *
         i = at;
     }
     return st;
+}
+
+TSYSDEF tsys_status tsys_optim_overlap_skip(tsys_optim *o, tsys_tensor *const *params, int n) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    tsys__overlap *ov = o->ov;
+    if (!ov || !ov->active || !ov->caller_ready)
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_skip: outside tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_CALLER_READY) ... overlap_end");
+    TSYS__CHECK_ARG(ctx, n >= 0 && (n == 0 || params), TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_skip: %d parameters and %s list", n, params ? "a" : "no");
+    for (int k = 0, i = -1; k < n; k++) {
+        int at = -1;
+        for (int c = 0; at < 0 && c < o->n; c++) {   // lists in the optimizer's order: look after the last one first
+            const int idx = (i + 1 + c) % o->n;
+            if (o->params[idx] == params[k]) at = idx;
+        }
+        if (at < 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_skip: '%s' is not this optimizer's parameter", params[k] ? params[k]->name : "NULL");
+        if (ov->said[at]) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_overlap_skip: '%s' was already updated or skipped this step", params[k]->name);
+        ov->said[at] = true;
+        i = at;
+    }
+    return TSYS_OK;
 }
 
 // ---- AdamW inside the weight-gradient product (TSYS_OPTIM_FUSE_UPDATE) ----

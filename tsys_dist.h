@@ -421,6 +421,13 @@ typedef enum tsys_ddp_strategy {
 // widened back into the fp32 gradients: about 3 significant digits, where fp32 keeps 7. Costs a bf16 copy
 // of the fp32 gradients (one arena). CUDA through NCCL: both casts run on the side stream, beside the
 // collective, so backward does not wait for them. 16-bit gradients go as they are.
+// shard_updates (ce_gather, tsys_ddp_attach_optimizer, tsys_ddp_optim_in_backward): each bucket has an owner
+// (buckets dealt in backward's order to the rank with the fewest bytes so far); only the owner pulls its peers'
+// gradients of it and updates it, inside backward, then pushes the new parameters into every peer's storage by the
+// copy engines; the others skip it (tsys_optim_overlap_skip) and take the pushes at the step's end. The same bits as
+// every rank updating every bucket; each rank's AdamW moves about 1/ranks of the bytes. The parameters must be one
+// storage (a model's) with each bucket's back to back. A rank's AdamW moments of buckets it does not own are not
+// kept current: tsys_ddp_sync_moments brings them from the owners (the trainer does before it saves).
 // ce_gather (BUCKETED, CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
 // are copied whole into every peer by the copy engines as soon as backward finishes the bucket, so no kernel
 // takes SMs from backward's GEMMs; the optimizer attached by tsys_ddp_attach_optimizer (or ZeRO-1's, by
@@ -440,6 +447,7 @@ typedef struct tsys_ddp_desc {
     double bucket_mb;            // BUCKETED: at most this many MB of parameters per bucket (0 = one bucket)
     bool comm_bf16;              // all-reduce fp32 gradients as bf16
     bool ce_gather;              // copy the gradients to every peer; the optimizer sums them (above)
+    bool shard_updates;          // ce_gather with AdamW inside backward: each bucket updated by one rank (below)
 } tsys_ddp_desc;
 
 // What the last tsys_ddp_finish saw. Times are per step, in ms:
@@ -488,6 +496,9 @@ TSYSDEF tsys_status tsys_ddp_optim_in_backward(tsys_ddp *ddp, tsys_optim *opt);
 // Device memory the DDP holds outside the tensors' allocator: ce_gather's receive buffer and flags (else 0). The
 // memory tracker counts the receive buffer (a tensor wraps it, "gradients", tag "ddp peers' gradients").
 TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp);
+// desc.shard_updates: opt's AdamW moments of every bucket broadcast from the bucket's owner (opt: the attached
+// optimizer), so that any rank holds the whole state. Collective; nothing to do without shard_updates.
+TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt);
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s);
 TSYSDEF void tsys_ddp_free(tsys_ddp *ddp);
 
@@ -3226,6 +3237,12 @@ typedef struct tsys_dist__ceg {
     int buckets;
     cudaStream_t lane[TSYS_DIST__CE_RANKS];        // pulls from rank q (a copy engine queue of its own)
     cudaEvent_t fork, lane_done[TSYS_DIST__CE_RANKS], pulled;
+    // DDP's desc.shard_updates: each bucket's owner pulls its peers' gradients of it, updates it and pushes the new
+    // parameters into every peer's storage (params[]) on push lanes; the peers take pushed flags at the step's end
+    int *owner;                                    // [bucket], or NULL
+    int64_t pushed_at;                             // byte offset in the flags of pushed[bucket]: its owner pushed it here
+    cudaStream_t push[TSYS_DIST__CE_RANKS];        // my pushes into rank q
+    cudaEvent_t pfork, push_done[TSYS_DIST__CE_RANKS];
 } tsys_dist__ceg;
 typedef struct tsys_dist__ceg_handles { cudaIpcMemHandle_t grads, flags; int64_t lo, hi; } tsys_dist__ceg_handles;
 
@@ -3252,7 +3269,7 @@ static bool tsys_dist__ceg_allocation_start(const void *p, const char *what, tsy
 // My receive buffer ((size - 1) slots of bytes [lo, hi) of the gradients) and flags; every rank's gradients
 // (grads: mine, `bytes` at the base of a cudaMalloc allocation, as the CUDA backend's blocks are) and flags opened
 // by every other. Collective.
-static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, int64_t bytes, int64_t lo, int64_t hi, int buckets, tsys_dist__err *e) {
+static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, int64_t bytes, int64_t lo, int64_t hi, int buckets, const int *owner, tsys_dist__err *e) {
     if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: the ranks are on several hosts; the copy engines reach only this host's GPUs");
     if (d->size < 2 || d->size > TSYS_DIST__CE_RANKS)
         return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "ddp desc.ce_gather: %d ranks (it takes 2 to %d)", d->size, (int)TSYS_DIST__CE_RANKS);
@@ -3260,6 +3277,17 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, i
                                                                   (long long)lo, (long long)hi, (long long)bytes);
     g->bytes = bytes; g->lo = lo; g->hi = hi; g->buckets = buckets;
     g->flag_bytes = (int64_t)sizeof(tsys_dist__ceg_flags) + (int64_t)buckets * TSYS_DIST__CE_RANKS * 4;
+    if (owner) {
+        if (!(g->owner = (int *)malloc(sizeof(int) * (size_t)(buckets > 0 ? buckets : 1)))) return tsys_dist__seterr(e, TSYS_ERR_OOM, "ddp desc.shard_updates: out of host memory");
+        memcpy(g->owner, owner, sizeof(int) * (size_t)buckets);
+        g->pushed_at = g->flag_bytes;
+        g->flag_bytes += (int64_t)buckets * 4;
+        for (int q = 0; q < d->size; q++)
+            if (q != d->rank && (!tsys_dist__ceg_cuda(tsys_dist__lane_make(&g->push[q]), "cudaStreamCreateWithPriority", e) ||
+                                 !tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->push_done[q], cudaEventDisableTiming), "cudaEventCreateWithFlags", e)))
+                return false;
+        if (!tsys_dist__ceg_cuda(cudaEventCreateWithFlags(&g->pfork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e)) return false;
+    }
     tsys_dist__ceg_flags *init = (tsys_dist__ceg_flags *)calloc(1, (size_t)g->flag_bytes);
     if (!init) return tsys_dist__seterr(e, TSYS_ERR_OOM, "ddp desc.ce_gather: out of host memory");
     init->one = 1;
@@ -3308,12 +3336,16 @@ static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
         if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
         if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
         if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
+        if (g->push[r]) cudaStreamDestroy(g->push[r]);
+        if (g->push_done[r]) cudaEventDestroy(g->push_done[r]);
     }
     if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
     if (g->recv) cudaFree(g->recv);
     if (g->flags[d->rank]) cudaFree(g->flags[d->rank]);
     if (g->fork) cudaEventDestroy(g->fork);
     if (g->pulled) cudaEventDestroy(g->pulled);
+    if (g->pfork) cudaEventDestroy(g->pfork);
+    free(g->owner);
     memset(g, 0, sizeof *g);
 }
 
@@ -3327,9 +3359,12 @@ static bool tsys_dist__ceg_bucket(tsys_dist *d, tsys_dist__ceg *g, int k, int64_
     if (k < 0 || k >= g->buckets || off < 0 || bytes < 0 || off + bytes > g->bytes)
         return tsys_dist__seterr(e, TSYS_ERR_INVALID_ARGS, "ddp desc.ce_gather: bucket %d, bytes [%lld, %lld), outside the %d buckets of %lld bytes", k, (long long)off,
                                  (long long)(off + bytes), g->buckets, (long long)g->bytes);
+    const int own = g->owner ? g->owner[k] : -1;   // shard_updates: only the bucket's owner pulls it
     for (int q = 0; q < d->size; q++)
-        if (q != me && !tsys_dist__ceg_cuda(cudaMemcpyAsync(tsys_dist__ceg_ready(g, q, k, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e))
+        if (q != me && (own < 0 || q == own) &&
+            !tsys_dist__ceg_cuda(cudaMemcpyAsync(tsys_dist__ceg_ready(g, q, k, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, s), "a flag's raise", e))
             return false;
+    if (own >= 0 && own != me) return true;
     if (!tsys_dist__ceg_cuda(cudaEventRecord(g->fork, s), "cudaEventRecord", e)) return false;
     const int64_t a = off > g->lo ? off : g->lo, b = off + bytes < g->hi ? off + bytes : g->hi;
     for (int q = 0; q < d->size; q++) {
@@ -3380,6 +3415,34 @@ static bool tsys_dist__ceg_params_chunk(tsys_dist *d, tsys_dist__ceg *g, int c, 
             !tsys_dist__ce_copy(g->params[me] + off[q], g->params[q] + off[q], len[q], lane, e))
             return false;
     }
+    return true;
+}
+// shard_updates: pushed[k] in rank r's flags (raised by bucket k's owner).
+static uint32_t *tsys_dist__ceg_pushed(const tsys_dist__ceg *g, int r, int k) { return (uint32_t *)((char *)g->flags[r] + g->pushed_at) + k; }
+// I updated my bucket k, bytes [off, off + len) of the parameters' storage, as of s: into every peer's storage,
+// each push raising the peer's flag behind it. Nothing waits on a push lane (a kernel spinning there would hold up
+// whatever stream shares its hardware queue): the peer takes the flag at its step's end. The peer's backward is
+// done with the old values (this update read its gradient), and this raise cannot overtake the last step's take
+// (the next update needs the peer's next gradient).
+static bool tsys_dist__ceg_push(tsys_dist *d, tsys_dist__ceg *g, int k, int64_t off, int64_t len, cudaStream_t s, tsys_dist__err *e) {
+    const int me = d->rank;
+    if (!tsys_dist__ceg_cuda(cudaEventRecord(g->pfork, s), "cudaEventRecord", e)) return false;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(g->push[q], g->pfork, 0), "cudaStreamWaitEvent", e) ||
+                        !tsys_dist__ce_copy(g->params[q] + off, g->params[me] + off, len, g->push[q], e) ||
+                        !tsys_dist__ceg_cuda(cudaMemcpyAsync(tsys_dist__ceg_pushed(g, q, k), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, g->push[q]), "a flag's raise", e)))
+            return false;
+    return true;
+}
+// The step's end on s: every bucket I do not own pushed into me, and my push lanes joined.
+static bool tsys_dist__ceg_land(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s, tsys_dist__err *e) {
+    const int me = d->rank;
+    for (int k = 0; k < g->buckets; k++)
+        if (g->owner[k] != me && !tsys_dist__ce_take(d, s, tsys_dist__ceg_pushed(g, me, k), NULL, 1, 1, -1, e)) return false;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && (!tsys_dist__ceg_cuda(cudaEventRecord(g->push_done[q], g->push[q]), "cudaEventRecord", e) ||
+                        !tsys_dist__ceg_cuda(cudaStreamWaitEvent(s, g->push_done[q], 0), "cudaStreamWaitEvent", e)))
+            return false;
     return true;
 }
 static bool tsys_dist__ceg_join(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s, tsys_dist__err *e) {
@@ -4750,6 +4813,9 @@ struct tsys_ddp {
     void *ceg;                   // desc.ce_gather: the copy engines' receive buffers and flags (tsys_dist__ceg), once attached
     tsys_optim *ib_opt;          // tsys_ddp_optim_in_backward: told when each bucket's gradients are in, or NULL
     tsys_tensor *terms;          // desc.ce_gather: my receive buffer, as the optimizers' terms
+    int *owner;                  // desc.shard_updates: each bucket's owner, once an optimizer is attached
+    int64_t *pb_off, *pb_len;    // then: each bucket's parameters, bytes in their storage
+    bool alone;                  // a step of the collectives alone (no optimizer step follows: tsys_dist_trainer_time_collectives)
 };
 
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s) {
@@ -4805,6 +4871,43 @@ static tsys_status tsys_dist__ddp_gather_check(tsys_ddp *ddp) {
     return TSYS_OK;
 }
 
+// desc.shard_updates: each bucket's owner, dealt in backward's order (bucket 0 first) to the rank with the
+// fewest bytes so far, and each bucket's parameters' bytes in their one storage. The same on every rank.
+static tsys_status tsys_dist__ddp_shard_plan(tsys_ddp *ddp, int64_t lo, int64_t hi) {
+    tsys_ctx *ctx = ddp->ctx;
+    const int size = tsys_dist_size(ddp->d);
+    const tsys_storage *store = ddp->ntp ? ddp->tp[0]->storage : NULL;
+    const char *no = lo != 0 || hi != (int64_t)tsys_tensor_bytes(ddp->grad_arena) ? "it is for tsys_ddp_attach_optimizer (ZeRO-1 shards its own way)"
+                     : size > 64 ? "more than 64 ranks" : !store ? "no trainable parameter" : NULL;
+    ddp->owner = (int *)calloc((size_t)ddp->nb + 1, sizeof(int));
+    ddp->pb_off = (int64_t *)calloc((size_t)ddp->nb + 1, sizeof(int64_t));
+    ddp->pb_len = (int64_t *)calloc((size_t)ddp->nb + 1, sizeof(int64_t));
+    if (!no && (!ddp->owner || !ddp->pb_off || !ddp->pb_len)) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: desc.shard_updates: out of host memory");
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int k = 0; !no && k < ddp->nb; k++) {
+        const tsys_dist__ddp_bucket *b = &ddp->b[k];
+        int64_t end = (int64_t)ddp->tp[b->first]->offset;
+        ddp->pb_off[k] = end;
+        for (int i = b->first; !no && i < b->first + b->count; i++) {
+            const tsys_tensor *p = ddp->tp[i];
+            if (p->storage != store) no = "the parameters must lie in one storage (a model's)";
+            else if ((int64_t)p->offset != end) no = "each bucket's parameters must lie back to back in their storage";
+            end = (int64_t)p->offset + (int64_t)tsys_tensor_bytes(p);
+            h = tsys_dist__hash(h, (int64_t)p->offset);
+        }
+        ddp->pb_len[k] = end - ddp->pb_off[k];
+    }
+    if (no) return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.shard_updates: %s", no);
+    double load[64] = {0};
+    for (int k = 0; k < ddp->nb; k++) {   // in backward's order: bucket 0 holds the last parameters
+        int r = 0;
+        for (int q = 1; q < size; q++) if (load[q] < load[r]) r = q;
+        ddp->owner[k] = r;
+        load[r] += (double)ddp->pb_len[k];
+    }
+    return tsys_dist__agree_layout(ddp->d, h, "ddp desc.shard_updates (the parameters' places in their storage)");
+}
+
 // Every rank's receive buffer, for bytes [lo, hi) of the gradients (what this rank's optimizer reads), opened by
 // the others; ddp->terms wraps mine. Collective.
 static tsys_status tsys_dist__ddp_gather_open(tsys_ddp *ddp, int64_t lo, int64_t hi) {
@@ -4819,7 +4922,9 @@ static tsys_status tsys_dist__ddp_gather_open(tsys_ddp *ddp, int64_t lo, int64_t
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     tsys_dist__drain(ddp->d);
-    if (!tsys_dist__ceg_setup(ddp->d, g, tsys_tensor_data(arena), (int64_t)tsys_tensor_bytes(arena), lo, hi, ddp->nb, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    if (ddp->desc.shard_updates && tsys_dist__ddp_shard_plan(ddp, lo, hi) != TSYS_OK) return tsys_ctx_status(ctx);
+    if (!tsys_dist__ceg_setup(ddp->d, g, tsys_tensor_data(arena), (int64_t)tsys_tensor_bytes(arena), lo, hi, ddp->nb, ddp->owner, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    if (ddp->owner && !tsys_dist__ceg_share_params(ddp->d, g, ddp->tp[0]->storage->data, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
     int64_t numel = (hi - lo) / 4 * (tsys_dist_size(ddp->d) - 1);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "ddp peers' gradients"));   // the tracker sees it as gradients
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
@@ -4861,6 +4966,49 @@ static tsys_status tsys_dist__ddp_gather_close(tsys_ddp *ddp) {
 #else
     return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
 #endif
+}
+
+// shard_updates: my bucket bi's update is queued on the background stream: its new parameters go to my peers behind it.
+static tsys_status tsys_dist__ddp_shard_push(tsys_ddp *ddp, int bi) {
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    cudaStream_t bg = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_BACKGROUND);
+    return tsys_dist__ceg_push(ddp->d, (tsys_dist__ceg *)ddp->ceg, bi, ddp->pb_off[bi], ddp->pb_len[bi], bg, &e) ? TSYS_OK : tsys_dist__ddp_gather_err(ddp, &e);
+#else
+    (void)bi;
+    return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
+#endif
+}
+
+// shard_updates, at the step's end: the compute stream waits for every bucket my peers own to be pushed here (the
+// next forward reads them: their kept low-precision copies are made again) and for my own pushes.
+static tsys_status tsys_dist__ddp_shard_land(tsys_ddp *ddp) {
+#ifdef TSYS_DIST_NCCL
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_COMPUTE);
+    if (!tsys_dist__ceg_land(ddp->d, (tsys_dist__ceg *)ddp->ceg, compute, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    const int me = tsys_dist_rank(ddp->d);
+    for (int k = 0; k < ddp->nb; k++)
+        for (int i = ddp->b[k].first; ddp->owner[k] != me && i < ddp->b[k].first + ddp->b[k].count; i++) tsys_tensor_mark_written(ddp->tp[i]);
+    return TSYS_OK;
+#else
+    return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
+#endif
+}
+
+TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt) {
+    if (!ddp || !opt) return TSYS_ERR_INVALID_ARGS;
+    tsys_status st = TSYS_OK;
+    for (int k = 0; ddp->owner && st == TSYS_OK && k < ddp->nb; k++)
+        for (int i = ddp->b[k].first; st == TSYS_OK && i < ddp->b[k].first + ddp->b[k].count; i++)
+            for (int which = 0; st == TSYS_OK && which < 2; which++) {
+                tsys_tensor *m = tsys_optim_state(opt, i, which);
+                st = m ? tsys_dist_broadcast(ddp->d, m, ddp->owner[k]) : tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "tsys_ddp_sync_moments: no AdamW moments for '%s'",
+                                                                                           ddp->tp[i]->name);
+            }
+    return st;
 }
 
 TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt) {
@@ -4918,7 +5066,11 @@ TSYSDEF double tsys_ddp_pull_time_ms(const tsys_ddp *ddp, tsys_dist_pull_links m
     if (!off) return NAN;
     int64_t *bytes = off + ddp->nb;
     for (int k = 0; k < ddp->nb; k++) { off[k] = (int64_t)(ddp->b[k].at - ddp->grad_arena->offset); bytes[k] = ddp->b[k].bytes; }
-    const double ms = tsys_dist_pull_time_ms(m, tsys_dist_size(ddp->d), ddp->nb, off, bytes, g->lo_of, g->hi_of);
+    double ms = tsys_dist_pull_time_ms(m, tsys_dist_size(ddp->d), ddp->nb, off, bytes, g->lo_of, g->hi_of);
+    if (ddp->owner && isfinite(ms)) {   // shard_updates: each bucket's owner alone pulls it
+        ms = 0;
+        for (int k = 0; k < ddp->nb; k++) ms += m.one.alpha_ms + (tsys_dist_size(ddp->d) - 1.0) * (double)bytes[k] / m.one.beta_bytes_per_ms;
+    }
     free(off);
     return ms;
 #else
@@ -4961,7 +5113,10 @@ static tsys_status tsys_dist__ddp_launch(tsys_ddp *ddp, int bi) {
     if (ddp->ceg) {
         st = tsys_dist__ddp_gather_bucket(ddp, bi);
         if (st == TSYS_OK && ddp->gpu_timing) tsys_event_record(ctx, ddp->dev, TSYS_STREAM_SIDE, &b->ev_end);
+        if (st == TSYS_OK && ddp->ib_opt && ddp->owner && ddp->owner[bi] != tsys_dist_rank(ddp->d))
+            return tsys_optim_overlap_skip(ddp->ib_opt, p, b->count);   // its owner updates it and pushes it here
         if (st == TSYS_OK && ddp->ib_opt) st = tsys_optim_overlap_ready(ddp->ib_opt, p, b->count, TSYS_STREAM_SIDE);   // the peers' copies are in
+        if (st == TSYS_OK && ddp->ib_opt && ddp->owner) st = tsys_dist__ddp_shard_push(ddp, bi);
         return st != TSYS_OK ? st : tsys_ctx_status(ctx);
     }
     if (!b->flat) {   // gradients of several dtypes in a group of one: the average is themselves
@@ -5149,6 +5304,7 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     tsys_tensor_release(ddp->grad_arena);
     TSYS_DIST__RELEASE(ddp->params); TSYS_DIST__RELEASE(ddp->tp); TSYS_DIST__RELEASE(ddp->bucket_of);
     TSYS_DIST__RELEASE(ddp->hooks); TSYS_DIST__RELEASE(ddp->b); TSYS_DIST__RELEASE(ddp->order);
+    free(ddp->owner); free(ddp->pb_off); free(ddp->pb_len);
     TSYS_DIST__RELEASE(ddp);
 }
 
@@ -5225,6 +5381,8 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
         if (st != TSYS_OK && tsys_ctx_status(ctx) != TSYS_OK) st = tsys_ctx_status(ctx);
     }
     if (st == TSYS_OK && dd.comm_bf16) st = tsys_dist__ddp_make_wires(ddp);
+    if (st == TSYS_OK && dd.shard_updates && !dd.ce_gather)
+        st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_updates needs desc.ce_gather (each bucket's owner pulls its peers' gradients of it)");
     if (st == TSYS_OK && dd.ce_gather) st = tsys_dist__ddp_gather_check(ddp);
     if (st == TSYS_OK) {
         uint64_t h = tsys_dist__hash(tsys_dist__hash(0xcbf29ce484222325ull, dd.strategy), dd.ce_gather);
@@ -5264,6 +5422,9 @@ TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp) {
         if (st == TSYS_OK) st = s;
     }
     tsys_dist__ddp_reset(ddp);
+    if (st == TSYS_OK && ddp->owner && !ddp->ib_opt && !ddp->alone)   // an update after backward would read buckets never pulled here
+        st = tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_updates: each bucket's owner updates it inside backward: give the attached "
+                                "optimizer to tsys_ddp_optim_in_backward");
     return st;
 }
 
@@ -5286,6 +5447,7 @@ TSYSDEF tsys_status tsys_ddp_finish(tsys_ddp *ddp) {
         if (st == TSYS_OK) st = s;
     }
     if (st == TSYS_OK && ddp->ceg) st = tsys_dist__ddp_gather_close(ddp);
+    if (st == TSYS_OK && ddp->owner && ddp->ib_opt) st = tsys_dist__ddp_shard_land(ddp);   // no pushes without updates (the collectives timed alone)
     ddp->t_done_us = tsys_time_us();
     if (ddp->nlaunched > 0) {
         double start = ddp->t_bwd_end_us > ddp->t_first_us ? ddp->t_bwd_end_us : ddp->t_first_us;
@@ -7864,6 +8026,11 @@ static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_de
         tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.opt_in_backward is for DDP, FSDP and ALONE (ZERO1 updates its own shards after backward)");
         return false;
     }
+    if (desc->ddp.shard_updates && (desc->mode != TSYS_TRAIN_DDP || !desc->opt_in_backward || !desc->ddp.ce_gather)) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.ddp.shard_updates is for DDP with ddp.ce_gather and opt_in_backward (each bucket's "
+                           "owner updates it inside backward)");
+        return false;
+    }
     const char *what = desc->lowp_copies ? "lowp_copies" : "lowp_grads";
     const char *no = !desc->lowp_copies && !desc->lowp_grads ? NULL
                      : desc->autocast != TSYS_BF16 && desc->autocast != TSYS_F16 ? "needs bf16 or f16 autocast (desc.autocast)"
@@ -8091,10 +8258,10 @@ TSYSDEF tsys_status tsys_dist_trainer_time_collectives(tsys_dist_trainer *t, dou
     if (t->fsdp) return tsys_fsdp_time_collectives(t->fsdp, ms);
     if (!t->ddp) return TSYS_OK;
     tsys_optim *ib = t->ddp->ib_opt;   // no optimizer step here: nothing to tell it
-    t->ddp->ib_opt = NULL;
-    tsys_ddp_start_step(t->ddp);   // finish with no backward in between reduces every bucket at once
-    tsys_status st = tsys_ddp_finish(t->ddp);
-    t->ddp->ib_opt = ib;
+    t->ddp->ib_opt = NULL; t->ddp->alone = true;
+    tsys_status st = tsys_ddp_start_step(t->ddp);   // finish with no backward in between reduces every bucket at once
+    if (st == TSYS_OK) st = tsys_ddp_finish(t->ddp);
+    t->ddp->ib_opt = ib; t->ddp->alone = false;
     if (st == TSYS_OK) st = tsys_dist_sync(t->d);
     *ms = tsys_ddp_stats_get(t->ddp).comm_ms;
     return st;
@@ -8107,7 +8274,8 @@ TSYSDEF tsys_status tsys_dist_trainer_state_save(tsys_dist_trainer *t, const cha
     mine.model = t->model; mine.optim = t->opt; mine.tensors = NULL; mine.n_tensors = 0;
     if (t->zero1) { mine.optim = NULL; return tsys_zero1_state_save(t->zero1, dir, &mine); }
     if (t->fsdp) return tsys_fsdp_state_save(t->fsdp, dir, &mine);
-    tsys_status st = !t->d || tsys_dist_rank(t->d) == 0 ? tsys_state_save(t->ctx, dir, &mine) : TSYS_OK;
+    tsys_status st = t->ddp ? tsys_ddp_sync_moments(t->ddp, t->opt) : TSYS_OK;   // shard_updates: rank 0's moments of every bucket
+    if (st == TSYS_OK && (!t->d || tsys_dist_rank(t->d) == 0)) st = tsys_state_save(t->ctx, dir, &mine);
     if (t->d) tsys_dist__state_agree(t->d, &st, dir, "rank 0's save");
     return st;
 }

@@ -320,6 +320,9 @@ static bool compiled_in_backward = false;
 // compiled_fsdp_keep: FSDP keeps each unit gathered from its forward through its backward (with AdamW inside backward:
 // gathered for the next forward in backward, at addresses the captured step keeps).
 static bool compiled_fsdp_keep = false;
+// compiled_shard: the captured run's gathered DDP updates each bucket on its owner only (desc.ddp.shard_updates, with
+// AdamW inside backward), the owner pushing the new parameters to its peers.
+static bool compiled_shard = false;
 static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m, bool gather, bool in_backward) {
     tsys_model_desc d = state_model_desc();
     *m = tsys_model_new(ctx, &d, g_dev, 21);
@@ -328,6 +331,7 @@ static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode m
     td.mode = mode; td.ddp.strategy = strategy; td.ddp.bucket_mb = 0.01; td.fsdp.compute_dtype = TSYS_F32; td.autocast = compiled_lowp ? TSYS_BF16 : TSYS_F32;
     td.fsdp.reshard_after_forward = compiled_fsdp_keep ? TSYS_FSDP_RESHARD_NO : TSYS_FSDP_RESHARD_AUTO;
     td.ddp.ce_gather = gather || compiled_lowp; td.lowp_grads = compiled_lowp; td.opt_in_backward = in_backward;
+    td.ddp.shard_updates = compiled_shard && in_backward && mode == TSYS_TRAIN_DDP;
     td.lowp_copies = compiled_lowp && mode != TSYS_TRAIN_ZERO1;   // ZeRO-1 keeps none
     return *m ? tsys_dist_trainer_new(ctx, g_d, *m, g_dev, &td) : NULL;
 }

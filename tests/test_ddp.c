@@ -1115,8 +1115,10 @@ TSYS_TEST(trainer_zero1_ce_gather) { ce_gather_case(TSYS_TRAIN_ZERO1); }
 // desc.opt_in_backward under DDP: each bucket's AdamW update on the background stream once its gradients are
 // in on every rank. Through NCCL: 1 eager step, a capture and 3 replays with the updates inside backward give
 // the bits of 4 eager steps with AdamW after it, for buckets all-reduced and (2 ranks) for gathered bf16
-// gradients with kept copies. Refused under ZeRO-1, and where the gradients are not in as of a stream (the
-// CPU, host staging), naming the rule.
+// gradients with kept copies, and for gathered gradients with each bucket updated by its owner alone and pushed
+// to the peer (desc.ddp.shard_updates; fp32, and bf16 with kept copies: the snapshots compared hold every
+// bucket's moments). Refused under ZeRO-1, and where the gradients are not in as of a stream (the CPU, host
+// staging), naming the rule.
 TSYS_TEST(trainer_ddp_opt_in_backward) {
     const bool nccl = g_dev == TSYS_CUDA && (tsys_dist_engine_of(g_d) == TSYS_DIST_ENGINE_NCCL || g_world == 1);
     tsys_model_desc d = state_model_desc();
@@ -1139,9 +1141,35 @@ TSYS_TEST(trainer_ddp_opt_in_backward) {
     if (g_world == 2) {
         compiled_lowp = true;
         compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp");
+        compiled_shard = true;
+        compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp_shard");
         compiled_lowp = false;
+        compiled_gather = true;
+        compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_shard");
+        compiled_gather = false; compiled_shard = false;
     }
     compiled_in_backward = false;
+}
+
+// desc.ddp.shard_updates refused, naming the rule: without ce_gather (tsys_ddp_new), and in a trainer without
+// AdamW inside backward.
+TSYS_TEST(ddp_shard_updates_refusals) {
+    tsys_model_desc d = tiny_desc();
+    tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 3);
+    tsys_ddp_desc dd = {TSYS_DDP_BUCKETED, 0.01, false, false, true};
+    tsys_ddp *ddp = m ? tsys_ddp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &dd) : NULL;
+    TEST_CHECK(!ddp && strstr(tsys_ctx_last_error(g_ctx), "desc.shard_updates needs desc.ce_gather"), "rank %d: without ce_gather: '%s'", g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    tsys_ddp_free(ddp);
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof td);
+    td.mode = TSYS_TRAIN_DDP; td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 0.01; td.ddp.ce_gather = true; td.ddp.shard_updates = true; td.autocast = TSYS_F32;
+    tsys_dist_trainer *t = m ? tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td) : NULL;
+    TEST_CHECK(!t && strstr(tsys_ctx_last_error(g_ctx), "desc.ddp.shard_updates is for DDP with ddp.ce_gather and opt_in_backward"), "rank %d: after backward: '%s'",
+               g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    tsys_dist_trainer_free(t);
+    tsys_model_free(m);
 }
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------

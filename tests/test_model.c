@@ -310,6 +310,43 @@ TSYS_TEST(overlap_ready_updates_what_it_is_told) {
     tsys_ctx_free(ctx);
 }
 
+// tsys_optim_overlap_skip: a parameter skipped inside a CALLER_READY overlap keeps its value and its moments
+// (overlap_end does not update it) while the one told is updated as AdamW over it alone would; skipping one
+// already updated, or outside the overlap, is refused, naming the rule.
+TSYS_TEST(overlap_skip_leaves_a_parameter_alone) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t n = 8;
+    tsys_tensor *p = test_param(ctx, TSYS_CPU, 1, &n, 1.0f), *q = test_param(ctx, TSYS_CPU, 1, &n, 1.0f), *r = test_param(ctx, TSYS_CPU, 1, &n, 1.0f);
+    tsys_tensor *ps[2] = {p, q};
+    for (int i = 0; i < 3; i++) {   // gradients: 0.25 * (k + 1) for element k, the same for r (p's twin)
+        tsys_tensor *t = i == 0 ? p : i == 1 ? q : r;
+        t->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+        for (int k = 0; k < n; k++) ((float *)tsys_tensor_data(t->grad))[k] = 0.25f * (float)(k + 1);
+    }
+    memcpy(tsys_tensor_data(r), tsys_tensor_data(p), (size_t)n * sizeof(float));
+    float q0[8];
+    memcpy(q0, tsys_tensor_data(q), sizeof q0);
+    tsys_optim *both = tsys_adamw_new(ctx, ps, 2, NULL), *alone = tsys_adamw_new(ctx, &r, 1, NULL);
+    TEST_CHECK(tsys_optim_overlap_skip(both, &q, 1) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "outside tsys_optim_overlap_begin_ex"), "skipped outside: '%s'",
+               tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_optim_overlap_begin_ex(both, TSYS_OPTIM_CALLER_READY) == TSYS_OK && tsys_optim_overlap_ready(both, &p, 1, TSYS_STREAM_COMPUTE) == TSYS_OK &&
+               tsys_optim_overlap_skip(both, &q, 1) == TSYS_OK, "ready and skip: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_optim_overlap_skip(both, &p, 1) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "already updated or skipped"), "p skipped after its update: '%s'",
+               tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_optim_overlap_end(both) == TSYS_OK && tsys_optim_step(alone) == TSYS_OK, "end: %s", tsys_ctx_last_error(ctx));
+    TEST_CHECK(!memcmp(tsys_tensor_data(p), tsys_tensor_data(r), (size_t)n * sizeof(float)), "p is not AdamW's update of it alone");
+    TEST_CHECK(!memcmp(tsys_tensor_data(q), q0, sizeof q0), "q moved though skipped");
+    const float *m = (const float *)tsys_tensor_data(tsys_optim_state(both, 1, 0)), *v = (const float *)tsys_tensor_data(tsys_optim_state(both, 1, 1));
+    double moved = 0;
+    for (int k = 0; k < n; k++) moved += fabs(m[k]) + fabs(v[k]);
+    TEST_CHECK(moved == 0, "q's moments moved though skipped (sum of |m| + |v| %g)", moved);
+    tsys_optim_free(both); tsys_optim_free(alone);
+    tsys_tensor_release(p); tsys_tensor_release(q); tsys_tensor_release(r);
+    tsys_ctx_free(ctx);
+}
+
 // zero_grad only marks gradients as zero: the next backward must overwrite them, and a parameter
 // the backward never reaches must still see zeros in the optimizer, not last step's values.
 TSYS_TEST(lazy_zero_grad_overwrites_and_settles) {
