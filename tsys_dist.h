@@ -4871,6 +4871,7 @@ static tsys_status tsys_dist__ddp_gather_check(tsys_ddp *ddp) {
     return TSYS_OK;
 }
 
+#ifdef TSYS_DIST_NCCL
 // desc.shard_updates: each bucket's owner, dealt in backward's order (bucket 0 first) to the rank with the
 // fewest bytes so far, and each bucket's parameters' bytes in their one storage. The same on every rank.
 static tsys_status tsys_dist__ddp_shard_plan(tsys_ddp *ddp, int64_t lo, int64_t hi) {
@@ -4907,6 +4908,7 @@ static tsys_status tsys_dist__ddp_shard_plan(tsys_ddp *ddp, int64_t lo, int64_t 
     }
     return tsys_dist__agree_layout(ddp->d, h, "ddp desc.shard_updates (the parameters' places in their storage)");
 }
+#endif
 
 // Every rank's receive buffer, for bytes [lo, hi) of the gradients (what this rank's optimizer reads), opened by
 // the others; ddp->terms wraps mine. Collective.
