@@ -5006,9 +5006,10 @@ TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt) {
     for (int k = 0; ddp->owner && st == TSYS_OK && k < ddp->nb; k++)
         for (int i = ddp->b[k].first; st == TSYS_OK && i < ddp->b[k].first + ddp->b[k].count; i++)
             for (int which = 0; st == TSYS_OK && which < 2; which++) {
-                tsys_tensor *m = tsys_optim_state(opt, i, which);
+                tsys_tensor *m = tsys_optim_state(opt, i, which);   // a view of the moments: ours to release
                 st = m ? tsys_dist_broadcast(ddp->d, m, ddp->owner[k]) : tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "tsys_ddp_sync_moments: no AdamW moments for '%s'",
                                                                                            ddp->tp[i]->name);
+                tsys_tensor_release(m);
             }
     return st;
 }
