@@ -637,6 +637,12 @@ TSYSDEF tsys_dtype tsys_tensor_grad_dtype(const tsys_tensor *t);   // what backw
 // this: it bumps the storage's version, so a kept low-precision copy of t (tsys_optim_keep_lowp) is
 // made again at its next use instead of serving the old values.
 TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t);
+// The same for parameters written in bulk behind tsys's back (n of them; written[i] says which): the kept
+// copies of the others on their storages stay valid (mark_written of one parameter makes every copy made
+// from its storage stale), and so do the written ones' where copies_written: their kept copies were
+// written with them, the same values rounded to nearest even as the cast rounds them (tsys_ddp's
+// shard_updates: each bucket's owner sends its new weights and their copies).
+TSYSDEF void tsys_params_mark_written(tsys_tensor *const *params, int n, const bool *written, bool copies_written);
 // Storage surgery for sharded training (tsys_dist.h's FSDP). rebind: t becomes a window of target's
 // storage at byte_offset (its dtype and shape kept, its old storage released; the window must fit).
 // resize: frees (bytes = 0) or reallocates the memory of t's storage under every tensor that views it,
@@ -4056,6 +4062,25 @@ TSYSDEF void tsys_autocast_end(tsys_ctx *ctx) { if (ctx) { ctx->autocast = TSYS_
 static size_t tsys__lowp_align(size_t off) { return (off + 255) & ~(size_t)255; }
 static bool tsys__lowp_valid(const tsys_tensor *w) { return w->lowp && w->lowp_of == w->storage->id && w->lowp_version == w->storage->version; }
 static void tsys__lowp_mark(tsys_tensor *w) { w->lowp_of = w->storage->id; w->lowp_version = w->storage->version; }
+
+// One new version for each storage the parameters lie in (the first parameter on it bumps it); then the
+// copies whose bytes did not change are marked made from that version.
+TSYSDEF void tsys_params_mark_written(tsys_tensor *const *params, int n, const bool *written, bool copies_written) {
+    if (!params || !written) return;
+    for (int i = 0; i < n; i++) {
+        tsys_storage *s = params[i] ? params[i]->storage : NULL;
+        bool first = s != NULL;
+        for (int j = 0; first && j < i; j++) first = !params[j] || params[j]->storage != s;   // n is a model's tensors: quadratic is fine
+        if (!first) continue;
+        const uint64_t before = s->version++;
+        for (int j = i; j < n; j++) {
+            tsys_tensor *p = params[j];
+            if (!p || p->storage != s || !p->lowp) continue;
+            const bool was_valid = p->lowp_of == s->id && p->lowp_version == before;
+            if (written[j] ? copies_written : was_valid) tsys__lowp_mark(p);
+        }
+    }
+}
 
 // The kept copy of w (tsys_optim_keep_lowp) in dt, cast again into its place when w was written since
 // it was made; NULL when w has none in dt, or when the stale one is still held by another (a tape node

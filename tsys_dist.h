@@ -3380,22 +3380,25 @@ static bool tsys_dist__ceg_bucket(tsys_dist *d, tsys_dist__ceg *g, int k, int64_
     return true;
 }
 
-// ZeRO-1: my parameters' storage (params: the base of a cudaMalloc allocation, laid out as every rank's) opened by
-// every peer. Collective.
-static bool tsys_dist__ceg_share_params(tsys_dist *d, tsys_dist__ceg *g, void *params, tsys_dist__err *e) {
+// My block `base` (the start of a cudaMalloc allocation, laid out as every rank's: `what`) opened by every peer into
+// at[]. Collective.
+static bool tsys_dist__ceg_share(tsys_dist *d, void *base, const char *what, char **at, tsys_dist__err *e) {
     cudaIpcMemHandle_t mine, theirs;
     memset(&mine, 0, sizeof mine);
-    if (!tsys_dist__ceg_allocation_start(params, "the parameters' storage", e) ||
-        !tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine, params), "cudaIpcGetMemHandle (the parameters)", e))
+    if (!tsys_dist__ceg_allocation_start(base, what, e) || !tsys_dist__ceg_cuda(cudaIpcGetMemHandle(&mine, base), "cudaIpcGetMemHandle (a block to share)", e))
         return false;
-    g->params[d->rank] = (char *)params;
+    at[d->rank] = (char *)base;
     for (int r = 0; r < d->size; r++) {
         theirs = mine;
         if (!tsys_dist__setup_bcast(d, &theirs, (int64_t)sizeof theirs, r, e)) return false;
-        if (r != d->rank && !tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&g->params[r], theirs, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's parameters)", e))
+        if (r != d->rank && !tsys_dist__ceg_cuda(cudaIpcOpenMemHandle((void **)&at[r], theirs, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's block)", e))
             return false;
     }
     return true;
+}
+// ZeRO-1 and shard_updates: my parameters' storage opened by every peer.
+static bool tsys_dist__ceg_share_params(tsys_dist *d, tsys_dist__ceg *g, void *params, tsys_dist__err *e) {
+    return tsys_dist__ceg_share(d, params, "the parameters' storage", g->params, e);
 }
 
 // ZeRO-1: I updated my parameters of chunk c (as of s): tell every peer; then pull every peer's part of the chunk
@@ -4815,6 +4818,7 @@ struct tsys_ddp {
     tsys_tensor *terms;          // desc.ce_gather: my receive buffer, as the optimizers' terms
     int *owner;                  // desc.shard_updates: each bucket's owner, once an optimizer is attached
     int64_t *pb_off, *pb_len;    // then: each bucket's parameters, bytes in their storage
+    bool *pushed_here;           // [ntp]: the parameters my peers update and push here
     bool alone;                  // a step of the collectives alone (no optimizer step follows: tsys_dist_trainer_time_collectives)
 };
 
@@ -4883,7 +4887,8 @@ static tsys_status tsys_dist__ddp_shard_plan(tsys_ddp *ddp, int64_t lo, int64_t 
     ddp->owner = (int *)calloc((size_t)ddp->nb + 1, sizeof(int));
     ddp->pb_off = (int64_t *)calloc((size_t)ddp->nb + 1, sizeof(int64_t));
     ddp->pb_len = (int64_t *)calloc((size_t)ddp->nb + 1, sizeof(int64_t));
-    if (!no && (!ddp->owner || !ddp->pb_off || !ddp->pb_len)) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: desc.shard_updates: out of host memory");
+    ddp->pushed_here = (bool *)calloc((size_t)ddp->ntp + 1, sizeof(bool));
+    if (!no && (!ddp->owner || !ddp->pb_off || !ddp->pb_len || !ddp->pushed_here)) return tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: desc.shard_updates: out of host memory");
     uint64_t h = 0xcbf29ce484222325ull;
     for (int k = 0; !no && k < ddp->nb; k++) {
         const tsys_dist__ddp_bucket *b = &ddp->b[k];
@@ -4905,6 +4910,7 @@ static tsys_status tsys_dist__ddp_shard_plan(tsys_ddp *ddp, int64_t lo, int64_t 
         for (int q = 1; q < size; q++) if (load[q] < load[r]) r = q;
         ddp->owner[k] = r;
         load[r] += (double)ddp->pb_len[k];
+        for (int i = ddp->b[k].first; i < ddp->b[k].first + ddp->b[k].count; i++) ddp->pushed_here[i] = r != tsys_dist_rank(ddp->d);
     }
     return tsys_dist__agree_layout(ddp->d, h, "ddp desc.shard_updates (the parameters' places in their storage)");
 }
@@ -4984,16 +4990,14 @@ static tsys_status tsys_dist__ddp_shard_push(tsys_ddp *ddp, int bi) {
 }
 
 // shard_updates, at the step's end: the compute stream waits for every bucket my peers own to be pushed here (the
-// next forward reads them: their kept low-precision copies are made again) and for my own pushes.
+// next forward reads them: their kept low-precision copies are made again, the others' stay) and for my own pushes.
 static tsys_status tsys_dist__ddp_shard_land(tsys_ddp *ddp) {
 #ifdef TSYS_DIST_NCCL
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_COMPUTE);
     if (!tsys_dist__ceg_land(ddp->d, (tsys_dist__ceg *)ddp->ceg, compute, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
-    const int me = tsys_dist_rank(ddp->d);
-    for (int k = 0; k < ddp->nb; k++)
-        for (int i = ddp->b[k].first; ddp->owner[k] != me && i < ddp->b[k].first + ddp->b[k].count; i++) tsys_tensor_mark_written(ddp->tp[i]);
+    tsys_params_mark_written(ddp->tp, ddp->ntp, ddp->pushed_here, false);
     return TSYS_OK;
 #else
     return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
@@ -5307,7 +5311,7 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     tsys_tensor_release(ddp->grad_arena);
     TSYS_DIST__RELEASE(ddp->params); TSYS_DIST__RELEASE(ddp->tp); TSYS_DIST__RELEASE(ddp->bucket_of);
     TSYS_DIST__RELEASE(ddp->hooks); TSYS_DIST__RELEASE(ddp->b); TSYS_DIST__RELEASE(ddp->order);
-    free(ddp->owner); free(ddp->pb_off); free(ddp->pb_len);
+    free(ddp->owner); free(ddp->pb_off); free(ddp->pb_len); free(ddp->pushed_here);
     TSYS_DIST__RELEASE(ddp);
 }
 

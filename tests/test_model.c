@@ -756,6 +756,63 @@ TSYS_TEST(kept_lowp_copies_follow_other_writes) {
     remove(path);
 }
 
+// Parameters written in bulk (tsys_params_mark_written): the model with kept copies computes the logits of
+// one without, and casts only what it must - none when the written copies came with the weights, the written
+// parameter alone when they did not. tsys_tensor_mark_written of that one parameter, the control, makes every
+// copy on the model's storage stale (so the count can tell).
+TSYS_TEST(params_mark_written_keeps_unchanged_copies) {
+    const char *name = "layers.1.attn.q_proj.weight";
+    tsys_model_desc d = lowp_desc();
+    const int all = 7 * d.num_layers + 1;
+    for (int how = 0; how < 3; how++) {   // 0: copies written too, 1: weights alone, 2: mark_written (control)
+        tsys_ctx *ctx = tsys_ctx_new(NULL);
+        tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
+        int n = tsys_model_num_tensors(m[0]);
+        tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), n, NULL), tsys_adamw_new(ctx, tsys_model_params(m[1]), n, NULL)};
+        tsys_optim_keep_lowp(o[1], TSYS_BF16);
+        int64_t shape[2] = {2, 16};
+        tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+        tsys_tensor_randint(ctx, ids, d.vocab_size);
+        for (int step = 0; step < 2; step++)
+            for (int k = 0; k < 2; k++) lowp_step(ctx, m[k], o[k], ids, TSYS_BF16, false);
+        tsys_model *other = tsys_model_new(ctx, &d, TSYS_CPU, 77);
+        tsys_tensor *src = tsys_model_param(other, name), *src_low = tsys_cast(ctx, src, TSYS_BF16);
+        bool *written = (bool *)calloc((size_t)n, sizeof(bool));
+        for (int i = 0; i < n; i++) written[i] = tsys_model_params(m[1])[i] == tsys_model_param(m[1], name);
+        for (int k = 0; k < 2; k++) {
+            tsys_tensor *p = tsys_model_param(m[k], name);
+            memcpy(tsys_tensor_data(p), tsys_tensor_data(src), tsys_tensor_bytes(p));
+            if (k == 0) { tsys_tensor_mark_written(p); continue; }
+            if (how == 0) memcpy(tsys_tensor_data(p->lowp), tsys_tensor_data(src_low), tsys_tensor_bytes(src_low));
+            if (how < 2) tsys_params_mark_written(tsys_model_params(m[1]), n, written, how == 0);
+            else tsys_tensor_mark_written(p);
+        }
+        lowp_casts cc = {tsys_model_params(m[1]), n, 0};
+        tsys_trace_hooks h;
+        memset(&h, 0, sizeof(h));
+        h.kernel = lowp_count_cast; h.user = &cc;
+        tsys_tensor *logits[2];
+        tsys_autocast_begin(ctx, TSYS_BF16);
+        logits[0] = tsys_model_forward(m[0], ids);
+        tsys_ctx_set_trace_hooks(ctx, &h);
+        logits[1] = tsys_model_forward(m[1], ids);
+        tsys_ctx_set_trace_hooks(ctx, NULL);
+        tsys_autocast_end(ctx);
+        const int expect = how == 0 ? 0 : how == 1 ? 1 : all;
+        TEST_CHECK(logits[0] && logits[1] && !memcmp(tsys_tensor_data(logits[0]), tsys_tensor_data(logits[1]), tsys_tensor_bytes(logits[0])),
+                   "case %d: the model with kept copies computes other logits than a fresh cast", how);
+        TEST_CHECK(cc.casts == expect, "case %d: %d weights cast, expected %d", how, cc.casts, expect);
+        TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "case %d: %s", how, tsys_ctx_last_error(ctx));
+        tsys_tape_clear(ctx);
+        free(written);
+        tsys_tensor_release(src_low);
+        for (int k = 0; k < 2; k++) { tsys_tensor_release(logits[k]); tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+        tsys_model_free(other);
+        tsys_tensor_release(ids);
+        tsys_ctx_free(ctx);
+    }
+}
+
 // The options: only AdamW writes copies, only of bf16/f16; f32 gives them back (memory included).
 TSYS_TEST(kept_lowp_copies_options_and_memory) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
