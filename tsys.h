@@ -271,6 +271,8 @@ typedef struct tsys_storage {
     void *release_user;
     size_t extent;       // the most bytes from data any tensor on it has reached (its own, views, rebinds): a
                          // resize keeps at least this many (or frees the memory, 0), never cuts under a tensor
+    struct tsys__stale *stale;   // parameters out of date here (tsys_params_mark_stale), n_stale of them
+    int n_stale;
 } tsys_storage;
 
 typedef void (*tsys_grad_hook_fn)(tsys_ctx *ctx, tsys_tensor *param, void *user_data);
@@ -643,6 +645,12 @@ TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t);
 // written with them, the same values rounded to nearest even as the cast rounds them (tsys_ddp's
 // shard_updates: each bucket's owner sends its new weights and their copies).
 TSYSDEF void tsys_params_mark_written(tsys_tensor *const *params, int n, const bool *written, bool copies_written);
+// Parameters whose values are held elsewhere (tsys_ddp's desc.shard_masters: the fp32 weights a peer updates, of which
+// this rank receives only the kept copies), n of them, stale[i] says which; the others on their storages are current.
+// A launch that reads a stale parameter's bytes (through any view: a cast of it, an fp32 forward), a read of them to the
+// host and a save fail, naming it; a write tsys sees that covers it (a kernel's, a copy or load into it, mark_written)
+// makes it current again.
+TSYSDEF tsys_status tsys_params_mark_stale(tsys_ctx *ctx, tsys_tensor *const *params, int n, const bool *stale);
 // Storage surgery for sharded training (tsys_dist.h's FSDP). rebind: t becomes a window of target's
 // storage at byte_offset (its dtype and shape kept, its old storage released; the window must fit).
 // resize: frees (bytes = 0) or reallocates the memory of t's storage under every tensor that views it,
@@ -793,6 +801,9 @@ TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m);     // PyTorch parameter
 TSYSDEF int tsys_model_num_tensors(const tsys_model *m);
 TSYSDEF int64_t tsys_model_num_params(const tsys_model *m);
 TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name);
+// p is one of m's parameters that only matmuls read (under autocast, through its kept copy): the linear layers'
+// and lm_head's weights, not the token embedding (looked up) or the norms' gains.
+TSYSDEF bool tsys_model_matmul_weight(const tsys_model *m, const tsys_tensor *p);
 // The linear layers' weight gradients (every 2-D parameter but the embedding: attention and FFN
 // projections, lm_head) kept in dt: TSYS_BF16 / TSYS_F16 as autocast of dt writes them, TSYS_F32 back
 // (tsys_tensor_set_grad_dtype on each, with its rules; the norms' and the embedding's stay fp32).
@@ -1620,6 +1631,29 @@ static bool tsys__owned(tsys_ctx *ctx, const char *fn, const tsys_tensor *t) {
     TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' belongs to another context (a tensor is used only with the context that made it)", fn, t->name);
     return false;
 }
+// A parameter out of date on its storage (tsys_params_mark_stale): its bytes and its name.
+typedef struct tsys__stale { size_t lo, hi; char name[TSYS_NAME_LEN]; } tsys__stale;
+// A tensor whose bytes are current where they are read (none of them a parameter whose values another rank holds).
+static bool tsys__current(tsys_ctx *ctx, const char *fn, const tsys_tensor *t) {
+    const tsys_storage *s = t->storage;
+    const size_t lo = t->offset, hi = t->offset + tsys_tensor_bytes(t);
+    for (int i = 0; i < s->n_stale; i++)
+        if (s->stale[i].lo < hi && lo < s->stale[i].hi) {
+            TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: '%s' is out of date here: its current values are on the rank that updates it (tsys_ddp desc.shard_masters: "
+                       "tsys_ddp_sync_params brings them)", fn, s->stale[i].name);
+            return false;
+        }
+    return true;
+}
+// t was written: the stale parameters it covers are current.
+static void tsys__freshen(tsys_tensor *t) {
+    tsys_storage *s = t->storage;
+    const size_t lo = t->offset, hi = t->offset + tsys_tensor_bytes(t);
+    int kept = 0;
+    for (int i = 0; i < s->n_stale; i++)
+        if (!(lo <= s->stale[i].lo && s->stale[i].hi <= hi)) s->stale[kept++] = s->stale[i];
+    s->n_stale = kept;
+}
 // A tensor whose bytes are there to be read or written (not on a storage freed by tsys_storage_resize).
 static bool tsys__has_memory(tsys_ctx *ctx, const char *fn, const tsys_tensor *t) {
     if (t->storage->data) return true;
@@ -1896,6 +1930,7 @@ static void tsys__storage_release(tsys_storage *s) {
     // data NULL: resized to 0 (tsys_storage_resize); no backend: it was destroyed by tsys_ctx_free, its memory with it
     else if (s->data && ctx->backends[s->device]) ctx->backends[s->device]->free(ctx, s->data, s->bytes);
     if (s->bytes) tsys__mem_change(ctx, s->device, s->tag, s->category, -(int64_t)s->bytes, true, s);
+    TSYS_FREE(s->stale);
     TSYS_FREE(s);
     tsys__ctx_unref(ctx);
 }
@@ -1945,7 +1980,7 @@ TSYSDEF int64_t tsys_tensor_numel(const tsys_tensor *t) {
 }
 TSYSDEF size_t tsys_tensor_bytes(const tsys_tensor *t) { return t ? (size_t)tsys_tensor_numel(t) * tsys_dtype_size(t->dtype) : 0; }
 TSYSDEF void *tsys_tensor_data(const tsys_tensor *t) { return t ? (char *)t->storage->data + t->offset : NULL; }
-TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t) { if (t) t->storage->version++; }
+TSYSDEF void tsys_tensor_mark_written(tsys_tensor *t) { if (t) { t->storage->version++; tsys__freshen(t); } }
 
 TSYSDEF void tsys_tensor_set_name(tsys_tensor *t, const char *fmt, ...) {
     if (!t || !fmt) return;
@@ -2117,7 +2152,7 @@ TSYSDEF tsys_tensor *tsys_tensor_clone(tsys_ctx *ctx, const tsys_tensor *t) { re
 
 TSYSDEF tsys_status tsys_tensor_to_host(tsys_ctx *ctx, const tsys_tensor *t, void *host) {
     if (!t || !host) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "to_host: %s is NULL", t ? "host" : "the tensor");
-    if (!tsys__has_memory(ctx, "to_host", t)) return TSYS_ERR_INVALID_ARGS;
+    if (!tsys__has_memory(ctx, "to_host", t) || !tsys__current(ctx, "to_host", t)) return TSYS_ERR_INVALID_ARGS;
     return tsys__copy_bytes(ctx, host, TSYS_CPU, tsys_tensor_data(t), t->device, tsys_tensor_bytes(t));
 }
 
@@ -3281,10 +3316,14 @@ static tsys_status tsys__launch(tsys_ctx *ctx, tsys_device dev, tsys_kernel k, c
 #if TSYS_DEBUG
     if (a && tsys__kargs_check(ctx, dev, k, a) != TSYS_OK) return ctx->status;
 #endif
-    // what the launch writes is at a new version (kept low-precision copies of it are stale)
-    if (g) g->c->storage->version++;
+    for (int j = 0; j < (a ? TSYS_KARGS_MAX : 2); j++) {   // what it reads must be current (a GEMM's c is written)
+        const tsys_tensor *x = a ? a->t[j] : gt[j];
+        if (x && (!a || !tsys__kernel_writes(k, j)) && !tsys__current(ctx, tsys_kernel_name(k), x)) return TSYS_ERR_INVALID_ARGS;
+    }
+    // what the launch writes is at a new version (kept low-precision copies of it are stale) and current
+    if (g) { g->c->storage->version++; tsys__freshen(g->c); }
     for (int j = 0; a && j < TSYS_KARGS_MAX; j++)
-        if (a->t[j] && tsys__kernel_writes(k, j)) a->t[j]->storage->version++;
+        if (a->t[j] && tsys__kernel_writes(k, j)) { a->t[j]->storage->version++; tsys__freshen(a->t[j]); }
     if (!ctx->trace.kernel && !ctx->trace.kernel_begin) return a ? be->kernel(ctx, k, a) : be->gemm(ctx, g);
     tsys_trace_kernel info;
     info.seq = ++ctx->launch_seq;
@@ -4075,11 +4114,42 @@ TSYSDEF void tsys_params_mark_written(tsys_tensor *const *params, int n, const b
         const uint64_t before = s->version++;
         for (int j = i; j < n; j++) {
             tsys_tensor *p = params[j];
-            if (!p || p->storage != s || !p->lowp) continue;
+            if (!p || p->storage != s) continue;
+            if (written[j]) tsys__freshen(p);
+            if (!p->lowp) continue;
             const bool was_valid = p->lowp_of == s->id && p->lowp_version == before;
             if (written[j] ? copies_written : was_valid) tsys__lowp_mark(p);
         }
     }
+}
+
+static bool tsys__params_ok(tsys_ctx *ctx, const char *fn, tsys_tensor *const *params, int n);
+// Each storage's list made again from the parameters on it (n is a model's tensors: quadratic is fine).
+TSYSDEF tsys_status tsys_params_mark_stale(tsys_ctx *ctx, tsys_tensor *const *params, int n, const bool *stale) {
+    TSYS__CHECK_ARG(ctx, ctx, TSYS_ERR_INVALID_ARGS, "no context");
+    if (!tsys__params_ok(ctx, "tsys_params_mark_stale", params, n)) return TSYS_ERR_INVALID_ARGS;
+    TSYS__CHECK_ARG(ctx, n == 0 || stale, TSYS_ERR_INVALID_ARGS, "tsys_params_mark_stale: no stale[] for %d parameters", n);
+    for (int i = 0; i < n; i++) params[i]->storage->n_stale = -1;   // not made yet
+    for (int i = 0; i < n; i++) {
+        tsys_storage *s = params[i]->storage;
+        if (s->n_stale >= 0) continue;
+        int count = 0;
+        for (int j = i; j < n; j++) count += params[j]->storage == s && stale[j];
+        tsys__stale *list = count ? (tsys__stale *)TSYS_REALLOC(s->stale, sizeof(tsys__stale) * (size_t)count) : s->stale;
+        s->n_stale = 0;
+        if (!list) {
+            for (int j = i; j < n; j++) params[j]->storage->n_stale = 0;
+            return TSYS__FAIL(ctx, TSYS_ERR_OOM, "tsys_params_mark_stale: out of host memory");
+        }
+        s->stale = list;
+        for (int j = i; j < n; j++) {
+            if (params[j]->storage != s || !stale[j]) continue;
+            tsys__stale *e = &s->stale[s->n_stale++];
+            e->lo = params[j]->offset; e->hi = params[j]->offset + tsys_tensor_bytes(params[j]);
+            snprintf(e->name, sizeof e->name, "%s", params[j]->name);
+        }
+    }
+    return TSYS_OK;
 }
 
 // The kept copy of w (tsys_optim_keep_lowp) in dt, cast again into its place when w was written since
@@ -5864,6 +5934,11 @@ TSYSDEF const tsys_model_desc *tsys_model_get_desc(const tsys_model *m) { return
 TSYSDEF tsys_tensor **tsys_model_params(tsys_model *m) { return m ? m->params : NULL; }
 TSYSDEF int tsys_model_num_tensors(const tsys_model *m) { return m ? m->num_tensors : 0; }
 TSYSDEF int64_t tsys_model_num_params(const tsys_model *m) { return m ? tsys_model_desc_num_params(&m->desc) : 0; }
+TSYSDEF bool tsys_model_matmul_weight(const tsys_model *m, const tsys_tensor *p) {
+    bool mine = false;
+    for (int i = 0; m && p && !mine && i < m->num_tensors; i++) mine = m->params[i] == p;
+    return mine && p->ndim == 2 && p != m->emb;
+}
 TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name) {
     for (int i = 0; m && name && i < m->num_tensors; i++)
         if (strcmp(m->params[i]->name, name) == 0) return m->params[i];
@@ -5873,7 +5948,7 @@ TSYSDEF tsys_tensor *tsys_model_param(tsys_model *m, const char *name) {
 TSYSDEF tsys_status tsys_model_set_grad_dtype(tsys_model *m, tsys_dtype dt) {
     if (!m) return TSYS_ERR_INVALID_ARGS;
     for (int i = 0; i < m->num_tensors; i++)
-        if (m->params[i]->ndim == 2 && m->params[i] != m->emb && tsys_tensor_set_grad_dtype(m->ctx, m->params[i], dt) != TSYS_OK) return m->ctx->status;
+        if (tsys_model_matmul_weight(m, m->params[i]) && tsys_tensor_set_grad_dtype(m->ctx, m->params[i], dt) != TSYS_OK) return m->ctx->status;
     return TSYS_OK;
 }
 
@@ -9394,6 +9469,7 @@ static tsys_status tsys__st_write(tsys_ctx *ctx, const char *path, FILE *f, cons
     tsys_status s = TSYS_OK;
     for (int i = 0; s == TSYS_OK && i < n; i++) {
         const tsys_tensor *t = tensors[i];
+        if (!tsys__current(ctx, "safetensors save", t)) { s = TSYS_ERR_INVALID_ARGS; break; }
         size_t bytes = tsys_tensor_bytes(t);
         const void *src = t->device == TSYS_CPU ? tsys_tensor_data(t) : NULL;
         if (!src && bytes > stage_bytes) {
@@ -10605,6 +10681,7 @@ static tsys_status tsys__saver_copy(tsys_state_saver *sv, tsys__state_job *j) {
     size_t off = 0;
     for (int i = 0; s == TSYS_OK && i < n; i++) {
         tsys_tensor **slot = tsys__saver_part(j, i), *t = *slot;
+        if (!tsys__current(ctx, "tsys_state_save_async", t)) { s = TSYS_ERR_INVALID_ARGS; break; }
         size_t bytes = tsys_tensor_bytes(t);
         const char *src = (const char *)tsys_tensor_data(t);
         tsys__copy_run *last = n_runs ? &runs[n_runs - 1] : NULL;   // a model has hundreds of tensors, and a stream

@@ -428,6 +428,13 @@ typedef enum tsys_ddp_strategy {
 // every rank updating every bucket; each rank's AdamW moves about 1/ranks of the bytes. The parameters must be one
 // storage (a model's) with each bucket's back to back. A rank's AdamW moments of buckets it does not own are not
 // kept current: tsys_ddp_sync_moments brings them from the owners (the trainer does before it saves).
+// shard_masters (shard_updates, with kept copies: tsys_optim_keep_lowp before tsys_ddp_attach_optimizer): Megatron's
+// distributed optimizer. The parameters read_by_copy names (the ones the step reads only through their kept copies: a
+// model's matmul weights, tsys_model_matmul_weight) travel as those copies alone, 2 bytes a parameter instead of 4:
+// their fp32 values stay current on the bucket's owner only, and are out of date on its peers (tsys_params_mark_stale:
+// a read of them there fails, naming them) until tsys_ddp_sync_params brings them (the trainer does before it saves).
+// The others travel as fp32 with their copies. The same bits as shard_updates, in the copies and, after a sync, in
+// the weights.
 // ce_gather (BUCKETED, CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
 // are copied whole into every peer by the copy engines as soon as backward finishes the bucket, so no kernel
 // takes SMs from backward's GEMMs; the optimizer attached by tsys_ddp_attach_optimizer (or ZeRO-1's, by
@@ -448,6 +455,8 @@ typedef struct tsys_ddp_desc {
     bool comm_bf16;              // all-reduce fp32 gradients as bf16
     bool ce_gather;              // copy the gradients to every peer; the optimizer sums them (above)
     bool shard_updates;          // ce_gather with AdamW inside backward: each bucket updated by one rank (below)
+    bool shard_masters;          // shard_updates: the fp32 weights read_by_copy names current on their owner alone (below)
+    const bool *read_by_copy;    // shard_masters: [n params of tsys_ddp_new] those read only through their kept copies
 } tsys_ddp_desc;
 
 // What the last tsys_ddp_finish saw. Times are per step, in ms:
@@ -499,6 +508,9 @@ TSYSDEF int64_t tsys_ddp_device_bytes(const tsys_ddp *ddp);
 // desc.shard_updates: opt's AdamW moments of every bucket broadcast from the bucket's owner (opt: the attached
 // optimizer), so that any rank holds the whole state. Collective; nothing to do without shard_updates.
 TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt);
+// desc.shard_masters: every bucket's fp32 weights broadcast from its owner, so that every rank's are current.
+// Collective; nothing to do without shard_masters.
+TSYSDEF tsys_status tsys_ddp_sync_params(tsys_ddp *ddp);
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s);
 TSYSDEF void tsys_ddp_free(tsys_ddp *ddp);
 
@@ -2880,6 +2892,9 @@ static int tsys_dist__cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+// Bytes [off, off + len) of a block.
+typedef struct tsys_dist__run { int64_t off, len; } tsys_dist__run;
+
 // >>engine nccl -----------------------------------------------------------------------------------
 // CUDA tensors of a group whose ranks each have a GPU: NCCL on the compute and side streams. Host
 // tensors of the group still go the host engine's way.
@@ -3231,6 +3246,7 @@ typedef struct tsys_dist__ceg {
     char *recv;                                    // my receive buffer
     char *grads[TSYS_DIST__CE_RANKS];              // every rank's gradients: mine at [rank], the peers' through IPC
     char *params[TSYS_DIST__CE_RANKS];             // ZeRO-1: every rank's parameters' storage, the same way (NULL: none)
+    char *lowp[TSYS_DIST__CE_RANKS];               // shard_masters: every rank's block of kept low-precision copies (NULL: none)
     tsys_dist__ceg_flags *flags[TSYS_DIST__CE_RANKS];
     int64_t bytes, lo, hi, flag_bytes;             // the gradients' bytes; the part [lo, hi) I receive (a slot); the flags'
     int64_t lo_of[TSYS_DIST__CE_RANKS], hi_of[TSYS_DIST__CE_RANKS];   // every rank's part (the pulls' prediction)
@@ -3333,6 +3349,7 @@ static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
         if (r == d->rank) continue;
         if (g->grads[r]) cudaIpcCloseMemHandle(g->grads[r]);
         if (g->params[r]) cudaIpcCloseMemHandle(g->params[r]);
+        if (g->lowp[r]) cudaIpcCloseMemHandle(g->lowp[r]);
         if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
         if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
         if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
@@ -3422,19 +3439,24 @@ static bool tsys_dist__ceg_params_chunk(tsys_dist *d, tsys_dist__ceg *g, int c, 
 }
 // shard_updates: pushed[k] in rank r's flags (raised by bucket k's owner).
 static uint32_t *tsys_dist__ceg_pushed(const tsys_dist__ceg *g, int r, int k) { return (uint32_t *)((char *)g->flags[r] + g->pushed_at) + k; }
-// I updated my bucket k, bytes [off, off + len) of the parameters' storage, as of s: into every peer's storage,
-// each push raising the peer's flag behind it. Nothing waits on a push lane (a kernel spinning there would hold up
+// I updated my bucket k, as of s: its runs of the parameters' storage into every peer's storage, and bytes
+// [low.off, low.off + low.len) of the kept copies' block (shard_masters) into the peer's, each push raising the
+// peer's flag behind it. Nothing waits on a push lane (a kernel spinning there would hold up
 // whatever stream shares its hardware queue): the peer takes the flag at its step's end. The peer's backward is
 // done with the old values (this update read its gradient), and this raise cannot overtake the last step's take
 // (the next update needs the peer's next gradient).
-static bool tsys_dist__ceg_push(tsys_dist *d, tsys_dist__ceg *g, int k, int64_t off, int64_t len, cudaStream_t s, tsys_dist__err *e) {
+static bool tsys_dist__ceg_push(tsys_dist *d, tsys_dist__ceg *g, int k, const tsys_dist__run *runs, int nruns, tsys_dist__run low, cudaStream_t s, tsys_dist__err *e) {
     const int me = d->rank;
     if (!tsys_dist__ceg_cuda(cudaEventRecord(g->pfork, s), "cudaEventRecord", e)) return false;
-    for (int q = 0; q < d->size; q++)
-        if (q != me && (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(g->push[q], g->pfork, 0), "cudaStreamWaitEvent", e) ||
-                        !tsys_dist__ce_copy(g->params[q] + off, g->params[me] + off, len, g->push[q], e) ||
-                        !tsys_dist__ceg_cuda(cudaMemcpyAsync(tsys_dist__ceg_pushed(g, q, k), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, g->push[q]), "a flag's raise", e)))
+    for (int q = 0; q < d->size; q++) {
+        if (q == me) continue;
+        if (!tsys_dist__ceg_cuda(cudaStreamWaitEvent(g->push[q], g->pfork, 0), "cudaStreamWaitEvent", e)) return false;
+        for (int r = 0; r < nruns; r++)
+            if (!tsys_dist__ce_copy(g->params[q] + runs[r].off, g->params[me] + runs[r].off, runs[r].len, g->push[q], e)) return false;
+        if ((low.len > 0 && !tsys_dist__ce_copy(g->lowp[q] + low.off, g->lowp[me] + low.off, low.len, g->push[q], e)) ||
+            !tsys_dist__ceg_cuda(cudaMemcpyAsync(tsys_dist__ceg_pushed(g, q, k), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, g->push[q]), "a flag's raise", e))
             return false;
+    }
     return true;
 }
 // The step's end on s: every bucket I do not own pushed into me, and my push lanes joined.
@@ -4819,6 +4841,11 @@ struct tsys_ddp {
     int *owner;                  // desc.shard_updates: each bucket's owner, once an optimizer is attached
     int64_t *pb_off, *pb_len;    // then: each bucket's parameters, bytes in their storage
     bool *pushed_here;           // [ntp]: the parameters my peers update and push here
+    bool *by_copy;               // desc.shard_masters: [ntp] desc.read_by_copy (those pushed as their kept copies alone)
+    int64_t *lb_off, *lb_len;    // then: each bucket's kept copies, bytes in the optimizer's block
+    tsys_tensor *lowp_held;      // a view of that block, which the peers write into (so it outlives the optimizer)
+    tsys_dist__run *runs;        // [ntp]: a bucket's fp32 runs to push, made at each push
+    bool *stale_scratch;         // [ntp]: what the step's end marks stale (pushed here and read by copy)
     bool alone;                  // a step of the collectives alone (no optimizer step follows: tsys_dist_trainer_time_collectives)
 };
 
@@ -4876,6 +4903,38 @@ static tsys_status tsys_dist__ddp_gather_check(tsys_ddp *ddp) {
 }
 
 #ifdef TSYS_DIST_NCCL
+// desc.shard_masters: each bucket's kept copies' bytes in their block (every parameter has one there: the optimizer
+// keeps them, tsys_optim_keep_lowp), pushed beside its fp32 weights that are not read by copy; the block held.
+static tsys_status tsys_dist__ddp_shard_copies(tsys_ddp *ddp, uint64_t *h) {
+    const tsys_tensor *first = ddp->tp[0]->lowp;
+    ddp->lb_off = (int64_t *)calloc((size_t)ddp->nb + 1, sizeof(int64_t));
+    ddp->lb_len = (int64_t *)calloc((size_t)ddp->nb + 1, sizeof(int64_t));
+    ddp->runs = (tsys_dist__run *)calloc((size_t)ddp->ntp + 1, sizeof(tsys_dist__run));
+    ddp->stale_scratch = (bool *)calloc((size_t)ddp->ntp + 1, sizeof(bool));
+    if (!ddp->lb_off || !ddp->lb_len || !ddp->runs || !ddp->stale_scratch) return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_OOM, "ddp: desc.shard_masters: out of host memory");
+    for (int k = 0; k < ddp->nb; k++) {
+        int64_t lo = INT64_MAX, hi = 0;
+        for (int i = ddp->b[k].first; i < ddp->b[k].first + ddp->b[k].count; i++) {
+            const tsys_tensor *c = ddp->tp[i]->lowp;
+            if (!c || c->storage != first->storage || c->dtype != first->dtype)
+                return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_masters: '%s' has no kept copy in the optimizer's block (call tsys_optim_keep_lowp "
+                                          "before tsys_ddp_attach_optimizer)", ddp->tp[i]->name);
+            lo = (int64_t)c->offset < lo ? (int64_t)c->offset : lo;
+            hi = (int64_t)(c->offset + tsys_tensor_bytes(c)) > hi ? (int64_t)(c->offset + tsys_tensor_bytes(c)) : hi;
+        }
+        ddp->lb_off[k] = lo; ddp->lb_len[k] = hi - lo;
+        *h = tsys_dist__hash(tsys_dist__hash(*h, lo), hi);
+    }
+    for (int k = 0; k < ddp->nb; k++)   // a bucket's push covers its copies' bytes, gaps included: they must not hold another's
+        for (int j = k + 1; j < ddp->nb; j++)
+            if (ddp->lb_off[k] < ddp->lb_off[j] + ddp->lb_len[j] && ddp->lb_off[j] < ddp->lb_off[k] + ddp->lb_len[k])
+                return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.shard_masters: buckets %d and %d's kept copies interleave in the optimizer's block "
+                                          "(give the optimizer the parameters in the DDP's order)", k, j);
+    const int64_t one = 1;
+    ddp->lowp_held = tsys_tensor_view_raw(ddp->ctx, (tsys_tensor *)first, 0, first->dtype, 1, &one);
+    return ddp->lowp_held ? TSYS_OK : tsys_ctx_status(ddp->ctx);
+}
+
 // desc.shard_updates: each bucket's owner, dealt in backward's order (bucket 0 first) to the rank with the
 // fewest bytes so far, and each bucket's parameters' bytes in their one storage. The same on every rank.
 static tsys_status tsys_dist__ddp_shard_plan(tsys_ddp *ddp, int64_t lo, int64_t hi) {
@@ -4912,6 +4971,7 @@ static tsys_status tsys_dist__ddp_shard_plan(tsys_ddp *ddp, int64_t lo, int64_t 
         load[r] += (double)ddp->pb_len[k];
         for (int i = ddp->b[k].first; i < ddp->b[k].first + ddp->b[k].count; i++) ddp->pushed_here[i] = r != tsys_dist_rank(ddp->d);
     }
+    if (ddp->by_copy && tsys_dist__ddp_shard_copies(ddp, &h) != TSYS_OK) return tsys_ctx_status(ctx);
     return tsys_dist__agree_layout(ddp->d, h, "ddp desc.shard_updates (the parameters' places in their storage)");
 }
 #endif
@@ -4933,6 +4993,7 @@ static tsys_status tsys_dist__ddp_gather_open(tsys_ddp *ddp, int64_t lo, int64_t
     if (ddp->desc.shard_updates && tsys_dist__ddp_shard_plan(ddp, lo, hi) != TSYS_OK) return tsys_ctx_status(ctx);
     if (!tsys_dist__ceg_setup(ddp->d, g, tsys_tensor_data(arena), (int64_t)tsys_tensor_bytes(arena), lo, hi, ddp->nb, ddp->owner, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
     if (ddp->owner && !tsys_dist__ceg_share_params(ddp->d, g, ddp->tp[0]->storage->data, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
+    if (ddp->lowp_held && !tsys_dist__ceg_share(ddp->d, ddp->lowp_held->storage->data, "the kept low-precision copies' block", g->lowp, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
     int64_t numel = (hi - lo) / 4 * (tsys_dist_size(ddp->d) - 1);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "ddp peers' gradients"));   // the tracker sees it as gradients
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
@@ -4976,13 +5037,33 @@ static tsys_status tsys_dist__ddp_gather_close(tsys_ddp *ddp) {
 #endif
 }
 
-// shard_updates: my bucket bi's update is queued on the background stream: its new parameters go to my peers behind it.
+// shard_masters, after a step (eager or replayed): the fp32 weights my peers update and read by copy are out of date here.
+static tsys_status tsys_dist__ddp_mark_stale(tsys_ddp *ddp) {
+    if (!ddp->by_copy || !ddp->stale_scratch) return TSYS_OK;
+    for (int i = 0; i < ddp->ntp; i++) ddp->stale_scratch[i] = ddp->pushed_here[i] && ddp->by_copy[i];
+    return tsys_params_mark_stale(ddp->ctx, ddp->tp, ddp->ntp, ddp->stale_scratch);
+}
+
+// shard_updates: my bucket bi's update is queued on the background stream: its new parameters go to my peers behind it
+// (shard_masters: its kept copies, and the fp32 weights of those not read by copy, in runs of neighbours).
 static tsys_status tsys_dist__ddp_shard_push(tsys_ddp *ddp, int bi) {
 #ifdef TSYS_DIST_NCCL
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     cudaStream_t bg = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_BACKGROUND);
-    return tsys_dist__ceg_push(ddp->d, (tsys_dist__ceg *)ddp->ceg, bi, ddp->pb_off[bi], ddp->pb_len[bi], bg, &e) ? TSYS_OK : tsys_dist__ddp_gather_err(ddp, &e);
+    tsys_dist__run whole = {ddp->pb_off[bi], ddp->pb_len[bi]}, low = {0, 0}, *runs = &whole;
+    int nruns = 1;
+    if (ddp->by_copy) {
+        low.off = ddp->lb_off[bi]; low.len = ddp->lb_len[bi];
+        runs = ddp->runs; nruns = 0;
+        for (int i = ddp->b[bi].first; i < ddp->b[bi].first + ddp->b[bi].count; i++) {
+            const tsys_tensor *p = ddp->tp[i];
+            if (ddp->by_copy[i]) continue;
+            if (nruns && runs[nruns - 1].off + runs[nruns - 1].len == (int64_t)p->offset) runs[nruns - 1].len += (int64_t)tsys_tensor_bytes(p);
+            else runs[nruns++] = (tsys_dist__run){(int64_t)p->offset, (int64_t)tsys_tensor_bytes(p)};
+        }
+    }
+    return tsys_dist__ceg_push(ddp->d, (tsys_dist__ceg *)ddp->ceg, bi, runs, nruns, low, bg, &e) ? TSYS_OK : tsys_dist__ddp_gather_err(ddp, &e);
 #else
     (void)bi;
     return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
@@ -4990,18 +5071,28 @@ static tsys_status tsys_dist__ddp_shard_push(tsys_ddp *ddp, int bi) {
 }
 
 // shard_updates, at the step's end: the compute stream waits for every bucket my peers own to be pushed here (the
-// next forward reads them: their kept low-precision copies are made again, the others' stay) and for my own pushes.
+// next forward reads them: their kept low-precision copies are made again, the others' stay; shard_masters: the copies
+// came with them, and the fp32 weights read by copy are out of date here) and for my own pushes.
 static tsys_status tsys_dist__ddp_shard_land(tsys_ddp *ddp) {
 #ifdef TSYS_DIST_NCCL
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ddp->ctx, TSYS_STREAM_COMPUTE);
     if (!tsys_dist__ceg_land(ddp->d, (tsys_dist__ceg *)ddp->ceg, compute, &e)) return tsys_dist__ddp_gather_err(ddp, &e);
-    tsys_params_mark_written(ddp->tp, ddp->ntp, ddp->pushed_here, false);
-    return TSYS_OK;
+    tsys_params_mark_written(ddp->tp, ddp->ntp, ddp->pushed_here, ddp->by_copy != NULL);
+    return tsys_dist__ddp_mark_stale(ddp);
 #else
     return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_UNSUPPORTED, "ddp: desc.ce_gather: built without NCCL");
 #endif
+}
+
+TSYSDEF tsys_status tsys_ddp_sync_params(tsys_ddp *ddp) {
+    if (!ddp) return TSYS_ERR_INVALID_ARGS;
+    tsys_status st = TSYS_OK;
+    for (int k = 0; ddp->by_copy && ddp->owner && st == TSYS_OK && k < ddp->nb; k++)
+        for (int i = ddp->b[k].first; st == TSYS_OK && i < ddp->b[k].first + ddp->b[k].count; i++)
+            if (ddp->by_copy[i]) st = tsys_dist_broadcast(ddp->d, ddp->tp[i], ddp->owner[k]);   // marks it written: current again
+    return st;
 }
 
 TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt) {
@@ -5311,7 +5402,9 @@ TSYSDEF void tsys_ddp_free(tsys_ddp *ddp) {
     tsys_tensor_release(ddp->grad_arena);
     TSYS_DIST__RELEASE(ddp->params); TSYS_DIST__RELEASE(ddp->tp); TSYS_DIST__RELEASE(ddp->bucket_of);
     TSYS_DIST__RELEASE(ddp->hooks); TSYS_DIST__RELEASE(ddp->b); TSYS_DIST__RELEASE(ddp->order);
+    tsys_tensor_release(ddp->lowp_held);   // after the peers stopped writing into it (the teardown's barrier)
     free(ddp->owner); free(ddp->pb_off); free(ddp->pb_len); free(ddp->pushed_here);
+    free(ddp->by_copy); free(ddp->lb_off); free(ddp->lb_len); free(ddp->runs); free(ddp->stale_scratch);
     TSYS_DIST__RELEASE(ddp);
 }
 
@@ -5390,6 +5483,19 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
     if (st == TSYS_OK && dd.comm_bf16) st = tsys_dist__ddp_make_wires(ddp);
     if (st == TSYS_OK && dd.shard_updates && !dd.ce_gather)
         st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_updates needs desc.ce_gather (each bucket's owner pulls its peers' gradients of it)");
+    if (st == TSYS_OK && dd.shard_masters && (!dd.shard_updates || !dd.read_by_copy))
+        st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_masters needs %s", !dd.shard_updates ? "desc.shard_updates (the owners keep the fp32 weights they update)"
+                                                                                                       : "desc.read_by_copy (which parameters the step reads only through their kept copies)");
+    if (st == TSYS_OK && dd.shard_masters) {
+        ddp->by_copy = (bool *)calloc((size_t)ddp->ntp + 1, sizeof(bool));
+        if (!ddp->by_copy) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "ddp: desc.shard_masters: out of host memory");
+        for (int j = 0; ddp->by_copy && j < ddp->ntp; j++) {   // a tensor listed twice (tied) is read by copy if both say so
+            ddp->by_copy[j] = true;
+            for (int i = 0; i < n; i++)
+                if (params[i] == ddp->tp[j]) ddp->by_copy[j] = ddp->by_copy[j] && dd.read_by_copy[i];
+        }
+    }
+    ddp->desc.read_by_copy = NULL;   // read here only
     if (st == TSYS_OK && dd.ce_gather) st = tsys_dist__ddp_gather_check(ddp);
     if (st == TSYS_OK) {
         uint64_t h = tsys_dist__hash(tsys_dist__hash(0xcbf29ce484222325ull, dd.strategy), dd.ce_gather);
@@ -5432,6 +5538,10 @@ TSYSDEF tsys_status tsys_ddp_start_step(tsys_ddp *ddp) {
     if (st == TSYS_OK && ddp->owner && !ddp->ib_opt && !ddp->alone)   // an update after backward would read buckets never pulled here
         st = tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_updates: each bucket's owner updates it inside backward: give the attached "
                                 "optimizer to tsys_ddp_optim_in_backward");
+    for (int i = 0; st == TSYS_OK && ddp->lowp_held && i < ddp->ntp; i++)   // the owners push copies into the block shared at attach
+        if (!ddp->tp[i]->lowp || ddp->tp[i]->lowp->storage != ddp->lowp_held->storage)
+            st = tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_masters: '%s''s kept copy is not in the block its owner pushes into "
+                                    "(tsys_optim_keep_lowp changed after tsys_ddp_attach_optimizer: make a new DDP)", ddp->tp[i]->name);
     return st;
 }
 
@@ -8038,6 +8148,11 @@ static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_de
                            "owner updates it inside backward)");
         return false;
     }
+    if (desc->ddp.shard_masters && (!desc->ddp.shard_updates || !desc->lowp_copies)) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.ddp.shard_masters needs ddp.shard_updates and lowp_copies (the peers receive the "
+                           "owner's kept copies of the weights)");
+        return false;
+    }
     const char *what = desc->lowp_copies ? "lowp_copies" : "lowp_grads";
     const char *no = !desc->lowp_copies && !desc->lowp_grads ? NULL
                      : desc->autocast != TSYS_BF16 && desc->autocast != TSYS_F16 ? "needs bf16 or f16 autocast (desc.autocast)"
@@ -8046,6 +8161,18 @@ static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_de
                      : NULL;
     if (no) tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.%s %s", what, no);
     return !no;
+}
+
+// The trainer's DDP; desc.ddp.shard_masters: its model's matmul weights are the ones read only through their copies.
+static tsys_ddp *tsys_dist__trainer_ddp_new(tsys_dist_trainer *t, tsys_tensor **params, int np) {
+    tsys_ddp_desc dd = t->desc.ddp;
+    bool *by_copy = dd.shard_masters ? (bool *)calloc((size_t)np + 1, sizeof(bool)) : NULL;
+    if (dd.shard_masters && !by_copy) { tsys_ctx_set_error(t->ctx, TSYS_ERR_OOM, "tsys_dist_trainer_new: out of host memory"); return NULL; }
+    for (int i = 0; by_copy && i < np; i++) by_copy[i] = tsys_model_matmul_weight(t->model, params[i]);
+    dd.read_by_copy = by_copy;
+    tsys_ddp *ddp = tsys_ddp_new(t->d, params, np, &dd);
+    free(by_copy);
+    return ddp;
 }
 
 TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, tsys_model *model, tsys_device dev, const tsys_dist_trainer_desc *desc) {
@@ -8065,7 +8192,7 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
         if (t->opt && desc->opt_in_backward) tsys_fsdp_optim_in_backward(t->fsdp, t->opt);
     } else if (desc->lowp_grads && tsys_model_set_grad_dtype(model, desc->autocast) != TSYS_OK) {
         // the context's error names the tensor
-    } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_ddp_new(d, params, np, &desc->ddp)) != NULL) {
+    } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_dist__trainer_ddp_new(t, params, np)) != NULL) {
         if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
         else t->opt = tsys_adamw_new(ctx, params, np, NULL);
         if (t->opt && desc->lowp_copies && tsys_optim_keep_lowp(t->opt, desc->autocast) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
@@ -8243,6 +8370,7 @@ TSYSDEF tsys_status tsys_dist_trainer_replay(tsys_dist_trainer *t, tsys_dist_ste
 #endif
     if (times) *times = tm;
     if (st == TSYS_OK) st = tsys_ctx_status(ctx);
+    if (st == TSYS_OK && t->ddp) st = tsys_dist__ddp_mark_stale(t->ddp);   // the graph's pushes made them so again (a sync may have cleared them)
     if (st != TSYS_OK) return st;
     t->step++;
     return tsys_dist__trainer_autosave(t, times);
@@ -8281,7 +8409,8 @@ TSYSDEF tsys_status tsys_dist_trainer_state_save(tsys_dist_trainer *t, const cha
     mine.model = t->model; mine.optim = t->opt; mine.tensors = NULL; mine.n_tensors = 0;
     if (t->zero1) { mine.optim = NULL; return tsys_zero1_state_save(t->zero1, dir, &mine); }
     if (t->fsdp) return tsys_fsdp_state_save(t->fsdp, dir, &mine);
-    tsys_status st = t->ddp ? tsys_ddp_sync_moments(t->ddp, t->opt) : TSYS_OK;   // shard_updates: rank 0's moments of every bucket
+    tsys_status st = t->ddp ? tsys_ddp_sync_params(t->ddp) : TSYS_OK;   // shard_masters: rank 0's weights of every bucket
+    if (st == TSYS_OK && t->ddp) st = tsys_ddp_sync_moments(t->ddp, t->opt);   // shard_updates: and its moments
     if (st == TSYS_OK && (!t->d || tsys_dist_rank(t->d) == 0)) st = tsys_state_save(t->ctx, dir, &mine);
     if (t->d) tsys_dist__state_agree(t->d, &st, dir, "rank 0's save");
     return st;

@@ -90,7 +90,8 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
     td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
     td.save_dir = o->save_dir; td.save_every = o->save_every;
     td.lowp_copies = !strcmp(o->lowp_copies, "yes"); td.lowp_grads = !strcmp(o->lowp_grads, "yes"); td.opt_in_backward = !strcmp(o->in_backward, "yes");
-    td.ddp.shard_updates = !strcmp(o->shard, "yes") && s == S_BUCKETED && cf->gather;
+    td.ddp.shard_updates = strcmp(o->shard, "no") && s == S_BUCKETED && cf->gather;
+    td.ddp.shard_masters = td.ddp.shard_updates && !strcmp(o->shard, "masters");
     return td;
 }
 
@@ -130,8 +131,9 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
 
 // Why --lowp-copies / --lowp-grads / --opt-in-backward do not apply to a configuration (NULL: they do, or are off).
 static const char *lowp_skip(const ddp_opts *o, const config *cf, const tsys_dist *d, tsys_device dev) {
-    if (!strcmp(o->shard, "yes") && (cf->s != S_BUCKETED || !cf->gather || strcmp(o->in_backward, "yes")))
-        return "--shard-updates yes needs --strategy bucketed --grad-comm gather --opt-in-backward yes";
+    if (strcmp(o->shard, "no") && (cf->s != S_BUCKETED || !cf->gather || strcmp(o->in_backward, "yes")))
+        return "--shard-updates needs --strategy bucketed --grad-comm gather --opt-in-backward yes";
+    if (!strcmp(o->shard, "masters") && strcmp(o->lowp_copies, "yes")) return "--shard-updates masters needs --lowp-copies yes";
     if (!strcmp(o->in_backward, "yes") && cf->s != S_FSDP) {   // FSDP's units are summed on the compute stream: any device, any engine
         if (cf->s == S_ZERO1) return "--opt-in-backward is for the DDP strategies and FSDP";
         if (cf->s != S_BUCKETED && cf->s != S_OVERLAP) return "--opt-in-backward needs a strategy that sends gradients during backward (bucketed, overlap)";
@@ -189,7 +191,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     const char *reshard = s != S_FSDP || !strcmp(o->reshard, "auto") ? "" : !strcmp(o->reshard, "yes") ? ":reshard" : ":keep";
     du_row_set(row, "strategy", "%s%s", strat_names[s], reshard);
     if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
-    if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : cf->gather && !strcmp(o->shard, "yes") ? "gather+shard" : cf->gather ? "gather" : "fp32");
+    if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : cf->gather && !strcmp(o->shard, "yes") ? "gather+shard"
+                                                    : cf->gather && !strcmp(o->shard, "masters") ? "gather+masters" : cf->gather ? "gather" : "fp32");
     du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T); du_row_set(row, "compiled", "%s", cf->compiled ? "yes" : "no");
     du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
     du_row_set(row, "lowp_copies", "%s", o->lowp_copies); du_row_set(row, "lowp_grads", "%s", o->lowp_grads);
@@ -352,9 +355,12 @@ static int driver_main(int argc, char **argv) {
                        "soon as its gradients are in on every rank, beside the rest of backward\n"
                        "(tsys_dist_trainer_desc.opt_in_backward; bucketed or overlap on cuda with NCCL,\n"
                        "or fsdp); the same bits"),
-        DU_FLAG_CHOICE("shard-updates", &o.shard, "no", "no|yes", "yes: with --grad-comm gather and --opt-in-backward yes, each bucket pulled and\n"
+        DU_FLAG_CHOICE("shard-updates", &o.shard, "no", "no|yes|masters", "yes: with --grad-comm gather and --opt-in-backward yes, each bucket pulled and\n"
                        "updated by one rank, which pushes the new weights to the others\n"
-                       "(tsys_ddp_desc.shard_updates): each rank's AdamW moves 1/ranks of the bytes"),
+                       "(tsys_ddp_desc.shard_updates): each rank's AdamW moves 1/ranks of the bytes;\n"
+                       "masters (with --lowp-copies yes): the matmul weights pushed as their bf16\n"
+                       "copies alone, their fp32 values kept by the owner until a save\n"
+                       "(tsys_ddp_desc.shard_masters: half the pushed bytes)"),
         DU_FLAG_LIST("compile", &o.compiles, "no", "no|yes", "yes: capture the whole step as one CUDA graph after warmup (at least one\n"
                      "step) and time its replays (cuda with NCCL only)"),
         DU_FLAG_LIST("dtype", &o.dtypes, "fp32", "fp32|bf16", "autocast (fsdp: bf16 weights and gradients on the wire, bf16 compute, fp32 masters)"),

@@ -323,6 +323,9 @@ static bool compiled_fsdp_keep = false;
 // compiled_shard: the captured run's gathered DDP updates each bucket on its owner only (desc.ddp.shard_updates, with
 // AdamW inside backward), the owner pushing the new parameters to its peers.
 static bool compiled_shard = false;
+// compiled_masters: with compiled_shard and compiled_lowp, the matmul weights travel as their kept copies alone
+// (desc.ddp.shard_masters); the trainer's saves sync the fp32 weights.
+static bool compiled_masters = false;
 static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m, bool gather, bool in_backward) {
     tsys_model_desc d = state_model_desc();
     *m = tsys_model_new(ctx, &d, g_dev, 21);
@@ -332,6 +335,7 @@ static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode m
     td.fsdp.reshard_after_forward = compiled_fsdp_keep ? TSYS_FSDP_RESHARD_NO : TSYS_FSDP_RESHARD_AUTO;
     td.ddp.ce_gather = gather || compiled_lowp; td.lowp_grads = compiled_lowp; td.opt_in_backward = in_backward;
     td.ddp.shard_updates = compiled_shard && in_backward && mode == TSYS_TRAIN_DDP;
+    td.ddp.shard_masters = td.ddp.shard_updates && compiled_masters && compiled_lowp;
     td.lowp_copies = compiled_lowp && mode != TSYS_TRAIN_ZERO1;   // ZeRO-1 keeps none
     return *m ? tsys_dist_trainer_new(ctx, g_d, *m, g_dev, &td) : NULL;
 }

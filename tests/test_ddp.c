@@ -1117,7 +1117,8 @@ TSYS_TEST(trainer_zero1_ce_gather) { ce_gather_case(TSYS_TRAIN_ZERO1); }
 // the bits of 4 eager steps with AdamW after it, for buckets all-reduced and (2 ranks) for gathered bf16
 // gradients with kept copies, and for gathered gradients with each bucket updated by its owner alone and pushed
 // to the peer (desc.ddp.shard_updates; fp32, and bf16 with kept copies: the snapshots compared hold every
-// bucket's moments). Refused under ZeRO-1, and where the gradients are not in as of a stream (the CPU, host
+// bucket's moments; and bf16 with the matmul weights pushed as their copies alone, desc.ddp.shard_masters: the
+// saves bring every rank's fp32 weights first). Refused under ZeRO-1, and where the gradients are not in as of a stream (the CPU, host
 // staging), naming the rule.
 TSYS_TEST(trainer_ddp_opt_in_backward) {
     const bool nccl = g_dev == TSYS_CUDA && (tsys_dist_engine_of(g_d) == TSYS_DIST_ENGINE_NCCL || g_world == 1);
@@ -1143,6 +1144,9 @@ TSYS_TEST(trainer_ddp_opt_in_backward) {
         compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp");
         compiled_shard = true;
         compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp_shard");
+        compiled_masters = true;
+        compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp_masters");
+        compiled_masters = false;
         compiled_lowp = false;
         compiled_gather = true;
         compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_shard");
@@ -1152,7 +1156,8 @@ TSYS_TEST(trainer_ddp_opt_in_backward) {
 }
 
 // desc.ddp.shard_updates refused, naming the rule: without ce_gather (tsys_ddp_new), and in a trainer without
-// AdamW inside backward.
+// AdamW inside backward; shard_masters without shard_updates or read_by_copy (tsys_ddp_new), and in a trainer
+// without kept copies.
 TSYS_TEST(ddp_shard_updates_refusals) {
     tsys_model_desc d = tiny_desc();
     tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 3);
@@ -1169,7 +1174,75 @@ TSYS_TEST(ddp_shard_updates_refusals) {
                g_rank, tsys_ctx_last_error(g_ctx));
     tsys_ctx_clear_error(g_ctx);
     tsys_dist_trainer_free(t);
+    const int n = m ? tsys_model_num_tensors(m) : 0;
+    bool *by_copy = (bool *)calloc((size_t)n + 1, sizeof(bool));
+    for (int k = 0; k < 2; k++) {   // shard_masters without shard_updates; without read_by_copy
+        tsys_ddp_desc md = {TSYS_DDP_BUCKETED, 0.01, false, true, k == 1, true, k == 0 ? by_copy : NULL};
+        ddp = m ? tsys_ddp_new(g_d, tsys_model_params(m), n, &md) : NULL;
+        const char *says = k == 0 ? "desc.shard_masters needs desc.shard_updates" : "desc.shard_masters needs desc.read_by_copy";
+        TEST_CHECK(!ddp && strstr(tsys_ctx_last_error(g_ctx), says), "rank %d, case %d: '%s' (wanted a refusal naming '%s')", g_rank, k, tsys_ctx_last_error(g_ctx), says);
+        tsys_ctx_clear_error(g_ctx);
+        tsys_ddp_free(ddp);
+    }
+    free(by_copy);
+    td.opt_in_backward = true; td.ddp.shard_masters = true;
+    t = m ? tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td) : NULL;
+    TEST_CHECK(!t && strstr(tsys_ctx_last_error(g_ctx), "desc.ddp.shard_masters needs ddp.shard_updates and lowp_copies"), "rank %d: masters without copies: '%s'",
+               g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    tsys_dist_trainer_free(t);
     tsys_model_free(m);
+}
+
+// desc.ddp.shard_masters (2 GPU ranks through NCCL): after a step the matmul weights a peer updates are out of date
+// here - a read of one to the host fails naming it, and only those fail (the others, the norms and the embedding,
+// came as fp32) - until tsys_ddp_sync_params, after which every rank's weights are the same bits; the next step
+// leaves them out of date again. The bits themselves: trainer_ddp_opt_in_backward's masters case.
+TSYS_TEST(ddp_shard_masters_stale_until_synced) {
+    if (g_dev != TSYS_CUDA || g_world != 2 || tsys_dist_engine_of(g_d) != TSYS_DIST_ENGINE_NCCL) {
+        if (g_rank == 0) printf("(at 2 GPU ranks through NCCL only) ");
+        return;
+    }
+    tsys_model_desc d = state_model_desc();
+    tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 21);
+    tsys_dist_trainer_desc td;
+    memset(&td, 0, sizeof td);
+    td.mode = TSYS_TRAIN_DDP; td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 0.01; td.ddp.ce_gather = true; td.ddp.shard_updates = true;
+    td.ddp.shard_masters = true; td.autocast = TSYS_BF16; td.lowp_copies = true; td.lowp_grads = true; td.opt_in_backward = true;
+    tsys_dist_trainer *t = m ? tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td) : NULL;
+    const int r0 = STATE_ROWS * g_rank / g_world, r1 = STATE_ROWS * (g_rank + 1) / g_world;
+    tsys_tensor *ids = NULL, *tgt = NULL;
+    state_batch(g_ctx, 0, r0, r1, &ids, &tgt);
+    TEST_CHECK(t && ids && tgt, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(g_ctx));
+    if (!state_all(t && ids && tgt)) { tsys_tensor_release(ids); tsys_tensor_release(tgt); state_drop(t, m); return; }
+    const int n = tsys_model_num_tensors(m);
+    float *host = (float *)malloc(sizeof(float) * (size_t)tsys_model_num_params(m));
+    for (int round = 0; round < 3; round++) {   // after a step; after the sync; after the next step
+        if (round != 1) TEST_CHECK(tsys_dist_trainer_step(t, ids, tgt, NULL) == TSYS_OK, "rank %d: step: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        else TEST_CHECK(tsys_ddp_sync_params(tsys_dist_trainer_ddp(t)) == TSYS_OK, "rank %d: sync: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        int stale = 0, wrong = 0;
+        double sum = 0;
+        for (int i = 0; host && i < n; i++) {
+            tsys_tensor *p = tsys_model_params(m)[i];
+            if (tsys_tensor_to_host(g_ctx, p, host) != TSYS_OK) {
+                stale++;
+                wrong += !tsys_model_matmul_weight(m, p) || !strstr(tsys_ctx_last_error(g_ctx), p->name) || !strstr(tsys_ctx_last_error(g_ctx), "out of date");
+                tsys_ctx_clear_error(g_ctx);
+                continue;
+            }
+            for (int64_t k = 0; k < tsys_tensor_numel(p); k++) sum += (double)host[k] * (double)((k % 7) + 1 + i);
+        }
+        TEST_CHECK(round == 1 ? stale == 0 : stale > 0, "rank %d, round %d: %d weights out of date", g_rank, round, stale);
+        TEST_CHECK(wrong == 0, "rank %d, round %d: %d refused reads were not of an out-of-date matmul weight, named", g_rank, round, wrong);
+        double lo = -sum, hi = sum;
+        tsys_dist_all_reduce_host(g_d, &lo, 1, TSYS_DIST_MAX);
+        tsys_dist_all_reduce_host(g_d, &hi, 1, TSYS_DIST_MAX);
+        lo = -lo;
+        if (round == 1) TEST_CHECK(lo == hi, "rank %d: after the sync the ranks' weights differ (checksums %.17g .. %.17g)", g_rank, lo, hi);
+    }
+    free(host);
+    tsys_tensor_release(ids); tsys_tensor_release(tgt);
+    state_drop(t, m);
 }
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------

@@ -813,6 +813,62 @@ TSYS_TEST(params_mark_written_keeps_unchanged_copies) {
     }
 }
 
+// A parameter marked stale (tsys_params_mark_stale: its values held elsewhere, as tsys_ddp's shard_masters leaves
+// them) is read only through its valid kept copy: a cast of it, an fp32 forward (which reads it through the q, k, v
+// block's view), a read to the host and a save fail naming it; a copy into it makes it current.
+TSYS_TEST(stale_parameter_refuses_reads_until_written) {
+    const char *name = "layers.1.attn.q_proj.weight";
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    tsys_model_desc d = lowp_desc();
+    tsys_model *m = tsys_model_new(ctx, &d, TSYS_CPU, 9), *other = tsys_model_new(ctx, &d, TSYS_CPU, 77);
+    int n = tsys_model_num_tensors(m);
+    tsys_optim *o = tsys_adamw_new(ctx, tsys_model_params(m), n, NULL);
+    tsys_optim_keep_lowp(o, TSYS_BF16);
+    int64_t shape[2] = {2, 16};
+    tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, ids, d.vocab_size);
+    lowp_step(ctx, m, o, ids, TSYS_BF16, false);
+    tsys_tensor *p = tsys_model_param(m, name), *logits;
+    bool *stale = (bool *)calloc((size_t)n, sizeof(bool));
+    for (int i = 0; i < n; i++) stale[i] = tsys_model_params(m)[i] == p;
+    TEST_CHECK(tsys_params_mark_stale(ctx, tsys_model_params(m), n, stale) == TSYS_OK, "mark_stale: %s", tsys_ctx_last_error(ctx));
+    free(stale);
+    char path[] = "/tmp/tsys_stale_XXXXXX";
+    int fd = mkstemp(path);
+    if (fd >= 0) close(fd);
+    tsys_no_grad_begin(ctx);
+    tsys_autocast_begin(ctx, TSYS_BF16);
+    logits = tsys_model_forward(m, ids);
+    tsys_autocast_end(ctx);
+    TEST_CHECK(logits && tsys_ctx_status(ctx) == TSYS_OK, "a forward through the valid copy failed: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(logits);
+    tsys_tensor_mark_written(tsys_model_param(m, "layers.0.attn.q_proj.weight"));   // every copy on the storage is stale now
+    for (int k = 0; k < 4; k++) {   // a cast of it (autocast), an fp32 forward, a read to the host, a save
+        float host[1];
+        tsys_status s = TSYS_OK;
+        if (k < 2) {
+            if (k == 0) tsys_autocast_begin(ctx, TSYS_BF16);
+            tsys_tensor *l = tsys_model_forward(m, ids);
+            if (k == 0) tsys_autocast_end(ctx);
+            s = tsys_ctx_status(ctx);   // the forward goes on past a failed launch; the context keeps its error
+            tsys_tensor_release(l);
+        } else s = k == 2 ? tsys_tensor_to_host(ctx, p, host) : tsys_safetensors_save(ctx, path, &p, 1);
+        TEST_CHECK(s != TSYS_OK && strstr(tsys_ctx_last_error(ctx), name) && strstr(tsys_ctx_last_error(ctx), "out of date"), "case %d: %s (wanted a refusal naming '%s')", k,
+                   s == TSYS_OK ? "went through" : tsys_ctx_last_error(ctx), name);
+        tsys_ctx_clear_error(ctx);
+    }
+    TEST_CHECK(tsys_tensor_copy_from(ctx, p, tsys_model_param(other, name)) == TSYS_OK, "a copy into it: %s", tsys_ctx_last_error(ctx));
+    logits = tsys_model_forward(m, ids);
+    TEST_CHECK(logits && tsys_safetensors_save(ctx, path, &p, 1) == TSYS_OK, "after the copy: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor_release(logits);
+    tsys_no_grad_end(ctx);
+    remove(path);
+    tsys_tensor_release(ids);
+    tsys_optim_free(o);
+    tsys_model_free(m); tsys_model_free(other);
+    tsys_ctx_free(ctx);
+}
+
 // The options: only AdamW writes copies, only of bf16/f16; f32 gives them back (memory included).
 TSYS_TEST(kept_lowp_copies_options_and_memory) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
