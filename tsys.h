@@ -1014,6 +1014,12 @@ TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *opt);   // TSYS_F32 when of
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
+// AdamW's moments kept only for the parameters `mine` names ([the optimizer's n], in its order), the others' given
+// back: ZeRO-1's memory where each parameter has one rank that updates it (tsys_ddp's desc.shard_state). This
+// optimizer must then never update the others (tsys_optim_overlap_skip them; a step that reaches one fails, naming
+// it); tsys_optim_state gives NULL for them and tsys_state_save refuses the optimizer (a sharded snapshot holds its
+// part). Before the first step; NULL mine keeps every parameter's moments again.
+TSYSDEF tsys_status tsys_optim_shard_state(tsys_optim *opt, const bool *mine);
 TSYSDEF void tsys_optim_free(tsys_optim *opt);
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm);   // returns the norm before clipping
 // The cs336 schedule: max_lr * it / warmup_iters while it < warmup_iters; then the cosine from max_lr
@@ -6662,6 +6668,7 @@ struct tsys_optim {
     tsys_tensor **params;
     int n;
     tsys_tensor *m, *v;             // AdamW state, one block each, in parameter order
+    int64_t *state_at;              // AdamW: each parameter's byte offset in m and v (-1: none here, tsys_optim_shard_state)
     tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
     tsys_tensor *bias_t;            // beside it: the step's bias corrections (STEP_INC writes, AdamW reads; 2 x f32)
     tsys_tensor *lowp;              // kept low-precision copies (tsys_optim_keep_lowp), one block in parameter order, or NULL
@@ -6685,6 +6692,7 @@ static int tsys__optim_run_end(const tsys_optim *o, int i, int end, int64_t *num
         const tsys_tensor *g = p[j]->grad;
         if (!g || tsys__optim_fused(o, j) || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != p[i]->grad->dtype) break;
         if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * tsys_dtype_size(g->dtype)) break;
+        if (o->state_at && o->state_at[j] != o->state_at[i] + *numel * 4) break;   // their moments back to back too
         *numel += tsys_tensor_numel(p[j]);
     }
     return j;
@@ -6736,7 +6744,8 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
     if (!o) return NULL;
     o->desc = d;
     int64_t total = 0;
-    for (int i = 0; i < n; i++) total += tsys_tensor_numel(params[i]);
+    if (!(o->state_at = (int64_t *)TSYS_MALLOC(sizeof(int64_t) * (size_t)(n + 1)))) { tsys_optim_free(o); TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer"); return NULL; }
+    for (int i = 0; i < n; i++) { o->state_at[i] = total * 4; total += tsys_tensor_numel(params[i]); }
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer state"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_OPTIMIZER);
     tsys_device dev = n ? params[0]->device : TSYS_CPU;
@@ -6772,6 +6781,7 @@ TSYSDEF void tsys_optim_free(tsys_optim *o) {
     tsys_tensor_release(o->m); tsys_tensor_release(o->v); tsys_tensor_release(o->step_t); tsys_tensor_release(o->bias_t);
     tsys_tensor_release(o->terms);
     TSYS_FREE(o->terms_at);
+    TSYS_FREE(o->state_at);
     TSYS_FREE(o->params);
     tsys_ctx *ctx = o->ctx;
     TSYS_FREE(o);
@@ -6784,11 +6794,37 @@ TSYSDEF void tsys_optim_set_lr(tsys_optim *o, float lr) {
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *o) { return o ? o->step : 0; }   // host count: replayed graphs do not add to it
 
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which) {
-    if (!o || !o->adamw || param_index < 0 || param_index >= o->n) return NULL;
-    size_t off = 0;
-    for (int i = 0; i < param_index; i++) off += tsys_tensor_bytes(o->params[i]);
+    if (!o || !o->adamw || param_index < 0 || param_index >= o->n || o->state_at[param_index] < 0) return NULL;
     tsys_tensor *p = o->params[param_index];
-    return tsys_tensor_view_raw(o->ctx, which ? o->v : o->m, off, TSYS_F32, p->ndim, p->shape);
+    return tsys_tensor_view_raw(o->ctx, which ? o->v : o->m, (size_t)o->state_at[param_index], TSYS_F32, p->ndim, p->shape);
+}
+
+TSYSDEF tsys_status tsys_optim_shard_state(tsys_optim *o, const bool *mine) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = o->ctx;
+    if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_shard_state: only AdamW keeps moments");
+    if (o->step > 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_shard_state: before the first step (the moments are zero then)");
+    int64_t total = 0;
+    for (int i = 0; i < o->n; i++) total += !mine || mine[i] ? tsys_tensor_numel(o->params[i]) : 0;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer state"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_OPTIMIZER);
+    const int64_t room = total ? total : 1;
+    tsys_tensor *m = tsys_tensor_new(ctx, TSYS_F32, o->m->device, 1, &room), *v = m ? tsys_tensor_new(ctx, TSYS_F32, o->m->device, 1, &room) : NULL;
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    if (!v || tsys_tensor_fill(ctx, m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, v, 0.0f) != TSYS_OK) {
+        tsys_tensor_release(m); tsys_tensor_release(v);
+        return ctx->status;
+    }
+    tsys_tensor_release(o->m); tsys_tensor_release(o->v);
+    o->m = m; o->v = v;
+    total = 0;
+    for (int i = 0; i < o->n; i++) {
+        const bool held = !mine || mine[i];
+        o->state_at[i] = held ? total * 4 : -1;
+        total += held ? tsys_tensor_numel(o->params[i]) : 0;
+    }
+    return TSYS_OK;
 }
 
 static tsys_status tsys__copies_fence(tsys_ctx *ctx);   // >>state
@@ -6857,12 +6893,21 @@ static tsys_status tsys__optim_update(tsys_optim *o, tsys_tensor *p, tsys_tensor
 
 // Updates parameters [first, end) (off: the byte offset of params[first] in m and v), one launch per
 // contiguous run.
-static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, size_t off) {
+// Every parameter of [first, end) that has a gradient has its moments here (tsys_optim_shard_state).
+static tsys_status tsys__optim_holds(tsys_optim *o, int first, int end) {
+    for (int i = first; o->adamw && i < end; i++)
+        if (o->params[i]->grad && o->state_at[i] < 0 && !tsys__optim_fused(o, i))
+            return TSYS__FAIL(o->ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_step: '%s' has no moments here (tsys_optim_shard_state gave them to another rank, which "
+                              "updates it)", o->params[i]->name);
+    return TSYS_OK;
+}
+static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end) {
     tsys_ctx *ctx = o->ctx;
-    tsys_status st = ctx->status;
+    tsys_status st = ctx->status != TSYS_OK ? ctx->status : tsys__optim_holds(o, first, end);   // before any launch
     for (int i = first, j; st == TSYS_OK && i < end; i = j) {
         int64_t n;
         j = tsys__optim_run_end(o, i, end, &n);   // within [first, end): a caller's range may cut a run (tsys_optim_overlap_ready)
+        const size_t off = o->adamw ? (size_t)o->state_at[i] : 0;
         bool copies = o->lowp && o->params[i]->lowp && o->params[i]->lowp->storage == o->lowp->storage;
         if (copies) j = tsys__lowp_run_end(o, i, j, &n);   // one launch: its copies back to back as well
         tsys_tensor *p0 = o->params[i];
@@ -6888,7 +6933,6 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end, s
             tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v); tsys_tensor_release(low);
             tsys_tensor_release(terms);
         }
-        for (int k = i; k < j; k++) off += (size_t)tsys_tensor_numel(o->params[k]) * 4;
     }
     return st;
 }
@@ -6910,8 +6954,9 @@ TSYSDEF tsys_status tsys_optim_step(tsys_optim *o) {
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_status st = tsys__grads_settle(ctx, o->params, o->n);
     if (st == TSYS_OK) st = tsys__copies_fence(ctx);   // an asynchronous snapshot may still be reading them
+    if (st == TSYS_OK) st = tsys__optim_holds(o, 0, o->n);   // before the count: a refused step is no step
     if (st == TSYS_OK) st = tsys__optim_count_step(o);
-    if (st == TSYS_OK) st = tsys__optim_update_range(o, 0, o->n, 0);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, 0, o->n);
     tsys_mem_set_tag(ctx, tag);
     return st;
 }
@@ -6933,7 +6978,6 @@ typedef struct tsys__overlap {
     bool caller_ready;      // TSYS_OPTIM_CALLER_READY: updates launched by tsys_optim_overlap_ready only
     bool *said;             // per parameter, CALLER_READY: updated in this step
     bool *fused;            // per parameter: updated so in this step (its gradient was never written)
-    size_t *pos;            // per parameter: byte offset in m and v (a group's: its first parameter's)
 } tsys__overlap;
 
 static bool tsys__optim_fused(const tsys_optim *o, int i) { return o->ov && o->ov->fused && o->ov->fused[i]; }
@@ -6992,7 +7036,7 @@ static void tsys__overlap_free(tsys_optim *o) {
     for (int g = 0; g < ov->ngroups; g++) tsys_event_release(o->ctx, &ov->ready[g]);
     tsys_event_release(o->ctx, &ov->join);
     TSYS_FREE(ov->group_of); TSYS_FREE(ov->first); TSYS_FREE(ov->end);
-    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready); TSYS_FREE(ov->fused); TSYS_FREE(ov->pos); TSYS_FREE(ov->said);
+    TSYS_FREE(ov->pending); TSYS_FREE(ov->done); TSYS_FREE(ov->ready); TSYS_FREE(ov->fused); TSYS_FREE(ov->said);
     TSYS_FREE(ov);
     o->ov = NULL;
 }
@@ -7004,7 +7048,7 @@ static tsys_status tsys__overlap_update_inline(tsys_optim *o, int g) {
     tsys__overlap *ov = o->ov;
     tsys_ctx *ctx = o->ctx;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
-    tsys_status st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->pos[ov->first[g]]);
+    tsys_status st = tsys__optim_update_range(o, ov->first[g], ov->end[g]);
     tsys__grad_home *home = o->params[ov->first[g]]->grad_home;   // a group is one home's run of parameters, or a tensor alone
     if (st == TSYS_OK && home) tsys__grad_home_release(home);
     tsys_mem_set_tag(ctx, tag);
@@ -7021,7 +7065,7 @@ static tsys_status tsys__overlap_launch(tsys_optim *o, int g) {
     tsys_status st = tsys_event_record(ctx, dev, TSYS_STREAM_COMPUTE, &ov->ready[g]);
     tsys_stream prev = tsys_set_stream(ctx, dev, TSYS_STREAM_BACKGROUND);
     if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[g], TSYS_STREAM_BACKGROUND);
-    if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g], ov->pos[ov->first[g]]);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, ov->first[g], ov->end[g]);
     tsys_set_stream(ctx, dev, prev);
     tsys_mem_set_tag(ctx, tag);
     ov->done[g] = true;
@@ -7052,8 +7096,8 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
     ov->group_of = (int *)TSYS_MALLOC(np * sizeof(int)); ov->first = (int *)TSYS_MALLOC(np * sizeof(int)); ov->end = (int *)TSYS_MALLOC(np * sizeof(int));
     ov->pending = (int *)TSYS_MALLOC(np * sizeof(int)); ov->done = (bool *)TSYS_MALLOC(np * sizeof(bool));
     ov->ready = (tsys_event *)TSYS_MALLOC(np * sizeof(tsys_event));
-    ov->fused = (bool *)TSYS_MALLOC(np * sizeof(bool)); ov->pos = (size_t *)TSYS_MALLOC(np * sizeof(size_t)); ov->said = (bool *)TSYS_MALLOC(np * sizeof(bool));
-    if (!ov->group_of || !ov->first || !ov->end || !ov->pending || !ov->done || !ov->ready || !ov->fused || !ov->pos || !ov->said) {
+    ov->fused = (bool *)TSYS_MALLOC(np * sizeof(bool)); ov->said = (bool *)TSYS_MALLOC(np * sizeof(bool));
+    if (!ov->group_of || !ov->first || !ov->end || !ov->pending || !ov->done || !ov->ready || !ov->fused || !ov->said) {
         tsys__overlap_free(o);
         return TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer in backward");
     }
@@ -7061,15 +7105,12 @@ static tsys_status tsys__overlap_setup(tsys_optim *o) {
     memset(ov->fused, 0, np * sizeof(bool));
     memset(ov->said, 0, np * sizeof(bool));
     memset(&ov->join, 0, sizeof(ov->join));
-    size_t off = 0;
     for (int i = 0; i < o->n; i++) {
         tsys_tensor *p = o->params[i];
         bool joins = i > 0 && p->grad_home && p->grad_home == o->params[i - 1]->grad_home;
         if (!joins) ov->first[ov->ngroups++] = i;
         ov->group_of[i] = ov->ngroups - 1;
         ov->end[ov->ngroups - 1] = i + 1;
-        ov->pos[i] = off;
-        off += tsys_tensor_bytes(p);
         if (tsys_tensor_add_grad_hook(p, tsys__overlap_hook, o) != TSYS_OK) { tsys__overlap_free(o); return ctx->status; }
     }
     return TSYS_OK;
@@ -7127,7 +7168,7 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *o) {
         if (st == TSYS_OK && ov->free_grads) st = tsys__overlap_update_inline(o, g);
         for (int i = ov->first[g], j; st == TSYS_OK && !ov->free_grads && i < ov->end[g]; i = j) {   // runs not said (CALLER_READY)
             for (j = i + 1; j < ov->end[g] && ov->said[j] == ov->said[i]; j++) {}
-            if (!ov->said[i]) st = tsys__optim_update_range(o, i, j, ov->pos[i]);
+            if (!ov->said[i]) st = tsys__optim_update_range(o, i, j);
         }
     }
     tsys_mem_set_tag(ctx, tag);
@@ -7146,7 +7187,7 @@ static tsys_status tsys__overlap_update_said(tsys_optim *o, int i, int j, tsys_s
     if (st == TSYS_OK) st = tsys_event_record(ctx, dev, after, &ov->ready[i]);
     tsys_set_stream(ctx, dev, TSYS_STREAM_BACKGROUND);
     if (st == TSYS_OK) st = tsys_event_wait(ctx, &ov->ready[i], TSYS_STREAM_BACKGROUND);
-    if (st == TSYS_OK) st = tsys__optim_update_range(o, i, j, ov->pos[i]);
+    if (st == TSYS_OK) st = tsys__optim_update_range(o, i, j);
     tsys_set_stream(ctx, dev, prev);
     tsys_mem_set_tag(ctx, tag);
     for (int k = i; k < j; k++) ov->said[k] = true;
@@ -7223,14 +7264,14 @@ static bool tsys__linear_update_fused(tsys_ctx *ctx, tsys__node *n, tsys_tensor 
     tsys_optim *o = leaf && leaf->hooks && leaf->tape_uses == 1 && (!leaf->grad || leaf->grad_zero) && leaf->dtype == TSYS_F32 && gy && x &&
                     gy->dtype == x->dtype ? tsys__fusing_optim(leaf, &i) : NULL;
     const tsys_dtype gdt = leaf ? tsys_tensor_grad_dtype(leaf) : TSYS_F32;
-    if (!o || (gdt != TSYS_F32 && gdt != x->dtype) || tsys_tensor_numel(leaf) != tsys__last_dim(gy) * tsys__last_dim(x)) return false;
+    if (!o || o->state_at[i] < 0 || (gdt != TSYS_F32 && gdt != x->dtype) || tsys_tensor_numel(leaf) != tsys__last_dim(gy) * tsys__last_dim(x)) return false;
     int64_t numel = tsys_tensor_numel(leaf);
     const bool copies = o->lowp && leaf->lowp && leaf->lowp->storage == o->lowp->storage;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_kargs a = tsys__kargs0();
     a.t[0] = leaf; a.t[3] = copies ? leaf->lowp : NULL; a.t[4] = gy; a.t[5] = x; a.t[6] = o->step_t; a.t[8] = o->bias_t;
-    a.t[1] = tsys_tensor_view_raw(ctx, o->m, o->ov->pos[i], TSYS_F32, 1, &numel);
-    a.t[2] = tsys_tensor_view_raw(ctx, o->v, o->ov->pos[i], TSYS_F32, 1, &numel);
+    a.t[1] = tsys_tensor_view_raw(ctx, o->m, (size_t)o->state_at[i], TSYS_F32, 1, &numel);
+    a.t[2] = tsys_tensor_view_raw(ctx, o->v, (size_t)o->state_at[i], TSYS_F32, 1, &numel);
     a.i[0] = gdt;
     tsys__adamw_hyper(o, &a);
     const uint64_t before = leaf->storage->version;
@@ -10206,6 +10247,11 @@ static tsys_status tsys__state_parts_make(tsys_ctx *ctx, const char *where, cons
     for (int i = 0; i < no; i++) {
         tsys_tensor *param = d->optim->params[i];
         if (!param->name[0]) { tsys__state_parts_free(p); return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, where, "the optimizer's parameter %d has no name (its moments are saved under it)", i); }
+        if (d->optim->adamw && d->optim->state_at[i] < 0) {
+            tsys__state_parts_free(p);
+            return tsys__state_fail(ctx, TSYS_ERR_INVALID_ARGS, where, "the optimizer holds no moments of '%s' here (tsys_optim_shard_state: a sharded snapshot saves each rank's part)",
+                                    param->name);
+        }
         for (int which = 0; which < 2; which++) {
             size_t len = strlen(param->name) + 32;
             char *name = (char *)TSYS_MALLOC(len);

@@ -349,6 +349,68 @@ TSYS_TEST(overlap_skip_leaves_a_parameter_alone) {
     tsys_ctx_free(ctx);
 }
 
+// AdamW's moments of some parameters only (tsys_optim_shard_state, ZeRO-1's memory): two steps updating the held
+// ones (and skipping the others) give them the bits of an AdamW that holds every moment; the others stay as they
+// were; the optimizer state takes their bytes alone; their moments are NULL; a step that reaches one, a save of the
+// optimizer and a shard after the first step are refused, naming what.
+TSYS_TEST(optim_shard_state_keeps_only_its_moments) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t n = 8;
+    tsys_tensor *a[3], *b[3];
+    for (int i = 0; i < 3; i++) {
+        a[i] = test_param(ctx, TSYS_CPU, 1, &n, 1.0f);
+        b[i] = tsys_tensor_clone(ctx, a[i]);
+        tsys_tensor_set_name(a[i], "p%d", i); tsys_tensor_set_name(b[i], "p%d", i);
+        a[i]->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+        b[i]->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    }
+    float q0[8];
+    memcpy(q0, tsys_tensor_data(b[1]), sizeof q0);
+    const bool mine[3] = {true, false, true};
+    tsys_optim *full = tsys_adamw_new(ctx, a, 3, NULL), *part = tsys_adamw_new(ctx, b, 3, NULL);
+    const int64_t before = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_OPTIMIZER];
+    TEST_CHECK(tsys_optim_shard_state(part, mine) == TSYS_OK, "shard: %s", tsys_ctx_last_error(ctx));
+    const int64_t after = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_OPTIMIZER];
+    TEST_CHECK(before - after == 2 * n * 4, "the optimizer state shrank by %lld bytes, expected %lld (one parameter's two moments)", (long long)(before - after), (long long)(2 * n * 4));
+    for (int step = 0; step < 2; step++) {
+        for (int i = 0; i < 3; i++)   // the same gradients for both
+            for (int k = 0; k < n; k++) ((float *)tsys_tensor_data(a[i]->grad))[k] = ((float *)tsys_tensor_data(b[i]->grad))[k] = 0.125f * (float)(k + 1 + step) * (float)(i + 1);
+        tsys_tensor *held[2] = {b[0], b[2]};
+        TEST_CHECK(tsys_optim_overlap_begin_ex(part, TSYS_OPTIM_CALLER_READY) == TSYS_OK && tsys_optim_overlap_ready(part, held, 2, TSYS_STREAM_COMPUTE) == TSYS_OK &&
+                   tsys_optim_overlap_skip(part, &b[1], 1) == TSYS_OK && tsys_optim_overlap_end(part) == TSYS_OK && tsys_optim_step(full) == TSYS_OK,
+                   "step %d: %s", step, tsys_ctx_last_error(ctx));
+    }
+    for (int i = 0; i < 3; i += 2)
+        TEST_CHECK(!memcmp(tsys_tensor_data(a[i]), tsys_tensor_data(b[i]), (size_t)n * 4), "p%d is not what AdamW holding every moment makes of it", i);
+    TEST_CHECK(!memcmp(tsys_tensor_data(b[1]), q0, sizeof q0), "p1 moved though its moments are elsewhere");
+    tsys_tensor *m1 = tsys_optim_state(part, 1, 0), *m2 = tsys_optim_state(part, 2, 1), *f2 = tsys_optim_state(full, 2, 1);
+    TEST_CHECK(!m1 && m2 && f2 && !memcmp(tsys_tensor_data(m2), tsys_tensor_data(f2), (size_t)n * 4), "moments: p1's %s, p2's v %s", m1 ? "given" : "NULL",
+               m2 && f2 && !memcmp(tsys_tensor_data(m2), tsys_tensor_data(f2), (size_t)n * 4) ? "equal to the full optimizer's" : "differs");
+    tsys_tensor_release(m1); tsys_tensor_release(m2); tsys_tensor_release(f2);
+    float p0[8];
+    memcpy(p0, tsys_tensor_data(b[0]), sizeof p0);
+    TEST_CHECK(tsys_optim_step(part) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "'p1' has no moments here"), "a step over p1: '%s'", tsys_ctx_last_error(ctx));
+    TEST_CHECK(!memcmp(tsys_tensor_data(b[0]), p0, sizeof p0) && tsys_optim_steps(part) == 2, "the refused step updated p0 or counted itself (%lld steps)",
+               (long long)tsys_optim_steps(part));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_optim_shard_state(part, NULL) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "before the first step"), "a shard after steps: '%s'", tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    char dir[] = "/tmp/tsys_shardstate_XXXXXX";
+    if (mkdtemp(dir)) {
+        tsys_state_desc sd;
+        memset(&sd, 0, sizeof sd);
+        sd.optim = part; sd.tensors = b; sd.n_tensors = 3; sd.step = 2;
+        TEST_CHECK(tsys_state_save(ctx, dir, &sd) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "holds no moments of 'p1' here"), "a save: '%s'", tsys_ctx_last_error(ctx));
+        tsys_ctx_clear_error(ctx);
+        char cmd[64];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+        TEST_CHECK(system(cmd) == 0, "rm");
+    }
+    tsys_optim_free(full); tsys_optim_free(part);
+    for (int i = 0; i < 3; i++) { tsys_tensor_release(a[i]); tsys_tensor_release(b[i]); }
+    tsys_ctx_free(ctx);
+}
+
 // zero_grad only marks gradients as zero: the next backward must overwrite them, and a parameter
 // the backward never reaches must still see zeros in the optimizer, not last step's values.
 TSYS_TEST(lazy_zero_grad_overwrites_and_settles) {
