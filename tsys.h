@@ -1014,12 +1014,12 @@ TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *opt);   // TSYS_F32 when of
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
 TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *opt, int param_index, int which);  // AdamW: 0 = m, 1 = v
-// AdamW's moments kept only for the parameters `mine` names ([the optimizer's n], in its order), the others' given
+// AdamW's moments kept only for the n parameters `held` lists (each one of the optimizer's), the others' given
 // back: ZeRO-1's memory where each parameter has one rank that updates it (tsys_ddp's desc.shard_state). This
 // optimizer must then never update the others (tsys_optim_overlap_skip them; a step that reaches one fails, naming
 // it); tsys_optim_state gives NULL for them and tsys_state_save refuses the optimizer (a sharded snapshot holds its
-// part). Before the first step; NULL mine keeps every parameter's moments again.
-TSYSDEF tsys_status tsys_optim_shard_state(tsys_optim *opt, const bool *mine);
+// part). Before the first step; listing every parameter keeps every moment again.
+TSYSDEF tsys_status tsys_optim_shard_state(tsys_optim *opt, tsys_tensor *const *held, int n);
 TSYSDEF void tsys_optim_free(tsys_optim *opt);
 TSYSDEF double tsys_clip_grad_norm(tsys_ctx *ctx, tsys_tensor **params, int n, double max_norm);   // returns the norm before clipping
 // The cs336 schedule: max_lr * it / warmup_iters while it < warmup_iters; then the cosine from max_lr
@@ -6799,31 +6799,44 @@ TSYSDEF tsys_tensor *tsys_optim_state(tsys_optim *o, int param_index, int which)
     return tsys_tensor_view_raw(o->ctx, which ? o->v : o->m, (size_t)o->state_at[param_index], TSYS_F32, p->ndim, p->shape);
 }
 
-TSYSDEF tsys_status tsys_optim_shard_state(tsys_optim *o, const bool *mine) {
+TSYSDEF tsys_status tsys_optim_shard_state(tsys_optim *o, tsys_tensor *const *held, int n) {
     if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_shard_state: only AdamW keeps moments");
     if (o->step > 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_shard_state: before the first step (the moments are zero then)");
+    TSYS__CHECK_ARG(ctx, n >= 0 && (n == 0 || held), TSYS_ERR_INVALID_ARGS, "tsys_optim_shard_state: %d parameters and %s list", n, held ? "a" : "no");
+    bool *mine = (bool *)TSYS_MALLOC((size_t)o->n + 1);
+    if (!mine) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "tsys_optim_shard_state: out of host memory");
+    memset(mine, 0, (size_t)o->n + 1);
+    for (int k = 0; k < n; k++) {
+        int at = -1;
+        for (int i = 0; held[k] && at < 0 && i < o->n; i++) if (o->params[i] == held[k]) at = i;
+        if (at < 0) { TSYS_FREE(mine); return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_shard_state: '%s' is not this optimizer's parameter", held[k] ? held[k]->name : "NULL"); }
+        mine[at] = true;
+    }
     int64_t total = 0;
-    for (int i = 0; i < o->n; i++) total += !mine || mine[i] ? tsys_tensor_numel(o->params[i]) : 0;
+    for (int i = 0; i < o->n; i++) total += mine[i] ? tsys_tensor_numel(o->params[i]) : 0;
+    const tsys_device dev = o->n ? o->params[0]->device : TSYS_CPU;   // the moments live with the parameters
+    tsys_tensor_release(o->m); tsys_tensor_release(o->v);   // zeros (no step yet): given back first, so the whole and the part never coexist
+    o->m = o->v = NULL;
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer state"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_OPTIMIZER);
     const int64_t room = total ? total : 1;
-    tsys_tensor *m = tsys_tensor_new(ctx, TSYS_F32, o->m->device, 1, &room), *v = m ? tsys_tensor_new(ctx, TSYS_F32, o->m->device, 1, &room) : NULL;
+    tsys_tensor *m = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &room), *v = m ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &room) : NULL;
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
-    if (!v || tsys_tensor_fill(ctx, m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, v, 0.0f) != TSYS_OK) {
-        tsys_tensor_release(m); tsys_tensor_release(v);
+    if (!v || tsys_tensor_fill(ctx, m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, v, 0.0f) != TSYS_OK) {   // no moments at all: every update refused
+        tsys_tensor_release(m); tsys_tensor_release(v); TSYS_FREE(mine);
+        for (int i = 0; i < o->n; i++) o->state_at[i] = -1;
         return ctx->status;
     }
-    tsys_tensor_release(o->m); tsys_tensor_release(o->v);
     o->m = m; o->v = v;
     total = 0;
     for (int i = 0; i < o->n; i++) {
-        const bool held = !mine || mine[i];
-        o->state_at[i] = held ? total * 4 : -1;
-        total += held ? tsys_tensor_numel(o->params[i]) : 0;
+        o->state_at[i] = mine[i] ? total * 4 : -1;
+        total += mine[i] ? tsys_tensor_numel(o->params[i]) : 0;
     }
+    TSYS_FREE(mine);
     return TSYS_OK;
 }
 

@@ -435,6 +435,9 @@ typedef enum tsys_ddp_strategy {
 // a read of them there fails, naming them) until tsys_ddp_sync_params brings them (the trainer does before it saves).
 // The others travel as fp32 with their copies. The same bits as shard_updates, in the copies and, after a sync, in
 // the weights.
+// shard_state (shard_updates): tsys_ddp_attach_optimizer gives back the optimizer's moments of the buckets this rank
+// does not own (tsys_optim_shard_state): ZeRO-1's memory at this step's speed. Snapshots are then sharded
+// (tsys_ddp_state_save: each rank writes its buckets' weights and moments) and tsys_ddp_sync_moments is refused.
 // ce_gather (BUCKETED, CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
 // are copied whole into every peer by the copy engines as soon as backward finishes the bucket, so no kernel
 // takes SMs from backward's GEMMs; the optimizer attached by tsys_ddp_attach_optimizer (or ZeRO-1's, by
@@ -457,6 +460,7 @@ typedef struct tsys_ddp_desc {
     bool shard_updates;          // ce_gather with AdamW inside backward: each bucket updated by one rank (below)
     bool shard_masters;          // shard_updates: the fp32 weights read_by_copy names current on their owner alone (below)
     const bool *read_by_copy;    // shard_masters: [n params of tsys_ddp_new] those read only through their kept copies
+    bool shard_state;            // shard_updates: the attached AdamW keeps its own buckets' moments alone (ZeRO-1; below)
 } tsys_ddp_desc;
 
 // What the last tsys_ddp_finish saw. Times are per step, in ms:
@@ -511,6 +515,12 @@ TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt);
 // desc.shard_masters: every bucket's fp32 weights broadcast from its owner, so that every rank's are current.
 // Collective; nothing to do without shard_masters.
 TSYSDEF tsys_status tsys_ddp_sync_params(tsys_ddp *ddp);
+// desc.shard_state: a sharded snapshot (tsys_zero1_state_save's format, layout "ddp") of the DDP's parameters and
+// opt's moments, each rank writing its buckets' (whose weights are current there); a load takes a snapshot of any
+// world size and layout holding the same tensors, every rank reading every weight and its buckets' moments. desc as
+// tsys_zero1_state_save's; opt the attached optimizer. Every rank calls them.
+TSYSDEF tsys_status tsys_ddp_state_save(tsys_ddp *ddp, tsys_optim *opt, const char *dir, const tsys_state_desc *desc);
+TSYSDEF tsys_status tsys_ddp_state_load(tsys_ddp *ddp, tsys_optim *opt, const char *path, const tsys_state_desc *desc, tsys_state_info *info);
 TSYSDEF const char *tsys_ddp_strategy_name(tsys_ddp_strategy s);
 TSYSDEF void tsys_ddp_free(tsys_ddp *ddp);
 
@@ -5096,7 +5106,11 @@ TSYSDEF tsys_status tsys_ddp_sync_params(tsys_ddp *ddp) {
 }
 
 TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt) {
-    if (!ddp || !opt) return TSYS_ERR_INVALID_ARGS;
+    if (!ddp) return TSYS_ERR_INVALID_ARGS;
+    if (ddp->desc.shard_state)
+        return tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "tsys_ddp_sync_moments: desc.shard_state: each rank holds its buckets' moments alone (tsys_ddp_state_save "
+                                  "writes them)");
+    if (!opt) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = TSYS_OK;
     for (int k = 0; ddp->owner && st == TSYS_OK && k < ddp->nb; k++)
         for (int i = ddp->b[k].first; st == TSYS_OK && i < ddp->b[k].first + ddp->b[k].count; i++)
@@ -5112,7 +5126,15 @@ TSYSDEF tsys_status tsys_ddp_sync_moments(tsys_ddp *ddp, tsys_optim *opt) {
 TSYSDEF tsys_status tsys_ddp_attach_optimizer(tsys_ddp *ddp, tsys_optim *opt) {
     if (!ddp || !opt) return TSYS_ERR_INVALID_ARGS;
     tsys_status st = tsys_dist__ddp_gather_open(ddp, 0, ddp->grad_arena ? (int64_t)tsys_tensor_bytes(ddp->grad_arena) : 0);
-    return st != TSYS_OK ? st : tsys_optim_sum_grads(opt, ddp->terms, tsys_dist_size(ddp->d), tsys_dist_rank(ddp->d), 0);
+    if (st == TSYS_OK) st = tsys_optim_sum_grads(opt, ddp->terms, tsys_dist_size(ddp->d), tsys_dist_rank(ddp->d), 0);
+    if (st == TSYS_OK && ddp->desc.shard_state && ddp->owner) {   // the moments of my buckets alone
+        tsys_tensor **mine = (tsys_tensor **)malloc(sizeof(tsys_tensor *) * ((size_t)ddp->ntp + 1));
+        int n = 0;
+        for (int i = 0; mine && i < ddp->ntp; i++) if (!ddp->pushed_here[i]) mine[n++] = ddp->tp[i];
+        st = mine ? tsys_optim_shard_state(opt, mine, n) : tsys_ctx_set_error(ddp->ctx, TSYS_ERR_OOM, "ddp: desc.shard_state: out of host memory");
+        free(mine);
+    }
+    return st;
 }
 
 TSYSDEF tsys_status tsys_ddp_optim_in_backward(tsys_ddp *ddp, tsys_optim *opt) {
@@ -5483,6 +5505,8 @@ TSYSDEF tsys_ddp *tsys_ddp_new(tsys_dist *d, tsys_tensor **params, int n, const 
     if (st == TSYS_OK && dd.comm_bf16) st = tsys_dist__ddp_make_wires(ddp);
     if (st == TSYS_OK && dd.shard_updates && !dd.ce_gather)
         st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_updates needs desc.ce_gather (each bucket's owner pulls its peers' gradients of it)");
+    if (st == TSYS_OK && dd.shard_state && !dd.shard_updates)
+        st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_state needs desc.shard_updates (each bucket's owner alone updates it)");
     if (st == TSYS_OK && dd.shard_masters && (!dd.shard_updates || !dd.read_by_copy))
         st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "ddp: desc.shard_masters needs %s", !dd.shard_updates ? "desc.shard_updates (the owners keep the fp32 weights they update)"
                                                                                                        : "desc.read_by_copy (which parameters the step reads only through their kept copies)");
@@ -8094,6 +8118,59 @@ TSYSDEF tsys_status tsys_zero1_state_load(tsys_zero1 *z, const char *path, const
     return st;
 }
 
+// DDP's desc.shard_state: each rank saves its buckets' weights (current there, shard_masters or not) and moments;
+// every rank loads every weight, and its buckets' moments.
+static void tsys_dist__ddp_plan(tsys_ddp *ddp, tsys_optim *opt, tsys_dist__state_plan *p) {
+    const int rank = tsys_dist_rank(ddp->d);
+    for (int k = 0; k < ddp->nb; k++)
+        for (int i = ddp->b[k].first; i < ddp->b[k].first + ddp->b[k].count; i++) {
+            tsys_tensor *param = ddp->tp[i];
+            const bool mine = ddp->owner[k] == rank;
+            tsys_dist__state_global_add(p, param, 0);
+            tsys_dist__state_whole(ddp->ctx, p, param, 0, param, mine);
+            for (int which = 1; which <= 2; which++) {
+                tsys_dist__state_global_add(p, param, which);
+                tsys_tensor *m = mine ? tsys_optim_state(opt, i, which - 1) : NULL;
+                if (mine && !m) p->oom = true;   // the attached optimizer holds them (tsys_optim_shard_state)
+                if (m) tsys_dist__state_whole(ddp->ctx, p, param, which, m, true);
+                tsys_tensor_release(m);
+            }
+        }
+}
+
+static bool tsys_dist__ddp_sharded(tsys_ddp *ddp, tsys_optim *opt, const char *fn) {
+    if (ddp && opt && ddp->desc.shard_state && ddp->owner) return true;
+    if (ddp) tsys_ctx_set_error(ddp->ctx, TSYS_ERR_INVALID_ARGS, "%s: %s", fn, !opt ? "no optimizer" : "the DDP was made without desc.shard_state, or no optimizer is attached (its state "
+                                                                                                      "is whole on every rank: tsys_state_save)");
+    return false;
+}
+
+TSYSDEF tsys_status tsys_ddp_state_save(tsys_ddp *ddp, tsys_optim *opt, const char *dir, const tsys_state_desc *desc) {
+    if (!tsys_dist__state_args_ok(ddp ? ddp->ctx : NULL, ddp, dir, desc, "tsys_ddp_state_save") || !tsys_dist__ddp_sharded(ddp, opt, "tsys_ddp_state_save"))
+        return TSYS_ERR_INVALID_ARGS;
+    tsys_dist__state_plan p;
+    memset(&p, 0, sizeof(p));
+    tsys_dist__ddp_plan(ddp, opt, &p);
+    tsys_state_desc mine = *desc;
+    mine.optim = opt; mine.tensors = NULL; mine.n_tensors = 0;
+    tsys_status st = tsys_dist__state_save(ddp->d, dir, &mine, &p, "ddp");
+    tsys_dist__state_plan_free(&p);
+    return st;
+}
+
+TSYSDEF tsys_status tsys_ddp_state_load(tsys_ddp *ddp, tsys_optim *opt, const char *path, const tsys_state_desc *desc, tsys_state_info *info) {
+    if (!tsys_dist__state_args_ok(ddp ? ddp->ctx : NULL, ddp, path, desc, "tsys_ddp_state_load") || !tsys_dist__ddp_sharded(ddp, opt, "tsys_ddp_state_load"))
+        return TSYS_ERR_INVALID_ARGS;
+    tsys_dist__state_plan p;
+    memset(&p, 0, sizeof(p));
+    tsys_dist__ddp_plan(ddp, opt, &p);
+    tsys_state_desc mine = *desc;
+    mine.tensors = NULL; mine.n_tensors = 0;
+    tsys_status st = tsys_dist__state_load(ddp->d, path, &mine, &p, &opt, 1, info);
+    tsys_dist__state_plan_free(&p);
+    return st;
+}
+
 TSYSDEF tsys_status tsys_fsdp_state_save(tsys_fsdp *f, const char *dir, const tsys_state_desc *desc) {
     if (!tsys_dist__state_args_ok(f ? f->ctx : NULL, f, dir, desc, "tsys_fsdp_state_save")) return TSYS_ERR_INVALID_ARGS;
     tsys_dist__state_plan p;
@@ -8409,6 +8486,7 @@ TSYSDEF tsys_status tsys_dist_trainer_state_save(tsys_dist_trainer *t, const cha
     mine.model = t->model; mine.optim = t->opt; mine.tensors = NULL; mine.n_tensors = 0;
     if (t->zero1) { mine.optim = NULL; return tsys_zero1_state_save(t->zero1, dir, &mine); }
     if (t->fsdp) return tsys_fsdp_state_save(t->fsdp, dir, &mine);
+    if (t->ddp && t->desc.ddp.shard_state) return tsys_ddp_state_save(t->ddp, t->opt, dir, &mine);   // each rank its buckets'
     tsys_status st = t->ddp ? tsys_ddp_sync_params(t->ddp) : TSYS_OK;   // shard_masters: rank 0's weights of every bucket
     if (st == TSYS_OK && t->ddp) st = tsys_ddp_sync_moments(t->ddp, t->opt);   // shard_updates: and its moments
     if (st == TSYS_OK && (!t->d || tsys_dist_rank(t->d) == 0)) st = tsys_state_save(t->ctx, dir, &mine);
@@ -8422,6 +8500,7 @@ TSYSDEF tsys_status tsys_dist_trainer_state_load(tsys_dist_trainer *t, const cha
     mine.model = t->model; mine.optim = t->opt; mine.tensors = NULL; mine.n_tensors = 0;
     if (t->zero1) { mine.optim = NULL; return tsys_zero1_state_load(t->zero1, path, &mine, info); }
     if (t->fsdp) return tsys_fsdp_state_load(t->fsdp, path, &mine, info);
+    if (t->ddp && t->desc.ddp.shard_state) return tsys_ddp_state_load(t->ddp, t->opt, path, &mine, info);
     tsys_status st = tsys_state_load(t->ctx, path, &mine, info);   // a sharded snapshot: tsys_state_consolidate it first
     if (t->d) tsys_dist__state_agree(t->d, &st, path, "loading the snapshot");
     return st;

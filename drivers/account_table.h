@@ -130,15 +130,16 @@ static inline int plan_table_print(const char *prog, const char *fmt, const du_l
 // The predicted columns of a measured row: the model d trained in dtype dt at context T, batch sequences
 // a rank, on ranks ranks, under FSDP (fsdp, with fd) or else DDP's or ZeRO-1's scheme; comm_bf16: the
 // gradients travel as bf16; gather: they are gathered (tsys_ddp_desc.ce_gather), into a receive buffer of the
-// other ranks' fp32 gradients (under ZeRO-1 their part this rank owns). pred_state_MiB what a rank keeps between
-// steps, pred_peak_MiB the peak, pred_sent_MB the bytes a rank sends per step.
+// other ranks' fp32 gradients (under ZeRO-1 their part this rank owns; owners: ZeRO-1 as the gathered DDP's bucket
+// owners, tsys_ddp_desc.shard_state, which receive them whole). pred_state_MiB what a rank keeps between steps,
+// pred_peak_MiB the peak, pred_sent_MB the bytes a rank sends per step.
 static inline void account_predicted(du_row *row, const tsys_model_desc *d, tsys_dtype dt, int T, int batch, int ranks, bool fsdp, const tsys_fsdp_desc *fd,
-                                     tsys_dist_scheme scheme, bool comm_bf16, bool gather, unsigned plan_flags) {
+                                     tsys_dist_scheme scheme, bool comm_bf16, bool gather, bool owners, unsigned plan_flags) {
     const double MiB = 1048576.0;
     tsys_dist_account acc = fsdp ? tsys_fsdp_accounting_desc(d, fd, batch, T, ranks) : tsys_dist_accounting_ex(d, dt, batch, T, ranks, scheme, plan_flags);
     // autocast's weight copies live only within a step (fsdp: its gathered working set), unless AdamW keeps them
     double transient = fsdp ? acc.work_bytes : dt != TSYS_F32 && !(plan_flags & TSYS_PLAN_KEPT_COPIES) ? acc.param_bytes - 4.0 * (double)tsys_model_desc_num_params(d) : 0;
-    const double recv = gather ? acc.grad_bytes * (ranks - 1) / (scheme == TSYS_SCHEME_ZERO1 ? ranks : 1) : 0;
+    const double recv = gather ? acc.grad_bytes * (ranks - 1) / (scheme == TSYS_SCHEME_ZERO1 && !owners ? ranks : 1) : 0;
     du_row_num(row, "pred_state_MiB", "%.1f", (acc.param_bytes + acc.grad_bytes + acc.optim_bytes - transient + recv) / MiB);
     du_row_num(row, "pred_peak_MiB", "%.1f", (acc.total_bytes + recv) / MiB);
     // comm_bf16 halves the gradients' all-reduce (DDP: all of it; ZeRO-1: 2 of its 3 parts, the broadcast stays fp32)

@@ -79,19 +79,25 @@ static bool config_desc(const void *user, const char *model, int T, tsys_dtype d
 
 // ---- one configuration -------------------------------------------------------------------------------
 
+// ZeRO-1 with AdamW inside backward (gathered gradients): the gathered DDP whose buckets are each updated by their
+// owner, which alone keeps their moments (tsys_ddp_desc.shard_updates, shard_state).
+static bool zero1_owners(const ddp_opts *o, const config *cf) { return cf->s == S_ZERO1 && cf->gather && !strcmp(o->in_backward, "yes"); }
+
 // What a configuration trains: the trainer's settings.
 static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) {
     const strat s = cf->s;
+    const bool owners = zero1_owners(o, cf);
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof(td));
-    td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
-    td.ddp.strategy = strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16; td.ddp.ce_gather = cf->gather;
+    td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 && !owners ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
+    td.ddp.strategy = owners ? TSYS_DDP_BUCKETED : strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16; td.ddp.ce_gather = cf->gather;
     td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
     td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
     td.save_dir = o->save_dir; td.save_every = o->save_every;
     td.lowp_copies = !strcmp(o->lowp_copies, "yes"); td.lowp_grads = !strcmp(o->lowp_grads, "yes"); td.opt_in_backward = !strcmp(o->in_backward, "yes");
-    td.ddp.shard_updates = strcmp(o->shard, "no") && s == S_BUCKETED && cf->gather;
+    td.ddp.shard_updates = (strcmp(o->shard, "no") && s == S_BUCKETED && cf->gather) || owners;
     td.ddp.shard_masters = td.ddp.shard_updates && !strcmp(o->shard, "masters");
+    td.ddp.shard_state = owners;
     return td;
 }
 
@@ -125,25 +131,27 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
     du_row_num(row, "mem_init_MiB", "%.1f", m->mem[0] / MiB); du_row_num(row, "mem_pre_opt_MiB", "%.1f", m->mem[1] / MiB);
     du_row_num(row, "mem_post_opt_MiB", "%.1f", m->mem[2] / MiB); du_row_num(row, "state_MiB", "%.1f", m->mem[3] / MiB);
     account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16, cf->gather,
+                      zero1_owners(o, cf),
                       (!strcmp(o->lowp_copies, "yes") ? TSYS_PLAN_KEPT_COPIES : 0u) | (!strcmp(o->lowp_grads, "yes") ? TSYS_PLAN_LOWP_GRADS : 0u));
     du_row_set(row, "status", "ok");
 }
 
 // Why --lowp-copies / --lowp-grads / --opt-in-backward do not apply to a configuration (NULL: they do, or are off).
 static const char *lowp_skip(const ddp_opts *o, const config *cf, const tsys_dist *d, tsys_device dev) {
-    if (strcmp(o->shard, "no") && (cf->s != S_BUCKETED || !cf->gather || strcmp(o->in_backward, "yes")))
-        return "--shard-updates needs --strategy bucketed --grad-comm gather --opt-in-backward yes";
+    if (strcmp(o->shard, "no") && ((cf->s != S_BUCKETED && cf->s != S_ZERO1) || !cf->gather || strcmp(o->in_backward, "yes")))
+        return "--shard-updates needs --strategy bucketed or zero1, --grad-comm gather, --opt-in-backward yes";
     if (!strcmp(o->shard, "masters") && strcmp(o->lowp_copies, "yes")) return "--shard-updates masters needs --lowp-copies yes";
+    const bool owners = zero1_owners(o, cf);
     if (!strcmp(o->in_backward, "yes") && cf->s != S_FSDP) {   // FSDP's units are summed on the compute stream: any device, any engine
-        if (cf->s == S_ZERO1) return "--opt-in-backward is for the DDP strategies and FSDP";
-        if (cf->s != S_BUCKETED && cf->s != S_OVERLAP) return "--opt-in-backward needs a strategy that sends gradients during backward (bucketed, overlap)";
+        if (cf->s == S_ZERO1 && !owners) return "--opt-in-backward under zero1 needs --grad-comm gather (each bucket's owner updates it inside backward)";
+        if (cf->s != S_BUCKETED && cf->s != S_OVERLAP && !owners) return "--opt-in-backward needs a strategy that sends gradients during backward (bucketed, overlap)";
         if (dev != TSYS_CUDA || (tsys_dist_engine_of(d) != TSYS_DIST_ENGINE_NCCL && tsys_dist_size(d) > 1)) return "--opt-in-backward needs --device cuda with NCCL";
     }
     const bool copies = !strcmp(o->lowp_copies, "yes"), grads = !strcmp(o->lowp_grads, "yes");
     if (!copies && !grads) return NULL;
     if (cf->dt == TSYS_F32) return "--lowp-copies and --lowp-grads apply under --dtype bf16";
     if (cf->s == S_FSDP) return "--lowp-copies and --lowp-grads are for the DDP strategies and ZeRO-1";
-    if (copies && cf->s == S_ZERO1) return "--lowp-copies is for the DDP strategies (ZeRO-1's AdamW holds only its own parameters)";
+    if (copies && cf->s == S_ZERO1 && !owners) return "--lowp-copies is for the DDP strategies and zero1 with --opt-in-backward yes (ZeRO-1's AdamW holds only its own parameters)";
     if (grads && !cf->gather && tsys_dist_size(d) > 1) return "--lowp-grads needs --grad-comm gather (AdamW sums the ranks' bf16 gradients in fp32)";
     return NULL;
 }
@@ -192,7 +200,8 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     du_row_set(row, "strategy", "%s%s", strat_names[s], reshard);
     if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
     if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : cf->gather && !strcmp(o->shard, "yes") ? "gather+shard"
-                                                    : cf->gather && !strcmp(o->shard, "masters") ? "gather+masters" : cf->gather ? "gather" : "fp32");
+                                                    : cf->gather && !strcmp(o->shard, "masters") ? "gather+masters"
+                                                    : zero1_owners(o, cf) ? "gather+owners" : cf->gather ? "gather" : "fp32");
     du_row_set(row, "dtype", "%s", du_dtype_flag(cf->dt)); du_row_set(row, "context", "%d", cf->T); du_row_set(row, "compiled", "%s", cf->compiled ? "yes" : "no");
     du_row_set(row, "batch", "%d", o->batch); du_row_set(row, "ckpt", "%s", o->checkpoint); du_row_set(row, "loss", "%s", o->loss);
     du_row_set(row, "lowp_copies", "%s", o->lowp_copies); du_row_set(row, "lowp_grads", "%s", o->lowp_grads);
@@ -339,7 +348,9 @@ static int driver_main(int argc, char **argv) {
         DU_MODEL_FLAGS(&o.mf, NULL, du_ok_model),
         DU_FLAG_LIST("strategy", &o.strategies, "naive,flat,overlap,bucketed,zero1", "naive|flat|overlap|bucketed|zero1|fsdp",
                      "naive, flat, overlap, bucketed (DDP's), zero1 or fsdp; zero1 = bucketed gradient\n"
-                     "all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW;\n"
+                     "all-reduce (each --bucket-mb) + ZeRO-1 sharded AdamW (with --grad-comm gather\n"
+                     "--opt-in-backward yes: each bucket updated inside backward by its owner, which\n"
+                     "alone keeps its moments: tsys_ddp_desc.shard_state);\n"
                      "fsdp = ZeRO-3 (tsys_fsdp: sharded weights, gradients and AdamW state; bf16 = its compute_dtype)"),
         DU_FLAG_LIST_CHECKED("bucket-mb", &o.buckets, "1,10,100,1000", bucket_ok, "MB from 0 to 1e9",
                              "bucket sizes of 'bucketed' and 'zero1' in MB (2^20 bytes)"),
@@ -354,7 +365,7 @@ static int driver_main(int argc, char **argv) {
         DU_FLAG_CHOICE("opt-in-backward", &o.in_backward, "no", "no|yes", "yes: each bucket's (fsdp: unit's) AdamW update on a background stream as\n"
                        "soon as its gradients are in on every rank, beside the rest of backward\n"
                        "(tsys_dist_trainer_desc.opt_in_backward; bucketed or overlap on cuda with NCCL,\n"
-                       "or fsdp); the same bits"),
+                       "zero1 with --grad-comm gather, or fsdp); the same bits"),
         DU_FLAG_CHOICE("shard-updates", &o.shard, "no", "no|yes|masters", "yes: with --grad-comm gather and --opt-in-backward yes, each bucket pulled and\n"
                        "updated by one rank, which pushes the new weights to the others\n"
                        "(tsys_ddp_desc.shard_updates): each rank's AdamW moves 1/ranks of the bytes;\n"

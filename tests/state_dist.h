@@ -58,12 +58,19 @@ static void state_steps(tsys_ctx *ctx, tsys_dist_trainer *t, bool alone, int fro
     }
 }
 
+// state_owners: DDP's trainers gather bf16 gradients, each bucket updated by its owner inside backward, which alone
+// keeps its moments and fp32 weights (desc.ddp.shard_updates, shard_state, shard_masters): sharded snapshots.
+static bool state_owners = false;
 static tsys_dist_trainer *state_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, uint64_t seed, tsys_model **m) {
     tsys_model_desc d = state_model_desc();
     *m = tsys_model_new(ctx, &d, g_dev, seed);
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof(td));
     td.mode = mode; td.ddp.strategy = TSYS_DDP_FLAT; td.fsdp.compute_dtype = TSYS_F32; td.autocast = TSYS_F32;
+    if (state_owners) {
+        td.ddp.strategy = TSYS_DDP_BUCKETED; td.ddp.bucket_mb = 0.01; td.ddp.ce_gather = true; td.ddp.shard_updates = td.ddp.shard_state = td.ddp.shard_masters = true;
+        td.autocast = TSYS_BF16; td.lowp_copies = td.lowp_grads = td.opt_in_backward = true;
+    }
     return *m ? tsys_dist_trainer_new(ctx, mode == TSYS_TRAIN_ALONE ? NULL : g_d, *m, g_dev, &td) : NULL;
 }
 
@@ -326,6 +333,9 @@ static bool compiled_shard = false;
 // compiled_masters: with compiled_shard and compiled_lowp, the matmul weights travel as their kept copies alone
 // (desc.ddp.shard_masters); the trainer's saves sync the fp32 weights.
 static bool compiled_masters = false;
+// compiled_state: with compiled_shard, each rank's AdamW keeps its buckets' moments alone (desc.ddp.shard_state):
+// the captured run's snapshots are sharded.
+static bool compiled_state = false;
 static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode mode, tsys_ddp_strategy strategy, tsys_model **m, bool gather, bool in_backward) {
     tsys_model_desc d = state_model_desc();
     *m = tsys_model_new(ctx, &d, g_dev, 21);
@@ -336,6 +346,7 @@ static tsys_dist_trainer *compiled_trainer(tsys_ctx *ctx, tsys_dist_train_mode m
     td.ddp.ce_gather = gather || compiled_lowp; td.lowp_grads = compiled_lowp; td.opt_in_backward = in_backward;
     td.ddp.shard_updates = compiled_shard && in_backward && mode == TSYS_TRAIN_DDP;
     td.ddp.shard_masters = td.ddp.shard_updates && compiled_masters && compiled_lowp;
+    td.ddp.shard_state = td.ddp.shard_updates && compiled_state;
     td.lowp_copies = compiled_lowp && mode != TSYS_TRAIN_ZERO1;   // ZeRO-1 keeps none
     return *m ? tsys_dist_trainer_new(ctx, g_d, *m, g_dev, &td) : NULL;
 }

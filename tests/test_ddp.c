@@ -1118,7 +1118,8 @@ TSYS_TEST(trainer_zero1_ce_gather) { ce_gather_case(TSYS_TRAIN_ZERO1); }
 // gradients with kept copies, and for gathered gradients with each bucket updated by its owner alone and pushed
 // to the peer (desc.ddp.shard_updates; fp32, and bf16 with kept copies: the snapshots compared hold every
 // bucket's moments; and bf16 with the matmul weights pushed as their copies alone, desc.ddp.shard_masters: the
-// saves bring every rank's fp32 weights first). Refused under ZeRO-1, and where the gradients are not in as of a stream (the CPU, host
+// saves bring every rank's fp32 weights first; and with each rank's AdamW keeping its buckets' moments alone,
+// desc.ddp.shard_state: sharded snapshots). Refused under ZeRO-1, and where the gradients are not in as of a stream (the CPU, host
 // staging), naming the rule.
 TSYS_TEST(trainer_ddp_opt_in_backward) {
     const bool nccl = g_dev == TSYS_CUDA && (tsys_dist_engine_of(g_d) == TSYS_DIST_ENGINE_NCCL || g_world == 1);
@@ -1146,7 +1147,9 @@ TSYS_TEST(trainer_ddp_opt_in_backward) {
         compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp_shard");
         compiled_masters = true;
         compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp_masters");
-        compiled_masters = false;
+        compiled_state = true;
+        compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_lowp_masters_state");
+        compiled_masters = compiled_state = false;
         compiled_lowp = false;
         compiled_gather = true;
         compiled_procedure(g_ctx, TSYS_TRAIN_DDP, TSYS_DDP_BUCKETED, "in_backward_gather_shard");
@@ -1185,6 +1188,21 @@ TSYS_TEST(ddp_shard_updates_refusals) {
         tsys_ddp_free(ddp);
     }
     free(by_copy);
+    tsys_ddp_desc sd_desc = {TSYS_DDP_BUCKETED, 0.01, false, true, false, false, NULL, true};
+    ddp = m ? tsys_ddp_new(g_d, tsys_model_params(m), n, &sd_desc) : NULL;
+    TEST_CHECK(!ddp && strstr(tsys_ctx_last_error(g_ctx), "desc.shard_state needs desc.shard_updates"), "rank %d: shard_state alone: '%s'", g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    tsys_ddp_free(ddp);
+    tsys_ddp_desc flat = {TSYS_DDP_FLAT, 0};
+    ddp = m ? tsys_ddp_new(g_d, tsys_model_params(m), n, &flat) : NULL;
+    tsys_optim *opt = m ? tsys_adamw_new(g_ctx, tsys_model_params(m), n, NULL) : NULL;
+    tsys_state_desc snap;
+    memset(&snap, 0, sizeof snap);
+    TEST_CHECK(ddp && opt && tsys_ddp_state_save(ddp, opt, "/nonexistent", &snap) != TSYS_OK && strstr(tsys_ctx_last_error(g_ctx), "made without desc.shard_state"),
+               "rank %d: a sharded save without shard_state: '%s'", g_rank, tsys_ctx_last_error(g_ctx));
+    tsys_ctx_clear_error(g_ctx);
+    tsys_optim_free(opt);
+    tsys_ddp_free(ddp);
     td.opt_in_backward = true; td.ddp.shard_masters = true;
     t = m ? tsys_dist_trainer_new(g_ctx, g_d, m, g_dev, &td) : NULL;
     TEST_CHECK(!t && strstr(tsys_ctx_last_error(g_ctx), "desc.ddp.shard_masters needs ddp.shard_updates and lowp_copies"), "rank %d: masters without copies: '%s'",
@@ -1243,6 +1261,43 @@ TSYS_TEST(ddp_shard_masters_stale_until_synced) {
     free(host);
     tsys_tensor_release(ids); tsys_tensor_release(tgt);
     state_drop(t, m);
+}
+
+// desc.ddp.shard_state (2 GPU ranks through NCCL, with shard_masters): each rank's AdamW holds about half the
+// moments; the trainer's snapshots are sharded, each rank writing its buckets' weights and moments; resumed from
+// step 2 they give step 4's state bitwise; tsys_ddp_sync_moments is refused, naming why.
+TSYS_TEST(ddp_shard_state_sharded_resume) {
+    if (g_dev != TSYS_CUDA || g_world != 2 || tsys_dist_engine_of(g_d) != TSYS_DIST_ENGINE_NCCL) {
+        if (g_rank == 0) printf("(at 2 GPU ranks through NCCL only) ");
+        return;
+    }
+    char dir[512];
+    state_dir(dir, sizeof(dir), "owners");
+    state_owners = true;
+    const int64_t before = tsys_mem_stats_get(g_ctx, TSYS_CUDA).category_bytes[TSYS_MEM_OPTIMIZER];
+    tsys_model *m;
+    tsys_dist_trainer *t = state_trainer(g_ctx, TSYS_TRAIN_DDP, 7, &m);
+    TEST_CHECK(t, "rank %d: trainer: %s", g_rank, tsys_ctx_last_error(g_ctx));
+    if (state_all(t != NULL)) {
+        const double held = (double)(tsys_mem_stats_get(g_ctx, TSYS_CUDA).category_bytes[TSYS_MEM_OPTIMIZER] - before), whole = 8.0 * (double)tsys_model_num_params(m);
+        TEST_CHECK(held > 0.2 * whole && held < 0.8 * whole, "rank %d: the optimizer holds %.0f bytes, AdamW's whole moments are %.0f", g_rank, held, whole);
+        TEST_CHECK(tsys_ddp_sync_moments(tsys_dist_trainer_ddp(t), NULL) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(g_ctx), "desc.shard_state: each rank holds"),
+                   "rank %d: sync_moments: '%s'", g_rank, tsys_ctx_last_error(g_ctx));
+        tsys_ctx_clear_error(g_ctx);
+        state_steps(g_ctx, t, false, 0, 2);
+        tsys_status s = state_save(t, dir, "a", 2);
+        TEST_CHECK(s == TSYS_OK, "rank %d: save: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        state_steps(g_ctx, t, false, 2, 4);
+        s = s == TSYS_OK ? state_save(t, dir, "a-4", 4) : s;
+        TEST_CHECK(s == TSYS_OK, "rank %d: save at step 4: %s", g_rank, tsys_ctx_last_error(g_ctx));
+        char part[700];
+        snprintf(part, sizeof(part), "%s/a/rank-%05d.safetensors", dir, g_rank);
+        TEST_CHECK(access(part, R_OK) == 0, "rank %d: no part of its own in the snapshot (%s)", g_rank, part);
+        state_drop(t, m);
+        if (state_all(s == TSYS_OK) && state_resume(g_ctx, TSYS_TRAIN_DDP, dir, "a", dir, "b-4")) state_same(g_ctx, dir, "a-4", "b-4", -1, "resumed from the sharded snapshot");
+    } else state_drop(t, m);
+    state_owners = false;
+    state_procedure_end(g_ctx, dir);
 }
 
 // ---- main: every rank runs every test; rank 0 reports ---------------------------------------------

@@ -366,16 +366,18 @@ TSYS_TEST(optim_shard_state_keeps_only_its_moments) {
     }
     float q0[8];
     memcpy(q0, tsys_tensor_data(b[1]), sizeof q0);
-    const bool mine[3] = {true, false, true};
     tsys_optim *full = tsys_adamw_new(ctx, a, 3, NULL), *part = tsys_adamw_new(ctx, b, 3, NULL);
     const int64_t before = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_OPTIMIZER];
-    TEST_CHECK(tsys_optim_shard_state(part, mine) == TSYS_OK, "shard: %s", tsys_ctx_last_error(ctx));
+    tsys_tensor *held[2] = {b[0], b[2]};
+    TEST_CHECK(tsys_optim_shard_state(part, &a[0], 1) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "'p0' is not this optimizer's parameter"), "another's: '%s'",
+               tsys_ctx_last_error(ctx));
+    tsys_ctx_clear_error(ctx);
+    TEST_CHECK(tsys_optim_shard_state(part, held, 2) == TSYS_OK, "shard: %s", tsys_ctx_last_error(ctx));
     const int64_t after = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_OPTIMIZER];
     TEST_CHECK(before - after == 2 * n * 4, "the optimizer state shrank by %lld bytes, expected %lld (one parameter's two moments)", (long long)(before - after), (long long)(2 * n * 4));
     for (int step = 0; step < 2; step++) {
         for (int i = 0; i < 3; i++)   // the same gradients for both
             for (int k = 0; k < n; k++) ((float *)tsys_tensor_data(a[i]->grad))[k] = ((float *)tsys_tensor_data(b[i]->grad))[k] = 0.125f * (float)(k + 1 + step) * (float)(i + 1);
-        tsys_tensor *held[2] = {b[0], b[2]};
         TEST_CHECK(tsys_optim_overlap_begin_ex(part, TSYS_OPTIM_CALLER_READY) == TSYS_OK && tsys_optim_overlap_ready(part, held, 2, TSYS_STREAM_COMPUTE) == TSYS_OK &&
                    tsys_optim_overlap_skip(part, &b[1], 1) == TSYS_OK && tsys_optim_overlap_end(part) == TSYS_OK && tsys_optim_step(full) == TSYS_OK,
                    "step %d: %s", step, tsys_ctx_last_error(ctx));
@@ -393,7 +395,7 @@ TSYS_TEST(optim_shard_state_keeps_only_its_moments) {
     TEST_CHECK(!memcmp(tsys_tensor_data(b[0]), p0, sizeof p0) && tsys_optim_steps(part) == 2, "the refused step updated p0 or counted itself (%lld steps)",
                (long long)tsys_optim_steps(part));
     tsys_ctx_clear_error(ctx);
-    TEST_CHECK(tsys_optim_shard_state(part, NULL) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "before the first step"), "a shard after steps: '%s'", tsys_ctx_last_error(ctx));
+    TEST_CHECK(tsys_optim_shard_state(part, b, 3) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "before the first step"), "a shard after steps: '%s'", tsys_ctx_last_error(ctx));
     tsys_ctx_clear_error(ctx);
     char dir[] = "/tmp/tsys_shardstate_XXXXXX";
     if (mkdtemp(dir)) {
