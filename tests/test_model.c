@@ -692,6 +692,27 @@ static int lowp_params_differ(tsys_model *a, tsys_model *b) {
     return differ;
 }
 
+// Two models of lowp_desc from one seed, AdamW over each (the second keeping bf16 copies), two steps of each on ids.
+typedef struct lowp_pair { tsys_model *m[2]; tsys_optim *o[2]; tsys_tensor *ids; int n; } lowp_pair;
+static lowp_pair lowp_pair_trained(tsys_ctx *ctx) {
+    tsys_model_desc d = lowp_desc();
+    lowp_pair p;
+    for (int k = 0; k < 2; k++) p.m[k] = tsys_model_new(ctx, &d, TSYS_CPU, 9);
+    p.n = tsys_model_num_tensors(p.m[0]);
+    for (int k = 0; k < 2; k++) p.o[k] = tsys_adamw_new(ctx, tsys_model_params(p.m[k]), p.n, NULL);
+    tsys_optim_keep_lowp(p.o[1], TSYS_BF16);
+    int64_t shape[2] = {2, 16};
+    p.ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
+    tsys_tensor_randint(ctx, p.ids, d.vocab_size);
+    for (int step = 0; step < 2; step++)
+        for (int k = 0; k < 2; k++) lowp_step(ctx, p.m[k], p.o[k], p.ids, TSYS_BF16, false);
+    return p;
+}
+static void lowp_pair_free(lowp_pair *p) {
+    for (int k = 0; k < 2; k++) { tsys_optim_free(p->o[k]); tsys_model_free(p->m[k]); }
+    tsys_tensor_release(p->ids);
+}
+
 // Five steps with the copies (ordinary step, or in backward when overlap) against five without:
 // the same losses and parameters bit for bit; after the first step no weight is cast any more; each
 // kept copy equals a fresh cast of its parameter.
@@ -789,15 +810,9 @@ TSYS_TEST(kept_lowp_copies_follow_other_writes) {
     for (int w = 0; w < W_COUNT; w++) {
         tsys_ctx *ctx = tsys_ctx_new(NULL);
         tsys_model_desc d = lowp_desc();
-        tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
-        int n = tsys_model_num_tensors(m[0]);
-        tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), n, NULL), tsys_adamw_new(ctx, tsys_model_params(m[1]), n, NULL)};
-        tsys_optim_keep_lowp(o[1], TSYS_BF16);
-        int64_t shape[2] = {2, 16};
-        tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
-        tsys_tensor_randint(ctx, ids, d.vocab_size);
-        for (int step = 0; step < 2; step++)
-            for (int k = 0; k < 2; k++) lowp_step(ctx, m[k], o[k], ids, TSYS_BF16, false);
+        lowp_pair pair = lowp_pair_trained(ctx);
+        tsys_model **m = pair.m;
+        tsys_tensor *ids = pair.ids;
         // the new values: another model's tensor of that name (in a file for load_into)
         tsys_model *other = tsys_model_new(ctx, &d, TSYS_CPU, 77);
         tsys_tensor *src = tsys_model_param(other, "layers.1.attn.q_proj.weight");
@@ -812,9 +827,9 @@ TSYS_TEST(kept_lowp_copies_follow_other_writes) {
         else TEST_CHECK(same, "after %s the model with kept copies computes other logits than a fresh cast", lowp_writer_names[w]);
         TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s: %s", lowp_writer_names[w], tsys_ctx_last_error(ctx));
         tsys_tape_clear(ctx);
-        for (int k = 0; k < 2; k++) { tsys_tensor_release(logits[k]); tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+        for (int k = 0; k < 2; k++) tsys_tensor_release(logits[k]);
+        lowp_pair_free(&pair);
         tsys_model_free(other);
-        tsys_tensor_release(ids);
         tsys_ctx_free(ctx);
     }
     remove(path);
@@ -830,15 +845,10 @@ TSYS_TEST(params_mark_written_keeps_unchanged_copies) {
     const int all = 7 * d.num_layers + 1;
     for (int how = 0; how < 3; how++) {   // 0: copies written too, 1: weights alone, 2: mark_written (control)
         tsys_ctx *ctx = tsys_ctx_new(NULL);
-        tsys_model *m[2] = {tsys_model_new(ctx, &d, TSYS_CPU, 9), tsys_model_new(ctx, &d, TSYS_CPU, 9)};
-        int n = tsys_model_num_tensors(m[0]);
-        tsys_optim *o[2] = {tsys_adamw_new(ctx, tsys_model_params(m[0]), n, NULL), tsys_adamw_new(ctx, tsys_model_params(m[1]), n, NULL)};
-        tsys_optim_keep_lowp(o[1], TSYS_BF16);
-        int64_t shape[2] = {2, 16};
-        tsys_tensor *ids = tsys_tensor_new(ctx, TSYS_I32, TSYS_CPU, 2, shape);
-        tsys_tensor_randint(ctx, ids, d.vocab_size);
-        for (int step = 0; step < 2; step++)
-            for (int k = 0; k < 2; k++) lowp_step(ctx, m[k], o[k], ids, TSYS_BF16, false);
+        lowp_pair pair = lowp_pair_trained(ctx);
+        tsys_model **m = pair.m;
+        tsys_tensor *ids = pair.ids;
+        const int n = pair.n;
         tsys_model *other = tsys_model_new(ctx, &d, TSYS_CPU, 77);
         tsys_tensor *src = tsys_model_param(other, name), *src_low = tsys_cast(ctx, src, TSYS_BF16);
         bool *written = (bool *)calloc((size_t)n, sizeof(bool));
@@ -870,9 +880,9 @@ TSYS_TEST(params_mark_written_keeps_unchanged_copies) {
         tsys_tape_clear(ctx);
         free(written);
         tsys_tensor_release(src_low);
-        for (int k = 0; k < 2; k++) { tsys_tensor_release(logits[k]); tsys_optim_free(o[k]); tsys_model_free(m[k]); }
+        for (int k = 0; k < 2; k++) tsys_tensor_release(logits[k]);
+        lowp_pair_free(&pair);
         tsys_model_free(other);
-        tsys_tensor_release(ids);
         tsys_ctx_free(ctx);
     }
 }
