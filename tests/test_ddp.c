@@ -1215,13 +1215,15 @@ TSYS_TEST(ddp_shard_updates_refusals) {
 // desc.ddp.shard_masters (2 GPU ranks through NCCL): after a step the matmul weights a peer updates are out of date
 // here - a read of one to the host fails naming it, and only those fail (the others, the norms and the embedding,
 // came as fp32) - until tsys_ddp_sync_params, after which every rank's weights are the same bits; the next step
-// leaves them out of date again. The bits themselves: trainer_ddp_opt_in_backward's masters case.
+// leaves them out of date again. Every block is checkpointed, so backward's recomputes must read the copies too
+// (a read of an out-of-date weight fails the step). The bits themselves: trainer_ddp_opt_in_backward's masters case.
 TSYS_TEST(ddp_shard_masters_stale_until_synced) {
     if (g_dev != TSYS_CUDA || g_world != 2 || tsys_dist_engine_of(g_d) != TSYS_DIST_ENGINE_NCCL) {
         if (g_rank == 0) printf("(at 2 GPU ranks through NCCL only) ");
         return;
     }
     tsys_model_desc d = state_model_desc();
+    d.checkpoint = "blocks:1";
     tsys_model *m = tsys_model_new(g_ctx, &d, g_dev, 21);
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof td);
