@@ -161,8 +161,9 @@ PY
   options)  # the 1-GPU step's options on every rank (docs/BENCHMARKS.md section 14's tables): for each of SCALE_MODELS
              # (default xl), e2e's best 1-GPU step, ddp on 1 rank, then on each of NPS ranks (default 2): DDP gathered and
              # DDP through NCCL with kept copies and AdamW in backward (bf16 gradients where gathered), ZeRO-1 gathered
-             # with bf16 gradients, FSDP resharded, FSDP kept with AdamW in backward; torch DDP / FSDP2 eager and
-             # compiled when TORCH=1
+             # with bf16 gradients, FSDP resharded, FSDP kept with AdamW in backward, DDP gathered with each bucket's
+             # owner pushing bf16 copies (--shard-updates masters) and ZeRO-1 as those owners (100 MB buckets); torch
+             # DDP / FSDP2 eager and compiled when TORCH=1
     D="--device cuda --dtype bf16 --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv"
     O="--lowp-copies yes --lowp-grads yes --opt-in-backward yes"
     for M in $(echo "${SCALE_MODELS:-xl}" | tr , ' '); do
@@ -177,7 +178,9 @@ PY
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy zero1 --bucket-mb 200 --grad-comm gather --lowp-grads yes --compile no,yes > "$OUT/options_${M}_${np}_zero1.csv" 2>&1
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --compile no,yes > "$OUT/options_${M}_${np}_fsdp.csv" 2>&1
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --fsdp-reshard no --opt-in-backward yes --compile no,yes > "$OUT/options_${M}_${np}_fsdpkept.csv" 2>&1
-        for k in ddp nccl zero1 fsdp fsdpkept; do ddp_rows "$OUT/options_${M}_${np}_$k.csv" "$M $np $k"; done
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy bucketed --bucket-mb 100 --grad-comm gather --shard-updates masters $O --compile no,yes > "$OUT/options_${M}_${np}_masters.csv" 2>&1
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy zero1 --bucket-mb 100 --grad-comm gather --shard-updates masters $O --compile no,yes > "$OUT/options_${M}_${np}_owners.csv" 2>&1
+        for k in ddp nccl zero1 fsdp fsdpkept masters owners; do ddp_rows "$OUT/options_${M}_${np}_$k.csv" "$M $np $k"; done
         [ -n "${TORCH:-}" ] || continue
         timeout 500 torchrun --nproc_per_node $np tests/ref/torch_ddp.py --part ddp --device cuda --model $M --dtype bf16 --context-length 256 \
           --batch-size 4 --strategy bucketed,fsdp2 --bucket-mb 100 --attn sdpa --compile no,yes --warmup 3 --steps 5 --format csv > "$OUT/options_${M}_${np}_torch.csv" 2>/dev/null
