@@ -937,7 +937,8 @@ t_result_files_are_whole_or_absent() {
 
 # ddp --lowp-copies / --lowp-grads / --opt-in-backward: three columns of every row; kept copies train under
 # bf16 on the CPU; where an option does not apply (fp32, kept copies under ZeRO-1, --lowp-grads without --grad-comm gather,
-# which needs GPUs; AdamW in backward with flat, on the CPU but under FSDP, or under ZeRO-1) the row is skipped with the rule.
+# which needs GPUs; AdamW in backward with flat, on the CPU but under FSDP, or under ZeRO-1 without the gather, whose
+# owners' mode needs GPUs too) the row is skipped with the rule.
 t_dist_ddp_lowp() {
   [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --dtype fp32,bf16 --strategy bucketed,zero1 --bucket-mb 1 --lowp-copies yes
@@ -945,7 +946,7 @@ t_dist_ddp_lowp() {
   expect_in "$tmp/out" '^device,model,ranks,strategy,bucket_mb,grad_comm,dtype,context,batch,ckpt,loss,compiled,lowp_copies,lowp_grads,opt_in_bwd,step_ms,' "the columns"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,bf16,16,1,none,mean,no,yes,no,no,[0-9.]+,.*,ok$' "kept copies under bf16: a measured row"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,1,fp32,fp32,.*,skipped: --lowp-copies and --lowp-grads apply under --dtype bf16$' "fp32: skipped"
-  expect_in "$tmp/out" '^cpu,custom,2,zero1,1,fp32,bf16,.*,skipped: --lowp-copies is for the DDP strategies \(ZeRO-1.s AdamW holds only its own parameters\)$' "zero1: skipped"
+  expect_in "$tmp/out" '^cpu,custom,2,zero1,1,fp32,bf16,.*,skipped: --lowp-copies is for the DDP strategies and zero1 with --opt-in-backward yes \(ZeRO-1.s AdamW holds only its own parameters\)$' "zero1: skipped"
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --dtype bf16 --strategy bucketed --lowp-grads yes
   expect_rc 0 "ddp --lowp-grads yes without gather"
   expect_in "$tmp/out" '^cpu,custom,2,bucketed,.*,no,yes,no,.*skipped: --lowp-grads needs --grad-comm gather' "the rule of --lowp-grads"
@@ -959,7 +960,10 @@ t_dist_ddp_lowp() {
   run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy fsdp,zero1 --opt-in-backward yes
   expect_rc 0 "ddp --opt-in-backward yes under FSDP and ZeRO-1"
   expect_in "$tmp/out" '^cpu,custom,2,fsdp,.*,no,no,yes,[0-9.]+,.*,ok$' "fsdp: a measured row on the CPU"
-  expect_in "$tmp/out" '^cpu,custom,2,zero1,.*skipped: --opt-in-backward is for the DDP strategies and FSDP$' "zero1: skipped"
+  expect_in "$tmp/out" '^cpu,custom,2,zero1,.*skipped: --opt-in-backward under zero1 needs --grad-comm gather \(each bucket.s owner updates it inside backward\)$' "zero1: skipped"
+  run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy zero1 --grad-comm gather --opt-in-backward yes
+  expect_rc 0 "ddp zero1 as the buckets' owners on the CPU"
+  expect_in "$tmp/out" '^cpu,custom,2,zero1,.*,gather\+owners,.*skipped: --opt-in-backward needs --device cuda with NCCL$' "zero1 owners: the CPU's rule"
 }
 
 # ddp --profile: rank 0's profile of one more eager step of each configuration, its phases as the
