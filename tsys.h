@@ -967,6 +967,10 @@ TSYSDEF tsys_status tsys_optim_overlap_end(tsys_optim *opt);
 // slot. AdamW over fp32 parameters only; in backward only as the caller says (TSYS_OPTIM_CALLER_READY), each
 // update reading its terms as they are then. terms NULL: plain gradients again.
 TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *opt, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes);
+// The same with each parameter's place in a slot given: at[i] the byte offset of parameter i's gradient terms in
+// every slot, or -1 for one without terms (its gradient is the ranks' mean already: FSDP's replicated parameters,
+// all-reduced). Places must not overlap and must fit in stride_bytes (> 0).
+TSYSDEF tsys_status tsys_optim_sum_grads_at(tsys_optim *opt, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes, const int64_t *at);
 // Flags of overlap_begin_ex. FREE_GRADS: each group is updated on the compute stream (in order, so no
 // event is needed) and a model's gradients of that group are given back right after its update, as
 // tsys_release_grads would after the step: the peak holds the parameters, the optimizer state, the
@@ -6693,6 +6697,7 @@ static int tsys__optim_run_end(const tsys_optim *o, int i, int end, int64_t *num
         if (!g || tsys__optim_fused(o, j) || p[j]->storage != p[i]->storage || g->storage != p[i]->grad->storage || g->dtype != p[i]->grad->dtype) break;
         if (p[j]->offset != p[i]->offset + (size_t)*numel * 4 || g->offset != p[i]->grad->offset + (size_t)*numel * tsys_dtype_size(g->dtype)) break;
         if (o->state_at && o->state_at[j] != o->state_at[i] + *numel * 4) break;   // their moments back to back too
+        if (o->terms_at && (o->terms_at[i] < 0 ? o->terms_at[j] >= 0 : o->terms_at[j] != o->terms_at[i] + *numel * (int64_t)tsys_dtype_size(g->dtype))) break;   // and terms
         *numel += tsys_tensor_numel(p[j]);
     }
     return j;
@@ -6926,7 +6931,8 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end) {
         tsys_tensor *p0 = o->params[i];
         if (tsys__optim_fused(o, i)) j = i + 1;   // updated in its gradient's product (TSYS_OPTIM_FUSE_UPDATE)
         else if (p0->grad) {   // parameters without a gradient are skipped, as in torch
-            if (o->terms && p0->grad->dtype != tsys_tensor_grad_dtype(p0))
+            const bool summed = o->terms && o->terms_at[i] >= 0;   // its ranks' terms are added as it is read
+            if (summed && p0->grad->dtype != tsys_tensor_grad_dtype(p0))
                 return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_step: '%s' has a %s gradient where the ranks' terms (tsys_optim_sum_grads) were laid out for %s",
                                   p0->name, tsys_dtype_name(p0->grad->dtype), tsys_dtype_name(tsys_tensor_grad_dtype(p0)));
             bool one = j == i + 1;
@@ -6936,12 +6942,12 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end) {
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
             if (copies) low = tsys_tensor_view_raw(ctx, o->lowp, p0->lowp->offset - o->lowp->offset, o->lowp->dtype, 1, &n);
             tsys_tensor *terms = NULL;
-            if (o->terms) {   // slot 0 from this run's place through the last slot's, in its gradients' dtype
+            if (summed) {   // slot 0 from this run's place through the last slot's, in its gradients' dtype
                 int64_t span = (int64_t)(o->terms_ranks - 2) * (o->terms_stride / (int64_t)tsys_dtype_size(g->dtype)) + n;
                 terms = tsys_tensor_view_raw(ctx, o->terms, (size_t)o->terms_at[i], p0->grad->dtype, 1, &span);
             }
             uint64_t before = p0->storage->version;
-            st = p && g && (!o->adamw || (m && v)) && (!copies || low) && (!o->terms || terms) ? tsys__optim_update(o, p, g, m, v, low, terms) : ctx->status;
+            st = p && g && (!o->adamw || (m && v)) && (!copies || low) && (!summed || terms) ? tsys__optim_update(o, p, g, m, v, low, terms) : ctx->status;
             if (st == TSYS_OK && low) tsys__lowp_after_update(o, i, j, before);
             tsys_tensor_release(p); tsys_tensor_release(g); tsys_tensor_release(m); tsys_tensor_release(v); tsys_tensor_release(low);
             tsys_tensor_release(terms);
@@ -7001,44 +7007,60 @@ static void tsys__optim_terms_drop(tsys_optim *o) {
     o->terms = NULL; o->terms_at = NULL;
 }
 
-TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes) {
+// The ranks' terms kept after their checks; given NULL: every gradient's place packed in the optimizer's order.
+static tsys_status tsys__optim_terms_set(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes, const int64_t *given, const char *fn) {
     if (!o) return TSYS_ERR_INVALID_ARGS;
     tsys_ctx *ctx = o->ctx;
     if (ctx->status != TSYS_OK) return ctx->status;
     if (!terms) { tsys__optim_terms_drop(o); return TSYS_OK; }
-    if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: only AdamW sums ranks' gradients");
-    if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: the optimizer runs inside backward (tsys_optim_overlap_begin)");
+    if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "%s: only AdamW sums ranks' gradients", fn);
+    if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "%s: the optimizer runs inside backward (tsys_optim_overlap_begin)", fn);
     if (nranks < 2 || self < 0 || self >= nranks)
-        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: nranks %d and self %d (it must be 2 or more ranks, self one of them)", nranks, self);
-    int64_t *at = (int64_t *)TSYS_MALLOC(sizeof(int64_t) * (size_t)(o->n ? o->n : 1)), G = 0;
-    if (!at) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "tsys_optim_sum_grads: out of host memory");
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: nranks %d and self %d (it must be 2 or more ranks, self one of them)", fn, nranks, self);
+    if (given && stride_bytes <= 0) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: stride_bytes %lld (it must be > 0)", fn, (long long)stride_bytes);
+    int64_t *at = (int64_t *)TSYS_MALLOC(sizeof(int64_t) * (size_t)(o->n ? o->n : 1)), G = 0, end = 0;
+    if (!at) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "%s: out of host memory", fn);
     for (int i = 0; i < o->n; i++) {
         const tsys_tensor *p = o->params[i];
-        const int64_t es = (int64_t)tsys_dtype_size(tsys_tensor_grad_dtype(p));
+        const int64_t es = (int64_t)tsys_dtype_size(tsys_tensor_grad_dtype(p)), bytes = tsys_tensor_numel(p) * es;
+        at[i] = given ? given[i] : G;
+        if (at[i] < 0) { at[i] = -1; continue; }
         const char *bad = p->dtype != TSYS_F32 ? "is not fp32"
-                          : G % es || (nranks > 2 && stride_bytes % es) ? "would start its gradient's terms off its element size in a slot" : NULL;
+                          : at[i] % es || (nranks > 2 && stride_bytes % es) ? "would start its gradient's terms off its element size in a slot"
+                          : given && at[i] + bytes > stride_bytes ? "would end its terms past the slot" : NULL;
+        for (int j = 0; !bad && given && j < i; j++)
+            if (at[j] >= 0 && at[j] < at[i] + bytes && at[i] < at[j] + tsys_tensor_numel(o->params[j]) * (int64_t)tsys_dtype_size(tsys_tensor_grad_dtype(o->params[j])))
+                bad = "has terms that overlap another parameter's";
         if (bad) {
+            const long long place = (long long)at[i];
             TSYS_FREE(at);
-            return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_sum_grads: parameter '%s' (%s, %s gradients, at byte %lld of a slot %lld bytes apart) %s", p->name,
-                              tsys_dtype_name(p->dtype), tsys_dtype_name(tsys_tensor_grad_dtype(p)), (long long)G, (long long)stride_bytes, bad);
+            return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "%s: parameter '%s' (%s, %s gradients, at byte %lld of a slot %lld bytes apart) %s", fn, p->name,
+                              tsys_dtype_name(p->dtype), tsys_dtype_name(tsys_tensor_grad_dtype(p)), place, (long long)stride_bytes, bad);
         }
-        at[i] = G;
-        G += tsys_tensor_numel(p) * es;
+        G = at[i] + bytes;
+        end = G > end ? G : end;
     }
-    if (stride_bytes == 0) stride_bytes = G;
-    const char *bad = stride_bytes < G ? "is less than the gradients' bytes"
+    if (stride_bytes == 0) stride_bytes = end;
+    const char *bad = stride_bytes < end ? "is less than the gradients' bytes"
                       : o->n && terms->device != o->params[0]->device ? "is on another device than the parameters"
-                      : (int64_t)tsys_tensor_bytes(terms) < (int64_t)(nranks - 2) * stride_bytes + G ? "holds fewer bytes than the slots" : NULL;
+                      : (int64_t)tsys_tensor_bytes(terms) < (int64_t)(nranks - 2) * stride_bytes + end ? "holds fewer bytes than the slots" : NULL;
     if (bad) {
         TSYS_FREE(at);
-        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads: terms '%s' (%lld bytes on %s; %d ranks - 1 slots %lld bytes apart of the %lld gradient bytes) %s", terms->name,
-                          (long long)tsys_tensor_bytes(terms), tsys__device_name(terms->device), nranks, (long long)stride_bytes, (long long)G, bad);
+        return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "%s: terms '%s' (%lld bytes on %s; %d ranks - 1 slots %lld bytes apart of the %lld gradient bytes) %s", fn, terms->name,
+                          (long long)tsys_tensor_bytes(terms), tsys__device_name(terms->device), nranks, (long long)stride_bytes, (long long)end, bad);
     }
     tsys__optim_terms_drop(o);
     o->terms = tsys_tensor_retain(terms);
     o->terms_at = at;
     o->terms_ranks = nranks; o->terms_self = self; o->terms_stride = stride_bytes;
     return TSYS_OK;
+}
+TSYSDEF tsys_status tsys_optim_sum_grads(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes) {
+    return tsys__optim_terms_set(o, terms, nranks, self, stride_bytes, NULL, "tsys_optim_sum_grads");
+}
+TSYSDEF tsys_status tsys_optim_sum_grads_at(tsys_optim *o, tsys_tensor *terms, int nranks, int self, int64_t stride_bytes, const int64_t *at) {
+    if (o && terms && !at) return TSYS__FAIL(o->ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_sum_grads_at: no places (at)");
+    return tsys__optim_terms_set(o, terms, nranks, self, stride_bytes, at, "tsys_optim_sum_grads_at");
 }
 
 static void tsys__overlap_hook(tsys_ctx *ctx, tsys_tensor *param, void *user);

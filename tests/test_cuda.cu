@@ -289,7 +289,8 @@ TSYS_TEST(cuda_losses) {
 
 // tsys_optim_sum_grads on the GPU: the AdamW kernel summing the ranks' gradients (float4 loads with 2 and 3 ranks,
 // the element path for a run 4 bytes off 16 and for 4 ranks' slots 3 elements longer than the parameters; bf16
-// gradients among fp32 ones, as DDP lays them out) gives the bits of the same kernel on the host's sum.
+// gradients among fp32 ones, as DDP lays them out; places given, out of order, one parameter without terms, as FSDP's
+// copy engines lay them out) gives the bits of the same kernel on the host's sum.
 TSYS_TEST(cuda_adamw_sums_ranks_gradients) {
     TC_CTX(ctx);
     const int64_t vec[3] = {1024, 1004, 36}, odd[3] = {1024, 1003, 37};
@@ -299,6 +300,9 @@ TSYS_TEST(cuda_adamw_sums_ranks_gradients) {
                (long long)d4, tsys_ctx_last_error(ctx));
     const int64_t b2 = test_sum_grads_case(ctx, TSYS_CUDA, 2, 0, vec, 3, 0, 3u), b3 = test_sum_grads_case(ctx, TSYS_CUDA, 3, 2, vec, 3, 8, 5u);
     TEST_CHECK(b2 == 0 && b3 == 0, "bf16 gradients among fp32 ones: %lld (2 ranks), %lld (3) elements apart: %s", (long long)b2, (long long)b3, tsys_ctx_last_error(ctx));
+    const int64_t rev[3] = {4144, -1, 0}, mix[3] = {-1, 8192, 64};   // places given (tsys_optim_sum_grads_at): FSDP's shards
+    const int64_t p2 = test_sum_grads_case_at(ctx, TSYS_CUDA, 2, 1, vec, 3, 0, 0u, rev), p3 = test_sum_grads_case_at(ctx, TSYS_CUDA, 3, 0, vec, 3, 16, 5u, mix);
+    TEST_CHECK(p2 == 0 && p3 == 0, "places given: %lld (2 ranks), %lld (3, bf16 among fp32) elements apart: %s", (long long)p2, (long long)p3, tsys_ctx_last_error(ctx));
 }
 
 // TSYS_OPTIM_CALLER_READY on the GPU: updates on the background stream after the side or the compute stream's

@@ -258,6 +258,11 @@ TSYS_TEST(adamw_sums_ranks_gradients) {
                (long long)d4, tsys_ctx_last_error(ctx));
     const int64_t b2 = test_sum_grads_case(ctx, TSYS_CPU, 2, 0, vec, 3, 0, 3u), b3 = test_sum_grads_case(ctx, TSYS_CPU, 3, 2, vec, 3, 8, 5u);
     TEST_CHECK(b2 == 0 && b3 == 0, "bf16 gradients among fp32 ones: %lld (2 ranks), %lld (3) elements apart: %s", (long long)b2, (long long)b3, tsys_ctx_last_error(ctx));
+    // places given (tsys_optim_sum_grads_at, FSDP's shards): out of order, one parameter without terms (its own
+    // gradient the mean), bf16 terms beside fp32 ones
+    const int64_t rev[3] = {4144, -1, 0}, mix[3] = {-1, 8192, 64};
+    const int64_t p2 = test_sum_grads_case_at(ctx, TSYS_CPU, 2, 1, vec, 3, 0, 0u, rev), p3 = test_sum_grads_case_at(ctx, TSYS_CPU, 3, 0, vec, 3, 16, 5u, mix);
+    TEST_CHECK(p2 == 0 && p3 == 0, "places given: %lld (2 ranks), %lld (3, bf16 among fp32) elements apart: %s", (long long)p2, (long long)p3, tsys_ctx_last_error(ctx));
     int64_t n = 8, seven = 7, two = 16, three = 24;
     tsys_tensor *p = test_param(ctx, TSYS_CPU, 1, &n, 1.0f), *t2 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &two), *t3 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &three);
     tsys_tensor *odd_bf16[2] = {test_param(ctx, TSYS_CPU, 1, &seven, 1.0f), test_param(ctx, TSYS_CPU, 1, &n, 1.0f)};
@@ -271,6 +276,16 @@ TSYS_TEST(adamw_sums_ranks_gradients) {
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
         tsys_status st = tsys_optim_sum_grads(bad[k].o, bad[k].t, bad[k].ranks, bad[k].self, bad[k].stride);
         TEST_CHECK(st != TSYS_OK && strstr(tsys_ctx_last_error(ctx), bad[k].says), "case %zu: status %d, '%s'", k, (int)st, tsys_ctx_last_error(ctx));
+        tsys_ctx_clear_error(ctx);
+    }
+    const int64_t at0[1] = {0}, at8[1] = {8}, at_skew[2] = {0, 16}, at_over[2] = {0, 12};
+    struct { tsys_optim *o; int64_t stride; const int64_t *at; const char *says; } bad_at[] = {
+        {adam, 0, at0, "stride_bytes 0 (it must be > 0)"}, {adam, 32, NULL, "no places"}, {adam, 32, at8, "at byte 8 of a slot 32 bytes apart) would end its terms past the slot"},
+        {skew, 64, at_over, "at byte 12 of a slot 64 bytes apart) has terms that overlap another"}, {skew, 64, at_skew, NULL}};
+    for (size_t k = 0; k < sizeof bad_at / sizeof bad_at[0]; k++) {
+        tsys_status st = tsys_optim_sum_grads_at(bad_at[k].o, t3, 2, 0, bad_at[k].stride, bad_at[k].at);
+        TEST_CHECK(bad_at[k].says ? st != TSYS_OK && strstr(tsys_ctx_last_error(ctx), bad_at[k].says) : st == TSYS_OK, "places case %zu: status %d, '%s'", k, (int)st,
+                   tsys_ctx_last_error(ctx));
         tsys_ctx_clear_error(ctx);
     }
     TEST_CHECK(tsys_optim_sum_grads(adam, t3, 4, 3, 0) == TSYS_OK && tsys_optim_sum_grads(adam, t2, 2, 0, 64) == TSYS_OK, "4 ranks, 2 ranks with a stride: %s",

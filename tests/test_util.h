@@ -230,10 +230,17 @@ static inline double test_rel_diff(int64_t measured, int64_t predicted) { return
 // in bf16 where bit i of `bf16` is set, in fp32 otherwise, laid out as DDP lays them), once on fp32 gradients the
 // host made as that rank-ordered sum / ranks. The values are bf16's, so the bf16 gradients hold them exactly.
 // Returns the elements that differ (-1 when a call failed: the context's error says which).
-static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n, int64_t pad, unsigned bf16) {
+// places: each parameter's byte offset in a slot (tsys_optim_sum_grads_at; -1: no terms, its gradient the mean
+// itself), or NULL: packed in order (tsys_optim_sum_grads).
+static inline int64_t test_sum_grads_case_at(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n, int64_t pad, unsigned bf16, const int64_t *places) {
     enum { MAXP = 4 };
     int64_t S = 0, G = 0, diff = 0, at[MAXP];
-    for (int i = 0; i < n; i++) { at[i] = G; S += sizes[i]; G += sizes[i] * ((bf16 >> i & 1u) ? 2 : 4); }
+    for (int i = 0; i < n; i++) {
+        const int64_t bytes = sizes[i] * ((bf16 >> i & 1u) ? 2 : 4);
+        at[i] = places ? places[i] : G;
+        S += sizes[i];
+        G = at[i] + bytes > G ? at[i] + bytes : G;
+    }
     const int64_t stride = G + pad, tbytes = (stride * (ranks - 1) + 3) / 4 * 4;
     unsigned char *terms_h = (unsigned char *)calloc((size_t)tbytes, 1);
     float *mean = (float *)malloc(sizeof(float) * (size_t)S), *mine = (float *)malloc(sizeof(float) * (size_t)S);
@@ -243,6 +250,7 @@ static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ra
             const int64_t x = e + k;
             mine[x] = tsys_bf16_to_f32(tsys_f32_to_bf16((float)((x * 53 % 997) - 498) * 1e-3f));
             float acc = 0.0f;
+            if (at[i] < 0) { mean[x] = mine[x]; continue; }
             for (int r = 0; r < ranks; r++) {
                 if (r == self) { acc += mine[x]; continue; }
                 const float t = tsys_bf16_to_f32(tsys_f32_to_bf16((float)(((x + 7 * r) * 37 % 1001) - 500) * 1e-3f));
@@ -266,7 +274,8 @@ static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ra
         e += sizes[i];
     }
     tsys_optim *oa = tsys_adamw_new(ctx, pa, n, NULL), *ob = tsys_adamw_new(ctx, pb, n, NULL);
-    if (oa && terms) tsys_optim_sum_grads(oa, terms, ranks, self, pad ? stride : 0);
+    if (oa && terms && places) tsys_optim_sum_grads_at(oa, terms, ranks, self, stride, places);
+    else if (oa && terms) tsys_optim_sum_grads(oa, terms, ranks, self, pad ? stride : 0);
     for (int step = 0; step < 2 && tsys_ctx_status(ctx) == TSYS_OK; step++) {
         for (int side = 0; side < 2; side++)
             for (int i = 0; i < n; i++) {
@@ -288,6 +297,9 @@ static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ra
     tsys_tensor_release(terms);
     free(terms_h); free(mean); free(mine);
     return diff;
+}
+static inline int64_t test_sum_grads_case(tsys_ctx *ctx, tsys_device dev, int ranks, int self, const int64_t *sizes, int n, int64_t pad, unsigned bf16) {
+    return test_sum_grads_case_at(ctx, dev, ranks, self, sizes, n, pad, bf16, NULL);
 }
 
 // ---- the optimizer told when gradients are in (TSYS_OPTIM_CALLER_READY) ------------------------------
