@@ -1012,7 +1012,8 @@ TSYSDEF tsys_status tsys_optim_overlap_skip(tsys_optim *opt, tsys_tensor *const 
 // the captured AdamW writes them; whether a weight is cast was decided at capture, so a parameter
 // written outside the graph between replays (a checkpoint load) needs an eager step or a new capture.
 // The copies belong to the optimizer's own parameters: under FSDP (an optimizer of shards, a forward
-// of gathered weights) nothing would read them.
+// of gathered weights) nothing reads them but its copy-engine transfers (tsys_fsdp_desc.ce_transfers),
+// which send each shard's copy to the ranks' gathered weights.
 TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *opt, tsys_dtype dt);
 TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *opt);   // TSYS_F32 when off
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);

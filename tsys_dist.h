@@ -593,11 +593,22 @@ typedef enum tsys_fsdp_reshard {
 //                          weights (fp32: the weights are views of the master), reduce-scatter = the
 //                          full gradients added into the fp32 shard gradient (one kernel each, no
 //                          collective); the same bits as the collectives
+//   ce_transfers           false: NCCL's all-gathers and reduce-scatters. true (CUDA, NCCL ranks on one
+//                          host, 2 to 8 of them, RESHARD_NO, AdamW inside backward): no collective for the
+//                          units. Each unit's gathered weights and full gradients are made once and opened
+//                          by every peer; when a unit's backward is over, each rank's copy engines pull its
+//                          part of the peers' full gradients, AdamW adds them to its own part as it reads
+//                          the shard's gradient (rank order, in fp32: in fp32 at 2 ranks the bits of NCCL's
+//                          average), and the cast of the updated shard is pushed into every peer's weights;
+//                          the step's end waits for the pushes. No SM is taken from backward's kernels.
+//                          Memory: the full gradients stay (compute dtype, every unit), beside a receive
+//                          buffer of (world - 1) shards. The first forward gathers through NCCL.
 typedef struct tsys_fsdp_desc {
     tsys_dtype compute_dtype;    // TSYS_F32 (0, default), TSYS_BF16 or TSYS_F16
     bool no_prefetch;            // gather each unit only when it is needed (for measurements)
     tsys_fsdp_reshard reshard_after_forward;
     bool no_shortcut;            // a group of one goes through the collectives too (tests, measurements)
+    bool ce_transfers;           // the units' transfers on the copy engines (above)
 } tsys_fsdp_desc;
 
 // Per step (the last tsys_fsdp_finish), for this rank:
@@ -3547,6 +3558,219 @@ static bool tsys_dist__ceg_close(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s
            tsys_dist__ce_take(d, compute, g->flags[me]->done, NULL, d->size, 1, me, e);
 }
 
+// ---- FSDP's units on the copy engines (tsys_fsdp's desc.ce_transfers) -------------------------------------
+// Every unit's gathered weights and full gradients keep one place on every rank, opened by every peer through IPC,
+// and move on the copy engines: NCCL's reduce-scatters and all-gathers take SMs from backward's GEMMs for as long
+// as they run. Per unit u, once my backward of it is over (as of the compute stream):
+//   ready    I raise ready[u][me] in every peer; my lane for q takes ready[u][q] (q's gradients of u are final)
+//            and pulls my part of q's full gradients into q's slot of my receive buffer; the side stream joins
+//            the lanes, and AdamW on the background stream sums my part and the pulled ones as it reads them
+//   pushed   behind my update, the cast of my shard lies in my part of my weights of u: my push lane for q copies
+//            it into q's weights and raises pushed[u][me] there
+// At the step's end the compute stream takes every pushed flag (the next forward reads those weights) and joins
+// my push lanes; the side stream, which joined my pulls, raises done[me] in every peer, and the compute stream
+// waits until every peer's done is in mine (my next backward overwrites my gradients). Flags live in the memory
+// of the rank that waits on them and are cleared by the kernel that took them (tsys_dist__ce_take), so a step
+// leaves them as it found them and can be captured. My receive buffer needs no flag: my next pulls into it
+// follow my updates, which the step's end joins.
+typedef struct tsys_dist__fce_flags {
+    uint32_t done[TSYS_DIST__CE_RANKS], one;
+    uint32_t unit[];                               // [unit][rank] ready, then [unit][rank] pushed
+} tsys_dist__fce_flags;
+typedef struct tsys_dist__fce {
+    int units;
+    char *recv;                                    // my receive buffer: a slot a peer (q's at q - (q > me))
+    char **weights, **grads;                       // [unit * TSYS_DIST__CE_RANKS + rank]: mine at rank, the peers' through IPC
+    tsys_dist__fce_flags *flags[TSYS_DIST__CE_RANKS];
+    int64_t flag_bytes;
+    cudaStream_t lane[TSYS_DIST__CE_RANKS], push[TSYS_DIST__CE_RANKS];
+    cudaEvent_t fork, pfork, lane_done[TSYS_DIST__CE_RANKS], push_done[TSYS_DIST__CE_RANKS], pulled;
+} tsys_dist__fce;
+typedef struct tsys_dist__fce_handles { cudaIpcMemHandle_t weights, grads; } tsys_dist__fce_handles;
+
+static bool tsys_dist__fce_cuda(cudaError_t r, const char *what, tsys_dist__err *e) {
+    return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "fsdp desc.ce_transfers: %s: %s", what, cudaGetErrorString(r));
+}
+static uint32_t *tsys_dist__fce_ready(const tsys_dist__fce *g, int at, int u, int from) { return &g->flags[at]->unit[u * TSYS_DIST__CE_RANKS + from]; }
+static uint32_t *tsys_dist__fce_pushed(const tsys_dist__fce *g, int at, int u, int from) {
+    return &g->flags[at]->unit[(g->units + u) * TSYS_DIST__CE_RANKS + from];
+}
+
+// Waits until flags f[i] (i in [0, n), i % TSYS_DIST__CE_RANKS a rank below `ranks` other than `me`) are 1, clearing each.
+__global__ void tsys_dist__fce_take_kernel(uint32_t *f, int n, int ranks, int me, unsigned long long timeout_ns) {
+    for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) {
+        const int r = i % TSYS_DIST__CE_RANKS;
+        if (r >= ranks || r == me) continue;
+        volatile uint32_t *x = f + i;
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+        while (*x != 1u) {
+            __nanosleep(500);
+            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+            if (t - t0 > timeout_ns) __trap();
+        }
+        *x = 0u;
+    }
+}
+
+// Every rank's weights and gradients of every unit (mine: weights[u], grads[u], each the start of a cudaMalloc
+// allocation) opened by every other; my receive buffer of recv_bytes and my flags. Collective.
+static bool tsys_dist__fce_setup(tsys_dist *d, tsys_dist__fce *g, int units, void *const *weights, void *const *grads, int64_t recv_bytes, tsys_dist__err *e) {
+    if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "fsdp desc.ce_transfers: the ranks are on several hosts; the copy engines reach only this host's GPUs");
+    if (d->size < 2 || d->size > TSYS_DIST__CE_RANKS)
+        return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "fsdp desc.ce_transfers: %d ranks (it takes 2 to %d)", d->size, (int)TSYS_DIST__CE_RANKS);
+    const size_t slots = (size_t)units * TSYS_DIST__CE_RANKS;
+    g->units = units;
+    g->weights = (char **)calloc(slots, sizeof(char *));
+    g->grads = (char **)calloc(slots, sizeof(char *));
+    tsys_dist__fce_handles *h = (tsys_dist__fce_handles *)calloc((size_t)units + 1, sizeof *h);
+    g->flag_bytes = (int64_t)sizeof(tsys_dist__fce_flags) + 2 * (int64_t)slots * 4;
+    tsys_dist__fce_flags *init = (tsys_dist__fce_flags *)calloc(1, (size_t)g->flag_bytes);
+    bool ok = (g->weights && g->grads && h && init) || tsys_dist__seterr(e, TSYS_ERR_OOM, "fsdp desc.ce_transfers: out of host memory");
+    if (ok) init->one = 1;
+    for (int u = 0; ok && u < units; u++) {
+        g->weights[u * TSYS_DIST__CE_RANKS + d->rank] = (char *)weights[u];
+        g->grads[u * TSYS_DIST__CE_RANKS + d->rank] = (char *)grads[u];
+        ok = tsys_dist__ceg_allocation_start(weights[u], "a unit's gathered weights", e) && tsys_dist__ceg_allocation_start(grads[u], "a unit's full gradients", e) &&
+             tsys_dist__fce_cuda(cudaIpcGetMemHandle(&h[u].weights, weights[u]), "cudaIpcGetMemHandle (a unit's weights)", e) &&
+             tsys_dist__fce_cuda(cudaIpcGetMemHandle(&h[u].grads, grads[u]), "cudaIpcGetMemHandle (a unit's gradients)", e);
+    }
+    ok = ok && tsys_dist__fce_cuda(cudaMalloc((void **)&g->recv, recv_bytes > 0 ? (size_t)recv_bytes : 256), "cudaMalloc (the receive buffer)", e) &&
+         tsys_dist__fce_cuda(cudaMalloc((void **)&g->flags[d->rank], (size_t)g->flag_bytes), "cudaMalloc (flags)", e) &&
+         tsys_dist__fce_cuda(cudaMemcpy(g->flags[d->rank], init, (size_t)g->flag_bytes, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) &&
+         tsys_dist__fce_cuda(cudaIpcGetMemHandle(&h[units].weights, g->flags[d->rank]), "cudaIpcGetMemHandle (flags)", e);
+    free(init);
+    // every rank learns every rank's handles (a rank that failed above sends zeros and fails the opens too)
+    tsys_dist__fce_handles *theirs = (tsys_dist__fce_handles *)calloc((size_t)units + 1, sizeof *theirs);
+    if (!theirs) ok = tsys_dist__seterr(e, TSYS_ERR_OOM, "fsdp desc.ce_transfers: out of host memory");
+    for (int r = 0; theirs && r < d->size; r++) {
+        if (r == d->rank && h) memcpy(theirs, h, sizeof *h * ((size_t)units + 1));
+        if (!tsys_dist__setup_bcast(d, theirs, (int64_t)(sizeof *theirs * ((size_t)units + 1)), r, e)) { ok = false; break; }
+        for (int u = 0; ok && r != d->rank && u < units; u++)
+            ok = tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->weights[u * TSYS_DIST__CE_RANKS + r], theirs[u].weights, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's weights)", e) &&
+                 tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->grads[u * TSYS_DIST__CE_RANKS + r], theirs[u].grads, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's gradients)", e);
+        if (ok && r != d->rank)
+            ok = tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->flags[r], theirs[units].weights, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e);
+    }
+    free(theirs); free(h);
+    ok = ok && tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) &&
+         tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->pfork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) &&
+         tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->pulled, cudaEventDisableTiming), "cudaEventCreateWithFlags", e);
+    for (int q = 0; ok && q < d->size; q++)
+        if (q != d->rank)
+            ok = tsys_dist__fce_cuda(tsys_dist__lane_make(&g->lane[q]), "cudaStreamCreateWithPriority", e) && tsys_dist__fce_cuda(tsys_dist__lane_make(&g->push[q]), "cudaStreamCreateWithPriority", e) &&
+                 tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->lane_done[q], cudaEventDisableTiming), "cudaEventCreateWithFlags", e) &&
+                 tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->push_done[q], cudaEventDisableTiming), "cudaEventCreateWithFlags", e);
+    return ok;
+}
+
+// Collective unless the group is broken: every rank's copies end before any rank closes what it opened, and those
+// close before any rank frees what its peers opened. Errors go nowhere.
+static void tsys_dist__fce_teardown(tsys_dist *d, tsys_dist__fce *g) {
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    int32_t one = 1;
+    const bool synced = !TSYS_DIST__LOAD(&d->broken) && cudaDeviceSynchronize() == cudaSuccess && tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    for (int r = 0; r < d->size && r < TSYS_DIST__CE_RANKS; r++) {
+        if (r == d->rank) continue;
+        for (int u = 0; u < g->units; u++) {
+            if (g->weights && g->weights[u * TSYS_DIST__CE_RANKS + r]) cudaIpcCloseMemHandle(g->weights[u * TSYS_DIST__CE_RANKS + r]);
+            if (g->grads && g->grads[u * TSYS_DIST__CE_RANKS + r]) cudaIpcCloseMemHandle(g->grads[u * TSYS_DIST__CE_RANKS + r]);
+        }
+        if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
+        if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
+        if (g->push[r]) cudaStreamDestroy(g->push[r]);
+        if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
+        if (g->push_done[r]) cudaEventDestroy(g->push_done[r]);
+    }
+    if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    if (g->recv) cudaFree(g->recv);
+    if (g->flags[d->rank]) cudaFree(g->flags[d->rank]);
+    if (g->fork) cudaEventDestroy(g->fork);
+    if (g->pfork) cudaEventDestroy(g->pfork);
+    if (g->pulled) cudaEventDestroy(g->pulled);
+    free(g->weights); free(g->grads);
+    memset(g, 0, sizeof *g);
+}
+
+// My gradients of unit u are final as of `compute`: every peer learns it; my part of theirs ([part, part + bytes) of
+// their full gradients) comes into my slot for each at byte `at`, and `side` waits for those pulls.
+static bool tsys_dist__fce_reduce(tsys_dist *d, tsys_dist__fce *g, int u, int64_t part, int64_t bytes, int64_t at, int64_t slot_bytes, cudaStream_t compute,
+                                  cudaStream_t side, tsys_dist__err *e) {
+    const int me = d->rank;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && !tsys_dist__fce_cuda(cudaMemcpyAsync(tsys_dist__fce_ready(g, q, u, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, compute), "a flag's raise", e))
+            return false;
+    if (!tsys_dist__fce_cuda(cudaEventRecord(g->fork, compute), "cudaEventRecord", e)) return false;
+    for (int q = 0; q < d->size; q++) {
+        if (q == me) continue;
+        cudaStream_t lane = g->lane[q];
+        if (!tsys_dist__fce_cuda(cudaStreamWaitEvent(lane, g->fork, 0), "cudaStreamWaitEvent", e) ||
+            !tsys_dist__ce_take(d, lane, tsys_dist__fce_ready(g, me, u, q), NULL, 1, 1, -1, e) ||
+            !tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * slot_bytes + at, g->grads[u * TSYS_DIST__CE_RANKS + q] + part, bytes, lane, e) ||
+            !tsys_dist__fce_cuda(cudaEventRecord(g->lane_done[q], lane), "cudaEventRecord", e) ||
+            !tsys_dist__fce_cuda(cudaStreamWaitEvent(side, g->lane_done[q], 0), "cudaStreamWaitEvent", e))
+            return false;
+    }
+    return true;
+}
+
+// My new shard of unit u in the compute dtype (`src`, bytes of it) is final as of bg: copied into my part [part,
+// part + bytes) of my weights of u on bg, and of every peer's on my push lane for it, each push raising the peer's
+// pushed flag behind it. Nothing waits on a push lane: the peer takes the flag at its step's end.
+// The peer's backward is done with its old weights (this update read its gradients of u), and this raise cannot
+// overtake the last step's take (the next update needs the peer's next gradients).
+static bool tsys_dist__fce_push(tsys_dist *d, tsys_dist__fce *g, int u, const void *src, int64_t part, int64_t bytes, cudaStream_t bg, tsys_dist__err *e) {
+    const int me = d->rank;
+    if (!tsys_dist__ce_copy(g->weights[u * TSYS_DIST__CE_RANKS + me] + part, src, bytes, bg, e) ||
+        !tsys_dist__fce_cuda(cudaEventRecord(g->pfork, bg), "cudaEventRecord", e))
+        return false;
+    for (int q = 0; q < d->size; q++) {
+        if (q == me) continue;
+        if (!tsys_dist__fce_cuda(cudaStreamWaitEvent(g->push[q], g->pfork, 0), "cudaStreamWaitEvent", e) ||
+            !tsys_dist__ce_copy(g->weights[u * TSYS_DIST__CE_RANKS + q] + part, src, bytes, g->push[q], e) ||
+            !tsys_dist__fce_cuda(cudaMemcpyAsync(tsys_dist__fce_pushed(g, q, u, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, g->push[q]), "a flag's raise", e))
+            return false;
+    }
+    return true;
+}
+
+// The step's end on compute: the units moved this step pushed into me by every peer, my push lanes joined; every peer told
+// (behind my pulls, which side joined) that I read its gradients, and every peer done reading mine.
+static bool tsys_dist__fce_land(tsys_dist *d, tsys_dist__fce *g, const bool *moved, cudaStream_t compute, cudaStream_t side, tsys_dist__err *e) {
+    const int me = d->rank;
+    for (int first = 0, end; first < g->units; first = end) {   // a wait a run of moved units (one launch a step as a rule)
+        for (end = first; end < g->units && moved[end] == moved[first]; end++) {}
+        if (!moved[first]) continue;
+        tsys_dist__fce_take_kernel<<<1, 256, 0, compute>>>(tsys_dist__fce_pushed(g, me, first, 0), (end - first) * TSYS_DIST__CE_RANKS, d->size, me,
+                                                           (unsigned long long)(d->timeout_s * 1e9));
+        if (!tsys_dist__fce_cuda(cudaGetLastError(), "the flags' wait", e)) return false;
+    }
+    for (int q = 0; q < d->size; q++)
+        if (q != me && (!tsys_dist__fce_cuda(cudaEventRecord(g->push_done[q], g->push[q]), "cudaEventRecord", e) ||
+                        !tsys_dist__fce_cuda(cudaStreamWaitEvent(compute, g->push_done[q], 0), "cudaStreamWaitEvent", e) ||
+                        !tsys_dist__fce_cuda(cudaMemcpyAsync(&g->flags[q]->done[me], &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, side), "a flag's raise", e)))
+            return false;
+    return tsys_dist__fce_cuda(cudaEventRecord(g->pulled, side), "cudaEventRecord", e) && tsys_dist__fce_cuda(cudaStreamWaitEvent(compute, g->pulled, 0), "cudaStreamWaitEvent", e) &&
+           tsys_dist__ce_take(d, compute, g->flags[me]->done, NULL, d->size, 1, me, e);
+}
+
+// A step's transfers alone, between steps (every rank here, nothing in flight): for each unit i, my part
+// [part[i], part[i] + bytes[i]) of every peer's gradients pulled into my slot for it, and of my weights pushed
+// into every peer's (the bytes they hold already). No flags. The caller synchronizes.
+static bool tsys_dist__fce_probe(tsys_dist *d, tsys_dist__fce *g, const int64_t *part, const int64_t *bytes, const int64_t *at, int64_t slot_bytes, tsys_dist__err *e) {
+    const int me = d->rank;
+    for (int u = 0; u < g->units; u++)
+        for (int q = 0; q < d->size; q++)
+            if (q != me && (!tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * slot_bytes + at[u], g->grads[u * TSYS_DIST__CE_RANKS + q] + part[u], bytes[u], g->lane[q], e) ||
+                            !tsys_dist__ce_copy(g->weights[u * TSYS_DIST__CE_RANKS + q] + part[u], g->weights[u * TSYS_DIST__CE_RANKS + me] + part[u], bytes[u], g->push[q], e)))
+                return false;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && (!tsys_dist__fce_cuda(cudaStreamSynchronize(g->lane[q]), "cudaStreamSynchronize", e) || !tsys_dist__fce_cuda(cudaStreamSynchronize(g->push[q]), "cudaStreamSynchronize", e)))
+            return false;
+    return true;
+}
+
 // Whether c goes to the copy engines: an fp32 sum or average of at least TSYS_DIST__CE_MIN bytes, outside an
 // NCCL group.
 static bool tsys_dist__ce_takes(const tsys_dist *d, const tsys_dist__coll *c) {
@@ -5897,6 +6121,7 @@ typedef struct tsys_dist__fsdp_unit {
     tsys_tensor *master;         // fp32 S: this rank's shard (requires grad; .grad fp32 S)
     tsys_tensor *src;            // the compute-dtype copy of master being all-gathered
     tsys_tensor *rs_out;         // reduce-scatter output (compute dtype S) while in flight
+    tsys_tensor *part;           // desc.ce_transfers: my part of `full` (compute dtype S), where my shard is cast
     tsys_dist_work *ag, *rs;
     bool gathered;
     bool next;                   // being gathered in this backward for the next forward (tsys_dist__fsdp_gather_next)
@@ -5936,6 +6161,11 @@ struct tsys_fsdp {
     tsys_event updated;          // the background stream's update and cast, which a next-forward gather waits for
     tsys_fsdp_stats stats, cur;
     tsys_status err;
+    void *fce;                   // desc.ce_transfers: the copy engines' state (tsys_dist__fce), or NULL
+    tsys_tensor *terms;          // desc.ce_transfers: my receive buffer, the optimizer's terms
+    int64_t *terms_at;           // desc.ce_transfers: each of tsys_fsdp_params' terms' byte offset in a slot (-1: none)
+    int64_t slot_bytes;          // desc.ce_transfers: a peer's slot: my part of every unit, back to back
+    bool *moved;                 // desc.ce_transfers: the units moved in this step (scratch of tsys_fsdp_finish)
 };
 
 static size_t tsys_dist__fsdp_es(const tsys_fsdp *f) { return tsys_dtype_size(f->cdt); }
@@ -5988,7 +6218,7 @@ static tsys_status tsys_dist__fsdp_gather_start(tsys_fsdp *f, int i, bool behind
         if (++f->ngathered > f->cur.max_units_gathered) f->cur.max_units_gathered = f->ngathered;
     } else {
         tsys_tensor_release(U->src); U->src = NULL;
-        if (!f->alias) tsys_storage_resize(ctx, U->full, 0);
+        if (!f->alias && !f->fce) tsys_storage_resize(ctx, U->full, 0);
     }
     return tsys_dist__fsdp_note(f, st);
 }
@@ -6036,7 +6266,7 @@ static void tsys_dist__fsdp_release(tsys_fsdp *f, int i) {
     tsys_dist__fsdp_unit *U = &f->u[i];
     if (U->ag) { tsys_dist__fsdp_note(f, tsys_dist_wait(U->ag)); U->ag = NULL; tsys_tensor_release(U->src); U->src = NULL; U->gathered = true; }
     if (!U->gathered) return;
-    if (!f->alias) tsys_storage_resize(f->ctx, U->full, 0);   // an alias's memory is the master's
+    if (!f->alias && !f->fce) tsys_storage_resize(f->ctx, U->full, 0);   // an alias's memory is the master's; the peers write ce's
     U->gathered = false;
     f->ngathered--;
 }
@@ -6045,7 +6275,7 @@ static void tsys_dist__fsdp_release(tsys_fsdp *f, int i) {
 static void tsys_dist__fsdp_grads_end(tsys_fsdp *f, int i) {
     tsys_dist__fsdp_unit *U = &f->u[i];
     for (int k = 0; k < U->np; k++) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
-    tsys_storage_resize(f->ctx, U->gfull, 0);
+    if (!f->fce) tsys_storage_resize(f->ctx, U->gfull, 0);   // desc.ce_transfers: the peers pull from it
 }
 
 // A group of one: the reduce-scatter (AVG over 1) would be a copy of gfull, added to the fp32 shard
@@ -6103,8 +6333,8 @@ static tsys_status tsys_dist__fsdp_grads_begin(tsys_fsdp *f, int i) {
     tsys_status st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * es);
     tsys_mem_set_tag(ctx, tag);
     if (st != TSYS_OK) return tsys_dist__fsdp_note(f, st);
-    // the padding past U is reduced too: it must hold zeros
-    if (world * U->shard > U->numel) {
+    // the padding past U is reduced too: it must hold zeros (desc.ce_transfers: made so once)
+    if (world * U->shard > U->numel && !f->fce) {
         int64_t pad = world * U->shard - U->numel;
         tsys_tensor *tail = tsys_tensor_view_raw(ctx, U->gfull, (size_t)U->numel * es, f->cdt, 1, &pad);
         st = tail ? tsys_tensor_fill(ctx, tail, 0.0f) : tsys_ctx_status(ctx);
@@ -6120,6 +6350,59 @@ static tsys_status tsys_dist__fsdp_grads_begin(tsys_fsdp *f, int i) {
     U->ready = 0;
     return tsys_dist__fsdp_note(f, st);
 }
+
+// desc.ce_transfers, unit i's backward over (as of the compute stream): my part of its gradients pulled from every
+// peer, my shard updated behind the pulls (AdamW sums the parts as it reads them and writes the shard's kept copy in
+// the compute dtype: no cast kernel), that copy (fp32: the shard itself) copied into my part of the unit's weights
+// and pushed into every peer's (tsys_dist__fce in >>engine nccl).
+#ifdef TSYS_DIST_NCCL
+static tsys_status tsys_dist__fsdp_ce_err(tsys_fsdp *f, const tsys_dist__err *e) {
+    return tsys_dist__fsdp_note(f, tsys_ctx_set_error(f->ctx, e->status != TSYS_OK ? e->status : TSYS_ERR_CUDA, "%s", e->msg));
+}
+static tsys_status tsys_dist__fsdp_ce_reduce(tsys_fsdp *f, int i) {
+    tsys_dist__fsdp_unit *U = &f->u[i];
+    tsys_ctx *ctx = f->ctx;
+    if (!f->ib_opt)
+        return tsys_dist__fsdp_note(f, tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: desc.ce_transfers updates each unit's shard inside backward: attach the "
+                                                          "optimizer with tsys_fsdp_optim_in_backward (unit '%s' has its gradients)", U->name));
+    const size_t es = tsys_dist__fsdp_es(f);
+    const int64_t part = (int64_t)tsys_dist_rank(f->d) * U->shard * (int64_t)es, bytes = U->shard * (int64_t)es;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE), side = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_SIDE);
+    tsys_dist__fce *g = (tsys_dist__fce *)f->fce;
+    if (!tsys_dist__fce_reduce(f->d, g, i, part, bytes, f->terms_at[i], f->slot_bytes, compute, side, &e)) return tsys_dist__fsdp_ce_err(f, &e);
+    U->master->grad_zero = false;
+    tsys_status st = tsys_optim_overlap_ready(f->ib_opt, &U->master, 1, TSYS_STREAM_SIDE);   // the side stream joined the pulls
+    U->said = st == TSYS_OK;
+    const tsys_tensor *mine = f->cdt == TSYS_F32 ? U->master : U->master->lowp;
+    if (st == TSYS_OK && (!mine || tsys_tensor_bytes(mine) != (size_t)bytes))
+        st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: desc.ce_transfers: shard '%s' has no kept %s copy (the optimizer's copies were given back)", U->master->name,
+                                tsys_dtype_name(f->cdt));
+    if (st == TSYS_OK && !tsys_dist__fce_push(f->d, g, i, tsys_tensor_data((tsys_tensor *)mine), part, bytes, (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_BACKGROUND), &e))
+        return tsys_dist__fsdp_ce_err(f, &e);
+    f->cur.reduce_scatters++;
+    f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
+    f->cur.all_gathers++;
+    f->cur.gathered_bytes += (int64_t)tsys_tensor_bytes(U->full);
+    if (f->ngathered > f->cur.max_units_gathered) f->cur.max_units_gathered = f->ngathered;   // all of them, the step through
+    tsys_dist__fsdp_grads_end(f, i);
+    return tsys_dist__fsdp_note(f, st);
+}
+// The step's end: the compute stream waits for the weights my peers pushed and for them to have read my gradients.
+static tsys_status tsys_dist__fsdp_ce_land(tsys_fsdp *f) {
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    for (int i = 0; i < f->nu; i++) f->moved[i] = f->u[i].said;
+    cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(f->ctx, TSYS_STREAM_COMPUTE), side = (cudaStream_t)tsys_cuda_stream_of(f->ctx, TSYS_STREAM_SIDE);
+    if (!tsys_dist__fce_land(f->d, (tsys_dist__fce *)f->fce, f->moved, compute, side, &e)) return tsys_dist__fsdp_ce_err(f, &e);
+    for (int i = 0; i < f->nu; i++) if (f->moved[i]) tsys_tensor_mark_written(f->u[i].full);   // written by the copy engines
+    return TSYS_OK;
+}
+#else
+static tsys_status tsys_dist__fsdp_ce_reduce(tsys_fsdp *f, int i) { (void)i; return tsys_ctx_set_error(f->ctx, TSYS_ERR_UNSUPPORTED, "fsdp: desc.ce_transfers: built without NCCL"); }
+static tsys_status tsys_dist__fsdp_ce_land(tsys_fsdp *f) { return tsys_ctx_set_error(f->ctx, TSYS_ERR_UNSUPPORTED, "fsdp: desc.ce_transfers: built without NCCL"); }
+#endif
 
 static int tsys_dist__fsdp_unit_of(tsys_fsdp *f, const tsys_tensor *w);
 
@@ -6139,6 +6422,7 @@ static void tsys_dist__fsdp_grad_ready(tsys_ctx *ctx, tsys_tensor *p, void *user
         tsys_dist__fsdp_reduce_direct(f, i);
         return;
     }
+    if (f->fce) { tsys_dist__fsdp_ce_reduce(f, i); return; }
     // one reduce-scatter in flight: the previous unit's completes first (bounds the full gradients alive)
     if (f->rs_pending >= 0 && f->rs_pending != i) tsys_dist__fsdp_rs_complete(f, f->rs_pending);
     f->rs_pending = -1;
@@ -6260,15 +6544,16 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
         if (f->u[i].rs) { tsys_status s2 = tsys_dist__fsdp_rs_complete(f, i); if (st == TSYS_OK) st = s2; }
     tsys_status s1 = tsys_dist__fsdp_next_flush(f);
     if (st == TSYS_OK) st = s1;
+    if (f->fce) { s1 = tsys_dist__fsdp_ce_land(f); if (st == TSYS_OK) st = s1; }
     int gathered = 0;
     for (int i = 0; i < f->nu; i++) {   // what is gathered for the next forward stays (the wait is the compute stream's); the rest goes
         tsys_dist__fsdp_unit *U = &f->u[i];
         if (U->next) { tsys_status s2 = tsys_dist__fsdp_gather_wait(f, i); if (st == TSYS_OK) st = s2; }
-        else tsys_dist__fsdp_release(f, i);
+        else if (!f->fce) tsys_dist__fsdp_release(f, i);   // desc.ce_transfers: pushed in place, current as the stream goes on
         U->next = U->said = false;
         gathered += U->gathered;
         for (int k = 0; k < U->np; k++) if (U->p[k]->grad) { tsys_tensor_release(U->p[k]->grad); U->p[k]->grad = NULL; }
-        tsys_storage_resize(f->ctx, U->gfull, 0);
+        if (!f->fce) tsys_storage_resize(f->ctx, U->gfull, 0);
     }
     f->rs_pending = -1;
     double t0 = tsys_time_us();
@@ -6287,6 +6572,18 @@ TSYSDEF tsys_status tsys_fsdp_finish(tsys_fsdp *f) {
     return st;
 }
 
+// desc.ce_transfers' copy engines stopped, every peer's memory closed (collective: every rank frees its FSDP).
+static void tsys_dist__fsdp_ce_close(tsys_fsdp *f) {
+#ifdef TSYS_DIST_NCCL
+    if (!f->fce) return;
+    tsys_dist__fce_teardown(f->d, (tsys_dist__fce *)f->fce);
+    free(f->fce);
+    f->fce = NULL;
+#else
+    (void)f;
+#endif
+}
+
 TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     if (!f) return;
     tsys_ctx *ctx = f->ctx;
@@ -6295,6 +6592,7 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
         tsys_trace_hooks now = tsys_ctx_set_trace_hooks(ctx, NULL);
         if (now.user == f) tsys_ctx_set_trace_hooks(ctx, &f->prev); else tsys_ctx_set_trace_hooks(ctx, &now);
         tsys_fsdp_finish(f);
+        tsys_dist__fsdp_ce_close(f);   // before any unit's memory moves: the peers read and write it
         for (int i = 0; i < f->nu; i++) tsys_dist__fsdp_release(f, i);   // compute-dtype weights gathered for a next forward
         for (int i = 0; i < f->nrep; i++) tsys_tensor_remove_grad_hook(f->rep[i], tsys_dist__fsdp_rep_ready, f);
         f->cdt = TSYS_F32;
@@ -6316,7 +6614,7 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     for (int i = 0; f->u && i < f->nu; i++) {
         tsys_dist__fsdp_unit *U = &f->u[i];
         for (int k = 0; k < U->np; k++) tsys_tensor_release(U->p[k]);
-        tsys_tensor_release(U->full); tsys_tensor_release(U->gfull); tsys_tensor_release(U->master);
+        tsys_tensor_release(U->part); tsys_tensor_release(U->full); tsys_tensor_release(U->gfull); tsys_tensor_release(U->master);
         TSYS_DIST__RELEASE(U->p); TSYS_DIST__RELEASE(U->off);
     }
     for (int i = 0; i < f->nrep; i++) tsys_tensor_release(f->rep[i]);
@@ -6324,6 +6622,9 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     if (f->updated.handle) tsys_event_release(ctx, &f->updated);
     TSYS_DIST__RELEASE(f->u); TSYS_DIST__RELEASE(f->rep); TSYS_DIST__RELEASE(f->frozen); TSYS_DIST__RELEASE(f->local);
     TSYS_DIST__RELEASE(f->rep_work);
+    tsys_dist__fsdp_ce_close(f);   // a wrapper that failed before it was built
+    tsys_tensor_release(f->terms);
+    free(f->terms_at); free(f->moved);
     TSYS_DIST__RELEASE(f);
 }
 
@@ -6530,6 +6831,85 @@ static void tsys_dist__fsdp_hook_in(tsys_fsdp *f) {
     f->prev = tsys_ctx_set_trace_hooks(f->ctx, &mine);
 }
 
+// desc.ce_transfers: every unit's weights and full gradients made once, where they stay (the peers open them), my
+// shard's gradient a window of my part of the full ones (AdamW adds the peers' parts, pulled into my receive buffer,
+// as it reads it: tsys_optim_sum_grads_at in tsys_fsdp_optim_in_backward). Collective.
+static tsys_status tsys_dist__fsdp_ce_open(tsys_fsdp *f) {
+    tsys_ctx *ctx = f->ctx;
+    const int world = tsys_dist_size(f->d), rank = tsys_dist_rank(f->d);
+    const char *no = world < 2 ? "a group of one moves nothing (it takes 2 or more ranks)"
+                     : f->reshard ? "it keeps every unit's weights from step to step: reshard_after_forward must be TSYS_FSDP_RESHARD_NO"
+                     : f->nu == 0 ? "there is no unit (no 2-D trainable parameter)"
+                     : f->u[0].master->device != TSYS_CUDA || tsys_dist_engine_of(f->d) != TSYS_DIST_ENGINE_NCCL ? "it needs CUDA tensors and NCCL ranks" : NULL;
+    if (no) return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "fsdp: desc.ce_transfers: %s", no);
+#ifdef TSYS_DIST_NCCL
+    const size_t es = tsys_dist__fsdp_es(f);
+    f->terms_at = (int64_t *)calloc((size_t)f->nlocal + 1, sizeof(int64_t));
+    f->moved = (bool *)calloc((size_t)f->nu + 1, sizeof(bool));
+    void **w = (void **)calloc((size_t)f->nu, sizeof(void *)), **gr = (void **)calloc((size_t)f->nu, sizeof(void *));
+    tsys_dist__fce *g = (tsys_dist__fce *)calloc(1, sizeof *g);
+    tsys_status st = f->terms_at && f->moved && w && gr && g ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: desc.ce_transfers: out of host memory");
+    int64_t total = 0;
+    for (int i = f->nu; st == TSYS_OK && i < f->nlocal; i++) f->terms_at[i] = -1;   // the replicated: all-reduced, the mean already
+    for (int i = 0; st == TSYS_OK && i < f->nu; i++) {
+        tsys_dist__fsdp_unit *U = &f->u[i];
+        const size_t bytes = (size_t)(world * U->shard) * es;
+        int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp gathered weights"));
+        st = tsys_storage_resize(ctx, U->full, bytes);
+        tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp full grads"));
+        tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+        if (st == TSYS_OK) st = tsys_storage_resize(ctx, U->gfull, bytes);
+        tsys_mem_set_category(ctx, cat);
+        tsys_mem_set_tag(ctx, tag);
+        if (st == TSYS_OK && world * U->shard > U->numel) {   // the padding is pulled too: zeros, as nothing writes it
+            int64_t pad = world * U->shard - U->numel;
+            tsys_tensor *tail = tsys_tensor_view_raw(ctx, U->gfull, (size_t)U->numel * es, f->cdt, 1, &pad);
+            st = tail ? tsys_tensor_fill(ctx, tail, 0.0f) : tsys_ctx_status(ctx);
+            tsys_tensor_release(tail);
+        }
+        if (st != TSYS_OK) break;
+        tsys_tensor_release(U->master->grad);
+        U->master->grad = NULL;
+        st = tsys_tensor_set_grad_dtype(ctx, U->master, f->cdt);
+        U->master->grad = st == TSYS_OK ? tsys_tensor_view_raw(ctx, U->gfull, (size_t)(rank * U->shard) * es, f->cdt, 1, &U->shard) : NULL;
+        U->part = U->master->grad ? tsys_tensor_view_raw(ctx, U->full, (size_t)(rank * U->shard) * es, f->cdt, 1, &U->shard) : NULL;
+        if (!U->part) { st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; break; }
+        tsys_tensor_set_name(U->master->grad, "%s.shard.grad", U->name);
+        tsys_tensor_set_name(U->part, "%s.full.part", U->name);
+        U->master->grad_zero = true;
+        f->terms_at[i] = total * (int64_t)es;
+        total += U->shard;
+        w[i] = tsys_tensor_data(U->full); gr[i] = tsys_tensor_data(U->gfull);
+    }
+    f->slot_bytes = total * (int64_t)es;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    if (st == TSYS_OK) st = tsys_sync(ctx, TSYS_CUDA);   // the tails' zeros are in before any peer pulls them
+    if (tsys_dist_any_failed(f->d, st)) {   // every rank sets up the transfers, or none
+        free(w); free(gr); free(g);
+        return st != TSYS_OK ? st : tsys_ctx_set_error(ctx, TSYS_ERR_IO, "fsdp: desc.ce_transfers: the setup failed on another rank");
+    }
+    f->fce = g;
+    tsys_dist__drain(f->d);   // the setup's host collectives run here, after what the worker holds
+    const bool ok = tsys_dist__fce_setup(f->d, g, f->nu, w, gr, (int64_t)(world - 1) * f->slot_bytes, &e);
+    free(w); free(gr);
+    st = ok ? TSYS_OK : tsys_ctx_set_error(ctx, e.status != TSYS_OK ? e.status : TSYS_ERR_CUDA, "%s", e.msg);
+    if (tsys_dist_any_failed(f->d, st)) return st != TSYS_OK ? st : tsys_ctx_set_error(ctx, TSYS_ERR_IO, "fsdp: desc.ce_transfers: the setup failed on another rank");
+    int64_t numel = (int64_t)(world - 1) * total;
+    int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp peers' gradients"));
+    tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+    f->terms = tsys_tensor_wrap(ctx, f->cdt, TSYS_CUDA, 1, &numel, g->recv, NULL, NULL);
+    tsys_mem_set_category(ctx, cat);
+    tsys_mem_set_tag(ctx, tag);
+    if (!f->terms) return tsys_ctx_status(ctx);
+    tsys_tensor_set_name(f->terms, "fsdp peers' gradients");
+    return TSYS_OK;
+#else
+    (void)rank;
+    return tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "fsdp: desc.ce_transfers: built without NCCL (TSYS_DIST_NCCL)");
+#endif
+}
+
 TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, const tsys_fsdp_desc *desc) {
     if (!d) return NULL;
     tsys_ctx *ctx = tsys_dist_ctx(d);
@@ -6558,6 +6938,7 @@ TSYSDEF tsys_fsdp *tsys_fsdp_new(tsys_dist *d, tsys_tensor **params, int n, cons
     TSYS_DIST__RELEASE(old);
     f->stats.num_units = f->nu;
     if (st == TSYS_OK) st = tsys_dist__fsdp_agree(f);
+    if (st == TSYS_OK && dd.ce_transfers) st = tsys_dist__fsdp_ce_open(f);
     if (st != TSYS_OK || tsys_ctx_status(ctx) != TSYS_OK) {
         f->prev = there;
         tsys_fsdp_free(f);   // gives back what moved where it can (the parameters may be left unusable)
@@ -6578,8 +6959,31 @@ TSYSDEF tsys_fsdp_stats tsys_fsdp_stats_get(const tsys_fsdp *f) {
 
 TSYSDEF tsys_status tsys_fsdp_optim_in_backward(tsys_fsdp *f, tsys_optim *opt) {
     if (!f) return TSYS_ERR_INVALID_ARGS;
+    if (f->fce && !opt)
+        return tsys_ctx_set_error(f->ctx, TSYS_ERR_INVALID_ARGS, "tsys_fsdp_optim_in_backward: desc.ce_transfers updates each shard inside backward: the optimizer stays");
+    // desc.ce_transfers: AdamW adds the peers' parts of each shard's gradient, in my receive buffer, as it reads it, and
+    // writes each shard's copy in the compute dtype, which the copy engines send
+    if (f->fce && f->cdt != TSYS_F32 && tsys_optim_keep_lowp(opt, f->cdt) != TSYS_OK) return tsys_ctx_status(f->ctx);
+    if (f->fce && tsys_optim_sum_grads_at(opt, f->terms, tsys_dist_size(f->d), tsys_dist_rank(f->d), f->slot_bytes, f->terms_at) != TSYS_OK) return tsys_ctx_status(f->ctx);
     f->ib_opt = opt;
     return TSYS_OK;
+}
+
+// desc.ce_transfers: a step's pulls and pushes back to back, between steps (tsys_dist__fce_probe).
+static tsys_status tsys_dist__fsdp_ce_probe(tsys_fsdp *f) {
+#ifdef TSYS_DIST_NCCL
+    const int64_t es = (int64_t)tsys_dist__fsdp_es(f), rank = tsys_dist_rank(f->d);
+    int64_t *part = (int64_t *)calloc((size_t)f->nu, sizeof(int64_t)), *bytes = (int64_t *)calloc((size_t)f->nu, sizeof(int64_t));
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    bool ok = part && bytes;
+    for (int i = 0; ok && i < f->nu; i++) { part[i] = rank * f->u[i].shard * es; bytes[i] = f->u[i].shard * es; }
+    ok = ok ? tsys_dist__fce_probe(f->d, (tsys_dist__fce *)f->fce, part, bytes, f->terms_at, f->slot_bytes, &e) : tsys_dist__seterr(&e, TSYS_ERR_OOM, "fsdp: out of host memory");
+    free(part); free(bytes);
+    return ok ? TSYS_OK : tsys_ctx_set_error(f->ctx, e.status != TSYS_OK ? e.status : TSYS_ERR_CUDA, "%s", e.msg);
+#else
+    return tsys_ctx_set_error(f->ctx, TSYS_ERR_UNSUPPORTED, "fsdp: desc.ce_transfers: built without NCCL");
+#endif
 }
 
 TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
@@ -6594,14 +6998,15 @@ TSYSDEF tsys_status tsys_fsdp_time_collectives(tsys_fsdp *f, double *ms) {
     if (st == TSYS_OK) st = tsys_dist_barrier(f->d);
     double t0 = tsys_time_us();
     int world = tsys_dist_size(f->d);
-    for (int pass = 0; st == TSYS_OK && pass < 2; pass++)   // forward: every unit; backward: those it re-gathers
+    if (f->fce) st = tsys_dist__fsdp_ce_probe(f);   // the pulls and pushes of a step, instead of the collectives below
+    for (int pass = 0; st == TSYS_OK && !f->fce && pass < 2; pass++)   // forward: every unit; backward: those it re-gathers
         for (int j = 0; st == TSYS_OK && j < f->nu; j++) {
             int i = pass ? f->nu - 1 - j : j;
             if (pass && (i == f->nu - 1 || !f->u[i].has_linear || !f->reshard)) continue;
             st = tsys_dist__fsdp_gather_wait(f, i);
             tsys_dist__fsdp_release(f, i);
         }
-    for (int i = f->nu - 1; st == TSYS_OK && i >= 0; i--) {
+    for (int i = f->nu - 1; st == TSYS_OK && !f->fce && i >= 0; i--) {
         tsys_dist__fsdp_unit *U = &f->u[i];
         st = tsys_storage_resize(ctx, U->gfull, (size_t)(world * U->shard) * tsys_dist__fsdp_es(f));
         tsys_tensor *scratch = st == TSYS_OK ? tsys_tensor_new(ctx, f->cdt, dev, 1, &U->shard) : NULL;
@@ -7481,6 +7886,11 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
     a.grad_bytes = 4 * (shards + Pr) + work_g;
     a.optim_bytes = 8 * (shards + Pr);
     a.work_bytes = work_p + work_g;
+    if (desc && desc->ce_transfers && world > 1) {   // every unit's weights and full gradients stay (the shard's gradient a window of
+        a.param_bytes = 4 * (shards + Pr) + c * N * shards;   // them), beside the peers' parts of the shards
+        a.grad_bytes = 4 * Pr + c * N * shards + c * (N - 1) * shards;
+        a.work_bytes = 0;
+    }
     const double ckpt = tsys_dist__ckpt_act_bytes(m, compute_dtype, batch, context, true);
     a.act_bytes = ckpt >= 0 ? ckpt : a.act_bytes * c / 4.0;
     a.total_bytes = a.param_bytes + a.grad_bytes + a.optim_bytes + a.act_bytes;
@@ -8225,6 +8635,11 @@ static bool tsys_dist__trainer_lowp_ok(tsys_ctx *ctx, const tsys_dist_trainer_de
                            "owner updates it inside backward)");
         return false;
     }
+    if (desc->fsdp.ce_transfers && (desc->mode != TSYS_TRAIN_FSDP || !desc->opt_in_backward)) {
+        tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.fsdp.ce_transfers is for FSDP with opt_in_backward (each unit's shard is updated "
+                           "inside backward, between its pulls and its pushes)");
+        return false;
+    }
     if (desc->ddp.shard_masters && (!desc->ddp.shard_updates || !desc->lowp_copies)) {
         tsys_ctx_set_error(ctx, TSYS_ERR_UNSUPPORTED, "tsys_dist_trainer_new: desc.ddp.shard_masters needs ddp.shard_updates and lowp_copies (the peers receive the "
                            "owner's kept copies of the weights)");
@@ -8266,7 +8681,7 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
     if (desc->mode == TSYS_TRAIN_FSDP) {
         t->fsdp = tsys_fsdp_new(d, params, np, &desc->fsdp);
         if (t->fsdp) t->opt = tsys_adamw_new(ctx, tsys_fsdp_params(t->fsdp), tsys_fsdp_num_params(t->fsdp), NULL);
-        if (t->opt && desc->opt_in_backward) tsys_fsdp_optim_in_backward(t->fsdp, t->opt);
+        if (t->opt && desc->opt_in_backward && tsys_fsdp_optim_in_backward(t->fsdp, t->opt) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
     } else if (desc->lowp_grads && tsys_model_set_grad_dtype(model, desc->autocast) != TSYS_OK) {
         // the context's error names the tensor
     } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_dist__trainer_ddp_new(t, params, np)) != NULL) {

@@ -161,7 +161,8 @@ PY
   options)  # the 1-GPU step's options on every rank (docs/BENCHMARKS.md section 14's tables): for each of SCALE_MODELS
              # (default xl), e2e's best 1-GPU step, ddp on 1 rank, then on each of NPS ranks (default 2): DDP gathered and
              # DDP through NCCL with kept copies and AdamW in backward (bf16 gradients where gathered), ZeRO-1 gathered
-             # with bf16 gradients, FSDP resharded, FSDP kept with AdamW in backward, DDP gathered with each bucket's
+             # with bf16 gradients, FSDP resharded, FSDP kept with AdamW in backward (through NCCL and on the copy engines:
+             # --grad-comm gather), DDP gathered with each bucket's
              # owner pushing bf16 copies (--shard-updates masters) and ZeRO-1 as those owners (100 MB buckets); torch
              # DDP / FSDP2 eager and compiled when TORCH=1
     D="--device cuda --dtype bf16 --batch-size 4 --context-length 256 --warmup 2 --steps 5 --no-compute-ref --format csv"
@@ -178,14 +179,35 @@ PY
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy zero1 --bucket-mb 200 --grad-comm gather --lowp-grads yes --compile no,yes > "$OUT/options_${M}_${np}_zero1.csv" 2>&1
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --compile no,yes > "$OUT/options_${M}_${np}_fsdp.csv" 2>&1
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --fsdp-reshard no --opt-in-backward yes --compile no,yes > "$OUT/options_${M}_${np}_fsdpkept.csv" 2>&1
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --fsdp-reshard no --opt-in-backward yes --grad-comm gather --compile no,yes > "$OUT/options_${M}_${np}_fsdpce.csv" 2>&1
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy bucketed --bucket-mb 100 --grad-comm gather --shard-updates masters $O --compile no,yes > "$OUT/options_${M}_${np}_masters.csv" 2>&1
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy zero1 --bucket-mb 100 --grad-comm gather --shard-updates masters $O --compile no,yes > "$OUT/options_${M}_${np}_owners.csv" 2>&1
-        for k in ddp nccl zero1 fsdp fsdpkept masters owners; do ddp_rows "$OUT/options_${M}_${np}_$k.csv" "$M $np $k"; done
+        for k in ddp nccl zero1 fsdp fsdpkept fsdpce masters owners; do ddp_rows "$OUT/options_${M}_${np}_$k.csv" "$M $np $k"; done
         [ -n "${TORCH:-}" ] || continue
         timeout 500 torchrun --nproc_per_node $np tests/ref/torch_ddp.py --part ddp --device cuda --model $M --dtype bf16 --context-length 256 \
           --batch-size 4 --strategy bucketed,fsdp2 --bucket-mb 100 --attn sdpa --compile no,yes --warmup 3 --steps 5 --format csv > "$OUT/options_${M}_${np}_torch.csv" 2>/dev/null
         python3 -c 'import csv, sys; L = open(sys.argv[1]).read().splitlines(); h = next((i for i, l in enumerate(L) if l.startswith("device,")), len(L))
 [print(sys.argv[2], "torch", r.get("strategy", ""), "compiled", r.get("compiled", ""), "step_ms", r.get("step_ms", ""), r.get("status", "")[:60]) for r in csv.DictReader(l for l in L[h:] if l.strip())]' "$OUT/options_${M}_${np}_torch.csv" "$M $np"
+      done
+    done ;;
+  fsdp_ce)  # tsys_fsdp_desc.ce_transfers: test_fsdp_cuda at NPS ranks (default 2) and at 1; then for each of SCALE_MODELS
+            # (default xl) e2e's best 1-GPU step, and on NPS ranks FSDP kept with AdamW in backward through NCCL and on the
+            # copy engines, beside DDP gathered with each bucket's owner pushing bf16 copies (100 MB buckets), captured
+    for np in ${NPS:-2}; do
+      timeout 500 $G/test_fsdp_cuda --nproc $np ${FSDP_TESTS:-} > "$OUT/fsdp_ce_test_$np.log" 2>&1; echo "test_fsdp_cuda, $np ranks: $(tail -n 1 "$OUT/fsdp_ce_test_$np.log")"
+    done
+    timeout 300 $G/test_fsdp_cuda ${FSDP_TESTS:-} > "$OUT/fsdp_ce_test_1.log" 2>&1; echo "test_fsdp_cuda, 1 rank: $(tail -n 1 "$OUT/fsdp_ce_test_1.log")"
+    grep -h "FAIL" "$OUT"/fsdp_ce_test_*.log | head -10
+    D="--device cuda --dtype bf16 --batch-size 4 --context-length 256 --warmup 2 --steps ${STEPS} --no-compute-ref --format csv"
+    O="--lowp-copies yes --lowp-grads yes --opt-in-backward yes"
+    for M in $(echo "${SCALE_MODELS:-xl}" | tr , ' '); do
+      timeout 200 $G/e2e_cuda --device cuda --mode train --model $M --dtype bf16 --compile yes $O --batch-size 4 --context-length 256 --warmup 3 --steps 10 --no-sgemm --format csv > "$OUT/fsdp_ce_${M}_e2e.csv" 2>&1
+      python3 -c 'import csv, sys; L = open(sys.argv[1]).read().splitlines(); h = next((i for i, l in enumerate(L) if l.startswith("device,")), len(L))
+[print(sys.argv[2], "e2e total_ms", r["total_ms"], r["status"]) for r in csv.DictReader(L[h:])]' "$OUT/fsdp_ce_${M}_e2e.csv" "$M"
+      for np in ${NPS:-2}; do
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --fsdp-reshard no --opt-in-backward yes --grad-comm fp32,gather --compile ${COMPILE:-yes} > "$OUT/fsdp_ce_${M}_${np}_fsdp.csv" 2>&1
+        timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy bucketed --bucket-mb 100 --grad-comm gather --shard-updates masters $O --compile ${COMPILE:-yes} > "$OUT/fsdp_ce_${M}_${np}_masters.csv" 2>&1
+        for k in fsdp masters; do ddp_rows "$OUT/fsdp_ce_${M}_${np}_$k.csv" "$M $np $k"; done
       done
     done ;;
   gather)  # tsys_ddp_desc.ce_gather: AdamW's rank sums on GPU 0, the DDP tests at 2 ranks (captured against NCCL, bitwise),

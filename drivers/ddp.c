@@ -35,8 +35,19 @@ static const double MiB = 1048576.0;
 // One row of the sweep.
 typedef struct config { const char *model; int T; tsys_dtype dt; strat s; double bucket_mb; bool comm_bf16, gather, compiled; } config;
 
+// FSDP's rows of --grad-comm: NCCL's collectives for fp32 and bf16 (one row: its units travel in the compute dtype
+// either way), then the copy engines' pulls and pushes for gather (tsys_fsdp_desc.ce_transfers); into ce[].
+static int fsdp_comms(const ddp_opts *o, bool ce[2]) {
+    bool nccl = false, gather = false;
+    for (int i = 0; i < o->comms.n; i++) { if (!strcmp(o->comms.item[i], "gather")) gather = true; else nccl = true; }
+    int n = 0;
+    if (nccl) ce[n++] = false;
+    if (gather) ce[n++] = true;
+    return n;
+}
+
 // The rows in their order (models, contexts, dtypes, strategies, bucket sizes of bucketed and zero1,
-// --grad-comm but for fsdp, --compile): how many; the one numbered `want` (0-based) into *out.
+// --grad-comm (fsdp: fsdp_comms), --compile): how many; the one numbered `want` (0-based) into *out.
 static long list_configs(const ddp_opts *o, long want, config *out) {
     long n = 0;
     for (int a = 0; a < o->mf.models.n; a++)
@@ -46,12 +57,14 @@ static long list_configs(const ddp_opts *o, long want, config *out) {
                     strat s = S_NAIVE;
                     while (strcmp(strat_names[s], o->strategies.item[k])) s = (strat)(s + 1);   // the table checked it
                     const bool bucketed = s == S_BUCKETED || s == S_ZERO1;
+                    bool ce[2];
+                    const int ncomms = s == S_FSDP ? fsdp_comms(o, ce) : o->comms.n;
                     for (int b = 0; b < (bucketed ? o->buckets.n : 1); b++)
-                        for (int g = 0; g < (s == S_FSDP ? 1 : o->comms.n) * o->compiles.n; g++, n++) {   // each --grad-comm with each --compile
+                        for (int g = 0; g < ncomms * o->compiles.n; g++, n++) {   // each --grad-comm with each --compile
                             if (n != want) continue;
                             out->model = o->mf.models.item[a]; out->s = s; out->bucket_mb = 0; out->compiled = !strcmp(o->compiles.item[g % o->compiles.n], "yes");
                             out->comm_bf16 = s != S_FSDP && !strcmp(o->comms.item[g / o->compiles.n], "bf16");
-                            out->gather = s != S_FSDP && !strcmp(o->comms.item[g / o->compiles.n], "gather");
+                            out->gather = s == S_FSDP ? ce[g / o->compiles.n] : !strcmp(o->comms.item[g / o->compiles.n], "gather");
                             du_parse_int(o->contexts.item[c], 1, 1 << 20, &out->T); du_parse_dtype(o->dtypes.item[t], &out->dt);
                             if (bucketed) du_parse_double(o->buckets.item[b], &out->bucket_mb);
                         }
@@ -90,8 +103,10 @@ static tsys_dist_trainer_desc trainer_desc(const ddp_opts *o, const config *cf) 
     tsys_dist_trainer_desc td;
     memset(&td, 0, sizeof(td));
     td.mode = s == S_FSDP ? TSYS_TRAIN_FSDP : s == S_ZERO1 && !owners ? TSYS_TRAIN_ZERO1 : TSYS_TRAIN_DDP;
-    td.ddp.strategy = owners ? TSYS_DDP_BUCKETED : strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16; td.ddp.ce_gather = cf->gather;
+    td.ddp.strategy = owners ? TSYS_DDP_BUCKETED : strat_ddp[s]; td.ddp.bucket_mb = cf->bucket_mb; td.ddp.comm_bf16 = cf->comm_bf16;
+    td.ddp.ce_gather = cf->gather && s != S_FSDP;
     td.fsdp = fsdp_desc(o, cf->dt); td.autocast = cf->dt;
+    td.fsdp.ce_transfers = cf->gather && s == S_FSDP;
     td.loss_scale = !strcmp(o->loss, "sum") ? (float)((double)o->batch * cf->T) : 1.0f;   // the summed loss: the mean times the tokens
     td.save_dir = o->save_dir; td.save_every = o->save_every;
     td.lowp_copies = !strcmp(o->lowp_copies, "yes"); td.lowp_grads = !strcmp(o->lowp_grads, "yes"); td.opt_in_backward = !strcmp(o->in_backward, "yes");
@@ -111,10 +126,11 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
     tsys_stats ss = tsys_stats_of(tm, n), sb = tsys_stats_of(tm + n, n), so = tsys_stats_of(tm + 2 * n, n), se = tsys_stats_of(tm + 3 * n, n);
     du_row_num(row, "step_ms", "%.2f", ss.mean); du_row_num(row, "step_std", "%.2f", ss.std);
     du_row_num(row, "bwd_comm_ms", "%.2f", sb.mean); du_row_num(row, "opt_ms", "%.2f", so.mean); du_row_num(row, "comm_ms", "%.2f", alone);
-    const double pred = s == S_FSDP ? tsys_fsdp_link_time_ms(&m->fst, world, fsdp_links)
+    const double pred = s == S_FSDP && cf->gather ? NAN   // the copy engines' pulls and pushes: not priced
+                        : s == S_FSDP ? tsys_fsdp_link_time_ms(&m->fst, world, fsdp_links)
                         : cf->gather ? m->pred_pull_ms
                         : tsys_dist_link_time_ms(link, ds.num_buckets, tsys_dist_ring_sent(world, (double)ds.bytes_per_step));
-    du_row_num(row, "pred_comm_ms", "%.2f", pred);
+    if (!isnan(pred)) du_row_num(row, "pred_comm_ms", "%.2f", pred);
     if (cf->gather && m->pulls.all.beta_bytes_per_ms > 0) {   // the links the pulls were predicted on
         du_row_num(row, "pull_us", "%.1f", m->pulls.all.alpha_ms * 1e3); du_row_num(row, "pull_GBps", "%.1f", m->pulls.all.beta_bytes_per_ms * 1e-6);
         du_row_num(row, "pull_one_GBps", "%.1f", m->pulls.one.beta_bytes_per_ms * 1e-6);
@@ -130,7 +146,7 @@ static void fill_measured(du_row *row, const ddp_opts *o, const config *cf, cons
     du_row_num(row, "MB_per_step", "%.1f", (s == S_FSDP ? (double)(m->fst.gathered_bytes + m->fst.reduced_bytes) : (double)ds.bytes_per_step) / 1e6);
     du_row_num(row, "mem_init_MiB", "%.1f", m->mem[0] / MiB); du_row_num(row, "mem_pre_opt_MiB", "%.1f", m->mem[1] / MiB);
     du_row_num(row, "mem_post_opt_MiB", "%.1f", m->mem[2] / MiB); du_row_num(row, "state_MiB", "%.1f", m->mem[3] / MiB);
-    account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16, cf->gather,
+    account_predicted(row, desc, cf->dt, cf->T, o->batch, world, s == S_FSDP, fd, s == S_ZERO1 ? TSYS_SCHEME_ZERO1 : TSYS_SCHEME_DDP, cf->comm_bf16, cf->gather && s != S_FSDP,
                       zero1_owners(o, cf),
                       (!strcmp(o->lowp_copies, "yes") ? TSYS_PLAN_KEPT_COPIES : 0u) | (!strcmp(o->lowp_grads, "yes") ? TSYS_PLAN_LOWP_GRADS : 0u));
     du_row_set(row, "status", "ok");
@@ -142,6 +158,12 @@ static const char *lowp_skip(const ddp_opts *o, const config *cf, const tsys_dis
         return "--shard-updates needs --strategy bucketed or zero1, --grad-comm gather, --opt-in-backward yes";
     if (!strcmp(o->shard, "masters") && strcmp(o->lowp_copies, "yes")) return "--shard-updates masters needs --lowp-copies yes";
     const bool owners = zero1_owners(o, cf);
+    if (cf->s == S_FSDP && cf->gather) {   // tsys_fsdp_desc.ce_transfers
+        if (tsys_dist_size(d) < 2) return "--strategy fsdp --grad-comm gather needs 2 or more ranks (a group of one moves nothing)";
+        if (strcmp(o->in_backward, "yes") || strcmp(o->reshard, "no"))
+            return "--strategy fsdp --grad-comm gather needs --opt-in-backward yes and --fsdp-reshard no (each unit updated inside backward, its weights kept)";
+        if (dev != TSYS_CUDA || tsys_dist_engine_of(d) != TSYS_DIST_ENGINE_NCCL) return "--strategy fsdp --grad-comm gather needs --device cuda with NCCL";
+    }
     if (!strcmp(o->in_backward, "yes") && cf->s != S_FSDP) {   // FSDP's units are summed on the compute stream: any device, any engine
         if (cf->s == S_ZERO1 && !owners) return "--opt-in-backward under zero1 needs --grad-comm gather (each bucket's owner updates it inside backward)";
         if (cf->s != S_BUCKETED && cf->s != S_OVERLAP && !owners) return "--opt-in-backward needs a strategy that sends gradients during backward (bucketed, overlap)";
@@ -199,6 +221,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     const char *reshard = s != S_FSDP || !strcmp(o->reshard, "auto") ? "" : !strcmp(o->reshard, "yes") ? ":reshard" : ":keep";
     du_row_set(row, "strategy", "%s%s", strat_names[s], reshard);
     if (s == S_BUCKETED || s == S_ZERO1) du_row_set(row, "bucket_mb", "%g", cf->bucket_mb);
+    if (s == S_FSDP && cf->gather) du_row_set(row, "grad_comm", "gather");   // the units on the copy engines
     if (s != S_FSDP) du_row_set(row, "grad_comm", "%s", cf->comm_bf16 ? "bf16" : cf->gather && !strcmp(o->shard, "yes") ? "gather+shard"
                                                     : cf->gather && !strcmp(o->shard, "masters") ? "gather+masters"
                                                     : zero1_owners(o, cf) ? "gather+owners" : cf->gather ? "gather" : "fp32");
@@ -212,6 +235,7 @@ static void run_config(tsys_ctx *ctx, tsys_dist *d, tsys_device dev, const ddp_o
     tsys_fsdp_desc fd;
     char err[256] = "";
     if (!config_desc(o, cf->model, cf->T, cf->dt, &desc, &fd, err, sizeof(err))) { du_row_set(row, "status", "error: %s", err); return; }
+    fd.ce_transfers = s == S_FSDP && cf->gather;
     char policy[64];
     if (!resolve_auto(o, cf, d, &desc, &fd, policy, sizeof(policy), row)) return;
     const tsys_dist_trainer_desc td = trainer_desc(o, cf);
@@ -324,7 +348,7 @@ static bool checkpoint_ok(const char *s) {
     "  hidden 1 - exposed_ms / comm_ms, clipped to [0, 1]; pred_comm_ms the same all-reduces predicted from\n" \
     "  the accounting's bytes and a link model measured at start (max of n alpha and bytes / beta); fsdp:\n" \
     "  its collectives one after another, each kind on its own link (all-gathers and reduce-scatters\n" \
-    "  measured at start too; n alpha + bytes / beta); --grad-comm gather: the\n" \
+    "  measured at start too; n alpha + bytes / beta; with --grad-comm gather not priced); --grad-comm gather: the\n" \
     "  pulls bucket after bucket on the copy engines' links, measured after the row's steps on its own\n" \
     "  buffers (pull_us a bucket, pull_GBps the bytes a rank receives with every rank pulling,\n" \
     "  pull_one_GBps with one rank pulling: a ZeRO-1 bucket inside one rank's part);\n" \
@@ -356,7 +380,9 @@ static int driver_main(int argc, char **argv) {
                              "bucket sizes of 'bucketed' and 'zero1' in MB (2^20 bytes)"),
         DU_FLAG_LIST("grad-comm", &o.comms, "fp32", "fp32|bf16|gather",
                      "how DDP's fp32 gradients travel (bf16: tsys_ddp_desc.comm_bf16,\ntorch's bf16_compress_hook; half the bytes; gather: "
-                     "tsys_ddp_desc.ce_gather,\ncopied to every peer by the copy engines and summed by AdamW; bucketed,\nCUDA, one host)"),
+                     "tsys_ddp_desc.ce_gather,\ncopied to every peer by the copy engines and summed by AdamW; bucketed,\nCUDA, one host; "
+                     "fsdp: its units' transfers on the copy engines,\ntsys_fsdp_desc.ce_transfers, with --opt-in-backward yes --fsdp-reshard no;\n"
+                     "fsdp's fp32 and bf16 are one row: NCCL in its compute dtype)"),
         DU_FLAG_CHOICE("lowp-copies", &o.lowp_copies, "no", "no|yes", "yes: AdamW keeps the weights' bf16 copies, which forward reads instead of\n"
                        "casting (tsys_dist_trainer_desc.lowp_copies; DDP strategies under --dtype bf16)"),
         DU_FLAG_CHOICE("lowp-grads", &o.lowp_grads, "no", "no|yes", "yes: the linear weights' gradients in bf16, as autocast's matmul writes them\n"

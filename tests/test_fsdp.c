@@ -764,6 +764,85 @@ TSYS_TEST(fsdp_in_backward_refuses_a_second_backward) {
     tsys_tape_clear(C);
     tsys_ctx_clear_error(C);
 }
+// desc.ce_transfers: the units' transfers on the copy engines (pulls of the peers' gradient parts summed by AdamW as
+// it reads them, the updated shards pushed) against NCCL's reduce-scatters and all-gathers, both kept with AdamW
+// inside backward, 4 steps: in fp32 at 2 ranks the same bits (NCCL's average of two is exact as AdamW's: (a + b) / 2),
+// else within the compute dtype's rounding of the gradients (NCCL rounds each sum to it, AdamW sums in fp32): AdamW's
+// step is about lr wherever that rounding flips a small gradient's sign, 1e-3 a step here, so weights of ~0.02-0.1 may
+// move apart by a few parts in a thousand; a misplaced or mistyped transfer moves them by their own size. Where
+// the copy engines cannot serve (the CPU, a group of one, host-staged ranks), tsys_fsdp_new refuses, naming the rule.
+static bool ce_serves(void) {
+    return g_dev == TSYS_CUDA && g_world >= 2 && g_world <= 8 && tsys_dist_engine_of(g_d) == TSYS_DIST_ENGINE_NCCL;
+}
+static void fsdp_ce_transfers(tsys_dtype cdt) {
+    enum { STEPS = 4 };
+    tsys_fsdp_desc nccl = {cdt, false, TSYS_FSDP_RESHARD_NO, false, false}, ce = {cdt, false, TSYS_FSDP_RESHARD_NO, false, true};
+    if (!ce_serves()) {
+        tsys_model_desc d = tiny_desc();
+        tsys_model *m = tsys_model_new(C, &d, g_dev, 11);
+        tsys_fsdp *f = m ? tsys_fsdp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &ce) : NULL;
+        const char *says = g_world < 2 ? "a group of one moves nothing" : "it needs CUDA tensors and NCCL ranks";
+        TEST_CHECK(!f && strstr(tsys_ctx_last_error(C), "desc.ce_transfers") && strstr(tsys_ctx_last_error(C), says), "rank %d: %s", g_rank,
+                   f ? "made" : tsys_ctx_last_error(C));
+        tsys_ctx_clear_error(C);
+        tsys_fsdp_free(f);
+        tsys_model_free(m);
+        return;
+    }
+    float la[STEPS], lb[STEPS];
+    int na = 0, nb = 0;
+    long nea[64], neb[64];
+    tsys_fsdp_stats sa, sb;
+    g_in_backward = true;
+    float **a = fsdp_lm_run(&nccl, NULL, STEPS, la, &na, nea, &sa);
+    float **b = fsdp_lm_run(&ce, NULL, STEPS, lb, &nb, neb, &sb);
+    g_in_backward = false;
+    TEST_CHECK(a && b && na == nb && na > 0 && na <= 64, "runs: %d and %d parameters", na, nb);
+    const bool exact = cdt == TSYS_F32 && g_world == 2;
+    const double tol = cdt == TSYS_F32 ? 1e-6 : 1e-2;
+    long apart = 0;
+    double worst = 0;
+    for (int i = 0; a && b && i < na && i < nb && i < 64; i++)
+        for (long k = 0; nea[i] == neb[i] && k < nea[i]; k++) {
+            apart += memcmp(&a[i][k], &b[i][k], 4) != 0;
+            const double diff = fabs((double)a[i][k] - b[i][k]) / (fabs((double)a[i][k]) + 1e-2);
+            worst = diff > worst ? diff : worst;
+        }
+    TEST_CHECK(exact ? apart == 0 : worst <= tol, "%s at %d ranks: %ld elements apart after %d steps, worst %.3g relative (tolerance %g)", tsys_dtype_name(cdt), g_world,
+               apart, STEPS, worst, exact ? 0.0 : tol);
+    TEST_CHECK(fabs((double)la[STEPS - 1] - lb[STEPS - 1]) <= 1e-3 * fabs((double)la[STEPS - 1]), "losses at the last step: NCCL %.9g, copy engines %.9g", la[STEPS - 1], lb[STEPS - 1]);
+    TEST_CHECK(sb.all_gathers == sa.all_gathers && sb.reduce_scatters == sa.reduce_scatters && sb.max_units_gathered == sb.num_units,
+               "a step: %d pushes and %d pulls against %d all-gathers and %d reduce-scatters; %d of %d units gathered", sb.all_gathers, sb.reduce_scatters, sa.all_gathers,
+               sa.reduce_scatters, sb.max_units_gathered, sb.num_units);
+    for (int i = 0; a && b && i < na && i < nb; i++) free(a[i]), free(b[i]);
+    free(a); free(b);
+    TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
+}
+TSYS_TEST(fsdp_ce_transfers_fp32) { fsdp_ce_transfers(TSYS_F32); }
+TSYS_TEST(fsdp_ce_transfers_bf16) { fsdp_ce_transfers(TSYS_BF16); }
+// What desc.ce_transfers refuses wherever it runs: units gathered again for their backward (they must stay in place),
+// and, where it is made, an optimizer taken away (each shard is updated between its pulls and its pushes).
+TSYS_TEST(fsdp_ce_transfers_refusals) {
+    tsys_model_desc d = tiny_desc();
+    tsys_model *m = tsys_model_new(C, &d, g_dev, 11);
+    tsys_fsdp_desc resharded = {TSYS_F32, false, TSYS_FSDP_RESHARD_YES, false, true}, kept = {TSYS_F32, false, TSYS_FSDP_RESHARD_NO, false, true};
+    tsys_fsdp *f = g_world >= 2 && m ? tsys_fsdp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &resharded) : NULL;
+    if (g_world >= 2) TEST_CHECK(!f && strstr(tsys_ctx_last_error(C), "reshard_after_forward must be TSYS_FSDP_RESHARD_NO"), "resharded: %s", f ? "made" : tsys_ctx_last_error(C));
+    tsys_ctx_clear_error(C);
+    tsys_fsdp_free(f);
+    tsys_model_free(m);
+    m = tsys_model_new(C, &d, g_dev, 11);
+    f = ce_serves() && m ? tsys_fsdp_new(g_d, tsys_model_params(m), tsys_model_num_tensors(m), &kept) : NULL;
+    if (ce_serves()) {
+        TEST_CHECK(f != NULL, "kept: %s", tsys_ctx_last_error(C));
+        TEST_CHECK(f && tsys_fsdp_optim_in_backward(f, NULL) == TSYS_ERR_INVALID_ARGS && strstr(tsys_ctx_last_error(C), "the optimizer stays"), "no optimizer: %s",
+                   tsys_ctx_last_error(C));
+        tsys_ctx_clear_error(C);
+    }
+    tsys_fsdp_free(f);
+    tsys_model_free(m);
+    TEST_CHECK(tsys_ctx_status(C) == TSYS_OK, "%s", tsys_ctx_last_error(C));
+}
 TSYS_TEST(fsdp_optim_in_backward_fp32) { fsdp_in_backward(TSYS_F32); }
 TSYS_TEST(fsdp_optim_in_backward_bf16) { fsdp_in_backward(TSYS_BF16); }
 TSYS_TEST(fsdp_paths_agree_bf16) { fsdp_paths_agree(TSYS_BF16, NULL); }
@@ -1020,6 +1099,13 @@ TSYS_TEST(trainer_fsdp_opt_in_backward) {
     compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "fsdp_in_backward");
     compiled_fsdp_keep = true;   // units gathered for the next forward inside backward
     compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "fsdp_in_backward_kept");
+    if (ce_serves()) {   // the units on the copy engines: AdamW sums the ranks in rank order, NCCL's ring in its own past 2
+        compiled_fsdp_ce = true;
+        compiled_rtol = g_world == 2 ? -1 : 1e-5;
+        compiled_procedure(g_ctx, TSYS_TRAIN_FSDP, TSYS_DDP_FLAT, "fsdp_in_backward_ce");
+        compiled_fsdp_ce = false;
+        compiled_rtol = -1;
+    }
     compiled_fsdp_keep = false;
     compiled_in_backward = false;
 }
@@ -1027,11 +1113,20 @@ TSYS_TEST(trainer_fsdp_opt_in_backward) {
 // A snapshot loaded into a trainer whose units are gathered for its next forward (units kept, AdamW inside
 // backward) must be what that forward reads: trainer A takes steps 0-2, saves at 2, takes step 2 (its units now
 // hold step 3's weights), loads the step-2 snapshot and takes steps 2-3; a fresh trainer B loads the same
-// snapshot and takes steps 2-3. Both final states bitwise equal.
+// snapshot and takes steps 2-3. Both final states bitwise equal. The same with the units on the copy engines, whose
+// weights stay in place: the load must make the next forward gather them again.
+static void trainer_fsdp_load_case(const char *tag);
 TSYS_TEST(trainer_fsdp_load_drops_next_gathers) {
+    for (int ce = 0; ce < (ce_serves() ? 2 : 1); ce++) {
+        compiled_fsdp_ce = ce;
+        trainer_fsdp_load_case(ce ? "fsdp_load_next_ce" : "fsdp_load_next");
+        compiled_fsdp_ce = false;
+    }
+}
+static void trainer_fsdp_load_case(const char *tag) {
     if (STATE_ROWS % g_world) { if (g_rank == 0) printf("(skipped: %d ranks do not divide %d rows) ", g_world, STATE_ROWS); return; }
     char dir[512];
-    state_dir(dir, sizeof(dir), "fsdp_load_next");
+    state_dir(dir, sizeof(dir), tag);
     compiled_fsdp_keep = true;
     for (int k = 0; k < 2; k++) {   // one FSDP per context: A, then B
         tsys_model *m;
