@@ -1015,6 +1015,12 @@ TSYSDEF tsys_status tsys_optim_overlap_skip(tsys_optim *opt, tsys_tensor *const 
 // of gathered weights) nothing reads them but its copy-engine transfers (tsys_fsdp_desc.ce_transfers),
 // which send each shard's copy to the ranks' gathered weights.
 TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *opt, tsys_dtype dt);
+// The same with each parameter's copy given: copies[i] a bf16 or f16 tensor (one dtype for all) of parameter i's
+// number of elements on its device, or NULL for none, which the caller keeps alive until the copies are given back
+// (tsys_optim_keep_lowp(opt, TSYS_F32), another keep, or tsys_optim_free). The updates write them as they write the
+// optimizer's own block (tsys_fsdp's ce_transfers: each shard's copy is its rank's part of the unit's gathered weights,
+// so the update itself writes the weights the copy engines send).
+TSYSDEF tsys_status tsys_optim_keep_lowp_into(tsys_optim *opt, tsys_tensor *const *copies);
 TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *opt);   // TSYS_F32 when off
 TSYSDEF void tsys_optim_set_lr(tsys_optim *opt, float lr);
 TSYSDEF int64_t tsys_optim_steps(const tsys_optim *opt);
@@ -6677,6 +6683,8 @@ struct tsys_optim {
     tsys_tensor *step_t;            // the step count on the parameters' device (read by the AdamW kernel)
     tsys_tensor *bias_t;            // beside it: the step's bias corrections (STEP_INC writes, AdamW reads; 2 x f32)
     tsys_tensor *lowp;              // kept low-precision copies (tsys_optim_keep_lowp), one block in parameter order, or NULL
+    bool *lowp_into;                // tsys_optim_keep_lowp_into: per parameter, whether its copy is the caller's, given (lowp: the
+                                    // first, for its dtype); NULL: the copies are in the block
     int64_t step;
     struct tsys__overlap *ov;       // the optimizer in backward (tsys_optim_overlap_begin), made on first use
     tsys_tensor *terms;             // tsys_optim_sum_grads: the other ranks' gradients, or NULL
@@ -6854,13 +6862,18 @@ static tsys_status tsys__copies_fence(tsys_ctx *ctx);   // >>state
 // aligned, below), and the launch writes them all.
 
 // The end of the run [i, end) (an update run) whose copies lie back to back in the block; *numel its elements.
+// Whether parameter i's kept copy is one this optimizer writes: in its block, or given to it (tsys_optim_keep_lowp_into).
+static bool tsys__lowp_ours(const tsys_optim *o, int i) {
+    const tsys_tensor *c = o->params[i]->lowp;
+    return o->lowp && c && (o->lowp_into ? o->lowp_into[i] : c->storage == o->lowp->storage);
+}
 static int tsys__lowp_run_end(const tsys_optim *o, int i, int end, int64_t *numel) {
     tsys_tensor *const *p = o->params;
     *numel = tsys_tensor_numel(p[i]);
     int j = i + 1;
     for (; j < end; j++) {
         const tsys_tensor *a = p[j - 1]->lowp, *b = p[j]->lowp;
-        if (!a || !b || a->storage != o->lowp->storage || b->storage != a->storage || b->offset != a->offset + tsys_tensor_bytes(a)) break;
+        if (!tsys__lowp_ours(o, j - 1) || !tsys__lowp_ours(o, j) || b->storage != a->storage || b->offset != a->offset + tsys_tensor_bytes(a)) break;
         *numel += tsys_tensor_numel(p[j]);
     }
     return j;
@@ -6871,12 +6884,14 @@ static void tsys__lowp_drop(tsys_optim *o) {
     if (!o->lowp) return;
     for (int i = 0; i < o->n; i++) {
         tsys_tensor *p = o->params[i];
-        if (!p->lowp || p->lowp->storage != o->lowp->storage) continue;
+        if (!tsys__lowp_ours(o, i)) continue;
         tsys_tensor_release(p->lowp);
         p->lowp = NULL; p->lowp_of = p->lowp_version = 0;
     }
     tsys_tensor_release(o->lowp);
     o->lowp = NULL;
+    TSYS_FREE(o->lowp_into);
+    o->lowp_into = NULL;
 }
 
 // After one AdamW launch that wrote parameters [first, end) and their copies: their copies are made
@@ -6888,7 +6903,7 @@ static void tsys__lowp_after_update(tsys_optim *o, int first, int end, uint64_t 
     for (int k = 0; k < o->n; k++) {
         tsys_tensor *p = o->params[k];
         if (p->storage != s || !p->lowp) continue;
-        bool written = k >= first && k < end && p->lowp->storage == o->lowp->storage, was_valid = p->lowp_of == s->id && p->lowp_version == before;
+        bool written = k >= first && k < end && tsys__lowp_ours(o, k), was_valid = p->lowp_of == s->id && p->lowp_version == before;
         if (written || was_valid) tsys__lowp_mark(p);
     }
 }
@@ -6927,7 +6942,7 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end) {
         int64_t n;
         j = tsys__optim_run_end(o, i, end, &n);   // within [first, end): a caller's range may cut a run (tsys_optim_overlap_ready)
         const size_t off = o->adamw ? (size_t)o->state_at[i] : 0;
-        bool copies = o->lowp && o->params[i]->lowp && o->params[i]->lowp->storage == o->lowp->storage;
+        bool copies = tsys__lowp_ours(o, i);
         if (copies) j = tsys__lowp_run_end(o, i, j, &n);   // one launch: its copies back to back as well
         tsys_tensor *p0 = o->params[i];
         if (tsys__optim_fused(o, i)) j = i + 1;   // updated in its gradient's product (TSYS_OPTIM_FUSE_UPDATE)
@@ -6941,7 +6956,7 @@ static tsys_status tsys__optim_update_range(tsys_optim *o, int first, int end) {
             tsys_tensor *g = one ? tsys_tensor_retain(p0->grad) : tsys_tensor_view_raw(ctx, p0->grad, 0, p0->grad->dtype, 1, &n);
             tsys_tensor *m = NULL, *v = NULL, *low = NULL;
             if (o->adamw) { m = tsys_tensor_view_raw(ctx, o->m, off, TSYS_F32, 1, &n); v = tsys_tensor_view_raw(ctx, o->v, off, TSYS_F32, 1, &n); }
-            if (copies) low = tsys_tensor_view_raw(ctx, o->lowp, p0->lowp->offset - o->lowp->offset, o->lowp->dtype, 1, &n);
+            if (copies) low = tsys_tensor_view_raw(ctx, p0->lowp, 0, o->lowp->dtype, 1, &n);   // the run's copies, back to back
             tsys_tensor *terms = NULL;
             if (summed) {   // slot 0 from this run's place through the last slot's, in its gradients' dtype
                 int64_t span = (int64_t)(o->terms_ranks - 2) * (o->terms_stride / (int64_t)tsys_dtype_size(g->dtype)) + n;
@@ -7302,7 +7317,7 @@ static bool tsys__linear_update_fused(tsys_ctx *ctx, tsys__node *n, tsys_tensor 
     const tsys_dtype gdt = leaf ? tsys_tensor_grad_dtype(leaf) : TSYS_F32;
     if (!o || o->state_at[i] < 0 || (gdt != TSYS_F32 && gdt != x->dtype) || tsys_tensor_numel(leaf) != tsys__last_dim(gy) * tsys__last_dim(x)) return false;
     int64_t numel = tsys_tensor_numel(leaf);
-    const bool copies = o->lowp && leaf->lowp && leaf->lowp->storage == o->lowp->storage;
+    const bool copies = tsys__lowp_ours(o, i);
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer"));
     tsys_kargs a = tsys__kargs0();
     a.t[0] = leaf; a.t[3] = copies ? leaf->lowp : NULL; a.t[4] = gy; a.t[5] = x; a.t[6] = o->step_t; a.t[8] = o->bias_t;
@@ -7330,7 +7345,7 @@ TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *o, tsys_dtype dt) {
         return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp: %s is not a low-precision float (bf16 or f16; f32 turns the copies off)", tsys_dtype_name(dt));
     if (dt != TSYS_F32 && !o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_keep_lowp: only AdamW writes the copies");
     if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp: not between overlap_begin and overlap_end");
-    if (o->lowp && o->lowp->dtype == dt) return TSYS_OK;
+    if (o->lowp && !o->lowp_into && o->lowp->dtype == dt) return TSYS_OK;
     tsys__lowp_drop(o);
     if (dt == TSYS_F32 || o->n == 0) return TSYS_OK;
     size_t es = tsys_dtype_size(dt), bytes = 0;
@@ -7353,6 +7368,45 @@ TSYSDEF tsys_status tsys_optim_keep_lowp(tsys_optim *o, tsys_dtype dt) {
         off += tsys_tensor_bytes(c);
     }
     return o->lowp ? TSYS_OK : ctx->status;
+}
+TSYSDEF tsys_status tsys_optim_keep_lowp_into(tsys_optim *o, tsys_tensor *const *copies) {
+    if (!o) return TSYS_ERR_INVALID_ARGS;
+    tsys_ctx *ctx = o->ctx;
+    if (ctx->status != TSYS_OK) return ctx->status;
+    if (!copies) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp_into: no copies");
+    if (!o->adamw) return TSYS__FAIL(ctx, TSYS_ERR_UNSUPPORTED, "tsys_optim_keep_lowp_into: only AdamW writes the copies");
+    if (o->ov && o->ov->active) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp_into: not between overlap_begin and overlap_end");
+    tsys_tensor *first = NULL;
+    for (int i = 0; i < o->n; i++) {
+        const tsys_tensor *p = o->params[i], *c = copies[i];
+        if (!c) continue;
+        const char *bad = c->dtype != TSYS_BF16 && c->dtype != TSYS_F16 ? "is not bf16 or f16"
+                          : first && c->dtype != first->dtype ? "has another dtype than the first copy"
+                          : tsys_tensor_numel(c) != tsys_tensor_numel(p) ? "has another number of elements"
+                          : c->device != p->device ? "is on another device" : NULL;
+        if (bad)
+            return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp_into: the copy of '%s' ('%s', %s, %lld elements) %s", p->name, c->name, tsys_dtype_name(c->dtype),
+                              (long long)tsys_tensor_numel(c), bad);
+        if (!first) first = copies[i];
+    }
+    if (!first) return TSYS__FAIL(ctx, TSYS_ERR_INVALID_ARGS, "tsys_optim_keep_lowp_into: every copy is NULL (tsys_optim_keep_lowp(opt, TSYS_F32) gives copies back)");
+    bool *given = (bool *)TSYS_MALLOC(sizeof(bool) * (size_t)o->n);
+    if (!given) return TSYS__FAIL(ctx, TSYS_ERR_OOM, "tsys_optim_keep_lowp_into: out of host memory");
+    tsys__lowp_drop(o);
+    o->lowp = tsys_tensor_retain(first);
+    o->lowp_into = given;
+    for (int i = 0; i < o->n; i++) {
+        tsys_tensor *p = o->params[i];
+        given[i] = false;
+        if (!copies[i]) continue;
+        tsys_tensor *c = tsys_tensor_view_raw(ctx, copies[i], 0, first->dtype, p->ndim, p->shape);
+        if (!c) { tsys__lowp_drop(o); return ctx->status; }
+        tsys_tensor_set_name(c, "%s.%s", p->name, tsys_dtype_name(first->dtype));
+        tsys_tensor_release(p->lowp);
+        p->lowp = c; p->lowp_of = p->lowp_version = 0;   // written by each update
+        given[i] = true;
+    }
+    return TSYS_OK;
 }
 TSYSDEF tsys_dtype tsys_optim_lowp(const tsys_optim *o) { return o && o->lowp ? o->lowp->dtype : TSYS_F32; }
 

@@ -600,7 +600,11 @@ typedef enum tsys_fsdp_reshard {
 //                          part of the peers' full gradients, AdamW adds them to its own part as it reads
 //                          the shard's gradient (rank order, in fp32: in fp32 at 2 ranks the bits of NCCL's
 //                          average), and the cast of the updated shard is pushed into every peer's weights;
-//                          the step's end waits for the pushes. No SM is taken from backward's kernels.
+//                          the step's end waits for the pushes. The replicated parameters' gradients are
+//                          pulled whole beside the next unit's and summed the same way: no NCCL call is left
+//                          in a step, and no SM is taken from backward's kernels. AdamW writes each shard's
+//                          copy in the compute dtype into the rank's part of the unit's weights
+//                          (tsys_optim_keep_lowp_into): the update itself makes what is pushed.
 //                          Memory: the full gradients stay (compute dtype, every unit), beside a receive
 //                          buffer of (world - 1) shards. The first forward gathers through NCCL.
 typedef struct tsys_fsdp_desc {
@@ -3563,8 +3567,10 @@ static bool tsys_dist__ceg_close(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s
 // and move on the copy engines: NCCL's reduce-scatters and all-gathers take SMs from backward's GEMMs for as long
 // as they run. Per unit u, once my backward of it is over (as of the compute stream):
 //   ready    I raise ready[u][me] in every peer; my lane for q takes ready[u][q] (q's gradients of u are final)
-//            and pulls my part of q's full gradients into q's slot of my receive buffer; the side stream joins
-//            the lanes, and AdamW on the background stream sums my part and the pulled ones as it reads them
+//            and pulls my part of q's full gradients into q's slot of my receive buffer, with the whole of q's
+//            gradients of the replicated parameters final since the last unit (its `reps` arena, laid out as
+//            mine); the side stream joins the lanes, and AdamW on the background stream sums my part (my own
+//            replicated gradients) and the pulled ones as it reads them. No NCCL call is left in a step.
 //   pushed   behind my update, the cast of my shard lies in my part of my weights of u: my push lane for q copies
 //            it into q's weights and raises pushed[u][me] there
 // At the step's end the compute stream takes every pushed flag (the next forward reads those weights) and joins
@@ -3575,25 +3581,28 @@ static bool tsys_dist__ceg_close(tsys_dist *d, tsys_dist__ceg *g, cudaStream_t s
 // follow my updates, which the step's end joins.
 typedef struct tsys_dist__fce_flags {
     uint32_t done[TSYS_DIST__CE_RANKS], one;
-    uint32_t unit[];                               // [unit][rank] ready, then [unit][rank] pushed
+    uint32_t unit[];                               // [unit + 1][rank] ready (the last: replicated gradients alone), then [unit][rank] pushed
 } tsys_dist__fce_flags;
 typedef struct tsys_dist__fce {
     int units;
     char *recv;                                    // my receive buffer: a slot a peer (q's at q - (q > me))
     char **weights, **grads;                       // [unit * TSYS_DIST__CE_RANKS + rank]: mine at rank, the peers' through IPC
+    char *reps[TSYS_DIST__CE_RANKS];               // every rank's replicated parameters' gradients (NULL: none)
     tsys_dist__fce_flags *flags[TSYS_DIST__CE_RANKS];
     int64_t flag_bytes;
-    cudaStream_t lane[TSYS_DIST__CE_RANKS], push[TSYS_DIST__CE_RANKS];
-    cudaEvent_t fork, pfork, lane_done[TSYS_DIST__CE_RANKS], push_done[TSYS_DIST__CE_RANKS], pulled;
+    cudaStream_t lane[TSYS_DIST__CE_RANKS], push[TSYS_DIST__CE_RANKS], signal;   // signal: the ready flags' raises
+    cudaEvent_t fork, pfork, lane_done[TSYS_DIST__CE_RANKS], push_done[TSYS_DIST__CE_RANKS], pulled, signalled;
 } tsys_dist__fce;
-typedef struct tsys_dist__fce_handles { cudaIpcMemHandle_t weights, grads; } tsys_dist__fce_handles;
+typedef struct tsys_dist__fce_handles { cudaIpcMemHandle_t weights, grads; } tsys_dist__fce_handles;   // [units]: flags, reps
+// A run of bytes to pull: [src, src + len) of a peer's block into [dst, dst + len) of my slot for it.
+typedef struct tsys_dist__fce_span { int64_t src, dst, len; } tsys_dist__fce_span;
 
 static bool tsys_dist__fce_cuda(cudaError_t r, const char *what, tsys_dist__err *e) {
     return r == cudaSuccess || tsys_dist__seterr(e, TSYS_ERR_CUDA, "fsdp desc.ce_transfers: %s: %s", what, cudaGetErrorString(r));
 }
 static uint32_t *tsys_dist__fce_ready(const tsys_dist__fce *g, int at, int u, int from) { return &g->flags[at]->unit[u * TSYS_DIST__CE_RANKS + from]; }
 static uint32_t *tsys_dist__fce_pushed(const tsys_dist__fce *g, int at, int u, int from) {
-    return &g->flags[at]->unit[(g->units + u) * TSYS_DIST__CE_RANKS + from];
+    return &g->flags[at]->unit[(g->units + 1 + u) * TSYS_DIST__CE_RANKS + from];
 }
 
 // Waits until flags f[i] (i in [0, n), i % TSYS_DIST__CE_RANKS a rank below `ranks` other than `me`) are 1, clearing each.
@@ -3614,8 +3623,9 @@ __global__ void tsys_dist__fce_take_kernel(uint32_t *f, int n, int ranks, int me
 }
 
 // Every rank's weights and gradients of every unit (mine: weights[u], grads[u], each the start of a cudaMalloc
-// allocation) opened by every other; my receive buffer of recv_bytes and my flags. Collective.
-static bool tsys_dist__fce_setup(tsys_dist *d, tsys_dist__fce *g, int units, void *const *weights, void *const *grads, int64_t recv_bytes, tsys_dist__err *e) {
+// allocation) and replicated gradients (reps, the same or NULL on every rank) opened by every other; my receive
+// buffer of recv_bytes and my flags. Collective.
+static bool tsys_dist__fce_setup(tsys_dist *d, tsys_dist__fce *g, int units, void *const *weights, void *const *grads, void *reps, int64_t recv_bytes, tsys_dist__err *e) {
     if (!d->one_host) return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "fsdp desc.ce_transfers: the ranks are on several hosts; the copy engines reach only this host's GPUs");
     if (d->size < 2 || d->size > TSYS_DIST__CE_RANKS)
         return tsys_dist__seterr(e, TSYS_ERR_UNSUPPORTED, "fsdp desc.ce_transfers: %d ranks (it takes 2 to %d)", d->size, (int)TSYS_DIST__CE_RANKS);
@@ -3624,7 +3634,7 @@ static bool tsys_dist__fce_setup(tsys_dist *d, tsys_dist__fce *g, int units, voi
     g->weights = (char **)calloc(slots, sizeof(char *));
     g->grads = (char **)calloc(slots, sizeof(char *));
     tsys_dist__fce_handles *h = (tsys_dist__fce_handles *)calloc((size_t)units + 1, sizeof *h);
-    g->flag_bytes = (int64_t)sizeof(tsys_dist__fce_flags) + 2 * (int64_t)slots * 4;
+    g->flag_bytes = (int64_t)sizeof(tsys_dist__fce_flags) + (2 * (int64_t)slots + TSYS_DIST__CE_RANKS) * 4;
     tsys_dist__fce_flags *init = (tsys_dist__fce_flags *)calloc(1, (size_t)g->flag_bytes);
     bool ok = (g->weights && g->grads && h && init) || tsys_dist__seterr(e, TSYS_ERR_OOM, "fsdp desc.ce_transfers: out of host memory");
     if (ok) init->one = 1;
@@ -3639,6 +3649,9 @@ static bool tsys_dist__fce_setup(tsys_dist *d, tsys_dist__fce *g, int units, voi
          tsys_dist__fce_cuda(cudaMalloc((void **)&g->flags[d->rank], (size_t)g->flag_bytes), "cudaMalloc (flags)", e) &&
          tsys_dist__fce_cuda(cudaMemcpy(g->flags[d->rank], init, (size_t)g->flag_bytes, cudaMemcpyHostToDevice), "cudaMemcpy (flags)", e) &&
          tsys_dist__fce_cuda(cudaIpcGetMemHandle(&h[units].weights, g->flags[d->rank]), "cudaIpcGetMemHandle (flags)", e);
+    g->reps[d->rank] = (char *)reps;
+    ok = ok && (!reps || (tsys_dist__ceg_allocation_start(reps, "the replicated parameters' gradients", e) &&
+                          tsys_dist__fce_cuda(cudaIpcGetMemHandle(&h[units].grads, reps), "cudaIpcGetMemHandle (the replicated gradients)", e)));
     free(init);
     // every rank learns every rank's handles (a rank that failed above sends zeros and fails the opens too)
     tsys_dist__fce_handles *theirs = (tsys_dist__fce_handles *)calloc((size_t)units + 1, sizeof *theirs);
@@ -3650,12 +3663,15 @@ static bool tsys_dist__fce_setup(tsys_dist *d, tsys_dist__fce *g, int units, voi
             ok = tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->weights[u * TSYS_DIST__CE_RANKS + r], theirs[u].weights, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's weights)", e) &&
                  tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->grads[u * TSYS_DIST__CE_RANKS + r], theirs[u].grads, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's gradients)", e);
         if (ok && r != d->rank)
-            ok = tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->flags[r], theirs[units].weights, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e);
+            ok = tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->flags[r], theirs[units].weights, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's flags)", e) &&
+                 (!reps || tsys_dist__fce_cuda(cudaIpcOpenMemHandle((void **)&g->reps[r], theirs[units].grads, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (a peer's replicated gradients)", e));
     }
     free(theirs); free(h);
     ok = ok && tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->fork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) &&
          tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->pfork, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) &&
-         tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->pulled, cudaEventDisableTiming), "cudaEventCreateWithFlags", e);
+         tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->pulled, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) &&
+         tsys_dist__fce_cuda(cudaEventCreateWithFlags(&g->signalled, cudaEventDisableTiming), "cudaEventCreateWithFlags", e) &&
+         tsys_dist__fce_cuda(tsys_dist__lane_make(&g->signal), "cudaStreamCreateWithPriority", e);
     for (int q = 0; ok && q < d->size; q++)
         if (q != d->rank)
             ok = tsys_dist__fce_cuda(tsys_dist__lane_make(&g->lane[q]), "cudaStreamCreateWithPriority", e) && tsys_dist__fce_cuda(tsys_dist__lane_make(&g->push[q]), "cudaStreamCreateWithPriority", e) &&
@@ -3678,6 +3694,7 @@ static void tsys_dist__fce_teardown(tsys_dist *d, tsys_dist__fce *g) {
             if (g->grads && g->grads[u * TSYS_DIST__CE_RANKS + r]) cudaIpcCloseMemHandle(g->grads[u * TSYS_DIST__CE_RANKS + r]);
         }
         if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
+        if (g->reps[r]) cudaIpcCloseMemHandle(g->reps[r]);
         if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
         if (g->push[r]) cudaStreamDestroy(g->push[r]);
         if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
@@ -3689,42 +3706,51 @@ static void tsys_dist__fce_teardown(tsys_dist *d, tsys_dist__fce *g) {
     if (g->fork) cudaEventDestroy(g->fork);
     if (g->pfork) cudaEventDestroy(g->pfork);
     if (g->pulled) cudaEventDestroy(g->pulled);
+    if (g->signalled) cudaEventDestroy(g->signalled);
+    if (g->signal) cudaStreamDestroy(g->signal);
     free(g->weights); free(g->grads);
     memset(g, 0, sizeof *g);
 }
 
-// My gradients of unit u are final as of `compute`: every peer learns it; my part of theirs ([part, part + bytes) of
-// their full gradients) comes into my slot for each at byte `at`, and `side` waits for those pulls.
-static bool tsys_dist__fce_reduce(tsys_dist *d, tsys_dist__fce *g, int u, int64_t part, int64_t bytes, int64_t at, int64_t slot_bytes, cudaStream_t compute,
-                                  cudaStream_t side, tsys_dist__err *e) {
+// My gradients of unit u (u == units: none, the replicated alone) are final as of `compute`: every peer learns it; my
+// part of theirs ([part, part + bytes) of their full gradients) comes into my slot for each at byte `at`, and the
+// spans of their replicated gradients, and `side` waits for those pulls.
+static bool tsys_dist__fce_reduce(tsys_dist *d, tsys_dist__fce *g, int u, int64_t part, int64_t bytes, int64_t at, const tsys_dist__fce_span *reps, int nreps,
+                                  int64_t slot_bytes, cudaStream_t compute, cudaStream_t side, tsys_dist__err *e) {
     const int me = d->rank;
+    // the raises go on a stream of their own, behind the compute stream's work so far: a copy on the compute stream
+    // would hold backward's next kernel, and one behind the pulls would wait for the peers
+    if (!tsys_dist__fce_cuda(cudaEventRecord(g->fork, compute), "cudaEventRecord", e) || !tsys_dist__fce_cuda(cudaStreamWaitEvent(g->signal, g->fork, 0), "cudaStreamWaitEvent", e))
+        return false;
     for (int q = 0; q < d->size; q++)
-        if (q != me && !tsys_dist__fce_cuda(cudaMemcpyAsync(tsys_dist__fce_ready(g, q, u, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, compute), "a flag's raise", e))
+        if (q != me && !tsys_dist__fce_cuda(cudaMemcpyAsync(tsys_dist__fce_ready(g, q, u, me), &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, g->signal), "a flag's raise", e))
             return false;
-    if (!tsys_dist__fce_cuda(cudaEventRecord(g->fork, compute), "cudaEventRecord", e)) return false;
     for (int q = 0; q < d->size; q++) {
         if (q == me) continue;
         cudaStream_t lane = g->lane[q];
+        char *slot = g->recv + (int64_t)(q - (q > me)) * slot_bytes;
         if (!tsys_dist__fce_cuda(cudaStreamWaitEvent(lane, g->fork, 0), "cudaStreamWaitEvent", e) ||
             !tsys_dist__ce_take(d, lane, tsys_dist__fce_ready(g, me, u, q), NULL, 1, 1, -1, e) ||
-            !tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * slot_bytes + at, g->grads[u * TSYS_DIST__CE_RANKS + q] + part, bytes, lane, e) ||
-            !tsys_dist__fce_cuda(cudaEventRecord(g->lane_done[q], lane), "cudaEventRecord", e) ||
+            (u < g->units && !tsys_dist__ce_copy(slot + at, g->grads[u * TSYS_DIST__CE_RANKS + q] + part, bytes, lane, e)))
+            return false;
+        for (int k = 0; k < nreps; k++)
+            if (!tsys_dist__ce_copy(slot + reps[k].dst, g->reps[q] + reps[k].src, reps[k].len, lane, e)) return false;
+        if (!tsys_dist__fce_cuda(cudaEventRecord(g->lane_done[q], lane), "cudaEventRecord", e) ||
             !tsys_dist__fce_cuda(cudaStreamWaitEvent(side, g->lane_done[q], 0), "cudaStreamWaitEvent", e))
             return false;
     }
     return true;
 }
 
-// My new shard of unit u in the compute dtype (`src`, bytes of it) is final as of bg: copied into my part [part,
-// part + bytes) of my weights of u on bg, and of every peer's on my push lane for it, each push raising the peer's
-// pushed flag behind it. Nothing waits on a push lane: the peer takes the flag at its step's end.
+// My part [part, part + bytes) of my weights of unit u holds my new shard as of bg (`local`, when not NULL, is copied
+// there first, on bg): into every peer's, each push raising the peer's pushed flag behind it. Nothing waits on a push
+// lane: the peer takes the flag at its step's end, which joins the lanes.
 // The peer's backward is done with its old weights (this update read its gradients of u), and this raise cannot
 // overtake the last step's take (the next update needs the peer's next gradients).
-static bool tsys_dist__fce_push(tsys_dist *d, tsys_dist__fce *g, int u, const void *src, int64_t part, int64_t bytes, cudaStream_t bg, tsys_dist__err *e) {
+static bool tsys_dist__fce_push(tsys_dist *d, tsys_dist__fce *g, int u, const void *local, int64_t part, int64_t bytes, cudaStream_t bg, tsys_dist__err *e) {
     const int me = d->rank;
-    if (!tsys_dist__ce_copy(g->weights[u * TSYS_DIST__CE_RANKS + me] + part, src, bytes, bg, e) ||
-        !tsys_dist__fce_cuda(cudaEventRecord(g->pfork, bg), "cudaEventRecord", e))
-        return false;
+    char *src = g->weights[u * TSYS_DIST__CE_RANKS + me] + part;
+    if ((local && !tsys_dist__ce_copy(src, local, bytes, bg, e)) || !tsys_dist__fce_cuda(cudaEventRecord(g->pfork, bg), "cudaEventRecord", e)) return false;
     for (int q = 0; q < d->size; q++) {
         if (q == me) continue;
         if (!tsys_dist__fce_cuda(cudaStreamWaitEvent(g->push[q], g->pfork, 0), "cudaStreamWaitEvent", e) ||
@@ -3752,14 +3778,18 @@ static bool tsys_dist__fce_land(tsys_dist *d, tsys_dist__fce *g, const bool *mov
                         !tsys_dist__fce_cuda(cudaMemcpyAsync(&g->flags[q]->done[me], &g->flags[me]->one, 4, cudaMemcpyDeviceToDevice, side), "a flag's raise", e)))
             return false;
     return tsys_dist__fce_cuda(cudaEventRecord(g->pulled, side), "cudaEventRecord", e) && tsys_dist__fce_cuda(cudaStreamWaitEvent(compute, g->pulled, 0), "cudaStreamWaitEvent", e) &&
-           tsys_dist__ce_take(d, compute, g->flags[me]->done, NULL, d->size, 1, me, e);
+           tsys_dist__fce_cuda(cudaEventRecord(g->signalled, g->signal), "cudaEventRecord", e) &&
+           tsys_dist__fce_cuda(cudaStreamWaitEvent(compute, g->signalled, 0), "cudaStreamWaitEvent", e) && tsys_dist__ce_take(d, compute, g->flags[me]->done, NULL, d->size, 1, me, e);
 }
 
 // A step's transfers alone, between steps (every rank here, nothing in flight): for each unit i, my part
 // [part[i], part[i] + bytes[i]) of every peer's gradients pulled into my slot for it, and of my weights pushed
-// into every peer's (the bytes they hold already). No flags. The caller synchronizes.
-static bool tsys_dist__fce_probe(tsys_dist *d, tsys_dist__fce *g, const int64_t *part, const int64_t *bytes, const int64_t *at, int64_t slot_bytes, tsys_dist__err *e) {
+// into every peer's (the bytes they hold already); the peers' replicated gradients (span reps). No flags.
+static bool tsys_dist__fce_probe(tsys_dist *d, tsys_dist__fce *g, const int64_t *part, const int64_t *bytes, const int64_t *at, tsys_dist__fce_span reps,
+                                 int64_t slot_bytes, tsys_dist__err *e) {
     const int me = d->rank;
+    for (int q = 0; q < d->size; q++)
+        if (q != me && reps.len > 0 && !tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * slot_bytes + reps.dst, g->reps[q] + reps.src, reps.len, g->lane[q], e)) return false;
     for (int u = 0; u < g->units; u++)
         for (int q = 0; q < d->size; q++)
             if (q != me && (!tsys_dist__ce_copy(g->recv + (int64_t)(q - (q > me)) * slot_bytes + at[u], g->grads[u * TSYS_DIST__CE_RANKS + q] + part[u], bytes[u], g->lane[q], e) ||
@@ -6166,6 +6196,14 @@ struct tsys_fsdp {
     int64_t *terms_at;           // desc.ce_transfers: each of tsys_fsdp_params' terms' byte offset in a slot (-1: none)
     int64_t slot_bytes;          // desc.ce_transfers: a peer's slot: my part of every unit, back to back
     bool *moved;                 // desc.ce_transfers: the units moved in this step (scratch of tsys_fsdp_finish)
+    tsys_tensor *rep_arena;      // desc.ce_transfers: the replicated parameters' gradients, one block the peers open
+    int64_t *rep_off;            // desc.ce_transfers: each replicated gradient's byte offset in it
+    int64_t rep_at;              // desc.ce_transfers: where the replicated gradients start in a slot
+    int *pending;                // desc.ce_transfers: replicated parameters whose gradients are final, not yet pulled
+    int npending;
+    bool *rep_moved;             // desc.ce_transfers: the replicated parameters pulled in this step
+    void *spans;                 // desc.ce_transfers: scratch of a pull, tsys_dist__fce_span (the pending gradients, neighbours merged)
+    tsys_tensor **said_list;     // desc.ce_transfers: scratch of a pull (what the optimizer is told)
 };
 
 static size_t tsys_dist__fsdp_es(const tsys_fsdp *f) { return tsys_dtype_size(f->cdt); }
@@ -6352,12 +6390,46 @@ static tsys_status tsys_dist__fsdp_grads_begin(tsys_fsdp *f, int i) {
 }
 
 // desc.ce_transfers, unit i's backward over (as of the compute stream): my part of its gradients pulled from every
-// peer, my shard updated behind the pulls (AdamW sums the parts as it reads them and writes the shard's kept copy in
-// the compute dtype: no cast kernel), that copy (fp32: the shard itself) copied into my part of the unit's weights
-// and pushed into every peer's (tsys_dist__fce in >>engine nccl).
+// peer, my shard updated behind the pulls (AdamW sums the parts as it reads them and writes the shard's copy in the
+// compute dtype straight into my part of the unit's weights: no cast; in fp32 the shard is copied there), and that
+// part pushed into every peer's (tsys_dist__fce in >>engine nccl).
 #ifdef TSYS_DIST_NCCL
 static tsys_status tsys_dist__fsdp_ce_err(tsys_fsdp *f, const tsys_dist__err *e) {
     return tsys_dist__fsdp_note(f, tsys_ctx_set_error(f->ctx, e->status != TSYS_OK ? e->status : TSYS_ERR_CUDA, "%s", e->msg));
+}
+// The replicated gradients final since the last pull, as spans of the peers' blocks (neighbours merged) into
+// f->spans, and the parameters into f->said_list from index `first`; how many spans.
+static int tsys_dist__fsdp_ce_pending(tsys_fsdp *f, int first) {
+    tsys_dist__fce_span *sp = (tsys_dist__fce_span *)f->spans;
+    int n = 0;
+    for (int k = 0; k < f->npending; k++) {
+        const int j = f->pending[k];
+        const int64_t off = f->rep_off[j], len = (int64_t)tsys_tensor_bytes(f->rep[j]->grad);
+        f->said_list[first + k] = f->rep[j];
+        f->rep_moved[j] = true;
+        if (n && sp[n - 1].src + sp[n - 1].len == off) sp[n - 1].len += len;   // backward meets them in either order
+        else if (n && off + len == sp[n - 1].src) { sp[n - 1].src = off; sp[n - 1].dst = f->rep_at + off; sp[n - 1].len += len; }
+        else sp[n++] = (tsys_dist__fce_span){off, f->rep_at + off, len};
+    }
+    return n;
+}
+// Unit i's gradients (i == f->nu: none) and the pending replicated ones pulled, then their updates queued.
+static tsys_status tsys_dist__fsdp_ce_pull(tsys_fsdp *f, int i) {
+    tsys_ctx *ctx = f->ctx;
+    tsys_dist__fsdp_unit *U = i < f->nu ? &f->u[i] : NULL;
+    const size_t es = tsys_dist__fsdp_es(f);
+    const int64_t part = U ? (int64_t)tsys_dist_rank(f->d) * U->shard * (int64_t)es : 0, bytes = U ? U->shard * (int64_t)es : 0;
+    tsys_dist__err e;
+    memset(&e, 0, sizeof e);
+    cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE), side = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_SIDE);
+    if (U) f->said_list[0] = U->master;
+    const int nspans = tsys_dist__fsdp_ce_pending(f, U ? 1 : 0), nsaid = (U ? 1 : 0) + f->npending;
+    f->npending = 0;
+    if (!tsys_dist__fce_reduce(f->d, (tsys_dist__fce *)f->fce, U ? i : f->nu, part, bytes, U ? f->terms_at[i] : 0, (const tsys_dist__fce_span *)f->spans, nspans,
+                               f->slot_bytes, compute, side, &e))
+        return tsys_dist__fsdp_ce_err(f, &e);
+    if (U) U->master->grad_zero = false;
+    return nsaid ? tsys_optim_overlap_ready(f->ib_opt, f->said_list, nsaid, TSYS_STREAM_SIDE) : TSYS_OK;   // the side stream joined the pulls
 }
 static tsys_status tsys_dist__fsdp_ce_reduce(tsys_fsdp *f, int i) {
     tsys_dist__fsdp_unit *U = &f->u[i];
@@ -6369,17 +6441,16 @@ static tsys_status tsys_dist__fsdp_ce_reduce(tsys_fsdp *f, int i) {
     const int64_t part = (int64_t)tsys_dist_rank(f->d) * U->shard * (int64_t)es, bytes = U->shard * (int64_t)es;
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
-    cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_COMPUTE), side = (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_SIDE);
     tsys_dist__fce *g = (tsys_dist__fce *)f->fce;
-    if (!tsys_dist__fce_reduce(f->d, g, i, part, bytes, f->terms_at[i], f->slot_bytes, compute, side, &e)) return tsys_dist__fsdp_ce_err(f, &e);
-    U->master->grad_zero = false;
-    tsys_status st = tsys_optim_overlap_ready(f->ib_opt, &U->master, 1, TSYS_STREAM_SIDE);   // the side stream joined the pulls
-    U->said = st == TSYS_OK;
-    const tsys_tensor *mine = f->cdt == TSYS_F32 ? U->master : U->master->lowp;
-    if (st == TSYS_OK && (!mine || tsys_tensor_bytes(mine) != (size_t)bytes))
-        st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: desc.ce_transfers: shard '%s' has no kept %s copy (the optimizer's copies were given back)", U->master->name,
-                                tsys_dtype_name(f->cdt));
-    if (st == TSYS_OK && !tsys_dist__fce_push(f->d, g, i, tsys_tensor_data((tsys_tensor *)mine), part, bytes, (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_BACKGROUND), &e))
+    tsys_status st = tsys_dist__fsdp_ce_pull(f, i);
+    if (st != TSYS_OK) return tsys_dist__fsdp_note(f, st);
+    U->said = true;
+    const tsys_tensor *c = U->master->lowp;   // the update wrote my part (tsys_optim_keep_lowp_into)
+    if (f->cdt != TSYS_F32 && (!c || tsys_tensor_data((tsys_tensor *)c) != tsys_tensor_data(U->part)))
+        st = tsys_ctx_set_error(ctx, TSYS_ERR_INVALID_ARGS, "fsdp: desc.ce_transfers: the optimizer no longer writes shard '%s''s copy into the unit's weights (its copies "
+                                "were given back or kept elsewhere)", U->master->name);
+    if (st == TSYS_OK && !tsys_dist__fce_push(f->d, g, i, f->cdt == TSYS_F32 ? tsys_tensor_data(U->master) : NULL, part, bytes,
+                                              (cudaStream_t)tsys_cuda_stream_of(ctx, TSYS_STREAM_BACKGROUND), &e))
         return tsys_dist__fsdp_ce_err(f, &e);
     f->cur.reduce_scatters++;
     f->cur.reduced_bytes += (int64_t)tsys_tensor_bytes(U->gfull);
@@ -6389,10 +6460,18 @@ static tsys_status tsys_dist__fsdp_ce_reduce(tsys_fsdp *f, int i) {
     tsys_dist__fsdp_grads_end(f, i);
     return tsys_dist__fsdp_note(f, st);
 }
-// The step's end: the compute stream waits for the weights my peers pushed and for them to have read my gradients.
+// The step's end: replicated gradients final after the last unit pulled (none in a model whose embedding comes
+// first), those without a gradient in this step left alone (their peers' would be last step's); the compute
+// stream waits for the weights my peers pushed and for them to have read my gradients.
 static tsys_status tsys_dist__fsdp_ce_land(tsys_fsdp *f) {
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
+    tsys_status st = f->npending && f->ib_opt ? tsys_dist__fsdp_ce_pull(f, f->nu) : TSYS_OK;
+    for (int j = 0; st == TSYS_OK && f->ib_opt && j < f->nrep; j++)
+        if (!f->rep_moved[j]) st = tsys_optim_overlap_skip(f->ib_opt, &f->rep[j], 1);
+    memset(f->rep_moved, 0, sizeof(bool) * (size_t)(f->nrep + 1));
+    f->npending = 0;
+    if (st != TSYS_OK) return tsys_dist__fsdp_note(f, st);
     for (int i = 0; i < f->nu; i++) f->moved[i] = f->u[i].said;
     cudaStream_t compute = (cudaStream_t)tsys_cuda_stream_of(f->ctx, TSYS_STREAM_COMPUTE), side = (cudaStream_t)tsys_cuda_stream_of(f->ctx, TSYS_STREAM_SIDE);
     if (!tsys_dist__fce_land(f->d, (tsys_dist__fce *)f->fce, f->moved, compute, side, &e)) return tsys_dist__fsdp_ce_err(f, &e);
@@ -6445,6 +6524,11 @@ static void tsys_dist__fsdp_rep_ready(tsys_ctx *ctx, tsys_tensor *p, void *user)
     tsys_fsdp *f = (tsys_fsdp *)user;
     if (!p->grad) return;
     if (f->direct) { f->cur.all_reduces++; return; }   // the average over one rank: the gradient itself
+    if (f->fce) {   // desc.ce_transfers: pulled with the next unit's part (tsys_dist__fsdp_ce_pull)
+        for (int j = 0; j < f->nrep; j++)
+            if (f->rep[j] == p && !f->rep_moved[j] && f->npending < f->nrep) { f->pending[f->npending++] = j; f->cur.all_reduces++; }
+        return;
+    }
     if (f->nrep_work >= f->nrep) {   // a second backward before finish: the first one's are done first
         for (int i = 0; i < f->nrep_work; i++) tsys_dist__fsdp_note(f, tsys_dist_wait(f->rep_work[i]));
         f->nrep_work = 0;
@@ -6623,8 +6707,8 @@ TSYSDEF void tsys_fsdp_free(tsys_fsdp *f) {
     TSYS_DIST__RELEASE(f->u); TSYS_DIST__RELEASE(f->rep); TSYS_DIST__RELEASE(f->frozen); TSYS_DIST__RELEASE(f->local);
     TSYS_DIST__RELEASE(f->rep_work);
     tsys_dist__fsdp_ce_close(f);   // a wrapper that failed before it was built
-    tsys_tensor_release(f->terms);
-    free(f->terms_at); free(f->moved);
+    tsys_tensor_release(f->terms); tsys_tensor_release(f->rep_arena);
+    free(f->terms_at); free(f->moved); free(f->rep_off); free(f->pending); free(f->rep_moved); free(f->spans); free(f->said_list);
     TSYS_DIST__RELEASE(f);
 }
 
@@ -6850,7 +6934,7 @@ static tsys_status tsys_dist__fsdp_ce_open(tsys_fsdp *f) {
     tsys_dist__fce *g = (tsys_dist__fce *)calloc(1, sizeof *g);
     tsys_status st = f->terms_at && f->moved && w && gr && g ? TSYS_OK : tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: desc.ce_transfers: out of host memory");
     int64_t total = 0;
-    for (int i = f->nu; st == TSYS_OK && i < f->nlocal; i++) f->terms_at[i] = -1;   // the replicated: all-reduced, the mean already
+    for (int i = f->nu; st == TSYS_OK && i < f->nlocal; i++) f->terms_at[i] = -1;   // (the replicated: set below)
     for (int i = 0; st == TSYS_OK && i < f->nu; i++) {
         tsys_dist__fsdp_unit *U = &f->u[i];
         const size_t bytes = (size_t)(world * U->shard) * es;
@@ -6881,7 +6965,35 @@ static tsys_status tsys_dist__fsdp_ce_open(tsys_fsdp *f) {
         total += U->shard;
         w[i] = tsys_tensor_data(U->full); gr[i] = tsys_tensor_data(U->gfull);
     }
-    f->slot_bytes = total * (int64_t)es;
+    // the replicated gradients: one block, each 16 bytes aligned, after the units' parts in a slot
+    f->rep_at = (total * (int64_t)es + 15) / 16 * 16;
+    f->rep_off = (int64_t *)calloc((size_t)f->nrep + 1, sizeof(int64_t));
+    f->pending = (int *)calloc((size_t)f->nrep + 1, sizeof(int));
+    f->rep_moved = (bool *)calloc((size_t)f->nrep + 1, sizeof(bool));
+    f->spans = calloc((size_t)f->nrep + 1, sizeof(tsys_dist__fce_span));
+    f->said_list = (tsys_tensor **)calloc((size_t)f->nrep + 2, sizeof(tsys_tensor *));
+    if (st == TSYS_OK && (!f->rep_off || !f->pending || !f->rep_moved || !f->spans || !f->said_list)) st = tsys_ctx_set_error(ctx, TSYS_ERR_OOM, "fsdp: desc.ce_transfers: out of host memory");
+    int64_t rep_bytes = 0;
+    for (int j = 0; st == TSYS_OK && j < f->nrep; j++) { f->rep_off[j] = rep_bytes; rep_bytes += ((int64_t)tsys_tensor_numel(f->rep[j]) * 4 + 15) / 16 * 16; }
+    int64_t rep_numel = rep_bytes / 4;
+    if (st == TSYS_OK && rep_numel > 0) {
+        int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp replicated grads"));
+        tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
+        f->rep_arena = tsys_tensor_new(ctx, TSYS_F32, TSYS_CUDA, 1, &rep_numel);
+        tsys_mem_set_category(ctx, cat);
+        tsys_mem_set_tag(ctx, tag);
+        st = f->rep_arena ? tsys_tensor_fill(ctx, f->rep_arena, 0.0f) : tsys_ctx_status(ctx);
+    }
+    for (int j = 0; st == TSYS_OK && j < f->nrep; j++) {   // each gradient a window of the block (made once: backward writes into it)
+        tsys_tensor *p = f->rep[j];
+        tsys_tensor_release(p->grad);
+        p->grad = tsys_tensor_view_raw(ctx, f->rep_arena, (size_t)f->rep_off[j], TSYS_F32, p->ndim, p->shape);
+        if (!p->grad) { st = tsys_ctx_status(ctx) != TSYS_OK ? tsys_ctx_status(ctx) : TSYS_ERR_OOM; break; }
+        tsys_tensor_set_name(p->grad, "%s.grad", p->name);
+        p->grad_zero = true;
+        f->terms_at[f->nu + j] = f->rep_at + f->rep_off[j];
+    }
+    f->slot_bytes = f->rep_at + rep_bytes;
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     if (st == TSYS_OK) st = tsys_sync(ctx, TSYS_CUDA);   // the tails' zeros are in before any peer pulls them
@@ -6891,14 +7003,14 @@ static tsys_status tsys_dist__fsdp_ce_open(tsys_fsdp *f) {
     }
     f->fce = g;
     tsys_dist__drain(f->d);   // the setup's host collectives run here, after what the worker holds
-    const bool ok = tsys_dist__fce_setup(f->d, g, f->nu, w, gr, (int64_t)(world - 1) * f->slot_bytes, &e);
+    const bool ok = tsys_dist__fce_setup(f->d, g, f->nu, w, gr, f->rep_arena ? tsys_tensor_data(f->rep_arena) : NULL, (int64_t)(world - 1) * f->slot_bytes, &e);
     free(w); free(gr);
     st = ok ? TSYS_OK : tsys_ctx_set_error(ctx, e.status != TSYS_OK ? e.status : TSYS_ERR_CUDA, "%s", e.msg);
     if (tsys_dist_any_failed(f->d, st)) return st != TSYS_OK ? st : tsys_ctx_set_error(ctx, TSYS_ERR_IO, "fsdp: desc.ce_transfers: the setup failed on another rank");
-    int64_t numel = (int64_t)(world - 1) * total;
+    int64_t numel = (int64_t)(world - 1) * f->slot_bytes / 4;   // slots of 16-byte multiples
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "fsdp peers' gradients"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_GRADIENTS);
-    f->terms = tsys_tensor_wrap(ctx, f->cdt, TSYS_CUDA, 1, &numel, g->recv, NULL, NULL);
+    f->terms = tsys_tensor_wrap(ctx, TSYS_F32, TSYS_CUDA, 1, &numel, g->recv, NULL, NULL);
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
     if (!f->terms) return tsys_ctx_status(ctx);
@@ -6962,8 +7074,15 @@ TSYSDEF tsys_status tsys_fsdp_optim_in_backward(tsys_fsdp *f, tsys_optim *opt) {
     if (f->fce && !opt)
         return tsys_ctx_set_error(f->ctx, TSYS_ERR_INVALID_ARGS, "tsys_fsdp_optim_in_backward: desc.ce_transfers updates each shard inside backward: the optimizer stays");
     // desc.ce_transfers: AdamW adds the peers' parts of each shard's gradient, in my receive buffer, as it reads it, and
-    // writes each shard's copy in the compute dtype, which the copy engines send
-    if (f->fce && f->cdt != TSYS_F32 && tsys_optim_keep_lowp(opt, f->cdt) != TSYS_OK) return tsys_ctx_status(f->ctx);
+    // writes each shard's copy in the compute dtype into my part of the unit's weights, which the copy engines send
+    if (f->fce && f->cdt != TSYS_F32) {
+        tsys_tensor **parts = (tsys_tensor **)calloc((size_t)f->nlocal + 1, sizeof(tsys_tensor *));
+        if (!parts) return tsys_ctx_set_error(f->ctx, TSYS_ERR_OOM, "tsys_fsdp_optim_in_backward: out of host memory");
+        for (int i = 0; i < f->nu; i++) parts[i] = f->u[i].part;
+        const tsys_status st = tsys_optim_keep_lowp_into(opt, parts);
+        free(parts);
+        if (st != TSYS_OK) return st;
+    }
     if (f->fce && tsys_optim_sum_grads_at(opt, f->terms, tsys_dist_size(f->d), tsys_dist_rank(f->d), f->slot_bytes, f->terms_at) != TSYS_OK) return tsys_ctx_status(f->ctx);
     f->ib_opt = opt;
     return TSYS_OK;
@@ -6978,7 +7097,8 @@ static tsys_status tsys_dist__fsdp_ce_probe(tsys_fsdp *f) {
     memset(&e, 0, sizeof e);
     bool ok = part && bytes;
     for (int i = 0; ok && i < f->nu; i++) { part[i] = rank * f->u[i].shard * es; bytes[i] = f->u[i].shard * es; }
-    ok = ok ? tsys_dist__fce_probe(f->d, (tsys_dist__fce *)f->fce, part, bytes, f->terms_at, f->slot_bytes, &e) : tsys_dist__seterr(&e, TSYS_ERR_OOM, "fsdp: out of host memory");
+    const tsys_dist__fce_span reps = {0, f->rep_at, f->slot_bytes - f->rep_at};
+    ok = ok ? tsys_dist__fce_probe(f->d, (tsys_dist__fce *)f->fce, part, bytes, f->terms_at, reps, f->slot_bytes, &e) : tsys_dist__seterr(&e, TSYS_ERR_OOM, "fsdp: out of host memory");
     free(part); free(bytes);
     return ok ? TSYS_OK : tsys_ctx_set_error(f->ctx, e.status != TSYS_OK ? e.status : TSYS_ERR_CUDA, "%s", e.msg);
 #else
@@ -7888,7 +8008,7 @@ TSYSDEF tsys_dist_account tsys_fsdp_accounting_desc(const tsys_model_desc *m, co
     a.work_bytes = work_p + work_g;
     if (desc && desc->ce_transfers && world > 1) {   // every unit's weights and full gradients stay (the shard's gradient a window of
         a.param_bytes = 4 * (shards + Pr) + c * N * shards;   // them), beside the peers' parts of the shards
-        a.grad_bytes = 4 * Pr + c * N * shards + c * (N - 1) * shards;
+        a.grad_bytes = 4 * Pr + c * N * shards + (N - 1) * (c * shards + 4 * Pr);
         a.work_bytes = 0;
     }
     const double ckpt = tsys_dist__ckpt_act_bytes(m, compute_dtype, batch, context, true);

@@ -193,6 +193,7 @@ PY
   fsdp_ce)  # tsys_fsdp_desc.ce_transfers: test_fsdp_cuda at NPS ranks (default 2) and at 1; then for each of SCALE_MODELS
             # (default xl) e2e's best 1-GPU step, and on NPS ranks FSDP kept with AdamW in backward through NCCL and on the
             # copy engines, beside DDP gathered with each bucket's owner pushing bf16 copies (100 MB buckets), captured
+            # (COMPILE=no,yes for the eager rows too); torch FSDP2 eager and compiled when TORCH=1
     for np in ${NPS:-2}; do
       timeout 500 $G/test_fsdp_cuda --nproc $np ${FSDP_TESTS:-} > "$OUT/fsdp_ce_test_$np.log" 2>&1; echo "test_fsdp_cuda, $np ranks: $(tail -n 1 "$OUT/fsdp_ce_test_$np.log")"
     done
@@ -208,6 +209,11 @@ PY
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy fsdp --fsdp-reshard no --opt-in-backward yes --grad-comm fp32,gather --compile ${COMPILE:-yes} > "$OUT/fsdp_ce_${M}_${np}_fsdp.csv" 2>&1
         timeout 200 $G/ddp_cuda $D --nproc $np --model $M --strategy bucketed --bucket-mb 100 --grad-comm gather --shard-updates masters $O --compile ${COMPILE:-yes} > "$OUT/fsdp_ce_${M}_${np}_masters.csv" 2>&1
         for k in fsdp masters; do ddp_rows "$OUT/fsdp_ce_${M}_${np}_$k.csv" "$M $np $k"; done
+        [ -n "${TORCH:-}" ] || continue   # torch FSDP2, eager and compiled, SDPA attention
+        timeout 300 torchrun --nproc_per_node $np tests/ref/torch_ddp.py --part ddp --device cuda --model $M --dtype bf16 --context-length 256 \
+          --batch-size 4 --strategy fsdp2 --attn sdpa --compile no,yes --warmup 3 --steps 5 --format csv > "$OUT/fsdp_ce_${M}_${np}_torch.csv" 2>/dev/null
+        python3 -c 'import csv, sys; L = open(sys.argv[1]).read().splitlines(); h = next((i for i, l in enumerate(L) if l.startswith("device,")), len(L))
+[print(sys.argv[2], "torch", r.get("strategy", ""), "compiled", r.get("compiled", ""), "step_ms", r.get("step_ms", ""), r.get("status", "")[:60]) for r in csv.DictReader(l for l in L[h:] if l.strip())]' "$OUT/fsdp_ce_${M}_${np}_torch.csv" "$M $np"
       done
     done ;;
   gather)  # tsys_ddp_desc.ce_gather: AdamW's rank sums on GPU 0, the DDP tests at 2 ranks (captured against NCCL, bitwise),

@@ -625,14 +625,16 @@ static float **fsdp_lm_snapshot(tsys_fsdp *f) {
     for (int i = 0; v && i < tsys_fsdp_num_params(f); i++) v[i] = test_read(C, tsys_fsdp_params(f)[i]);
     return v;
 }
-static void fsdp_lm_in_backward_check(tsys_fsdp *f, float **before, int step) {
+// Which parameters AdamW updated inside backward: every shard; the replicated ones too when the copy engines pull
+// their gradients beside the units' (desc.ce_transfers), else overlap_end updates them.
+static void fsdp_lm_in_backward_check(tsys_fsdp *f, float **before, int step, bool reps_inside) {
     tsys_sync(C, g_dev);
     for (int i = 0; before && i < tsys_fsdp_num_params(f); i++) {
         tsys_tensor *p = tsys_fsdp_params(f)[i];
         float *now = test_read(C, p);
         const bool changed = now && before[i] && !same_bits_host(now, before[i], (long)tsys_tensor_numel(p));
-        TEST_CHECK(changed == tsys_fsdp_param_is_shard(f, i), "step %d, %s %s: %s before overlap_end", step, tsys_fsdp_param_is_shard(f, i) ? "shard" : "replicated",
-                   p->name, changed ? "updated" : "not updated");
+        TEST_CHECK(changed == (tsys_fsdp_param_is_shard(f, i) || reps_inside), "step %d, %s %s: %s before overlap_end", step,
+                   tsys_fsdp_param_is_shard(f, i) ? "shard" : "replicated", p->name, changed ? "updated" : "not updated");
         free(now); free(before[i]);
     }
     free(before);
@@ -656,7 +658,7 @@ static float **fsdp_lm_run(const tsys_fsdp_desc *fd, const char *policy, int ste
         if (g_in_backward) TEST_CHECK(tsys_optim_overlap_begin_ex(opt, TSYS_OPTIM_CALLER_READY) == TSYS_OK, "overlap_begin: %s", tsys_ctx_last_error(C));
         loss[it] = lm_backward(m, ids, tgt, 1.0f);
         TEST_CHECK(tsys_fsdp_finish(f) == TSYS_OK, "finish: %s", tsys_ctx_last_error(C));
-        if (g_in_backward) fsdp_lm_in_backward_check(f, before, it);
+        if (g_in_backward) fsdp_lm_in_backward_check(f, before, it, fd->ce_transfers);
         if (g_in_backward) TEST_CHECK(tsys_optim_overlap_end(opt) == TSYS_OK, "overlap_end: %s", tsys_ctx_last_error(C));
         else tsys_optim_step(opt);
         tsys_tensor_release(ids); tsys_tensor_release(tgt);

@@ -989,6 +989,78 @@ TSYS_TEST(kept_lowp_copies_options_and_memory) {
     tsys_ctx_free(ctx);
 }
 
+// tsys_optim_keep_lowp_into (FSDP's copy engines: each shard's copy is a window of the unit's gathered weights):
+// copies given for some parameters (windows of one tensor, in another order, one 2 bytes off any alignment) are
+// written by the update with the bits the optimizer's own block gets, and the training is the same; what it
+// refuses, naming the rule; f32 gives the given copies back and leaves the caller's memory alone.
+TSYS_TEST(kept_lowp_copies_given) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    enum { N = 3 };
+    const int64_t sizes[N] = {1000, 37, 512};
+    int64_t room = 1 + 37 + 1000 + 8;
+    tsys_tensor *pa[N], *pb[N], *coef[N], *copies[N] = {NULL, NULL, NULL};
+    tsys_tensor *hold = tsys_tensor_new(ctx, TSYS_BF16, TSYS_CPU, 1, &room);   // the caller's memory: [pad 1][p1's][p0's]
+    tsys_tensor_fill(ctx, hold, 7.0f);
+    for (int i = 0; i < N; i++) {
+        pa[i] = test_param(ctx, TSYS_CPU, 1, &sizes[i], 1.0f);
+        pb[i] = tsys_tensor_clone(ctx, pa[i]);
+        tsys_tensor_set_requires_grad(pb[i], true);
+        tsys_tensor_set_name(pb[i], "p%d", i);
+        coef[i] = test_param(ctx, TSYS_CPU, 1, &sizes[i], 1.0f);
+    }
+    copies[1] = tsys_tensor_view_raw(ctx, hold, 2, TSYS_BF16, 1, &sizes[1]);
+    copies[0] = tsys_tensor_view_raw(ctx, hold, 2 * (1 + 37), TSYS_BF16, 1, &sizes[0]);
+    tsys_optim *oa = tsys_adamw_new(ctx, pa, N, NULL), *ob = tsys_adamw_new(ctx, pb, N, NULL);
+    TEST_CHECK(tsys_optim_keep_lowp(oa, TSYS_BF16) == TSYS_OK && tsys_optim_keep_lowp_into(ob, copies) == TSYS_OK && tsys_optim_lowp(ob) == TSYS_BF16, "keep: %s",
+               tsys_ctx_last_error(ctx));
+    TEST_CHECK(pb[2]->lowp == NULL && pb[0]->lowp && tsys_tensor_data(pb[0]->lowp) == tsys_tensor_data(copies[0]), "the given copies are the parameters' copies");
+    for (int step = 0; step < 3 && tsys_ctx_status(ctx) == TSYS_OK; step++) {
+        for (int side = 0; side < 2; side++)
+            for (int i = 0; i < N; i++) {
+                tsys_tensor *pc = tsys_mul(ctx, side ? pb[i] : pa[i], coef[i]), *l = tsys_sum(ctx, pc);
+                tsys_backward(ctx, l);
+                tsys_tensor_release(pc); tsys_tensor_release(l);
+            }
+        tsys_optim_step(oa); tsys_optim_step(ob);
+        tsys_optim_zero_grad(oa); tsys_optim_zero_grad(ob);
+    }
+    long apart = 0, copy_apart = 0;
+    for (int i = 0; i < N; i++) {
+        float *a = test_read(ctx, pa[i]), *b = test_read(ctx, pb[i]);
+        apart += a && b ? memcmp(a, b, sizeof(float) * (size_t)sizes[i]) != 0 : 1;
+        if (copies[i]) {   // the update's copy in the caller's memory: the bits of the block's copy
+            float *x = test_read(ctx, pa[i]->lowp), *y = test_read(ctx, copies[i]);
+            copy_apart += x && y ? memcmp(x, y, sizeof(float) * (size_t)sizes[i]) != 0 : 1;
+            free(x); free(y);
+        }
+        free(a); free(b);
+    }
+    TEST_CHECK(apart == 0 && copy_apart == 0, "after 3 steps: %ld parameters and %ld given copies differ from the block's run", apart, copy_apart);
+    float *edge = test_read(ctx, hold);
+    TEST_CHECK(edge && edge[0] == 7.0f && edge[room - 1] == 7.0f, "the update wrote outside the given copies");
+    free(edge);
+    int64_t eight = 8;
+    tsys_tensor *f32 = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &sizes[1]), *f16 = tsys_tensor_new(ctx, TSYS_F16, TSYS_CPU, 1, &sizes[1]);
+    tsys_tensor *shorter = tsys_tensor_new(ctx, TSYS_BF16, TSYS_CPU, 1, &eight);
+    tsys_optim *sgd = tsys_sgd_new(ctx, pb, N, 0.1f);
+    struct { tsys_optim *o; tsys_tensor *c0, *c1; const char *says; } bad[] = {
+        {ob, NULL, f32, "the copy of 'p1'"}, {ob, NULL, shorter, "has another number of elements"}, {ob, copies[0], f16, "has another dtype than the first copy"},
+        {ob, NULL, NULL, "every copy is NULL"}, {sgd, copies[0], NULL, "only AdamW"}};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        tsys_tensor *given[N] = {bad[k].c0, bad[k].c1, NULL};
+        tsys_status st = tsys_optim_keep_lowp_into(bad[k].o, given);
+        TEST_CHECK(st != TSYS_OK && strstr(tsys_ctx_last_error(ctx), bad[k].says), "case %zu: status %d, '%s'", k, (int)st, tsys_ctx_last_error(ctx));
+        tsys_ctx_clear_error(ctx);
+    }
+    TEST_CHECK(tsys_optim_lowp(ob) == TSYS_BF16 && pb[0]->lowp, "a refused call gave the copies back");
+    TEST_CHECK(tsys_optim_keep_lowp(ob, TSYS_F32) == TSYS_OK && !pb[0]->lowp && !pb[1]->lowp && tsys_optim_lowp(ob) == TSYS_F32, "f32 did not give the copies back");
+    tsys_optim_free(sgd); tsys_optim_free(oa); tsys_optim_free(ob);
+    for (int i = 0; i < N; i++) { tsys_tensor_release(pa[i]); tsys_tensor_release(pb[i]); tsys_tensor_release(coef[i]); tsys_tensor_release(copies[i]); }
+    tsys_tensor_release(hold); tsys_tensor_release(f32); tsys_tensor_release(f16); tsys_tensor_release(shorter);
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_free(ctx);
+}
+
 // ---- AdamW inside the weight-gradient products (TSYS_OPTIM_FUSE_UPDATE) ----
 // On the CPU the fused launch makes the gradient as the product would and runs AdamW's update on it, so
 // training with the flag must give the ordinary step's parameters (and kept copies) bit for bit, while every
