@@ -126,10 +126,11 @@ for s in "${sections[@]}"; do
       K=(--lowp-copies yes --lowp-grads yes --opt-in-backward yes)
       echo
       echo "## The fastest captured step: 1 rank with the 1-GPU step's options (kept copies, bf16 gradients, AdamW in backward); $DDP_NPROC ranks:" \
-           "$([ "$DDP_NPROC" -eq 2 ] && echo "DDP, gradients gathered, each bucket updated by its owner, weights sent as their bf16 copies" || echo "FSDP, units kept, AdamW in backward")"
+           "$([ "$DDP_NPROC" -eq 2 ] && echo "DDP, gradients gathered, each bucket updated by its owner, weights sent as their bf16 copies; FSDP, units on the copy engines" || echo "FSDP, units kept, AdamW in backward")"
       $DDP --device cuda --nproc 1 --strategy bucketed --bucket-mb 200 "${K[@]}" "${O[@]}" | save ddp_fastest_1.$FORMAT || rc=$?
       if [ "$DDP_NPROC" -eq 2 ]; then   # the gather moves (ranks - 1) x the gradients a rank: for 2 ranks
         $DDP --device cuda --nproc 2 --strategy bucketed --bucket-mb 100 --grad-comm gather --shard-updates masters "${K[@]}" "${O[@]}"
+        $DDP --device cuda --nproc 2 --strategy fsdp --fsdp-reshard no --opt-in-backward yes --grad-comm gather "${O[@]}"   # FSDP, units on the copy engines
       else
         $DDP --device cuda --nproc "$DDP_NPROC" --strategy fsdp --fsdp-reshard no --opt-in-backward yes "${O[@]}"
       fi | save ddp_fastest_$DDP_NPROC.$FORMAT || rc=$?

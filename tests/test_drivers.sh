@@ -966,6 +966,24 @@ t_dist_ddp_lowp() {
   expect_in "$tmp/out" '^cpu,custom,2,zero1,.*,gather\+owners,.*skipped: --opt-in-backward needs --device cuda with NCCL$' "zero1 owners: the CPU's rule"
 }
 
+# ddp --strategy fsdp --grad-comm gather (tsys_fsdp_desc.ce_transfers): one FSDP row for fp32 and bf16 (NCCL's, in the
+# compute dtype either way) and one for gather, which is skipped with its rule where it cannot run: without AdamW in
+# backward and kept units, on the CPU, on one rank.
+t_dist_ddp_fsdp_ce() {
+  [ -x "$B/ddp" ] || { echo -n "(no $B/ddp: skipped) "; return; }
+  run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy fsdp --grad-comm fp32,bf16,gather
+  expect_rc 0 "ddp fsdp --grad-comm fp32,bf16,gather"
+  [ "$(grep -c '^cpu,custom,2,fsdp' "$tmp/out")" = 2 ] || note "fsdp: $(grep -c '^cpu,custom,2,fsdp' "$tmp/out") rows for fp32,bf16,gather (wanted 2)"
+  expect_in "$tmp/out" '^cpu,custom,2,fsdp,,,fp32,.*,ok$' "fsdp through the collectives: a measured row"
+  expect_in "$tmp/out" '^cpu,custom,2,fsdp,,gather,.*skipped: --strategy fsdp --grad-comm gather needs --opt-in-backward yes and --fsdp-reshard no' "gather: the rule of its options"
+  run "$B/ddp" --nproc 2 "${DDPTINY[@]}" --strategy fsdp --grad-comm gather --opt-in-backward yes --fsdp-reshard no
+  expect_rc 0 "ddp fsdp gather with its options on the CPU"
+  expect_in "$tmp/out" '^cpu,custom,2,fsdp:keep,,gather,.*skipped: --strategy fsdp --grad-comm gather needs --device cuda with NCCL$' "gather: the CPU's rule"
+  run "$B/ddp" --nproc 1 "${DDPTINY[@]}" --strategy fsdp --grad-comm gather --opt-in-backward yes --fsdp-reshard no
+  expect_rc 0 "ddp fsdp gather on one rank"
+  expect_in "$tmp/out" '^cpu,custom,1,fsdp:keep,,gather,.*skipped: --strategy fsdp --grad-comm gather needs 2 or more ranks' "gather: one rank's rule"
+}
+
 # ddp --profile: rank 0's profile of one more eager step of each configuration, its phases as the
 # trainer names them (forward, backward, optimizer: a table with none is a profile of nothing), a trace
 # JSON can read, the files listed after the table; a folder that cannot be made stops every rank.
