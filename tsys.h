@@ -934,6 +934,9 @@ TSYSDEF tsys_model_mem_estimate tsys_model_mem_predict_kept(const tsys_model_des
 typedef struct tsys_optim_desc {
     float lr, beta1, beta2, eps, weight_decay;
     bool no_weight_decay;
+    // AdamW: no moments at construction; tsys_optim_shard_state makes those of the parameters it lists, and until then
+    // every update is refused. The whole moments never exist (ZeRO-1's memory from the start: tsys_ddp's shard_state).
+    bool sharded_state;
 } tsys_optim_desc;
 
 typedef struct tsys_optim tsys_optim;
@@ -6759,22 +6762,27 @@ TSYSDEF tsys_optim *tsys_adamw_new(tsys_ctx *ctx, tsys_tensor **params, int n, c
     o->desc = d;
     int64_t total = 0;
     if (!(o->state_at = (int64_t *)TSYS_MALLOC(sizeof(int64_t) * (size_t)(n + 1)))) { tsys_optim_free(o); TSYS__FAIL(ctx, TSYS_ERR_OOM, "out of host memory for the optimizer"); return NULL; }
-    for (int i = 0; i < n; i++) { o->state_at[i] = total * 4; total += tsys_tensor_numel(params[i]); }
+    for (int i = 0; i < n; i++) { o->state_at[i] = d.sharded_state ? -1 : total * 4; total += tsys_tensor_numel(params[i]); }
     int tag = tsys_mem_set_tag(ctx, tsys_mem_tag(ctx, "optimizer state"));
     tsys_mem_category cat = tsys_mem_set_category(ctx, TSYS_MEM_OPTIMIZER);
     tsys_device dev = n ? params[0]->device : TSYS_CPU;
-    o->m = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
-    o->v = o->m ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total) : NULL;
+    if (!d.sharded_state) {   // else tsys_optim_shard_state makes them
+        o->m = tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total);
+        o->v = o->m ? tsys_tensor_new(ctx, TSYS_F32, dev, 1, &total) : NULL;
+    }
     // the step count and its bias corrections in one 16-byte block: counted once a step by one kernel, and
     // AdamW's launches read the corrections instead of each thread computing two powers in double
     int64_t one = 1, two = 2, zeros[2] = {0, 0};
-    tsys_tensor *counter = o->v ? tsys_tensor_from_data(ctx, TSYS_I64, dev, 1, &two, zeros) : NULL;
+    tsys_tensor *counter = o->v || d.sharded_state ? tsys_tensor_from_data(ctx, TSYS_I64, dev, 1, &two, zeros) : NULL;
     o->step_t = counter ? tsys_tensor_view_raw(ctx, counter, 0, TSYS_I64, 1, &one) : NULL;
     o->bias_t = counter ? tsys_tensor_view_raw(ctx, counter, 8, TSYS_F32, 1, &two) : NULL;
     tsys_tensor_release(counter);
     tsys_mem_set_category(ctx, cat);
     tsys_mem_set_tag(ctx, tag);
-    if (!o->step_t || !o->bias_t || tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK) { tsys_optim_free(o); return NULL; }
+    if (!o->step_t || !o->bias_t || (!d.sharded_state && (tsys_tensor_fill(ctx, o->m, 0.0f) != TSYS_OK || tsys_tensor_fill(ctx, o->v, 0.0f) != TSYS_OK))) {
+        tsys_optim_free(o);
+        return NULL;
+    }
     return o;
 }
 

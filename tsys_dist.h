@@ -436,7 +436,8 @@ typedef enum tsys_ddp_strategy {
 // The others travel as fp32 with their copies. The same bits as shard_updates, in the copies and, after a sync, in
 // the weights.
 // shard_state (shard_updates): tsys_ddp_attach_optimizer gives back the optimizer's moments of the buckets this rank
-// does not own (tsys_optim_shard_state): ZeRO-1's memory at this step's speed. Snapshots are then sharded
+// does not own (tsys_optim_shard_state): ZeRO-1's memory at this step's speed (an AdamW made with desc.sharded_state
+// never holds the whole moments: the trainer's is). Snapshots are then sharded
 // (tsys_ddp_state_save: each rank writes its buckets' weights and moments) and tsys_ddp_sync_moments is refused.
 // ce_gather (BUCKETED, CUDA gradients, NCCL ranks on one host): no all-reduce. Each bucket's gradients
 // are copied whole into every peer by the copy engines as soon as backward finishes the bucket, so no kernel
@@ -3363,25 +3364,29 @@ static bool tsys_dist__ceg_setup(tsys_dist *d, tsys_dist__ceg *g, void *grads, i
     return true;
 }
 
-// Collective unless the group is broken: every rank's copies end (a drained device, a barrier) before any rank
-// closes what it opened, and those close before any rank frees what its peers opened. Errors go nowhere.
-static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
+// The teardowns of what the peers opened are collective unless the group is broken: every rank's copies end (a
+// drained device, a barrier: tsys_dist__ipc_quiesce) before any rank closes what it opened, and those close before
+// any rank frees what its peers opened (a second barrier). Errors go nowhere.
+static bool tsys_dist__ipc_quiesce(tsys_dist *d, bool synced_before) {
     tsys_dist__err e;
     memset(&e, 0, sizeof e);
     int32_t one = 1;
-    const bool synced = !TSYS_DIST__LOAD(&d->broken) && cudaDeviceSynchronize() == cudaSuccess && tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    return !TSYS_DIST__LOAD(&d->broken) && (synced_before || cudaDeviceSynchronize() == cudaSuccess) && tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+}
+static void tsys_dist__ipc_close(void *peer) { if (peer) cudaIpcCloseMemHandle(peer); }
+static void tsys_dist__lane_free(cudaStream_t lane, cudaEvent_t done) {
+    if (lane) cudaStreamDestroy(lane);
+    if (done) cudaEventDestroy(done);
+}
+static void tsys_dist__ceg_teardown(tsys_dist *d, tsys_dist__ceg *g) {
+    const bool synced = tsys_dist__ipc_quiesce(d, false);
     for (int r = 0; r < d->size && r < TSYS_DIST__CE_RANKS; r++) {
         if (r == d->rank) continue;
-        if (g->grads[r]) cudaIpcCloseMemHandle(g->grads[r]);
-        if (g->params[r]) cudaIpcCloseMemHandle(g->params[r]);
-        if (g->lowp[r]) cudaIpcCloseMemHandle(g->lowp[r]);
-        if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
-        if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
-        if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
-        if (g->push[r]) cudaStreamDestroy(g->push[r]);
-        if (g->push_done[r]) cudaEventDestroy(g->push_done[r]);
+        tsys_dist__ipc_close(g->grads[r]); tsys_dist__ipc_close(g->params[r]); tsys_dist__ipc_close(g->lowp[r]); tsys_dist__ipc_close(g->flags[r]);
+        tsys_dist__lane_free(g->lane[r], g->lane_done[r]);
+        tsys_dist__lane_free(g->push[r], g->push_done[r]);
     }
-    if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    if (synced) tsys_dist__ipc_quiesce(d, true);
     if (g->recv) cudaFree(g->recv);
     if (g->flags[d->rank]) cudaFree(g->flags[d->rank]);
     if (g->fork) cudaEventDestroy(g->fork);
@@ -3680,34 +3685,26 @@ static bool tsys_dist__fce_setup(tsys_dist *d, tsys_dist__fce *g, int units, voi
     return ok;
 }
 
-// Collective unless the group is broken: every rank's copies end before any rank closes what it opened, and those
-// close before any rank frees what its peers opened. Errors go nowhere.
+// Collective unless the group is broken (as tsys_dist__ceg_teardown).
 static void tsys_dist__fce_teardown(tsys_dist *d, tsys_dist__fce *g) {
-    tsys_dist__err e;
-    memset(&e, 0, sizeof e);
-    int32_t one = 1;
-    const bool synced = !TSYS_DIST__LOAD(&d->broken) && cudaDeviceSynchronize() == cudaSuccess && tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    const bool synced = tsys_dist__ipc_quiesce(d, false);
     for (int r = 0; r < d->size && r < TSYS_DIST__CE_RANKS; r++) {
         if (r == d->rank) continue;
         for (int u = 0; u < g->units; u++) {
-            if (g->weights && g->weights[u * TSYS_DIST__CE_RANKS + r]) cudaIpcCloseMemHandle(g->weights[u * TSYS_DIST__CE_RANKS + r]);
-            if (g->grads && g->grads[u * TSYS_DIST__CE_RANKS + r]) cudaIpcCloseMemHandle(g->grads[u * TSYS_DIST__CE_RANKS + r]);
+            if (g->weights) tsys_dist__ipc_close(g->weights[u * TSYS_DIST__CE_RANKS + r]);
+            if (g->grads) tsys_dist__ipc_close(g->grads[u * TSYS_DIST__CE_RANKS + r]);
         }
-        if (g->flags[r]) cudaIpcCloseMemHandle(g->flags[r]);
-        if (g->reps[r]) cudaIpcCloseMemHandle(g->reps[r]);
-        if (g->lane[r]) cudaStreamDestroy(g->lane[r]);
-        if (g->push[r]) cudaStreamDestroy(g->push[r]);
-        if (g->lane_done[r]) cudaEventDestroy(g->lane_done[r]);
-        if (g->push_done[r]) cudaEventDestroy(g->push_done[r]);
+        tsys_dist__ipc_close(g->flags[r]); tsys_dist__ipc_close(g->reps[r]);
+        tsys_dist__lane_free(g->lane[r], g->lane_done[r]);
+        tsys_dist__lane_free(g->push[r], g->push_done[r]);
     }
-    if (synced) tsys_dist__setup_allreduce_i32(d, &one, 1, TSYS_DIST_SUM, &e);
+    if (synced) tsys_dist__ipc_quiesce(d, true);
     if (g->recv) cudaFree(g->recv);
     if (g->flags[d->rank]) cudaFree(g->flags[d->rank]);
     if (g->fork) cudaEventDestroy(g->fork);
     if (g->pfork) cudaEventDestroy(g->pfork);
     if (g->pulled) cudaEventDestroy(g->pulled);
-    if (g->signalled) cudaEventDestroy(g->signalled);
-    if (g->signal) cudaStreamDestroy(g->signal);
+    tsys_dist__lane_free(g->signal, g->signalled);
     free(g->weights); free(g->grads);
     memset(g, 0, sizeof *g);
 }
@@ -8805,8 +8802,11 @@ TSYSDEF tsys_dist_trainer *tsys_dist_trainer_new(tsys_ctx *ctx, tsys_dist *d, ts
     } else if (desc->lowp_grads && tsys_model_set_grad_dtype(model, desc->autocast) != TSYS_OK) {
         // the context's error names the tensor
     } else if (desc->mode == TSYS_TRAIN_ALONE || (t->ddp = tsys_dist__trainer_ddp_new(t, params, np)) != NULL) {
+        tsys_optim_desc od;   // the buckets' owners: the moments of this rank's buckets alone, from the start
+        memset(&od, 0, sizeof od);
+        od.sharded_state = desc->ddp.shard_state && desc->ddp.shard_updates && desc->ddp.ce_gather && desc->mode == TSYS_TRAIN_DDP;
         if (desc->mode == TSYS_TRAIN_ZERO1) t->zero1 = tsys_zero1_new(d, params, np, NULL);
-        else t->opt = tsys_adamw_new(ctx, params, np, NULL);
+        else t->opt = tsys_adamw_new(ctx, params, np, &od);
         if (t->opt && desc->lowp_copies && tsys_optim_keep_lowp(t->opt, desc->autocast) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
         if (t->opt && t->ddp && desc->ddp.ce_gather && tsys_ddp_attach_optimizer(t->ddp, t->opt) != TSYS_OK) { tsys_optim_free(t->opt); t->opt = NULL; }
         if (t->zero1 && desc->ddp.ce_gather && tsys_ddp_attach_zero1(t->ddp, t->zero1) != TSYS_OK) { tsys_zero1_free(t->zero1); t->zero1 = NULL; }

@@ -116,9 +116,8 @@ typedef struct ddp_measured {
     char why[DU_CELL];      // what failed, as the row's status says it: "OOM: ...", "error: ..."
 } ddp_measured;
 
-// The steps of one configuration on every rank, its run made and freed here. fsdp, and the DDP's shard_state: the
-// peak is reset after init (the whole model, or AdamW's whole moments, existed until sharded: the step's peak is
-// what counts); fsdp's exposed time is step_ms - compute_ms (NAN: no compute reference). Compiled: at least one warmup step,
+// The steps of one configuration on every rank, its run made and freed here. fsdp: the peak is reset after init (the
+// whole model existed until sharded: the step's peak is what counts); fsdp's exposed time is step_ms - compute_ms (NAN: no compute reference). Compiled: at least one warmup step,
 // then the replays, timed whole by device events (the phases and exposed time NAN: a host clock cannot
 // see inside a replay); the graph is freed before the collectives are timed alone. True when every rank
 // succeeded; else m->why says what failed (an error on another rank, or out of memory on any).
@@ -137,7 +136,7 @@ static inline bool ddp_measure(ddp_measured *m, tsys_ctx *ctx, tsys_dist *d, tsy
         if (st == TSYS_OK && tsys_dist_rank(d) == 0) fprintf(stderr, "resumed from %s in %.2f s (rank 0; every rank reads its part)\n", p->resume, du_now_s() - t0);
     }
     mem[0] = (double)tsys_mem_stats_get(ctx, dev).peak_bytes;
-    if (fsdp || td->ddp.shard_state) tsys_mem_reset_peak(ctx, dev);
+    if (fsdp) tsys_mem_reset_peak(ctx, dev);
     bool failed = tsys_dist_any_failed(d, st = tm ? st : TSYS_ERR_OOM);
     for (int i = 0; !failed && i < total; i++) {
         tsys_dist_step_times t;

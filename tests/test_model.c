@@ -364,6 +364,56 @@ TSYS_TEST(overlap_skip_leaves_a_parameter_alone) {
     tsys_ctx_free(ctx);
 }
 
+// Three fp32 parameters of 8 (a), their clones named p0..p2 (b), each with an fp32 gradient buffer.
+static void shard_pair(tsys_ctx *ctx, tsys_tensor **a, tsys_tensor **b, int64_t n) {
+    for (int i = 0; i < 3; i++) {
+        a[i] = test_param(ctx, TSYS_CPU, 1, &n, 1.0f);
+        b[i] = tsys_tensor_clone(ctx, a[i]);
+        tsys_tensor_set_name(a[i], "p%d", i); tsys_tensor_set_name(b[i], "p%d", i);
+        a[i]->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+        b[i]->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
+    }
+}
+
+// desc.sharded_state: AdamW makes no moments at construction (the whole never exists), refuses to update before
+// tsys_optim_shard_state, then holds exactly the listed parameters' moments and updates them with the bits of an
+// AdamW holding every moment.
+TSYS_TEST(optim_sharded_state_from_construction) {
+    tsys_ctx *ctx = tsys_ctx_new(NULL);
+    int64_t n = 8;
+    tsys_tensor *a[3], *b[3];
+    shard_pair(ctx, a, b, n);
+    for (int i = 0; i < 3; i++) {
+        for (int k = 0; k < n; k++) ((float *)tsys_tensor_data(a[i]->grad))[k] = ((float *)tsys_tensor_data(b[i]->grad))[k] = 0.25f * (float)(k + 1) * (float)(i + 1);
+    }
+    tsys_optim *full = tsys_adamw_new(ctx, a, 3, NULL);
+    const int64_t before = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_OPTIMIZER];
+    tsys_optim_desc sharded;
+    memset(&sharded, 0, sizeof sharded);
+    sharded.sharded_state = true;
+    tsys_optim *part = tsys_adamw_new(ctx, b, 3, &sharded);
+    const int64_t made = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_OPTIMIZER] - before;
+    TEST_CHECK(part && made < 2 * n * 4, "construction holds %lld bytes of optimizer state (less than one parameter's moments expected)", (long long)made);
+    float p0[8];
+    memcpy(p0, tsys_tensor_data(b[0]), sizeof p0);
+    TEST_CHECK(tsys_optim_step(part) != TSYS_OK && strstr(tsys_ctx_last_error(ctx), "'p0' has no moments here") && tsys_optim_steps(part) == 0 &&
+               !memcmp(tsys_tensor_data(b[0]), p0, sizeof p0), "a step before shard_state: '%s', %lld steps", tsys_ctx_last_error(ctx), (long long)tsys_optim_steps(part));
+    tsys_ctx_clear_error(ctx);
+    tsys_tensor *held[2] = {b[0], b[2]};
+    TEST_CHECK(tsys_optim_shard_state(part, held, 2) == TSYS_OK, "shard: %s", tsys_ctx_last_error(ctx));
+    const int64_t kept = tsys_mem_stats_get(ctx, TSYS_CPU).category_bytes[TSYS_MEM_OPTIMIZER] - before - made;
+    TEST_CHECK(kept == 2 * 2 * n * 4, "the optimizer state grew by %lld bytes, expected %lld (two parameters' moments)", (long long)kept, (long long)(2 * 2 * n * 4));
+    TEST_CHECK(tsys_optim_overlap_begin_ex(part, TSYS_OPTIM_CALLER_READY) == TSYS_OK && tsys_optim_overlap_ready(part, held, 2, TSYS_STREAM_COMPUTE) == TSYS_OK &&
+               tsys_optim_overlap_skip(part, &b[1], 1) == TSYS_OK && tsys_optim_overlap_end(part) == TSYS_OK && tsys_optim_step(full) == TSYS_OK, "step: %s",
+               tsys_ctx_last_error(ctx));
+    for (int i = 0; i < 3; i += 2)
+        TEST_CHECK(!memcmp(tsys_tensor_data(a[i]), tsys_tensor_data(b[i]), (size_t)n * 4), "p%d is not what AdamW holding every moment makes of it", i);
+    tsys_optim_free(full); tsys_optim_free(part);
+    for (int i = 0; i < 3; i++) { tsys_tensor_release(a[i]); tsys_tensor_release(b[i]); }
+    TEST_CHECK(tsys_ctx_status(ctx) == TSYS_OK, "%s", tsys_ctx_last_error(ctx));
+    tsys_ctx_free(ctx);
+}
+
 // AdamW's moments of some parameters only (tsys_optim_shard_state, ZeRO-1's memory): two steps updating the held
 // ones (and skipping the others) give them the bits of an AdamW that holds every moment; the others stay as they
 // were; the optimizer state takes their bytes alone; their moments are NULL; a step that reaches one, a save of the
@@ -372,13 +422,7 @@ TSYS_TEST(optim_shard_state_keeps_only_its_moments) {
     tsys_ctx *ctx = tsys_ctx_new(NULL);
     int64_t n = 8;
     tsys_tensor *a[3], *b[3];
-    for (int i = 0; i < 3; i++) {
-        a[i] = test_param(ctx, TSYS_CPU, 1, &n, 1.0f);
-        b[i] = tsys_tensor_clone(ctx, a[i]);
-        tsys_tensor_set_name(a[i], "p%d", i); tsys_tensor_set_name(b[i], "p%d", i);
-        a[i]->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
-        b[i]->grad = tsys_tensor_new(ctx, TSYS_F32, TSYS_CPU, 1, &n);
-    }
+    shard_pair(ctx, a, b, n);
     float q0[8];
     memcpy(q0, tsys_tensor_data(b[1]), sizeof q0);
     tsys_optim *full = tsys_adamw_new(ctx, a, 3, NULL), *part = tsys_adamw_new(ctx, b, 3, NULL);
