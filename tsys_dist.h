@@ -17,7 +17,8 @@
       >>engine tcp   defines: collectives through rank 0's star of sockets (tsys_dist__tcp_coll), tsys_dist__engine_tcp
       >>engine mpi   defines: MPI's non-blocking collectives (tsys_dist__mpi_coll), tsys_dist__mpi_setup, tsys_dist__engine_mpi
       >>engine nccl  defines: NCCL collectives on the streams (tsys_dist__nccl_coll), tsys_dist__nccl_setup,
-                     tsys_dist__nccl_drain, symmetric windows, tsys_dist__engine_nccl
+                     tsys_dist__nccl_drain, symmetric windows, tsys_dist__engine_nccl; the copy engines' transfers
+                     through CUDA IPC (all-reduce, DDP's gradient gather tsys_dist__ceg, FSDP's units tsys_dist__fce)
       >>group        defines: engine dispatch (tsys_dist__host_exec), the worker thread, tsys_dist_init and
                      its steps (join, engine_fits, shm_join, device_join), teardown, accessors
       >>subgroups    defines: tsys_dist_split (a group of some ranks on the parent's engines: MPI_Comm_split, a
@@ -26,7 +27,8 @@
                      public collectives, wait, groups, sync, barrier, all_reduce_host
       >>ddp          defines: tsys_ddp (naive, flat, overlap, bucketed), agreed layouts (tsys_dist__agree_layout)
       >>zero1        defines: tsys_zero1 (sharded AdamW)
-      >>fsdp         defines: tsys_fsdp (ZeRO-3: units, gathers, reduce-scatters through the trace hooks)
+      >>fsdp         defines: tsys_fsdp (ZeRO-3: units, gathers, reduce-scatters through the trace hooks, or
+                     pulls and pushes on the copy engines: desc.ce_transfers)
       >>tp           defines: tsys_tp_model (Megatron tensor parallelism of the cs336 model: column- and row-
                      parallel linears, the all-reduces as custom autograd ops, vocabulary-parallel embedding and
                      cross-entropy, sequence parallelism)
