@@ -6869,12 +6869,13 @@ static tsys_status tsys__copies_fence(tsys_ctx *ctx);   // >>state
 // AdamW launch updates has its copies back to back too (where each copy's size keeps the next one
 // aligned, below), and the launch writes them all.
 
-// The end of the run [i, end) (an update run) whose copies lie back to back in the block; *numel its elements.
 // Whether parameter i's kept copy is one this optimizer writes: in its block, or given to it (tsys_optim_keep_lowp_into).
 static bool tsys__lowp_ours(const tsys_optim *o, int i) {
     const tsys_tensor *c = o->params[i]->lowp;
     return o->lowp && c && (o->lowp_into ? o->lowp_into[i] : c->storage == o->lowp->storage);
 }
+// The end of the run [i, end) (an update run) whose copies lie back to back (in the block, or in a given storage);
+// *numel its elements.
 static int tsys__lowp_run_end(const tsys_optim *o, int i, int end, int64_t *numel) {
     tsys_tensor *const *p = o->params;
     *numel = tsys_tensor_numel(p[i]);
